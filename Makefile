@@ -1,0 +1,37 @@
+# `make test` sets everything up from nothing (venv, pinned CPU torch, the package, Debian packages
+# for MPI and Slurm where apt is available) and runs the whole suite, as CI does.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: setup test test-fast lint demo clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: setup.py requirements.txt requirements-test.txt tools/install-system-deps.sh
+	bash tools/install-system-deps.sh
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -c requirements-test.txt -e '.[test]'
+	touch $@
+
+lint: setup
+	$(PY) -m ruff check .
+
+# Everything that runs on a CPU: unit, multi-process, MPI, Slurm and slow end-to-end tests.
+test: setup lint
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -m "not gpu and not sglang" $(PYTEST_ARGS) tests
+
+# The quick tier while developing.
+test-fast: setup
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -m "not gpu and not sglang and not slow and not slurm" $(PYTEST_ARGS) tests
+
+# The quickstart: build a tiny model and data locally, then learn with GRPO on CPU.
+demo: setup
+	PATH=$(abspath $(VENV))/bin:$$PATH bash examples/quickstart/run_grpo.sh
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache

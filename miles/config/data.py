@@ -1,0 +1,82 @@
+"""Data, batch-size, reward and evaluation flags."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = parser.add_argument_group("data")
+    d.add_argument("--prompt-data", type=str, default=None, help="Prompt file: JSONL or Parquet.")
+    d.add_argument("--input-key", type=str, default="input", help="Field holding the prompt.")
+    d.add_argument("--label-key", type=str, default=None, help="Field holding the label for the reward.")
+    d.add_argument("--metadata-key", type=str, default="metadata", help="Field holding per-sample metadata.")
+    d.add_argument("--tool-key", type=str, default="tools", help="Field holding tool specs.")
+    d.add_argument("--apply-chat-template", action="store_true", help="Apply the tokenizer's chat template (never implied).")
+    d.add_argument("--rollout-shuffle", action="store_true", help="Shuffle prompts each epoch.")
+    d.add_argument("--rollout-max-prompt-len", type=int, default=None, help="Drop prompts longer than this (tokens).")
+    d.add_argument("--num-epoch", type=int, default=None, help="Epochs over the prompt data (sets --num-rollout).")
+    d.add_argument("--num-rollout", type=int, default=None, help="Number of rollouts (required unless --num-epoch).")
+    d.add_argument("--rollout-batch-size", type=int, default=None, help="Prompts per rollout (required).")
+    d.add_argument("--n-samples-per-prompt", type=int, default=1, help="Samples per prompt (group size).")
+    d.add_argument("--global-batch-size", type=int, default=None, help="Samples per optimizer step.")
+    d.add_argument("--num-steps-per-rollout", type=int, default=None, help="Optimizer steps per rollout.")
+    d.add_argument("--over-sampling-batch-size", type=int, default=None, help="Prompts in flight for dynamic sampling.")
+    d.add_argument("--dynamic-sampling-filter-path", type=str, default=None, help="module.function keeping a group.")
+    d.add_argument("--custom-generate-function-path", type=str, default=None, help="module.function generating one sample.")
+
+    r = parser.add_argument_group("reward")
+    r.add_argument("--rm-type", type=str, default=None, help="Built-in reward: exact_match, math, quickstart, remote_rm.")
+    r.add_argument("--custom-rm-path", type=str, default=None, help="module.function: async reward per sample (or group).")
+    r.add_argument("--group-rm", action="store_true", help="The custom reward takes a whole group.")
+    r.add_argument("--rm-url", type=str, default=None, help="Remote reward server URL (with --rm-type remote_rm).")
+    r.add_argument("--reward-key", type=str, default=None, help="Key to pick from dict-valued rewards.")
+
+    e = parser.add_argument_group("evaluation")
+    e.add_argument("--eval-prompt-data", type=str, nargs="+", default=None, help="NAME PATH [NAME PATH ...] for evaluation.")
+    e.add_argument("--eval-interval", type=int, default=None, help="Evaluate every N rollouts.")
+    e.add_argument("--n-samples-per-eval-prompt", type=int, default=1, help="Samples per eval prompt.")
+    e.add_argument("--eval-max-response-len", type=int, default=None, help="max_new_tokens for evaluation.")
+    e.add_argument("--eval-temperature", type=float, default=None, help="Sampling temperature for evaluation.")
+    e.add_argument("--skip-eval-before-train", action="store_true", help="No evaluation before the first rollout.")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    prompt_data: str | None
+    input_key: str
+    label_key: str | None
+    metadata_key: str
+    tool_key: str
+    apply_chat_template: bool
+    rollout_shuffle: bool
+    rollout_max_prompt_len: int | None
+    num_epoch: int | None
+    num_rollout: int | None
+    rollout_batch_size: int | None
+    n_samples_per_prompt: int
+    global_batch_size: int | None
+    num_steps_per_rollout: int | None
+    over_sampling_batch_size: int | None
+    dynamic_sampling_filter_path: str | None
+    custom_generate_function_path: str | None
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    rm_type: str | None
+    custom_rm_path: str | None
+    group_rm: bool
+    rm_url: str | None
+    reward_key: str | None
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    eval_prompt_data: list[str] | None
+    eval_interval: int | None
+    n_samples_per_eval_prompt: int
+    eval_max_response_len: int | None
+    eval_temperature: float | None
+    skip_eval_before_train: bool

@@ -1,0 +1,46 @@
+"""Weight plane flags: how trained weights reach the engines."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+
+def _size(v: str) -> int:
+    """Bytes, accepting 512MiB / 1GiB / 536870912."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+    s = v.strip().lower()
+    for u, m in units.items():
+        if s.endswith(u):
+            return int(float(s[: -len(u)]) * m)
+    return int(s)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    w = parser.add_argument_group("weight sync")
+    w.add_argument("--update-weight-transfer-mode", choices=["auto", "broadcast", "tensor", "disk-delta"], default="auto",
+                   help="auto: broadcast when disaggregated, tensor (same-device hand-off) when colocated.")
+    w.add_argument("--update-weight-buffer-size", type=_size, default=512 << 20, help="Bucket size in bytes (e.g. 512MiB).")
+    w.add_argument("--update-weight-disk-dir", type=str, default=None, help="Shared directory for disk-delta versions.")
+    w.add_argument("--update-weight-delta-encoding", choices=["xor", "overwrite"], default="xor", help="Delta encoding.")
+    w.add_argument("--update-weight-delta-checksum", choices=["xxh3", "blake3"], default="xxh3", help="Per-tensor checksum.")
+    w.add_argument("--update-weight-timeout", type=float, default=300.0, help="Seconds a whole weight sync may take.")
+    w.add_argument("--update-weights-interval", type=int, default=1, help="Sync weights every N rollouts (async loop).")
+    w.add_argument("--max-weight-staleness", type=int, default=None, help="Drop samples more than N versions old (async).")
+    w.add_argument("--pause-generation-mode", choices=["abort", "retract", "in_place"], default="retract",
+                   help="How engines pause for a weight update.")
+    w.add_argument("--check-weight-update-equal", action="store_true", help="Compare engine weights to the trainer's after each sync.")
+
+
+@dataclass(kw_only=True)
+class WeightSyncConfig:
+    update_weight_transfer_mode: str
+    update_weight_buffer_size: int
+    update_weight_disk_dir: str | None
+    update_weight_delta_encoding: str
+    update_weight_delta_checksum: str
+    update_weight_timeout: float
+    update_weights_interval: int
+    max_weight_staleness: int | None
+    pause_generation_mode: str
+    check_weight_update_equal: bool

@@ -1,0 +1,44 @@
+"""Types shared by the planes (plain data, no behaviour beyond convenience)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class SampleStatus(str, Enum):
+    PENDING = "pending"
+    COMPLETED = "completed"      # finished by stop token / stop string
+    TRUNCATED = "truncated"      # hit max_new_tokens
+    ABORTED = "aborted"          # aborted by the engine or the manager (not trained on)
+    FAILED = "failed"            # reward or generation failed (counted, not trained on)
+
+
+@dataclass
+class Sample:
+    """One prompt-response pair, as it travels from the rollout manager to the trainer.
+
+    ``tokens`` is prompt + response token ids exactly as the engine saw and produced them
+    (token-in-token-out); ``loss_mask`` has one entry per response token (1: trained on, 0: e.g. a
+    tool's output inside a multi-turn response).
+    """
+
+    group_index: int = 0
+    index: int = 0
+    rollout_id: int = 0
+    prompt: str | list[dict[str, Any]] = ""
+    tokens: list[int] = field(default_factory=list)
+    response: str = ""
+    response_length: int = 0
+    loss_mask: list[int] | None = None
+    label: Any = None
+    reward: float | None = None
+    rollout_log_probs: list[float] | None = None
+    weight_version: int | None = None
+    status: SampleStatus = SampleStatus.PENDING
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.tokens) - self.response_length

@@ -1,0 +1,44 @@
+"""Shared fixtures: a tiny local model, free ports, a clean logger, process cleanup.
+
+Tests kill only the processes they start.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A 2-layer Qwen3-architecture model with a char-level tokenizer, built locally."""
+    from miles.utils.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_model"), hidden_size=64, num_layers=2)
+
+
+@pytest.fixture
+def free_port() -> int:
+    from miles.utils.net import find_free_port
+
+    return find_free_port()
+
+
+@pytest.fixture(autouse=True)
+def _env_hygiene(monkeypatch):
+    """No launcher variables leak into tests from the outer shell; one thread per process."""
+    for k in list(os.environ):
+        if (k.startswith(("TORCHELASTIC_", "OMPI_COMM_WORLD_", "PMI_", "PMIX_", "SLURM_")) and k != "SLURM_CONF") or k in (
+            "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"):
+            monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    yield
