@@ -32,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--group-rm", action="store_true", help="The custom reward takes a whole group.")
     r.add_argument("--rm-url", type=str, default=None, help="Remote reward server URL (with --rm-type remote_rm).")
     r.add_argument("--reward-key", type=str, default=None, help="Key to pick from dict-valued rewards.")
+    r.add_argument("--rm-timeout", type=float, default=60.0, help="Seconds per --rm-url request (remote_rm).")
+    r.add_argument("--rm-max-retries", type=int, default=3, help="Retries of a failed --rm-url request.")
 
     e = parser.add_argument_group("evaluation")
     e.add_argument("--eval-prompt-data", type=str, nargs="+", default=None, help="NAME PATH [NAME PATH ...] for evaluation.")
@@ -70,6 +72,8 @@ class RewardConfig:
     group_rm: bool
     rm_url: str | None
     reward_key: str | None
+    rm_timeout: float
+    rm_max_retries: int
 
 
 @dataclass(kw_only=True)

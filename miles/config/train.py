@@ -30,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--ref-load", type=str, default=None, help="Reference model (HF dir); default: the initial weights.")
     t.add_argument("--critic-load", type=str, default=None, help="Critic initial weights (HF dir); default: --hf-checkpoint.")
     t.add_argument("--critic-lr", type=float, default=None, help="Critic learning rate (default: --lr).")
+    t.add_argument("--mfu-peak-tflops", type=float, default=None, help="Per-GPU bf16 peak TFLOP/s for MFU (default: from the GPU name).")
 
     c = parser.add_argument_group("checkpoints")
     c.add_argument("--save", type=str, default=None, help="Checkpoint directory.")
@@ -65,6 +66,7 @@ class TrainConfig:
     ref_load: str | None
     critic_load: str | None
     critic_lr: float | None
+    mfu_peak_tflops: float | None
 
 
 @dataclass(kw_only=True)

@@ -1,0 +1,6 @@
+"""The embedded inference engine: ``python -m miles.engine`` speaks SGLang's HTTP protocol on CPU and GPU.
+
+Modules: ``protocol`` (request structs), ``sampling``, ``model_runner`` (forward + KV cache),
+``scheduler`` (continuous batching), ``weights`` (weight-update receive side), ``engine`` (facade),
+``server`` (aiohttp routes), ``__main__`` (CLI). See docs/engine-protocol.md.
+"""

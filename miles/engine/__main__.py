@@ -1,0 +1,84 @@
+"""``python -m miles.engine --hf-checkpoint DIR --port P``: the embedded engine as a standalone server.
+
+Speaks SGLang's HTTP protocol (docs/engine-protocol.md). Listens on ``--host`` only (default
+127.0.0.1; never every interface unless asked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+
+from miles.utils.logging import configure_logging, get_logger
+
+logger = get_logger("miles.engine")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m miles.engine", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hf-checkpoint", "--model-path", dest="hf_checkpoint", required=True, help="Local HF model directory.")
+    p.add_argument("--host", default="127.0.0.1", help="Address to listen on (default loopback only).")
+    p.add_argument("--port", type=int, default=30000, help="Port to listen on.")
+    p.add_argument("--api-key", default=os.environ.get("MILES_ENGINE_API_KEY"),
+                   help="Require 'Authorization: Bearer KEY' (as sglang --api-key); env MILES_ENGINE_API_KEY.")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N.")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: the checkpoint's dtype on GPU, float32 on CPU.")
+    p.add_argument("--max-running-requests", type=int, default=64, help="KV slots (requests decoded together); more queue.")
+    p.add_argument("--max-context-len", "--context-length", dest="max_context_len", type=int, default=None,
+                   help="Tokens per KV slot (prompt + response); default min(max_position_embeddings, 4096).")
+    p.add_argument("--max-prefill-tokens", type=int, default=16384, help="Padded tokens per prefill batch.")
+    p.add_argument("--weight-version", default="default", help="Initial weight_version reported in meta_info.")
+    p.add_argument("--random-seed", type=int, default=None, help="Seed for requests that carry no sampling_seed.")
+    p.add_argument("--disable-cuda-graph", action="store_true", help="Do not capture the decode step as CUDA graphs.")
+    p.add_argument("--generic-forward", action="store_true",
+                   help="Use the HF forward (one request at a time) even for Llama/Qwen/Mistral models.")
+    p.add_argument("--weight-update-timeout", type=float, default=600.0,
+                   help="Seconds a weight-update group may take to form or to finish a broadcast.")
+    p.add_argument("--log-level", default=os.environ.get("MILES_LOG_LEVEL", "INFO"), help="DEBUG, INFO, WARNING, ...")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(role="engine", level=args.log_level.upper())
+    if args.host in ("0.0.0.0", "::"):
+        logger.warning("--host %s listens on every interface; use --api-key on a shared network", args.host)
+    from miles.engine.engine import Engine, EngineArgs
+    from miles.engine.server import serve
+
+    try:
+        engine = Engine(EngineArgs(
+            hf_checkpoint=args.hf_checkpoint, host=args.host, port=args.port, api_key=args.api_key, device=args.device,
+            dtype=args.dtype, max_running_requests=args.max_running_requests, max_context_len=args.max_context_len,
+            max_prefill_tokens=args.max_prefill_tokens, weight_version=args.weight_version, random_seed=args.random_seed,
+            cuda_graph=not args.disable_cuda_graph, native=not args.generic_forward,
+            weight_update_timeout=args.weight_update_timeout))
+    except ValueError as e:
+        logger.error("%s", e)
+        return 2
+
+    async def run() -> None:
+        task = asyncio.ensure_future(serve(engine, args.host, args.port))
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            await task
+        except asyncio.CancelledError:
+            logger.info("shutting down")
+
+    try:
+        asyncio.run(run())
+    except OSError as e:
+        logger.error("cannot listen on %s:%d: %s", args.host, args.port, e)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,338 @@
+"""The engine facade the HTTP routes call: generation, health, control and weight updates.
+
+Owns the ``ModelRunner`` (model + KV cache), the ``Scheduler`` thread and the weight-update groups, and
+turns finished/streamed requests into SGLang-shaped response dicts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from miles.engine import protocol as P
+from miles.engine.model_runner import ModelRunner, RunnerOptions
+from miles.engine.scheduler import Req, Scheduler
+from miles.engine.weights import (
+    WeightGroups,
+    WeightUpdateError,
+    deserialize_named_tensors,
+    load_from_disk,
+)
+from miles.utils.logging import get_logger
+
+logger = get_logger("miles.engine")
+
+HEALTH_CHECK_TIMEOUT = 20.0
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+@dataclass
+class EngineArgs:
+    hf_checkpoint: str
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    device: str = "cpu"
+    dtype: str = "auto"
+    max_running_requests: int = 64
+    max_context_len: int | None = None
+    max_prefill_tokens: int = 16384
+    weight_version: str = "default"
+    random_seed: int | None = None
+    cuda_graph: bool = True
+    native: bool = True
+    weight_update_timeout: float = 600.0
+
+
+class Engine:
+    def __init__(self, args: EngineArgs):
+        self.args = args
+        self.runner = ModelRunner(args.hf_checkpoint, RunnerOptions(
+            device=args.device, dtype=args.dtype, max_running_requests=args.max_running_requests,
+            max_context_len=args.max_context_len, cuda_graph=args.cuda_graph, native=args.native))
+        self.tokenizer = self._load_tokenizer(args.hf_checkpoint)
+        self.scheduler = Scheduler(self.runner, self.tokenizer, max_prefill_tokens=args.max_prefill_tokens,
+                                   weight_version=args.weight_version, random_seed=args.random_seed)
+        self.groups = WeightGroups(self.runner.device)
+        self.model_path = args.hf_checkpoint
+        self.weight_update_session: str | None = None
+        self.started = False
+        self.memory_released: set[str] = set()
+        self._update_lock = asyncio.Lock()
+
+    @staticmethod
+    def _load_tokenizer(path: str):
+        try:
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(path)
+        except Exception as e:  # noqa: BLE001 - a model dir without a tokenizer serves token ids only
+            logger.warning("no tokenizer in %s (%s): 'text' prompts and stop strings are unavailable", path, e)
+            return None
+
+    def start(self) -> None:
+        self.scheduler.start()
+        self.started = True
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+
+    @property
+    def weight_version(self) -> str:
+        return self.scheduler.weight_version
+
+    # ------------------------------------------------------------------ generation
+    def _tokenize(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise P.BadRequest("'text' needs a tokenizer, and this model directory has none; send input_ids")
+        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+
+    def prepare(self, body: P.GenerateReqInput) -> tuple[list[P.GenSpec], bool]:
+        return P.normalize_generate(body, self._tokenize, self.runner.vocab_size, lambda: uuid.uuid4().hex)
+
+    def submit(self, specs: list[P.GenSpec], stream: bool) -> list[Req]:
+        return self.scheduler.submit(specs, asyncio.get_running_loop(), stream)
+
+    def abort_reqs(self, reqs: list[Req]) -> None:
+        live = [r for r in reqs if r.finish is None]
+        if live:
+            rids = {r.rid for r in live}
+
+            def go():
+                for rid in rids:
+                    self.scheduler.abort(rid, False, "client disconnected")
+            self.scheduler.call(go)
+
+    async def wait_final(self, reqs: list[Req]) -> list[dict[str, Any]]:
+        out = []
+        for r in reqs:
+            while True:
+                n, final = await r.events.get()
+                if final:
+                    out.append(self.response(r, n))
+                    break
+        return out
+
+    async def stream(self, reqs: list[Req], is_batch: bool) -> AsyncIterator[dict[str, Any]]:
+        pending: dict[asyncio.Task, Req] = {asyncio.ensure_future(r.events.get()): r for r in reqs}
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    r = pending.pop(task)
+                    n, final = task.result()
+                    d = self.response(r, n, final=final)
+                    if is_batch:
+                        d["index"] = r.spec.index
+                    yield d
+                    if not final:
+                        pending[asyncio.ensure_future(r.events.get())] = r
+        finally:
+            for task in pending:
+                task.cancel()
+
+    def _token_text(self, tid: int) -> str | None:
+        return self.tokenizer.decode([tid]) if self.tokenizer is not None else None
+
+    def response(self, r: Req, n: int, final: bool = True) -> dict[str, Any]:
+        s = r.spec
+        ids = r.output_ids[:n]
+        text = ""
+        if self.tokenizer is not None:
+            text_ids = ids
+            if final and r.finish and r.finish.get("type") == "stop" and isinstance(r.finish.get("matched"), int) \
+                    and not s.no_stop_trim and ids:
+                text_ids = ids[:-1]
+            text = self.tokenizer.decode(text_ids, skip_special_tokens=s.skip_special_tokens,
+                                         spaces_between_special_tokens=s.spaces_between_special_tokens)
+            if final and r.stop_trim and not s.no_stop_trim:
+                stop = r.finish["matched"]
+                cut = text.rfind(stop)
+                if cut >= 0:
+                    text = text[:cut]
+        meta: dict[str, Any] = {
+            "id": r.rid,
+            "finish_reason": r.finish if final else None,
+            "prompt_tokens": len(s.input_ids),
+            "completion_tokens": n,
+            "cached_tokens": 0,
+            "weight_version": r.weight_version if final and r.finish else self.weight_version,
+            "e2e_latency": time.time() - r.created,
+        }
+        if s.return_logprob:
+            tt = s.return_text_in_logprobs
+            meta["output_token_logprobs"] = [[lp, t, self._token_text(t) if tt else None]
+                                             for lp, t in zip(r.output_logprobs[:n], ids)]
+            inp = r.input_logprobs or []
+            in_ids = s.input_ids[s.logprob_start_len:] if s.logprob_start_len >= 0 else []
+            meta["input_token_logprobs"] = [[lp, t, self._token_text(t) if tt else None] for lp, t in zip(inp, in_ids)]
+            if s.top_logprobs_num:
+                meta["output_top_logprobs"] = [[[v, i, self._token_text(i) if tt else None] for v, i in row]
+                                               for row in r.output_top[:n]]
+                meta["input_top_logprobs"] = [[[v, i, None] for v, i in row] for row in (r.input_top or [])]
+            if s.token_ids_logprob:
+                meta["output_token_ids_logprobs"] = [[[v, i, None] for v, i in zip(row, s.token_ids_logprob)]
+                                                     for row in r.output_token_ids_lp[:n]]
+        return {"text": text, "output_ids": list(ids), "meta_info": meta}
+
+    # ------------------------------------------------------------------ health and info
+    def ready_to_generate(self) -> bool:
+        return self.started and not self.scheduler.paused and self.runner.ready
+
+    async def health_generate(self) -> bool:
+        sch = self.scheduler
+        if sch.running and time.time() - sch.last_step_time < HEALTH_CHECK_TIMEOUT:
+            return True
+        spec = P.GenSpec(rid=f"HEALTH_CHECK_{time.time()}", input_ids=[0], max_new_tokens=1, min_new_tokens=0,
+                         temperature=1.0, top_p=1.0, top_k=1, min_p=0.0, stop_token_ids=[], stop_strs=[], ignore_eos=True,
+                         skip_special_tokens=True, spaces_between_special_tokens=True, no_stop_trim=False, stream_interval=1,
+                         logit_bias=None, sampling_seed=0, return_logprob=False, logprob_start_len=-1, top_logprobs_num=0,
+                         token_ids_logprob=None, return_text_in_logprobs=False, index=0)
+        reqs = self.submit([spec], stream=False)
+        try:
+            res = await asyncio.wait_for(self.wait_final(reqs), HEALTH_CHECK_TIMEOUT)
+            return res[0]["meta_info"]["finish_reason"]["type"] != "abort"
+        except TimeoutError:
+            self.abort_reqs(reqs)
+            logger.error("health check: no token within %.0fs", HEALTH_CHECK_TIMEOUT)
+            return False
+
+    def model_info(self) -> dict[str, Any]:
+        return {"model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True,
+                "preferred_sampling_params": None, "weight_version": self.weight_version,
+                "has_image_understanding": False, "has_audio_understanding": False, "model_type": self.runner.config.model_type,
+                "architectures": getattr(self.runner.config, "architectures", None)}
+
+    def server_info(self) -> dict[str, Any]:
+        a = self.args
+        load = self.scheduler.load()
+        return {
+            "model_path": self.model_path, "tokenizer_path": self.model_path, "served_model_name": self.model_path,
+            "host": a.host, "port": a.port, "dtype": str(self.runner.dtype).removeprefix("torch."), "device": str(self.runner.device),
+            "tp_size": 1, "dp_size": 1, "pp_size": 1, "ep_size": 1, "nnodes": 1, "node_rank": 0,
+            "max_running_requests": self.runner.max_slots, "context_length": self.runner.max_ctx,
+            "max_total_num_tokens": self.runner.max_slots * self.runner.max_ctx, "max_req_input_len": self.runner.max_ctx - 1,
+            "max_prefill_tokens": a.max_prefill_tokens, "random_seed": a.random_seed, "weight_version": self.weight_version,
+            "disaggregation_mode": "null", "api_key_set": a.api_key is not None, "skip_tokenizer_init": self.tokenizer is None,
+            "native_forward": self.runner.native, "cuda_graph": bool(getattr(self.runner.impl, "use_graphs", False)),
+            "memory_released": sorted(self.memory_released), "internal_states": [load], "version": "miles-embedded-engine",
+            "engine": "miles-embedded",
+        }
+
+    # ------------------------------------------------------------------ control
+    async def flush_cache(self) -> bool:
+        return await self.scheduler.acall(self.scheduler.flush_cache)
+
+    async def abort(self, rid: str | None, abort_all: bool) -> int:
+        return await self.scheduler.acall(lambda: self.scheduler.abort(rid, abort_all))
+
+    async def pause(self, mode: str) -> None:
+        if mode not in ("abort", "retract", "in_place"):
+            raise P.BadRequest(f"PauseGenerationReqInput.mode must be 'abort', 'retract' or 'in_place', got {mode!r}")
+        await self.scheduler.acall(lambda: self.scheduler.pause(mode))
+
+    async def continue_generation(self) -> None:
+        await self.scheduler.acall(self.scheduler.resume)
+
+    def _tags(self, tags: list[str] | None) -> set[str]:
+        tags = list(MEMORY_TAGS) if tags is None else tags
+        bad = [t for t in tags if t not in MEMORY_TAGS]
+        if bad:
+            raise P.BadRequest(f"tags {bad} are unknown; use any of {list(MEMORY_TAGS)} (or null for all)")
+        return set(tags)
+
+    async def release_memory(self, tags: list[str] | None) -> None:
+        t = self._tags(tags)
+        await self.scheduler.acall(lambda: self.scheduler.release_memory(t))
+        self.memory_released |= t
+
+    async def resume_memory(self, tags: list[str] | None) -> None:
+        t = self._tags(tags)
+        await self.scheduler.acall(lambda: self.runner.resume(t))
+        self.memory_released -= t
+
+    async def update_weight_version(self, v: str, abort_all: bool) -> None:
+        def go():
+            if abort_all:
+                self.scheduler.abort(None, True, "Aborted by /update_weight_version")
+            self.scheduler.weight_version = v
+        await self.scheduler.acall(go)
+
+    # ------------------------------------------------------------------ weights
+    async def init_group(self, b: P.InitWeightsUpdateGroupReqInput) -> None:
+        await asyncio.to_thread(self.groups.init_group, b.master_address, b.master_port, b.rank_offset, b.world_size,
+                                b.group_name, b.backend, self.args.weight_update_timeout)
+
+    async def destroy_group(self, name: str) -> None:
+        await asyncio.to_thread(self.groups.destroy_group, name)
+
+    async def begin_update(self, selector: Any) -> None:
+        self.weight_update_session = str(selector)
+
+    async def end_update(self) -> None:
+        if self.weight_update_session is None:
+            raise WeightUpdateError("/end_weight_update without /begin_weight_update")
+        self.weight_update_session = None
+
+    async def _apply(self, named: list[tuple[str, torch.Tensor]] | dict[str, torch.Tensor], *, flush: bool, abort_all: bool,
+                     version: str | None, rollback: bool = False) -> int:
+        tensors = dict(named)
+
+        def go():
+            if abort_all:
+                self.scheduler.abort(None, True, "Aborted for a weight update")
+            backup = self.runner.snapshot(tensors) if rollback else None
+            try:
+                n = self.runner.load_tensors(tensors)
+            except Exception:
+                if backup:
+                    self.runner.load_tensors(backup)
+                raise
+            if flush and not self.scheduler.running and not self.scheduler.waiting:
+                self.runner.clear_cache()
+            if version is not None:
+                self.scheduler.weight_version = version
+            return n
+        return await self.scheduler.acall(go)
+
+    async def update_from_distributed(self, b: P.UpdateWeightsFromDistributedReqInput) -> int:
+        dtypes = b.dtypes if b.dtypes is not None else b.dtype_names
+        if dtypes is None:
+            raise P.BadRequest("UpdateWeightsFromDistributedReqInput needs 'dtypes' (or 'dtype_names')")
+        async with self._update_lock:
+            named = await asyncio.to_thread(self.groups.receive, b.group_name, b.names, dtypes, b.shapes, b.load_format)
+            return await self._apply(named, flush=b.flush_cache, abort_all=b.abort_all_requests, version=b.weight_version)
+
+    async def update_from_tensor(self, b: P.UpdateWeightsFromTensorReqInput) -> int:
+        if not b.serialized_named_tensors:
+            raise P.BadRequest("serialized_named_tensors is empty; send one entry per TP rank (one for this engine)")
+        async with self._update_lock:
+            named = await asyncio.to_thread(deserialize_named_tensors, b.serialized_named_tensors[0], b.load_format)
+            n = await self._apply(named, flush=b.flush_cache, abort_all=b.abort_all_requests, version=b.weight_version)
+            del named
+            return n
+
+    async def update_from_disk(self, b: P.UpdateWeightFromDiskReqInput) -> int:
+        async with self._update_lock:
+            live = self.runner.named_tensors()
+            state = await asyncio.to_thread(load_from_disk, b.model_path, live)
+            n = await self._apply(state, flush=b.flush_cache, abort_all=b.abort_all_requests, version=b.weight_version,
+                                  rollback=True)
+            self.model_path = b.model_path
+            return n
+
+    async def get_weights_by_name(self, name: str, truncate_size: int) -> list:
+        t = self.runner.named_tensors().get(name)
+        if t is None:
+            raise P.BadRequest(f"no parameter named {name!r}; names are HF parameter names such as "
+                               f"{next(iter(self.runner.named_tensors()))!r}")
+
+        def go():
+            return t.detach()[:truncate_size].float().cpu().tolist()
+        return await self.scheduler.acall(go)

@@ -1,0 +1,469 @@
+"""Forward passes and the KV cache.
+
+``ModelRunner`` loads any HF causal LM from a local directory with transformers and serves two calls:
+``prefill`` (new requests, padded into one batch) and ``decode`` (one token for every running request).
+Running requests occupy KV slots ``0..n-1`` (the scheduler keeps them compact), so a decode step works
+on the static-shaped views ``cache[:bucket]``.
+
+Two implementations sit behind it:
+
+* ``_NativeLM`` for the Llama / Qwen2 / Qwen3 / Mistral family: our own attention over a slot-based
+  static KV cache ``[slots, kv_heads, max_context, head_dim]`` per layer, reusing the HF modules for
+  the projections, norms (incl. Qwen3's q/k norm), MLP and rotary tables (so rope_theta and rope scaling
+  come from the HF config). The decode step has static shapes per (batch bucket, context bucket) and is
+  captured as a CUDA graph on GPU (``cuda_graph=True``).
+* ``_GenericLM`` for every other architecture: the HF forward with one ``DynamicCache`` per slot,
+  one request at a time. Slow but general: "any HF causal LM" loads.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from miles.utils.logging import get_logger
+
+logger = get_logger("miles.engine.model_runner")
+
+NATIVE_MODEL_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
+
+
+@dataclass
+class RunnerOptions:
+    device: str = "cpu"
+    dtype: str = "auto"
+    max_running_requests: int = 64
+    max_context_len: int | None = None
+    cuda_graph: bool = True
+    native: bool = True            # False forces the generic HF path (for tests and odd models)
+
+
+def resolve_dtype(name: str, device: torch.device, config) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        ckpt = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if isinstance(ckpt, str):
+            ckpt = getattr(torch, ckpt, None)
+        return ckpt if ckpt in (torch.float16, torch.bfloat16, torch.float32) else torch.bfloat16
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in table:
+        raise ValueError(f"--dtype {name!r} is not one of auto, float32, bfloat16, float16")
+    return table[name]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _available_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError):
+        return 1 << 40
+
+
+class _NativeLM:
+    """Own attention + static slot KV cache for decoder-only Llama-family models."""
+
+    def __init__(self, model, max_slots: int, max_ctx: int, device: torch.device, dtype: torch.dtype, cuda_graph: bool):
+        inner = model.model
+        cfg = model.config
+        self.model = model
+        self.embed = inner.embed_tokens
+        self.layers = list(inner.layers)
+        self.norm = inner.norm
+        self.lm_head = model.lm_head
+        a0 = self.layers[0].self_attn
+        self.head_dim = int(a0.head_dim)
+        self.n_heads = int(cfg.num_attention_heads)
+        self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
+        self.group = self.n_heads // self.n_kv
+        self.qk_norm = hasattr(a0, "q_norm") and hasattr(a0, "k_norm")
+        # Qwen2/Qwen3 set a per-layer ``sliding_window`` on the attention module; Mistral reads the config's
+        self.windows = [layer.self_attn.sliding_window if hasattr(layer.self_attn, "sliding_window")
+                        else getattr(cfg, "sliding_window", None) for layer in self.layers]
+        self.scaling = float(a0.scaling)
+        self.max_slots, self.max_ctx, self.device, self.dtype = max_slots, max_ctx, device, dtype
+        pos = torch.arange(max_ctx, device=device)[None]
+        probe = torch.zeros(1, 1, self.head_dim, dtype=dtype, device=device)
+        with torch.no_grad():
+            cos, sin = inner.rotary_emb(probe, pos)
+        if cos.shape[-1] != self.head_dim:
+            raise NotImplementedError(f"partial rotary embeddings ({cos.shape[-1]} of {self.head_dim} dims)")
+        self.cos, self.sin = cos[0].to(dtype).contiguous(), sin[0].to(dtype).contiguous()
+        self.ar_slots = torch.arange(max_slots, device=device)
+        self.ar_ctx = torch.arange(max_ctx, device=device)
+        self.k_cache: list[torch.Tensor] = []
+        self.v_cache: list[torch.Tensor] = []
+        self.use_graphs = cuda_graph and device.type == "cuda"
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graph_pool = None
+        self.g_tokens = torch.zeros(max_slots, dtype=torch.long, device=device)
+        self.g_pos = torch.full((max_slots,), max_ctx - 1, dtype=torch.long, device=device)
+        b, self.batch_buckets = 1, []
+        while b < max_slots:
+            self.batch_buckets.append(b)
+            b = b * 2 if b < 32 else b + 32
+        self.batch_buckets.append(max_slots)
+        self.ctx_buckets = sorted({min(max_ctx, 1 << k) for k in range(8, 24)} | {max_ctx})
+
+    # ------------------------------------------------------------------ cache
+    def cache_bytes(self) -> int:
+        el = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * len(self.layers) * self.max_slots * self.n_kv * self.max_ctx * self.head_dim * el
+
+    def allocate_cache(self) -> None:
+        shape = (self.max_slots, self.n_kv, self.max_ctx, self.head_dim)
+        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+
+    def free_cache(self) -> None:
+        self.k_cache, self.v_cache = [], []
+        self.drop_graphs()
+
+    def drop_graphs(self) -> None:
+        self.graphs.clear()
+        self.graph_pool = None
+
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        for kc, vc in zip(self.k_cache, self.v_cache):
+            kc[dst, :, :length].copy_(kc[src, :, :length])
+            vc[dst, :, :length].copy_(vc[src, :, :length])
+
+    # ------------------------------------------------------------------ prefill
+    @torch.no_grad()
+    def prefill(self, slot_start: int, seqs: list[list[int]], full_for: list[bool]) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        n = len(seqs)
+        lens = [len(s) for s in seqs]
+        T = max(lens)
+        tok = torch.zeros(n, T, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            tok[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        tok = tok.to(self.device, non_blocking=True)
+        lens_t = torch.tensor(lens, device=self.device)
+        uniform = all(x == T for x in lens)
+        h = self.embed(tok)
+        cos, sin = self.cos[:T][None, None], self.sin[:T][None, None]
+        q_pos = self.ar_ctx[:T]
+        base_mask = None
+        if not uniform:
+            base_mask = (q_pos[None, :] <= q_pos[:, None])[None, None] & (q_pos[None, None, None, :] < lens_t[:, None, None, None])
+        for li, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_proj(x).view(n, T, self.n_heads, self.head_dim)
+            k = attn.k_proj(x).view(n, T, self.n_kv, self.head_dim)
+            v = attn.v_proj(x).view(n, T, self.n_kv, self.head_dim)
+            if self.qk_norm:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            self.k_cache[li][slot_start: slot_start + n, :, :T] = k
+            self.v_cache[li][slot_start: slot_start + n, :, :T] = v
+            if self.group > 1:
+                k = k.repeat_interleave(self.group, dim=1)
+                v = v.repeat_interleave(self.group, dim=1)
+            win = self.windows[li]
+            if win is not None and win < T:
+                causal = q_pos[None, :] <= q_pos[:, None]
+                wmask = (causal & (q_pos[None, :] > q_pos[:, None] - win))[None, None]
+                mask = wmask if base_mask is None else (base_mask & wmask)
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
+            elif base_mask is None:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=base_mask, scale=self.scaling)
+            h = h + attn.o_proj(o.transpose(1, 2).reshape(n, T, self.n_heads * self.head_dim))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = self.norm(h)
+        last = h[torch.arange(n, device=self.device), lens_t - 1]
+        logits = self.lm_head(last).float()
+        full = [self.lm_head(h[i, : lens[i]]).float() if want else None for i, want in enumerate(full_for)]
+        return logits, full
+
+    # ------------------------------------------------------------------ decode
+    def _decode_impl(self, tokens: torch.Tensor, positions: torch.Tensor, B: int, L: int) -> torch.Tensor:
+        h = self.embed(tokens)
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+        ar = self.ar_slots[:B]
+        kpos = self.ar_ctx[:L]
+        valid = kpos[None, :] <= positions[:, None]
+        mask = valid[:, None, None, :]
+        for li, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_proj(x).view(B, self.n_heads, self.head_dim)
+            k = attn.k_proj(x).view(B, self.n_kv, self.head_dim)
+            v = attn.v_proj(x).view(B, self.n_kv, self.head_dim)
+            if self.qk_norm:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            kc, vc = self.k_cache[li], self.v_cache[li]
+            kc[ar, :, positions] = k
+            vc[ar, :, positions] = v
+            m = mask
+            win = self.windows[li]
+            if win is not None and win < L:
+                m = (valid & (kpos[None, :] > positions[:, None] - win))[:, None, None, :]
+            o = F.scaled_dot_product_attention(q.view(B, self.n_kv, self.group, self.head_dim), kc[:B, :, :L], vc[:B, :, :L],
+                                               attn_mask=m, scale=self.scaling)
+            h = h + attn.o_proj(o.reshape(B, self.n_heads * self.head_dim))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.lm_head(self.norm(h))
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, max_len: int) -> torch.Tensor:
+        """One token for rows ``0..n-1`` (slot i = row i). ``max_len``: the longest context after this step."""
+        n = tokens.shape[0]
+        L = next(c for c in self.ctx_buckets if c >= max_len)
+        if not self.use_graphs:
+            return self._decode_impl(tokens, positions, n, L).float()
+        bs = next(b for b in self.batch_buckets if b >= n)
+        entry = self.graphs.get((bs, L))
+        if entry is None:
+            entry = self._capture(bs, L)
+        self.g_tokens[:n].copy_(tokens)
+        self.g_pos[:n].copy_(positions)
+        if bs > n:
+            self.g_pos[n:bs].fill_(self.max_ctx - 1)
+        entry[0].replay()
+        return entry[1][:n].float()
+
+    def _capture(self, bs: int, L: int):
+        # Rows beyond the running requests write their (garbage) K/V at position max_ctx-1 of free slots,
+        # and every position is written by its request before it is read, so capture never corrupts state.
+        self.g_pos[:bs].fill_(self.max_ctx - 1)
+        if self.graph_pool is None:
+            self.graph_pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._decode_impl(self.g_tokens[:bs], self.g_pos[:bs], bs, L)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.graph_pool):
+            out = self._decode_impl(self.g_tokens[:bs], self.g_pos[:bs], bs, L)
+        self.graphs[(bs, L)] = (graph, out)
+        logger.debug("captured a CUDA graph for decode batch %d, context %d", bs, L)
+        return graph, out
+
+
+class _GenericLM:
+    """Any HF causal LM: its own forward, one DynamicCache per slot, one request at a time."""
+
+    def __init__(self, model, max_slots: int, max_ctx: int, device: torch.device):
+        self.model, self.max_slots, self.max_ctx, self.device = model, max_slots, max_ctx, device
+        self.caches: list = [None] * max_slots
+        self.use_graphs = False
+        # transformers 5.x renamed ``past_key_values`` to ``cache`` (input and output)
+        self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def _run(self, ids: torch.Tensor, cache):
+        out = self.model(input_ids=ids, use_cache=True, **{self.cache_kw: cache})
+        return out.logits, out[self.cache_kw] if self.cache_kw in out else out.past_key_values
+
+    def cache_bytes(self) -> int:
+        return 0
+
+    def allocate_cache(self) -> None:
+        self.caches = [None] * self.max_slots
+
+    def free_cache(self) -> None:
+        self.caches = [None] * self.max_slots
+
+    def drop_graphs(self) -> None:
+        pass
+
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        self.caches[dst], self.caches[src] = self.caches[src], None
+
+    @torch.no_grad()
+    def prefill(self, slot_start: int, seqs: list[list[int]], full_for: list[bool]):
+        from transformers import DynamicCache
+
+        last, full = [], []
+        for i, s in enumerate(seqs):
+            ids = torch.tensor([s], dtype=torch.long, device=self.device)
+            logits, self.caches[slot_start + i] = self._run(ids, DynamicCache())
+            last.append(logits[0, -1].float())
+            full.append(logits[0].float() if full_for[i] else None)
+        return torch.stack(last), full
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, max_len: int) -> torch.Tensor:
+        rows = []
+        for i in range(tokens.shape[0]):
+            logits, self.caches[i] = self._run(tokens[i: i + 1][None], self.caches[i])
+            rows.append(logits[0, -1].float())
+        return torch.stack(rows)
+
+
+class ModelRunner:
+    """The model, its KV cache, weight access, and memory release/resume."""
+
+    def __init__(self, model_path: str | Path, opts: RunnerOptions):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.model_path = str(model_path)
+        if not Path(self.model_path, "config.json").is_file():
+            raise ValueError(f"--hf-checkpoint {self.model_path}: no config.json there; give a local HF model directory")
+        self.device = torch.device(opts.device)
+        if self.device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"--device {opts.device}: CUDA is not available in this process; use --device cpu")
+            torch.cuda.set_device(self.device)
+        config = AutoConfig.from_pretrained(self.model_path)
+        self.dtype = resolve_dtype(opts.dtype, self.device, config)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).to(self.device).eval()
+        self.model.requires_grad_(False)
+        self.config = self.model.config
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        limit = int(getattr(self.config, "max_position_embeddings", 0) or 4096)
+        max_ctx = opts.max_context_len
+        if max_ctx is None:
+            max_ctx = min(limit, 4096)
+        if max_ctx < 2:
+            raise ValueError(f"--max-context-len {max_ctx} is too small; give at least prompt + response length")
+        if max_ctx > limit:
+            logger.warning("--max-context-len %d exceeds the model's max_position_embeddings %d", max_ctx, limit)
+        self.max_ctx = max_ctx
+        self.max_slots = int(opts.max_running_requests)
+        if self.max_slots < 1:
+            raise ValueError(f"--max-running-requests {self.max_slots} must be at least 1")
+        native = opts.native and getattr(self.config, "model_type", "") in NATIVE_MODEL_TYPES
+        self.impl: _NativeLM | _GenericLM
+        if native:
+            try:
+                self.impl = _NativeLM(self.model, self.max_slots, max_ctx, self.device, self.dtype, opts.cuda_graph)
+            except (AttributeError, NotImplementedError) as e:
+                logger.warning("native forward unavailable for %s (%s); using the generic HF path", self.config.model_type, e)
+                native = False
+        if not native:
+            self.impl = _GenericLM(self.model, self.max_slots, max_ctx, self.device)
+        self.native = native
+        need, avail = self.impl.cache_bytes(), _available_bytes(self.device)
+        if need > 0.9 * avail:
+            raise ValueError(f"the KV cache needs {need / 2**30:.1f} GiB ({self.max_slots} slots x {max_ctx} tokens) but only "
+                             f"{avail / 2**30:.1f} GiB is free; lower --max-running-requests or --max-context-len")
+        self.impl.allocate_cache()
+        self.eos_token_ids = self._eos_ids()
+        self._params = dict(self.model.state_dict(keep_vars=True))
+        self._weights_backup: dict[int, torch.Tensor] | None = None
+        self.weights_released = False
+        self.kv_released = False
+        logger.info("loaded %s (%s, %s) on %s: %s forward, %d slots x %d tokens, KV cache %.1f MiB%s",
+                    self.model_path, self.config.model_type, self.dtype, self.device, "native" if native else "generic HF",
+                    self.max_slots, max_ctx, need / 2**20, ", CUDA graphs" if getattr(self.impl, "use_graphs", False) else "")
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for src in (self.config, getattr(self.model, "generation_config", None)):
+            e = getattr(src, "eos_token_id", None) if src is not None else None
+            if isinstance(e, int):
+                ids.add(e)
+            elif isinstance(e, list | tuple):
+                ids.update(int(x) for x in e)
+        return ids
+
+    # ------------------------------------------------------------------ forward
+    def prefill(self, slot_start: int, seqs: list[list[int]], full_for: list[bool]):
+        return self.impl.prefill(slot_start, seqs, full_for)
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, max_len: int) -> torch.Tensor:
+        return self.impl.decode(tokens, positions, max_len)
+
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        self.impl.move_slot(src, dst, length)
+
+    # ------------------------------------------------------------------ weights
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """HF parameter names (as in the safetensors files, tied aliases included) -> live tensors."""
+        return self._params
+
+    @torch.no_grad()
+    def load_tensors(self, tensors: dict[str, torch.Tensor], *, strict_names: bool = True) -> int:
+        """Copy ``tensors`` into the live weights in place (CUDA graphs stay valid). Validates everything first."""
+        params = self._params
+        if self.weights_released:
+            raise ValueError("weights are released (release_memory_occupation); resume them before updating")
+        for name, t in tensors.items():
+            p = params.get(name)
+            if p is None:
+                if strict_names:
+                    raise ValueError(f"unknown parameter name '{name}'; the engine uses HF names such as "
+                                     f"'{next(iter(params))}'")
+                continue
+            if tuple(p.shape) != tuple(t.shape):
+                raise ValueError(f"parameter '{name}' has shape {tuple(p.shape)}, the update has {tuple(t.shape)}")
+        n = 0
+        for name, t in tensors.items():
+            p = params.get(name)
+            if p is not None:
+                p.data.copy_(t.to(device=p.device, dtype=p.dtype, non_blocking=True))
+                n += 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return n
+
+    def snapshot(self, names=None) -> dict[str, torch.Tensor]:
+        """Detached CPU copies of the named weights (all when None), for rollback."""
+        names = list(self._params) if names is None else list(names)
+        return {n: self._params[n].detach().to("cpu", copy=True) for n in names if n in self._params}
+
+    # ------------------------------------------------------------------ memory
+    def clear_cache(self) -> None:
+        if self.native and not self.kv_released:
+            for kc, vc in zip(self.impl.k_cache, self.impl.v_cache):
+                kc.zero_()
+                vc.zero_()
+        elif not self.native:
+            self.impl.free_cache()
+
+    def release(self, tags: set[str]) -> None:
+        if "kv_cache" in tags and not self.kv_released:
+            self.impl.free_cache()
+            self.kv_released = True
+        if "cuda_graph" in tags or "weights" in tags:
+            self.impl.drop_graphs()
+        if "weights" in tags and not self.weights_released:
+            backup: dict[int, torch.Tensor] = {}
+            for p in {id(p): p for p in self.model.parameters()}.values():
+                host = p.data.to("cpu", copy=True)
+                if self.device.type == "cuda":
+                    host = host.pin_memory()
+                backup[id(p)] = host
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            self._weights_backup = backup
+            self.weights_released = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def resume(self, tags: set[str]) -> None:
+        if "weights" in tags and self.weights_released:
+            backup = self._weights_backup or {}
+            for p in {id(p): p for p in self.model.parameters()}.values():
+                p.data = backup[id(p)].to(self.device, non_blocking=True)
+            self._weights_backup = None
+            self.weights_released = False
+            self._params = dict(self.model.state_dict(keep_vars=True))
+        if "kv_cache" in tags and self.kv_released:
+            self.impl.allocate_cache()
+            self.kv_released = False
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @property
+    def ready(self) -> bool:
+        return not (self.weights_released or self.kv_released)

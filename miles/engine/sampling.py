@@ -1,0 +1,152 @@
+"""Batched sampling: temperature, top-k, top-p, min-p, logit bias, min_new_tokens, per-request seeds.
+
+Every row draws its randomness from a counter-based hash of ``(seed, step, token id)`` (a Gumbel-max
+race), so a request's samples depend only on its own ``sampling_seed`` and position: they are
+reproducible and independent of which other requests share the batch. Rows without a seed get a random
+one when they are admitted.
+
+Log-probabilities follow SGLang's default: ``log_softmax(logits / temperature)`` over the whole
+vocabulary (top-k/top-p/min-p truncation is *not* renormalised into them), after logit bias and the
+min_new_tokens stop-token mask. Greedy rows (temperature 0 or top_k 1) use temperature 1, i.e. the raw
+distribution. With ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` (SGLang's switch) the raw distribution is used for
+every row. This is the quantity a trainer computes as "the log-prob under the rollout temperature".
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from miles.engine.protocol import TOP_K_ALL
+
+_M32 = 0xFFFFFFFF
+RETURN_ORIGINAL_LOGPROB = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true", "yes")
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32) on int64 tensors holding values in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def hash_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniform (0, 1) float32 noise of shape [B, vocab], a pure function of (seed, step, column)."""
+    lo = seeds & _M32
+    hi = (seeds >> 32) & _M32
+    key = _mix32(lo ^ _mix32(hi ^ _mix32((steps & _M32) ^ 0x5BD1E995)))
+    cols = (torch.arange(vocab, device=seeds.device, dtype=torch.int64) * 0x9E3779B1) & _M32
+    bits = _mix32(key[:, None] ^ cols[None, :])
+    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+@dataclass
+class RowParams:
+    """What the sampler needs to know about one running request."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int
+    logit_bias: dict[int, float] | None = None
+
+
+class SamplingBatch:
+    """Per-row sampling parameters as device tensors, rebuilt only when the batch composition changes."""
+
+    def __init__(self, rows: list[RowParams], vocab: int, device: torch.device):
+        self.n = len(rows)
+        self.vocab = vocab
+        self.device = device
+        f32 = dict(dtype=torch.float32, device=device)
+        self.temperature = torch.tensor([r.temperature for r in rows], **f32)
+        self.top_p = torch.tensor([r.top_p for r in rows], **f32)
+        self.top_k = torch.tensor([min(r.top_k, vocab) for r in rows], dtype=torch.int64, device=device)
+        self.min_p = torch.tensor([r.min_p for r in rows], **f32)
+        self.seeds = torch.tensor([r.seed & ((1 << 63) - 1) for r in rows], dtype=torch.int64, device=device)
+        greedy = [r.top_k == 1 for r in rows]
+        self.greedy = torch.tensor(greedy, dtype=torch.bool, device=device)
+        self.all_greedy = all(greedy)
+        self.any_greedy = any(greedy)
+        self.need_top_k = any(1 < r.top_k < min(TOP_K_ALL, vocab) for r in rows)
+        self.need_top_p = any(r.top_p < 1.0 for r in rows)
+        self.need_min_p = any(r.min_p > 0.0 for r in rows)
+        self.all_temp_one = all(r.temperature == 1.0 for r in rows)
+        self.logit_bias = None
+        if any(r.logit_bias for r in rows):
+            bias = torch.zeros(self.n, vocab, **f32)
+            for i, r in enumerate(rows):
+                for tid, v in (r.logit_bias or {}).items():
+                    bias[i, tid] = v
+            self.logit_bias = bias
+
+
+@dataclass
+class SampleOutput:
+    tokens: torch.Tensor                  # [B] int64
+    logprobs: torch.Tensor | None         # [B] float32, of the chosen tokens
+    top_values: torch.Tensor | None       # [B, k]
+    top_indices: torch.Tensor | None      # [B, k]
+    logprob_dist: torch.Tensor | None     # [B, V] when token_ids_logprob asks for arbitrary ids
+
+
+def sample(
+    logits: torch.Tensor,
+    sb: SamplingBatch,
+    steps: torch.Tensor,
+    *,
+    suppress: torch.Tensor | None = None,
+    want_logprobs: bool = False,
+    top_n: int = 0,
+    want_dist: bool = False,
+) -> SampleOutput:
+    """Choose one token per row of ``logits`` [B, V] (float32). ``steps`` [B]: tokens generated so far.
+
+    ``suppress`` [B, V] bool masks tokens that may not be chosen (stop tokens before min_new_tokens).
+    """
+    logits = logits.float()
+    if suppress is not None:
+        logits = logits.masked_fill(suppress, float("-inf"))
+    if sb.logit_bias is not None:
+        logits = logits + sb.logit_bias
+    if sb.all_greedy:
+        tokens = torch.argmax(logits, dim=-1)
+        scaled = logits
+    else:
+        scaled = logits if sb.all_temp_one else logits / sb.temperature[:, None]
+        logp = torch.log_softmax(scaled, dim=-1)
+        if sb.need_top_k or sb.need_top_p or sb.need_min_p:
+            sorted_lp, idx = logp.sort(dim=-1, descending=True)
+            remove = torch.zeros_like(sorted_lp, dtype=torch.bool)
+            if sb.need_top_k:
+                ranks = torch.arange(sb.vocab, device=logits.device)
+                remove |= ranks[None, :] >= sb.top_k[:, None]
+            if sb.need_top_p or sb.need_min_p:
+                probs = sorted_lp.exp()
+                if sb.need_top_p:
+                    remove |= (probs.cumsum(dim=-1) - probs) > sb.top_p[:, None]
+                if sb.need_min_p:
+                    remove |= probs < probs[:, :1] * sb.min_p[:, None]
+            sorted_lp = sorted_lp.masked_fill(remove, float("-inf"))
+            filtered = torch.empty_like(logp).scatter_(1, idx, sorted_lp)
+        else:
+            filtered = logp
+        u = hash_uniform(sb.seeds, steps, sb.vocab)
+        gumbel = -torch.log(-torch.log(u))
+        tokens = torch.argmax(filtered + gumbel, dim=-1)
+        if sb.any_greedy:
+            tokens = torch.where(sb.greedy, torch.argmax(logits, dim=-1), tokens)
+    out = SampleOutput(tokens=tokens, logprobs=None, top_values=None, top_indices=None, logprob_dist=None)
+    if want_logprobs or top_n or want_dist:
+        dist = torch.log_softmax(logits if RETURN_ORIGINAL_LOGPROB else scaled, dim=-1)
+        out.logprobs = dist.gather(1, tokens[:, None]).squeeze(1)
+        if top_n:
+            out.top_values, out.top_indices = dist.topk(min(top_n, sb.vocab), dim=-1)
+        if want_dist:
+            out.logprob_dist = dist
+    return out

@@ -1,0 +1,360 @@
+"""Continuous batching: one scheduler thread owns the model; the HTTP side talks to it through commands.
+
+Each loop iteration: run queued commands (new requests, aborts, pause/continue, weight loads), admit
+waiting requests into free KV slots (one padded prefill), run one decode step for every running request,
+then hand finished/streamed tokens back to the event loop. Requests join and leave the running batch
+between decode steps; beyond ``max_running_requests`` they wait in FIFO order. Running requests always
+occupy slots ``0..n-1``: when one leaves, the last one moves into its slot (one KV copy), so the decode
+step sees contiguous, static-shaped cache views.
+
+Pause modes (SGLang's): ``abort`` finishes every request with ``finish_reason.type == "abort"``;
+``retract`` returns running requests to the head of the queue (their KV is recomputed on continue, the
+client sees one seamless output); ``in_place`` just stops stepping and keeps the KV. New requests queue
+while paused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from miles.engine.model_runner import ModelRunner
+from miles.engine.protocol import BadRequest, GenSpec
+from miles.engine.sampling import RowParams, SamplingBatch, sample
+from miles.utils.logging import get_logger
+
+logger = get_logger("miles.engine.scheduler")
+
+
+class Req:
+    """One generation as the scheduler tracks it. Lists only grow, so the event loop may read prefixes."""
+
+    def __init__(self, spec: GenSpec, seed: int, loop: asyncio.AbstractEventLoop, stream: bool):
+        self.spec = spec
+        self.rid = spec.rid
+        self.seed = seed
+        self.loop = loop
+        self.stream = stream
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.output_ids: list[int] = []
+        self.output_logprobs: list[float] = []
+        self.output_top: list[list[tuple[float, int]]] = []
+        self.output_token_ids_lp: list[list[float]] = []
+        self.input_logprobs: list[float | None] | None = None
+        self.input_top: list[list[tuple[float, int]]] | None = None
+        self.kv_len = 0
+        self.retracted = False
+        self.finish: dict[str, Any] | None = None
+        self.stop_trim = 0           # characters of a matched stop string to cut from the text
+        self.created = time.time()
+        self.last_emit = 0
+        self.weight_version = ""
+
+    def post(self, final: bool) -> None:
+        n = len(self.output_ids)
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (n, final))
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, tokenizer, *, max_prefill_tokens: int = 16384,
+                 weight_version: str = "default", random_seed: int | None = None):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.max_prefill_tokens = max_prefill_tokens
+        self.weight_version = weight_version
+        self.rng = random.Random(random_seed)
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.paused = False
+        self.pause_mode: str | None = None
+        self._commands: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="miles-engine-scheduler", daemon=True)
+        self._sb_key: tuple | None = None
+        self._sb: SamplingBatch | None = None
+        self.stop_ids = set(runner.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.stop_ids.add(int(tokenizer.eos_token_id))
+        self.steps = 0
+        self.generated_tokens = 0
+        self.last_step_time = time.time()
+        self.error: BaseException | None = None
+
+    # ------------------------------------------------------------------ thread plumbing
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._commands.put(None)
+        self._thread.join(timeout)
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run ``fn`` on the scheduler thread between two steps; the future carries its result."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, fut))
+        return fut
+
+    async def acall(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
+        return await asyncio.wait_for(asyncio.wrap_future(self.call(fn)), timeout)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if item is not None:
+                fn, fut = item
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as e:  # noqa: BLE001 - handed back to the caller
+                        fut.set_exception(e)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        if self.runner.device.type == "cuda":
+            torch.cuda.set_device(self.runner.device)
+        while not self._stop.is_set():
+            can_work = not self.paused and self.runner.ready and (self.running or self.waiting)
+            self._drain(block=not can_work)
+            if self.paused or not self.runner.ready:
+                continue
+            try:
+                if self.waiting and len(self.running) < self.runner.max_slots:
+                    self._admit()
+                if self.running:
+                    self._decode_step()
+            except Exception as e:  # noqa: BLE001 - a failed step aborts its requests, the server keeps serving
+                logger.exception("scheduler step failed; aborting the running requests")
+                self.error = e
+                for r in list(self.running):
+                    self._finish(r, {"type": "abort", "message": f"engine error: {e}"})
+                self.running.clear()
+
+    # ------------------------------------------------------------------ submission
+    def validate(self, spec: GenSpec) -> None:
+        P, mx = len(spec.input_ids), self.runner.max_ctx
+        if P >= mx:
+            raise BadRequest(f"the prompt has {P} tokens but the engine's context is {mx} "
+                             f"(--max-context-len); shorten the prompt or raise --max-context-len")
+        if spec.max_new_tokens is not None and P + spec.max_new_tokens > mx:
+            raise BadRequest(f"prompt ({P} tokens) + sampling_params.max_new_tokens ({spec.max_new_tokens}) exceeds the "
+                             f"engine's context of {mx} tokens (--max-context-len); lower max_new_tokens or raise --max-context-len")
+        if spec.stop_strs and self.tokenizer is None:
+            raise BadRequest("sampling_params.stop needs a tokenizer, and this model directory has none; use stop_token_ids")
+
+    def submit(self, specs: list[GenSpec], loop: asyncio.AbstractEventLoop, stream: bool) -> list[Req]:
+        for s in specs:
+            self.validate(s)
+        reqs = [Req(s, s.sampling_seed if s.sampling_seed is not None else self.rng.getrandbits(63), loop, stream)
+                for s in specs]
+
+        def add():
+            self.waiting.extend(reqs)
+        self.call(add)
+        return reqs
+
+    # ------------------------------------------------------------------ control (run on the scheduler thread)
+    def abort(self, rid: str | None, abort_all: bool, message: str = "Aborted by /abort_request") -> int:
+        n = 0
+        for r in list(self.waiting):
+            if abort_all or r.rid == rid or (rid and r.rid.startswith(rid + "_")):
+                self.waiting.remove(r)
+                self._finish(r, {"type": "abort", "message": message})
+                n += 1
+        gone = [i for i, r in enumerate(self.running) if abort_all or r.rid == rid or (rid and r.rid.startswith(rid + "_"))]
+        for i in gone:
+            self._finish(self.running[i], {"type": "abort", "message": message})
+        self._remove(gone)
+        return n + len(gone)
+
+    def pause(self, mode: str) -> None:
+        if mode == "abort":
+            self.abort(None, True, "Aborted by /pause_generation (mode abort)")
+        elif mode == "retract":
+            self._retract_all()
+        self.paused, self.pause_mode = True, mode
+
+    def resume(self) -> None:
+        self.paused, self.pause_mode = False, None
+
+    def _retract_all(self) -> None:
+        for r in reversed(self.running):
+            r.retracted = True
+            r.kv_len = 0
+            self.waiting.appendleft(r)
+        self.running.clear()
+        self._sb_key = None
+
+    def flush_cache(self) -> bool:
+        if self.running or self.waiting:
+            return False
+        self.runner.clear_cache()
+        return True
+
+    def release_memory(self, tags: set[str]) -> None:
+        if self.running:
+            self._retract_all()
+        self.runner.release(tags)
+
+    # ------------------------------------------------------------------ steps
+    def _finish(self, r: Req, reason: dict[str, Any]) -> None:
+        r.finish = reason
+        r.weight_version = self.weight_version
+        r.post(final=True)
+
+    def _remove(self, idxs: list[int]) -> None:
+        for i in sorted(idxs, reverse=True):
+            last = len(self.running) - 1
+            if i != last:
+                mover = self.running[last]
+                self.runner.move_slot(last, i, mover.kv_len)
+                self.running[i] = mover
+            self.running.pop()
+        if idxs:
+            self._sb_key = None
+
+    def _admit(self) -> None:
+        batch: list[Req] = []
+        budget = self.max_prefill_tokens
+        while self.waiting and len(self.running) + len(batch) < self.runner.max_slots:
+            r = self.waiting[0]
+            n = len(r.spec.input_ids) + (len(r.output_ids) - 1 if r.retracted else 0)
+            if batch and n * (len(batch) + 1) > budget:
+                break
+            batch.append(self.waiting.popleft())
+            budget -= n
+        seqs = [r.spec.input_ids + r.output_ids[:-1] if r.retracted else r.spec.input_ids for r in batch]
+        want_full = [(not r.retracted) and r.spec.return_logprob and r.spec.logprob_start_len >= 0 for r in batch]
+        start = len(self.running)
+        last, full = self.runner.prefill(start, seqs, want_full)
+        for r, s in zip(batch, seqs):
+            r.kv_len = len(s)
+        self.running.extend(batch)
+        self._sb_key = None
+        fresh = [i for i, r in enumerate(batch) if not r.retracted]
+        for r in batch:
+            r.retracted = False
+        for i in fresh:
+            if full[i] is not None:
+                self._input_logprobs(batch[i], full[i])
+        zero = [i for i in fresh if batch[i].spec.max_new_tokens == 0]
+        sample_rows = [i for i in fresh if batch[i].spec.max_new_tokens != 0]
+        if sample_rows:
+            reqs = [batch[i] for i in sample_rows]
+            self._sample_and_append(reqs, last[sample_rows])
+        done = [start + i for i in zero]
+        for i in zero:
+            self._finish(batch[i], {"type": "length", "length": 0})
+        self._remove(done + [start + i for i in sample_rows if batch[i].finish is not None])
+
+    def _input_logprobs(self, r: Req, logits: torch.Tensor) -> None:
+        s = r.spec
+        ids = torch.tensor(s.input_ids, device=logits.device)
+        lp = torch.log_softmax(logits[:-1], dim=-1)
+        tok_lp = lp.gather(1, ids[1:, None]).squeeze(1).tolist()
+        r.input_logprobs = ([None] + tok_lp)[s.logprob_start_len:]
+        if s.top_logprobs_num:
+            v, i = lp.topk(min(s.top_logprobs_num, lp.shape[-1]), dim=-1)
+            rows = [list(zip(a, b)) for a, b in zip(v.tolist(), i.tolist())]
+            r.input_top = ([[]] + rows)[s.logprob_start_len:]
+
+    def _sampling_batch(self, reqs: list[Req]) -> SamplingBatch:
+        key = tuple(id(r) for r in reqs)
+        if key != self._sb_key or self._sb is None:
+            rows = [RowParams(r.spec.temperature, r.spec.top_p, r.spec.top_k, r.spec.min_p, r.seed, r.spec.logit_bias)
+                    for r in reqs]
+            self._sb = SamplingBatch(rows, logits_vocab(self.runner), self.runner.device)
+            self._sb_key = key
+        return self._sb
+
+    def _sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        sb = self._sampling_batch(reqs) if len(reqs) == len(self.running) and reqs[0] is self.running[0] else \
+            SamplingBatch([RowParams(r.spec.temperature, r.spec.top_p, r.spec.top_k, r.spec.min_p, r.seed, r.spec.logit_bias)
+                           for r in reqs], logits.shape[-1], self.runner.device)
+        dev = self.runner.device
+        steps = torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64, device=dev)
+        suppress = None
+        need_min = [i for i, r in enumerate(reqs) if len(r.output_ids) < r.spec.min_new_tokens]
+        if need_min:
+            suppress = torch.zeros(logits.shape, dtype=torch.bool, device=dev)
+            for i in need_min:
+                ids = self.stop_ids | set(reqs[i].spec.stop_token_ids)
+                if ids:
+                    suppress[i, list(ids)] = True
+        want_lp = any(r.spec.return_logprob for r in reqs)
+        top_n = max((r.spec.top_logprobs_num for r in reqs if r.spec.return_logprob), default=0)
+        want_dist = any(r.spec.return_logprob and r.spec.token_ids_logprob for r in reqs)
+        out = sample(logits, sb, steps, suppress=suppress, want_logprobs=want_lp, top_n=top_n, want_dist=want_dist)
+        toks = out.tokens.tolist()
+        lps = out.logprobs.tolist() if out.logprobs is not None else None
+        tv = out.top_values.tolist() if out.top_values is not None else None
+        ti = out.top_indices.tolist() if out.top_indices is not None else None
+        for i, (r, t) in enumerate(zip(reqs, toks)):
+            r.output_ids.append(t)
+            if r.spec.return_logprob:
+                r.output_logprobs.append(lps[i])
+                if r.spec.top_logprobs_num:
+                    k = r.spec.top_logprobs_num
+                    r.output_top.append(list(zip(tv[i][:k], ti[i][:k])))
+                if r.spec.token_ids_logprob:
+                    r.output_token_ids_lp.append(out.logprob_dist[i, r.spec.token_ids_logprob].tolist())
+            self.generated_tokens += 1
+            self._check_finished(r)
+
+    def _check_finished(self, r: Req) -> None:
+        s, t = r.spec, r.output_ids[-1]
+        if s.max_new_tokens is not None and len(r.output_ids) >= s.max_new_tokens:
+            return self._finish(r, {"type": "length", "length": s.max_new_tokens})
+        if not s.ignore_eos and (t in self.stop_ids or t in s.stop_token_ids):
+            return self._finish(r, {"type": "stop", "matched": t})
+        if s.stop_strs:
+            longest = max(len(x) for x in s.stop_strs)
+            tail = self.tokenizer.decode(r.output_ids[-(longest + 1):], skip_special_tokens=s.skip_special_tokens)
+            for stop in s.stop_strs:
+                if stop in tail:
+                    r.stop_trim = len(stop)
+                    return self._finish(r, {"type": "stop", "matched": stop})
+        if r.kv_len >= self.runner.max_ctx:
+            return self._finish(r, {"type": "length", "length": len(r.output_ids)})
+        if r.stream and len(r.output_ids) - r.last_emit >= s.stream_interval:
+            r.last_emit = len(r.output_ids)
+            r.post(final=False)
+
+    def _decode_step(self) -> None:
+        reqs = self.running
+        dev = self.runner.device
+        tokens = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.long, device=dev)
+        positions = torch.tensor([r.kv_len for r in reqs], dtype=torch.long, device=dev)
+        max_len = max(r.kv_len for r in reqs) + 1
+        logits = self.runner.decode(tokens, positions, max_len)
+        for r in reqs:
+            r.kv_len += 1
+        self._sample_and_append(reqs, logits)
+        self._remove([i for i, r in enumerate(reqs) if r.finish is not None])
+        self.steps += 1
+        self.last_step_time = time.time()
+
+    # ------------------------------------------------------------------ introspection
+    def load(self) -> dict[str, Any]:
+        return {"num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting), "paused": self.paused,
+                "pause_mode": self.pause_mode, "steps": self.steps, "generated_tokens": self.generated_tokens}
+
+
+def logits_vocab(runner: ModelRunner) -> int:
+    return runner.vocab_size

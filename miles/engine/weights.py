@@ -1,0 +1,275 @@
+"""The receive side of every weight update: a process group outside any torch world, tensor hand-off, disk.
+
+* ``/init_weights_update_group``: joins the trainer's group as SGLang's engines do
+  (``init_custom_process_group``): a client ``TCPStore(master_address, master_port)``, a
+  ``PrefixStore(group_name, store)``, and ``torch.distributed.distributed_c10d._new_process_group_helper``
+  (gloo on CPU, NCCL on GPU), registered so ``dist.broadcast(..., group=pg)`` works without a default
+  group. Rank = ``rank_offset`` (one worker per engine). Every step is bounded by a timeout.
+* ``/update_weights_from_distributed``: one broadcast per name (src 0, in ``names`` order), or with
+  ``load_format="flattened_bucket"`` ONE uint8 broadcast of every tensor's bytes in order
+  (layout: ``miles.weight_sync.buckets``).
+* ``/update_weights_from_tensor``: SGLang's ``MultiprocessingSerializer`` payload: base64 of a
+  ForkingPickler dump holding CUDA IPC handles (GPU) or shared-memory file names (CPU, ``file_system``
+  sharing strategy). It is unpickled with an allow-list of torch rebuild functions only.
+* ``/update_weights_from_disk``: a full HF safetensors directory, or a disk-delta version directory
+  (``delta_manifest.json``) applied with ``miles.weight_sync.disk_delta.apply_delta_dir``.
+
+Nothing touches the live weights until the whole update is received and validated; applying is an
+in-place copy run on the scheduler thread between two decode steps (see ``ModelRunner.load_tensors``).
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import inspect
+import io
+import pickle
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from miles.utils.logging import get_logger
+from miles.weight_sync.buckets import bucket_metadata, dtype_from_str, nbytes, unpack_bucket
+
+logger = get_logger("miles.engine.weights")
+
+
+class WeightUpdateError(ValueError):
+    """A weight update that cannot be applied; answered with HTTP 400 and the old weights kept."""
+
+
+# ----------------------------------------------------------------------------- process groups
+class WeightGroups:
+    """Weight-update groups this engine belongs to, by name."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.groups: dict[str, Any] = {}
+        self.locks: dict[str, threading.Lock] = {}
+
+    def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                   group_name: str, backend: str, timeout_s: float) -> None:
+        from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
+
+        if group_name in self.groups:
+            raise WeightUpdateError(f"weight-update group {group_name!r} already exists on this engine; "
+                                    "call /destroy_weights_update_group first")
+        if backend not in ("gloo", "nccl"):
+            raise WeightUpdateError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+        if backend == "nccl" and self.device.type != "cuda":
+            raise WeightUpdateError(f"backend 'nccl' needs the engine on a CUDA device, but it runs on {self.device}; use 'gloo'")
+        if not 0 < rank_offset < world_size:
+            raise WeightUpdateError(f"rank_offset {rank_offset} must be in [1, world_size={world_size}) (rank 0 is the trainer)")
+        timeout = datetime.timedelta(seconds=timeout_s)
+        try:
+            store = dist.TCPStore(master_address, int(master_port), world_size, False, timeout)
+        except (RuntimeError, OSError) as e:
+            raise WeightUpdateError(f"could not reach the weight-update TCPStore at {master_address}:{master_port} "
+                                    f"within {timeout_s:.0f}s: {e}") from e
+        prefix = PrefixStore(group_name, store)
+        opt_name = "backend_options" if "backend_options" in inspect.signature(_new_process_group_helper).parameters else "pg_options"
+        kwargs = {opt_name: None, "timeout": timeout}
+        if backend == "nccl" and "device_id" in inspect.signature(_new_process_group_helper).parameters:
+            kwargs["device_id"] = self.device
+        try:
+            pg, _ = _new_process_group_helper(world_size, rank_offset, [], Backend(backend), prefix,
+                                              group_name=group_name, **kwargs)
+        except (RuntimeError, ValueError, dist.DistError) as e:
+            raise WeightUpdateError(f"weight-update group {group_name!r} (rank {rank_offset}/{world_size}, {backend}) "
+                                    f"did not form within {timeout_s:.0f}s: {e}") from e
+        _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+        self.groups[group_name] = pg
+        self.locks[group_name] = threading.Lock()
+        if backend == "nccl":  # form the communicator now, bounded, instead of inside the first update
+            self._broadcast(group_name, torch.zeros(1, dtype=torch.uint8, device=self.device), "warm-up")
+        logger.info("joined weight-update group %s as rank %d of %d (%s)", group_name, rank_offset, world_size, backend)
+
+    def destroy_group(self, group_name: str) -> None:
+        pg = self.groups.pop(group_name, None)
+        self.locks.pop(group_name, None)
+        if pg is None:
+            raise WeightUpdateError(f"no weight-update group {group_name!r} on this engine (known: {sorted(self.groups)})")
+        try:
+            dist.destroy_process_group(pg)
+        except (RuntimeError, ValueError) as e:
+            logger.warning("destroying weight-update group %s: %s", group_name, e)
+
+    def _broadcast(self, group_name: str, t: torch.Tensor, what: str) -> None:
+        pg = self.groups[group_name]
+        try:
+            dist.broadcast(t, src=0, group=pg)
+        except (RuntimeError, dist.DistError) as e:
+            self.groups.pop(group_name, None)
+            self.locks.pop(group_name, None)
+            try:
+                dist.destroy_process_group(pg)
+            except (RuntimeError, ValueError):
+                pass
+            raise WeightUpdateError(f"weight-update group {group_name!r}: broadcast of {what} failed (the trainer died or "
+                                    f"stalled past the group timeout); the group is dropped, re-init it: {e}") from e
+
+    def receive(self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                load_format: str | None) -> list[tuple[str, torch.Tensor]]:
+        """Join the trainer's broadcast(s) for one request (blocking); returns (name, tensor) on this device."""
+        if group_name not in self.groups:
+            raise WeightUpdateError(f"no weight-update group {group_name!r} on this engine (known: {sorted(self.groups)}); "
+                                    "call /init_weights_update_group first")
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise WeightUpdateError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}")
+        try:
+            torch_dtypes = [dtype_from_str(d) for d in dtypes]
+        except ValueError as e:
+            raise WeightUpdateError(str(e)) from None
+        with self.locks[group_name]:
+            if load_format == "flattened_bucket":
+                meta = bucket_metadata(names, torch_dtypes, shapes)
+                flat = torch.empty(meta[-1]["end_idx"] if meta else 0, dtype=torch.uint8, device=self.device)
+                self._broadcast(group_name, flat, f"a bucket of {len(names)} tensors")
+                return unpack_bucket(flat, meta)
+            if load_format not in (None, "auto", "direct"):
+                raise WeightUpdateError(f"load_format {load_format!r} is not supported by /update_weights_from_distributed; "
+                                        "use null or 'flattened_bucket'")
+            out = []
+            for name, dt, shape in zip(names, torch_dtypes, shapes):
+                t = torch.empty([int(s) for s in shape], dtype=dt, device=self.device)
+                self._broadcast(group_name, t, f"tensor {name!r}")
+                out.append((name, t))
+            return out
+
+
+# ----------------------------------------------------------------------------- tensor hand-off
+class _FlattenedTensorMetadata:
+    """Stand-in for sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata when unpickling."""
+
+    def __init__(self, *args, **kwargs):
+        for k, v in zip(("name", "shape", "dtype", "start_idx", "end_idx", "numel"), args):
+            setattr(self, k, v)
+        self.__dict__.update(kwargs)
+
+    def __setstate__(self, state):
+        self.__dict__.update(state if isinstance(state, dict) else state[1] or {})
+
+
+_TORCH_NAMES = {"Tensor", "Size", "device", "dtype"}
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    """Only torch's tensor/storage rebuild functions, dtypes and plain containers may be referenced."""
+
+    def find_class(self, module: str, name: str):
+        if module == "torch.multiprocessing.reductions" and name.startswith("rebuild_"):
+            return super().find_class(module, name)
+        if module == "torch._utils" and name.startswith("_rebuild_"):
+            return super().find_class(module, name)
+        if module in ("torch.storage", "torch") and name in ("UntypedStorage", "TypedStorage"):
+            return super().find_class(module, name)
+        if module == "torch" and (name in _TORCH_NAMES or isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        if module == "torch.nn.parameter" and name == "Parameter":
+            return super().find_class(module, name)
+        if module == "collections" and name == "OrderedDict":
+            return super().find_class(module, name)
+        if name == "FlattenedTensorMetadata":
+            return _FlattenedTensorMetadata
+        raise pickle.UnpicklingError(f"serialized_named_tensors references {module}.{name}, which a tensor payload "
+                                     "never needs; refusing to unpickle it")
+
+
+def _field(m: Any, key: str) -> Any:
+    return m[key] if isinstance(m, dict) else getattr(m, key)
+
+
+def deserialize_named_tensors(b64: str, load_format: str | None) -> list[tuple[str, torch.Tensor]]:
+    """Decode one TP rank's entry of ``serialized_named_tensors`` into (name, tensor) pairs."""
+    try:
+        raw = base64.b64decode(b64, validate=False)
+        payload = _SafeUnpickler(io.BytesIO(raw)).load()
+    except Exception as e:  # noqa: BLE001 - any decoding problem is the client's
+        raise WeightUpdateError(f"serialized_named_tensors could not be decoded: {type(e).__name__}: {e}") from None
+    if load_format == "flattened_bucket":
+        if not isinstance(payload, dict) or "flattened_tensor" not in payload or "metadata" not in payload:
+            raise WeightUpdateError("load_format 'flattened_bucket' needs a dict {'flattened_tensor', 'metadata'}")
+        flat, meta = payload["flattened_tensor"], payload["metadata"]
+        if not isinstance(flat, torch.Tensor):
+            raise WeightUpdateError("flattened_tensor is not a tensor")
+        entries = [{k: _field(m, k) for k in ("name", "shape", "dtype", "start_idx", "end_idx")} for m in meta]
+        for e in entries:
+            e["dtype"] = dtype_from_str(e["dtype"])
+            e["shape"] = [int(s) for s in e["shape"]]
+        if flat.dtype == torch.uint8 and all(int(e["end_idx"]) - int(e["start_idx"]) == nbytes(e["shape"], e["dtype"]) for e in entries):
+            return unpack_bucket(flat.reshape(-1), entries)
+        # SGLang's older single-dtype bucket: offsets count elements of flattened_tensor's own dtype
+        out = []
+        for e in entries:
+            piece = flat.reshape(-1)[int(e["start_idx"]): int(e["end_idx"])].reshape(e["shape"])
+            out.append((e["name"], piece.to(e["dtype"])))
+        return out
+    if load_format not in (None, "auto", "direct"):
+        raise WeightUpdateError(f"load_format {load_format!r} is not supported by /update_weights_from_tensor; "
+                                "use null or 'flattened_bucket'")
+    if isinstance(payload, dict):
+        payload = list(payload.items())
+    if not isinstance(payload, list | tuple) or not all(isinstance(x, list | tuple) and len(x) == 2 for x in payload):
+        raise WeightUpdateError("serialized_named_tensors must hold a list of (name, tensor) pairs")
+    for name, t in payload:
+        if not isinstance(name, str) or not isinstance(t, torch.Tensor):
+            raise WeightUpdateError(f"serialized_named_tensors: entry {name!r} is not a (str, tensor) pair")
+    return [(n, t) for n, t in payload]
+
+
+# ----------------------------------------------------------------------------- disk
+def is_delta_dir(path: str | Path) -> bool:
+    return Path(path, "delta_manifest.json").is_file()
+
+
+def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of the ``*.safetensors`` files in an HF model directory (CPU)."""
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    if not p.is_dir():
+        raise WeightUpdateError(f"model_path {str(p)!r} is not a directory")
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        raise WeightUpdateError(f"model_path {str(p)!r} has no *.safetensors files (and no delta_manifest.json)")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except Exception as e:  # noqa: BLE001
+            raise WeightUpdateError(f"{f}: not a readable safetensors file: {e}") from None
+    return state
+
+
+def check_full_coverage(state: dict[str, torch.Tensor], live: dict[str, torch.Tensor]) -> None:
+    """A full checkpoint must name every live tensor (a tied alias counts for its twin)."""
+    covered = {id(live[n]) for n in state if n in live}
+    missing = [n for n, t in live.items() if id(t) not in covered]
+    unknown = [n for n in state if n not in live]
+    if unknown:
+        raise WeightUpdateError(f"the checkpoint has tensors this model does not: {unknown[:5]}"
+                                f"{' ...' if len(unknown) > 5 else ''} (is it the same architecture?)")
+    if missing:
+        raise WeightUpdateError(f"the checkpoint lacks {len(missing)} of the model's tensors, e.g. {missing[:5]}")
+
+
+def load_from_disk(path: str, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The complete new weights from ``path`` (full dir or delta dir); raises WeightUpdateError/DeltaError."""
+    if is_delta_dir(path):
+        from miles.weight_sync.disk_delta import apply_delta_dir
+
+        current = {n: t.detach().to("cpu") for n, t in live.items()}
+        new = apply_delta_dir(path, current)
+        return {n: t for n, t in new.items() if n not in current or t is not current[n]}
+    if Path(path, "full_manifest.json").is_file():
+        from miles.weight_sync.disk_delta import read_full_dir
+
+        state = read_full_dir(path, verify=True)  # a disk-delta full version: checksums verified
+    else:
+        state = read_safetensors_dir(path)
+    check_full_coverage(state, live)
+    return state

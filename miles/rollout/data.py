@@ -1,0 +1,272 @@
+"""Prompt data: read JSONL or Parquet, render and tokenize prompts once, serve them in a resumable order.
+
+    dataset = PromptDataset(cfg.data.prompt_data, tokenizer, cfg.data, seed=cfg.rollout.rollout_seed)
+    source = DataSource(dataset, shuffle=cfg.data.rollout_shuffle, seed=cfg.rollout.rollout_seed)
+    batch = source.next_batch(cfg.data.rollout_batch_size)      # list[PromptItem], crosses epochs
+    state = source.state_dict()                                 # JSON-able; saved with checkpoints
+
+Rows are objects with the prompt under ``--input-key`` (a string, or a list of chat messages), an
+optional label under ``--label-key``, metadata under ``--metadata-key`` and tool specs under
+``--tool-key``. ``--apply-chat-template`` renders the prompt with the tokenizer's own chat template
+(a string prompt becomes one user message); it is never implied: a list-shaped prompt without the
+flag is an error. Prompt token ids are computed here, once, and travel unchanged to the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from miles.config.base import ConfigError
+from miles.config.data import DataConfig, EvalConfig
+from miles.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+PARQUET_SUFFIXES = (".parquet", ".pq")
+
+
+class DataError(ValueError):
+    """The prompt data is malformed; the message names the file, the line (or row) and the fix."""
+
+
+@dataclass
+class PromptItem:
+    """One prompt, ready to generate from. ``index`` is its row position in the dataset."""
+
+    index: int
+    prompt: str | list[dict[str, Any]]
+    prompt_ids: list[int]
+    label: Any = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = None
+
+
+def read_rows(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
+    """(location, row) pairs from a JSONL or Parquet file; location is ``file:line`` or ``file:row N``."""
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"prompt data file {str(p)!r} does not exist (check --prompt-data / --eval-prompt-data).")
+    name = p.name.lower()
+    if name.endswith(PARQUET_SUFFIXES):
+        import pyarrow.parquet as pq
+
+        try:
+            rows = pq.read_table(p).to_pylist()
+        except Exception as e:  # pyarrow raises several types for bad files
+            raise DataError(f"{p}: not a readable Parquet file ({type(e).__name__}: {e}).") from e
+        return [(f"{p}:row {i}", r) for i, r in enumerate(rows)]
+    if not name.endswith(JSONL_SUFFIXES):
+        raise DataError(f"prompt data {str(p)!r}: unknown format; use a .jsonl (one JSON object per line) "
+                        f"or .parquet file.")
+    out: list[tuple[str, dict[str, Any]]] = []
+    with open(p, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{p}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); each line must be "
+                                f"one JSON object.") from e
+            if not isinstance(row, dict):
+                raise DataError(f"{p}:{lineno}: expected a JSON object per line, got {type(row).__name__}.")
+            out.append((f"{p}:{lineno}", row))
+    return out
+
+
+def _get(row: dict[str, Any], key: str, flag: str, where: str) -> Any:
+    if key not in row:
+        raise DataError(f"{where}: missing key '{key}' (set by {flag}); keys present: {sorted(row)}. "
+                        f"Pass {flag} with one of them, or fix the data.")
+    return row[key]
+
+
+def _check_messages(prompt: list[Any], where: str, flag_key: str) -> None:
+    for i, m in enumerate(prompt):
+        if not isinstance(m, dict) or "role" not in m:
+            raise DataError(f"{where}: prompt under {flag_key} is a list, but item {i} is not a chat message "
+                            f"with a 'role' (got {str(m)[:80]!r}).")
+
+
+class PromptDataset:
+    """All prompts of one file, rendered and tokenized, with over-long prompts dropped (and counted)."""
+
+    def __init__(self, path: str | Path, tokenizer: Any, data: DataConfig, seed: int = 0) -> None:
+        self.path = str(path)
+        self.seed = seed
+        self.num_rows = 0
+        self.num_dropped_too_long = 0
+        items = self._load(path, tokenizer, data)
+        if not items:
+            why = (f" ({self.num_dropped_too_long} longer than --rollout-max-prompt-len {data.rollout_max_prompt_len})"
+                   if self.num_dropped_too_long else "")
+            raise DataError(f"{self.path}: no usable prompts{why}.")
+        self.items = items
+
+    def _load(self, path: str | Path, tokenizer: Any, data: DataConfig) -> list[PromptItem]:
+        rows = read_rows(path)
+        self.num_rows = len(rows)
+        parsed: list[tuple[str, Any, Any, dict[str, Any], Any]] = []
+        texts: list[str] = []
+        for where, row in rows:
+            prompt = _get(row, data.input_key, "--input-key", where)
+            label = _get(row, data.label_key, "--label-key", where) if data.label_key else None
+            metadata = row.get(data.metadata_key) or {}
+            if isinstance(metadata, str):
+                try:
+                    metadata = json.loads(metadata)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{where}: '{data.metadata_key}' (--metadata-key) is a string but not JSON: {e.msg}.") from e
+            if not isinstance(metadata, dict):
+                raise DataError(f"{where}: '{data.metadata_key}' (--metadata-key) must be an object, got "
+                                f"{type(metadata).__name__}.")
+            tools = row.get(data.tool_key) if data.tool_key else None
+            if isinstance(tools, str):
+                try:
+                    tools = json.loads(tools)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{where}: '{data.tool_key}' (--tool-key) is a string but not JSON: {e.msg}.") from e
+            texts.append(self._render(prompt, tools, tokenizer, data, where))
+            parsed.append((where, prompt, label, metadata, tools))
+        ids_list = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        items: list[PromptItem] = []
+        limit = data.rollout_max_prompt_len
+        for (_, prompt, label, metadata, tools), ids in zip(parsed, ids_list):
+            if limit is not None and len(ids) > limit:
+                self.num_dropped_too_long += 1
+                continue
+            items.append(PromptItem(index=len(items), prompt=prompt, prompt_ids=list(ids), label=label,
+                                    metadata=metadata, tools=tools or None))
+        if self.num_dropped_too_long:
+            logger.warning("%s: dropped %d of %d prompts longer than --rollout-max-prompt-len %d tokens",
+                           self.path, self.num_dropped_too_long, self.num_rows, limit)
+        logger.info("loaded %d prompts from %s", len(items), self.path)
+        return items
+
+    @staticmethod
+    def _render(prompt: Any, tools: Any, tokenizer: Any, data: DataConfig, where: str) -> str:
+        if isinstance(prompt, list):
+            _check_messages(prompt, where, f"'{data.input_key}'")
+            if not data.apply_chat_template:
+                raise DataError(f"{where}: the prompt under '{data.input_key}' is a list of chat messages, but "
+                                f"--apply-chat-template is not set (it is never implied). Add --apply-chat-template "
+                                f"to render it with the tokenizer's chat template.")
+        elif not isinstance(prompt, str):
+            raise DataError(f"{where}: the prompt under '{data.input_key}' must be a string or a list of chat "
+                            f"messages, got {type(prompt).__name__}.")
+        if not data.apply_chat_template:
+            return prompt
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ConfigError("--apply-chat-template is set but the tokenizer has no chat template; drop the flag "
+                              "or use a tokenizer that ships one.")
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": True}
+        if tools:
+            kwargs["tools"] = tools
+        text = tokenizer.apply_chat_template(messages, **kwargs)
+        if not isinstance(text, str):
+            raise DataError(f"{where}: the tokenizer's chat template did not render to text (got {type(text).__name__}).")
+        return text
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> PromptItem:
+        return self.items[i]
+
+
+def epoch_order(num_prompts: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
+    """Row order of one epoch: identity, or a permutation seeded by (seed, epoch), stable across runs."""
+    order = list(range(num_prompts))
+    if shuffle:
+        random.Random(f"miles-data:{seed}:{epoch}").shuffle(order)
+    return order
+
+
+class DataSource:
+    """Serves prompts epoch after epoch; its state (epoch, offset, seed, given-back prompts) resumes exactly.
+
+    ``give_back(items)`` returns prompts that were drawn but not used (e.g. aborted surplus of dynamic
+    sampling); they are served again first, and are part of the saved state.
+    """
+
+    def __init__(self, dataset: PromptDataset, shuffle: bool = False, seed: int = 0) -> None:
+        self.dataset = dataset
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self.offset = 0
+        self._buffer: list[int] = []
+        self._order = epoch_order(len(dataset), 0, seed, shuffle)
+
+    def next_batch(self, n: int) -> list[PromptItem]:
+        if n < 0:
+            raise ValueError(f"next_batch needs n >= 0, got {n}")
+        out: list[PromptItem] = []
+        while self._buffer and len(out) < n:
+            out.append(self.dataset[self._buffer.pop(0)])
+        while len(out) < n:
+            if self.offset >= len(self._order):
+                self.epoch += 1
+                self.offset = 0
+                self._order = epoch_order(len(self.dataset), self.epoch, self.seed, self.shuffle)
+                logger.info("prompt data: starting epoch %d", self.epoch)
+            out.append(self.dataset[self._order[self.offset]])
+            self.offset += 1
+        return out
+
+    def give_back(self, items: list[PromptItem]) -> None:
+        self._buffer = [it.index for it in items] + self._buffer
+
+    def num_rollout_from_epochs(self, num_epoch: int, rollout_batch_size: int) -> int:
+        """``--num-rollout`` implied by ``--num-epoch``: whole batches per epoch times epochs."""
+        per_epoch = len(self.dataset) // rollout_batch_size
+        if per_epoch == 0:
+            raise ConfigError(f"--rollout-batch-size {rollout_batch_size} is larger than the prompt data "
+                              f"({len(self.dataset)} prompts in {self.dataset.path}); lower it or pass --num-rollout.")
+        return per_epoch * num_epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed, "shuffle": self.shuffle,
+                "num_prompts": len(self.dataset), "buffer": list(self._buffer)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        missing = {"epoch", "offset", "seed"} - set(state)
+        if missing:
+            raise ValueError(f"data source state is missing {sorted(missing)} (keys present: {sorted(state)})")
+        if state.get("num_prompts", len(self.dataset)) != len(self.dataset):
+            raise ValueError(f"the saved data order covers {state['num_prompts']} prompts but {self.dataset.path} now "
+                             f"has {len(self.dataset)}: resume with the same --prompt-data and "
+                             f"--rollout-max-prompt-len, or start without --load.")
+        if state["seed"] != self.seed or state.get("shuffle", self.shuffle) != self.shuffle:
+            raise ValueError(f"the saved data order used --rollout-seed {state['seed']} and shuffle="
+                             f"{state.get('shuffle')}, now --rollout-seed {self.seed} and shuffle={self.shuffle}: "
+                             f"resume with the original --rollout-seed / --rollout-shuffle.")
+        if not 0 <= state["offset"] <= len(self.dataset):
+            raise ValueError(f"data source state offset {state['offset']} is outside 0..{len(self.dataset)}")
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+        self._buffer = [int(i) for i in state.get("buffer", [])]
+        self._order = epoch_order(len(self.dataset), self.epoch, self.seed, self.shuffle)
+
+
+def parse_eval_prompt_data(values: list[str] | None) -> list[tuple[str, str]]:
+    """``--eval-prompt-data NAME PATH [NAME PATH ...]`` as (name, path) pairs."""
+    if not values:
+        return []
+    if len(values) % 2:
+        raise ConfigError(f"--eval-prompt-data takes NAME PATH pairs, got {len(values)} values {values}: "
+                          f"e.g. --eval-prompt-data math_eval data/eval.jsonl")
+    pairs = [(values[i], values[i + 1]) for i in range(0, len(values), 2)]
+    names = [n for n, _ in pairs]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"--eval-prompt-data names must be distinct, got {names}")
+    return pairs
+
+
+def load_eval_datasets(eval_cfg: EvalConfig, data: DataConfig, tokenizer: Any, seed: int = 0) -> dict[str, PromptDataset]:
+    return {name: PromptDataset(path, tokenizer, data, seed) for name, path in parse_eval_prompt_data(eval_cfg.eval_prompt_data)}

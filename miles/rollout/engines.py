@@ -1,0 +1,259 @@
+"""Engine launch commands: which engine serves rollouts, and the exact command line that starts it.
+
+Two engines speak the same HTTP protocol (SGLang's, see ``docs/engine-protocol.md``):
+
+- ``sglang``: ``python -m sglang.launch_server`` (GPU clusters). SGLang is never imported here; we only
+  check that it is importable (``importlib.util.find_spec``) and build its command line.
+- ``embedded``: ``python -m miles.engine``, our own HF-transformers engine (CPU, CI, GPU boxes without
+  SGLang).
+
+The engine supervisor (``miles.spmd.supervisor``) runs the argv built here as a child process.
+Engines listen on loopback when the whole job is on one node, else on this host's routable address,
+never on every interface unless asked; multi-node jobs protect them with a per-run API key.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import ipaddress
+import secrets
+import sys
+from collections.abc import Sequence
+
+from miles.config.base import ConfigError
+from miles.config.rollout import RolloutConfig
+from miles.utils.logging import get_logger, warn_once
+from miles.utils.net import host_address
+from miles.utils.optional import MissingDependencyError
+
+logger = get_logger(__name__)
+
+ENGINE_KINDS = ("embedded", "sglang")
+LOOPBACK = "127.0.0.1"
+SGLANG_INSTALL_HINT = "pip install 'miles[sglang]'"
+
+
+def sglang_importable() -> bool:
+    """True when ``import sglang`` would find the package (without importing it)."""
+    try:
+        return importlib.util.find_spec("sglang") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def resolve_engine_kind(rollout: RolloutConfig, has_gpu: bool) -> str:
+    """``"sglang"`` or ``"embedded"`` from ``--rollout-engine`` (auto|embedded|sglang).
+
+    auto picks SGLang when it is importable and a GPU is present, else the embedded engine.
+    Asking for SGLang explicitly when it is not installed is an error naming the pip extra.
+    """
+    choice = rollout.rollout_engine
+    if choice == "embedded":
+        return "embedded"
+    if choice == "sglang":
+        if not sglang_importable():
+            raise MissingDependencyError(
+                "--rollout-engine sglang was given but the Python package 'sglang' is not importable. "
+                f"Install it on the engine nodes with: {SGLANG_INSTALL_HINT} (GPU only), "
+                "or use --rollout-engine embedded (or auto).")
+        if not has_gpu:
+            warn_once(logger, "--rollout-engine sglang on a node without a CUDA GPU: SGLang's CPU backend is "
+                              "experimental; --rollout-engine embedded is the tested CPU path.")
+        return "sglang"
+    if choice == "auto":
+        kind = "sglang" if (has_gpu and sglang_importable()) else "embedded"
+        logger.info("--rollout-engine auto -> %s (gpu=%s, sglang importable=%s)", kind, has_gpu, sglang_importable())
+        return kind
+    raise ConfigError(f"--rollout-engine {choice!r} is not one of auto, embedded, sglang.")
+
+
+def engine_host(num_nodes: int, address: str | None = None) -> str:
+    """The address an engine on this node listens on.
+
+    Loopback when the whole job runs on one node (nothing else needs to reach it); otherwise this
+    host's address as other nodes see it (``address`` if given, else ``miles.utils.net.host_address``).
+    Never ``0.0.0.0``: pass it as ``address`` explicitly to listen on every interface.
+    """
+    if num_nodes < 1:
+        raise ValueError(f"engine_host: num_nodes must be >= 1, got {num_nodes}")
+    if num_nodes == 1:
+        return address if address is not None else LOOPBACK
+    addr = address or host_address()
+    if addr.startswith("127.") or addr == "::1":
+        raise ConfigError(
+            f"this job spans {num_nodes} nodes but this host's address resolves to loopback ({addr}); other "
+            "nodes could not reach its engines. Fix the host's name resolution or set --master-addr / the "
+            "launcher's address so that `hostname` resolves to a routable IP.")
+    return addr
+
+
+def make_api_key() -> str:
+    """A fresh random API key (URL-safe, 256 bits) for one run's engines, router and client."""
+    return secrets.token_urlsafe(32)
+
+
+def resolve_api_key(rollout: RolloutConfig, num_nodes: int) -> str | None:
+    """``--sglang-api-key`` if given; a fresh key for multi-node jobs; None (no key) on one node.
+
+    The driver calls this once and hands the key to every engine, the router and the client.
+    """
+    if rollout.sglang_api_key:
+        return rollout.sglang_api_key
+    if num_nodes > 1:
+        logger.info("multi-node job without --sglang-api-key: generated a per-run engine API key")
+        return make_api_key()
+    return None
+
+
+def engine_url(host: str, port: int) -> str:
+    """``http://host:port`` (IPv6 hosts in brackets)."""
+    try:
+        if ipaddress.ip_address(host).version == 6:
+            host = f"[{host}]"
+    except ValueError:
+        pass
+    return f"http://{host}:{port}"
+
+
+def build_engine_argv(
+    kind: str,
+    *,
+    hf_checkpoint: str,
+    host: str,
+    port: int,
+    api_key: str | None = None,
+    num_gpus: int = 1,
+    base_gpu_id: int = 0,
+    device: str = "cpu",
+    colocate: bool = False,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    dist_init_addr: str | None = None,
+    mem_fraction_static: float | None = None,
+    max_running_requests: int | None = None,
+    max_context_len: int | None = None,
+    dtype: str | None = None,
+    nccl_port: int | None = None,
+    python: str = sys.executable,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """The command line that starts one engine (one node's share of it for a multi-node engine).
+
+    ``num_gpus`` is the engine's tensor-parallel size (``--rollout-num-gpus-per-engine``); a multi-node
+    SGLang engine runs this on each of its ``nnodes`` nodes with its own ``node_rank`` and a common
+    ``dist_init_addr`` (host:port of node 0). ``colocate`` turns on SGLang's memory saver so the engine
+    can release its GPU memory while the trainer runs.
+    """
+    if kind not in ENGINE_KINDS:
+        raise ConfigError(f"engine kind {kind!r} is not one of {', '.join(ENGINE_KINDS)} (--rollout-engine).")
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"engine device {device!r} is not 'cpu' or 'cuda' (--device).")
+    if not hf_checkpoint:
+        raise ConfigError("the engine needs a model: set --hf-checkpoint to a local HF model directory.")
+    if not (0 < port < 65536):
+        raise ConfigError(f"engine port {port} is out of range 1..65535.")
+    if num_gpus < 1:
+        raise ConfigError(f"--rollout-num-gpus-per-engine {num_gpus} must be >= 1.")
+    if base_gpu_id < 0:
+        raise ConfigError(f"engine base GPU id {base_gpu_id} must be >= 0.")
+    if nnodes < 1 or not (0 <= node_rank < nnodes):
+        raise ConfigError(f"engine node_rank {node_rank} must be in [0, nnodes={nnodes}).")
+    if nnodes > 1 and not dist_init_addr:
+        raise ConfigError(f"a multi-node engine (nnodes={nnodes}) needs dist_init_addr (host:port of its node 0).")
+    if kind == "embedded":
+        return _embedded_argv(
+            hf_checkpoint=hf_checkpoint, host=host, port=port, api_key=api_key, num_gpus=num_gpus,
+            base_gpu_id=base_gpu_id, device=device, nnodes=nnodes, mem_fraction_static=mem_fraction_static,
+            max_running_requests=max_running_requests, max_context_len=max_context_len, dtype=dtype,
+            python=python, extra=extra)
+    return _sglang_argv(
+        hf_checkpoint=hf_checkpoint, host=host, port=port, api_key=api_key, num_gpus=num_gpus,
+        base_gpu_id=base_gpu_id, device=device, colocate=colocate, nnodes=nnodes, node_rank=node_rank,
+        dist_init_addr=dist_init_addr, mem_fraction_static=mem_fraction_static,
+        max_running_requests=max_running_requests, max_context_len=max_context_len, dtype=dtype,
+        nccl_port=nccl_port, python=python, extra=extra)
+
+
+def _embedded_argv(*, hf_checkpoint, host, port, api_key, num_gpus, base_gpu_id, device, nnodes,
+                   mem_fraction_static, max_running_requests, max_context_len, dtype, python, extra) -> list[str]:
+    if num_gpus != 1 or nnodes != 1:
+        raise ConfigError(
+            f"the embedded engine runs on one device, but --rollout-num-gpus-per-engine is {num_gpus} "
+            f"(nodes per engine: {nnodes}). Use --rollout-num-gpus-per-engine 1, or --rollout-engine sglang "
+            "for tensor-parallel engines.")
+    if mem_fraction_static is not None:
+        warn_once(logger, "--sglang-mem-fraction-static is ignored by the embedded engine "
+                          "(its KV cache is sized by --engine-max-running-requests x --engine-max-context-len).")
+    dev = f"cuda:{base_gpu_id}" if device == "cuda" else "cpu"
+    argv = [python, "-m", "miles.engine", "--hf-checkpoint", str(hf_checkpoint), "--host", host, "--port", str(port),
+            "--device", dev]
+    if api_key:
+        argv += ["--api-key", api_key]
+    if dtype:
+        argv += ["--dtype", dtype]
+    if max_running_requests is not None:
+        argv += ["--max-running-requests", str(max_running_requests)]
+    if max_context_len is not None:
+        argv += ["--max-context-len", str(max_context_len)]
+    return argv + list(extra)
+
+
+def _sglang_argv(*, hf_checkpoint, host, port, api_key, num_gpus, base_gpu_id, device, colocate, nnodes, node_rank,
+                 dist_init_addr, mem_fraction_static, max_running_requests, max_context_len, dtype, nccl_port,
+                 python, extra) -> list[str]:
+    # Flag names are SGLang's ServerArgs (docs/advanced_features/server_arguments.md).
+    if num_gpus % nnodes != 0:
+        raise ConfigError(
+            f"--rollout-num-gpus-per-engine {num_gpus} is not divisible by the engine's {nnodes} nodes; "
+            "a multi-node SGLang engine uses the same number of GPUs on every node.")
+    argv = [python, "-m", "sglang.launch_server",
+            "--model-path", str(hf_checkpoint),
+            "--tp-size", str(num_gpus),
+            "--base-gpu-id", str(base_gpu_id),
+            "--host", host, "--port", str(port),
+            "--device", device]
+    if api_key:
+        argv += ["--api-key", api_key]
+    if colocate:
+        argv.append("--enable-memory-saver")
+    if nnodes > 1:
+        argv += ["--dist-init-addr", dist_init_addr, "--nnodes", str(nnodes), "--node-rank", str(node_rank)]
+    if nccl_port is not None:
+        argv += ["--nccl-port", str(nccl_port)]
+    if mem_fraction_static is not None:
+        argv += ["--mem-fraction-static", str(mem_fraction_static)]
+    if max_running_requests is not None:
+        argv += ["--max-running-requests", str(max_running_requests)]
+    if max_context_len is not None:
+        argv += ["--context-length", str(max_context_len)]
+    if dtype:
+        argv += ["--dtype", dtype]
+    argv.append("--skip-server-warmup")
+    return argv + list(extra)
+
+
+def engine_argv_from_config(
+    kind: str,
+    rollout: RolloutConfig,
+    *,
+    hf_checkpoint: str,
+    host: str,
+    port: int,
+    api_key: str | None,
+    num_gpus: int,
+    base_gpu_id: int,
+    device: str,
+    colocate: bool,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    dist_init_addr: str | None = None,
+    python: str = sys.executable,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """``build_engine_argv`` with the rollout section's engine flags filled in."""
+    return build_engine_argv(
+        kind, hf_checkpoint=hf_checkpoint, host=host, port=port, api_key=api_key, num_gpus=num_gpus,
+        base_gpu_id=base_gpu_id, device=device, colocate=colocate, nnodes=nnodes, node_rank=node_rank,
+        dist_init_addr=dist_init_addr, mem_fraction_static=rollout.sglang_mem_fraction_static,
+        max_running_requests=rollout.engine_max_running_requests if kind == "embedded" else None,
+        max_context_len=rollout.engine_max_context_len if kind == "embedded" else None, python=python, extra=extra)

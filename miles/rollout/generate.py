@@ -1,0 +1,215 @@
+"""Generating one sample: the default single-turn function and the custom-generate contract.
+
+Token in, token out: the engine gets ``sample.tokens`` (the prompt ids from the data source, and in
+later turns everything so far) as ``input_ids`` with ``return_logprob=True``; the generated ids and
+their log-probs are read from ``meta_info.output_token_logprobs`` and appended unchanged. Nothing is
+ever re-tokenized, so the trainer sees exactly the ids the engine produced.
+
+Default (``--custom-generate-function-path`` unset)::
+
+    sample = await generate(client, sample, sampling_params)
+
+Custom (Miles's signature)::
+
+    async def generate(args, sample, sampling_params) -> Sample
+
+``args`` is a read-only :class:`~miles.rollout.plugins.PluginArgs`: the flags (``args.rollout_max_response_len``
+...), ``args.client`` (send every engine call through it: the manager gives each sample's requests ids it
+can abort) and ``args.tokenizer``. The function fills ``tokens`` (prompt + response), ``response_length``,
+``loss_mask`` (one entry per response token: 1 generated, 0 e.g. tool output), ``rollout_log_probs``
+(one per response token; 0.0 where masked), ``response``, ``status`` and ``weight_version``.
+:class:`MultiTurn` does this bookkeeping; ``generate_with_calculator`` is a worked tool-use example.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+from typing import Any
+
+from miles.config.rollout import RolloutConfig
+from miles.types import Sample, SampleStatus
+
+FINISH_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
+
+
+class EngineResponseError(RuntimeError):
+    """An engine's /generate answer lacks what token-in-token-out needs."""
+
+
+def build_sampling_params(rollout: RolloutConfig, *, max_new_tokens: int | None = None,
+                          temperature: float | None = None) -> dict[str, Any]:
+    """SGLang ``sampling_params`` from the sampling flags (``--rollout-*``)."""
+    params: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens if max_new_tokens is not None else rollout.rollout_max_response_len,
+        "temperature": temperature if temperature is not None else rollout.rollout_temperature,
+        "top_p": rollout.rollout_top_p,
+        "top_k": rollout.rollout_top_k,
+        "skip_special_tokens": rollout.rollout_skip_special_tokens,
+    }
+    if rollout.rollout_stop:
+        params["stop"] = list(rollout.rollout_stop)
+    if rollout.rollout_stop_token_ids:
+        params["stop_token_ids"] = list(rollout.rollout_stop_token_ids)
+    return params
+
+
+def _weight_version(v: Any) -> int | None:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def parse_output(out: dict[str, Any]) -> tuple[list[int], list[float], SampleStatus, int | None]:
+    """(token ids, log-probs, status, weight version) of one /generate answer (SGLang's shape)."""
+    meta = out.get("meta_info") if isinstance(out, dict) else None
+    if not isinstance(meta, dict):
+        raise EngineResponseError(f"/generate answer has no meta_info object: {str(out)[:200]}")
+    pairs = meta.get("output_token_logprobs")
+    if pairs is None:
+        raise EngineResponseError("/generate answer has no meta_info.output_token_logprobs (the request must set "
+                                  "return_logprob=True, and the engine must honour it)")
+    try:
+        ids = [int(p[1]) for p in pairs]
+        logprobs = [float(p[0]) for p in pairs]
+    except (TypeError, ValueError, IndexError) as e:
+        raise EngineResponseError(f"malformed output_token_logprobs entry ({e}): {str(pairs[:3])[:200]}") from e
+    finish = meta.get("finish_reason")
+    kind = finish.get("type") if isinstance(finish, dict) else finish
+    if kind not in FINISH_STATUS:
+        raise EngineResponseError(f"/generate answer has finish_reason {finish!r}; expected stop, length or abort")
+    return ids, logprobs, FINISH_STATUS[kind], _weight_version(meta.get("weight_version"))
+
+
+def append_output(sample: Sample, out: dict[str, Any], decode: Any = None) -> tuple[list[int], SampleStatus]:
+    """Append one /generate answer to ``sample`` as trained-on response tokens; returns (new ids, status).
+
+    The response text is the engine's ``text``, or ``decode(ids)`` when given (exact for the ids, stop
+    strings included).
+    """
+    ids, logprobs, status, version = parse_output(out)
+    sample.tokens = list(sample.tokens) + ids
+    sample.response_length += len(ids)
+    sample.loss_mask = (sample.loss_mask or []) + [1] * len(ids)
+    sample.rollout_log_probs = (sample.rollout_log_probs or []) + logprobs
+    sample.response += decode(ids) if decode is not None else (out.get("text") or "")
+    if version is not None:
+        sample.weight_version = version if sample.weight_version is None else min(sample.weight_version, version)
+    sample.status = status
+    return ids, status
+
+
+async def generate(client: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
+    """The default: one /generate call on ``sample.tokens`` (the prompt ids)."""
+    out = await client.generate(list(sample.tokens), sampling_params, return_logprob=True)
+    append_output(sample, out)
+    return sample
+
+
+class MultiTurn:
+    """Builds one sample over several engine calls and inserted observations, keeping ids exact.
+
+    The whole response (generated turns plus observations) is limited to ``max_new_tokens`` of the
+    sampling params; when it runs out the sample is TRUNCATED.
+    """
+
+    def __init__(self, sample: Sample, tokenizer: Any, sampling_params: dict[str, Any]) -> None:
+        self.sample, self.tokenizer = sample, tokenizer
+        self.sampling_params = dict(sampling_params)
+        self.budget = int(self.sampling_params["max_new_tokens"])
+        self.sample.loss_mask = self.sample.loss_mask or []
+        self.sample.rollout_log_probs = self.sample.rollout_log_probs or []
+
+    @property
+    def remaining(self) -> int:
+        return self.budget - self.sample.response_length
+
+    async def generate_turn(self, client: Any, **overrides: Any) -> tuple[list[int], SampleStatus]:
+        """One engine call on everything so far; returns the new ids and the turn's status."""
+        if self.remaining <= 0:
+            self.sample.status = SampleStatus.TRUNCATED
+            return [], SampleStatus.TRUNCATED
+        params = {**self.sampling_params, **overrides, "max_new_tokens": min(self.remaining, overrides.get(
+            "max_new_tokens", self.remaining))}
+        out = await client.generate(list(self.sample.tokens), params, return_logprob=True)
+        return append_output(self.sample, out, decode=self.decode)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=bool(self.sampling_params.get("skip_special_tokens")))
+
+    def add_observation(self, ids: list[int] | None = None, text: str | None = None) -> bool:
+        """Append tool output (ids, or text tokenized on its own) with loss mask 0 and log-prob 0.0.
+
+        Returns False, marking the sample TRUNCATED, when it does not fit the response budget.
+        """
+        if ids is None:
+            if text is None:
+                raise ValueError("add_observation needs ids or text")
+            ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if len(ids) > self.remaining:
+            self.sample.status = SampleStatus.TRUNCATED
+            return False
+        s = self.sample
+        s.tokens = list(s.tokens) + list(ids)
+        s.response_length += len(ids)
+        s.loss_mask = s.loss_mask + [0] * len(ids)
+        s.rollout_log_probs = s.rollout_log_probs + [0.0] * len(ids)
+        s.response += self.decode(ids)
+        return True
+
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.USub: operator.neg, ast.UAdd: operator.pos}
+
+
+def safe_arithmetic(expr: str) -> float | int:
+    """Evaluate + - * / // % and parentheses on numbers; ValueError for anything else."""
+
+    def ev(node: ast.AST) -> float | int:
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.left), ev(node.right))
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.operand))
+        raise ValueError(f"not plain arithmetic: {ast.dump(node)[:60]}")
+
+    if len(expr) > 200:
+        raise ValueError("expression too long")
+    try:
+        return ev(ast.parse(expr.strip(), mode="eval"))
+    except (SyntaxError, ZeroDivisionError) as e:
+        raise ValueError(str(e)) from e
+
+
+def calculator_observation(turn_text: str) -> str | None:
+    """The tool answer for a turn ending in ``<calc>EXPR</calc>``, or None when the turn calls no tool."""
+    if not turn_text.rstrip().endswith("</calc>") or "<calc>" not in turn_text:
+        return None
+    expr = turn_text[turn_text.rfind("<calc>") + len("<calc>"):turn_text.rstrip().rfind("</calc>")]
+    try:
+        value = safe_arithmetic(expr)
+        return f"<result>{value:g}</result>" if isinstance(value, float) else f"<result>{value}</result>"
+    except (ValueError, OverflowError) as e:
+        return f"<result>error: {e}</result>"
+
+
+async def generate_with_calculator(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
+    """Example ``--custom-generate-function-path miles.rollout.generate.generate_with_calculator``.
+
+    The model may end a turn with ``<calc>EXPR</calc>``; the tool's ``<result>VALUE</result>`` is
+    appended (loss mask 0) and generation continues, for up to ``metadata["max_turns"]`` turns (4).
+    """
+    turn = MultiTurn(sample, args.tokenizer, sampling_params)
+    stops = list(sampling_params.get("stop") or []) + ["</calc>"]
+    for _ in range(int(sample.metadata.get("max_turns", 4))):
+        ids, status = await turn.generate_turn(args.client, stop=stops)
+        if status is not SampleStatus.COMPLETED:
+            break
+        observation = calculator_observation(turn.decode(ids))
+        if observation is None or not turn.add_observation(text=observation):
+            break
+    return sample

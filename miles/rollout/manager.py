@@ -1,0 +1,410 @@
+"""The rollout manager (driver rank): prompts -> /generate fan-out -> rewards -> dynamic sampling.
+
+    manager = RolloutManager(cfg.rollout, cfg.data, cfg.reward, client, tokenizer, data_source,
+                             eval_cfg=cfg.eval, progress=bar_update)
+    result = await manager.generate_rollout(rollout_id)   # RolloutResult(samples=[[Sample] * n] * B, metrics)
+    metrics = await manager.evaluate(eval_datasets, rollout_id)
+
+Each rollout draws ``--rollout-batch-size`` prompts (``--over-sampling-batch-size`` at a time with a
+``--dynamic-sampling-filter-path``), runs ``--n-samples-per-prompt`` samples per prompt concurrently
+(the client bounds concurrency and retries failed requests on another engine), rewards each sample
+(or each group with ``--group-rm``) and keeps groups the filter accepts.
+
+Reproducibility: sample ``i`` of group ``g`` in rollout ``r`` gets ``sampling_seed`` =
+hash(``--rollout-seed``, r, g, i), and the kept groups are the first ``--rollout-batch-size`` passing
+groups *in launch order* (not completion order), so two runs with the same seed and weights keep the
+same groups. Groups after the last kept one are surplus: their requests are aborted by rid and their
+unused prompts are given back to the data source.
+
+Every sample slot is filled exactly once: generation errors (after the client's retries) and reward
+errors mark that sample FAILED and are counted (``rollout/generate_failures``,
+``rollout/reward_failures``); a rollout in which every kept sample failed raises RolloutError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import copy
+import hashlib
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from miles.config.base import ConfigError
+from miles.config.data import DataConfig, EvalConfig, RewardConfig
+from miles.config.rollout import RolloutConfig
+from miles.rollout import generate as gen
+from miles.rollout.data import DataSource, PromptDataset, PromptItem
+from miles.rollout.filters import call_filter, load_filter
+from miles.rollout.plugins import PluginArgs, choose_arity, is_async, load_function
+from miles.rollout.rewards import Rewarder
+from miles.types import Sample, SampleStatus
+from miles.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+ProgressFn = Callable[[int, int], None]
+
+
+class RolloutError(RuntimeError):
+    """A rollout cannot produce training data (every sample failed, or the filter starves it)."""
+
+
+@dataclass
+class RolloutResult:
+    samples: list[list[Sample]]
+    metrics: dict[str, float]
+
+
+def sampling_seed(seed: int, stream: str, rollout_id: int, group: int, index: int) -> int:
+    """A 63-bit seed that depends only on its arguments (stable across runs and platforms)."""
+    digest = hashlib.blake2b(f"{seed}:{stream}:{rollout_id}:{group}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+@dataclass
+class _Group:
+    index: int
+    item: PromptItem
+    samples: list[Sample] = field(default_factory=list)
+    task: asyncio.Task | None = None
+    done: bool = False
+    kept: bool = False
+    aborted: bool = False
+    rids: set[str] = field(default_factory=set)
+    requests: int = 0
+
+
+_CURRENT: contextvars.ContextVar[tuple[_Group, Sample] | None] = contextvars.ContextVar("miles_rollout_slot", default=None)
+
+
+def _aborted_response(prompt_len: int, why: str) -> dict[str, Any]:
+    return {"text": "", "output_ids": [], "meta_info": {"finish_reason": {"type": "abort", "message": why},
+            "prompt_tokens": prompt_len, "completion_tokens": 0, "output_token_logprobs": []}}
+
+
+class TrackedClient:
+    """Wraps the EngineClient for generate functions: request ids the manager can abort, retry counts.
+
+    Requests made inside a sample's task get rid ``<run>-<stream>-r<rollout>-g<group>-s<index>-<k>``;
+    once the group is aborted, further requests are answered locally as aborted.
+    """
+
+    def __init__(self, inner: Any, prefix: str) -> None:
+        self.inner, self.prefix = inner, prefix
+        self.retries = 0
+
+    async def generate(self, input_ids: Any, sampling_params: dict[str, Any], return_logprob: bool = True,
+                       rid: str | None = None, **kwargs: Any) -> dict[str, Any]:
+        slot = _CURRENT.get()
+        if slot is None:
+            return await self.inner.generate(input_ids, sampling_params, return_logprob=return_logprob, rid=rid, **kwargs)
+        group, sample = slot
+        if group.aborted:
+            return _aborted_response(len(input_ids), "aborted by the rollout manager (surplus group)")
+        group.requests += 1
+        rid = rid or f"{self.prefix}-r{sample.rollout_id}-g{group.index}-s{sample.index}-{group.requests}"
+        group.rids.add(rid)
+        try:
+            resp = await self.inner.generate(input_ids, sampling_params, return_logprob=return_logprob, rid=rid, **kwargs)
+        finally:
+            group.rids.discard(rid)
+        if isinstance(resp, dict) and isinstance(resp.get("miles"), dict):
+            self.retries += max(0, int(resp["miles"].get("attempts", 1)) - 1)
+        return resp
+
+    async def abort(self, rid: str) -> Any:
+        return await self.inner.abort(rid)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@dataclass
+class _Counts:
+    reward_failures: int = 0
+    generate_failures: int = 0
+    finished: int = 0
+    launched: int = 0
+    response_tokens: int = 0
+    engine_abort_retries: int = 0
+    first_error: str | None = None
+    progress: ProgressFn | None = None
+
+
+class RolloutManager:
+    """Generates one rollout (or an evaluation) from the driver rank; see the module docstring."""
+
+    def __init__(self, rollout: RolloutConfig, data: DataConfig, reward: RewardConfig, client: Any, tokenizer: Any,
+                 data_source: DataSource | None, *, eval_cfg: EvalConfig | None = None,
+                 progress: ProgressFn | None = None, abort_grace: float = 10.0, engine_abort_retries: int = 3) -> None:
+        if not data.rollout_batch_size:
+            raise ConfigError("--rollout-batch-size is required: add --rollout-batch-size N (prompts per rollout).")
+        if data.n_samples_per_prompt < 1:
+            raise ConfigError(f"--n-samples-per-prompt must be >= 1, got {data.n_samples_per_prompt}.")
+        self.rollout, self.data, self.reward, self.eval_cfg = rollout, data, reward, eval_cfg
+        self.tokenizer, self.data_source, self.progress = tokenizer, data_source, progress
+        self.abort_grace, self.engine_abort_retries = abort_grace, engine_abort_retries
+        self.client = TrackedClient(client, uuid.uuid4().hex[:8])
+        self.args = PluginArgs(rollout, data, reward, eval_cfg, client=self.client, tokenizer=tokenizer)
+        self.rewarder = Rewarder(reward, self.args)
+        self.custom_generate = None
+        if data.custom_generate_function_path:
+            path = data.custom_generate_function_path
+            fn = load_function(path, "--custom-generate-function-path")
+            forms = "async def generate(args, sample, sampling_params) -> Sample"
+            choose_arity(fn, (3,), "--custom-generate-function-path", path, forms)
+            if not is_async(fn):
+                raise ConfigError(f"--custom-generate-function-path {path!r} must be a coroutine function ({forms}).")
+            self.custom_generate = fn
+        self.filter = load_filter(data.dynamic_sampling_filter_path) if data.dynamic_sampling_filter_path else None
+        self.batch = data.rollout_batch_size
+        self.over = data.over_sampling_batch_size or self.batch
+        if data.over_sampling_batch_size and self.filter is None:
+            logger.warning("--over-sampling-batch-size %d has no effect without --dynamic-sampling-filter-path",
+                           data.over_sampling_batch_size)
+
+    # ------------------------------------------------------------------ one sample / one group
+    def _new_group(self, index: int, item: PromptItem, rollout_id: int, n: int) -> _Group:
+        g = _Group(index=index, item=item)
+        g.samples = [self._fresh_sample(g, rollout_id, i, n) for i in range(n)]
+        return g
+
+    @staticmethod
+    def _fresh_sample(g: _Group, rollout_id: int, i: int, n: int) -> Sample:
+        meta = copy.deepcopy(g.item.metadata)
+        if g.item.tools is not None:
+            meta.setdefault("tools", g.item.tools)
+        return Sample(group_index=g.index, index=g.index * n + i, rollout_id=rollout_id, prompt=g.item.prompt,
+                      tokens=list(g.item.prompt_ids), label=g.item.label, metadata=meta)
+
+    def _check_generated(self, sample: Sample, prompt_ids: list[int]) -> str | None:
+        if not isinstance(sample, Sample):
+            return f"returned {type(sample).__name__}, expected a Sample"
+        if list(sample.tokens[:len(prompt_ids)]) != prompt_ids or len(sample.tokens) != len(prompt_ids) + sample.response_length:
+            return (f"tokens ({len(sample.tokens)}) must be the prompt ids ({len(prompt_ids)}) followed by "
+                    f"response_length ({sample.response_length}) response ids")
+        for name in ("loss_mask", "rollout_log_probs"):
+            v = getattr(sample, name)
+            if v is not None and len(v) != sample.response_length:
+                return f"{name} has {len(v)} entries, expected response_length {sample.response_length}"
+        if sample.status is SampleStatus.PENDING:
+            return "left the sample's status PENDING"
+        return None
+
+    async def _generate_slot(self, g: _Group, slot: int, params: dict[str, Any], counts: _Counts) -> Sample:
+        """Run the generate function on slot ``slot``; an exception marks the sample FAILED (counted)."""
+        sample = g.samples[slot]
+        prompt_ids = list(sample.tokens)
+        token = _CURRENT.set((g, sample))
+        try:
+            if self.custom_generate is not None:
+                out = await self.custom_generate(self.args, sample, params)
+                problem = self._check_generated(out, prompt_ids)
+                if problem is not None:
+                    raise RuntimeError(f"--custom-generate-function-path {self.data.custom_generate_function_path}: {problem}")
+                out.group_index, out.index, out.rollout_id = sample.group_index, sample.index, sample.rollout_id
+                g.samples[slot] = sample = out
+            else:
+                await gen.generate(self.client, sample, params)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            sample.status = SampleStatus.FAILED
+            sample.metadata["generate_error"] = f"{type(e).__name__}: {e}"
+            counts.generate_failures += 1
+            counts.first_error = counts.first_error or f"generation: {type(e).__name__}: {e}"
+            logger.error("generation failed for sample %d (group %d, rollout %d): %s: %s", sample.index,
+                         sample.group_index, sample.rollout_id, type(e).__name__, e)
+        finally:
+            _CURRENT.reset(token)
+        return sample
+
+    async def _run_sample(self, g: _Group, slot: int, params: dict[str, Any], counts: _Counts, score: bool) -> None:
+        for attempt in range(self.engine_abort_retries + 1):
+            if attempt:  # the engine aborted it (e.g. paused for a weight update): start the slot afresh
+                g.samples[slot] = self._fresh_sample(g, g.samples[slot].rollout_id, slot, len(g.samples))
+            sample = await self._generate_slot(g, slot, params, counts)
+            if sample.status is not SampleStatus.ABORTED or g.aborted or attempt == self.engine_abort_retries:
+                break
+            counts.engine_abort_retries += 1
+            logger.info("sample %d (group %d) was aborted by the engine; generating it again (%d/%d)",
+                        sample.index, g.index, attempt + 1, self.engine_abort_retries)
+        counts.response_tokens += sample.response_length
+        if score and not self.rewarder.group and sample.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED):
+            if not await self.rewarder.score_sample(sample):
+                counts.reward_failures += 1
+                counts.first_error = counts.first_error or f"reward: {sample.metadata.get('reward_error')}"
+        counts.finished += 1
+        if counts.progress is not None:
+            counts.progress(counts.finished, counts.launched)
+
+    async def _run_group(self, g: _Group, stream: str, rollout_id: int, base: dict[str, Any], counts: _Counts) -> None:
+        seed = self.rollout.rollout_seed
+        await asyncio.gather(*(self._run_sample(g, i, {**base, "sampling_seed": sampling_seed(seed, stream, rollout_id, g.index, i)},
+                                                counts, True) for i in range(len(g.samples))))
+        if self.rewarder.group and not g.aborted:
+            failed = await self.rewarder.score_group(g.samples)
+            counts.reward_failures += failed
+            if failed:
+                counts.first_error = counts.first_error or f"reward: {g.samples[0].metadata.get('reward_error')}"
+
+    # ------------------------------------------------------------------ a training rollout
+    async def generate_rollout(self, rollout_id: int) -> RolloutResult:
+        if self.data_source is None:
+            raise ValueError("RolloutManager.generate_rollout needs a data_source (built from --prompt-data)")
+        t0 = time.monotonic()
+        retries0 = self.client.retries
+        n = self.data.n_samples_per_prompt
+        base = gen.build_sampling_params(self.rollout)
+        counts = _Counts(progress=self.progress)
+        groups: list[_Group] = []
+        by_task: dict[asyncio.Task, _Group] = {}
+        drops: Counter[str] = Counter()
+        max_groups = self.batch + max(len(self.data_source.dataset), self.over)
+
+        def launch(k: int) -> None:
+            for item in self.data_source.next_batch(k):
+                g = self._new_group(len(groups), item, rollout_id, n)
+                counts.launched += n
+                g.task = asyncio.ensure_future(self._run_group(g, "train", rollout_id, base, counts))
+                by_task[g.task] = g
+                groups.append(g)
+
+        selected: list[_Group] | None = None
+        try:
+            launch(self.over if self.filter is not None else self.batch)
+            while (selected := self._select(groups)) is None:
+                in_flight = sum(1 for g in groups if not g.done)
+                passing = sum(1 for g in groups if g.done and g.kept)
+                if passing + in_flight < self.batch:
+                    if len(groups) >= max_groups:
+                        raise RolloutError(
+                            f"rollout {rollout_id}: the dynamic sampling filter {self.data.dynamic_sampling_filter_path} "
+                            f"kept {passing} of {len(groups)} groups (drops: {dict(drops)}) without reaching "
+                            f"--rollout-batch-size {self.batch}. Rewards may be all equal (e.g. all 0): check the "
+                            f"reward, or drop --dynamic-sampling-filter-path.")
+                    launch(self.over)
+                pending = [g.task for g in groups if not g.done]
+                finished, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in finished:
+                    g = by_task[task]
+                    task.result()  # a bug (not a sample failure) propagates
+                    g.done = True
+                    verdict = call_filter(self.filter, self.args, g.samples)
+                    g.kept = verdict.keep
+                    if not verdict.keep:
+                        drops[verdict.reason or "filtered"] += 1
+        finally:
+            surplus = groups[groups.index(selected[-1]) + 1:] if selected else [g for g in groups if not g.done]
+            aborted = await self._abort(surplus)
+        if self.filter is not None:
+            self.data_source.give_back([g.item for g in surplus if not (g.done and not g.kept)])
+        result = [g.samples for g in selected]
+        metrics = self._metrics(result, counts, t0)
+        metrics.update({
+            "rollout/retries": self.client.retries - retries0,
+            "rollout/groups_launched": len(groups),
+            "rollout/groups_dropped": sum(drops.values()),
+            "rollout/surplus_aborted_requests": aborted,
+            "rollout/epoch": self.data_source.epoch,
+        })
+        for reason, c in drops.items():
+            metrics[f"rollout/dynamic_filter/drop_{reason}"] = c
+        if self.filter is not None:
+            scored = [s.reward for g in groups if g.done for s in g.samples if s.reward is not None]
+            if scored:
+                metrics["rollout/raw_reward_unfiltered"] = sum(scored) / len(scored)
+        flat = [s for grp in result for s in grp]
+        if flat and all(s.status is SampleStatus.FAILED for s in flat):
+            raise RolloutError(f"rollout {rollout_id}: every one of {len(flat)} samples failed; first error: "
+                               f"{counts.first_error}")
+        return RolloutResult(samples=result, metrics=metrics)
+
+    def _select(self, groups: list[_Group]) -> list[_Group] | None:
+        """The first ``batch`` kept groups in launch order, once every group before them is done."""
+        chosen: list[_Group] = []
+        for g in groups:
+            if not g.done:
+                return None
+            if g.kept:
+                chosen.append(g)
+                if len(chosen) == self.batch:
+                    return chosen
+        return None
+
+    async def _abort(self, surplus: list[_Group]) -> int:
+        """Abort the surplus groups' requests by rid; wait ``abort_grace`` s, then cancel what remains."""
+        from miles.rollout.client import EngineError
+
+        for g in surplus:
+            g.aborted = True
+        rids = [rid for g in surplus for rid in g.rids]
+
+        async def _one(rid: str) -> None:
+            try:
+                await self.client.abort(rid)
+            except EngineError as e:
+                logger.debug("abort %s: %s", rid, e)
+
+        if rids:
+            await asyncio.gather(*(_one(r) for r in rids))
+        tasks = [g.task for g in surplus if g.task is not None and not g.task.done()]
+        if tasks:
+            _, still = await asyncio.wait(tasks, timeout=self.abort_grace)
+            for t in still:
+                t.cancel()
+            if still:
+                logger.warning("%d surplus groups did not stop within %.0fs of their abort; cancelled", len(still), self.abort_grace)
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return len(rids)
+
+    def _metrics(self, groups: list[list[Sample]], counts: _Counts, t0: float) -> dict[str, float]:
+        flat = [s for g in groups for s in g]
+        rewards = [s.reward for s in flat if s.reward is not None and s.status is not SampleStatus.FAILED]
+        lengths = [s.response_length for s in flat]
+        elapsed = time.monotonic() - t0
+        return {
+            "rollout/raw_reward": sum(rewards) / len(rewards) if rewards else float("nan"),
+            "rollout/response_len": sum(lengths) / len(lengths) if lengths else 0.0,
+            "rollout/response_len_max": max(lengths, default=0),
+            "rollout/truncated_ratio": sum(s.status is SampleStatus.TRUNCATED for s in flat) / max(1, len(flat)),
+            "rollout/aborted_ratio": sum(s.status is SampleStatus.ABORTED for s in flat) / max(1, len(flat)),
+            "rollout/reward_failures": counts.reward_failures,
+            "rollout/generate_failures": counts.generate_failures,
+            "rollout/engine_abort_retries": counts.engine_abort_retries,
+            "rollout/num_samples": len(flat),
+            "perf/rollout_time": elapsed,
+            "perf/rollout_tokens_per_s": counts.response_tokens / elapsed if elapsed > 0 else 0.0,
+        }
+
+    # ------------------------------------------------------------------ evaluation
+    async def evaluate(self, eval_datasets: dict[str, PromptDataset], rollout_id: int = 0) -> dict[str, float]:
+        """Every prompt of each dataset, ``--n-samples-per-eval-prompt`` times; metrics ``eval/<name>/...``."""
+        ev = self.eval_cfg
+        n = ev.n_samples_per_eval_prompt if ev else 1
+        base = gen.build_sampling_params(self.rollout, max_new_tokens=ev.eval_max_response_len if ev else None,
+                                         temperature=ev.eval_temperature if ev else None)
+        metrics: dict[str, float] = {}
+        for name, dataset in eval_datasets.items():
+            t0 = time.monotonic()
+            counts = _Counts()
+            groups = [self._new_group(i, item, rollout_id, n) for i, item in enumerate(dataset.items)]
+            counts.launched = len(groups) * n
+            try:
+                await asyncio.gather(*(self._run_group(g, f"eval:{name}", rollout_id, base, counts) for g in groups))
+            finally:
+                for g in groups:
+                    g.aborted = True
+            m = self._metrics([g.samples for g in groups], counts, t0)
+            metrics.update({f"eval/{name}/{k.split('/', 1)[1]}": v for k, v in m.items() if k.startswith("rollout/")})
+            metrics[f"eval/{name}"] = m["rollout/raw_reward"]  # Miles's key for the mean reward
+            metrics[f"eval/{name}/time"] = m["perf/rollout_time"]
+        return metrics
+
+    async def aclose(self) -> None:
+        await self.rewarder.aclose()

@@ -1,0 +1,113 @@
+"""User extension points given as ``module.function`` paths, loaded and signature-checked at start-up.
+
+Miles's ``--*-path`` flags (``--custom-rm-path``, ``--custom-generate-function-path``,
+``--dynamic-sampling-filter-path``) name a function by dotted path. Here they are resolved when the
+rollout manager is built, so a typo or a wrong signature fails before the first rollout with a message
+naming the flag, the value and the fix, not in the middle of a run.
+
+Every plugin that takes an ``args`` parameter receives a :class:`PluginArgs`: a read-only view over the
+typed config sections (``args.rollout_max_response_len``, ``args.reward_key``, ``args.rm_url``, ...),
+plus ``args.client`` (the :class:`~miles.rollout.client.EngineClient`) and ``args.tokenizer``. This keeps
+Miles's ``custom_rm(args, sample)`` and ``generate(args, sample, sampling_params)`` working unchanged
+for code that only reads flags.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import fields, is_dataclass
+from typing import Any
+
+from miles.config.base import ConfigError
+
+
+class PluginArgs:
+    """Read-only attribute view over config sections, plus the engine client and the tokenizer.
+
+    ``args.x`` returns the first section's field ``x`` (sections never share field names). Unknown
+    names raise AttributeError listing where they were looked up.
+    """
+
+    def __init__(self, *sections: Any, client: Any = None, tokenizer: Any = None) -> None:
+        values: dict[str, Any] = {}
+        for sec in sections:
+            if sec is None:
+                continue
+            if not is_dataclass(sec):
+                raise TypeError(f"PluginArgs takes config dataclass sections, got {type(sec).__name__}")
+            for f in fields(sec):
+                values.setdefault(f.name, getattr(sec, f.name))
+        object.__setattr__(self, "_values", values)
+        object.__setattr__(self, "_sections", [type(s).__name__ for s in sections if s is not None])
+        object.__setattr__(self, "client", client)
+        object.__setattr__(self, "tokenizer", tokenizer)
+
+    def __getattr__(self, name: str) -> Any:
+        values = object.__getattribute__(self, "_values")
+        if name in values:
+            return values[name]
+        raise AttributeError(f"plugin args have no field '{name}' (looked in {', '.join(self._sections)}, client, tokenizer)")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"plugin args are read-only (tried to set '{name}'); keep per-call state on the sample")
+
+
+def load_function(path: str, flag: str) -> Callable[..., Any]:
+    """Import ``module.function`` (or ``module.Class.method``-free ``module.attr``) named by ``flag``."""
+    if not isinstance(path, str) or "." not in path.strip(".") or path != path.strip():
+        raise ConfigError(f"{flag} {path!r} must be a dotted path 'package.module.function'.")
+    module_name, _, attr = path.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(
+            f"{flag} {path!r}: cannot import module '{module_name}' ({e}). Put the module on PYTHONPATH "
+            f"(e.g. run from its folder or `export PYTHONPATH=DIR:$PYTHONPATH`) or fix the path.") from e
+    if not hasattr(module, attr):
+        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise ConfigError(f"{flag} {path!r}: module '{module_name}' has no attribute '{attr}'; callables there: "
+                          f"{', '.join(public[:20]) or '(none)'}.")
+    fn = getattr(module, attr)
+    if not callable(fn):
+        raise ConfigError(f"{flag} {path!r} names a {type(fn).__name__}, not a function.")
+    return fn
+
+
+def positional_arity(fn: Callable[..., Any]) -> tuple[int, int | None]:
+    """(required, maximum) positional parameters of ``fn``; maximum is None with ``*args``."""
+    sig = inspect.signature(fn)
+    required, maximum = 0, 0
+    for p in sig.parameters.values():
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            maximum += 1
+            if p.default is p.empty:
+                required += 1
+        elif p.kind is p.VAR_POSITIONAL:
+            return required, None
+        elif p.kind is p.KEYWORD_ONLY and p.default is p.empty:
+            raise TypeError(f"required keyword-only parameter '{p.name}' is never passed")
+    return required, maximum
+
+
+def choose_arity(fn: Callable[..., Any], accepted: Sequence[int], flag: str, path: str, forms: str) -> int:
+    """Pick how many positional arguments to pass ``fn``: the largest of ``accepted`` it can take."""
+    try:
+        required, maximum = positional_arity(fn)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{flag} {path!r}: unusable signature ({e}); expected {forms}.") from e
+    for n in sorted(accepted, reverse=True):
+        if required <= n and (maximum is None or n <= maximum):
+            return n
+    raise ConfigError(f"{flag} {path!r} has signature {inspect.signature(fn)}; expected {forms}.")
+
+
+def is_async(fn: Callable[..., Any]) -> bool:
+    """True for ``async def`` functions and objects whose ``__call__`` is one."""
+    call = vars(type(fn)).get("__call__")
+    return inspect.iscoroutinefunction(fn) or (call is not None and inspect.iscoroutinefunction(call))
+
+
+async def maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value

@@ -1,0 +1,220 @@
+"""Build one run's components on every rank, in an order every rank agrees on.
+
+    run = await build_run(cfg, ctx, is_async=False)   # a Run: plan, worker, and on the driver the rest
+    ...
+    await run.close()                                   # on every exit path
+
+Order: the driver resolves the plan (data size, output dir, engine kind, API key) and broadcasts it
+(a driver-side error travels in the same message, so no rank waits for a plan that will not come);
+every rank logs to ``<output-dir>/logs/rank<r>.log``; engine leaders start their engines; trainer
+ranks build the FSDP2 trainer and resume from ``--load`` (default ``--save``) if a complete checkpoint
+exists; the driver waits for the engines, starts the router and connects the weight sender; the
+other ranks follow the driver's commands.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from miles.run.control import CommandChannel, broadcast_json
+from miles.run.fleet import Fleet, Placement, connect_fleet, place_engines
+from miles.run.metrics import NullSink, build_sink, default_output_dir
+from miles.run.progress import Progress
+from miles.run.resolve import RunPlan, resolve_run
+from miles.run.worker import Ranks, Worker
+from miles.spmd.errors import MilesError
+from miles.utils.logging import configure_logging, get_logger
+
+if TYPE_CHECKING:
+    from miles.config import MilesConfig
+    from miles.spmd import SPMDContext
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class Run:
+    """Everything a loop needs. Driver-only fields are None elsewhere."""
+
+    cfg: MilesConfig
+    ctx: SPMDContext
+    plan: RunPlan
+    worker: Worker
+    ranks: Ranks | None = None
+    fleet: Fleet | None = None
+    manager: Any = None
+    sft: Any = None
+    data_source: Any = None
+    eval_datasets: dict[str, Any] = field(default_factory=dict)
+    sink: Any = field(default_factory=NullSink)
+    progress: Progress = field(default_factory=lambda: Progress(enabled=False))
+    resume_extra: dict[str, Any] | None = None
+
+    @property
+    def timeout(self) -> float:
+        return self.cfg.cluster.distributed_timeout_minutes * 60.0
+
+    async def close(self) -> None:
+        """Release everything this rank holds (engines, router, sender, sinks); safe to call twice."""
+        self.progress.close()
+        if self.manager is not None:
+            await self.manager.aclose()
+            self.manager = None
+        if self.fleet is not None:
+            await self.fleet.close()
+            self.fleet = None
+        self.worker.close()
+        self.sink.close()
+
+
+def _driver_plan(cfg: MilesConfig, ctx: SPMDContext) -> tuple[RunPlan, dict[str, Any]]:
+    """Driver: tokenizer, data, derived values. Returns the plan and driver-only objects."""
+    from transformers import AutoTokenizer
+
+    from miles.rollout.data import DataSource, PromptDataset, load_eval_datasets
+    from miles.rollout.engines import resolve_api_key, resolve_engine_kind
+
+    if not cfg.train.hf_checkpoint:
+        raise MilesError("--hf-checkpoint DIR is required (a local HF model directory: weights, config, tokenizer).")
+    tokenizer = AutoTokenizer.from_pretrained(cfg.train.hf_checkpoint)
+    seed = cfg.rollout.rollout_seed
+    dataset = data_source = None
+    if cfg.data.prompt_data:
+        dataset = PromptDataset(cfg.data.prompt_data, tokenizer, cfg.data, seed=seed)
+        data_source = DataSource(dataset, shuffle=cfg.data.rollout_shuffle, seed=seed)
+    elif not cfg.cluster.debug_train_only:
+        raise MilesError("--prompt-data FILE is required (JSONL or Parquet with prompts under --input-key).")
+    eval_datasets = load_eval_datasets(cfg.eval, cfg.data, tokenizer, seed) if cfg.eval.eval_prompt_data else {}
+    has_engines = bool(ctx.plan.engines)
+    kind = resolve_engine_kind(cfg.rollout, ctx.world.device.type == "cuda") if has_engines else "none"
+    api_key = resolve_api_key(cfg.rollout, ctx.world.num_nodes) if has_engines else None
+    out_dir = str(default_output_dir(cfg.output))
+    plan = resolve_run(cfg, num_prompts=len(dataset) if dataset is not None else None, output_dir=out_dir,
+                       world_size=ctx.world.world_size, engine_kind=kind, engine_api_key=api_key)
+    return plan, {"tokenizer": tokenizer, "data_source": data_source, "eval_datasets": eval_datasets}
+
+
+def _share_plan(cfg: MilesConfig, ctx: SPMDContext, timeout: float) -> tuple[RunPlan, dict[str, Any]]:
+    """Driver computes, everyone receives; an error on the driver fails every rank with its message."""
+    group, src = ctx.groups.control_group, ctx.plan.driver_rank
+    if ctx.is_driver:
+        try:
+            plan, local = _driver_plan(cfg, ctx)
+        except Exception as e:
+            broadcast_json({"error": f"{type(e).__name__}: {e}"}, group, src, timeout)
+            raise
+        broadcast_json({"plan": plan.to_dict()}, group, src, timeout)
+        return plan, local
+    msg = broadcast_json(None, group, src, timeout)
+    if "error" in msg:
+        raise MilesError(f"the driver (rank {src}) failed during setup: {msg['error']}")
+    return RunPlan.from_dict(msg["plan"]), {}
+
+
+def _write_config(cfg: MilesConfig, plan: RunPlan, out_dir: Path) -> None:
+    resolved = cfg.to_dict()
+    resolved["run_plan"] = {k: v for k, v in plan.to_dict().items() if k != "engine_api_key"}
+    for section in resolved.values():  # never write secrets
+        if isinstance(section, dict) and section.get("sglang_api_key"):
+            section["sglang_api_key"] = "***"
+    (out_dir / "config.json").write_text(json.dumps(resolved, indent=2, sort_keys=True, default=str))
+
+
+def _build_trainer(cfg: MilesConfig, ctx: SPMDContext, plan: RunPlan) -> Any:
+    from miles.trainer.fsdp import FSDPTrainer
+
+    if cfg.train.train_backend != "fsdp":
+        raise MilesError(f"--train-backend {cfg.train.train_backend} is not available in this build; use "
+                         "--train-backend fsdp.")
+    return FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=ctx.groups.trainer_mesh, group=ctx.groups.trainer_group,
+                       device=ctx.world.device, rollout_temperature=cfg.rollout.rollout_temperature,
+                       num_rollout=plan.num_rollout, global_batch_size=plan.global_batch_size,
+                       num_steps_per_rollout=plan.num_steps_per_rollout, timeout=cfg.cluster.distributed_timeout_minutes * 60)
+
+
+def _build_sender(cfg: MilesConfig, ctx: SPMDContext, trainer: Any, placement: Placement, version: int,
+                  api_key: str | None) -> Any:
+    from miles.rollout.engines import engine_host
+    from miles.trainer.hf_export import checkpoint_dtype
+    from miles.weight_sync.base import EngineTarget, build_weight_sender, resolve_mode
+
+    targets = [EngineTarget(url=u, num_workers=n, engine_id=i, api_key=api_key)
+               for i, (u, n) in enumerate(zip(placement.urls, placement.num_workers))]
+    mode = resolve_mode(cfg.weights, ctx.plan.colocate)
+    kwargs: dict[str, Any] = {"device": ctx.world.device}
+    if mode == "broadcast":
+        kwargs["master_addr"] = engine_host(ctx.world.num_nodes)
+    elif mode == "disk-delta":
+        kwargs = {"model_dir": cfg.train.hf_checkpoint}
+    return build_weight_sender(cfg.weights, trainer, colocate=ctx.plan.colocate,
+                               is_source=ctx.rank == ctx.plan.trainer_ranks[0], engines=targets,
+                               dtype=checkpoint_dtype(cfg.train.hf_checkpoint), initial_version=version,
+                               status_group=ctx.groups.trainer_group, **kwargs)
+
+
+async def build_run(cfg: MilesConfig, ctx: SPMDContext) -> Run:
+    timeout = cfg.cluster.distributed_timeout_minutes * 60.0
+    plan, local = _share_plan(cfg, ctx, timeout)
+    out_dir = Path(plan.output_dir)
+    from miles.spmd import role_label
+
+    configure_logging(rank=ctx.rank, role=role_label(ctx.roles), log_dir=out_dir / "logs", level=cfg.output.log_level)
+    if ctx.is_driver:
+        _write_config(cfg, plan, out_dir)
+        logger.info("output dir %s (config.json, metrics.jsonl, logs/)", out_dir)
+    channel = CommandChannel(ctx.groups.control_group, ctx.plan.driver_rank, timeout)
+    progress = Progress(enabled=ctx.is_driver and not cfg.output.no_progress)
+    placement = (place_engines(cfg, ctx, kind=plan.engine_kind, api_key=plan.engine_api_key, out_dir=out_dir,
+                               timeout=timeout) if ctx.plan.engines else None)
+    trainer = extra = None
+    worker = Worker(ctx, channel, timeout=timeout, placement=placement, progress=progress)
+    run = Run(cfg=cfg, ctx=ctx, plan=plan, worker=worker, progress=progress)
+    try:
+        if ctx.is_trainer:
+            trainer = worker.trainer = _build_trainer(cfg, ctx, plan)
+            if progress.enabled:
+                trainer.optimizer.register_step_post_hook(lambda *_: progress.step())
+            extra = trainer.resume()
+        if ctx.is_driver:
+            await _driver_setup(run, local, extra, channel, placement)
+        if ctx.is_trainer and placement is not None:
+            version = int((extra or {}).get("weight_version", 0))
+            worker.sender = _build_sender(cfg, ctx, trainer, placement, version, plan.engine_api_key)
+            if ctx.is_driver and run.fleet is not None:
+                worker.sender.connect(run.fleet.targets)
+    except BaseException as e:
+        if ctx.is_driver:
+            channel.abort(f"setup failed: {type(e).__name__}: {e}")
+        await run.close()
+        raise
+    return run
+
+
+async def _driver_setup(run: Run, local: dict[str, Any], extra: dict[str, Any] | None, channel: CommandChannel,
+                        placement: Placement | None) -> None:
+    cfg, plan = run.cfg, run.plan
+    run.data_source, run.eval_datasets = local["data_source"], local["eval_datasets"]
+    run.resume_extra = extra
+    if extra:
+        plan.start_rollout_id = int(extra.get("next_rollout_id", int(extra["rollout_id"]) + 1))
+        if run.data_source is not None and extra.get("data_source"):
+            run.data_source.load_state_dict(extra["data_source"])
+        logger.info("resuming at rollout %d (checkpoint of rollout %s)", plan.start_rollout_id, extra.get("rollout_id"))
+    run.sink = build_sink(cfg.output, Path(plan.output_dir), enabled=True, config=cfg.to_dict(),
+                          num_rollout=plan.num_rollout, resume=plan.start_rollout_id > 0)
+    run.ranks = Ranks(run.worker)
+    if cfg.algo.loss_type == "sft_loss":
+        from miles.run.sft import SFTSource
+
+        run.sft = SFTSource(run.data_source, local["tokenizer"], cfg.data)
+    if placement is not None:
+        with channel.keepalive():
+            run.fleet = await connect_fleet(cfg, placement, api_key=plan.engine_api_key, out_dir=Path(plan.output_dir),
+                                            num_nodes=run.ctx.world.num_nodes)
+        from miles.rollout.manager import RolloutManager
+
+        run.manager = RolloutManager(cfg.rollout, cfg.data, cfg.reward, run.fleet.client, local["tokenizer"],
+                                     run.data_source, eval_cfg=cfg.eval)

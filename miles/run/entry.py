@@ -1,0 +1,86 @@
+"""What ``train.py`` and ``train_async.py`` share: the SPMD dispatch and ``--dry-run``.
+
+    await run_job(cfg, RLLoop)    # every rank: bootstrap, build, driver loops / others follow, close
+
+The driver (global rank 0) runs the loop and finally sends ``stop``; every other rank follows the
+driver's commands. On any failure the driver tells ranks that wait for a command why the run stops,
+and every rank releases what it holds (engines, router, sinks: the plot is written even then).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from miles.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from miles.config import MilesConfig
+
+logger = get_logger(__name__)
+
+
+async def run_job(cfg: MilesConfig, loop_cls: Any) -> None:
+    from miles.run.build import build_run
+    from miles.spmd import bootstrap
+
+    ctx = bootstrap(cfg)
+    job = await build_run(cfg, ctx)
+    try:
+        if ctx.is_driver:
+            await loop_cls(job).run()
+            job.ranks.stop()
+        else:
+            job.worker.follow()
+    except BaseException as e:
+        if ctx.is_driver:
+            job.worker.channel.abort(f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        await job.close()
+    ctx.close()
+    logger.info("done")
+
+
+def expected_world_size(cfg: MilesConfig) -> int:
+    """The world size the flags ask for (what to pass to torchrun / mpirun / srun)."""
+    c = cfg.cluster
+    actor = c.actor_num_nodes * c.actor_num_gpus_per_node
+    if c.debug_train_only or c.colocate:
+        return actor
+    if c.debug_rollout_only:
+        return c.rollout_num_gpus or 1
+    if c.rollout_num_gpus is None:
+        from miles.config.base import ConfigError
+
+        raise ConfigError("--dry-run of a disaggregated plan needs --rollout-num-gpus R (or a launcher's WORLD_SIZE).")
+    return actor + c.rollout_num_gpus
+
+
+def dry_run(cfg: MilesConfig) -> str:
+    """Parse, validate, build the role plan and the derived values; the text to print. Starts nothing."""
+    from miles.run.metrics import default_output_dir
+    from miles.run.resolve import resolve_run
+    from miles.spmd.roles import build_role_plan
+    from miles.spmd.world import read_launch_env
+
+    launch = read_launch_env()
+    world_size = launch.world_size if launch.launcher != "single" else expected_world_size(cfg)
+    plan = build_role_plan(cfg.cluster, world_size)
+    num_prompts = None
+    if cfg.data.prompt_data and cfg.train.hf_checkpoint:
+        from transformers import AutoTokenizer
+
+        from miles.rollout.data import PromptDataset
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg.train.hf_checkpoint)
+        num_prompts = len(PromptDataset(cfg.data.prompt_data, tokenizer, cfg.data, seed=cfg.rollout.rollout_seed))
+    run_plan = None
+    if cfg.data.num_rollout is not None or cfg.data.num_epoch is not None:
+        run_plan = resolve_run(cfg, num_prompts=num_prompts, output_dir=str(default_output_dir(cfg.output)),
+                               world_size=world_size, engine_kind=cfg.rollout.rollout_engine)
+    lines = [plan.describe(), "", "resolved config:", cfg.to_json()]
+    if run_plan is not None:
+        import json
+
+        lines += ["", "run plan:", json.dumps(run_plan.to_dict(), indent=2)]
+    return "\n".join(lines)

@@ -1,0 +1,163 @@
+"""The engines of one run: started by their leader ranks, reached by the driver through a router.
+
+Every rank calls :func:`place_engines` (one bounded all-gather over the control group): each engine's
+node-0 leader picks its HTTP port (and, for a multi-node SGLang engine, the port of its
+``--dist-init-addr``), every rank learns every engine's URL, and each leader then starts its share of
+the engine as a supervised child process (:class:`~miles.spmd.supervisor.EngineSupervisor`, argv from
+:func:`~miles.rollout.engines.engine_argv_from_config`, log in ``<output-dir>/engine<i>.log``).
+
+The driver then waits until every engine answers ``/health`` (``--engine-startup-timeout``), starts
+(or connects to, ``--sglang-router-ip/--sglang-router-port``) the sglang-router, registers the engines
+and builds the generation client: :func:`connect_fleet` returns a :class:`Fleet`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from miles.rollout.engines import engine_argv_from_config, engine_host, engine_url
+from miles.run.control import all_gather_json
+from miles.utils.logging import get_logger
+from miles.utils.net import find_free_port
+
+if TYPE_CHECKING:
+    from miles.config import MilesConfig
+    from miles.spmd import SPMDContext
+    from miles.spmd.supervisor import EngineSupervisor
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class Placement:
+    """Where every engine listens (known on every rank) and this rank's engine process, if it leads one."""
+
+    urls: list[str]
+    num_workers: list[int]
+    supervisor: EngineSupervisor | None = None
+
+    def stop(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop(timeout=10.0)
+            self.supervisor = None
+
+
+@dataclass
+class Fleet:
+    """The driver's handle on the engines: URLs, weight-sync targets, router and generation client."""
+
+    urls: list[str]
+    targets: list[Any]
+    client: Any
+    router_url: str | None = None
+    router: Any = None  # RouterProcess we started (None when connected to a running one)
+    api_key: str | None = None
+    _controls: dict[str, Any] = field(default_factory=dict)
+
+    def control(self, url: str) -> Any:
+        from miles.rollout.client import EngineControl
+
+        if url not in self._controls:
+            self._controls[url] = EngineControl(url, api_key=self.api_key)
+        return self._controls[url]
+
+    async def call_all(self, method: str, **kwargs: Any) -> list[Any]:
+        """``EngineControl.<method>`` on every engine, concurrently."""
+        return await asyncio.gather(*(getattr(self.control(u), method)(**kwargs) for u in self.urls))
+
+    async def close(self) -> None:
+        for ctl in self._controls.values():
+            await ctl.close()
+        await self.client.close()
+        if self.router is not None:
+            self.router.stop()
+            self.router = None
+
+
+def place_engines(cfg: MilesConfig, ctx: SPMDContext, *, kind: str, api_key: str | None, out_dir: Path,
+                  timeout: float) -> Placement:
+    """Collective over the control group: agree on engine addresses, then leaders start their engines."""
+    plan, world = ctx.plan, ctx.world
+    spec = ctx.engine
+    host = engine_host(world.num_nodes)  # loopback when the job is on one node
+    mine: dict[str, Any] | None = None
+    if spec is not None and ctx.rank == spec.leader_rank:
+        mine = {"engine_id": spec.engine_id, "host": host, "port": find_free_port(host),
+                "dist_port": find_free_port(host) if spec.nnodes > 1 else None}
+    entries = [e for e in all_gather_json(mine, ctx.groups.control_group, timeout) if e is not None]
+    by_id = {e["engine_id"]: e for e in entries}
+    if sorted(by_id) != [s.engine_id for s in plan.engines]:
+        raise RuntimeError(f"engine placement: expected engines {[s.engine_id for s in plan.engines]}, "
+                           f"leaders reported {sorted(by_id)}")
+    urls = [engine_url(by_id[s.engine_id]["host"], by_id[s.engine_id]["port"]) for s in plan.engines]
+    placement = Placement(urls=urls, num_workers=[s.num_gpus for s in plan.engines])
+    if spec is not None and ctx.rank in spec.node_ranks:
+        node0 = by_id[spec.engine_id]
+        node_rank = spec.engine_node_rank(ctx.rank)
+        dist_init = f"{node0['host']}:{node0['dist_port']}" if spec.nnodes > 1 else None
+        argv = engine_argv_from_config(
+            kind, cfg.rollout, hf_checkpoint=cfg.train.hf_checkpoint, host=host, port=node0["port"], api_key=api_key, num_gpus=spec.num_gpus, base_gpu_id=spec.base_gpu_id,
+            device=world.device.type, colocate=plan.colocate, nnodes=spec.nnodes, node_rank=node_rank,
+            dist_init_addr=dist_init)
+        name = f"engine{spec.engine_id}" + (f"-node{node_rank}" if node_rank else "")
+        placement.supervisor = start_engine(argv, cfg, name=name, log_path=out_dir / f"{name}.log")
+    return placement
+
+
+def start_engine(argv: list[str], cfg: MilesConfig, *, name: str, log_path: Path) -> EngineSupervisor:
+    from miles.spmd.supervisor import EngineSupervisor, scrubbed_env
+
+    restarts = cfg.ft.max_engine_restarts if cfg.ft.use_fault_tolerance else 0
+    extra = {"MILES_LOG_LEVEL": os.environ.get("MILES_ENGINE_LOG_LEVEL", "WARNING")}
+
+    def on_exit(sup: EngineSupervisor, code: int, will_restart: bool) -> None:
+        if code != 0:
+            logger.error("%s exited with code %d%s; its log: %s", name, code,
+                         " (restarting)" if will_restart else "", log_path)
+
+    sup = EngineSupervisor(argv, env=scrubbed_env(extra=extra), name=name, log_path=log_path, max_restarts=restarts,
+                           on_exit=on_exit)
+    sup.start()
+    logger.info("started %s (pid %s), log %s", name, sup.pid, log_path)
+    return sup
+
+
+async def connect_fleet(cfg: MilesConfig, placement: Placement, *, api_key: str | None, out_dir: Path,
+                        num_nodes: int) -> Fleet:
+    """Driver: wait for every engine, start or reach the router, register engines, build the client."""
+    from miles.rollout.client import EngineClient, EngineControl
+    from miles.rollout.router import RouterClient, connect_or_start_router
+    from miles.weight_sync.base import EngineTarget
+
+    r = cfg.rollout
+    controls = [EngineControl(u, api_key=api_key) for u in placement.urls]
+    try:
+        await asyncio.gather(*(c.wait_healthy(timeout=r.engine_startup_timeout) for c in controls))
+    finally:
+        for c in controls:
+            await c.close()
+    logger.info("%d engine(s) healthy: %s", len(placement.urls), ", ".join(placement.urls))
+    router_url, router = connect_or_start_router(r, host=engine_host(num_nodes), api_key=api_key,
+                                                 log_path=out_dir / "router.log")
+    rc = RouterClient(router_url, api_key=api_key)
+    try:
+        await rc.wait_ready(timeout=60.0)
+        for u in placement.urls:
+            await rc.add_worker(u, timeout=r.engine_startup_timeout)
+    except BaseException:
+        if router is not None:
+            router.stop()
+        raise
+    finally:
+        await rc.close()
+    client = EngineClient(router_url, api_key=api_key, timeout=r.rollout_request_timeout,
+                          max_retries=r.rollout_request_retries,
+                          concurrency=max(1, r.sglang_server_concurrency * len(placement.urls)), engine_urls=placement.urls)
+    targets = [EngineTarget(url=u, num_workers=n, engine_id=i, api_key=api_key)
+               for i, (u, n) in enumerate(zip(placement.urls, placement.num_workers))]
+    return Fleet(urls=list(placement.urls), targets=targets, client=client, router_url=router_url, router=router,
+                 api_key=api_key)

@@ -1,0 +1,180 @@
+"""The synchronous RL loop (``train.py``), run by the driver; the other ranks follow its commands.
+
+Per rollout: generate (or, for ``--loss-type sft_loss``, read the demonstrations) -> score (keep
+trainable samples, reward statistics) -> train_step (scatter groups to the trainer ranks, one
+``FSDPTrainer.train``) -> maybe_save -> sync_weights -> maybe_eval, each phase timed
+(``perf/<phase>_time``), then one metrics record. Colocated runs release engine memory while the
+trainer works and offload the trainer while engines generate (``--offload-train``/``--offload-rollout``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from miles.spmd.errors import MilesError
+from miles.types import Sample, SampleStatus
+from miles.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from miles.run.build import Run
+
+logger = get_logger(__name__)
+
+TRAINABLE = (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)
+
+
+class PhaseTimer:
+    """``with timer("rollout"): ...`` records ``perf/rollout_time`` (seconds) for the current rollout."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self.times[f"perf/{phase}_time"] = self.times.get(f"perf/{phase}_time", 0.0) + time.monotonic() - t0
+
+    def pop(self) -> dict[str, float]:
+        out = {k: 0.0 for k in ("perf/rollout_time", "perf/train_time", "perf/update_weights_time")}
+        out.update(self.times)
+        self.times = {}
+        return out
+
+
+def trainable_groups(groups: list[list[Sample]], policy: bool) -> tuple[list[list[Sample]], dict[str, float]]:
+    """Drop samples that cannot be trained on (failed, aborted, empty, no reward); drop emptied groups."""
+    kept: list[list[Sample]] = []
+    dropped = 0
+    for g in groups:
+        ok = [s for s in g if s.status in TRAINABLE and s.response_length > 0 and (s.reward is not None or not policy)]
+        dropped += len(g) - len(ok)
+        if ok:
+            kept.append(ok)
+    rewards = [float(s.reward) for g in kept for s in g if s.reward is not None]
+    metrics = {"rollout/dropped_samples": float(dropped), "rollout/num_groups": float(len(kept))}
+    if rewards:
+        mean = sum(rewards) / len(rewards)
+        metrics["rollout/reward_std"] = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5
+        metrics["rollout/zero_std_groups"] = float(sum(1 for g in kept if len({s.reward for s in g}) == 1))
+    return kept, metrics
+
+
+class RLLoop:
+    """Components are injected through ``run``; the loop holds no other state than counters."""
+
+    def __init__(self, job: Run) -> None:
+        self.job, self.cfg, self.plan = job, job.cfg, job.plan
+        self.ranks = job.ranks
+        self.timer = PhaseTimer()
+        self.policy = self.cfg.algo.loss_type != "sft_loss"
+        self.has_trainer = bool(job.ctx.plan.trainer_ranks)
+
+    async def run(self) -> None:
+        start, end = self.plan.start_rollout_id, self.plan.num_rollout
+        if start >= end:
+            logger.info("nothing to do: the checkpoint is at rollout %d of %d", start - 1, end)
+            return
+        await self.sync_weights()  # engines serve the trainer's weights (a resumed checkpoint's too)
+        self.timer.pop()
+        if start == 0 and not self.cfg.eval.skip_eval_before_train:
+            self.job.sink.log_eval(start, await self.evaluate(start))
+        for rollout_id in range(start, end):
+            t_step = time.monotonic()
+            groups, metrics = await self.generate(rollout_id)
+            groups, score_metrics = self.score(groups)
+            metrics.update(score_metrics)
+            metrics.update(self.train_step(rollout_id, groups))
+            self.maybe_save(rollout_id)
+            metrics.update(await self.sync_weights())
+            metrics.update(await self.maybe_eval(rollout_id))
+            metrics.update(self.timer.pop())
+            metrics["perf/step_time"] = time.monotonic() - t_step
+            self.job.sink.log(rollout_id, metrics)
+
+    # ------------------------------------------------------------------ steps
+    async def generate(self, rollout_id: int) -> tuple[list[list[Sample]], dict[str, float]]:
+        job = self.job
+        with self.timer("rollout"):
+            if job.sft is not None:
+                groups, metrics = job.sft.next_rollout(rollout_id)
+            else:
+                if job.manager is None:
+                    raise MilesError("RL training needs rollout engines, but this run has none (--debug-train-only): "
+                                     "use --loss-type sft_loss, or drop --debug-train-only.")
+                total = job.cfg.data.rollout_batch_size * job.cfg.data.n_samples_per_prompt
+                job.manager.progress = job.progress.generation(rollout_id, total)
+                try:
+                    with job.worker.channel.keepalive():
+                        result = await job.manager.generate_rollout(rollout_id)
+                finally:
+                    job.progress.end_generation()
+                groups, metrics = result.samples, dict(result.metrics)
+        metrics["perf/rollout_time"] = self.timer.times.pop("perf/rollout_time")
+        if self.has_trainer and self.plan.offload_rollout and job.fleet is not None:
+            await job.fleet.call_all("release_memory_occupation")
+        return groups, metrics
+
+    def score(self, groups: list[list[Sample]]) -> tuple[list[list[Sample]], dict[str, float]]:
+        return trainable_groups(groups, self.policy)
+
+    def train_step(self, rollout_id: int, groups: list[list[Sample]]) -> dict[str, float]:
+        if not self.has_trainer:
+            return {}
+        if len(groups) < self.ranks.dp_size:
+            raise MilesError(f"rollout {rollout_id}: only {len(groups)} trainable group(s) for {self.ranks.dp_size} "
+                             "trainer ranks (generation or reward failures dropped the rest; see the log).")
+        with self.timer("train"):
+            if self.plan.offload_train:
+                self.ranks.onload_train()
+            self.job.progress.training(rollout_id, self.plan.num_steps_per_rollout)
+            try:
+                metrics = self.ranks.train(rollout_id, groups)
+            finally:
+                self.job.progress.end_training()
+            if self.plan.offload_train:
+                self.ranks.offload_train()
+        return metrics
+
+    async def sync_weights(self) -> dict[str, float]:
+        if self.job.fleet is None or not self.has_trainer:
+            return {}
+        with self.timer("update_weights"):
+            if self.plan.offload_rollout:
+                await self.job.fleet.call_all("resume_memory_occupation")
+            return self.ranks.sync_weights()
+
+    def maybe_save(self, rollout_id: int) -> None:
+        ck = self.cfg.checkpoint
+        last = rollout_id + 1 >= self.plan.num_rollout
+        if not ck.save or not self.has_trainer or not (last or (ck.save_interval > 0 and (rollout_id + 1) % ck.save_interval == 0)):
+            return
+        with self.timer("save"):
+            self.ranks.save(rollout_id, self.checkpoint_extra(rollout_id))
+
+    def checkpoint_extra(self, rollout_id: int) -> dict[str, Any]:
+        ds = self.job.data_source
+        sender = self.job.worker.sender
+        return {"rollout_id": rollout_id, "next_rollout_id": rollout_id + 1,
+                "data_source": ds.state_dict() if ds is not None else None,
+                "weight_version": sender.weight_version if sender is not None else 0}
+
+    async def maybe_eval(self, rollout_id: int) -> dict[str, float]:
+        ev = self.cfg.eval
+        last = rollout_id + 1 >= self.plan.num_rollout
+        if not ev.eval_interval or not ((rollout_id + 1) % ev.eval_interval == 0 or last):
+            return {}
+        return await self.evaluate(rollout_id)
+
+    async def evaluate(self, rollout_id: int) -> dict[str, float]:
+        job = self.job
+        if not job.eval_datasets or job.manager is None:
+            return {}
+        with self.timer("eval"), job.worker.channel.keepalive():
+            return await job.manager.evaluate(job.eval_datasets, rollout_id)
+

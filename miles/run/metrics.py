@@ -1,0 +1,194 @@
+"""One metrics sink per run (driver rank): a summary line, metrics.jsonl, TensorBoard, W&B, and a plot.
+
+    sink = build_sink(cfg.output, out_dir, config=cfg.to_dict(), enabled=ctx.is_driver)
+    sink.log(rollout_id, {"rollout/raw_reward": 0.5, "perf/rollout_time": 1.2, ...})
+    sink.close()        # writes metrics.png, closes TensorBoard / W&B
+
+Every ``log`` call writes one JSON object per rollout to ``<out_dir>/metrics.jsonl`` (keys sorted, with
+``rollout_id``), the same scalars to TensorBoard (``<out_dir>/tensorboard``, unless --no-tensorboard) and
+to W&B (with --use-wandb; ``WANDB_MODE=offline`` works, the import is lazy and names the ``wandb``
+extra), and logs one summary line: reward, response length, KL, timings. Ranks other than the driver
+get :class:`NullSink`, which does nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from miles.config.logging import OutputConfig
+from miles.utils.logging import get_logger
+from miles.utils.optional import require
+
+logger = get_logger(__name__)
+
+# Keys every rollout's record carries (perf/* of phases that did not run are 0.0).
+REQUIRED_KEYS = ("rollout_id", "rollout/raw_reward", "rollout/response_len", "perf/rollout_time",
+                 "perf/train_time", "perf/update_weights_time", "perf/step_time")
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "metrics.png"
+
+
+def default_output_dir(output: OutputConfig, now: float | None = None) -> Path:
+    """``--output-dir``, else ``outputs/<run-name>-<YYYYmmdd-HHMMSS>``."""
+    if output.output_dir:
+        return Path(output.output_dir)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    return Path("outputs") / f"{output.run_name}-{stamp}"
+
+
+def _number(v: Any) -> float | None:
+    if isinstance(v, bool):
+        return float(v)
+    if isinstance(v, int | float):
+        return float(v)
+    if hasattr(v, "item"):  # 0-d tensors / numpy scalars
+        try:
+            return float(v.item())
+        except (TypeError, ValueError):
+            return None
+    return None
+
+
+def _json_value(v: float) -> float | None:
+    return v if math.isfinite(v) else None  # JSON has no NaN/inf: null
+
+
+def _fmt(metrics: dict[str, float], key: str, spec: str = ".3f") -> str:
+    v = metrics.get(key)
+    return "-" if v is None or not math.isfinite(v) else format(v, spec)
+
+
+def summary_line(rollout_id: int, metrics: dict[str, float], num_rollout: int | None = None) -> str:
+    """``rollout 3/30 | reward 0.512 | resp_len 2.0 | kl 0.0000 | gen 1.2s train 0.4s sync 0.1s step 1.9s``."""
+    of = f"/{num_rollout}" if num_rollout else ""
+    kl = next((k for k in ("train/kl_loss", "train/reward_kl", "train/ppo_kl") if k in metrics), None)
+    parts = [f"rollout {rollout_id}{of}", f"reward {_fmt(metrics, 'rollout/raw_reward')}",
+             f"resp_len {_fmt(metrics, 'rollout/response_len', '.1f')}",
+             f"kl {_fmt(metrics, kl, '.4f') if kl else '-'}"]
+    if "train/loss" in metrics:
+        parts.append(f"loss {_fmt(metrics, 'train/loss', '.4f')}")
+    evals = [k for k in metrics if k.startswith("eval/") and k.count("/") == 1]
+    parts += [f"{k} {_fmt(metrics, k)}" for k in sorted(evals)]
+    parts.append(f"gen {_fmt(metrics, 'perf/rollout_time', '.2f')}s train {_fmt(metrics, 'perf/train_time', '.2f')}s "
+                 f"sync {_fmt(metrics, 'perf/update_weights_time', '.2f')}s step {_fmt(metrics, 'perf/step_time', '.2f')}s")
+    return " | ".join(parts)
+
+
+class NullSink:
+    """The sink of ranks that do not report (every method is a no-op)."""
+
+    out_dir: Path | None = None
+    records: list[dict[str, float]] = []
+
+    def log(self, rollout_id: int, metrics: dict[str, Any]) -> None:
+        pass
+
+    def log_eval(self, rollout_id: int, metrics: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class MetricsSink:
+    """The driver's sink; see the module docstring."""
+
+    def __init__(self, output: OutputConfig, out_dir: str | os.PathLike, *, config: dict[str, Any] | None = None,
+                 num_rollout: int | None = None, resume: bool = False) -> None:
+        self.output = output
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.num_rollout = num_rollout
+        self.records: list[dict[str, float]] = []
+        self.path = self.out_dir / METRICS_FILE
+        if resume and self.path.exists():
+            self.records = read_metrics(self.path)
+        self._file = self.path.open("a" if resume else "w")
+        self._tb = None
+        if output.use_tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.out_dir / "tensorboard"))
+        self._wandb = None
+        if output.use_wandb:
+            wandb = require("wandb", "--use-wandb")
+            self._wandb = wandb.init(project=output.wandb_project, group=output.wandb_group, name=output.run_name,
+                                     dir=str(self.out_dir), config=config or {}, reinit=True)
+        self._closed = False
+
+    def log(self, rollout_id: int, metrics: dict[str, Any]) -> None:
+        """Record one rollout (or one evaluation) and print its summary line."""
+        scalars = {k: v for k, v in ((k, _number(v)) for k, v in metrics.items()) if v is not None}
+        scalars["rollout_id"] = float(rollout_id)
+        record = {k: (int(v) if k == "rollout_id" else _json_value(v)) for k, v in sorted(scalars.items())}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        self.records.append(scalars)
+        for k, v in scalars.items():
+            if k != "rollout_id" and math.isfinite(v):
+                if self._tb is not None:
+                    self._tb.add_scalar(k, v, rollout_id)
+        if self._tb is not None:
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in scalars.items() if math.isfinite(v)}, step=rollout_id)
+        logger.info("%s", summary_line(rollout_id, scalars, self.num_rollout))
+
+    def log_eval(self, rollout_id: int, metrics: dict[str, Any]) -> None:
+        """Evaluation before training (no rollout record): TensorBoard/W&B and a log line only."""
+        scalars = {k: v for k, v in ((k, _number(v)) for k, v in metrics.items()) if v is not None and math.isfinite(v)}
+        for k, v in scalars.items():
+            if self._tb is not None:
+                self._tb.add_scalar(k, v, rollout_id)
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=rollout_id)
+        logger.info("eval before rollout %d: %s", rollout_id,
+                    ", ".join(f"{k} {v:.3f}" for k, v in sorted(scalars.items()) if k.count("/") == 1))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        if self.records:
+            from miles.run.plot import plot_metrics
+
+            try:
+                png = plot_metrics(self.records, self.out_dir / PLOT_FILE, title=self.output.run_name)
+                logger.info("wrote %s and %s", self.path, png)
+            except (OSError, ValueError) as e:
+                logger.warning("could not write the metrics plot: %s", e)
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, float]]:
+    """The records of a metrics.jsonl (nulls become NaN); a torn last line (a crash mid-write) is skipped."""
+    out = []
+    lines = Path(path).read_text().splitlines()
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:
+                logger.warning("%s: ignoring a torn last line", path)
+                continue
+            raise ValueError(f"{path}:{i + 1}: not JSON ({e.msg})") from e
+        out.append({k: (float("nan") if v is None else float(v)) for k, v in rec.items()})
+    return out
+
+
+def build_sink(output: OutputConfig, out_dir: Path | None, *, enabled: bool, config: dict[str, Any] | None = None,
+               num_rollout: int | None = None, resume: bool = False) -> MetricsSink | NullSink:
+    if not enabled or out_dir is None:
+        return NullSink()
+    return MetricsSink(output, out_dir, config=config, num_rollout=num_rollout, resume=resume)

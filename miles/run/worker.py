@@ -1,0 +1,154 @@
+"""Every rank's part of a run, and the driver's handle that makes all ranks do it together.
+
+The driver (global rank 0) decides; the other ranks follow its commands, received in order over the
+control group (:class:`~miles.run.control.CommandChannel`):
+
+    {"cmd": "train", "rollout_id": k}     trainer ranks: receive their samples (wire format, scattered
+                                          over the trainer group), then ``FSDPTrainer.train``
+    {"cmd": "sync_weights"}               trainer ranks: ``WeightSender.sync`` (collective)
+    {"cmd": "save", "rollout_id": k, "extra": {...}}   trainer ranks: crash-safe checkpoint
+    {"cmd": "offload_train"} / {"cmd": "onload_train"} trainer ranks (colocated on GPU)
+    {"cmd": "stop"}                       everyone: leave the loop (engine leaders stop their engine)
+    {"cmd": "abort", "reason": "..."}     everyone: the driver failed; raise a MilesError naming it
+
+Engine-only ranks take part in the control group only: they receive every command and act on stop.
+The driver calls the same methods through :class:`Ranks`, which sends the command first.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from miles.run.control import CommandChannel
+from miles.spmd.errors import MilesError
+from miles.types import Sample
+from miles.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from miles.run.fleet import Placement
+    from miles.run.progress import Progress
+    from miles.spmd import SPMDContext
+
+logger = get_logger(__name__)
+
+
+class Worker:
+    """What this rank does on each command (see the module docstring)."""
+
+    def __init__(self, ctx: SPMDContext, channel: CommandChannel, *, timeout: float, trainer: Any = None,
+                 sender: Any = None, placement: Placement | None = None, progress: Progress | None = None) -> None:
+        self.ctx, self.channel, self.timeout = ctx, channel, timeout
+        self.trainer, self.sender, self.placement = trainer, sender, placement
+        self.progress = progress
+
+    @property
+    def is_trainer(self) -> bool:
+        return self.trainer is not None
+
+    def handle(self, cmd: dict[str, Any]) -> bool:
+        """Run one command; False when the run is over."""
+        name = cmd.get("cmd")
+        if name == "train":
+            self.train(int(cmd["rollout_id"]), None)
+        elif name == "sync_weights":
+            self.sync_weights()
+        elif name == "save":
+            self.save(int(cmd["rollout_id"]), cmd["extra"])
+        elif name == "offload_train":
+            self.offload_train()
+        elif name == "onload_train":
+            self.onload_train()
+        elif name == "stop":
+            return False
+        elif name == "abort":
+            raise MilesError(f"the driver (rank {self.channel.src}) stopped the run: {cmd.get('reason')}")
+        else:
+            raise RuntimeError(f"unknown command from the driver: {cmd!r}")
+        return True
+
+    def follow(self) -> None:
+        """Non-driver ranks: run commands until stop."""
+        while self.handle(self.channel.recv()):
+            pass
+
+    # ------------------------------------------------------------------ trainer ranks
+    def train(self, rollout_id: int, per_rank: list[list[Sample]] | None) -> dict[str, float]:
+        if not self.is_trainer:
+            return {}
+        from miles.rollout.wire import scatter_samples
+
+        samples = scatter_samples(per_rank, self.ctx.groups.trainer_cpu_group, self.ctx.plan.driver_rank, self.timeout)
+        metrics = self.trainer.train(samples, rollout_id)
+        return {f"train/{k}": float(v) for k, v in metrics.items()}
+
+    def sync_weights(self) -> dict[str, float]:
+        if not self.is_trainer or self.sender is None:
+            return {}
+        return self.sender.sync().as_metrics()
+
+    def save(self, rollout_id: int, extra: dict[str, Any]) -> None:
+        if self.is_trainer:
+            path = self.trainer.checkpoint(rollout_id, extra)
+            logger.info("checkpoint for rollout %d: %s", rollout_id, path)
+
+    def offload_train(self) -> None:
+        if self.is_trainer:
+            self.trainer.offload()
+
+    def onload_train(self) -> None:
+        if self.is_trainer:
+            self.trainer.onload()
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+        if self.placement is not None:
+            self.placement.stop()
+
+
+class Ranks:
+    """The driver's view of all ranks: each method sends the command, then does the driver's share."""
+
+    def __init__(self, worker: Worker) -> None:
+        assert worker.channel.is_src, "Ranks is the driver's handle"
+        self.worker, self.channel = worker, worker.channel
+        self.dp_size = len(worker.ctx.plan.trainer_ranks)
+
+    def _command(self, cmd: dict[str, Any], local: Any, *args: Any) -> Any:
+        """Send ``cmd``, then run the driver's share; ``busy`` while the ranks are inside it."""
+        self.channel.busy = True
+        self.channel.send(cmd)
+        out = local(*args)
+        self.channel.busy = False
+        return out
+
+    def train(self, rollout_id: int, groups: list[list[Sample]]) -> dict[str, float]:
+        """Scatter whole groups to the trainer ranks (balanced by tokens) and train; trainer metrics."""
+        from miles.rollout.wire import split_for_dp
+
+        if not self.dp_size:
+            return {}
+        per_rank = split_for_dp(groups, self.dp_size)
+        return self._command({"cmd": "train", "rollout_id": rollout_id}, self.worker.train, rollout_id, per_rank)
+
+    def sync_weights(self) -> dict[str, float]:
+        if not self.dp_size or self.worker.sender is None:
+            return {}
+        return self._command({"cmd": "sync_weights"}, self.worker.sync_weights)
+
+    def save(self, rollout_id: int, extra: dict[str, Any]) -> float:
+        t0 = time.monotonic()
+        if self.dp_size:
+            self._command({"cmd": "save", "rollout_id": rollout_id, "extra": extra}, self.worker.save, rollout_id, extra)
+        return time.monotonic() - t0
+
+    def offload_train(self) -> None:
+        self._command({"cmd": "offload_train"}, self.worker.offload_train)
+
+    def onload_train(self) -> None:
+        self._command({"cmd": "onload_train"}, self.worker.onload_train)
+
+    def stop(self) -> None:
+        self.channel.send({"cmd": "stop"})

@@ -1,0 +1,456 @@
+"""The FSDP2 trainer (``--train-backend fsdp``): one instance per trainer rank, SPMD over the trainer group.
+
+    trainer = FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=groups.trainer_mesh, group=groups.trainer,
+                          device=device, rollout_temperature=cfg.rollout.rollout_temperature,
+                          num_rollout=cfg.data.num_rollout, global_batch_size=cfg.data.global_batch_size,
+                          num_steps_per_rollout=steps, timeout=cfg.cluster.distributed_timeout_minutes * 60)
+    metrics = trainer.train(my_samples, rollout_id)          # on every trainer rank, whole groups per rank
+    for bucket in trainer.iter_weight_buckets(512 << 20, torch.bfloat16): ...   # lockstep on all trainer ranks
+    trainer.checkpoint(rollout_id, extra={...}); extra = trainer.resume()
+
+``train`` runs, in order: forward-only passes (old log-probs unless --use-rollout-logprobs or they
+would equal the first training forward, reference log-probs when --kl-coef != 0 or --use-kl-loss,
+teacher log-probs for --use-opd --opd-type model, critic values for ppo), advantages and returns,
+then --num-steps-per-rollout optimizer steps over contiguous slices of the local samples. Every
+pass runs the same number of micro-batches on every rank (padded with zero-weight dummies), and
+losses are normalised by step totals over the whole group, so N ranks compute what one rank with
+all the samples would. Only the trainer group is used for collectives, never the default group.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from miles.trainer import modeling
+from miles.trainer.advantages import AdvantageInputs, compute_advantages_and_returns
+from miles.trainer.batching import (
+    MicroBatch,
+    SampleData,
+    padded_micro_batches,
+    plan_micro_batches,
+    split_into_steps,
+)
+from miles.trainer.checkpoint import latest_checkpoint, save_checkpoint
+from miles.trainer.critic import Critic
+from miles.trainer.hf_export import checkpoint_dtype, write_hf_dir
+from miles.trainer.losses import LossInputs, Reducer, custom_loss, load_custom_loss, policy_loss, sft_loss
+from miles.trainer.metrics import MetricSums, mfu, peak_tflops
+from miles.trainer.optim import LRSchedule, build_adamw, clip_grad_norm
+from miles.trainer.weights import iter_full_params
+from miles.types import Sample
+from miles.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+class FSDPTrainer:
+    def __init__(self, train, algo, ckpt, *, mesh, group: dist.ProcessGroup, device: torch.device,
+                 rollout_temperature: float, num_rollout: int | None, global_batch_size: int | None,
+                 num_steps_per_rollout: int, timeout: float):
+        self.cfg, self.algo, self.ckpt = train, algo, ckpt
+        self.mesh, self.group, self.device, self.timeout = mesh, group, torch.device(device), float(timeout)
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.num_rollout, self.global_batch_size = num_rollout, global_batch_size
+        self.num_steps_per_rollout = num_steps_per_rollout
+        self._validate(rollout_temperature)
+        self.temperature = float(rollout_temperature) if algo.loss_type != "sft_loss" else 1.0
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        torch.manual_seed(train.seed)
+
+        total_steps = num_rollout * num_steps_per_rollout if num_rollout else None
+        self.mp_policy = modeling.mixed_precision(self.device, train.bf16)
+        self.model = self._build_policy(train.hf_checkpoint, offload=False, recompute=train.recompute_activations)
+        config = self.model.lm.config
+        self.vocab_size = int(config.vocab_size)
+        self.pad_id = int(config.pad_token_id if config.pad_token_id is not None else 0)
+        self.num_params = modeling.count_params(self.model)
+        self.optimizer = build_adamw(self.model, lr=train.lr, weight_decay=train.weight_decay,
+                                     betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps, device=self.device)
+        self.schedule = LRSchedule(lr=train.lr, min_lr=train.min_lr, style=train.lr_decay_style,
+                                   warmup=train.lr_warmup_iters, decay_iters=train.lr_decay_iters or total_steps)
+
+        policy = algo.loss_type != "sft_loss"
+        self.ref = None
+        if policy and (algo.kl_coef != 0 or algo.use_kl_loss):
+            self.ref = self._build_policy(train.ref_load or train.hf_checkpoint, offload=True, recompute=False)
+        self.teacher = None
+        if policy and algo.use_opd and algo.opd_type == "model":
+            self.teacher = self._build_policy(algo.opd_teacher_load, offload=True, recompute=False)
+        self.critic = None
+        if policy and algo.advantage_estimator == "ppo":
+            self.critic = Critic(train, algo, path=train.critic_load or train.hf_checkpoint, mesh=mesh,
+                                 device=self.device, total_steps=total_steps)
+        if algo.loss_type == "sft_loss":
+            self.loss_fn = sft_loss
+        elif algo.loss_type == "custom_loss":
+            self.loss_fn = custom_loss(load_custom_loss(algo.custom_loss_function_path))
+        else:
+            self.loss_fn = policy_loss
+        self.peak = peak_tflops(self.device, getattr(train, "mfu_peak_tflops", None))
+        self.last_rollout_id: int | None = None
+        logger.info("FSDP trainer ready: %s params, %d rank(s), device %s, attention %s, bf16 %s, ref %s, critic %s",
+                    f"{self.num_params:,}", self.world, self.device, config._attn_implementation,
+                    self.mp_policy is not None, self.ref is not None, self.critic is not None)
+
+    # ------------------------------------------------------------------ construction
+    def _validate(self, temperature: float) -> None:
+        t, a = self.cfg, self.algo
+        if t.train_backend != "fsdp":
+            raise ValueError(f"FSDPTrainer serves --train-backend fsdp, got {t.train_backend!r}.")
+        if not t.hf_checkpoint:
+            raise ValueError("--hf-checkpoint DIR is required: the FSDP trainer loads the model from a local HF directory.")
+        if a.loss_type != "sft_loss" and temperature <= 0:
+            raise ValueError(f"--rollout-temperature must be > 0 for RL training (log-probs are taken under it), "
+                             f"got {temperature}.")
+        if t.use_dynamic_batch_size and not t.max_tokens_per_gpu:
+            raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu N.")
+        if self.num_steps_per_rollout is None or self.num_steps_per_rollout <= 0:
+            raise ValueError(f"num_steps_per_rollout must be a positive int, got {self.num_steps_per_rollout} "
+                             "(set --num-steps-per-rollout or --global-batch-size).")
+        if a.use_opd and a.opd_type == "model" and not a.opd_teacher_load:
+            raise ValueError("--use-opd --opd-type model needs --opd-teacher-load DIR.")
+
+    def _build_policy(self, path: str, *, offload: bool, recompute: bool) -> modeling.PolicyModel:
+        hf = modeling.load_hf_model(path, self.device)
+        model = modeling.PolicyModel(hf)
+        modeling.shard_model(model, modeling.decoder_blocks(hf), self.mesh, mp_policy=self.mp_policy,
+                             offload=offload, recompute=recompute)
+        if offload:
+            model.eval()
+            for p in model.parameters():
+                p.requires_grad_(False)
+        return model
+
+    # ------------------------------------------------------------------ data
+    def _sample_data(self, s: Sample, i: int) -> SampleData:
+        where = f"sample {i} (index {s.index}, group {s.group_index})"
+        n, r = len(s.tokens), int(s.response_length)
+        if r <= 0 or r >= n:
+            raise ValueError(f"{where}: response_length {r} with {n} tokens; the trainer needs at least one prompt "
+                             "token and one response token (drop empty or aborted samples before training).")
+        tokens = torch.as_tensor(s.tokens, dtype=torch.long)
+        if int(tokens.max()) >= self.vocab_size or int(tokens.min()) < 0:
+            raise ValueError(f"{where}: token id {int(tokens.max())} is outside the model's vocabulary of "
+                             f"{self.vocab_size} (--hf-checkpoint and the engine's tokenizer disagree).")
+        if s.loss_mask is None:
+            mask = torch.ones(r, dtype=torch.float32)
+        else:
+            if len(s.loss_mask) != r:
+                raise ValueError(f"{where}: loss_mask has {len(s.loss_mask)} entries, response_length is {r}.")
+            mask = torch.as_tensor(s.loss_mask, dtype=torch.float32)
+        return SampleData(tokens=tokens, response_length=r, loss_mask=mask)
+
+    def _per_sample_floats(self, samples: list[Sample], what: str, getter, required: bool) -> list[torch.Tensor] | None:
+        vals = [getter(s) for s in samples]
+        if all(v is None for v in vals) and not required:
+            return None
+        out = []
+        for i, (s, v) in enumerate(zip(samples, vals)):
+            if v is None or len(v) != s.response_length:
+                got = "none" if v is None else f"{len(v)} values"
+                raise ValueError(f"sample {i} (index {s.index}): {what} must have one value per response token "
+                                 f"({s.response_length}), got {got}.")
+            out.append(torch.as_tensor(v, dtype=torch.float32))
+        return out
+
+    def _plan(self, lengths: list[int]) -> list[list[int]]:
+        return plan_micro_batches(lengths, micro_batch_size=self.cfg.micro_batch_size,
+                                  max_tokens=self.cfg.max_tokens_per_gpu, dynamic=self.cfg.use_dynamic_batch_size)
+
+    def _micro_batches(self, data: list[SampleData], ids: list[int]) -> list[MicroBatch]:
+        sub = self._plan([data[i].length for i in ids])
+        return padded_micro_batches(data, [[ids[j] for j in mb] for mb in sub], self.group, self.device, self.pad_id)
+
+    def _policy_forward(self, model, mb: MicroBatch, *, with_entropy: bool = False, entropy_grad: bool = False):
+        return model(mb.input_ids, mb.position_ids, mb.logit_index, mb.targets, mb.cu_seqlens, mb.max_seqlen,
+                     temperature=self.temperature, chunk_size=self.cfg.log_probs_chunk_size,
+                     with_entropy=with_entropy, entropy_grad=entropy_grad)
+
+    @torch.no_grad()
+    def _forward_pass(self, fn, data: list[SampleData]) -> list[torch.Tensor]:
+        """Run ``fn(micro_batch) -> [N]`` over all local samples; per-sample CPU float32 results."""
+        out: list[torch.Tensor | None] = [None] * len(data)
+        for mb in self._micro_batches(data, list(range(len(data)))):
+            vals = fn(mb.to(self.device))
+            if mb.is_dummy:
+                continue
+            for sid, piece in zip(mb.sample_ids, vals.float().cpu().split(mb.lengths)):
+                out[sid] = piece
+        return out  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ training
+    def train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
+        """Train on this rank's share of a rollout (see module docstring); metrics reduced over the group."""
+        self._sync()
+        t_start = time.perf_counter()
+        a = self.algo
+        policy = a.loss_type != "sft_loss"
+        data = [self._sample_data(s, i) for i, s in enumerate(samples)]
+        need_rollout_lp = policy and (a.use_rollout_logprobs or a.use_tis)
+        rollout_lp = self._per_sample_floats(samples, "rollout_log_probs", lambda s: s.rollout_log_probs,
+                                             required=need_rollout_lp)
+        teacher_lp = None
+        if policy and a.use_opd and a.opd_type == "sglang":
+            teacher_lp = self._per_sample_floats(samples, 'metadata["teacher_log_probs"]',
+                                                 lambda s: s.metadata.get("teacher_log_probs"), required=True)
+        if policy and any(s.reward is None for s in samples):
+            bad = next(i for i, s in enumerate(samples) if s.reward is None)
+            raise ValueError(f"sample {bad} (index {samples[bad].index}) has no reward; policy training needs a "
+                             "reward per sample (or use --loss-type sft_loss).")
+        n_fwd_passes = 0
+
+        # forward-only passes
+        need_old_for_adv = a.kl_coef != 0 or a.use_opd
+        skip_old = a.use_rollout_logprobs or (self.num_steps_per_rollout == 1 and not need_old_for_adv)
+        old_lp = ref_lp = values = None
+        if policy and not skip_old:
+            self.model.eval()
+            old_lp = self._forward_pass(lambda mb: self._policy_forward(self.model, mb)[0], data)
+            n_fwd_passes += 1
+        if self.ref is not None:
+            ref_lp = self._forward_pass(lambda mb: self._policy_forward(self.ref, mb)[0], data)
+            n_fwd_passes += 1
+        if self.teacher is not None:
+            teacher_lp = self._forward_pass(lambda mb: self._policy_forward(self.teacher, mb)[0], data)
+            n_fwd_passes += 1
+        if self.critic is not None:
+            self.critic.model.eval()
+            values = self._forward_pass(self.critic.values, data)
+            n_fwd_passes += 1
+        base_lp = rollout_lp if a.use_rollout_logprobs else old_lp
+
+        advantages = returns = None
+        extras: dict[str, list[torch.Tensor]] = {}
+        if policy:
+            inp = AdvantageInputs(
+                rewards=torch.tensor([float(s.reward) for s in samples], dtype=torch.float32),
+                group_ids=[s.group_index for s in samples], loss_masks=[d.loss_mask for d in data],
+                log_probs=base_lp, ref_log_probs=ref_lp, values=values, teacher_log_probs=teacher_lp)
+            advantages, returns, extras = compute_advantages_and_returns(a, inp, self.group, self.device)
+
+        per_sample = {"old": base_lp, "rollout": rollout_lp, "ref": ref_lp, "adv": advantages, "ret": returns,
+                      "values": values}
+        t_train = time.perf_counter()
+        step_sums, grad_norms, critic_stats = [], [], []
+        lr = 0.0
+        local_tokens = 0
+        for ids in split_into_steps(len(data), self.num_steps_per_rollout):
+            sums, gn, lr, cst, ntok = self._train_step(data, ids, per_sample, samples)
+            step_sums.append(sums)
+            grad_norms.append(gn)
+            critic_stats.append(cst)
+            local_tokens += ntok
+        self._sync()
+        t_end = time.perf_counter()
+
+        metrics = self._reduce_step_metrics(step_sums)
+        metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        metrics["lr"] = lr
+        if self.critic is not None:
+            metrics["critic_grad_norm"] = sum(c["critic_grad_norm"] for c in critic_stats) / len(critic_stats)
+        metrics.update(self._extra_metrics(data, extras, advantages, samples if policy else None))
+        totals = self._group_sum([float(local_tokens), float(sum(d.length for d in data)), float(len(data))])
+        train_tokens, all_tokens, num_samples = totals
+        train_secs, total_secs = self._group_max([t_end - t_train, t_end - t_start])
+        metrics.update({
+            "num_samples": num_samples, "num_tokens": all_tokens, "train_time": total_secs, "step_time": train_secs,
+            "tokens_per_s": train_tokens / train_secs if train_secs > 0 else 0.0,
+            "num_optimizer_steps": float(self.num_steps_per_rollout),
+        })
+        m = mfu(num_params=self.num_params, train_tokens=train_tokens, forward_tokens=all_tokens * n_fwd_passes,
+                seconds=total_secs, num_gpus=self.world, peak=self.peak)
+        if m is not None:
+            metrics["mfu"] = m
+        self.last_rollout_id = rollout_id
+        return metrics
+
+    def _train_step(self, data, ids, per_sample, samples) -> tuple[MetricSums, float, float, dict, int]:
+        a = self.algo
+        mbs = self._micro_batches(data, ids)
+        ntok, nsamp = self._group_sum([float(sum(float(data[i].loss_mask.sum()) for i in ids)), float(len(ids))])
+        self.model.train()
+        if self.critic is not None:
+            self.critic.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = MetricSums()
+        n_local_tokens = 0
+        for mb in mbs:
+            dmb = mb.to(self.device)
+            lp, ent = self._policy_forward(self.model, dmb, with_entropy=True, entropy_grad=a.entropy_coef != 0)
+            if mb.is_dummy:
+                dummy = lp.sum() * 0.0 + (ent.sum() * 0.0 if (ent is not None and ent.requires_grad) else 0.0)
+                dummy.backward()
+                if self.critic is not None:
+                    self.critic.backward(dmb, None, None, None, 1.0)
+                continue
+            n_local_tokens += mb.num_tokens
+            reduce = Reducer(dmb.loss_mask, mb.lengths, a.calculate_per_token_loss, ntok, nsamp)
+
+            def cat(key, ids=mb.sample_ids):
+                lst = per_sample.get(key)
+                return None if lst is None else torch.cat([lst[i] for i in ids]).to(self.device)
+
+            old = cat("old")
+            inp = LossInputs(
+                log_probs=lp, loss_mask=dmb.loss_mask, lengths=mb.lengths,
+                old_log_probs=old if old is not None else lp.detach(), rollout_log_probs=cat("rollout"),
+                ref_log_probs=cat("ref"), advantages=cat("adv"), returns=cat("ret"), entropy=ent,
+                rewards=(torch.tensor([float(samples[i].reward) for i in mb.sample_ids], device=self.device)
+                         if samples[mb.sample_ids[0]].reward is not None else None))
+            loss, metrics = self.loss_fn(a, inp, reduce)
+            (loss * self.world).backward()            # FSDP averages gradients over the group
+            sums.add(metrics)
+            if self.critic is not None:
+                sums.add(self.critic.backward(dmb, cat("values"), cat("ret"), reduce, float(self.world)))
+        grad_norm = clip_grad_norm(list(self.model.parameters()), self.cfg.clip_grad)
+        lr = self.schedule.apply(self.optimizer)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.schedule.advance()
+        cstats = self.critic.step() if self.critic is not None else {}
+        return sums, grad_norm, lr, cstats, n_local_tokens
+
+    # ------------------------------------------------------------------ metrics helpers
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _group_sum(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.world > 1:
+            dist.all_reduce(t, group=self.group)
+        return t.cpu().tolist()
+
+    def _group_max(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.world > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t.cpu().tolist()
+
+    def _all_keys(self, keys: set[str]) -> list[str]:
+        if self.world == 1:
+            return sorted(keys)
+        gathered: list = [None] * self.world
+        dist.all_gather_object(gathered, sorted(keys), group=self.group)
+        return sorted(set().union(*gathered))
+
+    def _reduce_step_metrics(self, step_sums: list[MetricSums]) -> dict[str, float]:
+        keys = self._all_keys(set().union(*(s.sums.keys() for s in step_sums)))
+        per_step = [s.reduce(keys, self.group, self.device) for s in step_sums]
+        return {k: sum(p[k] for p in per_step) / len(per_step) for k in keys}
+
+    def _extra_metrics(self, data, extras, advantages, samples) -> dict[str, float]:
+        """Token-mean of the reward-shaping KL / OPD reverse KL, and advantage and reward means, over the group."""
+        names = sorted(extras) + (["advantages"] if advantages is not None else [])
+        sums = [0.0] * (2 * len(names))
+        for j, name in enumerate(names):
+            lst = advantages if name == "advantages" else extras[name]
+            for d, t in zip(data, lst):
+                sums[2 * j] += float((t * d.loss_mask).sum())
+                sums[2 * j + 1] += float(d.loss_mask.sum())
+        reward_sum = sum(float(s.reward) for s in samples) if samples else 0.0
+        tot = self._group_sum(sums + [reward_sum, float(len(data))])
+        out = {f"{n}_mean": tot[2 * j] / max(tot[2 * j + 1], 1.0) for j, n in enumerate(names)}
+        if samples is not None:
+            out["reward_mean"] = tot[-2] / max(tot[-1], 1.0)
+        return out
+
+    # ------------------------------------------------------------------ weights
+    def iter_weight_buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None, *,
+                            prefetch: bool = True) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Full parameters under their HF names, bucket by bucket; every trainer rank must iterate to the end.
+        The gather of bucket k+1 is issued before bucket k is yielded (``prefetch``)."""
+        return iter_full_params(self.model, group=self.group, device=self.device, bucket_bytes=bucket_bytes,
+                                dtype=dtype, name_fn=modeling.hf_name, timeout=self.timeout, prefetch=prefetch)
+
+    def state_dict_for_check(self) -> dict[str, torch.Tensor]:
+        """Full parameters (CPU) on trainer rank 0, {} elsewhere; collective on the trainer group."""
+        out: dict[str, torch.Tensor] = {}
+        for bucket in self.iter_weight_buckets(256 << 20):
+            if self.rank == 0:
+                out.update({n: t.detach().cpu().clone() for n, t in bucket})
+        return out
+
+    def save_hf(self, path: str | Path) -> None:
+        """A HF model dir (safetensors + config + tokenizer from --hf-checkpoint); collective."""
+        dtype = checkpoint_dtype(self.cfg.hf_checkpoint)
+        tensors = []
+        for bucket in self.iter_weight_buckets(512 << 20, dtype):
+            if self.rank == 0:
+                tensors.extend((n, t.detach().cpu().clone()) for n, t in bucket)
+        if self.rank == 0:
+            write_hf_dir(path, tensors, self.cfg.hf_checkpoint)
+        self._barrier()
+
+    # ------------------------------------------------------------------ checkpoints
+    def _barrier(self) -> None:
+        if self.world > 1:
+            dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
+
+    def save(self, path: str | Path, extra: dict) -> None:
+        """Write model, optimizer (unless --no-save-optim), schedule, RNG and ``extra`` into ``path``
+        (a directory every trainer rank sees); collective. Use ``checkpoint`` for the crash-safe layout."""
+        from miles.trainer import state
+
+        state.save_trainer_state(self, Path(path), extra)
+
+    def load(self, path: str | Path) -> dict:
+        """Restore what ``save`` wrote; returns ``extra``. Collective."""
+        from miles.trainer import state
+
+        return state.load_trainer_state(self, Path(path))
+
+    def should_save(self, rollout_id: int) -> bool:
+        """--save-interval rule: every N rollouts and always after the last (needs --save)."""
+        if not self.ckpt.save:
+            return False
+        last = self.num_rollout is not None and rollout_id + 1 >= self.num_rollout
+        return last or (self.ckpt.save_interval > 0 and (rollout_id + 1) % self.ckpt.save_interval == 0)
+
+    def checkpoint(self, rollout_id: int, extra: dict) -> Path:
+        """Crash-safe save under --save as step_<rollout_id> (+ --save-hf, formatted with rollout_id)."""
+        if not self.ckpt.save:
+            raise ValueError("checkpoint() needs --save DIR.")
+        extra = {**extra, "rollout_id": rollout_id}
+        path = save_checkpoint(self.ckpt.save, rollout_id, lambda d: self.save(d, extra),
+                               keep=self.ckpt.keep_checkpoints, group=self.group, device=self.device)
+        if self.ckpt.save_hf:
+            self.save_hf(self.ckpt.save_hf.format(rollout_id=rollout_id))
+        return path
+
+    def resume(self) -> dict | None:
+        """Load the newest complete checkpoint under --load (default --save); None when there is none."""
+        root = self.ckpt.load or self.ckpt.save
+        path = latest_checkpoint(root)
+        if path is None:
+            if self.ckpt.load:
+                raise ValueError(f"--load {self.ckpt.load}: no complete checkpoint (step_*/COMPLETE) found there.")
+            return None
+        return self.load(path)
+
+    # ------------------------------------------------------------------ colocation
+    def offload(self) -> None:
+        """Move parameters and optimizer state (actor and critic) to CPU; no-op off GPU."""
+        self._move("cpu")
+
+    def onload(self) -> None:
+        self._move(self.device)
+
+    def _move(self, device) -> None:
+        if self.device.type != "cuda":
+            return
+        from miles.trainer.state import move_optimizer_state
+
+        for model, opt in [(self.model, self.optimizer)] + (
+                [(self.critic.model, self.critic.optimizer)] if self.critic is not None else []):
+            model.to(device)
+            move_optimizer_state(opt, torch.device(device))
+        torch.cuda.synchronize(self.device)
+        if torch.device(device).type == "cpu":
+            torch.cuda.empty_cache()

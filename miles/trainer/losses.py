@@ -1,0 +1,234 @@
+"""The loss family: pure tensor functions over the flat response tokens of a micro-batch.
+
+Shapes: ``N`` is the number of response tokens of all samples in the micro-batch, concatenated;
+per-sample lists give each sample's ``R_i`` (sum R_i = N). Log-probs are float32.
+
+- ``approx_kl``: Schulman's estimators of KL(pi || pi_base) from sampled tokens, with
+  ``log_r = log pi - log pi_base``: k1 ``log_r``; k2 ``log_r^2 / 2``; k3 ``exp(-log_r) - 1 + log_r``;
+  low_var_kl is k3 with ``log_r`` clamped to [-20, 20] and the result clamped to [-10, 10].
+- ``ppo_clip_loss``: ``ratio = exp(log pi - log pi_old)``,
+  ``L = max(-A ratio, -A clip(ratio, 1 - eps, 1 + eps_high))``; with dual clip (``eps_c > 1``),
+  ``L = min(L, -eps_c A)`` where ``A < 0``.
+- ``gspo_log_ratio``: GSPO's sequence ratio, ``log s_i = mean_t m_t (log pi - log pi_old)`` over each
+  sample's trainable tokens, broadcast back to its tokens (the same clip is then applied to it).
+- ``tis_weights``: ``w = clamp(exp(log pi_old - log pi_rollout), tis_clip_low, tis_clip)`` (no grad).
+- ``value_loss``: ``0.5 max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)``.
+- ``Reducer``: token-mean (``--calculate-per-token-loss``: ``sum_t m_t x_t / total trainable tokens``)
+  or sample-mean (default: ``sum_i mean_{t in i} m_t x_t / number of samples``), with the
+  denominators of the WHOLE optimizer step over all trainer ranks, so micro-batches and ranks add up.
+- ``policy_loss``: PPO/GSPO policy loss + entropy bonus + KL loss + TIS, returning the scalar and metrics.
+- ``CustomLossFn``: the signature ``--custom-loss-function-path`` must have (see its docstring).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+_LOG_RATIO_CLAMP = 20.0
+
+
+def approx_kl(log_probs: torch.Tensor, base_log_probs: torch.Tensor, kl_type: str) -> torch.Tensor:
+    """[N], [N] -> [N] float32 per-token KL estimate of KL(pi || pi_base)."""
+    log_ratio = log_probs.float() - base_log_probs.float()
+    if kl_type == "k1":
+        return log_ratio
+    if kl_type == "k2":
+        return log_ratio.pow(2) / 2.0
+    if kl_type in ("k3", "low_var_kl"):
+        neg = -log_ratio
+        if kl_type == "low_var_kl":
+            neg = neg.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+        kl = neg.exp() - 1.0 - neg
+        return kl.clamp(-10.0, 10.0) if kl_type == "low_var_kl" else kl
+    raise ValueError(f"--kl-loss-type {kl_type!r} is not known; choose one of k1, k2, k3, low_var_kl.")
+
+
+def ppo_clip_loss(
+    log_ratio: torch.Tensor, advantages: torch.Tensor, eps_clip: float, eps_clip_high: float | None = None,
+    eps_clip_c: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log_ratio = log pi - log pi_old [N]; advantages [N] -> (per-token loss [N], clipped [N] in {0,1})."""
+    eps_high = eps_clip if eps_clip_high is None else eps_clip_high
+    ratio = log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP).exp()
+    loss1 = -advantages * ratio
+    loss2 = -advantages * ratio.clamp(1.0 - eps_clip, 1.0 + eps_high)
+    loss = torch.maximum(loss1, loss2)
+    clipped = (loss2 > loss1).float()
+    if eps_clip_c is not None:
+        if eps_clip_c <= 1.0:
+            raise ValueError(f"--eps-clip-c must be > 1.0 (dual-clip constant), got {eps_clip_c}.")
+        loss3 = -advantages * eps_clip_c
+        loss = torch.where(advantages < 0, torch.minimum(loss, loss3), loss)
+    return loss, clipped
+
+
+def gspo_log_ratio(
+    log_probs: torch.Tensor, old_log_probs: torch.Tensor, loss_mask: torch.Tensor, lengths: Sequence[int],
+) -> torch.Tensor:
+    """[N] x3, per-sample lengths -> [N]: each token carries its sample's masked mean log-ratio."""
+    out = []
+    for lp, olp, m in zip(log_probs.split(list(lengths)), old_log_probs.split(list(lengths)),
+                          loss_mask.split(list(lengths))):
+        seq = ((lp - olp) * m).sum() / m.sum().clamp_min(1.0)
+        out.append(seq.expand(lp.shape[0]))
+    return torch.cat(out) if out else log_probs.new_zeros(0)
+
+
+def tis_weights(
+    old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, clip_low: float, clip_high: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N], [N] -> (weights [N] detached, clipped [N] in {0,1})."""
+    w = (old_log_probs.detach().float() - rollout_log_probs.float()).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP).exp()
+    wc = w.clamp(clip_low, clip_high)
+    return wc, (wc != w).float()
+
+
+def value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, value_clip: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N] x3 -> (per-token clipped value loss [N], clipped [N] in {0,1})."""
+    clipped_values = old_values + (values - old_values).clamp(-value_clip, value_clip)
+    l1 = (values - returns).pow(2)
+    l2 = (clipped_values - returns).pow(2)
+    return 0.5 * torch.maximum(l1, l2), (l2 > l1).float()
+
+
+class Reducer:
+    """Reduce a per-token tensor [N] to this micro-batch's share of the step mean.
+
+    per_token: ``sum(x * m) / num_step_tokens``; otherwise ``sum_i sum_t(x m)_i / max(sum m_i, 1) / num_step_samples``.
+    The denominators are the totals of the optimizer step over all trainer ranks, so summing the
+    reduced values of every micro-batch on every rank gives the step mean.
+    """
+
+    def __init__(self, loss_mask: torch.Tensor, lengths: Sequence[int], per_token: bool,
+                 num_step_tokens: float, num_step_samples: float):
+        self.mask = loss_mask.float()
+        self.lengths = list(lengths)
+        self.per_token = per_token
+        if per_token:
+            self.weights = self.mask / max(num_step_tokens, 1.0)
+        else:
+            per_sample = [m.sum().clamp_min(1.0) for m in self.mask.split(self.lengths)]
+            denom = torch.cat([d.expand(n) for d, n in zip(per_sample, self.lengths)]) if self.lengths else self.mask
+            self.weights = self.mask / denom / max(num_step_samples, 1.0)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * self.weights.to(x.device)).sum()
+
+
+@dataclass
+class LossInputs:
+    """What a loss function sees for one micro-batch (all [N] on the trainer's device)."""
+
+    log_probs: torch.Tensor                         # current policy, with grad
+    loss_mask: torch.Tensor
+    lengths: list[int]                              # response lengths of the samples, sum = N
+    old_log_probs: torch.Tensor | None = None       # denominator of the ratio (old or rollout)
+    rollout_log_probs: torch.Tensor | None = None
+    ref_log_probs: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None             # with grad iff --entropy-coef != 0
+    rewards: torch.Tensor | None = None             # [n] raw sequence rewards
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def policy_loss(algo, inp: LossInputs, reduce: Reducer) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The PPO-family policy loss (``--loss-type policy_loss``). Returns (scalar, metrics of detached scalars)."""
+    assert inp.old_log_probs is not None and inp.advantages is not None
+    mask = inp.loss_mask
+    adv = torch.where(mask > 0, torch.nan_to_num(inp.advantages, 0.0, 0.0, 0.0), torch.zeros_like(inp.advantages))
+    if algo.advantage_estimator == "gspo":
+        log_ratio = gspo_log_ratio(inp.log_probs, inp.old_log_probs, mask, inp.lengths)
+    else:
+        log_ratio = inp.log_probs - inp.old_log_probs
+    log_ratio = torch.where(mask > 0, log_ratio, torch.zeros_like(log_ratio))
+    pg, clipped = ppo_clip_loss(log_ratio, adv, algo.eps_clip, algo.eps_clip_high, algo.eps_clip_c)
+    metrics: dict[str, torch.Tensor] = {}
+    if algo.use_tis:
+        if inp.rollout_log_probs is None:
+            raise ValueError("--use-tis needs rollout_log_probs on every sample (the engine's log-probs).")
+        w, tis_clipped = tis_weights(inp.old_log_probs, inp.rollout_log_probs, algo.tis_clip_low, algo.tis_clip)
+        pg = pg * w
+        metrics["tis"] = reduce(w).detach()
+        metrics["tis_clipfrac"] = reduce(tis_clipped).detach()
+    pg_loss = reduce(pg)
+    loss = pg_loss
+    metrics["pg_loss"] = pg_loss.detach()
+    metrics["pg_clipfrac"] = reduce(clipped).detach()
+    metrics["ppo_kl"] = reduce(-log_ratio).detach()          # approx KL(old || new), k1
+    if inp.entropy is not None:
+        ent = reduce(inp.entropy)
+        metrics["entropy"] = ent.detach()
+        if algo.entropy_coef != 0:
+            loss = loss - algo.entropy_coef * ent
+    if algo.use_kl_loss:
+        if inp.ref_log_probs is None:
+            raise ValueError("--use-kl-loss needs reference log-probs.")
+        kl = approx_kl(inp.log_probs, inp.ref_log_probs, algo.kl_loss_type)
+        kl = torch.where(mask > 0, torch.nan_to_num(kl, 0.0, 0.0, 0.0), torch.zeros_like(kl))
+        kl_loss = reduce(kl)
+        metrics["kl_loss"] = kl_loss.detach()
+        loss = loss + algo.kl_loss_coef * kl_loss
+    if inp.rollout_log_probs is not None:
+        metrics["train_rollout_logprob_abs_diff"] = reduce((inp.old_log_probs - inp.rollout_log_probs).abs()).detach()
+    metrics["loss"] = loss.detach()
+    return loss, metrics
+
+
+def sft_loss(algo, inp: LossInputs, reduce: Reducer) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Negative log-likelihood of the response tokens where loss_mask is 1 (``--loss-type sft_loss``)."""
+    loss = reduce(-inp.log_probs)
+    metrics = {"loss": loss.detach(), "sft_loss": loss.detach()}
+    if inp.entropy is not None:
+        metrics["entropy"] = reduce(inp.entropy).detach()
+    return loss, metrics
+
+
+class CustomLossFn(Protocol):
+    """Signature for ``--custom-loss-function-path module.function``::
+
+        def my_loss(inputs: LossInputs, algo: AlgoConfig) -> tuple[Tensor, dict[str, Tensor]]
+
+    Return a PER-TOKEN loss of shape [N] (same as ``inputs.log_probs``, differentiable through it)
+    and per-token metric tensors of shape [N]; the trainer reduces both with the configured
+    token/sample mean (``--calculate-per-token-loss``) over the whole step and all ranks, so
+    micro-batching and data parallelism do not change the result.
+    """
+
+    def __call__(self, inputs: LossInputs, algo) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+
+
+def load_custom_loss(path: str) -> CustomLossFn:
+    """Import ``module.function`` for --custom-loss-function-path, failing clearly."""
+    module_name, _, fn_name = path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"--custom-loss-function-path {path!r} must be 'module.function' (e.g. my_pkg.losses.my_loss).")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"--custom-loss-function-path {path!r}: cannot import module {module_name!r} ({e}); "
+                         "make sure it is on PYTHONPATH.") from e
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise ValueError(f"--custom-loss-function-path {path!r}: {module_name!r} has no callable {fn_name!r}.")
+    return fn
+
+
+def custom_loss(fn: CustomLossFn) -> Callable:
+    def run(algo, inp: LossInputs, reduce: Reducer) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        per_token, per_token_metrics = fn(inp, algo)
+        if per_token.shape != inp.log_probs.shape:
+            raise ValueError(f"--custom-loss-function-path must return a per-token loss of shape "
+                             f"{tuple(inp.log_probs.shape)}, got {tuple(per_token.shape)}.")
+        loss = reduce(per_token)
+        metrics = {k: reduce(v.float()).detach() for k, v in per_token_metrics.items()}
+        metrics["loss"] = loss.detach()
+        return loss, metrics
+    return run

@@ -1,0 +1,62 @@
+"""Trainer metrics: reduction over the trainer group, throughput and MFU.
+
+MFU counts ``6 N`` FLOPs per trained token (forward + backward) and ``2 N`` per token of a
+forward-only pass (old/ref/teacher log-probs, critic values), N = parameters of the model (tied
+embeddings once) -- the same count as the anchor in notes/anchors.md -- divided by the elapsed time,
+the number of trainer GPUs and the GPU's dense bf16 peak (table below, or --mfu-peak-tflops).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+# dense bf16 tensor-core peak, TFLOP/s, by a substring of torch.cuda.get_device_name()
+PEAK_BF16_TFLOPS = {
+    "H200": 989.0, "H100": 989.0, "H800": 989.0, "H20": 148.0, "GH200": 989.0,
+    "B200": 2250.0, "B300": 2250.0, "GB200": 2500.0,
+    "A100": 312.0, "A800": 312.0, "A10G": 70.0, "L40S": 362.0, "L40": 181.0, "L4": 121.0,
+    "RTX 4090": 165.0, "RTX 3090": 71.0,
+}
+
+
+def peak_tflops(device: torch.device, override: float | None = None) -> float | None:
+    """The bf16 peak of ``device`` in TFLOP/s (override wins); None on CPU or an unknown GPU."""
+    if override:
+        return float(override)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):
+        if key in name:
+            return PEAK_BF16_TFLOPS[key]
+    return None
+
+
+def mfu(*, num_params: int, train_tokens: float, forward_tokens: float, seconds: float, num_gpus: int,
+        peak: float | None) -> float | None:
+    if not peak or seconds <= 0:
+        return None
+    flops = 6.0 * num_params * train_tokens + 2.0 * num_params * forward_tokens
+    return flops / seconds / num_gpus / (peak * 1e12)
+
+
+class MetricSums:
+    """Accumulates scalar tensors by name; ``reduce`` sums them over the group (one all-reduce)."""
+
+    def __init__(self):
+        self.sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+
+    def add(self, metrics: dict[str, torch.Tensor]) -> None:
+        for k, v in metrics.items():
+            self.sums[k] = self.sums[k] + v.detach().to("cpu", torch.float64)
+
+    def reduce(self, keys: list[str], group: dist.ProcessGroup | None, device: torch.device) -> dict[str, float]:
+        """Sum over ranks; every rank must pass the same ``keys`` (missing ones count as 0)."""
+        vals = torch.stack([self.sums[k] if k in self.sums else torch.zeros((), dtype=torch.float64) for k in keys])
+        if group is not None and dist.get_world_size(group) > 1 and keys:
+            vals = vals.to(device)
+            dist.all_reduce(vals, group=group)
+        return dict(zip(keys, vals.cpu().tolist()))

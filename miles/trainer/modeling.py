@@ -1,0 +1,208 @@
+"""Model construction: load a HF causal LM, wrap it so log-probs are computed inside the FSDP root
+forward, and shard it with FSDP2.
+
+- ``PolicyModel(hf_model)`` has one submodule ``lm`` (the HF model), so parameter names are
+  ``lm.<HF name>``; ``hf_name`` strips the prefix. Its forward returns log-probs (and entropy) of
+  the response tokens only, via ``logprobs.logprobs_and_entropy`` (chunked).
+- ``shard_model`` applies ``fully_shard`` to every transformer block (the classes in the HF model's
+  ``_no_split_modules``) and then to the root, over a 1-D DeviceMesh of the trainer group. bf16
+  params with fp32 gradient reduction on GPU (``MixedPrecisionPolicy``), fp32 on CPU unless --bf16.
+  ``offload=True`` keeps the shards in (pinned) CPU memory (``CPUOffloadPolicy``): used for the
+  reference and teacher models, which then stay off the accelerator between uses.
+- Attention: on GPU, when ``torch.nn.attention.varlen.varlen_attn`` exists and the model has no
+  sliding window, a varlen flash-attention function is registered with transformers as
+  ``miles_varlen`` and reads ``cu_seq_lens_q``/``max_length_q`` of the packed row; elsewhere SDPA with
+  the block-diagonal mask transformers derives from the restarting ``position_ids``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from miles.trainer.logprobs import logprobs_and_entropy
+from miles.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+PREFIX = "lm."
+VARLEN_ATTN = "miles_varlen"
+_registered = False
+
+
+def _varlen_fn():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def _varlen_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                      sliding_window=None, **kwargs):
+    """transformers attention interface: q [1, Hq, T, D], k/v [1, Hkv, T, D] -> ([1, T, Hq, D], None)."""
+    cu = kwargs.get("cu_seq_lens_q")
+    max_len = kwargs.get("max_length_q")
+    if cu is None or max_len is None:
+        raise RuntimeError("miles_varlen attention needs cu_seq_lens_q and max_length_q (pass them to the forward).")
+    if query.shape[0] != 1:
+        raise RuntimeError("miles_varlen attention expects one packed row (batch size 1).")
+    fn = _varlen_fn()
+    params = inspect.signature(fn).parameters
+    q = query[0].transpose(0, 1)                                   # [T, Hq, D]
+    k = key[0].transpose(0, 1)                                     # [T, Hkv, D]
+    v = value[0].transpose(0, 1)
+    kw = {}
+    if "enable_gqa" in params:
+        kw["enable_gqa"] = q.shape[1] != k.shape[1]
+    elif q.shape[1] != k.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    if "window_size" in params:
+        kw["window_size"] = (-1, 0)
+    else:
+        kw["is_causal"] = True
+    if "scale" in params:
+        kw["scale"] = scaling
+    out = fn(q, k, v, cu, cu, int(max_len), int(max_len), **kw)    # [T, Hq, D]
+    return out.unsqueeze(0), None
+
+
+def register_varlen_attention() -> bool:
+    """Register ``miles_varlen`` with transformers; False when torch has no varlen attention."""
+    global _registered
+    if _registered:
+        return True
+    if _varlen_fn() is None:
+        return False
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(VARLEN_ATTN, _varlen_attention)
+    _registered = True
+    return True
+
+
+def choose_attention(device: torch.device, config) -> str:
+    """The attention implementation for the trainer on ``device`` (see module docstring)."""
+    if device.type == "cuda" and getattr(config, "sliding_window", None) in (None, 0) and not getattr(
+            config, "use_sliding_window", False) and register_varlen_attention():
+        return VARLEN_ATTN
+    return "sdpa"
+
+
+def load_hf_model(path: str | Path, device: torch.device, *, causal_lm: bool = True) -> nn.Module:
+    """Load a local HF model on CPU in float32 (the master weights), with the trainer's attention."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} is not a HF model directory (no config.json); point --hf-checkpoint / --ref-load / "
+                         "--critic-load / --opd-teacher-load at a local directory written by save_pretrained.")
+    hf_logging.disable_progress_bar()
+    config = AutoConfig.from_pretrained(str(path))
+    attn = choose_attention(device, config)
+    cls = AutoModelForCausalLM if causal_lm else AutoModel
+    model = cls.from_pretrained(str(path), dtype=torch.float32, attn_implementation=attn)
+    model.config.use_cache = False
+    return model
+
+
+def decoder_blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks: modules whose class is in the HF model's ``_no_split_modules``."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ValueError(f"cannot find the transformer blocks of {type(model).__name__} (its _no_split_modules is "
+                         f"{sorted(names)}); the FSDP backend supports HF decoder-only models.")
+    return blocks
+
+
+def base_model(hf_model: nn.Module) -> nn.Module:
+    return getattr(hf_model, hf_model.base_model_prefix)
+
+
+def attn_kwargs(hf_model: nn.Module, cu_seqlens: torch.Tensor, max_seqlen: int) -> dict:
+    """Extra forward kwargs the attention implementation needs for a packed row."""
+    if hf_model.config._attn_implementation == VARLEN_ATTN:
+        return {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens,
+                "max_length_q": max_seqlen, "max_length_k": max_seqlen}
+    return {}
+
+
+class PolicyModel(nn.Module):
+    """HF causal LM whose forward returns log-probs (and entropy) of the response tokens."""
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.lm = hf_model
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logit_index: torch.Tensor,
+                targets: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, *, temperature: float = 1.0,
+                chunk_size: int = 1024, with_entropy: bool = False, entropy_grad: bool = False,
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids/position_ids [1, T]; logit_index/targets [N] -> (log-probs [N], entropy [N] | None)."""
+        out = base_model(self.lm)(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                  **attn_kwargs(self.lm, cu_seqlens, max_seqlen))
+        hidden = out.last_hidden_state[0].index_select(0, logit_index)      # [N, H]
+        return logprobs_and_entropy(hidden, self.lm.get_output_embeddings(), targets, temperature=temperature,
+                                    chunk_size=chunk_size, with_entropy=with_entropy, entropy_grad=entropy_grad)
+
+
+def hf_name(name: str) -> str:
+    """``lm.model.layers.0...`` -> ``model.layers.0...`` (the HF checkpoint's name)."""
+    return name[len(PREFIX):] if name.startswith(PREFIX) else name
+
+
+def mixed_precision(device: torch.device, bf16: bool | None):
+    """The MixedPrecisionPolicy: bf16 params + fp32 reduction when bf16 (default on GPU), else None."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    use_bf16 = device.type == "cuda" if bf16 is None else bf16
+    if not use_bf16:
+        return None
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def shard_model(module: nn.Module, blocks: list[nn.Module], mesh, *, mp_policy=None, offload: bool = False,
+                recompute: bool = False) -> nn.Module:
+    """fully_shard every block, then the root; optional activation checkpointing of the blocks."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    if recompute:
+        _enable_recompute(blocks)
+    kw = {"mesh": mesh}
+    if mp_policy is not None:
+        kw["mp_policy"] = mp_policy
+    on_gpu = mesh.device_type == "cuda"
+    kw["offload_policy"] = CPUOffloadPolicy(pin_memory=True) if (offload and on_gpu) else OffloadPolicy()
+    for block in blocks:
+        fully_shard(block, **kw)
+    fully_shard(module, **kw)
+    return module
+
+
+def _enable_recompute(blocks: list[nn.Module]) -> None:
+    """Non-reentrant activation checkpointing of each block's forward (parameter names unchanged)."""
+    from torch.utils.checkpoint import checkpoint
+
+    for block in blocks:
+        if getattr(block, "_miles_recompute", False):
+            continue
+        inner = block.forward
+
+        def forward(*args, _inner=inner, **kwargs):
+            if not torch.is_grad_enabled():
+                return _inner(*args, **kwargs)
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        block.forward = forward
+        block._miles_recompute = True
+
+
+def count_params(module: nn.Module) -> int:
+    """Number of parameters of the unsharded model (shared tensors once)."""
+    return sum(p.numel() for p in module.parameters())

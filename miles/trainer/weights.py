@@ -1,0 +1,137 @@
+"""Gather full parameters from FSDP2 shards, bucket by bucket, in lockstep on the trainer group.
+
+FSDP2 shards every parameter on dim 0 like ``torch.chunk``: with ``c = ceil(d0 / W)`` rank r holds
+rows ``[r c, min((r + 1) c, d0))`` (possibly none). For a bucket, each rank lays its shards out
+padded to ``c`` rows in one flat buffer, one ``all_gather_into_tensor`` gathers the bucket, and the
+full tensors are views cut out of the result. The generator issues the gather of bucket k+1
+before it yields bucket k, so a caller that sends bucket k (to engines, to disk) overlaps with
+the next gather; at most two buckets are alive.
+
+Every trainer rank must iterate to the end (the gathers are collectives on the trainer group);
+every rank receives the full tensors, on the trainer's device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+Bucket = list[tuple[str, torch.Tensor]]
+
+
+def _local_and_rows(p: torch.Tensor, world: int) -> tuple[torch.Tensor, int, bool]:
+    """(local shard, padded rows per rank, is_sharded) for a parameter."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if isinstance(p, DTensor):
+        placements = p.placements
+        if len(placements) == 1 and isinstance(placements[0], Shard) and placements[0].dim == 0 and world > 1:
+            d0 = p.shape[0]
+            return p.to_local(), -(-d0 // world), True
+        return p.full_tensor() if world > 1 else p.to_local(), 0, False
+    return p.detach(), 0, False
+
+
+def plan_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int, dtype: torch.dtype | None) -> list[Bucket]:
+    """Group (name, param) pairs into buckets of at most bucket_bytes (a larger tensor gets its own);
+    a bucket never mixes dtypes."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes (--update-weight-buffer-size).")
+    buckets: list[Bucket] = []
+    cur: Bucket = []
+    cur_bytes, cur_dtype = 0, None
+    for name, p in named:
+        dt = dtype or p.dtype
+        nbytes = p.numel() * torch.empty(0, dtype=dt).element_size()
+        if cur and (cur_bytes + nbytes > bucket_bytes or dt != cur_dtype):
+            buckets.append(cur)
+            cur, cur_bytes = [], 0
+        cur.append((name, p))
+        cur_bytes += nbytes
+        cur_dtype = dt
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+class _Pending:
+    def __init__(self, bucket: Bucket, out: torch.Tensor | None, work, layout, ready: Bucket | None):
+        self.bucket, self.out, self.work, self.layout, self.ready = bucket, out, work, layout, ready
+
+
+def _start(bucket: Bucket, group: dist.ProcessGroup, world: int, device: torch.device,
+           dtype: torch.dtype | None) -> _Pending:
+    layout, pieces, ready = [], [], []
+    sharded_any = False
+    for name, p in bucket:
+        local, rows, sharded = _local_and_rows(p, world)
+        dt = dtype or p.dtype
+        if not sharded:
+            ready.append((name, local.to(device=device, dtype=dt)))
+            layout.append((name, None))
+            continue
+        sharded_any = True
+        rest = tuple(p.shape[1:])
+        per_row = 1
+        for s in rest:
+            per_row *= s
+        buf = torch.zeros(rows * per_row, dtype=dt, device=device)
+        flat = local.detach().reshape(-1).to(device=device, dtype=dt)
+        buf[: flat.numel()] = flat
+        pieces.append(buf)
+        layout.append((name, (tuple(p.shape), rows, per_row)))
+    if not sharded_any:
+        return _Pending(bucket, None, None, layout, ready)
+    send = torch.cat(pieces)
+    out = torch.empty(world * send.numel(), dtype=send.dtype, device=device)
+    work = dist.all_gather_into_tensor(out, send, group=group, async_op=True)
+    return _Pending(bucket, out, work, layout, ready)
+
+
+def _finish(pend: _Pending, world: int, timeout: float) -> Bucket:
+    if pend.work is not None:
+        ok = pend.work.wait(timeout=timedelta(seconds=timeout))
+        if ok is False:
+            raise TimeoutError(f"gathering weights on the trainer group timed out after {timeout:.0f}s "
+                               "(a trainer rank is missing or stuck).")
+    ready = iter(pend.ready or [])
+    gathered = pend.out.view(world, -1) if pend.out is not None else None
+    result: Bucket = []
+    offset = 0
+    for name, info in pend.layout:
+        if info is None:
+            result.append(next(ready))
+            continue
+        shape, rows, per_row = info
+        n = rows * per_row
+        full = gathered[:, offset:offset + n].reshape(world * rows, *shape[1:])[: shape[0]]
+        result.append((name, full))
+        offset += n
+    return result
+
+
+def iter_full_params(
+    module: nn.Module, *, group: dist.ProcessGroup, device: torch.device, bucket_bytes: int,
+    dtype: torch.dtype | None = None, name_fn: Callable[[str], str] = lambda n: n, timeout: float = 600.0,
+    prefetch: bool = True,
+) -> Iterator[Bucket]:
+    """Yield buckets of (name_fn(name), full tensor) in ``module.named_parameters()`` order."""
+    world = dist.get_world_size(group)
+    named = [(name_fn(n), p) for n, p in module.named_parameters()]
+    buckets = plan_buckets(named, bucket_bytes, dtype)
+    if not buckets:
+        return
+    with torch.no_grad():
+        pending = _start(buckets[0], group, world, device, dtype)
+        for k in range(len(buckets)):
+            nxt = _start(buckets[k + 1], group, world, device, dtype) if (prefetch and k + 1 < len(buckets)) else None
+            result = _finish(pending, world, timeout)
+            yield result
+            del result
+            if nxt is None and k + 1 < len(buckets):
+                nxt = _start(buckets[k + 1], group, world, device, dtype)
+            pending = nxt

@@ -1,0 +1,312 @@
+"""The weight sender contract, the shared sync choreography, and ``build_weight_sender``.
+
+A sender moves the trainer's current weights into every engine and labels them with a new
+``weight_version``. All trainer ranks construct the same sender and call every gathering method
+(``sync``, ``sync_one``, ``check``) together: the trainer's ``iter_weight_buckets`` gathers FSDP2 shards
+in lockstep on all ranks. Only the *source* rank (trainer rank 0, or each colocated engine's leader in
+``tensor`` mode) talks to engines; the ``engines`` arguments matter only there.
+
+Every sync runs the same choreography over HTTP (``miles.rollout.client.EngineControl``, one call per
+engine, issued concurrently, each bounded by the time left of ``--update-weight-timeout``):
+
+    pause_generation(--pause-generation-mode) -> begin_weight_update -> <mode's transfer>
+    -> end_weight_update -> update_weight_version -> flush_cache (skipped for in_place) -> continue_generation
+
+and returns a :class:`SyncResult` (gather / transfer / engine-load / control / total seconds, bytes).
+A failure raises :class:`WeightSyncError` naming the engine and the step; the engines are left paused
+(their weights may be half-updated) for the caller (``miles.ft``) to replace or resync them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from miles.config.base import ConfigError
+from miles.config.weights import WeightSyncConfig
+from miles.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+MODES = ("broadcast", "tensor", "disk-delta")
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync failed or timed out; the message names the engine(s) and the step."""
+
+
+class WeightSource(Protocol):
+    """What the trainer exposes (``miles.trainer.fsdp.FSDPTrainer``)."""
+
+    def iter_weight_buckets(self, bucket_bytes: int, dtype: torch.dtype | None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """HF-named full tensors, bucket by bucket; collective on every trainer rank (full tensors on rank 0)."""
+        ...
+
+
+@dataclass(frozen=True)
+class EngineTarget:
+    """An engine as the weight plane sees it: its URL and how many ranks it adds to a weight group."""
+
+    url: str
+    num_workers: int = 1          # the engine's TP size (GPUs); each worker is one rank of the group
+    engine_id: int | None = None
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1:
+            raise ValueError(f"engine {self.url}: num_workers (--rollout-num-gpus-per-engine) must be >= 1, got {self.num_workers}")
+
+
+@dataclass
+class SyncResult:
+    """Timings of one sync (seconds; overlapping phases make the parts sum to more than ``total_s``)."""
+
+    mode: str
+    version: int
+    num_engines: int = 0
+    num_buckets: int = 0
+    num_tensors: int = 0
+    bytes: int = 0                # tensor bytes moved per engine
+    gather_s: float = 0.0         # trainer: gathering shards + packing buckets
+    transfer_s: float = 0.0       # moving bytes (broadcast / serialize / write)
+    load_s: float = 0.0           # engines: from bytes received to weights in place
+    control_s: float = 0.0        # pause/begin/end/version/flush/continue
+    total_s: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.total_s / 1e9 if self.total_s > 0 else 0.0
+
+    def as_metrics(self, prefix: str = "weight_sync/") -> dict[str, float]:
+        d = {k: v for k, v in asdict(self).items() if isinstance(v, int | float) and k != "version"}
+        d.update(self.extra)
+        d["gbps"] = self.gbps
+        return {prefix + k: float(v) for k, v in d.items()}
+
+
+class _Loop:
+    """One background event loop per sender for its HTTP control calls (never the caller's loop)."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="miles-weight-sync-http", daemon=True)
+        self._thread.start()
+
+    def submit(self, coro: Awaitable[Any]) -> Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=5)
+
+
+class Deadline:
+    """The time left of one sync's ``--update-weight-timeout``."""
+
+    def __init__(self, seconds: float, what: str) -> None:
+        self.seconds, self.what = float(seconds), what
+        self.end = time.monotonic() + self.seconds
+
+    def left(self) -> float:
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise WeightSyncError(f"{self.what} exceeded --update-weight-timeout={self.seconds:g}s")
+        return left
+
+
+class WeightSender(ABC):
+    """Base of the three transports; see the module docstring for the contract."""
+
+    mode: str = ""
+
+    def __init__(self, cfg: WeightSyncConfig, source: WeightSource, *, is_source: bool,
+                 engines: Sequence[EngineTarget] = (), dtype: torch.dtype | None = None,
+                 initial_version: int = 0, status_group: Any = None,
+                 control_factory: Callable[[EngineTarget, float], Any] | None = None) -> None:
+        self.cfg, self.source, self.is_source = cfg, source, is_source
+        self.dtype = dtype
+        self.engines: list[EngineTarget] = list(engines)
+        self.weight_version = int(initial_version)
+        self.status_group = status_group          # trainer group: every rank learns whether a sync failed
+        self._control_factory = control_factory or _default_control
+        self._controls: dict[str, Any] = {}
+        self._loop: _Loop | None = None
+
+    # -- public API ------------------------------------------------------------------------------------
+    def connect(self, engines: Sequence[EngineTarget] | None = None) -> None:
+        """Prepare the transport for ``engines`` (source rank); called once after engines are up."""
+        if engines is not None:
+            self.engines = list(engines)
+
+    def reconnect(self, live_engines: Sequence[EngineTarget]) -> None:
+        """Membership changed: drop state about dead engines and prepare for the live ones only."""
+        self.engines = list(live_engines)
+
+    def sync(self, engines: Sequence[EngineTarget] | None = None, *, bump_version: bool = True) -> SyncResult:
+        """Push the trainer's current weights. Collective on every trainer rank.
+
+        ``bump_version`` False re-sends the current version (use it only when the trainer has not
+        stepped since the last sync). ``engines`` (source rank) restricts the targets.
+        """
+        version = self.weight_version + 1 if bump_version else self.weight_version
+        targets = list(self.engines if engines is None else engines)
+        err: BaseException | None = None
+        result = SyncResult(self.mode, version, num_engines=len(targets))
+        try:
+            result = self._sync(targets, version)
+        except (WeightSyncError, OSError, RuntimeError, ValueError) as e:
+            err = e
+        self._agree(err)
+        self.weight_version = version
+        if self.cfg.check_weight_update_equal:
+            err = None
+            try:
+                self.check()
+            except (WeightSyncError, RuntimeError, ValueError) as e:
+                err = e
+            self._agree(err)
+        logger.info("weight sync v%d (%s) to %d engine(s): %.3fs total, gather %.3fs, transfer %.3fs, load %.3fs, "
+                    "control %.3fs, %.1f MB, %.2f GB/s", version, self.mode, result.num_engines, result.total_s,
+                    result.gather_s, result.transfer_s, result.load_s, result.control_s, result.bytes / 1e6, result.gbps)
+        return result
+
+    def sync_one(self, engine: EngineTarget | None) -> SyncResult:
+        """Bring one (new) engine to the current version before it is routed to. Collective: the other
+        trainer ranks call it too (``engine`` matters only on the source rank)."""
+        return self.sync([engine] if self.is_source and engine is not None else [], bump_version=False)
+
+    def check(self) -> int:
+        """``--check-weight-update-equal`` now (collective): every engine equals the trainer, bitwise."""
+        from miles.weight_sync.check import check_weights_equal
+
+        return check_weights_equal(self)
+
+    def close(self) -> None:
+        if self._loop is not None:
+            for ctl in self._controls.values():
+                try:
+                    self._loop.submit(ctl.close()).result(5)
+                except (FutureTimeout, RuntimeError, OSError):
+                    pass
+            self._loop.close()
+            self._loop = None
+
+    # -- for subclasses -------------------------------------------------------------------------------
+    @abstractmethod
+    def _sync(self, engines: list[EngineTarget], version: int) -> SyncResult:
+        """Gather (all ranks) and transfer (source) one version; raise WeightSyncError on failure."""
+
+    def iter_buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        return self.source.iter_weight_buckets(self.cfg.update_weight_buffer_size, self.dtype)
+
+    def control(self, engine: EngineTarget) -> Any:
+        ctl = self._controls.get(engine.url)
+        if ctl is None:
+            ctl = self._controls[engine.url] = self._control_factory(engine, self.cfg.update_weight_timeout)
+        return ctl
+
+    def submit_all(self, engines: Sequence[EngineTarget], call: Callable[[Any], Awaitable[Any]]) -> list[Future]:
+        """Start ``call(control)`` for every engine on the HTTP loop; returns one future per engine."""
+        if self._loop is None:
+            self._loop = _Loop()
+        return [self._loop.submit(call(self.control(e))) for e in engines]
+
+    def wait_all(self, engines: Sequence[EngineTarget], futures: list[Future], deadline: Deadline, step: str) -> list[Any]:
+        """Wait for every future; the first failure (or the deadline) raises naming engine and step."""
+        out = []
+        for e, fut in zip(engines, futures):
+            try:
+                out.append(fut.result(timeout=deadline.left()))
+            except FutureTimeout:
+                for f in futures:
+                    f.cancel()
+                raise WeightSyncError(f"{step} on engine {e.url} did not answer within --update-weight-timeout="
+                                      f"{deadline.seconds:g}s") from None
+            except WeightSyncError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any engine-side failure becomes one clear error
+                for f in futures:
+                    f.cancel()
+                raise WeightSyncError(f"{step} failed on engine {e.url}: {exc}") from exc
+        return out
+
+    def call_all(self, engines: Sequence[EngineTarget], call: Callable[[Any], Awaitable[Any]], deadline: Deadline, step: str) -> list[Any]:
+        return self.wait_all(engines, self.submit_all(engines, call), deadline, step)
+
+    def begin(self, engines: Sequence[EngineTarget], deadline: Deadline) -> None:
+        """pause -> begin_weight_update on every engine."""
+        mode = self.cfg.pause_generation_mode
+        self.call_all(engines, lambda c: c.pause_generation(mode), deadline, f"pause_generation(mode={mode})")
+        self.call_all(engines, lambda c: c.begin_weight_update(), deadline, "begin_weight_update")
+
+    def finish(self, engines: Sequence[EngineTarget], version: int, deadline: Deadline) -> None:
+        """end_weight_update -> update_weight_version -> flush_cache -> continue_generation."""
+        self.call_all(engines, lambda c: c.end_weight_update(), deadline, "end_weight_update")
+        self.call_all(engines, lambda c: c.update_weight_version(str(version)), deadline, "update_weight_version")
+        if self.cfg.pause_generation_mode != "in_place":
+            self.call_all(engines, lambda c: c.flush_cache(), deadline, "flush_cache")
+        self.call_all(engines, lambda c: c.continue_generation(), deadline, "continue_generation")
+
+    def _agree(self, err: BaseException | None) -> None:
+        """Every trainer rank raises when any rank failed (over ``status_group``), else only the failing one."""
+        if self.status_group is not None:
+            import torch.distributed as dist
+
+            flag = torch.tensor([1 if err is not None else 0], dtype=torch.int32)
+            if dist.get_backend(self.status_group) == "nccl":
+                flag = flag.cuda()
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.status_group)
+            if err is None and int(flag.item()):
+                raise WeightSyncError(f"weight sync v{self.weight_version + 1} failed on another trainer rank (see its log)")
+        if err is not None:
+            if isinstance(err, WeightSyncError):
+                raise err
+            raise WeightSyncError(f"weight sync ({self.mode}) failed: {err}") from err
+
+
+def _default_control(engine: EngineTarget, timeout: float) -> Any:
+    from miles.rollout.client import EngineControl
+
+    return EngineControl(engine.url, api_key=engine.api_key, timeout=timeout)
+
+
+def resolve_mode(cfg: WeightSyncConfig, colocate: bool) -> str:
+    mode = cfg.update_weight_transfer_mode
+    if mode == "auto":
+        return "tensor" if colocate else "broadcast"
+    return mode
+
+
+def build_weight_sender(cfg: WeightSyncConfig, source: WeightSource, *, colocate: bool = False, **kwargs: Any) -> WeightSender:
+    """The sender for ``--update-weight-transfer-mode`` (auto: tensor when colocated, else broadcast).
+
+    ``kwargs`` go to the sender's constructor (is_source, engines, dtype, device, ...).
+    """
+    mode = resolve_mode(cfg, colocate)
+    if mode == "broadcast":
+        from miles.weight_sync.broadcast import BroadcastSender
+
+        return BroadcastSender(cfg, source, **kwargs)
+    if mode == "tensor":
+        from miles.weight_sync.tensor import TensorSender
+
+        return TensorSender(cfg, source, **kwargs)
+    if mode == "disk-delta":
+        if not cfg.update_weight_disk_dir:
+            raise ConfigError("--update-weight-transfer-mode disk-delta needs --update-weight-disk-dir "
+                              "(a directory every engine can read)")
+        from miles.weight_sync.disk_delta_sender import DiskDeltaSender
+
+        return DiskDeltaSender(cfg, source, **kwargs)
+    raise ConfigError(f"--update-weight-transfer-mode {mode!r} is not one of auto, {', '.join(MODES)}")

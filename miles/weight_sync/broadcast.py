@@ -1,0 +1,299 @@
+"""Broadcast transport (disaggregated default): trainer rank 0 -> every engine worker, NCCL or gloo.
+
+Forming a group (``connect`` / ``reconnect``), on the source rank: host the TCPStore once; pick a fresh
+``group_name``; world = 1 + the engines' workers; engine e's workers take ranks ``1 + sum(workers of
+engines before e)``...; post ``/init_weights_update_group`` to every engine concurrently while joining as
+rank 0 (both sides block until all have joined, bounded by ``--update-weight-timeout``). Re-forming
+destroys the old group first; a failed broadcast aborts the group, and the next sync re-forms it with
+the engines it is given.
+
+One sync: every trainer rank iterates ``iter_weight_buckets`` in lockstep (the FSDP2 all-gathers run on
+the caller's thread only). The source packs each bucket into one fresh uint8 buffer and hands it to a
+sender thread, which posts ``/update_weights_from_distributed`` (``load_format="flattened_bucket"``) to
+every engine and broadcasts the buffer on the weight group, while the main thread already gathers the
+next bucket. The trainer group and the weight group are different communicators driven by different
+threads, each in a fixed order, so the classic "all-gather vs broadcast" deadlock cannot occur; on a
+sender failure the source keeps draining the gathers so the other trainer ranks never hang.
+
+The engine side is ``miles.engine.weights.WeightGroups`` (same group construction, same bucket layout).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from miles.utils.logging import get_logger
+from miles.utils.net import host_address
+from miles.weight_sync.base import Deadline, EngineTarget, SyncResult, WeightSender, WeightSyncError
+from miles.weight_sync.buckets import dtype_to_str, pack_bucket
+from miles.weight_sync.group import WeightGroup, WeightGroupError, host_store
+
+logger = get_logger(__name__)
+
+_DONE = object()
+
+
+class BroadcastSender(WeightSender):
+    """``--update-weight-transfer-mode broadcast``. ``flatten=False`` sends one broadcast per tensor."""
+
+    mode = "broadcast"
+
+    def __init__(self, cfg, source, *, device: torch.device | str | None = None, master_addr: str | None = None,
+                 store_port: int = 0, flatten: bool = True, **kwargs: Any) -> None:
+        super().__init__(cfg, source, **kwargs)
+        self.device = torch.device(device) if device is not None else None
+        self.master_addr = master_addr
+        self.store_port = store_port
+        self.flatten = flatten
+        self._store = None
+        self._group: WeightGroup | None = None
+        self._group_engines: list[EngineTarget] = []
+        self._formations = 0
+
+    # -- group membership ----------------------------------------------------------------------------
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device is not None and self.device.type == "cuda" else "gloo"
+
+    @property
+    def group_name(self) -> str | None:
+        return self._group.name if self._group is not None else None
+
+    def connect(self, engines: Sequence[EngineTarget] | None = None) -> None:
+        super().connect(engines)
+        if self.is_source:
+            self._group, self._group_engines = self._form(self.engines), list(self.engines)
+
+    def reconnect(self, live_engines: Sequence[EngineTarget]) -> None:
+        """Destroy the current group (telling the engines still alive) and form one with ``live_engines``."""
+        super().reconnect(live_engines)
+        if not self.is_source:
+            return
+        self._drop_group(notify=[e for e in self._group_engines if e in self.engines])
+        self._group, self._group_engines = self._form(self.engines), list(self.engines)
+
+    def _drop_group(self, notify: Sequence[EngineTarget]) -> None:
+        group, self._group, self._group_engines = self._group, None, []
+        if group is None:
+            return
+        if notify:
+            deadline = Deadline(min(30.0, self.cfg.update_weight_timeout), f"destroying weight-update group {group.name}")
+            futs = self.submit_all(notify, lambda c: c.destroy_weights_update_group(group.name))
+            for e, f in zip(notify, futs):
+                try:
+                    f.result(timeout=deadline.left())
+                except Exception as exc:  # noqa: BLE001 - a dead engine cannot confirm; nothing to undo
+                    logger.warning("destroy_weights_update_group(%s) on %s: %s", group.name, e.url, exc)
+        group.destroy()
+
+    def _form(self, engines: Sequence[EngineTarget]) -> WeightGroup:
+        if not engines:
+            raise WeightSyncError("cannot form a weight-update group without engines")
+        timeout = self.cfg.update_weight_timeout
+        if self._store is None:
+            self._store = host_store(self.store_port, timeout)
+        self._formations += 1
+        name = f"miles-weights-{self._formations}-{uuid.uuid4().hex[:8]}"
+        world = 1 + sum(e.num_workers for e in engines)
+        addr = self.master_addr or host_address()
+        deadline = Deadline(timeout, f"forming weight-update group {name}")
+        offsets, off = [], 1
+        for e in engines:
+            offsets.append(off)
+            off += e.num_workers
+        futs = [self.submit_all([e], lambda c, o=o: c.init_weights_update_group(addr, self._store.port, o, world, name, self.backend,
+                                                                                timeout=timeout))[0]
+                for e, o in zip(engines, offsets)]
+        t0 = time.monotonic()
+        try:
+            group = WeightGroup(name, self._store, 0, world, self.backend, timeout_s=timeout, device=self.device)
+        except WeightGroupError as e:
+            for f in futs:
+                f.cancel()
+            raise WeightSyncError(f"{e} -- engines: {[x.url for x in engines]}") from e
+        self.wait_all(engines, futs, deadline, f"init_weights_update_group({name})")
+        logger.info("weight-update group %s formed: %d engine(s), world %d, %s, %s:%d, %.2fs", name, len(engines), world,
+                    self.backend, addr, self._store.port, time.monotonic() - t0)
+        return group
+
+    # -- one sync ------------------------------------------------------------------------------------
+    def _sync(self, engines: list[EngineTarget], version: int) -> SyncResult:
+        result = SyncResult(self.mode, version, num_engines=len(engines))
+        t_start = time.monotonic()
+        if not self.is_source:
+            for _ in self._gathered(result):
+                pass
+            result.total_s = time.monotonic() - t_start
+            return result
+        deadline = Deadline(self.cfg.update_weight_timeout, f"weight sync v{version} (broadcast)")
+        temp_group = None
+        try:
+            if not engines:
+                for _ in self._gathered(result):
+                    pass
+                return result
+            if self._group is None:
+                self.connect(self.engines)
+            group = self._group
+            if [e.url for e in engines] != [e.url for e in self._group_engines]:
+                group = temp_group = self._form(engines)  # a subset (a newcomer): a group of its own
+            tc = time.monotonic()
+            self.begin(engines, deadline)
+            result.control_s += time.monotonic() - tc
+            self._send_all(group, engines, version, deadline, result)
+            tc = time.monotonic()
+            self.finish(engines, version, deadline)
+            result.control_s += time.monotonic() - tc
+        except (WeightSyncError, WeightGroupError) as e:
+            if temp_group is None:
+                self._drop_group(notify=[])  # unusable now: the next sync re-forms it
+            raise WeightSyncError(str(e)) from e
+        finally:
+            if temp_group is not None:
+                temp_group.destroy()
+            result.total_s = time.monotonic() - t_start
+        return result
+
+    def _gathered(self, result: SyncResult):
+        """Iterate the trainer's buckets (collective), timing the gathers."""
+        it = self.iter_buckets()
+        while True:
+            t0 = time.monotonic()
+            bucket = next(it, None)
+            result.gather_s += time.monotonic() - t0
+            if bucket is None:
+                return
+            yield bucket
+
+    def _send_all(self, group: WeightGroup, engines: list[EngineTarget], version: int, deadline: Deadline, result: SyncResult) -> None:
+        q: queue.Queue = queue.Queue(maxsize=1)
+        failure: list[BaseException] = []
+        sender = threading.Thread(target=self._sender_loop, args=(q, group, engines, version, deadline, result, failure),
+                                  name="miles-weight-broadcast", daemon=True)
+        sender.start()
+        try:
+            for bucket in self._gathered(result):
+                if failure:
+                    continue  # keep gathering in lockstep so the other trainer ranks finish too
+                t0 = time.monotonic()
+                item = self._prepare(bucket)
+                result.gather_s += time.monotonic() - t0
+                result.num_buckets += 1
+                result.num_tensors += len(bucket)
+                result.bytes += item[0].numel() if self.flatten else sum(t.numel() * t.element_size() for _, t in item[1])
+                while not failure:
+                    try:
+                        q.put(item, timeout=min(1.0, deadline.left()))
+                        break
+                    except queue.Full:
+                        continue
+                    except WeightSyncError as e:
+                        failure.append(e)
+        finally:
+            while sender.is_alive():
+                try:
+                    q.put(_DONE, timeout=0.2)
+                    break
+                except queue.Full:
+                    if failure:
+                        try:
+                            q.get_nowait()
+                        except queue.Empty:
+                            pass
+            sender.join(timeout=max(1.0, deadline.end - time.monotonic() + 5.0))
+        if failure:
+            raise self._name_suspects(failure[0], engines)
+        if sender.is_alive():
+            raise WeightSyncError(f"the weight broadcast thread is stuck past --update-weight-timeout={deadline.seconds:g}s")
+
+    def _prepare(self, bucket: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor | None, list, Any]:
+        """(flat buffer or None, per-tensor list, CUDA event the sender waits for)."""
+        if self.device is not None:
+            bucket = [(n, t.to(self.device, non_blocking=True)) for n, t in bucket]
+        event = None
+        if self.flatten:
+            flat, _ = pack_bucket(bucket)
+            tensors = [(n, t) for n, t in bucket]
+        else:
+            flat, tensors = None, [(n, t.detach().contiguous()) for n, t in bucket]
+        dev = (flat if flat is not None else tensors[0][1]).device
+        if dev.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(dev))
+        return flat, tensors, event
+
+    def _sender_loop(self, q: queue.Queue, group: WeightGroup, engines: list[EngineTarget], version: int,
+                     deadline: Deadline, result: SyncResult, failure: list[BaseException]) -> None:
+        stream = None
+        try:
+            while True:
+                item = q.get(timeout=deadline.left())
+                if item is _DONE:
+                    return
+                flat, tensors, event = item
+                if event is not None:
+                    if stream is None:
+                        stream = torch.cuda.Stream(device=event.device if hasattr(event, "device") else None)
+                    stream.wait_event(event)
+                names = [n for n, _ in tensors]
+                dtypes = [dtype_to_str(t.dtype) for _, t in tensors]
+                shapes = [list(t.shape) for _, t in tensors]
+                fmt = "flattened_bucket" if self.flatten else None
+                left = deadline.left()
+                futs = self.submit_all(engines, lambda c, a=(names, dtypes, shapes, group.name): c.update_weights_from_distributed(
+                    *a, load_format=fmt, weight_version=str(version), flush_cache=False, timeout=left))  # noqa: B023 - called at once
+                self._in_flight = (futs, len(names))
+                t0 = time.monotonic()
+                ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+                try:
+                    with ctx:
+                        if flat is not None:
+                            group.broadcast(flat, src=0, timeout_s=deadline.left(), what=f"bucket of {len(names)} tensors")
+                        else:
+                            for n, t in tensors:
+                                group.broadcast(t, src=0, timeout_s=deadline.left(), what=f"tensor {n!r}")
+                except WeightGroupError as e:
+                    for f in futs:
+                        f.cancel()
+                    raise WeightSyncError(f"{e} (engines: {[x.url for x in engines]})") from e
+                t1 = time.monotonic()
+                result.transfer_s += t1 - t0
+                self.wait_all(engines, futs, deadline, "update_weights_from_distributed")
+                result.load_s += time.monotonic() - t1
+        except BaseException as e:  # noqa: BLE001 - reported to the main thread, which raises it
+            if not isinstance(e, WeightSyncError | WeightGroupError):
+                e = WeightSyncError(f"weight broadcast failed: {type(e).__name__}: {e}")
+            failure.append(e)
+            while True:  # unblock the producer until it sends _DONE
+                try:
+                    if q.get(timeout=deadline.end - time.monotonic() + 5.0) is _DONE:
+                        return
+                except queue.Empty:
+                    return
+
+    def _name_suspects(self, err: BaseException, engines: list[EngineTarget]) -> BaseException:
+        """Add to ``err`` which engines had not answered the bucket in flight (the stalled or dead ones)."""
+        futs, num = getattr(self, "_in_flight", ([], 0))
+        self._in_flight = ([], 0)
+        silent = [e.url for e, f in zip(engines, futs) if f.cancelled() or not f.done() or f.exception() is not None]
+        if not silent:
+            return err
+        return WeightSyncError(f"{err}; engine(s) {silent} did not complete update_weights_from_distributed for the "
+                               f"bucket in flight ({num} tensors): stalled or dead")
+
+    def close(self) -> None:
+        """Destroy the group (telling its engines) and stop the HTTP loop."""
+        if self.is_source:
+            try:
+                self._drop_group(notify=list(self._group_engines))
+            except WeightSyncError as e:
+                logger.warning("closing the weight-update group: %s", e)
+        super().close()

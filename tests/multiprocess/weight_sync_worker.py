@@ -1,0 +1,238 @@
+"""One rank of the weight-sync end-to-end job (run by torchrun, 2 ranks, gloo, CPU).
+
+Real parts only: the FSDP2 trainer (``miles.trainer.fsdp.FSDPTrainer``) on 2 ranks, two embedded engine
+servers (``python -m miles.engine``) started and restarted by rank 0 through ``EngineSupervisor``, and
+every sender of ``miles.weight_sync``. Each scenario perturbs the trainer's shards (a stand-in for an
+optimizer step), syncs, and verifies bitwise equality through ``/get_weights_by_name``. Rank 0 writes
+the results as JSON to ``--out``.
+
+    torchrun --nproc-per-node 2 tests/multiprocess/weight_sync_worker.py --model DIR --work W --out R.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from miles.config import parse_args
+from miles.rollout.client import SyncEngineControl
+from miles.spmd.supervisor import EngineSupervisor, scrubbed_env
+from miles.utils.net import find_free_port
+from miles.weight_sync import disk_delta as dd
+from miles.weight_sync.base import EngineTarget, WeightSyncError, build_weight_sender
+
+
+def perturb(trainer, step: int, rank: int) -> None:
+    """Change every local shard deterministically (a stand-in for an optimizer step)."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            local.add_(0.01 * torch.randn(local.shape, generator=g, dtype=torch.float32).to(local.dtype))
+
+
+def start_engine(model: str, log: Path, max_restarts: int = 0) -> tuple[EngineSupervisor, EngineTarget]:
+    port = find_free_port()
+    argv = [sys.executable, "-m", "miles.engine", "--hf-checkpoint", model, "--port", str(port), "--device", "cpu",
+            "--max-running-requests", "4", "--weight-update-timeout", "30", "--log-level", "WARNING"]
+    sup = EngineSupervisor(argv, env=scrubbed_env(extra={"OMP_NUM_THREADS": "1"}), name=f"engine-{port}", log_path=log,
+                           max_restarts=max_restarts, restart_backoff=0.2).start()
+    return sup, EngineTarget(url=f"http://127.0.0.1:{port}")
+
+
+def call(target: EngineTarget, method: str, *args, **kwargs):
+    ctl = SyncEngineControl(target.url, timeout=30)
+    try:
+        return getattr(ctl, method)(*args, **kwargs)
+    finally:
+        ctl.close()
+
+
+def wait_healthy(target: EngineTarget, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not call(target, "health"):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"engine {target.url} not healthy after {timeout}s")
+        time.sleep(0.3)
+
+
+def version_of(target: EngineTarget) -> str:
+    return str(call(target, "get_model_info")["weight_version"])
+
+
+class StallingSource:
+    """The trainer, but rank 0 stops (SIGSTOP) an engine once ``at_bucket`` buckets were gathered."""
+
+    def __init__(self, trainer, sup: EngineSupervisor | None, at_bucket: int) -> None:
+        self.trainer, self.sup, self.at_bucket = trainer, sup, at_bucket
+
+    def iter_weight_buckets(self, bucket_bytes, dtype):
+        for i, bucket in enumerate(self.trainer.iter_weight_buckets(bucket_bytes, dtype)):
+            if i == self.at_bucket and self.sup is not None:
+                self.sup.kill(signal.SIGSTOP)
+            yield bucket
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    rank = int(os.environ["RANK"])
+    work = Path(a.work)
+    dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=120))
+    group = dist.group.WORLD
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from miles.trainer.fsdp import FSDPTrainer
+
+    mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("dp",))
+    cfg = parse_args(["--hf-checkpoint", a.model, "--update-weight-buffer-size", "64KiB", "--update-weight-timeout", "30",
+                      "--update-weight-disk-dir", str(work / "versions"), "--pause-generation-mode", "retract"], validate=False)
+    trainer = FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=mesh, group=group, device=torch.device("cpu"),
+                          rollout_temperature=1.0, num_rollout=1, global_batch_size=2, num_steps_per_rollout=1, timeout=60)
+    sups, engines = [], []
+    if rank == 0:
+        for i in range(2):
+            s, t = start_engine(a.model, work / f"engine{i}.log", max_restarts=1)
+            sups.append(s)
+            engines.append(t)
+        for t in engines:
+            wait_healthy(t)
+    res: dict = {"scenarios": {}}
+
+    def record(name: str, r, **extra) -> None:
+        res["scenarios"][name] = {"version": r.version, "total_s": r.total_s, "buckets": r.num_buckets, "bytes": r.bytes,
+                                  "gather_s": r.gather_s, "transfer_s": r.transfer_s, "load_s": r.load_s, **extra}
+
+    def sender(mode: str, **kw):
+        c = dataclasses.replace(cfg.weights, update_weight_transfer_mode=mode, **kw.pop("cfg", {}))
+        return build_weight_sender(c, kw.pop("source", trainer), is_source=rank == 0, engines=engines, status_group=group,
+                                   initial_version=kw.pop("initial_version", 0), **kw)
+
+    version = 0
+    # 1. broadcast, flattened buckets, then the per-tensor path on the same trainer state
+    perturb(trainer, 1, rank)
+    bc = sender("broadcast")
+    bc.connect(engines)
+    r = bc.sync()
+    record("broadcast_flat", r, checked=bc.check())
+    pt = sender("broadcast", flatten=False, initial_version=r.version)
+    pt.connect(engines)
+    r2 = pt.sync(bump_version=False)
+    record("broadcast_per_tensor", r2, checked=pt.check())
+    pt.close()
+    version = r2.version
+    if rank == 0:
+        res["versions_after_broadcast"] = [version_of(t) for t in engines]
+
+    # 2. same-device hand-off (shared memory on CPU)
+    perturb(trainer, 2, rank)
+    ts = sender("tensor", initial_version=version)
+    r = ts.sync()
+    record("tensor", r, checked=ts.check())
+    version = r.version
+    ts.close()
+
+    # 3. disk-delta: full, then xor delta, then a delta with a flipped byte -> refused -> full fallback
+    dk = sender("disk-delta", initial_version=version, model_dir=a.model)
+    perturb(trainer, 3, rank)
+    r = dk.sync()
+    record("disk_full", r, checked=dk.check())
+    perturb(trainer, 4, rank)
+    r = dk.sync()
+    record("disk_delta", r, checked=dk.check(), fallbacks=dk.fallbacks, written=r.extra.get("written_bytes"))
+    real_write = dd.write_version
+
+    def corrupting_write(*args, **kwargs):
+        path = real_write(*args, **kwargs)
+        if dd.is_delta_dir(path):
+            m = json.loads((path / dd.DELTA_MANIFEST).read_text())
+            f = path / next(e["file"] for e in m["tensors"] if e["file"])
+            data = bytearray(f.read_bytes())
+            data[len(data) // 2] ^= 0x40
+            f.write_bytes(bytes(data))
+        return path
+
+    perturb(trainer, 5, rank)
+    dd.write_version = corrupting_write
+    try:
+        r = dk.sync()
+    finally:
+        dd.write_version = real_write
+    record("disk_corrupt_fallback", r, checked=dk.check(), fallbacks=dk.fallbacks)
+    version = r.version
+    if rank == 0:  # a delta dir with a missing piece is refused by the engine itself, naming the file
+        perturb_dir = sorted((work / "versions").glob("delta_v*"))[-1]
+        m = json.loads((perturb_dir / dd.DELTA_MANIFEST).read_text())
+        (perturb_dir / next(e["file"] for e in m["tensors"] if e["file"])).unlink()
+        try:
+            call(engines[0], "update_weights_from_disk", str(perturb_dir))
+            res["missing_piece"] = "accepted"
+        except Exception as e:  # noqa: BLE001 - the message is what the test checks
+            res["missing_piece"] = str(e)
+    dk.close()
+
+    # 4. an engine stalls (SIGSTOP) in the middle of a broadcast: the sync fails within its timeout
+    perturb(trainer, 6, rank)
+    stall = sender("broadcast", initial_version=version, cfg={"update_weight_timeout": 8.0},
+                   source=StallingSource(trainer, sups[1] if rank == 0 else None, at_bucket=2))
+    stall.connect(engines)
+    t0 = time.monotonic()
+    try:
+        stall.sync()
+        res["stall"] = {"error": None}
+    except WeightSyncError as e:
+        res["stall"] = {"error": str(e), "elapsed_s": time.monotonic() - t0, "stalled_url": engines[1].url if engines else None}
+    # 5. the stalled engine is killed and restarted by its supervisor; the group is re-formed with the
+    #    live engines and a full sync brings everyone to the next version
+    if rank == 0:
+        sups[1].kill(signal.SIGKILL)
+        sups[1].kill(signal.SIGCONT)
+        deadline = time.monotonic() + 60
+        while sups[1].restarts < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        wait_healthy(engines[1])
+        res["restarts"] = sups[1].restarts
+    stall.source = trainer
+    stall.cfg = dataclasses.replace(stall.cfg, update_weight_timeout=30.0)
+    stall.reconnect(engines)
+    r = stall.sync()
+    record("after_restart", r, checked=stall.check())
+    if rank == 0:
+        res["versions_after_restart"] = [version_of(t) for t in engines]
+        res["expected_version"] = str(stall.weight_version)
+    # 6. a newcomer gets the current version before it is routed to (sync_one), nothing else moves
+    if rank == 0:
+        sups[0].kill(signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while sups[0].restarts < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        wait_healthy(engines[0])
+        res["newcomer_version_before"] = version_of(engines[0])
+    stall.reconnect(engines)
+    r = stall.sync_one(engines[0] if rank == 0 else None)
+    record("sync_one", r, checked=stall.check())
+    if rank == 0:
+        res["versions_after_sync_one"] = [version_of(t) for t in engines]
+    stall.close()
+    if rank == 0:
+        for s in sups:
+            s.stop()
+        Path(a.out).write_text(json.dumps(res, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

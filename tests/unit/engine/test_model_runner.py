@@ -1,0 +1,76 @@
+"""The engine's own forward (static slot KV cache) against HF's forward, per architecture family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from miles.engine.model_runner import ModelRunner, RunnerOptions
+
+
+def _save(model, tmp_path):
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape) * 0.2)
+    model.save_pretrained(str(tmp_path))
+    return tmp_path
+
+
+def _config(kind: str):
+    import transformers as tf
+
+    common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256)
+    if kind == "llama":
+        return tf.LlamaForCausalLM(tf.LlamaConfig(**common, rope_theta=5000.0, tie_word_embeddings=False))
+    if kind == "llama-rope-scaling":
+        rs = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 32, "rope_theta": 10000.0}
+        return tf.LlamaForCausalLM(tf.LlamaConfig(**common, rope_parameters=rs))
+    if kind == "qwen2":
+        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**common))
+    if kind == "qwen3":
+        return tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, head_dim=16))
+    if kind == "mistral-window":
+        return tf.MistralForCausalLM(tf.MistralConfig(**common, sliding_window=6))
+    if kind == "gpt2":
+        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=97, n_embd=64, n_layer=2, n_head=4, n_positions=256))
+    raise KeyError(kind)
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama-rope-scaling", "qwen2", "qwen3", "mistral-window", "gpt2"])
+def test_prefill_and_decode_match_hf(kind, tmp_path):
+    path = _save(_config(kind), tmp_path)
+    runner = ModelRunner(path, RunnerOptions(max_running_requests=4, max_context_len=64))
+    assert runner.native == (kind != "gpt2")
+    hf = runner.model
+    seqs = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36]]
+    last, full = runner.prefill(0, seqs, [True, False, True])
+    for i, s in enumerate(seqs):
+        ref = hf(torch.tensor([s])).logits[0].float()
+        torch.testing.assert_close(last[i], ref[-1], atol=2e-4, rtol=1e-4)
+        if full[i] is not None:
+            torch.testing.assert_close(full[i], ref, atol=2e-4, rtol=1e-4)
+    # three decode steps for all rows, then drop row 0 (row 2 moves into slot 0) and continue
+    seqs = [list(s) for s in seqs]
+    g = torch.Generator().manual_seed(1)
+    for step in range(5):
+        if step == 3:
+            runner.move_slot(2, 0, len(seqs[2]))
+            seqs = [seqs[2], seqs[1]]
+        new = torch.randint(0, 97, (len(seqs),), generator=g)
+        pos = torch.tensor([len(s) for s in seqs])
+        logits = runner.decode(new, pos, int(pos.max()) + 1)
+        for i, s in enumerate(seqs):
+            s.append(int(new[i]))
+            ref = hf(torch.tensor([s])).logits[0, -1].float()
+            torch.testing.assert_close(logits[i], ref, atol=2e-4, rtol=1e-4)
+
+
+def test_bad_checkpoint_and_cache_size_are_clear(tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        ModelRunner(tmp_path, RunnerOptions())
+    path = _save(_config("qwen3"), tmp_path / "m")
+    with pytest.raises(ValueError, match="--max-running-requests"):
+        ModelRunner(path, RunnerOptions(max_running_requests=1 << 20, max_context_len=1 << 16))

@@ -1,0 +1,244 @@
+"""The rollout HTTP client against a real embedded engine process (`python -m miles.engine`)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from miles.rollout.client import EngineClient, EngineControl, EngineError, SyncEngineControl
+from miles.rollout.engines import build_engine_argv, engine_url
+from miles.spmd.supervisor import EngineSupervisor
+from miles.utils.net import find_free_port
+
+pytestmark = pytest.mark.multiprocess
+
+KEY = "client-test-key"
+PROMPT = [5, 6, 7, 8, 9]
+GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
+LONG = {"temperature": 1.0, "max_new_tokens": 480, "ignore_eos": True}  # runs for a while on the tiny model
+
+
+def start_engine(model_dir, log_path, api_key: str | None, name: str = "engine") -> tuple[EngineSupervisor, str]:
+    """One embedded engine under the real supervisor (no restarts); returns once it is healthy."""
+    port = find_free_port()
+    argv = build_engine_argv("embedded", hf_checkpoint=str(model_dir), host="127.0.0.1", port=port, api_key=api_key,
+                             device="cpu", max_running_requests=8, max_context_len=512)
+    sup = EngineSupervisor(argv, env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"},
+                           name=name, log_path=log_path, max_restarts=0).start()
+    return sup, engine_url("127.0.0.1", port)
+
+
+async def wait_engines(urls_and_sups, timeout: float = 180.0) -> None:
+    async def one(url, sup):
+        async with EngineControl(url) as ctl:
+            try:
+                await ctl.wait_healthy(timeout, alive=lambda: sup.alive)
+            except EngineError as e:
+                log = sup.log_path.read_text(errors="replace")[-3000:] if sup.log_path else ""
+                raise AssertionError(f"{e}\n--- engine log ---\n{log}") from e
+    await asyncio.gather(*(one(u, s) for u, s in urls_and_sups))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir, tmp_path_factory):
+    sup, url = start_engine(tiny_model_dir, tmp_path_factory.mktemp("engine") / "engine.log", KEY)
+    try:
+        asyncio.run(wait_engines([(url, sup)]))
+        yield url
+    finally:
+        sup.stop()
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, timeout=120))
+
+
+def dead_url() -> str:
+    return engine_url("127.0.0.1", find_free_port())
+
+
+# --- generation -------------------------------------------------------------------------------------
+def test_generate_greedy_with_metadata(engine):
+    async def go():
+        async with EngineClient(engine, api_key=KEY, timeout=60, max_retries=1, concurrency=4) as client:
+            a = await client.generate(PROMPT, GREEDY, rid="req-a")
+            b = await client.generate(PROMPT, GREEDY)
+            return a, b
+    a, b = run(go())
+    assert a["output_ids"] == b["output_ids"] and len(a["output_ids"]) == 8
+    meta = a["meta_info"]
+    assert meta["finish_reason"]["type"] == "length" and meta["completion_tokens"] == 8
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == a["output_ids"]
+    assert all(lp <= 0.0 for lp, _, _ in meta["output_token_logprobs"])
+    assert a["miles"]["rid"] == "req-a" and meta["id"] == "req-a"
+    assert a["miles"]["url"] == engine and a["miles"]["attempts"] == 1 and a["miles"]["errors"] == []
+    assert b["miles"]["rid"] != "req-a"
+
+
+def test_concurrency_is_bounded(engine):
+    class Counting(EngineClient):
+        inflight = peak = 0
+
+        async def _request(self, method, url, endpoint, payload=None, timeout=None):
+            Counting.inflight += 1
+            Counting.peak = max(Counting.peak, Counting.inflight)
+            try:
+                return await super()._request(method, url, endpoint, payload, timeout)
+            finally:
+                Counting.inflight -= 1
+
+    async def go():
+        async with Counting(engine, api_key=KEY, timeout=60, concurrency=2) as client:
+            return await asyncio.gather(*(client.generate(PROMPT, {**GREEDY, "max_new_tokens": 24}) for _ in range(6)))
+    outs = run(go())
+    assert len(outs) == 6 and Counting.peak == 2
+
+
+def test_api_key_enforced(engine):
+    async def go():
+        async with EngineClient(engine, timeout=30, max_retries=3) as client:
+            with pytest.raises(EngineError) as ei:
+                await client.generate(PROMPT, GREEDY)
+            retries = client.stats["retries"]
+        async with EngineClient(engine, api_key="wrong", timeout=30, max_retries=3) as client:
+            with pytest.raises(EngineError) as wrong:
+                await client.generate(PROMPT, GREEDY)
+        async with EngineControl(engine) as ctl:  # /health needs no key (as in SGLang)
+            healthy = await ctl.health()
+            with pytest.raises(EngineError) as info:
+                await ctl.get_model_info()
+        return ei.value, retries, wrong.value, healthy, info.value
+    err, retries, wrong, healthy, info = run(go())
+    assert err.status == 401 and not err.retryable and retries == 0
+    assert "--sglang-api-key" in str(err) and "1 attempt" in str(err)
+    assert wrong.status == 401 and info.status == 401 and healthy
+
+
+def test_bad_request_is_a_400_and_not_retried(engine):
+    async def go():
+        async with EngineClient(engine, api_key=KEY, timeout=30, max_retries=3) as client:
+            with pytest.raises(EngineError) as ei:
+                await client.generate(PROMPT, {**GREEDY, "not_a_sampling_param": 1})
+            return ei.value, client.stats
+    err, stats = run(go())
+    assert err.status == 400 and "not_a_sampling_param" in err.message and stats["retries"] == 0
+
+
+def test_generate_argument_errors(engine):
+    client = EngineClient(engine, api_key=KEY)
+    with pytest.raises(ValueError, match="input_ids is empty"):
+        run(client.generate([], GREEDY))
+    with pytest.raises(ValueError, match="'n'"):
+        run(client.generate(PROMPT, {**GREEDY, "n": 2}))
+    with pytest.raises(ValueError, match="concurrency"):
+        EngineClient(engine, concurrency=0)
+
+
+def test_timeout_raises_a_clear_error_and_aborts(engine):
+    async def go():
+        async with EngineClient(engine, api_key=KEY, timeout=0.2, max_retries=1, backoff=0.05) as client:
+            t0 = time.monotonic()
+            with pytest.raises(EngineError) as ei:
+                await client.generate(PROMPT, LONG, rid="slow")
+            elapsed = time.monotonic() - t0
+        async with EngineClient(engine, api_key=KEY, timeout=60) as client:  # the engine still serves
+            after = await client.generate(PROMPT, GREEDY)
+        return ei.value, elapsed, after
+    err, elapsed, after = run(go())
+    assert err.timed_out and "timed out after 0.2s" in str(err) and "after 2 attempt(s)" in str(err)
+    assert elapsed < 10 and len(after["output_ids"]) == 8
+
+
+def test_unreachable_engine_fails_within_bounds():
+    async def go():
+        async with EngineClient(dead_url(), timeout=5, max_retries=2, backoff=0.05) as client:
+            t0 = time.monotonic()
+            with pytest.raises(EngineError) as ei:
+                await client.generate(PROMPT, GREEDY)
+            return ei.value, time.monotonic() - t0, client.stats
+    err, elapsed, stats = run(go())
+    assert err.status is None and err.retryable and "after 3 attempt(s)" in str(err)
+    assert elapsed < 5 and stats == {"requests": 1, "retries": 2, "failed": 1}
+
+
+def test_retry_rotates_to_another_engine(engine):
+    dead = dead_url()
+
+    async def go():
+        async with EngineClient([dead, engine], api_key=KEY, timeout=30, max_retries=2, backoff=0.05) as client:
+            first = await client.generate(PROMPT, GREEDY)   # round robin starts on the dead engine
+            later = [await client.generate(PROMPT, GREEDY) for _ in range(3)]  # the dead one is cooling down
+            return first, later
+    first, later = run(go())
+    assert first["miles"]["attempts"] == 2 and first["miles"]["url"] == engine
+    assert dead in first["miles"]["errors"][0]
+    assert all(r["miles"]["attempts"] == 1 and r["miles"]["url"] == engine for r in later)
+
+
+def test_abort_in_flight_request(engine):
+    async def go():
+        async with EngineClient(engine, api_key=KEY, timeout=60) as client:
+            task = asyncio.create_task(client.generate(PROMPT, LONG, rid="to-abort"))
+            await asyncio.sleep(0.3)
+            accepted = await client.abort("to-abort")
+            return accepted, await task
+    accepted, resp = run(go())
+    assert accepted and resp["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(resp["output_ids"]) < LONG["max_new_tokens"] and resp["miles"]["attempts"] == 1
+
+
+# --- control calls ------------------------------------------------------------------------------------
+def test_control_calls(engine, tiny_model_dir):
+    async def go():
+        async with EngineControl(engine, api_key=KEY, timeout=60) as ctl, \
+                EngineClient(engine, api_key=KEY, timeout=60) as client:
+            assert await ctl.health() and await ctl.health_generate()
+            info, server = await ctl.get_model_info(), await ctl.get_server_info()
+            await ctl.update_weight_version(7)
+            v7 = (await client.generate(PROMPT, GREEDY))["meta_info"]["weight_version"]
+            await ctl.pause_generation("abort")
+            await ctl.continue_generation()
+            await ctl.flush_cache()
+            w = await ctl.get_weights_by_name("model.embed_tokens.weight", truncate_size=4)
+            await ctl.release_memory_occupation()
+            await ctl.resume_memory_occupation()
+            await ctl.update_weights_from_disk(str(tiny_model_dir), weight_version=8)
+            v8 = (await client.generate(PROMPT, GREEDY))["meta_info"]["weight_version"]
+            with pytest.raises(EngineError) as bad_disk:
+                await ctl.update_weights_from_disk(str(tiny_model_dir / "missing"), weight_version=9)
+            with pytest.raises(ValueError, match="mode"):
+                await ctl.pause_generation("sideways")
+            return info, server, v7, w, v8, bad_disk.value
+    info, server, v7, w, v8, bad_disk = run(go())
+    assert isinstance(info, dict) and isinstance(server, dict)
+    assert v7 == "7" and v8 == "8" and w is not None
+    assert bad_disk.status is not None and 400 <= bad_disk.status < 500 and "missing" in bad_disk.message
+
+
+def test_sync_control_from_threads(engine):
+    ctl = SyncEngineControl(engine, api_key=KEY, timeout=30)
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            healthy = list(pool.map(lambda _: ctl.health(), range(4)))
+            infos = list(pool.map(lambda _: ctl.get_server_info(), range(2)))
+        assert all(healthy) and all(isinstance(i, dict) for i in infos)
+        assert threading.current_thread() is threading.main_thread()
+    finally:
+        ctl.close()
+
+
+def test_wait_healthy_is_bounded():
+    async def go():
+        async with EngineControl(dead_url(), timeout=1) as ctl:
+            t0 = time.monotonic()
+            with pytest.raises(EngineError, match="timed out after 1s"):
+                await ctl.wait_healthy(timeout=1.0, interval=0.1)
+            with pytest.raises(EngineError, match="exited"):
+                await ctl.wait_healthy(timeout=30.0, interval=0.1, alive=lambda: False)
+            return time.monotonic() - t0
+    assert run(go()) < 5
+

@@ -1,0 +1,379 @@
+"""The rollout manager against real embedded engine processes (``python -m miles.engine``).
+
+Covers: full groups with token-in-token-out bookkeeping, visible reward failures, reproducible seeds,
+dynamic sampling (all-equal groups dropped, surplus aborted by rid and its prompts given back), a
+multi-turn custom generate function with exact ids and loss mask, evaluation, and an engine killed
+mid-rollout (the client retries on the other engine; every sample slot filled exactly once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from miles.config import ConfigError, parse_args
+from miles.rollout.client import EngineClient, EngineControl
+from miles.rollout.data import DataSource, PromptDataset
+from miles.rollout.manager import RolloutError, RolloutManager
+from miles.types import SampleStatus
+from miles.utils.net import find_free_port
+
+pytestmark = pytest.mark.multiprocess
+
+
+def launch_engine(model_dir, *extra: str) -> tuple[subprocess.Popen, str]:
+    port = find_free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "miles.engine", "--hf-checkpoint", str(model_dir), "--port", str(port),
+                             "--weight-version", "3", *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_engines(*engines: tuple[subprocess.Popen, str]) -> None:
+    async def wait():
+        ctls = [EngineControl(url) for _, url in engines]
+        try:
+            await asyncio.gather(*(c.wait_healthy(180, alive=lambda p=p: p.poll() is None) for c, (p, _) in zip(ctls, engines)))
+        finally:
+            for c in ctls:
+                await c.close()
+
+    try:
+        asyncio.run(wait())
+    except BaseException:
+        for proc, _ in engines:
+            stop(proc)
+        raise
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir):
+    """Engine A (4 running requests: later ones queue, so dynamic sampling has in-flight surplus to abort)
+    and engine B (2 slots), started together; only the last test uses B, and kills it."""
+    a, b = launch_engine(tiny_model_dir, "--max-running-requests", "4"), launch_engine(tiny_model_dir, "--max-running-requests", "2")
+    try:
+        wait_engines(a, b)
+        yield a, b
+    finally:
+        stop(a[0])
+        stop(b[0])
+
+
+@pytest.fixture(scope="module")
+def engine(engines):
+    return engines[0][1]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+
+PLUGINS = textwrap.dedent('''
+    from miles.rollout.generate import MultiTurn, generate
+
+    async def flaky(args, sample):
+        if sample.index % 3 == 0:
+            raise RuntimeError("verifier down")
+        return float(len(sample.response) % 2)
+
+    async def always_raises(args, sample):
+        raise RuntimeError("broken verifier")
+
+    def by_kind(args, sample):
+        return 0.0 if sample.metadata["kind"] == "const" else float(sample.index % 2)
+
+    async def two_turns(args, sample, sampling_params):
+        turn = MultiTurn(sample, args.tokenizer, {**sampling_params, "max_new_tokens": 40})
+        await turn.generate_turn(args.client, max_new_tokens=5)
+        turn.add_observation(text="<obs>")
+        await turn.generate_turn(args.client, max_new_tokens=6)
+        return sample
+
+    async def bad_mask(args, sample, sampling_params):
+        await generate(args.client, sample, sampling_params)
+        sample.loss_mask = sample.loss_mask[:-1]
+        return sample
+
+    def not_async(args, sample, sampling_params):
+        return sample
+''')
+
+
+@pytest.fixture
+def plugins(tmp_path, monkeypatch):
+    (tmp_path / "mgr_plugins.py").write_text(PLUGINS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "mgr_plugins"
+
+
+@pytest.fixture
+def data_file(tmp_path):
+    kinds = ["const", "vary", "const", "vary"] + ["vary"] * 8
+    rows = [{"input": f"{i % 10}+{i // 10}=", "label": str(i % 10 + i // 10), "metadata": {"kind": k}}
+            for i, k in enumerate(kinds)]
+    p = tmp_path / "prompts.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return p
+
+
+def config(data_file, *extra: str):
+    return parse_args(["--prompt-data", str(data_file), "--label-key", "label", "--num-rollout", "2",
+                       "--rollout-max-response-len", "24", *extra])
+
+
+class RecordingClient(EngineClient):
+    """The real client, recording what it sent and got back (for assertions, not a substitute)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.requests: list[tuple[str, list[int], dict]] = []
+        self.aborted: list[str] = []
+
+    async def generate(self, input_ids, sampling_params, return_logprob=True, rid=None, **kw):
+        resp = await super().generate(input_ids, sampling_params, return_logprob=return_logprob, rid=rid, **kw)
+        self.requests.append((rid, list(input_ids), resp))
+        return resp
+
+    async def abort(self, rid):
+        self.aborted.append(rid)
+        return await super().abort(rid)
+
+
+def build(cfg, client, tok, shuffle=False, progress=None, seed=1):
+    dataset = PromptDataset(cfg.data.prompt_data, tok, cfg.data, seed)
+    source = DataSource(dataset, shuffle=shuffle, seed=seed)
+    return RolloutManager(cfg.rollout, cfg.data, cfg.reward, client, tok, source, eval_cfg=cfg.eval, progress=progress)
+
+
+def test_full_groups_token_bookkeeping_and_failures(engine, tok, data_file, plugins):
+    cfg = config(data_file, "--rollout-batch-size", "4", "--n-samples-per-prompt", "3",
+                 "--custom-rm-path", f"{plugins}.flaky")
+    progress = []
+
+    async def main():
+        client = RecordingClient(engine)
+        mgr = build(cfg, client, tok, progress=lambda d, t: progress.append((d, t)))
+        res = await mgr.generate_rollout(0)
+        await client.close()
+        return res, client
+
+    res, client = asyncio.run(main())
+    assert [len(g) for g in res.samples] == [3, 3, 3, 3]
+    flat = [s for g in res.samples for s in g]
+    assert [s.index for s in flat] == list(range(12)) and [s.group_index for s in flat] == [i // 3 for i in range(12)]
+    by_rid = {rid: (ids, resp) for rid, ids, resp in client.requests}
+    assert len(by_rid) == 12
+    for s in flat:
+        prompt_ids = tok(s.prompt, add_special_tokens=False)["input_ids"]
+        ids, resp = next(v for rid, v in by_rid.items() if f"-g{s.group_index}-s{s.index}-" in rid)
+        out = [t for _, t, _ in resp["meta_info"]["output_token_logprobs"]]
+        assert ids == prompt_ids and s.tokens == prompt_ids + out, "token ids in and out, no retokenisation"
+        assert s.response_length == len(out) and s.loss_mask == [1] * len(out)
+        assert s.rollout_log_probs == [lp for lp, _, _ in resp["meta_info"]["output_token_logprobs"]]
+        assert s.weight_version == 3
+        want = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED}[resp["meta_info"]["finish_reason"]["type"]]
+        if s.index % 3 == 0:
+            assert s.status is SampleStatus.FAILED and s.reward is None
+            assert "verifier down" in s.metadata["reward_error"]
+        else:
+            assert s.status is want and s.reward == float(len(s.response) % 2)
+    m = res.metrics
+    assert m["rollout/reward_failures"] == 4 and m["rollout/generate_failures"] == 0 and m["rollout/retries"] == 0
+    ok = [s for s in flat if s.status is not SampleStatus.FAILED]
+    assert m["rollout/raw_reward"] == pytest.approx(sum(s.reward for s in ok) / len(ok))
+    assert m["rollout/response_len"] == pytest.approx(sum(s.response_length for s in flat) / 12)
+    assert m["rollout/truncated_ratio"] == pytest.approx(sum(s.status is SampleStatus.TRUNCATED for s in flat) / 12)
+    assert m["perf/rollout_time"] > 0
+    assert progress[-1] == (12, 12) and len(progress) == 12
+
+
+def test_every_sample_failing_is_an_error_and_bad_plugins_fail_at_startup(engine, tok, data_file, plugins):
+    cfg = config(data_file, "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+                 "--custom-rm-path", f"{plugins}.always_raises")
+
+    async def main():
+        client = EngineClient(engine)
+        try:
+            await build(cfg, client, tok).generate_rollout(0)
+        finally:
+            await client.close()
+
+    with pytest.raises(RolloutError, match="every one of 4 samples failed; first error: reward: RuntimeError: broken verifier"):
+        asyncio.run(main())
+    with pytest.raises(ConfigError, match="--custom-generate-function-path .*not_async.* must be a coroutine function"):
+        build(config(data_file, "--rollout-batch-size", "2", "--rm-type", "exact_match",
+                     "--custom-generate-function-path", f"{plugins}.not_async"), None, tok)
+    with pytest.raises(ConfigError, match="--dynamic-sampling-filter-path 'miles.rollout.filters.nope'"):
+        build(config(data_file, "--rollout-batch-size", "2", "--rm-type", "exact_match",
+                     "--dynamic-sampling-filter-path", "miles.rollout.filters.nope"), None, tok)
+
+
+def test_seeds_make_rollouts_reproducible(engine, tok, data_file):
+    cfg = config(data_file, "--rollout-batch-size", "3", "--n-samples-per-prompt", "3", "--rm-type", "exact_match",
+                 "--rollout-shuffle", "--rollout-seed", "11")
+
+    async def one(rollout_id):
+        client = EngineClient(engine)
+        res = await build(cfg, client, tok, shuffle=True, seed=11).generate_rollout(rollout_id)
+        await client.close()
+        return [[s.tokens for s in g] for g in res.samples]
+
+    a, b, c = asyncio.run(one(5)), asyncio.run(one(5)), asyncio.run(one(6))
+    assert a == b, "same seed, rollout id and weights -> the same samples"
+    assert a != c
+    assert any(len({tuple(t) for t in g}) > 1 for g in a), "samples of a group get distinct seeds"
+
+
+def test_dynamic_sampling_drops_equal_groups_and_aborts_surplus(engine, tok, data_file, plugins):
+    cfg = config(data_file, "--rollout-batch-size", "2", "--over-sampling-batch-size", "8", "--n-samples-per-prompt",
+                 "2", "--custom-rm-path", f"{plugins}.by_kind", "--rollout-max-response-len", "64",
+                 "--dynamic-sampling-filter-path", "miles.rollout.filters.check_reward_nonzero_std")
+
+    async def main():
+        client = RecordingClient(engine)
+        mgr = build(cfg, client, tok)
+        res = await mgr.generate_rollout(0)
+        nxt = mgr.data_source.next_batch(1)
+        await client.close()
+        return res, client, mgr, nxt
+
+    res, client, mgr, nxt = asyncio.run(main())
+    assert [g[0].group_index for g in res.samples] == [1, 3], "first two passing groups in launch order"
+    for g in res.samples:
+        assert len({s.reward for s in g}) == 2
+    m = res.metrics
+    assert m["rollout/dynamic_filter/drop_zero_std"] == 2 and m["rollout/groups_launched"] == 8
+    assert m["rollout/surplus_aborted_requests"] == len(client.aborted) > 0
+    assert all("-g" in rid and int(rid.split("-g")[1].split("-")[0]) >= 4 for rid in client.aborted)
+    finishes = [resp["meta_info"]["finish_reason"]["type"] for rid, _, resp in client.requests if rid in client.aborted]
+    assert "abort" in finishes, "the engine stopped the aborted requests"
+    # surplus prompts (groups 4-7) go back to the data source and are served next
+    assert mgr.data_source.state_dict()["buffer"][:3] == [5, 6, 7] and nxt[0].index == 4
+
+
+def test_multi_turn_custom_generate_keeps_ids_exact(engine, tok, data_file, plugins):
+    cfg = config(data_file, "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rm-type", "exact_match",
+                 "--custom-generate-function-path", f"{plugins}.two_turns")
+
+    async def main():
+        client = RecordingClient(engine)
+        res = await build(cfg, client, tok).generate_rollout(0)
+        await client.close()
+        return res, client
+
+    res, client = asyncio.run(main())
+    obs = tok("<obs>", add_special_tokens=False)["input_ids"]
+    for s in (s for g in res.samples for s in g):
+        reqs = sorted((r for r in client.requests if f"-s{s.index}-" in r[0]), key=lambda r: int(r[0].rsplit("-", 1)[1]))
+        assert len(reqs) == 2
+        (_, in1, out1), (_, in2, out2) = reqs
+        t1 = [t for _, t, _ in out1["meta_info"]["output_token_logprobs"]]
+        t2 = [t for _, t, _ in out2["meta_info"]["output_token_logprobs"]]
+        prompt = tok(s.prompt, add_special_tokens=False)["input_ids"]
+        assert in1 == prompt and in2 == prompt + t1 + obs, "turn 2 sees exactly turn 1's ids plus the observation"
+        assert s.tokens == in2 + t2 and s.response_length == len(t1) + len(obs) + len(t2)
+        assert s.loss_mask == [1] * len(t1) + [0] * len(obs) + [1] * len(t2)
+        lp = [x for x, _, _ in out1["meta_info"]["output_token_logprobs"]]
+        assert s.rollout_log_probs == lp + [0.0] * len(obs) + [x for x, _, _ in out2["meta_info"]["output_token_logprobs"]]
+        assert s.response == tok.decode(s.tokens[len(prompt):], skip_special_tokens=False)
+    cfg = config(data_file, "--rollout-batch-size", "2", "--rm-type", "exact_match",
+                 "--custom-generate-function-path", f"{plugins}.bad_mask")
+
+    async def bad():
+        client = EngineClient(engine)
+        try:
+            return await build(cfg, client, tok).generate_rollout(0)
+        finally:
+            await client.close()
+
+    with pytest.raises(RolloutError, match="bad_mask: loss_mask has .* entries, expected response_length"):
+        asyncio.run(bad())
+
+
+def test_evaluate(engine, tok, data_file):
+    cfg = config(data_file, "--rollout-batch-size", "2", "--rm-type", "exact_match", "--n-samples-per-eval-prompt", "2",
+                 "--eval-max-response-len", "4", "--eval-temperature", "0")
+
+    async def main():
+        client = EngineClient(engine)
+        mgr = build(cfg, client, tok)
+        out = await mgr.evaluate({"tiny": mgr.data_source.dataset}, rollout_id=3)
+        await client.close()
+        return out
+
+    m = asyncio.run(main())
+    assert m["eval/tiny/num_samples"] == 24 and m["eval/tiny/response_len_max"] <= 4
+    assert m["eval/tiny"] == m["eval/tiny/raw_reward"] and m["eval/tiny/reward_failures"] == 0
+
+
+def test_samples_aborted_by_the_engine_are_generated_again(engine, tok, data_file):
+    """An engine-side abort (e.g. a weight update pausing with mode=abort) is not a finished sample."""
+    cfg = config(data_file, "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rm-type", "exact_match",
+                 "--rollout-max-response-len", "48")
+    fired = []
+
+    async def main():
+        client, ctl = EngineClient(engine), EngineControl(engine)
+
+        def progress(done, total):
+            if not fired:  # 16 requests, 4 running: the rest are in flight when the first finishes
+                fired.append(asyncio.ensure_future(ctl.abort_all()))
+
+        try:
+            res = await build(cfg, client, tok, progress=progress).generate_rollout(0)
+            await fired[0]
+            return res
+        finally:
+            await client.close()
+            await ctl.close()
+
+    res = asyncio.run(main())
+    flat = [s for g in res.samples for s in g]
+    assert res.metrics["rollout/engine_abort_retries"] >= 1
+    assert sorted(s.index for s in flat) == list(range(16))
+    assert all(s.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED) for s in flat)
+
+
+@pytest.mark.slow
+def test_engine_killed_mid_rollout_is_retried_elsewhere(engines, tok, data_file):
+    (_, engine), (proc_b, url_b) = engines
+    cfg = config(data_file, "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rm-type", "exact_match",
+                 "--rollout-max-response-len", "48")
+    killed = []
+
+    def progress(done, total):
+        if not killed:
+            os.kill(proc_b.pid, signal.SIGKILL)  # B still holds queued requests (2 slots, 8 requests)
+            killed.append(done)
+
+    async def main():
+        client = EngineClient([engine, url_b], max_retries=3, backoff=0.05)
+        try:
+            return await build(cfg, client, tok, progress=progress).generate_rollout(0)
+        finally:
+            await client.close()
+
+    res = asyncio.run(main())
+    flat = [s for g in res.samples for s in g]
+    assert killed and sorted(s.index for s in flat) == list(range(16)), "every slot filled exactly once"
+    assert all(s.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED) for s in flat)
+    assert res.metrics["rollout/retries"] >= 1 and res.metrics["rollout/generate_failures"] == 0
