@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 
-class SampleStatus(str, Enum):
+class SampleStatus(StrEnum):
     PENDING = "pending"
     COMPLETED = "completed"      # finished by stop token / stop string
     TRUNCATED = "truncated"      # hit max_new_tokens

@@ -278,8 +278,8 @@ class EngineRecoveryController:
         if was_routed:
             self._router_remove(e.url)
         if left:
-            logger.error("engine %d (%s) given up after %d restart(s) (--max-engine-restarts %d): %s. The run goes on "
-                         "with engine(s) %s", e.engine_id, e.url, e.restarts, self.max_restarts, reason, left)
+            logger.error("engine %d (%s) given up (--max-engine-restarts %d): %s. The run goes on with engine(s) %s",
+                         e.engine_id, e.url, self.max_restarts, reason, left)
         else:
             logger.error("engine %d (%s) given up (%s) and no engine is left: the run stops at its next check",
                          e.engine_id, e.url, reason)

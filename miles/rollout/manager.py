@@ -18,7 +18,8 @@ unused prompts are given back to the data source.
 
 Every sample slot is filled exactly once: generation errors (after the client's retries) and reward
 errors mark that sample FAILED and are counted (``rollout/generate_failures``,
-``rollout/reward_failures``); a rollout in which every kept sample failed raises RolloutError.
+``rollout/reward_failures``); a rollout in which every kept sample failed raises RolloutError. A sample
+the engine aborted (e.g. paused for a weight update) is generated again, up to 3 times.
 """
 
 from __future__ import annotations

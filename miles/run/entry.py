@@ -28,6 +28,7 @@ async def run_job(cfg: MilesConfig, loop_cls: Any) -> None:
     try:
         if ctx.is_driver:
             await loop_cls(job).run()
+            job.worker.close_sender()  # while the engines are still up
             job.ranks.stop()
         else:
             job.worker.follow()

@@ -82,7 +82,7 @@ class RLLoop:
             return
         await self.sync_weights()  # engines serve the trainer's weights (a resumed checkpoint's too)
         self.timer.pop()
-        if start == 0 and not self.cfg.eval.skip_eval_before_train:
+        if start == 0 and not self.cfg.eval.skip_eval_before_train and self.job.eval_datasets:
             self.job.sink.log_eval(start, await self.evaluate(start))
         for rollout_id in range(start, end):
             t_step = time.monotonic()
@@ -115,7 +115,6 @@ class RLLoop:
                 finally:
                     job.progress.end_generation()
                 groups, metrics = result.samples, dict(result.metrics)
-        metrics["perf/rollout_time"] = self.timer.times.pop("perf/rollout_time")
         if self.has_trainer and self.plan.offload_rollout and job.fleet is not None:
             await job.fleet.call_all("release_memory_occupation")
         return groups, metrics

@@ -100,10 +100,13 @@ class Worker:
         if self.is_trainer:
             self.trainer.onload()
 
-    def close(self) -> None:
+    def close_sender(self) -> None:
         if self.sender is not None:
             self.sender.close()
             self.sender = None
+
+    def close(self) -> None:
+        self.close_sender()
         if self.placement is not None:
             self.placement.stop()
 

@@ -84,7 +84,8 @@ class ModelSource:
 class Rig:
     """Lighthouse + router + N engine leaders + the controller, as the driver would set them up."""
 
-    def __init__(self, tmp: Path, model_dir: Path, num_engines: int, max_restarts: int) -> None:
+    def __init__(self, tmp: Path, model_dir: Path | None, num_engines: int, max_restarts: int) -> None:
+        """``model_dir`` None: the engines are tests/unit/ft/health_server.py (health routes only)."""
         self.tmp, self.model_dir = tmp, model_dir
         self.cfg = ft_cfg(max_restarts)
         self.timings = ft_timings(self.cfg)
@@ -105,8 +106,11 @@ class Rig:
     def _leader(self, eid: int, max_restarts: int) -> None:
         port = find_free_port()
         self.urls[eid] = f"http://127.0.0.1:{port}"
-        argv = build_engine_argv("embedded", hf_checkpoint=str(self.model_dir), host="127.0.0.1", port=port,
-                                 device="cpu", max_running_requests=8, max_context_len=256)
+        if self.model_dir is None:
+            argv = [sys.executable, str(HERE / "health_server.py"), "--port", str(port)]
+        else:
+            argv = build_engine_argv("embedded", hf_checkpoint=str(self.model_dir), host="127.0.0.1", port=port,
+                                     device="cpu", max_running_requests=8, max_context_len=256)
         self.leaders[eid] = subprocess.Popen(
             [sys.executable, str(HERE / "leader_agent.py"), "--lighthouse", self.lh.address, "--engine-id", str(eid),
              "--url", self.urls[eid], "--pid-file", str(self.tmp / f"engine{eid}.pid"),
@@ -134,6 +138,16 @@ class Rig:
         deadline = time.monotonic() + timeout
         while self.ctl.states()[eid] != state:
             assert time.monotonic() < deadline, f"engine {eid} not {state} within {timeout}s: {self.ctl.states()}"
+            time.sleep(0.1)
+
+    def wait_recovered(self, eid: int, outages: int, timeout: float) -> None:
+        """Until engine ``eid`` has ``outages`` outages, the last one over (back in rotation)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            mine = [o for o in self.ctl.outages() if o.engine_id == eid]
+            if len(mine) >= outages and mine[-1].admitted_at is not None:
+                return
+            assert time.monotonic() < deadline, f"engine {eid}: outage {outages} not over in {timeout}s: {mine}"
             time.sleep(0.1)
 
     def sender_for(self, source: ModelSource):
@@ -211,6 +225,7 @@ def test_sigkill_mid_rollout_every_request_completes_and_engine_returns(rig):
     while asyncio.run(_load(rig.urls[0])) == 0:  # requests are running on engine 0
         assert time.monotonic() < deadline, "no request ever ran on engine 0"
         time.sleep(0.05)
+    outages_before = len([o for o in rig.ctl.outages() if o.engine_id == 0])
     t_kill = time.monotonic()
     os.kill(rig.engine_pid(0), signal.SIGKILL)
     worker.join(180)
@@ -220,8 +235,8 @@ def test_sigkill_mid_rollout_every_request_completes_and_engine_returns(rig):
     assert len(out) == 24 and sorted(r["miles"]["rid"] for r in out) == sorted(f"req-{i}" for i in range(24))
     assert all(len(r["output_ids"]) == LONG["max_new_tokens"] for r in out)
     assert rig.client.stats["retries"] > retried_before, "the requests in flight on the killed engine were not retried"
-    rig.wait_state(0, "routed", timeout=120)
-    outage = rig.ctl.outages()[-1]
+    rig.wait_recovered(0, outages_before + 1, timeout=120)
+    outage = [o for o in rig.ctl.outages() if o.engine_id == 0][-1]
     assert outage.engine_id == 0 and outage.removed_at is not None and outage.admitted_at is not None
     t = rig.timings
     assert outage.removed_at - t_kill < t.heartbeat_period + t.heartbeat_timeout + t.join_timeout + 3.0
@@ -292,16 +307,24 @@ def test_sigstop_hang_is_detected_by_health_probes(rig):
     assert rig.ctl.states()[1] == "routed"
 
 
-def test_engine_that_keeps_dying_is_given_up(tiny_model_dir, tmp_path):
-    r = Rig(tmp_path, tiny_model_dir, num_engines=1, max_restarts=1)
+def test_engine_that_keeps_dying_is_given_up_and_the_run_stops_when_none_is_left(tmp_path):
+    r = Rig(tmp_path, None, num_engines=2, max_restarts=1)
     try:
-        r.ctl.wait_routed(timeout=180)
-        os.kill(r.engine_pid(0), signal.SIGKILL)
-        r.wait_state(0, "routed", timeout=120)
+        r.ctl.wait_routed(timeout=60)
+        for eid in (0, 1):
+            os.kill(r.engine_pid(eid), signal.SIGKILL)
+        for eid in (0, 1):
+            r.wait_recovered(eid, 1, timeout=60)
         os.kill(r.engine_pid(0, min_incarnation=1), signal.SIGKILL)
         r.wait_state(0, "given_up", timeout=60)
-        with pytest.raises(NoEnginesLeftError, match="--max-engine-restarts 1"):
+        r.ctl.check()  # engine 1 is left: the run goes on
+        assert r.router_urls() == {r.urls[1]} and r.ctl.healthy_engine_urls() == [r.urls[1]]
+        os.kill(r.engine_pid(1, min_incarnation=1), signal.SIGKILL)
+        r.wait_state(1, "given_up", timeout=60)
+        with pytest.raises(NoEnginesLeftError, match="--max-engine-restarts 1") as e:
             r.ctl.check()
+        assert "engine 0" in str(e.value) and "engine 1" in str(e.value)
         assert r.router_urls() == set()
+        assert r.ctl.metrics()["ft/engines_given_up"] == 2
     finally:
         r.close()

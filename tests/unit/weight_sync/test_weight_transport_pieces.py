@@ -28,6 +28,8 @@ def _engine_member(port: int, rank: int, die_after_first: bool, q) -> None:
     groups.init_group("127.0.0.1", port, rank, 3, "wg", "gloo", 20)
     got = groups.receive("wg", ["a", "b"], ["float32", "bfloat16"], [[2, 3], [5]], "flattened_bucket")
     q.put((rank, [(n, t.float().sum().item()) for n, t in got]))
+    q.close()
+    q.join_thread()  # flush before dying
     if die_after_first:
         os._exit(1)
     try:

@@ -1,0 +1,168 @@
+"""Embedded engine vs HF ``generate``: decode throughput (tokens/s) on the same model and machine.
+
+    python benchmarks/engine_throughput.py --preset tiny --batch 16                       # CPU
+    python benchmarks/engine_throughput.py --preset qwen3-0.6b --device cuda --dtype bfloat16 \\
+        --batch 64 --prompt-len 256 --new-tokens 512                                      # one H200
+
+Both sides decode greedily with EOS ignored (``ignore_eos`` / ``min_new_tokens``), so every sequence
+produces exactly ``--new-tokens`` tokens; tokens/s = batch x new tokens / wall time, prefill included.
+The engine is measured through its generation core (``ModelRunner`` + ``Scheduler``, what the HTTP
+server drives) and, with ``--http``, end to end through ``python -m miles.engine`` + ``/generate``.
+Models are random-weight models built locally from a config (no downloads). Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+PRESETS = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 intermediate_size=192, vocab_size=104),
+    "qwen3-0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       intermediate_size=3072, vocab_size=151936),
+}
+
+
+def build_model(preset: str, dtype: str, out: Path) -> Path:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(**PRESETS[preset], max_position_embeddings=40960, tie_word_embeddings=True, bos_token_id=None,
+                      eos_token_id=1, pad_token_id=0, dtype=dtype)
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        model = Qwen3ForCausalLM(cfg).to(getattr(torch, dtype))
+    model.save_pretrained(str(out))
+    if preset == "tiny":
+        from miles.utils.tiny_model import build_tokenizer
+
+        build_tokenizer(out)
+    return out
+
+
+def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(2, vocab, (batch, length), generator=g).tolist()
+
+
+def bench_hf(model_dir: Path, device: str, dtype: str, ids: list[list[int]], new: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
+    x = torch.tensor(ids, device=device)
+    mask = torch.ones_like(x)
+
+    def run(n):
+        with torch.no_grad():
+            return model.generate(x, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                  pad_token_id=0)
+
+    run(4)  # warm-up
+    sync(device)
+    t0 = time.perf_counter()
+    out = run(new)
+    sync(device)
+    dt = time.perf_counter() - t0
+    assert out.shape[1] == x.shape[1] + new
+    del model
+    return len(ids) * new / dt
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def bench_engine_core(model_dir: Path, device: str, dtype: str, ids: list[list[int]], new: int, cuda_graph: bool) -> float:
+    from miles.engine.engine import Engine, EngineArgs
+    from miles.engine.protocol import GenerateReqInput
+
+    eng = Engine(EngineArgs(hf_checkpoint=str(model_dir), device=device, dtype=dtype, max_running_requests=len(ids),
+                            max_context_len=len(ids[0]) + new + 1, max_prefill_tokens=max(16384, len(ids) * len(ids[0])),
+                            cuda_graph=cuda_graph))
+    eng.start()
+
+    async def run(n: int) -> float:
+        body = GenerateReqInput(input_ids=ids, sampling_params={"max_new_tokens": n, "temperature": 0, "ignore_eos": True})
+        specs, _ = eng.prepare(body)
+        t0 = time.perf_counter()
+        out = await eng.wait_final(eng.submit(specs, stream=False))
+        dt = time.perf_counter() - t0
+        assert all(o["meta_info"]["completion_tokens"] == n for o in out)
+        return dt
+
+    async def main() -> float:
+        await run(new)  # warm-up (captures CUDA graphs for the batch sizes and context lengths of this run)
+        return await run(new)
+
+    try:
+        dt = asyncio.run(main())
+    finally:
+        eng.stop()
+    return len(ids) * new / dt
+
+
+def bench_engine_http(model_dir: Path, device: str, dtype: str, ids: list[list[int]], new: int) -> float:
+    import requests
+
+    from miles.engine.testing import EngineProc
+
+    eng = EngineProc(model_dir, "--device", device, "--dtype", dtype, "--max-running-requests", str(len(ids)),
+                     "--max-context-len", str(len(ids[0]) + new + 1), timeout=600)
+    try:
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}}
+        requests.post(eng.url + "/generate", json=body, timeout=3600).raise_for_status()
+        t0 = time.perf_counter()
+        r = requests.post(eng.url + "/generate", json=body, timeout=3600)
+        dt = time.perf_counter() - t0
+        r.raise_for_status()
+        assert all(o["meta_info"]["completion_tokens"] == new for o in r.json())
+    finally:
+        eng.stop()
+    return len(ids) * new / dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    ap.add_argument("--model", default=None, help="An existing HF model dir instead of building --preset.")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--http", action="store_true", help="Also measure through the HTTP server.")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--disable-cuda-graph", action="store_true")
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(args.model) if args.model else build_model(args.preset, args.dtype, Path(tmp) / "model")
+        from transformers import AutoConfig
+
+        vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+        ids = prompts(args.batch, args.prompt_len, vocab)
+        res = {"preset": args.model or args.preset, "device": args.device, "dtype": args.dtype, "batch": args.batch,
+               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "torch": torch.__version__,
+               "machine": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or platform.machine(),
+               "threads": torch.get_num_threads()}
+        res["engine_tokens_per_s"] = round(bench_engine_core(model_dir, args.device, args.dtype, ids, args.new_tokens,
+                                                             not args.disable_cuda_graph), 1)
+        print(json.dumps(res), flush=True)
+        if args.http:
+            res["engine_http_tokens_per_s"] = round(bench_engine_http(model_dir, args.device, args.dtype, ids, args.new_tokens), 1)
+        if not args.skip_hf:
+            res["hf_generate_tokens_per_s"] = round(bench_hf(model_dir, args.device, args.dtype, ids, args.new_tokens), 1)
+            res["speedup"] = round(res["engine_tokens_per_s"] / res["hf_generate_tokens_per_s"], 2)
+        print(json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()

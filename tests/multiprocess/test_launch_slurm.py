@@ -1,0 +1,92 @@
+"""slurm/grpo.sh under ``sbatch --wait`` on a real one-node Slurm cluster (tools/slurm-local.sh).
+
+The cluster is private to this test session: its own folder, munge socket and ports; it is stopped
+(and its folder removed) at the end. Every job has a Slurm time limit and a client-side timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from spmd_helpers import PYTHON, REPO, Job, assert_smoke, roles
+
+from miles.utils.net import find_free_port
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slurm, pytest.mark.slow]
+BINARIES = ("munged", "munge", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "squeue", "scancel")
+
+
+def _which(name: str) -> str | None:
+    return shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin")
+
+
+@pytest.fixture(scope="session")
+def slurm_conf():
+    if os.geteuid() != 0:
+        pytest.skip("the private Slurm cluster needs root (slurmd setuids to job owners)")
+    missing = [b for b in BINARIES if _which(b) is None]
+    if missing:
+        pytest.skip(f"Slurm/munge binaries missing: {missing} (tools/install-system-deps.sh installs them)")
+    base = Path(tempfile.mkdtemp(prefix="miles-slurm-", dir="/tmp"))
+    env = dict(os.environ, SLURM_LOCAL_DIR=str(base), SLURM_LOCAL_CTLD_PORT=str(find_free_port()),
+               SLURM_LOCAL_SLURMD_PORT=str(find_free_port()))
+    start = subprocess.run(["bash", str(REPO / "tools/slurm-local.sh")], env=env, capture_output=True, text=True,
+                           timeout=180)
+    try:
+        assert start.returncode == 0, f"tools/slurm-local.sh failed:\n{start.stderr[-4000:]}"
+        conf = start.stdout.strip().rsplit("=", 1)[-1]
+        assert Path(conf).exists(), start.stdout
+        yield conf
+    finally:
+        subprocess.run(["bash", str(REPO / "tools/slurm-stop.sh"), "--purge"], env=env, capture_output=True,
+                       timeout=180)
+
+
+def sbatch(conf: str, out: Path, sbatch_args: list[str], script_args: list[str], timeout: float = 240, **env: str):
+    name = f"miles-test-{uuid.uuid4().hex[:8]}"
+    job_env = dict(os.environ, SLURM_CONF=conf, OMP_NUM_THREADS="1", PYTHON=PYTHON, MILES_HOME=str(REPO), **env)
+    cmd = ["sbatch", "--wait", f"--job-name={name}", "--time=4", "--gpus-per-node=0", "--cpus-per-task=1",
+           f"--output={out}", *sbatch_args, str(REPO / "slurm/grpo.sh"), *script_args]
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run(cmd, env=job_env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        subprocess.run(["scancel", "--name", name], env=job_env, capture_output=True, timeout=30)
+        raise AssertionError(f"job {name} did not finish in {timeout}s:\n"
+                             f"{out.read_text()[-4000:] if out.exists() else '(no output)'}") from None
+    text = out.read_text() if out.exists() else ""
+    return Job(p.returncode, text, p.stderr + text, time.monotonic() - t0)
+
+
+def test_sbatch_one_task_per_gpu_disaggregated(slurm_conf, tmp_path):
+    job = sbatch(slurm_conf, tmp_path / "job.out", ["--ntasks-per-node=4"],
+                 ["--smoke-engine-argv", "builtin", "--smoke-dir", str(tmp_path)], ENTRY="-m miles.spmd.smoke")
+    lines = assert_smoke(job, 4, "slurm")
+    assert roles(lines) == {0: {"driver", "trainer"}, 1: {"trainer"}, 2: {"engine_leader"}, 3: {"engine_leader"}}
+    assert "trainer 2, rollout 2 (engines of 1), launch srun" in job.stdout
+    assert "engine_pid" in lines[2] and "engine_pid" in lines[3]
+
+
+def test_sbatch_torchrun_per_node_colocated(slurm_conf, tmp_path):
+    job = sbatch(slurm_conf, tmp_path / "job.out", ["--ntasks-per-node=4"], [], ENTRY="-m miles.spmd.smoke",
+                 LAUNCH="torchrun", COLOCATE="1", GPUS_PER_ENGINE="2")
+    lines = assert_smoke(job, 4, "torchrun")
+    assert roles(lines) == {0: {"driver", "trainer", "engine_leader"}, 1: {"trainer", "engine_worker"},
+                            2: {"trainer", "engine_leader"}, 3: {"trainer", "engine_worker"}}
+    assert "role plan: colocated" in job.stdout
+
+
+def test_sbatch_bad_plan_fails_on_every_rank(slurm_conf, tmp_path):
+    job = sbatch(slurm_conf, tmp_path / "job.out", ["--ntasks-per-node=2"], ["--rollout-num-gpus", "3"],
+                 timeout=120, ENTRY="-m miles.spmd.smoke", ACTOR_GPUS="1")
+    assert job.returncode != 0
+    for r in range(2):
+        assert f"[miles r{r}] error: world size mismatch: the plan needs 4 rank(s)" in job.stdout, job.stdout[-3000:]
+    assert "Traceback" not in job.stdout
