@@ -16,6 +16,8 @@ $(VENV)/.installed: setup.py requirements.txt requirements-test.txt tools/instal
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -c requirements-test.txt -e '.[test]'
+	# MPICH (Hydra mpiexec + libmpi) in its own prefix, so its mpirun never shadows Open MPI's
+	$(PY) -m pip install -q --no-deps --prefix $(VENV)/mpich -c requirements-test.txt mpich
 	touch $@
 
 lint: setup

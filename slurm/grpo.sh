@@ -32,6 +32,7 @@
 #   MILES_HOME       the miles checkout      [$SLURM_SUBMIT_DIR]
 #   QUICKSTART_DIR   where the quickstart model/data go [$MILES_HOME/outputs/quickstart]
 #   MASTER_PORT      rendezvous port         [derived from the job id]
+#   SRUN_ARGS        more srun options (a string), e.g. "--mpi=pmix" or "--container-image=..."
 set -euo pipefail
 
 cd "${MILES_HOME:-${SLURM_SUBMIT_DIR:-$PWD}}"
@@ -83,6 +84,7 @@ esac
 [ -n "${PROMPT_DATA:-}" ] && DATA+=(--prompt-data "$PROMPT_DATA")
 read -r -a EXTRA <<<"${MILES_ARGS:-}"
 read -r -a ENTRY_WORDS <<<"$ENTRY"
+read -r -a SRUN_MORE <<<"${SRUN_ARGS:-}"
 ARGS=("${PLAN[@]}" "${DATA[@]}" "${EXTRA[@]}" "$@")
 
 echo "[grpo.sh] job ${SLURM_JOB_ID:-?}: $NNODES node(s) x $GPUS_PER_NODE, trainer $ACTOR_GPUS, rollout $ROLLOUT_GPUS" \
@@ -93,11 +95,11 @@ case "$LAUNCH" in
   srun)
     # one task per GPU; every rank reads SLURM_PROCID/NTASKS/LOCALID; rank 0 is on the first host
     exec srun --kill-on-bad-exit=1 --cpu-bind=none --ntasks-per-node="$GPUS_PER_NODE" --ntasks="$TOTAL" \
-      "$PYTHON" "${ENTRY_WORDS[@]}" "${ARGS[@]}" ;;
+      "${SRUN_MORE[@]}" "$PYTHON" "${ENTRY_WORDS[@]}" "${ARGS[@]}" ;;
   torchrun)
     HEAD=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-localhost}" | head -n1)
     RDZV_PORT=${RDZV_PORT:-$(( 20000 + ${SLURM_JOB_ID:-0} % 20000 ))}
-    exec srun --kill-on-bad-exit=1 --cpu-bind=none --ntasks-per-node=1 --ntasks="$NNODES" \
+    exec srun --kill-on-bad-exit=1 --cpu-bind=none --ntasks-per-node=1 --ntasks="$NNODES" "${SRUN_MORE[@]}" \
       "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" \
       --rdzv-backend c10d --rdzv-endpoint "$HEAD:$RDZV_PORT" --rdzv-id "${SLURM_JOB_ID:-miles}" \
       "${ENTRY_WORDS[@]}" "${ARGS[@]}" ;;

@@ -18,6 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--log-level", type=str, default="INFO", help="Log level on rank 0.")
     o.add_argument("--no-progress", action="store_true", help="No progress bars.")
     o.add_argument("--dry-run", action="store_true", help="Parse, validate, print the role plan and exit.")
+    o.add_argument("--save-debug-rollout-data", type=str, default=None,
+                   help="Write each rollout's samples as JSONL to this path; {rollout_id} is filled in.")
 
 
 @dataclass(kw_only=True)
@@ -31,3 +33,4 @@ class OutputConfig:
     log_level: str
     no_progress: bool
     dry_run: bool
+    save_debug_rollout_data: str | None

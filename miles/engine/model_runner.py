@@ -62,6 +62,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _norm(module, x: torch.Tensor) -> torch.Tensor:
+    """HF's RMSNorm (fp32 statistics, cast back, then scale) as fused ``F.rms_norm`` where the module allows."""
+    eps = getattr(module, "variance_epsilon", None)
+    w = getattr(module, "weight", None)
+    if eps is None or w is None or type(module).__name__ not in _PLAIN_RMSNORMS:
+        return module(x)
+    return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+_PLAIN_RMSNORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"}
+
+
 def _available_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
@@ -93,7 +105,9 @@ class _NativeLM:
                         else getattr(cfg, "sliding_window", None) for layer in self.layers]
         self.scaling = float(a0.scaling)
         self.max_slots, self.max_ctx, self.device, self.dtype = max_slots, max_ctx, device, dtype
-        pos = torch.arange(max_ctx, device=device)[None]
+        # the cache's context is padded to a multiple of 64 so attention kernels see aligned lengths
+        self.cache_ctx = cache_ctx = -(-max_ctx // 64) * 64
+        pos = torch.arange(cache_ctx, device=device)[None]
         probe = torch.zeros(1, 1, self.head_dim, dtype=dtype, device=device)
         with torch.no_grad():
             cos, sin = inner.rotary_emb(probe, pos)
@@ -101,28 +115,28 @@ class _NativeLM:
             raise NotImplementedError(f"partial rotary embeddings ({cos.shape[-1]} of {self.head_dim} dims)")
         self.cos, self.sin = cos[0].to(dtype).contiguous(), sin[0].to(dtype).contiguous()
         self.ar_slots = torch.arange(max_slots, device=device)
-        self.ar_ctx = torch.arange(max_ctx, device=device)
+        self.ar_ctx = torch.arange(cache_ctx, device=device)
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
         self.use_graphs = cuda_graph and device.type == "cuda"
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_pool = None
         self.g_tokens = torch.zeros(max_slots, dtype=torch.long, device=device)
-        self.g_pos = torch.full((max_slots,), max_ctx - 1, dtype=torch.long, device=device)
+        self.g_pos = torch.full((max_slots,), cache_ctx - 1, dtype=torch.long, device=device)
         b, self.batch_buckets = 1, []
         while b < max_slots:
             self.batch_buckets.append(b)
             b = b * 2 if b < 32 else b + 32
         self.batch_buckets.append(max_slots)
-        self.ctx_buckets = sorted({min(max_ctx, 1 << k) for k in range(8, 24)} | {max_ctx})
+        self.ctx_buckets = sorted({min(cache_ctx, 1 << k) for k in range(8, 24)} | {cache_ctx})
 
     # ------------------------------------------------------------------ cache
     def cache_bytes(self) -> int:
         el = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * len(self.layers) * self.max_slots * self.n_kv * self.max_ctx * self.head_dim * el
+        return 2 * len(self.layers) * self.max_slots * self.n_kv * self.cache_ctx * self.head_dim * el
 
     def allocate_cache(self) -> None:
-        shape = (self.max_slots, self.n_kv, self.max_ctx, self.head_dim)
+        shape = (self.max_slots, self.n_kv, self.cache_ctx, self.head_dim)
         self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
 
@@ -159,12 +173,12 @@ class _NativeLM:
             base_mask = (q_pos[None, :] <= q_pos[:, None])[None, None] & (q_pos[None, None, None, :] < lens_t[:, None, None, None])
         for li, layer in enumerate(self.layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(h)
+            x = _norm(layer.input_layernorm, h)
             q = attn.q_proj(x).view(n, T, self.n_heads, self.head_dim)
             k = attn.k_proj(x).view(n, T, self.n_kv, self.head_dim)
             v = attn.v_proj(x).view(n, T, self.n_kv, self.head_dim)
             if self.qk_norm:
-                q, k = attn.q_norm(q), attn.k_norm(k)
+                q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
@@ -184,8 +198,8 @@ class _NativeLM:
             else:
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=base_mask, scale=self.scaling)
             h = h + attn.o_proj(o.transpose(1, 2).reshape(n, T, self.n_heads * self.head_dim))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        h = self.norm(h)
+            h = h + layer.mlp(_norm(layer.post_attention_layernorm, h))
+        h = _norm(self.norm, h)
         last = h[torch.arange(n, device=self.device), lens_t - 1]
         logits = self.lm_head(last).float()
         full = [self.lm_head(h[i, : lens[i]]).float() if want else None for i, want in enumerate(full_for)]
@@ -201,12 +215,12 @@ class _NativeLM:
         mask = valid[:, None, None, :]
         for li, layer in enumerate(self.layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(h)
+            x = _norm(layer.input_layernorm, h)
             q = attn.q_proj(x).view(B, self.n_heads, self.head_dim)
             k = attn.k_proj(x).view(B, self.n_kv, self.head_dim)
             v = attn.v_proj(x).view(B, self.n_kv, self.head_dim)
             if self.qk_norm:
-                q, k = attn.q_norm(q), attn.k_norm(k)
+                q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             kc, vc = self.k_cache[li], self.v_cache[li]
@@ -219,8 +233,8 @@ class _NativeLM:
             o = F.scaled_dot_product_attention(q.view(B, self.n_kv, self.group, self.head_dim), kc[:B, :, :L], vc[:B, :, :L],
                                                attn_mask=m, scale=self.scaling)
             h = h + attn.o_proj(o.reshape(B, self.n_heads * self.head_dim))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.lm_head(self.norm(h))
+            h = h + layer.mlp(_norm(layer.post_attention_layernorm, h))
+        return self.lm_head(_norm(self.norm, h))
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -236,14 +250,14 @@ class _NativeLM:
         self.g_tokens[:n].copy_(tokens)
         self.g_pos[:n].copy_(positions)
         if bs > n:
-            self.g_pos[n:bs].fill_(self.max_ctx - 1)
+            self.g_pos[n:bs].fill_(self.cache_ctx - 1)
         entry[0].replay()
         return entry[1][:n].float()
 
     def _capture(self, bs: int, L: int):
-        # Rows beyond the running requests write their (garbage) K/V at position max_ctx-1 of free slots,
+        # Rows beyond the running requests write their (garbage) K/V at position cache_ctx-1 of free slots,
         # and every position is written by its request before it is read, so capture never corrupts state.
-        self.g_pos[:bs].fill_(self.max_ctx - 1)
+        self.g_pos[:bs].fill_(self.cache_ctx - 1)
         if self.graph_pool is None:
             self.graph_pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)

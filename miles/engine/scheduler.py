@@ -79,8 +79,14 @@ class Scheduler:
         self._commands: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="miles-engine-scheduler", daemon=True)
-        self._sb_key: tuple | None = None
+        # the running batch's composition changes -> epoch bumps; device-side inputs and the sampling batch
+        # are rebuilt only then, otherwise the sampled tokens feed the next step without leaving the device
+        self._epoch = 0
+        self._sb_epoch = -1
         self._sb: SamplingBatch | None = None
+        self._dev_epoch = -1
+        self._dev: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._admitting: list[Req] = []
         self.stop_ids = set(runner.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.stop_ids.add(int(tokenizer.eos_token_id))
@@ -142,9 +148,12 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001 - a failed step aborts its requests, the server keeps serving
                 logger.exception("scheduler step failed; aborting the running requests")
                 self.error = e
-                for r in list(self.running):
-                    self._finish(r, {"type": "abort", "message": f"engine error: {e}"})
+                for r in list(self.running) + self._admitting:
+                    if r.finish is None:
+                        self._finish(r, {"type": "abort", "message": f"engine error: {type(e).__name__}: {e}"})
                 self.running.clear()
+                self._admitting = []
+                self._epoch += 1
 
     # ------------------------------------------------------------------ submission
     def validate(self, spec: GenSpec) -> None:
@@ -199,7 +208,7 @@ class Scheduler:
             r.kv_len = 0
             self.waiting.appendleft(r)
         self.running.clear()
-        self._sb_key = None
+        self._epoch += 1
 
     def flush_cache(self) -> bool:
         if self.running or self.waiting:
@@ -227,7 +236,7 @@ class Scheduler:
                 self.running[i] = mover
             self.running.pop()
         if idxs:
-            self._sb_key = None
+            self._epoch += 1
 
     def _admit(self) -> None:
         batch: list[Req] = []
@@ -239,6 +248,7 @@ class Scheduler:
                 break
             batch.append(self.waiting.popleft())
             budget -= n
+        self._admitting = batch
         seqs = [r.spec.input_ids + r.output_ids[:-1] if r.retracted else r.spec.input_ids for r in batch]
         want_full = [(not r.retracted) and r.spec.return_logprob and r.spec.logprob_start_len >= 0 for r in batch]
         start = len(self.running)
@@ -246,7 +256,8 @@ class Scheduler:
         for r, s in zip(batch, seqs):
             r.kv_len = len(s)
         self.running.extend(batch)
-        self._sb_key = None
+        self._admitting = []
+        self._epoch += 1
         fresh = [i for i, r in enumerate(batch) if not r.retracted]
         for r in batch:
             r.retracted = False
@@ -274,21 +285,22 @@ class Scheduler:
             rows = [list(zip(a, b)) for a, b in zip(v.tolist(), i.tolist())]
             r.input_top = ([[]] + rows)[s.logprob_start_len:]
 
-    def _sampling_batch(self, reqs: list[Req]) -> SamplingBatch:
-        key = tuple(id(r) for r in reqs)
-        if key != self._sb_key or self._sb is None:
-            rows = [RowParams(r.spec.temperature, r.spec.top_p, r.spec.top_k, r.spec.min_p, r.seed, r.spec.logit_bias)
-                    for r in reqs]
-            self._sb = SamplingBatch(rows, logits_vocab(self.runner), self.runner.device)
-            self._sb_key = key
-        return self._sb
+    @staticmethod
+    def _row(r: Req) -> RowParams:
+        return RowParams(r.spec.temperature, r.spec.top_p, r.spec.top_k, r.spec.min_p, r.seed, r.spec.logit_bias)
 
-    def _sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> None:
-        sb = self._sampling_batch(reqs) if len(reqs) == len(self.running) and reqs[0] is self.running[0] else \
-            SamplingBatch([RowParams(r.spec.temperature, r.spec.top_p, r.spec.top_k, r.spec.min_p, r.seed, r.spec.logit_bias)
-                           for r in reqs], logits.shape[-1], self.runner.device)
+    def _sample_and_append(self, reqs: list[Req], logits: torch.Tensor, steps: torch.Tensor | None = None) -> torch.Tensor:
+        """Sample one token per row, append it, check stops. Returns the sampled tokens (on the device)."""
         dev = self.runner.device
-        steps = torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64, device=dev)
+        if reqs is self.running:
+            if self._sb_epoch != self._epoch or self._sb is None:
+                self._sb = SamplingBatch([self._row(r) for r in reqs], logits.shape[-1], dev)
+                self._sb_epoch = self._epoch
+            sb = self._sb
+        else:
+            sb = SamplingBatch([self._row(r) for r in reqs], logits.shape[-1], dev)
+        if steps is None and not sb.all_greedy:
+            steps = torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64, device=dev)
         suppress = None
         need_min = [i for i, r in enumerate(reqs) if len(r.output_ids) < r.spec.min_new_tokens]
         if need_min:
@@ -297,9 +309,12 @@ class Scheduler:
                 ids = self.stop_ids | set(reqs[i].spec.stop_token_ids)
                 if ids:
                     suppress[i, list(ids)] = True
-        want_lp = any(r.spec.return_logprob for r in reqs)
-        top_n = max((r.spec.top_logprobs_num for r in reqs if r.spec.return_logprob), default=0)
-        want_dist = any(r.spec.return_logprob and r.spec.token_ids_logprob for r in reqs)
+        want_lp = top_n = want_dist = False
+        for r in reqs:
+            if r.spec.return_logprob:
+                want_lp = True
+                top_n = max(top_n, r.spec.top_logprobs_num)
+                want_dist = want_dist or bool(r.spec.token_ids_logprob)
         out = sample(logits, sb, steps, suppress=suppress, want_logprobs=want_lp, top_n=top_n, want_dist=want_dist)
         toks = out.tokens.tolist()
         lps = out.logprobs.tolist() if out.logprobs is not None else None
@@ -314,8 +329,9 @@ class Scheduler:
                     r.output_top.append(list(zip(tv[i][:k], ti[i][:k])))
                 if r.spec.token_ids_logprob:
                     r.output_token_ids_lp.append(out.logprob_dist[i, r.spec.token_ids_logprob].tolist())
-            self.generated_tokens += 1
             self._check_finished(r)
+        self.generated_tokens += len(toks)
+        return out.tokens
 
     def _check_finished(self, r: Req) -> None:
         s, t = r.spec, r.output_ids[-1]
@@ -339,13 +355,20 @@ class Scheduler:
     def _decode_step(self) -> None:
         reqs = self.running
         dev = self.runner.device
-        tokens = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.long, device=dev)
-        positions = torch.tensor([r.kv_len for r in reqs], dtype=torch.long, device=dev)
+        if self._dev_epoch != self._epoch or self._dev is None:
+            tokens = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.long, device=dev)
+            positions = torch.tensor([r.kv_len for r in reqs], dtype=torch.long, device=dev)
+            steps = torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.long, device=dev)
+        else:
+            tokens, positions, steps = self._dev
         max_len = max(r.kv_len for r in reqs) + 1
         logits = self.runner.decode(tokens, positions, max_len)
         for r in reqs:
             r.kv_len += 1
-        self._sample_and_append(reqs, logits)
+        epoch = self._epoch
+        new_tokens = self._sample_and_append(reqs, logits, steps)
+        self._dev = (new_tokens.view(-1), positions + 1, steps + 1)
+        self._dev_epoch = epoch
         self._remove([i for i, r in enumerate(reqs) if r.finish is not None])
         self.steps += 1
         self.last_step_time = time.time()
@@ -354,7 +377,3 @@ class Scheduler:
     def load(self) -> dict[str, Any]:
         return {"num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting), "paused": self.paused,
                 "pause_mode": self.pause_mode, "steps": self.steps, "generated_tokens": self.generated_tokens}
-
-
-def logits_vocab(runner: ModelRunner) -> int:
-    return runner.vocab_size

@@ -34,10 +34,13 @@ The loop calls (driver rank only; thread-safe):
 from __future__ import annotations
 
 import inspect
+import json
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from miles.config.ft import FTConfig
@@ -50,6 +53,7 @@ from miles.utils.logging import get_logger
 logger = get_logger(__name__)
 
 STARTING, ROUTED, DOWN, AWAITING, GIVEN_UP = "starting", "routed", "down", "awaiting_weights", "given_up"
+CATCHING_UP = "catching_up"  # AWAITING, while the driver pushes it the cached weights (not a sync target)
 
 
 class NoEnginesLeftError(RuntimeError):
@@ -103,9 +107,9 @@ class EngineRecoveryController:
 
     def __init__(self, ft: FTConfig, *, engines: Mapping[int, str], router: Any, lighthouse_addr: str,
                  api_key: str | None = None, initial_version: int | None = None,
-                 catch_up: Callable[[int, str, int], None] | None = None,
+                 catch_up: Callable[[int, str, int], int | None] | None = None,
                  requests_retried: Callable[[], int] | None = None, router_timeout: float = 30.0,
-                 timings: FTTimings | None = None) -> None:
+                 timings: FTTimings | None = None, events_path: str | os.PathLike | None = None) -> None:
         self.timings = timings or ft_timings(ft)
         self.max_restarts = self.timings.max_engine_restarts
         self.router = router
@@ -123,6 +127,8 @@ class EngineRecoveryController:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._changed = threading.Condition(self._lock)
+        self.events_path = Path(events_path) if events_path is not None else None
+        self._catch_up_tried: dict[int, tuple[int, int | None]] = {}  # engine -> (incarnation, version) tried
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> EngineRecoveryController:
@@ -250,7 +256,7 @@ class EngineRecoveryController:
     def _take_down(self, eid: int, ev: MembershipEvent | None, reason: str) -> None:
         with self._lock:
             e = self._engines[eid]
-            if ev is not None and ev.incarnation != e.incarnation and e.state not in (ROUTED, AWAITING):
+            if ev is not None and ev.incarnation != e.incarnation and e.state not in (ROUTED, AWAITING, CATCHING_UP):
                 return  # an old incarnation we already took down
             if e.state in (DOWN, GIVEN_UP, STARTING):
                 return
@@ -271,10 +277,13 @@ class EngineRecoveryController:
                 return
             was_routed = e.state in (ROUTED, AWAITING)
             e.state, e.reason = GIVEN_UP, reason
-            if e.engine_id in self._open:
-                self._open.pop(e.engine_id).given_up = True
+            closed = self._open.pop(e.engine_id, None)
+            if closed is not None:
+                closed.given_up = True
             left = [x.engine_id for x in self._engines.values() if x.state != GIVEN_UP]
             self._changed.notify_all()
+        if closed is not None:
+            self._write_event(closed)
         if was_routed:
             self._router_remove(e.url)
         if left:
@@ -294,7 +303,7 @@ class EngineRecoveryController:
             was_routed = e.state == ROUTED
             if not first:
                 e.restarts += 1
-                if e.state in (ROUTED, AWAITING):  # back before we saw it leave: open the outage now
+                if e.state in (ROUTED, AWAITING, CATCHING_UP):  # back before we saw it leave: open the outage now
                     outage = self._open_outage(e, f"restarted (incarnation {e.incarnation} -> {ev.incarnation})", ev.at)
                     outage.removed_at = ev.at if not was_routed else None
             too_many = not first and e.restarts > self.max_restarts
@@ -330,18 +339,27 @@ class EngineRecoveryController:
             logger.info("engine %d back (incarnation %d): out of rotation until the next weight sync brings it to v%d",
                         e.engine_id, incarnation, version)
             return
-        logger.info("engine %d back (incarnation %d): pushing weights v%d before routing to it", e.engine_id,
+        with self._lock:
+            if e.state != AWAITING or e.incarnation != incarnation:
+                return
+            e.state = CATCHING_UP
+            self._catch_up_tried[e.engine_id] = (incarnation, version)
+        logger.info("engine %d back (incarnation %d): pushing it weights v%d before routing to it", e.engine_id,
                     incarnation, version)
+        pushed = None
         try:
-            self.catch_up(e.engine_id, e.url, version)
+            pushed = self.catch_up(e.engine_id, e.url, version)
         except (EngineError, OSError, RuntimeError, ValueError) as err:
             logger.warning("engine %d: catching up to v%d failed (%s); it waits for the next weight sync",
                            e.engine_id, version, err)
-            return
         with self._lock:
-            if e.engine_id in self._open:
-                self._open[e.engine_id].catch_up_version = version
-        self._verify_and_admit(e, incarnation)
+            if e.state != CATCHING_UP or e.incarnation != incarnation:
+                return  # it went down meanwhile
+            e.state = AWAITING
+            if pushed is not None and e.engine_id in self._open:
+                self._open[e.engine_id].catch_up_version = pushed
+        if pushed is not None:
+            self._verify_and_admit(e, incarnation)
 
     def _reconcile(self) -> None:
         """An engine taken out by :meth:`on_sync_failed` that still heartbeats (its leader saw nothing wrong)
@@ -359,10 +377,35 @@ class EngineRecoveryController:
                     e.state = AWAITING
                     outage.back_at = now
                     back.append(e)
+            if self.catch_up is not None and self._version is not None:  # a newer version to catch up to
+                retry = [e for e in self._engines.values() if e.state == AWAITING and e not in back
+                         and self._catch_up_tried.get(e.engine_id) != (e.incarnation, self._version)]
+            else:
+                retry = []
         for e in back:
             logger.info("engine %d (%s) still heartbeats %.0fs after it was taken out: it rejoins once its weights are "
                         "current", e.engine_id, e.url, grace)
             self._resume(e, e.incarnation)
+        for e in retry:
+            self._resume(e, e.incarnation)
+
+    def _write_event(self, o: Outage) -> None:
+        """One JSON line per finished outage (wall-clock seconds), for the run's output dir and the soak."""
+        if self.events_path is None:
+            return
+        offset = time.time() - time.monotonic()
+        wall = {k: (None if v is None else v + offset) for k, v in
+                (("down_seen", o.down_seen_at), ("removed", o.removed_at), ("back", o.back_at), ("admitted", o.admitted_at))}
+        record = {"engine_id": o.engine_id, "url": o.url, "incarnation": o.incarnation, "reason": o.reason,
+                  **wall, "removal_s": o.removal_s, "recovery_s": o.recovery_s, "given_up": o.given_up,
+                  "catch_up_version": o.catch_up_version,
+                  "requests_retried": self.requests_retried() if self.requests_retried is not None else None}
+        try:
+            self.events_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.events_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as err:
+            logger.warning("cannot append to %s: %s", self.events_path, err)
 
     # -- checks and router calls -----------------------------------------------------------------------
     def _healthy(self, url: str, timeout: float) -> bool:
@@ -407,6 +450,8 @@ class EngineRecoveryController:
                 outage.admitted_at = time.monotonic()
             self._changed.notify_all()
         if outage is not None:
+            self._write_event(outage)
+        if outage is not None:
             logger.info("engine %d (%s) back in rotation %.1fs after it went down%s", e.engine_id, e.url,
                         outage.recovery_s, "" if version is None else f" (weights v{version} verified)")
         else:
@@ -428,7 +473,7 @@ class EngineRecoveryController:
 def sync_weights_with_recovery(sender: Any, controller: EngineRecoveryController | None,
                                to_target: Callable[[int, str], Any], *,
                                retry_on: tuple[type[BaseException], ...] = (RuntimeError,),
-                               max_attempts: int = 3) -> Any:
+                               max_attempts: int = 3, on_synced: Callable[[int], None] | None = None) -> Any:
     """One weight sync that survives engines dying during it. Call it on every trainer rank.
 
     ``sender`` is a ``miles.weight_sync`` sender; ``controller`` is given on its source rank (the driver)
@@ -437,7 +482,8 @@ def sync_weights_with_recovery(sender: Any, controller: EngineRecoveryController
     weights): when they changed, a new weight group is formed with exactly them (``reconnect``). A failed
     attempt (``retry_on``, the sender's ``WeightSyncError``; every trainer rank sees it) takes the engines
     that fail a health probe out and syncs the others again, with the same version; the dead ones catch up
-    after they return. After success the engines that were awaiting weights are verified and routed again.
+    after they return. After success ``on_synced(version)`` runs, then the engines that were awaiting
+    weights are verified and routed again.
     """
     last: BaseException | None = None
     for attempt in range(1, max_attempts + 1):
@@ -452,6 +498,8 @@ def sync_weights_with_recovery(sender: Any, controller: EngineRecoveryController
             if controller is not None:
                 controller.on_sync_failed(e)
             continue
+        if on_synced is not None:
+            on_synced(sender.weight_version)
         if controller is not None:
             admitted = controller.on_weights_updated(sender.weight_version, [t.url for t in targets])
             if admitted:

@@ -149,8 +149,9 @@ def _build_sender(cfg: MilesConfig, ctx: SPMDContext, trainer: Any, placement: P
         kwargs["master_addr"] = engine_host(ctx.world.num_nodes)
     elif mode == "disk-delta":
         kwargs = {"model_dir": cfg.train.hf_checkpoint}
+    is_source = ctx.rank == ctx.plan.trainer_ranks[0]  # trainer rank 0 holds the full tensors and posts them
     return build_weight_sender(cfg.weights, trainer, colocate=ctx.plan.colocate,
-                               is_source=ctx.rank == ctx.plan.trainer_ranks[0], engines=targets,
+                               is_source=is_source, engines=targets if is_source else [],
                                dtype=checkpoint_dtype(cfg.train.hf_checkpoint), initial_version=version,
                                status_group=ctx.groups.trainer_group, **kwargs)
 
@@ -172,6 +173,11 @@ async def build_run(cfg: MilesConfig, ctx: SPMDContext) -> Run:
     trainer = extra = None
     worker = Worker(ctx, channel, timeout=timeout, placement=placement, progress=progress)
     run = Run(cfg=cfg, ctx=ctx, plan=plan, worker=worker, progress=progress)
+    if cfg.ft.use_fault_tolerance:  # --use-fault-tolerance: lighthouse (driver), engine heartbeats (leaders)
+        from miles.ft.integration import FaultTolerance
+
+        group, src = ctx.groups.control_group, ctx.plan.driver_rank
+        worker.ft = FaultTolerance.for_run(cfg.ft, ctx, placement, lambda v: broadcast_json(v, group, src, timeout))
     try:
         if ctx.is_trainer:
             trainer = worker.trainer = _build_trainer(cfg, ctx, plan)
@@ -216,5 +222,12 @@ async def _driver_setup(run: Run, local: dict[str, Any], extra: dict[str, Any] |
                                             num_nodes=run.ctx.world.num_nodes)
         from miles.rollout.manager import RolloutManager
 
-        run.manager = RolloutManager(cfg.rollout, cfg.data, cfg.reward, run.fleet.client, local["tokenizer"],
+        client = run.fleet.client
+        if run.worker.ft is not None:  # routing follows engine health; failed requests wait for an engine
+            with channel.keepalive():
+                run.worker.ft.start_recovery(targets=run.fleet.targets, router_url=run.fleet.router_url,
+                                             api_key=plan.engine_api_key, client=client,
+                                             events_path=str(Path(plan.output_dir) / "ft_events.jsonl"))
+            client = run.worker.ft.wrap_client(client)
+        run.manager = RolloutManager(cfg.rollout, cfg.data, cfg.reward, client, local["tokenizer"],
                                      run.data_source, eval_cfg=cfg.eval)

@@ -29,10 +29,14 @@ async def run_job(cfg: MilesConfig, loop_cls: Any) -> None:
         if ctx.is_driver:
             await loop_cls(job).run()
             job.worker.close_sender()  # while the engines are still up
+            if job.worker.ft is not None:  # stop following engine health before the engines stop
+                job.worker.ft.close()
+                job.worker.ft = None
             job.ranks.stop()
         else:
             job.worker.follow()
     except BaseException as e:
+        logger.error("run failed on rank %d: %s: %s", ctx.rank, type(e).__name__, e, exc_info=not isinstance(e, KeyboardInterrupt))
         if ctx.is_driver:
             job.worker.channel.abort(f"{type(e).__name__}: {e}")
         raise

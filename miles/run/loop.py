@@ -65,6 +65,22 @@ def trainable_groups(groups: list[list[Sample]], policy: bool) -> tuple[list[lis
     return kept, metrics
 
 
+def dump_samples(path: str, groups: list[list[Sample]]) -> None:
+    """``--save-debug-rollout-data``: one JSON object per sample (text, ids, reward, status, version)."""
+    import json
+    from pathlib import Path
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w") as f:
+        for g in groups:
+            for s in g:
+                f.write(json.dumps({"rollout_id": s.rollout_id, "group_index": s.group_index, "index": s.index,
+                                    "prompt": s.prompt, "response": s.response, "label": s.label, "reward": s.reward,
+                                    "status": s.status.value, "weight_version": s.weight_version,
+                                    "response_length": s.response_length, "tokens": s.tokens}, default=str) + "\n")
+
+
 class RLLoop:
     """Components are injected through ``run``; the loop holds no other state than counters."""
 
@@ -84,8 +100,11 @@ class RLLoop:
         self.timer.pop()
         if start == 0 and not self.cfg.eval.skip_eval_before_train and self.job.eval_datasets:
             self.job.sink.log_eval(start, await self.evaluate(start))
+        ft = self.job.worker.ft
         for rollout_id in range(start, end):
             t_step = time.monotonic()
+            if ft is not None:
+                ft.check()  # every engine given up: stop, saying why
             groups, metrics = await self.generate(rollout_id)
             groups, score_metrics = self.score(groups)
             metrics.update(score_metrics)
@@ -94,11 +113,13 @@ class RLLoop:
             metrics.update(await self.sync_weights())
             metrics.update(await self.maybe_eval(rollout_id))
             metrics.update(self.timer.pop())
+            if ft is not None:
+                metrics.update(ft.metrics())  # ft/engine_restarts, ft/requests_retried, ft/recovery_time_s
             metrics["perf/step_time"] = time.monotonic() - t_step
             self.job.sink.log(rollout_id, metrics)
 
     # ------------------------------------------------------------------ steps
-    async def generate(self, rollout_id: int) -> tuple[list[list[Sample]], dict[str, float]]:
+    async def generate(self, rollout_id: int, keepalive: bool = True) -> tuple[list[list[Sample]], dict[str, float]]:
         job = self.job
         with self.timer("rollout"):
             if job.sft is not None:
@@ -110,13 +131,15 @@ class RLLoop:
                 total = job.cfg.data.rollout_batch_size * job.cfg.data.n_samples_per_prompt
                 job.manager.progress = job.progress.generation(rollout_id, total)
                 try:
-                    with job.worker.channel.keepalive():
+                    with job.worker.channel.keepalive() if keepalive else contextlib.nullcontext():
                         result = await job.manager.generate_rollout(rollout_id)
                 finally:
                     job.progress.end_generation()
                 groups, metrics = result.samples, dict(result.metrics)
         if self.has_trainer and self.plan.offload_rollout and job.fleet is not None:
             await job.fleet.call_all("release_memory_occupation")
+        if self.cfg.output.save_debug_rollout_data:
+            dump_samples(self.cfg.output.save_debug_rollout_data.format(rollout_id=rollout_id), groups)
         return groups, metrics
 
     def score(self, groups: list[list[Sample]]) -> tuple[list[list[Sample]], dict[str, float]]:

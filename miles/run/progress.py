@@ -23,18 +23,18 @@ class Progress:
         self._gen = None
         self._train = None
 
-    def _bar(self, desc: str, total: int, unit: str):
+    def _bar(self, desc: str, total: int, unit: str, position: int):
         from tqdm import tqdm
 
         return tqdm(total=total, desc=desc, unit=unit, leave=False, file=self.stream, dynamic_ncols=True,
-                    mininterval=0.5)
+                    mininterval=0.5, position=position)
 
     # ------------------------------------------------------------------ generation
     def generation(self, rollout_id: int, total: int, desc: str | None = None) -> Callable[[int, int], None]:
         """Open the generation bar; returns the manager's ``progress(done, launched)`` callback."""
         self.end_generation()
         if self.enabled:
-            self._gen = self._bar(desc or f"rollout {rollout_id} generate", total, "sample")
+            self._gen = self._bar(desc or f"rollout {rollout_id} generate", total, "sample", 0)
 
         def update(done: int, launched: int) -> None:
             bar = self._gen
@@ -57,7 +57,7 @@ class Progress:
     def training(self, rollout_id: int, num_steps: int) -> None:
         self.end_training()
         if self.enabled:
-            self._train = self._bar(f"rollout {rollout_id} train", num_steps, "step")
+            self._train = self._bar(f"rollout {rollout_id} train", num_steps, "step", 1)  # beside generation (async)
 
     def step(self, n: int = 1) -> None:
         if self._train is not None:

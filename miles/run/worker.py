@@ -41,6 +41,7 @@ class Worker:
         self.ctx, self.channel, self.timeout = ctx, channel, timeout
         self.trainer, self.sender, self.placement = trainer, sender, placement
         self.progress = progress
+        self.ft: Any = None  # miles.ft.integration.FaultTolerance with --use-fault-tolerance
 
     @property
     def is_trainer(self) -> bool:
@@ -85,6 +86,8 @@ class Worker:
     def sync_weights(self) -> dict[str, float]:
         if not self.is_trainer or self.sender is None:
             return {}
+        if self.ft is not None:  # drops engines that die during the sync, re-admits returned ones
+            return self.ft.sync_weights(self.sender).as_metrics()
         return self.sender.sync().as_metrics()
 
     def save(self, rollout_id: int, extra: dict[str, Any]) -> None:
@@ -106,6 +109,9 @@ class Worker:
             self.sender = None
 
     def close(self) -> None:
+        if self.ft is not None:
+            self.ft.close()
+            self.ft = None
         self.close_sender()
         if self.placement is not None:
             self.placement.stop()

@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import sys
 import tempfile
 import time
@@ -53,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--smoke-kill-engine", action="store_true", help="SIGKILL the child and require a restart.")
     p.add_argument("--smoke-dir", default=None, help="Where children write their reports (default: a temp dir).")
     p.add_argument("--smoke-timeout", type=float, default=60.0, help="Seconds to wait for a child to (re)start.")
+    p.add_argument("--smoke-exit-rank", type=int, default=None,
+                   help="Fault injection: this rank exits (code 0) before the control collectives.")
     return p
 
 
@@ -74,7 +77,8 @@ def _supervise_engine(ctx, opts) -> str:
     from miles.spmd.supervisor import SCRUB_EXACT, SCRUB_PREFIXES, EngineSupervisor
 
     spec, rank = ctx.engine, ctx.world.rank
-    out_dir = Path(opts.smoke_dir or tempfile.mkdtemp(prefix="miles-smoke-"))
+    own_dir = opts.smoke_dir is None
+    out_dir = Path(tempfile.mkdtemp(prefix="miles-smoke-") if own_dir else opts.smoke_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     report = out_dir / f"engine{spec.engine_id}-rank{rank}.json"
     report.unlink(missing_ok=True)
@@ -104,9 +108,14 @@ def _supervise_engine(ctx, opts) -> str:
         return f" engine_pid={sup.pid} engine_restarts={sup.restarts}"
     finally:
         sup.stop(timeout=5)
+        if own_dir:
+            shutil.rmtree(out_dir, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        sys.stdout.write(_parser().format_help().replace("usage:", "smoke options:", 1) + "\n")
     opts, rest = _parser().parse_known_args(argv)
     from miles.config import parse_args
     from miles.spmd import bootstrap
@@ -142,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     extra = ""
     if opts.smoke_engine_argv and ctx.is_engine_leader:
         extra = _supervise_engine(ctx, opts)
+    if opts.smoke_exit_rank == rank:
+        sys.stdout.flush()
+        os._exit(0)  # a rank vanishing without an error: its peers must not hang
     payload = [{"fingerprint": plan.fingerprint(), "world_size": world.world_size}] if ctx.is_driver else [None]
     with groups.guard("control"):
         dist.broadcast_object_list(payload, src=plan.driver_rank, group=groups.control_group)
@@ -154,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             _check(node == world.node_rank, f"rank {r} shares planned node {plan.node_of(r)} with rank {rank} "
                                             f"but runs on launcher node {node} ({host})")
     roles = ",".join(sorted(ctx.roles))
+    backend = dist.get_backend(groups.trainer_group) if groups.trainer_group is not None else "-"
+    extra = f" backend={backend} cpus={len(os.sched_getaffinity(0))}{extra}"
     line = (f"SMOKE OK rank={rank} roles={roles} engine={spec.engine_id if spec else '-'} node={world.node_rank} "
             f"local_rank={world.local_rank} device={world.device} launcher={world.launcher} "
             f"plan={plan.fingerprint()}{extra}\n")

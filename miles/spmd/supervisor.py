@@ -22,6 +22,7 @@ import atexit
 import contextlib
 import ctypes
 import os
+import shlex
 import signal
 import subprocess
 import threading
@@ -190,7 +191,7 @@ class EngineSupervisor:
         finally:
             if out is not None:
                 out.close()
-        logger.info("%s: started pid %d (%s)%s", self.name, self._proc.pid, " ".join(self.argv)[:200],
+        logger.info("%s: started pid %d (%s)%s", self.name, self._proc.pid, shlex.join(self.argv).replace("\n", " ")[:160],
                     f", restart {self.restarts}" if self.restarts else "")
 
     def _watch(self) -> None:

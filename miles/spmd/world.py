@@ -232,11 +232,16 @@ def _mpi_exchange(le: LaunchEnv) -> LaunchEnv:
         mpi4py.rc.finalize = False
         from mpi4py import MPI
     except (ImportError, RuntimeError, OSError) as e:
+        reason = f"(mpi4py: {' '.join(str(e).split())[:200]})"
+        if le.master_addr is None:
+            raise ConfigError(
+                f"no master address under {le.launcher}: expected --master-addr HOST (or MASTER_ADDR) or a working "
+                f"mpi4py to share rank 0's address, found neither {reason}. Fix: pass --master-addr <rank 0's host> "
+                "--master-port PORT, or install mpi4py (pip install 'miles[mpi]') built for this MPI.") from e
         raise ConfigError(
-            f"no master address under {le.launcher}: expected --master-addr HOST (or MASTER_ADDR) or a working "
-            f"mpi4py to share rank 0's address, found neither (mpi4py: {' '.join(str(e).split())[:200]}). Fix: pass "
-            "--master-addr <rank 0's host> --master-port PORT, or install mpi4py (pip install 'miles[mpi]') "
-            "built for this MPI.") from e
+            f"{le.launcher} did not put the world size and local ranks in the environment and mpi4py cannot ask "
+            f"MPI {reason}. Fix: install mpi4py (pip install 'miles[mpi]') built for this MPI, or launch with "
+            "mpirun/mpiexec/srun, which export them.") from e
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     if le.world_size and (rank, size) != (le.rank, le.world_size):

@@ -43,7 +43,7 @@ from miles.trainer.metrics import MetricSums, mfu, peak_tflops
 from miles.trainer.optim import LRSchedule, build_adamw, clip_grad_norm
 from miles.trainer.weights import iter_full_params
 from miles.types import Sample
-from miles.utils.logging import get_logger
+from miles.utils.logging import get_logger, warn_once
 
 logger = get_logger(__name__)
 
@@ -173,7 +173,7 @@ class FSDPTrainer:
                      with_entropy=with_entropy, entropy_grad=entropy_grad)
 
     @torch.no_grad()
-    def _forward_pass(self, fn, data: list[SampleData]) -> list[torch.Tensor]:
+    def _forward_pass(self, model, fn, data: list[SampleData]) -> list[torch.Tensor]:
         """Run ``fn(micro_batch) -> [N]`` over all local samples; per-sample CPU float32 results."""
         out: list[torch.Tensor | None] = [None] * len(data)
         for mb in self._micro_batches(data, list(range(len(data)))):
@@ -182,6 +182,7 @@ class FSDPTrainer:
                 continue
             for sid, piece in zip(mb.sample_ids, vals.float().cpu().split(mb.lengths)):
                 out[sid] = piece
+        modeling.reshard_all(model)
         return out  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ training
@@ -189,57 +190,22 @@ class FSDPTrainer:
         """Train on this rank's share of a rollout (see module docstring); metrics reduced over the group."""
         self._sync()
         t_start = time.perf_counter()
-        a = self.algo
-        policy = a.loss_type != "sft_loss"
+        policy = self.algo.loss_type != "sft_loss"
         data = [self._sample_data(s, i) for i, s in enumerate(samples)]
-        need_rollout_lp = policy and (a.use_rollout_logprobs or a.use_tis)
-        rollout_lp = self._per_sample_floats(samples, "rollout_log_probs", lambda s: s.rollout_log_probs,
-                                             required=need_rollout_lp)
-        teacher_lp = None
-        if policy and a.use_opd and a.opd_type == "sglang":
-            teacher_lp = self._per_sample_floats(samples, 'metadata["teacher_log_probs"]',
-                                                 lambda s: s.metadata.get("teacher_log_probs"), required=True)
-        if policy and any(s.reward is None for s in samples):
-            bad = next(i for i, s in enumerate(samples) if s.reward is None)
-            raise ValueError(f"sample {bad} (index {samples[bad].index}) has no reward; policy training needs a "
-                             "reward per sample (or use --loss-type sft_loss).")
-        n_fwd_passes = 0
-
-        # forward-only passes
-        need_old_for_adv = a.kl_coef != 0 or a.use_opd
-        skip_old = a.use_rollout_logprobs or (self.num_steps_per_rollout == 1 and not need_old_for_adv)
-        old_lp = ref_lp = values = None
-        if policy and not skip_old:
-            self.model.eval()
-            old_lp = self._forward_pass(lambda mb: self._policy_forward(self.model, mb)[0], data)
-            n_fwd_passes += 1
-        if self.ref is not None:
-            ref_lp = self._forward_pass(lambda mb: self._policy_forward(self.ref, mb)[0], data)
-            n_fwd_passes += 1
-        if self.teacher is not None:
-            teacher_lp = self._forward_pass(lambda mb: self._policy_forward(self.teacher, mb)[0], data)
-            n_fwd_passes += 1
-        if self.critic is not None:
-            self.critic.model.eval()
-            values = self._forward_pass(self.critic.values, data)
-            n_fwd_passes += 1
-        base_lp = rollout_lp if a.use_rollout_logprobs else old_lp
-
-        advantages = returns = None
-        extras: dict[str, list[torch.Tensor]] = {}
+        per_sample, n_fwd_passes = self._prepare(samples, data, policy)
+        advantages, extras = None, {}
         if policy:
             inp = AdvantageInputs(
                 rewards=torch.tensor([float(s.reward) for s in samples], dtype=torch.float32),
                 group_ids=[s.group_index for s in samples], loss_masks=[d.loss_mask for d in data],
-                log_probs=base_lp, ref_log_probs=ref_lp, values=values, teacher_log_probs=teacher_lp)
-            advantages, returns, extras = compute_advantages_and_returns(a, inp, self.group, self.device)
+                log_probs=per_sample["old"], ref_log_probs=per_sample["ref"], values=per_sample["values"],
+                teacher_log_probs=per_sample["teacher"])
+            advantages, per_sample["ret"], extras = compute_advantages_and_returns(self.algo, inp, self.group,
+                                                                                   self.device)
+            per_sample["adv"] = advantages
 
-        per_sample = {"old": base_lp, "rollout": rollout_lp, "ref": ref_lp, "adv": advantages, "ret": returns,
-                      "values": values}
         t_train = time.perf_counter()
-        step_sums, grad_norms, critic_stats = [], [], []
-        lr = 0.0
-        local_tokens = 0
+        step_sums, grad_norms, critic_stats, local_tokens, lr = [], [], [], 0, 0.0
         for ids in split_into_steps(len(data), self.num_steps_per_rollout):
             sums, gn, lr, cst, ntok = self._train_step(data, ids, per_sample, samples)
             step_sums.append(sums)
@@ -255,20 +221,66 @@ class FSDPTrainer:
         if self.critic is not None:
             metrics["critic_grad_norm"] = sum(c["critic_grad_norm"] for c in critic_stats) / len(critic_stats)
         metrics.update(self._extra_metrics(data, extras, advantages, samples if policy else None))
+        metrics.update(self._perf_metrics(rollout_id, data, local_tokens, n_fwd_passes,
+                                          t_end - t_train, t_end - t_start))
+        self.last_rollout_id = rollout_id
+        return metrics
+
+    def _prepare(self, samples: list[Sample], data: list[SampleData], policy: bool) -> tuple[dict, int]:
+        """Validate per-sample inputs and run the forward-only passes. Returns (per-sample lists, #passes)."""
+        a = self.algo
+        per: dict[str, list[torch.Tensor] | None] = dict.fromkeys(
+            ("old", "rollout", "ref", "teacher", "values", "adv", "ret"))
+        per["rollout"] = self._per_sample_floats(samples, "rollout_log_probs", lambda s: s.rollout_log_probs,
+                                                 required=policy and (a.use_rollout_logprobs or a.use_tis))
+        if policy and a.use_opd and a.opd_type == "sglang":
+            per["teacher"] = self._per_sample_floats(samples, 'metadata["teacher_log_probs"]',
+                                                     lambda s: s.metadata.get("teacher_log_probs"), required=True)
+        if policy and any(s.reward is None for s in samples):
+            bad = next(i for i, s in enumerate(samples) if s.reward is None)
+            raise ValueError(f"sample {bad} (index {samples[bad].index}) has no reward; policy training needs a "
+                             "reward per sample (or use --loss-type sft_loss).")
+        passes = 0
+        # old log-probs equal the first training forward's when there is one step and nothing before
+        # training needs them; then the training forward supplies them (detached)
+        need_old_for_adv = a.kl_coef != 0 or a.use_opd
+        skip_old = a.use_rollout_logprobs or (self.num_steps_per_rollout == 1 and not need_old_for_adv)
+        if policy and not skip_old:
+            self.model.eval()
+            per["old"] = self._forward_pass(self.model, lambda mb: self._policy_forward(self.model, mb)[0], data)
+            passes += 1
+        if a.use_rollout_logprobs:
+            per["old"] = per["rollout"]
+        for name, model in (("ref", self.ref), ("teacher", self.teacher)):
+            if model is not None:
+                per[name] = self._forward_pass(model, lambda mb, m=model: self._policy_forward(m, mb)[0], data)
+                passes += 1
+        if self.critic is not None:
+            self.critic.model.eval()
+            per["values"] = self._forward_pass(self.critic.model, self.critic.values, data)
+            passes += 1
+        return per, passes
+
+    def _perf_metrics(self, rollout_id: int, data: list[SampleData], local_tokens: int, n_fwd_passes: int,
+                      step_secs: float, total_secs: float) -> dict[str, float]:
         totals = self._group_sum([float(local_tokens), float(sum(d.length for d in data)), float(len(data))])
         train_tokens, all_tokens, num_samples = totals
-        train_secs, total_secs = self._group_max([t_end - t_train, t_end - t_start])
-        metrics.update({
-            "num_samples": num_samples, "num_tokens": all_tokens, "train_time": total_secs, "step_time": train_secs,
-            "tokens_per_s": train_tokens / train_secs if train_secs > 0 else 0.0,
+        expected = (self.global_batch_size or 0) * self.num_steps_per_rollout
+        if expected and int(num_samples) != expected and self.rank == 0:
+            warn_once(logger, f"rollout {rollout_id}: the trainer group got {int(num_samples)} samples, not "
+                              f"--global-batch-size x --num-steps-per-rollout = {expected}; each of the "
+                              f"{self.num_steps_per_rollout} optimizer steps takes an equal share of what arrived.")
+        step_secs, total_secs = self._group_max([step_secs, total_secs])
+        out = {
+            "num_samples": num_samples, "num_tokens": all_tokens, "train_time": total_secs, "step_time": step_secs,
+            "tokens_per_s": train_tokens / step_secs if step_secs > 0 else 0.0,
             "num_optimizer_steps": float(self.num_steps_per_rollout),
-        })
+        }
         m = mfu(num_params=self.num_params, train_tokens=train_tokens, forward_tokens=all_tokens * n_fwd_passes,
                 seconds=total_secs, num_gpus=self.world, peak=self.peak)
         if m is not None:
-            metrics["mfu"] = m
-        self.last_rollout_id = rollout_id
-        return metrics
+            out["mfu"] = m
+        return out
 
     def _train_step(self, data, ids, per_sample, samples) -> tuple[MetricSums, float, float, dict, int]:
         a = self.algo
@@ -366,6 +378,7 @@ class FSDPTrainer:
                             prefetch: bool = True) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full parameters under their HF names, bucket by bucket; every trainer rank must iterate to the end.
         The gather of bucket k+1 is issued before bucket k is yielded (``prefetch``)."""
+        modeling.reshard_all(self.model)
         return iter_full_params(self.model, group=self.group, device=self.device, bucket_bytes=bucket_bytes,
                                 dtype=dtype, name_fn=modeling.hf_name, timeout=self.timeout, prefetch=prefetch)
 

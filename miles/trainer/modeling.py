@@ -185,6 +185,17 @@ def shard_model(module: nn.Module, blocks: list[nn.Module], mesh, *, mp_policy=N
     return module
 
 
+def reshard_all(module: nn.Module) -> None:
+    """Reshard every FSDP2 module under ``module``. FSDP2 leaves the root unsharded after a forward
+    (it expects the backward next); after a forward-only pass we free it explicitly, and weight
+    iteration and checkpoints always see the sharded fp32 parameters."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 def _enable_recompute(blocks: list[nn.Module]) -> None:
     """Non-reentrant activation checkpointing of each block's forward (parameter names unchanged)."""
     from torch.utils.checkpoint import checkpoint

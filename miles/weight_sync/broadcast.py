@@ -20,6 +20,7 @@ The engine side is ``miles.engine.weights.WeightGroups`` (same group constructio
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import queue
 import threading
@@ -42,17 +43,21 @@ _DONE = object()
 
 
 class BroadcastSender(WeightSender):
-    """``--update-weight-transfer-mode broadcast``. ``flatten=False`` sends one broadcast per tensor."""
+    """``--update-weight-transfer-mode broadcast``. ``flatten=False`` sends one broadcast per tensor;
+    ``max_in_flight`` buckets may await their engines' answers (2: an engine loads bucket k while k+1 travels)."""
 
     mode = "broadcast"
 
     def __init__(self, cfg, source, *, device: torch.device | str | None = None, master_addr: str | None = None,
-                 store_port: int = 0, flatten: bool = True, **kwargs: Any) -> None:
+                 store_port: int = 0, flatten: bool = True, max_in_flight: int = 2, **kwargs: Any) -> None:
         super().__init__(cfg, source, **kwargs)
         self.device = torch.device(device) if device is not None else None
         self.master_addr = master_addr
         self.store_port = store_port
         self.flatten = flatten
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        self.max_in_flight = max_in_flight  # buckets posted whose engine answer is still outstanding
         self._store = None
         self._group: WeightGroup | None = None
         self._group_engines: list[EngineTarget] = []
@@ -233,15 +238,27 @@ class BroadcastSender(WeightSender):
     def _sender_loop(self, q: queue.Queue, group: WeightGroup, engines: list[EngineTarget], version: int,
                      deadline: Deadline, result: SyncResult, failure: list[BaseException]) -> None:
         stream = None
+        pending: collections.deque = collections.deque()  # (futures, t_broadcast_done) of buckets not yet answered
+        self._in_flight = pending
+
+        def settle(keep: int) -> None:
+            while len(pending) > keep:
+                futs, _ = pending[0]
+                t_wait = time.monotonic()
+                self.wait_all(engines, futs, deadline, "update_weights_from_distributed")
+                pending.popleft()
+                result.load_s += time.monotonic() - t_wait  # the part of the engines' load not hidden by overlap
+
         try:
             while True:
                 item = q.get(timeout=deadline.left())
                 if item is _DONE:
+                    settle(0)
                     return
                 flat, tensors, event = item
                 if event is not None:
                     if stream is None:
-                        stream = torch.cuda.Stream(device=event.device if hasattr(event, "device") else None)
+                        stream = torch.cuda.Stream(device=flat.device if flat is not None else tensors[0][1].device)
                     stream.wait_event(event)
                 names = [n for n, _ in tensors]
                 dtypes = [dtype_to_str(t.dtype) for _, t in tensors]
@@ -250,7 +267,7 @@ class BroadcastSender(WeightSender):
                 left = deadline.left()
                 futs = self.submit_all(engines, lambda c, a=(names, dtypes, shapes, group.name): c.update_weights_from_distributed(
                     *a, load_format=fmt, weight_version=str(version), flush_cache=False, timeout=left))  # noqa: B023 - called at once
-                self._in_flight = (futs, len(names))
+                pending.append((futs, len(names)))
                 t0 = time.monotonic()
                 ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
                 try:
@@ -264,10 +281,9 @@ class BroadcastSender(WeightSender):
                     for f in futs:
                         f.cancel()
                     raise WeightSyncError(f"{e} (engines: {[x.url for x in engines]})") from e
-                t1 = time.monotonic()
-                result.transfer_s += t1 - t0
-                self.wait_all(engines, futs, deadline, "update_weights_from_distributed")
-                result.load_s += time.monotonic() - t1
+                result.transfer_s += time.monotonic() - t0
+                # the engine loads bucket k while bucket k+1 is broadcast (engines handle requests in order)
+                settle(self.max_in_flight - 1)
         except BaseException as e:  # noqa: BLE001 - reported to the main thread, which raises it
             if not isinstance(e, WeightSyncError | WeightGroupError):
                 e = WeightSyncError(f"weight broadcast failed: {type(e).__name__}: {e}")
@@ -281,13 +297,13 @@ class BroadcastSender(WeightSender):
 
     def _name_suspects(self, err: BaseException, engines: list[EngineTarget]) -> BaseException:
         """Add to ``err`` which engines had not answered the bucket in flight (the stalled or dead ones)."""
-        futs, num = getattr(self, "_in_flight", ([], 0))
-        self._in_flight = ([], 0)
-        silent = [e.url for e, f in zip(engines, futs) if f.cancelled() or not f.done() or f.exception() is not None]
+        pending, self._in_flight = list(getattr(self, "_in_flight", [])), collections.deque()
+        silent = sorted({e.url for futs, _ in pending for e, f in zip(engines, futs)
+                         if f.cancelled() or not f.done() or f.exception() is not None})
         if not silent:
             return err
         return WeightSyncError(f"{err}; engine(s) {silent} did not complete update_weights_from_distributed for the "
-                               f"bucket in flight ({num} tensors): stalled or dead")
+                               f"bucket(s) in flight: stalled or dead")
 
     def close(self) -> None:
         """Destroy the group (telling its engines) and stop the HTTP loop."""

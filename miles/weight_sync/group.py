@@ -44,8 +44,19 @@ def _new_group(name: str, store: dist.Store, rank: int, world_size: int, backend
     kwargs: dict = {"backend_options" if "backend_options" in params else "pg_options": None, "timeout": timeout}
     if backend == "nccl" and device is not None and "device_id" in params:
         kwargs["device_id"] = device
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), dist.PrefixStore(name, store),
-                                      group_name=name, **kwargs)
+    # When this process's default group was bound to a device (an NCCL trainer world initialised with
+    # device_id), torch would build the new group by ncclCommSplit of the default group, which the
+    # engines are not part of: hide the binding while the group is created so it rendezvous on the store.
+    default = _world.default_pg if dist.is_initialized() else None
+    bound = getattr(default, "bound_device_id", None) if default is not None else None
+    if bound is not None:
+        default.bound_device_id = None
+    try:
+        pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), dist.PrefixStore(name, store),
+                                          group_name=name, **kwargs)
+    finally:
+        if bound is not None:
+            default.bound_device_id = bound
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 

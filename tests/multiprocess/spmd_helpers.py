@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,6 +31,18 @@ class Job:
     @property
     def output(self) -> str:
         return self.stdout + self.stderr
+
+
+def find_open_mpi() -> str | None:
+    """Open MPI's mpirun (Debian's openmpi-bin), or None."""
+    exe = shutil.which("mpirun")
+    if not exe:
+        return None
+    try:
+        version = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return exe if "Open MPI" in version else None
 
 
 def job_env(**extra: str) -> dict[str, str]:

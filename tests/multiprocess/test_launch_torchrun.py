@@ -7,7 +7,7 @@ import signal
 import time
 
 import pytest
-from spmd_helpers import PYTHON, SMOKE, assert_smoke, finish, job_env, roles, run, start
+from spmd_helpers import PYTHON, REPO, SMOKE, assert_smoke, finish, job_env, roles, run, start
 
 from miles.utils.net import find_free_port
 
@@ -29,23 +29,23 @@ def test_torchrun_disaggregated_engine_killed_and_restarted(tmp_path):
     assert "role plan: disaggregated, 4 rank(s)" in job.stderr
 
 
-def test_torchrun_colocated():
-    job = run(TORCHRUN + ["--standalone", "--nproc-per-node", "4"] + SMOKE + [
-        "--colocate", "--actor-num-gpus-per-node", "4", "--rollout-num-gpus-per-engine", "2"])
+def test_torchrun_colocated_through_the_single_node_template():
+    job = run(["bash", str(REPO / "launch/torchrun_single_node.sh"), "--colocate", "--actor-num-gpus-per-node", "4",
+               "--rollout-num-gpus-per-engine", "2"], env=job_env(NPROC="4", ENTRY=" ".join(SMOKE), PYTHON=PYTHON))
     lines = assert_smoke(job, 4, "torchrun")
     assert roles(lines) == {0: {"driver", "trainer", "engine_leader"}, 1: {"trainer", "engine_worker"},
                             2: {"trainer", "engine_leader"}, 3: {"trainer", "engine_worker"}}
     assert [lines[r]["engine"] for r in range(4)] == ["0", "0", "1", "1"]
+    assert "(4 GPU slots per node)" in job.stderr  # the template passes --num-gpus-per-node NPROC
 
 
 def _two_agents(flags: list[str], timeout: float = 240):
+    """Two torchrun agents on this machine, as two nodes of 2 ranks (launch/torchrun_multi_node.sh)."""
     port = find_free_port()
-    run_id = f"miles-{port}"
+    env = job_env(NNODES="2", NPROC="2", RDZV_HOST="127.0.0.1", RDZV_PORT=str(port), RUN_ID=f"miles-{port}",
+                  ENTRY=" ".join(SMOKE), PYTHON=PYTHON)
     t0 = time.monotonic()
-    procs = [start(TORCHRUN + ["--nnodes", "2", "--node-rank", str(i), "--nproc-per-node", "2",
-                               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
-                               "--monitor-interval", "0.5"] + SMOKE + ["--num-gpus-per-node", "2"] + flags,
-                   env=job_env()) for i in range(2)]
+    procs = [start(["bash", str(REPO / "launch/torchrun_multi_node.sh"), *flags], env=env) for _ in range(2)]
     jobs = []
     try:
         for p in procs:

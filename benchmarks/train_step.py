@@ -1,0 +1,130 @@
+"""Trainer step throughput: the FSDP2 trainer on a Qwen3-0.6B-shaped model with random weights.
+
+Each measured ``train()`` call is one optimizer step over ``--samples`` x ``--seq-len`` tokens
+(GRPO policy loss, one step per rollout, so no extra forward pass; every sample packed into
+micro-batches of ``--max-tokens-per-gpu``), split over the GPUs. Reports global tokens/s of the
+step, achieved TFLOP/s per GPU by the 6·N·tokens count (notes/anchors.md), MFU against the GPU's
+bf16 peak (metrics.PEAK_BF16_TFLOPS) and peak memory, as one JSON line on rank 0.
+
+    torchrun --nproc-per-node 1 benchmarks/train_step.py            # 1 GPU, 8 x 2048 tokens
+    torchrun --nproc-per-node 2 benchmarks/train_step.py            # 2 GPUs (4 samples each)
+    python benchmarks/train_step.py --tiny                          # CPU smoke run of the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                 rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+TINY = dict(vocab_size=1000, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, tie_word_embeddings=True)
+
+
+def build_model(out: Path, tiny: bool) -> None:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(**(TINY if tiny else QWEN3_06B), torch_dtype="bfloat16")
+    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(str(out))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", default=None, help="Reuse (or create) the random model here.")
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--prompt-len", type=int, default=64, help="Prompt tokens per sample (rest is the response).")
+    p.add_argument("--max-tokens-per-gpu", type=int, default=None, help="Default: all of a rank's tokens at once.")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--recompute", action="store_true")
+    p.add_argument("--tiny", action="store_true", help="Tiny model, 4 x 128 tokens (CPU smoke run).")
+    p.add_argument("--json-out", default=None)
+    a = p.parse_args()
+    if a.tiny:
+        a.samples, a.seq_len, a.prompt_len = 4, 128, 16
+
+    from miles.config import parse_args
+    from miles.trainer.fsdp import FSDPTrainer
+    from miles.types import Sample
+    from miles.utils.net import find_free_port
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(find_free_port()))
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    cuda = torch.cuda.is_available() and not a.tiny
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(f"cuda:{local}") if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(world)))
+    mesh = torch.distributed.device_mesh.DeviceMesh.from_group(group, device_type=device.type)
+
+    model_dir = Path(a.model_dir or os.path.join(tempfile.gettempdir(), f"miles_bench_{'tiny' if a.tiny else 'qwen3_06b'}"))
+    if rank == 0 and not (model_dir / "config.json").is_file():
+        build_model(model_dir, a.tiny)
+    dist.barrier(group)
+
+    if a.samples % world:
+        raise SystemExit(f"--samples {a.samples} must divide over {world} ranks")
+    per_rank = a.samples // world
+    max_tokens = a.max_tokens_per_gpu or per_rank * a.seq_len
+    argv = ["--hf-checkpoint", str(model_dir), "--lr", "1e-6", "--num-rollout", "1000", "--rollout-batch-size", "1",
+            "--use-dynamic-batch-size", "--max-tokens-per-gpu", str(max_tokens), "--num-steps-per-rollout", "1"]
+    if a.recompute:
+        argv.append("--recompute-activations")
+    cfg = parse_args(argv)
+    trainer = FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=mesh, group=group, device=device,
+                          rollout_temperature=1.0, num_rollout=1000, global_batch_size=a.samples,
+                          num_steps_per_rollout=1, timeout=600)
+    gen = torch.Generator().manual_seed(1234 + rank)
+    vocab = trainer.vocab_size
+    samples = []
+    for i in range(per_rank):
+        tokens = torch.randint(0, vocab, (a.seq_len,), generator=gen).tolist()
+        samples.append(Sample(group_index=rank * per_rank + i // 4, index=i, tokens=tokens,
+                              response_length=a.seq_len - a.prompt_len, reward=float(i % 2)))
+    runs = []
+    for it in range(a.warmup + a.steps):
+        m = trainer.train(samples, it)
+        if it >= a.warmup:
+            runs.append(m)
+    tps = statistics.mean(m["tokens_per_s"] for m in runs)
+    step = statistics.mean(m["step_time"] for m in runs)
+    result = {
+        "model": "tiny" if a.tiny else "qwen3-0.6b-shaped", "params": trainer.num_params, "gpus": world,
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
+        "attention": trainer.model.lm.config._attn_implementation, "tokens_per_step": a.samples * a.seq_len,
+        "step_time_s": round(step, 4), "tokens_per_s": round(tps, 1),
+        "tflops_per_gpu_6N": round(6 * trainer.num_params * tps / world / 1e12, 1),
+        "mfu": round(statistics.mean(m.get("mfu", 0.0) for m in runs), 4),
+        "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 1) if cuda else None,
+        "recompute": a.recompute, "loss_last": runs[-1]["loss"],
+    }
+    if rank == 0:
+        print(json.dumps(result), flush=True)
+        if a.json_out:
+            Path(a.json_out).write_text(json.dumps(result))
+    dist.barrier(group)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""The asynchronous RL loop (``train_async.py``): generation of rollout k+1 overlaps training on rollout k.
+
+As in Miles's ``train_async.py``: rollout k+1 is generated (on the event loop) while the trainer ranks
+train on rollout k (in a worker thread on the driver). Every ``--update-weights-interval`` rollouts the
+loop first waits for the generation in flight, so weights never change in the middle of a rollout,
+then syncs; that prefetched rollout is trained on next. Samples are therefore up to
+``--update-weights-interval`` weight versions old. Each sample carries the ``weight_version`` the
+engine generated it with; with ``--max-weight-staleness N`` groups older than N versions (relative to
+the trainer's current version) are dropped (``rollout/stale_dropped_groups``). Off-policy correction
+is the trainer's: ``--use-tis`` (truncated importance sampling against the engine's log-probs) or
+``--use-rollout-logprobs``. ``--colocate`` is refused (engines and trainer would need the same GPUs at
+the same time); see ``miles.config.validate``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from miles.run.loop import RLLoop
+from miles.types import Sample
+from miles.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+
+class AsyncRLLoop(RLLoop):
+    def __init__(self, job: Any) -> None:
+        super().__init__(job)
+        self.interval = max(1, self.cfg.weights.update_weights_interval)
+        self.max_staleness = self.cfg.weights.max_weight_staleness
+        self._data_state: dict[str, Any] | None = None
+        a = self.cfg.algo
+        if self.policy and self.interval > 1 and not (a.use_tis or a.use_rollout_logprobs):
+            logger.info("--update-weights-interval %d trains on samples up to %d versions old; consider --use-tis "
+                        "(truncated importance sampling against the engine's log-probs)", self.interval, self.interval)
+
+    async def run(self) -> None:
+        start, end = self.plan.start_rollout_id, self.plan.num_rollout
+        if start >= end:
+            logger.info("nothing to do: the checkpoint is at rollout %d of %d", start - 1, end)
+            return
+        await self.sync_weights()
+        self.timer.pop()
+        if start == 0 and not self.cfg.eval.skip_eval_before_train and self.job.eval_datasets:
+            self.job.sink.log_eval(start, await self.evaluate(start))
+        pending = asyncio.ensure_future(self.generate_overlapped(start))
+        for rollout_id in range(start, end):
+            t_step = time.monotonic()
+            t_wait = time.monotonic()
+            groups, metrics = await pending
+            metrics["perf/wait_rollout_time"] = time.monotonic() - t_wait
+            self._data_state = self.job.data_source.state_dict() if self.job.data_source is not None else None
+            if rollout_id + 1 < end:
+                pending = asyncio.ensure_future(self.generate_overlapped(rollout_id + 1))
+            groups, score_metrics = self.score_async(groups)
+            metrics.update(score_metrics)
+            metrics.update(await asyncio.to_thread(self.train_step, rollout_id, groups))
+            self.maybe_save(rollout_id)
+            if (rollout_id + 1) % self.interval == 0 or rollout_id + 1 == end:
+                if rollout_id + 1 < end:
+                    await asyncio.wait([pending])  # no weight change in the middle of a rollout
+                metrics.update(await self.sync_weights())
+            metrics.update(await self.maybe_eval(rollout_id))
+            metrics.update({k: v for k, v in self.timer.pop().items() if k not in metrics})
+            metrics["perf/step_time"] = time.monotonic() - t_step
+            self.job.sink.log(rollout_id, metrics)
+
+    async def generate_overlapped(self, rollout_id: int) -> tuple[list[list[Sample]], dict[str, float]]:
+        """One rollout, timed on its own (phases overlap, so the shared timer would double count)."""
+        t0 = time.monotonic()
+        groups, metrics = await self.generate(rollout_id, keepalive=False)
+        self.timer.times.pop("perf/rollout_time", None)
+        metrics["perf/rollout_time"] = time.monotonic() - t0
+        return groups, metrics
+
+    def score_async(self, groups: list[list[Sample]]) -> tuple[list[list[Sample]], dict[str, float]]:
+        groups, metrics = self.score(groups)
+        sender = self.job.worker.sender
+        current = sender.weight_version if sender is not None else None
+        versions = [s.weight_version for g in groups for s in g if s.weight_version is not None]
+        if current is not None and versions:
+            metrics["rollout/weight_staleness_max"] = float(current - min(versions))
+            metrics["rollout/weight_staleness_mean"] = float(current - sum(versions) / len(versions))
+        if self.max_staleness is not None and current is not None:
+            fresh = [g for g in groups if all(s.weight_version is None or current - s.weight_version <= self.max_staleness
+                                              for s in g)]
+            metrics["rollout/stale_dropped_groups"] = float(len(groups) - len(fresh))
+            groups = fresh
+        return groups, metrics
+
+    def checkpoint_extra(self, rollout_id: int) -> dict[str, Any]:
+        extra = super().checkpoint_extra(rollout_id)
+        extra["data_source"] = self._data_state  # the position after rollout k, before k+1 drew its prompts
+        return extra

@@ -1,0 +1,116 @@
+"""Fault injection for the fault-tolerance end-to-end tests and the soak benchmark (test code, not miles).
+
+``--custom-generate-function-path tests.e2e.ft_plugins.long_generate`` loads this module into the driver.
+It generates as the default function does, with ``ignore_eos`` (every sample takes
+``--rollout-max-response-len`` decode steps, so faults land while requests are in flight), and:
+
+- ``MILES_FT_RECORD=FILE``: appends one JSON line per finished sample (pid, rollout id, group, index,
+  prompt, status) and one per injected fault (wall time, engine, where), so a test can check that no
+  sample was lost or repeated and measure recovery per fault.
+- ``MILES_FT_FAULTS='[...]'``: faults to inject, each ``{"signal": "KILL"|"STOP", "engine": E, ...}`` plus
+  either ``"rollout": R, "after_samples": N`` (once N samples of rollout R finished: the other requests
+  of the rollout are in flight) or ``"sync_version": V, "after_buckets": B`` (inside the weight sync to
+  version V, after B buckets were gathered: the sync is under way). The engine process is found by the
+  port of its URL among this machine's ``python -m miles.engine`` processes (this run's, by port).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+from miles.rollout.generate import generate
+
+_FAULTS: list[dict] = json.loads(os.environ.get("MILES_FT_FAULTS", "[]"))
+_done: set[int] = set()
+_finished: dict[int, int] = {}
+
+
+def _record(entry: dict) -> None:
+    path = os.environ.get("MILES_FT_RECORD")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), **entry}) + "\n")
+
+
+def engine_pid(url: str) -> int | None:
+    """The pid of the embedded engine serving ``url`` on this machine (matched by its --port)."""
+    port = str(urlparse(url).port)
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        args = [a.decode(errors="replace") for a in argv]
+        if "miles.engine" in args and "--port" in args and args[args.index("--port") + 1] == port:
+            return int(proc.name)
+    return None
+
+
+def _inject(i: int, fault: dict, url: str, where: str, retries: int | None = None) -> None:
+    _done.add(i)
+    pid = engine_pid(url)
+    if pid is None:
+        _record({"fault": fault, "url": url, "where": where, "error": "engine process not found"})
+        return
+    os.kill(pid, getattr(signal, "SIG" + fault.get("signal", "KILL")))
+    _record({"fault": fault, "url": url, "engine_pid": pid, "where": where, "t": time.time(), "retries": retries})
+
+
+def _engine_urls(client) -> list[str]:
+    for obj in (client, getattr(client, "inner", None), getattr(getattr(client, "inner", None), "inner", None)):
+        urls = getattr(obj, "engine_urls", None)
+        if urls:
+            return list(urls)
+    raise RuntimeError("ft_plugins: the rollout client does not list its engine URLs")
+
+
+def _retries(client) -> int | None:
+    for obj in (client, getattr(client, "inner", None), getattr(getattr(client, "inner", None), "inner", None)):
+        stats = getattr(obj, "stats", None)
+        if isinstance(stats, dict):
+            return int(stats.get("retries", 0))
+    return None
+
+
+async def long_generate(args, sample, sampling_params):
+    out = await generate(args.client, sample, {**sampling_params, "ignore_eos": True})
+    prompt = sample.prompt if isinstance(sample.prompt, str) else json.dumps(sample.prompt)
+    _record({"rollout_id": sample.rollout_id, "group": sample.group_index, "index": sample.index, "prompt": prompt,
+             "status": str(out.status.value), "response_length": out.response_length})
+    n = _finished[sample.rollout_id] = _finished.get(sample.rollout_id, 0) + 1
+    for i, f in enumerate(_FAULTS):
+        if i not in _done and f.get("rollout") == sample.rollout_id and n >= f.get("after_samples", 1):
+            _inject(i, f, _engine_urls(args.client)[f["engine"]], f"rollout {sample.rollout_id}",
+                    _retries(args.client))
+    return out
+
+
+def _install_sync_hook() -> None:
+    """Wrap the weight sender's bucket iterator: inject the sync faults mid-transfer (driver = source rank)."""
+    if not any("sync_version" in f for f in _FAULTS):
+        return
+    from miles.weight_sync.base import WeightSender
+
+    original = WeightSender.iter_buckets
+
+    def iter_buckets(self):
+        version = self.weight_version + 1
+        for k, bucket in enumerate(original(self)):
+            for i, f in enumerate(_FAULTS):
+                if i not in _done and f.get("sync_version") == version and k >= f.get("after_buckets", 1):
+                    target = next((e for e in self.engines if e.engine_id == f["engine"]), None)
+                    if target is not None and self.is_source:
+                        _inject(i, f, target.url, f"weight sync v{version} bucket {k}")
+            yield bucket
+
+    WeightSender.iter_buckets = iter_buckets
+
+
+_install_sync_hook()

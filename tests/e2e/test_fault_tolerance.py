@@ -1,0 +1,160 @@
+"""Fault injection into real ``train.py`` runs (torchrun, gloo, FSDP2, embedded engines, sglang-router, torchft).
+
+1. Engines (``--use-fault-tolerance``, 1 trainer + 2 engines): SIGSTOP of an engine mid-rollout (a hang the
+   health probes must catch), SIGKILL of an engine during a weight sync, SIGKILL of an engine mid-rollout.
+   The run completes every rollout with every group full (each sample exactly once, at full length),
+   each engine leaves the router within seconds and comes back with verified weights
+   (``--check-weight-update-equal`` compares every engine with the trainer, bitwise, after every sync).
+2. Trainer (``torchrun --max-restarts 1``, 2 trainer ranks + 1 engine): trainer rank 1 is SIGKILLed during
+   rollout 2 while half-written checkpoint directories lie next to the last complete one. The job fails
+   fast, torchrun relaunches it, and the relaunch resumes from step 1 with the same rollout ids and the
+   same prompts in the same order as an uninterrupted run would use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import time
+from pathlib import Path
+
+import ft_harness as H
+import pytest
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+pytest.importorskip("sglang_router")
+
+
+@pytest.fixture(scope="module")
+def quickstart(tmp_path_factory) -> Path:
+    return H.build_quickstart(tmp_path_factory.mktemp("ft_quickstart"))
+
+
+def _fault_time(faults: list[dict], where: str) -> float:
+    hit = [f for f in faults if f["where"].startswith(where)]
+    assert len(hit) == 1 and "error" not in hit[0], f"fault '{where}' not injected as planned: {faults}"
+    return hit[0]["t"]
+
+
+def test_engine_faults_run_completes_every_rollout_with_full_groups(quickstart, tmp_path):
+    num_rollout, batch, n, length = 6, 4, 8, 96
+    faults = [
+        {"signal": "STOP", "engine": 0, "rollout": 1, "after_samples": 6},     # a hang, mid-rollout
+        {"signal": "KILL", "engine": 1, "sync_version": 4, "after_buckets": 1},  # during the sync after rollout 2
+        {"signal": "KILL", "engine": 0, "rollout": 4, "after_samples": 6},     # mid-rollout (twice for engine 0)
+    ]
+    flags = [*H.layout_flags(1, 2), *H.quickstart_flags(quickstart, num_rollout=num_rollout, batch=batch, n=n,
+                                                          response_len=length),
+             *H.ft_flags(interval=1.0, timeout=3.0), "--check-weight-update-equal",
+             "--update-weight-buffer-size", "16384", "--output-dir", str(tmp_path / "run")]
+    job = H.launch(flags, nproc=3, workdir=tmp_path, faults=faults)
+    rc = job.wait(timeout=420)
+    log = job.log.read_text(errors="replace")
+    assert rc == 0, H.tail(job.log)
+
+    samples, injected = H.records(job)
+    # every rollout: every group full, every sample exactly once, at full length
+    census = H.sample_census(samples)
+    expected = {(r, g, i) for r in range(num_rollout) for g in range(batch) for i in range(g * n, (g + 1) * n)}
+    assert set(census) == expected, f"missing {sorted(expected - set(census))[:5]}, extra {sorted(set(census) - expected)[:5]}"
+    assert max(census.values()) == 1, [k for k, v in census.items() if v > 1][:5]
+    assert all(s["status"] == "truncated" and s["response_length"] == length for s in samples)
+    rows = H.metrics(tmp_path)
+    assert [m["rollout_id"] for m in rows] == list(range(num_rollout))
+    assert all(m["rollout/num_groups"] == batch and m["rollout/generate_failures"] == 0 for m in rows), rows
+
+    # each fault: out of the router within seconds, back in rotation with verified weights
+    events = H.ft_events(tmp_path)
+    assert len(events) == 3 and all(e["admitted"] is not None and not e["given_up"] for e in events), events
+    t_stop, t_sync, t_kill = (_fault_time(injected, w) for w in ("rollout 1", "weight sync v4", "rollout 4"))
+    hang, in_sync, killed = (min((e for e in events if e["down_seen"] >= t - 1), key=lambda e: e["down_seen"])
+                             for t in (t_stop, t_sync, t_kill))
+    assert hang["engine_id"] == 0 and hang["removed"] - t_stop < 1 + 3 + 0.5 + 2 + 2 + 4  # interval+timeout+hb+slack
+    assert in_sync["engine_id"] == 1 and "weight sync" in in_sync["reason"] and in_sync["removed"] - t_sync < 5
+    assert killed["engine_id"] == 0 and killed["removed"] - t_kill < 0.5 + 2 + 2 + 4
+    assert all(e["catch_up_version"] is not None for e in events)  # weights pushed before routing to it
+    assert "weights v" in log and "verified" in log
+    assert "health probe failed while the process is alive" in (tmp_path / "run" / "logs" / "rank1.log").read_text() \
+        + (tmp_path / "run" / "logs" / "rank2.log").read_text() + log
+    last = rows[-1]
+    assert last["ft/engine_failures"] == 3 and last["ft/engine_restarts"] == 3 and last["ft/engines_in_rotation"] == 2
+    assert last["ft/recovery_time_max_s"] > 0
+
+
+def _expected_prompts(data: Path, num_rollout: int, batch: int) -> list[list[str]]:
+    """The prompts an uninterrupted run draws, rollout by rollout (the data plane's own order)."""
+    from transformers import AutoTokenizer
+
+    from miles.config import data as data_flags
+    from miles.config.base import section_from_namespace
+    from miles.config.data import DataConfig
+    from miles.rollout.data import DataSource, PromptDataset
+
+    p = argparse.ArgumentParser()
+    data_flags.add_arguments(p)
+    cfg = section_from_namespace(DataConfig, p.parse_known_args(["--input-key", "input", "--label-key", "label"])[0])
+    tok = AutoTokenizer.from_pretrained(str(data / "model"))
+    source = DataSource(PromptDataset(str(data / "train.jsonl"), tok, cfg, seed=42), shuffle=True, seed=42)
+    return [[it.prompt for it in source.next_batch(batch)] for _ in range(num_rollout)]
+
+
+def test_trainer_rank_killed_relaunch_resumes_from_last_complete_checkpoint(quickstart, tmp_path):
+    num_rollout, batch, n = 4, 2, 4
+    save = tmp_path / "ckpt"
+    flags = [*H.layout_flags(2, 1), *H.quickstart_flags(quickstart, num_rollout=num_rollout, batch=batch, n=n,
+                                                          response_len=8),
+             "--save", str(save), "--save-interval", "1", "--output-dir", str(tmp_path / "run")]
+    job = H.launch(flags, nproc=3, workdir=tmp_path, max_restarts=1)
+    first_pid = t_kill = driver = None
+    deadline = time.monotonic() + 300
+    while t_kill is None:  # SIGKILL trainer rank 1 once rollout 2 is being generated (step 1 is complete)
+        assert job.proc.poll() is None and time.monotonic() < deadline, H.tail(job.log)
+        samples, _ = H.records(job)
+        if any(s["rollout_id"] == 2 for s in samples):
+            first_pid = samples[0]["pid"]
+            victim = H.rank_pid(job, 1)
+            assert victim is not None and (save / "step_00000001" / "COMPLETE").exists()
+            # what a crash in the middle of saving step 2 leaves behind: both must be ignored
+            (save / ".tmp.step_00000002").mkdir()
+            (save / ".tmp.step_00000002" / "model.rank0.pt").write_bytes(b"partial")
+            (save / "step_00000002").mkdir()
+            (save / "step_00000002" / "model.rank0.pt").write_bytes(b"partial, no COMPLETE")
+            driver = H.rank_pid(job, 0)
+            t_kill = time.monotonic()
+            H.os.kill(victim, signal.SIGKILL)
+        time.sleep(0.05)
+    while H.rank_pid(job, 0) in (driver, None):  # torchrun ends the attempt and starts the next one
+        assert job.proc.poll() is None and time.monotonic() - t_kill < 120, H.tail(job.log)
+        time.sleep(0.1)
+    relaunch_s = time.monotonic() - t_kill
+    assert relaunch_s < 60, f"the job took {relaunch_s:.0f}s to give up on a dead trainer rank"
+    rc = job.wait(timeout=420)
+    log = job.log.read_text(errors="replace")
+    assert rc == 0, H.tail(job.log)
+
+    # the first attempt ended fast, naming the dead rank, and torchrun relaunched the job
+    assert "exitcode  : -9" in log and "rank      : 1" in log, H.tail(job.log, 120)
+    samples, _ = H.records(job)
+    second = [s for s in samples if s["pid"] != first_pid]
+    assert second, "no sample from the relaunched job"
+    assert "resuming at rollout 2 (checkpoint of rollout 1)" in log, H.tail(job.log, 120)
+
+    # same rollout ids, same data order: the relaunch redoes rollout 2 with the prompts the killed attempt
+    # was using, and every rollout used exactly the prompts an uninterrupted run draws
+    expected = _expected_prompts(quickstart, num_rollout, batch)
+    by_attempt: dict[tuple[int, int], list[str]] = {}
+    for s in samples:
+        prompts = by_attempt.setdefault((s["pid"] == first_pid, s["rollout_id"]), [None] * batch)
+        prompts[s["group"]] = s["prompt"]
+    assert sorted(r for first, r in by_attempt if not first) == [2, 3]
+    for (first, r), prompts in by_attempt.items():
+        if first and r == 2:
+            assert [p for p in prompts if p is not None] == [p for p, q in zip(expected[2], prompts) if q is not None]
+        else:
+            assert prompts == expected[r], (first, r, prompts, expected[r])
+    assert H.sample_census(second) == H.sample_census(
+        [{"rollout_id": r, "group": g, "index": i} for r in (2, 3) for g in range(batch) for i in range(g * n, (g + 1) * n)])
+    # the partial step was discarded: every rollout's metrics once, and the run ends with complete checkpoints
+    assert [m["rollout_id"] for m in H.metrics(tmp_path)] == list(range(num_rollout))
+    assert (save / "step_00000003" / "COMPLETE").exists() and not (save / ".tmp.step_00000002").exists()

@@ -1,0 +1,97 @@
+"""The quickstart end to end on CPU: the SFT warm start, then GRPO under torchrun (disaggregated: 2 FSDP2
+trainer ranks + 2 embedded engines; colocated: 2 ranks), under mpirun, and with train_async.py. Each
+short run checks that it completes and what it leaves (metrics.jsonl keys, config, per-rank logs, plot).
+``test_learning`` runs the full quickstart and asserts its learning criterion: mean reward over the last
+3 rollouts at least 0.3 above the first 3, and at least 0.8, within 10 minutes of wall time.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from _miles_e2e import QUICKSTART, REPO, check_ok, check_run_dir, run
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def quickstart(tmp_path_factory) -> Path:
+    """prepare.sh + run_sft.sh: the data, the tiny model and its SFT warm start (our SFT path, 2 ranks)."""
+    d = tmp_path_factory.mktemp("quickstart")
+    log = d / "sft.log"
+    check_ok(run(["bash", str(QUICKSTART / "run_sft.sh")], log, timeout=600, QUICKSTART_DIR=str(d)), log)
+    assert (d / "sft_model" / "config.json").is_file() and (d / "sft_model" / "model.safetensors").is_file()
+    check_run_dir(d / "sft_run", num_rollout=30, num_ranks=2)
+    return d
+
+
+def test_torchrun_disaggregated(quickstart: Path, tmp_path: Path):
+    out, log = tmp_path / "run", tmp_path / "run.log"
+    check_ok(run(["bash", str(QUICKSTART / "run_grpo.sh"), "--num-rollout", "3", "--output-dir", str(out)], log,
+                 timeout=600, QUICKSTART_DIR=str(quickstart)), log)
+    recs = check_run_dir(out, num_rollout=3, num_ranks=4)
+    assert all(r["rollout/num_samples"] == 128 for r in recs)
+    assert all(r["perf/update_weights_time"] > 0 for r in recs)
+    assert (out / "engine0.log").is_file() and (out / "engine1.log").is_file() and (out / "router.log").is_file()
+    assert "eval/quickstart" in recs[-1]  # evaluation after the last rollout
+    text = log.read_text()
+    assert "rollout 2/3 | reward" in text and "weight sync v4 (broadcast)" in text
+
+
+def test_torchrun_colocated(quickstart: Path, tmp_path: Path):
+    out, log = tmp_path / "run", tmp_path / "run.log"
+    check_ok(run(["bash", str(QUICKSTART / "run_grpo_colocated.sh"), "--num-rollout", "2", "--output-dir", str(out)],
+                 log, timeout=600, QUICKSTART_DIR=str(quickstart)), log)
+    check_run_dir(out, num_rollout=2, num_ranks=2)
+    assert "(tensor) to 2 engine(s)" in log.read_text()
+
+
+@pytest.mark.mpi
+def test_mpirun(quickstart: Path, tmp_path: Path):
+    if shutil.which("mpirun") is None:
+        pytest.skip("mpirun is not installed")
+    out, log = tmp_path / "run", tmp_path / "run.log"
+    check_ok(run(["bash", str(QUICKSTART / "run_grpo_mpirun.sh"), "--num-rollout", "2", "--output-dir", str(out)],
+                 log, timeout=600, QUICKSTART_DIR=str(quickstart)), log)
+    check_run_dir(out, num_rollout=2, num_ranks=4)
+    assert "launcher openmpi" in log.read_text()
+
+
+def test_train_async(quickstart: Path, tmp_path: Path):
+    out, log = tmp_path / "run", tmp_path / "run.log"
+    flags = (QUICKSTART / "flags.sh")
+    cmd = ["bash", "-c", f'torchrun --standalone --nproc-per-node 4 train_async.py --actor-num-nodes 1 '
+           f'--actor-num-gpus-per-node 2 --rollout-num-gpus 2 --rollout-num-gpus-per-engine 1 --num-gpus-per-node 4 '
+           f'$(bash {flags} {quickstart}) --num-rollout 3 --use-tis --max-weight-staleness 1 --output-dir {out}']
+    check_ok(run(cmd, log, timeout=600), log)
+    recs = check_run_dir(out, num_rollout=3, num_ranks=4)
+    # rollout k+1 was generated while k trained, with the weights from before k's update
+    assert [r["rollout/weight_staleness_max"] for r in recs] == [0.0, 1.0, 1.0]
+    assert all(r["rollout/stale_dropped_groups"] == 0 for r in recs)
+    assert all("perf/wait_rollout_time" in r for r in recs)
+
+
+def test_train_async_refuses_colocate(tmp_path: Path):
+    log = tmp_path / "run.log"
+    result = run(["python", str(REPO / "train_async.py"), "--colocate", "--num-rollout", "1", "--rollout-batch-size", "1"],
+                 log, timeout=120)
+    assert result.returncode != 0
+    assert "does not support --colocate" in log.read_text()
+
+
+def test_learning(quickstart: Path, tmp_path: Path):
+    """The quickstart's GRPO phase learns: last-3 mean >= first-3 mean + 0.3 and >= 0.8, in < 10 minutes."""
+    out, log = tmp_path / "run", tmp_path / "run.log"
+    t0 = time.monotonic()
+    check_ok(run(["bash", str(QUICKSTART / "run_grpo.sh"), "--output-dir", str(out)], log, timeout=600,
+                 QUICKSTART_DIR=str(quickstart)), log)
+    wall = time.monotonic() - t0
+    recs = check_run_dir(out, num_rollout=30, num_ranks=4)
+    rewards = [r["rollout/raw_reward"] for r in recs]
+    first3, last3 = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert last3 >= first3 + 0.3 and last3 >= 0.8, f"first3 {first3:.3f} last3 {last3:.3f}: {rewards}"
+    assert wall < 600, f"GRPO phase took {wall:.0f}s"
+    assert recs[-1]["eval/quickstart"] >= 0.8

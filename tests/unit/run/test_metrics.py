@@ -1,0 +1,120 @@
+"""The metrics sink: metrics.jsonl records, TensorBoard events, W&B offline, the summary line, the null sink."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from miles.config import parse_args
+from miles.run.metrics import (
+    REQUIRED_KEYS,
+    MetricsSink,
+    NullSink,
+    build_sink,
+    default_output_dir,
+    read_metrics,
+    summary_line,
+)
+
+
+def _output(*extra: str):
+    return parse_args(["--num-rollout", "2", "--rollout-batch-size", "1", *extra]).output
+
+
+def _record(i: int) -> dict:
+    return {"rollout/raw_reward": 0.1 * i, "rollout/response_len": 2.0, "perf/rollout_time": 1.0, "perf/train_time": 0.5,
+            "perf/update_weights_time": 0.1, "perf/step_time": 1.7, "train/kl_loss": 0.01}
+
+
+def test_jsonl_tensorboard_and_plot(tmp_path: Path, caplog):
+    sink = MetricsSink(_output(), tmp_path, num_rollout=3)
+    with caplog.at_level("INFO", logger="miles"):
+        for i in range(3):
+            sink.log(i, {**_record(i), "eval/quickstart": float("nan"), "not_a_number": "x"})
+    sink.close()
+    sink.close()  # idempotent
+    recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout_id"] for r in recs] == [0, 1, 2]
+    for r in recs:
+        assert set(REQUIRED_KEYS) <= set(r)
+        assert r["eval/quickstart"] is None  # NaN is not JSON: null
+        assert "not_a_number" not in r
+    assert recs[2]["rollout/raw_reward"] == pytest.approx(0.2)
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    png = tmp_path / "metrics.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rollout ")]
+    assert lines[1].startswith("rollout 1/3 | reward 0.100 | resp_len 2.0 | kl 0.0100")
+
+
+def test_tensorboard_scalars_readable(tmp_path: Path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sink = MetricsSink(_output(), tmp_path)
+    for i in range(2):
+        sink.log(i, _record(i))
+    sink.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("rollout/raw_reward")] == pytest.approx([0.0, 0.1])
+
+
+def test_no_tensorboard_flag(tmp_path: Path):
+    sink = MetricsSink(_output("--no-tensorboard"), tmp_path)
+    sink.log(0, _record(0))
+    sink.close()
+    assert not (tmp_path / "tensorboard").exists()
+
+
+def test_resume_appends(tmp_path: Path):
+    sink = MetricsSink(_output(), tmp_path)
+    sink.log(0, _record(0))
+    sink.close()
+    again = MetricsSink(_output(), tmp_path, resume=True)
+    again.log(1, _record(1))
+    again.close()
+    assert [r["rollout_id"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0.0, 1.0]
+
+
+def test_read_metrics_skips_torn_last_line(tmp_path: Path):
+    p = tmp_path / "metrics.jsonl"
+    p.write_text('{"rollout_id": 0, "rollout/raw_reward": null}\n{"rollout_id": 1, "rollo')
+    recs = read_metrics(p)
+    assert len(recs) == 1 and math.isnan(recs[0]["rollout/raw_reward"])
+    p.write_text('{"rollout_id": 0}\nnot json\n{"rollout_id": 2}\n')
+    with pytest.raises(ValueError, match="metrics.jsonl:2"):
+        read_metrics(p)
+
+
+def test_wandb_offline(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    sink = MetricsSink(_output("--use-wandb", "--wandb-project", "miles-test"), tmp_path, config={"a": 1})
+    sink.log(0, _record(0))
+    sink.close()
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert runs, list(tmp_path.rglob("*"))[:20]
+
+
+def test_null_sink_and_build(tmp_path: Path):
+    assert isinstance(build_sink(_output(), tmp_path, enabled=False), NullSink)
+    NullSink().log(0, {"x": 1.0})
+    NullSink().close()
+    assert not (tmp_path / "metrics.jsonl").exists()
+    assert isinstance(build_sink(_output(), tmp_path, enabled=True), MetricsSink)
+
+
+def test_default_output_dir():
+    import time
+
+    now = time.mktime((2026, 1, 2, 3, 4, 5, 0, 0, -1))
+    assert default_output_dir(_output("--run-name", "demo"), now=now) == Path("outputs/demo-20260102-030405")
+    assert default_output_dir(_output("--output-dir", "/x/y")) == Path("/x/y")
+
+
+def test_summary_line_missing_values():
+    line = summary_line(4, {"rollout/raw_reward": float("nan")})
+    assert line.startswith("rollout 4 | reward - | resp_len - | kl -")
