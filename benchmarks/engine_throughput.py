@@ -83,7 +83,7 @@ def sync(device: str) -> None:
 
 
 def bench_engine_core(model_dir: Path, device: str, dtype: str, ids: list[list[int]], new: int, cuda_graph: bool,
-                      repeat: int = 1) -> float:
+                      repeat: int = 1, profile: bool = False) -> float:
     from miles.engine.engine import Engine, EngineArgs
     from miles.engine.protocol import GenerateReqInput
 
@@ -109,7 +109,42 @@ def bench_engine_core(model_dir: Path, device: str, dtype: str, ids: list[list[i
         dt = asyncio.run(main())
     finally:
         eng.stop()
+    if profile:
+        profile_decode(eng, len(ids), dt / new)
     return len(ids) * new / dt
+
+
+def profile_decode(eng, batch: int, step_s: float) -> None:
+    """Where a decode step's time goes: the forward (graph replay) per context bucket, then sampling."""
+    from miles.engine.sampling import RowParams, SamplingBatch, sample
+
+    r = eng.runner
+    dev = r.device
+    toks = torch.zeros(batch, dtype=torch.long, device=dev)
+    out = {"end_to_end_ms_per_step": round(step_s * 1e3, 3)}
+    logits = None
+    for L in getattr(r.impl, "ctx_buckets", [r.max_ctx]):
+        pos = torch.full((batch,), min(L, r.max_ctx) - 1, dtype=torch.long, device=dev)
+        for _ in range(3):
+            logits = r.decode(toks, pos, min(L, r.max_ctx))
+        sync(str(dev))
+        t0 = time.perf_counter()
+        for _ in range(20):
+            logits = r.decode(toks, pos, min(L, r.max_ctx))
+        sync(str(dev))
+        out[f"forward_ms_ctx{L}"] = round((time.perf_counter() - t0) / 20 * 1e3, 3)
+    sb = SamplingBatch([RowParams(1.0, 1.0, 1, 0.0, i) for i in range(batch)], logits.shape[-1], dev)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        sample(logits, sb, None).tokens.tolist()
+    out["greedy_sample_ms"] = round((time.perf_counter() - t0) / 20 * 1e3, 3)
+    sb = SamplingBatch([RowParams(1.0, 0.9, 50, 0.0, i) for i in range(batch)], logits.shape[-1], dev)
+    steps = torch.zeros(batch, dtype=torch.long, device=dev)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        sample(logits, sb, steps, want_logprobs=True).tokens.tolist()
+    out["topk_topp_sample_with_logprobs_ms"] = round((time.perf_counter() - t0) / 20 * 1e3, 3)
+    print(json.dumps({"profile": out}), flush=True)
 
 
 def bench_engine_http(model_dir: Path, device: str, dtype: str, ids: list[list[int]], new: int, repeat: int = 1) -> float:
@@ -146,6 +181,7 @@ def main() -> None:
     ap.add_argument("--http", action="store_true", help="Also measure through the HTTP server.")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--disable-cuda-graph", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="Also break one decode step down (forward per context bucket, sampling).")
     ap.add_argument("--repeat", type=int, default=1, help="Timed runs per side; the best counts (shared machines are noisy).")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
@@ -160,7 +196,7 @@ def main() -> None:
                "machine": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or platform.machine(),
                "threads": torch.get_num_threads()}
         res["engine_tokens_per_s"] = round(bench_engine_core(model_dir, args.device, args.dtype, ids, args.new_tokens,
-                                                             not args.disable_cuda_graph, args.repeat), 1)
+                                                             not args.disable_cuda_graph, args.repeat, args.profile), 1)
         print(json.dumps(res), flush=True)
         if args.http:
             res["engine_http_tokens_per_s"] = round(bench_engine_http(model_dir, args.device, args.dtype, ids, args.new_tokens,

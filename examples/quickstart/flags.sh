@@ -5,6 +5,10 @@
 # DIR/sft_model, the SFT warm start of run_sft.sh). Hyper-parameters come from prototype_grpo.py (README).
 DIR="${1:-${QUICKSTART_DIR:-outputs/quickstart}}"
 MODEL="${2:-${QUICKSTART_MODEL:-$DIR/sft_model}}"
+if [ -z "${2:-}${QUICKSTART_MODEL:-}" ] && [ ! -f "$MODEL/config.json" ]; then
+  echo "flags.sh: no SFT warm start in $MODEL (run run_sft.sh); starting GRPO from $DIR/model" >&2
+  MODEL="$DIR/model"
+fi
 echo --hf-checkpoint "$MODEL" \
   --prompt-data "$DIR/train.jsonl" --input-key input --label-key label --rollout-shuffle \
   --rm-type quickstart \

@@ -337,6 +337,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             if not torch.cuda.is_available():
                 raise ValueError(f"--device {opts.device}: CUDA is not available in this process; use --device cpu")
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         config = AutoConfig.from_pretrained(self.model_path)
         self.dtype = resolve_dtype(opts.dtype, self.device, config)

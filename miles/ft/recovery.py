@@ -515,6 +515,12 @@ def _reconnected_targets(sender: Any, controller: EngineRecoveryController, to_t
         targets = [to_target(eid, url) for eid, url in controller.sync_targets()]
         if not targets:
             logger.warning("weight sync with no engine in rotation: the trainer's weights reach engines when they return")
+            if sender.engines:  # forget the dead ones (a group cannot be formed without engines: that error is moot)
+                try:
+                    sender.reconnect([])
+                except retry_on:
+                    pass
+                sender.engines = []
             return targets
         if [t.url for t in targets] == [t.url for t in sender.engines]:
             return targets

@@ -183,7 +183,10 @@ async def build_run(cfg: MilesConfig, ctx: SPMDContext) -> Run:
             trainer = worker.trainer = _build_trainer(cfg, ctx, plan)
             if progress.enabled:
                 trainer.optimizer.register_step_post_hook(lambda *_: progress.step())
-            extra = trainer.resume()
+            try:
+                extra = trainer.resume()
+            except ValueError as e:  # a user mistake (--load): one line, not a traceback
+                raise MilesError(str(e)) from e
         if ctx.is_driver:
             await _driver_setup(run, local, extra, channel, placement)
         if ctx.is_trainer and placement is not None:

@@ -355,8 +355,14 @@ def init_distributed(world: World, cluster: ClusterConfig) -> None:
     # No device_id: NCCL communicators are created lazily, so engine ranks (whose GPU belongs to the
     # engine process) never allocate one for the world group, which carries no traffic.
     try:
-        dist.init_process_group(backend=backend, init_method=f"tcp://{world.master_addr}:{world.master_port}",
-                                rank=world.rank, world_size=world.world_size, timeout=timeout)
+        init: dict = {"init_method": f"tcp://{world.master_addr}:{world.master_port}"}
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if attempt is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun --max-restarts keeps its store across attempts: without a prefix per attempt, a relaunched
+            # rank reads the dead attempt's gloo addresses and the rendezvous fails (miles.ft relaunch tests).
+            store = dist.TCPStore(world.master_addr, world.master_port, world.world_size, is_master=False, timeout=timeout)
+            init = {"store": dist.PrefixStore(f"miles/attempt_{attempt}", store)}
+        dist.init_process_group(backend=backend, rank=world.rank, world_size=world.world_size, timeout=timeout, **init)
     except (RuntimeError, ValueError) as e:  # DistStoreError / DistNetworkError are RuntimeErrors
         text = " ".join(str(e).split())[:300]
         hint = ("another process holds the port: pass --master-port PORT (or MASTER_PORT)"

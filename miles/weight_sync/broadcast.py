@@ -11,7 +11,8 @@ One sync: every trainer rank iterates ``iter_weight_buckets`` in lockstep (the F
 the caller's thread only). The source packs each bucket into one fresh uint8 buffer and hands it to a
 sender thread, which posts ``/update_weights_from_distributed`` (``load_format="flattened_bucket"``) to
 every engine and broadcasts the buffer on the weight group, while the main thread already gathers the
-next bucket. The trainer group and the weight group are different communicators driven by different
+next bucket; with ``max_in_flight=2`` an engine loads bucket k while bucket k+1 is broadcast. The
+trainer group and the weight group are different communicators driven by different
 threads, each in a fixed order, so the classic "all-gather vs broadcast" deadlock cannot occur; on a
 sender failure the source keeps draining the gathers so the other trainer ranks never hang.
 
@@ -62,6 +63,7 @@ class BroadcastSender(WeightSender):
         self._group: WeightGroup | None = None
         self._group_engines: list[EngineTarget] = []
         self._formations = 0
+        self._in_flight: collections.deque = collections.deque()  # buckets whose engine answers are outstanding
 
     # -- group membership ----------------------------------------------------------------------------
     @property
@@ -89,15 +91,16 @@ class BroadcastSender(WeightSender):
         group, self._group, self._group_engines = self._group, None, []
         if group is None:
             return
-        if notify:
+        # Both ends tear down at once: an NCCL communicator's destruction can wait for its peers.
+        futs = self.submit_all(notify, lambda c: c.destroy_weights_update_group(group.name)) if notify else []
+        group.destroy()
+        if futs:
             deadline = Deadline(min(30.0, self.cfg.update_weight_timeout), f"destroying weight-update group {group.name}")
-            futs = self.submit_all(notify, lambda c: c.destroy_weights_update_group(group.name))
             for e, f in zip(notify, futs):
                 try:
-                    f.result(timeout=deadline.left())
+                    f.result(timeout=max(0.0, deadline.end - time.monotonic()))
                 except Exception as exc:  # noqa: BLE001 - a dead engine cannot confirm; nothing to undo
-                    logger.warning("destroy_weights_update_group(%s) on %s: %s", group.name, e.url, exc)
-        group.destroy()
+                    logger.warning("destroy_weights_update_group(%s) on %s: %s: %s", group.name, e.url, type(exc).__name__, exc)
 
     def _form(self, engines: Sequence[EngineTarget]) -> WeightGroup:
         if not engines:
@@ -297,7 +300,7 @@ class BroadcastSender(WeightSender):
 
     def _name_suspects(self, err: BaseException, engines: list[EngineTarget]) -> BaseException:
         """Add to ``err`` which engines had not answered the bucket in flight (the stalled or dead ones)."""
-        pending, self._in_flight = list(getattr(self, "_in_flight", [])), collections.deque()
+        pending, self._in_flight = list(self._in_flight), collections.deque()
         silent = sorted({e.url for futs, _ in pending for e, f in zip(engines, futs)
                          if f.cancelled() or not f.done() or f.exception() is not None})
         if not silent:

@@ -93,20 +93,35 @@ async def long_generate(args, sample, sampling_params):
 
 
 def _install_sync_hook() -> None:
-    """Wrap the weight sender's bucket iterator: inject the sync faults mid-transfer (driver = source rank)."""
+    """Wrap the weight senders: inject the sync faults mid-transfer of the sync to ``sync_version`` (not in its
+    ``--check-weight-update-equal`` pass, nor in a catch-up from the driver's cache)."""
     if not any("sync_version" in f for f in _FAULTS):
         return
     from miles.weight_sync.base import WeightSender
+    from miles.weight_sync.broadcast import BroadcastSender
+    from miles.weight_sync.disk_delta_sender import DiskDeltaSender
+    from miles.weight_sync.tensor import TensorSender
+
+    for cls in (BroadcastSender, DiskDeltaSender, TensorSender):
+        def _sync(self, engines, version, _orig=cls._sync):
+            self._ft_syncing = version
+            try:
+                return _orig(self, engines, version)
+            finally:
+                self._ft_syncing = None
+        cls._sync = _sync
 
     original = WeightSender.iter_buckets
 
     def iter_buckets(self):
-        version = self.weight_version + 1
+        version = getattr(self, "_ft_syncing", None)
+        catch_up = type(self.source).__name__ == "_CachedSource"
         for k, bucket in enumerate(original(self)):
             for i, f in enumerate(_FAULTS):
-                if i not in _done and f.get("sync_version") == version and k >= f.get("after_buckets", 1):
+                if (i not in _done and version is not None and not catch_up and self.is_source
+                        and f.get("sync_version") == version and k >= f.get("after_buckets", 1)):
                     target = next((e for e in self.engines if e.engine_id == f["engine"]), None)
-                    if target is not None and self.is_source:
+                    if target is not None:
                         _inject(i, f, target.url, f"weight sync v{version} bucket {k}")
             yield bucket
 
