@@ -145,6 +145,18 @@ def profile_decode(eng, batch: int, step_s: float) -> None:
         sample(logits, sb, steps, want_logprobs=True).tokens.tolist()
     out["topk_topp_sample_with_logprobs_ms"] = round((time.perf_counter() - t0) / 20 * 1e3, 3)
     print(json.dumps({"profile": out}), flush=True)
+    if dev.type == "cuda":  # the kernels of eager decode steps (graphs off), by CUDA time
+        from torch.profiler import ProfilerActivity, profile
+
+        graphs, r.impl.use_graphs = r.impl.use_graphs, False
+        pos = torch.full((batch,), 255, dtype=torch.long, device=dev)
+        r.decode(toks, pos, 256)
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            for _ in range(5):
+                r.decode(toks, pos, 256)
+            sync(str(dev))
+        r.impl.use_graphs = graphs
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60), flush=True)
 
 
 def bench_engine_http(model_dir: Path, device: str, dtype: str, ids: list[list[int]], new: int, repeat: int = 1) -> float:

@@ -12,7 +12,7 @@ fi
 echo --hf-checkpoint "$MODEL" \
   --prompt-data "$DIR/train.jsonl" --input-key input --label-key label --rollout-shuffle \
   --rm-type quickstart \
-  --num-rollout "${NUM_ROLLOUT:-30}" --rollout-batch-size 16 --n-samples-per-prompt 8 --global-batch-size 128 \
+  --num-rollout "${NUM_ROLLOUT:-40}" --rollout-batch-size 16 --n-samples-per-prompt 8 --global-batch-size 128 \
   --rollout-max-response-len 4 --rollout-temperature 0.7 \
   --advantage-estimator grpo --lr 1e-3 --adam-beta2 0.98 --clip-grad 1.0 \
   --use-dynamic-batch-size --max-tokens-per-gpu 4096 \

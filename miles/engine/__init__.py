@@ -2,5 +2,6 @@
 
 Modules: ``protocol`` (request structs), ``sampling``, ``model_runner`` (forward + KV cache),
 ``scheduler`` (continuous batching), ``weights`` (weight-update receive side), ``engine`` (facade),
-``server`` (aiohttp routes), ``__main__`` (CLI). See docs/engine-protocol.md.
+``server`` (aiohttp routes), ``__main__`` (CLI), ``testing`` (a server child process and a tiny model for
+tests and benchmarks). See docs/engine-protocol.md.
 """

@@ -456,9 +456,8 @@ class ModelRunner:
         if "weights" in tags and not self.weights_released:
             backup: dict[int, torch.Tensor] = {}
             for p in {id(p): p for p in self.model.parameters()}.values():
-                host = p.data.to("cpu", copy=True)
-                if self.device.type == "cuda":
-                    host = host.pin_memory()
+                # GPU: a pinned host copy, then the device memory is freed; CPU: the tensor itself is kept
+                host = p.data.to("cpu", copy=True).pin_memory() if self.device.type == "cuda" else p.data
                 backup[id(p)] = host
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             self._weights_backup = backup

@@ -34,14 +34,21 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def hash_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Uniform (0, 1) float32 noise of shape [B, vocab], a pure function of (seed, step, column)."""
+def hash_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int | torch.Tensor) -> torch.Tensor:
+    """Uniform (0, 1) float32 noise, a pure function of (seed, step, token id): shape [B, vocab] for an int,
+    or the shape of ``vocab`` when it is a [B, K] tensor of token ids (the same values at those ids)."""
     lo = seeds & _M32
     hi = (seeds >> 32) & _M32
     key = _mix32(lo ^ _mix32(hi ^ _mix32((steps & _M32) ^ 0x5BD1E995)))
-    cols = (torch.arange(vocab, device=seeds.device, dtype=torch.int64) * 0x9E3779B1) & _M32
-    bits = _mix32(key[:, None] ^ cols[None, :])
+    if isinstance(vocab, int):
+        ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)[None, :]
+    else:
+        ids = vocab.to(torch.int64)
+    bits = _mix32(key[:, None] ^ ((ids * 0x9E3779B1) & _M32))
     return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+_TOPK_FAST_MAX = 1024
 
 
 @dataclass
@@ -76,6 +83,7 @@ class SamplingBatch:
         self.need_top_k = any(1 < r.top_k < min(TOP_K_ALL, vocab) for r in rows)
         self.need_top_p = any(r.top_p < 1.0 for r in rows)
         self.need_min_p = any(r.min_p > 0.0 for r in rows)
+        self.max_top_k = max(min(r.top_k, vocab) for r in rows)
         self.all_temp_one = all(r.temperature == 1.0 for r in rows)
         self.logit_bias = None
         if any(r.logit_bias for r in rows):
@@ -120,7 +128,17 @@ def sample(
     else:
         scaled = logits if sb.all_temp_one else logits / sb.temperature[:, None]
         logp = torch.log_softmax(scaled, dim=-1)
-        if sb.need_top_k or sb.need_top_p or sb.need_min_p:
+        if sb.need_top_k and not (sb.need_top_p or sb.need_min_p) and sb.max_top_k <= _TOPK_FAST_MAX:
+            # top-k only: race among each row's k best tokens (same noise per token id as the full path)
+            vals, idx = logp.topk(sb.max_top_k, dim=-1)
+            ranks = torch.arange(sb.max_top_k, device=logits.device)
+            vals = vals.masked_fill(ranks[None, :] >= sb.top_k[:, None], float("-inf"))
+            g = -torch.log(-torch.log(hash_uniform(sb.seeds, steps, idx)))
+            tokens = idx.gather(1, torch.argmax(vals + g, dim=-1, keepdim=True)).squeeze(1)
+            if sb.any_greedy:
+                tokens = torch.where(sb.greedy, torch.argmax(logits, dim=-1), tokens)
+            filtered = None
+        elif sb.need_top_k or sb.need_top_p or sb.need_min_p:
             sorted_lp, idx = logp.sort(dim=-1, descending=True)
             remove = torch.zeros_like(sorted_lp, dtype=torch.bool)
             if sb.need_top_k:
@@ -136,11 +154,12 @@ def sample(
             filtered = torch.empty_like(logp).scatter_(1, idx, sorted_lp)
         else:
             filtered = logp
-        u = hash_uniform(sb.seeds, steps, sb.vocab)
-        gumbel = -torch.log(-torch.log(u))
-        tokens = torch.argmax(filtered + gumbel, dim=-1)
-        if sb.any_greedy:
-            tokens = torch.where(sb.greedy, torch.argmax(logits, dim=-1), tokens)
+        if filtered is not None:
+            u = hash_uniform(sb.seeds, steps, sb.vocab)
+            gumbel = -torch.log(-torch.log(u))
+            tokens = torch.argmax(filtered + gumbel, dim=-1)
+            if sb.any_greedy:
+                tokens = torch.where(sb.greedy, torch.argmax(logits, dim=-1), tokens)
     out = SampleOutput(tokens=tokens, logprobs=None, top_values=None, top_indices=None, logprob_dist=None)
     if want_logprobs or top_n or want_dist:
         dist = torch.log_softmax(logits if RETURN_ORIGINAL_LOGPROB else scaled, dim=-1)

@@ -270,6 +270,7 @@ class EngineRecoveryController:
             self._router_remove(e.url)
         with self._lock:
             outage.removed_at = time.monotonic()
+        self._write_event(outage, "removed")
 
     def _give_up(self, e: _Engine, reason: str) -> None:
         with self._lock:
@@ -283,7 +284,7 @@ class EngineRecoveryController:
             left = [x.engine_id for x in self._engines.values() if x.state != GIVEN_UP]
             self._changed.notify_all()
         if closed is not None:
-            self._write_event(closed)
+            self._write_event(closed, "given_up")
         if was_routed:
             self._router_remove(e.url)
         if left:
@@ -315,8 +316,11 @@ class EngineRecoveryController:
         if was_routed:
             self._router_remove(e.url)
             with self._lock:
-                if e.engine_id in self._open:
-                    self._open[e.engine_id].removed_at = time.monotonic()
+                opened = self._open.get(e.engine_id)
+                if opened is not None:
+                    opened.removed_at = time.monotonic()
+            if opened is not None:
+                self._write_event(opened, "removed")
         if too_many:
             self._give_up(e, f"it died {e.restarts} times, more than --max-engine-restarts {self.max_restarts}")
             return
@@ -389,14 +393,15 @@ class EngineRecoveryController:
         for e in retry:
             self._resume(e, e.incarnation)
 
-    def _write_event(self, o: Outage) -> None:
-        """One JSON line per finished outage (wall-clock seconds), for the run's output dir and the soak."""
+    def _write_event(self, o: Outage, event: str) -> None:
+        """One JSON line per step of an outage (``removed``, then ``recovered`` or ``given_up``), wall-clock
+        seconds, for the run's output dir and the soak."""
         if self.events_path is None:
             return
         offset = time.time() - time.monotonic()
         wall = {k: (None if v is None else v + offset) for k, v in
                 (("down_seen", o.down_seen_at), ("removed", o.removed_at), ("back", o.back_at), ("admitted", o.admitted_at))}
-        record = {"engine_id": o.engine_id, "url": o.url, "incarnation": o.incarnation, "reason": o.reason,
+        record = {"event": event, "engine_id": o.engine_id, "url": o.url, "incarnation": o.incarnation, "reason": o.reason,
                   **wall, "removal_s": o.removal_s, "recovery_s": o.recovery_s, "given_up": o.given_up,
                   "catch_up_version": o.catch_up_version,
                   "requests_retried": self.requests_retried() if self.requests_retried is not None else None}
@@ -450,7 +455,7 @@ class EngineRecoveryController:
                 outage.admitted_at = time.monotonic()
             self._changed.notify_all()
         if outage is not None:
-            self._write_event(outage)
+            self._write_event(outage, "recovered")
         if outage is not None:
             logger.info("engine %d (%s) back in rotation %.1fs after it went down%s", e.engine_id, e.url,
                         outage.recovery_s, "" if version is None else f" (weights v{version} verified)")

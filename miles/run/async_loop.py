@@ -31,6 +31,7 @@ class AsyncRLLoop(RLLoop):
         self.interval = max(1, self.cfg.weights.update_weights_interval)
         self.max_staleness = self.cfg.weights.max_weight_staleness
         self._data_state: dict[str, Any] | None = None
+        self._tasks: list[asyncio.Future] = []
         a = self.cfg.algo
         if self.policy and self.interval > 1 and not (a.use_tis or a.use_rollout_logprobs):
             logger.info("--update-weights-interval %d trains on samples up to %d versions old; consider --use-tis "
@@ -46,24 +47,40 @@ class AsyncRLLoop(RLLoop):
         if start == 0 and not self.cfg.eval.skip_eval_before_train and self.job.eval_datasets:
             self.job.sink.log_eval(start, await self.evaluate(start))
         pending = asyncio.ensure_future(self.generate_overlapped(start))
+        try:
+            await self._overlapped(start, end, pending)
+        finally:
+            for task in self._tasks:
+                task.cancel()  # a failure leaves no generation running into the closing client
+
+    async def _overlapped(self, start: int, end: int, pending: asyncio.Future) -> None:
+        ft = self.job.worker.ft
+        self._tasks.append(pending)
         for rollout_id in range(start, end):
+            if ft is not None:
+                ft.check()  # every engine given up: stop, saying why
             t_step = time.monotonic()
             t_wait = time.monotonic()
-            groups, metrics = await pending
+            with self.job.worker.channel.keepalive():  # the other ranks are idle until the next command
+                groups, metrics = await pending
             metrics["perf/wait_rollout_time"] = time.monotonic() - t_wait
             self._data_state = self.job.data_source.state_dict() if self.job.data_source is not None else None
             if rollout_id + 1 < end:
                 pending = asyncio.ensure_future(self.generate_overlapped(rollout_id + 1))
+                self._tasks.append(pending)
             groups, score_metrics = self.score_async(groups)
             metrics.update(score_metrics)
             metrics.update(await asyncio.to_thread(self.train_step, rollout_id, groups))
             self.maybe_save(rollout_id)
             if (rollout_id + 1) % self.interval == 0 or rollout_id + 1 == end:
                 if rollout_id + 1 < end:
-                    await asyncio.wait([pending])  # no weight change in the middle of a rollout
+                    with self.job.worker.channel.keepalive():
+                        await asyncio.wait([pending])  # no weight change in the middle of a rollout
                 metrics.update(await self.sync_weights())
             metrics.update(await self.maybe_eval(rollout_id))
             metrics.update({k: v for k, v in self.timer.pop().items() if k not in metrics})
+            if ft is not None:
+                metrics.update(ft.metrics())
             metrics["perf/step_time"] = time.monotonic() - t_step
             self.job.sink.log(rollout_id, metrics)
 

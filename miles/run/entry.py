@@ -36,8 +36,10 @@ async def run_job(cfg: MilesConfig, loop_cls: Any) -> None:
         else:
             job.worker.follow()
     except BaseException as e:
-        logger.error("run failed on rank %d: %s: %s", ctx.rank, type(e).__name__, e, exc_info=not isinstance(e, KeyboardInterrupt))
+        logger.error("run failed on rank %d: %s: %s", ctx.rank, type(e).__name__, e,
+                     exc_info=not isinstance(e, KeyboardInterrupt))
         if ctx.is_driver:
+            job.sink.close()  # finished rollouts' metrics and the plot first: the launcher may end us soon
             job.worker.channel.abort(f"{type(e).__name__}: {e}")
         raise
     finally:

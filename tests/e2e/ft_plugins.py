@@ -8,14 +8,19 @@ It generates as the default function does, with ``ignore_eos`` (every sample tak
   prompt, status) and one per injected fault (wall time, engine, where), so a test can check that no
   sample was lost or repeated and measure recovery per fault.
 - ``MILES_FT_FAULTS='[...]'``: faults to inject, each ``{"signal": "KILL"|"STOP", "engine": E, ...}`` plus
-  either ``"rollout": R, "after_samples": N`` (once N samples of rollout R finished: the other requests
-  of the rollout are in flight) or ``"sync_version": V, "after_buckets": B`` (inside the weight sync to
+  either ``"rollout": R, "after_s": S`` (S seconds after the first request of rollout R, or of the first
+  later rollout that starts with that engine in rotation: its requests are in flight),
+  ``"rollout": R, "after_samples": N`` (once N samples of rollout R finished), or
+  ``"again_after": K, "after_s": S`` (the engine that fault K hit, S seconds into the first rollout that
+  starts once it is back in rotation: a second kill in a row), or
+  ``"sync_version": V, "after_buckets": B`` (inside the weight sync to
   version V, after B buckets were gathered: the sync is under way). The engine process is found by the
   port of its URL among this machine's ``python -m miles.engine`` processes (this run's, by port).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -28,6 +33,8 @@ from miles.rollout.generate import generate
 _FAULTS: list[dict] = json.loads(os.environ.get("MILES_FT_FAULTS", "[]"))
 _done: set[int] = set()
 _finished: dict[int, int] = {}
+_killed_pid: dict[int, int] = {}  # fault index -> pid it signalled
+_client: list = []  # the rollout client, once seen (for retry counts from the sync hook)
 
 
 def _record(entry: dict) -> None:
@@ -60,6 +67,7 @@ def _inject(i: int, fault: dict, url: str, where: str, retries: int | None = Non
         _record({"fault": fault, "url": url, "where": where, "error": "engine process not found"})
         return
     os.kill(pid, getattr(signal, "SIG" + fault.get("signal", "KILL")))
+    _killed_pid[i] = pid
     _record({"fault": fault, "url": url, "engine_pid": pid, "where": where, "t": time.time(), "retries": retries})
 
 
@@ -79,14 +87,43 @@ def _retries(client) -> int | None:
     return None
 
 
+def _in_rotation(client, url: str) -> bool:
+    for obj in (client, getattr(client, "inner", None)):
+        ctl = getattr(obj, "controller", None)
+        if ctl is not None:
+            return url.rstrip("/") in ctl.healthy_engine_urls()
+    return True
+
+
+def _due(f: dict, sample, client) -> bool:
+    """Is timed fault ``f`` due at this rollout: at or after its ``rollout``, with its engine in rotation (and, for
+    ``again_after: k``, a new process: the engine fault k hit is back)."""
+    url = _engine_urls(client)[f["engine"]]
+    if sample.rollout_id < f.get("rollout", 0) or not _in_rotation(client, url):
+        return False
+    if "again_after" in f:
+        k = f["again_after"]
+        return k in _killed_pid and engine_pid(url) not in (None, _killed_pid[k])
+    return True
+
+
 async def long_generate(args, sample, sampling_params):
+    if not _client:
+        _client.append(args.client)
+    for i, f in enumerate(_FAULTS):  # timed faults: ``after_s`` seconds after the rollout's first request
+        if i not in _done and "after_s" in f and _due(f, sample, args.client):
+            _done.add(i)
+            url, client, r = _engine_urls(args.client)[f["engine"]], args.client, sample.rollout_id
+            asyncio.get_running_loop().call_later(
+                f["after_s"], lambda i=i, f=f, url=url, c=client, r=r: _inject(i, f, url, f"rollout {r}", _retries(c)))
     out = await generate(args.client, sample, {**sampling_params, "ignore_eos": True})
     prompt = sample.prompt if isinstance(sample.prompt, str) else json.dumps(sample.prompt)
     _record({"rollout_id": sample.rollout_id, "group": sample.group_index, "index": sample.index, "prompt": prompt,
-             "status": str(out.status.value), "response_length": out.response_length})
+             "status": str(out.status.value), "response_length": out.response_length, "t": time.time()})
     n = _finished[sample.rollout_id] = _finished.get(sample.rollout_id, 0) + 1
     for i, f in enumerate(_FAULTS):
-        if i not in _done and f.get("rollout") == sample.rollout_id and n >= f.get("after_samples", 1):
+        if (i not in _done and f.get("rollout") == sample.rollout_id and "after_samples" in f
+                and n >= f["after_samples"]):
             _inject(i, f, _engine_urls(args.client)[f["engine"]], f"rollout {sample.rollout_id}",
                     _retries(args.client))
     return out
@@ -122,7 +159,8 @@ def _install_sync_hook() -> None:
                         and f.get("sync_version") == version and k >= f.get("after_buckets", 1)):
                     target = next((e for e in self.engines if e.engine_id == f["engine"]), None)
                     if target is not None:
-                        _inject(i, f, target.url, f"weight sync v{version} bucket {k}")
+                        _inject(i, f, target.url, f"weight sync v{version} bucket {k}",
+                                _retries(_client[0]) if _client else None)
             yield bucket
 
     WeightSender.iter_buckets = iter_buckets

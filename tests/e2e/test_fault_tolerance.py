@@ -40,9 +40,9 @@ def _fault_time(faults: list[dict], where: str) -> float:
 def test_engine_faults_run_completes_every_rollout_with_full_groups(quickstart, tmp_path):
     num_rollout, batch, n, length = 6, 4, 8, 96
     faults = [
-        {"signal": "STOP", "engine": 0, "rollout": 1, "after_samples": 6},     # a hang, mid-rollout
+        {"signal": "STOP", "engine": 0, "rollout": 1, "after_s": 0.3},         # a hang, mid-rollout
         {"signal": "KILL", "engine": 1, "sync_version": 4, "after_buckets": 1},  # during the sync after rollout 2
-        {"signal": "KILL", "engine": 0, "rollout": 4, "after_samples": 6},     # mid-rollout (twice for engine 0)
+        {"signal": "KILL", "engine": 0, "rollout": 4, "after_s": 0.3},         # mid-rollout (twice for engine 0)
     ]
     flags = [*H.layout_flags(1, 2), *H.quickstart_flags(quickstart, num_rollout=num_rollout, batch=batch, n=n,
                                                           response_len=length),
@@ -60,26 +60,35 @@ def test_engine_faults_run_completes_every_rollout_with_full_groups(quickstart, 
     assert set(census) == expected, f"missing {sorted(expected - set(census))[:5]}, extra {sorted(set(census) - expected)[:5]}"
     assert max(census.values()) == 1, [k for k, v in census.items() if v > 1][:5]
     assert all(s["status"] == "truncated" and s["response_length"] == length for s in samples)
+    for r, where in ((1, "rollout 1"), (4, "rollout 4")):  # the faults hit while the rollout's requests ran
+        t = _fault_time(injected, where)
+        assert [s for s in samples if s["rollout_id"] == r and s["t"] > t], f"rollout {r} was over before its fault"
     rows = H.metrics(tmp_path)
     assert [m["rollout_id"] for m in rows] == list(range(num_rollout))
     assert all(m["rollout/num_groups"] == batch and m["rollout/generate_failures"] == 0 for m in rows), rows
 
-    # each fault: out of the router within seconds, back in rotation with verified weights
+    # each fault: out of the router within seconds; back in rotation only with verified current weights
     events = H.ft_events(tmp_path)
-    assert len(events) == 3 and all(e["admitted"] is not None and not e["given_up"] for e in events), events
+    removed = [e for e in events if e["event"] == "removed"]
+    recovered = [e for e in events if e["event"] == "recovered"]
+    assert len(removed) == 3 and not [e for e in events if e["event"] == "given_up"], events
     t_stop, t_sync, t_kill = (_fault_time(injected, w) for w in ("rollout 1", "weight sync v4", "rollout 4"))
-    hang, in_sync, killed = (min((e for e in events if e["down_seen"] >= t - 1), key=lambda e: e["down_seen"])
+    hang, in_sync, killed = (min((e for e in removed if e["down_seen"] >= t - 1), key=lambda e: e["down_seen"])
                              for t in (t_stop, t_sync, t_kill))
-    assert hang["engine_id"] == 0 and hang["removed"] - t_stop < 1 + 3 + 0.5 + 2 + 2 + 4  # interval+timeout+hb+slack
+    hb = 0.5 + 2 + 2  # heartbeat period + lighthouse heartbeat timeout + join timeout (interval 1 s)
+    assert hang["engine_id"] == 0 and hang["removed"] - t_stop < 1 + 3 + hb + 4  # probe interval + timeout
     assert in_sync["engine_id"] == 1 and "weight sync" in in_sync["reason"] and in_sync["removed"] - t_sync < 5
-    assert killed["engine_id"] == 0 and killed["removed"] - t_kill < 0.5 + 2 + 2 + 4
-    assert all(e["catch_up_version"] is not None for e in events)  # weights pushed before routing to it
-    assert "weights v" in log and "verified" in log
-    assert "health probe failed while the process is alive" in (tmp_path / "run" / "logs" / "rank1.log").read_text() \
-        + (tmp_path / "run" / "logs" / "rank2.log").read_text() + log
+    assert killed["engine_id"] == 0 and killed["removed"] - t_kill < hb + 4
+    # the first two outages are over before the run ends (an engine restarts in ~15 s here): their engines
+    # were pushed the current weights from the driver's cache, verified, and only then routed again
+    assert {e["engine_id"] for e in recovered if e["down_seen"] < t_kill} == {0, 1}, events
+    assert all(e["catch_up_version"] is not None and e["admitted"] > e["back"] for e in recovered)
+    assert "verified" in log and "caught up to v" in log
+    leaders = "".join((tmp_path / "run" / "logs" / f"rank{r}.log").read_text(errors="replace") for r in (1, 2))
+    assert "health probe failed while the process is alive (hung?)" in leaders  # the SIGSTOP seen by probes
     last = rows[-1]
-    assert last["ft/engine_failures"] == 3 and last["ft/engine_restarts"] == 3 and last["ft/engines_in_rotation"] == 2
-    assert last["ft/recovery_time_max_s"] > 0
+    assert last["ft/engine_failures"] == 3 and last["ft/engine_restarts"] >= 2
+    assert last["ft/recovery_time_max_s"] > 0 and "ft/requests_retried" in last
 
 
 def _expected_prompts(data: Path, num_rollout: int, batch: int) -> list[list[str]]:

@@ -125,3 +125,14 @@ def test_suppress_and_logit_bias():
     assert sample(logits, batch(row(top_k=1)), torch.zeros(1, dtype=torch.long), suppress=supp).tokens.item() != 7
     out = sample(logits, batch(row(top_k=1, logit_bias={3: 50.0})), torch.zeros(1, dtype=torch.long))
     assert out.tokens.item() == 3
+
+
+def test_top_k_fast_path_draws_the_same_tokens_as_the_full_path(monkeypatch):
+    import miles.engine.sampling as S
+
+    logits = torch.randn(4, V) * 2
+    rows = [row(top_k=5, seed=s) for s in range(4)]
+    steps = torch.tensor([0, 3, 7, 9])
+    fast = sample(logits, batch(*rows), steps).tokens
+    monkeypatch.setattr(S, "_TOPK_FAST_MAX", 0)  # force the full-vocabulary sort
+    assert torch.equal(sample(logits, batch(*rows), steps).tokens, fast)

@@ -1,0 +1,65 @@
+"""Failures of a real 2-rank run (torchrun, SFT on the tiny model, no engines) end cleanly and say why:
+
+- bad data found by the driver during setup: every rank exits within seconds with the data error (the
+  follower's message names the driver's failure) instead of waiting for a plan that never comes;
+- a failure at rollout 2: the other rank is told why (``abort``), exit codes are non-zero, and nothing
+  of rollouts 0-1 is lost: metrics.jsonl holds them and metrics.png is still written.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from _miles_e2e import check_ok, metrics, run, tail
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(600)]
+
+
+def _cmd(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
+    return ["torchrun", "--standalone", "--nproc-per-node", "2", "train.py", "--debug-train-only",
+            "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2", "--num-gpus-per-node", "2",
+            "--hf-checkpoint", str(model), "--loss-type", "sft_loss", "--prompt-data", str(data),
+            "--input-key", "input", "--label-key", "response", "--rollout-batch-size", "2", "--lr", "1e-3",
+            "--output-dir", str(out), "--no-progress", *extra]
+
+
+def _rows(n: int) -> list[dict]:
+    return [{"input": f"{i % 10}+0=", "response": str(i % 10)} for i in range(n)]
+
+
+def test_bad_data_stops_every_rank(tmp_path: Path, tiny_model_dir: Path):
+    data = tmp_path / "sft.jsonl"
+    data.write_text(json.dumps(_rows(1)[0]) + "\n{not json\n")
+    log = tmp_path / "run.log"
+    result = run(_cmd(tiny_model_dir, data, tmp_path / "out", "--num-rollout", "1"), log, timeout=300)
+    text = log.read_text()
+    assert result.returncode != 0
+    assert f"{data}:2" in text, tail(log)  # file and line
+    assert "the driver (rank 0) failed during setup" in text, tail(log)
+
+
+def test_failure_mid_run_keeps_finished_rollouts(tmp_path: Path, tiny_model_dir: Path):
+    rows = _rows(6)
+    rows[4]["response"] = 4  # not a string: the SFT source refuses it when rollout 2 reaches it
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out, log = tmp_path / "out", tmp_path / "run.log"
+    result = run(_cmd(tiny_model_dir, data, out, "--num-rollout", "4"), log, timeout=300)
+    text = log.read_text()
+    assert result.returncode != 0
+    assert "target response must be a string" in text, tail(log)
+    assert "the driver (rank 0) stopped the run" in text, tail(log)  # rank 1 was told, not left waiting
+    assert [r["rollout_id"] for r in metrics(out)] == [0, 1]
+    assert (out / "metrics.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_sft_two_ranks_completes(tmp_path: Path, tiny_model_dir: Path):
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _rows(8)))
+    out, log = tmp_path / "out", tmp_path / "run.log"
+    check_ok(run(_cmd(tiny_model_dir, data, out, "--num-epoch", "2"), log, timeout=300), log)
+    recs = metrics(out)
+    assert [r["rollout_id"] for r in recs] == [0, 1, 2, 3, 4, 5, 6, 7]  # 2 epochs x 8 rows // 2
+    assert recs[-1]["train/loss"] < recs[0]["train/loss"]
