@@ -76,6 +76,20 @@ def _start_torch_engine(spec: list, device: str, work: Path, name: str, env: dic
     return sup, EngineTarget(url=f"http://127.0.0.1:{port}")
 
 
+def _start_embedded_engine(model_dir: str, log: Path):
+    """``python -m miles.engine`` on CPU, supervised (scrubbed launcher env), one thread."""
+    from miles.spmd.supervisor import EngineSupervisor, scrubbed_env
+    from miles.utils.net import find_free_port
+    from miles.weight_sync.base import EngineTarget
+
+    port = find_free_port()
+    argv = [sys.executable, "-m", "miles.engine", "--hf-checkpoint", model_dir, "--port", str(port), "--device", "cpu",
+            "--max-running-requests", "4", "--weight-update-timeout", "600", "--log-level", "WARNING"]
+    sup = EngineSupervisor(argv, env=scrubbed_env(extra={"OMP_NUM_THREADS": "1"}), name=f"engine-{port}", log_path=log,
+                           max_restarts=0).start()
+    return sup, EngineTarget(url=f"http://127.0.0.1:{port}")
+
+
 def _wait_healthy(target, timeout: float = 300.0) -> None:
     from miles.rollout.client import SyncEngineControl
 
@@ -148,9 +162,6 @@ def cpu_worker(a: argparse.Namespace) -> None:
     from miles.trainer.fsdp import FSDPTrainer
     from miles.weight_sync.base import build_weight_sender
 
-    sys.path.insert(0, str(REPO / "tests" / "multiprocess"))
-    from weight_sync_worker import start_engine, wait_healthy
-
     rank = int(os.environ["RANK"])
     work = Path(a.work)
     dist.init_process_group("gloo")
@@ -172,11 +183,11 @@ def cpu_worker(a: argparse.Namespace) -> None:
         sups, engines = [], []
         if rank == 0:
             for i in range(2):
-                s, t = start_engine(model_dir, work / f"engine-{size}-{i}.log")
+                s, t = _start_embedded_engine(model_dir, work / f"engine-{size}-{i}.log")
                 sups.append(s)
                 engines.append(t)
             for t in engines + raw_engines:
-                wait_healthy(t, 600)
+                _wait_healthy(t, 600)
         raw_gbps = None
         step = 0
         for mode in a.modes.split(","):
@@ -202,7 +213,7 @@ def cpu_worker(a: argparse.Namespace) -> None:
                     secs = min(_raw_broadcast(rs, raw_engines, med["bytes"], wcfg.update_weight_buffer_size) for _ in range(3))
                     raw_gbps = med["bytes"] / secs / 1e9
                     rs.close()
-                label = mode + (f" (xor, {results[-1].extra.get('written_bytes', 0) / 1e6:.1f} MB written)" if mode == "disk-delta" else "")
+                label = f"delta-xor {results[-1].extra.get('written_bytes', 0) / 1e6:.0f}MB" if mode == "disk-delta" else mode
                 lines.append(_row(label[:21], size, med, raw_gbps))
                 print(f"[{size}] {mode}: {checked} tensors verified bitwise on {len(engines)} engines", flush=True)
             sender.close()

@@ -27,7 +27,8 @@ from typing import Any
 from miles.config.ft import FTConfig
 from miles.ft.heartbeat import EngineHeartbeat, start_engine_heartbeat
 from miles.ft.lighthouse import Lighthouse
-from miles.ft.recovery import EngineRecoveryController, NoEnginesLeftError, sync_weights_with_recovery
+from miles.ft.recovery import EngineRecoveryController, NoEnginesLeftError
+from miles.ft.sync import sync_weights_with_recovery
 from miles.ft.timing import FTTimings, ft_timings
 from miles.rollout.client import EngineError, run_sync
 from miles.utils.logging import get_logger

@@ -142,6 +142,8 @@ class MetricsSink:
     def log_eval(self, rollout_id: int, metrics: dict[str, Any]) -> None:
         """Evaluation before training (no rollout record): TensorBoard/W&B and a log line only."""
         scalars = {k: v for k, v in ((k, _number(v)) for k, v in metrics.items()) if v is not None and math.isfinite(v)}
+        if scalars:  # plotted as the point before the first rollout (not a metrics.jsonl record)
+            self.records.append({**scalars, "rollout_id": float(rollout_id - 1)})
         for k, v in scalars.items():
             if self._tb is not None:
                 self._tb.add_scalar(k, v, rollout_id)

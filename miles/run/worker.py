@@ -79,8 +79,10 @@ class Worker:
             return {}
         from miles.rollout.wire import scatter_samples
 
-        samples = scatter_samples(per_rank, self.ctx.groups.trainer_cpu_group, self.ctx.plan.driver_rank, self.timeout)
-        metrics = self.trainer.train(samples, rollout_id)
+        with self.ctx.groups.guard("trainer"):  # a dead or stuck trainer rank: one readable error, not a traceback
+            samples = scatter_samples(per_rank, self.ctx.groups.trainer_cpu_group, self.ctx.plan.driver_rank,
+                                      self.timeout)
+            metrics = self.trainer.train(samples, rollout_id)
         return {f"train/{k}": float(v) for k, v in metrics.items()}
 
     def sync_weights(self) -> dict[str, float]:

@@ -75,13 +75,18 @@ def test_resume_continues_rollout_ids_and_data(tmp_path: Path):
 
 
 def test_load_without_checkpoint_fails_clearly(tmp_path: Path, tiny_model_dir: Path):
-    data = tmp_path / "train.jsonl"
-    data.write_text(json.dumps({"input": "1+1=", "label": "2"}) + "\n")
+    data = tmp_path / "sft.jsonl"
+    data.write_text(json.dumps({"input": "1+1=", "response": "2"}) + "\n")
     empty = tmp_path / "nothing"
     empty.mkdir()
     log = tmp_path / "run.log"
-    cmd = _cmd(tiny_model_dir, data, tmp_path / "out", tmp_path / "ckpt", 1, "--load", str(empty))
-    cmd[cmd.index("--rollout-batch-size") + 1] = "2"
+    cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", "train.py", "--debug-train-only", "--actor-num-nodes", "1",
+           "--actor-num-gpus-per-node", "2", "--num-gpus-per-node", "2", "--hf-checkpoint", str(tiny_model_dir),
+           "--loss-type", "sft_loss", "--prompt-data", str(data), "--label-key", "response", "--num-rollout", "1",
+           "--rollout-batch-size", "2", "--save", str(tmp_path / "ckpt"), "--load", str(empty),
+           "--output-dir", str(tmp_path / "out")]
     result = run(cmd, log, timeout=300)
-    assert result.returncode != 0
-    assert f"--load {empty}: no complete checkpoint" in log.read_text(), tail(log)
+    assert result.returncode == 2  # a known error: one line per rank, no traceback
+    text = log.read_text()
+    assert f"--load {empty}: no complete checkpoint" in text, tail(log)
+    assert "a bug; traceback follows" not in text

@@ -26,7 +26,8 @@ from miles.config import weights as weight_flags
 from miles.config.base import section_from_namespace
 from miles.config.weights import WeightSyncConfig
 from miles.ft.lighthouse import Lighthouse, torchft_coordination
-from miles.ft.recovery import EngineRecoveryController, NoEnginesLeftError, sync_weights_with_recovery
+from miles.ft.recovery import EngineRecoveryController, NoEnginesLeftError
+from miles.ft.sync import sync_weights_with_recovery
 from miles.ft.timing import ft_timings
 from miles.rollout.client import EngineClient, run_sync
 from miles.rollout.engines import build_engine_argv

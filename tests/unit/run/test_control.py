@@ -44,7 +44,7 @@ def _worker(rank: int, port: int, scenario: str, q) -> None:
             else:
                 import time
 
-                time.sleep(6)
+                time.sleep(4)  # alive past the follower's 2 s timeout: it must time out, not see a dead peer
                 q.put((rank, "slept"))
     except Exception as e:  # report instead of dying silently
         q.put((rank, f"worker error: {type(e).__name__}: {e}"))
