@@ -31,6 +31,7 @@
 #   PYTHON           interpreter             [python]
 #   MILES_HOME       the miles checkout      [$SLURM_SUBMIT_DIR]
 #   QUICKSTART_DIR   where the quickstart model/data go [$MILES_HOME/outputs/quickstart]
+#   QUICKSTART_MODEL start GRPO from this model instead of the quickstart's SFT warm start
 #   MASTER_PORT      rendezvous port         [derived from the job id]
 #   SRUN_ARGS        more srun options (a string), e.g. "--mpi=pmix" or "--container-image=..."
 set -euo pipefail
@@ -72,8 +73,13 @@ case "$ENTRY" in
   train.py|train_async.py|*/train.py|*/train_async.py)
     if [ -z "${MODEL_DIR:-}" ] && [ -f examples/quickstart/prepare.sh ]; then
       QUICKSTART_DIR=${QUICKSTART_DIR:-$PWD/outputs/quickstart}
-      echo "[grpo.sh] no MODEL_DIR: preparing the quickstart in $QUICKSTART_DIR" >&2
-      bash examples/quickstart/prepare.sh "$QUICKSTART_DIR" >&2
+      echo "[grpo.sh] no MODEL_DIR: running the quickstart from $QUICKSTART_DIR" >&2
+      [ -f "$QUICKSTART_DIR/model/config.json" ] || PYTHON="$PYTHON" bash examples/quickstart/prepare.sh "$QUICKSTART_DIR" >&2
+      if [ -z "${QUICKSTART_MODEL:-}" ] && [ ! -f "$QUICKSTART_DIR/sft_model/config.json" ]; then
+        # the SFT warm start (2 trainer ranks on this host, our own SFT path) that GRPO starts from
+        echo "[grpo.sh] making the SFT warm start (examples/quickstart/run_sft.sh)" >&2
+        QUICKSTART_DIR="$QUICKSTART_DIR" PYTHON="$PYTHON" bash examples/quickstart/run_sft.sh >&2
+      fi
       if [ -f examples/quickstart/flags.sh ]; then
         read -r -a QS_FLAGS <<<"$(bash examples/quickstart/flags.sh "$QUICKSTART_DIR")"
         DATA+=("${QS_FLAGS[@]}")

@@ -10,7 +10,7 @@ DIR="${QUICKSTART_DIR:-outputs/quickstart}"
 cd "$REPO"
 [ -f "$DIR/model/config.json" ] || bash "$HERE/prepare.sh" "$DIR"
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-torchrun --standalone --nproc-per-node 2 train.py \
+"${PYTHON:-python}" -m torch.distributed.run --standalone --nproc-per-node 2 train.py \
   --debug-train-only --actor-num-nodes 1 --actor-num-gpus-per-node 2 --num-gpus-per-node 2 \
   --hf-checkpoint "$DIR/model" --loss-type sft_loss \
   --prompt-data "$DIR/sft.jsonl" --input-key input --label-key response --rollout-shuffle \

@@ -48,6 +48,7 @@ from miles.ft.heartbeat import probe_health
 from miles.ft.membership import EngineMembership, MembershipEvent
 from miles.ft.timing import FTTimings, ft_timings
 from miles.rollout.client import EngineError, SyncEngineControl, run_sync
+from miles.utils.errors import MilesError
 from miles.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -56,7 +57,7 @@ STARTING, ROUTED, DOWN, AWAITING, GIVEN_UP = "starting", "routed", "down", "awai
 CATCHING_UP = "catching_up"  # AWAITING, while the driver pushes it the cached weights (not a sync target)
 
 
-class NoEnginesLeftError(RuntimeError):
+class NoEnginesLeftError(MilesError):
     """Every engine was given up: the run cannot generate any more."""
 
 

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
+from miles.utils.errors import MilesError
 from miles.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -36,7 +37,7 @@ T = TypeVar("T")
 _OWN_FIELDS = frozenset({"input_ids", "text", "sampling_params", "return_logprob", "rid", "stream"})
 
 
-class EngineError(RuntimeError):
+class EngineError(MilesError):
     """An engine (or router) call failed. ``status`` is None when no HTTP answer came (connection, timeout)."""
 
     def __init__(self, url: str, endpoint: str, status: int | None, message: str, *, timed_out: bool = False):

@@ -22,6 +22,7 @@ from typing import Any
 
 from miles.config.base import ConfigError
 from miles.config.data import DataConfig, EvalConfig
+from miles.utils.errors import MilesError
 from miles.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -30,7 +31,7 @@ JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
 
 
-class DataError(ValueError):
+class DataError(MilesError, ValueError):
     """The prompt data is malformed; the message names the file, the line (or row) and the fix."""
 
 

@@ -44,6 +44,7 @@ from miles.rollout.filters import call_filter, load_filter
 from miles.rollout.plugins import PluginArgs, choose_arity, is_async, load_function
 from miles.rollout.rewards import Rewarder
 from miles.types import Sample, SampleStatus
+from miles.utils.errors import MilesError
 from miles.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -51,7 +52,7 @@ logger = get_logger(__name__)
 ProgressFn = Callable[[int, int], None]
 
 
-class RolloutError(RuntimeError):
+class RolloutError(MilesError):
     """A rollout cannot produce training data (every sample failed, or the filter starves it)."""
 
 

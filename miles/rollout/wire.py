@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from miles.types import Sample, SampleStatus
+from miles.utils.errors import MilesError
 
 FORMAT = "miles.samples"
 VERSION = "1"
@@ -52,7 +53,7 @@ _JSON_FIELDS = [f.name for f in dataclasses.fields(Sample) if f.name not in _FLA
 _INT32_MAX = 2**31 - 1
 
 
-class SampleWireError(ValueError):
+class SampleWireError(MilesError, ValueError):
     """A sample payload cannot be encoded or decoded; the message says what is wrong and where."""
 
 

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from miles.config.base import ConfigError
+from miles.utils.errors import MilesError
 from miles.utils.optional import MissingDependencyError
 
 EXIT_KNOWN_ERROR = 2
@@ -31,10 +32,6 @@ EXIT_BUG = 1
 
 # Launcher variables carrying the global rank, in the order world.py trusts them.
 _RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
-
-
-class MilesError(RuntimeError):
-    """A known failure at run time whose message says what happened and what to do."""
 
 
 class CollectiveTimeoutError(MilesError):

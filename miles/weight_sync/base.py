@@ -33,6 +33,7 @@ import torch
 
 from miles.config.base import ConfigError
 from miles.config.weights import WeightSyncConfig
+from miles.utils.errors import MilesError
 from miles.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -40,7 +41,7 @@ logger = get_logger(__name__)
 MODES = ("broadcast", "tensor", "disk-delta")
 
 
-class WeightSyncError(RuntimeError):
+class WeightSyncError(MilesError):
     """A weight sync failed or timed out; the message names the engine(s) and the step."""
 
 

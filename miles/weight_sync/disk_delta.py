@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from miles.utils.errors import MilesError
 from miles.utils.logging import get_logger
 from miles.weight_sync.buckets import as_bytes, dtype_from_str, dtype_to_str, nbytes
 
@@ -57,7 +58,7 @@ _MODEL_DIR_FILES = ("config.json", "generation_config.json", "tokenizer.json", "
 _INT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-class DeltaError(ValueError):
+class DeltaError(MilesError, ValueError):
     """A delta version cannot be applied (corrupted, missing, or against another base). Never partial."""
 
 

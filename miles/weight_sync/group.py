@@ -21,12 +21,13 @@ import time
 import torch
 import torch.distributed as dist
 
+from miles.utils.errors import MilesError
 from miles.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
 
-class WeightGroupError(RuntimeError):
+class WeightGroupError(MilesError):
     """A weight-update group could not form or a collective on it failed or timed out."""
 
 

@@ -91,3 +91,24 @@ def test_sbatch_bad_plan_fails_on_every_rank(slurm_conf, tmp_path):
     for r in range(2):
         assert f"[miles r{r}] error: world size mismatch: the plan needs 4 rank(s)" in job.stdout, job.stdout[-3000:]
     assert "Traceback" not in job.stdout
+
+
+def test_sbatch_quickstart_grpo_runs_train_py(slurm_conf, tmp_path):
+    """The default slurm/grpo.sh job: the quickstart's train.py, 4 tasks (2 trainer + 2 engine ranks)."""
+    import json
+
+    qs = tmp_path / "quickstart"
+    prep = subprocess.run(["bash", str(REPO / "examples/quickstart/prepare.sh"), str(qs)], capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, PYTHON=PYTHON))
+    assert prep.returncode == 0, prep.stderr[-3000:]
+    out_dir = tmp_path / "run"
+    # QUICKSTART_MODEL skips the SFT warm start (learning is asserted in tests/e2e/test_quickstart.py)
+    job = sbatch(slurm_conf, tmp_path / "job.out", ["--ntasks-per-node=4"],
+                 ["--num-rollout", "2", "--output-dir", str(out_dir), "--eval-interval", "100"], timeout=420,
+                 QUICKSTART_DIR=str(qs), QUICKSTART_MODEL=str(qs / "model"), HF_HUB_OFFLINE="1")
+    assert job.returncode == 0, job.stdout[-4000:]
+    assert "launch srun, entry train.py" in job.stdout
+    recs = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert [r["rollout_id"] for r in recs] == [0, 1]
+    assert all("rollout/raw_reward" in r and r["perf/update_weights_time"] > 0 for r in recs)
+    assert "launcher slurm" in job.stdout and (out_dir / "logs" / "rank3.log").is_file()
