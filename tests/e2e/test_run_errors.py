@@ -63,3 +63,37 @@ def test_sft_two_ranks_completes(tmp_path: Path, tiny_model_dir: Path):
     recs = metrics(out)
     assert [r["rollout_id"] for r in recs] == [0, 1, 2, 3, 4, 5, 6, 7]  # 2 epochs x 8 rows // 2
     assert recs[-1]["train/loss"] < recs[0]["train/loss"]
+
+
+def test_hung_trainer_rank_ends_job_naming_it(tmp_path: Path, tiny_model_dir: Path):
+    """SIGSTOP (a hang, not an exit) of trainer rank 1 mid-run: no collective waits past
+    --distributed-timeout-minutes; the job exits non-zero soon after, and the log names rank 1."""
+    import os
+    import signal
+    import time
+
+    import ft_harness as H
+
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _rows(400)))
+    out, timeout_s = tmp_path / "out", 15.0
+    flags = _cmd(tiny_model_dir, data, out, "--num-rollout", "200", "--distributed-timeout-minutes",
+                 str(timeout_s / 60))[5:]  # H.launch adds torchrun ... train.py
+    job = H.launch(flags, nproc=2, workdir=tmp_path)
+    try:
+        deadline = time.monotonic() + 240
+        while not ((out / "metrics.jsonl").exists() and len(metrics(out)) >= 2):
+            assert job.proc.poll() is None and time.monotonic() < deadline, H.tail(job.log)
+            time.sleep(0.1)
+        victim = H.rank_pid(job, 1)
+        assert victim is not None
+        os.kill(victim, signal.SIGSTOP)
+        t_stop = time.monotonic()
+        rc = job.wait(timeout=timeout_s + 90)
+        elapsed = time.monotonic() - t_stop
+    finally:
+        job.kill()
+    log = job.log.read_text(errors="replace")
+    assert rc != 0, H.tail(job.log)
+    assert elapsed < timeout_s + 45, f"the job took {elapsed:.0f}s to end after trainer rank 1 hung"
+    assert "[miles r0] error:" in log and "rank 1" in log, H.tail(job.log)

@@ -1,0 +1,111 @@
+"""The sync choreography every mode shares (``WeightSender.begin``/``finish``), seen from the engine side:
+call order, ``--pause-generation-mode``, ``--update-weight-buffer-size`` and ``--check-weight-update-equal``
+reaching the engines and the trainer's bucket iteration. The engine is a recording control object (the
+real HTTP client and engines are covered by tests/multiprocess/test_weight_sync.py); the transport is the
+real disk-delta sender writing real versions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles.config import parse_args
+from miles.weight_sync import disk_delta as dd
+from miles.weight_sync.base import EngineTarget, WeightSyncError, build_weight_sender
+
+
+class _Source:
+    """A trainer stand-in: fixed HF-named tensors, one per bucket; records the bucket size asked for."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.tensors = {"a.weight": torch.randn(4, 3, generator=g), "b.bias": torch.randn(5, generator=g)}
+        self.bucket_bytes: list[int] = []
+
+    def iter_weight_buckets(self, bucket_bytes, dtype=None):
+        self.bucket_bytes.append(bucket_bytes)
+        for name, t in self.tensors.items():
+            yield [(name, t)]
+
+
+class _Engine:
+    """Records every control call in order; answers /get_weights_by_name from ``weights``."""
+
+    def __init__(self, url: str, log: list[tuple[str, str, object]], weights: dict[str, torch.Tensor]) -> None:
+        self.url, self.log, self.weights = url, log, weights
+
+    def _rec(self, call: str, arg: object = None) -> dict:
+        self.log.append((self.url, call, arg))
+        return {"success": True}
+
+    async def pause_generation(self, mode):
+        return self._rec("pause", mode)
+
+    async def begin_weight_update(self):
+        return self._rec("begin")
+
+    async def update_weights_from_disk(self, path, weight_version=None, flush_cache=True, timeout=None):
+        return self._rec("load", (Path(path).name, weight_version))
+
+    async def end_weight_update(self):
+        return self._rec("end")
+
+    async def update_weight_version(self, v):
+        return self._rec("version", v)
+
+    async def flush_cache(self):
+        return self._rec("flush")
+
+    async def continue_generation(self):
+        return self._rec("continue")
+
+    async def get_weights_by_name(self, name, truncate_size=100):
+        return self.weights[name].tolist()
+
+    async def close(self):
+        pass
+
+
+def _sender(tmp_path: Path, *flags: str):
+    cfg = parse_args(["--hf-checkpoint", "x", "--update-weight-transfer-mode", "disk-delta", "--update-weight-disk-dir",
+                      str(tmp_path / "v"), "--update-weight-buffer-size", "3KiB", "--update-weight-timeout", "20", *flags],
+                     validate=False).weights
+    src, log = _Source(), []
+    engine_weights = {k: v.clone() for k, v in src.tensors.items()}
+    engines = [EngineTarget("http://e0"), EngineTarget("http://e1")]
+    sender = build_weight_sender(cfg, src, is_source=True, engines=engines,
+                                 control_factory=lambda e, timeout: _Engine(e.url, log, engine_weights))
+    return sender, src, log, engine_weights
+
+
+@pytest.mark.parametrize("mode", ["retract", "abort", "in_place"])
+def test_order_pause_mode_and_buffer_size_reach_the_engines(tmp_path: Path, mode: str) -> None:
+    sender, src, log, _ = _sender(tmp_path, "--pause-generation-mode", mode)
+    try:
+        for version in (1, 2):
+            log.clear()
+            assert sender.sync().version == version
+            for url in ("http://e0", "http://e1"):
+                calls = [(c, a) for u, c, a in log if u == url]
+                loaded = dd.version_dir_name(version, "full" if version == 1 else "delta")
+                expected = [("pause", mode), ("begin", None), ("load", (loaded, str(version))),
+                            ("end", None), ("version", str(version))]
+                expected += [] if mode == "in_place" else [("flush", None)]
+                assert calls == expected + [("continue", None)], calls
+        assert src.bucket_bytes == [3 << 10, 3 << 10]            # --update-weight-buffer-size reached the trainer
+    finally:
+        sender.close()
+
+
+def test_check_weight_update_equal_stops_the_sync_naming_the_tensor(tmp_path: Path) -> None:
+    sender, _, log, engine_weights = _sender(tmp_path, "--check-weight-update-equal")
+    try:
+        sender.sync()                                              # engines equal the trainer: passes
+        assert sender.weight_version == 1
+        engine_weights["b.bias"][2] += 1.0                         # an engine that did not apply one element
+        with pytest.raises(WeightSyncError, match=r"http://e0 tensor 'b.bias' differs.*1/5 elements"):
+            sender.sync()
+    finally:
+        sender.close()
