@@ -44,8 +44,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and check the flags that need no model; a bad value exits 2 with argparse's one-line usage error."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not 0 < args.port < 65536:
+        parser.error(f"--port {args.port} is out of range: give a port in 1..65535")
+    if args.weight_update_timeout <= 0:
+        parser.error(f"--weight-update-timeout {args.weight_update_timeout:g} must be positive (seconds)")
+    if args.max_prefill_tokens < 1:
+        parser.error(f"--max-prefill-tokens {args.max_prefill_tokens} must be at least 1")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     configure_logging(role="engine", level=args.log_level.upper())
     if args.host in ("0.0.0.0", "::"):
         logger.warning("--host %s listens on every interface; use --api-key on a shared network", args.host)

@@ -156,21 +156,20 @@ class EngineControl(_Http):
         return await self._request("GET", self.url, endpoint, None, timeout)
 
     # -- health and info ---------------------------------------------------------------------------
-    async def health(self, timeout: float | None = None) -> bool:
-        """True when ``GET /health`` answers 200; False on any failure (never raises)."""
+    async def _answers(self, endpoint: str, timeout: float | None) -> bool:
         try:
-            await self._get("/health", timeout)
+            await self._get(endpoint, timeout)
             return True
         except EngineError:
             return False
 
+    async def health(self, timeout: float | None = None) -> bool:
+        """True when ``GET /health`` answers 200; False on any failure (never raises)."""
+        return await self._answers("/health", timeout)
+
     async def health_generate(self, timeout: float | None = None) -> bool:
-        """True when ``GET /health_generate`` (a one-token generation) answers 200."""
-        try:
-            await self._get("/health_generate", timeout)
-            return True
-        except EngineError:
-            return False
+        """True when ``GET /health_generate`` (a one-token generation) answers 200; never raises."""
+        return await self._answers("/health_generate", timeout)
 
     async def wait_healthy(self, timeout: float, interval: float = 0.5,
                            alive: Callable[[], bool] | None = None) -> None:

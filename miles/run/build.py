@@ -52,6 +52,7 @@ class Run:
     sink: Any = field(default_factory=NullSink)
     progress: Progress = field(default_factory=lambda: Progress(enabled=False))
     resume_extra: dict[str, Any] | None = None
+    teacher: Any = None  # EngineClient of the OPD teacher engines (--opd-type sglang), driver only
 
     @property
     def timeout(self) -> float:
@@ -63,6 +64,9 @@ class Run:
         if self.manager is not None:
             await self.manager.aclose()
             self.manager = None
+        if self.teacher is not None:
+            await self.teacher.close()
+            self.teacher = None
         if self.fleet is not None:
             await self.fleet.close()
             self.fleet = None
@@ -234,3 +238,10 @@ async def _driver_setup(run: Run, local: dict[str, Any], extra: dict[str, Any] |
             client = run.worker.ft.wrap_client(client)
         run.manager = RolloutManager(cfg.rollout, cfg.data, cfg.reward, client, local["tokenizer"],
                                      run.data_source, eval_cfg=cfg.eval)
+        if cfg.algo.use_opd and cfg.algo.opd_type == "sglang":  # teacher log-probs from teacher engines
+            from miles.rollout.teacher import teacher_client
+
+            r = cfg.rollout
+            run.teacher = teacher_client(cfg.algo.opd_teacher_urls, api_key=r.sglang_api_key,
+                                         timeout=r.rollout_request_timeout, max_retries=r.rollout_request_retries,
+                                         concurrency=r.sglang_server_concurrency)

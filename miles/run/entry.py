@@ -21,9 +21,11 @@ logger = get_logger(__name__)
 
 async def run_job(cfg: MilesConfig, loop_cls: Any) -> None:
     from miles.run.build import build_run
+    from miles.run.liveness import Liveness, name_silent_ranks
     from miles.spmd import bootstrap
 
     ctx = bootstrap(cfg)
+    beat = Liveness.start(ctx.world.rank, ctx.world.world_size)  # after a timeout: which rank went silent
     job = await build_run(cfg, ctx)
     try:
         if ctx.is_driver:
@@ -40,9 +42,17 @@ async def run_job(cfg: MilesConfig, loop_cls: Any) -> None:
                      exc_info=not isinstance(e, KeyboardInterrupt))
         if ctx.is_driver:
             job.sink.close()  # finished rollouts' metrics and the plot first: the launcher may end us soon
-            job.worker.channel.abort(f"{type(e).__name__}: {e}")
+        named = name_silent_ranks(e, beat)  # a timed-out collective: which rank went silent (a few seconds)
+        if named is not e:
+            logger.error("%s", named)
+        if ctx.is_driver:
+            job.worker.channel.abort(f"{type(e).__name__}: {named}")
+        if named is not e:
+            raise named from e
         raise
     finally:
+        if beat is not None:
+            beat.close()
         await job.close()
     ctx.close()
     logger.info("done")

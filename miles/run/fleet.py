@@ -69,7 +69,39 @@ class Fleet:
         """``EngineControl.<method>`` on every engine, concurrently."""
         return await asyncio.gather(*(getattr(self.control(u), method)(**kwargs) for u in self.urls))
 
+    async def prune_dead(self, probe_timeout: float = 5.0) -> list[str]:
+        """Without ``--use-fault-tolerance``: delete this run's engines that fail two ``/health`` probes
+        from the router (the router itself only marks them unhealthy). Their requests are retried on
+        the others by the client; the next weight sync then fails naming the lost engine, since a dead
+        member cannot be replaced without fault tolerance."""
+        from miles.rollout.router import RouterClient
+
+        if self.router_url is None:
+            return []
+        removed: list[str] = []
+        async with RouterClient(self.router_url, api_key=self.api_key) as rc:
+            listed = {w.get("url", "").rstrip("/") for w in await rc.list_workers()}
+            for url in [u for u in self.urls if u in listed]:
+                ctl = self.control(url)
+                if await ctl.health(timeout=probe_timeout) or await ctl.health(timeout=probe_timeout):
+                    continue
+                logger.error("engine %s stopped answering /health: removed from the router (its requests go to "
+                             "the other engines; pass --use-fault-tolerance to restart it in place)", url)
+                if await rc.remove_worker(url):
+                    removed.append(url)
+        return removed
+
     async def close(self) -> None:
+        if self.router is None and self.router_url is not None:
+            # a router we did not start outlives the run: deregister our engines from it
+            from miles.rollout.router import RouterClient
+
+            try:
+                async with RouterClient(self.router_url, api_key=self.api_key) as rc:
+                    for url in self.urls:
+                        await rc.remove_worker(url, timeout=10.0)
+            except Exception as e:  # the router may be gone already; closing must go on
+                logger.warning("could not deregister engines from router %s: %s", self.router_url, e)
         for ctl in self._controls.values():
             await ctl.close()
         await self.client.close()

@@ -105,6 +105,8 @@ class RLLoop:
             t_step = time.monotonic()
             if ft is not None:
                 ft.check()  # every engine given up: stop, saying why
+            elif self.job.fleet is not None:
+                await self.job.fleet.prune_dead()  # a dead engine leaves the router even without FT
             groups, metrics = await self.generate(rollout_id)
             groups, score_metrics = self.score(groups)
             metrics.update(score_metrics)
@@ -136,6 +138,13 @@ class RLLoop:
                 finally:
                     job.progress.end_generation()
                 groups, metrics = result.samples, dict(result.metrics)
+                if job.teacher is not None:  # --opd-type sglang: the teacher scores the exact tokens
+                    from miles.rollout.teacher import fill_teacher_log_probs
+
+                    t0 = time.monotonic()
+                    await fill_teacher_log_probs(job.teacher, [s for g in groups for s in g],
+                                                 self.cfg.rollout.rollout_temperature)
+                    metrics["perf/teacher_time"] = time.monotonic() - t0
         if self.has_trainer and self.plan.offload_rollout and job.fleet is not None:
             await job.fleet.call_all("release_memory_occupation")
         if self.cfg.output.save_debug_rollout_data:

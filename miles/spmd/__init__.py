@@ -89,7 +89,8 @@ def bootstrap(cfg: MilesConfig) -> SPMDContext:
     world = detect_world(cluster)  # may share the master address over MPI
     if plan is None:  # PMIx without a size in the environment: known only after the MPI exchange
         plan = build_role_plan(cluster, world.world_size)
-    check_placement(plan, world.rank, world.node_rank, world.num_nodes, world.local_world_size)
+    check_placement(plan, world.rank, world.node_rank, world.num_nodes, world.local_world_size,
+                    on_gpu=world.device.type == "cuda")
     configure_logging(rank=world.rank, role=role_label(plan.role_of(world.rank)), level=cfg.output.log_level)
     set_role(role_label(plan.role_of(world.rank)))
     if world.rank == plan.driver_rank:

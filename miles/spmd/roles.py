@@ -239,14 +239,21 @@ def build_role_plan(cluster: ClusterConfig, world_size: int) -> RolePlan:
                     driver_rank=0, num_gpus_per_node=p, world_size=world_size, mode=mode)
 
 
-def check_placement(plan: RolePlan, rank: int, node_rank: int, num_nodes: int, local_world_size: int) -> None:
+def check_placement(plan: RolePlan, rank: int, node_rank: int, num_nodes: int, local_world_size: int,
+                    on_gpu: bool = False) -> None:
     """The launcher's real placement must match the plan's nodes (``rank // --num-gpus-per-node``).
 
     Every rank sees the same local world size under a homogeneous launch, so a mismatch fails
     everywhere; a rank-specific mismatch (round-robin mapping) fails on that rank and the launcher
-    ends the job.
+    ends the job. On CPU one node may simulate several (a GPU is a rank slot); on GPU it may not,
+    since engines take GPU ``rank % --num-gpus-per-node`` while trainers take ``cuda:<local rank>``.
     """
     p = plan.num_gpus_per_node
+    if on_gpu and num_nodes == 1 and plan.num_nodes > 1:
+        raise ConfigError(
+            f"node layout mismatch: the plan spreads {plan.world_size} ranks over {plan.num_nodes} nodes of "
+            f"--num-gpus-per-node {p} GPUs, but the launcher ran all of them on this one GPU node. Fix: "
+            f"--num-gpus-per-node {local_world_size} (the ranks on this node), or launch {p} ranks per node.")
     if num_nodes > 1 and local_world_size != p:
         raise ConfigError(
             f"node layout mismatch: the plan puts --num-gpus-per-node {p} ranks on each node, but the launcher put "

@@ -132,12 +132,7 @@ class EngineSupervisor:
             self._manual = True
             self._cond.notify_all()
             proc = self._proc
-        if proc is not None and proc.poll() is None:
-            self._signal_group(signal.SIGTERM)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self._signal_group(signal.SIGKILL)
+        self._terminate(proc, timeout)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to the child process itself (fault injection in tests)."""
@@ -152,15 +147,7 @@ class EngineSupervisor:
             self._stopping = True
             self._cond.notify_all()
         proc = self._proc
-        if proc is not None and proc.poll() is None:
-            self._signal_group(signal.SIGTERM)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                logger.warning("%s: pid %d ignored SIGTERM for %g s; SIGKILL", self.name, proc.pid, timeout)
-                self._signal_group(signal.SIGKILL)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(5)
+        self._terminate(proc, timeout)
         if proc is not None:
             self._kill_leftovers(proc.pid)
         if self._thread is not None:
@@ -170,6 +157,19 @@ class EngineSupervisor:
         return proc.returncode if proc is not None else None
 
     # ------------------------------------------------------------------ internals
+    def _terminate(self, proc: subprocess.Popen | None, timeout: float) -> None:
+        """SIGTERM the running child's process group; SIGKILL it after ``timeout`` s (then wait at most 5 s)."""
+        if proc is None or proc.poll() is not None:
+            return
+        self._signal_group(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            logger.warning("%s: pid %d ignored SIGTERM for %g s; SIGKILL", self.name, proc.pid, timeout)
+            self._signal_group(signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5)
+
     def _signal_group(self, sig: int) -> None:
         proc = self._proc
         if proc is None:

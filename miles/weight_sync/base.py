@@ -211,6 +211,17 @@ class WeightSender(ABC):
     def iter_buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
         return self.source.iter_weight_buckets(self.cfg.update_weight_buffer_size, self.dtype)
 
+    def timed_buckets(self, result: SyncResult) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """``iter_buckets`` (collective), adding the time spent gathering to ``result.gather_s``."""
+        it = self.iter_buckets()
+        while True:
+            t0 = time.monotonic()
+            bucket = next(it, None)
+            result.gather_s += time.monotonic() - t0
+            if bucket is None:
+                return
+            yield bucket
+
     def control(self, engine: EngineTarget) -> Any:
         ctl = self._controls.get(engine.url)
         if ctl is None:

@@ -137,7 +137,7 @@ class BroadcastSender(WeightSender):
         result = SyncResult(self.mode, version, num_engines=len(engines))
         t_start = time.monotonic()
         if not self.is_source:
-            for _ in self._gathered(result):
+            for _ in self.timed_buckets(result):
                 pass
             result.total_s = time.monotonic() - t_start
             return result
@@ -145,7 +145,7 @@ class BroadcastSender(WeightSender):
         temp_group = None
         try:
             if not engines:
-                for _ in self._gathered(result):
+                for _ in self.timed_buckets(result):
                     pass
                 return result
             if self._group is None:
@@ -170,17 +170,6 @@ class BroadcastSender(WeightSender):
             result.total_s = time.monotonic() - t_start
         return result
 
-    def _gathered(self, result: SyncResult):
-        """Iterate the trainer's buckets (collective), timing the gathers."""
-        it = self.iter_buckets()
-        while True:
-            t0 = time.monotonic()
-            bucket = next(it, None)
-            result.gather_s += time.monotonic() - t0
-            if bucket is None:
-                return
-            yield bucket
-
     def _send_all(self, group: WeightGroup, engines: list[EngineTarget], version: int, deadline: Deadline, result: SyncResult) -> None:
         q: queue.Queue = queue.Queue(maxsize=1)
         failure: list[BaseException] = []
@@ -188,7 +177,7 @@ class BroadcastSender(WeightSender):
                                   name="miles-weight-broadcast", daemon=True)
         sender.start()
         try:
-            for bucket in self._gathered(result):
+            for bucket in self.timed_buckets(result):
                 if failure:
                     continue  # keep gathering in lockstep so the other trainer ranks finish too
                 t0 = time.monotonic()

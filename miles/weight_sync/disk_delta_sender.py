@@ -56,7 +56,7 @@ class DiskDeltaSender(WeightSender):
                     self._push(engines, version, deadline, result, full_only=True)
                 return result
             if not self.is_source:
-                for _ in self._timed_buckets(result):
+                for _ in self.timed_buckets(result):
                     pass
                 self._synced = True
                 return result
@@ -86,19 +86,9 @@ class DiskDeltaSender(WeightSender):
             result.total_s = time.monotonic() - t_start
         return result
 
-    def _timed_buckets(self, result: SyncResult):
-        it = self.iter_buckets()
-        while True:
-            t0 = time.monotonic()
-            bucket = next(it, None)
-            result.gather_s += time.monotonic() - t0
-            if bucket is None:
-                return
-            result.num_buckets += 1
-            yield bucket
-
     def _collect(self, result: SyncResult, snapshot: dict[str, torch.Tensor]):
-        for bucket in self._timed_buckets(result):
+        for bucket in self.timed_buckets(result):
+            result.num_buckets += 1
             for name, t in bucket:
                 t0 = time.monotonic()
                 cpu = t.detach().to("cpu", copy=True).contiguous()

@@ -67,7 +67,7 @@ def test_sft_two_ranks_completes(tmp_path: Path, tiny_model_dir: Path):
 
 def test_hung_trainer_rank_ends_job_naming_it(tmp_path: Path, tiny_model_dir: Path):
     """SIGSTOP (a hang, not an exit) of trainer rank 1 mid-run: no collective waits past
-    --distributed-timeout-minutes; the job exits non-zero soon after, and the log names rank 1."""
+    --distributed-timeout-minutes; the driver exits (code 2) soon after, naming rank 1 as the silent one."""
     import os
     import signal
     import time
@@ -89,11 +89,16 @@ def test_hung_trainer_rank_ends_job_naming_it(tmp_path: Path, tiny_model_dir: Pa
         assert victim is not None
         os.kill(victim, signal.SIGSTOP)
         t_stop = time.monotonic()
-        rc = job.wait(timeout=timeout_s + 90)
+        driver = H.rank_pid(job, 0)
+        # the driver's collective times out, it names the silent rank and exits (code 2); torchrun would
+        # then spend its 30 s SIGTERM grace on the stopped rank before SIGKILLing it: we do not wait for that
+        while H.rank_pid(job, 0) == driver and job.proc.poll() is None:
+            assert time.monotonic() - t_stop < timeout_s + 60, H.tail(job.log)
+            time.sleep(0.2)
         elapsed = time.monotonic() - t_stop
     finally:
         job.kill()
     log = job.log.read_text(errors="replace")
-    assert rc != 0, H.tail(job.log)
-    assert elapsed < timeout_s + 45, f"the job took {elapsed:.0f}s to end after trainer rank 1 hung"
-    assert "[miles r0] error:" in log and "rank 1" in log, H.tail(job.log)
+    assert elapsed < timeout_s + 20, f"the driver took {elapsed:.0f}s to stop after trainer rank 1 hung"
+    assert "[miles r0] error: collective on group" in log and "rank 1 stopped responding" in log, H.tail(job.log)
+    assert len(metrics(out)) >= 2  # the finished rollouts stay recorded

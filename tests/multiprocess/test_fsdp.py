@@ -152,6 +152,7 @@ def worker(out_dir: Path, model_dir: Path, kind: str) -> None:
         tr = _trainer(model_dir, group, mesh, ["--loss-type", "sft_loss", "--lr", "5e-3"], steps=1, device=device)
         result["sft"] = [tr.train(samples, i)["loss"] for i in range(6)]
         result["errors"] = _bad_inputs(model_dir, group, mesh, device)
+        result["ref_load"] = _ref_load_and_no_save_optim(tr, model_dir, out_dir, group, mesh, mine, device)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
     dist.all_reduce(torch.zeros(1), group=None)           # on gloo (CPU tensor), also in the cuda variant
     dist.destroy_process_group()
@@ -180,6 +181,34 @@ def _bad_inputs(model_dir, group, mesh, device) -> dict:
     return errors
 
 
+def _ref_load_and_no_save_optim(sft, model_dir, out_dir, group, mesh, samples, device) -> dict:
+    """--ref-load: the reference is the SFT-trained model (so the KL loss is > 0 at the first step, where
+    the policy still equals the initial weights); --no-save-optim: the checkpoint holds no AdamW state."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    sft.save_hf(out_dir / "sft_hf")
+    tr = _trainer(model_dir, group, mesh, ["--use-kl-loss", "--kl-loss-coef", "0.1", "--ref-load", str(out_dir / "sft_hf"),
+                                           "--save", str(out_dir / "ckpt"), "--no-save-optim"], steps=1, device=device)
+    ref_sd = load_file(str(out_dir / "sft_hf" / "model.safetensors"))
+    init_sd = load_file(str(model_dir / "model.safetensors"))
+    ref_params = {n[len("lm."):]: p.full_tensor().cpu() for n, p in tr.ref.named_parameters()}
+    out = {
+        "ref_is_ref_load": all(torch.equal(v, ref_sd[k].float()) for k, v in ref_params.items() if k in ref_sd),
+        "ref_differs_from_init": any(not torch.equal(v, init_sd[k].float()) for k, v in ref_params.items() if k in init_sd),
+        "ref_frozen": not any(p.requires_grad for p in tr.ref.parameters()),
+        "kl_loss": tr.train(samples, 0)["kl_loss"],
+    }
+    path = tr.checkpoint(0, extra={})
+    keys = dcp.FileSystemReader(str(path / "actor")).read_metadata().state_dict_metadata
+    out["has_optim"] = json.loads((path / "trainer_state.json").read_text())["has_optim"]
+    out["optim_keys"] = sum(k.startswith("optim") for k in keys)
+    out["model_keys"] = sum(k.startswith("model") for k in keys)
+    out["resumed_rollout_id"] = tr.resume()["rollout_id"]
+    return out
+
+
 def _offload_check(tr, samples) -> dict:
     """GPU only: offload frees device memory, onload restores the same weights, training continues."""
     import torch
@@ -193,7 +222,8 @@ def _offload_check(tr, samples) -> dict:
     after = tr.state_dict_for_check()
     same = all(torch.equal(before[k], after[k]) for k in before)
     loss = tr.train(samples, 1)["loss"]
-    return {"mem_on": mem_on, "mem_off": mem_off, "same": same, "loss_finite": loss == loss}
+    ref_on_cpu = all(p.to_local().device.type == "cpu" for p in tr.ref.parameters())   # between uses
+    return {"mem_on": mem_on, "mem_off": mem_off, "same": same, "loss_finite": loss == loss, "ref_on_cpu": ref_on_cpu}
 
 
 # ----------------------------------------------------------------------------------------------- tests
@@ -265,6 +295,14 @@ def test_sft_lowers_loss(run):
     assert all(b <= a + 1e-3 for a, b in zip(losses, losses[1:])), losses
 
 
+def test_ref_load_is_the_reference_and_no_save_optim_drops_adam(run):
+    r = run[1][2]["ref_load"]
+    assert r["ref_is_ref_load"] and r["ref_differs_from_init"] and r["ref_frozen"]
+    assert abs(r["kl_loss"]) > 1e-3                              # k1 to the SFT model; 0 against the initial weights
+    assert r["has_optim"] is False and r["optim_keys"] == 0 and r["model_keys"] > 0
+    assert r["resumed_rollout_id"] == 0
+
+
 def test_bad_samples_fail_clearly(run):
     _, results = run
     e = results[2]["errors"]
@@ -297,7 +335,7 @@ def test_gpu_nccl_bf16(tmp_path, tiny_model_dir):
         assert diff < 2e-3
     off = results[0]["offload"]
     print("offload:", off)
-    assert off["same"] and off["loss_finite"] and off["mem_off"] < off["mem_on"]
+    assert off["same"] and off["loss_finite"] and off["mem_off"] < off["mem_on"] and off["ref_on_cpu"]
     assert results[0]["hf"] == {"same_names": True, "equal": True, "tokenizer_roundtrip": True}
     assert results[0]["buckets"]["exact"] and results[0]["buckets"]["bf16"]
     assert results[2]["sft"][-1] < results[2]["sft"][0] - 0.3

@@ -208,3 +208,27 @@ def test_killed_engine_is_removed_and_its_requests_finish_elsewhere(cluster):
     assert removed == [a.url] and [w["url"] for w in workers] == [b.url]
     assert all(r["miles"]["attempts"] == 1 for r in after)
     assert sum(r["miles"]["attempts"] - 1 for r in results) >= 1  # A's requests were retried by the client
+
+
+def test_fleet_prunes_a_hung_engine_and_deregisters_from_an_external_router(cluster):
+    """Runs after the kill test (engine A is gone): the run's Fleet on a router it did not start."""
+    from miles.run.fleet import Fleet
+
+    router, (_a, b) = cluster
+
+    async def go():
+        client = EngineClient(router.url, api_key=KEY, timeout=30, max_retries=0, concurrency=4)
+        fleet = Fleet(urls=[b.url], targets=[], client=client, router_url=router.url, router=None, api_key=KEY)
+        async with RouterClient(router.url, api_key=KEY) as rc:
+            assert await fleet.prune_dead(probe_timeout=1.0) == []  # healthy: kept
+            b.sup.kill(signal.SIGSTOP)
+            try:
+                assert await fleet.prune_dead(probe_timeout=1.0) == [b.url]  # hung: removed
+                assert [w["url"] for w in await rc.list_workers()] == []
+            finally:
+                b.sup.kill(signal.SIGCONT)
+            await rc.add_worker(b.url)
+            await fleet.close()  # the router outlives the run: our engines are deregistered
+            return await rc.list_workers()
+
+    assert run(go()) == []

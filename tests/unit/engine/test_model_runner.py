@@ -74,3 +74,16 @@ def test_bad_checkpoint_and_cache_size_are_clear(tmp_path):
     path = _save(_config("qwen3"), tmp_path / "m")
     with pytest.raises(ValueError, match="--max-running-requests"):
         ModelRunner(path, RunnerOptions(max_running_requests=1 << 20, max_context_len=1 << 16))
+
+
+@pytest.mark.parametrize(("flags", "needle"), [
+    (["--port", "70000"], "--port 70000 is out of range"),
+    (["--weight-update-timeout", "0"], "--weight-update-timeout 0 must be positive"),
+    (["--max-prefill-tokens", "0"], "--max-prefill-tokens 0 must be at least 1"),
+])
+def test_engine_cli_rejects_bad_values_before_loading(flags, needle, capsys):
+    from miles.engine.__main__ import main
+
+    with pytest.raises(SystemExit) as ei:
+        main(["--hf-checkpoint", "/nonexistent", *flags])  # no model is read: the flags fail first
+    assert ei.value.code == 2 and needle in capsys.readouterr().err

@@ -102,12 +102,16 @@ def test_sampling_params_are_obeyed(eng):
     assert isinstance(many, list) and len(many) == 3 and len({tuple(x["output_ids"]) for x in many}) == 3
     again = eng.generate({"input_ids": PROMPTS[1], "sampling_params": {**sp, "sampling_seed": 5, "n": 3}})
     assert [x["output_ids"] for x in again] == [x["output_ids"] for x in many]
-    # stop strings (text in, text out), trimmed from the text
+    # stop strings: generation ends at the first occurrence, which is cut from the text (as in SGLang)
     t = greedy(eng, PROMPTS[1], 30)["text"]
     s = t[8:10]
-    o = eng.generate({"text": "hello", "sampling_params": {"max_new_tokens": 40, "temperature": 0, "stop": [s], "ignore_eos": True}})
-    if o["meta_info"]["finish_reason"]["type"] == "stop":
-        assert o["meta_info"]["finish_reason"]["matched"] == s and s not in o["text"]
+    o = greedy(eng, PROMPTS[1], 30, stop=[s])
+    assert o["meta_info"]["finish_reason"] == {"type": "stop", "matched": s}, (t, s, o)
+    assert o["text"] == t[: t.index(s)] and o["output_ids"] == base[: len(o["output_ids"])]
+    assert len(o["output_ids"]) < 30
+    # text in works too
+    o = eng.generate({"text": "hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}})
+    assert o["meta_info"]["prompt_tokens"] >= 1 and len(o["output_ids"]) == 4
     # max_new_tokens 0
     o = greedy(eng, PROMPTS[1], 0)
     assert o["output_ids"] == [] and o["meta_info"]["finish_reason"]["type"] == "length"

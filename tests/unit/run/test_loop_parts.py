@@ -72,3 +72,29 @@ def test_dry_run_text(tmp_path: Path, tiny_model_dir):
     assert "role plan: disaggregated, 4 rank(s)" in text and "engine_leader" in text
     assert '"num_rollout": 4' in text  # 2 epochs x (10 // 4)
     assert '"rollout_batch_size": 4' in text
+
+
+def test_max_weight_staleness_drops_old_groups():
+    """train_async.py --max-weight-staleness N: groups with a sample more than N versions behind are dropped."""
+    from types import SimpleNamespace
+
+    from miles.run.async_loop import AsyncRLLoop
+
+    loop = object.__new__(AsyncRLLoop)
+    loop.policy = True
+    loop.job = SimpleNamespace(worker=SimpleNamespace(sender=SimpleNamespace(weight_version=5)))
+
+    def group(g: int, *versions) -> list[Sample]:
+        out = [_s(g, 1.0) for _ in versions]
+        for s, v in zip(out, versions):
+            s.weight_version = v
+        return out
+
+    groups = [group(0, 5, 5), group(1, 4, 3), group(2, 2, 5), group(3, None, 4)]
+    loop.max_staleness = 1
+    kept, m = loop.score_async([list(g) for g in groups])
+    assert [g[0].group_index for g in kept] == [0, 3]
+    assert m["rollout/stale_dropped_groups"] == 2 and m["rollout/weight_staleness_max"] == 3.0
+    loop.max_staleness = None  # the default keeps everything, and still reports staleness
+    kept, m = loop.score_async([list(g) for g in groups])
+    assert len(kept) == 4 and "rollout/stale_dropped_groups" not in m

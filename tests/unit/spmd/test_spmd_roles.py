@@ -133,3 +133,8 @@ def test_placement_must_match_the_launcher():
     # one node holding fewer ranks than --num-gpus-per-node (a CPU run with the default 8) is fine
     single = build_role_plan(cluster("--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2"), 4)
     check_placement(single, rank=3, node_rank=0, num_nodes=1, local_world_size=4)
+    # one CPU node may simulate two of --num-gpus-per-node 2; one GPU node may not (engine GPU ids would clash)
+    check_placement(plan, rank=3, node_rank=0, num_nodes=1, local_world_size=4)
+    with pytest.raises(ConfigError, match="over 2 nodes of --num-gpus-per-node 2 GPUs.*Fix: --num-gpus-per-node 4"):
+        check_placement(plan, rank=3, node_rank=0, num_nodes=1, local_world_size=4, on_gpu=True)
+    check_placement(single, rank=3, node_rank=0, num_nodes=1, local_world_size=4, on_gpu=True)

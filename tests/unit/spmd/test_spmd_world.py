@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from miles.config import ConfigError, parse_args
@@ -105,3 +107,19 @@ def test_device_and_backend_choices_on_cpu():
 def test_bad_launcher_values_are_named():
     with pytest.raises(ConfigError, match="RANK='x'"):
         read_launch_env({"RANK": "x", "WORLD_SIZE": "2"})
+
+
+def test_numa_binding_masks_and_clean_skips(monkeypatch):
+    import torch
+
+    from miles.spmd.numa import bind_to_gpu, cpus_from_masks
+
+    # NVML's affinity words: word 0 holds CPUs 0..63, word 1 CPUs 64..127
+    assert cpus_from_masks([0b1011, 0]) == {0, 1, 3}
+    assert cpus_from_masks([0, 1 << 2]) == {66}
+    assert cpus_from_masks([(1 << 64) - 1]) == set(range(64))
+    before = os.sched_getaffinity(0)
+    assert bind_to_gpu(torch.device("cpu")) is None  # no GPU: nothing to do, nothing changed
+    monkeypatch.setenv("MILES_NUMA_BIND", "0")
+    assert bind_to_gpu(torch.device("cuda", 0)) is None  # switched off before NVML is touched
+    assert os.sched_getaffinity(0) == before

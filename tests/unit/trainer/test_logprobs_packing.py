@@ -104,15 +104,24 @@ def test_packed_equals_unpacked(policy):
 def test_recompute_gives_same_gradients(tiny_model_dir):
     data = _samples(100, n=3, seed=1)
     mb = B.pack(data, [0, 1, 2])
-    grads = []
+    grads, saved = [], []
     for recompute in (False, True):
         hf = modeling.load_hf_model(tiny_model_dir, torch.device("cpu"))
         pm = modeling.PolicyModel(hf).train()
         if recompute:
             modeling._enable_recompute(modeling.decoder_blocks(hf))
-        lp, ent = _run(pm, mb, with_entropy=True, entropy_grad=True)
+        count = [0]
+
+        def pack(t, count=count):
+            count[0] += 1
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):   # activations kept for backward
+            lp, ent = _run(pm, mb, with_entropy=True, entropy_grad=True)
+        saved.append(count[0])
         (lp.sum() + ent.sum()).backward()
         grads.append({n: p.grad.clone() for n, p in pm.named_parameters()})
+    assert saved[1] < saved[0] / 2, saved       # the blocks' activations are recomputed, not kept
     for n in grads[0]:
         torch.testing.assert_close(grads[0][n], grads[1][n], rtol=1e-5, atol=1e-6)
     assert modeling.hf_name("lm.model.norm.weight") == "model.norm.weight"
