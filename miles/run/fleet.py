@@ -132,12 +132,31 @@ def place_engines(cfg: MilesConfig, ctx: SPMDContext, *, kind: str, api_key: str
         node_rank = spec.engine_node_rank(ctx.rank)
         dist_init = f"{node0['host']}:{node0['dist_port']}" if spec.nnodes > 1 else None
         argv = engine_argv_from_config(
-            kind, cfg.rollout, hf_checkpoint=cfg.train.hf_checkpoint, host=host, port=node0["port"], api_key=api_key, num_gpus=spec.num_gpus, base_gpu_id=spec.base_gpu_id,
+            kind, cfg.rollout, hf_checkpoint=cfg.train.hf_checkpoint, host=host, port=node0["port"], api_key=api_key, num_gpus=spec.num_gpus, base_gpu_id=_visible_base_gpu(spec, world),
             device=world.device.type, colocate=plan.colocate, nnodes=spec.nnodes, node_rank=node_rank,
             dist_init_addr=dist_init)
         name = f"engine{spec.engine_id}" + (f"-node{node_rank}" if node_rank else "")
         placement.supervisor = start_engine(argv, cfg, name=name, log_path=out_dir / f"{name}.log")
     return placement
+
+
+def _visible_base_gpu(spec: Any, world: Any) -> int:
+    """The engine's first GPU as this process sees it. With one GPU per task (``srun --gpus-per-task=1``)
+    the engine inherits that single device, so it is GPU 0 and the engine can use only one."""
+    if world.device.type != "cuda":
+        return spec.base_gpu_id
+    import torch
+
+    visible = torch.cuda.device_count()
+    if visible == 1 and world.local_world_size > 1:
+        if spec.num_gpus > 1:
+            from miles.config import ConfigError
+
+            raise ConfigError(f"engine {spec.engine_id} needs {spec.num_gpus} GPUs (--rollout-num-gpus-per-engine), "
+                              "but the launcher gave each rank a single GPU (e.g. srun --gpus-per-task=1): give "
+                              "every task all of the node's GPUs (--gpus-per-node, no --gpus-per-task).")
+        return 0
+    return spec.base_gpu_id
 
 
 def start_engine(argv: list[str], cfg: MilesConfig, *, name: str, log_path: Path) -> EngineSupervisor:

@@ -20,10 +20,10 @@ It generates as the default function does, with ``ignore_eos`` (every sample tak
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -114,8 +114,12 @@ async def long_generate(args, sample, sampling_params):
         if i not in _done and "after_s" in f and _due(f, sample, args.client):
             _done.add(i)
             url, client, r = _engine_urls(args.client)[f["engine"]], args.client, sample.rollout_id
-            asyncio.get_running_loop().call_later(
-                f["after_s"], lambda i=i, f=f, url=url, c=client, r=r: _inject(i, f, url, f"rollout {r}", _retries(c)))
+            # a thread timer, not loop.call_later: the driver's event loop is busy (training, weight sync)
+            # between rollouts, and a late callback would hit the next rollout instead of this one
+            timer = threading.Timer(f["after_s"], lambda i=i, f=f, url=url, c=client, r=r:
+                                    _inject(i, f, url, f"rollout {r}", _retries(c)))
+            timer.daemon = True
+            timer.start()
     out = await generate(args.client, sample, {**sampling_params, "ignore_eos": True})
     prompt = sample.prompt if isinstance(sample.prompt, str) else json.dumps(sample.prompt)
     _record({"rollout_id": sample.rollout_id, "group": sample.group_index, "index": sample.index, "prompt": prompt,

@@ -40,9 +40,9 @@ def _fault_time(faults: list[dict], where: str) -> float:
 def test_engine_faults_run_completes_every_rollout_with_full_groups(quickstart, tmp_path):
     num_rollout, batch, n, length = 6, 4, 8, 96
     faults = [
-        {"signal": "STOP", "engine": 0, "rollout": 1, "after_s": 0.3},         # a hang, mid-rollout
+        {"signal": "STOP", "engine": 0, "rollout": 1, "after_s": 0.1},         # a hang, mid-rollout
         {"signal": "KILL", "engine": 1, "sync_version": 4, "after_buckets": 1},  # during the sync after rollout 2
-        {"signal": "KILL", "engine": 0, "rollout": 4, "after_s": 0.3},         # mid-rollout (twice for engine 0)
+        {"signal": "KILL", "engine": 0, "rollout": 4, "after_s": 0.1},         # mid-rollout (twice for engine 0)
     ]
     flags = [*H.layout_flags(1, 2), *H.quickstart_flags(quickstart, num_rollout=num_rollout, batch=batch, n=n,
                                                           response_len=length),
