@@ -32,7 +32,7 @@ import urllib.request
 from typing import Protocol
 
 from miles.ft.lighthouse import engine_replica_id, lighthouse_client, td
-from miles.ft.timing import FTTimings
+from miles.ft.timing import BackgroundLoops, FTTimings
 from miles.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -102,7 +102,7 @@ def probe_health(url: str, timeout: float) -> tuple[bool, str]:
     return False, why
 
 
-class EngineHeartbeat:
+class EngineHeartbeat(BackgroundLoops):
     """Heartbeats for one engine while its health probes pass; restarts it in place when it hangs."""
 
     def __init__(self, engine_id: int, engine: SupervisedEngine, lighthouse_addr: str, timings: FTTimings) -> None:
@@ -116,8 +116,7 @@ class EngineHeartbeat:
         self._incarnation = engine.incarnation()
         self._started = time.monotonic()
         self._last_ok = 0.0
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
+        BackgroundLoops.__init__(self)
         self.kills = 0
         self._given_up_reason = ""
 
@@ -165,17 +164,10 @@ class EngineHeartbeat:
 
     # -- threads -------------------------------------------------------------------------------
     def start(self) -> EngineHeartbeat:
-        for name, fn in (("probe", self._probe_loop), ("heartbeat", self._heartbeat_loop), ("quorum", self._quorum_loop)):
-            t = threading.Thread(target=fn, name=f"miles-ft-{name}-{self.engine_id}", daemon=True)
-            t.start()
-            self._threads.append(t)
+        e = self.engine_id
+        self._start_loops({f"probe-{e}": self._probe_loop, f"heartbeat-{e}": self._heartbeat_loop,
+                           f"quorum-{e}": self._quorum_loop})
         return self
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        deadline = time.monotonic() + timeout
-        for t in self._threads:
-            t.join(max(0.0, deadline - time.monotonic()))
 
     def _probe_loop(self) -> None:
         while not self._stop.is_set():

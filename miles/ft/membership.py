@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from miles.ft.lighthouse import DRIVER_REPLICA_ID, lighthouse_client, parse_engine_replica_id, td
-from miles.ft.timing import FTTimings
+from miles.ft.timing import BackgroundLoops, FTTimings
 from miles.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -69,7 +69,7 @@ def diff_rounds(before: dict[int, EngineMember], after: dict[int, EngineMember],
     return events
 
 
-class EngineMembership:
+class EngineMembership(BackgroundLoops):
     """Follows the lighthouse's quorum rounds from the driver; thread-safe."""
 
     def __init__(self, lighthouse_addr: str, timings: FTTimings,
@@ -83,21 +83,11 @@ class EngineMembership:
         self._given_up: set[int] = set()
         self.quorum_id = -1
         self.rounds = 0
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
+        BackgroundLoops.__init__(self)
 
     def start(self) -> EngineMembership:
-        for name, fn in (("driver-heartbeat", self._heartbeat_loop), ("membership", self._round_loop)):
-            t = threading.Thread(target=fn, name=f"miles-ft-{name}", daemon=True)
-            t.start()
-            self._threads.append(t)
+        self._start_loops({"driver-heartbeat": self._heartbeat_loop, "membership": self._round_loop})
         return self
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        deadline = time.monotonic() + timeout
-        for t in self._threads:
-            t.join(max(0.0, deadline - time.monotonic()))
 
     # -- queries -------------------------------------------------------------------------------
     def live(self) -> dict[int, EngineMember]:

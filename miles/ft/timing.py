@@ -17,6 +17,9 @@ hung one about ``interval + timeout + heartbeat_timeout`` after it stopped answe
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from miles.config.base import ConfigError
@@ -65,3 +68,23 @@ def ft_timings(ft: FTConfig) -> FTTimings:
         join_timeout=hb_timeout,
         max_engine_restarts=int(ft.max_engine_restarts),
     )
+
+
+class BackgroundLoops:
+    """Daemon threads, one per loop, that run until ``stop()``; each loop polls ``self._stop``."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def _start_loops(self, loops: dict[str, Callable[[], None]]) -> None:
+        for name, fn in loops.items():
+            t = threading.Thread(target=fn, name=f"miles-ft-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))

@@ -1,0 +1,1 @@
+"""Small shared helpers: logging, errors, optional dependencies, networking, tiny local models."""
