@@ -100,5 +100,9 @@ def test_hung_trainer_rank_ends_job_naming_it(tmp_path: Path, tiny_model_dir: Pa
         job.kill()
     log = job.log.read_text(errors="replace")
     assert elapsed < timeout_s + 20, f"the driver took {elapsed:.0f}s to stop after trainer rank 1 hung"
-    assert "[miles r0] error: collective on group" in log and "rank 1 stopped responding" in log, H.tail(job.log)
+    # the timeout surfaces in whichever collective the driver was in (a trainer collective, or the control
+    # channel's broadcast of the next command); either way one line names the group and the silent rank
+    line = next((ln for ln in log.splitlines() if ln.startswith("[miles r0] error: ")), "")
+    assert ("collective on group" in line or "over group" in line) and "rank 1 stopped responding" in line, \
+        H.tail(job.log)
     assert len(metrics(out)) >= 2  # the finished rollouts stay recorded
