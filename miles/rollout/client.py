@@ -189,6 +189,12 @@ class EngineControl(_Http):
     async def get_model_info(self) -> dict:
         return await self._get("/get_model_info")
 
+    async def get_load(self) -> dict:
+        """``/get_load``: a list with one entry per data-parallel rank; the first is returned. The embedded
+        engine reports ``num_running_reqs``, ``num_waiting_reqs`` and step counters; SGLang's keys vary by version."""
+        loads = await self._get("/get_load")
+        return loads[0] if isinstance(loads, list) else loads
+
     async def get_server_info(self) -> dict:
         return await self._get("/get_server_info")
 

@@ -14,6 +14,7 @@ error file, so torchrun's "Root Cause" summary shows it instead of a link to its
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
@@ -96,7 +97,12 @@ def _exit(code: int) -> NoReturn:
 
 
 def run_main(fn: Callable[[], int | None]) -> NoReturn:
-    """Run an entry point; turn known errors into one rank-prefixed line and exit code 2."""
+    """Run an entry point; turn known errors into one rank-prefixed line and exit code 2.
+
+    A fatal signal (SIGSEGV, SIGABRT from a C++ ``std::terminate``, ...) dumps every thread's Python stack to
+    stderr first, so a crash inside a native library still says where each thread was."""
+    if not faulthandler.is_enabled():
+        faulthandler.enable(all_threads=True)
     try:
         rc = fn()
     except SystemExit:

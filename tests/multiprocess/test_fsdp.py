@@ -348,4 +348,7 @@ def test_gpu_nccl_bf16(tmp_path, tiny_model_dir):
 
 
 if __name__ == "__main__":
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)  # a native abort (std::terminate) still prints each thread's stack
     worker(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else "cpu")

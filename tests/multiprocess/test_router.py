@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 KEY = "router-test-key"
 PROMPT = [3, 4, 5, 6]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
-LONG = {"temperature": 1.0, "max_new_tokens": 400, "ignore_eos": True}
+LONG = {"temperature": 1.0, "max_new_tokens": 500, "ignore_eos": True}  # prompt + 500 fits max_context_len 512
 
 
 def run(coro, timeout: float = 150.0):
@@ -175,6 +175,17 @@ def test_started_router_stops_cleanly(tmp_path):
     assert not proc.alive() and time.monotonic() - t0 < 15
 
 
+async def _wait_running(url: str, deadline: float) -> int:
+    """Poll an engine's /get_load until it is decoding at least one request; returns that count (0 on timeout)."""
+    async with EngineControl(url, api_key=KEY, timeout=5) as ctl:
+        while time.monotonic() < deadline:
+            n = (await ctl.get_load())["num_running_reqs"]
+            if n > 0:
+                return n
+            await asyncio.sleep(0.005)
+    return 0
+
+
 def test_killed_engine_is_removed_and_its_requests_finish_elsewhere(cluster):
     """Must run last in this module: it kills engine A."""
     router, (a, b) = cluster
@@ -191,9 +202,11 @@ def test_killed_engine_is_removed_and_its_requests_finish_elsewhere(cluster):
                 EngineClient(router.url, api_key=KEY, timeout=60, max_retries=4, concurrency=16) as client:
             ctl = asyncio.create_task(controller(rc, stop, removed))
             reqs = [asyncio.create_task(client.generate(PROMPT, LONG)) for _ in range(8)]
-            await asyncio.sleep(0.4)  # round robin: about half of them are running on A now
-            assert not any(r.done() for r in reqs), "requests finished before the kill; make LONG longer"
+            # round robin sends about half of them to A: kill A as soon as it is decoding some of them
+            # (a fixed sleep raced the engine on a fast machine: 500 tiny-model steps can take < 0.5 s)
+            running_on_a = await _wait_running(a.url, deadline=time.monotonic() + 20)
             a.sup.kill(signal.SIGKILL)
+            assert running_on_a > 0, "engine A never ran a request"
             results = await asyncio.gather(*reqs)
             deadline = time.monotonic() + 30
             while a.url not in removed and time.monotonic() < deadline:
@@ -220,6 +233,9 @@ def test_fleet_prunes_a_hung_engine_and_deregisters_from_an_external_router(clus
         client = EngineClient(router.url, api_key=KEY, timeout=30, max_retries=0, concurrency=4)
         fleet = Fleet(urls=[b.url], targets=[], client=client, router_url=router.url, router=None, api_key=KEY)
         async with RouterClient(router.url, api_key=KEY) as rc:
+            for w in await rc.list_workers():  # start from B alone, whatever the kill test left behind
+                if w["url"] != b.url:
+                    await rc.remove_worker(w["url"])
             assert await fleet.prune_dead(probe_timeout=1.0) == []  # healthy: kept
             b.sup.kill(signal.SIGSTOP)
             try:

@@ -134,6 +134,16 @@ def test_continuous_batching_equals_one_at_a_time(eng, hf_reference):
     assert [b["output_ids"] for b in batch] == refs
 
 
+def _wait_load(eng, pred, timeout: float = 20.0) -> bool:
+    """Poll /get_load until ``pred(load)`` holds (True) or the timeout passes (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred(eng.get("/get_load").json()[0]):
+            return True
+        time.sleep(0.002)
+    return False
+
+
 def _stream(eng, body, on_chunk=None):
     chunks = []
     with requests.post(eng.url + "/generate", json={**body, "stream": True}, headers=eng.headers, stream=True, timeout=60) as r:
@@ -217,8 +227,8 @@ def test_pause_abort_and_abort_request(eng):
     # abort_all
     with ThreadPoolExecutor(3) as ex:
         futs = [ex.submit(eng.generate, {"input_ids": p, "sampling_params": LONG}) for p in PROMPTS[:3]]
-        time.sleep(0.3)
-        eng.post("/abort_request", {"abort_all": True})
+        assert _wait_load(eng, lambda load: load["num_running_reqs"] == 3), "the 3 requests never ran together"
+        eng.post("/abort_request", {"abort_all": True})  # (a fixed sleep raced 480 fast tiny-model steps)
         reasons = [f.result(30)["meta_info"]["finish_reason"]["type"] for f in futs]
     assert "abort" in reasons
     assert eng.get("/health_generate").status_code == 200

@@ -183,7 +183,11 @@ def test_abort_in_flight_request(engine):
     async def go():
         async with EngineClient(engine, api_key=KEY, timeout=60) as client:
             task = asyncio.create_task(client.generate(PROMPT, LONG, rid="to-abort"))
-            await asyncio.sleep(0.3)
+            async with EngineControl(engine, api_key=KEY, timeout=10) as ctl:  # abort once it is decoding
+                for _ in range(10_000):
+                    if (await ctl.get_load())["num_running_reqs"] or task.done():
+                        break
+                    await asyncio.sleep(0.002)
             accepted = await client.abort("to-abort")
             return accepted, await task
     accepted, resp = run(go())
