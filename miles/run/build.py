@@ -217,7 +217,7 @@ async def _driver_setup(run: Run, local: dict[str, Any], extra: dict[str, Any] |
             run.data_source.load_state_dict(extra["data_source"])
         logger.info("resuming at rollout %d (checkpoint of rollout %s)", plan.start_rollout_id, extra.get("rollout_id"))
     run.sink = build_sink(cfg.output, Path(plan.output_dir), enabled=True, config=cfg.to_dict(),
-                          num_rollout=plan.num_rollout, resume=plan.start_rollout_id > 0)
+                          num_rollout=plan.num_rollout, start_rollout_id=plan.start_rollout_id)
     run.ranks = Ranks(run.worker)
     if cfg.algo.loss_type == "sft_loss":
         from miles.run.sft import SFTSource

@@ -30,6 +30,7 @@ logger = get_logger(__name__)
 REQUIRED_KEYS = ("rollout_id", "rollout/raw_reward", "rollout/response_len", "perf/rollout_time",
                  "perf/train_time", "perf/update_weights_time", "perf/step_time")
 METRICS_FILE = "metrics.jsonl"
+SUPERSEDED_FILE = "metrics.superseded.jsonl"  # records of rollouts redone after a resume (see supersede_after_checkpoint)
 PLOT_FILE = "metrics.png"
 
 
@@ -99,16 +100,16 @@ class MetricsSink:
     """The driver's sink; see the module docstring."""
 
     def __init__(self, output: OutputConfig, out_dir: str | os.PathLike, *, config: dict[str, Any] | None = None,
-                 num_rollout: int | None = None, resume: bool = False) -> None:
+                 num_rollout: int | None = None, start_rollout_id: int = 0) -> None:
         self.output = output
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.num_rollout = num_rollout
         self.records: list[dict[str, float]] = []
         self.path = self.out_dir / METRICS_FILE
-        if resume and self.path.exists():
-            self.records = read_metrics(self.path)
-        self._file = self.path.open("a" if resume else "w")
+        if self.path.exists():  # a resumed run (or a relaunch before the first checkpoint): keep what is current
+            self.records = supersede_after_checkpoint(self.path, start_rollout_id)
+        self._file = self.path.open("a")
         self._tb = None
         if output.use_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -189,8 +190,45 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, float]]:
     return out
 
 
+def supersede_after_checkpoint(path: Path, resume_at: int) -> list[dict[str, float]]:
+    """A run that starts at rollout ``resume_at`` (the checkpoint's next rollout; 0 without one) continues
+    an existing ``metrics.jsonl``.
+
+    Records of rollouts at or after it were written by an interrupted run after its last checkpoint (with
+    ``--save-interval`` N > 1, up to N - 1 of them), or by an earlier run in the same ``--output-dir``; this
+    run redoes those rollouts. They move, line for
+    line, to ``metrics.superseded.jsonl`` (appended, so nothing is lost over several restarts) and
+    ``metrics.jsonl`` is rewritten atomically without them, so it holds each rollout id once, in order.
+    Returns the records kept."""
+    lines = path.read_text().splitlines()
+    keep: list[str] = []
+    moved: list[str] = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rid = int(json.loads(line)["rollout_id"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            if i == len(lines) - 1:  # torn by the crash: not a record
+                logger.warning("%s: ignoring a torn last line", path)
+                continue
+            raise ValueError(f"{path}:{i + 1}: not a metrics record; move the file away to start a fresh one") from None
+        (keep if rid < resume_at else moved).append(line)
+    if moved:
+        with (path.parent / SUPERSEDED_FILE).open("a") as f:
+            f.write("".join(line + "\n" for line in moved))
+        logger.warning("%s held %d record(s) of rollouts at or after %d, written after the last checkpoint; those "
+                       "rollouts are redone, their old records moved to %s", path, len(moved), resume_at,
+                       SUPERSEDED_FILE)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+    return read_metrics(path)
+
+
 def build_sink(output: OutputConfig, out_dir: Path | None, *, enabled: bool, config: dict[str, Any] | None = None,
-               num_rollout: int | None = None, resume: bool = False) -> MetricsSink | NullSink:
+               num_rollout: int | None = None, start_rollout_id: int = 0) -> MetricsSink | NullSink:
+    """``start_rollout_id``: this run's first rollout (> 0 when resumed from a checkpoint)."""
     if not enabled or out_dir is None:
         return NullSink()
-    return MetricsSink(output, out_dir, config=config, num_rollout=num_rollout, resume=resume)
+    return MetricsSink(output, out_dir, config=config, num_rollout=num_rollout, start_rollout_id=start_rollout_id)

@@ -73,10 +73,39 @@ def test_resume_appends(tmp_path: Path):
     sink = MetricsSink(_output(), tmp_path)
     sink.log(0, _record(0))
     sink.close()
-    again = MetricsSink(_output(), tmp_path, resume=True)
+    again = MetricsSink(_output(), tmp_path, start_rollout_id=1)
     again.log(1, _record(1))
     again.close()
     assert [r["rollout_id"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0.0, 1.0]
+    assert not (tmp_path / "metrics.superseded.jsonl").exists()
+
+
+def test_resume_moves_records_written_after_the_checkpoint(tmp_path: Path):
+    """--save-interval 3, killed during rollout 5: the checkpoint holds rollout 2, records 3-4 are redone."""
+    first = MetricsSink(_output(), tmp_path)
+    for i in range(5):
+        first.log(i, _record(i))
+    first._file.write('{"rollout_id": 5, "rollo')  # the crash tore the last line
+    first._file.close()
+    old_lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    again = MetricsSink(_output(), tmp_path, start_rollout_id=3)
+    assert [r["rollout_id"] for r in again.records] == [0.0, 1.0, 2.0]
+    for i in range(3, 6):
+        again.log(i, _record(i + 10))
+    again.close()
+    assert [r["rollout_id"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert (tmp_path / "metrics.superseded.jsonl").read_text().splitlines() == old_lines[3:5]  # line for line
+    # a relaunch before any checkpoint starts at 0: every earlier record is superseded, none is dropped
+    third = MetricsSink(_output(), tmp_path, start_rollout_id=0)
+    third.close()
+    assert read_metrics(tmp_path / "metrics.jsonl") == []
+    assert len((tmp_path / "metrics.superseded.jsonl").read_text().splitlines()) == 2 + 6
+
+
+def test_resume_refuses_a_file_that_is_not_metrics(tmp_path: Path):
+    (tmp_path / "metrics.jsonl").write_text('{"rollout_id": 0}\n["not", "a record"]\n{"rollout_id": 1}\n')
+    with pytest.raises(ValueError, match="metrics.jsonl:2: not a metrics record"):
+        MetricsSink(_output(), tmp_path, start_rollout_id=1)
 
 
 def test_read_metrics_skips_torn_last_line(tmp_path: Path):
