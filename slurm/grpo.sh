@@ -15,6 +15,7 @@
 #SBATCH --cpus-per-task=8
 #SBATCH --time=04:00:00
 #SBATCH --output=miles-grpo-%j.out
+#SBATCH --open-mode=append    # a requeued job (--requeue) keeps the first attempt's log
 #
 # Environment (all optional):
 #   MODEL_DIR        local HF model directory            -> --hf-checkpoint (default: the quickstart's)

@@ -156,6 +156,13 @@ def worker(out_dir: Path, model_dir: Path, kind: str) -> None:
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
     dist.all_reduce(torch.zeros(1), group=None)           # on gloo (CPU tensor), also in the cuda variant
     dist.destroy_process_group()
+    # Leave without interpreter finalisation. In the full CPU suite (never when this module ran alone, 20+
+    # times), rank 2 has aborted after this point: `terminate called without an active exception` from a
+    # C++ destructor while Python was finalising (faulthandler: "<tstate is freed>"), after every result
+    # was written. What this test checks is done; the results are on disk and the groups are destroyed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _bad_inputs(model_dir, group, mesh, device) -> dict:
