@@ -18,6 +18,8 @@ $(VENV)/.installed: setup.py requirements.txt requirements-test.txt tools/instal
 	$(PY) -m pip install -q -c requirements-test.txt -e '.[test]'
 	# MPICH (Hydra mpiexec + libmpi) in its own prefix, so its mpirun never shadows Open MPI's
 	$(PY) -m pip install -q --no-deps --prefix $(VENV)/mpich -c requirements-test.txt mpich
+	# nvidia-resiliency-ext (ft_launcher) in its own folder too: its pynvml shim warns in every torch process
+	$(PY) -m pip install -q --no-deps --target $(VENV)/nvrx -c requirements-test.txt nvidia-resiliency-ext defusedxml psutil
 	touch $@
 
 lint: setup

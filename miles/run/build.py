@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from miles.ft.launcher import LauncherHeartbeat
 from miles.run.control import CommandChannel, broadcast_json
 from miles.run.fleet import Fleet, Placement, connect_fleet, place_engines
 from miles.run.metrics import NullSink, build_sink, default_output_dir
@@ -176,6 +177,7 @@ async def build_run(cfg: MilesConfig, ctx: SPMDContext) -> Run:
                                timeout=timeout) if ctx.plan.engines else None)
     trainer = extra = None
     worker = Worker(ctx, channel, timeout=timeout, placement=placement, progress=progress)
+    worker.heartbeat = LauncherHeartbeat.from_env()  # under ft_launcher: a hung rank is restarted sooner
     run = Run(cfg=cfg, ctx=ctx, plan=plan, worker=worker, progress=progress)
     if cfg.ft.use_fault_tolerance:  # --use-fault-tolerance: lighthouse (driver), engine heartbeats (leaders)
         from miles.ft.integration import FaultTolerance

@@ -42,6 +42,12 @@ class Worker:
         self.trainer, self.sender, self.placement = trainer, sender, placement
         self.progress = progress
         self.ft: Any = None  # miles.ft.integration.FaultTolerance with --use-fault-tolerance
+        self.heartbeat: Any = None  # miles.ft.launcher.LauncherHeartbeat under ft_launcher
+
+    def beat(self) -> None:
+        """One heartbeat to ft_launcher's rank monitor (when running under it) per command of the run."""
+        if self.heartbeat is not None:
+            self.heartbeat.beat()
 
     @property
     def is_trainer(self) -> bool:
@@ -49,6 +55,7 @@ class Worker:
 
     def handle(self, cmd: dict[str, Any]) -> bool:
         """Run one command; False when the run is over."""
+        self.beat()
         name = cmd.get("cmd")
         if name == "train":
             self.train(int(cmd["rollout_id"]), None)
@@ -114,6 +121,9 @@ class Worker:
         if self.ft is not None:
             self.ft.close()
             self.ft = None
+        if self.heartbeat is not None:
+            self.heartbeat.close()
+            self.heartbeat = None
         self.close_sender()
         if self.placement is not None:
             self.placement.stop()
@@ -130,6 +140,7 @@ class Ranks:
     def _command(self, cmd: dict[str, Any], local: Any, *args: Any) -> Any:
         """Send ``cmd``, then run the driver's share; ``busy`` while the ranks are inside it."""
         self.channel.busy = True
+        self.worker.beat()
         self.channel.send(cmd)
         out = local(*args)
         self.channel.busy = False

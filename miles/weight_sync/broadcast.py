@@ -121,16 +121,46 @@ class BroadcastSender(WeightSender):
                                                                                 timeout=timeout))[0]
                 for e, o in zip(engines, offsets)]
         t0 = time.monotonic()
-        try:
-            group = WeightGroup(name, self._store, 0, world, self.backend, timeout_s=timeout, device=self.device)
-        except WeightGroupError as e:
-            for f in futs:
-                f.cancel()
-            raise WeightSyncError(f"{e} -- engines: {[x.url for x in engines]}") from e
+        group = self._join_group(name, world, timeout, engines, futs)
         self.wait_all(engines, futs, deadline, f"init_weights_update_group({name})")
         logger.info("weight-update group %s formed: %d engine(s), world %d, %s, %s:%d, %.2fs", name, len(engines), world,
                     self.backend, addr, self._store.port, time.monotonic() - t0)
         return group
+
+    def _join_group(self, name: str, world: int, timeout: float, engines: Sequence[EngineTarget],
+                    futs: list) -> WeightGroup:
+        """Rank 0's side of the group, formed in a helper thread while the engines' ``/init_weights_update_group``
+        answers are watched: an engine that refuses or cannot be reached will never join, so the formation
+        fails at once, naming it, instead of waiting out the group timeout. (The helper thread, blocked in
+        the store until that timeout, is left to end by itself; nothing is registered unless it forms.)"""
+        out: dict[str, Any] = {}
+
+        def form() -> None:
+            try:
+                if self.device is not None and self.device.type == "cuda":
+                    torch.cuda.set_device(self.device)  # the CUDA current device is per thread
+                out["group"] = WeightGroup(name, self._store, 0, world, self.backend, timeout_s=timeout, device=self.device)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                out["error"] = e
+
+        helper = threading.Thread(target=form, name=f"miles-form-{name}", daemon=True)
+        helper.start()
+        while helper.is_alive():
+            helper.join(0.05)
+            failed = [(e, f.exception()) for e, f in zip(engines, futs) if f.done() and not f.cancelled()
+                      and f.exception() is not None]
+            if failed and helper.is_alive():
+                why = "; ".join(f"{e.url}: {type(err).__name__}: {err}" for e, err in failed)
+                raise WeightSyncError(f"weight-update group {name!r} cannot form: engine(s) did not join ({why}) "
+                                      f"-- engines: {[x.url for x in engines]}")
+        if "error" in out:
+            for f in futs:
+                f.cancel()
+            why = [f"{e.url}: {f.exception()}" for e, f in zip(engines, futs)
+                   if f.done() and not f.cancelled() and f.exception() is not None]
+            raise WeightSyncError(f"{out['error']} -- engines: {[x.url for x in engines]}"
+                                  + (f"; their answers: {why}" if why else "")) from out["error"]
+        return out["group"]
 
     # -- one sync ------------------------------------------------------------------------------------
     def _sync(self, engines: list[EngineTarget], version: int) -> SyncResult:

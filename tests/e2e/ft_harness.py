@@ -78,16 +78,29 @@ class Job:
             pass
 
 
+def find_nvrx() -> Path | None:
+    """Where nvidia-resiliency-ext (ft_launcher) is importable from: this interpreter's site-packages, or the
+    prefix `make setup` installs it into (.venv/nvrx, kept apart so its pynvml shim never reaches the suite)."""
+    import importlib.util
+
+    if importlib.util.find_spec("nvidia_resiliency_ext") is not None:
+        return Path(importlib.util.find_spec("nvidia_resiliency_ext").origin).parents[1]
+    prefix = REPO / ".venv" / "nvrx"
+    return prefix if (prefix / "nvidia_resiliency_ext").is_dir() else None
+
+
 def launch(flags: list[str], *, nproc: int, workdir: Path, faults: list[dict] | None = None, max_restarts: int = 0,
-           env: dict[str, str] | None = None) -> Job:
-    """``torchrun --standalone --nproc-per-node N [--max-restarts R] train.py FLAGS`` in its own session."""
+           env: dict[str, str] | None = None, launcher: list[str] | None = None, nvrx: Path | None = None) -> Job:
+    """``torchrun --standalone --nproc-per-node N [--max-restarts R] train.py FLAGS`` in its own session;
+    ``launcher`` replaces ``torchrun`` (e.g. ft_launcher and its options), ``nvrx`` joins PYTHONPATH."""
     workdir.mkdir(parents=True, exist_ok=True)
     log, record = workdir / "torchrun.log", workdir / "record.jsonl"
+    path = [str(REPO), *([str(nvrx)] if nvrx else []), os.environ.get("PYTHONPATH", "")]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                "PYTHONPATH": os.pathsep.join(path),
                 "MILES_FT_RECORD": str(record), "MILES_FT_FAULTS": json.dumps(faults or []), **(env or {})}
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-            "--max-restarts", str(max_restarts), str(REPO / "train.py"), *flags]
+    argv = [*(launcher or [sys.executable, "-m", "torch.distributed.run"]), "--standalone", "--nproc-per-node",
+            str(nproc), "--max-restarts", str(max_restarts), str(REPO / "train.py"), *flags]
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, cwd=REPO, env=full_env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -171,3 +172,53 @@ def test_trainer_rank_killed_relaunch_resumes_from_last_complete_checkpoint(quic
     # the partial step was discarded: every rollout's metrics once, and the run ends with complete checkpoints
     assert [m["rollout_id"] for m in H.metrics(tmp_path)] == list(range(num_rollout))
     assert (save / "step_00000003" / "COMPLETE").exists() and not (save / ".tmp.step_00000002").exists()
+
+
+def test_hung_trainer_rank_under_ft_launcher_is_restarted_and_resumes(quickstart, tmp_path):
+    """nvidia-resiliency-ext's ft_launcher: every rank heartbeats once per command (miles.ft.launcher); a
+    SIGSTOPped trainer rank goes silent, its rank monitor sees no heartbeat within 20 s, the launcher
+    restarts the worker group long before the collectives' 5 min timeout, and the run resumes from its
+    last complete checkpoint."""
+    nvrx = H.find_nvrx()
+    if nvrx is None:
+        pytest.skip("nvidia-resiliency-ext is not installed (make setup puts it in .venv/nvrx; or pip install "
+                    "'miles[ft]')")
+    num_rollout, batch, n = 4, 2, 4
+    save = tmp_path / "ckpt"
+    flags = [*H.layout_flags(2, 1), *H.quickstart_flags(quickstart, num_rollout=num_rollout, batch=batch, n=n,
+                                                          response_len=8),
+             "--save", str(save), "--save-interval", "1", "--output-dir", str(tmp_path / "run"),
+             "--distributed-timeout-minutes", "5"]
+    launcher = [sys.executable, "-c", "import sys; from nvidia_resiliency_ext.fault_tolerance.launcher import main; "
+                "sys.argv[0] = 'ft_launcher'; sys.exit(main())", "--ft-initial-rank-heartbeat-timeout", "180",
+                "--ft-rank-heartbeat-timeout", "20", "--ft-workload-check-interval", "1"]
+    job = H.launch(flags, nproc=3, workdir=tmp_path, max_restarts=1, launcher=launcher, nvrx=nvrx)
+    try:
+        deadline = time.monotonic() + 300
+        while True:  # SIGSTOP trainer rank 1 once rollout 2 is being generated (rollout 1 is checkpointed)
+            assert job.proc.poll() is None and time.monotonic() < deadline, H.tail(job.log)
+            samples, _ = H.records(job)
+            if any(s["rollout_id"] == 2 for s in samples):
+                break
+            time.sleep(0.05)
+        first_pid, victim, driver = samples[0]["pid"], H.rank_pid(job, 1), H.rank_pid(job, 0)
+        assert victim is not None and (save / "step_00000001" / "COMPLETE").exists()
+        H.os.kill(victim, signal.SIGSTOP)
+        t_stop = time.monotonic()
+        while H.rank_pid(job, 0) in (driver, None):  # the launcher ends the attempt and starts the next one
+            assert job.proc.poll() is None and time.monotonic() - t_stop < 150, H.tail(job.log, 120)
+            time.sleep(0.2)
+        relaunch_s = time.monotonic() - t_stop
+        rc = job.wait(timeout=420)
+    finally:
+        job.kill()
+    log = job.log.read_text(errors="replace")
+    assert rc == 0, H.tail(job.log, 120)
+    assert relaunch_s < 120, f"ft_launcher took {relaunch_s:.0f}s to restart the group after a rank hung"
+    assert "rank heartbeats on" in log, H.tail(job.log, 120)
+    assert "resuming at rollout 2 (checkpoint of rollout 1)" in log, H.tail(job.log, 120)
+    samples, _ = H.records(job)
+    second = [s for s in samples if s["pid"] != first_pid]
+    assert sorted({s["rollout_id"] for s in second}) == [2, 3]
+    assert [m["rollout_id"] for m in H.metrics(tmp_path)] == list(range(num_rollout))
+    assert (save / "step_00000003" / "COMPLETE").exists()

@@ -109,3 +109,41 @@ def test_check_weight_update_equal_stops_the_sync_naming_the_tensor(tmp_path: Pa
             sender.sync()
     finally:
         sender.close()
+
+
+class _RefusingEngine:
+    """An engine whose /init_weights_update_group fails (refused, or unreachable: the request never lands)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    async def init_weights_update_group(self, *args, **kwargs):
+        import asyncio
+
+        from miles.rollout.client import EngineError
+
+        await asyncio.sleep(0.2)
+        raise EngineError(self.url, "/init_weights_update_group", None, "ClientConnectorError: connection refused")
+
+    async def close(self):
+        pass
+
+
+def test_group_formation_fails_at_once_when_an_engine_cannot_join() -> None:
+    """The trainer's side of the gloo group waits in the store for every member; an engine whose init call
+    failed will never arrive, so the formation must fail naming it instead of waiting out the timeout."""
+    import time
+
+    cfg = parse_args(["--hf-checkpoint", "x", "--update-weight-transfer-mode", "broadcast",
+                      "--update-weight-timeout", "120"], validate=False).weights
+    engines = [EngineTarget("http://e0"), EngineTarget("http://e1")]
+    sender = build_weight_sender(cfg, _Source(), is_source=True, engines=engines, master_addr="127.0.0.1",
+                                 control_factory=lambda e, timeout: _RefusingEngine(e.url))
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(WeightSyncError, match=r"cannot form: engine\(s\) did not join \(http://e0: EngineError") as err:
+            sender.connect()
+    finally:
+        sender.close()
+    assert time.monotonic() - t0 < 10, "waited for the group timeout instead of failing fast"
+    assert "connection refused" in str(err.value) and "http://e1" in str(err.value)
