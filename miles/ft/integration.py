@@ -149,10 +149,11 @@ class FaultTolerance:
     # -- driver -------------------------------------------------------------------------------------
     def start_recovery(self, *, targets: Sequence[Any], router_url: str, api_key: str | None, client: Any,
                        initial_version: int | None = None, wait_timeout: float | None = None,
-                       events_path: str | None = None) -> EngineRecoveryController:
+                       events_path: str | None = None, await_first_sync: bool = False) -> EngineRecoveryController:
         """Driver: follow the quorum and keep the router in line with it. ``targets`` are the weight
-        sender's engine targets (with ``engine_id`` and ``url``); waits until every engine joined. Each
-        finished outage is appended to ``events_path`` (JSON lines) when given."""
+        sender's engine targets (with ``engine_id`` and ``url``); waits until every engine joined (and, unless
+        ``await_first_sync``, is routed: with it, engines are routed once the initial weight sync reached
+        them). Each finished outage is appended to ``events_path`` (JSON lines) when given."""
         from miles.rollout.router import RouterClient
 
         self._targets = {int(t.engine_id): t for t in targets}
@@ -161,10 +162,14 @@ class FaultTolerance:
         self.controller = EngineRecoveryController(
             self.ft, engines={eid: t.url for eid, t in self._targets.items()}, router=self._router_client,
             lighthouse_addr=self.address, api_key=api_key, initial_version=initial_version, timings=self.timings,
-            events_path=events_path,
+            events_path=events_path, await_first_sync=await_first_sync,
             requests_retried=(lambda: int(stats.get("retries", 0)) + (self.client.reissued if self.client else 0))
             if isinstance(stats, dict) else None).start()
-        self.controller.wait_routed(timeout=wait_timeout or self.timings.first_wait + 60.0)
+        wait = wait_timeout or self.timings.first_wait + 60.0
+        if await_first_sync:
+            self.controller.wait_joined(timeout=wait)
+        else:
+            self.controller.wait_routed(timeout=wait)
         return self.controller
 
     def wrap_client(self, client: Any) -> Any:

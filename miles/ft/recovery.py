@@ -110,8 +110,12 @@ class EngineRecoveryController:
                  api_key: str | None = None, initial_version: int | None = None,
                  catch_up: Callable[[int, str, int], int | None] | None = None,
                  requests_retried: Callable[[], int] | None = None, router_timeout: float = 30.0,
-                 timings: FTTimings | None = None, events_path: str | os.PathLike | None = None) -> None:
+                 timings: FTTimings | None = None, events_path: str | os.PathLike | None = None,
+                 await_first_sync: bool = False) -> None:
         self.timings = timings or ft_timings(ft)
+        # True when a trainer will sync weights before the first rollout: engines joining before that
+        # sync wait for it (AWAITING) instead of being routed with their checkpoint's weights
+        self.await_first_sync = await_first_sync
         self.max_restarts = self.timings.max_engine_restarts
         self.router = router
         self.api_key = api_key
@@ -176,6 +180,14 @@ class EngineRecoveryController:
                 raise TimeoutError(f"engines not in rotation within {timeout:.0f}s: {self.states()} "
                                    "(is each leader rank heartbeating to the lighthouse? see its log)")
 
+    def wait_joined(self, timeout: float) -> None:
+        """Wait until every engine has joined the lighthouse quorum at least once (or was given up)."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: all(e.state != STARTING for e in self._engines.values()),
+                                          timeout=timeout):
+                raise TimeoutError(f"engines did not join the lighthouse quorum within {timeout:.0f}s: {self.states()} "
+                                   "(is each leader rank heartbeating to the lighthouse? see its log)")
+
     def check(self) -> None:
         """Raise NoEnginesLeftError when every engine was given up (the run must stop)."""
         with self._lock:
@@ -211,6 +223,8 @@ class EngineRecoveryController:
             self._version = int(version)
             synced = None if synced_urls is None else {u.rstrip("/") for u in synced_urls}
             waiting = [e for e in self._engines.values() if e.state == AWAITING and (synced is None or e.url in synced)]
+            for e in waiting:  # this sync brought them to the version: no catch-up for it (see _reconcile)
+                self._catch_up_tried[e.engine_id] = (e.incarnation, self._version)
         return [e.engine_id for e in waiting if self._verify_and_admit(e, e.incarnation)]
 
     def on_sync_failed(self, error: BaseException, probe_timeout: float = 5.0) -> list[int]:
@@ -314,6 +328,7 @@ class EngineRecoveryController:
                 e.state = AWAITING
                 if e.engine_id in self._open:
                     self._open[e.engine_id].back_at = ev.at
+                self._changed.notify_all()  # wait_joined
         if was_routed:
             self._router_remove(e.url)
             with self._lock:
@@ -337,7 +352,10 @@ class EngineRecoveryController:
         """An AWAITING engine: admit it now if its weights are current, or after catching it up."""
         with self._lock:
             version = self._version
-        if version is None:  # no weight sync yet: its checkpoint weights are the current ones
+        if version is None and self.await_first_sync:
+            logger.info("engine %d up (incarnation %d): routed after the initial weight sync", e.engine_id, incarnation)
+            return
+        if version is None:  # no trainer syncs weights: its checkpoint weights are the current ones
             self._verify_and_admit(e, incarnation)
             return
         if self.catch_up is None:

@@ -51,7 +51,7 @@ def sync_weights_with_recovery(sender: Any, controller: EngineRecoveryController
         if controller is not None:
             admitted = controller.on_weights_updated(sender.weight_version, [t.url for t in targets])
             if admitted:
-                logger.info("weight sync v%d brought engine(s) %s back into rotation", sender.weight_version, admitted)
+                logger.info("weight sync v%d put engine(s) %s in rotation", sender.weight_version, admitted)
         return result
     raise last  # type: ignore[misc]
 

@@ -42,7 +42,7 @@ class AsyncRLLoop(RLLoop):
         if start >= end:
             logger.info("nothing to do: the checkpoint is at rollout %d of %d", start - 1, end)
             return
-        await self.sync_weights()
+        await self.initial_sync()
         self.timer.pop()
         if start == 0 and not self.cfg.eval.skip_eval_before_train and self.job.eval_datasets:
             self.job.sink.log_eval(start, await self.evaluate(start))

@@ -236,7 +236,8 @@ async def _driver_setup(run: Run, local: dict[str, Any], extra: dict[str, Any] |
             with channel.keepalive():
                 run.worker.ft.start_recovery(targets=run.fleet.targets, router_url=run.fleet.router_url,
                                              api_key=plan.engine_api_key, client=client,
-                                             events_path=str(Path(plan.output_dir) / "ft_events.jsonl"))
+                                             events_path=str(Path(plan.output_dir) / "ft_events.jsonl"),
+                                             await_first_sync=run.ctx.is_trainer)  # the driver syncs first
             client = run.worker.ft.wrap_client(client)
         run.manager = RolloutManager(cfg.rollout, cfg.data, cfg.reward, client, local["tokenizer"],
                                      run.data_source, eval_cfg=cfg.eval)

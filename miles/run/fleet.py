@@ -7,8 +7,10 @@ the engine as a supervised child process (:class:`~miles.spmd.supervisor.EngineS
 :func:`~miles.rollout.engines.engine_argv_from_config`, log in ``<output-dir>/engine<i>.log``).
 
 The driver then waits until every engine answers ``/health`` (``--engine-startup-timeout``), starts
-(or connects to, ``--sglang-router-ip/--sglang-router-port``) the sglang-router, registers the engines
-and builds the generation client: :func:`connect_fleet` returns a :class:`Fleet`.
+(or connects to, ``--sglang-router-ip/--sglang-router-port``) the sglang-router and builds the generation
+client: :func:`connect_fleet` returns a :class:`Fleet`. The engines are added to the router only once
+they are current: :meth:`Fleet.register` after the initial weight sync (or, with
+``--use-fault-tolerance``, the recovery controller, engine by engine, after verifying its version).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class Fleet:
     router_url: str | None = None
     router: Any = None  # RouterProcess we started (None when connected to a running one)
     api_key: str | None = None
+    register_timeout: float = 600.0  # --engine-startup-timeout: an engine joins the router within it
     _controls: dict[str, Any] = field(default_factory=dict)
 
     def control(self, url: str) -> Any:
@@ -68,6 +71,23 @@ class Fleet:
     async def call_all(self, method: str, **kwargs: Any) -> list[Any]:
         """``EngineControl.<method>`` on every engine, concurrently."""
         return await asyncio.gather(*(getattr(self.control(u), method)(**kwargs) for u in self.urls))
+
+    async def register(self) -> list[str]:
+        """Add this run's engines to the router (after the initial weight sync: healthy and current).
+        Engines the router lists already are left alone; returns the URLs added."""
+        from miles.rollout.router import RouterClient
+
+        if self.router_url is None:
+            return []
+        added: list[str] = []
+        async with RouterClient(self.router_url, api_key=self.api_key) as rc:
+            listed = {w.get("url", "").rstrip("/") for w in await rc.list_workers()}
+            for url in self.urls:
+                if url.rstrip("/") not in listed:
+                    await rc.add_worker(url, timeout=self.register_timeout)
+                    added.append(url)
+        logger.info("router %s: %d engine(s) in rotation", self.router_url, len(self.urls))
+        return added
 
     async def prune_dead(self, probe_timeout: float = 5.0) -> list[str]:
         """Without ``--use-fault-tolerance``: delete this run's engines that fail two ``/health`` probes
@@ -179,7 +199,8 @@ def start_engine(argv: list[str], cfg: MilesConfig, *, name: str, log_path: Path
 
 async def connect_fleet(cfg: MilesConfig, placement: Placement, *, api_key: str | None, out_dir: Path,
                         num_nodes: int) -> Fleet:
-    """Driver: wait for every engine, start or reach the router, register engines, build the client."""
+    """Driver: wait for every engine, start or reach the router, build the client. The engines join the
+    router later, once current (:meth:`Fleet.register` after the initial sync, or the FT controller)."""
     from miles.rollout.client import EngineClient, EngineControl
     from miles.rollout.router import RouterClient, connect_or_start_router
     from miles.weight_sync.base import EngineTarget
@@ -195,10 +216,8 @@ async def connect_fleet(cfg: MilesConfig, placement: Placement, *, api_key: str 
     router_url, router = connect_or_start_router(r, host=engine_host(num_nodes), api_key=api_key,
                                                  log_path=out_dir / "router.log")
     rc = RouterClient(router_url, api_key=api_key)
-    try:
+    try:  # the engines join the router after the initial weight sync (Fleet.register, or the FT controller)
         await rc.wait_ready(timeout=60.0)
-        for u in placement.urls:
-            await rc.add_worker(u, timeout=r.engine_startup_timeout)
     except BaseException:
         if router is not None:
             router.stop()
@@ -211,4 +230,4 @@ async def connect_fleet(cfg: MilesConfig, placement: Placement, *, api_key: str 
     targets = [EngineTarget(url=u, num_workers=n, engine_id=i, api_key=api_key)
                for i, (u, n) in enumerate(zip(placement.urls, placement.num_workers))]
     return Fleet(urls=list(placement.urls), targets=targets, client=client, router_url=router_url, router=router,
-                 api_key=api_key)
+                 api_key=api_key, register_timeout=r.engine_startup_timeout)

@@ -96,7 +96,7 @@ class RLLoop:
         if start >= end:
             logger.info("nothing to do: the checkpoint is at rollout %d of %d", start - 1, end)
             return
-        await self.sync_weights()  # engines serve the trainer's weights (a resumed checkpoint's too)
+        await self.initial_sync()
         self.timer.pop()
         if start == 0 and not self.cfg.eval.skip_eval_before_train and self.job.eval_datasets:
             self.job.sink.log_eval(start, await self.evaluate(start))
@@ -171,6 +171,14 @@ class RLLoop:
             if self.plan.offload_train:
                 self.ranks.offload_train()
         return metrics
+
+    async def initial_sync(self) -> None:
+        """Engines get the trainer's weights (a resumed checkpoint's too), and only then join the router:
+        an engine is routed to once healthy and current (with --use-fault-tolerance the recovery controller
+        admits each engine after this sync instead)."""
+        await self.sync_weights()
+        if self.job.fleet is not None and self.job.worker.ft is None:
+            await self.job.fleet.register()
 
     async def sync_weights(self) -> dict[str, float]:
         if self.job.fleet is None or not self.has_trainer:

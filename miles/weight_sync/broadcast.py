@@ -43,6 +43,30 @@ logger = get_logger(__name__)
 _DONE = object()
 
 
+def _end_rendezvous(store: Any, name: str, world: int, wait_s: float = 2.0) -> None:
+    """End a group's rendezvous that can no longer complete. Every rank publishes its address under
+    ``<name>/.../<rank>`` in the store and reads the others'; replacing each rank's value with an unusable
+    one makes every member still waiting (this process's helper thread, live engines, an engine whose
+    init arrives late) fail at once instead of after the group timeout. Best effort: the key layout is
+    read off rank 0's own key (written by the helper thread as it starts), waited for up to ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    try:
+        while True:
+            ranked = [k.lstrip("/") for k in store.list_keys()
+                      if k.lstrip("/").startswith(f"{name}/") and k.rsplit("/", 1)[-1].isdigit()]
+            if ranked or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        if not ranked:
+            logger.debug("ending the rendezvous of %s: no key of it in the store", name)
+            return
+        prefix = ranked[0].rsplit("/", 1)[0]
+        for rank in range(world):
+            store.set(f"{prefix}/{rank}", b"miles: this group's formation failed; join the next one")
+    except (RuntimeError, ValueError) as e:  # the store is the trainer's own; this is best effort
+        logger.debug("ending the rendezvous of %s: %s", name, e)
+
+
 class BroadcastSender(WeightSender):
     """``--update-weight-transfer-mode broadcast``. ``flatten=False`` sends one broadcast per tensor;
     ``max_in_flight`` buckets may await their engines' answers (2: an engine loads bucket k while k+1 travels)."""
@@ -131,15 +155,19 @@ class BroadcastSender(WeightSender):
                     futs: list) -> WeightGroup:
         """Rank 0's side of the group, formed in a helper thread while the engines' ``/init_weights_update_group``
         answers are watched: an engine that refuses or cannot be reached will never join, so the formation
-        fails at once, naming it, instead of waiting out the group timeout. (The helper thread, blocked in
-        the store until that timeout, is left to end by itself; nothing is registered unless it forms.)"""
+        fails at once, naming it, instead of waiting out the group timeout.
+
+        The formation uses its own client of the store (a waiting rendezvous holds its client's lock: on a
+        shared client the next formation would wait behind it), and a failed one is ended for every member
+        still waiting in it (:func:`_end_rendezvous`), so neither this process nor a live engine stays blocked."""
         out: dict[str, Any] = {}
+        store = self._store.clone() if hasattr(self._store, "clone") else self._store
 
         def form() -> None:
             try:
                 if self.device is not None and self.device.type == "cuda":
                     torch.cuda.set_device(self.device)  # the CUDA current device is per thread
-                out["group"] = WeightGroup(name, self._store, 0, world, self.backend, timeout_s=timeout, device=self.device)
+                out["group"] = WeightGroup(name, store, 0, world, self.backend, timeout_s=timeout, device=self.device)
             except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
                 out["error"] = e
 
@@ -150,6 +178,8 @@ class BroadcastSender(WeightSender):
             failed = [(e, f.exception()) for e, f in zip(engines, futs) if f.done() and not f.cancelled()
                       and f.exception() is not None]
             if failed and helper.is_alive():
+                _end_rendezvous(self._store, name, world)
+                helper.join(5.0)
                 why = "; ".join(f"{e.url}: {type(err).__name__}: {err}" for e, err in failed)
                 raise WeightSyncError(f"weight-update group {name!r} cannot form: engine(s) did not join ({why}) "
                                       f"-- engines: {[x.url for x in engines]}")

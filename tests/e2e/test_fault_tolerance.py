@@ -89,6 +89,10 @@ def test_engine_faults_run_completes_every_rollout_with_full_groups(quickstart, 
     assert {e["engine_id"] for e in recovered if e["down_seen"] < t_kill} == {0, 1}, events
     assert all(e["catch_up_version"] is not None and e["admitted"] > e["back"] for e in recovered)
     assert "verified" in log and "caught up to v" in log
+    # at the start, each engine was routed only after the initial weight sync reached it
+    driver = (tmp_path / "run" / "logs" / "rank0.log").read_text(errors="replace")
+    assert driver.index("weight sync v1 (broadcast)") < driver.index(": added engine http"), driver[:4000]
+    assert "routed after the initial weight sync" in driver
     leaders = "".join((tmp_path / "run" / "logs" / f"rank{r}.log").read_text(errors="replace") for r in (1, 2))
     assert "health probe failed while the process is alive (hung?)" in leaders  # the SIGSTOP seen by probes
     last = rows[-1]

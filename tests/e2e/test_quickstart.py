@@ -39,6 +39,10 @@ def test_torchrun_disaggregated(quickstart: Path, tmp_path: Path):
     assert "eval/quickstart" in recs[-1]  # evaluation after the last rollout
     text = log.read_text()
     assert "rollout 2/3 | reward" in text and "weight sync v4 (broadcast)" in text
+    # an engine joins the router once healthy and current: after the initial weight sync, never before it
+    driver = (out / "logs" / "rank0.log").read_text()
+    assert driver.count(": added engine http") == 2, driver[-3000:]
+    assert driver.index("weight sync v1 (broadcast)") < driver.index(": added engine http")
 
 
 def test_torchrun_colocated(quickstart: Path, tmp_path: Path):

@@ -129,21 +129,89 @@ class _RefusingEngine:
         pass
 
 
+def _member_main(addr, port, rank, world, name, answers, stop) -> None:
+    """A weight-group member in its own process, with the embedded engine's group code."""
+    import torch as _torch
+
+    from miles.engine.weights import WeightGroups
+
+    groups = WeightGroups(_torch.device("cpu"))
+    try:
+        groups.init_group(addr, port, rank, world, name, "gloo", 60)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        answers.put(f"error: {e}")
+        return
+    answers.put("joined")
+    stop.wait(60)
+
+
+class _JoiningEngine:
+    """An engine that really joins the group (the embedded engine's group code, in a spawned process)."""
+
+    def __init__(self, url: str) -> None:
+        import multiprocessing as mp
+
+        self.url, self.ctx = url, mp.get_context("spawn")
+        self.answers: list[tuple[str, str]] = []
+        self.procs: list = []
+
+    async def init_weights_update_group(self, addr, port, rank_offset, world, name, backend, timeout=None):
+        import asyncio
+
+        from miles.rollout.client import EngineError
+
+        q, stop = self.ctx.Queue(), self.ctx.Event()
+        proc = self.ctx.Process(target=_member_main, args=(addr, port, rank_offset, world, name, q, stop), daemon=True)
+        proc.start()
+        self.procs.append((proc, stop))
+        answer = await asyncio.to_thread(q.get, True, 90)
+        self.answers.append((name, answer))
+        if answer != "joined":
+            raise EngineError(self.url, "/init_weights_update_group", 200, answer)
+        return {"success": True}
+
+    async def destroy_weights_update_group(self, name, timeout=None):
+        return {"success": True}
+
+    async def close(self):
+        for proc, stop in self.procs:
+            stop.set()
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+
+
 def test_group_formation_fails_at_once_when_an_engine_cannot_join() -> None:
     """The trainer's side of the gloo group waits in the store for every member; an engine whose init call
-    failed will never arrive, so the formation must fail naming it instead of waiting out the timeout."""
+    failed will never arrive, so the formation must fail naming it instead of waiting out the timeout, end
+    the rendezvous for the member that did arrive, and leave nothing blocking the next formation."""
+    import asyncio
+    import threading
     import time
 
     cfg = parse_args(["--hf-checkpoint", "x", "--update-weight-transfer-mode", "broadcast",
                       "--update-weight-timeout", "120"], validate=False).weights
     engines = [EngineTarget("http://e0"), EngineTarget("http://e1")]
+    live = _JoiningEngine("http://e1")
     sender = build_weight_sender(cfg, _Source(), is_source=True, engines=engines, master_addr="127.0.0.1",
-                                 control_factory=lambda e, timeout: _RefusingEngine(e.url))
+                                 control_factory=lambda e, timeout: live if e.url == "http://e1" else _RefusingEngine(e.url))
     t0 = time.monotonic()
     try:
         with pytest.raises(WeightSyncError, match=r"cannot form: engine\(s\) did not join \(http://e0: EngineError") as err:
             sender.connect()
+        assert time.monotonic() - t0 < 10, "waited for the group timeout instead of failing fast"
+        assert "connection refused" in str(err.value) and "http://e1" in str(err.value)
+        deadline = time.monotonic() + 10  # the trainer's helper and e1's join both ended with the rendezvous
+        while any(t.name.startswith("miles-form-") for t in threading.enumerate()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(t.name.startswith("miles-form-") for t in threading.enumerate())
+        while not live.answers and time.monotonic() < deadline + 20:  # e1's answer to the failed formation
+            time.sleep(0.05)
+        t1 = time.monotonic()  # the next formation, with the engine that is alive, is not held up
+        sender.reconnect([engines[1]])
+        assert time.monotonic() - t1 < 30
+        first, second = live.answers
+        assert first[1].startswith("error") and second == (sender.group_name, "joined"), live.answers
     finally:
         sender.close()
-    assert time.monotonic() - t0 < 10, "waited for the group timeout instead of failing fast"
-    assert "connection refused" in str(err.value) and "http://e1" in str(err.value)
+        asyncio.run(live.close())
