@@ -172,20 +172,20 @@ class EngineRecoveryController:
 
     def wait_routed(self, timeout: float, count: int | None = None) -> None:
         """Wait until ``count`` engines (default all not given up) are in rotation; raise after ``timeout``."""
-        with self._changed:
-            def ready() -> bool:
-                want = count if count is not None else sum(e.state != GIVEN_UP for e in self._engines.values())
-                return sum(e.state == ROUTED for e in self._engines.values()) >= max(1, want)
-            if not self._changed.wait_for(ready, timeout=timeout):
-                raise TimeoutError(f"engines not in rotation within {timeout:.0f}s: {self.states()} "
-                                   "(is each leader rank heartbeating to the lighthouse? see its log)")
+        def ready() -> bool:
+            want = count if count is not None else sum(e.state != GIVEN_UP for e in self._engines.values())
+            return sum(e.state == ROUTED for e in self._engines.values()) >= max(1, want)
+        self._wait(ready, timeout, "engines not in rotation")
 
     def wait_joined(self, timeout: float) -> None:
         """Wait until every engine has joined the lighthouse quorum at least once (or was given up)."""
+        self._wait(lambda: all(e.state != STARTING for e in self._engines.values()), timeout,
+                   "engines did not join the lighthouse quorum")
+
+    def _wait(self, ready: Callable[[], bool], timeout: float, what: str) -> None:
         with self._changed:
-            if not self._changed.wait_for(lambda: all(e.state != STARTING for e in self._engines.values()),
-                                          timeout=timeout):
-                raise TimeoutError(f"engines did not join the lighthouse quorum within {timeout:.0f}s: {self.states()} "
+            if not self._changed.wait_for(ready, timeout=timeout):
+                raise TimeoutError(f"{what} within {timeout:.0f}s: {self.states()} "
                                    "(is each leader rank heartbeating to the lighthouse? see its log)")
 
     def check(self) -> None:

@@ -81,7 +81,7 @@ class Fleet:
             return []
         added: list[str] = []
         async with RouterClient(self.router_url, api_key=self.api_key) as rc:
-            listed = {w.get("url", "").rstrip("/") for w in await rc.list_workers()}
+            listed = await _listed_urls(rc)
             for url in self.urls:
                 if url.rstrip("/") not in listed:
                     await rc.add_worker(url, timeout=self.register_timeout)
@@ -100,8 +100,8 @@ class Fleet:
             return []
         removed: list[str] = []
         async with RouterClient(self.router_url, api_key=self.api_key) as rc:
-            listed = {w.get("url", "").rstrip("/") for w in await rc.list_workers()}
-            for url in [u for u in self.urls if u in listed]:
+            listed = await _listed_urls(rc)
+            for url in [u for u in self.urls if u.rstrip("/") in listed]:
                 ctl = self.control(url)
                 if await ctl.health(timeout=probe_timeout) or await ctl.health(timeout=probe_timeout):
                     continue
@@ -158,6 +158,11 @@ def place_engines(cfg: MilesConfig, ctx: SPMDContext, *, kind: str, api_key: str
         name = f"engine{spec.engine_id}" + (f"-node{node_rank}" if node_rank else "")
         placement.supervisor = start_engine(argv, cfg, name=name, log_path=out_dir / f"{name}.log")
     return placement
+
+
+async def _listed_urls(rc: Any) -> set[str]:
+    """The engine URLs a router lists (without a trailing slash)."""
+    return {w.get("url", "").rstrip("/") for w in await rc.list_workers()}
 
 
 def _visible_base_gpu(spec: Any, world: Any) -> int:

@@ -172,22 +172,31 @@ class MetricsSink:
                 logger.warning("could not write the metrics plot: %s", e)
 
 
-def read_metrics(path: str | os.PathLike) -> list[dict[str, float]]:
-    """The records of a metrics.jsonl (nulls become NaN); a torn last line (a crash mid-write) is skipped."""
+def _records(path: str | os.PathLike) -> list[tuple[int, str, Any]]:
+    """(line number, raw line, parsed JSON) of each non-blank line; a torn last line (a crash mid-write)
+    is skipped with a warning, any other line that is not JSON is an error naming it."""
     out = []
     lines = Path(path).read_text().splitlines()
     for i, line in enumerate(lines):
         if not line.strip():
             continue
         try:
-            rec = json.loads(line)
+            out.append((i + 1, line, json.loads(line)))
         except json.JSONDecodeError as e:
             if i == len(lines) - 1:
                 logger.warning("%s: ignoring a torn last line", path)
                 continue
             raise ValueError(f"{path}:{i + 1}: not JSON ({e.msg})") from e
-        out.append({k: (float("nan") if v is None else float(v)) for k, v in rec.items()})
     return out
+
+
+def _as_floats(rec: dict[str, Any]) -> dict[str, float]:
+    return {k: (float("nan") if v is None else float(v)) for k, v in rec.items()}
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, float]]:
+    """The records of a metrics.jsonl (nulls become NaN); a torn last line (a crash mid-write) is skipped."""
+    return [_as_floats(rec) for _, _, rec in _records(path)]
 
 
 def supersede_after_checkpoint(path: Path, resume_at: int) -> list[dict[str, float]]:
@@ -196,24 +205,22 @@ def supersede_after_checkpoint(path: Path, resume_at: int) -> list[dict[str, flo
 
     Records of rollouts at or after it were written by an interrupted run after its last checkpoint (with
     ``--save-interval`` N > 1, up to N - 1 of them), or by an earlier run in the same ``--output-dir``; this
-    run redoes those rollouts. They move, line for
-    line, to ``metrics.superseded.jsonl`` (appended, so nothing is lost over several restarts) and
-    ``metrics.jsonl`` is rewritten atomically without them, so it holds each rollout id once, in order.
-    Returns the records kept."""
-    lines = path.read_text().splitlines()
+    run redoes those rollouts. They move, line for line, to ``metrics.superseded.jsonl`` (appended, so
+    nothing is lost over several restarts) and ``metrics.jsonl`` is rewritten atomically without them, so
+    it holds each rollout id once, in order. Returns the records kept."""
     keep: list[str] = []
+    kept: list[dict[str, float]] = []
     moved: list[str] = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
+    for lineno, line, rec in _records(path):
         try:
-            rid = int(json.loads(line)["rollout_id"])
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-            if i == len(lines) - 1:  # torn by the crash: not a record
-                logger.warning("%s: ignoring a torn last line", path)
-                continue
-            raise ValueError(f"{path}:{i + 1}: not a metrics record; move the file away to start a fresh one") from None
-        (keep if rid < resume_at else moved).append(line)
+            rid = int(rec["rollout_id"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{path}:{lineno}: not a metrics record; move the file away to start a fresh one") from None
+        if rid < resume_at:
+            keep.append(line)
+            kept.append(_as_floats(rec))
+        else:
+            moved.append(line)
     if moved:
         with (path.parent / SUPERSEDED_FILE).open("a") as f:
             f.write("".join(line + "\n" for line in moved))
@@ -223,7 +230,7 @@ def supersede_after_checkpoint(path: Path, resume_at: int) -> list[dict[str, flo
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(line + "\n" for line in keep))
     os.replace(tmp, path)
-    return read_metrics(path)
+    return kept
 
 
 def build_sink(output: OutputConfig, out_dir: Path | None, *, enabled: bool, config: dict[str, Any] | None = None,
