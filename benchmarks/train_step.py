@@ -3,7 +3,7 @@
 Each measured ``train()`` call is one optimizer step over ``--samples`` x ``--seq-len`` tokens
 (GRPO policy loss, one step per rollout, so no extra forward pass; every sample packed into
 micro-batches of ``--max-tokens-per-gpu``), split over the GPUs. Reports global tokens/s of the
-step, achieved TFLOP/s per GPU by the 6·N·tokens count (notes/anchors.md), MFU against the GPU's
+step, achieved TFLOP/s per GPU by the 6·N·tokens count (docs/benchmarks.md, "Reference figures"), MFU against the GPU's
 bf16 peak (metrics.PEAK_BF16_TFLOPS) and peak memory, as one JSON line on rank 0.
 
     torchrun --nproc-per-node 1 benchmarks/train_step.py            # 1 GPU, 8 x 2048 tokens

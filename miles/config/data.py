@@ -16,6 +16,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--apply-chat-template", action="store_true", help="Apply the tokenizer's chat template (never implied).")
     d.add_argument("--rollout-shuffle", action="store_true", help="Shuffle prompts each epoch.")
     d.add_argument("--rollout-max-prompt-len", type=int, default=None, help="Drop prompts longer than this (tokens).")
+    d.add_argument("--rollout-max-prompt-bytes", type=int, default=8 * 1024 * 1024,
+                   help="Drop a --prompt-data record (JSONL line, rendered prompt) over this many bytes, unparsed.")
     d.add_argument("--num-epoch", type=int, default=None, help="Epochs over the prompt data (sets --num-rollout).")
     d.add_argument("--num-rollout", type=int, default=None, help="Number of rollouts (required unless --num-epoch).")
     d.add_argument("--rollout-batch-size", type=int, default=None, help="Prompts per rollout (required).")
@@ -54,6 +56,7 @@ class DataConfig:
     apply_chat_template: bool
     rollout_shuffle: bool
     rollout_max_prompt_len: int | None
+    rollout_max_prompt_bytes: int | None
     num_epoch: int | None
     num_rollout: int | None
     rollout_batch_size: int | None

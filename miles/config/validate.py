@@ -62,6 +62,9 @@ def validate_config(cfg: MilesConfig) -> None:
         raise ConfigError("--group-rm needs --custom-rm-path module.function taking a whole group.")
     if cfg.reward.rm_type == "remote_rm" and not cfg.reward.rm_url:
         raise ConfigError("--rm-type remote_rm needs --rm-url URL.")
+    if cfg.train.lr < 0 or cfg.train.min_lr < 0:
+        flag, v = ("--lr", cfg.train.lr) if cfg.train.lr < 0 else ("--min-lr", cfg.train.min_lr)
+        raise ConfigError(f"{flag} must be >= 0, got {v}: pass a learning rate such as {flag} 1e-6.")
     r = cfg.rollout
     if (r.sglang_router_ip is None) != (r.sglang_router_port is None):
         raise ConfigError("--sglang-router-ip and --sglang-router-port name a running router together: pass both or neither.")

@@ -1,7 +1,8 @@
 """``python -m miles.engine --hf-checkpoint DIR --port P``: the embedded engine as a standalone server.
 
 Speaks SGLang's HTTP protocol (docs/engine-protocol.md). Listens on ``--host`` only (default
-127.0.0.1; never every interface unless asked).
+127.0.0.1; never every interface unless asked). SIGTERM/SIGINT stop it gracefully; whatever it is doing,
+the process exits at most ``SHUTDOWN_DEADLINE_S`` seconds after the signal.
 """
 
 from __future__ import annotations
@@ -12,10 +13,13 @@ import logging
 import os
 import signal
 import sys
+import threading
 
 from miles.utils.logging import configure_logging, get_logger
 
 logger = get_logger("miles.engine")
+
+SHUTDOWN_DEADLINE_S = 3.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-context-len", "--context-length", dest="max_context_len", type=int, default=None,
                    help="Tokens per KV slot (prompt + response); default min(max_position_embeddings, 4096).")
     p.add_argument("--max-prefill-tokens", type=int, default=16384, help="Padded tokens per prefill batch.")
+    p.add_argument("--max-samples-per-request", type=int, default=4096,
+                   help="Most generations (prompts x sampling_params.n) one /generate may ask for; more is a 400.")
+    p.add_argument("--max-queued-requests", type=int, default=65536,
+                   help="Most generations the engine holds (running + queued); a request beyond it is a 503 (retry later).")
     p.add_argument("--weight-version", default="default", help="Initial weight_version reported in meta_info.")
     p.add_argument("--random-seed", type=int, default=None, help="Seed for requests that carry no sampling_seed.")
     p.add_argument("--disable-cuda-graph", action="store_true", help="Do not capture the decode step as CUDA graphs.")
@@ -54,7 +62,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--weight-update-timeout {args.weight_update_timeout:g} must be positive (seconds)")
     if args.max_prefill_tokens < 1:
         parser.error(f"--max-prefill-tokens {args.max_prefill_tokens} must be at least 1")
+    if args.max_samples_per_request < 1:
+        parser.error(f"--max-samples-per-request {args.max_samples_per_request} must be at least 1")
+    if args.max_queued_requests < args.max_samples_per_request:
+        parser.error(f"--max-queued-requests {args.max_queued_requests} must be at least --max-samples-per-request "
+                     f"({args.max_samples_per_request})")
     return args
+
+
+def _start_exit_watchdog(signame: str) -> None:
+    def expire() -> None:
+        logger.error("%s: the engine did not stop within %.0fs; exiting now", signame, SHUTDOWN_DEADLINE_S)
+        logging.shutdown()
+        os._exit(1)
+    timer = threading.Timer(SHUTDOWN_DEADLINE_S, expire)
+    timer.daemon = True
+    timer.start()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.dtype, max_running_requests=args.max_running_requests, max_context_len=args.max_context_len,
             max_prefill_tokens=args.max_prefill_tokens, weight_version=args.weight_version, random_seed=args.random_seed,
             cuda_graph=not args.disable_cuda_graph, native=not args.generic_forward,
-            weight_update_timeout=args.weight_update_timeout))
+            weight_update_timeout=args.weight_update_timeout, max_samples_per_request=args.max_samples_per_request,
+            max_queued_requests=args.max_queued_requests))
     except ValueError as e:
         logger.error("%s", e)
         return 2
@@ -79,8 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     async def run() -> None:
         task = asyncio.ensure_future(serve(engine, args.host, args.port))
         loop = asyncio.get_running_loop()
+
+        def on_signal(signum: int, _frame) -> None:
+            # A plain signal handler runs in the main thread at the next bytecode even when the event loop is
+            # busy; the watchdog thread ends the process if the graceful stop has not finished in time.
+            _start_exit_watchdog(signal.Signals(signum).name)
+            loop.call_soon_threadsafe(task.cancel)
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, task.cancel)
+            signal.signal(sig, on_signal)
         try:
             await task
         except asyncio.CancelledError:

@@ -29,6 +29,7 @@ from miles.utils.logging import get_logger
 logger = get_logger("miles.engine")
 
 HEALTH_CHECK_TIMEOUT = 20.0
+FLUSH_POLL_S = 0.02
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
@@ -48,6 +49,8 @@ class EngineArgs:
     cuda_graph: bool = True
     native: bool = True
     weight_update_timeout: float = 600.0
+    max_samples_per_request: int | None = 4096
+    max_queued_requests: int | None = 65536
 
 
 class Engine:
@@ -58,7 +61,8 @@ class Engine:
             max_context_len=args.max_context_len, cuda_graph=args.cuda_graph, native=args.native))
         self.tokenizer = self._load_tokenizer(args.hf_checkpoint)
         self.scheduler = Scheduler(self.runner, self.tokenizer, max_prefill_tokens=args.max_prefill_tokens,
-                                   weight_version=args.weight_version, random_seed=args.random_seed)
+                                   weight_version=args.weight_version, random_seed=args.random_seed,
+                                   max_queued_requests=args.max_queued_requests)
         self.groups = WeightGroups(self.runner.device)
         self.model_path = args.hf_checkpoint
         self.weight_update_session: str | None = None
@@ -94,20 +98,18 @@ class Engine:
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []
 
     def prepare(self, body: P.GenerateReqInput) -> tuple[list[P.GenSpec], bool]:
-        return P.normalize_generate(body, self._tokenize, self.runner.vocab_size, lambda: uuid.uuid4().hex)
+        return P.normalize_generate(body, self._tokenize, self.runner.vocab_size, lambda: uuid.uuid4().hex,
+                                    max_samples=self.args.max_samples_per_request)
 
-    def submit(self, specs: list[P.GenSpec], stream: bool) -> list[Req]:
-        return self.scheduler.submit(specs, asyncio.get_running_loop(), stream)
+    def submit(self, specs: list[P.GenSpec], stream: bool, health: bool = False) -> list[Req]:
+        """Queue the requests; raises ``P.BadRequest`` or ``QueueFull`` (the engine is at --max-queued-requests)."""
+        return self.scheduler.submit(specs, asyncio.get_running_loop(), stream, health=health)
 
-    def abort_reqs(self, reqs: list[Req]) -> None:
+    def abort_reqs(self, reqs: list[Req], message: str = "client disconnected") -> None:
+        """Abort these requests (a no-op for finished ones); O(len(reqs)) on the scheduler thread."""
         live = [r for r in reqs if r.finish is None]
         if live:
-            rids = {r.rid for r in live}
-
-            def go():
-                for rid in rids:
-                    self.scheduler.abort(rid, False, "client disconnected")
-            self.scheduler.call(go)
+            self.scheduler.call(lambda: self.scheduler.abort_reqs(live, message))
 
     async def wait_final(self, reqs: list[Req]) -> list[dict[str, Any]]:
         out = []
@@ -194,7 +196,7 @@ class Engine:
                          skip_special_tokens=True, spaces_between_special_tokens=True, no_stop_trim=False, stream_interval=1,
                          logit_bias=None, sampling_seed=0, return_logprob=False, logprob_start_len=-1, top_logprobs_num=0,
                          token_ids_logprob=None, return_text_in_logprobs=False, index=0)
-        reqs = self.submit([spec], stream=False)
+        reqs = self.submit([spec], stream=False, health=True)
         try:
             res = await asyncio.wait_for(self.wait_final(reqs), HEALTH_CHECK_TIMEOUT)
             return res[0]["meta_info"]["finish_reason"]["type"] != "abort"
@@ -226,8 +228,16 @@ class Engine:
         }
 
     # ------------------------------------------------------------------ control
-    async def flush_cache(self) -> bool:
-        return await self.scheduler.acall(self.scheduler.flush_cache)
+    async def flush_cache(self, timeout_s: float | None = None) -> bool:
+        """Zero the KV cache once no request holds it; with ``timeout_s`` wait that long for that (SGLang's
+        ``FlushCacheReqInput.timeout_s``). False when requests still hold the cache."""
+        deadline = time.monotonic() + max(0.0, timeout_s or 0.0)
+        while True:
+            if await self.scheduler.acall(self.scheduler.flush_cache):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(FLUSH_POLL_S)
 
     async def abort(self, rid: str | None, abort_all: bool) -> int:
         return await self.scheduler.acall(lambda: self.scheduler.abort(rid, abort_all))
@@ -237,8 +247,12 @@ class Engine:
             raise P.BadRequest(f"PauseGenerationReqInput.mode must be 'abort', 'retract' or 'in_place', got {mode!r}")
         await self.scheduler.acall(lambda: self.scheduler.pause(mode))
 
-    async def continue_generation(self) -> None:
-        await self.scheduler.acall(self.scheduler.resume)
+    async def continue_generation(self, torch_empty_cache: bool = True) -> None:
+        def go():
+            if torch_empty_cache and self.runner.device.type == "cuda":
+                torch.cuda.empty_cache()
+            self.scheduler.resume()
+        await self.scheduler.acall(go)
 
     def _tags(self, tags: list[str] | None) -> set[str]:
         tags = list(MEMORY_TAGS) if tags is None else tags
@@ -294,7 +308,7 @@ class Engine:
                 if backup:
                     self.runner.load_tensors(backup)
                 raise
-            if flush and not self.scheduler.running and not self.scheduler.waiting:
+            if flush and not self.scheduler.cache_in_use():
                 self.runner.clear_cache()
             if version is not None:
                 self.scheduler.weight_version = version

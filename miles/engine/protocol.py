@@ -1,7 +1,9 @@
 """Request bodies of SGLang's HTTP protocol as msgspec structs, and their validation.
 
 Field names and defaults mirror SGLang's ``GenerateReqInput``, ``SamplingParams`` and the weight/control
-request structs (``sglang/srt/managers/io_struct.py``, ``sglang/srt/sampling/sampling_params.py``).
+request structs (``sglang/srt/managers/io_struct.py``, ``sglang/srt/sampling/sampling_params.py``; the
+SGLang commit they were checked against is in docs/engine-protocol.md). Every control struct carries
+SGLang's ``BaseReq`` fields ``rid`` and ``http_worker_ipc``.
 Unknown fields are rejected (``BadRequest`` naming the field, answered as HTTP 400). Fields SGLang accepts
 but this engine cannot honour (grammars, penalties, multimodal inputs, LoRA, ...) are accepted only at
 their default value; any other value is a 400 that names the field and says it is unsupported here.
@@ -24,6 +26,13 @@ class BadRequest(ValueError):
 
 class _Req(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pass
+
+
+class _Control(_Req, kw_only=True):
+    """SGLang's ``BaseReq``: every control/weight request may carry these (accepted, not used here)."""
+
+    rid: str | list[str] | None = None
+    http_worker_ipc: str | None = None
 
 
 # ----------------------------------------------------------------------------- generation
@@ -90,6 +99,8 @@ class GenerateReqInput(_Req):
     background: bool = False
     return_bytes: bool = False
     http_worker_ipc: str | None = None
+    disagg_prefill_dp_rank: int | None = None
+    kv_router_hint: dict[str, Any] | None = None
     # Accepted at their default only.
     input_embeds: Any = None
     image_data: Any = None
@@ -106,13 +117,45 @@ class GenerateReqInput(_Req):
     bootstrap_host: Any = None
     bootstrap_port: Any = None
     bootstrap_room: Any = None
+    bootstrap_pair_key: Any = None
+    decode_tp_size: Any = None
+    mm_hashes: Any = None
+    mm_content_hashes: Any = None
+    use_audio_in_video: bool = False
+    video_config: Any = None
+    return_sampling_mask: Any = None
+    return_flat_raw_top_logprobs: bool = False
+    return_flat_raw_top_logprobs_b64: bool = False
+    routed_experts_start_len: int = 0
+    return_indexer_topk: bool = False
+    positional_embed_overrides: Any = None
+    require_reasoning: bool = False
+    max_thinking_tokens: int | None = None
+    return_prompt_token_ids: bool = False
+    need_wait_for_mm_inputs: Any = None
+    num_items_assigned: Any = None
+    encoder_urls: Any = None
+    max_dynamic_patch: Any = None
+    min_dynamic_patch: Any = None
+    image_max_dynamic_patch: Any = None
+    video_max_dynamic_patch: Any = None
+    images_config: Any = None
+    multi_item_delimiter_indices: Any = None
+    cache_salt: Any = None
 
 
 _UNSUPPORTED_GENERATE = {
     "input_embeds": None, "image_data": None, "video_data": None, "audio_data": None, "modalities": None,
     "session_params": None, "lora_path": None, "lora_id": None, "custom_logit_processor": None,
     "return_hidden_states": False, "return_routed_experts": False, "return_entropy": False,
-    "bootstrap_host": None, "bootstrap_port": None, "bootstrap_room": None,
+    "bootstrap_host": None, "bootstrap_port": None, "bootstrap_room": None, "bootstrap_pair_key": None,
+    "decode_tp_size": None, "mm_hashes": None, "mm_content_hashes": None, "use_audio_in_video": False,
+    "video_config": None, "return_sampling_mask": False, "return_flat_raw_top_logprobs": False,
+    "return_flat_raw_top_logprobs_b64": False, "routed_experts_start_len": 0, "return_indexer_topk": False,
+    "positional_embed_overrides": None, "require_reasoning": False, "max_thinking_tokens": None,
+    "return_prompt_token_ids": False, "need_wait_for_mm_inputs": False, "num_items_assigned": None,
+    "encoder_urls": None, "max_dynamic_patch": None, "min_dynamic_patch": None, "image_max_dynamic_patch": None,
+    "video_max_dynamic_patch": None, "images_config": None, "multi_item_delimiter_indices": None,
 }
 
 
@@ -146,56 +189,52 @@ class GenSpec(msgspec.Struct, kw_only=True):
 
 # ----------------------------------------------------------------------------- control / weights
 class AbortReq(_Req):
-    rid: str = ""
+    rid: str | None = ""
+    http_worker_ipc: str | None = None
     abort_all: bool = False
     finished_reason: Any = None
     abort_message: str | None = None
+    weight_versions: Any = None
 
 
-class PauseGenerationReqInput(_Req):
+class PauseGenerationReqInput(_Control, kw_only=True):
     mode: str = "abort"
-    rid: str | None = None
 
 
-class ContinueGenerationReqInput(_Req):
-    rid: str | None = None
+class ContinueGenerationReqInput(_Control, kw_only=True):
+    torch_empty_cache: bool = True  # SGLang empties the CUDA allocator cache before resuming
 
 
-class FlushCacheReqInput(_Req):
-    rid: str | None = None
+class FlushCacheReqInput(_Control, kw_only=True):
+    timeout_s: float | None = None  # wait up to this long for the cache to be free (SGLang's field)
 
 
-class MemoryOccupationReqInput(_Req):
+class MemoryOccupationReqInput(_Control, kw_only=True):
     tags: list[str] | None = None
-    rid: str | None = None
 
 
-class InitWeightsUpdateGroupReqInput(_Req):
+class InitWeightsUpdateGroupReqInput(_Control, kw_only=True):
     master_address: str
     master_port: int
     rank_offset: int
     world_size: int
     group_name: str = "weight_update_group"
     backend: str = "nccl"
-    rid: str | None = None
 
 
-class DestroyWeightsUpdateGroupReqInput(_Req):
+class DestroyWeightsUpdateGroupReqInput(_Control, kw_only=True):
     group_name: str = "weight_update_group"
-    rid: str | None = None
 
 
-class BeginWeightUpdateReqInput(_Req):
+class BeginWeightUpdateReqInput(_Control, kw_only=True):
     selector: Any = "all"
-    rid: str | None = None
 
 
-class EndWeightUpdateReqInput(_Req):
+class EndWeightUpdateReqInput(_Control, kw_only=True):
     selector: Any = None
-    rid: str | None = None
 
 
-class UpdateWeightsFromDistributedReqInput(_Req):
+class UpdateWeightsFromDistributedReqInput(_Control, kw_only=True):
     names: list[str]
     shapes: list[list[int]]
     dtypes: list[str] | None = None
@@ -207,10 +246,9 @@ class UpdateWeightsFromDistributedReqInput(_Req):
     load_format: str | None = None
     torch_empty_cache: bool = False
     selector: Any = None
-    rid: str | None = None
 
 
-class UpdateWeightsFromTensorReqInput(_Req):
+class UpdateWeightsFromTensorReqInput(_Control, kw_only=True):
     serialized_named_tensors: list[str]
     load_format: str | None = None
     flush_cache: bool = True
@@ -219,10 +257,9 @@ class UpdateWeightsFromTensorReqInput(_Req):
     disable_draft_model: bool | None = None
     torch_empty_cache: bool = False
     selector: Any = None
-    rid: str | None = None
 
 
-class UpdateWeightFromDiskReqInput(_Req):
+class UpdateWeightFromDiskReqInput(_Control, kw_only=True):
     model_path: str
     load_format: str | None = None
     abort_all_requests: bool = False
@@ -234,19 +271,16 @@ class UpdateWeightFromDiskReqInput(_Req):
     token_step: int = 0
     flush_cache: bool = True
     manifest: dict[str, Any] | None = None
-    rid: str | None = None
 
 
-class UpdateWeightVersionReqInput(_Req):
+class UpdateWeightVersionReqInput(_Control, kw_only=True):
     new_version: str
-    abort_all_requests: bool = False
-    rid: str | None = None
+    abort_all_requests: bool = True  # SGLang's default: send false to keep paused/running requests
 
 
-class GetWeightsByNameReqInput(_Req):
+class GetWeightsByNameReqInput(_Control, kw_only=True):
     name: str
     truncate_size: int = 100
-    rid: str | None = None
 
 
 def decode(body: bytes, cls: type[msgspec.Struct], *, empty_ok: bool = False) -> Any:
@@ -344,10 +378,12 @@ def _verify_sampling(sp: SamplingParams, where: str, vocab_size: int) -> dict[st
     )
 
 
-def normalize_generate(req: GenerateReqInput, tokenize, vocab_size: int, new_rid) -> tuple[list[GenSpec], bool]:
+def normalize_generate(req: GenerateReqInput, tokenize, vocab_size: int, new_rid,
+                       max_samples: int | None = None) -> tuple[list[GenSpec], bool]:
     """Expand a ``GenerateReqInput`` into one ``GenSpec`` per (prompt, sample). Returns (specs, is_batch).
 
     ``tokenize(text) -> list[int]`` raises BadRequest when the server has no tokenizer; ``new_rid()`` makes ids.
+    More than ``max_samples`` generations (prompts x ``n``) is a BadRequest naming --max-samples-per-request.
     """
     for name, default in _UNSUPPORTED_GENERATE.items():
         if getattr(req, name) not in (None, default):
@@ -401,6 +437,10 @@ def normalize_generate(req: GenerateReqInput, tokenize, vocab_size: int, new_rid
     n_samples = norm[0]["n"]
     if any(d["n"] != n_samples for d in norm):
         raise BadRequest("sampling_params.n must be the same for every prompt of a batch")
+    if max_samples is not None and n_items * n_samples > max_samples:
+        raise BadRequest(f"sampling_params.n={n_samples} x {n_items} prompt(s) = {n_items * n_samples} generations "
+                         f"exceeds this engine's limit of {max_samples} per request (--max-samples-per-request); "
+                         f"send fewer samples per request or start the engine with a larger --max-samples-per-request")
     if isinstance(rids, list):
         if not is_batch or len(rids) != n_items:
             raise BadRequest(f"GenerateReqInput: 'rid' has {len(rids)} entries for {n_items} prompt(s)")

@@ -10,7 +10,11 @@ step sees contiguous, static-shaped cache views.
 Pause modes (SGLang's): ``abort`` finishes every request with ``finish_reason.type == "abort"``;
 ``retract`` returns running requests to the head of the queue (their KV is recomputed on continue, the
 client sees one seamless output); ``in_place`` just stops stepping and keeps the KV. New requests queue
-while paused.
+while paused. Queued requests hold no KV, so the cache can be flushed while paused with nothing running.
+
+Bookkeeping is O(1) per request: every live request is indexed by its rid and by each ``_``-prefix of it
+(so ``abort(rid)`` finds ``rid_j`` samples without a scan), a running request knows its slot, and an
+aborted waiting request is only marked finished; admission skips it (lazy deletion from the queue).
 """
 
 from __future__ import annotations
@@ -33,6 +37,10 @@ from miles.engine.sampling import RowParams, SamplingBatch, sample
 from miles.utils.logging import get_logger
 
 logger = get_logger("miles.engine.scheduler")
+
+
+class QueueFull(RuntimeError):
+    """The engine holds --max-queued-requests requests already: HTTP 503 (retry later)."""
 
 
 class Req:
@@ -58,6 +66,14 @@ class Req:
         self.created = time.time()
         self.last_emit = 0
         self.weight_version = ""
+        self.slot = -1               # index in Scheduler.running while running
+        self.state = "new"           # new -> waiting -> running (-> waiting when retracted) -> done
+        self.health = False          # an internal /health probe: finished at once when generation pauses
+
+    def keys(self) -> list[str]:
+        """The rid and each of its ``_``-prefixes: the abort keys that reach this request."""
+        parts = self.rid.split("_")
+        return ["_".join(parts[:i]) for i in range(len(parts), 0, -1)]
 
     def post(self, final: bool) -> None:
         n = len(self.output_ids)
@@ -66,14 +82,21 @@ class Req:
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, tokenizer, *, max_prefill_tokens: int = 16384,
-                 weight_version: str = "default", random_seed: int | None = None):
+                 weight_version: str = "default", random_seed: int | None = None,
+                 max_queued_requests: int | None = None):
         self.runner = runner
         self.tokenizer = tokenizer
         self.max_prefill_tokens = max_prefill_tokens
+        self.max_queued_requests = max_queued_requests
         self.weight_version = weight_version
         self.rng = random.Random(random_seed)
-        self.waiting: deque[Req] = deque()
+        self.waiting: deque[Req] = deque()   # may hold finished (aborted) requests; admission skips them
+        self.num_waiting = 0                 # live requests in ``waiting``
         self.running: list[Req] = []
+        self._index: dict[str, set[Req]] = {}  # abort key -> live requests (see Req.keys)
+        self._live: dict[Req, None] = {}       # every live request, in submission order
+        self._accepted = 0                     # submitted and not yet finished (the queue bound's count)
+        self._accepted_lock = threading.Lock()
         self.paused = False
         self.pause_mode: str | None = None
         self._commands: queue.Queue = queue.Queue()
@@ -99,7 +122,7 @@ class Scheduler:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 2.0) -> None:
         self._stop.set()
         self._commands.put(None)
         self._thread.join(timeout)
@@ -151,6 +174,7 @@ class Scheduler:
                 for r in list(self.running) + self._admitting:
                     if r.finish is None:
                         self._finish(r, {"type": "abort", "message": f"engine error: {type(e).__name__}: {e}"})
+                    r.state, r.slot = "done", -1
                 self.running.clear()
                 self._admitting = []
                 self._epoch += 1
@@ -167,36 +191,85 @@ class Scheduler:
         if spec.stop_strs and self.tokenizer is None:
             raise BadRequest("sampling_params.stop needs a tokenizer, and this model directory has none; use stop_token_ids")
 
-    def submit(self, specs: list[GenSpec], loop: asyncio.AbstractEventLoop, stream: bool) -> list[Req]:
+    def submit(self, specs: list[GenSpec], loop: asyncio.AbstractEventLoop, stream: bool, *,
+               health: bool = False) -> list[Req]:
+        """Queue ``specs``; raises BadRequest (never queued) or QueueFull (the engine is at --max-queued-requests)."""
         for s in specs:
             self.validate(s)
+        limit = self.max_queued_requests
+        if limit is not None and not health:
+            with self._accepted_lock:
+                if self._accepted + len(specs) > limit:
+                    raise QueueFull(f"the engine already holds {self._accepted} requests and this one adds {len(specs)}, "
+                                    f"over its limit of {limit} queued requests (--max-queued-requests); retry later, "
+                                    f"or raise --max-queued-requests")
+                self._accepted += len(specs)
+        else:
+            with self._accepted_lock:
+                self._accepted += len(specs)
         reqs = [Req(s, s.sampling_seed if s.sampling_seed is not None else self.rng.getrandbits(63), loop, stream)
                 for s in specs]
+        for r in reqs:
+            r.health = health
 
         def add():
-            self.waiting.extend(reqs)
+            for r in reqs:
+                self._track(r)
+                if r.health and self.paused:
+                    self._finish(r, {"type": "abort", "message": "generation is paused"})
+                    continue
+                r.state = "waiting"
+                self.waiting.append(r)
+                self.num_waiting += 1
         self.call(add)
         return reqs
 
+    def _track(self, r: Req) -> None:
+        self._live[r] = None
+        for k in r.keys():
+            self._index.setdefault(k, set()).add(r)
+
+    def _untrack(self, r: Req) -> None:
+        if r in self._live:
+            del self._live[r]
+            for k in r.keys():
+                group = self._index.get(k)
+                if group is not None:
+                    group.discard(r)
+                    if not group:
+                        del self._index[k]
+            with self._accepted_lock:
+                self._accepted -= 1
+
     # ------------------------------------------------------------------ control (run on the scheduler thread)
     def abort(self, rid: str | None, abort_all: bool, message: str = "Aborted by /abort_request") -> int:
+        """Finish ``rid`` (and its ``rid_j`` samples), or every request; returns how many. O(matches)."""
+        if abort_all:
+            targets = list(self._live)
+        else:
+            targets = list(self._index.get(rid, ())) if rid else []
+        return self.abort_reqs(targets, message)
+
+    def abort_reqs(self, reqs: list[Req], message: str) -> int:
+        """Finish these requests as aborted (those still live); O(len(reqs)) plus one slot move per running one."""
+        slots = []
         n = 0
-        for r in list(self.waiting):
-            if abort_all or r.rid == rid or (rid and r.rid.startswith(rid + "_")):
-                self.waiting.remove(r)
-                self._finish(r, {"type": "abort", "message": message})
-                n += 1
-        gone = [i for i, r in enumerate(self.running) if abort_all or r.rid == rid or (rid and r.rid.startswith(rid + "_"))]
-        for i in gone:
-            self._finish(self.running[i], {"type": "abort", "message": message})
-        self._remove(gone)
-        return n + len(gone)
+        for r in reqs:
+            if r.finish is not None or r not in self._live:
+                continue
+            if r.state == "running":
+                slots.append(r.slot)
+            self._finish(r, {"type": "abort", "message": message})
+            n += 1
+        self._remove(slots)
+        return n
 
     def pause(self, mode: str) -> None:
         if mode == "abort":
             self.abort(None, True, "Aborted by /pause_generation (mode abort)")
         elif mode == "retract":
             self._retract_all()
+        self.abort_reqs([r for r in self._live if r.health], "generation is paused")
         self.paused, self.pause_mode = True, mode
 
     def resume(self) -> None:
@@ -206,12 +279,21 @@ class Scheduler:
         for r in reversed(self.running):
             r.retracted = True
             r.kv_len = 0
+            r.state, r.slot = "waiting", -1
             self.waiting.appendleft(r)
+            self.num_waiting += 1
         self.running.clear()
         self._epoch += 1
 
+    def cache_in_use(self) -> bool:
+        """Whether some request holds KV (or, unpaused, is about to): flushing now would corrupt it.
+
+        Only running requests hold KV. While paused, queued requests (new ones, or retracted ones whose
+        KV is recomputed on continue) do not, so the cache can be flushed (SGLang's retract/abort modes)."""
+        return bool(self.running) or (not self.paused and self.num_waiting > 0)
+
     def flush_cache(self) -> bool:
-        if self.running or self.waiting:
+        if self.cache_in_use():
             return False
         self.runner.clear_cache()
         return True
@@ -225,15 +307,23 @@ class Scheduler:
     def _finish(self, r: Req, reason: dict[str, Any]) -> None:
         r.finish = reason
         r.weight_version = self.weight_version
+        if r.state == "waiting":
+            self.num_waiting -= 1
+        if r.state != "running":  # a running request stays "running" until _remove takes it off its slot
+            r.state = "done"
+        self._untrack(r)
         r.post(final=True)
 
     def _remove(self, idxs: list[int]) -> None:
         for i in sorted(idxs, reverse=True):
             last = len(self.running) - 1
+            gone = self.running[i]
+            gone.state, gone.slot = "done", -1
             if i != last:
                 mover = self.running[last]
                 self.runner.move_slot(last, i, mover.kv_len)
                 self.running[i] = mover
+                mover.slot = i
             self.running.pop()
         if idxs:
             self._epoch += 1
@@ -243,18 +333,26 @@ class Scheduler:
         budget = self.max_prefill_tokens
         while self.waiting and len(self.running) + len(batch) < self.runner.max_slots:
             r = self.waiting[0]
+            if r.finish is not None:  # aborted while queued
+                self.waiting.popleft()
+                continue
             n = len(r.spec.input_ids) + (len(r.output_ids) - 1 if r.retracted else 0)
             if batch and n * (len(batch) + 1) > budget:
                 break
             batch.append(self.waiting.popleft())
+            self.num_waiting -= 1
+            r.state = "admitting"
             budget -= n
+        if not batch:
+            return
         self._admitting = batch
         seqs = [r.spec.input_ids + r.output_ids[:-1] if r.retracted else r.spec.input_ids for r in batch]
         want_full = [(not r.retracted) and r.spec.return_logprob and r.spec.logprob_start_len >= 0 for r in batch]
         start = len(self.running)
         last, full = self.runner.prefill(start, seqs, want_full)
-        for r, s in zip(batch, seqs):
+        for i, (r, s) in enumerate(zip(batch, seqs)):
             r.kv_len = len(s)
+            r.state, r.slot = "running", start + i
         self.running.extend(batch)
         self._admitting = []
         self._epoch += 1
@@ -375,5 +473,5 @@ class Scheduler:
 
     # ------------------------------------------------------------------ introspection
     def load(self) -> dict[str, Any]:
-        return {"num_running_reqs": len(self.running), "num_waiting_reqs": len(self.waiting), "paused": self.paused,
+        return {"num_running_reqs": len(self.running), "num_waiting_reqs": self.num_waiting, "paused": self.paused,
                 "pause_mode": self.pause_mode, "steps": self.steps, "generated_tokens": self.generated_tokens}

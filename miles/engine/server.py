@@ -17,12 +17,14 @@ from aiohttp import web
 
 from miles.engine import protocol as P
 from miles.engine.engine import Engine
+from miles.engine.scheduler import QueueFull
 from miles.engine.weights import WeightUpdateError
 from miles.utils.logging import get_logger
 
 logger = get_logger("miles.engine.server")
 
 _LOOPBACK = ("127.", "::1", "::ffff:127.")
+SHUTDOWN_GRACE_S = 1.0  # in-flight handlers get this long on shutdown; the process exits soon after regardless
 _ENGINE = web.AppKey("engine", Engine)
 
 
@@ -60,6 +62,9 @@ async def _errors(request: web.Request, handler):
     except P.BadRequest as e:
         logger.warning("400 %s: %s", request.path, e)
         return _error(str(e), 400)
+    except QueueFull as e:
+        logger.warning("503 %s: %s", request.path, e)
+        return _error(str(e), 503)
     except web.HTTPException:
         raise
     except asyncio.CancelledError:
@@ -109,7 +114,11 @@ async def health(request: web.Request) -> web.Response:
         if request.path == "/health_generate":
             return web.Response(status=503, text="generation is paused or memory is released")
         return web.Response(status=200, text="ok (paused or memory released)")
-    return web.Response(status=200 if await eng.health_generate() else 503)
+    if await eng.health_generate():
+        return web.Response(status=200)
+    if not eng.ready_to_generate() and request.path == "/health":  # paused while the probe waited
+        return web.Response(status=200, text="ok (paused or memory released)")
+    return web.Response(status=503)
 
 
 async def model_info(request: web.Request) -> web.Response:
@@ -136,7 +145,16 @@ async def models(request: web.Request) -> web.Response:
 
 # ----------------------------------------------------------------------------- control
 async def flush_cache(request: web.Request) -> web.Response:
-    ok = await _engine(request).flush_cache()
+    b = await _body(request, P.FlushCacheReqInput, empty_ok=True)
+    timeout_s = b.timeout_s
+    if "timeout_s" in request.query:
+        try:
+            timeout_s = float(request.query["timeout_s"])
+        except ValueError:
+            raise P.BadRequest(f"flush_cache: timeout_s={request.query['timeout_s']!r} is not a number") from None
+    if timeout_s is not None and not 0 <= timeout_s <= 3600:
+        raise P.BadRequest(f"FlushCacheReqInput.timeout_s must be in [0, 3600] seconds, got {timeout_s}")
+    ok = await _engine(request).flush_cache(timeout_s)
     return web.Response(status=200 if ok else 400, text="Cache flushed.\n" if ok else
                         "Cache not flushed: there are running or waiting requests.\n")
 
@@ -156,8 +174,8 @@ async def pause_generation(request: web.Request) -> web.Response:
 
 
 async def continue_generation(request: web.Request) -> web.Response:
-    await _body(request, P.ContinueGenerationReqInput, empty_ok=True)
-    await _engine(request).continue_generation()
+    b = await _body(request, P.ContinueGenerationReqInput, empty_ok=True)
+    await _engine(request).continue_generation(b.torch_empty_cache)
     return _json({"message": "Generation continued successfully.", "status": "ok"})
 
 
@@ -280,7 +298,8 @@ def build_app(engine: Engine) -> web.Application:
 async def serve(engine: Engine, host: str, port: int) -> None:
     """Run until cancelled (SIGTERM/SIGINT handled by the caller)."""
     app = build_app(engine)
-    runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True,
+                           shutdown_timeout=SHUTDOWN_GRACE_S)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
     await site.start()

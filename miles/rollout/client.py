@@ -273,7 +273,8 @@ class EngineControl(_Http):
         return await self._post("/update_weights_from_disk", payload, timeout)
 
     async def update_weight_version(self, new_version: str | int) -> Any:
-        return await self._post("/update_weight_version", {"new_version": str(new_version)})
+        # SGLang's abort_all_requests defaults to true: say false, so paused (retracted) requests survive the sync
+        return await self._post("/update_weight_version", {"new_version": str(new_version), "abort_all_requests": False})
 
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
         return await self._post("/get_weights_by_name", {"name": name, "truncate_size": int(truncate_size)})

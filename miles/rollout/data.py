@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from miles.config.base import ConfigError
 from miles.config.data import DataConfig, EvalConfig
@@ -47,9 +48,61 @@ class PromptItem:
     tools: list[dict[str, Any]] | None = None
 
 
-def read_rows(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
-    """(location, row) pairs from a JSONL or Parquet file; location is ``file:line`` or ``file:row N``."""
+DEFAULT_MAX_RECORD_BYTES = 8 * 1024 * 1024
+_TOKENIZE_CHUNK = 256  # prompts per tokenizer call: bounds the tokenizer's peak memory
+
+
+def _skip_rest_of_line(f: BinaryIO, chunk: int = 1 << 20) -> int:
+    """Read past the end of the current line without holding it; returns the bytes skipped."""
+    skipped = 0
+    while True:
+        part = f.readline(chunk)
+        skipped += len(part)
+        if not part or part.endswith(b"\n"):
+            return skipped
+
+
+def _iter_jsonl(p: Path, max_bytes: int | None, dropped: list[tuple[str, int]]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Stream (location, row) pairs; a line longer than ``max_bytes`` is skipped unread (its location kept)."""
+    with open(p, "rb") as f:
+        lineno = 0
+        while True:
+            raw = f.readline(max_bytes + 1) if max_bytes is not None else f.readline()
+            if not raw:
+                return
+            lineno += 1
+            if max_bytes is not None and len(raw) > max_bytes:
+                size = len(raw) + (0 if raw.endswith(b"\n") else _skip_rest_of_line(f))
+                dropped.append((f"{p}:{lineno}", size))
+                continue
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{p}:{lineno}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of "
+                                f"the line); save --prompt-data as UTF-8 (e.g. `iconv -f latin1 -t utf-8`).") from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{p}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); each line must be "
+                                f"one JSON object.") from e
+            except RecursionError:
+                raise DataError(f"{p}:{lineno}: JSON nested too deeply to parse; flatten this record.") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{p}:{lineno}: expected a JSON object per line, got {type(row).__name__}.")
+            yield f"{p}:{lineno}", row
+
+
+def read_rows(path: str | Path, max_record_bytes: int | None = None,
+              dropped: list[tuple[str, int]] | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """(location, row) pairs from a JSONL or Parquet file; location is ``file:line`` or ``file:row N``.
+
+    A JSONL line longer than ``max_record_bytes`` is never parsed (nor held in memory whole): its
+    (location, size in bytes) goes to ``dropped``.
+    """
     p = Path(path)
+    dropped = dropped if dropped is not None else []
     if not p.is_file():
         raise DataError(f"prompt data file {str(p)!r} does not exist (check --prompt-data / --eval-prompt-data).")
     name = p.name.lower()
@@ -64,27 +117,21 @@ def read_rows(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
     if not name.endswith(JSONL_SUFFIXES):
         raise DataError(f"prompt data {str(p)!r}: unknown format; use a .jsonl (one JSON object per line) "
                         f"or .parquet file.")
-    out: list[tuple[str, dict[str, Any]]] = []
-    with open(p, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{p}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); each line must be "
-                                f"one JSON object.") from e
-            if not isinstance(row, dict):
-                raise DataError(f"{p}:{lineno}: expected a JSON object per line, got {type(row).__name__}.")
-            out.append((f"{p}:{lineno}", row))
-    return out
+    return list(_iter_jsonl(p, max_record_bytes, dropped))
 
 
-def _get(row: dict[str, Any], key: str, flag: str, where: str) -> Any:
-    if key not in row:
-        raise DataError(f"{where}: missing key '{key}' (set by {flag}); keys present: {sorted(row)}. "
-                        f"Pass {flag} with one of them, or fix the data.")
-    return row[key]
+def _get(row: dict[str, Any], key: str, flag: str, where: str, seen_with_key: int = 0) -> Any:
+    """``row[key]``; absent (or null) is a DataError that tells a one-row gap from a wrong key."""
+    if key in row and row[key] is not None:
+        return row[key]
+    if key in row:
+        raise DataError(f"{where}: key '{key}' (set by {flag}) is null in this row; give it a value or remove the row.")
+    if seen_with_key:
+        earlier = "the row before has it" if seen_with_key == 1 else f"the {seen_with_key} rows before have it"
+        raise DataError(f"{where}: missing key '{key}' (set by {flag}) in this row, though {earlier}; "
+                        f"keys present: {sorted(row)}. Add '{key}' to this row or remove the row.")
+    raise DataError(f"{where}: missing key '{key}' (set by {flag}); keys present: {sorted(row)}. "
+                    f"Pass {flag} with one of them, or fix the data.")
 
 
 def _check_messages(prompt: list[Any], where: str, flag_key: str) -> None:
@@ -102,21 +149,39 @@ class PromptDataset:
         self.seed = seed
         self.num_rows = 0
         self.num_dropped_too_long = 0
+        self.num_dropped_too_big = 0
         items = self._load(path, tokenizer, data)
         if not items:
-            why = (f" ({self.num_dropped_too_long} longer than --rollout-max-prompt-len {data.rollout_max_prompt_len})"
-                   if self.num_dropped_too_long else "")
-            raise DataError(f"{self.path}: no usable prompts{why}.")
+            why = []
+            if self.num_dropped_too_long:
+                why.append(f"{self.num_dropped_too_long} longer than --rollout-max-prompt-len {data.rollout_max_prompt_len}")
+            if self.num_dropped_too_big:
+                why.append(f"{self.num_dropped_too_big} larger than --rollout-max-prompt-bytes {data.rollout_max_prompt_bytes}")
+            raise DataError(f"{self.path}: no usable prompts{' (' + '; '.join(why) + ')' if why else ''}.")
         self.items = items
 
+    def _drop_too_big(self, where: str, what: str, size: int, max_bytes: int) -> None:
+        self.num_dropped_too_big += 1
+        if self.num_dropped_too_big <= 5:  # the count of all of them is logged at the end
+            logger.warning("%s: %s of %d bytes dropped %s: larger than --rollout-max-prompt-bytes %d", where, what,
+                           size, "unparsed" if what == "record" else "before tokenizing", max_bytes)
+
     def _load(self, path: str | Path, tokenizer: Any, data: DataConfig) -> list[PromptItem]:
-        rows = read_rows(path)
-        self.num_rows = len(rows)
+        max_bytes = data.rollout_max_prompt_bytes
+        if max_bytes is not None and max_bytes <= 0:
+            raise ConfigError(f"--rollout-max-prompt-bytes must be a positive number of bytes, got {max_bytes}.")
+        too_big: list[tuple[str, int]] = []
+        rows = read_rows(path, max_bytes, too_big)
+        for where, size in too_big:
+            self._drop_too_big(where, "record", size, max_bytes)  # type: ignore[arg-type]
+        self.num_rows = len(rows) + len(too_big)
         parsed: list[tuple[str, Any, Any, dict[str, Any], Any]] = []
         texts: list[str] = []
+        num_labelled = 0
         for where, row in rows:
-            prompt = _get(row, data.input_key, "--input-key", where)
-            label = _get(row, data.label_key, "--label-key", where) if data.label_key else None
+            prompt = _get(row, data.input_key, "--input-key", where, len(parsed))
+            label = _get(row, data.label_key, "--label-key", where, num_labelled) if data.label_key else None
+            num_labelled += data.label_key is not None
             metadata = row.get(data.metadata_key) or {}
             if isinstance(metadata, str):
                 try:
@@ -132,22 +197,53 @@ class PromptDataset:
                     tools = json.loads(tools)
                 except json.JSONDecodeError as e:
                     raise DataError(f"{where}: '{data.tool_key}' (--tool-key) is a string but not JSON: {e.msg}.") from e
-            texts.append(self._render(prompt, tools, tokenizer, data, where))
-            parsed.append((where, prompt, label, metadata, tools))
-        ids_list = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-        items: list[PromptItem] = []
-        limit = data.rollout_max_prompt_len
-        for (_, prompt, label, metadata, tools), ids in zip(parsed, ids_list):
-            if limit is not None and len(ids) > limit:
-                self.num_dropped_too_long += 1
+            text = self._render(prompt, tools, tokenizer, data, where)
+            if max_bytes is not None and len(text) * 4 > max_bytes and len(text.encode("utf-8")) > max_bytes:
+                self._drop_too_big(where, "rendered prompt", len(text.encode("utf-8")), max_bytes)
                 continue
-            items.append(PromptItem(index=len(items), prompt=prompt, prompt_ids=list(ids), label=label,
-                                    metadata=metadata, tools=tools or None))
+            texts.append(text)
+            parsed.append((where, prompt, label, metadata, tools))
+        limit = data.rollout_max_prompt_len
+        items: list[PromptItem] = []
+        for start in range(0, len(texts), _TOKENIZE_CHUNK):
+            chunk = texts[start:start + _TOKENIZE_CHUNK]
+            for (_, prompt, label, metadata, tools), ids in zip(parsed[start:start + _TOKENIZE_CHUNK],
+                                                               self._tokenize(tokenizer, chunk, limit)):
+                if ids is None:
+                    self.num_dropped_too_long += 1
+                    continue
+                items.append(PromptItem(index=len(items), prompt=prompt, prompt_ids=ids, label=label,
+                                        metadata=metadata, tools=tools or None))
         if self.num_dropped_too_long:
             logger.warning("%s: dropped %d of %d prompts longer than --rollout-max-prompt-len %d tokens",
                            self.path, self.num_dropped_too_long, self.num_rows, limit)
+        if self.num_dropped_too_big:
+            logger.warning("%s: dropped %d of %d records larger than --rollout-max-prompt-bytes %d",
+                           self.path, self.num_dropped_too_big, self.num_rows, max_bytes)
         logger.info("loaded %d prompts from %s", len(items), self.path)
         return items
+
+    @staticmethod
+    def _tokenize(tokenizer: Any, texts: list[str], limit: int | None) -> list[list[int] | None]:
+        """Token ids per text; None for a text over ``limit`` tokens.
+
+        A text longer than ``(limit + 2) * 32`` characters is first tokenized by that prefix only: when the
+        prefix alone has more than ``limit + 1`` tokens (one allows for a merge across the cut), the text is
+        too long and is never tokenized whole, so one huge prompt costs no more memory than its prefix.
+        """
+        out: list[list[int] | None] = [None] * len(texts)
+        todo = list(range(len(texts)))
+        if limit is not None:
+            cut = (limit + 2) * 32
+            long_ix = [i for i in todo if len(texts[i]) > cut]
+            if long_ix:
+                heads = tokenizer([texts[i][:cut] for i in long_ix], add_special_tokens=False)["input_ids"]
+                over = {i for i, ids in zip(long_ix, heads) if len(ids) > limit + 1}
+                todo = [i for i in todo if i not in over]
+        if todo:
+            for i, ids in zip(todo, tokenizer([texts[i] for i in todo], add_special_tokens=False)["input_ids"]):
+                out[i] = list(ids) if limit is None or len(ids) <= limit else None
+        return out
 
     @staticmethod
     def _render(prompt: Any, tools: Any, tokenizer: Any, data: DataConfig, where: str) -> str:

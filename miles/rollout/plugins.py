@@ -14,8 +14,10 @@ for code that only reads flags.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import fields, is_dataclass
 from typing import Any
@@ -111,3 +113,93 @@ def is_async(fn: Callable[..., Any]) -> bool:
 
 async def maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
+
+
+class PluginTimeout(TimeoutError):
+    """A user-plugin (or built-in verifier) call did not return within its bound; the message names both."""
+
+
+_MAX_THREADS = 32       # sync plugin calls running at once (more wait for a slot; the wait is not timed)
+_MAX_ABANDONED = 256    # timed-out sync calls still running; past this, new calls fail at once
+_thread_slots: asyncio.Semaphore | None = None
+_thread_slots_loop: asyncio.AbstractEventLoop | None = None
+_abandoned = 0
+_abandoned_lock = threading.Lock()
+
+
+def _slots() -> asyncio.Semaphore:
+    global _thread_slots, _thread_slots_loop
+    loop = asyncio.get_running_loop()
+    if _thread_slots is None or _thread_slots_loop is not loop:
+        _thread_slots, _thread_slots_loop = asyncio.Semaphore(_MAX_THREADS), loop
+    return _thread_slots
+
+
+def abandoned_calls() -> int:
+    """Sync plugin calls that timed out and whose threads are still running."""
+    return _abandoned
+
+
+async def _in_daemon_thread(fn: Callable[..., Any], args: tuple[Any, ...], timeout: float, what: str,
+                            flag: str) -> Any:
+    """Run ``fn(*args)`` on a daemon thread (never joined at exit), waiting at most ``timeout`` seconds."""
+    global _abandoned
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[Any] = loop.create_future()
+    state = {"abandoned": False}
+
+    def _deliver(ok: bool, value: Any) -> None:
+        if not fut.done():
+            fut.set_result(value) if ok else fut.set_exception(value)
+
+    def _work() -> None:
+        global _abandoned
+        try:
+            ok, value = True, fn(*args)
+        except BaseException as e:  # handed to the awaiting coroutine, which decides
+            ok, value = False, e
+        with _abandoned_lock:
+            if state["abandoned"]:
+                _abandoned -= 1
+                return
+        try:
+            loop.call_soon_threadsafe(_deliver, ok, value)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    threading.Thread(target=_work, name=f"miles-plugin:{what}", daemon=True).start()
+    try:
+        return await asyncio.wait_for(asyncio.shield(fut), timeout)
+    except TimeoutError:
+        with _abandoned_lock:
+            state["abandoned"] = True
+            _abandoned += 1
+        raise PluginTimeout(f"{what} did not return within {flag} {timeout:g}s; the call was abandoned "
+                            f"(its thread may still be running)") from None
+
+
+async def call_bounded(fn: Callable[..., Any], args: tuple[Any, ...], timeout: float, what: str,
+                       flag: str = "--rm-timeout") -> Any:
+    """``fn(*args)`` bounded by ``timeout`` seconds; raises :class:`PluginTimeout` naming ``what`` and ``flag``.
+
+    ``async`` functions are awaited and cancelled at the deadline. Plain functions run on a daemon thread
+    (at most ``_MAX_THREADS`` at once) so that one that never returns can be abandoned: it keeps its
+    thread, but the caller goes on. When ``_MAX_ABANDONED`` such threads are still stuck, new calls fail
+    at once instead of piling up more.
+    """
+    if is_async(fn):
+        try:
+            return await asyncio.wait_for(fn(*args), timeout)
+        except TimeoutError:
+            raise PluginTimeout(f"{what} did not return within {flag} {timeout:g}s; the call was cancelled") from None
+    if _abandoned >= _MAX_ABANDONED:
+        raise PluginTimeout(f"{what} was not called: {_abandoned} earlier calls timed out ({flag} {timeout:g}s) "
+                            f"and are still running; fix the function")
+    async with _slots():
+        value = await _in_daemon_thread(fn, args, timeout, what, flag)
+    if inspect.isawaitable(value):  # a plain function that returned a coroutine
+        try:
+            return await asyncio.wait_for(value, timeout)
+        except TimeoutError:
+            raise PluginTimeout(f"{what} did not return within {flag} {timeout:g}s; the call was cancelled") from None
+    return value

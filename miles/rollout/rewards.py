@@ -3,22 +3,31 @@
     rewarder = Rewarder(cfg.reward, plugin_args)    # resolves and checks everything at start-up
     failures = await rewarder.score_group(samples)  # sets sample.reward; failures -> status FAILED
 
-Built-ins (``--rm-type``): ``exact_match`` (stripped response == label), ``math`` (boxed / last-number
-answer, normalised, see ``rm_hub/math_answer.py``), ``quickstart`` (``rm_hub/quickstart.py``) and
+Built-ins (``--rm-type``), with Miles v0.1.0's names and meanings (``rm_hub/``): ``math`` (last
+``\\boxed{}`` vs the label, string or sympy equality), ``deepscaler`` / ``gemma_math`` (the same after
+the thinking), ``dapo`` (``Answer:`` integer, ``{score: +-1, acc, pred}``), ``f1`` (token F1), ``gpqa``
+(multiple-choice letter), ``ifbench`` (IFBench's checkers), ``random``, ``deterministic_random``,
 ``remote_rm`` (POST ``{prompt, response, label}`` to ``--rm-url``, ``--rm-timeout`` per try,
-``--rm-max-retries`` retries on connection errors, timeouts, 429 and 5xx). ``register_reward(name, fn)``
-adds a name (e.g. from an example's module); a sample's ``metadata["rm_type"]`` overrides the flag.
+``--rm-max-retries`` retries on connection errors, timeouts, 429 and 5xx) and ``boxed_<type>`` (grade the
+last box's content with ``<type>``); plus ``exact_match``, ``quickstart`` and ``math_lenient`` (boxed, else
+last number). A label given as a list means "any of these": a one-element list is its element.
+``register_reward(name, fn)`` adds a name; a sample's ``metadata["rm_type"]`` overrides the flag.
 
 ``--custom-rm-path module.function``: ``async def f(args, sample) -> float`` (Miles's signature; ``args``
 is a read-only :class:`~miles.rollout.plugins.PluginArgs` view of the flags) or ``async def f(sample)``;
-with ``--group-rm``, ``f(args, samples)`` / ``f(samples)`` returning one reward per sample.
-Plain (non-async) functions are accepted and run inline on the event loop.
+with ``--group-rm``, ``f(args, samples)`` / ``f(samples)`` returning one reward per sample. Plain
+(non-async) functions run on a daemon thread.
+
+Every reward call (built-in or custom, per sample or per group) is bounded by ``--rm-timeout``: one that
+does not return in time fails its sample(s), naming the function and the flag. ``remote_rm`` applies
+``--rm-timeout`` to each HTTP try instead.
 
 A reward may be a number (bool counts as 0/1) or a dict, from which ``--reward-key`` picks the value
-(``"reward"`` is used when the flag is unset); the whole dict is kept in ``sample.metadata["rewards"]``.
-A reward function that raises, or returns a non-number, NaN or infinity, fails that sample visibly:
-status FAILED, ``reward`` None, the reason in ``metadata["reward_error"]``, logged with the sample's
-index and counted by the caller (``rollout/reward_failures``); it is never silently zeroed.
+(``"reward"`` is used when the flag is unset, ``"score"`` for ``dapo``); the whole dict is kept in
+``sample.metadata["rewards"]``. A reward function that raises, times out, or returns a non-number, NaN
+or infinity fails that sample visibly: status FAILED, ``reward`` None, the reason in
+``metadata["reward_error"]``, logged with the sample's index and counted by the caller
+(``rollout/reward_failures``); it is never silently zeroed.
 """
 
 from __future__ import annotations
@@ -27,12 +36,14 @@ import asyncio
 import math
 import numbers
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from miles.config.base import ConfigError
 from miles.config.data import RewardConfig
-from miles.rollout.plugins import PluginArgs, choose_arity, load_function, maybe_await
-from miles.rollout.rm_hub.math_answer import math_reward
+from miles.rollout.plugins import PluginArgs, call_bounded, choose_arity, load_function
+from miles.rollout.rm_hub import dapo, deepscaler, f1, gpqa, ifbench, math_grader, simple
+from miles.rollout.rm_hub.math_answer import extract_boxed, math_reward
 from miles.rollout.rm_hub.quickstart import quickstart_reward
 from miles.types import Sample, SampleStatus
 from miles.utils.logging import get_logger
@@ -42,6 +53,7 @@ logger = get_logger(__name__)
 RewardFn = Callable[[Any, Sample], Awaitable[Any] | Any]
 _REGISTRY: dict[str, RewardFn] = {}
 SCORABLE = (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)
+BOXED_PREFIX = "boxed_"
 
 
 class RewardValueError(ValueError):
@@ -60,36 +72,78 @@ def register_reward(name: str, fn: RewardFn | None = None, *, overwrite: bool = 
     return _add(fn) if fn is not None else _add
 
 
+@dataclass(frozen=True)
+class Verifier:
+    """A reward-hub verifier: ``fn(response, label, sample)``; ``label`` is one candidate (None if unused)."""
+
+    fn: Callable[[str, Any, Sample], Any]
+    needs_label: bool = True
+    reward_key: str | None = None  # the dict key to train on when --reward-key is unset
+
+
+def _one(label: Any) -> Any:
+    """A one-element list label is its element (gpqa may also take its answer from metadata alone)."""
+    return label[0] if isinstance(label, list | tuple) and len(label) == 1 else label
+
+
+HUB: dict[str, Verifier] = {
+    "math": Verifier(lambda r, lab, s: 1 if math_grader.grade_boxed(r, str(lab)) else 0),
+    "math_lenient": Verifier(lambda r, lab, s: math_reward(r, lab)),
+    "deepscaler": Verifier(lambda r, lab, s: deepscaler.deepscaler_reward(r, lab)),
+    "gemma_math": Verifier(lambda r, lab, s: deepscaler.gemma_math_reward(r, lab)),
+    "dapo": Verifier(lambda r, lab, s: dapo.dapo_reward(r, lab), reward_key="score"),
+    "f1": Verifier(lambda r, lab, s: f1.f1_reward(r, str(lab))),
+    "gpqa": Verifier(lambda r, lab, s: gpqa.gpqa_reward(r, _one(s.label), s.metadata), needs_label=False),
+    "ifbench": Verifier(lambda r, lab, s: ifbench.ifbench_reward(r, s.metadata), needs_label=False),
+    "exact_match": Verifier(lambda r, lab, s: 1.0 if r.strip() == str(lab).strip() else 0.0),
+    "quickstart": Verifier(lambda r, lab, s: quickstart_reward(r, lab)),
+    "random": Verifier(lambda r, lab, s: simple.random_reward(), needs_label=False),
+    "deterministic_random": Verifier(lambda r, lab, s: simple.deterministic_random_reward(s.tokens, r),
+                                     needs_label=False),
+}
+
+
 def registered_rewards() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted({*_REGISTRY, *HUB, "remote_rm"})
 
 
-def _need_label(sample: Sample, rm: str) -> Any:
-    if sample.label is None:
-        raise ValueError(f"--rm-type {rm} needs a label, and this sample has none: pass --label-key naming the field.")
-    return sample.label
+def label_candidates(sample: Sample, rm: str, args: Any = None) -> list[Any]:
+    """The label's accepted answers: a list/tuple label is "any of these", anything else is one answer."""
+    label = sample.label
+    if label is None:
+        key = getattr(args, "label_key", None)
+        if key:
+            raise ValueError(f"--rm-type {rm} needs a label, and sample {sample.index} has none although "
+                             f"--label-key {key} is set (every data row has one, so it was cleared after loading, "
+                             f"e.g. by --custom-generate-function-path).")
+        raise ValueError(f"--rm-type {rm} needs a label, and no --label-key is set: pass --label-key naming the "
+                         f"answer field of --prompt-data.")
+    if isinstance(label, list | tuple):
+        if not label:
+            raise ValueError(f"--rm-type {rm}: sample {sample.index}'s label is an empty list; give at least one answer.")
+        return list(label)
+    return [label]
 
 
-@register_reward("exact_match")
-def exact_match(args: Any, sample: Sample) -> float:
-    return 1.0 if sample.response.strip() == str(_need_label(sample, "exact_match")).strip() else 0.0
+def _score_of(value: Any, key: str | None) -> float:
+    return float(value.get(key or "reward", -math.inf)) if isinstance(value, dict) else float(value)
 
 
-@register_reward("math")
-def math_rm(args: Any, sample: Sample) -> float:
-    return math_reward(sample.response, sample.label)
+def _hub_call(name: str, verifier: Verifier, boxed: bool) -> Callable[[Any, Sample], Any]:
+    """``f(args, sample)`` running ``verifier``: best over the label's candidates, the box taken first if asked."""
 
+    def run(args: Any, sample: Sample) -> Any:
+        response = sample.response or ""
+        if boxed:
+            response = extract_boxed(response) or ""
+        if not verifier.needs_label:
+            return verifier.fn(response, None, sample)
+        results = [verifier.fn(response, lab, sample) for lab in label_candidates(sample, name, args)]
+        key = getattr(args, "reward_key", None) or verifier.reward_key
+        return max(results, key=lambda v: _score_of(v, key))
 
-@register_reward("quickstart")
-def quickstart_rm(args: Any, sample: Sample) -> float:
-    return quickstart_reward(sample.response, sample.label)
-
-
-@register_reward("remote_rm")
-async def remote_rm(args: Any, sample: Sample) -> Any:
-    raise RuntimeError("remote_rm is served by Rewarder (it holds the HTTP session); call Rewarder.score_sample")
-
-
+    run.__qualname__ = f"rm_hub.{name}"
+    return run
 class RemoteReward:
     """POSTs ``{prompt, response, label}`` to ``--rm-url``; bounded per try, retried with backoff."""
 
@@ -168,6 +222,8 @@ class Rewarder:
         self._first_failure_logged = False
         self.custom: Callable[..., Any] | None = None
         self._custom_arity = 2
+        if not reward.rm_timeout > 0:
+            raise ConfigError(f"--rm-timeout must be a positive number of seconds, got {reward.rm_timeout}.")
         if reward.custom_rm_path:
             self.custom = load_function(reward.custom_rm_path, "--custom-rm-path")
             what = "samples" if self.group else "sample"
@@ -182,38 +238,50 @@ class Rewarder:
         else:
             self._builtin(reward.rm_type, "--rm-type")
 
-    def _builtin(self, name: str, flag: str) -> RewardFn:
-        if name not in _REGISTRY:
-            raise ConfigError(f"{flag} {name!r} is not a known reward; known: {', '.join(registered_rewards())} "
-                              f"(or use --custom-rm-path module.function).")
-        if name == "remote_rm" and self.remote is None:
-            raise ConfigError("--rm-type remote_rm needs --rm-url URL.")
-        return _REGISTRY[name]
+    def _builtin(self, name: str, flag: str) -> tuple[RewardFn, str | None]:
+        """(``f(args, sample)``, its default reward key) for a built-in name; ConfigError for unknown names."""
+        base = name[len(BOXED_PREFIX):] if name.startswith(BOXED_PREFIX) else name
+        if name == "remote_rm":
+            if self.remote is None:
+                raise ConfigError("--rm-type remote_rm needs --rm-url URL.")
+            return self.remote.score, None
+        if name in _REGISTRY:
+            return _REGISTRY[name], None
+        if base in HUB:
+            if base == "ifbench":
+                ifbench.load_ifbench()
+            return _hub_call(base, HUB[base], boxed=base != name), HUB[base].reward_key
+        hint = (f" ({BOXED_PREFIX} takes a verifier type: {BOXED_PREFIX}math, {BOXED_PREFIX}f1, ...)"
+                if name.startswith(BOXED_PREFIX) else "")
+        raise ConfigError(f"{flag} {name!r} is not a known reward; known: {', '.join(registered_rewards())}, "
+                          f"or {BOXED_PREFIX}<type>{hint} (or use --custom-rm-path module.function).")
 
-    async def _call_one(self, sample: Sample) -> Any:
+    async def _call_one(self, sample: Sample) -> tuple[Any, str | None]:
+        timeout = self.cfg.rm_timeout
         if self.custom is not None:
             call_args = (self.args, sample) if self._custom_arity == 2 else (sample,)
-            return await maybe_await(self.custom(*call_args))
+            what = f"--custom-rm-path {self.cfg.custom_rm_path}"
+            return await call_bounded(self.custom, call_args, timeout, what), None
         name = sample.metadata.get("rm_type") or self.cfg.rm_type
-        fn = self._builtin(name, "metadata 'rm_type'" if sample.metadata.get("rm_type") else "--rm-type")
+        fn, key = self._builtin(name, "metadata 'rm_type'" if sample.metadata.get("rm_type") else "--rm-type")
         if name == "remote_rm":
-            return await self.remote.score(sample)  # type: ignore[union-attr]
-        return await maybe_await(fn(self.args, sample))
+            return await self.remote.score(sample), None  # type: ignore[union-attr]  # bounded per try
+        return await call_bounded(fn, (self.args, sample), timeout, f"--rm-type {name}"), key
 
     def _fail(self, sample: Sample, reason: str, exc: BaseException | None = None) -> None:
         sample.status = SampleStatus.FAILED
         sample.reward = None
         sample.metadata["reward_error"] = reason
         msg = "reward failed for sample %d (group %d, rollout %d): %s"
-        if exc is not None and not self._first_failure_logged:
+        if exc is not None and not isinstance(exc, TimeoutError) and not self._first_failure_logged:
             self._first_failure_logged = True
             logger.error(msg, sample.index, sample.group_index, sample.rollout_id, reason, exc_info=exc)
         else:
             logger.error(msg, sample.index, sample.group_index, sample.rollout_id, reason)
 
-    def _assign(self, sample: Sample, value: Any) -> bool:
+    def _assign(self, sample: Sample, value: Any, default_key: str | None = None) -> bool:
         try:
-            sample.reward, raw = to_reward(value, self.cfg.reward_key)
+            sample.reward, raw = to_reward(value, self.cfg.reward_key or default_key)
         except RewardValueError as e:
             self._fail(sample, str(e))
             return False
@@ -224,13 +292,16 @@ class Rewarder:
     async def score_sample(self, sample: Sample) -> bool:
         """Reward one finished sample; False (and status FAILED) when the reward failed."""
         try:
-            value = await self._call_one(sample)
+            value, key = await self._call_one(sample)
         except asyncio.CancelledError:
             raise
+        except TimeoutError as e:
+            self._fail(sample, str(e), e)
+            return False
         except Exception as e:
             self._fail(sample, f"{type(e).__name__}: {e}", e)
             return False
-        return self._assign(sample, value)
+        return self._assign(sample, value, key)
 
     async def score_group(self, samples: list[Sample]) -> int:
         """Reward the scorable samples of one group (per sample, or at once with --group-rm); returns failures."""
@@ -242,9 +313,14 @@ class Rewarder:
             return sum(1 for x in ok if not x)
         try:
             call_args = (self.args, todo) if self._custom_arity == 2 else (todo,)
-            values = await maybe_await(self.custom(*call_args))  # type: ignore[misc]
+            what = f"--custom-rm-path {self.cfg.custom_rm_path} (--group-rm)"
+            values = await call_bounded(self.custom, call_args, self.cfg.rm_timeout, what)  # type: ignore[arg-type]
         except asyncio.CancelledError:
             raise
+        except TimeoutError as e:
+            for s in todo:
+                self._fail(s, str(e), e)
+            return len(todo)
         except Exception as e:
             for s in todo:
                 self._fail(s, f"group reward raised {type(e).__name__}: {e}", e)

@@ -38,8 +38,10 @@ async def run_job(cfg: MilesConfig, loop_cls: Any) -> None:
         else:
             job.worker.follow()
     except BaseException as e:
-        logger.error("run failed on rank %d: %s: %s", ctx.rank, type(e).__name__, e,
-                     exc_info=not isinstance(e, KeyboardInterrupt))
+        from miles.spmd.errors import is_known_error
+
+        logger.error("run failed on rank %d: %s: %s", ctx.rank, type(e).__name__, e,  # a traceback only for bugs
+                     exc_info=not (isinstance(e, KeyboardInterrupt) or is_known_error(e)))
         if ctx.is_driver:
             job.sink.close()  # finished rollouts' metrics and the plot first: the launcher may end us soon
         named = name_silent_ranks(e, beat)  # a timed-out collective: which rank went silent (a few seconds)

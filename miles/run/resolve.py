@@ -61,6 +61,9 @@ def derive_num_rollout(cfg: MilesConfig, num_prompts: int | None) -> int:
                           "or --num-epoch E to derive it from the data size.")
     if num_prompts is None:
         raise ConfigError("--num-epoch needs --prompt-data to count the prompts; pass --num-rollout instead.")
+    if not d.rollout_batch_size:
+        raise ConfigError(f"--num-epoch {d.num_epoch} needs --rollout-batch-size N (prompts per rollout) to derive "
+                          "the number of rollouts; add it, or pass --num-rollout.")
     per_epoch = num_prompts // d.rollout_batch_size
     if per_epoch == 0:
         raise ConfigError(f"--rollout-batch-size {d.rollout_batch_size} is larger than the prompt data ({num_prompts} "

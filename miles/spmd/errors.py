@@ -100,9 +100,13 @@ def run_main(fn: Callable[[], int | None]) -> NoReturn:
     """Run an entry point; turn known errors into one rank-prefixed line and exit code 2.
 
     A fatal signal (SIGSEGV, SIGABRT from a C++ ``std::terminate``, ...) dumps every thread's Python stack to
-    stderr first, so a crash inside a native library still says where each thread was."""
+    stderr first, so a crash inside a native library still says where each thread was. Under a launcher,
+    the rank exits when the process that started it dies (``miles.spmd.lifeline``)."""
     if not faulthandler.is_enabled():
         faulthandler.enable(all_threads=True)
+    from miles.spmd.lifeline import watch_launcher
+
+    watch_launcher()  # under a launcher, this rank (and its engines) ends within seconds of the launcher's death
     try:
         rc = fn()
     except SystemExit:

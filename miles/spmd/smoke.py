@@ -20,6 +20,7 @@ and requires it to come back while the rank carries on with the remaining collec
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -56,6 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--smoke-timeout", type=float, default=60.0, help="Seconds to wait for a child to (re)start.")
     p.add_argument("--smoke-exit-rank", type=int, default=None,
                    help="Fault injection: this rank exits (code 0) before the control collectives.")
+    p.add_argument("--smoke-hold", type=float, default=0.0,
+                   help="Seconds every rank stays up after its checks (engine children running), like a long job.")
     return p
 
 
@@ -72,8 +75,10 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def _supervise_engine(ctx, opts) -> str:
-    """Start (and with --smoke-kill-engine, kill and see restarted) this leader's engine child."""
+def _supervise_engine(ctx, opts, cleanup: contextlib.ExitStack) -> str:
+    """Start (and with --smoke-kill-engine, kill and see restarted) this leader's engine child.
+
+    The child is stopped when ``cleanup`` closes (at the end of the smoke test, after any --smoke-hold)."""
     from miles.spmd.supervisor import SCRUB_EXACT, SCRUB_PREFIXES, EngineSupervisor
 
     spec, rank = ctx.engine, ctx.world.rank
@@ -84,32 +89,30 @@ def _supervise_engine(ctx, opts) -> str:
     report.unlink(missing_ok=True)
     fill = {"engine_id": spec.engine_id, "rank": rank, "node_rank": spec.engine_node_rank(rank), "out": str(report)}
     if opts.smoke_engine_argv == "builtin":
-        argv = [sys.executable, "-c", _CHILD, str(report), str(opts.smoke_timeout * 4)]
+        argv = [sys.executable, "-c", _CHILD, str(report), str(opts.smoke_timeout * 4 + opts.smoke_hold)]
     else:
         argv = [a.format(**fill) for a in shlex.split(opts.smoke_engine_argv)]
+    if own_dir:
+        cleanup.callback(shutil.rmtree, out_dir, ignore_errors=True)
     sup = EngineSupervisor(argv, env={"MILES_ENGINE_ID": str(spec.engine_id)}, name=f"engine{spec.engine_id}",
                            max_restarts=2, restart_backoff=0.2).start()
-    try:
-        first = sup.pid
+    cleanup.callback(sup.stop, timeout=5)
+    first = sup.pid
+    if opts.smoke_engine_argv == "builtin":
+        _wait_for(report.exists, opts.smoke_timeout, f"engine {spec.engine_id}'s child report {report}")
+        info = json.loads(report.read_text())
+        leaked = [k for k in info["env"] if k in SCRUB_EXACT or k.startswith(SCRUB_PREFIXES)]
+        _check(not leaked, f"launcher variables leaked into the engine's environment: {leaked}")
+        _check(info["pgid"] != os.getpgid(0), "the engine shares the rank's process group")
+        report.unlink()
+    if opts.smoke_kill_engine:
+        sup.kill()
+        _wait_for(lambda: sup.restarts >= 1 and sup.alive and sup.pid != first, opts.smoke_timeout,
+                  f"engine {spec.engine_id} to restart after SIGKILL")
         if opts.smoke_engine_argv == "builtin":
-            _wait_for(report.exists, opts.smoke_timeout, f"engine {spec.engine_id}'s child report {report}")
-            info = json.loads(report.read_text())
-            leaked = [k for k in info["env"] if k in SCRUB_EXACT or k.startswith(SCRUB_PREFIXES)]
-            _check(not leaked, f"launcher variables leaked into the engine's environment: {leaked}")
-            _check(info["pgid"] != os.getpgid(0), "the engine shares the rank's process group")
-            report.unlink()
-        if opts.smoke_kill_engine:
-            sup.kill()
-            _wait_for(lambda: sup.restarts >= 1 and sup.alive and sup.pid != first, opts.smoke_timeout,
-                      f"engine {spec.engine_id} to restart after SIGKILL")
-            if opts.smoke_engine_argv == "builtin":
-                _wait_for(report.exists, opts.smoke_timeout, "the restarted child's report")
-        _check(sup.alive, f"engine {spec.engine_id}'s child is not running")
-        return f" engine_pid={sup.pid} engine_restarts={sup.restarts}"
-    finally:
-        sup.stop(timeout=5)
-        if own_dir:
-            shutil.rmtree(out_dir, ignore_errors=True)
+            _wait_for(report.exists, opts.smoke_timeout, "the restarted child's report")
+    _check(sup.alive, f"engine {spec.engine_id}'s child is not running")
+    return f" engine_pid={sup.pid} engine_restarts={sup.restarts}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,31 +151,34 @@ def main(argv: list[str] | None = None) -> int:
         with groups.guard(f"engine{spec.engine_id}"):
             dist.broadcast(t, src=spec.leader_rank, group=groups.engine_groups[spec.engine_id])
         _check(t.item() == value, f"engine {spec.engine_id} broadcast gave {t.item()}, expected {value}")
-    extra = ""
-    if opts.smoke_engine_argv and ctx.is_engine_leader:
-        extra = _supervise_engine(ctx, opts)
-    if opts.smoke_exit_rank == rank:
+    with contextlib.ExitStack() as cleanup:  # engine children stop when the checks (and any hold) end
+        extra = ""
+        if opts.smoke_engine_argv and ctx.is_engine_leader:
+            extra = _supervise_engine(ctx, opts, cleanup)
+        if opts.smoke_exit_rank == rank:
+            sys.stdout.flush()
+            os._exit(0)  # a rank vanishing without an error: its peers must not hang
+        payload = [{"fingerprint": plan.fingerprint(), "world_size": world.world_size}] if ctx.is_driver else [None]
+        with groups.guard("control"):
+            dist.broadcast_object_list(payload, src=plan.driver_rank, group=groups.control_group)
+            places = [None] * world.world_size
+            dist.all_gather_object(places, (world.node_rank, world.hostname), group=groups.control_group)
+        _check(payload[0] == {"fingerprint": plan.fingerprint(), "world_size": world.world_size},
+               f"control broadcast gave {payload[0]}, this rank's plan is {plan.fingerprint()}")
+        for r, (node, host) in enumerate(places):  # ranks of one planned node share the launcher's node
+            if plan.node_of(r) == plan.node_of(rank):
+                _check(node == world.node_rank, f"rank {r} shares planned node {plan.node_of(r)} with rank {rank} "
+                                                f"but runs on launcher node {node} ({host})")
+        roles = ",".join(sorted(ctx.roles))
+        backend = dist.get_backend(groups.trainer_group) if groups.trainer_group is not None else "-"
+        extra = f" backend={backend} cpus={len(os.sched_getaffinity(0))}{extra}"
+        line = (f"SMOKE OK rank={rank} roles={roles} engine={spec.engine_id if spec else '-'} node={world.node_rank} "
+                f"local_rank={world.local_rank} device={world.device} launcher={world.launcher} "
+                f"plan={plan.fingerprint()}{extra}\n")
+        sys.stdout.write(line)  # one write: launchers that merge ranks' output must not split the line
         sys.stdout.flush()
-        os._exit(0)  # a rank vanishing without an error: its peers must not hang
-    payload = [{"fingerprint": plan.fingerprint(), "world_size": world.world_size}] if ctx.is_driver else [None]
-    with groups.guard("control"):
-        dist.broadcast_object_list(payload, src=plan.driver_rank, group=groups.control_group)
-        places = [None] * world.world_size
-        dist.all_gather_object(places, (world.node_rank, world.hostname), group=groups.control_group)
-    _check(payload[0] == {"fingerprint": plan.fingerprint(), "world_size": world.world_size},
-           f"control broadcast gave {payload[0]}, this rank's plan is {plan.fingerprint()}")
-    for r, (node, host) in enumerate(places):  # ranks of one planned node share the launcher's node
-        if plan.node_of(r) == plan.node_of(rank):
-            _check(node == world.node_rank, f"rank {r} shares planned node {plan.node_of(r)} with rank {rank} "
-                                            f"but runs on launcher node {node} ({host})")
-    roles = ",".join(sorted(ctx.roles))
-    backend = dist.get_backend(groups.trainer_group) if groups.trainer_group is not None else "-"
-    extra = f" backend={backend} cpus={len(os.sched_getaffinity(0))}{extra}"
-    line = (f"SMOKE OK rank={rank} roles={roles} engine={spec.engine_id if spec else '-'} node={world.node_rank} "
-            f"local_rank={world.local_rank} device={world.device} launcher={world.launcher} "
-            f"plan={plan.fingerprint()}{extra}\n")
-    sys.stdout.write(line)  # one write: launchers that merge ranks' output must not split the line
-    sys.stdout.flush()
+        if opts.smoke_hold > 0:  # stay up like a long job (engine children running) until the launcher ends us
+            time.sleep(opts.smoke_hold)
     ctx.close()
     return 0
 

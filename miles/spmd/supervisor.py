@@ -255,4 +255,25 @@ def stop_all(timeout: float = 5.0) -> None:
             sup.stop(timeout)
 
 
+def terminate_all(grace: float = 1.0) -> None:
+    """Take every engine of this process down at once, now: SIGTERM to each child's process group, SIGKILL
+    to the groups still there after ``grace`` seconds. For a rank that is about to ``os._exit`` (its
+    launcher is gone, lifeline.py): it neither joins watcher threads nor restarts anything."""
+    sups = list(_live)
+    for sup in sups:
+        with sup._cond:
+            sup._stopping = True  # the watcher must not respawn the child it sees exit
+            sup._cond.notify_all()
+    procs = [sup._proc for sup in sups if sup._proc is not None and sup._proc.poll() is None]
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for proc in procs:  # the group, not only the child: helpers it started die too
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 atexit.register(stop_all)

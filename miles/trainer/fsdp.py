@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from miles.trainer import modeling
+from miles.trainer.accumulation import Accumulation, fits, unsharded_forward
 from miles.trainer.advantages import AdvantageInputs, compute_advantages_and_returns
 from miles.trainer.batching import (
     MicroBatch,
@@ -35,7 +36,7 @@ from miles.trainer.batching import (
     plan_micro_batches,
     split_into_steps,
 )
-from miles.trainer.checkpoint import latest_checkpoint, save_checkpoint
+from miles.trainer.checkpoint import save_checkpoint
 from miles.trainer.critic import Critic
 from miles.trainer.hf_export import checkpoint_dtype, write_hf_dir
 from miles.trainer.losses import LossInputs, Reducer, custom_loss, load_custom_loss, policy_loss, sft_loss
@@ -93,6 +94,7 @@ class FSDPTrainer:
         else:
             self.loss_fn = policy_loss
         self.peak = peak_tflops(self.device, getattr(train, "mfu_peak_tflops", None))
+        self._keep_unsharded = self._unsharded_plan()
         self.last_rollout_id: int | None = None
         logger.info("FSDP trainer ready: %s params, %d rank(s), device %s, attention %s, bf16 %s, ref %s, critic %s",
                     f"{self.num_params:,}", self.world, self.device, config._attn_implementation,
@@ -115,6 +117,19 @@ class FSDPTrainer:
                              "(set --num-steps-per-rollout or --global-batch-size).")
         if a.use_opd and a.opd_type == "model" and not a.opd_teacher_load:
             raise ValueError("--use-opd --opd-type model needs --opd-teacher-load DIR.")
+
+    def _unsharded_plan(self) -> dict[int, bool]:
+        """Per model (by id): may it stay unsharded across micro-batches (``accumulation.fits``)? Agreed
+        over the group (MIN), since every rank must run the same FSDP collectives."""
+        dtype = self.mp_policy.param_dtype if self.mp_policy is not None else None
+        models = [(self.model, True), (self.ref, False), (self.teacher, False),
+                  (self.critic.model if self.critic is not None else None, True)]
+        models = [(m, grads) for m, grads in models if m is not None]
+        ok = torch.tensor([float(fits(m, self.device, with_grads=g, param_dtype=dtype)) for m, g in models],
+                          device=self.device)
+        if self.world > 1:
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
+        return {id(m): bool(v) for (m, _), v in zip(models, ok.tolist())}
 
     def _build_policy(self, path: str, *, offload: bool, recompute: bool) -> modeling.PolicyModel:
         hf = modeling.load_hf_model(path, self.device)
@@ -176,13 +191,19 @@ class FSDPTrainer:
     def _forward_pass(self, model, fn, data: list[SampleData]) -> list[torch.Tensor]:
         """Run ``fn(micro_batch) -> [N]`` over all local samples; per-sample CPU float32 results."""
         out: list[torch.Tensor | None] = [None] * len(data)
-        for mb in self._micro_batches(data, list(range(len(data)))):
-            vals = fn(mb.to(self.device))
-            if mb.is_dummy:
-                continue
-            for sid, piece in zip(mb.sample_ids, vals.float().cpu().split(mb.lengths)):
-                out[sid] = piece
+        mbs = self._micro_batches(data, list(range(len(data))))
+        done: list[tuple[MicroBatch, torch.Tensor]] = []
+        with unsharded_forward(model, len(mbs), enabled=self._keep_unsharded[id(model)]):
+            for mb in mbs:
+                vals = fn(mb.to(self.device))
+                if not mb.is_dummy:
+                    done.append((mb, vals.float()))
         modeling.reshard_all(model)
+        if done:                                   # one device -> host copy for the whole pass
+            flat = torch.cat([v for _, v in done]).cpu().split([sum(mb.lengths) for mb, _ in done])
+            for (mb, _), vals in zip(done, flat):
+                for sid, piece in zip(mb.sample_ids, vals.split(mb.lengths)):
+                    out[sid] = piece
         return out  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ training
@@ -283,7 +304,6 @@ class FSDPTrainer:
         return out
 
     def _train_step(self, data, ids, per_sample, samples) -> tuple[MetricSums, float, float, dict, int]:
-        a = self.algo
         mbs = self._micro_batches(data, ids)
         ntok, nsamp = self._group_sum([float(sum(float(data[i].loss_mask.sum()) for i in ids)), float(len(ids))])
         self.model.train()
@@ -291,35 +311,16 @@ class FSDPTrainer:
             self.critic.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums = MetricSums()
+        acc_metrics: dict[str, torch.Tensor] = {}      # on the device: no host sync per micro-batch
         n_local_tokens = 0
-        for mb in mbs:
-            dmb = mb.to(self.device)
-            lp, ent = self._policy_forward(self.model, dmb, with_entropy=True, entropy_grad=a.entropy_coef != 0)
-            if mb.is_dummy:
-                dummy = lp.sum() * 0.0 + (ent.sum() * 0.0 if (ent is not None and ent.requires_grad) else 0.0)
-                dummy.backward()
-                if self.critic is not None:
-                    self.critic.backward(dmb, None, None, None, 1.0)
-                continue
-            n_local_tokens += mb.num_tokens
-            reduce = Reducer(dmb.loss_mask, mb.lengths, a.calculate_per_token_loss, ntok, nsamp)
-
-            def cat(key, ids=mb.sample_ids):
-                lst = per_sample.get(key)
-                return None if lst is None else torch.cat([lst[i] for i in ids]).to(self.device)
-
-            old = cat("old")
-            inp = LossInputs(
-                log_probs=lp, loss_mask=dmb.loss_mask, lengths=mb.lengths,
-                old_log_probs=old if old is not None else lp.detach(), rollout_log_probs=cat("rollout"),
-                ref_log_probs=cat("ref"), advantages=cat("adv"), returns=cat("ret"), entropy=ent,
-                rewards=(torch.tensor([float(samples[i].reward) for i in mb.sample_ids], device=self.device)
-                         if samples[mb.sample_ids[0]].reward is not None else None))
-            loss, metrics = self.loss_fn(a, inp, reduce)
-            (loss * self.world).backward()            # FSDP averages gradients over the group
-            sums.add(metrics)
-            if self.critic is not None:
-                sums.add(self.critic.backward(dmb, cat("values"), cat("ret"), reduce, float(self.world)))
+        models = [self.model] + ([self.critic.model] if self.critic is not None else [])
+        with Accumulation(models, len(mbs), enabled=all(self._keep_unsharded[id(m)] for m in models)) as acc:
+            for i, mb in enumerate(mbs):
+                n_local_tokens += self._micro_step(mb, i, acc, per_sample, samples, ntok, nsamp, acc_metrics)
+        if acc_metrics:
+            keys = sorted(acc_metrics)
+            host = torch.stack([acc_metrics[k] for k in keys]).cpu()
+            sums.add(dict(zip(keys, host.unbind())))
         grad_norm = clip_grad_norm(list(self.model.parameters()), self.cfg.clip_grad)
         lr = self.schedule.apply(self.optimizer)
         self.optimizer.step()
@@ -327,6 +328,41 @@ class FSDPTrainer:
         self.schedule.advance()
         cstats = self.critic.step() if self.critic is not None else {}
         return sums, grad_norm, lr, cstats, n_local_tokens
+
+    def _micro_step(self, mb: MicroBatch, index: int, acc: Accumulation, per_sample, samples, ntok: float,
+                    nsamp: float, acc_metrics: dict[str, torch.Tensor]) -> int:
+        """Forward and backward of one micro-batch; adds its metrics to ``acc_metrics``. Returns its tokens."""
+        a = self.algo
+        dmb = mb.to(self.device)
+        lp, ent = self._policy_forward(self.model, dmb, with_entropy=True, entropy_grad=a.entropy_coef != 0)
+        acc.before_backward(index)
+        if mb.is_dummy:
+            dummy = lp.sum() * 0.0 + (ent.sum() * 0.0 if (ent is not None and ent.requires_grad) else 0.0)
+            dummy.backward()
+            if self.critic is not None:
+                self.critic.backward(dmb, None, None, None, 1.0)
+            return 0
+        reduce = Reducer(dmb.loss_mask, mb.lengths, a.calculate_per_token_loss, ntok, nsamp)
+
+        def cat(key, ids=mb.sample_ids):
+            lst = per_sample.get(key)
+            return None if lst is None else torch.cat([lst[i] for i in ids]).to(self.device)
+
+        old = cat("old")
+        inp = LossInputs(
+            log_probs=lp, loss_mask=dmb.loss_mask, lengths=mb.lengths,
+            old_log_probs=old if old is not None else lp.detach(), rollout_log_probs=cat("rollout"),
+            ref_log_probs=cat("ref"), advantages=cat("adv"), returns=cat("ret"), entropy=ent,
+            rewards=(torch.tensor([float(samples[i].reward) for i in mb.sample_ids], device=self.device)
+                     if samples[mb.sample_ids[0]].reward is not None else None))
+        loss, metrics = self.loss_fn(a, inp, reduce)
+        (loss * self.world).backward()            # FSDP averages gradients over the group
+        if self.critic is not None:
+            metrics = {**metrics, **self.critic.backward(dmb, cat("values"), cat("ret"), reduce, float(self.world))}
+        for k, v in metrics.items():
+            v = v.detach().to(torch.float64)
+            acc_metrics[k] = acc_metrics[k] + v if k in acc_metrics else v
+        return mb.num_tokens
 
     # ------------------------------------------------------------------ metrics helpers
     def _sync(self) -> None:
@@ -438,14 +474,11 @@ class FSDPTrainer:
         return path
 
     def resume(self) -> dict | None:
-        """Load the newest complete checkpoint under --load (default --save); None when there is none."""
-        root = self.ckpt.load or self.ckpt.save
-        path = latest_checkpoint(root)
-        if path is None:
-            if self.ckpt.load:
-                raise ValueError(f"--load {self.ckpt.load}: no complete checkpoint (step_*/COMPLETE) found there.")
-            return None
-        return self.load(path)
+        """Load the newest usable complete checkpoint under --load (default --save), skipping corrupt ones
+        with a warning (``state.resume_latest``); None when there is none."""
+        from miles.trainer import state
+
+        return state.resume_latest(self)
 
     # ------------------------------------------------------------------ colocation
     def offload(self) -> None:

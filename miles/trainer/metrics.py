@@ -2,7 +2,7 @@
 
 MFU counts ``6 N`` FLOPs per trained token (forward + backward) and ``2 N`` per token of a
 forward-only pass (old/ref/teacher log-probs, critic values), N = parameters of the model (tied
-embeddings once) -- the same count as the anchor in notes/anchors.md -- divided by the elapsed time,
+embeddings once) -- the count of the reference figures in docs/benchmarks.md -- divided by the elapsed time,
 the number of trainer GPUs and the GPU's dense bf16 peak (table below, or --mfu-peak-tflops).
 """
 

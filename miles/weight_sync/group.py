@@ -1,7 +1,7 @@
 """Weight-update process groups outside the torch world: a TCPStore we host, one group per formation.
 
 The trainer's source rank hosts ``TCPStore(host, port, is_master=True)`` itself (under torchrun a
-``tcp://`` rendezvous would only ever be a client: see notes/distributed-traps.md) and every formation
+``tcp://`` rendezvous would only ever be a client: ``TORCHELASTIC_USE_AGENT_STORE``) and every formation
 of the group lives on ``PrefixStore(group_name, store)``, so re-forming after an engine restart never
 collides with an earlier formation's keys. Engines connect to the same store as clients.
 

@@ -146,7 +146,9 @@ def test_trainer_rank_killed_relaunch_resumes_from_last_complete_checkpoint(quic
         assert job.proc.poll() is None and time.monotonic() - t_kill < 120, H.tail(job.log)
         time.sleep(0.1)
     relaunch_s = time.monotonic() - t_kill
-    assert relaunch_s < 60, f"the job took {relaunch_s:.0f}s to give up on a dead trainer rank"
+    print(f"SIGKILL of trainer rank 1 -> relaunched rank 0: {relaunch_s:.2f} s")
+    # measured 0.36 s and 0.59 s (2-core box, 2026-12-01): 5 s still fails a 10x slower teardown/relaunch
+    assert relaunch_s < 5, f"the job took {relaunch_s:.1f}s to give up on a dead trainer rank"
     rc = job.wait(timeout=420)
     log = job.log.read_text(errors="replace")
     assert rc == 0, H.tail(job.log)
@@ -218,7 +220,8 @@ def test_hung_trainer_rank_under_ft_launcher_is_restarted_and_resumes(quickstart
         job.kill()
     log = job.log.read_text(errors="replace")
     assert rc == 0, H.tail(job.log, 120)
-    assert relaunch_s < 120, f"ft_launcher took {relaunch_s:.0f}s to restart the group after a rank hung"
+    # 20 s heartbeat timeout + teardown and restart (about 23 s measured, docs/benchmarks.md)
+    assert relaunch_s < 60, f"ft_launcher took {relaunch_s:.0f}s to restart the group after a rank hung"
     assert "rank heartbeats on" in log, H.tail(job.log, 120)
     assert "resuming at rollout 2 (checkpoint of rollout 1)" in log, H.tail(job.log, 120)
     samples, _ = H.records(job)

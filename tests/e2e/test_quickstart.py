@@ -93,6 +93,7 @@ def test_learning(quickstart: Path, tmp_path: Path):
     check_ok(run(["bash", str(QUICKSTART / "run_grpo.sh"), "--output-dir", str(out)], log, timeout=600,
                  QUICKSTART_DIR=str(quickstart)), log)
     wall = time.monotonic() - t0
+    print(f"quickstart GRPO phase: {wall:.1f} s")
     recs = check_run_dir(out, num_rollout=40, num_ranks=4)
     rewards = [r["rollout/raw_reward"] for r in recs]
     first3, last3 = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3

@@ -74,6 +74,10 @@ CONFIGS = {
             "--max-tokens-per-gpu", "40", "--eps-clip-c", "3.0",
             "--eps-clip", "0.99", "--eps-clip-high", "5"],          # the fake rollout log-probs are far off
 }
+# the same GRPO run as grpo_kl (--micro-batch-size 3) with Miles's default micro-batching and with packing:
+# gradient accumulation over micro-batches must give the same update
+CONFIGS["grpo_kl_mbs1"] = CONFIGS["grpo_kl"] + ["--micro-batch-size", "1"]
+CONFIGS["grpo_kl_dynamic"] = CONFIGS["grpo_kl"] + ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096"]
 
 
 def worker(out_dir: Path, model_dir: Path, kind: str) -> None:
@@ -114,6 +118,8 @@ def worker(out_dir: Path, model_dir: Path, kind: str) -> None:
     if rank < 2:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+        result["comm"] = {name: _fsdp_comm_counts(model_dir, group, mesh, CONFIGS[name], mine, device)
+                          for name in ("grpo_kl_mbs1", "grpo_kl_dynamic")}
         tr = _trainer(model_dir, group, mesh, CONFIGS["grpo_kl"], device=device)
         tr.train(mine, 0)
         if kind == "cuda":
@@ -163,6 +169,20 @@ def worker(out_dir: Path, model_dir: Path, kind: str) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _fsdp_comm_counts(model_dir, group, mesh, extra, samples, device) -> dict:
+    """FSDP2 all-gathers and gradient reductions during one train() call (2 ranks, one optimizer step)."""
+    import torch
+    from torch.profiler import profile
+
+    tr = _trainer(model_dir, group, mesh, extra, steps=1, device=device)
+    tr.train(samples, 0)                                          # warm-up (lazy init)
+    with profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        tr.train(samples, 1)
+    names = [e.name for e in prof.events()]
+    return {"all_gather": sum(n == "FSDP::all_gather" or n.startswith("FSDP::all_gather (") for n in names),
+            "reduce": sum(n.startswith("FSDP::post_backward_reduce") for n in names)}
 
 
 def _bad_inputs(model_dir, group, mesh, device) -> dict:
@@ -270,6 +290,33 @@ def test_two_ranks_match_one_rank(run, name, tiny_model_dir):
         torch.testing.assert_close(pa[k], pb[k], rtol=1e-4, atol=5e-5)  # Adam amplifies ~0 grads
     moved = max(float((pa[k] - init[k]).abs().max()) for k in pa)
     assert moved > 1e-3                                          # the optimizer steps changed the weights
+
+
+def test_micro_batch_size_1_gives_the_same_update_as_packing(run):
+    """Gradient accumulation over 1-sample micro-batches == the same samples in fewer, packed passes."""
+    import torch
+
+    out, results = run
+    base = torch.load(out / "params_grpo_kl_A.pt")
+    for name in ("grpo_kl_mbs1", "grpo_kl_dynamic"):
+        other = torch.load(out / f"params_{name}_A.pt")
+        for k in base:
+            torch.testing.assert_close(other[k], base[k], rtol=1e-4, atol=5e-5)
+        for ma, mb in zip(results[0][name], results[0]["grpo_kl"]):
+            for key in ("loss", "pg_loss", "kl_loss", "entropy", "grad_norm"):
+                assert ma[key] == pytest.approx(mb[key], rel=2e-4, abs=2e-6), (name, key)
+
+
+def test_fsdp_traffic_does_not_grow_with_micro_batches(run):
+    """--micro-batch-size 1 (6 micro-batches a rank) all-gathers and reduces as often as one packed pass:
+    parameters stay unsharded across micro-batches and gradients are reduced once, after the last."""
+    _, results = run
+    for rank in (0, 1):
+        comm = results[rank]["comm"]
+        assert comm["grpo_kl_dynamic"]["all_gather"] > 0 and comm["grpo_kl_dynamic"]["reduce"] > 0, comm
+        assert comm["grpo_kl_mbs1"] == comm["grpo_kl_dynamic"], comm
+    # one all-gather per pass (old and reference log-probs, training) and FSDP unit (two blocks, the root)
+    assert comm["grpo_kl_dynamic"]["all_gather"] == 3 * 3, comm
 
 
 def test_ppo_metrics(run):

@@ -90,3 +90,30 @@ def test_torchrun_world_size_mismatch_fails_fast_on_every_rank():
     # the message reaches torchrun's own failure report through the elastic error file
     assert "traceback : [miles r0] error: world size mismatch" in job.stderr
     assert job.seconds < 60, f"took {job.seconds:.0f}s"
+
+
+HOLD = ["--smoke-engine-argv", "builtin", "--smoke-hold", "300"]  # ranks and engine children stay up
+ORPHAN_BOUND_S = 5.0  # the watch polls every 0.2 s and gives engines 1 s after SIGTERM (miles/spmd/lifeline.py)
+
+
+def test_sigkill_of_the_torchrun_agent_takes_every_rank_and_engine_down(tmp_path):
+    from launcher_kill import children_of, kill_and_time_orphans, kill_tagged, launch, new_tag, tagged, wait_until
+
+    tag = new_tag()
+    job = launch(TORCHRUN + ["--standalone", "--nproc-per-node", "3"] + SMOKE + [
+        "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "2", "--smoke-dir", str(tmp_path), *HOLD],
+        job_env(), tag, tmp_path)
+    try:
+        wait_until(job, lambda: job.stdout.read_text().count("SMOKE OK") == 3, 180, "3 SMOKE OK lines")
+        procs = tagged(tag)
+        ranks = children_of(procs, job.proc.pid)
+        engines = [p for r in ranks for p in children_of(procs, r.pid)]
+        assert len(ranks) == 3 and len(engines) == 2, procs  # the agent's 3 ranks; 2 engine leaders' children
+        seconds, _ = kill_and_time_orphans(job, job.proc.pid, ORPHAN_BOUND_S)
+        job.proc.wait(timeout=10)
+    finally:
+        kill_tagged(tag)
+    err = job.stderr.read_text()
+    for r in range(3):
+        assert f"[miles r{r}] error: the launcher process that started this rank (torchrun: " in err, err[-3000:]
+    print(f"every rank and engine gone {seconds:.2f}s after the agent's SIGKILL")

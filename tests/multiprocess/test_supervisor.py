@@ -147,5 +147,5 @@ def test_engine_dies_with_its_rank(tmp_path):
 
 
 def test_missing_command_raises_at_start():
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError, match="/nonexistent/engine-binary"):
         EngineSupervisor(["/nonexistent/engine-binary"], name="none").start()

@@ -38,9 +38,13 @@ def test_values_are_copied_not_rewritten():
 
 
 def test_rollout_router_ip_maps_with_warning(caplog):
-    cfg = parse_args(BASE + ["--rollout-router-ip", "10.0.0.1", "--rollout-router-port=3000"])
+    with caplog.at_level("WARNING", logger="miles"):
+        cfg = parse_args(BASE + ["--rollout-router-ip", "10.0.0.1", "--rollout-router-port=3000"])
     assert cfg.rollout.sglang_router_ip == "10.0.0.1"
     assert cfg.rollout.sglang_router_port == 3000
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    for old, new in (("--rollout-router-ip", "--sglang-router-ip"), ("--rollout-router-port", "--sglang-router-port")):
+        assert [w for w in warned if w.startswith(f"{old} is deprecated") and f"use {new}" in w], warned
 
 
 def test_rm_path_is_refused_naming_the_new_flag():

@@ -229,8 +229,10 @@ def test_pause_abort_and_abort_request(eng):
         futs = [ex.submit(eng.generate, {"input_ids": p, "sampling_params": LONG}) for p in PROMPTS[:3]]
         assert _wait_load(eng, lambda load: load["num_running_reqs"] == 3), "the 3 requests never ran together"
         eng.post("/abort_request", {"abort_all": True})  # (a fixed sleep raced 480 fast tiny-model steps)
-        reasons = [f.result(30)["meta_info"]["finish_reason"]["type"] for f in futs]
-    assert "abort" in reasons
+        outs = [f.result(30) for f in futs]
+    # every one of the 3 running requests was aborted, mid-generation (not one of them, not after finishing)
+    assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["abort"] * 3, [o["meta_info"] for o in outs]
+    assert all(len(o["output_ids"]) < LONG["max_new_tokens"] for o in outs)
     assert eng.get("/health_generate").status_code == 200
 
 

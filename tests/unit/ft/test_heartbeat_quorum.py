@@ -54,15 +54,17 @@ class Cluster:
                 "--", sys.executable, str(HERE / "health_server.py"), "--port", str(port), *server_args]
         self.leaders[eid] = subprocess.Popen(argv)
 
-    def child_pid(self, eid: int) -> tuple[int, int]:
-        """(pid, incarnation) of the engine process now running (waits for the leader to publish it)."""
+    def child_pid(self, eid: int, min_incarnation: int = 0) -> tuple[int, int]:
+        """(pid, incarnation) of the engine process now running, once the leader has published an incarnation
+        of at least ``min_incarnation`` (a restarted engine's pid is published a moment after it is up)."""
         path = self.tmp / f"engine{eid}.pid"
         deadline = time.monotonic() + 30
-        while not path.exists():
-            assert time.monotonic() < deadline, f"engine {eid}: no pid file"
+        while True:
+            fields = path.read_text().split() if path.exists() else []
+            if len(fields) == 2 and int(fields[1]) >= min_incarnation:
+                return int(fields[0]), int(fields[1])
+            assert time.monotonic() < deadline, f"engine {eid}: no pid of incarnation >= {min_incarnation}: {fields}"
             time.sleep(0.05)
-        pid, inc = path.read_text().split()
-        return int(pid), int(inc)
 
     def expect(self, kind: str, eid: int, timeout: float) -> MembershipEvent:
         """The first not yet expected event of this kind for this engine (events of others stay queued)."""
@@ -158,8 +160,7 @@ def test_cold_start_is_not_killed_and_a_crashing_engine_is_given_up(cluster):
     c.expect("up", 1, timeout=60)
     os.kill(c.child_pid(1)[0], signal.SIGKILL)
     c.expect("up", 1, timeout=30)
-    time.sleep(0.2)  # the leader publishes the new pid
-    os.kill(c.child_pid(1)[0], signal.SIGKILL)
+    os.kill(c.child_pid(1, min_incarnation=1)[0], signal.SIGKILL)  # the restarted process, not the dead one
     ev = c.expect("given_up", 1, timeout=30)
     assert "--max-engine-restarts 1" in ev.reason
     assert set(c.membership.live()) == {0}

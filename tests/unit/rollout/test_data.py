@@ -94,9 +94,88 @@ def test_missing_key_names_key_and_keys_present(tmp_path, tok):
         PromptDataset(p, tok, cfg().data)
     msg = str(e.value)
     assert "k.jsonl:2" in msg and "missing key 'input'" in msg and "--input-key" in msg and "['answer', 'prompt']" in msg
-    p = write_jsonl(tmp_path / "k.jsonl", [{"input": "a", "label": 1}, {"input": "b"}])
-    with pytest.raises(DataError, match=r"k\.jsonl:2: missing key 'label' \(set by --label-key\); keys present: \['input'\]"):
+    # the first row without the key: maybe the wrong key, so suggest the flag
+    p = write_jsonl(tmp_path / "k.jsonl", [{"input": "b"}])
+    with pytest.raises(DataError, match=r"k\.jsonl:1: missing key 'label' \(set by --label-key\); keys present: "
+                                        r"\['input'\]\. Pass --label-key with one of them"):
         PromptDataset(p, tok, cfg("--label-key", "label").data)
+
+
+def test_label_missing_in_one_row_names_that_row_not_the_flag(tmp_path, tok):
+    rows = [{"input": "a", "label": 1}, {"input": "b", "label": 2}, {"input": "c"}]
+    p = write_jsonl(tmp_path / "k.jsonl", rows)
+    with pytest.raises(DataError) as e:
+        PromptDataset(p, tok, cfg("--label-key", "label").data)
+    msg = str(e.value)
+    assert msg.startswith(f"{p}:3: missing key 'label' (set by --label-key) in this row, though the 2 rows before "
+                          f"have it; keys present: ['input']. Add 'label' to this row or remove the row.")
+    assert "Pass --label-key" not in msg
+    p = write_jsonl(tmp_path / "n.jsonl", [{"input": "a", "label": 1}, {"input": "b", "label": None}])
+    with pytest.raises(DataError, match=r"n\.jsonl:2: key 'label' \(set by --label-key\) is null in this row"):
+        PromptDataset(p, tok, cfg("--label-key", "label").data)
+
+
+def test_non_utf8_byte_names_file_and_line(tmp_path, tok):
+    p = tmp_path / "latin.jsonl"
+    p.write_bytes(b'{"input": "a"}\n{"input": "b"}\n{"input": "caf' + b"\xe9" + b'"}\n')
+    with pytest.raises(DataError) as e:
+        PromptDataset(p, tok, cfg().data)
+    assert str(e.value).startswith(f"{p}:3: not valid UTF-8 (byte 0xe9 at byte 15 of the line); save --prompt-data as UTF-8")
+    assert e.value.__cause__ is None and e.value.__suppress_context__  # one line, no chained decode traceback
+    # a UTF-8 byte-order mark on the first line is fine
+    p.write_bytes(b"\xef\xbb\xbf" + b'{"input": "a"}\n{"input": "b"}\n')
+    assert [it.prompt for it in PromptDataset(p, tok, cfg().data).items] == ["a", "b"]
+
+
+def test_oversized_record_is_dropped_unparsed_naming_file_and_line(tmp_path, tok, caplog):
+    p = tmp_path / "big.jsonl"
+    # line 2 is 3 MB and not even valid JSON: parsing it would raise, so passing proves it was never parsed
+    p.write_text('{"input": "a"}\n{"input": "' + "x" * 3_000_000 + '\n{"input": "b"}\n')
+    with caplog.at_level("WARNING", logger="miles"):
+        ds = PromptDataset(p, tok, cfg("--rollout-max-prompt-bytes", "1000000").data)
+    assert [it.prompt for it in ds.items] == ["a", "b"] and ds.num_dropped_too_big == 1 and ds.num_rows == 3
+    assert f"{p}:2: record of 3000012 bytes dropped unparsed: larger than --rollout-max-prompt-bytes 1000000" in caplog.text
+    assert "dropped 1 of 3 records larger than --rollout-max-prompt-bytes 1000000" in caplog.text
+    # the default limit (8 MiB) drops a 9 MB line too; a rendered prompt over the limit (Parquet) is dropped
+    p.write_text('{"input": "a"}\n{"input": "' + "y" * 9_000_000 + '"}\n')
+    assert PromptDataset(p, tok, cfg().data).num_dropped_too_big == 1
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"input": "z" * 2000}, {"input": "ok"}]), tmp_path / "big.parquet")
+    ds = PromptDataset(tmp_path / "big.parquet", tok, cfg("--rollout-max-prompt-bytes", "1000").data)
+    assert [it.prompt for it in ds.items] == ["ok"] and ds.num_dropped_too_big == 1
+    assert "big.parquet:row 0: rendered prompt of 2000 bytes dropped before tokenizing" in caplog.text
+    with pytest.raises(DataError, match=r"no usable prompts \(1 longer than --rollout-max-prompt-len 1; "
+                                        r"1 larger than --rollout-max-prompt-bytes 10\)"):
+        PromptDataset(tmp_path / "big.parquet", tok, cfg("--rollout-max-prompt-bytes", "10",
+                                                         "--rollout-max-prompt-len", "1").data)
+    with pytest.raises(ConfigError, match="--rollout-max-prompt-bytes must be a positive number of bytes, got 0"):
+        PromptDataset(p, tok, cfg("--rollout-max-prompt-bytes", "0").data)
+
+
+class _SpyTokenizer:
+    """The real tokenizer, recording the longest text it was asked to tokenize."""
+
+    def __init__(self, tok):
+        self.tok, self.longest = tok, 0
+
+    def __call__(self, texts, **kwargs):
+        self.longest = max([self.longest, *map(len, texts)])
+        return self.tok(texts, **kwargs)
+
+
+def test_max_prompt_len_drops_a_huge_prompt_without_tokenizing_it_whole(tmp_path, tok):
+    p = write_jsonl(tmp_path / "huge.jsonl", [{"input": "1+1="}, {"input": "1 2 " * 500_000}, {"input": "2+2="}])
+    spy = _SpyTokenizer(tok)
+    ds = PromptDataset(p, spy, cfg("--rollout-max-prompt-len", "64").data)
+    assert [it.prompt for it in ds.items] == ["1+1=", "2+2="] and ds.num_dropped_too_long == 1
+    assert spy.longest == (64 + 2) * 32  # only the prefix of the 2 MB prompt was tokenized
+    # a long text of long tokens still passes through the whole tokenizer and is kept when it fits
+    text = "word" * 3000
+    p = write_jsonl(tmp_path / "fits.jsonl", [{"input": text}])
+    n = len(tok(text, add_special_tokens=False)["input_ids"])
+    assert len(PromptDataset(p, tok, cfg("--rollout-max-prompt-len", str(n)).data)[0].prompt_ids) == n
 
 
 def test_other_bad_input(tmp_path, tok):

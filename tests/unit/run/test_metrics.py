@@ -118,14 +118,53 @@ def test_read_metrics_skips_torn_last_line(tmp_path: Path):
         read_metrics(p)
 
 
-def test_wandb_offline(tmp_path: Path, monkeypatch):
+def _wandb_records(run_file: Path) -> list:
+    """The protobuf records of an offline W&B run file (``run-<id>.wandb``): a 7-byte ``:W&B`` header, then
+    LevelDB-log framing (32 KiB blocks; each chunk: crc32, length, type FULL/FIRST/MIDDLE/LAST)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = run_file.read_bytes()
+    assert data[:4] == b":W&B", data[:8]
+    pos, block, pending, out = 7, 32768, b"", []
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if left < 7 or (length == 0 and kind == 0):  # block trailer / padding
+            pos += left
+            continue
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL, LAST
+            rec = pb.Record()
+            rec.ParseFromString(pending)
+            out.append(rec)
+            pending = b""
+    return out
+
+
+def test_wandb_offline_logs_every_finite_metric_per_rollout(tmp_path: Path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     sink = MetricsSink(_output("--use-wandb", "--wandb-project", "miles-test"), tmp_path, config={"a": 1})
-    sink.log(0, _record(0))
+    for i in range(2):
+        sink.log(i, {**_record(i), "eval/quickstart": float("nan")})
     sink.close()
-    runs = list((tmp_path / "wandb").glob("offline-run-*"))
-    assert runs, list(tmp_path.rglob("*"))[:20]
+    [run_file] = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    records = _wandb_records(run_file)
+    history = {}
+    for r in records:
+        if r.WhichOneof("record_type") == "history":
+            items = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
+            history[r.history.step.num] = {k: v for k, v in items.items() if not k.startswith("_")}
+    assert sorted(history) == [0, 1], history  # one W&B step per rollout, at the rollout id
+    for i in range(2):
+        assert history[i] == pytest.approx({**_record(i), "rollout_id": i}), history[i]  # NaN eval not sent
+    [run] = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    config = {c.key: json.loads(c.value_json) for c in run.config.update}
+    assert config["a"] == 1, config
+    assert run.project == "miles-test"
 
 
 def test_null_sink_and_build(tmp_path: Path):

@@ -42,3 +42,14 @@ def test_offload_defaults_and_roundtrip():
     plan2 = resolve_run(_cfg("--num-rollout", "2", "--rollout-batch-size", "4"), num_prompts=None, output_dir="o", world_size=4)
     assert not plan2.offload_train and not plan2.offload_rollout
     assert RunPlan.from_dict(plan.to_dict()) == plan
+
+
+def test_num_epoch_without_rollout_batch_size_is_one_line():
+    cfg = _cfg("--num-epoch", "1", "--debug-train-only")  # validation lets it through (train-only), resolve must not crash
+    with pytest.raises(ConfigError, match="--num-epoch 1 needs --rollout-batch-size"):
+        derive_num_rollout(cfg, num_prompts=8)
+
+
+def test_negative_lr_is_refused_by_name():
+    with pytest.raises(ConfigError, match="--lr must be >= 0, got -1.0"):
+        _cfg("--num-rollout", "1", "--rollout-batch-size", "2", "--lr", "-1")

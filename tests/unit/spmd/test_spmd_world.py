@@ -86,7 +86,7 @@ def test_hostlists_and_task_counts():
     assert expand_hostlist("gpu[01-03,7],cpu5,a[1-2]-ib") == ["gpu01", "gpu02", "gpu03", "gpu7", "cpu5", "a1-ib", "a2-ib"]
     assert expand_hostlist("r[1-2]n[0-1]") == ["r1n0", "r1n1", "r2n0", "r2n1"]
     assert parse_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="cannot parse SLURM tasks-per-node value 'two'"):
         parse_tasks_per_node("two")
 
 

@@ -35,10 +35,11 @@ def test_save_latest_prune_and_crash(tmp_path):
         (d / "payload.txt").write_text("half")
         raise RuntimeError("disk full")
 
-    with pytest.raises(RuntimeError):
+    with pytest.raises(C.CheckpointWriteError, match="cannot write checkpoint step_00000003"):
         C.save_checkpoint(root, 3, crash, keep=2)
-    assert (root / ".tmp.step_00000003").is_dir()
+    assert not (root / ".tmp.step_00000003").exists()   # a failed save cleans up after itself
     assert C.latest_checkpoint(root) == root / "step_00000002"
+    (root / ".tmp.step_00000003").mkdir()              # what a killed save leaves: ignored
     (root / "step_00000009").mkdir()                  # a final-looking dir without COMPLETE is ignored too
     (root / "step_00000009" / "payload.txt").write_text("junk")
     assert C.latest_checkpoint(root) == root / "step_00000002"
@@ -96,3 +97,116 @@ def test_sharded_hf_export_loads_in_transformers(tmp_path, tiny_model_dir):
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), sd[name]), name
     assert AutoTokenizer.from_pretrained(str(out)).eos_token == "<|endoftext|>"
+
+
+# ---------------------------------------------------------------- real FSDP checkpoints (1 gloo rank)
+
+@pytest.fixture
+def trainer_factory(tmp_path, tiny_model_dir):
+    """Build FSDPTrainers on a real 1-rank gloo group (torch.distributed is set up once for the test)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from miles.config import parse_args
+    from miles.trainer.fsdp import FSDPTrainer
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    group = dist.new_group([0])
+    mesh = DeviceMesh.from_group(group, device_type="cpu")
+
+    def make(*flags: str) -> FSDPTrainer:
+        cfg = parse_args(["--hf-checkpoint", str(tiny_model_dir), "--num-rollout", "4", "--rollout-batch-size", "2",
+                          "--save-interval", "1", *flags])
+        return FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=mesh, group=group, device=torch.device("cpu"),
+                           rollout_temperature=1.0, num_rollout=4, global_batch_size=None, num_steps_per_rollout=1,
+                           timeout=60)
+
+    yield make
+    dist.destroy_process_group()
+
+
+class _Lines:
+    def __init__(self):
+        import logging
+
+        self.records: list[str] = []
+        self.handler = logging.Handler()
+        self.handler.emit = lambda r: self.records.append(f"{r.levelname} {r.getMessage()}")
+
+    def __enter__(self):
+        import logging
+
+        logging.getLogger("miles").addHandler(self.handler)
+        return self.records
+
+    def __exit__(self, *exc):
+        import logging
+
+        logging.getLogger("miles").removeHandler(self.handler)
+
+
+def test_resume_skips_corrupt_newest_checkpoint(tmp_path, trainer_factory):
+    """The newest complete checkpoint's shard is truncated: resume loads the previous one, one warning line;
+    when every one is corrupt: one error naming the directory."""
+    root = tmp_path / "ckpt"
+    tr = trainer_factory("--save", str(root))
+    tr.checkpoint(0, extra={"mark": 0})
+    tr.checkpoint(1, extra={"mark": 1})
+    shard = next((root / "step_00000001" / "actor").glob("*.distcp"))
+    with open(shard, "r+b") as f:
+        f.truncate(1000)
+    with _Lines() as lines:
+        extra = trainer_factory("--save", str(root)).resume()
+    assert extra["rollout_id"] == 0 and extra["mark"] == 0
+    warnings = [ln for ln in lines if ln.startswith("WARNING")]
+    assert len(warnings) == 1 and "step_00000001" in warnings[0] and "truncated" in warnings[0], lines
+    assert "resumed from step_00000000" in warnings[0]
+    (root / "step_00000000" / "trainer_state.json").write_text("{not json")
+    with pytest.raises(ValueError, match=f"--save {root}: no usable checkpoint") as e:
+        trainer_factory("--save", str(root)).resume()
+    assert "\n" not in str(e.value) and "step_00000000: trainer_state.json is unreadable" in str(e.value)
+
+
+def _mount_tmpfs(path, size: str, ro: bool = False):
+    import subprocess
+
+    path.mkdir(parents=True, exist_ok=True)
+    opts = f"size={size}" + (",ro" if ro else "")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {r.stderr.strip()}")
+
+
+def _umount(path):
+    import subprocess
+
+    subprocess.run(["umount", str(path)], check=False)
+
+
+def test_full_disk_mid_save_says_so_and_cleans_up(tmp_path, trainer_factory):
+    """A real 2 MB tmpfs holds one checkpoint of the tiny model (about 1.5 MB), not two."""
+    mnt = tmp_path / "small"
+    _mount_tmpfs(mnt, "2M")
+    try:
+        tr = trainer_factory("--save", str(mnt), "--keep-checkpoints", "1")
+        tr.checkpoint(0, extra={})
+        with pytest.raises(C.CheckpointWriteError) as e:
+            tr.checkpoint(1, extra={})
+        msg = str(e.value)
+        assert msg.startswith(f"no space left on device writing checkpoint step_00000001 under {mnt}"), msg
+        assert "\n" not in msg
+        assert not (mnt / ".tmp.step_00000001").exists()
+        assert C.latest_checkpoint(mnt) == mnt / "step_00000000"
+    finally:
+        _umount(mnt)
+
+
+def test_read_only_save_dir_fails_on_every_rank_with_one_line(tmp_path, trainer_factory):
+    mnt = tmp_path / "ro"
+    _mount_tmpfs(mnt, "1M", ro=True)
+    try:
+        tr = trainer_factory("--save", str(mnt))
+        with pytest.raises(C.CheckpointWriteError, match=f"cannot write checkpoint step_00000000 under {mnt}.*Read-only"):
+            tr.checkpoint(0, extra={})
+    finally:
+        _umount(mnt)

@@ -149,7 +149,7 @@ def test_publication_is_atomic_and_failures_leave_nothing(tmp_path: Path) -> Non
         yield "w", s0["w"]
         raise RuntimeError("trainer died mid-write")
 
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="trainer died mid-write"):  # the source's own error, unchanged
         write_version(tmp_path, 1, exploding(), baseline=s0)
     assert list(tmp_path.iterdir()) == []  # no half-written version, no temp dir
     write_version(tmp_path, 0, s0.items(), baseline=None)

@@ -1,0 +1,137 @@
+"""Default micro-batching vs dynamic batching: one FSDP2 trainer step on a small model, side by side.
+
+Miles's defaults train with ``--micro-batch-size 1`` and no dynamic batching, so a 64-sample step is 64
+forward/backward passes; ``--use-dynamic-batch-size`` packs them into a few. On a small model the per-pass
+fixed costs (FSDP2 hooks, collectives, host syncs, Python) dominate, which is what this measures. Each
+row is one configuration: the mean and best wall time of ``train()`` (GRPO policy loss with KL loss,
+``--num-steps-per-rollout 1``) over ``--steps`` measured calls after ``--warmup``.
+
+    python benchmarks/micro_batch.py                          # 1 rank, CPU, quickstart-sized model
+    python benchmarks/micro_batch.py --samples 64 --steps 5 --hidden-size 128
+    python benchmarks/micro_batch.py --profile default        # cProfile of one default-path step
+    torchrun --nproc-per-node 2 benchmarks/micro_batch.py     # 2 ranks (gloo on CPU, NCCL on GPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+CONFIGS = {
+    "default (--micro-batch-size 1)": [],
+    "--micro-batch-size 8": ["--micro-batch-size", "8"],
+    "--use-dynamic-batch-size": ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096"],
+}
+
+
+def _samples(n: int, rank: int, vocab: int):
+    from miles.types import Sample
+
+    gen = torch.Generator().manual_seed(1234 + rank)
+    out = []
+    for i in range(n):
+        prompt = torch.randint(4, vocab, (int(torch.randint(4, 12, (1,), generator=gen)),), generator=gen).tolist()
+        r = int(torch.randint(2, 10, (1,), generator=gen))
+        resp = torch.randint(4, vocab, (r,), generator=gen).tolist()
+        out.append(Sample(group_index=rank * n + i // 8, index=i, tokens=prompt + resp, response_length=r,
+                          reward=float(i % 3 == 0)))
+    return out
+
+
+def _trainer(model_dir: Path, extra: list[str], group, mesh, device):
+    from miles.config import parse_args
+    from miles.trainer.fsdp import FSDPTrainer
+
+    cfg = parse_args(["--hf-checkpoint", str(model_dir), "--lr", "1e-4", "--num-rollout", "1000",
+                      "--rollout-batch-size", "8", "--n-samples-per-prompt", "8", "--num-steps-per-rollout", "1",
+                      "--use-kl-loss", "--kl-loss-coef", "0.01"] + extra)
+    return FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=mesh, group=group, device=device,
+                       rollout_temperature=1.0, num_rollout=1000, global_batch_size=None, num_steps_per_rollout=1,
+                       timeout=600)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--samples", type=int, default=64, help="Samples per step (all ranks together).")
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--cpu", action="store_true", help="Stay on CPU even when a GPU is present.")
+    p.add_argument("--profile", choices=["default", "dynamic"], default=None,
+                   help="Print a cProfile of one step of that configuration instead of the table.")
+    a = p.parse_args()
+
+    from miles.utils.net import find_free_port
+    from miles.utils.tiny_model import build_tiny_model
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(find_free_port()))
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    cuda = torch.cuda.is_available() and not a.cpu
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}") if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(world)))
+    mesh = torch.distributed.device_mesh.DeviceMesh.from_group(group, device_type=device.type)
+    model_dir = Path(tempfile.gettempdir()) / f"miles_bench_mb_h{a.hidden_size}_l{a.num_layers}"
+    if rank == 0 and not (model_dir / "config.json").is_file():
+        build_tiny_model(model_dir, hidden_size=a.hidden_size, num_layers=a.num_layers, num_heads=4, num_kv_heads=2)
+    dist.barrier(group)
+    if a.samples % world:
+        raise SystemExit(f"--samples {a.samples} must divide over {world} ranks")
+
+    rows = []
+    names = list(CONFIGS)
+    if a.profile:
+        names = [names[0] if a.profile == "default" else names[-1]]
+    for name in names:
+        tr = _trainer(model_dir, CONFIGS[name], group, mesh, device)
+        samples = _samples(a.samples // world, rank, tr.vocab_size)
+        for it in range(a.warmup):
+            tr.train(samples, it)
+        if a.profile:
+            prof = cProfile.Profile()
+            prof.enable()
+            tr.train(samples, a.warmup)
+            prof.disable()
+            if rank == 0:
+                pstats.Stats(prof).sort_stats("tottime").print_stats(35)
+            break
+        times = []
+        for it in range(a.steps):
+            dist.barrier(group)
+            t0 = time.perf_counter()
+            m = tr.train(samples, a.warmup + it)
+            times.append(time.perf_counter() - t0)
+        rows.append((name, tr.num_params, statistics.mean(times), min(times), m["loss"]))
+        del tr
+    if rank == 0 and rows:
+        dev = torch.cuda.get_device_name(device) if cuda else f"cpu ({os.cpu_count()} cores)"
+        print(f"{a.samples} samples/step, {world} rank(s), {dev}, torch {torch.__version__}, "
+              f"{rows[0][1]:,} params, {a.steps} measured steps")
+        print(f"{'configuration':<34} {'mean s/step':>12} {'best s/step':>12} {'loss':>10}")
+        for name, _, mean, best, loss in rows:
+            print(f"{name:<34} {mean:>12.3f} {best:>12.3f} {loss:>10.5f}")
+    dist.barrier(group)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

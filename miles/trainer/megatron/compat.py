@@ -1,0 +1,168 @@
+"""megatron-core on torch CPU + gloo: the few spots where megatron-core 0.16 hard-codes CUDA.
+
+Applied only when the trainer runs on CPU (``apply_cpu_compat()``; a no-op once applied) and only
+for the pinned release line (``SUPPORTED``): another megatron-core version raises, because these
+spots move between releases. What is adapted, and why:
+
+- ``torch.cuda.current_device()`` where megatron-core allocates at run time (rotary embeddings move
+  ``inv_freq`` there on the first forward; the tensor-parallel all-gather/reduce-scatter buffers of
+  ``tensor_parallel.mappings``/``layers``; attention buffers): those modules see a ``torch`` whose
+  ``cuda.current_device()`` is ``"cpu"``; everything else is the real torch.
+- ``transformer.utils.get_default_causal_mask`` builds its mask with ``device="cuda"``: replaced by
+  the same upper-triangular mask on CPU (also where ``fused_softmax`` imported it by name).
+- ``tensor_parallel.random.CudaRNGStatesTracker`` saves and restores CUDA generator states: replaced
+  by a tracker with the same interface over CPU generator states (``add``, ``fork``, ``get_states``,
+  ``set_states``), so tensor-parallel dropout and initialisation keep their per-rank streams.
+- ``initialize_model_parallel`` sizes its groups by the default group; ``trainer_world(n)`` makes it
+  see the first ``n`` ranks only (the trainer ranks; engines are the later ranks of the world).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import types
+from collections.abc import Iterator
+
+import torch
+
+SUPPORTED = "0.16."            # megatron-core release line these adaptations were written against
+_RUNTIME_CUDA_MODULES = (
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.utils",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.transformer.dot_product_attention",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.token_dispatcher",
+)
+_applied = False
+
+
+def megatron_version() -> str:
+    from megatron.core import package_info
+
+    return str(package_info.__version__)
+
+
+def check_version() -> None:
+    v = megatron_version()
+    if not v.startswith(SUPPORTED):
+        raise RuntimeError(f"miles's CPU adaptation of megatron-core is written for {SUPPORTED}x, found {v}; "
+                           "install megatron-core==0.16.1 (pip install 'miles[megatron]').")
+
+
+class _CpuCuda(types.SimpleNamespace):
+    """``torch.cuda`` as megatron-core's run-time allocations see it on CPU."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_device() -> str:
+        return "cpu"
+
+
+class _CpuTorch(types.ModuleType):
+    """The real ``torch`` except ``torch.cuda.current_device()`` -> ``"cpu"``."""
+
+    cuda = _CpuCuda()
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    """[sq, sq] bool, True above the diagonal (masked), on CPU."""
+    return torch.ones(sq, sq, dtype=torch.bool).triu(diagonal=1)
+
+
+class CpuRNGStatesTracker:
+    """megatron-core's RNG tracker interface over CPU generator states."""
+
+    def __init__(self, use_cudagraphable_rng: bool = False, is_inference_rng_tracker: bool = False):
+        self.use_cudagraphable_rng = False
+        self.is_inference_rng_tracker = is_inference_rng_tracker
+        self.reset()
+
+    def is_initialized(self) -> bool:
+        return self._is_initialized
+
+    def reset(self) -> None:
+        self._is_initialized = False
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return dict(self.states_)
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self._is_initialized = True
+        self.states_ = dict(states)
+
+    def add(self, name: str, seed: int) -> None:
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise RuntimeError(f"rng seed {seed} already exists")
+        if name in self.states_:
+            raise RuntimeError(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        g = torch.Generator()
+        g.manual_seed(seed)
+        self.states_[name] = g.get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+        if name not in self.states_:
+            raise RuntimeError(f"rng state {name} is not added")
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+
+def apply_cpu_compat() -> None:
+    """Adapt megatron-core for torch CPU (see module docstring); idempotent."""
+    global _applied
+    if _applied:
+        return
+    check_version()
+    cpu_torch = _CpuTorch("torch")
+    for name in _RUNTIME_CUDA_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        if getattr(mod, "torch", None) is torch:
+            mod.torch = cpu_torch
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer import utils as tutils
+
+    tutils.get_default_causal_mask = _cpu_causal_mask
+    fused_softmax.get_default_causal_mask = _cpu_causal_mask
+    mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
+    mrandom.initialize_rng_tracker(force_reset=True)
+    _applied = True
+
+
+@contextlib.contextmanager
+def trainer_world(num_ranks: int) -> Iterator[None]:
+    """Inside: ``torch.distributed.get_world_size()`` is ``num_ranks`` (megatron-core's group layout
+    then covers global ranks 0..num_ranks-1, the trainer ranks). Every trainer rank must enter it
+    and create the same groups in the same order; ranks outside never create groups after that."""
+    import torch.distributed as dist
+
+    real = dist.get_world_size
+
+    def world_size(group=None) -> int:
+        return num_ranks if group is None else real(group)
+
+    dist.get_world_size = world_size
+    try:
+        yield
+    finally:
+        dist.get_world_size = real

@@ -1,0 +1,172 @@
+"""HF <-> megatron-core weights for the GPT families of ``model.py`` (our own converter).
+
+Layouts (megatron-core names of the local spec; the transformer-engine spec keeps the input and
+pre-MLP norms inside ``linear_qkv``/``linear_fc1`` as ``layer_norm_weight``, handled the same way):
+
+- ``linear_qkv`` = per query group g: the group's ``nh/ng`` query heads, then its key head, then its
+  value head (rows); bias likewise (Qwen2). Tensor parallelism splits it by whole groups.
+- ``linear_fc1`` = ``[gate; up]`` (SwiGLU); under TP rank r holds ``[gate_r; up_r]``.
+- ``word_embeddings`` / ``output_layer`` rows padded with zeros to the padded vocabulary; the output
+  layer is absent when embeddings are tied (HF ``tie_word_embeddings``; ``lm_head.weight`` then absent).
+
+``hf_to_megatron`` / ``megatron_to_hf`` convert full (TP=1) tensors; ``shard`` / ``unshard`` move
+between a full tensor and the TP shards megatron-core's parameters hold (``partition_dim``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from miles.trainer.megatron.model import ModelShape
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_SIMPLE = {  # megatron suffix -> HF suffix, per layer
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+
+
+def _qkv_split(shape: ModelShape) -> tuple[int, int, int]:
+    d = shape.kv_channels
+    return shape.num_attention_heads // shape.num_query_groups * d, d, d
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    out = t.new_zeros((rows,) + tuple(t.shape[1:]))
+    out[:t.shape[0]] = t
+    return out
+
+
+def hf_to_megatron(hf: dict[str, torch.Tensor], shape: ModelShape, padded_vocab: int,
+                   names: list[str]) -> dict[str, torch.Tensor]:
+    """Full megatron tensors for the megatron parameter ``names`` from a HF state dict."""
+    out = {}
+    q_rows, kv_rows, _ = _qkv_split(shape)
+    ng = shape.num_query_groups
+    for name in names:
+        if name == "embedding.word_embeddings.weight":
+            out[name] = _pad_rows(hf["model.embed_tokens.weight"], padded_vocab)
+        elif name == "output_layer.weight":
+            out[name] = _pad_rows(hf["lm_head.weight"], padded_vocab)
+        elif name == "decoder.final_layernorm.weight":
+            out[name] = hf["model.norm.weight"]
+        else:
+            m = _LAYER.match(name)
+            if m is None:
+                raise KeyError(f"no HF source for megatron parameter {name}")
+            i, suffix = m.group(1), m.group(2)
+            p = f"model.layers.{i}."
+            if suffix in _SIMPLE:
+                out[name] = hf[p + _SIMPLE[suffix]]
+            elif suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+                kind = suffix.rsplit(".", 1)[1]
+                q, k, v = (hf[f"{p}self_attn.{x}_proj.{kind}"] for x in "qkv")
+                rest = tuple(q.shape[1:])
+                groups = [q.reshape((ng, q_rows) + rest), k.reshape((ng, kv_rows) + rest),
+                          v.reshape((ng, kv_rows) + rest)]
+                out[name] = torch.cat(groups, dim=1).reshape((-1,) + rest)
+            elif suffix == "mlp.linear_fc1.weight":
+                out[name] = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], dim=0)
+            else:
+                raise KeyError(f"no HF source for megatron parameter {name}")
+    return out
+
+
+def megatron_to_hf(name: str, full: torch.Tensor, shape: ModelShape) -> list[tuple[str, torch.Tensor]]:
+    """HF tensors from one full megatron tensor (the norm copies of the TE spec map once)."""
+    if name == "embedding.word_embeddings.weight":
+        return [("model.embed_tokens.weight", full[:shape.vocab_size])]
+    if name == "output_layer.weight":
+        return [("lm_head.weight", full[:shape.vocab_size])]
+    if name == "decoder.final_layernorm.weight":
+        return [("model.norm.weight", full)]
+    m = _LAYER.match(name)
+    if m is None:
+        raise KeyError(f"no HF name for megatron parameter {name}")
+    p, suffix = f"model.layers.{m.group(1)}.", m.group(2)
+    if suffix in _SIMPLE:
+        return [(p + _SIMPLE[suffix], full)]
+    if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        kind = suffix.rsplit(".", 1)[1]
+        q_rows, kv_rows, _ = _qkv_split(shape)
+        rest = tuple(full.shape[1:])
+        grouped = full.reshape((shape.num_query_groups, q_rows + 2 * kv_rows) + rest)
+        q, k, v = grouped.split([q_rows, kv_rows, kv_rows], dim=1)
+        return [(f"{p}self_attn.{x}_proj.{kind}", t.reshape((-1,) + rest)) for x, t in zip("qkv", (q, k, v))]
+    if suffix == "mlp.linear_fc1.weight":
+        gate, up = full.chunk(2, dim=0)
+        return [(p + "mlp.gate_proj.weight", gate), (p + "mlp.up_proj.weight", up)]
+    raise KeyError(f"no HF name for megatron parameter {name}")
+
+
+def is_glu_fc1(name: str) -> bool:
+    return name.endswith("mlp.linear_fc1.weight")
+
+
+def partition_dim(param: torch.Tensor) -> int | None:
+    """The TP split dim of a megatron-core parameter, None when replicated."""
+    if getattr(param, "tensor_model_parallel", False):
+        return int(param.partition_dim)
+    return None
+
+
+def shard(name: str, full: torch.Tensor, dim: int | None, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This TP rank's piece of a full megatron tensor."""
+    if dim is None or tp_size == 1:
+        return full
+    if is_glu_fc1(name):
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp_size, dim=0)[tp_rank], up.chunk(tp_size, dim=0)[tp_rank]], dim=0)
+    return full.chunk(tp_size, dim=dim)[tp_rank]
+
+
+def unshard(name: str, shards: list[torch.Tensor], dim: int | None) -> torch.Tensor:
+    """The full megatron tensor from every TP rank's piece (inverse of ``shard``)."""
+    if dim is None or len(shards) == 1:
+        return shards[0]
+    if is_glu_fc1(name):
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(shards, dim=dim)
+
+
+def read_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a local HF model dir (safetensors, sharded or not), on CPU in float32."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [
+        "model.safetensors"]
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        if not (path / f).is_file():
+            raise ValueError(f"{path} has no {f}: --train-backend megatron reads HF safetensors checkpoints.")
+        out.update({k: v.float() for k, v in load_file(str(path / f)).items()})
+    return out
+
+
+@torch.no_grad()
+def load_hf_into(model: torch.nn.Module, hf: dict[str, torch.Tensor], shape: ModelShape, padded_vocab: int,
+                 tp_rank: int, tp_size: int) -> None:
+    """Copy a HF state dict into this rank's megatron-core parameters (every parameter is written)."""
+    params = dict(model.named_parameters())
+    full = hf_to_megatron(hf, shape, padded_vocab, list(params))
+    for name, p in params.items():
+        piece = shard(name, full[name], partition_dim(p), tp_rank, tp_size)
+        if tuple(piece.shape) != tuple(p.shape):
+            raise ValueError(f"HF weight for {name}: shape {tuple(piece.shape)} does not fit the megatron "
+                             f"parameter {tuple(p.shape)} (config.json and the weights disagree).")
+        p.copy_(piece.to(p.dtype))

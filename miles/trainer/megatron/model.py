@@ -1,0 +1,138 @@
+"""GPTModel from a HF ``config.json`` (Llama, Qwen2, Qwen3 families), and its layer spec.
+
+    shape = ModelShape.from_hf_config(hf_config)          # the Megatron view of the HF architecture
+    model = build_gpt_model(shape, tp_size=2, device=dev) # megatron-core GPTModel, returns hidden states
+
+The transformer-engine layer spec is used when ``transformer_engine`` imports (and the device is a
+GPU), the local spec otherwise. ``HiddenGPTModel`` is a GPTModel whose forward stops after the final
+norm: log-probs are computed from those hidden states, vocabulary-parallel (``miles.trainer.logprobs``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What megatron-core needs to know about a HF decoder-only architecture."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    vocab_size: int
+    max_position_embeddings: int
+    rotary_base: float
+    norm_epsilon: float
+    qk_layernorm: bool
+    qkv_bias: bool
+    tie_embeddings: bool
+
+    @classmethod
+    def from_hf_config(cls, c) -> ModelShape:
+        mt = getattr(c, "model_type", None)
+        if mt not in FAMILIES:
+            raise ValueError(f"--train-backend megatron supports HF model types {sorted(FAMILIES)}, got {mt!r} "
+                             "(use --train-backend fsdp for other architectures).")
+        if getattr(c, "hidden_act", "silu") != "silu":
+            raise ValueError(f"--train-backend megatron: hidden_act {c.hidden_act!r} is not supported (silu only).")
+        rope = getattr(c, "rope_parameters", None) or {}
+        scaling = getattr(c, "rope_scaling", None)
+        if (rope.get("rope_type", "default") != "default") or (scaling and scaling.get("rope_type", "default")
+                                                               not in ("default", None)):
+            raise ValueError(f"--train-backend megatron: rope scaling {rope or scaling} is not supported.")
+        if getattr(c, "use_sliding_window", False):
+            raise ValueError("--train-backend megatron: sliding-window attention is not supported.")
+        if getattr(c, "mlp_bias", False):
+            raise ValueError("--train-backend megatron: mlp_bias is not supported.")
+        theta = rope.get("rope_theta", getattr(c, "rope_theta", None) or 10000.0)
+        heads = int(c.num_attention_heads)
+        head_dim = getattr(c, "head_dim", None) or int(c.hidden_size) // heads
+        qkv_bias = True if mt == "qwen2" else bool(getattr(c, "attention_bias", False))
+        return cls(model_type=mt, num_layers=int(c.num_hidden_layers), hidden_size=int(c.hidden_size),
+                   ffn_hidden_size=int(c.intermediate_size), num_attention_heads=heads,
+                   num_query_groups=int(getattr(c, "num_key_value_heads", None) or heads), kv_channels=int(head_dim),
+                   vocab_size=int(c.vocab_size), max_position_embeddings=int(c.max_position_embeddings),
+                   rotary_base=float(theta), norm_epsilon=float(c.rms_norm_eps), qk_layernorm=mt == "qwen3",
+                   qkv_bias=qkv_bias, tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)))
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
+    """Vocabulary rows after padding to a multiple of ``divisible_by * tp_size`` (as Megatron does)."""
+    mult = max(divisible_by, 1) * tp_size
+    return -(-vocab_size // mult) * mult
+
+
+def use_transformer_engine(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def transformer_config(shape: ModelShape, *, tp_size: int, device: torch.device, params_dtype=torch.float32,
+                       bf16: bool = False, recompute: str | None = None, recompute_method: str | None = None,
+                       recompute_num_layers: int | None = None, attention_softmax_in_fp32: bool = True,
+                       hidden_dropout: float = 0.0, attention_dropout: float = 0.0, sequence_parallel: bool = False):
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    on_gpu = device.type == "cuda"
+    kw = {}
+    if recompute:
+        kw.update(recompute_granularity=recompute, recompute_method=recompute_method,
+                  recompute_num_layers=recompute_num_layers)
+    return TransformerConfig(
+        num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
+        num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
+        kv_channels=shape.kv_channels, normalization="RMSNorm", layernorm_epsilon=shape.norm_epsilon,
+        qk_layernorm=shape.qk_layernorm, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        add_qkv_bias=shape.qkv_bias, hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
+        tensor_model_parallel_size=tp_size, sequence_parallel=sequence_parallel, params_dtype=params_dtype,
+        bf16=bf16, use_cpu_initialization=True, perform_initialization=False,
+        attention_softmax_in_fp32=attention_softmax_in_fp32, bias_dropout_fusion=on_gpu,
+        masked_softmax_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        persist_layer_norm=False, **kw)
+
+
+def build_gpt_model(shape: ModelShape, config, *, padded_vocab: int, device: torch.device):
+    """A HiddenGPTModel on ``device`` (weights uninitialised: load them with ``convert.load_hf_into``)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    if use_transformer_engine(device):
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_layernorm)
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_layernorm, normalization="RMSNorm")
+
+    class HiddenGPTModel(GPTModel):
+        """GPTModel whose forward returns the final-norm hidden states [s, b, h] (no output layer)."""
+
+        def _postprocess(self, hidden_states, *args, **kwargs):
+            return hidden_states
+
+    model = HiddenGPTModel(config, spec, vocab_size=padded_vocab, max_sequence_length=shape.max_position_embeddings,
+                           position_embedding_type="rope", rotary_base=int(shape.rotary_base),
+                           share_embeddings_and_output_weights=shape.tie_embeddings, parallel_output=True)
+    return model.to(device)
+
+
+def output_weight(model) -> torch.Tensor:
+    """This rank's vocabulary shard of the output projection [V/tp, h] (the embedding when tied)."""
+    if model.share_embeddings_and_output_weights:
+        return model.shared_embedding_or_output_weight()
+    return model.output_layer.weight
