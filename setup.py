@@ -21,6 +21,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.11",
     packages=find_packages(include=["miles", "miles.*"]),
+    package_data={"miles.config": ["megatron_flags.txt"], "miles.rollout": ["sglang_server_args.json"]},
     install_requires=_requirements(),
     extras_require={
         # SGLang pins its own torch + CUDA kernels: install it on GPU nodes only.
@@ -29,7 +30,7 @@ setup(
         "ft": ["torchft>=0.2.0", "nvidia-resiliency-ext>=0.4.1"],
         "wandb": ["wandb>=0.20"],
         "mpi": ["mpi4py>=4.0"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "torchft>=0.2.0", "mpi4py>=4.0", "wandb>=0.20"],
+        "test": ["megatron-core>=0.16", "pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "torchft>=0.2.0", "mpi4py>=4.0", "wandb>=0.20"],
     },
     entry_points={"console_scripts": ["miles-engine=miles.engine.__main__:main"]},
     classifiers=["License :: OSI Approved :: Apache Software License", "Programming Language :: Python :: 3.11"],

@@ -15,6 +15,8 @@ proves it built the same plan). Each rank prints one line:
 ``{out}`` filled in) makes every engine leader supervise a child; the built-in child reports its
 environment, which must carry no launcher variable. ``--smoke-kill-engine`` then SIGKILLs the child
 and requires it to come back while the rank carries on with the remaining collectives.
+``--smoke-hold S`` keeps every rank (and its engine child) up for S seconds after its line, like a long
+job (the launcher-death tests kill the launcher then).
 """
 
 from __future__ import annotations

@@ -74,6 +74,7 @@ class Launched:
     tag: str
     stdout: Path
     stderr: Path
+    gone_after: dict | None = None  # process -> seconds after the kill it was last seen (kill_and_time_orphans)
 
     def text(self) -> str:
         return self.stdout.read_text(errors="replace") + self.stderr.read_text(errors="replace")
@@ -111,10 +112,13 @@ def kill_and_time_orphans(job: Launched, victim: int, bound: float, keep: set[in
     assert victim in before, f"pid {victim} is not a process of this job: {before}"
     t0 = time.monotonic()
     os.kill(victim, signal.SIGKILL)
+    last: dict[int, float] = {}  # pid -> when it was last seen alive
     while True:
         left = {pid: p for pid, p in tagged(job.tag).items() if pid not in keep}
         elapsed = time.monotonic() - t0
+        last.update({pid: elapsed for pid in left})
         if not left:
+            job.gone_after = {f"{before[pid].comm}[{pid}]": round(t, 2) for pid, t in last.items() if pid in before}
             return elapsed, before
         if elapsed > bound:
             listing = "\n".join(f"  pid {p.pid} ppid {p.ppid} {p.comm}: {p.cmdline}" for p in left.values())

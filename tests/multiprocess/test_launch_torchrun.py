@@ -117,3 +117,55 @@ def test_sigkill_of_the_torchrun_agent_takes_every_rank_and_engine_down(tmp_path
     for r in range(3):
         assert f"[miles r{r}] error: the launcher process that started this rank (torchrun: " in err, err[-3000:]
     print(f"every rank and engine gone {seconds:.2f}s after the agent's SIGKILL")
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_torchrun_agent_stops_a_training_run_and_its_checkpoints(tmp_path, tiny_model_dir):
+    """train.py (2 colocated ranks: FSDP2 + an embedded engine each, the router on rank 0) saving after every
+    rollout: once a checkpoint is complete the agent is SIGKILLed. Every rank, engine and the router are gone
+    within seconds, nothing is written into --save afterwards, and what is there is complete or a .tmp."""
+    import json
+
+    from launcher_kill import kill_and_time_orphans, kill_tagged, launch, new_tag, tagged, wait_until
+
+    from miles.trainer.checkpoint import COMPLETE, latest_checkpoint
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"input": f"{i}+1=", "label": str(i + 1)}) + "\n" for i in range(8)))
+    ckpt, out = tmp_path / "ckpt", tmp_path / "run"
+    tag = new_tag()
+    job = launch(TORCHRUN + ["--standalone", "--nproc-per-node", "2", "train.py", "--colocate",
+                             "--actor-num-gpus-per-node", "2", "--num-gpus-per-node", "2",
+                             "--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(data), "--input-key", "input",
+                             "--label-key", "label", "--rm-type", "math", "--num-rollout", "1000",
+                             "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len",
+                             "2", "--save", str(ckpt), "--save-interval", "1", "--output-dir", str(out),
+                             "--no-progress"],
+                 job_env(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", WANDB_MODE="offline"), tag, tmp_path)
+    try:
+        wait_until(job, lambda: (ckpt / "step_00000000" / COMPLETE).exists() or job.proc.poll() is not None, 420,
+                   "the first complete checkpoint")
+        assert job.proc.poll() is None, f"train.py ended (exit {job.proc.returncode}) before the kill:\n{job.tail()}"
+        procs = tagged(tag)
+        ranks = [p for p in procs.values() if p.ppid == job.proc.pid]
+        engines = [p for p in procs.values() if " -m miles.engine " in p.cmdline]
+        assert len(ranks) == 2 and len(engines) == 2, procs
+        # torch's torch_shm_manager helper leaves by itself a few seconds after its clients are gone
+        seconds, _ = kill_and_time_orphans(job, job.proc.pid, 8.0)
+        job.proc.wait(timeout=10)
+    finally:
+        kill_tagged(tag)
+    ours = {k: t for k, t in job.gone_after.items() if not k.startswith("torch_shm_manag")}
+    assert max(ours.values()) < ORPHAN_BOUND_S, job.gone_after  # ranks, engines (and a router) themselves
+    listing = sorted(p.name for p in ckpt.iterdir())
+    time.sleep(2.0)
+    assert sorted(p.name for p in ckpt.iterdir()) == listing  # no orphan writes into --save
+    steps = [n for n in listing if n.startswith("step_")]
+    assert steps and all((ckpt / n / COMPLETE).is_file() for n in steps), listing
+    assert all(n.startswith(".tmp.step_") for n in listing if not n.startswith("step_")), listing
+    assert latest_checkpoint(ckpt) == ckpt / steps[-1]
+    err = job.stderr.read_text()
+    for r in range(2):
+        assert f"[miles r{r}] error: the launcher process that started this rank (torchrun: " in err, err[-3000:]
+    print(f"all gone {seconds:.2f}s after the agent's SIGKILL (last seen: {job.gone_after}); "
+          f"--save holds {listing}")

@@ -17,7 +17,7 @@ from miles.engine.testing import EngineProc
 def big(engine_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("engine_log") / "engine.log"
     e = EngineProc(engine_model, "--max-running-requests", "4", "--max-context-len", "4096",
-                   "--max-samples-per-request", "100000", "--max-queued-requests", "100000", log=log)
+                   "--max-samples-per-request", "100000", "--max-queued-requests", "100010", log=log)
     yield e
     e.stop()
 
@@ -106,9 +106,13 @@ def test_queue_bound_is_a_503_and_sigterm_exits_within_seconds_when_busy(engine_
     eng = EngineProc(engine_model, "--max-running-requests", "4", "--max-context-len", "256",
                      "--max-samples-per-request", "20000", "--max-queued-requests", "20000")
     try:
-        threading.Thread(target=lambda: requests.post(
-            eng.url + "/generate", json={"input_ids": [5, 6], "sampling_params": {"n": 20000, "max_new_tokens": 16}},
-            timeout=120), daemon=True).start()
+        def hold() -> None:
+            try:
+                requests.post(eng.url + "/generate", json={"input_ids": [5, 6], "sampling_params": {"n": 20000,
+                              "max_new_tokens": 16}}, timeout=120)
+            except requests.RequestException:
+                pass  # the engine goes away under it: expected
+        threading.Thread(target=hold, daemon=True).start()
         _wait(lambda: _load(eng)["num_waiting_reqs"] > 1000, 30, "the big request never queued")
         r = eng.post("/generate", {"input_ids": [5], "sampling_params": {"max_new_tokens": 1}})
         assert r.status_code == 503 and "--max-queued-requests" in r.json()["message"], r.text
