@@ -26,7 +26,7 @@ setup(
     extras_require={
         # SGLang pins its own torch + CUDA kernels: install it on GPU nodes only.
         "sglang": ["sglang>=0.5.0"],
-        "megatron": ["megatron-core>=0.16"],
+        "megatron": ["megatron-core==0.16.1"],
         "ft": ["torchft>=0.2.0", "nvidia-resiliency-ext>=0.4.1"],
         "wandb": ["wandb>=0.20"],
         "mpi": ["mpi4py>=4.0"],

@@ -115,10 +115,18 @@ def is_glu_fc1(name: str) -> bool:
     return name.endswith("mlp.linear_fc1.weight")
 
 
-def partition_dim(param: torch.Tensor) -> int | None:
-    """The TP split dim of a megatron-core parameter, None when replicated."""
-    if getattr(param, "tensor_model_parallel", False):
-        return int(param.partition_dim)
+_COLUMN = ("embedding.word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias",
+           "mlp.linear_fc1.weight")
+_ROW = ("linear_proj.weight", "mlp.linear_fc2.weight")
+
+
+def partition_dim(name: str) -> int | None:
+    """The TP split dim of a megatron-core parameter (by name: megatron-core only tags the ones it
+    initialised itself), None when replicated."""
+    if name.endswith(_COLUMN):
+        return 0
+    if name.endswith(_ROW):
+        return 1
     return None
 
 
@@ -165,7 +173,7 @@ def load_hf_into(model: torch.nn.Module, hf: dict[str, torch.Tensor], shape: Mod
     params = dict(model.named_parameters())
     full = hf_to_megatron(hf, shape, padded_vocab, list(params))
     for name, p in params.items():
-        piece = shard(name, full[name], partition_dim(p), tp_rank, tp_size)
+        piece = shard(name, full[name], partition_dim(name), tp_rank, tp_size)
         if tuple(piece.shape) != tuple(p.shape):
             raise ValueError(f"HF weight for {name}: shape {tuple(piece.shape)} does not fit the megatron "
                              f"parameter {tuple(p.shape)} (config.json and the weights disagree).")

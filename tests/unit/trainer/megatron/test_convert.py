@@ -7,7 +7,13 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from miles.trainer.megatron.convert import hf_to_megatron, megatron_to_hf, shard, unshard  # noqa: E402
+from miles.trainer.megatron.convert import (  # noqa: E402
+    hf_to_megatron,
+    megatron_to_hf,
+    partition_dim,
+    shard,
+    unshard,
+)
 from miles.trainer.megatron.model import ModelShape, padded_vocab_size  # noqa: E402
 
 
@@ -55,6 +61,7 @@ def test_round_trip_bitwise(family: str, tie: bool, tp: int) -> None:
     full = hf_to_megatron(hf, shape, padded, [n for n, _ in names])
     back: dict[str, torch.Tensor] = {}
     for name, dim in names:
+        assert partition_dim(name) == dim, name
         pieces = [shard(name, full[name], dim, r, tp) for r in range(tp)]
         if dim is not None and tp > 1:
             assert all(p.shape[dim] == full[name].shape[dim] // tp for p in pieces), name
@@ -82,3 +89,11 @@ def test_unsupported_family_is_one_line() -> None:
 
     with pytest.raises(ValueError, match="--train-backend fsdp"):
         ModelShape.from_hf_config(GPT2Config())
+
+
+def test_cpu_compat_refuses_other_versions(monkeypatch) -> None:
+    from miles.trainer.megatron import compat
+
+    monkeypatch.setattr(compat, "megatron_version", lambda: "0.19.2")
+    with pytest.raises(RuntimeError, match="megatron-core==0.16.1"):
+        compat.check_version()
