@@ -20,7 +20,16 @@ RENAMED: dict[str, tuple[str, bool]] = {
 }
 
 
+def _flags_given(argv: list[str]) -> set[str]:
+    return {a.partition("=")[0] for a in argv if a.startswith("--")}
+
+
 def apply_deprecations(argv: list[str]) -> list[str]:
+    given = _flags_given(argv)
+    for old, (new, accepted) in RENAMED.items():
+        if accepted and old in given and new in given:
+            raise ConfigError(f"{old} and {new} are the same flag ({old} is its old name) and both were given: "
+                              f"keep only {new}.")
     out: list[str] = []
     for arg in argv:
         name, eq, value = arg.partition("=")
