@@ -53,6 +53,26 @@ _JSON_FIELDS = [f.name for f in dataclasses.fields(Sample) if f.name not in _FLA
 _INT32_MAX = 2**31 - 1
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+# JSON fields whose type the decoder checks (a payload with a valid checksum can still be built wrong)
+_FIELD_TYPES: list[tuple[str, Any, str]] = [
+    ("group_index", _is_int, "an int"), ("index", _is_int, "an int"), ("rollout_id", _is_int, "an int"),
+    ("response_length", _is_int, "an int"),
+    ("weight_version", lambda v: v is None or _is_int(v), "an int or null"),
+    ("reward", lambda v: v is None or isinstance(v, int | float | dict), "a number, an object or null"),
+    ("response", lambda v: isinstance(v, str), "a string"),
+    ("prompt", lambda v: isinstance(v, str | list), "a string or a list of messages"),
+    ("metadata", lambda v: isinstance(v, dict), "an object"),
+]
+
+
 class SampleWireError(MilesError, ValueError):
     """A sample payload cannot be encoded or decoded; the message says what is wrong and where."""
 
@@ -153,8 +173,8 @@ def _read_header(data: bytes) -> tuple[dict[str, Any], int]:
         raise SampleWireError(f"truncated payload: the header claims {n} bytes but only {len(data) - 8} follow")
     try:
         header = json.loads(bytes(data[8:8 + n]).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SampleWireError(f"bad header: the safetensors header is not valid JSON ({e})") from e
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise SampleWireError(f"bad header: the safetensors header is not valid JSON ({type(e).__name__}: {e})") from e
     if not isinstance(header, dict) or not isinstance(header.get("__metadata__"), dict):
         raise SampleWireError("bad header: no __metadata__ object (not a miles sample payload)")
     return header, 8 + n
@@ -188,8 +208,8 @@ def decode_samples(data: bytes) -> list[Sample]:
         raise SampleWireError("checksum mismatch: the payload was corrupted in transit")
     try:
         records = json.loads(json_bytes.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SampleWireError(f"bad header: the samples JSON does not parse ({e})") from e
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise SampleWireError(f"bad header: the samples JSON does not parse ({type(e).__name__}: {e})") from e
     if not isinstance(records, list) or str(len(records)) != meta.get("count"):
         raise SampleWireError(f"length mismatch: header count {meta.get('count')} but "
                               f"{len(records) if isinstance(records, list) else 'no'} sample records")
@@ -232,6 +252,9 @@ def _build(i: int, rec: Any, flats: dict[str, list[torch.Tensor]]) -> Sample:
     missing = [k for k in [*_JSON_FIELDS, "has_loss_mask", "has_log_probs"] if k not in rec]
     if missing:
         raise SampleWireError(f"missing field: sample record {i} lacks {missing}")
+    for k, ok, want in _FIELD_TYPES:
+        if not ok(rec[k]):
+            raise SampleWireError(f"wrong type: sample record {i} field '{k}' is {rec[k]!r:.60}, expected {want}")
     kwargs = {k: rec[k] for k in _JSON_FIELDS}
     try:
         kwargs["status"] = SampleStatus(rec["status"])
