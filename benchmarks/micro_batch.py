@@ -22,11 +22,11 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _world import init_bench_world  # benchmarks/_world.py (the script's folder is on sys.path)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -75,21 +75,9 @@ def main() -> None:
                    help="Print a cProfile of one step of that configuration instead of the table.")
     a = p.parse_args()
 
-    from miles.utils.net import find_free_port
     from miles.utils.tiny_model import build_tiny_model
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(find_free_port()))
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    cuda = torch.cuda.is_available() and not a.cpu
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}") if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    group = dist.new_group(list(range(world)))
-    mesh = torch.distributed.device_mesh.DeviceMesh.from_group(group, device_type=device.type)
+    device, rank, world, group, mesh = init_bench_world(not a.cpu)
     model_dir = Path(tempfile.gettempdir()) / f"miles_bench_mb_h{a.hidden_size}_l{a.num_layers}"
     if rank == 0 and not (model_dir / "config.json").is_file():
         build_tiny_model(model_dir, hidden_size=a.hidden_size, num_layers=a.num_layers, num_heads=4, num_kv_heads=2)
@@ -123,7 +111,7 @@ def main() -> None:
         rows.append((name, tr.num_params, statistics.mean(times), min(times), m["loss"]))
         del tr
     if rank == 0 and rows:
-        dev = torch.cuda.get_device_name(device) if cuda else f"cpu ({os.cpu_count()} cores)"
+        dev = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
         print(f"{a.samples} samples/step, {world} rank(s), {dev}, torch {torch.__version__}, "
               f"{rows[0][1]:,} params, {a.steps} measured steps")
         print(f"{'configuration':<34} {'mean s/step':>12} {'best s/step':>12} {'loss':>10}")

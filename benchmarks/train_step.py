@@ -19,11 +19,11 @@ import os
 import statistics
 import sys
 import tempfile
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from _world import init_bench_world  # benchmarks/_world.py (the script's folder is on sys.path)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -61,21 +61,8 @@ def main() -> None:
     from miles.config import parse_args
     from miles.trainer.fsdp import FSDPTrainer
     from miles.types import Sample
-    from miles.utils.net import find_free_port
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(find_free_port()))
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    cuda = torch.cuda.is_available() and not a.tiny
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device(f"cuda:{local}") if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=10))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    group = dist.new_group(list(range(world)))
-    mesh = torch.distributed.device_mesh.DeviceMesh.from_group(group, device_type=device.type)
+    device, rank, world, group, mesh = init_bench_world(not a.tiny)
 
     model_dir = Path(a.model_dir or os.path.join(tempfile.gettempdir(), f"miles_bench_{'tiny' if a.tiny else 'qwen3_06b'}"))
     if rank == 0 and not (model_dir / "config.json").is_file():
@@ -110,12 +97,12 @@ def main() -> None:
     step = statistics.mean(m["step_time"] for m in runs)
     result = {
         "model": "tiny" if a.tiny else "qwen3-0.6b-shaped", "params": trainer.num_params, "gpus": world,
-        "device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
         "attention": trainer.model.lm.config._attn_implementation, "tokens_per_step": a.samples * a.seq_len,
         "step_time_s": round(step, 4), "tokens_per_s": round(tps, 1),
         "tflops_per_gpu_6N": round(6 * trainer.num_params * tps / world / 1e12, 1),
         "mfu": round(statistics.mean(m.get("mfu", 0.0) for m in runs), 4),
-        "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 1) if cuda else None,
+        "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 1) if device.type == "cuda" else None,
         "recompute": a.recompute, "loss_last": runs[-1]["loss"],
     }
     if rank == 0:
