@@ -33,6 +33,7 @@ from miles.rollout.generate import generate
 _FAULTS: list[dict] = json.loads(os.environ.get("MILES_FT_FAULTS", "[]"))
 _done: set[int] = set()
 _finished: dict[int, int] = {}
+_started: dict[int, int] = {}  # rollout id -> generate calls begun (in flight = started - finished)
 _killed_pid: dict[int, int] = {}  # fault index -> pid it signalled
 _client: list = []  # the rollout client, once seen (for retry counts from the sync hook)
 
@@ -64,11 +65,22 @@ def _inject(i: int, fault: dict, url: str, where: str, retries: int | None = Non
     _done.add(i)
     pid = engine_pid(url)
     if pid is None:
-        _record({"fault": fault, "url": url, "where": where, "error": "engine process not found"})
+        _record({"fault": fault, "index": i, "url": url, "where": where, "error": "engine process not found"})
         return
     os.kill(pid, getattr(signal, "SIG" + fault.get("signal", "KILL")))
     _killed_pid[i] = pid
-    _record({"fault": fault, "url": url, "engine_pid": pid, "where": where, "t": time.time(), "retries": retries})
+    _record({"fault": fault, "index": i, "url": url, "engine_pid": pid, "where": where, "t": time.time(),
+             "retries": retries})
+
+
+def _inject_timed(i: int, fault: dict, url: str, rollout_id: int, client) -> None:
+    """A timed fault fires only while rollout ``rollout_id`` still has requests in flight; a timer that fired
+    late (a loaded machine: the rollout is already over) re-arms the fault for the next rollout instead of
+    hitting the engine between rollouts."""
+    if _started.get(rollout_id, 0) <= _finished.get(rollout_id, 0):
+        _done.discard(i)
+        return
+    _inject(i, fault, url, f"rollout {rollout_id}", _retries(client))
 
 
 def _engine_urls(client) -> list[str]:
@@ -116,10 +128,10 @@ async def long_generate(args, sample, sampling_params):
             url, client, r = _engine_urls(args.client)[f["engine"]], args.client, sample.rollout_id
             # a thread timer, not loop.call_later: the driver's event loop is busy (training, weight sync)
             # between rollouts, and a late callback would hit the next rollout instead of this one
-            timer = threading.Timer(f["after_s"], lambda i=i, f=f, url=url, c=client, r=r:
-                                    _inject(i, f, url, f"rollout {r}", _retries(c)))
+            timer = threading.Timer(f["after_s"], _inject_timed, (i, f, url, r, client))
             timer.daemon = True
             timer.start()
+    _started[sample.rollout_id] = _started.get(sample.rollout_id, 0) + 1
     out = await generate(args.client, sample, {**sampling_params, "ignore_eos": True})
     prompt = sample.prompt if isinstance(sample.prompt, str) else json.dumps(sample.prompt)
     _record({"rollout_id": sample.rollout_id, "group": sample.group_index, "index": sample.index, "prompt": prompt,

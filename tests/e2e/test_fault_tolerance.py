@@ -32,10 +32,13 @@ def quickstart(tmp_path_factory) -> Path:
     return H.build_quickstart(tmp_path_factory.mktemp("ft_quickstart"))
 
 
-def _fault_time(faults: list[dict], where: str) -> float:
-    hit = [f for f in faults if f["where"].startswith(where)]
-    assert len(hit) == 1 and "error" not in hit[0], f"fault '{where}' not injected as planned: {faults}"
-    return hit[0]["t"]
+def _fault(faults: list[dict], index: int, where: str) -> dict:
+    """Fault ``index`` as injected; ``where`` is how its label starts (a timed fault whose timer fired after its
+    rollout was over moves to the next rollout, so its label names the rollout it really hit)."""
+    hit = [f for f in faults if f.get("index") == index]
+    assert len(hit) == 1 and "error" not in hit[0] and hit[0]["where"].startswith(where), \
+        f"fault {index} ('{where}...') not injected as planned: {faults}"
+    return hit[0]
 
 
 def test_engine_faults_run_completes_every_rollout_with_full_groups(quickstart, tmp_path):
@@ -61,9 +64,11 @@ def test_engine_faults_run_completes_every_rollout_with_full_groups(quickstart, 
     assert set(census) == expected, f"missing {sorted(expected - set(census))[:5]}, extra {sorted(set(census) - expected)[:5]}"
     assert max(census.values()) == 1, [k for k, v in census.items() if v > 1][:5]
     assert all(s["status"] == "truncated" and s["response_length"] == length for s in samples)
-    for r, where in ((1, "rollout 1"), (4, "rollout 4")):  # the faults hit while the rollout's requests ran
-        t = _fault_time(injected, where)
-        assert [s for s in samples if s["rollout_id"] == r and s["t"] > t], f"rollout {r} was over before its fault"
+    stop, in_sync_fault, kill = (_fault(injected, i, w) for i, w in ((0, "rollout "), (1, "weight sync v4"),
+                                                                      (2, "rollout ")))
+    for f in (stop, kill):  # the timed faults hit while their rollout's requests ran
+        r = int(f["where"].split()[1])
+        assert [s for s in samples if s["rollout_id"] == r and s["t"] > f["t"]], f"rollout {r} was over before {f}"
     rows = H.metrics(tmp_path)
     assert [m["rollout_id"] for m in rows] == list(range(num_rollout))
     assert all(m["rollout/num_groups"] == batch and m["rollout/generate_failures"] == 0 for m in rows), rows
@@ -73,7 +78,7 @@ def test_engine_faults_run_completes_every_rollout_with_full_groups(quickstart, 
     removed = [e for e in events if e["event"] == "removed"]
     recovered = [e for e in events if e["event"] == "recovered"]
     assert len(removed) == 3 and not [e for e in events if e["event"] == "given_up"], events
-    t_stop, t_sync, t_kill = (_fault_time(injected, w) for w in ("rollout 1", "weight sync v4", "rollout 4"))
+    t_stop, t_sync, t_kill = stop["t"], in_sync_fault["t"], kill["t"]
     hang, in_sync, killed = (min((e for e in removed if e["engine_id"] == eid and e["down_seen"] >= t - 1),
                                  key=lambda e: e["down_seen"])
                              for eid, t in ((0, t_stop), (1, t_sync), (0, t_kill)))
