@@ -24,6 +24,11 @@ async def run_job(cfg: MilesConfig, loop_cls: Any) -> None:
     from miles.run.liveness import Liveness, name_silent_ranks
     from miles.spmd import bootstrap
 
+    if cfg.train.train_env_vars:  # --train-env-vars: before torch.distributed and the first CUDA allocation
+        import os
+
+        os.environ.update(cfg.train.train_env_vars)
+        logger.info("--train-env-vars set %s", ", ".join(sorted(cfg.train.train_env_vars)))
     ctx = bootstrap(cfg)
     beat = Liveness.start(ctx.world.rank, ctx.world.world_size)  # after a timeout: which rank went silent
     job = await build_run(cfg, ctx)
@@ -76,8 +81,10 @@ def expected_world_size(cfg: MilesConfig) -> int:
 
 
 def dry_run(cfg: MilesConfig) -> str:
-    """Parse, validate, build the role plan and the derived values; the text to print. Starts nothing."""
+    """Parse, validate, build the role plan, run the start-up checks (``miles.run.preflight``: paths, plugins,
+    outputs, backend checks) and derive the run's values; the text to print. Starts nothing."""
     from miles.run.metrics import default_output_dir
+    from miles.run.preflight import preflight
     from miles.run.resolve import resolve_run
     from miles.spmd.roles import build_role_plan
     from miles.spmd.world import read_launch_env
@@ -85,14 +92,14 @@ def dry_run(cfg: MilesConfig) -> str:
     launch = read_launch_env()
     world_size = launch.world_size if launch.launcher != "single" else expected_world_size(cfg)
     plan = build_role_plan(cfg.cluster, world_size)
+    preflight(cfg, has_engines=bool(plan.engines))  # the checks the real start makes before loading anything
     num_prompts = None
     if cfg.data.prompt_data and cfg.train.hf_checkpoint:
-        from transformers import AutoTokenizer
+        from miles.rollout.rollout_fn import build_prompt_dataset
+        from miles.utils.model_dir import load_tokenizer
 
-        from miles.rollout.data import PromptDataset
-
-        tokenizer = AutoTokenizer.from_pretrained(cfg.train.hf_checkpoint)
-        num_prompts = len(PromptDataset(cfg.data.prompt_data, tokenizer, cfg.data, seed=cfg.rollout.rollout_seed))
+        tokenizer = load_tokenizer(cfg.train.hf_checkpoint, "--hf-checkpoint")
+        num_prompts = len(build_prompt_dataset(cfg.data, tokenizer, seed=cfg.rollout.rollout_seed))
     run_plan = None
     if cfg.data.num_rollout is not None or cfg.data.num_epoch is not None:
         run_plan = resolve_run(cfg, num_prompts=num_prompts, output_dir=str(default_output_dir(cfg.output)),

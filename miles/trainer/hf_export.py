@@ -29,7 +29,13 @@ _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json
 
 def checkpoint_dtype(hf_dir: str | Path) -> torch.dtype:
     """The dtype named in the checkpoint's config.json (``dtype`` or ``torch_dtype``), default bfloat16."""
-    cfg = json.loads((Path(hf_dir) / "config.json").read_text())
+    from miles.utils.model_dir import ModelDirError
+
+    try:
+        cfg = json.loads((Path(hf_dir) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ModelDirError(f"--hf-checkpoint {hf_dir}: config.json is unreadable ({type(e).__name__}: {e}); give a "
+                            "local HF model directory written by save_pretrained.") from None
     name = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
     dt = getattr(torch, str(name).replace("torch.", ""), None)
     return dt if isinstance(dt, torch.dtype) else torch.bfloat16

@@ -93,17 +93,21 @@ def choose_attention(device: torch.device, config) -> str:
     return "sdpa"
 
 
-def load_hf_model(path: str | Path, device: torch.device, *, causal_lm: bool = True) -> nn.Module:
-    """Load a local HF model on CPU in float32 (the master weights), with the trainer's attention."""
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+def load_hf_model(path: str | Path, device: torch.device, *, causal_lm: bool = True,
+                  flag: str | None = None) -> nn.Module:
+    """Load a local HF model on CPU in float32 (the master weights), with the trainer's attention.
+
+    The directory is checked first (``miles.utils.model_dir``): a missing path, a directory that is not a
+    model or a truncated safetensors file raises ``ModelDirError``, one line naming ``flag`` (the flag the
+    path came from, e.g. ``--ref-load``; "model directory" when not given), the path and the file."""
+    from transformers import AutoModel, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from miles.utils.model_dir import load_config
+
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"{path} is not a HF model directory (no config.json); point --hf-checkpoint / --ref-load / "
-                         "--critic-load / --opd-teacher-load at a local directory written by save_pretrained.")
+    config = load_config(path, flag)
     hf_logging.disable_progress_bar()
-    config = AutoConfig.from_pretrained(str(path))
     attn = choose_attention(device, config)
     cls = AutoModelForCausalLM if causal_lm else AutoModel
     model = cls.from_pretrained(str(path), dtype=torch.float32, attn_implementation=attn)

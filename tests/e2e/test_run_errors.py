@@ -3,12 +3,19 @@
 - bad data found by the driver during setup: every rank exits within seconds with the data error (the
   follower's message names the driver's failure) instead of waiting for a plan that never comes;
 - a failure at rollout 2: the other rank is told why (``abort``), exit codes are non-zero, and nothing
-  of rollouts 0-1 is lost: metrics.jsonl holds them and metrics.png is still written.
+  of rollouts 0-1 is lost: metrics.jsonl holds them and metrics.png is still written;
+- bad start-up inputs (``miles.run.preflight``): a missing, non-model or truncated ``--hf-checkpoint`` and a
+  plugin of the wrong shape end ``--dry-run`` with one line and exit code 2; a read-only ``--save`` ends a
+  real 2-rank start the same way on every rank, before the model is loaded or a rollout runs.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -106,3 +113,79 @@ def test_hung_trainer_rank_ends_job_naming_it(tmp_path: Path, tiny_model_dir: Pa
     assert ("collective on group" in line or "over group" in line) and "rank 1 stopped responding" in line, \
         H.tail(job.log)
     assert len(metrics(out)) >= 2  # the finished rollouts stay recorded
+
+
+# ---------------------------------------------------------------------------- start-up checks
+
+
+def _error_lines(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if ln.startswith("[miles") and "] error: " in ln]
+
+
+def _truncated_copy(model: Path, dst: Path) -> Path:
+    shutil.copytree(model, dst)
+    f = dst / "model.safetensors"
+    with open(f, "r+b") as fh:
+        fh.truncate(f.stat().st_size - 100)
+    return dst
+
+
+BAD_STARTS = {
+    "missing-model": (lambda m, t: ["--hf-checkpoint", str(t / "no_such_model")],
+                      "--hf-checkpoint {t}/no_such_model: no such directory"),
+    "not-a-model": (lambda m, t: ["--hf-checkpoint", str(t)], "--hf-checkpoint {t} is not a HF model directory"),
+    "truncated-weights": (lambda m, t: ["--hf-checkpoint", str(_truncated_copy(m, t / "trunc"))],
+                          "--hf-checkpoint {t}/trunc: model.safetensors is truncated"),
+    "sync-generate-plugin": (lambda m, t: ["--hf-checkpoint", str(m), "--custom-generate-function-path", "json.dumps"],
+                             "--custom-generate-function-path 'json.dumps'"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_STARTS))
+def test_dry_run_bad_start_input_is_one_line(tmp_path: Path, tiny_model_dir: Path, case: str):
+    flags, expected = BAD_STARTS[case]
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _rows(4)))
+    cmd = [sys.executable, "train.py", "--dry-run", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
+           "--num-gpus-per-node", "2", "--prompt-data", str(data), "--label-key", "response", "--rm-type", "math",
+           "--num-rollout", "1", "--rollout-batch-size", "2", "--output-dir", str(tmp_path / "out"),
+           *flags(tiny_model_dir, tmp_path)]
+    log = tmp_path / "run.log"
+    result = run(cmd, log, timeout=120)
+    text = log.read_text()
+    assert result.returncode == 2, tail(log)
+    assert "Traceback" not in text and "Repo id" not in text, tail(log)
+    assert [ln[:len("[miles] error: ")] for ln in _error_lines(text)] == ["[miles] error: "], tail(log)
+    assert expected.format(t=tmp_path) in _error_lines(text)[0], tail(log)
+
+
+def test_read_only_save_stops_a_real_start_before_the_first_rollout(tmp_path: Path, tiny_model_dir: Path):
+    """2 ranks under torchrun, --save on a read-only tmpfs: both ranks end (code 2) with the --save line in
+    seconds, before the model is loaded; nothing is trained, no rollout is recorded."""
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M,ro", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {r.stderr.strip()}")
+    try:
+        data = tmp_path / "sft.jsonl"
+        data.write_text("".join(json.dumps(row) + "\n" for row in _rows(4)))
+        out, log = tmp_path / "out", tmp_path / "run.log"
+        t0 = time.monotonic()
+        result = run(_cmd(tiny_model_dir, data, out, "--num-rollout", "2", "--save", str(mnt / "ckpt")), log,
+                     timeout=300)
+        elapsed = time.monotonic() - t0
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+    text = log.read_text()
+    assert result.returncode != 0, tail(log)
+    lines = {ln.split("]")[0] + "]": ln for ln in _error_lines(text)}
+    assert set(lines) == {"[miles r0]", "[miles r1]"}, tail(log)
+    assert f"--save {mnt / 'ckpt'}: cannot write there (its nearest existing parent {mnt})" in lines["[miles r0]"]
+    assert "Read-only file system" in lines["[miles r0]"], tail(log)
+    assert "the driver (rank 0) failed during setup: ConfigError: --save" in lines["[miles r1]"], tail(log)
+    assert "FSDP trainer ready" not in text and not (out / "metrics.jsonl").exists(), tail(log)
+    # the only traceback is torchrun's own report of a failed child (ChildFailedError), never a rank's
+    blocks = text.split("Traceback (most recent call last):")[1:]
+    assert all(b.lstrip().startswith("File") and "bin/torchrun" in b.splitlines()[1] for b in blocks), tail(log)
+    assert elapsed < 120, f"the start took {elapsed:.0f}s to fail"

@@ -66,7 +66,7 @@ def test_dry_run_text(tmp_path: Path, tiny_model_dir):
     p = tmp_path / "train.jsonl"
     p.write_text("\n".join(json.dumps({"input": f"{i}+1=", "label": str(i + 1)}) for i in range(10)) + "\n")
     cfg = parse_args(["--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(p), "--label-key", "label",
-                      "--num-epoch", "2", "--rollout-batch-size", "4", "--actor-num-gpus-per-node", "2",
+                      "--rm-type", "math", "--num-epoch", "2", "--rollout-batch-size", "4", "--actor-num-gpus-per-node", "2",
                       "--rollout-num-gpus", "2", "--num-gpus-per-node", "4", "--dry-run"])
     text = dry_run(cfg)
     assert "role plan: disaggregated, 4 rank(s)" in text and "engine_leader" in text
@@ -98,3 +98,52 @@ def test_max_weight_staleness_drops_old_groups():
     loop.max_staleness = None  # the default keeps everything, and still reports staleness
     kept, m = loop.score_async([list(g) for g in groups])
     assert len(kept) == 4 and "rollout/stale_dropped_groups" not in m
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_step_phases_add_up_to_the_step_time(tmp_path: Path, tiny_model_dir):
+    """A real run (train.py under torchrun: 1 trainer rank + 1 embedded engine, 3 rollouts): every record's
+    phases plus ``perf/other_time`` are its ``perf/step_time``, and the residual is small; the train and
+    weight-sync phases carry their parts (trainer rank 0's and the slowest rank's), which add up the same way."""
+    import os
+    import subprocess
+    import sys
+
+    from miles.run.metrics import OTHER_KEY, PHASE_PARTS, STEP_PHASES, read_metrics
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"input": f"{a}+{b}=", "label": str(a + b)}) + "\n"
+                            for a in range(5) for b in range(5)))
+    out = tmp_path / "run"
+    repo = Path(__file__).resolve().parents[3]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py",
+           "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
+           "--rollout-num-gpus-per-engine", "1", "--num-gpus-per-node", "2", "--hf-checkpoint", str(tiny_model_dir),
+           "--prompt-data", str(data), "--input-key", "input", "--label-key", "label", "--rm-type", "quickstart",
+           "--num-rollout", "3", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16",
+           "--rollout-max-response-len", "4", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "4096",
+           "--no-progress", "--output-dir", str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": str(repo)}
+    proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    recs = read_metrics(out / "metrics.jsonl")
+    assert len(recs) == 3
+    for r in recs:
+        phases = [k for k in STEP_PHASES if k in r]
+        assert {"perf/health_time", "perf/rollout_time", "perf/score_time", "perf/train_time",
+                "perf/update_weights_time"} <= set(phases), sorted(r)
+        assert sum(r[k] for k in phases) + r[OTHER_KEY] == pytest.approx(r["perf/step_time"], abs=1e-9)
+        # what no phase covers (the loop's own bookkeeping) is a small part of the step
+        assert -1e-3 <= r[OTHER_KEY] <= 0.05 * r["perf/step_time"] + 5e-3, (r[OTHER_KEY], r["perf/step_time"])
+        for phase, (parts, residual) in PHASE_PARTS.items():
+            assert all(k in r and r[k] >= 0 for k in parts), (phase, sorted(r))
+            assert sum(r[k] for k in parts) + r[residual] == pytest.approx(r[phase], abs=1e-9)
+            assert r[residual] >= -1e-3, (phase, r[residual])
+        # the train phase's residual: the command to the ranks and the gather of the trainer's phase times
+        assert r["perf/train/other_time"] <= 0.5 * r["perf/train_time"] + 5e-3, r
+        assert r["perf/train/fwd_bwd_time"] > 0 and r["perf/train/optimizer_time"] > 0
+        for part in ("data", "logprobs", "advantages", "fwd_bwd", "optimizer", "metrics"):   # one trainer rank
+            assert r[f"perf/train/{part}_time_max"] == r[f"perf/train/{part}_time"]
+    assert "run summary: 3 rollouts" in proc.stderr + proc.stdout

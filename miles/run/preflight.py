@@ -1,0 +1,283 @@
+"""Start-up checks shared by ``--dry-run`` and the real start: everything that can be checked without
+starting anything, so a dry run that passes starts, and a bad input fails within seconds, before the
+tokenizer, the data, the engines or the trainer are loaded.
+
+    preflight(cfg, has_engines=bool(plan.engines))   # ConfigError naming every problem found
+    register_backend_check("megatron", check)        # check(cfg, hf_config: dict | None), raises ConfigError
+
+Run by ``miles.run.entry.dry_run`` and, on the driver, by ``miles.run.build`` (its error reaches every rank
+with the plan broadcast). Checked:
+
+- model directories (``miles.utils.model_dir``): ``--hf-checkpoint`` (config.json with a ``model_type``
+  transformers reads, weights whose safetensors headers match the files' sizes, a tokenizer that loads),
+  ``--ref-load``, ``--critic-load``, ``--opd-teacher-load``;
+- ``--load`` holds a complete checkpoint; ``--prompt-data`` and every ``--eval-prompt-data`` file exist;
+- plugins (the ``module.function`` flags): they import and take the arguments they are called with; the
+  reward the run builds (``--rm-type`` known, ``--custom-rm-path``, ``--rm-url`` for ``remote_rm``) is
+  built here too, by the same ``Rewarder``;
+- ``--save``, ``--save-hf`` and ``--output-dir`` can be written (a probe file is created and removed in the
+  directory or its nearest existing parent; nothing else is created), and ``--save``'s filesystem has room
+  for one checkpoint: parameters (from the safetensors headers) x 4 bytes (fp32 weights), x 3 with the two
+  fp32 Adam moments unless ``--no-save-optim``, twice with a PPO critic;
+- checks a trainer backend registers for itself (e.g. model-shape flags against config.json).
+
+The save checks run on the driver only: ``--save`` must be one filesystem every trainer rank sees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from miles.config.base import ConfigError
+from miles.utils.errors import MilesError
+from miles.utils.logging import get_logger
+from miles.utils.model_dir import check_model_dir, load_config, load_tokenizer, num_params
+
+if TYPE_CHECKING:
+    from miles.config import MilesConfig
+
+logger = get_logger(__name__)
+
+BackendCheck = Callable[["MilesConfig", "dict[str, Any] | None"], None]
+_BACKEND_CHECKS: dict[str, list[BackendCheck | str]] = {"megatron": ["miles.trainer.megatron.options.preflight_check"]}
+
+# Miles's flags naming a ``module.function`` plugin (their config field names). Those with a known calling
+# convention are checked for it below; the others must import and be callable.
+PLUGIN_FIELDS = (
+    "custom_rm_path", "custom_generate_function_path", "dynamic_sampling_filter_path", "custom_loss_function_path",
+    "rollout_function_path", "eval_function_path", "custom_reward_post_process_path", "custom_tis_function_path",
+    "custom_pg_loss_reducer_function_path", "custom_convert_samples_to_train_data_path", "buffer_filter_path",
+    "rollout_sample_filter_path", "rollout_all_samples_process_path", "rollout_data_postprocess_path",
+    "custom_rollout_log_function_path", "custom_eval_rollout_log_function_path", "data_source_path",
+    "custom_async_data_buffer_path", "custom_update_weight_post_write_path", "custom_model_provider_path",
+    "custom_megatron_init_path", "custom_megatron_before_log_prob_hook_path",
+    "custom_megatron_before_train_step_hook_path", "custom_megatron_post_save_hook_path",
+    "session_sample_picker_path", "session_sample_postprocessor_path",
+)
+GENERATE_FORMS = ("async def generate(args, sample, sampling_params) -> Sample, or Miles's "
+                  "async def generate(input: GenerateFnInput) -> GenerateFnOutput")
+LOSS_FORMS = "def loss(inputs, algo) -> (per_token_loss, metrics)"
+POST_PROCESS_FORMS = "def post_process(args, samples) -> (raw_rewards, rewards)"
+FP32_BYTES = 4
+
+
+def register_backend_check(backend: str, check: BackendCheck | str) -> None:
+    """Run ``check(cfg, hf_config)`` in every preflight of ``--train-backend backend``.
+
+    ``hf_config`` is ``--hf-checkpoint``'s config.json as a dict (None without ``--hf-checkpoint``; a bad
+    one is reported on its own and the backend checks are skipped). ``check`` raises ``ConfigError``
+    naming the flag, its value and the fix (e.g. ``--num-layers 3, but config.json has num_hidden_layers 2``).
+    It may be given as a ``"module.function"`` string, imported only when that backend is checked.
+    """
+    checks = _BACKEND_CHECKS.setdefault(backend, [])
+    if check not in checks:
+        checks.append(check)
+
+
+def backend_checks(backend: str) -> list[BackendCheck]:
+    out = []
+    for check in _BACKEND_CHECKS.get(backend, []):
+        if isinstance(check, str):
+            module, _, name = check.rpartition(".")
+            check = getattr(importlib.import_module(module), name)
+        out.append(check)
+    return out
+
+
+def field_value(cfg: MilesConfig, name: str) -> Any:
+    """The value of config field ``name`` in whichever section holds it (None when no section has it)."""
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(section) and hasattr(section, name):
+            return getattr(section, name)
+    return None
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+# ----------------------------------------------------------------------------- paths
+def check_hf_checkpoint(path: str) -> Any:
+    """--hf-checkpoint: a model directory with a tokenizer; returns its transformers config."""
+    check_model_dir(path, "--hf-checkpoint", tokenizer=True)
+    config = load_config(path, "--hf-checkpoint", check=False)
+    load_tokenizer(path, "--hf-checkpoint", check=False)
+    return config
+
+
+def check_load(load: str) -> None:
+    from miles.trainer.checkpoint import list_checkpoints
+
+    if not Path(load).is_dir():
+        raise ConfigError(f"--load {load}: no such directory; point it at a --save directory of an earlier run, or "
+                          "drop --load to start from --hf-checkpoint.")
+    if not list_checkpoints(load):
+        raise ConfigError(f"--load {load}: no complete checkpoint (step_*/COMPLETE) found there; drop --load to start "
+                          "from --hf-checkpoint.")
+
+
+def check_data_file(path: str, flag: str) -> None:
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"{flag} {path}: no such file; give a JSONL or Parquet file of prompts.")
+    if not p.is_file():
+        raise ConfigError(f"{flag} {path} is a directory; give a JSONL or Parquet file of prompts.")
+
+
+def path_checks(cfg: MilesConfig) -> list[Callable[[], Any]]:
+    """One check per given model directory, --load and data file (each reports on its own)."""
+    from miles.rollout.data import parse_eval_prompt_data
+
+    checks: list[Callable[[], Any]] = []
+    for name in ("ref_load", "critic_load", "opd_teacher_load"):
+        path = field_value(cfg, name)
+        if path:
+            checks.append(lambda path=path, flag=_flag(name): check_model_dir(path, flag))
+    if cfg.checkpoint.load:
+        checks.append(lambda: check_load(cfg.checkpoint.load))
+    files = [("--prompt-data", cfg.data.prompt_data)] if cfg.data.prompt_data else []
+    files += [(f"--eval-prompt-data {n}", p) for n, p in parse_eval_prompt_data(cfg.eval.eval_prompt_data)]
+    checks += [lambda path=path, flag=flag: check_data_file(path, flag) for flag, path in files]
+    return checks
+
+
+# ----------------------------------------------------------------------------- plugins
+def check_plugin(name: str, path: str) -> None:
+    """Import the function of plugin flag ``name`` and check it takes what it will be passed."""
+    from miles.rollout.plugins import choose_arity, is_async, load_function
+
+    flag = _flag(name)
+    if name == "dynamic_sampling_filter_path":
+        from miles.rollout.filters import load_filter
+
+        load_filter(path)
+        return
+    fn = load_function(path, flag)
+    if name == "custom_generate_function_path":
+        choose_arity(fn, (1, 3), flag, path, GENERATE_FORMS)  # (args, sample, params) or Miles's (input)
+        if not is_async(fn):
+            raise ConfigError(f"{flag} {path!r} must be a coroutine function ({GENERATE_FORMS}).")
+    elif name == "custom_loss_function_path":
+        choose_arity(fn, (2,), flag, path, LOSS_FORMS)
+    elif name == "custom_reward_post_process_path":
+        choose_arity(fn, (2,), flag, path, POST_PROCESS_FORMS)
+
+
+def plugin_checks(cfg: MilesConfig, *, has_engines: bool) -> list[Callable[[], Any]]:
+    """The reward (built as the rollout manager builds it, when engines run or one is named), then each plugin."""
+    r = cfg.reward
+    checks: list[Callable[[], Any]] = []
+    if has_engines or r.rm_type or r.custom_rm_path:
+        from miles.rollout.rewards import Rewarder
+
+        checks.append(lambda: Rewarder(r))  # --rm-type known, --custom-rm-path imports with its signature, ...
+    for name in PLUGIN_FIELDS:
+        path = field_value(cfg, name)
+        if path and name != "custom_rm_path":
+            checks.append(lambda name=name, path=path: check_plugin(name, path))
+    return checks
+
+
+# ----------------------------------------------------------------------------- writable outputs
+def nearest_existing(path: Path) -> Path:
+    p = path.absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def check_writable(path: str | Path, flag: str) -> Path:
+    """Create and remove a probe file in ``path`` or its nearest existing parent; returns that directory."""
+    target = nearest_existing(Path(path))
+    if not target.is_dir():
+        raise ConfigError(f"{flag} {path}: {target} is a file, not a directory; give a directory path.")
+    probe = target / f".miles-write-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        where = "" if target == Path(path).absolute() else f" (its nearest existing parent {target})"
+        raise ConfigError(f"{flag} {path}: cannot write there{where}: {e.strerror or e}; give a directory this user "
+                          "can write (a writable, mounted filesystem), or fix its permissions.") from None
+    return target
+
+
+def checkpoint_bytes(cfg: MilesConfig) -> int | None:
+    """Estimated size of one --save checkpoint, or None when the parameter count is unknown."""
+    if not cfg.train.hf_checkpoint:
+        return None
+    n = num_params(cfg.train.hf_checkpoint)
+    if not n:
+        return None
+    per_model = n * FP32_BYTES * (1 if cfg.checkpoint.no_save_optim else 3)
+    critic = cfg.algo.advantage_estimator == "ppo" and cfg.algo.loss_type != "sft_loss"
+    return per_model * (2 if critic else 1)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"
+
+
+def check_save(cfg: MilesConfig, *, estimate: bool = True) -> None:
+    """--save writable with room for one checkpoint (when ``estimate``); --save-hf and --output-dir writable."""
+    from miles.run.metrics import default_output_dir
+
+    ck = cfg.checkpoint
+    if ck.save and not cfg.cluster.debug_rollout_only:  # without a trainer nothing is saved
+        target = check_writable(ck.save, "--save")
+        need = checkpoint_bytes(cfg) if estimate else None
+        if need is not None:
+            free = shutil.disk_usage(target).free
+            if free < need:
+                optim = "fp32 weights" if ck.no_save_optim else "fp32 weights + 2 fp32 Adam moments"
+                raise ConfigError(f"--save {ck.save}: one checkpoint needs about {_gib(need)} ({optim} of "
+                                  f"--hf-checkpoint's {num_params(cfg.train.hf_checkpoint):,} parameters), but "
+                                  f"{target} has {_gib(free)} free; free space there or point --save at a larger "
+                                  "filesystem.")
+    if ck.save_hf and not cfg.cluster.debug_rollout_only:
+        check_writable(ck.save_hf, "--save-hf")
+    check_writable(default_output_dir(cfg.output), "--output-dir")
+
+
+# ----------------------------------------------------------------------------- all of it
+def preflight(cfg: MilesConfig, *, has_engines: bool) -> None:
+    """Run every check; one ConfigError listing each problem (a single problem is raised as it is)."""
+    problems: list[Exception] = []
+
+    def attempt(fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except (ConfigError, MilesError) as e:
+            problems.append(e)
+            return None
+
+    hf = cfg.train.hf_checkpoint
+    hf_ok = not hf or attempt(lambda: check_hf_checkpoint(hf)) is not None
+    for check in (attempt(lambda: path_checks(cfg)) or []) + plugin_checks(cfg, has_engines=has_engines):
+        attempt(check)
+    attempt(lambda: check_save(cfg, estimate=hf_ok))  # the size estimate reads --hf-checkpoint's headers
+    if hf_ok:
+        config_dict = _config_dict(cfg.train.hf_checkpoint)
+        for check in backend_checks(cfg.train.train_backend):
+            attempt(lambda check=check: check(cfg, config_dict))
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        raise ConfigError(f"{len(problems)} problems found before starting: "
+                          + " ".join(f"({i}) {e}" for i, e in enumerate(problems, 1)))
+    logger.info("preflight passed: model directories, data files, plugins, outputs, backend checks")
+
+
+def _config_dict(hf_checkpoint: str | None) -> dict[str, Any] | None:
+    if not hf_checkpoint:
+        return None
+    return json.loads((Path(hf_checkpoint) / "config.json").read_text())
