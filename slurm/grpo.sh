@@ -6,8 +6,15 @@
 #   MILES_ARGS="--rollout-batch-size 32 --n-samples-per-prompt 8 --num-rollout 100" \
 #     sbatch --nodes 2 slurm/grpo.sh --save /ckpt/run1     # extra train.py flags after the script
 #
-# Edit the #SBATCH defaults below for your site; command-line sbatch options override them
-# (e.g. `sbatch --gpus-per-node=0 --ntasks-per-node=4 slurm/grpo.sh` on a CPU-only cluster).
+# Edit the #SBATCH defaults below for your site; command-line sbatch options override them. The defaults
+# (8 tasks x 8 CPUs, 8 GPUs per node) need a 64-CPU, 8-GPU node: a job asking for more than a node has
+# is not always refused, it can PEND FOREVER (squeue reason PartitionConfig or Resources). On a small or
+# CPU-only cluster override tasks, CPUs and GPUs, and ask Slurm first with --test-only (starts nothing):
+#   sbatch --test-only --ntasks-per-node=2 --cpus-per-task=1 --gpus-per-node=0 slurm/grpo.sh
+#   sbatch --ntasks-per-node=2 --cpus-per-task=1 --gpus-per-node=0 slurm/grpo.sh   # e.g. one 2-core node
+#   squeue --me -o "%i %T %r"           # why a job is pending; scancel <jobid> drops it
+# Submit from the miles checkout (or set MILES_HOME): its .venv (from `make setup`/`make demo`) is used when
+# there is one, so nothing needs to be activated.
 #SBATCH --job-name=miles-grpo
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=8
@@ -29,16 +36,32 @@
 #   COLOCATE=1       engines share the trainer's GPUs (--colocate)
 #   ENTRY            what every rank runs    [train.py]; e.g. ENTRY="-m miles.spmd.smoke" checks the
 #                    allocation (world, roles, collectives) in seconds
-#   PYTHON           interpreter             [python]
-#   MILES_HOME       the miles checkout      [$SLURM_SUBMIT_DIR]
+#   PYTHON           interpreter             [$MILES_HOME/.venv/bin/python if it exists, else python]
+#   MILES_HOME       the miles checkout      [$SLURM_SUBMIT_DIR, else the submitted script's checkout]
 #   QUICKSTART_DIR   where the quickstart model/data go [$MILES_HOME/outputs/quickstart]
 #   QUICKSTART_MODEL start GRPO from this model instead of the quickstart's SFT warm start
 #   MASTER_PORT      rendezvous port         [derived from the job id]
 #   SRUN_ARGS        more srun options (a string), e.g. "--mpi=pmix" or "--container-image=..."
 set -euo pipefail
 
-cd "${MILES_HOME:-${SLURM_SUBMIT_DIR:-$PWD}}"
-PYTHON=${PYTHON:-python}
+# ---------------------------------------------------------------- the checkout and its python
+fail() { echo "[grpo.sh] error: $*" >&2; exit 2; }
+HOME_DIR=${MILES_HOME:-${SLURM_SUBMIT_DIR:-$PWD}}
+cd "$HOME_DIR" 2>/dev/null || fail "cannot enter $HOME_DIR (MILES_HOME, else the submit directory)"
+if [ ! -f train.py ] && [ -z "${MILES_HOME:-}" ] && [ -n "${SLURM_JOB_ID:-}" ]; then
+  # submitted from elsewhere (sbatch ~/miles/slurm/grpo.sh): sbatch ran a copy; find the original's checkout
+  SUBMITTED=$(scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/.* Command=\([^ ]*\).*/\1/p' || true)
+  if [ -n "$SUBMITTED" ] && [ -f "$(dirname "$SUBMITTED")/../train.py" ]; then cd "$(dirname "$SUBMITTED")/.."; fi
+fi
+[ -f train.py ] || fail "$PWD is not a miles checkout (no train.py): run sbatch from the checkout or set MILES_HOME=/path/to/miles"
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x .venv/bin/python ]; then PYTHON=$PWD/.venv/bin/python; else PYTHON=python; fi
+fi
+case "$PYTHON" in /*) ;; */*) PYTHON=$PWD/$PYTHON ;; esac  # relative to the checkout
+# (run from / so that the checkout on sys.path does not hide a python without miles installed)
+MISSING=$(cd / && "$PYTHON" -c 'import importlib.util as u; print(" ".join(m for m in ("torch", "miles") if u.find_spec(m) is None))' 2>&1) \
+  || fail "PYTHON=$PYTHON does not run ($MISSING). Fix: make setup (creates $PWD/.venv), or set PYTHON=/path/to/python"
+[ -z "$MISSING" ] || fail "PYTHON=$PYTHON cannot import: $MISSING. Fix: make setup (creates $PWD/.venv, used by default), activate the environment miles is installed in, or set PYTHON=/path/to/python"
 ENTRY=${ENTRY:-train.py}
 LAUNCH=${LAUNCH:-srun}
 NNODES=${SLURM_NNODES:-1}

@@ -7,6 +7,9 @@ Everything that talks to an engine (SGLang or the embedded engine, same protocol
   errors, timeouts, 5xx and 429. Through the router a retry lands on another engine (the router picks);
   given several engine URLs directly, the client rotates among them and skips a failing one for a while.
   Each response carries ``resp["miles"]``: rid, the URL that served it, attempts, latency, errors seen.
+  ``abort(rid)`` / ``abort_all()`` also reach a request that is between attempts (in its retry backoff or
+  waiting for a concurrency slot): it wakes at once, sends no further attempt and answers like an
+  engine-side abort (``finish_reason.type == "abort"``), so the caller sees exactly one aborted answer.
 - ``EngineControl``: one engine's health, pause/continue, cache, memory and weight-update endpoints, used
   by the weight-sync and fault-tolerance planes.
 - ``SyncEngineControl`` / ``run_sync``: the same calls from plain threads, on one background event loop.
@@ -243,9 +246,11 @@ class EngineControl(_Http):
     async def update_weights_from_distributed(
         self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
         load_format: str | None = None, weight_version: str | int | None = None, flush_cache: bool = True,
-        timeout: float | None = None,
+        timeout: float | None = None, p2p_ranges: list[list[list[int]]] | None = None,
     ) -> Any:
-        """Returns after the engine received the broadcast(s): issue it concurrently with the trainer's."""
+        """Returns after the engine received the broadcast(s): issue it concurrently with the trainer's.
+        ``p2p_ranges`` (``--update-weight-transfer-mode p2p``, embedded engine only): per trainer rank, the byte
+        ranges of the flattened bucket it sends point to point."""
         if not (len(names) == len(dtypes) == len(shapes)):
             raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}")
         payload = {"names": list(names), "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
@@ -253,6 +258,8 @@ class EngineControl(_Http):
                    "load_format": load_format, "flush_cache": bool(flush_cache)}
         if weight_version is not None:
             payload["weight_version"] = str(weight_version)
+        if p2p_ranges is not None:
+            payload["p2p_ranges"] = p2p_ranges
         return await self._post("/update_weights_from_distributed", payload, timeout)
 
     async def update_weights_from_tensor(self, serialized_named_tensors: list[str], load_format: str | None = None,
@@ -306,11 +313,11 @@ class EngineClient(_Http):
         # the engines the caller lists; used to broadcast aborts.
         self.engine_urls: list[str] = [u.rstrip("/") for u in engine_urls] if engine_urls else (
             list(self.urls) if len(self.urls) > 1 else [])
-        self.stats = {"requests": 0, "retries": 0, "failed": 0}
+        self.stats = {"requests": 0, "retries": 0, "failed": 0, "aborted": 0}  # aborted: stopped between attempts
         self._rr = itertools.count()
         self._bad_until: dict[str, float] = {}
-        self._inflight: dict[str, tuple[str, str]] = {}  # rid -> (attempt rid, url)
-        self._aborted: set[str] = set()  # rids aborted while in flight: never retried
+        self._inflight: dict[str, tuple[str, str]] = {}  # rid -> (attempt rid, url) of the attempt on an engine
+        self._pending: dict[str, asyncio.Event] = {}  # rid -> set once aborted, for every generate() in progress
         self._sem: asyncio.Semaphore | None = None
         self._sem_loop: asyncio.AbstractEventLoop | None = None
 
@@ -362,45 +369,67 @@ class EngineClient(_Http):
         rid = rid or uuid.uuid4().hex
         payload: dict[str, Any] = {"input_ids": [int(t) for t in input_ids], "sampling_params": dict(sampling_params),
                                    "return_logprob": bool(return_logprob), **(extra or {})}
+        if rid in self._pending:
+            raise ValueError(f"generate: request id {rid!r} is already in progress on this client; rids must be unique")
+        aborted = self._pending[rid] = asyncio.Event()
         errors: list[str] = []
         url: str | None = None
         t0 = time.monotonic()
         self.stats["requests"] += 1
-        async with self._semaphore():
-            for attempt in range(self.max_retries + 1):
-                url = self._pick_url(avoid=url if errors else None)
-                attempt_rid = rid if attempt == 0 else f"{rid}-r{attempt}"
-                self._inflight[rid] = (attempt_rid, url)
-                try:
-                    resp = await self._request("POST", url, "/generate", {**payload, "rid": attempt_rid}, timeout)
-                except EngineError as e:
-                    errors.append(str(e))
-                    if e.retryable:
-                        self._bad_until[url] = time.monotonic() + self.cooldown
-                        if e.timed_out:
-                            await self._abort_quietly(url, attempt_rid)
-                    aborted = rid in self._aborted
-                    if not e.retryable or attempt == self.max_retries or aborted:
+        try:
+            async with self._semaphore():
+                for attempt in range(self.max_retries + 1):
+                    if aborted.is_set():  # aborted while waiting for a slot or in the backoff: no new attempt
+                        return self._aborted_answer(rid, len(input_ids), attempt, url, errors, t0)
+                    url = self._pick_url(avoid=url if errors else None)
+                    attempt_rid = rid if attempt == 0 else f"{rid}-r{attempt}"
+                    self._inflight[rid] = (attempt_rid, url)
+                    try:
+                        resp = await self._request("POST", url, "/generate", {**payload, "rid": attempt_rid}, timeout)
+                    except EngineError as e:
+                        errors.append(str(e))
+                        if e.retryable:
+                            self._bad_until[url] = time.monotonic() + self.cooldown
+                            if e.timed_out:
+                                await self._abort_quietly(url, attempt_rid)
+                        if e.retryable and aborted.is_set():  # the abort cut this attempt short: not a failure
+                            return self._aborted_answer(rid, len(input_ids), attempt + 1, url, errors, t0)
+                        if not e.retryable or attempt == self.max_retries:
+                            self.stats["failed"] += 1
+                            raise EngineError(url, "/generate", e.status,
+                                              f"request {rid} failed after {attempt + 1} attempt(s): "
+                                              + " | ".join(errors), timed_out=e.timed_out) from e
+                        self.stats["retries"] += 1
+                        logger.warning("generate %s: attempt %d failed, retrying: %s", rid, attempt + 1, e)
+                        delay = min(self.max_backoff, self.backoff * 2 ** attempt)
+                        try:  # the backoff ends early when the request is aborted
+                            await asyncio.wait_for(aborted.wait(), delay)
+                        except TimeoutError:
+                            pass
+                        continue
+                    finally:
+                        self._inflight.pop(rid, None)
+                    if not isinstance(resp, dict) or "meta_info" not in resp:
                         self.stats["failed"] += 1
-                        self._aborted.discard(rid)
-                        why = " (aborted, not retried)" if aborted and e.retryable else ""
-                        raise EngineError(url, "/generate", e.status,
-                                          f"request {rid} failed after {attempt + 1} attempt(s){why}: "
-                                          + " | ".join(errors), timed_out=e.timed_out) from e
-                    self.stats["retries"] += 1
-                    logger.warning("generate %s: attempt %d failed, retrying: %s", rid, attempt + 1, e)
-                    await asyncio.sleep(min(self.max_backoff, self.backoff * 2 ** attempt))
-                    continue
-                finally:
-                    self._inflight.pop(rid, None)
-                self._aborted.discard(rid)
-                if not isinstance(resp, dict) or "meta_info" not in resp:
-                    self.stats["failed"] += 1
-                    raise EngineError(url, "/generate", 200, f"malformed response for request {rid}: {str(resp)[:300]}")
-                resp["miles"] = {"rid": rid, "attempt_rid": attempt_rid, "url": url, "attempts": attempt + 1,
-                                 "latency_s": time.monotonic() - t0, "errors": errors}
-                return resp
-        raise AssertionError("unreachable")
+                        raise EngineError(url, "/generate", 200,
+                                          f"malformed response for request {rid}: {str(resp)[:300]}")
+                    resp["miles"] = {"rid": rid, "attempt_rid": attempt_rid, "url": url, "attempts": attempt + 1,
+                                     "latency_s": time.monotonic() - t0, "errors": errors}
+                    return resp
+                raise AssertionError("unreachable")
+        finally:
+            self._pending.pop(rid, None)
+
+    def _aborted_answer(self, rid: str, prompt_len: int, attempts: int, url: str | None, errors: list[str],
+                        t0: float) -> dict:
+        """What an engine answers for an aborted request, for one the client stopped between attempts."""
+        self.stats["aborted"] += 1
+        meta = {"id": rid, "finish_reason": {"type": "abort", "message": "aborted by the client before the request "
+                                             "could be sent again"}, "prompt_tokens": prompt_len,
+                "completion_tokens": 0, "cached_tokens": 0, "output_token_logprobs": []}
+        return {"text": "", "output_ids": [], "meta_info": meta,
+                "miles": {"rid": rid, "attempt_rid": None, "url": url, "attempts": attempts,
+                          "latency_s": time.monotonic() - t0, "errors": errors, "aborted_by_client": True}}
 
     async def _abort_quietly(self, url: str, rid: str) -> None:
         """Best effort: stop a timed-out attempt on its engine (through a router: on every known engine)."""
@@ -412,13 +441,21 @@ class EngineClient(_Http):
                 logger.debug("abort of timed-out %s on %s: %s", rid, target, e)
 
     async def abort(self, rid: str) -> bool:
-        """Abort a request by the rid given to ``generate``; True if some engine accepted the abort.
+        """Abort a request by the rid given to ``generate``; True if it was stopped here or an engine accepted it.
 
-        sglang-router does not route ``/abort_request`` (404): through a router the abort goes to every
-        URL in ``self.engine_urls`` (the engines behind it; keep the list current).
+        A request between attempts (retry backoff, waiting for a slot) returns at once as aborted, without
+        sending anything. One on an engine is aborted there; sglang-router does not route ``/abort_request``
+        (404), so through a router the abort goes to every URL in ``self.engine_urls`` (keep the list current).
         """
-        attempt_rid, url = self._inflight.get(rid, (rid, None))
-        self._aborted.add(rid)  # a request between attempts is not retried
+        pending = self._pending.get(rid)
+        if pending is not None:
+            pending.set()  # no further attempt; wakes a backoff
+        if rid not in self._inflight:
+            if pending is not None:
+                return True
+            attempt_rid, url = rid, None  # not ours (another client's request): ask the engines
+        else:
+            attempt_rid, url = self._inflight[rid]
         if self.engine_urls and (url is None or url not in self.engine_urls):
             targets = list(self.engine_urls)
         else:
@@ -430,7 +467,21 @@ class EngineClient(_Http):
                 ok = True
             except EngineError as e:
                 logger.debug("abort %s on %s: %s", rid, target, e)
-        return ok
+        return ok or pending is not None
+
+    async def abort_all(self) -> int:
+        """Abort every request of this client: those between attempts return at once as aborted, and every
+        engine reachable directly (``self.engine_urls``, or the URLs given) gets ``abort_all``. Returns the
+        number of this client's requests that were in progress."""
+        rids = list(self._pending)
+        for rid in rids:
+            self._pending[rid].set()
+        for target in self.engine_urls or self.urls:
+            try:
+                await self._request("POST", target, "/abort_request", {"abort_all": True}, timeout=10.0)
+            except EngineError as e:
+                logger.warning("abort_all on %s: %s", target, e)
+        return len(rids)
 
 
 # -- synchronous use from plain threads -------------------------------------------------------------

@@ -14,6 +14,12 @@ SIGKILL after ``ENGINE_GRACE_S``) and leaves with ``os._exit(EXIT_LAUNCHER_GONE)
 teardown, no waiting on peers. A checkpoint being written is left as its ``.tmp.`` directory, which is
 never renamed and which ``latest_checkpoint`` ignores (miles/trainer/checkpoint.py).
 
+A torchrun agent that itself runs under a launcher (``srun torchrun ...``: slurm/grpo.sh's
+``LAUNCH=torchrun``; or an MPI daemon) is the rank's parent, but nothing watches the agent: once its own
+launcher is gone (``slurmstepd`` SIGKILLed), the agent and its ranks would carry on. So a torchrun rank
+whose agent's parent is one of ``OUTER_LAUNCHERS`` also polls the agent's parent; when it changes, the
+rank sends the agent SIGTERM (so it restarts no workers and ends its others) and leaves as above.
+
 Why a poll and not ``PR_SET_PDEATHSIG`` on the rank: the kernel sends that signal when the *thread* that
 forked the rank exits, not its process, and by its default action the rank would die without stopping its
 engines. The engine children do use it (supervisor.py), because their forking thread is the supervisor's
@@ -27,6 +33,7 @@ train.py &``, or ``RANK``/``WORLD_SIZE`` set by a user) outlives its shell as it
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -37,6 +44,8 @@ POLL_S = 0.2
 ENGINE_GRACE_S = 1.0
 EXIT_LAUNCHER_GONE = 129  # 128 + SIGHUP: the process in charge of us went away
 WATCHED_LAUNCHERS = frozenset({"torchrun", "openmpi", "mpich", "pmix", "slurm"})
+# launcher processes a torchrun agent can run under (``comm``, at most 15 characters)
+OUTER_LAUNCHERS = frozenset({"slurmstepd", "orted", "prted", "hydra_pmi_proxy"})
 _ENV = "MILES_DIE_WITH_LAUNCHER"
 _started: threading.Thread | None = None
 
@@ -48,6 +57,16 @@ def process_name(pid: int) -> str:
             return f.read().strip() or "?"
     except OSError:
         return "?"
+
+
+def parent_of(pid: int) -> int | None:
+    """The parent pid of a process (None when it is gone or unreadable)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(")") + 2:].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def should_watch(env: dict[str, str] | None = None) -> bool:
@@ -71,14 +90,20 @@ def launcher_name(env: dict[str, str] | None = None) -> str:
         return "launcher"
 
 
-def _leave(parent: int, name: str) -> None:
+def _leave(parent: int, name: str, agent: int | None = None) -> None:
     from miles.spmd.errors import env_rank
 
     rank = env_rank()
     prefix = f"[miles r{rank}]" if rank is not None else "[miles]"
-    msg = (f"{prefix} error: the launcher process that started this rank ({name}, pid {parent}) is gone "
-           f"(now re-parented to pid {os.getppid()}); exiting, with its engine processes, so that nothing "
-           "keeps training or writing checkpoints. Relaunch the job to resume from its last complete checkpoint.\n")
+    if agent is None:
+        msg = (f"{prefix} error: the launcher process that started this rank ({name}, pid {parent}) is gone "
+               f"(now re-parented to pid {os.getppid()}); exiting, with its engine processes, so that nothing "
+               "keeps training or writing checkpoints. Relaunch the job to resume from its last complete checkpoint.\n")
+    else:
+        msg = (f"{prefix} error: the launcher process that started this rank's torchrun agent (pid {agent}) is gone "
+               f"({name}, pid {parent}); stopping the agent and exiting, with this rank's engine processes, so that "
+               "nothing keeps training or writing checkpoints. Relaunch the job to resume from its last complete "
+               "checkpoint.\n")
     backstop = threading.Timer(ENGINE_GRACE_S + 2.0, os._exit, (EXIT_LAUNCHER_GONE,))
     backstop.daemon = True
     backstop.start()  # nothing below (a log handler's lock, a dead pipe) may keep this rank alive
@@ -92,6 +117,11 @@ def _leave(parent: int, name: str) -> None:
         get_logger(__name__).error("%s", msg.strip())  # the rank's log file, where one is configured
     except Exception:  # noqa: BLE001 - nothing may keep this rank alive now
         pass
+    if agent is not None:
+        try:
+            os.kill(agent, signal.SIGTERM)  # torchrun then stops its other workers and restarts none
+        except OSError:
+            pass
     supervisor = sys.modules.get("miles.spmd.supervisor")
     if supervisor is not None:
         try:
@@ -101,10 +131,23 @@ def _leave(parent: int, name: str) -> None:
     os._exit(EXIT_LAUNCHER_GONE)
 
 
-def _watch(parent: int, name: str, poll: float) -> None:
+def _watch(parent: int, name: str, poll: float, outer: tuple[int, str] | None) -> None:
     while os.getppid() == parent:
+        if outer is not None and parent_of(parent) not in (outer[0], None):
+            _leave(outer[0], outer[1], agent=parent)
         time.sleep(poll)
     _leave(parent, name)
+
+
+def outer_launcher(agent: int, env: dict[str, str] | None = None) -> tuple[int, str] | None:
+    """(pid, description) of the launcher a torchrun rank's agent runs under, or None (see the docstring)."""
+    if launcher_name(env) != "torchrun":
+        return None
+    outer = parent_of(agent)
+    if outer is None or outer <= 1:
+        return None
+    comm = process_name(outer)
+    return (outer, f"torchrun under {comm}") if comm in OUTER_LAUNCHERS else None
 
 
 def watch_launcher(poll: float = POLL_S, env: dict[str, str] | None = None) -> threading.Thread | None:
@@ -116,6 +159,8 @@ def watch_launcher(poll: float = POLL_S, env: dict[str, str] | None = None) -> t
         return None
     parent = os.getppid()
     name = f"{launcher_name(env)}: {process_name(parent)}"
-    _started = threading.Thread(target=_watch, args=(parent, name, poll), name="miles-launcher-watch", daemon=True)
+    outer = outer_launcher(parent, env)
+    _started = threading.Thread(target=_watch, args=(parent, name, poll, outer), name="miles-launcher-watch",
+                                daemon=True)
     _started.start()
     return _started

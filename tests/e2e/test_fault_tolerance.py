@@ -84,9 +84,9 @@ def test_engine_faults_run_completes_every_rollout_with_full_groups(quickstart, 
                              for eid, t in ((0, t_stop), (1, t_sync), (0, t_kill)))
     hb = 0.5 + 2 + 2  # heartbeat period + lighthouse heartbeat timeout + join timeout (interval 1 s)
     # the hang is caught by the leader's probes (interval + timeout) and the quorum, or by the driver when
-    # the next weight sync reaches the stopped engine, whichever comes first (on a loaded 2-core box the
-    # probe thread itself can be late by seconds)
-    assert hang["removed"] - t_stop < 1 + 3 + hb + 4 + 10, (hang, t_stop)
+    # the next weight sync reaches the stopped engine, whichever comes first: FTTimings.hang_detection_bound
+    # (8.5 s) + 4 s slack; measured 3.5-5.3 s (docs/benchmarks.md)
+    assert hang["removed"] - t_stop < 1 + 3 + hb + 4, (hang, t_stop)
     assert "weight sync" in in_sync["reason"] and in_sync["removed"] - t_sync < 5
     assert killed["removed"] - t_kill < hb + 4
     # the first two outages are over before the run ends (an engine restarts in ~15 s here): their engines

@@ -162,7 +162,7 @@ def test_unreachable_engine_fails_within_bounds():
             return ei.value, time.monotonic() - t0, client.stats
     err, elapsed, stats = run(go())
     assert err.status is None and err.retryable and "after 3 attempt(s)" in str(err)
-    assert elapsed < 5 and stats == {"requests": 1, "retries": 2, "failed": 1}
+    assert elapsed < 5 and stats == {"requests": 1, "retries": 2, "failed": 1, "aborted": 0}
 
 
 def test_retry_rotates_to_another_engine(engine):
@@ -193,6 +193,92 @@ def test_abort_in_flight_request(engine):
     accepted, resp = run(go())
     assert accepted and resp["meta_info"]["finish_reason"]["type"] == "abort"
     assert len(resp["output_ids"]) < LONG["max_new_tokens"] and resp["miles"]["attempts"] == 1
+
+
+async def _until(cond, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not await cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+def test_abort_during_the_retry_backoff_returns_at_once_and_sends_nothing(engine):
+    """A request whose first attempt failed sleeps before its retry (30 s here): an abort then wakes it; it
+    answers as aborted (one answer, so the sample is neither lost nor generated twice) and never reaches
+    the engine."""
+    dead = dead_url()
+
+    async def go():
+        async with EngineClient([dead, engine], api_key=KEY, timeout=30, max_retries=2, backoff=30.0,
+                                max_backoff=30.0) as client, EngineControl(engine, api_key=KEY) as ctl:
+            tokens = (await ctl.get_load())["generated_tokens"]
+            task = asyncio.create_task(client.generate(PROMPT, GREEDY, rid="in-backoff"))  # first try: the dead URL
+
+            async def in_backoff():
+                return client.stats["retries"] == 1
+            await _until(in_backoff, "the first attempt to fail")
+            t0 = time.monotonic()
+            accepted = await client.abort("in-backoff")
+            resp = await asyncio.wait_for(task, 5.0)
+            woke = time.monotonic() - t0
+            await asyncio.sleep(0.3)
+            return accepted, resp, woke, (await ctl.get_load())["generated_tokens"] - tokens, dict(client.stats)
+    accepted, resp, woke, generated, stats = run(go())
+    assert accepted and woke < 1.0, woke
+    assert resp["meta_info"]["finish_reason"]["type"] == "abort" and resp["output_ids"] == []
+    assert resp["miles"]["attempts"] == 1 and resp["miles"]["aborted_by_client"] and dead in resp["miles"]["errors"][0]
+    assert generated == 0  # no retry was sent after the abort
+    assert stats == {"requests": 1, "retries": 1, "failed": 0, "aborted": 1}
+
+
+def test_abort_of_a_request_waiting_for_a_slot_never_sends_it(engine):
+    async def go():
+        async with EngineClient(engine, api_key=KEY, timeout=60, concurrency=1) as client, \
+                EngineControl(engine, api_key=KEY) as ctl:
+            first = asyncio.create_task(client.generate(PROMPT, LONG, rid="holds-the-slot"))
+
+            async def running():
+                return (await ctl.get_load())["num_running_reqs"] >= 1
+            await _until(running, "the first request to run")
+            queued = asyncio.create_task(client.generate(PROMPT, GREEDY, rid="queued"))
+            await asyncio.sleep(0.05)
+            assert await client.abort("queued")
+            await client.abort("holds-the-slot")
+            return await asyncio.wait_for(first, 10.0), await asyncio.wait_for(queued, 10.0)
+    first, queued = run(go())
+    assert first["miles"]["attempts"] == 1  # (it may have finished before its own abort)
+    assert queued["meta_info"]["finish_reason"]["type"] == "abort" and queued["output_ids"] == []
+    assert queued["miles"]["attempt_rid"] is None  # it never went out
+
+
+def test_abort_all_reaches_requests_in_flight_and_in_backoff(engine):
+    """``abort_all`` (what a rollout's end or a weight update's pause does to every request): the one decoding
+    on the engine and the one in its retry backoff both answer aborted, once each, without the backoff."""
+    dead = dead_url()
+
+    async def go():
+        async with EngineClient([dead, engine], api_key=KEY, timeout=60, max_retries=2, backoff=30.0,
+                                max_backoff=30.0, engine_urls=[engine]) as client, \
+                EngineControl(engine, api_key=KEY) as ctl:
+            backing_off = asyncio.create_task(client.generate(PROMPT, GREEDY, rid="backoff"))  # the dead URL first
+
+            async def failed_once():
+                return client.stats["retries"] == 1
+            await _until(failed_once, "the first attempt to fail")
+            decoding = asyncio.create_task(client.generate(PROMPT, LONG, rid="decoding"))  # the engine (rotation)
+
+            async def running():
+                return (await ctl.get_load())["num_running_reqs"] >= 1
+            await _until(running, "the second request to run")
+            t0 = time.monotonic()
+            n = await client.abort_all()
+            both = await asyncio.wait_for(asyncio.gather(backing_off, decoding), 5.0)
+            return n, both, time.monotonic() - t0
+    n, (backing_off, decoding), seconds = run(go())
+    assert n == 2 and seconds < 2.0, seconds
+    assert backing_off["meta_info"]["finish_reason"]["type"] == "abort" and backing_off["miles"]["aborted_by_client"]
+    assert decoding["meta_info"]["finish_reason"]["type"] == "abort" and decoding["miles"]["url"] == engine
+    assert 0 < len(decoding["output_ids"]) < LONG["max_new_tokens"] or decoding["output_ids"] == []
 
 
 # --- control calls ------------------------------------------------------------------------------------
