@@ -47,41 +47,72 @@ class FaultTolerantClient:
         self.inner, self.controller = inner, controller
         self.wait_budget = timings.first_wait + timings.hang_detection_bound + 30.0
         self.reissued = 0
+        self._current: dict[str, str] = {}  # rid -> the rid of its attempt in progress on ``inner``
+        self._aborted: dict[str, asyncio.Event] = {}  # rid -> set once aborted, for every generate() in progress
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
     async def generate(self, input_ids: Sequence[int], sampling_params: dict, return_logprob: bool = True,
                        rid: str | None = None, **kwargs: Any) -> dict:
-        deadline = time.monotonic() + self.wait_budget
+        t0 = time.monotonic()
+        deadline = t0 + self.wait_budget
+        aborted = asyncio.Event()
+        if rid is not None:
+            self._aborted[rid] = aborted
         k = 0
-        while True:
-            attempt_rid = rid if (rid is None or k == 0) else f"{rid}-ft{k}"
-            try:
-                resp = await self.inner.generate(input_ids, sampling_params, return_logprob=return_logprob,
-                                                 rid=attempt_rid, **kwargs)
-            except EngineError as e:
-                if not e.retryable:
-                    raise
-                self.controller.check()  # NoEnginesLeftError: the run stops, saying why
-                if time.monotonic() > deadline:
-                    raise EngineError(e.url, e.endpoint, e.status,
-                                      f"{e.message} -- and no engine came back within {self.wait_budget:.0f}s") from e
-                k += 1
-                self.reissued += 1
-                logger.warning("request %s failed on every retry (%s); re-issuing it once an engine is in rotation",
-                               rid, e.message[:200])
-                await self._wait_for_capacity(deadline)
-                continue
-            if k and isinstance(resp, dict) and isinstance(resp.get("miles"), dict):
-                resp["miles"]["attempts"] = int(resp["miles"].get("attempts", 1)) + k
-                resp["miles"]["rid"] = rid
-            return resp
+        try:
+            while True:
+                attempt_rid = rid if (rid is None or k == 0) else f"{rid}-ft{k}"
+                if rid is not None:
+                    self._current[rid] = attempt_rid
+                try:
+                    resp = await self.inner.generate(input_ids, sampling_params, return_logprob=return_logprob,
+                                                     rid=attempt_rid, **kwargs)
+                except EngineError as e:
+                    if not e.retryable:
+                        raise
+                    self.controller.check()  # NoEnginesLeftError: the run stops, saying why
+                    if time.monotonic() > deadline:
+                        raise EngineError(e.url, e.endpoint, e.status, f"{e.message} -- and no engine came back "
+                                          f"within {self.wait_budget:.0f}s") from e
+                    if not aborted.is_set():
+                        logger.warning("request %s failed on every retry (%s); re-issuing it once an engine is in "
+                                       "rotation", rid, e.message[:200])
+                        await self._wait_for_capacity(deadline, aborted)
+                    if aborted.is_set():  # aborted while it failed or waited for an engine: not sent again
+                        return self.inner._aborted_answer(rid, len(input_ids), k + 1, e.url, [str(e)], t0)
+                    k += 1
+                    self.reissued += 1
+                    continue
+                if k and isinstance(resp, dict) and isinstance(resp.get("miles"), dict):
+                    resp["miles"]["attempts"] = int(resp["miles"].get("attempts", 1)) + k
+                    resp["miles"]["rid"] = rid
+                return resp
+        finally:
+            if rid is not None:
+                self._aborted.pop(rid, None)
+                self._current.pop(rid, None)
 
-    async def _wait_for_capacity(self, deadline: float) -> None:
-        while not self.controller.healthy_engine_urls() and time.monotonic() < deadline:
+    async def abort(self, rid: str) -> bool:
+        """Abort by the caller's rid: the attempt in progress (its rid may be ``<rid>-ft<k>``) and any re-issue."""
+        event = self._aborted.get(rid)
+        if event is not None:
+            event.set()
+        return bool(await self.inner.abort(self._current.get(rid, rid))) or event is not None
+
+    async def abort_all(self) -> int:
+        for event in self._aborted.values():
+            event.set()
+        return await self.inner.abort_all()
+
+    async def _wait_for_capacity(self, deadline: float, aborted: asyncio.Event) -> None:
+        while not self.controller.healthy_engine_urls() and time.monotonic() < deadline and not aborted.is_set():
             self.controller.check()
-            await asyncio.sleep(0.2)
+            try:
+                await asyncio.wait_for(aborted.wait(), 0.2)
+            except TimeoutError:
+                pass
 
 
 class FaultTolerance:

@@ -78,3 +78,49 @@ def test_weight_cache_serves_only_the_last_complete_committed_sync():
     cache.commit(2)
     version, buckets = cache.snapshot()
     assert version == 2 and float(buckets[2][0][1][0]) == 12.0
+
+
+class _NoEngineInRotation:
+    """The recovery controller's two calls the client makes, while every engine is out of rotation."""
+
+    def healthy_engine_urls(self) -> list[str]:
+        return []
+
+    def check(self) -> None:
+        pass
+
+
+def test_abort_while_waiting_for_an_engine_returns_at_once_and_is_never_reissued():
+    """A request that failed every retry waits for an engine to come back; an abort by the caller's rid (the
+    rollout manager dropping a surplus group, a weight-sync pause) ends that wait at once without a re-issue."""
+    import asyncio
+    import socket
+    import time
+
+    from miles.ft.integration import FaultTolerantClient
+    from miles.ft.timing import ft_timings
+    from miles.rollout.client import EngineClient
+
+    with socket.socket() as s:  # a port nobody listens on: every attempt is a retryable connection error
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+
+    async def main() -> tuple[dict, float, FaultTolerantClient]:
+        inner = EngineClient([dead], max_retries=0, timeout=5.0)
+        ft = FaultTolerantClient(inner, _NoEngineInRotation(), ft_timings(_ft()))
+        task = asyncio.create_task(ft.generate([1, 2, 3], {"max_new_tokens": 4}, rid="g0-s0"))
+        while inner.stats["failed"] < 1:  # its only attempt failed: it now waits for an engine
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)
+        t = time.monotonic()
+        assert await ft.abort("g0-s0")
+        try:
+            resp = await asyncio.wait_for(task, 5.0)
+        finally:
+            await inner.close()
+        return resp, time.monotonic() - t, ft
+
+    resp, took, ft = asyncio.run(main())
+    assert resp["meta_info"]["finish_reason"]["type"] == "abort" and resp["miles"]["aborted_by_client"]
+    assert took < 1.0, took
+    assert ft.reissued == 0 and not ft._aborted and not ft._current
