@@ -115,14 +115,17 @@ def check_hf_checkpoint(path: str) -> Any:
 
 
 def check_load(load: str) -> None:
-    from miles.trainer.checkpoint import list_checkpoints
+    """--load: as in Miles, a directory not written yet (or empty) means a fresh start; what is there must load."""
+    from miles.trainer import miles_checkpoint
 
-    if not Path(load).is_dir():
-        raise ConfigError(f"--load {load}: no such directory; point it at a --save directory of an earlier run, or "
-                          "drop --load to start from --hf-checkpoint.")
-    if not list_checkpoints(load):
-        raise ConfigError(f"--load {load}: no complete checkpoint (step_*/COMPLETE) found there; drop --load to start "
-                          "from --hf-checkpoint.")
+    p = Path(load)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"--load {load} is a file; point it at a --save directory of an earlier run (or one a "
+                          "fresh run will save into).")
+    try:
+        miles_checkpoint.find(load)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_data_file(path: str, flag: str) -> None:

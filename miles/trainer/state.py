@@ -178,8 +178,14 @@ def resume_latest(trainer: FSDPTrainer) -> dict | None:
     flag, root = ("--load", ckpt.load) if ckpt.load else ("--save", ckpt.save)
     found = list_checkpoints(root) if root else []
     if not found:
-        if ckpt.load:
-            raise ValueError(f"--load {ckpt.load}: no complete checkpoint (step_*/COMPLETE) found there.")
+        from miles.trainer import miles_checkpoint
+
+        miles_ckpt = miles_checkpoint.find(root)
+        if miles_ckpt is not None:  # written by Miles's FSDP backend: resume from it
+            return miles_checkpoint.load(trainer, miles_ckpt)
+        if ckpt.load and trainer.rank == 0:  # Miles's meaning: a fresh run may name a --load not written yet
+            logger.warning("--load %s: no checkpoint there yet (no complete step_* nor Miles's %s); starting from "
+                           "--hf-checkpoint.", ckpt.load, miles_checkpoint.TRACKER)
         return None
     skipped: list[tuple[Path, str]] = []
     for _, path in reversed(found):

@@ -142,19 +142,31 @@ def test_good_model_dir_passes_and_counts_parameters(tiny_model_dir: Path):
 # ---------------------------------------------------------------------------- other paths
 def test_every_bad_path_is_named_at_once(tmp_path: Path, tiny_model_dir: Path):
     data = _data(tmp_path)
-    (tmp_path / "empty_ckpt").mkdir()
+    (tmp_path / "bad_ckpt").mkdir()
+    (tmp_path / "bad_ckpt" / "latest_checkpointed_iteration.txt").write_text("7")  # Miles's tracker, no iter_0000007
     cfg = _cfg(tiny_model_dir, data, "--ref-load", str(tmp_path / "no_ref"), "--critic-load", str(data),
-               "--load", str(tmp_path / "empty_ckpt"), "--eval-prompt-data", "ev", str(tmp_path / "no_eval.jsonl"),
+               "--load", str(tmp_path / "bad_ckpt"), "--eval-prompt-data", "ev", str(tmp_path / "no_eval.jsonl"),
                "--kl-coef", "0.1", "--advantage-estimator", "ppo")
     cfg.data.prompt_data = str(tmp_path / "no_train.jsonl")
     msg = _one_line_error(cfg)
     assert msg.startswith("5 problems found before starting"), msg
     for part in (f"--ref-load {tmp_path / 'no_ref'}: no such directory",
                  f"--critic-load {data} is a file, not a directory",
-                 f"--load {tmp_path / 'empty_ckpt'}: no complete checkpoint",
+                 f"--load {tmp_path / 'bad_ckpt'}: latest_checkpointed_iteration.txt names iter_0000007, which is "
+                 "missing",
                  f"--prompt-data {tmp_path / 'no_train.jsonl'}: no such file",
                  f"--eval-prompt-data ev {tmp_path / 'no_eval.jsonl'}: no such file"):
         assert part in msg, (part, msg)
+
+
+def test_a_load_not_written_yet_is_a_fresh_start_as_in_miles(tmp_path: Path, tiny_model_dir: Path):
+    """Miles's scripts pass ``--load $SAVE --save $SAVE`` on the first run too: an empty or missing --load passes."""
+    from miles.run.preflight import preflight
+
+    data = _data(tmp_path)
+    (tmp_path / "empty").mkdir()
+    for load in (tmp_path / "empty", tmp_path / "not_yet"):
+        preflight(_cfg(tiny_model_dir, data, "--load", str(load), "--save", str(load)), has_engines=False)
 
 
 # ---------------------------------------------------------------------------- plugins and rewards
