@@ -2,13 +2,15 @@
 
 CPU (2 trainer ranks under torchrun, FSDP2 on gloo, the real ``FSDPTrainer``; 2 embedded engines)::
 
-    python benchmarks/weight_sync.py cpu --sizes tiny,25m,100m --modes broadcast,tensor,disk-delta
+    python benchmarks/weight_sync.py cpu --sizes tiny,25m,100m --modes broadcast,p2p,tensor,disk-delta
+
+(``p2p``: every trainer rank sends its own shard to the engines, so its "gather" column is packing only.)
 
 GPU (2 GPUs: an FSDP2-sharded Qwen3-8B-shaped model, bf16, random init, trainer on cuda:0; the torch-only
 engine of ``benchmarks/weight_sync_engine.py`` on cuda:1 (broadcast, NCCL) and another on cuda:0
 (same-device CUDA-IPC hand-off))::
 
-    python benchmarks/weight_sync.py gpu --bucket-mib 512,1024,2048
+    python benchmarks/weight_sync.py gpu --bucket-mib 512,1024,2048 [--p2p]
 
 Printed per row: gather (trainer: FSDP2 all-gather + packing), transfer (bytes on the wire / handles),
 load (engine: received -> in its parameters), control (pause/begin/end/version/flush/continue), total
@@ -245,6 +247,15 @@ class _Source:
         return iter_full_params(self.model, group=self.group, device=self.device, bucket_bytes=bucket_bytes, dtype=dtype,
                                 name_fn=hf_name, timeout=300)
 
+    def iter_weight_shards(self, bucket_bytes, dtype):
+        import torch.distributed as dist
+
+        from miles.trainer.modeling import hf_name
+        from miles.weight_sync.p2p import iter_local_shards
+
+        return iter_local_shards(self.model, rank=dist.get_rank(self.group), world=dist.get_world_size(self.group),
+                                 bucket_bytes=bucket_bytes, dtype=dtype, device=self.device, name_fn=hf_name)
+
 
 def gpu_main(a: argparse.Namespace) -> None:
     import torch
@@ -315,6 +326,18 @@ def gpu_main(a: argparse.Namespace) -> None:
             print(lines[-1], flush=True)
             _verify(s, source, eng_b)
             s.close()
+        for mib in ([int(x) for x in a.bucket_mib.split(",")] if a.p2p else []):
+            # p2p from the one trainer rank: every byte is its own shard; the rows show its path's overhead
+            wcfg = dataclasses.replace(base, update_weight_buffer_size=mib << 20, update_weight_transfer_mode="p2p")
+            s = build_weight_sender(wcfg, source, is_source=True, engines=[eng_b], device=None if smoke else dev,
+                                    master_addr="127.0.0.1")
+            res = [s.sync() for _ in range(a.repeats + 1)][1:]
+            med = _median(res)
+            summary[f"p2p_{mib}MiB"] = med
+            lines.append(_row(f"p2p {mib}MiB", "qwen3-8b", med, raw_gbps))
+            print(lines[-1], flush=True)
+            _verify(s, source, eng_b)
+            s.close()
         wcfg = dataclasses.replace(base, update_weight_buffer_size=(int(a.bucket_mib.split(",")[0])) << 20,
                                    update_weight_transfer_mode="tensor")
         ts = build_weight_sender(wcfg, source, colocate=True, is_source=True, engines=[eng_t], device=None if smoke else dev)
@@ -362,7 +385,7 @@ def main() -> None:
     for name in ("cpu", "_cpu_worker"):
         p = sub.add_parser(name)
         p.add_argument("--sizes", default="tiny,25m,100m")
-        p.add_argument("--modes", default="broadcast,tensor,disk-delta")
+        p.add_argument("--modes", default="broadcast,p2p,tensor,disk-delta")
         p.add_argument("--repeats", type=int, default=3)
         p.add_argument("--work", default="/tmp/miles_bench_weight_sync")
     g = sub.add_parser("gpu")
@@ -371,6 +394,7 @@ def main() -> None:
     g.add_argument("--in-flight", default="1,2", help="Buckets awaiting the engine's answer (BroadcastSender max_in_flight).")
     g.add_argument("--work", default="/tmp/miles_bench_weight_sync_gpu")
     g.add_argument("--json", default=None)
+    g.add_argument("--p2p", action="store_true", help="Also time --update-weight-transfer-mode p2p at each bucket size.")
     g.add_argument("--cpu-smoke", action="store_true", help="Run the GPU flow on CPU with a small model (a dry run).")
     a = ap.parse_args()
     {"cpu": cpu_launch, "_cpu_worker": cpu_worker, "gpu": gpu_main}[a.cmd](a)

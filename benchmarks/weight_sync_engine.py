@@ -86,7 +86,8 @@ def build_app(eng: TorchEngine, timeout: float) -> web.Application:
         async with eng.lock:
             def go():
                 t0 = time.perf_counter()
-                named = eng.groups.receive(b["group_name"], b["names"], b["dtypes"], b["shapes"], b.get("load_format"))
+                named = eng.groups.receive(b["group_name"], b["names"], b["dtypes"], b["shapes"], b.get("load_format"),
+                                           b.get("p2p_ranges"))
                 if eng.device.type == "cuda":
                     torch.cuda.synchronize(eng.device)
                 return time.perf_counter() - t0, eng.load(named)

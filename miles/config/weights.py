@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+TRANSFER_MODES = ["broadcast", "p2p", "disk-delta", "tensor"]
+DELTA_CHECKSUMS = ["xxh3-128", "blake3", "adler32"]
+
 
 def _size(v: str) -> int:
     """Bytes, accepting 512MiB / 1GiB / 536870912."""
@@ -18,12 +21,16 @@ def _size(v: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     w = parser.add_argument_group("weight sync")
-    w.add_argument("--update-weight-transfer-mode", choices=["auto", "broadcast", "tensor", "disk-delta"], default="auto",
-                   help="auto: broadcast when disaggregated, tensor (same-device hand-off) when colocated.")
+    w.add_argument("--update-weight-transfer-mode", choices=TRANSFER_MODES, default="broadcast",
+                   help="broadcast: trainer rank 0 broadcasts each bucket to every engine (with --colocate: the "
+                        "same-device hand-off, as Miles). p2p: every trainer rank sends its own shard straight to the "
+                        "engines (no gather). disk-delta: versions on a shared filesystem. tensor: the same-device "
+                        "hand-off (needs --colocate).")
     w.add_argument("--update-weight-buffer-size", type=_size, default=512 << 20, help="Bucket size in bytes (e.g. 512MiB).")
     w.add_argument("--update-weight-disk-dir", type=str, default=None, help="Shared directory for disk-delta versions.")
     w.add_argument("--update-weight-delta-encoding", choices=["xor", "overwrite"], default="xor", help="Delta encoding.")
-    w.add_argument("--update-weight-delta-checksum", choices=["xxh3", "blake3"], default="xxh3", help="Per-tensor checksum.")
+    w.add_argument("--update-weight-delta-checksum", choices=DELTA_CHECKSUMS, default="xxh3-128",
+                   help="Per-tensor checksum of disk-delta versions: xxh3-128 (fast), blake3 (cryptographic), adler32.")
     w.add_argument("--update-weight-timeout", type=float, default=300.0, help="Seconds a whole weight sync may take.")
     w.add_argument("--update-weights-interval", type=int, default=1, help="Sync weights every N rollouts (async loop).")
     w.add_argument("--max-weight-staleness", type=int, default=None, help="Drop samples more than N versions old (async).")

@@ -7,7 +7,9 @@
   group. Rank = ``rank_offset`` (one worker per engine). Every step is bounded by a timeout.
 * ``/update_weights_from_distributed``: one broadcast per name (src 0, in ``names`` order), or with
   ``load_format="flattened_bucket"`` ONE uint8 broadcast of every tensor's bytes in order
-  (layout: ``miles.weight_sync.buckets``).
+  (layout: ``miles.weight_sync.buckets``). With ``p2p_ranges`` (``--update-weight-transfer-mode p2p``)
+  the same bucket arrives in pieces: group rank ``s`` (a trainer rank) sends the bytes of its ranges in one
+  point-to-point message; the ranges must tile the bucket exactly.
 * ``/update_weights_from_tensor``: SGLang's ``MultiprocessingSerializer`` payload: base64 of a
   ForkingPickler dump holding CUDA IPC handles (GPU) or shared-memory file names (CPU, ``file_system``
   sharing strategy). It is unpickled with an allow-list of torch rebuild functions only.
@@ -50,6 +52,7 @@ class WeightGroups:
         self.device = device
         self.groups: dict[str, Any] = {}
         self.locks: dict[str, threading.Lock] = {}
+        self.timeouts: dict[str, float] = {}
 
     def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                    group_name: str, backend: str, timeout_s: float) -> None:
@@ -84,6 +87,7 @@ class WeightGroups:
         _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
         self.groups[group_name] = pg
         self.locks[group_name] = threading.Lock()
+        self.timeouts[group_name] = float(timeout_s)
         if backend == "nccl":  # form the communicator now, bounded, instead of inside the first update
             self._broadcast(group_name, torch.zeros(1, dtype=torch.uint8, device=self.device), "warm-up")
         logger.info("joined weight-update group %s as rank %d of %d (%s)", group_name, rank_offset, world_size, backend)
@@ -91,6 +95,7 @@ class WeightGroups:
     def destroy_group(self, group_name: str) -> None:
         pg = self.groups.pop(group_name, None)
         self.locks.pop(group_name, None)
+        self.timeouts.pop(group_name, None)
         if pg is None:
             raise WeightUpdateError(f"no weight-update group {group_name!r} on this engine (known: {sorted(self.groups)})")
         try:
@@ -103,17 +108,70 @@ class WeightGroups:
         try:
             dist.broadcast(t, src=0, group=pg)
         except (RuntimeError, dist.DistError) as e:
-            self.groups.pop(group_name, None)
-            self.locks.pop(group_name, None)
-            try:
-                dist.destroy_process_group(pg)
-            except (RuntimeError, ValueError):
-                pass
+            self._drop_failed(group_name, pg)
             raise WeightUpdateError(f"weight-update group {group_name!r}: broadcast of {what} failed (the trainer died or "
                                     f"stalled past the group timeout); the group is dropped, re-init it: {e}") from e
 
+    def _drop_failed(self, group_name: str, pg: Any) -> None:
+        self.groups.pop(group_name, None)
+        self.locks.pop(group_name, None)
+        self.timeouts.pop(group_name, None)
+        try:
+            dist.destroy_process_group(pg)
+        except (RuntimeError, ValueError):
+            pass
+
+    def _receive_p2p(self, group_name: str, meta: list[dict[str, Any]], ranges: list[list[list[int]]]) -> torch.Tensor:
+        """Assemble one flattened bucket from the point-to-point pieces of trainer ranks ``0..len(ranges)-1``."""
+        pg = self.groups[group_name]
+        total = meta[-1]["end_idx"] if meta else 0
+        if not 0 < len(ranges) <= pg.rank():
+            raise WeightUpdateError(f"p2p_ranges names {len(ranges)} sending rank(s), but this engine is rank {pg.rank()} of "
+                                    f"{group_name!r}: the senders must be ranks 0..{pg.rank() - 1}")
+        pieces = []
+        for s, rs in enumerate(ranges):
+            if not isinstance(rs, list) or not all(isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r)
+                                                   for r in rs):
+                raise WeightUpdateError(f"p2p_ranges[{s}] must be a list of [start, end] byte offsets, got {str(rs)[:80]}")
+            pieces += [(a, b, s) for a, b in rs]
+        cursor = 0
+        for a, b, s in sorted(pieces):
+            if a != cursor or b <= a:
+                raise WeightUpdateError(f"p2p_ranges do not tile the bucket of {total} bytes: rank {s} sends [{a}, {b}) "
+                                        f"where byte {cursor} is next (a gap, an overlap or an empty range)")
+            cursor = b
+        if cursor != total:
+            raise WeightUpdateError(f"p2p_ranges cover {cursor} of the bucket's {total} bytes")
+        flat = torch.empty(total, dtype=torch.uint8, device=self.device)
+        recvs = []
+        try:
+            for s, rs in enumerate(ranges):
+                n = sum(b - a for a, b in rs)
+                if n == 0:
+                    continue
+                buf = flat[rs[0][0]:rs[0][1]] if len(rs) == 1 else torch.empty(n, dtype=torch.uint8, device=self.device)
+                recvs.append((s, rs, buf, dist.irecv(buf, group_src=s, group=pg)))
+            timeout = datetime.timedelta(seconds=self.timeouts.get(group_name, 300.0))
+            for s, _, buf, work in recvs:
+                if not work.wait(timeout):
+                    raise RuntimeError(f"receiving {buf.numel()} bytes from rank {s} timed out after {timeout}")
+        except (RuntimeError, dist.DistError) as e:
+            self._drop_failed(group_name, pg)
+            raise WeightUpdateError(f"weight-update group {group_name!r}: p2p receive of a bucket of {len(meta)} tensors "
+                                    f"failed (a trainer rank died or stalled past the timeout); the group is dropped, "
+                                    f"re-init it: {e}") from e
+        for _, rs, buf, _ in recvs:
+            if len(rs) > 1:
+                off = 0
+                for a, b in rs:
+                    flat[a:b].copy_(buf[off:off + b - a])
+                    off += b - a
+        if flat.is_cuda:
+            torch.cuda.current_stream(flat.device).synchronize()
+        return flat
+
     def receive(self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                load_format: str | None) -> list[tuple[str, torch.Tensor]]:
+                load_format: str | None, p2p_ranges: list[list[list[int]]] | None = None) -> list[tuple[str, torch.Tensor]]:
         """Join the trainer's broadcast(s) for one request (blocking); returns (name, tensor) on this device."""
         if group_name not in self.groups:
             raise WeightUpdateError(f"no weight-update group {group_name!r} on this engine (known: {sorted(self.groups)}); "
@@ -125,6 +183,11 @@ class WeightGroups:
         except ValueError as e:
             raise WeightUpdateError(str(e)) from None
         with self.locks[group_name]:
+            if p2p_ranges is not None and load_format != "flattened_bucket":
+                raise WeightUpdateError(f"p2p_ranges needs load_format 'flattened_bucket', got {load_format!r}")
+            if p2p_ranges is not None:
+                return unpack_bucket(self._receive_p2p(group_name, bucket_metadata(names, torch_dtypes, shapes), p2p_ranges),
+                                     bucket_metadata(names, torch_dtypes, shapes))
             if load_format == "flattened_bucket":
                 meta = bucket_metadata(names, torch_dtypes, shapes)
                 flat = torch.empty(meta[-1]["end_idx"] if meta else 0, dtype=torch.uint8, device=self.device)

@@ -38,7 +38,7 @@ from miles.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-MODES = ("broadcast", "tensor", "disk-delta")
+MODES = ("broadcast", "p2p", "disk-delta", "tensor")
 
 
 class WeightSyncError(MilesError):
@@ -294,14 +294,22 @@ def _default_control(engine: EngineTarget, timeout: float) -> Any:
 
 
 def resolve_mode(cfg: WeightSyncConfig, colocate: bool) -> str:
+    """The transport for ``--update-weight-transfer-mode``. Colocated, ``broadcast`` (Miles's default) is the
+    same-device hand-off: engine and trainer share each GPU, where NCCL cannot put two ranks (Miles, too,
+    hands colocated weights over by CUDA IPC whatever the mode says). ``p2p`` needs separate devices."""
     mode = cfg.update_weight_transfer_mode
-    if mode == "auto":
-        return "tensor" if colocate else "broadcast"
+    if mode not in MODES:
+        raise ConfigError(f"--update-weight-transfer-mode {mode!r} is not one of {', '.join(MODES)}")
+    if colocate and mode == "broadcast":
+        return "tensor"
+    if colocate and mode == "p2p":
+        raise ConfigError("--update-weight-transfer-mode p2p sends over a process group between separate devices and "
+                          "cannot be used with --colocate; drop the flag (colocated runs hand weights over in place)")
     return mode
 
 
 def build_weight_sender(cfg: WeightSyncConfig, source: WeightSource, *, colocate: bool = False, **kwargs: Any) -> WeightSender:
-    """The sender for ``--update-weight-transfer-mode`` (auto: tensor when colocated, else broadcast).
+    """The sender for ``--update-weight-transfer-mode`` (``resolve_mode``: colocated broadcast is ``tensor``).
 
     ``kwargs`` go to the sender's constructor (is_source, engines, dtype, device, ...).
     """
@@ -310,15 +318,17 @@ def build_weight_sender(cfg: WeightSyncConfig, source: WeightSource, *, colocate
         from miles.weight_sync.broadcast import BroadcastSender
 
         return BroadcastSender(cfg, source, **kwargs)
+    if mode == "p2p":
+        from miles.weight_sync.p2p import P2PSender
+
+        return P2PSender(cfg, source, **kwargs)
     if mode == "tensor":
         from miles.weight_sync.tensor import TensorSender
 
         return TensorSender(cfg, source, **kwargs)
-    if mode == "disk-delta":
-        if not cfg.update_weight_disk_dir:
-            raise ConfigError("--update-weight-transfer-mode disk-delta needs --update-weight-disk-dir "
-                              "(a directory every engine can read)")
-        from miles.weight_sync.disk_delta_sender import DiskDeltaSender
+    if not cfg.update_weight_disk_dir:
+        raise ConfigError("--update-weight-transfer-mode disk-delta needs --update-weight-disk-dir "
+                          "(a directory every engine can read)")
+    from miles.weight_sync.disk_delta_sender import DiskDeltaSender
 
-        return DiskDeltaSender(cfg, source, **kwargs)
-    raise ConfigError(f"--update-weight-transfer-mode {mode!r} is not one of auto, {', '.join(MODES)}")
+    return DiskDeltaSender(cfg, source, **kwargs)

@@ -72,6 +72,7 @@ class BroadcastSender(WeightSender):
     ``max_in_flight`` buckets may await their engines' answers (2: an engine loads bucket k while k+1 travels)."""
 
     mode = "broadcast"
+    num_sources = 1  # trainer ranks in the weight-update group (ranks 0..num_sources-1)
 
     def __init__(self, cfg, source, *, device: torch.device | str | None = None, master_addr: str | None = None,
                  store_port: int = 0, flatten: bool = True, max_in_flight: int = 2, **kwargs: Any) -> None:
@@ -126,18 +127,21 @@ class BroadcastSender(WeightSender):
                 except Exception as exc:  # noqa: BLE001 - a dead engine cannot confirm; nothing to undo
                     logger.warning("destroy_weights_update_group(%s) on %s: %s: %s", group.name, e.url, type(exc).__name__, exc)
 
-    def _form(self, engines: Sequence[EngineTarget]) -> WeightGroup:
+    def _form(self, engines: Sequence[EngineTarget], name: str | None = None) -> WeightGroup:
+        """Form a group of ``num_sources`` trainer ranks (this one is rank 0; ``p2p`` has the others join
+        on their own) and every engine worker, whose ranks follow."""
         if not engines:
             raise WeightSyncError("cannot form a weight-update group without engines")
         timeout = self.cfg.update_weight_timeout
         if self._store is None:
             self._store = host_store(self.store_port, timeout)
-        self._formations += 1
-        name = f"miles-weights-{self._formations}-{uuid.uuid4().hex[:8]}"
-        world = 1 + sum(e.num_workers for e in engines)
+        if name is None:
+            self._formations += 1
+            name = f"miles-weights-{self._formations}-{uuid.uuid4().hex[:8]}"
+        world = self.num_sources + sum(e.num_workers for e in engines)
         addr = self.master_addr or host_address()
         deadline = Deadline(timeout, f"forming weight-update group {name}")
-        offsets, off = [], 1
+        offsets, off = [], self.num_sources
         for e in engines:
             offsets.append(off)
             off += e.num_workers

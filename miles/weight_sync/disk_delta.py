@@ -18,7 +18,8 @@ a reader either sees a complete version or none)::
 - ``raw``: zstd(new bytes): a tensor that is new or changed shape/dtype against the base.
 - ``same``: unchanged, no file (frozen parameters cost nothing).
 
-Checksums (``xxh3``: xxh3-128; ``blake3``) cover the compressed delta file and the resulting tensor's
+Checksums (``--update-weight-delta-checksum``: ``xxh3-128``, ``blake3`` or ``adler32``; a manifest written
+before the rename says ``xxh3``, read as xxh3-128) cover the compressed delta file and the resulting tensor's
 bytes. :func:`apply_delta_dir` verifies every delta file before decoding anything, then decodes into new
 tensors and checks every result checksum (a wrong base shows up there), and only then returns; it
 never mutates ``current_state`` and never returns a partial result. Any problem raises
@@ -32,6 +33,7 @@ import json
 import os
 import shutil
 import uuid
+import zlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -50,7 +52,8 @@ FULL_MANIFEST = "full_manifest.json"
 FORMAT = "miles-disk-delta"
 FORMAT_VERSION = 1
 ENCODINGS = ("xor", "overwrite")
-CHECKSUMS = ("xxh3", "blake3")
+CHECKSUMS = ("xxh3-128", "blake3", "adler32")   # --update-weight-delta-checksum (Miles's names)
+_LEGACY_CHECKSUMS = ("xxh3",)                    # xxh3-128 as versions written before the rename name it
 ZSTD_LEVEL = 1
 MAX_SHARD_BYTES = 4 << 30
 _MODEL_DIR_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -70,14 +73,16 @@ def version_dir_name(version: int, kind: str) -> str:
 
 def checksum(data: Any, algo: str) -> str:
     """``"<algo>:<hex>"`` of a bytes-like object (bytes, memoryview, contiguous numpy array)."""
-    if algo == "xxh3":
+    if algo in ("xxh3-128", "xxh3"):
         import xxhash
 
-        return "xxh3:" + xxhash.xxh3_128_hexdigest(data)
+        return f"{algo}:" + xxhash.xxh3_128_hexdigest(data)
     if algo == "blake3":
         import blake3
 
         return "blake3:" + blake3.blake3(data).hexdigest()
+    if algo == "adler32":
+        return f"adler32:{zlib.adler32(memoryview(data).cast('B')) & 0xFFFFFFFF:08x}"
     raise ValueError(f"--update-weight-delta-checksum must be one of {CHECKSUMS}, got {algo!r}")
 
 
@@ -232,7 +237,7 @@ def write_version(
     *,
     baseline: dict[str, torch.Tensor] | None,
     encoding: str = "xor",
-    checksum: str = "xxh3",
+    checksum: str = "xxh3-128",
     base_version: int | None = None,
     model_dir: str | Path | None = None,
     stats: dict[str, Any] | None = None,
@@ -323,6 +328,8 @@ def apply_delta_dir(model_path: str | Path, current_state: dict[str, torch.Tenso
     if m.get("kind") != "delta":
         raise DeltaError(f"{path}: is a full version (no {DELTA_MANIFEST}); load it with read_full_dir / as a model dir")
     algo, version, base_version = m["checksum"], m["version"], m["base_version"]
+    if algo not in CHECKSUMS + _LEGACY_CHECKSUMS:
+        raise DeltaError(f"{path}: manifest checksum {algo!r} is not one of {CHECKSUMS}: written by a newer trainer?")
     if current_version is not None and int(current_version) != int(base_version):
         raise DeltaError(f"{path}: base version mismatch: delta v{version} applies to v{base_version}, but this engine holds "
                          f"v{current_version}; load a full version instead")

@@ -39,8 +39,9 @@ def run(tmp_path_factory) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("scenario", ["broadcast_flat", "broadcast_per_tensor", "tensor", "disk_full", "disk_delta",
-                                      "disk_corrupt_fallback", "after_restart", "sync_one"])
+@pytest.mark.parametrize("scenario", ["broadcast_flat", "broadcast_per_tensor", "p2p", "broadcast_after_p2p", "tensor",
+                                      "disk_full", "disk_delta", "disk_corrupt_fallback", "after_restart", "sync_one",
+                                      "p2p_after_restart", "p2p_full_buckets"])
 def test_every_mode_leaves_engines_bit_identical(run: dict, scenario: str) -> None:
     s = run["scenarios"][scenario]
     assert s["checked"] == NUM_TENSORS
@@ -76,3 +77,45 @@ def test_groups_reform_after_restart_and_version_is_current(run: dict) -> None:
     assert run["newcomer_version_before"] != run["expected_version"]
     assert run["versions_after_sync_one"] == [run["expected_version"]] * 2
     assert run["scenarios"]["sync_one"]["version"] == run["scenarios"]["after_restart"]["version"]
+
+
+def test_p2p_every_rank_sends_its_own_shard_and_engines_equal_broadcast(run: dict) -> None:
+    p2p = run["scenarios"]["p2p"]
+    sent = p2p["sent_per_rank"]
+    # no single-rank gather: both trainer ranks sent part of every engine's bytes, each byte exactly once
+    assert len(sent) == 2 and all(0 < s < p2p["bytes"] * 2 for s in sent)
+    assert sum(sent) == p2p["bytes"] * 2  # 2 engines
+    assert p2p["bytes"] == run["scenarios"]["broadcast_flat"]["bytes"]
+    d = run["p2p_digests"]
+    assert d["before"] != d["after_p2p"]  # the p2p sync moved new weights
+    assert d["after_p2p"] == d["after_broadcast"] and d["after_p2p"][0] == d["after_p2p"][1]
+    assert run["versions_after_p2p"] == [str(run["scenarios"]["broadcast_after_p2p"]["version"])] * 2
+
+
+def test_p2p_reforms_its_group_after_engines_restart(run: dict) -> None:
+    s = run["scenarios"]["p2p_after_restart"]
+    assert s["checked"] == NUM_TENSORS and s["group"] is not None
+    assert s["version"] == run["scenarios"]["sync_one"]["version"] + 1
+
+
+def test_p2p_stalled_engine_fails_every_trainer_rank_within_its_timeout(run: dict) -> None:
+    stall = run["p2p_stall"]
+    source, other = stall["per_rank"]
+    assert source["error"] is not None and "--update-weight-timeout=8" in source["error"]
+    assert stall["stalled_url"] in source["error"]
+    assert other["error"] is not None  # the other trainer rank learns of it too, and does not hang
+    assert source["elapsed_s"] < 8 + 5 and other["elapsed_s"] < 8 + 5
+
+
+def test_p2p_engine_refusal_ends_the_sync_on_every_rank_at_once(run: dict) -> None:
+    source, other = run["p2p_refused"]
+    assert source["error"] is not None and "do not tile" in source["error"]
+    assert other["error"] is not None
+    # the update timeout is 30 s: both ranks are out long before it (the refusers drop the group)
+    assert source["elapsed_s"] < 10 and other["elapsed_s"] < 10
+
+
+def test_p2p_from_full_buckets_spreads_the_sending_over_both_ranks(run: dict) -> None:
+    s = run["scenarios"]["p2p_full_buckets"]
+    assert len(s["sent_per_rank"]) == 2 and all(0 < x < s["bytes"] * 2 for x in s["sent_per_rank"])
+    assert sum(s["sent_per_rank"]) == s["bytes"] * 2

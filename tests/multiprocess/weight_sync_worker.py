@@ -65,6 +65,23 @@ def wait_healthy(target: EngineTarget, timeout: float = 120.0) -> None:
         time.sleep(0.3)
 
 
+def engine_digests(targets: list[EngineTarget], names: list[str]) -> list[str]:
+    """A digest of each engine's whole weights (every tensor through /get_weights_by_name)."""
+    import hashlib
+
+    out = []
+    for t in targets:
+        h = hashlib.sha256()
+        ctl = SyncEngineControl(t.url, timeout=30)
+        try:
+            for name in names:
+                h.update(json.dumps([name, ctl.get_weights_by_name(name, truncate_size=1 << 30)]).encode())
+        finally:
+            ctl.close()
+        out.append(h.hexdigest())
+    return out
+
+
 def version_of(target: EngineTarget) -> str:
     return str(call(target, "get_model_info")["weight_version"])
 
@@ -77,6 +94,12 @@ class StallingSource:
 
     def iter_weight_buckets(self, bucket_bytes, dtype):
         for i, bucket in enumerate(self.trainer.iter_weight_buckets(bucket_bytes, dtype)):
+            if i == self.at_bucket and self.sup is not None:
+                self.sup.kill(signal.SIGSTOP)
+            yield bucket
+
+    def iter_weight_shards(self, bucket_bytes, dtype):
+        for i, bucket in enumerate(self.trainer.iter_weight_shards(bucket_bytes, dtype)):
             if i == self.at_bucket and self.sup is not None:
                 self.sup.kill(signal.SIGSTOP)
             yield bucket
@@ -135,6 +158,30 @@ def main() -> None:
     version = r2.version
     if rank == 0:
         res["versions_after_broadcast"] = [version_of(t) for t in engines]
+
+    # 1b. p2p: each trainer rank sends its own FSDP2 rows straight to the engines (no gather); the engines
+    #     must end bitwise equal to the trainer, and to a broadcast re-send of the same state
+    from miles.trainer.modeling import hf_name
+
+    names = [hf_name(n) for n, _ in trainer.model.named_parameters()]
+    before_p2p = engine_digests(engines, names) if rank == 0 else None
+    perturb(trainer, 7, rank)
+    p2 = sender("p2p", initial_version=version)
+    p2.connect(engines)
+    r = p2.sync()
+    sent = [None] * dist.get_world_size()
+    dist.all_gather_object(sent, r.extra["sent_bytes"])
+    record("p2p", r, checked=p2.check(), sent_per_rank=sent)
+    after_p2p = engine_digests(engines, names) if rank == 0 else None
+    bc2 = sender("broadcast", initial_version=r.version)
+    bc2.connect(engines)
+    r = bc2.sync(bump_version=False)
+    record("broadcast_after_p2p", r, checked=bc2.check())
+    bc2.close()
+    version = r.version
+    if rank == 0:
+        res["p2p_digests"] = {"before": before_p2p, "after_p2p": after_p2p, "after_broadcast": engine_digests(engines, names)}
+        res["versions_after_p2p"] = [version_of(t) for t in engines]
 
     # 2. same-device hand-off (shared memory on CPU)
     perturb(trainer, 2, rank)
@@ -226,6 +273,73 @@ def main() -> None:
     if rank == 0:
         res["versions_after_sync_one"] = [version_of(t) for t in engines]
     stall.close()
+    # 7. p2p after both engines were restarted: its old group is gone on the engines; reconnect (source only,
+    #    as miles.ft does) and the next sync forms a new group on every trainer rank
+    perturb(trainer, 8, rank)
+    if rank == 0:
+        p2.reconnect(engines)
+    p2.weight_version = stall.weight_version  # the run's current version (this sender sat out scenarios 2-6)
+    r = p2.sync()
+    record("p2p_after_restart", r, checked=p2.check(), group=p2.group_name)
+    p2.close()
+    # 7a. p2p from a trainer that exposes only full buckets (as the Megatron backend): each rank sends its
+    #     dim-0 share of the gathered tensors
+    class FullOnly:
+        def iter_weight_buckets(self, bucket_bytes, dtype):
+            return trainer.iter_weight_buckets(bucket_bytes, dtype)
+
+    perturb(trainer, 11, rank)
+    p2f = sender("p2p", initial_version=p2.weight_version, source=FullOnly())
+    r = p2f.sync()
+    sent = [None] * dist.get_world_size()
+    dist.all_gather_object(sent, r.extra["sent_bytes"])
+    record("p2p_full_buckets", r, checked=p2f.check(), sent_per_rank=sent)
+    p2.weight_version = p2f.weight_version
+    p2f.close()
+    # 7b. p2p where the engines refuse a bucket (rank 1's ranges as the source posts them leave a gap): the
+    #     refusal ends the sync on BOTH trainer ranks at once, not when rank 1's sends time out
+    from miles.weight_sync import p2p as p2p_mod
+
+    real_plan = p2p_mod.plan_bucket
+
+    def gapped_plan(bucket, world):
+        plan = real_plan(bucket, world)
+        plan.ranges[1][0][0] += 1
+        return plan
+
+    if rank == 0:
+        p2p_mod.plan_bucket = gapped_plan
+    perturb(trainer, 10, rank)
+    p2r = sender("p2p", initial_version=p2.weight_version)
+    t0 = time.monotonic()
+    try:
+        p2r.sync()
+        outcome = {"error": None}
+    except WeightSyncError as e:
+        outcome = {"error": str(e), "elapsed_s": time.monotonic() - t0}
+    finally:
+        p2p_mod.plan_bucket = real_plan
+    outcomes = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, outcome)
+    res["p2p_refused"] = outcomes
+    p2r.close()
+    # 8. p2p with an engine that stalls (SIGSTOP) mid-sync: every trainer rank fails within the timeout
+    perturb(trainer, 9, rank)
+    p2s = sender("p2p", initial_version=p2.weight_version, cfg={"update_weight_timeout": 8.0},
+                 source=StallingSource(trainer, sups[0] if rank == 0 else None, at_bucket=2))
+    t0 = time.monotonic()
+    try:
+        p2s.sync()
+        outcome = {"error": None}
+    except WeightSyncError as e:
+        outcome = {"error": str(e), "elapsed_s": time.monotonic() - t0}
+    outcomes = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, outcome)
+    res["p2p_stall"] = {"per_rank": outcomes, "stalled_url": engines[0].url if engines else None}
+    if rank == 0:
+        sups[0].kill(signal.SIGKILL)
+        sups[0].kill(signal.SIGCONT)
+    p2s.close()
     if rank == 0:
         for s in sups:
             s.stop()

@@ -38,7 +38,7 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 @pytest.mark.parametrize("encoding", ["xor", "overwrite"])
-@pytest.mark.parametrize("algo", ["xxh3", "blake3"])
+@pytest.mark.parametrize("algo", ["xxh3-128", "blake3", "adler32"])  # Miles's --update-weight-delta-checksum names
 def test_chain_of_deltas_is_bit_exact(tmp_path: Path, encoding: str, algo: str) -> None:
     s0 = _state()
     full = write_version(tmp_path, 0, s0.items(), baseline=None, checksum=algo)
@@ -164,3 +164,48 @@ def test_bad_flags_are_named(tmp_path: Path) -> None:
         write_version(tmp_path, 1, [], baseline={}, encoding="diff")
     with pytest.raises(ValueError, match="--update-weight-delta-checksum"):
         write_version(tmp_path, 1, [], baseline={}, checksum="md5")
+    with pytest.raises(ValueError, match="--update-weight-delta-checksum"):  # the pre-rename name is read, not written
+        write_version(tmp_path, 1, [], baseline={}, checksum="xxh3")
+
+
+def test_checksum_flag_takes_miles_names_and_default() -> None:
+    from miles.config import parse_args
+
+    assert parse_args(["--hf-checkpoint", "x"], validate=False).weights.update_weight_delta_checksum == "xxh3-128"
+    for algo in ("xxh3-128", "blake3", "adler32"):
+        cfg = parse_args(["--hf-checkpoint", "x", "--update-weight-delta-checksum", algo], validate=False)
+        assert cfg.weights.update_weight_delta_checksum == algo
+
+
+def test_adler32_catches_a_flipped_byte(tmp_path: Path) -> None:
+    s0 = _state()
+    write_version(tmp_path, 0, s0.items(), baseline=None, checksum="adler32")
+    d = write_version(tmp_path, 1, _step(s0, 1).items(), baseline=s0, checksum="adler32")
+    m = json.loads((d / dd.DELTA_MANIFEST).read_text())
+    entry = next(e for e in m["tensors"] if e["name"] == "w")
+    assert entry["delta_checksum"].startswith("adler32:") and len(entry["delta_checksum"]) == len("adler32:") + 8
+    f = d / entry["file"]
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+    with pytest.raises(DeltaError, match="corrupted"):
+        apply_delta_dir(d, s0, current_version=0)
+
+
+def test_manifest_written_with_the_old_xxh3_name_still_applies(tmp_path: Path) -> None:
+    """Versions on disk from before the rename name xxh3-128 ``xxh3``; an engine still applies them."""
+    s0, s1 = _state(), _step(_state(), 1)
+    d = write_version(tmp_path, 1, s1.items(), baseline=s0, checksum="xxh3-128")
+    mf = d / dd.DELTA_MANIFEST
+    m = json.loads(mf.read_text())
+    m["checksum"] = "xxh3"
+    for e in m["tensors"]:
+        for k in ("delta_checksum", "result_checksum"):
+            if e.get(k):
+                e[k] = e[k].replace("xxh3-128:", "xxh3:")
+    mf.write_text(json.dumps(m))
+    assert _equal(apply_delta_dir(d, s0, current_version=0), s1)
+    m["checksum"] = "md5"
+    mf.write_text(json.dumps(m))
+    with pytest.raises(DeltaError, match="checksum 'md5'"):
+        apply_delta_dir(d, s0, current_version=0)

@@ -107,5 +107,5 @@ def test_factory_resolves_modes_and_rejects_bad_ones() -> None:
     assert build_weight_sender(cfg, None, colocate=True, is_source=True).mode == "tensor"
     with pytest.raises(ConfigError, match="--update-weight-disk-dir"):
         build_weight_sender(dataclasses.replace(cfg, update_weight_transfer_mode="disk-delta"), None, is_source=True)
-    with pytest.raises(ConfigError, match="'p2p' is not one of"):
-        build_weight_sender(dataclasses.replace(cfg, update_weight_transfer_mode="p2p"), None, is_source=True)
+    with pytest.raises(ConfigError, match="'rdma' is not one of"):
+        build_weight_sender(dataclasses.replace(cfg, update_weight_transfer_mode="rdma"), None, is_source=True)
