@@ -39,6 +39,13 @@ class Sample:
     status: SampleStatus = SampleStatus.PENDING
     metadata: dict[str, Any] = field(default_factory=dict)
 
+    Status = SampleStatus  # Miles's spelling: ``Sample.Status.ABORTED``
+
     @property
     def prompt_length(self) -> int:
         return len(self.tokens) - self.response_length
+
+    def get_reward_value(self, args: Any) -> Any:
+        """Miles's accessor: the reward, or its ``--reward-key`` entry when the reward is a dict."""
+        key = getattr(args, "reward_key", None)
+        return self.reward[key] if key and isinstance(self.reward, dict) else self.reward

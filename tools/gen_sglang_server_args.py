@@ -5,8 +5,11 @@
 
 SGLang is not installed here (it needs a GPU stack), so its ``server_args`` module is imported from the
 unpacked wheel with the heavy modules it imports only for runtime work replaced by empty stand-ins;
-``ServerArgs.add_cli_args`` then fills a plain parser and every action is written out. Miles v0.1.0 runs
-SGLang 0.5.16 (its Dockerfile's base image) with Miles's patches.
+``ServerArgs.add_cli_args`` then fills a plain parser and every action is written out: its option strings,
+dest, kind, nargs, type (the converter's name), default, choices, const (``nargs='?'``), deprecated (the
+replacement flag SGLang names) and help (first sentence). ``miles.config.sglang`` registers them as
+``--sglang-<flag>``. Miles v0.1.0 runs SGLang 0.5.16 (its Dockerfile's base image) rebuilt from Miles's
+``sglang-miles`` branch; flags only that branch has are not in the PyPI wheel, so not in this list.
 """
 
 from __future__ import annotations
@@ -72,6 +75,30 @@ def _kind(action: argparse.Action) -> str:
     return "store"
 
 
+def _short_help(text: str | None) -> str | None:
+    """The first sentence of an action's help (at most 200 characters), or None when hidden/absent."""
+    if not text or text == argparse.SUPPRESS:
+        return None
+    first = " ".join(text.split()).split(". ")[0].rstrip(".")
+    return first if len(first) <= 200 else first[:197] + "..."
+
+
+def _choices(a: argparse.Action):
+    if not a.choices or isinstance(a.choices, mock.MagicMock):
+        return None
+    values = list(a.choices)
+    if isinstance(a.choices, (set, frozenset)):  # a set's order changes between runs
+        values = sorted(values, key=str)
+    return _jsonable(values)
+
+
+def _deprecated(a: argparse.Action):
+    """SGLang's deprecated actions: the replacement flag they name, or True when they name none."""
+    if not type(a).__name__.startswith("Deprecated"):
+        return None
+    return getattr(a, "new_flag", None) or True
+
+
 def dump(sglang_dir: str, version: str) -> dict:
     sys.path.insert(0, sglang_dir)
     sys.meta_path.insert(0, _StubFinder())
@@ -85,13 +112,15 @@ def dump(sglang_dir: str, version: str) -> dict:
     for a in parser._actions:
         if not a.option_strings:
             continue
-        choices = [c for c in a.choices] if a.choices and not isinstance(a.choices, mock.MagicMock) else None
         args.append({
             "flags": list(a.option_strings), "dest": a.dest, "kind": _kind(a),
             "nargs": a.nargs if isinstance(a.nargs, (int, str)) else None,
             "type": getattr(a.type, "__name__", None) if a.type is not None else None,
             "default": _jsonable(a.default) if a.default is not argparse.SUPPRESS else None,
-            "choices": _jsonable(choices) if choices else None,
+            "choices": _choices(a),
+            "const": _jsonable(a.const) if a.nargs == "?" else None,
+            "deprecated": _deprecated(a),
+            "help": _short_help(a.help),
         })
     return {"source": f"sglang {version} (PyPI wheel), python/sglang/srt/server_args.py: ServerArgs.add_cli_args",
             "generated_by": "tools/gen_sglang_server_args.py", "args": args}

@@ -18,4 +18,4 @@ echo --hf-checkpoint "$MODEL" \
   --use-dynamic-batch-size --max-tokens-per-gpu 4096 \
   --eval-prompt-data quickstart "$DIR/eval.jsonl" --eval-interval 10 --eval-temperature 0 \
   --engine-max-running-requests 128 \
-  --run-name quickstart-grpo
+  --sglang-router-policy round_robin --use-tensorboard --run-name quickstart-grpo

@@ -27,18 +27,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--gamma", type=float, default=1.0, help="Discount (PPO/GAE, REINFORCE++).")
     a.add_argument("--lambd", type=float, default=1.0, help="GAE lambda.")
     a.add_argument("--normalize-advantages", action="store_true", help="Whiten advantages over the data-parallel batch.")
-    a.add_argument("--disable-grpo-std-normalization", action="store_true", help="GRPO: subtract the group mean only (Dr.GRPO).")
-    a.add_argument("--disable-rewards-normalization", action="store_true", help="Use raw rewards as returns.")
+    a.add_argument("--disable-grpo-std-normalization", dest="grpo_std_normalization", action="store_false",
+                   help="GRPO: subtract the group mean only (Dr.GRPO).")
+    a.add_argument("--disable-rewards-normalization", dest="rewards_normalization", action="store_false",
+                   help="Use raw rewards as returns.")
+    a.add_argument("--disable-compute-advantages-and-returns", dest="compute_advantages_and_returns", action="store_false",
+                   help="Do not compute advantages and returns (SFT or a custom loss that needs none).")
     a.add_argument("--calculate-per-token-loss", action="store_true", help="Average the loss over tokens, not sequences.")
     a.add_argument("--use-rollout-logprobs", action="store_true", help="Use the engine's log-probs as the old policy.")
     a.add_argument("--use-tis", action="store_true", help="Truncated importance sampling against rollout log-probs.")
     a.add_argument("--tis-clip", type=float, default=2.0, help="TIS upper clip.")
     a.add_argument("--tis-clip-low", type=float, default=0.0, help="TIS lower clip.")
+    a.add_argument("--custom-tis-function-path", type=str, default=None,
+                   help="module.function computing the TIS/RS weights (not supported: the built-in --use-tis weights only).")
     a.add_argument("--use-opd", action="store_true", help="On-policy distillation from a teacher.")
-    a.add_argument("--opd-type", choices=["model", "sglang"], default="model", help="Teacher: a model in the trainer, or engines.")
+    a.add_argument("--opd-type", choices=["model", "megatron", "sglang"], default=None,
+                   help="Teacher: in the trainer (megatron: Miles's name; model: this project's older name), or engines (sglang).")
     a.add_argument("--opd-kl-coef", type=float, default=1.0, help="Weight of the teacher reverse KL in the advantages.")
     a.add_argument("--opd-teacher-load", type=str, default=None, help="Teacher HF dir (--opd-type model).")
-    a.add_argument("--opd-teacher-urls", type=str, nargs="+", default=None, help="Teacher engine URLs (--opd-type sglang).")
+    a.add_argument("--opd-teacher-urls", type=str, nargs="+", default=None,
+                   help="--opd-type sglang: Miles's NAME=URL routing map (by metadata[--opd-teacher-key]; else --rm-url), "
+                        "or plain teacher engine URLs (this project's older form).")
+    a.add_argument("--opd-teacher-key", type=str, default="opd_teacher", help="Metadata key naming a sample's teacher.")
+    a.add_argument("--opd-teacher-ckpt-step", type=int, default=None, help="Megatron teacher checkpoint step (refused).")
+    a.add_argument("--opd-log-prob-top-k", type=int, default=0, help="Top-k OPD (0: sampled-token OPD; >0 refused).")
+    a.add_argument("--opd-top-k-strategy", choices=["only-student", "only-teacher", "intersection", "union", "xor"],
+                   default="only-student", help="Token set of top-k OPD.")
+    a.add_argument("--opd-reward-weight-mode", choices=["student_p", "teacher_p", "none"], default="student_p",
+                   help="Weights of top-k OPD token rewards.")
+    a.add_argument("--opd-topk-per-position", action="store_true", help="Per-position token ids for top-k OPD.")
 
 
 @dataclass(kw_only=True)
@@ -58,15 +75,28 @@ class AlgoConfig:
     gamma: float
     lambd: float
     normalize_advantages: bool
-    disable_grpo_std_normalization: bool
-    disable_rewards_normalization: bool
+    grpo_std_normalization: bool
+    rewards_normalization: bool
+    compute_advantages_and_returns: bool
     calculate_per_token_loss: bool
     use_rollout_logprobs: bool
     use_tis: bool
     tis_clip: float
     tis_clip_low: float
+    custom_tis_function_path: str | None
     use_opd: bool
-    opd_type: str
+    opd_type: str | None
     opd_kl_coef: float
     opd_teacher_load: str | None
     opd_teacher_urls: list[str] | None
+    opd_teacher_key: str
+    opd_teacher_ckpt_step: int | None
+    opd_log_prob_top_k: int
+    opd_top_k_strategy: str
+    opd_reward_weight_mode: str
+    opd_topk_per_position: bool
+
+    @property
+    def opd_teacher_in_trainer(self) -> bool:
+        """``--opd-type megatron`` (Miles's name) or ``model``: the teacher is forwarded by the trainer."""
+        return self.use_opd and self.opd_type in ("model", "megatron")

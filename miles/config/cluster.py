@@ -17,13 +17,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-gpus-per-node", type=int, default=8, help="GPUs (CPU: rank slots) per node of the job.")
     g.add_argument("--colocate", action="store_true", help="Engines share the trainer's GPUs (offloading between phases).")
     g.add_argument("--offload", action="store_true", help="Offload both trainer and engines between phases (colocated).")
-    g.add_argument("--offload-train", action="store_true", default=None, help="Offload trainer state while generating.")
-    g.add_argument("--offload-rollout", action="store_true", default=None, help="Release engine memory while training.")
+    g.add_argument("--offload-train", action=argparse.BooleanOptionalAction, default=None,
+                   help="Offload trainer state while generating (default: on with --colocate or --offload).")
+    g.add_argument("--offload-rollout", action=argparse.BooleanOptionalAction, default=None,
+                   help="Release engine memory while training (default: on with --colocate or --offload).")
     g.add_argument("--debug-train-only", action="store_true", help="Only the trainer: no engines.")
     g.add_argument("--debug-rollout-only", action="store_true", help="Only rollout engines: no trainer.")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10, help="Timeout of every collective.")
-    g.add_argument("--distributed-backend", choices=["auto", "nccl", "gloo"], default="auto",
-                   help="Backend of trainer collectives: auto = nccl with GPUs, gloo on CPU.")
+    g.add_argument("--distributed-backend", choices=["nccl", "gloo", "auto"], default="nccl",
+                   help="Backend of trainer collectives. A rank on CPU has no NCCL and uses gloo (logged); "
+                        "auto: nccl on GPU, gloo on CPU.")
     g.add_argument("--master-addr", type=str, default=None, help="Rendezvous host when the launcher gives none.")
     g.add_argument("--master-port", type=int, default=None, help="Rendezvous port when the launcher gives none.")
     g.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda when GPUs are visible.")

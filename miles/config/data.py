@@ -3,7 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass
+
+
+def json_object(value: str) -> dict:
+    """A flag value that must be a JSON object (Miles parses these flags with json.loads)."""
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r} ({e.msg})") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
+    return parsed
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -13,7 +25,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--label-key", type=str, default=None, help="Field holding the label for the reward.")
     d.add_argument("--metadata-key", type=str, default="metadata", help="Field holding per-sample metadata.")
     d.add_argument("--tool-key", type=str, default="tools", help="Field holding tool specs.")
+    d.add_argument("--multimodal-keys", type=json_object, default=None,
+                   help='JSON map of media type to field, e.g. \'{"image": "images"}\' (not supported: text prompts only).')
     d.add_argument("--apply-chat-template", action="store_true", help="Apply the tokenizer's chat template (never implied).")
+    d.add_argument("--apply-chat-template-kwargs", type=json_object, default={},
+                   help='JSON object of extra chat-template arguments, e.g. \'{"enable_thinking": false}\'.')
     d.add_argument("--rollout-shuffle", action="store_true", help="Shuffle prompts each epoch.")
     d.add_argument("--rollout-max-prompt-len", type=int, default=None, help="Drop prompts longer than this (tokens).")
     d.add_argument("--rollout-max-prompt-bytes", type=int, default=8 * 1024 * 1024,
@@ -27,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--over-sampling-batch-size", type=int, default=None, help="Prompts in flight for dynamic sampling.")
     d.add_argument("--dynamic-sampling-filter-path", type=str, default=None, help="module.function keeping a group.")
     d.add_argument("--custom-generate-function-path", type=str, default=None, help="module.function generating one sample.")
+    d.add_argument("--rollout-function-path", type=str, default=None,
+                   help="module.function generating a whole rollout: fn(args, rollout_id, data_source, evaluation=False).")
+    d.add_argument("--fully-async", action="store_true", help="Fully async rollout (train_async.py): keep generating while training.")
 
     r = parser.add_argument_group("reward")
     r.add_argument("--rm-type", type=str, default=None, help="Built-in reward: exact_match, math, quickstart, remote_rm.")
@@ -36,13 +55,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--reward-key", type=str, default=None, help="Key to pick from dict-valued rewards.")
     r.add_argument("--rm-timeout", type=float, default=60.0, help="Seconds per --rm-url request (remote_rm).")
     r.add_argument("--rm-max-retries", type=int, default=3, help="Retries of a failed --rm-url request.")
+    r.add_argument("--custom-config-path", type=str, default=None,
+                   help="YAML mapping (a file, or base64:PAYLOAD): keys naming a flag set that flag (over the command "
+                        "line, logged); other keys are read by plugins as args.KEY.")
+    r.add_argument("--custom-reward-post-process-path", type=str, default=None,
+                   help="module.function(args, samples) -> (raw_rewards, rewards) over a rollout's samples.")
 
     e = parser.add_argument_group("evaluation")
     e.add_argument("--eval-prompt-data", type=str, nargs="+", default=None, help="NAME PATH [NAME PATH ...] for evaluation.")
     e.add_argument("--eval-interval", type=int, default=None, help="Evaluate every N rollouts.")
     e.add_argument("--n-samples-per-eval-prompt", type=int, default=1, help="Samples per eval prompt.")
-    e.add_argument("--eval-max-response-len", type=int, default=None, help="max_new_tokens for evaluation.")
-    e.add_argument("--eval-temperature", type=float, default=None, help="Sampling temperature for evaluation.")
+    e.add_argument("--eval-max-response-len", type=int, default=None, help="max_new_tokens for evaluation (default: --rollout-max-response-len).")
+    e.add_argument("--eval-temperature", type=float, default=None, help="Sampling temperature for evaluation (default: --rollout-temperature).")
+    e.add_argument("--eval-top-p", type=float, default=None, help="Nucleus sampling for evaluation (default: --rollout-top-p).")
+    e.add_argument("--eval-top-k", type=int, default=None, help="Top-k sampling for evaluation (default: --rollout-top-k).")
+    e.add_argument("--eval-min-new-tokens", type=int, default=None, help="min_new_tokens for evaluation.")
+    e.add_argument("--eval-max-prompt-len", type=int, default=None,
+                   help="Drop eval prompts longer than this (tokens; default: --rollout-max-prompt-len).")
+    e.add_argument("--eval-max-context-len", type=int, default=None,
+                   help="Eval prompt + response tokens: max_new_tokens is cut to fit (default: --rollout-max-context-len).")
+    e.add_argument("--eval-input-key", type=str, default=None, help="Eval prompt field (default: --input-key).")
+    e.add_argument("--eval-label-key", type=str, default=None, help="Eval label field (default: --label-key).")
+    e.add_argument("--eval-tool-key", type=str, default=None, help="Eval tools field (default: --tool-key).")
     e.add_argument("--skip-eval-before-train", action="store_true", help="No evaluation before the first rollout.")
 
 
@@ -53,7 +87,9 @@ class DataConfig:
     label_key: str | None
     metadata_key: str
     tool_key: str
+    multimodal_keys: dict[str, str] | None
     apply_chat_template: bool
+    apply_chat_template_kwargs: dict
     rollout_shuffle: bool
     rollout_max_prompt_len: int | None
     rollout_max_prompt_bytes: int | None
@@ -66,6 +102,8 @@ class DataConfig:
     over_sampling_batch_size: int | None
     dynamic_sampling_filter_path: str | None
     custom_generate_function_path: str | None
+    rollout_function_path: str | None
+    fully_async: bool
 
 
 @dataclass(kw_only=True)
@@ -77,6 +115,8 @@ class RewardConfig:
     reward_key: str | None
     rm_timeout: float
     rm_max_retries: int
+    custom_config_path: str | None
+    custom_reward_post_process_path: str | None
 
 
 @dataclass(kw_only=True)
@@ -86,4 +126,12 @@ class EvalConfig:
     n_samples_per_eval_prompt: int
     eval_max_response_len: int | None
     eval_temperature: float | None
+    eval_top_p: float | None
+    eval_top_k: int | None
+    eval_min_new_tokens: int | None
+    eval_max_prompt_len: int | None
+    eval_max_context_len: int | None
+    eval_input_key: str | None
+    eval_label_key: str | None
+    eval_tool_key: str | None
     skip_eval_before_train: bool

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     f = parser.add_argument_group("fault tolerance")
     f.add_argument("--use-fault-tolerance", action="store_true", help="Recover dead engines in place (torchft heartbeats).")
-    f.add_argument("--rollout-health-check-interval", type=float, default=10.0, help="Seconds between engine health probes.")
+    f.add_argument("--rollout-health-check-interval", type=float, default=30.0, help="Seconds between engine health probes.")
     f.add_argument("--rollout-health-check-timeout", type=float, default=30.0, help="Seconds before a probe counts as failed.")
-    f.add_argument("--rollout-health-check-first-wait", type=float, default=300.0, help="Grace period after an engine (re)starts.")
+    f.add_argument("--rollout-health-check-first-wait", type=float, default=300.0,
+                   help="Seconds a (re)started engine has to become healthy before it counts as failed (its cold start).")
     f.add_argument("--max-engine-restarts", type=int, default=3, help="Give an engine up after this many restarts.")
 
 

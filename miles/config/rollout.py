@@ -12,7 +12,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="auto: sglang when importable with a GPU, else the embedded engine.")
     g.add_argument("--sglang-router-ip", type=str, default=None, help="Use a running sglang-router at this address.")
     g.add_argument("--sglang-router-port", type=int, default=None, help="Port of a running sglang-router.")
-    g.add_argument("--sglang-router-policy", type=str, default="round_robin", help="sglang-router --policy.")
+    g.add_argument("--sglang-router-policy", type=str, default=None,
+                   help="sglang-router --policy (default: the router's own, cache_aware).")
     g.add_argument("--sglang-router-request-timeout-secs", type=int, default=14400, help="Router request timeout.")
     g.add_argument("--sglang-server-concurrency", type=int, default=512, help="Concurrent requests per engine.")
     g.add_argument("--sglang-mem-fraction-static", type=float, default=None, help="Passed to SGLang.")
@@ -21,13 +22,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--engine-max-running-requests", type=int, default=64,
                    help="Embedded engine: requests in the running batch (more queue).")
     g.add_argument("--engine-max-context-len", type=int, default=None,
-                   help="Embedded engine: KV cache length per request (default: prompt + response limits).")
+                   help="Embedded engine: KV cache length per request (default: the model's max_position_embeddings, "
+                        "at most 4096).")
     g.add_argument("--rollout-request-timeout", type=float, default=600.0, help="Seconds before one generate request is retried.")
     g.add_argument("--rollout-request-retries", type=int, default=3, help="Retries of a failed request on another engine.")
     g.add_argument("--engine-startup-timeout", type=float, default=600.0, help="Seconds for an engine to become healthy.")
 
     s = parser.add_argument_group("sampling")
-    s.add_argument("--rollout-max-response-len", type=int, default=1024, help="max_new_tokens per sample.")
+    s.add_argument("--rollout-max-response-len", type=int, default=None,
+                   help="max_new_tokens per sample (default: none, generation stops at EOS or the engine's context length).")
+    s.add_argument("--rollout-max-context-len", type=int, default=None,
+                   help="Prompt + response tokens per sample: max_new_tokens is cut to fit (0 left: no new tokens).")
     s.add_argument("--rollout-temperature", type=float, default=1.0, help="Sampling temperature.")
     s.add_argument("--rollout-top-p", type=float, default=1.0, help="Nucleus sampling.")
     s.add_argument("--rollout-top-k", type=int, default=-1, help="Top-k sampling (-1: off).")
@@ -42,7 +47,7 @@ class RolloutConfig:
     rollout_engine: str
     sglang_router_ip: str | None
     sglang_router_port: int | None
-    sglang_router_policy: str
+    sglang_router_policy: str | None
     sglang_router_request_timeout_secs: int
     sglang_server_concurrency: int
     sglang_mem_fraction_static: float | None
@@ -52,7 +57,8 @@ class RolloutConfig:
     rollout_request_timeout: float
     rollout_request_retries: int
     engine_startup_timeout: float
-    rollout_max_response_len: int
+    rollout_max_response_len: int | None
+    rollout_max_context_len: int | None
     rollout_temperature: float
     rollout_top_p: float
     rollout_top_k: int

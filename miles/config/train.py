@@ -1,35 +1,94 @@
-"""Trainer plane flags: backend, optimizer, batching, checkpoints."""
+"""Trainer plane flags: backend, optimizer, batching, checkpoints.
+
+Some defaults depend on ``--train-backend``, as in Miles v0.1.0 (whose FSDP backend has its own argument
+dataclass, while the Megatron one inherits Megatron-LM's defaults). ``BACKEND_DEFAULTS`` holds both tables;
+``miles.config.parse_args`` reads ``--train-backend`` first and applies the table before the full parse,
+so a value given on the command line always wins and validation never rewrites one.
+"""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
 
+from miles.config.base import ConfigError
+from miles.config.data import json_object
+
+DEFAULT_BACKEND = "fsdp"
+
+# Miles v0.1.0: miles/backends/fsdp_utils/arguments.py (FSDPArgs) for fsdp; Megatron-LM's
+# megatron/training/arguments.py for megatron. --lr is 1e-6 on both: Miles resets it after either parser.
+BACKEND_DEFAULTS: dict[str, dict[str, object]] = {
+    "fsdp": {"adam_beta2": 0.95, "weight_decay": 0.0, "lr_decay_style": "constant"},
+    "megatron": {"adam_beta2": 0.999, "weight_decay": 0.01, "lr_decay_style": "linear"},
+}
+
+OPTIMIZERS = ["adam"]  # Miles's FSDP backend: "adam" (AdamW); Megatron's others are refused by name
+
+
+def env_vars(value: str) -> dict[str, str]:
+    """``--train-env-vars``: a JSON object of environment variables (values are stringified)."""
+    return {str(k): str(v) for k, v in json_object(value).items()}
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = BACKEND_DEFAULTS[DEFAULT_BACKEND]
     t = parser.add_argument_group("trainer")
-    t.add_argument("--train-backend", choices=["fsdp", "megatron"], default="fsdp", help="Training backend.")
+    t.add_argument("--train-backend", choices=["fsdp", "megatron"], default=DEFAULT_BACKEND, help="Training backend.")
+    t.add_argument("--optimizer", type=str, default="adam",
+                   help="Optimizer: adam (AdamW, decoupled weight decay); no other is supported.")
     t.add_argument("--lr", type=float, default=1e-6, help="Peak learning rate.")
     t.add_argument("--min-lr", type=float, default=0.0, help="Learning rate at the end of decay.")
-    t.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="constant", help="Decay schedule.")
+    t.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default=d["lr_decay_style"],
+                   help="Decay schedule (default: constant with fsdp, linear with megatron).")
     t.add_argument("--lr-warmup-iters", type=int, default=0, help="Optimizer steps of linear warm-up.")
+    t.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="Warm-up as a fraction of the decay steps (instead of --lr-warmup-iters).")
     t.add_argument("--lr-decay-iters", type=int, default=None, help="Optimizer steps to decay over.")
-    t.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay.")
+    t.add_argument("--weight-decay", type=float, default=d["weight_decay"],
+                   help="AdamW weight decay (default: 0.0 with fsdp, 0.01 with megatron).")
     t.add_argument("--adam-beta1", type=float, default=0.9, help="AdamW beta1.")
-    t.add_argument("--adam-beta2", type=float, default=0.98, help="AdamW beta2.")
+    t.add_argument("--adam-beta2", type=float, default=d["adam_beta2"],
+                   help="AdamW beta2 (default: 0.95 with fsdp, 0.999 with megatron).")
     t.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon.")
     t.add_argument("--clip-grad", type=float, default=1.0, help="Gradient norm clip (0: off).")
     t.add_argument("--micro-batch-size", type=int, default=1, help="Samples per micro-batch.")
     t.add_argument("--use-dynamic-batch-size", action="store_true", help="Pack micro-batches up to --max-tokens-per-gpu.")
     t.add_argument("--max-tokens-per-gpu", type=int, default=None, help="Token budget per micro-batch.")
-    t.add_argument("--log-probs-chunk-size", type=int, default=1024, help="Tokens per chunk when computing log-probs.")
+    t.add_argument("--balance-data", action="store_true",
+                   help="Balance tokens over the data-parallel ranks. Always on here: every rollout is split in whole "
+                        "groups, longest first, to the rank with the fewest tokens.")
+    t.add_argument("--log-probs-chunk-size", type=int, default=-1,
+                   help="Tokens per chunk when computing log-probs (-1: the whole micro-batch at once).")
     t.add_argument("--recompute-activations", action="store_true", help="Activation checkpointing per block.")
+    t.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=False,
+                   help="FSDP backend: activation checkpointing per block (same as --recompute-activations).")
+    t.add_argument("--attn-implementation", type=str, default="flash_attention_2",
+                   help="FSDP backend attention. The trainer runs packed rows through a flash varlen kernel on GPU "
+                        "(flash_attention_2/3 mean that) and sdpa on CPU; any other value is ignored with a warning.")
+    t.add_argument("--fsdp-cpu-offload", action=argparse.BooleanOptionalAction, default=False,
+                   help="Keep parameters, gradients and optimizer state on CPU (not supported: use --offload-train).")
+    t.add_argument("--train-env-vars", type=env_vars, default={},
+                   help="JSON object of environment variables set in every rank before torch starts, "
+                        "e.g. '{\"PYTORCH_CUDA_ALLOC_CONF\": \"expandable_segments:True\"}'.")
+    t.add_argument("--train-memory-margin-bytes", type=int, default=1024**3,
+                   help="Megatron backend: GPU memory kept free when the trainer onloads (colocated).")
+    t.add_argument("--qkv-format", choices=["thd", "bshd"], default="thd",
+                   help="Attention input layout: thd (packed variable-length rows, what both backends run); "
+                        "bshd (padded batches) is not supported.")
+    t.add_argument("--megatron-to-hf-mode", choices=["raw", "bridge"], default="raw",
+                   help="Megatron backend: how Megatron weights are converted to HF names for the engines.")
     t.add_argument("--seed", type=int, default=1234, help="Random seed of the trainer.")
+    t.add_argument("--deterministic-mode", action="store_true",
+                   help="Deterministic torch kernels in the trainer (torch.use_deterministic_algorithms).")
     t.add_argument("--bf16", action="store_true", default=None, help="bf16 mixed precision (default on GPU).")
     t.add_argument("--hf-checkpoint", type=str, default=None, help="Local HF model directory (weights, config, tokenizer).")
     t.add_argument("--ref-load", type=str, default=None, help="Reference model (HF dir); default: the initial weights.")
     t.add_argument("--critic-load", type=str, default=None, help="Critic initial weights (HF dir); default: --hf-checkpoint.")
     t.add_argument("--critic-lr", type=float, default=None, help="Critic learning rate (default: --lr).")
+    t.add_argument("--critic-lr-warmup-iters", type=int, default=0, help="Optimizer steps of critic LR warm-up.")
+    t.add_argument("--num-critic-only-steps", type=int, default=0,
+                   help="PPO: the first N rollouts train only the critic (value warm-up); the actor stays frozen.")
     t.add_argument("--mfu-peak-tflops", type=float, default=None, help="Per-GPU bf16 peak TFLOP/s for MFU (default: from the GPU name).")
 
     c = parser.add_argument_group("checkpoints")
@@ -40,15 +99,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--no-load-optim", action="store_true", help="Do not load optimizer state.")
     c.add_argument("--save-hf", type=str, default=None, help="Also write a HF model dir (safetensors) here at each save.")
     c.add_argument("--keep-checkpoints", type=int, default=2, help="Complete checkpoints to keep.")
+    c.add_argument("--save-retain-interval", type=int, default=None,
+                   help="Checkpoints at multiples of N rollouts are kept as well (never pruned by --keep-checkpoints).")
 
 
 @dataclass(kw_only=True)
 class TrainConfig:
     train_backend: str
+    optimizer: str
     lr: float
     min_lr: float
     lr_decay_style: str
     lr_warmup_iters: int
+    lr_warmup_fraction: float | None
     lr_decay_iters: int | None
     weight_decay: float
     adam_beta1: float
@@ -58,15 +121,58 @@ class TrainConfig:
     micro_batch_size: int
     use_dynamic_batch_size: bool
     max_tokens_per_gpu: int | None
+    balance_data: bool
     log_probs_chunk_size: int
     recompute_activations: bool
+    gradient_checkpointing: bool
+    attn_implementation: str
+    fsdp_cpu_offload: bool
+    train_env_vars: dict[str, str]
+    train_memory_margin_bytes: int
+    qkv_format: str
+    megatron_to_hf_mode: str
     seed: int
+    deterministic_mode: bool
     bf16: bool | None
     hf_checkpoint: str | None
     ref_load: str | None
     critic_load: str | None
     critic_lr: float | None
+    critic_lr_warmup_iters: int
+    num_critic_only_steps: int
     mfu_peak_tflops: float | None
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        """--recompute-activations (Megatron's name) or --gradient-checkpointing (Miles's FSDP name)."""
+        return self.recompute_activations or self.gradient_checkpointing
+
+    def warmup_steps(self, decay_iters: int | None) -> int:
+        """Warm-up optimizer steps: --lr-warmup-fraction x the decay steps when given, else --lr-warmup-iters."""
+        if self.lr_warmup_fraction is not None and decay_iters:
+            return int(self.lr_warmup_fraction * decay_iters)
+        return self.lr_warmup_iters
+
+    def validate(self) -> None:
+        if self.lr_warmup_fraction is not None:
+            if self.lr_warmup_iters:
+                raise ConfigError("--lr-warmup-fraction and --lr-warmup-iters both set the warm-up: pass only one.")
+            if not 0.0 <= self.lr_warmup_fraction <= 1.0:
+                raise ConfigError(f"--lr-warmup-fraction must be in [0, 1], got {self.lr_warmup_fraction}.")
+        if self.optimizer != "adam":
+            raise ConfigError(f"--optimizer {self.optimizer} is not supported: miles trains with AdamW; "
+                              "pass --optimizer adam (or drop the flag).")
+        if self.fsdp_cpu_offload:
+            raise ConfigError("--fsdp-cpu-offload is not supported (the optimizer always runs on the training device): "
+                              "drop it; with --colocate, --offload-train moves trainer state to CPU while engines generate.")
+        if self.log_probs_chunk_size == 0 or self.log_probs_chunk_size < -1:
+            raise ConfigError(f"--log-probs-chunk-size must be a positive number of tokens or -1 (no chunking), "
+                              f"got {self.log_probs_chunk_size}.")
+        if self.qkv_format != "thd":
+            raise ConfigError(f"--qkv-format {self.qkv_format} is not supported: miles packs samples into variable-length "
+                              "rows; pass --qkv-format thd (the default) or drop the flag.")
+        if self.num_critic_only_steps < 0:
+            raise ConfigError(f"--num-critic-only-steps must be >= 0, got {self.num_critic_only_steps}.")
 
 
 @dataclass(kw_only=True)
@@ -78,3 +184,4 @@ class CheckpointConfig:
     no_load_optim: bool
     save_hf: str | None
     keep_checkpoints: int
+    save_retain_interval: int | None

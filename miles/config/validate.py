@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
 def validate_config(cfg: MilesConfig) -> None:
     c, d, a, w = cfg.cluster, cfg.data, cfg.algo, cfg.weights
+    _validate_miles_flags(cfg)
     if c.debug_train_only and c.debug_rollout_only:
         raise ConfigError("--debug-train-only and --debug-rollout-only exclude each other: pass at most one.")
     if cfg.is_async and c.colocate:
@@ -49,12 +50,49 @@ def validate_config(cfg: MilesConfig) -> None:
         raise ConfigError("--loss-type custom_loss needs --custom-loss-function-path module.function.")
     if a.eps_clip_c is not None and a.eps_clip_c <= 1.0:
         raise ConfigError(f"--eps-clip-c must be > 1.0 (dual-clip constant), got {a.eps_clip_c}.")
-    if a.use_opd and a.opd_type == "model" and not a.opd_teacher_load:
-        raise ConfigError("--use-opd with --opd-type model needs --opd-teacher-load DIR (a HF teacher).")
-    if a.use_opd and a.opd_type == "sglang" and not a.opd_teacher_urls:
-        raise ConfigError("--use-opd with --opd-type sglang needs --opd-teacher-urls URL [URL ...].")
+    if a.opd_teacher_in_trainer and not a.opd_teacher_load:
+        raise ConfigError(f"--use-opd with --opd-type {a.opd_type} needs --opd-teacher-load DIR (a HF teacher).")
+    named = any("=" in v and "://" not in v.split("=", 1)[0] for v in a.opd_teacher_urls or [])  # Miles's NAME=URL
+    if named:
+        names = [v.partition("=")[0].strip() for v in a.opd_teacher_urls]
+        bad = next((v for v in a.opd_teacher_urls if not v.partition("=")[2].strip() or "://" in v.partition("=")[0]
+                    or not v.partition("=")[0].strip()), None)
+        if bad is not None or len(set(names)) != len(names):
+            raise ConfigError(f"--opd-teacher-urls {' '.join(a.opd_teacher_urls)}: give NAME=URL entries with distinct "
+                              f"names (e.g. math=http://h1:30001/generate default=http://h2:30002/generate), or plain "
+                              f"URLs only{f'; {bad!r} is not NAME=URL' if bad else ''}.")
+    rw = cfg.reward
+    if (a.use_opd and a.opd_type == "sglang" and (named or not a.opd_teacher_urls)
+            and not ((rw.rm_url or named) and rw.custom_rm_path and rw.custom_reward_post_process_path)):
+        raise ConfigError("--use-opd with --opd-type sglang needs a teacher: --rm-url TEACHER/generate (or --opd-teacher-urls "
+                          "NAME=URL ...) with --custom-rm-path miles.rollout.on_policy_distillation.reward_func and "
+                          "--custom-reward-post-process-path miles.rollout.on_policy_distillation.post_process_rewards "
+                          "(Miles's way), or --opd-teacher-urls URL [URL ...] (teacher engines queried after each rollout).")
+    if a.opd_teacher_urls and a.opd_type != "sglang":
+        raise ConfigError(f"--opd-teacher-urls is only used with --opd-type sglang, not {a.opd_type}: drop it or pass --opd-type sglang.")
+    fully_async = d.fully_async or d.rollout_function_path == "miles.rollout.fully_async_rollout.FullyAsyncRolloutFn"
+    if fully_async and not cfg.is_async:
+        raise ConfigError("--fully-async runs in train_async.py (generation goes on while the trainer trains): use "
+                          "train_async.py, or drop --fully-async.")
+    if d.fully_async and d.rollout_function_path is not None:
+        raise ConfigError(f"--fully-async and --rollout-function-path {d.rollout_function_path} both select a rollout "
+                          "function: pass only one.")
+    if fully_async and cfg.weights.pause_generation_mode == "abort":
+        raise ConfigError("--fully-async with --pause-generation-mode abort would throw away every weight update's "
+                          "in-flight generation: use --pause-generation-mode retract (the default) or in_place.")
+    if fully_async and c.debug_train_only:
+        raise ConfigError("--fully-async generates on engines, and --debug-train-only runs none: drop one of them.")
+    if a.opd_log_prob_top_k != 0:
+        raise ConfigError(f"--opd-log-prob-top-k {a.opd_log_prob_top_k}: top-k OPD is not supported (the trainer takes the "
+                          "teacher's log-prob of each sampled token); use --opd-log-prob-top-k 0.")
+    if a.opd_teacher_ckpt_step is not None:
+        raise ConfigError(f"--opd-teacher-ckpt-step {a.opd_teacher_ckpt_step} picks a Megatron checkpoint step, but "
+                          "--opd-teacher-load is a HF directory here: drop --opd-teacher-ckpt-step.")
     if w.update_weight_transfer_mode == "disk-delta" and not w.update_weight_disk_dir:
         raise ConfigError("--update-weight-transfer-mode disk-delta needs --update-weight-disk-dir DIR (shared by trainer and engines).")
+    if w.update_weight_transfer_mode == "p2p" and c.colocate:
+        raise ConfigError("--update-weight-transfer-mode p2p sends between separate devices and cannot be used with "
+                          "--colocate: drop the flag (colocated runs hand weights over in place).")
     if w.update_weight_transfer_mode == "tensor" and not c.colocate:
         raise ConfigError("--update-weight-transfer-mode tensor hands weights over on the same device and needs --colocate; "
                           "use broadcast or disk-delta for disaggregated engines.")
@@ -70,3 +108,34 @@ def validate_config(cfg: MilesConfig) -> None:
         raise ConfigError("--sglang-router-ip and --sglang-router-port name a running router together: pass both or neither.")
     if r.rollout_temperature < 0:
         raise ConfigError(f"--rollout-temperature must be >= 0, got {r.rollout_temperature}.")
+
+
+def _validate_miles_flags(cfg: MilesConfig) -> None:
+    """Miles flags accepted for compatibility whose values this project cannot honour, and their pairings."""
+    cfg.train.validate()
+    a, d = cfg.algo, cfg.data
+    if cfg.checkpoint.save_retain_interval is not None and cfg.checkpoint.save_retain_interval <= 0:
+        raise ConfigError(f"--save-retain-interval must be a positive number of rollouts, got "
+                          f"{cfg.checkpoint.save_retain_interval}.")
+    if a.use_opd and a.opd_type is None:
+        raise ConfigError("--use-opd needs --opd-type: megatron (the teacher runs in the trainer, --opd-teacher-load) "
+                          "or sglang (teacher engines).")
+    if a.custom_tis_function_path:
+        raise ConfigError(f"--custom-tis-function-path {a.custom_tis_function_path} is not supported (custom TIS/RS "
+                          "functions take Megatron's batch layout): drop it; --use-tis with --tis-clip / --tis-clip-low "
+                          "gives truncated importance sampling.")
+    if d.multimodal_keys:
+        raise ConfigError(f"--multimodal-keys {d.multimodal_keys}: multimodal prompts are not supported (the engines "
+                          "and the trainer take text tokens only): drop it and use text prompts.")
+    if not a.compute_advantages_and_returns and a.loss_type == "policy_loss":
+        raise ConfigError("--disable-compute-advantages-and-returns leaves the policy loss without advantages: use it "
+                          "with --loss-type sft_loss or custom_loss, or drop it.")
+    ev = cfg.eval
+    for name in ("eval_max_response_len", "eval_max_prompt_len", "eval_max_context_len"):
+        v = getattr(ev, name)
+        if v is not None and v <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {v}.")
+    if cfg.rollout.rollout_max_context_len is not None and cfg.rollout.rollout_max_context_len <= 0:
+        raise ConfigError(f"--rollout-max-context-len must be positive, got {cfg.rollout.rollout_max_context_len}.")
+    if ev.eval_min_new_tokens is not None and ev.eval_min_new_tokens < 0:
+        raise ConfigError(f"--eval-min-new-tokens must be >= 0, got {ev.eval_min_new_tokens}.")

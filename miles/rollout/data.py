@@ -14,6 +14,7 @@ flag is an error. Prompt token ids are computed here, once, and travel unchanged
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from collections.abc import Iterator
@@ -262,7 +263,8 @@ class PromptDataset:
             raise ConfigError("--apply-chat-template is set but the tokenizer has no chat template; drop the flag "
                               "or use a tokenizer that ships one.")
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": True}
+        kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": True,
+                                  **data.apply_chat_template_kwargs}  # --apply-chat-template-kwargs
         if tools:
             kwargs["tools"] = tools
         text = tokenizer.apply_chat_template(messages, **kwargs)
@@ -366,4 +368,9 @@ def parse_eval_prompt_data(values: list[str] | None) -> list[tuple[str, str]]:
 
 
 def load_eval_datasets(eval_cfg: EvalConfig, data: DataConfig, tokenizer: Any, seed: int = 0) -> dict[str, PromptDataset]:
+    # --eval-input-key / --eval-label-key / --eval-tool-key / --eval-max-prompt-len (default: the training ones)
+    overrides = {k: v for k, v in (("input_key", eval_cfg.eval_input_key), ("label_key", eval_cfg.eval_label_key),
+                                   ("tool_key", eval_cfg.eval_tool_key),
+                                   ("rollout_max_prompt_len", eval_cfg.eval_max_prompt_len)) if v is not None}
+    data = dataclasses.replace(data, **overrides)
     return {name: PromptDataset(path, tokenizer, data, seed) for name, path in parse_eval_prompt_data(eval_cfg.eval_prompt_data)}

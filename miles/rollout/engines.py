@@ -7,6 +7,10 @@ Two engines speak the same HTTP protocol (SGLang's, see ``docs/engine-protocol.m
 - ``embedded``: ``python -m miles.engine``, our own HF-transformers engine (CPU, CI, GPU boxes without
   SGLang).
 
+The ``--sglang-<flag>`` flags the user gave (``miles.config.sglang``, SGLang's ``ServerArgs`` kept as data) go
+to SGLang's command line as SGLang's parser reads them; the embedded engine maps those that mean something
+to it (``EMBEDDED_EQUIVALENTS``) and logs once, in one line, the ones it ignores.
+
 The engine supervisor (``miles.spmd.supervisor``) runs the argv built here as a child process.
 Engines listen on loopback when the whole job is on one node, else on this host's routable address,
 never on every interface unless asked; multi-node jobs protect them with a per-run API key.
@@ -18,10 +22,12 @@ import importlib.util
 import ipaddress
 import secrets
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from miles.config.base import ConfigError
 from miles.config.rollout import RolloutConfig
+from miles.config.sglang import SGLangConfig, flag_of, load_spec, server_args_cli
 from miles.utils.logging import get_logger, warn_once
 from miles.utils.net import host_address
 from miles.utils.optional import MissingDependencyError
@@ -134,10 +140,14 @@ def build_engine_argv(
     max_context_len: int | None = None,
     dtype: str | None = None,
     nccl_port: int | None = None,
+    server_args: Mapping[str, Any] | None = None,
     python: str = sys.executable,
     extra: Sequence[str] = (),
 ) -> list[str]:
     """The command line that starts one engine (one node's share of it for a multi-node engine).
+
+    ``server_args``: the user's ``--sglang-<flag>`` values (``SGLangConfig.sglang_server_args``), passed to
+    SGLang as given; for the embedded engine, mapped to its own options where they mean the same.
 
     ``num_gpus`` is the engine's tensor-parallel size (``--rollout-num-gpus-per-engine``); a multi-node
     SGLang engine runs this on each of its ``nnodes`` nodes with its own ``node_rank`` and a common
@@ -160,30 +170,108 @@ def build_engine_argv(
         raise ConfigError(f"engine node_rank {node_rank} must be in [0, nnodes={nnodes}).")
     if nnodes > 1 and not dist_init_addr:
         raise ConfigError(f"a multi-node engine (nnodes={nnodes}) needs dist_init_addr (host:port of its node 0).")
+    user = _user_server_args(server_args, {
+        "tp_size": (num_gpus, "--rollout-num-gpus-per-engine"),
+        "host": (host, "the engine address miles picks (loopback on one node, else this node's address)"),
+        "device": (device, "this rank's device"),
+        "max_running_requests": (max_running_requests, "max_running_requests"),
+        "context_length": (max_context_len, "max_context_len"), "dtype": (dtype, "dtype")})
     if kind == "embedded":
         return _embedded_argv(
             hf_checkpoint=hf_checkpoint, host=host, port=port, api_key=api_key, num_gpus=num_gpus,
             base_gpu_id=base_gpu_id, device=device, nnodes=nnodes, mem_fraction_static=mem_fraction_static,
             max_running_requests=max_running_requests, max_context_len=max_context_len, dtype=dtype,
-            python=python, extra=extra)
+            server_args=user, python=python, extra=extra)
     return _sglang_argv(
         hf_checkpoint=hf_checkpoint, host=host, port=port, api_key=api_key, num_gpus=num_gpus,
         base_gpu_id=base_gpu_id, device=device, colocate=colocate, nnodes=nnodes, node_rank=node_rank,
         dist_init_addr=dist_init_addr, mem_fraction_static=mem_fraction_static,
         max_running_requests=max_running_requests, max_context_len=max_context_len, dtype=dtype,
-        nccl_port=nccl_port, python=python, extra=extra)
+        nccl_port=nccl_port, server_args=user, python=python, extra=extra)
+
+
+def _user_server_args(server_args: Mapping[str, Any] | None, fixed: dict[str, tuple[Any, str]]) -> dict[str, Any]:
+    """The user's ServerArgs flags less those miles fills in itself (``fixed``: name -> (value or None, source));
+    a user value that differs from miles's is a ConfigError naming both."""
+    user = dict(server_args or {})
+    unknown = [n for n in user if n not in load_spec()]
+    if unknown:
+        raise ConfigError(f"{flag_of(unknown[0])} is not an SGLang server flag (sglang_server_args.json); "
+                          "see docs/flags.md for the --sglang-* flags miles forwards.")
+    for name, (value, source) in fixed.items():
+        if value is not None and name in user and user[name] != value:
+            raise ConfigError(f"{flag_of(name)} {user[name]} disagrees with {source} ({value}): "
+                              f"drop {flag_of(name)} or make them equal.")
+        if value is not None:
+            user.pop(name, None)
+    return user
+
+
+# SGLang ServerArgs flag -> the embedded engine's option with the same meaning (values converted by
+# _embedded_options). Every other --sglang-* flag configures SGLang only and is ignored by the embedded engine.
+EMBEDDED_EQUIVALENTS: dict[str, str] = {
+    "max_running_requests": "--max-running-requests",
+    "context_length": "--max-context-len",
+    "dtype": "--dtype",
+    "max_prefill_tokens": "--max-prefill-tokens",
+    "chunked_prefill_size": "--max-prefill-tokens",  # tokens per prefill forward (the engine never splits a prompt)
+    "max_total_tokens": "--max-total-tokens",
+    "cuda_graph_bs": "--cuda-graph-bs",
+    "cuda_graph_bs_decode": "--cuda-graph-bs",
+    "cuda_graph_max_bs": "--cuda-graph-max-bs",
+    "cuda_graph_max_bs_decode": "--cuda-graph-max-bs",
+    "disable_cuda_graph": "--disable-cuda-graph",
+    "cuda_graph_backend_decode": "--disable-cuda-graph",  # 'disabled'; 'full' is what the engine does anyway
+    "max_queued_requests": "--max-queued-requests",
+    "log_level": "--log-level",
+    "weight_version": "--weight-version",
+}
+_EMBEDDED_DTYPES = {"half": "float16", "float": "float32"}  # SGLang's spellings -> the engine's
+
+
+def _embedded_options(user: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(the engine's own options for the mapped --sglang-* flags, the given flags it ignores)."""
+    argv: list[str] = []
+    ignored = [flag_of(n) for n in user if n not in EMBEDDED_EQUIVALENTS]
+    for name, opt in (("max_running_requests", "--max-running-requests"), ("context_length", "--max-context-len"),
+                      ("max_total_tokens", "--max-total-tokens"), ("max_queued_requests", "--max-queued-requests"),
+                      ("log_level", "--log-level"), ("weight_version", "--weight-version")):
+        if name in user:
+            argv += [opt, str(user[name])]
+    if "dtype" in user:
+        argv += ["--dtype", _EMBEDDED_DTYPES.get(user["dtype"], user["dtype"])]
+    # SGLang: a prefill forward takes at most chunked_prefill_size tokens (-1: no chunking) of max_prefill_tokens
+    budgets = [user[n] for n in ("max_prefill_tokens", "chunked_prefill_size") if n in user and user[n] > 0]
+    if budgets:
+        argv += ["--max-prefill-tokens", str(min(budgets))]
+    graph_bs = user.get("cuda_graph_bs_decode", user.get("cuda_graph_bs"))
+    if graph_bs is not None:
+        argv += ["--cuda-graph-bs", *(str(b) for b in graph_bs)]
+    graph_max = user.get("cuda_graph_max_bs_decode", user.get("cuda_graph_max_bs"))
+    if graph_max is not None:
+        argv += ["--cuda-graph-max-bs", str(graph_max)]
+    backend = user.get("cuda_graph_backend_decode")
+    if backend not in (None, "disabled", "full"):
+        ignored.append(f"{flag_of('cuda_graph_backend_decode')} {backend}")
+    if user.get("disable_cuda_graph") or backend == "disabled":
+        argv.append("--disable-cuda-graph")
+    return argv, ignored
 
 
 def _embedded_argv(*, hf_checkpoint, host, port, api_key, num_gpus, base_gpu_id, device, nnodes,
-                   mem_fraction_static, max_running_requests, max_context_len, dtype, python, extra) -> list[str]:
+                   mem_fraction_static, max_running_requests, max_context_len, dtype, server_args,
+                   python, extra) -> list[str]:
     if num_gpus != 1 or nnodes != 1:
         raise ConfigError(
             f"the embedded engine runs on one device, but --rollout-num-gpus-per-engine is {num_gpus} "
             f"(nodes per engine: {nnodes}). Use --rollout-num-gpus-per-engine 1, or --rollout-engine sglang "
             "for tensor-parallel engines.")
-    if mem_fraction_static is not None:
-        warn_once(logger, "--sglang-mem-fraction-static is ignored by the embedded engine "
-                          "(its KV cache is sized by --engine-max-running-requests x --engine-max-context-len).")
+    mapped, ignored = _embedded_options(server_args)
+    if mem_fraction_static is not None:  # its KV cache is sized by max running requests x context length
+        ignored.insert(0, "--sglang-mem-fraction-static")
+    if ignored:
+        warn_once(logger, f"the embedded engine ignores these SGLang-only flags: {', '.join(ignored)} "
+                          f"(it honours {', '.join(sorted({flag_of(n) for n in EMBEDDED_EQUIVALENTS}))})")
     dev = f"cuda:{base_gpu_id}" if device == "cuda" else "cpu"
     argv = [python, "-m", "miles.engine", "--hf-checkpoint", str(hf_checkpoint), "--host", host, "--port", str(port),
             "--device", dev]
@@ -195,12 +283,12 @@ def _embedded_argv(*, hf_checkpoint, host, port, api_key, num_gpus, base_gpu_id,
         argv += ["--max-running-requests", str(max_running_requests)]
     if max_context_len is not None:
         argv += ["--max-context-len", str(max_context_len)]
-    return argv + list(extra)
+    return argv + mapped + list(extra)
 
 
 def _sglang_argv(*, hf_checkpoint, host, port, api_key, num_gpus, base_gpu_id, device, colocate, nnodes, node_rank,
                  dist_init_addr, mem_fraction_static, max_running_requests, max_context_len, dtype, nccl_port,
-                 python, extra) -> list[str]:
+                 server_args, python, extra) -> list[str]:
     # Flag names are SGLang's ServerArgs (docs/advanced_features/server_arguments.md).
     if num_gpus % nnodes != 0:
         raise ConfigError(
@@ -211,7 +299,8 @@ def _sglang_argv(*, hf_checkpoint, host, port, api_key, num_gpus, base_gpu_id, d
             "--tp-size", str(num_gpus),
             "--base-gpu-id", str(base_gpu_id),
             "--host", host, "--port", str(port),
-            "--device", device]
+            "--device", device,
+            "--trust-remote-code"]  # as Miles: checkpoints with their own modeling code load
     if api_key:
         argv += ["--api-key", api_key]
     if colocate:
@@ -229,7 +318,7 @@ def _sglang_argv(*, hf_checkpoint, host, port, api_key, num_gpus, base_gpu_id, d
     if dtype:
         argv += ["--dtype", dtype]
     argv.append("--skip-server-warmup")
-    return argv + list(extra)
+    return argv + server_args_cli(server_args) + list(extra)
 
 
 def engine_argv_from_config(
@@ -247,13 +336,28 @@ def engine_argv_from_config(
     nnodes: int = 1,
     node_rank: int = 0,
     dist_init_addr: str | None = None,
+    sglang: SGLangConfig | None = None,
     python: str = sys.executable,
     extra: Sequence[str] = (),
 ) -> list[str]:
-    """``build_engine_argv`` with the rollout section's engine flags filled in."""
+    """``build_engine_argv`` with the rollout section's engine flags and the user's ``--sglang-*`` flags filled in.
+
+    For the embedded engine ``--sglang-max-running-requests`` / ``--sglang-context-length``, when given, are what
+    it uses (``--engine-max-running-requests`` is then not passed); ``--engine-max-context-len`` and
+    ``--sglang-context-length`` given together must agree.
+    """
+    user = sglang.server_args if sglang is not None else {}
+    max_running = max_ctx = None
+    if kind == "embedded":
+        max_running = None if "max_running_requests" in user else rollout.engine_max_running_requests
+        max_ctx = rollout.engine_max_context_len
+        if max_ctx is not None and user.get("context_length", max_ctx) != max_ctx:
+            raise ConfigError(f"--engine-max-context-len {max_ctx} disagrees with --sglang-context-length "
+                              f"{user['context_length']}: give one of them.")
+        if "context_length" in user:
+            max_ctx = None
     return build_engine_argv(
         kind, hf_checkpoint=hf_checkpoint, host=host, port=port, api_key=api_key, num_gpus=num_gpus,
         base_gpu_id=base_gpu_id, device=device, colocate=colocate, nnodes=nnodes, node_rank=node_rank,
         dist_init_addr=dist_init_addr, mem_fraction_static=rollout.sglang_mem_fraction_static,
-        max_running_requests=rollout.engine_max_running_requests if kind == "embedded" else None,
-        max_context_len=rollout.engine_max_context_len if kind == "embedded" else None, python=python, extra=extra)
+        max_running_requests=max_running, max_context_len=max_ctx, server_args=user, python=python, extra=extra)

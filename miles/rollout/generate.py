@@ -111,27 +111,30 @@ class MultiTurn:
     """Builds one sample over several engine calls and inserted observations, keeping ids exact.
 
     The whole response (generated turns plus observations) is limited to ``max_new_tokens`` of the
-    sampling params; when it runs out the sample is TRUNCATED.
+    sampling params (None: no limit but the engine's context length); when it runs out the sample is TRUNCATED.
     """
 
     def __init__(self, sample: Sample, tokenizer: Any, sampling_params: dict[str, Any]) -> None:
         self.sample, self.tokenizer = sample, tokenizer
         self.sampling_params = dict(sampling_params)
-        self.budget = int(self.sampling_params["max_new_tokens"])
+        budget = self.sampling_params.get("max_new_tokens")
+        self.budget = int(budget) if budget is not None else None
         self.sample.loss_mask = self.sample.loss_mask or []
         self.sample.rollout_log_probs = self.sample.rollout_log_probs or []
 
     @property
-    def remaining(self) -> int:
-        return self.budget - self.sample.response_length
+    def remaining(self) -> int | None:
+        return None if self.budget is None else self.budget - self.sample.response_length
 
     async def generate_turn(self, client: Any, **overrides: Any) -> tuple[list[int], SampleStatus]:
         """One engine call on everything so far; returns the new ids and the turn's status."""
-        if self.remaining <= 0:
+        remaining = self.remaining
+        if remaining is not None and remaining <= 0:
             self.sample.status = SampleStatus.TRUNCATED
             return [], SampleStatus.TRUNCATED
-        params = {**self.sampling_params, **overrides, "max_new_tokens": min(self.remaining, overrides.get(
-            "max_new_tokens", self.remaining))}
+        asked = overrides.get("max_new_tokens", remaining)
+        limits = [n for n in (remaining, asked) if n is not None]
+        params = {**self.sampling_params, **overrides, "max_new_tokens": min(limits) if limits else None}
         out = await client.generate(list(self.sample.tokens), params, return_logprob=True)
         return append_output(self.sample, out, decode=self.decode)
 
@@ -147,7 +150,7 @@ class MultiTurn:
             if text is None:
                 raise ValueError("add_observation needs ids or text")
             ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        if len(ids) > self.remaining:
+        if self.remaining is not None and len(ids) > self.remaining:
             self.sample.status = SampleStatus.TRUNCATED
             return False
         s = self.sample

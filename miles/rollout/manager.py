@@ -39,9 +39,11 @@ from miles.config.base import ConfigError
 from miles.config.data import DataConfig, EvalConfig, RewardConfig
 from miles.config.rollout import RolloutConfig
 from miles.rollout import generate as gen
+from miles.rollout.base_types import input_form
 from miles.rollout.data import DataSource, PromptDataset, PromptItem
 from miles.rollout.filters import call_filter, load_filter
 from miles.rollout.plugins import PluginArgs, choose_arity, is_async, load_function
+from miles.rollout.reward_post_process import RewardPostProcess
 from miles.rollout.rewards import Rewarder
 from miles.types import Sample, SampleStatus
 from miles.utils.errors import MilesError
@@ -134,6 +136,7 @@ class _Counts:
     launched: int = 0
     response_tokens: int = 0
     engine_abort_retries: int = 0
+    reward_time: float = 0.0      # summed over reward calls (they overlap the generation of other samples)
     first_error: str | None = None
     progress: ProgressFn | None = None
 
@@ -143,7 +146,8 @@ class RolloutManager:
 
     def __init__(self, rollout: RolloutConfig, data: DataConfig, reward: RewardConfig, client: Any, tokenizer: Any,
                  data_source: DataSource | None, *, eval_cfg: EvalConfig | None = None,
-                 progress: ProgressFn | None = None, abort_grace: float = 10.0, engine_abort_retries: int = 3) -> None:
+                 progress: ProgressFn | None = None, abort_grace: float = 10.0, engine_abort_retries: int = 3,
+                 sections: tuple[Any, ...] = (), custom_config: dict[str, Any] | None = None) -> None:
         if not data.rollout_batch_size:
             raise ConfigError("--rollout-batch-size is required: add --rollout-batch-size N (prompts per rollout).")
         if data.n_samples_per_prompt < 1:
@@ -152,17 +156,21 @@ class RolloutManager:
         self.tokenizer, self.data_source, self.progress = tokenizer, data_source, progress
         self.abort_grace, self.engine_abort_retries = abort_grace, engine_abort_retries
         self.client = TrackedClient(client, uuid.uuid4().hex[:8])
-        self.args = PluginArgs(rollout, data, reward, eval_cfg, client=self.client, tokenizer=tokenizer)
+        self.args = PluginArgs(rollout, data, reward, eval_cfg, *sections, client=self.client, tokenizer=tokenizer,
+                               extra=custom_config)
         self.rewarder = Rewarder(reward, self.args)
+        self.post_process = (RewardPostProcess(reward.custom_reward_post_process_path, self.args, reward.rm_timeout)
+                             if reward.custom_reward_post_process_path else None)
         self.custom_generate = None
         if data.custom_generate_function_path:
             path = data.custom_generate_function_path
             fn = load_function(path, "--custom-generate-function-path")
-            forms = "async def generate(args, sample, sampling_params) -> Sample"
-            choose_arity(fn, (3,), "--custom-generate-function-path", path, forms)
+            forms = ("async def generate(args, sample, sampling_params) -> Sample, or Miles's "
+                     "async def generate(input: GenerateFnInput) -> GenerateFnOutput")
+            arity = choose_arity(fn, (1, 3), "--custom-generate-function-path", path, forms)
             if not is_async(fn):
                 raise ConfigError(f"--custom-generate-function-path {path!r} must be a coroutine function ({forms}).")
-            self.custom_generate = fn
+            self.custom_generate = fn if arity == 3 else input_form(fn)
         self.filter = load_filter(data.dynamic_sampling_filter_path) if data.dynamic_sampling_filter_path else None
         self.batch = data.rollout_batch_size
         self.over = data.over_sampling_batch_size or self.batch
@@ -238,19 +246,35 @@ class RolloutManager:
                         sample.index, g.index, attempt + 1, self.engine_abort_retries)
         counts.response_tokens += sample.response_length
         if score and not self.rewarder.group and sample.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED):
-            if not await self.rewarder.score_sample(sample):
+            t0 = time.monotonic()
+            ok = await self.rewarder.score_sample(sample)
+            counts.reward_time += time.monotonic() - t0
+            if not ok:
                 counts.reward_failures += 1
                 counts.first_error = counts.first_error or f"reward: {sample.metadata.get('reward_error')}"
         counts.finished += 1
         if counts.progress is not None:
             counts.progress(counts.finished, counts.launched)
 
+    def _fit_context(self, params: dict[str, Any], prompt_len: int, stream: str) -> dict[str, Any]:
+        """--rollout-max-context-len (--eval-max-context-len when evaluating): prompt + response tokens at most."""
+        ev = self.eval_cfg.eval_max_context_len if self.eval_cfg is not None and stream.startswith("eval:") else None
+        limit = ev if ev is not None else self.rollout.rollout_max_context_len
+        if limit is None:
+            return params
+        room = max(0, limit - prompt_len)
+        asked = params.get("max_new_tokens")
+        return {**params, "max_new_tokens": room if asked is None else min(asked, room)}
+
     async def _run_group(self, g: _Group, stream: str, rollout_id: int, base: dict[str, Any], counts: _Counts) -> None:
         seed = self.rollout.rollout_seed
+        base = self._fit_context(base, len(g.samples[0].tokens), stream)  # a group's samples share the prompt
         await asyncio.gather(*(self._run_sample(g, i, {**base, "sampling_seed": sampling_seed(seed, stream, rollout_id, g.index, i)},
                                                 counts, True) for i in range(len(g.samples))))
         if self.rewarder.group and not g.aborted:
+            t0 = time.monotonic()
             failed = await self.rewarder.score_group(g.samples)
+            counts.reward_time += time.monotonic() - t0
             counts.reward_failures += failed
             if failed:
                 counts.first_error = counts.first_error or f"reward: {g.samples[0].metadata.get('reward_error')}"
@@ -307,7 +331,9 @@ class RolloutManager:
         if self.filter is not None:
             self.data_source.give_back([g.item for g in surplus if not (g.done and not g.kept)])
         result = [g.samples for g in selected]
+        post = await self.post_process.apply(result) if self.post_process is not None else {}
         metrics = self._metrics(result, counts, t0)
+        metrics.update(post)
         metrics.update({
             "rollout/retries": self.client.retries - retries0,
             "rollout/groups_launched": len(groups),
@@ -318,7 +344,7 @@ class RolloutManager:
         for reason, c in drops.items():
             metrics[f"rollout/dynamic_filter/drop_{reason}"] = c
         if self.filter is not None:
-            scored = [s.reward for g in groups if g.done for s in g.samples if s.reward is not None]
+            scored = [s.reward for g in groups if g.done for s in g.samples if isinstance(s.reward, int | float)]
             if scored:
                 metrics["rollout/raw_reward_unfiltered"] = sum(scored) / len(scored)
         flat = [s for grp in result for s in grp]
@@ -367,7 +393,7 @@ class RolloutManager:
 
     def _metrics(self, groups: list[list[Sample]], counts: _Counts, t0: float) -> dict[str, float]:
         flat = [s for g in groups for s in g]
-        rewards = [s.reward for s in flat if s.reward is not None and s.status is not SampleStatus.FAILED]
+        rewards = [s.reward for s in flat if isinstance(s.reward, int | float) and s.status is not SampleStatus.FAILED]
         lengths = [s.response_length for s in flat]
         elapsed = time.monotonic() - t0
         return {
@@ -381,6 +407,7 @@ class RolloutManager:
             "rollout/engine_abort_retries": counts.engine_abort_retries,
             "rollout/num_samples": len(flat),
             "perf/rollout_time": elapsed,
+            "perf/rollout/reward_time": counts.reward_time,
             "perf/rollout_tokens_per_s": counts.response_tokens / elapsed if elapsed > 0 else 0.0,
         }
 
@@ -391,6 +418,9 @@ class RolloutManager:
         n = ev.n_samples_per_eval_prompt if ev else 1
         base = gen.build_sampling_params(self.rollout, max_new_tokens=ev.eval_max_response_len if ev else None,
                                          temperature=ev.eval_temperature if ev else None)
+        if ev is not None:  # --eval-top-p / --eval-top-k / --eval-min-new-tokens (default: the rollout's)
+            base.update({k: v for k, v in (("top_p", ev.eval_top_p), ("top_k", ev.eval_top_k),
+                                           ("min_new_tokens", ev.eval_min_new_tokens)) if v is not None})
         metrics: dict[str, float] = {}
         for name, dataset in eval_datasets.items():
             t0 = time.monotonic()

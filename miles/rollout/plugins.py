@@ -32,7 +32,8 @@ class PluginArgs:
     names raise AttributeError listing where they were looked up.
     """
 
-    def __init__(self, *sections: Any, client: Any = None, tokenizer: Any = None) -> None:
+    def __init__(self, *sections: Any, client: Any = None, tokenizer: Any = None,
+                 extra: dict[str, Any] | None = None) -> None:
         values: dict[str, Any] = {}
         for sec in sections:
             if sec is None:
@@ -41,6 +42,8 @@ class PluginArgs:
                 raise TypeError(f"PluginArgs takes config dataclass sections, got {type(sec).__name__}")
             for f in fields(sec):
                 values.setdefault(f.name, getattr(sec, f.name))
+        for name, value in (extra or {}).items():  # --custom-config-path keys that name no flag
+            values.setdefault(name, value)
         object.__setattr__(self, "_values", values)
         object.__setattr__(self, "_sections", [type(s).__name__ for s in sections if s is not None])
         object.__setattr__(self, "client", client)
@@ -54,6 +57,19 @@ class PluginArgs:
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"plugin args are read-only (tried to set '{name}'); keep per-call state on the sample")
+
+
+UNSUPPORTED_ATTR = "__miles_unsupported__"
+
+
+def unsupported(reason: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Mark a Miles plugin path whose feature is absent here: naming it fails at start-up with ``reason``."""
+
+    def mark(fn: Callable[..., Any]) -> Callable[..., Any]:
+        setattr(fn, UNSUPPORTED_ATTR, reason)
+        return fn
+
+    return mark
 
 
 def load_function(path: str, flag: str) -> Callable[..., Any]:
@@ -72,9 +88,19 @@ def load_function(path: str, flag: str) -> Callable[..., Any]:
         raise ConfigError(f"{flag} {path!r}: module '{module_name}' has no attribute '{attr}'; callables there: "
                           f"{', '.join(public[:20]) or '(none)'}.")
     fn = getattr(module, attr)
+    refusal = getattr(fn, UNSUPPORTED_ATTR, None)
+    if refusal:  # a Miles path whose feature this project does not have: one line saying so
+        raise ConfigError(f"{flag} {path}: {refusal}")
     if not callable(fn):
         raise ConfigError(f"{flag} {path!r} names a {type(fn).__name__}, not a function.")
     return fn
+
+
+def reward_value(sample: Any, args: Any = None) -> Any:
+    """Miles's ``sample.get_reward_value(args)``: the reward, or its ``--reward-key`` entry when it is a dict."""
+    key = getattr(args, "reward_key", None) if args is not None else None
+    reward = sample.reward
+    return reward[key] if key and isinstance(reward, dict) else reward
 
 
 def positional_arity(fn: Callable[..., Any]) -> tuple[int, int | None]:

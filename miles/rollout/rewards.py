@@ -280,6 +280,12 @@ class Rewarder:
             logger.error(msg, sample.index, sample.group_index, sample.rollout_id, reason)
 
     def _assign(self, sample: Sample, value: Any, default_key: str | None = None) -> bool:
+        if self.cfg.custom_reward_post_process_path:  # Miles: the raw value waits for the post-process
+            if value is None:
+                self._fail(sample, "the reward function returned None")
+                return False
+            sample.reward = value
+            return True
         try:
             sample.reward, raw = to_reward(value, self.cfg.reward_key or default_key)
         except RewardValueError as e:

@@ -87,7 +87,7 @@ class RouterProcess:
         cls,
         host: str = "127.0.0.1",
         port: int | None = None,
-        policy: str = "round_robin",
+        policy: str | None = None,
         extra_args: Sequence[str] = (),
         timeout: float = 60.0,
         *,
@@ -108,11 +108,11 @@ class RouterProcess:
         which collides between routers and listens on every interface). ``die_with_parent`` asks the
         kernel to SIGTERM the router when the thread that started it exits.
         """
-        if policy not in ROUTER_POLICIES:
+        if policy is not None and policy not in ROUTER_POLICIES:
             raise ConfigError(f"--sglang-router-policy {policy!r} is not one of {', '.join(ROUTER_POLICIES)}.")
         port = port or find_free_port(host)
         argv = [python, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
-                "--policy", policy, "--prometheus-host", host, "--prometheus-port", str(find_free_port(host)),
+                *(["--policy", policy] if policy else []), "--prometheus-host", host, "--prometheus-port", str(find_free_port(host)),
                 "--log-level", log_level,
                 "--health-check-interval-secs", str(health_check_interval_secs),
                 "--health-failure-threshold", str(health_failure_threshold),

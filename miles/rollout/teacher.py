@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from typing import Any
 
 from miles.rollout.client import EngineClient
 from miles.types import Sample, SampleStatus
@@ -39,17 +40,33 @@ async def teacher_log_probs(client: EngineClient, sample: Sample, temperature: f
         return []
     resp = await client.generate(sample.tokens, {"max_new_tokens": 0, "temperature": temperature},
                                  return_logprob=True, extra={"logprob_start_len": start})
-    rows = (resp.get("meta_info") or {}).get("input_token_logprobs")
-    if not isinstance(rows, list):
-        raise TeacherError(f"teacher at {resp.get('miles', {}).get('url')} returned no meta_info.input_token_logprobs "
-                           "for a prefill request; it must support return_logprob with logprob_start_len")
-    rows = rows[-sample.response_length:]
-    got = [int(r[1]) for r in rows]
-    want = sample.tokens[start:]
-    if got != want:
-        raise TeacherError(f"teacher log-probs are for tokens {got[:8]}..., not the response {want[:8]}...: "
+    return response_log_probs(resp, sample)
+
+
+def response_log_probs(resp: dict[str, Any], sample: Sample) -> list[float]:
+    """The log-probs of ``sample``'s response tokens in a prefill answer's ``meta_info.input_token_logprobs``.
+
+    The answer may cover the prompt too (``logprob_start_len`` 0: its first entry has no log-prob); the
+    last ``response_length`` entries must be the response's token ids, else TeacherError.
+    """
+    url = (resp.get("miles") or {}).get("url") if isinstance(resp, dict) else None
+    rows = ((resp.get("meta_info") or {}) if isinstance(resp, dict) else {}).get("input_token_logprobs")
+    n = sample.response_length
+    if not isinstance(rows, list) or len(rows) < n:
+        got = f"{len(rows)} entries" if isinstance(rows, list) else "none"
+        raise TeacherError(f"teacher at {url} returned {got} in meta_info.input_token_logprobs for a prefill of "
+                           f"{len(sample.tokens)} tokens ({n} response tokens); it must support return_logprob "
+                           "with logprob_start_len")
+    rows = rows[len(rows) - n:] if n else []
+    try:
+        got_ids, lps = [int(r[1]) for r in rows], [float(r[0]) for r in rows]
+    except (TypeError, ValueError, IndexError) as e:
+        raise TeacherError(f"teacher at {url}: malformed input_token_logprobs entry ({e}): {str(rows[:3])[:200]}") from e
+    want = list(sample.tokens[len(sample.tokens) - n:]) if n else []
+    if got_ids != want:
+        raise TeacherError(f"teacher log-probs are for tokens {got_ids[:8]}..., not the response {want[:8]}...: "
                            "student and teacher must share a tokenizer")
-    return [float(r[0]) for r in rows]
+    return lps
 
 
 async def fill_teacher_log_probs(client: EngineClient, samples: Sequence[Sample], temperature: float = 1.0) -> int:

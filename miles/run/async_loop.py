@@ -10,15 +10,23 @@ the trainer's current version) are dropped (``rollout/stale_dropped_groups``). O
 is the trainer's: ``--use-tis`` (truncated importance sampling against the engine's log-probs) or
 ``--use-rollout-logprobs``. ``--colocate`` is refused (engines and trainer would need the same GPUs at
 the same time); see ``miles.config.validate``.
+
+With ``--fully-async`` (Miles's ``FullyAsyncRolloutFn``) rollouts come from a persistent producer that
+keeps ``--rollout-batch-size`` groups generating across rollouts and weight updates
+(:mod:`miles.rollout.fully_async_rollout`); each rollout drains finished groups. The producer starts no
+new groups while the loop evaluates, and is stopped (its requests aborted) when the loop ends.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
-from miles.run.loop import RLLoop
+from miles.rollout.fully_async_rollout import FullyAsyncRollout
+from miles.rollout.rollout_fn import FULLY_ASYNC_PATH
+from miles.run.loop import RLLoop, dump_samples
 from miles.types import Sample
 from miles.utils.logging import get_logger
 
@@ -32,6 +40,10 @@ class AsyncRLLoop(RLLoop):
         self.max_staleness = self.cfg.weights.max_weight_staleness
         self._data_state: dict[str, Any] | None = None
         self._tasks: list[asyncio.Future] = []
+        self.fully = None
+        d = self.cfg.data
+        if job.manager is not None and (d.fully_async or d.rollout_function_path == FULLY_ASYNC_PATH):
+            self.fully = FullyAsyncRollout(job.manager, job.data_source)
         a = self.cfg.algo
         if self.policy and self.interval > 1 and not (a.use_tis or a.use_rollout_logprobs):
             logger.info("--update-weights-interval %d trains on samples up to %d versions old; consider --use-tis "
@@ -52,6 +64,8 @@ class AsyncRLLoop(RLLoop):
         finally:
             for task in self._tasks:
                 task.cancel()  # a failure leaves no generation running into the closing client
+            if self.fully is not None:
+                await self.fully.close()
 
     async def _overlapped(self, start: int, end: int, pending: asyncio.Future) -> None:
         ft = self.job.worker.ft
@@ -64,7 +78,10 @@ class AsyncRLLoop(RLLoop):
             with self.job.worker.channel.keepalive():  # the other ranks are idle until the next command
                 groups, metrics = await pending
             metrics["perf/wait_rollout_time"] = time.monotonic() - t_wait
-            self._data_state = self.job.data_source.state_dict() if self.job.data_source is not None else None
+            if self.fully is not None:  # prompts still generating or waiting are generated again on resume
+                self._data_state = self.fully.data_state()
+            else:
+                self._data_state = self.job.data_source.state_dict() if self.job.data_source is not None else None
             if rollout_id + 1 < end:
                 pending = asyncio.ensure_future(self.generate_overlapped(rollout_id + 1))
                 self._tasks.append(pending)
@@ -91,6 +108,29 @@ class AsyncRLLoop(RLLoop):
         self.timer.times.pop("perf/rollout_time", None)
         metrics["perf/rollout_time"] = time.monotonic() - t0
         return groups, metrics
+
+    async def generate(self, rollout_id: int, keepalive: bool = True) -> tuple[list[list[Sample]], dict[str, float]]:
+        if self.fully is None:
+            return await super().generate(rollout_id, keepalive)
+        with self.timer("rollout"), self.job.worker.channel.keepalive() if keepalive else contextlib.nullcontext():
+            groups, metrics = await self.fully.next_rollout(rollout_id)
+            if self.job.teacher is not None:  # --opd-type sglang with teacher engines
+                from miles.rollout.teacher import fill_teacher_log_probs
+
+                await fill_teacher_log_probs(self.job.teacher, [s for g in groups for s in g],
+                                             self.cfg.rollout.rollout_temperature)
+        if self.cfg.output.save_debug_rollout_data:
+            dump_samples(self.cfg.output.save_debug_rollout_data.format(rollout_id=rollout_id), groups)
+        return groups, metrics
+
+    async def evaluate(self, rollout_id: int) -> dict[str, float]:
+        if self.fully is None:
+            return await super().evaluate(rollout_id)
+        self.fully.pause()  # no new training groups while the engines evaluate
+        try:
+            return await super().evaluate(rollout_id)
+        finally:
+            self.fully.resume()
 
     def score_async(self, groups: list[list[Sample]]) -> tuple[list[list[Sample]], dict[str, float]]:
         groups, metrics = self.score(groups)

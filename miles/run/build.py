@@ -76,19 +76,22 @@ class Run:
 
 
 def _driver_plan(cfg: MilesConfig, ctx: SPMDContext) -> tuple[RunPlan, dict[str, Any]]:
-    """Driver: tokenizer, data, derived values. Returns the plan and driver-only objects."""
-    from transformers import AutoTokenizer
-
-    from miles.rollout.data import DataSource, PromptDataset, load_eval_datasets
+    """Driver: start-up checks, tokenizer, data, derived values. Returns the plan and driver-only objects."""
+    from miles.rollout.data import DataSource, load_eval_datasets
     from miles.rollout.engines import resolve_api_key, resolve_engine_kind
+    from miles.run.preflight import preflight
+    from miles.utils.model_dir import load_tokenizer
 
     if not cfg.train.hf_checkpoint:
         raise MilesError("--hf-checkpoint DIR is required (a local HF model directory: weights, config, tokenizer).")
-    tokenizer = AutoTokenizer.from_pretrained(cfg.train.hf_checkpoint)
+    preflight(cfg, has_engines=bool(ctx.plan.engines))  # what --dry-run checks: paths, plugins, --save, backend
+    tokenizer = load_tokenizer(cfg.train.hf_checkpoint, "--hf-checkpoint")
     seed = cfg.rollout.rollout_seed
     dataset = data_source = None
     if cfg.data.prompt_data:
-        dataset = PromptDataset(cfg.data.prompt_data, tokenizer, cfg.data, seed=seed)
+        from miles.rollout.rollout_fn import build_prompt_dataset
+
+        dataset = build_prompt_dataset(cfg.data, tokenizer, seed)
         data_source = DataSource(dataset, shuffle=cfg.data.rollout_shuffle, seed=seed)
     elif not cfg.cluster.debug_train_only:
         raise MilesError("--prompt-data FILE is required (JSONL or Parquet with prompts under --input-key).")
@@ -131,6 +134,10 @@ def _write_config(cfg: MilesConfig, plan: RunPlan, out_dir: Path) -> None:
 def _build_trainer(cfg: MilesConfig, ctx: SPMDContext, plan: RunPlan) -> Any:
     from miles.trainer.fsdp import FSDPTrainer
 
+    if cfg.train.train_backend == "megatron":
+        from miles.trainer.megatron import build_megatron_trainer
+
+        return build_megatron_trainer(cfg, ctx, plan)
     if cfg.train.train_backend != "fsdp":
         raise MilesError(f"--train-backend {cfg.train.train_backend} is not available in this build; use "
                          "--train-backend fsdp.")
@@ -150,7 +157,7 @@ def _build_sender(cfg: MilesConfig, ctx: SPMDContext, trainer: Any, placement: P
                for i, (u, n) in enumerate(zip(placement.urls, placement.num_workers))]
     mode = resolve_mode(cfg.weights, ctx.plan.colocate)
     kwargs: dict[str, Any] = {"device": ctx.world.device}
-    if mode == "broadcast":
+    if mode in ("broadcast", "p2p"):
         kwargs["master_addr"] = engine_host(ctx.world.num_nodes)
     elif mode == "disk-delta":
         kwargs = {"model_dir": cfg.train.hf_checkpoint}
@@ -217,11 +224,17 @@ async def _driver_setup(run: Run, local: dict[str, Any], extra: dict[str, Any] |
         plan.start_rollout_id = int(extra.get("next_rollout_id", int(extra["rollout_id"]) + 1))
         if run.data_source is not None and extra.get("data_source"):
             run.data_source.load_state_dict(extra["data_source"])
+        elif run.data_source is not None and extra.get("miles_data_state"):  # a Miles checkpoint's data position
+            m = extra["miles_data_state"]
+            run.data_source.load_state_dict({**run.data_source.state_dict(), "epoch": int(m["epoch_id"]),
+                                             "offset": int(m["sample_offset"]), "buffer": []})
         logger.info("resuming at rollout %d (checkpoint of rollout %s)", plan.start_rollout_id, extra.get("rollout_id"))
     run.sink = build_sink(cfg.output, Path(plan.output_dir), enabled=True, config=cfg.to_dict(),
                           num_rollout=plan.num_rollout, start_rollout_id=plan.start_rollout_id)
     run.ranks = Ranks(run.worker)
-    if cfg.algo.loss_type == "sft_loss":
+    from miles.rollout.rollout_fn import build_rollout_function, custom_rollout_path
+
+    if cfg.algo.loss_type == "sft_loss" and custom_rollout_path(cfg.data) is None:
         from miles.run.sft import SFTSource
 
         run.sft = SFTSource(run.data_source, local["tokenizer"], cfg.data)
@@ -240,11 +253,19 @@ async def _driver_setup(run: Run, local: dict[str, Any], extra: dict[str, Any] |
                                              await_first_sync=run.ctx.is_trainer)  # the driver syncs first
             client = run.worker.ft.wrap_client(client)
         run.manager = RolloutManager(cfg.rollout, cfg.data, cfg.reward, client, local["tokenizer"],
-                                     run.data_source, eval_cfg=cfg.eval)
-        if cfg.algo.use_opd and cfg.algo.opd_type == "sglang":  # teacher log-probs from teacher engines
+                                     run.data_source, eval_cfg=cfg.eval,
+                                     sections=(cfg.algo, cfg.train, cfg.cluster, cfg.weights, cfg.checkpoint),
+                                     custom_config=cfg.custom_config)
+        from miles.rollout.on_policy_distillation import is_named_map
+
+        if cfg.algo.use_opd and cfg.algo.opd_type == "sglang" and cfg.algo.opd_teacher_urls and not is_named_map(
+                cfg.algo.opd_teacher_urls):  # plain URLs: teacher engines; else Miles's --custom-rm-path reward_func
             from miles.rollout.teacher import teacher_client
 
             r = cfg.rollout
             run.teacher = teacher_client(cfg.algo.opd_teacher_urls, api_key=r.sglang_api_key,
                                          timeout=r.rollout_request_timeout, max_retries=r.rollout_request_retries,
                                          concurrency=r.sglang_server_concurrency)
+    if custom_rollout_path(cfg.data) is not None:  # --rollout-function-path: the user's function makes the rollouts
+        run.sft = build_rollout_function(cfg, run.data_source, local["tokenizer"],
+                                         client=run.manager.client if run.manager is not None else None)

@@ -19,16 +19,21 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 
+def apply_train_env_vars(env: dict[str, str]) -> None:
+    """--train-env-vars: set in this rank's environment (engine processes it starts inherit them)."""
+    if env:
+        import os
+
+        os.environ.update(env)
+        logger.info("--train-env-vars set %s", ", ".join(sorted(env)))
+
+
 async def run_job(cfg: MilesConfig, loop_cls: Any) -> None:
     from miles.run.build import build_run
     from miles.run.liveness import Liveness, name_silent_ranks
     from miles.spmd import bootstrap
 
-    if cfg.train.train_env_vars:  # --train-env-vars: before torch.distributed and the first CUDA allocation
-        import os
-
-        os.environ.update(cfg.train.train_env_vars)
-        logger.info("--train-env-vars set %s", ", ".join(sorted(cfg.train.train_env_vars)))
+    apply_train_env_vars(cfg.train.train_env_vars)  # before torch.distributed and the first CUDA allocation
     ctx = bootstrap(cfg)
     beat = Liveness.start(ctx.world.rank, ctx.world.world_size)  # after a timeout: which rank went silent
     job = await build_run(cfg, ctx)

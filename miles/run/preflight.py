@@ -173,6 +173,11 @@ def check_plugin(name: str, path: str) -> None:
         choose_arity(fn, (2,), flag, path, LOSS_FORMS)
     elif name == "custom_reward_post_process_path":
         choose_arity(fn, (2,), flag, path, POST_PROCESS_FORMS)
+    elif name == "rollout_function_path":
+        from miles.rollout.rollout_fn import check_signature, custom_rollout_path_of
+
+        if custom_rollout_path_of(path) is not None:  # Miles's default / fully async names are not called
+            check_signature(fn, path)
 
 
 def plugin_checks(cfg: MilesConfig, *, has_engines: bool) -> list[Callable[[], Any]]:

@@ -8,6 +8,10 @@ response tokens only (the trainer's ``loss_mask``). No engine is needed: SFT run
 
     source = SFTSource(data_source, tokenizer, cfg.data)
     groups = source.next_rollout(rollout_id)          # list[list[Sample]], one sample per group
+
+Chat ``messages`` rows (the loss on every assistant turn), the way Miles's SFT launchers pass them, go
+through ``--rollout-function-path miles.rollout.sft_rollout.generate_rollout`` instead
+(:mod:`miles.rollout.sft_rollout`); this source then is not used.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from miles.config.base import ConfigError
 from miles.config.cluster import ClusterConfig
-from miles.utils.logging import get_logger
+from miles.utils.logging import get_logger, warn_once
 from miles.utils.net import find_free_port, host_address
 
 if TYPE_CHECKING:
@@ -314,13 +314,13 @@ def detect_world(cluster: ClusterConfig, env: dict[str, str] | None = None) -> W
 
 
 def resolve_backend(world: World, cluster: ClusterConfig) -> str:
-    """The backend of the default (trainer) group: nccl on GPU, gloo on CPU, unless --distributed-backend says."""
+    """The backend of the default (trainer) group: --distributed-backend (Miles's default nccl) on GPU, gloo on CPU."""
     backend = cluster.distributed_backend
     if backend == "auto":
         return "nccl" if world.device.type == "cuda" else "gloo"
     if backend == "nccl" and world.device.type != "cuda":
-        raise ConfigError("--distributed-backend nccl needs a CUDA device, but this rank runs on CPU: use "
-                          "--distributed-backend auto (or gloo).")
+        warn_once(logger, "--distributed-backend nccl: this rank runs on CPU, where NCCL does not exist; using gloo")
+        return "gloo"
     return backend
 
 

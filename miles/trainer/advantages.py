@@ -220,8 +220,8 @@ def compute_advantages_and_returns(
     lengths = [m.numel() for m in inp.loss_masks]
     rewards = normalize_rewards(
         inp.rewards, inp.group_ids, estimator=algo.advantage_estimator,
-        disable_std_normalization=algo.disable_grpo_std_normalization,
-        disable_rewards_normalization=algo.disable_rewards_normalization)
+        disable_std_normalization=not algo.grpo_std_normalization,
+        disable_rewards_normalization=not algo.rewards_normalization)
     if algo.kl_coef != 0:
         if inp.log_probs is None or inp.ref_log_probs is None:
             raise ValueError("--kl-coef needs log-probs of the policy and of the reference model.")

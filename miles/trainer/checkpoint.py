@@ -167,17 +167,20 @@ def latest_checkpoint(root: str | Path | None) -> Path | None:
     return found[-1][1] if found else None
 
 
-def prune_checkpoints(root: str | Path, keep: int) -> None:
+def prune_checkpoints(root: str | Path, keep: int, retain_interval: int | None = None) -> None:
+    """Keep the newest ``keep``; steps that are multiples of ``retain_interval`` (--save-retain-interval) stay too."""
     if keep is None or keep <= 0:
         return
-    for _, path in list_checkpoints(root)[:-keep]:
+    for step, path in list_checkpoints(root)[:-keep]:
+        if retain_interval and step % retain_interval == 0:
+            continue
         shutil.rmtree(path, ignore_errors=True)
         logger.info("pruned old checkpoint %s (--keep-checkpoints %d)", path, keep)
 
 
 def save_checkpoint(
     root: str | Path, step: int, write_fn: Callable[[Path], None], *, keep: int | None = None,
-    group: dist.ProcessGroup | None = None, device: torch.device | None = None,
+    group: dist.ProcessGroup | None = None, device: torch.device | None = None, retain_interval: int | None = None,
 ) -> Path:
     """Write checkpoint ``step`` under root atomically (see module docstring); returns its final path.
 
@@ -211,7 +214,7 @@ def save_checkpoint(
             err = e
     _check(err, root, step, tmp, group, device)
     if rank0:
-        prune_checkpoints(root, keep or 0)
+        prune_checkpoints(root, keep or 0, retain_interval)
         logger.info("saved checkpoint %s", final)
     return final
 

@@ -41,12 +41,13 @@ class Critic:
         self.model = ValueModel(backbone)
         modeling.shard_model(self.model, modeling.decoder_blocks(backbone), mesh,
                              mp_policy=modeling.mixed_precision(device, train.bf16),
-                             recompute=train.recompute_activations)
+                             recompute=train.activation_checkpointing)
         self.lr = train.critic_lr if train.critic_lr is not None else train.lr
         self.optimizer = build_adamw(self.model, lr=self.lr, weight_decay=train.weight_decay,
                                      betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps, device=device)
         self.schedule = LRSchedule(lr=self.lr, min_lr=train.min_lr, style=train.lr_decay_style,
-                                   warmup=train.lr_warmup_iters, decay_iters=train.lr_decay_iters or total_steps)
+                                   warmup=train.critic_lr_warmup_iters,  # --critic-lr-warmup-iters (Miles: own, 0)
+                                   decay_iters=train.lr_decay_iters or total_steps)
         self.clip_grad = train.clip_grad
         self.value_clip = algo.value_clip
 

@@ -104,3 +104,18 @@ def test_calculator_tool():
     assert calculator_observation("no tool call") is None
     assert calculator_observation("<calc>__import__('os')</calc>").startswith("<result>error: not plain arithmetic")
     assert calculator_observation("<calc>1/0</calc>").startswith("<result>error:")
+
+
+def test_unsupported_marker_refuses_at_load_and_reward_value_reads_the_reward_key(tmp_path, monkeypatch):
+    from miles.rollout.plugins import reward_value, unsupported
+
+    assert unsupported("why")(lambda: None).__miles_unsupported__ == "why"
+    (tmp_path / "marked_plugins.py").write_text(
+        "from miles.rollout.plugins import unsupported\n\n@unsupported('needs X, which is not available')\n"
+        "def f(args, sample):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"^--custom-rm-path marked_plugins.f: needs X, which is not available$"):
+        load_function("marked_plugins.f", "--custom-rm-path")
+    keyed = PluginArgs(cfg("--reward-key", "acc").reward)
+    assert reward_value(Sample(reward={"acc": 0.5}), keyed) == 0.5
+    assert reward_value(Sample(reward=2.0), keyed) == 2.0 and reward_value(Sample(reward={"a": 1}), None) == {"a": 1}

@@ -64,3 +64,16 @@ def test_failed_samples_are_skipped_and_bad_answers_are_named(teacher):
 
     asyncio.run(go())
     assert "teacher_log_probs" not in failed.metadata
+
+
+def test_response_log_probs_reads_a_whole_prefill_answer():
+    from miles.rollout.teacher import response_log_probs
+
+    s = _sample([5, 6, 7, 8], response_length=2)
+    full = {"meta_info": {"input_token_logprobs": [[None, 5, None], [-0.1, 6, None], [-0.2, 7, None], [-0.3, 8, None]]}}
+    assert response_log_probs(full, s) == [-0.2, -0.3]  # logprob_start_len 0: the first entry has no log-prob
+    short = {"meta_info": {"input_token_logprobs": [[-0.3, 8, None]]}, "miles": {"url": "http://t"}}
+    with pytest.raises(TeacherError, match=r"teacher at http://t returned 1 entries .* for a prefill of 4 tokens"):
+        response_log_probs(short, s)
+    with pytest.raises(TeacherError, match="malformed input_token_logprobs entry"):
+        response_log_probs({"meta_info": {"input_token_logprobs": [[None, 7, None], ["x", 8, None]]}}, s)

@@ -13,7 +13,7 @@ from miles.trainer import advantages as A
 
 def algo(**kw):
     base = dict(advantage_estimator="grpo", kl_coef=0.0, kl_loss_type="k1", gamma=1.0, lambd=1.0,
-                normalize_advantages=False, disable_grpo_std_normalization=False, disable_rewards_normalization=False,
+                normalize_advantages=False, grpo_std_normalization=True, rewards_normalization=True,
                 use_opd=False, opd_kl_coef=1.0)
     base.update(kw)
     return SimpleNamespace(**base)
@@ -161,7 +161,7 @@ def test_dispatch_ppo_and_rpp_need_inputs():
                                                    _inputs())
     assert adv[0].tolist() == [0.5, 1.0]
     adv, _, extras = A.compute_advantages_and_returns(
-        algo(use_opd=True, opd_kl_coef=1.0, disable_rewards_normalization=True),
+        algo(use_opd=True, opd_kl_coef=1.0, rewards_normalization=False),
         _inputs(log_probs=[torch.zeros(2), torch.zeros(3), torch.zeros(2), torch.zeros(1)],
                 teacher_log_probs=[torch.full((2,), -1.0), torch.zeros(3), torch.zeros(2), torch.zeros(1)]))
     assert adv[0].tolist() == [0.0, 0.0] and extras["opd_reverse_kl"][0].tolist() == [1.0, 1.0]

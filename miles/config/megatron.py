@@ -1,0 +1,132 @@
+"""Megatron-backend flags (``--train-backend megatron``): parallelism, recompute, dropout, attention, and
+Megatron's model-shape flags, with Megatron-LM's names and meanings.
+
+Every flag defaults to ``None`` (or ``False`` for switches), meaning "not given": the trainer then uses
+Megatron's default for a run on a HF checkpoint (``miles.trainer.megatron.options``), and the model
+shape comes from ``--hf-checkpoint``'s ``config.json``; a shape flag that is given must agree with it
+(checked when the trainer starts: one line naming the flag, its value and the config's).
+With another ``--train-backend`` any of these flags given is refused by name (``validate``).
+Values this build does not support (pipeline, context and expert parallelism above 1, ...) are
+refused by the trainer with one line naming the flag and value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+from miles.config.base import ConfigError, flag
+
+_INT = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "decoder_first_pipeline_num_layers",
+        "decoder_last_pipeline_num_layers", "context_parallel_size", "expert_model_parallel_size",
+        "expert_tensor_parallel_size", "recompute_num_layers", "make_vocab_size_divisible_by", "num_layers",
+        "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "vocab_size",
+        "max_position_embeddings", "num_experts", "moe_router_topk", "moe_ffn_hidden_size")
+_SWITCHES = ("sequence_parallel", "use_distributed_optimizer", "accumulate_allreduce_grads_in_fp32",
+             "attention_softmax_in_fp32", "group_query_attention", "swiglu", "qk_layernorm", "disable_bias_linear",
+             "add_qkv_bias", "untie_embeddings_and_output_weights", "use_rotary_position_embeddings")
+_HELP = {
+    "tensor_model_parallel_size": "Tensor-parallel size (default 1); must divide the trainer ranks.",
+    "sequence_parallel": "Sequence parallelism within the TP group (needs transformer-engine).",
+    "pipeline_model_parallel_size": "Pipeline-parallel size (only 1 is supported).",
+    "context_parallel_size": "Context-parallel size (only 1 is supported).",
+    "expert_model_parallel_size": "Expert-parallel size (only 1 is supported).",
+    "expert_tensor_parallel_size": "Expert tensor-parallel size (only 1 is supported).",
+    "use_distributed_optimizer": "Shard optimizer state over data-parallel ranks (ZeRO-1).",
+    "recompute_num_layers": "Layers per recompute chunk (full recompute).",
+    "make_vocab_size_divisible_by": "Pad the vocabulary to a multiple of this x TP (default 128).",
+    "hidden_dropout": "Dropout after attention and MLP (default 0.0 for RL; Megatron-LM's own default is 0.1).",
+    "attention_dropout": "Dropout on attention probabilities (default 0.0 for RL; Megatron-LM's is 0.1).",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("megatron", "--train-backend megatron only (Megatron-LM's names and meanings).")
+    for dest in _INT:
+        g.add_argument(flag(dest), type=int, default=None, help=_HELP.get(dest, "Model shape; must match config.json."))
+    for dest in _SWITCHES:
+        g.add_argument(flag(dest), action="store_true", help=_HELP.get(dest, "Model shape; must match config.json."))
+    g.add_argument("--hidden-dropout", type=float, default=None, help=_HELP["hidden_dropout"])
+    g.add_argument("--attention-dropout", type=float, default=None, help=_HELP["attention_dropout"])
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                   help="Activation recompute: full layers, or the attention core only (selective).")
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
+                   help="Full recompute: uniform chunks of --recompute-num-layers, or the first N layers (block).")
+    g.add_argument("--attention-backend", choices=["auto", "flash", "fused", "unfused", "local"], default=None,
+                   help="Core attention: auto/flash/fused: torch SDPA (local spec) or transformer-engine's choice; "
+                        "unfused/local: megatron-core's DotProductAttention.")
+    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default=None,
+                   help="Layer spec (default: transformer_engine when it imports on GPU, else local).")
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default=None, help="Must match config.json.")
+    g.add_argument("--norm-epsilon", type=float, default=None, help="Must match config.json's rms_norm_eps.")
+    g.add_argument("--rotary-base", type=float, default=None, help="Must match config.json's rope_theta.")
+    g.add_argument("--rotary-percent", type=float, default=None, help="Only 1.0 is supported.")
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"], default=None,
+                   help="Only rope is supported.")
+
+
+@dataclass(kw_only=True)
+class MegatronConfig:
+    tensor_model_parallel_size: int | None = None
+    sequence_parallel: bool = False
+    pipeline_model_parallel_size: int | None = None
+    decoder_first_pipeline_num_layers: int | None = None
+    decoder_last_pipeline_num_layers: int | None = None
+    context_parallel_size: int | None = None
+    expert_model_parallel_size: int | None = None
+    expert_tensor_parallel_size: int | None = None
+    use_distributed_optimizer: bool = False
+    recompute_granularity: str | None = None
+    recompute_method: str | None = None
+    recompute_num_layers: int | None = None
+    accumulate_allreduce_grads_in_fp32: bool = False
+    attention_softmax_in_fp32: bool = False
+    hidden_dropout: float | None = None
+    attention_dropout: float | None = None
+    attention_backend: str | None = None
+    transformer_impl: str | None = None
+    make_vocab_size_divisible_by: int | None = None
+    num_layers: int | None = None
+    hidden_size: int | None = None
+    ffn_hidden_size: int | None = None
+    num_attention_heads: int | None = None
+    group_query_attention: bool = False
+    num_query_groups: int | None = None
+    kv_channels: int | None = None
+    swiglu: bool = False
+    normalization: str | None = None
+    norm_epsilon: float | None = None
+    qk_layernorm: bool = False
+    disable_bias_linear: bool = False
+    add_qkv_bias: bool = False
+    untie_embeddings_and_output_weights: bool = False
+    rotary_base: float | None = None
+    rotary_percent: float | None = None
+    position_embedding_type: str | None = None
+    use_rotary_position_embeddings: bool = False
+    vocab_size: int | None = None
+    max_position_embeddings: int | None = None
+    num_experts: int | None = None
+    moe_router_topk: int | None = None
+    moe_ffn_hidden_size: int | None = None
+
+    def given(self) -> list[str]:
+        """The flags of this section that were passed (a value other than None / False)."""
+        return [flag(f.name) for f in dataclasses.fields(self) if getattr(self, f.name) not in (None, False)]
+
+    def validate(self, train_backend: str) -> None:
+        """Refuse this section's flags under another backend; check values that need no model or world."""
+        given = self.given()
+        if given and train_backend != "megatron":
+            more = f" (and {len(given) - 1} more Megatron flags)" if len(given) > 1 else ""
+            raise ConfigError(f"{given[0]}{more} needs --train-backend megatron (got --train-backend "
+                              f"{train_backend}); add --train-backend megatron or drop the Megatron flags.")
+        for name in _INT:
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise ConfigError(f"{flag(name)} must be positive, got {v}.")
+        for name in ("hidden_dropout", "attention_dropout"):
+            v = getattr(self, name)
+            if v is not None and not 0.0 <= v < 1.0:
+                raise ConfigError(f"{flag(name)} must be in [0, 1), got {v}.")

@@ -1,0 +1,75 @@
+"""Miles's class-based generate contract (``miles.rollout.base_types``), on this project's engine client.
+
+    async def generate(input: GenerateFnInput) -> GenerateFnOutput    # --custom-generate-function-path
+
+``input.args`` are the flags (a :class:`~miles.rollout.plugins.PluginArgs`, with ``args.client`` and
+``args.tokenizer``), ``input.state.tokenizer`` the tokenizer, ``input.sample`` the sample to fill and
+``input.sampling_params`` its sampling parameters. The output's ``samples`` must be one Sample (a list
+of several, Miles's multi-sample output, is refused). The older form
+``generate(args, sample, sampling_params) -> Sample`` works as well.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from miles.types import Sample
+
+
+@dataclass
+class GenerateState:
+    """What Miles's generate functions read from ``input.state``."""
+
+    args: Any
+    tokenizer: Any = None
+    processor: Any = None
+    sampling_params: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.tokenizer is None:  # Miles's GenerateState(args) loads it; here the args carry it
+            self.tokenizer = getattr(self.args, "tokenizer", None)
+
+
+@dataclass
+class GenerateFnInput:
+    state: GenerateState
+    sample: Sample
+    sampling_params: dict[str, Any]
+    evaluation: bool = False
+
+    @property
+    def args(self) -> Any:
+        return self.state.args
+
+
+@dataclass
+class GenerateFnOutput:
+    samples: Sample | list[Sample]
+
+
+@dataclass
+class RolloutFnTrainOutput:
+    """What a ``--rollout-function-path`` function may return (a plain list of groups works too)."""
+
+    samples: list[list[Sample]]
+    metrics: dict[str, Any] | None = None
+
+
+def input_form(fn: Callable[[GenerateFnInput], Awaitable[Any]]) -> Callable[..., Awaitable[Sample]]:
+    """``fn(input) -> GenerateFnOutput`` as the ``(args, sample, sampling_params) -> Sample`` the manager calls."""
+
+    async def call(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
+        state = GenerateState(args=args, tokenizer=getattr(args, "tokenizer", None), sampling_params=dict(sampling_params))
+        out = await fn(GenerateFnInput(state=state, sample=sample, sampling_params=sampling_params))
+        got = out.samples if isinstance(out, GenerateFnOutput) else getattr(out, "samples", out)
+        if isinstance(got, list):
+            if len(got) != 1:
+                raise TypeError(f"{getattr(fn, '__qualname__', fn)} returned {len(got)} samples for one slot; "
+                                "one sample per slot is supported")
+            got = got[0]
+        return got
+
+    call.__qualname__ = getattr(fn, "__qualname__", "generate")
+    return call

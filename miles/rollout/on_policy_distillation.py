@@ -1,0 +1,132 @@
+"""On-policy distillation the way Miles's launch scripts run it (``--opd-type sglang`` with ``--rm-url``).
+
+    --use-opd --opd-type sglang --rm-url http://TEACHER:PORT/generate
+    --custom-rm-path miles.rollout.on_policy_distillation.reward_func
+    --custom-reward-post-process-path miles.rollout.on_policy_distillation.post_process_rewards
+
+``reward_func`` sends each finished sample's exact token ids (prompt + response) to the teacher as a
+prefill-only SGLang ``/generate`` (``max_new_tokens: 0``, ``return_logprob``, ``logprob_start_len: 0``)
+and returns the teacher's answer as the sample's (raw) reward. ``post_process_rewards`` then takes the
+teacher's log-prob of every response token from ``meta_info.input_token_logprobs`` into
+``sample.metadata["teacher_log_probs"]`` (where the trainer's OPD term reads them; Miles keeps them
+on ``sample.teacher_log_probs``) and gives every sample the task reward 0.0, so the learning signal is
+the OPD term ``-opd_kl_coef * (log pi_student - log pi_teacher)`` alone.
+
+With ``--opd-teacher-urls NAME=URL ...`` (Miles's multi-teacher map) each sample goes to the teacher
+named by ``sample.metadata[--opd-teacher-key]``; the name ``default`` catches missing or unknown
+names. Token ids are never re-tokenized: student and teacher must share a tokenizer. Each request is
+bounded by ``--rm-timeout`` and retried ``--rm-max-retries`` times on connection errors, 429 and 5xx.
+Top-k OPD (``--opd-log-prob-top-k`` > 0) is refused at start-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from typing import Any
+
+from miles.config.base import ConfigError
+from miles.rollout.plugins import reward_value
+from miles.rollout.teacher import TeacherError, response_log_probs
+from miles.types import Sample
+
+__all__ = ["parse_teacher_urls", "post_process_rewards", "reward_func"]
+
+DEFAULT_TEACHER = "default"
+
+
+def is_named_map(values: Iterable[str] | None) -> bool:
+    """True when ``--opd-teacher-urls`` holds Miles's ``NAME=URL`` entries (not plain URLs)."""
+    return any("=" in v and "://" not in v.split("=", 1)[0] for v in values or [])
+
+
+def parse_teacher_urls(values: Iterable[str] | None) -> dict[str, str]:
+    """``--opd-teacher-urls NAME=URL ...`` as a routing map; ConfigError for malformed or repeated names."""
+    out: dict[str, str] = {}
+    for value in values or []:
+        name, sep, url = value.partition("=")
+        name, url = name.strip(), url.strip()
+        if not sep or not name or not url or "://" in name:
+            raise ConfigError(f"--opd-teacher-urls entry {value!r} is not NAME=URL (e.g. math=http://h1:30001/generate); "
+                              "do not mix NAME=URL entries with plain URLs.")
+        if name in out:
+            raise ConfigError(f"--opd-teacher-urls names teacher {name!r} twice; give each name one URL.")
+        out[name] = url
+    return out
+
+
+def teacher_url(args: Any, sample: Sample) -> str:
+    """The teacher endpoint for ``sample``: routed by metadata with a NAME=URL map, else ``--rm-url``."""
+    values = getattr(args, "opd_teacher_urls", None)
+    if not is_named_map(values):
+        url = getattr(args, "rm_url", None)
+        if not url:
+            raise ConfigError("miles.rollout.on_policy_distillation.reward_func sends samples to the teacher at --rm-url: "
+                              "pass --rm-url http://TEACHER:PORT/generate (or --opd-teacher-urls NAME=URL ...).")
+        return url
+    routes = parse_teacher_urls(values)
+    key = getattr(args, "opd_teacher_key", "opd_teacher")
+    name = sample.metadata.get(key) if isinstance(sample.metadata, dict) else None
+    if name is not None and str(name) in routes:
+        return routes[str(name)]
+    if DEFAULT_TEACHER in routes:
+        return routes[DEFAULT_TEACHER]
+    what = f"metadata[{key!r}] = {name!r} names no teacher" if name is not None else f"has no metadata[{key!r}]"
+    raise ValueError(f"sample {sample.index} {what} in --opd-teacher-urls ({', '.join(sorted(routes))}) and there is "
+                     f"no '{DEFAULT_TEACHER}=URL' entry to fall back to")
+
+
+def score_payload(input_ids: list[int]) -> dict[str, Any]:
+    """A prefill-only SGLang /generate request returning the log-prob of every input token."""
+    return {"input_ids": list(input_ids), "return_logprob": True, "logprob_start_len": 0,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 0, "skip_special_tokens": False}}
+
+
+async def post_json(url: str, payload: dict[str, Any], timeout: float, max_retries: int) -> dict[str, Any]:
+    """POST with a total ``timeout`` per try; retried on connection errors, timeouts, 429 and 5xx."""
+    import aiohttp
+
+    last = ""
+    for attempt in range(max_retries + 1):
+        if attempt:
+            await asyncio.sleep(min(0.25 * 2 ** (attempt - 1), 4.0))
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+                async with session.post(url, json=payload) as resp:
+                    if resp.status == 429 or resp.status >= 500:
+                        last = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                        continue
+                    if resp.status >= 400:
+                        raise TeacherError(f"teacher {url} answered HTTP {resp.status}: {(await resp.text())[:200]}")
+                    return await resp.json(content_type=None)
+        except (TimeoutError, aiohttp.ClientError) as e:
+            last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    raise TeacherError(f"teacher {url} failed {max_retries + 1} times (--rm-timeout {timeout:g}s, --rm-max-retries "
+                       f"{max_retries}); last error: {last}")
+
+
+async def reward_func(args: Any, sample: Sample, **kwargs: Any) -> dict[str, Any]:
+    """The teacher's prefill answer for ``sample`` (``--custom-rm-path``); ``post_process_rewards`` reads it."""
+    url = teacher_url(args, sample)
+    out = await post_json(url, score_payload(sample.tokens), float(getattr(args, "rm_timeout", 60.0)),
+                          int(getattr(args, "rm_max_retries", 3)))
+    if not isinstance(out, dict):
+        raise TeacherError(f"teacher {url} answered {type(out).__name__}, expected SGLang's /generate JSON object")
+    out.setdefault("miles", {})["url"] = url
+    return out
+
+
+def post_process_rewards(args: Any, samples: list[Sample], **kwargs: Any) -> tuple[list[float], list[float]]:
+    """Teacher log-probs from each sample's teacher answer into ``metadata["teacher_log_probs"]``; rewards 0.0.
+
+    Returns ``(raw_rewards, rewards)``, both all zeros (pure distillation: the OPD term is the signal).
+    """
+    for s in samples:
+        answer = reward_value(s, args)
+        if not isinstance(answer, dict):
+            raise TeacherError(f"sample {s.index}: post_process_rewards expects the teacher's answer as the reward "
+                               f"(--custom-rm-path miles.rollout.on_policy_distillation.reward_func), got "
+                               f"{type(answer).__name__}")
+        s.metadata["teacher_log_probs"] = response_log_probs(answer, s)
+    zeros = [0.0] * len(samples)
+    return zeros, list(zeros)

@@ -1,0 +1,33 @@
+"""Miles's legacy rollout module (``miles.rollout.sglang_rollout``), as the paths Miles scripts name.
+
+- ``generate`` (``--custom-generate-function-path miles.rollout.sglang_rollout.generate``): Miles's
+  default single-turn generate function, ``generate(args, sample, sampling_params) -> Sample``; the
+  same as leaving the flag unset.
+- ``GenerateState(args)``: what Miles's custom generate functions import from here (``.tokenizer``,
+  ``.sampling_params``), see :mod:`miles.rollout.base_types`.
+- ``generate_rollout`` (``--rollout-function-path`` / Miles's default under
+  ``MILES_USE_LEGACY_ROLLOUT_V1=1``): selecting it selects this project's built-in rollout
+  (:class:`~miles.rollout.manager.RolloutManager`); it is a name, not called.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from miles.rollout import generate as gen
+from miles.rollout.base_types import GenerateState
+from miles.rollout.rollout_fn import RolloutFunctionError
+from miles.types import Sample
+
+__all__ = ["GenerateState", "generate", "generate_rollout"]
+
+
+async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
+    """One ``/generate`` on the sample's prompt ids through ``args.client`` (token in, token out)."""
+    return await gen.generate(args.client, sample, dict(sampling_params))
+
+
+def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> Any:
+    """Miles's default rollout: ``--rollout-function-path`` naming it runs the built-in RolloutManager."""
+    raise RolloutFunctionError("miles.rollout.sglang_rollout.generate_rollout names the built-in rollout (selected by "
+                               "--rollout-function-path or by default); it is not called as a function.")

@@ -1,0 +1,119 @@
+"""Defaults equal Miles v0.1.0's for the backend in use.
+
+The tables were read from Miles v0.1.0: ``miles/utils/arguments.py`` (with its ``reset_arg`` overrides,
+e.g. ``--lr`` 1e-6 after either backend's parser), ``miles/backends/fsdp_utils/arguments.py`` (FSDPArgs)
+for ``--train-backend fsdp``, and Megatron-LM's ``megatron/training/arguments.py`` for ``megatron``.
+``DEPARTURES`` are the defaults kept different on purpose; docs/flags.md lists them with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from miles.config import MilesConfig, parse_args
+
+BASE: list[str] = []  # nothing given (parsed without the checks that need --num-rollout and friends)
+
+MILES_V010 = {
+    # cluster
+    "actor_num_nodes": 1, "actor_num_gpus_per_node": 8, "critic_num_nodes": None, "critic_num_gpus_per_node": None,
+    "rollout_num_gpus": None, "rollout_num_gpus_per_engine": 1, "num_gpus_per_node": 8, "colocate": False,
+    "offload": False, "offload_train": None, "offload_rollout": None, "debug_train_only": False,
+    "debug_rollout_only": False, "distributed_backend": "nccl", "distributed_timeout_minutes": 10,
+    # rollout and sampling
+    "rollout_max_response_len": None, "rollout_temperature": 1.0, "rollout_top_p": 1.0, "rollout_top_k": -1,
+    "rollout_stop": None, "rollout_stop_token_ids": None, "rollout_skip_special_tokens": False, "rollout_seed": 42,
+    "sglang_router_policy": None,
+    # data, reward, eval
+    "prompt_data": None, "input_key": "input", "label_key": None, "metadata_key": "metadata", "tool_key": "tools",
+    "multimodal_keys": None, "apply_chat_template": False, "rollout_shuffle": False, "rollout_max_prompt_len": None,
+    "num_epoch": None, "num_rollout": None, "n_samples_per_prompt": 1, "global_batch_size": None,
+    "num_steps_per_rollout": None, "over_sampling_batch_size": None, "dynamic_sampling_filter_path": None,
+    "custom_generate_function_path": None, "rm_type": None, "custom_rm_path": None, "group_rm": False,
+    "rm_url": None, "reward_key": None, "custom_config_path": None, "eval_prompt_data": None, "eval_interval": None,
+    "n_samples_per_eval_prompt": 1, "eval_max_response_len": None, "eval_temperature": None, "eval_top_p": None,
+    "eval_top_k": None, "eval_min_new_tokens": None, "eval_max_prompt_len": None, "eval_max_context_len": None,
+    "eval_input_key": None, "eval_label_key": None, "eval_tool_key": None, "skip_eval_before_train": False,
+    # trainer (backend-independent)
+    "optimizer": "adam", "lr": 1e-6, "min_lr": 0.0, "lr_warmup_iters": 0, "lr_warmup_fraction": None,
+    "lr_decay_iters": None, "adam_beta1": 0.9, "adam_eps": 1e-8, "clip_grad": 1.0, "micro_batch_size": 1,
+    "use_dynamic_batch_size": False, "max_tokens_per_gpu": None, "balance_data": False, "log_probs_chunk_size": -1,
+    "gradient_checkpointing": False, "fsdp_cpu_offload": False, "train_env_vars": {},
+    "train_memory_margin_bytes": 1024**3, "megatron_to_hf_mode": "raw", "seed": 1234, "deterministic_mode": False,
+    "hf_checkpoint": None, "ref_load": None, "critic_load": None, "critic_lr": None, "critic_lr_warmup_iters": 0, "num_critic_only_steps": 0,
+    "mfu_peak_tflops": None, "save": None, "load": None, "no_save_optim": False, "save_hf": None,
+    "attn_implementation": "flash_attention_2", "qkv_format": "thd",
+    # algorithm
+    "advantage_estimator": "grpo", "loss_type": "policy_loss", "custom_loss_function_path": None, "eps_clip": 0.2,
+    "eps_clip_high": None, "eps_clip_c": None, "value_clip": 0.2, "kl_coef": 0.0, "use_kl_loss": False,
+    "kl_loss_coef": 0.0, "kl_loss_type": "k1", "entropy_coef": 0.0, "gamma": 1.0, "lambd": 1.0,
+    "normalize_advantages": False, "grpo_std_normalization": True, "rewards_normalization": True,
+    "compute_advantages_and_returns": True, "calculate_per_token_loss": False, "use_rollout_logprobs": False,
+    "use_tis": False, "tis_clip": 2.0, "tis_clip_low": 0.0, "custom_tis_function_path": None, "use_opd": False,
+    "opd_type": None, "opd_kl_coef": 1.0, "opd_teacher_load": None,
+    # fault tolerance and output
+    "use_fault_tolerance": False, "rollout_health_check_interval": 30.0, "rollout_health_check_timeout": 30.0,
+    "use_wandb": False, "wandb_project": None, "wandb_group": None, "wandb_team": None, "wandb_host": None,
+    "wandb_key": None, "wandb_random_suffix": True, "use_tensorboard": False, "save_debug_rollout_data": None,
+    "dump_details": None,
+}
+
+# Miles v0.1.0 values that differ by backend: (fsdp, megatron)
+MILES_V010_BY_BACKEND = {
+    "adam_beta2": (0.95, 0.999),
+    "weight_decay": (0.0, 0.01),
+    "lr_decay_style": ("constant", "linear"),
+}
+
+# kept different on purpose (docs/flags.md, "Departures from Miles"): dest -> (Miles v0.1.0, here)
+DEPARTURES = {
+    "train_backend": ("megatron", "fsdp"),
+    "save_interval": (None, 100),
+    "rollout_health_check_first_wait": (0, 300.0),
+}
+
+
+def _values(cfg: MilesConfig) -> dict:
+    out: dict = {}
+    for f in dataclasses.fields(cfg):
+        sec = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(sec):
+            out.update({k.name: getattr(sec, k.name) for k in dataclasses.fields(sec)})
+    return out
+
+
+def test_defaults_equal_miles_v010_with_fsdp():
+    got = _values(parse_args(BASE, validate=False))
+    wrong = {k: (got[k], v) for k, v in MILES_V010.items() if got[k] != v or type(got[k]) is not type(v)
+             and not (isinstance(v, float) and isinstance(got[k], (int, float)))}
+    assert not wrong, f"dest: (here, Miles v0.1.0) {wrong}"
+    for k, (fsdp, _) in MILES_V010_BY_BACKEND.items():
+        assert got[k] == fsdp, k
+
+
+def test_megatron_backend_takes_megatron_lm_defaults():
+    got = _values(parse_args(BASE + ["--train-backend", "megatron"], validate=False))
+    for k, (_, megatron) in MILES_V010_BY_BACKEND.items():
+        assert got[k] == megatron, k
+    assert got["lr"] == 1e-6 and got["optimizer"] == "adam"
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_a_given_value_wins_over_the_backend_default(backend):
+    got = _values(parse_args(BASE + ["--train-backend", backend, "--adam-beta2", "0.98", "--weight-decay", "0.1",
+                                     "--lr-decay-style", "cosine"], validate=False))
+    assert (got["adam_beta2"], got["weight_decay"], got["lr_decay_style"]) == (0.98, 0.1, "cosine")
+
+
+def test_departures_are_the_only_differences_and_are_documented():
+    from pathlib import Path
+
+    got = _values(parse_args(BASE, validate=False))
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "flags.md").read_text()
+    section = doc.split("## Departures from Miles", 1)[1]
+    for dest, (miles, here) in DEPARTURES.items():
+        assert got[dest] == here, dest
+        assert miles != here
+        assert f"`--{dest.replace('_', '-')}`" in section, dest
