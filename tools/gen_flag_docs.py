@@ -88,7 +88,6 @@ checks the defaults listed here):
 |---|---|---|---|
 | `--train-backend` | `megatron` | `fsdp` | The FSDP2 backend runs every algorithm here on CPU and GPU; Megatron scripts pass `--train-backend megatron` or are refused by name. |
 | `--save-interval` | none (no periodic saves) | `100` | A run that is killed loses at most 100 rollouts of work; with `--save` unset nothing is written either way. |
-| `--rollout-health-check-first-wait` | `0` | `300` | Here this is also the time a (re)started engine has to become healthy before it counts as failed; 0 would kill every restarting engine on its first probe. |
 | `--rollout-router-ip`, `--rollout-router-port` | removed names | accepted with a warning | The migration guide's renames (to `--sglang-router-ip` / `--sglang-router-port`) keep working for one release. |
 | `--rm-path` | removed name | refused, naming `--custom-rm-path` | The migration guide's rename; the error says what to write instead. |
 | `--distributed-backend nccl` | NCCL everywhere | gloo on a CPU rank (logged) | NCCL has no CPU transport; CPU runs keep working with Miles's default. |

@@ -11,8 +11,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     f.add_argument("--use-fault-tolerance", action="store_true", help="Recover dead engines in place (torchft heartbeats).")
     f.add_argument("--rollout-health-check-interval", type=float, default=30.0, help="Seconds between engine health probes.")
     f.add_argument("--rollout-health-check-timeout", type=float, default=30.0, help="Seconds before a probe counts as failed.")
-    f.add_argument("--rollout-health-check-first-wait", type=float, default=300.0,
-                   help="Seconds a (re)started engine has to become healthy before it counts as failed (its cold start).")
+    f.add_argument("--rollout-health-check-first-wait", type=float, default=0.0,
+                   help="Grace seconds, after --engine-startup-timeout, a (re)started engine has to pass its first "
+                        "health probe (increase for long compilation, e.g. deepgemm).")
     f.add_argument("--max-engine-restarts", type=int, default=3, help="Give an engine up after this many restarts.")
 
 

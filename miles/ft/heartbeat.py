@@ -194,8 +194,10 @@ class EngineHeartbeat(BackgroundLoops):
                 self._last_ok = time.monotonic()
             self._set(EngineState.HEALTHY, f"first healthy probe after {time.monotonic() - self._started:.1f}s")
             return
-        if time.monotonic() - self._started > self.timings.first_wait:
-            self._kill(f"not healthy within --rollout-health-check-first-wait {self.timings.first_wait:g}s (last probe: {why})")
+        if time.monotonic() - self._started > self.timings.cold_start:
+            self._kill(f"not healthy within its cold start of {self.timings.cold_start:g}s (--engine-startup-timeout "
+                       f"{self.timings.engine_startup_timeout:g} + --rollout-health-check-first-wait "
+                       f"{self.timings.first_wait:g}; last probe: {why})")
 
     def _probe_healthy(self) -> None:
         ok, why = probe_health(self.engine.url, self.timings.probe_timeout)

@@ -45,7 +45,7 @@ class FaultTolerantClient:
 
     def __init__(self, inner: Any, controller: EngineRecoveryController, timings: FTTimings) -> None:
         self.inner, self.controller = inner, controller
-        self.wait_budget = timings.first_wait + timings.hang_detection_bound + 30.0
+        self.wait_budget = timings.cold_start + timings.hang_detection_bound + 30.0
         self.reissued = 0
         self._current: dict[str, str] = {}  # rid -> the rid of its attempt in progress on ``inner``
         self._aborted: dict[str, asyncio.Event] = {}  # rid -> set once aborted, for every generate() in progress
@@ -130,12 +130,13 @@ class FaultTolerance:
 
     @classmethod
     def setup(cls, ft: FTConfig, *, is_driver: bool, host: str, share_address: Callable[[dict | None], dict],
+              engine_startup_timeout: float = 0.0,
               engine_id: int | None = None, supervisor: Any = None, engine_url: str | None = None) -> FaultTolerance | None:
         """Every rank, once the engines are placed: the driver starts the lighthouse, every rank learns its
         address, each engine's leader (the rank holding ``supervisor``) starts heartbeating for its engine."""
         if not ft.use_fault_tolerance:
             return None
-        timings = ft_timings(ft)
+        timings = ft_timings(ft, engine_startup_timeout)
         lighthouse = None
         if is_driver:
             try:
@@ -161,7 +162,8 @@ class FaultTolerance:
         return cls(ft, timings, lighthouse, address, heartbeat)
 
     @classmethod
-    def for_run(cls, ft: FTConfig, ctx: Any, placement: Any, broadcast: Callable[[Any], Any]) -> FaultTolerance | None:
+    def for_run(cls, ft: FTConfig, ctx: Any, placement: Any, broadcast: Callable[[Any], Any],
+                engine_startup_timeout: float = 0.0) -> FaultTolerance | None:
         """:meth:`setup` from the run's SPMD context (``ctx.is_driver``, ``ctx.rank``, ``ctx.engine``,
         ``ctx.world.num_nodes``) and engine placement (``urls``, ``supervisor``); ``broadcast(value)`` is the
         driver's broadcast over the control group (collective: every rank calls this)."""
@@ -173,7 +175,7 @@ class FaultTolerance:
             logger.warning("--use-fault-tolerance without rollout engines: nothing to recover")
         host = "127.0.0.1" if ctx.world.num_nodes == 1 else "0.0.0.0"
         return cls.setup(ft, is_driver=ctx.is_driver, host=host, share_address=broadcast,
-                         engine_id=spec.engine_id if leads else None,
+                         engine_startup_timeout=engine_startup_timeout, engine_id=spec.engine_id if leads else None,
                          supervisor=placement.supervisor if leads else None,
                          engine_url=placement.urls[spec.engine_id] if leads else None)
 
@@ -196,7 +198,7 @@ class FaultTolerance:
             events_path=events_path, await_first_sync=await_first_sync,
             requests_retried=(lambda: int(stats.get("retries", 0)) + (self.client.reissued if self.client else 0))
             if isinstance(stats, dict) else None).start()
-        wait = wait_timeout or self.timings.first_wait + 60.0
+        wait = wait_timeout or self.timings.cold_start + 60.0
         if await_first_sync:
             self.controller.wait_joined(timeout=wait)
         else:

@@ -3,8 +3,9 @@
 Three clocks matter:
 
 - the health *probe*: ``GET /health_generate`` every ``--rollout-health-check-interval`` seconds, failed
-  after ``--rollout-health-check-timeout`` seconds; probes failing during the first
-  ``--rollout-health-check-first-wait`` seconds after an engine (re)starts do not count (cold start);
+  after ``--rollout-health-check-timeout`` seconds; a (re)started engine has its *cold start*,
+  ``--engine-startup-timeout`` plus Miles's grace ``--rollout-health-check-first-wait`` seconds, to pass
+  its first probe (failed probes before that do not count);
 - the torchft *heartbeat*: the leader rank heartbeats for its engine every ``heartbeat_period`` seconds
   while the engine process is alive and its last probe passed recently; the lighthouse forgets a
   replica ``heartbeat_timeout`` seconds after its last heartbeat;
@@ -35,6 +36,12 @@ class FTTimings:
     heartbeat_timeout: float
     join_timeout: float
     max_engine_restarts: int
+    engine_startup_timeout: float = 0.0
+
+    @property
+    def cold_start(self) -> float:
+        """Seconds a (re)started engine has to pass its first health probe before it is killed."""
+        return self.engine_startup_timeout + self.first_wait
 
     @property
     def hang_detection_bound(self) -> float:
@@ -42,8 +49,9 @@ class FTTimings:
         return self.probe_interval + self.probe_timeout + self.heartbeat_period + self.heartbeat_timeout + self.join_timeout
 
 
-def ft_timings(ft: FTConfig) -> FTTimings:
-    """Validate the fault-tolerance flags and derive the heartbeat clocks from them."""
+def ft_timings(ft: FTConfig, engine_startup_timeout: float = 0.0) -> FTTimings:
+    """Validate the fault-tolerance flags and derive the heartbeat clocks from them (``engine_startup_timeout``:
+    ``--engine-startup-timeout``, part of a restarted engine's cold start)."""
     checks = (
         ("rollout_health_check_interval", ft.rollout_health_check_interval, 0.0, "e.g. 10"),
         ("rollout_health_check_timeout", ft.rollout_health_check_timeout, 0.0, "e.g. 30"),
@@ -67,6 +75,7 @@ def ft_timings(ft: FTConfig) -> FTTimings:
         heartbeat_timeout=hb_timeout,
         join_timeout=hb_timeout,
         max_engine_restarts=int(ft.max_engine_restarts),
+        engine_startup_timeout=float(engine_startup_timeout),
     )
 
 

@@ -190,7 +190,8 @@ async def build_run(cfg: MilesConfig, ctx: SPMDContext) -> Run:
         from miles.ft.integration import FaultTolerance
 
         group, src = ctx.groups.control_group, ctx.plan.driver_rank
-        worker.ft = FaultTolerance.for_run(cfg.ft, ctx, placement, lambda v: broadcast_json(v, group, src, timeout))
+        worker.ft = FaultTolerance.for_run(cfg.ft, ctx, placement, lambda v: broadcast_json(v, group, src, timeout),
+                                           engine_startup_timeout=cfg.rollout.engine_startup_timeout)
     try:
         if ctx.is_trainer:
             trainer = worker.trainer = _build_trainer(cfg, ctx, plan)

@@ -55,6 +55,7 @@ MILES_V010 = {
     "opd_type": None, "opd_kl_coef": 1.0, "opd_teacher_load": None,
     # fault tolerance and output
     "use_fault_tolerance": False, "rollout_health_check_interval": 30.0, "rollout_health_check_timeout": 30.0,
+    "rollout_health_check_first_wait": 0.0,
     "use_wandb": False, "wandb_project": None, "wandb_group": None, "wandb_team": None, "wandb_host": None,
     "wandb_key": None, "wandb_random_suffix": True, "use_tensorboard": False, "save_debug_rollout_data": None,
     "dump_details": None,
@@ -71,7 +72,6 @@ MILES_V010_BY_BACKEND = {
 DEPARTURES = {
     "train_backend": ("megatron", "fsdp"),
     "save_interval": (None, 100),
-    "rollout_health_check_first_wait": (0, 300.0),
 }
 
 

@@ -45,13 +45,15 @@ def main() -> None:
     p.add_argument("--interval", type=float, default=0.5)
     p.add_argument("--timeout", type=float, default=1.0)
     p.add_argument("--first-wait", type=float, default=10.0)
+    p.add_argument("--startup-timeout", type=float, default=0.0)
     p.add_argument("child", nargs=argparse.REMAINDER)
     args = p.parse_args()
     child = args.child[1:] if args.child[:1] == ["--"] else args.child
     configure_logging(rank=args.engine_id, role="leader", all_ranks=True)
     timings = ft_timings(FTConfig(use_fault_tolerance=True, rollout_health_check_interval=args.interval,
                                   rollout_health_check_timeout=args.timeout,
-                                  rollout_health_check_first_wait=args.first_wait, max_engine_restarts=args.max_restarts))
+                                  rollout_health_check_first_wait=args.first_wait, max_engine_restarts=args.max_restarts),
+                         engine_startup_timeout=args.startup_timeout)
     sup = EngineSupervisor(child, name=f"engine{args.engine_id}", log_path=args.log, max_restarts=args.max_restarts,
                            restart_backoff=0.2).start()
     stop = threading.Event()

@@ -29,10 +29,10 @@ HERE = Path(__file__).resolve().parent
 INTERVAL, TIMEOUT = 0.5, 1.0
 
 
-def _timings(max_restarts: int = 3, first_wait: float = 10.0):
+def _timings(max_restarts: int = 3, first_wait: float = 10.0, startup_timeout: float = 0.0):
     return ft_timings(FTConfig(use_fault_tolerance=True, rollout_health_check_interval=INTERVAL,
                                rollout_health_check_timeout=TIMEOUT, rollout_health_check_first_wait=first_wait,
-                               max_engine_restarts=max_restarts))
+                               max_engine_restarts=max_restarts), engine_startup_timeout=startup_timeout)
 
 
 class Cluster:
@@ -51,6 +51,7 @@ class Cluster:
                 "--interval", str(INTERVAL), "--timeout", str(TIMEOUT),
                 "--max-restarts", str(self.timings.max_engine_restarts),
                 "--first-wait", str(self.timings.first_wait),
+                "--startup-timeout", str(self.timings.engine_startup_timeout),
                 "--", sys.executable, str(HERE / "health_server.py"), "--port", str(port), *server_args]
         self.leaders[eid] = subprocess.Popen(argv)
 
@@ -152,11 +153,11 @@ def test_engines_leave_on_kill_and_hang_and_come_back_restarted(cluster):
 
 
 def test_cold_start_is_not_killed_and_a_crashing_engine_is_given_up(cluster):
-    c = cluster(max_restarts=1, first_wait=8.0)
-    c.leader(0, "--unhealthy-for", "3")  # 503 for 3 s: within the first wait
+    c = cluster(max_restarts=1, first_wait=0.0, startup_timeout=8.0)  # Miles's first wait (0): the cold start
+    c.leader(0, "--unhealthy-for", "3")  # 503 for 3 s: within --engine-startup-timeout + first wait
     c.leader(1)
     up = c.expect("up", 0, timeout=60)
-    assert up.incarnation == 0, "a cold start inside --rollout-health-check-first-wait must not be restarted"
+    assert up.incarnation == 0, "a cold start inside --engine-startup-timeout must not be restarted"
     c.expect("up", 1, timeout=60)
     os.kill(c.child_pid(1)[0], signal.SIGKILL)
     c.expect("up", 1, timeout=30)
