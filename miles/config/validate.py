@@ -13,9 +13,17 @@ if TYPE_CHECKING:
     from miles.config import MilesConfig
 
 
+P2P_NEEDS_EMBEDDED = ("--update-weight-transfer-mode p2p needs the embedded engine (SGLang's "
+                      "/update_weights_from_distributed takes whole buckets from one rank): pass --rollout-engine "
+                      "embedded, or use --update-weight-transfer-mode broadcast with SGLang.")
+
+
 def validate_config(cfg: MilesConfig) -> None:
     c, d, a, w = cfg.cluster, cfg.data, cfg.algo, cfg.weights
     _validate_miles_flags(cfg)
+    from miles.config.sglang import validate_sglang
+
+    validate_sglang(cfg.sglang, rollout_num_gpus_per_engine=c.rollout_num_gpus_per_engine)
     if c.debug_train_only and c.debug_rollout_only:
         raise ConfigError("--debug-train-only and --debug-rollout-only exclude each other: pass at most one.")
     if cfg.is_async and c.colocate:
@@ -93,6 +101,8 @@ def validate_config(cfg: MilesConfig) -> None:
     if w.update_weight_transfer_mode == "p2p" and c.colocate:
         raise ConfigError("--update-weight-transfer-mode p2p sends between separate devices and cannot be used with "
                           "--colocate: drop the flag (colocated runs hand weights over in place).")
+    if w.update_weight_transfer_mode == "p2p" and cfg.rollout.rollout_engine == "sglang":
+        raise ConfigError(P2P_NEEDS_EMBEDDED)
     if w.update_weight_transfer_mode == "tensor" and not c.colocate:
         raise ConfigError("--update-weight-transfer-mode tensor hands weights over on the same device and needs --colocate; "
                           "use broadcast or disk-delta for disaggregated engines.")

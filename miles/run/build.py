@@ -98,6 +98,11 @@ def _driver_plan(cfg: MilesConfig, ctx: SPMDContext) -> tuple[RunPlan, dict[str,
     eval_datasets = load_eval_datasets(cfg.eval, cfg.data, tokenizer, seed) if cfg.eval.eval_prompt_data else {}
     has_engines = bool(ctx.plan.engines)
     kind = resolve_engine_kind(cfg.rollout, ctx.world.device.type == "cuda") if has_engines else "none"
+    if kind == "sglang" and cfg.weights.update_weight_transfer_mode == "p2p":  # --rollout-engine auto chose SGLang
+        from miles.config.base import ConfigError
+        from miles.config.validate import P2P_NEEDS_EMBEDDED
+
+        raise ConfigError(P2P_NEEDS_EMBEDDED)
     api_key = resolve_api_key(cfg.rollout, ctx.world.num_nodes) if has_engines else None
     out_dir = str(default_output_dir(cfg.output))
     plan = resolve_run(cfg, num_prompts=len(dataset) if dataset is not None else None, output_dir=out_dir,

@@ -55,13 +55,13 @@ def test_only_the_given_flags_are_recorded():
     cfg = parse_args(BASE + ["--sglang-chunked-prefill-size", "4096", "--sglang-context-length", "32k",
                              "--sglang-tensor-parallel-size", "2", "--sglang-enable-dp-attention",
                              "--no-sglang-lora-strict-loading", "--sglang-json-model-override-args", '{"a": 1}',
-                             "--sglang-model-checksum", "--sglang-cuda-graph-bs", "1", "2", "4"])
+                             "--sglang-model-checksum", "--sglang-cuda-graph-bs", "1", "2", "4"], validate=False)
     assert cfg.sglang.server_args == {"chunked_prefill_size": 4096, "context_length": 32000, "tp_size": 2,
                                       "enable_dp_attention": True, "lora_strict_loading": False,
                                       "json_model_override_args": '{"a": 1}', "model_checksum": "",
                                       "cuda_graph_bs": [1, 2, 4]}
     assert json.loads(cfg.to_json())["sglang"]["sglang_server_args"]["context_length"] == 32000
-    again = parse_args(BASE + ["--sglang-dp-size", "2"])  # nothing shared between parses
+    again = parse_args(BASE + ["--sglang-dp-size", "2"], validate=False)  # nothing shared between parses
     assert again.sglang.server_args == {"dp_size": 2} and "dp_size" not in cfg.sglang.server_args
 
 
@@ -130,7 +130,7 @@ def test_cli_spelling_of_each_kind():
 
 def test_cross_checks_for_validate_config():
     def check(*argv: str, gpus: int = 2) -> None:
-        S.validate_sglang(parse_args(BASE + list(argv)).sglang, rollout_num_gpus_per_engine=gpus)
+        S.validate_sglang(parse_args(BASE + list(argv), validate=False).sglang, rollout_num_gpus_per_engine=gpus)
 
     check("--sglang-tp-size", "2")
     check("--sglang-dp-size", "2", "--sglang-enable-dp-attention")
@@ -152,3 +152,23 @@ def test_miles_attribute_view_for_plugins():
     assert view["sglang_cuda_graph_max_bs_decode"] == 16 and view["sglang_enable_dp_attention"] is True
     assert view["sglang_chunked_prefill_size"] is None and view["sglang_max_prefill_tokens"] == 16384  # SGLang's
     assert "sglang_port" not in view and "sglang_mem_fraction_static" not in view  # not --sglang-* flags of this section
+
+
+def test_parse_args_runs_the_sglang_cross_checks():
+    """``validate_sglang`` is part of every parse (so a --dry-run that passes has checked it)."""
+    from miles.config import parse_args
+
+    base = ["--num-rollout", "1", "--rollout-batch-size", "1", "--rollout-num-gpus-per-engine", "2"]
+    with pytest.raises(ConfigError, match=r"^--sglang-tp-size 4 disagrees with --rollout-num-gpus-per-engine 2"):
+        parse_args([*base, "--sglang-tp-size", "4"])
+    with pytest.raises(ConfigError, match=r"^--sglang-dp-size 2 needs --sglang-enable-dp-attention"):
+        parse_args([*base, "--sglang-dp-size", "2"])
+    parse_args([*base, "--sglang-tp-size", "2", "--sglang-dp-size", "2", "--sglang-enable-dp-attention"])
+
+
+def test_p2p_with_sglang_engines_is_one_line():
+    from miles.config import parse_args
+
+    with pytest.raises(ConfigError, match=r"^--update-weight-transfer-mode p2p needs the embedded engine"):
+        parse_args(["--num-rollout", "1", "--rollout-batch-size", "1", "--rollout-engine", "sglang",
+                    "--update-weight-transfer-mode", "p2p"])
