@@ -6,7 +6,12 @@ micro-batches of ``--max-tokens-per-gpu``), split over the GPUs. Reports global 
 step, achieved TFLOP/s per GPU by the 6·N·tokens count (docs/benchmarks.md, "Reference figures"), MFU against the GPU's
 bf16 peak (metrics.PEAK_BF16_TFLOPS) and peak memory, as one JSON line on rank 0.
 
-    torchrun --nproc-per-node 1 benchmarks/train_step.py            # 1 GPU, 8 x 2048 tokens
+On one rank the same run then measures the plain side (``plain_*`` keys; ``--no-plain`` skips it): the
+same model loaded by transformers, fp32 master weights, bf16 autocast, fused AdamW, the same samples as
+one padded-free batch ``[samples, seq_len]`` with the next-token cross-entropy of the response tokens, so
+the two sides share the precision recipe and the tokens; ``trainer_vs_plain`` is the ratio of tokens/s.
+
+    torchrun --nproc-per-node 1 benchmarks/train_step.py            # 1 GPU, 8 x 2048 tokens, and the plain side
     torchrun --nproc-per-node 2 benchmarks/train_step.py            # 2 GPUs (4 samples each)
     python benchmarks/train_step.py --tiny                          # CPU smoke run of the script
 """
@@ -42,6 +47,41 @@ def build_model(out: Path, tiny: bool) -> None:
     Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(str(out))
 
 
+def plain_step_tokens_per_s(model_dir: Path, samples: list, prompt_len: int, device: torch.device, warmup: int,
+                            steps: int, recompute: bool) -> float:
+    """Tokens/s of a plain transformers + fused AdamW step on ``samples`` (see the module docstring)."""
+    import time
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device)
+    model.config.use_cache = False
+    if recompute:
+        model.gradient_checkpointing_enable()
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device.type == "cuda")
+    ids = torch.tensor([s.tokens for s in samples], device=device)
+    labels = ids.clone()
+    labels[:, :prompt_len] = -100                                 # the loss on response tokens, as the trainer's
+    times = []
+    for it in range(warmup + steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if it >= warmup:
+            times.append(time.perf_counter() - t0)
+    del model, opt
+    return ids.numel() / statistics.mean(times)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", default=None, help="Reuse (or create) the random model here.")
@@ -54,6 +94,7 @@ def main() -> None:
     p.add_argument("--recompute", action="store_true")
     p.add_argument("--tiny", action="store_true", help="Tiny model, 4 x 128 tokens (CPU smoke run).")
     p.add_argument("--json-out", default=None)
+    p.add_argument("--no-plain", action="store_true", help="Skip the plain transformers + AdamW side (1 rank).")
     a = p.parse_args()
     if a.tiny:
         a.samples, a.seq_len, a.prompt_len = 4, 128, 16
@@ -104,7 +145,19 @@ def main() -> None:
         "mfu": round(statistics.mean(m.get("mfu", 0.0) for m in runs), 4),
         "peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 1) if device.type == "cuda" else None,
         "recompute": a.recompute, "loss_last": runs[-1]["loss"],
+        "phases_s": {k[len("phase/"):]: round(statistics.mean(m[k] for m in runs), 4) for k in runs[-1]
+                     if k.startswith("phase/")},
     }
+    if world == 1 and not a.no_plain:
+        del trainer
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        plain = plain_step_tokens_per_s(model_dir, samples, a.prompt_len, device, a.warmup, a.steps, a.recompute)
+        result["plain_tokens_per_s"] = round(plain, 1)
+        result["plain_peak_mem_gib"] = (round(torch.cuda.max_memory_allocated(device) / 2**30, 1)
+                                        if device.type == "cuda" else None)
+        result["trainer_vs_plain"] = round(tps / plain, 3)
     if rank == 0:
         print(json.dumps(result), flush=True)
         if a.json_out:

@@ -17,4 +17,4 @@ export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
   --num-rollout 30 --rollout-batch-size 320 --global-batch-size 32 \
   --lr 3e-3 --adam-beta2 0.98 --clip-grad 1.0 --use-dynamic-batch-size --max-tokens-per-gpu 4096 \
   --save "$DIR/sft_ckpt" --save-interval 1000 --keep-checkpoints 1 --no-save-optim --save-hf "$DIR/sft_model" \
-  --output-dir "$DIR/sft_run" --run-name quickstart-sft "$@"
+  --output-dir "$DIR/sft_run" --run-name quickstart-sft --use-tensorboard "$@"

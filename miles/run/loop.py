@@ -1,19 +1,22 @@
 """The synchronous RL loop (``train.py``), run by the driver; the other ranks follow its commands.
 
-Per rollout: generate (or, for ``--loss-type sft_loss``, read the demonstrations) -> score (keep
-trainable samples, reward statistics) -> train_step (scatter groups to the trainer ranks, one
-``FSDPTrainer.train``) -> maybe_save -> sync_weights -> maybe_eval, each phase timed
-(``perf/<phase>_time``), then one metrics record. Colocated runs release engine memory while the
+Per rollout: health (drop dead engines) -> generate (or, for ``--loss-type sft_loss``, read the
+demonstrations) -> score (keep trainable samples, reward statistics) -> train_step (scatter groups to the
+trainer ranks, one ``FSDPTrainer.train``) -> maybe_save -> sync_weights -> maybe_eval, each phase timed
+(``perf/<phase>_time``, ``miles.run.metrics.STEP_PHASES``; what none covers is ``perf/other_time``, so the
+phases add up to ``perf/step_time``), then one metrics record. Colocated runs release engine memory while the
 trainer works and offload the trainer while engines generate (``--offload-train``/``--offload-rollout``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from miles.run.metrics import add_residuals
 from miles.spmd.errors import MilesError
 from miles.types import Sample, SampleStatus
 from miles.utils.logging import get_logger
@@ -103,12 +106,14 @@ class RLLoop:
         ft = self.job.worker.ft
         for rollout_id in range(start, end):
             t_step = time.monotonic()
-            if ft is not None:
-                ft.check()  # every engine given up: stop, saying why
-            elif self.job.fleet is not None:
-                await self.job.fleet.prune_dead()  # a dead engine leaves the router even without FT
+            with self.timer("health"):
+                if ft is not None:
+                    ft.check()  # every engine given up: stop, saying why
+                elif self.job.fleet is not None:
+                    await self.job.fleet.prune_dead()  # a dead engine leaves the router even without FT
             groups, metrics = await self.generate(rollout_id)
-            groups, score_metrics = self.score(groups)
+            with self.timer("score"):
+                groups, score_metrics = self.score(groups)
             metrics.update(score_metrics)
             metrics.update(self.train_step(rollout_id, groups))
             self.maybe_save(rollout_id)
@@ -118,14 +123,16 @@ class RLLoop:
             if ft is not None:
                 metrics.update(ft.metrics())  # ft/engine_restarts, ft/requests_retried, ft/recovery_time_s
             metrics["perf/step_time"] = time.monotonic() - t_step
-            self.job.sink.log(rollout_id, metrics)
+            self.job.sink.log(rollout_id, add_residuals(metrics))  # perf/other_time: the step minus its phases
 
     # ------------------------------------------------------------------ steps
     async def generate(self, rollout_id: int, keepalive: bool = True) -> tuple[list[list[Sample]], dict[str, float]]:
         job = self.job
         with self.timer("rollout"):
-            if job.sft is not None:
-                groups, metrics = job.sft.next_rollout(rollout_id)
+            if job.sft is not None:  # SFT data, or a --rollout-function-path function (async)
+                with job.worker.channel.keepalive() if keepalive else contextlib.nullcontext():
+                    out = job.sft.next_rollout(rollout_id)
+                    groups, metrics = (await out) if inspect.isawaitable(out) else out
             else:
                 if job.manager is None:
                     raise MilesError("RL training needs rollout engines, but this run has none (--debug-train-only): "
@@ -147,8 +154,8 @@ class RLLoop:
                     metrics["perf/teacher_time"] = time.monotonic() - t0
         if self.has_trainer and self.plan.offload_rollout and job.fleet is not None:
             await job.fleet.call_all("release_memory_occupation")
-        if self.cfg.output.save_debug_rollout_data:
-            dump_samples(self.cfg.output.save_debug_rollout_data.format(rollout_id=rollout_id), groups)
+        if self.cfg.output.rollout_dump_path:  # --save-debug-rollout-data, or under --dump-details
+            dump_samples(self.cfg.output.rollout_dump_path.format(rollout_id=rollout_id), groups)
         return groups, metrics
 
     def score(self, groups: list[list[Sample]]) -> tuple[list[list[Sample]], dict[str, float]]:

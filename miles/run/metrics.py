@@ -5,7 +5,7 @@
     sink.close()        # writes metrics.png, closes TensorBoard / W&B
 
 Every ``log`` call writes one JSON object per rollout to ``<out_dir>/metrics.jsonl`` (keys sorted, with
-``rollout_id``), the same scalars to TensorBoard (``<out_dir>/tensorboard``, unless --no-tensorboard) and
+``rollout_id``), the same scalars to TensorBoard (``<out_dir>/tensorboard``, with --use-tensorboard) and
 to W&B (with --use-wandb; ``WANDB_MODE=offline`` works, the import is lazy and names the ``wandb``
 extra), and logs one summary line: reward, response length, KL, timings. Ranks other than the driver
 get :class:`NullSink`, which does nothing.
@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
+import string
 import time
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,83 @@ METRICS_FILE = "metrics.jsonl"
 SUPERSEDED_FILE = "metrics.superseded.jsonl"  # records of rollouts redone after a resume (see supersede_after_checkpoint)
 PLOT_FILE = "metrics.png"
 
+# The phases of one step of train.py, disjoint and in the order they run, timed on the driver's clock;
+# ``perf/other_time`` is what none of them covers, so together they add up to ``perf/step_time`` exactly.
+STEP_PHASES = ("perf/health_time", "perf/rollout_time", "perf/score_time", "perf/train_time", "perf/save_time",
+               "perf/update_weights_time", "perf/eval_time")
+OTHER_KEY = "perf/other_time"
+# The parts of a phase, each with its own residual. train: the driver's scatter of the samples, then the
+# trainer's phases (trainer rank 0's seconds; ``<part>_max`` is the slowest rank's). update_weights: the
+# weight sender's gather, transfer, engine load and HTTP control calls.
+PHASE_PARTS = {
+    "perf/train_time": (tuple(f"perf/train/{p}_time" for p in ("scatter", "data", "logprobs", "advantages",
+                                                              "fwd_bwd", "optimizer", "metrics")),
+                        "perf/train/other_time"),
+    "perf/update_weights_time": (("weight_sync/gather_s", "weight_sync/transfer_s", "weight_sync/load_s",
+                                  "weight_sync/control_s"), "perf/update_weights/other_time"),
+}
+
+
+def add_residuals(metrics: dict[str, float], phases: tuple[str, ...] = STEP_PHASES) -> dict[str, float]:
+    """Sets ``perf/other_time`` (``perf/step_time`` minus the phases present) and each phase's own residual
+    (the phase minus its parts present, when it has any); returns ``metrics``."""
+    if "perf/step_time" in metrics:
+        metrics[OTHER_KEY] = metrics["perf/step_time"] - sum(metrics.get(k, 0.0) for k in phases)
+    for phase, (parts, residual) in PHASE_PARTS.items():
+        present = [k for k in parts if k in metrics]
+        if phase in metrics and present:
+            metrics[residual] = metrics[phase] - sum(metrics[k] for k in present)
+    return metrics
+
+
+def phase_breakdown(record: dict[str, float]) -> list[tuple[str, float, int]]:
+    """(key, seconds, depth) of a record's step: each phase (depth 0) followed by its parts (depth 1)."""
+    rows: list[tuple[str, float, int]] = []
+    for phase in STEP_PHASES + (OTHER_KEY,):
+        if phase not in record:
+            continue
+        rows.append((phase, record[phase], 0))
+        parts, residual = PHASE_PARTS.get(phase, ((), None))
+        rows += [(k, record[k], 1) for k in parts + ((residual,) if residual else ()) if k in record]
+    return rows
+
+
+def reward_windows(records: list[dict[str, float]], window: int) -> dict[str, float] | None:
+    """Mean reward over ``window`` consecutive rollouts: the first window and the best one, each with the
+    training time (sum of ``perf/step_time``, start-up excluded) at which it was complete. None when fewer
+    than ``window`` rollouts have a reward."""
+    rows = [(r.get("rollout/raw_reward"), r.get("perf/step_time", 0.0), r.get("rollout_id"))
+            for r in records if "rollout_id" in r and r.get("perf/step_time") is not None]
+    rows = [(v, t, rid) for v, t, rid in rows if v is not None and math.isfinite(v)]
+    if window < 1 or len(rows) < window:
+        return None
+    elapsed, means = 0.0, []
+    for i, (_, t, _) in enumerate(rows):
+        elapsed += t if math.isfinite(t) else 0.0
+        if i + 1 >= window:
+            means.append((sum(v for v, _, _ in rows[i + 1 - window:i + 1]) / window, elapsed, rows[i][2]))
+    best = max(range(len(means)), key=lambda i: (means[i][0], -i))
+    return {"window": float(window), "first": means[0][0], "first_time": means[0][1], "first_end": means[0][2],
+            "best": means[best][0], "best_time": means[best][1], "best_end": means[best][2],
+            "train_time": elapsed, "rollouts": float(len(rows))}
+
+
+def run_summary_line(records: list[dict[str, float]], window: int | None = None) -> str | None:
+    """``40 rollouts, 9.8s of training (0.25s/step) | reward over 10 rollouts: first 0.412 (rollouts 0-9, at
+    2.5s), best 0.731 (rollouts 28-37, at 9.3s)``; ``window`` defaults to a quarter of the run (1 to 10)."""
+    w = window or max(1, min(10, len([r for r in records if "rollout_id" in r]) // 4))
+    s = reward_windows(records, w)
+    if s is None:
+        return None
+    n, w = int(s["rollouts"]), int(s["window"])
+
+    def span(end: float) -> str:
+        return f"rollout {int(end)}" if w == 1 else f"rollouts {int(end) - w + 1}-{int(end)}"
+
+    return (f"{n} rollouts, {s['train_time']:.1f}s of training ({s['train_time'] / max(n, 1):.3f}s/step) | reward "
+            f"over {w} rollout{'s' if w > 1 else ''}: first {s['first']:.3f} ({span(s['first_end'])}, at "
+            f"{s['first_time']:.1f}s), best {s['best']:.3f} ({span(s['best_end'])}, at {s['best_time']:.1f}s)")
+
 
 def default_output_dir(output: OutputConfig, now: float | None = None) -> Path:
     """``--output-dir``, else ``outputs/<run-name>-<YYYYmmdd-HHMMSS>``."""
@@ -40,6 +119,14 @@ def default_output_dir(output: OutputConfig, now: float | None = None) -> Path:
         return Path(output.output_dir)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
     return Path("outputs") / f"{output.run_name}-{stamp}"
+
+
+def wandb_run_name(output: OutputConfig, rng: random.Random | None = None) -> str:
+    """--run-name, plus ``_`` and 6 random characters unless --disable-wandb-random-suffix (as Miles)."""
+    if not output.wandb_random_suffix:
+        return output.run_name
+    rng = rng or random.Random()
+    return output.run_name + "_" + "".join(rng.choice(string.ascii_lowercase + string.digits) for _ in range(6))
 
 
 def _number(v: Any) -> float | None:
@@ -118,8 +205,10 @@ class MetricsSink:
         self._wandb = None
         if output.use_wandb:
             wandb = require("wandb", "--use-wandb")
-            self._wandb = wandb.init(project=output.wandb_project, group=output.wandb_group, name=output.run_name,
-                                     dir=str(self.out_dir), config=config or {}, reinit=True)
+            if output.wandb_key or output.wandb_host:
+                wandb.login(key=output.wandb_key, host=output.wandb_host, relogin=bool(output.wandb_key))
+            self._wandb = wandb.init(project=output.wandb_project, entity=output.wandb_team, group=output.wandb_group,
+                                     name=wandb_run_name(output), dir=str(self.out_dir), config=config or {}, reinit=True)
         self._closed = False
 
     def log(self, rollout_id: int, metrics: dict[str, Any]) -> None:
@@ -157,6 +246,9 @@ class MetricsSink:
         if self._closed:
             return
         self._closed = True
+        line = run_summary_line(self.records)
+        if line is not None:
+            logger.info("run summary: %s", line)
         self._file.close()
         if self._tb is not None:
             self._tb.close()

@@ -33,6 +33,20 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 
+def trainer_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+    """The trainer's metrics under ``train/``; its phase times (``phase/<name>``: trainer rank 0's seconds,
+    ``phase_max/<name>``: the slowest rank's) under ``perf/train/<name>_time`` and ``..._time_max``."""
+    out = {}
+    for k, v in metrics.items():
+        if k.startswith("phase/"):
+            out[f"perf/train/{k[len('phase/'):]}_time"] = float(v)
+        elif k.startswith("phase_max/"):
+            out[f"perf/train/{k[len('phase_max/'):]}_time_max"] = float(v)
+        else:
+            out[f"train/{k}"] = float(v)
+    return out
+
+
 class Worker:
     """What this rank does on each command (see the module docstring)."""
 
@@ -84,13 +98,20 @@ class Worker:
     def train(self, rollout_id: int, per_rank: list[list[Sample]] | None) -> dict[str, float]:
         if not self.is_trainer:
             return {}
+        import torch.distributed as dist
+
         from miles.rollout.wire import scatter_samples
 
         with self.ctx.groups.guard("trainer"):  # a dead or stuck trainer rank: one readable error, not a traceback
-            samples = scatter_samples(per_rank, self.ctx.groups.trainer_cpu_group, self.ctx.plan.driver_rank,
-                                      self.timeout)
+            t0 = time.monotonic()
+            group = self.ctx.groups.trainer_cpu_group
+            if per_rank is not None and len(per_rank) == 1 and dist.get_world_size(group) == 1:
+                samples = per_rank[0]           # the driver is the only trainer rank: nothing to send
+            else:
+                samples = scatter_samples(per_rank, group, self.ctx.plan.driver_rank, self.timeout)
+            t_scatter = time.monotonic() - t0
             metrics = self.trainer.train(samples, rollout_id)
-        return {f"train/{k}": float(v) for k, v in metrics.items()}
+        return {"perf/train/scatter_time": t_scatter, **trainer_metrics(metrics)}
 
     def sync_weights(self) -> dict[str, float]:
         if not self.is_trainer or self.sender is None:

@@ -98,27 +98,44 @@ def plan_micro_batches(
 
 
 def pack(samples: Sequence[SampleData], sample_ids: Sequence[int]) -> MicroBatch:
-    """Concatenate the given samples into one packed row (CPU tensors)."""
-    ids, pos, logit_index, targets, masks, cu = [], [], [], [], [], [0]
-    offset = 0
-    for sid in sample_ids:
-        s = samples[sid]
-        n, r = s.length, s.response_length
-        ids.append(s.tokens)
-        pos.append(torch.arange(n, dtype=torch.long))
-        prompt = n - r
-        # the output at position p predicts token p + 1: response token j sits at prompt + j
-        logit_index.append(torch.arange(offset + prompt - 1, offset + n - 1, dtype=torch.long))
-        targets.append(s.tokens[prompt:])
-        masks.append(s.loss_mask)
-        offset += n
-        cu.append(offset)
-    lengths = [samples[s].response_length for s in sample_ids]
+    """Concatenate the given samples into one packed row (CPU tensors), with a fixed number of tensor ops
+    whatever the sample count (a step of many short samples is otherwise dominated by per-sample ops)."""
+    chosen = [samples[sid] for sid in sample_ids]
+    n = torch.tensor([s.length for s in chosen], dtype=torch.long)              # [k] tokens per sample
+    lengths = [s.response_length for s in chosen]
+    r = torch.tensor(lengths, dtype=torch.long)                                 # [k] response tokens
+    ends = torch.cumsum(n, 0)                                                   # [k] end offsets
+    starts = ends - n
+    input_ids = torch.cat([s.tokens for s in chosen])                           # [T]
+    position_ids = torch.arange(input_ids.numel(), dtype=torch.long) - torch.repeat_interleave(starts, n)
+    # the output at position p predicts token p + 1: response token j of a sample sits at prompt + j, so
+    # its logit is read at offset + prompt - 1 + j
+    r_starts = torch.cumsum(r, 0) - r
+    j = torch.arange(int(r.sum()), dtype=torch.long) - torch.repeat_interleave(r_starts, r)
+    logit_index = torch.repeat_interleave(ends - r - 1, r) + j                  # [N]
     return MicroBatch(
-        input_ids=torch.cat(ids).unsqueeze(0), position_ids=torch.cat(pos).unsqueeze(0),
-        cu_seqlens=torch.tensor(cu, dtype=torch.int32), max_seqlen=max(samples[s].length for s in sample_ids),
-        logit_index=torch.cat(logit_index), targets=torch.cat(targets), loss_mask=torch.cat(masks).float(),
-        sample_ids=list(sample_ids), lengths=lengths)
+        input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0),
+        cu_seqlens=torch.cat([torch.zeros(1, dtype=torch.int32), ends.to(torch.int32)]),
+        max_seqlen=int(n.max()), logit_index=logit_index, targets=input_ids[logit_index + 1],
+        loss_mask=torch.cat([s.loss_mask for s in chosen]).float(), sample_ids=list(sample_ids), lengths=lengths)
+
+
+def padded_rows(mb: MicroBatch, pad_token_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The packed row as right-padded rows: (input_ids [k, L], position_ids [k, L], logit_index [N] into the
+    flattened [k * L] positions), L the longest sample. Causal attention never reaches a row's padding, so
+    no mask is needed; on SDPA without varlen this replaces the packed row's block-diagonal [T, T] mask."""
+    cu = mb.cu_seqlens.to(torch.long)
+    n = cu[1:] - cu[:-1]                                                        # [k]
+    k, width = int(n.numel()), int(mb.max_seqlen)
+    flat = mb.input_ids[0]
+    row = torch.repeat_interleave(torch.arange(k), n)                           # [T] row of each packed position
+    col = mb.position_ids[0]                                                    # [T] position inside its sample
+    ids = torch.full((k, width), pad_token_id, dtype=flat.dtype, device=flat.device)
+    ids[row.to(flat.device), col] = flat
+    pos = torch.arange(width, dtype=torch.long, device=flat.device).expand(k, width)
+    li = mb.logit_index
+    index = row.to(li.device)[li] * width + col[li]
+    return ids, pos, index
 
 
 def dummy_micro_batch(pad_token_id: int = 0) -> MicroBatch:

@@ -15,10 +15,14 @@ then --num-steps-per-rollout optimizer steps over contiguous slices of the local
 pass runs the same number of micro-batches on every rank (padded with zero-weight dummies), and
 losses are normalised by step totals over the whole group, so N ranks compute what one rank with
 all the samples would. Only the trainer group is used for collectives, never the default group.
+A one-rank group without mixed precision keeps its models unwrapped (``unwrapped``): FSDP2 would only
+add hooks and copies there. Each phase of ``train`` is timed (``TRAIN_PHASES``, ``phase/*`` metrics).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +37,7 @@ from miles.trainer.batching import (
     MicroBatch,
     SampleData,
     padded_micro_batches,
+    padded_rows,
     plan_micro_batches,
     split_into_steps,
 )
@@ -47,6 +52,30 @@ from miles.types import Sample
 from miles.utils.logging import get_logger, warn_once
 
 logger = get_logger(__name__)
+
+# The phases of one ``train`` call, in order; timed on every rank (``PhaseClock``) and reported as rank 0's
+# seconds (``phase/<name>``) and the slowest rank's (``phase_max/<name>``); the rest of ``train_time``
+# (the collectives that reduce metrics, and the gather of these times) is the caller's residual.
+TRAIN_PHASES = ("data", "logprobs", "advantages", "fwd_bwd", "optimizer", "metrics")
+
+
+class PhaseClock:
+    """``with clock("fwd_bwd"): ...`` adds the wall time of the block to ``clock.times["fwd_bwd"]``;
+    ``sync`` (a device synchronise on GPU) runs at both ends, so queued kernels count where they were issued."""
+
+    def __init__(self, sync=None) -> None:
+        self.times: dict[str, float] = dict.fromkeys(TRAIN_PHASES, 0.0)
+        self._sync = sync or (lambda: None)
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        self._sync()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - t0
 
 
 class FSDPTrainer:
@@ -63,25 +92,32 @@ class FSDPTrainer:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         torch.manual_seed(train.seed)
+        if train.deterministic_mode:  # --deterministic-mode (cuBLAS needs its workspace setting before first use)
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
 
         total_steps = num_rollout * num_steps_per_rollout if num_rollout else None
         self.mp_policy = modeling.mixed_precision(self.device, train.bf16)
-        self.model = self._build_policy(train.hf_checkpoint, offload=False, recompute=train.recompute_activations)
+        self.model = self._build_policy(train.hf_checkpoint, offload=False, recompute=train.activation_checkpointing)
         config = self.model.lm.config
+        if train.attn_implementation not in ("flash_attention_2", "flash_attention_3", config._attn_implementation):
+            warn_once(logger, f"--attn-implementation {train.attn_implementation} is ignored: the FSDP trainer runs "
+                              f"{config._attn_implementation} attention on {self.device.type} (packed varlen rows)")
         self.vocab_size = int(config.vocab_size)
         self.pad_id = int(config.pad_token_id if config.pad_token_id is not None else 0)
         self.num_params = modeling.count_params(self.model)
         self.optimizer = build_adamw(self.model, lr=train.lr, weight_decay=train.weight_decay,
                                      betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps, device=self.device)
         self.schedule = LRSchedule(lr=train.lr, min_lr=train.min_lr, style=train.lr_decay_style,
-                                   warmup=train.lr_warmup_iters, decay_iters=train.lr_decay_iters or total_steps)
+                                   warmup=train.warmup_steps(train.lr_decay_iters or total_steps),
+                                   decay_iters=train.lr_decay_iters or total_steps)
 
         policy = algo.loss_type != "sft_loss"
         self.ref = None
         if policy and (algo.kl_coef != 0 or algo.use_kl_loss):
             self.ref = self._build_policy(train.ref_load or train.hf_checkpoint, offload=True, recompute=False)
         self.teacher = None
-        if policy and algo.use_opd and algo.opd_type == "model":
+        if policy and algo.opd_teacher_in_trainer:  # --opd-type megatron (Miles) / model
             self.teacher = self._build_policy(algo.opd_teacher_load, offload=True, recompute=False)
         self.critic = None
         if policy and algo.advantage_estimator == "ppo":
@@ -96,9 +132,10 @@ class FSDPTrainer:
         self.peak = peak_tflops(self.device, getattr(train, "mfu_peak_tflops", None))
         self._keep_unsharded = self._unsharded_plan()
         self.last_rollout_id: int | None = None
-        logger.info("FSDP trainer ready: %s params, %d rank(s), device %s, attention %s, bf16 %s, ref %s, critic %s",
-                    f"{self.num_params:,}", self.world, self.device, config._attn_implementation,
-                    self.mp_policy is not None, self.ref is not None, self.critic is not None)
+        logger.info("FSDP trainer ready: %s params, %d rank(s)%s, device %s, attention %s, bf16 %s, ref %s, critic %s",
+                    f"{self.num_params:,}", self.world, " (unwrapped: no FSDP2 on one rank)" if self.unwrapped() else "",
+                    self.device, config._attn_implementation, self.mp_policy is not None, self.ref is not None,
+                    self.critic is not None)
 
     # ------------------------------------------------------------------ construction
     def _validate(self, temperature: float) -> None:
@@ -115,8 +152,8 @@ class FSDPTrainer:
         if self.num_steps_per_rollout is None or self.num_steps_per_rollout <= 0:
             raise ValueError(f"num_steps_per_rollout must be a positive int, got {self.num_steps_per_rollout} "
                              "(set --num-steps-per-rollout or --global-batch-size).")
-        if a.use_opd and a.opd_type == "model" and not a.opd_teacher_load:
-            raise ValueError("--use-opd --opd-type model needs --opd-teacher-load DIR.")
+        if a.opd_teacher_in_trainer and not a.opd_teacher_load:
+            raise ValueError(f"--use-opd --opd-type {a.opd_type} needs --opd-teacher-load DIR.")
 
     def _unsharded_plan(self) -> dict[int, bool]:
         """Per model (by id): may it stay unsharded across micro-batches (``accumulation.fits``)? Agreed
@@ -131,11 +168,22 @@ class FSDPTrainer:
             dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
         return {id(m): bool(v) for (m, _), v in zip(models, ok.tolist())}
 
+    def unwrapped(self, offload: bool = False) -> bool:
+        """Whether a model of this trainer is left a plain module instead of FSDP2-wrapped: a one-rank
+        trainer group without mixed precision (and, on GPU, not CPU-offloaded), where sharding only adds
+        the hooks, the all-gather copies and the resharding of every pass, and computes the same numbers."""
+        return self.world == 1 and self.mp_policy is None and not (offload and self.device.type == "cuda")
+
     def _build_policy(self, path: str, *, offload: bool, recompute: bool) -> modeling.PolicyModel:
         hf = modeling.load_hf_model(path, self.device)
         model = modeling.PolicyModel(hf)
-        modeling.shard_model(model, modeling.decoder_blocks(hf), self.mesh, mp_policy=self.mp_policy,
-                             offload=offload, recompute=recompute)
+        if self.unwrapped(offload):
+            if recompute:
+                modeling._enable_recompute(modeling.decoder_blocks(hf))
+            model.to(self.device)
+        else:
+            modeling.shard_model(model, modeling.decoder_blocks(hf), self.mesh, mp_policy=self.mp_policy,
+                                 offload=offload, recompute=recompute)
         if offload:
             model.eval()
             for p in model.parameters():
@@ -183,9 +231,23 @@ class FSDPTrainer:
         return padded_micro_batches(data, [[ids[j] for j in mb] for mb in sub], self.group, self.device, self.pad_id)
 
     def _policy_forward(self, model, mb: MicroBatch, *, with_entropy: bool = False, entropy_grad: bool = False):
-        return model(mb.input_ids, mb.position_ids, mb.logit_index, mb.targets, mb.cu_seqlens, mb.max_seqlen,
+        ids, pos, index = mb.input_ids, mb.position_ids, mb.logit_index
+        if self._as_rows(model, mb):
+            ids, pos, index = padded_rows(mb, self.pad_id)
+        return model(ids, pos, index, mb.targets, mb.cu_seqlens, mb.max_seqlen,
                      temperature=self.temperature, chunk_size=self.cfg.log_probs_chunk_size,
                      with_entropy=with_entropy, entropy_grad=entropy_grad)
+
+    @staticmethod
+    def _as_rows(model, mb: MicroBatch) -> bool:
+        """Run a micro-batch of several samples as right-padded rows rather than one packed row: without
+        varlen attention (SDPA), when the padding at most doubles the tokens. SDPA then needs no [T, T]
+        block-diagonal mask (building and applying it dominated small steps on CPU); same values up to
+        float rounding (tests/unit/trainer/test_logprobs_packing.py compares packed and unpacked)."""
+        k = int(mb.cu_seqlens.numel()) - 1
+        if k < 2 or model.lm.config._attn_implementation == modeling.VARLEN_ATTN:
+            return False
+        return k * int(mb.max_seqlen) <= 2 * mb.num_tokens
 
     @torch.no_grad()
     def _forward_pass(self, model, fn, data: list[SampleData]) -> list[torch.Tensor]:
@@ -211,19 +273,19 @@ class FSDPTrainer:
         """Train on this rank's share of a rollout (see module docstring); metrics reduced over the group."""
         self._sync()
         t_start = time.perf_counter()
+        clock = self.clock = PhaseClock(self._sync)
         policy = self.algo.loss_type != "sft_loss"
-        data = [self._sample_data(s, i) for i, s in enumerate(samples)]
-        per_sample, n_fwd_passes = self._prepare(samples, data, policy)
+        with clock("data"):
+            data = [self._sample_data(s, i) for i, s in enumerate(samples)]
+        with clock("logprobs"):
+            per_sample, n_fwd_passes = self._prepare(samples, data, policy)
         advantages, extras = None, {}
-        if policy:
-            inp = AdvantageInputs(
-                rewards=torch.tensor([float(s.reward) for s in samples], dtype=torch.float32),
-                group_ids=[s.group_index for s in samples], loss_masks=[d.loss_mask for d in data],
-                log_probs=per_sample["old"], ref_log_probs=per_sample["ref"], values=per_sample["values"],
-                teacher_log_probs=per_sample["teacher"])
-            advantages, per_sample["ret"], extras = compute_advantages_and_returns(self.algo, inp, self.group,
-                                                                                   self.device)
-            per_sample["adv"] = advantages
+        # --num-critic-only-steps (PPO): the first rollouts train the critic only, the actor stays as it is
+        self._actor_frozen = self.critic is not None and rollout_id < self.cfg.num_critic_only_steps
+        with clock("advantages"):
+            if policy and self.algo.compute_advantages_and_returns:  # --disable-compute-advantages-and-returns
+                self._advantages(samples, data, per_sample)
+                advantages, extras = per_sample["adv"], per_sample.pop("extras")
 
         t_train = time.perf_counter()
         step_sums, grad_norms, critic_stats, local_tokens, lr = [], [], [], 0, 0.0
@@ -236,16 +298,27 @@ class FSDPTrainer:
         self._sync()
         t_end = time.perf_counter()
 
-        metrics = self._reduce_step_metrics(step_sums)
-        metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
-        metrics["lr"] = lr
-        if self.critic is not None:
-            metrics["critic_grad_norm"] = sum(c["critic_grad_norm"] for c in critic_stats) / len(critic_stats)
-        metrics.update(self._extra_metrics(data, extras, advantages, samples if policy else None))
+        with clock("metrics"):
+            metrics = self._reduce_step_metrics(step_sums)
+            metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
+            metrics["lr"] = lr
+            if self.critic is not None:
+                metrics["critic_grad_norm"] = sum(c["critic_grad_norm"] for c in critic_stats) / len(critic_stats)
+            metrics.update(self._extra_metrics(data, extras, advantages, samples if policy else None))
         metrics.update(self._perf_metrics(rollout_id, data, local_tokens, n_fwd_passes,
-                                          t_end - t_train, t_end - t_start))
+                                          t_end - t_train, t_end - t_start, clock.times))
         self.last_rollout_id = rollout_id
         return metrics
+
+    def _advantages(self, samples: list[Sample], data: list[SampleData], per_sample: dict) -> None:
+        """Fills ``per_sample["adv"]``, ``["ret"]`` and ``["extras"]`` (reward-shaping terms for metrics)."""
+        inp = AdvantageInputs(
+            rewards=torch.tensor([float(s.reward) for s in samples], dtype=torch.float32),
+            group_ids=[s.group_index for s in samples], loss_masks=[d.loss_mask for d in data],
+            log_probs=per_sample["old"], ref_log_probs=per_sample["ref"], values=per_sample["values"],
+            teacher_log_probs=per_sample["teacher"])
+        per_sample["adv"], per_sample["ret"], per_sample["extras"] = compute_advantages_and_returns(
+            self.algo, inp, self.group, self.device)
 
     def _prepare(self, samples: list[Sample], data: list[SampleData], policy: bool) -> tuple[dict, int]:
         """Validate per-sample inputs and run the forward-only passes. Returns (per-sample lists, #passes)."""
@@ -283,7 +356,7 @@ class FSDPTrainer:
         return per, passes
 
     def _perf_metrics(self, rollout_id: int, data: list[SampleData], local_tokens: int, n_fwd_passes: int,
-                      step_secs: float, total_secs: float) -> dict[str, float]:
+                      step_secs: float, total_secs: float, phases: dict[str, float] | None = None) -> dict[str, float]:
         totals = self._group_sum([float(local_tokens), float(sum(d.length for d in data)), float(len(data))])
         train_tokens, all_tokens, num_samples = totals
         expected = (self.global_batch_size or 0) * self.num_steps_per_rollout
@@ -291,12 +364,16 @@ class FSDPTrainer:
             warn_once(logger, f"rollout {rollout_id}: the trainer group got {int(num_samples)} samples, not "
                               f"--global-batch-size x --num-steps-per-rollout = {expected}; each of the "
                               f"{self.num_steps_per_rollout} optimizer steps takes an equal share of what arrived.")
-        step_secs, total_secs = self._group_max([step_secs, total_secs])
-        out = {
+        names = sorted(phases or {})
+        per_rank = self._group_rows([step_secs, total_secs] + [phases[n] for n in names])   # [world][2 + P]
+        step_secs, total_secs = (max(r[j] for r in per_rank) for j in (0, 1))
+        out = {f"phase/{n}": per_rank[0][2 + j] for j, n in enumerate(names)}
+        out.update({f"phase_max/{n}": max(r[2 + j] for r in per_rank) for j, n in enumerate(names)})
+        out.update({
             "num_samples": num_samples, "num_tokens": all_tokens, "train_time": total_secs, "step_time": step_secs,
             "tokens_per_s": train_tokens / step_secs if step_secs > 0 else 0.0,
             "num_optimizer_steps": float(self.num_steps_per_rollout),
-        }
+        })
         m = mfu(num_params=self.num_params, train_tokens=train_tokens, forward_tokens=all_tokens * n_fwd_passes,
                 seconds=total_secs, num_gpus=self.world, peak=self.peak)
         if m is not None:
@@ -304,6 +381,21 @@ class FSDPTrainer:
         return out
 
     def _train_step(self, data, ids, per_sample, samples) -> tuple[MetricSums, float, float, dict, int]:
+        clock = getattr(self, "clock", None) or PhaseClock(self._sync)
+        with clock("fwd_bwd"):
+            sums, n_local_tokens = self._forward_backward(data, ids, per_sample, samples)
+        with clock("optimizer"):
+            grad_norm = self._clip_grad_norm()
+            lr = self.schedule.apply(self.optimizer)
+            if not getattr(self, "_actor_frozen", False):
+                self.optimizer.step()
+                self.schedule.advance()
+            self.optimizer.zero_grad(set_to_none=True)
+            cstats = self.critic.step() if self.critic is not None else {}
+        return sums, grad_norm, lr, cstats, n_local_tokens
+
+    def _forward_backward(self, data, ids, per_sample, samples) -> tuple[MetricSums, int]:
+        """One optimizer step's micro-batches, forward and backward (gradients accumulated); (metric sums, tokens)."""
         mbs = self._micro_batches(data, ids)
         ntok, nsamp = self._group_sum([float(sum(float(data[i].loss_mask.sum()) for i in ids)), float(len(ids))])
         self.model.train()
@@ -321,13 +413,11 @@ class FSDPTrainer:
             keys = sorted(acc_metrics)
             host = torch.stack([acc_metrics[k] for k in keys]).cpu()
             sums.add(dict(zip(keys, host.unbind())))
-        grad_norm = clip_grad_norm(list(self.model.parameters()), self.cfg.clip_grad)
-        lr = self.schedule.apply(self.optimizer)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.schedule.advance()
-        cstats = self.critic.step() if self.critic is not None else {}
-        return sums, grad_norm, lr, cstats, n_local_tokens
+        return sums, n_local_tokens
+
+    def _clip_grad_norm(self) -> float:
+        """The step's gradient norm, clipped to --clip-grad (the Megatron backend also reduces gradients here)."""
+        return clip_grad_norm(list(self.model.parameters()), self.cfg.clip_grad)
 
     def _micro_step(self, mb: MicroBatch, index: int, acc: Accumulation, per_sample, samples, ntok: float,
                     nsamp: float, acc_metrics: dict[str, torch.Tensor]) -> int:
@@ -375,6 +465,15 @@ class FSDPTrainer:
             dist.all_reduce(t, group=self.group)
         return t.cpu().tolist()
 
+    def _group_rows(self, values: list[float]) -> list[list[float]]:
+        """Every rank's ``values`` (one all-gather over the group), in rank order."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.world == 1:
+            return [t.cpu().tolist()]
+        out = torch.empty(self.world * t.numel(), dtype=t.dtype, device=self.device)
+        dist.all_gather_into_tensor(out, t, group=self.group)
+        return out.view(self.world, -1).cpu().tolist()
+
     def _group_max(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         if self.world > 1:
@@ -397,11 +496,12 @@ class FSDPTrainer:
         """Token-mean of the reward-shaping KL / OPD reverse KL, and advantage and reward means, over the group."""
         names = sorted(extras) + (["advantages"] if advantages is not None else [])
         sums = [0.0] * (2 * len(names))
-        for j, name in enumerate(names):
-            lst = advantages if name == "advantages" else extras[name]
-            for d, t in zip(data, lst):
-                sums[2 * j] += float((t * d.loss_mask).sum())
-                sums[2 * j + 1] += float(d.loss_mask.sum())
+        if data:                                   # float64 sums over all local tokens: two host values per name
+            mask = torch.cat([d.loss_mask for d in data]).double()
+            for j, name in enumerate(names):
+                lst = advantages if name == "advantages" else extras[name]
+                sums[2 * j] = float((torch.cat(list(lst)).double() * mask).sum())
+                sums[2 * j + 1] = float(mask.sum())
         reward_sum = sum(float(s.reward) for s in samples) if samples else 0.0
         tot = self._group_sum(sums + [reward_sum, float(len(data))])
         out = {f"{n}_mean": tot[2 * j] / max(tot[2 * j + 1], 1.0) for j, n in enumerate(names)}
@@ -417,6 +517,15 @@ class FSDPTrainer:
         modeling.reshard_all(self.model)
         return iter_full_params(self.model, group=self.group, device=self.device, bucket_bytes=bucket_bytes,
                                 dtype=dtype, name_fn=modeling.hf_name, timeout=self.timeout, prefetch=prefetch)
+
+    def iter_weight_shards(self, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[list]:
+        """This rank's own FSDP2 shards under HF names, in the buckets of ``iter_weight_buckets``, without any
+        gather (``--update-weight-transfer-mode p2p``: ``miles.weight_sync.p2p.iter_local_shards``)."""
+        from miles.weight_sync.p2p import iter_local_shards
+
+        modeling.reshard_all(self.model)
+        return iter_local_shards(self.model, rank=self.rank, world=self.world, bucket_bytes=bucket_bytes, dtype=dtype,
+                                 device=self.device, name_fn=modeling.hf_name)
 
     def state_dict_for_check(self) -> dict[str, torch.Tensor]:
         """Full parameters (CPU) on trainer rank 0, {} elsewhere; collective on the trainer group."""
@@ -468,7 +577,8 @@ class FSDPTrainer:
             raise ValueError("checkpoint() needs --save DIR.")
         extra = {**extra, "rollout_id": rollout_id}
         path = save_checkpoint(self.ckpt.save, rollout_id, lambda d: self.save(d, extra),
-                               keep=self.ckpt.keep_checkpoints, group=self.group, device=self.device)
+                               keep=self.ckpt.keep_checkpoints, group=self.group, device=self.device,
+                               retain_interval=self.ckpt.save_retain_interval)
         if self.ckpt.save_hf:
             self.save_hf(self.ckpt.save_hf.format(rollout_id=rollout_id))
         return path

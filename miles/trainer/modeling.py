@@ -148,10 +148,12 @@ class PolicyModel(nn.Module):
                 targets: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, *, temperature: float = 1.0,
                 chunk_size: int = 1024, with_entropy: bool = False, entropy_grad: bool = False,
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """input_ids/position_ids [1, T]; logit_index/targets [N] -> (log-probs [N], entropy [N] | None)."""
+        """input_ids/position_ids [1, T] (a packed row) or [B, L] (right-padded rows, no mask needed: causal
+        attention never reaches the padding); logit_index [N] into the flattened [B*T] positions, targets [N]
+        -> (log-probs [N], entropy [N] | None)."""
         out = base_model(self.lm)(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                   **attn_kwargs(self.lm, cu_seqlens, max_seqlen))
-        hidden = out.last_hidden_state[0].index_select(0, logit_index)      # [N, H]
+        hidden = out.last_hidden_state.flatten(0, 1).index_select(0, logit_index)   # [B*T, H] -> [N, H]
         return logprobs_and_entropy(hidden, self.lm.get_output_embeddings(), targets, temperature=temperature,
                                     chunk_size=chunk_size, with_entropy=with_entropy, entropy_grad=entropy_grad)
 

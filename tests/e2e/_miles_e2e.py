@@ -58,9 +58,13 @@ def check_run_dir(out_dir: Path, num_rollout: int, num_ranks: int, first: int = 
         missing = [k for k in REQUIRED_KEYS if k not in r]
         assert not missing, f"rollout {r['rollout_id']} lacks {missing}"
         assert r["perf/step_time"] > 0
-    assert json.loads((out_dir / "config.json").read_text())["run_plan"]["output_dir"] == str(out_dir)
+    config = json.loads((out_dir / "config.json").read_text())
+    assert config["run_plan"]["output_dir"] == str(out_dir)
     for rank in range(num_ranks):
         assert (out_dir / "logs" / f"rank{rank}.log").is_file(), f"no log for rank {rank}"
     assert (out_dir / "metrics.png").read_bytes()[:4] == b"\x89PNG"
-    assert list((out_dir / "tensorboard").glob("events.out.tfevents.*"))
+    if config["output"]["use_tensorboard"]:  # off by default, as in Miles
+        assert list((out_dir / "tensorboard").glob("events.out.tfevents.*"))
+    else:
+        assert not (out_dir / "tensorboard").exists()
     return recs

@@ -110,6 +110,7 @@ def worker(out_dir: Path, model_dir: Path, kind: str) -> None:
     for name, extra in CONFIGS.items():
         tr = _trainer(model_dir, group, mesh, extra, device=device)
         result[name] = [tr.train(mine, rid) for rid in range(2)]
+        result.setdefault("fsdp_wrapped", {})[name] = _fsdp_wrapped(tr)
         sd = tr.state_dict_for_check()
         if dist.get_rank(group) == 0:
             torch.save(sd, out_dir / f"params_{name}_{'A' if rank < 2 else 'B'}.pt")
@@ -171,6 +172,14 @@ def worker(out_dir: Path, model_dir: Path, kind: str) -> None:
     os._exit(0)
 
 
+def _fsdp_wrapped(tr) -> dict:
+    """Which of the trainer's models are FSDP2 modules (the one-rank group takes the unwrapped path)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    models = {"policy": tr.model, "ref": tr.ref, "teacher": tr.teacher}
+    return {k: any(isinstance(m, FSDPModule) for m in model.modules()) for k, model in models.items() if model is not None}
+
+
 def _fsdp_comm_counts(model_dir, group, mesh, extra, samples, device) -> dict:
     """FSDP2 all-gathers and gradient reductions during one train() call (2 ranks, one optimizer step)."""
     import torch
@@ -220,7 +229,8 @@ def _ref_load_and_no_save_optim(sft, model_dir, out_dir, group, mesh, samples, d
                                            "--save", str(out_dir / "ckpt"), "--no-save-optim"], steps=1, device=device)
     ref_sd = load_file(str(out_dir / "sft_hf" / "model.safetensors"))
     init_sd = load_file(str(model_dir / "model.safetensors"))
-    ref_params = {n[len("lm."):]: p.full_tensor().cpu() for n, p in tr.ref.named_parameters()}
+    ref_params = {n[len("lm."):]: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
+                  for n, p in tr.ref.named_parameters()}
     out = {
         "ref_is_ref_load": all(torch.equal(v, ref_sd[k].float()) for k, v in ref_params.items() if k in ref_sd),
         "ref_differs_from_init": any(not torch.equal(v, init_sd[k].float()) for k, v in ref_params.items() if k in init_sd),
@@ -274,10 +284,14 @@ def run(tmp_path_factory, tiny_model_dir):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_two_ranks_match_one_rank(run, name, tiny_model_dir):
+    """Group A is FSDP2 over 2 ranks; group B, one rank, takes the unwrapped path (plain modules, no FSDP2
+    hooks or resharding): the same losses, metrics and parameters."""
     import torch
     from safetensors.torch import load_file
 
     out, results = run
+    assert all(results[0]["fsdp_wrapped"][name].values()), results[0]["fsdp_wrapped"][name]
+    assert not any(results[2]["fsdp_wrapped"][name].values()), results[2]["fsdp_wrapped"][name]
     a0, a1, b = results[0][name], results[1][name], results[2][name]
     assert a0 == a1                                              # metrics are reduced over the group
     for ma, mb in zip(a0, b):

@@ -10,12 +10,18 @@ import pytest
 
 from miles.config import parse_args
 from miles.run.metrics import (
+    OTHER_KEY,
     REQUIRED_KEYS,
+    STEP_PHASES,
     MetricsSink,
     NullSink,
+    add_residuals,
     build_sink,
     default_output_dir,
+    phase_breakdown,
     read_metrics,
+    reward_windows,
+    run_summary_line,
     summary_line,
 )
 
@@ -30,7 +36,7 @@ def _record(i: int) -> dict:
 
 
 def test_jsonl_tensorboard_and_plot(tmp_path: Path, caplog):
-    sink = MetricsSink(_output(), tmp_path, num_rollout=3)
+    sink = MetricsSink(_output("--use-tensorboard"), tmp_path, num_rollout=3)
     with caplog.at_level("INFO", logger="miles"):
         for i in range(3):
             sink.log(i, {**_record(i), "eval/quickstart": float("nan"), "not_a_number": "x"})
@@ -53,7 +59,7 @@ def test_jsonl_tensorboard_and_plot(tmp_path: Path, caplog):
 def test_tensorboard_scalars_readable(tmp_path: Path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    sink = MetricsSink(_output(), tmp_path)
+    sink = MetricsSink(_output("--use-tensorboard"), tmp_path)
     for i in range(2):
         sink.log(i, _record(i))
     sink.close()
@@ -186,3 +192,46 @@ def test_default_output_dir():
 def test_summary_line_missing_values():
     line = summary_line(4, {"rollout/raw_reward": float("nan")})
     assert line.startswith("rollout 4 | reward - | resp_len - | kl -")
+
+
+def test_residuals_make_the_phases_add_up():
+    m = {"perf/rollout_time": 1.0, "perf/train_time": 0.5, "perf/update_weights_time": 0.2, "perf/step_time": 1.9,
+         "perf/train/fwd_bwd_time": 0.3, "perf/train/optimizer_time": 0.1, "perf/train/fwd_bwd_time_max": 0.45,
+         "weight_sync/control_s": 0.15}
+    add_residuals(m)
+    assert m[OTHER_KEY] == pytest.approx(0.2)
+    assert sum(m.get(k, 0.0) for k in STEP_PHASES) + m[OTHER_KEY] == pytest.approx(m["perf/step_time"])
+    assert m["perf/train/other_time"] == pytest.approx(0.1)         # the slowest rank's time is not a part
+    assert m["perf/update_weights/other_time"] == pytest.approx(0.05)
+    rows = phase_breakdown(m)
+    assert [k for k, _, d in rows if d == 0] == ["perf/rollout_time", "perf/train_time", "perf/update_weights_time",
+                                                  OTHER_KEY]
+    assert [k for k, _, d in rows if d == 1][:3] == ["perf/train/fwd_bwd_time", "perf/train/optimizer_time",
+                                                     "perf/train/other_time"]
+    no_parts = add_residuals({"perf/train_time": 0.5, "perf/step_time": 0.5})
+    assert no_parts[OTHER_KEY] == 0.0 and "perf/train/other_time" not in no_parts
+
+
+def test_reward_windows_first_and_best():
+    rewards = [0.1, 0.2, 0.3, 0.9, 0.8, 0.4]
+    recs = [{"rollout_id": float(i), "rollout/raw_reward": r, "perf/step_time": 0.5} for i, r in enumerate(rewards)]
+    recs.insert(0, {"rollout_id": -1.0, "eval/x": 0.1})                 # an eval point before training: skipped
+    w = reward_windows(recs, 2)
+    assert w["first"] == pytest.approx(0.15) and w["first_time"] == pytest.approx(1.0) and w["first_end"] == 1
+    assert w["best"] == pytest.approx(0.85) and w["best_time"] == pytest.approx(2.5) and w["best_end"] == 4
+    assert reward_windows(recs, 7) is None
+    line = run_summary_line(recs, window=2)
+    assert line == ("6 rollouts, 3.0s of training (0.500s/step) | reward over 2 rollouts: first 0.150 (rollouts 0-1, "
+                    "at 1.0s), best 0.850 (rollouts 3-4, at 2.5s)")
+
+
+def test_close_logs_the_run_summary(tmp_path: Path, caplog):
+    sink = MetricsSink(_output(), tmp_path, num_rollout=8)
+    for i in range(8):
+        sink.log(i, {**_record(i), "perf/step_time": 0.25})
+    with caplog.at_level("INFO", logger="miles"):
+        sink.close()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("run summary:")]
+    # a quarter of the run: windows of 2; the reward rises, so the best window is the last one
+    assert lines == ["run summary: 8 rollouts, 2.0s of training (0.250s/step) | reward over 2 rollouts: first 0.050 "
+                     "(rollouts 0-1, at 0.5s), best 0.650 (rollouts 6-7, at 2.0s)"], lines

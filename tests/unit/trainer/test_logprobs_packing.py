@@ -11,7 +11,7 @@ from miles.trainer import modeling
 from miles.trainer.logprobs import logprobs_and_entropy, reference_logprobs
 
 
-@pytest.mark.parametrize("chunk", [1, 3, 64])
+@pytest.mark.parametrize("chunk", [1, 3, 64, -1])  # -1: Miles default, no chunking
 def test_chunked_logprobs_and_entropy_match_full_softmax(chunk):
     torch.manual_seed(0)
     head = nn.Linear(8, 50, bias=False)
