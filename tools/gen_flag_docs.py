@@ -94,6 +94,10 @@ checks the defaults listed here):
 | `--balance-data` | off: ranks get contiguous slices | always on | Whole groups go to the rank with the fewest tokens; balancing changes where samples are computed, not what. |
 | `--attn-implementation` | HF attention of the FSDP actor | flash varlen kernel on GPU, sdpa on CPU | The trainer packs samples into one row; values other than flash_attention_2/3 are ignored with a warning. |
 | `--custom-config-path` | every key set as an argument | keys naming a flag set it; the others are kept for plugins | A misspelt flag name cannot silently replace a flag. |
+| `--update-weight-transfer-mode p2p` | RDMA writes (Mooncake TransferEngine) into the engines' registered buffers, resharded to the engine's TP layout | each trainer rank sends its own FSDP2 rows to every engine worker with torch.distributed point-to-point (NCCL on GPU, gloo on CPU); needs the embedded engine (`p2p_ranges` in `/update_weights_from_distributed`) | No RDMA stack here; point-to-point gives the same no-gather, every-rank-sends transfer, bit-identical to broadcast. |
+| `--update-weight-transfer-mode tensor` | no such value (colocated runs always hand over by CUDA IPC) | accepted, needs `--colocate` | Names the same-device hand-off; `broadcast` (the default) with `--colocate` selects it too, as in Miles. |
+| `--update-weight-transfer-mode disk-delta` with `--colocate` | refused | accepted | Versions on disk (audit/rollback) cost nothing extra to allow. |
+| `--load DIR` | Megatron/FSDP `iter_*` checkpoints | this project's `step_*` checkpoints and Miles's FSDP `iter_*` checkpoints (read); writes `step_*` | A `--load` not written yet starts fresh in both. Miles's Megatron `torch_dist` checkpoints are not read by the FSDP backend. |
 """
 
 
