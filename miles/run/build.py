@@ -221,6 +221,12 @@ async def build_run(cfg: MilesConfig, ctx: SPMDContext) -> Run:
     return run
 
 
+def plugin_extra(cfg: MilesConfig) -> dict[str, Any]:
+    """What plugins read beyond the flag sections: Miles's ``args.sglang_<field>`` view of the SGLang flags and
+    the ``--custom-config-path`` keys that name no flag."""
+    return {**cfg.sglang.miles_attrs(), **cfg.custom_config}
+
+
 async def _driver_setup(run: Run, local: dict[str, Any], extra: dict[str, Any] | None, channel: CommandChannel,
                         placement: Placement | None) -> None:
     cfg, plan = run.cfg, run.plan
@@ -261,7 +267,7 @@ async def _driver_setup(run: Run, local: dict[str, Any], extra: dict[str, Any] |
         run.manager = RolloutManager(cfg.rollout, cfg.data, cfg.reward, client, local["tokenizer"],
                                      run.data_source, eval_cfg=cfg.eval,
                                      sections=(cfg.algo, cfg.train, cfg.cluster, cfg.weights, cfg.checkpoint),
-                                     custom_config=cfg.custom_config)
+                                     custom_config=plugin_extra(cfg))
         from miles.rollout.on_policy_distillation import is_named_map
 
         if cfg.algo.use_opd and cfg.algo.opd_type == "sglang" and cfg.algo.opd_teacher_urls and not is_named_map(

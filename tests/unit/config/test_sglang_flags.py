@@ -172,3 +172,14 @@ def test_p2p_with_sglang_engines_is_one_line():
     with pytest.raises(ConfigError, match=r"^--update-weight-transfer-mode p2p needs the embedded engine"):
         parse_args(["--num-rollout", "1", "--rollout-batch-size", "1", "--rollout-engine", "sglang",
                     "--update-weight-transfer-mode", "p2p"])
+
+
+def test_plugins_see_miles_sglang_attributes():
+    """A Miles plugin reads ``args.sglang_<field>`` (the rollout manager's PluginArgs gets ``plugin_extra``)."""
+    from miles.rollout.plugins import PluginArgs
+    from miles.run.build import plugin_extra
+
+    cfg = parse_args(BASE + ["--sglang-chunked-prefill-size", "4096"])
+    args = PluginArgs(cfg.rollout, cfg.data, extra=plugin_extra(cfg))
+    assert args.sglang_chunked_prefill_size == 4096 and args.sglang_max_prefill_tokens == 16384
+    assert args.sglang_mem_fraction_static == cfg.rollout.sglang_mem_fraction_static  # the section's own flag wins
