@@ -13,6 +13,8 @@ spots move between releases. What is adapted, and why:
 - ``tensor_parallel.random.CudaRNGStatesTracker`` saves and restores CUDA generator states: replaced
   by a tracker with the same interface over CPU generator states (``add``, ``fork``, ``get_states``,
   ``set_states``), so tensor-parallel dropout and initialisation keep their per-rank streams.
+- activation recompute (``tensor_parallel.checkpoint``) saves the CUDA generator state: on CPU there
+  is none (``_get_cuda_rng_state``/``_set_cuda_rng_state`` do nothing; CPU and tracker states are kept).
 - ``initialize_model_parallel`` sizes its groups by the default group; ``trainer_world(n)`` makes it
   see the first ``n`` ranks only (the trainer ranks; engines are the later ranks of the world).
 """
@@ -124,6 +126,14 @@ class CpuRNGStatesTracker:
             torch.set_rng_state(outer)
 
 
+def _no_cuda_rng_state(*args, **kwargs) -> None:
+    return None
+
+
+def _set_no_cuda_rng_state(*args, **kwargs) -> None:
+    return None
+
+
 def apply_cpu_compat() -> None:
     """Adapt megatron-core for torch CPU (see module docstring); idempotent."""
     global _applied
@@ -146,6 +156,10 @@ def apply_cpu_compat() -> None:
     fused_softmax.get_default_causal_mask = _cpu_causal_mask
     mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
     mrandom.initialize_rng_tracker(force_reset=True)
+    # activation recompute (tensor_parallel.checkpoint) saves and restores the CPU, CUDA and tracker RNG
+    # states; on CPU there is no CUDA state (the CPU one and the tracker's are still restored)
+    mrandom._get_cuda_rng_state = _no_cuda_rng_state
+    mrandom._set_cuda_rng_state = _set_no_cuda_rng_state
     _applied = True
 
 

@@ -4,12 +4,14 @@
     model = build_gpt_model(shape, tp_size=2, device=dev) # megatron-core GPTModel, returns hidden states
 
 The transformer-engine layer spec is used when ``transformer_engine`` imports (and the device is a
-GPU), the local spec otherwise. ``HiddenGPTModel`` is a GPTModel whose forward stops after the final
+GPU), the local spec otherwise, with torch SDPA as its core attention (``SDPACoreAttention``) unless
+megatron-core's unfused one is asked for. ``HiddenGPTModel`` is a GPTModel whose forward stops after the final
 norm: log-probs are computed from those hidden states, vocabulary-parallel (``miles.trainer.logprobs``).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -106,8 +108,43 @@ def transformer_config(shape: ModelShape, *, tp_size: int, device: torch.device,
         persist_layer_norm=False, **kw)
 
 
-def build_gpt_model(shape: ModelShape, config, *, padded_vocab: int, device: torch.device):
-    """A HiddenGPTModel on ``device`` (weights uninitialised: load them with ``convert.load_hf_into``)."""
+class SDPACoreAttention(torch.nn.Module):
+    """Causal core attention on ``torch.nn.functional.scaled_dot_product_attention`` (flash or memory-efficient
+    kernels on GPU), in place of megatron-core's unfused ``DotProductAttention`` in the local layer spec, which
+    materialises the [b, heads, s, s] scores of every layer. Same constructor and forward as megatron-core's
+    core attention; rows are causal with right padding (no mask). Attention dropout draws inside megatron-core's
+    tensor-parallel RNG stream, as ``DotProductAttention`` does."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None):
+        super().__init__()
+        self.config = config
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_scale = softmax_scale or 1.0 / config.kv_channels ** 0.5
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None) -> torch.Tensor:
+        """query [sq, b, np, hn], key/value [sk, b, ng, hn] -> [sq, b, np * hn]."""
+        import torch.nn.functional as F
+        from megatron.core import tensor_parallel
+
+        if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
+            raise NotImplementedError("SDPACoreAttention runs causal rows only (no mask, bias or packing).")
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))          # [b, heads, s, hn]
+        p = self.dropout if self.training else 0.0
+        ctx = tensor_parallel.get_cuda_rng_tracker().fork() if p > 0 else contextlib.nullcontext()
+        with ctx:
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=self.softmax_scale,
+                                                 enable_gqa=q.shape[1] != k.shape[1])
+        sq, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+
+def build_gpt_model(shape: ModelShape, config, *, padded_vocab: int, device: torch.device,
+                    core_attention: str = "sdpa"):
+    """A HiddenGPTModel on ``device`` (weights uninitialised: load them with ``convert.load_hf_into``).
+    ``core_attention`` (local spec only): "sdpa" (``SDPACoreAttention``) or "unfused" (megatron-core's)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
@@ -118,6 +155,8 @@ def build_gpt_model(shape: ModelShape, config, *, padded_vocab: int, device: tor
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_layernorm)
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_layernorm, normalization="RMSNorm")
+        if core_attention == "sdpa":
+            spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
 
     class HiddenGPTModel(GPTModel):
         """GPTModel whose forward returns the final-norm hidden states [s, b, h] (no output layer)."""

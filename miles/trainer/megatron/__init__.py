@@ -1,0 +1,34 @@
+"""The megatron-core trainer backend (``--train-backend megatron``); see ``trainer.py`` and docs/trainer.md.
+
+Importing this package needs no megatron-core; ``build_megatron_trainer`` raises one line naming the
+install command when it is missing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from miles.utils.errors import MilesError
+
+INSTALL_HINT = "pip install 'miles[megatron]' (megatron-core 0.16.1), or train with --train-backend fsdp"
+
+
+def megatron_available() -> bool:
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except ImportError:            # a broken or foreign ``megatron`` package
+        return False
+
+
+def build_megatron_trainer(cfg: Any, ctx: Any, plan: Any) -> Any:
+    """The trainer of one run (``miles.run.build``): over the trainer group, on this rank's device."""
+    if not megatron_available():
+        raise MilesError(f"--train-backend megatron needs megatron-core, which is not installed: {INSTALL_HINT}.")
+    from miles.trainer.megatron.trainer import MegatronTrainer
+
+    return MegatronTrainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, group=ctx.groups.trainer_group,
+                           device=ctx.world.device, rollout_temperature=cfg.rollout.rollout_temperature,
+                           num_rollout=plan.num_rollout, global_batch_size=plan.global_batch_size,
+                           num_steps_per_rollout=plan.num_steps_per_rollout,
+                           timeout=cfg.cluster.distributed_timeout_minutes * 60)

@@ -1,0 +1,105 @@
+"""megatron-core parameters -> full HF tensors, bucket by bucket (the weight sync and ``--save-hf``).
+
+Buckets follow ``named_parameters()`` order and are sized by the full (gathered) tensors. For a bucket
+each rank casts its TP shards (to ``dtype`` when given), packs them into one flat buffer and one
+``all_gather_into_tensor`` over the TP group returns every rank's shards; they are joined
+(``convert.unshard``) and converted to HF names and shapes (``convert.megatron_to_hf``: qkv split into
+q/k/v, fc1 into gate/up, vocabulary padding cut). The cast precedes the gather and the conversion is
+slicing only, so the tensors equal what the FSDP backend sends for the same weights, bit for bit.
+The gather of bucket k+1 is issued before bucket k is yielded. Every trainer rank iterates to the end
+and receives the full tensors (each data-parallel replica gathers within its own TP group).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from miles.trainer.megatron.convert import megatron_to_hf, partition_dim, unshard
+from miles.trainer.megatron.model import ModelShape
+from miles.trainer.megatron.parallel import Groups
+
+Bucket = list[tuple[str, torch.Tensor]]
+
+
+def plan(named: list[tuple[str, torch.Tensor]], tp: int, bucket_bytes: int,
+         dtype: torch.dtype | None) -> list[list[tuple[str, torch.Tensor]]]:
+    """Groups of (megatron name, local parameter), each at most ``bucket_bytes`` of full tensors."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes (--update-weight-buffer-size).")
+    out, cur, size = [], [], 0
+    for name, p in named:
+        full = p.numel() * (tp if partition_dim(name) is not None else 1)
+        nbytes = full * (dtype or p.dtype).itemsize
+        if cur and size + nbytes > bucket_bytes:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append((name, p))
+        size += nbytes
+    if cur:
+        out.append(cur)
+    return out
+
+
+class _Pending:
+    def __init__(self, bucket, out, work, send_numel):
+        self.bucket, self.out, self.work, self.send_numel = bucket, out, work, send_numel
+
+
+def _start(bucket, groups: Groups, device: torch.device, dtype: torch.dtype | None) -> _Pending:
+    tp = groups.tp_size
+    sharded = [p.detach().to(device=device, dtype=dtype or p.dtype).reshape(-1) for n, p in bucket
+               if tp > 1 and partition_dim(n) is not None]
+    if not sharded:
+        return _Pending(bucket, None, None, 0)
+    if len({t.dtype for t in sharded}) > 1:          # one buffer per bucket: cast them all alike
+        sharded = [t.float() for t in sharded]
+    send = torch.cat(sharded)
+    out = torch.empty(tp * send.numel(), dtype=send.dtype, device=device)
+    work = dist.all_gather_into_tensor(out, send, group=groups.tp, async_op=True)
+    return _Pending(bucket, out, work, send.numel())
+
+
+def _finish(pend: _Pending, groups: Groups, shape: ModelShape, device: torch.device, dtype: torch.dtype | None,
+            timeout: float) -> Bucket:
+    if pend.work is not None and pend.work.wait(timeout=timedelta(seconds=timeout)) is False:
+        raise TimeoutError(f"gathering TP shards of the weights timed out after {timeout:.0f}s (a trainer rank is "
+                           "missing or stuck).")
+    tp = groups.tp_size
+    gathered = pend.out.view(tp, -1) if pend.out is not None else None
+    result: Bucket = []
+    offset = 0
+    for name, p in pend.bucket:
+        dim = partition_dim(name) if tp > 1 else None
+        if dim is None:
+            full = p.detach().to(device=device, dtype=dtype or p.dtype)
+        else:
+            n = p.numel()
+            shards = [gathered[r, offset:offset + n].view(p.shape).to(dtype or p.dtype) for r in range(tp)]
+            offset += n
+            full = unshard(name, shards, dim)
+        result.extend((hf, t.contiguous()) for hf, t in megatron_to_hf(name, full, shape))
+    return result
+
+
+def iter_hf_buckets(model: nn.Module, shape: ModelShape, groups: Groups, *, device: torch.device,
+                    bucket_bytes: int, dtype: torch.dtype | None = None, timeout: float = 600.0,
+                    prefetch: bool = True) -> Iterator[Bucket]:
+    """Yield buckets of (HF name, full tensor) (see module docstring); collective on the TP group."""
+    buckets = plan(list(model.named_parameters()), groups.tp_size, bucket_bytes, dtype)
+    if not buckets:
+        return
+    with torch.no_grad():
+        pending = _start(buckets[0], groups, device, dtype)
+        for k in range(len(buckets)):
+            nxt = _start(buckets[k + 1], groups, device, dtype) if (prefetch and k + 1 < len(buckets)) else None
+            result = _finish(pending, groups, shape, device, dtype, timeout)
+            yield result
+            del result
+            if nxt is None and k + 1 < len(buckets):
+                nxt = _start(buckets[k + 1], groups, device, dtype)
+            pending = nxt

@@ -1,0 +1,142 @@
+"""megatron-core's process groups over the trainer ranks, and the gradient collectives of a step.
+
+    groups = init_parallel(tp_size=2, num_trainer_ranks=4, seed=1234, device=dev)   # once per process
+    groups.tp, groups.dp          # tensor-parallel group (consecutive ranks), data-parallel group
+    finish_grads(model, groups)   # after the last backward: TP sums where needed, DP average
+    norm = clip_grad_norm(model, groups, max_norm)
+    opt = distributed_adamw(model, groups, lr=1e-6, ...)   # --use-distributed-optimizer with DP > 1
+
+Layout: megatron-core's ``tp-cp-ep-dp-pp`` order over trainer ranks ``0..n-1`` (``compat.trainer_world``),
+so a TP group is ``tp_size`` consecutive ranks and data parallelism spans the rest of the trainer
+group (not the world). Gradients: the parameters megatron-core splits over TP (``convert.partition_dim``)
+hold their own shard's gradient; replicated ones are equal on every TP rank except the q/k layernorms
+(each rank sees its own heads), whose gradients are summed over TP, as megatron-core's
+``finalize_model_grads`` does. Then every gradient is averaged over DP (the loss was scaled by the DP size).
+
+``--use-distributed-optimizer`` (ZeRO-1, Megatron's meaning): with DP > 1 the AdamW state is sharded over
+the DP group by whole (TP-local) parameters (torch's ``ZeroRedundancyOptimizer``): each DP rank updates the
+parameters it owns and broadcasts them; gradients are still averaged over DP first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from miles.trainer.megatron.convert import partition_dim
+
+
+@dataclass(frozen=True)
+class Groups:
+    tp: dist.ProcessGroup
+    dp: dist.ProcessGroup
+    tp_rank: int
+    tp_size: int
+    dp_rank: int
+    dp_size: int
+
+
+def init_parallel(*, tp_size: int, num_trainer_ranks: int, seed: int, device: torch.device) -> Groups:
+    """Create (or reuse, when already laid out the same way) megatron-core's groups; seed its RNG tracker."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from miles.trainer.megatron.compat import apply_cpu_compat, check_version, trainer_world
+
+    check_version()
+    if device.type != "cuda":
+        apply_cpu_compat()
+    if num_trainer_ranks % tp_size:
+        raise ValueError(f"--tensor-model-parallel-size {tp_size} does not divide the {num_trainer_ranks} trainer "
+                         "ranks; choose a divisor of --actor-num-nodes x --actor-num-gpus-per-node.")
+    if ps.model_parallel_is_initialized():
+        if ps.get_tensor_model_parallel_world_size() != tp_size:
+            raise RuntimeError(f"megatron-core is already initialised with TP "
+                               f"{ps.get_tensor_model_parallel_world_size()}, not {tp_size}.")
+    else:
+        with trainer_world(num_trainer_ranks):
+            ps.initialize_model_parallel(tensor_model_parallel_size=tp_size, create_gloo_process_groups=False)
+    model_parallel_cuda_manual_seed(seed)
+    return Groups(tp=ps.get_tensor_model_parallel_group(), dp=ps.get_data_parallel_group(),
+                  tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp_size,
+                  dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size())
+
+
+def _coalesced_all_reduce(grads: list[torch.Tensor], group: dist.ProcessGroup, op) -> None:
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for same in by_dtype.values():
+        flat = _flatten_dense_tensors(same)
+        dist.all_reduce(flat, op=op, group=group)
+        for g, synced in zip(same, _unflatten_dense_tensors(flat, same)):
+            g.copy_(synced)
+
+
+def _tp_partial(name: str) -> bool:
+    """Replicated parameters whose gradient is split over TP ranks (each rank sees its own heads)."""
+    return ".q_layernorm." in name or ".k_layernorm." in name
+
+
+def distributed_adamw(model: nn.Module, groups: Groups, *, lr: float, weight_decay: float,
+                      betas: tuple[float, float], eps: float, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW with its state sharded over the DP group (same parameter groups as ``optim.build_adamw``)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    param_groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
+                                {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    kw = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    return ZeroRedundancyOptimizer(param_groups, optimizer_class=torch.optim.AdamW, process_group=groups.dp,
+                                   lr=lr, betas=betas, eps=eps, **kw)
+
+
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that holds this rank's state (the inner one of a ZeroRedundancyOptimizer)."""
+    return getattr(optimizer, "optim", optimizer)
+
+
+@torch.no_grad()
+def finish_grads(model: nn.Module, groups: Groups) -> None:
+    """Sum the TP-partial gradients over TP, then average every gradient over DP (collective).
+    Parameters without a gradient get a zero one first, so every rank reduces the same tensors."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    for _, p in named:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    if groups.tp_size > 1:
+        partial = [p.grad for n, p in named if _tp_partial(n)]
+        if partial:
+            _coalesced_all_reduce(partial, groups.tp, dist.ReduceOp.SUM)
+    if groups.dp_size > 1:
+        _coalesced_all_reduce([p.grad for _, p in named], groups.dp, dist.ReduceOp.AVG)
+
+
+@torch.no_grad()
+def clip_grad_norm(model: nn.Module, groups: Groups, max_norm: float) -> float:
+    """Global L2 norm of the full model's gradients (TP shards summed, replicated ones once) and, when
+    ``max_norm > 0``, scale them to it (torch's ``clip_grads_with_norm_`` rule)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
+    if not named:
+        return 0.0
+    sharded = [p.grad for n, p in named if partition_dim(n) is not None]
+    replicated = [p.grad for n, p in named if partition_dim(n) is None]
+    dev = named[0][1].grad.device
+
+    def sq(gs: list[torch.Tensor]) -> torch.Tensor:
+        if not gs:
+            return torch.zeros((), dtype=torch.float32, device=dev)
+        return torch.nn.utils.get_total_norm(gs, norm_type=2.0, foreach=True).float().square()
+
+    local = sq(sharded)
+    if groups.tp_size > 1:
+        dist.all_reduce(local, group=groups.tp)
+    norm = (local + sq(replicated)).sqrt()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_([p for _, p in named], max_norm, norm, foreach=True)
+    return float(norm)

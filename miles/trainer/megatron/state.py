@@ -1,0 +1,231 @@
+"""Checkpoints of the Megatron trainer: the FSDP trainer's crash-safe layout and resume guarantees, with
+the tensors in a torch.distributed.checkpoint (DCP) directory of our own layout (not Megatron-LM's
+``torch_dist``: megatron-core's ``dist_checkpointing`` runs its collectives on the default group,
+which spans the engine ranks too, so it cannot save from the trainer ranks alone)::
+
+    actor/, critic/ (ppo) DCP over the trainer group: every parameter in megatron-core names, each
+                          TP-split one as a DTensor sharded over the TP group (fc1 as ``/gate`` and
+                          ``/up`` halves), so DCP records full tensors and data-parallel replicas write
+                          once; with the optimizer, ``optim/<name>/{exp_avg,exp_avg_sq,step}`` alike
+                          (``--use-distributed-optimizer``: written by the DP rank that owns it)
+    rng/rank00000.pt ...  python, numpy, torch, CUDA and megatron-core's tensor-parallel RNG states
+    trainer_state.json    format (1), backend "megatron", TP size, world size, LR schedule step,
+                          has_optim, extra (rollout id, data position, weight version)
+
+``resume_latest`` follows ``miles.trainer.state``: the newest complete checkpoint that verifies on
+every trainer rank and loads, a corrupt one skipped with one warning. The tensors reshard on load to
+another data-parallel size, and to another TP size when the padded vocabulary is the same; the RNG
+is restored only with the same number of trainer ranks (a warning otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from miles.trainer.checkpoint import any_rank, list_checkpoints, rng_state, set_rng_state
+from miles.trainer.megatron.convert import is_glu_fc1, partition_dim
+from miles.trainer.megatron.parallel import local_optimizer
+from miles.trainer.state import FORMAT, _agreed, _dcp_reason, _try, verify_checkpoint
+from miles.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from miles.trainer.megatron.trainer import MegatronTrainer
+
+logger = get_logger(__name__)
+
+
+def _tp_mesh(trainer: MegatronTrainer):
+    mesh = getattr(trainer, "_tp_mesh", None)
+    if mesh is None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = trainer._tp_mesh = DeviceMesh.from_group(trainer.groups.tp, device_type=trainer.device.type)
+    return mesh
+
+
+def _entries(key: str, name: str, t: torch.Tensor, mesh, tp: int) -> dict[str, torch.Tensor]:
+    """The DCP entries under ``key`` of one local tensor shaped like parameter ``name`` (the parameter
+    itself or an Adam moment of it)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    dim = partition_dim(name)
+    if dim is None:
+        return {key: t}
+    pieces = {f"{key}/gate": t.chunk(2, dim=0)[0], f"{key}/up": t.chunk(2, dim=0)[1]} if is_glu_fc1(name) \
+        else {key: t}
+    out = {}
+    for key, local in pieces.items():
+        shape = list(local.shape)
+        shape[dim] *= tp
+        out[key] = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=torch.Size(shape),
+                                      stride=torch.empty(shape, device="meta").stride())
+    return out
+
+
+def _ensure_optim_state(opt: torch.optim.Optimizer) -> None:
+    """AdamW's state exists (zero moments) before a load writes into it: one step with zero gradients
+    and lr 0 creates it and leaves every parameter bit-identical."""
+    local = local_optimizer(opt)
+    owned = [p for g in local.param_groups for p in g["params"]]
+    if all(p in local.state and local.state[p] for p in owned):
+        return
+    lrs = [g["lr"] for g in opt.param_groups]
+    for g in opt.param_groups:
+        for p in g["params"]:
+            p.grad = torch.zeros_like(p)
+        g["lr"] = 0.0
+    opt.step()
+    for g, lr in zip(opt.param_groups, lrs):
+        g["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+
+
+def _state_dict(trainer: MegatronTrainer, model, optimizer, with_optim: bool) -> dict[str, torch.Tensor]:
+    mesh, tp = _tp_mesh(trainer), trainer.groups.tp_size
+    sd: dict[str, torch.Tensor] = {}
+    named = list(model.named_parameters())
+    for name, p in named:
+        sd.update(_entries(name, name, p.detach(), mesh, tp))
+    if with_optim:
+        state = local_optimizer(optimizer).state
+        for name, p in named:
+            if p not in state:                # --use-distributed-optimizer: another DP rank owns it
+                continue
+            st = state[p]
+            for key in ("exp_avg", "exp_avg_sq"):
+                sd.update(_entries(f"optim/{name}/{key}", name, st[key], mesh, tp))
+            sd[f"optim/{name}/step"] = st["step"]
+    return sd
+
+
+def _megatron_rng() -> dict:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    return get_cuda_rng_tracker().get_states()
+
+
+def save_trainer_state(trainer: MegatronTrainer, path: Path, extra: dict) -> None:
+    """Write one checkpoint's contents into ``path`` (collective on the trainer group)."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        extra_json = json.loads(json.dumps(extra))
+    except TypeError as e:
+        raise ValueError(f"checkpoint extra must be JSON-serialisable ({e}); got keys {sorted(extra)}.") from e
+    group = trainer.trainer_group
+    _agreed(_Agree(trainer), _try(lambda: path.mkdir(parents=True, exist_ok=True)))
+    with_optim = not trainer.ckpt.no_save_optim
+    for sub, model, opt in _models(trainer):
+        if with_optim:
+            _ensure_optim_state(opt)
+        dcp.save(_state_dict(trainer, model, opt, with_optim), checkpoint_id=str(path / sub), process_group=group)
+
+    def local_files() -> None:
+        (path / "rng").mkdir(exist_ok=True)
+        torch.save({**rng_state(), "megatron": _megatron_rng(), "dropout": trainer.dropout_rng_state},
+                   path / "rng" / f"rank{trainer.trainer_rank:05d}.pt")
+        if trainer.trainer_rank == 0:
+            meta = {"format": FORMAT, "backend": "megatron", "tensor_model_parallel_size": trainer.groups.tp_size,
+                    "padded_vocab_size": trainer.padded_vocab, "world_size": trainer.trainer_world,
+                    "schedule": trainer.schedule.state_dict(), "has_optim": with_optim,
+                    "critic_schedule": trainer.critic.schedule.state_dict() if trainer.critic is not None else None,
+                    "has_critic": trainer.critic is not None, "extra": extra_json}
+            (path / "trainer_state.json").write_text(json.dumps(meta, indent=2))
+
+    _agreed(_Agree(trainer), _try(local_files))
+
+
+def _models(trainer: MegatronTrainer) -> list[tuple[str, torch.nn.Module, torch.optim.Optimizer]]:
+    out = [("actor", trainer.model, trainer.optimizer)]
+    if trainer.critic is not None:
+        out.append(("critic", trainer.critic.model, trainer.critic.optimizer))
+    return out
+
+
+class _Agree:
+    """What ``miles.trainer.state._agreed`` reads, over the whole trainer group."""
+
+    def __init__(self, trainer: MegatronTrainer):
+        self.group, self.device = trainer.trainer_group, trainer.device
+
+
+def load_trainer_state(trainer: MegatronTrainer, path: Path) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    meta_path = path / "trainer_state.json"
+    if not meta_path.is_file():
+        raise ValueError(f"{path} is not a trainer checkpoint (no trainer_state.json); pass a step_* directory "
+                         "written by --save, or the --save root to pick the newest complete one.")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("backend") != "megatron":
+        raise ValueError(f"{path} was written by the {meta.get('backend', 'fsdp')} backend; resume it with "
+                         f"--train-backend {meta.get('backend', 'fsdp')}, or start from --hf-checkpoint.")
+    if meta.get("padded_vocab_size") != trainer.padded_vocab:
+        raise ValueError(f"{path}: saved with TP {meta.get('tensor_model_parallel_size')} (vocabulary padded to "
+                         f"{meta.get('padded_vocab_size')}); this run pads it to {trainer.padded_vocab}: resume with "
+                         f"--tensor-model-parallel-size {meta.get('tensor_model_parallel_size')}.")
+    with_optim = bool(meta["has_optim"]) and not trainer.ckpt.no_load_optim
+    if not meta["has_optim"] and not trainer.ckpt.no_load_optim:
+        logger.warning("%s was saved with --no-save-optim: AdamW state starts fresh.", path)
+    if trainer.critic is not None and not meta.get("has_critic"):
+        raise ValueError(f"{path} has no critic but --advantage-estimator ppo needs one; resume with the "
+                         "estimator the checkpoint was trained with, or start a new run.")
+    for sub, model, opt in _models(trainer):
+        if with_optim:
+            _ensure_optim_state(opt)
+        with torch.no_grad():
+            dcp.load(_state_dict(trainer, model, opt, with_optim), checkpoint_id=str(path / sub),
+                     process_group=trainer.trainer_group)
+    trainer.schedule.load_state_dict(meta["schedule"])
+    if trainer.critic is not None:
+        trainer.critic.schedule.load_state_dict(meta["critic_schedule"])
+    rng_file = path / "rng" / f"rank{trainer.trainer_rank:05d}.pt"
+    if rng_file.is_file() and meta.get("world_size") == trainer.trainer_world:
+        state = torch.load(rng_file, weights_only=False)
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        get_cuda_rng_tracker().set_states(state.pop("megatron"))
+        trainer.dropout_rng_state = state.pop("dropout")
+        set_rng_state(state)
+    else:
+        logger.warning("%s: no RNG state for trainer rank %d of %d (saved with %s ranks); RNG not restored.",
+                       path, trainer.trainer_rank, trainer.trainer_world, meta.get("world_size"))
+    trainer._barrier()
+    logger.info("loaded checkpoint %s (schedule step %d)", path, trainer.schedule.step)
+    return meta["extra"]
+
+
+def resume_latest(trainer: MegatronTrainer) -> dict | None:
+    """``miles.trainer.state.resume_latest`` over the whole trainer group (every TP and DP rank agrees)."""
+    ckpt = trainer.ckpt
+    flag, root = ("--load", ckpt.load) if ckpt.load else ("--save", ckpt.save)
+    found = list_checkpoints(root) if root else []
+    if not found:
+        if ckpt.load:
+            raise ValueError(f"--load {ckpt.load}: no complete checkpoint (step_*/COMPLETE) found there.")
+        return None
+    group, dev = trainer.trainer_group, trainer.device
+    skipped: list[tuple[Path, str]] = []
+    for _, path in reversed(found):
+        problem = verify_checkpoint(path, rank=trainer.trainer_rank, world=trainer.trainer_world)
+        if any_rank(problem is not None, group, dev):
+            skipped.append((path, problem or "unusable on another trainer rank (its log says why)"))
+            continue
+        try:
+            extra = load_trainer_state(trainer, path)
+        except CheckpointException as e:
+            skipped.append((path, _dcp_reason(e)))
+            continue
+        if skipped and trainer.trainer_rank == 0:
+            why = "; ".join(f"{p.name}: {reason}" for p, reason in skipped)
+            logger.warning("%s %s: skipped corrupt checkpoint(s) (%s); resumed from %s instead.", flag, root, why,
+                           path.name)
+        return extra
+    why = "; ".join(f"{p.name}: {reason}" for p, reason in skipped)
+    raise ValueError(f"{flag} {root}: no usable checkpoint ({why}); delete the corrupt step_* directories to start "
+                     f"from --hf-checkpoint, or point {flag} at a directory with an intact checkpoint.")
