@@ -172,35 +172,49 @@ def _dcp_reason(e: CheckpointException) -> str:
 
 
 def resume_latest(trainer: FSDPTrainer) -> dict | None:
-    """Load the newest usable complete checkpoint under --load (default --save); returns its ``extra``,
-    or None when there is none (an error when --load was given). Collective on the trainer group."""
-    ckpt = trainer.ckpt
+    """Load the newest usable complete checkpoint under --load (default --save); returns its ``extra``, or
+    None when there is none (a fresh start: with Miles's meaning, a --load not written yet is one). A
+    checkpoint Miles's FSDP backend wrote is read too. Collective on the trainer group."""
+    from miles.trainer import miles_checkpoint
+
+    return resume_newest(trainer.ckpt, group=trainer.group, device=trainer.device, rank=trainer.rank,
+                         world=trainer.world, load=lambda path: load_trainer_state(trainer, path),
+                         load_miles=lambda path: miles_checkpoint.load(trainer, path))
+
+
+def resume_newest(ckpt, *, group, device, rank: int, world: int, load, load_miles=None) -> dict | None:
+    """The resume rule every trainer backend shares: the newest complete ``step_*`` checkpoint that verifies
+    on every rank of ``group`` and loads (``load(path) -> extra``); a corrupt one is skipped with one warning;
+    none usable is one error. Without any, a Miles FSDP checkpoint (``load_miles``, when given) or a fresh start."""
+    from miles.trainer import miles_checkpoint
+
     flag, root = ("--load", ckpt.load) if ckpt.load else ("--save", ckpt.save)
     found = list_checkpoints(root) if root else []
     if not found:
-        from miles.trainer import miles_checkpoint
-
         miles_ckpt = miles_checkpoint.find(root)
         if miles_ckpt is not None:  # written by Miles's FSDP backend: resume from it
-            return miles_checkpoint.load(trainer, miles_ckpt)
-        if ckpt.load and trainer.rank == 0:  # Miles's meaning: a fresh run may name a --load not written yet
+            if load_miles is None:
+                raise ValueError(f"{flag} {root} holds a Miles FSDP checkpoint ({miles_ckpt.name}), which this trainer "
+                                 "backend cannot read: resume it with --train-backend fsdp.")
+            return load_miles(miles_ckpt)
+        if ckpt.load and rank == 0:  # Miles's meaning: a fresh run may name a --load not written yet
             logger.warning("--load %s: no checkpoint there yet (no complete step_* nor Miles's %s); starting from "
                            "--hf-checkpoint.", ckpt.load, miles_checkpoint.TRACKER)
         return None
     skipped: list[tuple[Path, str]] = []
     for _, path in reversed(found):
-        problem = verify_checkpoint(path, rank=trainer.rank, world=trainer.world)
-        if problem and trainer.rank != 0:
+        problem = verify_checkpoint(path, rank=rank, world=world)
+        if problem and rank != 0:
             logger.info("%s: %s", path, problem)
-        if any_rank(problem is not None, trainer.group, trainer.device):
+        if any_rank(problem is not None, group, device):
             skipped.append((path, problem or "unusable on another trainer rank (its log says why)"))
             continue
         try:
-            extra = load_trainer_state(trainer, path)
+            extra = load(path)
         except CheckpointException as e:  # DCP gathers failures: every rank raises it alike
             skipped.append((path, _dcp_reason(e)))
             continue
-        if skipped and trainer.rank == 0:
+        if skipped and rank == 0:
             why = "; ".join(f"{p.name}: {reason}" for p, reason in skipped)
             logger.warning("%s %s: skipped corrupt checkpoint(s) (%s); resumed from %s instead.", flag, root, why,
                            path.name)

@@ -25,12 +25,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
 
-from miles.trainer.checkpoint import any_rank, list_checkpoints, rng_state, set_rng_state
+from miles.trainer.checkpoint import rng_state, set_rng_state
 from miles.trainer.megatron.convert import is_glu_fc1, partition_dim
 from miles.trainer.megatron.parallel import local_optimizer
-from miles.trainer.state import FORMAT, _agreed, _dcp_reason, _try, verify_checkpoint
+from miles.trainer.state import FORMAT, _agreed, _try
 from miles.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -201,31 +200,8 @@ def load_trainer_state(trainer: MegatronTrainer, path: Path) -> dict:
 
 
 def resume_latest(trainer: MegatronTrainer) -> dict | None:
-    """``miles.trainer.state.resume_latest`` over the whole trainer group (every TP and DP rank agrees)."""
-    ckpt = trainer.ckpt
-    flag, root = ("--load", ckpt.load) if ckpt.load else ("--save", ckpt.save)
-    found = list_checkpoints(root) if root else []
-    if not found:
-        if ckpt.load:
-            raise ValueError(f"--load {ckpt.load}: no complete checkpoint (step_*/COMPLETE) found there.")
-        return None
-    group, dev = trainer.trainer_group, trainer.device
-    skipped: list[tuple[Path, str]] = []
-    for _, path in reversed(found):
-        problem = verify_checkpoint(path, rank=trainer.trainer_rank, world=trainer.trainer_world)
-        if any_rank(problem is not None, group, dev):
-            skipped.append((path, problem or "unusable on another trainer rank (its log says why)"))
-            continue
-        try:
-            extra = load_trainer_state(trainer, path)
-        except CheckpointException as e:
-            skipped.append((path, _dcp_reason(e)))
-            continue
-        if skipped and trainer.trainer_rank == 0:
-            why = "; ".join(f"{p.name}: {reason}" for p, reason in skipped)
-            logger.warning("%s %s: skipped corrupt checkpoint(s) (%s); resumed from %s instead.", flag, root, why,
-                           path.name)
-        return extra
-    why = "; ".join(f"{p.name}: {reason}" for p, reason in skipped)
-    raise ValueError(f"{flag} {root}: no usable checkpoint ({why}); delete the corrupt step_* directories to start "
-                     f"from --hf-checkpoint, or point {flag} at a directory with an intact checkpoint.")
+    """``miles.trainer.state.resume_newest`` over the whole trainer group (every TP and DP rank agrees)."""
+    from miles.trainer.state import resume_newest
+
+    return resume_newest(trainer.ckpt, group=trainer.trainer_group, device=trainer.device, rank=trainer.trainer_rank,
+                         world=trainer.trainer_world, load=lambda path: load_trainer_state(trainer, path))
