@@ -172,7 +172,7 @@ def _parity_worker(model_dir: str, out: str, tp: int, kind: str = "cpu", distopt
         cfg.train = dataclasses.replace(cfg.train, bf16=False)
     meg = MegatronTrainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, group=group, **common)
     init = meg.state_dict_for_check()
-    init_bf16 = {n: t.clone() for b in meg.iter_weight_buckets(4096, torch.bfloat16) for n, t in b}
+    init_bf16 = {n: t.detach().cpu().clone() for b in meg.iter_weight_buckets(4096, torch.bfloat16) for n, t in b}
     res["meg_lp"] = _all_logprobs(meg, samples)
     res["meg_metrics"] = [meg.train(mine, rid) for rid in range(2)]
     meg_sd = meg.state_dict_for_check()
