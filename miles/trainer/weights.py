@@ -114,6 +114,7 @@ def _finish(pend: _Pending, world: int, timeout: float) -> Bucket:
     return result
 
 
+@torch.no_grad()  # per resumption (torch wraps generators): never left off while the caller runs
 def iter_full_params(
     module: nn.Module, *, group: dist.ProcessGroup, device: torch.device, bucket_bytes: int,
     dtype: torch.dtype | None = None, name_fn: Callable[[str], str] = lambda n: n, timeout: float = 600.0,
@@ -125,13 +126,12 @@ def iter_full_params(
     buckets = plan_buckets(named, bucket_bytes, dtype)
     if not buckets:
         return
-    with torch.no_grad():
-        pending = _start(buckets[0], group, world, device, dtype)
-        for k in range(len(buckets)):
-            nxt = _start(buckets[k + 1], group, world, device, dtype) if (prefetch and k + 1 < len(buckets)) else None
-            result = _finish(pending, world, timeout)
-            yield result
-            del result
-            if nxt is None and k + 1 < len(buckets):
-                nxt = _start(buckets[k + 1], group, world, device, dtype)
-            pending = nxt
+    pending = _start(buckets[0], group, world, device, dtype)
+    for k in range(len(buckets)):
+        nxt = _start(buckets[k + 1], group, world, device, dtype) if (prefetch and k + 1 < len(buckets)) else None
+        result = _finish(pending, world, timeout)
+        yield result
+        del result
+        if nxt is None and k + 1 < len(buckets):
+            nxt = _start(buckets[k + 1], group, world, device, dtype)
+        pending = nxt

@@ -109,6 +109,7 @@ def _local_shard(name: str, p: torch.Tensor, rank: int, world: int, device: torc
     return LocalShard(name, shape, dt, splits, data)
 
 
+@torch.no_grad()  # per resumption (torch wraps generators): never left off while the caller runs
 def iter_local_shards(module: nn.Module, *, rank: int, world: int, bucket_bytes: int, dtype: torch.dtype | None,
                       device: torch.device, name_fn: Callable[[str], str] = lambda n: n) -> Iterator[list[LocalShard]]:
     """This rank's part of every parameter, in the buckets ``broadcast`` uses (``plan_buckets`` over
@@ -117,9 +118,8 @@ def iter_local_shards(module: nn.Module, *, rank: int, world: int, bucket_bytes:
     from miles.trainer.weights import plan_buckets
 
     named = [(name_fn(n), p) for n, p in module.named_parameters()]
-    with torch.no_grad():
-        for bucket in plan_buckets(named, bucket_bytes, dtype):
-            yield [_local_shard(n, p, rank, world, device, dtype) for n, p in bucket]
+    for bucket in plan_buckets(named, bucket_bytes, dtype):
+        yield [_local_shard(n, p, rank, world, device, dtype) for n, p in bucket]
 
 
 @dataclass

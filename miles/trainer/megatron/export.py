@@ -86,6 +86,7 @@ def _finish(pend: _Pending, groups: Groups, shape: ModelShape, device: torch.dev
     return result
 
 
+@torch.no_grad()  # per resumption (torch wraps generators): never left off while the caller runs
 def iter_hf_buckets(model: nn.Module, shape: ModelShape, groups: Groups, *, device: torch.device,
                     bucket_bytes: int, dtype: torch.dtype | None = None, timeout: float = 600.0,
                     prefetch: bool = True) -> Iterator[Bucket]:
@@ -93,13 +94,12 @@ def iter_hf_buckets(model: nn.Module, shape: ModelShape, groups: Groups, *, devi
     buckets = plan(list(model.named_parameters()), groups.tp_size, bucket_bytes, dtype)
     if not buckets:
         return
-    with torch.no_grad():
-        pending = _start(buckets[0], groups, device, dtype)
-        for k in range(len(buckets)):
-            nxt = _start(buckets[k + 1], groups, device, dtype) if (prefetch and k + 1 < len(buckets)) else None
-            result = _finish(pending, groups, shape, device, dtype, timeout)
-            yield result
-            del result
-            if nxt is None and k + 1 < len(buckets):
-                nxt = _start(buckets[k + 1], groups, device, dtype)
-            pending = nxt
+    pending = _start(buckets[0], groups, device, dtype)
+    for k in range(len(buckets)):
+        nxt = _start(buckets[k + 1], groups, device, dtype) if (prefetch and k + 1 < len(buckets)) else None
+        result = _finish(pending, groups, shape, device, dtype, timeout)
+        yield result
+        del result
+        if nxt is None and k + 1 < len(buckets):
+            nxt = _start(buckets[k + 1], groups, device, dtype)
+        pending = nxt
