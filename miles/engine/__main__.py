@@ -20,6 +20,7 @@ from miles.utils.logging import configure_logging, get_logger
 logger = get_logger("miles.engine")
 
 SHUTDOWN_DEADLINE_S = 3.0
+DEFAULT_MAX_SAMPLES_PER_REQUEST = 4096
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,13 +38,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-context-len", "--context-length", dest="max_context_len", type=int, default=None,
                    help="Tokens per KV slot (prompt + response); default min(max_position_embeddings, 4096).")
     p.add_argument("--max-prefill-tokens", type=int, default=16384, help="Padded tokens per prefill batch.")
-    p.add_argument("--max-samples-per-request", type=int, default=4096,
-                   help="Most generations (prompts x sampling_params.n) one /generate may ask for; more is a 400.")
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="KV cache tokens in all (as sglang): caps --max-running-requests at this / --max-context-len.")
+    p.add_argument("--max-samples-per-request", type=int, default=None,
+                   help="Most generations (prompts x sampling_params.n) one /generate may ask for; more is a 400 "
+                        "(default: 4096, or --max-queued-requests when lower).")
     p.add_argument("--max-queued-requests", type=int, default=65536,
                    help="Most generations the engine holds (running + queued); a request beyond it is a 503 (retry later).")
     p.add_argument("--weight-version", default="default", help="Initial weight_version reported in meta_info.")
     p.add_argument("--random-seed", type=int, default=None, help="Seed for requests that carry no sampling_seed.")
     p.add_argument("--disable-cuda-graph", action="store_true", help="Do not capture the decode step as CUDA graphs.")
+    p.add_argument("--cuda-graph-bs", type=int, nargs="+", default=None,
+                   help="Decode batch sizes captured as CUDA graphs (as sglang); larger batches run without a graph.")
+    p.add_argument("--kv-cache", choices=["auto", "paged", "slots"], default="auto",
+                   help="KV cache layout: a page pool with block tables (memory follows the tokens in flight), or one "
+                        "static slot of --max-context-len per running request; auto: paged on GPU, slots on CPU.")
+    p.add_argument("--page-size", type=int, default=16, choices=[1, 2, 4, 8, 16, 32, 64],
+                   help="Tokens per KV page of the paged cache.")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                   help="Largest decode batch captured as a CUDA graph (as sglang); larger batches run without one.")
     p.add_argument("--generic-forward", action="store_true",
                    help="Use the HF forward (one request at a time) even for Llama/Qwen/Mistral models.")
     p.add_argument("--weight-update-timeout", type=float, default=600.0,
@@ -62,6 +75,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--weight-update-timeout {args.weight_update_timeout:g} must be positive (seconds)")
     if args.max_prefill_tokens < 1:
         parser.error(f"--max-prefill-tokens {args.max_prefill_tokens} must be at least 1")
+    if args.max_samples_per_request is None:
+        args.max_samples_per_request = min(DEFAULT_MAX_SAMPLES_PER_REQUEST, args.max_queued_requests)
+    for name in ("max_total_tokens", "cuda_graph_max_bs"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} {value} must be at least 1")
+    if args.cuda_graph_bs is not None and min(args.cuda_graph_bs) < 1:
+        parser.error(f"--cuda-graph-bs {' '.join(map(str, args.cuda_graph_bs))}: every batch size must be at least 1")
     if args.max_samples_per_request < 1:
         parser.error(f"--max-samples-per-request {args.max_samples_per_request} must be at least 1")
     if args.max_queued_requests < args.max_samples_per_request:
@@ -95,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
             max_prefill_tokens=args.max_prefill_tokens, weight_version=args.weight_version, random_seed=args.random_seed,
             cuda_graph=not args.disable_cuda_graph, native=not args.generic_forward,
             weight_update_timeout=args.weight_update_timeout, max_samples_per_request=args.max_samples_per_request,
-            max_queued_requests=args.max_queued_requests))
+            max_queued_requests=args.max_queued_requests, max_total_tokens=args.max_total_tokens,
+            cuda_graph_bs=args.cuda_graph_bs, cuda_graph_max_bs=args.cuda_graph_max_bs,
+            kv_cache=args.kv_cache, page_size=args.page_size))
     except ValueError as e:
         logger.error("%s", e)
         return 2

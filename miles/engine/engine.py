@@ -51,6 +51,11 @@ class EngineArgs:
     weight_update_timeout: float = 600.0
     max_samples_per_request: int | None = 4096
     max_queued_requests: int | None = 65536
+    max_total_tokens: int | None = None        # KV tokens in all: caps max_running_requests (as sglang)
+    cuda_graph_bs: list[int] | None = None     # decode batch sizes captured as CUDA graphs (as sglang)
+    cuda_graph_max_bs: int | None = None
+    kv_cache: str = "auto"                     # paged | slots | auto (paged on GPU, slots on CPU)
+    page_size: int = 16                        # tokens per KV page (paged cache)
 
 
 class Engine:
@@ -58,7 +63,9 @@ class Engine:
         self.args = args
         self.runner = ModelRunner(args.hf_checkpoint, RunnerOptions(
             device=args.device, dtype=args.dtype, max_running_requests=args.max_running_requests,
-            max_context_len=args.max_context_len, cuda_graph=args.cuda_graph, native=args.native))
+            max_context_len=args.max_context_len, cuda_graph=args.cuda_graph, native=args.native,
+            max_total_tokens=args.max_total_tokens, cuda_graph_bs=args.cuda_graph_bs, cuda_graph_max_bs=args.cuda_graph_max_bs,
+            kv_cache=args.kv_cache, page_size=args.page_size))
         self.tokenizer = self._load_tokenizer(args.hf_checkpoint)
         self.scheduler = Scheduler(self.runner, self.tokenizer, max_prefill_tokens=args.max_prefill_tokens,
                                    weight_version=args.weight_version, random_seed=args.random_seed,
@@ -219,10 +226,12 @@ class Engine:
             "host": a.host, "port": a.port, "dtype": str(self.runner.dtype).removeprefix("torch."), "device": str(self.runner.device),
             "tp_size": 1, "dp_size": 1, "pp_size": 1, "ep_size": 1, "nnodes": 1, "node_rank": 0,
             "max_running_requests": self.runner.max_slots, "context_length": self.runner.max_ctx,
-            "max_total_num_tokens": self.runner.max_slots * self.runner.max_ctx, "max_req_input_len": self.runner.max_ctx - 1,
+            "max_total_num_tokens": self.runner.kv_tokens(), "max_req_input_len": self.runner.max_ctx - 1,
             "max_prefill_tokens": a.max_prefill_tokens, "random_seed": a.random_seed, "weight_version": self.weight_version,
             "disaggregation_mode": "null", "api_key_set": a.api_key is not None, "skip_tokenizer_init": self.tokenizer is None,
             "native_forward": self.runner.native, "cuda_graph": bool(getattr(self.runner.impl, "use_graphs", False)),
+            "cuda_graph_bs": self.runner.graph_batch_sizes, "cuda_graph_max_bs": max(self.runner.graph_batch_sizes, default=0),
+            "max_queued_requests": a.max_queued_requests,
             "memory_released": sorted(self.memory_released), "internal_states": [load], "version": "miles-embedded-engine",
             "engine": "miles-embedded",
         }
@@ -320,7 +329,8 @@ class Engine:
         if dtypes is None:
             raise P.BadRequest("UpdateWeightsFromDistributedReqInput needs 'dtypes' (or 'dtype_names')")
         async with self._update_lock:
-            named = await asyncio.to_thread(self.groups.receive, b.group_name, b.names, dtypes, b.shapes, b.load_format)
+            named = await asyncio.to_thread(self.groups.receive, b.group_name, b.names, dtypes, b.shapes, b.load_format,
+                                            b.p2p_ranges)
             return await self._apply(named, flush=b.flush_cache, abort_all=b.abort_all_requests, version=b.weight_version)
 
     async def update_from_tensor(self, b: P.UpdateWeightsFromTensorReqInput) -> int:

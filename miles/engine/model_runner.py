@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from miles.engine import paged_attention
+from miles.engine.paged_cache import PagedKV
 from miles.utils.logging import get_logger
 
 logger = get_logger("miles.engine.model_runner")
@@ -41,6 +43,36 @@ class RunnerOptions:
     max_context_len: int | None = None
     cuda_graph: bool = True
     native: bool = True            # False forces the generic HF path (for tests and odd models)
+    max_total_tokens: int | None = None      # KV tokens in all (sglang --max-total-tokens): caps the slots
+    cuda_graph_bs: list[int] | None = None   # decode batch sizes captured as graphs (sglang --cuda-graph-bs)
+    cuda_graph_max_bs: int | None = None     # largest such batch (sglang --cuda-graph-max-bs)
+    kv_cache: str = "auto"                   # "paged" | "slots" | "auto" (paged on GPU, slots on CPU)
+    page_size: int = 16                      # tokens per KV page (paged cache; sglang --page-size)
+
+
+def graph_batch_sizes(max_slots: int, sizes: list[int] | None = None, max_bs: int | None = None) -> list[int]:
+    """Decode batch sizes captured as CUDA graphs; a larger batch runs without one (as in SGLang).
+
+    Default: 1, 2, 4, .., 32, then steps of 32, up to the slot count (or ``max_bs``)."""
+    cap = min(max_slots, max_bs) if max_bs is not None else max_slots
+    if sizes is None:
+        sizes, b = [], 1
+        while b < cap:
+            sizes.append(b)
+            b = b * 2 if b < 32 else b + 32
+        sizes.append(cap)
+    return sorted({b for b in sizes if 1 <= b <= cap})
+
+
+PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # divisors of the 64-token alignment of the decode context buckets
+
+
+def resolve_kv_cache(name: str, device: torch.device) -> str:
+    if name == "auto":
+        return "paged" if device.type == "cuda" else "slots"
+    if name not in ("paged", "slots"):
+        raise ValueError(f"--kv-cache {name!r} is not one of auto, paged, slots")
+    return name
 
 
 def resolve_dtype(name: str, device: torch.device, config) -> torch.dtype:
@@ -86,7 +118,8 @@ def _available_bytes(device: torch.device) -> int:
 class _NativeLM:
     """Own attention + static slot KV cache for decoder-only Llama-family models."""
 
-    def __init__(self, model, max_slots: int, max_ctx: int, device: torch.device, dtype: torch.dtype, cuda_graph: bool):
+    def __init__(self, model, max_slots: int, max_ctx: int, device: torch.device, dtype: torch.dtype, cuda_graph: bool,
+                 graph_bs: list[int] | None = None, num_pages: int | None = None, page_size: int = 16):
         inner = model.model
         cfg = model.config
         self.model = model
@@ -123,25 +156,39 @@ class _NativeLM:
         self.graph_pool = None
         self.g_tokens = torch.zeros(max_slots, dtype=torch.long, device=device)
         self.g_pos = torch.full((max_slots,), cache_ctx - 1, dtype=torch.long, device=device)
-        b, self.batch_buckets = 1, []
-        while b < max_slots:
-            self.batch_buckets.append(b)
-            b = b * 2 if b < 32 else b + 32
-        self.batch_buckets.append(max_slots)
+        self.batch_buckets = graph_bs if graph_bs is not None else graph_batch_sizes(max_slots)
         self.ctx_buckets = sorted({min(cache_ctx, 1 << k) for k in range(8, 24)} | {cache_ctx})
+        # paged mode (num_pages given): a page pool + block tables instead of the slot cache
+        self.kv: PagedKV | None = None
+        if num_pages is not None:
+            self.kv = PagedKV(len(self.layers), self.n_kv, self.head_dim, num_pages, page_size, max_slots, cache_ctx,
+                              dtype, device)
+        # the Triton paged-decode kernel (CUDA): attention reads only each row's live pages; no sliding windows
+        self.kernel = self.kv is not None and paged_attention.available(device) and all(w is None for w in self.windows)
+        # graph rows beyond the running requests: the slot cache writes them at the last position of free slots;
+        # paged, their block tables are all the scratch page, and position 0 keeps the kernel's walk to one token
+        self.pad_pos = 0 if self.kv is not None else cache_ctx - 1
 
     # ------------------------------------------------------------------ cache
     def cache_bytes(self) -> int:
+        if self.kv is not None:
+            return self.kv.bytes()
         el = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * len(self.layers) * self.max_slots * self.n_kv * self.cache_ctx * self.head_dim * el
 
     def allocate_cache(self) -> None:
+        if self.kv is not None:
+            self.kv.allocate()
+            self.k_cache, self.v_cache = self.kv.k, self.kv.v  # ModelRunner.clear_cache zeroes these
+            return
         shape = (self.max_slots, self.n_kv, self.cache_ctx, self.head_dim)
         self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
 
     def free_cache(self) -> None:
         self.k_cache, self.v_cache = [], []
+        if self.kv is not None:
+            self.kv.free()
         self.drop_graphs()
 
     def drop_graphs(self) -> None:
@@ -149,9 +196,21 @@ class _NativeLM:
         self.graph_pool = None
 
     def move_slot(self, src: int, dst: int, length: int) -> None:
+        if self.kv is not None:
+            return self.kv.move(src, dst)
         for kc, vc in zip(self.k_cache, self.v_cache):
             kc[dst, :, :length].copy_(kc[src, :, :length])
             vc[dst, :, :length].copy_(vc[src, :, :length])
+
+    def share_prefix(self, src: int, dst: int, length: int) -> None:
+        """Slot ``dst`` starts with slot ``src``'s first ``length`` tokens of KV (the n samples of one prompt)."""
+        if self.kv is not None:
+            return self.kv.share(src, dst, length)
+        self.move_slot(src, dst, length)  # the slot cache copies (a move leaves the source's KV in place)
+
+    def release_slot(self, slot: int) -> None:
+        if self.kv is not None:
+            self.kv.release(slot)
 
     # ------------------------------------------------------------------ prefill
     @torch.no_grad()
@@ -169,6 +228,11 @@ class _NativeLM:
         cos, sin = self.cos[:T][None, None], self.sin[:T][None, None]
         q_pos = self.ar_ctx[:T]
         base_mask = None
+        kv = self.kv
+        if kv is not None:
+            for i, n_tok in enumerate(lens):
+                kv.grow(slot_start + i, n_tok)
+            p_row, p_tok, p_page, p_off = kv.prefill_index(slot_start, lens)
         if not uniform:
             base_mask = (q_pos[None, :] <= q_pos[:, None])[None, None] & (q_pos[None, None, None, :] < lens_t[:, None, None, None])
         for li, layer in enumerate(self.layers):
@@ -182,8 +246,12 @@ class _NativeLM:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            self.k_cache[li][slot_start: slot_start + n, :, :T] = k
-            self.v_cache[li][slot_start: slot_start + n, :, :T] = v
+            if kv is not None:
+                kv.k[li][p_page, p_off] = k[p_row, :, p_tok]
+                kv.v[li][p_page, p_off] = v[p_row, :, p_tok]
+            else:
+                self.k_cache[li][slot_start: slot_start + n, :, :T] = k
+                self.v_cache[li][slot_start: slot_start + n, :, :T] = v
             if self.group > 1:
                 k = k.repeat_interleave(self.group, dim=1)
                 v = v.repeat_interleave(self.group, dim=1)
@@ -210,9 +278,14 @@ class _NativeLM:
         h = self.embed(tokens)
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
         ar = self.ar_slots[:B]
-        kpos = self.ar_ctx[:L]
-        valid = kpos[None, :] <= positions[:, None]
-        mask = valid[:, None, None, :]
+        kv = self.kv
+        if not self.kernel:
+            kpos = self.ar_ctx[:L]
+            valid = kpos[None, :] <= positions[:, None]
+            mask = valid[:, None, None, :]
+        if kv is not None:
+            w_page = kv.block_table[ar, positions // kv.page_size]
+            w_off = positions % kv.page_size
         for li, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = _norm(layer.input_layernorm, h)
@@ -223,14 +296,25 @@ class _NativeLM:
                 q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            kc, vc = self.k_cache[li], self.v_cache[li]
-            kc[ar, :, positions] = k
-            vc[ar, :, positions] = v
+            if kv is not None:
+                kv.k[li][w_page, w_off] = k
+                kv.v[li][w_page, w_off] = v
+                if self.kernel:
+                    o = paged_attention.paged_decode(q, kv.k[li], kv.v[li], kv.block_table, positions, self.scaling)
+                    h = h + attn.o_proj(o.reshape(B, self.n_heads * self.head_dim))
+                    h = h + layer.mlp(_norm(layer.post_attention_layernorm, h))
+                    continue
+                k_all, v_all = kv.gather(li, B, L)
+            else:
+                kc, vc = self.k_cache[li], self.v_cache[li]
+                kc[ar, :, positions] = k
+                vc[ar, :, positions] = v
+                k_all, v_all = kc[:B, :, :L], vc[:B, :, :L]
             m = mask
             win = self.windows[li]
             if win is not None and win < L:
                 m = (valid & (kpos[None, :] > positions[:, None] - win))[:, None, None, :]
-            o = F.scaled_dot_product_attention(q.view(B, self.n_kv, self.group, self.head_dim), kc[:B, :, :L], vc[:B, :, :L],
+            o = F.scaled_dot_product_attention(q.view(B, self.n_kv, self.group, self.head_dim), k_all, v_all,
                                                attn_mask=m, scale=self.scaling)
             h = h + attn.o_proj(o.reshape(B, self.n_heads * self.head_dim))
             h = h + layer.mlp(_norm(layer.post_attention_layernorm, h))
@@ -240,17 +324,20 @@ class _NativeLM:
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, max_len: int) -> torch.Tensor:
         """One token for rows ``0..n-1`` (slot i = row i). ``max_len``: the longest context after this step."""
         n = tokens.shape[0]
-        L = next(c for c in self.ctx_buckets if c >= max_len)
+        # the paged kernel walks each row's own length: one graph per batch size is enough
+        L = self.cache_ctx if self.kernel else next(c for c in self.ctx_buckets if c >= max_len)
         if not self.use_graphs:
             return self._decode_impl(tokens, positions, n, L).float()
-        bs = next(b for b in self.batch_buckets if b >= n)
+        bs = next((b for b in self.batch_buckets if b >= n), None)
+        if bs is None:  # larger than every captured batch size
+            return self._decode_impl(tokens, positions, n, L).float()
         entry = self.graphs.get((bs, L))
         if entry is None:
             entry = self._capture(bs, L)
         self.g_tokens[:n].copy_(tokens)
         self.g_pos[:n].copy_(positions)
         if bs > n:
-            self.g_pos[n:bs].fill_(self.cache_ctx - 1)
+            self.g_pos[n:bs].fill_(self.pad_pos)
         entry[0].replay()
         return entry[1][:n].float()
 
@@ -303,6 +390,14 @@ class _GenericLM:
     def move_slot(self, src: int, dst: int, length: int) -> None:
         self.caches[dst], self.caches[src] = self.caches[src], None
 
+    def share_prefix(self, src: int, dst: int, length: int) -> None:
+        import copy
+
+        self.caches[dst] = copy.deepcopy(self.caches[src])
+
+    def release_slot(self, slot: int) -> None:
+        self.caches[slot] = None
+
     @torch.no_grad()
     def prefill(self, slot_start: int, seqs: list[list[int]], full_for: list[bool]):
         from transformers import DynamicCache
@@ -331,8 +426,9 @@ class ModelRunner:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.model_path = str(model_path)
-        if not Path(self.model_path, "config.json").is_file():
-            raise ValueError(f"--hf-checkpoint {self.model_path}: no config.json there; give a local HF model directory")
+        from miles.utils.model_dir import check_model_dir
+
+        check_model_dir(self.model_path, "--hf-checkpoint")  # ModelDirError (a ValueError): one line naming the file
         self.device = torch.device(opts.device)
         if self.device.type == "cuda":
             if not torch.cuda.is_available():
@@ -358,18 +454,36 @@ class ModelRunner:
         self.max_slots = int(opts.max_running_requests)
         if self.max_slots < 1:
             raise ValueError(f"--max-running-requests {self.max_slots} must be at least 1")
+        self.paged = resolve_kv_cache(opts.kv_cache, self.device) == "paged"
+        if opts.page_size not in PAGE_SIZES:
+            raise ValueError(f"--page-size {opts.page_size} is not one of {', '.join(map(str, PAGE_SIZES))}")
+        self.page_size = opts.page_size
+        if opts.max_total_tokens is not None:
+            if opts.max_total_tokens < max_ctx:
+                raise ValueError(f"--max-total-tokens {opts.max_total_tokens} is less than one request's context "
+                                 f"({max_ctx} tokens, --max-context-len): raise it or lower --max-context-len")
+            if not self.paged:  # the paged cache admits by free pages instead
+                self.max_slots = min(self.max_slots, opts.max_total_tokens // max_ctx)
+        self.graph_batch_sizes = graph_batch_sizes(self.max_slots, opts.cuda_graph_bs, opts.cuda_graph_max_bs)
         native = opts.native and getattr(self.config, "model_type", "") in NATIVE_MODEL_TYPES
         self.impl: _NativeLM | _GenericLM
         if native:
             try:
-                self.impl = _NativeLM(self.model, self.max_slots, max_ctx, self.device, self.dtype, opts.cuda_graph)
+                pages = self._pool_pages(opts, max_ctx) if self.paged else None
+                self.impl = _NativeLM(self.model, self.max_slots, max_ctx, self.device, self.dtype, opts.cuda_graph,
+                                      self.graph_batch_sizes, pages, self.page_size)
             except (AttributeError, NotImplementedError) as e:
                 logger.warning("native forward unavailable for %s (%s); using the generic HF path", self.config.model_type, e)
                 native = False
         if not native:
             self.impl = _GenericLM(self.model, self.max_slots, max_ctx, self.device)
+            self.paged = False
         self.native = native
+        self.kv: PagedKV | None = getattr(self.impl, "kv", None)
         need, avail = self.impl.cache_bytes(), _available_bytes(self.device)
+        if need > 0.9 * avail and self.kv is not None:
+            raise ValueError(f"the KV page pool needs {need / 2**30:.1f} GiB but only {avail / 2**30:.1f} GiB is free; "
+                             f"lower --max-total-tokens")
         if need > 0.9 * avail:
             raise ValueError(f"the KV cache needs {need / 2**30:.1f} GiB ({self.max_slots} slots x {max_ctx} tokens) but only "
                              f"{avail / 2**30:.1f} GiB is free; lower --max-running-requests or --max-context-len")
@@ -379,9 +493,70 @@ class ModelRunner:
         self._weights_backup: dict[int, torch.Tensor] | None = None
         self.weights_released = False
         self.kv_released = False
-        logger.info("loaded %s (%s, %s) on %s: %s forward, %d slots x %d tokens, KV cache %.1f MiB%s",
+        layout = (f"paged KV cache of {self.kv.pool.num_pages - 1} pages x {self.page_size} tokens" if self.kv is not None
+                  else f"slot KV cache of {self.max_slots} x {max_ctx} tokens")
+        logger.info("loaded %s (%s, %s) on %s: %s forward, %d running requests at most, %s, %.1f MiB%s",
                     self.model_path, self.config.model_type, self.dtype, self.device, "native" if native else "generic HF",
-                    self.max_slots, max_ctx, need / 2**20, ", CUDA graphs" if getattr(self.impl, "use_graphs", False) else "")
+                    self.max_slots, layout, need / 2**20, ", CUDA graphs" if getattr(self.impl, "use_graphs", False) else "")
+
+    def _pool_pages(self, opts: RunnerOptions, max_ctx: int) -> int:
+        """Pages in the pool (+1 scratch page): --max-total-tokens, else as much as the slot cache, capped by memory."""
+        ps = self.page_size
+        cfg = self.config
+        n_kv = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        el = torch.tensor([], dtype=self.dtype).element_size()
+        page_bytes = 2 * int(cfg.num_hidden_layers) * ps * n_kv * head_dim * el
+        one_request = -(-max_ctx // ps)
+        if opts.max_total_tokens is not None:
+            return -(-opts.max_total_tokens // ps) + 1
+        pages = self.max_slots * one_request + 1
+        avail = _available_bytes(self.device)
+        fraction = getattr(opts, "mem_fraction_static", None)
+        if fraction is not None and self.device.type == "cuda":  # sglang's meaning: weights + KV pool of total memory
+            total = torch.cuda.mem_get_info(self.device)[1]
+            cap = int(fraction * total) - (total - avail)
+        else:
+            cap = int(0.85 * avail)
+        if pages * page_bytes > cap:
+            fit = max(cap // page_bytes, 0)
+            if fit < one_request + 1:
+                raise ValueError(f"the KV page pool would get {fit} pages of {ps} tokens but one request's context needs "
+                                 f"{one_request} (--max-context-len {max_ctx}); free memory or lower --max-context-len")
+            logger.info("KV page pool capped by free memory: %d pages (%d tokens)", fit, (fit - 1) * ps)
+            pages = fit
+        return pages
+
+    # ------------------------------------------------------------------ paged KV bookkeeping (no-ops for slots)
+    def free_pages(self) -> int | None:
+        return self.kv.pool.num_free if self.kv is not None else None
+
+    def pages_for(self, ntok: int) -> int:
+        return -(-ntok // self.page_size)
+
+    def grow_pages(self, slots: list[int]) -> None:
+        """One more page for each slot whose next token starts a page (the caller checked free_pages)."""
+        if self.kv is not None:
+            self.kv.grow_one_page(slots)
+
+    def release_slot(self, slot: int) -> None:
+        self.impl.release_slot(slot)
+
+    def share_prefix(self, src: int, dst: int, length: int) -> None:
+        self.impl.share_prefix(src, dst, length)
+
+    def kv_tokens(self) -> int:
+        """KV tokens the cache holds in all (sglang's max_total_num_tokens)."""
+        if self.kv is not None:
+            return (self.kv.pool.num_pages - 1) * self.page_size
+        return self.max_slots * self.max_ctx
+
+    def kv_stats(self) -> dict[str, int]:
+        if self.kv is None:
+            return {}
+        pool = self.kv.pool
+        return {"kv_pages_total": pool.num_pages - 1, "kv_pages_in_use": pool.num_used, "kv_pages_peak": self.kv.peak_used,
+                "kv_page_size": self.page_size}
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()

@@ -246,6 +246,7 @@ class UpdateWeightsFromDistributedReqInput(_Control, kw_only=True):
     load_format: str | None = None
     torch_empty_cache: bool = False
     selector: Any = None
+    p2p_ranges: list[list[list[int]]] | None = None  # miles's p2p mode: per trainer rank, its [start, end) bytes
 
 
 class UpdateWeightsFromTensorReqInput(_Control, kw_only=True):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from miles.engine import sample_kernel
 from miles.engine.protocol import TOP_K_ALL
 
 _M32 = 0xFFFFFFFF
@@ -34,12 +35,17 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """Each row's 32-bit key for this step (int64 holding [0, 2^32)): the per-row half of ``hash_uniform``."""
+    lo = seeds & _M32
+    hi = (seeds >> 32) & _M32
+    return _mix32(lo ^ _mix32(hi ^ _mix32((steps & _M32) ^ 0x5BD1E995)))
+
+
 def hash_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int | torch.Tensor) -> torch.Tensor:
     """Uniform (0, 1) float32 noise, a pure function of (seed, step, token id): shape [B, vocab] for an int,
     or the shape of ``vocab`` when it is a [B, K] tensor of token ids (the same values at those ids)."""
-    lo = seeds & _M32
-    hi = (seeds >> 32) & _M32
-    key = _mix32(lo ^ _mix32(hi ^ _mix32((steps & _M32) ^ 0x5BD1E995)))
+    key = row_keys(seeds, steps)
     if isinstance(vocab, int):
         ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)[None, :]
     else:
@@ -48,7 +54,8 @@ def hash_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int | torch.Te
     return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
-_TOPK_FAST_MAX = 1024
+_TOPK_FAST_MAX = 1024     # top-k (and the top-p/min-p prefilter) race among at most this many best tokens
+USE_FUSED_KERNEL = True   # the Triton sampler for rows without top-k/top-p/min-p (CUDA, Triton installed)
 
 
 @dataclass
@@ -122,35 +129,31 @@ def sample(
         logits = logits.masked_fill(suppress, float("-inf"))
     if sb.logit_bias is not None:
         logits = logits + sb.logit_bias
+    truncate = sb.need_top_k or sb.need_top_p or sb.need_min_p
+    plain = not (truncate or top_n or want_dist or sb.all_greedy or RETURN_ORIGINAL_LOGPROB)
+    if plain and USE_FUSED_KERNEL and sample_kernel.available(logits.device):
+        tokens, lp = sample_kernel.fused_sample(logits, sb.temperature, row_keys(sb.seeds, steps), sb.greedy)
+        return SampleOutput(tokens=tokens, logprobs=lp if want_logprobs else None, top_values=None, top_indices=None,
+                            logprob_dist=None)
+    logp = None
     if sb.all_greedy:
         tokens = torch.argmax(logits, dim=-1)
         scaled = logits
     else:
         scaled = logits if sb.all_temp_one else logits / sb.temperature[:, None]
         logp = torch.log_softmax(scaled, dim=-1)
-        if sb.need_top_k and not (sb.need_top_p or sb.need_min_p) and sb.max_top_k <= _TOPK_FAST_MAX:
-            # top-k only: race among each row's k best tokens (same noise per token id as the full path)
-            vals, idx = logp.topk(sb.max_top_k, dim=-1)
-            ranks = torch.arange(sb.max_top_k, device=logits.device)
-            vals = vals.masked_fill(ranks[None, :] >= sb.top_k[:, None], float("-inf"))
+        top = _truncated_top(logp, sb) if truncate else None
+        if top is not None:
+            # every row's support lies within its K best tokens: race among them (the same noise per token id
+            # as the full path, so the same tokens), no full-vocabulary sort
+            vals, idx = top
             g = -torch.log(-torch.log(hash_uniform(sb.seeds, steps, idx)))
             tokens = idx.gather(1, torch.argmax(vals + g, dim=-1, keepdim=True)).squeeze(1)
-            if sb.any_greedy:
-                tokens = torch.where(sb.greedy, torch.argmax(logits, dim=-1), tokens)
             filtered = None
-        elif sb.need_top_k or sb.need_top_p or sb.need_min_p:
+        elif truncate:
             sorted_lp, idx = logp.sort(dim=-1, descending=True)
-            remove = torch.zeros_like(sorted_lp, dtype=torch.bool)
-            if sb.need_top_k:
-                ranks = torch.arange(sb.vocab, device=logits.device)
-                remove |= ranks[None, :] >= sb.top_k[:, None]
-            if sb.need_top_p or sb.need_min_p:
-                probs = sorted_lp.exp()
-                if sb.need_top_p:
-                    remove |= (probs.cumsum(dim=-1) - probs) > sb.top_p[:, None]
-                if sb.need_min_p:
-                    remove |= probs < probs[:, :1] * sb.min_p[:, None]
-            sorted_lp = sorted_lp.masked_fill(remove, float("-inf"))
+            sorted_lp = sorted_lp.masked_fill(_removed(sorted_lp, sb, torch.arange(sb.vocab, device=logits.device)),
+                                              float("-inf"))
             filtered = torch.empty_like(logp).scatter_(1, idx, sorted_lp)
         else:
             filtered = logp
@@ -158,14 +161,52 @@ def sample(
             u = hash_uniform(sb.seeds, steps, sb.vocab)
             gumbel = -torch.log(-torch.log(u))
             tokens = torch.argmax(filtered + gumbel, dim=-1)
-            if sb.any_greedy:
-                tokens = torch.where(sb.greedy, torch.argmax(logits, dim=-1), tokens)
+        if sb.any_greedy:
+            tokens = torch.where(sb.greedy, torch.argmax(logits, dim=-1), tokens)
     out = SampleOutput(tokens=tokens, logprobs=None, top_values=None, top_indices=None, logprob_dist=None)
     if want_logprobs or top_n or want_dist:
-        dist = torch.log_softmax(logits if RETURN_ORIGINAL_LOGPROB else scaled, dim=-1)
+        if RETURN_ORIGINAL_LOGPROB:
+            dist = torch.log_softmax(logits, dim=-1)
+        else:
+            dist = logp if logp is not None else torch.log_softmax(scaled, dim=-1)
         out.logprobs = dist.gather(1, tokens[:, None]).squeeze(1)
         if top_n:
             out.top_values, out.top_indices = dist.topk(min(top_n, sb.vocab), dim=-1)
         if want_dist:
             out.logprob_dist = dist
     return out
+
+
+def _removed(sorted_lp: torch.Tensor, sb: SamplingBatch, ranks: torch.Tensor) -> torch.Tensor:
+    """Which of each row's tokens, sorted by log-prob (descending), top-k / top-p / min-p cut off."""
+    remove = torch.zeros_like(sorted_lp, dtype=torch.bool)
+    if sb.need_top_k:
+        remove |= ranks[None, :] >= sb.top_k[:, None]
+    if sb.need_top_p or sb.need_min_p:
+        probs = sorted_lp.exp()
+        if sb.need_top_p:
+            remove |= (probs.cumsum(dim=-1) - probs) > sb.top_p[:, None]
+        if sb.need_min_p:
+            remove |= probs < probs[:, :1] * sb.min_p[:, None]
+    return remove
+
+
+def _truncated_top(logp: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each row's K best log-probs (masked by its top-k/top-p/min-p) and their ids, when every row's support
+    provably lies within them: its top_k <= K, or its top-p mass is reached inside them, or its min-p
+    threshold excludes the K-th token. None otherwise (the caller sorts the whole vocabulary)."""
+    K = min(_TOPK_FAST_MAX, sb.vocab)
+    if K < 1 or (not (sb.need_top_p or sb.need_min_p) and sb.max_top_k > K):
+        return None
+    k = sb.max_top_k if not (sb.need_top_p or sb.need_min_p) else K
+    vals, idx = logp.topk(k, dim=-1)
+    if (sb.need_top_p or sb.need_min_p) and k < sb.vocab:
+        probs = vals.exp()
+        inside = sb.top_k <= k
+        if sb.need_top_p:
+            inside |= (sb.top_p < 1.0) & (probs.sum(dim=-1) > sb.top_p)
+        if sb.need_min_p:
+            inside |= (sb.min_p > 0.0) & (probs[:, -1] < probs[:, 0] * sb.min_p)
+        if not bool(inside.all()):
+            return None
+    return vals.masked_fill(_removed(vals, sb, torch.arange(k, device=logp.device)), float("-inf")), idx

@@ -115,6 +115,11 @@ class Scheduler:
             self.stop_ids.add(int(tokenizer.eos_token_id))
         self.steps = 0
         self.generated_tokens = 0
+        self.retractions = 0        # running requests sent back to the queue because the page pool ran out
+        # refill freed slots in groups of >= admit_min (one prefill launch instead of one per finished request),
+        # but never let a queued request wait more than ADMIT_MAX_WAIT decode steps for that
+        self.admit_min = max(1, runner.max_slots // 32)
+        self._admit_wait = 0
         self.last_step_time = time.time()
         self.error: BaseException | None = None
 
@@ -164,7 +169,7 @@ class Scheduler:
             if self.paused or not self.runner.ready:
                 continue
             try:
-                if self.waiting and len(self.running) < self.runner.max_slots:
+                if self.waiting and len(self.running) < self.runner.max_slots and self._admit_now():
                     self._admit()
                 if self.running:
                     self._decode_step()
@@ -174,7 +179,11 @@ class Scheduler:
                 for r in list(self.running) + self._admitting:
                     if r.finish is None:
                         self._finish(r, {"type": "abort", "message": f"engine error: {type(e).__name__}: {e}"})
+                    if r.state == "running":
+                        r.post(final=True)
                     r.state, r.slot = "done", -1
+                for slot in range(len(self.running) + len(self._admitting)):
+                    self.runner.release_slot(slot)
                 self.running.clear()
                 self._admitting = []
                 self._epoch += 1
@@ -276,13 +285,18 @@ class Scheduler:
         self.paused, self.pause_mode = False, None
 
     def _retract_all(self) -> None:
-        for r in reversed(self.running):
-            r.retracted = True
-            r.kv_len = 0
-            r.state, r.slot = "waiting", -1
-            self.waiting.appendleft(r)
-            self.num_waiting += 1
-        self.running.clear()
+        while self.running:
+            self._retract_last()
+
+    def _retract_last(self) -> None:
+        """Send the last running request back to the head of the queue; its KV is freed and recomputed later."""
+        r = self.running.pop()
+        self.runner.release_slot(len(self.running))
+        r.retracted = True
+        r.kv_len = 0
+        r.state, r.slot = "waiting", -1
+        self.waiting.appendleft(r)
+        self.num_waiting += 1
         self._epoch += 1
 
     def cache_in_use(self) -> bool:
@@ -309,47 +323,94 @@ class Scheduler:
         r.weight_version = self.weight_version
         if r.state == "waiting":
             self.num_waiting -= 1
-        if r.state != "running":  # a running request stays "running" until _remove takes it off its slot
-            r.state = "done"
         self._untrack(r)
-        r.post(final=True)
+        if r.state != "running":  # a running request stays "running" until _remove takes it off its slot,
+            r.state = "done"      # and is answered only then: a client that sees the answer sees it gone
+            r.post(final=True)
 
     def _remove(self, idxs: list[int]) -> None:
         for i in sorted(idxs, reverse=True):
             last = len(self.running) - 1
             gone = self.running[i]
             gone.state, gone.slot = "done", -1
+            self.runner.release_slot(i)
             if i != last:
                 mover = self.running[last]
                 self.runner.move_slot(last, i, mover.kv_len)
                 self.running[i] = mover
                 mover.slot = i
             self.running.pop()
+            gone.post(final=True)
         if idxs:
             self._epoch += 1
 
+    ADMIT_MAX_WAIT = 4
+
+    def _admit_now(self) -> bool:
+        free = self.runner.max_slots - len(self.running)
+        if not self.running or free >= min(self.admit_min, self.num_waiting) or self._admit_wait >= self.ADMIT_MAX_WAIT:
+            self._admit_wait = 0
+            return True
+        self._admit_wait += 1
+        return False
+
     def _admit(self) -> None:
-        batch: list[Req] = []
+        """Admit queued requests (FIFO) while slots, prefill tokens and (paged) free pages allow; one prefill.
+
+        The samples of one prompt admitted together are prefilled once: the others start from a copy of its
+        KV (slot cache) or share its full pages (paged cache)."""
+        rn = self.runner
+        uniq: list[Req] = []
+        dups: list[tuple[Req, int]] = []     # (request, index in uniq of the request that prefills its prompt)
+        first: dict[tuple[int, ...], int] = {}
         budget = self.max_prefill_tokens
-        while self.waiting and len(self.running) + len(batch) < self.runner.max_slots:
+        free = rn.free_pages()
+        while self.waiting and len(self.running) + len(uniq) + len(dups) < rn.max_slots:
             r = self.waiting[0]
             if r.finish is not None:  # aborted while queued
                 self.waiting.popleft()
                 continue
             n = len(r.spec.input_ids) + (len(r.output_ids) - 1 if r.retracted else 0)
-            if batch and n * (len(batch) + 1) > budget:
+            key = None if r.retracted else tuple(r.spec.input_ids)
+            src = first.get(key) if key is not None else None
+            if src is None and uniq and n * (len(uniq) + 1) > budget:
                 break
-            batch.append(self.waiting.popleft())
+            if free is not None:
+                # the pages it takes now (one copied page when it shares a prompt), and one page of headroom
+                # per running request so that decode rarely has to retract
+                pages = rn.pages_for(n + 1) - (n // rn.page_size if src is not None else 0)
+                if pages + len(self.running) + len(uniq) + len(dups) > free:
+                    break
+                free -= pages
+            self.waiting.popleft()
             self.num_waiting -= 1
             r.state = "admitting"
-            budget -= n
-        if not batch:
+            if src is None:
+                if key is not None:
+                    first[key] = len(uniq)
+                uniq.append(r)
+                budget -= n
+            else:
+                dups.append((r, src))
+        if not uniq:
             return
+        batch = uniq + [r for r, _ in dups]
         self._admitting = batch
-        seqs = [r.spec.input_ids + r.output_ids[:-1] if r.retracted else r.spec.input_ids for r in batch]
-        want_full = [(not r.retracted) and r.spec.return_logprob and r.spec.logprob_start_len >= 0 for r in batch]
+        seqs = [r.spec.input_ids + r.output_ids[:-1] if r.retracted else r.spec.input_ids for r in uniq]
+        want = [(not r.retracted) and r.spec.return_logprob and r.spec.logprob_start_len >= 0 for r in batch]
+        want_full = want[: len(uniq)]
+        for j, (_, src) in enumerate(dups):
+            want_full[src] = want_full[src] or want[len(uniq) + j]
         start = len(self.running)
-        last, full = self.runner.prefill(start, seqs, want_full)
+        last, full = rn.prefill(start, seqs, want_full)
+        if dups:
+            for j, (_, src) in enumerate(dups):
+                rn.share_prefix(start + src, start + len(uniq) + j, len(seqs[src]))
+            rows = list(range(len(uniq))) + [src for _, src in dups]
+            last = last[rows]
+            full = full + [full[src] for _, src in dups]
+            seqs = seqs + [seqs[src] for _, src in dups]
+        full = [f if w else None for f, w in zip(full, want)]
         for i, (r, s) in enumerate(zip(batch, seqs)):
             r.kv_len = len(s)
             r.state, r.slot = "running", start + i
@@ -450,7 +511,24 @@ class Scheduler:
             r.last_emit = len(r.output_ids)
             r.post(final=False)
 
+    def _grow_pages(self) -> None:
+        """Paged cache: a page for every running request whose next token starts one; when the pool is short,
+        retract the newest running requests (back to the queue head, KV recomputed on readmission)."""
+        rn = self.runner
+        free = rn.free_pages()
+        if free is None:
+            return
+        ps = rn.page_size
+        need = [i for i, r in enumerate(self.running) if r.kv_len % ps == 0]
+        while len(need) > free and len(self.running) > 1:
+            self._retract_last()
+            self.retractions += 1
+            need = [i for i in need if i < len(self.running)]
+            free = rn.free_pages()
+        rn.grow_pages(need)
+
     def _decode_step(self) -> None:
+        self._grow_pages()
         reqs = self.running
         dev = self.runner.device
         if self._dev_epoch != self._epoch or self._dev is None:
@@ -474,4 +552,5 @@ class Scheduler:
     # ------------------------------------------------------------------ introspection
     def load(self) -> dict[str, Any]:
         return {"num_running_reqs": len(self.running), "num_waiting_reqs": self.num_waiting, "paused": self.paused,
-                "pause_mode": self.pause_mode, "steps": self.steps, "generated_tokens": self.generated_tokens}
+                "pause_mode": self.pause_mode, "steps": self.steps, "generated_tokens": self.generated_tokens,
+                "retractions": self.retractions, **self.runner.kv_stats()}

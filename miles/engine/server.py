@@ -4,6 +4,8 @@ Bodies are parsed by ``miles.engine.protocol`` (unknown fields -> 400 naming the
 ``--api-key`` every route except ``/health*`` and ``/metrics`` (as SGLang exempts them) needs
 ``Authorization: Bearer <key>``; a wrong or missing key is a 401. ``/update_weights_from_tensor``
 unpickles torch tensor handles, so without an API key it is only served to loopback clients.
+``/update_weights_from_{distributed,tensor}?miles_whole_sync=<pause mode>`` is a whole weight sync in one
+request (pause, load, flush, continue; ``_whole_sync``); SGLang has no such query parameter.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from miles.utils.logging import get_logger
 logger = get_logger("miles.engine.server")
 
 _LOOPBACK = ("127.", "::1", "::ffff:127.")
+WHOLE_SYNC_PARAM = "miles_whole_sync"  # the same name as miles.rollout.client.WHOLE_SYNC_PARAM
 SHUTDOWN_GRACE_S = 1.0  # in-flight handlers get this long on shutdown; the process exits soon after regardless
 _ENGINE = web.AppKey("engine", Engine)
 
@@ -223,10 +226,35 @@ async def end_update(request: web.Request) -> web.Response:
     return await _weight_call(_engine(request).end_update(), "end_weight_update")
 
 
+def _whole_sync_mode(request: web.Request) -> str | None:
+    """``?miles_whole_sync=<pause mode>``: this update is a whole weight sync (see :func:`_whole_sync`)."""
+    mode = request.query.get(WHOLE_SYNC_PARAM)
+    if mode is not None and mode not in ("abort", "retract", "in_place"):
+        raise P.BadRequest(f"{WHOLE_SYNC_PARAM} must be a pause mode ('abort', 'retract' or 'in_place'), got {mode!r}")
+    return mode
+
+
+async def _whole_sync(eng: Engine, mode: str | None, update, what: str) -> web.Response:
+    """One request for what is otherwise pause -> begin -> update -> end -> flush -> continue: pause in ``mode``,
+    run ``update()`` (its body carries the version), flush the cache (not for ``in_place``; an unflushable cache
+    fails it as ``/flush_cache`` would) and continue. A failure leaves the engine paused, as a failed sync does."""
+    if mode is None:
+        return await _weight_call(update(), what)
+    await eng.pause(mode)
+    resp = await _weight_call(update(), what)
+    if resp.status != 200:
+        return resp
+    if mode != "in_place" and not await eng.flush_cache():
+        return _result(False, f"{what} loaded the weights, but flush_cache failed: there are running or waiting requests")
+    await eng.continue_generation()
+    return resp
+
+
 async def update_from_distributed(request: web.Request) -> web.Response:
     b = await _body(request, P.UpdateWeightsFromDistributedReqInput)
-    resp = await _weight_call(_engine(request).update_from_distributed(b), "update_weights_from_distributed")
-    return resp
+    eng = _engine(request)
+    return await _whole_sync(eng, _whole_sync_mode(request), lambda: eng.update_from_distributed(b),
+                             "update_weights_from_distributed")
 
 
 async def update_from_tensor(request: web.Request) -> web.Response:
@@ -235,7 +263,7 @@ async def update_from_tensor(request: web.Request) -> web.Response:
         return _error("update_weights_from_tensor unpickles tensor handles and is served only to loopback clients "
                       "unless the engine runs with --api-key", 403)
     b = await _body(request, P.UpdateWeightsFromTensorReqInput)
-    return await _weight_call(eng.update_from_tensor(b), "update_weights_from_tensor")
+    return await _whole_sync(eng, _whole_sync_mode(request), lambda: eng.update_from_tensor(b), "update_weights_from_tensor")
 
 
 async def update_from_disk(request: web.Request) -> web.Response:

@@ -90,3 +90,67 @@ def test_server_on_gpu_ipc_update_and_memory_release(gpu_model, tmp_path):
         assert eng.generate(body)["output_ids"] == after["output_ids"]
     finally:
         eng.stop()
+
+
+def test_paged_cache_kernel_and_cuda_graphs_match_the_slot_cache(gpu_model):
+    """The paged cache on GPU (Triton decode kernel, CUDA graphs on): bf16 logits track HF, graph replay equals
+    the eager step, and the engine's greedy tokens and log-probs (fp32) equal the slot cache's, with a roomy
+    pool and with a pool so small that running requests are retracted; every page comes back."""
+    from test_paged_cache import _bodies, _engine, _run, _same, _stats
+
+    runner = ModelRunner(gpu_model, RunnerOptions(device="cuda", dtype="bfloat16", max_running_requests=8, max_context_len=300,
+                                                  kv_cache="paged", page_size=16))
+    assert runner.paged and runner.impl.kernel and runner.impl.use_graphs
+    hf = runner.model
+    seqs = [[5 + i for i in range(40)], [7, 8, 9], [11] * 17]
+    last, _ = runner.prefill(0, seqs, [False] * 3)
+    pos = torch.tensor([len(s) for s in seqs], device="cuda")
+    runner.grow_pages([i for i, s in enumerate(seqs) if len(s) % 16 == 0])
+    toks = torch.tensor([3, 4, 5], device="cuda")
+    runner.impl.use_graphs = False
+    eager = runner.decode(toks, pos, int(pos.max()) + 1).clone()
+    runner.impl.use_graphs = True
+    graphed = runner.decode(toks, pos, int(pos.max()) + 1)
+    assert len(runner.impl.graphs) == 1
+    torch.testing.assert_close(graphed, eager, atol=2e-2, rtol=0)
+    with torch.no_grad():
+        for i, s in enumerate(seqs):
+            ref = hf(torch.tensor([s], device="cuda")).logits[0, -1].float()
+            assert torch.nn.functional.cosine_similarity(last[i], ref, dim=0) > 0.999
+            ref = hf(torch.tensor([s + [int(toks[i])]], device="cuda")).logits[0, -1].float()
+            assert torch.nn.functional.cosine_similarity(graphed[i], ref, dim=0) > 0.999
+    del runner
+    common = dict(device="cuda", dtype="float32")
+    outs = {}
+    for name, kw in {"slots": dict(kv_cache="slots"), "paged": dict(kv_cache="paged", page_size=16),
+                     "tight": dict(kv_cache="paged", page_size=4, max_total_tokens=128, max_running_requests=8)}.items():
+        eng = _engine(gpu_model, **common, **kw)
+        try:
+            assert eng.runner.impl.use_graphs and (name == "slots" or eng.runner.impl.kernel)
+            outs[name] = _run(eng, _bodies())
+            stats = _stats(eng)
+        finally:
+            eng.stop()
+        if name != "slots":
+            assert stats["kv_pages_in_use"] == 0, stats
+        if name == "tight":
+            assert stats["retractions"] > 0, stats
+    _same(outs["paged"], outs["slots"])
+    _same(outs["tight"], outs["slots"])
+
+
+def test_fused_sampling_kernel_matches_the_torch_path_on_gpu(monkeypatch):
+    """The Triton sampler (temperature only, mixed with greedy rows) draws the torch path's tokens and log-probs."""
+    import miles.engine.sampling as S
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(64, 151936, device="cuda", generator=g) * 3
+    rows = [S.RowParams(0.5 + (i % 4) * 0.3, 1.0, 1 if i % 9 == 0 else 1 << 30, 0.0, 1000 + i) for i in range(64)]
+    sb = S.SamplingBatch(rows, logits.shape[-1], logits.device)
+    steps = torch.arange(64, device="cuda") * 3
+    assert S.sample_kernel.available(logits.device)
+    fused = S.sample(logits, sb, steps, want_logprobs=True)
+    monkeypatch.setattr(S, "USE_FUSED_KERNEL", False)
+    ref = S.sample(logits, sb, steps, want_logprobs=True)
+    assert (fused.tokens != ref.tokens).sum().item() == 0
+    torch.testing.assert_close(fused.logprobs, ref.logprobs, atol=1e-4, rtol=0)

@@ -39,10 +39,12 @@ def _config(kind: str):
     raise KeyError(kind)
 
 
+@pytest.mark.parametrize("kv_cache", ["slots", "paged"])
 @pytest.mark.parametrize("kind", ["llama", "llama-rope-scaling", "qwen2", "qwen3", "mistral-window", "gpt2"])
-def test_prefill_and_decode_match_hf(kind, tmp_path):
+def test_prefill_and_decode_match_hf(kind, kv_cache, tmp_path):
     path = _save(_config(kind), tmp_path)
-    runner = ModelRunner(path, RunnerOptions(max_running_requests=4, max_context_len=64))
+    runner = ModelRunner(path, RunnerOptions(max_running_requests=4, max_context_len=64, kv_cache=kv_cache, page_size=4))
+    assert runner.paged == (kv_cache == "paged" and kind != "gpt2")
     assert runner.native == (kind != "gpt2")
     hf = runner.model
     seqs = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36]]
@@ -57,8 +59,10 @@ def test_prefill_and_decode_match_hf(kind, tmp_path):
     g = torch.Generator().manual_seed(1)
     for step in range(5):
         if step == 3:
+            runner.release_slot(0)
             runner.move_slot(2, 0, len(seqs[2]))
             seqs = [seqs[2], seqs[1]]
+        runner.grow_pages([i for i, s in enumerate(seqs) if len(s) % 4 == 0])  # a no-op for the slot cache
         new = torch.randint(0, 97, (len(seqs),), generator=g)
         pos = torch.tensor([len(s) for s in seqs])
         logits = runner.decode(new, pos, int(pos.max()) + 1)

@@ -136,3 +136,63 @@ def test_top_k_fast_path_draws_the_same_tokens_as_the_full_path(monkeypatch):
     fast = sample(logits, batch(*rows), steps).tokens
     monkeypatch.setattr(S, "_TOPK_FAST_MAX", 0)  # force the full-vocabulary sort
     assert torch.equal(sample(logits, batch(*rows), steps).tokens, fast)
+
+
+def test_top_p_and_min_p_race_within_the_best_tokens_and_match_the_full_sort(monkeypatch):
+    """top-p / min-p rows whose support lies within the 1024 best tokens skip the full-vocabulary sort and draw
+    exactly the tokens (and log-probs) the sort would; a row whose support may reach past them falls back."""
+    import miles.engine.sampling as S
+
+    Vb = 5000
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, Vb, generator=g) * 4
+    rows = [RowParams(1.0, 0.9, 1 << 30, 0.0, s) for s in range(3)] + [RowParams(0.7, 1.0, 1 << 30, 0.1, 9),
+                                                                      RowParams(1.0, 0.5, 40, 0.0, 4),
+                                                                      RowParams(1.0, 1.0, 1, 0.0, 5)]
+    steps = torch.tensor([0, 1, 2, 3, 4, 5])
+    calls = []
+    real_sort = torch.Tensor.sort
+    monkeypatch.setattr(torch.Tensor, "sort", lambda self, *a, **k: calls.append(1) or real_sort(self, *a, **k))
+    fast = sample(logits, SamplingBatch(rows, Vb, torch.device("cpu")), steps, want_logprobs=True)
+    assert not calls  # no full-vocabulary sort
+    monkeypatch.setattr(S, "_TOPK_FAST_MAX", 0)
+    full = sample(logits, SamplingBatch(rows, Vb, torch.device("cpu")), steps, want_logprobs=True)
+    assert calls
+    assert torch.equal(fast.tokens, full.tokens) and torch.equal(fast.logprobs, full.logprobs)
+    monkeypatch.setattr(S, "_TOPK_FAST_MAX", 1024)
+    flat = torch.zeros(1, Vb)  # a flat distribution: top-p 0.9 needs 4500 tokens, more than 1024
+    calls.clear()
+    out = sample(flat, SamplingBatch([RowParams(1.0, 0.9, 1 << 30, 0.0, 1)], Vb, torch.device("cpu")), steps[:1])
+    assert calls and 0 <= out.tokens.item() < Vb
+
+
+FUSED_CHECK = r"""
+import torch
+from miles.engine import sampling as S
+g = torch.Generator().manual_seed(0)
+logits = torch.randn(7, 5000, generator=g) * 3
+logits[2, :2500] = float("-inf")
+rows = [S.RowParams(t, 1.0, k, 0.0, 11 + i) for i, (t, k) in enumerate([(1.0, 1 << 30), (0.6, 1 << 30), (1.3, 1 << 30),
+        (1.0, 1), (1.0, 1 << 30), (2.0, 1 << 30), (0.9, 1)])]
+steps = torch.arange(7) * 5
+sb = S.SamplingBatch(rows, 5000, torch.device("cpu"))
+fused = S.sample(logits, sb, steps, want_logprobs=True)
+S.USE_FUSED_KERNEL = False
+ref = S.sample(logits, sb, steps, want_logprobs=True)
+print(int((fused.tokens != ref.tokens).sum()), float((fused.logprobs - ref.logprobs).abs().max()))
+"""
+
+
+def test_fused_sampling_kernel_draws_the_torch_paths_tokens_in_the_interpreter():
+    """The Triton sampler (GPU, rows without top-k/top-p/min-p), run by Triton's CPU interpreter where Triton is
+    installed: the same hash noise, so the same tokens as the torch path, and the same log-probs."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", FUSED_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    mismatches, lp_err = out.stdout.split()[-2:]
+    assert int(mismatches) == 0 and float(lp_err) < 1e-4

@@ -1,0 +1,174 @@
+"""The embedded engine as ``train.py`` drives it: many separate ``/generate`` requests in flight over HTTP.
+
+    python benchmarks/engine_rollout.py --small                                   # CPU, tiny model (~1 min)
+    python benchmarks/engine_rollout.py --device cuda --dtype bfloat16            # one GPU, Qwen3-0.6B shape
+
+Workload (the issue's): ``--requests`` separate ``/generate`` calls, ``--concurrency`` of them in flight at
+once (a client semaphore), random prompts of ``--prompt-len`` tokens, ``temperature 1``, ``return_logprob``,
+EOS ignored, response lengths either all ``--fixed-len`` or uniform in ``--min-len..--max-len`` (seeded).
+tokens/s = response tokens asked for / wall time from the first request sent to the last answer.
+The model is random-weight, built locally from a config (no downloads).
+
+Reference in the same run: transformers ``generate`` (static cache, sampling at temperature 1, EOS ignored) in
+batches of ``--hf-batch``; each batch decodes to its longest length and counts only the tokens asked for
+(what a static batch delivers), over the first ``--hf-requests`` requests (a rate, so a subset suffices).
+Prints one JSON line per measurement and a final JSON summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_throughput import PRESETS, build_model, sync  # noqa: E402
+
+
+def workload(kind: str, n: int, a: argparse.Namespace) -> list[int]:
+    rng = random.Random(7)
+    if kind == "fixed":
+        return [a.fixed_len] * n
+    return [rng.randint(a.min_len, a.max_len) for _ in range(n)]
+
+
+async def _client(url: str, prompts: list[list[int]], lengths: list[int], concurrency: int) -> tuple[float, int]:
+    import aiohttp
+
+    sem = asyncio.Semaphore(concurrency)
+    got = 0
+
+    async def one(session, p, n):
+        nonlocal got
+        body = {"input_ids": p, "return_logprob": True,
+                "sampling_params": {"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True}}
+        async with sem, session.post(url + "/generate", json=body) as r:
+            r.raise_for_status()
+            out = await r.json()
+        assert len(out["output_ids"]) == n and len(out["meta_info"]["output_token_logprobs"]) == n
+        got += n
+
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+        t0 = time.perf_counter()
+        await asyncio.gather(*[one(session, p, n) for p, n in zip(prompts, lengths)])
+        return time.perf_counter() - t0, got
+
+
+def bench_engine(model_dir: Path, a: argparse.Namespace, kv_cache: str, runs: dict[str, tuple[list, list]]) -> dict:
+    from miles.engine.testing import EngineProc
+
+    ctx = a.prompt_len + max(a.max_len, a.fixed_len) + 1
+    argv = ["--device", a.device, "--dtype", a.dtype, "--max-running-requests", str(a.concurrency),
+            "--max-context-len", str(ctx), "--kv-cache", kv_cache, "--random-seed", "0"]
+    if a.disable_cuda_graph:
+        argv.append("--disable-cuda-graph")
+    log = Path(tempfile.gettempdir()) / f"engine_rollout_{kv_cache}.log"
+    eng = EngineProc(model_dir, *argv, log=log, timeout=900)
+    out = {}
+    try:
+        warm = min(a.concurrency, 64)
+        asyncio.run(_client(eng.url, runs["fixed"][0][:warm], [min(64, a.fixed_len)] * warm, warm))
+        for kind, (prompts, lengths) in runs.items():
+            before = eng.get("/get_load").json()[0]
+            dt, toks = asyncio.run(_client(eng.url, prompts, lengths, a.concurrency))
+            load = eng.get("/get_load").json()[0]
+            out[kind] = round(toks / dt, 1)
+            steps = load["steps"] - before["steps"]  # decode steps; tokens / steps = the mean running batch
+            print(json.dumps({"side": f"engine ({kv_cache})", "workload": kind, "tokens": toks, "seconds": round(dt, 2),
+                              "tokens_per_s": out[kind], "decode_steps": steps,
+                              "mean_batch": round((load["generated_tokens"] - before["generated_tokens"]) / max(steps, 1), 1),
+                              "kv_pages_peak": load.get("kv_pages_peak"), "retractions": load.get("retractions")}), flush=True)
+    finally:
+        eng.stop()
+    return out
+
+
+def bench_hf(model_dir: Path, a: argparse.Namespace, runs: dict[str, tuple[list, list]]) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, a.dtype)).to(a.device).eval()
+    out = {}
+    first = next(iter(runs.values()))[0][: a.hf_batch]
+    with torch.no_grad():  # warm-up: transformers compiles the static-cache decode step on first use
+        x = torch.tensor(first, device=a.device)
+        model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8, do_sample=True, temperature=1.0, top_k=0,
+                       cache_implementation="static", pad_token_id=0)
+    for kind, (prompts, lengths) in runs.items():
+        prompts, lengths = prompts[: a.hf_requests], lengths[: a.hf_requests]
+        total, t_all = 0, 0.0
+        for i in range(0, len(prompts), a.hf_batch):
+            x = torch.tensor(prompts[i: i + a.hf_batch], device=a.device)
+            n = max(lengths[i: i + a.hf_batch])
+            sync(a.device)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n, do_sample=True,
+                                   temperature=1.0, top_k=0, top_p=1.0, cache_implementation="static", pad_token_id=0)
+            sync(a.device)
+            t_all += time.perf_counter() - t0
+            assert y.shape[1] == x.shape[1] + n
+            total += sum(lengths[i: i + a.hf_batch])
+        out[kind] = round(total / t_all, 1)
+        print(json.dumps({"side": "hf generate", "workload": kind, "tokens": total, "seconds": round(t_all, 2),
+                          "tokens_per_s": out[kind]}), flush=True)
+    model.to("cpu")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--small", action="store_true", help="CPU-sized: tiny model, 32 requests, short lengths.")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default=None)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--requests", type=int, default=None)
+    ap.add_argument("--concurrency", type=int, default=None, help="Requests in flight (also --max-running-requests).")
+    ap.add_argument("--prompt-len", type=int, default=None)
+    ap.add_argument("--fixed-len", type=int, default=None)
+    ap.add_argument("--min-len", type=int, default=None)
+    ap.add_argument("--max-len", type=int, default=None)
+    ap.add_argument("--kv-cache", default="paged", help="Comma-separated engine KV layouts to measure: paged, slots.")
+    ap.add_argument("--workloads", default="fixed,uniform")
+    ap.add_argument("--hf-batch", type=int, default=None)
+    ap.add_argument("--hf-requests", type=int, default=None, help="Requests HF generate runs (default: all).")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--disable-cuda-graph", action="store_true")
+    a = ap.parse_args()
+    small = dict(preset="tiny", dtype="float32", requests=32, concurrency=16, prompt_len=32, fixed_len=64, min_len=8,
+                 max_len=128, hf_batch=8)
+    big = dict(preset="qwen3-0.6b", dtype="bfloat16", requests=512, concurrency=256, prompt_len=256, fixed_len=512,
+               min_len=32, max_len=1024, hf_batch=64)
+    for k, v in (small if a.small else big).items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    a.hf_requests = a.hf_requests or a.requests
+    torch.set_grad_enabled(False)
+    g = torch.Generator().manual_seed(1)
+    vocab = PRESETS[a.preset]["vocab_size"]
+    runs = {}
+    for kind in a.workloads.split(","):
+        prompts = torch.randint(2, vocab, (a.requests, a.prompt_len), generator=g).tolist()
+        runs[kind] = (prompts, workload(kind, a.requests, a))
+    res = {"preset": a.preset, "device": a.device, "dtype": a.dtype, "requests": a.requests, "concurrency": a.concurrency,
+           "prompt_len": a.prompt_len, "fixed_len": a.fixed_len, "uniform": [a.min_len, a.max_len], "torch": torch.__version__,
+           "machine": torch.cuda.get_device_name() if a.device.startswith("cuda") else platform.processor() or platform.machine()}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_model(a.preset, a.dtype, Path(tmp) / "model")
+        for kv in a.kv_cache.split(","):
+            res[f"engine_{kv}"] = bench_engine(model_dir, a, kv, runs)
+        if not a.skip_hf:
+            res["hf_generate"] = bench_hf(model_dir, a, runs)
+    print(json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()
