@@ -112,12 +112,12 @@ class _Http:
         await self.close()
 
     async def _request(self, method: str, url: str, endpoint: str, payload: Any = None,
-                       timeout: float | None = None) -> Any:
+                       timeout: float | None = None, params: dict[str, str] | None = None) -> Any:
         """Send one request; return the parsed body of a 2xx answer, raise EngineError otherwise."""
         session = await self._get_session()
         limit = self.timeout if timeout is None else float(timeout)
         try:
-            async with session.request(method, url.rstrip("/") + endpoint, json=payload,
+            async with session.request(method, url.rstrip("/") + endpoint, json=payload, params=params,
                                        timeout=aiohttp.ClientTimeout(total=limit)) as resp:
                 raw = await resp.read()
                 body: Any = raw.decode("utf-8", "replace")
@@ -142,6 +142,17 @@ def _check_success(url: str, endpoint: str, body: Any) -> Any:
     return body
 
 
+WHOLE_SYNC_PARAM = "miles_whole_sync"  # query parameter of the embedded engine's /update_weights_from_{distributed,tensor}
+
+
+def whole_sync_params(pause_mode: str | None) -> dict[str, str] | None:
+    """The query of a weight update that is a whole sync on the embedded engine: pause in ``pause_mode``, load,
+    flush the cache (not for ``in_place``) and continue, in one request. SGLang's request structs have no such
+    field, so it travels in the query, never in the body; send it only to an engine whose ``/get_server_info``
+    says ``"engine": "miles-embedded"``."""
+    return None if pause_mode is None else {WHOLE_SYNC_PARAM: str(pause_mode)}
+
+
 class EngineControl(_Http):
     """Control calls to ONE engine server (never through the router)."""
 
@@ -152,8 +163,10 @@ class EngineControl(_Http):
     def __repr__(self) -> str:
         return f"EngineControl({self.url})"
 
-    async def _post(self, endpoint: str, payload: dict | None = None, timeout: float | None = None) -> Any:
-        return _check_success(self.url, endpoint, await self._request("POST", self.url, endpoint, payload or {}, timeout))
+    async def _post(self, endpoint: str, payload: dict | None = None, timeout: float | None = None,
+                    params: dict[str, str] | None = None) -> Any:
+        return _check_success(self.url, endpoint, await self._request("POST", self.url, endpoint, payload or {}, timeout,
+                                                                      params))
 
     async def _get(self, endpoint: str, timeout: float | None = None) -> Any:
         return await self._request("GET", self.url, endpoint, None, timeout)
@@ -247,10 +260,12 @@ class EngineControl(_Http):
         self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
         load_format: str | None = None, weight_version: str | int | None = None, flush_cache: bool = True,
         timeout: float | None = None, p2p_ranges: list[list[list[int]]] | None = None,
+        whole_sync: str | None = None,
     ) -> Any:
         """Returns after the engine received the broadcast(s): issue it concurrently with the trainer's.
         ``p2p_ranges`` (``--update-weight-transfer-mode p2p``, embedded engine only): per trainer rank, the byte
-        ranges of the flattened bucket it sends point to point."""
+        ranges of the flattened bucket it sends point to point. ``whole_sync`` (embedded engine only, see
+        :func:`whole_sync_params`): this one request is the whole sync, paused in that mode."""
         if not (len(names) == len(dtypes) == len(shapes)):
             raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}")
         payload = {"names": list(names), "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
@@ -260,16 +275,16 @@ class EngineControl(_Http):
             payload["weight_version"] = str(weight_version)
         if p2p_ranges is not None:
             payload["p2p_ranges"] = p2p_ranges
-        return await self._post("/update_weights_from_distributed", payload, timeout)
+        return await self._post("/update_weights_from_distributed", payload, timeout, whole_sync_params(whole_sync))
 
     async def update_weights_from_tensor(self, serialized_named_tensors: list[str], load_format: str | None = None,
                                          weight_version: str | int | None = None, flush_cache: bool = True,
-                                         timeout: float | None = None) -> Any:
+                                         timeout: float | None = None, whole_sync: str | None = None) -> Any:
         payload = {"serialized_named_tensors": list(serialized_named_tensors), "load_format": load_format,
                    "flush_cache": bool(flush_cache)}
         if weight_version is not None:
             payload["weight_version"] = str(weight_version)
-        return await self._post("/update_weights_from_tensor", payload, timeout)
+        return await self._post("/update_weights_from_tensor", payload, timeout, whole_sync_params(whole_sync))
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str | int | None = None,
                                        load_format: str | None = None, flush_cache: bool = True,

@@ -10,9 +10,16 @@ Every sync runs the same choreography over HTTP (``miles.rollout.client.EngineCo
 engine, issued concurrently, each bounded by the time left of ``--update-weight-timeout``):
 
     pause_generation(--pause-generation-mode) -> begin_weight_update -> <mode's transfer>
-    -> end_weight_update -> update_weight_version -> flush_cache (skipped for in_place) -> continue_generation
+    -> end_weight_update -> flush_cache (skipped for in_place) -> continue_generation
 
-and returns a :class:`SyncResult` (gather / transfer / engine-load / control / total seconds, bytes).
+The new version travels in the transfer's own update calls (SGLang's ``weight_version`` field of
+``/update_weights_from_*``, which sets the engine's version on success); ``/update_weight_version`` is
+sent only when no update call carried it. When the whole model is one bucket and every engine is the
+embedded one (``/get_server_info`` says ``"engine": "miles-embedded"``, asked once per engine), the
+``broadcast`` and ``tensor`` transports send that bucket as ONE request that also pauses, flushes and
+continues (``miles.rollout.client.whole_sync_params``): one round trip per sync instead of seven.
+
+It returns a :class:`SyncResult` (gather / transfer / engine-load / control / total seconds, bytes).
 A failure raises :class:`WeightSyncError` naming the engine and the step; the engines are left paused
 (their weights may be half-updated) for the caller (``miles.ft``) to replace or resync them.
 """
@@ -142,6 +149,7 @@ class WeightSender(ABC):
         self.status_group = status_group          # trainer group: every rank learns whether a sync failed
         self._control_factory = control_factory or _default_control
         self._controls: dict[str, Any] = {}
+        self._embedded: dict[str, bool] = {}      # url -> the engine serves whole-sync requests
         self._loop: _Loop | None = None
 
     # -- public API ------------------------------------------------------------------------------------
@@ -153,6 +161,7 @@ class WeightSender(ABC):
     def reconnect(self, live_engines: Sequence[EngineTarget]) -> None:
         """Membership changed: drop state about dead engines and prepare for the live ones only."""
         self.engines = list(live_engines)
+        self._embedded.clear()
 
     def sync(self, engines: Sequence[EngineTarget] | None = None, *, bump_version: bool = True) -> SyncResult:
         """Push the trainer's current weights. Collective on every trainer rank.
@@ -262,13 +271,33 @@ class WeightSender(ABC):
         self.call_all(engines, lambda c: c.pause_generation(mode), deadline, f"pause_generation(mode={mode})")
         self.call_all(engines, lambda c: c.begin_weight_update(), deadline, "begin_weight_update")
 
-    def finish(self, engines: Sequence[EngineTarget], version: int, deadline: Deadline) -> None:
-        """end_weight_update -> update_weight_version -> flush_cache -> continue_generation."""
+    def finish(self, engines: Sequence[EngineTarget], version: int, deadline: Deadline, *, versioned: bool = True) -> None:
+        """end_weight_update -> [update_weight_version, only when not ``versioned``: no update call carried the
+        version] -> flush_cache -> continue_generation."""
         self.call_all(engines, lambda c: c.end_weight_update(), deadline, "end_weight_update")
-        self.call_all(engines, lambda c: c.update_weight_version(str(version)), deadline, "update_weight_version")
+        if not versioned:
+            self.call_all(engines, lambda c: c.update_weight_version(str(version)), deadline, "update_weight_version")
         if self.cfg.pause_generation_mode != "in_place":
             self.call_all(engines, lambda c: c.flush_cache(), deadline, "flush_cache")
         self.call_all(engines, lambda c: c.continue_generation(), deadline, "continue_generation")
+
+    def whole_sync_mode(self, engines: Sequence[EngineTarget], deadline: Deadline) -> str | None:
+        """The pause mode to send with a one-request sync (``whole_sync``), or None when some engine is not
+        the embedded one (SGLang: the full choreography). Asks each engine's ``/get_server_info`` once; an
+        engine that does not answer is taken for SGLang this time and asked again next sync."""
+        unknown = [e for e in engines if e.url not in self._embedded]
+        if unknown:
+            async def probe(ctl: Any) -> bool:
+                info = await ctl.get_server_info() if hasattr(ctl, "get_server_info") else None
+                return isinstance(info, dict) and info.get("engine") == "miles-embedded"
+            for e, fut in zip(unknown, self.submit_all(unknown, probe)):
+                try:
+                    self._embedded[e.url] = bool(fut.result(timeout=min(10.0, deadline.left())))
+                except Exception as exc:  # noqa: BLE001 - the full choreography then, which reports real failures
+                    logger.debug("get_server_info on %s: %s: %s", e.url, type(exc).__name__, exc)
+        if engines and all(self._embedded.get(e.url, False) for e in engines):
+            return self.cfg.pause_generation_mode
+        return None
 
     def _agree(self, err: BaseException | None) -> None:
         """Every trainer rank raises when any rank failed (over ``status_group``), else only the failing one."""

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import queue
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -218,12 +219,25 @@ class BroadcastSender(WeightSender):
             if [e.url for e in engines] != [e.url for e in self._group_engines]:
                 group = temp_group = self._form(engines)  # a subset (a newcomer): a group of its own
             tc = time.monotonic()
-            self.begin(engines, deadline)
+            whole = self.whole_sync_mode(engines, deadline)
+            if whole is None:
+                self.begin(engines, deadline)
             result.control_s += time.monotonic() - tc
-            self._send_all(group, engines, version, deadline, result)
-            tc = time.monotonic()
-            self.finish(engines, version, deadline)
-            result.control_s += time.monotonic() - tc
+            buckets = self.timed_buckets(result)
+            if whole is not None:  # one request for the whole sync needs the whole model in one bucket
+                first = next(buckets, None)
+                second = next(buckets, None) if first is not None else None
+                if first is None or second is not None:
+                    tc = time.monotonic()
+                    self.begin(engines, deadline)
+                    result.control_s += time.monotonic() - tc
+                    whole = None
+                buckets = itertools.chain([b for b in (first, second) if b is not None], buckets)
+            self._send_all(group, engines, version, deadline, result, buckets, whole)
+            if whole is None:
+                tc = time.monotonic()
+                self.finish(engines, version, deadline, versioned=result.num_buckets > 0)
+                result.control_s += time.monotonic() - tc
         except (WeightSyncError, WeightGroupError) as e:
             if temp_group is None:
                 self._drop_group(notify=[])  # unusable now: the next sync re-forms it
@@ -234,14 +248,16 @@ class BroadcastSender(WeightSender):
             result.total_s = time.monotonic() - t_start
         return result
 
-    def _send_all(self, group: WeightGroup, engines: list[EngineTarget], version: int, deadline: Deadline, result: SyncResult) -> None:
+    def _send_all(self, group: WeightGroup, engines: list[EngineTarget], version: int, deadline: Deadline, result: SyncResult,
+                  buckets: Iterator[list[tuple[str, torch.Tensor]]], whole: str | None = None) -> None:
         q: queue.Queue = queue.Queue(maxsize=1)
         failure: list[BaseException] = []
-        sender = threading.Thread(target=self._sender_loop, args=(q, group, engines, version, deadline, result, failure),
+        sender = threading.Thread(target=self._sender_loop, args=(q, group, engines, version, deadline, result, failure,
+                                                                  whole),
                                   name="miles-weight-broadcast", daemon=True)
         sender.start()
         try:
-            for bucket in self.timed_buckets(result):
+            for bucket in buckets:
                 if failure:
                     continue  # keep gathering in lockstep so the other trainer ranks finish too
                 t0 = time.monotonic()
@@ -292,7 +308,7 @@ class BroadcastSender(WeightSender):
         return flat, tensors, event
 
     def _sender_loop(self, q: queue.Queue, group: WeightGroup, engines: list[EngineTarget], version: int,
-                     deadline: Deadline, result: SyncResult, failure: list[BaseException]) -> None:
+                     deadline: Deadline, result: SyncResult, failure: list[BaseException], whole: str | None = None) -> None:
         stream = None
         pending: collections.deque = collections.deque()  # (futures, t_broadcast_done) of buckets not yet answered
         self._in_flight = pending
@@ -320,9 +336,10 @@ class BroadcastSender(WeightSender):
                 dtypes = [dtype_to_str(t.dtype) for _, t in tensors]
                 shapes = [list(t.shape) for _, t in tensors]
                 fmt = "flattened_bucket" if self.flatten else None
-                left = deadline.left()
-                futs = self.submit_all(engines, lambda c, a=(names, dtypes, shapes, group.name): c.update_weights_from_distributed(
-                    *a, load_format=fmt, weight_version=str(version), flush_cache=False, timeout=left))  # noqa: B023 - called at once
+                kw = {"load_format": fmt, "weight_version": str(version), "flush_cache": False, "timeout": deadline.left(),
+                      **({"whole_sync": whole} if whole is not None else {})}
+                futs = self.submit_all(engines, lambda c, a=(names, dtypes, shapes, group.name), kw=kw:
+                                       c.update_weights_from_distributed(*a, **kw))
                 pending.append((futs, len(names)))
                 t0 = time.monotonic()
                 ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()

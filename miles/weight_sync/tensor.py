@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import itertools
 import pickle
 import time
 from collections.abc import Iterator
@@ -129,12 +130,26 @@ class TensorSender(WeightSender):
         posting = bool(engines)  # the source (or an engine leader) with engines to serve
         in_flight: tuple[list[Future], torch.Tensor] | None = None
         failure: WeightSyncError | None = None
+        whole: str | None = None  # the pause mode of a one-request sync (one bucket, embedded engines)
         try:
+            it = self.iter_buckets()
             if posting:
                 tc = time.monotonic()
-                self.begin(engines, deadline)
+                whole = self.whole_sync_mode(engines, deadline)
+                if whole is None:
+                    self.begin(engines, deadline)
                 result.control_s += time.monotonic() - tc
-            it = self.iter_buckets()
+            if whole is not None:
+                t0 = time.monotonic()
+                first = next(it, None)
+                second = next(it, None) if first is not None else None
+                result.gather_s += time.monotonic() - t0
+                if first is None or second is not None:
+                    tc = time.monotonic()
+                    self.begin(engines, deadline)
+                    result.control_s += time.monotonic() - tc
+                    whole = None
+                it = itertools.chain([b for b in (first, second) if b is not None], it)
             while True:
                 t0 = time.monotonic()
                 bucket = next(it, None)
@@ -157,16 +172,16 @@ class TensorSender(WeightSender):
                 try:
                     if in_flight is not None:
                         self._wait(engines, in_flight, deadline, result)
-                    in_flight = (self._post(engines, payload, payloads, version, deadline), flat)
+                    in_flight = (self._post(engines, payload, payloads, version, deadline, whole), flat)
                 except WeightSyncError as e:
                     failure = e
             if failure is None and in_flight is not None:
                 self._wait(engines, in_flight, deadline, result)
             if failure is not None:
                 raise failure
-            if posting:
+            if posting and whole is None:
                 tc = time.monotonic()
-                self.finish(engines, version, deadline)
+                self.finish(engines, version, deadline, versioned=result.num_buckets > 0)
                 result.control_s += time.monotonic() - tc
         finally:
             result.total_s = time.monotonic() - t_start
@@ -190,11 +205,11 @@ class TensorSender(WeightSender):
         return out  # TP-rank order: the engine group's ranks are the engine's GPUs in order
 
     def _post(self, engines: list[EngineTarget], payload: str, payloads: list[str] | None, version: int,
-              deadline: Deadline) -> list[Future]:
-        left = deadline.left()
+              deadline: Deadline, whole: str | None = None) -> list[Future]:
+        kw = {"load_format": "flattened_bucket", "weight_version": str(version), "flush_cache": False,
+              "timeout": deadline.left(), **({"whole_sync": whole} if whole is not None else {})}
         return [self.submit_all([e], lambda c, p=(payloads or [payload] * e.num_workers): c.update_weights_from_tensor(
-            p, load_format="flattened_bucket", weight_version=str(version), flush_cache=False, timeout=left))[0]
-            for e in engines]
+            p, **kw))[0] for e in engines]
 
     def _wait(self, engines: list[EngineTarget], in_flight: tuple[list[Future], torch.Tensor], deadline: Deadline,
               result: SyncResult) -> None:

@@ -332,3 +332,100 @@ def test_wait_healthy_is_bounded():
             return time.monotonic() - t0
     assert run(go()) < 5
 
+
+
+# --- weight sync round trips against the real engine ----------------------------------------------
+class _RecordingControl(EngineControl):
+    """The real control client, recording every endpoint it posts (with its query) in ``log``."""
+
+    def __init__(self, url: str, log: list[str], **kw) -> None:
+        super().__init__(url, **kw)
+        self.log = log
+
+    async def _request(self, method, url, endpoint, *args, **kwargs):
+        params = kwargs.get("params") or (args[2] if len(args) > 2 else None)
+        self.log.append(endpoint + ("?" + "&".join(f"{k}={v}" for k, v in params.items()) if params else ""))
+        return await super()._request(method, url, endpoint, *args, **kwargs)
+
+
+class _Weights:
+    """A trainer stand-in: the tiny model's HF tensors (plus ``delta``), packed greedily into buckets."""
+
+    def __init__(self, model_dir, delta: float) -> None:
+        from safetensors.torch import load_file
+
+        self.tensors = {k: (v + delta if v.is_floating_point() else v) for k, v in load_file(str(model_dir / "model.safetensors")).items()}
+
+    def iter_weight_buckets(self, bucket_bytes, dtype=None):
+        bucket, size = [], 0
+        for name, t in self.tensors.items():
+            if bucket and size + t.numel() * t.element_size() > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, t))
+            size += t.numel() * t.element_size()
+        if bucket:
+            yield bucket
+
+
+@pytest.mark.parametrize("mode", ["broadcast", "tensor"])
+@pytest.mark.parametrize("buffer", ["64MiB", "16KiB"])
+def test_weight_sync_round_trips(engine, tiny_model_dir, mode: str, buffer: str):
+    """A one-bucket sync to the embedded engine is ONE request (pause + load + version + flush + continue);
+    a many-bucket one is the full choreography without /update_weight_version (the loads carry the version).
+    Either way the engine ends with the trainer's weights, the new version, and generating."""
+    from miles.config import parse_args
+    from miles.weight_sync.base import EngineTarget, build_weight_sender
+
+    cfg = parse_args(["--hf-checkpoint", "x", "--update-weight-buffer-size", buffer, "--update-weight-timeout", "60",
+                      "--check-weight-update-equal"], validate=False).weights
+    log: list[str] = []
+    sender = build_weight_sender(cfg, _Weights(tiny_model_dir, 0.0), colocate=mode == "tensor", is_source=True,
+                                 engines=[EngineTarget(engine, api_key=KEY)],
+                                 **({"master_addr": "127.0.0.1"} if mode == "broadcast" else {}),
+                                 control_factory=lambda e, timeout: _RecordingControl(e.url, log, api_key=KEY, timeout=timeout))
+    try:
+        sender.connect()
+        for delta in (0.25, 0.0):  # the second sync puts the checkpoint's weights back for the other tests
+            sender.source = _Weights(tiny_model_dir, delta)
+            log.clear()
+            result = sender.sync()  # --check-weight-update-equal: the engine equals the trainer, bitwise
+            update = "/update_weights_from_distributed" if mode == "broadcast" else "/update_weights_from_tensor"
+            calls = [c for c in log if c not in ("/get_server_info", "/get_weights_by_name")]
+            if buffer == "64MiB":
+                assert result.num_buckets == 1 and calls == [f"{update}?miles_whole_sync=retract"], log
+            else:
+                assert result.num_buckets > 1
+                assert calls == ["/pause_generation", "/begin_weight_update", *[update] * result.num_buckets,
+                                 "/end_weight_update", "/flush_cache", "/continue_generation"], log
+
+        async def after():
+            async with EngineClient(engine, api_key=KEY, timeout=60) as client, \
+                    EngineControl(engine, api_key=KEY, timeout=60) as ctl:
+                return (await client.generate(PROMPT, GREEDY))["meta_info"]["weight_version"], await ctl.health_generate()
+        version, healthy = run(after())
+        assert version == str(sender.weight_version) == "2" and healthy
+    finally:
+        sender.close()
+
+
+def test_whole_sync_request_refuses_a_bad_mode_and_a_failed_load_leaves_the_engine_paused(engine):
+    """A failed one-request sync leaves the engine paused (as a failed choreography does) for the caller to
+    resync or replace; a mode that is not a pause mode is a 400 naming the parameter, before anything pauses."""
+    from miles.rollout.client import whole_sync_params
+
+    async def go():
+        async with EngineControl(engine, api_key=KEY, timeout=60) as ctl:
+            with pytest.raises(EngineError, match=r"miles_whole_sync must be a pause mode.*'sideways'") as bad_mode:
+                await ctl._post("/update_weights_from_tensor", {"serialized_named_tensors": ["x"]},
+                                params=whole_sync_params("sideways"))
+            still_generating = await ctl.health_generate()
+            with pytest.raises(EngineError, match="update_weights_from_tensor failed") as bad_load:
+                await ctl.update_weights_from_tensor(["bm90IGEgcGF5bG9hZA=="], load_format="flattened_bucket",
+                                                     weight_version="99", whole_sync="retract")
+            paused = not await ctl.health_generate()
+            await ctl.continue_generation()
+            return bad_mode.value, still_generating, bad_load.value, paused, await ctl.health_generate()
+    bad_mode, still_generating, bad_load, paused, healthy = run(go())
+    assert bad_mode.status == 400 and still_generating
+    assert bad_load.status == 400 and paused and healthy
