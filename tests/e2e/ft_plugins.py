@@ -10,7 +10,9 @@ It generates as the default function does, with ``ignore_eos`` (every sample tak
 - ``MILES_FT_FAULTS='[...]'``: faults to inject, each ``{"signal": "KILL"|"STOP", "engine": E, ...}`` plus
   either ``"rollout": R, "after_s": S`` (S seconds after the first request of rollout R, or of the first
   later rollout that starts with that engine in rotation: its requests are in flight),
-  ``"rollout": R, "after_samples": N`` (once N samples of rollout R finished), or
+  ``"rollout": R, "after_requests": N`` (as the N-th request of rollout R, or of the first later rollout
+  that starts with the engine in rotation, is issued: N-1 of its requests are in flight, whatever the
+  machine's speed), ``"rollout": R, "after_samples": N`` (once N samples of rollout R finished), or
   ``"again_after": K, "after_s": S`` (the engine that fault K hit, S seconds into the first rollout that
   starts once it is back in rotation: a second kill in a row), or
   ``"sync_version": V, "after_buckets": B`` (inside the weight sync to
@@ -132,6 +134,11 @@ async def long_generate(args, sample, sampling_params):
             timer.daemon = True
             timer.start()
     _started[sample.rollout_id] = _started.get(sample.rollout_id, 0) + 1
+    for i, f in enumerate(_FAULTS):  # request-count faults: synchronous, so they land while requests run
+        if (i not in _done and "after_requests" in f and _started[sample.rollout_id] >= f["after_requests"]
+                and _due(f, sample, args.client)):
+            _inject(i, f, _engine_urls(args.client)[f["engine"]], f"rollout {sample.rollout_id}",
+                    _retries(args.client))
     out = await generate(args.client, sample, {**sampling_params, "ignore_eos": True})
     prompt = sample.prompt if isinstance(sample.prompt, str) else json.dumps(sample.prompt)
     _record({"rollout_id": sample.rollout_id, "group": sample.group_index, "index": sample.index, "prompt": prompt,

@@ -44,9 +44,9 @@ def _fault(faults: list[dict], index: int, where: str) -> dict:
 def test_engine_faults_run_completes_every_rollout_with_full_groups(quickstart, tmp_path):
     num_rollout, batch, n, length = 6, 4, 8, 96
     faults = [
-        {"signal": "STOP", "engine": 0, "rollout": 1, "after_s": 0.1},         # a hang, mid-rollout
+        {"signal": "STOP", "engine": 0, "rollout": 1, "after_requests": 16},   # a hang, mid-rollout
         {"signal": "KILL", "engine": 1, "sync_version": 4, "after_buckets": 1},  # during the sync after rollout 2
-        {"signal": "KILL", "engine": 0, "rollout": 4, "after_s": 0.1},         # mid-rollout (twice for engine 0)
+        {"signal": "KILL", "engine": 0, "rollout": 4, "after_requests": 16},   # mid-rollout (twice for engine 0)
     ]
     flags = [*H.layout_flags(1, 2), *H.quickstart_flags(quickstart, num_rollout=num_rollout, batch=batch, n=n,
                                                           response_len=length),
@@ -64,7 +64,7 @@ def test_engine_faults_run_completes_every_rollout_with_full_groups(quickstart, 
     assert set(census) == expected, f"missing {sorted(expected - set(census))[:5]}, extra {sorted(set(census) - expected)[:5]}"
     assert max(census.values()) == 1, [k for k, v in census.items() if v > 1][:5]
     assert all(s["status"] == "truncated" and s["response_length"] == length for s in samples)
-    stop, in_sync_fault, kill = (_fault(injected, i, w) for i, w in ((0, "rollout "), (1, "weight sync v4"),
+    stop, in_sync_fault, kill = (_fault(injected, i, w) for i, w in ((0, "rollout 1"), (1, "weight sync v4"),
                                                                       (2, "rollout ")))
     for f in (stop, kill):  # the timed faults hit while their rollout's requests ran
         r = int(f["where"].split()[1])
