@@ -21,6 +21,7 @@ from typing import Any, NoReturn
 
 import yaml
 
+from miles import __version__
 from miles.config import algo, cluster, data, ft, megatron, rollout, sglang, train, weights
 from miles.config import logging as output
 from miles.config.algo import AlgoConfig
@@ -109,8 +110,37 @@ def _section_fields() -> list[_SectionField]:
 class MilesArgumentParser(argparse.ArgumentParser):
     """argparse, but a bad flag is one ``ConfigError`` line (no usage dump, no exit from library code)."""
 
+    full_help = False  # set by --help-all
+
     def error(self, message: str) -> NoReturn:
         raise ConfigError(f"{self.prog}: {message}")
+
+    def format_help(self) -> str:
+        """``--help``: a one-line usage and every group but SGLang's hundreds of forwarded flags (``--help-all``)."""
+        if self.full_help or self.usage is not None:
+            return super().format_help()
+        formatter = self._get_formatter()
+        formatter.add_usage("%(prog)s [--flag VALUE ...]   (--help-all: also every --sglang-* flag)", self._actions,
+                            self._mutually_exclusive_groups)
+        formatter.add_text(self.description)
+        for group in self._action_groups:
+            formatter.start_section(group.title)
+            formatter.add_text(group.description)
+            if group.title == sglang.GROUP_TITLE:
+                formatter.add_text(f"{len(group._group_actions)} flags, listed by --help-all.")
+            else:
+                formatter.add_arguments(group._group_actions)
+            formatter.end_section()
+        formatter.add_text(self.epilog)
+        return formatter.format_help()
+
+
+class _HelpAll(argparse.Action):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        parser.full_help = True
+        parser.print_help()
+        parser.exit()
 
 
 @lru_cache(maxsize=1)
@@ -159,6 +189,9 @@ def build_parser(prog: str = "train.py", backend: str = DEFAULT_BACKEND) -> argp
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
     for mod in _MODULES:
         mod.add_arguments(parser)
+    parser.add_argument("--help-all", action=_HelpAll, nargs=0, dest="help", default=argparse.SUPPRESS,
+                        help="Show every flag, with SGLang's forwarded server flags, and exit.")
+    parser.add_argument("--version", action="version", version=f"miles {__version__}", dest="help")
     parser.set_defaults(**BACKEND_DEFAULTS.get(backend, {}))
     return parser
 

@@ -316,7 +316,7 @@ def flag_docs() -> list[str]:
         f"Every flag of SGLang's `ServerArgs` ({sglang_version().split(' (')[0]}: the list is data in",
         "`miles/rollout/sglang_server_args.json`, written by `tools/gen_sglang_server_args.py`) is accepted as",
         "`--sglang-<flag>`, with SGLang's aliases, value type, `nargs` and choices, as Miles registers them;",
-        "boolean-optional ones also as `--no-sglang-<flag>`. `--help` lists them all. Only the flags given are",
+        "boolean-optional ones also as `--no-sglang-<flag>`. `--help-all` lists them all. Only the flags given are",
         "recorded (`cfg.sglang.sglang_server_args`, SGLang name -> value) and passed to `sglang.launch_server`",
         "in SGLang's own spelling (value-less flags bare, lists as several values); SGLang's defaults apply to",
         "the rest. The router flags, `--sglang-server-concurrency`, `--sglang-mem-fraction-static` and",

@@ -28,7 +28,12 @@ OPTIMIZERS = ["adam"]  # Miles's FSDP backend: "adam" (AdamW); Megatron's others
 
 def env_vars(value: str) -> dict[str, str]:
     """``--train-env-vars``: a JSON object of environment variables (values are stringified)."""
-    return {str(k): str(v) for k, v in json_object(value).items()}
+    env = {str(k): str(v) for k, v in json_object(value).items()}
+    bad = next((k for k in env if not k or "=" in k or "\0" in k), None)
+    if bad is not None or any("\0" in v for v in env.values()):
+        what = f"{bad!r} is not an environment variable name" if bad is not None else "a value holds a NUL byte"
+        raise argparse.ArgumentTypeError(f"{value!r}: {what} (names are non-empty, without '=' or NUL)")
+    return env
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -5,7 +5,10 @@ Checks that need the world size (the role plan) live in ``miles.spmd.roles``.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from miles.config.base import ConfigError
 
@@ -17,10 +20,18 @@ P2P_NEEDS_EMBEDDED = ("--update-weight-transfer-mode p2p needs the embedded engi
                       "/update_weights_from_distributed takes whole buckets from one rank): pass --rollout-engine "
                       "embedded, or use --update-weight-transfer-mode broadcast with SGLang.")
 
+PATH_SUFFIXES = ("_path", "_load", "_dir", "_url", "_checkpoint", "_data")
+PATH_FIELDS = ("save", "load", "save_hf", "dump_details")
+POSITIVE_SGLANG_SIZES = ("max_running_requests", "context_length", "max_total_tokens", "max_queued_requests",
+                         "max_prefill_tokens", "cuda_graph_bs", "cuda_graph_bs_decode", "cuda_graph_max_bs",
+                         "cuda_graph_max_bs_decode")
+
 
 def validate_config(cfg: MilesConfig) -> None:
     c, d, a, w = cfg.cluster, cfg.data, cfg.algo, cfg.weights
     _validate_miles_flags(cfg)
+    _validate_ranges(cfg)
+    _refuse_empty_paths(cfg)
     from miles.config.sglang import validate_sglang
 
     validate_sglang(cfg.sglang, rollout_num_gpus_per_engine=c.rollout_num_gpus_per_engine)
@@ -76,6 +87,10 @@ def validate_config(cfg: MilesConfig) -> None:
                           "NAME=URL ...) with --custom-rm-path miles.rollout.on_policy_distillation.reward_func and "
                           "--custom-reward-post-process-path miles.rollout.on_policy_distillation.post_process_rewards "
                           "(Miles's way), or --opd-teacher-urls URL [URL ...] (teacher engines queried after each rollout).")
+    for v in a.opd_teacher_urls or []:
+        _check_url("--opd-teacher-urls", v.partition("=")[2].strip() if named else v, "http://host:30001/generate")
+    if cfg.reward.rm_url:
+        _check_url("--rm-url", cfg.reward.rm_url, "http://host:8000/reward")
     if a.opd_teacher_urls and a.opd_type != "sglang":
         raise ConfigError(f"--opd-teacher-urls is only used with --opd-type sglang, not {a.opd_type}: drop it or pass --opd-type sglang.")
     fully_async = d.fully_async or d.rollout_function_path == "miles.rollout.fully_async_rollout.FullyAsyncRolloutFn"
@@ -103,6 +118,9 @@ def validate_config(cfg: MilesConfig) -> None:
                           "--colocate: drop the flag (colocated runs hand weights over in place).")
     if w.update_weight_transfer_mode == "p2p" and cfg.rollout.rollout_engine == "sglang":
         raise ConfigError(P2P_NEEDS_EMBEDDED)
+    if w.update_weight_transfer_mode == "disk-delta" and c.colocate:
+        raise ConfigError("--update-weight-transfer-mode disk-delta writes weight deltas for separate engines and cannot be "
+                          "used with --colocate: drop the flag (colocated runs hand weights over in place).")
     if w.update_weight_transfer_mode == "tensor" and not c.colocate:
         raise ConfigError("--update-weight-transfer-mode tensor hands weights over on the same device and needs --colocate; "
                           "use broadcast or disk-delta for disaggregated engines.")
@@ -149,3 +167,107 @@ def _validate_miles_flags(cfg: MilesConfig) -> None:
         raise ConfigError(f"--rollout-max-context-len must be positive, got {cfg.rollout.rollout_max_context_len}.")
     if ev.eval_min_new_tokens is not None and ev.eval_min_new_tokens < 0:
         raise ConfigError(f"--eval-min-new-tokens must be >= 0, got {ev.eval_min_new_tokens}.")
+
+
+def _refuse_empty_paths(cfg: MilesConfig) -> None:
+    """``--save ""`` (an unset shell variable) would silently mean "no --save": refuse every empty path/URL flag."""
+    for section in dataclasses.fields(cfg):
+        value = getattr(cfg, section.name)
+        if not dataclasses.is_dataclass(value):
+            continue
+        for f in dataclasses.fields(value):
+            if getattr(value, f.name) == "" and (f.name.endswith(PATH_SUFFIXES) or f.name in PATH_FIELDS):
+                flag = "--" + f.name.replace("_", "-")
+                raise ConfigError(f"{flag} was given an empty string (an unset shell variable?): give a value, or drop "
+                                  f"{flag}.")
+
+
+def _check_url(flag: str, url: str, example: str) -> None:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConfigError(f"{flag} {url!r} is not an http(s) URL: give scheme, host and port, e.g. {flag} {example}.")
+
+
+def _validate_ranges(cfg: MilesConfig) -> None:
+    """Numbers argparse accepts by type but no run can use (nan, a zero budget, a probability above 1)."""
+    t, r, ev = cfg.train, cfg.rollout, cfg.eval
+    for flag, v in (("--lr", t.lr), ("--min-lr", t.min_lr), ("--rollout-temperature", r.rollout_temperature),
+                    ("--distributed-timeout-minutes", cfg.cluster.distributed_timeout_minutes),
+                    ("--entropy-coef", cfg.algo.entropy_coef), ("--kl-coef", cfg.algo.kl_coef),
+                    ("--kl-loss-coef", cfg.algo.kl_loss_coef)):
+        if not math.isfinite(v):
+            raise ConfigError(f"{flag} must be a finite number, got {v}.")
+    if t.micro_batch_size < 1:
+        raise ConfigError(f"--micro-batch-size must be at least 1, got {t.micro_batch_size}.")
+    if t.max_tokens_per_gpu is not None and t.max_tokens_per_gpu < 1:
+        raise ConfigError(f"--max-tokens-per-gpu must be a positive number of tokens, got {t.max_tokens_per_gpu}.")
+    if t.use_dynamic_batch_size and t.max_tokens_per_gpu is None:
+        raise ConfigError("--use-dynamic-batch-size packs micro-batches up to --max-tokens-per-gpu, which is not set: "
+                          "add --max-tokens-per-gpu N (e.g. 4096), or drop --use-dynamic-batch-size.")
+    if t.lr_warmup_iters < 0:
+        raise ConfigError(f"--lr-warmup-iters must be >= 0, got {t.lr_warmup_iters}.")
+    if t.lr_decay_iters and t.lr_decay_iters <= t.lr_warmup_iters and t.lr_decay_style != "constant":
+        raise ConfigError(f"--lr-decay-iters ({t.lr_decay_iters}) must exceed --lr-warmup-iters ({t.lr_warmup_iters}) "
+                          f"with --lr-decay-style {t.lr_decay_style}: raise --lr-decay-iters or lower the warm-up.")
+    if t.clip_grad < 0:
+        raise ConfigError(f"--clip-grad must be >= 0 (0: no clipping), got {t.clip_grad}.")
+    for flag, v in (("--adam-beta1", t.adam_beta1), ("--adam-beta2", t.adam_beta2)):
+        if not 0.0 <= v < 1.0:
+            raise ConfigError(f"{flag} must be in [0, 1), got {v}: e.g. {flag} {0.9 if flag.endswith('1') else 0.95}.")
+    if not t.adam_eps > 0:
+        raise ConfigError(f"--adam-eps must be > 0, got {t.adam_eps}.")
+    if t.weight_decay < 0:
+        raise ConfigError(f"--weight-decay must be >= 0, got {t.weight_decay}.")
+    a = cfg.algo
+    for flag, v in (("--eps-clip", a.eps_clip), ("--eps-clip-high", a.eps_clip_high)):
+        if v is not None and v < 0:
+            raise ConfigError(f"{flag} must be >= 0 (the PPO clip range), got {v}: e.g. {flag} 0.2.")
+    if r.rollout_max_response_len is not None and r.rollout_max_response_len < 1:
+        raise ConfigError(f"--rollout-max-response-len must be a positive number of tokens, got "
+                          f"{r.rollout_max_response_len}; omit it to stop at EOS or the context length.")
+    for prefix, temp, top_p, top_k in (("--rollout", r.rollout_temperature, r.rollout_top_p, r.rollout_top_k),
+                                       ("--eval", ev.eval_temperature, ev.eval_top_p, ev.eval_top_k)):
+        if temp is not None and not math.isfinite(temp):
+            raise ConfigError(f"{prefix}-temperature must be a finite number, got {temp}.")
+        if top_p is not None and not 0.0 < top_p <= 1.0:
+            raise ConfigError(f"{prefix}-top-p must be in (0, 1], got {top_p} (1.0: no nucleus cut).")
+        if top_k is not None and (top_k == 0 or top_k < -1):
+            raise ConfigError(f"{prefix}-top-k must be -1 (off) or at least 1, got {top_k}.")
+    if t.train_backend == "megatron":  # Miles's FSDP-only flags, which its Megatron parser does not take
+        if t.gradient_checkpointing:
+            raise ConfigError("--gradient-checkpointing is an FSDP-backend flag, not used with --train-backend megatron: "
+                              "use --recompute-activations (or --recompute-granularity selective|full) instead.")
+        if t.attn_implementation != "flash_attention_2":
+            raise ConfigError(f"--attn-implementation {t.attn_implementation} is an FSDP-backend flag, not used with "
+                              "--train-backend megatron (its attention is Megatron's own): drop it.")
+    d = cfg.data
+    if d.num_epoch is not None and d.num_epoch < 1:
+        raise ConfigError(f"--num-epoch must be at least 1, got {d.num_epoch}.")
+    if cfg.checkpoint.save_interval < 1:
+        raise ConfigError(f"--save-interval must be a positive number of rollouts, got {cfg.checkpoint.save_interval} "
+                          "(the last rollout is always saved: a --save-interval above --num-rollout saves only that one).")
+    if ev.eval_interval is not None and ev.eval_interval < 0:
+        raise ConfigError(f"--eval-interval must be >= 0 (0: no periodic evaluation), got {ev.eval_interval}.")
+    if not cfg.cluster.distributed_timeout_minutes > 0:
+        raise ConfigError(f"--distributed-timeout-minutes must be > 0, got {cfg.cluster.distributed_timeout_minutes}: "
+                          "e.g. --distributed-timeout-minutes 10.")
+    if not r.rollout_request_timeout > 0:
+        raise ConfigError(f"--rollout-request-timeout must be a positive number of seconds, got "
+                          f"{r.rollout_request_timeout}: e.g. --rollout-request-timeout 600.")
+    if r.engine_max_running_requests < 1:
+        raise ConfigError(f"--engine-max-running-requests must be at least 1, got {r.engine_max_running_requests}.")
+    if r.sglang_mem_fraction_static is not None and not 0.0 < r.sglang_mem_fraction_static < 1.0:
+        raise ConfigError(f"--sglang-mem-fraction-static must be a fraction of GPU memory in (0, 1), got "
+                          f"{r.sglang_mem_fraction_static}: e.g. --sglang-mem-fraction-static 0.7.")
+    from miles.config.sglang import flag_of
+
+    for name in POSITIVE_SGLANG_SIZES:  # the sizes the embedded engine takes too; SGLang refuses them as well
+        v = cfg.sglang.server_args.get(name)
+        if v is not None and any(not isinstance(x, int) or x < 1 for x in (v if isinstance(v, list) else [v])):
+            raise ConfigError(f"{flag_of(name)} must be at least 1, got {v}.")
+    if r.sglang_router_ip is not None and ("/" in r.sglang_router_ip or not r.sglang_router_ip.strip()):
+        raise ConfigError(f"--sglang-router-ip {r.sglang_router_ip!r} must be a host name or IP address only (no "
+                          "scheme or path): e.g. --sglang-router-ip 10.0.0.1 --sglang-router-port 30000.")
+    for flag, port in (("--sglang-router-port", r.sglang_router_port), ("--master-port", cfg.cluster.master_port)):
+        if port is not None and not 1 <= port <= 65535:
+            raise ConfigError(f"{flag} must be a TCP port in 1..65535, got {port}.")

@@ -18,6 +18,7 @@ import asyncio
 import importlib
 import inspect
 import threading
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import fields, is_dataclass
 from typing import Any
@@ -83,6 +84,10 @@ def load_function(path: str, flag: str) -> Callable[..., Any]:
         raise ConfigError(
             f"{flag} {path!r}: cannot import module '{module_name}' ({e}). Put the module on PYTHONPATH "
             f"(e.g. run from its folder or `export PYTHONPATH=DIR:$PYTHONPATH`) or fix the path.") from e
+    except Exception as e:  # the user's module raised while importing: name it and where, not a traceback
+        text = (e.msg if isinstance(e, SyntaxError) else str(e)).splitlines() or [""]
+        raise ConfigError(f"{flag} {path!r}: importing module '{module_name}' raised {type(e).__name__}: "
+                          f"{text[0]} (at {_raise_site(e)}); fix that module.") from None
     if not hasattr(module, attr):
         public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
         raise ConfigError(f"{flag} {path!r}: module '{module_name}' has no attribute '{attr}'; callables there: "
@@ -94,6 +99,14 @@ def load_function(path: str, flag: str) -> Callable[..., Any]:
     if not callable(fn):
         raise ConfigError(f"{flag} {path!r} names a {type(fn).__name__}, not a function.")
     return fn
+
+
+def _raise_site(e: BaseException) -> str:
+    """``file:line`` of the innermost frame of ``e`` (a SyntaxError's own file and line)."""
+    if isinstance(e, SyntaxError) and e.filename:
+        return f"{e.filename}:{e.lineno}"
+    frames = traceback.extract_tb(e.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "unknown location"
 
 
 def reward_value(sample: Any, args: Any = None) -> Any:

@@ -11,6 +11,8 @@ with the plan broadcast). Checked:
 - model directories (``miles.utils.model_dir``): ``--hf-checkpoint`` (config.json with a ``model_type``
   transformers reads, weights whose safetensors headers match the files' sizes, a tokenizer that loads),
   ``--ref-load``, ``--critic-load``, ``--opd-teacher-load``;
+- a run without engines (``--debug-train-only``) has SFT data or a ``--rollout-function-path`` to train on;
+  under ``--dry-run``, ``--rollout-engine sglang`` needs SGLang importable on this machine;
 - ``--load`` holds a complete checkpoint; ``--prompt-data`` and every ``--eval-prompt-data`` file exist;
 - plugins (the ``module.function`` flags): they import and take the arguments they are called with; the
   reward the run builds (``--rm-type`` known, ``--custom-rm-path``, ``--rm-url`` for ``remote_rm``) is
@@ -18,7 +20,8 @@ with the plan broadcast). Checked:
 - ``--save``, ``--save-hf`` and ``--output-dir`` can be written (a probe file is created and removed in the
   directory or its nearest existing parent; nothing else is created), and ``--save``'s filesystem has room
   for one checkpoint: parameters (from the safetensors headers) x 4 bytes (fp32 weights), x 3 with the two
-  fp32 Adam moments unless ``--no-save-optim``, twice with a PPO critic;
+  fp32 Adam moments unless ``--no-save-optim``, twice with a PPO critic; so can ``--dump-details`` and the
+  directory of ``--save-debug-rollout-data`` (a template whose only field is ``{rollout_id}``);
 - checks a trainer backend registers for itself (e.g. model-shape flags against config.json).
 
 The save checks run on the driver only: ``--save`` must be one filesystem every trainer rank sees.
@@ -133,7 +136,8 @@ def check_data_file(path: str, flag: str) -> None:
     if not p.exists():
         raise ConfigError(f"{flag} {path}: no such file; give a JSONL or Parquet file of prompts.")
     if not p.is_file():
-        raise ConfigError(f"{flag} {path} is a directory; give a JSONL or Parquet file of prompts.")
+        what = "a directory" if p.is_dir() else "not a regular file (a pipe or device cannot be read twice)"
+        raise ConfigError(f"{flag} {path} is {what}; give a JSONL or Parquet file of prompts.")
 
 
 def path_checks(cfg: MilesConfig) -> list[Callable[[], Any]]:
@@ -151,6 +155,28 @@ def path_checks(cfg: MilesConfig) -> list[Callable[[], Any]]:
     files += [(f"--eval-prompt-data {n}", p) for n, p in parse_eval_prompt_data(cfg.eval.eval_prompt_data)]
     checks += [lambda path=path, flag=flag: check_data_file(path, flag) for flag, path in files]
     return checks
+
+
+def check_rollout_source(cfg: MilesConfig) -> None:
+    """RL training without engines has nothing to train on (only SFT data or a --rollout-function-path function)."""
+    from miles.rollout.rollout_fn import custom_rollout_path
+
+    c = cfg.cluster
+    why = "--debug-train-only" if c.debug_train_only else "--rollout-num-gpus 0" if c.rollout_num_gpus == 0 else None
+    if why and not c.debug_rollout_only and cfg.algo.loss_type != "sft_loss" and custom_rollout_path(cfg.data) is None:
+        raise ConfigError(f"--loss-type {cfg.algo.loss_type} (RL training) needs rollout engines, but this run has none "
+                          f"({why}): use --loss-type sft_loss with SFT data, give --rollout-function-path, or drop "
+                          f"{why}.")
+
+
+def check_sglang_importable(cfg: MilesConfig) -> None:
+    """--dry-run only: --rollout-engine sglang needs the package here (the start checks it on each engine leader)."""
+    from miles.rollout.engines import SGLANG_INSTALL_HINT, sglang_importable
+
+    if cfg.rollout.rollout_engine == "sglang" and not sglang_importable():
+        raise ConfigError("--rollout-engine sglang: the Python package 'sglang' is not importable on this machine, so "
+                          f"an engine started here would fail; install it ({SGLANG_INSTALL_HINT}, GPU only) or use "
+                          "--rollout-engine embedded (or auto).")
 
 
 # ----------------------------------------------------------------------------- plugins
@@ -256,6 +282,23 @@ def check_save(cfg: MilesConfig, *, estimate: bool = True) -> None:
     check_writable(default_output_dir(cfg.output), "--output-dir")
 
 
+def check_dumps(cfg: MilesConfig) -> None:
+    """--save-debug-rollout-data: a path template taking only ``{rollout_id}``, in a writable place; --dump-details
+    writable."""
+    out = cfg.output
+    if out.save_debug_rollout_data:
+        template = out.save_debug_rollout_data
+        try:
+            first = template.format(rollout_id=0)
+        except (KeyError, IndexError, ValueError) as e:
+            raise ConfigError(f"--save-debug-rollout-data {template}: not a path template ({type(e).__name__}: {e}); "
+                              "the only field is {rollout_id}, e.g. --save-debug-rollout-data dumps/{rollout_id}.pt "
+                              "(write a literal brace as {{ or }}).") from None
+        check_writable(Path(first).parent, f"--save-debug-rollout-data {template}: its directory")
+    if out.dump_details:
+        check_writable(out.dump_details, "--dump-details")
+
+
 # ----------------------------------------------------------------------------- all of it
 def preflight(cfg: MilesConfig, *, has_engines: bool) -> None:
     """Run every check; one ConfigError listing each problem (a single problem is raised as it is)."""
@@ -268,11 +311,18 @@ def preflight(cfg: MilesConfig, *, has_engines: bool) -> None:
             problems.append(e)
             return None
 
+    attempt(lambda: check_rollout_source(cfg))
+    if has_engines and cfg.output.dry_run:
+        attempt(lambda: check_sglang_importable(cfg))
     hf = cfg.train.hf_checkpoint
+    if not hf:  # the start refuses it too (miles.run.build), after the role plan
+        problems.append(ConfigError("--hf-checkpoint DIR is required (a local HF model directory: weights, config, "
+                                    f"tokenizer){', got an empty string' if hf == '' else ''}."))
     hf_ok = not hf or attempt(lambda: check_hf_checkpoint(hf)) is not None
     for check in (attempt(lambda: path_checks(cfg)) or []) + plugin_checks(cfg, has_engines=has_engines):
         attempt(check)
     attempt(lambda: check_save(cfg, estimate=hf_ok))  # the size estimate reads --hf-checkpoint's headers
+    attempt(lambda: check_dumps(cfg))
     if hf_ok:
         config_dict = _config_dict(cfg.train.hf_checkpoint)
         for check in backend_checks(cfg.train.train_backend):

@@ -189,3 +189,21 @@ def test_read_only_save_stops_a_real_start_before_the_first_rollout(tmp_path: Pa
     blocks = text.split("Traceback (most recent call last):")[1:]
     assert all(b.lstrip().startswith("File") and "bin/torchrun" in b.splitlines()[1] for b in blocks), tail(log)
     assert elapsed < 120, f"the start took {elapsed:.0f}s to fail"
+
+
+def test_rl_without_engines_stops_a_real_start_before_the_trainer_loads(tmp_path: Path, tiny_model_dir: Path):
+    """--debug-train-only with the policy loss has nothing to train on: both ranks end (code 2) with the preflight's
+    one line before the trainer is built (it used to fail at the first rollout, after the model had loaded)."""
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in _rows(4)))
+    out, log = tmp_path / "out", tmp_path / "run.log"
+    result = run(_cmd(tiny_model_dir, data, out, "--num-rollout", "1", "--loss-type", "policy_loss"), log, timeout=300)
+    text = log.read_text()
+    assert result.returncode != 0, tail(log)
+    lines = {ln.split("]")[0] + "]": ln for ln in _error_lines(text)}
+    assert set(lines) == {"[miles r0]", "[miles r1]"}, tail(log)
+    assert lines["[miles r0]"] == ("[miles r0] error: --loss-type policy_loss (RL training) needs rollout engines, but "
+                                   "this run has none (--debug-train-only): use --loss-type sft_loss with SFT data, give "
+                                   "--rollout-function-path, or drop --debug-train-only."), tail(log)
+    assert "the driver (rank 0) failed during setup: ConfigError: --loss-type policy_loss" in lines["[miles r1]"]
+    assert "FSDP trainer ready" not in text and not (out / "metrics.jsonl").exists(), tail(log)
