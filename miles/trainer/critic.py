@@ -32,7 +32,7 @@ class ValueModel(nn.Module):
         out = self.backbone(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                             **modeling.attn_kwargs(self.backbone, cu_seqlens, max_seqlen))
         hidden = out.last_hidden_state[0].index_select(0, logit_index)      # [N, H]
-        return self.value_head(hidden).squeeze(-1).float()                  # [N]
+        return self.value_head(hidden).squeeze(-1).to(torch.float32, copy=True)  # [N], not a view (FSDP2 hooks)
 
 
 class Critic:
