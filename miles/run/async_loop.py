@@ -119,8 +119,8 @@ class AsyncRLLoop(RLLoop):
 
                 await fill_teacher_log_probs(self.job.teacher, [s for g in groups for s in g],
                                              self.cfg.rollout.rollout_temperature)
-        if self.cfg.output.save_debug_rollout_data:
-            dump_samples(self.cfg.output.save_debug_rollout_data.format(rollout_id=rollout_id), groups)
+        if self.cfg.output.rollout_dump_path:  # --save-debug-rollout-data, or under --dump-details (as loop.py)
+            dump_samples(self.cfg.output.rollout_dump_path.format(rollout_id=rollout_id), groups)
         return groups, metrics
 
     async def evaluate(self, rollout_id: int) -> dict[str, float]:

@@ -23,7 +23,8 @@ def test_fully_async_run(tmp_path: Path, tiny_model_dir: Path):
            "--num-gpus-per-node", "2", "--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(data),
            "--input-key", "input", "--label-key", "label", "--rm-type", "random", "--num-rollout", "3",
            "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "8",
-           "--global-batch-size", "4", "--lr", "1e-4", "--save", str(ckpt), "--output-dir", str(out), "--no-progress"]
+           "--global-batch-size", "4", "--lr", "1e-4", "--save", str(ckpt), "--output-dir", str(out), "--no-progress",
+           "--dump-details", str(tmp_path / "details")]
     check_ok(run(cmd, log, timeout=420), log)
     recs = metrics(out)
     assert [r["rollout_id"] for r in recs] == [0, 1, 2], recs
@@ -35,3 +36,5 @@ def test_fully_async_run(tmp_path: Path, tiny_model_dir: Path):
     state = json.loads((ckpt / "step_00000002" / "trainer_state.json").read_text())["extra"]["data_source"]
     assert 3 * 2 + len(state["buffer"]) <= state["offset"] + 16 * state["epoch"]  # unfinished prompts given back
     assert len(state["buffer"]) >= 1
+    dumped = [json.loads(line) for line in (tmp_path / "details" / "rollout_data" / "2.jsonl").read_text().splitlines()]
+    assert len(dumped) == 4  # --dump-details writes every rollout's samples, fully async too
