@@ -85,6 +85,9 @@ class FSDPTrainer:
         self.cfg, self.algo, self.ckpt = train, algo, ckpt
         self.mesh, self.group, self.device, self.timeout = mesh, group, torch.device(device), float(timeout)
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        # the whole trainer group (saves, exports, barriers); a backend with model parallelism keeps its
+        # data-parallel group in group/rank/world and this one here
+        self.trainer_group, self.trainer_rank, self.trainer_world = group, self.rank, self.world
         self.num_rollout, self.global_batch_size = num_rollout, global_batch_size
         self.num_steps_per_rollout = num_steps_per_rollout
         self._validate(rollout_temperature)
@@ -531,7 +534,7 @@ class FSDPTrainer:
         """Full parameters (CPU) on trainer rank 0, {} elsewhere; collective on the trainer group."""
         out: dict[str, torch.Tensor] = {}
         for bucket in self.iter_weight_buckets(256 << 20):
-            if self.rank == 0:
+            if self.trainer_rank == 0:
                 out.update({n: t.detach().cpu().clone() for n, t in bucket})
         return out
 
@@ -540,16 +543,16 @@ class FSDPTrainer:
         dtype = checkpoint_dtype(self.cfg.hf_checkpoint)
         tensors = []
         for bucket in self.iter_weight_buckets(512 << 20, dtype):
-            if self.rank == 0:
+            if self.trainer_rank == 0:
                 tensors.extend((n, t.detach().cpu().clone()) for n, t in bucket)
-        if self.rank == 0:
+        if self.trainer_rank == 0:
             write_hf_dir(path, tensors, self.cfg.hf_checkpoint)
         self._barrier()
 
     # ------------------------------------------------------------------ checkpoints
     def _barrier(self) -> None:
-        if self.world > 1:
-            dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
+        if self.trainer_world > 1:
+            dist.all_reduce(torch.zeros(1, device=self.device), group=self.trainer_group)
 
     def save(self, path: str | Path, extra: dict) -> None:
         """Write model, optimizer (unless --no-save-optim), schedule, RNG and ``extra`` into ``path``
@@ -577,7 +580,7 @@ class FSDPTrainer:
             raise ValueError("checkpoint() needs --save DIR.")
         extra = {**extra, "rollout_id": rollout_id}
         path = save_checkpoint(self.ckpt.save, rollout_id, lambda d: self.save(d, extra),
-                               keep=self.ckpt.keep_checkpoints, group=self.group, device=self.device,
+                               keep=self.ckpt.keep_checkpoints, group=self.trainer_group, device=self.device,
                                retain_interval=self.ckpt.save_retain_interval)
         if self.ckpt.save_hf:
             self.save_hf(self.ckpt.save_hf.format(rollout_id=rollout_id))

@@ -103,8 +103,8 @@ def _try(fn) -> BaseException | None:
 
 
 def _agreed(trainer: FSDPTrainer, err: BaseException | None) -> None:
-    """Raise on every trainer rank when ``err`` is set on any (collective)."""
-    if any_rank(err is not None, trainer.group, trainer.device):
+    """Raise on every trainer rank when ``err`` is set on any (collective over the whole trainer group)."""
+    if any_rank(err is not None, trainer.trainer_group, trainer.device):
         if err is not None:
             raise err
         raise CheckpointWriteError("another trainer rank failed to write its part of the checkpoint (its log says why).")

@@ -117,7 +117,7 @@ def save_trainer_state(trainer: MegatronTrainer, path: Path, extra: dict) -> Non
     except TypeError as e:
         raise ValueError(f"checkpoint extra must be JSON-serialisable ({e}); got keys {sorted(extra)}.") from e
     group = trainer.trainer_group
-    _agreed(_Agree(trainer), _try(lambda: path.mkdir(parents=True, exist_ok=True)))
+    _agreed(trainer, _try(lambda: path.mkdir(parents=True, exist_ok=True)))
     with_optim = not trainer.ckpt.no_save_optim
     for sub, model, opt in _models(trainer):
         if with_optim:
@@ -136,7 +136,7 @@ def save_trainer_state(trainer: MegatronTrainer, path: Path, extra: dict) -> Non
                     "has_critic": trainer.critic is not None, "extra": extra_json}
             (path / "trainer_state.json").write_text(json.dumps(meta, indent=2))
 
-    _agreed(_Agree(trainer), _try(local_files))
+    _agreed(trainer, _try(local_files))
 
 
 def _models(trainer: MegatronTrainer) -> list[tuple[str, torch.nn.Module, torch.optim.Optimizer]]:
@@ -144,13 +144,6 @@ def _models(trainer: MegatronTrainer) -> list[tuple[str, torch.nn.Module, torch.
     if trainer.critic is not None:
         out.append(("critic", trainer.critic.model, trainer.critic.optimizer))
     return out
-
-
-class _Agree:
-    """What ``miles.trainer.state._agreed`` reads, over the whole trainer group."""
-
-    def __init__(self, trainer: MegatronTrainer):
-        self.group, self.device = trainer.trainer_group, trainer.device
 
 
 def load_trainer_state(trainer: MegatronTrainer, path: Path) -> dict:

@@ -309,30 +309,7 @@ class MegatronTrainer(FSDPTrainer):
                                       bucket_bytes=bucket_bytes, dtype=dtype, timeout=self.timeout,
                                       prefetch=prefetch)
 
-    def state_dict_for_check(self) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        for bucket in self.iter_weight_buckets(256 << 20):
-            if self.trainer_rank == 0:
-                out.update({n: t.detach().cpu().clone() for n, t in bucket})
-        return out
-
-    def save_hf(self, path: str | Path) -> None:
-        from miles.trainer.hf_export import checkpoint_dtype, write_hf_dir
-
-        dtype = checkpoint_dtype(self.cfg.hf_checkpoint)
-        tensors = []
-        for bucket in self.iter_weight_buckets(512 << 20, dtype):
-            if self.trainer_rank == 0:
-                tensors.extend((n, t.detach().cpu().clone()) for n, t in bucket)
-        if self.trainer_rank == 0:
-            write_hf_dir(path, tensors, self.cfg.hf_checkpoint)
-        self._barrier()
-
     # ------------------------------------------------------------------ checkpoints
-    def _barrier(self) -> None:
-        if self.trainer_world > 1:
-            dist.all_reduce(torch.zeros(1, device=self.device), group=self.trainer_group)
-
     def save(self, path: str | Path, extra: dict) -> None:
         from miles.trainer.megatron import state
 
@@ -342,19 +319,6 @@ class MegatronTrainer(FSDPTrainer):
         from miles.trainer.megatron import state
 
         return state.load_trainer_state(self, Path(path))
-
-    def checkpoint(self, rollout_id: int, extra: dict) -> Path:
-        from miles.trainer.checkpoint import save_checkpoint
-
-        if not self.ckpt.save:
-            raise ValueError("checkpoint() needs --save DIR.")
-        extra = {**extra, "rollout_id": rollout_id}
-        path = save_checkpoint(self.ckpt.save, rollout_id, lambda d: self.save(d, extra),
-                               keep=self.ckpt.keep_checkpoints, group=self.trainer_group, device=self.device,
-                               retain_interval=self.ckpt.save_retain_interval)
-        if self.ckpt.save_hf:
-            self.save_hf(self.ckpt.save_hf.format(rollout_id=rollout_id))
-        return path
 
     def resume(self) -> dict | None:
         from miles.trainer.megatron import state
