@@ -21,7 +21,6 @@ Top-k OPD (``--opd-log-prob-top-k`` > 0) is refused at start-up.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterable
 from typing import Any
 
@@ -86,23 +85,11 @@ async def post_json(url: str, payload: dict[str, Any], timeout: float, max_retri
     """POST with a total ``timeout`` per try; retried on connection errors, timeouts, 429 and 5xx."""
     import aiohttp
 
-    last = ""
-    for attempt in range(max_retries + 1):
-        if attempt:
-            await asyncio.sleep(min(0.25 * 2 ** (attempt - 1), 4.0))
-        try:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
-                async with session.post(url, json=payload) as resp:
-                    if resp.status == 429 or resp.status >= 500:
-                        last = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-                        continue
-                    if resp.status >= 400:
-                        raise TeacherError(f"teacher {url} answered HTTP {resp.status}: {(await resp.text())[:200]}")
-                    return await resp.json(content_type=None)
-        except (TimeoutError, aiohttp.ClientError) as e:
-            last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-    raise TeacherError(f"teacher {url} failed {max_retries + 1} times (--rm-timeout {timeout:g}s, --rm-max-retries "
-                       f"{max_retries}); last error: {last}")
+    from miles.rollout.rewards import post_json_retrying
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+        return await post_json_retrying(session, url, payload, timeout=timeout, max_retries=max_retries,
+                                        name=f"teacher {url}", error=TeacherError)
 
 
 async def reward_func(args: Any, sample: Sample, **kwargs: Any) -> dict[str, Any]:

@@ -162,25 +162,9 @@ class RemoteReward:
         return self._session
 
     async def score(self, sample: Sample) -> Any:
-        import aiohttp
-
         payload = {"prompt": sample.prompt, "response": sample.response, "label": sample.label}
-        last = ""
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                await asyncio.sleep(min(0.25 * 2 ** (attempt - 1), 4.0))
-            try:
-                async with self._get_session().post(self.url, json=payload) as resp:
-                    if resp.status == 429 or resp.status >= 500:
-                        last = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-                        continue
-                    if resp.status >= 400:
-                        raise RuntimeError(f"--rm-url {self.url} answered HTTP {resp.status}: {(await resp.text())[:200]}")
-                    return await resp.json(content_type=None)
-            except (TimeoutError, aiohttp.ClientError) as e:
-                last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-        raise RuntimeError(f"--rm-url {self.url} failed {self.max_retries + 1} times (--rm-timeout {self.timeout}s, "
-                           f"--rm-max-retries {self.max_retries}); last error: {last}")
+        return await post_json_retrying(self._get_session(), self.url, payload, timeout=self.timeout,
+                                        max_retries=self.max_retries, name=f"--rm-url {self.url}")
 
     async def aclose(self) -> None:
         if self._session is not None and not self._session.closed:
@@ -341,3 +325,28 @@ class Rewarder:
     async def aclose(self) -> None:
         if self.remote is not None:
             await self.remote.aclose()
+
+
+async def post_json_retrying(session: Any, url: str, payload: dict[str, Any], *, timeout: float, max_retries: int,
+                             name: str, error: type[Exception] = RuntimeError) -> Any:
+    """POST ``payload`` as JSON on an aiohttp ``session`` (its timeout bounds each try); 429, 5xx, connection
+    errors and timeouts are retried ``max_retries`` times with backoff (0.25 s doubling, at most 4 s), another
+    4xx is final. Failures raise ``error`` naming ``name`` (the flag and URL)."""
+    import aiohttp
+
+    last = ""
+    for attempt in range(max_retries + 1):
+        if attempt:
+            await asyncio.sleep(min(0.25 * 2 ** (attempt - 1), 4.0))
+        try:
+            async with session.post(url, json=payload) as resp:
+                if resp.status == 429 or resp.status >= 500:
+                    last = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                    continue
+                if resp.status >= 400:
+                    raise error(f"{name} answered HTTP {resp.status}: {(await resp.text())[:200]}")
+                return await resp.json(content_type=None)
+        except (TimeoutError, aiohttp.ClientError) as e:
+            last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    raise error(f"{name} failed {max_retries + 1} times (--rm-timeout {timeout:g}s, --rm-max-retries {max_retries}); "
+                f"last error: {last}")
