@@ -33,7 +33,9 @@ test: setup lint
 test-fast: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -m "not gpu and not sglang and not slow and not slurm" $(PYTEST_ARGS) tests
 
-# The quickstart: build a tiny model and data locally, then learn with GRPO on CPU.
+# The quickstart: build a tiny model and data locally, then learn with GRPO on CPU, on the default
+# backend (megatron, as in Miles; setup installs megatron-core). Append --train-backend fsdp for FSDP2:
+#   bash examples/quickstart/run_grpo.sh --train-backend fsdp
 demo: setup
 	PATH=$(abspath $(VENV))/bin:$$PATH bash examples/quickstart/run_grpo.sh
 

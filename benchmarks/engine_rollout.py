@@ -124,6 +124,170 @@ def bench_hf(model_dir: Path, a: argparse.Namespace, runs: dict[str, tuple[list,
     return out
 
 
+def profile_steps(model_dir: Path, a: argparse.Namespace) -> dict:
+    """Where a decode step's time goes, in process (no HTTP): the scheduler driven on this thread.
+
+    For each running batch size: the wall time of a whole scheduler decode step (what the HTTP server's
+    scheduler thread does per token), split into page growth, the forward (graph replay), sampling (GPU)
+    and the host bookkeeping (appends, finish checks), each bracketed by a device sync; then the eager
+    step's kernels by CUDA time (torch.profiler, graphs off) for the largest batch."""
+    from miles.engine import scheduler as S
+    from miles.engine.engine import Engine, EngineArgs
+    from miles.engine.protocol import GenerateReqInput
+
+    ctx = a.prompt_len + max(a.max_len, a.fixed_len) + 1
+    eng = Engine(EngineArgs(hf_checkpoint=str(model_dir), device=a.device, dtype=a.dtype,
+                            max_running_requests=a.concurrency, max_context_len=ctx, random_seed=0,
+                            cuda_graph=not a.disable_cuda_graph, kv_cache=a.kv_cache.split(",")[0]))
+    sch, rn = eng.scheduler, eng.runner
+    loop = asyncio.new_event_loop()
+    g = torch.Generator().manual_seed(3)
+    out: dict = {}
+
+    def dsync():
+        if rn.device.type == "cuda":
+            torch.cuda.synchronize(rn.device)
+
+    for rows in [int(x) for x in a.profile_rows.split(",")]:
+        prompts = torch.randint(2, min(1000, rn.vocab_size), (rows, a.prompt_len), generator=g).tolist()
+        body = GenerateReqInput(input_ids=prompts, return_logprob=True,
+                                sampling_params={"max_new_tokens": ctx - a.prompt_len - 1, "temperature": 1.0,
+                                                 "ignore_eos": True})
+        specs, _ = eng.prepare(body)
+        sch.submit(specs, loop, stream=False)
+        sch._drain(block=False)
+        while sch.waiting:
+            sch._admit()
+        for _ in range(4):  # warm-up: graph capture for this batch size
+            sch._decode_step()
+        dsync()
+        n = a.profile_steps
+        t0 = time.perf_counter()
+        for _ in range(n):
+            sch._decode_step()
+        dsync()
+        wall = (time.perf_counter() - t0) / n
+        # the same steps, each phase bracketed by a sync
+        times = {"grow": 0.0, "forward": 0.0, "sample": 0.0}
+        orig_grow, orig_decode, orig_sample = sch._grow_pages, rn.decode, S.sample
+
+        def timed(key, fn, times=times):
+            def w(*args, **kw):
+                dsync()
+                t = time.perf_counter()
+                res = fn(*args, **kw)
+                dsync()
+                times[key] += time.perf_counter() - t
+                return res
+            return w
+        sch._grow_pages, rn.decode, S.sample = timed("grow", orig_grow), timed("forward", orig_decode), timed("sample", orig_sample)
+        try:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                sch._decode_step()
+            dsync()
+            synced = (time.perf_counter() - t0) / n
+        finally:
+            sch._grow_pages, rn.decode, S.sample = orig_grow, orig_decode, orig_sample
+        ms = {k: round(v / n * 1e3, 3) for k, v in times.items()}
+        ms["host_rest"] = round(synced * 1e3 - sum(ms.values()), 3)
+        ctx_now = sum(r.kv_len for r in sch.running) / max(len(sch.running), 1)
+        out[rows] = {"step_ms": round(wall * 1e3, 3), "synced_step_ms": round(synced * 1e3, 3), **ms,
+                     "mean_context": round(ctx_now, 1), "tokens_per_s": round(rows / wall, 1)}
+        print(json.dumps({"profile_rows": rows, **out[rows]}), flush=True)
+        if rows == max(int(x) for x in a.profile_rows.split(",")) and rn.device.type == "cuda":
+            from torch.profiler import ProfilerActivity, profile
+
+            graphs, rn.impl.use_graphs = rn.impl.use_graphs, False
+            sch._decode_step()
+            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                for _ in range(3):
+                    sch._decode_step()
+                dsync()
+            rn.impl.use_graphs = graphs
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=70), flush=True)
+        sch.abort(None, True)
+        loop.run_until_complete(asyncio.sleep(0))
+    loop.close()
+    return out
+
+
+QWEN3_8B = dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                intermediate_size=12288, vocab_size=151936)
+
+
+def build_on_device(cfg_kw: dict, dtype: str, device: str, out: Path) -> Path:
+    """A random-weight Qwen3 initialised on the device (an 8B model in seconds), saved as safetensors."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(**cfg_kw, max_position_embeddings=40960, tie_word_embeddings=False, bos_token_id=None,
+                      eos_token_id=1, pad_token_id=0, dtype=dtype)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(cfg).to(getattr(torch, dtype))
+    model.save_pretrained(str(out))
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def memory_run(a: argparse.Namespace, out_dir: Path) -> dict:
+    """Qwen3-8B shape: 256 requests of up to --max-len response tokens in flight on one GPU for --memory-run
+    seconds (the pool cannot hold them all: requests queue and are retracted), then abort_all; every page must
+    come back and the engine must still answer."""
+    import aiohttp
+
+    from miles.engine.testing import EngineProc
+
+    model_dir = build_on_device(QWEN3_8B, a.dtype, a.device, out_dir / "qwen3-8b")
+    ctx = a.prompt_len + a.max_len + 1
+    eng = EngineProc(model_dir, "--device", a.device, "--dtype", a.dtype, "--max-running-requests", str(a.concurrency),
+                     "--max-context-len", str(ctx), "--random-seed", "0",
+                     log=Path(tempfile.gettempdir()) / "engine_memory_run.log", timeout=900)
+    rng = random.Random(7)
+    lengths = [rng.randint(a.min_len, a.max_len) for _ in range(a.requests)]
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(2, QWEN3_8B["vocab_size"], (a.requests, a.prompt_len), generator=g).tolist()
+    res: dict = {"model": "qwen3-8b shape", "requests": a.requests, "response_len": [a.min_len, a.max_len]}
+
+    async def go():
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                         timeout=aiohttp.ClientTimeout(total=3600)) as session:
+            async def one(p, n):
+                body = {"input_ids": p, "return_logprob": True,
+                        "sampling_params": {"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True}}
+                async with session.post(eng.url + "/generate", json=body) as r:
+                    r.raise_for_status()
+                    return await r.json()
+            t0 = time.perf_counter()
+            tasks = [asyncio.ensure_future(one(p, n)) for p, n in zip(prompts, lengths)]
+            peak_running = 0
+            while time.perf_counter() - t0 < a.memory_run and not all(t.done() for t in tasks):
+                await asyncio.sleep(2)
+                load = eng.get("/get_load").json()[0]
+                peak_running = max(peak_running, load["num_running_reqs"])
+            res["seconds"] = round(time.perf_counter() - t0, 1)
+            res["load_before_abort"] = eng.get("/get_load").json()[0]
+            eng.post("/abort_request", {"abort_all": True})
+            outs = await asyncio.gather(*tasks)
+            res["peak_running"] = peak_running
+            res["finished"] = sum(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
+            res["aborted"] = sum(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outs)
+            res["generated_tokens"] = sum(len(o["output_ids"]) for o in outs)
+
+    try:
+        asyncio.run(go())
+        time.sleep(1)
+        res["load_after_abort"] = eng.get("/get_load").json()[0]
+        res["after"] = len(eng.generate({"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 8}})["output_ids"])
+        info = eng.get("/get_server_info").json()
+        res["max_total_num_tokens"] = info["max_total_num_tokens"]
+    finally:
+        eng.stop()
+    print(json.dumps({"memory_run": res}), flush=True)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="CPU-sized: tiny model, 32 requests, short lengths.")
@@ -142,7 +306,21 @@ def main() -> None:
     ap.add_argument("--hf-requests", type=int, default=None, help="Requests HF generate runs (default: all).")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--disable-cuda-graph", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="Break decode steps down in process (no HTTP) and exit.")
+    ap.add_argument("--profile-rows", default="256,128,32", help="Running batch sizes --profile measures.")
+    ap.add_argument("--profile-steps", type=int, default=30)
+    ap.add_argument("--memory-run", type=float, default=None, metavar="SECONDS",
+                    help="Qwen3-8B shape, 256 requests of --min-len..--max-len (default 1024..8192) tokens for SECONDS, "
+                         "then abort all (GPU).")
     a = ap.parse_args()
+    if a.memory_run is not None:
+        for k, v in dict(dtype="bfloat16", requests=256, concurrency=256, prompt_len=256, min_len=1024, max_len=8192).items():
+            if getattr(a, k) is None:
+                setattr(a, k, v)
+        torch.set_grad_enabled(False)
+        with tempfile.TemporaryDirectory() as tmp:
+            memory_run(a, Path(tmp))
+        return
     small = dict(preset="tiny", dtype="float32", requests=32, concurrency=16, prompt_len=32, fixed_len=64, min_len=8,
                  max_len=128, hf_batch=8)
     big = dict(preset="qwen3-0.6b", dtype="bfloat16", requests=512, concurrency=256, prompt_len=256, fixed_len=512,
@@ -163,6 +341,10 @@ def main() -> None:
            "machine": torch.cuda.get_device_name() if a.device.startswith("cuda") else platform.processor() or platform.machine()}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(a.preset, a.dtype, Path(tmp) / "model")
+        if a.profile:
+            res["profile"] = profile_steps(model_dir, a)
+            print(json.dumps(res), flush=True)
+            return
         for kv in a.kv_cache.split(","):
             res[f"engine_{kv}"] = bench_engine(model_dir, a, kv, runs)
         if not a.skip_hf:

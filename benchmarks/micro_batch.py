@@ -55,7 +55,7 @@ def _trainer(model_dir: Path, extra: list[str], group, mesh, device):
     from miles.config import parse_args
     from miles.trainer.fsdp import FSDPTrainer
 
-    cfg = parse_args(["--hf-checkpoint", str(model_dir), "--lr", "1e-4", "--num-rollout", "1000",
+    cfg = parse_args(["--train-backend", "fsdp", "--hf-checkpoint", str(model_dir), "--lr", "1e-4", "--num-rollout", "1000",
                       "--rollout-batch-size", "8", "--n-samples-per-prompt", "8", "--num-steps-per-rollout", "1",
                       "--use-kl-loss", "--kl-loss-coef", "0.01"] + extra)
     return FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=mesh, group=group, device=device,

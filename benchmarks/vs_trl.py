@@ -97,7 +97,7 @@ def build_task(work: Path, hidden: int, layers: int, seed: int, sft_rollouts: in
     qs.write_jsonl(task / "train.jsonl", qs.train_rows(4, seed))
     qs.write_jsonl(task / "sft.jsonl", qs.sft_rows(0.2, 10, seed))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "train.py",
-           "--debug-train-only", "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--num-gpus-per-node", "1",
+           "--train-backend", "fsdp", "--debug-train-only", "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--num-gpus-per-node", "1",
            "--hf-checkpoint", str(task / "model"), "--loss-type", "sft_loss", "--prompt-data", str(task / "sft.jsonl"),
            "--input-key", "input", "--label-key", "response", "--rollout-shuffle", "--num-rollout", str(sft_rollouts),
            "--rollout-batch-size", "320", "--global-batch-size", "32", "--lr", "3e-3", "--adam-beta2", "0.98",
@@ -116,7 +116,7 @@ def run_miles(task: Path, out: Path, layout: str, a: argparse.Namespace) -> dict
     if out.exists():
         shutil.rmtree(out)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "train.py",
-           *roles, "--hf-checkpoint", str(task / "sft_model"), "--prompt-data", str(task / "train.jsonl"),
+           "--train-backend", a.train_backend, *roles, "--hf-checkpoint", str(task / "sft_model"), "--prompt-data", str(task / "train.jsonl"),
            "--input-key", "input", "--label-key", "label", "--rollout-shuffle", "--rollout-seed", str(a.seed),
            "--rm-type", "quickstart", "--num-rollout", str(a.max_steps), "--rollout-batch-size", "8",
            "--n-samples-per-prompt", "8", "--global-batch-size", "64", "--rollout-max-response-len", "8",
@@ -260,6 +260,8 @@ def main() -> None:
     p.add_argument("--trl-threads", type=int, default=1,
                    help="torch threads of the TRL process (one process). On a shared 2-core box 2 threads thrash "
                         "(seen: 12-26 s a step at load 13, against ~1 s with one thread).")
+    p.add_argument("--train-backend", choices=["fsdp", "megatron"], default="fsdp",
+                   help="This project's GRPO trainer backend (the SFT warm start always uses fsdp).")
     p.add_argument("--skip-trl", action="store_true")
     p.add_argument("--stop-at-threshold", action="store_true",
                    help="Stop TRL once the threshold is reached (saves time; its s/step then covers fewer steps).")

@@ -178,7 +178,7 @@ def cpu_worker(a: argparse.Namespace) -> None:
     lines = []
     for size in a.sizes.split(","):
         model_dir = str(work / size)
-        cfg = parse_args(["--hf-checkpoint", model_dir, "--update-weight-timeout", "600",
+        cfg = parse_args(["--train-backend", "fsdp", "--hf-checkpoint", model_dir, "--update-weight-timeout", "600",
                           "--update-weight-disk-dir", str(work / f"versions-{size}")], validate=False)
         trainer = FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=mesh, group=group, device=torch.device("cpu"),
                               rollout_temperature=1.0, num_rollout=1, global_batch_size=2, num_steps_per_rollout=1, timeout=600)

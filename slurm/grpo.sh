@@ -27,7 +27,9 @@
 # Environment (all optional):
 #   MODEL_DIR        local HF model directory            -> --hf-checkpoint (default: the quickstart's)
 #   PROMPT_DATA      prompts (JSONL/Parquet)             -> --prompt-data   (default: the quickstart's)
-#   MILES_ARGS       more train.py flags (a string); arguments after the script come last and win
+#   MILES_ARGS       more train.py flags (a string); arguments after the script come last and win. No
+#                    backend is named here: Miles's default, megatron (megatron-core); add
+#                    --train-backend fsdp for FSDP2
 #   LAUNCH           srun (one task per GPU, default) | torchrun (srun one torchrun agent per node)
 #   GPUS_PER_NODE    ranks per node          [SLURM_NTASKS_PER_NODE, else SLURM_GPUS_ON_NODE, else 8]
 #   ACTOR_GPUS       trainer GPUs            [half of all GPUs; all of them with COLOCATE=1]

@@ -75,6 +75,9 @@ def miles_sections() -> list[str]:
         by_reason.setdefault(why, []).append(name)
     for why, names in by_reason.items():
         lines.append(f"| {', '.join(f'`{n}`' for n in names)} | {why} |")
+    lines.append("| `--eval-sglang-<flag>`, `--no-eval-sglang-<flag>` (every SGLang ServerArgs flag) | it overrides "
+                 "`--sglang-<flag>` for Miles's dedicated eval engine fleet (`--eval-num-gpus` > 0), which is not part "
+                 "of miles: drop it; evaluation runs on the rollout engines, which take `--sglang-<flag>`. |")
     return lines + [""]
 
 
@@ -86,13 +89,18 @@ checks the defaults listed here):
 
 | flag | Miles v0.1.0 | here | why |
 |---|---|---|---|
-| `--train-backend` | `megatron` | `fsdp` | The FSDP2 backend runs every algorithm here on CPU and GPU; Megatron scripts pass `--train-backend megatron` or are refused by name. |
+| `--hidden-dropout`, `--attention-dropout` (megatron) | `0.1` (Megatron-LM's; Miles's own scripts pass `0.0`) | `0.0` | RL compares the trainer's log-probs with the engine's, which samples without dropout; `--hidden-dropout 0.1` asks for Megatron-LM's value. |
+| `--use-distributed-optimizer` (megatron) | always on with Adam (`set_default_megatron_args`) | off unless given | It shards AdamW state over the data-parallel ranks (ZeRO-1 with torch's `ZeroRedundancyOptimizer`, not Megatron's distributed optimizer): memory, not numbers; both give the FSDP backend's update within the tolerance of `tests/multiprocess/test_megatron.py`. |
+| `--accumulate-allreduce-grads-in-fp32`, `--attention-softmax-in-fp32` (megatron) | off unless given (Miles's scripts pass both) | always on | Gradients are reduced in fp32 and the attention softmax runs in fp32 either way; the flags are accepted. |
+| `--bf16` (megatron) | always bf16 (`set_default_megatron_args`) | bf16 on GPU; fp32 on CPU unless `--bf16` is given | As the FSDP backend: CPU runs (the quickstart, the tests) compute in fp32. |
 | `--save-interval` | none (no periodic saves) | `100` | A run that is killed loses at most 100 rollouts of work; with `--save` unset nothing is written either way. |
 | `--rollout-router-ip`, `--rollout-router-port` | removed names | accepted with a warning | The migration guide's renames (to `--sglang-router-ip` / `--sglang-router-port`) keep working for one release. |
 | `--rm-path` | removed name | refused, naming `--custom-rm-path` | The migration guide's rename; the error says what to write instead. |
 | `--distributed-backend nccl` | NCCL everywhere | gloo on a CPU rank (logged) | NCCL has no CPU transport; CPU runs keep working with Miles's default. |
 | `--balance-data` | off: ranks get contiguous slices | always on | Whole groups go to the rank with the fewest tokens; balancing changes where samples are computed, not what. |
 | `--attn-implementation` | HF attention of the FSDP actor | flash varlen kernel on GPU, sdpa on CPU | The trainer packs samples into one row; values other than flash_attention_2/3 are ignored with a warning. |
+| `--custom-tis-function-path` | called by both backends | FSDP backend only (refused with `--train-backend megatron`) | The FSDP trainer's loss calls it with Miles's keyword arguments (per-sample lists, no context parallelism); the Megatron loss does not yet. |
+| `--fsdp-cpu-offload` with `--offload-train` | `--offload-train` is switched off | both kept; `--offload-train` then moves only the critic | Validation never rewrites a value; the policy is on CPU already, so the outcome is Miles's. |
 | `--custom-config-path` | every key set as an argument | keys naming a flag set it; the others are kept for plugins | A misspelt flag name cannot silently replace a flag. |
 | `--update-weight-transfer-mode p2p` | RDMA writes (Mooncake TransferEngine) into the engines' registered buffers, resharded to the engine's TP layout | each trainer rank sends its own FSDP2 rows to every engine worker with torch.distributed point-to-point (NCCL on GPU, gloo on CPU); needs the embedded engine (`p2p_ranges` in `/update_weights_from_distributed`) | No RDMA stack here; point-to-point gives the same no-gather, every-rank-sends transfer, bit-identical to broadcast. |
 | `--update-weight-transfer-mode tensor` | no such value (colocated runs always hand over by CUDA IPC) | accepted, needs `--colocate` | Names the same-device hand-off; `broadcast` (the default) with `--colocate` selects it too, as in Miles. |

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The quickstart GRPO run under torchrun, disaggregated: ranks 0-1 train (FSDP2), ranks 2-3 each host an
-# embedded engine. Builds the data and the SFT warm start first if they are missing.
+# The quickstart GRPO run under torchrun, disaggregated: ranks 0-1 train (the default backend, megatron; append
+# --train-backend fsdp for FSDP2), ranks 2-3 each host an embedded engine. Builds the data and the SFT warm
+# start first if they are missing.
 #   bash examples/quickstart/run_grpo.sh [extra train.py flags...]      (QUICKSTART_DIR=outputs/quickstart)
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The quickstart GRPO run under torchrun, colocated: 2 ranks train (FSDP2) and each also hosts an
-# embedded engine on its own device (weights hand over in place: --update-weight-transfer-mode tensor).
+# The quickstart GRPO run under torchrun, colocated: 2 ranks train (the default backend, megatron) and each
+# also hosts an embedded engine on its own device (weights hand over in place: --update-weight-transfer-mode
+# tensor).
 #   bash examples/quickstart/run_grpo_colocated.sh [extra train.py flags...]
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

@@ -50,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "or plain teacher engine URLs (this project's older form).")
     a.add_argument("--opd-teacher-key", type=str, default="opd_teacher", help="Metadata key naming a sample's teacher.")
     a.add_argument("--opd-teacher-ckpt-step", type=int, default=None, help="Megatron teacher checkpoint step (refused).")
-    a.add_argument("--opd-log-prob-top-k", type=int, default=0, help="Top-k OPD (0: sampled-token OPD; >0 refused).")
+    a.add_argument("--opd-log-prob-top-k", type=int, default=0,
+                   help="Top-k OPD: compare student and teacher on K token ids per position (0: the sampled token).")
     a.add_argument("--opd-top-k-strategy", choices=["only-student", "only-teacher", "intersection", "union", "xor"],
                    default="only-student", help="Token set of top-k OPD.")
     a.add_argument("--opd-reward-weight-mode", choices=["student_p", "teacher_p", "none"], default="student_p",

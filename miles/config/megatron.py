@@ -6,14 +6,14 @@ Megatron's default for a run on a HF checkpoint (``miles.trainer.megatron.option
 shape comes from ``--hf-checkpoint``'s ``config.json``; a shape flag that is given must agree with it
 (checked when the trainer starts: one line naming the flag, its value and the config's).
 With another ``--train-backend`` any of these flags given is refused by name (``validate``).
-Values this build does not support (pipeline, context and expert parallelism above 1, ...) are
-refused by the trainer with one line naming the flag and value.
+Values this build does not support are refused by the trainer with one line naming the flag and value.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from miles.config.base import ConfigError, flag
@@ -22,17 +22,27 @@ _INT = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "decoder_f
         "decoder_last_pipeline_num_layers", "context_parallel_size", "expert_model_parallel_size",
         "expert_tensor_parallel_size", "recompute_num_layers", "make_vocab_size_divisible_by", "num_layers",
         "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "vocab_size",
-        "max_position_embeddings", "num_experts", "moe_router_topk", "moe_ffn_hidden_size")
+        "max_position_embeddings", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
+        "moe_shared_expert_intermediate_size")
 _SWITCHES = ("sequence_parallel", "use_distributed_optimizer", "accumulate_allreduce_grads_in_fp32",
              "attention_softmax_in_fp32", "group_query_attention", "swiglu", "qk_layernorm", "disable_bias_linear",
-             "add_qkv_bias", "untie_embeddings_and_output_weights", "use_rotary_position_embeddings")
+             "add_qkv_bias", "untie_embeddings_and_output_weights", "use_rotary_position_embeddings",
+             "moe_grouped_gemm", "moe_permute_fusion", "moe_router_enable_expert_bias", "moe_router_pre_softmax")
 _HELP = {
     "tensor_model_parallel_size": "Tensor-parallel size (default 1); must divide the trainer ranks.",
-    "sequence_parallel": "Sequence parallelism within the TP group (needs transformer-engine).",
-    "pipeline_model_parallel_size": "Pipeline-parallel size (only 1 is supported).",
-    "context_parallel_size": "Context-parallel size (only 1 is supported).",
-    "expert_model_parallel_size": "Expert-parallel size (only 1 is supported).",
+    "sequence_parallel": "Sequence parallelism within the TP group (no effect with TP 1).",
+    "pipeline_model_parallel_size": "Pipeline-parallel size (default 1; 1F1B schedule, no virtual stages).",
+    "context_parallel_size": "Context-parallel size: each sequence split over this many ranks (default 1).",
+    "expert_model_parallel_size": "Expert-parallel size (default 1): experts split over this many ranks.",
     "expert_tensor_parallel_size": "Expert tensor-parallel size (only 1 is supported).",
+    "num_experts": "MoE: experts per layer; must match config.json's num_experts.",
+    "moe_router_topk": "MoE: experts per token; must match config.json's num_experts_per_tok.",
+    "moe_ffn_hidden_size": "MoE: expert FFN size; must match config.json's moe_intermediate_size.",
+    "moe_shared_expert_intermediate_size": "MoE shared expert size (Qwen3-MoE has none: refused).",
+    "moe_grouped_gemm": "MoE: grouped GEMM experts (transformer-engine; SequentialMLP otherwise, same math).",
+    "moe_permute_fusion": "MoE: fused token permutation (transformer-engine; unfused otherwise, same result).",
+    "moe_router_enable_expert_bias": "MoE: aux-loss-free expert bias (Qwen3-MoE has none: refused).",
+    "moe_router_pre_softmax": "MoE: softmax before top-k (config.json's norm_topk_prob false).",
     "use_distributed_optimizer": "Shard optimizer state over data-parallel ranks (ZeRO-1).",
     "recompute_num_layers": "Layers per recompute chunk (full recompute).",
     "make_vocab_size_divisible_by": "Pad the vocabulary to a multiple of this x TP (default 128).",
@@ -53,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="Activation recompute: full layers, or the attention core only (selective).")
     g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
                    help="Full recompute: uniform chunks of --recompute-num-layers, or the first N layers (block).")
+    g.add_argument("--cp-comm-type", nargs="+", choices=["p2p", "all_gather", "a2a", "a2a+p2p"], default=None,
+                   help="Context-parallel attention (one value, or one per layer): all_gather (K/V gathered), p2p "
+                        "(Megatron's default; runs all_gather here), a2a (all-to-all over heads); a2a+p2p refused.")
     g.add_argument("--attention-backend", choices=["auto", "flash", "fused", "unfused", "local"], default=None,
                    help="Core attention: auto/flash/fused: torch SDPA (local spec) or transformer-engine's choice; "
                         "unfused/local: megatron-core's DotProductAttention.")
@@ -62,8 +75,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--norm-epsilon", type=float, default=None, help="Must match config.json's rms_norm_eps.")
     g.add_argument("--rotary-base", type=float, default=None, help="Must match config.json's rope_theta.")
     g.add_argument("--rotary-percent", type=float, default=None, help="Only 1.0 is supported.")
+    g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default=None,
+                   help="MoE router scores (Qwen3-MoE: softmax).")
+    g.add_argument("--moe-router-load-balancing-type", nargs="+", default=None,
+                   choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"],
+                   help="MoE load balancing (Megatron-LM's default aux_loss; no effect with --moe-aux-loss-coeff 0).")
+    g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=None,
+                   help="MoE aux loss coefficient: 0 only (neither backend adds it to the RL loss).")
+    g.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall", "flex"], default=None,
+                   help="MoE token dispatch over the EP group (default allgather).")
+    g.add_argument("--moe-router-dtype", choices=["fp32", "fp64"], default=None,
+                   help="MoE router logits and probabilities in this dtype (default: the activations').")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=None,
+                   help="MoE expert-bias update rate (used only with --moe-router-enable-expert-bias).")
+    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
+                   help="MoE routing weight scale (Qwen3-MoE: none, i.e. 1).")
+    g.add_argument("--moe-layer-freq", default=None,
+                   help="MoE layer pattern: an int N or a 0/1 list per layer ('[1,1,0]', '([0]*1+[1]*46)'); "
+                        "must match config.json.")
+    g.add_argument("--moe-token-drop-policy", choices=["probs", "position"], default=None,
+                   help="MoE token dropping order (no effect: no expert capacity is set, no token is dropped).")
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"], default=None,
                    help="Only rope is supported.")
+    g.add_argument("--ckpt-format", choices=["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"], default=None,
+                   help="Checkpoint format of --save/--load: torch_dist (Megatron-LM's default) only.")
+    g.add_argument("--no-load-rng", action="store_true", help="Do not restore the RNG states from --load.")
+    g.add_argument("--finetune", action="store_true",
+                   help="--load the model weights only: rollout 0, fresh optimizer, LR schedule and RNG.")
+    g.add_argument("--ckpt-step", type=int, default=None, help="--load iter_<N> instead of the tracker's iteration.")
+    g.add_argument("--ref-ckpt-step", type=int, default=None, help="--ref-load iter_<N> instead of the tracker's.")
 
 
 @dataclass(kw_only=True)
@@ -85,6 +125,7 @@ class MegatronConfig:
     hidden_dropout: float | None = None
     attention_dropout: float | None = None
     attention_backend: str | None = None
+    cp_comm_type: list[str] | None = None
     transformer_impl: str | None = None
     make_vocab_size_divisible_by: int | None = None
     num_layers: int | None = None
@@ -104,12 +145,31 @@ class MegatronConfig:
     rotary_base: float | None = None
     rotary_percent: float | None = None
     position_embedding_type: str | None = None
+    ckpt_format: str | None = None
+    no_load_rng: bool = False
+    finetune: bool = False
+    ckpt_step: int | None = None
+    ref_ckpt_step: int | None = None
     use_rotary_position_embeddings: bool = False
     vocab_size: int | None = None
     max_position_embeddings: int | None = None
     num_experts: int | None = None
     moe_router_topk: int | None = None
     moe_ffn_hidden_size: int | None = None
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_router_score_function: str | None = None
+    moe_router_load_balancing_type: list[str] | None = None
+    moe_aux_loss_coeff: list[float] | None = None
+    moe_grouped_gemm: bool = False
+    moe_token_dispatcher_type: str | None = None
+    moe_router_dtype: str | None = None
+    moe_permute_fusion: bool = False
+    moe_router_bias_update_rate: float | None = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_topk_scaling_factor: float | None = None
+    moe_layer_freq: str | None = None
+    moe_router_pre_softmax: bool = False
+    moe_token_drop_policy: str | None = None
 
     def given(self) -> list[str]:
         """The flags of this section that were passed (a value other than None / False)."""
@@ -126,7 +186,20 @@ class MegatronConfig:
             v = getattr(self, name)
             if v is not None and v <= 0:
                 raise ConfigError(f"{flag(name)} must be positive, got {v}.")
+        if self.ckpt_format not in (None, "torch_dist"):
+            raise ConfigError(f"--ckpt-format {self.ckpt_format} is not supported: miles's Megatron backend reads and "
+                              "writes torch_dist checkpoints; pass --ckpt-format torch_dist or drop the flag.")
+        for name in ("ckpt_step", "ref_ckpt_step"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ConfigError(f"{flag(name)} must be >= 0 (an iteration of an iter_* directory), got "
+                                  f"{getattr(self, name)}.")
         for name in ("hidden_dropout", "attention_dropout"):
             v = getattr(self, name)
             if v is not None and not 0.0 <= v < 1.0:
                 raise ConfigError(f"{flag(name)} must be in [0, 1), got {v}.")
+        for name, values in (("moe_aux_loss_coeff", self.moe_aux_loss_coeff or []),
+                             ("moe_router_bias_update_rate", [self.moe_router_bias_update_rate]),
+                             ("moe_router_topk_scaling_factor", [self.moe_router_topk_scaling_factor])):
+            for v in values:
+                if v is not None and not (math.isfinite(v) and v >= 0):
+                    raise ConfigError(f"{flag(name)} must be a finite number >= 0, got {v}.")

@@ -290,6 +290,13 @@ def unknown_flag_line(flag: str, close: str | None) -> str:
             "in the list)")
 
 
+def is_server_flag(stem: str, *, negated: bool = False) -> bool:
+    """Whether ``--<stem>`` is one of SGLang's ServerArgs option strings; ``negated``: ``--no-<stem>`` of a boolean
+    one (Miles makes every boolean ServerArgs flag negatable under its ``--eval-sglang-`` prefix)."""
+    booleans = ("boolean_optional", "store_true", "store_false")
+    return any(("--" + stem) in a.flags and (not negated or a.kind in booleans) for a in load_spec().values())
+
+
 def flag_of(name: str) -> str:
     """The miles spelling of a ServerArgs flag name: ``chunked_prefill_size`` -> ``--sglang-chunked-prefill-size``."""
     spec = load_spec().get(name)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from miles.config.base import ConfigError
 from miles.config.data import json_object
 
-DEFAULT_BACKEND = "fsdp"
+DEFAULT_BACKEND = "megatron"  # as in Miles v0.1.0; --train-backend fsdp for FSDP2
 
 # Miles v0.1.0: miles/backends/fsdp_utils/arguments.py (FSDPArgs) for fsdp; Megatron-LM's
 # megatron/training/arguments.py for megatron. --lr is 1e-6 on both: Miles resets it after either parser.
@@ -39,7 +39,9 @@ def env_vars(value: str) -> dict[str, str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = BACKEND_DEFAULTS[DEFAULT_BACKEND]
     t = parser.add_argument_group("trainer")
-    t.add_argument("--train-backend", choices=["fsdp", "megatron"], default=DEFAULT_BACKEND, help="Training backend.")
+    t.add_argument("--train-backend", choices=["fsdp", "megatron"], default=DEFAULT_BACKEND,
+                   help="Training backend: megatron (megatron-core, as in Miles; pip install 'miles[megatron]') or "
+                        "fsdp (torch FSDP2 on the HF model).")
     t.add_argument("--optimizer", type=str, default="adam",
                    help="Optimizer: adam (AdamW, decoupled weight decay); no other is supported.")
     t.add_argument("--lr", type=float, default=1e-6, help="Peak learning rate.")
@@ -72,7 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="FSDP backend attention. The trainer runs packed rows through a flash varlen kernel on GPU "
                         "(flash_attention_2/3 mean that) and sdpa on CPU; any other value is ignored with a warning.")
     t.add_argument("--fsdp-cpu-offload", action=argparse.BooleanOptionalAction, default=False,
-                   help="Keep parameters, gradients and optimizer state on CPU (not supported: use --offload-train).")
+                   help="FSDP backend: keep the policy's parameters, gradients and optimizer state on CPU (FSDP2 "
+                        "CPUOffloadPolicy; the optimizer step runs on CPU; --offload-train then moves only the critic).")
     t.add_argument("--train-env-vars", type=env_vars, default={},
                    help="JSON object of environment variables set in every rank before torch starts, "
                         "e.g. '{\"PYTORCH_CUDA_ALLOC_CONF\": \"expandable_segments:True\"}'.")
@@ -167,9 +170,6 @@ class TrainConfig:
         if self.optimizer != "adam":
             raise ConfigError(f"--optimizer {self.optimizer} is not supported: miles trains with AdamW; "
                               "pass --optimizer adam (or drop the flag).")
-        if self.fsdp_cpu_offload:
-            raise ConfigError("--fsdp-cpu-offload is not supported (the optimizer always runs on the training device): "
-                              "drop it; with --colocate, --offload-train moves trainer state to CPU while engines generate.")
         if self.log_probs_chunk_size == 0 or self.log_probs_chunk_size < -1:
             raise ConfigError(f"--log-probs-chunk-size must be a positive number of tokens or -1 (no chunking), "
                               f"got {self.log_probs_chunk_size}.")

@@ -9,11 +9,18 @@ from __future__ import annotations
 _LORA = ("LoRA is not supported (miles trains every parameter): drop the LoRA flags to fine-tune the full model.")
 _REPLAY = ("routing replay is not supported (the engines do not return MoE routing decisions): drop it; "
            "--use-tis corrects the rollout/training mismatch instead.")
-_DASHBOARD = ("the Miles dashboard is not supported: drop the dashboard flags; metrics go to OUTPUT_DIR/metrics.jsonl, "
-              "and to TensorBoard / W&B with --use-tensorboard / --use-wandb.")
+_DASHBOARD = ("the Miles dashboard (its telemetry collector under DUMP_DETAILS/dashboard/ and the `python -m "
+              "miles.dashboard.serve` viewer) is not part of miles: drop the dashboard flags; each rollout's metrics, "
+              "per-phase step times (perf/*_time) included, go to OUTPUT_DIR/metrics.jsonl and metrics.png (and to "
+              "TensorBoard / W&B with --use-tensorboard / --use-wandb), and --dump-details still writes the rollout "
+              "dumps.")
+_EVAL_FLEET = ("Miles's dedicated eval engine fleet (--eval-num-gpus > 0: its own engines and router, fed HF snapshots) "
+               "is not part of miles: drop it; evaluation runs on the rollout engines every --eval-interval rollouts, "
+               "with the --eval-* sampling flags and the engines' --sglang-* settings.")
+EVAL_SGLANG_PREFIX = "--eval-sglang-"
 
-# Miles v0.1.0 miles/utils/arguments.py add_lora_arguments, the replay flags of add_algo_arguments, and
-# miles/dashboard/args.py add_dashboard_arguments.
+# Miles v0.1.0 miles/utils/arguments.py add_lora_arguments, the replay flags of add_algo_arguments, the eval
+# fleet flags of its eval arguments, and miles/dashboard/args.py add_dashboard_arguments.
 UNSUPPORTED: dict[str, str] = {
     **{f: _LORA for f in (
         "--lora-rank", "--lora-alpha", "--lora-dropout", "--lora-type", "--target-modules", "--exclude-modules",
@@ -28,10 +35,24 @@ UNSUPPORTED: dict[str, str] = {
         "--use-miles-dashboard", "--dashboard-flush-interval", "--dashboard-gpu-sample-interval",
         "--dashboard-sglang-scrape-interval", "--dashboard-sglang-scrape-mode", "--dashboard-sglang-metrics",
         "--dashboard-forward-prometheus")},
+    **{f: _EVAL_FLEET for f in (
+        "--eval-num-gpus", "--eval-num-gpus-per-engine", "--eval-hf-dir", "--eval-max-in-flight",
+        "--eval-overflow-policy", "--eval-keep-snapshots")},
 }
 
 
 def unsupported_message(flag: str) -> str | None:
-    """The one-line refusal of a Miles flag this project does not implement, or None."""
+    """The one-line refusal of a Miles flag this project does not implement, or None. ``--eval-sglang-<flag>``
+    (Miles's per-flag override of ``--sglang-<flag>`` for the eval fleet) is refused when ``<flag>`` is an
+    SGLang ServerArgs flag; another spelling gets the usual did-you-mean."""
     why = UNSUPPORTED.get(flag)
+    negated = flag.startswith("--no-")
+    body = "--" + flag.removeprefix("--no-") if negated else flag
+    if why is None and body.startswith(EVAL_SGLANG_PREFIX):
+        from miles.config.sglang import is_server_flag
+
+        stem = body.removeprefix(EVAL_SGLANG_PREFIX)
+        if is_server_flag(stem, negated=negated):
+            why = (f"it overrides --sglang-{stem} for Miles's dedicated eval engine fleet (--eval-num-gpus > 0), which "
+                   f"is not part of miles: drop it; evaluation runs on the rollout engines, which take --sglang-{stem}.")
     return f"{flag}: {why}" if why else None

@@ -105,9 +105,18 @@ def validate_config(cfg: MilesConfig) -> None:
                           "in-flight generation: use --pause-generation-mode retract (the default) or in_place.")
     if fully_async and c.debug_train_only:
         raise ConfigError("--fully-async generates on engines, and --debug-train-only runs none: drop one of them.")
-    if a.opd_log_prob_top_k != 0:
-        raise ConfigError(f"--opd-log-prob-top-k {a.opd_log_prob_top_k}: top-k OPD is not supported (the trainer takes the "
-                          "teacher's log-prob of each sampled token); use --opd-log-prob-top-k 0.")
+    if a.opd_log_prob_top_k < 0:
+        raise ConfigError(f"--opd-log-prob-top-k must be >= 0 (0: sampled-token OPD), got {a.opd_log_prob_top_k}.")
+    if a.opd_log_prob_top_k > 0 and a.use_opd:
+        plugin = "miles.rollout.on_policy_distillation."
+        if a.opd_type != "sglang" or cfg.reward.custom_reward_post_process_path != plugin + "post_process_rewards":
+            raise ConfigError(f"--opd-log-prob-top-k {a.opd_log_prob_top_k} (top-k OPD) runs through Miles's OPD plugin "
+                              f"with a teacher server, as in Miles: use --opd-type sglang --rm-url TEACHER/generate "
+                              f"--custom-rm-path {plugin}reward_func --custom-reward-post-process-path "
+                              f"{plugin}post_process_rewards, or --opd-log-prob-top-k 0.")
+        if a.opd_topk_per_position:
+            raise ConfigError("--opd-topk-per-position needs a patched SGLang (token_ids_logprob_positions): drop it; "
+                              "top-k OPD then asks for the union of the ids over the response, as stock SGLang takes.")
     if a.opd_teacher_ckpt_step is not None:
         raise ConfigError(f"--opd-teacher-ckpt-step {a.opd_teacher_ckpt_step} picks a Megatron checkpoint step, but "
                           "--opd-teacher-load is a HF directory here: drop --opd-teacher-ckpt-step.")
@@ -148,10 +157,13 @@ def _validate_miles_flags(cfg: MilesConfig) -> None:
     if a.use_opd and a.opd_type is None:
         raise ConfigError("--use-opd needs --opd-type: megatron (the teacher runs in the trainer, --opd-teacher-load) "
                           "or sglang (teacher engines).")
-    if a.custom_tis_function_path:
-        raise ConfigError(f"--custom-tis-function-path {a.custom_tis_function_path} is not supported (custom TIS/RS "
-                          "functions take Megatron's batch layout): drop it; --use-tis with --tis-clip / --tis-clip-low "
-                          "gives truncated importance sampling.")
+    if a.custom_tis_function_path and cfg.train.train_backend != "fsdp":
+        raise ConfigError(f"--custom-tis-function-path {a.custom_tis_function_path} is not supported by --train-backend "
+                          f"{cfg.train.train_backend} yet (the FSDP trainer calls it): use --train-backend fsdp, or drop "
+                          "it (--use-tis with --tis-clip / --tis-clip-low gives truncated importance sampling).")
+    if a.custom_tis_function_path and not a.use_tis:
+        raise ConfigError(f"--custom-tis-function-path {a.custom_tis_function_path} is called only with --use-tis (as in "
+                          "Miles): add --use-tis (or use_tis: true in --custom-config-path), or drop it.")
     if d.multimodal_keys:
         raise ConfigError(f"--multimodal-keys {d.multimodal_keys}: multimodal prompts are not supported (the engines "
                           "and the trainer take text tokens only): drop it and use text prompts.")
@@ -240,6 +252,9 @@ def _validate_ranges(cfg: MilesConfig) -> None:
         if t.attn_implementation != "flash_attention_2":
             raise ConfigError(f"--attn-implementation {t.attn_implementation} is an FSDP-backend flag, not used with "
                               "--train-backend megatron (its attention is Megatron's own): drop it.")
+        if t.fsdp_cpu_offload:
+            raise ConfigError("--fsdp-cpu-offload is an FSDP-backend flag, not used with --train-backend megatron: drop it "
+                              "(--offload-train moves the trainer's state to CPU while the engines generate).")
     d = cfg.data
     if d.num_epoch is not None and d.num_epoch < 1:
         raise ConfigError(f"--num-epoch must be at least 1, got {d.num_epoch}.")

@@ -188,6 +188,8 @@ class Engine:
             if s.token_ids_logprob:
                 meta["output_token_ids_logprobs"] = [[[v, i, None] for v, i in zip(row, s.token_ids_logprob)]
                                                      for row in r.output_token_ids_lp[:n]]
+                meta["input_token_ids_logprobs"] = [[[v, i, None] for v, i in zip(row, s.token_ids_logprob)]
+                                                    for row in (r.input_token_ids_lp or [])]
         return {"text": text, "output_ids": list(ids), "meta_info": meta}
 
     # ------------------------------------------------------------------ health and info

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import inspect
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from miles.engine import paged_attention
+from miles.engine import fused_ops, paged_attention
 from miles.engine.paged_cache import PagedKV
 from miles.utils.logging import get_logger
 
@@ -95,12 +96,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _norm(module, x: torch.Tensor) -> torch.Tensor:
-    """HF's RMSNorm (fp32 statistics, cast back, then scale) as fused ``F.rms_norm`` where the module allows."""
+    """HF's RMSNorm as one fused ``F.rms_norm`` (statistics in fp32 inside the kernel, the weight applied before
+    the single rounding to the activation dtype) where the module allows; otherwise the module itself."""
     eps = getattr(module, "variance_epsilon", None)
     w = getattr(module, "weight", None)
     if eps is None or w is None or type(module).__name__ not in _PLAIN_RMSNORMS:
         return module(x)
-    return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    if x.dtype == torch.float32 or w.dtype != x.dtype:
+        return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    return F.rms_norm(x, (x.shape[-1],), weight=w, eps=eps)
 
 
 _PLAIN_RMSNORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"}
@@ -168,6 +172,9 @@ class _NativeLM:
         # graph rows beyond the running requests: the slot cache writes them at the last position of free slots;
         # paged, their block tables are all the scratch page, and position 0 keeps the kernel's walk to one token
         self.pad_pos = 0 if self.kv is not None else cache_ctx - 1
+        # decode on CUDA: q/k norm + RoPE as one Triton kernel per tensor (plain RMSNorms only)
+        self.fused_rope = fused_ops.available(device) and device.type == "cuda" and (not self.qk_norm or all(
+            type(m).__name__ in _PLAIN_RMSNORMS for layer in self.layers for m in (layer.self_attn.q_norm, layer.self_attn.k_norm)))
 
     # ------------------------------------------------------------------ cache
     def cache_bytes(self) -> int:
@@ -179,7 +186,7 @@ class _NativeLM:
     def allocate_cache(self) -> None:
         if self.kv is not None:
             self.kv.allocate()
-            self.k_cache, self.v_cache = self.kv.k, self.kv.v  # ModelRunner.clear_cache zeroes these
+            self.k_cache, self.v_cache = self.kv.k, self.kv.v
             return
         shape = (self.max_slots, self.n_kv, self.cache_ctx, self.head_dim)
         self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
@@ -273,10 +280,54 @@ class _NativeLM:
         full = [self.lm_head(h[i, : lens[i]]).float() if want else None for i, want in enumerate(full_for)]
         return logits, full
 
+    @torch.no_grad()
+    def prefill_chunk(self, row: int, tokens: list[int], start: int, want_full: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Paged cache: positions ``start..start+len(tokens)-1`` of block-table row ``row``, whose first ``start``
+        positions are already in its pages (earlier chunks). Returns the last position's logits and, with
+        ``want_full``, every position's. The same maths as ``prefill`` (causal attention over the row's pages)."""
+        kv = self.kv
+        t, end = len(tokens), start + len(tokens)
+        kv.grow(row, end)
+        tok = torch.tensor([tokens], dtype=torch.long).to(self.device, non_blocking=True)
+        pos = self.ar_ctx[start:end]
+        cos, sin = self.cos[start:end][None, None], self.sin[start:end][None, None]
+        table = kv.block_table[row]
+        w_page, w_off = table[pos // kv.page_size], pos % kv.page_size
+        Lk = kv.pages_for(end) * kv.page_size
+        kpos = self.ar_ctx[:Lk]
+        causal = kpos[None, :] <= pos[:, None]
+        h = self.embed(tok)
+        for li, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = _norm(layer.input_layernorm, h)
+            q = attn.q_proj(x).view(1, t, self.n_heads, self.head_dim)
+            k = attn.k_proj(x).view(1, t, self.n_kv, self.head_dim)
+            v = attn.v_proj(x).view(1, t, self.n_kv, self.head_dim)
+            if self.qk_norm:
+                q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            kv.k[li][w_page, w_off] = k[0].transpose(0, 1)
+            kv.v[li][w_page, w_off] = v[0].transpose(0, 1)
+            k_all, v_all = kv.gather_row(li, row, Lk)
+            if self.group > 1:
+                k_all = k_all.repeat_interleave(self.group, dim=1)
+                v_all = v_all.repeat_interleave(self.group, dim=1)
+            win = self.windows[li]
+            mask = causal if win is None else causal & (kpos[None, :] > pos[:, None] - win)
+            o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask[None, None], scale=self.scaling)
+            h = h + attn.o_proj(o.transpose(1, 2).reshape(1, t, self.n_heads * self.head_dim))
+            h = h + layer.mlp(_norm(layer.post_attention_layernorm, h))
+        h = _norm(self.norm, h)
+        last = self.lm_head(h[0, -1]).float()
+        return last, (self.lm_head(h[0]).float() if want_full else None)
+
     # ------------------------------------------------------------------ decode
     def _decode_impl(self, tokens: torch.Tensor, positions: torch.Tensor, B: int, L: int) -> torch.Tensor:
         h = self.embed(tokens)
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+        if not self.fused_rope:
+            cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
         ar = self.ar_slots[:B]
         kv = self.kv
         if not self.kernel:
@@ -292,15 +343,21 @@ class _NativeLM:
             q = attn.q_proj(x).view(B, self.n_heads, self.head_dim)
             k = attn.k_proj(x).view(B, self.n_kv, self.head_dim)
             v = attn.v_proj(x).view(B, self.n_kv, self.head_dim)
-            if self.qk_norm:
-                q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            if self.fused_rope:
+                qw, qe, kw, ke = ((attn.q_norm.weight, attn.q_norm.variance_epsilon, attn.k_norm.weight,
+                                   attn.k_norm.variance_epsilon) if self.qk_norm else (None, 0.0, None, 0.0))
+                q = fused_ops.norm_rope(q, qw, qe, self.cos, self.sin, positions)
+                k = fused_ops.norm_rope(k, kw, ke, self.cos, self.sin, positions)
+            else:
+                if self.qk_norm:
+                    q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
+                q = q * cos + _rotate_half(q) * sin
+                k = k * cos + _rotate_half(k) * sin
             if kv is not None:
                 kv.k[li][w_page, w_off] = k
                 kv.v[li][w_page, w_off] = v
                 if self.kernel:
-                    o = paged_attention.paged_decode(q, kv.k[li], kv.v[li], kv.block_table, positions, self.scaling)
+                    o = paged_attention.paged_decode(q, kv.k[li], kv.v[li], kv.block_table, positions, self.scaling, rows=ar)
                     h = h + attn.o_proj(o.reshape(B, self.n_heads * self.head_dim))
                     h = h + layer.mlp(_norm(layer.post_attention_layernorm, h))
                     continue
@@ -340,6 +397,19 @@ class _NativeLM:
             self.g_pos[n:bs].fill_(self.pad_pos)
         entry[0].replay()
         return entry[1][:n].float()
+
+    @torch.no_grad()
+    def warm_up(self) -> int:
+        """Capture the decode graph of every batch bucket now (paged kernel path: one graph per bucket), as SGLang
+        does at start, so that no request pays for a capture or a kernel compile. Returns how many were captured."""
+        if not (self.use_graphs and self.kernel):
+            return 0
+        n = 0
+        for bs in self.batch_buckets:
+            if (bs, self.cache_ctx) not in self.graphs:
+                self._capture(bs, self.cache_ctx)
+                n += 1
+        return n
 
     def _capture(self, bs: int, L: int):
         # Rows beyond the running requests write their (garbage) K/V at position cache_ctx-1 of free slots,
@@ -419,6 +489,42 @@ class _GenericLM:
         return torch.stack(rows)
 
 
+class ParamIndex(dict):
+    """The live tensors by HF name (``state_dict`` names; iteration and ``len`` cover those only). transformers 5
+    fuses MoE experts into 3-D parameters (``mlp.experts.gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I])
+    while checkpoints, SGLang and the trainers' exports name them per expert (``mlp.experts.<e>.gate_proj.weight``
+    ...): lookups by those names return views into the fused storage (made on lookup, so none outlives a
+    release of the weights), and updates and reads by either name reach the same weights."""
+
+    def __init__(self, params: dict[str, torch.Tensor]):
+        super().__init__(params)
+        self.aliases: dict[str, tuple[str, int, int | None]] = {}     # name -> (fused name, expert, half)
+        for name, p in params.items():
+            if p.dim() == 3 and name.endswith(".mlp.experts.gate_up_proj"):
+                for e in range(p.shape[0]):
+                    self.aliases[f"{name[:-13]}.{e}.gate_proj.weight"] = (name, e, 0)
+                    self.aliases[f"{name[:-13]}.{e}.up_proj.weight"] = (name, e, 1)
+            elif p.dim() == 3 and name.endswith(".mlp.experts.down_proj"):
+                for e in range(p.shape[0]):
+                    self.aliases[f"{name[:-10]}.{e}.down_proj.weight"] = (name, e, None)
+
+    def _view(self, name: str) -> torch.Tensor:
+        fused, e, half = self.aliases[name]
+        t = dict.__getitem__(self, fused).detach()[e]
+        return t if half is None else t.chunk(2, dim=0)[half]
+
+    def get(self, name, default=None):
+        if dict.__contains__(self, name):
+            return dict.__getitem__(self, name)
+        return self._view(name) if name in self.aliases else default
+
+    def __missing__(self, name):
+        return self._view(name)
+
+    def __contains__(self, name) -> bool:
+        return dict.__contains__(self, name) or name in self.aliases
+
+
 class ModelRunner:
     """The model, its KV cache, weight access, and memory release/resume."""
 
@@ -489,8 +595,9 @@ class ModelRunner:
                              f"{avail / 2**30:.1f} GiB is free; lower --max-running-requests or --max-context-len")
         self.impl.allocate_cache()
         self.eos_token_ids = self._eos_ids()
-        self._params = dict(self.model.state_dict(keep_vars=True))
+        self._params = ParamIndex(self.model.state_dict(keep_vars=True))
         self._weights_backup: dict[int, torch.Tensor] | None = None
+        self.weights_epoch = 0   # bumped by every weight load: cached prompt KV/logits from before are stale
         self.weights_released = False
         self.kv_released = False
         layout = (f"paged KV cache of {self.kv.pool.num_pages - 1} pages x {self.page_size} tokens" if self.kv is not None
@@ -542,8 +649,25 @@ class ModelRunner:
     def release_slot(self, slot: int) -> None:
         self.impl.release_slot(slot)
 
+    @property
+    def chunk_row(self) -> int | None:
+        """The block-table row of a prompt prefilled in chunks (paged native cache), else None (no chunking)."""
+        return self.kv.chunk_row if self.kv is not None else None
+
+    def prefill_chunk(self, row: int, tokens: list[int], start: int, want_full: bool):
+        return self.impl.prefill_chunk(row, tokens, start, want_full)
+
+    def pages_held(self, row: int) -> int:
+        return len(self.kv.tables[row]) if self.kv is not None else 0
+
     def share_prefix(self, src: int, dst: int, length: int) -> None:
         self.impl.share_prefix(src, dst, length)
+
+    @property
+    def can_share_running_prefix(self) -> bool:
+        """Whether a running request's first ``length`` tokens of KV can seed a new request (native caches: the
+        slot cache copies them, the paged cache shares the full pages); the generic HF path cannot crop its cache."""
+        return self.native
 
     def kv_tokens(self) -> int:
         """KV tokens the cache holds in all (sglang's max_total_num_tokens)."""
@@ -578,6 +702,15 @@ class ModelRunner:
     def move_slot(self, src: int, dst: int, length: int) -> None:
         self.impl.move_slot(src, dst, length)
 
+    def warm_up(self) -> None:
+        """Capture the decode CUDA graphs ahead of the first requests (a no-op where there are none to capture)."""
+        warm = getattr(self.impl, "warm_up", None)
+        if warm is not None and self.ready:
+            t0 = time.perf_counter()
+            n = warm()
+            if n:
+                logger.info("captured %d decode CUDA graphs in %.1f s", n, time.perf_counter() - t0)
+
     # ------------------------------------------------------------------ weights
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """HF parameter names (as in the safetensors files, tied aliases included) -> live tensors."""
@@ -599,6 +732,7 @@ class ModelRunner:
             if tuple(p.shape) != tuple(t.shape):
                 raise ValueError(f"parameter '{name}' has shape {tuple(p.shape)}, the update has {tuple(t.shape)}")
         n = 0
+        self.weights_epoch += 1
         for name, t in tensors.items():
             p = params.get(name)
             if p is not None:
@@ -615,11 +749,11 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ memory
     def clear_cache(self) -> None:
-        if self.native and not self.kv_released:
-            for kc, vc in zip(self.impl.k_cache, self.impl.v_cache):
-                kc.zero_()
-                vc.zero_()
-        elif not self.native:
+        # Native: nothing to drop. The only KV shared across requests is a running request's prompt (the scheduler's
+        # holders), and a flush needs nothing running; every read is masked to positions its own request wrote.
+        # Zeroing the whole cache (512 MiB for 128 slots x 2,048 tokens of the quickstart model) cost more than the
+        # rest of a weight sync together.
+        if not self.native:
             self.impl.free_cache()
 
     def release(self, tags: set[str]) -> None:
@@ -647,7 +781,7 @@ class ModelRunner:
                 p.data = backup[id(p)].to(self.device, non_blocking=True)
             self._weights_backup = None
             self.weights_released = False
-            self._params = dict(self.model.state_dict(keep_vars=True))
+            self._params = ParamIndex(self.model.state_dict(keep_vars=True))
         if "kv_cache" in tags and self.kv_released:
             self.impl.allocate_cache()
             self.kv_released = False

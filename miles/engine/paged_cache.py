@@ -76,11 +76,15 @@ class PagedKV:
     def __init__(self, n_layers: int, n_kv: int, head_dim: int, num_pages: int, page_size: int, max_rows: int,
                  max_ctx: int, dtype: torch.dtype, device: torch.device):
         self.n_layers, self.n_kv, self.head_dim = n_layers, n_kv, head_dim
-        self.page_size, self.max_rows, self.dtype, self.device = page_size, max_rows, dtype, device
+        self.page_size, self.dtype, self.device = page_size, dtype, device
+        # one row more than the running requests: row ``max_rows`` (``chunk_row``) holds a prompt being prefilled in
+        # chunks; decode (and its graph padding) only ever touches rows below it
+        self.max_rows = max_rows + 1
+        self.chunk_row = max_rows
         self.max_pages_per_row = -(-max_ctx // page_size)
         self.pool = PagePool(num_pages)
-        self.tables: list[list[int]] = [[] for _ in range(max_rows)]
-        self.block_table = torch.zeros(max_rows, self.max_pages_per_row, dtype=torch.long, device=device)
+        self.tables: list[list[int]] = [[] for _ in range(self.max_rows)]
+        self.block_table = torch.zeros(self.max_rows, self.max_pages_per_row, dtype=torch.long, device=device)
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.peak_used = 0
@@ -177,6 +181,13 @@ class PagedKV:
             parts.append(torch.stack([torch.full((n,), i, dtype=torch.long), j, table[j // ps], j % ps]))
         idx = torch.cat(parts, 1).to(self.device, non_blocking=True)
         return idx[0], idx[1], idx[2], idx[3]
+
+    def gather_row(self, li: int, row: int, L: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row ``row``'s first ``L`` positions (a multiple of page_size) as ``[1, kv_heads, L, head_dim]``."""
+        bt = self.block_table[row, : L // self.page_size]
+        k = self.k[li].view(self.k[li].shape[0], -1).index_select(0, bt).view(1, L, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v[li].view(self.v[li].shape[0], -1).index_select(0, bt).view(1, L, self.n_kv, self.head_dim).transpose(1, 2)
+        return k, v
 
     def gather(self, li: int, B: int, L: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows ``0..B-1``'s first ``L`` positions (a multiple of page_size) as ``[B, kv_heads, L, head_dim]`` views."""

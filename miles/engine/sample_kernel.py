@@ -1,6 +1,7 @@
 """Fused sampling for rows without top-k/top-p/min-p: temperature, Gumbel-max with the counter-based noise of
-``sampling.hash_uniform``, and the chosen token's log-prob, in one Triton kernel (two passes over each row's
-logits: the log-sum-exp, then the race). No full-vocabulary sort, no ``[B, vocab]`` temporaries.
+``sampling.hash_uniform``, and the chosen token's log-prob, in two Triton kernels (the log-sum-exp, then the
+race), each a program per (row, vocabulary chunk) so that the work spreads over the GPU whatever the batch.
+No full-vocabulary sort, no ``[B, vocab]`` temporaries.
 
 The noise is bit-identical to ``hash_uniform`` (the same 32-bit hash, computed in int64 as there), so a
 seeded request draws the same tokens as on the torch path up to floating-point ties. Greedy rows (top_k 1)
@@ -26,30 +27,50 @@ if triton is not None:
         return x ^ (x >> 16)
 
     @triton.jit
-    def _sample_kernel(X, TEMP, KEY, GREEDY, TOK, LP, s_x, V: tl.constexpr, BLOCK: tl.constexpr):
+    def _lse_kernel(X, TEMP, M_OUT, S_OUT, s_x, V: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                    NC: tl.constexpr):
+        """Pass 1, a program per (row, vocab chunk): the chunk's max and sum of exp of the scaled logits."""
         row = tl.program_id(0)
+        c = tl.program_id(1)
         inv_t = 1.0 / tl.load(TEMP + row)
-        key = tl.load(KEY + row)
-        noise_on = tl.load(GREEDY + row) == 0
         base = X + row.to(tl.int64) * s_x
         neg_inf = float("-inf")
         m = tl.full((), neg_inf, tl.float32)
         s = tl.zeros((), tl.float32)
-        for start in range(0, V, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
+        for start in range(0, CHUNK, BLOCK):
+            offs = c * CHUNK + start + tl.arange(0, BLOCK)
             x = tl.load(base + offs, mask=offs < V, other=neg_inf) * inv_t
             m_new = tl.maximum(m, tl.max(x, 0))
             alpha = tl.where(m == neg_inf, 0.0, tl.exp(m - m_new))
             p = tl.where(x == neg_inf, 0.0, tl.exp(x - m_new))
             s = s * alpha + tl.sum(p, 0)
             m = m_new
-        lse = m + tl.log(s)
+        tl.store(M_OUT + row * NC + c, m)
+        tl.store(S_OUT + row * NC + c, s)
+
+    @triton.jit
+    def _race_kernel(X, TEMP, KEY, GREEDY, M_IN, S_IN, B_VAL, B_IDX, B_LP, s_x, V: tl.constexpr, CHUNK: tl.constexpr,
+                     BLOCK: tl.constexpr, NC: tl.constexpr, NCP: tl.constexpr):
+        """Pass 2, a program per (row, vocab chunk): the row's log-sum-exp from pass 1's partials, then the
+        Gumbel-max race over the chunk (noise off for greedy rows); the chunk's winner, its id and log-prob."""
+        row = tl.program_id(0)
+        c = tl.program_id(1)
+        neg_inf = float("-inf")
+        j = tl.arange(0, NCP)
+        pm = tl.load(M_IN + row * NC + j, mask=j < NC, other=neg_inf)
+        ps = tl.load(S_IN + row * NC + j, mask=j < NC, other=0.0)
+        m = tl.max(pm, 0)
+        lse = m + tl.log(tl.sum(tl.where(pm == neg_inf, 0.0, ps * tl.exp(pm - m)), 0))
+        inv_t = 1.0 / tl.load(TEMP + row)
+        key = tl.load(KEY + row)
+        noise_on = tl.load(GREEDY + row) == 0
+        base = X + row.to(tl.int64) * s_x
         best = tl.full((), neg_inf, tl.float32)
         best_i = tl.zeros((), tl.int64)
         best_lp = tl.full((), neg_inf, tl.float32)
         m32 = tl.full((), 0xFFFFFFFF, tl.int64)
-        for start in range(0, V, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
+        for start in range(0, CHUNK, BLOCK):
+            offs = c * CHUNK + start + tl.arange(0, BLOCK)
             valid = offs < V
             lp = tl.load(base + offs, mask=valid, other=neg_inf) * inv_t - lse
             ids = offs.to(tl.int64)
@@ -61,23 +82,43 @@ if triton is not None:
             bidx = tl.argmax(val, 0)
             blp = tl.sum(tl.where(tl.arange(0, BLOCK) == bidx, lp, 0.0), 0)
             better = bmax > best
-            best_i = tl.where(better, start + bidx.to(tl.int64), best_i)
+            best_i = tl.where(better, (c * CHUNK + start) + bidx.to(tl.int64), best_i)
             best_lp = tl.where(better, blp, best_lp)
             best = tl.where(better, bmax, best)
-        tl.store(TOK + row, best_i)
-        tl.store(LP + row, best_lp)
+        tl.store(B_VAL + row * NC + c, best)
+        tl.store(B_IDX + row * NC + c, best_i)
+        tl.store(B_LP + row * NC + c, best_lp)
+
+
+CHUNK = 8192  # vocabulary tokens per program: rows x chunks programs, so a small batch still fills the GPU
 
 
 def fused_sample(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor,
                  greedy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens [B] int64 and their log-probs [B] float32; ``keys`` from ``sampling.row_keys``."""
+    """Tokens [B] int64 and their log-probs [B] float32; ``keys`` from ``sampling.row_keys``.
+
+    Two passes, each a program per (row, vocabulary chunk): the log-sum-exp partials, then the race (each
+    program merges the row's partials itself); the chunks' winners are merged by one argmax. The arithmetic
+    is the torch path's (``x / T - lse + gumbel``), so ties aside the tokens are the same."""
     B, V = logits.shape
     logits = logits.float().contiguous()
-    tok = torch.empty(B, dtype=torch.int64, device=logits.device)
-    lp = torch.empty(B, dtype=torch.float32, device=logits.device)
-    _sample_kernel[(B,)](logits, temperature.float().contiguous(), keys.contiguous(), greedy.to(torch.int32).contiguous(),
-                         tok, lp, logits.stride(0), V=V, BLOCK=2048, num_warps=8)
-    return tok, lp
+    dev = logits.device
+    nc = -(-V // CHUNK)
+    chunk = -(-V // nc)
+    chunk = -(-chunk // 1024) * 1024
+    nc = -(-V // chunk)
+    temperature = temperature.float().contiguous()
+    pm = torch.empty(B, nc, dtype=torch.float32, device=dev)
+    ps = torch.empty(B, nc, dtype=torch.float32, device=dev)
+    _lse_kernel[(B, nc)](logits, temperature, pm, ps, logits.stride(0), V=V, CHUNK=chunk, BLOCK=1024, NC=nc, num_warps=4)
+    bv = torch.empty(B, nc, dtype=torch.float32, device=dev)
+    bi = torch.empty(B, nc, dtype=torch.int64, device=dev)
+    bl = torch.empty(B, nc, dtype=torch.float32, device=dev)
+    _race_kernel[(B, nc)](logits, temperature, keys.contiguous(), greedy.to(torch.int32).contiguous(), pm, ps, bv, bi, bl,
+                          logits.stride(0), V=V, CHUNK=chunk, BLOCK=1024, NC=nc, NCP=triton.next_power_of_2(nc),
+                          num_warps=4)
+    win = bv.argmax(dim=1, keepdim=True)
+    return bi.gather(1, win).squeeze(1), bl.gather(1, win).squeeze(1)
 
 
 __all__ = ["available", "fused_sample"]

@@ -59,6 +59,7 @@ class Req:
         self.output_token_ids_lp: list[list[float]] = []
         self.input_logprobs: list[float | None] | None = None
         self.input_top: list[list[tuple[float, int]]] | None = None
+        self.input_token_ids_lp: list[list[float]] | None = None   # token_ids_logprob at each input position
         self.kv_len = 0
         self.retracted = False
         self.finish: dict[str, Any] | None = None
@@ -69,6 +70,13 @@ class Req:
         self.slot = -1               # index in Scheduler.running while running
         self.state = "new"           # new -> waiting -> running (-> waiting when retracted) -> done
         self.health = False          # an internal /health probe: finished at once when generation pauses
+        # while running with its prompt's KV intact: the logits after the prompt, so that a later request with
+        # the same prompt (the next samples of an RL group) shares this one's prompt KV instead of prefilling it
+        self.prompt_logits: torch.Tensor | None = None
+        self.prompt_key: tuple[int, ...] | None = None
+        self.weights_epoch = -1
+        self.chunk_lp: list[float] = []                    # input log-probs gathered chunk by chunk
+        self.chunk_top: list[list[tuple[float, int]]] = []
 
     def keys(self) -> list[str]:
         """The rid and each of its ``_``-prefixes: the abort keys that reach this request."""
@@ -110,6 +118,13 @@ class Scheduler:
         self._dev_epoch = -1
         self._dev: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._admitting: list[Req] = []
+        # prompt -> running requests whose prompt KV and post-prompt logits can seed a new request (see Req)
+        self._prompt_holders: dict[tuple[int, ...], dict[Req, None]] = {}
+        self.shared_prompts = 0     # requests admitted on another running request's prompt KV (no prefill)
+        # a prompt longer than max_prefill_tokens (paged cache): prefilled one chunk per loop iteration, between
+        # decode steps of the running requests, in the cache's spare row; nothing else is admitted meanwhile
+        self.chunking: Req | None = None
+        self.chunked_prefills = 0
         self.stop_ids = set(runner.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.stop_ids.add(int(tokenizer.eos_token_id))
@@ -163,20 +178,29 @@ class Scheduler:
         torch.set_grad_enabled(False)
         if self.runner.device.type == "cuda":
             torch.cuda.set_device(self.runner.device)
+        try:
+            self.runner.warm_up()
+        except Exception:  # noqa: BLE001 - graphs are then captured on first use
+            logger.exception("capturing the decode CUDA graphs at start failed; they are captured on first use")
         while not self._stop.is_set():
-            can_work = not self.paused and self.runner.ready and (self.running or self.waiting)
+            can_work = not self.paused and self.runner.ready and (self.running or self.waiting or self.chunking)
             self._drain(block=not can_work)
             if self.paused or not self.runner.ready:
                 continue
             try:
-                if self.waiting and len(self.running) < self.runner.max_slots and self._admit_now():
+                if self.chunking is not None:
+                    self._prefill_chunk()
+                elif self.waiting and len(self.running) < self.runner.max_slots and self._admit_now():
                     self._admit()
                 if self.running:
                     self._decode_step()
             except Exception as e:  # noqa: BLE001 - a failed step aborts its requests, the server keeps serving
                 logger.exception("scheduler step failed; aborting the running requests")
                 self.error = e
-                for r in list(self.running) + self._admitting:
+                chunking = [self.chunking] if self.chunking is not None else []
+                if chunking:
+                    self._drop_chunking()
+                for r in list(self.running) + self._admitting + chunking:
                     if r.finish is None:
                         self._finish(r, {"type": "abort", "message": f"engine error: {type(e).__name__}: {e}"})
                     if r.state == "running":
@@ -186,6 +210,7 @@ class Scheduler:
                     self.runner.release_slot(slot)
                 self.running.clear()
                 self._admitting = []
+                self._prompt_holders.clear()
                 self._epoch += 1
 
     # ------------------------------------------------------------------ submission
@@ -268,6 +293,8 @@ class Scheduler:
                 continue
             if r.state == "running":
                 slots.append(r.slot)
+            elif r is self.chunking:
+                self._drop_chunking()
             self._finish(r, {"type": "abort", "message": message})
             n += 1
         self._remove(slots)
@@ -285,12 +312,31 @@ class Scheduler:
         self.paused, self.pause_mode = False, None
 
     def _retract_all(self) -> None:
+        self._requeue_chunking()
         while self.running:
             self._retract_last()
+
+    def _drop_chunking(self) -> None:
+        """Free the pages of the prompt being prefilled in chunks; it is no longer chunking."""
+        if self.chunking is not None:
+            self.runner.release_slot(self.runner.chunk_row)
+            self.chunking = None
+
+    def _requeue_chunking(self) -> None:
+        """Send the prompt being prefilled in chunks back to the head of the queue (its chunks are recomputed)."""
+        r = self.chunking
+        if r is None:
+            return
+        self._drop_chunking()
+        r.kv_len, r.chunk_lp, r.chunk_top = 0, [], []
+        r.state = "waiting"
+        self.waiting.appendleft(r)
+        self.num_waiting += 1
 
     def _retract_last(self) -> None:
         """Send the last running request back to the head of the queue; its KV is freed and recomputed later."""
         r = self.running.pop()
+        self._drop_holder(r)
         self.runner.release_slot(len(self.running))
         r.retracted = True
         r.kv_len = 0
@@ -304,7 +350,7 @@ class Scheduler:
 
         Only running requests hold KV. While paused, queued requests (new ones, or retracted ones whose
         KV is recomputed on continue) do not, so the cache can be flushed (SGLang's retract/abort modes)."""
-        return bool(self.running) or (not self.paused and self.num_waiting > 0)
+        return bool(self.running) or self.chunking is not None or (not self.paused and self.num_waiting > 0)
 
     def flush_cache(self) -> bool:
         if self.cache_in_use():
@@ -332,6 +378,7 @@ class Scheduler:
         for i in sorted(idxs, reverse=True):
             last = len(self.running) - 1
             gone = self.running[i]
+            self._drop_holder(gone)
             gone.state, gone.slot = "done", -1
             self.runner.release_slot(i)
             if i != last:
@@ -344,7 +391,27 @@ class Scheduler:
         if idxs:
             self._epoch += 1
 
+    def _drop_holder(self, r: Req) -> None:
+        if r.prompt_key is not None:
+            group = self._prompt_holders.get(r.prompt_key)
+            if group is not None:
+                group.pop(r, None)
+                if not group:
+                    del self._prompt_holders[r.prompt_key]
+        r.prompt_key = r.prompt_logits = None
+
+    def _holder(self, key: tuple[int, ...]) -> Req | None:
+        """A running request with this prompt whose prompt KV is from the current weights."""
+        group = self._prompt_holders.get(key)
+        if not group:
+            return None
+        for h in group:
+            if h.state == "running" and h.weights_epoch == self.runner.weights_epoch:
+                return h
+        return None
+
     ADMIT_MAX_WAIT = 4
+    HOLDERS = 2
 
     def _admit_now(self) -> bool:
         free = self.runner.max_slots - len(self.running)
@@ -357,15 +424,19 @@ class Scheduler:
     def _admit(self) -> None:
         """Admit queued requests (FIFO) while slots, prefill tokens and (paged) free pages allow; one prefill.
 
-        The samples of one prompt admitted together are prefilled once: the others start from a copy of its
-        KV (slot cache) or share its full pages (paged cache)."""
+        A prompt is prefilled once: the other samples of it admitted together start from a copy of its KV (slot
+        cache) or share its full pages (paged cache), and so does a later request whose prompt a running
+        request holds (the next samples of an RL group admitted in a later batch: no prefill at all, the first
+        token is sampled from the holder's post-prompt logits)."""
         rn = self.runner
         uniq: list[Req] = []
         dups: list[tuple[Req, int]] = []     # (request, index in uniq of the request that prefills its prompt)
+        held: list[tuple[Req, Req]] = []     # (request, running request holding its prompt)
         first: dict[tuple[int, ...], int] = {}
         budget = self.max_prefill_tokens
         free = rn.free_pages()
-        while self.waiting and len(self.running) + len(uniq) + len(dups) < rn.max_slots:
+        share_running = rn.can_share_running_prefix
+        while self.waiting and len(self.running) + len(uniq) + len(dups) + len(held) < rn.max_slots:
             r = self.waiting[0]
             if r.finish is not None:  # aborted while queued
                 self.waiting.popleft()
@@ -373,43 +444,65 @@ class Scheduler:
             n = len(r.spec.input_ids) + (len(r.output_ids) - 1 if r.retracted else 0)
             key = None if r.retracted else tuple(r.spec.input_ids)
             src = first.get(key) if key is not None else None
-            if src is None and uniq and n * (len(uniq) + 1) > budget:
+            holder = None
+            if src is None and key is not None and share_running and not self._wants_input_logprobs(r):
+                holder = self._holder(key)
+            if src is None and holder is None and n > self.max_prefill_tokens and rn.chunk_row is not None:
+                if not (uniq or dups or held):  # prefilled in chunks from the next iteration on
+                    self.waiting.popleft()
+                    self.num_waiting -= 1
+                    r.state, r.kv_len, self.chunking = "prefilling", 0, r
+                    self.chunked_prefills += 1
+                break
+            if src is None and holder is None and uniq and n * (len(uniq) + 1) > budget:
                 break
             if free is not None:
                 # the pages it takes now (one copied page when it shares a prompt), and one page of headroom
                 # per running request so that decode rarely has to retract
-                pages = rn.pages_for(n + 1) - (n // rn.page_size if src is not None else 0)
-                if pages + len(self.running) + len(uniq) + len(dups) > free:
+                shared = src is not None or holder is not None
+                pages = rn.pages_for(n + 1) - (n // rn.page_size if shared else 0)
+                if pages + len(self.running) + len(uniq) + len(dups) + len(held) > free:
                     break
                 free -= pages
             self.waiting.popleft()
             self.num_waiting -= 1
             r.state = "admitting"
-            if src is None:
+            if holder is not None:
+                held.append((r, holder))
+            elif src is None:
                 if key is not None:
                     first[key] = len(uniq)
                 uniq.append(r)
                 budget -= n
             else:
                 dups.append((r, src))
-        if not uniq:
+        if not uniq and not held:
             return
-        batch = uniq + [r for r, _ in dups]
+        batch = uniq + [r for r, _ in dups] + [r for r, _ in held]
         self._admitting = batch
         seqs = [r.spec.input_ids + r.output_ids[:-1] if r.retracted else r.spec.input_ids for r in uniq]
-        want = [(not r.retracted) and r.spec.return_logprob and r.spec.logprob_start_len >= 0 for r in batch]
+        want = [(not r.retracted) and self._wants_input_logprobs(r) for r in batch]
         want_full = want[: len(uniq)]
         for j, (_, src) in enumerate(dups):
             want_full[src] = want_full[src] or want[len(uniq) + j]
         start = len(self.running)
-        last, full = rn.prefill(start, seqs, want_full)
-        if dups:
-            for j, (_, src) in enumerate(dups):
-                rn.share_prefix(start + src, start + len(uniq) + j, len(seqs[src]))
-            rows = list(range(len(uniq))) + [src for _, src in dups]
-            last = last[rows]
-            full = full + [full[src] for _, src in dups]
-            seqs = seqs + [seqs[src] for _, src in dups]
+        if uniq:
+            last, full = rn.prefill(start, seqs, want_full)
+        else:
+            last, full = None, []
+        rows = list(range(len(uniq))) + [src for _, src in dups]
+        for j, (_, src) in enumerate(dups):
+            rn.share_prefix(start + src, start + len(uniq) + j, len(seqs[src]))
+        full = full + [full[src] for _, src in dups] + [None] * len(held)
+        seqs = seqs + [seqs[src] for _, src in dups] + [r.spec.input_ids for r, _ in held]
+        base = len(uniq) + len(dups)
+        for j, (r, h) in enumerate(held):
+            rn.share_prefix(h.slot, start + base + j, len(r.spec.input_ids))
+        self.shared_prompts += len(held)
+        logits = last[rows] if last is not None and (dups or held) else last
+        if held:
+            extra = torch.stack([h.prompt_logits for _, h in held])
+            logits = extra if logits is None else torch.cat([logits, extra])
         full = [f if w else None for f, w in zip(full, want)]
         for i, (r, s) in enumerate(zip(batch, seqs)):
             r.kv_len = len(s)
@@ -420,6 +513,14 @@ class Scheduler:
         fresh = [i for i, r in enumerate(batch) if not r.retracted]
         for r in batch:
             r.retracted = False
+        if share_running:  # up to HOLDERS running requests per prompt keep a copy of its post-prompt logits
+            for i in fresh:
+                r = batch[i]
+                key = tuple(r.spec.input_ids)
+                group = self._prompt_holders.setdefault(key, {})
+                if len(group) < self.HOLDERS:
+                    r.prompt_key, r.prompt_logits, r.weights_epoch = key, logits[i].clone(), rn.weights_epoch
+                    group[r] = None
         for i in fresh:
             if full[i] is not None:
                 self._input_logprobs(batch[i], full[i])
@@ -427,11 +528,75 @@ class Scheduler:
         sample_rows = [i for i in fresh if batch[i].spec.max_new_tokens != 0]
         if sample_rows:
             reqs = [batch[i] for i in sample_rows]
-            self._sample_and_append(reqs, last[sample_rows])
+            self._sample_and_append(reqs, logits[sample_rows])
         done = [start + i for i in zero]
         for i in zero:
             self._finish(batch[i], {"type": "length", "length": 0})
         self._remove(done + [start + i for i in sample_rows if batch[i].finish is not None])
+
+    def _prefill_chunk(self) -> None:
+        """The next chunk (at most max_prefill_tokens tokens) of the prompt being prefilled in chunks; after the
+        last one it becomes a running request (its row moved into the running rows) and samples its first token."""
+        r, rn = self.chunking, self.runner
+        seq = r.spec.input_ids + r.output_ids[:-1] if r.retracted else r.spec.input_ids
+        start = r.kv_len
+        t = min(self.max_prefill_tokens, len(seq) - start)
+        need = rn.pages_for(start + t) - rn.pages_held(rn.chunk_row)
+        if need + len(self.running) > rn.free_pages():  # wait: running requests free pages as they finish
+            if not self.running and need > rn.free_pages():
+                raise RuntimeError(f"the KV pool cannot hold a {len(seq)}-token prompt")
+            return
+        want = (not r.retracted) and self._wants_input_logprobs(r)
+        last, full = rn.prefill_chunk(rn.chunk_row, seq[start:start + t], start, want)
+        if want:
+            self._chunk_input_logprobs(r, full, start, t)
+        r.kv_len = start + t
+        if r.kv_len < len(seq):
+            return
+        self.chunking = None
+        row = len(self.running)
+        rn.move_slot(rn.chunk_row, row, r.kv_len)
+        r.state, r.slot = "running", row
+        self.running.append(r)
+        self._epoch += 1
+        fresh, r.retracted = not r.retracted, False
+        if not fresh:
+            return
+        key = tuple(r.spec.input_ids)
+        group = self._prompt_holders.setdefault(key, {})
+        if rn.can_share_running_prefix and len(group) < self.HOLDERS:
+            r.prompt_key, r.prompt_logits, r.weights_epoch = key, last.clone(), rn.weights_epoch
+            group[r] = None
+        elif not group:
+            del self._prompt_holders[key]
+        if want:
+            lsl = r.spec.logprob_start_len
+            r.input_logprobs = ([None] + r.chunk_lp)[lsl:]
+            if r.spec.top_logprobs_num:
+                r.input_top = ([[]] + r.chunk_top)[lsl:]
+            r.chunk_lp, r.chunk_top = [], []
+        if r.spec.max_new_tokens == 0:
+            self._finish(r, {"type": "length", "length": 0})
+        else:
+            self._sample_and_append([r], last[None])
+        if r.finish is not None:
+            self._remove([row])
+
+    @staticmethod
+    def _chunk_input_logprobs(r: Req, logits: torch.Tensor, start: int, t: int) -> None:
+        """Input log-probs of the tokens that positions ``start..start+t-1`` predict (as ``_input_logprobs``)."""
+        tgt = r.spec.input_ids[start + 1: start + t + 1]
+        if not tgt:
+            return
+        lp = torch.log_softmax(logits[: len(tgt)], dim=-1)
+        r.chunk_lp += lp.gather(1, torch.tensor(tgt, device=lp.device)[:, None]).squeeze(1).tolist()
+        if r.spec.top_logprobs_num:
+            v, i = lp.topk(min(r.spec.top_logprobs_num, lp.shape[-1]), dim=-1)
+            r.chunk_top += [list(zip(a, b)) for a, b in zip(v.tolist(), i.tolist())]
+
+    @staticmethod
+    def _wants_input_logprobs(r: Req) -> bool:
+        return r.spec.return_logprob and r.spec.logprob_start_len >= 0
 
     def _input_logprobs(self, r: Req, logits: torch.Tensor) -> None:
         s = r.spec
@@ -443,6 +608,9 @@ class Scheduler:
             v, i = lp.topk(min(s.top_logprobs_num, lp.shape[-1]), dim=-1)
             rows = [list(zip(a, b)) for a, b in zip(v.tolist(), i.tolist())]
             r.input_top = ([[]] + rows)[s.logprob_start_len:]
+        if s.token_ids_logprob:  # SGLang's input_token_ids_logprobs: those ids' log-probs at every input position
+            rows = lp[:, list(s.token_ids_logprob)].tolist()
+            r.input_token_ids_lp = ([[]] + rows)[s.logprob_start_len:]
 
     @staticmethod
     def _row(r: Req) -> RowParams:
@@ -520,6 +688,10 @@ class Scheduler:
             return
         ps = rn.page_size
         need = [i for i, r in enumerate(self.running) if r.kv_len % ps == 0]
+        if len(need) > free and self.chunking is not None:  # the newest work: its chunks are recomputed later
+            self._requeue_chunking()
+            self.retractions += 1
+            free = rn.free_pages()
         while len(need) > free and len(self.running) > 1:
             self._retract_last()
             self.retractions += 1
@@ -553,4 +725,5 @@ class Scheduler:
     def load(self) -> dict[str, Any]:
         return {"num_running_reqs": len(self.running), "num_waiting_reqs": self.num_waiting, "paused": self.paused,
                 "pause_mode": self.pause_mode, "steps": self.steps, "generated_tokens": self.generated_tokens,
-                "retractions": self.retractions, **self.runner.kv_stats()}
+                "retractions": self.retractions, "shared_prompts": self.shared_prompts,
+                "chunked_prefills": self.chunked_prefills, **self.runner.kv_stats()}

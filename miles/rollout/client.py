@@ -373,11 +373,30 @@ class EngineClient(_Http):
         ``max_retries`` times, each with its own rid (``<rid>-r<k>``) so that an engine never sees a
         duplicate rid. An aborted request (``finish_reason.type == "abort"``) is returned, not retried.
         """
+        if int(sampling_params.get("n", 1)) != 1:
+            raise ValueError("generate: sampling_params['n'] must be 1; use generate_group for n samples of one prompt")
+        return (await self._generate(input_ids, sampling_params, 1, return_logprob, rid, timeout, extra))[0]
+
+    async def generate_group(self, input_ids: Sequence[int], sampling_params: dict, n: int,
+                             return_logprob: bool = True, rid: str | None = None, timeout: float | None = None,
+                             extra: dict | None = None) -> list[dict]:
+        """``n`` samples of one prompt in ONE ``/generate`` (``sampling_params.n``, which sglang-router passes
+        through); returns the ``n`` answers in sample order, each with ``resp["miles"]`` (shared: one request).
+
+        The engine names the samples ``<rid>_<j>`` (an abort of ``rid`` reaches them all) and, for a
+        ``sampling_seed``, the embedded engine seeds sample ``j`` with ``sampling_seed + j``. Retries and
+        aborts work as for :meth:`generate`, for the whole group."""
+        if n < 1:
+            raise ValueError(f"generate_group: n must be >= 1, got {n}")
+        if "n" in sampling_params:
+            raise ValueError("generate_group: give the sample count as n=, not in sampling_params")
+        params = dict(sampling_params, n=int(n)) if n > 1 else dict(sampling_params)
+        return await self._generate(input_ids, params, n, return_logprob, rid, timeout, extra)
+
+    async def _generate(self, input_ids: Sequence[int], sampling_params: dict, n: int, return_logprob: bool,
+                        rid: str | None, timeout: float | None, extra: dict | None) -> list[dict]:
         if not input_ids:
             raise ValueError("generate: input_ids is empty; every request needs at least one prompt token")
-        if int(sampling_params.get("n", 1)) != 1:
-            raise ValueError("generate: sampling_params['n'] must be 1; send one request per sample "
-                             "(each is then retried and accounted separately)")
         bad = _OWN_FIELDS.intersection(extra or {})
         if bad:
             raise ValueError(f"generate: extra fields {sorted(bad)} are set by generate's own arguments")
@@ -391,11 +410,15 @@ class EngineClient(_Http):
         url: str | None = None
         t0 = time.monotonic()
         self.stats["requests"] += 1
+
+        def stopped(attempts: int) -> list[dict]:
+            return [self._aborted_answer(rid, len(input_ids), attempts, url, errors, t0) for _ in range(n)]
+
         try:
             async with self._semaphore():
                 for attempt in range(self.max_retries + 1):
                     if aborted.is_set():  # aborted while waiting for a slot or in the backoff: no new attempt
-                        return self._aborted_answer(rid, len(input_ids), attempt, url, errors, t0)
+                        return stopped(attempt)
                     url = self._pick_url(avoid=url if errors else None)
                     attempt_rid = rid if attempt == 0 else f"{rid}-r{attempt}"
                     self._inflight[rid] = (attempt_rid, url)
@@ -408,7 +431,7 @@ class EngineClient(_Http):
                             if e.timed_out:
                                 await self._abort_quietly(url, attempt_rid)
                         if e.retryable and aborted.is_set():  # the abort cut this attempt short: not a failure
-                            return self._aborted_answer(rid, len(input_ids), attempt + 1, url, errors, t0)
+                            return stopped(attempt + 1)
                         if not e.retryable or attempt == self.max_retries:
                             self.stats["failed"] += 1
                             raise EngineError(url, "/generate", e.status,
@@ -424,13 +447,17 @@ class EngineClient(_Http):
                         continue
                     finally:
                         self._inflight.pop(rid, None)
-                    if not isinstance(resp, dict) or "meta_info" not in resp:
+                    answers = resp if n > 1 else [resp]
+                    if not (isinstance(answers, list) and len(answers) == n
+                            and all(isinstance(a, dict) and "meta_info" in a for a in answers)):
                         self.stats["failed"] += 1
-                        raise EngineError(url, "/generate", 200,
-                                          f"malformed response for request {rid}: {str(resp)[:300]}")
-                    resp["miles"] = {"rid": rid, "attempt_rid": attempt_rid, "url": url, "attempts": attempt + 1,
-                                     "latency_s": time.monotonic() - t0, "errors": errors}
-                    return resp
+                        raise EngineError(url, "/generate", 200, f"malformed response for request {rid} "
+                                          f"({n} sample(s) expected): {str(resp)[:300]}")
+                    meta = {"rid": rid, "attempt_rid": attempt_rid, "url": url, "attempts": attempt + 1,
+                            "latency_s": time.monotonic() - t0, "errors": errors}
+                    for a in answers:
+                        a["miles"] = dict(meta)
+                    return answers
                 raise AssertionError("unreachable")
         finally:
             self._pending.pop(rid, None)

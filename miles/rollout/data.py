@@ -254,9 +254,15 @@ class PromptDataset:
                 raise DataError(f"{where}: the prompt under '{data.input_key}' is a list of chat messages, but "
                                 f"--apply-chat-template is not set (it is never implied). Add --apply-chat-template "
                                 f"to render it with the tokenizer's chat template.")
+        elif (isinstance(prompt, int | float) and not isinstance(prompt, bool) and not data.apply_chat_template
+              and data.custom_generate_function_path):
+            return str(prompt)  # Miles's tau-bench data: the task index is the prompt, its generate function reads it
         elif not isinstance(prompt, str):
+            number = isinstance(prompt, int | float) and not isinstance(prompt, bool)
             raise DataError(f"{where}: the prompt under '{data.input_key}' must be a string or a list of chat "
-                            f"messages, got {type(prompt).__name__}.")
+                            f"messages, got {type(prompt).__name__}"
+                            + (" (a number is a prompt only for a --custom-generate-function-path, as in Miles's "
+                               "tau-bench example)." if number else "."))
         if not data.apply_chat_template:
             return prompt
         if getattr(tokenizer, "chat_template", None) is None:

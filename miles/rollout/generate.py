@@ -89,6 +89,9 @@ def append_output(sample: Sample, out: dict[str, Any], decode: Any = None) -> tu
     strings included).
     """
     ids, logprobs, status, version = parse_output(out)
+    top = (out.get("meta_info") or {}).get("output_top_logprobs")
+    if top is not None:  # asked for by top-k OPD (Miles's key): one row per generated token
+        sample.metadata.setdefault("opd_student_top_logprobs", []).extend(top[:len(ids)])
     sample.tokens = list(sample.tokens) + ids
     sample.response_length += len(ids)
     sample.loss_mask = (sample.loss_mask or []) + [1] * len(ids)
@@ -100,9 +103,12 @@ def append_output(sample: Sample, out: dict[str, Any], decode: Any = None) -> tu
     return ids, status
 
 
-async def generate(client: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
-    """The default: one /generate call on ``sample.tokens`` (the prompt ids)."""
-    out = await client.generate(list(sample.tokens), sampling_params, return_logprob=True)
+async def generate(client: Any, sample: Sample, sampling_params: dict[str, Any], *,
+                   top_logprobs_num: int = 0) -> Sample:
+    """The default: one /generate call on ``sample.tokens`` (the prompt ids). ``top_logprobs_num``: also keep
+    the engine's top-k log-probs of every generated position (``metadata["opd_student_top_logprobs"]``)."""
+    extra = {"top_logprobs_num": int(top_logprobs_num)} if top_logprobs_num else None
+    out = await client.generate(list(sample.tokens), sampling_params, return_logprob=True, extra=extra)
     append_output(sample, out)
     return sample
 

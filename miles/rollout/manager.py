@@ -11,7 +11,7 @@ Each rollout draws ``--rollout-batch-size`` prompts (``--over-sampling-batch-siz
 (or each group with ``--group-rm``) and keeps groups the filter accepts.
 
 Reproducibility: sample ``i`` of group ``g`` in rollout ``r`` gets ``sampling_seed`` =
-hash(``--rollout-seed``, r, g, i), and the kept groups are the first ``--rollout-batch-size`` passing
+hash(``--rollout-seed``, r, g) + i, and the kept groups are the first ``--rollout-batch-size`` passing
 groups *in launch order* (not completion order), so two runs with the same seed and weights keep the
 same groups. Groups after the last kept one are surplus: their requests are aborted by rid and their
 unused prompts are given back to the data source.
@@ -20,6 +20,11 @@ Every sample slot is filled exactly once: generation errors (after the client's 
 errors mark that sample FAILED and are counted (``rollout/generate_failures``,
 ``rollout/reward_failures``); a rollout in which every kept sample failed raises RolloutError. A sample
 the engine aborted (e.g. paused for a weight update) is generated again, up to 3 times.
+
+With ``group_requests`` (the embedded engine, which seeds sample ``j`` of an ``n``-sample request
+``sampling_seed + j``) a group's samples are ONE ``/generate`` with ``sampling_params.n`` (sglang-router
+passes it through) instead of one request per sample: the same seeds, so the same samples; a sample
+aborted by the engine is then generated again alone. Custom generate functions always go per sample.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from miles.rollout import generate as gen
 from miles.rollout.base_types import input_form
 from miles.rollout.data import DataSource, PromptDataset, PromptItem
 from miles.rollout.filters import call_filter, load_filter
+from miles.rollout.opd_topk import student_top_k
 from miles.rollout.plugins import PluginArgs, choose_arity, is_async, load_function
 from miles.rollout.reward_post_process import RewardPostProcess
 from miles.rollout.rewards import Rewarder
@@ -64,10 +70,11 @@ class RolloutResult:
     metrics: dict[str, float]
 
 
-def sampling_seed(seed: int, stream: str, rollout_id: int, group: int, index: int) -> int:
-    """A 63-bit seed that depends only on its arguments (stable across runs and platforms)."""
-    digest = hashlib.blake2b(f"{seed}:{stream}:{rollout_id}:{group}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+def group_seed(seed: int, stream: str, rollout_id: int, group: int) -> int:
+    """A 62-bit seed that depends only on its arguments (stable across runs and platforms); sample ``i`` of the
+    group is seeded ``group_seed(...) + i`` (below 2**63), as the engine seeds the samples of one n-sample request."""
+    digest = hashlib.blake2b(f"{seed}:{stream}:{rollout_id}:{group}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 62) - 1)
 
 
 @dataclass
@@ -121,6 +128,23 @@ class TrackedClient:
             self.retries += max(0, int(resp["miles"].get("attempts", 1)) - 1)
         return resp
 
+    async def generate_group(self, g: _Group, rollout_id: int, input_ids: list[int], sampling_params: dict[str, Any],
+                             n: int, **kwargs: Any) -> list[dict[str, Any]]:
+        """Group ``g``'s ``n`` samples in one request (rid ``<run>-<stream>-r<rollout>-g<group>-n<k>``; the engine
+        names sample ``j`` ``<rid>_<j>``, and an abort of the rid reaches them all)."""
+        if g.aborted:
+            return [_aborted_response(len(input_ids), "aborted by the rollout manager (surplus group)") for _ in range(n)]
+        g.requests += 1
+        rid = f"{self.prefix}-r{rollout_id}-g{g.index}-n{g.requests}"
+        g.rids.add(rid)
+        try:
+            resps = await self.inner.generate_group(input_ids, sampling_params, n, rid=rid, **kwargs)
+        finally:
+            g.rids.discard(rid)
+        if resps and isinstance(resps[0].get("miles"), dict):
+            self.retries += max(0, int(resps[0]["miles"].get("attempts", 1)) - 1)
+        return resps
+
     async def abort(self, rid: str) -> Any:
         return await self.inner.abort(rid)
 
@@ -147,7 +171,8 @@ class RolloutManager:
     def __init__(self, rollout: RolloutConfig, data: DataConfig, reward: RewardConfig, client: Any, tokenizer: Any,
                  data_source: DataSource | None, *, eval_cfg: EvalConfig | None = None,
                  progress: ProgressFn | None = None, abort_grace: float = 10.0, engine_abort_retries: int = 3,
-                 sections: tuple[Any, ...] = (), custom_config: dict[str, Any] | None = None) -> None:
+                 sections: tuple[Any, ...] = (), custom_config: dict[str, Any] | None = None,
+                 group_requests: bool = False) -> None:
         if not data.rollout_batch_size:
             raise ConfigError("--rollout-batch-size is required: add --rollout-batch-size N (prompts per rollout).")
         if data.n_samples_per_prompt < 1:
@@ -158,7 +183,8 @@ class RolloutManager:
         self.client = TrackedClient(client, uuid.uuid4().hex[:8])
         self.args = PluginArgs(rollout, data, reward, eval_cfg, *sections, client=self.client, tokenizer=tokenizer,
                                extra=custom_config)
-        self.rewarder = Rewarder(reward, self.args)
+        self.rewarder = Rewarder(reward, self.args, rewards_from_generate=bool(data.custom_generate_function_path))
+        self.student_top_k = student_top_k(self.args)  # top-k OPD: the engines' top-k log-probs of each token
         self.post_process = (RewardPostProcess(reward.custom_reward_post_process_path, self.args, reward.rm_timeout)
                              if reward.custom_reward_post_process_path else None)
         self.custom_generate = None
@@ -172,6 +198,7 @@ class RolloutManager:
                 raise ConfigError(f"--custom-generate-function-path {path!r} must be a coroutine function ({forms}).")
             self.custom_generate = fn if arity == 3 else input_form(fn)
         self.filter = load_filter(data.dynamic_sampling_filter_path) if data.dynamic_sampling_filter_path else None
+        self.group_requests = bool(group_requests) and self.custom_generate is None
         self.batch = data.rollout_batch_size
         self.over = data.over_sampling_batch_size or self.batch
         if data.over_sampling_batch_size and self.filter is None:
@@ -220,7 +247,7 @@ class RolloutManager:
                 out.group_index, out.index, out.rollout_id = sample.group_index, sample.index, sample.rollout_id
                 g.samples[slot] = sample = out
             else:
-                await gen.generate(self.client, sample, params)
+                await gen.generate(self.client, sample, params, top_logprobs_num=self.student_top_k)
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -234,11 +261,43 @@ class RolloutManager:
             _CURRENT.reset(token)
         return sample
 
-    async def _run_sample(self, g: _Group, slot: int, params: dict[str, Any], counts: _Counts, score: bool) -> None:
+    async def _generate_group(self, g: _Group, params: dict[str, Any], counts: _Counts) -> None:
+        """Every sample of ``g`` from one n-sample request; a failed request marks them all FAILED (counted)."""
+        n, first = len(g.samples), g.samples[0]
+        extra = {"top_logprobs_num": int(self.student_top_k)} if self.student_top_k else None
+        try:
+            outs = await self.client.generate_group(g, first.rollout_id, list(first.tokens), params, n,
+                                                    return_logprob=True, extra=extra)
+            problems = []
+            for sample, out in zip(g.samples, outs):
+                try:
+                    gen.append_output(sample, out)
+                except Exception as e:
+                    problems.append((sample, e))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            problems = [(sample, e) for sample in g.samples]
+        for sample, e in problems:
+            sample.status = SampleStatus.FAILED
+            sample.metadata["generate_error"] = f"{type(e).__name__}: {e}"
+            counts.generate_failures += 1
+            counts.first_error = counts.first_error or f"generation: {type(e).__name__}: {e}"
+        if problems:
+            logger.error("generation failed for %d sample(s) of group %d (rollout %d): %s: %s", len(problems), g.index,
+                         first.rollout_id, type(problems[0][1]).__name__, problems[0][1])
+
+    async def _run_sample(self, g: _Group, slot: int, params: dict[str, Any], counts: _Counts, score: bool,
+                          generated: bool = False) -> None:
+        """Generate slot ``slot`` (``generated``: the group request already did, once), regenerating what the
+        engine aborted, then reward it."""
         for attempt in range(self.engine_abort_retries + 1):
             if attempt:  # the engine aborted it (e.g. paused for a weight update): start the slot afresh
                 g.samples[slot] = self._fresh_sample(g, g.samples[slot].rollout_id, slot, len(g.samples))
-            sample = await self._generate_slot(g, slot, params, counts)
+            if attempt == 0 and generated:
+                sample = g.samples[slot]
+            else:
+                sample = await self._generate_slot(g, slot, params, counts)
             if sample.status is not SampleStatus.ABORTED or g.aborted or attempt == self.engine_abort_retries:
                 break
             counts.engine_abort_retries += 1
@@ -267,10 +326,13 @@ class RolloutManager:
         return {**params, "max_new_tokens": room if asked is None else min(asked, room)}
 
     async def _run_group(self, g: _Group, stream: str, rollout_id: int, base: dict[str, Any], counts: _Counts) -> None:
-        seed = self.rollout.rollout_seed
+        first = group_seed(self.rollout.rollout_seed, stream, rollout_id, g.index)
         base = self._fit_context(base, len(g.samples[0].tokens), stream)  # a group's samples share the prompt
-        await asyncio.gather(*(self._run_sample(g, i, {**base, "sampling_seed": sampling_seed(seed, stream, rollout_id, g.index, i)},
-                                                counts, True) for i in range(len(g.samples))))
+        together = self.group_requests and len(g.samples) > 1
+        if together:
+            await self._generate_group(g, {**base, "sampling_seed": first}, counts)
+        await asyncio.gather(*(self._run_sample(g, i, {**base, "sampling_seed": first + i}, counts, True, together)
+                               for i in range(len(g.samples))))
         if self.rewarder.group and not g.aborted:
             t0 = time.monotonic()
             failed = await self.rewarder.score_group(g.samples)

@@ -16,7 +16,11 @@ With ``--opd-teacher-urls NAME=URL ...`` (Miles's multi-teacher map) each sample
 named by ``sample.metadata[--opd-teacher-key]``; the name ``default`` catches missing or unknown
 names. Token ids are never re-tokenized: student and teacher must share a tokenizer. Each request is
 bounded by ``--rm-timeout`` and retried ``--rm-max-retries`` times on connection errors, 429 and 5xx.
-Top-k OPD (``--opd-log-prob-top-k`` > 0) is refused at start-up.
+With ``--opd-log-prob-top-k K`` > 0 (top-k OPD, :mod:`miles.rollout.opd_topk`) ``reward_func`` asks the
+teacher for its top-K and/or its log-probs of the student's top-K ids (``--opd-top-k-strategy``), and
+the student's engines for theirs of the teacher's ids where the strategy needs them; ``post_process_rewards``
+stores the per-token top-k reverse KL in ``metadata["opd_reverse_kl"]``, which the trainer's OPD term
+uses instead of the sampled token's log-prob difference.
 """
 
 from __future__ import annotations
@@ -25,11 +29,13 @@ from collections.abc import Iterable
 from typing import Any
 
 from miles.config.base import ConfigError
+from miles.rollout import opd_topk
+from miles.rollout.opd_topk import student_top_k
 from miles.rollout.plugins import reward_value
 from miles.rollout.teacher import TeacherError, response_log_probs
 from miles.types import Sample
 
-__all__ = ["parse_teacher_urls", "post_process_rewards", "reward_func"]
+__all__ = ["parse_teacher_urls", "post_process_rewards", "reward_func", "student_top_k"]
 
 DEFAULT_TEACHER = "default"
 
@@ -95,25 +101,42 @@ async def post_json(url: str, payload: dict[str, Any], timeout: float, max_retri
 async def reward_func(args: Any, sample: Sample, **kwargs: Any) -> dict[str, Any]:
     """The teacher's prefill answer for ``sample`` (``--custom-rm-path``); ``post_process_rewards`` reads it."""
     url = teacher_url(args, sample)
-    out = await post_json(url, score_payload(sample.tokens), float(getattr(args, "rm_timeout", 60.0)),
-                          int(getattr(args, "rm_max_retries", 3)))
+    payload = score_payload(sample.tokens)
+    k = opd_topk.top_k(args)
+    if k > 0:
+        payload.update(opd_topk.teacher_request(args, sample))
+    out = await post_json(url, payload, float(getattr(args, "rm_timeout", 60.0)), int(getattr(args, "rm_max_retries", 3)))
     if not isinstance(out, dict):
         raise TeacherError(f"teacher {url} answered {type(out).__name__}, expected SGLang's /generate JSON object")
     out.setdefault("miles", {})["url"] = url
-    return out
+    if k <= 0:
+        return out
+    answer: dict[str, Any] = {"teacher": out}
+    if args.opd_top_k_strategy in opd_topk.STUDENT_SCORES_TEACHER:  # the student's engines score the teacher's ids
+        ids = opd_topk.union_ids(opd_topk.response_rows(out, "input_top_logprobs", sample.response_length,
+                                                         f"teacher {url}"))
+        params = dict(score_payload([])["sampling_params"])
+        answer["student_on_teacher"] = await args.client.generate(
+            list(sample.tokens), params, return_logprob=True, extra={"logprob_start_len": 0, "token_ids_logprob": ids})
+    return answer
 
 
 def post_process_rewards(args: Any, samples: list[Sample], **kwargs: Any) -> tuple[list[float], list[float]]:
-    """Teacher log-probs from each sample's teacher answer into ``metadata["teacher_log_probs"]``; rewards 0.0.
+    """Teacher log-probs from each sample's teacher answer into ``metadata["teacher_log_probs"]`` (top-k OPD: the
+    per-token top-k reverse KL into ``metadata["opd_reverse_kl"]``); rewards 0.0.
 
     Returns ``(raw_rewards, rewards)``, both all zeros (pure distillation: the OPD term is the signal).
     """
+    topk = opd_topk.top_k(args) > 0
     for s in samples:
         answer = reward_value(s, args)
         if not isinstance(answer, dict):
             raise TeacherError(f"sample {s.index}: post_process_rewards expects the teacher's answer as the reward "
                                f"(--custom-rm-path miles.rollout.on_policy_distillation.reward_func), got "
                                f"{type(answer).__name__}")
-        s.metadata["teacher_log_probs"] = response_log_probs(answer, s)
+        if topk:
+            s.metadata[opd_topk.RKL_KEY] = opd_topk.reverse_kl(args, s, answer)
+        else:
+            s.metadata["teacher_log_probs"] = response_log_probs(answer, s)
     zeros = [0.0] * len(samples)
     return zeros, list(zeros)

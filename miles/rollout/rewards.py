@@ -79,6 +79,7 @@ class Verifier:
     fn: Callable[[str, Any, Sample], Any]
     needs_label: bool = True
     reward_key: str | None = None  # the dict key to train on when --reward-key is unset
+    inline: bool = False  # a string compare, linear in the response: called on the event loop (no thread, no timeout)
 
 
 def _one(label: Any) -> Any:
@@ -95,8 +96,8 @@ HUB: dict[str, Verifier] = {
     "f1": Verifier(lambda r, lab, s: f1.f1_reward(r, str(lab))),
     "gpqa": Verifier(lambda r, lab, s: gpqa.gpqa_reward(r, _one(s.label), s.metadata), needs_label=False),
     "ifbench": Verifier(lambda r, lab, s: ifbench.ifbench_reward(r, s.metadata), needs_label=False),
-    "exact_match": Verifier(lambda r, lab, s: 1.0 if r.strip() == str(lab).strip() else 0.0),
-    "quickstart": Verifier(lambda r, lab, s: quickstart_reward(r, lab)),
+    "exact_match": Verifier(lambda r, lab, s: 1.0 if r.strip() == str(lab).strip() else 0.0, inline=True),
+    "quickstart": Verifier(lambda r, lab, s: quickstart_reward(r, lab), inline=True),
     "random": Verifier(lambda r, lab, s: simple.random_reward(), needs_label=False),
     "deterministic_random": Verifier(lambda r, lab, s: simple.deterministic_random_reward(s.tokens, r),
                                      needs_label=False),
@@ -143,6 +144,7 @@ def _hub_call(name: str, verifier: Verifier, boxed: bool) -> Callable[[Any, Samp
         return max(results, key=lambda v: _score_of(v, key))
 
     run.__qualname__ = f"rm_hub.{name}"
+    run.miles_inline = verifier.inline  # type: ignore[attr-defined]
     return run
 class RemoteReward:
     """POSTs ``{prompt, response, label}`` to ``--rm-url``; bounded per try, retried with backoff."""
@@ -198,8 +200,13 @@ def to_reward(value: Any, reward_key: str | None) -> tuple[float, dict[str, Any]
 class Rewarder:
     """The reward chosen by the flags, resolved and checked at construction."""
 
-    def __init__(self, reward: RewardConfig, args: PluginArgs | None = None) -> None:
+    def __init__(self, reward: RewardConfig, args: PluginArgs | None = None, *,
+                 rewards_from_generate: bool = False) -> None:
+        """``rewards_from_generate``: a --custom-generate-function-path runs, which may set ``sample.reward``
+        itself (Miles's tau-bench example); then naming no reward is allowed and only the samples it left
+        unscored fail."""
         self.cfg = reward
+        self.from_generate_only = False
         self.args = args if args is not None else PluginArgs(reward)
         self.remote = RemoteReward(reward.rm_url, reward.rm_timeout, reward.rm_max_retries) if reward.rm_url else None
         self.group = bool(reward.group_rm)
@@ -216,9 +223,12 @@ class Rewarder:
             self._custom_arity = choose_arity(self.custom, (1, 2), "--custom-rm-path", reward.custom_rm_path, forms)
         elif self.group:
             raise ConfigError("--group-rm needs --custom-rm-path module.function taking a whole group.")
+        elif reward.rm_type is None and rewards_from_generate:
+            self.from_generate_only = True
         elif reward.rm_type is None:
             raise ConfigError(f"no reward chosen: pass --rm-type ({', '.join(registered_rewards())}) or "
-                              f"--custom-rm-path module.function.")
+                              f"--custom-rm-path module.function (or a --custom-generate-function-path that sets "
+                              f"sample.reward).")
         else:
             self._builtin(reward.rm_type, "--rm-type")
 
@@ -250,6 +260,8 @@ class Rewarder:
         fn, key = self._builtin(name, "metadata 'rm_type'" if sample.metadata.get("rm_type") else "--rm-type")
         if name == "remote_rm":
             return await self.remote.score(sample), None  # type: ignore[union-attr]  # bounded per try
+        if getattr(fn, "miles_inline", False):  # a thread per sample cost more than the check (~0.1 ms each)
+            return fn(self.args, sample), key
         return await call_bounded(fn, (self.args, sample), timeout, f"--rm-type {name}"), key
 
     def _fail(self, sample: Sample, reason: str, exc: BaseException | None = None) -> None:
@@ -280,7 +292,14 @@ class Rewarder:
         return True
 
     async def score_sample(self, sample: Sample) -> bool:
-        """Reward one finished sample; False (and status FAILED) when the reward failed."""
+        """Reward one finished sample; False (and status FAILED) when the reward failed. A reward the generate
+        function set is kept (as in Miles, only samples whose reward is None are scored)."""
+        if sample.reward is not None:
+            return True
+        if self.from_generate_only:
+            self._fail(sample, "the --custom-generate-function-path function left sample.reward unset and no "
+                               "--rm-type / --custom-rm-path is given")
+            return False
         try:
             value, key = await self._call_one(sample)
         except asyncio.CancelledError:

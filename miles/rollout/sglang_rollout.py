@@ -24,7 +24,9 @@ __all__ = ["GenerateState", "generate", "generate_rollout"]
 
 async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
     """One ``/generate`` on the sample's prompt ids through ``args.client`` (token in, token out)."""
-    return await gen.generate(args.client, sample, dict(sampling_params))
+    from miles.rollout.opd_topk import student_top_k
+
+    return await gen.generate(args.client, sample, dict(sampling_params), top_logprobs_num=student_top_k(args))
 
 
 def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> Any:

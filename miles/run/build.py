@@ -149,7 +149,8 @@ def _build_trainer(cfg: MilesConfig, ctx: SPMDContext, plan: RunPlan) -> Any:
     return FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=ctx.groups.trainer_mesh, group=ctx.groups.trainer_group,
                        device=ctx.world.device, rollout_temperature=cfg.rollout.rollout_temperature,
                        num_rollout=plan.num_rollout, global_batch_size=plan.global_batch_size,
-                       num_steps_per_rollout=plan.num_steps_per_rollout, timeout=cfg.cluster.distributed_timeout_minutes * 60)
+                       num_steps_per_rollout=plan.num_steps_per_rollout, timeout=cfg.cluster.distributed_timeout_minutes * 60,
+                       custom_config=cfg.custom_config)
 
 
 def _build_sender(cfg: MilesConfig, ctx: SPMDContext, trainer: Any, placement: Placement, version: int,
@@ -267,7 +268,10 @@ async def _driver_setup(run: Run, local: dict[str, Any], extra: dict[str, Any] |
         run.manager = RolloutManager(cfg.rollout, cfg.data, cfg.reward, client, local["tokenizer"],
                                      run.data_source, eval_cfg=cfg.eval,
                                      sections=(cfg.algo, cfg.train, cfg.cluster, cfg.weights, cfg.checkpoint),
-                                     custom_config=plugin_extra(cfg))
+                                     custom_config=plugin_extra(cfg),
+                                     # one n-sample request per group: the embedded engine seeds its samples
+                                     # sampling_seed + j (the same samples); the FT client reissues per request
+                                     group_requests=plan.engine_kind == "embedded" and run.worker.ft is None)
         from miles.rollout.on_policy_distillation import is_named_map
 
         if cfg.algo.use_opd and cfg.algo.opd_type == "sglang" and cfg.algo.opd_teacher_urls and not is_named_map(

@@ -22,6 +22,8 @@ with the plan broadcast). Checked:
   for one checkpoint: parameters (from the safetensors headers) x 4 bytes (fp32 weights), x 3 with the two
   fp32 Adam moments unless ``--no-save-optim``, twice with a PPO critic; so can ``--dump-details`` and the
   directory of ``--save-debug-rollout-data`` (a template whose only field is ``{rollout_id}``);
+- ``--train-backend megatron`` (the default) has megatron-core importable (else one line naming
+  ``pip install 'miles[megatron]'`` or ``--train-backend fsdp``);
 - checks a trainer backend registers for itself (e.g. model-shape flags against config.json).
 
 The save checks run on the driver only: ``--save`` must be one filesystem every trainer rank sees.
@@ -50,7 +52,8 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 BackendCheck = Callable[["MilesConfig", "dict[str, Any] | None"], None]
-_BACKEND_CHECKS: dict[str, list[BackendCheck | str]] = {"megatron": ["miles.trainer.megatron.options.preflight_check"]}
+_BACKEND_CHECKS: dict[str, list[BackendCheck | str]] = {"megatron": ["miles.trainer.megatron.options.preflight_check",
+                                                                    "miles.trainer.megatron.dist_ckpt.preflight_check"]}
 
 # Miles's flags naming a ``module.function`` plugin (their config field names). Those with a known calling
 # convention are checked for it below; the others must import and be callable.
@@ -117,7 +120,7 @@ def check_hf_checkpoint(path: str) -> Any:
     return config
 
 
-def check_load(load: str) -> None:
+def check_load(load: str, backend: str = "fsdp") -> None:
     """--load: as in Miles, a directory not written yet (or empty) means a fresh start; what is there must load."""
     from miles.trainer import miles_checkpoint
 
@@ -125,6 +128,8 @@ def check_load(load: str) -> None:
     if p.exists() and not p.is_dir():
         raise ConfigError(f"--load {load} is a file; point it at a --save directory of an earlier run (or one a "
                           "fresh run will save into).")
+    if backend == "megatron" and _megatron_ckpt(load):
+        return                                # Megatron-LM's layout: dist_ckpt.preflight_check reads it
     try:
         miles_checkpoint.find(load)
     except ValueError as e:
@@ -140,6 +145,12 @@ def check_data_file(path: str, flag: str) -> None:
         raise ConfigError(f"{flag} {path} is {what}; give a JSONL or Parquet file of prompts.")
 
 
+def _megatron_ckpt(path: str) -> bool:
+    from miles.trainer.megatron.torch_dist import is_megatron_root
+
+    return is_megatron_root(path)
+
+
 def path_checks(cfg: MilesConfig) -> list[Callable[[], Any]]:
     """One check per given model directory, --load and data file (each reports on its own)."""
     from miles.rollout.data import parse_eval_prompt_data
@@ -147,10 +158,10 @@ def path_checks(cfg: MilesConfig) -> list[Callable[[], Any]]:
     checks: list[Callable[[], Any]] = []
     for name in ("ref_load", "critic_load", "opd_teacher_load"):
         path = field_value(cfg, name)
-        if path:
+        if path and not (name == "ref_load" and cfg.train.train_backend == "megatron" and _megatron_ckpt(path)):
             checks.append(lambda path=path, flag=_flag(name): check_model_dir(path, flag))
     if cfg.checkpoint.load:
-        checks.append(lambda: check_load(cfg.checkpoint.load))
+        checks.append(lambda: check_load(cfg.checkpoint.load, cfg.train.train_backend))
     files = [("--prompt-data", cfg.data.prompt_data)] if cfg.data.prompt_data else []
     files += [(f"--eval-prompt-data {n}", p) for n, p in parse_eval_prompt_data(cfg.eval.eval_prompt_data)]
     checks += [lambda path=path, flag=flag: check_data_file(path, flag) for flag, path in files]
@@ -199,6 +210,13 @@ def check_plugin(name: str, path: str) -> None:
         choose_arity(fn, (2,), flag, path, LOSS_FORMS)
     elif name == "custom_reward_post_process_path":
         choose_arity(fn, (2,), flag, path, POST_PROCESS_FORMS)
+    elif name == "custom_tis_function_path":
+        from miles.trainer.losses import check_tis_signature
+
+        try:
+            check_tis_signature(fn, path)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     elif name == "rollout_function_path":
         from miles.rollout.rollout_fn import check_signature, custom_rollout_path_of
 
@@ -213,7 +231,8 @@ def plugin_checks(cfg: MilesConfig, *, has_engines: bool) -> list[Callable[[], A
     if has_engines or r.rm_type or r.custom_rm_path:
         from miles.rollout.rewards import Rewarder
 
-        checks.append(lambda: Rewarder(r))  # --rm-type known, --custom-rm-path imports with its signature, ...
+        gen = bool(cfg.data.custom_generate_function_path)  # it may set sample.reward itself
+        checks.append(lambda: Rewarder(r, rewards_from_generate=gen))  # --rm-type known, --custom-rm-path ...
     for name in PLUGIN_FIELDS:
         path = field_value(cfg, name)
         if path and name != "custom_rm_path":
@@ -312,6 +331,10 @@ def preflight(cfg: MilesConfig, *, has_engines: bool) -> None:
             return None
 
     attempt(lambda: check_rollout_source(cfg))
+    if cfg.train.train_backend == "megatron" and not cfg.cluster.debug_rollout_only:
+        from miles.trainer.megatron import require_megatron_core
+
+        attempt(require_megatron_core)
     if has_engines and cfg.output.dry_run:
         attempt(lambda: check_sglang_importable(cfg))
     hf = cfg.train.hf_checkpoint

@@ -210,6 +210,7 @@ class AdvantageInputs:
     ref_log_probs: list[torch.Tensor] | None = None
     values: list[torch.Tensor] | None = None
     teacher_log_probs: list[torch.Tensor] | None = None
+    opd_reverse_kl: list[torch.Tensor] | None = None     # top-k OPD: the per-token estimate, used as is
 
 
 def compute_advantages_and_returns(
@@ -250,7 +251,12 @@ def compute_advantages_and_returns(
         raise ValueError(f"--advantage-estimator {est!r} is not supported; choose one of grpo, gspo, "
                          "reinforce_plus_plus, reinforce_plus_plus_baseline, ppo.")
 
-    if algo.use_opd:
+    if algo.use_opd and inp.opd_reverse_kl is not None:  # --opd-log-prob-top-k: A_t -= coef * rkl_t
+        if any(a.shape != k.shape for a, k in zip(advantages, inp.opd_reverse_kl)):
+            raise ValueError("OPD: a sample's top-k reverse KL does not cover exactly its response tokens.")
+        extras["opd_reverse_kl"] = [k.to(torch.float32) for k in inp.opd_reverse_kl]
+        advantages = [a - algo.opd_kl_coef * k for a, k in zip(advantages, extras["opd_reverse_kl"])]
+    elif algo.use_opd:
         if inp.teacher_log_probs is None or inp.log_probs is None:
             raise ValueError("--use-opd needs teacher log-probs and the policy's log-probs for every sample.")
         advantages, extras["opd_reverse_kl"] = apply_opd(advantages, inp.log_probs, inp.teacher_log_probs,

@@ -15,8 +15,9 @@ then --num-steps-per-rollout optimizer steps over contiguous slices of the local
 pass runs the same number of micro-batches on every rank (padded with zero-weight dummies), and
 losses are normalised by step totals over the whole group, so N ranks compute what one rank with
 all the samples would. Only the trainer group is used for collectives, never the default group.
-A one-rank group without mixed precision keeps its models unwrapped (``unwrapped``): FSDP2 would only
-add hooks and copies there. Each phase of ``train`` is timed (``TRAIN_PHASES``, ``phase/*`` metrics).
+A one-rank group keeps its models unwrapped (``unwrapped``): FSDP2 would only add hooks and copies
+there; with bf16 the policy then computes on bf16 copies of its fp32 masters (``optim.MasterWeights``),
+the numbers of FSDP2's ``MixedPrecisionPolicy``. Each phase of ``train`` is timed (``TRAIN_PHASES``, ``phase/*`` metrics).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ import contextlib
 import os
 import time
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -44,9 +47,18 @@ from miles.trainer.batching import (
 from miles.trainer.checkpoint import save_checkpoint
 from miles.trainer.critic import Critic
 from miles.trainer.hf_export import checkpoint_dtype, write_hf_dir
-from miles.trainer.losses import LossInputs, Reducer, custom_loss, load_custom_loss, policy_loss, sft_loss
+from miles.trainer.losses import (
+    LossInputs,
+    Reducer,
+    custom_loss,
+    load_custom_loss,
+    load_tis_function,
+    policy_loss,
+    policy_loss_with_tis,
+    sft_loss,
+)
 from miles.trainer.metrics import MetricSums, mfu, peak_tflops
-from miles.trainer.optim import LRSchedule, build_adamw, clip_grad_norm
+from miles.trainer.optim import LRSchedule, MasterWeights, build_adamw, clip_grad_norm
 from miles.trainer.weights import iter_full_params
 from miles.types import Sample
 from miles.utils.logging import get_logger, warn_once
@@ -81,7 +93,7 @@ class PhaseClock:
 class FSDPTrainer:
     def __init__(self, train, algo, ckpt, *, mesh, group: dist.ProcessGroup, device: torch.device,
                  rollout_temperature: float, num_rollout: int | None, global_batch_size: int | None,
-                 num_steps_per_rollout: int, timeout: float):
+                 num_steps_per_rollout: int, timeout: float, custom_config: dict | None = None):
         self.cfg, self.algo, self.ckpt = train, algo, ckpt
         self.mesh, self.group, self.device, self.timeout = mesh, group, torch.device(device), float(timeout)
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
@@ -101,7 +113,12 @@ class FSDPTrainer:
 
         total_steps = num_rollout * num_steps_per_rollout if num_rollout else None
         self.mp_policy = modeling.mixed_precision(self.device, train.bf16)
-        self.model = self._build_policy(train.hf_checkpoint, offload=False, recompute=train.activation_checkpointing)
+        # --fsdp-cpu-offload (Miles): the policy's parameters, gradients and AdamW state live on CPU (FSDP2's
+        # CPUOffloadPolicy; each block is copied to the device for its forward/backward), the step runs on CPU
+        self.model = self._build_policy(train.hf_checkpoint, offload=False, recompute=train.activation_checkpointing,
+                                        cpu_offload=train.fsdp_cpu_offload)
+        self._masters = ({id(self.model): MasterWeights([self.model])}
+                         if self.mp_policy is not None and not modeling.is_fsdp(self.model) else {})
         config = self.model.lm.config
         if train.attn_implementation not in ("flash_attention_2", "flash_attention_3", config._attn_implementation):
             warn_once(logger, f"--attn-implementation {train.attn_implementation} is ignored: the FSDP trainer runs "
@@ -110,7 +127,8 @@ class FSDPTrainer:
         self.pad_id = int(config.pad_token_id if config.pad_token_id is not None else 0)
         self.num_params = modeling.count_params(self.model)
         self.optimizer = build_adamw(self.model, lr=train.lr, weight_decay=train.weight_decay,
-                                     betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps, device=self.device)
+                                     betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps,
+                                     device=self.policy_param_device)
         self.schedule = LRSchedule(lr=train.lr, min_lr=train.min_lr, style=train.lr_decay_style,
                                    warmup=train.warmup_steps(train.lr_decay_iters or total_steps),
                                    decay_iters=train.lr_decay_iters or total_steps)
@@ -130,6 +148,9 @@ class FSDPTrainer:
             self.loss_fn = sft_loss
         elif algo.loss_type == "custom_loss":
             self.loss_fn = custom_loss(load_custom_loss(algo.custom_loss_function_path))
+        elif algo.custom_tis_function_path:  # Miles's args: the flags, then the --custom-config-path extras
+            tis_args = SimpleNamespace(**{**(custom_config or {}), **asdict(train), **asdict(algo)})
+            self.loss_fn = policy_loss_with_tis(load_tis_function(algo.custom_tis_function_path), tis_args)
         else:
             self.loss_fn = policy_loss
         self.peak = peak_tflops(self.device, getattr(train, "mfu_peak_tflops", None))
@@ -173,14 +194,34 @@ class FSDPTrainer:
 
     def unwrapped(self, offload: bool = False) -> bool:
         """Whether a model of this trainer is left a plain module instead of FSDP2-wrapped: a one-rank
-        trainer group without mixed precision (and, on GPU, not CPU-offloaded), where sharding only adds
-        the hooks, the all-gather copies and the resharding of every pass, and computes the same numbers."""
-        return self.world == 1 and self.mp_policy is None and not (offload and self.device.type == "cuda")
+        trainer group (and, on GPU, not CPU-offloaded), where sharding only adds the hooks, the all-gather
+        copies and the resharding of every pass, and computes the same numbers (with bf16: ``_bf16``)."""
+        return self.world == 1 and not (offload and self.device.type == "cuda")
 
-    def _build_policy(self, path: str, *, offload: bool, recompute: bool) -> modeling.PolicyModel:
+    def _bf16(self, *models) -> contextlib.ExitStack:
+        """The trained ``models`` that are plain modules with bf16 compute (``self._masters``) run on their bf16
+        copies inside; their fp32 masters and gradients are back on exit (``optim.MasterWeights``)."""
+        stack = contextlib.ExitStack()
+        for m in models:
+            if m is not None and id(m) in getattr(self, "_masters", {}):
+                stack.enter_context(self._masters[id(m)].compute())
+        return stack
+
+    @property
+    def policy_param_device(self) -> torch.device:
+        """Where the policy's parameters, gradients and optimizer state live: CPU with --fsdp-cpu-offload on GPU."""
+        return torch.device("cpu") if self.cfg.fsdp_cpu_offload else self.device
+
+    def _build_policy(self, path: str, *, offload: bool, recompute: bool,
+                      cpu_offload: bool = False) -> modeling.PolicyModel:
+        """``offload``: a frozen model kept on CPU between uses (ref, teacher); ``cpu_offload``: the trained
+        policy under --fsdp-cpu-offload (its parameters on CPU, trainable)."""
         hf = modeling.load_hf_model(path, self.device)
         model = modeling.PolicyModel(hf)
-        if self.unwrapped(offload):
+        if cpu_offload and self.device.type == "cuda":
+            modeling.shard_model(model, modeling.decoder_blocks(hf), self.mesh, mp_policy=self.mp_policy,
+                                 offload=True, recompute=recompute)
+        elif self.unwrapped(offload):
             if recompute:
                 modeling._enable_recompute(modeling.decoder_blocks(hf))
             model.to(self.device)
@@ -189,8 +230,11 @@ class FSDPTrainer:
                                  offload=offload, recompute=recompute)
         if offload:
             model.eval()
+            plain_bf16 = self.mp_policy is not None and not modeling.is_fsdp(model)
             for p in model.parameters():
                 p.requires_grad_(False)
+                if plain_bf16:                 # frozen and plain: bf16 parameters only (buffers, RoPE's, stay)
+                    p.data = p.data.to(self.mp_policy.param_dtype)
         return model
 
     # ------------------------------------------------------------------ data
@@ -258,7 +302,7 @@ class FSDPTrainer:
         out: list[torch.Tensor | None] = [None] * len(data)
         mbs = self._micro_batches(data, list(range(len(data))))
         done: list[tuple[MicroBatch, torch.Tensor]] = []
-        with unsharded_forward(model, len(mbs), enabled=self._keep_unsharded[id(model)]):
+        with self._bf16(model), unsharded_forward(model, len(mbs), enabled=self._keep_unsharded[id(model)]):
             for mb in mbs:
                 vals = fn(mb.to(self.device))
                 if not mb.is_dummy:
@@ -319,7 +363,7 @@ class FSDPTrainer:
             rewards=torch.tensor([float(s.reward) for s in samples], dtype=torch.float32),
             group_ids=[s.group_index for s in samples], loss_masks=[d.loss_mask for d in data],
             log_probs=per_sample["old"], ref_log_probs=per_sample["ref"], values=per_sample["values"],
-            teacher_log_probs=per_sample["teacher"])
+            teacher_log_probs=per_sample["teacher"], opd_reverse_kl=per_sample.get("opd_rkl"))
         per_sample["adv"], per_sample["ret"], per_sample["extras"] = compute_advantages_and_returns(
             self.algo, inp, self.group, self.device)
 
@@ -330,7 +374,10 @@ class FSDPTrainer:
             ("old", "rollout", "ref", "teacher", "values", "adv", "ret"))
         per["rollout"] = self._per_sample_floats(samples, "rollout_log_probs", lambda s: s.rollout_log_probs,
                                                  required=policy and (a.use_rollout_logprobs or a.use_tis))
-        if policy and a.use_opd and a.opd_type == "sglang":
+        if policy and a.use_opd and a.opd_type == "sglang" and a.opd_log_prob_top_k > 0:  # top-k OPD
+            per["opd_rkl"] = self._per_sample_floats(samples, 'metadata["opd_reverse_kl"]',
+                                                     lambda s: s.metadata.get("opd_reverse_kl"), required=True)
+        elif policy and a.use_opd and a.opd_type == "sglang":
             per["teacher"] = self._per_sample_floats(samples, 'metadata["teacher_log_probs"]',
                                                      lambda s: s.metadata.get("teacher_log_probs"), required=True)
         if policy and any(s.reward is None for s in samples):
@@ -409,7 +456,8 @@ class FSDPTrainer:
         acc_metrics: dict[str, torch.Tensor] = {}      # on the device: no host sync per micro-batch
         n_local_tokens = 0
         models = [self.model] + ([self.critic.model] if self.critic is not None else [])
-        with Accumulation(models, len(mbs), enabled=all(self._keep_unsharded[id(m)] for m in models)) as acc:
+        with self._bf16(*models), Accumulation(models, len(mbs),
+                                               enabled=all(self._keep_unsharded[id(m)] for m in models)) as acc:
             for i, mb in enumerate(mbs):
                 n_local_tokens += self._micro_step(mb, i, acc, per_sample, samples, ntok, nsamp, acc_metrics)
         if acc_metrics:
@@ -606,7 +654,8 @@ class FSDPTrainer:
             return
         from miles.trainer.state import move_optimizer_state
 
-        for model, opt in [(self.model, self.optimizer)] + (
+        policy = [] if self.cfg.fsdp_cpu_offload else [(self.model, self.optimizer)]  # on CPU already
+        for model, opt in policy + (
                 [(self.critic.model, self.critic.optimizer)] if self.critic is not None else []):
             model.to(device)
             move_optimizer_state(opt, torch.device(device))

@@ -94,6 +94,14 @@ def _chunk_logprobs(
     return logp, entropy
 
 
+class _LinearHead:
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight.to(x.dtype))
+
+
 def logprobs_and_entropy(
     hidden: torch.Tensor,
     lm_head: nn.Module,
@@ -106,11 +114,22 @@ def logprobs_and_entropy(
     vocab_shard: VocabShard | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """hidden [N, H] (the states that predict ``targets``), targets [N] -> (log-probs [N], entropy [N] or None).
-    With ``vocab_shard``, ``lm_head`` gives this rank's vocabulary columns (module docstring)."""
+    ``lm_head``: a module or function hidden -> logits, or the output weight [V, H] itself. With ``vocab_shard``,
+    it gives this rank's vocabulary columns (module docstring). On a GPU without a shard, a bias-free linear head
+    (or a weight) takes ``fused_logprobs`` (same values, no fp32 [N, V] autograd graph)."""
     if chunk_size == -1:  # Miles's default: no chunking, the whole micro-batch at once
         chunk_size = max(1, hidden.shape[0])
     if chunk_size <= 0:
         raise ValueError(f"--log-probs-chunk-size must be positive or -1 (no chunking), got {chunk_size}.")
+    weight = lm_head if isinstance(lm_head, torch.Tensor) else getattr(lm_head, "weight", None)
+    plain_head = isinstance(lm_head, torch.Tensor) or (isinstance(lm_head, nn.Linear) and lm_head.bias is None)
+    if plain_head and vocab_shard is None and hidden.is_cuda:   # fused_logprobs.py: no fp32 [N, V] autograd graph
+        from miles.trainer.fused_logprobs import head_logprobs_and_entropy
+
+        return head_logprobs_and_entropy(hidden, weight, targets, temperature=temperature, chunk_size=chunk_size,
+                                         with_entropy=with_entropy, entropy_grad=entropy_grad)
+    if isinstance(lm_head, torch.Tensor):                        # a weight [V, H] given as the head
+        lm_head = _LinearHead(lm_head)
     use_ckpt = torch.is_grad_enabled() and hidden.requires_grad
     lps, ents = [], []
     for start in range(0, hidden.shape[0], chunk_size):

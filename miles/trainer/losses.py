@@ -18,14 +18,19 @@ per-sample lists give each sample's ``R_i`` (sum R_i = N). Log-probs are float32
   denominators of the WHOLE optimizer step over all trainer ranks, so micro-batches and ranks add up.
 - ``policy_loss``: PPO/GSPO policy loss + entropy bonus + KL loss + TIS, returning the scalar and metrics.
 - ``CustomLossFn``: the signature ``--custom-loss-function-path`` must have (see its docstring).
+- ``CustomTisFn`` / ``policy_loss_with_tis``: ``--custom-tis-function-path`` replaces the TIS step of
+  ``policy_loss`` (Miles's call: per-sample lists in, ``(pg_loss, loss_masks, metrics)`` out; the returned
+  masks restrict the numerators of every reduction after it, the denominators stay the step's).
 """
 
 from __future__ import annotations
 
+import copy
 import importlib
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -121,6 +126,13 @@ class Reducer:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return (x * self.weights.to(x.device)).sum()
 
+    def masked(self, mask: torch.Tensor) -> Reducer:
+        """The same denominators, numerators restricted to ``mask`` [N] (rejection sampling drops tokens
+        from the sums without changing the step's token or sample counts, as Miles does)."""
+        out = copy.copy(self)
+        out.weights = self.weights * mask.float().to(self.weights.device)
+        return out
+
 
 @dataclass
 class LossInputs:
@@ -139,8 +151,10 @@ class LossInputs:
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def policy_loss(algo, inp: LossInputs, reduce: Reducer) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The PPO-family policy loss (``--loss-type policy_loss``). Returns (scalar, metrics of detached scalars)."""
+def policy_loss(algo, inp: LossInputs, reduce: Reducer, tis: Callable | None = None,
+                tis_args: Any = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The PPO-family policy loss (``--loss-type policy_loss``). Returns (scalar, metrics of detached scalars).
+    ``tis``: a ``--custom-tis-function-path`` function run instead of the built-in TIS (``tis_args`` its args)."""
     assert inp.old_log_probs is not None and inp.advantages is not None
     mask = inp.loss_mask
     adv = torch.where(mask > 0, torch.nan_to_num(inp.advantages, 0.0, 0.0, 0.0), torch.zeros_like(inp.advantages))
@@ -151,9 +165,13 @@ def policy_loss(algo, inp: LossInputs, reduce: Reducer) -> tuple[torch.Tensor, d
     log_ratio = torch.where(mask > 0, log_ratio, torch.zeros_like(log_ratio))
     pg, clipped = ppo_clip_loss(log_ratio, adv, algo.eps_clip, algo.eps_clip_high, algo.eps_clip_c)
     metrics: dict[str, torch.Tensor] = {}
-    if algo.use_tis:
-        if inp.rollout_log_probs is None:
-            raise ValueError("--use-tis needs rollout_log_probs on every sample (the engine's log-probs).")
+    if algo.use_tis and inp.rollout_log_probs is None:
+        raise ValueError("--use-tis needs rollout_log_probs on every sample (the engine's log-probs).")
+    if algo.use_tis and tis is not None:
+        pg, reduce_after, tis_metrics = run_custom_tis(tis, tis_args, pg, inp, reduce)
+        metrics.update({k: reduce(v).detach() for k, v in tis_metrics.items()})  # over the tokens before RS
+        reduce = reduce_after
+    elif algo.use_tis:
         w, tis_clipped = tis_weights(inp.old_log_probs, inp.rollout_log_probs, algo.tis_clip_low, algo.tis_clip)
         pg = pg * w
         metrics["tis"] = reduce(w).detach()
@@ -231,4 +249,91 @@ def custom_loss(fn: CustomLossFn) -> Callable:
         metrics = {k: reduce(v.float()).detach() for k, v in per_token_metrics.items()}
         metrics["loss"] = loss.detach()
         return loss, metrics
+    return run
+
+
+CUSTOM_TIS_FORM = ("def tis(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, **kwargs) -> "
+                   "(pg_loss, loss_masks, metrics)")
+_TIS_KEYWORDS = ("pg_loss", "train_log_probs", "rollout_log_probs", "loss_masks")
+
+
+class CustomTisFn(Protocol):
+    """Signature for ``--custom-tis-function-path module.function`` (Miles's)::
+
+        def tis(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, **kwargs)
+            -> tuple[Tensor, list[Tensor], dict[str, Tensor]]
+
+    ``args``: the flags (train and algo sections) plus the ``--custom-config-path`` keys that name no flag;
+    ``pg_loss`` [N] the per-token clipped policy loss; ``train_log_probs`` / ``rollout_log_probs`` /
+    ``loss_masks``: one [R_i] tensor per sample (the trainer's old log-probs, the engine's, the masks);
+    ``kwargs``: ``response_lengths`` (list of R_i). Returns the weighted ``pg_loss`` [N], the loss masks
+    (changed by rejection sampling, else as given) and per-token metrics [N] (reduced over the masks
+    given, before rejection). Called when ``--use-tis`` is on, instead of the built-in truncation.
+    """
+
+    def __call__(self, args: Any, *, pg_loss: torch.Tensor, train_log_probs: list[torch.Tensor],
+                 rollout_log_probs: list[torch.Tensor], loss_masks: list[torch.Tensor],
+                 **kwargs: Any) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, torch.Tensor]]: ...
+
+
+def check_tis_signature(fn: Callable[..., Any], path: str) -> None:
+    """ValueError unless ``fn`` can be called as Miles calls a custom TIS function."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    missing = [k for k in _TIS_KEYWORDS if k not in named and not var_kw]
+    required_kw = [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty
+                   and p.name not in _TIS_KEYWORDS]
+    if not positional and not any(p.kind is p.VAR_POSITIONAL for p in params) or missing or required_kw:
+        why = (f"it does not take {', '.join(missing)}" if missing else
+               f"it requires {', '.join(required_kw)}, which is not passed" if required_kw else "it takes no args")
+        raise ValueError(f"--custom-tis-function-path {path!r} cannot be called as {CUSTOM_TIS_FORM}: {why}.")
+
+
+def load_tis_function(path: str) -> CustomTisFn:
+    """Import and check ``--custom-tis-function-path module.function``."""
+    module_name, _, fn_name = path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"--custom-tis-function-path {path!r} must be 'module.function'.")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"--custom-tis-function-path {path!r}: cannot import module {module_name!r} ({e}); "
+                         "make sure it is on PYTHONPATH.") from e
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise ValueError(f"--custom-tis-function-path {path!r}: {module_name!r} has no callable {fn_name!r}.")
+    check_tis_signature(fn, path)
+    return fn
+
+
+def run_custom_tis(fn: CustomTisFn, args: Any, pg: torch.Tensor, inp: LossInputs,
+                   reduce: Reducer) -> tuple[torch.Tensor, Reducer, dict[str, torch.Tensor]]:
+    """(weighted pg [N], the reducer for what follows, per-token metrics [N]) of one custom TIS call."""
+    lengths = list(inp.lengths)
+    out = fn(args, pg_loss=pg, train_log_probs=list(inp.old_log_probs.detach().split(lengths)),
+             rollout_log_probs=list(inp.rollout_log_probs.split(lengths)), loss_masks=list(inp.loss_mask.split(lengths)),
+             response_lengths=lengths)
+    if not (isinstance(out, tuple | list) and len(out) == 3):
+        raise ValueError(f"--custom-tis-function-path must return {CUSTOM_TIS_FORM.split('-> ')[1]}, got "
+                         f"{type(out).__name__}.")
+    new_pg, masks, metrics = out
+    if not isinstance(new_pg, torch.Tensor) or new_pg.shape != pg.shape:
+        raise ValueError(f"--custom-tis-function-path must return pg_loss of shape {tuple(pg.shape)}, got "
+                         f"{getattr(new_pg, 'shape', type(new_pg).__name__)}.")
+    if len(masks) != len(lengths) or any(int(m.numel()) != n for m, n in zip(masks, lengths)):
+        raise ValueError(f"--custom-tis-function-path must return one loss mask per sample with lengths {lengths}.")
+    mask = torch.cat([m.reshape(-1) for m in masks]) if masks else inp.loss_mask
+    per_token = {k: (v.float() if v.shape == pg.shape else v.float().mean().expand_as(pg)) for k, v in metrics.items()}
+    return new_pg, reduce.masked(mask), per_token
+
+
+def policy_loss_with_tis(fn: CustomTisFn, args: Any) -> Callable:
+    """``policy_loss`` whose TIS step is ``fn`` (called with ``args``), as the trainer's loss function."""
+    def run(algo, inp: LossInputs, reduce: Reducer) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return policy_loss(algo, inp, reduce, tis=fn, tis_args=args)
     return run

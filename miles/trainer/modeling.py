@@ -191,6 +191,13 @@ def shard_model(module: nn.Module, blocks: list[nn.Module], mesh, *, mp_policy=N
     return module
 
 
+def is_fsdp(module: nn.Module) -> bool:
+    """Whether ``module`` was wrapped by ``fully_shard``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
 def reshard_all(module: nn.Module) -> None:
     """Reshard every FSDP2 module under ``module``. FSDP2 leaves the root unsharded after a forward
     (it expects the backward next); after a forward-only pass we free it explicitly, and weight

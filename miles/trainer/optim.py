@@ -9,11 +9,19 @@ Schedule (Megatron's shape; ``s`` counts optimizer steps from 0, ``W`` = --lr-wa
                  cosine: min + (max - min) * 0.5 (1 + cos(pi p))
 
 Weight decay applies to matrices only (parameters with ndim >= 2), not to norms and biases.
+
+``MasterWeights`` is the bf16 recipe of plain (not FSDP2-wrapped) modules, Megatron's: fp32 master
+parameters (what AdamW updates, checkpoints save and the weight sync sends), bf16 copies for the forward
+and backward, bf16 gradients accumulated into fp32 ones as they arrive. It computes what FSDP2's
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` computes: bf16 parameters and activations
+throughout (no fp32 residual stream, unlike autocast), fp32 gradients and update.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -31,6 +39,69 @@ def build_adamw(module: nn.Module, *, lr: float, weight_decay: float, betas: tup
     groups = [g for g in groups if g["params"]]
     kw = {"fused": True} if device.type == "cuda" else {"foreach": True}
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **kw)
+
+
+class MasterWeights:
+    """bf16 compute on fp32 parameters (module docstring)::
+
+        mw = MasterWeights([model, critic_model])
+        with mw.compute():            # parameters hold bf16 copies of the masters (one cast each)
+            loss(model(x)).backward() # their bf16 gradients are added to fp32 ones, one parameter at a time
+        optimizer.step()              # outside: the fp32 masters, with fp32 .grad
+
+    Inside ``compute`` each parameter's ``data`` is its bf16 copy (cast from the master on entry, so any
+    change to the masters, an optimizer step or a checkpoint load, is seen; on the masters' device, so
+    offloading them to CPU leaves nothing behind); on exit the fp32 masters are back, the copies are
+    dropped and ``.grad`` holds the fp32 sum of every backward run inside (plus the fp32 gradient the
+    parameter had on entry)."""
+
+    def __init__(self, modules: list[nn.Module], dtype: torch.dtype = torch.bfloat16):
+        seen: dict[int, nn.Parameter] = {}
+        for m in modules:
+            for p in m.parameters():
+                seen.setdefault(id(p), p)
+        self.params = list(seen.values())
+        self.dtype = dtype
+        self.copies: list[torch.Tensor] = []
+        self._grads: dict[int, torch.Tensor] = {}
+        self._active = False
+        for p in self.params:
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._accumulate)
+
+    def _accumulate(self, p: torch.Tensor) -> None:
+        if not self._active or p.grad is None:
+            return
+        g, p.grad = p.grad, None
+        acc = self._grads.get(id(p))
+        if acc is None:
+            self._grads[id(p)] = g.float()
+        else:
+            acc.add_(g)
+
+    @contextlib.contextmanager
+    def compute(self) -> Iterator[None]:
+        if self._active:                             # nested (a critic inside the actor's window): one window
+            yield
+            return
+        masters = [p.data for p in self.params]
+        self.copies = [torch.empty_like(m, dtype=self.dtype) for m in masters]
+        with torch.no_grad():
+            torch._foreach_copy_(self.copies, masters)
+        for p, c in zip(self.params, self.copies):
+            if p.grad is not None:                   # an fp32 gradient from before: the sum starts from it
+                self._grads[id(p)], p.grad = p.grad, None
+            p.data = c
+        self._active = True
+        try:
+            yield
+        finally:
+            self._active = False
+            for p, m in zip(self.params, masters):
+                p.data = m
+                p.grad = self._grads.pop(id(p), None)
+            self._grads.clear()
+            self.copies = []
 
 
 class LRSchedule:
@@ -85,7 +156,12 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
     if not grads:
         return 0.0
     norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(norm, DTensor):
+    if isinstance(norm, DTensor) and norm.device.type == "cpu" and norm.device_mesh.device_type != "cpu":
+        # --fsdp-cpu-offload: CPU shards on a GPU group, which reduces device tensors only (sum of local norm^2)
+        local = norm.to_local().to(norm.device_mesh.device_type).float().pow(2)
+        torch.distributed.all_reduce(local, group=norm.device_mesh.get_group())
+        norm = local.sqrt().cpu()
+    elif isinstance(norm, DTensor):
         norm = norm.full_tensor()                       # all-reduce over the mesh (the trainer group)
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)

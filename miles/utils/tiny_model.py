@@ -78,3 +78,61 @@ def build_tiny_model(
     model = Qwen3ForCausalLM(config).to(getattr(torch, dtype))
     model.save_pretrained(str(out), safe_serialization=True)
     return out
+
+
+def build_tiny_moe_model(
+    out_dir: str | Path,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    num_experts: int = 4,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int = 32,
+    norm_topk_prob: bool = True,
+    mlp_only_layers: tuple[int, ...] = (),
+    max_position_embeddings: int = 2048,
+    seed: int = 0,
+    tie_word_embeddings: bool = False,
+    dtype: str = "float32",
+) -> Path:
+    """Write a randomly initialised Qwen3-MoE causal LM (``Qwen3MoeForCausalLM``: a top-k softmax router and
+    ``num_experts`` SwiGLU experts per layer, dense MLPs on ``mlp_only_layers``) plus tokenizer to ``out_dir``.
+    ``norm_topk_prob`` True (renormalised top-k weights) and untied embeddings, as Qwen3-30B-A3B."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(out)
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 3,
+        moe_intermediate_size=moe_intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
+        num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok,
+        norm_topk_prob=norm_topk_prob,
+        decoder_sparse_step=1,
+        mlp_only_layers=list(mlp_only_layers),
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype=dtype,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config)
+    with torch.no_grad():  # transformers initialises the router to zeros: give it a random, distinct routing
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None:
+                gate.weight.normal_(0.0, 0.5)
+    model = model.to(getattr(torch, dtype))
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out

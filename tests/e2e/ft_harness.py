@@ -46,7 +46,7 @@ def ft_flags(interval: float = 1.0, timeout: float = 3.0, first_wait: float = 12
 
 
 def layout_flags(trainers: int, engines: int) -> list[str]:
-    return ["--actor-num-nodes", "1", "--actor-num-gpus-per-node", str(trainers), "--rollout-num-gpus", str(engines),
+    return ["--train-backend", "fsdp", "--actor-num-nodes", "1", "--actor-num-gpus-per-node", str(trainers), "--rollout-num-gpus", str(engines),
             "--rollout-num-gpus-per-engine", "1", "--num-gpus-per-node", str(trainers + engines)]
 
 

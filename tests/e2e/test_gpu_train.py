@@ -35,7 +35,7 @@ def _flags(d: Path, n: int) -> list[str]:
                          text=True, check=True, env={"NUM_ROLLOUT": str(n), "PATH": "/usr/bin:/bin"}).stdout
     # a random model earns no reward, so GRPO's advantages are zero: the entropy term keeps the weights
     # moving, so --check-weight-update-equal compares trained (changed) weights with the engines'
-    return out.split() + ["--entropy-coef", "0.01"]
+    return ["--train-backend", "fsdp", *out.split(), "--entropy-coef", "0.01"]
 
 
 def _torchrun(nproc: int, script: str = "train.py") -> list[str]:

@@ -19,7 +19,7 @@ def test_fully_async_run(tmp_path: Path, tiny_model_dir: Path):
     data.write_text("".join(json.dumps({"input": f"{i}+{i}=", "label": str(2 * i)}) + "\n" for i in range(16)))
     out, log, ckpt = tmp_path / "run", tmp_path / "run.log", tmp_path / "ckpt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train_async.py",
-           "--fully-async", "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
+           "--train-backend", "fsdp", "--fully-async", "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
            "--num-gpus-per-node", "2", "--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(data),
            "--input-key", "input", "--label-key", "label", "--rm-type", "random", "--num-rollout", "3",
            "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "8",

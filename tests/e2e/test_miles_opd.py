@@ -38,7 +38,7 @@ def test_opd_with_miles_reward_func_and_post_process(tmp_path: Path, tiny_model_
         asyncio.run(up())
         out, log = tmp_path / "run", tmp_path / "run.log"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py",
-               "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
+               "--train-backend", "fsdp", "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1",
                "--num-gpus-per-node", "2", "--hf-checkpoint", str(tiny_model_dir),
                "--prompt-data", str(data), "--input-key", "prompt", "--rollout-shuffle", "--num-rollout", "2",
                "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",

@@ -37,7 +37,7 @@ def test_sft_on_messages_with_miles_launcher_flags(tmp_path: Path, tiny_model_di
                           {"role": "assistant", "content": str(i % 5 + i % 3)}]} for i in range(8)]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out, log = tmp_path / "run", tmp_path / "run.log"
-    cmd = ["torchrun", "--standalone", "--nproc-per-node", "1", "train_async.py",
+    cmd = ["torchrun", "--standalone", "--nproc-per-node", "1", "train_async.py", "--train-backend", "fsdp",
            *_fixture_flags(tiny_model_dir, data, tmp_path),
            "--rollout-batch-size", "4", "--global-batch-size", "4", "--num-epoch", "1", "--lr", "1e-3",
            "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--num-gpus-per-node", "1",

@@ -40,7 +40,7 @@ def test_opd_with_a_teacher_engine(tmp_path: Path):
                                capture_output=True, check=True, env={"NUM_ROLLOUT": "2", "PATH": "/usr/bin:/bin"})
         out, log = tmp_path / "run", tmp_path / "run.log"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py",
-               "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--num-gpus-per-node", "2",
+               "--train-backend", "fsdp", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--num-gpus-per-node", "2",
                *flags.stdout.split(), "--eval-interval", "100", "--output-dir", str(out), "--no-progress",
                "--use-opd", "--opd-type", "sglang", "--opd-teacher-urls", engine_url("127.0.0.1", port),
                "--opd-kl-coef", "1.0"]

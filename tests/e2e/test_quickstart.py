@@ -1,5 +1,7 @@
-"""The quickstart end to end on CPU: the SFT warm start, then GRPO under torchrun (disaggregated: 2 FSDP2
-trainer ranks + 2 embedded engines; colocated: 2 ranks), under mpirun, and with train_async.py. Each
+"""The quickstart end to end on CPU: the SFT warm start, then GRPO under torchrun (disaggregated: 2 trainer
+ranks of the default backend, megatron, + 2 embedded engines; colocated: 2 ranks, with --train-backend fsdp,
+the README's other choice; colocated Megatron is tests/e2e/test_megatron_quickstart.py's), under mpirun, and
+with train_async.py. Each
 short run checks that it completes and what it leaves (metrics.jsonl keys, config, per-rank logs, plot).
 ``test_learning`` runs the full quickstart and asserts its learning criterion: mean reward over the last
 3 rollouts at least 0.3 above the first 3, and at least 0.8, within 10 minutes of wall time.
@@ -39,6 +41,7 @@ def test_torchrun_disaggregated(quickstart: Path, tmp_path: Path):
     assert "eval/quickstart" in recs[-1]  # evaluation after the last rollout
     text = log.read_text()
     assert "rollout 2/3 | reward" in text and "weight sync v4 (broadcast)" in text
+    assert "Megatron trainer ready" in text  # no backend named: Miles's default
     # an engine joins the router once healthy and current: after the initial weight sync, never before it
     driver = (out / "logs" / "rank0.log").read_text()
     assert driver.count(": added engine http") == 2, driver[-3000:]
@@ -47,10 +50,11 @@ def test_torchrun_disaggregated(quickstart: Path, tmp_path: Path):
 
 def test_torchrun_colocated(quickstart: Path, tmp_path: Path):
     out, log = tmp_path / "run", tmp_path / "run.log"
-    check_ok(run(["bash", str(QUICKSTART / "run_grpo_colocated.sh"), "--num-rollout", "2", "--output-dir", str(out)],
-                 log, timeout=600, QUICKSTART_DIR=str(quickstart)), log)
+    check_ok(run(["bash", str(QUICKSTART / "run_grpo_colocated.sh"), "--train-backend", "fsdp", "--num-rollout", "2",
+                  "--output-dir", str(out)], log, timeout=600, QUICKSTART_DIR=str(quickstart)), log)
     check_run_dir(out, num_rollout=2, num_ranks=2)
-    assert "(tensor) to 2 engine(s)" in log.read_text()
+    text = log.read_text()
+    assert "(tensor) to 2 engine(s)" in text and "FSDP trainer ready" in text
 
 
 @pytest.mark.mpi

@@ -20,7 +20,8 @@ NUM_PROMPTS, BATCH, SEED = 10, 4, 7
 
 
 def _cmd(model: Path, data: Path, out: Path, ckpt: Path, num_rollout: int, *extra: str) -> list[str]:
-    return ["torchrun", "--standalone", "--nproc-per-node", "2", "train.py", "--colocate", "--actor-num-nodes", "1",
+    return ["torchrun", "--standalone", "--nproc-per-node", "2", "train.py", "--train-backend", "fsdp", "--colocate",
+            "--actor-num-nodes", "1",
             "--actor-num-gpus-per-node", "2", "--num-gpus-per-node", "2", "--hf-checkpoint", str(model),
             "--prompt-data", str(data), "--input-key", "input", "--label-key", "label", "--rm-type", "quickstart",
             "--rollout-shuffle", "--rollout-seed", str(SEED), "--num-rollout", str(num_rollout),
@@ -82,7 +83,8 @@ def test_load_not_written_yet_starts_fresh_as_in_miles(tmp_path: Path, tiny_mode
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     log = tmp_path / "run.log"
-    cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", "train.py", "--debug-train-only", "--actor-num-nodes", "1",
+    cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", "train.py", "--train-backend", "fsdp",
+           "--debug-train-only", "--actor-num-nodes", "1",
            "--actor-num-gpus-per-node", "2", "--num-gpus-per-node", "2", "--hf-checkpoint", str(tiny_model_dir),
            "--loss-type", "sft_loss", "--prompt-data", str(data), "--label-key", "response", "--num-rollout", "1",
            "--rollout-batch-size", "2", "--save", str(ckpt), "--load", str(ckpt),

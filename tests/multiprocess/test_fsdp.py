@@ -55,8 +55,8 @@ def _trainer(model_dir, group, mesh, extra, steps=2, device="cpu"):
 
     if "--use-opd" in extra:
         extra = extra + ["--opd-teacher-load", str(model_dir)]
-    cfg = parse_args(["--hf-checkpoint", str(model_dir), "--num-rollout", "2", "--rollout-batch-size", "4",
-                      "--n-samples-per-prompt", "4", "--lr", "2e-3", "--micro-batch-size", "3",
+    cfg = parse_args(["--train-backend", "fsdp", "--hf-checkpoint", str(model_dir), "--num-rollout", "2",
+                      "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--lr", "2e-3", "--micro-batch-size", "3",
                       "--num-steps-per-rollout", str(steps), "--adam-beta2", "0.99"] + extra)
     return FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=mesh, group=group, device=torch.device(device),
                        rollout_temperature=0.8, num_rollout=2, global_batch_size=None, num_steps_per_rollout=steps,

@@ -215,8 +215,8 @@ def test_sbatch_requeue_resumes_from_the_last_checkpoint(slurm_conf, quickstart,
     name = f"miles-test-{uuid.uuid4().hex[:8]}"
     cmd = ["sbatch", "--parsable", "--requeue", "--open-mode=append", f"--job-name={name}", "--time=8",
            "--gpus-per-node=0", "--cpus-per-task=1", "--ntasks-per-node=2", f"--output={log}",
-           str(REPO / "slurm/grpo.sh"), "--num-rollout", "4", "--save", str(ckpt), "--save-interval", "1",
-           "--output-dir", str(out_dir), "--eval-interval", "100", "--no-progress"]
+           str(REPO / "slurm/grpo.sh"), "--train-backend", "fsdp", "--num-rollout", "4", "--save", str(ckpt),
+           "--save-interval", "1", "--output-dir", str(out_dir), "--eval-interval", "100", "--no-progress"]
     sub = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert sub.returncode == 0, sub.stderr
     job_id = sub.stdout.strip().split(";")[0]

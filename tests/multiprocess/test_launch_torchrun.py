@@ -134,7 +134,7 @@ def test_sigkill_of_the_torchrun_agent_stops_a_training_run_and_its_checkpoints(
     data.write_text("".join(json.dumps({"input": f"{i}+1=", "label": str(i + 1)}) + "\n" for i in range(8)))
     ckpt, out = tmp_path / "ckpt", tmp_path / "run"
     tag = new_tag()
-    job = launch(TORCHRUN + ["--standalone", "--nproc-per-node", "2", "train.py", "--colocate",
+    job = launch(TORCHRUN + ["--standalone", "--nproc-per-node", "2", "train.py", "--train-backend", "fsdp", "--colocate",
                              "--actor-num-gpus-per-node", "2", "--num-gpus-per-node", "2",
                              "--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(data), "--input-key", "input",
                              "--label-key", "label", "--rm-type", "math", "--num-rollout", "1000",

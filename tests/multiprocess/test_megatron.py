@@ -128,8 +128,9 @@ def _all_logprobs(tr, samples) -> list:
 def _parity_worker(model_dir: str, out: str, tp: int, kind: str = "cpu", distopt: bool = False,
                    algo: str = "grpo", megatron_flags: str = "") -> None:
     """kind "cpu": gloo, fp32. kind "cuda": one rank on GPU 0 (NCCL), each backend with its GPU default
-    bf16 (FSDP: bf16 parameters in the forward, fp32 gradient reduction; Megatron: fp32 parameters under
-    bf16 autocast); the FSDP backend's varlen flash attention needs bf16."""
+    bf16, the same recipe (bf16 parameters in the forward and backward, fp32 gradients and masters: FSDP's
+    one-rank path and the Megatron backend through ``optim.MasterWeights``); the FSDP backend's varlen flash
+    attention needs bf16."""
     import dataclasses
 
     import torch
@@ -336,7 +337,7 @@ def test_checkpoint_kill_mid_save_then_resume_matches_uninterrupted(tiny_model_d
                                                                     tp: int) -> None:
     import torch
 
-    from miles.trainer.checkpoint import latest_checkpoint
+    from miles.trainer.megatron import torch_dist
     from miles.utils.net import find_free_port
 
     ref = _launch_resume(tiny_model_dir, tmp_path / "ref.pt", "-", find_free_port(), tp=tp)
@@ -344,10 +345,11 @@ def test_checkpoint_kill_mid_save_then_resume_matches_uninterrupted(tiny_model_d
     ckpt = tmp_path / "ckpt"
     killed = _launch_resume(tiny_model_dir, tmp_path / "killed.pt", str(ckpt), find_free_port(), kill_at=2, tp=tp)
     assert killed.returncode != 0
-    assert (ckpt / ".tmp.step_00000002").is_dir() and latest_checkpoint(ckpt) == ckpt / "step_00000001"
-    meta = json.loads((ckpt / "step_00000001" / "trainer_state.json").read_text())
-    assert meta["backend"] == "megatron" and meta["tensor_model_parallel_size"] == tp and meta["has_optim"]
-    assert meta["has_critic"] == (tp == 1) and (ckpt / "step_00000001" / "critic").is_dir() == (tp == 1)
+    assert (ckpt / ".tmp.iter_0000002").is_dir() and torch_dist.read_tracker(ckpt) == 1   # Megatron-LM's layout
+    common = torch_dist.read_common(ckpt / "iter_0000001")
+    meta = common["miles"]
+    assert meta["backend"] == "megatron" and common["args"].tensor_model_parallel_size == tp and meta["has_optim"]
+    assert meta["has_critic"] == (tp == 1) and (ckpt / "iter_0000001" / "critic").is_dir() == (tp == 1)
     resumed = _launch_resume(tiny_model_dir, tmp_path / "resumed.pt", str(ckpt), find_free_port(), tp=tp)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-4000:]
     a, b = torch.load(tmp_path / "ref.pt", weights_only=False), torch.load(tmp_path / "resumed.pt", weights_only=False)
@@ -355,7 +357,7 @@ def test_checkpoint_kill_mid_save_then_resume_matches_uninterrupted(tiny_model_d
     assert a["params"].keys() == b["params"].keys()
     for k in a["params"]:
         assert torch.equal(a["params"][k], b["params"][k]), k
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step_00000002", "step_00000003"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000002", "iter_0000003", torch_dist.TRACKER]
 
 
 @pytest.mark.gpu
@@ -380,7 +382,9 @@ def test_trainer_parity_with_fsdp_on_gpu(tiny_model_dir: Path, tmp_path: Path, f
     for f, m in zip(res["fsdp_metrics"], res["meg_metrics"]):
         for key in ("loss", "pg_loss", "entropy", "grad_norm"):
             assert m[key] == pytest.approx(f[key], rel=5e-2, abs=5e-3), (key, f[key], m[key])
-    assert res["update_rel_l2"] < 0.3, res
+    # measured on one H200 (2026-12-01): 0.060 (7.9% before both backends ran the same bf16 recipe); the FSDP
+    # backend differs from itself by 2.6% with another micro-batching (test_megatron_precision.py)
+    assert res["update_rel_l2"] < 0.075, res
 
 
 if __name__ == "__main__":

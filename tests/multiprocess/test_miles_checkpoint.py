@@ -64,8 +64,8 @@ def worker(out: Path, model_dir: Path, mode: str, ckpt: Path) -> None:
     group = dist.new_group([0, 1], timeout=timedelta(seconds=60))
     rank = dist.get_rank(group)
     mesh = DeviceMesh.from_group(group, device_type="cpu")
-    args = ["--hf-checkpoint", str(model_dir), "--num-rollout", str(NUM_ROLLOUT), "--rollout-batch-size", "2",
-            "--n-samples-per-prompt", "3", "--lr", "3e-3", "--num-steps-per-rollout", "2",
+    args = ["--train-backend", "fsdp", "--hf-checkpoint", str(model_dir), "--num-rollout", str(NUM_ROLLOUT),
+            "--rollout-batch-size", "2", "--n-samples-per-prompt", "3", "--lr", "3e-3", "--num-steps-per-rollout", "2",
             "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--min-lr", "1e-4"]
     if mode == "resume":
         args += ["--load", str(ckpt)]

@@ -120,7 +120,7 @@ def main() -> None:
     from miles.trainer.fsdp import FSDPTrainer
 
     mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("dp",))
-    cfg = parse_args(["--hf-checkpoint", a.model, "--update-weight-buffer-size", "64KiB", "--update-weight-timeout", "30",
+    cfg = parse_args(["--train-backend", "fsdp", "--hf-checkpoint", a.model, "--update-weight-buffer-size", "64KiB", "--update-weight-timeout", "30",
                       "--update-weight-disk-dir", str(work / "versions"), "--pause-generation-mode", "retract"], validate=False)
     trainer = FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=mesh, group=group, device=torch.device("cpu"),
                           rollout_temperature=1.0, num_rollout=1, global_batch_size=2, num_steps_per_rollout=1, timeout=60)

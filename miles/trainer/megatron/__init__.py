@@ -21,10 +21,17 @@ def megatron_available() -> bool:
         return False
 
 
+def require_megatron_core() -> None:
+    """One line naming the install command and the other backend when megatron-core is missing (the preflight
+    and ``--dry-run`` call this too, so a run that names no backend learns it before starting anything)."""
+    if not megatron_available():
+        raise MilesError("--train-backend megatron (the default, as in Miles) needs megatron-core, which is not "
+                         f"installed: {INSTALL_HINT}.")
+
+
 def build_megatron_trainer(cfg: Any, ctx: Any, plan: Any) -> Any:
     """The trainer of one run (``miles.run.build``): over the trainer group, on this rank's device."""
-    if not megatron_available():
-        raise MilesError(f"--train-backend megatron needs megatron-core, which is not installed: {INSTALL_HINT}.")
+    require_megatron_core()
     from miles.trainer.megatron.trainer import MegatronTrainer
 
     return MegatronTrainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, group=ctx.groups.trainer_group,

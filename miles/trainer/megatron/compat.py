@@ -15,6 +15,12 @@ spots move between releases. What is adapted, and why:
   ``set_states``), so tensor-parallel dropout and initialisation keep their per-rank streams.
 - activation recompute (``tensor_parallel.checkpoint``) saves the CUDA generator state: on CPU there
   is none (``_get_cuda_rng_state``/``_set_cuda_rng_state`` do nothing; CPU and tracker states are kept).
+- ``LanguageModule.setup_embeddings_and_output_layer`` (tied embeddings over pipeline stages) moves the
+  last stage's copy of the embedding with ``Tensor.cuda()`` before summing it over the embedding group:
+  on CPU that call is skipped (the tensor stays where it is; the sum runs over gloo).
+- ``models.common.embeddings.rope_utils.get_pos_emb_on_this_cp_rank`` (context parallelism: the rotary
+  positions of this CP rank's chunks) builds its index with ``pin_memory`` and ``.cuda()``: replaced by the
+  same selection on the embedding's device (also where ``rotary_pos_embedding`` imported it by name).
 - ``initialize_model_parallel`` sizes its groups by the default group; ``trainer_world(n)`` makes it
   see the first ``n`` ranks only (the trainer ranks; engines are the later ranks of the world).
 """
@@ -126,6 +132,15 @@ class CpuRNGStatesTracker:
             torch.set_rng_state(outer)
 
 
+def _cpu_pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+    """Chunks ``i`` and ``2 cp - 1 - i`` (of ``2 cp``) of the positions along ``seq_dim``, for CP rank ``i``."""
+    cp, rank = cp_group.size(), cp_group.rank()
+    shape = pos_emb.shape
+    chunks = pos_emb.reshape(*shape[:seq_dim], 2 * cp, shape[seq_dim] // (2 * cp), *shape[seq_dim + 1:])
+    mine = chunks.index_select(seq_dim, torch.tensor([rank, 2 * cp - 1 - rank], device=pos_emb.device))
+    return mine.reshape(*shape[:seq_dim], -1, *shape[seq_dim + 1:])
+
+
 def _no_cuda_rng_state(*args, **kwargs) -> None:
     return None
 
@@ -160,7 +175,31 @@ def apply_cpu_compat() -> None:
     # states; on CPU there is no CUDA state (the CPU one and the tracker's are still restored)
     mrandom._get_cuda_rng_state = _no_cuda_rng_state
     mrandom._set_cuda_rng_state = _set_no_cuda_rng_state
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    LanguageModule.setup_embeddings_and_output_layer = _cpu_setup_embeddings(
+        LanguageModule.setup_embeddings_and_output_layer)
+    # context parallelism: the rotary positions of this CP rank's chunks (megatron-core pins an index tensor
+    # and moves it to CUDA)
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
+
+    rope_utils.get_pos_emb_on_this_cp_rank = _cpu_pos_emb_on_this_cp_rank
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _cpu_pos_emb_on_this_cp_rank
     _applied = True
+
+
+def _cpu_setup_embeddings(setup):
+    """``setup_embeddings_and_output_layer`` with ``Tensor.cuda()`` the identity while it runs (CPU only)."""
+
+    def run(self) -> None:
+        real = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda t, *args, **kwargs: t
+        try:
+            setup(self)
+        finally:
+            torch.Tensor.cuda = real
+
+    return run
 
 
 @contextlib.contextmanager

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from miles.trainer.megatron import moe
 from miles.trainer.megatron.model import ModelShape
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -79,6 +80,8 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], shape: ModelShape, padded_vocab:
                 out[name] = torch.cat(groups, dim=1).reshape((-1,) + rest)
             elif suffix == "mlp.linear_fc1.weight":
                 out[name] = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], dim=0)
+            elif (t := moe.hf_to_megatron(name, hf)) is not None:      # router, experts (EP-free names)
+                out[name] = t
             else:
                 raise KeyError(f"no HF source for megatron parameter {name}")
     return out
@@ -108,6 +111,8 @@ def megatron_to_hf(name: str, full: torch.Tensor, shape: ModelShape) -> list[tup
     if suffix == "mlp.linear_fc1.weight":
         gate, up = full.chunk(2, dim=0)
         return [(p + "mlp.gate_proj.weight", gate), (p + "mlp.up_proj.weight", up)]
+    if (pairs := moe.megatron_to_hf(name, full)) is not None:         # router, experts (EP-free names)
+        return pairs
     raise KeyError(f"no HF name for megatron parameter {name}")
 
 
@@ -168,12 +173,15 @@ def read_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def load_hf_into(model: torch.nn.Module, hf: dict[str, torch.Tensor], shape: ModelShape, padded_vocab: int,
-                 tp_rank: int, tp_size: int) -> None:
-    """Copy a HF state dict into this rank's megatron-core parameters (every parameter is written)."""
+                 tp_rank: int, tp_size: int, ep_rank: int = 0, ep_size: int = 1) -> None:
+    """Copy a HF state dict into this rank's megatron-core parameters (every parameter is written); under
+    expert parallelism this rank's experts (``moe.global_name``)."""
     params = dict(model.named_parameters())
-    full = hf_to_megatron(hf, shape, padded_vocab, list(params))
+    num_local = shape.num_experts // ep_size if shape.num_experts else 0
+    names = {name: moe.global_name(name, ep_rank, num_local) for name in params}
+    full = hf_to_megatron(hf, shape, padded_vocab, list(names.values()))
     for name, p in params.items():
-        piece = shard(name, full[name], partition_dim(name), tp_rank, tp_size)
+        piece = shard(name, full[names[name]], partition_dim(name), tp_rank, tp_size)
         if tuple(piece.shape) != tuple(p.shape):
             raise ValueError(f"HF weight for {name}: shape {tuple(piece.shape)} does not fit the megatron "
                              f"parameter {tuple(p.shape)} (config.json and the weights disagree).")

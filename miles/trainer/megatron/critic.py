@@ -47,8 +47,8 @@ class MegatronCritic(Critic):
         self.value_clip = trainer.algo.value_clip
 
     def forward(self, mb: MicroBatch) -> torch.Tensor:
-        h = self.trainer._hidden(self.model.gpt, mb)                        # [N, h]
-        return self.model.value_head(h.to(self.model.value_head.weight.dtype)).squeeze(-1).float()
+        h, _, full = self.trainer._local_hidden(self.model.gpt, mb)         # [n, h]: this CP rank's positions
+        return full(self.model.value_head(h.to(self.model.value_head.weight.dtype)).squeeze(-1).float())   # [N]
 
     def step(self) -> dict[str, float]:
         parallel.finish_grads(self.model, self.trainer.groups)

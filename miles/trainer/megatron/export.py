@@ -8,6 +8,11 @@ q/k/v, fc1 into gate/up, vocabulary padding cut). The cast precedes the gather a
 slicing only, so the tensors equal what the FSDP backend sends for the same weights, bit for bit.
 The gather of bucket k+1 is issued before bucket k is yielded. Every trainer rank iterates to the end
 and receives the full tensors (each data-parallel replica gathers within its own TP group).
+
+Pipeline parallelism (``stage``): the buckets are planned over every stage's parameters in model order
+(layers by their global index, the last stage's copy of a tied embedding left out), so they are the buckets
+of one stage; each stage gathers its own TP shards and converts them, then broadcasts its part of the bucket
+over the pipeline group, so every rank of every stage receives the whole bucket, bit for bit as with one stage.
 """
 
 from __future__ import annotations
@@ -89,8 +94,19 @@ def _finish(pend: _Pending, groups: Groups, shape: ModelShape, device: torch.dev
 @torch.no_grad()  # per resumption (torch wraps generators): never left off while the caller runs
 def iter_hf_buckets(model: nn.Module, shape: ModelShape, groups: Groups, *, device: torch.device,
                     bucket_bytes: int, dtype: torch.dtype | None = None, timeout: float = 600.0,
-                    prefetch: bool = True) -> Iterator[Bucket]:
-    """Yield buckets of (HF name, full tensor) (see module docstring); collective on the TP group."""
+                    prefetch: bool = True, stage=None) -> Iterator[Bucket]:
+    """Yield buckets of (HF name, full tensor) (see module docstring); collective on the TP group (and the
+    pipeline group of ``stage`` when it has more than one stage)."""
+    if stage is not None and stage.size > 1:
+        yield from _iter_pipeline(model, shape, groups, stage, device=device, bucket_bytes=bucket_bytes,
+                                  dtype=dtype, timeout=timeout)
+        return
+    if groups.ep_size > 1:                 # experts gathered over the EP group (moe.py)
+        from miles.trainer.megatron.moe import iter_ep_buckets
+
+        yield from iter_ep_buckets(model, shape, groups, device=device, bucket_bytes=bucket_bytes, dtype=dtype,
+                                   timeout=timeout, prefetch=prefetch)
+        return
     buckets = plan(list(model.named_parameters()), groups.tp_size, bucket_bytes, dtype)
     if not buckets:
         return
@@ -103,3 +119,66 @@ def iter_hf_buckets(model: nn.Module, shape: ModelShape, groups: Groups, *, devi
         if nxt is None and k + 1 < len(buckets):
             nxt = _start(buckets[k + 1], groups, device, dtype)
         pending = nxt
+
+
+def _stage_entries(model: nn.Module, stage) -> list[tuple[int, str, torch.Tensor]]:
+    """(stage, global megatron name, parameter) of every stage's exported parameters in model order: this
+    stage's real parameters, the others' as meta tensors of their local (TP-shard) shape. Cached on the model
+    (shapes never change); one ``all_gather_object`` over the pipeline group the first time."""
+    from miles.trainer.megatron.pipeline import global_named_parameters, is_tied_copy
+
+    mine = [(n, p) for n, p in global_named_parameters(model) if not is_tied_copy(p)]
+    meta = getattr(model, "_miles_pp_export_meta", None)
+    if meta is None:
+        local = [(n, tuple(p.shape), p.dtype) for n, p in mine]
+        meta = [None] * stage.size
+        dist.all_gather_object(meta, local, group=stage.group)
+        model._miles_pp_export_meta = meta
+    own = dict(mine)
+    return [(s, n, own[n] if s == stage.rank else torch.empty(shp, dtype=dt, device="meta"))
+            for s, entries in enumerate(meta) for n, shp, dt in entries]
+
+
+def _hf_layout(name: str, local: torch.Tensor, tp: int, shape: ModelShape,
+               dtype: torch.dtype | None) -> list[tuple[str, torch.Size, torch.dtype]]:
+    """HF names, shapes and dtypes of one (other stage's) megatron parameter, from its local shape."""
+    full = list(local.shape)
+    dim = partition_dim(name)
+    if dim is not None:
+        full[dim] *= tp
+    return [(hf, t.shape, t.dtype) for hf, t in megatron_to_hf(name, torch.empty(full, dtype=dtype or local.dtype,
+                                                                           device="meta"), shape)]
+
+
+def _iter_pipeline(model, shape: ModelShape, groups: Groups, stage, *, device: torch.device, bucket_bytes: int,
+                   dtype: torch.dtype | None, timeout: float) -> Iterator[Bucket]:
+    from miles.trainer.megatron.pipeline import wait_all
+
+    entries = _stage_entries(model, stage)
+    owner = {n: s for s, n, _ in entries}
+    for bucket in plan([(n, p) for _, n, p in entries], groups.tp_size, bucket_bytes, dtype):
+        mine = [(n, p) for n, p in bucket if owner[n] == stage.rank]
+        local = _finish(_start(mine, groups, device, dtype), groups, shape, device, dtype, timeout) if mine else []
+        result: Bucket = []
+        for s in sorted({owner[n] for n, _ in bucket}):
+            if s == stage.rank:
+                part = local
+            else:
+                layout = [x for n, p in bucket if owner[n] == s for x in _hf_layout(n, p, groups.tp_size, shape,
+                                                                                     dtype)]
+                part = [(hf, torch.empty(shp, dtype=dt, device=device)) for hf, shp, dt in layout]
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for _, t in part:
+                by_dtype.setdefault(t.dtype, []).append(t)
+            for same in by_dtype.values():         # one broadcast per dtype of the stage's part
+                flat = torch.cat([t.reshape(-1) for t in same]) if s == stage.rank else torch.empty(
+                    sum(t.numel() for t in same), dtype=same[0].dtype, device=device)
+                src = dist.get_global_rank(stage.group, s)
+                wait_all([dist.broadcast(flat, src=src, group=stage.group, async_op=True)], stage,
+                         "broadcasting a weight bucket")
+                if s != stage.rank:
+                    for t, piece in zip(same, flat.split([t.numel() for t in same])):
+                        t.copy_(piece.view(t.shape))
+            result.extend(part)
+        yield result
+        del result

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+from miles.trainer.megatron.moe import hf_moe_fields
+
+FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE"}
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,11 @@ class ModelShape:
     qk_layernorm: bool
     qkv_bias: bool
     tie_embeddings: bool
+    num_experts: int = 0                      # MoE layers (moe.py); 0: a dense model
+    moe_ffn_hidden_size: int = 0
+    moe_router_topk: int = 0
+    moe_norm_topk_prob: bool = True
+    moe_layer_pattern: tuple[int, ...] = ()   # 1 per MoE layer, 0 per dense one
 
     @classmethod
     def from_hf_config(cls, c) -> ModelShape:
@@ -63,8 +70,9 @@ class ModelShape:
                    ffn_hidden_size=int(c.intermediate_size), num_attention_heads=heads,
                    num_query_groups=int(getattr(c, "num_key_value_heads", None) or heads), kv_channels=int(head_dim),
                    vocab_size=int(c.vocab_size), max_position_embeddings=int(c.max_position_embeddings),
-                   rotary_base=float(theta), norm_epsilon=float(c.rms_norm_eps), qk_layernorm=mt == "qwen3",
-                   qkv_bias=qkv_bias, tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)))
+                   rotary_base=float(theta), norm_epsilon=float(c.rms_norm_eps), qk_layernorm=mt in ("qwen3", "qwen3_moe"),
+                   qkv_bias=qkv_bias, tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+                   **hf_moe_fields(c))
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
@@ -86,7 +94,9 @@ def use_transformer_engine(device: torch.device) -> bool:
 def transformer_config(shape: ModelShape, *, tp_size: int, device: torch.device, params_dtype=torch.float32,
                        bf16: bool = False, recompute: str | None = None, recompute_method: str | None = None,
                        recompute_num_layers: int | None = None, attention_softmax_in_fp32: bool = True,
-                       hidden_dropout: float = 0.0, attention_dropout: float = 0.0, sequence_parallel: bool = False):
+                       hidden_dropout: float = 0.0, attention_dropout: float = 0.0, sequence_parallel: bool = False,
+                       pp_size: int = 1, first_stage_layers: int | None = None, last_stage_layers: int | None = None,
+                       moe: dict | None = None, cp_size: int = 1, cp_comm_type: str = "p2p"):
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -95,6 +105,13 @@ def transformer_config(shape: ModelShape, *, tp_size: int, device: torch.device,
     if recompute:
         kw.update(recompute_granularity=recompute, recompute_method=recompute_method,
                   recompute_num_layers=recompute_num_layers)
+    kw.update(moe or {})           # MoE layers and expert parallelism (moe.config_kwargs)
+    if cp_size > 1:                # context_parallel.py (the value megatron-core hands the core attention)
+        kw.update(context_parallel_size=cp_size, cp_comm_type=cp_comm_type)
+    if pp_size > 1:                # megatron-core asks for pipeline_dtype; pipeline.py's schedule does not read it
+        kw.update(pipeline_model_parallel_size=pp_size, pipeline_dtype=torch.float32,
+                  num_layers_in_first_pipeline_stage=first_stage_layers,
+                  num_layers_in_last_pipeline_stage=last_stage_layers)
     return TransformerConfig(
         num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
         num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
@@ -103,9 +120,20 @@ def transformer_config(shape: ModelShape, *, tp_size: int, device: torch.device,
         add_qkv_bias=shape.qkv_bias, hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
         tensor_model_parallel_size=tp_size, sequence_parallel=sequence_parallel, params_dtype=params_dtype,
         bf16=bf16, use_cpu_initialization=True, perform_initialization=False,
-        attention_softmax_in_fp32=attention_softmax_in_fp32, bias_dropout_fusion=on_gpu,
+        attention_softmax_in_fp32=attention_softmax_in_fp32, bias_dropout_fusion=on_gpu, bias_activation_fusion=on_gpu,
         masked_softmax_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
         persist_layer_norm=False, **kw)
+
+
+def no_math_sdpa(q: torch.Tensor):
+    """On a GPU in bf16/fp16: SDPA may use flash attention, then cuDNN's, then the memory-efficient kernel, never
+    the math fallback that materialises the [b, heads, s, s] scores (no kernel fits: SDPA raises, naming why)."""
+    if q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16):
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION],
+                       set_priority=True)
 
 
 class SDPACoreAttention(torch.nn.Module):
@@ -113,7 +141,8 @@ class SDPACoreAttention(torch.nn.Module):
     kernels on GPU), in place of megatron-core's unfused ``DotProductAttention`` in the local layer spec, which
     materialises the [b, heads, s, s] scores of every layer. Same constructor and forward as megatron-core's
     core attention; rows are causal with right padding (no mask). Attention dropout draws inside megatron-core's
-    tensor-parallel RNG stream, as ``DotProductAttention`` does."""
+    tensor-parallel RNG stream, as ``DotProductAttention`` does. With context parallelism the local query chunks
+    attend over the whole sequence (``context_parallel.attention``, by ``--cp-comm-type``)."""
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
@@ -122,6 +151,8 @@ class SDPACoreAttention(torch.nn.Module):
         self.config = config
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale or 1.0 / config.kv_channels ** 0.5
+        self.cp_group = getattr(pg_collection, "cp", None) if config.context_parallel_size > 1 else None
+        self.cp_comm_type = cp_comm_type or "p2p"
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None) -> torch.Tensor:
@@ -135,23 +166,80 @@ class SDPACoreAttention(torch.nn.Module):
         p = self.dropout if self.training else 0.0
         ctx = tensor_parallel.get_cuda_rng_tracker().fork() if p > 0 else contextlib.nullcontext()
         with ctx:
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=self.softmax_scale,
-                                                 enable_gqa=q.shape[1] != k.shape[1])
+            if self.cp_group is not None:           # this rank's two chunks against the whole sequence
+                from miles.trainer.megatron import context_parallel
+
+                out = context_parallel.attention(q, k, v, comm=self.cp_comm_type, group=self.cp_group,
+                                                 scale=self.softmax_scale, dropout_p=p)
+            else:
+                with no_math_sdpa(q):
+                    out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                                         scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
         sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 
 
+class SequenceParallelNorm:
+    """megatron-core's torch norm of the local spec (``WrappedTorchNorm``, which refuses ``sequence_parallel``)
+    for ``--sequence-parallel``: the same ``torch.nn.RMSNorm``, its weight marked ``sequence_parallel`` so that
+    ``parallel.finish_grads`` sums its gradient over TP (each TP rank normalises its part of the sequence)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                zero_centered_gamma: bool = False, normalization: str = "RMSNorm") -> torch.nn.Module:
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        norm.weight.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+
+
+def _swap_norms(obj, old, new, seen: set[int]):
+    """``obj`` (a layer/block spec, nested dataclasses and lists) with every reference to ``old`` replaced by ``new``."""
+    import dataclasses
+
+    if obj is old:
+        return new
+    if isinstance(obj, list):
+        return [_swap_norms(o, old, new, seen) for o in obj]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type) and id(obj) not in seen:
+        seen.add(id(obj))
+        for f in dataclasses.fields(obj):
+            setattr(obj, f.name, _swap_norms(getattr(obj, f.name), old, new, seen))
+    return obj
+
+
+@contextlib.contextmanager
+def _sequence_parallel_norms(config, spec):
+    """Under ``--sequence-parallel`` with megatron-core's torch norms (no apex, no transformer-engine): the
+    spec's norms and the block's final norm are ``SequenceParallelNorm`` while the model is built."""
+    from megatron.core.transformer import transformer_block
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if not config.sequence_parallel or transformer_block.LayerNormImpl is not WrappedTorchNorm:
+        yield spec
+        return
+    transformer_block.LayerNormImpl = SequenceParallelNorm
+    try:
+        yield _swap_norms(spec, WrappedTorchNorm, SequenceParallelNorm, set())
+    finally:
+        transformer_block.LayerNormImpl = WrappedTorchNorm
+
+
 def build_gpt_model(shape: ModelShape, config, *, padded_vocab: int, device: torch.device,
-                    core_attention: str = "sdpa"):
+                    core_attention: str = "sdpa", pre_process: bool = True, post_process: bool = True):
     """A HiddenGPTModel on ``device`` (weights uninitialised: load them with ``convert.load_hf_into``).
-    ``core_attention`` (local spec only): "sdpa" (``SDPACoreAttention``) or "unfused" (megatron-core's)."""
+    ``core_attention`` (local spec only): "sdpa" (``SDPACoreAttention``) or "unfused" (megatron-core's).
+    ``pre_process``/``post_process``: this pipeline stage holds the embedding / the final norm and output layer."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    if use_transformer_engine(device):
+    if shape.num_experts:           # MoE or dense MLP per layer (moe.py)
+        from miles.trainer.megatron.moe import decoder_block_spec
+
+        spec = decoder_block_spec(config, shape, te=use_transformer_engine(device),
+                                  core_attention=SDPACoreAttention if core_attention == "sdpa" else None)
+    elif use_transformer_engine(device):
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_layernorm)
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_layernorm, normalization="RMSNorm")
@@ -164,9 +252,12 @@ def build_gpt_model(shape: ModelShape, config, *, padded_vocab: int, device: tor
         def _postprocess(self, hidden_states, *args, **kwargs):
             return hidden_states
 
-    model = HiddenGPTModel(config, spec, vocab_size=padded_vocab, max_sequence_length=shape.max_position_embeddings,
-                           position_embedding_type="rope", rotary_base=int(shape.rotary_base),
-                           share_embeddings_and_output_weights=shape.tie_embeddings, parallel_output=True)
+    with _sequence_parallel_norms(config, spec) as spec:
+        model = HiddenGPTModel(config, spec, vocab_size=padded_vocab,
+                               max_sequence_length=shape.max_position_embeddings, position_embedding_type="rope",
+                               rotary_base=int(shape.rotary_base),
+                               share_embeddings_and_output_weights=shape.tie_embeddings, parallel_output=True,
+                               pre_process=pre_process, post_process=post_process)
     return model.to(device)
 
 

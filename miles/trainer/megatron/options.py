@@ -16,6 +16,7 @@ import torch
 
 from miles.config.base import ConfigError
 from miles.trainer.megatron.model import ModelShape, use_transformer_engine
+from miles.trainer.megatron.moe import MoeOptions, check_moe_shape, check_moe_static, resolve_moe
 from miles.utils.logging import get_logger, warn_once
 
 logger = get_logger(__name__)
@@ -39,7 +40,12 @@ class Options:
     transformer_impl: str | None = None
     vocab_divisible_by: int = 128
     pipeline_split_flags: tuple[str, ...] = ()
+    first_stage_layers: int | None = None          # --decoder-first-pipeline-num-layers
+    last_stage_layers: int | None = None           # --decoder-last-pipeline-num-layers
     moe_flags: tuple[str, ...] = ()
+    moe: MoeOptions = MoeOptions()                 # --moe-* flags (moe.py)
+    cp_comm_type: str = "p2p"                      # --cp-comm-type (context_parallel.py); Megatron's default
+    cp_comm_types: tuple[str, ...] = ()            # as given (one value, or one per layer)
 
 
 def resolve(m, train=None) -> Options:
@@ -66,7 +72,10 @@ def resolve(m, train=None) -> Options:
         recompute_method=method if granularity == "full" else None, recompute_num_layers=num if granularity == "full"
         else None, hidden_dropout=m.hidden_dropout or 0.0, attention_dropout=m.attention_dropout or 0.0,
         attention_backend=m.attention_backend or "auto", transformer_impl=m.transformer_impl,
-        vocab_divisible_by=m.make_vocab_size_divisible_by or 128, pipeline_split_flags=split, moe_flags=moe)
+        vocab_divisible_by=m.make_vocab_size_divisible_by or 128, pipeline_split_flags=split, moe_flags=moe, moe=resolve_moe(m),
+        first_stage_layers=m.decoder_first_pipeline_num_layers, last_stage_layers=m.decoder_last_pipeline_num_layers,
+        cp_comm_type=(getattr(m, "cp_comm_type", None) or ["p2p"])[0],
+        cp_comm_types=tuple(getattr(m, "cp_comm_type", None) or ()))
 
 
 def _mismatch(name: str, value, key: str, config_value) -> ConfigError:
@@ -80,6 +89,7 @@ def check_shape(m, shape: ModelShape) -> None:
     would build without SwiGLU, RMSNorm, qk-layernorm, ... when they are absent."""
     if m is None:
         return
+    check_moe_shape(m, shape)          # --num-experts, --moe-* against config.json (moe.py)
     values = {
         "--num-layers": (m.num_layers, "num_hidden_layers", shape.num_layers),
         "--hidden-size": (m.hidden_size, "hidden_size", shape.hidden_size),
@@ -145,6 +155,7 @@ def preflight_check(cfg, hf_config: dict | None) -> None:
     shape = shape_of(config)
     check_shape(cfg.megatron, shape)
     check_static(resolve(cfg.megatron, cfg.train), shape)
+    check_pipeline_algo(resolve(cfg.megatron, cfg.train), cfg.algo)
 
 
 def shape_of(hf_config) -> ModelShape:
@@ -156,17 +167,18 @@ def shape_of(hf_config) -> ModelShape:
 
 def check_static(o: Options, shape: ModelShape) -> None:
     """The unsupported values that do not depend on the device or the number of ranks."""
-    for name, v in (("--pipeline-model-parallel-size", o.pp), ("--context-parallel-size", o.cp),
-                    ("--expert-model-parallel-size", o.ep), ("--expert-tensor-parallel-size", o.etp)):
-        if v != 1:
-            raise ConfigError(f"{name} {v} is not supported by the Megatron backend yet (1 only); use "
-                              "--tensor-model-parallel-size and data parallelism, or drop the flag.")
-    if o.pipeline_split_flags:
-        raise ConfigError(f"{o.pipeline_split_flags[0]} needs --pipeline-model-parallel-size > 1, which is not "
-                          "supported yet: drop it.")
-    if o.moe_flags:
-        raise ConfigError(f"{o.moe_flags[0]}: MoE models are not supported by the Megatron backend yet "
-                          "(Llama, Qwen2 and Qwen3 dense): drop it or use --train-backend fsdp.")
+    check_moe_static(o, shape)         # MoE layers, --expert-model/tensor-parallel-size (moe.py)
+    from miles.trainer.megatron.pipeline import stage_layer_counts
+
+    stage_layer_counts(shape.num_layers, o.pp, o.first_stage_layers, o.last_stage_layers)
+    if o.pp > 1 and o.sequence_parallel:
+        raise ConfigError(f"--sequence-parallel with --pipeline-model-parallel-size {o.pp} is not supported (the "
+                          "pipeline sends whole-sequence hidden states); drop one of them.")
+    if o.pp > 1 and shape.num_experts:
+        raise ConfigError(f"--pipeline-model-parallel-size {o.pp} with a MoE model (config.json's num_experts "
+                          f"{shape.num_experts}) is not supported by the Megatron backend yet; use "
+                          "--pipeline-model-parallel-size 1 with expert, tensor and data parallelism.")
+    check_context_parallel(o, shape)
     for what, n in (("num_attention_heads", shape.num_attention_heads), ("num_key_value_heads",
                                                                          shape.num_query_groups),
                     ("intermediate_size", shape.ffn_hidden_size)):
@@ -175,13 +187,53 @@ def check_static(o: Options, shape: ModelShape) -> None:
                               "choose a TP size that divides the heads, the KV heads and the FFN size.")
 
 
+def check_context_parallel(o: Options, shape: ModelShape) -> None:
+    """``--context-parallel-size`` / ``--cp-comm-type`` (``context_parallel.py``): one line for a value or a
+    combination this backend does not run."""
+    from miles.trainer.megatron.context_parallel import COMM_TYPES
+
+    if len(set(o.cp_comm_types)) > 1:
+        raise ConfigError(f"--cp-comm-type {' '.join(o.cp_comm_types)}: one value per layer is accepted only when "
+                          "every layer uses the same one; give a single value.")
+    if len(o.cp_comm_types) not in (0, 1, shape.num_layers):
+        raise ConfigError(f"--cp-comm-type has {len(o.cp_comm_types)} values; give one, or one per layer "
+                          f"({shape.num_layers}).")
+    if o.cp == 1:                  # as in Megatron, --cp-comm-type has no effect without context parallelism
+        return
+    if o.cp_comm_type not in COMM_TYPES:
+        raise ConfigError(f"--cp-comm-type {o.cp_comm_type} (hierarchical context parallelism) needs "
+                          "--hierarchical-context-parallel-sizes, which the Megatron backend does not take; use a2a, "
+                          "all_gather or p2p.")
+    if o.pp > 1:
+        raise ConfigError(f"--context-parallel-size {o.cp} with --pipeline-model-parallel-size {o.pp} is not supported "
+                          "by the Megatron backend; use one of them (with tensor and data parallelism).")
+    if o.attention_backend in ("unfused", "local"):
+        raise ConfigError(f"--attention-backend {o.attention_backend} (megatron-core's DotProductAttention) does not "
+                          f"support --context-parallel-size {o.cp}; use --attention-backend auto/flash (torch SDPA).")
+    if o.cp_comm_type == "a2a":
+        heads, groups = shape.num_attention_heads // o.tp, shape.num_query_groups // o.tp
+        if heads % o.cp or groups % o.cp:
+            raise ConfigError(f"--cp-comm-type a2a splits the attention heads over the CP ranks: "
+                              f"--context-parallel-size {o.cp} does not divide the {heads} attention heads and "
+                              f"{groups} KV heads of a TP rank (config.json / TP {o.tp}); use --cp-comm-type "
+                              "all_gather or p2p, or a CP size that divides both.")
+
+
+def check_pipeline_algo(o: Options, algo) -> None:
+    """What does not run through the pipeline yet: the PPO critic."""
+    if o.pp > 1 and algo is not None and algo.loss_type != "sft_loss" and algo.advantage_estimator == "ppo":
+        raise ConfigError(f"--advantage-estimator ppo (the PPO critic) with --pipeline-model-parallel-size {o.pp} is "
+                          "not supported by the Megatron backend; use --pipeline-model-parallel-size 1 (tensor and "
+                          "data parallelism), another estimator (grpo, ...), or --train-backend fsdp.")
+
+
 def check_supported(o: Options, shape: ModelShape, device: torch.device, dp_size: int) -> None:
     """One line for the first value this build does not run on ``device`` with ``dp_size`` DP ranks."""
     check_static(o, shape)
     te = use_transformer_engine(device) and o.transformer_impl != "local"
-    if o.sequence_parallel and (not te or o.tp == 1):
-        why = "TP 1" if o.tp == 1 else "the local layer spec (no transformer-engine): its norms do not support it"
-        raise ConfigError(f"--sequence-parallel is not supported with {why}; drop --sequence-parallel.")
+    if o.sequence_parallel and o.tp == 1:          # Megatron-LM turns it off; here it is kept and does nothing
+        warn_once(logger, "--sequence-parallel has no effect with --tensor-model-parallel-size 1 (no TP group to "
+                          "split the sequence over).")
     if o.transformer_impl == "transformer_engine" and not te:
         warn_once(logger, "--transformer-impl transformer_engine: transformer-engine is unavailable here "
                           f"(device {device.type}); using megatron-core's local layer spec.")

@@ -11,7 +11,14 @@ so a TP group is ``tp_size`` consecutive ranks and data parallelism spans the re
 group (not the world). Gradients: the parameters megatron-core splits over TP (``convert.partition_dim``)
 hold their own shard's gradient; replicated ones are equal on every TP rank except the q/k layernorms
 (each rank sees its own heads), whose gradients are summed over TP, as megatron-core's
-``finalize_model_grads`` does. Then every gradient is averaged over DP (the loss was scaled by the DP size).
+``finalize_model_grads`` does; so are the norms of the sequence-parallel region under ``--sequence-parallel``
+(parameters marked ``sequence_parallel``). Then every gradient is averaged over DP (the loss was scaled by the
+DP size); with context parallelism (``cp_size > 1``) the CP ranks of a replica hold partial gradients (each
+of its own chunks), so they are summed over DP x CP in one all-reduce and divided by the DP size, and the
+sharded optimizer shards over DP x CP, as Megatron does. With pipeline parallelism (``pp_size > 1``, the
+outermost axis: a stage is a block of ``n / pp`` consecutive ranks) each stage reduces its own parameters;
+the two copies of a tied embedding (first and last stage) have their gradients summed over megatron-core's
+embedding group first, and the gradient norm sums the stages (the last stage's copy counted once).
 
 ``--use-distributed-optimizer`` (ZeRO-1, Megatron's meaning): with DP > 1 the AdamW state is sharded over
 the DP group by whole (TP-local) parameters (torch's ``ZeroRedundancyOptimizer``): each DP rank updates the
@@ -27,7 +34,9 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from miles.config.base import ConfigError
 from miles.trainer.megatron.convert import partition_dim
+from miles.trainer.megatron.moe import ep_sharded, expert_sq_norm, reduce_expert_grads
 
 
 @dataclass(frozen=True)
@@ -38,10 +47,26 @@ class Groups:
     tp_size: int
     dp_rank: int
     dp_size: int
+    pp: dist.ProcessGroup | None = None          # pipeline group (``pipeline.py``); None with one stage
+    pp_rank: int = 0
+    pp_size: int = 1
+    mp: dist.ProcessGroup | None = None          # TP x PP: the ranks of one model replica (same samples)
+    mp_size: int = 1
+    cp: dist.ProcessGroup | None = None          # context-parallel group (``context_parallel.py``); None with CP 1
+    cp_rank: int = 0
+    cp_size: int = 1
+    dp_cp: dist.ProcessGroup | None = None       # DP x CP: gradients are reduced over it
+    ep: dist.ProcessGroup | None = None          # expert-parallel group (moe.py); None with EP 1
+    ep_rank: int = 0
+    ep_size: int = 1
+    edp: dist.ProcessGroup | None = None         # expert-data-parallel group: expert gradients reduced over it
+    edp_size: int = 1
 
 
-def init_parallel(*, tp_size: int, num_trainer_ranks: int, seed: int, device: torch.device) -> Groups:
-    """Create (or reuse, when already laid out the same way) megatron-core's groups; seed its RNG tracker."""
+def init_parallel(*, tp_size: int, num_trainer_ranks: int, seed: int, device: torch.device, pp_size: int = 1,
+                  timeout: float | None = None, cp_size: int = 1, ep_size: int = 1, etp_size: int = 1) -> Groups:
+    """Create (or reuse, when already laid out the same way) megatron-core's groups; seed its RNG tracker.
+    ``timeout`` (seconds) bounds every collective of the groups megatron-core creates."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -53,17 +78,42 @@ def init_parallel(*, tp_size: int, num_trainer_ranks: int, seed: int, device: to
     if num_trainer_ranks % tp_size:
         raise ValueError(f"--tensor-model-parallel-size {tp_size} does not divide the {num_trainer_ranks} trainer "
                          "ranks; choose a divisor of --actor-num-nodes x --actor-num-gpus-per-node.")
+    if num_trainer_ranks % (tp_size * pp_size):
+        raise ValueError(f"--tensor-model-parallel-size {tp_size} x --pipeline-model-parallel-size {pp_size} does "
+                         f"not divide the {num_trainer_ranks} trainer ranks; choose sizes whose product divides it.")
+    if num_trainer_ranks % (tp_size * pp_size * cp_size):
+        raise ConfigError(f"--tensor-model-parallel-size {tp_size} x --pipeline-model-parallel-size {pp_size} x "
+                          f"--context-parallel-size {cp_size} does not divide the {num_trainer_ranks} trainer ranks; "
+                          "choose sizes whose product divides --actor-num-nodes x --actor-num-gpus-per-node.")
     if ps.model_parallel_is_initialized():
-        if ps.get_tensor_model_parallel_world_size() != tp_size:
+        if ps.get_context_parallel_world_size() != cp_size:
+            raise RuntimeError(f"megatron-core is already initialised with CP {ps.get_context_parallel_world_size()}, "
+                               f"not {cp_size}.")
+        if (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (tp_size,
+                                                                                                      pp_size):
             raise RuntimeError(f"megatron-core is already initialised with TP "
-                               f"{ps.get_tensor_model_parallel_world_size()}, not {tp_size}.")
+                               f"{ps.get_tensor_model_parallel_world_size()} x PP "
+                               f"{ps.get_pipeline_model_parallel_world_size()}, not {tp_size} x {pp_size}.")
     else:
+        kw = {"distributed_timeout_minutes": timeout / 60} if timeout else {}  # a timedelta(minutes=...): any float
         with trainer_world(num_trainer_ranks):
-            ps.initialize_model_parallel(tensor_model_parallel_size=tp_size, create_gloo_process_groups=False)
+            ps.initialize_model_parallel(tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=pp_size,
+                                         context_parallel_size=cp_size, create_gloo_process_groups=False,
+                                         expert_model_parallel_size=ep_size,
+                                         expert_tensor_parallel_size=etp_size, **kw)
     model_parallel_cuda_manual_seed(seed)
     return Groups(tp=ps.get_tensor_model_parallel_group(), dp=ps.get_data_parallel_group(),
                   tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp_size,
-                  dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size())
+                  dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
+                  pp=ps.get_pipeline_model_parallel_group() if pp_size > 1 else None,
+                  pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=pp_size,
+                  mp=ps.get_model_parallel_group(), mp_size=tp_size * pp_size,
+                  cp=ps.get_context_parallel_group() if cp_size > 1 else None, cp_rank=ps.get_context_parallel_rank(),
+                  cp_size=cp_size, dp_cp=ps.get_data_parallel_group(with_context_parallel=True) if cp_size > 1 else None,
+                  ep=ps.get_expert_model_parallel_group() if ep_size > 1 else None,
+                  ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ep_size,
+                  edp=ps.get_expert_data_parallel_group() if ep_size > 1 else None,
+                  edp_size=ps.get_expert_data_parallel_world_size())
 
 
 def _coalesced_all_reduce(grads: list[torch.Tensor], group: dist.ProcessGroup, op) -> None:
@@ -92,7 +142,8 @@ def distributed_adamw(model: nn.Module, groups: Groups, *, lr: float, weight_dec
     param_groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
                                 {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
     kw = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    return ZeroRedundancyOptimizer(param_groups, optimizer_class=torch.optim.AdamW, process_group=groups.dp,
+    return ZeroRedundancyOptimizer(param_groups, optimizer_class=torch.optim.AdamW,
+                                   process_group=groups.dp_cp if groups.cp_size > 1 else groups.dp,
                                    lr=lr, betas=betas, eps=eps, **kw)
 
 
@@ -113,19 +164,36 @@ def finish_grads(model: nn.Module, groups: Groups) -> None:
         partial = [p.grad for n, p in named if _tp_partial(n)]
         if partial:
             _coalesced_all_reduce(partial, groups.tp, dist.ReduceOp.SUM)
-    if groups.dp_size > 1:
-        _coalesced_all_reduce([p.grad for _, p in named], groups.dp, dist.ReduceOp.AVG)
+    tied = [p.grad for _, p in named if getattr(p, "shared_embedding", False)]
+    if groups.pp_size > 1 and tied:        # tied embeddings over PP: the first and last stage's copies
+        from megatron.core import parallel_state as ps
+
+        _coalesced_all_reduce(tied, ps.get_embedding_group(), dist.ReduceOp.SUM)
+    sequence_parallel = [p.grad for n, p in named if getattr(p, "sequence_parallel", False) and not _tp_partial(n)]
+    if groups.tp_size > 1 and sequence_parallel:    # norms in the sequence-parallel region: each TP rank saw
+        _coalesced_all_reduce(sequence_parallel, groups.tp, dist.ReduceOp.SUM)    # its part of the sequence
+    if groups.cp_size > 1:      # CP ranks hold partial sums (their chunks): sum over DP x CP, average over DP
+        grads = [p.grad for _, p in named]
+        _coalesced_all_reduce(grads, groups.dp_cp, dist.ReduceOp.SUM)
+        if groups.dp_size > 1:
+            torch._foreach_div_(grads, float(groups.dp_size))
+    elif groups.dp_size > 1:
+        _coalesced_all_reduce([p.grad for n, p in named if not ep_sharded(n, groups)], groups.dp,
+                              dist.ReduceOp.AVG)
+    reduce_expert_grads(named, groups)      # EP > 1: experts over expert-DP (moe.py)
 
 
 @torch.no_grad()
 def clip_grad_norm(model: nn.Module, groups: Groups, max_norm: float) -> float:
-    """Global L2 norm of the full model's gradients (TP shards summed, replicated ones once) and, when
-    ``max_norm > 0``, scale them to it (torch's ``clip_grads_with_norm_`` rule)."""
+    """Global L2 norm of the full model's gradients (TP shards summed, replicated ones once, PP stages summed,
+    the last stage's copy of a tied embedding left out) and, when ``max_norm > 0``, scale them to it (torch's
+    ``clip_grads_with_norm_`` rule)."""
     named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
     if not named:
         return 0.0
-    sharded = [p.grad for n, p in named if partition_dim(n) is not None]
-    replicated = [p.grad for n, p in named if partition_dim(n) is None]
+    counted = [(n, p) for n, p in named if not getattr(p, "shared", False)]
+    sharded = [p.grad for n, p in counted if partition_dim(n) is not None]
+    replicated = [p.grad for n, p in counted if partition_dim(n) is None and not ep_sharded(n, groups)]
     dev = named[0][1].grad.device
 
     def sq(gs: list[torch.Tensor]) -> torch.Tensor:
@@ -136,7 +204,10 @@ def clip_grad_norm(model: nn.Module, groups: Groups, max_norm: float) -> float:
     local = sq(sharded)
     if groups.tp_size > 1:
         dist.all_reduce(local, group=groups.tp)
-    norm = (local + sq(replicated)).sqrt()
+    total = local + sq(replicated) + expert_sq_norm(counted, groups, sq)
+    if groups.pp_size > 1:
+        dist.all_reduce(total, group=groups.pp)
+    norm = total.sqrt()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_([p for _, p in named], max_norm, norm, foreach=True)
     return float(norm)

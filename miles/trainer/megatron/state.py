@@ -1,7 +1,7 @@
-"""Checkpoints of the Megatron trainer: the FSDP trainer's crash-safe layout and resume guarantees, with
-the tensors in a torch.distributed.checkpoint (DCP) directory of our own layout (not Megatron-LM's
-``torch_dist``: megatron-core's ``dist_checkpointing`` runs its collectives on the default group,
-which spans the engine ranks too, so it cannot save from the trainer ranks alone)::
+"""The checkpoint layout the Megatron trainer wrote before it wrote Megatron-LM's (``dist_ckpt.py``): still read,
+so a run saved that way resumes (``dist_ckpt.resume`` comes here when ``--load`` has ``step_*`` dirs and no
+Megatron tracker); ``save_trainer_state`` writes it (tests). The FSDP trainer's crash-safe ``step_N/COMPLETE``
+directories, with the tensors in a torch.distributed.checkpoint (DCP) directory of our own layout::
 
     actor/, critic/ (ppo) DCP over the trainer group: every parameter in megatron-core names, each
                           TP-split one as a DTensor sharded over the TP group (fc1 as ``/gate`` and
@@ -29,6 +29,7 @@ import torch
 from miles.trainer.checkpoint import rng_state, set_rng_state
 from miles.trainer.megatron.convert import is_glu_fc1, partition_dim
 from miles.trainer.megatron.parallel import local_optimizer
+from miles.trainer.megatron.pipeline import global_named_parameters, is_tied_copy
 from miles.trainer.state import FORMAT, _agreed, _try
 from miles.utils.logging import get_logger
 
@@ -87,7 +88,14 @@ def _ensure_optim_state(opt: torch.optim.Optimizer) -> None:
 def _state_dict(trainer: MegatronTrainer, model, optimizer, with_optim: bool) -> dict[str, torch.Tensor]:
     mesh, tp = _tp_mesh(trainer), trainer.groups.tp_size
     sd: dict[str, torch.Tensor] = {}
-    named = list(model.named_parameters())
+    # layers by global index under pipeline parallelism; the last stage's copy of a tied embedding is saved and
+    # loaded as the embedding (same values), so a checkpoint has the same keys for every PP size
+    named = [("embedding.word_embeddings.weight" if is_tied_copy(p) else n, p) for n, p in global_named_parameters(model)]
+    if trainer.groups.ep_size > 1:      # experts by global index (moe.py), so EP ranks never share a key
+        from miles.trainer.megatron.moe import global_name
+
+        num_local = trainer.shape.num_experts // trainer.groups.ep_size
+        named = [(global_name(n, trainer.groups.ep_rank, num_local), p) for n, p in named]
     for name, p in named:
         sd.update(_entries(name, name, p.detach(), mesh, tp))
     if with_optim:
@@ -130,6 +138,7 @@ def save_trainer_state(trainer: MegatronTrainer, path: Path, extra: dict) -> Non
                    path / "rng" / f"rank{trainer.trainer_rank:05d}.pt")
         if trainer.trainer_rank == 0:
             meta = {"format": FORMAT, "backend": "megatron", "tensor_model_parallel_size": trainer.groups.tp_size,
+                    "pipeline_model_parallel_size": trainer.groups.pp_size,
                     "padded_vocab_size": trainer.padded_vocab, "world_size": trainer.trainer_world,
                     "schedule": trainer.schedule.state_dict(), "has_optim": with_optim,
                     "critic_schedule": trainer.critic.schedule.state_dict() if trainer.critic is not None else None,

@@ -18,6 +18,10 @@ the same count on every data-parallel rank), the forward-only passes, advantages
   sample per row, causal attention; padding comes after the real tokens, so it is never attended to).
 - log-probs: the shared chunked implementation, vocabulary-parallel under TP (``logprobs.VocabShard``:
   no rank materialises the full vocabulary); padding rows of the vocabulary are excluded.
+- context parallelism (``context_parallel.py``): each CP rank runs its two chunks of every row and computes
+  log-probs, entropy and values on its own positions; ``RowShard.reassemble`` all-gathers them into
+  micro-batch order for the shared loss. ``--sequence-parallel``: the sequence-split output is all-gathered
+  over TP before the head.
 - gradients: TP-partial ones summed over TP, all averaged over DP, the norm over the full model
   (``parallel.finish_grads`` / ``clip_grad_norm``); AdamW over this rank's shards, its state sharded over
   DP with ``--use-distributed-optimizer``.
@@ -36,14 +40,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from miles.config.base import ConfigError
-from miles.trainer.batching import MicroBatch
+from miles.trainer.batching import MicroBatch, plan_micro_batches
 from miles.trainer.fsdp import FSDPTrainer
 from miles.trainer.logprobs import VocabShard, logprobs_and_entropy
 from miles.trainer.losses import custom_loss, load_custom_loss, policy_loss, sft_loss
-from miles.trainer.megatron import convert, export, options, parallel
+from miles.trainer.megatron import context_parallel, convert, export, moe, options, parallel, pipeline
 from miles.trainer.megatron import model as mmodel
 from miles.trainer.metrics import peak_tflops
-from miles.trainer.optim import LRSchedule, build_adamw
+from miles.trainer.optim import LRSchedule, MasterWeights, build_adamw
 from miles.types import Sample
 from miles.utils.logging import get_logger
 
@@ -72,6 +76,7 @@ class MegatronTrainer(FSDPTrainer):
                  num_steps_per_rollout: int, timeout: float, mesh=None):
         self.cfg, self.algo, self.ckpt = train, algo, ckpt
         self.opts = options.resolve(megatron, train)
+        self.megatron_cfg = megatron            # the checkpoint flags (dist_ckpt.py): --finetune, --ckpt-step, ...
         self.device, self.timeout, self.mesh = torch.device(device), float(timeout), None
         self.trainer_group = group
         self.trainer_rank, self.trainer_world = dist.get_rank(group), dist.get_world_size(group)
@@ -89,22 +94,29 @@ class MegatronTrainer(FSDPTrainer):
             logger.info("--megatron-to-hf-mode %s: weights are converted by miles's own converter (convert.py), "
                         "to the same HF names and shapes.", train.megatron_to_hf_mode)
         options.check_shape(megatron, self.shape)
-        options.check_supported(self.opts, self.shape, self.device, max(self.trainer_world // self.opts.tp, 1))
+        options.check_supported(self.opts, self.shape, self.device,
+                                max(self.trainer_world // (self.opts.tp * self.opts.pp), 1))
+        options.check_pipeline_algo(self.opts, algo)
         ranks = dist.get_process_group_ranks(group)
         if ranks != list(range(self.trainer_world)):     # megatron-core lays its groups over ranks 0..n-1
             raise RuntimeError(f"the Megatron trainer needs the trainer ranks to be global ranks "
                                f"0..{self.trainer_world - 1}, got {ranks}")
         self.groups = parallel.init_parallel(tp_size=self.opts.tp, num_trainer_ranks=self.trainer_world,
-                                             seed=train.seed, device=self.device)
+                                             seed=train.seed, device=self.device, pp_size=self.opts.pp,
+                                             timeout=self.timeout, cp_size=self.opts.cp, ep_size=self.opts.ep,
+                                             etp_size=self.opts.etp)
+        if self.shape.num_experts:            # megatron-core's MoE modules without TE / on CPU (moe.py)
+            moe.apply_moe_compat()
+            if self.device.type != "cuda":
+                moe.apply_moe_cpu_compat()
+        self._sequence_parallel = self.opts.sequence_parallel and self.opts.tp > 1    # TP 1: nothing to split
+        self.stage = pipeline.Stage.from_parallel_state(self.timeout)
         self.group, self.rank, self.world = self.groups.dp, self.groups.dp_rank, self.groups.dp_size
         tp = self.groups.tp_size
         self.padded_vocab = mmodel.padded_vocab_size(self.shape.vocab_size, self.opts.vocab_divisible_by, tp)
         self.vocab_size = self.shape.vocab_size
         self.pad_id = 0
         self.bf16 = self.device.type == "cuda" if train.bf16 is None else bool(train.bf16)
-        if self.bf16 and self.device.type != "cuda":
-            raise ConfigError("--bf16 with --train-backend megatron needs a GPU (megatron-core's layers are "
-                              "autocast-aware on CUDA only); drop --bf16 to train in fp32 on CPU.")
         self.mp_policy = None
         self._dropout = self.opts.hidden_dropout > 0 or self.opts.attention_dropout > 0
         self.dropout_rng_state = torch.Generator().manual_seed(train.seed + 2718).get_state()
@@ -115,7 +127,7 @@ class MegatronTrainer(FSDPTrainer):
         self.num_params = self._full_param_count()
         adam = dict(lr=train.lr, weight_decay=train.weight_decay, betas=(train.adam_beta1, train.adam_beta2),
                     eps=train.adam_eps, device=self.device)
-        self.distributed_optimizer = self.opts.distributed_optimizer and self.world > 1
+        self.distributed_optimizer = self.opts.distributed_optimizer and self.world * self.groups.cp_size > 1
         self.optimizer = (parallel.distributed_adamw(self.model, self.groups, **adam) if self.distributed_optimizer
                           else build_adamw(self.model, **adam))
         decay = train.lr_decay_iters or total_steps
@@ -144,12 +156,16 @@ class MegatronTrainer(FSDPTrainer):
         start = self.groups.tp_rank * (self.padded_vocab // tp)
         self.vocab_shard = VocabShard(self.groups.tp, start, self.vocab_size) if tp > 1 else None
         self.peak = peak_tflops(self.device, getattr(train, "mfu_peak_tflops", None))
+        # bf16 (default on GPU): Megatron's recipe, the FSDP backend's too: fp32 masters, bf16 compute copies,
+        # fp32 gradients (optim.MasterWeights); the frozen reference and teacher are plain bf16 models
+        self._masters = {id(m): MasterWeights([m]) for m in (self.model, self.critic.model if self.critic else None)
+                         if m is not None and self.bf16}
         self._keep_unsharded = {id(m): False for m in (self.model, self.ref, self.teacher,
                                                      self.critic.model if self.critic else None) if m is not None}
         self.last_rollout_id: int | None = None
         self._hf_state = None                      # the converted weights are in the models now
-        logger.info("Megatron trainer ready: %s params, TP %d x DP %d, device %s, %s layer spec, bf16 %s, ref %s, "
-                    "critic %s", f"{self.num_params:,}", tp, self.world, self.device,
+        logger.info("Megatron trainer ready: %s params, TP %d x PP %d x DP %d, device %s, %s layer spec, bf16 %s, "
+                    "ref %s, critic %s", f"{self.num_params:,}", tp, self.groups.pp_size, self.world, self.device,
                     "transformer-engine" if mmodel.use_transformer_engine(self.device) else "local", self.bf16,
                     self.ref is not None, self.critic is not None)
 
@@ -182,6 +198,11 @@ class MegatronTrainer(FSDPTrainer):
     def _build_policy(self, path: str, *, offload: bool, recompute: bool):
         from transformers import AutoConfig
 
+        from miles.trainer.megatron import dist_ckpt, torch_dist
+
+        megatron_ckpt, ckpt_path = torch_dist.is_megatron_root(path), path    # --ref-load of a Megatron checkpoint
+        if megatron_ckpt:                       # built like --hf-checkpoint, then its weights are loaded
+            path = self.cfg.hf_checkpoint
         shape = mmodel.ModelShape.from_hf_config(AutoConfig.from_pretrained(path))
         if shape != self.shape:
             raise ConfigError(f"{path}: its architecture differs from --hf-checkpoint's ({shape} vs {self.shape}); "
@@ -192,37 +213,52 @@ class MegatronTrainer(FSDPTrainer):
             recompute=o.recompute_granularity if recompute else None, recompute_method=o.recompute_method,
             recompute_num_layers=o.recompute_num_layers, attention_softmax_in_fp32=True,
             hidden_dropout=o.hidden_dropout if recompute else 0.0,
-            attention_dropout=o.attention_dropout if recompute else 0.0)
+            attention_dropout=o.attention_dropout if recompute else 0.0, pp_size=o.pp,
+            first_stage_layers=o.first_stage_layers, last_stage_layers=o.last_stage_layers,
+            sequence_parallel=self._sequence_parallel, cp_size=o.cp, cp_comm_type=o.cp_comm_type,
+            moe=moe.config_kwargs(shape, o.moe, ep=o.ep, etp=o.etp, te=mmodel.use_transformer_engine(self.device)))
         core = "unfused" if o.attention_backend in ("unfused", "local") else "sdpa"
         model = mmodel.build_gpt_model(shape, config, padded_vocab=self.padded_vocab, device=self.device,
-                                       core_attention=core)
-        convert.load_hf_into(model, self._hf(path), shape, self.padded_vocab, self.groups.tp_rank,
-                             self.groups.tp_size)
+                                       core_attention=core, pre_process=self.stage.is_first,
+                                       post_process=self.stage.is_last)
+        load = pipeline.load_hf_into if o.pp > 1 else convert.load_hf_into
+        ep = {"ep_rank": self.groups.ep_rank, "ep_size": self.groups.ep_size} if self.groups.ep_size > 1 else {}
+        load(model, self._hf(path), shape, self.padded_vocab, self.groups.tp_rank, self.groups.tp_size, **ep)
+        if megatron_ckpt:
+            ref = ckpt_path == self.cfg.ref_load
+            dist_ckpt.load_weights(self, model, ckpt_path, getattr(self.megatron_cfg, "ref_ckpt_step", None) if ref
+                                   else None, "--ref-load" if ref else "--critic-load/--opd-teacher-load")
         if offload:
             model.eval()
             for p in model.parameters():
                 p.requires_grad_(False)
+                if self.bf16:                  # frozen: bf16 parameters only (as the trained models compute)
+                    p.data = p.data.to(torch.bfloat16)
         return model
 
     def _full_param_count(self) -> int:
-        """Parameters of the whole model (TP shards summed once, vocabulary padding excluded)."""
-        sharded = sum(p.numel() for n, p in self.model.named_parameters() if convert.partition_dim(n) is not None)
-        replicated = sum(p.numel() for n, p in self.model.named_parameters() if convert.partition_dim(n) is None)
-        t = torch.tensor([float(sharded)], dtype=torch.float64, device=self.device)
+        """Parameters of the whole model (TP shards summed once, PP stages summed, a tied embedding and the
+        vocabulary padding counted once)."""
+        named = [(n, p) for n, p in self.model.named_parameters() if not pipeline.is_tied_copy(p)]
+        sharded = sum(p.numel() for n, p in named if convert.partition_dim(n) is not None)
+        replicated = sum(p.numel() for n, p in named if convert.partition_dim(n) is None
+                         and not moe.ep_sharded(n, self.groups))
+        experts = sum(p.numel() for n, p in named if moe.ep_sharded(n, self.groups))   # EP > 1: summed over EP
+        t = torch.tensor([float(sharded), float(replicated)], dtype=torch.float64, device=self.device)
+        if experts:
+            e = torch.tensor([float(experts)], dtype=torch.float64, device=self.device)
+            dist.all_reduce(e, group=self.groups.ep)
+            t[1] += e[0]
         if self.groups.tp_size > 1:
-            dist.all_reduce(t, group=self.groups.tp)
+            dist.all_reduce(t[:1], group=self.groups.tp)
+        if self.groups.pp_size > 1:
+            dist.all_reduce(t, group=self.groups.pp)
+        sharded, replicated = t.tolist()
         pad_rows = self.padded_vocab - self.vocab_size
         embeds = 1 if self.shape.tie_embeddings else 2
-        return int(t.item()) + replicated - pad_rows * self.shape.hidden_size * embeds
+        return int(sharded + replicated) - pad_rows * self.shape.hidden_size * embeds
 
     # ------------------------------------------------------------------ forward
-    def _autocast(self):
-        """bf16 (default on GPU): fp32 parameters (the AdamW masters), the forward under CUDA autocast
-        (megatron-core's tensor-parallel linear layers are autocast-aware on CUDA only)."""
-        if self.bf16:
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
     @contextlib.contextmanager
     def _dropout_stream(self, model):
         """On CPU, megatron-core's hidden dropout draws from the global torch generator, which other code
@@ -240,41 +276,119 @@ class MegatronTrainer(FSDPTrainer):
             self.dropout_rng_state = torch.get_rng_state()
             torch.set_rng_state(outer)
 
-    def _hidden(self, model, mb: MicroBatch) -> torch.Tensor:
-        """Final-norm hidden states [N, h] at the positions that predict the response tokens."""
-        ids, pos, index = padded_batch(mb, self.pad_id)
-        with self._autocast(), self._dropout_stream(model):
+    def _stage_forward(self, model, mb: MicroBatch, x: torch.Tensor | None = None):
+        """This pipeline stage's forward: (hidden states [s, b, h], index [N] of the response-predicting
+        positions in the flattened [b * s]); ``x`` is the previous stage's output (None on the first stage)."""
+        return self._rows_forward(model, mb, x)[:2]
+
+    def _rows_forward(self, model, mb: MicroBatch, x: torch.Tensor | None = None):
+        """``_stage_forward`` plus the CP split: with context parallelism the rows are this CP rank's chunks
+        (``context_parallel.shard_rows``: hidden [2c, b, h], index [n] into [b * 2c], and the shard that
+        reassembles per-position values), else the shard is None. Under ``--sequence-parallel`` the
+        sequence-split output is all-gathered over TP (backward: this rank's part of the replicated gradient)."""
+        cp = self.groups.cp_size
+        multiple = (2 * cp if cp > 1 else 1) * (self.groups.tp_size if self._sequence_parallel else 1)
+        ids, pos, index = padded_batch(mb, self.pad_id, multiple)
+        shard = None
+        if cp > 1:
+            shard = context_parallel.shard_rows(ids, pos, index, self.groups.cp_rank, cp)
+            ids, pos, index = shard.input_ids, shard.position_ids, shard.local_index
+        if x is not None:
+            model.set_input_tensor(x)
+        with self._dropout_stream(model):
             hidden = model(ids, pos, attention_mask=None)                        # [s, b, h]
-        b, s = ids.shape
-        return hidden.transpose(0, 1).reshape(b * s, -1).index_select(0, index)
+        if self._sequence_parallel:
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False,
+                                                          group=self.groups.tp)
+        return hidden, index, shard
+
+    def _local_hidden(self, model, mb: MicroBatch):
+        """(hidden [n, h] at this CP rank's response-predicting positions, their targets [n], ``full``:
+        per-position values of those positions [n] -> the whole micro-batch's [N], on every CP rank; without
+        CP all N positions and the identity)."""
+        hidden, index, shard = self._rows_forward(model, mb)
+        h = pipeline._select(hidden, index)
+        if shard is None:
+            return h, mb.targets, lambda t: t
+        return h, mb.targets.index_select(0, shard.mine), lambda t: shard.reassemble(t, self.groups.cp)
+
+    def _hidden(self, model, mb: MicroBatch) -> torch.Tensor:
+        """Final-norm hidden states [N, h] at the positions that predict the response tokens (one stage)."""
+        return pipeline._select(*self._stage_forward(model, mb))
 
     def _policy_forward(self, model, mb: MicroBatch, *, with_entropy: bool = False, entropy_grad: bool = False):
+        if self.groups.cp_size == 1:
+            return self._head_logprobs(model, mb, self._hidden(model, mb), with_entropy=with_entropy,
+                                       entropy_grad=entropy_grad)
+        # context parallelism: log-probs and entropy of this rank's positions, reassembled per micro-batch
+        h, targets, full = self._local_hidden(model, mb)
+        if h.shape[0] == 0:       # no response position in this rank's chunks: the backward must still run
+            lp = h.float().sum(-1) * 0.0                                # (collectives), so stay in the graph
+            ent = lp if with_entropy else None
+        else:
+            lp, ent = self._head_logprobs(model, mb, h, with_entropy=with_entropy, entropy_grad=entropy_grad,
+                                          targets=targets)
+        return full(lp), (full(ent) if ent is not None else None)
+
+    def _head_logprobs(self, model, mb: MicroBatch, h: torch.Tensor, *, with_entropy: bool = False,
+                       entropy_grad: bool = False, targets: torch.Tensor | None = None):
+        """Log-probs (and entropy) of ``mb``'s targets (or ``targets``) from the final hidden states ``h`` [N, h]
+        (last stage)."""
         from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
-        h = self._hidden(model, mb)                                              # [N, h]
         weight = mmodel.output_weight(model)
         if self.vocab_shard is not None:
             h = copy_to_tensor_model_parallel_region(h, group=self.groups.tp)   # backward: sum over TP
 
             def head(x):
                 return F.linear(x, weight.to(x.dtype))
-        else:
-            vocab = self.vocab_size
-
-            def head(x):
-                return F.linear(x, weight[:vocab].to(x.dtype))
-        return logprobs_and_entropy(h, head, mb.targets, temperature=self.temperature,
+        else:                   # the weight itself: logprobs takes its fused path on GPU
+            head = weight[:self.vocab_size] if weight.shape[0] != self.vocab_size else weight
+        return logprobs_and_entropy(h, head, mb.targets if targets is None else targets, temperature=self.temperature,
                                     chunk_size=self.cfg.log_probs_chunk_size, with_entropy=with_entropy,
                                     entropy_grad=entropy_grad, vocab_shard=self.vocab_shard)
 
     # ------------------------------------------------------------------ training
     def train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
-        """Train on this TP group's samples (each rank's share, gathered over the TP group)."""
-        if self.groups.tp_size > 1:
-            parts: list = [None] * self.groups.tp_size
-            dist.all_gather_object(parts, list(samples), group=self.groups.tp)
+        """Train on this model replica's samples (each rank's share, gathered over the TP x PP group)."""
+        if self.groups.mp_size > 1:
+            parts: list = [None] * self.groups.mp_size
+            dist.all_gather_object(parts, list(samples), group=self.groups.mp)
+            samples = [s for part in parts for s in part]
+        if self.groups.cp_size > 1:          # the CP ranks of a replica train the same samples (their chunks)
+            parts = [None] * self.groups.cp_size
+            dist.all_gather_object(parts, list(samples), group=self.groups.cp)
             samples = [s for part in parts for s in part]
         return super().train(samples, rollout_id)
+
+    def _plan(self, lengths: list[int]) -> list[list[int]]:
+        """Miles's budget under context parallelism: a micro-batch of ``--max-tokens-per-gpu`` x CP tokens (each
+        CP rank holds 1/CP of them)."""
+        cp, budget = self.groups.cp_size, self.cfg.max_tokens_per_gpu
+        if cp == 1 or not self.cfg.use_dynamic_batch_size:
+            return super()._plan(lengths)
+        if lengths and max(lengths) > budget * cp:
+            raise ConfigError(f"a sample of {max(lengths)} tokens (prompt + response) exceeds --max-tokens-per-gpu "
+                              f"{budget} x --context-parallel-size {cp} = {budget * cp}; raise --max-tokens-per-gpu "
+                              f"to at least {-(-max(lengths) // cp)} or cap --rollout-max-response-len.")
+        return plan_micro_batches(lengths, micro_batch_size=self.cfg.micro_batch_size, max_tokens=budget * cp,
+                                  dynamic=True)
+
+    def _forward_pass(self, model, fn, data) -> list[torch.Tensor]:
+        """With PP, a forward-only pass is a log-prob pass through the pipeline (``pipeline.forward_pass``; the
+        critic, the other user of this hook, is refused with PP)."""
+        with self._bf16(model):
+            if self.stage.size == 1:
+                return super()._forward_pass(model, fn, data)
+            return pipeline.forward_pass(self, model, data)
+
+    def _forward_backward(self, data, ids, per_sample, samples):
+        with self._bf16(self.model, self.critic.model if self.critic is not None else None):
+            if self.stage.size == 1:
+                return super()._forward_backward(data, ids, per_sample, samples)
+            return pipeline.forward_backward(self, data, ids, per_sample, samples)
 
     def _clip_grad_norm(self) -> float:
         parallel.finish_grads(self.model, self.groups)
@@ -297,7 +411,7 @@ class MegatronTrainer(FSDPTrainer):
     def _perf_metrics(self, *args, **kwargs) -> dict[str, float]:
         out = super()._perf_metrics(*args, **kwargs)
         if "mfu" in out:                                   # the shared formula counts DP ranks as GPUs
-            out["mfu"] /= self.groups.tp_size
+            out["mfu"] /= self.groups.tp_size * self.groups.pp_size * self.groups.cp_size
         return out
 
     # ------------------------------------------------------------------ weights
@@ -307,23 +421,34 @@ class MegatronTrainer(FSDPTrainer):
         bucket); every trainer rank must iterate to the end and receives the full tensors."""
         return export.iter_hf_buckets(self.model, self.shape, self.groups, device=self.device,
                                       bucket_bytes=bucket_bytes, dtype=dtype, timeout=self.timeout,
-                                      prefetch=prefetch)
+                                      prefetch=prefetch, stage=self.stage)
 
     # ------------------------------------------------------------------ checkpoints
+    # Megatron-LM's layout: <save>/iter_<rollout_id>/ (torch_dist) + latest_checkpointed_iteration.txt
     def save(self, path: str | Path, extra: dict) -> None:
-        from miles.trainer.megatron import state
+        from miles.trainer.megatron import dist_ckpt
 
-        state.save_trainer_state(self, Path(path), extra)
+        dist_ckpt.write_state(self, Path(path), extra)
 
-    def load(self, path: str | Path) -> dict:
-        from miles.trainer.megatron import state
+    def load(self, path: str | Path) -> dict | None:
+        from miles.trainer.megatron import dist_ckpt
 
-        return state.load_trainer_state(self, Path(path))
+        return dist_ckpt.load_state(self, Path(path))
+
+    def checkpoint(self, rollout_id: int, extra: dict) -> Path:
+        from miles.trainer.megatron import dist_ckpt
+
+        if not self.ckpt.save:
+            raise ValueError("checkpoint() needs --save DIR.")
+        path = dist_ckpt.save(self, rollout_id, {**extra, "rollout_id": rollout_id})
+        if self.ckpt.save_hf:
+            self.save_hf(self.ckpt.save_hf.format(rollout_id=rollout_id))
+        return path
 
     def resume(self) -> dict | None:
-        from miles.trainer.megatron import state
+        from miles.trainer.megatron import dist_ckpt
 
-        return state.resume_latest(self)
+        return dist_ckpt.resume(self)
 
 
 def _teacher_in_trainer(algo) -> bool:

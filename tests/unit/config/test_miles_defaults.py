@@ -1,18 +1,26 @@
-"""Defaults equal Miles v0.1.0's for the backend in use.
+"""Defaults equal Miles v0.1.0's for the backend in use, and the backend in use is megatron unless named.
 
-The tables were read from Miles v0.1.0: ``miles/utils/arguments.py`` (with its ``reset_arg`` overrides,
-e.g. ``--lr`` 1e-6 after either backend's parser), ``miles/backends/fsdp_utils/arguments.py`` (FSDPArgs)
-for ``--train-backend fsdp``, and Megatron-LM's ``megatron/training/arguments.py`` for ``megatron``.
-``DEPARTURES`` are the defaults kept different on purpose; docs/flags.md lists them with the reason.
+The tables were read from Miles v0.1.0: ``miles/utils/arguments.py`` (``--train-backend`` defaults to
+megatron; its ``reset_arg`` overrides, e.g. ``--lr`` 1e-6 after either backend's parser),
+``miles/backends/fsdp_utils/arguments.py`` (FSDPArgs) for ``--train-backend fsdp``, and Megatron-LM's
+``megatron/training/arguments.py`` with ``miles/backends/megatron_utils/arguments.py``'s
+``set_default_megatron_args`` for ``megatron``. ``DEPARTURES`` are the defaults kept different on purpose;
+docs/flags.md lists them with the reason.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from miles.config import MilesConfig, parse_args
+from miles.trainer.megatron.options import resolve
+
+REPO = Path(__file__).resolve().parents[3]
 
 BASE: list[str] = []  # nothing given (parsed without the checks that need --num-rollout and friends)
 
@@ -68,10 +76,20 @@ MILES_V010_BY_BACKEND = {
     "lr_decay_style": ("constant", "linear"),
 }
 
+# Miles v0.1.0's Megatron side, as the Megatron trainer resolves its flags (miles.trainer.megatron.options)
+MILES_V010_MEGATRON = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "etp": 1, "sequence_parallel": False,
+                       "recompute_granularity": None, "attention_backend": "auto", "vocab_divisible_by": 128,
+                       "cp_comm_type": "p2p"}
+
 # kept different on purpose (docs/flags.md, "Departures from Miles"): dest -> (Miles v0.1.0, here)
 DEPARTURES = {
-    "train_backend": ("megatron", "fsdp"),
     "save_interval": (None, 100),
+}
+# the same for the Megatron trainer's resolved options: field -> (flag, Miles v0.1.0, here)
+MEGATRON_DEPARTURES = {
+    "hidden_dropout": ("--hidden-dropout", 0.1, 0.0),                # Megatron-LM's; Miles's scripts pass 0.0
+    "attention_dropout": ("--attention-dropout", 0.1, 0.0),
+    "distributed_optimizer": ("--use-distributed-optimizer", True, False),  # set_default_megatron_args: on for adam
 }
 
 
@@ -84,19 +102,25 @@ def _values(cfg: MilesConfig) -> dict:
     return out
 
 
-def test_defaults_equal_miles_v010_with_fsdp():
-    got = _values(parse_args(BASE, validate=False))
+@pytest.mark.parametrize("argv", [BASE, BASE + ["--train-backend", "megatron"]], ids=["no-backend", "megatron"])
+def test_defaults_equal_miles_v010_with_megatron(argv):
+    """Naming no backend is naming megatron: Miles's default backend with its Megatron-side defaults."""
+    cfg = parse_args(argv, validate=False)
+    got = _values(cfg)
+    assert got["train_backend"] == "megatron"
     wrong = {k: (got[k], v) for k, v in MILES_V010.items() if got[k] != v or type(got[k]) is not type(v)
              and not (isinstance(v, float) and isinstance(got[k], (int, float)))}
     assert not wrong, f"dest: (here, Miles v0.1.0) {wrong}"
-    for k, (fsdp, _) in MILES_V010_BY_BACKEND.items():
-        assert got[k] == fsdp, k
+    assert {k: got[k] for k in MILES_V010_BY_BACKEND} == {k: m for k, (_, m) in MILES_V010_BY_BACKEND.items()}
+    opts = resolve(cfg.megatron, cfg.train)
+    assert {k: getattr(opts, k) for k in MILES_V010_MEGATRON} == MILES_V010_MEGATRON
 
 
-def test_megatron_backend_takes_megatron_lm_defaults():
-    got = _values(parse_args(BASE + ["--train-backend", "megatron"], validate=False))
-    for k, (_, megatron) in MILES_V010_BY_BACKEND.items():
-        assert got[k] == megatron, k
+def test_fsdp_backend_takes_miles_fsdp_defaults():
+    got = _values(parse_args(BASE + ["--train-backend", "fsdp"], validate=False))
+    wrong = {k: (got[k], v) for k, v in MILES_V010.items() if got[k] != v}
+    assert not wrong, f"dest: (here, Miles v0.1.0) {wrong}"
+    assert {k: got[k] for k in MILES_V010_BY_BACKEND} == {k: f for k, (f, _) in MILES_V010_BY_BACKEND.items()}
     assert got["lr"] == 1e-6 and got["optimizer"] == "adam"
 
 
@@ -117,3 +141,39 @@ def test_departures_are_the_only_differences_and_are_documented():
         assert got[dest] == here, dest
         assert miles != here
         assert f"`--{dest.replace('_', '-')}`" in section, dest
+    opts = resolve(parse_args(BASE, validate=False).megatron)
+    for field, (flag, miles, here) in MEGATRON_DEPARTURES.items():
+        assert getattr(opts, field) == here and miles != here, field
+        assert f"`{flag}`" in section, flag
+    assert "`--train-backend`" not in section  # megatron, as in Miles
+
+
+# ------------------------------------------------------------------ without megatron-core
+HIDDEN = ("import runpy, sys; sys.modules['megatron'] = None; sys.argv[0] = 'train.py'; "
+          "runpy.run_path('train.py', run_name='__main__')")
+
+
+def _dry_run_without_megatron(tmp_path: Path, model: Path, *extra: str) -> subprocess.CompletedProcess:
+    """``train.py --dry-run`` in a fresh interpreter where ``import megatron`` fails, as without the package."""
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"input": "1+1=", "label": "2"}\n')
+    argv = ["--dry-run", "--hf-checkpoint", str(model), "--prompt-data", str(data), "--label-key", "label",
+            "--rm-type", "math", "--num-rollout", "1", "--rollout-batch-size", "1", "--actor-num-gpus-per-node", "1",
+            "--rollout-num-gpus", "1", "--num-gpus-per-node", "2", "--output-dir", str(tmp_path / "out"), *extra]
+    return subprocess.run([sys.executable, "-c", HIDDEN, *argv], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_no_backend_without_megatron_core_is_one_line_at_the_dry_run(tmp_path: Path, tiny_model_dir: Path):
+    out = _dry_run_without_megatron(tmp_path, tiny_model_dir)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    errors = [line for line in out.stderr.splitlines() if "error" in line.lower()]
+    assert errors == ["[miles] error: --train-backend megatron (the default, as in Miles) needs megatron-core, which "
+                      "is not installed: pip install 'miles[megatron]' (megatron-core 0.16.1), or train with "
+                      "--train-backend fsdp."], out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and "resolved config" not in out.stdout
+
+
+def test_fsdp_backend_needs_no_megatron_core(tmp_path: Path, tiny_model_dir: Path):
+    out = _dry_run_without_megatron(tmp_path, tiny_model_dir, "--train-backend", "fsdp")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert '"train_backend": "fsdp"' in out.stdout

@@ -24,7 +24,7 @@ def _refusal(argv: list[str]) -> str:
     (["--use-rollout-routing-replay"], "--use-rollout-routing-replay:"),
     (["--use-miles-dashboard"], "--use-miles-dashboard:"),
     (["--optimizer", "sgd"], "--optimizer"),
-    (["--fsdp-cpu-offload"], "--fsdp-cpu-offload"),
+    (["--train-backend", "megatron", "--fsdp-cpu-offload"], "--fsdp-cpu-offload"),
     (["--custom-tis-function-path", "m.f"], "--custom-tis-function-path"),
     (["--multimodal-keys", '{"image": "images"}'], "--multimodal-keys"),
     (["--use-opd", "--opd-teacher-load", "x"], "--use-opd"),
@@ -37,8 +37,8 @@ def test_unsupported_values_are_one_line_naming_the_flag(argv, first):
 
 
 def test_accepted_miles_flags_land_in_their_sections():
-    cfg = parse_args(BASE + [
-        "--optimizer", "adam", "--balance-data", "--gradient-checkpointing", "--attn-implementation", "sdpa",
+    cfg = parse_args(BASE + [  # --gradient-checkpointing and --attn-implementation are FSDP-backend flags
+        "--train-backend", "fsdp", "--optimizer", "adam", "--balance-data", "--gradient-checkpointing", "--attn-implementation", "sdpa",
         "--train-env-vars", '{"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "N": 3}',
         "--train-memory-margin-bytes", "0", "--megatron-to-hf-mode", "bridge", "--num-critic-only-steps", "2",
         "--disable-compute-advantages-and-returns", "--loss-type", "sft_loss", "--no-offload-train",

@@ -35,8 +35,8 @@ def _samples(n: int = 8) -> list[Sample]:
 def _trainer(model_dir, group, *extra: str):
     from miles.trainer.fsdp import FSDPTrainer
 
-    cfg = parse_args(["--hf-checkpoint", str(model_dir), "--num-rollout", "4", "--rollout-batch-size", "2",
-                      "--n-samples-per-prompt", "4", "--lr", "1e-2", "--num-steps-per-rollout", "1", *extra])
+    cfg = parse_args(["--train-backend", "fsdp", "--hf-checkpoint", str(model_dir), "--num-rollout", "4",
+                      "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--lr", "1e-2", "--num-steps-per-rollout", "1", *extra])
     pg, mesh = group
     return FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=mesh, group=pg, device=torch.device("cpu"),
                        rollout_temperature=1.0, num_rollout=4, global_batch_size=None, num_steps_per_rollout=1,

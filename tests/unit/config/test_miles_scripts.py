@@ -1,15 +1,28 @@
 """Miles v0.1.0's own launch flag lists (tests/fixtures/miles_scripts/*.flags) run unchanged.
 
 Each fixture says what it expects in its ``# expect:`` line: ``dry-run`` (parsing, validation and
-``--dry-run``'s plan pass, with the placeholders replaced by a tiny local model, data file and output
+``--dry-run``'s plan pass, with the placeholders replaced by a local model directory, data file and output
 directory) or ``refused: --flag`` (one ConfigError line whose first word is that flag, never argparse's
-usage dump). ``# entry:`` picks train.py or train_async.py.
+usage dump). ``# entry:`` picks train.py or train_async.py. ``# model: NAME`` gives ``{MODEL}`` the shape
+of the model the script trains: models/NAME.json is that model's config.json, and the directory built
+from it (``miles.utils.sparse_model``) has the real checkpoint's safetensors headers over sparse files, so
+the dry run checks the script's Megatron shape flags, the headers and the --save room against the real
+sizes without a byte of weights written. Without ``# model:`` it is the tiny test model.
+
+``--save`` room: the dry run refuses a --save filesystem without room for one checkpoint (fp32 weights and
+two Adam moments: 12 bytes a parameter, 48 GB for Qwen3-4B). Where {OUT}'s filesystem is smaller than
+that, a ``dry-run`` fixture must end on exactly that one line, with the real size; point
+MILES_FIXTURE_OUT at a larger filesystem to see the whole plan.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,8 +31,12 @@ import pytest
 
 from miles.config import ConfigError, parse_args
 
-FIXTURES = sorted((Path(__file__).resolve().parents[2] / "fixtures" / "miles_scripts").glob("*.flags"))
+HERE = Path(__file__).resolve().parents[2] / "fixtures" / "miles_scripts"
+FIXTURES = sorted(HERE.glob("*.flags"))
+MODELS = HERE / "models"
+PLUGINS = HERE / "plugins"
 REPO = Path(__file__).resolve().parents[3]
+CHECKPOINT_BYTES_PER_PARAM = 4 * 3  # fp32 weights + two fp32 Adam moments (no fixture has --no-save-optim or PPO)
 
 
 def read_fixture(path: Path) -> tuple[str, str, list[str]]:
@@ -36,6 +53,14 @@ def read_fixture(path: Path) -> tuple[str, str, list[str]]:
     return entry, expect, lines
 
 
+def fixture_model(path: Path) -> str | None:
+    """The ``# model:`` name of a fixture (a config in models/), or None for the tiny model."""
+    for line in path.read_text().splitlines():
+        if line.startswith("# model:"):
+            return line.split(":", 1)[1].strip()
+    return None
+
+
 def fixture_argv(lines: list[str], subs: dict[str, str]) -> list[str]:
     """One flag per line; a value starting with { or [ is one JSON token, others split as the shell does."""
     argv: list[str] = []
@@ -50,15 +75,66 @@ def fixture_argv(lines: list[str], subs: dict[str, str]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def subs(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
-    out = tmp_path_factory.mktemp("miles_scripts")
-    data = out / "data.jsonl"
-    row = {"prompt": "1+1=", "label": "2", "reward_model": "2", "index": 0,
-           "messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]}
-    data.write_text(json.dumps(row) + "\n")
+def workdir(tmp_path_factory) -> Path:
+    root = os.environ.get("MILES_FIXTURE_OUT")
+    out = Path(root) if root else tmp_path_factory.mktemp("miles_scripts")
+    out.mkdir(parents=True, exist_ok=True)
+    data = out / "data.jsonl"  # 256 prompts: more than any script's --rollout-batch-size
+    rows = [{"prompt": f"{i}+1=", "label": str(i + 1), "reward_model": str(i + 1), "index": i,
+             "messages": [{"role": "user", "content": f"{i}+1="}, {"role": "assistant", "content": str(i + 1)}]}
+            for i in range(256)]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     # the keys of Miles's examples/infra_features/train_infer_mismatch_helper/mis.yaml that name flags here
     (out / "mis.yaml").write_text("use_tis: true\ntis_mode: truncate\ntis_upper_bound: 2.0\n")
-    return {"MODEL": str(tiny_model_dir), "DATA": str(data), "OUT": str(out)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tiny_model_dir, tmp_path_factory):
+    """name -> model directory (built once per module; None -> the tiny model)."""
+    from miles.utils.sparse_model import build_sparse_model
+
+    root = tmp_path_factory.mktemp("sparse_models")
+    built: dict[str | None, Path] = {None: tiny_model_dir}
+
+    def get(name: str | None) -> Path:
+        if name not in built:
+            built[name] = build_sparse_model(root / name, json.loads((MODELS / f"{name}.json").read_text()))
+        return built[name]
+
+    return get
+
+
+PLUGIN_FOLDERS = (PLUGINS, PLUGINS / "examples" / "experimental" / "search-r1",
+                  PLUGINS / "examples" / "experimental" / "tau-bench")
+
+
+@pytest.fixture
+def plugins_on_path(monkeypatch):
+    """The folders Miles's scripts run from (Miles's root, search-r1/, tau-bench/) on sys.path."""
+    for folder in PLUGIN_FOLDERS:
+        monkeypatch.syspath_prepend(str(folder))
+    yield
+    for name in [m for m in sys.modules if m.split(".")[0] in ("generate_with_search", "generate_with_tau", "examples")]:
+        sys.modules.pop(name)
+
+
+def subs_for(path: Path, workdir: Path, model_dirs) -> dict[str, str]:
+    return {"MODEL": str(model_dirs(fixture_model(path))), "DATA": str(workdir / "data.jsonl"), "OUT": str(workdir)}
+
+
+def save_shortfall(cfg, model: Path) -> int | None:
+    """The bytes one --save checkpoint of ``model`` needs when --save's filesystem has less free; else None."""
+    from miles.utils.sparse_model import checkpoint_tensors
+
+    if not cfg.checkpoint.save:
+        return None
+    params = sum(math.prod(s) for s in checkpoint_tensors(json.loads((model / "config.json").read_text())).values())
+    need = params * CHECKPOINT_BYTES_PER_PARAM
+    target = Path(cfg.checkpoint.save)
+    while not target.exists():
+        target = target.parent
+    return need if shutil.disk_usage(target).free < need else None
 
 
 def test_every_fixture_says_what_it_expects():
@@ -68,17 +144,26 @@ def test_every_fixture_says_what_it_expects():
         assert entry in ("train.py", "train_async.py"), path.name
         assert expect == "dry-run" or expect.startswith("refused: --"), f"{path.name}: # expect: {expect}"
         assert lines, path.name
+        model = fixture_model(path)
+        assert model is None or (MODELS / f"{model}.json").is_file(), f"{path.name}: # model: {model}"
 
 
 @pytest.mark.parametrize("path", FIXTURES, ids=[p.stem for p in FIXTURES])
-def test_miles_launch_flags(path: Path, subs: dict[str, str]):
+def test_miles_launch_flags(path: Path, workdir: Path, model_dirs, plugins_on_path):
     from miles.run.entry import dry_run
 
     entry, expect, lines = read_fixture(path)
-    argv = fixture_argv(lines, subs) + ["--dry-run"]
+    argv = fixture_argv(lines, subs_for(path, workdir, model_dirs)) + ["--dry-run"]
     if expect == "dry-run":
         cfg = parse_args(argv, is_async=entry == "train_async.py")
-        assert "role plan" in dry_run(cfg)
+        need = save_shortfall(cfg, model_dirs(fixture_model(path)))
+        if need is None:
+            assert "role plan" in dry_run(cfg)
+            return
+        with pytest.raises(ConfigError) as ei:  # this machine's disk: the one honest refusal left
+            dry_run(cfg)
+        assert str(ei.value).startswith(f"--save {cfg.checkpoint.save}: one checkpoint needs about "
+                                        f"{need / 2**30:.2f} GiB"), ei.value
         return
     flag = expect.removeprefix("refused: ")
     with pytest.raises(ConfigError) as ei:
@@ -89,12 +174,65 @@ def test_miles_launch_flags(path: Path, subs: dict[str, str]):
     assert msg.split(" ", 1)[0].rstrip(":") == flag, msg
 
 
+SHAPED = [p for p in FIXTURES if fixture_model(p) and any(ln.startswith("--num-layers ") for ln in read_fixture(p)[2])]
+
+
+SHAPE_FLAGS = ("--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads", "--num-query-groups",
+               "--kv-channels", "--rotary-base", "--untie-embeddings-and-output-weights", "--add-qkv-bias",
+               "--qk-layernorm", "--vocab-size", "--norm-epsilon")
+
+
+def problems(msg: str) -> list[str]:
+    """The lines of one ConfigError: itself, or each numbered problem of 'N problems found before starting'."""
+    if " problems found before starting: (1) " not in msg:
+        return [msg]
+    return [p.strip() for p in re.split(r"\(\d+\) ", msg.split(": ", 1)[1]) if p.strip()]
+
+
+@pytest.mark.parametrize("path", SHAPED, ids=[p.stem for p in SHAPED])
+def test_shape_flags_are_checked_against_the_model(path: Path, workdir: Path, model_dirs, plugins_on_path):
+    """The same flags on a model of another shape (Qwen3-0.6B) are refused on a shape flag, naming the flag's
+    value and config.json's: the dry run reads the shapes, it does not pass them by name."""
+    from miles.run.entry import dry_run
+
+    entry, expect, lines = read_fixture(path)
+    subs = subs_for(path, workdir, model_dirs) | {"MODEL": str(model_dirs("Qwen3-0.6B"))}
+    argv = fixture_argv(lines, subs) + ["--dry-run", "--train-backend", "megatron"]
+    with pytest.raises(ConfigError) as ei:
+        dry_run(parse_args(argv, is_async=entry == "train_async.py"))
+    found = [p for p in problems(str(ei.value)) if p.split(" ", 1)[0] in SHAPE_FLAGS]
+    if expect.startswith("refused: ") and not found:  # refused before the model is read (LoRA, multimodal, ...)
+        assert problems(str(ei.value))[0].split(" ", 1)[0].rstrip(":") == expect.removeprefix("refused: ")
+        return
+    assert found and "does not match --hf-checkpoint's config.json" in found[0] or "is missing but" in found[0], ei.value
+
+
+def test_sparse_model_headers_are_checked(model_dirs, tmp_path: Path):
+    """The sparse checkpoint is what the preflight sees of a real one: full-size files of no blocks, whose
+    headers give the real parameter count; a shard cut by one byte is named."""
+    from miles.utils.model_dir import ModelDirError, check_model_dir, num_params
+
+    model = model_dirs("Qwen3-4B")
+    shards = sorted(model.glob("*.safetensors"))
+    assert len(shards) == 2 and sum(f.stat().st_size for f in shards) > 8 * 10**9
+    assert sum(f.stat().st_blocks for f in shards) * 512 < 10 * 2**20  # sparse: nothing written
+    assert num_params(model) == 4_022_468_096  # Qwen3-4B: 4.0B (tied embeddings)
+    from miles.utils.sparse_model import build_sparse_model
+
+    cut = build_sparse_model(tmp_path / "cut", json.loads((MODELS / "Qwen3-4B.json").read_text()))
+    with open(cut / shards[-1].name, "r+b") as f:
+        f.truncate(shards[-1].stat().st_size - 1)
+    with pytest.raises(ModelDirError, match=f"{shards[-1].name} is truncated"):
+        check_model_dir(cut, "--hf-checkpoint")
+
+
 @pytest.mark.parametrize("name", ["fsdp_qwen3_0_6b", "lora_qwen2_5_0_5b"])
-def test_entrypoint_prints_one_line_or_the_plan(name: str, subs: dict[str, str]):
+def test_entrypoint_prints_one_line_or_the_plan(name: str, workdir: Path, model_dirs):
     """Through train.py itself: a refusal is one stderr line and exit 2; a dry run prints the plan."""
-    entry, expect, lines = read_fixture(next(p for p in FIXTURES if p.stem == name))
-    r = subprocess.run([sys.executable, entry, *fixture_argv(lines, subs), "--dry-run"], cwd=REPO,
-                       capture_output=True, text=True, timeout=300)
+    path = next(p for p in FIXTURES if p.stem == name)
+    entry, expect, lines = read_fixture(path)
+    r = subprocess.run([sys.executable, entry, *fixture_argv(lines, subs_for(path, workdir, model_dirs)),
+                        "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=300)
     if expect == "dry-run":
         assert r.returncode == 0, r.stderr[-2000:]
         assert "role plan" in r.stdout

@@ -11,7 +11,8 @@ BASE = ["--num-rollout", "2", "--rollout-batch-size", "4"]
 
 def test_megatron_flags_are_refused_by_name():
     with pytest.raises(ConfigError) as ei:
-        parse_args(BASE + ["--tensor-model-parallel-size", "2", "--num-layers", "36", "--sequence-parallel"])
+        parse_args(BASE + ["--train-backend", "fsdp", "--tensor-model-parallel-size", "2", "--num-layers", "36",
+                           "--sequence-parallel"])
     msg = str(ei.value)
     assert "\n" not in msg
     assert msg.startswith("--tensor-model-parallel-size (and 2 more Megatron flags) needs --train-backend megatron")

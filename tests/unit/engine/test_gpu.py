@@ -95,7 +95,8 @@ def test_server_on_gpu_ipc_update_and_memory_release(gpu_model, tmp_path):
 def test_paged_cache_kernel_and_cuda_graphs_match_the_slot_cache(gpu_model):
     """The paged cache on GPU (Triton decode kernel, CUDA graphs on): bf16 logits track HF, graph replay equals
     the eager step, and the engine's greedy tokens and log-probs (fp32) equal the slot cache's, with a roomy
-    pool and with a pool so small that running requests are retracted; every page comes back."""
+    pool, with a pool so small that running requests are retracted, and with prompts prefilled in chunks of 8
+    tokens between decode steps; every page comes back."""
     from test_paged_cache import _bodies, _engine, _run, _same, _stats
 
     runner = ModelRunner(gpu_model, RunnerOptions(device="cuda", dtype="bfloat16", max_running_requests=8, max_context_len=300,
@@ -123,7 +124,8 @@ def test_paged_cache_kernel_and_cuda_graphs_match_the_slot_cache(gpu_model):
     common = dict(device="cuda", dtype="float32")
     outs = {}
     for name, kw in {"slots": dict(kv_cache="slots"), "paged": dict(kv_cache="paged", page_size=16),
-                     "tight": dict(kv_cache="paged", page_size=4, max_total_tokens=128, max_running_requests=8)}.items():
+                     "tight": dict(kv_cache="paged", page_size=4, max_total_tokens=128, max_running_requests=8),
+                     "chunked": dict(kv_cache="paged", page_size=16, max_prefill_tokens=8)}.items():
         eng = _engine(gpu_model, **common, **kw)
         try:
             assert eng.runner.impl.use_graphs and (name == "slots" or eng.runner.impl.kernel)
@@ -135,8 +137,11 @@ def test_paged_cache_kernel_and_cuda_graphs_match_the_slot_cache(gpu_model):
             assert stats["kv_pages_in_use"] == 0, stats
         if name == "tight":
             assert stats["retractions"] > 0, stats
+        if name == "chunked":
+            assert stats["chunked_prefills"] >= 3, stats
     _same(outs["paged"], outs["slots"])
     _same(outs["tight"], outs["slots"])
+    _same(outs["chunked"], outs["slots"])
 
 
 def test_fused_sampling_kernel_matches_the_torch_path_on_gpu(monkeypatch):
@@ -154,3 +159,32 @@ def test_fused_sampling_kernel_matches_the_torch_path_on_gpu(monkeypatch):
     ref = S.sample(logits, sb, steps, want_logprobs=True)
     assert (fused.tokens != ref.tokens).sum().item() == 0
     torch.testing.assert_close(fused.logprobs, ref.logprobs, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_kernels_match_their_torch_references(dtype):
+    """Split-K paged attention (a large batch: few splits; a small one: many, merged by log-sum-exp) and the
+    fused q/k-norm + RoPE, compiled for the GPU, equal the gather + SDPA / torch expressions."""
+    from miles.engine import fused_ops
+    from miles.engine import paged_attention as pa
+
+    torch.manual_seed(0)
+    dev = "cuda"
+    kp = torch.randn(3000, 16, 8, 128, device=dev, dtype=dtype)
+    vp = torch.randn(3000, 16, 8, 128, device=dev, dtype=dtype)
+    for B in (256, 3):
+        bt = torch.randint(1, 3000, (B, 80), device=dev)
+        pos = torch.randint(0, 80 * 16, (B,), device=dev)
+        q = torch.randn(B, 16, 128, device=dev, dtype=dtype)
+        assert (pa.num_splits(B, 8, 80 * 16, 32) > 4) == (B == 3)
+        ref = pa.reference(q.float(), kp.float(), vp.float(), bt, pos, 0.088, 80 * 16)
+        got = pa.paged_decode(q, kp, vp, bt, pos, 0.088, rows=torch.arange(B, device=dev)).float()
+        torch.testing.assert_close(got, ref, atol=2e-2 if dtype == torch.bfloat16 else 1e-4, rtol=0)
+    x = torch.randn(64, 48, 128, device=dev, dtype=dtype)[:, :16]
+    w = torch.randn(128, device=dev, dtype=dtype)
+    cos, sin = torch.randn(500, 128, device=dev, dtype=dtype), torch.randn(500, 128, device=dev, dtype=dtype)
+    p = torch.randint(0, 500, (64,), device=dev)
+    for weight in (w, None):
+        torch.testing.assert_close(fused_ops.norm_rope(x, weight, 1e-6, cos, sin, p).float(),
+                                   fused_ops.reference(x, weight, 1e-6, cos, sin, p).float(),
+                                   atol=3e-2 if dtype == torch.bfloat16 else 1e-4, rtol=1e-2 if dtype == torch.bfloat16 else 0)

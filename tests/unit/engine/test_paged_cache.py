@@ -207,23 +207,45 @@ def test_pages_are_returned_after_abort_retract_and_disconnect(paged_server):
 
 KERNEL_CHECK = r"""
 import torch
-from miles.engine import paged_attention as pa
+import miles.engine.sampling as S
+from miles.engine import fused_ops as fo, paged_attention as pa, sample_kernel
 torch.manual_seed(0)
 worst = 0.0
-for B, H, n_kv, D, ps in [(3, 4, 2, 16, 4), (5, 16, 8, 32, 16), (2, 8, 8, 16, 8)]:
+# paged attention: queries of arbitrary block-table rows, one split and several (the split-K merge)
+for B, H, n_kv, D, ps, splits in [(3, 4, 2, 16, 4, None), (5, 16, 8, 32, 16, 3), (2, 8, 8, 16, 8, 1), (4, 4, 2, 16, 4, 5)]:
     kp, vp = torch.randn(40, ps, n_kv, D), torch.randn(40, ps, n_kv, D)
-    bt = torch.randint(1, 40, (B, 12))
+    bt = torch.randint(1, 40, (B + 2, 12))
     pos = torch.randint(0, 12 * ps, (B,))
+    rows = torch.randint(0, B + 2, (B,))
     q = torch.randn(B, H, D)
-    ref = pa.reference(q, kp, vp, bt, pos, 0.3, 12 * ps)
-    worst = max(worst, (ref - pa.paged_decode(q, kp, vp, bt, pos, 0.3)).abs().max().item())
+    ref = pa.reference(q, kp, vp, bt, pos, 0.3, 12 * ps, rows=rows)
+    worst = max(worst, (ref - pa.paged_decode(q, kp, vp, bt, pos, 0.3, rows=rows, splits=splits)).abs().max().item())
+# q/k RMSNorm + RoPE on a strided view
+for N, NH, D, norm in [(3, 4, 16, True), (5, 6, 32, False)]:
+    x = torch.randn(N, NH * 3, D)[:, :NH]
+    w = torch.randn(D) if norm else None
+    cos, sin = torch.randn(40, D), torch.randn(40, D)
+    p = torch.randint(0, 40, (N,))
+    worst = max(worst, (fo.norm_rope(x, w, 1e-6, cos, sin, p) - fo.reference(x, w, 1e-6, cos, sin, p)).abs().max().item())
+# the sampler over several vocabulary chunks: the torch path's tokens and log-probs
+for B, V in [(5, 3000), (3, 20000)]:
+    logits = torch.randn(B, V) * 3
+    sb = S.SamplingBatch([S.RowParams(0.5 + (i % 4) * 0.3, 1.0, 1 if i % 3 == 0 else 1 << 30, 0.0, 1000 + i)
+                          for i in range(B)], V, logits.device)
+    steps = torch.arange(B) * 3
+    tok, lp = sample_kernel.fused_sample(logits, sb.temperature, S.row_keys(sb.seeds, steps), sb.greedy)
+    S.USE_FUSED_KERNEL = False
+    ref = S.sample(logits, sb, steps, want_logprobs=True)
+    assert tok.tolist() == ref.tokens.tolist(), (tok, ref.tokens)
+    worst = max(worst, (lp - ref.logprobs).abs().max().item())
 print(worst)
 """
 
 
-def test_triton_paged_decode_kernel_equals_the_gather_reference_in_the_interpreter():
-    """The GPU decode kernel, run by Triton's CPU interpreter (where Triton is installed; the GPU test runs it
-    compiled): each row attends to its own live length through its block table, as the gather + SDPA path."""
+def test_triton_kernels_equal_the_torch_reference_in_the_interpreter():
+    """The GPU kernels, run by Triton's CPU interpreter (where Triton is installed; the GPU tests run them
+    compiled): split-K paged attention (each query attends to its own row's live length through the block
+    table, as the gather + SDPA path), the fused q/k-norm + RoPE, and the vocabulary-chunked sampler."""
     import os
     import subprocess
     import sys
@@ -233,3 +255,105 @@ def test_triton_paged_decode_kernel_equals_the_gather_reference_in_the_interpret
     out = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert float(out.stdout.strip().splitlines()[-1]) < 1e-5
+
+
+def _staggered(eng: Engine, first: dict, later: list[dict], between=None) -> list[dict]:
+    """Submit ``first``; once it is running (its prompt's KV held), optionally call ``between``, then submit
+    ``later`` (a later admission batch); wait for all."""
+    async def go():
+        specs, _ = eng.prepare(GenerateReqInput(**first))
+        head = eng.submit(specs, stream=False)
+        deadline = time.monotonic() + 60
+        while not any(r.state in ("running", "done") for r in head) and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)
+        assert head[0].state == "running", "the first request finished before the later ones were sent"
+        if between is not None:
+            eng.scheduler.call(between).result(30)
+        tails = []
+        for b in later:
+            specs, _ = eng.prepare(GenerateReqInput(**b))
+            tails.append(eng.submit(specs, stream=False))
+        outs = [eng.wait_final(head)] + [eng.wait_final(t) for t in tails]
+        return [o for res in await asyncio.wait_for(asyncio.gather(*outs), 120) for o in res]
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("kv_cache", ["paged", "slots"])
+def test_samples_of_a_prompt_share_its_kv_across_admission_batches(engine_model, kv_cache):
+    """RL sends a group's samples as separate requests; those admitted after the first one is running reuse its
+    prompt KV (no prefill: shared pages, or a slot copy) and its post-prompt logits, with the same tokens and
+    log-probs as unshared requests; a weight update in between turns the sharing off (stale KV)."""
+    prompt = [7 + (i * 5) % 90 for i in range(37)]
+    sp = {"max_new_tokens": 12, "temperature": 1.0, "ignore_eos": True}
+    bodies = [{"input_ids": prompt, "sampling_params": {**sp, "sampling_seed": 11 + j}, "return_logprob": True}
+              for j in range(4)]
+    eng = _engine(engine_model, kv_cache=kv_cache, page_size=8, max_running_requests=8)
+    try:
+        alone = _run(eng, bodies, sequential=True)
+        assert _stats(eng)["shared_prompts"] == 0
+        head = {**bodies[0], "sampling_params": {**sp, "sampling_seed": 11, "max_new_tokens": 80}}
+        got = _staggered(eng, head, bodies[1:])
+        stats = _stats(eng)
+        reload = lambda: eng.runner.load_tensors(eng.runner.snapshot())  # noqa: E731 - same values, new weights epoch
+        _staggered(eng, head, bodies[1:2], between=reload)
+        after_update = _stats(eng)
+    finally:
+        eng.stop()
+    assert stats["shared_prompts"] == 3, stats
+    _same(got[1:], alone[1:])
+    assert got[0]["output_ids"][:12] == alone[0]["output_ids"]
+    assert after_update["shared_prompts"] == 3, after_update  # not shared: the holder's KV predates the update
+    if kv_cache == "paged":
+        # 4 full prompt pages shared; each sample owns its copied partial page and the pages it generates into
+        assert stats["kv_pages_in_use"] == 0 and stats["kv_pages_peak"] < 4 * 7, stats
+
+
+def test_long_prompts_are_prefilled_in_chunks_between_decode_steps(engine_model):
+    """Prompts longer than --max-prefill-tokens (8 here) are prefilled 8 tokens at a time into the paged cache's
+    spare row, one chunk between two decode steps of the running requests (which keep generating meanwhile):
+    the same tokens and (input and output) log-probs as the slot cache's one-shot prefill, also with a pool so
+    small that chunked prompts and running requests are retracted; an abort mid-prompt frees its pages."""
+    ref = _reference(engine_model)
+    for kw in (dict(), dict(max_total_tokens=128, max_running_requests=8)):
+        eng = _engine(engine_model, kv_cache="paged", page_size=4, max_prefill_tokens=8, **kw)
+        sch = eng.scheduler
+        progress: list[tuple[int, int]] = []  # (chunked prompt's computed tokens, tokens of the others)
+        orig = sch._prefill_chunk
+
+        def spy(orig=orig, sch=sch, progress=progress):
+            progress.append((sch.chunking.kv_len, sum(len(r.output_ids) for r in sch.running)))
+            orig()
+        sch._prefill_chunk = spy
+        try:
+            got = _run(eng, _bodies())
+            stats = _stats(eng)
+        finally:
+            eng.stop()
+        _same(got, ref)
+        assert stats["chunked_prefills"] >= 3 and stats["kv_pages_in_use"] == 0, stats
+        if not kw:  # decode went on between the chunks of one prompt
+            steps = [b - a for (k0, a), (k1, b) in zip(progress, progress[1:]) if k1 > k0 > 0]
+            assert steps and all(d > 0 for d in steps), progress
+        else:
+            assert stats["retractions"] > 0, stats
+    # aborted while its prompt is half prefilled: the request ends as aborted, its pages come back
+    eng = _engine(engine_model, kv_cache="paged", page_size=4, max_prefill_tokens=8)
+    sch = eng.scheduler
+    orig = sch._prefill_chunk
+
+    def abort_at_second_chunk():
+        if sch.chunking.kv_len > 0:
+            sch.abort_reqs([sch.chunking], "test abort")
+        else:
+            orig()
+    sch._prefill_chunk = abort_at_second_chunk
+    try:
+        out = _run(eng, [{"input_ids": PROMPTS[5], "sampling_params": {"max_new_tokens": 4}}])
+        stats = _stats(eng)
+        sch._prefill_chunk = orig
+        again = _run(eng, [{"input_ids": PROMPTS[5], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}])
+    finally:
+        eng.stop()
+    assert out[0]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert stats["kv_pages_in_use"] == 0 and sch.chunking is None, stats
+    assert len(again[0]["output_ids"]) == 4

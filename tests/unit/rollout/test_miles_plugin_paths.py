@@ -136,8 +136,7 @@ def test_opd_flags_with_miles_values(tmp_path):
     with pytest.raises(ConfigError, match="--opd-type sglang needs a teacher: --rm-url"):
         cfg("--use-opd", "--opd-type", "sglang", "--rm-url", "http://t:1/generate")  # no reward_func / post-process
     assert cfg("--use-opd", "--opd-type", "sglang", "--opd-teacher-urls", "http://t:1").algo.opd_teacher_urls
-    with pytest.raises(ConfigError, match=r"^--opd-log-prob-top-k 16: top-k OPD is not supported.*--opd-log-prob-top-k 0"):
-        cfg(*miles_sglang, "--opd-log-prob-top-k", "16")
+    assert cfg(*miles_sglang, "--opd-log-prob-top-k", "16").algo.opd_log_prob_top_k == 16  # tests/unit/rollout/test_opd_topk.py
     with pytest.raises(ConfigError, match="--opd-teacher-ckpt-step 3 picks a Megatron checkpoint step"):
         cfg("--use-opd", "--opd-type", "megatron", "--opd-teacher-load", teacher, "--opd-teacher-ckpt-step", "3")
     with pytest.raises(ConfigError, match=r"'http://y' is not NAME=URL"):  # checked at start-up, not per sample

@@ -146,7 +146,7 @@ def test_every_bad_path_is_named_at_once(tmp_path: Path, tiny_model_dir: Path):
     (tmp_path / "bad_ckpt" / "latest_checkpointed_iteration.txt").write_text("7")  # Miles's tracker, no iter_0000007
     cfg = _cfg(tiny_model_dir, data, "--ref-load", str(tmp_path / "no_ref"), "--critic-load", str(data),
                "--load", str(tmp_path / "bad_ckpt"), "--eval-prompt-data", "ev", str(tmp_path / "no_eval.jsonl"),
-               "--kl-coef", "0.1", "--advantage-estimator", "ppo")
+               "--kl-coef", "0.1", "--advantage-estimator", "ppo", "--train-backend", "fsdp")  # FSDP's --load reader
     cfg.data.prompt_data = str(tmp_path / "no_train.jsonl")
     msg = _one_line_error(cfg)
     assert msg.startswith("5 problems found before starting"), msg
@@ -261,9 +261,9 @@ def test_backend_check_runs_with_the_checkpoint_config(tmp_path: Path, tiny_mode
         raise ConfigError(f"--num-layers 3 does not match config.json num_hidden_layers "
                           f"{hf_config['num_hidden_layers']}")
 
-    P.register_backend_check("fsdp", check)
-    P.register_backend_check("fsdp", check)  # once only
-    P.register_backend_check("megatron", "no_such_module_xyz.check")  # lazy: never imported for fsdp
+    P.register_backend_check("megatron", check)  # the default backend
+    P.register_backend_check("megatron", check)  # once only
+    P.register_backend_check("fsdp", "no_such_module_xyz.check")  # lazy: never imported for megatron
     msg = _one_line_error(_cfg(tiny_model_dir, _data(tmp_path)))
     assert seen == ["qwen3"] and msg == "--num-layers 3 does not match config.json num_hidden_layers 2"
 
@@ -273,7 +273,7 @@ def test_backend_check_by_dotted_path(tmp_path: Path, tiny_model_dir: Path, plug
                                             "def check(cfg, hf):\n    raise ConfigError('backend says no')\n")
     monkeypatch.setattr(P, "_BACKEND_CHECKS", {})
     P.register_backend_check("fsdp", "pf_backend.check")
-    assert _one_line_error(_cfg(tiny_model_dir, _data(tmp_path))) == "backend says no"
+    assert _one_line_error(_cfg(tiny_model_dir, _data(tmp_path), "--train-backend", "fsdp")) == "backend says no"
 
 
 # ---------------------------------------------------------------------------- --save
@@ -326,8 +326,8 @@ def test_checkpoint_estimate_is_within_the_real_size(tmp_path: Path, tiny_model_
     from miles.trainer.fsdp import FSDPTrainer
 
     save = tmp_path / "ckpt"
-    cfg = parse_args(["--hf-checkpoint", str(tiny_model_dir), "--num-rollout", "1", "--rollout-batch-size", "2",
-                      "--save", str(save)])
+    cfg = parse_args(["--train-backend", "fsdp", "--hf-checkpoint", str(tiny_model_dir), "--num-rollout", "1",
+                      "--rollout-batch-size", "2", "--save", str(save)])
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
         group = dist.new_group([0])

@@ -115,8 +115,8 @@ def trainer_factory(tmp_path, tiny_model_dir):
     mesh = DeviceMesh.from_group(group, device_type="cpu")
 
     def make(*flags: str) -> FSDPTrainer:
-        cfg = parse_args(["--hf-checkpoint", str(tiny_model_dir), "--num-rollout", "4", "--rollout-batch-size", "2",
-                          "--save-interval", "1", *flags])
+        cfg = parse_args(["--train-backend", "fsdp", "--hf-checkpoint", str(tiny_model_dir), "--num-rollout", "4",
+                          "--rollout-batch-size", "2", "--save-interval", "1", *flags])
         return FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=mesh, group=group, device=torch.device("cpu"),
                            rollout_temperature=1.0, num_rollout=4, global_batch_size=None, num_steps_per_rollout=1,
                            timeout=60)

@@ -21,6 +21,6 @@ def test_missing_megatron_core_is_one_line(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "shim"), str(REPO)])}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == ("MilesError | --train-backend megatron needs megatron-core, which is not installed: "
-                                  "pip install 'miles[megatron]' (megatron-core 0.16.1), or train with "
-                                  "--train-backend fsdp.")
+    assert out.stdout.strip() == ("MilesError | --train-backend megatron (the default, as in Miles) needs megatron-core, "
+                                  "which is not installed: pip install 'miles[megatron]' (megatron-core 0.16.1), or "
+                                  "train with --train-backend fsdp.")

@@ -59,14 +59,15 @@ def test_shape_flags_are_checked_against_config_json(tiny_model_dir: Path, flags
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2 is not supported"),
-    (["--context-parallel-size", "2"], "--context-parallel-size 2 is not supported"),
-    (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2 is not supported"),
+    (["--pipeline-model-parallel-size", "3"], "--pipeline-model-parallel-size 3 is more than config.json's "
+                                              "num_hidden_layers 2"),
+    (["--context-parallel-size", "2", "--cp-comm-type", "a2a+p2p"], "--cp-comm-type a2a"),
+    (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size 2 needs an MoE model"),
     (["--decoder-first-pipeline-num-layers", "1"], "--decoder-first-pipeline-num-layers needs"),
-    (["--num-experts", "4"], "--num-experts: MoE models are not supported"),
+    (["--num-experts", "4"], "--num-experts is given but --hf-checkpoint's config.json describes a dense model"),
     (["--tensor-model-parallel-size", "3"], "--tensor-model-parallel-size 3 does not divide config.json's "
                                             "num_attention_heads 4"),
-], ids=["pp2", "cp2", "ep2", "pipeline_split", "moe", "tp3"])
+], ids=["pp3", "cp2", "ep2", "pipeline_split", "moe", "tp3"])
 def test_unsupported_values_are_one_line(tiny_model_dir: Path, flags: list[str], message: str) -> None:
     cfg = _cfg(tiny_model_dir, "--train-backend", "megatron", *flags)
     with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
@@ -82,8 +83,8 @@ def test_device_dependent_refusals(tiny_model_dir: Path) -> None:
 
     shape = options.shape_of(AutoConfig.from_pretrained(tiny_model_dir))
     cpu = torch.device("cpu")
-    with pytest.raises(ConfigError, match=r"^--sequence-parallel is not supported with the local layer spec"):
-        options.check_supported(options.resolve(cfg.megatron, cfg.train), shape, cpu, 1)
+    # --sequence-parallel runs on the local spec too (model.SequenceParallelNorm; tests/multiprocess/test_megatron_cp.py)
+    options.check_supported(options.resolve(cfg.megatron, cfg.train), shape, cpu, 1)
     cfg = _cfg(tiny_model_dir, "--train-backend", "megatron", "--use-distributed-optimizer", "--recompute-activations")
     o = options.resolve(cfg.megatron, cfg.train)
     assert o.distributed_optimizer and o.recompute_granularity == "selective"

@@ -1,0 +1,393 @@
+"""Megatron-LM's checkpoint format (``--ckpt-format torch_dist``) and directory layout, for the Megatron trainer.
+
+Under ``--save`` (what Megatron-LM and Miles write and read)::
+
+    latest_checkpointed_iteration.txt   the newest complete iteration (written last, atomically)
+    iter_0000012/                       one checkpoint; the iteration is the rollout id (as in Miles)
+        metadata.json                   {"sharded_backend": "torch_dist", ...} (megatron-core's config)
+        common.pt                       args, checkpoint_version, iteration, and "miles": LR schedule(s),
+                                        extra (rollout id, data position, weight version), sizes
+        .metadata, __<rank>_0.distcp    torch.distributed.checkpoint files: the model's
+                                        ``sharded_state_dict()`` (megatron-core's keys, so TP/PP/EP
+                                        layouts reshard), Adam moments as ``optimizer.state.exp_avg.<key>``
+                                        (``--use-distributed-optimizer``: written by the DP rank that owns
+                                        the parameter), and ``rng_state`` (per (PP, TP) rank, a list over DP)
+        critic/                         the PPO critic, the same format
+    .tmp.iter_0000013/                  a save in progress or a killed one: never read
+
+The tensors are written with megatron-core's translation of sharded tensors to torch DCP
+(``strategies.torch``) but with torch's ``dcp.save`` over the trainer group (megatron-core's own
+``dist_checkpointing.save`` runs on the default group, which includes engine ranks, and forks writer
+processes). Reading a checkpoint written by Megatron-LM or Miles (e.g. ``convert_hf_to_torch_dist``'s
+``release`` dir of model weights only) goes through the same reader.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import shutil
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from miles.trainer.checkpoint import CheckpointWriteError, _barrier, _errnos, _fsync_dir, any_rank
+from miles.utils.logging import get_logger
+
+logger = get_logger(__name__)
+
+TRACKER = "latest_checkpointed_iteration.txt"
+COMMON = "common.pt"
+FORMAT = 1
+_ITER_RE = re.compile(r"^iter_(\d{7,})$")
+
+
+def iter_dir_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def is_torch_dist(path: str | Path) -> bool:
+    """A megatron-core distributed checkpoint dir in the ``torch_dist`` format."""
+    import json
+
+    f = Path(path) / "metadata.json"
+    try:
+        return json.loads(f.read_text()).get("sharded_backend") == "torch_dist"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def read_tracker(root: str | Path) -> int | str | None:
+    """The tracker's iteration, ``"release"``, or None without a tracker; a garbled one is one error."""
+    f = Path(root) / TRACKER
+    if not f.is_file():
+        return None
+    text = f.read_text().strip()
+    if text == "release":
+        return text
+    if not text.isdigit():
+        raise ValueError(f"{root}/{TRACKER} holds {text[:40]!r}, not an iteration number nor 'release'; restore it "
+                         "(the newest complete iter_* directory) or point the flag elsewhere.")
+    return int(text)
+
+
+def iterations(root: str | Path) -> list[tuple[int, Path]]:
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _ITER_RE.match(p.name)) and p.is_dir())
+
+
+def is_megatron_root(path: str | Path) -> bool:
+    """A directory Megatron-LM's ``--load`` reads: a tracker file, or itself an ``iter_*``/``release`` dir."""
+    p = Path(path)
+    return (p / TRACKER).is_file() or is_torch_dist(p)
+
+
+def candidates(root: str | Path, flag: str, ckpt_step: int | None = None) -> list[Path]:
+    """The checkpoint dirs ``--load`` may resume from, best first: ``--ckpt-step``'s only; else the tracker's,
+    then older complete ``iter_*`` dirs (a fallback when the newest is corrupt). A dir that is itself a
+    torch_dist checkpoint is the only candidate."""
+    root = Path(root)
+    if is_torch_dist(root):
+        return [root]
+    if ckpt_step is not None:
+        path = root / iter_dir_name(ckpt_step)
+        if not is_torch_dist(path):
+            have = ", ".join(p.name for _, p in iterations(root)) or "none"
+            raise ValueError(f"--ckpt-step {ckpt_step}: {path} is not a torch_dist checkpoint (iter_* there: {have}); "
+                             f"pick one of those or drop --ckpt-step.")
+        return [path]
+    tracked = read_tracker(root)
+    if tracked is None:
+        return []
+    if tracked == "release":
+        return [root / "release"]
+    older = [p for it, p in reversed(iterations(root)) if it < tracked]
+    return [root / iter_dir_name(tracked)] + older
+
+
+def read_common(path: Path) -> dict:
+    return torch.load(path / COMMON, map_location="cpu", weights_only=False)
+
+
+def dcp_keys(path: Path) -> dict[str, Any]:
+    """The tensor/object keys of a torch_dist dir and their storage metadata (reads ``.metadata`` only)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return dict(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+# ----------------------------------------------------------------------------- tensors
+def _pyt(sharded: dict, loading: bool):
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+
+    flat, flat_mapping, rename = _replace_state_dict_keys_with_sharded_keys(sharded, keep_only_main_replica=not loading)
+    return mcore_to_pyt_state_dict(flat, loading), flat_mapping, rename
+
+
+def write(sharded_state_dict: dict, path: Path, group: dist.ProcessGroup, rank: int) -> None:
+    """Write a megatron-core sharded state dict as a torch_dist checkpoint into ``path`` (collective on ``group``):
+    the sharded part through torch DCP, the rest into ``common.pt`` (rank 0), then ``metadata.json``."""
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+    from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+    from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner
+
+    sharded, common = save_preprocess(sharded_state_dict, validate_access_integrity=False)
+    if rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+        torch.save(common, path / COMMON)
+    pyt, _, _ = _pyt(sharded, loading=False)
+    dcp.save(pyt, storage_writer=dcp.FileSystemWriter(str(path)), process_group=group,
+             planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False))
+    if rank == 0:
+        save_config(CheckpointingConfig("torch_dist", 1), str(path))
+
+
+def read(sharded_state_dict: dict, path: Path, group: dist.ProcessGroup) -> dict:
+    """Load a megatron-core sharded state dict from a torch_dist dir (collective on ``group``); returns the
+    loaded state dict (tensors where the sharded ones were, plus ``common.pt``'s entries)."""
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.dict_utils import merge, nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factory_merges
+    from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreLoadPlanner,
+        _replace_sharded_keys_with_state_dict_keys,
+        _restore_dict_types,
+        _unwrap_pyt_sharded_tensor,
+    )
+    from megatron.core.dist_checkpointing.utils import extract_sharded_base
+
+    common = read_common(path)
+    sharded, nonpersistent, factories = load_preprocess(sharded_state_dict)
+    merge(common, nonpersistent)
+    sharded, _ = extract_sharded_base(sharded)
+    check = [t for t in nested_values(sharded) if isinstance(t, ShardedTensor)]
+    pyt, flat_mapping, rename = _pyt(sharded, loading=True)
+    dcp.load(pyt, storage_reader=dcp.FileSystemReader(str(path)), process_group=group,
+             planner=MCoreLoadPlanner(shapes_validation_sharded_tensors=check))
+    loaded = _replace_sharded_keys_with_state_dict_keys({k: _unwrap_pyt_sharded_tensor(v) for k, v in pyt.items()},
+                                                        flat_mapping, rename)
+    _restore_dict_types(loaded, sharded)
+    merge(common, loaded)
+    return apply_factory_merges(common, factories)
+
+
+# ----------------------------------------------------------------------------- optimizer and RNG
+def _owner_replica(replica_id):
+    """``--use-distributed-optimizer``: the owning DP rank writes the state (DP position of megatron-core's
+    replica id, its last entry, set to 0); the TP/PP positions stay as the parameter's."""
+    if isinstance(replica_id, tuple):
+        return replica_id[:-1] + (0,)
+    return 0
+
+
+def optim_sharded(model_sd: dict, optimizer, *, owner_writes: bool) -> dict[str, Any]:
+    """``optimizer.state.{exp_avg,exp_avg_sq}.<param key>`` for every parameter with state on this rank,
+    laid out like the parameter (megatron-core's ``make_sharded_optimizer_tensor``)."""
+    from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+    from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
+
+    from miles.trainer.megatron.parallel import local_optimizer
+
+    state = local_optimizer(optimizer).state
+    params = {id(p): p for g in local_optimizer(optimizer).param_groups for p in g["params"]}
+    tensors, _ = extract_sharded_tensors_and_factories(model_sd)
+    out: dict[str, Any] = {}
+    seen: set[int] = set()
+    for name, sh in flat_items(tensors):
+        p = params.get(id(sh.data))
+        if p is None or p not in state or id(p) in seen:
+            continue
+        seen.add(id(p))
+        base = replace(sh, replica_id=_owner_replica(sh.replica_id)) if owner_writes else sh
+        for k in ("exp_avg", "exp_avg_sq"):
+            out[f"{k}/{name}"] = make_sharded_optimizer_tensor(base, state[p][k], prefix=f"optimizer.state.{k}")
+    return out
+
+
+def flat_items(d: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, leaf) of a nested dict."""
+    out = []
+    for k, v in d.items():
+        out += flat_items(v, f"{prefix}{k}.") if isinstance(v, dict) else [(f"{prefix}{k}", v)]
+    return out
+
+
+def optim_step(optimizer) -> int:
+    from miles.trainer.megatron.parallel import local_optimizer
+
+    steps = [int(st["step"]) for st in local_optimizer(optimizer).state.values() if "step" in st]
+    return max(steps, default=0)
+
+
+def set_optim_step(optimizer, step: int) -> None:
+    from miles.trainer.megatron.parallel import local_optimizer
+
+    for st in local_optimizer(optimizer).state.values():
+        if "step" in st:
+            st["step"].fill_(step) if isinstance(st["step"], torch.Tensor) else st.__setitem__("step", step)
+
+
+def _dp_group():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_group(with_context_parallel=True)
+
+
+def rng_object(dropout_state: torch.Tensor, timeout_group=None):
+    """Megatron-LM's ``rng_state`` ShardedObject (shape (PP, TP), replica = DP rank) holding the RNG states of
+    every DP rank of this (PP, TP) position (Megatron-LM's ``--data-parallel-random-init`` layout)."""
+    import numpy as np
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    mine = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+            "torch_rng_state": torch.get_rng_state(), "rng_tracker_states": get_cuda_rng_tracker().get_states(),
+            "miles_dropout_rng_state": dropout_state}
+    if torch.cuda.is_available():
+        mine["cuda_rng_state"] = torch.cuda.get_rng_state()
+    group = _dp_group()
+    states: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(states, mine, group=group)
+    pp, tp = ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()
+    return ShardedObject("rng_state", states, (pp, tp), (ps.get_pipeline_model_parallel_rank(),
+                                                          ps.get_tensor_model_parallel_rank()),
+                         replica_id=dist.get_rank(group))
+
+
+def rng_key_present(path: Path) -> bool:
+    """This rank's (PP, TP) ``rng_state`` object is in the checkpoint (same PP and TP sizes)."""
+    from megatron.core import parallel_state as ps
+
+    pp, tp = ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()
+    key = (f"rng_state/shard_{ps.get_pipeline_model_parallel_rank()}.{ps.get_tensor_model_parallel_rank()}_"
+           f"{pp}.{tp}")
+    return key in dcp_keys(path)
+
+
+def restore_rng(states: list, trainer) -> bool:
+    """Set this rank's RNG from a loaded ``rng_state`` list; False (nothing set) when the DP size differs."""
+    import numpy as np
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    group = _dp_group()
+    if len(states) != dist.get_world_size(group):
+        return False
+    s = states[dist.get_rank(group)]
+    random.setstate(s["random_rng_state"])
+    np.random.set_state(s["np_rng_state"])
+    torch.set_rng_state(s["torch_rng_state"])
+    if "cuda_rng_state" in s and torch.cuda.is_available():
+        torch.cuda.set_rng_state(s["cuda_rng_state"])
+    get_cuda_rng_tracker().set_states(s["rng_tracker_states"])
+    if "miles_dropout_rng_state" in s:
+        trainer.dropout_rng_state = s["miles_dropout_rng_state"]
+    return True
+
+
+# ----------------------------------------------------------------------------- crash-safe directories
+def save_atomic(root: str | Path, iteration: int, write_fn, *, group: dist.ProcessGroup, device: torch.device,
+                rank: int, keep: int | None = None) -> Path:
+    """``write_fn(tmp)`` on every rank into ``.tmp.iter_N``, then (rank 0) rename to ``iter_N`` and write the
+    tracker atomically, then prune to ``keep``. A failure on any rank is one ``CheckpointWriteError`` on all;
+    a kill at any point leaves the tracker on the previous complete checkpoint."""
+    root = Path(root)
+    name = iter_dir_name(iteration)
+    tmp, final = root / f".tmp.{name}", root / name
+    err: BaseException | None = None
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        except OSError as e:
+            err = e
+    _agree(err, root, name, tmp, group, device, rank)
+    try:
+        write_fn(tmp)
+    except Exception as e:  # noqa: BLE001 - cleaned up on every rank, then raised as one line
+        err = e
+    _agree(err, root, name, tmp, group, device, rank)
+    if rank == 0:
+        try:
+            _publish(root, iteration, tmp, final)
+        except OSError as e:
+            err = e
+    _agree(err, root, name, tmp, group, device, rank)
+    if rank == 0:
+        prune(root, keep, iteration)
+        logger.info("saved checkpoint %s", final)
+    return final
+
+
+def _agree(err, root: Path, name: str, tmp: Path, group, device, rank: int) -> None:
+    if not any_rank(err is not None, group, device):
+        return
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _barrier(group, device)                  # the .tmp dir is gone before anyone reports
+    tracked = read_tracker(root) if (root / TRACKER).is_file() else None
+    tail = f"the partial .tmp.{name} was removed" + (f"; {TRACKER} still names {tracked}" if tracked is not None else "")
+    if err is None:
+        raise CheckpointWriteError(f"another trainer rank failed to write checkpoint {name} under {root} (its log says "
+                                   f"why); {tail}.")
+    import errno
+
+    if _errnos(err) & {errno.ENOSPC, errno.EDQUOT}:
+        raise CheckpointWriteError(f"no space left on device writing checkpoint {name} under {root}; {tail}. Free "
+                                   "space, lower --keep-checkpoints, pass --no-save-optim, or choose another --save.") \
+            from err
+    text = " ".join(str(err).split())[:300]
+    raise CheckpointWriteError(f"cannot write checkpoint {name} under {root}: {type(err).__name__}: {text}; {tail}. "
+                               "Check --save is writable on every rank.") from err
+
+
+def _publish(root: Path, iteration: int, tmp: Path, final: Path) -> None:
+    _fsync_dir(tmp)
+    if final.exists():                       # re-saving an iteration (after a resume): swap the old one out
+        old = root / f".old.{final.name}.{os.getpid()}"
+        os.replace(final, old)
+        shutil.rmtree(old, ignore_errors=True)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    tracker_tmp = root / f".{TRACKER}.tmp"
+    with open(tracker_tmp, "w") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tracker_tmp, root / TRACKER)
+    _fsync_dir(root)
+
+
+def prune(root: Path, keep: int | None, newest: int) -> None:
+    """Keep the newest ``keep`` ``iter_*`` dirs up to ``newest`` (--keep-checkpoints); None or 0 keeps all."""
+    if not keep or keep <= 0:
+        return
+    for _, path in [(it, p) for it, p in iterations(root) if it <= newest][:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
+        logger.info("pruned old checkpoint %s (--keep-checkpoints %d)", path, keep)
+
+
+def common_args(trainer) -> argparse.Namespace:
+    """The ``args`` Megatron-LM keeps in ``common.pt`` (the fields its loader and tools read)."""
+    s, g = trainer.shape, trainer.groups
+    return argparse.Namespace(
+        tensor_model_parallel_size=g.tp_size, pipeline_model_parallel_size=getattr(g, "pp_size", 1),
+        context_parallel_size=getattr(g, "cp_size", 1), expert_model_parallel_size=getattr(g, "ep_size", 1),
+        data_parallel_size=g.dp_size, num_layers=s.num_layers, hidden_size=s.hidden_size,
+        ffn_hidden_size=s.ffn_hidden_size, num_attention_heads=s.num_attention_heads,
+        num_query_groups=s.num_query_groups, kv_channels=s.kv_channels, padded_vocab_size=trainer.padded_vocab,
+        vocab_size=s.vocab_size, untie_embeddings_and_output_weights=not s.tie_embeddings,
+        use_distributed_optimizer=trainer.distributed_optimizer, ckpt_format="torch_dist")

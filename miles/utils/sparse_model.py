@@ -1,0 +1,98 @@
+"""A full-size HF model directory whose weights take no disk space: for checks that read shapes, never data.
+
+    build_sparse_model("/tmp/qwen3-4b", config)   # config: the real model's config.json, as a dict
+
+The directory holds the given ``config.json``, the tiny model's tokenizer (``miles.utils.tiny_model``) and
+safetensors shards named and split the way ``save_pretrained`` names and splits them
+(``model-00001-of-0000N.safetensors`` plus ``model.safetensors.index.json``). The tensor names and shapes
+come from the transformers class of ``architectures[0]`` built on the meta device and converted back to the
+on-disk layout (``revert_weight_conversion``: per-expert tensors of a MoE, as real checkpoints store them),
+so each header is the one the real checkpoint has. The data region is a sparse hole (seek and truncate):
+the files have their full size, which ``miles.utils.model_dir`` compares with the headers, and take no
+blocks. Reading a tensor gives zeros; nothing here is meant to be loaded into a model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+SAFETENSORS_DTYPES = {"bfloat16": ("BF16", 2), "float16": ("F16", 2), "float32": ("F32", 4)}
+MAX_SHARD_BYTES = 5 * 2**30  # save_pretrained's default max_shard_size ("5GB" is 5 * 10**9; close enough)
+
+
+def checkpoint_tensors(config: dict[str, Any]) -> dict[str, list[int]]:
+    """The tensor names and shapes of ``config``'s model as ``save_pretrained`` writes them (no memory used)."""
+    import torch
+    import transformers
+    from transformers import AutoConfig
+    from transformers.core_model_loading import revert_weight_conversion
+
+    d = dict(config)
+    hf_config = AutoConfig.for_model(d.pop("model_type"), **d)
+    arch = (config.get("architectures") or [None])[0]
+    cls = getattr(transformers, arch, None) if arch else None
+    if cls is None:
+        raise ValueError(f"config.json names architecture {arch!r}, which transformers does not define")
+    with torch.device("meta"):
+        model = cls(hf_config)
+    state = dict(model.named_parameters())  # tied weights appear once, as save_pretrained writes them
+    skip = _non_persistent_names(model)
+    state.update((n, b) for n, b in model.named_buffers() if n not in skip)
+    state = revert_weight_conversion(model, state)
+    return {name: list(t.shape) for name, t in sorted(state.items())}
+
+
+def _non_persistent_names(model) -> set[str]:
+    return {f"{prefix}.{name}" if prefix else name for prefix, mod in model.named_modules()
+            for name in getattr(mod, "_non_persistent_buffers_set", ())}
+
+
+def _write_shard(path: Path, entries: dict[str, list[int]], dtype: str, width: int) -> int:
+    """A safetensors file of ``entries``: a real header, then a hole of the data's size; returns the data bytes."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in entries.items():
+        size = math.prod(shape) * width
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        f.truncate(8 + len(raw) + offset)  # the data: a hole, no blocks written
+    return offset
+
+
+def build_sparse_model(out_dir: str | Path, config: dict[str, Any], *,
+                       max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """Write ``config.json``, the tiny tokenizer and sparse safetensors shards of ``config``'s model to ``out_dir``."""
+    from miles.utils.tiny_model import build_tokenizer
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    build_tokenizer(out)
+    dtype_name = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+    dtype, width = SAFETENSORS_DTYPES[dtype_name]
+    shards: list[dict[str, list[int]]] = [{}]
+    used = 0
+    for name, shape in checkpoint_tensors(config).items():
+        size = math.prod(shape) * width
+        if shards[-1] and used + size > max_shard_bytes:
+            shards.append({})
+            used = 0
+        shards[-1][name] = shape
+        used += size
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, entries in enumerate(shards, 1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        total += _write_shard(out / file, entries, dtype, width)
+        weight_map.update((name, file) for name in entries)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return out

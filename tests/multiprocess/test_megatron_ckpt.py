@@ -1,0 +1,295 @@
+"""Megatron-LM checkpoints (``torch_dist``) on the Megatron backend, on real gloo ranks (torchrun, CPU).
+
+``test_kill_mid_save_then_resume_matches_uninterrupted``: TP 2, 4 rollouts of 2 optimizer steps with dropout,
+a checkpoint after each (``--keep-checkpoints 2``), samples drawn from the global torch RNG. Trainer rank 1
+SIGKILLs itself inside the save of rollout 2 (after writing its shards): the tracker still names iteration 1,
+the partial ``.tmp.iter_0000002`` is never read, and the relaunch resumes at rollout 2 and ends bitwise equal
+to an uninterrupted run (parameters, Adam moments and step, the next RNG draw on every rank, losses).
+
+``test_weights_only_torch_dist``: a weights-only ``release`` checkpoint written by megatron-core's own
+``dist_checkpointing.save`` (what Miles's ``convert_hf_to_torch_dist`` writes) from another model at TP 2; a
+TP 1 x DP 2 run with ``--load`` and ``--ref-load`` of it starts training from those weights (rollout 0) and
+uses them as the reference; the layout miles wrote before (``step_*``) still resumes; a HF dir as ``--load``
+is refused in one line unless ``--megatron-to-hf-mode bridge`` (Miles's rule), then training starts from its
+weights; ``--finetune`` of a full checkpoint takes its weights only (rollout 0, fresh AdamW and schedule); the
+dry-run check names a checkpoint whose padded vocabulary does not fit in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.multiprocess
+
+HERE = Path(__file__).resolve()
+NUM_ROLLOUT = 4
+
+
+def _trainer(model_dir: str, group, flags: list[str], num_rollout: int = NUM_ROLLOUT):
+    import torch
+
+    from miles.config import parse_args
+    from miles.trainer.megatron.trainer import MegatronTrainer
+
+    cfg = parse_args(["--hf-checkpoint", model_dir, "--num-rollout", str(num_rollout), "--rollout-batch-size", "2",
+                      "--n-samples-per-prompt", "3", "--lr", "3e-3", "--num-steps-per-rollout", "2",
+                      "--train-backend", "megatron", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
+                      "--min-lr", "1e-4", "--use-kl-loss", "--kl-loss-coef", "0.1"] + flags)
+    return MegatronTrainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, group=group, device=torch.device("cpu"),
+                           rollout_temperature=1.0, num_rollout=num_rollout, global_batch_size=None,
+                           num_steps_per_rollout=2, timeout=60)
+
+
+def _samples(rank: int):
+    import torch
+
+    from miles.types import Sample
+
+    out = []
+    for k in range(3):
+        prompt = torch.randint(4, 90, (4,)).tolist()
+        n = int(torch.randint(2, 7, (1,)))
+        out.append(Sample(group_index=rank, index=k, tokens=prompt + torch.randint(4, 90, (n,)).tolist(),
+                          response_length=n, reward=float(torch.rand(())), rollout_log_probs=[-1.0] * n))
+    return out
+
+
+def _init():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    return dist, dist.new_group([0, 1], timeout=timedelta(seconds=60))
+
+
+def _resume_worker(model_dir: str, out: str, save_dir: str, kill_at: int) -> None:
+    import signal
+
+    import torch
+
+    from miles.trainer.megatron.parallel import local_optimizer
+
+    dist, group = _init()
+    rank = dist.get_rank(group)
+    flags = ["--tensor-model-parallel-size", "2", "--hidden-dropout", "0.1", "--save-interval", "1",
+             "--keep-checkpoints", "2"] + (["--save", save_dir] if save_dir != "-" else [])
+    tr = _trainer(model_dir, group, flags)
+    torch.manual_seed(100 + rank)
+    extra = tr.resume() if save_dir != "-" else None
+    start = 0 if extra is None else extra["rollout_id"] + 1
+    if extra is not None:
+        assert extra["data_position"] == start * 3 and extra["weight_version"] == start, extra
+    if kill_at >= 0:
+        save = tr.save
+
+        def save_then_die(path, extra):
+            save(path, extra)
+            if rank == 1 and extra["rollout_id"] == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        tr.save = save_then_die
+    losses = {}
+    for rid in range(start, NUM_ROLLOUT):
+        losses[rid] = tr.train(_samples(rank), rid)["loss"]
+        if tr.should_save(rid):
+            tr.checkpoint(rid, extra={"data_position": (rid + 1) * 3, "weight_version": rid + 1})
+    state = local_optimizer(tr.optimizer).state
+    moments = {n: (state[p]["exp_avg"].clone(), state[p]["exp_avg_sq"].clone(), int(state[p]["step"]))
+               for n, p in tr.model.named_parameters()}
+    params = tr.state_dict_for_check()
+    torch.save({"params": params, "losses": losses, "moments": moments, "draw": torch.rand(4),
+                "schedule": tr.schedule.step}, f"{out}.{rank}")
+    dist.barrier(group)
+    dist.destroy_process_group()
+
+
+def _launch(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    from miles.utils.net import find_free_port
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr", "127.0.0.1",
+           "--master-port", str(find_free_port()), str(HERE), *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_kill_mid_save_then_resume_matches_uninterrupted(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import torch
+
+    from miles.trainer.megatron import torch_dist
+
+    ref = _launch("resume", str(tiny_model_dir), str(tmp_path / "ref.pt"), "-", "-1")
+    assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-4000:]
+    ckpt = tmp_path / "ckpt"
+    killed = _launch("resume", str(tiny_model_dir), str(tmp_path / "killed.pt"), str(ckpt), "2")
+    assert killed.returncode != 0
+    assert "SIGKILL" in killed.stderr or "-9" in killed.stderr, killed.stderr[-3000:]
+    assert (ckpt / ".tmp.iter_0000002").is_dir() and torch_dist.read_tracker(ckpt) == 1
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("iter_")) == ["iter_0000000", "iter_0000001"]
+    last = ckpt / "iter_0000001"
+    assert json.loads((last / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+    common = torch_dist.read_common(last)
+    assert common["iteration"] == 1 and common["args"].tensor_model_parallel_size == 2
+    assert common["miles"]["extra"] == {"data_position": 6, "weight_version": 2, "rollout_id": 1}
+    keys = torch_dist.dcp_keys(last)
+    assert "decoder.layers.self_attention.linear_qkv.weight" in keys and "rng_state/shard_0.1_1.2" in keys
+    assert "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight" in keys
+
+    resumed = _launch("resume", str(tiny_model_dir), str(tmp_path / "resumed.pt"), str(ckpt), "-1")
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-4000:]
+    assert torch_dist.read_tracker(ckpt) == 3 and not (ckpt / ".tmp.iter_0000002").exists()
+    assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000002", "iter_0000003", torch_dist.TRACKER]
+    for rank in (0, 1):
+        a = torch.load(f"{tmp_path / 'ref.pt'}.{rank}", weights_only=False)
+        b = torch.load(f"{tmp_path / 'resumed.pt'}.{rank}", weights_only=False)
+        assert sorted(b["losses"]) == [2, 3] and all(b["losses"][k] == a["losses"][k] for k in b["losses"])
+        assert torch.equal(a["draw"], b["draw"]) and a["schedule"] == b["schedule"] == 8
+        assert a["moments"].keys() == b["moments"].keys()
+        for k, (m1, v1, s1) in a["moments"].items():
+            m2, v2, s2 = b["moments"][k]
+            assert torch.equal(m1, m2) and torch.equal(v1, v2) and s1 == s2 == 8, k
+        if rank == 0:
+            assert a["params"].keys() == b["params"].keys()
+            for k in a["params"]:
+                assert torch.equal(a["params"][k], b["params"][k]), k
+
+
+# ------------------------------------------------------------------------------------ weights only
+def _convert_worker(model_dir: str, root: str) -> None:
+    """What Miles's convert_hf_to_torch_dist does: megatron-core's own save of the model's sharded state
+    dict (TP 2, vocabulary padded to 64 x 2) into ``release``, then the tracker."""
+    import argparse
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from transformers import AutoConfig
+
+    from miles.trainer.megatron import convert, model
+    from miles.trainer.megatron.compat import apply_cpu_compat, trainer_world
+
+    dist.init_process_group("gloo")
+    apply_cpu_compat()
+    with trainer_world(2):
+        ps.initialize_model_parallel(tensor_model_parallel_size=2, create_gloo_process_groups=False)
+    model_parallel_cuda_manual_seed(1)
+    shape = model.ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir))
+    padded = model.padded_vocab_size(shape.vocab_size, 64, 2)
+    cpu = torch.device("cpu")
+    gpt = model.build_gpt_model(shape, model.transformer_config(shape, tp_size=2, device=cpu), padded_vocab=padded,
+                                device=cpu)
+    convert.load_hf_into(gpt, convert.read_hf_state_dict(model_dir), shape, padded, dist.get_rank(), 2)
+    out = Path(root) / "release"
+    if dist.get_rank() == 0:
+        out.mkdir(parents=True)
+    dist.barrier()
+    # megatron-core's writer is written for GPUs: it syncs CUDA and puts one flag on the current CUDA device
+    torch.cuda.synchronize, torch.cuda.current_device = (lambda *a, **k: None), (lambda: "cpu")
+    dist_checkpointing.save({"model": gpt.sharded_state_dict(), "iteration": 0, "checkpoint_version": 3.0,
+                             "args": argparse.Namespace(tensor_model_parallel_size=2)}, str(out))
+    if dist.get_rank() == 0:
+        (Path(root) / "latest_checkpointed_iteration.txt").write_text("release")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _finetune_worker(model_dir: str, other_dir: str, root: str, out: str) -> None:
+    import torch
+
+    from miles.trainer.checkpoint import save_checkpoint
+    from miles.trainer.megatron import convert, parallel, state
+
+    dist, group = _init()
+    rank = dist.get_rank(group)
+    save = str(Path(out).parent / "save")
+    flags = ["--load", root, "--ref-load", root, "--kl-coef", "0.01", "--make-vocab-size-divisible-by", "128",
+             "--save", save]
+    tr = _trainer(model_dir, group, flags)          # TP 1 x DP 2, vocabulary padded to 128: the same rows
+    extra = tr.resume()
+    loaded = tr.state_dict_for_check()
+    ref_equal = all(torch.equal(p, q) for p, q in zip(tr.model.parameters(), tr.ref.parameters()))
+    step = tr.schedule.step
+    tr.train(_samples(rank), 0)
+    tr.checkpoint(0, {"data_position": 3})
+    tr4 = _trainer(model_dir, group, ["--load", save, "--finetune"])    # weights only, rollout 0
+    finetune_extra, finetune_step = tr4.resume(), tr4.schedule.step
+    finetune_fresh_optim = not parallel.local_optimizer(tr4.optimizer).state
+    finetuned = tr4.state_dict_for_check()
+    legacy = Path(out).parent / "legacy"
+    save_checkpoint(legacy, 5, lambda d: state.save_trainer_state(tr, d, {"rollout_id": 5, "data_position": 9}),
+                    group=group)
+    trained = tr.state_dict_for_check()
+    tr2 = _trainer(model_dir, group, ["--load", str(legacy)])
+    legacy_extra = tr2.resume()
+    again = tr2.state_dict_for_check()
+    try:                                            # a HF dir as --load: Miles reads it in bridge mode only
+        _trainer(model_dir, group, ["--load", other_dir]).resume()
+        raw_error = None
+    except ValueError as e:
+        raw_error = str(e)
+    tr3 = _trainer(model_dir, group, ["--load", other_dir, "--megatron-to-hf-mode", "bridge"])
+    bridge_extra, bridged = tr3.resume(), tr3.state_dict_for_check()
+    if rank == 0:
+        hf = convert.read_hf_state_dict(other_dir)
+        torch.save({"extra": extra, "step": step, "ref_equal": ref_equal, "legacy_extra": legacy_extra,
+                    "loaded_equal_other": all(torch.equal(loaded[k], hf[k]) for k in loaded),
+                    "legacy_equal": all(torch.equal(trained[k], again[k]) for k in trained),
+                    "raw_error": raw_error, "bridge_extra": bridge_extra,
+                    "finetune": (finetune_extra, finetune_step, finetune_fresh_optim,
+                                 all(torch.equal(finetuned[k], trained[k]) for k in trained)),
+                    "bridge_equal_other": all(torch.equal(bridged[k], hf[k]) for k in bridged),
+                    "trained_moved": any(not torch.equal(trained[k], hf[k]) for k in trained)}, out)
+    dist.barrier(group)
+    dist.destroy_process_group()
+
+
+def test_weights_only_torch_dist(tiny_model_dir: Path, tmp_path: Path) -> None:
+    import torch
+
+    from miles.config import parse_args
+    from miles.config.base import ConfigError
+    from miles.trainer.megatron import dist_ckpt
+    from miles.utils.tiny_model import build_tiny_model
+
+    other = build_tiny_model(tmp_path / "other", hidden_size=64, num_layers=2, seed=7)
+    root = tmp_path / "converted"
+    conv = _launch("convert", str(other), str(root))
+    assert conv.returncode == 0, conv.stdout[-2000:] + conv.stderr[-4000:]
+    out = tmp_path / "finetune.pt"
+    run = _launch("finetune", str(tiny_model_dir), str(other), str(root), str(out))
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    res = torch.load(out, weights_only=False)
+    assert res["extra"] is None and res["step"] == 0                 # a weights-only start: rollout 0
+    assert res["loaded_equal_other"] and res["ref_equal"] and res["trained_moved"]
+    assert res["legacy_extra"] == {"rollout_id": 5, "data_position": 9} and res["legacy_equal"]
+    assert "--megatron-to-hf-mode bridge" in res["raw_error"] and "\n" not in res["raw_error"]
+    assert res["bridge_extra"] is None and res["bridge_equal_other"]
+    assert res["finetune"] == (None, 0, True, True)      # --finetune of a full checkpoint: its weights only
+
+    # the dry run: TP 2 with the default padding (128 x 2 = 256 rows) does not fit the 128-row checkpoint
+    hf_config = json.loads((tiny_model_dir / "config.json").read_text())
+    base = ["--hf-checkpoint", str(tiny_model_dir), "--num-rollout", "1", "--rollout-batch-size", "2",
+            "--train-backend", "megatron", "--load", str(root)]
+    dist_ckpt.preflight_check(parse_args(base), hf_config)              # TP 1: fits
+    with pytest.raises(ConfigError) as e:
+        dist_ckpt.preflight_check(parse_args(base + ["--tensor-model-parallel-size", "2"]), hf_config)
+    msg = str(e.value)
+    assert "\n" not in msg and "embedding.word_embeddings.weight" in msg and "[128, 64]" in msg and "[256, 64]" in msg
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "resume":
+        _resume_worker(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
+    elif sys.argv[1] == "convert":
+        _convert_worker(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "finetune":
+        _finetune_worker(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5])

@@ -1,0 +1,354 @@
+"""MoE models (tiny Qwen3-MoE) and expert parallelism on the Megatron backend, on real gloo ranks (torchrun).
+
+``test_moe_gpt_matches_hf``: megatron-core's MoE layers (router, token dispatcher, SequentialMLP experts)
+built from config.json and loaded by our converter give transformers' ``Qwen3MoeForCausalLM`` logits, at
+EP 1 (all-gather dispatcher, Megatron's default) and at EP 2 (all-to-all); every parameter gets a gradient.
+
+``test_moe_trainer_parity_with_fsdp``: 2 ranks. The FSDP backend (HF Qwen3MoeForCausalLM under FSDP2, DP 2)
+and the Megatron backend (EP 1 x DP 2, or EP 2: each rank holds half of the experts) train the same 2
+rollouts (GRPO with KL loss, KL reward, entropy bonus, TIS) on the same samples. Compared: log-probs before
+training, step metrics, the parameter update after 2 steps in HF names (the weight-sync export; the FSDP
+backend's fused ``experts.gate_up_proj`` / ``down_proj`` split per expert for the comparison); the export of
+the untrained model equals the HF checkpoint bit for bit (fp32 and bf16) in the checkpoint's names and
+order, gathered over EP; ``--save-hf`` loads with transformers to exactly the exported weights; a checkpoint
+saved and loaded back (experts under their global index) restores the trained weights bitwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.multiprocess
+
+HERE = Path(__file__).resolve()
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_dir(tmp_path_factory) -> Path:
+    from miles.utils.tiny_model import build_tiny_moe_model
+
+    return build_tiny_moe_model(tmp_path_factory.mktemp("tiny_moe"))
+
+
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+            "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+
+
+def _torchrun(nproc: int, port: int, *args: str, timeout: int = 400) -> subprocess.CompletedProcess:
+    """Output goes through a file, not a pipe: CPU shared-memory tensors (the engine test's hand-off) start
+    torch's ``torch_shm_manager``, which inherits the workers' stdout and would hold a pipe open."""
+    import tempfile
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr", "127.0.0.1",
+           "--master-port", str(port), str(HERE), *args]
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.run(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+        log.seek(0)
+        proc.stdout, proc.stderr = log.read(), ""
+    return proc
+
+
+# ------------------------------------------------------------------------------------------- model vs HF
+def _gpt_worker(model_dir: str, out: str, ep: int, dispatcher: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from miles.trainer.megatron import convert, model, moe
+    from miles.trainer.megatron.compat import apply_cpu_compat, trainer_world
+
+    dist.init_process_group("gloo")
+    apply_cpu_compat()
+    moe.apply_moe_cpu_compat()
+    with trainer_world(dist.get_world_size()):
+        ps.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=ep,
+                                     create_gloo_process_groups=False)
+    model_parallel_cuda_manual_seed(1)
+    shape = model.ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir))
+    padded = model.padded_vocab_size(shape.vocab_size, 128, 1)
+    cpu = torch.device("cpu")
+    kw = moe.config_kwargs(shape, moe.MoeOptions(dispatcher=dispatcher), ep=ep, etp=1, te=False)
+    gpt = model.build_gpt_model(shape, model.transformer_config(shape, tp_size=1, device=cpu, moe=kw),
+                                padded_vocab=padded, device=cpu)
+    convert.load_hf_into(gpt, convert.read_hf_state_dict(model_dir), shape, padded, 0, 1,
+                         ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ep)
+    torch.manual_seed(0)
+    ids = torch.randint(4, shape.vocab_size, (2, 12))
+    pos = torch.arange(12).unsqueeze(0).expand(2, -1)
+    logits = (gpt(ids, pos, attention_mask=None).transpose(0, 1) @ model.output_weight(gpt).t())[..., :shape.vocab_size]
+    logits.float().square().mean().backward()
+    grads_ok = all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in gpt.parameters())
+    num_local = len(gpt.decoder.layers[0].mlp.experts.local_experts)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps({"max_abs_err": float((logits - ref).abs().max()), "grads_ok": grads_ok,
+                                         "ref_scale": float(ref.abs().max()), "num_local_experts": num_local}))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("nproc,ep,dispatcher", [(1, 1, "allgather"), (2, 2, "alltoall")],
+                         ids=["ep1", "ep2_alltoall"])
+def test_moe_gpt_matches_hf(tiny_moe_dir: Path, tmp_path: Path, free_port: int, nproc: int, ep: int,
+                            dispatcher: str) -> None:
+    out = tmp_path / "gpt.json"
+    proc = _torchrun(nproc, free_port, "gpt", str(tiny_moe_dir), str(out), str(ep), dispatcher, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["grads_ok"] and res["num_local_experts"] == 4 // ep, res
+    # measured: 1.8e-7 (fp32 rounding of another op order); a wrong expert or gate/up order gives > 1e-2
+    assert res["max_abs_err"] < 1e-5 * max(res["ref_scale"], 1.0), res
+
+
+# ------------------------------------------------------------------------------------------- trainer parity
+def split_fused_experts(sd: dict) -> dict:
+    """transformers' fused ``mlp.experts.gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I] -> the checkpoint's
+    per-expert ``mlp.experts.<e>.{gate,up,down}_proj.weight``; other tensors unchanged."""
+    out = {}
+    for name, t in sd.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            base = name[:-len("gate_up_proj")]
+            for e in range(t.shape[0]):
+                gate, up = t[e].chunk(2, dim=0)
+                out[f"{base}{e}.gate_proj.weight"], out[f"{base}{e}.up_proj.weight"] = gate, up
+        elif name.endswith(".mlp.experts.down_proj"):
+            base = name[:-len("down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = t[e]
+        else:
+            out[name] = t
+    return out
+
+
+def _parity_worker(model_dir: str, out: str, ep: int, dispatcher: str, kind: str = "cpu") -> None:
+    """Both backends on the same samples (module docstring); rank 0 writes the comparison to ``out``."""
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from test_fsdp import make_samples
+    from test_megatron import _all_logprobs, _configs
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from miles.trainer.fsdp import FSDPTrainer
+    from miles.trainer.megatron.trainer import MegatronTrainer
+
+    dist.init_process_group("gloo" if kind == "cpu" else "nccl")
+    rank, group, world = dist.get_rank(), dist.group.WORLD, dist.get_world_size()
+    dev = torch.device("cpu") if kind == "cpu" else torch.device("cuda", 0)
+    if kind == "cuda":
+        torch.cuda.set_device(dev)
+    samples = make_samples(4, 4, seed=7, vocab=90)
+    mine = samples if world == 1 else (samples[:12] if rank == 0 else samples[12:])
+    common = dict(device=dev, rollout_temperature=0.8, num_rollout=2, global_batch_size=None,
+                  num_steps_per_rollout=1, timeout=120)
+    res: dict = {}
+    cfg = _configs(model_dir, "fsdp", 1)
+    if kind == "cpu":
+        cfg.train = dataclasses.replace(cfg.train, bf16=False)
+    fsdp = FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=DeviceMesh.from_group(group, device_type=kind),
+                       group=group, **common)
+    res["fsdp_lp"] = _all_logprobs(fsdp, samples)
+    res["fsdp_metrics"] = [fsdp.train(mine, rid) for rid in range(2)]
+    fsdp_sd = split_fused_experts(fsdp.state_dict_for_check())
+    del fsdp
+
+    flags = ("--expert-model-parallel-size", str(ep), "--moe-router-dtype", "fp32", "--moe-aux-loss-coeff", "0",
+             "--num-experts", "4", "--moe-router-topk", "2")
+    flags += ("--moe-token-dispatcher-type", dispatcher) if dispatcher != "default" else ()
+    cfg = _configs(model_dir, "megatron", 1, megatron_flags=flags)
+    if kind == "cpu":
+        cfg.train = dataclasses.replace(cfg.train, bf16=False)
+    meg = MegatronTrainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, group=group, **common)
+    init_order = [n for b in meg.iter_weight_buckets(4096) for n, _ in b]
+    init = meg.state_dict_for_check()
+    init_bf16 = {n: t.detach().cpu().clone() for b in meg.iter_weight_buckets(4096, torch.bfloat16) for n, t in b}
+    res["meg_lp"] = _all_logprobs(meg, samples)
+    res["meg_metrics"] = [meg.train(mine, rid) for rid in range(2)]
+    meg_sd = meg.state_dict_for_check()
+    meg.save_hf(Path(out).parent / "hf_out")
+    reloaded = None
+    if os.environ.get("MOE_CKPT") == "1":           # checkpoint round trip (experts under their global index)
+        ckpt = Path(out).parent / "ckpt"
+        meg.checkpoint(1, {"rollout_id": 1})
+        meg.train(mine, 2)                              # move away, then load the checkpoint back
+        meg.resume()
+        reloaded = meg.state_dict_for_check()
+        del ckpt
+    res["num_params"] = meg.num_params
+    if rank == 0:
+        from transformers import AutoModelForCausalLM
+
+        res["ckpt_reload_bitwise"] = reloaded is None or (sorted(reloaded) == sorted(meg_sd) and all(
+            torch.equal(reloaded[k], meg_sd[k]) for k in meg_sd))
+        hf_model = AutoModelForCausalLM.from_pretrained(Path(out).parent / "hf_out")
+        saved = split_fused_experts({n: p.detach().cpu() for n, p in hf_model.named_parameters()})
+        res["save_hf_equal"] = sorted(saved) == sorted(meg_sd) and all(torch.equal(saved[k], meg_sd[k]) for k in meg_sd)
+        res["hf_num_params"] = sum(p.numel() for p in hf_model.parameters())
+        hf = load_file(str(Path(model_dir) / "model.safetensors"))
+        res["export_keys_equal"] = sorted(init) == sorted(hf) == sorted(meg_sd) == sorted(fsdp_sd)
+        res["export_order"] = init_order
+        res["export_bitwise"] = all(torch.equal(init[k], hf[k]) for k in hf)
+        res["export_bf16_bitwise"] = all(torch.equal(init_bf16[k], hf[k].bfloat16()) for k in hf)
+        deltas = {k: ((meg_sd[k] - hf[k]) - (fsdp_sd[k] - hf[k])).abs().max().item() for k in hf}
+        res["update_max_abs_diff"] = max(deltas.values())
+        res["update_worst"] = max(deltas, key=deltas.get)
+        res["update_max_abs"] = max((fsdp_sd[k] - hf[k]).abs().max().item() for k in hf)
+        res["experts_moved"] = min((fsdp_sd[k] - hf[k]).abs().max().item() for k in hf if ".experts." in k)
+        res["lp_max_abs_diff"] = max((a - b).abs().max().item() for a, b in zip(res["fsdp_lp"], res.pop("meg_lp")))
+        num = sum(((meg_sd[k] - fsdp_sd[k]).double() ** 2).sum().item() for k in hf)
+        den = sum(((fsdp_sd[k] - hf[k]).double() ** 2).sum().item() for k in hf)
+        res["update_rel_l2"] = (num / den) ** 0.5
+        res["ep_size"] = meg.groups.ep_size
+    res.pop("fsdp_lp")
+    if rank == 0:
+        torch.save(res, out)
+        if os.environ.get("OUT"):           # the device tool brings $OUT back
+            summary = {k: v for k, v in res.items() if "metrics" not in k and k != "export_order"}
+            Path(os.environ["OUT"], "megatron_moe_gpu.json").write_text(json.dumps(summary, indent=1, default=str))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("ep,dispatcher", [(1, "allgather"), (2, "alltoall"), (2, "default")],
+                         ids=["ep1_dp2_allgather", "ep2_alltoall", "ep2_default_dispatcher"])
+def test_moe_trainer_parity_with_fsdp(tiny_moe_dir: Path, tmp_path: Path, free_port: int, ep: int,
+                                      dispatcher: str) -> None:
+    import torch
+
+    out = tmp_path / "parity.pt"
+    proc = _torchrun(2, free_port, "parity", str(tiny_moe_dir), str(out), str(ep), dispatcher)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    res = torch.load(out, weights_only=False)
+    assert res["ep_size"] == ep
+    assert res["export_keys_equal"] and res["export_bitwise"] and res["export_bf16_bitwise"], res
+    # experts in the EP 1 model's order (layer, expert 0..E-1, gate/up/down), whatever the EP size
+    experts = [n for n in res["export_order"] if ".experts." in n]
+    assert experts == [f"model.layers.{i}.mlp.experts.{e}.{p}_proj.weight" for i in range(2) for e in range(4)
+                       for p in ("gate", "up", "down")], experts
+    assert res["save_hf_equal"] and res["ckpt_reload_bitwise"], res
+    assert res["num_params"] == res["hf_num_params"], res
+    assert res["lp_max_abs_diff"] < 1e-5, res
+    for f, m in zip(res["fsdp_metrics"], res["meg_metrics"]):
+        for key in ("loss", "pg_loss", "entropy", "ppo_kl", "tis", "grad_norm", "num_samples", "num_tokens",
+                    "advantages_mean", "kl_loss", "reward_kl_mean"):
+            assert abs(f[key] - m[key]) <= 1e-6 * max(1.0, abs(f[key])), (key, f[key], m[key])
+    # every expert trained; a wrong expert-gradient reduction over EP (no division by DP) doubles their update
+    assert res["experts_moved"] > 1e-4, res
+    assert res["update_max_abs_diff"] < 5e-5 and res["update_rel_l2"] < 1e-4, res
+
+
+# ------------------------------------------------------------------------------------------- engine
+def _engine_worker(model_dir: str, out: str, engine_url: str) -> None:
+    """Megatron EP 2 trains one rollout, then rank 0 hands every bucket to the embedded engine (generic HF path,
+    fused experts in transformers) through ``/update_weights_from_tensor``; rank 0 reads each tensor back."""
+    import dataclasses
+
+    import requests
+    import torch
+    import torch.distributed as dist
+    from test_fsdp import make_samples
+    from test_megatron import _configs
+
+    from miles.trainer.megatron.trainer import MegatronTrainer
+    from miles.weight_sync.check import compare
+    from miles.weight_sync.tensor import pack_shared, serialize_bucket
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    cfg = _configs(model_dir, "megatron", 1, megatron_flags=("--expert-model-parallel-size", "2"))
+    cfg.train = dataclasses.replace(cfg.train, bf16=False)
+    meg = MegatronTrainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, group=dist.group.WORLD,
+                          device=torch.device("cpu"), rollout_temperature=0.8, num_rollout=1, global_batch_size=None,
+                          num_steps_per_rollout=1, timeout=120)
+    samples = make_samples(4, 4, seed=7, vocab=90)
+    meg.train(samples[:8] if rank == 0 else samples[8:], 0)
+    res = {"names": [], "posted": 0}
+    before = {}
+    for bucket in meg.iter_weight_buckets(16 << 10):
+        if rank != 0:
+            continue
+        for name, t in bucket:
+            r = requests.post(engine_url + "/get_weights_by_name", json={"name": name, "truncate_size": t.shape[0]},
+                              timeout=30)
+            before[name] = r.status_code == 200 and torch.equal(torch.tensor(r.json(), dtype=t.dtype).reshape(t.shape), t)
+        flat, meta = pack_shared(bucket)
+        r = requests.post(engine_url + "/update_weights_from_tensor", timeout=60,
+                          json={"serialized_named_tensors": [serialize_bucket(flat, meta)],
+                                "load_format": "flattened_bucket", "flush_cache": True})
+        assert r.status_code == 200, r.text
+        res["posted"] += 1
+        for name, t in bucket:
+            r = requests.post(engine_url + "/get_weights_by_name", json={"name": name, "truncate_size": t.shape[0]},
+                              timeout=30)
+            assert r.status_code == 200, (name, r.text)
+            compare(name, t, r.json(), engine_url)         # raises unless bitwise equal
+            res["names"].append(name)
+    if rank == 0:
+        res["changed"] = sum(not v for v in before.values())
+        g = requests.post(engine_url + "/generate", timeout=60,
+                          json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+        res["generate_ok"] = g.status_code == 200 and len(g.json()["output_ids"]) == 4
+        Path(out).write_text(json.dumps(res))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_moe_weight_update_leaves_engine_equal_to_trainer(tiny_moe_dir: Path, tmp_path: Path, free_port: int) -> None:
+    """The embedded engine loads the Qwen3-MoE model (generic HF path) and, after an update from the Megatron
+    trainer at EP 2 (experts in the checkpoint's per-expert names), holds the trainer's weights bit for bit."""
+    from safetensors.torch import load_file
+
+    from miles.engine.testing import EngineProc
+
+    eng = EngineProc(tiny_moe_dir, "--max-running-requests", "2", log=tmp_path / "engine.log")
+    try:
+        out = tmp_path / "engine.json"
+        proc = _torchrun(2, free_port, "engine", str(tiny_moe_dir), str(out), eng.url)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        res = json.loads(out.read_text())
+    finally:
+        eng.stop()
+    assert "generic HF" in (tmp_path / "engine.log").read_text()
+    assert sorted(res["names"]) == sorted(load_file(str(tiny_moe_dir / "model.safetensors"))), res["names"][:5]
+    assert res["changed"] > 30 and res["generate_ok"], res
+
+
+@pytest.mark.gpu
+def test_moe_trainer_parity_with_fsdp_on_gpu(tiny_moe_dir: Path, tmp_path: Path, free_port: int) -> None:
+    """One rank on a GPU (NCCL, EP 1), both backends in bf16: Megatron's MoE stays within bf16 rounding of FSDP's."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    out = tmp_path / "parity_gpu.pt"
+    proc = _torchrun(1, free_port, "parity", str(tiny_moe_dir), str(out), "1", "alltoall", "cuda")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    res = torch.load(out, weights_only=False)
+    print({k: v for k, v in res.items() if "metrics" not in k and k != "export_order"})
+    assert res["export_keys_equal"] and res["export_bitwise"] and res["export_bf16_bitwise"], res
+    assert res["lp_max_abs_diff"] < 0.1, res
+    for f, m in zip(res["fsdp_metrics"], res["meg_metrics"]):
+        for key in ("loss", "pg_loss", "entropy", "grad_norm"):
+            assert m[key] == pytest.approx(f[key], rel=5e-2, abs=5e-3), (key, f[key], m[key])
+    assert res["update_rel_l2"] < 0.3, res
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "gpt":
+        _gpt_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
+    elif sys.argv[1] == "engine":
+        _engine_worker(sys.argv[2], sys.argv[3], sys.argv[4])
+    elif sys.argv[1] == "parity":
+        _parity_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], *sys.argv[6:7])

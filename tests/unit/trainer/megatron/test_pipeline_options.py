@@ -1,0 +1,90 @@
+"""Pipeline-parallel flags on the Megatron backend: the layer split (megatron-core's rule, checked before any
+rank starts), and what is refused by name in one line (interleaved stages, the PPO critic, sequence parallel)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from miles.config import ConfigError, parse_args
+from miles.trainer.megatron import options
+from miles.trainer.megatron.pipeline import stage_layer_counts
+
+
+def _cfg(model: Path, *extra: str):
+    return parse_args(["--hf-checkpoint", str(model), "--num-rollout", "1", "--rollout-batch-size", "2",
+                       "--train-backend", "megatron", *extra])
+
+
+def test_stage_layer_counts_follow_megatron_core() -> None:
+    assert stage_layer_counts(8, 1) == [8]
+    assert stage_layer_counts(8, 2) == [4, 4]
+    assert stage_layer_counts(8, 4) == [2, 2, 2, 2]
+    assert stage_layer_counts(3, 2, first=2) == [2, 1]
+    assert stage_layer_counts(3, 2, last=2) == [1, 2]
+    assert stage_layer_counts(10, 4, first=1, last=3) == [1, 3, 3, 3]
+    assert stage_layer_counts(6, 3, first=1, last=1) == [1, 4, 1]
+
+
+@pytest.mark.parametrize("args,message", [
+    ((8, 1, 2, None), "--decoder-first-pipeline-num-layers needs --pipeline-model-parallel-size > 1 (got 1)"),
+    ((8, 1, None, 2), "--decoder-last-pipeline-num-layers needs --pipeline-model-parallel-size > 1"),
+    ((2, 3, None, None), "--pipeline-model-parallel-size 3 is more than config.json's num_hidden_layers 2"),
+    ((7, 2, None, None), "--pipeline-model-parallel-size 2 cannot split config.json's num_hidden_layers 7"),
+    ((8, 3, 1, None), "--pipeline-model-parallel-size 3 with --decoder-first-pipeline-num-layers 1 cannot split"),
+    ((4, 2, 4, None), "--decoder-first-pipeline-num-layers 4 leaves no layer for the other stages"),
+    ((4, 2, 1, 1), "--pipeline-model-parallel-size 2 with --decoder-first-pipeline-num-layers 1, "
+                   "--decoder-last-pipeline-num-layers 1 cannot split"),
+], ids=["first_without_pp", "last_without_pp", "more_stages_than_layers", "uneven", "uneven_rest", "first_all",
+        "both_ends_leave_layers"])
+def test_bad_splits_are_one_line(args, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        stage_layer_counts(*args)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+def test_pipeline_in_the_preflight(tiny_model_dir: Path) -> None:
+    hf = json.loads((tiny_model_dir / "config.json").read_text())
+    options.preflight_check(_cfg(tiny_model_dir, "--pipeline-model-parallel-size", "2"), hf)       # 2 layers: 1 + 1
+    o = options.resolve(_cfg(tiny_model_dir, "--pipeline-model-parallel-size", "2",
+                             "--decoder-last-pipeline-num-layers", "1").megatron)
+    assert (o.pp, o.first_stage_layers, o.last_stage_layers) == (2, None, 1)
+    for flags, message in (
+            (["--pipeline-model-parallel-size", "2", "--advantage-estimator", "ppo"],
+             "--advantage-estimator ppo (the PPO critic) with --pipeline-model-parallel-size 2 is not supported"),
+            (["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "2"],
+             "--decoder-first-pipeline-num-layers 2 leaves no layer for the other stages")):
+        with pytest.raises(ConfigError) as e:
+            options.preflight_check(_cfg(tiny_model_dir, *flags), hf)
+        assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+def test_sequence_parallel_with_pipeline_is_refused(tiny_model_dir: Path) -> None:
+    from transformers import AutoConfig
+
+    shape = options.shape_of(AutoConfig.from_pretrained(tiny_model_dir))
+    o = options.resolve(_cfg(tiny_model_dir, "--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size",
+                             "2", "--sequence-parallel").megatron)
+    with pytest.raises(ConfigError, match=r"^--sequence-parallel with --pipeline-model-parallel-size 2 is not "):
+        options.check_static(o, shape)
+
+
+@pytest.mark.parametrize("flag", ["--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank"])
+def test_interleaved_pipeline_is_refused_by_name(tiny_model_dir: Path, flag: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        _cfg(tiny_model_dir, "--pipeline-model-parallel-size", "2", flag, "1")
+    assert str(e.value).startswith(flag) and "\n" not in str(e.value), str(e.value)
+
+
+def test_moe_with_pipeline_is_refused(tiny_model_dir: Path) -> None:
+    import dataclasses
+
+    from transformers import AutoConfig
+
+    shape = dataclasses.replace(options.shape_of(AutoConfig.from_pretrained(tiny_model_dir)), num_experts=4)
+    o = options.resolve(_cfg(tiny_model_dir, "--pipeline-model-parallel-size", "2").megatron)
+    with pytest.raises(ConfigError, match=r"^--pipeline-model-parallel-size 2 with a MoE model \(config.json's "
+                                          r"num_experts 4\) is not supported"):
+        options.check_static(o, shape)

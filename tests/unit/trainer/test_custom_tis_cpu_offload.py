@@ -1,0 +1,211 @@
+"""--custom-tis-function-path (Miles's call: per-sample lists in, (pg_loss, loss_masks, metrics) out) and
+--fsdp-cpu-offload reach the FSDP trainer (one gloo rank, tiny model), and so does top-k OPD's per-token
+estimate; the loss arithmetic of a custom TIS
+step (its masks restrict the numerators, the denominators stay the step's) on plain tensors."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles.config import ConfigError, parse_args
+from miles.trainer.losses import LossInputs, Reducer, policy_loss, policy_loss_with_tis
+from miles.types import Sample
+
+MIS_DIR = Path(__file__).resolve().parents[2] / "fixtures" / "miles_scripts" / "plugins"
+CALLS: list[dict] = []
+
+
+def recording_tis(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, **kwargs):
+    """Zero weight on every token; records what it was called with."""
+    CALLS.append({"tis_mode": args.tis_mode, "use_tis": args.use_tis, "lengths": kwargs["response_lengths"],
+                  "n": len(train_log_probs), "rollout": [t.tolist() for t in rollout_log_probs]})
+    return pg_loss * 0.0, loss_masks, {"w": torch.zeros_like(pg_loss)}
+
+
+def bad_tis(args, pg_loss):  # no train_log_probs / rollout_log_probs / loss_masks
+    return pg_loss, [], {}
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg') / 'pg'}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD, DeviceMesh.from_group(dist.group.WORLD, device_type="cpu")
+    finally:
+        dist.destroy_process_group()
+
+
+def _samples(n: int = 8) -> list[Sample]:
+    gen = torch.Generator().manual_seed(3)
+    return [Sample(group_index=i // 4, index=i, tokens=torch.randint(4, 60, (7,), generator=gen).tolist(),
+                   response_length=3, loss_mask=[1, 1, 1], reward=float(i % 2), rollout_log_probs=[-2.0, -2.5, -3.0])
+            for i in range(n)]
+
+
+def _cfg(model_dir, *extra: str):
+    return parse_args(["--train-backend", "fsdp", "--hf-checkpoint", str(model_dir), "--num-rollout", "4",
+                       "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--lr", "1e-2",
+                       "--num-steps-per-rollout", "1", *extra])
+
+
+def _trainer(cfg, group):
+    from miles.trainer.fsdp import FSDPTrainer
+
+    pg, mesh = group
+    return FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=mesh, group=pg, device=torch.device("cpu"),
+                       rollout_temperature=1.0, num_rollout=4, global_batch_size=None, num_steps_per_rollout=1,
+                       timeout=60, custom_config=cfg.custom_config)
+
+
+def test_custom_tis_function_is_what_the_trainer_calls(tiny_model_dir, group, tmp_path):
+    yaml = tmp_path / "mis.yaml"
+    yaml.write_text("use_tis: true\ntis_mode: zero\n")  # tis_mode names no flag: it reaches args as in Miles
+    cfg = _cfg(tiny_model_dir, "--custom-config-path", str(yaml),
+               "--custom-tis-function-path", f"{__name__}.recording_tis")
+    CALLS.clear()
+    metrics = _trainer(cfg, group).train(_samples(), rollout_id=0)
+    assert CALLS and CALLS[0]["tis_mode"] == "zero" and CALLS[0]["use_tis"] is True
+    assert sum(c["n"] for c in CALLS) == 8 and all(ln == 3 for c in CALLS for ln in c["lengths"])
+    assert CALLS[0]["rollout"][0] == pytest.approx([-2.0, -2.5, -3.0])
+    pg = next(v for k, v in metrics.items() if k.endswith("pg_loss"))
+    assert pg == 0.0 and any(k.endswith("/w") or k == "w" for k in metrics), metrics
+    plain = _trainer(_cfg(tiny_model_dir, "--use-tis"), group).train(_samples(), rollout_id=0)
+    assert next(v for k, v in plain.items() if k.endswith("pg_loss")) != 0.0
+
+
+def test_custom_tis_refusals(tiny_model_dir):
+    with pytest.raises(ConfigError, match="^--custom-tis-function-path .* only with --use-tis"):
+        _cfg(tiny_model_dir, "--custom-tis-function-path", f"{__name__}.recording_tis")
+    with pytest.raises(ConfigError, match="^--custom-tis-function-path .* --train-backend megatron"):
+        parse_args(["--train-backend", "megatron", "--num-rollout", "1", "--rollout-batch-size", "2", "--use-tis",
+                    "--custom-tis-function-path", f"{__name__}.recording_tis"])
+    from miles.run.preflight import check_plugin
+
+    with pytest.raises(ConfigError, match="cannot be called as .* does not take train_log_probs"):
+        check_plugin("custom_tis_function_path", f"{__name__}.bad_tis")
+    check_plugin("custom_tis_function_path", f"{__name__}.recording_tis")
+
+
+def _inputs(n_tokens=(3, 2)):
+    gen = torch.Generator().manual_seed(0)
+    n = sum(n_tokens)
+    lp = torch.randn(n, generator=gen) * 0.1 - 1.0
+    return LossInputs(log_probs=lp.clone().requires_grad_(True), loss_mask=torch.ones(n), lengths=list(n_tokens),
+                      old_log_probs=lp + 0.05, rollout_log_probs=torch.tensor([-1.0, -3.0, -1.1, -0.2, -1.0]),
+                      advantages=torch.tensor([1.0, 1.0, 1.0, -1.0, -1.0]))
+
+
+def test_miles_mis_example_weights_and_rejection(monkeypatch):
+    """The fixture's mis.compute_mis_weights_fsdp through policy_loss_with_tis: mask mode zeroes ratios outside
+    [lower, upper], truncate caps them; use_rs drops those tokens from the numerators while the denominators
+    stay the step's (sample mean: 3 and 2 tokens, 2 samples)."""
+    from types import SimpleNamespace
+
+    monkeypatch.syspath_prepend(str(MIS_DIR))
+    from examples.infra_features.train_infer_mismatch_helper.mis import compute_mis_weights_fsdp
+
+    algo = parse_args(["--use-tis", "--num-rollout", "1", "--rollout-batch-size", "2", "--train-backend", "fsdp"]).algo
+    inp = _inputs()
+    ratio = (inp.old_log_probs - inp.rollout_log_probs).exp()
+    keep = ((ratio >= 0.5) & (ratio <= 2.0)).float()
+    assert keep.tolist() == [1.0, 0.0, 1.0, 0.0, 1.0]  # one ratio above 2, one below 0.5
+    pg = -inp.advantages * (inp.log_probs.detach() - inp.old_log_probs).exp()  # inside the clip range here
+    losses = {}
+    for mode, use_rs, weight in (("mask", False, ratio * keep), ("truncate", False, ratio.clamp(max=2.0)),
+                                 ("truncate", True, ratio.clamp(max=2.0) * keep)):
+        args = SimpleNamespace(tis_mode=mode, tis_lower_bound=0.5, tis_upper_bound=2.0, use_rs=use_rs)
+        reduce = Reducer(inp.loss_mask, inp.lengths, per_token=False, num_step_tokens=5, num_step_samples=2)
+        loss, metrics = policy_loss_with_tis(compute_mis_weights_fsdp, args)(algo, inp, reduce)
+        w = (pg * weight).tolist()
+        expected = (sum(w[:3]) / 3 + sum(w[3:]) / 2) / 2
+        assert float(metrics["pg_loss"]) == pytest.approx(expected, rel=1e-5), (mode, use_rs)
+        assert float(metrics["mis_clipfrac"]) > 0
+        losses[mode, use_rs] = float(loss.detach())
+    assert losses["truncate", True] != pytest.approx(losses["truncate", False])  # RS changed the numerators
+    builtin, _ = policy_loss(algo, inp, Reducer(inp.loss_mask, inp.lengths, False, 5, 2))
+    assert float(builtin.detach()) == pytest.approx(losses["truncate", False])  # built-in: clamp to [0, --tis-clip 2]
+
+
+def test_fsdp_cpu_offload_reaches_the_policy_and_its_optimizer(tiny_model_dir, group, monkeypatch):
+    import miles.trainer.fsdp as fsdp
+
+    built, adam = [], []
+    real_build, real_adam = fsdp.FSDPTrainer._build_policy, fsdp.build_adamw
+    monkeypatch.setattr(fsdp.FSDPTrainer, "_build_policy",
+                        lambda self, path, **kw: built.append(kw.get("cpu_offload", False)) or real_build(self, path, **kw))
+    monkeypatch.setattr(fsdp, "build_adamw", lambda m, **kw: adam.append(kw["device"]) or real_adam(m, **kw))
+    tr = _trainer(_cfg(tiny_model_dir, "--fsdp-cpu-offload", "--use-kl-loss"), group)
+    assert built == [True, False] and adam == [torch.device("cpu")]  # the policy, then the reference model
+    assert tr.policy_param_device == torch.device("cpu")
+    tr.train(_samples(), rollout_id=0)
+    built.clear()
+    _trainer(_cfg(tiny_model_dir, "--use-kl-loss"), group)
+    assert built == [False, False]
+
+
+def test_topk_opd_estimate_reaches_the_advantages(tiny_model_dir, group):
+    """--opd-log-prob-top-k: the trainer reads metadata["opd_reverse_kl"] (not teacher log-probs) into the OPD
+    term; a sample without it is one error naming the key."""
+    opd = ["--use-opd", "--opd-type", "sglang", "--rm-url", "http://127.0.0.1:9/generate", "--opd-log-prob-top-k", "4",
+           "--custom-rm-path", "miles.rollout.on_policy_distillation.reward_func",
+           "--custom-reward-post-process-path", "miles.rollout.on_policy_distillation.post_process_rewards"]
+    tr = _trainer(_cfg(tiny_model_dir, *opd), group)
+    samples = _samples()
+    for s in samples:
+        s.metadata["opd_reverse_kl"] = [0.3, 0.3, 0.3]
+    metrics = tr.train(samples, rollout_id=0)
+    assert next(v for k, v in metrics.items() if k.endswith("opd_reverse_kl_mean")) == pytest.approx(0.3), metrics
+    del samples[0].metadata["opd_reverse_kl"]
+    with pytest.raises(ValueError, match=r'metadata\["opd_reverse_kl"\] must have one value per response token'):
+        tr.train(samples, rollout_id=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_fsdp_cpu_offload_keeps_the_policy_on_cpu_on_gpu(tiny_model_dir, tmp_path):
+    """On a GPU: one training step with --fsdp-cpu-offload leaves the policy's parameters and AdamW state on
+    CPU, and gives the loss, gradient norm and update direction of the same step without it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        mesh = DeviceMesh.from_group(dist.group.WORLD, device_type="cuda")
+        from miles.trainer.fsdp import FSDPTrainer
+
+        def whole(p):  # one rank: the local shard is the whole parameter
+            return (p.to_local() if hasattr(p, "to_local") else p).detach().cpu().clone()
+
+        def run(*extra):
+            cfg = _cfg(tiny_model_dir, *extra)
+            tr = FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=mesh, group=dist.group.WORLD,
+                             device=torch.device("cuda:0"), rollout_temperature=1.0, num_rollout=4,
+                             global_batch_size=None, num_steps_per_rollout=1, timeout=120)
+            before = {n: whole(p) for n, p in tr.model.named_parameters()}
+            metrics = tr.train(_samples(), rollout_id=0)
+            delta = torch.cat([(whole(p) - before[n]).flatten().float() for n, p in tr.model.named_parameters()])
+            return tr, metrics, delta
+
+        tr, metrics, delta = run("--fsdp-cpu-offload")
+        assert all(p.device.type == "cpu" for p in tr.model.parameters())
+        assert all(v.device.type == "cpu" for st in tr.optimizer.state.values() for v in st.values()
+                   if isinstance(v, torch.Tensor) and v.ndim > 0)
+        _, ref_metrics, ref_delta = run()
+        assert delta.abs().max() > 0
+        # bf16 compute on both paths: the same loss and gradient norm, and the same update direction
+        for key in [k for k in ref_metrics if k.endswith(("pg_loss", "grad_norm"))]:
+            assert metrics[key] == pytest.approx(ref_metrics[key], rel=2e-2, abs=1e-4), key
+        assert torch.nn.functional.cosine_similarity(delta, ref_delta, dim=0) > 0.9
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
