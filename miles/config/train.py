@@ -86,6 +86,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "bshd (padded batches) is not supported.")
     t.add_argument("--megatron-to-hf-mode", choices=["raw", "bridge"], default="raw",
                    help="Megatron backend: how Megatron weights are converted to HF names for the engines.")
+    lo = parser.add_argument_group("LoRA (Megatron backend; miles/trainer/lora.py)")
+    lo.add_argument("--lora-rank", type=int, default=0, help="LoRA rank. 0: LoRA off, every parameter trains.")
+    lo.add_argument("--lora-alpha", type=int, default=16, help="LoRA alpha: the adapter delta is (alpha / rank) * B @ A.")
+    lo.add_argument("--lora-dropout", type=float, default=0.0, help="Dropout on the LoRA input (training only).")
+    lo.add_argument("--lora-type", type=str, default="lora",
+                    help="LoRA variant: lora (fused q/k/v and gate/up targets, one adapter each); canonical_lora "
+                         "is not supported.")
+    lo.add_argument("--target-modules", type=str, default=None,
+                    help="LoRA targets: all-linear or a comma list of HF names (q_proj,k_proj,v_proj,o_proj,gate_proj,"
+                         "up_proj,down_proj) or Megatron names (linear_qkv,linear_proj,linear_fc1,linear_fc2).")
+    lo.add_argument("--exclude-modules", type=str, default=None, help="LoRA targets to leave out (comma list).")
     t.add_argument("--seed", type=int, default=1234, help="Random seed of the trainer.")
     t.add_argument("--deterministic-mode", action="store_true",
                    help="Deterministic torch kernels in the trainer (torch.use_deterministic_algorithms).")
@@ -149,6 +160,12 @@ class TrainConfig:
     critic_lr_warmup_iters: int
     num_critic_only_steps: int
     mfu_peak_tflops: float | None
+    lora_rank: int = 0
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    lora_type: str = "lora"
+    target_modules: str | None = None
+    exclude_modules: str | None = None
 
     @property
     def activation_checkpointing(self) -> bool:
@@ -176,8 +193,27 @@ class TrainConfig:
         if self.qkv_format != "thd":
             raise ConfigError(f"--qkv-format {self.qkv_format} is not supported: miles packs samples into variable-length "
                               "rows; pass --qkv-format thd (the default) or drop the flag.")
+        if self.lora_rank:
+            self._validate_lora()
         if self.num_critic_only_steps < 0:
             raise ConfigError(f"--num-critic-only-steps must be >= 0, got {self.num_critic_only_steps}.")
+
+    def _validate_lora(self) -> None:
+        if self.lora_rank < 0:
+            raise ConfigError(f"--lora-rank must be >= 0 (0: LoRA off), got {self.lora_rank}.")
+        if self.train_backend != "megatron":
+            raise ConfigError(f"--lora-rank {self.lora_rank}: LoRA runs on --train-backend megatron only; pass "
+                              "--train-backend megatron or drop the LoRA flags.")
+        if self.lora_type != "lora":
+            raise ConfigError(f"--lora-type {self.lora_type} is not supported: pass --lora-type lora (fused q/k/v "
+                              "and gate/up adapters) or drop the flag.")
+        if self.lora_alpha <= 0:
+            raise ConfigError(f"--lora-alpha must be > 0, got {self.lora_alpha}.")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ConfigError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}.")
+        from miles.trainer.lora import resolve_targets
+
+        resolve_targets(self.target_modules, self.exclude_modules)
 
 
 @dataclass(kw_only=True)

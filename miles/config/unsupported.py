@@ -6,7 +6,8 @@ them up before the Megatron family and the did-you-mean hint.
 
 from __future__ import annotations
 
-_LORA = ("LoRA is not supported (miles trains every parameter): drop the LoRA flags to fine-tune the full model.")
+_LORA = ("this LoRA feature is not supported (miles trains one LoRA adapter, --lora-rank/--lora-alpha/--lora-dropout/"
+         "--target-modules/--exclude-modules, and syncs merged weights to the engines): drop the flag.")
 _REPLAY = ("routing replay is not supported (the engines do not return MoE routing decisions): drop it; "
            "--use-tis corrects the rollout/training mismatch instead.")
 _DASHBOARD = ("the Miles dashboard (its telemetry collector under DUMP_DETAILS/dashboard/ and the `python -m "
@@ -23,7 +24,6 @@ EVAL_SGLANG_PREFIX = "--eval-sglang-"
 # fleet flags of its eval arguments, and miles/dashboard/args.py add_dashboard_arguments.
 UNSUPPORTED: dict[str, str] = {
     **{f: _LORA for f in (
-        "--lora-rank", "--lora-alpha", "--lora-dropout", "--lora-type", "--target-modules", "--exclude-modules",
         "--lora-adapter-path", "--lora-sync-from-tensor", "--lora-base-cpu-backup", "--lora-train-only",
         "--experts-shared-outer-loras", "--multi-lora-n-adapters", "--multi-lora-adapter", "--multi-lora-idle-poll-s",
         "--multi-lora-http-server-path", "--multi-lora-backend-path", "--multi-lora-api-port",

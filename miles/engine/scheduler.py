@@ -77,6 +77,7 @@ class Req:
         self.weights_epoch = -1
         self.chunk_lp: list[float] = []                    # input log-probs gathered chunk by chunk
         self.chunk_top: list[list[tuple[float, int]]] = []
+        self.chunk_ids_lp: list[list[float]] = []
 
     def keys(self) -> list[str]:
         """The rid and each of its ``_``-prefixes: the abort keys that reach this request."""
@@ -328,7 +329,7 @@ class Scheduler:
         if r is None:
             return
         self._drop_chunking()
-        r.kv_len, r.chunk_lp, r.chunk_top = 0, [], []
+        r.kv_len, r.chunk_lp, r.chunk_top, r.chunk_ids_lp = 0, [], [], []
         r.state = "waiting"
         self.waiting.appendleft(r)
         self.num_waiting += 1
@@ -574,7 +575,9 @@ class Scheduler:
             r.input_logprobs = ([None] + r.chunk_lp)[lsl:]
             if r.spec.top_logprobs_num:
                 r.input_top = ([[]] + r.chunk_top)[lsl:]
-            r.chunk_lp, r.chunk_top = [], []
+            if r.spec.token_ids_logprob:
+                r.input_token_ids_lp = ([[]] + r.chunk_ids_lp)[lsl:]
+            r.chunk_lp, r.chunk_top, r.chunk_ids_lp = [], [], []
         if r.spec.max_new_tokens == 0:
             self._finish(r, {"type": "length", "length": 0})
         else:
@@ -593,6 +596,8 @@ class Scheduler:
         if r.spec.top_logprobs_num:
             v, i = lp.topk(min(r.spec.top_logprobs_num, lp.shape[-1]), dim=-1)
             r.chunk_top += [list(zip(a, b)) for a, b in zip(v.tolist(), i.tolist())]
+        if r.spec.token_ids_logprob:
+            r.chunk_ids_lp += lp[:, list(r.spec.token_ids_logprob)].tolist()
 
     @staticmethod
     def _wants_input_logprobs(r: Req) -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -59,7 +60,9 @@ class Fleet:
     router: Any = None  # RouterProcess we started (None when connected to a running one)
     api_key: str | None = None
     register_timeout: float = 600.0  # --engine-startup-timeout: an engine joins the router within it
+    prune_interval: float = 10.0  # prune_dead_if_due: seconds between /health sweeps while requests go well
     _controls: dict[str, Any] = field(default_factory=dict)
+    _pruned: tuple[float, int] | None = field(default=None, repr=False)  # (when, the client's errors then)
 
     def control(self, url: str) -> Any:
         from miles.rollout.client import EngineControl
@@ -88,6 +91,22 @@ class Fleet:
                     added.append(url)
         logger.info("router %s: %d engine(s) in rotation", self.router_url, len(self.urls))
         return added
+
+    def _client_errors(self) -> int:
+        stats = getattr(self.client, "stats", None)
+        return int(stats.get("retries", 0)) + int(stats.get("failed", 0)) if isinstance(stats, dict) else -1
+
+    async def prune_dead_if_due(self, probe_timeout: float = 5.0) -> list[str]:
+        """:meth:`prune_dead` at the first call, then once ``prune_interval`` s have passed or as soon as the
+        generation client saw a retry or a failed request since the last sweep (a dead engine shows there first:
+        its requests are retried on the others). Saves the sweep's round trips on every other step."""
+        errors = self._client_errors()
+        if (self._pruned is not None and errors >= 0 and errors == self._pruned[1]
+                and time.monotonic() - self._pruned[0] < self.prune_interval):
+            return []
+        removed = await self.prune_dead(probe_timeout)
+        self._pruned = (time.monotonic(), self._client_errors())
+        return removed
 
     async def prune_dead(self, probe_timeout: float = 5.0) -> list[str]:
         """Without ``--use-fault-tolerance``: delete this run's engines that fail two ``/health`` probes

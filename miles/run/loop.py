@@ -110,7 +110,7 @@ class RLLoop:
                 if ft is not None:
                     ft.check()  # every engine given up: stop, saying why
                 elif self.job.fleet is not None:
-                    await self.job.fleet.prune_dead()  # a dead engine leaves the router even without FT
+                    await self.job.fleet.prune_dead_if_due()  # a dead engine leaves the router even without FT
             groups, metrics = await self.generate(rollout_id)
             with self.timer("score"):
                 groups, score_metrics = self.score(groups)

@@ -32,7 +32,7 @@ def test_megatron_tp2_quickstart_learns_and_resumes(quickstart: Path, tmp_path: 
     check_ok(run(["bash", str(QUICKSTART / "run_grpo.sh"), *MEGATRON, "--save", str(ckpt), "--save-interval", "20",
                   "--output-dir", str(out)], log, timeout=600, QUICKSTART_DIR=str(quickstart)), log)
     text = log.read_text()
-    assert "Megatron trainer ready" in text and "TP 2 x DP 1" in text
+    assert "Megatron trainer ready" in text and "TP 2 x PP 1 x DP 1" in text
     assert text.count("--check-weight-update-equal: ") >= 41, text[-3000:]   # initial sync + one per rollout
     recs = check_run_dir(out, num_rollout=40, num_ranks=4)
     rewards = [r["rollout/raw_reward"] for r in recs]
@@ -63,5 +63,5 @@ def test_megatron_tp2_colocated(quickstart: Path, tmp_path: Path) -> None:
                   "--output-dir", str(out)], log, timeout=600, QUICKSTART_DIR=str(quickstart)), log)
     check_run_dir(out, num_rollout=3, num_ranks=2)
     text = log.read_text()
-    assert "(tensor) to 2 engine(s)" in text and "TP 2 x DP 1" in text
+    assert "(tensor) to 2 engine(s)" in text and "TP 2 x PP 1 x DP 1" in text
     assert text.count("--check-weight-update-equal: ") >= 4

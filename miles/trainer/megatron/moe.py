@@ -207,9 +207,9 @@ def check_moe_static(o, shape) -> None:
         raise ConfigError(f"--expert-model-parallel-size {o.ep} with pipeline or context parallelism is not "
                           "supported by the Megatron backend yet: use EP with data parallelism only.")
     if o.tp > 1:
-        raise ConfigError(f"--tensor-model-parallel-size {o.tp} with MoE layers needs --sequence-parallel in "
-                          "megatron-core, which this backend does not run yet: use TP 1 with "
-                          "--expert-model-parallel-size and data parallelism.")
+        raise ConfigError(f"--tensor-model-parallel-size {o.tp} with MoE layers is not supported by the Megatron "
+                          "backend yet (megatron-core trains them under TP only with sequence parallelism): use TP 1 "
+                          "with --expert-model-parallel-size and data parallelism.")
     if o.ep > 1 and o.distributed_optimizer:
         raise ConfigError(f"--use-distributed-optimizer with --expert-model-parallel-size {o.ep} is not supported "
                           "yet (the optimizer state is sharded over DP, which holds different experts): drop one.")

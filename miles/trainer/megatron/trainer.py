@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from miles.config.base import ConfigError
+from miles.trainer import lora as lora_mod
 from miles.trainer.batching import MicroBatch, plan_micro_batches
 from miles.trainer.fsdp import FSDPTrainer
 from miles.trainer.logprobs import VocabShard, logprobs_and_entropy
@@ -125,11 +126,13 @@ class MegatronTrainer(FSDPTrainer):
         total_steps = num_rollout * num_steps_per_rollout if num_rollout else None
         self.model = self._build_policy(train.hf_checkpoint, offload=False, recompute=True)
         self.num_params = self._full_param_count()
+        self.lora = self._attach_lora()          # --lora-rank: base frozen, adapters trained (miles/trainer/lora.py)
         adam = dict(lr=train.lr, weight_decay=train.weight_decay, betas=(train.adam_beta1, train.adam_beta2),
                     eps=train.adam_eps, device=self.device)
-        self.distributed_optimizer = self.opts.distributed_optimizer and self.world * self.groups.cp_size > 1
+        self.distributed_optimizer = (self.opts.distributed_optimizer and self.world * self.groups.cp_size > 1
+                                      and self.lora is None)
         self.optimizer = (parallel.distributed_adamw(self.model, self.groups, **adam) if self.distributed_optimizer
-                          else build_adamw(self.model, **adam))
+                          else build_adamw(self.lora if self.lora is not None else self.model, **adam))
         decay = train.lr_decay_iters or total_steps
         self.schedule = LRSchedule(lr=train.lr, min_lr=train.min_lr, style=train.lr_decay_style,
                                    warmup=train.warmup_steps(decay) if hasattr(train, "warmup_steps")
@@ -158,8 +161,8 @@ class MegatronTrainer(FSDPTrainer):
         self.peak = peak_tflops(self.device, getattr(train, "mfu_peak_tflops", None))
         # bf16 (default on GPU): Megatron's recipe, the FSDP backend's too: fp32 masters, bf16 compute copies,
         # fp32 gradients (optim.MasterWeights); the frozen reference and teacher are plain bf16 models
-        self._masters = {id(m): MasterWeights([m]) for m in (self.model, self.critic.model if self.critic else None)
-                         if m is not None and self.bf16}
+        self._masters = {id(m): MasterWeights([m] + ([self.lora] if m is self.model and self.lora else []))
+                         for m in (self.model, self.critic.model if self.critic else None) if m is not None and self.bf16}
         self._keep_unsharded = {id(m): False for m in (self.model, self.ref, self.teacher,
                                                      self.critic.model if self.critic else None) if m is not None}
         self.last_rollout_id: int | None = None
@@ -235,6 +238,19 @@ class MegatronTrainer(FSDPTrainer):
                 if self.bf16:                  # frozen: bf16 parameters only (as the trained models compute)
                     p.data = p.data.to(torch.bfloat16)
         return model
+
+    def _attach_lora(self):
+        spec = lora_mod.LoraSpec.from_config(self.cfg)
+        if spec is None:
+            return None
+        lora_mod.check_megatron(self.opts, self.shape, spec, self.device)
+        g = self.groups
+        adapters = lora_mod.attach(self.model, spec, tp_rank=g.tp_rank, tp_size=g.tp_size, tp_group=g.tp,
+                                   seed=self.cfg.seed)
+        n = lora_mod.trainable_count(adapters)
+        logger.info("LoRA rank %d alpha %s on %s: %s trainable of %s params (base frozen)", spec.rank, spec.alpha,
+                    ",".join(spec.targets), f"{n:,}", f"{self.num_params:,}")
+        return adapters
 
     def _full_param_count(self) -> int:
         """Parameters of the whole model (TP shards summed once, PP stages summed, a tied embedding and the
@@ -391,6 +407,9 @@ class MegatronTrainer(FSDPTrainer):
             return pipeline.forward_backward(self, data, ids, per_sample, samples)
 
     def _clip_grad_norm(self) -> float:
+        if self.lora is not None:
+            lora_mod.finish_grads(self.lora, self.groups.dp, self.groups.dp_size)
+            return lora_mod.clip_grad_norm(self.lora, self.cfg.clip_grad)
         parallel.finish_grads(self.model, self.groups)
         return parallel.clip_grad_norm(self.model, self.groups, self.cfg.clip_grad)
 
@@ -419,21 +438,47 @@ class MegatronTrainer(FSDPTrainer):
                             prefetch: bool = True) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full parameters under their HF names and shapes, bucket by bucket (TP shards gathered per
         bucket); every trainer rank must iterate to the end and receives the full tensors."""
-        return export.iter_hf_buckets(self.model, self.shape, self.groups, device=self.device,
-                                      bucket_bytes=bucket_bytes, dtype=dtype, timeout=self.timeout,
-                                      prefetch=prefetch, stage=self.stage)
+        it = export.iter_hf_buckets(self.model, self.shape, self.groups, device=self.device,
+                                    bucket_bytes=bucket_bytes, dtype=dtype, timeout=self.timeout,
+                                    prefetch=prefetch, stage=self.stage)
+        return it if self.lora is None else _merged_buckets(self.lora, it)   # LoRA: W + (alpha / r) B @ A
 
     # ------------------------------------------------------------------ checkpoints
     # Megatron-LM's layout: <save>/iter_<rollout_id>/ (torch_dist) + latest_checkpointed_iteration.txt
     def save(self, path: str | Path, extra: dict) -> None:
         from miles.trainer.megatron import dist_ckpt
 
-        dist_ckpt.write_state(self, Path(path), extra)
+        if self.lora is None:
+            dist_ckpt.write_state(self, Path(path), extra)
+            return
+        with self._lora_ckpt():        # the frozen base without optimizer state; adapters + AdamW per rank
+            dist_ckpt.write_state(self, Path(path), extra)
+        lora_mod.save_files(self.lora, None if self.ckpt.no_save_optim else self.optimizer, Path(path),
+                            self.trainer_rank, self.trainer_group)
 
     def load(self, path: str | Path) -> dict | None:
         from miles.trainer.megatron import dist_ckpt
 
-        return dist_ckpt.load_state(self, Path(path))
+        if self.lora is None:
+            return dist_ckpt.load_state(self, Path(path))
+        with self._lora_ckpt():
+            extra = dist_ckpt.load_state(self, Path(path))
+        self._load_lora(Path(path))
+        return extra
+
+    @contextlib.contextmanager
+    def _lora_ckpt(self):
+        import dataclasses
+
+        ckpt = self.ckpt
+        self.ckpt = dataclasses.replace(ckpt, no_save_optim=True, no_load_optim=True)
+        try:
+            yield
+        finally:
+            self.ckpt = ckpt
+
+    def _load_lora(self, path: Path) -> None:
+        lora_mod.load_files(self.lora, None if self.ckpt.no_load_optim else self.optimizer, path, self.trainer_rank)
 
     def checkpoint(self, rollout_id: int, extra: dict) -> Path:
         from miles.trainer.megatron import dist_ckpt
@@ -446,9 +491,23 @@ class MegatronTrainer(FSDPTrainer):
         return path
 
     def resume(self) -> dict | None:
-        from miles.trainer.megatron import dist_ckpt
+        from miles.trainer.megatron import dist_ckpt, torch_dist
 
-        return dist_ckpt.resume(self)
+        if self.lora is None:
+            return dist_ckpt.resume(self)
+        with self._lora_ckpt():
+            extra = dist_ckpt.resume(self)
+        if extra is not None and "rollout_id" in extra:
+            root = Path(self.ckpt.load or self.ckpt.save)
+            path = root if torch_dist._ITER_RE.match(root.name) else root / torch_dist.iter_dir_name(
+                int(extra["rollout_id"]))
+            self._load_lora(path)
+        return extra
+
+
+def _merged_buckets(lora, it: Iterator) -> Iterator:
+    with lora_mod.merged(lora):
+        yield from it
 
 
 def _teacher_in_trainer(algo) -> bool:

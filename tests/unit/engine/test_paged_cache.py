@@ -66,6 +66,10 @@ def _same(a: list[dict], b: list[dict]) -> None:
             assert all((u[0] is None and v[0] is None) or abs(u[0] - v[0]) < 1e-4 for u, v in zip(lx, ly)), key
 
 
+def _flat(x) -> list:
+    return [v for item in x for v in _flat(item)] if isinstance(x, list) else [x]
+
+
 def _stats(eng: Engine) -> dict:
     return eng.scheduler.call(eng.scheduler.load).result(30)
 
@@ -336,6 +340,20 @@ def test_long_prompts_are_prefilled_in_chunks_between_decode_steps(engine_model)
             assert steps and all(d > 0 for d in steps), progress
         else:
             assert stats["retractions"] > 0, stats
+    # top-k and token-id input log-probs gathered chunk by chunk equal the one-shot prefill's
+    body = {"input_ids": PROMPTS[5], "return_logprob": True, "logprob_start_len": 2, "top_logprobs_num": 3,
+            "token_ids_logprob": [4, 9], "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
+    outs = []
+    for mpt in (16384, 8):
+        eng = _engine(engine_model, kv_cache="paged", page_size=4, max_prefill_tokens=mpt)
+        try:
+            outs.append(_run(eng, [body])[0]["meta_info"])
+        finally:
+            eng.stop()
+    for key in ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs"):
+        a, b = _flat(outs[0][key]), _flat(outs[1][key])
+        assert len(outs[0][key]) == len(PROMPTS[5]) - 2 and len(a) == len(b) > 0, key
+        assert all(abs(u - v) < 1e-4 if isinstance(u, float) else u == v for u, v in zip(a, b)), key
     # aborted while its prompt is half prefilled: the request ends as aborted, its pages come back
     eng = _engine(engine_model, kv_cache="paged", page_size=4, max_prefill_tokens=8)
     sch = eng.scheduler

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from miles.config import parse_args
-from miles.rollout.client import EngineClient, EngineControl
+from miles.rollout.client import EngineClient, EngineControl, EngineError
 from miles.rollout.data import DataSource, PromptDataset
 from miles.rollout.engines import build_engine_argv, engine_url
 from miles.rollout.manager import RolloutManager
@@ -26,6 +26,13 @@ pytestmark = pytest.mark.multiprocess
 
 def run(coro, timeout: float = 240.0):
     return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+_SUPERVISORS: dict = {}
+
+
+def routed_supervisor(url):
+    return _SUPERVISORS[url]
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +57,7 @@ def routed(tiny_model_dir, tmp_path_factory):
                 await rc.wait_ready(30)
                 await rc.add_worker(url)
         run(up())
+        _SUPERVISORS[url] = sup
         yield router.url, url
     finally:
         if router is not None:
@@ -139,3 +147,38 @@ def test_generate_group_through_the_router_names_and_seeds_each_sample(routed):
     assert [r["meta_info"]["id"] for r in group] == ["grp_0", "grp_1", "grp_2"]
     assert [r["output_ids"] for r in group] == [r["output_ids"] for r in alone]
     assert all(r["miles"]["rid"] == "grp" and r["miles"]["attempts"] == 1 for r in group)
+
+
+def test_fleet_sweeps_health_only_when_due_or_after_a_client_error(routed):
+    """Runs last in this module (it stops the engine for a while). Without fault tolerance the loop calls
+    ``prune_dead_if_due`` every step: the first call sweeps; a hung engine is not probed again while
+    requests go well, but is removed at the first call after a failed request."""
+    import signal
+
+    from miles.run.fleet import Fleet
+
+    router_url, engine = routed
+    sup = routed_supervisor(engine)
+
+    async def go():
+        client = EngineClient(router_url, timeout=1.0, max_retries=0)
+        fleet = Fleet(urls=[engine], targets=[], client=client, router_url=router_url)
+        try:
+            first = await fleet.prune_dead_if_due(probe_timeout=1.0)
+            sup.kill(signal.SIGSTOP)
+            try:
+                quiet = await fleet.prune_dead_if_due(probe_timeout=1.0)  # no error since the sweep: not due
+                with pytest.raises(EngineError, match="timed out"):
+                    await client.generate([3, 4, 5], {"max_new_tokens": 2})
+                after_error = await fleet.prune_dead_if_due(probe_timeout=1.0)
+            finally:
+                sup.kill(signal.SIGCONT)
+            async with RouterClient(router_url, timeout=60) as rc:
+                await rc.add_worker(engine)
+            return first, quiet, after_error
+        finally:
+            await client.close()
+            for ctl in fleet._controls.values():
+                await ctl.close()
+
+    assert run(go()) == ([], [], [engine])

@@ -150,7 +150,7 @@ def test_moe_flags_need_the_megatron_backend(tiny_moe_dir: Path) -> None:
     (["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"],
      "--moe-token-dispatcher-type allgather with --expert-model-parallel-size 2 needs the same number of tokens"),
     (["--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size 2 is not supported"),
-    (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size 2 with MoE layers needs --sequence-parallel"),
+    (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size 2 with MoE layers is not supported"),
     (["--expert-model-parallel-size", "2", "--use-distributed-optimizer"],
      "--use-distributed-optimizer with --expert-model-parallel-size 2 is not supported"),
     (["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
