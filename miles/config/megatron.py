@@ -43,7 +43,8 @@ _HELP = {
     "moe_permute_fusion": "MoE: fused token permutation (transformer-engine; unfused otherwise, same result).",
     "moe_router_enable_expert_bias": "MoE: aux-loss-free expert bias (Qwen3-MoE has none: refused).",
     "moe_router_pre_softmax": "MoE: softmax before top-k (config.json's norm_topk_prob false).",
-    "use_distributed_optimizer": "Shard optimizer state over data-parallel ranks (ZeRO-1).",
+    "use_distributed_optimizer": "Shard optimizer state over data-parallel ranks (ZeRO-1; default on, as in Miles, "
+                                 "except with --expert-model-parallel-size > 1 or LoRA).",
     "recompute_num_layers": "Layers per recompute chunk (full recompute).",
     "make_vocab_size_divisible_by": "Pad the vocabulary to a multiple of this x TP (default 128).",
     "hidden_dropout": "Dropout after attention and MLP (default 0.0 for RL; Megatron-LM's own default is 0.1).",
@@ -55,8 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("megatron", "--train-backend megatron only (Megatron-LM's names and meanings).")
     for dest in _INT:
         g.add_argument(flag(dest), type=int, default=None, help=_HELP.get(dest, "Model shape; must match config.json."))
-    for dest in _SWITCHES:
-        g.add_argument(flag(dest), action="store_true", help=_HELP.get(dest, "Model shape; must match config.json."))
+    for dest in _SWITCHES:           # --use-distributed-optimizer: None when not given (on by default, options.py)
+        g.add_argument(flag(dest), action="store_true", default=None if dest == "use_distributed_optimizer" else False,
+                       help=_HELP.get(dest, "Model shape; must match config.json."))
     g.add_argument("--hidden-dropout", type=float, default=None, help=_HELP["hidden_dropout"])
     g.add_argument("--attention-dropout", type=float, default=None, help=_HELP["attention_dropout"])
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
@@ -116,7 +118,7 @@ class MegatronConfig:
     context_parallel_size: int | None = None
     expert_model_parallel_size: int | None = None
     expert_tensor_parallel_size: int | None = None
-    use_distributed_optimizer: bool = False
+    use_distributed_optimizer: bool | None = None      # None: not given (Miles's default, on: options.resolve)
     recompute_granularity: str | None = None
     recompute_method: str | None = None
     recompute_num_layers: int | None = None

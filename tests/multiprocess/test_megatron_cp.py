@@ -65,7 +65,7 @@ def test_cp_sp_parity_with_fsdp(tiny_model_dir: Path, tmp_path: Path, free_port:
                    free_port)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     res = torch.load(out, weights_only=False)
-    assert res["distributed_optimizer"] == distopt
+    assert res["distributed_optimizer"] == (distopt or nproc // tp > 1)   # on by default over DP x CP > 1, as Miles
     assert res["export_keys_equal"] and res["export_bitwise"] and res["save_hf_equal"], res
     # the same tolerances as the TP/DP parity test (fp32 rounding of another op order)
     assert res["lp_max_abs_diff"] < 1e-5, res

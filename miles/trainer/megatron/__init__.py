@@ -7,9 +7,32 @@ install command when it is missing.
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from typing import Any
 
 from miles.utils.errors import MilesError
+
+# megatron-core 0.16 warns at import, once per module and rank, that its optional fused kernels are absent
+# (apex, transformer-engine): torch's implementations are used, which is what this backend runs on CPU.
+# Exactly these messages are filtered (installed before any megatron import: this package comes first);
+# ``optional_kernels_line`` says once what is absent.
+OPTIONAL_KERNEL_WARNINGS = (
+    r"Transformer Engine and Apex are not installed\. Falling back to ",
+    r"Apex is not installed\. Falling back to Torch Norm",
+)
+for _message in OPTIONAL_KERNEL_WARNINGS:
+    warnings.filterwarnings("ignore", message=_message, category=UserWarning, module=r"megatron\.core")
+
+
+def optional_kernels_line() -> str | None:
+    """One line naming the optional kernel packages that are not installed (None when both are)."""
+    absent = [name for name, module in (("apex", "apex"), ("transformer-engine", "transformer_engine"))
+              if importlib.util.find_spec(module) is None]
+    if not absent:
+        return None
+    return (f"megatron-core optional kernels absent ({', '.join(absent)} not installed): torch's implementations "
+            "are used (optimizer, norms, gradient clipping).")
+
 
 INSTALL_HINT = "pip install 'miles[megatron]' (megatron-core 0.16.1), or train with --train-backend fsdp"
 

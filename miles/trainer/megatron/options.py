@@ -30,7 +30,7 @@ class Options:
     cp: int = 1
     ep: int = 1
     etp: int = 1
-    distributed_optimizer: bool = False
+    distributed_optimizer: bool = True             # as Miles (set_default_megatron_args, Adam); off with EP > 1
     recompute_granularity: str | None = None
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
@@ -62,13 +62,16 @@ def resolve(m, train=None) -> Options:
     split = tuple(f for f, v in (("--decoder-first-pipeline-num-layers", m.decoder_first_pipeline_num_layers),
                                  ("--decoder-last-pipeline-num-layers", m.decoder_last_pipeline_num_layers))
                   if v is not None)
+    ep = m.expert_model_parallel_size or 1
+    distopt = m.use_distributed_optimizer                 # not given: on, as Miles; EP > 1 does not support it
+    distopt = ep == 1 if distopt is None else distopt
     moe = tuple(f for f, v in (("--num-experts", m.num_experts), ("--moe-router-topk", m.moe_router_topk),
                                ("--moe-ffn-hidden-size", m.moe_ffn_hidden_size)) if v is not None)
     return Options(
         tp=m.tensor_model_parallel_size or 1, sequence_parallel=m.sequence_parallel,
         pp=m.pipeline_model_parallel_size or 1, cp=m.context_parallel_size or 1,
-        ep=m.expert_model_parallel_size or 1, etp=m.expert_tensor_parallel_size or 1,
-        distributed_optimizer=m.use_distributed_optimizer, recompute_granularity=granularity,
+        ep=ep, etp=m.expert_tensor_parallel_size or 1,
+        distributed_optimizer=distopt, recompute_granularity=granularity,
         recompute_method=method if granularity == "full" else None, recompute_num_layers=num if granularity == "full"
         else None, hidden_dropout=m.hidden_dropout or 0.0, attention_dropout=m.attention_dropout or 0.0,
         attention_backend=m.attention_backend or "auto", transformer_impl=m.transformer_impl,

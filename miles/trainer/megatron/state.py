@@ -91,11 +91,6 @@ def _state_dict(trainer: MegatronTrainer, model, optimizer, with_optim: bool) ->
     # layers by global index under pipeline parallelism; the last stage's copy of a tied embedding is saved and
     # loaded as the embedding (same values), so a checkpoint has the same keys for every PP size
     named = [("embedding.word_embeddings.weight" if is_tied_copy(p) else n, p) for n, p in global_named_parameters(model)]
-    if trainer.groups.ep_size > 1:      # experts by global index (moe.py), so EP ranks never share a key
-        from miles.trainer.megatron.moe import global_name
-
-        num_local = trainer.shape.num_experts // trainer.groups.ep_size
-        named = [(global_name(n, trainer.groups.ep_rank, num_local), p) for n, p in named]
     for name, p in named:
         sd.update(_entries(name, name, p.detach(), mesh, tp))
     if with_optim:

@@ -167,6 +167,11 @@ class MegatronTrainer(FSDPTrainer):
                                                      self.critic.model if self.critic else None) if m is not None}
         self.last_rollout_id: int | None = None
         self._hf_state = None                      # the converted weights are in the models now
+        from miles.trainer.megatron import optional_kernels_line
+
+        kernels = optional_kernels_line()
+        if kernels and self.trainer_rank == 0:          # megatron-core's own warnings of this are filtered (__init__)
+            logger.info(kernels)
         logger.info("Megatron trainer ready: %s params, TP %d x PP %d x DP %d, device %s, %s layer spec, bf16 %s, "
                     "ref %s, critic %s", f"{self.num_params:,}", tp, self.groups.pp_size, self.world, self.device,
                     "transformer-engine" if mmodel.use_transformer_engine(self.device) else "local", self.bf16,

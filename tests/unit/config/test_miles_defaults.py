@@ -79,7 +79,7 @@ MILES_V010_BY_BACKEND = {
 # Miles v0.1.0's Megatron side, as the Megatron trainer resolves its flags (miles.trainer.megatron.options)
 MILES_V010_MEGATRON = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "etp": 1, "sequence_parallel": False,
                        "recompute_granularity": None, "attention_backend": "auto", "vocab_divisible_by": 128,
-                       "cp_comm_type": "p2p"}
+                       "cp_comm_type": "p2p", "distributed_optimizer": True}  # set_default_megatron_args: Adam
 
 # kept different on purpose (docs/flags.md, "Departures from Miles"): dest -> (Miles v0.1.0, here)
 DEPARTURES = {
@@ -89,7 +89,6 @@ DEPARTURES = {
 MEGATRON_DEPARTURES = {
     "hidden_dropout": ("--hidden-dropout", 0.1, 0.0),                # Megatron-LM's; Miles's scripts pass 0.0
     "attention_dropout": ("--attention-dropout", 0.1, 0.0),
-    "distributed_optimizer": ("--use-distributed-optimizer", True, False),  # set_default_megatron_args: on for adam
 }
 
 

@@ -108,3 +108,15 @@ def test_unsupported_architecture_is_one_line(tmp_path: Path) -> None:
     cfg = _cfg(cfg_dir, "--train-backend", "megatron")
     with pytest.raises(ConfigError, match=r"^--hf-checkpoint: --train-backend megatron supports HF model types"):
         options.preflight_check(cfg, {"model_type": "gpt2", "n_layer": 2})
+
+
+def test_distributed_optimizer_is_on_by_default_as_in_miles(tiny_model_dir: Path) -> None:
+    """Miles's set_default_megatron_args turns the distributed optimizer on with Adam: not giving the flag means
+    on; the value stays None in the typed section (not given), and is not given under --train-backend fsdp."""
+    cfg = _cfg(tiny_model_dir, "--train-backend", "megatron")
+    assert cfg.megatron.use_distributed_optimizer is None and "--use-distributed-optimizer" not in cfg.megatron.given()
+    assert options.resolve(cfg.megatron, cfg.train).distributed_optimizer
+    assert _cfg(tiny_model_dir, "--train-backend", "fsdp").megatron.given() == []
+    # EP > 1 does not run with it (moe.py refuses the flag when given): not given, it is off there
+    cfg = _cfg(tiny_model_dir, "--train-backend", "megatron", "--expert-model-parallel-size", "2")
+    assert not options.resolve(cfg.megatron, cfg.train).distributed_optimizer
