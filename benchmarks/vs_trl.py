@@ -115,7 +115,7 @@ def run_miles(task: Path, out: Path, layout: str, a: argparse.Namespace) -> dict
     nproc, roles = LAYOUTS[layout]
     if out.exists():
         shutil.rmtree(out)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "train.py",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), a.script,
            "--train-backend", a.train_backend, *roles, "--hf-checkpoint", str(task / "sft_model"), "--prompt-data", str(task / "train.jsonl"),
            "--input-key", "input", "--label-key", "label", "--rollout-shuffle", "--rollout-seed", str(a.seed),
            "--rm-type", "quickstart", "--num-rollout", str(a.max_steps), "--rollout-batch-size", "8",
@@ -262,6 +262,8 @@ def main() -> None:
                         "(seen: 12-26 s a step at load 13, against ~1 s with one thread).")
     p.add_argument("--train-backend", choices=["fsdp", "megatron"], default="fsdp",
                    help="This project's GRPO trainer backend (the SFT warm start always uses fsdp).")
+    p.add_argument("--script", choices=["train.py", "train_async.py"], default="train.py",
+                   help="train_async.py: generation of step k+1 overlaps training of step k (one step off-policy).")
     p.add_argument("--skip-trl", action="store_true")
     p.add_argument("--stop-at-threshold", action="store_true",
                    help="Stop TRL once the threshold is reached (saves time; its s/step then covers fewer steps).")
@@ -294,8 +296,8 @@ def main() -> None:
     phases: dict[str, list] = {}
     for layout in (LAYOUTS if a.layout == "both" else [a.layout]):
         res = run_miles(task, a.work / f"miles-{layout}", layout, a)
-        name = {"single": "miles train.py, 1 trainer rank + 1 engine",
-                "quickstart": "miles train.py, 2 trainer ranks + 2 engines"}[layout]
+        name = f"miles {a.script}, " + {"single": "1 trainer rank + 1 engine",
+                                        "quickstart": "2 trainer ranks + 2 engines"}[layout]
         results.append((name, res))
         phases[name] = res["phases"]
     load1 = os.getloadavg()

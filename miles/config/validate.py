@@ -157,10 +157,6 @@ def _validate_miles_flags(cfg: MilesConfig) -> None:
     if a.use_opd and a.opd_type is None:
         raise ConfigError("--use-opd needs --opd-type: megatron (the teacher runs in the trainer, --opd-teacher-load) "
                           "or sglang (teacher engines).")
-    if a.custom_tis_function_path and cfg.train.train_backend != "fsdp":
-        raise ConfigError(f"--custom-tis-function-path {a.custom_tis_function_path} is not supported by --train-backend "
-                          f"{cfg.train.train_backend} yet (the FSDP trainer calls it): use --train-backend fsdp, or drop "
-                          "it (--use-tis with --tis-clip / --tis-clip-low gives truncated importance sampling).")
     if a.custom_tis_function_path and not a.use_tis:
         raise ConfigError(f"--custom-tis-function-path {a.custom_tis_function_path} is called only with --use-tis (as in "
                           "Miles): add --use-tis (or use_tis: true in --custom-config-path), or drop it.")

@@ -198,7 +198,8 @@ class RolloutManager:
                 raise ConfigError(f"--custom-generate-function-path {path!r} must be a coroutine function ({forms}).")
             self.custom_generate = fn if arity == 3 else input_form(fn)
         self.filter = load_filter(data.dynamic_sampling_filter_path) if data.dynamic_sampling_filter_path else None
-        self.group_requests = bool(group_requests) and self.custom_generate is None
+        self.group_requests = (bool(group_requests) and self.custom_generate is None
+                               and callable(getattr(client, "generate_group", None)))
         self.batch = data.rollout_batch_size
         self.over = data.over_sampling_batch_size or self.batch
         if data.over_sampling_batch_size and self.filter is None:

@@ -4,7 +4,7 @@ shard).
 
 Autograd over ``logits.float() / T -> logsumexp -> gather (-> softmax -> sum p z)`` keeps several fp32
 ``[N, V]`` tensors per chunk and, under activation checkpointing, runs all of it twice; for a Qwen3 vocabulary
-(151,936) and 16k response tokens each of those tensors is 9.7 GB. Here a chunk is one autograd function:
+(151,936) and 16k response tokens each of those tensors is 10.0 GB (9.3 GiB). Here a chunk is one autograd function:
 
     forward:  logits = h W^T (compute dtype); per row, from the logits read once or twice (fp32 in registers):
               lse = logsumexp(z), log p_y = z_y - lse, mu = sum_v softmax(z)_v z_v, H = lse - mu  (z = logits / T)

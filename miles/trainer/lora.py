@@ -298,7 +298,7 @@ def load_state(lora: LoraAdapters, optimizer: torch.optim.Optimizer | None, save
         optimizer.load_state_dict(saved["optimizer"])
 
 
-def check_megatron(opts, shape, spec: LoraSpec, device: torch.device) -> None:
+def check_megatron(opts, shape, spec: LoraSpec) -> None:
     """Refuse the Megatron layouts LoRA is not built for (one line each)."""
     for flag, value, ok in (("--pipeline-model-parallel-size", opts.pp, opts.pp == 1),
                             ("--context-parallel-size", opts.cp, opts.cp == 1),
@@ -338,3 +338,54 @@ def load_files(lora: LoraAdapters, optimizer: torch.optim.Optimizer | None, path
                           "--lora-rank; resume it without the LoRA flags, or start the LoRA run from "
                           "--hf-checkpoint with a fresh --save.")
     load_state(lora, optimizer, torch.load(f, map_location="cpu", weights_only=False), str(path))
+
+
+@torch.no_grad()
+def full_pairs(lora: LoraAdapters) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Megatron module name -> (A, B) of the whole model (TP shards gathered; CPU fp32); collective on TP."""
+    from miles.trainer.megatron.convert import unshard
+
+    out = {}
+    for name, pair in lora.named_pairs():
+        a, b = pair.lora_A.detach().float(), pair.lora_B.detach().float()
+        if lora.tp_size > 1:
+            sh = pair.sharded.detach().float().contiguous()
+            parts = [torch.empty_like(sh) for _ in range(lora.tp_size)]
+            dist.all_gather(parts, sh, group=lora.tp_group)
+            if pair.kind == "column":
+                b = unshard(name + ".weight", parts, 0)        # linear_fc1's shards are [gate_r; up_r]
+            else:
+                a = torch.cat(parts, dim=1)
+        out[name] = (a.cpu(), b.cpu())
+    return out
+
+
+def peft_tensors(lora: LoraAdapters, shape) -> list[tuple[str, torch.Tensor]]:
+    """The adapters in HF PEFT names (``base_model.model.<HF module>.lora_A.weight`` / ``lora_B``): the fused
+    linear_qkv / linear_fc1 become q/k/v and gate/up modules sharing ``A``, each with its rows of ``B``;
+    collective on TP."""
+    from miles.trainer.megatron.convert import megatron_to_hf
+
+    out = []
+    for name, (a, b) in full_pairs(lora).items():
+        for hf, rows in megatron_to_hf(name + ".weight", b, shape):
+            module = "base_model.model." + hf.removesuffix(".weight")
+            out += [(module + ".lora_A.weight", a.clone()), (module + ".lora_B.weight", rows.contiguous())]
+    return out
+
+
+def write_peft_adapter(path, tensors: list[tuple[str, torch.Tensor]], spec: LoraSpec, base: str | None) -> None:
+    """``path/adapter_model.safetensors`` + ``adapter_config.json`` (what ``peft.PeftModel.from_pretrained`` reads)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(dict(tensors), str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    modules = sorted({k.rsplit(".", 3)[1] for k, _ in tensors})      # <prefix>.<module>.lora_X.weight
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
+              "lora_dropout": spec.dropout, "target_modules": modules, "bias": "none",
+              "base_model_name_or_path": base, "fan_in_fan_out": False, "inference_mode": True}
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 SAFETENSORS_DTYPES = {"bfloat16": ("BF16", 2), "float16": ("F16", 2), "float32": ("F32", 4)}
-MAX_SHARD_BYTES = 5 * 2**30  # save_pretrained's default max_shard_size ("5GB" is 5 * 10**9; close enough)
+MAX_SHARD_BYTES = 5 * 2**30  # the "5GB" shards of hub checkpoints (transformers 4 default; 5 * 10**9 there, 50GB in 5)
 
 
 def checkpoint_tensors(config: dict[str, Any]) -> dict[str, list[int]]:

@@ -5,7 +5,8 @@
 KL to the (LoRA-free) reference is exactly 0 and the export (the weight sync's buckets) equals the HF checkpoint
 bit for bit (B = 0). After training: the losses and merged exports of TP 2 and TP 1 agree; only the target
 linears (q/k/v/o, gate/up/down) moved; the exported q/k/v and o_proj of layer 0 equal base + (alpha/r) B @ A
-computed by hand from the gathered adapter shards; ``--save-hf`` writes exactly the exported (merged) weights.
+computed by hand from the gathered adapter shards; ``--save-hf`` writes exactly the exported (merged) weights,
+and the adapter alone in HF PEFT layout (``adapter/``) whose base + (alpha/r) B @ A per module is that model.
 
 ``test_lora_resume_matches_uninterrupted``: TP 2, a checkpoint after rollout 0 (``--save``), a relaunch that
 resumes and trains rollout 1 ends with the adapters, AdamW state and export of the uninterrupted run.
@@ -13,6 +14,7 @@ resumes and trains rollout 1 ends with the adapters, AdamW state and export of t
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -67,32 +69,10 @@ def _init():
     return dist, dist.new_group([0, 1], timeout=timedelta(seconds=60))
 
 
-def _full_adapters(tr) -> dict:
-    """name -> (A full, B full) of every target, gathered over TP (collective)."""
-    import torch
-    import torch.distributed as dist
-
-    out = {}
-    tp = tr.groups.tp_size
-    for name, pair in tr.lora.named_pairs():
-        a, b = pair.lora_A.detach(), pair.lora_B.detach()
-        if tp > 1:
-            sh = pair.sharded.detach()
-            parts = [torch.empty_like(sh) for _ in range(tp)]
-            dist.all_gather(parts, sh.contiguous(), group=tr.groups.tp)
-            if pair.kind == "column":
-                from miles.trainer.megatron.convert import unshard
-
-                b = unshard(name + ".weight", parts, 0)          # fc1 shards are [gate_r; up_r]
-            else:
-                a = torch.cat(parts, dim=1)
-        out[name] = (a.clone(), b.clone())
-    return out
-
-
 def _run_worker(model_dir: str, out: str, tp: str, save_dir: str, mode: str) -> None:
     import torch
 
+    from miles.trainer import lora
     from miles.trainer.megatron.parallel import local_optimizer
 
     dist, group = _init()
@@ -112,7 +92,7 @@ def _run_worker(model_dir: str, out: str, tp: str, save_dir: str, mode: str) -> 
         if save_dir != "-":
             tr.checkpoint(rid, extra={})
     res["final"] = tr.state_dict_for_check()
-    res["adapters"] = _full_adapters(tr)
+    res["adapters"] = lora.full_pairs(tr.lora)          # gathered over TP
     state = local_optimizer(tr.optimizer).state
     res["moments"] = {n: (state[p.lora_B]["exp_avg"].clone(), int(state[p.lora_B]["step"]))
                       for n, p in tr.lora.named_pairs()}
@@ -178,6 +158,17 @@ def test_lora_tp2_matches_tp1_and_exports_merged(tiny_model_dir: Path, tmp_path:
             torch.testing.assert_close(tp2["final"][hf] - base[hf], d, rtol=1e-4, atol=1e-6)
     saved = load_file(str(tmp_path / "tp2.hf" / "model.safetensors"))
     assert all(torch.equal(saved[k].float(), tp2["final"][k]) for k in base)
+    # the adapter alone, HF PEFT names and config: base + (alpha / r) B @ A per HF module is the merged model
+    adapter = load_file(str(tmp_path / "tp2.hf" / "adapter" / "adapter_model.safetensors"))
+    config = json.loads((tmp_path / "tp2.hf" / "adapter" / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8)
+    assert sorted(config["target_modules"]) == sorted(TARGETS)
+    modules = {k.removesuffix(".lora_A.weight") for k in adapter if k.endswith(".lora_A.weight")}
+    assert len(modules) == 7 * shape.num_layers
+    for m in modules:
+        hf = m.removeprefix("base_model.model.") + ".weight"
+        merged = base[hf] + 2.0 * adapter[m + ".lora_B.weight"] @ adapter[m + ".lora_A.weight"]
+        torch.testing.assert_close(merged, saved[hf].float(), rtol=1e-5, atol=1e-6)
 
 
 def test_lora_resume_matches_uninterrupted(tiny_model_dir: Path, tmp_path: Path) -> None:

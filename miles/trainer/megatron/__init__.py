@@ -61,4 +61,4 @@ def build_megatron_trainer(cfg: Any, ctx: Any, plan: Any) -> Any:
                            device=ctx.world.device, rollout_temperature=cfg.rollout.rollout_temperature,
                            num_rollout=plan.num_rollout, global_batch_size=plan.global_batch_size,
                            num_steps_per_rollout=plan.num_steps_per_rollout,
-                           timeout=cfg.cluster.distributed_timeout_minutes * 60)
+                           timeout=cfg.cluster.distributed_timeout_minutes * 60, custom_config=cfg.custom_config)

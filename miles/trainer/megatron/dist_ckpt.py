@@ -32,6 +32,8 @@ from miles.trainer.megatron import torch_dist as td
 from miles.utils.logging import get_logger
 
 if TYPE_CHECKING:
+    from miles.config import MilesConfig
+    from miles.trainer.megatron.model import ModelShape
     from miles.trainer.megatron.trainer import MegatronTrainer
 
 logger = get_logger(__name__)
@@ -49,7 +51,7 @@ def _models(trainer: MegatronTrainer) -> list[tuple[str, torch.nn.Module, torch.
     return out
 
 
-def model_sharded(model) -> dict:
+def model_sharded(model: torch.nn.Module) -> dict:
     """megatron-core's ``sharded_state_dict()``; for the PPO critic (``critic.MegatronValueModel``) its backbone's
     under ``gpt.`` plus the value head, replicated everywhere and written by the last pipeline stage (it uses it)."""
     if hasattr(model, "sharded_state_dict"):
@@ -270,7 +272,7 @@ def load_hf_weights(trainer: MegatronTrainer, root: str, flag: str) -> None:
     logger.info("%s %s: a HF model dir (--megatron-to-hf-mode bridge); training starts from its weights", flag, root)
 
 
-def load_weights(trainer: MegatronTrainer, model, root: str, ckpt_step: int | None, flag: str) -> None:
+def load_weights(trainer: MegatronTrainer, model: torch.nn.Module, root: str, ckpt_step: int | None, flag: str) -> None:
     """Model weights only from a Megatron checkpoint (``--ref-load``): collective on the trainer group."""
     found = td.candidates(root, flag, ckpt_step)
     if not found:
@@ -288,7 +290,7 @@ def load_weights(trainer: MegatronTrainer, model, root: str, ckpt_step: int | No
 
 
 # ----------------------------------------------------------------------------- dry run
-def check_dir(root: str, flag: str, *, shape, padded_vocab: int, ckpt_step: int | None = None) -> None:
+def check_dir(root: str, flag: str, *, shape: ModelShape, padded_vocab: int, ckpt_step: int | None = None) -> None:
     """The checks that need no world: the tracker names a torch_dist dir whose embedding and layer stack have
     this run's shapes (vocabulary padded for this TP size, the layer count). Raises ValueError (one line)."""
     found = td.candidates(root, flag, ckpt_step)
@@ -316,7 +318,7 @@ def check_dir(root: str, flag: str, *, shape, padded_vocab: int, ckpt_step: int 
                              f"{list(expected)}{hint}.")
 
 
-def preflight_check(cfg, hf_config: dict | None) -> None:
+def preflight_check(cfg: MilesConfig, hf_config: dict | None) -> None:
     """``miles.run.preflight`` backend check: --load and --ref-load Megatron checkpoints fit the model."""
     from miles.trainer.megatron import options
     from miles.trainer.megatron.model import padded_vocab_size

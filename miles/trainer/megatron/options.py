@@ -159,6 +159,10 @@ def preflight_check(cfg, hf_config: dict | None) -> None:
     check_shape(cfg.megatron, shape)
     check_static(resolve(cfg.megatron, cfg.train), shape)
     check_pipeline_algo(resolve(cfg.megatron, cfg.train), cfg.algo)
+    from miles.trainer import lora
+
+    if (spec := lora.LoraSpec.from_config(cfg.train)) is not None:    # --lora-rank: the layouts LoRA runs on
+        lora.check_megatron(resolve(cfg.megatron, cfg.train), shape, spec)
 
 
 def shape_of(hf_config) -> ModelShape:

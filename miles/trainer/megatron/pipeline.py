@@ -37,12 +37,18 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from miles.config.base import ConfigError
+
+if TYPE_CHECKING:
+    from miles.trainer.megatron.model import ModelShape
+    from miles.trainer.megatron.trainer import MegatronTrainer
+    from miles.trainer.metrics import MetricSums
 
 _LAYER = re.compile(r"^(.*?)decoder\.layers\.(\d+)\.(.+)$")
 
@@ -99,7 +105,7 @@ def is_tied_copy(p: torch.Tensor) -> bool:
 
 
 @torch.no_grad()
-def load_hf_into(model: nn.Module, hf: dict[str, torch.Tensor], shape, padded_vocab: int, tp_rank: int,
+def load_hf_into(model: nn.Module, hf: dict[str, torch.Tensor], shape: ModelShape, padded_vocab: int, tp_rank: int,
                  tp_size: int) -> None:
     """``convert.load_hf_into`` for one pipeline stage: layers by their global index, and the last stage's copy
     of a tied embedding from the HF embedding."""
@@ -296,12 +302,20 @@ def broadcast_from_last(stage: Stage, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def broadcast_object_from_last(stage: Stage, obj, device: torch.device):
+def broadcast_object_from_last(stage: Stage, obj: Any, device: torch.device) -> Any:
+    """The last stage's picklable ``obj`` on every stage (the others pass anything): its pickled size, then its
+    bytes, each broadcast waited on for at most ``stage.timeout`` (``broadcast_object_list`` has no bounded
+    wait on NCCL)."""
     if stage.size == 1:
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=stage.last_rank, group=stage.group, device=device)
-    return box[0]
+    import pickle
+
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if stage.is_last else None
+    size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=device)
+    n = int(broadcast_from_last(stage, size).item())
+    buf = payload.to(device) if payload is not None else torch.empty(n, dtype=torch.uint8, device=device)
+    broadcast_from_last(stage, buf)
+    return obj if stage.is_last else pickle.loads(buf.cpu().numpy().tobytes())
 
 
 # ---------------------------------------------------------------------------------------------- trainer passes
@@ -322,7 +336,7 @@ def _select(out: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return out.transpose(0, 1).reshape(b * s, -1).index_select(0, index)
 
 
-def forward_pass(trainer, model: nn.Module, data: list) -> list[torch.Tensor]:
+def forward_pass(trainer: MegatronTrainer, model: nn.Module, data: list) -> list[torch.Tensor]:
     """The shared trainer's forward-only log-prob pass (old, reference, teacher) through the pipeline: the last
     stage computes the log-probs (vocabulary-parallel under TP) and broadcasts them to the other stages, so
     every rank holds the same per-sample CPU float32 results (the advantages and metrics need them)."""
@@ -353,7 +367,8 @@ def forward_pass(trainer, model: nn.Module, data: list) -> list[torch.Tensor]:
     return result  # type: ignore[return-value]
 
 
-def forward_backward(trainer, data: list, ids: list[int], per_sample: dict, samples: list):
+def forward_backward(trainer: MegatronTrainer, data: list, ids: list[int], per_sample: dict,
+                     samples: list) -> tuple[MetricSums, int]:
     """One optimizer step's micro-batches through the 1F1B schedule; the loss of each is the shared loss family
     (``losses.py``) on the last stage, as ``FSDPTrainer._micro_step`` composes it. The step's metric sums are
     broadcast from the last stage, so every rank returns the same (metric sums, tokens)."""

@@ -29,15 +29,19 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from miles.trainer.checkpoint import CheckpointWriteError, _barrier, _errnos, _fsync_dir, any_rank
 from miles.utils.logging import get_logger
+
+if TYPE_CHECKING:
+    from miles.trainer.megatron.trainer import MegatronTrainer
 
 logger = get_logger(__name__)
 
@@ -90,20 +94,25 @@ def is_megatron_root(path: str | Path) -> bool:
 
 
 def candidates(root: str | Path, flag: str, ckpt_step: int | None = None) -> list[Path]:
-    """The checkpoint dirs ``--load`` may resume from, best first: ``--ckpt-step``'s only; else the tracker's,
-    then older complete ``iter_*`` dirs (a fallback when the newest is corrupt). A dir that is itself a
-    torch_dist checkpoint is the only candidate."""
+    """The checkpoint dirs ``flag`` (``--load``, ``--ref-load``) may load, best first: ``ckpt_step``'s only
+    (``--ckpt-step``, ``--ref-ckpt-step``); else the tracker's, then older complete ``iter_*`` dirs (a fallback
+    when the newest is corrupt). A dir that is itself a torch_dist checkpoint is the only candidate. Errors
+    name ``flag`` or its step flag."""
     root = Path(root)
     if is_torch_dist(root):
         return [root]
     if ckpt_step is not None:
+        step_flag = "--ref-ckpt-step" if flag == "--ref-load" else "--ckpt-step"
         path = root / iter_dir_name(ckpt_step)
         if not is_torch_dist(path):
             have = ", ".join(p.name for _, p in iterations(root)) or "none"
-            raise ValueError(f"--ckpt-step {ckpt_step}: {path} is not a torch_dist checkpoint (iter_* there: {have}); "
-                             f"pick one of those or drop --ckpt-step.")
+            raise ValueError(f"{step_flag} {ckpt_step}: {path} is not a torch_dist checkpoint (iter_* there: {have}); "
+                             f"pick one of those or drop {step_flag}.")
         return [path]
-    tracked = read_tracker(root)
+    try:
+        tracked = read_tracker(root)
+    except ValueError as e:
+        raise ValueError(f"{flag} {root}: {e}") from None
     if tracked is None:
         return []
     if tracked == "release":
@@ -192,7 +201,7 @@ def _owner_replica(replica_id):
     return 0
 
 
-def optim_sharded(model_sd: dict, optimizer, *, owner_writes: bool) -> dict[str, Any]:
+def optim_sharded(model_sd: dict, optimizer: torch.optim.Optimizer, *, owner_writes: bool) -> dict[str, Any]:
     """``optimizer.state.{exp_avg,exp_avg_sq}.<param key>`` for every parameter with state on this rank,
     laid out like the parameter (megatron-core's ``make_sharded_optimizer_tensor``)."""
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
@@ -224,14 +233,14 @@ def flat_items(d: dict, prefix: str = "") -> list[tuple[str, Any]]:
     return out
 
 
-def optim_step(optimizer) -> int:
+def optim_step(optimizer: torch.optim.Optimizer) -> int:
     from miles.trainer.megatron.parallel import local_optimizer
 
     steps = [int(st["step"]) for st in local_optimizer(optimizer).state.values() if "step" in st]
     return max(steps, default=0)
 
 
-def set_optim_step(optimizer, step: int) -> None:
+def set_optim_step(optimizer: torch.optim.Optimizer, step: int) -> None:
     from miles.trainer.megatron.parallel import local_optimizer
 
     for st in local_optimizer(optimizer).state.values():
@@ -245,7 +254,7 @@ def _dp_group():
     return ps.get_data_parallel_group(with_context_parallel=True)
 
 
-def rng_object(dropout_state: torch.Tensor, timeout_group=None):
+def rng_object(dropout_state: torch.Tensor) -> Any:
     """Megatron-LM's ``rng_state`` ShardedObject (shape (PP, TP), replica = DP rank) holding the RNG states of
     every DP rank of this (PP, TP) position (Megatron-LM's ``--data-parallel-random-init`` layout)."""
     import numpy as np
@@ -277,7 +286,7 @@ def rng_key_present(path: Path) -> bool:
     return key in dcp_keys(path)
 
 
-def restore_rng(states: list, trainer) -> bool:
+def restore_rng(states: list, trainer: MegatronTrainer) -> bool:
     """Set this rank's RNG from a loaded ``rng_state`` list; False (nothing set) when the DP size differs."""
     import numpy as np
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
@@ -298,7 +307,7 @@ def restore_rng(states: list, trainer) -> bool:
 
 
 # ----------------------------------------------------------------------------- crash-safe directories
-def save_atomic(root: str | Path, iteration: int, write_fn, *, group: dist.ProcessGroup, device: torch.device,
+def save_atomic(root: str | Path, iteration: int, write_fn: Callable[[Path], None], *, group: dist.ProcessGroup, device: torch.device,
                 rank: int, keep: int | None = None) -> Path:
     """``write_fn(tmp)`` on every rank into ``.tmp.iter_N``, then (rank 0) rename to ``iter_N`` and write the
     tracker atomically, then prune to ``keep``. A failure on any rank is one ``CheckpointWriteError`` on all;
@@ -380,7 +389,7 @@ def prune(root: Path, keep: int | None, newest: int) -> None:
         logger.info("pruned old checkpoint %s (--keep-checkpoints %d)", path, keep)
 
 
-def common_args(trainer) -> argparse.Namespace:
+def common_args(trainer: MegatronTrainer) -> argparse.Namespace:
     """The ``args`` Megatron-LM keeps in ``common.pt`` (the fields its loader and tools read)."""
     s, g = trainer.shape, trainer.groups
     return argparse.Namespace(

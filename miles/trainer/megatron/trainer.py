@@ -33,7 +33,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -44,7 +46,14 @@ from miles.trainer import lora as lora_mod
 from miles.trainer.batching import MicroBatch, plan_micro_batches
 from miles.trainer.fsdp import FSDPTrainer
 from miles.trainer.logprobs import VocabShard, logprobs_and_entropy
-from miles.trainer.losses import custom_loss, load_custom_loss, policy_loss, sft_loss
+from miles.trainer.losses import (
+    custom_loss,
+    load_custom_loss,
+    load_tis_function,
+    policy_loss,
+    policy_loss_with_tis,
+    sft_loss,
+)
 from miles.trainer.megatron import context_parallel, convert, export, moe, options, parallel, pipeline
 from miles.trainer.megatron import model as mmodel
 from miles.trainer.metrics import peak_tflops
@@ -74,7 +83,7 @@ def padded_batch(mb: MicroBatch, pad_id: int, multiple: int = 1) -> tuple[torch.
 class MegatronTrainer(FSDPTrainer):
     def __init__(self, train, algo, ckpt, megatron=None, *, group: dist.ProcessGroup, device: torch.device,
                  rollout_temperature: float, num_rollout: int | None, global_batch_size: int | None,
-                 num_steps_per_rollout: int, timeout: float, mesh=None):
+                 num_steps_per_rollout: int, timeout: float, mesh=None, custom_config: dict | None = None):
         self.cfg, self.algo, self.ckpt = train, algo, ckpt
         self.opts = options.resolve(megatron, train)
         self.megatron_cfg = megatron            # the checkpoint flags (dist_ckpt.py): --finetune, --ckpt-step, ...
@@ -154,6 +163,9 @@ class MegatronTrainer(FSDPTrainer):
             self.loss_fn = sft_loss
         elif algo.loss_type == "custom_loss":
             self.loss_fn = custom_loss(load_custom_loss(algo.custom_loss_function_path))
+        elif algo.custom_tis_function_path:  # as the FSDP trainer: Miles's args, the shared loss (losses.py)
+            tis_args = SimpleNamespace(**{**(custom_config or {}), **asdict(train), **asdict(algo)})
+            self.loss_fn = policy_loss_with_tis(load_tis_function(algo.custom_tis_function_path), tis_args)
         else:
             self.loss_fn = policy_loss
         start = self.groups.tp_rank * (self.padded_vocab // tp)
@@ -248,7 +260,7 @@ class MegatronTrainer(FSDPTrainer):
         spec = lora_mod.LoraSpec.from_config(self.cfg)
         if spec is None:
             return None
-        lora_mod.check_megatron(self.opts, self.shape, spec, self.device)
+        lora_mod.check_megatron(self.opts, self.shape, spec)
         g = self.groups
         adapters = lora_mod.attach(self.model, spec, tp_rank=g.tp_rank, tp_size=g.tp_size, tp_group=g.tp,
                                    seed=self.cfg.seed)
@@ -427,6 +439,8 @@ class MegatronTrainer(FSDPTrainer):
         for model, opt in [(self.model, self.optimizer)] + (
                 [(self.critic.model, self.critic.optimizer)] if self.critic is not None else []):
             model.to(device)
+            if model is self.model and self.lora is not None:
+                self.lora.to(device)
             move_optimizer_state(parallel.local_optimizer(opt), torch.device(device))
         torch.cuda.synchronize(self.device)
         if torch.device(device).type == "cpu":
@@ -447,6 +461,17 @@ class MegatronTrainer(FSDPTrainer):
                                     bucket_bytes=bucket_bytes, dtype=dtype, timeout=self.timeout,
                                     prefetch=prefetch, stage=self.stage)
         return it if self.lora is None else _merged_buckets(self.lora, it)   # LoRA: W + (alpha / r) B @ A
+
+    def save_hf(self, path: str | Path) -> None:
+        """The HF model dir (merged weights under LoRA), and with LoRA also the adapter alone in HF PEFT format
+        under ``path/adapter`` (as Miles writes it); collective."""
+        super().save_hf(path)
+        if self.lora is None:
+            return
+        tensors = lora_mod.peft_tensors(self.lora, self.shape)
+        if self.trainer_rank == 0:
+            lora_mod.write_peft_adapter(Path(path) / "adapter", tensors, self.lora.spec, self.cfg.hf_checkpoint)
+        self._barrier()
 
     # ------------------------------------------------------------------ checkpoints
     # Megatron-LM's layout: <save>/iter_<rollout_id>/ (torch_dist) + latest_checkpointed_iteration.txt

@@ -20,7 +20,8 @@ def _refusal(argv: list[str]) -> str:
 
 
 @pytest.mark.parametrize("argv, first", [
-    (["--lora-rank", "64", "--lora-alpha", "32"], "--lora-rank:"),
+    (["--lora-rank", "64", "--lora-alpha", "32"], "--lora-rank > 0 needs --target-modules"),
+    (["--lora-adapter-path", "a"], "--lora-adapter-path:"),
     (["--use-rollout-routing-replay"], "--use-rollout-routing-replay:"),
     (["--use-miles-dashboard"], "--use-miles-dashboard:"),
     (["--optimizer", "sgd"], "--optimizer"),

@@ -69,11 +69,11 @@ def test_reverse_kl_per_strategy_and_weight_mode(strategy, ids, normalize, mode)
 def test_missing_pieces_are_named():
     sample, answer = _sample_and_answer()
     sample.metadata.clear()
-    with pytest.raises(Exception, match="student's top-K log-probs of each of its 1 response tokens"):
+    with pytest.raises(opd_topk.TeacherError, match="student's top-K log-probs of each of its 1 response tokens"):
         opd_topk.reverse_kl(_args("only-student"), sample, answer)
     sample, answer = _sample_and_answer()
     del answer["teacher"]["meta_info"]["input_token_ids_logprobs"]
-    with pytest.raises(Exception, match="no meta_info.input_token_ids_logprobs"):
+    with pytest.raises(opd_topk.TeacherError, match="no meta_info.input_token_ids_logprobs"):
         opd_topk.reverse_kl(_args("only-student"), sample, answer)
 
 

@@ -160,3 +160,22 @@ def test_adapter_state_round_trips_and_a_mismatch_is_refused(tmp_path):
         lora.load_files(other, None, tmp_path, 0)
     with pytest.raises(ConfigError, match="no LoRA adapters"):
         lora.load_files(bd, None, tmp_path / "nope", 0)
+
+
+def test_preflight_refuses_the_layouts_lora_does_not_run(tiny_model_dir):
+    import json
+
+    pytest.importorskip("megatron.core")
+    from miles.trainer.megatron import options
+
+    hf = json.loads((tiny_model_dir / "config.json").read_text())
+    base = ["--hf-checkpoint", str(tiny_model_dir), "--train-backend", "megatron", "--num-rollout", "1",
+            "--rollout-batch-size", "2", "--lora-rank", "4", "--target-modules", "all-linear"]
+    options.preflight_check(parse_args(base + ["--tensor-model-parallel-size", "2"]), hf)
+    for extra, msg in ((["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2 is not supported "
+                                                                 "with --lora-rank"),
+                       (["--context-parallel-size", "2"], "--context-parallel-size 2"),
+                       (["--tensor-model-parallel-size", "2", "--sequence-parallel"], "--sequence-parallel"),
+                       (["--tensor-model-parallel-size", "2", "--lora-dropout", "0.1"], "--lora-dropout 0.1")):
+        with pytest.raises(ConfigError, match=msg):
+            options.preflight_check(parse_args(base + extra), hf)

@@ -178,3 +178,23 @@ def test_moe_flags_on_a_dense_model_are_refused(tiny_model_dir: Path) -> None:
                                            ("([0]*1+[1]*3)", (0, 1, 1, 1))])
 def test_layer_freq_forms(value: str, pattern: tuple[int, ...]) -> None:
     assert moe.layer_pattern(moe.parse_layer_freq(int(value) if value.isdigit() else value), 4) == pattern
+
+
+def test_engine_param_index_resolves_per_expert_names(tiny_moe_dir: Path) -> None:
+    """The embedded engine's parameter index: transformers' fused experts under the checkpoint's per-expert
+    names, as views (a write through a name reaches the fused weight); iteration covers the live tensors only."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from miles.engine.model_runner import ParamIndex
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe_dir)
+    index = ParamIndex(model.state_dict(keep_vars=True))
+    hf = load_file(str(tiny_moe_dir / "model.safetensors"))
+    assert all(k in index and torch.equal(index[k], hf[k]) and torch.equal(index.get(k), hf[k]) for k in hf)
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" not in list(index)
+    up = index.get("model.layers.2.mlp.experts.3.up_proj.weight")
+    up.data.copy_(torch.full_like(up, 7.0))
+    fused = model.model.layers[2].mlp.experts.gate_up_proj
+    assert bool((fused[3, 32:] == 7.0).all()) and not bool((fused[3, :32] == 7.0).any())
+    assert index.get("model.layers.0.mlp.experts.9.up_proj.weight") is None

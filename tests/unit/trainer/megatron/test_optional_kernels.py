@@ -35,13 +35,9 @@ def test_optional_kernel_warnings_are_filtered_and_said_once() -> None:
 
 def test_other_megatron_warnings_are_kept() -> None:
     code = ("import warnings, miles.trainer.megatron\n"
-            "with warnings.catch_warnings(record=True) as w:\n"
-            "    warnings.simplefilter('default')\n"
-            "    import miles.trainer.megatron  # filters installed again by a fresh import below\n"
-            "    import importlib, miles.trainer.megatron as m; importlib.reload(m)\n"
-            "    warnings.warn_explicit('Apex is not installed. Falling back to Torch Norm', UserWarning, 'x.py', 1,\n"
-            "                           module='megatron.core.models.backends')\n"
-            "    warnings.warn_explicit('something else', UserWarning, 'x.py', 2, module='megatron.core.models.backends')\n"
+            "with warnings.catch_warnings(record=True) as w:\n"     # the filters in place, UserWarnings recorded
+            "    for i, text in enumerate(['Apex is not installed. Falling back to Torch Norm', 'something else']):\n"
+            "        warnings.warn_explicit(text, UserWarning, 'x.py', i, module='megatron.core.models.backends')\n"
             "print([str(x.message) for x in w])")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
                          env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})

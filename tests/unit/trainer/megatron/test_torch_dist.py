@@ -42,6 +42,19 @@ def test_tracker_and_candidates(tmp_path: Path) -> None:
         td.candidates(tmp_path, "--load")
 
 
+def test_candidate_errors_name_the_flag_the_user_gave(tmp_path: Path) -> None:
+    _fake_iter(tmp_path, 1)
+    (tmp_path / td.TRACKER).write_text("1")
+    with pytest.raises(ValueError) as e:          # --ref-load's step is --ref-ckpt-step, not --ckpt-step
+        td.candidates(tmp_path, "--ref-load", ckpt_step=9)
+    assert str(e.value).startswith("--ref-ckpt-step 9: ") and "drop --ref-ckpt-step." in str(e.value), str(e.value)
+    assert "--ckpt-step" not in str(e.value).replace("--ref-ckpt-step", "")
+    (tmp_path / td.TRACKER).write_text("garbage")
+    with pytest.raises(ValueError) as e:
+        td.candidates(tmp_path, "--ref-load")
+    assert str(e.value).startswith(f"--ref-load {tmp_path}: ") and "not an iteration number" in str(e.value)
+
+
 def test_save_atomic_publishes_then_prunes(tmp_path: Path) -> None:
     import torch
 

@@ -1,0 +1,78 @@
+"""``pipeline.broadcast_object_from_last`` over a real 2-rank gloo group (a two-stage pipeline): the last
+stage's object reaches the first, and a last stage that never joins stops the first after the stage's
+timeout (not the process group's) with the pipeline's one-line TimeoutError."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+STAGE_TIMEOUT = 2.0
+
+
+def _worker(rank: int, port: int, scenario: str, q) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    from miles.trainer.megatron.pipeline import Stage, broadcast_object_from_last
+
+    stage = Stage(group=None, rank=rank, size=2, prev=0, next=1, first_rank=0, last_rank=1, timeout=STAGE_TIMEOUT)
+    obj = (["kl", "loss"], torch.tensor([0.25, -1.5], dtype=torch.float64)) if rank == 1 else None
+    try:
+        if scenario == "silent_last" and rank == 1:
+            time.sleep(4 * STAGE_TIMEOUT)          # alive, never broadcasting: the first stage must time out
+            q.put((rank, "slept", 0.0))
+        else:
+            start = time.monotonic()
+            try:
+                got = broadcast_object_from_last(stage, obj, torch.device("cpu"))
+                q.put((rank, (got[0], got[1].tolist()), time.monotonic() - start))
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                q.put((rank, f"{type(e).__name__}: {e}", time.monotonic() - start))
+    finally:
+        q.close()
+        q.join_thread()
+        os._exit(0)                                 # skip process-group teardown (the silent case leaves one open)
+
+
+def _run(scenario: str) -> dict:
+    from miles.utils.net import find_free_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = find_free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, scenario, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    out = {}
+    try:
+        for _ in procs:
+            rank, value, seconds = q.get(timeout=90)
+            out[rank] = (value, seconds)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return out
+
+
+@pytest.mark.multiprocess
+def test_object_from_the_last_stage_reaches_every_stage() -> None:
+    out = _run("both")
+    expect = (["kl", "loss"], [0.25, -1.5])
+    assert out[0][0] == expect and out[1][0] == expect, out
+
+
+@pytest.mark.multiprocess
+def test_a_silent_last_stage_stops_the_first_after_the_stage_timeout() -> None:
+    out = _run("silent_last")
+    message, seconds = out[0]
+    assert message.startswith("TimeoutError: pipeline stage 0 of 2: broadcasting the last stage's results"), out
+    assert "\n" not in message
+    assert 0.8 * STAGE_TIMEOUT < seconds < 2 * STAGE_TIMEOUT, out
