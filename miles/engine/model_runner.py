@@ -168,12 +168,15 @@ class _NativeLM:
             self.kv = PagedKV(len(self.layers), self.n_kv, self.head_dim, num_pages, page_size, max_slots, cache_ctx,
                               dtype, device)
         # the Triton paged-decode kernel (CUDA): attention reads only each row's live pages; no sliding windows
-        self.kernel = self.kv is not None and paged_attention.available(device) and all(w is None for w in self.windows)
+        # (its tl.arange over the head dimension needs a power of two: other models take the torch path)
+        pow2_head = self.head_dim > 0 and self.head_dim & (self.head_dim - 1) == 0
+        self.kernel = (self.kv is not None and paged_attention.available(device) and pow2_head
+                       and all(w is None for w in self.windows))
         # graph rows beyond the running requests: the slot cache writes them at the last position of free slots;
         # paged, their block tables are all the scratch page, and position 0 keeps the kernel's walk to one token
         self.pad_pos = 0 if self.kv is not None else cache_ctx - 1
         # decode on CUDA: q/k norm + RoPE as one Triton kernel per tensor (plain RMSNorms only)
-        self.fused_rope = fused_ops.available(device) and device.type == "cuda" and (not self.qk_norm or all(
+        self.fused_rope = fused_ops.available(device) and device.type == "cuda" and pow2_head and (not self.qk_norm or all(
             type(m).__name__ in _PLAIN_RMSNORMS for layer in self.layers for m in (layer.self_attn.q_norm, layer.self_attn.k_norm)))
 
     # ------------------------------------------------------------------ cache

@@ -28,6 +28,7 @@ import inspect
 import io
 import pickle
 import threading
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -309,8 +310,12 @@ def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def check_full_coverage(state: dict[str, torch.Tensor], live: dict[str, torch.Tensor]) -> None:
-    """A full checkpoint must name every live tensor (a tied alias counts for its twin)."""
-    covered = {id(live[n]) for n in state if n in live}
+    """A full checkpoint must name every live tensor (a tied alias counts for its twin; a fused MoE expert tensor
+    is covered by its per-expert names, ``ParamIndex.aliases``, when they name every expert)."""
+    aliases = getattr(live, "aliases", {})
+    covered = {id(live[n]) for n in state if n in live and n not in aliases}
+    need, got = Counter(a[0] for a in aliases.values()), Counter(aliases[n][0] for n in state if n in aliases)
+    covered |= {id(live[f]) for f, k in got.items() if k == need[f]}
     missing = [n for n, t in live.items() if id(t) not in covered]
     unknown = [n for n in state if n not in live]
     if unknown:

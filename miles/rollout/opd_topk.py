@@ -28,7 +28,6 @@ from miles.rollout.teacher import TeacherError
 from miles.types import Sample
 
 STRATEGIES = ("only-student", "only-teacher", "intersection", "union", "xor")
-WEIGHT_MODES = ("student_p", "teacher_p", "none")
 STUDENT_TOP = frozenset(STRATEGIES) - {"only-teacher"}        # need the student's top-K from generation
 TEACHER_TOP = frozenset(STRATEGIES) - {"only-student"}        # ask the teacher for its top-K
 TEACHER_SCORES_STUDENT = frozenset({"only-student", "union", "xor"})

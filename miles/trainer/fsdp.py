@@ -59,7 +59,7 @@ from miles.trainer.losses import (
 )
 from miles.trainer.metrics import MetricSums, mfu, peak_tflops
 from miles.trainer.optim import LRSchedule, MasterWeights, build_adamw, clip_grad_norm
-from miles.trainer.weights import iter_full_params
+from miles.trainer.weights import checkpoint_tensor_names, iter_checkpoint_buckets, iter_full_params
 from miles.types import Sample
 from miles.utils.logging import get_logger, warn_once
 
@@ -564,10 +564,14 @@ class FSDPTrainer:
     def iter_weight_buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None, *,
                             prefetch: bool = True) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full parameters under their HF names, bucket by bucket; every trainer rank must iterate to the end.
-        The gather of bucket k+1 is issued before bucket k is yielded (``prefetch``)."""
+        The gather of bucket k+1 is issued before bucket k is yielded (``prefetch``). Fused MoE experts go out
+        under the checkpoint's per-expert names and shapes (``split_fused_experts``)."""
         modeling.reshard_all(self.model)
-        return iter_full_params(self.model, group=self.group, device=self.device, bucket_bytes=bucket_bytes,
-                                dtype=dtype, name_fn=modeling.hf_name, timeout=self.timeout, prefetch=prefetch)
+        if getattr(self, "_ckpt_names", None) is None:
+            self._ckpt_names = checkpoint_tensor_names(self.cfg.hf_checkpoint)
+        return iter_checkpoint_buckets(iter_full_params(
+            self.model, group=self.group, device=self.device, bucket_bytes=bucket_bytes, dtype=dtype,
+            name_fn=modeling.hf_name, timeout=self.timeout, prefetch=prefetch), self._ckpt_names or None)
 
     def iter_weight_shards(self, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[list]:
         """This rank's own FSDP2 shards under HF names, in the buckets of ``iter_weight_buckets``, without any

@@ -9,12 +9,17 @@ the next gather; at most two buckets are alive.
 
 Every trainer rank must iterate to the end (the gathers are collectives on the trainer group);
 every rank receives the full tensors, on the trainer's device.
+
+``split_fused_experts`` turns transformers 5's fused MoE expert tensors into the checkpoint's per-expert
+names and shapes (views into the gathered bucket): what HF checkpoints, SGLang's loaders and the Megatron
+backend's export use.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -135,3 +140,48 @@ def iter_full_params(
         if nxt is None and k + 1 < len(buckets):
             nxt = _start(buckets[k + 1], group, world, device, dtype)
         pending = nxt
+
+
+# ----------------------------------------------------------------------------- fused MoE experts
+_GATE_UP, _DOWN = ".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"
+
+
+def checkpoint_tensor_names(hf_dir: str | Path) -> frozenset[str]:
+    """The tensor names in the ``*.safetensors`` files of an HF model dir (headers only; empty when none)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for f in sorted(Path(hf_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            names.update(h.keys())
+    return frozenset(names)
+
+
+def split_fused_experts(bucket: Bucket, checkpoint_names: Container[str] | None = None) -> Bucket:
+    """transformers 5's fused experts (``mlp.experts.gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]) -> the
+    checkpoint's per-expert ``mlp.experts.<e>.{gate,up,down}_proj.weight`` ([I, H], [I, H], [H, I]), as views (no
+    copy); other tensors unchanged. With ``checkpoint_names``, a fused tensor is split only when the checkpoint
+    names its experts that way (a checkpoint that stores fused tensors keeps them)."""
+    out: Bucket = []
+    for name, t in bucket:
+        fused = name.endswith(_GATE_UP) or name.endswith(_DOWN)
+        base = name[: name.rindex(".") + 1] if fused else ""
+        kind = "gate" if name.endswith(_GATE_UP) else "down"
+        if not fused or t.dim() != 3 or (checkpoint_names is not None
+                                        and f"{base}0.{kind}_proj.weight" not in checkpoint_names):
+            out.append((name, t))
+            continue
+        for e in range(t.shape[0]):
+            if kind == "gate":
+                gate, up = t[e].chunk(2, dim=0)
+                out += [(f"{base}{e}.gate_proj.weight", gate), (f"{base}{e}.up_proj.weight", up)]
+            else:
+                out.append((f"{base}{e}.down_proj.weight", t[e]))
+    return out
+
+
+def iter_checkpoint_buckets(buckets: Iterable[Bucket], checkpoint_names: Container[str] | None = None
+                            ) -> Iterator[Bucket]:
+    """``split_fused_experts`` applied bucket by bucket (the gathers of ``buckets`` keep their lockstep)."""
+    for bucket in buckets:
+        yield split_fused_experts(bucket, checkpoint_names)

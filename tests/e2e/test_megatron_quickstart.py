@@ -33,6 +33,10 @@ def test_megatron_tp2_quickstart_learns_and_resumes(quickstart: Path, tmp_path: 
                   "--output-dir", str(out)], log, timeout=600, QUICKSTART_DIR=str(quickstart)), log)
     text = log.read_text()
     assert "Megatron trainer ready" in text and "TP 2 x PP 1 x DP 1" in text
+    assert "is not installed. Falling back" not in text and "are not installed. Falling back" not in text
+    from miles.trainer.megatron import optional_kernels_line
+
+    assert text.count("megatron-core optional kernels absent") == (1 if optional_kernels_line() else 0)  # rank 0
     assert text.count("--check-weight-update-equal: ") >= 41, text[-3000:]   # initial sync + one per rollout
     recs = check_run_dir(out, num_rollout=40, num_ranks=4)
     rewards = [r["rollout/raw_reward"] for r in recs]

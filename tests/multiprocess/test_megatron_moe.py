@@ -131,9 +131,10 @@ def split_fused_experts(sd: dict) -> dict:
     return out
 
 
-def _parity_worker(model_dir: str, out: str, ep: int, dispatcher: str, kind: str = "cpu") -> None:
+def _parity_worker(model_dir: str, out: str, ep: int, dispatcher: str, kind: str = "cpu", tp: int = 1) -> None:
     """Both backends on the same samples (module docstring); rank 0 writes the comparison to ``out``. kind
-    "cpu_ckpt": also a checkpoint round trip of the Megatron trainer."""
+    "cpu_ckpt": also a checkpoint round trip of the Megatron trainer. ``tp`` > 1: attention TP-split under
+    --sequence-parallel, experts whole (--expert-tensor-parallel-size 1)."""
     with_ckpt = kind == "cpu_ckpt"
     kind = "cpu" if with_ckpt else kind
     import dataclasses
@@ -154,7 +155,8 @@ def _parity_worker(model_dir: str, out: str, ep: int, dispatcher: str, kind: str
     if kind == "cuda":
         torch.cuda.set_device(dev)
     samples = make_samples(4, 4, seed=7, vocab=90)
-    mine = samples if world == 1 else (samples[:12] if rank == 0 else samples[12:])
+    mine = samples if world == 1 else (samples[:12] if rank == 0 else samples[12:]) if world == 2 else \
+        samples[4 * rank:4 * rank + 4]
     common = dict(device=dev, rollout_temperature=0.8, num_rollout=2, global_batch_size=None,
                   num_steps_per_rollout=1, timeout=120)
     res: dict = {}
@@ -172,7 +174,8 @@ def _parity_worker(model_dir: str, out: str, ep: int, dispatcher: str, kind: str
              "--num-experts", "4", "--moe-router-topk", "2")
     flags += ("--moe-token-dispatcher-type", dispatcher) if dispatcher != "default" else ()
     flags += ("--save", str(Path(out).parent / "ckpt")) if with_ckpt else ()
-    cfg = _configs(model_dir, "megatron", 1, megatron_flags=flags)
+    flags += ("--sequence-parallel", "--expert-tensor-parallel-size", "1") if tp > 1 else ()
+    cfg = _configs(model_dir, "megatron", tp, megatron_flags=flags)
     if kind == "cpu":
         cfg.train = dataclasses.replace(cfg.train, bf16=False)
     meg = MegatronTrainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, group=group, **common)
@@ -213,7 +216,7 @@ def _parity_worker(model_dir: str, out: str, ep: int, dispatcher: str, kind: str
         num = sum(((meg_sd[k] - fsdp_sd[k]).double() ** 2).sum().item() for k in hf)
         den = sum(((fsdp_sd[k] - hf[k]).double() ** 2).sum().item() for k in hf)
         res["update_rel_l2"] = (num / den) ** 0.5
-        res["ep_size"] = meg.groups.ep_size
+        res["ep_size"], res["tp_size"] = meg.groups.ep_size, meg.groups.tp_size
     res.pop("fsdp_lp")
     if rank == 0:
         torch.save(res, out)
@@ -223,18 +226,24 @@ def _parity_worker(model_dir: str, out: str, ep: int, dispatcher: str, kind: str
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("ep,dispatcher,kind", [(1, "allgather", "cpu"), (2, "alltoall", "cpu_ckpt"),
-                                                 (2, "default", "cpu")],
-                         ids=["ep1_dp2_allgather", "ep2_alltoall_checkpoint", "ep2_default_dispatcher"])
-def test_moe_trainer_parity_with_fsdp(tiny_moe_dir: Path, tmp_path: Path, free_port: int, ep: int,
-                                      dispatcher: str, kind: str) -> None:
+@pytest.mark.parametrize("nproc,tp,ep,dispatcher,kind", [
+    (2, 1, 1, "allgather", "cpu"), (2, 1, 2, "alltoall", "cpu_ckpt"), (2, 1, 2, "default", "cpu"),
+    (2, 2, 1, "allgather", "cpu_ckpt"), (4, 2, 2, "alltoall", "cpu")],
+    ids=["ep1_dp2_allgather", "ep2_alltoall_checkpoint", "ep2_default_dispatcher", "tp2_ep1_sp_checkpoint",
+         "tp2_ep2_sp_alltoall"])
+def test_moe_trainer_parity_with_fsdp(tiny_moe_dir: Path, tmp_path: Path, free_port: int, nproc: int, tp: int,
+                                      ep: int, dispatcher: str, kind: str) -> None:
+    """tp2_*: attention split over TP 2 (--sequence-parallel), experts whole on every TP rank (ETP 1); their
+    gradients summed over the TP ranks' sequence parts (expert-DP group). The export equals the HF checkpoint
+    bit for bit, as at TP 1."""
     import torch
 
     out = tmp_path / "parity.pt"
-    proc = _torchrun(2, free_port, "parity", str(tiny_moe_dir), str(out), str(ep), dispatcher, kind)
+    proc = _torchrun(nproc, free_port, "parity", str(tiny_moe_dir), str(out), str(ep), dispatcher, kind, str(tp),
+                     timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     res = torch.load(out, weights_only=False)
-    assert res["ep_size"] == ep
+    assert res["ep_size"] == ep and res["tp_size"] == tp
     assert res["export_keys_equal"] and res["export_bitwise"] and res["export_bf16_bitwise"], res
     # experts in the EP 1 model's order (layer, expert 0..E-1, gate/up/down), whatever the EP size
     experts = [n for n in res["export_order"] if ".experts." in n]
@@ -356,4 +365,5 @@ if __name__ == "__main__":
     elif sys.argv[1] == "engine":
         _engine_worker(sys.argv[2], sys.argv[3], sys.argv[4])
     elif sys.argv[1] == "parity":
-        _parity_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], *sys.argv[6:7])
+        _parity_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], *sys.argv[6:7],
+                       *map(int, sys.argv[7:8]))

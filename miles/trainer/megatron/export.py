@@ -71,12 +71,18 @@ def _start(bucket, groups: Groups, device: torch.device, dtype: torch.dtype | No
 
 def _finish(pend: _Pending, groups: Groups, shape: ModelShape, device: torch.device, dtype: torch.dtype | None,
             timeout: float) -> Bucket:
+    return [pair for pairs in _finish_each(pend, groups, shape, device, dtype, timeout) for pair in pairs]
+
+
+def _finish_each(pend: _Pending, groups: Groups, shape: ModelShape, device: torch.device, dtype: torch.dtype | None,
+                 timeout: float) -> list[Bucket]:
+    """The HF tensors of each parameter of the bucket, in bucket order."""
     if pend.work is not None and pend.work.wait(timeout=timedelta(seconds=timeout)) is False:
         raise TimeoutError(f"gathering TP shards of the weights timed out after {timeout:.0f}s (a trainer rank is "
                            "missing or stuck).")
     tp = groups.tp_size
     gathered = pend.out.view(tp, -1) if pend.out is not None else None
-    result: Bucket = []
+    result: list[Bucket] = []
     offset = 0
     for name, p in pend.bucket:
         dim = partition_dim(name) if tp > 1 else None
@@ -87,7 +93,7 @@ def _finish(pend: _Pending, groups: Groups, shape: ModelShape, device: torch.dev
             shards = [gathered[r, offset:offset + n].view(p.shape).to(dtype or p.dtype) for r in range(tp)]
             offset += n
             full = unshard(name, shards, dim)
-        result.extend((hf, t.contiguous()) for hf, t in megatron_to_hf(name, full, shape))
+        result.append([(hf, t.contiguous()) for hf, t in megatron_to_hf(name, full, shape)])
     return result
 
 

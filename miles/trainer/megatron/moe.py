@@ -206,10 +206,12 @@ def check_moe_static(o, shape) -> None:
     if o.ep > 1 and (o.pp > 1 or o.cp > 1):
         raise ConfigError(f"--expert-model-parallel-size {o.ep} with pipeline or context parallelism is not "
                           "supported by the Megatron backend yet: use EP with data parallelism only.")
-    if o.tp > 1:
-        raise ConfigError(f"--tensor-model-parallel-size {o.tp} with MoE layers is not supported by the Megatron "
-                          "backend yet (megatron-core trains them under TP only with sequence parallelism): use TP 1 "
-                          "with --expert-model-parallel-size and data parallelism.")
+    if o.tp > 1 and not o.sequence_parallel:
+        raise ConfigError(f"--tensor-model-parallel-size {o.tp} with MoE layers needs --sequence-parallel "
+                          "(megatron-core trains MoE layers under TP only with sequence parallelism): add it.")
+    if o.tp > 1 and o.cp > 1:
+        raise ConfigError(f"--tensor-model-parallel-size {o.tp} with --context-parallel-size {o.cp} and MoE layers "
+                          "is not supported by the Megatron backend yet: use one of them.")
     if o.ep > 1 and o.distributed_optimizer:
         raise ConfigError(f"--use-distributed-optimizer with --expert-model-parallel-size {o.ep} is not supported "
                           "yet (the optimizer state is sharded over DP, which holds different experts): drop one.")
@@ -408,17 +410,24 @@ def _cpu_splits(tensor, as_numpy: bool = False, record_stream: bool = False):
 
 # ------------------------------------------------------------------------------------------- gradients
 def ep_sharded(name: str, groups) -> bool:
-    """A parameter whose gradient is reduced over the expert-data-parallel group instead of DP."""
+    """An expert parameter split over EP (each EP rank holds other experts)."""
     return groups.ep_size > 1 and is_expert(name)
+
+
+def edp_reduced(name: str, groups) -> bool:
+    """A parameter whose gradient is reduced over the expert-data-parallel group instead of DP: the experts
+    under EP > 1 or TP > 1 (with ETP 1 each TP rank runs the whole experts on its part of the sequence)."""
+    return (groups.ep_size > 1 or groups.tp_size > 1) and is_expert(name)
 
 
 @torch.no_grad()
 def reduce_expert_grads(named: list[tuple[str, torch.Tensor]], groups) -> None:
-    """Expert gradients (EP > 1): summed over the expert-DP group, divided by the DP size (collective)."""
+    """Expert gradients (EP > 1 or TP > 1): summed over the expert-DP group (DP x TP / EP ranks), divided by the
+    DP size (collective)."""
     import torch.distributed as dist
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-    grads = [p.grad for n, p in named if ep_sharded(n, groups)]
+    grads = [p.grad for n, p in named if edp_reduced(n, groups)]
     if not grads:
         return
     if groups.edp_size > 1:
@@ -468,30 +477,36 @@ def _units(named: list[tuple[str, torch.Tensor]], groups) -> list[list[tuple[str
 
 
 class _EPPending:
-    def __init__(self, units, out, work, sizes):
+    def __init__(self, units, out, work, sizes, tp=None):
         self.units, self.out, self.work, self.sizes = units, out, work, sizes
+        self.tp = tp        # export._Pending of the other parameters (their TP shards gathered under TP > 1)
 
 
 def _ep_start(units, groups, device, dtype) -> _EPPending:
     import torch.distributed as dist
 
+    from miles.trainer.megatron.export import _start
+
+    tp = _start([unit[0] for unit in units if not ep_sharded(unit[0][0], groups)], groups, device, dtype)
     experts = [p.detach().to(device=device, dtype=dtype or p.dtype).reshape(-1) for unit in units for n, p in unit
                if ep_sharded(n, groups)]
     if not experts:
-        return _EPPending(units, None, None, 0)
+        return _EPPending(units, None, None, 0, tp)
     if len({t.dtype for t in experts}) > 1:
         experts = [t.float() for t in experts]
     send = torch.cat(experts)
     out = torch.empty(groups.ep_size * send.numel(), dtype=send.dtype, device=device)
     work = dist.all_gather_into_tensor(out, send, group=groups.ep, async_op=True)
-    return _EPPending(units, out, work, send.numel())
+    return _EPPending(units, out, work, send.numel(), tp)
 
 
 def _ep_finish(pend: _EPPending, shape, groups, device, dtype, timeout: float) -> list[tuple[str, torch.Tensor]]:
     from datetime import timedelta
 
     from miles.trainer.megatron.convert import megatron_to_hf
+    from miles.trainer.megatron.export import _finish_each
 
+    others = iter(_finish_each(pend.tp, groups, shape, device, dtype, timeout))
     if pend.work is not None and pend.work.wait(timeout=timedelta(seconds=timeout)) is False:
         raise TimeoutError(f"gathering the experts over the EP group timed out after {timeout:.0f}s (a trainer rank "
                            "is missing or stuck).")
@@ -501,9 +516,7 @@ def _ep_finish(pend: _EPPending, shape, groups, device, dtype, timeout: float) -
     offset = 0
     for unit in pend.units:
         if not ep_sharded(unit[0][0], groups):
-            name, p = unit[0]
-            full = p.detach().to(device=device, dtype=dtype or p.dtype)
-            result.extend((hf, t.contiguous()) for hf, t in megatron_to_hf(name, full, shape))
+            result.extend(next(others))
             continue
         full_experts = {}
         for name, p in unit:
@@ -520,16 +533,19 @@ def _ep_finish(pend: _EPPending, shape, groups, device, dtype, timeout: float) -
 @torch.no_grad()  # per resumption (torch wraps generators)
 def iter_ep_buckets(model, shape, groups, *, device: torch.device, bucket_bytes: int, dtype: torch.dtype | None,
                     timeout: float, prefetch: bool = True):
-    """``export.iter_hf_buckets`` under expert parallelism (TP 1): buckets of (HF name, full tensor), the local
-    experts of every EP rank gathered with one ``all_gather_into_tensor`` over the EP group per bucket (cast
-    first, so the tensors equal the EP = 1 export bit for bit, in the same order); the gather of bucket k+1 is
-    issued before bucket k is yielded. Collective on the EP group; every trainer rank iterates to the end."""
+    """``export.iter_hf_buckets`` under expert parallelism: buckets of (HF name, full tensor), the local experts of
+    every EP rank gathered with one ``all_gather_into_tensor`` over the EP group per bucket (cast first, so the
+    tensors equal the EP = 1 export bit for bit, in the same order), the other parameters' TP shards over the TP
+    group as ``export`` does; the gathers of bucket k+1 are issued before bucket k is yielded. Collective on the
+    EP and TP groups; every trainer rank iterates to the end."""
+    from miles.trainer.megatron.convert import partition_dim
+
     if bucket_bytes <= 0:
         raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes (--update-weight-buffer-size).")
     buckets, cur, size = [], [], 0
     for unit in _units(list(model.named_parameters()), groups):
-        nbytes = sum(p.numel() * (groups.ep_size if ep_sharded(n, groups) else 1) * (dtype or p.dtype).itemsize
-                     for n, p in unit)
+        nbytes = sum(p.numel() * (groups.ep_size if ep_sharded(n, groups) else groups.tp_size if partition_dim(n)
+                                  is not None else 1) * (dtype or p.dtype).itemsize for n, p in unit)
         if cur and size + nbytes > bucket_bytes:
             buckets.append(cur)
             cur, size = [], 0

@@ -36,7 +36,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from miles.config.base import ConfigError
 from miles.trainer.megatron.convert import partition_dim
-from miles.trainer.megatron.moe import ep_sharded, expert_sq_norm, reduce_expert_grads
+from miles.trainer.megatron.moe import edp_reduced, ep_sharded, expert_sq_norm, reduce_expert_grads
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ def init_parallel(*, tp_size: int, num_trainer_ranks: int, seed: int, device: to
                   cp_size=cp_size, dp_cp=ps.get_data_parallel_group(with_context_parallel=True) if cp_size > 1 else None,
                   ep=ps.get_expert_model_parallel_group() if ep_size > 1 else None,
                   ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ep_size,
-                  edp=ps.get_expert_data_parallel_group() if ep_size > 1 else None,
+                  edp=ps.get_expert_data_parallel_group() if ep_size > 1 or tp_size > 1 else None,
                   edp_size=ps.get_expert_data_parallel_world_size())
 
 
@@ -169,7 +169,8 @@ def finish_grads(model: nn.Module, groups: Groups) -> None:
         from megatron.core import parallel_state as ps
 
         _coalesced_all_reduce(tied, ps.get_embedding_group(), dist.ReduceOp.SUM)
-    sequence_parallel = [p.grad for n, p in named if getattr(p, "sequence_parallel", False) and not _tp_partial(n)]
+    sequence_parallel = [p.grad for n, p in named if getattr(p, "sequence_parallel", False) and not _tp_partial(n)
+                         and not edp_reduced(n, groups)]
     if groups.tp_size > 1 and sequence_parallel:    # norms in the sequence-parallel region: each TP rank saw
         _coalesced_all_reduce(sequence_parallel, groups.tp, dist.ReduceOp.SUM)    # its part of the sequence
     if groups.cp_size > 1:      # CP ranks hold partial sums (their chunks): sum over DP x CP, average over DP
@@ -178,9 +179,9 @@ def finish_grads(model: nn.Module, groups: Groups) -> None:
         if groups.dp_size > 1:
             torch._foreach_div_(grads, float(groups.dp_size))
     elif groups.dp_size > 1:
-        _coalesced_all_reduce([p.grad for n, p in named if not ep_sharded(n, groups)], groups.dp,
+        _coalesced_all_reduce([p.grad for n, p in named if not edp_reduced(n, groups)], groups.dp,
                               dist.ReduceOp.AVG)
-    reduce_expert_grads(named, groups)      # EP > 1: experts over expert-DP (moe.py)
+    reduce_expert_grads(named, groups)      # EP > 1 or TP > 1: experts over expert-DP (moe.py)
 
 
 @torch.no_grad()

@@ -342,6 +342,7 @@ def forward_pass(trainer: MegatronTrainer, model: nn.Module, data: list) -> list
     every rank holds the same per-sample CPU float32 results (the advantages and metrics need them)."""
     stage = trainer.stage
     mbs = trainer._micro_batches(data, list(range(len(data))))
+    dtype = activation_dtype(model)
 
     def fwd(i: int, x: torch.Tensor | None) -> torch.Tensor:
         dmb = mbs[i].to(trainer.device)
@@ -350,7 +351,6 @@ def forward_pass(trainer: MegatronTrainer, model: nn.Module, data: list) -> list
             return out.to(dtype)
         return trainer._head_logprobs(model, dmb, _select(out, index))[0].float()
 
-    dtype = activation_dtype(model)
     outs = forward_only(stage, len(mbs), _shape_fn(mbs, trainer.shape.hidden_size), fwd, device=trainer.device,
                         dtype=dtype)
     real = [j for j, mb in enumerate(mbs) if not mb.is_dummy]
@@ -381,6 +381,7 @@ def forward_backward(trainer: MegatronTrainer, data: list, ids: list[int], per_s
     trainer.model.train()
     trainer.optimizer.zero_grad(set_to_none=True)
     acc: dict[str, torch.Tensor] = {}
+    dtype = activation_dtype(trainer.model)
 
     def cat(key: str, sample_ids: list[int]) -> torch.Tensor | None:
         lst = per_sample.get(key)
@@ -411,7 +412,6 @@ def forward_backward(trainer: MegatronTrainer, data: list, ids: list[int], per_s
             acc[k] = acc[k] + v if k in acc else v
         return loss * trainer.world                       # gradients are averaged over DP
 
-    dtype = activation_dtype(trainer.model)
     train_1f1b(stage, len(mbs), _shape_fn(mbs, trainer.shape.hidden_size), fwd, device=dev, dtype=dtype)
     keys = sorted(acc)
     host = torch.stack([acc[k] for k in keys]).cpu() if keys else None

@@ -226,7 +226,7 @@ def test_sparse_model_headers_are_checked(model_dirs, tmp_path: Path):
         check_model_dir(cut, "--hf-checkpoint")
 
 
-@pytest.mark.parametrize("name", ["fsdp_qwen3_0_6b", "lora_qwen2_5_0_5b"])
+@pytest.mark.parametrize("name", ["fsdp_qwen3_0_6b", "megatron_qwen3_dense"])
 def test_entrypoint_prints_one_line_or_the_plan(name: str, workdir: Path, model_dirs):
     """Through train.py itself: a refusal is one stderr line and exit 2; a dry run prints the plan."""
     path = next(p for p in FIXTURES if p.stem == name)

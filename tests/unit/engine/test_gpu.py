@@ -188,3 +188,30 @@ def test_compiled_kernels_match_their_torch_references(dtype):
         torch.testing.assert_close(fused_ops.norm_rope(x, weight, 1e-6, cos, sin, p).float(),
                                    fused_ops.reference(x, weight, 1e-6, cos, sin, p).float(),
                                    atol=3e-2 if dtype == torch.bfloat16 else 1e-4, rtol=1e-2 if dtype == torch.bfloat16 else 0)
+
+
+def test_head_dim_not_a_power_of_two_takes_the_torch_path_on_gpu(tmp_path):
+    """The Triton decode and q/k-norm+RoPE kernels index the head dimension with ``tl.arange``, which needs a
+    power of two: a model with head_dim 48 runs the paged cache on the torch path and still tracks HF."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from miles.utils.tiny_model import build_tokenizer
+
+    tok = build_tokenizer(tmp_path)
+    cfg = Qwen3Config(vocab_size=len(tok), hidden_size=192, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=48, max_position_embeddings=512, eos_token_id=tok.eos_token_id,
+                      bos_token_id=None, pad_token_id=0, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(tmp_path))
+    runner = ModelRunner(tmp_path, RunnerOptions(device="cuda", dtype="bfloat16", max_running_requests=4, max_context_len=128,
+                                                 kv_cache="paged", page_size=16))
+    assert runner.paged and not runner.impl.kernel and not runner.impl.fused_rope
+    seqs = [[5 + i for i in range(20)], [7, 8, 9]]
+    runner.prefill(0, seqs, [False] * 2)
+    toks = torch.tensor([3, 4], device="cuda")
+    pos = torch.tensor([len(s) for s in seqs], device="cuda")
+    out = runner.decode(toks, pos, int(pos.max()) + 1)
+    with torch.no_grad():
+        for i, s in enumerate(seqs):
+            ref = runner.model(torch.tensor([s + [int(toks[i])]], device="cuda")).logits[0, -1].float()
+            assert torch.nn.functional.cosine_similarity(out[i].float(), ref, dim=0) > 0.999

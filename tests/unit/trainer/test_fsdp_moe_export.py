@@ -1,0 +1,151 @@
+"""The FSDP backend's weight export of a Qwen3-MoE model (tiny, single gloo rank): transformers 5 holds the experts
+fused (``mlp.experts.gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]); the export (weight-sync buckets,
+``--save-hf``) uses the checkpoint's per-expert names and shapes, and the embedded engine takes them over
+``/update_weights_from_distributed`` and ``/update_weights_from_disk`` (full and delta) to bitwise equality."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles.config import parse_args
+from miles.trainer.weights import split_fused_experts
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory) -> Path:
+    from miles.utils.tiny_model import build_tiny_moe_model
+
+    return build_tiny_moe_model(tmp_path_factory.mktemp("tiny_moe"), mlp_only_layers=(1,), num_layers=3)
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg') / 'pg'}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD, DeviceMesh.from_group(dist.group.WORLD, device_type="cpu")
+    finally:
+        dist.destroy_process_group()
+
+
+def _cfg(model_dir: Path, *extra: str):
+    return parse_args(["--train-backend", "fsdp", "--hf-checkpoint", str(model_dir), "--num-rollout", "1",
+                       "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-steps-per-rollout", "1",
+                       *extra], validate=False)
+
+
+def _trainer(cfg, group):
+    from miles.trainer.fsdp import FSDPTrainer
+
+    pg, mesh = group
+    return FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=mesh, group=pg, device=torch.device("cpu"),
+                       rollout_temperature=1.0, num_rollout=1, global_batch_size=None, num_steps_per_rollout=1,
+                       timeout=60)
+
+
+def _ckpt(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(model_dir / "model.safetensors"))
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return sorted(a) == sorted(b) and all(a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
+                                          and torch.equal(a[k], b[k]) for k in a)
+
+
+def _export(tr, bucket_bytes: int, dtype=None) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for bucket in tr.iter_weight_buckets(bucket_bytes, dtype):
+        for n, t in bucket:
+            assert n not in out, n
+            out[n] = t.detach().clone()
+    return out
+
+
+def test_split_fused_experts_follows_the_checkpoint() -> None:
+    gu, down = torch.arange(2 * 6 * 3.0).view(2, 6, 3), torch.arange(2 * 3 * 3.0).view(2, 3, 3)
+    bucket = [("m.l.0.mlp.experts.gate_up_proj", gu), ("m.l.0.mlp.experts.down_proj", down), ("m.x", torch.ones(2))]
+    out = dict(split_fused_experts(bucket))
+    assert sorted(out) == sorted(["m.x"] + [f"m.l.0.mlp.experts.{e}.{k}_proj.weight" for e in range(2)
+                                            for k in ("gate", "up", "down")])
+    assert torch.equal(out["m.l.0.mlp.experts.1.gate_proj.weight"], gu[1, :3])
+    assert torch.equal(out["m.l.0.mlp.experts.1.up_proj.weight"], gu[1, 3:])
+    assert torch.equal(out["m.l.0.mlp.experts.0.down_proj.weight"], down[0])
+    assert out["m.l.0.mlp.experts.1.up_proj.weight"].data_ptr() == gu[1, 3:].data_ptr()   # a view, no copy
+    # a checkpoint that stores the experts fused keeps them fused
+    assert [n for n, _ in split_fused_experts(bucket, {"m.l.0.mlp.experts.gate_up_proj"})] == [n for n, _ in bucket]
+
+
+@pytest.mark.parametrize("bucket_bytes", [1 << 12, 64 << 20], ids=["small_buckets", "one_bucket"])
+def test_fsdp_export_equals_the_checkpoint(moe_dir, group, bucket_bytes) -> None:
+    tr = _trainer(_cfg(moe_dir), group)
+    ckpt = _ckpt(moe_dir)
+    assert _same(_export(tr, bucket_bytes), ckpt)                                   # fp32: names, shapes, bits
+    bf16 = _export(tr, bucket_bytes, torch.bfloat16)
+    assert _same(bf16, {k: v.to(torch.bfloat16) for k, v in ckpt.items()})
+    assert tr.state_dict_for_check().keys() == ckpt.keys()
+
+
+def test_save_hf_round_trips_with_the_checkpoint_names(moe_dir, group, tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    tr = _trainer(_cfg(moe_dir), group)
+    with torch.no_grad():                                       # trained weights, not the checkpoint's
+        for p in tr.model.parameters():
+            p.add_(0.01)
+    exported = _export(tr, 1 << 20)
+    tr.save_hf(tmp_path / "hf")
+    saved = _ckpt(tmp_path / "hf")
+    assert sorted(saved) == sorted(_ckpt(moe_dir)) and _same(saved, exported)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    live = {n: p.detach() for n, p in tr.model.named_parameters()}
+    from miles.trainer.modeling import hf_name
+
+    live = {hf_name(n): t for n, t in live.items()}
+    assert _same({n: p.detach() for n, p in back.named_parameters()}, live)
+
+
+def test_embedded_engine_takes_the_fsdp_export(moe_dir, group, tmp_path) -> None:
+    """broadcast (flattened buckets) and disk-delta (a full version, then a delta) from the FSDP trainer into an
+    embedded engine serving the MoE model: ``--check-weight-update-equal`` passes after each."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "multiprocess"))
+    from weight_sync_worker import perturb, start_engine, wait_healthy
+
+    from miles.weight_sync.base import build_weight_sender
+
+    cfg = _cfg(moe_dir, "--update-weight-buffer-size", "16KiB", "--update-weight-timeout", "60",
+               "--update-weight-disk-dir", str(tmp_path / "versions"))
+    tr = _trainer(cfg, group)
+    sup, target = start_engine(str(moe_dir), tmp_path / "engine.log")
+    try:
+        wait_healthy(target)
+        pg = group[0]
+        perturb(tr, 1, 0)
+        bc = build_weight_sender(cfg.weights, tr, is_source=True, engines=[target], status_group=pg,
+                                 initial_version=0)
+        bc.connect([target])
+        r = bc.sync()
+        assert bc.check() == len(_ckpt(moe_dir))
+        bc.close()
+        dk = build_weight_sender(dataclasses.replace(cfg.weights, update_weight_transfer_mode="disk-delta"), tr,
+                                 is_source=True, engines=[target], status_group=pg, initial_version=r.version,
+                                 model_dir=str(moe_dir))
+        try:
+            for step in (2, 3):                         # full version, then a delta on top of it
+                perturb(tr, step, 0)
+                dk.sync()
+                assert dk.check() == len(_ckpt(moe_dir))
+            assert dk.fallbacks == 0                    # the engine applied the delta itself (no full fallback)
+            assert any(p.name.startswith("delta_v") for p in (tmp_path / "versions").iterdir())
+        finally:
+            dk.close()
+    finally:
+        sup.stop()
