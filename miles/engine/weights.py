@@ -331,6 +331,8 @@ def load_from_disk(path: str, live: dict[str, torch.Tensor]) -> dict[str, torch.
         from miles.weight_sync.disk_delta import apply_delta_dir
 
         current = {n: t.detach().to("cpu") for n, t in live.items()}
+        for a, (fused, e, half) in getattr(live, "aliases", {}).items():   # per-expert names of fused experts
+            current[a] = current[fused][e] if half is None else current[fused][e].chunk(2, dim=0)[half]
         new = apply_delta_dir(path, current)
         return {n: t for n, t in new.items() if n not in current or t is not current[n]}
     if Path(path, "full_manifest.json").is_file():

@@ -327,7 +327,8 @@ def save_files(lora: LoraAdapters, optimizer: torch.optim.Optimizer | None, path
     f.parent.mkdir(parents=True, exist_ok=True)
     torch.save(state(lora, optimizer), f)
     if group is not None and dist.get_world_size(group) > 1:
-        dist.barrier(group=group)
+        # a tiny all-reduce, not barrier(): it honours the group's timeout on NCCL too
+        dist.all_reduce(torch.zeros(1, device=next(iter(lora.parameters())).device), group=group)
 
 
 def load_files(lora: LoraAdapters, optimizer: torch.optim.Optimizer | None, path, rank: int) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from miles.config.base import ConfigError
 from miles.trainer.megatron import moe
 from miles.trainer.megatron.model import ModelShape
 
@@ -166,7 +167,8 @@ def read_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for f in files:
         if not (path / f).is_file():
-            raise ValueError(f"{path} has no {f}: --train-backend megatron reads HF safetensors checkpoints.")
+            raise ConfigError(f"--hf-checkpoint {path} has no {f}: --train-backend megatron reads HF safetensors "
+                              "checkpoints; point --hf-checkpoint at a complete HF model directory.")
         out.update({k: v.float() for k, v in load_file(str(path / f)).items()})
     return out
 
@@ -183,6 +185,6 @@ def load_hf_into(model: torch.nn.Module, hf: dict[str, torch.Tensor], shape: Mod
     for name, p in params.items():
         piece = shard(name, full[names[name]], partition_dim(name), tp_rank, tp_size)
         if tuple(piece.shape) != tuple(p.shape):
-            raise ValueError(f"HF weight for {name}: shape {tuple(piece.shape)} does not fit the megatron "
-                             f"parameter {tuple(p.shape)} (config.json and the weights disagree).")
+            raise ConfigError(f"--hf-checkpoint: the weight for {name} has shape {tuple(piece.shape)}, but config.json "
+                              f"makes it {tuple(p.shape)}: config.json and the weights disagree; fix the checkpoint.")
         p.copy_(piece.to(p.dtype))

@@ -68,7 +68,8 @@ def hf_moe_fields(c) -> dict:
         return {}
     shared = int(getattr(c, "shared_expert_intermediate_size", 0) or 0)
     if shared:
-        raise ValueError("--train-backend megatron: shared experts are not supported (Qwen3-MoE has none).")
+        raise ConfigError("--hf-checkpoint: shared experts are not supported by --train-backend megatron (Qwen3-MoE has "
+                          "none); train this model with --train-backend fsdp.")
     return {"num_experts": experts, "moe_ffn_hidden_size": int(c.moe_intermediate_size),
             "moe_router_topk": int(c.num_experts_per_tok), "moe_norm_topk_prob": bool(getattr(c, "norm_topk_prob", False)),
             "moe_layer_pattern": pattern}

@@ -97,3 +97,18 @@ def test_cpu_compat_refuses_other_versions(monkeypatch) -> None:
     monkeypatch.setattr(compat, "megatron_version", lambda: "0.19.2")
     with pytest.raises(RuntimeError, match="megatron-core==0.16.1"):
         compat.check_version()
+
+
+def test_missing_shard_is_one_config_line(tiny_model_dir, tmp_path):
+    """A model dir whose index names a shard that is not there: one ConfigError naming --hf-checkpoint."""
+    import json
+    import shutil
+
+    from miles.config import ConfigError
+    from miles.trainer.megatron.convert import read_hf_state_dict
+
+    d = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, d)
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": "gone.safetensors"}}))
+    with pytest.raises(ConfigError, match=r"^--hf-checkpoint .* has no gone\.safetensors"):
+        read_hf_state_dict(d)
