@@ -1,0 +1,89 @@
+"""``--optimizer-cpu-offload`` (Megatron's meaning): the AdamW state and update of a fraction of the parameters on
+CPU, the results copied back to the device parameters.
+
+    opt = CpuOffloadAdamW(param_groups, fraction=1.0, lr=1e-6, betas=(0.9, 0.98), eps=1e-8, device=dev)
+    opt.step()        # grads D2H (fp32), torch AdamW on the CPU masters, parameters H2D; the rest on the device
+
+The first ``fraction`` of the parameters (``--optimizer-offload-fraction``, default 1.0; counted in elements, in
+parameter order, as Megatron-LM's hybrid optimizer splits them) get an fp32 CPU master copy, and torch's AdamW
+(foreach) steps those on CPU; the others keep a device AdamW. ``param_groups`` hold the device parameters (the LR
+schedule writes their ``lr``; it is copied to both optimizers each step) and ``state`` maps each device parameter to
+its AdamW state (CPU tensors for the offloaded ones), so checkpoints save and load it as for a plain AdamW. On a
+CPU device the update is the plain AdamW's, bit for bit. ``--overlap-cpu-optimizer-d2h-h2d`` is accepted as a hint:
+the copies are issued non-blocking from pinned buffers on CUDA and are not overlapped with the CPU update.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class CpuOffloadAdamW(torch.optim.Optimizer):
+    def __init__(self, param_groups: list[dict], *, fraction: float, lr: float, betas: tuple[float, float],
+                 eps: float, device: torch.device):
+        super().__init__(param_groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0))
+        params = [p for g in self.param_groups for p in g["params"]]
+        budget = fraction * sum(p.numel() for p in params)
+        pin = device.type == "cuda"
+        self._cpu: dict[int, torch.Tensor] = {}
+        seen = 0
+        for p in params:
+            if seen + p.numel() > budget + 0.5 and p.numel() > 0:
+                break
+            seen += p.numel()
+            master = torch.empty(p.shape, dtype=torch.float32, pin_memory=pin)
+            master.copy_(p.detach())
+            self._cpu[id(p)] = master
+        kw = {"fused": True} if device.type == "cuda" else {"foreach": True}
+        self._on_cpu = torch.optim.AdamW(self._groups(True), lr=lr, betas=betas, eps=eps, foreach=True)
+        dev_groups = self._groups(False)
+        self._on_dev = torch.optim.AdamW(dev_groups, lr=lr, betas=betas, eps=eps, **kw) if dev_groups else None
+        self._non_blocking = pin
+
+    @property
+    def offloaded(self) -> int:
+        """Parameters whose AdamW state and update are on CPU."""
+        return len(self._cpu)
+
+    def _groups(self, cpu: bool) -> list[dict]:
+        out = []
+        for g in self.param_groups:
+            ps = [self._cpu[id(p)] if cpu else p for p in g["params"] if (id(p) in self._cpu) == cpu]
+            if ps:
+                out.append({**{k: v for k, v in g.items() if k != "params"}, "params": ps, "_src": g})
+        return out
+
+    @property
+    def state(self):  # noqa: D102  (torch's attribute; a view keyed by the device parameters)
+        view = {}
+        for g in self.param_groups:
+            for p in g["params"]:
+                inner = self._on_cpu.state if id(p) in self._cpu else (self._on_dev.state if self._on_dev else {})
+                key = self._cpu.get(id(p), p)
+                if key in inner:
+                    view[p] = inner[key]
+        return view
+
+    @state.setter
+    def state(self, value) -> None:         # torch.optim.Optimizer.__init__ assigns it
+        self.__dict__["_unused_state"] = value
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for opt in (self._on_cpu, self._on_dev):
+            for g in opt.param_groups if opt is not None else ():
+                g.update({k: v for k, v in g["_src"].items() if k != "params"})
+        pairs = [(p, self._cpu[id(p)]) for g in self.param_groups for p in g["params"] if id(p) in self._cpu]
+        for p, master in pairs:                   # D2H: fp32 gradients of the offloaded parameters
+            master.grad = None if p.grad is None else p.grad.detach().to("cpu", torch.float32,
+                                                                           non_blocking=self._non_blocking)
+        if self._non_blocking:
+            torch.cuda.current_stream().synchronize()
+        self._on_cpu.step()
+        if self._on_dev is not None:
+            self._on_dev.step()
+        for p, master in pairs:                   # H2D: the updated parameters
+            if master.grad is not None:
+                p.copy_(master, non_blocking=self._non_blocking)
+            master.grad = None
+        return None

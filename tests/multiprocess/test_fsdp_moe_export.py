@@ -1,0 +1,120 @@
+"""The FSDP backend's export of a Qwen3-MoE model equals the Megatron backend's export of the same weights, on 2 real
+gloo ranks (torchrun).
+
+FSDP2 at DP 2 (every parameter sharded on dim 0, the fused experts gathered from both ranks) exports the
+untrained checkpoint and then perturbed ("trained") weights, which it writes with ``--save-hf``. The Megatron
+backend at EP 2 (each rank holds half of the experts) loads the checkpoint, then that ``--save-hf`` directory:
+both of its exports equal FSDP's bit for bit (names, shapes, values; fp32 and bf16), and the first equals the
+checkpoint's safetensors.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.multiprocess
+
+HERE = Path(__file__).resolve()
+
+
+def _export(tr, dtype=None) -> dict:
+    out = {}
+    for bucket in tr.iter_weight_buckets(16 << 10, dtype):
+        for n, t in bucket:
+            assert n not in out, n
+            out[n] = t.detach().cpu().clone()
+    return out
+
+
+def _same(a: dict, b: dict) -> bool:
+    import torch
+
+    return sorted(a) == sorted(b) and all(a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
+                                          and torch.equal(a[k], b[k]) for k in a)
+
+
+def _worker(model_dir: str, out: str) -> None:
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from test_megatron import _configs
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from miles.trainer.fsdp import FSDPTrainer
+    from miles.trainer.megatron.trainer import MegatronTrainer
+
+    dist.init_process_group("gloo")
+    rank, group = dist.get_rank(), dist.group.WORLD
+    common = dict(device=torch.device("cpu"), rollout_temperature=1.0, num_rollout=1, global_batch_size=None,
+                  num_steps_per_rollout=1, timeout=120)
+    saved = str(Path(out).parent / "fsdp_hf")
+    cfg = _configs(model_dir, "fsdp", 1)
+    cfg.train = dataclasses.replace(cfg.train, bf16=False)
+    fsdp = FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=DeviceMesh.from_group(group, device_type="cpu"),
+                       group=group, **common)
+    f_init, f_init_bf16 = _export(fsdp), _export(fsdp, torch.bfloat16)
+    g = torch.Generator().manual_seed(11 + rank)
+    with torch.no_grad():                                    # "trained": every local shard moves differently
+        for p in fsdp.model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            local.add_(0.01 * torch.randn(local.shape, generator=g))
+    f_trained = _export(fsdp)
+    fsdp.save_hf(saved)
+    del fsdp
+
+    res = {}
+    flags = ("--expert-model-parallel-size", "2", "--moe-router-dtype", "fp32", "--moe-aux-loss-coeff", "0",
+             "--num-experts", "4", "--moe-router-topk", "2")
+    for tag, src in (("init", model_dir), ("trained", saved)):
+        cfg = _configs(src, "megatron", 1, megatron_flags=flags)
+        cfg.train = dataclasses.replace(cfg.train, bf16=False)
+        meg = MegatronTrainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, group=group, **common)
+        res[f"ep_{tag}"] = meg.groups.ep_size
+        m = _export(meg)
+        if tag == "init":
+            res["init_equal"] = _same(m, f_init)
+            res["init_bf16_equal"] = _same(_export(meg, torch.bfloat16), f_init_bf16)
+            res["init_is_checkpoint"] = _same(f_init, load_file(str(Path(model_dir) / "model.safetensors")))
+        else:
+            res["trained_equal"] = _same(m, f_trained)
+            res["trained_moved"] = not _same(f_trained, f_init)
+            res["saved_names"] = sorted(load_file(str(Path(saved) / "model.safetensors"))) == sorted(f_init)
+        del meg
+    if rank == 0:
+        torch.save(res, out)
+    dist.destroy_process_group()
+
+
+def test_fsdp_moe_export_equals_megatron_export(tmp_path: Path, free_port: int) -> None:
+    import torch
+
+    from miles.utils.tiny_model import build_tiny_moe_model
+
+    model = build_tiny_moe_model(tmp_path / "tiny_moe")
+    out = tmp_path / "res.pt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port), str(HERE), str(model), str(out)]
+    with tempfile.TemporaryFile("w+") as log:          # a file, not a pipe (see test_megatron_moe._torchrun)
+        proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, timeout=600)
+        log.seek(0)
+        text = log.read()
+    assert proc.returncode == 0, text[-5000:]
+    res = torch.load(out, weights_only=False)
+    assert res["ep_init"] == res["ep_trained"] == 2, res
+    assert res["init_is_checkpoint"] and res["init_equal"] and res["init_bf16_equal"], res
+    assert res["trained_moved"] and res["trained_equal"] and res["saved_names"], res
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], sys.argv[2])
