@@ -27,7 +27,8 @@ _INT = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "decoder_f
 _SWITCHES = ("sequence_parallel", "use_distributed_optimizer", "accumulate_allreduce_grads_in_fp32",
              "attention_softmax_in_fp32", "group_query_attention", "swiglu", "qk_layernorm", "disable_bias_linear",
              "add_qkv_bias", "untie_embeddings_and_output_weights", "use_rotary_position_embeddings",
-             "moe_grouped_gemm", "moe_permute_fusion", "moe_router_enable_expert_bias", "moe_router_pre_softmax")
+             "moe_grouped_gemm", "moe_permute_fusion", "moe_router_enable_expert_bias", "moe_router_pre_softmax",
+             "optimizer_cpu_offload", "overlap_cpu_optimizer_d2h_h2d", "use_precision_aware_optimizer")
 _HELP = {
     "tensor_model_parallel_size": "Tensor-parallel size (default 1); must divide the trainer ranks.",
     "sequence_parallel": "Sequence parallelism within the TP group (no effect with TP 1).",
@@ -45,6 +46,11 @@ _HELP = {
     "moe_router_pre_softmax": "MoE: softmax before top-k (config.json's norm_topk_prob false).",
     "use_distributed_optimizer": "Shard optimizer state over data-parallel ranks (ZeRO-1; default on, as in Miles, "
                                  "except with --expert-model-parallel-size > 1 or LoRA).",
+    "optimizer_cpu_offload": "AdamW state and update on CPU for --optimizer-offload-fraction of the parameters "
+                             "(copied back each step); not with --use-distributed-optimizer.",
+    "overlap_cpu_optimizer_d2h_h2d": "With --optimizer-cpu-offload: a hint (the copies are non-blocking, not "
+                                     "overlapped with the CPU update).",
+    "use_precision_aware_optimizer": "Accepted: AdamW state and master weights are fp32 (the offloaded copies too).",
     "recompute_num_layers": "Layers per recompute chunk (full recompute).",
     "make_vocab_size_divisible_by": "Pad the vocabulary to a multiple of this x TP (default 128).",
     "hidden_dropout": "Dropout after attention and MLP (default 0.0 for RL; Megatron-LM's own default is 0.1).",
@@ -59,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for dest in _SWITCHES:           # --use-distributed-optimizer: None when not given (on by default, options.py)
         g.add_argument(flag(dest), action="store_true", default=None if dest == "use_distributed_optimizer" else False,
                        help=_HELP.get(dest, "Model shape; must match config.json."))
+    g.add_argument("--optimizer-offload-fraction", type=float, default=None,
+                   help="With --optimizer-cpu-offload: the fraction of the parameters (elements, in model order) "
+                        "whose AdamW runs on CPU (default 1.0).")
     g.add_argument("--hidden-dropout", type=float, default=None, help=_HELP["hidden_dropout"])
     g.add_argument("--attention-dropout", type=float, default=None, help=_HELP["attention_dropout"])
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
@@ -172,6 +181,10 @@ class MegatronConfig:
     moe_layer_freq: str | None = None
     moe_router_pre_softmax: bool = False
     moe_token_drop_policy: str | None = None
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float | None = None
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    use_precision_aware_optimizer: bool = False
 
     def given(self) -> list[str]:
         """The flags of this section that were passed (a value other than None / False)."""
@@ -195,6 +208,9 @@ class MegatronConfig:
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ConfigError(f"{flag(name)} must be >= 0 (an iteration of an iter_* directory), got "
                                   f"{getattr(self, name)}.")
+        f = self.optimizer_offload_fraction
+        if f is not None and not (math.isfinite(f) and 0.0 <= f <= 1.0):
+            raise ConfigError(f"--optimizer-offload-fraction must be in [0, 1], got {f}.")
         for name in ("hidden_dropout", "attention_dropout"):
             v = getattr(self, name)
             if v is not None and not 0.0 <= v < 1.0:

@@ -1,7 +1,7 @@
 """Write the trained policy as a HF model directory (``--save-hf``).
 
 Weights come from ``FSDPTrainer.iter_weight_buckets`` under their HF names (tied embeddings once,
-as ``save_pretrained`` writes them), cast to the dtype of the source checkpoint's config, and are
+as ``save_pretrained`` writes them; MoE experts per expert, as in the source checkpoint), cast to the dtype of the source checkpoint's config, and are
 written by trainer rank 0 as ``model.safetensors`` or, above ``max_shard_bytes``, as numbered shards
 with ``model.safetensors.index.json``. Everything else in ``--hf-checkpoint`` except weights
 (config, generation config, tokenizer files, chat template) is copied alongside, so the directory

@@ -131,10 +131,12 @@ def split_fused_experts(sd: dict) -> dict:
     return out
 
 
-def _parity_worker(model_dir: str, out: str, ep: int, dispatcher: str, kind: str = "cpu", tp: int = 1) -> None:
+def _parity_worker(model_dir: str, out: str, ep: int, dispatcher: str, kind: str = "cpu", tp: int = 1,
+                   offload: str = "") -> None:
     """Both backends on the same samples (module docstring); rank 0 writes the comparison to ``out``. kind
     "cpu_ckpt": also a checkpoint round trip of the Megatron trainer. ``tp`` > 1: attention TP-split under
-    --sequence-parallel, experts whole (--expert-tensor-parallel-size 1)."""
+    --sequence-parallel, experts whole (--expert-tensor-parallel-size 1). ``offload`` "offload": Miles's Qwen3-MoE
+    optimizer flags (--optimizer-cpu-offload, fraction 0.5, ...)."""
     with_ckpt = kind == "cpu_ckpt"
     kind = "cpu" if with_ckpt else kind
     import dataclasses
@@ -175,10 +177,14 @@ def _parity_worker(model_dir: str, out: str, ep: int, dispatcher: str, kind: str
     flags += ("--moe-token-dispatcher-type", dispatcher) if dispatcher != "default" else ()
     flags += ("--save", str(Path(out).parent / "ckpt")) if with_ckpt else ()
     flags += ("--sequence-parallel", "--expert-tensor-parallel-size", "1") if tp > 1 else ()
+    flags += ("--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5", "--overlap-cpu-optimizer-d2h-h2d",
+              "--use-precision-aware-optimizer") if offload == "offload" else ()
     cfg = _configs(model_dir, "megatron", tp, megatron_flags=flags)
     if kind == "cpu":
         cfg.train = dataclasses.replace(cfg.train, bf16=False)
     meg = MegatronTrainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, group=group, **common)
+    res["offloaded"] = getattr(meg.optimizer, "offloaded", 0)
+    res["trained"] = sum(p.requires_grad for p in meg.model.parameters())
     init_order = [n for b in meg.iter_weight_buckets(4096) for n, _ in b]
     init = meg.state_dict_for_check()
     init_bf16 = {n: t.detach().cpu().clone() for b in meg.iter_weight_buckets(4096, torch.bfloat16) for n, t in b}
@@ -226,24 +232,26 @@ def _parity_worker(model_dir: str, out: str, ep: int, dispatcher: str, kind: str
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("nproc,tp,ep,dispatcher,kind", [
-    (2, 1, 1, "allgather", "cpu"), (2, 1, 2, "alltoall", "cpu_ckpt"), (2, 1, 2, "default", "cpu"),
-    (2, 2, 1, "allgather", "cpu_ckpt"), (4, 2, 2, "alltoall", "cpu")],
+@pytest.mark.parametrize("nproc,tp,ep,dispatcher,kind,offload", [
+    (2, 1, 1, "allgather", "cpu", ""), (2, 1, 2, "alltoall", "cpu_ckpt", ""), (2, 1, 2, "default", "cpu", ""),
+    (2, 2, 1, "allgather", "cpu_ckpt", ""), (4, 2, 2, "alltoall", "cpu", ""),
+    (2, 2, 1, "allgather", "cpu_ckpt", "offload")],
     ids=["ep1_dp2_allgather", "ep2_alltoall_checkpoint", "ep2_default_dispatcher", "tp2_ep1_sp_checkpoint",
-         "tp2_ep2_sp_alltoall"])
+         "tp2_ep2_sp_alltoall", "tp2_optimizer_cpu_offload_checkpoint"])
 def test_moe_trainer_parity_with_fsdp(tiny_moe_dir: Path, tmp_path: Path, free_port: int, nproc: int, tp: int,
-                                      ep: int, dispatcher: str, kind: str) -> None:
+                                      ep: int, dispatcher: str, kind: str, offload: str) -> None:
     """tp2_*: attention split over TP 2 (--sequence-parallel), experts whole on every TP rank (ETP 1); their
     gradients summed over the TP ranks' sequence parts (expert-DP group). The export equals the HF checkpoint
-    bit for bit, as at TP 1."""
+    bit for bit, as at TP 1. *_optimizer_cpu_offload_*: half of the parameters' AdamW on CPU, the same update."""
     import torch
 
     out = tmp_path / "parity.pt"
     proc = _torchrun(nproc, free_port, "parity", str(tiny_moe_dir), str(out), str(ep), dispatcher, kind, str(tp),
-                     timeout=600)
+                     offload, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     res = torch.load(out, weights_only=False)
     assert res["ep_size"] == ep and res["tp_size"] == tp
+    assert (0 < res["offloaded"] < res["trained"]) if offload else res["offloaded"] == 0, res
     assert res["export_keys_equal"] and res["export_bitwise"] and res["export_bf16_bitwise"], res
     # experts in the EP 1 model's order (layer, expert 0..E-1, gate/up/down), whatever the EP size
     experts = [n for n in res["export_order"] if ".experts." in n]
@@ -366,4 +374,4 @@ if __name__ == "__main__":
         _engine_worker(sys.argv[2], sys.argv[3], sys.argv[4])
     elif sys.argv[1] == "parity":
         _parity_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], *sys.argv[6:7],
-                       *map(int, sys.argv[7:8]))
+                       *map(int, sys.argv[7:8]), *sys.argv[8:9])

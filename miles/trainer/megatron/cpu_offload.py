@@ -10,7 +10,9 @@ parameter order, as Megatron-LM's hybrid optimizer splits them) get an fp32 CPU 
 schedule writes their ``lr``; it is copied to both optimizers each step) and ``state`` maps each device parameter to
 its AdamW state (CPU tensors for the offloaded ones), so checkpoints save and load it as for a plain AdamW. On a
 CPU device the update is the plain AdamW's, bit for bit. ``--overlap-cpu-optimizer-d2h-h2d`` is accepted as a hint:
-the copies are issued non-blocking from pinned buffers on CUDA and are not overlapped with the CPU update.
+the copies are issued non-blocking from pinned buffers on CUDA and are not overlapped with the CPU update. The
+parameters are copied to their CPU masters each step (a checkpoint load or a weight change is seen). Offload and
+onload (colocated runs) move only the device part of the state.
 """
 
 from __future__ import annotations
@@ -31,11 +33,10 @@ class CpuOffloadAdamW(torch.optim.Optimizer):
             if seen + p.numel() > budget + 0.5 and p.numel() > 0:
                 break
             seen += p.numel()
-            master = torch.empty(p.shape, dtype=torch.float32, pin_memory=pin)
-            master.copy_(p.detach())
-            self._cpu[id(p)] = master
+            self._cpu[id(p)] = torch.empty(p.shape, dtype=torch.float32, pin_memory=pin)
         kw = {"fused": True} if device.type == "cuda" else {"foreach": True}
-        self._on_cpu = torch.optim.AdamW(self._groups(True), lr=lr, betas=betas, eps=eps, foreach=True)
+        cpu_groups = self._groups(True)
+        self._on_cpu = torch.optim.AdamW(cpu_groups, lr=lr, betas=betas, eps=eps, foreach=True) if cpu_groups else None
         dev_groups = self._groups(False)
         self._on_dev = torch.optim.AdamW(dev_groups, lr=lr, betas=betas, eps=eps, **kw) if dev_groups else None
         self._non_blocking = pin
@@ -58,11 +59,17 @@ class CpuOffloadAdamW(torch.optim.Optimizer):
         view = {}
         for g in self.param_groups:
             for p in g["params"]:
-                inner = self._on_cpu.state if id(p) in self._cpu else (self._on_dev.state if self._on_dev else {})
+                inner = (self._on_cpu if id(p) in self._cpu else self._on_dev).state
                 key = self._cpu.get(id(p), p)
                 if key in inner:
                     view[p] = inner[key]
         return view
+
+    def device_part(self):
+        """An object whose ``state`` is the device AdamW's (what offload/onload moves); the CPU state stays."""
+        from types import SimpleNamespace
+
+        return SimpleNamespace(state=self._on_dev.state if self._on_dev is not None else {})
 
     @state.setter
     def state(self, value) -> None:         # torch.optim.Optimizer.__init__ assigns it
@@ -74,12 +81,14 @@ class CpuOffloadAdamW(torch.optim.Optimizer):
             for g in opt.param_groups if opt is not None else ():
                 g.update({k: v for k, v in g["_src"].items() if k != "params"})
         pairs = [(p, self._cpu[id(p)]) for g in self.param_groups for p in g["params"] if id(p) in self._cpu]
-        for p, master in pairs:                   # D2H: fp32 gradients of the offloaded parameters
+        for p, master in pairs:                   # D2H: the parameters (a checkpoint load may have changed them)
+            master.copy_(p.detach(), non_blocking=self._non_blocking)       # and their fp32 gradients
             master.grad = None if p.grad is None else p.grad.detach().to("cpu", torch.float32,
                                                                            non_blocking=self._non_blocking)
         if self._non_blocking:
             torch.cuda.current_stream().synchronize()
-        self._on_cpu.step()
+        if self._on_cpu is not None:
+            self._on_cpu.step()
         if self._on_dev is not None:
             self._on_dev.step()
         for p, master in pairs:                   # H2D: the updated parameters
@@ -87,3 +96,13 @@ class CpuOffloadAdamW(torch.optim.Optimizer):
                 p.copy_(master, non_blocking=self._non_blocking)
             master.grad = None
         return None
+
+
+def build_offloaded_adamw(module: torch.nn.Module, *, fraction: float, lr: float, weight_decay: float,
+                          betas: tuple[float, float], eps: float, device: torch.device) -> CpuOffloadAdamW:
+    """``optim.build_adamw``'s parameter groups (decay on matrices), offloaded (``--optimizer-cpu-offload``)."""
+    decay = [p for p in module.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in module.parameters() if p.requires_grad and p.ndim < 2]
+    groups = [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+              if g["params"]]
+    return CpuOffloadAdamW(groups, fraction=fraction, lr=lr, betas=betas, eps=eps, device=device)

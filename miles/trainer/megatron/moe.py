@@ -30,6 +30,13 @@ Expert parallelism (megatron-core's ``tp-cp-ep-dp-pp`` layout over the trainer r
 the EP group). Expert gradients are summed over the expert-data-parallel group and divided by the DP size
 (each expert saw the tokens of all EP ranks; Megatron's ``expert_gradient_scaling_factor``); the others are
 averaged over DP as before. The gradient norm adds the experts' squares summed over EP.
+
+Tensor parallelism (``--tensor-model-parallel-size`` > 1, ``--expert-tensor-parallel-size 1``, megatron-core's
+meaning): attention and the dense MLPs are split over TP, the experts are not; megatron-core needs
+``--sequence-parallel`` there (each TP rank routes its own part of the sequence through whole experts, the
+dispatcher moving tokens over the EP group only). The router's gradient is summed over TP (it is marked
+``sequence_parallel``); the experts' are summed over the expert-DP group, which then spans the TP ranks too, and
+divided by the DP size; the export gathers the other parameters' TP shards as ``export`` does.
 """
 
 from __future__ import annotations

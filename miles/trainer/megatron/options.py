@@ -46,6 +46,8 @@ class Options:
     moe: MoeOptions = MoeOptions()                 # --moe-* flags (moe.py)
     cp_comm_type: str = "p2p"                      # --cp-comm-type (context_parallel.py); Megatron's default
     cp_comm_types: tuple[str, ...] = ()            # as given (one value, or one per layer)
+    cpu_offload_fraction: float | None = None      # --optimizer-cpu-offload (cpu_offload.py): the fraction; None: off
+    distributed_optimizer_given: bool = False      # --use-distributed-optimizer on the command line
 
 
 def resolve(m, train=None) -> Options:
@@ -64,7 +66,9 @@ def resolve(m, train=None) -> Options:
                   if v is not None)
     ep = m.expert_model_parallel_size or 1
     distopt = m.use_distributed_optimizer                 # not given: on, as Miles; EP > 1 does not support it
-    distopt = ep == 1 if distopt is None else distopt
+    offload = getattr(m, "optimizer_cpu_offload", False)    # --optimizer-cpu-offload: no ZeRO unless asked for
+    fraction = getattr(m, "optimizer_offload_fraction", None)
+    distopt = ep == 1 and not offload if distopt is None else distopt
     moe = tuple(f for f, v in (("--num-experts", m.num_experts), ("--moe-router-topk", m.moe_router_topk),
                                ("--moe-ffn-hidden-size", m.moe_ffn_hidden_size)) if v is not None)
     return Options(
@@ -78,7 +82,9 @@ def resolve(m, train=None) -> Options:
         vocab_divisible_by=m.make_vocab_size_divisible_by or 128, pipeline_split_flags=split, moe_flags=moe, moe=resolve_moe(m),
         first_stage_layers=m.decoder_first_pipeline_num_layers, last_stage_layers=m.decoder_last_pipeline_num_layers,
         cp_comm_type=(getattr(m, "cp_comm_type", None) or ["p2p"])[0],
-        cp_comm_types=tuple(getattr(m, "cp_comm_type", None) or ()))
+        cp_comm_types=tuple(getattr(m, "cp_comm_type", None) or ()),
+        cpu_offload_fraction=(1.0 if fraction is None else fraction) if offload else None,
+        distributed_optimizer_given=bool(m.use_distributed_optimizer))
 
 
 def _mismatch(name: str, value, key: str, config_value) -> ConfigError:
@@ -186,6 +192,9 @@ def check_static(o: Options, shape: ModelShape) -> None:
                           f"{shape.num_experts}) is not supported by the Megatron backend yet; use "
                           "--pipeline-model-parallel-size 1 with expert, tensor and data parallelism.")
     check_context_parallel(o, shape)
+    if o.cpu_offload_fraction is not None and o.distributed_optimizer_given:
+        raise ConfigError("--optimizer-cpu-offload with --use-distributed-optimizer is not supported by the Megatron "
+                          "backend (the offloaded AdamW is not sharded over DP): drop one of them.")
     for what, n in (("num_attention_heads", shape.num_attention_heads), ("num_key_value_heads",
                                                                          shape.num_query_groups),
                     ("intermediate_size", shape.ffn_hidden_size)):

@@ -18,7 +18,9 @@ of its own chunks), so they are summed over DP x CP in one all-reduce and divide
 sharded optimizer shards over DP x CP, as Megatron does. With pipeline parallelism (``pp_size > 1``, the
 outermost axis: a stage is a block of ``n / pp`` consecutive ranks) each stage reduces its own parameters;
 the two copies of a tied embedding (first and last stage) have their gradients summed over megatron-core's
-embedding group first, and the gradient norm sums the stages (the last stage's copy counted once).
+embedding group first, and the gradient norm sums the stages (the last stage's copy counted once). MoE experts
+under EP > 1 or TP > 1 (``moe.edp_reduced``) are summed over the expert-data-parallel group instead and divided
+by the DP size (``moe.reduce_expert_grads``).
 
 ``--use-distributed-optimizer`` (ZeRO-1, Megatron's meaning): with DP > 1 the AdamW state is sharded over
 the DP group by whole (TP-local) parameters (torch's ``ZeroRedundancyOptimizer``): each DP rank updates the

@@ -140,8 +140,16 @@ class MegatronTrainer(FSDPTrainer):
                     eps=train.adam_eps, device=self.device)
         self.distributed_optimizer = (self.opts.distributed_optimizer and self.world * self.groups.cp_size > 1
                                       and self.lora is None)
-        self.optimizer = (parallel.distributed_adamw(self.model, self.groups, **adam) if self.distributed_optimizer
-                          else build_adamw(self.lora if self.lora is not None else self.model, **adam))
+        if self.opts.cpu_offload_fraction is not None:      # --optimizer-cpu-offload (cpu_offload.py)
+            from miles.trainer.megatron.cpu_offload import build_offloaded_adamw
+
+            if self.lora is not None:
+                raise ConfigError("--optimizer-cpu-offload with --lora-rank is not supported by the Megatron "
+                                  "backend (the adapters' AdamW state is small): drop --optimizer-cpu-offload.")
+            self.optimizer = build_offloaded_adamw(self.model, fraction=self.opts.cpu_offload_fraction, **adam)
+        else:
+            self.optimizer = (parallel.distributed_adamw(self.model, self.groups, **adam) if self.distributed_optimizer
+                              else build_adamw(self.lora if self.lora is not None else self.model, **adam))
         decay = train.lr_decay_iters or total_steps
         self.schedule = LRSchedule(lr=train.lr, min_lr=train.min_lr, style=train.lr_decay_style,
                                    warmup=train.warmup_steps(decay) if hasattr(train, "warmup_steps")
@@ -441,7 +449,9 @@ class MegatronTrainer(FSDPTrainer):
             model.to(device)
             if model is self.model and self.lora is not None:
                 self.lora.to(device)
-            move_optimizer_state(parallel.local_optimizer(opt), torch.device(device))
+            local = parallel.local_optimizer(opt)           # --optimizer-cpu-offload: its CPU part stays
+            move_optimizer_state(local.device_part() if hasattr(local, "device_part") else local,
+                                 torch.device(device))
         torch.cuda.synchronize(self.device)
         if torch.device(device).type == "cpu":
             torch.cuda.empty_cache()

@@ -149,3 +149,19 @@ def test_embedded_engine_takes_the_fsdp_export(moe_dir, group, tmp_path) -> None
             dk.close()
     finally:
         sup.stop()
+
+
+def test_disk_coverage_counts_per_expert_names_for_fused_experts() -> None:
+    """``/update_weights_from_disk`` of a full dir: per-expert names cover a fused expert tensor only when every
+    expert's gate, up and down are there."""
+    from miles.engine.model_runner import ParamIndex
+    from miles.engine.weights import WeightUpdateError, check_full_coverage
+
+    live = ParamIndex({"l.mlp.experts.gate_up_proj": torch.zeros(2, 4, 3), "l.mlp.experts.down_proj": torch.zeros(2, 3, 2),
+                       "l.norm.weight": torch.zeros(3)})
+    full = {n: torch.zeros(1) for n in ["l.norm.weight"] + [f"l.mlp.experts.{e}.{k}_proj.weight" for e in range(2)
+                                                            for k in ("gate", "up", "down")]}
+    check_full_coverage(full, live)                                              # per-expert names
+    check_full_coverage({n: live[n] for n in live}, live)                        # fused names
+    with pytest.raises(WeightUpdateError, match=r"lacks 1 of the model's tensors, e.g. \['l.mlp.experts.down_proj'\]"):
+        check_full_coverage({n: t for n, t in full.items() if n != "l.mlp.experts.1.down_proj.weight"}, live)
