@@ -48,11 +48,13 @@ from miles.trainer.checkpoint import save_checkpoint
 from miles.trainer.critic import Critic
 from miles.trainer.hf_export import checkpoint_dtype, write_hf_dir
 from miles.trainer.losses import (
-    LossInputs,
-    Reducer,
+    accumulate_metrics,
+    cat_per_sample,
     custom_loss,
+    dummy_micro_batch_loss,
     load_custom_loss,
     load_tis_function,
+    micro_batch_loss,
     policy_loss,
     policy_loss_with_tis,
     sft_loss,
@@ -478,31 +480,17 @@ class FSDPTrainer:
         lp, ent = self._policy_forward(self.model, dmb, with_entropy=True, entropy_grad=a.entropy_coef != 0)
         acc.before_backward(index)
         if mb.is_dummy:
-            dummy = lp.sum() * 0.0 + (ent.sum() * 0.0 if (ent is not None and ent.requires_grad) else 0.0)
-            dummy.backward()
+            dummy_micro_batch_loss(lp, ent).backward()
             if self.critic is not None:
                 self.critic.backward(dmb, None, None, None, 1.0)
             return 0
-        reduce = Reducer(dmb.loss_mask, mb.lengths, a.calculate_per_token_loss, ntok, nsamp)
-
-        def cat(key, ids=mb.sample_ids):
-            lst = per_sample.get(key)
-            return None if lst is None else torch.cat([lst[i] for i in ids]).to(self.device)
-
-        old = cat("old")
-        inp = LossInputs(
-            log_probs=lp, loss_mask=dmb.loss_mask, lengths=mb.lengths,
-            old_log_probs=old if old is not None else lp.detach(), rollout_log_probs=cat("rollout"),
-            ref_log_probs=cat("ref"), advantages=cat("adv"), returns=cat("ret"), entropy=ent,
-            rewards=(torch.tensor([float(samples[i].reward) for i in mb.sample_ids], device=self.device)
-                     if samples[mb.sample_ids[0]].reward is not None else None))
-        loss, metrics = self.loss_fn(a, inp, reduce)
+        loss, metrics, reduce = micro_batch_loss(self.loss_fn, a, mb, dmb, lp, ent, per_sample, samples, ntok, nsamp,
+                                                 self.device)
         (loss * self.world).backward()            # FSDP averages gradients over the group
         if self.critic is not None:
-            metrics = {**metrics, **self.critic.backward(dmb, cat("values"), cat("ret"), reduce, float(self.world))}
-        for k, v in metrics.items():
-            v = v.detach().to(torch.float64)
-            acc_metrics[k] = acc_metrics[k] + v if k in acc_metrics else v
+            values, ret = (cat_per_sample(per_sample, k, mb.sample_ids, self.device) for k in ("values", "ret"))
+            metrics = {**metrics, **self.critic.backward(dmb, values, ret, reduce, float(self.world))}
+        accumulate_metrics(acc_metrics, metrics)
         return mb.num_tokens
 
     # ------------------------------------------------------------------ metrics helpers
@@ -567,20 +555,25 @@ class FSDPTrainer:
         The gather of bucket k+1 is issued before bucket k is yielded (``prefetch``). Fused MoE experts go out
         under the checkpoint's per-expert names and shapes (``split_fused_experts``)."""
         modeling.reshard_all(self.model)
-        if getattr(self, "_ckpt_names", None) is None:
-            self._ckpt_names = checkpoint_tensor_names(self.cfg.hf_checkpoint)
         return iter_checkpoint_buckets(iter_full_params(
             self.model, group=self.group, device=self.device, bucket_bytes=bucket_bytes, dtype=dtype,
-            name_fn=modeling.hf_name, timeout=self.timeout, prefetch=prefetch), self._ckpt_names or None)
+            name_fn=modeling.hf_name, timeout=self.timeout, prefetch=prefetch), self._checkpoint_names())
+
+    def _checkpoint_names(self) -> frozenset[str] | None:
+        """The tensor names of --hf-checkpoint (read once; None when it has no safetensors)."""
+        if getattr(self, "_ckpt_names", None) is None:
+            self._ckpt_names = checkpoint_tensor_names(self.cfg.hf_checkpoint)
+        return self._ckpt_names or None
 
     def iter_weight_shards(self, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[list]:
-        """This rank's own FSDP2 shards under HF names, in the buckets of ``iter_weight_buckets``, without any
-        gather (``--update-weight-transfer-mode p2p``: ``miles.weight_sync.p2p.iter_local_shards``)."""
+        """This rank's own FSDP2 shards under HF names, in the buckets of ``iter_weight_buckets`` and under its
+        names (fused experts per expert), without any gather (``--update-weight-transfer-mode p2p``:
+        ``miles.weight_sync.p2p.iter_local_shards``)."""
         from miles.weight_sync.p2p import iter_local_shards
 
         modeling.reshard_all(self.model)
         return iter_local_shards(self.model, rank=self.rank, world=self.world, bucket_bytes=bucket_bytes, dtype=dtype,
-                                 device=self.device, name_fn=modeling.hf_name)
+                                 device=self.device, name_fn=modeling.hf_name, checkpoint_names=self._checkpoint_names())
 
     def state_dict_for_check(self) -> dict[str, torch.Tensor]:
         """Full parameters (CPU) on trainer rank 0, {} elsewhere; collective on the trainer group."""

@@ -151,6 +151,49 @@ class LossInputs:
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+def dummy_micro_batch_loss(log_probs: torch.Tensor, entropy: torch.Tensor | None) -> torch.Tensor:
+    """A zero loss over the graph of a padding micro-batch, so its backward reaches every parameter (and
+    every collective of the backward runs) without changing a gradient."""
+    return log_probs.sum() * 0.0 + (entropy.sum() * 0.0 if (entropy is not None and entropy.requires_grad) else 0.0)
+
+
+def cat_per_sample(per_sample: dict, key: str, sample_ids: Sequence[int],
+                   device: torch.device) -> torch.Tensor | None:
+    """The per-sample tensors ``per_sample[key]`` of ``sample_ids`` joined into one [N] (None when absent)."""
+    lst = per_sample.get(key)
+    return None if lst is None else torch.cat([lst[i] for i in sample_ids]).to(device)
+
+
+def micro_batch_loss(loss_fn: Callable, algo, mb, dmb, log_probs: torch.Tensor, entropy: torch.Tensor | None,
+                     per_sample: dict, samples: Sequence, num_step_tokens: float, num_step_samples: float,
+                     device: torch.device) -> tuple[torch.Tensor, dict[str, torch.Tensor], Reducer]:
+    """One (non-dummy) micro-batch's loss as every backend composes it: the ``Reducer`` over the step's totals,
+    the ``LossInputs`` from the step's per-sample tensors (``old`` falls back to the detached current log-probs)
+    and ``loss_fn``. ``mb``/``dmb`` are the micro-batch on the host and on ``device``. Returns (loss, metrics,
+    reducer)."""
+    ids = mb.sample_ids
+    reduce = Reducer(dmb.loss_mask, mb.lengths, algo.calculate_per_token_loss, num_step_tokens, num_step_samples)
+    old = cat_per_sample(per_sample, "old", ids, device)
+    inp = LossInputs(
+        log_probs=log_probs, loss_mask=dmb.loss_mask, lengths=mb.lengths,
+        old_log_probs=old if old is not None else log_probs.detach(),
+        rollout_log_probs=cat_per_sample(per_sample, "rollout", ids, device),
+        ref_log_probs=cat_per_sample(per_sample, "ref", ids, device),
+        advantages=cat_per_sample(per_sample, "adv", ids, device),
+        returns=cat_per_sample(per_sample, "ret", ids, device), entropy=entropy,
+        rewards=(torch.tensor([float(samples[i].reward) for i in ids], device=device)
+                 if samples[ids[0]].reward is not None else None))
+    loss, metrics = loss_fn(algo, inp, reduce)
+    return loss, metrics, reduce
+
+
+def accumulate_metrics(acc: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor]) -> None:
+    """Add a micro-batch's metrics into ``acc`` as float64 on their device (no host sync per micro-batch)."""
+    for k, v in metrics.items():
+        v = v.detach().to(torch.float64)
+        acc[k] = acc[k] + v if k in acc else v
+
+
 def policy_loss(algo, inp: LossInputs, reduce: Reducer, tis: Callable | None = None,
                 tis_args: Any = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The PPO-family policy loss (``--loss-type policy_loss``). Returns (scalar, metrics of detached scalars).

@@ -20,12 +20,16 @@ from __future__ import annotations
 from collections.abc import Callable, Container, Iterable, Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 Bucket = list[tuple[str, torch.Tensor]]
+T = TypeVar("T")
+P = TypeVar("P")
+R = TypeVar("R")
 
 
 def _local_and_rows(p: torch.Tensor, world: int) -> tuple[torch.Tensor, int, bool]:
@@ -129,16 +133,24 @@ def iter_full_params(
     world = dist.get_world_size(group)
     named = [(name_fn(n), p) for n, p in module.named_parameters()]
     buckets = plan_buckets(named, bucket_bytes, dtype)
+    yield from iter_prefetched(buckets, lambda b: _start(b, group, world, device, dtype),
+                               lambda pend: _finish(pend, world, timeout), prefetch)
+
+
+def iter_prefetched(buckets: list[T], start: Callable[[T], P], finish: Callable[[P], R],
+                    prefetch: bool = True) -> Iterator[R]:
+    """``finish(start(b))`` for each bucket in order; with ``prefetch`` bucket k+1 is started (its gathers
+    issued) before bucket k is finished and yielded, otherwise after the caller resumes."""
     if not buckets:
         return
-    pending = _start(buckets[0], group, world, device, dtype)
+    pending = start(buckets[0])
     for k in range(len(buckets)):
-        nxt = _start(buckets[k + 1], group, world, device, dtype) if (prefetch and k + 1 < len(buckets)) else None
-        result = _finish(pending, world, timeout)
+        nxt = start(buckets[k + 1]) if (prefetch and k + 1 < len(buckets)) else None
+        result = finish(pending)
         yield result
         del result
         if nxt is None and k + 1 < len(buckets):
-            nxt = _start(buckets[k + 1], group, world, device, dtype)
+            nxt = start(buckets[k + 1])
         pending = nxt
 
 
@@ -164,20 +176,31 @@ def split_fused_experts(bucket: Bucket, checkpoint_names: Container[str] | None 
     names its experts that way (a checkpoint that stores fused tensors keeps them)."""
     out: Bucket = []
     for name, t in bucket:
-        fused = name.endswith(_GATE_UP) or name.endswith(_DOWN)
-        base = name[: name.rindex(".") + 1] if fused else ""
-        kind = "gate" if name.endswith(_GATE_UP) else "down"
-        if not fused or t.dim() != 3 or (checkpoint_names is not None
-                                        and f"{base}0.{kind}_proj.weight" not in checkpoint_names):
+        parts = fused_expert_parts(name, tuple(t.shape), checkpoint_names)
+        if parts is None:
             out.append((name, t))
-            continue
-        for e in range(t.shape[0]):
-            if kind == "gate":
-                gate, up = t[e].chunk(2, dim=0)
-                out += [(f"{base}{e}.gate_proj.weight", gate), (f"{base}{e}.up_proj.weight", up)]
-            else:
-                out.append((f"{base}{e}.down_proj.weight", t[e]))
+        else:
+            out += [(part, t[e, lo:hi]) for part, e, lo, hi in parts]
     return out
+
+
+def fused_expert_parts(name: str, shape: tuple[int, ...], checkpoint_names: Container[str] | None = None
+                       ) -> list[tuple[str, int, int, int]] | None:
+    """How ``split_fused_experts`` splits the tensor ``name`` of ``shape``: (per-expert name, expert ``e``, rows
+    ``lo:hi`` of ``t[e]``) in the order of their bytes in the fused tensor; None when it stays as it is."""
+    fused = name.endswith(_GATE_UP) or name.endswith(_DOWN)
+    if not fused or len(shape) != 3:
+        return None
+    base = name[: name.rindex(".") + 1]
+    kind = "gate" if name.endswith(_GATE_UP) else "down"
+    if checkpoint_names is not None and f"{base}0.{kind}_proj.weight" not in checkpoint_names:
+        return None
+    num_experts, rows = shape[0], shape[1]
+    if kind == "down":
+        return [(f"{base}{e}.down_proj.weight", e, 0, rows) for e in range(num_experts)]
+    half = -(-rows // 2)                                # torch.chunk(2)'s first part
+    return [part for e in range(num_experts) for part in ((f"{base}{e}.gate_proj.weight", e, 0, half),
+                                                          (f"{base}{e}.up_proj.weight", e, half, rows))]
 
 
 def iter_checkpoint_buckets(buckets: Iterable[Bucket], checkpoint_names: Container[str] | None = None

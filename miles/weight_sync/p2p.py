@@ -33,7 +33,7 @@ import collections
 import json
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -111,15 +111,42 @@ def _local_shard(name: str, p: torch.Tensor, rank: int, world: int, device: torc
 
 @torch.no_grad()  # per resumption (torch wraps generators): never left off while the caller runs
 def iter_local_shards(module: nn.Module, *, rank: int, world: int, bucket_bytes: int, dtype: torch.dtype | None,
-                      device: torch.device, name_fn: Callable[[str], str] = lambda n: n) -> Iterator[list[LocalShard]]:
+                      device: torch.device, name_fn: Callable[[str], str] = lambda n: n,
+                      checkpoint_names: Container[str] | None = None) -> Iterator[list[LocalShard]]:
     """This rank's part of every parameter, in the buckets ``broadcast`` uses (``plan_buckets`` over
-    ``module.named_parameters()``). Local only (no collective), except for parameters that are neither
+    ``module.named_parameters()``), fused MoE experts under the checkpoint's per-expert names
+    (``split_expert_shards``). Local only (no collective), except for parameters that are neither
     dim-0 sharded nor replicated: every trainer rank must then iterate to the end."""
     from miles.trainer.weights import plan_buckets
 
     named = [(name_fn(n), p) for n, p in module.named_parameters()]
     for bucket in plan_buckets(named, bucket_bytes, dtype):
-        yield [_local_shard(n, p, rank, world, device, dtype) for n, p in bucket]
+        yield split_expert_shards([_local_shard(n, p, rank, world, device, dtype) for n, p in bucket], rank,
+                                  checkpoint_names)
+
+
+def split_expert_shards(bucket: list[LocalShard], rank: int,
+                        checkpoint_names: Container[str] | None = None) -> list[LocalShard]:
+    """``miles.trainer.weights.split_fused_experts`` on this rank's shards: a fused expert tensor (dim 0 = the
+    experts) becomes one shard per expert part, held whole by the rank whose rows hold that expert. The parts
+    follow each other in the fused tensor's byte order, so the flattened bucket and every rank's byte ranges
+    (``plan_bucket``) are those of the fused tensor."""
+    from miles.trainer.weights import fused_expert_parts
+
+    out: list[LocalShard] = []
+    for s in bucket:
+        parts = fused_expert_parts(s.name, s.shape, checkpoint_names)
+        if parts is None:
+            out.append(s)
+            continue
+        first = s.splits[rank][0]
+        for name, e, lo, hi in parts:
+            rows = hi - lo
+            owner = next(r for r, (a, b) in enumerate(s.splits) if a <= e < b)
+            data = s.data[e - first, lo:hi].contiguous() if owner == rank else s.data.reshape(-1)[:0]
+            out.append(LocalShard(name, (rows, *s.shape[2:]), s.dtype,
+                                  [(0, rows) if r == owner else (rows, rows) for r in range(len(s.splits))], data))
+    return out
 
 
 @dataclass

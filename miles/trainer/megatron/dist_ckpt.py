@@ -78,7 +78,7 @@ def _sharded(trainer: MegatronTrainer, model, opt, *, with_optim: bool, rng: boo
         optim = td.optim_sharded(model_sd, opt, owner_writes=trainer.distributed_optimizer)
         sd["optimizer"] = {"state": optim}
     if rng:
-        sd["rng_state"] = td.rng_object(trainer.dropout_rng_state)
+        sd["rng_state"] = td.rng_object(trainer.dropout_rng_state, trainer.device, trainer.timeout)
     return sd, optim
 
 

@@ -17,37 +17,49 @@ over the pipeline group, so every rank of every stage receives the whole bucket,
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from miles.trainer.collectives import bounded_all_gather_object
 from miles.trainer.megatron.convert import megatron_to_hf, partition_dim, unshard
 from miles.trainer.megatron.model import ModelShape
 from miles.trainer.megatron.parallel import Groups
+from miles.trainer.weights import iter_prefetched
 
 Bucket = list[tuple[str, torch.Tensor]]
+T = TypeVar("T")
+
+
+def pack(items: Iterable[T], nbytes: Callable[[T], int], bucket_bytes: int) -> list[list[T]]:
+    """``items`` in order, in groups of at most ``bucket_bytes`` (by ``nbytes``; an item larger than that is a
+    group of its own)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes (--update-weight-buffer-size).")
+    out: list[list[T]] = []
+    cur: list[T] = []
+    size = 0
+    for item in items:
+        n = nbytes(item)
+        if cur and size + n > bucket_bytes:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(item)
+        size += n
+    if cur:
+        out.append(cur)
+    return out
 
 
 def plan(named: list[tuple[str, torch.Tensor]], tp: int, bucket_bytes: int,
          dtype: torch.dtype | None) -> list[list[tuple[str, torch.Tensor]]]:
     """Groups of (megatron name, local parameter), each at most ``bucket_bytes`` of full tensors."""
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes (--update-weight-buffer-size).")
-    out, cur, size = [], [], 0
-    for name, p in named:
-        full = p.numel() * (tp if partition_dim(name) is not None else 1)
-        nbytes = full * (dtype or p.dtype).itemsize
-        if cur and size + nbytes > bucket_bytes:
-            out.append(cur)
-            cur, size = [], 0
-        cur.append((name, p))
-        size += nbytes
-    if cur:
-        out.append(cur)
-    return out
+    return pack(named, lambda np: np[1].numel() * (tp if partition_dim(np[0]) is not None else 1)
+                * (dtype or np[1].dtype).itemsize, bucket_bytes)
 
 
 class _Pending:
@@ -114,31 +126,23 @@ def iter_hf_buckets(model: nn.Module, shape: ModelShape, groups: Groups, *, devi
                                    timeout=timeout, prefetch=prefetch)
         return
     buckets = plan(list(model.named_parameters()), groups.tp_size, bucket_bytes, dtype)
-    if not buckets:
-        return
-    pending = _start(buckets[0], groups, device, dtype)
-    for k in range(len(buckets)):
-        nxt = _start(buckets[k + 1], groups, device, dtype) if (prefetch and k + 1 < len(buckets)) else None
-        result = _finish(pending, groups, shape, device, dtype, timeout)
-        yield result
-        del result
-        if nxt is None and k + 1 < len(buckets):
-            nxt = _start(buckets[k + 1], groups, device, dtype)
-        pending = nxt
+    yield from iter_prefetched(buckets, lambda b: _start(b, groups, device, dtype),
+                               lambda pend: _finish(pend, groups, shape, device, dtype, timeout), prefetch)
 
 
-def _stage_entries(model: nn.Module, stage) -> list[tuple[int, str, torch.Tensor]]:
+def _stage_entries(model: nn.Module, stage, device: torch.device) -> list[tuple[int, str, torch.Tensor]]:
     """(stage, global megatron name, parameter) of every stage's exported parameters in model order: this
     stage's real parameters, the others' as meta tensors of their local (TP-shard) shape. Cached on the model
-    (shapes never change); one ``all_gather_object`` over the pipeline group the first time."""
+    (shapes never change); one object all-gather over the pipeline group the first time, bounded by the stage's
+    timeout."""
     from miles.trainer.megatron.pipeline import global_named_parameters, is_tied_copy
 
     mine = [(n, p) for n, p in global_named_parameters(model) if not is_tied_copy(p)]
     meta = getattr(model, "_miles_pp_export_meta", None)
     if meta is None:
         local = [(n, tuple(p.shape), p.dtype) for n, p in mine]
-        meta = [None] * stage.size
-        dist.all_gather_object(meta, local, group=stage.group)
+        meta = bounded_all_gather_object(local, stage.group, stage.timeout, device,
+                                         "gathering the stages' parameter shapes for the weight export")
         model._miles_pp_export_meta = meta
     own = dict(mine)
     return [(s, n, own[n] if s == stage.rank else torch.empty(shp, dtype=dt, device="meta"))
@@ -160,7 +164,7 @@ def _iter_pipeline(model, shape: ModelShape, groups: Groups, stage, *, device: t
                    dtype: torch.dtype | None, timeout: float) -> Iterator[Bucket]:
     from miles.trainer.megatron.pipeline import wait_all
 
-    entries = _stage_entries(model, stage)
+    entries = _stage_entries(model, stage, device)
     owner = {n: s for s, n, _ in entries}
     for bucket in plan([(n, p) for _, n, p in entries], groups.tp_size, bucket_bytes, dtype):
         mine = [(n, p) for n, p in bucket if owner[n] == stage.rank]

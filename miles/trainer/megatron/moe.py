@@ -547,28 +547,13 @@ def iter_ep_buckets(model, shape, groups, *, device: torch.device, bucket_bytes:
     group as ``export`` does; the gathers of bucket k+1 are issued before bucket k is yielded. Collective on the
     EP and TP groups; every trainer rank iterates to the end."""
     from miles.trainer.megatron.convert import partition_dim
+    from miles.trainer.megatron.export import pack
+    from miles.trainer.weights import iter_prefetched
 
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes (--update-weight-buffer-size).")
-    buckets, cur, size = [], [], 0
-    for unit in _units(list(model.named_parameters()), groups):
-        nbytes = sum(p.numel() * (groups.ep_size if ep_sharded(n, groups) else groups.tp_size if partition_dim(n)
-                                  is not None else 1) * (dtype or p.dtype).itemsize for n, p in unit)
-        if cur and size + nbytes > bucket_bytes:
-            buckets.append(cur)
-            cur, size = [], 0
-        cur.append(unit)
-        size += nbytes
-    if cur:
-        buckets.append(cur)
-    if not buckets:
-        return
-    pending = _ep_start(buckets[0], groups, device, dtype)
-    for k in range(len(buckets)):
-        nxt = _ep_start(buckets[k + 1], groups, device, dtype) if (prefetch and k + 1 < len(buckets)) else None
-        result = _ep_finish(pending, shape, groups, device, dtype, timeout)
-        yield result
-        del result
-        if nxt is None and k + 1 < len(buckets):
-            nxt = _ep_start(buckets[k + 1], groups, device, dtype)
-        pending = nxt
+    def nbytes(unit) -> int:
+        return sum(p.numel() * (groups.ep_size if ep_sharded(n, groups) else groups.tp_size if partition_dim(n)
+                                is not None else 1) * (dtype or p.dtype).itemsize for n, p in unit)
+
+    buckets = pack(_units(list(model.named_parameters()), groups), nbytes, bucket_bytes)
+    yield from iter_prefetched(buckets, lambda b: _ep_start(b, groups, device, dtype),
+                               lambda pend: _ep_finish(pend, shape, groups, device, dtype, timeout), prefetch)

@@ -372,7 +372,7 @@ def forward_backward(trainer: MegatronTrainer, data: list, ids: list[int], per_s
     """One optimizer step's micro-batches through the 1F1B schedule; the loss of each is the shared loss family
     (``losses.py``) on the last stage, as ``FSDPTrainer._micro_step`` composes it. The step's metric sums are
     broadcast from the last stage, so every rank returns the same (metric sums, tokens)."""
-    from miles.trainer.losses import LossInputs, Reducer
+    from miles.trainer.losses import accumulate_metrics, dummy_micro_batch_loss, micro_batch_loss
     from miles.trainer.metrics import MetricSums
 
     stage, a, dev = trainer.stage, trainer.algo, trainer.device
@@ -383,10 +383,6 @@ def forward_backward(trainer: MegatronTrainer, data: list, ids: list[int], per_s
     acc: dict[str, torch.Tensor] = {}
     dtype = activation_dtype(trainer.model)
 
-    def cat(key: str, sample_ids: list[int]) -> torch.Tensor | None:
-        lst = per_sample.get(key)
-        return None if lst is None else torch.cat([lst[i] for i in sample_ids]).to(dev)
-
     def fwd(i: int, x: torch.Tensor | None) -> torch.Tensor:
         mb = mbs[i]
         dmb = mb.to(dev)
@@ -396,20 +392,10 @@ def forward_backward(trainer: MegatronTrainer, data: list, ids: list[int], per_s
         lp, ent = trainer._head_logprobs(trainer.model, dmb, _select(out, index), with_entropy=True,
                                          entropy_grad=a.entropy_coef != 0)
         if mb.is_dummy:
-            return lp.sum() * 0.0 + (ent.sum() * 0.0 if (ent is not None and ent.requires_grad) else 0.0)
-        reduce = Reducer(dmb.loss_mask, mb.lengths, a.calculate_per_token_loss, ntok, nsamp)
-        old = cat("old", mb.sample_ids)
-        inp = LossInputs(
-            log_probs=lp, loss_mask=dmb.loss_mask, lengths=mb.lengths,
-            old_log_probs=old if old is not None else lp.detach(), rollout_log_probs=cat("rollout", mb.sample_ids),
-            ref_log_probs=cat("ref", mb.sample_ids), advantages=cat("adv", mb.sample_ids),
-            returns=cat("ret", mb.sample_ids), entropy=ent,
-            rewards=(torch.tensor([float(samples[j].reward) for j in mb.sample_ids], device=dev)
-                     if samples[mb.sample_ids[0]].reward is not None else None))
-        loss, metrics = trainer.loss_fn(a, inp, reduce)
-        for k, v in metrics.items():
-            v = v.detach().to(torch.float64)
-            acc[k] = acc[k] + v if k in acc else v
+            return dummy_micro_batch_loss(lp, ent)
+        loss, metrics, _ = micro_batch_loss(trainer.loss_fn, a, mb, dmb, lp, ent, per_sample, samples, ntok, nsamp,
+                                            dev)
+        accumulate_metrics(acc, metrics)
         return loss * trainer.world                       # gradients are averaged over DP
 
     train_1f1b(stage, len(mbs), _shape_fn(mbs, trainer.shape.hidden_size), fwd, device=dev, dtype=dtype)

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from miles.trainer.checkpoint import CheckpointWriteError, _barrier, _errnos, _fsync_dir, any_rank
+from miles.trainer.collectives import bounded_all_gather_object
 from miles.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -254,9 +255,10 @@ def _dp_group():
     return ps.get_data_parallel_group(with_context_parallel=True)
 
 
-def rng_object(dropout_state: torch.Tensor) -> Any:
+def rng_object(dropout_state: torch.Tensor, device: torch.device, timeout: float) -> Any:
     """Megatron-LM's ``rng_state`` ShardedObject (shape (PP, TP), replica = DP rank) holding the RNG states of
-    every DP rank of this (PP, TP) position (Megatron-LM's ``--data-parallel-random-init`` layout)."""
+    every DP rank of this (PP, TP) position (Megatron-LM's ``--data-parallel-random-init`` layout); gathered
+    over the DP group with a wait of at most ``timeout`` seconds (tensors on ``device``)."""
     import numpy as np
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedObject
@@ -268,8 +270,7 @@ def rng_object(dropout_state: torch.Tensor) -> Any:
     if torch.cuda.is_available():
         mine["cuda_rng_state"] = torch.cuda.get_rng_state()
     group = _dp_group()
-    states: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(states, mine, group=group)
+    states = bounded_all_gather_object(mine, group, timeout, device, "gathering the RNG states of the DP group")
     pp, tp = ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()
     return ShardedObject("rng_state", states, (pp, tp), (ps.get_pipeline_model_parallel_rank(),
                                                           ps.get_tensor_model_parallel_rank()),

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from miles.config.base import ConfigError
 from miles.trainer import lora as lora_mod
 from miles.trainer.batching import MicroBatch, plan_micro_batches
+from miles.trainer.collectives import bounded_all_gather_object
 from miles.trainer.fsdp import FSDPTrainer
 from miles.trainer.logprobs import VocabShard, logprobs_and_entropy
 from miles.trainer.losses import (
@@ -395,12 +396,12 @@ class MegatronTrainer(FSDPTrainer):
     def train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
         """Train on this model replica's samples (each rank's share, gathered over the TP x PP group)."""
         if self.groups.mp_size > 1:
-            parts: list = [None] * self.groups.mp_size
-            dist.all_gather_object(parts, list(samples), group=self.groups.mp)
+            parts = bounded_all_gather_object(list(samples), self.groups.mp, self.timeout, self.device,
+                                              "gathering the samples of the model-parallel group")
             samples = [s for part in parts for s in part]
         if self.groups.cp_size > 1:          # the CP ranks of a replica train the same samples (their chunks)
-            parts = [None] * self.groups.cp_size
-            dist.all_gather_object(parts, list(samples), group=self.groups.cp)
+            parts = bounded_all_gather_object(list(samples), self.groups.cp, self.timeout, self.device,
+                                              "gathering the samples of the context-parallel group")
             samples = [s for part in parts for s in part]
         return super().train(samples, rollout_id)
 

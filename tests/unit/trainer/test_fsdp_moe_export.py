@@ -113,7 +113,7 @@ def test_save_hf_round_trips_with_the_checkpoint_names(moe_dir, group, tmp_path)
 
 
 def test_embedded_engine_takes_the_fsdp_export(moe_dir, group, tmp_path) -> None:
-    """broadcast (flattened buckets) and disk-delta (a full version, then a delta) from the FSDP trainer into an
+    """broadcast (flattened buckets), p2p (the trainer's own shards) and disk-delta (a full version, then a delta) from the FSDP trainer into an
     embedded engine serving the MoE model: ``--check-weight-update-equal`` passes after each."""
     import sys
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "multiprocess"))
@@ -135,6 +135,13 @@ def test_embedded_engine_takes_the_fsdp_export(moe_dir, group, tmp_path) -> None
         r = bc.sync()
         assert bc.check() == len(_ckpt(moe_dir))
         bc.close()
+        perturb(tr, 4, 0)                               # p2p: the trainer's own shards, per-expert names
+        p2 = build_weight_sender(dataclasses.replace(cfg.weights, update_weight_transfer_mode="p2p"), tr,
+                                 is_source=True, engines=[target], status_group=pg, initial_version=r.version)
+        p2.connect([target])
+        r = p2.sync()
+        assert p2.check() == len(_ckpt(moe_dir))
+        p2.close()
         dk = build_weight_sender(dataclasses.replace(cfg.weights, update_weight_transfer_mode="disk-delta"), tr,
                                  is_source=True, engines=[target], status_group=pg, initial_version=r.version,
                                  model_dir=str(moe_dir))
@@ -165,3 +172,42 @@ def test_disk_coverage_counts_per_expert_names_for_fused_experts() -> None:
     check_full_coverage({n: live[n] for n in live}, live)                        # fused names
     with pytest.raises(WeightUpdateError, match=r"lacks 1 of the model's tensors, e.g. \['l.mlp.experts.down_proj'\]"):
         check_full_coverage({n: t for n, t in full.items() if n != "l.mlp.experts.1.down_proj.weight"}, live)
+
+
+@pytest.mark.parametrize("bucket_bytes", [1 << 12, 64 << 20], ids=["small_buckets", "one_bucket"])
+def test_p2p_shards_use_the_checkpoint_names_and_the_same_bytes(moe_dir, group, bucket_bytes) -> None:
+    """``--update-weight-transfer-mode p2p``: the trainer's own shards go out in the buckets, names, shapes and
+    flattened bytes of the gathering export (per-expert names, not transformers' fused ones)."""
+    from miles.weight_sync.buckets import pack_bucket
+    from miles.weight_sync.p2p import pack_local, plan_bucket
+
+    tr = _trainer(_cfg(moe_dir), group)
+    full = list(tr.iter_weight_buckets(bucket_bytes))
+    shards = list(tr.iter_weight_shards(bucket_bytes))
+    assert [[n for n, _ in b] for b in full] == [[s.name for s in b] for b in shards]
+    assert any(".mlp.experts.0.gate_proj.weight" in s.name for b in shards for s in b)
+    for fb, sb in zip(full, shards):
+        flat, meta = pack_bucket(fb)
+        plan = plan_bucket(sb, 1)
+        assert plan.shapes == [m["shape"] for m in meta] and plan.total == flat.numel()
+        assert torch.equal(pack_local(sb, torch.device("cpu")), flat)
+
+
+def test_split_expert_shards_keeps_every_rank_s_byte_ranges() -> None:
+    """Two trainer ranks, experts split 2 + 1 on dim 0: the per-expert shards tile the bucket with the fused
+    tensor's byte ranges, and each rank packs the same bytes."""
+    from miles.weight_sync.p2p import LocalShard, _splits, pack_local, plan_bucket, split_expert_shards
+
+    gu = torch.arange(3 * 4 * 2, dtype=torch.float32).view(3, 4, 2)
+    splits = _splits(3, 2, True)                                    # [(0, 2), (2, 3)]
+    for rank in range(2):
+        a, b = splits[rank]
+        fused = [LocalShard("l.mlp.experts.gate_up_proj", (3, 4, 2), torch.float32, splits, gu[a:b].contiguous()),
+                 LocalShard("l.norm.weight", (2,), torch.float32, _splits(2, 2, False),
+                            torch.ones(2) if rank == 0 else torch.ones(0))]
+        split = split_expert_shards(fused, rank)
+        assert [s.name for s in split] == [f"l.mlp.experts.{e}.{k}_proj.weight" for e in range(3)
+                                           for k in ("gate", "up")] + ["l.norm.weight"]
+        assert plan_bucket(split, 2).ranges == plan_bucket(fused, 2).ranges
+        assert torch.equal(pack_local(split, torch.device("cpu")), pack_local(fused, torch.device("cpu")))
+        assert torch.equal(split[3].data, gu[1, 2:]) if rank == 0 else split[3].data.numel() == 0

@@ -1,0 +1,50 @@
+"""Object collectives with a bounded wait.
+
+``torch.distributed.all_gather_object`` has no bounded wait on NCCL: it reads the gathered sizes with a
+host-blocking ``.item()``, so a silent peer hangs the caller for the process group's whole timeout (or for
+ever). ``bounded_all_gather_object`` gathers the pickled sizes, then the bytes padded to the largest size,
+each as async work waited on for at most ``timeout`` seconds; a peer that never joins ends the call in one
+line, a ``TimeoutError`` naming what was being gathered, the group's size and the bound.
+"""
+
+from __future__ import annotations
+
+import pickle
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _wait(work: Any, what: str, size: int, timeout: float) -> None:
+    try:
+        ok = work.wait(timeout=timedelta(seconds=timeout))
+    except RuntimeError as e:                       # gloo raises on a timeout, NCCL may return False
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TimeoutError(f"{what} over a group of {size} ranks failed or timed out after {timeout:.0f}s (a rank "
+                           f"is missing or stuck): {first}") from e
+    if ok is False:
+        raise TimeoutError(f"{what} over a group of {size} ranks timed out after {timeout:.0f}s (a rank is missing "
+                           "or stuck).")
+
+
+def bounded_all_gather_object(obj: Any, group: dist.ProcessGroup | None, timeout: float,
+                              device: torch.device, what: str = "gathering objects") -> list[Any]:
+    """Every rank's picklable ``obj`` in group-rank order, as ``dist.all_gather_object`` returns them, each of
+    the two gathers (sizes, bytes; tensors on ``device``, which must suit the group's backend) waited on for at
+    most ``timeout`` seconds. Collective on ``group``."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return [obj]
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    mine = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(mine) for _ in range(size)]
+    _wait(dist.all_gather(sizes, mine, group=group, async_op=True), what, size, timeout)
+    lengths = [int(n) for n in torch.cat(sizes).cpu().tolist()]
+    longest = max(lengths)
+    send = torch.zeros(longest, dtype=torch.uint8, device=device)
+    send[:payload.numel()] = payload
+    bufs = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(size)]
+    _wait(dist.all_gather(bufs, send, group=group, async_op=True), what, size, timeout)
+    return [pickle.loads(b[:n].cpu().numpy().tobytes()) for b, n in zip(bufs, lengths)]
