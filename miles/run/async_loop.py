@@ -88,7 +88,7 @@ class AsyncRLLoop(RLLoop):
             groups, score_metrics = self.score_async(groups)
             metrics.update(score_metrics)
             metrics.update(await asyncio.to_thread(self.train_step, rollout_id, groups))
-            self.maybe_save(rollout_id)
+            self.maybe_save(rollout_id, metrics)
             if (rollout_id + 1) % self.interval == 0 or rollout_id + 1 == end:
                 if rollout_id + 1 < end:
                     with self.job.worker.channel.keepalive():
@@ -147,7 +147,7 @@ class AsyncRLLoop(RLLoop):
             groups = fresh
         return groups, metrics
 
-    def checkpoint_extra(self, rollout_id: int) -> dict[str, Any]:
-        extra = super().checkpoint_extra(rollout_id)
+    def checkpoint_extra(self, rollout_id: int, record: dict[str, Any] | None = None) -> dict[str, Any]:
+        extra = super().checkpoint_extra(rollout_id, record)
         extra["data_source"] = self._data_state  # the position after rollout k, before k+1 drew its prompts
         return extra

@@ -222,6 +222,14 @@ async def build_run(cfg: MilesConfig, ctx: SPMDContext) -> Run:
     return run
 
 
+def _restorable_record(extra: dict[str, Any] | None) -> dict[str, float] | None:
+    """The metrics record a checkpoint of this project keeps for its rollout (``RLLoop.maybe_save``)."""
+    rec = (extra or {}).get("metrics_record")
+    if not isinstance(rec, dict) or "rollout_id" not in extra:
+        return None
+    return {**rec, "rollout_id": float(extra["rollout_id"])}
+
+
 def plugin_extra(cfg: MilesConfig) -> dict[str, Any]:
     """What plugins read beyond the flag sections: Miles's ``args.sglang_<field>`` view of the SGLang flags and
     the ``--custom-config-path`` keys that name no flag."""
@@ -243,7 +251,8 @@ async def _driver_setup(run: Run, local: dict[str, Any], extra: dict[str, Any] |
                                              "offset": int(m["sample_offset"]), "buffer": []})
         logger.info("resuming at rollout %d (checkpoint of rollout %s)", plan.start_rollout_id, extra.get("rollout_id"))
     run.sink = build_sink(cfg.output, Path(plan.output_dir), enabled=True, config=cfg.to_dict(),
-                          num_rollout=plan.num_rollout, start_rollout_id=plan.start_rollout_id)
+                          num_rollout=plan.num_rollout, start_rollout_id=plan.start_rollout_id,
+                          restore=_restorable_record(extra))
     run.ranks = Ranks(run.worker)
     from miles.rollout.rollout_fn import build_rollout_function, custom_rollout_path
 

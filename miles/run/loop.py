@@ -116,7 +116,7 @@ class RLLoop:
                 groups, score_metrics = self.score(groups)
             metrics.update(score_metrics)
             metrics.update(self.train_step(rollout_id, groups))
-            self.maybe_save(rollout_id)
+            self.maybe_save(rollout_id, metrics)
             metrics.update(await self.sync_weights())
             metrics.update(await self.maybe_eval(rollout_id))
             metrics.update(self.timer.pop())
@@ -195,20 +195,28 @@ class RLLoop:
                 await self.job.fleet.call_all("resume_memory_occupation")
             return self.ranks.sync_weights()
 
-    def maybe_save(self, rollout_id: int) -> None:
+    def maybe_save(self, rollout_id: int, metrics: dict[str, Any] | None = None) -> None:
+        """Checkpoint after training. ``metrics``: the rollout's record so far (generation, score, train and
+        their timings), kept in the checkpoint: the full record is written after the weight sync and eval, and
+        a run killed before that restores this one on resume (``metrics.restore_record``), so no checkpointed
+        rollout is missing from metrics.jsonl."""
         ck = self.cfg.checkpoint
         last = rollout_id + 1 >= self.plan.num_rollout
         if not ck.save or not self.has_trainer or not (last or (ck.save_interval > 0 and (rollout_id + 1) % ck.save_interval == 0)):
             return
+        record = None if metrics is None else {**self.timer.times, **metrics}
         with self.timer("save"):
-            self.ranks.save(rollout_id, self.checkpoint_extra(rollout_id))
+            self.ranks.save(rollout_id, self.checkpoint_extra(rollout_id, record))
 
-    def checkpoint_extra(self, rollout_id: int) -> dict[str, Any]:
+    def checkpoint_extra(self, rollout_id: int, record: dict[str, Any] | None = None) -> dict[str, Any]:
         ds = self.job.data_source
         sender = self.job.worker.sender
-        return {"rollout_id": rollout_id, "next_rollout_id": rollout_id + 1,
-                "data_source": ds.state_dict() if ds is not None else None,
-                "weight_version": sender.weight_version if sender is not None else 0}
+        extra = {"rollout_id": rollout_id, "next_rollout_id": rollout_id + 1,
+                 "data_source": ds.state_dict() if ds is not None else None,
+                 "weight_version": sender.weight_version if sender is not None else 0}
+        if record is not None:
+            extra["metrics_record"] = {k: float(v) for k, v in record.items() if isinstance(v, (int, float))}
+        return extra
 
     async def maybe_eval(self, rollout_id: int) -> dict[str, float]:
         ev = self.cfg.eval

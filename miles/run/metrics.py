@@ -187,7 +187,8 @@ class MetricsSink:
     """The driver's sink; see the module docstring."""
 
     def __init__(self, output: OutputConfig, out_dir: str | os.PathLike, *, config: dict[str, Any] | None = None,
-                 num_rollout: int | None = None, start_rollout_id: int = 0) -> None:
+                 num_rollout: int | None = None, start_rollout_id: int = 0,
+                 restore: dict[str, float] | None = None) -> None:
         self.output = output
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -197,6 +198,8 @@ class MetricsSink:
         if self.path.exists():  # a resumed run (or a relaunch before the first checkpoint): keep what is current
             self.records = supersede_after_checkpoint(self.path, start_rollout_id)
         self._file = self.path.open("a")
+        if restore:
+            self._restore(restore)
         self._tb = None
         if output.use_tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -210,6 +213,20 @@ class MetricsSink:
             self._wandb = wandb.init(project=output.wandb_project, entity=output.wandb_team, group=output.wandb_group,
                                      name=wandb_run_name(output), dir=str(self.out_dir), config=config or {}, reinit=True)
         self._closed = False
+
+    def _restore(self, record: dict[str, float]) -> None:
+        """The checkpointed rollout's record as the checkpoint kept it, when the run was killed after the save
+        but before the full record was written (it lacks that rollout's weight-sync and eval metrics)."""
+        rid = int(record.get("rollout_id", -1))
+        if rid < 0 or any(int(r.get("rollout_id", -1)) == rid for r in self.records):
+            return
+        rec = {k: (int(v) if k == "rollout_id" else _json_value(v)) for k, v in sorted(record.items())}
+        rec["restored_from_checkpoint"] = 1
+        self._file.write(json.dumps(rec) + "\n")
+        self._file.flush()
+        self.records.append(_as_floats(rec))
+        logger.warning("%s had no record of rollout %d, whose checkpoint this run resumes: restored the one the "
+                       "checkpoint kept (without that rollout's weight-sync and eval metrics)", self.path, rid)
 
     def log(self, rollout_id: int, metrics: dict[str, Any]) -> None:
         """Record one rollout (or one evaluation) and print its summary line."""
@@ -326,8 +343,11 @@ def supersede_after_checkpoint(path: Path, resume_at: int) -> list[dict[str, flo
 
 
 def build_sink(output: OutputConfig, out_dir: Path | None, *, enabled: bool, config: dict[str, Any] | None = None,
-               num_rollout: int | None = None, start_rollout_id: int = 0) -> MetricsSink | NullSink:
-    """``start_rollout_id``: this run's first rollout (> 0 when resumed from a checkpoint)."""
+               num_rollout: int | None = None, start_rollout_id: int = 0,
+               restore: dict[str, float] | None = None) -> MetricsSink | NullSink:
+    """``start_rollout_id``: this run's first rollout (> 0 when resumed from a checkpoint); ``restore``: the
+    checkpoint's record of its rollout (``MetricsSink._restore``)."""
     if not enabled or out_dir is None:
         return NullSink()
-    return MetricsSink(output, out_dir, config=config, num_rollout=num_rollout, start_rollout_id=start_rollout_id)
+    return MetricsSink(output, out_dir, config=config, num_rollout=num_rollout, start_rollout_id=start_rollout_id,
+                       restore=restore)

@@ -179,7 +179,7 @@ SHAPED = [p for p in FIXTURES if fixture_model(p) and any(ln.startswith("--num-l
 
 SHAPE_FLAGS = ("--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads", "--num-query-groups",
                "--kv-channels", "--rotary-base", "--untie-embeddings-and-output-weights", "--add-qkv-bias",
-               "--qk-layernorm", "--vocab-size", "--norm-epsilon")
+               "--qk-layernorm", "--vocab-size", "--norm-epsilon", "--num-experts")
 
 
 def problems(msg: str) -> list[str]:
@@ -204,7 +204,9 @@ def test_shape_flags_are_checked_against_the_model(path: Path, workdir: Path, mo
     if expect.startswith("refused: ") and not found:  # refused before the model is read (LoRA, multimodal, ...)
         assert problems(str(ei.value))[0].split(" ", 1)[0].rstrip(":") == expect.removeprefix("refused: ")
         return
-    assert found and "does not match --hf-checkpoint's config.json" in found[0] or "is missing but" in found[0], ei.value
+    assert found, ei.value
+    assert any(m in found[0] for m in ("does not match --hf-checkpoint's config.json", "is missing but",
+                                       "describes a dense model")), ei.value
 
 
 def test_sparse_model_headers_are_checked(model_dirs, tmp_path: Path):

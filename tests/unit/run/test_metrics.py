@@ -108,6 +108,34 @@ def test_resume_moves_records_written_after_the_checkpoint(tmp_path: Path):
     assert len((tmp_path / "metrics.superseded.jsonl").read_text().splitlines()) == 2 + 6
 
 
+def test_resume_restores_the_record_a_checkpoint_kept(tmp_path: Path, caplog):
+    """Killed after rollout 1's checkpoint but before its record was written: the checkpoint's copy of the
+    record (RLLoop.maybe_save) comes back on resume, once, and a record already there is not doubled."""
+    first = MetricsSink(_output(), tmp_path)
+    first.log(0, _record(0))
+    first.close()
+    kept = {**_record(1), "rollout_id": 1.0}
+    again = MetricsSink(_output(), tmp_path, start_rollout_id=2, restore=kept)
+    again.log(2, _record(2))
+    again.close()
+    recs = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["rollout_id"] for r in recs] == [0.0, 1.0, 2.0]
+    assert recs[1]["restored_from_checkpoint"] == 1 and recs[1]["rollout/raw_reward"] == kept["rollout/raw_reward"]
+    assert "restored the one the checkpoint kept" in caplog.text
+    third = MetricsSink(_output(), tmp_path, start_rollout_id=3, restore={**_record(2), "rollout_id": 2.0})
+    third.close()
+    assert [r["rollout_id"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0.0, 1.0, 2.0]
+
+
+def test_loop_checkpoints_carry_the_rollout_record():
+    """The driver's checkpoint extra holds the rollout's record so far, as plain floats."""
+    from miles.run.build import _restorable_record
+
+    extra = {"rollout_id": 4, "metrics_record": {"rollout/raw_reward": 0.5, "perf/train_time": 0.1}}
+    assert _restorable_record(extra) == {"rollout/raw_reward": 0.5, "perf/train_time": 0.1, "rollout_id": 4.0}
+    assert _restorable_record({"rollout_id": 4}) is None and _restorable_record(None) is None
+
+
 def test_resume_refuses_a_file_that_is_not_metrics(tmp_path: Path):
     (tmp_path / "metrics.jsonl").write_text('{"rollout_id": 0}\n["not", "a record"]\n{"rollout_id": 1}\n')
     with pytest.raises(ValueError, match="metrics.jsonl:2: not a metrics record"):
