@@ -195,10 +195,11 @@ class MetricsSink:
         self.num_rollout = num_rollout
         self.records: list[dict[str, float]] = []
         self.path = self.out_dir / METRICS_FILE
-        if self.path.exists():  # a resumed run (or a relaunch before the first checkpoint): keep what is current
+        continued = self.path.exists()
+        if continued:  # a resumed run (or a relaunch before the first checkpoint): keep what is current
             self.records = supersede_after_checkpoint(self.path, start_rollout_id)
         self._file = self.path.open("a")
-        if restore:
+        if restore and continued:  # (a resume into a new --output-dir starts a new file)
             self._restore(restore)
         self._tb = None
         if output.use_tensorboard:

@@ -125,6 +125,10 @@ def test_resume_restores_the_record_a_checkpoint_kept(tmp_path: Path, caplog):
     third = MetricsSink(_output(), tmp_path, start_rollout_id=3, restore={**_record(2), "rollout_id": 2.0})
     third.close()
     assert [r["rollout_id"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0.0, 1.0, 2.0]
+    # resumed into a new output directory: a new file, the checkpoint's record is not carried over
+    fresh = MetricsSink(_output(), tmp_path / "new", start_rollout_id=3, restore={**_record(2), "rollout_id": 2.0})
+    fresh.close()
+    assert read_metrics(tmp_path / "new" / "metrics.jsonl") == []
 
 
 def test_loop_checkpoints_carry_the_rollout_record():
