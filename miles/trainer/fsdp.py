@@ -45,6 +45,7 @@ from miles.trainer.batching import (
     split_into_steps,
 )
 from miles.trainer.checkpoint import save_checkpoint
+from miles.trainer.collectives import bounded_all_gather_object
 from miles.trainer.critic import Critic
 from miles.trainer.hf_export import checkpoint_dtype, write_hf_dir
 from miles.trainer.losses import (
@@ -522,8 +523,8 @@ class FSDPTrainer:
     def _all_keys(self, keys: set[str]) -> list[str]:
         if self.world == 1:
             return sorted(keys)
-        gathered: list = [None] * self.world
-        dist.all_gather_object(gathered, sorted(keys), group=self.group)
+        gathered = bounded_all_gather_object(sorted(keys), self.group, self.timeout, self.device,
+                                             what="gathering the step's metric names")
         return sorted(set().union(*gathered))
 
     def _reduce_step_metrics(self, step_sums: list[MetricSums]) -> dict[str, float]:
