@@ -26,11 +26,11 @@ setup(
     extras_require={
         # SGLang pins its own torch + CUDA kernels: install it on GPU nodes only.
         "sglang": ["sglang>=0.5.0"],
-        "megatron": ["megatron-core==0.16.1"],
+        "megatron": ["megatron-core==0.16.1", "psutil>=5.9"],  # psutil: megatron-core's checkpoint writer
         "ft": ["torchft>=0.2.0", "nvidia-resiliency-ext>=0.4.1"],
         "wandb": ["wandb>=0.20"],
         "mpi": ["mpi4py>=4.0"],
-        "test": ["megatron-core>=0.16", "pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "torchft>=0.2.0", "mpi4py>=4.0", "wandb>=0.20"],
+        "test": ["megatron-core>=0.16", "psutil>=5.9", "pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "torchft>=0.2.0", "mpi4py>=4.0", "wandb>=0.20"],
     },
     entry_points={"console_scripts": ["miles-engine=miles.engine.__main__:main"]},
     classifiers=["License :: OSI Approved :: Apache Software License", "Programming Language :: Python :: 3.11"],
