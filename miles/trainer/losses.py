@@ -266,20 +266,25 @@ class CustomLossFn(Protocol):
     def __call__(self, inputs: LossInputs, algo) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
 
-def load_custom_loss(path: str) -> CustomLossFn:
-    """Import ``module.function`` for --custom-loss-function-path, failing clearly."""
+def _import_function(path: str, flag: str, example: str = "") -> Callable[..., Any]:
+    """Import ``module.function`` named by ``flag``; ValueError naming the flag when it cannot."""
     module_name, _, fn_name = path.rpartition(".")
     if not module_name:
-        raise ValueError(f"--custom-loss-function-path {path!r} must be 'module.function' (e.g. my_pkg.losses.my_loss).")
+        raise ValueError(f"{flag} {path!r} must be 'module.function'{example}.")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(f"--custom-loss-function-path {path!r}: cannot import module {module_name!r} ({e}); "
+        raise ValueError(f"{flag} {path!r}: cannot import module {module_name!r} ({e}); "
                          "make sure it is on PYTHONPATH.") from e
     fn = getattr(module, fn_name, None)
     if not callable(fn):
-        raise ValueError(f"--custom-loss-function-path {path!r}: {module_name!r} has no callable {fn_name!r}.")
+        raise ValueError(f"{flag} {path!r}: {module_name!r} has no callable {fn_name!r}.")
     return fn
+
+
+def load_custom_loss(path: str) -> CustomLossFn:
+    """Import ``module.function`` for --custom-loss-function-path, failing clearly."""
+    return _import_function(path, "--custom-loss-function-path", " (e.g. my_pkg.losses.my_loss)")
 
 
 def custom_loss(fn: CustomLossFn) -> Callable:
@@ -339,17 +344,7 @@ def check_tis_signature(fn: Callable[..., Any], path: str) -> None:
 
 def load_tis_function(path: str) -> CustomTisFn:
     """Import and check ``--custom-tis-function-path module.function``."""
-    module_name, _, fn_name = path.rpartition(".")
-    if not module_name:
-        raise ValueError(f"--custom-tis-function-path {path!r} must be 'module.function'.")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"--custom-tis-function-path {path!r}: cannot import module {module_name!r} ({e}); "
-                         "make sure it is on PYTHONPATH.") from e
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        raise ValueError(f"--custom-tis-function-path {path!r}: {module_name!r} has no callable {fn_name!r}.")
+    fn = _import_function(path, "--custom-tis-function-path")
     check_tis_signature(fn, path)
     return fn
 
