@@ -40,6 +40,16 @@ def build_tokenizer(out_dir: str | Path | None = None):
     return fast
 
 
+def _shape_kwargs(tokenizer, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
+                  max_position_embeddings: int, tie_word_embeddings: bool, dtype: str) -> dict:
+    """The Qwen3 config fields both tiny builders share (attention shape, tokens, dtype)."""
+    return dict(vocab_size=len(tokenizer), hidden_size=hidden_size, num_hidden_layers=num_layers,
+                num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=hidden_size // num_heads,
+                max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
+                bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                torch_dtype=dtype)
+
+
 def build_tiny_model(
     out_dir: str | Path,
     hidden_size: int = 64,
@@ -60,19 +70,9 @@ def build_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(out)
     config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
         intermediate_size=intermediate_size or hidden_size * 3,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=hidden_size // num_heads,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        torch_dtype=dtype,
+        **_shape_kwargs(tokenizer, hidden_size, num_layers, num_heads, num_kv_heads, max_position_embeddings,
+                        tie_word_embeddings, dtype),
     )
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config).to(getattr(torch, dtype))
@@ -106,25 +106,15 @@ def build_tiny_moe_model(
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(out)
     config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
         intermediate_size=hidden_size * 3,
         moe_intermediate_size=moe_intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=hidden_size // num_heads,
         num_experts=num_experts,
         num_experts_per_tok=num_experts_per_tok,
         norm_topk_prob=norm_topk_prob,
         decoder_sparse_step=1,
         mlp_only_layers=list(mlp_only_layers),
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        torch_dtype=dtype,
+        **_shape_kwargs(tokenizer, hidden_size, num_layers, num_heads, num_kv_heads, max_position_embeddings,
+                        tie_word_embeddings, dtype),
     )
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(config)
