@@ -42,3 +42,33 @@ def _env_hygiene(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("WANDB_MODE", "offline")
     yield
+
+
+@pytest.fixture
+def two_ranks():
+    """``two_ranks(worker, scenario) -> {rank: (value, seconds)}``: ``worker(rank, port, scenario, queue)`` in
+    two spawned processes (a 2-rank gloo group on a free port); each puts one ``(rank, value, seconds)``."""
+    import torch.multiprocessing as mp
+
+    from miles.utils.net import find_free_port
+
+    def run(worker, scenario: str) -> dict:
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        port = find_free_port()
+        procs = [ctx.Process(target=worker, args=(r, port, scenario, q)) for r in range(2)]
+        for p in procs:
+            p.start()
+        out = {}
+        try:
+            for _ in procs:
+                rank, value, seconds = q.get(timeout=90)
+                out[rank] = (value, seconds)
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+        return out
+
+    return run

@@ -11,7 +11,6 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 TIMEOUT = 2.0
 
@@ -39,38 +38,16 @@ def _worker(rank: int, port: int, scenario: str, q) -> None:
         os._exit(0)                                 # skip process-group teardown (the silent case leaves one open)
 
 
-def _run(scenario: str) -> dict:
-    from miles.utils.net import find_free_port
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = find_free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, scenario, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    out = {}
-    try:
-        for _ in procs:
-            rank, value, seconds = q.get(timeout=90)
-            out[rank] = (value, seconds)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return out
-
-
 @pytest.mark.multiprocess
-def test_every_rank_gets_every_object_in_rank_order() -> None:
-    out = _run("both")
+def test_every_rank_gets_every_object_in_rank_order(two_ranks) -> None:
+    out = two_ranks(_worker, "both")
     expect = [(0, 3, 0.5), (1, 103, 1.5)]
     assert out[0][0] == expect and out[1][0] == expect, out
 
 
 @pytest.mark.multiprocess
-def test_a_silent_rank_stops_the_gather_after_the_timeout() -> None:
-    out = _run("silent")
+def test_a_silent_rank_stops_the_gather_after_the_timeout(two_ranks) -> None:
+    out = two_ranks(_worker, "silent")
     message, seconds = out[0]
     assert message.startswith("TimeoutError: gathering test objects over a group of 2 ranks"), out
     assert "\n" not in message
