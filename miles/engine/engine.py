@@ -76,6 +76,8 @@ class Engine:
         self.started = False
         self.memory_released: set[str] = set()
         self._update_lock = asyncio.Lock()
+        self._bucket_turn: dict[str, tuple[str, int]] = {}  # group -> (sync id, index of the bucket it takes next)
+        self._turn_changed = asyncio.Condition()
 
     @staticmethod
     def _load_tokenizer(path: str):
@@ -326,14 +328,42 @@ class Engine:
             return n
         return await self.scheduler.acall(go)
 
-    async def update_from_distributed(self, b: P.UpdateWeightsFromDistributedReqInput) -> int:
+    async def update_from_distributed(self, b: P.UpdateWeightsFromDistributedReqInput,
+                                      order: tuple[str, int] | None = None) -> int:
+        """Receive one bucket and load it. ``order`` (sync id, bucket index): buckets of one sync are taken in
+        index order, whatever order their requests arrived in (the trainer sends them in that order)."""
         dtypes = b.dtypes if b.dtypes is not None else b.dtype_names
         if dtypes is None:
             raise P.BadRequest("UpdateWeightsFromDistributedReqInput needs 'dtypes' (or 'dtype_names')")
-        async with self._update_lock:
-            named = await asyncio.to_thread(self.groups.receive, b.group_name, b.names, dtypes, b.shapes, b.load_format,
-                                            b.p2p_ranges)
-            return await self._apply(named, flush=b.flush_cache, abort_all=b.abort_all_requests, version=b.weight_version)
+        if order is not None:
+            await self._wait_turn(b.group_name, order)
+        try:
+            async with self._update_lock:
+                named = await asyncio.to_thread(self.groups.receive, b.group_name, b.names, dtypes, b.shapes,
+                                                b.load_format, b.p2p_ranges)
+                return await self._apply(named, flush=b.flush_cache, abort_all=b.abort_all_requests,
+                                         version=b.weight_version)
+        finally:
+            if order is not None:
+                async with self._turn_changed:
+                    self._bucket_turn[b.group_name] = (order[0], order[1] + 1)
+                    self._turn_changed.notify_all()
+
+    async def _wait_turn(self, group: str, order: tuple[str, int]) -> None:
+        """Bucket 0 starts its sync; bucket i > 0 waits until bucket i - 1 of the same sync is done (bounded by
+        --weight-update-timeout: a bucket whose predecessor never comes fails, naming it)."""
+        sync_id, index = order
+        async with self._turn_changed:
+            if index == 0:
+                self._bucket_turn[group] = (sync_id, 0)
+                return
+            try:
+                await asyncio.wait_for(self._turn_changed.wait_for(lambda: self._bucket_turn.get(group) == order),
+                                       self.args.weight_update_timeout)
+            except TimeoutError:
+                raise WeightUpdateError(f"bucket {index} of weight sync {sync_id!r} arrived, but bucket {index - 1} was "
+                                        f"not done within --weight-update-timeout={self.args.weight_update_timeout:g}s"
+                                        ) from None
 
     async def update_from_tensor(self, b: P.UpdateWeightsFromTensorReqInput) -> int:
         if not b.serialized_named_tensors:

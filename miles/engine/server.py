@@ -27,6 +27,7 @@ logger = get_logger("miles.engine.server")
 
 _LOOPBACK = ("127.", "::1", "::ffff:127.")
 WHOLE_SYNC_PARAM = "miles_whole_sync"  # the same name as miles.rollout.client.WHOLE_SYNC_PARAM
+SYNC_ID_PARAM, BUCKET_PARAM = "miles_sync", "miles_bucket"  # as miles.rollout.client.bucket_order_params
 SHUTDOWN_GRACE_S = 1.0  # in-flight handlers get this long on shutdown; the process exits soon after regardless
 _ENGINE = web.AppKey("engine", Engine)
 
@@ -250,10 +251,22 @@ async def _whole_sync(eng: Engine, mode: str | None, update, what: str) -> web.R
     return resp
 
 
+def _bucket_order(request: web.Request) -> tuple[str, int] | None:
+    """``?miles_sync=<id>&miles_bucket=<index>``: this bucket's place in its sync (both or neither)."""
+    sync_id, index = request.query.get(SYNC_ID_PARAM), request.query.get(BUCKET_PARAM)
+    if sync_id is None and index is None:
+        return None
+    if sync_id is None or index is None or not index.isdigit():
+        raise P.BadRequest(f"{SYNC_ID_PARAM} and {BUCKET_PARAM} go together, {BUCKET_PARAM} a bucket index >= 0; "
+                           f"got {SYNC_ID_PARAM}={sync_id!r}, {BUCKET_PARAM}={index!r}")
+    return sync_id, int(index)
+
+
 async def update_from_distributed(request: web.Request) -> web.Response:
     b = await _body(request, P.UpdateWeightsFromDistributedReqInput)
     eng = _engine(request)
-    return await _whole_sync(eng, _whole_sync_mode(request), lambda: eng.update_from_distributed(b),
+    order = _bucket_order(request)
+    return await _whole_sync(eng, _whole_sync_mode(request), lambda: eng.update_from_distributed(b, order),
                              "update_weights_from_distributed")
 
 

@@ -153,6 +153,17 @@ def whole_sync_params(pause_mode: str | None) -> dict[str, str] | None:
     return None if pause_mode is None else {WHOLE_SYNC_PARAM: str(pause_mode)}
 
 
+SYNC_ID_PARAM, BUCKET_PARAM = "miles_sync", "miles_bucket"  # query of the embedded engine's ordered buckets
+
+
+def bucket_order_params(order: tuple[str, int] | None) -> dict[str, str]:
+    """The query that puts one ``/update_weights_from_distributed`` at its place in a sync: ``(sync id, bucket
+    index)``. Buckets ride separate connections, so two in flight may arrive out of order; the embedded engine
+    takes a sync's buckets in index order whatever their arrival. SGLang has no such field (send it only to the
+    embedded engine, and at most one bucket in flight to SGLang)."""
+    return {} if order is None else {SYNC_ID_PARAM: str(order[0]), BUCKET_PARAM: str(int(order[1]))}
+
+
 class EngineControl(_Http):
     """Control calls to ONE engine server (never through the router)."""
 
@@ -260,12 +271,13 @@ class EngineControl(_Http):
         self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
         load_format: str | None = None, weight_version: str | int | None = None, flush_cache: bool = True,
         timeout: float | None = None, p2p_ranges: list[list[list[int]]] | None = None,
-        whole_sync: str | None = None,
+        whole_sync: str | None = None, bucket_order: tuple[str, int] | None = None,
     ) -> Any:
         """Returns after the engine received the broadcast(s): issue it concurrently with the trainer's.
         ``p2p_ranges`` (``--update-weight-transfer-mode p2p``, embedded engine only): per trainer rank, the byte
         ranges of the flattened bucket it sends point to point. ``whole_sync`` (embedded engine only, see
-        :func:`whole_sync_params`): this one request is the whole sync, paused in that mode."""
+        :func:`whole_sync_params`): this one request is the whole sync, paused in that mode. ``bucket_order``
+        (embedded engine only, :func:`bucket_order_params`): this bucket's place in its sync."""
         if not (len(names) == len(dtypes) == len(shapes)):
             raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}")
         payload = {"names": list(names), "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
@@ -275,7 +287,8 @@ class EngineControl(_Http):
             payload["weight_version"] = str(weight_version)
         if p2p_ranges is not None:
             payload["p2p_ranges"] = p2p_ranges
-        return await self._post("/update_weights_from_distributed", payload, timeout, whole_sync_params(whole_sync))
+        params = {**(whole_sync_params(whole_sync) or {}), **bucket_order_params(bucket_order)}
+        return await self._post("/update_weights_from_distributed", payload, timeout, params or None)
 
     async def update_weights_from_tensor(self, serialized_named_tensors: list[str], load_format: str | None = None,
                                          weight_version: str | int | None = None, flush_cache: bool = True,

@@ -283,8 +283,13 @@ class WeightSender(ABC):
 
     def whole_sync_mode(self, engines: Sequence[EngineTarget], deadline: Deadline) -> str | None:
         """The pause mode to send with a one-request sync (``whole_sync``), or None when some engine is not
-        the embedded one (SGLang: the full choreography). Asks each engine's ``/get_server_info`` once; an
-        engine that does not answer is taken for SGLang this time and asked again next sync."""
+        the embedded one (SGLang: the full choreography)."""
+        return self.cfg.pause_generation_mode if self.all_embedded(engines, deadline) else None
+
+    def all_embedded(self, engines: Sequence[EngineTarget], deadline: Deadline) -> bool:
+        """Whether every engine is the embedded one (which serves miles's extensions: whole syncs, ordered
+        buckets). Asks each engine's ``/get_server_info`` once; an engine that does not answer is taken for
+        SGLang this time and asked again next sync."""
         unknown = [e for e in engines if e.url not in self._embedded]
         if unknown:
             async def probe(ctl: Any) -> bool:
@@ -295,9 +300,7 @@ class WeightSender(ABC):
                     self._embedded[e.url] = bool(fut.result(timeout=min(10.0, deadline.left())))
                 except Exception as exc:  # noqa: BLE001 - the full choreography then, which reports real failures
                     logger.debug("get_server_info on %s: %s: %s", e.url, type(exc).__name__, exc)
-        if engines and all(self._embedded.get(e.url, False) for e in engines):
-            return self.cfg.pause_generation_mode
-        return None
+        return bool(engines) and all(self._embedded.get(e.url, False) for e in engines)
 
     def _agree(self, err: BaseException | None) -> None:
         """Every trainer rank raises when any rank failed (over ``status_group``), else only the failing one."""

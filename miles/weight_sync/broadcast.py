@@ -219,7 +219,8 @@ class BroadcastSender(WeightSender):
             if [e.url for e in engines] != [e.url for e in self._group_engines]:
                 group = temp_group = self._form(engines)  # a subset (a newcomer): a group of its own
             tc = time.monotonic()
-            whole = self.whole_sync_mode(engines, deadline)
+            embedded = self.all_embedded(engines, deadline)
+            whole = self.cfg.pause_generation_mode if embedded else None
             if whole is None:
                 self.begin(engines, deadline)
             result.control_s += time.monotonic() - tc
@@ -233,7 +234,7 @@ class BroadcastSender(WeightSender):
                     result.control_s += time.monotonic() - tc
                     whole = None
                 buckets = itertools.chain([b for b in (first, second) if b is not None], buckets)
-            self._send_all(group, engines, version, deadline, result, buckets, whole)
+            self._send_all(group, engines, version, deadline, result, buckets, whole, ordered=embedded and whole is None)
             if whole is None:
                 tc = time.monotonic()
                 self.finish(engines, version, deadline, versioned=result.num_buckets > 0)
@@ -249,11 +250,12 @@ class BroadcastSender(WeightSender):
         return result
 
     def _send_all(self, group: WeightGroup, engines: list[EngineTarget], version: int, deadline: Deadline, result: SyncResult,
-                  buckets: Iterator[list[tuple[str, torch.Tensor]]], whole: str | None = None) -> None:
+                  buckets: Iterator[list[tuple[str, torch.Tensor]]], whole: str | None = None,
+                  ordered: bool = False) -> None:
         q: queue.Queue = queue.Queue(maxsize=1)
         failure: list[BaseException] = []
         sender = threading.Thread(target=self._sender_loop, args=(q, group, engines, version, deadline, result, failure,
-                                                                  whole),
+                                                                  whole, ordered),
                                   name="miles-weight-broadcast", daemon=True)
         sender.start()
         try:
@@ -308,8 +310,15 @@ class BroadcastSender(WeightSender):
         return flat, tensors, event
 
     def _sender_loop(self, q: queue.Queue, group: WeightGroup, engines: list[EngineTarget], version: int,
-                     deadline: Deadline, result: SyncResult, failure: list[BaseException], whole: str | None = None) -> None:
+                     deadline: Deadline, result: SyncResult, failure: list[BaseException], whole: str | None = None,
+                     ordered: bool = False) -> None:
+        """Post and broadcast every bucket. Buckets travel on separate connections, so with more than one in
+        flight an engine may get request k+1 before request k: ``ordered`` (every engine is the embedded one)
+        numbers them and the engine takes them in order; SGLang gets one bucket in flight at a time."""
         stream = None
+        in_flight = self.max_in_flight if ordered else 1
+        sync_id = uuid.uuid4().hex[:12]
+        index = itertools.count()
         pending: collections.deque = collections.deque()  # (futures, t_broadcast_done) of buckets not yet answered
         self._in_flight = pending
 
@@ -337,7 +346,8 @@ class BroadcastSender(WeightSender):
                 shapes = [list(t.shape) for _, t in tensors]
                 fmt = "flattened_bucket" if self.flatten else None
                 kw = {"load_format": fmt, "weight_version": str(version), "flush_cache": False, "timeout": deadline.left(),
-                      **({"whole_sync": whole} if whole is not None else {})}
+                      **({"whole_sync": whole} if whole is not None else {}),
+                      **({"bucket_order": (sync_id, next(index))} if ordered else {})}
                 futs = self.submit_all(engines, lambda c, a=(names, dtypes, shapes, group.name), kw=kw:
                                        c.update_weights_from_distributed(*a, **kw))
                 pending.append((futs, len(names)))
@@ -355,8 +365,8 @@ class BroadcastSender(WeightSender):
                         f.cancel()
                     raise WeightSyncError(f"{e} (engines: {[x.url for x in engines]})") from e
                 result.transfer_s += time.monotonic() - t0
-                # the engine loads bucket k while bucket k+1 is broadcast (engines handle requests in order)
-                settle(self.max_in_flight - 1)
+                # the engine loads bucket k while bucket k+1 is broadcast (in order: see the docstring)
+                settle(in_flight - 1)
         except BaseException as e:  # noqa: BLE001 - reported to the main thread, which raises it
             if not isinstance(e, WeightSyncError | WeightGroupError):
                 e = WeightSyncError(f"weight broadcast failed: {type(e).__name__}: {e}")

@@ -399,6 +399,7 @@ class P2PSender(BroadcastSender):
         dsts = list(range(self.num_sources, world))
         pending: collections.deque = collections.deque()  # (send works, engine futures, buffer, bytes)
         self._in_flight = collections.deque()
+        sync_id, index = uuid.uuid4().hex[:12], 0  # the engines take the buckets in order, whatever their arrival
         failure: BaseException | None = None
         sent = 0
 
@@ -441,9 +442,11 @@ class P2PSender(BroadcastSender):
                 futs = None
                 if self.is_source:
                     left = deadline.left()
-                    futs = self.submit_all(engines, lambda c, p=plan, t=left: c.update_weights_from_distributed(
+                    futs = self.submit_all(engines, lambda c, p=plan, t=left, i=index: c.update_weights_from_distributed(
                         p.names, p.dtypes, p.shapes, group.name, load_format="flattened_bucket",
-                        weight_version=str(version), flush_cache=False, timeout=t, p2p_ranges=p.ranges))
+                        weight_version=str(version), flush_cache=False, timeout=t, p2p_ranges=p.ranges,
+                        bucket_order=(sync_id, i)))
+                    index += 1
                     self._in_flight.append((futs, len(plan.names)))
                 works = [(d, dist.isend(buf, group_dst=d, group=group.pg)) for d in dsts] if buf.numel() else []
                 pending.append((works, futs, buf, plan.total))

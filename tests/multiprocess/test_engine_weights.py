@@ -142,6 +142,46 @@ def test_distributed_updates_per_tensor_and_flattened(eng):
     tr2.destroy()
 
 
+def test_buckets_of_one_sync_load_in_index_order_whatever_their_arrival(eng):
+    """Two same-layout buckets whose requests arrive reversed (separate connections give no order): the engine
+    takes them by ``miles_bucket``, so each broadcast lands in its own tensors, not its twin's."""
+    import time
+
+    from miles.weight_sync.buckets import pack_bucket
+
+    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.weight"]
+    shape = weight(eng, names[0]).shape
+    tr = join_group(eng, "ordered")
+    flats, bodies = [], []
+    for i, n in enumerate(names):
+        flat, meta = pack_bucket([(n, torch.full(shape, float(i + 1)))])
+        flats.append(flat)
+        bodies.append({"names": [n], "dtypes": [meta[0]["dtype"]], "shapes": [meta[0]["shape"]], "group_name": "ordered",
+                       "load_format": "flattened_bucket"})
+    with ThreadPoolExecutor(2) as ex:
+        second = ex.submit(eng.post, "/update_weights_from_distributed", bodies[1],
+                           params={"miles_sync": "s1", "miles_bucket": "1"})
+        time.sleep(0.5)  # bucket 1's request is in first
+        first = ex.submit(eng.post, "/update_weights_from_distributed", bodies[0],
+                          params={"miles_sync": "s1", "miles_bucket": "0"})
+        for f in flats:
+            tr.broadcast(f)
+        for f in (first, second):
+            r = f.result(60)
+            assert r.status_code == 200 and r.json()["success"], r.text
+    assert torch.equal(weight(eng, names[0]), torch.full(shape, 1.0))
+    assert torch.equal(weight(eng, names[1]), torch.full(shape, 2.0))
+    # a bucket whose predecessor never comes fails within --weight-update-timeout (8 s here), naming it
+    t0 = time.monotonic()
+    r = eng.post("/update_weights_from_distributed", bodies[0], params={"miles_sync": "s2", "miles_bucket": "3"})
+    assert r.status_code == 400 and "bucket 2 was not done" in r.json()["message"], r.text
+    assert time.monotonic() - t0 < 20
+    bad = eng.post("/update_weights_from_distributed", bodies[0], params={"miles_sync": "s2"})
+    assert bad.status_code == 400 and "miles_bucket" in bad.json()["message"]
+    assert eng.post("/destroy_weights_update_group", {"group_name": "ordered"}).json()["success"]
+    tr.destroy()
+
+
 def test_init_group_times_out_cleanly_when_no_trainer(eng):
     store = dist.TCPStore("127.0.0.1", find_free_port(), 2, True, datetime.timedelta(seconds=30), wait_for_workers=False)
     r = eng.post("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": store.port, "rank_offset": 1,
