@@ -60,7 +60,7 @@ from miles.trainer.losses import (
     policy_loss_with_tis,
     sft_loss,
 )
-from miles.trainer.metrics import MetricSums, mfu, peak_tflops
+from miles.trainer.metrics import MetricSums, active_params, mfu, moe_routing, peak_tflops
 from miles.trainer.optim import LRSchedule, MasterWeights, build_adamw, clip_grad_norm
 from miles.trainer.weights import checkpoint_tensor_names, iter_checkpoint_buckets, iter_full_params
 from miles.types import Sample
@@ -129,6 +129,8 @@ class FSDPTrainer:
         self.vocab_size = int(config.vocab_size)
         self.pad_id = int(config.pad_token_id if config.pad_token_id is not None else 0)
         self.num_params = modeling.count_params(self.model)
+        experts = sum(p.numel() for n, p in self.model.named_parameters() if ".mlp.experts." in n)
+        self.num_active_params = active_params(self.num_params, experts, moe_routing(config))  # MFU's N
         self.optimizer = build_adamw(self.model, lr=train.lr, weight_decay=train.weight_decay,
                                      betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps,
                                      device=self.policy_param_device)
@@ -427,7 +429,7 @@ class FSDPTrainer:
             "tokens_per_s": train_tokens / step_secs if step_secs > 0 else 0.0,
             "num_optimizer_steps": float(self.num_steps_per_rollout),
         })
-        m = mfu(num_params=self.num_params, train_tokens=train_tokens, forward_tokens=all_tokens * n_fwd_passes,
+        m = mfu(num_params=self.num_active_params, train_tokens=train_tokens, forward_tokens=all_tokens * n_fwd_passes,
                 seconds=total_secs, num_gpus=self.world, peak=self.peak)
         if m is not None:
             out["mfu"] = m

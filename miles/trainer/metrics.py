@@ -1,8 +1,9 @@
 """Trainer metrics: reduction over the trainer group, throughput and MFU.
 
 MFU counts ``6 N`` FLOPs per trained token (forward + backward) and ``2 N`` per token of a
-forward-only pass (old/ref/teacher log-probs, critic values), N = parameters of the model (tied
-embeddings once) -- the count of the reference figures in docs/benchmarks.md -- divided by the elapsed time,
+forward-only pass (old/ref/teacher log-probs, critic values), N = parameters a token passes through (tied
+embeddings once; of a MoE's routed experts only the top-k share, :func:`active_params`) -- the count of the
+reference figures in docs/benchmarks.md -- divided by the elapsed time,
 the number of trainer GPUs and the GPU's dense bf16 peak (table below, or --mfu-peak-tflops).
 """
 
@@ -33,6 +34,23 @@ def peak_tflops(device: torch.device, override: float | None = None) -> float | 
         if key in name:
             return PEAK_BF16_TFLOPS[key]
     return None
+
+
+def moe_routing(config) -> tuple[int, int] | None:
+    """(routed experts E, experts per token k) of an HF config, or None for a dense model."""
+    e = next((getattr(config, a) for a in ("num_experts", "num_local_experts", "n_routed_experts")
+              if getattr(config, a, None)), None)
+    k = next((getattr(config, a) for a in ("num_experts_per_tok", "moe_topk") if getattr(config, a, None)), None)
+    return (int(e), int(k)) if e and k else None
+
+
+def active_params(num_params: int, expert_params: int, routing: tuple[int, int] | None) -> int:
+    """Parameters a token passes through: all of them, less the unrouted ``(E - k) / E`` of the routed
+    experts' weights (``expert_params``: every routed expert's, summed)."""
+    if routing is None or not expert_params:
+        return int(num_params)
+    e, k = routing
+    return int(num_params - expert_params * (e - min(k, e)) / e)
 
 
 def mfu(*, num_params: int, train_tokens: float, forward_tokens: float, seconds: float, num_gpus: int,
