@@ -26,13 +26,14 @@ per-sample lists give each sample's ``R_i`` (sum R_i = N). Log-probs are float32
 from __future__ import annotations
 
 import copy
-import importlib
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+
+from miles.utils.imports import load_function
 
 _LOG_RATIO_CLAMP = 20.0
 
@@ -266,25 +267,9 @@ class CustomLossFn(Protocol):
     def __call__(self, inputs: LossInputs, algo) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
 
-def _import_function(path: str, flag: str, example: str = "") -> Callable[..., Any]:
-    """Import ``module.function`` named by ``flag``; ValueError naming the flag when it cannot."""
-    module_name, _, fn_name = path.rpartition(".")
-    if not module_name:
-        raise ValueError(f"{flag} {path!r} must be 'module.function'{example}.")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"{flag} {path!r}: cannot import module {module_name!r} ({e}); "
-                         "make sure it is on PYTHONPATH.") from e
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        raise ValueError(f"{flag} {path!r}: {module_name!r} has no callable {fn_name!r}.")
-    return fn
-
-
 def load_custom_loss(path: str) -> CustomLossFn:
     """Import ``module.function`` for --custom-loss-function-path, failing clearly."""
-    return _import_function(path, "--custom-loss-function-path", " (e.g. my_pkg.losses.my_loss)")
+    return load_function(path, "--custom-loss-function-path")
 
 
 def custom_loss(fn: CustomLossFn) -> Callable:
@@ -344,7 +329,7 @@ def check_tis_signature(fn: Callable[..., Any], path: str) -> None:
 
 def load_tis_function(path: str) -> CustomTisFn:
     """Import and check ``--custom-tis-function-path module.function``."""
-    fn = _import_function(path, "--custom-tis-function-path")
+    fn = load_function(path, "--custom-tis-function-path")
     check_tis_signature(fn, path)
     return fn
 
