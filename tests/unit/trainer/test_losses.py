@@ -168,3 +168,15 @@ def test_sft_and_custom_loss(tmp_path, monkeypatch):
     for bad in ("nodots", "no_such_module_xyz.fn", "my_losses.missing"):
         with pytest.raises(ValueError, match="--custom-loss-function-path"):
             L.load_custom_loss(bad)
+
+
+def test_a_loss_plugin_that_raises_while_importing_is_one_line(tmp_path, monkeypatch):
+    from miles.config.base import ConfigError
+
+    (tmp_path / "broken_losses.py").write_text("import math\nraise RuntimeError('no GPU config found')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError) as e:
+        L.load_tis_function("broken_losses.tis")
+    msg = str(e.value)
+    assert "\n" not in msg and "--custom-tis-function-path" in msg and "no GPU config found" in msg
+    assert "broken_losses.py:2" in msg
