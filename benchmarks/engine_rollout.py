@@ -12,7 +12,8 @@ The model is random-weight, built locally from a config (no downloads).
 Reference in the same run: transformers ``generate`` (static cache, sampling at temperature 1, EOS ignored) in
 batches of ``--hf-batch``; each batch decodes to its longest length and counts only the tokens asked for
 (what a static batch delivers), over the first ``--hf-requests`` requests (a rate, so a subset suffices).
-Prints one JSON line per measurement and a final JSON summary.
+Prints one JSON line per measurement and a final JSON summary; on a GPU first an ``anchor`` line (copy
+bandwidth and a bf16 matmul) that says how fast the machine of this run was.
 """
 
 from __future__ import annotations
@@ -86,9 +87,40 @@ def bench_engine(model_dir: Path, a: argparse.Namespace, kv_cache: str, runs: di
             print(json.dumps({"side": f"engine ({kv_cache})", "workload": kind, "tokens": toks, "seconds": round(dt, 2),
                               "tokens_per_s": out[kind], "decode_steps": steps,
                               "mean_batch": round((load["generated_tokens"] - before["generated_tokens"]) / max(steps, 1), 1),
-                              "kv_pages_peak": load.get("kv_pages_peak"), "retractions": load.get("retractions")}), flush=True)
+                              "kv_pages_peak": load.get("kv_pages_peak"), "retractions": load.get("retractions"),
+                              "mixed_prefills": load.get("mixed_prefills", 0) - before.get("mixed_prefills", 0)}), flush=True)
     finally:
         eng.stop()
+    return out
+
+
+def anchor(device: str) -> dict:
+    """The machine's speed in this run, to compare runs across sessions: device-to-device copy bandwidth (1 GiB)
+    and a bf16 8192^3 matrix product, each the best of 10 timed with CUDA events after a warm-up."""
+    if not device.startswith("cuda"):
+        return {}
+    x = torch.empty(1 << 29, dtype=torch.bfloat16, device=device)
+    y = torch.empty_like(x)
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(10):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e) / 1e3)
+        return min(times)
+    copy_s = best(lambda: y.copy_(x))
+    mm_s = best(lambda: a @ b)
+    out = {"copy_TB_s": round(2 * x.numel() * 2 / copy_s / 1e12, 2), "bf16_matmul_TFLOP_s": round(2 * 8192**3 / mm_s / 1e12, 1)}
+    x = y = a = b = None  # noqa: F841 - freed before the engine starts
+    torch.cuda.empty_cache()
+    print(json.dumps({"anchor": out}), flush=True)
     return out
 
 
@@ -339,6 +371,7 @@ def main() -> None:
     res = {"preset": a.preset, "device": a.device, "dtype": a.dtype, "requests": a.requests, "concurrency": a.concurrency,
            "prompt_len": a.prompt_len, "fixed_len": a.fixed_len, "uniform": [a.min_len, a.max_len], "torch": torch.__version__,
            "machine": torch.cuda.get_device_name() if a.device.startswith("cuda") else platform.processor() or platform.machine()}
+    res["anchor"] = anchor(a.device)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(a.preset, a.dtype, Path(tmp) / "model")
         if a.profile:

@@ -1,7 +1,8 @@
 """Forward passes and the KV cache.
 
 ``ModelRunner`` loads any HF causal LM from a local directory with transformers and serves two calls:
-``prefill`` (new requests, padded into one batch) and ``decode`` (one token for every running request).
+``prefill`` (new requests, padded into one batch) and ``decode`` (one token for every running request);
+with the paged cache also ``decode_mixed`` (a decode step whose forward also carries a prompt chunk).
 Running requests occupy KV slots ``0..n-1`` (the scheduler keeps them compact), so a decode step works
 on the static-shaped views ``cache[:bucket]``.
 
@@ -64,6 +65,9 @@ def graph_batch_sizes(max_slots: int, sizes: list[int] | None = None, max_bs: in
         sizes.append(cap)
     return sorted({b for b in sizes if 1 <= b <= cap})
 
+
+# prompt tokens a mixed prefill + decode step carries (paged cache): the chunk size of its CUDA graphs
+MIX_TOKENS = 256
 
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # divisors of the 64-token alignment of the decode context buckets
 
@@ -178,6 +182,17 @@ class _NativeLM:
         # decode on CUDA: q/k norm + RoPE as one Triton kernel per tensor (plain RMSNorms only)
         self.fused_rope = fused_ops.available(device) and device.type == "cuda" and pow2_head and (not self.qk_norm or all(
             type(m).__name__ in _PLAIN_RMSNORMS for layer in self.layers for m in (layer.self_attn.q_norm, layer.self_attn.k_norm)))
+        # mixed steps (paged cache, no sliding windows): a prompt chunk of up to mix_tokens tokens rides in the decode
+        # step's forward (its tokens are extra query rows of the chunk row); graphs per batch bucket with the chunk
+        # padded to mix_tokens (padding tokens on the scratch row)
+        self.mix_tokens = min(MIX_TOKENS, cache_ctx) if self.kv is not None and all(w is None for w in self.windows) else 0
+        self.mix_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if self.mix_tokens:
+            T = max_slots + self.mix_tokens
+            self.m_tokens = torch.zeros(T, dtype=torch.long, device=device)
+            self.m_pos = torch.zeros(T, dtype=torch.long, device=device)
+            self.m_rows = torch.full((T,), self.kv.scratch_row, dtype=torch.long, device=device)
+            self.m_out = torch.zeros(max_slots + 1, dtype=torch.long, device=device)
 
     # ------------------------------------------------------------------ cache
     def cache_bytes(self) -> int:
@@ -203,6 +218,7 @@ class _NativeLM:
 
     def drop_graphs(self) -> None:
         self.graphs.clear()
+        self.mix_graphs.clear()
         self.graph_pool = None
 
     def move_slot(self, src: int, dst: int, length: int) -> None:
@@ -401,6 +417,112 @@ class _NativeLM:
         entry[0].replay()
         return entry[1][:n].float()
 
+    def _mixed_impl(self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, out_idx: torch.Tensor,
+                    L: int) -> torch.Tensor:
+        """Paged cache: one query token per entry of ``tokens``, token ``i`` at position ``positions[i]`` of block-table
+        row ``rows[i]``; every token's K/V is written before attention, and each attends to its row's positions up to
+        its own (decode rows: their context; a prompt chunk's tokens: causal over the pages it just wrote). Returns
+        the logits of the tokens ``out_idx``. Decode is the case ``rows = 0..n-1``, one token each."""
+        kv = self.kv
+        T = tokens.shape[0]
+        h = self.embed(tokens)
+        if not self.fused_rope:
+            cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+        w_page = kv.block_table[rows, positions // kv.page_size]
+        w_off = positions % kv.page_size
+        for li, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = _norm(layer.input_layernorm, h)
+            q = attn.q_proj(x).view(T, self.n_heads, self.head_dim)
+            k = attn.k_proj(x).view(T, self.n_kv, self.head_dim)
+            v = attn.v_proj(x).view(T, self.n_kv, self.head_dim)
+            if self.fused_rope:
+                qw, qe, kw, ke = ((attn.q_norm.weight, attn.q_norm.variance_epsilon, attn.k_norm.weight,
+                                   attn.k_norm.variance_epsilon) if self.qk_norm else (None, 0.0, None, 0.0))
+                q = fused_ops.norm_rope(q, qw, qe, self.cos, self.sin, positions)
+                k = fused_ops.norm_rope(k, kw, ke, self.cos, self.sin, positions)
+            else:
+                if self.qk_norm:
+                    q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
+                q = q * cos + _rotate_half(q) * sin
+                k = k * cos + _rotate_half(k) * sin
+            kv.k[li][w_page, w_off] = k
+            kv.v[li][w_page, w_off] = v
+            if self.kernel:
+                o = paged_attention.paged_decode(q, kv.k[li], kv.v[li], kv.block_table, positions, self.scaling, rows=rows)
+            else:
+                o = paged_attention.reference(q, kv.k[li], kv.v[li], kv.block_table, positions, self.scaling, L, rows=rows)
+            h = h + attn.o_proj(o.reshape(T, self.n_heads * self.head_dim))
+            h = h + layer.mlp(_norm(layer.post_attention_layernorm, h))
+        return self.lm_head(_norm(self.norm, h[out_idx]))
+
+    @torch.no_grad()
+    def decode_mixed(self, tokens: torch.Tensor, positions: torch.Tensor, max_len: int, row: int, chunk: list[int],
+                     start: int) -> torch.Tensor:
+        """One decode token for rows ``0..n-1`` and, in the same forward, positions ``start..start+len(chunk)-1`` of
+        block-table row ``row`` (a prompt chunk of at most ``mix_tokens`` tokens whose first ``start`` positions are
+        in its pages already). Returns ``[n + 1, vocab]`` logits: the decode rows', then the chunk's last token's."""
+        n, c, kv = tokens.shape[0], len(chunk), self.kv
+        if not 0 < c <= self.mix_tokens:
+            raise ValueError(f"a mixed step carries 1..{self.mix_tokens} prompt tokens, got {c}")
+        end = start + c
+        kv.grow(row, end)
+        dev = self.device
+        bs = next((b for b in self.batch_buckets if b >= n), None) if self.use_graphs and self.kernel else None
+        if bs is None:  # eager: exactly the live tokens
+            L = self.cache_ctx if self.kernel else next(x for x in self.ctx_buckets if x >= max(max_len, end))
+            toks = torch.cat([tokens, torch.tensor(chunk, dtype=torch.long).to(dev, non_blocking=True)])
+            pos = torch.cat([positions, self.ar_ctx[start:end]])
+            rows = torch.cat([self.ar_slots[:n], torch.full((c,), row, dtype=torch.long, device=dev)])
+            out = torch.arange(n + 1, device=dev)
+            out[n] = n + c - 1
+            return self._mixed_impl(toks, pos, rows, out, L).float()
+        entry = self.mix_graphs.get(bs)
+        if entry is None:
+            entry = self._capture_mixed(bs)
+        C = self.mix_tokens
+        host = torch.zeros(3, C, dtype=torch.long)
+        host[0, :c] = torch.tensor(chunk, dtype=torch.long)
+        host[1, :c] = torch.arange(start, end)
+        host[2, :c] = row
+        host[2, c:] = kv.scratch_row
+        host = host.to(dev, non_blocking=True)
+        self.m_tokens[:n].copy_(tokens)
+        self.m_pos[:n].copy_(positions)
+        if bs > n:
+            self.m_pos[n:bs].fill_(self.pad_pos)
+        self.m_rows[:bs].copy_(self.ar_slots[:bs])
+        self.m_tokens[bs:bs + C].copy_(host[0])
+        self.m_pos[bs:bs + C].copy_(host[1])
+        self.m_rows[bs:bs + C].copy_(host[2])
+        self.m_out[:bs].copy_(self.ar_slots[:bs])
+        self.m_out[bs].fill_(bs + c - 1)
+        entry[0].replay()
+        o = entry[1]
+        return torch.cat([o[:n], o[bs:bs + 1]]).float()
+
+    def _capture_mixed(self, bs: int):
+        """The mixed step's graph for decode bucket ``bs`` plus a chunk of ``mix_tokens`` (captured on scratch rows)."""
+        T = bs + self.mix_tokens
+        self.m_pos[:T].fill_(0)
+        self.m_rows[:T].fill_(self.kv.scratch_row)
+        self.m_out[: bs + 1].fill_(0)
+        if self.graph_pool is None:
+            self.graph_pool = torch.cuda.graph_pool_handle()
+        args = (self.m_tokens[:T], self.m_pos[:T], self.m_rows[:T], self.m_out[: bs + 1], self.cache_ctx)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._mixed_impl(*args)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.graph_pool):
+            out = self._mixed_impl(*args)
+        self.mix_graphs[bs] = (graph, out)
+        logger.debug("captured a CUDA graph for a mixed step: decode batch %d + %d prompt tokens", bs, self.mix_tokens)
+        return graph, out
+
     @torch.no_grad()
     def warm_up(self) -> int:
         """Capture the decode graph of every batch bucket now (paged kernel path: one graph per bucket), as SGLang
@@ -411,6 +533,9 @@ class _NativeLM:
         for bs in self.batch_buckets:
             if (bs, self.cache_ctx) not in self.graphs:
                 self._capture(bs, self.cache_ctx)
+                n += 1
+            if self.mix_tokens and bs not in self.mix_graphs:
+                self._capture_mixed(bs)
                 n += 1
         return n
 
@@ -659,6 +784,15 @@ class ModelRunner:
 
     def prefill_chunk(self, row: int, tokens: list[int], start: int, want_full: bool):
         return self.impl.prefill_chunk(row, tokens, start, want_full)
+
+    @property
+    def mix_tokens(self) -> int:
+        """Prompt tokens a mixed prefill + decode step can carry (paged native cache without sliding windows), else 0."""
+        return getattr(self.impl, "mix_tokens", 0) if self.native else 0
+
+    def decode_mixed(self, tokens: torch.Tensor, positions: torch.Tensor, max_len: int, row: int, chunk: list[int],
+                     start: int) -> torch.Tensor:
+        return self.impl.decode_mixed(tokens, positions, max_len, row, chunk, start)
 
     def pages_held(self, row: int) -> int:
         return len(self.kv.tables[row]) if self.kv is not None else 0

@@ -77,10 +77,12 @@ class PagedKV:
                  max_ctx: int, dtype: torch.dtype, device: torch.device):
         self.n_layers, self.n_kv, self.head_dim = n_layers, n_kv, head_dim
         self.page_size, self.dtype, self.device = page_size, dtype, device
-        # one row more than the running requests: row ``max_rows`` (``chunk_row``) holds a prompt being prefilled in
-        # chunks; decode (and its graph padding) only ever touches rows below it
-        self.max_rows = max_rows + 1
+        # two rows more than the running requests: row ``max_rows`` (``chunk_row``) holds a prompt being prefilled in
+        # chunks; row ``max_rows + 1`` (``scratch_row``) never holds a page (all scratch page 0): the padding tokens of
+        # a mixed prefill + decode step write and read there. Decode (and its graph padding) touches rows below both.
+        self.max_rows = max_rows + 2
         self.chunk_row = max_rows
+        self.scratch_row = max_rows + 1
         self.max_pages_per_row = -(-max_ctx // page_size)
         self.pool = PagePool(num_pages)
         self.tables: list[list[int]] = [[] for _ in range(self.max_rows)]

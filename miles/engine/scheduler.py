@@ -2,7 +2,10 @@
 
 Each loop iteration: run queued commands (new requests, aborts, pause/continue, weight loads), admit
 waiting requests into free KV slots (one padded prefill), run one decode step for every running request,
-then hand finished/streamed tokens back to the event loop. Requests join and leave the running batch
+then hand finished/streamed tokens back to the event loop. A freed slot is refilled at the next iteration;
+with the paged cache, a refill of one request (fewer than ``mix_below`` admissible) is prefilled inside the
+decode steps' forward instead (mixed prefill + decode: ``ModelRunner.decode_mixed``, chunks of at most
+``mix_tokens`` prompt tokens in the chunk row) and samples its first token with the decode rows. Requests join and leave the running batch
 between decode steps; beyond ``max_running_requests`` they wait in FIFO order. Running requests always
 occupy slots ``0..n-1``: when one leaves, the last one moves into its slot (one KV copy), so the decode
 step sees contiguous, static-shaped cache views.
@@ -123,19 +126,23 @@ class Scheduler:
         self._prompt_holders: dict[tuple[int, ...], dict[Req, None]] = {}
         self.shared_prompts = 0     # requests admitted on another running request's prompt KV (no prefill)
         # a prompt longer than max_prefill_tokens (paged cache): prefilled one chunk per loop iteration, between
-        # decode steps of the running requests, in the cache's spare row; nothing else is admitted meanwhile
+        # decode steps of the running requests, in the cache's spare row; nothing else is admitted meanwhile.
+        # ``mixing``: the chunking prompt is a refill whose chunks ride in the decode steps' forward instead
         self.chunking: Req | None = None
+        self.mixing = False
         self.chunked_prefills = 0
+        self.mixed_prefills = 0     # prompts prefilled inside decode steps (mixed prefill + decode)
+        self.mixed_steps = 0        # decode steps that carried a prompt chunk
         self.stop_ids = set(runner.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.stop_ids.add(int(tokenizer.eos_token_id))
         self.steps = 0
         self.generated_tokens = 0
         self.retractions = 0        # running requests sent back to the queue because the page pool ran out
-        # refill freed slots in groups of >= admit_min (one prefill launch instead of one per finished request),
-        # but never let a queued request wait more than ADMIT_MAX_WAIT decode steps for that
-        self.admit_min = max(1, runner.max_slots // 32)
-        self._admit_wait = 0
+        # a freed slot is refilled at the next step: when fewer than ``mix_below`` requests could be admitted and the
+        # runner can mix, the head of the queue is prefilled inside the decode steps (mixed prefill + decode, no
+        # separate forward); otherwise (start, bursts, the slot cache) one batched prefill admits them all
+        self.mix_below = max(2, runner.max_slots // 32)
         self.last_step_time = time.time()
         self.error: BaseException | None = None
 
@@ -190,8 +197,9 @@ class Scheduler:
                 continue
             try:
                 if self.chunking is not None:
-                    self._prefill_chunk()
-                elif self.waiting and len(self.running) < self.runner.max_slots and self._admit_now():
+                    if not (self.mixing and self.running):  # a mixed chunk rides in the decode step below
+                        self._prefill_chunk()
+                elif self.waiting and len(self.running) < self.runner.max_slots:
                     self._admit()
                 if self.running:
                     self._decode_step()
@@ -322,6 +330,7 @@ class Scheduler:
         if self.chunking is not None:
             self.runner.release_slot(self.runner.chunk_row)
             self.chunking = None
+        self.mixing = False
 
     def _requeue_chunking(self) -> None:
         """Send the prompt being prefilled in chunks back to the head of the queue (its chunks are recomputed)."""
@@ -411,16 +420,8 @@ class Scheduler:
                 return h
         return None
 
-    ADMIT_MAX_WAIT = 4
     HOLDERS = 2
-
-    def _admit_now(self) -> bool:
-        free = self.runner.max_slots - len(self.running)
-        if not self.running or free >= min(self.admit_min, self.num_waiting) or self._admit_wait >= self.ADMIT_MAX_WAIT:
-            self._admit_wait = 0
-            return True
-        self._admit_wait += 1
-        return False
+    MIX_MAX_CHUNKS = 4   # a refill whose prompt needs more mixed chunks than this is prefilled on its own instead
 
     def _admit(self) -> None:
         """Admit queued requests (FIFO) while slots, prefill tokens and (paged) free pages allow; one prefill.
@@ -437,6 +438,9 @@ class Scheduler:
         budget = self.max_prefill_tokens
         free = rn.free_pages()
         share_running = rn.can_share_running_prefix
+        mix = min(rn.mix_tokens, self.max_prefill_tokens)
+        mix_ok = (mix > 0 and bool(self.running)
+                  and min(rn.max_slots - len(self.running), self.num_waiting) < self.mix_below)
         while self.waiting and len(self.running) + len(uniq) + len(dups) + len(held) < rn.max_slots:
             r = self.waiting[0]
             if r.finish is not None:  # aborted while queued
@@ -454,6 +458,15 @@ class Scheduler:
                     self.num_waiting -= 1
                     r.state, r.kv_len, self.chunking = "prefilling", 0, r
                     self.chunked_prefills += 1
+                break
+            if (src is None and holder is None and mix_ok and n <= mix * self.MIX_MAX_CHUNKS
+                    and (r.retracted or not self._wants_input_logprobs(r))):
+                # a refill: its prompt rides in the next decode steps (mixed), after the shared ones gathered so far
+                if not (uniq or dups or held) and (free is None or rn.pages_for(n + 1) + len(self.running) <= free):
+                    self.waiting.popleft()
+                    self.num_waiting -= 1
+                    r.state, r.kv_len, self.chunking, self.mixing = "prefilling", 0, r, True
+                    self.mixed_prefills += 1
                 break
             if src is None and holder is None and uniq and n * (len(uniq) + 1) > budget:
                 break
@@ -554,7 +567,23 @@ class Scheduler:
         r.kv_len = start + t
         if r.kv_len < len(seq):
             return
-        self.chunking = None
+        row = len(self.running)
+        if self._join_chunked(r, last, want):
+            self._first_token(r, last)
+            if r.finish is not None:
+                self._remove([row])
+
+    def _first_token(self, r: Req, last: torch.Tensor) -> None:
+        if r.spec.max_new_tokens == 0:
+            self._finish(r, {"type": "length", "length": 0})
+        else:
+            self._sample_and_append([r], last[None])
+
+    def _join_chunked(self, r: Req, last: torch.Tensor, want: bool) -> bool:
+        """The prompt prefilled in chunks is complete: its row joins the running rows (as the last one). Returns
+        whether it is fresh (its first token still to draw from ``last``) rather than a retracted request resuming."""
+        rn = self.runner
+        self.chunking, self.mixing = None, False
         row = len(self.running)
         rn.move_slot(rn.chunk_row, row, r.kv_len)
         r.state, r.slot = "running", row
@@ -562,7 +591,7 @@ class Scheduler:
         self._epoch += 1
         fresh, r.retracted = not r.retracted, False
         if not fresh:
-            return
+            return False
         key = tuple(r.spec.input_ids)
         group = self._prompt_holders.setdefault(key, {})
         if rn.can_share_running_prefix and len(group) < self.HOLDERS:
@@ -578,12 +607,7 @@ class Scheduler:
             if r.spec.token_ids_logprob:
                 r.input_token_ids_lp = ([[]] + r.chunk_ids_lp)[lsl:]
             r.chunk_lp, r.chunk_top, r.chunk_ids_lp = [], [], []
-        if r.spec.max_new_tokens == 0:
-            self._finish(r, {"type": "length", "length": 0})
-        else:
-            self._sample_and_append([r], last[None])
-        if r.finish is not None:
-            self._remove([row])
+        return True
 
     @staticmethod
     def _chunk_input_logprobs(r: Req, logits: torch.Tensor, start: int, t: int) -> None:
@@ -704,10 +728,26 @@ class Scheduler:
             free = rn.free_pages()
         rn.grow_pages(need)
 
+    def _mix_chunk(self) -> tuple[Req, list[int], int, int] | None:
+        """The prompt chunk the next decode step carries (request, sequence, start, length), or None: no mixed
+        refill under way, or too few free pages for its next chunk right now (the step then decodes only)."""
+        r, rn = self.chunking, self.runner
+        if r is None or not self.mixing:
+            return None
+        seq = r.spec.input_ids + r.output_ids[:-1] if r.retracted else r.spec.input_ids
+        start = r.kv_len
+        t = min(rn.mix_tokens, self.max_prefill_tokens, len(seq) - start)
+        need = rn.pages_for(start + t) - rn.pages_held(rn.chunk_row)
+        free = rn.free_pages()
+        if free is not None and need + len(self.running) > free:
+            return None
+        return r, seq, start, t
+
     def _decode_step(self) -> None:
         self._grow_pages()
         reqs = self.running
-        dev = self.runner.device
+        rn = self.runner
+        dev = rn.device
         if self._dev_epoch != self._epoch or self._dev is None:
             tokens = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.long, device=dev)
             positions = torch.tensor([r.kv_len for r in reqs], dtype=torch.long, device=dev)
@@ -715,14 +755,41 @@ class Scheduler:
         else:
             tokens, positions, steps = self._dev
         max_len = max(r.kv_len for r in reqs) + 1
-        logits = self.runner.decode(tokens, positions, max_len)
+        chunk = self._mix_chunk()
+        if chunk is None:
+            logits = rn.decode(tokens, positions, max_len)
+        else:  # mixed: the refill's next prompt chunk is in this forward too (logits row n: its last token)
+            cr, seq, start, t = chunk
+            logits = rn.decode_mixed(tokens, positions, max_len, rn.chunk_row, seq[start:start + t], start)
+            self.mixed_steps += 1
+        n = len(reqs)
         for r in reqs:
             r.kv_len += 1
+        next_pos = positions + 1
+        late = None   # a completed chunk that joins after this step's sampling (a retracted request, or 0 tokens)
+        if chunk is not None:
+            cr.kv_len = start + t
+            chunk_last = logits[n]
+            if cr.kv_len == len(seq):
+                if not cr.retracted and cr.spec.max_new_tokens != 0:
+                    # joins now as row n and draws its first token in this step's sampling, with the others
+                    self._join_chunked(cr, chunk_last, False)
+                    steps = torch.cat([steps, steps.new_zeros(1)])
+                    next_pos = torch.cat([next_pos, next_pos.new_full((1,), cr.kv_len)])
+                else:
+                    late = cr
+            logits = logits[: len(self.running)]
         epoch = self._epoch
         new_tokens = self._sample_and_append(reqs, logits, steps)
-        self._dev = (new_tokens.view(-1), positions + 1, steps + 1)
+        self._dev = (new_tokens.view(-1), next_pos, steps + 1)
         self._dev_epoch = epoch
         self._remove([i for i, r in enumerate(reqs) if r.finish is not None])
+        if late is not None:
+            row = len(self.running)
+            if self._join_chunked(late, chunk_last, False):
+                self._first_token(late, chunk_last)
+                if late.finish is not None:
+                    self._remove([row])
         self.steps += 1
         self.last_step_time = time.time()
 
@@ -731,4 +798,5 @@ class Scheduler:
         return {"num_running_reqs": len(self.running), "num_waiting_reqs": self.num_waiting, "paused": self.paused,
                 "pause_mode": self.pause_mode, "steps": self.steps, "generated_tokens": self.generated_tokens,
                 "retractions": self.retractions, "shared_prompts": self.shared_prompts,
-                "chunked_prefills": self.chunked_prefills, **self.runner.kv_stats()}
+                "chunked_prefills": self.chunked_prefills, "mixed_prefills": self.mixed_prefills,
+                "mixed_steps": self.mixed_steps, **self.runner.kv_stats()}

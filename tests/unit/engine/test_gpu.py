@@ -215,3 +215,48 @@ def test_head_dim_not_a_power_of_two_takes_the_torch_path_on_gpu(tmp_path):
         for i, s in enumerate(seqs):
             ref = runner.model(torch.tensor([s + [int(toks[i])]], device="cuda")).logits[0, -1].float()
             assert torch.nn.functional.cosine_similarity(out[i].float(), ref, dim=0) > 0.999
+
+
+def test_mixed_steps_graph_replay_matches_eager_and_the_slot_cache(gpu_model):
+    """Mixed prefill + decode steps on GPU: the captured mixed graph equals the eager mixed step (bf16), the chunk's
+    last logits track HF, and the engine's refills ridden in decode steps (fp32, graphs on) give the slot cache's
+    greedy and seeded tokens and log-probs, with one chunk per prompt and with chunks of 8 over several steps."""
+    from test_mixed_steps import _bodies
+    from test_paged_cache import _engine, _run, _same, _stats
+
+    runner = ModelRunner(gpu_model, RunnerOptions(device="cuda", dtype="bfloat16", max_running_requests=8, max_context_len=300,
+                                                  kv_cache="paged", page_size=16))
+    assert runner.mix_tokens > 0 and runner.impl.kernel and runner.impl.use_graphs
+    seqs = [[5 + i for i in range(40)], [7, 8, 9], [11] * 17]
+    runner.prefill(0, seqs, [False] * 3)
+    runner.grow_pages([i for i, s in enumerate(seqs) if len(s) % 16 == 0])
+    toks, pos = torch.tensor([3, 4, 5], device="cuda"), torch.tensor([len(s) for s in seqs], device="cuda")
+    chunk = [20 + i for i in range(45)]
+    runner.impl.use_graphs = False
+    eager = runner.decode_mixed(toks, pos, int(pos.max()) + 1, runner.chunk_row, chunk, 0).clone()
+    runner.impl.use_graphs = True
+    graphed = runner.decode_mixed(toks, pos, int(pos.max()) + 1, runner.chunk_row, chunk, 0)
+    assert len(runner.impl.mix_graphs) == 1 and graphed.shape == eager.shape == (4, runner.vocab_size)
+    torch.testing.assert_close(graphed, eager, atol=2e-2, rtol=0)
+    with torch.no_grad():
+        ref = runner.model(torch.tensor([chunk], device="cuda")).logits[0, -1].float()
+        assert torch.nn.functional.cosine_similarity(graphed[3], ref, dim=0) > 0.999
+        for i, s in enumerate(seqs):
+            ref = runner.model(torch.tensor([s + [int(toks[i])]], device="cuda")).logits[0, -1].float()
+            assert torch.nn.functional.cosine_similarity(graphed[i], ref, dim=0) > 0.999
+    del runner
+    outs = {}
+    for name, kw in {"slots": dict(kv_cache="slots"), "mixed": dict(kv_cache="paged", page_size=16),
+                     "mixed8": dict(kv_cache="paged", page_size=4, max_prefill_tokens=8)}.items():
+        eng = _engine(gpu_model, device="cuda", dtype="float32", **kw)
+        try:
+            outs[name] = _run(eng, _bodies())
+            stats = _stats(eng)
+            if name != "slots":
+                assert eng.runner.impl.mix_graphs, "mixed graphs are captured at start"
+        finally:
+            eng.stop()
+        if name != "slots":
+            assert stats["mixed_prefills"] > 0 and stats["kv_pages_in_use"] == 0, stats
+    _same(outs["mixed"], outs["slots"])
+    _same(outs["mixed8"], outs["slots"])
