@@ -10,18 +10,16 @@ _LORA = ("this LoRA feature is not supported (miles trains one LoRA adapter, --l
          "--target-modules/--exclude-modules, and syncs merged weights to the engines): drop the flag.")
 _REPLAY = ("routing replay is not supported (the engines do not return MoE routing decisions): drop it; "
            "--use-tis corrects the rollout/training mismatch instead.")
-_DASHBOARD = ("the Miles dashboard (its telemetry collector under DUMP_DETAILS/dashboard/ and the `python -m "
-              "miles.dashboard.serve` viewer) is not part of miles: drop the dashboard flags; each rollout's metrics, "
-              "per-phase step times (perf/*_time) included, go to OUTPUT_DIR/metrics.jsonl and metrics.png (and to "
-              "TensorBoard / W&B with --use-tensorboard / --use-wandb), and --dump-details still writes the rollout "
-              "dumps.")
+_FORWARD_PROMETHEUS = ("it pushes the dashboard's gauges to Miles's --use-prometheus collector, which miles does not "
+                       "have: drop it; the telemetry of --use-miles-dashboard is under DUMP_DETAILS/dashboard/ "
+                       "(`python -m miles.dashboard.serve --dump-details DUMP_DETAILS`).")
 _EVAL_FLEET = ("Miles's dedicated eval engine fleet (--eval-num-gpus > 0: its own engines and router, fed HF snapshots) "
                "is not part of miles: drop it; evaluation runs on the rollout engines every --eval-interval rollouts, "
                "with the --eval-* sampling flags and the engines' --sglang-* settings.")
 EVAL_SGLANG_PREFIX = "--eval-sglang-"
 
 # Miles v0.1.0 miles/utils/arguments.py add_lora_arguments, the replay flags of add_algo_arguments, the eval
-# fleet flags of its eval arguments, and miles/dashboard/args.py add_dashboard_arguments.
+# fleet flags of its eval arguments, and miles/dashboard/args.py's --dashboard-forward-prometheus.
 UNSUPPORTED: dict[str, str] = {
     **{f: _LORA for f in (
         "--lora-adapter-path", "--lora-sync-from-tensor", "--lora-base-cpu-backup", "--lora-train-only",
@@ -31,10 +29,7 @@ UNSUPPORTED: dict[str, str] = {
         "--multi-lora-max-coalesce-wait-s", "--multi-lora-max-empty-wait-s")},
     **{f: _REPLAY for f in (
         "--use-routing-replay", "--use-rollout-routing-replay", "--use-indexer-replay", "--use-rollout-indexer-replay")},
-    **{f: _DASHBOARD for f in (
-        "--use-miles-dashboard", "--dashboard-flush-interval", "--dashboard-gpu-sample-interval",
-        "--dashboard-sglang-scrape-interval", "--dashboard-sglang-scrape-mode", "--dashboard-sglang-metrics",
-        "--dashboard-forward-prometheus")},
+    "--dashboard-forward-prometheus": _FORWARD_PROMETHEUS,
     **{f: _EVAL_FLEET for f in (
         "--eval-num-gpus", "--eval-num-gpus-per-engine", "--eval-hf-dir", "--eval-max-in-flight",
         "--eval-overflow-policy", "--eval-keep-snapshots")},

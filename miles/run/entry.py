@@ -29,14 +29,21 @@ def apply_train_env_vars(env: dict[str, str]) -> None:
 
 
 async def run_job(cfg: MilesConfig, loop_cls: Any) -> None:
+    from miles.dashboard import hooks as dashboard
     from miles.run.build import build_run
     from miles.run.liveness import Liveness, name_silent_ranks
     from miles.spmd import bootstrap
 
     apply_train_env_vars(cfg.train.train_env_vars)  # before torch.distributed and the first CUDA allocation
     ctx = bootstrap(cfg)
+    dashboard.start(cfg, ctx)  # --use-miles-dashboard: this rank's telemetry collector (a no-op without it)
     beat = Liveness.start(ctx.world.rank, ctx.world.world_size)  # after a timeout: which rank went silent
-    job = await build_run(cfg, ctx)
+    try:
+        job = await build_run(cfg, ctx)
+    except BaseException:
+        dashboard.close()  # its last flush: what it has recorded of the start-up
+        raise
+    dashboard.attach(job)
     try:
         if ctx.is_driver:
             await loop_cls(job).run()
@@ -65,6 +72,7 @@ async def run_job(cfg: MilesConfig, loop_cls: Any) -> None:
     finally:
         if beat is not None:
             beat.close()
+        dashboard.close()
         await job.close()
     ctx.close()
     logger.info("done")

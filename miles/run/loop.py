@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from miles.dashboard import hooks as dashboard
 from miles.run.metrics import add_residuals
 from miles.spmd.errors import MilesError
 from miles.types import Sample, SampleStatus
@@ -39,7 +40,8 @@ class PhaseTimer:
     def __call__(self, phase: str) -> Iterator[None]:
         t0 = time.monotonic()
         try:
-            yield
+            with dashboard.phase(phase):  # --use-miles-dashboard: the rollout / eval phase events
+                yield
         finally:
             self.times[f"perf/{phase}_time"] = self.times.get(f"perf/{phase}_time", 0.0) + time.monotonic() - t0
 

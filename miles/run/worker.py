@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from miles.dashboard import hooks as dashboard
 from miles.run.control import CommandChannel
 from miles.spmd.errors import MilesError
 from miles.types import Sample
@@ -70,6 +71,10 @@ class Worker:
     def handle(self, cmd: dict[str, Any]) -> bool:
         """Run one command; False when the run is over."""
         self.beat()
+        with dashboard.command(cmd.get("cmd")):  # --use-miles-dashboard: this rank's phase event
+            return self._dispatch(cmd)
+
+    def _dispatch(self, cmd: dict[str, Any]) -> bool:
         name = cmd.get("cmd")
         if name == "train":
             self.train(int(cmd["rollout_id"]), None)
@@ -163,7 +168,8 @@ class Ranks:
         self.channel.busy = True
         self.worker.beat()
         self.channel.send(cmd)
-        out = local(*args)
+        with dashboard.command(cmd["cmd"]):  # --use-miles-dashboard: the driver's phase event
+            out = local(*args)
         self.channel.busy = False
         return out
 
