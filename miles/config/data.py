@@ -18,6 +18,30 @@ def json_object(value: str) -> dict:
     return parsed
 
 
+MULTIMODAL_SFT_PATH = "miles.rollout.sft_rollout.generate_rollout"  # the one rollout that takes --multimodal-keys
+MULTIMODAL_TYPES = ("image", "video", "audio")                     # Miles's media types
+MULTIMODAL_SUPPORTED = ("image",)
+
+
+def check_multimodal_keys(keys: object) -> None:
+    """``--multimodal-keys`` is a JSON object of supported media type -> column name (ConfigError otherwise)."""
+    from miles.config.base import ConfigError
+
+    if not isinstance(keys, dict) or not keys:
+        raise ConfigError(f"--multimodal-keys {json.dumps(keys)}: expected a JSON object of media type to data "
+                          "column, e.g. '{\"image\": \"images\"}'.")
+    for kind, column in keys.items():
+        if kind not in MULTIMODAL_TYPES:
+            raise ConfigError(f"--multimodal-keys {json.dumps(keys)}: unknown media type {kind!r}; Miles's types are "
+                              f"{', '.join(MULTIMODAL_TYPES)}.")
+        if kind not in MULTIMODAL_SUPPORTED:
+            raise ConfigError(f"--multimodal-keys {json.dumps(keys)}: {kind} inputs are not supported (images only): "
+                              f"drop the {kind!r} entry.")
+        if not isinstance(column, str) or not column:
+            raise ConfigError(f"--multimodal-keys {json.dumps(keys)}: the column for {kind!r} must be a non-empty "
+                              f"string, got {column!r}.")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = parser.add_argument_group("data")
     d.add_argument("--prompt-data", type=str, default=None, help="Prompt file: JSONL or Parquet.")
@@ -26,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--metadata-key", type=str, default="metadata", help="Field holding per-sample metadata.")
     d.add_argument("--tool-key", type=str, default="tools", help="Field holding tool specs.")
     d.add_argument("--multimodal-keys", type=json_object, default=None,
-                   help='JSON map of media type to field, e.g. \'{"image": "images"}\' (not supported: text prompts only).')
+                   help='JSON map of media type to field, e.g. \'{"image": "images"}\' (images, for SFT with '
+                        'miles.rollout.sft_rollout.generate_rollout on the FSDP backend).')
     d.add_argument("--apply-chat-template", action="store_true", help="Apply the tokenizer's chat template (never implied).")
     d.add_argument("--apply-chat-template-kwargs", type=json_object, default={},
                    help='JSON object of extra chat-template arguments, e.g. \'{"enable_thinking": false}\'.')

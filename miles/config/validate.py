@@ -160,9 +160,27 @@ def _validate_miles_flags(cfg: MilesConfig) -> None:
     if a.custom_tis_function_path and not a.use_tis:
         raise ConfigError(f"--custom-tis-function-path {a.custom_tis_function_path} is called only with --use-tis (as in "
                           "Miles): add --use-tis (or use_tis: true in --custom-config-path), or drop it.")
-    if d.multimodal_keys:
-        raise ConfigError(f"--multimodal-keys {d.multimodal_keys}: multimodal prompts are not supported (the engines "
-                          "and the trainer take text tokens only): drop it and use text prompts.")
+    if d.multimodal_keys is not None:  # image SFT (miles.rollout.multimodal); the engines take text tokens only
+        import json
+
+        from miles.config.data import MULTIMODAL_SFT_PATH as SFT_PATH
+        from miles.config.data import check_multimodal_keys
+
+        check_multimodal_keys(d.multimodal_keys)
+        keys = json.dumps(d.multimodal_keys)
+        if cfg.train.train_backend == "megatron":
+            raise ConfigError(f"--multimodal-keys {keys} with --train-backend megatron: the Megatron backend has no "
+                              "vision tower (Qwen3-VL's ViT in front of the language model, M-RoPE 3-D positions and "
+                              "deepstack merges are not built): use --train-backend fsdp.")
+        if d.rollout_function_path != SFT_PATH or a.loss_type != "sft_loss":
+            raise ConfigError(f"--multimodal-keys {keys}: images are supported for SFT only (--rollout-function-path "
+                              f"{SFT_PATH} --loss-type sft_loss); the engines take text tokens only.")
+        if cfg.eval.eval_prompt_data:
+            raise ConfigError(f"--multimodal-keys {keys} with --eval-prompt-data: evaluation generates on the "
+                              "engines, which take text tokens only: drop --eval-prompt-data.")
+        if not d.apply_chat_template:  # the raw-row reader of custom rollouts does not read the images yet
+            raise ConfigError(f"--multimodal-keys {keys} needs --apply-chat-template (the image rows are read and "
+                              "checked by the chat-template data path): add --apply-chat-template.")
     if not a.compute_advantages_and_returns and a.loss_type == "policy_loss":
         raise ConfigError("--disable-compute-advantages-and-returns leaves the policy loss without advantages: use it "
                           "with --loss-type sft_loss or custom_loss, or drop it.")

@@ -171,6 +171,10 @@ class PromptDataset:
         max_bytes = data.rollout_max_prompt_bytes
         if max_bytes is not None and max_bytes <= 0:
             raise ConfigError(f"--rollout-max-prompt-bytes must be a positive number of bytes, got {max_bytes}.")
+        if data.multimodal_keys and Path(str(getattr(tokenizer, "name_or_path", ""))).is_dir():
+            from miles.rollout.multimodal import image_inputs
+
+            image_inputs(str(tokenizer.name_or_path))  # --hf-checkpoint is a VLM with an image processor
         too_big: list[tuple[str, int]] = []
         rows = read_rows(path, max_bytes, too_big)
         for where, size in too_big:
@@ -192,6 +196,14 @@ class PromptDataset:
             if not isinstance(metadata, dict):
                 raise DataError(f"{where}: '{data.metadata_key}' (--metadata-key) must be an object, got "
                                 f"{type(metadata).__name__}.")
+            if data.multimodal_keys:  # --multimodal-keys: the row's images, checked now (miles.rollout.multimodal)
+                from miles.rollout.multimodal import MEDIA_KEY, content_messages, row_media
+
+                media = row_media(row, data.multimodal_keys, where, Path(path).parent)
+                if isinstance(prompt, list | str):  # as many <image> placeholders as images
+                    content_messages(prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}],
+                                     media, where)
+                metadata = {**metadata, MEDIA_KEY: media}
             tools = row.get(data.tool_key) if data.tool_key else None
             if isinstance(tools, str):
                 try:

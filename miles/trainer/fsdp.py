@@ -33,7 +33,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from miles.trainer import modeling
+from miles.trainer import modeling, vlm
 from miles.trainer.accumulation import Accumulation, fits, unsharded_forward
 from miles.trainer.advantages import AdvantageInputs, compute_advantages_and_returns
 from miles.trainer.batching import (
@@ -126,8 +126,11 @@ class FSDPTrainer:
         if train.attn_implementation not in ("flash_attention_2", "flash_attention_3", config._attn_implementation):
             warn_once(logger, f"--attn-implementation {train.attn_implementation} is ignored: the FSDP trainer runs "
                               f"{config._attn_implementation} attention on {self.device.type} (packed varlen rows)")
-        self.vocab_size = int(config.vocab_size)
+        self.vocab_size = int(vlm.text_config(config).vocab_size)
         self.pad_id = int(config.pad_token_id if config.pad_token_id is not None else 0)
+        # a vision-language --hf-checkpoint (Qwen3-VL): image inputs per micro-batch (miles.trainer.vlm)
+        self._images = vlm.ImageProcessor(train.hf_checkpoint, config.image_token_id) if vlm.is_vlm(config) else None
+        self._mm: list | None = None
         self.num_params = modeling.count_params(self.model)
         experts = sum(p.numel() for n, p in self.model.named_parameters() if ".mlp.experts." in n)
         self.num_active_params = active_params(self.num_params, experts, moe_routing(config))  # MFU's N
@@ -284,9 +287,13 @@ class FSDPTrainer:
 
     def _policy_forward(self, model, mb: MicroBatch, *, with_entropy: bool = False, entropy_grad: bool = False):
         ids, pos, index = mb.input_ids, mb.position_ids, mb.logit_index
-        if self._as_rows(model, mb):
+        mm = None
+        if self._images is not None:  # a VLM: always rows, its own 3-D positions, the micro-batch's images
             ids, pos, index = padded_rows(mb, self.pad_id)
-        return model(ids, pos, index, mb.targets, mb.cu_seqlens, mb.max_seqlen,
+            mm = vlm.batch_inputs(self._mm or [], mb.sample_ids, ids, self._images.image_token_id, ids.device)
+        elif self._as_rows(model, mb):
+            ids, pos, index = padded_rows(mb, self.pad_id)
+        return model(ids, pos, index, mb.targets, mb.cu_seqlens, mb.max_seqlen, mm=mm,
                      temperature=self.temperature, chunk_size=self.cfg.log_probs_chunk_size,
                      with_entropy=with_entropy, entropy_grad=entropy_grad)
 
@@ -329,6 +336,8 @@ class FSDPTrainer:
         policy = self.algo.loss_type != "sft_loss"
         with clock("data"):
             data = [self._sample_data(s, i) for i, s in enumerate(samples)]
+            if getattr(self, "_images", None) is not None:
+                self._mm = [self._images.sample_inputs(s, f"sample {i} (index {s.index})") for i, s in enumerate(samples)]
         with clock("logprobs"):
             per_sample, n_fwd_passes = self._prepare(samples, data, policy)
         advantages, extras = None, {}
@@ -360,6 +369,7 @@ class FSDPTrainer:
         metrics.update(self._perf_metrics(rollout_id, data, local_tokens, n_fwd_passes,
                                           t_end - t_train, t_end - t_start, clock.times))
         self.last_rollout_id = rollout_id
+        self._mm = None                            # this rollout's pixel values (a VLM) are not kept
         return metrics
 
     def _advantages(self, samples: list[Sample], data: list[SampleData], per_sample: dict) -> None:

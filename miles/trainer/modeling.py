@@ -100,16 +100,18 @@ def load_hf_model(path: str | Path, device: torch.device, *, causal_lm: bool = T
     The directory is checked first (``miles.utils.model_dir``): a missing path, a directory that is not a
     model or a truncated safetensors file raises ``ModelDirError``, one line naming ``flag`` (the flag the
     path came from, e.g. ``--ref-load``; "model directory" when not given), the path and the file."""
-    from transformers import AutoModel, AutoModelForCausalLM
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.utils import logging as hf_logging
 
+    from miles.trainer import vlm
     from miles.utils.model_dir import load_config
 
     path = Path(path)
     config = load_config(path, flag)
     hf_logging.disable_progress_bar()
-    attn = choose_attention(device, config)
-    cls = AutoModelForCausalLM if causal_lm else AutoModel
+    # a VLM runs right-padded rows (its 3-D positions are per row: miles.trainer.vlm), so never varlen
+    attn = "sdpa" if vlm.is_vlm(config) else choose_attention(device, config)
+    cls = (AutoModelForImageTextToText if vlm.is_vlm(config) else AutoModelForCausalLM) if causal_lm else AutoModel
     model = cls.from_pretrained(str(path), dtype=torch.float32, attn_implementation=attn)
     model.config.use_cache = False
     return model
@@ -117,8 +119,11 @@ def load_hf_model(path: str | Path, device: torch.device, *, causal_lm: bool = T
 
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks: modules whose class is in the HF model's ``_no_split_modules``."""
+    from miles.trainer.vlm import is_vision_block
+
     names = set(getattr(model, "_no_split_modules", None) or [])
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    # a VLM's vision blocks stay in the root unit: every rank gathers them, with or without images (vlm.py)
+    blocks = [m for m in model.modules() if type(m).__name__ in names and not is_vision_block(m)]
     if not blocks:
         raise ValueError(f"cannot find the transformer blocks of {type(model).__name__} (its _no_split_modules is "
                          f"{sorted(names)}); the FSDP backend supports HF decoder-only models.")
@@ -147,15 +152,24 @@ class PolicyModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logit_index: torch.Tensor,
                 targets: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, *, temperature: float = 1.0,
                 chunk_size: int = 1024, with_entropy: bool = False, entropy_grad: bool = False,
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                mm: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids/position_ids [1, T] (a packed row) or [B, L] (right-padded rows, no mask needed: causal
         attention never reaches the padding); logit_index [N] into the flattened [B*T] positions, targets [N]
-        -> (log-probs [N], entropy [N] | None)."""
+        -> (log-probs [N], entropy [N] | None). ``mm``: a VLM's image inputs (``miles.trainer.vlm``; {} for
+        a micro-batch without images); the model then computes its own (3-D) positions."""
+        extra = {}
+        if mm is not None:
+            extra, position_ids = mm, None
         out = base_model(self.lm)(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                                  **attn_kwargs(self.lm, cu_seqlens, max_seqlen))
+                                  **attn_kwargs(self.lm, cu_seqlens, max_seqlen), **extra)
         hidden = out.last_hidden_state.flatten(0, 1).index_select(0, logit_index)   # [B*T, H] -> [N, H]
-        return logprobs_and_entropy(hidden, self.lm.get_output_embeddings(), targets, temperature=temperature,
-                                    chunk_size=chunk_size, with_entropy=with_entropy, entropy_grad=entropy_grad)
+        lp, ent = logprobs_and_entropy(hidden, self.lm.get_output_embeddings(), targets, temperature=temperature,
+                                       chunk_size=chunk_size, with_entropy=with_entropy, entropy_grad=entropy_grad)
+        if mm is not None and "pixel_values" not in mm:  # same gradients on every rank (miles.trainer.vlm)
+            from miles.trainer.vlm import vision_anchor
+
+            lp = lp + vision_anchor(self.lm).to(lp.dtype)
+        return lp, ent
 
 
 def hf_name(name: str) -> str:

@@ -1,0 +1,205 @@
+"""Multimodal (image) prompts: Miles's ``--multimodal-keys`` for SFT of vision-language models.
+
+``--multimodal-keys '{"image": "images"}'`` (Miles's meaning) maps a media type to the data column that holds
+that row's media, in order. Each ``<image>`` placeholder in a message's string content takes the next item
+of the column; the message becomes a content list ``[{"type": "text", ...}, {"type": "image"}, ...]`` that the
+model's chat template renders (Qwen3-VL: ``<|vision_start|><|image_pad|><|vision_end|>``). Only images are
+supported (Miles also names ``video`` and ``audio``).
+
+An image item is a local path (absolute, ``file://``, or relative to the data file's folder, then to the
+working directory), a ``data:image/...;base64,`` URI, or a Parquet image struct ``{"bytes": ..., "path": ...}``
+(as Hugging Face datasets write them). Every image is opened when the data is loaded (so ``--dry-run`` names
+a bad one: ``file:line``, the column, the item, the fix); remote URLs are refused (download them first).
+Rows carry their images as JSON-able references in ``metadata["multimodal_inputs"] = {"images": [...]}``
+(absolute paths or data URIs) from the data source to the trainer.
+
+:class:`ImageInputs` is the model side, loaded from ``--hf-checkpoint``: its image processor
+(``preprocessor_config.json``) turns a sample's images into ``pixel_values`` / ``image_grid_thw``, and the
+placeholder token (``image_token_id`` of ``config.json``) is expanded to one token per merged patch, as
+the model's processor does. The SFT rollout expands the tokens; the trainer recomputes the pixels from the
+same references (the same processor, so the counts agree; checked).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+import re
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from miles.config.base import ConfigError
+from miles.rollout.data import DataError
+
+__all__ = ["MEDIA_KEY", "PLACEHOLDERS", "ImageInputs", "content_messages", "image_inputs",
+           "load_image", "row_media"]
+
+PLACEHOLDERS = {"image": "<image>"}     # Miles's MultimodalTypes placeholders this project supports
+MEDIA_KEY = "multimodal_inputs"          # the Sample.metadata entry holding {"images": [refs]}
+
+
+class MediaError(DataError):
+    """A row's media cannot be used; the message names the row, the column, the item and the fix."""
+
+
+def _decode_data_uri(ref: str) -> bytes:
+    head, _, payload = ref.partition(",")
+    if not head.startswith("data:image/") or not head.endswith(";base64"):
+        raise ValueError("not a data:image/<type>;base64, URI")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ValueError(f"bad base64 payload ({e})") from None
+
+
+def load_image(ref: str):
+    """A PIL RGB image from a reference made by :func:`row_media` (an absolute path or a data URI)."""
+    from PIL import Image
+
+    if ref.startswith("data:"):
+        img = Image.open(io.BytesIO(_decode_data_uri(ref)))
+    else:
+        img = Image.open(ref)
+    img.load()
+    return img.convert("RGB")
+
+
+def _normalize(item: Any, base_dir: Path) -> str:
+    """One image item -> a checked reference (absolute path or data URI); ValueError says why not."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(item, dict) and (item.get("bytes") is not None or item.get("path")):
+        if item.get("bytes") is not None:
+            raw = item["bytes"]
+            data = raw if isinstance(raw, bytes | bytearray) else base64.b64decode(str(raw))
+            item = "data:image/png;base64," + base64.b64encode(bytes(data)).decode("ascii")
+        else:
+            item = item["path"]
+    if not isinstance(item, str) or not item:
+        raise ValueError(f"expected a path, a data:image URI or an image struct, got {type(item).__name__} "
+                         f"{str(item)[:60]!r}")
+    if re.match(r"^(https?|s3|gs)://", item):
+        raise ValueError("remote images are not fetched: download them and give local paths")
+    if item.startswith("data:"):
+        ref = item
+        try:
+            Image.open(io.BytesIO(_decode_data_uri(item))).verify()
+        except (UnidentifiedImageError, OSError) as e:
+            raise ValueError(f"the data URI is not a readable image ({e})") from None
+        return ref
+    path = Path(item.removeprefix("file://"))
+    if not path.is_absolute():
+        tried = [base_dir / path, Path.cwd() / path]
+        path = next((p for p in tried if p.is_file()), tried[0])
+        if not path.is_file():
+            raise ValueError(f"image file {item!r} does not exist (looked in the data file's folder {str(base_dir)!r} "
+                             f"and the working directory {str(Path.cwd())!r})")
+    if not path.is_file():
+        raise ValueError(f"image file {str(path)!r} does not exist")
+    try:
+        with Image.open(path) as img:
+            img.verify()
+    except (UnidentifiedImageError, OSError) as e:
+        raise ValueError(f"{str(path)!r} is not a readable image ({type(e).__name__}: {e})") from None
+    return str(path.resolve())
+
+
+def row_media(row: dict[str, Any], keys: dict[str, str], where: str, base_dir: Path) -> dict[str, list[str]]:
+    """``{"images": [refs]}`` of one data row (checked: every image opens), for ``metadata[MEDIA_KEY]``."""
+    out: dict[str, list[str]] = {}
+    for kind, column in keys.items():
+        value = row.get(column)
+        if value is None:
+            raise MediaError(f"{where}: missing column '{column}' (set by --multimodal-keys for {kind}); keys present: "
+                             f"{sorted(row)}. Fix the data or --multimodal-keys.")
+        items = list(value) if isinstance(value, list | tuple) else [value]
+        refs = []
+        for i, item in enumerate(items):
+            try:
+                refs.append(_normalize(item, base_dir))
+            except ValueError as e:
+                raise MediaError(f"{where}: --multimodal-keys {kind} column '{column}' item {i}: {e}.") from None
+        out[f"{kind}s"] = refs
+    return out
+
+
+def content_messages(messages: list[dict[str, Any]], media: dict[str, list[str]], where: str) -> list[dict[str, Any]]:
+    """Miles's placeholder split: each ``<image>`` in a string content becomes ``{"type": "image"}`` (the images
+    stay in ``media``); the count of placeholders must match the row's images."""
+    n_images = len(media.get("images", []))
+    pattern = "(" + "|".join(re.escape(p) for p in PLACEHOLDERS.values()) + ")"
+    out, used = [], 0
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str) and PLACEHOLDERS["image"] in content:
+            parts = []
+            for seg in re.split(pattern, content):
+                if seg == PLACEHOLDERS["image"]:
+                    parts.append({"type": "image"})
+                    used += 1
+                elif seg:
+                    parts.append({"type": "text", "text": seg})
+            m = {**m, "content": parts}
+        elif isinstance(content, list):
+            used += sum(1 for c in content if isinstance(c, dict) and c.get("type") == "image")
+        out.append(m)
+    if used != n_images:
+        raise MediaError(f"{where}: the conversation has {used} image placeholder(s) ('<image>' in a message) but the "
+                         f"row has {n_images} image(s) under --multimodal-keys: make them match.")
+    return out
+
+
+class ImageInputs:
+    """A VLM checkpoint's image side: its image processor and the placeholder token to expand."""
+
+    def __init__(self, hf_checkpoint: str) -> None:
+        from transformers import AutoImageProcessor
+
+        cfg_path = Path(hf_checkpoint) / "config.json"
+        config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.image_token_id = config.get("image_token_id")
+        if self.image_token_id is None or "vision_config" not in config:
+            raise ConfigError(f"--multimodal-keys needs a vision-language --hf-checkpoint (config.json with "
+                              f"vision_config and image_token_id); {hf_checkpoint} has "
+                              f"model_type {config.get('model_type')!r}.")
+        if not (Path(hf_checkpoint) / "preprocessor_config.json").is_file():
+            raise ConfigError(f"--multimodal-keys: --hf-checkpoint {hf_checkpoint} has no preprocessor_config.json "
+                              "(the image processor); copy it from the model's release.")
+        try:
+            self.processor = AutoImageProcessor.from_pretrained(hf_checkpoint)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--multimodal-keys: the image processor of --hf-checkpoint {hf_checkpoint} does not "
+                              f"load ({type(e).__name__}: {str(e).splitlines()[0][:200]}).") from None
+        self.merge = int(getattr(self.processor, "merge_size", 1) or 1)
+
+    def pixels(self, refs: list[str]) -> dict[str, Any]:
+        """``{"pixel_values": [P, D], "image_grid_thw": [n, 3]}`` (CPU tensors) of the images, in order."""
+        out = self.processor(images=[load_image(r) for r in refs], return_tensors="pt")
+        return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+
+    def tokens_per_image(self, grid) -> list[int]:
+        return [int(t * h * w) // (self.merge ** 2) for t, h, w in grid.tolist()]
+
+    def expand(self, ids: list[int], mask: list[int], counts: list[int], where: str) -> tuple[list[int], list[int]]:
+        """Each placeholder token (one per image, in order) repeated to its image's token count."""
+        slots = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        if len(slots) != len(counts):
+            raise MediaError(f"{where}: the rendered conversation has {len(slots)} image token(s) but {len(counts)} "
+                             "image(s); the chat template must render each image item once.")
+        out_ids: list[int] = []
+        out_mask: list[int] = []
+        prev = 0
+        for slot, n in zip(slots, counts):
+            out_ids += ids[prev:slot] + [self.image_token_id] * n
+            out_mask += mask[prev:slot] + [0] * n
+            prev = slot + 1
+        return out_ids + ids[prev:], out_mask + mask[prev:]
+
+
+@lru_cache(maxsize=4)
+def image_inputs(hf_checkpoint: str) -> ImageInputs:
+    """The (cached) :class:`ImageInputs` of a checkpoint."""
+    return ImageInputs(hf_checkpoint)
