@@ -97,6 +97,28 @@ def plan_micro_batches(
     return [sorted(b) for b in bins]
 
 
+def coalesce_micro_batches(plan: list[list[int]], lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Merge consecutive planned micro-batches into one forward while it holds at most ``max_tokens`` tokens
+    as right-padded rows (samples x longest sample); a planned micro-batch over the budget stays as it is.
+
+    The loss of a step is a sum over its samples with the step's totals as denominators (``losses.Reducer``),
+    so running two planned micro-batches as one forward changes only the float summation order, not the
+    math; what it saves is a forward and a backward's fixed costs (on a small model, all of their cost)."""
+    if max_tokens <= 0:
+        raise ValueError(f"max_tokens must be positive, got {max_tokens}.")
+    out: list[list[int]] = []
+    longest = 0
+    for group in plan:
+        g_longest = max((lengths[i] for i in group), default=0)
+        if out and (len(out[-1]) + len(group)) * max(longest, g_longest) <= max_tokens:
+            out[-1] = out[-1] + group
+            longest = max(longest, g_longest)
+        else:
+            out.append(list(group))
+            longest = g_longest
+    return out
+
+
 def pack(samples: Sequence[SampleData], sample_ids: Sequence[int]) -> MicroBatch:
     """Concatenate the given samples into one packed row (CPU tensors), with a fixed number of tensor ops
     whatever the sample count (a step of many short samples is otherwise dominated by per-sample ops)."""

@@ -53,7 +53,10 @@ def _worker(model_dir: str, out: str, tp: int, yaml: str) -> None:
     rank = dist.get_rank()
     base = ["--hf-checkpoint", model_dir, "--num-rollout", "1", "--rollout-batch-size", "2", "--n-samples-per-prompt",
             "2", "--lr", "1e-2", "--num-steps-per-rollout", "1", "--train-backend", "megatron", "--use-tis",
-            "--tis-clip", "1.2", "--tis-clip-low", "0.9", "--tensor-model-parallel-size", str(tp)]
+            "--tis-clip", "1.2", "--tis-clip-low", "0.9", "--tensor-model-parallel-size", str(tp),
+            # the same packed micro-batches for every run (the built-in TIS run would otherwise coalesce its
+            # micro-batches and a custom function's would not: a float summation order apart)
+            "--use-dynamic-batch-size", "--max-tokens-per-gpu", "64"]
     res = {}
     for name, extra in (("builtin", []), ("clamp", ["--custom-config-path", yaml, "--custom-tis-function-path",
                                                    "test_megatron_custom_tis.clamp_tis"]),

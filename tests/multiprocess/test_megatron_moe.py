@@ -198,7 +198,7 @@ def _parity_worker(model_dir: str, out: str, ep: int, dispatcher: str, kind: str
         meg.train(mine, 2)                              # move away, then load the checkpoint back
         res["resumed_extra"] = meg.resume()
         reloaded = meg.state_dict_for_check()
-    res["num_params"] = meg.num_params
+    res["num_params"], res["num_active_params"] = meg.num_params, meg.num_active_params
     if rank == 0:
         from transformers import AutoModelForCausalLM
 
@@ -208,6 +208,9 @@ def _parity_worker(model_dir: str, out: str, ep: int, dispatcher: str, kind: str
         saved = split_fused_experts({n: p.detach().cpu() for n, p in hf_model.named_parameters()})
         res["save_hf_equal"] = sorted(saved) == sorted(meg_sd) and all(torch.equal(saved[k], meg_sd[k]) for k in meg_sd)
         res["hf_num_params"] = sum(p.numel() for p in hf_model.parameters())
+        hf_experts = sum(p.numel() for n, p in hf_model.named_parameters() if ".mlp.experts." in n)
+        cfg = hf_model.config  # MFU's N: the top-k share of the routed experts
+        res["hf_active_params"] = res["hf_num_params"] - hf_experts * (cfg.num_experts - cfg.num_experts_per_tok) // cfg.num_experts
         hf = load_file(str(Path(model_dir) / "model.safetensors"))
         res["export_keys_equal"] = sorted(init) == sorted(hf) == sorted(meg_sd) == sorted(fsdp_sd)
         res["export_order"] = init_order
@@ -261,6 +264,7 @@ def test_moe_trainer_parity_with_fsdp(tiny_moe_dir: Path, tmp_path: Path, free_p
     if kind == "cpu_ckpt":
         assert res["resumed_extra"]["rollout_id"] == 1, res
     assert res["num_params"] == res["hf_num_params"], res
+    assert res["num_active_params"] == res["hf_active_params"] < res["num_params"], {k: res[k] for k in ("num_active_params", "hf_active_params", "num_params")}
     assert res["lp_max_abs_diff"] < 1e-5, res
     for f, m in zip(res["fsdp_metrics"], res["meg_metrics"]):
         for key in ("loss", "pg_loss", "entropy", "ppo_kl", "tis", "grad_norm", "num_samples", "num_tokens",
