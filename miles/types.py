@@ -35,6 +35,10 @@ class Sample:
     label: Any = None
     reward: float | None = None
     rollout_log_probs: list[float] | None = None
+    # R3 (--use-rollout-routing-replay): the engine's meta_info["routed_experts"] as SGLang sends it, base64 of int32
+    # [len(tokens) - 1, num_hidden_layers, top-k] (the experts every token but the last was routed to); Miles's field
+    # name. Kept encoded (JSON-safe, compact) until the trainer reads it (miles.trainer.routing_replay).
+    rollout_routed_experts: str | None = None
     weight_version: int | None = None
     status: SampleStatus = SampleStatus.PENDING
     metadata: dict[str, Any] = field(default_factory=dict)

@@ -40,6 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--tis-clip-low", type=float, default=0.0, help="TIS lower clip.")
     a.add_argument("--custom-tis-function-path", type=str, default=None,
                    help="module.function computing the TIS/RS weights (not supported: the built-in --use-tis weights only).")
+    a.add_argument("--use-routing-replay", action="store_true",
+                   help="MoE routing replay (R2, arxiv 2507.18071): the training forwards route each token to the "
+                        "experts the old log-prob forward chose (set by --use-rollout-routing-replay too, as Miles).")
+    a.add_argument("--use-rollout-routing-replay", action="store_true",
+                   help="Rollout routing replay (R3, arxiv 2510.11370): the engines return each token's routed "
+                        "experts and every policy forward of the trainer routes to them. MoE models only.")
     a.add_argument("--use-opd", action="store_true", help="On-policy distillation from a teacher.")
     a.add_argument("--opd-type", choices=["model", "megatron", "sglang"], default=None,
                    help="Teacher: in the trainer (megatron: Miles's name; model: this project's older name), or engines (sglang).")
@@ -85,6 +91,8 @@ class AlgoConfig:
     tis_clip: float
     tis_clip_low: float
     custom_tis_function_path: str | None
+    use_routing_replay: bool
+    use_rollout_routing_replay: bool
     use_opd: bool
     opd_type: str | None
     opd_kl_coef: float

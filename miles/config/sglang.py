@@ -49,7 +49,7 @@ SET_BY_MILES: dict[str, str] = {
     "nnodes": _PLACED, "node_rank": _PLACED, "dist_init_addr": _PLACED, "gpu_id_step": _PLACED,
     "base_gpu_id": _PLACED, "nccl_port": _PLACED,
     "skip_server_warmup": "miles always passes --skip-server-warmup",
-    "enable_return_routed_experts": "Miles sets it with --use-rollout-routing-replay, which miles does not support",
+    "enable_return_routed_experts": "miles sets it with --use-rollout-routing-replay",
     "enable_return_indexer_topk": "Miles sets it with --use-rollout-indexer-replay, which miles does not support",
 }
 # ServerArgs fields whose --sglang-* flag the rollout section defines (miles/config/rollout.py).

@@ -17,6 +17,7 @@ import torch
 
 from miles.engine import protocol as P
 from miles.engine.model_runner import ModelRunner, RunnerOptions
+from miles.engine.routed_experts import encode as encode_routed_experts
 from miles.engine.scheduler import Req, Scheduler
 from miles.engine.weights import (
     WeightGroups,
@@ -192,6 +193,9 @@ class Engine:
                                                      for row in r.output_token_ids_lp[:n]]
                 meta["input_token_ids_logprobs"] = [[[v, i, None] for v, i in zip(row, s.token_ids_logprob)]
                                                     for row in (r.input_token_ids_lp or [])]
+        if s.return_routed_experts and final and r.routed_experts is not None:
+            meta["routed_experts"] = encode_routed_experts(
+                r.routed_experts[s.routed_experts_start_len: len(s.input_ids) + n - 1])
         return {"text": text, "output_ids": list(ids), "meta_info": meta}
 
     # ------------------------------------------------------------------ health and info

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from miles.engine import fused_ops, paged_attention
 from miles.engine.paged_cache import PagedKV
+from miles.engine.routed_experts import RoutedExpertsRecorder
 from miles.utils.logging import get_logger
 
 logger = get_logger("miles.engine.model_runner")
@@ -565,13 +566,27 @@ class _GenericLM:
     def __init__(self, model, max_slots: int, max_ctx: int, device: torch.device):
         self.model, self.max_slots, self.max_ctx, self.device = model, max_slots, max_ctx, device
         self.caches: list = [None] * max_slots
+        # MoE routing of every token each slot's forwards ran (SGLang's return_routed_experts)
+        self.recorder = RoutedExpertsRecorder(model, getattr(model.config, "text_config", None) or model.config)
+        self.routes: list[list[torch.Tensor] | None] = [None] * max_slots
         self.use_graphs = False
         # transformers 5.x renamed ``past_key_values`` to ``cache`` (input and output)
         self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
-    def _run(self, ids: torch.Tensor, cache):
+    def _run(self, ids: torch.Tensor, cache, slot: int | None = None, append: bool = False):
+        rec = self.recorder.enabled and slot is not None
+        if rec:
+            self.recorder.begin()
         out = self.model(input_ids=ids, use_cache=True, **{self.cache_kw: cache})
+        if rec:
+            rows = self.recorder.end(ids.shape[-1])
+            self.routes[slot] = (self.routes[slot] or []) + [rows] if append else [rows]
         return out.logits, out[self.cache_kw] if self.cache_kw in out else out.past_key_values
+
+    def routed_experts(self, slot: int) -> torch.Tensor | None:
+        """``[tokens run, layers, top-k]`` int32 of the request in ``slot`` (None for a dense model)."""
+        parts = self.routes[slot]
+        return None if not parts else torch.cat(parts)
 
     def cache_bytes(self) -> int:
         return 0
@@ -587,14 +602,18 @@ class _GenericLM:
 
     def move_slot(self, src: int, dst: int, length: int) -> None:
         self.caches[dst], self.caches[src] = self.caches[src], None
+        self.routes[dst], self.routes[src] = self.routes[src], None
 
     def share_prefix(self, src: int, dst: int, length: int) -> None:
         import copy
 
         self.caches[dst] = copy.deepcopy(self.caches[src])
+        parts = self.routes[src]
+        self.routes[dst] = [torch.cat(parts)[:length]] if parts else None
 
     def release_slot(self, slot: int) -> None:
         self.caches[slot] = None
+        self.routes[slot] = None
 
     @torch.no_grad()
     def prefill(self, slot_start: int, seqs: list[list[int]], full_for: list[bool]):
@@ -603,7 +622,7 @@ class _GenericLM:
         last, full = [], []
         for i, s in enumerate(seqs):
             ids = torch.tensor([s], dtype=torch.long, device=self.device)
-            logits, self.caches[slot_start + i] = self._run(ids, DynamicCache())
+            logits, self.caches[slot_start + i] = self._run(ids, DynamicCache(), slot_start + i)
             last.append(logits[0, -1].float())
             full.append(logits[0].float() if full_for[i] else None)
         return torch.stack(last), full
@@ -612,7 +631,7 @@ class _GenericLM:
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, max_len: int) -> torch.Tensor:
         rows = []
         for i in range(tokens.shape[0]):
-            logits, self.caches[i] = self._run(tokens[i: i + 1][None], self.caches[i])
+            logits, self.caches[i] = self._run(tokens[i: i + 1][None], self.caches[i], i, append=True)
             rows.append(logits[0, -1].float())
         return torch.stack(rows)
 
@@ -838,6 +857,15 @@ class ModelRunner:
 
     def move_slot(self, src: int, dst: int, length: int) -> None:
         self.impl.move_slot(src, dst, length)
+
+    @property
+    def has_routed_experts(self) -> bool:
+        """MoE routing is recorded (a MoE model, which runs on the generic HF path)."""
+        rec = getattr(self.impl, "recorder", None)
+        return rec is not None and rec.enabled
+
+    def routed_experts(self, slot: int) -> torch.Tensor | None:
+        return self.impl.routed_experts(slot) if self.has_routed_experts else None
 
     def warm_up(self) -> None:
         """Capture the decode CUDA graphs ahead of the first requests (a no-op where there are none to capture)."""

@@ -147,11 +147,11 @@ class GenerateReqInput(_Req):
 _UNSUPPORTED_GENERATE = {
     "input_embeds": None, "image_data": None, "video_data": None, "audio_data": None, "modalities": None,
     "session_params": None, "lora_path": None, "lora_id": None, "custom_logit_processor": None,
-    "return_hidden_states": False, "return_routed_experts": False, "return_entropy": False,
+    "return_hidden_states": False, "return_entropy": False,
     "bootstrap_host": None, "bootstrap_port": None, "bootstrap_room": None, "bootstrap_pair_key": None,
     "decode_tp_size": None, "mm_hashes": None, "mm_content_hashes": None, "use_audio_in_video": False,
     "video_config": None, "return_sampling_mask": False, "return_flat_raw_top_logprobs": False,
-    "return_flat_raw_top_logprobs_b64": False, "routed_experts_start_len": 0, "return_indexer_topk": False,
+    "return_flat_raw_top_logprobs_b64": False, "return_indexer_topk": False,
     "positional_embed_overrides": None, "require_reasoning": False, "max_thinking_tokens": None,
     "return_prompt_token_ids": False, "need_wait_for_mm_inputs": False, "num_items_assigned": None,
     "encoder_urls": None, "max_dynamic_patch": None, "min_dynamic_patch": None, "image_max_dynamic_patch": None,
@@ -185,6 +185,10 @@ class GenSpec(msgspec.Struct, kw_only=True):
     token_ids_logprob: list[int] | None
     return_text_in_logprobs: bool
     index: int                   # position in the response list
+    # SGLang's routed-experts return (R3): meta_info["routed_experts"] = base64 of int32 [tokens - 1 - start, layers,
+    # top-k], the experts each token that ran through the model was routed to, rows from routed_experts_start_len
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
 
 
 # ----------------------------------------------------------------------------- control / weights
@@ -431,6 +435,10 @@ def normalize_generate(req: GenerateReqInput, tokenize, vocab_size: int, new_rid
     else:
         til_list = [til] * n_items
     rids = req.rid
+    rre = bool(req.return_routed_experts)
+    re_start = int(req.routed_experts_start_len or 0)
+    if re_start < 0:
+        raise BadRequest(f"GenerateReqInput.routed_experts_start_len={re_start} must be >= 0")
     specs: list[GenSpec] = []
     norm = [_verify_sampling(parse_sampling_params(sp, f"sampling_params[{i}]" if is_batch else "sampling_params"),
                              f"sampling_params[{i}]" if is_batch else "sampling_params", vocab_size)
@@ -473,6 +481,7 @@ def normalize_generate(req: GenerateReqInput, tokenize, vocab_size: int, new_rid
                 d["sampling_seed"] = norm[i]["sampling_seed"] + j  # distinct, reproducible samples
             specs.append(GenSpec(rid=rid, input_ids=prompt, return_logprob=bool(rlp[i]), logprob_start_len=start,
                                  top_logprobs_num=int(tl), token_ids_logprob=tids,
-                                 return_text_in_logprobs=req.return_text_in_logprobs, index=index, **d))
+                                 return_text_in_logprobs=req.return_text_in_logprobs, index=index,
+                                 return_routed_experts=rre, routed_experts_start_len=re_start, **d))
             index += 1
     return specs, is_batch or n_samples > 1

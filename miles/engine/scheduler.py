@@ -81,6 +81,7 @@ class Req:
         self.chunk_lp: list[float] = []                    # input log-probs gathered chunk by chunk
         self.chunk_top: list[list[tuple[float, int]]] = []
         self.chunk_ids_lp: list[list[float]] = []
+        self.routed_experts: torch.Tensor | None = None   # [tokens run, layers, top-k], set when it leaves its slot
 
     def keys(self) -> list[str]:
         """The rid and each of its ``_``-prefixes: the abort keys that reach this request."""
@@ -233,6 +234,10 @@ class Scheduler:
                              f"engine's context of {mx} tokens (--max-context-len); lower max_new_tokens or raise --max-context-len")
         if spec.stop_strs and self.tokenizer is None:
             raise BadRequest("sampling_params.stop needs a tokenizer, and this model directory has none; use stop_token_ids")
+        if spec.return_routed_experts and not self.runner.has_routed_experts:
+            raise BadRequest(f"GenerateReqInput.return_routed_experts: the embedded engine records routed experts for "
+                             f"Qwen3-MoE models, not this {self.runner.config.model_type!r} model; drop it (and "
+                             f"--use-rollout-routing-replay), or serve the model with --rollout-engine sglang")
 
     def submit(self, specs: list[GenSpec], loop: asyncio.AbstractEventLoop, stream: bool, *,
                health: bool = False) -> list[Req]:
@@ -390,6 +395,8 @@ class Scheduler:
             gone = self.running[i]
             self._drop_holder(gone)
             gone.state, gone.slot = "done", -1
+            if gone.spec.return_routed_experts:
+                gone.routed_experts = self.runner.routed_experts(i)
             self.runner.release_slot(i)
             if i != last:
                 mover = self.running[last]

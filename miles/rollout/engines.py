@@ -321,6 +321,15 @@ def _sglang_argv(*, hf_checkpoint, host, port, api_key, num_gpus, base_gpu_id, d
     return argv + server_args_cli(server_args) + list(extra)
 
 
+def replay_server_flags(kind: str, algo: Any) -> list[str]:
+    """Server flags routing replay needs: SGLang returns routed experts only when started with
+    ``--enable-return-routed-experts`` (Miles sets it with --use-rollout-routing-replay); the embedded engine
+    records them for every MoE model and needs none."""
+    if kind == "sglang" and getattr(algo, "use_rollout_routing_replay", False):
+        return ["--enable-return-routed-experts"]
+    return []
+
+
 def engine_argv_from_config(
     kind: str,
     rollout: RolloutConfig,

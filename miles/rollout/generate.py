@@ -94,6 +94,9 @@ def append_output(sample: Sample, out: dict[str, Any], decode: Any = None) -> tu
         sample.metadata.setdefault("opd_student_top_logprobs", []).extend(top[:len(ids)])
     sample.tokens = list(sample.tokens) + ids
     sample.response_length += len(ids)
+    routed = (out.get("meta_info") or {}).get("routed_experts")
+    if isinstance(routed, str):  # R3: each answer covers the whole stream so far, prompt included (SGLang)
+        sample.rollout_routed_experts = routed
     sample.loss_mask = (sample.loss_mask or []) + [1] * len(ids)
     sample.rollout_log_probs = (sample.rollout_log_probs or []) + logprobs
     sample.response += decode(ids) if decode is not None else (out.get("text") or "")
@@ -103,11 +106,23 @@ def append_output(sample: Sample, out: dict[str, Any], decode: Any = None) -> tu
     return ids, status
 
 
+def request_extra(top_logprobs_num: int = 0, routed_experts: bool = False) -> dict[str, Any] | None:
+    """The /generate fields beyond ids, sampling and log-probs: top-k log-probs (top-k OPD) and, for R3
+    (``--use-rollout-routing-replay``), SGLang's ``return_routed_experts``."""
+    extra: dict[str, Any] = {}
+    if top_logprobs_num:
+        extra["top_logprobs_num"] = int(top_logprobs_num)
+    if routed_experts:
+        extra["return_routed_experts"] = True
+    return extra or None
+
+
 async def generate(client: Any, sample: Sample, sampling_params: dict[str, Any], *,
-                   top_logprobs_num: int = 0) -> Sample:
+                   top_logprobs_num: int = 0, routed_experts: bool = False) -> Sample:
     """The default: one /generate call on ``sample.tokens`` (the prompt ids). ``top_logprobs_num``: also keep
-    the engine's top-k log-probs of every generated position (``metadata["opd_student_top_logprobs"]``)."""
-    extra = {"top_logprobs_num": int(top_logprobs_num)} if top_logprobs_num else None
+    the engine's top-k log-probs of every generated position (``metadata["opd_student_top_logprobs"]``);
+    ``routed_experts``: ask for the MoE routing (R3), kept in ``sample.rollout_routed_experts``."""
+    extra = request_extra(top_logprobs_num, routed_experts)
     out = await client.generate(list(sample.tokens), sampling_params, return_logprob=True, extra=extra)
     append_output(sample, out)
     return sample
@@ -120,8 +135,10 @@ class MultiTurn:
     sampling params (None: no limit but the engine's context length); when it runs out the sample is TRUNCATED.
     """
 
-    def __init__(self, sample: Sample, tokenizer: Any, sampling_params: dict[str, Any]) -> None:
+    def __init__(self, sample: Sample, tokenizer: Any, sampling_params: dict[str, Any], *,
+                 routed_experts: bool = False) -> None:
         self.sample, self.tokenizer = sample, tokenizer
+        self.extra = request_extra(0, routed_experts)
         self.sampling_params = dict(sampling_params)
         budget = self.sampling_params.get("max_new_tokens")
         self.budget = int(budget) if budget is not None else None
@@ -141,7 +158,7 @@ class MultiTurn:
         asked = overrides.get("max_new_tokens", remaining)
         limits = [n for n in (remaining, asked) if n is not None]
         params = {**self.sampling_params, **overrides, "max_new_tokens": min(limits) if limits else None}
-        out = await client.generate(list(self.sample.tokens), params, return_logprob=True)
+        out = await client.generate(list(self.sample.tokens), params, return_logprob=True, extra=self.extra)
         return append_output(self.sample, out, decode=self.decode)
 
     def decode(self, ids: list[int]) -> str:
@@ -212,7 +229,8 @@ async def generate_with_calculator(args: Any, sample: Sample, sampling_params: d
     The model may end a turn with ``<calc>EXPR</calc>``; the tool's ``<result>VALUE</result>`` is
     appended (loss mask 0) and generation continues, for up to ``metadata["max_turns"]`` turns (4).
     """
-    turn = MultiTurn(sample, args.tokenizer, sampling_params)
+    turn = MultiTurn(sample, args.tokenizer, sampling_params,
+                     routed_experts=bool(getattr(args, "use_rollout_routing_replay", False)))
     stops = list(sampling_params.get("stop") or []) + ["</calc>"]
     for _ in range(int(sample.metadata.get("max_turns", 4))):
         ids, status = await turn.generate_turn(args.client, stop=stops)

@@ -185,6 +185,7 @@ class RolloutManager:
                                extra=custom_config)
         self.rewarder = Rewarder(reward, self.args, rewards_from_generate=bool(data.custom_generate_function_path))
         self.student_top_k = student_top_k(self.args)  # top-k OPD: the engines' top-k log-probs of each token
+        self.routed_experts = bool(getattr(self.args, "use_rollout_routing_replay", False))  # R3: the MoE routing
         self.post_process = (RewardPostProcess(reward.custom_reward_post_process_path, self.args, reward.rm_timeout)
                              if reward.custom_reward_post_process_path else None)
         self.custom_generate = None
@@ -248,7 +249,8 @@ class RolloutManager:
                 out.group_index, out.index, out.rollout_id = sample.group_index, sample.index, sample.rollout_id
                 g.samples[slot] = sample = out
             else:
-                await gen.generate(self.client, sample, params, top_logprobs_num=self.student_top_k)
+                await gen.generate(self.client, sample, params, top_logprobs_num=self.student_top_k,
+                                   routed_experts=self.routed_experts)
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -265,7 +267,7 @@ class RolloutManager:
     async def _generate_group(self, g: _Group, params: dict[str, Any], counts: _Counts) -> None:
         """Every sample of ``g`` from one n-sample request; a failed request marks them all FAILED (counted)."""
         n, first = len(g.samples), g.samples[0]
-        extra = {"top_logprobs_num": int(self.student_top_k)} if self.student_top_k else None
+        extra = gen.request_extra(self.student_top_k, self.routed_experts)
         try:
             outs = await self.client.generate_group(g, first.rollout_id, list(first.tokens), params, n,
                                                     return_logprob=True, extra=extra)

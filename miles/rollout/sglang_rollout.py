@@ -26,7 +26,8 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
     """One ``/generate`` on the sample's prompt ids through ``args.client`` (token in, token out)."""
     from miles.rollout.opd_topk import student_top_k
 
-    return await gen.generate(args.client, sample, dict(sampling_params), top_logprobs_num=student_top_k(args))
+    return await gen.generate(args.client, sample, dict(sampling_params), top_logprobs_num=student_top_k(args),
+                              routed_experts=bool(getattr(args, "use_rollout_routing_replay", False)))
 
 
 def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> Any:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from miles.rollout.engines import engine_argv_from_config, engine_host, engine_url
+from miles.rollout.engines import engine_argv_from_config, engine_host, engine_url, replay_server_flags
 from miles.run.control import all_gather_json
 from miles.utils.logging import get_logger
 from miles.utils.net import find_free_port
@@ -173,7 +173,7 @@ def place_engines(cfg: MilesConfig, ctx: SPMDContext, *, kind: str, api_key: str
         argv = engine_argv_from_config(
             kind, cfg.rollout, hf_checkpoint=cfg.train.hf_checkpoint, host=host, port=node0["port"], api_key=api_key, num_gpus=spec.num_gpus, base_gpu_id=_visible_base_gpu(spec, world),
             device=world.device.type, colocate=plan.colocate, nnodes=spec.nnodes, node_rank=node_rank,
-            dist_init_addr=dist_init, sglang=cfg.sglang)
+            dist_init_addr=dist_init, sglang=cfg.sglang, extra=replay_server_flags(kind, cfg.algo))
         name = f"engine{spec.engine_id}" + (f"-node{node_rank}" if node_rank else "")
         placement.supervisor = start_engine(argv, cfg, name=name, log_path=out_dir / f"{name}.log")
     return placement
@@ -248,7 +248,10 @@ async def connect_fleet(cfg: MilesConfig, placement: Placement, *, api_key: str 
         raise
     finally:
         await rc.close()
-    client = EngineClient(router_url, api_key=api_key, timeout=r.rollout_request_timeout,
+    # R3: sglang-router drops return_routed_experts from /generate bodies (docs/rollout.md), so with
+    # --use-rollout-routing-replay the rollout sends its requests to the engines directly (round robin)
+    gen_urls = list(placement.urls) if cfg.algo.use_rollout_routing_replay else router_url
+    client = EngineClient(gen_urls, api_key=api_key, timeout=r.rollout_request_timeout,
                           max_retries=r.rollout_request_retries,
                           concurrency=max(1, r.sglang_server_concurrency * len(placement.urls)), engine_urls=placement.urls)
     targets = [EngineTarget(url=u, num_workers=n, engine_id=i, api_key=api_key)

@@ -22,7 +22,7 @@ def _refusal(argv: list[str]) -> str:
 @pytest.mark.parametrize("argv, first", [
     (["--lora-rank", "64", "--lora-alpha", "32"], "--lora-rank > 0 needs --target-modules"),
     (["--lora-adapter-path", "a"], "--lora-adapter-path:"),
-    (["--use-rollout-routing-replay"], "--use-rollout-routing-replay:"),
+    (["--use-rollout-indexer-replay"], "--use-rollout-indexer-replay:"),
     (["--use-miles-dashboard"], "--use-miles-dashboard:"),
     (["--optimizer", "sgd"], "--optimizer"),
     (["--train-backend", "megatron", "--fsdp-cpu-offload"], "--fsdp-cpu-offload"),

@@ -1,0 +1,308 @@
+"""MoE routing replay on both trainer backends (tiny Qwen3-MoE, CPU gloo, torchrun).
+
+R3 (``--use-rollout-routing-replay``): the samples carry the routing of the *original* model (what the engine
+returns: ``tests/unit/engine/test_routed_experts.py`` checks that it equals HF's router). A trainer built from a
+checkpoint whose routers are perturbed routes differently by itself; with replay every MoE layer's experts are
+exactly the replayed ones (a spy on the experts each token reaches), the gate weights still come from the
+current router (the router gets a gradient), and both backends give the same log-probs. Replaying the
+unperturbed model's own routing changes no log-prob (the token layouts are right).
+
+R2 (``--use-routing-replay``): the old log-prob pass records the routing; the routers are then perturbed in
+place before the training forwards, which still use the recorded experts (without R2 they do not).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.multiprocess
+
+HERE = Path(__file__).resolve()
+LAYERS, TOPK, EXPERTS = 3, 2, 8
+
+
+def _torchrun(nproc: int, port: int, *args: str, timeout: int = 500) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr", "127.0.0.1",
+           "--master-port", str(port), str(HERE), *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory) -> tuple[Path, Path]:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from miles.utils.tiny_model import build_tiny_moe_model
+
+    base = build_tiny_moe_model(tmp_path_factory.mktemp("moe"), num_layers=LAYERS, num_experts=EXPERTS,
+                                num_experts_per_tok=TOPK, mlp_only_layers=(1,))
+    pert = tmp_path_factory.mktemp("moe_pert")
+    for f in base.iterdir():
+        (pert / f.name).write_bytes(f.read_bytes())
+    sd = load_file(str(base / "model.safetensors"))
+    gen = torch.Generator().manual_seed(5)
+    for k in sd:
+        if k.endswith("mlp.gate.weight"):
+            sd[k] = sd[k] + torch.randn(sd[k].shape, generator=gen) * 0.6
+    save_file(sd, str(pert / "model.safetensors"), metadata={"format": "pt"})
+    return base, pert
+
+
+# ------------------------------------------------------------------------------------------- worker
+def _hf_routing(model_dir: str, tokens: list[int]):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from miles.engine.routed_experts import RoutedExpertsRecorder
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rec = RoutedExpertsRecorder(model, model.config)
+    rec.begin()
+    with torch.no_grad():
+        model(input_ids=torch.tensor([tokens]))
+    return rec.end(len(tokens))
+
+
+def _trainer(backend: str, model_dir: str, *flags: str, steps: int = 1, one_per_forward: bool = True):
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+
+    from miles.config import parse_args
+
+    cfg = parse_args(["--hf-checkpoint", model_dir, "--num-rollout", "1", "--rollout-batch-size", "3",
+                      "--n-samples-per-prompt", "2", "--num-steps-per-rollout", str(steps), "--train-backend", backend,
+                      "--micro-batch-size", "1", "--lr", "1e-2", "--use-tis",
+                      *(["--moe-router-dtype", "fp32", "--moe-aux-loss-coeff", "0"] if backend == "megatron" else []),
+                      *flags])
+    cfg.train = dataclasses.replace(cfg.train, bf16=False)
+    common = dict(group=dist.group.WORLD, device=torch.device("cpu"), rollout_temperature=1.0, num_rollout=1,
+                  global_batch_size=None, num_steps_per_rollout=steps, timeout=120)
+    if backend == "fsdp":
+        from torch.distributed.device_mesh import DeviceMesh
+
+        from miles.trainer.fsdp import FSDPTrainer
+
+        return FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"),
+                           **common)
+    from miles.trainer.megatron.trainer import MegatronTrainer
+
+    tr = MegatronTrainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, **common)
+    if one_per_forward:
+        tr.coalesce_tokens = lambda: 0  # one sample per forward: the spy below reads tokens in sample order
+    return tr
+
+
+def _spy(tr, backend: str) -> list:
+    """Per policy forward, per MoE layer: the expert set of every token (a list per forward of {layer: [[...]]})."""
+    import re
+
+    seen: list = []
+    pat = re.compile(r"layers\.(\d+)\.mlp\.(experts|router)$")
+    for name, mod in tr.model.named_modules():
+        m = pat.search(name)
+        if m is None or (backend == "fsdp") != (m.group(2) == "experts"):
+            continue
+        layer = int(m.group(1))
+
+        def hook(_mod, args, out, layer=layer):
+            if backend == "fsdp":
+                sets = [sorted(r) for r in args[1].tolist()]                   # top_k_index [T, k]
+            else:
+                sets = [sorted(r.nonzero().flatten().tolist()) for r in out[1]]  # routing_map [T, E]
+            seen[-1][layer] = sets
+        mod.register_forward_hook(hook)
+    inner = tr._policy_forward
+
+    def policy_forward(model, mb, **kw):
+        if model is tr.model:
+            seen.append({"sid": list(mb.sample_ids)})
+        return inner(model, mb, **kw)
+    tr._policy_forward = policy_forward
+    return seen
+
+
+def _mismatch(seen: list, expect: dict[int, list], rows: str = "all but last") -> float:
+    """Fraction of (token, MoE layer) whose experts differ from ``expect[sample]`` [tokens, layers, k]."""
+    bad = total = 0
+    for fwd in seen:
+        if not fwd["sid"]:
+            continue
+        (sid,) = fwd["sid"]
+        ref = expect[sid]
+        for layer, sets in fwd.items():
+            if layer == "sid":
+                continue
+            n = len(sets) - 1 if rows == "all but last" else len(sets)
+            for t in range(n):
+                total += 1
+                bad += sets[t] != sorted(ref[t][layer])
+    return bad / max(total, 1)
+
+
+def _logprobs(tr, samples) -> list:
+    data = [tr._sample_data(s, i) for i, s in enumerate(samples)]
+    if tr.routing_replay is not None:
+        tr.routing_replay.begin(samples)
+    tr.model.eval()
+    out = tr._forward_pass(tr.model, lambda mb: tr._policy_forward(tr.model, mb)[0], data)
+    return [x.tolist() for x in out]
+
+
+def _worker(base: str, pert: str, out: str, backend: str, parallel: str = "none") -> None:
+    import torch
+    import torch.distributed as dist
+    from test_fsdp import make_samples
+
+    from miles.engine.routed_experts import encode
+
+    dist.init_process_group("gloo")
+    samples = make_samples(3, 2, seed=3, vocab=90)
+    own = {s.index: _hf_routing(base, s.tokens[:-1]).tolist() for s in samples}
+    for s in samples:
+        s.rollout_routed_experts = encode(torch.tensor(own[s.index], dtype=torch.int32))
+    res: dict = {}
+    r3 = "--use-rollout-routing-replay"
+    # several samples per forward (FSDP: right-padded [k, L] rows; Megatron: coalesced [s, b] rows, and with
+    # parallel flags their TP / CP / EP layouts): the same log-probs as one sample per forward below
+    par = [] if parallel == "none" else {"tp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                                 "--expert-tensor-parallel-size", "1"],
+                                          "cp2": ["--context-parallel-size", "2"],
+                                          "ep2": ["--expert-model-parallel-size", "2"]}[parallel]
+    res["lp_pert_replayed_mb3"] = _logprobs(_trainer(backend, pert, r3, "--micro-batch-size", "3", *par,
+                                                     one_per_forward=False), samples)
+    res["lp_own_replayed_mb3"] = _logprobs(_trainer(backend, base, r3, "--micro-batch-size", "3", *par,
+                                                    one_per_forward=False), samples)
+    if parallel != "none":
+        if dist.get_rank() == 0:
+            Path(out).write_text(json.dumps(res))
+        dist.destroy_process_group()
+        return
+    res["lp_plain"] = _logprobs(_trainer(backend, base), samples)
+    res["lp_own_replayed"] = _logprobs(_trainer(backend, base, r3), samples)
+    tr = _trainer(backend, pert)
+    seen = _spy(tr, backend)
+    res["lp_pert"] = _logprobs(tr, samples)
+    res["pert_mismatch"] = _mismatch(seen, own)
+    tr = _trainer(backend, pert, r3)
+    seen = _spy(tr, backend)
+    res["lp_pert_replayed"] = _logprobs(tr, samples)
+    res["pert_replayed_mismatch"] = _mismatch(seen, own)
+    # a training step under R3: the old pass and the training forward replay, the router still learns
+    seen.clear()
+    gate = [p.detach().clone() for n, p in tr.model.named_parameters() if n.endswith(("mlp.gate.weight",
+                                                                                     "mlp.router.weight"))]
+    metrics = tr.train(samples, 0)
+    after = [p.detach() for n, p in tr.model.named_parameters() if n.endswith(("mlp.gate.weight", "mlp.router.weight"))]
+    res["train_mismatch"] = _mismatch(seen, own)
+    res["train_forwards"] = len(seen)
+    res["router_moved"] = min(float((a - b).abs().max()) for a, b in zip(after, gate))
+    res["loss_finite"] = bool(torch.isfinite(torch.tensor(metrics["loss"])))
+
+    # R2: the old pass records, the routers are perturbed before the training forwards, which replay the record
+    for flag in ("--use-routing-replay", None):
+        tr = _trainer(backend, base, *([flag] if flag else []), "--use-kl-loss", "--kl-loss-coef", "0.01", steps=2)
+        seen = _spy(tr, backend)
+        prepare = tr._prepare
+
+        def perturbed_after_old_pass(smp, data, policy, prepare=prepare, tr=tr):
+            got = prepare(smp, data, policy)
+            with torch.no_grad():
+                for n, p in tr.model.named_parameters():
+                    if n.endswith(("mlp.gate.weight", "mlp.router.weight")):
+                        p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(9)) * 0.6)
+            return got
+        tr._prepare = perturbed_after_old_pass
+        tr.train(samples, 0)
+        n = len(samples)
+        old = {f["sid"][0]: f for f in seen[:n]}                        # the old log-prob pass, one sample each
+        bad = total = 0
+        for f in seen[n:]:                                                # the training forwards (2 steps)
+            for layer in (0, 2):
+                total += len(f[layer])
+                bad += sum(a != b for a, b in zip(f[layer], old[f["sid"][0]][layer]))
+        key = "r2" if flag else "no_r2"
+        res[f"{key}_train_forwards"] = len(seen) - n
+        res[f"{key}_train_mismatch"] = bad / max(total, 1)
+        if flag:
+            res["r2_recorded_equals_hf"] = all(
+                [sorted(r) for r in tr.routing_replay.routes[i][:-1, layer].tolist()]
+                == [sorted(r) for r in torch.tensor(own[s.index])[:, layer].tolist()]
+                for i, s in enumerate(samples) for layer in (0, 2))
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(res))
+    dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------- tests
+@pytest.fixture(scope="module")
+def results(dirs, tmp_path_factory) -> dict:
+    from miles.utils.net import find_free_port
+
+    base, pert = dirs
+    res = {}
+    for backend in ("fsdp", "megatron"):
+        out = tmp_path_factory.mktemp(backend) / "res.json"
+        proc = _torchrun(1, find_free_port(), "worker", str(base), str(pert), str(out), backend)
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        res[backend] = json.loads(out.read_text())
+    return res
+
+
+@pytest.mark.parametrize("parallel", ["tp2", "cp2", "ep2"])
+def test_r3_megatron_parallel_layouts(results, dirs, tmp_path, free_port, parallel):
+    """2 ranks: each TP rank routes its part of the sequence (--sequence-parallel), each CP rank its chunks, each
+    EP rank its tokens before the all-to-all: replayed log-probs equal the FSDP backend's one-sample forwards."""
+    base, pert = dirs
+    out = tmp_path / "res.json"
+    proc = _torchrun(2, free_port, "worker", str(base), str(pert), str(out), "megatron", parallel)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    r = json.loads(out.read_text())
+    assert _max_diff(r["lp_pert_replayed_mb3"], results["fsdp"]["lp_pert_replayed"]) < 1e-4
+    assert _max_diff(r["lp_own_replayed_mb3"], results["fsdp"]["lp_plain"]) < 1e-4
+
+
+def _max_diff(a: list, b: list) -> float:
+    return max(abs(x - y) for u, v in zip(a, b) for x, y in zip(u, v))
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_r3_replays_exactly_the_rollout_experts(results, backend):
+    r = results[backend]
+    assert _max_diff(r["lp_plain"], r["lp_own_replayed"]) < 1e-5    # replaying the model's own routing: no change
+    assert r["pert_mismatch"] > 0.2                                   # the perturbed routers route differently ...
+    assert r["pert_replayed_mismatch"] == 0.0                         # ... and with replay exactly as the rollout
+    assert _max_diff(r["lp_pert"], r["lp_pert_replayed"]) > 1e-3
+    assert r["train_forwards"] >= 3 and r["train_mismatch"] == 0.0    # every policy forward replays
+    assert r["router_moved"] > 0 and r["loss_finite"]                 # gate weights from the current router
+
+
+def test_r3_log_probs_agree_between_backends_and_micro_batchings(results):
+    ref = results["fsdp"]["lp_pert_replayed"]
+    for backend in ("fsdp", "megatron"):
+        assert _max_diff(results[backend]["lp_pert_replayed"], ref) < 1e-4
+        assert _max_diff(results[backend]["lp_pert_replayed_mb3"], ref) < 1e-4   # other token layouts
+        assert _max_diff(results[backend]["lp_own_replayed_mb3"], results["fsdp"]["lp_plain"]) < 1e-4
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_r2_training_forwards_replay_the_old_pass(results, backend):
+    r = results[backend]
+    assert r["r2_recorded_equals_hf"]
+    assert r["r2_train_forwards"] == 6 and r["r2_train_mismatch"] == 0.0
+    assert r["no_r2_train_mismatch"] > 0.2
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "worker":
+        _worker(*sys.argv[2:7])

@@ -1,0 +1,88 @@
+"""SGLang's ``return_routed_experts`` on the embedded engine (R3): every token that ran through the model
+reports the top-k experts of each MoE layer, equal to HF's own router on the same tokens."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from miles.engine.engine import Engine, EngineArgs
+from miles.engine.protocol import BadRequest, GenerateReqInput
+from miles.engine.routed_experts import RoutedExpertsRecorder, decode
+from miles.engine.testing import build_engine_model
+from miles.utils.tiny_model import build_tiny_moe_model
+
+LAYERS, TOPK = 3, 2
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory):
+    return build_tiny_moe_model(tmp_path_factory.mktemp("moe"), num_layers=LAYERS, num_experts=8,
+                                num_experts_per_tok=TOPK, mlp_only_layers=(1,))
+
+
+def _engine(model, **kw) -> Engine:
+    eng = Engine(EngineArgs(hf_checkpoint=str(model), max_context_len=96, max_running_requests=2, random_seed=0, **kw))
+    eng.start()
+    return eng
+
+
+def _run(eng: Engine, bodies: list[dict]) -> list[dict]:
+    async def one(b):
+        specs, _ = eng.prepare(GenerateReqInput(**b))
+        return await asyncio.wait_for(eng.wait_final(eng.submit(specs, stream=False)), 120)
+
+    async def go():
+        return [o for res in await asyncio.gather(*[one(b) for b in bodies]) for o in res]
+    return asyncio.run(go())
+
+
+def _hf_routing(model_dir, tokens: list[int]) -> np.ndarray:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rec = RoutedExpertsRecorder(model, model.config)
+    rec.begin()
+    with torch.no_grad():
+        model(input_ids=torch.tensor([tokens]))
+    return rec.end(len(tokens)).numpy()
+
+
+def test_engine_returns_the_routers_top_k_for_every_token(moe_model):
+    prompts = [[5, 9, 13, 2, 7, 30], [40, 41, 8], [11, 12, 13, 14, 15, 16, 17, 18]]
+    bodies = [{"input_ids": p, "return_logprob": True, "return_routed_experts": True,
+               "sampling_params": {"max_new_tokens": 6 + 3 * i, "temperature": 1.0, "sampling_seed": i, "n": 2,
+                                   "ignore_eos": True}} for i, p in enumerate(prompts)]
+    eng = _engine(moe_model)  # 2 running requests at most: slots are refilled and moved, n=2 shares the prompt
+    try:
+        outs = _run(eng, bodies)
+        start = _run(eng, [{**bodies[0], "routed_experts_start_len": 4, "sampling_params": {
+            "max_new_tokens": 5, "temperature": 0}}])[0]
+        plain = _run(eng, [{"input_ids": prompts[0], "sampling_params": {"max_new_tokens": 2}}])[0]
+    finally:
+        eng.stop()
+    assert "routed_experts" not in plain["meta_info"]
+    for i, o in enumerate(outs):
+        tokens = prompts[i // 2] + o["output_ids"]
+        got = decode(o["meta_info"]["routed_experts"], LAYERS, TOPK)
+        assert got.shape == (len(tokens) - 1, LAYERS, TOPK)
+        ref = _hf_routing(moe_model, tokens[:-1])
+        # the same experts (top-k order may differ only between exactly tied scores, absent here)
+        np.testing.assert_array_equal(got[:, [0, 2]], ref[:, [0, 2]])
+        assert (got[:, 1] == 0).all()  # a dense layer (mlp_only_layers) reports zeros, as SGLang's buffer
+        assert len(set(map(tuple, got[:, 0].tolist()))) > 1  # the routing varies over tokens
+    tokens = prompts[0] + start["output_ids"]
+    got = decode(start["meta_info"]["routed_experts"], LAYERS, TOPK)
+    np.testing.assert_array_equal(got, _hf_routing(moe_model, tokens[:-1])[4:])
+
+
+def test_a_dense_model_refuses_return_routed_experts(tmp_path):
+    eng = _engine(build_engine_model(tmp_path / "dense"))
+    try:
+        with pytest.raises(BadRequest, match="return_routed_experts: the embedded engine records routed experts for Qwen3-MoE models, not this 'qwen3'"):
+            _run(eng, [{"input_ids": [1, 2, 3], "return_routed_experts": True, "sampling_params": {"max_new_tokens": 2}}])
+    finally:
+        eng.stop()
