@@ -23,12 +23,16 @@ _INT = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "decoder_f
         "expert_tensor_parallel_size", "recompute_num_layers", "make_vocab_size_divisible_by", "num_layers",
         "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "vocab_size",
         "max_position_embeddings", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
-        "moe_shared_expert_intermediate_size")
+        "moe_shared_expert_intermediate_size", "moe_router_num_groups", "moe_router_group_topk", "q_lora_rank",
+        "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+_MLA_INT = ("moe_router_num_groups", "moe_router_group_topk", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+            "qk_pos_emb_head_dim", "v_head_dim")
 _SWITCHES = ("sequence_parallel", "use_distributed_optimizer", "accumulate_allreduce_grads_in_fp32",
              "attention_softmax_in_fp32", "group_query_attention", "swiglu", "qk_layernorm", "disable_bias_linear",
              "add_qkv_bias", "untie_embeddings_and_output_weights", "use_rotary_position_embeddings",
              "moe_grouped_gemm", "moe_permute_fusion", "moe_router_enable_expert_bias", "moe_router_pre_softmax",
-             "optimizer_cpu_offload", "overlap_cpu_optimizer_d2h_h2d", "use_precision_aware_optimizer")
+             "optimizer_cpu_offload", "overlap_cpu_optimizer_d2h_h2d", "use_precision_aware_optimizer",
+             "multi_latent_attention", "no_position_embedding", "no_rope_fusion")
 _HELP = {
     "tensor_model_parallel_size": "Tensor-parallel size (default 1); must divide the trainer ranks.",
     "sequence_parallel": "Sequence parallelism within the TP group (no effect with TP 1).",
@@ -39,10 +43,23 @@ _HELP = {
     "num_experts": "MoE: experts per layer; must match config.json's num_experts.",
     "moe_router_topk": "MoE: experts per token; must match config.json's num_experts_per_tok.",
     "moe_ffn_hidden_size": "MoE: expert FFN size; must match config.json's moe_intermediate_size.",
-    "moe_shared_expert_intermediate_size": "MoE shared expert size (Qwen3-MoE has none: refused).",
+    "moe_shared_expert_intermediate_size": "MoE shared experts' FFN size; must match config.json's "
+                                           "moe_intermediate_size x n_shared_experts (Qwen3-MoE: none).",
+    # MLA and grouped routing (trainer.md "Multi-latent attention"): each must equal its config.json key
+    "moe_router_num_groups": "MoE: config.json's n_group.",
+    "moe_router_group_topk": "MoE: config.json's topk_group.",
+    "multi_latent_attention": "MLA (GLM-4.7-Flash, DeepSeek-V3), as config.json.",
+    "no_position_embedding": "No effect (rope only).",
+    "no_rope_fusion": "No effect (unfused RoPE).",
+    "q_lora_rank": "MLA: config.json's q_lora_rank.",
+    "kv_lora_rank": "MLA: config.json's kv_lora_rank.",
+    "qk_head_dim": "MLA: config.json's qk_nope_head_dim.",
+    "qk_pos_emb_head_dim": "MLA: config.json's qk_rope_head_dim.",
+    "v_head_dim": "MLA: config.json's v_head_dim.",
     "moe_grouped_gemm": "MoE: grouped GEMM experts (transformer-engine; SequentialMLP otherwise, same math).",
     "moe_permute_fusion": "MoE: fused token permutation (transformer-engine; unfused otherwise, same result).",
-    "moe_router_enable_expert_bias": "MoE: aux-loss-free expert bias (Qwen3-MoE has none: refused).",
+    "moe_router_enable_expert_bias": "MoE: aux-loss-free expert bias (config.json's e_score_correction_bias; kept "
+                                     "fixed, --moe-router-bias-update-rate 0).",
     "moe_router_pre_softmax": "MoE: softmax before top-k (config.json's norm_topk_prob false).",
     "use_distributed_optimizer": "Shard optimizer state over data-parallel ranks (ZeRO-1; default on, as in Miles, "
                                  "except with --expert-model-parallel-size > 1 or LoRA).",
@@ -60,8 +77,9 @@ _HELP = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("megatron", "--train-backend megatron only (Megatron-LM's names and meanings).")
-    for dest in _INT:
-        g.add_argument(flag(dest), type=int, default=None, help=_HELP.get(dest, "Model shape; must match config.json."))
+    for dest in _INT:                # the MLA dims: metavar N keeps each --help entry on one line
+        g.add_argument(flag(dest), type=int, default=None, help=_HELP.get(dest, "Model shape; must match config.json."),
+                       **({"metavar": "N"} if dest in _MLA_INT else {}))
     for dest in _SWITCHES:           # --use-distributed-optimizer: None when not given (on by default, options.py)
         g.add_argument(flag(dest), action="store_true", default=None if dest == "use_distributed_optimizer" else False,
                        help=_HELP.get(dest, "Model shape; must match config.json."))
@@ -87,7 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rotary-base", type=float, default=None, help="Must match config.json's rope_theta.")
     g.add_argument("--rotary-percent", type=float, default=None, help="Only 1.0 is supported.")
     g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default=None,
-                   help="MoE router scores (Qwen3-MoE: softmax).")
+                   help="MoE router scores (Qwen3-MoE: softmax; GLM-4.7-Flash, DeepSeek-V3: sigmoid).")
     g.add_argument("--moe-router-load-balancing-type", nargs="+", default=None,
                    choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"],
                    help="MoE load balancing (Megatron-LM's default aux_loss; no effect with --moe-aux-loss-coeff 0).")
@@ -100,7 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-router-bias-update-rate", type=float, default=None,
                    help="MoE expert-bias update rate (used only with --moe-router-enable-expert-bias).")
     g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None,
-                   help="MoE routing weight scale (Qwen3-MoE: none, i.e. 1).")
+                   help="MoE routing weight scale; must match config.json's routed_scaling_factor (1 without).")
     g.add_argument("--moe-layer-freq", default=None,
                    help="MoE layer pattern: an int N or a 0/1 list per layer ('[1,1,0]', '([0]*1+[1]*46)'); "
                         "must match config.json.")
@@ -168,6 +186,16 @@ class MegatronConfig:
     moe_router_topk: int | None = None
     moe_ffn_hidden_size: int | None = None
     moe_shared_expert_intermediate_size: int | None = None
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    multi_latent_attention: bool = False
+    no_position_embedding: bool = False
+    no_rope_fusion: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_head_dim: int | None = None
+    qk_pos_emb_head_dim: int | None = None
+    v_head_dim: int | None = None
     moe_router_score_function: str | None = None
     moe_router_load_balancing_type: list[str] | None = None
     moe_aux_loss_coeff: list[float] | None = None

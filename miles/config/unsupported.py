@@ -8,14 +8,18 @@ from __future__ import annotations
 
 _LORA = ("this LoRA feature is not supported (miles trains one LoRA adapter, --lora-rank/--lora-alpha/--lora-dropout/"
          "--target-modules/--exclude-modules, and syncs merged weights to the engines): drop the flag.")
-_REPLAY = ("routing replay is not supported (the engines do not return MoE routing decisions): drop it; "
-           "--use-tis corrects the rollout/training mismatch instead.")
+_REPLAY = ("indexer replay (DeepSeek sparse attention's top-k) is not supported: drop it; MoE routing replay is "
+           "--use-rollout-routing-replay (R3) or --use-routing-replay (R2).")
 _FORWARD_PROMETHEUS = ("it pushes the dashboard's gauges to Miles's --use-prometheus collector, which miles does not "
                        "have: drop it; the telemetry of --use-miles-dashboard is under DUMP_DETAILS/dashboard/ "
                        "(`python -m miles.dashboard.serve --dump-details DUMP_DETAILS`).")
 _EVAL_FLEET = ("Miles's dedicated eval engine fleet (--eval-num-gpus > 0: its own engines and router, fed HF snapshots) "
                "is not part of miles: drop it; evaluation runs on the rollout engines every --eval-interval rollouts, "
                "with the --eval-* sampling flags and the engines' --sglang-* settings.")
+_MTP = ("Megatron's multi-token-prediction block (Miles builds it from the checkpoint's MTP layer, syncs it to the "
+        "engines' speculative draft and trains it with --enable-mtp-training) is not built by miles's Megatron "
+        "backend: drop it; the engines keep the checkpoint's MTP/draft layer (unchanged, as in Miles without "
+        "--enable-mtp-training), and --save-hf writes the main model's layers only.")
 EVAL_SGLANG_PREFIX = "--eval-sglang-"
 
 # Miles v0.1.0 miles/utils/arguments.py add_lora_arguments, the replay flags of add_algo_arguments, the eval
@@ -28,8 +32,9 @@ UNSUPPORTED: dict[str, str] = {
         "--multi-lora-disable-service-mode", "--multi-lora-max-adapter-global-batch-size",
         "--multi-lora-max-coalesce-wait-s", "--multi-lora-max-empty-wait-s")},
     **{f: _REPLAY for f in (
-        "--use-routing-replay", "--use-rollout-routing-replay", "--use-indexer-replay", "--use-rollout-indexer-replay")},
+        "--use-indexer-replay", "--use-rollout-indexer-replay")},
     "--dashboard-forward-prometheus": _FORWARD_PROMETHEUS,
+    **{f: _MTP for f in ("--mtp-num-layers", "--enable-mtp-training", "--mtp-loss-scaling-factor")},
     **{f: _EVAL_FLEET for f in (
         "--eval-num-gpus", "--eval-num-gpus-per-engine", "--eval-hf-dir", "--eval-max-in-flight",
         "--eval-overflow-policy", "--eval-keep-snapshots")},

@@ -33,7 +33,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from miles.trainer import modeling, vlm
+from miles.trainer import modeling, routing_replay, vlm
 from miles.trainer.accumulation import Accumulation, fits, unsharded_forward
 from miles.trainer.advantages import AdvantageInputs, compute_advantages_and_returns
 from miles.trainer.batching import (
@@ -164,6 +164,7 @@ class FSDPTrainer:
         self.peak = peak_tflops(self.device, getattr(train, "mfu_peak_tflops", None))
         self._keep_unsharded = self._unsharded_plan()
         self.last_rollout_id: int | None = None
+        self.routing_replay = routing_replay.install(self)   # --use-(rollout-)routing-replay (MoE)
         logger.info("FSDP trainer ready: %s params, %d rank(s)%s, device %s, attention %s, bf16 %s, ref %s, critic %s",
                     f"{self.num_params:,}", self.world, " (unwrapped: no FSDP2 on one rank)" if self.unwrapped() else "",
                     self.device, config._attn_implementation, self.mp_policy is not None, self.ref is not None,

@@ -7,7 +7,10 @@ safetensors shards named and split the way ``save_pretrained`` names and splits 
 (``model-00001-of-0000N.safetensors`` plus ``model.safetensors.index.json``). The tensor names and shapes
 come from the transformers class of ``architectures[0]`` built on the meta device and converted back to the
 on-disk layout (``revert_weight_conversion``: per-expert tensors of a MoE, as real checkpoints store them),
-so each header is the one the real checkpoint has. The data region is a sparse hole (seek and truncate):
+so each header is the one the real checkpoint has. Checkpoints with multi-token-prediction layers the
+transformers class skips (GLM-4.7-Flash's and DeepSeek-V3's ``num_nextn_predict_layers``: ``model.layers.N..``
+after the ``num_hidden_layers`` decoder layers) get them too, as the hub checkpoints store them: a decoder layer
+plus ``embed_tokens``, ``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head.{norm,head}``. The data region is a sparse hole (seek and truncate):
 the files have their full size, which ``miles.utils.model_dir`` compares with the headers, and take no
 blocks. Reading a tensor gives zeros; nothing here is meant to be loaded into a model.
 """
@@ -42,7 +45,33 @@ def checkpoint_tensors(config: dict[str, Any]) -> dict[str, list[int]]:
     skip = _non_persistent_names(model)
     state.update((n, b) for n, b in model.named_buffers() if n not in skip)
     state = revert_weight_conversion(model, state)
-    return {name: list(t.shape) for name, t in sorted(state.items())}
+    out = {name: list(t.shape) for name, t in state.items()}
+    out.update(_mtp_tensors(config))
+    return dict(sorted(out.items()))
+
+
+MTP_MODEL_TYPES = ("glm4_moe_lite", "deepseek_v3")   # transformers skips their model.layers.N.. (MTP) on load
+
+
+def _mtp_tensors(config: dict[str, Any]) -> dict[str, list[int]]:
+    """The multi-token-prediction layers' tensors of a GLM-4.7-Flash / DeepSeek-V3 checkpoint (empty otherwise)."""
+    n = int(config.get("num_nextn_predict_layers") or 0)
+    if config.get("model_type") not in MTP_MODEL_TYPES or n <= 0:
+        return {}
+    layers = int(config["num_hidden_layers"])
+    bigger = dict(config, num_hidden_layers=layers + n)
+    if bigger.get("mlp_layer_types"):
+        bigger["mlp_layer_types"] = list(bigger["mlp_layer_types"]) + ["sparse"] * n
+    full = checkpoint_tensors({k: v for k, v in bigger.items() if k != "num_nextn_predict_layers"})
+    h, v = int(config["hidden_size"]), int(config["vocab_size"])
+    out: dict[str, list[int]] = {}
+    for k in range(layers, layers + n):
+        p = f"model.layers.{k}."
+        out.update((name, shape) for name, shape in full.items() if name.startswith(p))
+        out.update({p + "embed_tokens.weight": [v, h], p + "enorm.weight": [h], p + "hnorm.weight": [h],
+                    p + "eh_proj.weight": [h, 2 * h], p + "shared_head.norm.weight": [h],
+                    p + "shared_head.head.weight": [v, h]})
+    return out
 
 
 def _non_persistent_names(model) -> set[str]:

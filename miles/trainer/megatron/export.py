@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from miles.trainer.collectives import bounded_all_gather_object
+from miles.trainer.megatron import mla
 from miles.trainer.megatron.convert import megatron_to_hf, partition_dim, unshard
 from miles.trainer.megatron.model import ModelShape
 from miles.trainer.megatron.parallel import Groups
@@ -125,7 +126,8 @@ def iter_hf_buckets(model: nn.Module, shape: ModelShape, groups: Groups, *, devi
         yield from iter_ep_buckets(model, shape, groups, device=device, bucket_bytes=bucket_bytes, dtype=dtype,
                                    timeout=timeout, prefetch=prefetch)
         return
-    buckets = plan(list(model.named_parameters()), groups.tp_size, bucket_bytes, dtype)
+    buckets = plan(list(model.named_parameters()) + mla.exported_buffers(model), groups.tp_size, bucket_bytes,
+                   dtype)
     yield from iter_prefetched(buckets, lambda b: _start(b, groups, device, dtype),
                                lambda pend: _finish(pend, groups, shape, device, dtype, timeout), prefetch)
 

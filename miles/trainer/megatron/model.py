@@ -1,4 +1,5 @@
-"""GPTModel from a HF ``config.json`` (Llama, Qwen2, Qwen3 families), and its layer spec.
+"""GPTModel from a HF ``config.json`` (Llama, Qwen2, Qwen3, Qwen3-MoE; GLM-4.7-Flash and DeepSeek-V3 with
+multi-latent attention, ``mla.py``), and its layer spec.
 
     shape = ModelShape.from_hf_config(hf_config)          # the Megatron view of the HF architecture
     model = build_gpt_model(shape, tp_size=2, device=dev) # megatron-core GPTModel, returns hidden states
@@ -16,9 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
+from miles.trainer.megatron import mla
 from miles.trainer.megatron.moe import hf_moe_fields
 
-FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE"}
+FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE", **mla.MLA_FAMILIES}
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,23 @@ class ModelShape:
     moe_router_topk: int = 0
     moe_norm_topk_prob: bool = True
     moe_layer_pattern: tuple[int, ...] = ()   # 1 per MoE layer, 0 per dense one
+    moe_shared_ffn_hidden_size: int = 0       # DeepSeek-style MoE (mla.py): shared experts' FFN size (0: none)
+    moe_score_function: str = "softmax"       # router scores: softmax (Qwen3-MoE) or sigmoid (DeepSeek style)
+    moe_expert_bias: bool = False             # e_score_correction_bias
+    moe_topk_scaling: float = 1.0             # routed_scaling_factor
+    moe_num_groups: int = 0                   # n_group (0: no grouped routing)
+    moe_group_topk: int = 0                   # topk_group
+    q_lora_rank: int = 0                      # multi-latent attention (mla.py); 0: no q LoRA (q_proj)
+    kv_lora_rank: int = 0                     # 0: standard attention
+    qk_head_dim: int = 0                      # qk_nope_head_dim
+    qk_pos_emb_head_dim: int = 0              # qk_rope_head_dim
+    v_head_dim: int = 0
+    yarn: tuple[float, ...] = ()              # MLA yarn rope: (factor, original max positions, beta_fast, beta_slow,
+    #                                           mscale, mscale_all_dim); () without rope scaling
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
     @classmethod
     def from_hf_config(cls, c) -> ModelShape:
@@ -55,8 +74,9 @@ class ModelShape:
             raise ValueError(f"--train-backend megatron: hidden_act {c.hidden_act!r} is not supported (silu only).")
         rope = getattr(c, "rope_parameters", None) or {}
         scaling = getattr(c, "rope_scaling", None)
-        if (rope.get("rope_type", "default") != "default") or (scaling and scaling.get("rope_type", "default")
-                                                               not in ("default", None)):
+        yarn = mla.is_mla_config(c) and rope.get("rope_type") == "yarn"     # DeepSeek-V3's (mla.py)
+        if not yarn and ((rope.get("rope_type", "default") != "default") or (
+                scaling and scaling.get("rope_type", "default") not in ("default", None))):
             raise ValueError(f"--train-backend megatron: rope scaling {rope or scaling} is not supported.")
         if getattr(c, "use_sliding_window", False):
             raise ValueError("--train-backend megatron: sliding-window attention is not supported.")
@@ -66,13 +86,15 @@ class ModelShape:
         heads = int(c.num_attention_heads)
         head_dim = getattr(c, "head_dim", None) or int(c.hidden_size) // heads
         qkv_bias = True if mt == "qwen2" else bool(getattr(c, "attention_bias", False))
+        fields = dict(kv_channels=int(head_dim), qk_layernorm=mt in ("qwen3", "qwen3_moe"), qkv_bias=qkv_bias)
+        fields.update(mla.hf_mla_fields(c))          # MLA: kv_channels = qk_nope_head_dim, the latent norms
+        moe_fields = mla.hf_moe_fields(c) if mla.is_mla_config(c) else hf_moe_fields(c)
         return cls(model_type=mt, num_layers=int(c.num_hidden_layers), hidden_size=int(c.hidden_size),
                    ffn_hidden_size=int(c.intermediate_size), num_attention_heads=heads,
-                   num_query_groups=int(getattr(c, "num_key_value_heads", None) or heads), kv_channels=int(head_dim),
+                   num_query_groups=int(getattr(c, "num_key_value_heads", None) or heads),
                    vocab_size=int(c.vocab_size), max_position_embeddings=int(c.max_position_embeddings),
-                   rotary_base=float(theta), norm_epsilon=float(c.rms_norm_eps), qk_layernorm=mt in ("qwen3", "qwen3_moe"),
-                   qkv_bias=qkv_bias, tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
-                   **hf_moe_fields(c))
+                   rotary_base=float(theta), norm_epsilon=float(c.rms_norm_eps),
+                   tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)), **fields, **moe_fields)
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
@@ -99,6 +121,7 @@ def transformer_config(shape: ModelShape, *, tp_size: int, device: torch.device,
                        moe: dict | None = None, cp_size: int = 1, cp_comm_type: str = "p2p"):
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     on_gpu = device.type == "cuda"
     kw = {}
@@ -106,13 +129,14 @@ def transformer_config(shape: ModelShape, *, tp_size: int, device: torch.device,
         kw.update(recompute_granularity=recompute, recompute_method=recompute_method,
                   recompute_num_layers=recompute_num_layers)
     kw.update(moe or {})           # MoE layers and expert parallelism (moe.config_kwargs)
+    kw.update(mla.config_kwargs(shape))    # multi-latent attention, the DeepSeek-style router (mla.py)
     if cp_size > 1:                # context_parallel.py (the value megatron-core hands the core attention)
         kw.update(context_parallel_size=cp_size, cp_comm_type=cp_comm_type)
     if pp_size > 1:                # megatron-core asks for pipeline_dtype; pipeline.py's schedule does not read it
         kw.update(pipeline_model_parallel_size=pp_size, pipeline_dtype=torch.float32,
                   num_layers_in_first_pipeline_stage=first_stage_layers,
                   num_layers_in_last_pipeline_stage=last_stage_layers)
-    return TransformerConfig(
+    return (MLATransformerConfig if shape.mla else TransformerConfig)(
         num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
         num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
         kv_channels=shape.kv_channels, normalization="RMSNorm", layernorm_epsilon=shape.norm_epsilon,
@@ -234,16 +258,27 @@ def build_gpt_model(shape: ModelShape, config, *, padded_vocab: int, device: tor
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    if shape.mla:
+        mla.apply_mla_compat()
+        if device.type != "cuda":
+            mla.apply_mla_cpu_compat()
     if shape.num_experts:           # MoE or dense MLP per layer (moe.py)
         from miles.trainer.megatron.moe import decoder_block_spec
 
+        sdpa = mla.mla_core_attention() if shape.mla else SDPACoreAttention
         spec = decoder_block_spec(config, shape, te=use_transformer_engine(device),
-                                  core_attention=SDPACoreAttention if core_attention == "sdpa" else None)
+                                  core_attention=sdpa if core_attention == "sdpa" else None)
+        if shape.mla and not use_transformer_engine(device):
+            mla.adapt_local_spec(spec)
     elif use_transformer_engine(device):
-        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_layernorm)
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_layernorm,
+                                                          multi_latent_attention=shape.mla)
     else:
-        spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_layernorm, normalization="RMSNorm")
-        if core_attention == "sdpa":
+        spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_layernorm, normalization="RMSNorm",
+                                        multi_latent_attention=shape.mla)
+        if shape.mla:
+            mla.adapt_local_spec(spec, mla.mla_core_attention() if core_attention == "sdpa" else None)
+        elif core_attention == "sdpa":
             spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
 
     class HiddenGPTModel(GPTModel):

@@ -44,7 +44,6 @@ from __future__ import annotations
 import ast
 import contextlib
 import importlib
-import math
 import re
 from dataclasses import dataclass
 
@@ -174,19 +173,13 @@ def check_moe_shape(m, shape) -> None:
                               shape.moe_ffn_hidden_size)):
         if v is not None and int(v) != int(cv):
             raise _mismatch(flag, v, key, cv)
-    if m.moe_shared_expert_intermediate_size is not None:
-        raise _mismatch("--moe-shared-expert-intermediate-size", m.moe_shared_expert_intermediate_size,
-                        "shared experts", "none")
-    if m.moe_router_score_function not in (None, "softmax"):
-        raise _mismatch("--moe-router-score-function", m.moe_router_score_function, "router scores", "softmax")
-    if m.moe_router_enable_expert_bias:
-        raise _mismatch("--moe-router-enable-expert-bias", "(given)", "router expert bias", "none")
-    if m.moe_router_topk_scaling_factor is not None and not math.isclose(m.moe_router_topk_scaling_factor, 1.0):
-        raise _mismatch("--moe-router-topk-scaling-factor", m.moe_router_topk_scaling_factor, "routed scaling factor",
-                        1.0)
-    if m.moe_router_pre_softmax and shape.moe_norm_topk_prob:
+    from miles.trainer.megatron.mla import check_router_shape
+
+    check_router_shape(m, shape)       # shared experts, sigmoid router, expert bias, scaling, groups (mla.py)
+    if m.moe_router_pre_softmax and shape.moe_norm_topk_prob and shape.moe_score_function == "softmax":
         raise _mismatch("--moe-router-pre-softmax", "(given)", "norm_topk_prob", True)
-    if m.num_layers is not None and not m.moe_router_pre_softmax and not shape.moe_norm_topk_prob:
+    if m.num_layers is not None and not m.moe_router_pre_softmax and not shape.moe_norm_topk_prob and \
+            shape.moe_score_function == "softmax":
         raise ConfigError("--moe-router-pre-softmax is missing but --hf-checkpoint's config.json has norm_topk_prob "
                           "false (top-k weights not renormalised): add --moe-router-pre-softmax, or drop the shape "
                           "flags.")
@@ -554,6 +547,8 @@ def iter_ep_buckets(model, shape, groups, *, device: torch.device, bucket_bytes:
         return sum(p.numel() * (groups.ep_size if ep_sharded(n, groups) else groups.tp_size if partition_dim(n)
                                 is not None else 1) * (dtype or p.dtype).itemsize for n, p in unit)
 
-    buckets = pack(_units(list(model.named_parameters()), groups), nbytes, bucket_bytes)
+    from miles.trainer.megatron.mla import exported_buffers
+
+    buckets = pack(_units(list(model.named_parameters()) + exported_buffers(model), groups), nbytes, bucket_bytes)
     yield from iter_prefetched(buckets, lambda b: _ep_start(b, groups, device, dtype),
                                lambda pend: _ep_finish(pend, shape, groups, device, dtype, timeout), prefetch)

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import torch
 
 from miles.config.base import ConfigError
+from miles.trainer.megatron.mla import check_mla_shape, check_mla_static
 from miles.trainer.megatron.model import ModelShape, use_transformer_engine
 from miles.trainer.megatron.moe import MoeOptions, check_moe_shape, check_moe_static, resolve_moe
 from miles.utils.logging import get_logger, warn_once
@@ -99,12 +100,13 @@ def check_shape(m, shape: ModelShape) -> None:
     if m is None:
         return
     check_moe_shape(m, shape)          # --num-experts, --moe-* against config.json (moe.py)
+    check_mla_shape(m, shape)          # --multi-latent-attention, --q/kv-lora-rank, ... (mla.py)
     values = {
         "--num-layers": (m.num_layers, "num_hidden_layers", shape.num_layers),
         "--hidden-size": (m.hidden_size, "hidden_size", shape.hidden_size),
         "--ffn-hidden-size": (m.ffn_hidden_size, "intermediate_size", shape.ffn_hidden_size),
         "--num-attention-heads": (m.num_attention_heads, "num_attention_heads", shape.num_attention_heads),
-        "--kv-channels": (m.kv_channels, "head_dim", shape.kv_channels),
+        "--kv-channels": (m.kv_channels, "qk_nope_head_dim" if shape.mla else "head_dim", shape.kv_channels),
         "--vocab-size": (m.vocab_size, "vocab_size", shape.vocab_size),
         "--max-position-embeddings": (m.max_position_embeddings, "max_position_embeddings",
                                       shape.max_position_embeddings),
@@ -126,7 +128,7 @@ def check_shape(m, shape: ModelShape) -> None:
         raise _mismatch("--rotary-percent", m.rotary_percent, "rotary percent", 1.0)
     if m.qk_layernorm and not shape.qk_layernorm:
         raise _mismatch("--qk-layernorm", "(given)", "q_norm/k_norm", "absent")
-    if m.add_qkv_bias and not shape.qkv_bias:
+    if m.add_qkv_bias and not shape.qkv_bias and not shape.mla:    # MLA builds no qkv bias (Megatron ignores it)
         raise _mismatch("--add-qkv-bias", "(given)", "attention bias", "absent")
     if m.untie_embeddings_and_output_weights and shape.tie_embeddings:
         raise _mismatch("--untie-embeddings-and-output-weights", "(given)", "tie_word_embeddings", True)
@@ -137,8 +139,9 @@ def check_shape(m, shape: ModelShape) -> None:
             ("--swiglu", m.swiglu, "hidden_act", "silu (SwiGLU)", True),
             ("--normalization RMSNorm", m.normalization == "RMSNorm", "normalization", "RMSNorm", True),
             ("--disable-bias-linear", m.disable_bias_linear, "linear biases", "absent", True),
-            ("--qk-layernorm", m.qk_layernorm, "q_norm/k_norm", "present", shape.qk_layernorm),
-            ("--add-qkv-bias", m.add_qkv_bias, "attention bias", "present", shape.qkv_bias),
+            ("--qk-layernorm", m.qk_layernorm, "q_a_layernorm/kv_a_layernorm" if shape.mla else "q_norm/k_norm",
+             "present", shape.qk_layernorm),
+            ("--add-qkv-bias", m.add_qkv_bias or shape.mla, "attention bias", "present", shape.qkv_bias),
             ("--group-query-attention", m.group_query_attention, "num_key_value_heads",
              f"{shape.num_query_groups} < num_attention_heads {shape.num_attention_heads}", gqa),
             ("--untie-embeddings-and-output-weights", m.untie_embeddings_and_output_weights, "tie_word_embeddings",
@@ -181,6 +184,7 @@ def shape_of(hf_config) -> ModelShape:
 def check_static(o: Options, shape: ModelShape) -> None:
     """The unsupported values that do not depend on the device or the number of ranks."""
     check_moe_static(o, shape)         # MoE layers, --expert-model/tensor-parallel-size (moe.py)
+    check_mla_static(o, shape)         # multi-latent attention under TP / PP / CP (mla.py)
     from miles.trainer.megatron.pipeline import stage_layer_counts
 
     stage_layer_counts(shape.num_layers, o.pp, o.first_stage_layers, o.last_stage_layers)

@@ -129,9 +129,12 @@ def _coalesced_all_reduce(grads: list[torch.Tensor], group: dist.ProcessGroup, o
             g.copy_(synced)
 
 
-def _tp_partial(name: str) -> bool:
-    """Replicated parameters whose gradient is split over TP ranks (each rank sees its own heads)."""
-    return ".q_layernorm." in name or ".k_layernorm." in name
+def _tp_partial(name: str, mla: bool = False) -> bool:
+    """Replicated parameters whose gradient is split over TP ranks (each rank sees its own heads): the per-head
+    q/k layernorms. Multi-latent attention's ``q_layernorm``/``kv_layernorm`` normalise the whole latent on every
+    TP rank (complete gradients; under ``--sequence-parallel`` each rank's part of the sequence, summed as the
+    other sequence-parallel norms are)."""
+    return not mla and (".q_layernorm." in name or ".k_layernorm." in name)
 
 
 def distributed_adamw(model: nn.Module, groups: Groups, *, lr: float, weight_decay: float,
@@ -162,8 +165,9 @@ def finish_grads(model: nn.Module, groups: Groups) -> None:
     for _, p in named:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+    mla = bool(getattr(getattr(model, "config", None), "multi_latent_attention", False))
     if groups.tp_size > 1:
-        partial = [p.grad for n, p in named if _tp_partial(n)]
+        partial = [p.grad for n, p in named if _tp_partial(n, mla)]
         if partial:
             _coalesced_all_reduce(partial, groups.tp, dist.ReduceOp.SUM)
     tied = [p.grad for _, p in named if getattr(p, "shared_embedding", False)]
@@ -171,7 +175,7 @@ def finish_grads(model: nn.Module, groups: Groups) -> None:
         from megatron.core import parallel_state as ps
 
         _coalesced_all_reduce(tied, ps.get_embedding_group(), dist.ReduceOp.SUM)
-    sequence_parallel = [p.grad for n, p in named if getattr(p, "sequence_parallel", False) and not _tp_partial(n)
+    sequence_parallel = [p.grad for n, p in named if getattr(p, "sequence_parallel", False) and not _tp_partial(n, mla)
                          and not edp_reduced(n, groups)]
     if groups.tp_size > 1 and sequence_parallel:    # norms in the sequence-parallel region: each TP rank saw
         _coalesced_all_reduce(sequence_parallel, groups.tp, dist.ReduceOp.SUM)    # its part of the sequence

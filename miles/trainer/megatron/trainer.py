@@ -7,8 +7,9 @@ megatron-core's GPTModel with tensor parallelism underneath.
     metrics = trainer.train(my_samples, rollout_id)          # every trainer rank, whole groups per rank
     for bucket in trainer.iter_weight_buckets(512 << 20, torch.bfloat16): ...   # HF names, full tensors
 
-What is shared with ``FSDPTrainer`` (subclassed): sample validation, micro-batch planning (padded to
-the same count on every data-parallel rank), the forward-only passes, advantages, the loss family
+What is shared with ``FSDPTrainer`` (subclassed): sample validation, micro-batch planning (without dynamic
+batching, planned micro-batches share forwards up to a token budget: ``_coalesce``; the count is padded over
+data-parallel ranks only for MoE and pipeline parallelism), the forward-only passes, advantages, the loss family
 (``losses.py``), the loss normalisation over the step, metrics. What differs:
 
 - groups: megatron-core's TP groups over the trainer ranks (``parallel.py``); ``self.group`` is the
@@ -43,7 +44,7 @@ import torch.nn.functional as F
 
 from miles.config.base import ConfigError
 from miles.trainer import lora as lora_mod
-from miles.trainer.batching import MicroBatch, plan_micro_batches
+from miles.trainer.batching import MicroBatch, coalesce_micro_batches, pack, plan_micro_batches
 from miles.trainer.collectives import bounded_all_gather_object
 from miles.trainer.fsdp import FSDPTrainer
 from miles.trainer.logprobs import VocabShard, logprobs_and_entropy
@@ -57,12 +58,16 @@ from miles.trainer.losses import (
 )
 from miles.trainer.megatron import context_parallel, convert, export, moe, options, parallel, pipeline
 from miles.trainer.megatron import model as mmodel
-from miles.trainer.metrics import peak_tflops
+from miles.trainer.metrics import active_params, moe_routing, peak_tflops
 from miles.trainer.optim import LRSchedule, MasterWeights, build_adamw
 from miles.types import Sample
 from miles.utils.logging import get_logger
 
 logger = get_logger(__name__)
+
+# Without --use-dynamic-batch-size, planned micro-batches share a forward up to this many tokens (``_coalesce``);
+# a GPU keeps a small budget (activation memory), a CPU host a larger one. --max-tokens-per-gpu overrides both.
+COALESCE_TOKENS = {"cpu": 8192, "default": 1024}
 
 
 def padded_batch(mb: MicroBatch, pad_id: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -136,6 +141,8 @@ class MegatronTrainer(FSDPTrainer):
         total_steps = num_rollout * num_steps_per_rollout if num_rollout else None
         self.model = self._build_policy(train.hf_checkpoint, offload=False, recompute=True)
         self.num_params = self._full_param_count()
+        self.num_active_params = active_params(self.num_params, self._expert_param_count(),  # MFU's N
+                                               moe_routing(AutoConfig.from_pretrained(train.hf_checkpoint)))
         self.lora = self._attach_lora()          # --lora-rank: base frozen, adapters trained (miles/trainer/lora.py)
         adam = dict(lr=train.lr, weight_decay=train.weight_decay, betas=(train.adam_beta1, train.adam_beta2),
                     eps=train.adam_eps, device=self.device)
@@ -188,6 +195,9 @@ class MegatronTrainer(FSDPTrainer):
                                                      self.critic.model if self.critic else None) if m is not None}
         self.last_rollout_id: int | None = None
         self._hf_state = None                      # the converted weights are in the models now
+        from miles.trainer import routing_replay
+
+        self.routing_replay = routing_replay.install(self)   # --use-(rollout-)routing-replay (MoE)
         from miles.trainer.megatron import optional_kernels_line
 
         kernels = optional_kernels_line()
@@ -277,6 +287,16 @@ class MegatronTrainer(FSDPTrainer):
         logger.info("LoRA rank %d alpha %s on %s: %s trainable of %s params (base frozen)", spec.rank, spec.alpha,
                     ",".join(spec.targets), f"{n:,}", f"{self.num_params:,}")
         return adapters
+
+    def _expert_param_count(self) -> int:
+        """Parameters of every routed expert of the whole model (summed over EP and PP)."""
+        n = sum(p.numel() for name, p in self.model.named_parameters() if moe.is_expert(name))
+        t = torch.tensor([float(n)], dtype=torch.float64, device=self.device)
+        if self.groups.ep_size > 1:
+            dist.all_reduce(t, group=self.groups.ep)
+        if self.groups.pp_size > 1:
+            dist.all_reduce(t, group=self.groups.pp)
+        return int(t.item())
 
     def _full_param_count(self) -> int:
         """Parameters of the whole model (TP shards summed once, PP stages summed, a tied embedding and the
@@ -409,7 +429,9 @@ class MegatronTrainer(FSDPTrainer):
         """Miles's budget under context parallelism: a micro-batch of ``--max-tokens-per-gpu`` x CP tokens (each
         CP rank holds 1/CP of them)."""
         cp, budget = self.groups.cp_size, self.cfg.max_tokens_per_gpu
-        if cp == 1 or not self.cfg.use_dynamic_batch_size:
+        if not self.cfg.use_dynamic_batch_size:
+            return self._coalesce(super()._plan(lengths), lengths)
+        if cp == 1:
             return super()._plan(lengths)
         if lengths and max(lengths) > budget * cp:
             raise ConfigError(f"a sample of {max(lengths)} tokens (prompt + response) exceeds --max-tokens-per-gpu "
@@ -417,6 +439,36 @@ class MegatronTrainer(FSDPTrainer):
                               f"to at least {-(-max(lengths) // cp)} or cap --rollout-max-response-len.")
         return plan_micro_batches(lengths, micro_batch_size=self.cfg.micro_batch_size, max_tokens=budget * cp,
                                   dynamic=True)
+
+    def _micro_batches(self, data, ids: list[int]) -> list[MicroBatch]:
+        """The planned micro-batches of this rank only: DP gradients are reduced once a step (``finish_grads``), so
+        unlike FSDP's per-micro-batch collectives nothing needs every DP rank to run as many forwards: no
+        all-reduce of the count, no zero-weight dummy passes (the ranks of a TP/CP/PP group plan the same
+        gathered samples). MoE keeps the group-wide count (the router's auxiliary loss and the experts'
+        all-to-all reach over data-parallel ranks), and so does the pipeline schedule."""
+        if self.shape.num_experts or self.stage.size > 1:
+            return super()._micro_batches(data, ids)
+        return [pack(data, [ids[j] for j in mb]) for mb in self._plan([data[i].length for i in ids])]
+
+    def _coalesce(self, plan: list[list[int]], lengths: list[int]) -> list[list[int]]:
+        """``--micro-batch-size N`` without dynamic batching: consecutive planned micro-batches share one forward
+        and backward while it holds at most ``coalesce_tokens()`` tokens (``batching.coalesce_micro_batches``).
+        The step's loss is a sum over samples normalised by the step's totals, so the loss, gradients and metrics
+        are Miles's up to float summation order; each forward's fixed costs (megatron-core's Python, one
+        autograd graph, per-micro-batch tensors), which were the whole step on a small model, are paid once."""
+        budget = self.coalesce_tokens()
+        return coalesce_micro_batches(plan, lengths, budget) if budget > 0 and len(plan) > 1 else plan
+
+    def coalesce_tokens(self) -> int:
+        """Tokens a coalesced forward may hold: ``--max-tokens-per-gpu`` (x CP) when given, else
+        ``COALESCE_TOKENS`` of the device type (a micro-batch planned larger runs alone, as planned). 0 (off) for
+        a ``--custom-loss-function-path`` / ``--custom-tis-function-path``, whose function sees the micro-batch, and
+        under pipeline parallelism, whose schedule needs the micro-batches to fill the pipeline."""
+        if self.algo.loss_type == "custom_loss" or self.algo.custom_tis_function_path or self.stage.size > 1:
+            return 0
+        if self.cfg.max_tokens_per_gpu:
+            return int(self.cfg.max_tokens_per_gpu) * self.groups.cp_size
+        return COALESCE_TOKENS.get(self.device.type, COALESCE_TOKENS["default"])
 
     def _forward_pass(self, model, fn, data) -> list[torch.Tensor]:
         """With PP, a forward-only pass is a log-prob pass through the pipeline (``pipeline.forward_pass``; the

@@ -1,0 +1,85 @@
+"""Tiny Multi-Latent-Attention models built locally (no hub): GLM-4.7-Flash's and DeepSeek-V3's architectures.
+
+    build_tiny_mla_model("/tmp/glm")                                  # Glm4MoeLiteForCausalLM, random init
+    build_tiny_mla_model("/tmp/dsv3", model_type="deepseek_v3", n_group=2, topk_group=1)
+
+Both are MLA attention (``q_a_proj``/``q_a_layernorm``/``q_b_proj``, or ``q_proj`` with ``q_lora_rank=None``;
+``kv_a_proj_with_mqa``/``kv_a_layernorm``/``kv_b_proj``; ``o_proj``), dense MLPs on the first
+``first_k_dense_replace`` layers and DeepSeek-style MoE after them: a sigmoid router with a score-correction bias,
+top-k over (optionally grouped) experts, renormalised and scaled by ``routed_scaling_factor``, plus shared experts.
+The router weight, its bias and the experts are drawn at random so that routing differs between tokens. The
+tokenizer is ``miles.utils.tiny_model``'s. ``rms_norm_eps`` defaults to 1e-6, the eps transformers gives the
+latent norms (``q_a_layernorm``/``kv_a_layernorm``), so Megatron (one eps for every norm) computes the same.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+MLA_MODEL_TYPES = {"glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM"),
+                   "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM")}
+
+
+def build_tiny_mla_model(
+    out_dir: str | Path,
+    *,
+    model_type: str = "glm4_moe_lite",
+    hidden_size: int = 64,
+    num_layers: int = 3,
+    num_heads: int = 4,
+    q_lora_rank: int | None = 24,
+    kv_lora_rank: int = 16,
+    qk_nope_head_dim: int = 12,
+    qk_rope_head_dim: int = 8,
+    v_head_dim: int = 10,
+    intermediate_size: int = 96,
+    moe_intermediate_size: int = 24,
+    n_routed_experts: int = 4,
+    num_experts_per_tok: int = 2,
+    n_shared_experts: int = 1,
+    first_k_dense_replace: int = 1,
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.8,
+    rms_norm_eps: float = 1e-6,
+    max_position_embeddings: int = 2048,
+    rope_theta: float = 10000.0,
+    rope_scaling: dict | None = None,
+    seed: int = 0,
+    dtype: str = "float32",
+) -> Path:
+    """Write a randomly initialised MLA causal LM of ``model_type`` plus the tiny tokenizer to ``out_dir``."""
+    import torch
+    import transformers
+
+    from miles.utils.tiny_model import build_tokenizer
+
+    if model_type not in MLA_MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r}: one of {sorted(MLA_MODEL_TYPES)}")
+    config_cls, model_cls = (getattr(transformers, n) for n in MLA_MODEL_TYPES[model_type])
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(out)
+    config = config_cls(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_heads, q_lora_rank=q_lora_rank,
+        kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim,
+        v_head_dim=v_head_dim, intermediate_size=intermediate_size, moe_intermediate_size=moe_intermediate_size,
+        n_routed_experts=n_routed_experts, num_experts_per_tok=num_experts_per_tok, n_shared_experts=n_shared_experts,
+        first_k_dense_replace=first_k_dense_replace, n_group=n_group, topk_group=topk_group, norm_topk_prob=True,
+        routed_scaling_factor=routed_scaling_factor, rms_norm_eps=rms_norm_eps, attention_bias=False,
+        max_position_embeddings=max_position_embeddings, rope_theta=rope_theta, tie_word_embeddings=False,
+        **({"rope_scaling": dict(rope_scaling, rope_theta=rope_theta)} if rope_scaling else {}),
+        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        torch_dtype=dtype)
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    with torch.no_grad():          # transformers initialises router and bias to zeros: a random, distinct routing
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None:
+                gate.weight.normal_(0.0, 0.5)
+                gate.e_score_correction_bias.uniform_(-0.1, 0.1)
+    model = model.to(getattr(torch, dtype))
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out

@@ -1,0 +1,273 @@
+"""Multi-latent attention on the Megatron backend (miles/trainer/megatron/mla.py): the shape read from GLM-4.7-Flash's
+and DeepSeek-V3's config.json, the HF <-> megatron-core converter (bitwise, at TP 1, 2 and 4), Miles's MLA and
+DeepSeek-style MoE flags (accepted with Megatron's meaning and checked against config.json, one line per mismatch),
+and the values that are refused by name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles.config import ConfigError, parse_args
+from miles.trainer.megatron import mla, options
+from miles.trainer.megatron.convert import hf_to_megatron, megatron_to_hf, partition_dim, shard, unshard
+from miles.trainer.megatron.model import ModelShape, padded_vocab_size
+
+GLM_JSON = Path(__file__).resolve().parents[3] / "fixtures" / "miles_scripts" / "models" / "GLM-4.7-Flash.json"
+
+
+@pytest.fixture(scope="module")
+def tiny_glm_dir(tmp_path_factory) -> Path:
+    from miles.utils.tiny_mla import build_tiny_mla_model
+
+    return build_tiny_mla_model(tmp_path_factory.mktemp("tiny_glm"))
+
+
+@pytest.fixture(scope="module")
+def tiny_dsv3_dir(tmp_path_factory) -> Path:
+    from miles.utils.tiny_mla import build_tiny_mla_model
+
+    return build_tiny_mla_model(tmp_path_factory.mktemp("tiny_dsv3"), model_type="deepseek_v3", n_group=2,
+                                topk_group=1, q_lora_rank=None,
+                                rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+                                              "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+                                max_position_embeddings=64)
+
+
+def _shape(config: dict) -> ModelShape:
+    return options.shape_of(_hf_config(config))
+
+
+def _hf_config(config: dict):
+    from transformers import AutoConfig
+
+    d = dict(config)
+    return AutoConfig.for_model(d.pop("model_type"), **d)
+
+
+def _read(d: Path) -> dict:
+    return json.loads((d / "config.json").read_text())
+
+
+def test_shape_of_glm47_flash() -> None:
+    shape = _shape(json.loads(GLM_JSON.read_text()))
+    assert shape.mla and (shape.q_lora_rank, shape.kv_lora_rank, shape.qk_head_dim, shape.qk_pos_emb_head_dim,
+                          shape.v_head_dim, shape.kv_channels) == (768, 512, 192, 64, 256, 192)
+    assert shape.qk_layernorm and not shape.qkv_bias and not shape.tie_embeddings
+    assert shape.moe_layer_pattern == (0,) + (1,) * 46 and shape.num_experts == 64 and shape.moe_router_topk == 4
+    assert (shape.moe_score_function, shape.moe_expert_bias, shape.moe_topk_scaling, shape.moe_shared_ffn_hidden_size,
+            shape.moe_num_groups) == ("sigmoid", True, 1.8, 1536, 0)
+    kw = mla.config_kwargs(shape)
+    assert kw["q_lora_rank"] == 768 and kw["rope_type"] == "rope" and kw["moe_router_enable_expert_bias"]
+    assert kw["moe_router_topk_scaling_factor"] == 1.8 and "moe_router_num_groups" not in kw
+
+
+def test_shape_of_deepseek_v3_and_its_megatron_config(tiny_dsv3_dir: Path) -> None:
+    from miles.trainer.megatron.model import transformer_config
+
+    shape = _shape(_read(tiny_dsv3_dir))
+    assert shape.model_type == "deepseek_v3" and shape.q_lora_rank == 0 and shape.moe_layer_pattern == (0, 1, 1)
+    assert (shape.moe_num_groups, shape.moe_group_topk) == (2, 1)
+    from miles.trainer.megatron import moe
+
+    config = transformer_config(shape, tp_size=1, device=torch.device("cpu"),
+                                moe=moe.config_kwargs(shape, moe.MoeOptions(), ep=1, etp=1, te=False))
+    assert type(config).__name__ == "MLATransformerConfig" and config.q_lora_rank is None
+    assert (config.kv_lora_rank, config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim) == (16, 12, 8, 10)
+    assert config.moe_router_num_groups == 2 and config.moe_router_group_topk == 1
+    assert (config.rope_type, config.rotary_scaling_factor, config.original_max_position_embeddings,
+            config.mscale_all_dim) == ("yarn", 4.0, 8, 1.0)
+
+
+def _megatron_names(shape: ModelShape) -> list[str]:
+    """megatron-core's parameter names (local spec, EP 1) of a tiny MLA model, plus the routers' expert bias."""
+    names = ["embedding.word_embeddings.weight"]
+    for i, sparse in enumerate(shape.moe_layer_pattern):
+        p = f"decoder.layers.{i}."
+        q = (["linear_q_down_proj.weight", "q_layernorm.weight", "linear_q_up_proj.weight"] if shape.q_lora_rank
+             else ["linear_q_proj.weight"])
+        names += [p + "input_layernorm.weight", p + "pre_mlp_layernorm.weight"]
+        names += [p + "self_attention." + n for n in q + ["linear_kv_down_proj.weight", "kv_layernorm.weight",
+                                                           "linear_kv_up_proj.weight", "linear_proj.weight"]]
+        if not sparse:
+            names += [p + "mlp.linear_fc1.weight", p + "mlp.linear_fc2.weight"]
+            continue
+        names += [p + "mlp.router.weight", p + "mlp.router.expert_bias", p + "mlp.shared_experts.linear_fc1.weight",
+                  p + "mlp.shared_experts.linear_fc2.weight"]
+        names += [f"{p}mlp.experts.local_experts.{e}.linear_fc{k}.weight" for e in range(shape.num_experts)
+                  for k in (1, 2)]
+    return names + ["decoder.final_layernorm.weight", "output_layer.weight"]
+
+
+@pytest.mark.parametrize("family", ["glm", "dsv3"])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_round_trip_is_bitwise_under_tp(request, family: str, tp: int) -> None:
+    from safetensors.torch import load_file
+
+    d = request.getfixturevalue("tiny_glm_dir" if family == "glm" else "tiny_dsv3_dir")
+    hf = load_file(str(d / "model.safetensors"))
+    shape = _shape(_read(d))
+    padded = padded_vocab_size(shape.vocab_size, 128, tp)
+    names = _megatron_names(shape)
+    full = hf_to_megatron(hf, shape, padded, names)
+    back: dict[str, torch.Tensor] = {}
+    for name in names:
+        dim = partition_dim(name)
+        pieces = [shard(name, full[name], dim, r, tp) for r in range(tp)]
+        if dim is not None and tp > 1:
+            assert pieces[0].shape[dim] * tp == full[name].shape[dim], name
+        for k, t in megatron_to_hf(name, unshard(name, pieces, dim), shape):
+            assert k not in back, k
+            back[k] = t
+    assert back.keys() == hf.keys()
+    assert all(back[k].dtype == hf[k].dtype and torch.equal(back[k], hf[k]) for k in hf)
+    # the shards are megatron-core's: whole heads per TP rank, [gate_r; up_r] for the shared experts
+    name = "decoder.layers.1.self_attention.linear_kv_up_proj.weight"
+    heads = hf["model.layers.1.self_attn.kv_b_proj.weight"].view(shape.num_attention_heads, -1, shape.kv_lora_rank)
+    assert torch.equal(shard(name, full[name], 0, tp - 1, tp).view(-1, *heads.shape[1:]),
+                       heads[-shape.num_attention_heads // tp:])
+    fc1 = "decoder.layers.1.mlp.shared_experts.linear_fc1.weight"
+    gate = hf["model.layers.1.mlp.shared_experts.gate_proj.weight"]
+    assert torch.equal(shard(fc1, full[fc1], 0, 0, tp)[:gate.shape[0] // tp], gate[:gate.shape[0] // tp])
+    assert partition_dim("decoder.layers.0.self_attention.linear_kv_down_proj.weight") is None   # replicated
+
+
+# ------------------------------------------------------------------------------------------- flags
+GLM_SCRIPT = [  # the MLA and MoE shape flags of Miles's run_glm47_flash.py (tests/fixtures/miles_scripts)
+    "--moe-layer-freq", "[0]*1+[1]*46", "--num-experts", "64", "--moe-shared-expert-intermediate-size", "1536",
+    "--moe-router-topk", "4", "--moe-ffn-hidden-size", "1536", "--moe-router-score-function", "sigmoid",
+    "--moe-router-pre-softmax", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0",
+    "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-router-topk-scaling-factor", "1.8",
+    "--moe-aux-loss-coeff", "0", "--moe-router-dtype", "fp32", "--num-layers", "47", "--hidden-size", "2048",
+    "--ffn-hidden-size", "10240", "--num-attention-heads", "20", "--disable-bias-linear", "--add-qkv-bias", "--swiglu",
+    "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope", "--no-position-embedding",
+    "--normalization", "RMSNorm", "--norm-epsilon", "1e-5", "--qk-layernorm", "--multi-latent-attention",
+    "--q-lora-rank", "768", "--kv-lora-rank", "512", "--qk-head-dim", "192", "--v-head-dim", "256", "--kv-channels",
+    "192", "--qk-pos-emb-head-dim", "64", "--vocab-size", "154880", "--rotary-base", "1000000", "--no-rope-fusion",
+    "--tensor-model-parallel-size", "4", "--sequence-parallel", "--expert-model-parallel-size", "8",
+    "--expert-tensor-parallel-size", "1"]
+
+
+def _cfg(model: Path, *extra: str):
+    return parse_args(["--hf-checkpoint", str(model), "--num-rollout", "1", "--rollout-batch-size", "2",
+                       "--train-backend", "megatron", *extra])
+
+
+def _with(flags: list[str], **changes: str | None) -> list[str]:
+    """``flags`` with ``--name value`` replaced (None: the flag dropped)."""
+    out = list(flags)
+    for name, value in changes.items():
+        flag = "--" + name.replace("_", "-")
+        i = out.index(flag)
+        takes_value = i + 1 < len(out) and not out[i + 1].startswith("--")
+        if value is None:
+            del out[i:i + 1 + takes_value]
+        else:
+            out[i + 1] = value
+    return out
+
+
+def test_glm47_flash_flags_accepted(tiny_model_dir: Path) -> None:
+    cfg = _cfg(tiny_model_dir, *GLM_SCRIPT)
+    options.preflight_check(cfg, json.loads(GLM_JSON.read_text()))
+    assert cfg.megatron.multi_latent_attention and cfg.megatron.q_lora_rank == 768
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"q_lora_rank": "512"}, "--q-lora-rank 512 does not match --hf-checkpoint's config.json (q_lora_rank 768)"),
+    ({"kv_lora_rank": "256"}, "--kv-lora-rank 256 does not match --hf-checkpoint's config.json (kv_lora_rank 512)"),
+    ({"qk_head_dim": "128"}, "--qk-head-dim 128 does not match --hf-checkpoint's config.json (qk_nope_head_dim 192)"),
+    ({"qk_pos_emb_head_dim": "32"}, "--qk-pos-emb-head-dim 32 does not match --hf-checkpoint's config.json "
+                                    "(qk_rope_head_dim 64)"),
+    ({"v_head_dim": "128"}, "--v-head-dim 128 does not match --hf-checkpoint's config.json (v_head_dim 256)"),
+    ({"kv_channels": "128"}, "--kv-channels 128 does not match --hf-checkpoint's config.json (qk_nope_head_dim 192)"),
+    ({"multi_latent_attention": None}, "--multi-latent-attention is missing but --hf-checkpoint's config.json has "
+                                       "kv_lora_rank 512"),
+    ({"qk_layernorm": None}, "--qk-layernorm is missing but --hf-checkpoint's config.json has "
+                             "q_a_layernorm/kv_a_layernorm present"),
+    ({"moe_shared_expert_intermediate_size": "1024"}, "--moe-shared-expert-intermediate-size 1024 does not match "
+                                                      "--hf-checkpoint's config.json (moe_intermediate_size x "
+                                                      "n_shared_experts 1536)"),
+    ({"moe_shared_expert_intermediate_size": None}, "--moe-shared-expert-intermediate-size is missing"),
+    ({"moe_router_score_function": "softmax"}, "--moe-router-score-function softmax does not match "
+                                               "--hf-checkpoint's config.json (router scores sigmoid)"),
+    ({"moe_router_enable_expert_bias": None}, "--moe-router-enable-expert-bias is missing"),
+    ({"moe_router_topk_scaling_factor": "2.5"}, "--moe-router-topk-scaling-factor 2.5 does not match "
+                                                "--hf-checkpoint's config.json (routed_scaling_factor 1.8)"),
+    ({"moe_router_topk_scaling_factor": None}, "--moe-router-topk-scaling-factor is missing"),
+    ({"moe_router_bias_update_rate": "0.001"}, "--moe-router-bias-update-rate 0.001 is not supported"),
+    ({"moe_layer_freq": "[1]*47"}, "--moe-layer-freq [1]*47 does not match"),
+    ({"sequence_parallel": None}, "--tensor-model-parallel-size 4 with MoE layers needs --sequence-parallel"),
+    ({"tensor_model_parallel_size": "3"}, "--tensor-model-parallel-size 3 does not divide"),
+], ids=["q_lora", "kv_lora", "qk_head", "qk_pos", "v_head", "kv_channels", "mla_missing", "qk_layernorm_missing",
+        "shared_size", "shared_missing", "score_function", "bias_missing", "scaling", "scaling_missing", "bias_rate",
+        "layer_freq", "tp_without_sp", "tp_divides"])
+def test_glm47_flash_flags_checked_against_config_json(tiny_model_dir: Path, changes: dict, message: str) -> None:
+    cfg = _cfg(tiny_model_dir, *_with(GLM_SCRIPT, **changes))
+    with pytest.raises(ConfigError) as e:
+        options.preflight_check(cfg, json.loads(GLM_JSON.read_text()))
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--moe-router-num-groups", "4"], "--moe-router-num-groups 4 does not match --hf-checkpoint's config.json "
+                                       "(n_group 2)"),
+    (["--moe-router-group-topk", "2"], "--moe-router-group-topk 2 does not match --hf-checkpoint's config.json "
+                                       "(topk_group 1)"),
+    (["--q-lora-rank", "24"], "--q-lora-rank 24 does not match --hf-checkpoint's config.json (q_lora_rank None)"),
+    (["--context-parallel-size", "2"], "--context-parallel-size 2 with multi-latent attention"),
+    (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2 with multi-latent attention"),
+], ids=["num_groups", "group_topk", "q_lora_absent", "cp", "pp"])
+def test_deepseek_v3_flags(tiny_dsv3_dir: Path, flags: list[str], message: str) -> None:
+    options.preflight_check(_cfg(tiny_dsv3_dir, "--moe-router-num-groups", "2", "--moe-router-group-topk", "1"),
+                            _read(tiny_dsv3_dir))
+    with pytest.raises(ConfigError) as e:
+        options.preflight_check(_cfg(tiny_dsv3_dir, *flags), _read(tiny_dsv3_dir))
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+def test_mla_flags_on_standard_attention_are_refused(tiny_model_dir: Path) -> None:
+    for flags in (["--multi-latent-attention"], ["--kv-lora-rank", "512"]):
+        with pytest.raises(ConfigError) as e:
+            options.preflight_check(_cfg(tiny_model_dir, *flags), _read(tiny_model_dir))
+        assert str(e.value).startswith(f"{flags[0]} is given but --hf-checkpoint's config.json describes standard "
+                                       "attention"), str(e.value)
+
+
+@pytest.mark.parametrize("config,message", [
+    ({"rope_interleave": False}, "rope_interleave false"),
+    ({"attention_bias": True}, "attention_bias true is not supported with multi-latent attention"),
+    ({"norm_topk_prob": False}, "norm_topk_prob false with a sigmoid router is not supported"),
+    ({"n_group": 2, "topk_group": 1, "num_experts_per_tok": 4}, "n_group 2 with num_experts_per_tok 4 / topk_group 1"),
+], ids=["rope_interleave", "attention_bias", "norm_topk_prob", "group_score"])
+def test_unsupported_mla_configs_are_one_line(tiny_glm_dir: Path, config: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        options.preflight_check(_cfg(tiny_glm_dir), _read(tiny_glm_dir) | config)
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_mtp_flags_are_refused_by_name(tiny_glm_dir: Path) -> None:
+    for flags in (["--mtp-num-layers", "1"], ["--enable-mtp-training"]):
+        with pytest.raises(ConfigError) as e:
+            _cfg(tiny_glm_dir, *flags)
+        assert str(e.value).startswith(f"{flags[0]}: Megatron's multi-token-prediction block"), str(e.value)
+        assert "\n" not in str(e.value)
+
+
+def test_sparse_glm47_flash_has_its_mtp_layer() -> None:
+    """The sparse real-shape model of GLM-4.7-Flash lists the checkpoint's MTP layer (model.layers.47: transformers
+    skips it, the hub checkpoint stores it), so the dry run's size checks see the real parameter count."""
+    import math
+
+    from miles.utils.sparse_model import checkpoint_tensors
+
+    tensors = checkpoint_tensors(json.loads(GLM_JSON.read_text()))
+    assert tensors["model.layers.47.eh_proj.weight"] == [2048, 4096]
+    assert tensors["model.layers.47.shared_head.head.weight"] == [154880, 2048]
+    assert tensors["model.layers.47.mlp.experts.63.down_proj.weight"] == [2048, 1536]
+    assert tensors["model.layers.46.self_attn.kv_b_proj.weight"] == [20 * (192 + 256), 512]
+    assert not any(n.startswith("model.layers.48.") for n in tensors)
+    assert sum(math.prod(s) for s in tensors.values()) == 31_221_488_576
