@@ -605,8 +605,15 @@ class FSDPTrainer:
             if self.trainer_rank == 0:
                 tensors.extend((n, t.detach().cpu().clone()) for n, t in bucket)
         if self.trainer_rank == 0:
-            write_hf_dir(path, tensors, self.cfg.hf_checkpoint)
+            write_hf_dir(path, tensors + self._checkpoint_buffers({n for n, _ in tensors}), self.cfg.hf_checkpoint)
         self._barrier()
+
+    def _checkpoint_buffers(self, have: set[str]) -> list[tuple[str, torch.Tensor]]:
+        """Buffers the checkpoint stores beside the parameters (DeepSeek-style routers' ``e_score_correction_bias``),
+        in their own dtype: FSDP2 keeps buffers whole on every rank, and a reload without them routes wrongly."""
+        names = self._checkpoint_names() or frozenset()
+        return [(modeling.hf_name(n), b.detach().cpu().clone()) for n, b in self.model.named_buffers()
+                if modeling.hf_name(n) in names and modeling.hf_name(n) not in have]
 
     # ------------------------------------------------------------------ checkpoints
     def _barrier(self) -> None:

@@ -211,3 +211,19 @@ def test_split_expert_shards_keeps_every_rank_s_byte_ranges() -> None:
         assert plan_bucket(split, 2).ranges == plan_bucket(fused, 2).ranges
         assert torch.equal(pack_local(split, torch.device("cpu")), pack_local(fused, torch.device("cpu")))
         assert torch.equal(split[3].data, gu[1, 2:]) if rank == 0 else split[3].data.numel() == 0
+
+
+def test_save_hf_keeps_the_router_bias_buffers(group, tmp_path) -> None:
+    """GLM-4.7-Flash / DeepSeek-V3 routers hold ``e_score_correction_bias`` as a buffer, not a parameter: --save-hf
+    writes it as the checkpoint has it."""
+    from miles.utils.tiny_mla import build_tiny_mla_model
+
+    src = build_tiny_mla_model(tmp_path / "glm")
+    ckpt = _ckpt(src)
+    biases = sorted(k for k in ckpt if k.endswith("e_score_correction_bias"))
+    assert biases
+    tr = _trainer(_cfg(src), group)
+    tr.save_hf(tmp_path / "hf")
+    saved = _ckpt(tmp_path / "hf")
+    assert sorted(saved) == sorted(ckpt)
+    assert all(saved[k].dtype == ckpt[k].dtype and torch.equal(saved[k], ckpt[k]) for k in biases)
