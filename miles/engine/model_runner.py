@@ -344,10 +344,27 @@ class _NativeLM:
         return last, (self.lm_head(h[0]).float() if want_full else None)
 
     # ------------------------------------------------------------------ decode
+
+    def _token_qkv(self, attn, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor | None,
+                   sin: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One token per row (decode rows, a mixed step's chunk tokens): q, k, v of ``x`` [N, H] with the q/k
+        norm and RoPE at ``positions`` applied (fused kernel, or ``cos``/``sin`` gathered at ``positions``)."""
+        n = x.shape[0]
+        q = attn.q_proj(x).view(n, self.n_heads, self.head_dim)
+        k = attn.k_proj(x).view(n, self.n_kv, self.head_dim)
+        v = attn.v_proj(x).view(n, self.n_kv, self.head_dim)
+        if self.fused_rope:
+            qw, qe, kw, ke = ((attn.q_norm.weight, attn.q_norm.variance_epsilon, attn.k_norm.weight,
+                               attn.k_norm.variance_epsilon) if self.qk_norm else (None, 0.0, None, 0.0))
+            return (fused_ops.norm_rope(q, qw, qe, self.cos, self.sin, positions),
+                    fused_ops.norm_rope(k, kw, ke, self.cos, self.sin, positions), v)
+        if self.qk_norm:
+            q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
     def _decode_impl(self, tokens: torch.Tensor, positions: torch.Tensor, B: int, L: int) -> torch.Tensor:
         h = self.embed(tokens)
-        if not self.fused_rope:
-            cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+        cos, sin = (None, None) if self.fused_rope else (self.cos[positions][:, None], self.sin[positions][:, None])
         ar = self.ar_slots[:B]
         kv = self.kv
         if not self.kernel:
@@ -360,19 +377,7 @@ class _NativeLM:
         for li, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = _norm(layer.input_layernorm, h)
-            q = attn.q_proj(x).view(B, self.n_heads, self.head_dim)
-            k = attn.k_proj(x).view(B, self.n_kv, self.head_dim)
-            v = attn.v_proj(x).view(B, self.n_kv, self.head_dim)
-            if self.fused_rope:
-                qw, qe, kw, ke = ((attn.q_norm.weight, attn.q_norm.variance_epsilon, attn.k_norm.weight,
-                                   attn.k_norm.variance_epsilon) if self.qk_norm else (None, 0.0, None, 0.0))
-                q = fused_ops.norm_rope(q, qw, qe, self.cos, self.sin, positions)
-                k = fused_ops.norm_rope(k, kw, ke, self.cos, self.sin, positions)
-            else:
-                if self.qk_norm:
-                    q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
-                q = q * cos + _rotate_half(q) * sin
-                k = k * cos + _rotate_half(k) * sin
+            q, k, v = self._token_qkv(attn, x, positions, cos, sin)
             if kv is not None:
                 kv.k[li][w_page, w_off] = k
                 kv.v[li][w_page, w_off] = v
@@ -427,26 +432,13 @@ class _NativeLM:
         kv = self.kv
         T = tokens.shape[0]
         h = self.embed(tokens)
-        if not self.fused_rope:
-            cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+        cos, sin = (None, None) if self.fused_rope else (self.cos[positions][:, None], self.sin[positions][:, None])
         w_page = kv.block_table[rows, positions // kv.page_size]
         w_off = positions % kv.page_size
         for li, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = _norm(layer.input_layernorm, h)
-            q = attn.q_proj(x).view(T, self.n_heads, self.head_dim)
-            k = attn.k_proj(x).view(T, self.n_kv, self.head_dim)
-            v = attn.v_proj(x).view(T, self.n_kv, self.head_dim)
-            if self.fused_rope:
-                qw, qe, kw, ke = ((attn.q_norm.weight, attn.q_norm.variance_epsilon, attn.k_norm.weight,
-                                   attn.k_norm.variance_epsilon) if self.qk_norm else (None, 0.0, None, 0.0))
-                q = fused_ops.norm_rope(q, qw, qe, self.cos, self.sin, positions)
-                k = fused_ops.norm_rope(k, kw, ke, self.cos, self.sin, positions)
-            else:
-                if self.qk_norm:
-                    q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
-                q = q * cos + _rotate_half(q) * sin
-                k = k * cos + _rotate_half(k) * sin
+            q, k, v = self._token_qkv(attn, x, positions, cos, sin)
             kv.k[li][w_page, w_off] = k
             kv.v[li][w_page, w_off] = v
             if self.kernel:
