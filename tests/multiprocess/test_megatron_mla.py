@@ -18,13 +18,12 @@ transformers to the trained weights; a checkpoint saved and resumed restores the
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
+from _torchrun import torchrun_self
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.multiprocess
@@ -32,19 +31,8 @@ pytestmark = pytest.mark.multiprocess
 HERE = Path(__file__).resolve()
 
 
-def _env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-            "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-
-
 def _torchrun(nproc: int, port: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr", "127.0.0.1",
-           "--master-port", str(port), str(HERE), *args]
-    with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.run(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT, text=True, timeout=timeout)
-        log.seek(0)
-        proc.stdout, proc.stderr = log.read(), ""
-    return proc
+    return torchrun_self(HERE, nproc, port, *args, timeout=timeout)
 
 
 def _parity_worker(model_dir: str, out: str) -> None:

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _torchrun import torchrun_self
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.multiprocess
@@ -37,23 +38,8 @@ def tiny_moe_dir(tmp_path_factory) -> Path:
     return build_tiny_moe_model(tmp_path_factory.mktemp("tiny_moe"))
 
 
-def _env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-            "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-
-
 def _torchrun(nproc: int, port: int, *args: str, timeout: int = 400) -> subprocess.CompletedProcess:
-    """Output goes through a file, not a pipe: CPU shared-memory tensors (the engine test's hand-off) start
-    torch's ``torch_shm_manager``, which inherits the workers' stdout and would hold a pipe open."""
-    import tempfile
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr", "127.0.0.1",
-           "--master-port", str(port), str(HERE), *args]
-    with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.run(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT, text=True, timeout=timeout)
-        log.seek(0)
-        proc.stdout, proc.stderr = log.read(), ""
-    return proc
+    return torchrun_self(HERE, nproc, port, *args, timeout=timeout)
 
 
 # ------------------------------------------------------------------------------------------- model vs HF

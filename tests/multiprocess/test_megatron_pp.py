@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _torchrun import torchrun_self
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.multiprocess
@@ -37,15 +38,8 @@ HERE = Path(__file__).resolve()
 PP2 = "--pipeline-model-parallel-size,2"
 
 
-def _env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-            "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-
-
 def _torchrun(nproc: int, port: int, *args: str, timeout: int = 400) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr", "127.0.0.1",
-           "--master-port", str(port), str(HERE), *args]
-    return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout)
+    return torchrun_self(HERE, nproc, port, *args, timeout=timeout)
 
 
 # ------------------------------------------------------------------------------------ parity

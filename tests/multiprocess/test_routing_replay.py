@@ -14,12 +14,12 @@ place before the training forwards, which still use the recorded experts (withou
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _torchrun import torchrun_self
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.multiprocess
@@ -29,11 +29,7 @@ LAYERS, TOPK, EXPERTS = 3, 2, 8
 
 
 def _torchrun(nproc: int, port: int, *args: str, timeout: int = 500) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr", "127.0.0.1",
-           "--master-port", str(port), str(HERE), *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    return torchrun_self(HERE, nproc, port, *args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
