@@ -7,8 +7,8 @@ turns finished/streamed requests into SGLang-shaped response dicts.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +18,7 @@ import torch
 from miles.engine import protocol as P
 from miles.engine.model_runner import ModelRunner, RunnerOptions
 from miles.engine.routed_experts import encode as encode_routed_experts
-from miles.engine.scheduler import Req, Scheduler
+from miles.engine.scheduler import Req, Scheduler, gc_paused
 from miles.engine.weights import (
     WeightGroups,
     WeightUpdateError,
@@ -108,8 +108,9 @@ class Engine:
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []
 
     def prepare(self, body: P.GenerateReqInput) -> tuple[list[P.GenSpec], bool]:
-        return P.normalize_generate(body, self._tokenize, self.runner.vocab_size, lambda: uuid.uuid4().hex,
-                                    max_samples=self.args.max_samples_per_request)
+        with gc_paused():  # n=100000 builds 100000 specs on the event loop
+            return P.normalize_generate(body, self._tokenize, self.runner.vocab_size, lambda: os.urandom(16).hex(),
+                                        max_samples=self.args.max_samples_per_request)
 
     def submit(self, specs: list[P.GenSpec], stream: bool, health: bool = False) -> list[Req]:
         """Queue the requests; raises ``P.BadRequest`` or ``QueueFull`` (the engine is at --max-queued-requests)."""

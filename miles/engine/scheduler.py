@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import gc
 import queue
 import random
 import threading
@@ -46,6 +48,60 @@ class QueueFull(RuntimeError):
     """The engine holds --max-queued-requests requests already: HTTP 503 (retry later)."""
 
 
+class Events:
+    """What the scheduler thread tells the event loop about one request: ``(tokens so far, final)`` pairs.
+
+    An ``asyncio.Queue`` did this at ~10x the cost to build; a request with ``n=100000`` builds 100000 of them
+    on the event loop. ``put_nowait`` runs on the loop (through ``call_soon_threadsafe``), ``get`` awaits there.
+    """
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self) -> None:
+        self.items: deque = deque()
+        self.waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item: tuple[int, bool]) -> None:
+        self.items.append(item)
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def get(self) -> tuple[int, bool]:
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        return self.items.popleft()
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Build many small objects without the collector rescanning them as they pile up (4x faster at 100000)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def post_final(reqs: list[Req]) -> None:
+    """``r.post(final=True)`` for each, as one event-loop callback per loop instead of one wake-up per request."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Events, tuple[int, bool]]]] = {}
+    for r in reqs:
+        by_loop.setdefault(r.loop, []).append((r.events, (len(r.output_ids), True)))
+
+    def deliver(batch: list[tuple[Events, tuple[int, bool]]]) -> None:
+        for ev, item in batch:
+            ev.put_nowait(item)
+    for loop, batch in by_loop.items():
+        loop.call_soon_threadsafe(deliver, batch)
+
+
 class Req:
     """One generation as the scheduler tracks it. Lists only grow, so the event loop may read prefixes."""
 
@@ -55,7 +111,7 @@ class Req:
         self.seed = seed
         self.loop = loop
         self.stream = stream
-        self.events: asyncio.Queue = asyncio.Queue()
+        self.events = Events()
         self.output_ids: list[int] = []
         self.output_logprobs: list[float] = []
         self.output_top: list[list[tuple[float, int]]] = []
@@ -255,22 +311,27 @@ class Scheduler:
         else:
             with self._accepted_lock:
                 self._accepted += len(specs)
-        reqs = [Req(s, s.sampling_seed if s.sampling_seed is not None else self.rng.getrandbits(63), loop, stream)
-                for s in specs]
+        with gc_paused():
+            reqs = [Req(s, s.sampling_seed if s.sampling_seed is not None else self.rng.getrandbits(63), loop, stream)
+                    for s in specs]
         for r in reqs:
             r.health = health
 
         def add():
-            for r in reqs:
-                self._track(r)
-                if r.health and self.paused:
-                    self._finish(r, {"type": "abort", "message": "generation is paused"})
-                    continue
-                r.state = "waiting"
-                self.waiting.append(r)
-                self.num_waiting += 1
+            with gc_paused():
+                self._add(reqs)
         self.call(add)
         return reqs
+
+    def _add(self, reqs: list[Req]) -> None:
+        for r in reqs:
+            self._track(r)
+            if r.health and self.paused:
+                self._finish(r, {"type": "abort", "message": "generation is paused"})
+                continue
+            r.state = "waiting"
+            self.waiting.append(r)
+            self.num_waiting += 1
 
     def _track(self, r: Req) -> None:
         self._live[r] = None
@@ -300,7 +361,8 @@ class Scheduler:
 
     def abort_reqs(self, reqs: list[Req], message: str) -> int:
         """Finish these requests as aborted (those still live); O(len(reqs)) plus one slot move per running one."""
-        slots = []
+        slots: list[int] = []
+        posts: list[Req] = []
         n = 0
         for r in reqs:
             if r.finish is not None or r not in self._live:
@@ -309,8 +371,9 @@ class Scheduler:
                 slots.append(r.slot)
             elif r is self.chunking:
                 self._drop_chunking()
-            self._finish(r, {"type": "abort", "message": message})
+            self._finish(r, {"type": "abort", "message": message}, posts)
             n += 1
+        post_final(posts)
         self._remove(slots)
         return n
 
@@ -379,7 +442,8 @@ class Scheduler:
         self.runner.release(tags)
 
     # ------------------------------------------------------------------ steps
-    def _finish(self, r: Req, reason: dict[str, Any]) -> None:
+    def _finish(self, r: Req, reason: dict[str, Any], posts: list[Req] | None = None) -> None:
+        """Finish ``r``; a request off its slot is answered now, or appended to ``posts`` for one batched post."""
         r.finish = reason
         r.weight_version = self.weight_version
         if r.state == "waiting":
@@ -387,7 +451,10 @@ class Scheduler:
         self._untrack(r)
         if r.state != "running":  # a running request stays "running" until _remove takes it off its slot,
             r.state = "done"      # and is answered only then: a client that sees the answer sees it gone
-            r.post(final=True)
+            if posts is None:
+                r.post(final=True)
+            else:
+                posts.append(r)
 
     def _remove(self, idxs: list[int]) -> None:
         for i in sorted(idxs, reverse=True):
