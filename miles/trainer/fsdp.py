@@ -45,7 +45,7 @@ from miles.trainer.batching import (
     split_into_steps,
 )
 from miles.trainer.checkpoint import save_checkpoint
-from miles.trainer.collectives import bounded_all_gather_object
+from miles.trainer.collectives import bounded_union_of_names
 from miles.trainer.critic import Critic
 from miles.trainer.hf_export import checkpoint_dtype, write_hf_dir
 from miles.trainer.losses import (
@@ -536,9 +536,8 @@ class FSDPTrainer:
     def _all_keys(self, keys: set[str]) -> list[str]:
         if self.world == 1:
             return sorted(keys)
-        gathered = bounded_all_gather_object(sorted(keys), self.group, self.timeout, self.device,
-                                             what="gathering the step's metric names")
-        return sorted(set().union(*gathered))
+        return bounded_union_of_names(keys, self.group, self.timeout, self.device,
+                                      what="gathering the step's metric names")
 
     def _reduce_step_metrics(self, step_sums: list[MetricSums]) -> dict[str, float]:
         keys = self._all_keys(set().union(*(s.sums.keys() for s in step_sums)))

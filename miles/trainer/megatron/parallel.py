@@ -24,11 +24,17 @@ by the DP size (``moe.reduce_expert_grads``).
 
 ``--use-distributed-optimizer`` (ZeRO-1, Megatron's meaning): with DP > 1 the AdamW state is sharded over
 the DP group by whole (TP-local) parameters (torch's ``ZeroRedundancyOptimizer``): each DP rank updates the
-parameters it owns and broadcasts them; gradients are still averaged over DP first.
+parameters it owns and broadcasts them; gradients are still averaged over DP first. The broadcast after the
+step is one flattened tensor per owner rank (and dtype, device; split at ``_SYNC_BUCKET_BYTES``), not torch's one
+per parameter: each gloo collective is a fixed 1-2 ms on a small CPU host (issue 13). The bytes sent are the
+same, so the weights are bit for bit torch's; state_dict/load_state_dict are torch's own. Not torch's
+``parameters_as_bucket_view``: that makes every ``p.data`` a view of a bucket, and ``MasterWeights`` swaps
+``p.data`` (fp32 masters, bf16 copies) twice a step, which would silently cut the parameters off their buckets.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -137,19 +143,72 @@ def _tp_partial(name: str, mla: bool = False) -> bool:
     return not mla and (".q_layernorm." in name or ".k_layernorm." in name)
 
 
+_SYNC_BUCKET_BYTES = 256 << 20     # per broadcast, and the flat copies in flight: the sync's extra memory
+
+
+@functools.cache
+def _zero_class() -> type:
+    """``ZeroRedundancyOptimizer`` with a bucketed parameter sync (module docstring); built on first use, as
+    ``torch.distributed.optim`` takes about a second to import."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    class BucketedZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
+        @torch.no_grad()
+        def _sync_params(self) -> None:
+            pending: list[tuple[dist.Work, torch.Tensor, list[torch.Tensor], bool]] = []
+            in_flight = 0
+
+            def finish(work: dist.Work, flat: torch.Tensor, tensors: list[torch.Tensor], owned: bool) -> None:
+                work.wait()
+                if not owned:
+                    torch._foreach_copy_(tensors, _unflatten_dense_tensors(flat, tensors))
+
+            for rank, param_groups in enumerate(self._partition_parameters()):
+                src = dist.get_global_rank(self.process_group, rank)
+                for bucket in _sync_buckets([p for g in param_groups for p in g["params"]]):
+                    tensors = [p.data for p in bucket]
+                    flat = _flatten_dense_tensors(tensors)
+                    work = dist.broadcast(flat, src=src, group=self.process_group, async_op=True)
+                    pending.append((work, flat, tensors, rank == self.rank))
+                    in_flight += flat.numel() * flat.element_size()
+                    while len(pending) > 1 and in_flight > _SYNC_BUCKET_BYTES:   # at most ~2 buckets of copies
+                        done = pending.pop(0)
+                        in_flight -= done[1].numel() * done[1].element_size()
+                        finish(*done)
+            for done in pending:
+                finish(*done)
+
+    return BucketedZeroRedundancyOptimizer
+
+
+def _sync_buckets(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """One owner rank's parameters in broadcast buckets: same device and dtype, at most ``_SYNC_BUCKET_BYTES``
+    each (a larger parameter alone); the order is the parameters', so every rank builds the same buckets."""
+    open_: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]] = {}
+    out: list[list[torch.Tensor]] = []
+    for p in params:
+        bucket, size = open_.setdefault((p.device, p.dtype), ([], [0]))
+        nbytes = p.numel() * p.element_size()
+        if bucket and size[0] + nbytes > _SYNC_BUCKET_BYTES:
+            out.append(bucket[:])
+            bucket.clear()
+            size[0] = 0
+        bucket.append(p)
+        size[0] += nbytes
+    return out + [bucket for bucket, _ in open_.values() if bucket]
+
+
 def distributed_adamw(model: nn.Module, groups: Groups, *, lr: float, weight_decay: float,
                       betas: tuple[float, float], eps: float, device: torch.device) -> torch.optim.Optimizer:
     """AdamW with its state sharded over the DP group (same parameter groups as ``optim.build_adamw``)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     param_groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
                                 {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
     kw = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    return ZeroRedundancyOptimizer(param_groups, optimizer_class=torch.optim.AdamW,
-                                   process_group=groups.dp_cp if groups.cp_size > 1 else groups.dp,
-                                   lr=lr, betas=betas, eps=eps, **kw)
+    return _zero_class()(param_groups, optimizer_class=torch.optim.AdamW,
+                         process_group=groups.dp_cp if groups.cp_size > 1 else groups.dp,
+                         lr=lr, betas=betas, eps=eps, **kw)
 
 
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

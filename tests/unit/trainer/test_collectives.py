@@ -1,6 +1,7 @@
 """``collectives.bounded_all_gather_object`` over a real 2-rank gloo group: every rank's object (of different
 pickled sizes) reaches every rank in rank order, and a rank that never joins stops the other after the
-helper's timeout (not the process group's) with one line, a TimeoutError."""
+helper's timeout (not the process group's) with one line, a TimeoutError. ``bounded_union_of_names`` gives the
+union of the object gather with one collective when every rank has the same names, and the union when not."""
 
 from __future__ import annotations
 
@@ -52,3 +53,49 @@ def test_a_silent_rank_stops_the_gather_after_the_timeout(two_ranks) -> None:
     assert message.startswith("TimeoutError: gathering test objects over a group of 2 ranks"), out
     assert "\n" not in message
     assert 0.8 * TIMEOUT < seconds < 2 * TIMEOUT, out
+
+
+NAMES = {"same": ({"loss", "pg_loss", "entropy"}, {"entropy", "loss", "pg_loss"}),
+         "differ": ({"loss", "pg_loss"}, {"loss", "kl_loss"}),
+         "one_empty": ({"loss", "pg_loss"}, set()),
+         "empty_name": ({"a"}, {"a", ""})}
+
+
+def _names_worker(rank: int, port: int, scenario: str, q) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    from miles.trainer.collectives import bounded_union_of_names
+
+    calls = []
+    real = {name: getattr(dist, name) for name in ("all_gather", "all_gather_into_tensor", "all_reduce", "broadcast")}
+
+    def counting(name):
+        def call(*a, **kw):
+            calls.append(name)
+            return real[name](*a, **kw)
+        return call
+
+    for name in real:
+        setattr(dist, name, counting(name))
+    try:
+        got = bounded_union_of_names(NAMES[scenario][rank], None, TIMEOUT, torch.device("cpu"), "gathering names")
+        q.put((rank, (got, calls), 0.0))
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        q.put((rank, (f"{type(e).__name__}: {e}", calls), 0.0))
+    finally:
+        q.close()
+        q.join_thread()
+        os._exit(0)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("scenario", list(NAMES))
+def test_union_of_names_is_one_collective_when_every_rank_agrees(two_ranks, scenario: str) -> None:
+    out = two_ranks(_names_worker, scenario)
+    union = sorted(NAMES[scenario][0] | NAMES[scenario][1])
+    for rank in (0, 1):
+        got, calls = out[rank][0]
+        assert got == union, out
+        # the digest gather; the names' own 2 gathers (sizes, bytes) only when the ranks' names differ
+        assert calls == (["all_gather_into_tensor"] if scenario == "same"
+                         else ["all_gather_into_tensor", "all_gather", "all_gather"]), (scenario, calls)
