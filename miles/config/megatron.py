@@ -24,7 +24,7 @@ _INT = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "decoder_f
         "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "vocab_size",
         "max_position_embeddings", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
         "moe_shared_expert_intermediate_size", "moe_router_num_groups", "moe_router_group_topk", "q_lora_rank",
-        "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+        "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers")
 _MLA_INT = ("moe_router_num_groups", "moe_router_group_topk", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
             "qk_pos_emb_head_dim", "v_head_dim")
 _SWITCHES = ("sequence_parallel", "use_distributed_optimizer", "accumulate_allreduce_grads_in_fp32",
@@ -56,6 +56,9 @@ _HELP = {
     "qk_head_dim": "MLA: config.json's qk_nope_head_dim.",
     "qk_pos_emb_head_dim": "MLA: config.json's qk_rope_head_dim.",
     "v_head_dim": "MLA: config.json's v_head_dim.",
+    "mtp_num_layers": "Multi-token prediction: build megatron-core's MTP block of N layers from the checkpoint's MTP "
+                      "layers (must equal config.json's num_nextn_predict_layers); trained only with "
+                      "--enable-mtp-training.",
     "moe_grouped_gemm": "MoE: grouped GEMM experts (transformer-engine; SequentialMLP otherwise, same math).",
     "moe_permute_fusion": "MoE: fused token permutation (transformer-engine; unfused otherwise, same result).",
     "moe_router_enable_expert_bias": "MoE: aux-loss-free expert bias (config.json's e_score_correction_bias; kept "
@@ -86,6 +89,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--optimizer-offload-fraction", type=float, default=None,
                    help="With --optimizer-cpu-offload: the fraction of the parameters (elements, in model order) "
                         "whose AdamW runs on CPU (default 1.0).")
+    g.add_argument("--mtp-loss-scaling-factor", type=float, default=None,
+                   help="With --enable-mtp-training: the MTP loss (mean over its layers) is scaled by this and added "
+                        "to the training loss (default 0.2, as Miles).")
+    g.add_argument("--enable-mtp-training", action="store_true",
+                   help="Train the MTP layers of --mtp-num-layers (their loss is added to the training loss and "
+                        "logged as mtp_loss); without it they are loaded and exported unchanged.")
     g.add_argument("--hidden-dropout", type=float, default=None, help=_HELP["hidden_dropout"])
     g.add_argument("--attention-dropout", type=float, default=None, help=_HELP["attention_dropout"])
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
@@ -213,6 +222,9 @@ class MegatronConfig:
     optimizer_offload_fraction: float | None = None
     overlap_cpu_optimizer_d2h_h2d: bool = False
     use_precision_aware_optimizer: bool = False
+    mtp_num_layers: int | None = None
+    mtp_loss_scaling_factor: float | None = None      # None: not given (0.2, as Miles: options.resolve)
+    enable_mtp_training: bool = False
 
     def given(self) -> list[str]:
         """The flags of this section that were passed (a value other than None / False)."""
@@ -243,7 +255,12 @@ class MegatronConfig:
             v = getattr(self, name)
             if v is not None and not 0.0 <= v < 1.0:
                 raise ConfigError(f"{flag(name)} must be in [0, 1), got {v}.")
+        if self.enable_mtp_training and not self.mtp_num_layers:
+            raise ConfigError("--enable-mtp-training needs --mtp-num-layers N (the MTP layers to build and train, "
+                              "config.json's num_nextn_predict_layers): add --mtp-num-layers or drop "
+                              "--enable-mtp-training.")
         for name, values in (("moe_aux_loss_coeff", self.moe_aux_loss_coeff or []),
+                             ("mtp_loss_scaling_factor", [self.mtp_loss_scaling_factor]),
                              ("moe_router_bias_update_rate", [self.moe_router_bias_update_rate]),
                              ("moe_router_topk_scaling_factor", [self.moe_router_topk_scaling_factor])):
             for v in values:

@@ -16,10 +16,6 @@ _FORWARD_PROMETHEUS = ("it pushes the dashboard's gauges to Miles's --use-promet
 _EVAL_FLEET = ("Miles's dedicated eval engine fleet (--eval-num-gpus > 0: its own engines and router, fed HF snapshots) "
                "is not part of miles: drop it; evaluation runs on the rollout engines every --eval-interval rollouts, "
                "with the --eval-* sampling flags and the engines' --sglang-* settings.")
-_MTP = ("Megatron's multi-token-prediction block (Miles builds it from the checkpoint's MTP layer, syncs it to the "
-        "engines' speculative draft and trains it with --enable-mtp-training) is not built by miles's Megatron "
-        "backend: drop it; the engines keep the checkpoint's MTP/draft layer (unchanged, as in Miles without "
-        "--enable-mtp-training), and --save-hf writes the main model's layers only.")
 EVAL_SGLANG_PREFIX = "--eval-sglang-"
 
 # Miles v0.1.0 miles/utils/arguments.py add_lora_arguments, the replay flags of add_algo_arguments, the eval
@@ -34,7 +30,6 @@ UNSUPPORTED: dict[str, str] = {
     **{f: _REPLAY for f in (
         "--use-indexer-replay", "--use-rollout-indexer-replay")},
     "--dashboard-forward-prometheus": _FORWARD_PROMETHEUS,
-    **{f: _MTP for f in ("--mtp-num-layers", "--enable-mtp-training", "--mtp-loss-scaling-factor")},
     **{f: _EVAL_FLEET for f in (
         "--eval-num-gpus", "--eval-num-gpus-per-engine", "--eval-hf-dir", "--eval-max-in-flight",
         "--eval-overflow-policy", "--eval-keep-snapshots")},

@@ -382,7 +382,7 @@ class Engine:
     async def update_from_disk(self, b: P.UpdateWeightFromDiskReqInput) -> int:
         async with self._update_lock:
             live = self.runner.named_tensors()
-            state = await asyncio.to_thread(load_from_disk, b.model_path, live)
+            state = await asyncio.to_thread(load_from_disk, b.model_path, live, self.runner.is_mtp_name)
             n = await self._apply(state, flush=b.flush_cache, abort_all=b.abort_all_requests, version=b.weight_version,
                                   rollback=True)
             self.model_path = b.model_path

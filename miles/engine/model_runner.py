@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from miles.engine import fused_ops, paged_attention
 from miles.engine.paged_cache import PagedKV
 from miles.engine.routed_experts import RoutedExpertsRecorder
+from miles.engine.weights import drop_mtp, mtp_layer_names
 from miles.utils.logging import get_logger
 
 logger = get_logger("miles.engine.model_runner")
@@ -869,6 +870,13 @@ class ModelRunner:
                 logger.info("captured %d decode CUDA graphs in %.1f s", n, time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ weights
+    def is_mtp_name(self, name: str) -> bool:
+        """A tensor of the checkpoint's multi-token-prediction layers (``weights.mtp_layer_names``)."""
+        pred = getattr(self, "_is_mtp", None)
+        if pred is None:
+            pred = self._is_mtp = mtp_layer_names(getattr(self, "config", None))
+        return pred(name)
+
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """HF parameter names (as in the safetensors files, tied aliases included) -> live tensors."""
         return self._params
@@ -877,6 +885,7 @@ class ModelRunner:
     def load_tensors(self, tensors: dict[str, torch.Tensor], *, strict_names: bool = True) -> int:
         """Copy ``tensors`` into the live weights in place (CUDA graphs stay valid). Validates everything first."""
         params = self._params
+        tensors = drop_mtp(tensors, self.is_mtp_name)      # the checkpoint's MTP layers: not served, skipped
         if self.weights_released:
             raise ValueError("weights are released (release_memory_occupation); resume them before updating")
         for name, t in tensors.items():

@@ -29,6 +29,7 @@ import io
 import pickle
 import threading
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -309,6 +310,22 @@ def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def mtp_layer_names(config: Any) -> Callable[[str], bool]:
+    """Whether a HF name belongs to the checkpoint's multi-token-prediction layers (GLM-4.7-Flash, DeepSeek-V3 keep
+    them as ``model.layers.{num_hidden_layers + k}.*``, config.json's ``num_nextn_predict_layers``): the engine
+    serves the main model, so these tensors (in a checkpoint or a weight update from a trainer that carries the
+    MTP block, ``--mtp-num-layers``) are skipped, not refused."""
+    layers = int(getattr(config, "num_hidden_layers", 0) or 0)
+    extra = int(getattr(config, "num_nextn_predict_layers", 0) or 0)
+    prefixes = tuple(f"model.layers.{layers + k}." for k in range(extra))
+    return (lambda name: name.startswith(prefixes)) if prefixes else (lambda name: False)
+
+
+def drop_mtp(tensors: dict[str, torch.Tensor], is_mtp: Callable[[str], bool] | None) -> dict[str, torch.Tensor]:
+    """``tensors`` without the MTP layers' (``mtp_layer_names``)."""
+    return tensors if is_mtp is None else {n: t for n, t in tensors.items() if not is_mtp(n)}
+
+
 def check_full_coverage(state: dict[str, torch.Tensor], live: dict[str, torch.Tensor]) -> None:
     """A full checkpoint must name every live tensor (a tied alias counts for its twin; a fused MoE expert tensor
     is covered by its per-expert names, ``ParamIndex.aliases``, when they name every expert)."""
@@ -325,21 +342,24 @@ def check_full_coverage(state: dict[str, torch.Tensor], live: dict[str, torch.Te
         raise WeightUpdateError(f"the checkpoint lacks {len(missing)} of the model's tensors, e.g. {missing[:5]}")
 
 
-def load_from_disk(path: str, live: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The complete new weights from ``path`` (full dir or delta dir); raises WeightUpdateError/DeltaError."""
+def load_from_disk(path: str, live: dict[str, torch.Tensor],
+                   is_mtp: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+    """The complete new weights from ``path`` (full dir or delta dir), the MTP layers' skipped (``is_mtp``);
+    raises WeightUpdateError/DeltaError."""
     if is_delta_dir(path):
         from miles.weight_sync.disk_delta import apply_delta_dir
 
         current = {n: t.detach().to("cpu") for n, t in live.items()}
         for a, (fused, e, half) in getattr(live, "aliases", {}).items():   # per-expert names of fused experts
             current[a] = current[fused][e] if half is None else current[fused][e].chunk(2, dim=0)[half]
-        new = apply_delta_dir(path, current)
-        return {n: t for n, t in new.items() if n not in current or t is not current[n]}
+        new = apply_delta_dir(path, current, skip=is_mtp)
+        return drop_mtp({n: t for n, t in new.items() if n not in current or t is not current[n]}, is_mtp)
     if Path(path, "full_manifest.json").is_file():
         from miles.weight_sync.disk_delta import read_full_dir
 
         state = read_full_dir(path, verify=True)  # a disk-delta full version: checksums verified
     else:
         state = read_safetensors_dir(path)
+    state = drop_mtp(state, is_mtp)
     check_full_coverage(state, live)
     return state

@@ -47,8 +47,13 @@ def build_tiny_mla_model(
     rope_scaling: dict | None = None,
     seed: int = 0,
     dtype: str = "float32",
+    mtp_layers: int = 0,
 ) -> Path:
-    """Write a randomly initialised MLA causal LM of ``model_type`` plus the tiny tokenizer to ``out_dir``."""
+    """Write a randomly initialised MLA causal LM of ``model_type`` plus the tiny tokenizer to ``out_dir``.
+    ``mtp_layers`` > 0: also its multi-token-prediction layers as the HF checkpoints keep them
+    (``model.layers.{num_layers + k}``: a decoder layer plus ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``
+    and copies of the embedding / output layer as ``embed_tokens`` / ``shared_head.head``; config.json's
+    ``num_nextn_predict_layers``), which transformers does not load."""
     import torch
     import transformers
 
@@ -71,7 +76,7 @@ def build_tiny_mla_model(
         max_position_embeddings=max_position_embeddings, rope_theta=rope_theta, tie_word_embeddings=False,
         **({"rope_scaling": dict(rope_scaling, rope_theta=rope_theta)} if rope_scaling else {}),
         bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        torch_dtype=dtype)
+        torch_dtype=dtype, **({"num_nextn_predict_layers": mtp_layers} if mtp_layers else {}))
     torch.manual_seed(seed)
     model = model_cls(config)
     with torch.no_grad():          # transformers initialises router and bias to zeros: a random, distinct routing
@@ -82,4 +87,32 @@ def build_tiny_mla_model(
                 gate.e_score_correction_bias.uniform_(-0.1, 0.1)
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(str(out), safe_serialization=True)
+    if mtp_layers:
+        _add_mtp_layers(out, model, mtp_layers, seed)
     return out
+
+
+def _add_mtp_layers(out: Path, model, n: int, seed: int) -> None:
+    """Append ``n`` random MTP layers to ``out``'s model.safetensors (HF layout, see ``build_tiny_mla_model``): each
+    a decoder layer shaped like the last one (megatron-core builds its MTP layers so) plus the MTP tensors."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    layers, h = model.config.num_hidden_layers, model.config.hidden_size
+    path = out / "model.safetensors"
+    tensors = load_file(str(path))
+    last = f"model.layers.{layers - 1}."
+    shapes = {k[len(last):]: v.shape for k, v in tensors.items() if k.startswith(last)}
+    shapes |= {"enorm.weight": (h,), "hnorm.weight": (h,), "eh_proj.weight": (h, 2 * h),
+               "shared_head.norm.weight": (h,)}
+    dtype = tensors["model.embed_tokens.weight"].dtype
+    g = torch.Generator().manual_seed(seed + 1)
+    for k in range(n):
+        p = f"model.layers.{layers + k}."
+        for name, shp in sorted(shapes.items()):   # every tensor drawn (norms too): a round trip is meaningful
+            norm = len(shp) == 1 and "norm" in name
+            t = 1.0 + 0.1 * torch.randn(shp, generator=g) if norm else 0.1 * torch.randn(shp, generator=g)
+            tensors[p + name] = t.to(dtype).contiguous()
+        tensors[p + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        tensors[p + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file(tensors, str(path), metadata={"format": "pt"})

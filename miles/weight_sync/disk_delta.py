@@ -34,7 +34,7 @@ import os
 import shutil
 import uuid
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -313,8 +313,11 @@ def _decode(entry: dict[str, Any], payload: bytes, base: torch.Tensor | None, wh
     return out
 
 
-def apply_delta_dir(model_path: str | Path, current_state: dict[str, torch.Tensor], *, current_version: int | None = None) -> dict[str, torch.Tensor]:
+def apply_delta_dir(model_path: str | Path, current_state: dict[str, torch.Tensor], *, current_version: int | None = None,
+                    skip: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
     """Verify a delta version dir completely, then return ``current_state`` with the delta applied.
+
+    ``skip(name)``: tensors the reader does not hold and ignores (an engine's MTP layers), left out of the result.
 
     ``current_state`` holds the tensors of the base version (any device; not modified). Tensors not in
     the manifest pass through unchanged; updated ones are new tensors on the same device. With
@@ -335,7 +338,8 @@ def apply_delta_dir(model_path: str | Path, current_state: dict[str, torch.Tenso
                          f"v{current_version}; load a full version instead")
     # 1. every piece present, the right size and checksum, and matching the current tensors' layout
     blobs: dict[str, bytes] = {}
-    for e in m["tensors"]:
+    entries = [e for e in m["tensors"] if skip is None or not skip(e["name"])]
+    for e in entries:
         name = e["name"]
         where = f"{path} tensor {name!r}" + (f" ({e['file']})" if e.get("file") else "")
         if e["encoding"] != "raw":
@@ -360,7 +364,7 @@ def apply_delta_dir(model_path: str | Path, current_state: dict[str, torch.Tenso
     # 2. decode into new arrays and check every result before returning any
     dctx = zstandard.ZstdDecompressor()
     updated: dict[str, torch.Tensor] = {}
-    for e in m["tensors"]:
+    for e in entries:
         name = e["name"]
         where = f"{path} tensor {name!r}" + (f" ({e['file']})" if e.get("file") else "")
         payload = b""
@@ -381,7 +385,7 @@ def apply_delta_dir(model_path: str | Path, current_state: dict[str, torch.Tenso
         updated[name] = t.to(cur.device) if cur is not None else t
     result = dict(current_state)
     result.update(updated)
-    logger.info("applied delta v%d (base v%d): %d tensors, %d changed", version, base_version, len(m["tensors"]), len(blobs))
+    logger.info("applied delta v%d (base v%d): %d tensors, %d changed", version, base_version, len(entries), len(blobs))
     return result
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from miles.config.base import ConfigError
-from miles.trainer.megatron import mla, moe
+from miles.trainer.megatron import mla, moe, mtp
 from miles.trainer.megatron.model import ModelShape
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -67,6 +67,10 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], shape: ModelShape, padded_vocab:
             out[name] = _pad_rows(hf["lm_head.weight"], padded_vocab)
         elif name == "decoder.final_layernorm.weight":
             out[name] = hf["model.norm.weight"]
+        elif mtp.is_mtp(name):                  # the MTP block: its own tensors, its decoder layer (mtp.py)
+            own = mtp.own_hf_name(name, shape.num_layers)
+            out[name] = hf[own] if own is not None else hf_to_megatron(
+                hf, shape, padded_vocab, [mtp.decoder_name(name, shape.num_layers)]).popitem()[1]
         else:
             m = _LAYER.match(name)
             if m is None:
@@ -96,11 +100,16 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], shape: ModelShape, padded_vocab:
 def megatron_to_hf(name: str, full: torch.Tensor, shape: ModelShape) -> list[tuple[str, torch.Tensor]]:
     """HF tensors from one full megatron tensor (the norm copies of the TE spec map once)."""
     if name == "embedding.word_embeddings.weight":
-        return [("model.embed_tokens.weight", full[:shape.vocab_size])]
+        return [("model.embed_tokens.weight", full[:shape.vocab_size])] + mtp.shared_copies(name, full, shape)
     if name == "output_layer.weight":
-        return [("lm_head.weight", full[:shape.vocab_size])]
+        return [("lm_head.weight", full[:shape.vocab_size])] + mtp.shared_copies(name, full, shape)
     if name == "decoder.final_layernorm.weight":
         return [("model.norm.weight", full)]
+    if mtp.is_mtp(name):                        # the MTP block (mtp.py)
+        own = mtp.own_hf_name(name, shape.num_layers)
+        if own is not None:
+            return [(own, full)]
+        return megatron_to_hf(mtp.decoder_name(name, shape.num_layers), full, shape)
     m = _LAYER.match(name)
     if m is None:
         raise KeyError(f"no HF name for megatron parameter {name}")
@@ -129,7 +138,7 @@ def is_glu_fc1(name: str) -> bool:
 
 
 _COLUMN = ("embedding.word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias",
-           "mlp.linear_fc1.weight", *mla.COLUMN)
+           "mlp.linear_fc1.weight", *mla.COLUMN, *mtp.COLUMN)
 _ROW = ("linear_proj.weight", "mlp.linear_fc2.weight", *mla.ROW)
 
 
@@ -188,6 +197,7 @@ def load_hf_into(model: torch.nn.Module, hf: dict[str, torch.Tensor], shape: Mod
     params = dict(model.named_parameters()) | dict(mla.exported_buffers(model))
     num_local = shape.num_experts // ep_size if shape.num_experts else 0
     names = {name: moe.global_name(name, ep_rank, num_local) for name in params}
+    mtp.check_mtp_tensors(hf, shape)
     full = hf_to_megatron(hf, shape, padded_vocab, list(names.values()))
     for name, p in params.items():
         piece = shard(name, full[names[name]], partition_dim(name), tp_rank, tp_size)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from miles.trainer.megatron import mla
+from miles.trainer.megatron import mla, mtp
 from miles.trainer.megatron.moe import hf_moe_fields
 
 FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE", **mla.MLA_FAMILIES}
@@ -59,6 +59,8 @@ class ModelShape:
     v_head_dim: int = 0
     yarn: tuple[float, ...] = ()              # MLA yarn rope: (factor, original max positions, beta_fast, beta_slow,
     #                                           mscale, mscale_all_dim); () without rope scaling
+    nextn_layers: int = 0                     # config.json's num_nextn_predict_layers (the checkpoint's MTP layers)
+    mtp_num_layers: int = 0                   # MTP layers built (--mtp-num-layers, mtp.py); 0: none
 
     @property
     def mla(self) -> bool:
@@ -94,7 +96,8 @@ class ModelShape:
                    num_query_groups=int(getattr(c, "num_key_value_heads", None) or heads),
                    vocab_size=int(c.vocab_size), max_position_embeddings=int(c.max_position_embeddings),
                    rotary_base=float(theta), norm_epsilon=float(c.rms_norm_eps),
-                   tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)), **fields, **moe_fields)
+                   tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+                   nextn_layers=int(getattr(c, "num_nextn_predict_layers", 0) or 0), **fields, **moe_fields)
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
@@ -118,7 +121,8 @@ def transformer_config(shape: ModelShape, *, tp_size: int, device: torch.device,
                        recompute_num_layers: int | None = None, attention_softmax_in_fp32: bool = True,
                        hidden_dropout: float = 0.0, attention_dropout: float = 0.0, sequence_parallel: bool = False,
                        pp_size: int = 1, first_stage_layers: int | None = None, last_stage_layers: int | None = None,
-                       moe: dict | None = None, cp_size: int = 1, cp_comm_type: str = "p2p"):
+                       moe: dict | None = None, cp_size: int = 1, cp_comm_type: str = "p2p",
+                       mtp_loss_scale: float = 0.2):
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.transformer_config import MLATransformerConfig
@@ -130,6 +134,8 @@ def transformer_config(shape: ModelShape, *, tp_size: int, device: torch.device,
                   recompute_num_layers=recompute_num_layers)
     kw.update(moe or {})           # MoE layers and expert parallelism (moe.config_kwargs)
     kw.update(mla.config_kwargs(shape))    # multi-latent attention, the DeepSeek-style router (mla.py)
+    if shape.mtp_num_layers:       # the MTP block (mtp.py)
+        kw.update(mtp_num_layers=shape.mtp_num_layers, mtp_loss_scaling_factor=mtp_loss_scale)
     if cp_size > 1:                # context_parallel.py (the value megatron-core hands the core attention)
         kw.update(context_parallel_size=cp_size, cp_comm_type=cp_comm_type)
     if pp_size > 1:                # megatron-core asks for pipeline_dtype; pipeline.py's schedule does not read it
@@ -248,8 +254,11 @@ def _sequence_parallel_norms(config, spec):
 
 
 def build_gpt_model(shape: ModelShape, config, *, padded_vocab: int, device: torch.device,
-                    core_attention: str = "sdpa", pre_process: bool = True, post_process: bool = True):
+                    core_attention: str = "sdpa", pre_process: bool = True, post_process: bool = True,
+                    mtp_training: bool = False):
     """A HiddenGPTModel on ``device`` (weights uninitialised: load them with ``convert.load_hf_into``).
+    With ``shape.mtp_num_layers`` it holds megatron-core's MTP block (``mtp.py``), run and trained only with
+    ``mtp_training``, else frozen.
     ``core_attention`` (local spec only): "sdpa" (``SDPACoreAttention``) or "unfused" (megatron-core's).
     ``pre_process``/``post_process``: this pipeline stage holds the embedding / the final norm and output layer."""
     from megatron.core.models.gpt import GPTModel
@@ -282,17 +291,39 @@ def build_gpt_model(shape: ModelShape, config, *, padded_vocab: int, device: tor
             spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
 
     class HiddenGPTModel(GPTModel):
-        """GPTModel whose forward returns the final-norm hidden states [s, b, h] (no output layer)."""
+        """GPTModel whose forward returns the final-norm hidden states [s, b, h] (no output layer); with MTP
+        training and ``labels`` given, the MTP block runs and its loss is attached to them (``mtp.attach_loss``)."""
 
-        def _postprocess(self, hidden_states, *args, **kwargs):
-            return hidden_states
+        mtp_training = False
+        mtp_loss_value = None
 
+        def _postprocess(self, hidden_states, input_ids=None, position_ids=None, labels=None, rotary_pos_emb=None,
+                         rotary_pos_cos=None, rotary_pos_sin=None, mtp_in_postprocess=None, loss_mask=None,
+                         decoder_input=None, attention_mask=None, **kwargs):
+            if not (mtp_in_postprocess and self.mtp_training and labels is not None):
+                return hidden_states
+            run = dict(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                       rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin)
+            return mtp.attach_loss(self, hidden_states, run, labels, loss_mask, shape.vocab_size)
+
+    mtp_spec = None
     with _sequence_parallel_norms(config, spec) as spec:
-        model = HiddenGPTModel(config, spec, vocab_size=padded_vocab,
+        if shape.mtp_num_layers:
+            mtp_spec = mtp.block_spec(config, spec, te=use_transformer_engine(device))
+            from megatron.core.transformer import transformer_block
+            from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+            if transformer_block.LayerNormImpl is SequenceParallelNorm:     # its norms as the decoder's
+                mtp_spec = _swap_norms(mtp_spec, WrappedTorchNorm, SequenceParallelNorm, set())
+        model = HiddenGPTModel(config, spec, mtp_block_spec=mtp_spec, vocab_size=padded_vocab,
                                max_sequence_length=shape.max_position_embeddings, position_embedding_type="rope",
                                rotary_base=int(shape.rotary_base),
                                share_embeddings_and_output_weights=shape.tie_embeddings, parallel_output=True,
                                pre_process=pre_process, post_process=post_process)
+    if shape.mtp_num_layers:
+        model.mtp_training = mtp_training
+        if not mtp_training:
+            mtp.freeze(model)
     return model.to(device)
 
 

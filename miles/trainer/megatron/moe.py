@@ -55,8 +55,9 @@ from miles.utils.logging import get_logger, warn_once
 logger = get_logger(__name__)
 
 MOE_FAMILIES = {"qwen3_moe": "Qwen3-MoE"}
-_LOCAL_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
-_GROUPED_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)(linear_fc[12])\.weight(\d+)$")
+_MOE_LAYER = r"(?:decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)"     # an MTP layer's too (mtp.py)
+_LOCAL_EXPERT = re.compile(rf"^({_MOE_LAYER}\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
+_GROUPED_EXPERT = re.compile(rf"^({_MOE_LAYER}\.mlp\.experts\.)(linear_fc[12])\.weight(\d+)$")
 _HF_EXPERT = {"linear_fc1.weight": ("gate_proj", "up_proj"), "linear_fc2.weight": ("down_proj",)}
 
 

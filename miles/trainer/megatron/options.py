@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import torch
 
 from miles.config.base import ConfigError
+from miles.trainer.megatron import mtp
 from miles.trainer.megatron.mla import check_mla_shape, check_mla_static
 from miles.trainer.megatron.model import ModelShape, use_transformer_engine
 from miles.trainer.megatron.moe import MoeOptions, check_moe_shape, check_moe_static, resolve_moe
@@ -49,6 +50,9 @@ class Options:
     cp_comm_types: tuple[str, ...] = ()            # as given (one value, or one per layer)
     cpu_offload_fraction: float | None = None      # --optimizer-cpu-offload (cpu_offload.py): the fraction; None: off
     distributed_optimizer_given: bool = False      # --use-distributed-optimizer on the command line
+    mtp_num_layers: int = 0                        # --mtp-num-layers (mtp.py); 0: no MTP block
+    mtp_training: bool = False                     # --enable-mtp-training
+    mtp_loss_scale: float = 0.2                    # --mtp-loss-scaling-factor (Miles's default)
 
 
 def resolve(m, train=None) -> Options:
@@ -85,7 +89,10 @@ def resolve(m, train=None) -> Options:
         cp_comm_type=(getattr(m, "cp_comm_type", None) or ["p2p"])[0],
         cp_comm_types=tuple(getattr(m, "cp_comm_type", None) or ()),
         cpu_offload_fraction=(1.0 if fraction is None else fraction) if offload else None,
-        distributed_optimizer_given=bool(m.use_distributed_optimizer))
+        distributed_optimizer_given=bool(m.use_distributed_optimizer),
+        mtp_num_layers=getattr(m, "mtp_num_layers", None) or 0,
+        mtp_training=bool(getattr(m, "enable_mtp_training", False)),
+        mtp_loss_scale=0.2 if getattr(m, "mtp_loss_scaling_factor", None) is None else float(m.mtp_loss_scaling_factor))
 
 
 def _mismatch(name: str, value, key: str, config_value) -> ConfigError:
@@ -101,6 +108,7 @@ def check_shape(m, shape: ModelShape) -> None:
         return
     check_moe_shape(m, shape)          # --num-experts, --moe-* against config.json (moe.py)
     check_mla_shape(m, shape)          # --multi-latent-attention, --q/kv-lora-rank, ... (mla.py)
+    mtp.check_mtp_shape(m, shape)      # --mtp-num-layers vs num_nextn_predict_layers (mtp.py)
     values = {
         "--num-layers": (m.num_layers, "num_hidden_layers", shape.num_layers),
         "--hidden-size": (m.hidden_size, "hidden_size", shape.hidden_size),
@@ -172,6 +180,7 @@ def preflight_check(cfg, hf_config: dict | None) -> None:
 
     if (spec := lora.LoraSpec.from_config(cfg.train)) is not None:    # --lora-rank: the layouts LoRA runs on
         lora.check_megatron(resolve(cfg.megatron, cfg.train), shape, spec)
+        mtp.check_mtp_lora(resolve(cfg.megatron, cfg.train))
 
 
 def shape_of(hf_config) -> ModelShape:
@@ -185,6 +194,7 @@ def check_static(o: Options, shape: ModelShape) -> None:
     """The unsupported values that do not depend on the device or the number of ranks."""
     check_moe_static(o, shape)         # MoE layers, --expert-model/tensor-parallel-size (moe.py)
     check_mla_static(o, shape)         # multi-latent attention under TP / PP / CP (mla.py)
+    mtp.check_mtp_static(o)            # the MTP block under PP / CP (mtp.py)
     from miles.trainer.megatron.pipeline import stage_layer_counts
 
     stage_layer_counts(shape.num_layers, o.pp, o.first_stage_layers, o.last_stage_layers)

@@ -33,6 +33,7 @@ data-parallel ranks only for MoE and pipeline parallelism), the forward-only pas
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -49,6 +50,7 @@ from miles.trainer.collectives import bounded_all_gather_object
 from miles.trainer.fsdp import FSDPTrainer
 from miles.trainer.logprobs import VocabShard, logprobs_and_entropy
 from miles.trainer.losses import (
+    accumulate_metrics,
     custom_loss,
     load_custom_loss,
     load_tis_function,
@@ -58,6 +60,7 @@ from miles.trainer.losses import (
 )
 from miles.trainer.megatron import context_parallel, convert, export, moe, options, parallel, pipeline
 from miles.trainer.megatron import model as mmodel
+from miles.trainer.megatron import mtp as mtp_mod
 from miles.trainer.metrics import active_params, moe_routing, peak_tflops
 from miles.trainer.optim import LRSchedule, MasterWeights, build_adamw
 from miles.types import Sample
@@ -105,7 +108,8 @@ class MegatronTrainer(FSDPTrainer):
         torch.manual_seed(train.seed)
         from transformers import AutoConfig
 
-        self.shape = options.shape_of(AutoConfig.from_pretrained(train.hf_checkpoint))
+        self.shape = dataclasses.replace(options.shape_of(AutoConfig.from_pretrained(train.hf_checkpoint)),
+                                         mtp_num_layers=self.opts.mtp_num_layers)      # the MTP block (mtp.py)
         if getattr(train, "megatron_to_hf_mode", "raw") != "raw" and self.trainer_rank == 0:
             logger.info("--megatron-to-hf-mode %s: weights are converted by miles's own converter (convert.py), "
                         "to the same HF names and shapes.", train.megatron_to_hf_mode)
@@ -139,7 +143,7 @@ class MegatronTrainer(FSDPTrainer):
         self._hf_state: dict[str, torch.Tensor] | None = None
 
         total_steps = num_rollout * num_steps_per_rollout if num_rollout else None
-        self.model = self._build_policy(train.hf_checkpoint, offload=False, recompute=True)
+        self.model = self._build_policy(train.hf_checkpoint, offload=False, recompute=True, mtp=True)
         self.num_params = self._full_param_count()
         self.num_active_params = active_params(self.num_params, self._expert_param_count(),  # MFU's N
                                                moe_routing(AutoConfig.from_pretrained(train.hf_checkpoint)))
@@ -234,7 +238,7 @@ class MegatronTrainer(FSDPTrainer):
             self._hf_state = sd            # the reference model of --kl-coef reads the same weights
         return sd
 
-    def _build_policy(self, path: str, *, offload: bool, recompute: bool):
+    def _build_policy(self, path: str, *, offload: bool, recompute: bool, mtp: bool = False):
         from transformers import AutoConfig
 
         from miles.trainer.megatron import dist_ckpt, torch_dist
@@ -243,9 +247,10 @@ class MegatronTrainer(FSDPTrainer):
         if megatron_ckpt:                       # built like --hf-checkpoint, then its weights are loaded
             path = self.cfg.hf_checkpoint
         shape = mmodel.ModelShape.from_hf_config(AutoConfig.from_pretrained(path))
-        if shape != self.shape:
+        if dataclasses.replace(shape, mtp_num_layers=self.shape.mtp_num_layers) != self.shape:
             raise ConfigError(f"{path}: its architecture differs from --hf-checkpoint's ({shape} vs {self.shape}); "
                               "the reference and teacher models must share the policy's shape.")
+        shape = self.shape if mtp else shape          # the MTP block: the policy only (mtp.py)
         o = self.opts
         config = mmodel.transformer_config(
             shape, tp_size=self.groups.tp_size, device=self.device,
@@ -255,11 +260,12 @@ class MegatronTrainer(FSDPTrainer):
             attention_dropout=o.attention_dropout if recompute else 0.0, pp_size=o.pp,
             first_stage_layers=o.first_stage_layers, last_stage_layers=o.last_stage_layers,
             sequence_parallel=self._sequence_parallel, cp_size=o.cp, cp_comm_type=o.cp_comm_type,
-            moe=moe.config_kwargs(shape, o.moe, ep=o.ep, etp=o.etp, te=mmodel.use_transformer_engine(self.device)))
+            moe=moe.config_kwargs(shape, o.moe, ep=o.ep, etp=o.etp, te=mmodel.use_transformer_engine(self.device)),
+            mtp_loss_scale=o.mtp_loss_scale)
         core = "unfused" if o.attention_backend in ("unfused", "local") else "sdpa"
         model = mmodel.build_gpt_model(shape, config, padded_vocab=self.padded_vocab, device=self.device,
                                        core_attention=core, pre_process=self.stage.is_first,
-                                       post_process=self.stage.is_last)
+                                       post_process=self.stage.is_last, mtp_training=mtp and o.mtp_training)
         load = pipeline.load_hf_into if o.pp > 1 else convert.load_hf_into
         ep = {"ep_rank": self.groups.ep_rank, "ep_size": self.groups.ep_size} if self.groups.ep_size > 1 else {}
         load(model, self._hf(path), shape, self.padded_vocab, self.groups.tp_rank, self.groups.tp_size, **ep)
@@ -280,6 +286,7 @@ class MegatronTrainer(FSDPTrainer):
         if spec is None:
             return None
         lora_mod.check_megatron(self.opts, self.shape, spec)
+        mtp_mod.check_mtp_lora(self.opts)
         g = self.groups
         adapters = lora_mod.attach(self.model, spec, tp_rank=g.tp_rank, tp_size=g.tp_size, tp_group=g.tp,
                                    seed=self.cfg.seed)
@@ -357,8 +364,11 @@ class MegatronTrainer(FSDPTrainer):
             ids, pos, index = shard.input_ids, shard.position_ids, shard.local_index
         if x is not None:
             model.set_input_tensor(x)
+        kw = {}
+        if getattr(model, "mtp_training", False) and model.training and not mb.is_dummy:   # mtp.py
+            kw["labels"], kw["loss_mask"] = mtp_mod.labels_and_mask(ids, index, mb.loss_mask, self.pad_id)
         with self._dropout_stream(model):
-            hidden = model(ids, pos, attention_mask=None)                        # [s, b, h]
+            hidden = model(ids, pos, attention_mask=None, **kw)                  # [s, b, h]
         if self._sequence_parallel:
             from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
@@ -484,6 +494,20 @@ class MegatronTrainer(FSDPTrainer):
                 return super()._forward_backward(data, ids, per_sample, samples)
             return pipeline.forward_backward(self, data, ids, per_sample, samples)
 
+    def _micro_step(self, mb: MicroBatch, index: int, acc, per_sample, samples, ntok: float, nsamp: float,
+                    acc_metrics: dict[str, torch.Tensor]) -> int:
+        """The shared micro-step; with ``--enable-mtp-training`` the attached MTP loss's gradient is scaled like the
+        policy loss (x DP size, over the rank's micro-batches) and ``mtp_loss`` (the step's mean) is logged."""
+        if not getattr(self.model, "mtp_training", False):
+            return super()._micro_step(mb, index, acc, per_sample, samples, ntok, nsamp, acc_metrics)
+        share = 1.0 / max(acc.num, 1)
+        mtp_mod.set_backward_scale(self.world * share, self.device)
+        self.model.mtp_loss_value = None
+        n = super()._micro_step(mb, index, acc, per_sample, samples, ntok, nsamp, acc_metrics)
+        if self.model.mtp_loss_value is not None:
+            accumulate_metrics(acc_metrics, {"mtp_loss": self.model.mtp_loss_value * (share / self.world)})
+        return n
+
     def _clip_grad_norm(self) -> float:
         if self.lora is not None:
             lora_mod.finish_grads(self.lora, self.groups.dp, self.groups.dp_size)
@@ -561,8 +585,6 @@ class MegatronTrainer(FSDPTrainer):
 
     @contextlib.contextmanager
     def _lora_ckpt(self):
-        import dataclasses
-
         ckpt = self.ckpt
         self.ckpt = dataclasses.replace(ckpt, no_save_optim=True, no_load_optim=True)
         try:

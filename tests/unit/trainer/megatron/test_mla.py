@@ -249,14 +249,6 @@ def test_unsupported_mla_configs_are_one_line(tiny_glm_dir: Path, config: dict, 
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
-def test_mtp_flags_are_refused_by_name(tiny_glm_dir: Path) -> None:
-    for flags in (["--mtp-num-layers", "1"], ["--enable-mtp-training"]):
-        with pytest.raises(ConfigError) as e:
-            _cfg(tiny_glm_dir, *flags)
-        assert str(e.value).startswith(f"{flags[0]}: Megatron's multi-token-prediction block"), str(e.value)
-        assert "\n" not in str(e.value)
-
-
 def test_sparse_glm47_flash_has_its_mtp_layer() -> None:
     """The sparse real-shape model of GLM-4.7-Flash lists the checkpoint's MTP layer (model.layers.47: transformers
     skips it, the hub checkpoint stores it), so the dry run's size checks see the real parameter count."""
