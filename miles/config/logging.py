@@ -88,8 +88,8 @@ class OutputConfig:
     dashboard_sglang_scrape_mode: str = "auto"
     dashboard_sglang_metrics: str | None = None
 
-    def __post_init__(self) -> None:
-        """The dashboard flags' own checks (one line each; nothing is rewritten)."""
+    def validate(self) -> None:
+        """The dashboard flags' own checks (one line each; nothing is rewritten); run by ``validate_config``."""
         for name in ("dashboard_flush_interval", "dashboard_gpu_sample_interval", "dashboard_sglang_scrape_interval"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):

@@ -150,6 +150,7 @@ def validate_config(cfg: MilesConfig) -> None:
 def _validate_miles_flags(cfg: MilesConfig) -> None:
     """Miles flags accepted for compatibility whose values this project cannot honour, and their pairings."""
     cfg.train.validate()
+    cfg.output.validate()
     a, d = cfg.algo, cfg.data
     if cfg.checkpoint.save_retain_interval is not None and cfg.checkpoint.save_retain_interval <= 0:
         raise ConfigError(f"--save-retain-interval must be a positive number of rollouts, got "

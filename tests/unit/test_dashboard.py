@@ -88,6 +88,13 @@ def test_bad_dashboard_flags_are_one_line(argv, first, mentions):
     assert all(m in msg for m in mentions), msg
 
 
+def test_dashboard_checks_are_validation_not_parsing():
+    """Like every section's checks, the dashboard's run in validation: parse_args(validate=False) (tools that only
+    read a config) takes the values as given, and nothing is rewritten."""
+    o = parse_args(BASE + ["--use-miles-dashboard", "--dashboard-flush-interval", "0"], validate=False).output
+    assert o.use_miles_dashboard and o.dashboard_flush_interval == 0.0 and o.dump_details is None
+
+
 def test_no_dump_details_through_train_py_is_one_line(tmp_path: Path, tiny_model_dir: Path):
     r = subprocess.run([sys.executable, "train.py", "--hf-checkpoint", str(tiny_model_dir), *BASE,
                         "--use-miles-dashboard", "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=120)
