@@ -40,6 +40,10 @@ class Sample:
     # name. Kept encoded (JSON-safe, compact) until the trainer reads it (miles.trainer.routing_replay).
     rollout_routed_experts: str | None = None
     weight_version: int | None = None
+    # Miles's fields: the engine's weight_version of each /generate turn (as the engine reports it), and a
+    # sample a plugin marks to keep in its group but not train on (its loss mask becomes all zeros, as in Miles)
+    weight_versions: list[str] = field(default_factory=list)
+    remove_sample: bool = False
     status: SampleStatus = SampleStatus.PENDING
     metadata: dict[str, Any] = field(default_factory=dict)
 

@@ -102,6 +102,9 @@ def append_output(sample: Sample, out: dict[str, Any], decode: Any = None) -> tu
     sample.response += decode(ids) if decode is not None else (out.get("text") or "")
     if version is not None:
         sample.weight_version = version if sample.weight_version is None else min(sample.weight_version, version)
+    raw_version = (out.get("meta_info") or {}).get("weight_version")
+    if raw_version is not None:
+        sample.weight_versions.append(str(raw_version))
     sample.status = status
     return ids, status
 

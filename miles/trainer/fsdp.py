@@ -263,6 +263,8 @@ class FSDPTrainer:
             if len(s.loss_mask) != r:
                 raise ValueError(f"{where}: loss_mask has {len(s.loss_mask)} entries, response_length is {r}.")
             mask = torch.as_tensor(s.loss_mask, dtype=torch.float32)
+        if s.remove_sample:            # Miles: kept (its group's advantages saw it), trained on by no token
+            mask = torch.zeros(r, dtype=torch.float32)
         return SampleData(tokens=tokens, response_length=r, loss_mask=mask)
 
     def _per_sample_floats(self, samples: list[Sample], what: str, getter, required: bool) -> list[torch.Tensor] | None:

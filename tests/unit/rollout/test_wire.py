@@ -23,7 +23,7 @@ def samples() -> list[Sample]:
         Sample(group_index=1, index=3, rollout_id=7, prompt="héllo ✓ 日本語 🚀", tokens=[5, 6, 7, 8, 9], response="ok",
                response_length=3, loss_mask=[1, 0, 1], rollout_log_probs=[-0.5, 0.0, -1.25], reward=0.75,
                weight_version=12, status=SampleStatus.TRUNCATED, metadata={"ключ": ["値", 1, None], "x": {"y": 2.5}},
-               label={"answer": "42"}),
+               label={"answer": "42"}, weight_versions=["11", "12"], remove_sample=True),
         Sample(),  # every optional field None, no tokens
         Sample(prompt=[{"role": "user", "content": "hi"}], tokens=[1], response_length=0, loss_mask=[],
                rollout_log_probs=None, status=SampleStatus.FAILED, label=None, reward=None),
