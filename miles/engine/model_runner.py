@@ -687,6 +687,7 @@ class ModelRunner:
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).to(self.device).eval()
         self.model.requires_grad_(False)
         self.config = self.model.config
+        self.is_mtp_name = mtp_layer_names(self.config)   # the checkpoint's MTP layers: not served, skipped
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         limit = int(getattr(self.config, "max_position_embeddings", 0) or 4096)
         max_ctx = opts.max_context_len
@@ -870,13 +871,6 @@ class ModelRunner:
                 logger.info("captured %d decode CUDA graphs in %.1f s", n, time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ weights
-    def is_mtp_name(self, name: str) -> bool:
-        """A tensor of the checkpoint's multi-token-prediction layers (``weights.mtp_layer_names``)."""
-        pred = getattr(self, "_is_mtp", None)
-        if pred is None:
-            pred = self._is_mtp = mtp_layer_names(getattr(self, "config", None))
-        return pred(name)
-
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """HF parameter names (as in the safetensors files, tied aliases included) -> live tensors."""
         return self._params

@@ -353,7 +353,7 @@ def load_from_disk(path: str, live: dict[str, torch.Tensor],
         for a, (fused, e, half) in getattr(live, "aliases", {}).items():   # per-expert names of fused experts
             current[a] = current[fused][e] if half is None else current[fused][e].chunk(2, dim=0)[half]
         new = apply_delta_dir(path, current, skip=is_mtp)
-        return drop_mtp({n: t for n, t in new.items() if n not in current or t is not current[n]}, is_mtp)
+        return {n: t for n, t in new.items() if n not in current or t is not current[n]}   # MTP: skipped
     if Path(path, "full_manifest.json").is_file():
         from miles.weight_sync.disk_delta import read_full_dir
 

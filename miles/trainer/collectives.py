@@ -6,7 +6,8 @@ ever). ``bounded_all_gather_object`` gathers the pickled sizes, then the bytes p
 each as async work waited on for at most ``timeout`` seconds; a peer that never joins ends the call in one
 line, a ``TimeoutError`` naming what was being gathered, the group's size and the bound.
 ``bounded_union_of_names``: the union of every rank's names (a step's metric names), in one gather of a
-16-byte digest when every rank has the same names (the usual case: 1 collective, not the object gather's 2).
+24-byte fingerprint (a 16-byte digest and the count) when every rank has the same names (the usual case: 1
+collective, not the object gather's 2).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 
     check_mtp_shape(cfg.megatron, shape)    # --mtp-num-layers 1 vs config.json's num_nextn_predict_layers 0 -> ConfigError
     spec = block_spec(config, layer_spec)   # get_gpt_mtp_block_spec (local or transformer-engine spec)
-    loss = mtp_loss(model, hidden, ...)     # megatron-core's MTP loss of one micro-batch
+    hidden = attach_loss(model, hidden, ...)   # megatron-core's MTP loss of one micro-batch, attached to hidden
 
 Model: ``GPTModel(..., mtp_block_spec=get_gpt_mtp_block_spec(config, decoder spec))``; each MTP layer is the
 decoder's last layer spec (GLM-4.7-Flash, DeepSeek-V3: a MoE layer) behind ``enorm`` (the embedding of token
