@@ -114,6 +114,31 @@ def _norm(module, x: torch.Tensor) -> torch.Tensor:
 
 
 _PLAIN_RMSNORMS = {"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm"}
+_SILU = {"SiLU", "SiLUActivation"}
+
+
+def _fuse_linears(mods: list) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """One ``[sum(out), in]`` buffer holding the weights (and biases) of ``mods``, whose parameters become views
+    of it: an in-place weight update (``load_tensors``) writes the fused buffer, and one GEMM replaces several.
+    None (nothing changed) when the layers cannot share one (bias on some only, other dtypes or devices)."""
+    ws = [m.weight for m in mods]
+    bs = [getattr(m, "bias", None) for m in mods]
+    has_bias = [b is not None for b in bs]
+    if any(has_bias) and not all(has_bias):
+        return None
+    if len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1:
+        return None
+    with torch.no_grad():
+        w_all = torch.cat([w.data for w in ws])
+        b_all = torch.cat([b.data for b in bs]) if all(has_bias) else None
+        o = 0
+        for w, b in zip(ws, bs):
+            n = w.shape[0]
+            w.data = w_all[o:o + n]
+            if b_all is not None:
+                b.data = b_all[o:o + n]
+            o += n
+    return w_all, b_all
 
 
 def _available_bytes(device: torch.device) -> int:
@@ -184,6 +209,14 @@ class _NativeLM:
         # decode on CUDA: q/k norm + RoPE as one Triton kernel per tensor (plain RMSNorms only)
         self.fused_rope = fused_ops.available(device) and device.type == "cuda" and pow2_head and (not self.qk_norm or all(
             type(m).__name__ in _PLAIN_RMSNORMS for layer in self.layers for m in (layer.self_attn.q_norm, layer.self_attn.k_norm)))
+        # one GEMM for q/k/v and one for gate/up per layer (their parameters become views of the fused buffers), and
+        # on CUDA the residual add with the next RMSNorm and SwiGLU's silu * up as single kernels
+        self.fuse()
+        self.fused_norms = (fused_ops.available(device) and device.type == "cuda" and all(
+            type(m).__name__ in _PLAIN_RMSNORMS and m.weight.dtype == dtype
+            for layer in self.layers for m in (layer.input_layernorm, layer.post_attention_layernorm))
+            and type(self.norm).__name__ in _PLAIN_RMSNORMS and self.norm.weight.dtype == dtype)
+        self.fused_silu = fused_ops.available(device) and device.type == "cuda"
         # mixed steps (paged cache, no sliding windows): a prompt chunk of up to mix_tokens tokens rides in the decode
         # step's forward (its tokens are extra query rows of the chunk row); graphs per batch bucket with the chunk
         # padded to mix_tokens (padding tokens on the scratch row)
@@ -195,6 +228,68 @@ class _NativeLM:
             self.m_pos = torch.zeros(T, dtype=torch.long, device=device)
             self.m_rows = torch.full((T,), self.kv.scratch_row, dtype=torch.long, device=device)
             self.m_out = torch.zeros(max_slots + 1, dtype=torch.long, device=device)
+
+    # ------------------------------------------------------------------ fused projections
+    def fuse(self) -> None:
+        """Per layer: the q/k/v projections as one weight (``self.qkv[li]``: (weight, bias) or None) and, for a SwiGLU
+        MLP (SiLU, gate/up/down without bias), gate/up as one (``self.gate_up[li]`` or None)."""
+        self.qkv: list[tuple[torch.Tensor, torch.Tensor | None] | None] = []
+        self.gate_up: list[torch.Tensor | None] = []
+        for layer in self.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            self.qkv.append(_fuse_linears([a.q_proj, a.k_proj, a.v_proj]))
+            gu = None
+            parts = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+            if (all(isinstance(m, torch.nn.Linear) and m.bias is None for m in parts)
+                    and type(getattr(mlp, "act_fn", None)).__name__ in _SILU):
+                fused = _fuse_linears(parts[:2])
+                gu = fused[0] if fused is not None else None
+            self.gate_up.append(gu)
+
+    def unfuse(self) -> None:
+        """Drop the references to the fused buffers (before the parameters' memory is released)."""
+        self.qkv = [None] * len(self.layers)
+        self.gate_up = [None] * len(self.layers)
+
+    def _proj_qkv(self, li: int, attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of ``x`` [..., H] flat over heads (views of one GEMM's output when fused)."""
+        fused = self.qkv[li]
+        if fused is None:
+            return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        out = F.linear(x, fused[0], fused[1])
+        nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        return out[..., :nq], out[..., nq:nq + nk], out[..., nq + nk:]
+
+    def _mlp(self, li: int, layer, x: torch.Tensor) -> torch.Tensor:
+        w = self.gate_up[li]
+        if w is None:
+            return layer.mlp(x)
+        gu = F.linear(x, w)
+        if self.fused_silu and gu.dim() == 2:
+            act = fused_ops.silu_mul(gu)
+        else:
+            inter = w.shape[0] // 2
+            act = F.silu(gu[..., :inter]) * gu[..., inter:]
+        return layer.mlp.down_proj(act)
+
+    def _add_norm(self, h: torch.Tensor, delta: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream after adding ``delta``, and its RMSNorm by ``norm`` (one kernel on CUDA)."""
+        if self.fused_norms and h.dim() == 2:
+            return fused_ops.add_rms_norm(h, delta, norm.weight, norm.variance_epsilon)
+        h = h + delta
+        return h, _norm(norm, h)
+
+    def _token_layers(self, h: torch.Tensor, attend) -> torch.Tensor:
+        """Every decoder layer over one-token-per-row hidden states ``h`` [N, H]; ``attend(li, attn, x)`` returns
+        the attention output [N, heads * head_dim]. Returns the final norm's output [N, H]."""
+        x = _norm(self.layers[0].input_layernorm, h)
+        last = len(self.layers) - 1
+        for li, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h, x = self._add_norm(h, attn.o_proj(attend(li, attn, x)), layer.post_attention_layernorm)
+            h, x = self._add_norm(h, self._mlp(li, layer, x),
+                                  self.norm if li == last else self.layers[li + 1].input_layernorm)
+        return x
 
     # ------------------------------------------------------------------ cache
     def cache_bytes(self) -> int:
@@ -266,9 +361,10 @@ class _NativeLM:
         for li, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = _norm(layer.input_layernorm, h)
-            q = attn.q_proj(x).view(n, T, self.n_heads, self.head_dim)
-            k = attn.k_proj(x).view(n, T, self.n_kv, self.head_dim)
-            v = attn.v_proj(x).view(n, T, self.n_kv, self.head_dim)
+            q, k, v = self._proj_qkv(li, attn, x)
+            q = q.reshape(n, T, self.n_heads, self.head_dim)
+            k = k.reshape(n, T, self.n_kv, self.head_dim)
+            v = v.reshape(n, T, self.n_kv, self.head_dim)
             if self.qk_norm:
                 q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -294,7 +390,7 @@ class _NativeLM:
             else:
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=base_mask, scale=self.scaling)
             h = h + attn.o_proj(o.transpose(1, 2).reshape(n, T, self.n_heads * self.head_dim))
-            h = h + layer.mlp(_norm(layer.post_attention_layernorm, h))
+            h = h + self._mlp(li, layer, _norm(layer.post_attention_layernorm, h))
         h = _norm(self.norm, h)
         last = h[torch.arange(n, device=self.device), lens_t - 1]
         logits = self.lm_head(last).float()
@@ -321,9 +417,10 @@ class _NativeLM:
         for li, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = _norm(layer.input_layernorm, h)
-            q = attn.q_proj(x).view(1, t, self.n_heads, self.head_dim)
-            k = attn.k_proj(x).view(1, t, self.n_kv, self.head_dim)
-            v = attn.v_proj(x).view(1, t, self.n_kv, self.head_dim)
+            q, k, v = self._proj_qkv(li, attn, x)
+            q = q.reshape(1, t, self.n_heads, self.head_dim)
+            k = k.reshape(1, t, self.n_kv, self.head_dim)
+            v = v.reshape(1, t, self.n_kv, self.head_dim)
             if self.qk_norm:
                 q, k = _norm(attn.q_norm, q), _norm(attn.k_norm, k)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -339,21 +436,22 @@ class _NativeLM:
             mask = causal if win is None else causal & (kpos[None, :] > pos[:, None] - win)
             o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask[None, None], scale=self.scaling)
             h = h + attn.o_proj(o.transpose(1, 2).reshape(1, t, self.n_heads * self.head_dim))
-            h = h + layer.mlp(_norm(layer.post_attention_layernorm, h))
+            h = h + self._mlp(li, layer, _norm(layer.post_attention_layernorm, h))
         h = _norm(self.norm, h)
         last = self.lm_head(h[0, -1]).float()
         return last, (self.lm_head(h[0]).float() if want_full else None)
 
     # ------------------------------------------------------------------ decode
 
-    def _token_qkv(self, attn, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor | None,
+    def _token_qkv(self, li: int, attn, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor | None,
                    sin: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One token per row (decode rows, a mixed step's chunk tokens): q, k, v of ``x`` [N, H] with the q/k
         norm and RoPE at ``positions`` applied (fused kernel, or ``cos``/``sin`` gathered at ``positions``)."""
         n = x.shape[0]
-        q = attn.q_proj(x).view(n, self.n_heads, self.head_dim)
-        k = attn.k_proj(x).view(n, self.n_kv, self.head_dim)
-        v = attn.v_proj(x).view(n, self.n_kv, self.head_dim)
+        q, k, v = self._proj_qkv(li, attn, x)
+        q = q.view(n, self.n_heads, self.head_dim)
+        k = k.view(n, self.n_kv, self.head_dim)
+        v = v.view(n, self.n_kv, self.head_dim)
         if self.fused_rope:
             qw, qe, kw, ke = ((attn.q_norm.weight, attn.q_norm.variance_epsilon, attn.k_norm.weight,
                                attn.k_norm.variance_epsilon) if self.qk_norm else (None, 0.0, None, 0.0))
@@ -364,7 +462,6 @@ class _NativeLM:
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
     def _decode_impl(self, tokens: torch.Tensor, positions: torch.Tensor, B: int, L: int) -> torch.Tensor:
-        h = self.embed(tokens)
         cos, sin = (None, None) if self.fused_rope else (self.cos[positions][:, None], self.sin[positions][:, None])
         ar = self.ar_slots[:B]
         kv = self.kv
@@ -375,18 +472,16 @@ class _NativeLM:
         if kv is not None:
             w_page = kv.block_table[ar, positions // kv.page_size]
             w_off = positions % kv.page_size
-        for li, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            x = _norm(layer.input_layernorm, h)
-            q, k, v = self._token_qkv(attn, x, positions, cos, sin)
+
+        def attend(li: int, attn, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self._token_qkv(li, attn, x, positions, cos, sin)
             if kv is not None:
                 kv.k[li][w_page, w_off] = k
                 kv.v[li][w_page, w_off] = v
                 if self.kernel:
-                    o = paged_attention.paged_decode(q, kv.k[li], kv.v[li], kv.block_table, positions, self.scaling, rows=ar)
-                    h = h + attn.o_proj(o.reshape(B, self.n_heads * self.head_dim))
-                    h = h + layer.mlp(_norm(layer.post_attention_layernorm, h))
-                    continue
+                    o = paged_attention.paged_decode(q, kv.k[li], kv.v[li], kv.block_table, positions, self.scaling,
+                                                     rows=ar)
+                    return o.reshape(B, self.n_heads * self.head_dim)
                 k_all, v_all = kv.gather(li, B, L)
             else:
                 kc, vc = self.k_cache[li], self.v_cache[li]
@@ -399,9 +494,9 @@ class _NativeLM:
                 m = (valid & (kpos[None, :] > positions[:, None] - win))[:, None, None, :]
             o = F.scaled_dot_product_attention(q.view(B, self.n_kv, self.group, self.head_dim), k_all, v_all,
                                                attn_mask=m, scale=self.scaling)
-            h = h + attn.o_proj(o.reshape(B, self.n_heads * self.head_dim))
-            h = h + layer.mlp(_norm(layer.post_attention_layernorm, h))
-        return self.lm_head(_norm(self.norm, h))
+            return o.reshape(B, self.n_heads * self.head_dim)
+
+        return self.lm_head(self._token_layers(self.embed(tokens), attend))
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -432,23 +527,21 @@ class _NativeLM:
         the logits of the tokens ``out_idx``. Decode is the case ``rows = 0..n-1``, one token each."""
         kv = self.kv
         T = tokens.shape[0]
-        h = self.embed(tokens)
         cos, sin = (None, None) if self.fused_rope else (self.cos[positions][:, None], self.sin[positions][:, None])
         w_page = kv.block_table[rows, positions // kv.page_size]
         w_off = positions % kv.page_size
-        for li, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            x = _norm(layer.input_layernorm, h)
-            q, k, v = self._token_qkv(attn, x, positions, cos, sin)
+
+        def attend(li: int, attn, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self._token_qkv(li, attn, x, positions, cos, sin)
             kv.k[li][w_page, w_off] = k
             kv.v[li][w_page, w_off] = v
             if self.kernel:
                 o = paged_attention.paged_decode(q, kv.k[li], kv.v[li], kv.block_table, positions, self.scaling, rows=rows)
             else:
                 o = paged_attention.reference(q, kv.k[li], kv.v[li], kv.block_table, positions, self.scaling, L, rows=rows)
-            h = h + attn.o_proj(o.reshape(T, self.n_heads * self.head_dim))
-            h = h + layer.mlp(_norm(layer.post_attention_layernorm, h))
-        return self.lm_head(_norm(self.norm, h[out_idx]))
+            return o.reshape(T, self.n_heads * self.head_dim)
+
+        return self.lm_head(self._token_layers(self.embed(tokens), attend)[out_idx])
 
     @torch.no_grad()
     def decode_mixed(self, tokens: torch.Tensor, positions: torch.Tensor, max_len: int, row: int, chunk: list[int],
@@ -923,6 +1016,8 @@ class ModelRunner:
         if "cuda_graph" in tags or "weights" in tags:
             self.impl.drop_graphs()
         if "weights" in tags and not self.weights_released:
+            if self.native:  # the fused q/k/v and gate/up buffers hold the weights' memory too
+                self.impl.unfuse()
             backup: dict[int, torch.Tensor] = {}
             for p in {id(p): p for p in self.model.parameters()}.values():
                 # GPU: a pinned host copy, then the device memory is freed; CPU: the tensor itself is kept
@@ -941,6 +1036,8 @@ class ModelRunner:
                 p.data = backup[id(p)].to(self.device, non_blocking=True)
             self._weights_backup = None
             self.weights_released = False
+            if self.native:
+                self.impl.fuse()
             self._params = ParamIndex(self.model.state_dict(keep_vars=True))
         if "kv_cache" in tags and self.kv_released:
             self.impl.allocate_cache()

@@ -49,7 +49,16 @@ if triton is not None:
         tl.store(S_OUT + row * NC + c, s)
 
     @triton.jit
-    def _race_kernel(X, TEMP, KEY, GREEDY, M_IN, S_IN, B_VAL, B_IDX, B_LP, s_x, V: tl.constexpr, CHUNK: tl.constexpr,
+    def _row_key(SEEDS, STEPS, row):
+        """``sampling.row_keys`` of one row, in int64 as there."""
+        m32 = tl.full((), 0xFFFFFFFF, tl.int64)
+        seed = tl.load(SEEDS + row)
+        step = tl.load(STEPS + row).to(tl.int64)
+        inner = _mix32((step & m32) ^ tl.full((), 0x5BD1E995, tl.int64))
+        return _mix32((seed & m32) ^ _mix32(((seed >> 32) & m32) ^ inner))
+
+    @triton.jit
+    def _race_kernel(X, TEMP, SEEDS, STEPS, GREEDY, M_IN, S_IN, B_VAL, B_IDX, B_LP, s_x, V: tl.constexpr, CHUNK: tl.constexpr,
                      BLOCK: tl.constexpr, NC: tl.constexpr, NCP: tl.constexpr):
         """Pass 2, a program per (row, vocab chunk): the row's log-sum-exp from pass 1's partials, then the
         Gumbel-max race over the chunk (noise off for greedy rows); the chunk's winner, its id and log-prob."""
@@ -62,7 +71,7 @@ if triton is not None:
         m = tl.max(pm, 0)
         lse = m + tl.log(tl.sum(tl.where(pm == neg_inf, 0.0, ps * tl.exp(pm - m)), 0))
         inv_t = 1.0 / tl.load(TEMP + row)
-        key = tl.load(KEY + row)
+        key = _row_key(SEEDS, STEPS, row)
         noise_on = tl.load(GREEDY + row) == 0
         base = X + row.to(tl.int64) * s_x
         best = tl.full((), neg_inf, tl.float32)
@@ -93,9 +102,10 @@ if triton is not None:
 CHUNK = 8192  # vocabulary tokens per program: rows x chunks programs, so a small batch still fills the GPU
 
 
-def fused_sample(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor,
+def fused_sample(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
                  greedy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens [B] int64 and their log-probs [B] float32; ``keys`` from ``sampling.row_keys``.
+    """Tokens [B] int64 and their log-probs [B] float32. Each row's noise key is ``sampling.row_keys(seeds,
+    steps)``, computed inside the race kernel (the torch expression is ~30 small launches a step).
 
     Two passes, each a program per (row, vocabulary chunk): the log-sum-exp partials, then the race (each
     program merges the row's partials itself); the chunks' winners are merged by one argmax. The arithmetic
@@ -114,7 +124,9 @@ def fused_sample(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Te
     bv = torch.empty(B, nc, dtype=torch.float32, device=dev)
     bi = torch.empty(B, nc, dtype=torch.int64, device=dev)
     bl = torch.empty(B, nc, dtype=torch.float32, device=dev)
-    _race_kernel[(B, nc)](logits, temperature, keys.contiguous(), greedy.to(torch.int32).contiguous(), pm, ps, bv, bi, bl,
+    if greedy.dtype != torch.int32:
+        greedy = greedy.to(torch.int32)
+    _race_kernel[(B, nc)](logits, temperature, seeds.contiguous(), steps.contiguous(), greedy.contiguous(), pm, ps, bv, bi, bl,
                           logits.stride(0), V=V, CHUNK=chunk, BLOCK=1024, NC=nc, NCP=triton.next_power_of_2(nc),
                           num_warps=4)
     win = bv.argmax(dim=1, keepdim=True)

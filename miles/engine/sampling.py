@@ -85,6 +85,7 @@ class SamplingBatch:
         self.seeds = torch.tensor([r.seed & ((1 << 63) - 1) for r in rows], dtype=torch.int64, device=device)
         greedy = [r.top_k == 1 for r in rows]
         self.greedy = torch.tensor(greedy, dtype=torch.bool, device=device)
+        self.greedy_i32 = self.greedy.to(torch.int32)  # the fused kernel's flag, made once per batch composition
         self.all_greedy = all(greedy)
         self.any_greedy = any(greedy)
         self.need_top_k = any(1 < r.top_k < min(TOP_K_ALL, vocab) for r in rows)
@@ -132,7 +133,7 @@ def sample(
     truncate = sb.need_top_k or sb.need_top_p or sb.need_min_p
     plain = not (truncate or top_n or want_dist or sb.all_greedy or RETURN_ORIGINAL_LOGPROB)
     if plain and USE_FUSED_KERNEL and sample_kernel.available(logits.device):
-        tokens, lp = sample_kernel.fused_sample(logits, sb.temperature, row_keys(sb.seeds, steps), sb.greedy)
+        tokens, lp = sample_kernel.fused_sample(logits, sb.temperature, sb.seeds, steps, sb.greedy_i32)
         return SampleOutput(tokens=tokens, logprobs=lp if want_logprobs else None, top_values=None, top_indices=None,
                             logprob_dist=None)
     logp = None

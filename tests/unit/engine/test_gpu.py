@@ -188,6 +188,16 @@ def test_compiled_kernels_match_their_torch_references(dtype):
         torch.testing.assert_close(fused_ops.norm_rope(x, weight, 1e-6, cos, sin, p).float(),
                                    fused_ops.reference(x, weight, 1e-6, cos, sin, p).float(),
                                    atol=3e-2 if dtype == torch.bfloat16 else 1e-4, rtol=1e-2 if dtype == torch.bfloat16 else 0)
+    # the residual add + RMSNorm and SwiGLU kernels round where the torch expressions round: equal up to one ulp
+    h, d = torch.randn(200, 1024, device=dev, dtype=dtype), torch.randn(200, 1024, device=dev, dtype=dtype)
+    nw = torch.rand(1024, device=dev, dtype=dtype) + 0.5
+    got_h, got_x = fused_ops.add_rms_norm(h, d, nw, 1e-6)
+    ref_h, ref_x = fused_ops.add_rms_norm_reference(h, d, nw, 1e-6)
+    assert torch.equal(got_h, ref_h)
+    tol = dict(atol=1e-2, rtol=1e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_x.float(), ref_x.float(), **tol)
+    gu = torch.randn(200, 2 * 3072, device=dev, dtype=dtype) * 3
+    torch.testing.assert_close(fused_ops.silu_mul(gu).float(), fused_ops.silu_mul_reference(gu).float(), **tol)
 
 
 def test_head_dim_not_a_power_of_two_takes_the_torch_path_on_gpu(tmp_path):

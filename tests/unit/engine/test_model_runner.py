@@ -91,3 +91,41 @@ def test_engine_cli_rejects_bad_values_before_loading(flags, needle, capsys):
     with pytest.raises(SystemExit) as ei:
         main(["--hf-checkpoint", "/nonexistent", *flags])  # no model is read: the flags fail first
     assert ei.value.code == 2 and needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen2"])
+def test_fused_projections_follow_weight_updates_and_memory_release(kind, tmp_path):
+    """q/k/v (with Qwen2's biases) and gate/up run as one GEMM each over fused buffers whose parts are the HF
+    parameters' storage: an in-place update by name (the trainer's weight sync) and a release/resume of the
+    weights reach the fused GEMMs; the decode step then equals a runner loaded from a checkpoint of the new
+    weights."""
+    path = _save(_config(kind), tmp_path / "a")
+    runner = ModelRunner(path, RunnerOptions(max_running_requests=2, max_context_len=64, kv_cache="paged", page_size=4))
+    impl = runner.impl
+    assert all(f is not None for f in impl.qkv) and all(w is not None for w in impl.gate_up)
+    attn0 = impl.layers[0].self_attn
+    assert attn0.k_proj.weight.data_ptr() == impl.qkv[0][0][impl.n_heads * impl.head_dim:].data_ptr()
+    g = torch.Generator().manual_seed(3)
+    names = ["model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight",
+             "model.layers.1.self_attn.q_proj.weight"] + (["model.layers.0.self_attn.v_proj.bias"] if kind == "qwen2" else [])
+    update = {n: torch.randn(runner.named_tensors()[n].shape, generator=g) * 0.2 for n in names}
+    assert runner.load_tensors(update) == len(update)
+    runner.release({"weights"})
+    runner.resume({"weights"})
+    assert impl.layers[1].mlp.up_proj.weight.data_ptr() == impl.gate_up[1][impl.gate_up[1].shape[0] // 2:].data_ptr()
+    model = runner.model
+    with torch.no_grad():
+        for n, t in update.items():
+            torch.testing.assert_close(model.get_parameter(n), t)
+    model.save_pretrained(str(tmp_path / "b"))
+    fresh = ModelRunner(tmp_path / "b", RunnerOptions(max_running_requests=2, max_context_len=64, kv_cache="paged",
+                                                      page_size=4))
+    seqs = [[5, 6, 7, 8, 9], [20, 21, 22]]
+    outs = []
+    for r in (runner, fresh):
+        last, _ = r.prefill(0, seqs, [False, False])
+        r.grow_pages([])
+        step = r.decode(torch.tensor([40, 41]), torch.tensor([5, 3]), 6)
+        outs.append((last, step))
+    torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-5, rtol=0)
