@@ -169,10 +169,6 @@ def _validate_miles_flags(cfg: MilesConfig) -> None:
 
         check_multimodal_keys(d.multimodal_keys)
         keys = json.dumps(d.multimodal_keys)
-        if cfg.train.train_backend == "megatron":
-            raise ConfigError(f"--multimodal-keys {keys} with --train-backend megatron: the Megatron backend has no "
-                              "vision tower (Qwen3-VL's ViT in front of the language model, M-RoPE 3-D positions and "
-                              "deepstack merges are not built): use --train-backend fsdp.")
         if d.rollout_function_path != SFT_PATH or a.loss_type != "sft_loss":
             raise ConfigError(f"--multimodal-keys {keys}: images are supported for SFT only (--rollout-function-path "
                               f"{SFT_PATH} --loss-type sft_loss); the engines take text tokens only.")

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from miles.config.base import ConfigError
-from miles.trainer.megatron import mla, moe, mtp
+from miles.trainer.megatron import mla, moe, mtp, vlm
 from miles.trainer.megatron.model import ModelShape
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -60,8 +60,12 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], shape: ModelShape, padded_vocab:
     out = {}
     q_rows, kv_rows, _ = _qkv_split(shape)
     ng = shape.num_query_groups
+    if shape.vision and any(k.startswith(vlm.HF_LM_PREFIX) for k in hf):   # Qwen3-VL: the text model's names
+        hf = vlm.text_hf_state(hf)
     for name in names:
-        if name == "embedding.word_embeddings.weight":
+        if vlm.is_vision(name):                 # the vision tower: transformers' own module, names as in HF
+            out[name] = hf[vlm.HF_VISION_PREFIX + name[len(vlm.VISION_PREFIX):]]
+        elif name == "embedding.word_embeddings.weight":
             out[name] = _pad_rows(hf["model.embed_tokens.weight"], padded_vocab)
         elif name == "output_layer.weight":
             out[name] = _pad_rows(hf["lm_head.weight"], padded_vocab)
@@ -98,7 +102,16 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], shape: ModelShape, padded_vocab:
 
 
 def megatron_to_hf(name: str, full: torch.Tensor, shape: ModelShape) -> list[tuple[str, torch.Tensor]]:
-    """HF tensors from one full megatron tensor (the norm copies of the TE spec map once)."""
+    """HF tensors from one full megatron tensor (the norm copies of the TE spec map once); a vision-language
+    model's under its checkpoint's names (``model.visual.*``, ``model.language_model.*``, ``lm_head.weight``)."""
+    if not shape.vision:
+        return _megatron_to_hf(name, full, shape)
+    if vlm.is_vision(name):
+        return [(vlm.HF_VISION_PREFIX + name[len(vlm.VISION_PREFIX):], full)]
+    return [(vlm.hf_lm_name(n), t) for n, t in _megatron_to_hf(name, full, shape)]
+
+
+def _megatron_to_hf(name: str, full: torch.Tensor, shape: ModelShape) -> list[tuple[str, torch.Tensor]]:
     if name == "embedding.word_embeddings.weight":
         return [("model.embed_tokens.weight", full[:shape.vocab_size])] + mtp.shared_copies(name, full, shape)
     if name == "output_layer.weight":
@@ -109,7 +122,7 @@ def megatron_to_hf(name: str, full: torch.Tensor, shape: ModelShape) -> list[tup
         own = mtp.own_hf_name(name, shape.num_layers)
         if own is not None:
             return [(own, full)]
-        return megatron_to_hf(mtp.decoder_name(name, shape.num_layers), full, shape)
+        return _megatron_to_hf(mtp.decoder_name(name, shape.num_layers), full, shape)
     m = _LAYER.match(name)
     if m is None:
         raise KeyError(f"no HF name for megatron parameter {name}")
@@ -144,7 +157,9 @@ _ROW = ("linear_proj.weight", "mlp.linear_fc2.weight", *mla.ROW)
 
 def partition_dim(name: str) -> int | None:
     """The TP split dim of a megatron-core parameter (by name: megatron-core only tags the ones it
-    initialised itself), None when replicated."""
+    initialised itself), None when replicated (the vision tower of a VLM: whole on every rank)."""
+    if vlm.is_vision(name):
+        return None
     if name.endswith(_COLUMN):
         return 0
     if name.endswith(_ROW):

@@ -20,7 +20,8 @@ import torch
 from miles.trainer.megatron import mla, mtp
 from miles.trainer.megatron.moe import hf_moe_fields
 
-FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE", **mla.MLA_FAMILIES}
+FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE", "qwen3_vl": "Qwen3-VL",
+            **mla.MLA_FAMILIES}
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class ModelShape:
     #                                           mscale, mscale_all_dim); () without rope scaling
     nextn_layers: int = 0                     # config.json's num_nextn_predict_layers (the checkpoint's MTP layers)
     mtp_num_layers: int = 0                   # MTP layers built (--mtp-num-layers, mtp.py); 0: none
+    vision: bool = False                      # a vision-language model (Qwen3-VL, vlm.py): the shape is its text model's
 
     @property
     def mla(self) -> bool:
@@ -72,6 +74,14 @@ class ModelShape:
         if mt not in FAMILIES:
             raise ValueError(f"--train-backend megatron supports HF model types {sorted(FAMILIES)}, got {mt!r} "
                              "(use --train-backend fsdp for other architectures).")
+        vision = mt == "qwen3_vl"
+        if vision:                    # Qwen3-VL (vlm.py): the text model's shape; tied embeddings are the top config's
+            from miles.trainer.megatron.vlm import is_vlm_config
+
+            if not is_vlm_config(c):
+                raise ValueError("a qwen3_vl config.json without vision_config / image_token_id")
+            tie = bool(getattr(c, "tie_word_embeddings", False))
+            c = c.text_config
         if getattr(c, "hidden_act", "silu") != "silu":
             raise ValueError(f"--train-backend megatron: hidden_act {c.hidden_act!r} is not supported (silu only).")
         rope = getattr(c, "rope_parameters", None) or {}
@@ -88,7 +98,8 @@ class ModelShape:
         heads = int(c.num_attention_heads)
         head_dim = getattr(c, "head_dim", None) or int(c.hidden_size) // heads
         qkv_bias = True if mt == "qwen2" else bool(getattr(c, "attention_bias", False))
-        fields = dict(kv_channels=int(head_dim), qk_layernorm=mt in ("qwen3", "qwen3_moe"), qkv_bias=qkv_bias)
+        fields = dict(kv_channels=int(head_dim), qk_layernorm=mt in ("qwen3", "qwen3_moe", "qwen3_vl"),
+                      qkv_bias=qkv_bias)
         fields.update(mla.hf_mla_fields(c))          # MLA: kv_channels = qk_nope_head_dim, the latent norms
         moe_fields = mla.hf_moe_fields(c) if mla.is_mla_config(c) else hf_moe_fields(c)
         return cls(model_type=mt, num_layers=int(c.num_hidden_layers), hidden_size=int(c.hidden_size),
@@ -96,8 +107,9 @@ class ModelShape:
                    num_query_groups=int(getattr(c, "num_key_value_heads", None) or heads),
                    vocab_size=int(c.vocab_size), max_position_embeddings=int(c.max_position_embeddings),
                    rotary_base=float(theta), norm_epsilon=float(c.rms_norm_eps),
-                   tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
-                   nextn_layers=int(getattr(c, "num_nextn_predict_layers", 0) or 0), **fields, **moe_fields)
+                   tie_embeddings=tie if vision else bool(getattr(c, "tie_word_embeddings", False)),
+                   nextn_layers=int(getattr(c, "num_nextn_predict_layers", 0) or 0), vision=vision, **fields,
+                   **moe_fields)
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
@@ -255,12 +267,13 @@ def _sequence_parallel_norms(config, spec):
 
 def build_gpt_model(shape: ModelShape, config, *, padded_vocab: int, device: torch.device,
                     core_attention: str = "sdpa", pre_process: bool = True, post_process: bool = True,
-                    mtp_training: bool = False):
+                    mtp_training: bool = False, hf_config=None):
     """A HiddenGPTModel on ``device`` (weights uninitialised: load them with ``convert.load_hf_into``).
     With ``shape.mtp_num_layers`` it holds megatron-core's MTP block (``mtp.py``), run and trained only with
     ``mtp_training``, else frozen.
     ``core_attention`` (local spec only): "sdpa" (``SDPACoreAttention``) or "unfused" (megatron-core's).
-    ``pre_process``/``post_process``: this pipeline stage holds the embedding / the final norm and output layer."""
+    ``pre_process``/``post_process``: this pipeline stage holds the embedding / the final norm and output layer.
+    A vision-language ``shape`` (``shape.vision``) gets ``hf_config``'s vision tower, M-RoPE and deepstack (vlm.py)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
@@ -296,6 +309,13 @@ def build_gpt_model(shape: ModelShape, config, *, padded_vocab: int, device: tor
 
         mtp_training = False
         mtp_loss_value = None
+        _mrope_freqs = None            # a VLM forward's M-RoPE angles [s, b, 1, dim] (vlm.forward)
+
+        def _preprocess(self, *args, **kwargs):
+            out = super()._preprocess(*args, **kwargs)
+            if self._mrope_freqs is None:
+                return out
+            return (out[0], self._mrope_freqs, *out[2:])
 
         def _postprocess(self, hidden_states, input_ids=None, position_ids=None, labels=None, rotary_pos_emb=None,
                          rotary_pos_cos=None, rotary_pos_sin=None, mtp_in_postprocess=None, loss_mask=None,
@@ -324,6 +344,12 @@ def build_gpt_model(shape: ModelShape, config, *, padded_vocab: int, device: tor
         model.mtp_training = mtp_training
         if not mtp_training:
             mtp.freeze(model)
+    if shape.vision:
+        from miles.trainer.megatron import vlm
+
+        if hf_config is None:
+            raise ValueError("build_gpt_model: a vision-language shape needs its hf_config (the vision tower's)")
+        vlm.attach_vision(model, hf_config, sequence_parallel=bool(config.sequence_parallel))
     return model.to(device)
 
 

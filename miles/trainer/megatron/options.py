@@ -173,11 +173,14 @@ def preflight_check(cfg, hf_config: dict | None) -> None:
     except ValueError:                                # an unknown model type: say which types are supported
         config = SimpleNamespace(**hf_config)
     shape = shape_of(config)
+    from miles.trainer import lora
+    from miles.trainer.megatron import vlm
+
+    vlm.check_static(resolve(cfg.megatron, cfg.train), shape, lora=lora.LoraSpec.from_config(cfg.train) is not None,
+                     loss_type=cfg.algo.loss_type)     # Qwen3-VL: one line for what it does not run with
     check_shape(cfg.megatron, shape)
     check_static(resolve(cfg.megatron, cfg.train), shape)
     check_pipeline_algo(resolve(cfg.megatron, cfg.train), cfg.algo)
-    from miles.trainer import lora
-
     if (spec := lora.LoraSpec.from_config(cfg.train)) is not None:    # --lora-rank: the layouts LoRA runs on
         lora.check_megatron(resolve(cfg.megatron, cfg.train), shape, spec)
         mtp.check_mtp_lora(resolve(cfg.megatron, cfg.train))
@@ -206,6 +209,9 @@ def check_static(o: Options, shape: ModelShape) -> None:
                           f"{shape.num_experts}) is not supported by the Megatron backend yet; use "
                           "--pipeline-model-parallel-size 1 with expert, tensor and data parallelism.")
     check_context_parallel(o, shape)
+    from miles.trainer.megatron import vlm
+
+    vlm.check_static(o, shape)         # Qwen3-VL: PP, CP, MTP (vlm.py)
     if o.cpu_offload_fraction is not None and o.distributed_optimizer_given:
         raise ConfigError("--optimizer-cpu-offload with --use-distributed-optimizer is not supported by the Megatron "
                           "backend (the offloaded AdamW is not sharded over DP): drop one of them.")

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from miles.config.base import ConfigError
 from miles.trainer import lora as lora_mod
+from miles.trainer import vlm as hf_vlm
 from miles.trainer.batching import MicroBatch, coalesce_micro_batches, pack, plan_micro_batches
 from miles.trainer.collectives import bounded_all_gather_object
 from miles.trainer.fsdp import FSDPTrainer
@@ -61,6 +62,7 @@ from miles.trainer.losses import (
 from miles.trainer.megatron import context_parallel, convert, export, moe, options, parallel, pipeline
 from miles.trainer.megatron import model as mmodel
 from miles.trainer.megatron import mtp as mtp_mod
+from miles.trainer.megatron import vlm as mvlm
 from miles.trainer.metrics import active_params, moe_routing, peak_tflops
 from miles.trainer.optim import LRSchedule, MasterWeights, build_adamw
 from miles.types import Sample
@@ -108,8 +110,15 @@ class MegatronTrainer(FSDPTrainer):
         torch.manual_seed(train.seed)
         from transformers import AutoConfig
 
-        self.shape = dataclasses.replace(options.shape_of(AutoConfig.from_pretrained(train.hf_checkpoint)),
+        hf_config = AutoConfig.from_pretrained(train.hf_checkpoint)
+        self.shape = dataclasses.replace(options.shape_of(hf_config),
                                          mtp_num_layers=self.opts.mtp_num_layers)      # the MTP block (mtp.py)
+        # Qwen3-VL (vlm.py): image inputs per micro-batch, as the FSDP trainer reads them (miles.trainer.vlm)
+        mvlm.check_static(self.opts, self.shape, lora=lora_mod.LoraSpec.from_config(train) is not None,
+                          loss_type=algo.loss_type)
+        self._images = (hf_vlm.ImageProcessor(train.hf_checkpoint, hf_config.image_token_id) if self.shape.vision
+                        else None)
+        self._mm: list | None = None
         if getattr(train, "megatron_to_hf_mode", "raw") != "raw" and self.trainer_rank == 0:
             logger.info("--megatron-to-hf-mode %s: weights are converted by miles's own converter (convert.py), "
                         "to the same HF names and shapes.", train.megatron_to_hf_mode)
@@ -265,7 +274,8 @@ class MegatronTrainer(FSDPTrainer):
         core = "unfused" if o.attention_backend in ("unfused", "local") else "sdpa"
         model = mmodel.build_gpt_model(shape, config, padded_vocab=self.padded_vocab, device=self.device,
                                        core_attention=core, pre_process=self.stage.is_first,
-                                       post_process=self.stage.is_last, mtp_training=mtp and o.mtp_training)
+                                       post_process=self.stage.is_last, mtp_training=mtp and o.mtp_training,
+                                       hf_config=AutoConfig.from_pretrained(path) if shape.vision else None)
         load = pipeline.load_hf_into if o.pp > 1 else convert.load_hf_into
         ep = {"ep_rank": self.groups.ep_rank, "ep_size": self.groups.ep_size} if self.groups.ep_size > 1 else {}
         load(model, self._hf(path), shape, self.padded_vocab, self.groups.tp_rank, self.groups.tp_size, **ep)
@@ -368,7 +378,12 @@ class MegatronTrainer(FSDPTrainer):
         if getattr(model, "mtp_training", False) and model.training and not mb.is_dummy:   # mtp.py
             kw["labels"], kw["loss_mask"] = mtp_mod.labels_and_mask(ids, index, mb.loss_mask, self.pad_id)
         with self._dropout_stream(model):
-            hidden = model(ids, pos, attention_mask=None, **kw)                  # [s, b, h]
+            if self._images is not None:      # Qwen3-VL (vlm.py): the micro-batch's images, M-RoPE, deepstack
+                mm = hf_vlm.batch_inputs(self._mm or [], mb.sample_ids, ids, self._images.image_token_id, ids.device)
+                hidden = mvlm.forward(model, ids, mm, sequence_parallel=self._sequence_parallel,
+                                      tp_rank=self.groups.tp_rank, tp_size=self.groups.tp_size, **kw)
+            else:
+                hidden = model(ids, pos, attention_mask=None, **kw)              # [s, b, h]
         if self._sequence_parallel:
             from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
