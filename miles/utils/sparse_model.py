@@ -98,13 +98,21 @@ def _write_shard(path: Path, entries: dict[str, list[int]], dtype: str, width: i
 
 def build_sparse_model(out_dir: str | Path, config: dict[str, Any], *,
                        max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
-    """Write ``config.json``, the tiny tokenizer and sparse safetensors shards of ``config``'s model to ``out_dir``."""
+    """Write ``config.json``, the tiny tokenizer and sparse safetensors shards of ``config``'s model to ``out_dir``
+    (and for a vision-language config, a ``preprocessor_config.json`` with its vision tower's patch sizes)."""
     from miles.utils.tiny_model import build_tokenizer
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     build_tokenizer(out)
+    if isinstance(config.get("vision_config"), dict):      # a VLM (Qwen3-VL): its image processor's settings
+        v = config["vision_config"]
+        (out / "preprocessor_config.json").write_text(json.dumps({
+            "image_processor_type": "Qwen2VLImageProcessor", "patch_size": v.get("patch_size", 16),
+            "temporal_patch_size": v.get("temporal_patch_size", 2), "merge_size": v.get("spatial_merge_size", 2),
+            "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+            "size": {"shortest_edge": 65536, "longest_edge": 16777216}}, indent=2) + "\n")
     dtype_name = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
     dtype, width = SAFETENSORS_DTYPES[dtype_name]
     shards: list[dict[str, list[int]]] = [{}]

@@ -84,6 +84,13 @@ def workdir(tmp_path_factory) -> Path:
              "messages": [{"role": "user", "content": f"{i}+1="}, {"role": "assistant", "content": str(i + 1)}]}
             for i in range(256)]
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    # geo3k's rows (the VLM fixture, --multimodal-keys {"image": "images"}): a question with one <image>
+    from PIL import Image
+
+    Image.new("RGB", (64, 48), (120, 30, 200)).save(out / "geo.png")
+    (out / "geo.jsonl").write_text("".join(json.dumps(
+        {"messages": [{"role": "user", "content": f"<image>Find x. ({i})"}, {"role": "assistant", "content": str(i)}],
+         "images": ["geo.png"]}) + "\n" for i in range(256)))
     # the keys of Miles's examples/infra_features/train_infer_mismatch_helper/mis.yaml that name flags here
     (out / "mis.yaml").write_text("use_tis: true\ntis_mode: truncate\ntis_upper_bound: 2.0\n")
     return out
@@ -120,7 +127,9 @@ def plugins_on_path(monkeypatch):
 
 
 def subs_for(path: Path, workdir: Path, model_dirs) -> dict[str, str]:
-    return {"MODEL": str(model_dirs(fixture_model(path))), "DATA": str(workdir / "data.jsonl"), "OUT": str(workdir)}
+    images = any(ln.startswith("--multimodal-keys") for ln in read_fixture(path)[2])
+    return {"MODEL": str(model_dirs(fixture_model(path))), "DATA": str(workdir / ("geo.jsonl" if images else "data.jsonl")),
+            "OUT": str(workdir)}
 
 
 def save_shortfall(cfg, model: Path) -> int | None:

@@ -91,8 +91,6 @@ def test_placeholders_become_image_items():
 def test_refusals_are_one_line_naming_the_flag(vlm_dir: Path, data: Path):
     base = ["--hf-checkpoint", str(vlm_dir), "--prompt-data", str(data), *SFT]
     cases = [
-        (["--train-backend", "megatron", *KEYS], "with --train-backend megatron: the Megatron backend has no vision "
-                                                  "tower"),
         (["--train-backend", "fsdp", "--multimodal-keys", '{"video": "v"}'], "video inputs are not supported"),
         (["--train-backend", "fsdp", "--multimodal-keys", '{"imgs": "v"}'], "unknown media type 'imgs'"),
         (["--train-backend", "fsdp", "--multimodal-keys", '{"image": 3}'], "must be a non-empty string"),
@@ -111,6 +109,25 @@ def test_refusals_are_one_line_naming_the_flag(vlm_dir: Path, data: Path):
     raw = [a for a in base if a != "--apply-chat-template"] + ["--train-backend", "fsdp", *KEYS]
     with pytest.raises(ConfigError, match=r"^--multimodal-keys .* needs --apply-chat-template"):
         parse_args(raw, is_async=True)
+
+
+def test_megatron_backend_takes_qwen3_vl_and_names_what_it_does_not_run(vlm_dir: Path, data: Path):
+    """--train-backend megatron trains Qwen3-VL SFT (miles/trainer/megatron/vlm.py) with TP + sequence parallelism;
+    pipeline or context parallelism, MTP and LoRA are refused in one line naming the flag."""
+    from miles.run.entry import dry_run
+
+    two = ["--train-backend", "megatron", "--actor-num-gpus-per-node", "2"]
+    assert "role plan" in dry_run(_cfg(vlm_dir, data, *two, "--tensor-model-parallel-size", "2",
+                                       "--sequence-parallel"))
+    for extra, start in ((["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2 with a "
+                                                                    "vision-language --hf-checkpoint (Qwen3-VL)"),
+                         (["--context-parallel-size", "2"], "--context-parallel-size 2 with a vision-language"),
+                         (["--mtp-num-layers", "1"], "--mtp-num-layers 1 with a vision-language"),
+                         (["--lora-rank", "4", "--target-modules", "all-linear"], "--lora-rank with a vision-language")):
+        with pytest.raises(ConfigError) as ei:
+            dry_run(_cfg(vlm_dir, data, *two, *extra))
+        msg = str(ei.value)
+        assert start in msg and "\n" not in msg, msg
 
 
 def test_dry_run_passes_and_names_a_bad_image(vlm_dir: Path, data: Path, tiny_model_dir: Path):
