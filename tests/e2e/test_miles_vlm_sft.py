@@ -1,8 +1,9 @@
 """Image SFT as Miles's geo3k VLM SFT launcher (examples/geo3k_vlm/run_geo3k_vlm_sft.sh) runs it: the SFT-path
 flags of tests/fixtures/miles_scripts/sft_async_geo3k_vlm.flags (``--multimodal-keys {"image": "images"}``,
 ``miles.rollout.sft_rollout.generate_rollout``, ``--loss-type sft_loss``, ``--debug-train-only``) through
-``train_async.py`` on a tiny Qwen3-VL (miles.utils.tiny_vlm), two ranks, on the FSDP backend (the fixture's
-Megatron backend has no vision tower and is refused: tests/unit/rollout/test_multimodal.py)."""
+``train_async.py`` on a tiny Qwen3-VL (miles.utils.tiny_vlm), two ranks, on the FSDP backend and on the fixture's
+own Megatron backend (its Megatron flags too: TP 2 instead of 4, ``--sequence-parallel``, full recompute;
+miles/trainer/megatron/vlm.py)."""
 
 from __future__ import annotations
 
@@ -24,18 +25,28 @@ SFT_PATH_FLAGS = {  # what the SFT run path reads; sizes are overridden below fo
 }
 
 
-def _fixture_flags(model: Path, data: Path, out: Path) -> list[str]:
+MEGATRON_FLAGS = {  # the fixture's Megatron flags (its TP 4 becomes 2 below: two ranks)
+    "--train-backend", "--tensor-model-parallel-size", "--sequence-parallel", "--pipeline-model-parallel-size",
+    "--context-parallel-size", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
+    "--recompute-granularity", "--recompute-method", "--recompute-num-layers", "--attention-dropout",
+    "--hidden-dropout", "--accumulate-allreduce-grads-in-fp32", "--attention-softmax-in-fp32", "--attention-backend",
+    "--megatron-to-hf-mode",
+}
+
+
+def _fixture_flags(model: Path, data: Path, out: Path, names: set[str] = SFT_PATH_FLAGS) -> list[str]:
     argv = []
     for line in FIXTURE.read_text().splitlines():
         name, _, rest = line.partition(" ")
-        if line.startswith("--") and name in SFT_PATH_FLAGS:
+        if line.startswith("--") and name in names:
             rest = rest.replace("{MODEL}", str(model)).replace("{DATA}", str(data)).replace("{OUT}", str(out))
             argv += [name] + ([rest] if rest.startswith("{") else rest.split())
-    assert "--multimodal-keys" in argv and '{"image": "images"}' in argv
+    assert names is not SFT_PATH_FLAGS or "--multimodal-keys" in argv and '{"image": "images"}' in argv
     return argv
 
 
-def test_vlm_sft_with_miles_launcher_flags(tmp_path: Path):
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_vlm_sft_with_miles_launcher_flags(tmp_path: Path, backend: str):
     import numpy as np
     import torch
     from PIL import Image
@@ -54,7 +65,10 @@ def test_vlm_sft_with_miles_launcher_flags(tmp_path: Path):
     data = tmp_path / "geo.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out, log = tmp_path / "run", tmp_path / "run.log"
-    cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", "train_async.py", "--train-backend", "fsdp",
+    backend_flags = ["--train-backend", "fsdp"] if backend == "fsdp" else [
+        *_fixture_flags(model, data, tmp_path, MEGATRON_FLAGS), "--tensor-model-parallel-size", "2"]
+    assert backend == "fsdp" or "--sequence-parallel" in backend_flags and "megatron" in backend_flags
+    cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", "train_async.py", *backend_flags,
            *_fixture_flags(model, data, tmp_path),
            "--rollout-batch-size", "4", "--global-batch-size", "4", "--num-epoch", "1", "--lr", "1e-3",
            "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2", "--num-gpus-per-node", "2",
@@ -70,3 +84,23 @@ def test_vlm_sft_with_miles_launcher_flags(tmp_path: Path):
     assert sorted(before) == sorted(after)
     visual = [k for k in before if k.startswith("model.visual.")]
     assert visual and all(not torch.equal(before[k], after[k].to(before[k].dtype)) for k in visual)  # ViT trained
+    from transformers import Qwen3VLForConditionalGeneration
+
+    loaded = Qwen3VLForConditionalGeneration.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).state_dict()
+    for k, t in after.items():                    # transformers loads the --save-hf output to exactly its tensors
+        assert torch.equal(loaded[k], t.float()), k
+    if backend != "megatron":
+        return
+    # the torch_dist checkpoint holds the trained vision tower as --save-hf wrote it, and resumes (--load)
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(tmp_path / "ckpt" / "iter_0000001"), str(tmp_path / "ckpt.pt"))
+    saved = torch.load(str(tmp_path / "ckpt.pt"), weights_only=False)
+    vision = {k: v for k, v in saved.items() if k.startswith("vision.")}
+    assert len(vision) == len(visual) and all(torch.equal(v.float(), after["model.visual." + k[len("vision."):]].float())
+                                              for k, v in vision.items())
+    log2 = tmp_path / "run2.log"
+    cmd2 = cmd + ["--num-epoch", "2", "--output-dir", str(tmp_path / "run2"), "--save-hf", str(tmp_path / "hf2"),
+                  "--load", str(tmp_path / "ckpt")]                  # the last value of a flag wins
+    check_ok(run(cmd2, log2, timeout=480), log2)
+    assert [r["rollout_id"] for r in metrics(tmp_path / "run2")] == [2, 3]
