@@ -23,8 +23,8 @@ dtype, checksum mismatch) raises ONE exception type, :class:`SampleWireError`, w
 is wrong; encoding checks the same invariants so a bad sample is reported at the sender.
 
 ``split_for_dp`` assigns whole groups to data-parallel ranks balancing tokens; ``scatter_samples`` and
-``broadcast_bytes`` move payloads over a gloo process group (sizes first, then uint8 tensors), each
-step bounded by ``timeout``.
+``broadcast_bytes`` move payloads over a gloo process group (sizes first, then uint8 tensors; a small
+``broadcast_bytes`` payload travels with its size in one broadcast), each step bounded by ``timeout``.
 """
 
 from __future__ import annotations
@@ -320,21 +320,42 @@ def _group_desc(group: Any) -> str:
         return "(default)"
 
 
+# broadcast_bytes: the first collective carries the size and up to this many payload bytes, so a command of the
+# driver's control channel (tens of bytes) is one gloo broadcast, not two (size, then bytes); larger payloads send
+# the rest in a second one. Every member must use the same value (it is part of the wire format).
+INLINE_BYTES = 1016
+
+
 def broadcast_bytes(data: bytes | None, group: Any, src: int, timeout: float) -> bytes:
-    """Send ``data`` from global rank ``src`` to every member of ``group`` (gloo; size first, then bytes)."""
+    """Send ``data`` from global rank ``src`` to every member of ``group`` (gloo). One broadcast of a fixed
+    ``8 + INLINE_BYTES``-byte head (the size, then the first bytes); a payload longer than ``INLINE_BYTES`` sends
+    the rest in a second broadcast."""
     import torch.distributed as dist
 
     me = dist.get_rank()
     if me == src and data is None:
         raise ValueError("broadcast_bytes: the source rank must pass the bytes to send")
-    size = torch.tensor([len(data) if me == src else 0], dtype=torch.int64)
-    _wait(dist.broadcast(size, src=src, group=group, async_op=True), timeout, "payload size broadcast", group, src)
-    n = int(size.item())
-    if n == 0:
-        return b""
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if me == src else torch.empty(n, dtype=torch.uint8)
-    _wait(dist.broadcast(buf, src=src, group=group, async_op=True), timeout, "payload broadcast", group, src)
-    return bytes(data) if me == src else buf.numpy().tobytes()
+    head = torch.zeros(8 + INLINE_BYTES, dtype=torch.uint8)
+    if me == src:
+        inline = data[:INLINE_BYTES]
+        head[:8] = torch.frombuffer(bytearray(struct.pack("<q", len(data))), dtype=torch.uint8)
+        if inline:
+            head[8:8 + len(inline)] = torch.frombuffer(bytearray(inline), dtype=torch.uint8)
+    _wait(dist.broadcast(head, src=src, group=group, async_op=True), timeout, "payload size broadcast", group, src)
+    if me == src:
+        if len(data) > INLINE_BYTES:
+            rest = torch.frombuffer(bytearray(data[INLINE_BYTES:]), dtype=torch.uint8)
+            _wait(dist.broadcast(rest, src=src, group=group, async_op=True), timeout, "payload broadcast", group, src)
+        return bytes(data)
+    raw = head.numpy().tobytes()
+    (n,) = struct.unpack("<q", raw[:8])
+    if n < 0:
+        raise ValueError(f"broadcast_bytes: rank {src} announced a payload of {n} bytes")
+    if n <= INLINE_BYTES:
+        return raw[8:8 + n]
+    rest = torch.empty(n - INLINE_BYTES, dtype=torch.uint8)
+    _wait(dist.broadcast(rest, src=src, group=group, async_op=True), timeout, "payload broadcast", group, src)
+    return raw[8:] + rest.numpy().tobytes()
 
 
 def scatter_samples(per_rank: list[list[Sample]] | None, group: Any, src: int, timeout: float) -> list[Sample]:

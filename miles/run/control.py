@@ -4,8 +4,8 @@
     chan.send({"cmd": "train", "rollout_id": 3})      # driver
     cmd = chan.recv()                                  # every other member, in the same order
 
-Commands are JSON (never pickle) sent with :func:`miles.rollout.wire.broadcast_bytes` (size, then
-bytes), so a rank that stopped answering surfaces as a TimeoutError naming the group within
+Commands are JSON (never pickle) sent with :func:`miles.rollout.wire.broadcast_bytes` (one gloo
+broadcast carrying the size and, for a command, the whole payload), so a rank that stopped answering surfaces as a TimeoutError naming the group within
 ``timeout`` seconds. While the driver generates, :meth:`CommandChannel.keepalive` sends ``{"cmd":
 "wait"}`` every ``keepalive_s`` so that followers waiting for their next command are never silent
 for long and a dead driver is noticed. ``all_gather_json`` collects one small object per rank (e.g.

@@ -15,6 +15,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from miles.rollout.wire import (
+    INLINE_BYTES,
     SampleWireError,
     broadcast_bytes,
     decode_samples,
@@ -79,6 +80,10 @@ def main() -> None:
         result["corrupt"] = "decoded"
     except SampleWireError as e:
         result["corrupt"] = str(e)
+    # 3b. payloads around the inline head (one broadcast up to INLINE_BYTES, a second for the rest): same bytes
+    sizes = [0, 1, INLINE_BYTES - 1, INLINE_BYTES, INLINE_BYTES + 1, 3 * INLINE_BYTES + 7]
+    payloads = [bytes((i * 31 + n) % 256 for i in range(n)) for n in sizes]
+    result["sizes_equal"] = [broadcast_bytes(p if a.rank == 0 else None, None, src=0, timeout=30) == p for p in payloads]
     # 4. the source never sends: receivers time out (bounded), with a message naming the group
     dist.barrier()
     if a.rank != 0:
