@@ -38,9 +38,9 @@ def build_vlm_tokenizer(out_dir: str | Path | None = None):
 
 
 def build_tiny_vlm(out_dir: str | Path, hidden_size: int = 64, num_layers: int = 2, vision_hidden: int = 32,
-                   vision_depth: int = 2, seed: int = 0, dtype: str = "float32") -> Path:
+                   vision_depth: int = 2, seed: int = 0, dtype: str = "float32", tie_word_embeddings: bool = True) -> Path:
     """Write a randomly initialised tiny Qwen3-VL (vision tower + M-RoPE text model), tokenizer and image
-    processor to ``out_dir``."""
+    processor to ``out_dir`` (``tie_word_embeddings=False``: with its own ``lm_head.weight``, as Qwen3-VL-8B)."""
     import torch
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -68,7 +68,7 @@ def build_tiny_vlm(out_dir: str | Path, hidden_size: int = 64, num_layers: int =
                            num_heads=2, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
                            out_hidden_size=hidden_size, num_position_embeddings=16,
                            deepstack_visual_indexes=[0]),
-        tie_word_embeddings=True, **ids)
+        tie_word_embeddings=tie_word_embeddings, **ids)
     config.pad_token_id = tok.pad_token_id
     config.eos_token_id = tok.eos_token_id
     torch.manual_seed(seed)
