@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--tool-key", type=str, default="tools", help="Field holding tool specs.")
     d.add_argument("--multimodal-keys", type=json_object, default=None,
                    help='JSON map of media type to field, e.g. \'{"image": "images"}\' (images, for SFT with '
-                        'miles.rollout.sft_rollout.generate_rollout on the FSDP backend).')
+                        'miles.rollout.sft_rollout.generate_rollout; Qwen3-VL on the FSDP or Megatron backend).')
     d.add_argument("--apply-chat-template", action="store_true", help="Apply the tokenizer's chat template (never implied).")
     d.add_argument("--apply-chat-template-kwargs", type=json_object, default={},
                    help='JSON object of extra chat-template arguments, e.g. \'{"enable_thinking": false}\'.')
