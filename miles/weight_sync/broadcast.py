@@ -11,7 +11,9 @@ One sync: every trainer rank iterates ``iter_weight_buckets`` in lockstep (the F
 the caller's thread only). The source packs each bucket into one fresh uint8 buffer and hands it to a
 sender thread, which posts ``/update_weights_from_distributed`` (``load_format="flattened_bucket"``) to
 every engine and broadcasts the buffer on the weight group, while the main thread already gathers the
-next bucket; with ``max_in_flight=2`` an engine loads bucket k while bucket k+1 is broadcast. The
+next bucket; with ``max_in_flight=2`` an engine loads bucket k while bucket k+1 is broadcast. A whole sync
+(the model in one bucket, embedded engines: one request) has no next bucket, so the calling thread posts
+and broadcasts it itself (``_send_inline``: the same request and bytes, no thread). The
 trainer group and the weight group are different communicators driven by different
 threads, each in a fixed order, so the classic "all-gather vs broadcast" deadlock cannot occur; on a
 sender failure the source keeps draining the gathers so the other trainer ranks never hang.
@@ -252,6 +254,9 @@ class BroadcastSender(WeightSender):
     def _send_all(self, group: WeightGroup, engines: list[EngineTarget], version: int, deadline: Deadline, result: SyncResult,
                   buckets: Iterator[list[tuple[str, torch.Tensor]]], whole: str | None = None,
                   ordered: bool = False) -> None:
+        if whole is not None:  # the whole model in one bucket: nothing to gather while it travels, so no thread
+            self._send_inline(group, engines, version, deadline, result, buckets, whole)
+            return
         q: queue.Queue = queue.Queue(maxsize=1)
         failure: list[BaseException] = []
         sender = threading.Thread(target=self._sender_loop, args=(q, group, engines, version, deadline, result, failure,
@@ -262,12 +267,7 @@ class BroadcastSender(WeightSender):
             for bucket in buckets:
                 if failure:
                     continue  # keep gathering in lockstep so the other trainer ranks finish too
-                t0 = time.monotonic()
-                item = self._prepare(bucket)
-                result.gather_s += time.monotonic() - t0
-                result.num_buckets += 1
-                result.num_tensors += len(bucket)
-                result.bytes += item[0].numel() if self.flatten else sum(t.numel() * t.element_size() for _, t in item[1])
+                item = self._prepared(bucket, result)
                 while not failure:
                     try:
                         q.put(item, timeout=min(1.0, deadline.left()))
@@ -293,6 +293,29 @@ class BroadcastSender(WeightSender):
         if sender.is_alive():
             raise WeightSyncError(f"the weight broadcast thread is stuck past --update-weight-timeout={deadline.seconds:g}s")
 
+    def _send_inline(self, group: WeightGroup, engines: list[EngineTarget], version: int, deadline: Deadline,
+                     result: SyncResult, buckets: Iterator[list[tuple[str, torch.Tensor]]], whole: str) -> None:
+        """``_sender_loop`` on the calling thread, for a whole sync (one bucket): the same request and broadcast
+        without a thread start, two queue hand-offs and a join per sync."""
+        q: queue.Queue = queue.Queue()
+        for bucket in buckets:
+            q.put(self._prepared(bucket, result))
+        q.put(_DONE)
+        failure: list[BaseException] = []
+        self._sender_loop(q, group, engines, version, deadline, result, failure, whole, False)
+        if failure:
+            raise self._name_suspects(failure[0], engines)
+
+    def _prepared(self, bucket: list[tuple[str, torch.Tensor]], result: SyncResult) -> tuple[torch.Tensor | None, list, Any]:
+        """``_prepare`` with its time counted as gathering and the bucket counted in ``result``."""
+        t0 = time.monotonic()
+        item = self._prepare(bucket)
+        result.gather_s += time.monotonic() - t0
+        result.num_buckets += 1
+        result.num_tensors += len(bucket)
+        result.bytes += item[0].numel() if self.flatten else sum(t.numel() * t.element_size() for _, t in item[1])
+        return item
+
     def _prepare(self, bucket: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor | None, list, Any]:
         """(flat buffer or None, per-tensor list, CUDA event the sender waits for)."""
         if self.device is not None:
@@ -317,7 +340,7 @@ class BroadcastSender(WeightSender):
         numbers them and the engine takes them in order; SGLang gets one bucket in flight at a time."""
         stream = None
         in_flight = self.max_in_flight if ordered else 1
-        sync_id = uuid.uuid4().hex[:12]
+        sync_id = uuid.uuid4().hex[:12] if ordered else ""  # names the buckets of an ordered sync only
         index = itertools.count()
         pending: collections.deque = collections.deque()  # (futures, t_broadcast_done) of buckets not yet answered
         self._in_flight = pending

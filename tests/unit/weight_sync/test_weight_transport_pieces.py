@@ -109,3 +109,63 @@ def test_factory_resolves_modes_and_rejects_bad_ones() -> None:
         build_weight_sender(dataclasses.replace(cfg, update_weight_transfer_mode="disk-delta"), None, is_source=True)
     with pytest.raises(ConfigError, match="'rdma' is not one of"):
         build_weight_sender(dataclasses.replace(cfg, update_weight_transfer_mode="rdma"), None, is_source=True)
+
+
+class _RecordingGroup:
+    """A weight group stand-in: records what was broadcast (bytes) and on which thread."""
+
+    name = "g-test"
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[bytes, str]] = []
+
+    def broadcast(self, tensor, src=0, timeout_s=None, what=""):
+        import threading
+
+        self.sent.append((tensor.numpy().tobytes(), threading.current_thread().name))
+
+
+class _RecordingControl:
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    async def update_weights_from_distributed(self, names, dtypes, shapes, group_name, **kw):
+        import threading
+
+        self.calls.append((names, dtypes, shapes, group_name, {k: v for k, v in kw.items() if k != "timeout"},
+                           threading.current_thread().name))
+        return {"success": True}
+
+    async def close(self):
+        pass
+
+
+@pytest.mark.parametrize("whole", [None, "retract"])
+def test_a_whole_sync_posts_and_broadcasts_on_the_calling_thread_the_same_request_and_bytes(whole) -> None:
+    """One bucket with ``whole`` (the embedded engine's one-request sync) skips the sender thread; the request
+    (names, dtypes, shapes, version, pause mode) and the broadcast bytes are those of the threaded path."""
+    import threading
+
+    from miles.weight_sync.base import Deadline, EngineTarget, SyncResult
+    from miles.weight_sync.buckets import pack_bucket
+
+    cfg = parse_args(["--hf-checkpoint", "x", "--update-weight-timeout", "30"], validate=False).weights
+    calls: list = []
+    sender = build_weight_sender(cfg, object(), is_source=True, engines=[EngineTarget("http://e0")],
+                                 control_factory=lambda e, timeout: _RecordingControl(calls))
+    g = torch.Generator().manual_seed(0)
+    bucket = [("a.weight", torch.randn(4, 3, generator=g)), ("b.bias", torch.randn(5, generator=g).double())]
+    group, result = _RecordingGroup(), SyncResult("broadcast", 3, num_engines=1)
+    try:
+        sender._send_all(group, [EngineTarget("http://e0")], 3, Deadline(30, "test"), result, iter([bucket]), whole)
+    finally:
+        sender.close()
+    (sent, thread), = group.sent
+    assert sent == pack_bucket(bucket)[0].numpy().tobytes()
+    assert (thread == threading.current_thread().name) == (whole is not None)
+    assert thread != "miles-weight-broadcast" or whole is None
+    (names, dtypes, shapes, name, kw, _), = calls
+    assert (names, dtypes, shapes, name) == (["a.weight", "b.bias"], ["float32", "float64"], [[4, 3], [5]], "g-test")
+    assert kw["weight_version"] == "3" and kw["load_format"] == "flattened_bucket" and kw["flush_cache"] is False
+    assert kw.get("whole_sync") == whole and "bucket_order" not in kw
+    assert (result.num_buckets, result.num_tensors, result.bytes) == (1, 2, 4 * 12 + 8 * 5)
