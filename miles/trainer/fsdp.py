@@ -253,9 +253,15 @@ class FSDPTrainer:
         if r <= 0 or r >= n:
             raise ValueError(f"{where}: response_length {r} with {n} tokens; the trainer needs at least one prompt "
                              "token and one response token (drop empty or aborted samples before training).")
+        # the bounds on the Python ints (a sample's few tokens): two tensor reductions and their host reads cost
+        # more than the sample's whole tensor; a tensor of tokens (not a list) is checked the same way
+        hi, lo = (max(s.tokens), min(s.tokens)) if isinstance(s.tokens, list) else (None, None)
         tokens = torch.as_tensor(s.tokens, dtype=torch.long)
-        if int(tokens.max()) >= self.vocab_size or int(tokens.min()) < 0:
-            raise ValueError(f"{where}: token id {int(tokens.max())} is outside the model's vocabulary of "
+        if hi is None:
+            hi, lo = int(tokens.max()), int(tokens.min())
+        if hi >= self.vocab_size or lo < 0:
+            bad = hi if hi >= self.vocab_size else lo
+            raise ValueError(f"{where}: token id {int(bad)} is outside the model's vocabulary of "
                              f"{self.vocab_size} (--hf-checkpoint and the engine's tokenizer disagree).")
         if s.loss_mask is None:
             mask = torch.ones(r, dtype=torch.float32)
