@@ -364,7 +364,9 @@ def scatter_samples(per_rank: list[list[Sample]] | None, group: Any, src: int, t
     ``src`` is a global rank (as in torch.distributed) and must be in ``group``; only ``src`` passes
     ``per_rank`` (one list per group member, in group-rank order; an entry may be empty, e.g. for a
     driver that does not train). Sizes travel first, then payloads padded to the largest one.
-    A payload that does not decode raises SampleWireError naming the source and receiving ranks.
+    A payload that does not decode raises SampleWireError naming the source and receiving ranks. The source's own
+    list is not sent: it is checked as an encode would check it and returned as given (a list of the same
+    samples), without the encode and decode round trip of its share (an empty payload travels in its slot).
     """
     import torch.distributed as dist
 
@@ -376,12 +378,15 @@ def scatter_samples(per_rank: list[list[Sample]] | None, group: Any, src: int, t
         if per_rank is None or len(per_rank) != len(ranks):
             raise ValueError(f"scatter_samples: the source needs one sample list per group member ({len(ranks)}), "
                              f"got {None if per_rank is None else len(per_rank)}")
-        payloads = [encode_samples(x) for x in per_rank]
+        own = ranks.index(src)
+        for i, smp in enumerate(per_rank[own]):
+            _check_sample(i, smp)
+        payloads = [b"" if r == own else encode_samples(x) for r, x in enumerate(per_rank)]
         sizes = torch.tensor([len(p) for p in payloads], dtype=torch.int64)
     else:
         sizes = torch.zeros(len(ranks), dtype=torch.int64)
     _wait(dist.broadcast(sizes, src=src, group=group, async_op=True), timeout, "sample payload sizes", group, src)
-    width = int(sizes.max())
+    width = max(int(sizes.max()), 1)   # the source's own slot is empty: never a zero-size scatter
     out = torch.empty(width, dtype=torch.uint8)
     scatter_list = None
     if me == src:
@@ -392,6 +397,8 @@ def scatter_samples(per_rank: list[list[Sample]] | None, group: Any, src: int, t
                 t[:len(p)] = torch.frombuffer(bytearray(p), dtype=torch.uint8)
             scatter_list.append(t)
     _wait(dist.scatter(out, scatter_list, src=src, group=group, async_op=True), timeout, "sample scatter", group, src)
+    if me == src:
+        return list(per_rank[ranks.index(src)])
     mine = int(sizes[ranks.index(me)])
     try:
         return decode_samples(out[:mine].numpy().tobytes())

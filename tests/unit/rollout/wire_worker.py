@@ -68,6 +68,8 @@ def main() -> None:
         per_rank = [make_groups(2)[0], make_groups(2)[1]] if a.rank == 2 else None
         got = scatter_samples(per_rank, sub, src=2, timeout=30)
         result["scatter_sub"] = summary(got)
+        if a.rank == 2:  # the source's own share is returned as given (not sent, not re-decoded)
+            result["src_own_as_given"] = len(got) == 3 and all(x is y for x, y in zip(got, per_rank[1]))
     # 3. a corrupted payload: every receiver gets SampleWireError
     data = None
     if a.rank == 0:
