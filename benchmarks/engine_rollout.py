@@ -77,7 +77,7 @@ def bench_engine(model_dir: Path, a: argparse.Namespace, kv_cache: str, runs: di
     out = {}
     try:
         warm = min(a.concurrency, 64)
-        asyncio.run(_client(eng.url, runs["fixed"][0][:warm], [min(64, a.fixed_len)] * warm, warm))
+        asyncio.run(_client(eng.url, next(iter(runs.values()))[0][:warm], [min(64, a.fixed_len)] * warm, warm))
         for kind, (prompts, lengths) in runs.items():
             before = eng.get("/get_load").json()[0]
             dt, toks = asyncio.run(_client(eng.url, prompts, lengths, a.concurrency))
@@ -88,10 +88,23 @@ def bench_engine(model_dir: Path, a: argparse.Namespace, kv_cache: str, runs: di
                               "tokens_per_s": out[kind], "decode_steps": steps,
                               "mean_batch": round((load["generated_tokens"] - before["generated_tokens"]) / max(steps, 1), 1),
                               "kv_pages_peak": load.get("kv_pages_peak"), "retractions": load.get("retractions"),
-                              "mixed_prefills": load.get("mixed_prefills", 0) - before.get("mixed_prefills", 0)}), flush=True)
+                              "mixed_prefills": load.get("mixed_prefills", 0) - before.get("mixed_prefills", 0),
+                              # per decode step: wall time, the time inside the scheduler's decode step, and its wait
+                              # for the device (the rest of the step is host work during which the device may idle)
+                              "ms_per_step": round(1e3 * dt / max(steps, 1), 3),
+                              "decode_ms": _per_step(load, before, "decode_seconds", steps),
+                              "decode_wait_ms": _per_step(load, before, "decode_wait_seconds", steps),
+                              **{f"{k}_ms": _per_step(load, before, f"decode_{k}_seconds", steps)
+                                 for k in ("grow", "inputs", "forward", "sample", "append", "remove")}}), flush=True)
     finally:
         eng.stop()
     return out
+
+
+def _per_step(load: dict, before: dict, key: str, steps: int) -> float | None:
+    if key not in load:
+        return None
+    return round(1e3 * (load[key] - before.get(key, 0.0)) / max(steps, 1), 3)
 
 
 def anchor(device: str) -> dict:

@@ -21,6 +21,7 @@ logger = get_logger("miles.engine")
 
 SHUTDOWN_DEADLINE_S = 3.0
 DEFAULT_MAX_SAMPLES_PER_REQUEST = 4096
+SWITCH_INTERVAL = 0.0005  # seconds (sys.setswitchinterval; CPython default 0.005); see main()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,6 +109,11 @@ def main(argv: list[str] | None = None) -> int:
         logger.warning("--host %s listens on every interface; use --api-key on a shared network", args.host)
     from miles.engine.engine import Engine, EngineArgs
     from miles.engine.server import serve
+
+    # The scheduler thread and the HTTP event loop share the GIL. Whenever the scheduler releases it (a copy to the
+    # GPU, the wait for a step's tokens) the loop may take it, and with CPython's default 5 ms switch interval the
+    # scheduler can then wait up to 5 ms to get it back while the GPU idles. A short interval bounds that wait.
+    sys.setswitchinterval(float(os.environ.get("MILES_ENGINE_SWITCH_INTERVAL", SWITCH_INTERVAL)))
 
     try:
         engine = Engine(EngineArgs(

@@ -77,15 +77,20 @@ class SamplingBatch:
         self.n = len(rows)
         self.vocab = vocab
         self.device = device
-        f32 = dict(dtype=torch.float32, device=device)
-        self.temperature = torch.tensor([r.temperature for r in rows], **f32)
-        self.top_p = torch.tensor([r.top_p for r in rows], **f32)
-        self.top_k = torch.tensor([min(r.top_k, vocab) for r in rows], dtype=torch.int64, device=device)
-        self.min_p = torch.tensor([r.min_p for r in rows], **f32)
-        self.seeds = torch.tensor([r.seed & ((1 << 63) - 1) for r in rows], dtype=torch.int64, device=device)
+        # two host-to-device copies (the float and the integer columns), not one per field: a batch is rebuilt
+        # whenever a request joins or leaves, which with varied lengths is most decode steps
         greedy = [r.top_k == 1 for r in rows]
-        self.greedy = torch.tensor(greedy, dtype=torch.bool, device=device)
-        self.greedy_i32 = self.greedy.to(torch.int32)  # the fused kernel's flag, made once per batch composition
+        floats = torch.tensor([[r.temperature, r.top_p, r.min_p] for r in rows], dtype=torch.float64).reshape(-1, 3)
+        ints = torch.tensor([[min(r.top_k, vocab), r.seed & ((1 << 63) - 1), g] for r, g in zip(rows, greedy)],
+                            dtype=torch.int64).reshape(-1, 3)
+        if device.type == "cuda":  # pinned + non_blocking: queued behind the running forward, not waiting for it
+            floats, ints = floats.pin_memory(), ints.pin_memory()
+        floats = floats.to(device=device, non_blocking=True).to(torch.float32).T
+        ints = ints.to(device, non_blocking=True).T
+        self.temperature, self.top_p, self.min_p = floats[0].contiguous(), floats[1].contiguous(), floats[2].contiguous()
+        self.top_k, self.seeds = ints[0].contiguous(), ints[1].contiguous()
+        self.greedy = ints[2].bool()
+        self.greedy_i32 = ints[2].to(torch.int32)  # the fused kernel's flag, made once per batch composition
         self.all_greedy = all(greedy)
         self.any_greedy = any(greedy)
         self.need_top_k = any(1 < r.top_k < min(TOP_K_ALL, vocab) for r in rows)
@@ -95,7 +100,7 @@ class SamplingBatch:
         self.all_temp_one = all(r.temperature == 1.0 for r in rows)
         self.logit_bias = None
         if any(r.logit_bias for r in rows):
-            bias = torch.zeros(self.n, vocab, **f32)
+            bias = torch.zeros(self.n, vocab, dtype=torch.float32, device=device)
             for i, r in enumerate(rows):
                 for tid, v in (r.logit_bias or {}).items():
                     bias[i, tid] = v

@@ -202,6 +202,12 @@ class Scheduler:
         self.mix_below = max(2, runner.max_slots // 32)
         self.last_step_time = time.time()
         self.error: BaseException | None = None
+        # where a decode step's wall time goes (/get_load): all of it, and the part spent waiting for the device
+        # at the step's one synchronisation (the sampled tokens coming back); the rest is host work
+        self.decode_seconds = 0.0
+        self.decode_wait_seconds = 0.0
+        self.decode_phases = dict.fromkeys(("grow", "inputs", "forward", "sample", "append", "remove"), 0.0)
+        self._ready = torch.cuda.Event() if runner.device.type == "cuda" else None
 
     # ------------------------------------------------------------------ thread plumbing
     def start(self) -> None:
@@ -745,9 +751,25 @@ class Scheduler:
                 want_lp = True
                 top_n = max(top_n, r.spec.top_logprobs_num)
                 want_dist = want_dist or bool(r.spec.token_ids_logprob)
+        t_sample = time.perf_counter()
         out = sample(logits, sb, steps, suppress=suppress, want_logprobs=want_lp, top_n=top_n, want_dist=want_dist)
-        toks = out.tokens.tolist()
-        lps = out.logprobs.tolist() if out.logprobs is not None else None
+        t_wait = time.perf_counter()
+        if dev.type == "cuda":
+            # copy back asynchronously, then wait on an event: its synchronize() releases the GIL (``.tolist()`` on a
+            # device tensor holds it while the GPU finishes), so the HTTP thread parses, answers and streams during
+            # the wait instead of between steps, when the GPU idles
+            host_tokens = out.tokens.to("cpu", non_blocking=True)
+            host_lps = out.logprobs.to("cpu", non_blocking=True) if out.logprobs is not None else None
+            self._ready.record()
+            self._ready.synchronize()
+        else:
+            host_tokens, host_lps = out.tokens, out.logprobs
+        toks = host_tokens.tolist()
+        t_append = time.perf_counter()
+        if reqs is self.running:
+            self.decode_wait_seconds += t_append - t_wait
+            self.decode_phases["sample"] += t_wait - t_sample
+        lps = host_lps.tolist() if host_lps is not None else None
         tv = out.top_values.tolist() if out.top_values is not None else None
         ti = out.top_indices.tolist() if out.top_indices is not None else None
         for i, (r, t) in enumerate(zip(reqs, toks)):
@@ -761,6 +783,8 @@ class Scheduler:
                     r.output_token_ids_lp.append(out.logprob_dist[i, r.spec.token_ids_logprob].tolist())
             self._check_finished(r)
         self.generated_tokens += len(toks)
+        if reqs is self.running:
+            self.decode_phases["append"] += time.perf_counter() - t_append
         return out.tokens
 
     def _check_finished(self, r: Req) -> None:
@@ -818,23 +842,34 @@ class Scheduler:
         return r, seq, start, t
 
     def _decode_step(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._decode_step_timed()
+        finally:
+            self.decode_seconds += time.perf_counter() - t0
+
+    def _decode_step_timed(self) -> None:
+        ph, clock = self.decode_phases, time.perf_counter
+        t = clock()
         self._grow_pages()
+        t, ph["grow"] = clock(), ph["grow"] + clock() - t
         reqs = self.running
         rn = self.runner
         dev = rn.device
-        if self._dev_epoch != self._epoch or self._dev is None:
-            tokens = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.long, device=dev)
-            positions = torch.tensor([r.kv_len for r in reqs], dtype=torch.long, device=dev)
-            steps = torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.long, device=dev)
+        if self._dev_epoch != self._epoch or self._dev is None:  # one host-to-device copy for the three
+            host = torch.tensor([[r.output_ids[-1] for r in reqs], [r.kv_len for r in reqs],
+                                 [len(r.output_ids) for r in reqs]], dtype=torch.long)
+            tokens, positions, steps = host.to(dev, non_blocking=True).unbind(0)
         else:
             tokens, positions, steps = self._dev
         max_len = max(r.kv_len for r in reqs) + 1
         chunk = self._mix_chunk()
+        t, ph["inputs"] = clock(), ph["inputs"] + clock() - t
         if chunk is None:
             logits = rn.decode(tokens, positions, max_len)
         else:  # mixed: the refill's next prompt chunk is in this forward too (logits row n: its last token)
-            cr, seq, start, t = chunk
-            logits = rn.decode_mixed(tokens, positions, max_len, rn.chunk_row, seq[start:start + t], start)
+            cr, seq, start, clen = chunk
+            logits = rn.decode_mixed(tokens, positions, max_len, rn.chunk_row, seq[start:start + clen], start)
             self.mixed_steps += 1
         n = len(reqs)
         for r in reqs:
@@ -842,7 +877,7 @@ class Scheduler:
         next_pos = positions + 1
         late = None   # a completed chunk that joins after this step's sampling (a retracted request, or 0 tokens)
         if chunk is not None:
-            cr.kv_len = start + t
+            cr.kv_len = start + clen
             chunk_last = logits[n]
             if cr.kv_len == len(seq):
                 if not cr.retracted and cr.spec.max_new_tokens != 0:
@@ -854,9 +889,11 @@ class Scheduler:
                     late = cr
             logits = logits[: len(self.running)]
         epoch = self._epoch
+        ph["forward"] += clock() - t
         new_tokens = self._sample_and_append(reqs, logits, steps)
         self._dev = (new_tokens.view(-1), next_pos, steps + 1)
         self._dev_epoch = epoch
+        t = clock()
         self._remove([i for i, r in enumerate(reqs) if r.finish is not None])
         if late is not None:
             row = len(self.running)
@@ -864,6 +901,7 @@ class Scheduler:
                 self._first_token(late, chunk_last)
                 if late.finish is not None:
                     self._remove([row])
+        ph["remove"] += clock() - t
         self.steps += 1
         self.last_step_time = time.time()
 
@@ -873,4 +911,6 @@ class Scheduler:
                 "pause_mode": self.pause_mode, "steps": self.steps, "generated_tokens": self.generated_tokens,
                 "retractions": self.retractions, "shared_prompts": self.shared_prompts,
                 "chunked_prefills": self.chunked_prefills, "mixed_prefills": self.mixed_prefills,
-                "mixed_steps": self.mixed_steps, **self.runner.kv_stats()}
+                "mixed_steps": self.mixed_steps, "decode_seconds": round(self.decode_seconds, 4),
+                "decode_wait_seconds": round(self.decode_wait_seconds, 4),
+                **{f"decode_{k}_seconds": round(v, 4) for k, v in self.decode_phases.items()}, **self.runner.kv_stats()}
