@@ -69,8 +69,9 @@ from miles.utils.logging import get_logger, warn_once
 logger = get_logger(__name__)
 
 # The phases of one ``train`` call, in order; timed on every rank (``PhaseClock``) and reported as rank 0's
-# seconds (``phase/<name>``) and the slowest rank's (``phase_max/<name>``); the rest of ``train_time``
-# (the collectives that reduce metrics, and the gather of these times) is the caller's residual.
+# seconds (``phase/<name>``) and the slowest rank's (``phase_max/<name>``); "metrics" is this rank's metric sums and
+# the agreement on their names; the rest of ``train_time`` (the one all-gather that reduces the metric sums over the
+# group together with these times) is the caller's residual.
 TRAIN_PHASES = ("data", "logprobs", "advantages", "fwd_bwd", "optimizer", "metrics")
 
 
@@ -368,15 +369,25 @@ class FSDPTrainer:
         self._sync()
         t_end = time.perf_counter()
 
-        with clock("metrics"):
-            metrics = self._reduce_step_metrics(step_sums)
-            metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
-            metrics["lr"] = lr
-            if self.critic is not None:
-                metrics["critic_grad_norm"] = sum(c["critic_grad_norm"] for c in critic_stats) / len(critic_stats)
-            metrics.update(self._extra_metrics(data, extras, advantages, samples if policy else None))
-        metrics.update(self._perf_metrics(rollout_id, data, local_tokens, n_fwd_passes,
-                                          t_end - t_train, t_end - t_start, clock.times))
+        with clock("metrics"):             # this rank's sums; the group's come from ONE all-gather below
+            keys = self._all_keys(set().union(*(s.sums.keys() for s in step_sums)))
+            step_local = [v for s in step_sums for v in s.values(keys)]
+            extra_names, extra_local = self._extra_local(data, extras, advantages, samples if policy else None)
+            perf_local = [float(local_tokens), float(sum(d.length for d in data)), float(len(data))]
+        phase_names = sorted(clock.times)
+        rows = self._group_rows(step_local + extra_local + perf_local + [t_end - t_train, t_end - t_start]
+                                + [clock.times[n] for n in phase_names])        # [world][...]: every rank's values
+        n_sums = len(step_local) + len(extra_local) + len(perf_local)
+        tot = [sum(r[j] for r in rows) for j in range(n_sums)]     # the group sums, summed in rank order
+        metrics = self._step_means(keys, tot[:len(step_local)], len(step_sums))
+        metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        metrics["lr"] = lr
+        if self.critic is not None:
+            metrics["critic_grad_norm"] = sum(c["critic_grad_norm"] for c in critic_stats) / len(critic_stats)
+        metrics.update(self._extra_metrics(extra_names, tot[len(step_local):len(step_local) + len(extra_local)],
+                                           samples if policy else None))
+        metrics.update(self._perf_metrics(rollout_id, n_fwd_passes, tot[n_sums - len(perf_local):n_sums],
+                                          [r[n_sums:] for r in rows], phase_names))
         self.last_rollout_id = rollout_id
         self._mm = None                            # this rollout's pixel values (a VLM) are not kept
         return metrics
@@ -429,17 +440,16 @@ class FSDPTrainer:
             passes += 1
         return per, passes
 
-    def _perf_metrics(self, rollout_id: int, data: list[SampleData], local_tokens: int, n_fwd_passes: int,
-                      step_secs: float, total_secs: float, phases: dict[str, float] | None = None) -> dict[str, float]:
-        totals = self._group_sum([float(local_tokens), float(sum(d.length for d in data)), float(len(data))])
+    def _perf_metrics(self, rollout_id: int, n_fwd_passes: int, totals: list[float], per_rank: list[list[float]],
+                      names: list[str]) -> dict[str, float]:
+        """From the group's (trained tokens, tokens, samples) ``totals`` and each rank's row of (step seconds, train
+        seconds, then the phases ``names``' seconds)."""
         train_tokens, all_tokens, num_samples = totals
         expected = (self.global_batch_size or 0) * self.num_steps_per_rollout
         if expected and int(num_samples) != expected and self.rank == 0:
             warn_once(logger, f"rollout {rollout_id}: the trainer group got {int(num_samples)} samples, not "
                               f"--global-batch-size x --num-steps-per-rollout = {expected}; each of the "
                               f"{self.num_steps_per_rollout} optimizer steps takes an equal share of what arrived.")
-        names = sorted(phases or {})
-        per_rank = self._group_rows([step_secs, total_secs] + [phases[n] for n in names])   # [world][2 + P]
         step_secs, total_secs = (max(r[j] for r in per_rank) for j in (0, 1))
         out = {f"phase/{n}": per_rank[0][2 + j] for j, n in enumerate(names)}
         out.update({f"phase_max/{n}": max(r[2 + j] for r in per_rank) for j, n in enumerate(names)})
@@ -547,13 +557,14 @@ class FSDPTrainer:
         return bounded_union_of_names(keys, self.group, self.timeout, self.device,
                                       what="gathering the step's metric names")
 
-    def _reduce_step_metrics(self, step_sums: list[MetricSums]) -> dict[str, float]:
-        keys = self._all_keys(set().union(*(s.sums.keys() for s in step_sums)))
-        per_step = [s.reduce(keys, self.group, self.device) for s in step_sums]
-        return {k: sum(p[k] for p in per_step) / len(per_step) for k in keys}
+    @staticmethod
+    def _step_means(keys: list[str], sums: list[float], num_steps: int) -> dict[str, float]:
+        """Each key's group sum (``sums``: step by step, ``keys`` within a step), averaged over the optimizer steps."""
+        k = len(keys)
+        return {key: sum(sums[j * k + i] for j in range(num_steps)) / num_steps for i, key in enumerate(keys)}
 
-    def _extra_metrics(self, data, extras, advantages, samples) -> dict[str, float]:
-        """Token-mean of the reward-shaping KL / OPD reverse KL, and advantage and reward means, over the group."""
+    def _extra_local(self, data, extras, advantages, samples) -> tuple[list[str], list[float]]:
+        """This rank's sums for ``_extra_metrics``: (names, [token sum, mask sum per name..., reward sum, samples])."""
         names = sorted(extras) + (["advantages"] if advantages is not None else [])
         sums = [0.0] * (2 * len(names))
         if data:                                   # float64 sums over all local tokens: two host values per name
@@ -563,7 +574,12 @@ class FSDPTrainer:
                 sums[2 * j] = float((torch.cat(list(lst)).double() * mask).sum())
                 sums[2 * j + 1] = float(mask.sum())
         reward_sum = sum(float(s.reward) for s in samples) if samples else 0.0
-        tot = self._group_sum(sums + [reward_sum, float(len(data))])
+        return names, sums + [reward_sum, float(len(data))]
+
+    @staticmethod
+    def _extra_metrics(names: list[str], tot: list[float], samples) -> dict[str, float]:
+        """Token-mean of the reward-shaping KL / OPD reverse KL, and advantage and reward means, from the group sums
+        of ``_extra_local``."""
         out = {f"{n}_mean": tot[2 * j] / max(tot[2 * j + 1], 1.0) for j, n in enumerate(names)}
         if samples is not None:
             out["reward_mean"] = tot[-2] / max(tot[-1], 1.0)

@@ -71,6 +71,10 @@ class MetricSums:
         for k, v in metrics.items():
             self.sums[k] = self.sums[k] + v.detach().to("cpu", torch.float64)
 
+    def values(self, keys: list[str]) -> list[float]:
+        """This rank's sums of ``keys`` (0.0 for a key it has not seen), for a reduction done by the caller."""
+        return [float(self.sums[k]) if k in self.sums else 0.0 for k in keys]
+
     def reduce(self, keys: list[str], group: dist.ProcessGroup | None, device: torch.device) -> dict[str, float]:
         """Sum over ranks; every rank must pass the same ``keys`` (missing ones count as 0)."""
         vals = torch.stack([self.sums[k] if k in self.sums else torch.zeros((), dtype=torch.float64) for k in keys])
