@@ -375,3 +375,19 @@ def test_long_prompts_are_prefilled_in_chunks_between_decode_steps(engine_model)
     assert out[0]["meta_info"]["finish_reason"]["type"] == "abort"
     assert stats["kv_pages_in_use"] == 0 and sch.chunking is None, stats
     assert len(again[0]["output_ids"]) == 4
+
+
+def test_get_load_says_where_decode_steps_went(paged_server):
+    """/get_load's decode timers grow with decode steps, and the phases and the device wait fit inside the step."""
+    eng = paged_server
+    before = _load(eng)
+    eng.generate({"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}})
+    after = _load(eng)
+    assert after["steps"] - before["steps"] >= 39
+    spent = after["decode_seconds"] - before["decode_seconds"]
+    phases = ("grow", "inputs", "forward", "sample", "append", "remove")
+    parts = [after[f"decode_{p}_seconds"] - before[f"decode_{p}_seconds"] for p in phases]
+    wait = after["decode_wait_seconds"] - before["decode_wait_seconds"]
+    assert spent > 0 and wait >= 0 and all(p >= 0 for p in parts), after
+    assert parts[phases.index("forward")] > 0, after   # the CPU forward runs inside its phase
+    assert sum(parts) + wait <= spent + 1e-3, (parts, wait, spent)
