@@ -92,11 +92,10 @@ def _launch(out: Path, model_dir: Path, save_dir: str, kill_at: int = -1) -> sub
     from miles.utils.net import find_free_port
 
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parents[2])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(find_free_port()),
-           str(HERE), str(out), str(model_dir), save_dir, str(kill_at)]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    from _torchrun import torchrun
+
+    return torchrun(HERE, 2, find_free_port(), str(out), str(model_dir), save_dir, str(kill_at), timeout=300,
+                    env={"PYTHONPATH": str(HERE.parents[2])})
 
 
 def test_kill_mid_save_then_resume_matches_uninterrupted(tmp_path, tiny_model_dir):
@@ -105,18 +104,18 @@ def test_kill_mid_save_then_resume_matches_uninterrupted(tmp_path, tiny_model_di
     from miles.trainer.checkpoint import latest_checkpoint
 
     ref = _launch(tmp_path / "ref", tiny_model_dir, "-")
-    assert ref.returncode == 0, ref.stderr[-4000:]
+    assert ref.returncode == 0, ref.stdout[-4000:]
 
     ckpt = tmp_path / "ckpt"
     killed = _launch(tmp_path / "killed", tiny_model_dir, str(ckpt), kill_at=2)
     assert killed.returncode != 0
-    assert "SIGKILL" in killed.stderr or "-9" in killed.stderr, killed.stderr[-3000:]
+    assert "SIGKILL" in killed.stdout or "-9" in killed.stdout, killed.stdout[-3000:]
     assert (ckpt / ".tmp.step_00000002").is_dir()               # the half-written save is there ...
     assert latest_checkpoint(ckpt) == ckpt / "step_00000001"     # ... and ignored
     assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000000", "step_00000001"]
 
     resumed = _launch(tmp_path / "resumed", tiny_model_dir, str(ckpt))
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert resumed.returncode == 0, resumed.stdout[-4000:]
     a, b = torch.load(tmp_path / "ref" / "params.pt"), torch.load(tmp_path / "resumed" / "params.pt")
     assert a.keys() == b.keys()
     for k in a:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -265,15 +264,14 @@ def _offload_check(tr, samples) -> dict:
 
 # ----------------------------------------------------------------------------------------------- tests
 def _launch(out: Path, model_dir: Path, kind: str):
+    from _torchrun import torchrun
+
     from miles.utils.net import find_free_port
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parents[2])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "3",
-           "--master-addr", "127.0.0.1", "--master-port", str(find_free_port()),
-           str(HERE), str(out), str(model_dir), kind]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = torchrun(HERE, 3, find_free_port(), str(out), str(model_dir), kind, timeout=300,
+                    env={"PYTHONPATH": str(HERE.parents[2])})
     if proc.returncode != 0:
-        pytest.fail(f"torchrun failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+        pytest.fail(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-6000:]}")
     return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
 
 

@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _torchrun import torchrun_self
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.multiprocess
@@ -79,11 +80,7 @@ def _worker(model_dir: str, out: str, core: str = "sdpa") -> None:
 
 def _run(model_dir: Path, tmp_path: Path, nproc: int, port: int, core: str) -> dict:
     out = tmp_path / f"result_tp{nproc}.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr",
-           "127.0.0.1", "--master-port", str(port),
-           str(HERE), "gpt", str(model_dir), str(out), core]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    proc = torchrun_self(HERE, nproc, port, "gpt", str(model_dir), str(out), core, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -231,12 +228,8 @@ def test_trainer_parity_with_fsdp(tiny_model_dir: Path, tmp_path: Path, free_por
 
         model_dir = build_tiny_model(tmp_path / "untied", hidden_size=64, num_layers=2, tie_word_embeddings=False)
     out = tmp_path / "parity.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port), str(HERE), "parity", str(model_dir), str(out), str(tp), "cpu",
-           str(int(distopt)), algo, mflags]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    proc = torchrun_self(HERE, nproc, free_port, "parity", str(model_dir), str(out), str(tp), "cpu",
+                         str(int(distopt)), algo, mflags, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     res = torch.load(out, weights_only=False)
     assert res["distributed_optimizer"] == distopt
@@ -326,10 +319,8 @@ def _resume_worker(model_dir: str, out: str, save_dir: str, kill_at: int, tp: in
 
 
 def _launch_resume(model_dir: Path, out: Path, save_dir: str, port: int, kill_at: int = -1, tp: int = 2):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr", "127.0.0.1",
-           "--master-port", str(port), str(HERE), "resume", str(model_dir), str(out), save_dir, str(kill_at), str(tp)]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    return torchrun_self(HERE, 2, port, "resume", str(model_dir), str(out), save_dir, str(kill_at), str(tp),
+                         timeout=300)
 
 
 @pytest.mark.parametrize("tp", [2, 1], ids=["tp2", "tp1_dp2_distributed_optimizer_ppo"])

@@ -72,7 +72,6 @@ def _init():
 
 
 def _resume_worker(model_dir: str, out: str, save_dir: str, kill_at: int) -> None:
-    import signal
 
     import torch
 
@@ -113,21 +112,12 @@ def _resume_worker(model_dir: str, out: str, save_dir: str, kill_at: int) -> Non
 
 
 def _launch(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    from _torchrun import torchrun_self
+
     from miles.utils.net import find_free_port
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr", "127.0.0.1",
-           "--master-port", str(find_free_port()), str(HERE), *args]
-    # own process group: a hung run (torchrun, its workers and their forked writers) is killed whole
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    # each rank in its own process group: a hung run (the workers and their forked writers) is killed whole
+    return torchrun_self(HERE, 2, find_free_port(), *args, timeout=timeout)
 
 
 def test_kill_mid_save_then_resume_matches_uninterrupted(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -140,7 +130,8 @@ def test_kill_mid_save_then_resume_matches_uninterrupted(tiny_model_dir: Path, t
     ckpt = tmp_path / "ckpt"
     killed = _launch("resume", str(tiny_model_dir), str(tmp_path / "killed.pt"), str(ckpt), "2")
     assert killed.returncode != 0
-    assert "SIGKILL" in killed.stderr or "-9" in killed.stderr, killed.stderr[-3000:]
+    log = killed.stdout + killed.stderr
+    assert "SIGKILL" in log or "-9" in log, log[-3000:]
     assert (ckpt / ".tmp.iter_0000002").is_dir() and torch_dist.read_tracker(ckpt) == 1
     assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("iter_")) == ["iter_0000000", "iter_0000001"]
     last = ckpt / "iter_0000001"

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -108,11 +106,9 @@ def test_coalesced_micro_batches_give_the_one_forward_per_sample_step(tiny_model
     from miles.utils.net import find_free_port
 
     out = tmp_path / "res.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr", "127.0.0.1",
-           "--master-port", str(find_free_port()), str(HERE), str(tiny_model_dir), str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    from _torchrun import torchrun_self
+
+    proc = torchrun_self(HERE, 2, find_free_port(), str(tiny_model_dir), str(out), timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     res, res1 = (json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1))
     for name, (_, rank1_samples) in CONFIGS.items():

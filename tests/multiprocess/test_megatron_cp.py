@@ -32,11 +32,9 @@ HERE = Path(__file__).resolve()
 
 
 def _launch(script_args: list[str], nproc: int, port: int, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr", "127.0.0.1",
-           "--master-port", str(port), str(HERE), *script_args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    from _torchrun import torchrun_self
+
+    return torchrun_self(HERE, nproc, port, *script_args, timeout=timeout)
 
 
 CASES = {

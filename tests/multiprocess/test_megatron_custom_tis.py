@@ -7,8 +7,6 @@ built-in ``--use-tis`` step's metrics and weights bitwise; one that zeroes every
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -92,11 +90,9 @@ def test_custom_tis_on_megatron_is_the_shared_loss(tiny_model_dir: Path, tmp_pat
     yaml = tmp_path / "mis.yaml"
     yaml.write_text("tis_mode: clamp\n")          # names no flag: reaches the function's args, as in Miles
     out = tmp_path / "res.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr", "127.0.0.1",
-           "--master-port", str(find_free_port()), str(HERE), str(tiny_model_dir), str(out), str(tp), str(yaml)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    from _torchrun import torchrun_self
+
+    proc = torchrun_self(HERE, 2, find_free_port(), str(tiny_model_dir), str(out), str(tp), str(yaml), timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     res = json.loads(out.read_text())
     calls = res["calls"]

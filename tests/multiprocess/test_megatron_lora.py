@@ -15,7 +15,6 @@ resumes and trains rollout 1 ends with the adapters, AdamW state and export of t
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -104,12 +103,11 @@ def _run_worker(model_dir: str, out: str, tp: str, save_dir: str, mode: str) -> 
 
 
 def _launch(*args: str, timeout: int = 400) -> subprocess.CompletedProcess:
+    from _torchrun import torchrun_self
+
     from miles.utils.net import find_free_port
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr", "127.0.0.1",
-           "--master-port", str(find_free_port()), str(HERE), *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    return torchrun_self(HERE, 2, find_free_port(), *args, timeout=timeout)
 
 
 def _run(tmp_path: Path, model_dir: Path, name: str, tp: int, save: str = "-", mode: str = "full") -> dict:

@@ -266,8 +266,10 @@ def _timeout_worker(out: str) -> None:
         except TimeoutError as e:
             res = {"raised": str(e), "seconds": time.monotonic() - t0}
         Path(out).write_text(json.dumps(res))
-    else:
-        time.sleep(6)
+    else:                    # rank 0 holds the store: alive until stage 1 has its result (at most 6 s)
+        t0 = time.monotonic()
+        while not Path(out).exists() and time.monotonic() - t0 < 6:
+            time.sleep(0.05)
     dist.destroy_process_group()
 
 

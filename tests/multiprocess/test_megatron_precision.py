@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -98,11 +97,9 @@ def _launch(model_dir: Path, tmp_path: Path, port: int, kind: str) -> dict:
     import torch
 
     out = tmp_path / f"precision_{kind}.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--master-addr", "127.0.0.1",
-           "--master-port", str(port), str(HERE), str(model_dir), str(out), kind]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    from _torchrun import torchrun_self
+
+    proc = torchrun_self(HERE, 1, port, str(model_dir), str(out), kind, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     res = torch.load(out, weights_only=False)
     print({k: v for k, v in res.items()})

@@ -14,7 +14,6 @@ and SGLang, which do not install here). Two torchrun launches of 2 gloo ranks, 4
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -103,11 +102,10 @@ def _launch(out: Path, model_dir: Path, mode: str, ckpt: Path) -> subprocess.Com
     from miles.utils.net import find_free_port
 
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parents[2])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(find_free_port()),
-           str(HERE), str(out), str(model_dir), mode, str(ckpt)]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    from _torchrun import torchrun
+
+    return torchrun(HERE, 2, find_free_port(), str(out), str(model_dir), mode, str(ckpt), timeout=300,
+                    env={"PYTHONPATH": str(HERE.parents[2])})
 
 
 def test_miles_fsdp_checkpoint_resumes_to_the_uninterrupted_parameters(tmp_path, tiny_model_dir):
@@ -115,10 +113,10 @@ def test_miles_fsdp_checkpoint_resumes_to_the_uninterrupted_parameters(tmp_path,
 
     ckpt = tmp_path / "miles_ckpt"
     ref = _launch(tmp_path / "ref", tiny_model_dir, "reference", ckpt)
-    assert ref.returncode == 0, ref.stderr[-4000:]
+    assert ref.returncode == 0, ref.stdout[-4000:]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2" and (ckpt / "iter_0000002").is_dir()
     resumed = _launch(tmp_path / "resumed", tiny_model_dir, "resume", ckpt)
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert resumed.returncode == 0, resumed.stdout[-4000:]
     assert "loaded Miles FSDP checkpoint" in resumed.stderr + resumed.stdout
     a, b = torch.load(tmp_path / "ref" / "params.pt"), torch.load(tmp_path / "resumed" / "params.pt")
     assert a.keys() == b.keys()

@@ -10,10 +10,7 @@ checkpoint's safetensors.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -101,14 +98,10 @@ def test_fsdp_moe_export_equals_megatron_export(tmp_path: Path, free_port: int) 
 
     model = build_tiny_moe_model(tmp_path / "tiny_moe")
     out = tmp_path / "res.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port), str(HERE), str(model), str(out)]
-    with tempfile.TemporaryFile("w+") as log:          # a file, not a pipe (see test_megatron_moe._torchrun)
-        proc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True, timeout=600)
-        log.seek(0)
-        text = log.read()
+    from _torchrun import torchrun_self
+
+    proc = torchrun_self(HERE, 2, free_port, str(model), str(out), timeout=600)
+    text = proc.stdout
     assert proc.returncode == 0, text[-5000:]
     res = torch.load(out, weights_only=False)
     assert res["ep_init"] == res["ep_trained"] == 2, res

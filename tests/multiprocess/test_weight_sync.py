@@ -9,8 +9,6 @@ HF tensors of the tiny model were equal on both engines.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,10 +27,10 @@ def run(tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("weight_sync")
     model = build_tiny_model(work / "model", hidden_size=64, num_layers=2)
     out = work / "out.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(find_free_port()),
-           str(WORKER), "--model", str(model), "--work", str(work), "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400,
-                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    from _torchrun import torchrun
+
+    proc = torchrun(WORKER, 2, find_free_port(), "--model", str(model), "--work", str(work), "--out", str(out),
+                    timeout=400, env={"HF_HUB_OFFLINE": "1"})
     if proc.returncode != 0 or not out.is_file():
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-80:])
         pytest.fail(f"weight-sync worker failed (rc {proc.returncode}):\n{tail}")
