@@ -358,22 +358,7 @@ def broadcast_bytes(data: bytes | None, group: Any, src: int, timeout: float) ->
     return raw[8:] + rest.numpy().tobytes()
 
 
-def scatter_payloads(per_rank: list[list[Sample]], ranks: list[int], src: int) -> list[bytes]:
-    """The source's payloads for ``scatter_samples`` over a group of global ``ranks`` (group-rank order): every
-    member's samples encoded, the source's own slot empty (its samples are checked, not encoded)."""
-    if src not in ranks:
-        raise ValueError(f"scatter_samples: source rank {src} is not in the group {ranks}")
-    if len(per_rank) != len(ranks):
-        raise ValueError(f"scatter_samples: the source needs one sample list per group member ({len(ranks)}), "
-                         f"got {len(per_rank)}")
-    own = ranks.index(src)
-    for i, smp in enumerate(per_rank[own]):
-        _check_sample(i, smp)
-    return [b"" if r == own else encode_samples(x) for r, x in enumerate(per_rank)]
-
-
-def scatter_samples(per_rank: list[list[Sample]] | None, group: Any, src: int, timeout: float, *,
-                    payloads: list[bytes] | None = None, sizes: list[int] | None = None) -> list[Sample]:
+def scatter_samples(per_rank: list[list[Sample]] | None, group: Any, src: int, timeout: float) -> list[Sample]:
     """Send ``per_rank[i]`` to the group's rank ``i``; every member calls this and gets its own samples.
 
     ``src`` is a global rank (as in torch.distributed) and must be in ``group``; only ``src`` passes
@@ -382,8 +367,6 @@ def scatter_samples(per_rank: list[list[Sample]] | None, group: Any, src: int, t
     A payload that does not decode raises SampleWireError naming the source and receiving ranks. The source's own
     list is not sent: it is checked as an encode would check it and returned as given (a list of the same
     samples), without the encode and decode round trip of its share (an empty payload travels in its slot).
-    ``payloads`` (source): ``scatter_payloads``' output, encoded earlier. ``sizes`` (every member, or none): the
-    payload sizes, known to all beforehand (the driver's train command carries them), so their broadcast is skipped.
     """
     import torch.distributed as dist
 
@@ -395,20 +378,15 @@ def scatter_samples(per_rank: list[list[Sample]] | None, group: Any, src: int, t
         if per_rank is None or len(per_rank) != len(ranks):
             raise ValueError(f"scatter_samples: the source needs one sample list per group member ({len(ranks)}), "
                              f"got {None if per_rank is None else len(per_rank)}")
-        if payloads is None:
-            payloads = scatter_payloads(per_rank, ranks, src)
-        if sizes is not None and list(sizes) != [len(p) for p in payloads]:
-            raise ValueError(f"scatter_samples: sizes {list(sizes)} do not match the payloads' "
-                             f"{[len(p) for p in payloads]}")
-    if sizes is not None:
-        if len(sizes) != len(ranks):
-            raise ValueError(f"scatter_samples: {len(sizes)} sizes for a group of {len(ranks)}")
-        sizes_t = torch.tensor([int(n) for n in sizes], dtype=torch.int64)
+        own = ranks.index(src)
+        for i, smp in enumerate(per_rank[own]):
+            _check_sample(i, smp)
+        payloads = [b"" if r == own else encode_samples(x) for r, x in enumerate(per_rank)]
+        sizes = torch.tensor([len(p) for p in payloads], dtype=torch.int64)
     else:
-        sizes_t = (torch.tensor([len(p) for p in payloads], dtype=torch.int64) if me == src
-                   else torch.zeros(len(ranks), dtype=torch.int64))
-        _wait(dist.broadcast(sizes_t, src=src, group=group, async_op=True), timeout, "sample payload sizes", group, src)
-    width = max(int(sizes_t.max()), 1)   # the source's own slot is empty: never a zero-size scatter
+        sizes = torch.zeros(len(ranks), dtype=torch.int64)
+    _wait(dist.broadcast(sizes, src=src, group=group, async_op=True), timeout, "sample payload sizes", group, src)
+    width = max(int(sizes.max()), 1)   # the source's own slot is empty: never a zero-size scatter
     out = torch.empty(width, dtype=torch.uint8)
     scatter_list = None
     if me == src:
@@ -421,7 +399,7 @@ def scatter_samples(per_rank: list[list[Sample]] | None, group: Any, src: int, t
     _wait(dist.scatter(out, scatter_list, src=src, group=group, async_op=True), timeout, "sample scatter", group, src)
     if me == src:
         return list(per_rank[ranks.index(src)])
-    mine = int(sizes_t[ranks.index(me)])
+    mine = int(sizes[ranks.index(me)])
     try:
         return decode_samples(out[:mine].numpy().tobytes())
     except SampleWireError as e:

@@ -3,9 +3,8 @@
 The driver (global rank 0) decides; the other ranks follow its commands, received in order over the
 control group (:class:`~miles.run.control.CommandChannel`):
 
-    {"cmd": "train", "rollout_id": k, "sizes": [...]}  trainer ranks: receive their samples (wire format,
-                                          scattered over the trainer group; "sizes": the payloads' byte sizes, so
-                                          the scatter needs no size broadcast), then ``FSDPTrainer.train``
+    {"cmd": "train", "rollout_id": k}     trainer ranks: receive their samples (wire format, scattered
+                                          over the trainer group), then ``FSDPTrainer.train``
     {"cmd": "sync_weights"}               trainer ranks: ``WeightSender.sync`` (collective)
     {"cmd": "save", "rollout_id": k, "extra": {...}}   trainer ranks: crash-safe checkpoint
     {"cmd": "offload_train"} / {"cmd": "onload_train"} trainer ranks (colocated on GPU)
@@ -78,7 +77,7 @@ class Worker:
     def _dispatch(self, cmd: dict[str, Any]) -> bool:
         name = cmd.get("cmd")
         if name == "train":
-            self.train(int(cmd["rollout_id"]), None, sizes=cmd.get("sizes"))
+            self.train(int(cmd["rollout_id"]), None)
         elif name == "sync_weights":
             self.sync_weights()
         elif name == "save":
@@ -101,22 +100,7 @@ class Worker:
             pass
 
     # ------------------------------------------------------------------ trainer ranks
-    def scatter_payloads(self, per_rank: list[list[Sample]]) -> list[bytes] | None:
-        """Driver: the encoded samples of each trainer rank for ``train``'s scatter (their sizes travel in the train
-        command, so the scatter needs no size broadcast); None when the driver is the only trainer rank."""
-        import torch.distributed as dist
-
-        from miles.rollout.wire import scatter_payloads
-
-        group = self.ctx.groups.trainer_cpu_group
-        if not self.is_trainer or (len(per_rank) == 1 and dist.get_world_size(group) == 1):
-            return None
-        return scatter_payloads(per_rank, dist.get_process_group_ranks(group), self.ctx.plan.driver_rank)
-
-    def train(self, rollout_id: int, per_rank: list[list[Sample]] | None, payloads: list[bytes] | None = None,
-              sizes: list[int] | None = None) -> dict[str, float]:
-        """``per_rank`` and ``payloads`` (``scatter_payloads``) on the driver; ``sizes`` (the payloads' sizes, from
-        the train command) on the other trainer ranks."""
+    def train(self, rollout_id: int, per_rank: list[list[Sample]] | None) -> dict[str, float]:
         if not self.is_trainer:
             return {}
         import torch.distributed as dist
@@ -129,10 +113,7 @@ class Worker:
             if per_rank is not None and len(per_rank) == 1 and dist.get_world_size(group) == 1:
                 samples = per_rank[0]           # the driver is the only trainer rank: nothing to send
             else:
-                if payloads is not None:
-                    sizes = [len(p) for p in payloads]
-                samples = scatter_samples(per_rank, group, self.ctx.plan.driver_rank, self.timeout,
-                                          payloads=payloads, sizes=sizes)
+                samples = scatter_samples(per_rank, group, self.ctx.plan.driver_rank, self.timeout)
             t_scatter = time.monotonic() - t0
             metrics = self.trainer.train(samples, rollout_id)
         return {"perf/train/scatter_time": t_scatter, **trainer_metrics(metrics)}
@@ -199,11 +180,7 @@ class Ranks:
         if not self.dp_size:
             return {}
         per_rank = split_for_dp(groups, self.dp_size)
-        payloads = self.worker.scatter_payloads(per_rank)     # encoded before the command, which carries the sizes
-        cmd: dict[str, Any] = {"cmd": "train", "rollout_id": rollout_id}
-        if payloads is not None:
-            cmd["sizes"] = [len(p) for p in payloads]
-        return self._command(cmd, self.worker.train, rollout_id, per_rank, payloads)
+        return self._command({"cmd": "train", "rollout_id": rollout_id}, self.worker.train, rollout_id, per_rank)
 
     def sync_weights(self) -> dict[str, float]:
         if not self.dp_size or self.worker.sender is None:

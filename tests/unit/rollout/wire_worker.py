@@ -20,7 +20,6 @@ from miles.rollout.wire import (
     broadcast_bytes,
     decode_samples,
     encode_samples,
-    scatter_payloads,
     scatter_samples,
     split_for_dp,
 )
@@ -71,15 +70,6 @@ def main() -> None:
         result["scatter_sub"] = summary(got)
         if a.rank == 2:  # the source's own share is returned as given (not sent, not re-decoded)
             result["src_own_as_given"] = len(got) == 3 and all(x is y for x, y in zip(got, per_rank[1]))
-    # 2b. sizes known to every member beforehand (the train command carries them): no size broadcast, same samples
-    ranks = [0, 1, 2]
-    payloads = scatter_payloads([[], *split_for_dp(make_groups(), 2)], ranks, 0) if a.rank == 0 else None
-    sizes = json.loads(json.dumps([len(p) for p in payloads])) if a.rank == 0 else None
-    obj = [sizes]
-    dist.broadcast_object_list(obj, src=0)         # stands in for the command that carries them
-    got = scatter_samples([[], *split_for_dp(make_groups(), 2)] if a.rank == 0 else None, None, src=0, timeout=30,
-                          payloads=payloads, sizes=obj[0])
-    result["known_sizes_equal"] = got == ([s for s in split_for_dp(make_groups(), 2)[a.rank - 1]] if a.rank else [])
     # 3. a corrupted payload: every receiver gets SampleWireError
     data = None
     if a.rank == 0:
