@@ -18,10 +18,15 @@ It generates as the default function does, with ``ignore_eos`` (every sample tak
   ``"sync_version": V, "after_buckets": B`` (inside the weight sync to
   version V, after B buckets were gathered: the sync is under way). The engine process is found by the
   port of its URL among this machine's ``python -m miles.engine`` processes (this run's, by port).
+- ``MILES_FT_HOLD='{"rollout": R, "seconds": S}'``: in the job's first attempt (``TORCHELASTIC_RESTART_COUNT``
+  0), every sample of rollout R returns S seconds after it is recorded, so rollout R stays in generation for S
+  seconds after its first sample shows in the record: a test acting "while rollout R is generated" is not
+  racing a step that takes a few milliseconds.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -33,6 +38,7 @@ from urllib.parse import urlparse
 from miles.rollout.generate import generate
 
 _FAULTS: list[dict] = json.loads(os.environ.get("MILES_FT_FAULTS", "[]"))
+_HOLD: dict = json.loads(os.environ.get("MILES_FT_HOLD", "{}"))
 _done: set[int] = set()
 _finished: dict[int, int] = {}
 _started: dict[int, int] = {}  # rollout id -> generate calls begun (in flight = started - finished)
@@ -144,6 +150,9 @@ async def long_generate(args, sample, sampling_params):
     _record({"rollout_id": sample.rollout_id, "group": sample.group_index, "index": sample.index, "prompt": prompt,
              "status": str(out.status.value), "response_length": out.response_length, "t": time.time()})
     n = _finished[sample.rollout_id] = _finished.get(sample.rollout_id, 0) + 1
+    if (_HOLD.get("rollout") == sample.rollout_id
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+        await asyncio.sleep(float(_HOLD["seconds"]))
     for i, f in enumerate(_FAULTS):
         if (i not in _done and f.get("rollout") == sample.rollout_id and "after_samples" in f
                 and n >= f["after_samples"]):

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import time
@@ -128,7 +129,10 @@ def test_trainer_rank_killed_relaunch_resumes_from_last_complete_checkpoint(quic
     flags = [*H.layout_flags(2, 1), *H.quickstart_flags(quickstart, num_rollout=num_rollout, batch=batch, n=n,
                                                           response_len=8),
              "--save", str(save), "--save-interval", "1", "--output-dir", str(tmp_path / "run")]
-    job = H.launch(flags, nproc=3, workdir=tmp_path, max_restarts=1)
+    # rollout 2 stays in generation for 10 s of the first attempt after its first sample (a step here takes
+    # milliseconds: the partial step-2 files below and the kill must land before step 2 is trained and saved)
+    job = H.launch(flags, nproc=3, workdir=tmp_path, max_restarts=1,
+                   env={"MILES_FT_HOLD": json.dumps({"rollout": 2, "seconds": 10})})
     first_pid = t_kill = driver = None
     deadline = time.monotonic() + 300
     while t_kill is None:  # SIGKILL trainer rank 1 once rollout 2 is being generated (step 1 is complete)
@@ -203,7 +207,10 @@ def test_hung_trainer_rank_under_ft_launcher_is_restarted_and_resumes(quickstart
     launcher = [sys.executable, "-c", "import sys; from nvidia_resiliency_ext.fault_tolerance.launcher import main; "
                 "sys.argv[0] = 'ft_launcher'; sys.exit(main())", "--ft-initial-rank-heartbeat-timeout", "180",
                 "--ft-rank-heartbeat-timeout", "20", "--ft-workload-check-interval", "1"]
-    job = H.launch(flags, nproc=3, workdir=tmp_path, max_restarts=1, launcher=launcher, nvrx=nvrx)
+    # rollout 2 stays in generation for 5 s of the first attempt (under the 20 s heartbeat timeout), so the SIGSTOP
+    # below lands before step 2 is trained and saved
+    job = H.launch(flags, nproc=3, workdir=tmp_path, max_restarts=1, launcher=launcher, nvrx=nvrx,
+                   env={"MILES_FT_HOLD": json.dumps({"rollout": 2, "seconds": 5})})
     try:
         deadline = time.monotonic() + 300
         while True:  # SIGSTOP trainer rank 1 once rollout 2 is being generated (rollout 1 is checkpointed)
