@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
-import torch.distributed as dist
 
 # dense bf16 tensor-core peak, TFLOP/s, by a substring of torch.cuda.get_device_name()
 PEAK_BF16_TFLOPS = {
@@ -62,7 +61,7 @@ def mfu(*, num_params: int, train_tokens: float, forward_tokens: float, seconds:
 
 
 class MetricSums:
-    """Accumulates scalar tensors by name; ``reduce`` sums them over the group (one all-reduce)."""
+    """Accumulates scalar tensors by name; ``values`` hands this rank's sums to the caller's one group reduction."""
 
     def __init__(self):
         self.sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
@@ -75,10 +74,3 @@ class MetricSums:
         """This rank's sums of ``keys`` (0.0 for a key it has not seen), for a reduction done by the caller."""
         return [float(self.sums[k]) if k in self.sums else 0.0 for k in keys]
 
-    def reduce(self, keys: list[str], group: dist.ProcessGroup | None, device: torch.device) -> dict[str, float]:
-        """Sum over ranks; every rank must pass the same ``keys`` (missing ones count as 0)."""
-        vals = torch.stack([self.sums[k] if k in self.sums else torch.zeros((), dtype=torch.float64) for k in keys])
-        if group is not None and dist.get_world_size(group) > 1 and keys:
-            vals = vals.to(device)
-            dist.all_reduce(vals, group=group)
-        return dict(zip(keys, vals.cpu().tolist()))
