@@ -113,7 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     # The scheduler thread and the HTTP event loop share the GIL. Whenever the scheduler releases it (a copy to the
     # GPU, the wait for a step's tokens) the loop may take it, and with CPython's default 5 ms switch interval the
     # scheduler can then wait up to 5 ms to get it back while the GPU idles. A short interval bounds that wait.
-    sys.setswitchinterval(float(os.environ.get("MILES_ENGINE_SWITCH_INTERVAL", SWITCH_INTERVAL)))
+    raw = os.environ.get("MILES_ENGINE_SWITCH_INTERVAL", str(SWITCH_INTERVAL))
+    try:
+        sys.setswitchinterval(float(raw))
+    except ValueError:
+        logger.error("MILES_ENGINE_SWITCH_INTERVAL=%r is not a positive number of seconds (default %g); unset it or "
+                     "give e.g. 0.005", raw, SWITCH_INTERVAL)
+        return 2
 
     try:
         engine = Engine(EngineArgs(

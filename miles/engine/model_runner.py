@@ -207,16 +207,17 @@ class _NativeLM:
         # paged, their block tables are all the scratch page, and position 0 keeps the kernel's walk to one token
         self.pad_pos = 0 if self.kv is not None else cache_ctx - 1
         # decode on CUDA: q/k norm + RoPE as one Triton kernel per tensor (plain RMSNorms only)
-        self.fused_rope = fused_ops.available(device) and device.type == "cuda" and pow2_head and (not self.qk_norm or all(
+        cuda_kernels = fused_ops.available(device) and device.type == "cuda"
+        self.fused_rope = cuda_kernels and pow2_head and (not self.qk_norm or all(
             type(m).__name__ in _PLAIN_RMSNORMS for layer in self.layers for m in (layer.self_attn.q_norm, layer.self_attn.k_norm)))
         # one GEMM for q/k/v and one for gate/up per layer (their parameters become views of the fused buffers), and
         # on CUDA the residual add with the next RMSNorm and SwiGLU's silu * up as single kernels
         self.fuse()
-        self.fused_norms = (fused_ops.available(device) and device.type == "cuda" and all(
+        self.fused_norms = (cuda_kernels and all(
             type(m).__name__ in _PLAIN_RMSNORMS and m.weight.dtype == dtype
             for layer in self.layers for m in (layer.input_layernorm, layer.post_attention_layernorm))
             and type(self.norm).__name__ in _PLAIN_RMSNORMS and self.norm.weight.dtype == dtype)
-        self.fused_silu = fused_ops.available(device) and device.type == "cuda"
+        self.fused_silu = cuda_kernels
         # mixed steps (paged cache, no sliding windows): a prompt chunk of up to mix_tokens tokens rides in the decode
         # step's forward (its tokens are extra query rows of the chunk row); graphs per batch bucket with the chunk
         # padded to mix_tokens (padding tokens on the scratch row)

@@ -784,7 +784,7 @@ class Scheduler:
             self._check_finished(r)
         self.generated_tokens += len(toks)
         if reqs is self.running:
-            self.decode_phases["append"] += time.perf_counter() - t_append
+            self._lap("append", t_append)
         return out.tokens
 
     def _check_finished(self, r: Req) -> None:
@@ -848,11 +848,16 @@ class Scheduler:
         finally:
             self.decode_seconds += time.perf_counter() - t0
 
+    def _lap(self, phase: str, since: float) -> float:
+        """Add the time since ``since`` to ``phase`` of ``decode_phases``; returns now (the next phase's start)."""
+        now = time.perf_counter()
+        self.decode_phases[phase] += now - since
+        return now
+
     def _decode_step_timed(self) -> None:
-        ph, clock = self.decode_phases, time.perf_counter
-        t = clock()
+        t = time.perf_counter()
         self._grow_pages()
-        t, ph["grow"] = clock(), ph["grow"] + clock() - t
+        t = self._lap("grow", t)
         reqs = self.running
         rn = self.runner
         dev = rn.device
@@ -864,7 +869,7 @@ class Scheduler:
             tokens, positions, steps = self._dev
         max_len = max(r.kv_len for r in reqs) + 1
         chunk = self._mix_chunk()
-        t, ph["inputs"] = clock(), ph["inputs"] + clock() - t
+        t = self._lap("inputs", t)
         if chunk is None:
             logits = rn.decode(tokens, positions, max_len)
         else:  # mixed: the refill's next prompt chunk is in this forward too (logits row n: its last token)
@@ -889,11 +894,11 @@ class Scheduler:
                     late = cr
             logits = logits[: len(self.running)]
         epoch = self._epoch
-        ph["forward"] += clock() - t
+        self._lap("forward", t)
         new_tokens = self._sample_and_append(reqs, logits, steps)
         self._dev = (new_tokens.view(-1), next_pos, steps + 1)
         self._dev_epoch = epoch
-        t = clock()
+        t = time.perf_counter()
         self._remove([i for i, r in enumerate(reqs) if r.finish is not None])
         if late is not None:
             row = len(self.running)
@@ -901,7 +906,7 @@ class Scheduler:
                 self._first_token(late, chunk_last)
                 if late.finish is not None:
                     self._remove([row])
-        ph["remove"] += clock() - t
+        self._lap("remove", t)
         self.steps += 1
         self.last_step_time = time.time()
 

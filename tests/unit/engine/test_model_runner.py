@@ -93,6 +93,20 @@ def test_engine_cli_rejects_bad_values_before_loading(flags, needle, capsys):
     assert ei.value.code == 2 and needle in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value", ["abc", "0"])
+def test_engine_rejects_a_bad_switch_interval_in_one_line(value, monkeypatch, capsys):
+    import sys
+
+    from miles.engine.__main__ import main
+
+    before = sys.getswitchinterval()
+    monkeypatch.setenv("MILES_ENGINE_SWITCH_INTERVAL", value)
+    assert main(["--hf-checkpoint", "/nonexistent"]) == 2    # before any model is read
+    err = capsys.readouterr().err
+    assert "MILES_ENGINE_SWITCH_INTERVAL" in err and repr(value) in err and "Traceback" not in err, err
+    assert sys.getswitchinterval() == before
+
+
 @pytest.mark.parametrize("kind", ["qwen3", "qwen2"])
 def test_fused_projections_follow_weight_updates_and_memory_release(kind, tmp_path):
     """q/k/v (with Qwen2's biases) and gate/up run as one GEMM each over fused buffers whose parts are the HF
