@@ -307,11 +307,19 @@ def memory_run(a: argparse.Namespace, out_dir: Path) -> dict:
             t0 = time.perf_counter()
             tasks = [asyncio.ensure_future(one(p, n)) for p, n in zip(prompts, lengths)]
             peak_running = 0
+            last_print = 0.0
             while time.perf_counter() - t0 < a.memory_run and not all(t.done() for t in tasks):
                 await asyncio.sleep(2)
                 load = eng.get("/get_load").json()[0]
                 peak_running = max(peak_running, load["num_running_reqs"])
+                if time.perf_counter() - last_print >= 20:
+                    last_print = time.perf_counter()
+                    print(json.dumps({"t": round(last_print - t0), "done": sum(t.done() for t in tasks),
+                                      **{k: load.get(k) for k in ("num_running_reqs", "num_waiting_reqs",
+                                                                  "generated_tokens", "retractions", "kv_pages_in_use",
+                                                                  "kv_pages_total")}}), flush=True)
             res["seconds"] = round(time.perf_counter() - t0, 1)
+            res["completed_before_abort"] = all(t.done() for t in tasks)
             res["load_before_abort"] = eng.get("/get_load").json()[0]
             eng.post("/abort_request", {"abort_all": True})
             outs = await asyncio.gather(*tasks)
@@ -319,6 +327,11 @@ def memory_run(a: argparse.Namespace, out_dir: Path) -> dict:
             res["finished"] = sum(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
             res["aborted"] = sum(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outs)
             res["generated_tokens"] = sum(len(o["output_ids"]) for o in outs)
+            # every finished request has exactly the tokens it asked for, and one log-prob per token, retracted or not
+            res["finished_exact"] = sum(
+                o["meta_info"]["finish_reason"]["type"] == "length" and len(o["output_ids"]) == n
+                and len(o["meta_info"]["output_token_logprobs"]) == n for o, n in zip(outs, lengths))
+            res["tokens_per_s"] = round(res["generated_tokens"] / res["seconds"])
 
     try:
         asyncio.run(go())

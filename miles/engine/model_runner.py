@@ -246,6 +246,9 @@ class _NativeLM:
                 fused = _fuse_linears(parts[:2])
                 gu = fused[0] if fused is not None else None
             self.gate_up.append(gu)
+        if self.device.type == "cuda":
+            # the unfused weights' blocks go back to the device: the KV pool was sized from free memory before this
+            torch.cuda.empty_cache()
 
     def unfuse(self) -> None:
         """Drop the references to the fused buffers (before the parameters' memory is released)."""
@@ -822,7 +825,8 @@ class ModelRunner:
         self.native = native
         self.kv: PagedKV | None = getattr(self.impl, "kv", None)
         need, avail = self.impl.cache_bytes(), _available_bytes(self.device)
-        if need > 0.9 * avail and self.kv is not None:
+        # a pool sized from free memory fits by construction (_pool_pages); an explicit --max-total-tokens may not
+        if need > 0.9 * avail and self.kv is not None and opts.max_total_tokens is not None:
             raise ValueError(f"the KV page pool needs {need / 2**30:.1f} GiB but only {avail / 2**30:.1f} GiB is free; "
                              f"lower --max-total-tokens")
         if need > 0.9 * avail:
