@@ -32,7 +32,8 @@ _SWITCHES = ("sequence_parallel", "use_distributed_optimizer", "accumulate_allre
              "add_qkv_bias", "untie_embeddings_and_output_weights", "use_rotary_position_embeddings",
              "moe_grouped_gemm", "moe_permute_fusion", "moe_router_enable_expert_bias", "moe_router_pre_softmax",
              "optimizer_cpu_offload", "overlap_cpu_optimizer_d2h_h2d", "use_precision_aware_optimizer",
-             "multi_latent_attention", "no_position_embedding", "no_rope_fusion")
+             "multi_latent_attention", "no_position_embedding", "no_rope_fusion",
+             "no_gradient_accumulation_fusion")
 _HELP = {
     "tensor_model_parallel_size": "Tensor-parallel size (default 1); must divide the trainer ranks.",
     "sequence_parallel": "Sequence parallelism within the TP group (no effect with TP 1).",
@@ -51,6 +52,8 @@ _HELP = {
     "multi_latent_attention": "MLA (GLM-4.7-Flash, DeepSeek-V3), as config.json.",
     "no_position_embedding": "No effect (rope only).",
     "no_rope_fusion": "No effect (unfused RoPE).",
+    "no_gradient_accumulation_fusion": "No effect: weight gradients are never accumulated inside the wgrad GEMM "
+                                       "here (Megatron-LM's fusion needs APEX or transformer-engine).",
     "q_lora_rank": "MLA: config.json's q_lora_rank.",
     "kv_lora_rank": "MLA: config.json's kv_lora_rank.",
     "qk_head_dim": "MLA: config.json's qk_nope_head_dim.",
@@ -200,6 +203,7 @@ class MegatronConfig:
     multi_latent_attention: bool = False
     no_position_embedding: bool = False
     no_rope_fusion: bool = False
+    no_gradient_accumulation_fusion: bool = False
     q_lora_rank: int | None = None
     kv_lora_rank: int | None = None
     qk_head_dim: int | None = None

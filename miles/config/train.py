@@ -59,6 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="AdamW beta2 (default: 0.95 with fsdp, 0.999 with megatron).")
     t.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon.")
     t.add_argument("--clip-grad", type=float, default=1.0, help="Gradient norm clip (0: off).")
+    t.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_false",
+                   help="Apply an optimizer step whose gradient norm is NaN or infinite (Megatron-LM's flag). By "
+                        "default such a step is skipped: the weights, the optimizer state and the LR schedule stay "
+                        "as they were, with a warning and the train/nonfinite_grad_steps metric.")
     t.add_argument("--micro-batch-size", type=int, default=1, help="Samples per micro-batch.")
     t.add_argument("--use-dynamic-batch-size", action="store_true", help="Pack micro-batches up to --max-tokens-per-gpu.")
     t.add_argument("--max-tokens-per-gpu", type=int, default=None, help="Token budget per micro-batch.")
@@ -137,6 +141,7 @@ class TrainConfig:
     adam_beta2: float
     adam_eps: float
     clip_grad: float
+    check_for_nan_in_loss_and_grad: bool
     micro_batch_size: int
     use_dynamic_batch_size: bool
     max_tokens_per_gpu: int | None

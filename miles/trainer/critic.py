@@ -14,7 +14,7 @@ from torch import nn
 from miles.trainer import modeling
 from miles.trainer.batching import MicroBatch
 from miles.trainer.losses import Reducer, value_loss
-from miles.trainer.optim import LRSchedule, build_adamw, clip_grad_norm
+from miles.trainer.optim import LRSchedule, build_adamw, clip_grad_norm, finite_step
 
 
 class ValueModel(nn.Module):
@@ -49,6 +49,7 @@ class Critic:
                                    warmup=train.critic_lr_warmup_iters,  # --critic-lr-warmup-iters (Miles: own, 0)
                                    decay_iters=train.lr_decay_iters or total_steps)
         self.clip_grad = train.clip_grad
+        self.check_nan = train.check_for_nan_in_loss_and_grad
         self.value_clip = algo.value_clip
 
     def forward(self, mb: MicroBatch) -> torch.Tensor:
@@ -73,7 +74,8 @@ class Critic:
     def step(self) -> dict[str, float]:
         grad_norm = clip_grad_norm(list(self.model.parameters()), self.clip_grad)
         lr = self.schedule.apply(self.optimizer)
-        self.optimizer.step()
+        if finite_step(grad_norm, self.check_nan, "critic"):
+            self.optimizer.step()
+            self.schedule.advance()
         self.optimizer.zero_grad(set_to_none=True)
-        self.schedule.advance()
         return {"critic_grad_norm": grad_norm, "critic_lr": lr}

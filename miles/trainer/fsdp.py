@@ -23,6 +23,7 @@ the numbers of FSDP2's ``MixedPrecisionPolicy``. Each phase of ``train`` is time
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -61,7 +62,7 @@ from miles.trainer.losses import (
     sft_loss,
 )
 from miles.trainer.metrics import MetricSums, active_params, mfu, moe_routing, peak_tflops
-from miles.trainer.optim import LRSchedule, MasterWeights, build_adamw, clip_grad_norm
+from miles.trainer.optim import LRSchedule, MasterWeights, build_adamw, clip_grad_norm, finite_step
 from miles.trainer.weights import checkpoint_tensor_names, iter_checkpoint_buckets, iter_full_params
 from miles.types import Sample
 from miles.utils.logging import get_logger, warn_once
@@ -359,6 +360,7 @@ class FSDPTrainer:
                 advantages, extras = per_sample["adv"], per_sample.pop("extras")
 
         t_train = time.perf_counter()
+        self._rollout_id = rollout_id
         step_sums, grad_norms, critic_stats, local_tokens, lr = [], [], [], 0, 0.0
         for ids in split_into_steps(len(data), self.num_steps_per_rollout):
             sums, gn, lr, cst, ntok = self._train_step(data, ids, per_sample, samples)
@@ -381,6 +383,8 @@ class FSDPTrainer:
         tot = [sum(r[j] for r in rows) for j in range(n_sums)]     # the group sums, summed in rank order
         metrics = self._step_means(keys, tot[:len(step_local)], len(step_sums))
         metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        if self.cfg.check_for_nan_in_loss_and_grad:      # the steps finite_step skipped (0 in a healthy run)
+            metrics["nonfinite_grad_steps"] = float(sum(not math.isfinite(g) for g in grad_norms))
         metrics["lr"] = lr
         if self.critic is not None:
             metrics["critic_grad_norm"] = sum(c["critic_grad_norm"] for c in critic_stats) / len(critic_stats)
@@ -471,7 +475,9 @@ class FSDPTrainer:
         with clock("optimizer"):
             grad_norm = self._clip_grad_norm()
             lr = self.schedule.apply(self.optimizer)
-            if not getattr(self, "_actor_frozen", False):
+            ok = finite_step(grad_norm, self.cfg.check_for_nan_in_loss_and_grad,
+                             f"rollout {getattr(self, '_rollout_id', '?')}, actor", log=self.trainer_rank == 0)
+            if ok and not getattr(self, "_actor_frozen", False):
                 self.optimizer.step()
                 self.schedule.advance()
             self.optimizer.zero_grad(set_to_none=True)

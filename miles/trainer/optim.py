@@ -148,6 +148,18 @@ class LRSchedule:
 
 
 @torch.no_grad()
+def finite_step(grad_norm: float, check: bool, what: str, log: bool = True) -> bool:
+    """Whether to apply an optimizer step with this (group-wide) gradient norm: always without the check
+    (``--no-check-for-nan-in-loss-and-grad``), else only when it is finite. The norm is reduced over the whole
+    trainer group, so every rank decides alike."""
+    if math.isfinite(grad_norm) or not check:
+        return True
+    if log:
+        logger.warning("%s: the gradient norm is %s; this optimizer step is skipped (weights, optimizer state and LR "
+                       "schedule unchanged). --no-check-for-nan-in-loss-and-grad applies such steps.", what, grad_norm)
+    return False
+
+
 def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
     """Global L2 norm of the gradients (over all shards) and, when max_norm > 0, scale them to it."""
     from torch.distributed.tensor import DTensor

@@ -15,7 +15,7 @@ from torch import nn
 from miles.trainer.batching import MicroBatch
 from miles.trainer.critic import Critic
 from miles.trainer.megatron import parallel
-from miles.trainer.optim import LRSchedule, build_adamw
+from miles.trainer.optim import LRSchedule, build_adamw, finite_step
 
 
 class MegatronValueModel(nn.Module):
@@ -44,6 +44,7 @@ class MegatronCritic(Critic):
         self.schedule = LRSchedule(lr=self.lr, min_lr=train.min_lr, style=train.lr_decay_style,
                                    warmup=train.warmup_steps(decay), decay_iters=decay)
         self.clip_grad = train.clip_grad
+        self.check_nan = train.check_for_nan_in_loss_and_grad
         self.value_clip = trainer.algo.value_clip
 
     def forward(self, mb: MicroBatch) -> torch.Tensor:
@@ -54,7 +55,8 @@ class MegatronCritic(Critic):
         parallel.finish_grads(self.model, self.trainer.groups)
         grad_norm = parallel.clip_grad_norm(self.model, self.trainer.groups, self.clip_grad)
         lr = self.schedule.apply(self.optimizer)
-        self.optimizer.step()
+        if finite_step(grad_norm, self.check_nan, "critic", log=self.trainer.trainer_rank == 0):
+            self.optimizer.step()
+            self.schedule.advance()
         self.optimizer.zero_grad(set_to_none=True)
-        self.schedule.advance()
         return {"critic_grad_norm": grad_norm, "critic_lr": lr}

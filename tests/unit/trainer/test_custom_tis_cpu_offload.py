@@ -208,3 +208,30 @@ def test_fsdp_cpu_offload_keeps_the_policy_on_cpu_on_gpu(tiny_model_dir, tmp_pat
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def nan_tis(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, **kwargs):
+    """A loss that turns NaN (as a diverging run's does): its gradients are NaN."""
+    return pg_loss * float("nan"), loss_masks, {}
+
+
+def test_a_nonfinite_gradient_norm_skips_the_optimizer_step(tiny_model_dir, group):
+    """Megatron-LM's check_for_nan_in_loss_and_grad, on by default: a step whose gradient norm is NaN leaves the
+    weights, the optimizer state and the LR schedule as they were; --no-check-for-nan-in-loss-and-grad applies it."""
+    trainer = _trainer(_cfg(tiny_model_dir, "--custom-tis-function-path", f"{__name__}.nan_tis", "--use-tis"), group)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    metrics = trainer.train(_samples(), rollout_id=0)
+    assert metrics["nonfinite_grad_steps"] == 1.0 and metrics["grad_norm"] != metrics["grad_norm"], metrics
+    for n, p in trainer.model.named_parameters():
+        assert torch.equal(p.detach(), before[n]), n
+    assert not trainer.optimizer.state or all(not torch.is_tensor(v) or torch.isfinite(v).all()
+                                              for s in trainer.optimizer.state.values() for v in s.values())
+    assert trainer.schedule.step == 0
+    healthy = _trainer(_cfg(tiny_model_dir), group).train(_samples(), rollout_id=0)
+    assert healthy["nonfinite_grad_steps"] == 0.0
+
+    unchecked = _trainer(_cfg(tiny_model_dir, "--custom-tis-function-path", f"{__name__}.nan_tis", "--use-tis",
+                               "--no-check-for-nan-in-loss-and-grad"), group)
+    out = unchecked.train(_samples(), rollout_id=0)
+    assert "nonfinite_grad_steps" not in out
+    assert any(not torch.isfinite(p).all() for p in unchecked.model.parameters())
