@@ -41,6 +41,29 @@ def workload(kind: str, n: int, a: argparse.Namespace) -> list[int]:
     return [rng.randint(a.min_len, a.max_len) for _ in range(n)]
 
 
+def memory_bound(model_dir: Path, lengths: list[int], prompt_len: int, slots: int, dtype: str) -> dict:
+    """The workload's ceiling at the memory bound, as a model: continuous batching with ``slots`` running requests,
+    a finished request's slot refilled at the next step, and each decode step reading every weight once plus every
+    running request's whole KV cache. Returns the bytes per token (the ratio of two workloads' ceilings does not
+    depend on the bandwidth) and the decode steps."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    el = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * el
+    weights = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    queue, running, total, steps = list(lengths), [], 0, 0
+    while queue or running:
+        while queue and len(running) < slots:
+            running.append([prompt_len, queue.pop(0)])          # [context, tokens still to generate]
+        total += weights + kv_token * sum(r[0] + 1 for r in running)
+        for r in running:
+            r[0] += 1
+            r[1] -= 1
+        running = [r for r in running if r[1] > 0]
+        steps += 1
+    return {"bytes_per_token": round(total / sum(lengths)), "steps": steps}
+
+
 async def _client(url: str, prompts: list[list[int]], lengths: list[int], concurrency: int) -> tuple[float, int]:
     import aiohttp
 
@@ -404,6 +427,12 @@ def main() -> None:
             res["profile"] = profile_steps(model_dir, a)
             print(json.dumps(res), flush=True)
             return
+        bound = {kind: memory_bound(model_dir, lengths, a.prompt_len, a.concurrency, a.dtype)
+                 for kind, (_, lengths) in runs.items()}
+        if {"fixed", "uniform"} <= set(bound):     # the ceiling of uniform / fixed at the memory bound (any bandwidth)
+            bound["uniform_over_fixed"] = round(bound["fixed"]["bytes_per_token"] / bound["uniform"]["bytes_per_token"], 3)
+        res["memory_bound"] = bound
+        print(json.dumps({"memory_bound": bound}), flush=True)
         for kv in a.kv_cache.split(","):
             res[f"engine_{kv}"] = bench_engine(model_dir, a, kv, runs)
         if not a.skip_hf:
