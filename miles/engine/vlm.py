@@ -26,6 +26,8 @@ import hashlib
 import io
 import os
 import re
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +37,7 @@ from miles.engine.model_runner import _GenericLM
 from miles.engine.protocol import BadRequest
 
 VLM_MODEL_TYPES = {"qwen3_vl", "qwen3_vl_moe"}   # Qwen3-VL's M-RoPE (get_rope_index) and deepstack forward
+RECENT_IMAGE_SETS = 64   # processed image sets kept by digest (the samples of an RL group reuse one)
 
 
 def is_vlm(config: Any) -> bool:
@@ -112,6 +115,8 @@ class VisionInputs:
         except Exception as e:  # noqa: BLE001 - ConfigError and loader errors: one line at start
             raise ValueError(f"--hf-checkpoint {model_path}: the image processor does not load: {e}") from None
         self.inputs = inputs
+        self._recent: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()  # digest -> (pixels, grid)
+        self._lock = threading.Lock()
         self.image_token_id = int(config.image_token_id)
         vid = getattr(config, "video_token_id", None)
         self.video_token_id = int(vid) if vid is not None else None
@@ -134,17 +139,29 @@ class VisionInputs:
         does not decode or the image tokens in ``ids`` are not what the images' grids need."""
         self._no_video(ids, where)
         digest = hashlib.blake2b(digest_size=16)
-        images = []
+        raws = []
         for k, ref in enumerate(refs):
             raw = _image_bytes(ref, f"{where}[{k}]")
             digest.update(len(raw).to_bytes(8, "little"))
             digest.update(raw)
-            images.append(_open_image(raw, f"{where}[{k}]"))
-        try:
-            out = self.inputs.processor(images=images, return_tensors="pt")
-        except (ValueError, TypeError, OSError) as e:
-            raise BadRequest(f"{where}: the image processor refused the images ({str(e).splitlines()[0][:160]})") from None
-        grid = out["image_grid_thw"].to(torch.long)
+            raws.append(raw)
+        key = digest.hexdigest()
+        with self._lock:
+            hit = self._recent.get(key)
+            if hit is not None:
+                self._recent.move_to_end(key)
+        if hit is None:   # RL sends each sample of a group as its own request: the group's images are processed once
+            images = [_open_image(raw, f"{where}[{k}]") for k, raw in enumerate(raws)]
+            try:
+                out = self.inputs.processor(images=images, return_tensors="pt")
+            except (ValueError, TypeError, OSError) as e:
+                raise BadRequest(f"{where}: the image processor refused the images ({str(e).splitlines()[0][:160]})") from None
+            hit = (out["pixel_values"], out["image_grid_thw"].to(torch.long))
+            with self._lock:
+                self._recent[key] = hit
+                while len(self._recent) > RECENT_IMAGE_SETS:
+                    self._recent.popitem(last=False)
+        pixels, grid = hit
         need = self.inputs.tokens_per_image(grid)
         runs = _runs(ids, self.image_token_id)
         if runs != need:
@@ -153,7 +170,7 @@ class VisionInputs:
                 f"{len(refs)} image(s) need {need} (one per merged patch of each image's grid {grid.tolist()}): expand each "
                 f"image's placeholder with this model's processor (AutoProcessor of the same checkpoint) and send one "
                 f"image_data entry per image, in prompt order")
-        return ImageBatch(out["pixel_values"], grid, need, digest.hexdigest())
+        return ImageBatch(pixels, grid, need, key)
 
 
 class VLMGenericLM(_GenericLM):
@@ -164,8 +181,14 @@ class VLMGenericLM(_GenericLM):
         self.image_token_id = int(model.config.image_token_id)
         self.deltas: list[int] = [0] * max_slots
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, cache, **mm: torch.Tensor):
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, cache, slot: int, append: bool, **mm: torch.Tensor):
+        rec = self.recorder.enabled   # a MoE text model (Qwen3-VL-MoE): the routing of every token run, per slot
+        if rec:
+            self.recorder.begin()
         out = self.model(input_ids=ids, position_ids=positions, use_cache=True, **{self.cache_kw: cache}, **mm)
+        if rec:
+            rows = self.recorder.end(ids.shape[-1])
+            self.routes[slot] = (self.routes[slot] or []) + [rows] if append else [rows]
         return out.logits, out[self.cache_kw] if self.cache_kw in out else out.past_key_values
 
     def rope_positions(self, ids: torch.Tensor, images: ImageBatch | None) -> tuple[torch.Tensor, int]:
@@ -191,7 +214,7 @@ class VLMGenericLM(_GenericLM):
             if images is not None:
                 kw = {"pixel_values": images.pixel_values.to(self.device, non_blocking=True),
                       "image_grid_thw": images.grid.to(self.device)}
-            logits, self.caches[slot_start + i] = self._forward(ids, pos, DynamicCache(), **kw)
+            logits, self.caches[slot_start + i] = self._forward(ids, pos, DynamicCache(), slot_start + i, False, **kw)
             self.deltas[slot_start + i] = delta
             last.append(logits[0, -1].float())
             full.append(logits[0].float() if full_for[i] else None)
@@ -202,7 +225,7 @@ class VLMGenericLM(_GenericLM):
         rows = []
         for i in range(tokens.shape[0]):
             pos = (positions[i: i + 1] + self.deltas[i]).view(1, 1, 1).expand(3, 1, 1)
-            logits, self.caches[i] = self._forward(tokens[i: i + 1][None], pos, self.caches[i])
+            logits, self.caches[i] = self._forward(tokens[i: i + 1][None], pos, self.caches[i], i, True)
             rows.append(logits[0, -1].float())
         return torch.stack(rows)
 

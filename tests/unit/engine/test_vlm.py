@@ -200,6 +200,27 @@ def test_abort_returns_every_slot(eng, hf_vlm):
     assert [m["output_ids"] for m in many] == [one] * 4
 
 
+def test_retracting_pause_recomputes_the_image_prompt_seamlessly(eng, hf_vlm):
+    ids = image_prompt(hf_vlm.config, [4])
+    ref = generate(eng, ids, [IMG_B], n=150)
+    body = {"input_ids": ids, "image_data": [IMG_B], "stream": True, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 150, "temperature": 0, "ignore_eos": True}}
+    last, seen = None, None
+    with requests.post(eng.url + "/generate", json=body, stream=True, timeout=60) as r:
+        for i, line in enumerate(x for x in r.iter_lines() if x):
+            if line == b"data: [DONE]":
+                break
+            last = json.loads(line[6:])
+            if i == 2:
+                assert eng.post("/pause_generation", {"mode": "retract"}).status_code == 200
+                seen = eng.get("/get_load").json()[0]
+                eng.post("/continue_generation", {})
+    assert seen["num_running_reqs"] == 0 and seen["num_waiting_reqs"] == 1     # really retracted mid-generation
+    assert last["output_ids"] == ref["output_ids"]
+    for (x, _, _), (y, _, _) in zip(last["meta_info"]["output_token_logprobs"], ref["meta_info"]["output_token_logprobs"]):
+        assert abs(x - y) < 1e-4
+
+
 def test_runner_slots_hold_nothing_after_release(vlm_dir):
     from miles.engine.model_runner import ModelRunner, RunnerOptions
     from miles.engine.vlm import VisionInputs
