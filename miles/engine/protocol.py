@@ -5,8 +5,8 @@ request structs (``sglang/srt/managers/io_struct.py``, ``sglang/srt/sampling/sam
 SGLang commit they were checked against is in docs/engine-protocol.md). Every control struct carries
 SGLang's ``BaseReq`` fields ``rid`` and ``http_worker_ipc``.
 Unknown fields are rejected (``BadRequest`` naming the field, answered as HTTP 400). Fields SGLang accepts
-but this engine cannot honour (grammars, penalties, multimodal inputs, LoRA, ...) are accepted only at
-their default value; any other value is a 400 that names the field and says it is unsupported here.
+but this engine cannot honour (grammars, penalties, video/audio inputs, LoRA, ...) are accepted only at
+their default value (``image_data`` is taken on a vision-language model: ``miles.engine.vlm``); any other value is a 400 that names the field and says it is unsupported here.
 """
 
 from __future__ import annotations
