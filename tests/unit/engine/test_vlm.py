@@ -175,6 +175,42 @@ def test_bad_image_requests_are_one_line_400s(eng, hf_vlm, body, words):
     assert generate(eng, [5, 6, 7], None, n=2)["meta_info"]["completion_tokens"] == 2
 
 
+def test_image_paths_and_bare_base64_equal_the_data_url(eng, hf_vlm, tmp_path):
+    ids = image_prompt(hf_vlm.config, [4])
+    want = generate(eng, ids, [IMG_A], n=6)["output_ids"]
+    raw = base64.b64decode(IMG_A.partition(",")[2])
+    path = tmp_path / "a.png"
+    path.write_bytes(raw)
+    for ref in (str(path), f"file://{path}", base64.b64encode(raw).decode()):
+        assert generate(eng, ids, [ref], n=6)["output_ids"] == want, ref
+    assert generate(eng, ids, IMG_A, n=6)["output_ids"] == want          # a single prompt's one image as a string
+
+
+@pytest.mark.parametrize("body, want", [
+    ({"input_ids": [1, 2], "image_data": "x"}, [["x"]]),
+    ({"input_ids": [1, 2], "image_data": ["x", "y"]}, [["x", "y"]]),
+    ({"input_ids": [1, 2], "image_data": []}, [None]),
+    ({"input_ids": [[1], [2], [3]], "image_data": ["x", None, ["y", "z"]]}, [["x"], None, ["y", "z"]]),
+])
+def test_image_data_shapes(body, want):
+    from miles.engine import protocol as P
+
+    req = P.decode(json.dumps(body).encode(), P.GenerateReqInput)
+    specs, _ = P.normalize_generate(req, None, 100, lambda: "r", image_error=None)
+    assert [s.image_data for s in specs] == want
+    if body["image_data"] != []:   # a text-only model: one line saying why (an empty list is no images)
+        with pytest.raises(P.BadRequest, match="takes no images"):
+            P.normalize_generate(req, None, 100, lambda: "r")
+
+
+def test_image_data_of_a_batch_needs_one_entry_per_prompt():
+    from miles.engine import protocol as P
+
+    req = P.decode(b'{"input_ids": [[1], [2]], "image_data": ["x"]}', P.GenerateReqInput)
+    with pytest.raises(P.BadRequest, match="one entry per prompt of the batch"):
+        P.normalize_generate(req, None, 100, lambda: "r", image_error=None)
+
+
 def test_abort_returns_every_slot(eng, hf_vlm):
     ids = image_prompt(hf_vlm.config, [4])
     body = {"input_ids": ids, "image_data": [IMG_A], "rid": "vlm-victim", "stream": True,
