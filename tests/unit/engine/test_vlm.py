@@ -349,3 +349,18 @@ def test_weight_updates_by_vlm_names_and_memory_release(eng, hf_vlm, vlm_dir, tm
 
 def test_model_info_says_images(eng):
     assert eng.get("/get_model_info").json()["has_image_understanding"] is True
+
+
+def test_a_vlm_dir_without_its_image_processor_is_one_line(vlm_dir, tmp_path):
+    import shutil
+
+    from transformers import AutoConfig
+
+    from miles.engine.vlm import VisionInputs
+
+    d = tmp_path / "no_proc"
+    shutil.copytree(vlm_dir, d)
+    (d / "preprocessor_config.json").unlink()
+    with pytest.raises(ValueError, match="preprocessor_config.json") as e:
+        VisionInputs(str(d), AutoConfig.from_pretrained(d))
+    assert "\n" not in str(e.value)
