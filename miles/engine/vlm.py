@@ -138,6 +138,12 @@ class VisionInputs:
         """The pixels of ``refs`` (one per image, in prompt order) for the prompt ``ids``; BadRequest when an image
         does not decode or the image tokens in ``ids`` are not what the images' grids need."""
         self._no_video(ids, where)
+        runs = _runs(ids, self.image_token_id)
+        if len(runs) != len(refs):   # before any decoding: a request cannot make the engine process images it cannot use
+            raise BadRequest(
+                f"{where}: {len(refs)} image(s) but input_ids has {len(runs)} run(s) of image tokens (id "
+                f"{self.image_token_id}, runs {runs[:16]}): each image's tokens must be one run (Qwen3-VL's template puts "
+                f"<|vision_start|> and <|vision_end|> around each), and image_data needs one entry per image, in order")
         digest = hashlib.blake2b(digest_size=16)
         raws = []
         for k, ref in enumerate(refs):
@@ -154,7 +160,7 @@ class VisionInputs:
             images = [_open_image(raw, f"{where}[{k}]") for k, raw in enumerate(raws)]
             try:
                 out = self.inputs.processor(images=images, return_tensors="pt")
-            except (ValueError, TypeError, OSError) as e:
+            except Exception as e:  # noqa: BLE001 - the images are the client's: its mistake, one line
                 raise BadRequest(f"{where}: the image processor refused the images ({str(e).splitlines()[0][:160]})") from None
             hit = (out["pixel_values"], out["image_grid_thw"].to(torch.long))
             with self._lock:
@@ -163,7 +169,6 @@ class VisionInputs:
                     self._recent.popitem(last=False)
         pixels, grid = hit
         need = self.inputs.tokens_per_image(grid)
-        runs = _runs(ids, self.image_token_id)
         if runs != need:
             raise BadRequest(
                 f"{where}: input_ids has {sum(runs)} image token(s) (id {self.image_token_id}) in runs {runs} but its "

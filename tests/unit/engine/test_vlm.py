@@ -151,7 +151,8 @@ def test_different_images_same_tokens_never_share(eng, hf_vlm, vlm_dir):
 
 @pytest.mark.parametrize("body, words", [
     ({"n_tokens": [3], "image_data": [IMG_A]}, ["3 image token", "need [4]"]),
-    ({"n_tokens": [4], "image_data": [IMG_A, IMG_B]}, ["need [4, 4]"]),
+    ({"n_tokens": [4], "image_data": [IMG_A, IMG_B]}, ["2 image(s)", "1 run(s) of image tokens"]),
+    ({"n_tokens": [4, 3], "image_data": [IMG_A, IMG_B]}, ["runs [4, 3]", "need [4, 4]"]),
     ({"n_tokens": [4], "image_data": None}, ["image token", "no image_data"]),
     ({"n_tokens": [4], "image_data": ["data:image/png;base64,@@@"]}, ["base64"]),
     ({"n_tokens": [4], "image_data": ["data:image/png;base64," + base64.b64encode(b"not a png").decode()]},
