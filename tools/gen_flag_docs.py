@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from miles.config import build_parser
+from miles.config import router as router_flags
 from miles.config import sglang as sglang_flags
 from miles.config.deprecations import RENAMED
 from miles.config.train import BACKEND_DEFAULTS
@@ -40,6 +41,9 @@ def render() -> str:
             continue
         if group.title == sglang_flags.GROUP_TITLE:  # ~440 SGLang ServerArgs flags: one paragraph, not one row each
             lines += [f"## {group.title}", "", *sglang_flags.flag_docs(), ""]
+            continue
+        if group.title == router_flags.GROUP_TITLE:  # sglang-router's --router-* flags, with the router's defaults
+            lines += [f"## {group.title}", "", *router_flags.flag_docs(), ""]
             continue
         lines += [f"## {group.title}", "", "| flag | default | meaning |", "|---|---|---|"]
         for a in actions:

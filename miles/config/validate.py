@@ -35,6 +35,9 @@ def validate_config(cfg: MilesConfig) -> None:
     from miles.config.sglang import validate_sglang
 
     validate_sglang(cfg.sglang, rollout_num_gpus_per_engine=c.rollout_num_gpus_per_engine)
+    from miles.config.router import validate_router
+
+    validate_router(cfg.rollout)
     if c.debug_train_only and c.debug_rollout_only:
         raise ConfigError("--debug-train-only and --debug-rollout-only exclude each other: pass at most one.")
     if cfg.is_async and c.colocate:

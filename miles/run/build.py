@@ -231,9 +231,11 @@ def _restorable_record(extra: dict[str, Any] | None) -> dict[str, float] | None:
 
 
 def plugin_extra(cfg: MilesConfig) -> dict[str, Any]:
-    """What plugins read beyond the flag sections: Miles's ``args.sglang_<field>`` view of the SGLang flags and
-    the ``--custom-config-path`` keys that name no flag."""
-    return {**cfg.sglang.miles_attrs(), **cfg.custom_config}
+    """What plugins read beyond the flag sections: Miles's ``args.sglang_<field>`` and ``args.router_<field>`` views
+    of the SGLang and sglang-router flags and the ``--custom-config-path`` keys that name no flag."""
+    from miles.config.router import miles_attrs
+
+    return {**cfg.sglang.miles_attrs(), **miles_attrs(cfg.rollout), **cfg.custom_config}
 
 
 async def _driver_setup(run: Run, local: dict[str, Any], extra: dict[str, Any] | None, channel: CommandChannel,
