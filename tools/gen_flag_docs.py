@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from miles.config import build_parser
+from miles.config import build_parser, eval_datasets
 from miles.config import router as router_flags
 from miles.config import sglang as sglang_flags
 from miles.config.deprecations import RENAMED
@@ -53,6 +53,8 @@ def render() -> str:
             default = "" if a.default in (None, argparse.SUPPRESS, False) else f"`{a.default}`"
             lines.append(f"| {names} | {default} | {(a.help or '').replace('|', '/')} |")
         lines.append("")
+        if group.title == "evaluation":
+            lines += [*eval_datasets.flag_docs(), ""]
     lines += miles_sections()
     lines += ["## Deprecated spellings", "", "| old | new | status |", "|---|---|---|"]
     for old, (new, accepted) in RENAMED.items():

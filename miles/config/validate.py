@@ -38,6 +38,9 @@ def validate_config(cfg: MilesConfig) -> None:
     from miles.config.router import validate_router
 
     validate_router(cfg.rollout)
+    from miles.config.eval_datasets import resolve_eval_datasets
+
+    resolve_eval_datasets(cfg.eval, cfg.data, cfg.rollout)  # --eval-config's document (read, checked, not kept)
     if c.debug_train_only and c.debug_rollout_only:
         raise ConfigError("--debug-train-only and --debug-rollout-only exclude each other: pass at most one.")
     if cfg.is_async and c.colocate:

@@ -95,7 +95,10 @@ def _driver_plan(cfg: MilesConfig, ctx: SPMDContext) -> tuple[RunPlan, dict[str,
         data_source = DataSource(dataset, shuffle=cfg.data.rollout_shuffle, seed=seed)
     elif not cfg.cluster.debug_train_only:
         raise MilesError("--prompt-data FILE is required (JSONL or Parquet with prompts under --input-key).")
-    eval_datasets = load_eval_datasets(cfg.eval, cfg.data, tokenizer, seed) if cfg.eval.eval_prompt_data else {}
+    from miles.config.eval_datasets import resolve_eval_datasets
+
+    eval_specs = resolve_eval_datasets(cfg.eval, cfg.data, cfg.rollout)  # --eval-config or --eval-prompt-data
+    eval_datasets = load_eval_datasets(eval_specs, cfg.eval, cfg.data, tokenizer, seed)
     has_engines = bool(ctx.plan.engines)
     kind = resolve_engine_kind(cfg.rollout, ctx.world.device.type == "cuda") if has_engines else "none"
     if kind == "sglang" and cfg.weights.update_weight_transfer_mode == "p2p":  # --rollout-engine auto chose SGLang
