@@ -44,6 +44,14 @@ if TYPE_CHECKING:
     from miles.config.rollout import RolloutConfig
 
 logger = get_logger(__name__)
+_warned: set[str] = set()  # the document is resolved by the parse, the dry run and the start: warn once
+
+
+def _warn_once(msg: str, *args: Any) -> None:
+    text = msg % args
+    if text not in _warned:
+        _warned.add(text)
+        logger.warning(text)
 
 FLAG = "--eval-config"
 
@@ -239,13 +247,13 @@ def resolve_eval_datasets(ev: EvalConfig, data: DataConfig, rollout: RolloutConf
             raise ConfigError(f"{FLAG} is an empty string: pass a YAML/JSON file (or base64:<payload>), or drop it.")
         defaults, raw = _eval_mapping(ev.eval_config)
         if ev.eval_prompt_data:
-            logger.warning("%s is given: it replaces --eval-prompt-data %s (as in Miles)", FLAG,
+            _warn_once("%s is given: it replaces --eval-prompt-data %s (as in Miles)", FLAG,
                            " ".join(ev.eval_prompt_data))
     for key, value in defaults.items():
         if key in DEFAULTS_KEYS:
             _check(key, value, "eval.defaults")
         elif key in _FIELDS - {"name", "path"}:
-            logger.warning("%s: eval.defaults.%s is ignored (Miles reads only %s there): set it on each dataset",
+            _warn_once("%s: eval.defaults.%s is ignored (Miles reads only %s there): set it on each dataset",
                            FLAG, key, ", ".join(DEFAULTS_KEYS))
         else:
             raise ConfigError(f"{FLAG}: unknown key {key!r} in eval.defaults; it takes {', '.join(DEFAULTS_KEYS)}.")

@@ -178,9 +178,10 @@ def _validate_miles_flags(cfg: MilesConfig) -> None:
         if d.rollout_function_path != SFT_PATH or a.loss_type != "sft_loss":
             raise ConfigError(f"--multimodal-keys {keys}: images are supported for SFT only (--rollout-function-path "
                               f"{SFT_PATH} --loss-type sft_loss); the engines take text tokens only.")
-        if cfg.eval.eval_prompt_data:
-            raise ConfigError(f"--multimodal-keys {keys} with --eval-prompt-data: evaluation generates on the "
-                              "engines, which take text tokens only: drop --eval-prompt-data.")
+        if cfg.eval.eval_prompt_data or cfg.eval.eval_config:
+            which = "--eval-config" if cfg.eval.eval_config else "--eval-prompt-data"
+            raise ConfigError(f"--multimodal-keys {keys} with {which}: evaluation generates on the "
+                              f"engines, which take text tokens only: drop {which}.")
         if not d.apply_chat_template:  # the raw-row reader of custom rollouts does not read the images yet
             raise ConfigError(f"--multimodal-keys {keys} needs --apply-chat-template (the image rows are read and "
                               "checked by the chat-template data path): add --apply-chat-template.")

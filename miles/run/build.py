@@ -233,12 +233,14 @@ def _restorable_record(extra: dict[str, Any] | None) -> dict[str, float] | None:
     return {**rec, "rollout_id": float(extra["rollout_id"])}
 
 
-def plugin_extra(cfg: MilesConfig) -> dict[str, Any]:
+def plugin_extra(cfg: MilesConfig, eval_datasets: dict[str, Any] | None = None) -> dict[str, Any]:
     """What plugins read beyond the flag sections: Miles's ``args.sglang_<field>`` and ``args.router_<field>`` views
-    of the SGLang and sglang-router flags and the ``--custom-config-path`` keys that name no flag."""
+    of the SGLang and sglang-router flags, ``args.eval_datasets`` (each evaluation dataset's resolved spec, as
+    Miles's list of ``EvalDatasetConfig``) and the ``--custom-config-path`` keys that name no flag."""
     from miles.config.router import miles_attrs
 
-    return {**cfg.sglang.miles_attrs(), **miles_attrs(cfg.rollout), **cfg.custom_config}
+    specs = [getattr(d, "spec", d) for d in (eval_datasets or {}).values()]
+    return {**cfg.sglang.miles_attrs(), **miles_attrs(cfg.rollout), "eval_datasets": specs, **cfg.custom_config}
 
 
 async def _driver_setup(run: Run, local: dict[str, Any], extra: dict[str, Any] | None, channel: CommandChannel,
@@ -282,7 +284,7 @@ async def _driver_setup(run: Run, local: dict[str, Any], extra: dict[str, Any] |
         run.manager = RolloutManager(cfg.rollout, cfg.data, cfg.reward, client, local["tokenizer"],
                                      run.data_source, eval_cfg=cfg.eval,
                                      sections=(cfg.algo, cfg.train, cfg.cluster, cfg.weights, cfg.checkpoint),
-                                     custom_config=plugin_extra(cfg),
+                                     custom_config=plugin_extra(cfg, run.eval_datasets),
                                      # one n-sample request per group: the embedded engine seeds its samples
                                      # sampling_seed + j (the same samples); the FT client reissues per request
                                      group_requests=plan.engine_kind == "embedded" and run.worker.ft is None)

@@ -114,6 +114,9 @@ def test_eval_config_replaces_eval_prompt_data_as_in_miles(tmp_path, caplog):
 
 def test_defaults_key_miles_ignores_is_ignored_with_a_warning(tmp_path, caplog):
     doc = {"eval": {"defaults": {"rm_type": "math"}, "datasets": [{"name": "a", "path": "a.jsonl"}]}}
+    from miles.config import eval_datasets
+
+    eval_datasets._warned.clear()
     (a,) = _specs("--eval-config", _write(tmp_path, doc))
     assert a.rm_type is None and "eval.defaults.rm_type is ignored" in caplog.text
 
@@ -186,3 +189,21 @@ def test_dry_run_checks_each_dataset(tmp_path, tiny_model_dir):
                                      "custom_generate_function_path": "no_such_module_xyz.generate"}]}}
     with pytest.raises(ConfigError, match=r"^--eval-config dataset 'a': custom_generate_function_path: .*no_such_module"):
         dry_run(_dry_cfg(tiny_model_dir, tmp_path, bad_fn))
+
+
+def test_plugins_see_the_specs_as_args_eval_datasets(tmp_path):
+    from miles.rollout.plugins import PluginArgs
+    from miles.run.build import plugin_extra
+
+    cfg = parse_args([*BASE, "--eval-config", _write(tmp_path, MULTI_TASK)])
+    specs = resolve_eval_datasets(cfg.eval, cfg.data, cfg.rollout)
+    args = PluginArgs(cfg.eval, cfg.data, extra=plugin_extra(cfg, {s.name: s for s in specs}))
+    assert [(d.name, d.n_samples_per_eval_prompt) for d in args.eval_datasets] == [("aime", 16), ("gpqa", 2)]
+    assert args.eval_config == cfg.eval.eval_config
+
+
+def test_multimodal_sft_refuses_eval_config_as_eval_prompt_data(tmp_path):
+    with pytest.raises(ConfigError, match=r"with --eval-config: evaluation generates on the engines.*drop --eval-config"):
+        parse_args([*BASE, "--multimodal-keys", '{"image": "images"}', "--rollout-function-path",
+                    "miles.rollout.sft_rollout.generate_rollout", "--loss-type", "sft_loss", "--apply-chat-template",
+                    "--eval-config", _write(tmp_path, MULTI_TASK)])
