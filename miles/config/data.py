@@ -28,6 +28,10 @@ def parse_eval_prompt_data(values: list[str] | None) -> list[tuple[str, str]]:
         raise ConfigError(f"--eval-prompt-data takes NAME PATH pairs, got {len(values)} values {values}: "
                           f"e.g. --eval-prompt-data math_eval data/eval.jsonl")
     pairs = [(values[i], values[i + 1]) for i in range(0, len(values), 2)]
+    empty = next((f"{n!r} {p!r}" for n, p in pairs if not n.strip() or not p.strip()), None)
+    if empty is not None:
+        raise ConfigError(f"--eval-prompt-data {empty}: each NAME and PATH must be non-empty, e.g. --eval-prompt-data "
+                          "math_eval data/eval.jsonl")
     names = [n for n, _ in pairs]
     if len(set(names)) != len(names):
         raise ConfigError(f"--eval-prompt-data names must be distinct, got {names}")

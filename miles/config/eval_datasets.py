@@ -248,19 +248,20 @@ def resolve_eval_datasets(ev: EvalConfig, data: DataConfig, rollout: RolloutConf
         defaults, raw = _eval_mapping(ev.eval_config)
         if ev.eval_prompt_data:
             _warn_once("%s is given: it replaces --eval-prompt-data %s (as in Miles)", FLAG,
-                           " ".join(ev.eval_prompt_data))
+                       " ".join(ev.eval_prompt_data))
     for key, value in defaults.items():
         if key in DEFAULTS_KEYS:
             _check(key, value, "eval.defaults")
         elif key in _FIELDS - {"name", "path"}:
             _warn_once("%s: eval.defaults.%s is ignored (Miles reads only %s there): set it on each dataset",
-                           FLAG, key, ", ".join(DEFAULTS_KEYS))
+                       FLAG, key, ", ".join(DEFAULTS_KEYS))
         else:
             raise ConfigError(f"{FLAG}: unknown key {key!r} in eval.defaults; it takes {', '.join(DEFAULTS_KEYS)}.")
     specs: list[EvalDatasetSpec] = []
-    for entry in raw:
+    for entry in raw:  # --eval-prompt-data's names and paths are checked by parse_eval_prompt_data / validation
         name = entry.get("name")
-        _check("name", name, "dataset")
+        if ev.eval_config is not None:
+            _check("name", name, "dataset")
         where = f"dataset {name!r}:"
         unknown = sorted(set(entry) - _FIELDS)
         if unknown:
@@ -272,11 +273,12 @@ def resolve_eval_datasets(ev: EvalConfig, data: DataConfig, rollout: RolloutConf
         for key in sorted(_FIELDS):
             if key in entry and entry[key] is not None:
                 value = entry[key]
+                if ev.eval_config is not None:  # a flag's value is checked by its own parser/validation
+                    _check(key, value, where)
             elif key in DEFAULTS_KEYS and defaults.get(key) is not None:
                 value = defaults[key]
             else:
                 value = _fallback(key, sections)
-            _check(key, value, where)
             if value is not None:
                 values[key] = list(value) if isinstance(value, list) else dict(value) if isinstance(value, dict) else value
         specs.append(EvalDatasetSpec(**values))

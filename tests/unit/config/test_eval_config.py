@@ -207,3 +207,10 @@ def test_multimodal_sft_refuses_eval_config_as_eval_prompt_data(tmp_path):
         parse_args([*BASE, "--multimodal-keys", '{"image": "images"}', "--rollout-function-path",
                     "miles.rollout.sft_rollout.generate_rollout", "--loss-type", "sft_loss", "--apply-chat-template",
                     "--eval-config", _write(tmp_path, MULTI_TASK)])
+
+
+def test_eval_prompt_data_mistakes_name_that_flag_not_eval_config():
+    with pytest.raises(ConfigError, match=r"^--eval-prompt-data '' 'x.jsonl': each NAME and PATH must be non-empty"):
+        parse_args([*BASE, "--eval-prompt-data", "", "x.jsonl"])
+    (spec,) = _specs("--eval-prompt-data", "a", "a.jsonl", "--rollout-top-k", "0")  # a flag's value: not re-checked
+    assert spec.top_k == 0
