@@ -10,7 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from miles.config import build_parser
+from miles.config import build_parser, eval_datasets
+from miles.config import router as router_flags
 from miles.config import sglang as sglang_flags
 from miles.config.deprecations import RENAMED
 from miles.config.train import BACKEND_DEFAULTS
@@ -41,6 +42,9 @@ def render() -> str:
         if group.title == sglang_flags.GROUP_TITLE:  # ~440 SGLang ServerArgs flags: one paragraph, not one row each
             lines += [f"## {group.title}", "", *sglang_flags.flag_docs(), ""]
             continue
+        if group.title == router_flags.GROUP_TITLE:  # sglang-router's --router-* flags, with the router's defaults
+            lines += [f"## {group.title}", "", *router_flags.flag_docs(), ""]
+            continue
         lines += [f"## {group.title}", "", "| flag | default | meaning |", "|---|---|---|"]
         for a in actions:
             names = ", ".join(f"`{o}`" for o in a.option_strings)
@@ -49,6 +53,8 @@ def render() -> str:
             default = "" if a.default in (None, argparse.SUPPRESS, False) else f"`{a.default}`"
             lines.append(f"| {names} | {default} | {(a.help or '').replace('|', '/')} |")
         lines.append("")
+        if group.title == "evaluation":
+            lines += [*eval_datasets.flag_docs(), ""]
     lines += miles_sections()
     lines += ["## Deprecated spellings", "", "| old | new | status |", "|---|---|---|"]
     for old, (new, accepted) in RENAMED.items():

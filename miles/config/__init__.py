@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 import yaml
 
 from miles import __version__
-from miles.config import algo, cluster, data, ft, megatron, rollout, sglang, train, weights
+from miles.config import algo, cluster, data, ft, megatron, rollout, router, sglang, train, weights
 from miles.config import logging as output
 from miles.config.algo import AlgoConfig
 from miles.config.base import ConfigError, section_from_namespace
@@ -85,6 +85,8 @@ class MilesConfig:
                 for name in SECRET_FIELDS & section.keys():
                     if section[name]:
                         section[name] = "***"
+                if section.get("router_args"):
+                    section["router_args"] = router.shown(section["router_args"])
         return out
 
     def to_json(self) -> str:
@@ -120,13 +122,13 @@ class MilesArgumentParser(argparse.ArgumentParser):
         if self.full_help or self.usage is not None:
             return super().format_help()
         formatter = self._get_formatter()
-        formatter.add_usage("%(prog)s [--flag VALUE ...]   (--help-all: also every --sglang-* flag)", self._actions,
+        formatter.add_usage("%(prog)s [--flag VALUE ...]   (--help-all: also every --sglang-* and --router-* flag)", self._actions,
                             self._mutually_exclusive_groups)
         formatter.add_text(self.description)
         for group in self._action_groups:
             formatter.start_section(group.title)
             formatter.add_text(group.description)
-            if group.title == sglang.GROUP_TITLE:
+            if group.title in (sglang.GROUP_TITLE, router.GROUP_TITLE):
                 formatter.add_text(f"{len(group._group_actions)} flags, listed by --help-all.")
             else:
                 formatter.add_arguments(group._group_actions)

@@ -18,6 +18,26 @@ def json_object(value: str) -> dict:
     return parsed
 
 
+def parse_eval_prompt_data(values: list[str] | None) -> list[tuple[str, str]]:
+    """``--eval-prompt-data NAME PATH [NAME PATH ...]`` as (name, path) pairs."""
+    from miles.config.base import ConfigError
+
+    if not values:
+        return []
+    if len(values) % 2:
+        raise ConfigError(f"--eval-prompt-data takes NAME PATH pairs, got {len(values)} values {values}: "
+                          f"e.g. --eval-prompt-data math_eval data/eval.jsonl")
+    pairs = [(values[i], values[i + 1]) for i in range(0, len(values), 2)]
+    empty = next((f"{n!r} {p!r}" for n, p in pairs if not n.strip() or not p.strip()), None)
+    if empty is not None:
+        raise ConfigError(f"--eval-prompt-data {empty}: each NAME and PATH must be non-empty, e.g. --eval-prompt-data "
+                          "math_eval data/eval.jsonl")
+    names = [n for n, _ in pairs]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"--eval-prompt-data names must be distinct, got {names}")
+    return pairs
+
+
 MULTIMODAL_SFT_PATH = "miles.rollout.sft_rollout.generate_rollout"  # the one rollout that takes --multimodal-keys
 MULTIMODAL_TYPES = ("image", "video", "audio")                     # Miles's media types
 MULTIMODAL_SUPPORTED = ("image",)
@@ -88,6 +108,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     e = parser.add_argument_group("evaluation")
     e.add_argument("--eval-prompt-data", type=str, nargs="+", default=None, help="NAME PATH [NAME PATH ...] for evaluation.")
+    e.add_argument("--eval-config", type=str, default=None,
+                   help="Miles's multi-task evaluation document: a YAML/JSON file (or base64:PAYLOAD) of eval: {defaults: "
+                        "{...}, datasets: [{name, path, rm_type, n_samples_per_eval_prompt, temperature, ...}]}; it "
+                        "replaces --eval-prompt-data (docs/flags.md: evaluation datasets).")
     e.add_argument("--eval-interval", type=int, default=None, help="Evaluate every N rollouts.")
     e.add_argument("--n-samples-per-eval-prompt", type=int, default=1, help="Samples per eval prompt.")
     e.add_argument("--eval-max-response-len", type=int, default=None, help="max_new_tokens for evaluation (default: --rollout-max-response-len).")
@@ -147,6 +171,7 @@ class RewardConfig:
 @dataclass(kw_only=True)
 class EvalConfig:
     eval_prompt_data: list[str] | None
+    eval_config: str | None
     eval_interval: int | None
     n_samples_per_eval_prompt: int
     eval_max_response_len: int | None

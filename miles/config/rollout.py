@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import Any
+
+from miles.config import router
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,6 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sglang-mem-fraction-static", type=float, default=None, help="Passed to SGLang.")
     g.add_argument("--sglang-api-key", type=str, default=None,
                    help="API key for engines (sglang --api-key). Multi-node jobs generate one per run when unset.")
+    router.add_arguments(parser)  # every sglang-router flag as --router-<flag> (miles/config/router.py)
     g.add_argument("--engine-max-running-requests", type=int, default=64,
                    help="Embedded engine: requests in the running batch (more queue).")
     g.add_argument("--engine-max-context-len", type=int, default=None,
@@ -49,6 +53,8 @@ class RolloutConfig:
     sglang_router_port: int | None
     sglang_router_policy: str | None
     sglang_router_request_timeout_secs: int
+    # the --router-<flag> sglang-router flags the user gave: router name -> parsed value (None: none given)
+    router_args: dict[str, Any] | None
     sglang_server_concurrency: int
     sglang_mem_fraction_static: float | None
     sglang_api_key: str | None

@@ -35,6 +35,12 @@ def validate_config(cfg: MilesConfig) -> None:
     from miles.config.sglang import validate_sglang
 
     validate_sglang(cfg.sglang, rollout_num_gpus_per_engine=c.rollout_num_gpus_per_engine)
+    from miles.config.router import validate_router
+
+    validate_router(cfg.rollout)
+    from miles.config.eval_datasets import resolve_eval_datasets
+
+    resolve_eval_datasets(cfg.eval, cfg.data, cfg.rollout)  # --eval-config's document (read, checked, not kept)
     if c.debug_train_only and c.debug_rollout_only:
         raise ConfigError("--debug-train-only and --debug-rollout-only exclude each other: pass at most one.")
     if cfg.is_async and c.colocate:
@@ -172,9 +178,10 @@ def _validate_miles_flags(cfg: MilesConfig) -> None:
         if d.rollout_function_path != SFT_PATH or a.loss_type != "sft_loss":
             raise ConfigError(f"--multimodal-keys {keys}: images are supported for SFT only (--rollout-function-path "
                               f"{SFT_PATH} --loss-type sft_loss); the engines take text tokens only.")
-        if cfg.eval.eval_prompt_data:
-            raise ConfigError(f"--multimodal-keys {keys} with --eval-prompt-data: evaluation generates on the "
-                              "engines, which take text tokens only: drop --eval-prompt-data.")
+        if cfg.eval.eval_prompt_data or cfg.eval.eval_config:
+            which = "--eval-config" if cfg.eval.eval_config else "--eval-prompt-data"
+            raise ConfigError(f"--multimodal-keys {keys} with {which}: evaluation generates on the "
+                              f"engines, which take text tokens only: drop {which}.")
         if not d.apply_chat_template:  # the raw-row reader of custom rollouts does not read the images yet
             raise ConfigError(f"--multimodal-keys {keys} needs --apply-chat-template (the image rows are read and "
                               "checked by the chat-template data path): add --apply-chat-template.")

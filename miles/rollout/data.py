@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from miles.config.base import ConfigError
-from miles.config.data import DataConfig, EvalConfig
+from miles.config.data import DataConfig, EvalConfig, parse_eval_prompt_data  # noqa: F401  (re-exported)
+from miles.config.eval_datasets import EvalDatasetSpec
 from miles.utils.errors import MilesError
 from miles.utils.logging import get_logger
 
@@ -371,24 +372,31 @@ class DataSource:
         self._order = epoch_order(len(self.dataset), self.epoch, self.seed, self.shuffle)
 
 
-def parse_eval_prompt_data(values: list[str] | None) -> list[tuple[str, str]]:
-    """``--eval-prompt-data NAME PATH [NAME PATH ...]`` as (name, path) pairs."""
-    if not values:
-        return []
-    if len(values) % 2:
-        raise ConfigError(f"--eval-prompt-data takes NAME PATH pairs, got {len(values)} values {values}: "
-                          f"e.g. --eval-prompt-data math_eval data/eval.jsonl")
-    pairs = [(values[i], values[i + 1]) for i in range(0, len(values), 2)]
-    names = [n for n, _ in pairs]
-    if len(set(names)) != len(names):
-        raise ConfigError(f"--eval-prompt-data names must be distinct, got {names}")
-    return pairs
+@dataclass
+class EvalDataset:
+    """One evaluation dataset: its resolved spec (``--eval-config`` / ``--eval-prompt-data``) and its prompts, each
+    prompt's metadata carrying the spec's ``rm_type`` and ``metadata_overrides``."""
+
+    spec: EvalDatasetSpec
+    dataset: PromptDataset
+    items: list[PromptItem] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.items = [dataclasses.replace(it, metadata=self.spec.inject_metadata(it.metadata))
+                      for it in self.dataset.items]
+
+    def __len__(self) -> int:
+        return len(self.items)
 
 
-def load_eval_datasets(eval_cfg: EvalConfig, data: DataConfig, tokenizer: Any, seed: int = 0) -> dict[str, PromptDataset]:
-    # --eval-input-key / --eval-label-key / --eval-tool-key / --eval-max-prompt-len (default: the training ones)
-    overrides = {k: v for k, v in (("input_key", eval_cfg.eval_input_key), ("label_key", eval_cfg.eval_label_key),
-                                   ("tool_key", eval_cfg.eval_tool_key),
-                                   ("rollout_max_prompt_len", eval_cfg.eval_max_prompt_len)) if v is not None}
-    data = dataclasses.replace(data, **overrides)
-    return {name: PromptDataset(path, tokenizer, data, seed) for name, path in parse_eval_prompt_data(eval_cfg.eval_prompt_data)}
+def load_eval_datasets(specs: list[EvalDatasetSpec], eval_cfg: EvalConfig, data: DataConfig, tokenizer: Any,
+                       seed: int = 0) -> dict[str, EvalDataset]:
+    """Each spec's prompts, read with its keys and --eval-max-prompt-len (default: --rollout-max-prompt-len)."""
+    out: dict[str, EvalDataset] = {}
+    for spec in specs:
+        keys = {"input_key": spec.input_key, "label_key": spec.label_key, "metadata_key": spec.metadata_key,
+                "tool_key": spec.tool_key}
+        if eval_cfg.eval_max_prompt_len is not None:
+            keys["rollout_max_prompt_len"] = eval_cfg.eval_max_prompt_len
+        out[spec.name] = EvalDataset(spec, PromptDataset(spec.path, tokenizer, dataclasses.replace(data, **keys), seed))
+    return out

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import copy
+import dataclasses
 import hashlib
 import time
 import uuid
@@ -42,10 +43,11 @@ from typing import Any
 
 from miles.config.base import ConfigError
 from miles.config.data import DataConfig, EvalConfig, RewardConfig
+from miles.config.eval_datasets import EvalDatasetSpec, resolve_eval_datasets
 from miles.config.rollout import RolloutConfig
 from miles.rollout import generate as gen
 from miles.rollout.base_types import input_form
-from miles.rollout.data import DataSource, PromptDataset, PromptItem
+from miles.rollout.data import DataSource, EvalDataset, PromptDataset, PromptItem
 from miles.rollout.filters import call_filter, load_filter
 from miles.rollout.opd_topk import student_top_k
 from miles.rollout.plugins import PluginArgs, choose_arity, is_async, load_function
@@ -88,6 +90,7 @@ class _Group:
     aborted: bool = False
     rids: set[str] = field(default_factory=set)
     requests: int = 0
+    generate_path: str | None = None  # an eval dataset's custom_generate_function_path (None: the manager's)
 
 
 _CURRENT: contextvars.ContextVar[tuple[_Group, Sample] | None] = contextvars.ContextVar("miles_rollout_slot", default=None)
@@ -188,16 +191,9 @@ class RolloutManager:
         self.routed_experts = bool(getattr(self.args, "use_rollout_routing_replay", False))  # R3: the MoE routing
         self.post_process = (RewardPostProcess(reward.custom_reward_post_process_path, self.args, reward.rm_timeout)
                              if reward.custom_reward_post_process_path else None)
-        self.custom_generate = None
-        if data.custom_generate_function_path:
-            path = data.custom_generate_function_path
-            fn = load_function(path, "--custom-generate-function-path")
-            forms = ("async def generate(args, sample, sampling_params) -> Sample, or Miles's "
-                     "async def generate(input: GenerateFnInput) -> GenerateFnOutput")
-            arity = choose_arity(fn, (1, 3), "--custom-generate-function-path", path, forms)
-            if not is_async(fn):
-                raise ConfigError(f"--custom-generate-function-path {path!r} must be a coroutine function ({forms}).")
-            self.custom_generate = fn if arity == 3 else input_form(fn)
+        self._generate_fns: dict[str, Callable[..., Any]] = {}
+        self.custom_generate = (self._generate_fn(data.custom_generate_function_path, "--custom-generate-function-path")
+                                if data.custom_generate_function_path else None)
         self.filter = load_filter(data.dynamic_sampling_filter_path) if data.dynamic_sampling_filter_path else None
         self.group_requests = (bool(group_requests) and self.custom_generate is None
                                and callable(getattr(client, "generate_group", None)))
@@ -206,6 +202,18 @@ class RolloutManager:
         if data.over_sampling_batch_size and self.filter is None:
             logger.warning("--over-sampling-batch-size %d has no effect without --dynamic-sampling-filter-path",
                            data.over_sampling_batch_size)
+
+    def _generate_fn(self, path: str, flag: str) -> Callable[..., Any]:
+        """The ``(args, sample, sampling_params)`` form of a custom generate function (loaded once per path)."""
+        if path not in self._generate_fns:
+            fn = load_function(path, flag)
+            forms = ("async def generate(args, sample, sampling_params) -> Sample, or Miles's "
+                     "async def generate(input: GenerateFnInput) -> GenerateFnOutput")
+            arity = choose_arity(fn, (1, 3), flag, path, forms)
+            if not is_async(fn):
+                raise ConfigError(f"{flag} {path!r} must be a coroutine function ({forms}).")
+            self._generate_fns[path] = fn if arity == 3 else input_form(fn)
+        return self._generate_fns[path]
 
     # ------------------------------------------------------------------ one sample / one group
     def _new_group(self, index: int, item: PromptItem, rollout_id: int, n: int) -> _Group:
@@ -240,12 +248,14 @@ class RolloutManager:
         sample = g.samples[slot]
         prompt_ids = list(sample.tokens)
         token = _CURRENT.set((g, sample))
+        path = g.generate_path or self.data.custom_generate_function_path
+        custom = self._generate_fns[g.generate_path] if g.generate_path else self.custom_generate
         try:
-            if self.custom_generate is not None:
-                out = await self.custom_generate(self.args, sample, params)
+            if custom is not None:
+                out = await custom(self.args, sample, params)
                 problem = self._check_generated(out, prompt_ids)
                 if problem is not None:
-                    raise RuntimeError(f"--custom-generate-function-path {self.data.custom_generate_function_path}: {problem}")
+                    raise RuntimeError(f"--custom-generate-function-path {path}: {problem}")
                 out.group_index, out.index, out.rollout_id = sample.group_index, sample.index, sample.rollout_id
                 g.samples[slot] = sample = out
             else:
@@ -331,7 +341,7 @@ class RolloutManager:
     async def _run_group(self, g: _Group, stream: str, rollout_id: int, base: dict[str, Any], counts: _Counts) -> None:
         first = group_seed(self.rollout.rollout_seed, stream, rollout_id, g.index)
         base = self._fit_context(base, len(g.samples[0].tokens), stream)  # a group's samples share the prompt
-        together = self.group_requests and len(g.samples) > 1
+        together = self.group_requests and len(g.samples) > 1 and g.generate_path is None
         if together:
             await self._generate_group(g, {**base, "sampling_seed": first}, counts)
         await asyncio.gather(*(self._run_sample(g, i, {**base, "sampling_seed": first + i}, counts, True, together)
@@ -477,20 +487,26 @@ class RolloutManager:
         }
 
     # ------------------------------------------------------------------ evaluation
-    async def evaluate(self, eval_datasets: dict[str, PromptDataset], rollout_id: int = 0) -> dict[str, float]:
-        """Every prompt of each dataset, ``--n-samples-per-eval-prompt`` times; metrics ``eval/<name>/...``."""
-        ev = self.eval_cfg
-        n = ev.n_samples_per_eval_prompt if ev else 1
-        base = gen.build_sampling_params(self.rollout, max_new_tokens=ev.eval_max_response_len if ev else None,
-                                         temperature=ev.eval_temperature if ev else None)
-        if ev is not None:  # --eval-top-p / --eval-top-k / --eval-min-new-tokens (default: the rollout's)
-            base.update({k: v for k, v in (("top_p", ev.eval_top_p), ("top_k", ev.eval_top_k),
-                                           ("min_new_tokens", ev.eval_min_new_tokens)) if v is not None})
+    async def evaluate(self, eval_datasets: dict[str, EvalDataset | PromptDataset],
+                       rollout_id: int = 0) -> dict[str, float]:
+        """Every prompt of each dataset, its spec's ``n_samples_per_eval_prompt`` times with its sampling params,
+        rm_type, metadata overrides and generate function (``EvalDataset``; a bare ``PromptDataset`` takes the
+        ``--eval-*`` flags); metrics ``eval/<name>/...``."""
         metrics: dict[str, float] = {}
         for name, dataset in eval_datasets.items():
+            spec = dataset.spec if isinstance(dataset, EvalDataset) else self._flag_spec(name, dataset.path)
+            n = spec.n_samples_per_eval_prompt
+            base = spec.sampling_params(self.rollout.rollout_skip_special_tokens)
+            path = spec.custom_generate_function_path
+            if path and path != self.data.custom_generate_function_path:
+                self._generate_fn(path, f"--eval-config dataset {name!r}: custom_generate_function_path")
+            else:
+                path = None
             t0 = time.monotonic()
             counts = _Counts()
             groups = [self._new_group(i, item, rollout_id, n) for i, item in enumerate(dataset.items)]
+            for g in groups:
+                g.generate_path = path
             counts.launched = len(groups) * n
             try:
                 await asyncio.gather(*(self._run_group(g, f"eval:{name}", rollout_id, base, counts) for g in groups))
@@ -502,6 +518,17 @@ class RolloutManager:
             metrics[f"eval/{name}"] = m["rollout/raw_reward"]  # Miles's key for the mean reward
             metrics[f"eval/{name}/time"] = m["perf/rollout_time"]
         return metrics
+
+    def _flag_spec(self, name: str, path: str) -> EvalDatasetSpec:
+        """The spec of a dataset given without one: the ``--eval-*`` flags (the rollout's without an EvalConfig)."""
+        r = self.rollout
+        if self.eval_cfg is None:
+            return EvalDatasetSpec(name=name, path=path, temperature=r.rollout_temperature, top_p=r.rollout_top_p,
+                                   top_k=r.rollout_top_k, max_response_len=r.rollout_max_response_len,
+                                   stop=r.rollout_stop, stop_token_ids=r.rollout_stop_token_ids,
+                                   custom_generate_function_path=self.data.custom_generate_function_path)
+        ev = dataclasses.replace(self.eval_cfg, eval_config=None, eval_prompt_data=[name, path])
+        return resolve_eval_datasets(ev, self.data, r)[0]
 
     async def aclose(self) -> None:
         await self.rewarder.aclose()

@@ -30,12 +30,13 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from miles.config.base import ConfigError
 from miles.config.rollout import RolloutConfig
+from miles.config.router import SECRETS, load_spec, router_cli
 from miles.rollout.client import EngineControl, EngineError, _Http
 from miles.rollout.engines import engine_url
 from miles.utils.logging import get_logger
@@ -44,6 +45,16 @@ from miles.utils.net import find_free_port
 logger = get_logger(__name__)
 
 ROUTER_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two", "manual")
+
+
+_SECRET_FLAGS = frozenset(a.router_flag for a in load_spec().values() if a.name in SECRETS)
+
+
+def router_argv(host: str, port: int, settings: Mapping[str, Any], python: str = sys.executable) -> list[str]:
+    """``python -m sglang_router.launch_router --host H --port P`` and ``settings`` (router name -> value; None
+    and False leave the router's default) in the router's own spelling."""
+    return [python, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
+            *router_cli({k: v for k, v in settings.items() if v is not None})]
 
 
 class RouterError(EngineError):
@@ -101,29 +112,29 @@ class RouterProcess:
         log_level: str = "warn",
         python: str = sys.executable,
         die_with_parent: bool = True,
+        router_args: Mapping[str, Any] | None = None,
     ) -> RouterProcess:
         """Start the router and wait (at most ``timeout`` s) until ``/liveness`` answers.
 
         Its Prometheus endpoint binds ``host`` on a free port (the router's default is 0.0.0.0:29000,
         which collides between routers and listens on every interface). ``die_with_parent`` asks the
-        kernel to SIGTERM the router when the thread that started it exits.
+        kernel to SIGTERM the router when the thread that started it exits. ``router_args`` (the user's
+        ``--router-*`` flags, ``RolloutConfig.router_args``) override the settings above for the same router flag.
         """
         if policy is not None and policy not in ROUTER_POLICIES:
             raise ConfigError(f"--sglang-router-policy {policy!r} is not one of {', '.join(ROUTER_POLICIES)}.")
         port = port or find_free_port(host)
-        argv = [python, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
-                *(["--policy", policy] if policy else []), "--prometheus-host", host, "--prometheus-port", str(find_free_port(host)),
-                "--log-level", log_level,
-                "--health-check-interval-secs", str(health_check_interval_secs),
-                "--health-failure-threshold", str(health_failure_threshold),
-                "--retry-max-retries", str(retry_max_retries),
-                "--worker-startup-timeout-secs", str(worker_startup_timeout_secs),
-                "--shutdown-grace-period-secs", "5"]
-        if request_timeout_secs is not None:
-            argv += ["--request-timeout-secs", str(int(request_timeout_secs))]
-        if api_key:
-            argv += ["--api-key", api_key]
-        argv += list(extra_args)
+        settings: dict[str, Any] = {
+            "policy": policy, "prometheus_host": host, "log_level": log_level,
+            "health_check_interval_secs": health_check_interval_secs, "health_failure_threshold": health_failure_threshold,
+            "retry_max_retries": retry_max_retries, "worker_startup_timeout_secs": worker_startup_timeout_secs,
+            "shutdown_grace_period_secs": 5,
+            "request_timeout_secs": int(request_timeout_secs) if request_timeout_secs is not None else None,
+            "api_key": api_key or None}
+        user = dict(router_args or {})
+        if "prometheus_port" not in user:
+            settings["prometheus_port"] = find_free_port(user.get("prometheus_host", host))
+        argv = router_argv(host, port, {**settings, **user}, python=python) + list(extra_args)
         if log_path is None:
             fd, name = tempfile.mkstemp(prefix=f"miles-router-{port}-", suffix=".log")
             os.close(fd)
@@ -135,7 +146,7 @@ class RouterProcess:
                                     start_new_session=True,
                                     preexec_fn=_set_pdeathsig if (die_with_parent and sys.platform == "linux") else None)
         router = cls(proc, engine_url(host, port), log_path, argv)
-        shown = " ".join("***" if i and argv[i - 1] == "--api-key" else a for i, a in enumerate(argv))
+        shown = " ".join("***" if i and argv[i - 1] in _SECRET_FLAGS else a for i, a in enumerate(argv))
         logger.info("starting sglang-router (pid %d): %s", proc.pid, shown)
         deadline = time.monotonic() + timeout
         why = "not started"
@@ -322,12 +333,17 @@ def connect_or_start_router(rollout: RolloutConfig, *, host: str, api_key: str |
                             startup_timeout: float = 60.0, log_path: str | os.PathLike | None = None,
                             extra_args: Sequence[str] = ()) -> tuple[str, RouterProcess | None]:
     """The router URL for this run: a running one from ``--sglang-router-ip/--sglang-router-port``,
-    else a new child router on ``host`` (returned so that the driver stops it at exit)."""
+    else a new child router on ``host`` (returned so that the driver stops it at exit), started with the
+    user's ``--router-*`` flags."""
     ip, port = rollout.sglang_router_ip, rollout.sglang_router_port
     if (ip is None) != (port is None):
         raise ConfigError(f"--sglang-router-ip ({ip}) and --sglang-router-port ({port}) go together: give both "
                           "to use a running router, or neither to let miles start one.")
     if ip is not None:
+        if rollout.router_args:
+            flag = load_spec()[next(iter(rollout.router_args))].flag
+            raise ConfigError(f"{flag} cannot apply: --sglang-router-ip {ip} names a running router, which miles "
+                              f"does not start; set it on that router, or drop --sglang-router-ip/--sglang-router-port.")
         url = engine_url(ip, port)
         ok, why = _http_ok(url + "/liveness", timeout=min(10.0, startup_timeout))
         if not ok:
@@ -337,5 +353,5 @@ def connect_or_start_router(rollout: RolloutConfig, *, host: str, api_key: str |
         return url, None
     proc = RouterProcess.start(host, None, rollout.sglang_router_policy, extra_args, startup_timeout,
                                api_key=api_key, request_timeout_secs=rollout.sglang_router_request_timeout_secs,
-                               log_path=log_path)
+                               log_path=log_path, router_args=rollout.router_args)
     return proc.url, proc

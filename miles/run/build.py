@@ -95,7 +95,10 @@ def _driver_plan(cfg: MilesConfig, ctx: SPMDContext) -> tuple[RunPlan, dict[str,
         data_source = DataSource(dataset, shuffle=cfg.data.rollout_shuffle, seed=seed)
     elif not cfg.cluster.debug_train_only:
         raise MilesError("--prompt-data FILE is required (JSONL or Parquet with prompts under --input-key).")
-    eval_datasets = load_eval_datasets(cfg.eval, cfg.data, tokenizer, seed) if cfg.eval.eval_prompt_data else {}
+    from miles.config.eval_datasets import resolve_eval_datasets
+
+    eval_specs = resolve_eval_datasets(cfg.eval, cfg.data, cfg.rollout)  # --eval-config or --eval-prompt-data
+    eval_datasets = load_eval_datasets(eval_specs, cfg.eval, cfg.data, tokenizer, seed)
     has_engines = bool(ctx.plan.engines)
     kind = resolve_engine_kind(cfg.rollout, ctx.world.device.type == "cuda") if has_engines else "none"
     if kind == "sglang" and cfg.weights.update_weight_transfer_mode == "p2p":  # --rollout-engine auto chose SGLang
@@ -230,10 +233,14 @@ def _restorable_record(extra: dict[str, Any] | None) -> dict[str, float] | None:
     return {**rec, "rollout_id": float(extra["rollout_id"])}
 
 
-def plugin_extra(cfg: MilesConfig) -> dict[str, Any]:
-    """What plugins read beyond the flag sections: Miles's ``args.sglang_<field>`` view of the SGLang flags and
-    the ``--custom-config-path`` keys that name no flag."""
-    return {**cfg.sglang.miles_attrs(), **cfg.custom_config}
+def plugin_extra(cfg: MilesConfig, eval_datasets: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What plugins read beyond the flag sections: Miles's ``args.sglang_<field>`` and ``args.router_<field>`` views
+    of the SGLang and sglang-router flags, ``args.eval_datasets`` (each evaluation dataset's resolved spec, as
+    Miles's list of ``EvalDatasetConfig``) and the ``--custom-config-path`` keys that name no flag."""
+    from miles.config.router import miles_attrs
+
+    specs = [getattr(d, "spec", d) for d in (eval_datasets or {}).values()]
+    return {**cfg.sglang.miles_attrs(), **miles_attrs(cfg.rollout), "eval_datasets": specs, **cfg.custom_config}
 
 
 async def _driver_setup(run: Run, local: dict[str, Any], extra: dict[str, Any] | None, channel: CommandChannel,
@@ -277,7 +284,7 @@ async def _driver_setup(run: Run, local: dict[str, Any], extra: dict[str, Any] |
         run.manager = RolloutManager(cfg.rollout, cfg.data, cfg.reward, client, local["tokenizer"],
                                      run.data_source, eval_cfg=cfg.eval,
                                      sections=(cfg.algo, cfg.train, cfg.cluster, cfg.weights, cfg.checkpoint),
-                                     custom_config=plugin_extra(cfg),
+                                     custom_config=plugin_extra(cfg, run.eval_datasets),
                                      # one n-sample request per group: the embedded engine seeds its samples
                                      # sampling_seed + j (the same samples); the FT client reissues per request
                                      group_requests=plan.engine_kind == "embedded" and run.worker.ft is None)

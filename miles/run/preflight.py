@@ -13,7 +13,9 @@ with the plan broadcast). Checked:
   ``--ref-load``, ``--critic-load``, ``--opd-teacher-load``;
 - a run without engines (``--debug-train-only``) has SFT data or a ``--rollout-function-path`` to train on;
   under ``--dry-run``, ``--rollout-engine sglang`` needs SGLang importable on this machine;
-- ``--load`` holds a complete checkpoint; ``--prompt-data`` and every ``--eval-prompt-data`` file exist;
+- ``--load`` holds a complete checkpoint; ``--prompt-data`` and every ``--eval-prompt-data`` (or ``--eval-config``
+  dataset) file exist; each ``--eval-config`` dataset's ``rm_type`` is a known reward and its
+  ``custom_generate_function_path`` imports;
 - plugins (the ``module.function`` flags): they import and take the arguments they are called with; the
   reward the run builds (``--rm-type`` known, ``--custom-rm-path``, ``--rm-url`` for ``remote_rm``) is
   built here too, by the same ``Rewarder``;
@@ -165,7 +167,13 @@ def path_checks(cfg: MilesConfig) -> list[Callable[[], Any]]:
     if cfg.checkpoint.load:
         checks.append(lambda: check_load(cfg.checkpoint.load, cfg.train.train_backend))
     files = [("--prompt-data", cfg.data.prompt_data)] if cfg.data.prompt_data else []
-    files += [(f"--eval-prompt-data {n}", p) for n, p in parse_eval_prompt_data(cfg.eval.eval_prompt_data)]
+    if cfg.eval.eval_config:
+        from miles.config.eval_datasets import resolve_eval_datasets
+
+        files += [(f"--eval-config dataset {s.name!r} path", s.path)
+                  for s in resolve_eval_datasets(cfg.eval, cfg.data, cfg.rollout)]
+    else:
+        files += [(f"--eval-prompt-data {n}", p) for n, p in parse_eval_prompt_data(cfg.eval.eval_prompt_data)]
     checks += [lambda path=path, flag=flag: check_data_file(path, flag) for flag, path in files]
     return checks
 
@@ -239,7 +247,30 @@ def plugin_checks(cfg: MilesConfig, *, has_engines: bool) -> list[Callable[[], A
         path = field_value(cfg, name)
         if path and name != "custom_rm_path":
             checks.append(lambda name=name, path=path: check_plugin(name, path))
+    if cfg.eval.eval_config:
+        checks.append(lambda: check_eval_datasets(cfg))
     return checks
+
+
+def check_eval_datasets(cfg: MilesConfig) -> None:
+    """--eval-config's per-dataset rm_type (a known reward, unless --custom-rm-path scores every sample) and
+    custom_generate_function_path (imports, takes what it is passed)."""
+    from miles.config.eval_datasets import resolve_eval_datasets
+    for spec in resolve_eval_datasets(cfg.eval, cfg.data, cfg.rollout):
+        where = f"--eval-config dataset {spec.name!r}"
+        if spec.rm_type and not cfg.reward.custom_rm_path:
+            from miles.rollout.rewards import Rewarder
+
+            try:
+                Rewarder(dataclasses.replace(cfg.reward, rm_type=spec.rm_type, group_rm=False))
+            except ConfigError as e:
+                raise ConfigError(f"{where}: rm_type {spec.rm_type!r}: {e}") from None
+        path = spec.custom_generate_function_path
+        if path and path != cfg.data.custom_generate_function_path:
+            try:
+                check_plugin("custom_generate_function_path", path)
+            except ConfigError as e:
+                raise ConfigError(f"{where}: custom_generate_function_path: {e}") from None
 
 
 # ----------------------------------------------------------------------------- writable outputs

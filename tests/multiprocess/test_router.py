@@ -175,6 +175,33 @@ def test_started_router_stops_cleanly(tmp_path):
     assert not proc.alive() and time.monotonic() - t0 < 15
 
 
+def test_started_router_takes_the_users_router_flags(tmp_path):
+    """Miles's --router-* flags (scripts/run_glm45_355b_a32b.py: --router-health-success-threshold) reach the real
+    router, over miles's own settings, and it comes up."""
+    from miles.config import parse_args
+
+    cfg = parse_args(["--num-rollout", "1", "--rollout-batch-size", "1", "--router-health-success-threshold", "2",
+                      "--router-health-check-interval-secs", "7", "--router-policy", "round_robin",
+                      "--router-queue-size", "17", "--router-disable-circuit-breaker"])
+    url, proc = connect_or_start_router(cfg.rollout, host="127.0.0.1", log_path=tmp_path / "r.log")
+    try:
+        text = " ".join(proc.argv)
+        assert proc.alive() and url == proc.url
+        for tokens in ("--health-success-threshold 2", "--health-check-interval-secs 7", "--policy round_robin",
+                       "--queue-size 17", "--disable-circuit-breaker"):
+            assert tokens in text
+        assert "--health-check-interval-secs 5" not in text
+
+        async def workers():
+            async with RouterClient(url) as rc:
+                await rc.wait_ready(30)
+                return await rc.list_workers()
+        assert run(workers()) == []
+    finally:
+        proc.stop()
+    assert not proc.alive()
+
+
 async def _wait_running(url: str, deadline: float) -> int:
     """Poll an engine's /get_load until it is decoding at least one request; returns that count (0 on timeout)."""
     async with EngineControl(url, api_key=KEY, timeout=5) as ctl:

@@ -271,12 +271,13 @@ def test_help_is_short_and_help_all_lists_every_flag(entry: str):
     assert short.returncode == 0 and full.returncode == 0, short.stderr + full.stderr
     assert "Traceback" not in short.stdout + short.stderr + full.stdout + full.stderr
     lines = short.stdout.splitlines()
-    assert lines[0] == f"usage: {entry} [--flag VALUE ...]   (--help-all: also every --sglang-* flag)"
+    assert lines[0] == f"usage: {entry} [--flag VALUE ...]   (--help-all: also every --sglang-* and --router-* flag)"
     full_lines = len(full.stdout.splitlines())    # --help was --help-all's length before: every SGLang flag
     assert len(lines) < 0.3 * full_lines, f"--help prints {len(lines)} lines of --help-all's {full_lines}"
     assert "--rollout-batch-size" in short.stdout and "--sglang-mem-fraction-static" in short.stdout
     assert "--sglang-enable-dp-attention" not in short.stdout and "flags, listed by --help-all" in short.stdout
     assert "--sglang-enable-dp-attention" in full.stdout and len(full.stdout.splitlines()) > 2000
+    assert "--router-health-success-threshold" in full.stdout and "--router-health-success-threshold" not in short.stdout
 
 
 @pytest.mark.parametrize("entry", ["train.py", "train_async.py"])

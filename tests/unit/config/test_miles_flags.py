@@ -126,6 +126,7 @@ def test_eval_keys_and_prompt_limit_reach_the_eval_datasets(tmp_path, tiny_model
 
     from transformers import AutoTokenizer
 
+    from miles.config.eval_datasets import resolve_eval_datasets
     from miles.rollout.data import load_eval_datasets
 
     p = tmp_path / "eval.jsonl"
@@ -133,7 +134,7 @@ def test_eval_keys_and_prompt_limit_reach_the_eval_datasets(tmp_path, tiny_model
     cfg = parse_args(BASE + ["--eval-prompt-data", "e", str(p), "--eval-input-key", "q", "--eval-label-key", "a",
                              "--eval-max-prompt-len", "10"])
     tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
-    items = load_eval_datasets(cfg.eval, cfg.data, tok)["e"].items
+    items = load_eval_datasets(resolve_eval_datasets(cfg.eval, cfg.data, cfg.rollout), cfg.eval, cfg.data, tok)["e"].items
     assert [it.label for it in items] == ["2", "3"]  # the 40-token prompt is over --eval-max-prompt-len
     assert cfg.data.input_key == "input"  # the training data keeps --input-key
 
@@ -162,9 +163,9 @@ def test_save_retain_interval_keeps_multiples_from_pruning(tmp_path):
 
 
 def test_other_miles_flags_are_refused_as_not_implemented_not_guessed():
-    msg = _refusal(["--eval-config", "e.yaml", "--log-passrate"])
-    assert msg.startswith("--eval-config (and 1 more): a Miles v0.1.0 flag that miles does not implement")
-    assert "did you mean" not in msg  # not --eval-prompt-data
+    msg = _refusal(["--eval-function-path", "m.f", "--log-passrate"])
+    assert msg.startswith("--eval-function-path (and 1 more): a Miles v0.1.0 flag that miles does not implement")
+    assert "did you mean" not in msg  # not --rollout-function-path
     assert _refusal(["--rollout-temprature", "1"]).endswith("did you mean --rollout-temperature?")
 
 

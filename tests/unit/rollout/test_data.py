@@ -7,6 +7,7 @@ import json
 import pytest
 
 from miles.config import ConfigError, parse_args
+from miles.config.eval_datasets import resolve_eval_datasets
 from miles.rollout.data import DataError, DataSource, PromptDataset, load_eval_datasets, parse_eval_prompt_data
 from miles.utils.tiny_model import build_tokenizer
 
@@ -236,5 +237,5 @@ def test_num_rollout_from_epochs_and_eval_pairs(tmp_path, tok):
     with pytest.raises(ConfigError, match="NAME PATH pairs"):
         parse_eval_prompt_data(["only.jsonl"])
     c = cfg("--eval-prompt-data", "tiny", str(tmp_path / "d.jsonl"))
-    evals = load_eval_datasets(c.eval, c.data, tok)
+    evals = load_eval_datasets(resolve_eval_datasets(c.eval, c.data, c.rollout), c.eval, c.data, tok)
     assert list(evals) == ["tiny"] and len(evals["tiny"]) == 10

@@ -325,6 +325,56 @@ def test_evaluate(engine, tok, data_file):
     assert m["eval/tiny"] == m["eval/tiny/raw_reward"] and m["eval/tiny/reward_failures"] == 0
 
 
+def test_evaluate_eval_config_datasets_each_with_their_own_settings(engine, tok, data_file, tmp_path):
+    """--eval-config with two datasets of different n / temperature / max_response_len / rm_type: each dataset's
+    requests carry its sampling params, its samples its rm_type and metadata overrides, and eval/<name> counts
+    its prompts x its n."""
+    from miles.config.eval_datasets import resolve_eval_datasets
+    from miles.rollout.data import load_eval_datasets
+    from miles.rollout.rewards import register_reward
+
+    @register_reward("eval_cfg_test_tagged", overwrite=True)
+    def tagged(args, sample):  # 1.0 when the dataset's metadata_overrides reached the sample
+        return 1.0 if sample.metadata.get("tag") == "b" else 0.0
+
+    rows = [json.loads(line) for line in data_file.read_text().splitlines()]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:4]))
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[4:7]))
+    doc = {"eval": {"defaults": {"top_p": 0.9},
+                    "datasets": [{"name": "a", "path": str(tmp_path / "a.jsonl"), "n_samples_per_eval_prompt": 2,
+                                  "temperature": 0.0, "max_response_len": 3, "rm_type": "exact_match"},
+                                 {"name": "b", "path": str(tmp_path / "b.jsonl"), "n_samples_per_eval_prompt": 3,
+                                  "temperature": 1.0, "max_response_len": 5, "rm_type": "eval_cfg_test_tagged",
+                                  "metadata_overrides": {"tag": "b"}}]}}
+    (tmp_path / "eval.yaml").write_text(json.dumps(doc))
+    cfg = config(data_file, "--rollout-batch-size", "2", "--rm-type", "math", "--eval-config", str(tmp_path / "eval.yaml"))
+    datasets = load_eval_datasets(resolve_eval_datasets(cfg.eval, cfg.data, cfg.rollout), cfg.eval, cfg.data, tok)
+
+    async def main():
+        client = RecordingClient(engine)
+        sent: list[dict] = []
+        inner = client.generate
+
+        async def recording(input_ids, sampling_params, **kw):
+            sent.append(dict(sampling_params))
+            return await inner(input_ids, sampling_params, **kw)
+        client.generate = recording
+        mgr = build(cfg, client, tok)
+        out = await mgr.evaluate(datasets, rollout_id=0)
+        await client.close()
+        return out, sent
+
+    m, sent = asyncio.run(main())
+    assert m["eval/a/num_samples"] == 4 * 2 and m["eval/b/num_samples"] == 3 * 3
+    assert m["eval/a/response_len_max"] <= 3 and m["eval/b/response_len_max"] <= 5
+    assert m["eval/a/reward_failures"] == 0 and m["eval/b/reward_failures"] == 0
+    assert m["eval/b"] == 1.0 and m["eval/a"] == m["eval/a/raw_reward"]  # b scored by its own rm_type
+    by_len = {p["max_new_tokens"]: p for p in sent}
+    assert sorted(p["max_new_tokens"] for p in sent) == [3] * 8 + [5] * 9
+    assert by_len[3]["temperature"] == 0.0 and by_len[5]["temperature"] == 1.0
+    assert by_len[3]["top_p"] == by_len[5]["top_p"] == 0.9  # eval.defaults
+
+
 def test_samples_aborted_by_the_engine_are_generated_again(engine, tok, data_file):
     """An engine-side abort (e.g. a weight update pausing with mode=abort) is not a finished sample."""
     cfg = config(data_file, "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--rm-type", "exact_match",
