@@ -36,16 +36,24 @@ def _plain_bodies() -> list[dict]:
     return out
 
 
-def _bodies(engine_model) -> list[dict]:
+def _bodies(model, **engine_kw) -> list[dict]:
     """The plain workload plus stops the greedy outputs actually hit: the two most common output tokens as stop
-    tokens of some requests, and a two-character string of one output as a stop string of others."""
-    eng = _engine(engine_model, kv_cache="slots", overlap_schedule=False)
+    tokens of some requests, and two characters of a greedy output as a stop string of others (that one's too)."""
+    plain_bodies = _plain_bodies()
+    eng = _engine(model, **{"kv_cache": "slots", **engine_kw, "overlap_schedule": False})
     try:
-        plain = _run(eng, _plain_bodies())
-        text = eng.tokenizer.decode(plain[1]["output_ids"][3:5])  # request 1 (greedy) gets it as its stop string
+        flat = _run(eng, plain_bodies)
+        plain, i = [], 0   # the outputs of each body (n of them)
+        for b in plain_bodies:
+            n = b["sampling_params"].get("n", 1)
+            plain.append(flat[i:i + n])
+            i += n
+        j = next(j for j, (b, o) in enumerate(zip(plain_bodies, plain)) if j % 3 == 1
+                 and b["sampling_params"].get("temperature") == 0 and len(o[0]["output_ids"]) >= 5)
+        text = eng.tokenizer.decode(plain[j][0]["output_ids"][3:5])
     finally:
         eng.stop()
-    common = [t for t, _ in Counter(t for o in plain for t in o["output_ids"][2:]).most_common(2)]
+    common = [t for t, _ in Counter(t for o in flat for t in o["output_ids"][2:]).most_common(2)]
     bodies = _plain_bodies()
     for i, b in enumerate(bodies):
         if i % 3 == 0:
@@ -61,11 +69,12 @@ CASES = {"slots": dict(kv_cache="slots"), "paged": dict(kv_cache="paged", page_s
          "mixed chunks of 8": dict(kv_cache="paged", page_size=4, max_running_requests=6)}
 
 
-def _run_case(engine_model, bodies: list[dict], overlap: bool, kw: dict) -> tuple[list[dict], dict]:
-    eng = _engine(engine_model, overlap_schedule=overlap, **kw)
+def _run_case(model, bodies: list[dict], overlap: bool | None, kw: dict) -> tuple[list[dict], dict]:
+    """``overlap`` None: the engine's default (on with CUDA)."""
+    eng = _engine(model, overlap_schedule=overlap, **kw)
     try:
-        assert eng.scheduler.overlap is overlap
-        if kw.get("max_running_requests") == 6:
+        assert eng.scheduler.overlap is (overlap if overlap is not None else eng.runner.device.type == "cuda")
+        if kw.get("max_running_requests") == 6 and eng.runner.device.type == "cpu":
             eng.runner.impl.mix_tokens = 8
         out = _run(eng, bodies)
         return out, _stats(eng)
