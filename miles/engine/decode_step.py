@@ -87,8 +87,11 @@ class DecodeSteps:
         self._lap("remove", t)
 
     def _admission_prefills(self) -> bool:
-        """Whether ``_admit`` would prefill (or sample a first token) now, which needs the host current, rather than
-        only start a prompt that is prefilled in chunks or rides in the decode steps (mixed), or admit nothing."""
+        """Whether ``_admit`` would prefill (or sample a first token) now, rather than only start a prompt that is
+        prefilled in chunks or rides in the decode steps (mixed), or admit nothing. A prefill waits for the device
+        anyway (it samples), so the loop collects the step in flight first: admission then sees the slots and
+        pages its finished requests free, as the serial scheduler does. (Admitting with a step in flight would be
+        correct too: new rows take their tokens from the host, and the device orders the work.)"""
         rn = self.runner
         head = next((r for r in self.waiting if r.finish is None), None)
         if head is None:

@@ -8,7 +8,9 @@ decode steps' forward instead (mixed prefill + decode: ``ModelRunner.decode_mixe
 ``mix_tokens`` prompt tokens in the chunk row) and samples its first token with the decode rows. Requests join and leave the running batch
 between decode steps; beyond ``max_running_requests`` they wait in FIFO order. Running requests always
 occupy slots ``0..n-1``: when one leaves, the last one moves into its slot (one KV copy), so the decode
-step sees contiguous, static-shaped cache views.
+step sees contiguous, static-shaped cache views. The decode step itself is ``decode_step.py``: with the overlap
+scheduler (CUDA default) step k+1 runs on the device while the host processes step k's tokens; whatever changes the
+batch other than that processing first collects the step in flight (``_sync``; commands do by default).
 
 Pause modes (SGLang's): ``abort`` finishes every request with ``finish_reason.type == "abort"``;
 ``retract`` returns running requests to the head of the queue (their KV is recomputed on continue, the
@@ -282,7 +284,7 @@ class Scheduler(DecodeSteps):
                         self._sync()
                         self._prefill_chunk()
                 elif self.waiting and len(self.running) < self.runner.max_slots:
-                    if self._admission_prefills():
+                    if self._inflight is not None and self._admission_prefills():
                         self._sync()
                     self._admit()
                 if self.running:
