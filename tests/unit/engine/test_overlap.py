@@ -223,3 +223,25 @@ def test_pause_and_weight_updates_during_decode(engine_model, tmp_path):
         assert all(abs(u - v) < 1e-4 for u, v in zip(lp, want)) and len(lp) == len(want)
         changed += o["output_ids"] != r["output_ids"]
     assert changed > 0  # the other weights did change what was generated after the pause
+
+
+def test_requests_that_run_into_the_context_limit(engine_model):
+    """No max_new_tokens: each request stops when its context is full (64 tokens, the cache's exact size, so a
+    step launched for it past the end would write out of bounds). With overlap the step in flight is collected
+    before such a step is launched; the outputs equal the serial scheduler's and fill the context exactly."""
+    bodies = [{"input_ids": p, "sampling_params": {"max_new_tokens": None, "ignore_eos": True, "temperature": 0},
+               "return_logprob": True} for p in PROMPTS[:6]]
+    for kw in (dict(kv_cache="slots"), dict(kv_cache="paged", page_size=4)):
+        outs = []
+        for overlap in (False, True):
+            eng = _engine(engine_model, max_context_len=64, overlap_schedule=overlap, **kw)
+            try:
+                outs.append((_run(eng, bodies), _stats(eng)))
+            finally:
+                eng.stop()
+        (ref, _), (got, stats) = outs
+        _same(got, ref)
+        for b, o in zip(bodies, got):
+            assert len(b["input_ids"]) + len(o["output_ids"]) - 1 == 64, (len(b["input_ids"]), len(o["output_ids"]))
+            assert o["meta_info"]["finish_reason"] == {"type": "length", "length": len(o["output_ids"])}
+        assert stats["overlap_steps"] > 0 and stats.get("kv_pages_in_use", 0) == 0, stats
