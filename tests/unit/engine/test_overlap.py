@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
-from test_paged_cache import PROMPTS, _engine, _run, _same, _stats
+import test_paged_cache as paged_tests  # its server tests run here against a server with the overlap on
+from test_paged_cache import PROMPTS, _engine, _load, _run, _same, _stats
 
 from miles.engine.engine import Engine
 from miles.engine.protocol import GenerateReqInput, UpdateWeightFromDiskReqInput
-from miles.engine.testing import build_engine_model
+from miles.engine.testing import EngineProc, build_engine_model
 
 
 def _plain_bodies() -> list[dict]:
@@ -245,3 +246,25 @@ def test_requests_that_run_into_the_context_limit(engine_model):
             assert len(b["input_ids"]) + len(o["output_ids"]) - 1 == 64, (len(b["input_ids"]), len(o["output_ids"]))
             assert o["meta_info"]["finish_reason"] == {"type": "length", "length": len(o["output_ids"])}
         assert stats["overlap_steps"] > 0 and stats.get("kv_pages_in_use", 0) == 0, stats
+
+
+def test_server_with_the_overlap_flag_returns_pages_after_abort_retract_and_disconnect(engine_model, tmp_path):
+    """The server process with ``--enable-overlap-schedule`` (CPU): /abort_request mid-generation, a retracting pause
+    and continue (a seamless output), a streaming client that disconnects: every page comes back; /get_load's
+    timers fit inside the decode time; ``--disable-overlap-schedule`` is reported by /get_server_info."""
+    eng = EngineProc(engine_model, "--kv-cache", "paged", "--page-size", "4", "--max-running-requests", "4",
+                     "--max-context-len", "512", "--enable-overlap-schedule", log=tmp_path / "engine.log")
+    try:
+        assert eng.get("/get_server_info").json()["disable_overlap_schedule"] is False
+        paged_tests.test_pages_are_returned_after_abort_retract_and_disconnect(eng)
+        paged_tests.test_get_load_says_where_decode_steps_went(eng)
+        assert _load(eng)["overlap_steps"] > 0
+    finally:
+        eng.stop()
+    off = EngineProc(engine_model, "--disable-overlap-schedule", "--max-running-requests", "2", "--max-context-len", "64")
+    try:
+        assert off.get("/get_server_info").json()["disable_overlap_schedule"] is True
+        off.generate({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 4}})
+        assert _load(off)["overlap_steps"] == 0
+    finally:
+        off.stop()
