@@ -402,7 +402,7 @@ def main() -> None:
         prompts = torch.randint(2, vocab, (a.requests, a.prompt_len), generator=g).tolist()
         runs[kind] = (prompts, workload(kind, a.requests, a))
     res = {"preset": a.preset, "device": a.device, "dtype": a.dtype, "requests": a.requests, "concurrency": a.concurrency,
-           "overlap_schedule": not a.disable_overlap_schedule, "prompt_len": a.prompt_len, "fixed_len": a.fixed_len, "uniform": [a.min_len, a.max_len], "torch": torch.__version__,
+           "overlap_schedule": not a.disable_overlap_schedule and a.device.startswith("cuda"), "prompt_len": a.prompt_len, "fixed_len": a.fixed_len, "uniform": [a.min_len, a.max_len], "torch": torch.__version__,
            "machine": torch.cuda.get_device_name() if a.device.startswith("cuda") else platform.processor() or platform.machine()}
     res["anchor"] = anchor(a.device)
     with tempfile.TemporaryDirectory() as tmp:
