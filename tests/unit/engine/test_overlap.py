@@ -150,7 +150,7 @@ def test_aborts_mid_run_return_every_page(engine_model):
         await _until(lambda: sch.steps > 5 and len(sch.running) > 2)
         one = sch.running[1]
         assert await eng.abort(one.rid, False) == 1
-        await _until(lambda: sch.retractions > 0 or sch.steps > 60)
+        await _until(lambda: sch.retractions > 0)
         n = await eng.abort(None, True)
         return one, n, await eng.wait_final(reqs)
     try:
@@ -164,7 +164,7 @@ def test_aborts_mid_run_return_every_page(engine_model):
     for o in out:
         m = o["meta_info"]
         assert len(o["output_ids"]) == m["completion_tokens"] == len(m["output_token_logprobs"])
-    assert stats["kv_pages_in_use"] == 0 and stats["overlap_steps"] > 0, stats
+    assert stats["kv_pages_in_use"] == 0 and stats["overlap_steps"] > 0 and stats["retractions"] > 0, stats
 
 
 def test_pause_and_weight_updates_during_decode(engine_model, tmp_path):
@@ -172,7 +172,7 @@ def test_pause_and_weight_updates_during_decode(engine_model, tmp_path):
     an uninterrupted run; (2) pause with retract, load other weights, continue: each output is the old weights'
     tokens up to the pause, then the new weights' greedy continuation of prompt + those tokens."""
     other = build_engine_model(tmp_path / "other", seed=1)
-    bodies = _long_bodies(5, 30)
+    bodies = _long_bodies(5, 60)
     ref_eng = _engine(engine_model, kv_cache="paged", page_size=4, max_running_requests=8, overlap_schedule=False)
     try:
         ref = _run(ref_eng, bodies)
@@ -201,7 +201,7 @@ def test_pause_and_weight_updates_during_decode(engine_model, tmp_path):
             eng.stop()
 
     same, at_pause, stats = mid_run("in_place", str(engine_model))
-    assert 0 < min(at_pause) and max(at_pause) < 30, at_pause
+    assert 0 < min(at_pause) and max(at_pause) < 60, at_pause
     _same(same, ref)
     assert all(o["meta_info"]["weight_version"] == "v2" for o in same)
     assert stats["kv_pages_in_use"] == 0 and stats["overlap_steps"] > 0, stats
