@@ -49,9 +49,9 @@ def _bodies(model, **engine_kw) -> list[dict]:
             n = b["sampling_params"].get("n", 1)
             plain.append(flat[i:i + n])
             i += n
-        j = next(j for j, (b, o) in enumerate(zip(plain_bodies, plain)) if j % 3 == 1
-                 and b["sampling_params"].get("temperature") == 0 and len(o[0]["output_ids"]) >= 5)
-        text = eng.tokenizer.decode(plain[j][0]["output_ids"][3:5])
+        j = next((j for j, (b, o) in enumerate(zip(plain_bodies, plain)) if j % 3 == 1
+                  and b["sampling_params"].get("temperature") == 0 and len(o[0]["output_ids"]) >= 5), None)
+        text = eng.tokenizer.decode(plain[j][0]["output_ids"][3:5]) if j is not None else ""
     finally:
         eng.stop()
     common = [t for t, _ in Counter(t for o in flat for t in o["output_ids"][2:]).most_common(2)]
@@ -59,7 +59,7 @@ def _bodies(model, **engine_kw) -> list[dict]:
     for i, b in enumerate(bodies):
         if i % 3 == 0:
             b["sampling_params"]["stop_token_ids"] = common
-        elif i % 3 == 1:
+        elif i % 3 == 1 and text:  # (no greedy output of 5 tokens: no stop strings; the CPU model has them)
             b["sampling_params"]["stop"] = [text]
         b["sampling_params"]["max_new_tokens"] += 20
     return bodies
