@@ -95,6 +95,8 @@ def bench_engine(model_dir: Path, a: argparse.Namespace, kv_cache: str, runs: di
             "--max-context-len", str(ctx), "--kv-cache", kv_cache, "--random-seed", "0"]
     if a.disable_cuda_graph:
         argv.append("--disable-cuda-graph")
+    if a.disable_overlap_schedule:
+        argv.append("--disable-overlap-schedule")
     log = Path(tempfile.gettempdir()) / f"engine_rollout_{kv_cache}.log"
     eng = EngineProc(model_dir, *argv, log=log, timeout=900)
     out = {}
@@ -112,6 +114,7 @@ def bench_engine(model_dir: Path, a: argparse.Namespace, kv_cache: str, runs: di
                               "mean_batch": round((load["generated_tokens"] - before["generated_tokens"]) / max(steps, 1), 1),
                               "kv_pages_peak": load.get("kv_pages_peak"), "retractions": load.get("retractions"),
                               "mixed_prefills": load.get("mixed_prefills", 0) - before.get("mixed_prefills", 0),
+                              "overlap_steps": load.get("overlap_steps", 0) - before.get("overlap_steps", 0),
                               # per decode step: wall time, the time inside the scheduler's decode step, and its wait
                               # for the device (the rest of the step is host work during which the device may idle)
                               "ms_per_step": round(1e3 * dt / max(steps, 1), 3),
@@ -199,14 +202,15 @@ def profile_steps(model_dir: Path, a: argparse.Namespace) -> dict:
     scheduler thread does per token), split into page growth, the forward (graph replay), sampling (GPU)
     and the host bookkeeping (appends, finish checks), each bracketed by a device sync; then the eager
     step's kernels by CUDA time (torch.profiler, graphs off) for the largest batch."""
-    from miles.engine import scheduler as S
+    from miles.engine import decode_step as S  # the module whose ``sample`` the decode step calls
     from miles.engine.engine import Engine, EngineArgs
     from miles.engine.protocol import GenerateReqInput
 
     ctx = a.prompt_len + max(a.max_len, a.fixed_len) + 1
     eng = Engine(EngineArgs(hf_checkpoint=str(model_dir), device=a.device, dtype=a.dtype,
                             max_running_requests=a.concurrency, max_context_len=ctx, random_seed=0,
-                            cuda_graph=not a.disable_cuda_graph, kv_cache=a.kv_cache.split(",")[0]))
+                            cuda_graph=not a.disable_cuda_graph, kv_cache=a.kv_cache.split(",")[0],
+                            overlap_schedule=False if a.disable_overlap_schedule else None))
     sch, rn = eng.scheduler, eng.runner
     loop = asyncio.new_event_loop()
     g = torch.Generator().manual_seed(3)
@@ -387,6 +391,9 @@ def main() -> None:
     ap.add_argument("--hf-requests", type=int, default=None, help="Requests HF generate runs (default: all).")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--disable-cuda-graph", action="store_true")
+    ap.add_argument("--disable-overlap-schedule", action="store_true",
+                    help="The engine processes each decode step's tokens before launching the next (default on CUDA: "
+                         "the next step runs on the device meanwhile).")
     ap.add_argument("--profile", action="store_true", help="Break decode steps down in process (no HTTP) and exit.")
     ap.add_argument("--profile-rows", default="256,128,32", help="Running batch sizes --profile measures.")
     ap.add_argument("--profile-steps", type=int, default=30)
@@ -418,7 +425,7 @@ def main() -> None:
         prompts = torch.randint(2, vocab, (a.requests, a.prompt_len), generator=g).tolist()
         runs[kind] = (prompts, workload(kind, a.requests, a))
     res = {"preset": a.preset, "device": a.device, "dtype": a.dtype, "requests": a.requests, "concurrency": a.concurrency,
-           "prompt_len": a.prompt_len, "fixed_len": a.fixed_len, "uniform": [a.min_len, a.max_len], "torch": torch.__version__,
+           "overlap_schedule": not a.disable_overlap_schedule and a.device.startswith("cuda"), "prompt_len": a.prompt_len, "fixed_len": a.fixed_len, "uniform": [a.min_len, a.max_len], "torch": torch.__version__,
            "machine": torch.cuda.get_device_name() if a.device.startswith("cuda") else platform.processor() or platform.machine()}
     res["anchor"] = anchor(a.device)
     with tempfile.TemporaryDirectory() as tmp:

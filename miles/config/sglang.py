@@ -338,6 +338,7 @@ def flag_docs() -> list[str]:
         "`--sglang-chunked-prefill-size` / `--sglang-max-prefill-tokens` (its prefill token budget: the smaller),",
         "`--sglang-max-total-tokens`, `--sglang-cuda-graph-bs` / `--sglang-cuda-graph-max-bs` (and their",
         "`-decode` spellings), `--sglang-disable-cuda-graph` / `--sglang-cuda-graph-backend-decode disabled`,",
-        "`--sglang-dtype`, `--sglang-max-queued-requests`, `--sglang-log-level` and `--sglang-weight-version`;",
+        "`--sglang-disable-overlap-schedule`, `--sglang-dtype`, `--sglang-max-queued-requests`, `--sglang-log-level`",
+        "and `--sglang-weight-version`;",
         "it logs the other given `--sglang-*` flags once, in one line, as ignored (docs/rollout.md).",
     ]

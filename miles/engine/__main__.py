@@ -58,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Tokens per KV page of the paged cache.")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="Largest decode batch captured as a CUDA graph (as sglang); larger batches run without one.")
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="Process each decode step's tokens before launching the next (as sglang); by default on CUDA the "
+                        "next step runs on the device while the host processes the last one.")
+    p.add_argument("--enable-overlap-schedule", action="store_true",
+                   help="The overlap scheduler on CPU too (the default there is off: nothing runs alongside the host).")
     p.add_argument("--generic-forward", action="store_true",
                    help="Use the HF forward (one request at a time) even for Llama/Qwen/Mistral models.")
     p.add_argument("--weight-update-timeout", type=float, default=600.0,
@@ -84,6 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} {value} must be at least 1")
     if args.cuda_graph_bs is not None and min(args.cuda_graph_bs) < 1:
         parser.error(f"--cuda-graph-bs {' '.join(map(str, args.cuda_graph_bs))}: every batch size must be at least 1")
+    if args.disable_overlap_schedule and args.enable_overlap_schedule:
+        parser.error("--disable-overlap-schedule and --enable-overlap-schedule contradict each other: give one")
     if args.max_samples_per_request < 1:
         parser.error(f"--max-samples-per-request {args.max_samples_per_request} must be at least 1")
     if args.max_queued_requests < args.max_samples_per_request:
@@ -130,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             weight_update_timeout=args.weight_update_timeout, max_samples_per_request=args.max_samples_per_request,
             max_queued_requests=args.max_queued_requests, max_total_tokens=args.max_total_tokens,
             cuda_graph_bs=args.cuda_graph_bs, cuda_graph_max_bs=args.cuda_graph_max_bs,
-            kv_cache=args.kv_cache, page_size=args.page_size))
+            kv_cache=args.kv_cache, page_size=args.page_size,
+            overlap_schedule=False if args.disable_overlap_schedule else (True if args.enable_overlap_schedule else None)))
     except ValueError as e:
         logger.error("%s", e)
         return 2

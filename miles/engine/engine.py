@@ -57,6 +57,7 @@ class EngineArgs:
     cuda_graph_max_bs: int | None = None
     kv_cache: str = "auto"                     # paged | slots | auto (paged on GPU, slots on CPU)
     page_size: int = 16                        # tokens per KV page (paged cache)
+    overlap_schedule: bool | None = None       # the overlap scheduler; None: on CUDA (sglang --disable-overlap-schedule)
 
 
 class Engine:
@@ -75,7 +76,7 @@ class Engine:
             self.vision = VisionInputs(args.hf_checkpoint, self.runner.config)
         self.scheduler = Scheduler(self.runner, self.tokenizer, max_prefill_tokens=args.max_prefill_tokens,
                                    weight_version=args.weight_version, random_seed=args.random_seed,
-                                   max_queued_requests=args.max_queued_requests)
+                                   max_queued_requests=args.max_queued_requests, overlap=args.overlap_schedule)
         self.groups = WeightGroups(self.runner.device)
         self.model_path = args.hf_checkpoint
         self.weight_update_session: str | None = None
@@ -267,7 +268,7 @@ class Engine:
             "disaggregation_mode": "null", "api_key_set": a.api_key is not None, "skip_tokenizer_init": self.tokenizer is None,
             "native_forward": self.runner.native, "cuda_graph": bool(getattr(self.runner.impl, "use_graphs", False)),
             "cuda_graph_bs": self.runner.graph_batch_sizes, "cuda_graph_max_bs": max(self.runner.graph_batch_sizes, default=0),
-            "max_queued_requests": a.max_queued_requests,
+            "max_queued_requests": a.max_queued_requests, "disable_overlap_schedule": not self.scheduler.overlap,
             "memory_released": sorted(self.memory_released), "internal_states": [load], "version": "miles-embedded-engine",
             "engine": "miles-embedded",
         }

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from miles.engine import fused_ops, paged_attention
-from miles.engine.paged_cache import PagedKV
+from miles.engine.paged_cache import PagedKV, to_device
 from miles.engine.routed_experts import RoutedExpertsRecorder
 from miles.engine.weights import drop_mtp, mtp_layer_names
 from miles.utils.logging import get_logger
@@ -562,7 +562,7 @@ class _NativeLM:
         bs = next((b for b in self.batch_buckets if b >= n), None) if self.use_graphs and self.kernel else None
         if bs is None:  # eager: exactly the live tokens
             L = self.cache_ctx if self.kernel else next(x for x in self.ctx_buckets if x >= max(max_len, end))
-            toks = torch.cat([tokens, torch.tensor(chunk, dtype=torch.long).to(dev, non_blocking=True)])
+            toks = torch.cat([tokens, to_device(torch.tensor(chunk, dtype=torch.long), dev)])
             pos = torch.cat([positions, self.ar_ctx[start:end]])
             rows = torch.cat([self.ar_slots[:n], torch.full((c,), row, dtype=torch.long, device=dev)])
             out = torch.arange(n + 1, device=dev)
@@ -577,7 +577,7 @@ class _NativeLM:
         host[1, :c] = torch.arange(start, end)
         host[2, :c] = row
         host[2, c:] = kv.scratch_row
-        host = host.to(dev, non_blocking=True)
+        host = to_device(host, dev)
         self.m_tokens[:n].copy_(tokens)
         self.m_pos[:n].copy_(positions)
         if bs > n:

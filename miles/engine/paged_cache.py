@@ -24,6 +24,14 @@ from miles.utils.logging import get_logger
 logger = get_logger("miles.engine.paged_cache")
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device`` without the host waiting: pinned, then copied non-blocking (a copy from
+    pageable memory may wait for the work queued on the device: with the overlap scheduler, the step in flight)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 class OutOfPages(RuntimeError):
     """An allocation the scheduler should have checked first: more pages than are free."""
 
@@ -121,7 +129,7 @@ class PagedKV:
         if need <= 0:
             return
         new = self.pool.alloc(need)
-        self.block_table[row, len(t): len(t) + need] = torch.tensor(new, dtype=torch.long).to(self.device, non_blocking=True)
+        self.block_table[row, len(t): len(t) + need] = to_device(torch.tensor(new, dtype=torch.long), self.device)
         t.extend(new)
         self._note_peak()
 
@@ -134,7 +142,7 @@ class PagedKV:
         for r, p in zip(rows, new):
             cols.append(len(self.tables[r]))
             self.tables[r].append(p)
-        idx = torch.tensor([rows, cols, new], dtype=torch.long).to(self.device, non_blocking=True)
+        idx = to_device(torch.tensor([rows, cols, new], dtype=torch.long), self.device)
         self.block_table[idx[0], idx[1]] = idx[2]
         self._note_peak()
 
@@ -170,7 +178,7 @@ class PagedKV:
                 vc[copy].copy_(vc[part])
         self.tables[dst] = own
         if own:
-            self.block_table[dst, : len(own)] = torch.tensor(own, dtype=torch.long).to(self.device, non_blocking=True)
+            self.block_table[dst, : len(own)] = to_device(torch.tensor(own, dtype=torch.long), self.device)
         self._note_peak()
 
     # ------------------------------------------------------------------ forward helpers

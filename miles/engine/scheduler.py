@@ -8,7 +8,9 @@ decode steps' forward instead (mixed prefill + decode: ``ModelRunner.decode_mixe
 ``mix_tokens`` prompt tokens in the chunk row) and samples its first token with the decode rows. Requests join and leave the running batch
 between decode steps; beyond ``max_running_requests`` they wait in FIFO order. Running requests always
 occupy slots ``0..n-1``: when one leaves, the last one moves into its slot (one KV copy), so the decode
-step sees contiguous, static-shaped cache views.
+step sees contiguous, static-shaped cache views. The decode step itself is ``decode_step.py``: with the overlap
+scheduler (CUDA default) step k+1 runs on the device while the host processes step k's tokens; whatever changes the
+batch other than that processing first collects the step in flight (``_sync``; commands do by default).
 
 Pause modes (SGLang's): ``abort`` finishes every request with ``finish_reason.type == "abort"``;
 ``retract`` returns running requests to the head of the queue (their KV is recomputed on continue, the
@@ -36,9 +38,10 @@ from typing import Any
 
 import torch
 
+from miles.engine.decode_step import DecodeSteps, Launched
 from miles.engine.model_runner import ModelRunner
 from miles.engine.protocol import BadRequest, GenSpec
-from miles.engine.sampling import RowParams, SamplingBatch, sample
+from miles.engine.sampling import SamplingBatch
 from miles.utils.logging import get_logger
 
 logger = get_logger("miles.engine.scheduler")
@@ -145,6 +148,8 @@ class Req:
         self.chunk_top: list[list[tuple[float, int]]] = []
         self.chunk_ids_lp: list[list[float]] = []
         self.routed_experts: torch.Tensor | None = None   # [tokens run, layers, top-k], set when it leaves its slot
+        self.launched = -1           # the last decode step it ran in (DecodeSteps) and its row there
+        self.row = -1
 
     def keys(self) -> list[str]:
         """The rid and each of its ``_``-prefixes: the abort keys that reach this request."""
@@ -156,11 +161,18 @@ class Req:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (n, final))
 
 
-class Scheduler:
+class Scheduler(DecodeSteps):
     def __init__(self, runner: ModelRunner, tokenizer, *, max_prefill_tokens: int = 16384,
                  weight_version: str = "default", random_seed: int | None = None,
-                 max_queued_requests: int | None = None):
+                 max_queued_requests: int | None = None, overlap: bool | None = None):
         self.runner = runner
+        # the overlap scheduler (decode_step.py): step k+1 is launched before step k's tokens are processed; by
+        # default on CUDA only (on CPU the forward runs on the scheduler thread itself: nothing to overlap)
+        self.overlap = runner.device.type == "cuda" if overlap is None else overlap
+        self._inflight: Launched | None = None   # the launched, not yet collected decode step (overlap)
+        self._serial = 0                         # decode steps launched
+        self.overlap_steps = 0      # decode steps launched while the step before was still in flight
+        self.dropped_tokens = 0     # tokens computed (overlap) for requests that had finished the step before
         self.tokenizer = tokenizer
         self.max_prefill_tokens = max_prefill_tokens
         self.max_queued_requests = max_queued_requests
@@ -214,7 +226,6 @@ class Scheduler:
         self.decode_seconds = 0.0
         self.decode_wait_seconds = 0.0
         self.decode_phases = dict.fromkeys(("grow", "inputs", "forward", "sample", "append", "remove"), 0.0)
-        self._ready = torch.cuda.Event() if runner.device.type == "cuda" else None
 
     # ------------------------------------------------------------------ thread plumbing
     def start(self) -> None:
@@ -225,10 +236,12 @@ class Scheduler:
         self._commands.put(None)
         self._thread.join(timeout)
 
-    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
-        """Run ``fn`` on the scheduler thread between two steps; the future carries its result."""
+    def call(self, fn: Callable[[], Any], sync: bool = True) -> concurrent.futures.Future:
+        """Run ``fn`` on the scheduler thread between two steps; the future carries its result. ``sync``: first
+        collect the decode step in flight (overlap scheduler), so that ``fn`` sees every request's tokens so far and
+        may change the running batch, the weights or the cache; only queueing new requests skips it."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put((fn, fut))
+        self._commands.put((fn, fut, sync))
         return fut
 
     async def acall(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
@@ -241,7 +254,12 @@ class Scheduler:
             return
         while True:
             if item is not None:
-                fn, fut = item
+                fn, fut, sync = item
+                if sync and self._inflight is not None:
+                    try:
+                        self._sync()
+                    except Exception as e:  # noqa: BLE001 - as a failed step: its requests are aborted
+                        self._fail(e)
                 if fut.set_running_or_notify_cancel():
                     try:
                         fut.set_result(fn())
@@ -261,36 +279,48 @@ class Scheduler:
         except Exception:  # noqa: BLE001 - graphs are then captured on first use
             logger.exception("capturing the decode CUDA graphs at start failed; they are captured on first use")
         while not self._stop.is_set():
-            can_work = not self.paused and self.runner.ready and (self.running or self.waiting or self.chunking)
+            can_work = self._inflight is not None or (
+                not self.paused and self.runner.ready and (self.running or self.waiting or self.chunking))
             self._drain(block=not can_work)
-            if self.paused or not self.runner.ready:
-                continue
             try:
+                if self.paused or not self.runner.ready:
+                    self._sync()
+                    continue
                 if self.chunking is not None:
                     if not (self.mixing and self.running):  # a mixed chunk rides in the decode step below
+                        self._sync()
                         self._prefill_chunk()
                 elif self.waiting and len(self.running) < self.runner.max_slots:
+                    if self._inflight is not None and self._admission_prefills():
+                        self._sync()
                     self._admit()
                 if self.running:
                     self._decode_step()
+                else:
+                    self._sync()
             except Exception as e:  # noqa: BLE001 - a failed step aborts its requests, the server keeps serving
-                logger.exception("scheduler step failed; aborting the running requests")
-                self.error = e
-                chunking = [self.chunking] if self.chunking is not None else []
-                if chunking:
-                    self._drop_chunking()
-                for r in list(self.running) + self._admitting + chunking:
-                    if r.finish is None:
-                        self._finish(r, {"type": "abort", "message": f"engine error: {type(e).__name__}: {e}"})
-                    if r.state == "running":
-                        r.post(final=True)
-                    r.state, r.slot = "done", -1
-                for slot in range(len(self.running) + len(self._admitting)):
-                    self.runner.release_slot(slot)
-                self.running.clear()
-                self._admitting = []
-                self._prompt_holders.clear()
-                self._epoch += 1
+                self._fail(e)
+
+    def _fail(self, e: Exception) -> None:
+        """A step failed: abort the running requests (and the one being prefilled); the server keeps serving."""
+        logger.exception("scheduler step failed; aborting the running requests")
+        self.error = e
+        self._inflight, self._dev = None, None
+        chunking = [self.chunking] if self.chunking is not None else []
+        if chunking:
+            self._drop_chunking()
+        for r in list(self.running) + self._admitting + chunking:
+            if r.finish is None:
+                self._finish(r, {"type": "abort", "message": f"engine error: {type(e).__name__}: {e}"})
+            if r.state == "running":
+                r.post(final=True)
+            r.state, r.slot = "done", -1
+        for slot in range(len(self.running) + len(self._admitting)):
+            self.runner.release_slot(slot)
+        self.running.clear()
+        self._admitting = []
+        self._prompt_holders.clear()
+        self._epoch += 1
 
     # ------------------------------------------------------------------ submission
     def validate(self, spec: GenSpec) -> None:
@@ -333,7 +363,7 @@ class Scheduler:
         def add():
             with gc_paused():
                 self._add(reqs)
-        self.call(add)
+        self.call(add, sync=False)  # queueing leaves the running batch alone: the step in flight stays in flight
         return reqs
 
     def _add(self, reqs: list[Req]) -> None:
@@ -374,6 +404,7 @@ class Scheduler:
 
     def abort_reqs(self, reqs: list[Req], message: str) -> int:
         """Finish these requests as aborted (those still live); O(len(reqs)) plus one slot move per running one."""
+        self._sync()
         slots: list[int] = []
         posts: list[Req] = []
         n = 0
@@ -402,6 +433,7 @@ class Scheduler:
         self.paused, self.pause_mode = False, None
 
     def _retract_all(self) -> None:
+        self._sync()
         self._requeue_chunking()
         while self.running:
             self._retract_last()
@@ -431,7 +463,7 @@ class Scheduler:
         self.runner.release_slot(len(self.running))
         r.retracted = True
         r.kv_len = 0
-        r.state, r.slot = "waiting", -1
+        r.state, r.slot, r.launched = "waiting", -1, -1
         self.waiting.appendleft(r)
         self.num_waiting += 1
         self._epoch += 1
@@ -441,6 +473,7 @@ class Scheduler:
 
         Only running requests hold KV. While paused, queued requests (new ones, or retracted ones whose
         KV is recomputed on continue) do not, so the cache can be flushed (SGLang's retract/abort modes)."""
+        self._sync()
         return bool(self.running) or self.chunking is not None or (not self.paused and self.num_waiting > 0)
 
     def flush_cache(self) -> bool:
@@ -450,6 +483,7 @@ class Scheduler:
         return True
 
     def release_memory(self, tags: set[str]) -> None:
+        self._sync()
         if self.running:
             self._retract_all()
         self.runner.release(tags)
@@ -728,201 +762,13 @@ class Scheduler:
             rows = lp[:, list(s.token_ids_logprob)].tolist()
             r.input_token_ids_lp = ([[]] + rows)[s.logprob_start_len:]
 
-    @staticmethod
-    def _row(r: Req) -> RowParams:
-        return RowParams(r.spec.temperature, r.spec.top_p, r.spec.top_k, r.spec.min_p, r.seed, r.spec.logit_bias)
-
-    def _sample_and_append(self, reqs: list[Req], logits: torch.Tensor, steps: torch.Tensor | None = None) -> torch.Tensor:
-        """Sample one token per row, append it, check stops. Returns the sampled tokens (on the device)."""
-        dev = self.runner.device
-        if reqs is self.running:
-            if self._sb_epoch != self._epoch or self._sb is None:
-                self._sb = SamplingBatch([self._row(r) for r in reqs], logits.shape[-1], dev)
-                self._sb_epoch = self._epoch
-            sb = self._sb
-        else:
-            sb = SamplingBatch([self._row(r) for r in reqs], logits.shape[-1], dev)
-        if steps is None and not sb.all_greedy:
-            steps = torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64, device=dev)
-        suppress = None
-        need_min = [i for i, r in enumerate(reqs) if len(r.output_ids) < r.spec.min_new_tokens]
-        if need_min:
-            suppress = torch.zeros(logits.shape, dtype=torch.bool, device=dev)
-            for i in need_min:
-                ids = self.stop_ids | set(reqs[i].spec.stop_token_ids)
-                if ids:
-                    suppress[i, list(ids)] = True
-        want_lp = top_n = want_dist = False
-        for r in reqs:
-            if r.spec.return_logprob:
-                want_lp = True
-                top_n = max(top_n, r.spec.top_logprobs_num)
-                want_dist = want_dist or bool(r.spec.token_ids_logprob)
-        t_sample = time.perf_counter()
-        out = sample(logits, sb, steps, suppress=suppress, want_logprobs=want_lp, top_n=top_n, want_dist=want_dist)
-        t_wait = time.perf_counter()
-        if dev.type == "cuda":
-            # copy back asynchronously, then wait on an event: its synchronize() releases the GIL (``.tolist()`` on a
-            # device tensor holds it while the GPU finishes), so the HTTP thread parses, answers and streams during
-            # the wait instead of between steps, when the GPU idles
-            host_tokens = out.tokens.to("cpu", non_blocking=True)
-            host_lps = out.logprobs.to("cpu", non_blocking=True) if out.logprobs is not None else None
-            self._ready.record()
-            self._ready.synchronize()
-        else:
-            host_tokens, host_lps = out.tokens, out.logprobs
-        toks = host_tokens.tolist()
-        t_append = time.perf_counter()
-        if reqs is self.running:
-            self.decode_wait_seconds += t_append - t_wait
-            self.decode_phases["sample"] += t_wait - t_sample
-        lps = host_lps.tolist() if host_lps is not None else None
-        tv = out.top_values.tolist() if out.top_values is not None else None
-        ti = out.top_indices.tolist() if out.top_indices is not None else None
-        for i, (r, t) in enumerate(zip(reqs, toks)):
-            r.output_ids.append(t)
-            if r.spec.return_logprob:
-                r.output_logprobs.append(lps[i])
-                if r.spec.top_logprobs_num:
-                    k = r.spec.top_logprobs_num
-                    r.output_top.append(list(zip(tv[i][:k], ti[i][:k])))
-                if r.spec.token_ids_logprob:
-                    r.output_token_ids_lp.append(out.logprob_dist[i, r.spec.token_ids_logprob].tolist())
-            self._check_finished(r)
-        self.generated_tokens += len(toks)
-        if reqs is self.running:
-            self._lap("append", t_append)
-        return out.tokens
-
-    def _check_finished(self, r: Req) -> None:
-        s, t = r.spec, r.output_ids[-1]
-        if s.max_new_tokens is not None and len(r.output_ids) >= s.max_new_tokens:
-            return self._finish(r, {"type": "length", "length": s.max_new_tokens})
-        if not s.ignore_eos and (t in self.stop_ids or t in s.stop_token_ids):
-            return self._finish(r, {"type": "stop", "matched": t})
-        if s.stop_strs:
-            longest = max(len(x) for x in s.stop_strs)
-            tail = self.tokenizer.decode(r.output_ids[-(longest + 1):], skip_special_tokens=s.skip_special_tokens)
-            for stop in s.stop_strs:
-                if stop in tail:
-                    r.stop_trim = len(stop)
-                    return self._finish(r, {"type": "stop", "matched": stop})
-        if r.kv_len >= self.runner.max_ctx:
-            return self._finish(r, {"type": "length", "length": len(r.output_ids)})
-        if r.stream and len(r.output_ids) - r.last_emit >= s.stream_interval:
-            r.last_emit = len(r.output_ids)
-            r.post(final=False)
-
-    def _grow_pages(self) -> None:
-        """Paged cache: a page for every running request whose next token starts one; when the pool is short,
-        retract the newest running requests (back to the queue head, KV recomputed on readmission)."""
-        rn = self.runner
-        free = rn.free_pages()
-        if free is None:
-            return
-        ps = rn.page_size
-        need = [i for i, r in enumerate(self.running) if r.kv_len % ps == 0]
-        if len(need) > free and self.chunking is not None:  # the newest work: its chunks are recomputed later
-            self._requeue_chunking()
-            self.retractions += 1
-            free = rn.free_pages()
-        while len(need) > free and len(self.running) > 1:
-            self._retract_last()
-            self.retractions += 1
-            need = [i for i in need if i < len(self.running)]
-            free = rn.free_pages()
-        rn.grow_pages(need)
-
-    def _mix_chunk(self) -> tuple[Req, list[int], int, int] | None:
-        """The prompt chunk the next decode step carries (request, sequence, start, length), or None: no mixed
-        refill under way, or too few free pages for its next chunk right now (the step then decodes only)."""
-        r, rn = self.chunking, self.runner
-        if r is None or not self.mixing:
-            return None
-        seq = r.spec.input_ids + r.output_ids[:-1] if r.retracted else r.spec.input_ids
-        start = r.kv_len
-        t = min(rn.mix_tokens, self.max_prefill_tokens, len(seq) - start)
-        need = rn.pages_for(start + t) - rn.pages_held(rn.chunk_row)
-        free = rn.free_pages()
-        if free is not None and need + len(self.running) > free:
-            return None
-        return r, seq, start, t
-
-    def _decode_step(self) -> None:
-        t0 = time.perf_counter()
-        try:
-            self._decode_step_timed()
-        finally:
-            self.decode_seconds += time.perf_counter() - t0
-
-    def _lap(self, phase: str, since: float) -> float:
-        """Add the time since ``since`` to ``phase`` of ``decode_phases``; returns now (the next phase's start)."""
-        now = time.perf_counter()
-        self.decode_phases[phase] += now - since
-        return now
-
-    def _decode_step_timed(self) -> None:
-        t = time.perf_counter()
-        self._grow_pages()
-        t = self._lap("grow", t)
-        reqs = self.running
-        rn = self.runner
-        dev = rn.device
-        if self._dev_epoch != self._epoch or self._dev is None:  # one host-to-device copy for the three
-            host = torch.tensor([[r.output_ids[-1] for r in reqs], [r.kv_len for r in reqs],
-                                 [len(r.output_ids) for r in reqs]], dtype=torch.long)
-            tokens, positions, steps = host.to(dev, non_blocking=True).unbind(0)
-        else:
-            tokens, positions, steps = self._dev
-        max_len = max(r.kv_len for r in reqs) + 1
-        chunk = self._mix_chunk()
-        t = self._lap("inputs", t)
-        if chunk is None:
-            logits = rn.decode(tokens, positions, max_len)
-        else:  # mixed: the refill's next prompt chunk is in this forward too (logits row n: its last token)
-            cr, seq, start, clen = chunk
-            logits = rn.decode_mixed(tokens, positions, max_len, rn.chunk_row, seq[start:start + clen], start)
-            self.mixed_steps += 1
-        n = len(reqs)
-        for r in reqs:
-            r.kv_len += 1
-        next_pos = positions + 1
-        late = None   # a completed chunk that joins after this step's sampling (a retracted request, or 0 tokens)
-        if chunk is not None:
-            cr.kv_len = start + clen
-            chunk_last = logits[n]
-            if cr.kv_len == len(seq):
-                if not cr.retracted and cr.spec.max_new_tokens != 0:
-                    # joins now as row n and draws its first token in this step's sampling, with the others
-                    self._join_chunked(cr, chunk_last, False)
-                    steps = torch.cat([steps, steps.new_zeros(1)])
-                    next_pos = torch.cat([next_pos, next_pos.new_full((1,), cr.kv_len)])
-                else:
-                    late = cr
-            logits = logits[: len(self.running)]
-        epoch = self._epoch
-        self._lap("forward", t)
-        new_tokens = self._sample_and_append(reqs, logits, steps)
-        self._dev = (new_tokens.view(-1), next_pos, steps + 1)
-        self._dev_epoch = epoch
-        t = time.perf_counter()
-        self._remove([i for i, r in enumerate(reqs) if r.finish is not None])
-        if late is not None:
-            row = len(self.running)
-            if self._join_chunked(late, chunk_last, False):
-                self._first_token(late, chunk_last)
-                if late.finish is not None:
-                    self._remove([row])
-        self._lap("remove", t)
-        self.steps += 1
-        self.last_step_time = time.time()
-
     # ------------------------------------------------------------------ introspection
     def load(self) -> dict[str, Any]:
         return {"num_running_reqs": len(self.running), "num_waiting_reqs": self.num_waiting, "paused": self.paused,
                 "pause_mode": self.pause_mode, "steps": self.steps, "generated_tokens": self.generated_tokens,
                 "retractions": self.retractions, "shared_prompts": self.shared_prompts,
                 "chunked_prefills": self.chunked_prefills, "mixed_prefills": self.mixed_prefills,
-                "mixed_steps": self.mixed_steps, "decode_seconds": round(self.decode_seconds, 4),
+                "mixed_steps": self.mixed_steps, "overlap_steps": self.overlap_steps,
+                "overlap_dropped_tokens": self.dropped_tokens, "decode_seconds": round(self.decode_seconds, 4),
                 "decode_wait_seconds": round(self.decode_wait_seconds, 4),
                 **{f"decode_{k}_seconds": round(v, 4) for k, v in self.decode_phases.items()}, **self.runner.kv_stats()}

@@ -222,6 +222,7 @@ EMBEDDED_EQUIVALENTS: dict[str, str] = {
     "cuda_graph_max_bs_decode": "--cuda-graph-max-bs",
     "disable_cuda_graph": "--disable-cuda-graph",
     "cuda_graph_backend_decode": "--disable-cuda-graph",  # 'disabled'; 'full' is what the engine does anyway
+    "disable_overlap_schedule": "--disable-overlap-schedule",
     "max_queued_requests": "--max-queued-requests",
     "log_level": "--log-level",
     "weight_version": "--weight-version",
@@ -255,6 +256,8 @@ def _embedded_options(user: dict[str, Any]) -> tuple[list[str], list[str]]:
         ignored.append(f"{flag_of('cuda_graph_backend_decode')} {backend}")
     if user.get("disable_cuda_graph") or backend == "disabled":
         argv.append("--disable-cuda-graph")
+    if user.get("disable_overlap_schedule"):
+        argv.append("--disable-overlap-schedule")
     return argv, ignored
 
 

@@ -388,3 +388,36 @@ def test_vlm_image_prompts_on_gpu_match_hf(gpu_vlm, tmp_path):
         assert again["output_ids"] == after["output_ids"]
     finally:
         eng.stop()
+
+
+def test_overlap_scheduler_matches_the_serial_one_with_cuda_graphs(gpu_model):
+    """The overlap scheduler on GPU (its default there; CUDA graphs, the paged decode kernel, fp32): the same greedy
+    and seeded tokens and log-probs (top-k and token-id ones too) as ``--disable-overlap-schedule``, for varied
+    lengths, stop tokens and strings, n > 1 and min_new_tokens, on the slot cache, the paged cache, a pool small
+    enough to retract, and refills riding in decode steps in chunks of 8; steps overlapped, the tokens computed past
+    a finished request's end were dropped, and every page came back."""
+    from test_overlap import _bodies, _flat, _run_case
+    from test_paged_cache import _same
+
+    common = dict(device="cuda", dtype="float32")
+    bodies = _bodies(gpu_model, **common)
+    cases = {"slots": dict(kv_cache="slots"), "paged": dict(kv_cache="paged", page_size=16),
+             "tight": dict(kv_cache="paged", page_size=4, max_total_tokens=128, max_running_requests=8),
+             "mixed8": dict(kv_cache="paged", page_size=4, max_prefill_tokens=8)}
+    for name, kw in cases.items():
+        ref, ref_stats = _run_case(gpu_model, bodies, False, {**common, **kw})
+        got, stats = _run_case(gpu_model, bodies, None, {**common, **kw})   # the default on CUDA: overlap on
+        _same(got, ref)
+        for a, b in zip(got, ref):
+            for key in ("output_top_logprobs", "output_token_ids_logprobs"):
+                x, y = _flat(a["meta_info"].get(key, [])), _flat(b["meta_info"].get(key, []))
+                assert len(x) == len(y) and all(abs(u - v) < 1e-4 if isinstance(u, float) else u == v
+                                                for u, v in zip(x, y)), (name, key)
+        assert ref_stats["overlap_steps"] == 0 and stats["overlap_steps"] > 0, (name, stats)
+        assert stats["overlap_dropped_tokens"] > 0 and stats["generated_tokens"] == ref_stats["generated_tokens"], stats
+        if name != "slots":
+            assert stats["kv_pages_in_use"] == 0 and ref_stats["kv_pages_in_use"] == 0, (name, stats)
+        if name == "tight":
+            assert stats["retractions"] > 0, stats
+        if name == "mixed8":
+            assert stats["mixed_prefills"] > 0, stats

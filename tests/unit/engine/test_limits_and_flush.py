@@ -81,7 +81,8 @@ def test_flush_succeeds_with_a_request_that_arrived_after_an_abort_pause(big):
     assert big.post("/pause_generation", {"mode": "abort"}).status_code == 200
     try:
         with ThreadPoolExecutor(1) as ex:
-            fut = ex.submit(big.generate, {"input_ids": [7], "sampling_params": {"max_new_tokens": 4}}, 60)
+            fut = ex.submit(big.generate, {"input_ids": [7], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}},
+                            60)
             _wait(lambda: _load(big)["num_waiting_reqs"] == 1, 30, "the request never queued")
             assert big.post("/flush_cache").status_code == 200
             assert big.get("/health", timeout=5).status_code == 200       # paused on purpose: alive

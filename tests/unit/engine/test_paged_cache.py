@@ -321,11 +321,11 @@ def test_long_prompts_are_prefilled_in_chunks_between_decode_steps(engine_model)
     for kw in (dict(), dict(max_total_tokens=128, max_running_requests=8)):
         eng = _engine(engine_model, kv_cache="paged", page_size=4, max_prefill_tokens=8, **kw)
         sch = eng.scheduler
-        progress: list[tuple[int, int]] = []  # (chunked prompt's computed tokens, tokens of the others)
+        progress: list[tuple[int, int]] = []  # (chunked prompt's computed tokens, tokens generated so far)
         orig = sch._prefill_chunk
 
         def spy(orig=orig, sch=sch, progress=progress):
-            progress.append((sch.chunking.kv_len, sum(len(r.output_ids) for r in sch.running)))
+            progress.append((sch.chunking.kv_len, sch.generated_tokens))
             orig()
         sch._prefill_chunk = spy
         try:

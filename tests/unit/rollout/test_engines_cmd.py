@@ -366,6 +366,9 @@ def test_embedded_disable_cuda_graph_and_context_conflict(tmp_path):
 
     for flags in (["--sglang-disable-cuda-graph"], ["--sglang-cuda-graph-backend-decode", "disabled"]):
         assert engine_parse_args(_embedded_from_flags(tmp_path, *flags)[3:]).disable_cuda_graph
+    ns = engine_parse_args(_embedded_from_flags(tmp_path, "--sglang-disable-overlap-schedule")[3:])
+    assert ns.disable_overlap_schedule and not ns.enable_overlap_schedule
+    assert not engine_parse_args(_embedded_from_flags(tmp_path)[3:]).disable_overlap_schedule
     no_chunking = _embedded_from_flags(tmp_path, "--sglang-chunked-prefill-size", "-1")  # SGLang: no chunked prefill
     assert "--max-prefill-tokens" not in no_chunking and engine_parse_args(no_chunking[3:]).max_prefill_tokens == 16384
     with pytest.raises(ConfigError, match="--engine-max-context-len 300 disagrees with --sglang-context-length 256"):
