@@ -141,7 +141,8 @@ def test_defaults_key_miles_ignores_is_ignored_with_a_warning(tmp_path, caplog):
     ({"eval": {"datasets": [{"name": "a", "path": "a"}, {"name": "a", "path": "b"}]}}, r"dataset name\(s\) a appear more"),
     ({"eval": {"datasets": "a.jsonl"}}, r"eval.datasets must be a list of datasets"),
     ({"eval": {"datasets": [{"name": "a", "path": "a.jsonl"}], "delegate": [{"name": "skills"}]}},
-     r"eval.delegate .* is not supported: miles has no --eval-function-path; drop the delegate section"),
+     r"eval.delegate is read by an --eval-function-path plugin .*, and none is given: add --eval-function-path "
+     r"examples.experimental.eval.eval_delegate_rollout.generate_rollout, or drop the delegate section"),
     ({"eval": {"datasets": [{"name": "a", "path": "a.jsonl"}], "tasks": 1}}, r"unknown key\(s\) tasks under eval"),
     ("- a\n- b\n", r"the document must be a mapping"),
     ("eval: [unclosed\n", r"cannot read it as YAML/JSON"),
