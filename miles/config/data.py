@@ -115,7 +115,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--eval-function-path", type=str, default=None,
                    help="module.function producing the evaluation results instead of the built-in eval (Miles's "
                         "contract): fn(args, rollout_id, data_source, evaluation=True) -> {name: {rewards, truncated, "
-                        "samples}} or RolloutFnEvalOutput(data, metrics); logged as eval/<name> (docs/data-and-rewards.md).")
+                        "samples}} or RolloutFnEvalOutput(data, metrics); logged as eval/<name> (docs/data-and-rewards.md). "
+                        "Default: a custom --rollout-function-path (not the SFT one), else the built-in evaluation.")
     e.add_argument("--eval-interval", type=int, default=None, help="Evaluate every N rollouts.")
     e.add_argument("--n-samples-per-eval-prompt", type=int, default=1, help="Samples per eval prompt.")
     e.add_argument("--eval-max-response-len", type=int, default=None, help="max_new_tokens for evaluation (default: --rollout-max-response-len).")

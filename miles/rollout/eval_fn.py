@@ -3,7 +3,8 @@
     def generate_rollout(args, rollout_id, data_source, evaluation=False)   # sync or async; called with evaluation=True
         -> {name: {"rewards": [...], "truncated": [...], "samples": [...]}}  | RolloutFnEvalOutput(data=..., metrics=...)
 
-It runs instead of the built-in evaluation, at the same moments (before training unless
+Unset, it is a custom ``--rollout-function-path`` (Miles's default: the rollout function evaluates too; not miles's
+SFT rollout, which makes training data only). It runs instead of the built-in evaluation, at the same moments (before training unless
 ``--skip-eval-before-train``, every ``--eval-interval`` rollouts and after the last one), with the same datasets
 (``--eval-config`` / ``--eval-prompt-data``, which Miles requires with ``--eval-interval``). ``args`` is the
 :class:`~miles.rollout.plugins.PluginArgs` rollout functions get, with ``args.eval_config`` (the document's path, or
@@ -170,15 +171,17 @@ def builtin_eval_of(args: Any) -> BuiltinEvalHandle | None:
 
 
 class EvalFunction:
-    """Calls the ``--eval-function-path`` function once per evaluation; ``evaluate`` is what the loops call."""
+    """Calls the eval function once per evaluation; ``evaluate`` is what the loops call. ``flag`` is the flag that
+    named it (``--rollout-function-path`` when Miles's default of ``--eval-function-path`` applies)."""
 
     def __init__(self, path: str, args: PluginArgs, data_source: Any, n_samples_per_prompt: int, timeout: float,
-                 builtin: BuiltinEval | None = None) -> None:
+                 builtin: BuiltinEval | None = None, flag: str = FLAG) -> None:
         self.path, self.args, self.data_source = path, args, data_source
         self.n, self.timeout, self.builtin = n_samples_per_prompt, timeout, builtin
-        self.what = f"{FLAG} {path}"
-        self.fn = load_function(path, FLAG)
-        check_eval_function(self.fn, path)
+        self.what = f"{flag} {path}" if flag == FLAG else f"{flag} {path} (evaluating: --eval-function-path is unset)"
+        self.fn = load_function(path, flag)
+        if flag == FLAG:
+            check_eval_function(self.fn, path)
 
     def _call(self, rollout_id: int, buffer: Any) -> Any:
         return self.fn(self.args, rollout_id, buffer, evaluation=True)
@@ -215,19 +218,36 @@ def router_address(router_url: str | None) -> dict[str, Any]:
     return {"sglang_router_ip": parts.hostname, "sglang_router_port": parts.port}
 
 
+def eval_function_of(cfg: Any) -> tuple[str, str] | None:
+    """(path, flag) of the function that evaluates, or None for the built-in evaluation: ``--eval-function-path``,
+    else (Miles's default) a custom ``--rollout-function-path``; not miles's SFT rollout, which makes training data
+    only (Miles's asserts ``not evaluation``), nor Miles's default / fully async names."""
+    path = custom_eval_function(cfg.eval)
+    if path is not None:
+        return path, FLAG
+    if cfg.eval.eval_function_path in DEFAULT_EVAL_PATHS:  # named the built-in evaluation explicitly
+        return None
+    from miles.rollout.rollout_fn import FLAG as ROLLOUT_FLAG
+    from miles.rollout.rollout_fn import SFT_PATH, custom_rollout_path
+
+    path = custom_rollout_path(cfg.data)
+    return (path, ROLLOUT_FLAG) if path is not None and path != SFT_PATH else None
+
+
 def build_eval_function(cfg: Any, data_source: Any, tokenizer: Any, client: Any = None, router_url: str | None = None,
                         builtin: BuiltinEval | None = None, extra: dict[str, Any] | None = None) -> EvalFunction | None:
-    """The runner of ``--eval-function-path``, or None when the built-in evaluation serves."""
-    path = custom_eval_function(cfg.eval)
-    if path is None:
+    """The runner of the eval function (:func:`eval_function_of`), or None when the built-in evaluation serves."""
+    chosen = eval_function_of(cfg)
+    if chosen is None:
         return None
+    path, flag = chosen
     sections = (cfg.data, cfg.rollout, cfg.reward, cfg.eval, cfg.algo, cfg.train, cfg.cluster, cfg.weights,
                 cfg.checkpoint, cfg.output)
     args = PluginArgs(*sections, client=client, tokenizer=tokenizer, extra=extra,
                       overrides=router_address(router_url))
     return EvalFunction(path, args, data_source, cfg.data.n_samples_per_prompt,
-                        timeout=cfg.cluster.distributed_timeout_minutes * 60.0, builtin=builtin)
+                        timeout=cfg.cluster.distributed_timeout_minutes * 60.0, builtin=builtin, flag=flag)
 
 
 __all__ = ["DEFAULT_EVAL_PATHS", "EvalFunction", "EvalFunctionError", "build_eval_function", "builtin_eval_of",
-           "check_eval_function", "eval_data_of", "miles_eval_metrics"]
+           "check_eval_function", "eval_data_of", "eval_function_of", "miles_eval_metrics"]

@@ -17,8 +17,9 @@ Miles's own paths resolve with Miles's meaning: ``miles.rollout.sft_rollout.gene
 ``messages``), the default rollout (``miles.rollout.inference_rollout.inference_rollout_common.InferenceRolloutFn``
 or the legacy ``miles.rollout.sglang_rollout.generate_rollout``: this project's RolloutManager) and
 ``miles.rollout.fully_async_rollout.FullyAsyncRolloutFn`` (``--fully-async``, run by the async loop). The custom function
-serves training rollouts; evaluation keeps the built-in manager unless ``--eval-function-path`` names a function
-(:mod:`miles.rollout.eval_fn`).
+serves training rollouts and, unless ``--eval-function-path`` names another function, also evaluates, called with
+``evaluation=True`` (Miles's default of ``--eval-function-path``, see
+:mod:`miles.rollout.eval_fn`); miles's SFT rollout does not (evaluation keeps the built-in manager).
 """
 
 from __future__ import annotations

@@ -358,3 +358,27 @@ def test_signature_and_defaults(plugins, tmp_path):
         check_plugin("eval_function_path", default)
         cfg = _cfg(tmp_path, "--eval-prompt-data", "a", "x.jsonl", "--eval-function-path", default)
         assert build_eval_function(cfg, None, None) is None
+
+
+def test_a_custom_rollout_function_evaluates_when_no_eval_function_is_given(plugins, tmp_path):
+    """Miles's default: --eval-function-path unset is --rollout-function-path (called with evaluation=True; its errors
+    name that flag); --eval-function-path wins; miles's SFT rollout and Miles's default names leave the built-in eval."""
+    from miles.rollout.eval_fn import eval_function_of
+
+    data = ["--eval-prompt-data", "a", "x.jsonl"]
+    cfg = _cfg(tmp_path, *data, "--rollout-function-path", "evalfn_plugins.record")
+    fn = build_eval_function(cfg, None, None)
+    assert fn is not None and eval_function_of(cfg) == ("evalfn_plugins.record", "--rollout-function-path")
+    assert asyncio.run(fn.evaluate(1))["eval/mine"] == 0.5 and plugins.calls == [(1, True, None, "NoneType")]
+    cfg = _cfg(tmp_path, *data, "--rollout-function-path", "evalfn_plugins.raises")
+    with pytest.raises(EvalFunctionError, match=r"^--rollout-function-path evalfn_plugins.raises \(evaluating: "
+                                                r"--eval-function-path is unset\) failed: RuntimeError: skills exploded$"):
+        asyncio.run(build_eval_function(cfg, None, None).evaluate(0))
+    cfg = _cfg(tmp_path, *data, "--rollout-function-path", "evalfn_plugins.raises", "--eval-function-path",
+               "evalfn_plugins.as_output")
+    assert eval_function_of(cfg) == ("evalfn_plugins.as_output", "--eval-function-path")
+    for extra in (["--rollout-function-path", "miles.rollout.sft_rollout.generate_rollout", "--loss-type", "sft_loss"],
+                  ["--rollout-function-path", "evalfn_plugins.record", "--eval-function-path",
+                   "miles.rollout.sglang_rollout.generate_rollout"],
+                  ["--rollout-function-path", "miles.rollout.sglang_rollout.generate_rollout"], []):
+        assert eval_function_of(_cfg(tmp_path, *data, *extra)) is None, extra
