@@ -48,6 +48,7 @@ from miles.config.rollout import RolloutConfig
 from miles.rollout import generate as gen
 from miles.rollout.base_types import input_form
 from miles.rollout.data import DataSource, EvalDataset, PromptDataset, PromptItem
+from miles.rollout.eval_fn import miles_eval_metrics
 from miles.rollout.filters import call_filter, load_filter
 from miles.rollout.opd_topk import student_top_k
 from miles.rollout.plugins import PluginArgs, choose_arity, is_async, load_function, reward_value
@@ -491,7 +492,8 @@ class RolloutManager:
                        rollout_id: int = 0) -> dict[str, float]:
         """Every prompt of each dataset, its spec's ``n_samples_per_eval_prompt`` times with its sampling params,
         rm_type, metadata overrides and generate function (``EvalDataset``; a bare ``PromptDataset`` takes the
-        ``--eval-*`` flags); metrics ``eval/<name>/...``."""
+        ``--eval-*`` flags); metrics ``eval/<name>`` (Miles's mean reward, a failed sample counted 0),
+        ``eval/<name>-{none_reward,truncated}_ratio`` and ``eval/<name>/...``."""
         return (await self.evaluate_data(eval_datasets, rollout_id))[1]
 
     async def evaluate_data(self, eval_datasets: dict[str, EvalDataset | PromptDataset],
@@ -502,12 +504,13 @@ class RolloutManager:
         for name, dataset in eval_datasets.items():
             samples, m = await self._evaluate_one(name, dataset, rollout_id)
             rewards = [reward_value(s, self.args) if s.status is not SampleStatus.FAILED else None for s in samples]
+            rewards = [r if isinstance(r, int | float) and not isinstance(r, bool) else None for r in rewards]
             truncated = [s.status is SampleStatus.TRUNCATED for s in samples]
             data[name] = {"rewards": rewards, "truncated": truncated, "samples": samples}
             metrics.update(m)
-            metrics[f"eval/{name}-truncated_ratio"] = sum(truncated) / max(1, len(truncated))  # Miles's key
-            metrics[f"eval/{name}-none_reward_ratio"] = (sum(r is None for r in rewards) / len(rewards)
-                                                         if rewards else 0.0)
+            # and Miles's log_eval_rollout_data over the same data: eval/<name> counts a failed sample's reward
+            # (None) as 0, eval/<name>-none_reward_ratio counts them, eval/<name>-truncated_ratio, response_len/...
+            metrics.update(miles_eval_metrics({name: data[name]}))
         return data, metrics
 
     async def _evaluate_one(self, name: str, dataset: EvalDataset | PromptDataset,

@@ -382,3 +382,32 @@ def test_a_custom_rollout_function_evaluates_when_no_eval_function_is_given(plug
                    "miles.rollout.sglang_rollout.generate_rollout"],
                   ["--rollout-function-path", "miles.rollout.sglang_rollout.generate_rollout"], []):
         assert eval_function_of(_cfg(tmp_path, *data, *extra)) is None, extra
+
+
+@pytest.mark.multiprocess
+def test_builtin_evaluate_logs_miles_eval_keys_with_failed_rewards(engine, tok, tmp_path, plugins):
+    """The built-in evaluation logs what Miles's log_eval_rollout_data logs for the same data: a sample whose reward
+    failed (None) counts 0 in eval/<name> and in eval/<name>-none_reward_ratio."""
+    from miles.rollout.client import EngineClient
+    from miles.rollout.data import PromptDataset
+    from miles.rollout.manager import RolloutManager
+
+    (tmp_path / "rm_plugin.py").write_text(
+        "async def every_other(args, sample):\n"
+        "    if sample.index % 2:\n        raise RuntimeError('verifier down')\n    return 1.0\n")
+    cfg = _cfg(tmp_path, "--custom-rm-path", "rm_plugin.every_other", "--n-samples-per-eval-prompt", "2",
+               "--eval-max-response-len", "3", "--input-key", "input")
+    dataset = PromptDataset(str(_rows(tmp_path / "e.jsonl", 3)), tok, cfg.data)
+
+    async def main() -> tuple[dict, dict]:
+        client = EngineClient(engine)
+        try:
+            mgr = RolloutManager(cfg.rollout, cfg.data, cfg.reward, client, tok, None, eval_cfg=cfg.eval)
+            return await mgr.evaluate_data({"x": dataset}, 0)
+        finally:
+            await client.close()
+
+    data, m = asyncio.run(main())
+    assert data["x"]["rewards"] == [1.0, None] * 3 and len(data["x"]["samples"]) == 6
+    assert m["eval/x"] == 0.5 and m["eval/x-none_reward_ratio"] == 0.5 and m["eval/x/reward_failures"] == 3
+    assert m["eval/x-truncated_ratio"] == m["eval/x/truncated_ratio"] and m["eval/x/response_len/max"] <= 3
