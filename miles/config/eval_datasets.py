@@ -60,12 +60,28 @@ DELEGATE_PLUGIN = "examples.experimental.eval.eval_delegate_rollout.generate_rol
 # Miles's names of its default eval rollout: naming one selects the built-in evaluation, as leaving the flag unset
 DEFAULT_EVAL_PATHS = ("miles.rollout.inference_rollout.inference_rollout_common.InferenceRolloutFn",
                       "miles.rollout.sglang_rollout.generate_rollout")
+FULLY_ASYNC_PATH = "miles.rollout.fully_async_rollout.FullyAsyncRolloutFn"
 
 
 def custom_eval_function(ev: EvalConfig) -> str | None:
     """``--eval-function-path`` when it names a function to call; None when unset or one of Miles's default names."""
     path = getattr(ev, "eval_function_path", None)
     return None if path is None or path in DEFAULT_EVAL_PATHS else path
+
+
+def evaluating_function(ev: EvalConfig, data: DataConfig) -> str | None:
+    """The function that evaluates, or None for the built-in evaluation: ``--eval-function-path``, else (Miles's
+    default) a custom ``--rollout-function-path``, but not miles's SFT rollout (training data only; Miles's asserts
+    ``not evaluation``) nor Miles's default / fully async names."""
+    from miles.config.data import MULTIMODAL_SFT_PATH as SFT_PATH
+
+    path = custom_eval_function(ev)
+    if path is not None or getattr(ev, "eval_function_path", None) is not None:  # a default name: the built-in
+        return path
+    rollout = data.rollout_function_path
+    if rollout is None or data.fully_async or rollout in (*DEFAULT_EVAL_PATHS, SFT_PATH, FULLY_ASYNC_PATH):
+        return None
+    return rollout
 
 # key -> the config fields (section, attribute) Miles falls back to, in order (its DATASET_*_SPECS arg_attrs)
 FALLBACKS: dict[str, tuple[tuple[str, str], ...]] = {
@@ -213,8 +229,9 @@ def _check_delegate(delegate: Any, eval_function: str | None) -> None:
     at ``args.eval_config`` itself); without one nothing would read it, so it is refused."""
     if eval_function is None:
         raise ConfigError(f"{FLAG}: eval.delegate is read by an --eval-function-path plugin (Miles's "
-                          f"{DELEGATE_PLUGIN}), and none is given: add --eval-function-path {DELEGATE_PLUGIN}, or drop "
-                          "the delegate section (the datasets under eval.datasets run as usual).")
+                          f"{DELEGATE_PLUGIN}), and none is given (nor a --rollout-function-path that evaluates): add "
+                          f"--eval-function-path {DELEGATE_PLUGIN}, or drop the delegate section (the datasets under "
+                          "eval.datasets run as usual).")
     if not isinstance(delegate, list) or not all(isinstance(e, dict) and str(e.get("name") or "").strip()
                                                  for e in delegate):
         raise ConfigError(f"{FLAG}: eval.delegate must be a list of environments, each a mapping with a name "
@@ -268,7 +285,7 @@ def resolve_eval_datasets(ev: EvalConfig, data: DataConfig, rollout: RolloutConf
     else:
         if ev.eval_config.strip() == "":
             raise ConfigError(f"{FLAG} is an empty string: pass a YAML/JSON file (or base64:<payload>), or drop it.")
-        defaults, raw = _eval_mapping(ev.eval_config, custom_eval_function(ev))
+        defaults, raw = _eval_mapping(ev.eval_config, evaluating_function(ev, data))
         if ev.eval_prompt_data:
             _warn_once("%s is given: it replaces --eval-prompt-data %s (as in Miles)", FLAG,
                        " ".join(ev.eval_prompt_data))

@@ -34,7 +34,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from miles.config.base import ConfigError
-from miles.config.eval_datasets import DEFAULT_EVAL_PATHS, custom_eval_function
+from miles.config.eval_datasets import DEFAULT_EVAL_PATHS, custom_eval_function, evaluating_function
 from miles.rollout.plugins import PluginArgs, call_bounded, load_function
 from miles.rollout.rollout_fn import MilesDataBuffer, check_signature
 from miles.types import Sample, SampleStatus
@@ -222,16 +222,12 @@ def eval_function_of(cfg: Any) -> tuple[str, str] | None:
     """(path, flag) of the function that evaluates, or None for the built-in evaluation: ``--eval-function-path``,
     else (Miles's default) a custom ``--rollout-function-path``; not miles's SFT rollout, which makes training data
     only (Miles's asserts ``not evaluation``), nor Miles's default / fully async names."""
-    path = custom_eval_function(cfg.eval)
-    if path is not None:
-        return path, FLAG
-    if cfg.eval.eval_function_path in DEFAULT_EVAL_PATHS:  # named the built-in evaluation explicitly
-        return None
     from miles.rollout.rollout_fn import FLAG as ROLLOUT_FLAG
-    from miles.rollout.rollout_fn import SFT_PATH, custom_rollout_path
 
-    path = custom_rollout_path(cfg.data)
-    return (path, ROLLOUT_FLAG) if path is not None and path != SFT_PATH else None
+    path = evaluating_function(cfg.eval, cfg.data)
+    if path is None:
+        return None
+    return path, FLAG if custom_eval_function(cfg.eval) is not None else ROLLOUT_FLAG
 
 
 def build_eval_function(cfg: Any, data_source: Any, tokenizer: Any, client: Any = None, router_url: str | None = None,
