@@ -18,7 +18,8 @@ behaviour: the sample's own ``rm_type`` / ``--rm-type``, ``--rollout-stop``, ``-
 ``--eval-min-new-tokens``, ``--custom-generate-function-path``; Miles ignores them under ``eval.defaults``,
 so miles logs that they are ignored there. ``eval.delegate`` (a list of external evaluation environments, each
 with a ``name``) is for the ``--eval-function-path`` plugin, which reads the document at ``args.eval_config`` itself
-(Miles's experimental ``eval_delegate_rollout``); without ``--eval-function-path`` it is refused.
+(Miles's experimental ``eval_delegate_rollout``); without a function that evaluates (``--eval-function-path``, or a
+custom ``--rollout-function-path`` by Miles's default: ``evaluating_function``) it is refused.
 
 Nothing here rewrites a parsed value; a bad document is one ``ConfigError`` line naming ``--eval-config``,
 the dataset and the fix (``validate_config`` runs this, so ``--dry-run`` reports it).
