@@ -183,17 +183,25 @@ class EvalFunction:
         if flag == FLAG:
             check_eval_function(self.fn, path)
 
-    def _call(self, rollout_id: int, buffer: Any) -> Any:
-        return self.fn(self.args, rollout_id, buffer, evaluation=True)
+    def _call(self, args: PluginArgs, rollout_id: int, buffer: Any) -> Any:
+        return self.fn(args, rollout_id, buffer, evaluation=True)
+
+    def _args_of_call(self, handle: BuiltinEvalHandle | None) -> PluginArgs:
+        """The flags view with this call's built-in eval handle: one object per call, so a timed-out call that
+        goes on in its thread reaches its own (closed) handle, never a later call's."""
+        args = object.__new__(PluginArgs)
+        args.__dict__.update(self.args.__dict__)
+        args.__dict__[BUILTIN_ATTR] = handle
+        return args
 
     async def evaluate(self, rollout_id: int) -> dict[str, float]:
         handle = None
         if self.builtin is not None:
             handle = BuiltinEvalHandle(self.builtin, asyncio.get_running_loop(), self.timeout)
-        object.__setattr__(self.args, BUILTIN_ATTR, handle)
+        args = self._args_of_call(handle)
         buffer = MilesDataBuffer(self.data_source, self.n, rollout_id) if self.data_source is not None else None
         try:
-            out = await call_bounded(self._call, (rollout_id, buffer), self.timeout, self.what,
+            out = await call_bounded(self._call, (args, rollout_id, buffer), self.timeout, self.what,
                                      flag="--distributed-timeout-minutes (in seconds)")
         except TimeoutError as e:
             raise EvalFunctionError(str(e)) from None

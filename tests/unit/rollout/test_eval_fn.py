@@ -411,3 +411,41 @@ def test_builtin_evaluate_logs_miles_eval_keys_with_failed_rewards(engine, tok, 
     assert data["x"]["rewards"] == [1.0, None] * 3 and len(data["x"]["samples"]) == 6
     assert m["eval/x"] == 0.5 and m["eval/x-none_reward_ratio"] == 0.5 and m["eval/x/reward_failures"] == 3
     assert m["eval/x-truncated_ratio"] == m["eval/x/truncated_ratio"] and m["eval/x/response_len/max"] <= 3
+
+
+def test_a_timed_out_call_never_reaches_a_later_calls_builtin_eval(plugins, tmp_path):
+    """A sync eval function that outlives its bound and then asks for the built-in evaluation gets its own call's
+    (closed) handle: the next evaluation's built-in run is not started twice."""
+    (tmp_path / "late_plugin.py").write_text(textwrap.dedent('''
+        import time
+        from miles.rollout.sglang_rollout import generate_rollout as base
+        errors = []
+
+        def late(args, rollout_id, data_source, evaluation=False):
+            if rollout_id == 0:
+                time.sleep(1.5)  # past the bound: abandoned, then asks for the built-in eval
+                try:
+                    base(args, rollout_id, data_source, evaluation=True)
+                except Exception as e:
+                    errors.append(str(e))
+                return {}
+            time.sleep(1.0)  # the stale call's request would land during this one
+            return base(args, rollout_id, data_source, evaluation=True)
+    '''))
+    runs: list[int] = []
+
+    async def builtin(rid: int) -> Any:
+        runs.append(rid)
+        return {"d": {"rewards": [1.0]}}, {}
+
+    async def main() -> dict:
+        fn = EvalFunction("late_plugin.late", PluginArgs(), None, 1, timeout=1.0, builtin=builtin)
+        with pytest.raises(EvalFunctionError, match="did not return within"):
+            await fn.evaluate(0)
+        fn.timeout = 5.0
+        return await fn.evaluate(1)
+
+    assert asyncio.run(main()) == {"eval/d": 1.0, "eval/d-none_reward_ratio": 0.0}
+    late = sys.modules["late_plugin"]
+    assert runs == [1] and late.errors == ["the built-in evaluation was called after its eval function call ended"]
+    sys.modules.pop("late_plugin")
