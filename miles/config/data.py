@@ -112,6 +112,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="Miles's multi-task evaluation document: a YAML/JSON file (or base64:PAYLOAD) of eval: {defaults: "
                         "{...}, datasets: [{name, path, rm_type, n_samples_per_eval_prompt, temperature, ...}]}; it "
                         "replaces --eval-prompt-data (docs/flags.md: evaluation datasets).")
+    e.add_argument("--eval-function-path", type=str, default=None,
+                   help="module.function producing the evaluation results instead of the built-in eval (Miles's "
+                        "contract): fn(args, rollout_id, data_source, evaluation=True) -> {name: {rewards, truncated, "
+                        "samples}} or RolloutFnEvalOutput(data, metrics); logged as eval/<name> (docs/data-and-rewards.md). "
+                        "Default: a custom --rollout-function-path (not the SFT one), else the built-in evaluation.")
     e.add_argument("--eval-interval", type=int, default=None, help="Evaluate every N rollouts.")
     e.add_argument("--n-samples-per-eval-prompt", type=int, default=1, help="Samples per eval prompt.")
     e.add_argument("--eval-max-response-len", type=int, default=None, help="max_new_tokens for evaluation (default: --rollout-max-response-len).")
@@ -172,6 +177,7 @@ class RewardConfig:
 class EvalConfig:
     eval_prompt_data: list[str] | None
     eval_config: str | None
+    eval_function_path: str | None = None
     eval_interval: int | None
     n_samples_per_eval_prompt: int
     eval_max_response_len: int | None

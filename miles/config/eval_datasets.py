@@ -16,8 +16,10 @@ the rollout/data flag. Keys Miles takes per dataset only (``rm_type``, ``stop``,
 ``min_new_tokens``, ``custom_generate_function_path``, ``metadata_overrides``) fall back to miles's eval
 behaviour: the sample's own ``rm_type`` / ``--rm-type``, ``--rollout-stop``, ``--rollout-stop-token-ids``,
 ``--eval-min-new-tokens``, ``--custom-generate-function-path``; Miles ignores them under ``eval.defaults``,
-so miles logs that they are ignored there. ``eval.delegate`` (Miles's experimental eval_delegate_rollout
-plugin, which its ``--eval-function-path`` runs) is refused: miles has no ``--eval-function-path``.
+so miles logs that they are ignored there. ``eval.delegate`` (a list of external evaluation environments, each
+with a ``name``) is for the ``--eval-function-path`` plugin, which reads the document at ``args.eval_config`` itself
+(Miles's experimental ``eval_delegate_rollout``); without a function that evaluates (``--eval-function-path``, or a
+custom ``--rollout-function-path`` by Miles's default: ``evaluating_function``) it is refused.
 
 Nothing here rewrites a parsed value; a bad document is one ``ConfigError`` line naming ``--eval-config``,
 the dataset and the fix (``validate_config`` runs this, so ``--dry-run`` reports it).
@@ -29,6 +31,7 @@ import base64
 import binascii
 import dataclasses
 import math
+import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,6 +57,32 @@ def _warn_once(msg: str, *args: Any) -> None:
         logger.warning(text)
 
 FLAG = "--eval-config"
+DELEGATE_PLUGIN = "examples.experimental.eval.eval_delegate_rollout.generate_rollout"
+# Miles's names of its default eval rollout: naming one selects the built-in evaluation, as leaving the flag unset
+DEFAULT_EVAL_PATHS = ("miles.rollout.inference_rollout.inference_rollout_common.InferenceRolloutFn",
+                      "miles.rollout.sglang_rollout.generate_rollout")
+FULLY_ASYNC_PATH = "miles.rollout.fully_async_rollout.FullyAsyncRolloutFn"
+
+
+def custom_eval_function(ev: EvalConfig) -> str | None:
+    """``--eval-function-path`` when it names a function to call; None when unset or one of Miles's default names."""
+    path = getattr(ev, "eval_function_path", None)
+    return None if path is None or path in DEFAULT_EVAL_PATHS else path
+
+
+def evaluating_function(ev: EvalConfig, data: DataConfig) -> str | None:
+    """The function that evaluates, or None for the built-in evaluation: ``--eval-function-path``, else (Miles's
+    default) a custom ``--rollout-function-path``, but not miles's SFT rollout (training data only; Miles's asserts
+    ``not evaluation``) nor Miles's default / fully async names."""
+    from miles.config.data import MULTIMODAL_SFT_PATH as SFT_PATH
+
+    path = custom_eval_function(ev)
+    if path is not None or getattr(ev, "eval_function_path", None) is not None:  # a default name: the built-in
+        return path
+    rollout = data.rollout_function_path
+    if rollout is None or data.fully_async or rollout in (*DEFAULT_EVAL_PATHS, SFT_PATH, FULLY_ASYNC_PATH):
+        return None
+    return rollout
 
 # key -> the config fields (section, attribute) Miles falls back to, in order (its DATASET_*_SPECS arg_attrs)
 FALLBACKS: dict[str, tuple[tuple[str, str], ...]] = {
@@ -196,7 +225,21 @@ def _dataset_list(raw: Any) -> list[dict[str, Any]]:
                       f"name, got {type(raw).__name__}.")
 
 
-def _eval_mapping(value: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def _check_delegate(delegate: Any, eval_function: str | None) -> None:
+    """``eval.delegate``: read by the ``--eval-function-path`` plugin (Miles's eval_delegate_rollout reads the document
+    at ``args.eval_config`` itself); without one nothing would read it, so it is refused."""
+    if eval_function is None:
+        raise ConfigError(f"{FLAG}: eval.delegate is read by an --eval-function-path plugin (Miles's "
+                          f"{DELEGATE_PLUGIN}), and none is given (nor a --rollout-function-path that evaluates): add "
+                          f"--eval-function-path {DELEGATE_PLUGIN}, or drop the delegate section (the datasets under "
+                          "eval.datasets run as usual).")
+    if not isinstance(delegate, list) or not all(isinstance(e, dict) and str(e.get("name") or "").strip()
+                                                 for e in delegate):
+        raise ConfigError(f"{FLAG}: eval.delegate must be a list of environments, each a mapping with a name "
+                          f"(e.g. [{{name: skills, url: http://host:9050/evaluate, datasets: [...]}}]), got {reprlib.repr(delegate)}.")
+
+
+def _eval_mapping(value: str, eval_function: str | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(defaults, raw dataset entries) of the document."""
     doc = read_document(value)
     if not isinstance(doc, dict):
@@ -206,9 +249,7 @@ def _eval_mapping(value: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     if not isinstance(ev, dict):
         raise ConfigError(f"{FLAG}: `eval` must be a mapping with datasets (and defaults), got {type(ev).__name__}.")
     if ev.get("delegate"):
-        raise ConfigError(f"{FLAG}: eval.delegate (Miles's experimental eval_delegate_rollout plugin, run by its "
-                          "--eval-function-path) is not supported: miles has no --eval-function-path; drop the "
-                          "delegate section (the datasets under eval.datasets run as usual).")
+        _check_delegate(ev["delegate"], eval_function)
     unknown = sorted(set(ev) - {"defaults", "datasets", "delegate"})
     if unknown:
         raise ConfigError(f"{FLAG}: unknown key(s) {', '.join(unknown)} under eval; it takes defaults and datasets.")
@@ -245,7 +286,7 @@ def resolve_eval_datasets(ev: EvalConfig, data: DataConfig, rollout: RolloutConf
     else:
         if ev.eval_config.strip() == "":
             raise ConfigError(f"{FLAG} is an empty string: pass a YAML/JSON file (or base64:<payload>), or drop it.")
-        defaults, raw = _eval_mapping(ev.eval_config)
+        defaults, raw = _eval_mapping(ev.eval_config, evaluating_function(ev, data))
         if ev.eval_prompt_data:
             _warn_once("%s is given: it replaces --eval-prompt-data %s (as in Miles)", FLAG,
                        " ".join(ev.eval_prompt_data))
@@ -314,14 +355,18 @@ def flag_docs() -> list[str]:
         "scores every sample when given, as in Miles); `stop` / `stop_token_ids` are `--rollout-stop` /",
         "`--rollout-stop-token-ids`; `min_new_tokens` is `--eval-min-new-tokens`; `custom_generate_function_path` is",
         "`--custom-generate-function-path`. `rm_type` and `metadata_overrides` are set in each sample's metadata.",
-        "`--eval-prompt-data NAME PATH ...` gives the same specs from the flags alone. Metrics are `eval/<name>` (mean",
-        "reward) and `eval/<name>/...` (`num_samples` = prompts x the dataset's `n_samples_per_eval_prompt`).",
+        "`--eval-prompt-data NAME PATH ...` gives the same specs from the flags alone. Metrics are Miles's `eval/<name>`",
+        "(mean reward, a failed sample counted 0), `eval/<name>-truncated_ratio`, `eval/<name>-none_reward_ratio` and",
+        "`eval/<name>/...` (`num_samples` = prompts x the dataset's `n_samples_per_eval_prompt`).",
         "",
         "Refused in one line naming `--eval-config`, the dataset and the fix, at parse time (so `--dry-run` reports",
         "it): an unreadable file or base64 payload, a document that is not a mapping, no datasets, a dataset",
         "without `name` or `path`, an unknown key, a value of the wrong type or range, duplicate names, and",
-        "`eval.delegate` (Miles's experimental `eval_delegate_rollout` plugin runs it through `--eval-function-path`,",
-        "which miles does not have). The dry run also checks that each dataset's file exists, its `rm_type` is a",
+        "`eval.delegate` without a function that evaluates (`--eval-function-path`, or a custom",
+        "`--rollout-function-path` by Miles's default), or one that is not a list of mappings with a `name`. With",
+        "`--eval-function-path` (e.g. Miles's `examples.experimental.eval.eval_delegate_rollout.generate_rollout`),",
+        "`eval.delegate` is that plugin's: it reads the document at `args.eval_config` itself, as in Miles.",
+        "The dry run also checks that each dataset's file exists, its `rm_type` is a",
         "known reward and its `custom_generate_function_path` imports. OmegaConf interpolation (`${...}`) is not",
         "resolved: the document is read as plain YAML.",
     ]

@@ -40,7 +40,14 @@ def validate_config(cfg: MilesConfig) -> None:
     validate_router(cfg.rollout)
     from miles.config.eval_datasets import resolve_eval_datasets
 
-    resolve_eval_datasets(cfg.eval, cfg.data, cfg.rollout)  # --eval-config's document (read, checked, not kept)
+    specs = resolve_eval_datasets(cfg.eval, cfg.data, cfg.rollout)  # --eval-config's document (read, checked)
+    from miles.config.eval_datasets import custom_eval_function
+
+    if custom_eval_function(cfg.eval) and not specs and cfg.eval.eval_interval:  # Miles asserts datasets here
+        raise ConfigError(f"--eval-function-path {cfg.eval.eval_function_path} (with --eval-interval "
+                          f"{cfg.eval.eval_interval}) runs in place of the evaluation of the --eval-config / "
+                          "--eval-prompt-data datasets, and none is given (Miles requires them too): add --eval-config "
+                          "FILE (or --eval-prompt-data NAME PATH), or drop --eval-function-path.")
     if c.debug_train_only and c.debug_rollout_only:
         raise ConfigError("--debug-train-only and --debug-rollout-only exclude each other: pass at most one.")
     if cfg.is_async and c.colocate:

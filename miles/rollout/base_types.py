@@ -57,6 +57,15 @@ class RolloutFnTrainOutput:
     metrics: dict[str, Any] | None = None
 
 
+@dataclass
+class RolloutFnEvalOutput:
+    """What an ``--eval-function-path`` function may return (a plain dict of eval data works too): ``data`` maps a
+    dataset name to ``{"rewards": [...], "truncated": [...], "samples": [...]}``; ``metrics`` are logged as given."""
+
+    data: dict[str, dict[str, Any]]
+    metrics: dict[str, Any] | None = None
+
+
 def input_form(fn: Callable[[GenerateFnInput], Awaitable[Any]]) -> Callable[..., Awaitable[Sample]]:
     """``fn(input) -> GenerateFnOutput`` as the ``(args, sample, sampling_params) -> Sample`` the manager calls."""
 

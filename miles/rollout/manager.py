@@ -48,9 +48,10 @@ from miles.config.rollout import RolloutConfig
 from miles.rollout import generate as gen
 from miles.rollout.base_types import input_form
 from miles.rollout.data import DataSource, EvalDataset, PromptDataset, PromptItem
+from miles.rollout.eval_fn import miles_eval_metrics
 from miles.rollout.filters import call_filter, load_filter
 from miles.rollout.opd_topk import student_top_k
-from miles.rollout.plugins import PluginArgs, choose_arity, is_async, load_function
+from miles.rollout.plugins import PluginArgs, choose_arity, is_async, load_function, reward_value
 from miles.rollout.reward_post_process import RewardPostProcess
 from miles.rollout.rewards import Rewarder
 from miles.types import Sample, SampleStatus
@@ -491,33 +492,53 @@ class RolloutManager:
                        rollout_id: int = 0) -> dict[str, float]:
         """Every prompt of each dataset, its spec's ``n_samples_per_eval_prompt`` times with its sampling params,
         rm_type, metadata overrides and generate function (``EvalDataset``; a bare ``PromptDataset`` takes the
-        ``--eval-*`` flags); metrics ``eval/<name>/...``."""
+        ``--eval-*`` flags); metrics ``eval/<name>`` (Miles's mean reward, a failed sample counted 0),
+        ``eval/<name>-{none_reward,truncated}_ratio`` and ``eval/<name>/...``."""
+        return (await self.evaluate_data(eval_datasets, rollout_id))[1]
+
+    async def evaluate_data(self, eval_datasets: dict[str, EvalDataset | PromptDataset],
+                            rollout_id: int = 0) -> tuple[dict[str, dict[str, Any]], dict[str, float]]:
+        """(Miles's eval data: name -> {"rewards", "truncated", "samples"}, the metrics :meth:`evaluate` logs)."""
+        data: dict[str, dict[str, Any]] = {}
         metrics: dict[str, float] = {}
         for name, dataset in eval_datasets.items():
-            spec = dataset.spec if isinstance(dataset, EvalDataset) else self._flag_spec(name, dataset.path)
-            n = spec.n_samples_per_eval_prompt
-            base = spec.sampling_params(self.rollout.rollout_skip_special_tokens)
-            path = spec.custom_generate_function_path
-            if path and path != self.data.custom_generate_function_path:
-                self._generate_fn(path, f"--eval-config dataset {name!r}: custom_generate_function_path")
-            else:
-                path = None
-            t0 = time.monotonic()
-            counts = _Counts()
-            groups = [self._new_group(i, item, rollout_id, n) for i, item in enumerate(dataset.items)]
+            samples, m = await self._evaluate_one(name, dataset, rollout_id)
+            rewards = [reward_value(s, self.args) if s.status is not SampleStatus.FAILED else None for s in samples]
+            rewards = [r if isinstance(r, int | float) and not isinstance(r, bool) else None for r in rewards]
+            truncated = [s.status is SampleStatus.TRUNCATED for s in samples]
+            data[name] = {"rewards": rewards, "truncated": truncated, "samples": samples}
+            metrics.update(m)
+            # and Miles's log_eval_rollout_data over the same data: eval/<name> counts a failed sample's reward
+            # (None) as 0, eval/<name>-none_reward_ratio counts them, eval/<name>-truncated_ratio, response_len/...
+            metrics.update(miles_eval_metrics({name: data[name]}))
+        return data, metrics
+
+    async def _evaluate_one(self, name: str, dataset: EvalDataset | PromptDataset,
+                            rollout_id: int) -> tuple[list[Sample], dict[str, float]]:
+        spec = dataset.spec if isinstance(dataset, EvalDataset) else self._flag_spec(name, dataset.path)
+        n = spec.n_samples_per_eval_prompt
+        base = spec.sampling_params(self.rollout.rollout_skip_special_tokens)
+        path = spec.custom_generate_function_path
+        if path and path != self.data.custom_generate_function_path:
+            self._generate_fn(path, f"--eval-config dataset {name!r}: custom_generate_function_path")
+        else:
+            path = None
+        t0 = time.monotonic()
+        counts = _Counts()
+        groups = [self._new_group(i, item, rollout_id, n) for i, item in enumerate(dataset.items)]
+        for g in groups:
+            g.generate_path = path
+        counts.launched = len(groups) * n
+        try:
+            await asyncio.gather(*(self._run_group(g, f"eval:{name}", rollout_id, base, counts) for g in groups))
+        finally:
             for g in groups:
-                g.generate_path = path
-            counts.launched = len(groups) * n
-            try:
-                await asyncio.gather(*(self._run_group(g, f"eval:{name}", rollout_id, base, counts) for g in groups))
-            finally:
-                for g in groups:
-                    g.aborted = True
-            m = self._metrics([g.samples for g in groups], counts, t0)
-            metrics.update({f"eval/{name}/{k.split('/', 1)[1]}": v for k, v in m.items() if k.startswith("rollout/")})
-            metrics[f"eval/{name}"] = m["rollout/raw_reward"]  # Miles's key for the mean reward
-            metrics[f"eval/{name}/time"] = m["perf/rollout_time"]
-        return metrics
+                g.aborted = True
+        m = self._metrics([g.samples for g in groups], counts, t0)
+        metrics = {f"eval/{name}/{k.split('/', 1)[1]}": v for k, v in m.items() if k.startswith("rollout/")}
+        metrics[f"eval/{name}"] = m["rollout/raw_reward"]  # Miles's key for the mean reward
+        metrics[f"eval/{name}/time"] = m["perf/rollout_time"]
+        return [s for g in groups for s in g.samples], metrics
 
     def _flag_spec(self, name: str, path: str) -> EvalDatasetSpec:
         """The spec of a dataset given without one: the ``--eval-*`` flags (the rollout's without an EvalConfig)."""

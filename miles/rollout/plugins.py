@@ -28,13 +28,13 @@ from miles.utils.imports import UNSUPPORTED_ATTR, load_function, unsupported  # 
 class PluginArgs:
     """Read-only attribute view over config sections, plus the engine client and the tokenizer.
 
-    ``args.x`` returns the first section's field ``x`` (sections never share field names). Unknown
-    names raise AttributeError listing where they were looked up.
+    ``args.x`` returns ``overrides[x]``, else the first section's field ``x`` (sections never share field names),
+    else ``extra[x]``. Unknown names raise AttributeError listing where they were looked up.
     """
 
     def __init__(self, *sections: Any, client: Any = None, tokenizer: Any = None,
-                 extra: dict[str, Any] | None = None) -> None:
-        values: dict[str, Any] = {}
+                 extra: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None) -> None:
+        values: dict[str, Any] = dict(overrides or {})  # values the run decided (e.g. the router it started)
         for sec in sections:
             if sec is None:
                 continue

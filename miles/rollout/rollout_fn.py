@@ -17,7 +17,9 @@ Miles's own paths resolve with Miles's meaning: ``miles.rollout.sft_rollout.gene
 ``messages``), the default rollout (``miles.rollout.inference_rollout.inference_rollout_common.InferenceRolloutFn``
 or the legacy ``miles.rollout.sglang_rollout.generate_rollout``: this project's RolloutManager) and
 ``miles.rollout.fully_async_rollout.FullyAsyncRolloutFn`` (``--fully-async``, run by the async loop). The custom function
-serves training rollouts; evaluation keeps the built-in manager.
+serves training rollouts and, unless ``--eval-function-path`` names another function, also evaluates, called with
+``evaluation=True`` (Miles's default of ``--eval-function-path``, see
+:mod:`miles.rollout.eval_fn`); miles's SFT rollout does not (evaluation keeps the built-in manager).
 """
 
 from __future__ import annotations
@@ -176,7 +178,7 @@ def _check(s: Sample, where: str) -> None:
         raise RolloutFunctionError(f"{where}: loss_mask has {len(s.loss_mask)} entries, response_length is {r}")
 
 
-def check_signature(fn: Any, path: str) -> None:
+def check_signature(fn: Any, path: str, flag: str = FLAG) -> None:
     """ConfigError unless ``fn(args, rollout_id, data_source, evaluation=False)`` binds (Miles's call)."""
     try:
         sig = inspect.signature(fn)
@@ -185,7 +187,7 @@ def check_signature(fn: Any, path: str) -> None:
     try:
         sig.bind(None, 0, None, evaluation=False)
     except TypeError:
-        raise ConfigError(f"{FLAG} {path!r} has signature {sig}; expected {FORMS}.") from None
+        raise ConfigError(f"{flag} {path!r} has signature {sig}; expected {FORMS}.") from None
 
 
 class RolloutFunctionSource:

@@ -7,7 +7,8 @@
   ``.sampling_params``), see :mod:`miles.rollout.base_types`.
 - ``generate_rollout`` (``--rollout-function-path`` / Miles's default under
   ``MILES_USE_LEGACY_ROLLOUT_V1=1``): selecting it selects this project's built-in rollout
-  (:class:`~miles.rollout.manager.RolloutManager`); it is a name, not called.
+  (:class:`~miles.rollout.manager.RolloutManager`); it is a name, not called, except with ``evaluation=True``
+  from an ``--eval-function-path`` function, where it runs the built-in evaluation (:mod:`miles.rollout.eval_fn`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from miles.rollout import generate as gen
-from miles.rollout.base_types import GenerateState
+from miles.rollout.base_types import GenerateState, RolloutFnEvalOutput
 from miles.rollout.rollout_fn import RolloutFunctionError
 from miles.types import Sample
 
@@ -31,6 +32,18 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
 
 
 def generate_rollout(args: Any, rollout_id: int, data_source: Any, evaluation: bool = False) -> Any:
-    """Miles's default rollout: ``--rollout-function-path`` naming it runs the built-in RolloutManager."""
+    """Miles's default rollout. With ``evaluation=True``, called by an ``--eval-function-path`` function (Miles's
+    eval_delegate_rollout does), it runs the built-in evaluation over the run's eval datasets and returns
+    ``RolloutFnEvalOutput(data={name: {"rewards", "truncated", "samples"}})``. For training it is a name only:
+    ``--rollout-function-path`` naming it runs the built-in RolloutManager."""
+    from miles.rollout.eval_fn import builtin_eval_of
+
+    handle = builtin_eval_of(args) if evaluation else None
+    if handle is not None:
+        return RolloutFnEvalOutput(data=handle(rollout_id))
+    if evaluation:
+        raise RolloutFunctionError("miles.rollout.sglang_rollout.generate_rollout(..., evaluation=True) runs the "
+                                   "built-in evaluation only inside an --eval-function-path call, with the args it "
+                                   "was given.")
     raise RolloutFunctionError("miles.rollout.sglang_rollout.generate_rollout names the built-in rollout (selected by "
                                "--rollout-function-path or by default); it is not called as a function.")

@@ -54,6 +54,7 @@ class Run:
     progress: Progress = field(default_factory=lambda: Progress(enabled=False))
     resume_extra: dict[str, Any] | None = None
     teacher: Any = None  # EngineClient of the OPD teacher engines (--opd-type sglang), driver only
+    eval_fn: Any = None  # --eval-function-path's runner (miles.rollout.eval_fn.EvalFunction), driver only
 
     @property
     def timeout(self) -> float:
@@ -298,6 +299,14 @@ async def _driver_setup(run: Run, local: dict[str, Any], extra: dict[str, Any] |
             run.teacher = teacher_client(cfg.algo.opd_teacher_urls, api_key=r.sglang_api_key,
                                          timeout=r.rollout_request_timeout, max_retries=r.rollout_request_retries,
                                          concurrency=r.sglang_server_concurrency)
+    if run.manager is not None:  # --eval-function-path: the user's function produces the evaluation results
+        from miles.rollout.eval_fn import build_eval_function
+
+        manager, datasets = run.manager, run.eval_datasets
+        run.eval_fn = build_eval_function(cfg, run.data_source, local["tokenizer"], client=manager.client,
+                                          router_url=run.fleet.router_url if run.fleet is not None else None,
+                                          builtin=lambda rid: manager.evaluate_data(datasets, rid),
+                                          extra=plugin_extra(cfg, run.eval_datasets))
     if custom_rollout_path(cfg.data) is not None:  # --rollout-function-path: the user's function makes the rollouts
         run.sft = build_rollout_function(cfg, run.data_source, local["tokenizer"],
                                          client=run.manager.client if run.manager is not None else None)

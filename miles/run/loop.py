@@ -232,5 +232,7 @@ class RLLoop:
         if not job.eval_datasets or job.manager is None:
             return {}
         with self.timer("eval"), job.worker.channel.keepalive():
+            if job.eval_fn is not None:  # --eval-function-path
+                return await job.eval_fn.evaluate(rollout_id)
             return await job.manager.evaluate(job.eval_datasets, rollout_id)
 

@@ -151,6 +151,12 @@ def _fmt(metrics: dict[str, float], key: str, spec: str = ".3f") -> str:
     return "-" if v is None or not math.isfinite(v) else format(v, spec)
 
 
+def is_eval_headline(key: str) -> bool:
+    """``eval/<name>`` (a dataset's mean reward, or a top-level eval metric), not Miles's ``eval/<name>-<ratio>``."""
+    return key.startswith("eval/") and key.count("/") == 1 and not key.endswith(("-none_reward_ratio",
+                                                                                 "-truncated_ratio"))
+
+
 def summary_line(rollout_id: int, metrics: dict[str, float], num_rollout: int | None = None) -> str:
     """``rollout 3/30 | reward 0.512 | resp_len 2.0 | kl 0.0000 | gen 1.2s train 0.4s sync 0.1s step 1.9s``."""
     of = f"/{num_rollout}" if num_rollout else ""
@@ -160,7 +166,7 @@ def summary_line(rollout_id: int, metrics: dict[str, float], num_rollout: int | 
              f"kl {_fmt(metrics, kl, '.4f') if kl else '-'}"]
     if "train/loss" in metrics:
         parts.append(f"loss {_fmt(metrics, 'train/loss', '.4f')}")
-    evals = [k for k in metrics if k.startswith("eval/") and k.count("/") == 1]
+    evals = [k for k in metrics if is_eval_headline(k)]
     parts += [f"{k} {_fmt(metrics, k)}" for k in sorted(evals)]
     parts.append(f"gen {_fmt(metrics, 'perf/rollout_time', '.2f')}s train {_fmt(metrics, 'perf/train_time', '.2f')}s "
                  f"sync {_fmt(metrics, 'perf/update_weights_time', '.2f')}s step {_fmt(metrics, 'perf/step_time', '.2f')}s")
@@ -258,7 +264,7 @@ class MetricsSink:
         if self._wandb is not None:
             self._wandb.log(scalars, step=rollout_id)
         logger.info("eval before rollout %d: %s", rollout_id,
-                    ", ".join(f"{k} {v:.3f}" for k, v in sorted(scalars.items()) if k.count("/") == 1))
+                    ", ".join(f"{k} {v:.3f}" for k, v in sorted(scalars.items()) if is_eval_headline(k)))
 
     def close(self) -> None:
         if self._closed:

@@ -211,6 +211,11 @@ def check_plugin(name: str, path: str) -> None:
 
         load_filter(path)
         return
+    if name == "eval_function_path":
+        from miles.config.eval_datasets import DEFAULT_EVAL_PATHS
+
+        if path in DEFAULT_EVAL_PATHS:  # Miles's default eval rollout names: the built-in evaluation, not imported
+            return
     fn = load_function(path, flag)
     if name == "custom_generate_function_path":
         choose_arity(fn, (1, 3), flag, path, GENERATE_FORMS)  # (args, sample, params) or Miles's (input)
@@ -227,6 +232,10 @@ def check_plugin(name: str, path: str) -> None:
             check_tis_signature(fn, path)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+    elif name == "eval_function_path":
+        from miles.rollout.eval_fn import check_eval_function
+
+        check_eval_function(fn, path)
     elif name == "rollout_function_path":
         from miles.rollout.rollout_fn import check_signature, custom_rollout_path_of
 

@@ -141,7 +141,8 @@ def test_defaults_key_miles_ignores_is_ignored_with_a_warning(tmp_path, caplog):
     ({"eval": {"datasets": [{"name": "a", "path": "a"}, {"name": "a", "path": "b"}]}}, r"dataset name\(s\) a appear more"),
     ({"eval": {"datasets": "a.jsonl"}}, r"eval.datasets must be a list of datasets"),
     ({"eval": {"datasets": [{"name": "a", "path": "a.jsonl"}], "delegate": [{"name": "skills"}]}},
-     r"eval.delegate .* is not supported: miles has no --eval-function-path; drop the delegate section"),
+     r"eval.delegate is read by an --eval-function-path plugin .*, and none is given .*: add --eval-function-path "
+     r"examples.experimental.eval.eval_delegate_rollout.generate_rollout, or drop the delegate section"),
     ({"eval": {"datasets": [{"name": "a", "path": "a.jsonl"}], "tasks": 1}}, r"unknown key\(s\) tasks under eval"),
     ("- a\n- b\n", r"the document must be a mapping"),
     ("eval: [unclosed\n", r"cannot read it as YAML/JSON"),
@@ -214,3 +215,31 @@ def test_eval_prompt_data_mistakes_name_that_flag_not_eval_config():
         parse_args([*BASE, "--eval-prompt-data", "", "x.jsonl"])
     with pytest.raises(ConfigError, match=r"^--rollout-top-k must be"):  # a flag's value: its own check, not ours
         parse_args([*BASE, "--eval-prompt-data", "a", "a.jsonl", "--rollout-top-k", "0"])
+
+
+def test_delegate_section_is_the_eval_functions(tmp_path):
+    """eval.delegate is accepted with an --eval-function-path (or a custom --rollout-function-path, which evaluates by
+    Miles's default); it stays one line without one, with miles's SFT rollout, or when it is not a list of named
+    environments."""
+    doc = {"eval": {"datasets": [{"name": "a", "path": "a.jsonl"}],
+                    "delegate": [{"name": "skills", "url": "http://h:9050/evaluate", "datasets": [{"name": "aime25"}]}]}}
+    path = _write(tmp_path, doc)
+    for extra in (["--eval-function-path", "examples.experimental.eval.eval_delegate_rollout.generate_rollout"],
+                  ["--rollout-function-path", "my_rollout.generate_rollout"]):
+        assert [s.name for s in _specs("--eval-config", path, *extra)] == ["a"]
+    for extra in ([], ["--eval-function-path", "miles.rollout.sglang_rollout.generate_rollout"],
+                  ["--rollout-function-path", "miles.rollout.sft_rollout.generate_rollout", "--loss-type", "sft_loss"]):
+        with pytest.raises(ConfigError, match=r"^--eval-config: eval.delegate is read by an --eval-function-path plugin"):
+            _specs("--eval-config", path, *extra)
+    bad = _write(tmp_path, {**doc["eval"], "delegate": {"skills": {"url": "u"}}}, "bad.yaml")
+    with pytest.raises(ConfigError, match=r"^--eval-config: eval.delegate must be a list of environments, each a mapping "
+                                          r"with a name .*got \{'skills': \{'url': 'u'\}\}\.$"):
+        _specs("--eval-config", bad, "--eval-function-path", "m.f")
+
+
+def test_eval_function_without_datasets_is_one_line_with_eval_interval():
+    with pytest.raises(ConfigError, match=r"^--eval-function-path m.f \(with --eval-interval 5\) runs in place of the "
+                                          r"evaluation of the --eval-config / --eval-prompt-data datasets, and none is "
+                                          r"given \(Miles requires them too\)"):
+        parse_args([*BASE, "--eval-function-path", "m.f", "--eval-interval", "5"])
+    assert parse_args([*BASE, "--eval-function-path", "m.f"]).eval.eval_function_path == "m.f"  # never called: as Miles

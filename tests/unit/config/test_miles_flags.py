@@ -163,9 +163,10 @@ def test_save_retain_interval_keeps_multiples_from_pruning(tmp_path):
 
 
 def test_other_miles_flags_are_refused_as_not_implemented_not_guessed():
-    msg = _refusal(["--eval-function-path", "m.f", "--log-passrate"])
-    assert msg.startswith("--eval-function-path (and 1 more): a Miles v0.1.0 flag that miles does not implement")
-    assert "did you mean" not in msg  # not --rollout-function-path
+    msg = _refusal(["--custom-eval-rollout-log-function-path", "m.f", "--log-passrate"])
+    assert msg.startswith("--custom-eval-rollout-log-function-path (and 1 more): a Miles v0.1.0 flag that miles does "
+                          "not implement")
+    assert "did you mean" not in msg  # a Miles flag is named as such, not guessed
     assert _refusal(["--rollout-temprature", "1"]).endswith("did you mean --rollout-temperature?")
 
 

@@ -93,7 +93,25 @@ def workdir(tmp_path_factory) -> Path:
          "images": ["geo.png"]}) + "\n" for i in range(256)))
     # the keys of Miles's examples/infra_features/train_infer_mismatch_helper/mis.yaml that name flags here
     (out / "mis.yaml").write_text("use_tis: true\ntis_mode: truncate\ntis_upper_bound: 2.0\n")
+    # Miles's examples/experimental/eval/scripts/multi_tasks.yaml, its dataset paths our data (its ifbench dataset
+    # needs IFBench's evaluation_lib: test_eval_delegate_ifbench_needs_its_library)
+    (out / "eval_delegate_multi_tasks.yaml").write_text(eval_delegate_yaml(data, ifbench=False))
     return out
+
+
+def eval_delegate_yaml(data: Path, ifbench: bool = True) -> str:
+    """Miles's multi_tasks.yaml (the --eval-config of its eval delegate scripts), dataset paths ``data``."""
+    ifbench_entry = (f"    - name: ifbench\n      path: {data}\n      rm_type: ifbench\n"
+                     "      n_samples_per_eval_prompt: 1\n") if ifbench else ""
+    return ("eval:\n  defaults:\n    n_samples_per_eval_prompt: 1\n    temperature: 0.6\n    top_p: 0.95\n"
+            "    top_k: -1\n    max_response_len: 24576\n  datasets:\n"
+            f"    - name: gpqa\n      path: {data}\n      rm_type: gpqa\n      n_samples_per_eval_prompt: 2\n"
+            f"{ifbench_entry}"
+            "  delegate:\n    - name: skills\n      url: http://skills_server:9050/evaluate\n      timeout_secs: 7200\n"
+            "      max_retries: 5\n      headers: {}\n      datasets:\n"
+            "        - name: aime25\n          max_response_len: 8192\n          n_samples_per_eval_prompt: 8\n"
+            "        - name: arena-hard\n          n_samples_per_eval_prompt: 2\n"
+            "        - name: hle\n          max_response_len: 32768\n")
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +165,7 @@ def save_shortfall(cfg, model: Path) -> int | None:
 
 
 def test_every_fixture_says_what_it_expects():
-    assert len(FIXTURES) == 19
+    assert len(FIXTURES) == 20
     for path in FIXTURES:
         entry, expect, lines = read_fixture(path)
         assert entry in ("train.py", "train_async.py"), path.name
@@ -235,6 +253,25 @@ def test_sparse_model_headers_are_checked(model_dirs, tmp_path: Path):
         f.truncate(shards[-1].stat().st_size - 1)
     with pytest.raises(ModelDirError, match=f"{shards[-1].name} is truncated"):
         check_model_dir(cut, "--hf-checkpoint")
+
+
+def test_eval_delegate_ifbench_needs_its_library(workdir: Path, model_dirs, plugins_on_path):
+    """Miles's whole multi_tasks.yaml (with its ifbench dataset): without IFBench's evaluation_lib the dry run is one
+    line naming the dataset, its rm_type and where to get the library."""
+    import importlib.util
+
+    from miles.run.entry import dry_run
+
+    if importlib.util.find_spec("evaluation_lib") is not None:
+        pytest.skip("IFBench's evaluation_lib is importable here")
+    path = HERE / "eval_delegate_qwen3_4b.flags"
+    (workdir / "eval_delegate_full.yaml").write_text(eval_delegate_yaml(workdir / "data.jsonl"))
+    lines = [ln.replace("eval_delegate_multi_tasks.yaml", "eval_delegate_full.yaml") for ln in read_fixture(path)[2]]
+    cfg = parse_args(fixture_argv(lines, subs_for(path, workdir, model_dirs)) + ["--dry-run"])
+    with pytest.raises(ConfigError) as ei:
+        dry_run(cfg)
+    found = [p for p in problems(str(ei.value)) if p.startswith("--eval-config dataset 'ifbench'")]
+    assert found and "rm_type 'ifbench'" in found[0] and "evaluation_lib" in found[0], ei.value
 
 
 @pytest.mark.parametrize("name", ["fsdp_qwen3_0_6b", "megatron_qwen3_dense"])
