@@ -84,13 +84,14 @@ def workdir(tmp_path_factory) -> Path:
              "messages": [{"role": "user", "content": f"{i}+1="}, {"role": "assistant", "content": str(i + 1)}]}
             for i in range(256)]
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    # geo3k's rows (the VLM fixture, --multimodal-keys {"image": "images"}): a question with one <image>
+    # geo3k's rows (the VLM fixtures, --multimodal-keys {"image": "images"}): a question with one <image>, as SFT
+    # messages and as geo3k_imgurl's problem / answer columns (the GRPO script's --input-key / --label-key)
     from PIL import Image
 
     Image.new("RGB", (64, 48), (120, 30, 200)).save(out / "geo.png")
     (out / "geo.jsonl").write_text("".join(json.dumps(
         {"messages": [{"role": "user", "content": f"<image>Find x. ({i})"}, {"role": "assistant", "content": str(i)}],
-         "images": ["geo.png"]}) + "\n" for i in range(256)))
+         "problem": f"<image>Find x. ({i})", "answer": str(i), "images": ["geo.png"]}) + "\n" for i in range(256)))
     # the keys of Miles's examples/infra_features/train_infer_mismatch_helper/mis.yaml that name flags here
     (out / "mis.yaml").write_text("use_tis: true\ntis_mode: truncate\ntis_upper_bound: 2.0\n")
     return out
@@ -147,7 +148,7 @@ def save_shortfall(cfg, model: Path) -> int | None:
 
 
 def test_every_fixture_says_what_it_expects():
-    assert len(FIXTURES) == 18
+    assert len(FIXTURES) == 20
     for path in FIXTURES:
         entry, expect, lines = read_fixture(path)
         assert entry in ("train.py", "train_async.py"), path.name
