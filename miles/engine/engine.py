@@ -68,6 +68,11 @@ class Engine:
             max_total_tokens=args.max_total_tokens, cuda_graph_bs=args.cuda_graph_bs, cuda_graph_max_bs=args.cuda_graph_max_bs,
             kv_cache=args.kv_cache, page_size=args.page_size))
         self.tokenizer = self._load_tokenizer(args.hf_checkpoint)
+        self.vision = None   # a VLM's image side (image_data on /generate); None: the model takes no images
+        if self.runner.is_vlm:
+            from miles.engine.vlm import VisionInputs
+
+            self.vision = VisionInputs(args.hf_checkpoint, self.runner.config)
         self.scheduler = Scheduler(self.runner, self.tokenizer, max_prefill_tokens=args.max_prefill_tokens,
                                    weight_version=args.weight_version, random_seed=args.random_seed,
                                    max_queued_requests=args.max_queued_requests)
@@ -109,8 +114,30 @@ class Engine:
 
     def prepare(self, body: P.GenerateReqInput) -> tuple[list[P.GenSpec], bool]:
         with gc_paused():  # n=100000 builds 100000 specs on the event loop
+            image_error = None if self.vision is not None else (
+                f"this {self.runner.config.model_type!r} model takes no images (not a vision-language model); drop "
+                f"image_data or serve a vision-language model such as Qwen3-VL")
             return P.normalize_generate(body, self._tokenize, self.runner.vocab_size, lambda: os.urandom(16).hex(),
-                                        max_samples=self.args.max_samples_per_request)
+                                        max_samples=self.args.max_samples_per_request, image_error=image_error)
+
+    async def attach_images(self, specs: list[P.GenSpec], is_batch: bool) -> None:
+        """A VLM: decode and process each prompt's ``image_data`` (in a worker thread, off the event loop) into
+        ``spec.mm``, checking the image tokens against the images; the n samples of a prompt share one result."""
+        if self.vision is None:
+            return
+        vision = self.vision
+        done: dict[int, object] = {}
+        for s in specs:
+            key = id(s.input_ids)   # the n samples of a prompt share its token list (and image list)
+            if key in done:
+                s.mm = done[key]
+                continue
+            where = f"GenerateReqInput.image_data (prompt of rid {s.rid})" if is_batch else "GenerateReqInput.image_data"
+            if s.image_data is None:
+                vision.check_text_only(s.input_ids, where.replace("image_data", "input_ids"))
+                done[key] = None
+            else:
+                done[key] = s.mm = await asyncio.to_thread(vision.prepare, s.image_data, s.input_ids, where)
 
     def submit(self, specs: list[P.GenSpec], stream: bool, health: bool = False) -> list[Req]:
         """Queue the requests; raises ``P.BadRequest`` or ``QueueFull`` (the engine is at --max-queued-requests)."""
@@ -224,7 +251,7 @@ class Engine:
     def model_info(self) -> dict[str, Any]:
         return {"model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True,
                 "preferred_sampling_params": None, "weight_version": self.weight_version,
-                "has_image_understanding": False, "has_audio_understanding": False, "model_type": self.runner.config.model_type,
+                "has_image_understanding": self.vision is not None, "has_audio_understanding": False, "model_type": self.runner.config.model_type,
                 "architectures": getattr(self.runner.config, "architectures", None)}
 
     def server_info(self) -> dict[str, Any]:

@@ -781,12 +781,20 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         config = AutoConfig.from_pretrained(self.model_path)
         self.dtype = resolve_dtype(opts.dtype, self.device, config)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).to(self.device).eval()
+        from miles.engine import vlm
+
+        self.is_vlm = vlm.is_vlm(config)   # Qwen3-VL: images on /generate, the generic HF path (miles.engine.vlm)
+        if self.is_vlm:
+            from transformers import AutoModelForImageTextToText as auto_cls
+        else:
+            auto_cls = AutoModelForCausalLM
+        self.model = auto_cls.from_pretrained(self.model_path, dtype=self.dtype).to(self.device).eval()
         self.model.requires_grad_(False)
         self.config = self.model.config
-        self.is_mtp_name = mtp_layer_names(self.config)   # the checkpoint's MTP layers: not served, skipped
+        text_cfg = getattr(self.config, "text_config", None) if self.is_vlm else None
+        self.is_mtp_name = mtp_layer_names(text_cfg or self.config)   # the checkpoint's MTP layers: not served, skipped
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
-        limit = int(getattr(self.config, "max_position_embeddings", 0) or 4096)
+        limit = int(getattr(text_cfg or self.config, "max_position_embeddings", 0) or 4096)
         max_ctx = opts.max_context_len
         if max_ctx is None:
             max_ctx = min(limit, 4096)
@@ -809,7 +817,7 @@ class ModelRunner:
             if not self.paged:  # the paged cache admits by free pages instead
                 self.max_slots = min(self.max_slots, opts.max_total_tokens // max_ctx)
         self.graph_batch_sizes = graph_batch_sizes(self.max_slots, opts.cuda_graph_bs, opts.cuda_graph_max_bs)
-        native = opts.native and getattr(self.config, "model_type", "") in NATIVE_MODEL_TYPES
+        native = opts.native and getattr(self.config, "model_type", "") in NATIVE_MODEL_TYPES and not self.is_vlm
         self.impl: _NativeLM | _GenericLM
         if native:
             try:
@@ -820,7 +828,8 @@ class ModelRunner:
                 logger.warning("native forward unavailable for %s (%s); using the generic HF path", self.config.model_type, e)
                 native = False
         if not native:
-            self.impl = _GenericLM(self.model, self.max_slots, max_ctx, self.device)
+            generic = vlm.VLMGenericLM if self.is_vlm else _GenericLM
+            self.impl = generic(self.model, self.max_slots, max_ctx, self.device)
             self.paged = False
         self.native = native
         self.kv: PagedKV | None = getattr(self.impl, "kv", None)
@@ -941,7 +950,10 @@ class ModelRunner:
         return ids
 
     # ------------------------------------------------------------------ forward
-    def prefill(self, slot_start: int, seqs: list[list[int]], full_for: list[bool]):
+    def prefill(self, slot_start: int, seqs: list[list[int]], full_for: list[bool], mm: list | None = None):
+        """``mm``: per sequence its images (``miles.engine.vlm.ImageBatch``) or None; only a VLM takes them."""
+        if mm is not None and any(b is not None for b in mm):
+            return self.impl.prefill(slot_start, seqs, full_for, mm)
         return self.impl.prefill(slot_start, seqs, full_for)
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, max_len: int) -> torch.Tensor:

@@ -5,8 +5,8 @@ request structs (``sglang/srt/managers/io_struct.py``, ``sglang/srt/sampling/sam
 SGLang commit they were checked against is in docs/engine-protocol.md). Every control struct carries
 SGLang's ``BaseReq`` fields ``rid`` and ``http_worker_ipc``.
 Unknown fields are rejected (``BadRequest`` naming the field, answered as HTTP 400). Fields SGLang accepts
-but this engine cannot honour (grammars, penalties, multimodal inputs, LoRA, ...) are accepted only at
-their default value; any other value is a 400 that names the field and says it is unsupported here.
+but this engine cannot honour (grammars, penalties, video/audio inputs, LoRA, ...) are accepted only at
+their default value (``image_data`` is taken on a vision-language model: ``miles.engine.vlm``); any other value is a 400 that names the field and says it is unsupported here.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ class GenerateReqInput(_Req):
 
 
 _UNSUPPORTED_GENERATE = {
-    "input_embeds": None, "image_data": None, "video_data": None, "audio_data": None, "modalities": None,
+    "input_embeds": None, "video_data": None, "audio_data": None, "modalities": None,
     "session_params": None, "lora_path": None, "lora_id": None, "custom_logit_processor": None,
     "return_hidden_states": False, "return_entropy": False,
     "bootstrap_host": None, "bootstrap_port": None, "bootstrap_room": None, "bootstrap_pair_key": None,
@@ -189,6 +189,36 @@ class GenSpec(msgspec.Struct, kw_only=True):
     # top-k], the experts each token that ran through the model was routed to, rows from routed_experts_start_len
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    # SGLang's image_data of this prompt (one reference per image, in prompt order; the n samples of a prompt share
+    # the list), and the engine's decoded form of it (``miles.engine.vlm.ImageBatch``, set before submission)
+    image_data: list[str] | None = None
+    mm: Any = None
+
+
+TEXT_ONLY = ("this model takes no images (not a vision-language model); drop image_data or serve a "
+             "vision-language model such as Qwen3-VL")
+
+
+def _image_refs(value: Any, n_items: int, is_batch: bool) -> list[list[str] | None]:
+    """SGLang's ``image_data`` per prompt: a single prompt takes one image (a string) or a list of them; a batch takes
+    one such entry per prompt (null for a prompt without images). Each image is a string (data URL, path, base64)."""
+    def refs(v: Any, where: str) -> list[str] | None:
+        if v is None:
+            return None
+        items = v if isinstance(v, list) else [v]
+        for k, x in enumerate(items):
+            if not isinstance(x, str) or not x:
+                raise BadRequest(f"GenerateReqInput.{where}[{k}] must be a non-empty string (a data:image/...;base64 "
+                                 f"URL or a local file path), got {type(x).__name__}")
+        return list(items) or None
+    if value is None:
+        return [None] * n_items
+    if not is_batch:
+        return [refs(value, "image_data")]
+    if not isinstance(value, list) or len(value) != n_items:
+        got = len(value) if isinstance(value, list) else type(value).__name__
+        raise BadRequest(f"GenerateReqInput.image_data must have one entry per prompt of the batch ({n_items}), got {got}")
+    return [refs(v, f"image_data[{i}]") for i, v in enumerate(value)]
 
 
 # ----------------------------------------------------------------------------- control / weights
@@ -384,16 +414,20 @@ def _verify_sampling(sp: SamplingParams, where: str, vocab_size: int) -> dict[st
 
 
 def normalize_generate(req: GenerateReqInput, tokenize, vocab_size: int, new_rid,
-                       max_samples: int | None = None) -> tuple[list[GenSpec], bool]:
+                       max_samples: int | None = None, image_error: str | None = TEXT_ONLY) -> tuple[list[GenSpec], bool]:
     """Expand a ``GenerateReqInput`` into one ``GenSpec`` per (prompt, sample). Returns (specs, is_batch).
 
     ``tokenize(text) -> list[int]`` raises BadRequest when the server has no tokenizer; ``new_rid()`` makes ids.
     More than ``max_samples`` generations (prompts x ``n``) is a BadRequest naming --max-samples-per-request.
+    ``image_error``: None when the model takes images (``image_data`` is kept on the specs; the engine checks it),
+    else why it does not (``image_data`` is then a BadRequest with that reason).
     """
     for name, default in _UNSUPPORTED_GENERATE.items():
         if getattr(req, name) not in (None, default):
             raise BadRequest(f"GenerateReqInput.{name} is not supported by the embedded engine; "
                              f"leave it unset or use --rollout-engine sglang")
+    if req.image_data is not None and req.image_data != [] and image_error is not None:
+        raise BadRequest(f"GenerateReqInput.image_data: {image_error}")
     if (req.text is None) == (req.input_ids is None):
         raise BadRequest("GenerateReqInput: give exactly one of 'text' or 'input_ids'")
     if req.input_ids is not None:
@@ -434,6 +468,7 @@ def normalize_generate(req: GenerateReqInput, tokenize, vocab_size: int, new_rid
         til_list = _per_item(til, n_items, "token_ids_logprob", True)
     else:
         til_list = [til] * n_items
+    image_refs = _image_refs(req.image_data, n_items, is_batch) if image_error is None else [None] * n_items
     rids = req.rid
     rre = bool(req.return_routed_experts)
     re_start = int(req.routed_experts_start_len or 0)
@@ -482,6 +517,7 @@ def normalize_generate(req: GenerateReqInput, tokenize, vocab_size: int, new_rid
             specs.append(GenSpec(rid=rid, input_ids=prompt, return_logprob=bool(rlp[i]), logprob_start_len=start,
                                  top_logprobs_num=int(tl), token_ids_logprob=tids,
                                  return_text_in_logprobs=req.return_text_in_logprobs, index=index,
-                                 return_routed_experts=rre, routed_experts_start_len=re_start, **d))
+                                 return_routed_experts=rre, routed_experts_start_len=re_start,
+                                 image_data=image_refs[i], **d))
             index += 1
     return specs, is_batch or n_samples > 1

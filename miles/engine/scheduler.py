@@ -44,6 +44,13 @@ from miles.utils.logging import get_logger
 logger = get_logger("miles.engine.scheduler")
 
 
+def prompt_key(spec: GenSpec) -> tuple:
+    """What prompt KV is shared by: the token ids, and the images' bytes (``spec.mm.key``) for an image prompt, so that
+    prompts whose image tokens are equal but whose images differ never share KV or first-token logits."""
+    ids = tuple(spec.input_ids)
+    return ids if spec.mm is None else (ids, spec.mm.key)
+
+
 class QueueFull(RuntimeError):
     """The engine holds --max-queued-requests requests already: HTTP 503 (retry later)."""
 
@@ -527,7 +534,7 @@ class Scheduler:
                 self.waiting.popleft()
                 continue
             n = len(r.spec.input_ids) + (len(r.output_ids) - 1 if r.retracted else 0)
-            key = None if r.retracted else tuple(r.spec.input_ids)
+            key = None if r.retracted else prompt_key(r.spec)
             src = first.get(key) if key is not None else None
             holder = None
             if src is None and key is not None and share_running and not self._wants_input_logprobs(r):
@@ -581,7 +588,7 @@ class Scheduler:
             want_full[src] = want_full[src] or want[len(uniq) + j]
         start = len(self.running)
         if uniq:
-            last, full = rn.prefill(start, seqs, want_full)
+            last, full = rn.prefill(start, seqs, want_full, [r.spec.mm for r in uniq])
         else:
             last, full = None, []
         rows = list(range(len(uniq))) + [src for _, src in dups]
@@ -610,7 +617,7 @@ class Scheduler:
         if share_running:  # up to HOLDERS running requests per prompt keep a copy of its post-prompt logits
             for i in fresh:
                 r = batch[i]
-                key = tuple(r.spec.input_ids)
+                key = prompt_key(r.spec)
                 group = self._prompt_holders.setdefault(key, {})
                 if len(group) < self.HOLDERS:
                     r.prompt_key, r.prompt_logits, r.weights_epoch = key, logits[i].clone(), rn.weights_epoch
@@ -672,7 +679,7 @@ class Scheduler:
         fresh, r.retracted = not r.retracted, False
         if not fresh:
             return False
-        key = tuple(r.spec.input_ids)
+        key = prompt_key(r.spec)
         group = self._prompt_holders.setdefault(key, {})
         if rn.can_share_running_prefix and len(group) < self.HOLDERS:
             r.prompt_key, r.prompt_logits, r.weights_epoch = key, last.clone(), rn.weights_epoch

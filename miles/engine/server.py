@@ -93,6 +93,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     logger.debug("generate body: %s", raw[:300])
     body = P.decode(raw, P.GenerateReqInput)
     specs, is_batch = eng.prepare(body)
+    await eng.attach_images(specs, is_batch)
     reqs = eng.submit(specs, stream=body.stream)
     try:
         if not body.stream:

@@ -37,6 +37,38 @@ def build_engine_model(out: Path, seed: int = 0, std: float = 0.25, **kw) -> Pat
     return d
 
 
+def build_engine_vlm(out: Path, seed: int = 0, std: float = 0.25) -> Path:
+    """A tiny Qwen3-VL (``miles.utils.tiny_vlm``, its own ``lm_head``) with a large init of its text matrices (varied
+    greedy tokens) and of its vision tower (images change the logits clearly)."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from miles.utils.tiny_vlm import build_tiny_vlm
+
+    d = build_tiny_vlm(out, seed=seed, tie_word_embeddings=False)
+    model = Qwen3VLForConditionalGeneration.from_pretrained(d)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * (std if ".visual." not in f".{name}" else 0.1))
+    model.save_pretrained(str(d))
+    return d
+
+
+def image_data_url(seed: int, size: tuple[int, int] = (64, 64)) -> str:
+    """A random RGB PNG as SGLang's ``image_data`` entry (``data:image/png;base64,...``)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randint(0, 256, (size[1], size[0], 3), generator=g, dtype=torch.uint8).numpy()
+    buf = io.BytesIO()
+    Image.fromarray(pixels, "RGB").save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
 class EngineProc:
     """``python -m miles.engine`` as a child process; ``stop`` kills only this process."""
 

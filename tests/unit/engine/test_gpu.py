@@ -270,3 +270,121 @@ def test_mixed_steps_graph_replay_matches_eager_and_the_slot_cache(gpu_model):
             assert stats["mixed_prefills"] > 0 and stats["kv_pages_in_use"] == 0, stats
     _same(outs["mixed"], outs["slots"])
     _same(outs["mixed8"], outs["slots"])
+
+
+# ----------------------------------------------------------------------------- Qwen3-VL image prompts (miles.engine.vlm)
+@pytest.fixture(scope="module")
+def gpu_vlm(tmp_path_factory):
+    from miles.engine.testing import build_engine_vlm
+
+    return build_engine_vlm(tmp_path_factory.mktemp("gpu_vlm"))
+
+
+def _vlm_prompt(cfg, n_tokens: int) -> list[int]:
+    return [5, 6, cfg.vision_start_token_id] + [cfg.image_token_id] * n_tokens + [cfg.vision_end_token_id, 11, 7, 8, 9]
+
+
+def _hf_vlm_logits(hf, ids: list[int], mm: dict) -> torch.Tensor:
+    """HF's full forward on cuda (no cache; M-RoPE positions of the whole sequence) -> [T, V] float32."""
+    t = torch.tensor([ids], device="cuda")
+    with torch.no_grad():
+        return hf(input_ids=t, pixel_values=mm["pixel_values"].cuda(), image_grid_thw=mm["image_grid_thw"].cuda(),
+                  mm_token_type_ids=(t == hf.config.image_token_id).to(torch.int32)).logits[0].float()
+
+
+def _hf_vlm_inputs(model_dir, ref: str) -> dict:
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    img = Image.open(io.BytesIO(base64.b64decode(ref.partition(",")[2]))).convert("RGB")
+    out = AutoImageProcessor.from_pretrained(model_dir)(images=[img], return_tensors="pt")
+    return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+
+
+def test_vlm_image_prompts_on_gpu_match_hf(gpu_vlm, tmp_path):
+    """The GPU twin of tests/unit/engine/test_vlm.py: bf16 runner vs HF bf16 (teacher-forced, loose), then a float32
+    server on cuda vs HF float32 on cuda (greedy tokens, log-probs), different images, a bad token count, a weight
+    update by VLM names through CUDA IPC, and memory release/resume."""
+    from multiprocessing.reduction import ForkingPickler
+
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from miles.engine.testing import EngineProc, image_data_url
+    from miles.engine.vlm import VisionInputs
+
+    img_a, img_b = image_data_url(1), image_data_url(2)
+    # 1. bf16 in-process: prefill + cached decode steps against HF's uncached bf16 forward of the same weights
+    runner = ModelRunner(gpu_vlm, RunnerOptions(device="cuda", dtype="bfloat16", max_running_requests=4, max_context_len=256))
+    assert runner.is_vlm and not runner.native and runner.dtype == torch.bfloat16
+    cfg = runner.config
+    ids = _vlm_prompt(cfg, 4)
+    mm = VisionInputs(str(gpu_vlm), cfg).prepare([img_a], ids)
+    last, _ = runner.prefill(0, [ids], [False], [mm])
+    hf_mm = {"pixel_values": mm.pixel_values, "image_grid_thw": mm.grid}
+    seq = list(ids)
+    for step in range(8):
+        ref = _hf_vlm_logits(runner.model, seq, hf_mm)[-1]
+        got = last[0]
+        assert torch.nn.functional.cosine_similarity(got, ref, dim=0) > 0.995, step
+        tok = int(got.argmax())
+        gap = (torch.log_softmax(got, -1)[tok] - torch.log_softmax(ref, -1)[tok]).abs().item()
+        assert gap < 0.1, (step, gap)
+        seq.append(tok)
+        last = runner.decode(torch.tensor([tok], device="cuda"), torch.tensor([len(seq) - 1], device="cuda"), len(seq))
+    del runner
+    torch.cuda.empty_cache()
+
+    # 2. the server on cuda (float32) against HF float32 on cuda
+    hf = Qwen3VLForConditionalGeneration.from_pretrained(gpu_vlm).cuda().eval()
+    eng = EngineProc(gpu_vlm, "--device", "cuda", "--dtype", "float32", "--max-running-requests", "4",
+                     "--max-context-len", "256", log=tmp_path / "engine.log", timeout=300)
+    try:
+        def gen(image, n=12):
+            return eng.generate({"input_ids": ids, "image_data": [image], "return_logprob": True,
+                                 "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}})
+
+        def check_against(model, out, image):
+            mmi = _hf_vlm_inputs(gpu_vlm, image)
+            toks = out["output_ids"]
+            ref = torch.log_softmax(_hf_vlm_logits(model, ids + toks, mmi), -1)
+            for i, (lp, tok, _) in enumerate(out["meta_info"]["output_token_logprobs"]):
+                row = ref[len(ids) - 1 + i]
+                assert abs(lp - row[tok].item()) < 2e-3, i
+                assert row[tok].item() > row.max().item() - 2e-3, i      # greedy under HF too (up to ties)
+
+        a = gen(img_a)
+        check_against(hf, a, img_a)
+        b = gen(img_b)
+        check_against(hf, b, img_b)
+        diff = max(abs(x[0] - y[0]) for x, y in zip(a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]))
+        assert diff > 1e-2
+        r = eng.post("/generate", {"input_ids": _vlm_prompt(cfg, 3), "image_data": [img_a]})
+        assert r.status_code == 400 and "need [4]" in r.json()["message"] and "\n" not in r.json()["message"]
+
+        # weight update by the VLM's HF names, through CUDA IPC handles
+        g = torch.Generator(device="cuda").manual_seed(3)
+        params = dict(hf.named_parameters())
+        named = []
+        for name in ("model.visual.merger.linear_fc2.weight", "model.language_model.layers.1.mlp.down_proj.weight",
+                     "lm_head.weight"):
+            p = params[name]
+            new = (p.detach() + torch.randn(p.shape, generator=g, device="cuda") * 0.2).contiguous()
+            with torch.no_grad():
+                p.copy_(new)
+            named.append((name, new))
+        buf = io.BytesIO()
+        ForkingPickler(buf).dump(named)
+        r = eng.post("/update_weights_from_tensor", {"serialized_named_tensors": [base64.b64encode(buf.getvalue()).decode()],
+                                                     "weight_version": "vlm-ipc"})
+        assert r.status_code == 200 and r.json()["success"], r.text
+        after = gen(img_a)
+        assert after["meta_info"]["weight_version"] == "vlm-ipc" and after["output_ids"] != a["output_ids"]
+        check_against(hf, after, img_a)
+
+        # memory release / resume keeps the updated weights
+        assert eng.post("/release_memory_occupation", {}).status_code == 200
+        assert eng.post("/resume_memory_occupation", {}).status_code == 200
+        again = gen(img_a)
+        assert again["output_ids"] == after["output_ids"]
+    finally:
+        eng.stop()
