@@ -9,7 +9,9 @@ Rows are objects with the prompt under ``--input-key`` (a string, or a list of c
 optional label under ``--label-key``, metadata under ``--metadata-key`` and tool specs under
 ``--tool-key``. ``--apply-chat-template`` renders the prompt with the tokenizer's own chat template
 (a string prompt becomes one user message); it is never implied: a list-shaped prompt without the
-flag is an error. Prompt token ids are computed here, once, and travel unchanged to the engine.
+flag is an error. Prompt token ids are computed here, once, and travel unchanged to the engine. With
+``--multimodal-keys`` the ``<image>`` placeholders are rendered as image items and each image's token is expanded
+to its count (``miles.rollout.multimodal``), so the ids are what the engine and the trainer take with the images.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Multimodal (image) prompts: Miles's ``--multimodal-keys`` for SFT of vision-language models.
+"""Multimodal (image) prompts: Miles's ``--multimodal-keys`` for SFT and RL of vision-language models.
 
 ``--multimodal-keys '{"image": "images"}'`` (Miles's meaning) maps a media type to the data column that holds
 that row's media, in order. Each ``<image>`` placeholder in a message's string content takes the next item
@@ -16,8 +16,11 @@ Rows carry their images as JSON-able references in ``metadata["multimodal_inputs
 :class:`ImageInputs` is the model side, loaded from ``--hf-checkpoint``: its image processor
 (``preprocessor_config.json``) turns a sample's images into ``pixel_values`` / ``image_grid_thw``, and the
 placeholder token (``image_token_id`` of ``config.json``) is expanded to one token per merged patch, as
-the model's processor does. The SFT rollout expands the tokens; the trainer recomputes the pixels from the
-same references (the same processor, so the counts agree; checked).
+the model's processor does. RL prompts are expanded when the data is loaded (``miles.rollout.data``), SFT
+conversations by the SFT rollout; the trainer recomputes the pixels from the same references (the same
+processor, so the counts agree; checked). The engines get each image as SGLang's ``image_data`` entry
+(:func:`image_data`: ``data:image/png;base64,...``, as Miles sends them); :func:`train_inputs` is Miles's
+``Sample.multimodal_train_inputs`` for plugins.
 """
 
 from __future__ import annotations
