@@ -209,7 +209,7 @@ def image_inputs(hf_checkpoint: str) -> ImageInputs:
 
 
 # ----------------------------------------------------------------------------- rollout requests
-@lru_cache(maxsize=256)     # a group's samples (and its retries) send the same images
+@lru_cache(maxsize=128)     # a group's samples (and its retries) send the same images
 def engine_image(ref: str) -> str:
     """One image as the engines take it in ``image_data``: ``data:image/png;base64,...`` of its RGB pixels (what
     Miles's ``encode_image_for_rollout_engine`` sends to SGLang)."""
