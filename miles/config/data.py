@@ -38,7 +38,7 @@ def parse_eval_prompt_data(values: list[str] | None) -> list[tuple[str, str]]:
     return pairs
 
 
-MULTIMODAL_SFT_PATH = "miles.rollout.sft_rollout.generate_rollout"  # the one rollout that takes --multimodal-keys
+MULTIMODAL_SFT_PATH = "miles.rollout.sft_rollout.generate_rollout"  # the rollout function that takes --multimodal-keys
 MULTIMODAL_TYPES = ("image", "video", "audio")                     # Miles's media types
 MULTIMODAL_SUPPORTED = ("image",)
 
@@ -70,7 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--metadata-key", type=str, default="metadata", help="Field holding per-sample metadata.")
     d.add_argument("--tool-key", type=str, default="tools", help="Field holding tool specs.")
     d.add_argument("--multimodal-keys", type=json_object, default=None,
-                   help='JSON map of media type to field, e.g. \'{"image": "images"}\' (images, for SFT with '
+                   help='JSON map of media type to field, e.g. \'{"image": "images"}\' (images: RL and evaluation '
+                        'through the built-in rollout, which sends them to the engines as image_data, and SFT with '
                         'miles.rollout.sft_rollout.generate_rollout; Qwen3-VL on the FSDP or Megatron backend).')
     d.add_argument("--apply-chat-template", action="store_true", help="Apply the tokenizer's chat template (never implied).")
     d.add_argument("--apply-chat-template-kwargs", type=json_object, default={},

@@ -174,24 +174,8 @@ def _validate_miles_flags(cfg: MilesConfig) -> None:
     if a.custom_tis_function_path and not a.use_tis:
         raise ConfigError(f"--custom-tis-function-path {a.custom_tis_function_path} is called only with --use-tis (as in "
                           "Miles): add --use-tis (or use_tis: true in --custom-config-path), or drop it.")
-    if d.multimodal_keys is not None:  # image SFT (miles.rollout.multimodal); the engines take text tokens only
-        import json
-
-        from miles.config.data import MULTIMODAL_SFT_PATH as SFT_PATH
-        from miles.config.data import check_multimodal_keys
-
-        check_multimodal_keys(d.multimodal_keys)
-        keys = json.dumps(d.multimodal_keys)
-        if d.rollout_function_path != SFT_PATH or a.loss_type != "sft_loss":
-            raise ConfigError(f"--multimodal-keys {keys}: images are supported for SFT only (--rollout-function-path "
-                              f"{SFT_PATH} --loss-type sft_loss); the engines take text tokens only.")
-        if cfg.eval.eval_prompt_data or cfg.eval.eval_config:
-            which = "--eval-config" if cfg.eval.eval_config else "--eval-prompt-data"
-            raise ConfigError(f"--multimodal-keys {keys} with {which}: evaluation generates on the "
-                              f"engines, which take text tokens only: drop {which}.")
-        if not d.apply_chat_template:  # the raw-row reader of custom rollouts does not read the images yet
-            raise ConfigError(f"--multimodal-keys {keys} needs --apply-chat-template (the image rows are read and "
-                              "checked by the chat-template data path): add --apply-chat-template.")
+    if d.multimodal_keys is not None:  # images (miles.rollout.multimodal): SFT, and RL through the built-in rollout
+        _validate_multimodal(cfg)
     if not a.compute_advantages_and_returns and a.loss_type == "policy_loss":
         raise ConfigError("--disable-compute-advantages-and-returns leaves the policy loss without advantages: use it "
                           "with --loss-type sft_loss or custom_loss, or drop it.")
@@ -204,6 +188,37 @@ def _validate_miles_flags(cfg: MilesConfig) -> None:
         raise ConfigError(f"--rollout-max-context-len must be positive, got {cfg.rollout.rollout_max_context_len}.")
     if ev.eval_min_new_tokens is not None and ev.eval_min_new_tokens < 0:
         raise ConfigError(f"--eval-min-new-tokens must be >= 0, got {ev.eval_min_new_tokens}.")
+
+
+def _validate_multimodal(cfg: MilesConfig) -> None:
+    """``--multimodal-keys``: image SFT (``miles.rollout.sft_rollout.generate_rollout``) and RL / evaluation through
+    the built-in rollout, whose requests carry the images (``image_data``); one line for what does not take them."""
+    import json
+
+    from miles.config.data import MULTIMODAL_SFT_PATH as SFT_PATH
+    from miles.config.data import check_multimodal_keys
+    from miles.rollout.rollout_fn import custom_rollout_path
+
+    a, d = cfg.algo, cfg.data
+    check_multimodal_keys(d.multimodal_keys)
+    keys = json.dumps(d.multimodal_keys)
+    custom = custom_rollout_path(d)
+    if custom is not None and custom != SFT_PATH:
+        raise ConfigError(f"--multimodal-keys {keys} with --rollout-function-path {custom}: images reach the built-in "
+                          f"rollout (--custom-generate-function-path may replace its generate function) and {SFT_PATH} "
+                          "only; drop --rollout-function-path.")
+    if custom == SFT_PATH and a.loss_type != "sft_loss":
+        raise ConfigError(f"--multimodal-keys {keys} with --rollout-function-path {SFT_PATH} needs --loss-type "
+                          f"sft_loss (got {a.loss_type}): add --loss-type sft_loss.")
+    if not d.apply_chat_template:  # the image rows are read and checked by the chat-template data path
+        raise ConfigError(f"--multimodal-keys {keys} needs --apply-chat-template (the image rows are read and "
+                          "checked by the chat-template data path): add --apply-chat-template.")
+    if a.loss_type != "sft_loss" and a.advantage_estimator == "ppo":
+        raise ConfigError(f"--advantage-estimator ppo with --multimodal-keys {keys}: the critic does not take images; "
+                          "use --advantage-estimator grpo (or another critic-free estimator).")
+    if a.use_opd and a.opd_type == "sglang":
+        raise ConfigError(f"--use-opd --opd-type sglang with --multimodal-keys {keys}: the teacher's requests carry "
+                          "no images; use --opd-type megatron (the teacher runs in the trainer, with the images).")
 
 
 def _refuse_empty_paths(cfg: MilesConfig) -> None:

@@ -9,7 +9,9 @@ Rows are objects with the prompt under ``--input-key`` (a string, or a list of c
 optional label under ``--label-key``, metadata under ``--metadata-key`` and tool specs under
 ``--tool-key``. ``--apply-chat-template`` renders the prompt with the tokenizer's own chat template
 (a string prompt becomes one user message); it is never implied: a list-shaped prompt without the
-flag is an error. Prompt token ids are computed here, once, and travel unchanged to the engine.
+flag is an error. Prompt token ids are computed here, once, and travel unchanged to the engine. With
+``--multimodal-keys`` the ``<image>`` placeholders are rendered as image items and each image's token is expanded
+to its count (``miles.rollout.multimodal``), so the ids are what the engine and the trainer take with the images.
 """
 
 from __future__ import annotations
@@ -143,6 +145,18 @@ def _check_messages(prompt: list[Any], where: str, flag_key: str) -> None:
                             f"with a 'role' (got {str(m)[:80]!r}).")
 
 
+def _expand_images(images: Any, ids: list[int], metadata: dict[str, Any], where: str) -> list[int]:
+    """A rendered prompt's ids with each image's placeholder token repeated to that image's token count (the image
+    processor of --hf-checkpoint, as Miles's processor call expands them): what the engine and the trainer see."""
+    from miles.rollout.multimodal import MEDIA_KEY
+
+    refs = (metadata.get(MEDIA_KEY) or {}).get("images") or []
+    if not refs:
+        return ids
+    counts = images.tokens_per_image(images.pixels(refs)["image_grid_thw"])
+    return images.expand(ids, [0] * len(ids), counts, where)[0]
+
+
 class PromptDataset:
     """All prompts of one file, rendered and tokenized, with over-long prompts dropped (and counted)."""
 
@@ -172,10 +186,11 @@ class PromptDataset:
         max_bytes = data.rollout_max_prompt_bytes
         if max_bytes is not None and max_bytes <= 0:
             raise ConfigError(f"--rollout-max-prompt-bytes must be a positive number of bytes, got {max_bytes}.")
+        images = None
         if data.multimodal_keys and Path(str(getattr(tokenizer, "name_or_path", ""))).is_dir():
             from miles.rollout.multimodal import image_inputs
 
-            image_inputs(str(tokenizer.name_or_path))  # --hf-checkpoint is a VLM with an image processor
+            images = image_inputs(str(tokenizer.name_or_path))  # --hf-checkpoint is a VLM with an image processor
         too_big: list[tuple[str, int]] = []
         rows = read_rows(path, max_bytes, too_big)
         for where, size in too_big:
@@ -197,13 +212,14 @@ class PromptDataset:
             if not isinstance(metadata, dict):
                 raise DataError(f"{where}: '{data.metadata_key}' (--metadata-key) must be an object, got "
                                 f"{type(metadata).__name__}.")
+            shown = prompt
             if data.multimodal_keys:  # --multimodal-keys: the row's images, checked now (miles.rollout.multimodal)
                 from miles.rollout.multimodal import MEDIA_KEY, content_messages, row_media
 
                 media = row_media(row, data.multimodal_keys, where, Path(path).parent)
-                if isinstance(prompt, list | str):  # as many <image> placeholders as images
-                    content_messages(prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}],
-                                     media, where)
+                if isinstance(prompt, list | str):  # as many <image> placeholders as images, rendered as image items
+                    shown = content_messages(prompt if isinstance(prompt, list) else
+                                             [{"role": "user", "content": prompt}], media, where)
                 metadata = {**metadata, MEDIA_KEY: media}
             tools = row.get(data.tool_key) if data.tool_key else None
             if isinstance(tools, str):
@@ -211,7 +227,7 @@ class PromptDataset:
                     tools = json.loads(tools)
                 except json.JSONDecodeError as e:
                     raise DataError(f"{where}: '{data.tool_key}' (--tool-key) is a string but not JSON: {e.msg}.") from e
-            text = self._render(prompt, tools, tokenizer, data, where)
+            text = self._render(shown, tools, tokenizer, data, where)
             if max_bytes is not None and len(text) * 4 > max_bytes and len(text.encode("utf-8")) > max_bytes:
                 self._drop_too_big(where, "rendered prompt", len(text.encode("utf-8")), max_bytes)
                 continue
@@ -221,8 +237,12 @@ class PromptDataset:
         items: list[PromptItem] = []
         for start in range(0, len(texts), _TOKENIZE_CHUNK):
             chunk = texts[start:start + _TOKENIZE_CHUNK]
-            for (_, prompt, label, metadata, tools), ids in zip(parsed[start:start + _TOKENIZE_CHUNK],
-                                                               self._tokenize(tokenizer, chunk, limit)):
+            # with images the limit applies to the expanded ids (as Miles's processor-based length filter)
+            for (where, prompt, label, metadata, tools), ids in zip(
+                    parsed[start:start + _TOKENIZE_CHUNK], self._tokenize(tokenizer, chunk, None if images else limit)):
+                if ids is not None and images is not None:
+                    ids = _expand_images(images, ids, metadata, where)
+                    ids = ids if limit is None or len(ids) <= limit else None
                 if ids is None:
                     self.num_dropped_too_long += 1
                     continue

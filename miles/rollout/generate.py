@@ -1,7 +1,9 @@
 """Generating one sample: the default single-turn function and the custom-generate contract.
 
 Token in, token out: the engine gets ``sample.tokens`` (the prompt ids from the data source, and in
-later turns everything so far) as ``input_ids`` with ``return_logprob=True``; the generated ids and
+later turns everything so far) as ``input_ids`` with ``return_logprob=True`` (and, for a sample with images,
+SGLang's ``image_data``: each image as ``data:image/png;base64,...``, its tokens already expanded in the ids,
+as Miles sends them); the generated ids and
 their log-probs are read from ``meta_info.output_token_logprobs`` and appended unchanged. Nothing is
 ever re-tokenized, so the trainer sees exactly the ids the engine produced.
 
@@ -109,15 +111,29 @@ def append_output(sample: Sample, out: dict[str, Any], decode: Any = None) -> tu
     return ids, status
 
 
-def request_extra(top_logprobs_num: int = 0, routed_experts: bool = False) -> dict[str, Any] | None:
-    """The /generate fields beyond ids, sampling and log-probs: top-k log-probs (top-k OPD) and, for R3
-    (``--use-rollout-routing-replay``), SGLang's ``return_routed_experts``."""
+def request_extra(top_logprobs_num: int = 0, routed_experts: bool = False,
+                  image_data: list[str] | None = None) -> dict[str, Any] | None:
+    """The /generate fields beyond ids, sampling and log-probs: top-k log-probs (top-k OPD), for R3
+    (``--use-rollout-routing-replay``) SGLang's ``return_routed_experts``, and a sample's images as SGLang's
+    ``image_data`` (one ``data:image/png;base64,...`` per image; the ids hold each image's expanded tokens)."""
     extra: dict[str, Any] = {}
     if top_logprobs_num:
         extra["top_logprobs_num"] = int(top_logprobs_num)
     if routed_experts:
         extra["return_routed_experts"] = True
+    if image_data:
+        extra["image_data"] = list(image_data)
     return extra or None
+
+
+def sample_image_data(sample: Sample) -> list[str] | None:
+    """The ``image_data`` of a sample's requests (``--multimodal-keys``: its ``metadata["multimodal_inputs"]``), or
+    None for a text sample."""
+    if not isinstance(sample.metadata, dict) or "multimodal_inputs" not in sample.metadata:  # multimodal.MEDIA_KEY
+        return None
+    from miles.rollout.multimodal import image_data
+
+    return image_data(sample.metadata)
 
 
 async def generate(client: Any, sample: Sample, sampling_params: dict[str, Any], *,
@@ -125,7 +141,7 @@ async def generate(client: Any, sample: Sample, sampling_params: dict[str, Any],
     """The default: one /generate call on ``sample.tokens`` (the prompt ids). ``top_logprobs_num``: also keep
     the engine's top-k log-probs of every generated position (``metadata["opd_student_top_logprobs"]``);
     ``routed_experts``: ask for the MoE routing (R3), kept in ``sample.rollout_routed_experts``."""
-    extra = request_extra(top_logprobs_num, routed_experts)
+    extra = request_extra(top_logprobs_num, routed_experts, sample_image_data(sample))
     out = await client.generate(list(sample.tokens), sampling_params, return_logprob=True, extra=extra)
     append_output(sample, out)
     return sample
@@ -141,7 +157,7 @@ class MultiTurn:
     def __init__(self, sample: Sample, tokenizer: Any, sampling_params: dict[str, Any], *,
                  routed_experts: bool = False) -> None:
         self.sample, self.tokenizer = sample, tokenizer
-        self.extra = request_extra(0, routed_experts)
+        self.extra = request_extra(0, routed_experts, sample_image_data(sample))
         self.sampling_params = dict(sampling_params)
         budget = self.sampling_params.get("max_new_tokens")
         self.budget = int(budget) if budget is not None else None

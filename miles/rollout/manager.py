@@ -188,6 +188,10 @@ class RolloutManager:
         self.args = PluginArgs(rollout, data, reward, eval_cfg, *sections, client=self.client, tokenizer=tokenizer,
                                extra=custom_config)
         self.rewarder = Rewarder(reward, self.args, rewards_from_generate=bool(data.custom_generate_function_path))
+        if data.multimodal_keys:  # images: Sample.multimodal_train_inputs (Miles's plugins) from this processor
+            from miles.rollout.multimodal import set_rollout_checkpoint
+
+            set_rollout_checkpoint(getattr(self.args, "hf_checkpoint", None) or str(getattr(tokenizer, "name_or_path", "")))
         self.student_top_k = student_top_k(self.args)  # top-k OPD: the engines' top-k log-probs of each token
         self.routed_experts = bool(getattr(self.args, "use_rollout_routing_replay", False))  # R3: the MoE routing
         self.post_process = (RewardPostProcess(reward.custom_reward_post_process_path, self.args, reward.rm_timeout)
@@ -278,7 +282,7 @@ class RolloutManager:
     async def _generate_group(self, g: _Group, params: dict[str, Any], counts: _Counts) -> None:
         """Every sample of ``g`` from one n-sample request; a failed request marks them all FAILED (counted)."""
         n, first = len(g.samples), g.samples[0]
-        extra = gen.request_extra(self.student_top_k, self.routed_experts)
+        extra = gen.request_extra(self.student_top_k, self.routed_experts, gen.sample_image_data(first))
         try:
             outs = await self.client.generate_group(g, first.rollout_id, list(first.tokens), params, n,
                                                     return_logprob=True, extra=extra)

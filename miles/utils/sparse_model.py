@@ -2,7 +2,9 @@
 
     build_sparse_model("/tmp/qwen3-4b", config)   # config: the real model's config.json, as a dict
 
-The directory holds the given ``config.json``, the tiny model's tokenizer (``miles.utils.tiny_model``) and
+The directory holds the given ``config.json``, the tiny model's tokenizer (``miles.utils.tiny_model``; for a
+vision-language config, with the vision tokens at the config's ids and Qwen3-VL's content-list chat template:
+``miles.utils.tiny_vlm.build_vlm_tokenizer``) and
 safetensors shards named and split the way ``save_pretrained`` names and splits them
 (``model-00001-of-0000N.safetensors`` plus ``model.safetensors.index.json``). The tensor names and shapes
 come from the transformers class of ``architectures[0]`` built on the meta device and converted back to the
@@ -105,7 +107,12 @@ def build_sparse_model(out_dir: str | Path, config: dict[str, Any], *,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    build_tokenizer(out)
+    if isinstance(config.get("vision_config"), dict):      # a VLM (Qwen3-VL): its vision tokens at the config's ids
+        from miles.utils.tiny_vlm import VISION_ID_KEYS, build_vlm_tokenizer
+
+        build_vlm_tokenizer(out, {k: int(config[k]) for k in VISION_ID_KEYS})
+    else:
+        build_tokenizer(out)
     if isinstance(config.get("vision_config"), dict):      # a VLM (Qwen3-VL): its image processor's settings
         v = config["vision_config"]
         (out / "preprocessor_config.json").write_text(json.dumps({

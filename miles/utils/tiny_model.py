@@ -18,8 +18,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(out_dir: str | Path | None = None):
-    """A character-level tokenizer: ids 0-3 are special, then one id per printable character."""
+def build_tokenizer(out_dir: str | Path | None = None, fixed_ids: dict[str, int] | None = None):
+    """A character-level tokenizer: ids 0-3 are special, then one id per printable character. ``fixed_ids``:
+    further special tokens at the given ids (e.g. a real checkpoint's vision tokens, ids far past the others)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -27,12 +28,16 @@ def build_tokenizer(out_dir: str | Path | None = None):
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for c in chars:
         vocab.setdefault(c, len(vocab))
+    fixed = dict(fixed_ids or {})
+    if set(fixed) & set(vocab) or set(fixed.values()) & set(vocab.values()):
+        raise ValueError(f"fixed_ids {fixed} collide with the character vocabulary (ids 0-{len(vocab) - 1})")
+    vocab.update(fixed)              # the model's vocabulary holds them: add_special_tokens keeps these ids
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", eos_token="<|endoftext|>", unk_token="<pad>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+        additional_special_tokens=["<|im_start|>", "<|im_end|>", *fixed],
     )
     fast.chat_template = CHAT_TEMPLATE
     if out_dir is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+VISION_ID_KEYS = ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")  # config.json
 VLM_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
     "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
@@ -25,12 +26,17 @@ VLM_CHAT_TEMPLATE = (
 )
 
 
-def build_vlm_tokenizer(out_dir: str | Path | None = None):
-    """The tiny character-level tokenizer with Qwen3-VL's vision tokens and a content-list chat template."""
+def build_vlm_tokenizer(out_dir: str | Path | None = None, vision_ids: dict[str, int] | None = None):
+    """The tiny character-level tokenizer with Qwen3-VL's vision tokens and a content-list chat template.
+    ``vision_ids``: the vision tokens at these ids (a real checkpoint's config.json: ``vision_start_token_id``,
+    ``vision_end_token_id``, ``image_token_id``, ``video_token_id``); else after the character ids."""
     from miles.utils.tiny_model import build_tokenizer
 
-    tok = build_tokenizer()
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", *VISION_TOKENS]})
+    if vision_ids is not None:
+        tok = build_tokenizer(fixed_ids=dict(zip(VISION_TOKENS, (vision_ids[k] for k in VISION_ID_KEYS))))
+    else:
+        tok = build_tokenizer()
+        tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", *VISION_TOKENS]})
     tok.chat_template = VLM_CHAT_TEMPLATE
     if out_dir is not None:
         tok.save_pretrained(str(out_dir))
@@ -51,8 +57,7 @@ def build_tiny_vlm(out_dir: str | Path, hidden_size: int = 64, num_layers: int =
     Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2,
                              size={"shortest_edge": 32 * 32, "longest_edge": 64 * 64},
                              image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(str(out))
-    ids = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
-                   tok.convert_tokens_to_ids(VISION_TOKENS)))
+    ids = dict(zip(VISION_ID_KEYS, tok.convert_tokens_to_ids(VISION_TOKENS)))
     heads = 4
     head_dim = hidden_size // heads
     third = head_dim // 2 // 3          # M-RoPE sections (t, h, w) over head_dim / 2 frequencies

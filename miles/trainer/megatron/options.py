@@ -176,8 +176,8 @@ def preflight_check(cfg, hf_config: dict | None) -> None:
     from miles.trainer import lora
     from miles.trainer.megatron import vlm
 
-    vlm.check_static(resolve(cfg.megatron, cfg.train), shape, lora=lora.LoraSpec.from_config(cfg.train) is not None,
-                     loss_type=cfg.algo.loss_type)     # Qwen3-VL: one line for what it does not run with
+    vlm.check_static(resolve(cfg.megatron, cfg.train), shape,   # Qwen3-VL: one line for what it does not run with
+                     lora=lora.LoraSpec.from_config(cfg.train) is not None)
     check_shape(cfg.megatron, shape)
     check_static(resolve(cfg.megatron, cfg.train), shape)
     check_pipeline_algo(resolve(cfg.megatron, cfg.train), cfg.algo)

@@ -114,8 +114,7 @@ class MegatronTrainer(FSDPTrainer):
         self.shape = dataclasses.replace(options.shape_of(hf_config),
                                          mtp_num_layers=self.opts.mtp_num_layers)      # the MTP block (mtp.py)
         # Qwen3-VL (vlm.py): image inputs per micro-batch, as the FSDP trainer reads them (miles.trainer.vlm)
-        mvlm.check_static(self.opts, self.shape, lora=lora_mod.LoraSpec.from_config(train) is not None,
-                          loss_type=algo.loss_type)
+        mvlm.check_static(self.opts, self.shape, lora=lora_mod.LoraSpec.from_config(train) is not None)
         self._images = (hf_vlm.ImageProcessor(train.hf_checkpoint, hf_config.image_token_id) if self.shape.vision
                         else None)
         self._mm: list | None = None

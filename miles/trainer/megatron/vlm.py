@@ -61,8 +61,9 @@ def text_hf_state(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {("model." + k[len(HF_LM_PREFIX):] if k.startswith(HF_LM_PREFIX) else k): v for k, v in hf.items()}
 
 
-def check_static(o, shape, *, lora: bool = False, loss_type: str | None = None) -> None:
-    """One line for what the Megatron backend does not run with a vision-language model."""
+def check_static(o, shape, *, lora: bool = False) -> None:
+    """One line for what the Megatron backend does not run with a vision-language model (any loss runs: SFT, and
+    the RL losses with old / reference log-probs computed with the images, as the training forward)."""
     if not shape.vision:
         return
     what = "a vision-language --hf-checkpoint (Qwen3-VL)"
@@ -80,9 +81,6 @@ def check_static(o, shape, *, lora: bool = False, loss_type: str | None = None) 
     if lora:
         raise ConfigError(f"--lora-rank with {what} is not supported by the Megatron backend; drop --lora-rank or "
                           "use --train-backend fsdp.")
-    if loss_type is not None and loss_type != "sft_loss":
-        raise ConfigError(f"--loss-type {loss_type} with {what} is not supported by the Megatron backend (it trains "
-                          "Qwen3-VL with --loss-type sft_loss only; the engines take text tokens only).")
 
 
 # ----------------------------------------------------------------------------- building

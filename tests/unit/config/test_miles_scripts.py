@@ -84,13 +84,14 @@ def workdir(tmp_path_factory) -> Path:
              "messages": [{"role": "user", "content": f"{i}+1="}, {"role": "assistant", "content": str(i + 1)}]}
             for i in range(256)]
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    # geo3k's rows (the VLM fixture, --multimodal-keys {"image": "images"}): a question with one <image>
+    # geo3k's rows (the VLM fixtures, --multimodal-keys {"image": "images"}): a question with one <image>, as SFT
+    # messages and as geo3k_imgurl's problem / answer columns (the GRPO script's --input-key / --label-key)
     from PIL import Image
 
     Image.new("RGB", (64, 48), (120, 30, 200)).save(out / "geo.png")
     (out / "geo.jsonl").write_text("".join(json.dumps(
         {"messages": [{"role": "user", "content": f"<image>Find x. ({i})"}, {"role": "assistant", "content": str(i)}],
-         "images": ["geo.png"]}) + "\n" for i in range(256)))
+         "problem": f"<image>Find x. ({i})", "answer": str(i), "images": ["geo.png"]}) + "\n" for i in range(256)))
     # the keys of Miles's examples/infra_features/train_infer_mismatch_helper/mis.yaml that name flags here
     (out / "mis.yaml").write_text("use_tis: true\ntis_mode: truncate\ntis_upper_bound: 2.0\n")
     # Miles's examples/experimental/eval/scripts/multi_tasks.yaml, its dataset paths our data (its ifbench dataset
@@ -165,7 +166,7 @@ def save_shortfall(cfg, model: Path) -> int | None:
 
 
 def test_every_fixture_says_what_it_expects():
-    assert len(FIXTURES) == 20
+    assert len(FIXTURES) == 22
     for path in FIXTURES:
         entry, expect, lines = read_fixture(path)
         assert entry in ("train.py", "train_async.py"), path.name
@@ -288,3 +289,23 @@ def test_entrypoint_prints_one_line_or_the_plan(name: str, workdir: Path, model_
         errors = [ln for ln in r.stderr.splitlines() if expect.removeprefix("refused: ") in ln]
         assert r.returncode == 2 and len(errors) == 1, r.stderr[-2000:]
         assert "usage:" not in r.stderr and "Traceback" not in r.stderr
+
+
+def test_geo3k_grpo_prompts_hold_the_image_tokens(workdir: Path, model_dirs, plugins_on_path):
+    """The GRPO fixture's prompts as its dry run loads them: Qwen3-VL-8B's image token (config.json's id) repeated to
+    the image's merged-patch count of the checkpoint's image processor, between the vision start and end tokens."""
+    from miles.rollout.multimodal import MEDIA_KEY, image_inputs
+    from miles.rollout.rollout_fn import build_prompt_dataset
+    from miles.utils.model_dir import load_tokenizer
+
+    path = HERE / "grpo_geo3k_vlm.flags"
+    cfg = parse_args(fixture_argv(read_fixture(path)[2], subs_for(path, workdir, model_dirs)) + ["--dry-run"])
+    model = str(model_dirs(fixture_model(path)))
+    config = json.loads((Path(model) / "config.json").read_text())
+    item = build_prompt_dataset(cfg.data, load_tokenizer(model, "--hf-checkpoint"))[0]
+    images = image_inputs(model)
+    (n,) = images.tokens_per_image(images.pixels(item.metadata[MEDIA_KEY]["images"])["image_grid_thw"])
+    start = item.prompt_ids.index(config["vision_start_token_id"])
+    assert n > 1 and item.prompt_ids[start + 1:start + n + 2] == [config["image_token_id"]] * n + [
+        config["vision_end_token_id"]]
+    assert item.prompt_ids.count(config["image_token_id"]) == n and item.label == "0"

@@ -1,4 +1,4 @@
-"""--multimodal-keys (image SFT): the data path, Miles's placeholder split, the SFT rollout's tokens and the
+"""--multimodal-keys (images: SFT, and RL through the built-in rollout): the data path, Miles's placeholder split, the SFT rollout's tokens and the
 refusals, on a tiny Qwen3-VL built locally (miles.utils.tiny_vlm)."""
 
 from __future__ import annotations
@@ -101,11 +101,20 @@ def test_refusals_are_one_line_naming_the_flag(vlm_dir: Path, data: Path):
         msg = str(ei.value)
         assert msg.startswith("--multimodal-keys ") and text in msg and "\n" not in msg, msg
     rl = ["--hf-checkpoint", str(vlm_dir), "--prompt-data", str(data), "--train-backend", "fsdp", *KEYS,
-          "--input-key", "messages", "--apply-chat-template", "--rollout-batch-size", "2"]
-    with pytest.raises(ConfigError, match=r"^--multimodal-keys .*images are supported for SFT only"):
-        parse_args(rl, is_async=True)
-    with pytest.raises(ConfigError, match=r"^--multimodal-keys .* with --eval-prompt-data: evaluation generates"):
-        parse_args(base + ["--train-backend", "fsdp", *KEYS, "--eval-prompt-data", "e", str(data)], is_async=True)
+          "--input-key", "messages", "--apply-chat-template", "--rollout-batch-size", "2", "--num-rollout", "1"]
+    parse_args(rl + ["--eval-prompt-data", "e", str(data)])         # RL and evaluation with images: accepted
+    for extra, start in (
+            (["--rollout-function-path", "my.rollout"], "--multimodal-keys {\"image\": \"images\"} with "
+                                                        "--rollout-function-path my.rollout: images reach the built-in"),
+            (["--rollout-function-path", "miles.rollout.sft_rollout.generate_rollout"],
+             "--multimodal-keys {\"image\": \"images\"} with --rollout-function-path "
+             "miles.rollout.sft_rollout.generate_rollout needs --loss-type sft_loss (got policy_loss)"),
+            (["--advantage-estimator", "ppo"], "--advantage-estimator ppo with --multimodal-keys"),
+            (["--use-opd", "--opd-type", "sglang", "--rm-url", "http://t/generate"],
+             "--use-opd --opd-type sglang with --multimodal-keys")):
+        with pytest.raises(ConfigError) as ei:
+            parse_args(rl + extra)
+        assert str(ei.value).startswith(start) and "\n" not in str(ei.value), ei.value
     raw = [a for a in base if a != "--apply-chat-template"] + ["--train-backend", "fsdp", *KEYS]
     with pytest.raises(ConfigError, match=r"^--multimodal-keys .* needs --apply-chat-template"):
         parse_args(raw, is_async=True)
