@@ -19,6 +19,8 @@ processor, logits / --rollout-temperature):
 
 from __future__ import annotations
 
+import os
+
 import json
 import sys
 from pathlib import Path
@@ -54,7 +56,9 @@ def _samples(model_dir: str) -> list:
     out = []
     for i, (h, w) in enumerate(SIZES):
         path = Path(model_dir).parent / f"img{i}.png"
-        Image.fromarray((np.random.default_rng(i).random((h, w, 3)) * 255).astype("uint8")).save(path)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")   # every rank writes it: atomically, never half-read
+        Image.fromarray((np.random.default_rng(i).random((h, w, 3)) * 255).astype("uint8")).save(tmp, format="PNG")
+        os.replace(tmp, path)
         text = tok.apply_chat_template([{"role": "user", "content": [
             {"type": "image"}, {"type": "text", "text": f"Find x. ({i // 2})" * (1 + i)}]}],
             tokenize=False, add_generation_prompt=True)

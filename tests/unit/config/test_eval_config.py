@@ -203,11 +203,14 @@ def test_plugins_see_the_specs_as_args_eval_datasets(tmp_path):
     assert args.eval_config == cfg.eval.eval_config
 
 
-def test_multimodal_sft_refuses_eval_config_as_eval_prompt_data(tmp_path):
-    with pytest.raises(ConfigError, match=r"with --eval-config: evaluation generates on the engines.*drop --eval-config"):
-        parse_args([*BASE, "--multimodal-keys", '{"image": "images"}', "--rollout-function-path",
-                    "miles.rollout.sft_rollout.generate_rollout", "--loss-type", "sft_loss", "--apply-chat-template",
-                    "--eval-config", _write(tmp_path, MULTI_TASK)])
+def test_images_take_eval_config_as_eval_prompt_data(tmp_path):
+    """Evaluation sends the images to the engines (image_data), so --eval-config is accepted with --multimodal-keys
+    as --eval-prompt-data is; without --apply-chat-template both are one line."""
+    cfg = parse_args([*BASE, "--multimodal-keys", '{"image": "images"}', "--apply-chat-template",
+                      "--eval-config", _write(tmp_path, MULTI_TASK)])
+    assert [s.name for s in resolve_eval_datasets(cfg.eval, cfg.data, cfg.rollout)] == ["aime", "gpqa"]
+    with pytest.raises(ConfigError, match=r"needs --apply-chat-template"):
+        parse_args([*BASE, "--multimodal-keys", '{"image": "images"}', "--eval-config", _write(tmp_path, MULTI_TASK)])
 
 
 def test_eval_prompt_data_mistakes_name_that_flag_not_eval_config():
