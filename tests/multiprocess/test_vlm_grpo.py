@@ -19,9 +19,8 @@ processor, logits / --rollout-temperature):
 
 from __future__ import annotations
 
-import os
-
 import json
+import os
 import sys
 from pathlib import Path
 
