@@ -203,6 +203,18 @@ def _visible_base_gpu(spec: Any, world: Any) -> int:
     return spec.base_gpu_id
 
 
+def _last_error(log_path: Path) -> str:
+    """``: <the last ERROR line of the engine's log>`` (or its last line), to say why in the rank's one line."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - 16384))
+            lines = [ln.strip() for ln in f.read().decode("utf-8", "replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    pick = next((ln for ln in reversed(lines) if "ERROR" in ln or "Error" in ln), lines[-1] if lines else "")
+    return f": {pick[:300]}" if pick else ""
+
+
 def start_engine(argv: list[str], cfg: MilesConfig, *, name: str, log_path: Path) -> EngineSupervisor:
     from miles.spmd.supervisor import EngineSupervisor, scrubbed_env
 
@@ -210,9 +222,18 @@ def start_engine(argv: list[str], cfg: MilesConfig, *, name: str, log_path: Path
     extra = {"MILES_LOG_LEVEL": os.environ.get("MILES_ENGINE_LOG_LEVEL", "WARNING")}
 
     def on_exit(sup: EngineSupervisor, code: int, will_restart: bool) -> None:
-        if code != 0:
-            logger.error("%s exited with code %d%s; its log: %s", name, code,
-                         " (restarting)" if will_restart else "", log_path)
+        if code == 0:
+            return
+        logger.error("%s exited with code %d%s; its log: %s", name, code, " (restarting)" if will_restart else "",
+                     log_path)
+        if not will_restart and not cfg.ft.use_fault_tolerance:
+            # no engine will take its place: end this rank now, so that the launcher ends the job (the driver would
+            # otherwise wait --engine-startup-timeout for an engine that is gone, or retry requests against it)
+            from miles.spmd.errors import exit_rank_now
+            from miles.utils.errors import MilesError
+
+            exit_rank_now(MilesError(f"{name} exited with code {code}{_last_error(log_path)}; without "
+                                     f"--use-fault-tolerance the run cannot go on without it (its log: {log_path})"))
 
     sup = EngineSupervisor(argv, env=scrubbed_env(extra=extra), name=name, log_path=log_path, max_restarts=restarts,
                            on_exit=on_exit)

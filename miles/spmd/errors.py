@@ -96,6 +96,22 @@ def _exit(code: int) -> NoReturn:
     os._exit(code)
 
 
+def exit_rank_now(exc: BaseException) -> NoReturn:
+    """End this rank from any thread with ``exc`` as its one line and exit code 2 (as :func:`run_main` does for a
+    known error), e.g. from an engine supervisor's watcher thread while the main thread waits in a collective: the
+    launcher then ends the job instead of the peers waiting out their timeouts."""
+    line = format_error(exc)
+    sys.stderr.write(line + "\n")
+    _write_torchelastic_error_file(line)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(EXIT_KNOWN_ERROR)   # the engine child is gone already; nothing else of this rank must be waited for
+
+
 def run_main(fn: Callable[[], int | None]) -> NoReturn:
     """Run an entry point; turn known errors into one rank-prefixed line and exit code 2.
 

@@ -207,3 +207,26 @@ def test_rl_without_engines_stops_a_real_start_before_the_trainer_loads(tmp_path
                                    "--rollout-function-path, or drop --debug-train-only."), tail(log)
     assert "the driver (rank 0) failed during setup: ConfigError: --loss-type policy_loss" in lines["[miles r1]"]
     assert "FSDP trainer ready" not in text and not (out / "metrics.jsonl").exists(), tail(log)
+
+
+def test_an_engine_that_dies_at_start_ends_the_job_at_once(tmp_path: Path, tiny_model_dir: Path):
+    """An engine that exits at start (here: the engine refuses a bad MILES_ENGINE_SWITCH_INTERVAL with exit code 2)
+    and will not be restarted (no --use-fault-tolerance) ends its rank with one line naming the engine and its error,
+    so the launcher ends the job within seconds; the driver used to wait --engine-startup-timeout (600 s) for it."""
+    data = tmp_path / "rl.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "label": str(2 * i)}) + "\n" for i in range(4)))
+    out, log = tmp_path / "out", tmp_path / "run.log"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py",
+           "--train-backend", "fsdp", "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus",
+           "1", "--num-gpus-per-node", "2", "--hf-checkpoint", str(tiny_model_dir), "--prompt-data", str(data),
+           "--input-key", "prompt", "--label-key", "label", "--rm-type", "math", "--num-rollout", "1",
+           "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
+           "--global-batch-size", "4", "--advantage-estimator", "grpo", "--output-dir", str(out), "--no-progress"]
+    t0 = time.monotonic()
+    result = run(cmd, log, timeout=300, MILES_ENGINE_SWITCH_INTERVAL="soon")
+    took = time.monotonic() - t0
+    text = log.read_text()
+    assert result.returncode != 0
+    assert "engine0 exited with code 2" in text and "MILES_ENGINE_SWITCH_INTERVAL='soon'" in text, tail(log)
+    assert "without --use-fault-tolerance the run cannot go on without it" in text, tail(log)
+    assert took < 150, f"the job took {took:.0f} s to end; log:\n{tail(log)}"
