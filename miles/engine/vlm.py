@@ -108,12 +108,12 @@ class VisionInputs:
     """A VLM model directory's image side: image processor, image token; builds an :class:`ImageBatch` per prompt."""
 
     def __init__(self, model_path: str, config: Any) -> None:
-        from miles.rollout.multimodal import ImageInputs  # the rollout's processor loader (checks the model dir)
+        from miles.utils.images import VisionProcessor
 
         try:
-            inputs = ImageInputs(model_path)
-        except Exception as e:  # noqa: BLE001 - ConfigError and loader errors: one line at start
-            raise ValueError(f"--hf-checkpoint {model_path}: the image processor does not load: {e}") from None
+            inputs = VisionProcessor(model_path)
+        except ValueError as e:  # one line at start
+            raise ValueError(f"--hf-checkpoint {model_path}: {e}") from None
         self.inputs = inputs
         self._recent: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()  # digest -> (pixels, grid)
         self._lock = threading.Lock()

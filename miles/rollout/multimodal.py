@@ -26,9 +26,7 @@ processor, so the counts agree; checked). The engines get each image as SGLang's
 from __future__ import annotations
 
 import base64
-import binascii
 import io
-import json
 import re
 from functools import lru_cache
 from pathlib import Path
@@ -36,6 +34,8 @@ from typing import Any
 
 from miles.config.base import ConfigError
 from miles.rollout.data import DataError
+from miles.utils.images import VisionProcessor, load_image
+from miles.utils.images import decode_data_uri as _decode_data_uri
 
 __all__ = ["MEDIA_KEY", "PLACEHOLDERS", "ImageInputs", "content_messages", "engine_image", "image_data",
            "image_inputs", "load_image", "row_media", "sample_images", "set_rollout_checkpoint", "train_inputs"]
@@ -46,28 +46,6 @@ MEDIA_KEY = "multimodal_inputs"          # the Sample.metadata entry holding {"i
 
 class MediaError(DataError):
     """A row's media cannot be used; the message names the row, the column, the item and the fix."""
-
-
-def _decode_data_uri(ref: str) -> bytes:
-    head, _, payload = ref.partition(",")
-    if not head.startswith("data:image/") or not head.endswith(";base64"):
-        raise ValueError("not a data:image/<type>;base64, URI")
-    try:
-        return base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise ValueError(f"bad base64 payload ({e})") from None
-
-
-def load_image(ref: str):
-    """A PIL RGB image from a reference made by :func:`row_media` (an absolute path or a data URI)."""
-    from PIL import Image
-
-    if ref.startswith("data:"):
-        img = Image.open(io.BytesIO(_decode_data_uri(ref)))
-    else:
-        img = Image.open(ref)
-    img.load()
-    return img.convert("RGB")
 
 
 def _normalize(item: Any, base_dir: Path) -> str:
@@ -155,36 +133,15 @@ def content_messages(messages: list[dict[str, Any]], media: dict[str, list[str]]
     return out
 
 
-class ImageInputs:
-    """A VLM checkpoint's image side: its image processor and the placeholder token to expand."""
+class ImageInputs(VisionProcessor):
+    """A VLM checkpoint's image side (:class:`~miles.utils.images.VisionProcessor`), its problems named under
+    ``--multimodal-keys``, and the expansion of each image's placeholder token."""
 
     def __init__(self, hf_checkpoint: str) -> None:
-        from transformers import AutoImageProcessor
-
-        cfg_path = Path(hf_checkpoint) / "config.json"
-        config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        self.image_token_id = config.get("image_token_id")
-        if self.image_token_id is None or "vision_config" not in config:
-            raise ConfigError(f"--multimodal-keys needs a vision-language --hf-checkpoint (config.json with "
-                              f"vision_config and image_token_id); {hf_checkpoint} has "
-                              f"model_type {config.get('model_type')!r}.")
-        if not (Path(hf_checkpoint) / "preprocessor_config.json").is_file():
-            raise ConfigError(f"--multimodal-keys: --hf-checkpoint {hf_checkpoint} has no preprocessor_config.json "
-                              "(the image processor); copy it from the model's release.")
         try:
-            self.processor = AutoImageProcessor.from_pretrained(hf_checkpoint)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"--multimodal-keys: the image processor of --hf-checkpoint {hf_checkpoint} does not "
-                              f"load ({type(e).__name__}: {str(e).splitlines()[0][:200]}).") from None
-        self.merge = int(getattr(self.processor, "merge_size", 1) or 1)
-
-    def pixels(self, refs: list[str]) -> dict[str, Any]:
-        """``{"pixel_values": [P, D], "image_grid_thw": [n, 3]}`` (CPU tensors) of the images, in order."""
-        out = self.processor(images=[load_image(r) for r in refs], return_tensors="pt")
-        return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
-
-    def tokens_per_image(self, grid) -> list[int]:
-        return [int(t * h * w) // (self.merge ** 2) for t, h, w in grid.tolist()]
+            super().__init__(hf_checkpoint)
+        except ValueError as e:
+            raise ConfigError(f"--multimodal-keys needs a vision-language --hf-checkpoint: {e}.") from None
 
     def expand(self, ids: list[int], mask: list[int], counts: list[int], where: str) -> tuple[list[int], list[int]]:
         """Each placeholder token (one per image, in order) repeated to its image's token count."""

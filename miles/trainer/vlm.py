@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from miles.types import Sample
+from miles.utils.images import load_image
 
 MEDIA_KEY = "multimodal_inputs"   # miles.rollout.multimodal.MEDIA_KEY (the trainer does not import the rollout)
 
@@ -37,17 +38,6 @@ def text_config(config: Any) -> Any:
 
 def is_vision_block(module: nn.Module) -> bool:
     return "Vision" in type(module).__name__
-
-
-def _load_image(ref: str):
-    import base64
-    import io
-
-    from PIL import Image
-
-    img = Image.open(io.BytesIO(base64.b64decode(ref.partition(",")[2]))) if ref.startswith("data:") else Image.open(ref)
-    img.load()
-    return img.convert("RGB")
 
 
 class ImageProcessor:
@@ -69,7 +59,7 @@ class ImageProcessor:
             if n_tokens:
                 raise ValueError(f"{where}: {n_tokens} image token(s) but no images in metadata['{MEDIA_KEY}'].")
             return None
-        out = self.processor(images=[_load_image(r) for r in refs], return_tensors="pt")
+        out = self.processor(images=[load_image(r) for r in refs], return_tensors="pt")
         grid = out["image_grid_thw"]
         need = int(grid.prod(dim=-1).sum()) // (self.merge ** 2)
         if need != n_tokens:

@@ -302,7 +302,7 @@ def _hf_vlm_inputs(model_dir, ref: str) -> dict:
 
 
 def test_vlm_image_prompts_on_gpu_match_hf(gpu_vlm, tmp_path):
-    """The GPU twin of tests/unit/engine/test_vlm.py: bf16 runner vs HF bf16 (teacher-forced, loose), then a float32
+    """The GPU twin of tests/unit/engine/test_engine_vlm.py: bf16 runner vs HF bf16 (teacher-forced, loose), then a float32
     server on cuda vs HF float32 on cuda (greedy tokens, log-probs), different images, a bad token count, a weight
     update by VLM names through CUDA IPC, and memory release/resume."""
     from multiprocessing.reduction import ForkingPickler

@@ -1,0 +1,68 @@
+"""Images of vision-language models, shared by the planes that read them (rollout data, engine, trainer).
+
+:func:`load_image` opens a reference as the rollout stores it (a local path or a ``data:image/...;base64,`` URI)
+as an RGB PIL image; :class:`VisionProcessor` is a VLM checkpoint's image side: its image processor
+(``preprocessor_config.json``), the image placeholder token (``image_token_id`` of ``config.json``) and how many
+placeholder tokens an image takes (one per merged patch, as the model's processor expands them).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+
+def decode_data_uri(ref: str) -> bytes:
+    """The bytes of a ``data:image/<type>;base64,`` URI; ValueError saying what is wrong otherwise."""
+    head, _, payload = ref.partition(",")
+    if not head.startswith("data:image/") or not head.endswith(";base64"):
+        raise ValueError("not a data:image/<type>;base64, URI")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ValueError(f"bad base64 payload ({e})") from None
+
+
+def load_image(ref: str) -> Any:
+    """A PIL RGB image from a reference: an absolute path or a data URI."""
+    from PIL import Image
+
+    img = Image.open(io.BytesIO(decode_data_uri(ref))) if ref.startswith("data:") else Image.open(ref)
+    img.load()
+    return img.convert("RGB")
+
+
+class VisionProcessor:
+    """A VLM checkpoint's image processor and image token. Raises ValueError (one line, naming the directory and
+    what is missing) for a directory that is not a VLM or has no loadable image processor."""
+
+    def __init__(self, hf_checkpoint: str) -> None:
+        from transformers import AutoImageProcessor
+
+        cfg_path = Path(hf_checkpoint) / "config.json"
+        config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.image_token_id = config.get("image_token_id")
+        if self.image_token_id is None or "vision_config" not in config:
+            raise ValueError(f"{hf_checkpoint} is not a vision-language model (its config.json needs vision_config and "
+                             f"image_token_id; model_type {config.get('model_type')!r})")
+        if not (Path(hf_checkpoint) / "preprocessor_config.json").is_file():
+            raise ValueError(f"{hf_checkpoint} has no preprocessor_config.json (the image processor); copy it from the "
+                             "model's release")
+        try:
+            self.processor = AutoImageProcessor.from_pretrained(hf_checkpoint)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"the image processor of {hf_checkpoint} does not load ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:200]})") from None
+        self.merge = int(getattr(self.processor, "merge_size", 1) or 1)
+
+    def pixels(self, refs: list[str]) -> dict[str, Any]:
+        """``{"pixel_values": [P, D], "image_grid_thw": [n, 3]}`` (CPU tensors) of the images, in order."""
+        out = self.processor(images=[load_image(r) for r in refs], return_tensors="pt")
+        return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+
+    def tokens_per_image(self, grid: Any) -> list[int]:
+        return [int(t * h * w) // (self.merge ** 2) for t, h, w in grid.tolist()]
