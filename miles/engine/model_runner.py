@@ -663,11 +663,13 @@ class _GenericLM:
         # transformers 5.x renamed ``past_key_values`` to ``cache`` (input and output)
         self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
-    def _run(self, ids: torch.Tensor, cache, slot: int | None = None, append: bool = False):
+    def _run(self, ids: torch.Tensor, cache, slot: int | None = None, append: bool = False, **model_kw: torch.Tensor):
+        """One HF forward of ``ids`` on ``cache`` (``model_kw``: further model inputs, e.g. a VLM's positions and
+        pixels); records the run's expert routing for ``slot`` (appended to the slot's when ``append``)."""
         rec = self.recorder.enabled and slot is not None
         if rec:
             self.recorder.begin()
-        out = self.model(input_ids=ids, use_cache=True, **{self.cache_kw: cache})
+        out = self.model(input_ids=ids, use_cache=True, **{self.cache_kw: cache}, **model_kw)
         if rec:
             rows = self.recorder.end(ids.shape[-1])
             self.routes[slot] = (self.routes[slot] or []) + [rows] if append else [rows]

@@ -186,16 +186,6 @@ class VLMGenericLM(_GenericLM):
         self.image_token_id = int(model.config.image_token_id)
         self.deltas: list[int] = [0] * max_slots
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, cache, slot: int, append: bool, **mm: torch.Tensor):
-        rec = self.recorder.enabled   # a MoE text model (Qwen3-VL-MoE): the routing of every token run, per slot
-        if rec:
-            self.recorder.begin()
-        out = self.model(input_ids=ids, position_ids=positions, use_cache=True, **{self.cache_kw: cache}, **mm)
-        if rec:
-            rows = self.recorder.end(ids.shape[-1])
-            self.routes[slot] = (self.routes[slot] or []) + [rows] if append else [rows]
-        return out.logits, out[self.cache_kw] if self.cache_kw in out else out.past_key_values
-
     def rope_positions(self, ids: torch.Tensor, images: ImageBatch | None) -> tuple[torch.Tensor, int]:
         """M-RoPE positions ``[3, 1, T]`` of a prompt ``ids`` ``[1, T]`` and its rope delta."""
         if images is None:
@@ -219,7 +209,7 @@ class VLMGenericLM(_GenericLM):
             if images is not None:
                 kw = {"pixel_values": images.pixel_values.to(self.device, non_blocking=True),
                       "image_grid_thw": images.grid.to(self.device)}
-            logits, self.caches[slot_start + i] = self._forward(ids, pos, DynamicCache(), slot_start + i, False, **kw)
+            logits, self.caches[slot_start + i] = self._run(ids, DynamicCache(), slot_start + i, position_ids=pos, **kw)
             self.deltas[slot_start + i] = delta
             last.append(logits[0, -1].float())
             full.append(logits[0].float() if full_for[i] else None)
@@ -230,7 +220,7 @@ class VLMGenericLM(_GenericLM):
         rows = []
         for i in range(tokens.shape[0]):
             pos = (positions[i: i + 1] + self.deltas[i]).view(1, 1, 1).expand(3, 1, 1)
-            logits, self.caches[i] = self._forward(tokens[i: i + 1][None], pos, self.caches[i], i, True)
+            logits, self.caches[i] = self._run(tokens[i: i + 1][None], self.caches[i], i, append=True, position_ids=pos)
             rows.append(logits[0, -1].float())
         return torch.stack(rows)
 
