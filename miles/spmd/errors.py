@@ -87,6 +87,10 @@ def _exit(code: int) -> NoReturn:
     supervisor = sys.modules.get("miles.spmd.supervisor")
     if supervisor is not None:
         supervisor.stop_all(timeout=2.0)  # engines go down with the rank
+    _flush_and_exit(code)
+
+
+def _flush_and_exit(code: int) -> NoReturn:
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -103,13 +107,7 @@ def exit_rank_now(exc: BaseException) -> NoReturn:
     line = format_error(exc)
     sys.stderr.write(line + "\n")
     _write_torchelastic_error_file(line)
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(EXIT_KNOWN_ERROR)   # the engine child is gone already; nothing else of this rank must be waited for
+    _flush_and_exit(EXIT_KNOWN_ERROR)   # the engine child is gone already; nothing else of this rank must be waited for
 
 
 def run_main(fn: Callable[[], int | None]) -> NoReturn:
