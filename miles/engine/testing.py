@@ -20,6 +20,18 @@ import torch
 from miles.utils.net import find_free_port
 
 
+def serialized_ipc(obj: object) -> str:
+    """One ``serialized_named_tensors`` entry of ``/update_weights_from_tensor``, as SGLang's clients make it:
+    ``base64(ForkingPickler(obj))``, tensors passed by handle (shared memory on CPU, CUDA IPC on GPU)."""
+    import base64
+    import io
+    from multiprocessing.reduction import ForkingPickler
+
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(obj)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
 def build_engine_model(out: Path, seed: int = 0, std: float = 0.25, **kw) -> Path:
     """A tiny Qwen3 model whose matrices have a large init, so greedy tokens are varied and argmax gaps wide."""
     from transformers import AutoModelForCausalLM

@@ -12,7 +12,7 @@ import requests
 import torch
 from transformers import GenerationConfig
 
-from miles.engine.testing import EngineProc, build_engine_vlm, image_data_url
+from miles.engine.testing import EngineProc, build_engine_vlm, image_data_url, serialized_ipc
 
 
 @pytest.fixture(scope="module")
@@ -276,14 +276,6 @@ def test_runner_slots_hold_nothing_after_release(vlm_dir):
     assert rn.impl.caches == [None] * 3 and rn.impl.deltas == [0] * 3
 
 
-def _serialize(obj) -> str:
-    from multiprocessing.reduction import ForkingPickler
-
-    buf = io.BytesIO()
-    ForkingPickler(buf).dump(obj)
-    return base64.b64encode(buf.getvalue()).decode()
-
-
 def test_weight_updates_by_vlm_names_and_memory_release(eng, hf_vlm, vlm_dir, tmp_path):
     import copy
 
@@ -306,7 +298,7 @@ def test_weight_updates_by_vlm_names_and_memory_release(eng, hf_vlm, vlm_dir, tm
             params[n].copy_(new[n])
     got = eng.post("/get_weights_by_name", {"name": names[0], "truncate_size": 3})
     assert got.status_code == 200 and torch.allclose(torch.tensor(got.json()), hf_vlm.get_parameter(names[0])[:3])
-    r = eng.post("/update_weights_from_tensor", {"serialized_named_tensors": [_serialize(list(new.items()))],
+    r = eng.post("/update_weights_from_tensor", {"serialized_named_tensors": [serialized_ipc(list(new.items()))],
                                                  "weight_version": "vlm1"})
     assert r.status_code == 200 and r.json()["success"], r.text
     out = generate(eng, ids, [IMG_A], n=10)
@@ -320,7 +312,7 @@ def test_weight_updates_by_vlm_names_and_memory_release(eng, hf_vlm, vlm_dir, tm
     vnew = (params[vname].detach() * -1.0).contiguous().share_memory_()
     with torch.no_grad():
         params[vname].copy_(vnew)
-    r = eng.post("/update_weights_from_tensor", {"serialized_named_tensors": [_serialize([(vname, vnew)])]})
+    r = eng.post("/update_weights_from_tensor", {"serialized_named_tensors": [serialized_ipc([(vname, vnew)])]})
     assert r.status_code == 200 and r.json()["success"], r.text
     out2 = generate(eng, ids, [IMG_A], n=10)
     assert out2["output_ids"] == hf_greedy(ref, ids, mm, 10)

@@ -61,9 +61,7 @@ def test_native_bf16_and_cuda_graphs_match_hf(gpu_model):
 
 
 def test_server_on_gpu_ipc_update_and_memory_release(gpu_model, tmp_path):
-    from multiprocessing.reduction import ForkingPickler
-
-    from miles.engine.testing import EngineProc
+    from miles.engine.testing import EngineProc, serialized_ipc
 
     eng = EngineProc(gpu_model, "--device", "cuda", "--dtype", "float32", "--max-running-requests", "8",
                      "--max-context-len", "256", log=tmp_path / "engine.log", timeout=300)
@@ -73,10 +71,8 @@ def test_server_on_gpu_ipc_update_and_memory_release(gpu_model, tmp_path):
         assert eng.generate(body)["output_ids"] == first
         name = "model.layers.1.mlp.down_proj.weight"
         new = torch.randn(256, 512, device="cuda") * 0.1
-        buf = io.BytesIO()
-        ForkingPickler(buf).dump([(name, new)])  # a CUDA IPC handle, not the bytes
-        r = eng.post("/update_weights_from_tensor", {"serialized_named_tensors": [base64.b64encode(buf.getvalue()).decode()],
-                                                     "weight_version": "ipc"})
+        r = eng.post("/update_weights_from_tensor", {"serialized_named_tensors": [serialized_ipc([(name, new)])],
+                                                     "weight_version": "ipc"})  # a CUDA IPC handle, not the bytes
         assert r.status_code == 200 and r.json()["success"], r.text
         got = torch.tensor(eng.post("/get_weights_by_name", {"name": name, "truncate_size": 3}).json())
         assert torch.equal(got, new[:3].cpu())
@@ -305,11 +301,9 @@ def test_vlm_image_prompts_on_gpu_match_hf(gpu_vlm, tmp_path):
     """The GPU twin of tests/unit/engine/test_engine_vlm.py: bf16 runner vs HF bf16 (teacher-forced, loose), then a float32
     server on cuda vs HF float32 on cuda (greedy tokens, log-probs), different images, a bad token count, a weight
     update by VLM names through CUDA IPC, and memory release/resume."""
-    from multiprocessing.reduction import ForkingPickler
-
     from transformers import Qwen3VLForConditionalGeneration
 
-    from miles.engine.testing import EngineProc, image_data_url
+    from miles.engine.testing import EngineProc, image_data_url, serialized_ipc
     from miles.engine.vlm import VisionInputs
 
     img_a, img_b = image_data_url(1), image_data_url(2)
@@ -372,9 +366,7 @@ def test_vlm_image_prompts_on_gpu_match_hf(gpu_vlm, tmp_path):
             with torch.no_grad():
                 p.copy_(new)
             named.append((name, new))
-        buf = io.BytesIO()
-        ForkingPickler(buf).dump(named)
-        r = eng.post("/update_weights_from_tensor", {"serialized_named_tensors": [base64.b64encode(buf.getvalue()).decode()],
+        r = eng.post("/update_weights_from_tensor", {"serialized_named_tensors": [serialized_ipc(named)],
                                                      "weight_version": "vlm-ipc"})
         assert r.status_code == 200 and r.json()["success"], r.text
         after = gen(img_a)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import io
 import json
 import threading
 import time
@@ -13,7 +12,7 @@ import pytest
 import requests
 import torch
 
-from miles.engine.testing import EngineProc
+from miles.engine.testing import EngineProc, serialized_ipc
 
 KEY = "test-key-123"
 
@@ -287,14 +286,6 @@ def test_control_routes(eng):
     eng.post("/update_weight_version", {"new_version": "default"})
 
 
-def _serialize(obj) -> str:
-    from multiprocessing.reduction import ForkingPickler
-
-    buf = io.BytesIO()
-    ForkingPickler(buf).dump(obj)
-    return base64.b64encode(buf.getvalue()).decode()
-
-
 def test_weights_by_name_from_tensor_and_from_disk(eng, engine_model, hf_reference, tmp_path):
     import torch.multiprocessing as mp
     from transformers import AutoModelForCausalLM
@@ -311,7 +302,7 @@ def test_weights_by_name_from_tensor_and_from_disk(eng, engine_model, hf_referen
 
     # per-tensor hand-off through shared memory (CPU)
     new = (orig * -1.0).contiguous().share_memory_()
-    r = eng.post("/update_weights_from_tensor", {"serialized_named_tensors": [_serialize([(name, new)])], "weight_version": "t1"})
+    r = eng.post("/update_weights_from_tensor", {"serialized_named_tensors": [serialized_ipc([(name, new)])], "weight_version": "t1"})
     assert r.status_code == 200 and r.json()["success"], r.text
     assert torch.allclose(torch.tensor(eng.post("/get_weights_by_name", {"name": name, "truncate_size": 5}).json()), new[:5])
     assert greedy(eng, PROMPTS[0], 12)["meta_info"]["weight_version"] == "t1"
@@ -320,14 +311,14 @@ def test_weights_by_name_from_tensor_and_from_disk(eng, engine_model, hf_referen
     n2 = "model.norm.weight"
     flat, meta = pack_bucket([(name, orig.clone()), (n2, torch.full((64,), 2.0, dtype=torch.float64))])
     flat.share_memory_()
-    r = eng.post("/update_weights_from_tensor", {"serialized_named_tensors": [_serialize({"flattened_tensor": flat, "metadata": meta})],
+    r = eng.post("/update_weights_from_tensor", {"serialized_named_tensors": [serialized_ipc({"flattened_tensor": flat, "metadata": meta})],
                                                  "load_format": "flattened_bucket"})
     assert r.status_code == 200 and r.json()["success"], r.text
     assert torch.allclose(torch.tensor(eng.post("/get_weights_by_name", {"name": name, "truncate_size": 5}).json()), orig[:5])
     assert eng.post("/get_weights_by_name", {"name": n2, "truncate_size": 3}).json() == [2.0, 2.0, 2.0]
 
     # unknown names / bad shapes are refused and change nothing
-    r = eng.post("/update_weights_from_tensor", {"serialized_named_tensors": [_serialize([("bogus.weight", torch.zeros(2).share_memory_())])]})
+    r = eng.post("/update_weights_from_tensor", {"serialized_named_tensors": [serialized_ipc([("bogus.weight", torch.zeros(2).share_memory_())])]})
     assert r.status_code == 400 and "bogus.weight" in r.json()["message"]
     r = eng.post("/update_weights_from_tensor", {"serialized_named_tensors": [base64.b64encode(b"cos\nsystem\n(S'true'\ntR.").decode()]})
     assert r.status_code == 400 and "refusing" in r.json()["message"]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 import sys
 import textwrap
 import threading
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_manager import launch_engine, stop, wait_engines
 
 from miles.config import parse_args
 from miles.rollout.eval_fn import EvalFunction, EvalFunctionError, build_eval_function
@@ -66,30 +66,12 @@ class SkillsServer:
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    from miles.rollout.client import EngineControl
-
-    port = find_free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "miles.engine", "--hf-checkpoint", str(tiny_model_dir), "--port",
-                             str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-
-    async def wait() -> None:
-        ctl = EngineControl(url)
-        try:
-            await ctl.wait_healthy(180, alive=lambda: proc.poll() is None)
-        finally:
-            await ctl.close()
-
+    proc, url = launch_engine(tiny_model_dir)
     try:
-        asyncio.run(wait())
+        wait_engines((proc, url))
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 @pytest.fixture
