@@ -27,35 +27,25 @@ the dataset and the fix (``validate_config`` runs this, so ``--dry-run`` reports
 
 from __future__ import annotations
 
-import base64
 import binascii
 import dataclasses
 import math
 import reprlib
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from miles.config.base import ConfigError
 from miles.config.data import parse_eval_prompt_data
-from miles.utils.logging import get_logger
+from miles.utils.file_arg_utils import resolve_file_arg
+from miles.utils.logging import get_logger, warn_once
 
 if TYPE_CHECKING:
     from miles.config.data import DataConfig, EvalConfig
     from miles.config.rollout import RolloutConfig
 
 logger = get_logger(__name__)
-_warned: set[str] = set()  # the document is resolved by the parse, the dry run and the start: warn once
-
-
-def _warn_once(msg: str, *args: Any) -> None:
-    text = msg % args
-    if text not in _warned:
-        _warned.add(text)
-        logger.warning(text)
-
 FLAG = "--eval-config"
 DELEGATE_PLUGIN = "examples.experimental.eval.eval_delegate_rollout.generate_rollout"
 # Miles's names of its default eval rollout: naming one selects the built-in evaluation, as leaving the flag unset
@@ -186,11 +176,7 @@ assert set(_CHECKS) == _FIELDS
 def read_document(value: str) -> Any:
     """The ``--eval-config`` document: a YAML/JSON file, or ``base64:<payload>`` (Miles's ``resolve_file_arg``)."""
     try:
-        if value.startswith("base64:"):
-            text = base64.b64decode(value[len("base64:"):], validate=True).decode("utf-8")
-        else:
-            text = Path(value).expanduser().read_text(encoding="utf-8")
-        return yaml.safe_load(text)
+        return yaml.safe_load(resolve_file_arg(value))
     except (OSError, UnicodeDecodeError, binascii.Error, ValueError, yaml.YAMLError) as e:
         first = (str(e).splitlines() or [""])[0]
         where = "base64:..." if value.startswith("base64:") else repr(value)
@@ -288,14 +274,15 @@ def resolve_eval_datasets(ev: EvalConfig, data: DataConfig, rollout: RolloutConf
             raise ConfigError(f"{FLAG} is an empty string: pass a YAML/JSON file (or base64:<payload>), or drop it.")
         defaults, raw = _eval_mapping(ev.eval_config, evaluating_function(ev, data))
         if ev.eval_prompt_data:
-            _warn_once("%s is given: it replaces --eval-prompt-data %s (as in Miles)", FLAG,
-                       " ".join(ev.eval_prompt_data))
+            # the document is resolved by the parse, the dry run and the start: warn once
+            warn_once(logger, f"{FLAG} is given: it replaces --eval-prompt-data {' '.join(ev.eval_prompt_data)} "
+                              "(as in Miles)")
     for key, value in defaults.items():
         if key in DEFAULTS_KEYS:
             _check(key, value, "eval.defaults")
         elif key in _FIELDS - {"name", "path"}:
-            _warn_once("%s: eval.defaults.%s is ignored (Miles reads only %s there): set it on each dataset",
-                       FLAG, key, ", ".join(DEFAULTS_KEYS))
+            warn_once(logger, f"{FLAG}: eval.defaults.{key} is ignored (Miles reads only {', '.join(DEFAULTS_KEYS)} "
+                              "there): set it on each dataset")
         else:
             raise ConfigError(f"{FLAG}: unknown key {key!r} in eval.defaults; it takes {', '.join(DEFAULTS_KEYS)}.")
     specs: list[EvalDatasetSpec] = []
