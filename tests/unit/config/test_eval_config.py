@@ -114,9 +114,9 @@ def test_eval_config_replaces_eval_prompt_data_as_in_miles(tmp_path, caplog):
 
 def test_defaults_key_miles_ignores_is_ignored_with_a_warning(tmp_path, caplog):
     doc = {"eval": {"defaults": {"rm_type": "math"}, "datasets": [{"name": "a", "path": "a.jsonl"}]}}
-    from miles.config import eval_datasets
+    from miles.utils import logging as miles_logging
 
-    eval_datasets._warned.clear()
+    miles_logging._warned.clear()   # warn_once: the warning of an earlier test's document must show again
     (a,) = _specs("--eval-config", _write(tmp_path, doc))
     assert a.rm_type is None and "eval.defaults.rm_type is ignored" in caplog.text
 
