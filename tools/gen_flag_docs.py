@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from miles.config import build_parser, eval_datasets
+from miles.config import build_parser, eval_datasets, support
 from miles.config import router as router_flags
 from miles.config import sglang as sglang_flags
 from miles.config.deprecations import RENAMED
@@ -56,6 +56,7 @@ def render() -> str:
         if group.title == "evaluation":
             lines += [*eval_datasets.flag_docs(), ""]
     lines += miles_sections()
+    lines += support.flag_docs()
     lines += ["## Deprecated spellings", "", "| old | new | status |", "|---|---|---|"]
     for old, (new, accepted) in RENAMED.items():
         status = "accepted with a warning in this release" if accepted else "refused: the error names the new flag"
@@ -104,7 +105,8 @@ checks the defaults listed here):
 | `--rm-path` | removed name | refused, naming `--custom-rm-path` | The migration guide's rename; the error says what to write instead. |
 | `--distributed-backend nccl` | NCCL everywhere | gloo on a CPU rank (logged) | NCCL has no CPU transport; CPU runs keep working with Miles's default. |
 | `--balance-data` | off: ranks get contiguous slices | always on | Whole groups go to the rank with the fewest tokens; balancing changes where samples are computed, not what. |
-| `--attn-implementation` | HF attention of the FSDP actor | flash varlen kernel on GPU, sdpa on CPU | The trainer packs samples into one row; values other than flash_attention_2/3 are ignored with a warning. |
+| `--attn-implementation` | HF attention of the FSDP actor (any HF value) | flash_attention_2 or flash_attention_3: a flash varlen kernel on GPU, sdpa on CPU; other values refused | The trainer packs samples into one row, which only the varlen kernel (and sdpa, on CPU) runs. |
+| `--train-memory-margin-bytes` | torch_memory_saver's margin: a trainer allocation that would leave less free fails | the trainer's CUDA allocator is capped at each onload to leave the margin free (`torch.cuda.set_per_process_memory_fraction`), both backends | No torch_memory_saver here (the trainer offloads by moving tensors); the cap bounds every allocation of the training step the same way, measured when it starts. |
 | `--fsdp-cpu-offload` with `--offload-train` | `--offload-train` is switched off | both kept; `--offload-train` then moves only the critic | Validation never rewrites a value; the policy is on CPU already, so the outcome is Miles's. |
 | `--custom-config-path` | every key set as an argument | keys naming a flag set it; the others are kept for plugins | A misspelt flag name cannot silently replace a flag. |
 | `--update-weight-transfer-mode p2p` | RDMA writes (Mooncake TransferEngine) into the engines' registered buffers, resharded to the engine's TP layout | each trainer rank sends its own FSDP2 rows to every engine worker with torch.distributed point-to-point (NCCL on GPU, gloo on CPU); needs the embedded engine (`p2p_ranges` in `/update_weights_from_distributed`) | No RDMA stack here; point-to-point gives the same no-gather, every-rank-sends transfer, bit-identical to broadcast. |

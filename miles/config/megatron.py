@@ -78,6 +78,18 @@ _HELP = {
     "make_vocab_size_divisible_by": "Pad the vocabulary to a multiple of this x TP (default 128).",
     "hidden_dropout": "Dropout after attention and MLP (default 0.0 for RL; Megatron-LM's own default is 0.1).",
     "attention_dropout": "Dropout on attention probabilities (default 0.0 for RL; Megatron-LM's is 0.1).",
+    "decoder_first_pipeline_num_layers": "Pipeline: transformer layers on the first stage (the rest split evenly).",
+    "decoder_last_pipeline_num_layers": "Pipeline: transformer layers on the last stage (the rest split evenly).",
+    # accepted for Miles's scripts, no effect (miles/config/support.py PARSE_ONLY)
+    "accumulate_allreduce_grads_in_fp32": "No effect: gradients are always accumulated and reduced in fp32 here.",
+    "attention_softmax_in_fp32": "No effect: the attention softmax always runs in fp32 here.",
+    "use_rotary_position_embeddings": "Megatron-LM's older spelling of --position-embedding-type rope; no effect "
+                                      "(RoPE is the only position embedding built).",
+    "swiglu": "SwiGLU MLP: config.json's hidden_act silu, the only MLP built (required with --num-layers).",
+    "disable_bias_linear": "No linear biases: config.json without mlp_bias, the only layout built (required with "
+                           "--num-layers).",
+    "group_query_attention": "GQA: config.json's num_key_value_heads below num_attention_heads (required then with "
+                             "--num-layers).",
 }
 
 

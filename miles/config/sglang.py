@@ -281,6 +281,55 @@ def validate_sglang(sglang: SGLangConfig, *, rollout_num_gpus_per_engine: int) -
                           "--sglang-dp-size.")
 
 
+# The ServerArgs flags the embedded engine honours (miles.rollout.engines.EMBEDDED_EQUIVALENTS maps each to its own
+# option; a test keeps the two equal), and those miles checks against what it sets itself (build_engine_argv).
+EMBEDDED_HONOURED = frozenset({
+    "max_running_requests", "context_length", "dtype", "max_prefill_tokens", "chunked_prefill_size",
+    "max_total_tokens", "cuda_graph_bs", "cuda_graph_bs_decode", "cuda_graph_max_bs", "cuda_graph_max_bs_decode",
+    "disable_cuda_graph", "cuda_graph_backend_decode", "disable_overlap_schedule", "max_queued_requests", "log_level",
+    "weight_version"})
+SET_BY_ENGINE_LAUNCH = frozenset({"tp_size", "host", "device"})
+EMBEDDED_GRAPH_BACKENDS = ("disabled", "full")     # --sglang-cuda-graph-backend-decode values the embedded engine has
+# Flags Miles's recorded launch commands pass that the embedded engine accepts without effect: they change how fast
+# SGLang runs or what it logs, not the samples (docs/flags.md lists them). Every other flag it lacks is refused.
+_SPECULATIVE = ("speculative decoding changes SGLang's speed, not its samples (draft tokens are verified against the "
+                "model); the embedded engine decodes without it")
+EMBEDDED_NO_EFFECT: dict[str, str] = {
+    "mem_fraction_static": "SGLang's share of GPU memory for weights and KV cache; the embedded engine sizes its "
+                           "cache by --engine-max-running-requests x --engine-max-context-len",
+    "attention_backend": "a choice of SGLang attention kernels; the embedded engine runs its own (the same attention)",
+    "decode_log_interval": "how often SGLang logs decode batches; the embedded engine logs none",
+    "load_format": "how SGLang reads its first weights; the embedded engine reads --hf-checkpoint, and every engine "
+                   "gets the trainer's weights before its first request",
+    "remote_instance_weight_loader_start_seed_via_transfer_engine": "how SGLang fetches its first weights from "
+                                                                    "another instance; see load_format",
+    "speculative_algorithm": _SPECULATIVE, "speculative_eagle_topk": _SPECULATIVE,
+    "speculative_num_draft_tokens": _SPECULATIVE, "speculative_num_steps": _SPECULATIVE,
+}
+
+
+def check_embedded_engine(sglang: SGLangConfig, *, why: str) -> None:
+    """Refuse the --sglang-* flags the embedded engine would ignore (one line naming flag, value and fix). ``why``
+    says how the embedded engine was chosen, e.g. "--rollout-engine embedded"."""
+    given = sglang.server_args
+    for name, value in given.items():
+        if name in EMBEDDED_NO_EFFECT or name in SET_BY_ENGINE_LAUNCH:
+            continue
+        if name == "cuda_graph_backend_decode" and value not in EMBEDDED_GRAPH_BACKENDS:
+            lacks = f"has no CUDA-graph backend {value} (it takes {' or '.join(EMBEDDED_GRAPH_BACKENDS)})"
+        elif name not in EMBEDDED_HONOURED:
+            lacks = "has no such setting"
+        else:
+            continue
+        shown = flag_of(name) if value is True else f"{flag_of(name)} {_shown(value)}"
+        raise ConfigError(f"{shown}: the embedded engine ({why}) {lacks} and would ignore it; use --rollout-engine "
+                          "sglang (SGLang installed, on GPU) or drop the flag.")
+
+
+def _shown(value: Any) -> str:
+    return " ".join(str(v) for v in value) if isinstance(value, list) else str(value)
+
+
 def unknown_flag_line(flag: str, close: str | None) -> str:
     """The refusal of a --sglang-* flag that is not in SGLang's ServerArgs (the JSON)."""
     stem = flag.removeprefix("--no-sglang-").removeprefix("--sglang-")
@@ -339,6 +388,13 @@ def flag_docs() -> list[str]:
         "`--sglang-max-total-tokens`, `--sglang-cuda-graph-bs` / `--sglang-cuda-graph-max-bs` (and their",
         "`-decode` spellings), `--sglang-disable-cuda-graph` / `--sglang-cuda-graph-backend-decode disabled`,",
         "`--sglang-disable-overlap-schedule`, `--sglang-dtype`, `--sglang-max-queued-requests`, `--sglang-log-level`",
-        "and `--sglang-weight-version`;",
-        "it logs the other given `--sglang-*` flags once, in one line, as ignored (docs/rollout.md).",
+        "and `--sglang-weight-version`. Any other `--sglang-*` flag is refused in one line with the embedded engine",
+        "(at parse and `--dry-run` with `--rollout-engine embedded`; at the start when `--rollout-engine auto` picks",
+        "it), and so is `--sglang-cuda-graph-backend-decode` other than `disabled` or `full`, except these, which",
+        "Miles's scripts pass and which change SGLang's speed or logs, not the samples (the engine logs them once",
+        "as ignored):",
+        "",
+        "| flag | why it changes nothing with the embedded engine |",
+        "|---|---|",
+        *(f"| `{flag_of(n)}` | {why} |" for n, why in EMBEDDED_NO_EFFECT.items()),
     ]

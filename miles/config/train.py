@@ -23,6 +23,7 @@ BACKEND_DEFAULTS: dict[str, dict[str, object]] = {
     "megatron": {"adam_beta2": 0.999, "weight_decay": 0.01, "lr_decay_style": "linear"},
 }
 
+ATTN_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")  # --attn-implementation values the FSDP trainer honours
 OPTIMIZERS = ["adam"]  # Miles's FSDP backend: "adam" (AdamW); Megatron's others are refused by name
 
 
@@ -75,8 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=False,
                    help="FSDP backend: activation checkpointing per block (same as --recompute-activations).")
     t.add_argument("--attn-implementation", type=str, default="flash_attention_2",
-                   help="FSDP backend attention. The trainer runs packed rows through a flash varlen kernel on GPU "
-                        "(flash_attention_2/3 mean that) and sdpa on CPU; any other value is ignored with a warning.")
+                   help="FSDP backend attention: flash_attention_2 or flash_attention_3, which mean the same here: "
+                        "packed rows run through a flash varlen kernel on GPU, sdpa on CPU and for sliding-window or "
+                        "vision-language models. Other values are refused.")
     t.add_argument("--fsdp-cpu-offload", action=argparse.BooleanOptionalAction, default=False,
                    help="FSDP backend: keep the policy's parameters, gradients and optimizer state on CPU (FSDP2 "
                         "CPUOffloadPolicy; the optimizer step runs on CPU; --offload-train then moves only the critic).")
@@ -84,7 +86,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="JSON object of environment variables set in every rank before torch starts, "
                         "e.g. '{\"PYTORCH_CUDA_ALLOC_CONF\": \"expandable_segments:True\"}'.")
     t.add_argument("--train-memory-margin-bytes", type=int, default=1024**3,
-                   help="Megatron backend: GPU memory kept free when the trainer onloads (colocated).")
+                   help="With --offload-train on GPU (colocated), both backends: each time the trainer moves its state "
+                        "back to the GPU, its CUDA allocator is capped so that it leaves this many bytes of the device "
+                        "free (an allocation past that is a CUDA out-of-memory error, as Miles's torch_memory_saver "
+                        "margin). 0: no cap.")
     t.add_argument("--qkv-format", choices=["thd", "bshd"], default="thd",
                    help="Attention input layout: thd (packed variable-length rows, what both backends run); "
                         "bshd (padded batches) is not supported.")
@@ -198,6 +203,14 @@ class TrainConfig:
         if self.qkv_format != "thd":
             raise ConfigError(f"--qkv-format {self.qkv_format} is not supported: miles packs samples into variable-length "
                               "rows; pass --qkv-format thd (the default) or drop the flag.")
+        if self.train_backend == "fsdp" and self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise ConfigError(f"--attn-implementation {self.attn_implementation} is not supported: the FSDP trainer "
+                              "packs samples into variable-length rows and runs them through a flash varlen kernel on "
+                              "GPU (sdpa on CPU); pass --attn-implementation flash_attention_2 (or flash_attention_3) "
+                              "or drop the flag.")
+        if self.train_memory_margin_bytes < 0:
+            raise ConfigError(f"--train-memory-margin-bytes must be >= 0 (0: no cap), got "
+                              f"{self.train_memory_margin_bytes}.")
         if self.lora_rank:
             self._validate_lora()
         if self.num_critic_only_steps < 0:
@@ -206,9 +219,6 @@ class TrainConfig:
     def _validate_lora(self) -> None:
         if self.lora_rank < 0:
             raise ConfigError(f"--lora-rank must be >= 0 (0: LoRA off), got {self.lora_rank}.")
-        if self.train_backend != "megatron":
-            raise ConfigError(f"--lora-rank {self.lora_rank}: LoRA runs on --train-backend megatron only; pass "
-                              "--train-backend megatron or drop the LoRA flags.")
         if self.lora_type != "lora":
             raise ConfigError(f"--lora-type {self.lora_type} is not supported: pass --lora-type lora (fused q/k/v "
                               "and gate/up adapters) or drop the flag.")

@@ -35,6 +35,10 @@ def validate_config(cfg: MilesConfig) -> None:
     from miles.config.sglang import validate_sglang
 
     validate_sglang(cfg.sglang, rollout_num_gpus_per_engine=c.rollout_num_gpus_per_engine)
+    if cfg.rollout.rollout_engine == "embedded":  # --rollout-engine auto: checked when the start picks the engine
+        from miles.config.sglang import check_embedded_engine
+
+        check_embedded_engine(cfg.sglang, why="--rollout-engine embedded")
     from miles.config.router import validate_router
 
     validate_router(cfg.rollout)
@@ -162,6 +166,9 @@ def validate_config(cfg: MilesConfig) -> None:
 
 def _validate_miles_flags(cfg: MilesConfig) -> None:
     """Miles flags accepted for compatibility whose values this project cannot honour, and their pairings."""
+    from miles.config.support import check_backend_only
+
+    check_backend_only(cfg)  # flags of one trainer backend given under the other (miles/config/support.py)
     cfg.train.validate()
     cfg.output.validate()
     a, d = cfg.algo, cfg.data
@@ -285,16 +292,6 @@ def _validate_ranges(cfg: MilesConfig) -> None:
             raise ConfigError(f"{prefix}-top-p must be in (0, 1], got {top_p} (1.0: no nucleus cut).")
         if top_k is not None and (top_k == 0 or top_k < -1):
             raise ConfigError(f"{prefix}-top-k must be -1 (off) or at least 1, got {top_k}.")
-    if t.train_backend == "megatron":  # Miles's FSDP-only flags, which its Megatron parser does not take
-        if t.gradient_checkpointing:
-            raise ConfigError("--gradient-checkpointing is an FSDP-backend flag, not used with --train-backend megatron: "
-                              "use --recompute-activations (or --recompute-granularity selective|full) instead.")
-        if t.attn_implementation != "flash_attention_2":
-            raise ConfigError(f"--attn-implementation {t.attn_implementation} is an FSDP-backend flag, not used with "
-                              "--train-backend megatron (its attention is Megatron's own): drop it.")
-        if t.fsdp_cpu_offload:
-            raise ConfigError("--fsdp-cpu-offload is an FSDP-backend flag, not used with --train-backend megatron: drop it "
-                              "(--offload-train moves the trainer's state to CPU while the engines generate).")
     d = cfg.data
     if d.num_epoch is not None and d.num_epoch < 1:
         raise ConfigError(f"--num-epoch must be at least 1, got {d.num_epoch}.")

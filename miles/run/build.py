@@ -107,6 +107,10 @@ def _driver_plan(cfg: MilesConfig, ctx: SPMDContext) -> tuple[RunPlan, dict[str,
         from miles.config.validate import P2P_NEEDS_EMBEDDED
 
         raise ConfigError(P2P_NEEDS_EMBEDDED)
+    if kind == "embedded" and cfg.rollout.rollout_engine == "auto":  # the --sglang-* flags it lacks (as at parse)
+        from miles.config.sglang import check_embedded_engine
+
+        check_embedded_engine(cfg.sglang, why="--rollout-engine auto chose it: no GPU, or SGLang not importable")
     api_key = resolve_api_key(cfg.rollout, ctx.world.num_nodes) if has_engines else None
     out_dir = str(default_output_dir(cfg.output))
     plan = resolve_run(cfg, num_prompts=len(dataset) if dataset is not None else None, output_dir=out_dir,

@@ -136,7 +136,10 @@ class Worker:
 
     def onload_train(self) -> None:
         if self.is_trainer:
+            from miles.trainer.memory_margin import keep_free
+
             self.trainer.onload()
+            keep_free(self.trainer.device, self.trainer.cfg.train_memory_margin_bytes)  # --train-memory-margin-bytes
 
     def close_sender(self) -> None:
         if self.sender is not None:

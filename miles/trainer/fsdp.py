@@ -125,9 +125,6 @@ class FSDPTrainer:
         self._masters = ({id(self.model): MasterWeights([self.model])}
                          if self.mp_policy is not None and not modeling.is_fsdp(self.model) else {})
         config = self.model.lm.config
-        if train.attn_implementation not in ("flash_attention_2", "flash_attention_3", config._attn_implementation):
-            warn_once(logger, f"--attn-implementation {train.attn_implementation} is ignored: the FSDP trainer runs "
-                              f"{config._attn_implementation} attention on {self.device.type} (packed varlen rows)")
         self.vocab_size = int(vlm.text_config(config).vocab_size)
         self.pad_id = int(config.pad_token_id if config.pad_token_id is not None else 0)
         # a vision-language --hf-checkpoint (Qwen3-VL): image inputs per micro-batch (miles.trainer.vlm)

@@ -111,10 +111,18 @@ CASES: dict[str, tuple[list[str], str]] = {
                                  "--update-weight-transfer-mode disk-delta writes weight deltas for separate engines "
                                  "and cannot be used with --colocate"),
     "megatron-with-gradient-checkpointing": (["--train-backend", "megatron", "--gradient-checkpointing"],
-                                             "--gradient-checkpointing is an FSDP-backend flag, not used with "
-                                             "--train-backend megatron: use --recompute-activations"),
+                                             "--gradient-checkpointing is not supported by --train-backend megatron "
+                                             "(only by --train-backend fsdp): use --recompute-activations"),
     "megatron-with-attn-implementation": (["--train-backend", "megatron", "--attn-implementation", "sdpa"],
-                                          "--attn-implementation sdpa is an FSDP-backend flag"),
+                                          "--attn-implementation sdpa is not supported by --train-backend megatron"),
+    "fsdp-with-attn-implementation-eager": (["--train-backend", "fsdp", "--attn-implementation", "eager"],
+                                            "--attn-implementation eager is not supported: the FSDP trainer packs"),
+    "negative-train-memory-margin": (["--train-memory-margin-bytes", "-1"],
+                                     "--train-memory-margin-bytes must be >= 0 (0: no cap), got -1"),
+    "embedded-engine-with-sglang-only-flag": (["--rollout-engine", "embedded", "--sglang-enable-dp-lm-head"],
+                                              "--sglang-enable-dp-lm-head: the embedded engine (--rollout-engine "
+                                              "embedded) has no such setting and would ignore it; use "
+                                              "--rollout-engine sglang"),
     # output paths and templates (found only when the first rollout was dumped)
     "dump-details-under-a-file": (["--dump-details", "{data}/details"],
                                   "--dump-details {data}/details: {data} is a file, not a directory"),

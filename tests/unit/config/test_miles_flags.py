@@ -39,15 +39,15 @@ def test_unsupported_values_are_one_line_naming_the_flag(argv, first):
 
 def test_accepted_miles_flags_land_in_their_sections():
     cfg = parse_args(BASE + [  # --gradient-checkpointing and --attn-implementation are FSDP-backend flags
-        "--train-backend", "fsdp", "--optimizer", "adam", "--balance-data", "--gradient-checkpointing", "--attn-implementation", "sdpa",
+        "--train-backend", "fsdp", "--optimizer", "adam", "--balance-data", "--gradient-checkpointing", "--attn-implementation", "flash_attention_3",
         "--train-env-vars", '{"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "N": 3}',
-        "--train-memory-margin-bytes", "0", "--megatron-to-hf-mode", "bridge", "--num-critic-only-steps", "2",
+        "--train-memory-margin-bytes", "0", "--num-critic-only-steps", "2",
         "--disable-compute-advantages-and-returns", "--loss-type", "sft_loss", "--no-offload-train",
         "--offload-rollout", "--wandb-team", "t", "--wandb-host", "https://w", "--wandb-key", "k",
         "--disable-wandb-random-suffix", "--eval-top-p", "0.7", "--eval-top-k", "5", "--eval-input-key", "q",
         "--lr-warmup-fraction", "0.25", "--disable-grpo-std-normalization", "--disable-rewards-normalization"])
     t, c, o, a, e = cfg.train, cfg.cluster, cfg.output, cfg.algo, cfg.eval
-    assert (t.optimizer, t.balance_data, t.attn_implementation, t.megatron_to_hf_mode) == ("adam", True, "sdpa", "bridge")
+    assert (t.optimizer, t.balance_data, t.attn_implementation) == ("adam", True, "flash_attention_3")
     assert t.activation_checkpointing and not t.recompute_activations  # --gradient-checkpointing is the FSDP name
     assert t.train_env_vars == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "N": "3"}
     assert t.train_memory_margin_bytes == 0 and t.num_critic_only_steps == 2

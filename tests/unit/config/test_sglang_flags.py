@@ -183,3 +183,44 @@ def test_plugins_see_miles_sglang_attributes():
     args = PluginArgs(cfg.rollout, cfg.data, extra=plugin_extra(cfg))
     assert args.sglang_chunked_prefill_size == 4096 and args.sglang_max_prefill_tokens == 16384
     assert args.sglang_mem_fraction_static == cfg.rollout.sglang_mem_fraction_static  # the section's own flag wins
+
+
+def test_embedded_engine_honours_what_config_says_it_honours():
+    from miles.config.sglang import EMBEDDED_HONOURED
+    from miles.rollout.engines import EMBEDDED_EQUIVALENTS
+
+    assert set(EMBEDDED_EQUIVALENTS) == EMBEDDED_HONOURED
+
+
+@pytest.mark.parametrize("argv, first", [
+    (["--sglang-speculative-draft-model-path", "/d"], "--sglang-speculative-draft-model-path /d: the embedded engine"),
+    (["--sglang-enable-deterministic-inference"], "--sglang-enable-deterministic-inference: the embedded engine"),
+    (["--sglang-cuda-graph-backend-decode", "breakable"],
+     "--sglang-cuda-graph-backend-decode breakable: the embedded engine (--rollout-engine embedded) has no CUDA-graph "
+     "backend breakable (it takes disabled or full)"),
+])
+def test_embedded_engine_refuses_sglang_flags_it_would_ignore(argv, first):
+    with pytest.raises(ConfigError) as ei:
+        parse_args(["--num-rollout", "2", "--rollout-batch-size", "4", "--rollout-engine", "embedded", *argv])
+    msg = str(ei.value)
+    assert msg.startswith(first) and "\n" not in msg and "--rollout-engine sglang" in msg, msg
+    # the same flags are SGLang's to take with --rollout-engine sglang, and left to the start with auto
+    for engine in ("sglang", "auto"):
+        parse_args(["--num-rollout", "2", "--rollout-batch-size", "4", "--rollout-engine", engine, *argv])
+
+
+def test_embedded_engine_accepts_the_no_effect_flags_of_miles_scripts():
+    cfg = parse_args(["--num-rollout", "2", "--rollout-batch-size", "4", "--rollout-engine", "embedded",
+                      "--sglang-attention-backend", "fa3", "--sglang-decode-log-interval", "1000",
+                      "--sglang-mem-fraction-static", "0.7", "--sglang-load-format", "dummy",
+                      "--sglang-speculative-algorithm", "EAGLE", "--sglang-speculative-num-steps", "2",
+                      "--sglang-chunked-prefill-size", "4096", "--sglang-cuda-graph-backend-decode", "full"])
+    assert cfg.sglang.server_args["attention_backend"] == "fa3"
+
+
+def test_auto_resolving_to_embedded_is_checked_the_same_way():
+    from miles.config.sglang import check_embedded_engine
+
+    cfg = parse_args(["--num-rollout", "2", "--rollout-batch-size", "4", "--sglang-enable-dp-lm-head"])
+    with pytest.raises(ConfigError, match=r"^--sglang-enable-dp-lm-head: the embedded engine \(--rollout-engine auto"):
+        check_embedded_engine(cfg.sglang, why="--rollout-engine auto chose it: no GPU, or SGLang not importable")
