@@ -36,7 +36,6 @@ import dataclasses
 import hashlib
 import time
 import uuid
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,7 +48,7 @@ from miles.rollout import generate as gen
 from miles.rollout.base_types import input_form
 from miles.rollout.data import DataSource, EvalDataset, PromptDataset, PromptItem
 from miles.rollout.eval_fn import miles_eval_metrics
-from miles.rollout.filters import call_filter, load_filter
+from miles.rollout.filters import MetricGatherer, call_filter, load_filter
 from miles.rollout.opd_topk import student_top_k
 from miles.rollout.plugins import PluginArgs, choose_arity, is_async, load_function, reward_value
 from miles.rollout.reward_post_process import RewardPostProcess
@@ -370,7 +369,7 @@ class RolloutManager:
         counts = _Counts(progress=self.progress)
         groups: list[_Group] = []
         by_task: dict[asyncio.Task, _Group] = {}
-        drops: Counter[str] = Counter()
+        drops = MetricGatherer()
         max_groups = self.batch + max(len(self.data_source.dataset), self.over)
 
         def launch(k: int) -> None:
@@ -391,7 +390,7 @@ class RolloutManager:
                     if len(groups) >= max_groups:
                         raise RolloutError(
                             f"rollout {rollout_id}: the dynamic sampling filter {self.data.dynamic_sampling_filter_path} "
-                            f"kept {passing} of {len(groups)} groups (drops: {dict(drops)}) without reaching "
+                            f"kept {passing} of {len(groups)} groups (drops: {dict(drops.counts)}) without reaching "
                             f"--rollout-batch-size {self.batch}. Rewards may be all equal (e.g. all 0): check the "
                             f"reward, or drop --dynamic-sampling-filter-path.")
                     launch(self.over)
@@ -404,7 +403,7 @@ class RolloutManager:
                     verdict = call_filter(self.filter, self.args, g.samples)
                     g.kept = verdict.keep
                     if not verdict.keep:
-                        drops[verdict.reason or "filtered"] += 1
+                        drops.on_dynamic_filter_drop(verdict.reason)
         finally:
             surplus = groups[groups.index(selected[-1]) + 1:] if selected else [g for g in groups if not g.done]
             aborted = await self._abort(surplus)
@@ -417,12 +416,11 @@ class RolloutManager:
         metrics.update({
             "rollout/retries": self.client.retries - retries0,
             "rollout/groups_launched": len(groups),
-            "rollout/groups_dropped": sum(drops.values()),
+            "rollout/groups_dropped": drops.total,
             "rollout/surplus_aborted_requests": aborted,
             "rollout/epoch": self.data_source.epoch,
         })
-        for reason, c in drops.items():
-            metrics[f"rollout/dynamic_filter/drop_{reason}"] = c
+        metrics.update(drops.collect())
         if self.filter is not None:
             scored = [s.reward for g in groups if g.done for s in g.samples if isinstance(s.reward, int | float)]
             if scored:

@@ -58,6 +58,13 @@ class PluginArgs:
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"plugin args are read-only (tried to set '{name}'); keep per-call state on the sample")
 
+    def with_overrides(self, values: dict[str, Any]) -> PluginArgs:
+        """A copy of this view in which ``values`` replace (or add) fields; this one is unchanged."""
+        out = object.__new__(PluginArgs)
+        out.__dict__.update(self.__dict__)
+        out.__dict__["_values"] = {**object.__getattribute__(self, "_values"), **values}
+        return out
+
 
 def reward_value(sample: Any, args: Any = None) -> Any:
     """Miles's ``sample.get_reward_value(args)``: the reward, or its ``--reward-key`` entry when it is a dict."""
