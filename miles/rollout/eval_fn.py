@@ -31,11 +31,10 @@ import statistics
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
-from urllib.parse import urlsplit
 
 from miles.config.base import ConfigError
 from miles.config.eval_datasets import DEFAULT_EVAL_PATHS, custom_eval_function, evaluating_function
-from miles.rollout.plugins import PluginArgs, call_bounded, load_function
+from miles.rollout.plugins import PluginArgs, call_bounded, load_function, router_address
 from miles.rollout.rollout_fn import MilesDataBuffer, check_signature, construct_rollout_class, is_rollout_class
 from miles.types import Sample, SampleStatus
 from miles.utils.errors import MilesError
@@ -225,14 +224,6 @@ class EvalFunction:
                 handle.close()
         data, metrics = eval_data_of(out, self.what)
         return miles_eval_metrics(data, metrics)
-
-
-def router_address(router_url: str | None) -> dict[str, Any]:
-    """``sglang_router_ip`` / ``sglang_router_port`` of a router URL (Miles's args names), or {}."""
-    if not router_url:
-        return {}
-    parts = urlsplit(router_url)
-    return {"sglang_router_ip": parts.hostname, "sglang_router_port": parts.port}
 
 
 def eval_function_of(cfg: Any) -> tuple[str, str] | None:

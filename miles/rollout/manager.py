@@ -50,11 +50,12 @@ from miles.rollout.data import DataSource, EvalDataset, PromptDataset, PromptIte
 from miles.rollout.eval_fn import miles_eval_metrics
 from miles.rollout.filters import MetricGatherer, call_filter, load_filter
 from miles.rollout.opd_topk import student_top_k
-from miles.rollout.plugins import PluginArgs, choose_arity, is_async, load_function, reward_value
+from miles.rollout.plugins import PluginArgs, choose_arity, client_address, is_async, load_function, reward_value
 from miles.rollout.reward_post_process import RewardPostProcess
-from miles.rollout.rewards import Rewarder
+from miles.rollout.rewards import Rewarder, reward_category_metrics
 from miles.types import Sample, SampleStatus
 from miles.utils.errors import MilesError
+from miles.utils.http_utils import init_http_client
 from miles.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -185,7 +186,8 @@ class RolloutManager:
         self.abort_grace, self.engine_abort_retries = abort_grace, engine_abort_retries
         self.client = TrackedClient(client, uuid.uuid4().hex[:8])
         self.args = PluginArgs(rollout, data, reward, eval_cfg, *sections, client=self.client, tokenizer=tokenizer,
-                               extra=custom_config)
+                               extra=custom_config, overrides=client_address(client))
+        init_http_client(self.args)  # miles.utils.http_utils.post of plugins: --rollout-request-timeout per try
         self.rewarder = Rewarder(reward, self.args, rewards_from_generate=bool(data.custom_generate_function_path))
         if data.multimodal_keys:  # images: Sample.multimodal_train_inputs (Miles's plugins) from this processor
             from miles.rollout.multimodal import set_rollout_checkpoint
@@ -487,6 +489,7 @@ class RolloutManager:
             "perf/rollout_time": elapsed,
             "perf/rollout/reward_time": counts.reward_time,
             "perf/rollout_tokens_per_s": counts.response_tokens / elapsed if elapsed > 0 else 0.0,
+            **reward_category_metrics(flat, self.reward.log_reward_category),
         }
 
     # ------------------------------------------------------------------ evaluation

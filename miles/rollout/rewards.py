@@ -147,6 +147,21 @@ def _hub_call(name: str, verifier: Verifier, boxed: bool) -> Callable[[Any, Samp
     run.__qualname__ = f"rm_hub.{name}"
     run.miles_inline = verifier.inline  # type: ignore[attr-defined]
     return run
+def reward_category_metrics(samples: list[Sample], key: str | None) -> dict[str, float]:
+    """``--log-reward-category KEY``: ``{"error_cat/<value>": share of samples}`` over the value each sample's reward
+    dict holds under KEY (the dict a reward returned: ``sample.reward`` or ``metadata["rewards"]``); samples without
+    one count as ``none``. Miles's metric names; {} without the flag or samples."""
+    if not key or not samples:
+        return {}
+    counts: dict[str, int] = {}
+    for s in samples:
+        raw = s.reward if isinstance(s.reward, dict) else s.metadata.get("rewards")
+        value = raw.get(key) if isinstance(raw, dict) else None
+        name = "none" if value is None else str(value)
+        counts[name] = counts.get(name, 0) + 1
+    return {f"error_cat/{name}": n / len(samples) for name, n in counts.items()}
+
+
 def builtin_call(name: str) -> tuple[RewardFn, str | None] | None:
     """(``f(args, sample)``, its default reward key) of a registered or reward-hub name (``boxed_<type>`` included;
     not ``remote_rm``), or None for an unknown name."""

@@ -34,9 +34,11 @@ from miles.config.base import ConfigError
 from miles.config.data import DataConfig
 from miles.rollout.data import DataError, DataSource, PromptDataset, PromptItem, read_rows
 from miles.rollout.data_source import DataSource as MilesDataSourceABC
-from miles.rollout.plugins import PluginArgs, call_bounded, load_function
+from miles.rollout.plugins import PluginArgs, call_bounded, client_address, load_function
+from miles.rollout.rewards import reward_category_metrics
 from miles.types import Sample, SampleStatus
 from miles.utils.errors import MilesError
+from miles.utils.http_utils import init_http_client
 from miles.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -291,7 +293,8 @@ class RolloutFunctionSource:
                    "rollout/response_len": sum(s.response_length for s in flat) / max(1, len(flat)),
                    "rollout/num_samples": float(len(flat)),
                    "rollout/epoch": float(self.data_source.epoch),
-                   "perf/rollout_time": time.monotonic() - t0}
+                   "perf/rollout_time": time.monotonic() - t0,
+                   **reward_category_metrics(flat, getattr(self.args, "log_reward_category", None))}
         return groups, metrics
 
 
@@ -305,6 +308,8 @@ def build_rollout_function(cfg: Any, data_source: DataSource | None, tokenizer: 
         raise ConfigError(f"{FLAG} {path} draws prompts from --prompt-data: pass --prompt-data FILE.")
     sections = (cfg.data, cfg.rollout, cfg.reward, cfg.eval, cfg.algo, cfg.train, cfg.cluster, cfg.weights,
                 cfg.checkpoint, cfg.output)
-    args = PluginArgs(*sections, client=client, tokenizer=tokenizer, extra=getattr(cfg, "custom_config", None))
+    args = PluginArgs(*sections, client=client, tokenizer=tokenizer, extra=getattr(cfg, "custom_config", None),
+                      overrides=client_address(client))
+    init_http_client(args)
     return RolloutFunctionSource(path, args, data_source, cfg.data.n_samples_per_prompt,
                                  timeout=cfg.cluster.distributed_timeout_minutes * 60.0)
