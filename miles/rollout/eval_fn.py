@@ -34,7 +34,7 @@ from typing import Any
 
 from miles.config.base import ConfigError
 from miles.config.eval_datasets import DEFAULT_EVAL_PATHS, custom_eval_function, evaluating_function
-from miles.rollout.plugins import PluginArgs, call_bounded, load_function, router_address
+from miles.rollout.plugins import PluginArgs, call_bounded, client_address, load_function, router_address
 from miles.rollout.rollout_fn import MilesDataBuffer, check_signature, construct_rollout_class, is_rollout_class
 from miles.types import Sample, SampleStatus
 from miles.utils.errors import MilesError
@@ -248,7 +248,7 @@ def build_eval_function(cfg: Any, data_source: Any, tokenizer: Any, client: Any 
     sections = (cfg.data, cfg.rollout, cfg.reward, cfg.eval, cfg.algo, cfg.train, cfg.cluster, cfg.weights,
                 cfg.checkpoint, cfg.output)
     args = PluginArgs(*sections, client=client, tokenizer=tokenizer, extra=extra,
-                      overrides=router_address(router_url))
+                      overrides=router_address(router_url) or client_address(client))
     return EvalFunction(path, args, data_source, cfg.data.n_samples_per_prompt,
                         timeout=cfg.cluster.distributed_timeout_minutes * 60.0, builtin=builtin, flag=flag)
 

@@ -197,6 +197,10 @@ def is_rollout_class(fn: Any) -> bool:
 
 def check_class_signature(cls: type, path: str, flag: str = FLAG) -> None:
     """ConfigError unless ``cls(input)`` and ``instance(input)`` bind (Miles's class-based rollout contract)."""
+    from miles.rollout.inference_rollout.inference_rollout_common import InferenceRolloutFn, subclass_refusal
+
+    if issubclass(cls, InferenceRolloutFn) and cls is not InferenceRolloutFn:
+        raise ConfigError(f"{flag} {path!r}: {subclass_refusal(cls)}")
     call = next((vars(c)["__call__"] for c in cls.__mro__ if "__call__" in vars(c)), None)
     if call is None:
         raise ConfigError(f"{flag} {path!r} is a class without __call__; expected {CLASS_FORMS}.")

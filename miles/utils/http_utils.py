@@ -161,6 +161,8 @@ async def request_json_retrying(session: aiohttp.ClientSession, method: str, url
                 if resp.status >= 400:
                     raise error(f"{name} answered HTTP {resp.status}: {(await resp.text())[:200]}")
                 return await _answer(resp)
+        except aiohttp.InvalidURL as e:  # no try can succeed
+            raise error(f"{name}: invalid URL ({e})") from None
         except (TimeoutError, aiohttp.ClientError) as e:
             last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
     bound_text = bound_text or f"{timeout:g}s per try"

@@ -15,7 +15,12 @@ from typing import Any
 from miles.rollout.base_types import GenerateState
 from miles.rollout.rollout_fn import RolloutFunctionError
 
-__all__ = ["GenerateState", "InferenceRolloutFn"]
+__all__ = ["GenerateState", "InferenceRolloutFn", "subclass_refusal"]
+
+
+def subclass_refusal(cls: type) -> str:
+    return (f"{cls.__qualname__} subclasses InferenceRolloutFn, the built-in rollout, which is not a class here; write "
+            "a class-based rollout function (__init__(input), __call__(input)) or a generate_rollout function.")
 
 
 class InferenceRolloutFn:
@@ -23,9 +28,6 @@ class InferenceRolloutFn:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if type(self) is not InferenceRolloutFn:
-            raise RolloutFunctionError(f"{type(self).__qualname__} subclasses InferenceRolloutFn, the built-in rollout, "
-                                       "which is not a class here; write a class-based rollout function (__init__(input)"
-                                       ", __call__(input)) or a generate_rollout function over Miles's "
-                                       "plugin API.")
+            raise RolloutFunctionError(subclass_refusal(type(self)))
         raise RolloutFunctionError("InferenceRolloutFn names the built-in rollout (the default of "
                                    "--rollout-function-path); it is not constructed.")
