@@ -18,12 +18,22 @@ def json_object(value: str) -> dict:
     return parsed
 
 
+LEGACY_EVAL_NAME = "aime"   # Miles's name for a lone --eval-prompt-data PATH
+
+
 def parse_eval_prompt_data(values: list[str] | None) -> list[tuple[str, str]]:
-    """``--eval-prompt-data NAME PATH [NAME PATH ...]`` as (name, path) pairs."""
+    """``--eval-prompt-data NAME PATH [NAME PATH ...]`` as (name, path) pairs; a single value is a PATH, named
+    ``aime`` (Miles's legacy reading, logged once)."""
     from miles.config.base import ConfigError
 
     if not values:
         return []
+    if len(values) == 1:
+        from miles.utils.logging import get_logger, warn_once
+
+        warn_once(get_logger(__name__), f"--eval-prompt-data {values[0]}: only one value, taken as the data of "
+                                        f"dataset '{LEGACY_EVAL_NAME}' (Miles's legacy form; pass NAME PATH to name it)")
+        values = [LEGACY_EVAL_NAME, values[0]]
     if len(values) % 2:
         raise ConfigError(f"--eval-prompt-data takes NAME PATH pairs, got {len(values)} values {values}: "
                           f"e.g. --eval-prompt-data math_eval data/eval.jsonl")
@@ -98,6 +108,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--custom-rm-path", type=str, default=None, help="module.function: async reward per sample (or group).")
     r.add_argument("--group-rm", action="store_true", help="The custom reward takes a whole group.")
     r.add_argument("--rm-url", type=str, default=None, help="Remote reward server URL (with --rm-type remote_rm).")
+    r.add_argument("--log-reward-category", type=str, default=None,
+                   help="KEY of a dict-valued reward: log error_cat/<value> (the share of a rollout's samples whose "
+                        "reward dict has that value under KEY; 'none' without it).")
     r.add_argument("--reward-key", type=str, default=None, help="Key to pick from dict-valued rewards.")
     r.add_argument("--rm-timeout", type=float, default=60.0, help="Seconds per --rm-url request (remote_rm).")
     r.add_argument("--rm-max-retries", type=int, default=3, help="Retries of a failed --rm-url request.")
@@ -108,7 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="module.function(args, samples) -> (raw_rewards, rewards) over a rollout's samples.")
 
     e = parser.add_argument_group("evaluation")
-    e.add_argument("--eval-prompt-data", type=str, nargs="+", default=None, help="NAME PATH [NAME PATH ...] for evaluation.")
+    e.add_argument("--eval-prompt-data", type=str, nargs="+", default=None, help="NAME PATH [NAME PATH ...] for evaluation; a single PATH is named 'aime' (as in Miles).")
     e.add_argument("--eval-config", type=str, default=None,
                    help="Miles's multi-task evaluation document: a YAML/JSON file (or base64:PAYLOAD) of eval: {defaults: "
                         "{...}, datasets: [{name, path, rm_type, n_samples_per_eval_prompt, temperature, ...}]}; it "
@@ -172,6 +185,7 @@ class RewardConfig:
     rm_max_retries: int
     custom_config_path: str | None
     custom_reward_post_process_path: str | None
+    log_reward_category: str | None = None
 
 
 @dataclass(kw_only=True)

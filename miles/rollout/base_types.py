@@ -1,4 +1,4 @@
-"""Miles's class-based generate contract (``miles.rollout.base_types``), on this project's engine client.
+"""Miles's plugin types (``miles.rollout.base_types``): the class-based generate and rollout contracts.
 
     async def generate(input: GenerateFnInput) -> GenerateFnOutput    # --custom-generate-function-path
 
@@ -7,6 +7,18 @@
 ``input.sampling_params`` its sampling parameters. The output's ``samples`` must be one Sample (a list
 of several, Miles's multi-sample output, is refused). The older form
 ``generate(args, sample, sampling_params) -> Sample`` works as well.
+
+Class-based rollout functions (Miles's ``RolloutFnProtocol``) for ``--rollout-function-path`` /
+``--eval-function-path``::
+
+    class MyRollout:
+        def __init__(self, input: RolloutFnConstructorInput): ...      # input.args, input.data_source
+        def __call__(self, input: RolloutFnTrainInput | RolloutFnEvalInput)  # sync or async
+            -> RolloutFnTrainOutput | RolloutFnEvalOutput
+
+The class is constructed once at start-up; ``input.evaluation`` says which kind of call it is.
+``RolloutFnTrainInput.weight_version`` is the engines' weight version (None before the first update);
+``RolloutFnEvalInput.generate_state`` and ``hf_dir`` are None here (no snapshot evaluation).
 """
 
 from __future__ import annotations
@@ -30,6 +42,46 @@ class GenerateState:
     def __post_init__(self) -> None:
         if self.tokenizer is None:  # Miles's GenerateState(args) loads it; here the args carry it
             self.tokenizer = getattr(self.args, "tokenizer", None)
+
+
+@dataclass(frozen=True)
+class RolloutFnConstructorInput:
+    """What a class-based rollout function is constructed with: the flags view and Miles's data-buffer API."""
+
+    args: Any
+    data_source: Any
+
+
+@dataclass(frozen=True)
+class RolloutFnBaseInput:
+    rollout_id: int
+
+    @property
+    def evaluation(self) -> bool:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class RolloutFnTrainInput(RolloutFnBaseInput):
+    weight_version: int | None = None
+
+    @property
+    def evaluation(self) -> bool:
+        return False
+
+
+@dataclass(frozen=True)
+class RolloutFnEvalInput(RolloutFnBaseInput):
+    generate_state: GenerateState | None = None
+    weight_version: str | None = None
+    hf_dir: str | None = None
+
+    @property
+    def evaluation(self) -> bool:
+        return True
+
+
+RolloutFnInput = RolloutFnTrainInput | RolloutFnEvalInput
 
 
 @dataclass
@@ -64,6 +116,17 @@ class RolloutFnEvalOutput:
 
     data: dict[str, dict[str, Any]]
     metrics: dict[str, Any] | None = None
+
+
+RolloutFnOutput = RolloutFnTrainOutput | RolloutFnEvalOutput
+
+
+def call_rollout_fn(fn: Callable[..., Any], *args: Any, evaluation: bool, **kwargs: Any) -> Any:
+    """Miles's legacy call ``fn(*args, evaluation=...)``, a plain result wrapped in the output type."""
+    out = fn(*args, **kwargs, evaluation=evaluation)
+    if not isinstance(out, RolloutFnTrainOutput | RolloutFnEvalOutput):
+        out = RolloutFnEvalOutput(data=out) if evaluation else RolloutFnTrainOutput(samples=out)
+    return out
 
 
 def input_form(fn: Callable[[GenerateFnInput], Awaitable[Any]]) -> Callable[..., Awaitable[Sample]]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -540,30 +539,11 @@ class EngineClient(_Http):
 
 
 # -- synchronous use from plain threads -------------------------------------------------------------
-class _LoopThread:
-    """A daemon thread running one event loop, shared by every sync wrapper in the process."""
-
-    _lock = threading.Lock()
-    _loop: asyncio.AbstractEventLoop | None = None
-
-    @classmethod
-    def loop(cls) -> asyncio.AbstractEventLoop:
-        with cls._lock:
-            if cls._loop is None or cls._loop.is_closed():
-                loop = asyncio.new_event_loop()
-                threading.Thread(target=loop.run_forever, name="miles-http-loop", daemon=True).start()
-                cls._loop = loop
-            return cls._loop
-
-
 def run_sync(coro: Awaitable[T], timeout: float | None = None) -> T:
-    """Run ``coro`` on the shared background loop and wait for it (at most ``timeout`` s)."""
-    fut = asyncio.run_coroutine_threadsafe(coro, _LoopThread.loop())  # type: ignore[arg-type]
-    try:
-        return fut.result(timeout)
-    except TimeoutError:
-        fut.cancel()
-        raise
+    """Run ``coro`` on the shared background loop (:mod:`miles.utils.async_utils`) and wait at most ``timeout`` s."""
+    from miles.utils.async_utils import run_sync as _run_sync
+
+    return _run_sync(coro, timeout)
 
 
 class SyncEngineControl:

@@ -31,12 +31,11 @@ import statistics
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
-from urllib.parse import urlsplit
 
 from miles.config.base import ConfigError
 from miles.config.eval_datasets import DEFAULT_EVAL_PATHS, custom_eval_function, evaluating_function
-from miles.rollout.plugins import PluginArgs, call_bounded, load_function
-from miles.rollout.rollout_fn import MilesDataBuffer, check_signature
+from miles.rollout.plugins import PluginArgs, call_bounded, client_address, load_function, router_address
+from miles.rollout.rollout_fn import MilesDataBuffer, check_signature, construct_rollout_class, is_rollout_class
 from miles.types import Sample, SampleStatus
 from miles.utils.errors import MilesError
 from miles.utils.logging import get_logger
@@ -55,12 +54,12 @@ class EvalFunctionError(MilesError):
 
 
 def check_eval_function(fn: Any, path: str) -> None:
-    """ConfigError unless ``fn`` is a function Miles's legacy eval call ``fn(args, rollout_id, data_source,
-    evaluation=True)`` binds (a class, Miles's class-based rollout API or a CheckpointEvalFn, is refused)."""
-    if inspect.isclass(fn):
-        kind = ("a CheckpointEvalFn (Miles's snapshot-eval backend)"
-                if any(c.__name__ == "CheckpointEvalFn" for c in fn.__mro__) else "a class (Miles's class-based rollout API)")
-        raise ConfigError(f"{FLAG} {path!r} is {kind}, which miles does not run; give a function: {FORMS}.")
+    """ConfigError unless Miles's legacy eval call ``fn(args, rollout_id, data_source, evaluation=True)`` binds, or
+    ``fn`` is a class-based rollout function (a CheckpointEvalFn, Miles's snapshot-eval backend, is refused)."""
+    if inspect.isclass(fn) and any(c.__name__ == "CheckpointEvalFn" for c in fn.__mro__):
+        raise ConfigError(f"{FLAG} {path!r} is a CheckpointEvalFn (Miles's snapshot-eval backend, which evaluates "
+                          f"exported checkpoints with train_async.py and --eval-hf-dir); miles does not run it: give "
+                          f"a function ({FORMS}) or a class-based rollout function.")
     check_signature(fn, path, flag=FLAG)
 
 
@@ -182,8 +181,17 @@ class EvalFunction:
         self.fn = load_function(path, flag)
         if flag == FLAG:
             check_eval_function(self.fn, path)
+        self.instance: Any = None
+        if is_rollout_class(self.fn):  # Miles's class-based rollout function: built once, called per evaluation
+            check_signature(self.fn, path, flag=flag)
+            buffer = MilesDataBuffer(data_source, self.n, 0) if data_source is not None else None
+            self.instance = construct_rollout_class(self.fn, path, args, buffer, flag=flag)
 
     def _call(self, args: PluginArgs, rollout_id: int, buffer: Any) -> Any:
+        if self.instance is not None:
+            from miles.rollout.base_types import RolloutFnEvalInput
+
+            return self.instance(RolloutFnEvalInput(rollout_id=rollout_id))
         return self.fn(args, rollout_id, buffer, evaluation=True)
 
     def _args_of_call(self, handle: BuiltinEvalHandle | None) -> PluginArgs:
@@ -218,14 +226,6 @@ class EvalFunction:
         return miles_eval_metrics(data, metrics)
 
 
-def router_address(router_url: str | None) -> dict[str, Any]:
-    """``sglang_router_ip`` / ``sglang_router_port`` of a router URL (Miles's args names), or {}."""
-    if not router_url:
-        return {}
-    parts = urlsplit(router_url)
-    return {"sglang_router_ip": parts.hostname, "sglang_router_port": parts.port}
-
-
 def eval_function_of(cfg: Any) -> tuple[str, str] | None:
     """(path, flag) of the function that evaluates, or None for the built-in evaluation: ``--eval-function-path``,
     else (Miles's default) a custom ``--rollout-function-path``; not miles's SFT rollout, which makes training data
@@ -248,7 +248,7 @@ def build_eval_function(cfg: Any, data_source: Any, tokenizer: Any, client: Any 
     sections = (cfg.data, cfg.rollout, cfg.reward, cfg.eval, cfg.algo, cfg.train, cfg.cluster, cfg.weights,
                 cfg.checkpoint, cfg.output)
     args = PluginArgs(*sections, client=client, tokenizer=tokenizer, extra=extra,
-                      overrides=router_address(router_url))
+                      overrides=router_address(router_url) or client_address(client))
     return EvalFunction(path, args, data_source, cfg.data.n_samples_per_prompt,
                         timeout=cfg.cluster.distributed_timeout_minutes * 60.0, builtin=builtin, flag=flag)
 

@@ -6,14 +6,16 @@ A filter decides whether a finished, rewarded group is kept for training::
 
 (Miles's signature; ``args`` is a :class:`~miles.rollout.plugins.PluginArgs`.) A plain bool is read as
 ``FilterOutput(keep=bool)``. Dropped groups are counted per ``reason`` in the rollout metrics
-(``rollout/dynamic_filter/drop_<reason>``). With a filter set, the manager over-samples
+(``rollout/dynamic_filter/drop_<reason>``, :class:`MetricGatherer`). With a filter set, the manager over-samples
 (``--over-sampling-batch-size`` prompts at a time) until ``--rollout-batch-size`` groups pass, then
-aborts the surplus requests.
+aborts the surplus requests. ``call_dynamic_filter`` and ``MetricGatherer`` are Miles's names
+(``filter_hub.base_types``) for rollout functions that filter groups themselves.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -58,9 +60,15 @@ def load_filter(path: str) -> Callable[..., Any]:
 
 def call_filter(fn: Callable[..., Any] | None, args: Any, samples: list[Sample]) -> FilterOutput:
     """Run a filter and normalise its answer; a result that is neither FilterOutput nor bool is an error."""
+    return call_dynamic_filter(fn, args, samples)
+
+
+def call_dynamic_filter(fn: Callable[..., Any] | None, *args: Any, **kwargs: Any) -> FilterOutput:
+    """Miles's ``call_dynamic_filter(fn, *args, **kwargs)``: ``fn(*args, **kwargs)`` as a FilterOutput (keep
+    everything without a filter; a bool answer is ``FilterOutput(keep=answer)``; another answer is a TypeError)."""
     if fn is None:
         return FilterOutput(keep=True)
-    out = fn(args, samples)
+    out = fn(*args, **kwargs)
     if isinstance(out, FilterOutput):
         return out
     if isinstance(out, bool) or type(out).__name__ in ("bool_", "bool"):
@@ -69,3 +77,21 @@ def call_filter(fn: Callable[..., Any] | None, args: Any, samples: list[Sample])
         return FilterOutput(keep=bool(out.keep), reason=getattr(out, "reason", None))
     raise TypeError(f"--dynamic-sampling-filter-path {getattr(fn, '__qualname__', fn)} returned {type(out).__name__}; "
                     f"expected FilterOutput(keep, reason) or a bool")
+
+
+class MetricGatherer:
+    """Counts dynamic-filter drops by reason; ``collect()`` gives ``{"rollout/dynamic_filter/drop_<reason>": n}``
+    (Miles's metric names). A drop without a reason is counted as ``filtered`` (Miles does not count it)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+
+    def on_dynamic_filter_drop(self, reason: str | None) -> None:
+        self.counts[reason or "filtered"] += 1
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def collect(self) -> dict[str, int]:
+        return {f"rollout/dynamic_filter/drop_{reason}": n for reason, n in self.counts.items()}

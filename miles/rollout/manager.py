@@ -36,7 +36,6 @@ import dataclasses
 import hashlib
 import time
 import uuid
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,13 +48,14 @@ from miles.rollout import generate as gen
 from miles.rollout.base_types import input_form
 from miles.rollout.data import DataSource, EvalDataset, PromptDataset, PromptItem
 from miles.rollout.eval_fn import miles_eval_metrics
-from miles.rollout.filters import call_filter, load_filter
+from miles.rollout.filters import MetricGatherer, call_filter, load_filter
 from miles.rollout.opd_topk import student_top_k
-from miles.rollout.plugins import PluginArgs, choose_arity, is_async, load_function, reward_value
+from miles.rollout.plugins import PluginArgs, choose_arity, client_address, is_async, load_function, reward_value
 from miles.rollout.reward_post_process import RewardPostProcess
-from miles.rollout.rewards import Rewarder
+from miles.rollout.rewards import Rewarder, reward_category_metrics
 from miles.types import Sample, SampleStatus
 from miles.utils.errors import MilesError
+from miles.utils.http_utils import init_http_client
 from miles.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -186,7 +186,8 @@ class RolloutManager:
         self.abort_grace, self.engine_abort_retries = abort_grace, engine_abort_retries
         self.client = TrackedClient(client, uuid.uuid4().hex[:8])
         self.args = PluginArgs(rollout, data, reward, eval_cfg, *sections, client=self.client, tokenizer=tokenizer,
-                               extra=custom_config)
+                               extra=custom_config, overrides=client_address(client))
+        init_http_client(self.args)  # miles.utils.http_utils.post of plugins: --rollout-request-timeout per try
         self.rewarder = Rewarder(reward, self.args, rewards_from_generate=bool(data.custom_generate_function_path))
         if data.multimodal_keys:  # images: Sample.multimodal_train_inputs (Miles's plugins) from this processor
             from miles.rollout.multimodal import set_rollout_checkpoint
@@ -370,7 +371,7 @@ class RolloutManager:
         counts = _Counts(progress=self.progress)
         groups: list[_Group] = []
         by_task: dict[asyncio.Task, _Group] = {}
-        drops: Counter[str] = Counter()
+        drops = MetricGatherer()
         max_groups = self.batch + max(len(self.data_source.dataset), self.over)
 
         def launch(k: int) -> None:
@@ -391,7 +392,7 @@ class RolloutManager:
                     if len(groups) >= max_groups:
                         raise RolloutError(
                             f"rollout {rollout_id}: the dynamic sampling filter {self.data.dynamic_sampling_filter_path} "
-                            f"kept {passing} of {len(groups)} groups (drops: {dict(drops)}) without reaching "
+                            f"kept {passing} of {len(groups)} groups (drops: {dict(drops.counts)}) without reaching "
                             f"--rollout-batch-size {self.batch}. Rewards may be all equal (e.g. all 0): check the "
                             f"reward, or drop --dynamic-sampling-filter-path.")
                     launch(self.over)
@@ -404,7 +405,7 @@ class RolloutManager:
                     verdict = call_filter(self.filter, self.args, g.samples)
                     g.kept = verdict.keep
                     if not verdict.keep:
-                        drops[verdict.reason or "filtered"] += 1
+                        drops.on_dynamic_filter_drop(verdict.reason)
         finally:
             surplus = groups[groups.index(selected[-1]) + 1:] if selected else [g for g in groups if not g.done]
             aborted = await self._abort(surplus)
@@ -417,12 +418,11 @@ class RolloutManager:
         metrics.update({
             "rollout/retries": self.client.retries - retries0,
             "rollout/groups_launched": len(groups),
-            "rollout/groups_dropped": sum(drops.values()),
+            "rollout/groups_dropped": drops.total,
             "rollout/surplus_aborted_requests": aborted,
             "rollout/epoch": self.data_source.epoch,
         })
-        for reason, c in drops.items():
-            metrics[f"rollout/dynamic_filter/drop_{reason}"] = c
+        metrics.update(drops.collect())
         if self.filter is not None:
             scored = [s.reward for g in groups if g.done for s in g.samples if isinstance(s.reward, int | float)]
             if scored:
@@ -489,6 +489,7 @@ class RolloutManager:
             "perf/rollout_time": elapsed,
             "perf/rollout/reward_time": counts.reward_time,
             "perf/rollout_tokens_per_s": counts.response_tokens / elapsed if elapsed > 0 else 0.0,
+            **reward_category_metrics(flat, self.reward.log_reward_category),
         }
 
     # ------------------------------------------------------------------ evaluation

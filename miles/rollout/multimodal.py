@@ -34,7 +34,7 @@ from typing import Any
 
 from miles.config.base import ConfigError
 from miles.rollout.data import DataError
-from miles.utils.images import VisionProcessor, load_image
+from miles.utils.images import VisionProcessor, load_image, png_data_uri
 from miles.utils.images import decode_data_uri as _decode_data_uri
 
 __all__ = ["MEDIA_KEY", "PLACEHOLDERS", "ImageInputs", "content_messages", "engine_image", "image_data",
@@ -170,9 +170,7 @@ def image_inputs(hf_checkpoint: str) -> ImageInputs:
 def engine_image(ref: str) -> str:
     """One image as the engines take it in ``image_data``: ``data:image/png;base64,...`` of its RGB pixels (what
     Miles's ``encode_image_for_rollout_engine`` sends to SGLang)."""
-    buf = io.BytesIO()
-    load_image(ref).save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+    return png_data_uri(load_image(ref))
 
 
 def sample_images(metadata: dict[str, Any]) -> list[str]:

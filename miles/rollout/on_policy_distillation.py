@@ -91,7 +91,7 @@ async def post_json(url: str, payload: dict[str, Any], timeout: float, max_retri
     """POST with a total ``timeout`` per try; retried on connection errors, timeouts, 429 and 5xx."""
     import aiohttp
 
-    from miles.rollout.rewards import post_json_retrying
+    from miles.utils.http_utils import post_json_retrying
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
         return await post_json_retrying(session, url, payload, timeout=timeout, max_retries=max_retries,

@@ -58,6 +58,31 @@ class PluginArgs:
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"plugin args are read-only (tried to set '{name}'); keep per-call state on the sample")
 
+    def with_overrides(self, values: dict[str, Any]) -> PluginArgs:
+        """A copy of this view in which ``values`` replace (or add) fields; this one is unchanged."""
+        out = object.__new__(PluginArgs)
+        out.__dict__.update(self.__dict__)
+        out.__dict__["_values"] = {**object.__getattribute__(self, "_values"), **values}
+        return out
+
+
+def router_address(router_url: str | None) -> dict[str, Any]:
+    """``sglang_router_ip`` / ``sglang_router_port`` of a router URL (Miles's args names), or {}."""
+    from urllib.parse import urlsplit
+
+    if not router_url:
+        return {}
+    parts = urlsplit(router_url)
+    return {"sglang_router_ip": parts.hostname, "sglang_router_port": parts.port}
+
+
+def client_address(client: Any) -> dict[str, Any]:
+    """Miles's router address args of the URL an engine client sends ``/generate`` to (the router, or the one engine),
+    so that plugins posting to ``http://{args.sglang_router_ip}:{args.sglang_router_port}/generate`` reach the
+    run's engines; {} without a client."""
+    urls = getattr(client, "urls", None)
+    return router_address(urls[0]) if isinstance(urls, list | tuple) and urls else {}
+
 
 def reward_value(sample: Any, args: Any = None) -> Any:
     """Miles's ``sample.get_reward_value(args)``: the reward, or its ``--reward-key`` entry when it is a dict."""

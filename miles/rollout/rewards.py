@@ -46,6 +46,7 @@ from miles.rollout.rm_hub import dapo, deepscaler, f1, gpqa, ifbench, math_grade
 from miles.rollout.rm_hub.math_answer import extract_boxed, math_reward
 from miles.rollout.rm_hub.quickstart import quickstart_reward
 from miles.types import Sample, SampleStatus
+from miles.utils.http_utils import post_json_retrying
 from miles.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -146,6 +147,34 @@ def _hub_call(name: str, verifier: Verifier, boxed: bool) -> Callable[[Any, Samp
     run.__qualname__ = f"rm_hub.{name}"
     run.miles_inline = verifier.inline  # type: ignore[attr-defined]
     return run
+def reward_category_metrics(samples: list[Sample], key: str | None) -> dict[str, float]:
+    """``--log-reward-category KEY``: ``{"error_cat/<value>": share of samples}`` over the value each sample's reward
+    dict holds under KEY (the dict a reward returned: ``sample.reward`` or ``metadata["rewards"]``); samples without
+    one count as ``none``. Miles's metric names; {} without the flag or samples."""
+    if not key or not samples:
+        return {}
+    counts: dict[str, int] = {}
+    for s in samples:
+        raw = s.reward if isinstance(s.reward, dict) else s.metadata.get("rewards")
+        value = raw.get(key) if isinstance(raw, dict) else None
+        name = "none" if value is None else str(value)
+        counts[name] = counts.get(name, 0) + 1
+    return {f"error_cat/{name}": n / len(samples) for name, n in counts.items()}
+
+
+def builtin_call(name: str) -> tuple[RewardFn, str | None] | None:
+    """(``f(args, sample)``, its default reward key) of a registered or reward-hub name (``boxed_<type>`` included;
+    not ``remote_rm``), or None for an unknown name."""
+    base = name[len(BOXED_PREFIX):] if name.startswith(BOXED_PREFIX) else name
+    if name in _REGISTRY:
+        return _REGISTRY[name], None
+    if base in HUB:
+        if base == "ifbench":
+            ifbench.load_ifbench()
+        return _hub_call(base, HUB[base], boxed=base != name), HUB[base].reward_key
+    return None
+
+
 class RemoteReward:
     """POSTs ``{prompt, response, label}`` to ``--rm-url``; bounded per try, retried with backoff."""
 
@@ -234,17 +263,13 @@ class Rewarder:
 
     def _builtin(self, name: str, flag: str) -> tuple[RewardFn, str | None]:
         """(``f(args, sample)``, its default reward key) for a built-in name; ConfigError for unknown names."""
-        base = name[len(BOXED_PREFIX):] if name.startswith(BOXED_PREFIX) else name
         if name == "remote_rm":
             if self.remote is None:
                 raise ConfigError("--rm-type remote_rm needs --rm-url URL.")
             return self.remote.score, None
-        if name in _REGISTRY:
-            return _REGISTRY[name], None
-        if base in HUB:
-            if base == "ifbench":
-                ifbench.load_ifbench()
-            return _hub_call(base, HUB[base], boxed=base != name), HUB[base].reward_key
+        found = builtin_call(name)
+        if found is not None:
+            return found
         hint = (f" ({BOXED_PREFIX} takes a verifier type: {BOXED_PREFIX}math, {BOXED_PREFIX}f1, ...)"
                 if name.startswith(BOXED_PREFIX) else "")
         raise ConfigError(f"{flag} {name!r} is not a known reward; known: {', '.join(registered_rewards())}, "
@@ -344,28 +369,3 @@ class Rewarder:
     async def aclose(self) -> None:
         if self.remote is not None:
             await self.remote.aclose()
-
-
-async def post_json_retrying(session: Any, url: str, payload: dict[str, Any], *, timeout: float, max_retries: int,
-                             name: str, error: type[Exception] = RuntimeError) -> Any:
-    """POST ``payload`` as JSON on an aiohttp ``session`` (its timeout bounds each try); 429, 5xx, connection
-    errors and timeouts are retried ``max_retries`` times with backoff (0.25 s doubling, at most 4 s), another
-    4xx is final. Failures raise ``error`` naming ``name`` (the flag and URL)."""
-    import aiohttp
-
-    last = ""
-    for attempt in range(max_retries + 1):
-        if attempt:
-            await asyncio.sleep(min(0.25 * 2 ** (attempt - 1), 4.0))
-        try:
-            async with session.post(url, json=payload) as resp:
-                if resp.status == 429 or resp.status >= 500:
-                    last = f"HTTP {resp.status}: {(await resp.text())[:200]}"
-                    continue
-                if resp.status >= 400:
-                    raise error(f"{name} answered HTTP {resp.status}: {(await resp.text())[:200]}")
-                return await resp.json(content_type=None)
-        except (TimeoutError, aiohttp.ClientError) as e:
-            last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-    raise error(f"{name} failed {max_retries + 1} times (--rm-timeout {timeout:g}s, --rm-max-retries {max_retries}); "
-                f"last error: {last}")

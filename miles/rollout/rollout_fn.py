@@ -33,9 +33,12 @@ from typing import Any
 from miles.config.base import ConfigError
 from miles.config.data import DataConfig
 from miles.rollout.data import DataError, DataSource, PromptDataset, PromptItem, read_rows
-from miles.rollout.plugins import PluginArgs, call_bounded, load_function
+from miles.rollout.data_source import DataSource as MilesDataSourceABC
+from miles.rollout.plugins import PluginArgs, call_bounded, client_address, load_function
+from miles.rollout.rewards import reward_category_metrics
 from miles.types import Sample, SampleStatus
 from miles.utils.errors import MilesError
+from miles.utils.http_utils import init_http_client
 from miles.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -118,8 +121,9 @@ def build_prompt_dataset(data: DataConfig, tokenizer: Any, seed: int = 0) -> Any
     return PromptDataset(data.prompt_data, tokenizer, data, seed=seed)  # type: ignore[arg-type]
 
 
-class MilesDataBuffer:
-    """Miles's data-buffer API (``get_samples`` / ``add_samples``) over a :class:`DataSource`."""
+class MilesDataBuffer(MilesDataSourceABC):
+    """Miles's data-buffer API (``get_samples`` / ``add_samples``, :class:`miles.rollout.data_source.DataSource`)
+    over a :class:`DataSource`."""
 
     def __init__(self, source: DataSource, n_samples_per_prompt: int, rollout_id: int = 0) -> None:
         self.source, self.n, self.rollout_id = source, n_samples_per_prompt, rollout_id
@@ -153,6 +157,10 @@ class MilesDataBuffer:
         items = [self._drawn.pop(g[0].group_index) for g in groups if g and g[0].group_index in self._drawn]
         self.source.give_back(items)
 
+    def get_buffer_length(self) -> int:
+        """Prompts given back and not yet served again."""
+        return len(getattr(self.source, "_buffer", []))
+
 
 def _groups_of(out: Any) -> tuple[list[list[Sample]], dict[str, float]]:
     metrics = {}
@@ -178,8 +186,55 @@ def _check(s: Sample, where: str) -> None:
         raise RolloutFunctionError(f"{where}: loss_mask has {len(s.loss_mask)} entries, response_length is {r}")
 
 
+CLASS_FORMS = ("class F: def __init__(self, input: RolloutFnConstructorInput); "
+               "def __call__(self, input: RolloutFnTrainInput | RolloutFnEvalInput)")
+
+
+def is_rollout_class(fn: Any) -> bool:
+    """A class-based rollout function (Miles's ``RolloutFnProtocol``): constructed once, then called per rollout."""
+    return inspect.isclass(fn)
+
+
+def check_class_signature(cls: type, path: str, flag: str = FLAG) -> None:
+    """ConfigError unless ``cls(input)`` and ``instance(input)`` bind (Miles's class-based rollout contract)."""
+    from miles.rollout.inference_rollout.inference_rollout_common import InferenceRolloutFn, subclass_refusal
+
+    if issubclass(cls, InferenceRolloutFn) and cls is not InferenceRolloutFn:
+        raise ConfigError(f"{flag} {path!r}: {subclass_refusal(cls)}")
+    call = next((vars(c)["__call__"] for c in cls.__mro__ if "__call__" in vars(c)), None)
+    if call is None:
+        raise ConfigError(f"{flag} {path!r} is a class without __call__; expected {CLASS_FORMS}.")
+    for what, member in (("__init__", cls.__init__), ("__call__", call)):
+        try:
+            sig = inspect.signature(member)
+        except (TypeError, ValueError):
+            continue
+        try:
+            sig.bind(None, None)  # (self, input)
+        except TypeError:
+            raise ConfigError(f"{flag} {path!r}: {what}{sig} does not take one input; expected {CLASS_FORMS}.") from None
+
+
+def construct_rollout_class(cls: type, path: str, args: Any, data_source: Any, flag: str = FLAG) -> Any:
+    """``cls(RolloutFnConstructorInput(args, data_source))``; a failure is one RolloutFunctionError line."""
+    from miles.rollout.base_types import RolloutFnConstructorInput
+
+    try:
+        return cls(RolloutFnConstructorInput(args=args, data_source=data_source))
+    except (MilesError, ConfigError):
+        raise
+    except Exception as e:  # the user's constructor failed: one line naming it (its traceback is in the log)
+        logger.debug("%s %s constructor failed", flag, path, exc_info=True)
+        first = (str(e).splitlines() or [""])[0]
+        raise RolloutFunctionError(f"{flag} {path}: constructing the class raised {type(e).__name__}: {first}") from None
+
+
 def check_signature(fn: Any, path: str, flag: str = FLAG) -> None:
-    """ConfigError unless ``fn(args, rollout_id, data_source, evaluation=False)`` binds (Miles's call)."""
+    """ConfigError unless ``fn(args, rollout_id, data_source, evaluation=False)`` binds (Miles's call), or ``fn``
+    is a class following Miles's class-based contract."""
+    if is_rollout_class(fn):
+        check_class_signature(fn, path, flag)
+        return
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # no signature to read (a builtin): let the call decide
@@ -199,16 +254,27 @@ class RolloutFunctionSource:
         self.n, self.timeout = n_samples_per_prompt, timeout
         self.fn = load_function(path, FLAG)
         self._check_signature()
+        self.instance: Any = None
+        self._buffer: MilesDataBuffer | None = None
+        if is_rollout_class(self.fn):  # built once; its data source is one buffer kept across rollouts
+            self._buffer = MilesDataBuffer(self.data_source, self.n, 0)
+            self.instance = construct_rollout_class(self.fn, path, args, self._buffer)
 
     def _check_signature(self) -> None:
         check_signature(self.fn, self.path)
 
     def _call(self, rollout_id: int, buffer: MilesDataBuffer) -> Any:
+        if self.instance is not None:
+            from miles.rollout.base_types import RolloutFnTrainInput
+
+            return self.instance(RolloutFnTrainInput(rollout_id=rollout_id))
         return self.fn(self.args, rollout_id, buffer, evaluation=False)
 
     async def next_rollout(self, rollout_id: int) -> tuple[list[list[Sample]], dict[str, float]]:
         t0 = time.monotonic()
-        buffer = MilesDataBuffer(self.data_source, self.n, rollout_id)
+        if self._buffer is not None:
+            self._buffer.rollout_id = rollout_id
+        buffer = self._buffer or MilesDataBuffer(self.data_source, self.n, rollout_id)
         what = f"{FLAG} {self.path}"
         try:
             out = await call_bounded(self._call, (rollout_id, buffer), self.timeout, what,
@@ -231,7 +297,8 @@ class RolloutFunctionSource:
                    "rollout/response_len": sum(s.response_length for s in flat) / max(1, len(flat)),
                    "rollout/num_samples": float(len(flat)),
                    "rollout/epoch": float(self.data_source.epoch),
-                   "perf/rollout_time": time.monotonic() - t0}
+                   "perf/rollout_time": time.monotonic() - t0,
+                   **reward_category_metrics(flat, getattr(self.args, "log_reward_category", None))}
         return groups, metrics
 
 
@@ -245,6 +312,8 @@ def build_rollout_function(cfg: Any, data_source: DataSource | None, tokenizer: 
         raise ConfigError(f"{FLAG} {path} draws prompts from --prompt-data: pass --prompt-data FILE.")
     sections = (cfg.data, cfg.rollout, cfg.reward, cfg.eval, cfg.algo, cfg.train, cfg.cluster, cfg.weights,
                 cfg.checkpoint, cfg.output)
-    args = PluginArgs(*sections, client=client, tokenizer=tokenizer, extra=getattr(cfg, "custom_config", None))
+    args = PluginArgs(*sections, client=client, tokenizer=tokenizer, extra=getattr(cfg, "custom_config", None),
+                      overrides=client_address(client))
+    init_http_client(args)
     return RolloutFunctionSource(path, args, data_source, cfg.data.n_samples_per_prompt,
                                  timeout=cfg.cluster.distributed_timeout_minutes * 60.0)

@@ -27,6 +27,13 @@ def decode_data_uri(ref: str) -> bytes:
         raise ValueError(f"bad base64 payload ({e})") from None
 
 
+def png_data_uri(image: Any) -> str:
+    """``data:image/png;base64,...`` of a PIL image's RGB pixels (what the engines take in ``image_data``)."""
+    buf = io.BytesIO()
+    (image if image.mode == "RGB" else image.convert("RGB")).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
 def load_image(ref: str) -> Any:
     """A PIL RGB image from a reference: an absolute path or a data URI."""
     from PIL import Image

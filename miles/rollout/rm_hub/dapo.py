@@ -15,8 +15,6 @@ from __future__ import annotations
 import re
 from typing import Any
 
-_TAIL_CHARS = 300
-_ANSWER = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
 _REPLACE = (("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""), ("mbox", "text"),
             (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"))
 _DROP = ("square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots", "sue",
@@ -45,12 +43,7 @@ def normalize_final_answer(answer: str) -> str:
 
 
 def dapo_reward(response: str, label: Any) -> dict[str, Any]:
-    found = _ANSWER.findall(response[-_TAIL_CHARS:])
-    pred = normalize_final_answer(found[-1] if found else "[INVALID]")
-    gold = normalize_final_answer(str(label))
-    try:
-        gold = str(int(float(gold)))
-    except ValueError:
-        raise ValueError(f"--rm-type dapo needs an integer label, got {str(label)[:80]!r}") from None
-    correct = pred == gold
-    return {"score": 1.0 if correct else -1.0, "acc": correct, "pred": pred}
+    """``--rm-type dapo`` (Miles's ``math_dapo_utils.compute_score``)."""
+    from miles.rollout.rm_hub.math_dapo_utils import compute_score
+
+    return compute_score(response, str(label))

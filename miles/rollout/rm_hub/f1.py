@@ -38,3 +38,6 @@ def f1_parts(prediction: str | None, truth: str) -> tuple[float, float, float]:
 
 def f1_reward(response: str, label: str) -> float:
     return f1_parts(response, label)[0]
+
+
+f1_score = f1_parts  # Miles's name: f1_score(prediction, ground_truth) -> (f1, precision, recall)

@@ -93,3 +93,16 @@ def gpqa_reward(response: str | None, label: Any, metadata: dict[str, Any] | Non
     if found and not right and label_text:
         return 1.0 if found == label_text.upper() else 0.0
     return 0.0
+
+
+# Miles's names (radixark/miles@v0.1.0:miles/rollout/rm_hub/gpqa.py)
+compute_gpqa_reward = gpqa_reward
+_normalize_text = _norm
+
+
+def _strip_chain_of_thought(text: str | None) -> str:
+    return _after_thinking(text or "")
+
+
+def _extract_letter_from_response(response: str | None, valid_letters: Any) -> str | None:
+    return extract_letter(response or "", list(valid_letters)) if response else None

@@ -52,3 +52,8 @@ def ifbench_reward(response: str | None, metadata: dict[str, Any] | None, lib: A
                                kwargs=_kwargs_per_instruction(metadata.get("kwargs"), len(ids)))
     result = lib.test_instruction_following_strict(example, {prompt: str(response)})
     return 1.0 if result.follow_all_instructions else 0.0
+
+
+def compute_ifbench_reward(response: str | None, label: Any, metadata: dict[str, Any] | None = None) -> float:
+    """Miles's name and signature (the label is not used: the instance is in ``metadata``)."""
+    return ifbench_reward(response, metadata)

@@ -234,8 +234,9 @@ def test_num_rollout_from_epochs_and_eval_pairs(tmp_path, tok):
     with pytest.raises(ConfigError, match="--rollout-batch-size 11 is larger than the prompt data"):
         DataSource(ds).num_rollout_from_epochs(1, 11)
     assert parse_eval_prompt_data(["a", "x.jsonl", "b", "y.jsonl"]) == [("a", "x.jsonl"), ("b", "y.jsonl")]
+    assert parse_eval_prompt_data(["only.jsonl"]) == [("aime", "only.jsonl")]  # Miles's legacy single PATH
     with pytest.raises(ConfigError, match="NAME PATH pairs"):
-        parse_eval_prompt_data(["only.jsonl"])
+        parse_eval_prompt_data(["a", "x.jsonl", "y.jsonl"])
     c = cfg("--eval-prompt-data", "tiny", str(tmp_path / "d.jsonl"))
     evals = load_eval_datasets(resolve_eval_datasets(c.eval, c.data, c.rollout), c.eval, c.data, tok)
     assert list(evals) == ["tiny"] and len(evals["tiny"]) == 10

@@ -331,8 +331,10 @@ def test_signature_and_defaults(plugins, tmp_path):
                                           r"\(args, rollout_id\); expected def generate_rollout\(args, rollout_id, "
                                           r"data_source, evaluation=False\)\.$"):
         check_plugin("eval_function_path", "evalfn_plugins.two_args")
-    with pytest.raises(ConfigError, match=r"is a class \(Miles's class-based rollout API\), which miles does not run"):
+    with pytest.raises(ConfigError, match=r"is a class without __call__; expected class F: def __init__\(self, input"):
         check_plugin("eval_function_path", "miles.rollout.base_types.RolloutFnEvalOutput")
+    with pytest.raises(ConfigError, match=r"is a CheckpointEvalFn \(Miles's snapshot-eval backend.*miles does not run it"):
+        check_plugin("eval_function_path", "miles.rollout.checkpoint_eval.CheckpointEvalFn")
     check_plugin("eval_function_path", "evalfn_plugins.record")
     # Miles's default eval rollout names select the built-in evaluation: nothing is built, the delegate is refused
     for default in ("miles.rollout.sglang_rollout.generate_rollout",
