@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from miles.trainer import checkpoint as C
+from miles.trainer.checkpoint import rng
 from miles.trainer.hf_export import checkpoint_dtype, write_hf_dir
 from miles.trainer.optim import LRSchedule
 from miles.trainer.weights import plan_buckets
@@ -51,9 +52,9 @@ def test_save_latest_prune_and_crash(tmp_path):
 
 
 def test_rng_round_trip():
-    state = C.rng_state()
+    state = rng.rng_state()
     a = (random.random(), float(np.random.rand()), float(torch.rand(())))
-    C.set_rng_state(state)
+    rng.set_rng_state(state)
     assert (random.random(), float(np.random.rand()), float(torch.rand(()))) == a
 
 
