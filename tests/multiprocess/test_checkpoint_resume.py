@@ -49,7 +49,22 @@ def test_kill_at_each_point_of_a_save_then_resume_matches_uninterrupted(tmp_path
     kill_then_resume(HERE, tmp_path, reference, point, STEP, tiny_model_dir)
 
 
-if __name__ == "__main__" and sys.argv[1] == "kill_mid_save":
-    import kill_mid_save
+def test_checkpoint_faults(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """FSDP: a disk that fills mid-save (a real tmpfs), corrupt newest checkpoints under an explicit --load,
+    another run's --save, nothing usable (``ckpt_faults.py``)."""
+    import ckpt_faults
 
-    kill_mid_save.worker(make_trainer, *sys.argv[2:])
+    from miles.trainer.checkpoint.layout import STEP
+
+    ckpt_faults.check(ckpt_faults.run(HERE, "STEP", tiny_model_dir, tmp_path), STEP, tmp_path)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "kill_mid_save":
+        import kill_mid_save
+
+        kill_mid_save.worker(make_trainer, *sys.argv[2:])
+    elif sys.argv[1] == "ckpt_faults":
+        import ckpt_faults
+
+        ckpt_faults.worker(make_trainer, *sys.argv[2:])

@@ -122,6 +122,16 @@ def test_kill_at_each_point_of_a_save_then_resume_matches_uninterrupted(tiny_mod
     assert "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight" in keys
 
 
+def test_checkpoint_faults(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Megatron: a disk that fills mid-save (a real tmpfs), corrupt newest checkpoints under an explicit --load,
+    a --save without its tracker, another run's --save, nothing usable (``ckpt_faults.py``)."""
+    import ckpt_faults
+
+    from miles.trainer.checkpoint.layout import ITER
+
+    ckpt_faults.check(ckpt_faults.run(HERE, "ITER", tiny_model_dir, tmp_path), ITER, tmp_path)
+
+
 # ------------------------------------------------------------------------------------ weights only
 def _convert_worker(model_dir: str, root: str) -> None:
     """What Miles's convert_hf_to_torch_dist does: megatron-core's own save of the model's sharded state
@@ -252,6 +262,10 @@ if __name__ == "__main__":
         import kill_mid_save
 
         kill_mid_save.worker(make_trainer, *sys.argv[2:], moments=moments)
+    elif sys.argv[1] == "ckpt_faults":
+        import ckpt_faults
+
+        ckpt_faults.worker(make_trainer, *sys.argv[2:])
     elif sys.argv[1] == "convert":
         _convert_worker(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "finetune":
