@@ -266,7 +266,7 @@ def load_hf_weights(trainer: MegatronTrainer, root: str, flag: str) -> None:
     ep = {"ep_rank": g.ep_rank, "ep_size": g.ep_size} if getattr(g, "ep_size", 1) > 1 else {}
     load(trainer.model, convert.read_hf_state_dict(root), trainer.shape, trainer.padded_vocab, g.tp_rank, g.tp_size,
          **ep)
-    trainer._barrier()
+    barrier(trainer.trainer_group, trainer.device)
     logger.info("%s %s: a HF model dir (--megatron-to-hf-mode bridge); training starts from its weights", flag, root)
 
 

@@ -46,11 +46,14 @@ logger = get_logger(__name__)
 
 
 def _tp_mesh(trainer: MegatronTrainer):
-    mesh = getattr(trainer, "_tp_mesh", None)
+    """The TP group's DeviceMesh, built once per trainer (building it is collective); kept on the trainer by this
+    module alone."""
+    mesh = getattr(trainer, "_legacy_ckpt_tp_mesh", None)
     if mesh is None:
         from torch.distributed.device_mesh import DeviceMesh
 
-        mesh = trainer._tp_mesh = DeviceMesh.from_group(trainer.groups.tp, device_type=trainer.device.type)
+        mesh = DeviceMesh.from_group(trainer.groups.tp, device_type=trainer.device.type)
+        trainer._legacy_ckpt_tp_mesh = mesh
     return mesh
 
 
