@@ -202,9 +202,9 @@ class RLLoop:
         their timings), kept in the checkpoint: the full record is written after the weight sync and eval, and
         a run killed before that restores this one on resume (``metrics.restore_record``), so no checkpointed
         rollout is missing from metrics.jsonl."""
-        ck = self.cfg.checkpoint
-        last = rollout_id + 1 >= self.plan.num_rollout
-        if not ck.save or not self.has_trainer or not (last or (ck.save_interval > 0 and (rollout_id + 1) % ck.save_interval == 0)):
+        from miles.trainer.checkpoint.cadence import should_save
+
+        if not self.has_trainer or not should_save(self.cfg.checkpoint, rollout_id, self.plan.num_rollout):
             return
         record = None if metrics is None else {**self.timer.times, **metrics}
         with self.timer("save"):

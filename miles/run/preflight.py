@@ -126,7 +126,7 @@ def check_hf_checkpoint(path: str) -> Any:
 
 def check_load(load: str, backend: str = "fsdp") -> None:
     """--load: as in Miles, a directory not written yet (or empty) means a fresh start; what is there must load."""
-    from miles.trainer import miles_checkpoint
+    from miles.trainer.checkpoint import miles_fsdp
 
     p = Path(load)
     if p.exists() and not p.is_dir():
@@ -135,7 +135,7 @@ def check_load(load: str, backend: str = "fsdp") -> None:
     if backend == "megatron" and _megatron_ckpt(load):
         return                                # Megatron-LM's layout: dist_ckpt.preflight_check reads it
     try:
-        miles_checkpoint.find(load)
+        miles_fsdp.find(load)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

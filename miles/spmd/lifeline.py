@@ -12,7 +12,7 @@ every launcher: torchrun's agent (its workers are its children), ``mpirun`` (Ope
 changes, the rank writes one line to stderr, stops its engine children (SIGTERM to each process group,
 SIGKILL after ``ENGINE_GRACE_S``) and leaves with ``os._exit(EXIT_LAUNCHER_GONE)``: no interpreter
 teardown, no waiting on peers. A checkpoint being written is left as its ``.tmp.`` directory, which is
-never renamed and which ``latest_checkpoint`` ignores (miles/trainer/checkpoint.py).
+never renamed and which ``latest_checkpoint`` ignores (miles/trainer/checkpoint/layout.py).
 
 A torchrun agent that itself runs under a launcher (``srun torchrun ...``: slurm/grpo.sh's
 ``LAUNCH=torchrun``; or an MPI daemon) is the rank's parent, but nothing watches the agent: once its own

@@ -45,7 +45,7 @@ from miles.trainer.batching import (
     plan_micro_batches,
     split_into_steps,
 )
-from miles.trainer.checkpoint import save_checkpoint
+from miles.trainer.checkpoint import cadence, fsdp_format
 from miles.trainer.collectives import bounded_union_of_names
 from miles.trainer.critic import Critic
 from miles.trainer.hf_export import checkpoint_dtype, write_hf_dir
@@ -649,41 +649,27 @@ class FSDPTrainer:
     def save(self, path: str | Path, extra: dict) -> None:
         """Write model, optimizer (unless --no-save-optim), schedule, RNG and ``extra`` into ``path``
         (a directory every trainer rank sees); collective. Use ``checkpoint`` for the crash-safe layout."""
-        from miles.trainer import state
-
-        state.save_trainer_state(self, Path(path), extra)
+        fsdp_format.write(self, Path(path), extra)
 
     def load(self, path: str | Path) -> dict:
         """Restore what ``save`` wrote; returns ``extra``. Collective."""
-        from miles.trainer import state
-
-        return state.load_trainer_state(self, Path(path))
+        return fsdp_format.read(self, Path(path))
 
     def should_save(self, rollout_id: int) -> bool:
         """--save-interval rule: every N rollouts and always after the last (needs --save)."""
-        if not self.ckpt.save:
-            return False
-        last = self.num_rollout is not None and rollout_id + 1 >= self.num_rollout
-        return last or (self.ckpt.save_interval > 0 and (rollout_id + 1) % self.ckpt.save_interval == 0)
+        return cadence.should_save(self.ckpt, rollout_id, self.num_rollout)
 
     def checkpoint(self, rollout_id: int, extra: dict) -> Path:
         """Crash-safe save under --save as step_<rollout_id> (+ --save-hf, formatted with rollout_id)."""
-        if not self.ckpt.save:
-            raise ValueError("checkpoint() needs --save DIR.")
-        extra = {**extra, "rollout_id": rollout_id}
-        path = save_checkpoint(self.ckpt.save, rollout_id, lambda d: self.save(d, extra),
-                               keep=self.ckpt.keep_checkpoints, group=self.trainer_group, device=self.device,
-                               retain_interval=self.ckpt.save_retain_interval)
+        path = fsdp_format.save(self, rollout_id, extra)
         if self.ckpt.save_hf:
             self.save_hf(self.ckpt.save_hf.format(rollout_id=rollout_id))
         return path
 
     def resume(self) -> dict | None:
         """Load the newest usable complete checkpoint under --load (default --save), skipping corrupt ones
-        with a warning (``state.resume_latest``); None when there is none."""
-        from miles.trainer import state
-
-        return state.resume_latest(self)
+        with a warning (``fsdp_format.resume``); None when there is none."""
+        return fsdp_format.resume(self)
 
     # ------------------------------------------------------------------ colocation
     def offload(self) -> None:
@@ -696,7 +682,7 @@ class FSDPTrainer:
     def _move(self, device) -> None:
         if self.device.type != "cuda":
             return
-        from miles.trainer.state import move_optimizer_state
+        from miles.trainer.optim import move_optimizer_state
 
         policy = [] if self.cfg.fsdp_cpu_offload else [(self.model, self.optimizer)]  # on CPU already
         for model, opt in policy + (

@@ -178,3 +178,12 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
     return float(norm)
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Move every tensor of the optimizer state (fused AdamW on GPU keeps even ``step`` there)."""
+    non_blocking = device.type == "cuda"
+    for st in optimizer.state.values():
+        for k, v in list(st.items()):
+            if isinstance(v, torch.Tensor):
+                st[k] = v.to(device, non_blocking=non_blocking)

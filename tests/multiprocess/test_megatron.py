@@ -13,6 +13,10 @@ sample before training, the step metrics (loss, pg_loss, entropy, kl_loss, grad_
 parameter update after the 2 steps, in HF names (``state_dict_for_check``, the weight-sync export);
 the export of the untrained model equals the HF checkpoint bit for bit (fp32 and bf16), and ``--save-hf``
 after training loads with transformers to exactly the exported weights.
+
+``test_checkpoint_kill_mid_save_then_resume_matches_uninterrupted``: TP 1 x DP 2 with the distributed optimizer
+and PPO (the critic is checkpointed too), a rank SIGKILLed inside a save (``kill_mid_save.py``) at the ``shards``
+and ``rename`` points; the relaunch ends bitwise equal to an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -253,102 +257,35 @@ def test_trainer_parity_with_fsdp(tiny_model_dir: Path, tmp_path: Path, free_por
 
 
 # ------------------------------------------------------------------------------------ checkpoints
-NUM_ROLLOUT = 4
-
-
-def _resume_worker(model_dir: str, out: str, save_dir: str, kill_at: int, tp: int) -> None:
-    """4 rollouts of 2 optimizer steps, a checkpoint after each (keep 2); samples drawn from the global
-    torch RNG, so the data depends on the RNG the checkpoint restores. ``kill_at``: trainer rank 1
-    SIGKILLs itself inside that rollout's save, after writing its shards."""
-    import signal
-    from datetime import timedelta
-
+def make_trainer(model_dir: str, flags: list[str], group):
+    """TP 1 x DP 2: the sharded AdamW state (--use-distributed-optimizer) and PPO (the critic's too), dropout (the
+    TP RNG tracker is restored too). TP 2 is test_megatron_ckpt.py's."""
     import torch
-    import torch.distributed as dist
 
     from miles.config import parse_args
     from miles.trainer.megatron.trainer import MegatronTrainer
-    from miles.types import Sample
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    group = dist.new_group([0, 1], timeout=timedelta(seconds=60))
-    rank = dist.get_rank(group)
-    args = ["--hf-checkpoint", model_dir, "--num-rollout", str(NUM_ROLLOUT), "--rollout-batch-size", "2",
-            "--n-samples-per-prompt", "3", "--lr", "3e-3", "--num-steps-per-rollout", "2", "--train-backend",
-            "megatron", "--tensor-model-parallel-size", str(tp), "--lr-decay-style", "cosine", "--lr-warmup-iters",
-            "2", "--min-lr", "1e-4", "--use-kl-loss", "--kl-loss-coef", "0.1", "--save-interval", "1",
-            "--keep-checkpoints", "2", "--hidden-dropout", "0.1"]      # dropout: the TP RNG tracker is restored too
-    if tp == 1:                               # DP 2: the sharded AdamW state, and PPO (the critic's too)
-        args += ["--use-distributed-optimizer", "--advantage-estimator", "ppo"]
-    if save_dir != "-":
-        args += ["--save", save_dir]
-    cfg = parse_args(args)
-    tr = MegatronTrainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, group=group, device=torch.device("cpu"),
-                         rollout_temperature=1.0, num_rollout=NUM_ROLLOUT, global_batch_size=None,
-                         num_steps_per_rollout=2, timeout=60)
-    torch.manual_seed(100 + rank)
-    extra = tr.resume() if save_dir != "-" else None
-    start = 0 if extra is None else extra["rollout_id"] + 1
-    if extra is not None:
-        assert extra["data_position"] == start * 3, extra
-    if kill_at >= 0:
-        save = tr.save
-
-        def save_then_die(path, extra):
-            save(path, extra)
-            if rank == 1 and extra["rollout_id"] == kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
-
-        tr.save = save_then_die
-    losses = {}
-    for rid in range(start, NUM_ROLLOUT):
-        samples = []
-        for k in range(3):
-            prompt = torch.randint(4, 90, (4,)).tolist()
-            n = int(torch.randint(2, 7, (1,)))
-            samples.append(Sample(group_index=rank, index=k, tokens=prompt + torch.randint(4, 90, (n,)).tolist(),
-                                  response_length=n, reward=float(torch.rand(())), rollout_log_probs=[-1.0] * n))
-        losses[rid] = tr.train(samples, rid)["loss"]
-        if tr.should_save(rid):
-            tr.checkpoint(rid, extra={"data_position": (rid + 1) * 3})
-    params = tr.state_dict_for_check()
-    if rank == 0:
-        torch.save({"params": params, "losses": losses}, out)
-    dist.barrier(group)
-    dist.destroy_process_group()
+    cfg = parse_args(["--hf-checkpoint", model_dir, "--train-backend", "megatron", "--hidden-dropout", "0.1",
+                      "--use-distributed-optimizer", "--advantage-estimator", "ppo"] + flags)
+    return MegatronTrainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, group=group, device=torch.device("cpu"),
+                           rollout_temperature=1.0, num_rollout=cfg.data.num_rollout, global_batch_size=None,
+                           num_steps_per_rollout=2, timeout=60)
 
 
-def _launch_resume(model_dir: Path, out: Path, save_dir: str, port: int, kill_at: int = -1, tp: int = 2):
-    return torchrun_self(HERE, 2, port, "resume", str(model_dir), str(out), save_dir, str(kill_at), str(tp),
-                         timeout=300)
-
-
-@pytest.mark.parametrize("tp", [2, 1], ids=["tp2", "tp1_dp2_distributed_optimizer_ppo"])
+@pytest.mark.parametrize("point", ["shards", "rename"])
 def test_checkpoint_kill_mid_save_then_resume_matches_uninterrupted(tiny_model_dir: Path, tmp_path: Path,
-                                                                    tp: int) -> None:
-    import torch
+                                                                    point: str) -> None:
+    from kill_mid_save import kill_then_resume, reference
 
+    from miles.trainer.checkpoint.layout import ITER
     from miles.trainer.megatron import torch_dist
-    from miles.utils.net import find_free_port
 
-    ref = _launch_resume(tiny_model_dir, tmp_path / "ref.pt", "-", find_free_port(), tp=tp)
-    assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-4000:]
-    ckpt = tmp_path / "ckpt"
-    killed = _launch_resume(tiny_model_dir, tmp_path / "killed.pt", str(ckpt), find_free_port(), kill_at=2, tp=tp)
-    assert killed.returncode != 0
-    assert (ckpt / ".tmp.iter_0000002").is_dir() and torch_dist.read_tracker(ckpt) == 1   # Megatron-LM's layout
-    common = torch_dist.read_common(ckpt / "iter_0000001")
+    ref = reference(HERE, tmp_path / "ref.pt", tiny_model_dir)
+    kill_then_resume(HERE, tmp_path, ref, point, ITER, tiny_model_dir)
+    common = torch_dist.read_common(tmp_path / "ckpt" / "iter_0000004")
     meta = common["miles"]
-    assert meta["backend"] == "megatron" and common["args"].tensor_model_parallel_size == tp and meta["has_optim"]
-    assert meta["has_critic"] == (tp == 1) and (ckpt / "iter_0000001" / "critic").is_dir() == (tp == 1)
-    resumed = _launch_resume(tiny_model_dir, tmp_path / "resumed.pt", str(ckpt), find_free_port(), tp=tp)
-    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-4000:]
-    a, b = torch.load(tmp_path / "ref.pt", weights_only=False), torch.load(tmp_path / "resumed.pt", weights_only=False)
-    assert sorted(b["losses"]) == [2, 3] and all(b["losses"][k] == a["losses"][k] for k in b["losses"])
-    assert a["params"].keys() == b["params"].keys()
-    for k in a["params"]:
-        assert torch.equal(a["params"][k], b["params"][k]), k
-    assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000002", "iter_0000003", torch_dist.TRACKER]
+    assert meta["backend"] == "megatron" and common["args"].tensor_model_parallel_size == 1 and meta["has_optim"]
+    assert meta["has_critic"] and (tmp_path / "ckpt" / "iter_0000004" / "critic").is_dir()
 
 
 @pytest.mark.gpu
@@ -382,7 +319,9 @@ if __name__ == "__main__":
     if sys.argv[1] == "parity":
         _parity_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6:7] == ["1"],
                        *sys.argv[7:9])
-    elif sys.argv[1] == "resume":
-        _resume_worker(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6]))
+    elif sys.argv[1] == "kill_mid_save":
+        import kill_mid_save
+
+        kill_mid_save.worker(make_trainer, *sys.argv[2:])
     else:
         _worker(sys.argv[2], sys.argv[3], sys.argv[4])

@@ -1,10 +1,13 @@
 """Megatron-LM checkpoints (``torch_dist``) on the Megatron backend, on real gloo ranks (torchrun, CPU).
 
-``test_kill_mid_save_then_resume_matches_uninterrupted``: TP 2, 4 rollouts of 2 optimizer steps with dropout,
-a checkpoint after each (``--keep-checkpoints 2``), samples drawn from the global torch RNG. Trainer rank 1
-SIGKILLs itself inside the save of rollout 2 (after writing its shards): the tracker still names iteration 1,
-the partial ``.tmp.iter_0000002`` is never read, and the relaunch resumes at rollout 2 and ends bitwise equal
-to an uninterrupted run (parameters, Adam moments and step, the next RNG draw on every rank, losses).
+``test_kill_at_each_point_of_a_save_then_resume_matches_uninterrupted``: TP 2 with dropout, through
+``kill_mid_save.py``: a trainer rank is SIGKILLed inside the save of rollout 2 at each point of it (``shards``:
+rank 1 with its shards written, ``common.pt`` not; ``rename``: ``.tmp.iter_0000002`` complete, not renamed;
+``tracker``: ``iter_0000002`` renamed, the tracker still names 1; ``prune``: published, ``iter_0000001`` not
+pruned yet); the relaunch resumes from the tracker's checkpoint and ends bitwise equal to an uninterrupted run
+(parameters, Adam moments and step, the next RNG draw on every rank, losses); ``--keep-checkpoints 1
+--save-retain-interval 2`` leaves iterations 0, 2, 4 (Megatron-LM's meaning, as the FSDP backend's).
+After the ``prune`` case, what one ``iter_*`` directory holds (Megatron-LM's files and keys).
 
 ``test_weights_only_torch_dist``: a weights-only ``release`` checkpoint written by megatron-core's own
 ``dist_checkpointing.save`` (what Miles's ``convert_hf_to_torch_dist`` writes) from another model at TP 2; a
@@ -18,8 +21,6 @@ dry-run check names a checkpoint whose padded vocabulary does not fit in one lin
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -71,44 +72,17 @@ def _init():
     return dist, dist.new_group([0, 1], timeout=timedelta(seconds=60))
 
 
-def _resume_worker(model_dir: str, out: str, save_dir: str, kill_at: int) -> None:
+def make_trainer(model_dir: str, flags: list[str], group):
+    return _trainer(model_dir, group, ["--tensor-model-parallel-size", "2", "--hidden-dropout", "0.1"] + flags,
+                    num_rollout=int(flags[flags.index("--num-rollout") + 1]))
 
-    import torch
 
+def moments(tr) -> dict:
     from miles.trainer.megatron.parallel import local_optimizer
 
-    dist, group = _init()
-    rank = dist.get_rank(group)
-    flags = ["--tensor-model-parallel-size", "2", "--hidden-dropout", "0.1", "--save-interval", "1",
-             "--keep-checkpoints", "2"] + (["--save", save_dir] if save_dir != "-" else [])
-    tr = _trainer(model_dir, group, flags)
-    torch.manual_seed(100 + rank)
-    extra = tr.resume() if save_dir != "-" else None
-    start = 0 if extra is None else extra["rollout_id"] + 1
-    if extra is not None:
-        assert extra["data_position"] == start * 3 and extra["weight_version"] == start, extra
-    if kill_at >= 0:
-        save = tr.save
-
-        def save_then_die(path, extra):
-            save(path, extra)
-            if rank == 1 and extra["rollout_id"] == kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
-
-        tr.save = save_then_die
-    losses = {}
-    for rid in range(start, NUM_ROLLOUT):
-        losses[rid] = tr.train(_samples(rank), rid)["loss"]
-        if tr.should_save(rid):
-            tr.checkpoint(rid, extra={"data_position": (rid + 1) * 3, "weight_version": rid + 1})
     state = local_optimizer(tr.optimizer).state
-    moments = {n: (state[p]["exp_avg"].clone(), state[p]["exp_avg_sq"].clone(), int(state[p]["step"]))
-               for n, p in tr.model.named_parameters()}
-    params = tr.state_dict_for_check()
-    torch.save({"params": params, "losses": losses, "moments": moments, "draw": torch.rand(4),
-                "schedule": tr.schedule.step}, f"{out}.{rank}")
-    dist.barrier(group)
-    dist.destroy_process_group()
+    return {n: (state[p]["exp_avg"].clone(), state[p]["exp_avg_sq"].clone(), int(state[p]["step"]))
+            for n, p in tr.model.named_parameters()}
 
 
 def _launch(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -116,50 +90,46 @@ def _launch(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
     from miles.utils.net import find_free_port
 
-    # each rank in its own process group: a hung run (the workers and their forked writers) is killed whole
     return torchrun_self(HERE, 2, find_free_port(), *args, timeout=timeout)
 
 
-def test_kill_mid_save_then_resume_matches_uninterrupted(tiny_model_dir: Path, tmp_path: Path) -> None:
-    import torch
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_model_dir):
+    from kill_mid_save import reference
 
+    return reference(HERE, tmp_path_factory.mktemp("megatron_ref") / "ref.pt", tiny_model_dir)
+
+
+@pytest.mark.parametrize("point", ["shards", "rename", "tracker", "prune"])
+def test_kill_at_each_point_of_a_save_then_resume_matches_uninterrupted(tiny_model_dir: Path, tmp_path: Path,
+                                                                       reference: Path, point: str) -> None:
+    from kill_mid_save import kill_then_resume
+
+    from miles.trainer.checkpoint.layout import ITER
+
+    kill_then_resume(HERE, tmp_path, reference, point, ITER, tiny_model_dir)
+    if point != "prune":
+        return
     from miles.trainer.megatron import torch_dist
 
-    ref = _launch("resume", str(tiny_model_dir), str(tmp_path / "ref.pt"), "-", "-1")
-    assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-4000:]
-    ckpt = tmp_path / "ckpt"
-    killed = _launch("resume", str(tiny_model_dir), str(tmp_path / "killed.pt"), str(ckpt), "2")
-    assert killed.returncode != 0
-    log = killed.stdout + killed.stderr
-    assert "SIGKILL" in log or "-9" in log, log[-3000:]
-    assert (ckpt / ".tmp.iter_0000002").is_dir() and torch_dist.read_tracker(ckpt) == 1
-    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("iter_")) == ["iter_0000000", "iter_0000001"]
-    last = ckpt / "iter_0000001"
+    last = tmp_path / "ckpt" / "iter_0000004"             # Megatron-LM's files and keys
     assert json.loads((last / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
     common = torch_dist.read_common(last)
-    assert common["iteration"] == 1 and common["args"].tensor_model_parallel_size == 2
-    assert common["miles"]["extra"] == {"data_position": 6, "weight_version": 2, "rollout_id": 1}
+    assert common["iteration"] == 4 and common["args"].tensor_model_parallel_size == 2
+    assert common["miles"]["extra"] == {"data_position": 15, "rollout_id": 4}
     keys = torch_dist.dcp_keys(last)
     assert "decoder.layers.self_attention.linear_qkv.weight" in keys and "rng_state/shard_0.1_1.2" in keys
     assert "optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight" in keys
 
-    resumed = _launch("resume", str(tiny_model_dir), str(tmp_path / "resumed.pt"), str(ckpt), "-1")
-    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-4000:]
-    assert torch_dist.read_tracker(ckpt) == 3 and not (ckpt / ".tmp.iter_0000002").exists()
-    assert sorted(p.name for p in ckpt.iterdir()) == ["iter_0000002", "iter_0000003", torch_dist.TRACKER]
-    for rank in (0, 1):
-        a = torch.load(f"{tmp_path / 'ref.pt'}.{rank}", weights_only=False)
-        b = torch.load(f"{tmp_path / 'resumed.pt'}.{rank}", weights_only=False)
-        assert sorted(b["losses"]) == [2, 3] and all(b["losses"][k] == a["losses"][k] for k in b["losses"])
-        assert torch.equal(a["draw"], b["draw"]) and a["schedule"] == b["schedule"] == 8
-        assert a["moments"].keys() == b["moments"].keys()
-        for k, (m1, v1, s1) in a["moments"].items():
-            m2, v2, s2 = b["moments"][k]
-            assert torch.equal(m1, m2) and torch.equal(v1, v2) and s1 == s2 == 8, k
-        if rank == 0:
-            assert a["params"].keys() == b["params"].keys()
-            for k in a["params"]:
-                assert torch.equal(a["params"][k], b["params"][k]), k
+
+def test_checkpoint_faults(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Megatron: a disk that fills mid-save (a real tmpfs), corrupt newest checkpoints under an explicit --load,
+    a --save without its tracker, another run's --save, nothing usable (``ckpt_faults.py``)."""
+    import ckpt_faults
+
+    from miles.trainer.checkpoint.layout import ITER
+
+    ckpt_faults.check(ckpt_faults.run(HERE, "ITER", tiny_model_dir, tmp_path), ITER, tmp_path)
 
 
 # ------------------------------------------------------------------------------------ weights only
@@ -207,7 +177,7 @@ def _finetune_worker(model_dir: str, other_dir: str, root: str, out: str) -> Non
     import torch
 
     from miles.trainer.checkpoint import save_checkpoint
-    from miles.trainer.megatron import convert, parallel, state
+    from miles.trainer.megatron import convert, legacy_ckpt, parallel
 
     dist, group = _init()
     rank = dist.get_rank(group)
@@ -226,7 +196,7 @@ def _finetune_worker(model_dir: str, other_dir: str, root: str, out: str) -> Non
     finetune_fresh_optim = not parallel.local_optimizer(tr4.optimizer).state
     finetuned = tr4.state_dict_for_check()
     legacy = Path(out).parent / "legacy"
-    save_checkpoint(legacy, 5, lambda d: state.save_trainer_state(tr, d, {"rollout_id": 5, "data_position": 9}),
+    save_checkpoint(legacy, 5, lambda d: legacy_ckpt.save_trainer_state(tr, d, {"rollout_id": 5, "data_position": 9}),
                     group=group)
     trained = tr.state_dict_for_check()
     tr2 = _trainer(model_dir, group, ["--load", str(legacy)])
@@ -288,8 +258,14 @@ def test_weights_only_torch_dist(tiny_model_dir: Path, tmp_path: Path) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "resume":
-        _resume_worker(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
+    if sys.argv[1] == "kill_mid_save":
+        import kill_mid_save
+
+        kill_mid_save.worker(make_trainer, *sys.argv[2:], moments=moments)
+    elif sys.argv[1] == "ckpt_faults":
+        import ckpt_faults
+
+        ckpt_faults.worker(make_trainer, *sys.argv[2:])
     elif sys.argv[1] == "convert":
         _convert_worker(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "finetune":

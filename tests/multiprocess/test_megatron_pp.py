@@ -11,8 +11,8 @@ of the untrained model equals the HF checkpoint bit for bit and ``--save-hf`` lo
 ``test_pp_export_equals_one_stage``: every rank of a PP 2 (and TP 2 x PP 2) trainer receives the same buckets,
 names and bits as a one-stage trainer's, fp32 and bf16.
 
-``test_pp_checkpoint_kill_mid_save_then_resume_matches_uninterrupted``: PP 2 with dropout, killed inside a
-save and resumed, ends bitwise equal to an uninterrupted run; the PP 2 checkpoint also loads into a one-stage
+``test_pp_checkpoint_kill_mid_save_then_resume_matches_uninterrupted``: PP 2 with dropout, the last stage
+SIGKILLed with its shards written (``kill_mid_save.py``) and resumed, ends bitwise equal to an uninterrupted run; the PP 2 checkpoint also loads into a one-stage
 trainer (same keys for every PP size) to the same weights.
 
 ``test_pipeline_waits_are_bounded``: a stage whose neighbour never sends stops after the trainer's timeout with
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -132,68 +131,24 @@ def test_pp_export_equals_one_stage(tiny_model_dir: Path, tmp_path: Path, free_p
 NUM_ROLLOUT = 4
 
 
-def _trainer(model_dir: str, save_dir: str, group, pp: int):
+def _trainer(model_dir: str, flags: list[str], group, pp: int):
     import torch
 
     from miles.config import parse_args
     from miles.trainer.megatron.trainer import MegatronTrainer
 
-    args = ["--hf-checkpoint", model_dir, "--num-rollout", str(NUM_ROLLOUT), "--rollout-batch-size", "2",
-            "--n-samples-per-prompt", "3", "--lr", "3e-3", "--num-steps-per-rollout", "2", "--train-backend",
-            "megatron", "--pipeline-model-parallel-size", str(pp), "--lr-decay-style", "cosine", "--lr-warmup-iters",
-            "2", "--min-lr", "1e-4", "--use-kl-loss", "--kl-loss-coef", "0.1", "--save-interval", "1",
-            "--keep-checkpoints", "2", "--hidden-dropout", "0.1", "--micro-batch-size", "2"]
-    if save_dir != "-":
-        args += ["--save", save_dir]
-    cfg = parse_args(args)
+    cfg = parse_args(["--hf-checkpoint", model_dir, "--num-rollout", str(NUM_ROLLOUT), "--rollout-batch-size", "2",
+                      "--n-samples-per-prompt", "3", "--lr", "3e-3", "--num-steps-per-rollout", "2", "--train-backend",
+                      "megatron", "--pipeline-model-parallel-size", str(pp), "--hidden-dropout", "0.1",
+                      "--micro-batch-size", "2"] + flags)
     return MegatronTrainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, group=group, device=torch.device("cpu"),
-                           rollout_temperature=1.0, num_rollout=NUM_ROLLOUT, global_batch_size=None,
+                           rollout_temperature=1.0, num_rollout=cfg.data.num_rollout, global_batch_size=None,
                            num_steps_per_rollout=2, timeout=60)
 
 
-def _resume_worker(model_dir: str, out: str, save_dir: str, kill_at: int) -> None:
-    """4 rollouts of 2 optimizer steps over PP 2 (tied embeddings, dropout 0.1: the RNG streams of both stages
-    are restored), a checkpoint after each (keep 2); ``kill_at``: the last stage SIGKILLs itself inside that
-    rollout's save, after writing its shards."""
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-
-    from miles.types import Sample
-
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    group = dist.new_group([0, 1], timeout=timedelta(seconds=60))
-    rank = dist.get_rank(group)
-    tr = _trainer(model_dir, save_dir, group, pp=2)
-    torch.manual_seed(100 + rank)
-    extra = tr.resume() if save_dir != "-" else None
-    start = 0 if extra is None else extra["rollout_id"] + 1
-    if kill_at >= 0:
-        save = tr.save
-
-        def save_then_die(path, extra):
-            save(path, extra)
-            if rank == 1 and extra["rollout_id"] == kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
-
-        tr.save = save_then_die
-    losses = {}
-    for rid in range(start, NUM_ROLLOUT):
-        samples = []
-        for k in range(3):
-            prompt = torch.randint(4, 90, (4,)).tolist()
-            n = int(torch.randint(2, 7, (1,)))
-            samples.append(Sample(group_index=rank, index=k, tokens=prompt + torch.randint(4, 90, (n,)).tolist(),
-                                  response_length=n, reward=float(torch.rand(())), rollout_log_probs=[-1.0] * n))
-        losses[rid] = tr.train(samples, rid)["loss"]
-        if tr.should_save(rid):
-            tr.checkpoint(rid, extra={"data_position": (rid + 1) * 3})
-    params = tr.state_dict_for_check()
-    if rank == 0:
-        torch.save({"params": params, "losses": losses}, out)
-    dist.barrier(group)
-    dist.destroy_process_group()
+def make_trainer(model_dir: str, flags: list[str], group):
+    """PP 2 (tied embeddings, dropout 0.1: the RNG streams of both stages are restored)."""
+    return _trainer(model_dir, flags, group, pp=2)
 
 
 def _load_worker(model_dir: str, out: str, path: str, pp: int) -> None:
@@ -202,7 +157,7 @@ def _load_worker(model_dir: str, out: str, path: str, pp: int) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    tr = _trainer(model_dir, "-", dist.group.WORLD, pp=pp)
+    tr = _trainer(model_dir, [], dist.group.WORLD, pp=pp)
     tr.load(path)
     params = tr.state_dict_for_check()
     if dist.get_rank() == 0:
@@ -218,30 +173,20 @@ def _newest(root: Path) -> Path:
 
 def test_pp_checkpoint_kill_mid_save_then_resume_matches_uninterrupted(tiny_model_dir: Path, tmp_path: Path) -> None:
     import torch
+    from kill_mid_save import kill_then_resume, reference
 
+    from miles.trainer.checkpoint.layout import ITER
     from miles.utils.net import find_free_port
 
-    ref = _torchrun(2, find_free_port(), "resume", str(tiny_model_dir), str(tmp_path / "ref.pt"), "-", "-1")
-    assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-4000:]
-    ckpt = tmp_path / "ckpt"
-    killed = _torchrun(2, find_free_port(), "resume", str(tiny_model_dir), str(tmp_path / "killed.pt"), str(ckpt), "2")
-    assert killed.returncode != 0
-    assert [p.name for p in ckpt.iterdir() if p.name.startswith(".tmp")], sorted(ckpt.iterdir())   # the killed save
-    assert _newest(ckpt).name.endswith("1"), sorted(ckpt.iterdir())
-    resumed = _torchrun(2, find_free_port(), "resume", str(tiny_model_dir), str(tmp_path / "resumed.pt"), str(ckpt),
-                        "-1")
-    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-4000:]
-    a, b = torch.load(tmp_path / "ref.pt", weights_only=False), torch.load(tmp_path / "resumed.pt", weights_only=False)
-    assert sorted(b["losses"]) == [2, 3] and all(b["losses"][k] == a["losses"][k] for k in b["losses"])
-    assert a["params"].keys() == b["params"].keys()
-    for k in a["params"]:
-        assert torch.equal(a["params"][k], b["params"][k]), k
+    ref = reference(HERE, tmp_path / "ref.pt", tiny_model_dir)
+    kill_then_resume(HERE, tmp_path, ref, "shards", ITER, tiny_model_dir)
     # the same checkpoint in a one-stage trainer (DP 2 over the same ranks): the same weights
-    one = _torchrun(2, find_free_port(), "load", str(tiny_model_dir), str(tmp_path / "one.pt"),
-                    str(_newest(ckpt)), "1")
+    ckpt = tmp_path / "ckpt"
+    one = _torchrun(2, find_free_port(), "load", str(tiny_model_dir), str(tmp_path / "one.pt"), str(_newest(ckpt)), "1")
     assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-4000:]
     loaded = torch.load(tmp_path / "one.pt", weights_only=False)
-    assert loaded.keys() == a["params"].keys() and all(torch.equal(loaded[k], a["params"][k]) for k in loaded)
+    a = torch.load(f"{ref}.0", weights_only=False)["params"]
+    assert loaded.keys() == a.keys() and all(torch.equal(loaded[k], a[k]) for k in loaded)
 
 
 # ------------------------------------------------------------------------------------ timeouts
@@ -313,8 +258,10 @@ if __name__ == "__main__":
                        *sys.argv[7:9])
     elif sys.argv[1] == "export":
         _export_worker(sys.argv[2], sys.argv[3], sys.argv[4] if len(sys.argv) > 4 else "")
-    elif sys.argv[1] == "resume":
-        _resume_worker(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
+    elif sys.argv[1] == "kill_mid_save":
+        import kill_mid_save
+
+        kill_mid_save.worker(make_trainer, *sys.argv[2:])
     elif sys.argv[1] == "timeout":
         _timeout_worker(sys.argv[2])
     elif sys.argv[1] == "load":

@@ -125,15 +125,15 @@ def test_miles_fsdp_checkpoint_resumes_to_the_uninterrupted_parameters(tmp_path,
 
 
 def test_a_tracker_naming_a_missing_step_is_one_line(tmp_path):
-    from miles.trainer import miles_checkpoint
+    from miles.trainer.checkpoint import miles_fsdp
 
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("3\n")
     with pytest.raises(ValueError, match=r"names iter_0000003, which is missing"):
-        miles_checkpoint.find(tmp_path)
+        miles_fsdp.find(tmp_path)
     (tmp_path / "iter_0000003").mkdir()  # a Megatron torch_dist step has no model/ directory
     with pytest.raises(ValueError, match="a Megatron checkpoint"):
-        miles_checkpoint.find(tmp_path)
-    assert miles_checkpoint.find(tmp_path / "nothing_here") is None
+        miles_fsdp.find(tmp_path)
+    assert miles_fsdp.find(tmp_path / "nothing_here") is None
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """What a Megatron trainer checkpoint holds, in Megatron-LM's layout (``torch_dist.py``), and how ``--load``,
 ``--ref-load`` and ``--save`` use it.
 
-    path = save(trainer, rollout_id, extra)    # <save>/iter_<rollout_id>/, then the tracker (crash-safe)
+    path = save(trainer, rollout_id, extra)    # <save>/iter_<rollout_id>/, then the tracker (layout.save_atomic)
     extra = resume(trainer)                    # --load (default --save): the tracker's iteration, or None
+    write_state(trainer, path, extra); extra = load_state(trainer, path)     # one directory (trainer.save/load)
     load_weights(trainer, model, root, step)   # --ref-load of a Megatron checkpoint: model weights only
 
 Megatron's flags keep their meaning: ``--no-load-optim`` (AdamW starts fresh), ``--no-load-rng``,
@@ -14,20 +15,24 @@ Megatron-LM / Miles resumes at its iteration + 1 (Miles's rule), with the data p
 ``<root>/rollout/`` and the LR schedule at iteration x steps per rollout; its optimizer state is read when it
 is in megatron-core's per-parameter layout (``optimizer.state.exp_avg.<key>``), else one line asks for
 ``--no-load-optim``. The layout miles's Megatron backend wrote before (``step_*/actor``) is still read
-(``state.py``).
+(``legacy_ckpt.py``). Resuming follows ``miles.trainer.checkpoint.resume``: a corrupt checkpoint is skipped for an
+older one with one warning, under ``--load`` and ``--save`` alike; ``iter_*`` dirs without a tracker are resumed
+from (the newest that verifies), never overwritten.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
 
 from miles.config.base import ConfigError
-from miles.trainer.checkpoint import any_rank
+from miles.trainer.checkpoint.faults import fault_point
+from miles.trainer.checkpoint.fsdp_format import json_extra, verify_dcp
+from miles.trainer.checkpoint.layout import ITER, TRACKER, save_atomic
+from miles.trainer.checkpoint.resume import guard_save_dir, resume_newest
+from miles.trainer.checkpoint.sync import barrier
 from miles.trainer.megatron import torch_dist as td
 from miles.utils.logging import get_logger
 
@@ -68,13 +73,11 @@ def model_sharded(model: torch.nn.Module) -> dict:
 
 
 def _sharded(trainer: MegatronTrainer, model, opt, *, with_optim: bool, rng: bool) -> tuple[dict, dict]:
-    from miles.trainer.megatron.state import _ensure_optim_state
-
     model_sd = model_sharded(model)
     sd: dict[str, Any] = {"model": model_sd}
     optim: dict[str, Any] = {}
     if with_optim:
-        _ensure_optim_state(opt)
+        td.ensure_optim_state(opt)
         optim = td.optim_sharded(model_sd, opt, owner_writes=trainer.distributed_optimizer)
         sd["optimizer"] = {"state": optim}
     if rng:
@@ -85,10 +88,7 @@ def _sharded(trainer: MegatronTrainer, model, opt, *, with_optim: bool, rng: boo
 # ----------------------------------------------------------------------------- save
 def write_state(trainer: MegatronTrainer, path: Path, extra: dict) -> None:
     """One checkpoint's contents into ``path`` (collective on the trainer group)."""
-    try:
-        extra_json = json.loads(json.dumps(extra))
-    except TypeError as e:
-        raise ValueError(f"checkpoint extra must be JSON-serialisable ({e}); got keys {sorted(extra)}.") from e
+    extra_json = json_extra(extra)
     with_optim = not trainer.ckpt.no_save_optim
     iteration = int(extra_json.get("rollout_id", 0))
     for sub, model, opt in _models(trainer):
@@ -99,20 +99,26 @@ def write_state(trainer: MegatronTrainer, path: Path, extra: dict) -> None:
                          "has_critic": trainer.critic is not None, "schedule": schedule.state_dict(),
                          "optim_step": td.optim_step(opt) if with_optim else 0,
                          "world_size": trainer.trainer_world})
-        td.write(sd, path if sub == "actor" else path / sub, trainer.trainer_group, trainer.trainer_rank)
+        last = sub == _models(trainer)[-1][0]
+        td.write(sd, path if sub == "actor" else path / sub, trainer.trainer_group, trainer.trainer_rank,
+                 trainer.device, after_shards=(lambda: fault_point("shards", iteration, trainer.trainer_rank))
+                 if last else None)
 
 
 def save(trainer: MegatronTrainer, rollout_id: int, extra: dict) -> Path:
-    """Crash-safe ``<save>/iter_<rollout_id>`` (``trainer.save`` writes it), then the tracker; prunes."""
-    return td.save_atomic(trainer.ckpt.save, rollout_id, lambda d: trainer.save(d, extra), group=trainer.trainer_group,
-                          device=trainer.device, rank=trainer.trainer_rank, keep=trainer.ckpt.keep_checkpoints)
+    """Crash-safe ``<save>/iter_<rollout_id>`` (``trainer.save`` writes it), then the tracker; prunes
+    (--keep-checkpoints, --save-retain-interval: ``cadence.to_prune``). Collective."""
+    ck = trainer.ckpt
+    if not ck.save:
+        raise ValueError("checkpoint() needs --save DIR.")
+    extra = {**extra, "rollout_id": rollout_id}
+    return save_atomic(ck.save, ITER, rollout_id, lambda d: trainer.save(d, extra), group=trainer.trainer_group,
+                       device=trainer.device, keep=ck.keep_checkpoints, retain_interval=ck.save_retain_interval)
 
 
 # ----------------------------------------------------------------------------- load
 def verify(path: Path, with_critic: bool) -> str | None:
     """Why ``path`` cannot be loaded, or None (cheap: metadata, common.pt, file sizes)."""
-    from miles.trainer.state import _verify_dcp
-
     if (path / "model").is_dir() and not td.is_torch_dist(path):
         return f"{path.name} is a Miles FSDP checkpoint (iter_*/model): resume it with --train-backend fsdp"
     if not path.is_dir():
@@ -122,7 +128,7 @@ def verify(path: Path, with_critic: bool) -> str | None:
     for d in [path] + ([path / "critic"] if with_critic else []):
         if not (d / td.COMMON).is_file():
             return f"{d.relative_to(path.parent)}/{td.COMMON} is missing"
-        problem = _verify_dcp(d)
+        problem = verify_dcp(d)
         if problem:
             return problem
         try:
@@ -193,7 +199,7 @@ def load_state(trainer: MegatronTrainer, path: Path) -> dict | None:
                                       "step": int(common.get("iteration", 0)) * trainer.num_steps_per_rollout})
     if not with_rng and not finetune and not flags["no_load_rng"]:
         logger.warning("%s: no RNG state for this (PP, TP) layout; RNG not restored.", path)
-    trainer._barrier()
+    barrier(trainer.trainer_group, trainer.device)
     logger.info("loaded checkpoint %s (%s)", path, "weights only" if finetune else f"schedule step {trainer.schedule.step}")
     if finetune:
         return None
@@ -209,40 +215,32 @@ def load_state(trainer: MegatronTrainer, path: Path) -> dict | None:
 
 
 def resume(trainer: MegatronTrainer) -> dict | None:
-    """The newest usable checkpoint under --load (default --save): the tracker's (or --ckpt-step's), an older
-    complete one when it is corrupt (one warning), the earlier ``step_*`` layout (``state.py``), or None."""
-    ckpt = trainer.ckpt
-    flag, root = ("--load", ckpt.load) if ckpt.load else ("--save", ckpt.save)
+    """The newest usable checkpoint under --load (default --save), loaded through ``trainer.load``: the tracker's (or
+    --ckpt-step's), an older one when it is corrupt (one warning); without a tracker, the newest ``iter_*`` that
+    verifies (one warning); the earlier ``step_*`` layout (``legacy_ckpt``); a HF dir (bridge mode); or None."""
+    ck = trainer.ckpt
+    guard_save_dir(ck, ITER)
+    flag, root = ("--load", ck.load) if ck.load else ("--save", ck.save)
     if not root:
         return None
-    found = td.candidates(root, flag, _flags(trainer)["ckpt_step"])
+    ckpt_step = _flags(trainer)["ckpt_step"]
+    found = td.candidates(root, flag, ckpt_step)
     if not found and (Path(root) / "config.json").is_file():
         load_hf_weights(trainer, root, flag)
         return None
     if not found:
-        from miles.trainer.megatron import state
+        from miles.trainer.megatron import legacy_ckpt
 
-        return state.resume_latest(trainer)    # step_* of the earlier layout, or a fresh start
-    skipped: list[tuple[Path, str]] = []
-    for path in found:
-        problem = verify(path, trainer.critic is not None)
-        if any_rank(problem is not None, trainer.trainer_group, trainer.device):
-            skipped.append((path, problem or "unusable on another trainer rank (its log says why)"))
-            continue
-        try:
-            extra = load_state(trainer, path)
-        except CheckpointException as e:
-            from miles.trainer.state import _dcp_reason
-
-            skipped.append((path, _dcp_reason(e)))
-            continue
-        if skipped and trainer.trainer_rank == 0:
-            why = "; ".join(f"{p.name}: {r}" for p, r in skipped)
-            logger.warning("%s %s: skipped unusable checkpoint(s) (%s); resumed from %s instead.", flag, root, why,
-                           path.name)
-        return extra
-    why = "; ".join(f"{p.name}: {r}" for p, r in skipped)
-    raise ValueError(f"{flag} {root}: no usable checkpoint ({why}); fix or delete it, or point {flag} elsewhere.")
+        return legacy_ckpt.resume(trainer, flag, root)   # step_* of the earlier layout, or a fresh start
+    if td.untracked(root, ckpt_step) and trainer.trainer_rank == 0:
+        logger.warning("%s %s holds iter_* checkpoints but no %s (a save killed before its first tracker update, or "
+                       "a copy without it): resuming from the newest one that verifies, %s first.", flag, root,
+                       TRACKER, found[0].name)
+    return resume_newest(found, flag=flag, root=root, verify=lambda p: verify(p, trainer.critic is not None),
+                         load=trainer.load, group=trainer.trainer_group, device=trainer.device,
+                         rank=trainer.trainer_rank,
+                         fix=f"fix or delete them, or point {flag} elsewhere (a --save of another run is never "
+                             "overwritten).")
 
 
 def _hf_load_refusal(flag: str, root: str) -> str:
@@ -268,25 +266,27 @@ def load_hf_weights(trainer: MegatronTrainer, root: str, flag: str) -> None:
     ep = {"ep_rank": g.ep_rank, "ep_size": g.ep_size} if getattr(g, "ep_size", 1) > 1 else {}
     load(trainer.model, convert.read_hf_state_dict(root), trainer.shape, trainer.padded_vocab, g.tp_rank, g.tp_size,
          **ep)
-    trainer._barrier()
+    barrier(trainer.trainer_group, trainer.device)
     logger.info("%s %s: a HF model dir (--megatron-to-hf-mode bridge); training starts from its weights", flag, root)
 
 
 def load_weights(trainer: MegatronTrainer, model: torch.nn.Module, root: str, ckpt_step: int | None, flag: str) -> None:
-    """Model weights only from a Megatron checkpoint (``--ref-load``): collective on the trainer group."""
+    """Model weights only from a Megatron checkpoint (``--ref-load``): the newest usable one, as ``resume``;
+    collective on the trainer group."""
     found = td.candidates(root, flag, ckpt_step)
     if not found:
-        raise ConfigError(f"{flag} {root}: no Megatron checkpoint there ({td.TRACKER} missing).")
-    problem = verify(found[0], False)
-    if any_rank(problem is not None, trainer.trainer_group, trainer.device):
-        raise ConfigError(f"{flag} {root}: {problem or 'unusable on another trainer rank (its log says why)'}.")
-    try:
-        _load_model(trainer, model, None, found[0], with_optim=False, with_rng=False)
-    except CheckpointException as e:
-        from miles.trainer.state import _dcp_reason
+        raise ConfigError(f"{flag} {root}: no Megatron checkpoint there ({TRACKER} missing).")
 
-        raise ConfigError(f"{flag} {root}: {found[0].name}: {_dcp_reason(e)}") from None
-    logger.info("%s: loaded weights from %s", flag, found[0])
+    def load(path: Path) -> Path:
+        _load_model(trainer, model, None, path, with_optim=False, with_rng=False)
+        return path
+
+    try:
+        path = resume_newest(found, flag=flag, root=root, verify=lambda p: verify(p, False), load=load,
+                             group=trainer.trainer_group, device=trainer.device, rank=trainer.trainer_rank)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    logger.info("%s: loaded weights from %s", flag, path)
 
 
 # ----------------------------------------------------------------------------- dry run
@@ -296,10 +296,8 @@ def check_dir(root: str, flag: str, *, shape: ModelShape, padded_vocab: int, ckp
     found = td.candidates(root, flag, ckpt_step)
     if not found:
         return
-    path = found[0]
-    problem = verify(path, False)
-    if problem:
-        raise ValueError(f"{flag} {root}: {problem}.")
+    path = resume_newest(found, flag=flag, root=root, verify=lambda p: verify(p, False), load=lambda p: p,
+                         group=None, device=None, rank=0, warn=False)   # the one a resume would load
     keys = td.dcp_keys(path)
     want = {"embedding.word_embeddings.weight": (padded_vocab, shape.hidden_size),
             "decoder.final_layernorm.weight": (shape.hidden_size,)}

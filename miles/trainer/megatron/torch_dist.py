@@ -15,6 +15,9 @@ Under ``--save`` (what Megatron-LM and Miles write and read)::
         critic/                         the PPO critic, the same format
     .tmp.iter_0000013/                  a save in progress or a killed one: never read
 
+The directories, the tracker and the crash-safe save are ``miles.trainer.checkpoint.layout``'s (``ITER``); this
+module holds the format: which directories ``--load`` may read (``candidates``), the tensors, ``common.pt``.
+
 The tensors are written with megatron-core's translation of sharded tensors to torch DCP
 (``strategies.torch``) but with torch's ``dcp.save`` over the trainer group (megatron-core's own
 ``dist_checkpointing.save`` runs on the default group, which includes engine ranks, and forks writer
@@ -25,10 +28,7 @@ processes). Reading a checkpoint written by Megatron-LM or Miles (e.g. ``convert
 from __future__ import annotations
 
 import argparse
-import os
 import random
-import re
-import shutil
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from miles.trainer.checkpoint import CheckpointWriteError, _barrier, _errnos, _fsync_dir, any_rank
+from miles.trainer.checkpoint.layout import ITER, TRACKER, published, read_tracker
+from miles.trainer.checkpoint.sync import local_error, raise_if_any
 from miles.trainer.collectives import bounded_all_gather_object
 from miles.utils.logging import get_logger
 
@@ -46,14 +47,8 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 
-TRACKER = "latest_checkpointed_iteration.txt"
 COMMON = "common.pt"
 FORMAT = 1
-_ITER_RE = re.compile(r"^iter_(\d{7,})$")
-
-
-def iter_dir_name(iteration: int) -> str:
-    return f"iter_{iteration:07d}"
 
 
 def is_torch_dist(path: str | Path) -> bool:
@@ -67,46 +62,26 @@ def is_torch_dist(path: str | Path) -> bool:
         return False
 
 
-def read_tracker(root: str | Path) -> int | str | None:
-    """The tracker's iteration, ``"release"``, or None without a tracker; a garbled one is one error."""
-    f = Path(root) / TRACKER
-    if not f.is_file():
-        return None
-    text = f.read_text().strip()
-    if text == "release":
-        return text
-    if not text.isdigit():
-        raise ValueError(f"{root}/{TRACKER} holds {text[:40]!r}, not an iteration number nor 'release'; restore it "
-                         "(the newest complete iter_* directory) or point the flag elsewhere.")
-    return int(text)
-
-
-def iterations(root: str | Path) -> list[tuple[int, Path]]:
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _ITER_RE.match(p.name)) and p.is_dir())
-
-
 def is_megatron_root(path: str | Path) -> bool:
-    """A directory Megatron-LM's ``--load`` reads: a tracker file, or itself an ``iter_*``/``release`` dir."""
+    """A directory Megatron-LM's ``--load`` reads: a tracker file, itself an ``iter_*``/``release`` dir, or
+    ``iter_*`` torch_dist dirs without a tracker (a save killed before its first tracker update)."""
     p = Path(path)
-    return (p / TRACKER).is_file() or is_torch_dist(p)
+    return (p / TRACKER).is_file() or is_torch_dist(p) or any(is_torch_dist(d) for _, d in published(p, ITER))
 
 
 def candidates(root: str | Path, flag: str, ckpt_step: int | None = None) -> list[Path]:
     """The checkpoint dirs ``flag`` (``--load``, ``--ref-load``) may load, best first: ``ckpt_step``'s only
-    (``--ckpt-step``, ``--ref-ckpt-step``); else the tracker's, then older complete ``iter_*`` dirs (a fallback
-    when the newest is corrupt). A dir that is itself a torch_dist checkpoint is the only candidate. Errors
-    name ``flag`` or its step flag."""
+    (``--ckpt-step``, ``--ref-ckpt-step``); else the tracker's, then older ``iter_*`` dirs (a fallback when the
+    newest is corrupt); without a tracker every ``iter_*`` dir, newest first (``untracked`` says so). A dir that
+    is itself a torch_dist checkpoint is the only candidate. Errors name ``flag`` or its step flag."""
     root = Path(root)
     if is_torch_dist(root):
         return [root]
     if ckpt_step is not None:
         step_flag = "--ref-ckpt-step" if flag == "--ref-load" else "--ckpt-step"
-        path = root / iter_dir_name(ckpt_step)
+        path = root / ITER.name(ckpt_step)
         if not is_torch_dist(path):
-            have = ", ".join(p.name for _, p in iterations(root)) or "none"
+            have = ", ".join(p.name for _, p in published(root, ITER)) or "none"
             raise ValueError(f"{step_flag} {ckpt_step}: {path} is not a torch_dist checkpoint (iter_* there: {have}); "
                              f"pick one of those or drop {step_flag}.")
         return [path]
@@ -115,11 +90,17 @@ def candidates(root: str | Path, flag: str, ckpt_step: int | None = None) -> lis
     except ValueError as e:
         raise ValueError(f"{flag} {root}: {e}") from None
     if tracked is None:
-        return []
+        return [p for _, p in reversed(published(root, ITER))]
     if tracked == "release":
         return [root / "release"]
-    older = [p for it, p in reversed(iterations(root)) if it < tracked]
-    return [root / iter_dir_name(tracked)] + older
+    older = [p for it, p in reversed(published(root, ITER)) if it < tracked]
+    return [root / ITER.name(tracked)] + older
+
+
+def untracked(root: str | Path, ckpt_step: int | None = None) -> bool:
+    """``candidates`` lists ``iter_*`` dirs that no tracker names (the tracker is missing)."""
+    root = Path(root)
+    return ckpt_step is None and not is_torch_dist(root) and not (root / TRACKER).is_file()
 
 
 def read_common(path: Path) -> dict:
@@ -144,23 +125,29 @@ def _pyt(sharded: dict, loading: bool):
     return mcore_to_pyt_state_dict(flat, loading), flat_mapping, rename
 
 
-def write(sharded_state_dict: dict, path: Path, group: dist.ProcessGroup, rank: int) -> None:
+def write(sharded_state_dict: dict, path: Path, group: dist.ProcessGroup, rank: int, device: torch.device,
+          after_shards: Callable[[], None] | None = None) -> None:
     """Write a megatron-core sharded state dict as a torch_dist checkpoint into ``path`` (collective on ``group``):
-    the sharded part through torch DCP, the rest into ``common.pt`` (rank 0), then ``metadata.json``."""
+    the sharded part through torch DCP, then ``after_shards()`` (the ``shards`` fault point), then the rest into
+    ``common.pt`` and ``metadata.json`` (rank 0). A failure on any rank raises on every rank."""
     import torch.distributed.checkpoint as dcp
     from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
     from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
     from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner
 
     sharded, common = save_preprocess(sharded_state_dict, validate_access_integrity=False)
-    if rank == 0:
-        path.mkdir(parents=True, exist_ok=True)
-        torch.save(common, path / COMMON)
+    raise_if_any(local_error(lambda: path.mkdir(parents=True, exist_ok=True)) if rank == 0 else None, group, device)
     pyt, _, _ = _pyt(sharded, loading=False)
     dcp.save(pyt, storage_writer=dcp.FileSystemWriter(str(path)), process_group=group,
              planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False))
-    if rank == 0:
+    if after_shards is not None:
+        after_shards()
+
+    def rank0_files() -> None:
+        torch.save(common, path / COMMON)
         save_config(CheckpointingConfig("torch_dist", 1), str(path))
+
+    raise_if_any(local_error(rank0_files) if rank == 0 else None, group, device)
 
 
 def read(sharded_state_dict: dict, path: Path, group: dist.ProcessGroup) -> dict:
@@ -224,6 +211,26 @@ def optim_sharded(model_sd: dict, optimizer: torch.optim.Optimizer, *, owner_wri
         for k in ("exp_avg", "exp_avg_sq"):
             out[f"{k}/{name}"] = make_sharded_optimizer_tensor(base, state[p][k], prefix=f"optimizer.state.{k}")
     return out
+
+
+def ensure_optim_state(opt: torch.optim.Optimizer) -> None:
+    """AdamW's state exists (zero moments) before a load writes into it: one step with zero gradients
+    and lr 0 creates it and leaves every parameter bit-identical."""
+    from miles.trainer.megatron.parallel import local_optimizer
+
+    local = local_optimizer(opt)
+    owned = [p for g in local.param_groups for p in g["params"]]
+    if all(p in local.state and local.state[p] for p in owned):
+        return
+    lrs = [g["lr"] for g in opt.param_groups]
+    for g in opt.param_groups:
+        for p in g["params"]:
+            p.grad = torch.zeros_like(p)
+        g["lr"] = 0.0
+    opt.step()
+    for g, lr in zip(opt.param_groups, lrs):
+        g["lr"] = lr
+    opt.zero_grad(set_to_none=True)
 
 
 def flat_items(d: dict, prefix: str = "") -> list[tuple[str, Any]]:
@@ -305,89 +312,6 @@ def restore_rng(states: list, trainer: MegatronTrainer) -> bool:
     if "miles_dropout_rng_state" in s:
         trainer.dropout_rng_state = s["miles_dropout_rng_state"]
     return True
-
-
-# ----------------------------------------------------------------------------- crash-safe directories
-def save_atomic(root: str | Path, iteration: int, write_fn: Callable[[Path], None], *, group: dist.ProcessGroup, device: torch.device,
-                rank: int, keep: int | None = None) -> Path:
-    """``write_fn(tmp)`` on every rank into ``.tmp.iter_N``, then (rank 0) rename to ``iter_N`` and write the
-    tracker atomically, then prune to ``keep``. A failure on any rank is one ``CheckpointWriteError`` on all;
-    a kill at any point leaves the tracker on the previous complete checkpoint."""
-    root = Path(root)
-    name = iter_dir_name(iteration)
-    tmp, final = root / f".tmp.{name}", root / name
-    err: BaseException | None = None
-    if rank == 0:
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-        except OSError as e:
-            err = e
-    _agree(err, root, name, tmp, group, device, rank)
-    try:
-        write_fn(tmp)
-    except Exception as e:  # noqa: BLE001 - cleaned up on every rank, then raised as one line
-        err = e
-    _agree(err, root, name, tmp, group, device, rank)
-    if rank == 0:
-        try:
-            _publish(root, iteration, tmp, final)
-        except OSError as e:
-            err = e
-    _agree(err, root, name, tmp, group, device, rank)
-    if rank == 0:
-        prune(root, keep, iteration)
-        logger.info("saved checkpoint %s", final)
-    return final
-
-
-def _agree(err, root: Path, name: str, tmp: Path, group, device, rank: int) -> None:
-    if not any_rank(err is not None, group, device):
-        return
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-    _barrier(group, device)                  # the .tmp dir is gone before anyone reports
-    tracked = read_tracker(root) if (root / TRACKER).is_file() else None
-    tail = f"the partial .tmp.{name} was removed" + (f"; {TRACKER} still names {tracked}" if tracked is not None else "")
-    if err is None:
-        raise CheckpointWriteError(f"another trainer rank failed to write checkpoint {name} under {root} (its log says "
-                                   f"why); {tail}.")
-    import errno
-
-    if _errnos(err) & {errno.ENOSPC, errno.EDQUOT}:
-        raise CheckpointWriteError(f"no space left on device writing checkpoint {name} under {root}; {tail}. Free "
-                                   "space, lower --keep-checkpoints, pass --no-save-optim, or choose another --save.") \
-            from err
-    text = " ".join(str(err).split())[:300]
-    raise CheckpointWriteError(f"cannot write checkpoint {name} under {root}: {type(err).__name__}: {text}; {tail}. "
-                               "Check --save is writable on every rank.") from err
-
-
-def _publish(root: Path, iteration: int, tmp: Path, final: Path) -> None:
-    _fsync_dir(tmp)
-    if final.exists():                       # re-saving an iteration (after a resume): swap the old one out
-        old = root / f".old.{final.name}.{os.getpid()}"
-        os.replace(final, old)
-        shutil.rmtree(old, ignore_errors=True)
-    os.replace(tmp, final)
-    _fsync_dir(root)
-    tracker_tmp = root / f".{TRACKER}.tmp"
-    with open(tracker_tmp, "w") as f:
-        f.write(str(iteration))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tracker_tmp, root / TRACKER)
-    _fsync_dir(root)
-
-
-def prune(root: Path, keep: int | None, newest: int) -> None:
-    """Keep the newest ``keep`` ``iter_*`` dirs up to ``newest`` (--keep-checkpoints); None or 0 keeps all."""
-    if not keep or keep <= 0:
-        return
-    for _, path in [(it, p) for it, p in iterations(root) if it <= newest][:-keep]:
-        shutil.rmtree(path, ignore_errors=True)
-        logger.info("pruned old checkpoint %s (--keep-checkpoints %d)", path, keep)
 
 
 def common_args(trainer: MegatronTrainer) -> argparse.Namespace:

@@ -533,7 +533,7 @@ class MegatronTrainer(FSDPTrainer):
         """offload/onload (colocated GPU): parameters and this rank's optimizer state."""
         if self.device.type != "cuda":
             return
-        from miles.trainer.state import move_optimizer_state
+        from miles.trainer.optim import move_optimizer_state
 
         for model, opt in [(self.model, self.optimizer)] + (
                 [(self.critic.model, self.critic.optimizer)] if self.critic is not None else []):
@@ -610,28 +610,20 @@ class MegatronTrainer(FSDPTrainer):
         lora_mod.load_files(self.lora, None if self.ckpt.no_load_optim else self.optimizer, path, self.trainer_rank)
 
     def checkpoint(self, rollout_id: int, extra: dict) -> Path:
+        """Crash-safe save under --save as iter_<rollout_id> + the tracker (+ --save-hf); collective."""
         from miles.trainer.megatron import dist_ckpt
 
-        if not self.ckpt.save:
-            raise ValueError("checkpoint() needs --save DIR.")
-        path = dist_ckpt.save(self, rollout_id, {**extra, "rollout_id": rollout_id})
+        path = dist_ckpt.save(self, rollout_id, extra)
         if self.ckpt.save_hf:
             self.save_hf(self.ckpt.save_hf.format(rollout_id=rollout_id))
         return path
 
     def resume(self) -> dict | None:
-        from miles.trainer.megatron import dist_ckpt, torch_dist
+        """Load the newest usable checkpoint under --load (default --save) through ``load`` (``dist_ckpt.resume``);
+        None when there is none."""
+        from miles.trainer.megatron import dist_ckpt
 
-        if self.lora is None:
-            return dist_ckpt.resume(self)
-        with self._lora_ckpt():
-            extra = dist_ckpt.resume(self)
-        if extra is not None and "rollout_id" in extra:
-            root = Path(self.ckpt.load or self.ckpt.save)
-            path = root if torch_dist._ITER_RE.match(root.name) else root / torch_dist.iter_dir_name(
-                int(extra["rollout_id"]))
-            self._load_lora(path)
-        return extra
+        return dist_ckpt.resume(self)
 
 
 def _merged_buckets(lora, it: Iterator) -> Iterator:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from miles.trainer import checkpoint as C
+from miles.trainer.checkpoint import rng
 from miles.trainer.hf_export import checkpoint_dtype, write_hf_dir
 from miles.trainer.optim import LRSchedule
 from miles.trainer.weights import plan_buckets
@@ -51,9 +52,9 @@ def test_save_latest_prune_and_crash(tmp_path):
 
 
 def test_rng_round_trip():
-    state = C.rng_state()
+    state = rng.rng_state()
     a = (random.random(), float(np.random.rand()), float(torch.rand(())))
-    C.set_rng_state(state)
+    rng.set_rng_state(state)
     assert (random.random(), float(np.random.rand()), float(torch.rand(()))) == a
 
 
@@ -210,3 +211,22 @@ def test_read_only_save_dir_fails_on_every_rank_with_one_line(tmp_path, trainer_
             tr.checkpoint(0, extra={})
     finally:
         _umount(mnt)
+
+
+def test_cadence_and_retention_are_one_rule_for_both_layouts(tmp_path):
+    """--save-interval 1 --keep-checkpoints 1 --save-retain-interval 2 over 5 rollouts keeps 0, 2, 4 in either layout
+    (Megatron-LM's meaning of --save-retain-interval, which Miles's Megatron backend uses)."""
+    from types import SimpleNamespace
+
+    from miles.trainer.checkpoint import cadence, layout
+
+    ck = SimpleNamespace(save="x", save_interval=3, keep_checkpoints=1, save_retain_interval=2)
+    assert [r for r in range(7) if cadence.should_save(ck, r, 7)] == [2, 5, 6]        # every 3rd and the last
+    assert not cadence.should_save(SimpleNamespace(**{**vars(ck), "save": None}), 2, 7)
+    assert cadence.to_prune([0, 1, 2, 3, 4], 1, 2) == [1, 3] and cadence.to_prune([0, 1, 2], 0, None) == []
+    assert cadence.to_prune([3, 0, 1, 2], 2, None) == [0, 1]
+    for lay in (layout.STEP, layout.ITER):
+        root = tmp_path / lay.prefix
+        for step in range(5):
+            layout.save_atomic(root, lay, step, _write(str(step)), keep=1, retain_interval=2)
+        assert [s for s, _ in layout.published(root, lay)] == [0, 2, 4], lay

@@ -1,6 +1,6 @@
 """Reading checkpoints that Miles's FSDP backend wrote, so a Miles run resumes here unchanged.
 
-Miles (v0.1.0, ``miles/backends/fsdp_utils/checkpoint.py``) saves under ``--save``::
+Miles (``radixark/miles@v0.1.0:miles/backends/fsdp_utils/checkpoint.py``) saves under ``--save``::
 
     latest_checkpointed_iteration.txt    the newest step N (written last)
     iter_000000N/model/                  DCP: {"model_state": {"model": model state dict}}
@@ -24,13 +24,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from miles.trainer.checkpoint.layout import TRACKER
+from miles.trainer.checkpoint.sync import barrier
 from miles.utils.logging import get_logger
 
 if TYPE_CHECKING:
     from miles.trainer.fsdp import FSDPTrainer
 
 logger = get_logger(__name__)
-TRACKER = "latest_checkpointed_iteration.txt"
 
 
 def find(root: str | Path | None) -> Path | None:
@@ -92,7 +93,7 @@ def load(trainer: FSDPTrainer, path: Path) -> dict[str, Any]:
     if data_state.is_file():
         extra["miles_data_state"] = {k: v for k, v in torch.load(data_state, weights_only=False).items()
                                      if k in ("sample_offset", "epoch_id")}
-    trainer._barrier()
+    barrier(trainer.trainer_group, trainer.device)
     logger.info("loaded Miles FSDP checkpoint %s (rollout %d, optimizer step %s)", path, rollout_id,
                 meta.get("global_step", "unknown"))
     return extra

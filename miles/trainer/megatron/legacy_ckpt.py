@@ -1,6 +1,6 @@
 """The checkpoint layout the Megatron trainer wrote before it wrote Megatron-LM's (``dist_ckpt.py``): still read,
-so a run saved that way resumes (``dist_ckpt.resume`` comes here when ``--load`` has ``step_*`` dirs and no
-Megatron tracker); ``save_trainer_state`` writes it (tests). The FSDP trainer's crash-safe ``step_N/COMPLETE``
+so a run saved that way resumes (``dist_ckpt.resume`` comes here when ``--load`` has no ``iter_*`` checkpoint);
+``save_trainer_state`` writes it (tests). The FSDP trainer's crash-safe ``step_N/COMPLETE``
 directories, with the tensors in a torch.distributed.checkpoint (DCP) directory of our own layout::
 
     actor/, critic/ (ppo) DCP over the trainer group: every parameter in megatron-core names, each
@@ -12,8 +12,8 @@ directories, with the tensors in a torch.distributed.checkpoint (DCP) directory 
     trainer_state.json    format (1), backend "megatron", TP size, world size, LR schedule step,
                           has_optim, extra (rollout id, data position, weight version)
 
-``resume_latest`` follows ``miles.trainer.state``: the newest complete checkpoint that verifies on
-every trainer rank and loads, a corrupt one skipped with one warning. The tensors reshard on load to
+``resume`` follows ``miles.trainer.checkpoint.resume``: the newest complete checkpoint that verifies on
+every trainer rank (``fsdp_format.verify``: the same files) and loads, a corrupt one skipped with one warning. The tensors reshard on load to
 another data-parallel size, and to another TP size when the padded vocabulary is the same; the RNG
 is restored only with the same number of trainer ranks (a warning otherwise).
 """
@@ -26,11 +26,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from miles.trainer.checkpoint import rng_state, set_rng_state
+from miles.trainer.checkpoint import miles_fsdp
+from miles.trainer.checkpoint.fsdp_format import FORMAT, json_extra
+from miles.trainer.checkpoint.fsdp_format import verify as verify_step_dir
+from miles.trainer.checkpoint.layout import STEP, TRACKER, published
+from miles.trainer.checkpoint.resume import resume_newest
+from miles.trainer.checkpoint.rng import rng_state, set_rng_state
+from miles.trainer.checkpoint.sync import barrier, local_error, raise_if_any
+from miles.trainer.megatron import torch_dist as td
 from miles.trainer.megatron.convert import is_glu_fc1, partition_dim
 from miles.trainer.megatron.parallel import local_optimizer
 from miles.trainer.megatron.pipeline import global_named_parameters, is_tied_copy
-from miles.trainer.state import FORMAT, _agreed, _try
 from miles.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -40,11 +46,14 @@ logger = get_logger(__name__)
 
 
 def _tp_mesh(trainer: MegatronTrainer):
-    mesh = getattr(trainer, "_tp_mesh", None)
+    """The TP group's DeviceMesh, built once per trainer (building it is collective); kept on the trainer by this
+    module alone."""
+    mesh = getattr(trainer, "_legacy_ckpt_tp_mesh", None)
     if mesh is None:
         from torch.distributed.device_mesh import DeviceMesh
 
-        mesh = trainer._tp_mesh = DeviceMesh.from_group(trainer.groups.tp, device_type=trainer.device.type)
+        mesh = DeviceMesh.from_group(trainer.groups.tp, device_type=trainer.device.type)
+        trainer._legacy_ckpt_tp_mesh = mesh
     return mesh
 
 
@@ -65,24 +74,6 @@ def _entries(key: str, name: str, t: torch.Tensor, mesh, tp: int) -> dict[str, t
         out[key] = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=torch.Size(shape),
                                       stride=torch.empty(shape, device="meta").stride())
     return out
-
-
-def _ensure_optim_state(opt: torch.optim.Optimizer) -> None:
-    """AdamW's state exists (zero moments) before a load writes into it: one step with zero gradients
-    and lr 0 creates it and leaves every parameter bit-identical."""
-    local = local_optimizer(opt)
-    owned = [p for g in local.param_groups for p in g["params"]]
-    if all(p in local.state and local.state[p] for p in owned):
-        return
-    lrs = [g["lr"] for g in opt.param_groups]
-    for g in opt.param_groups:
-        for p in g["params"]:
-            p.grad = torch.zeros_like(p)
-        g["lr"] = 0.0
-    opt.step()
-    for g, lr in zip(opt.param_groups, lrs):
-        g["lr"] = lr
-    opt.zero_grad(set_to_none=True)
 
 
 def _state_dict(trainer: MegatronTrainer, model, optimizer, with_optim: bool) -> dict[str, torch.Tensor]:
@@ -115,16 +106,13 @@ def save_trainer_state(trainer: MegatronTrainer, path: Path, extra: dict) -> Non
     """Write one checkpoint's contents into ``path`` (collective on the trainer group)."""
     import torch.distributed.checkpoint as dcp
 
-    try:
-        extra_json = json.loads(json.dumps(extra))
-    except TypeError as e:
-        raise ValueError(f"checkpoint extra must be JSON-serialisable ({e}); got keys {sorted(extra)}.") from e
+    extra_json = json_extra(extra)
     group = trainer.trainer_group
-    _agreed(trainer, _try(lambda: path.mkdir(parents=True, exist_ok=True)))
+    raise_if_any(local_error(lambda: path.mkdir(parents=True, exist_ok=True)), group, trainer.device)
     with_optim = not trainer.ckpt.no_save_optim
     for sub, model, opt in _models(trainer):
         if with_optim:
-            _ensure_optim_state(opt)
+            td.ensure_optim_state(opt)
         dcp.save(_state_dict(trainer, model, opt, with_optim), checkpoint_id=str(path / sub), process_group=group)
 
     def local_files() -> None:
@@ -140,7 +128,7 @@ def save_trainer_state(trainer: MegatronTrainer, path: Path, extra: dict) -> Non
                     "has_critic": trainer.critic is not None, "extra": extra_json}
             (path / "trainer_state.json").write_text(json.dumps(meta, indent=2))
 
-    _agreed(trainer, _try(local_files))
+    raise_if_any(local_error(local_files), group, trainer.device)
 
 
 def _models(trainer: MegatronTrainer) -> list[tuple[str, torch.nn.Module, torch.optim.Optimizer]]:
@@ -173,7 +161,7 @@ def load_trainer_state(trainer: MegatronTrainer, path: Path) -> dict:
                          "estimator the checkpoint was trained with, or start a new run.")
     for sub, model, opt in _models(trainer):
         if with_optim:
-            _ensure_optim_state(opt)
+            td.ensure_optim_state(opt)
         with torch.no_grad():
             dcp.load(_state_dict(trainer, model, opt, with_optim), checkpoint_id=str(path / sub),
                      process_group=trainer.trainer_group)
@@ -191,14 +179,25 @@ def load_trainer_state(trainer: MegatronTrainer, path: Path) -> dict:
     else:
         logger.warning("%s: no RNG state for trainer rank %d of %d (saved with %s ranks); RNG not restored.",
                        path, trainer.trainer_rank, trainer.trainer_world, meta.get("world_size"))
-    trainer._barrier()
+    barrier(trainer.trainer_group, trainer.device)
     logger.info("loaded checkpoint %s (schedule step %d)", path, trainer.schedule.step)
     return meta["extra"]
 
 
-def resume_latest(trainer: MegatronTrainer) -> dict | None:
-    """``miles.trainer.state.resume_newest`` over the whole trainer group (every TP and DP rank agrees)."""
-    from miles.trainer.state import resume_newest
-
-    return resume_newest(trainer.ckpt, group=trainer.trainer_group, device=trainer.device, rank=trainer.trainer_rank,
-                         world=trainer.trainer_world, load=lambda path: load_trainer_state(trainer, path))
+def resume(trainer: MegatronTrainer, flag: str, root: str) -> dict | None:
+    """The newest usable ``step_*`` checkpoint under ``root`` (collective on the trainer group); None when there is
+    none (a fresh start); a Miles FSDP checkpoint there is one error naming ``--train-backend fsdp``."""
+    found = [p for _, p in reversed(published(root, STEP))]
+    if not found:
+        miles_ckpt = miles_fsdp.find(root)
+        if miles_ckpt is not None:
+            raise ValueError(f"{flag} {root} holds a Miles FSDP checkpoint ({miles_ckpt.name}), which this trainer "
+                             "backend cannot read: resume it with --train-backend fsdp.")
+        if flag == "--load" and trainer.trainer_rank == 0:   # Miles's meaning: a --load not written yet is a fresh start
+            logger.warning("--load %s: no checkpoint there yet (no %s nor iter_*); starting from --hf-checkpoint.",
+                           root, TRACKER)
+        return None
+    rank, world = trainer.trainer_rank, trainer.trainer_world
+    return resume_newest(found, flag=flag, root=root, verify=lambda p: verify_step_dir(p, rank=rank, world=world),
+                         load=lambda p: load_trainer_state(trainer, p), group=trainer.trainer_group,
+                         device=trainer.device, rank=rank)

@@ -1,6 +1,11 @@
-"""What a trainer checkpoint holds, and how it is written and read (torch.distributed.checkpoint).
+"""The FSDP backend's checkpoint: what one ``step_*`` directory holds, how it is written, verified and read
+(torch.distributed.checkpoint), and the backend's save/resume on top of ``layout``/``resume``.
 
-Inside one checkpoint directory (made crash-safe by ``checkpoint.save_checkpoint``)::
+    path = save(trainer, rollout_id, extra)   # <save>/step_<rollout_id>, crash-safe (layout.save_atomic), pruned
+    extra = resume(trainer)                   # newest usable under --load (default --save), or None
+    write(trainer, path, extra); extra = read(trainer, path)     # one directory's contents (collective)
+
+Inside one checkpoint directory::
 
     actor/                DCP: {"model": sharded model state, "optim": AdamW state (unless --no-save-optim)}
     critic/               the same for the PPO critic (value head included)
@@ -12,11 +17,10 @@ trainer group only, and can reshard on load, so a checkpoint loads on a differen
 trainer ranks (the RNG files then fall back with a warning). The reference and teacher models are
 not saved: they come from --ref-load / --hf-checkpoint / --opd-teacher-load again.
 
-Resuming (``resume_latest``) takes the newest complete checkpoint that passes ``verify_checkpoint``
-(readable ``trainer_state.json`` of this format, readable DCP ``.metadata``, every shard file present
-and as long as the metadata says, a loadable RNG file) and loads without error; a corrupt one is
-skipped with one warning naming it and the checkpoint used instead. Every trainer rank agrees on each
-verdict, so all load the same step. When none is usable: one error naming the directory.
+Resuming takes the newest complete checkpoint that passes ``verify`` (readable ``trainer_state.json`` of this
+format, readable DCP ``.metadata``, every shard file present and as long as the metadata says, a loadable RNG
+file) and loads without error (``resume.resume_newest``); a corrupt one is skipped with one warning. Without a
+``step_*`` checkpoint, a checkpoint Miles's FSDP backend wrote is read (``miles_fsdp``).
 """
 
 from __future__ import annotations
@@ -29,7 +33,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from miles.trainer.checkpoint import CheckpointWriteError, any_rank, list_checkpoints, rng_state, set_rng_state
+from miles.trainer.checkpoint import miles_fsdp
+from miles.trainer.checkpoint.faults import fault_point
+from miles.trainer.checkpoint.layout import STEP, published, save_atomic
+from miles.trainer.checkpoint.resume import guard_save_dir, resume_newest
+from miles.trainer.checkpoint.rng import rng_state, set_rng_state
+from miles.trainer.checkpoint.sync import barrier, local_error, raise_if_any
 from miles.utils.logging import get_logger
 
 if TYPE_CHECKING:
@@ -67,18 +76,25 @@ def _dcp_read(model, optimizer, path: Path, group, with_optim: bool) -> None:
         set_optimizer_state_dict(model, optimizer, sd["optim"])
 
 
-def save_trainer_state(trainer: FSDPTrainer, path: Path, extra: dict) -> None:
-    """Write one checkpoint's contents into ``path`` (collective). A failure on any rank raises on every
-    rank (DCP gathers its own; the rank-local files are agreed on), so no rank is left in a collective."""
+def json_extra(extra: dict) -> dict:
+    """``extra`` as it will read back (a JSON round trip); one error naming the keys when it is not JSON."""
     try:
-        extra_json = json.loads(json.dumps(extra))
+        return json.loads(json.dumps(extra))
     except TypeError as e:
         raise ValueError(f"checkpoint extra must be JSON-serialisable ({e}); got keys {sorted(extra)}.") from e
-    _agreed(trainer, _try(lambda: path.mkdir(parents=True, exist_ok=True)))
+
+
+def write(trainer: FSDPTrainer, path: Path, extra: dict) -> None:
+    """Write one checkpoint's contents into ``path`` (collective). A failure on any rank raises on every
+    rank (DCP gathers its own; the rank-local files are agreed on), so no rank is left in a collective."""
+    extra_json = json_extra(extra)
+    group, device = trainer.trainer_group, trainer.device
+    raise_if_any(local_error(lambda: path.mkdir(parents=True, exist_ok=True)), group, device)
     with_optim = not trainer.ckpt.no_save_optim
     _dcp_write(trainer.model, trainer.optimizer, path / "actor", trainer.group, with_optim)
     if trainer.critic is not None:
         _dcp_write(trainer.critic.model, trainer.critic.optimizer, path / "critic", trainer.group, with_optim)
+    fault_point("shards", int(extra_json.get("rollout_id", -1)), trainer.trainer_rank)
 
     def local_files() -> None:
         (path / "rng").mkdir(exist_ok=True)
@@ -91,26 +107,10 @@ def save_trainer_state(trainer: FSDPTrainer, path: Path, extra: dict) -> None:
             }
             (path / "trainer_state.json").write_text(json.dumps(meta, indent=2))
 
-    _agreed(trainer, _try(local_files))
+    raise_if_any(local_error(local_files), group, device)
 
 
-def _try(fn) -> BaseException | None:
-    try:
-        fn()
-    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
-        return e
-    return None
-
-
-def _agreed(trainer: FSDPTrainer, err: BaseException | None) -> None:
-    """Raise on every trainer rank when ``err`` is set on any (collective over the whole trainer group)."""
-    if any_rank(err is not None, trainer.trainer_group, trainer.device):
-        if err is not None:
-            raise err
-        raise CheckpointWriteError("another trainer rank failed to write its part of the checkpoint (its log says why).")
-
-
-def _verify_dcp(d: Path) -> str | None:
+def verify_dcp(d: Path) -> str | None:
     """Why the DCP directory ``d`` cannot be loaded, or None: metadata readable, shard files long enough."""
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -135,7 +135,7 @@ def _verify_dcp(d: Path) -> str | None:
     return None
 
 
-def verify_checkpoint(path: Path, *, rank: int | None = None, world: int | None = None) -> str | None:
+def verify(path: Path, *, rank: int | None = None, world: int | None = None) -> str | None:
     """Why checkpoint ``path`` is unusable, or None; cheap (reads metadata and file sizes, not tensors).
     With ``rank``/``world`` also that rank's RNG file when the checkpoint was saved with ``world`` ranks."""
     meta_path = path / "trainer_state.json"
@@ -152,7 +152,7 @@ def verify_checkpoint(path: Path, *, rank: int | None = None, world: int | None 
     if missing:
         return f"trainer_state.json lacks {', '.join(missing)}"
     for sub in ["actor"] + (["critic"] if meta.get("has_critic") else []):
-        problem = _verify_dcp(path / sub)
+        problem = verify_dcp(path / sub)
         if problem:
             return problem
     if rank is not None and meta["world_size"] == world:
@@ -165,66 +165,8 @@ def verify_checkpoint(path: Path, *, rank: int | None = None, world: int | None 
     return None
 
 
-def _dcp_reason(e: CheckpointException) -> str:
-    errs = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
-    first = errs[0] if errs else e
-    return f"loading it failed: {type(first).__name__}: {' '.join(str(first).split())[:200]}"
-
-
-def resume_latest(trainer: FSDPTrainer) -> dict | None:
-    """Load the newest usable complete checkpoint under --load (default --save); returns its ``extra``, or
-    None when there is none (a fresh start: with Miles's meaning, a --load not written yet is one). A
-    checkpoint Miles's FSDP backend wrote is read too. Collective on the trainer group."""
-    from miles.trainer import miles_checkpoint
-
-    return resume_newest(trainer.ckpt, group=trainer.group, device=trainer.device, rank=trainer.rank,
-                         world=trainer.world, load=lambda path: load_trainer_state(trainer, path),
-                         load_miles=lambda path: miles_checkpoint.load(trainer, path))
-
-
-def resume_newest(ckpt, *, group, device, rank: int, world: int, load, load_miles=None) -> dict | None:
-    """The resume rule every trainer backend shares: the newest complete ``step_*`` checkpoint that verifies
-    on every rank of ``group`` and loads (``load(path) -> extra``); a corrupt one is skipped with one warning;
-    none usable is one error. Without any, a Miles FSDP checkpoint (``load_miles``, when given) or a fresh start."""
-    from miles.trainer import miles_checkpoint
-
-    flag, root = ("--load", ckpt.load) if ckpt.load else ("--save", ckpt.save)
-    found = list_checkpoints(root) if root else []
-    if not found:
-        miles_ckpt = miles_checkpoint.find(root)
-        if miles_ckpt is not None:  # written by Miles's FSDP backend: resume from it
-            if load_miles is None:
-                raise ValueError(f"{flag} {root} holds a Miles FSDP checkpoint ({miles_ckpt.name}), which this trainer "
-                                 "backend cannot read: resume it with --train-backend fsdp.")
-            return load_miles(miles_ckpt)
-        if ckpt.load and rank == 0:  # Miles's meaning: a fresh run may name a --load not written yet
-            logger.warning("--load %s: no checkpoint there yet (no complete step_* nor Miles's %s); starting from "
-                           "--hf-checkpoint.", ckpt.load, miles_checkpoint.TRACKER)
-        return None
-    skipped: list[tuple[Path, str]] = []
-    for _, path in reversed(found):
-        problem = verify_checkpoint(path, rank=rank, world=world)
-        if problem and rank != 0:
-            logger.info("%s: %s", path, problem)
-        if any_rank(problem is not None, group, device):
-            skipped.append((path, problem or "unusable on another trainer rank (its log says why)"))
-            continue
-        try:
-            extra = load(path)
-        except CheckpointException as e:  # DCP gathers failures: every rank raises it alike
-            skipped.append((path, _dcp_reason(e)))
-            continue
-        if skipped and rank == 0:
-            why = "; ".join(f"{p.name}: {reason}" for p, reason in skipped)
-            logger.warning("%s %s: skipped corrupt checkpoint(s) (%s); resumed from %s instead.", flag, root, why,
-                           path.name)
-        return extra
-    why = "; ".join(f"{p.name}: {reason}" for p, reason in skipped)
-    raise ValueError(f"{flag} {root}: no usable checkpoint ({why}); delete the corrupt step_* directories to start "
-                     f"from --hf-checkpoint, or point {flag} at a directory with an intact checkpoint.")
-
-
-def load_trainer_state(trainer: FSDPTrainer, path: Path) -> dict:
+def read(trainer: FSDPTrainer, path: Path) -> dict:
+    """Restore what ``write`` put into ``path`` (collective); returns ``extra``."""
     meta_path = path / "trainer_state.json"
     if not meta_path.is_file():
         raise ValueError(f"{path} is not a trainer checkpoint (no trainer_state.json); pass a step_* directory "
@@ -249,15 +191,37 @@ def load_trainer_state(trainer: FSDPTrainer, path: Path) -> dict:
     else:
         logger.warning("%s: no RNG state for trainer rank %d of %d (saved with %s ranks); RNG not restored.",
                        path, trainer.rank, trainer.world, meta.get("world_size"))
-    trainer._barrier()
+    barrier(trainer.trainer_group, trainer.device)
     logger.info("loaded checkpoint %s (schedule step %d)", path, trainer.schedule.step)
     return meta["extra"]
 
 
-def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """Move every tensor of the optimizer state (fused AdamW on GPU keeps even ``step`` there)."""
-    non_blocking = device.type == "cuda"
-    for st in optimizer.state.values():
-        for k, v in list(st.items()):
-            if isinstance(v, torch.Tensor):
-                st[k] = v.to(device, non_blocking=non_blocking)
+def save(trainer: FSDPTrainer, rollout_id: int, extra: dict) -> Path:
+    """Crash-safe ``<save>/step_<rollout_id>`` written by ``trainer.save`` (collective); prunes. Returns its path."""
+    if not trainer.ckpt.save:
+        raise ValueError("checkpoint() needs --save DIR.")
+    extra = {**extra, "rollout_id": rollout_id}
+    ck = trainer.ckpt
+    return save_atomic(ck.save, STEP, rollout_id, lambda d: trainer.save(d, extra), group=trainer.trainer_group,
+                       device=trainer.device, keep=ck.keep_checkpoints, retain_interval=ck.save_retain_interval)
+
+
+def resume(trainer: FSDPTrainer) -> dict | None:
+    """Load the newest usable complete checkpoint under --load (default --save) through ``trainer.load``; returns
+    its ``extra``, or None when there is none (a fresh start: with Miles's meaning, a --load not written yet is
+    one). Without a ``step_*`` checkpoint, a Miles FSDP checkpoint there is read. Collective on the trainer group."""
+    ck = trainer.ckpt
+    guard_save_dir(ck, STEP)
+    flag, root = ("--load", ck.load) if ck.load else ("--save", ck.save)
+    found = [p for _, p in reversed(published(root, STEP))]
+    if not found:
+        miles_ckpt = miles_fsdp.find(root)
+        if miles_ckpt is not None:                 # written by Miles's FSDP backend: resume from it
+            return miles_fsdp.load(trainer, miles_ckpt)
+        if ck.load and trainer.trainer_rank == 0:  # Miles's meaning: a fresh run may name a --load not written yet
+            logger.warning("--load %s: no checkpoint there yet (no complete step_* nor Miles's %s); starting from "
+                           "--hf-checkpoint.", ck.load, miles_fsdp.TRACKER)
+        return None
+    return resume_newest(found, flag=flag, root=root, group=trainer.trainer_group, device=trainer.device,
+                         rank=trainer.trainer_rank, load=trainer.load,
+                         verify=lambda p: verify(p, rank=trainer.trainer_rank, world=trainer.trainer_world))
