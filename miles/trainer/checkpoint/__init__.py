@@ -4,7 +4,7 @@
 |---|---|
 | ``cadence.py`` | ``should_save`` (--save-interval, the last rollout) and ``to_prune`` (--keep-checkpoints, --save-retain-interval) |
 | ``layout.py`` | directory naming (``step_*`` / Megatron-LM's ``iter_*``), listing, the tracker file, the crash-safe ``save_atomic`` (agree, rename, tracker, prune; cleanup and one line on failure) |
-| ``resume.py`` | ``resume_newest`` (the newest usable checkpoint, an older one with a warning when it is corrupt), ``guard_save_dir`` |
+| ``resume.py`` | ``resume_newest`` (the newest usable checkpoint, an older one with a warning when it is corrupt), ``resume_root`` (``--save`` when it holds checkpoints, else ``--load``) |
 | ``sync.py`` | agreement between trainer ranks (``any_rank``, ``raise_if_any``), ``CheckpointWriteError`` |
 | ``faults.py`` | the save path's fault-injection points for tests (inert unless ``MILES_CKPT_KILL_AT`` is set) |
 | ``rng.py`` | a process's RNG states |

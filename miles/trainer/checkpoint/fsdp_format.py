@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from miles.trainer.checkpoint import miles_fsdp
 from miles.trainer.checkpoint.faults import fault_point
 from miles.trainer.checkpoint.layout import STEP, published, save_atomic
-from miles.trainer.checkpoint.resume import guard_save_dir, resume_newest
+from miles.trainer.checkpoint.resume import resume_newest, resume_root
 from miles.trainer.checkpoint.rng import rng_state, set_rng_state
 from miles.trainer.checkpoint.sync import barrier, local_error, raise_if_any
 from miles.utils.logging import get_logger
@@ -211,8 +211,7 @@ def resume(trainer: FSDPTrainer) -> dict | None:
     its ``extra``, or None when there is none (a fresh start: with Miles's meaning, a --load not written yet is
     one). Without a ``step_*`` checkpoint, a Miles FSDP checkpoint there is read. Collective on the trainer group."""
     ck = trainer.ckpt
-    guard_save_dir(ck, STEP)
-    flag, root = ("--load", ck.load) if ck.load else ("--save", ck.save)
+    flag, root = resume_root(ck, STEP, rank=trainer.trainer_rank)
     found = [p for _, p in reversed(published(root, STEP))]
     if not found:
         miles_ckpt = miles_fsdp.find(root)

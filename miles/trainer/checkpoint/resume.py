@@ -10,7 +10,8 @@ resume ``extra``). A corrupt one (a verify reason on any rank, or DCP's ``Checkp
 skipped and the next tried; resuming from an older one logs one warning naming the skipped ones and the one used.
 None usable: one ``ValueError`` naming the flag, the directory and each reason.
 
-``guard_save_dir`` keeps a run from overwriting (or pruning) the checkpoints another run left in ``--save``.
+``resume_root`` picks the directory: ``--save`` when it holds checkpoints (the run's own, after a relaunch), else
+``--load``; so a run never overwrites or prunes checkpoints it did not resume from.
 """
 
 from __future__ import annotations
@@ -80,16 +81,18 @@ def same_dir(load: str | Path, save: str | Path) -> bool:
     return a == b or a.parent == b
 
 
-def guard_save_dir(ckpt: _Dirs, layout: Layout) -> None:
-    """Refuse, in one line, a run whose saves would overwrite or prune checkpoints it did not resume from: with an
-    explicit ``--load`` elsewhere (or a weights-only start), the ``--save`` directory must hold no checkpoint of
-    ``layout``. With ``--load`` unset (or naming ``--save``) the run resumed from ``--save`` itself, so what is
-    there is this run's own history."""
-    if not ckpt.save or not ckpt.load or same_dir(ckpt.load, ckpt.save):
-        return
-    found = published(ckpt.save, layout)
-    if found:
-        names = ", ".join(p.name for _, p in found[-3:])
-        raise ValueError(f"--save {ckpt.save} already holds checkpoints of another run ({names}), which this run "
-                         f"(starting from --load {ckpt.load}) would overwrite or prune: pass --load {ckpt.save} (or "
-                         "drop --load) to continue that run, or choose an empty --save directory.")
+def resume_root(ckpt: _Dirs, layout: Layout, *, rank: int) -> tuple[str, str | None]:
+    """(flag, directory) a run resumes from. ``--save`` when it already holds checkpoints of ``layout``: that is
+    the run's own history (a relaunch after a crash, ``sbatch --requeue``, ``torchrun --max-restarts``), and a run
+    never overwrites or prunes checkpoints it did not resume from. Otherwise ``--load`` (default ``--save``): a
+    ``--load`` naming another directory is where a fresh run starts, as torchtitan's initial load path."""
+    if ckpt.save and ckpt.load and not same_dir(ckpt.load, ckpt.save):
+        found = published(ckpt.save, layout)
+        if found:
+            if rank == 0:
+                names = ", ".join(p.name for _, p in found[-3:])
+                logger.warning("--save %s already holds checkpoints (%s): resuming from them rather than from --load "
+                               "%s (a relaunch continues its own run); choose an empty --save to start from --load.",
+                               ckpt.save, names, ckpt.load)
+            return "--save", ckpt.save
+    return ("--load", ckpt.load) if ckpt.load else ("--save", ckpt.save)

@@ -31,7 +31,7 @@ from miles.config.base import ConfigError
 from miles.trainer.checkpoint.faults import fault_point
 from miles.trainer.checkpoint.fsdp_format import json_extra, verify_dcp
 from miles.trainer.checkpoint.layout import ITER, TRACKER, save_atomic
-from miles.trainer.checkpoint.resume import guard_save_dir, resume_newest
+from miles.trainer.checkpoint.resume import resume_newest, resume_root
 from miles.trainer.checkpoint.sync import barrier
 from miles.trainer.megatron import torch_dist as td
 from miles.utils.logging import get_logger
@@ -219,8 +219,7 @@ def resume(trainer: MegatronTrainer) -> dict | None:
     --ckpt-step's), an older one when it is corrupt (one warning); without a tracker, the newest ``iter_*`` that
     verifies (one warning); the earlier ``step_*`` layout (``legacy_ckpt``); a HF dir (bridge mode); or None."""
     ck = trainer.ckpt
-    guard_save_dir(ck, ITER)
-    flag, root = ("--load", ck.load) if ck.load else ("--save", ck.save)
+    flag, root = resume_root(ck, ITER, rank=trainer.trainer_rank)
     if not root:
         return None
     ckpt_step = _flags(trainer)["ckpt_step"]
