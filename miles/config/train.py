@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from miles.config.base import ConfigError
 from miles.config.data import json_object
+from miles.config.lora import resolve_targets
 
 DEFAULT_BACKEND = "megatron"  # as in Miles v0.1.0; --train-backend fsdp for FSDP2
 
@@ -216,8 +217,6 @@ class TrainConfig:
             raise ConfigError(f"--lora-alpha must be > 0, got {self.lora_alpha}.")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ConfigError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}.")
-        from miles.trainer.lora import resolve_targets
-
         resolve_targets(self.target_modules, self.exclude_modules)
 
 

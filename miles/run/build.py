@@ -262,7 +262,8 @@ async def _driver_setup(run: Run, local: dict[str, Any], extra: dict[str, Any] |
                           num_rollout=plan.num_rollout, start_rollout_id=plan.start_rollout_id,
                           restore=_restorable_record(extra))
     run.ranks = Ranks(run.worker)
-    from miles.rollout.rollout_fn import build_rollout_function, custom_rollout_path
+    from miles.config.data import custom_rollout_path
+    from miles.rollout.rollout_fn import build_rollout_function
 
     if cfg.algo.loss_type == "sft_loss" and custom_rollout_path(cfg.data) is None:
         from miles.run.sft import SFTSource
