@@ -1,6 +1,6 @@
 """SGLang server flags: every SGLang ``ServerArgs`` flag as ``--sglang-<flag>``, as Miles registers them.
 
-The flags are data: ``miles/rollout/sglang_server_args.json`` lists the actions of SGLang 0.5.16's
+The flags are data: ``miles/config/sglang_server_args.json`` lists the actions of SGLang 0.5.16's
 ``ServerArgs.add_cli_args`` (written by ``tools/gen_sglang_server_args.py``); SGLang itself is never
 imported. Each one is registered with SGLang's aliases, ``nargs``, choices and value type, and no default:
 only the flags the user gives are recorded, in one section ``SGLangConfig.sglang_server_args`` that maps the
@@ -31,7 +31,7 @@ from typing import Any
 
 from miles.config.base import ConfigError
 
-SPEC_PATH = Path(__file__).resolve().parents[1] / "rollout" / "sglang_server_args.json"
+SPEC_PATH = Path(__file__).with_name("sglang_server_args.json")
 DEST = "sglang_server_args"
 PREFIX = "--sglang-"
 GROUP_TITLE = "SGLang server flags (forwarded to sglang.launch_server)"
@@ -321,7 +321,7 @@ def flag_docs() -> list[str]:
     refused = ", ".join(f"`--sglang-{n.replace('_', '-')}`" for n in SET_BY_MILES if n != "config")
     return [
         f"Every flag of SGLang's `ServerArgs` ({sglang_version().split(' (')[0]}: the list is data in",
-        "`miles/rollout/sglang_server_args.json`, written by `tools/gen_sglang_server_args.py`) is accepted as",
+        "`miles/config/sglang_server_args.json`, written by `tools/gen_sglang_server_args.py`) is accepted as",
         "`--sglang-<flag>`, with SGLang's aliases, value type, `nargs` and choices, as Miles registers them;",
         "boolean-optional ones also as `--no-sglang-<flag>`. `--help-all` lists them all. Only the flags given are",
         "recorded (`cfg.sglang.sglang_server_args`, SGLang name -> value) and passed to `sglang.launch_server`",
