@@ -5,7 +5,7 @@ The flags are data: ``miles/config/sglang_router_args.json`` lists sglang-router
 actions (written by ``tools/gen_sglang_router_args.py``; a unit test checks it against the installed package),
 so the parser works without sglang-router. Each is registered with the router's nargs, choices and value type
 and no default: only the flags the user gives are recorded, in ``RolloutConfig.router_args`` (the router's name,
-``health_success_threshold`` -> value). ``miles.rollout.router`` passes them to the router miles starts, in the
+``health_success_threshold`` -> value). ``miles.fleet.router`` passes them to the router miles starts, in the
 router's own spelling, over miles's own settings for the same flag.
 
 Checks (``validate_router``, never rewriting a value): ``--router-policy``, ``--router-request-timeout-secs`` and

@@ -5,7 +5,7 @@ The flags are data: ``miles/config/sglang_server_args.json`` lists the actions o
 imported. Each one is registered with SGLang's aliases, ``nargs``, choices and value type, and no default:
 only the flags the user gives are recorded, in one section ``SGLangConfig.sglang_server_args`` that maps the
 flag's SGLang name (its first spelling, dashes as underscores: ``chunked_prefill_size``) to the parsed
-value. ``miles.rollout.engines`` passes them to ``sglang.launch_server`` and maps the ones that mean
+value. ``miles.fleet.engines`` passes them to ``sglang.launch_server`` and maps the ones that mean
 something to the embedded engine.
 
 Not registered here:

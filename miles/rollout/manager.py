@@ -447,7 +447,7 @@ class RolloutManager:
 
     async def _abort(self, surplus: list[_Group]) -> int:
         """Abort the surplus groups' requests by rid; wait ``abort_grace`` s, then cancel what remains."""
-        from miles.rollout.client import EngineError
+        from miles.fleet.client import EngineError
 
         for g in surplus:
             g.aborted = True

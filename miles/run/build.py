@@ -78,8 +78,8 @@ class Run:
 
 def _driver_plan(cfg: MilesConfig, ctx: SPMDContext) -> tuple[RunPlan, dict[str, Any]]:
     """Driver: start-up checks, tokenizer, data, derived values. Returns the plan and driver-only objects."""
+    from miles.fleet.engines import resolve_api_key, resolve_engine_kind
     from miles.rollout.data import DataSource, load_eval_datasets
-    from miles.rollout.engines import resolve_api_key, resolve_engine_kind
     from miles.run.preflight import preflight
     from miles.utils.model_dir import load_tokenizer
 
@@ -159,7 +159,7 @@ def _build_trainer(cfg: MilesConfig, ctx: SPMDContext, plan: RunPlan) -> Any:
 
 def _build_sender(cfg: MilesConfig, ctx: SPMDContext, trainer: Any, placement: Placement, version: int,
                   api_key: str | None) -> Any:
-    from miles.rollout.engines import engine_host
+    from miles.fleet.engines import engine_host
     from miles.trainer.hf_export import checkpoint_dtype
     from miles.weight_sync.base import EngineTarget, build_weight_sender, resolve_mode
 

@@ -192,7 +192,7 @@ def check_rollout_source(cfg: MilesConfig) -> None:
 
 def check_sglang_importable(cfg: MilesConfig) -> None:
     """--dry-run only: --rollout-engine sglang needs the package here (the start checks it on each engine leader)."""
-    from miles.rollout.engines import SGLANG_INSTALL_HINT, sglang_importable
+    from miles.fleet.engines import SGLANG_INSTALL_HINT, sglang_importable
 
     if cfg.rollout.rollout_engine == "sglang" and not sglang_importable():
         raise ConfigError("--rollout-engine sglang: the Python package 'sglang' is not importable on this machine, so "

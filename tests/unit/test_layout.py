@@ -15,7 +15,7 @@ PLANES = ("engine", "trainer", "rollout", "weight_sync", "ft", "run", "spmd", "d
 ALLOWED = {
     ("engine", "miles.weight_sync.disk_delta"), ("engine", "miles.weight_sync.buckets"),
     ("trainer", "miles.weight_sync.p2p"), ("trainer", "miles.engine.routed_experts"),
-    ("weight_sync", "miles.rollout.client"), ("ft", "miles.rollout"), ("ft", "miles.weight_sync"),
+    ("weight_sync", "miles.fleet.client"), ("ft", "miles.rollout"), ("ft", "miles.weight_sync"),
 }
 
 

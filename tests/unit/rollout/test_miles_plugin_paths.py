@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from miles.config import ConfigError, parse_args
 from miles.config.data import custom_rollout_path
-from miles.rollout.client import EngineClient
+from miles.fleet.client import EngineClient
 from miles.rollout.data import DataSource, PromptDataset
 from miles.rollout.manager import RolloutError, RolloutManager
 from miles.rollout.plugins import PluginArgs, load_function

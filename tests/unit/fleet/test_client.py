@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from miles.rollout.client import EngineClient, EngineControl, EngineError, SyncEngineControl
-from miles.rollout.engines import build_engine_argv, engine_url
+from miles.fleet.client import EngineClient, EngineControl, EngineError, SyncEngineControl
+from miles.fleet.engines import build_engine_argv, engine_url
 from miles.spmd.supervisor import EngineSupervisor
 from miles.utils.net import find_free_port
 
@@ -419,7 +419,7 @@ def test_weight_sync_round_trips(engine, tiny_model_dir, mode: str, buffer: str)
 def test_whole_sync_request_refuses_a_bad_mode_and_a_failed_load_leaves_the_engine_paused(engine):
     """A failed one-request sync leaves the engine paused (as a failed choreography does) for the caller to
     resync or replace; a mode that is not a pause mode is a 400 naming the parameter, before anything pauses."""
-    from miles.rollout.client import whole_sync_params
+    from miles.fleet.client import whole_sync_params
 
     async def go():
         async with EngineControl(engine, api_key=KEY, timeout=60) as ctl:

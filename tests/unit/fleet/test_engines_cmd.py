@@ -13,8 +13,8 @@ import pytest
 from miles.config import rollout as rollout_flags
 from miles.config.base import ConfigError, section_from_namespace
 from miles.config.rollout import RolloutConfig
-from miles.rollout import engines
-from miles.rollout.engines import (
+from miles.fleet import engines
+from miles.fleet.engines import (
     build_engine_argv,
     engine_argv_from_config,
     engine_host,
