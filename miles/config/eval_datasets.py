@@ -2,8 +2,8 @@
 
     specs = resolve_eval_datasets(cfg.eval, cfg.data, cfg.rollout)   # [] without either flag; ConfigError if bad
 
-``--eval-config PATH`` (or ``base64:<payload>``) is Miles's multi-task document (Miles v0.1.0
-``miles/utils/eval_config.py`` and ``_resolve_eval_datasets``)::
+``--eval-config PATH`` (or ``base64:<payload>``) is Miles's multi-task document (``radixark/miles@v0.1.0:miles/utils/eval_config.py``
+and ``_resolve_eval_datasets``)::
 
     eval:                                  # or the same mapping at the root
       defaults: {temperature: 0.6, max_response_len: 24576, ...}

@@ -36,7 +36,7 @@ DEST = "sglang_server_args"
 PREFIX = "--sglang-"
 GROUP_TITLE = "SGLang server flags (forwarded to sglang.launch_server)"
 
-# Miles v0.1.0 (miles/backends/sglang_utils/arguments.py, _SKIPPED_SERVER_ARGS) does not expose these:
+# Miles v0.1.0 (radixark/miles@v0.1.0:miles/backends/sglang_utils/arguments.py, _SKIPPED_SERVER_ARGS) does not expose these:
 # the engine launcher sets them. Value: why, for the refusal line.
 _PLACED = "miles places each engine from --rollout-num-gpus-per-engine and --num-gpus-per-node"
 SET_BY_MILES: dict[str, str] = {

@@ -17,7 +17,7 @@ from miles.config.lora import resolve_targets
 
 DEFAULT_BACKEND = "megatron"  # as in Miles v0.1.0; --train-backend fsdp for FSDP2
 
-# Miles v0.1.0: miles/backends/fsdp_utils/arguments.py (FSDPArgs) for fsdp; Megatron-LM's
+# Miles v0.1.0: radixark/miles@v0.1.0:miles/backends/fsdp_utils/arguments.py (FSDPArgs) for fsdp; Megatron-LM's
 # megatron/training/arguments.py for megatron. --lr is 1e-6 on both: Miles resets it after either parser.
 BACKEND_DEFAULTS: dict[str, dict[str, object]] = {
     "fsdp": {"adam_beta2": 0.95, "weight_decay": 0.0, "lr_decay_style": "constant"},

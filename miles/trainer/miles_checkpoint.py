@@ -1,6 +1,6 @@
 """Reading checkpoints that Miles's FSDP backend wrote, so a Miles run resumes here unchanged.
 
-Miles (v0.1.0, ``miles/backends/fsdp_utils/checkpoint.py``) saves under ``--save``::
+Miles (``radixark/miles@v0.1.0:miles/backends/fsdp_utils/checkpoint.py``) saves under ``--save``::
 
     latest_checkpointed_iteration.txt    the newest step N (written last)
     iter_000000N/model/                  DCP: {"model_state": {"model": model state dict}}

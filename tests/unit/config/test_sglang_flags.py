@@ -11,7 +11,7 @@ from miles.config import sglang as S
 
 BASE = ["--num-rollout", "2", "--rollout-batch-size", "4"]
 
-# Miles v0.1.0, miles/backends/sglang_utils/arguments.py: _SKIPPED_SERVER_ARGS (not exposed as --sglang-*)
+# radixark/miles@v0.1.0:miles/backends/sglang_utils/arguments.py: _SKIPPED_SERVER_ARGS (not exposed as --sglang-*)
 MILES_V010_SKIPPED = {"model_path", "config", "trust_remote_code", "random_seed", "enable_memory_saver", "port", "nnodes",
                       "node_rank", "dist_init_addr", "gpu_id_step", "base_gpu_id", "nccl_port", "skip_server_warmup",
                       "enable_return_routed_experts", "enable_return_indexer_topk"}
