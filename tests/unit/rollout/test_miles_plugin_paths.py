@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 import torch
-from test_client import start_engine, wait_engines
+from embedded_engines import start_engine, wait_engines
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from miles.config import ConfigError, parse_args

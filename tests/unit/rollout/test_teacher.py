@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 import torch
-from test_client import start_engine, wait_engines
+from embedded_engines import start_engine, wait_engines
 from transformers import AutoModelForCausalLM
 
 from miles.fleet.client import EngineClient
