@@ -21,7 +21,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.11",
     packages=find_packages(include=["miles", "miles.*"]),
-    package_data={"miles.config": ["megatron_flags.txt"], "miles.rollout": ["sglang_server_args.json", "sglang_router_args.json"]},
+    package_data={"miles.config": ["megatron_flags.txt", "miles_flags.txt", "sglang_server_args.json", "sglang_router_args.json"]},
     install_requires=_requirements(),
     extras_require={
         # SGLang pins its own torch + CUDA kernels: install it on GPU nodes only.

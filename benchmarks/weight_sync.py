@@ -93,7 +93,7 @@ def _start_embedded_engine(model_dir: str, log: Path):
 
 
 def _wait_healthy(target, timeout: float = 300.0) -> None:
-    from miles.rollout.client import SyncEngineControl
+    from miles.fleet.client import SyncEngineControl
 
     ctl = SyncEngineControl(target.url, timeout=10)
     deadline = time.monotonic() + timeout

@@ -53,10 +53,10 @@ class Sample:
     def multimodal_train_inputs(self) -> dict[str, Any] | None:
         """Miles's field: the image processor's outputs of the sample's images (``pixel_values``,
         ``image_grid_thw``), None for a text sample; computed on first read from ``metadata["multimodal_inputs"]``
-        (``miles.rollout.multimodal.train_inputs``), settable by plugins. Not a dataclass field: it stays on the
+        (``miles.utils.images.train_inputs``), settable by plugins. Not a dataclass field: it stays on the
         rollout side; the trainer recomputes the pixels from the image references the sample carries."""
         if "_multimodal_train_inputs" not in self.__dict__:
-            from miles.rollout.multimodal import train_inputs
+            from miles.utils.images import train_inputs
 
             self.__dict__["_multimodal_train_inputs"] = train_inputs(self.metadata)
         return self.__dict__["_multimodal_train_inputs"]

@@ -1,4 +1,4 @@
-"""Write miles/rollout/sglang_router_args.json: sglang-router's ``--router-*`` flags, kept as data.
+"""Write miles/config/sglang_router_args.json: sglang-router's ``--router-*`` flags, kept as data.
 
     python tools/gen_sglang_router_args.py          # rewrite the JSON from the installed sglang-router
     python tools/gen_sglang_router_args.py --check  # exit 1 if the JSON differs from the installed package
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-OUT = Path(__file__).resolve().parents[1] / "miles" / "rollout" / "sglang_router_args.json"
+OUT = Path(__file__).resolve().parents[1] / "miles" / "config" / "sglang_router_args.json"
 PREFIX = "--router-"
 
 

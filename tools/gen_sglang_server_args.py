@@ -1,4 +1,4 @@
-"""Write miles/rollout/sglang_server_args.json: SGLang's ServerArgs command-line flags, kept as data.
+"""Write miles/config/sglang_server_args.json: SGLang's ServerArgs command-line flags, kept as data.
 
     pip download sglang==0.5.16 --no-deps -d /tmp/sgl && (cd /tmp/sgl && unzip -q sglang-0.5.16-*.whl 'sglang/*')
     python tools/gen_sglang_server_args.py /tmp/sgl 0.5.16
@@ -24,7 +24,7 @@ import typing
 from pathlib import Path
 from unittest import mock
 
-OUT = Path(__file__).resolve().parents[1] / "miles" / "rollout" / "sglang_server_args.json"
+OUT = Path(__file__).resolve().parents[1] / "miles" / "config" / "sglang_server_args.json"
 # modules server_args imports for runtime work only (kernels, tokenizer parsers, HF config helpers)
 STUBS = ("psutil", "pybase64", "triton", "IPython", "zmq", "torchvision", "sglang.kernels.ops.attention.fla",
          "sglang.srt.configs", "sglang.srt.function_call", "sglang.srt.parser", "sglang.srt.entrypoints",

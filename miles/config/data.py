@@ -49,6 +49,25 @@ def parse_eval_prompt_data(values: list[str] | None) -> list[tuple[str, str]]:
 
 
 MULTIMODAL_SFT_PATH = "miles.rollout.sft_rollout.generate_rollout"  # the rollout function that takes --multimodal-keys
+# Miles's names of its default rollout function (the built-in RolloutManager here) and of its fully async one
+DEFAULT_ROLLOUT_PATHS = ("miles.rollout.inference_rollout.inference_rollout_common.InferenceRolloutFn",
+                         "miles.rollout.sglang_rollout.generate_rollout")
+FULLY_ASYNC_PATH = "miles.rollout.fully_async_rollout.FullyAsyncRolloutFn"
+
+
+def custom_rollout_path_of(path: str | None) -> str | None:
+    """``--rollout-function-path`` ``path`` when it names a function to call, None for Miles's default and fully
+    async names (the built-in rollout serves them)."""
+    if path is None or path in DEFAULT_ROLLOUT_PATHS or path == FULLY_ASYNC_PATH:
+        return None
+    return path
+
+
+def custom_rollout_path(data: DataConfig) -> str | None:
+    """The rollout function to call instead of the built-in manager, or None (Miles's defaults, --fully-async)."""
+    return custom_rollout_path_of(data.rollout_function_path)
+
+
 MULTIMODAL_TYPES = ("image", "video", "audio")                     # Miles's media types
 MULTIMODAL_SUPPORTED = ("image",)
 

@@ -2,8 +2,8 @@
 
     specs = resolve_eval_datasets(cfg.eval, cfg.data, cfg.rollout)   # [] without either flag; ConfigError if bad
 
-``--eval-config PATH`` (or ``base64:<payload>``) is Miles's multi-task document (Miles v0.1.0
-``miles/utils/eval_config.py`` and ``_resolve_eval_datasets``)::
+``--eval-config PATH`` (or ``base64:<payload>``) is Miles's multi-task document (``radixark/miles@v0.1.0:miles/utils/eval_config.py``
+and ``_resolve_eval_datasets``)::
 
     eval:                                  # or the same mapping at the root
       defaults: {temperature: 0.6, max_response_len: 24576, ...}
@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from miles.config.base import ConfigError
-from miles.config.data import parse_eval_prompt_data
+from miles.config.data import DEFAULT_ROLLOUT_PATHS, FULLY_ASYNC_PATH, parse_eval_prompt_data
 from miles.utils.file_arg_utils import resolve_file_arg
 from miles.utils.logging import get_logger, warn_once
 
@@ -49,9 +49,7 @@ logger = get_logger(__name__)
 FLAG = "--eval-config"
 DELEGATE_PLUGIN = "examples.experimental.eval.eval_delegate_rollout.generate_rollout"
 # Miles's names of its default eval rollout: naming one selects the built-in evaluation, as leaving the flag unset
-DEFAULT_EVAL_PATHS = ("miles.rollout.inference_rollout.inference_rollout_common.InferenceRolloutFn",
-                      "miles.rollout.sglang_rollout.generate_rollout")
-FULLY_ASYNC_PATH = "miles.rollout.fully_async_rollout.FullyAsyncRolloutFn"
+DEFAULT_EVAL_PATHS = DEFAULT_ROLLOUT_PATHS
 
 
 def custom_eval_function(ev: EvalConfig) -> str | None:

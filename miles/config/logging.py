@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_dashboard_arguments(parser: argparse.ArgumentParser) -> None:
-    """Miles v0.1.0's miles/dashboard/args.py flags: names, defaults and meanings."""
+    """The flags of radixark/miles@v0.1.0:miles/dashboard/args.py: names, defaults and meanings."""
     g = parser.add_argument_group("miles dashboard")
     g.add_argument("--use-miles-dashboard", action="store_true", default=False,
                    help="Collect dashboard telemetry (phases per rank, GPU util, engine metrics) under "

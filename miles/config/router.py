@@ -1,11 +1,11 @@
 """sglang-router's flags as ``--router-<flag>``, as Miles v0.1.0 registers them (``add_router_arguments``:
 ``RouterArgs.add_cli_args(parser, use_router_prefix=True, exclude_host_port=True)``).
 
-The flags are data: ``miles/rollout/sglang_router_args.json`` lists sglang-router 0.3.2's ``--router-*``
+The flags are data: ``miles/config/sglang_router_args.json`` lists sglang-router 0.3.2's ``--router-*``
 actions (written by ``tools/gen_sglang_router_args.py``; a unit test checks it against the installed package),
 so the parser works without sglang-router. Each is registered with the router's nargs, choices and value type
 and no default: only the flags the user gives are recorded, in ``RolloutConfig.router_args`` (the router's name,
-``health_success_threshold`` -> value). ``miles.rollout.router`` passes them to the router miles starts, in the
+``health_success_threshold`` -> value). ``miles.fleet.router`` passes them to the router miles starts, in the
 router's own spelling, over miles's own settings for the same flag.
 
 Checks (``validate_router``, never rewriting a value): ``--router-policy``, ``--router-request-timeout-secs`` and
@@ -30,7 +30,7 @@ from miles.config.base import ConfigError
 if TYPE_CHECKING:
     from miles.config.rollout import RolloutConfig
 
-SPEC_PATH = Path(__file__).resolve().parents[1] / "rollout" / "sglang_router_args.json"
+SPEC_PATH = Path(__file__).with_name("sglang_router_args.json")
 DEST = "router_args"
 PREFIX = "--router-"
 GROUP_TITLE = "sglang-router flags (passed to the router miles starts)"
@@ -190,7 +190,7 @@ def flag_docs() -> list[str]:
     lines = [
         f"Every `--router-*` flag of sglang-router {router_version()} (`RouterArgs.add_cli_args` with",
         "`use_router_prefix=True, exclude_host_port=True`, as Miles v0.1.0 registers them; the list is data in",
-        "`miles/rollout/sglang_router_args.json`, written by `tools/gen_sglang_router_args.py`), with the router's",
+        "`miles/config/sglang_router_args.json`, written by `tools/gen_sglang_router_args.py`), with the router's",
         "value type, `nargs` and choices. Only the flags given are recorded (`cfg.rollout.router_args`) and passed",
         "to the router miles starts, without the prefix, over miles's own settings for the same router flag (miles",
         "starts it with `--health-check-interval-secs 5 --health-failure-threshold 2 --retry-max-retries 3",

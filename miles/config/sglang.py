@@ -1,11 +1,11 @@
 """SGLang server flags: every SGLang ``ServerArgs`` flag as ``--sglang-<flag>``, as Miles registers them.
 
-The flags are data: ``miles/rollout/sglang_server_args.json`` lists the actions of SGLang 0.5.16's
+The flags are data: ``miles/config/sglang_server_args.json`` lists the actions of SGLang 0.5.16's
 ``ServerArgs.add_cli_args`` (written by ``tools/gen_sglang_server_args.py``); SGLang itself is never
 imported. Each one is registered with SGLang's aliases, ``nargs``, choices and value type, and no default:
 only the flags the user gives are recorded, in one section ``SGLangConfig.sglang_server_args`` that maps the
 flag's SGLang name (its first spelling, dashes as underscores: ``chunked_prefill_size``) to the parsed
-value. ``miles.rollout.engines`` passes them to ``sglang.launch_server`` and maps the ones that mean
+value. ``miles.fleet.engines`` passes them to ``sglang.launch_server`` and maps the ones that mean
 something to the embedded engine.
 
 Not registered here:
@@ -31,12 +31,12 @@ from typing import Any
 
 from miles.config.base import ConfigError
 
-SPEC_PATH = Path(__file__).resolve().parents[1] / "rollout" / "sglang_server_args.json"
+SPEC_PATH = Path(__file__).with_name("sglang_server_args.json")
 DEST = "sglang_server_args"
 PREFIX = "--sglang-"
 GROUP_TITLE = "SGLang server flags (forwarded to sglang.launch_server)"
 
-# Miles v0.1.0 (miles/backends/sglang_utils/arguments.py, _SKIPPED_SERVER_ARGS) does not expose these:
+# Miles v0.1.0 (radixark/miles@v0.1.0:miles/backends/sglang_utils/arguments.py, _SKIPPED_SERVER_ARGS) does not expose these:
 # the engine launcher sets them. Value: why, for the refusal line.
 _PLACED = "miles places each engine from --rollout-num-gpus-per-engine and --num-gpus-per-node"
 SET_BY_MILES: dict[str, str] = {
@@ -281,7 +281,7 @@ def validate_sglang(sglang: SGLangConfig, *, rollout_num_gpus_per_engine: int) -
                           "--sglang-dp-size.")
 
 
-# The ServerArgs flags the embedded engine honours (miles.rollout.engines.EMBEDDED_EQUIVALENTS maps each to its own
+# The ServerArgs flags the embedded engine honours (miles.fleet.engines.EMBEDDED_EQUIVALENTS maps each to its own
 # option; a test keeps the two equal), and those miles checks against what it sets itself (build_engine_argv).
 EMBEDDED_HONOURED = frozenset({
     "max_running_requests", "context_length", "dtype", "max_prefill_tokens", "chunked_prefill_size",
@@ -370,7 +370,7 @@ def flag_docs() -> list[str]:
     refused = ", ".join(f"`--sglang-{n.replace('_', '-')}`" for n in SET_BY_MILES if n != "config")
     return [
         f"Every flag of SGLang's `ServerArgs` ({sglang_version().split(' (')[0]}: the list is data in",
-        "`miles/rollout/sglang_server_args.json`, written by `tools/gen_sglang_server_args.py`) is accepted as",
+        "`miles/config/sglang_server_args.json`, written by `tools/gen_sglang_server_args.py`) is accepted as",
         "`--sglang-<flag>`, with SGLang's aliases, value type, `nargs` and choices, as Miles registers them;",
         "boolean-optional ones also as `--no-sglang-<flag>`. `--help-all` lists them all. Only the flags given are",
         "recorded (`cfg.sglang.sglang_server_args`, SGLang name -> value) and passed to `sglang.launch_server`",

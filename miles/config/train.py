@@ -13,10 +13,11 @@ from dataclasses import dataclass
 
 from miles.config.base import ConfigError
 from miles.config.data import json_object
+from miles.config.lora import resolve_targets
 
 DEFAULT_BACKEND = "megatron"  # as in Miles v0.1.0; --train-backend fsdp for FSDP2
 
-# Miles v0.1.0: miles/backends/fsdp_utils/arguments.py (FSDPArgs) for fsdp; Megatron-LM's
+# Miles v0.1.0: radixark/miles@v0.1.0:miles/backends/fsdp_utils/arguments.py (FSDPArgs) for fsdp; Megatron-LM's
 # megatron/training/arguments.py for megatron. --lr is 1e-6 on both: Miles resets it after either parser.
 BACKEND_DEFAULTS: dict[str, dict[str, object]] = {
     "fsdp": {"adam_beta2": 0.95, "weight_decay": 0.0, "lr_decay_style": "constant"},
@@ -226,8 +227,6 @@ class TrainConfig:
             raise ConfigError(f"--lora-alpha must be > 0, got {self.lora_alpha}.")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ConfigError(f"--lora-dropout must be in [0, 1), got {self.lora_dropout}.")
-        from miles.trainer.lora import resolve_targets
-
         resolve_targets(self.target_modules, self.exclude_modules)
 
 

@@ -18,8 +18,8 @@ _EVAL_FLEET = ("Miles's dedicated eval engine fleet (--eval-num-gpus > 0: its ow
                "with the --eval-* sampling flags and the engines' --sglang-* settings.")
 EVAL_SGLANG_PREFIX = "--eval-sglang-"
 
-# Miles v0.1.0 miles/utils/arguments.py add_lora_arguments, the replay flags of add_algo_arguments, the eval
-# fleet flags of its eval arguments, and miles/dashboard/args.py's --dashboard-forward-prometheus.
+# radixark/miles@v0.1.0:miles/utils/arguments.py add_lora_arguments, the replay flags of add_algo_arguments, the
+# eval fleet flags of its eval arguments, and radixark/miles@v0.1.0:miles/dashboard/args.py's --dashboard-forward-prometheus.
 UNSUPPORTED: dict[str, str] = {
     **{f: _LORA for f in (
         "--lora-adapter-path", "--lora-sync-from-tensor", "--lora-base-cpu-backup", "--lora-train-only",

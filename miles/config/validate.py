@@ -203,8 +203,7 @@ def _validate_multimodal(cfg: MilesConfig) -> None:
     import json
 
     from miles.config.data import MULTIMODAL_SFT_PATH as SFT_PATH
-    from miles.config.data import check_multimodal_keys
-    from miles.rollout.rollout_fn import custom_rollout_path
+    from miles.config.data import check_multimodal_keys, custom_rollout_path
 
     a, d = cfg.algo, cfg.data
     check_multimodal_keys(d.multimodal_keys)

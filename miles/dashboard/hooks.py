@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 
-# Miles v0.1.0 miles/dashboard/args.py _SNAPSHOT_KEYS: the args kept in meta.json for the dashboard header
+# radixark/miles@v0.1.0:miles/dashboard/args.py _SNAPSHOT_KEYS: the args kept in meta.json for the dashboard header
 SNAPSHOT_KEYS = ("wandb_group", "wandb_team", "wandb_project", "wandb_run_id", "wandb_host", "colocate",
                  "num_gpus_per_node", "actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus",
                  "rollout_num_gpus_per_engine", "rollout_batch_size", "n_samples_per_prompt", "rollout_max_response_len",

@@ -1,4 +1,4 @@
-"""The on-disk format of ``{dump-details}/dashboard/``, as Miles v0.1.0's ``miles/dashboard/store.py`` writes it.
+"""The on-disk format of ``{dump-details}/dashboard/``, as ``radixark/miles@v0.1.0:miles/dashboard/store.py`` writes it.
 
     meta.json                       {"run_name", "start_ts", "args", "schema_version": 1}
     metrics.jsonl                   {"ts", "step_key", "step", "metrics"}            (step_key "rollout/step")

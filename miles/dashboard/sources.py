@@ -26,7 +26,7 @@ from miles.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
-# Miles v0.1.0 miles/dashboard/sglang_scraper.py DEFAULT_METRIC_WHITELIST
+# radixark/miles@v0.1.0:miles/dashboard/sglang_scraper.py DEFAULT_METRIC_WHITELIST
 DEFAULT_METRICS = (
     "sglang_num_running_reqs", "sglang_num_queue_reqs", "sglang_gen_throughput", "sglang_token_usage",
     "sglang_cache_hit_rate", "sglang_num_prefill_prealloc_queue_reqs", "sglang_num_prefill_inflight_queue_reqs",

@@ -26,8 +26,8 @@ from miles.utils.logging import get_logger
 logger = get_logger("miles.engine.server")
 
 _LOOPBACK = ("127.", "::1", "::ffff:127.")
-WHOLE_SYNC_PARAM = "miles_whole_sync"  # the same name as miles.rollout.client.WHOLE_SYNC_PARAM
-SYNC_ID_PARAM, BUCKET_PARAM = "miles_sync", "miles_bucket"  # as miles.rollout.client.bucket_order_params
+WHOLE_SYNC_PARAM = "miles_whole_sync"  # the same name as miles.fleet.client.WHOLE_SYNC_PARAM
+SYNC_ID_PARAM, BUCKET_PARAM = "miles_sync", "miles_bucket"  # as miles.fleet.client.bucket_order_params
 SHUTDOWN_GRACE_S = 1.0  # in-flight handlers get this long on shutdown; the process exits soon after regardless
 _ENGINE = web.AppKey("engine", Engine)
 

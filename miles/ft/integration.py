@@ -25,12 +25,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from miles.config.ft import FTConfig
+from miles.fleet.client import EngineError, run_sync
 from miles.ft.heartbeat import EngineHeartbeat, start_engine_heartbeat
 from miles.ft.lighthouse import Lighthouse
 from miles.ft.recovery import EngineRecoveryController, NoEnginesLeftError
 from miles.ft.sync import sync_weights_with_recovery
 from miles.ft.timing import FTTimings, ft_timings
-from miles.rollout.client import EngineError, run_sync
 from miles.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -187,7 +187,7 @@ class FaultTolerance:
         sender's engine targets (with ``engine_id`` and ``url``); waits until every engine joined (and, unless
         ``await_first_sync``, is routed: with it, engines are routed once the initial weight sync reached
         them). Each finished outage is appended to ``events_path`` (JSON lines) when given."""
-        from miles.rollout.router import RouterClient
+        from miles.fleet.router import RouterClient
 
         self._targets = {int(t.engine_id): t for t in targets}
         self._router_client = RouterClient(router_url, api_key=api_key)

@@ -44,10 +44,10 @@ from pathlib import Path
 from typing import Any
 
 from miles.config.ft import FTConfig
+from miles.fleet.client import EngineError, SyncEngineControl, run_sync
 from miles.ft.heartbeat import probe_health
 from miles.ft.membership import EngineMembership, MembershipEvent
 from miles.ft.timing import FTTimings, ft_timings
-from miles.rollout.client import EngineError, SyncEngineControl, run_sync
 from miles.utils.errors import MilesError
 from miles.utils.logging import get_logger
 

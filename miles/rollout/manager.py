@@ -190,7 +190,7 @@ class RolloutManager:
         init_http_client(self.args)  # miles.utils.http_utils.post of plugins: --rollout-request-timeout per try
         self.rewarder = Rewarder(reward, self.args, rewards_from_generate=bool(data.custom_generate_function_path))
         if data.multimodal_keys:  # images: Sample.multimodal_train_inputs (Miles's plugins) from this processor
-            from miles.rollout.multimodal import set_rollout_checkpoint
+            from miles.utils.images import set_rollout_checkpoint
 
             set_rollout_checkpoint(getattr(self.args, "hf_checkpoint", None) or str(getattr(tokenizer, "name_or_path", "")))
         self.student_top_k = student_top_k(self.args)  # top-k OPD: the engines' top-k log-probs of each token
@@ -447,7 +447,7 @@ class RolloutManager:
 
     async def _abort(self, surplus: list[_Group]) -> int:
         """Abort the surplus groups' requests by rid; wait ``abort_grace`` s, then cancel what remains."""
-        from miles.rollout.client import EngineError
+        from miles.fleet.client import EngineError
 
         for g in surplus:
             g.aborted = True

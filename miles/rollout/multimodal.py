@@ -19,8 +19,8 @@ placeholder token (``image_token_id`` of ``config.json``) is expanded to one tok
 the model's processor does. RL prompts are expanded when the data is loaded (``miles.rollout.data``), SFT
 conversations by the SFT rollout; the trainer recomputes the pixels from the same references (the same
 processor, so the counts agree; checked). The engines get each image as SGLang's ``image_data`` entry
-(:func:`image_data`: ``data:image/png;base64,...``, as Miles sends them); :func:`train_inputs` is Miles's
-``Sample.multimodal_train_inputs`` for plugins.
+(:func:`image_data`: ``data:image/png;base64,...``, as Miles sends them); :func:`train_inputs` (from
+:mod:`miles.utils.images`, where ``Sample`` reads it) is Miles's ``Sample.multimodal_train_inputs`` for plugins.
 """
 
 from __future__ import annotations
@@ -34,14 +34,21 @@ from typing import Any
 
 from miles.config.base import ConfigError
 from miles.rollout.data import DataError
-from miles.utils.images import VisionProcessor, load_image, png_data_uri
+from miles.utils.images import (
+    MEDIA_KEY,
+    VisionProcessor,
+    load_image,
+    png_data_uri,
+    sample_images,
+    set_rollout_checkpoint,
+    train_inputs,
+)
 from miles.utils.images import decode_data_uri as _decode_data_uri
 
 __all__ = ["MEDIA_KEY", "PLACEHOLDERS", "ImageInputs", "content_messages", "engine_image", "image_data",
            "image_inputs", "load_image", "row_media", "sample_images", "set_rollout_checkpoint", "train_inputs"]
 
 PLACEHOLDERS = {"image": "<image>"}     # Miles's MultimodalTypes placeholders this project supports
-MEDIA_KEY = "multimodal_inputs"          # the Sample.metadata entry holding {"images": [refs]}
 
 
 class MediaError(DataError):
@@ -173,42 +180,8 @@ def engine_image(ref: str) -> str:
     return png_data_uri(load_image(ref))
 
 
-def sample_images(metadata: dict[str, Any]) -> list[str]:
-    """The image references of a sample (``metadata[MEDIA_KEY]["images"]``, in prompt order); [] without images."""
-    media = metadata.get(MEDIA_KEY) if isinstance(metadata, dict) else None
-    refs = media.get("images") if isinstance(media, dict) else None
-    return list(refs) if refs else []
-
-
 def image_data(metadata: dict[str, Any]) -> list[str] | None:
     """SGLang's ``image_data`` of a sample's ``/generate`` requests (one entry per image, in prompt order), or None
     for a text sample. Every request of the sample sends them: its ``input_ids`` hold the images' tokens."""
     refs = sample_images(metadata)
     return [engine_image(r) for r in refs] if refs else None
-
-
-_ROLLOUT_CHECKPOINT: list[str] = []     # the --hf-checkpoint whose processor makes Sample.multimodal_train_inputs
-
-
-def set_rollout_checkpoint(hf_checkpoint: str) -> None:
-    """Name the checkpoint whose image processor ``Sample.multimodal_train_inputs`` uses (the rollout manager)."""
-    _ROLLOUT_CHECKPOINT[:] = [str(hf_checkpoint)]
-
-
-@lru_cache(maxsize=64)      # a group's samples share one computation (and its tensors)
-def _train_inputs(hf_checkpoint: str, refs: tuple[str, ...]) -> dict[str, Any]:
-    return image_inputs(hf_checkpoint).pixels(list(refs))
-
-
-def train_inputs(metadata: dict[str, Any]) -> dict[str, Any] | None:
-    """Miles's ``Sample.multimodal_train_inputs`` of a sample: the image processor's ``pixel_values`` and
-    ``image_grid_thw`` tensors of its images (None for a text sample). For plugins that read them: the trainer does
-    not take them from the sample, it recomputes them from ``metadata[MEDIA_KEY]`` (the samples travel to the
-    trainer ranks as references, not pixels)."""
-    refs = sample_images(metadata)
-    if not refs:
-        return None
-    if not _ROLLOUT_CHECKPOINT:
-        raise RuntimeError("Sample.multimodal_train_inputs is computed by the rollout manager's image processor; "
-                           "none is set here (miles.rollout.multimodal.set_rollout_checkpoint).")
-    return dict(_train_inputs(_ROLLOUT_CHECKPOINT[0], tuple(refs)))

@@ -7,7 +7,7 @@ naming the flag, the value and the fix, not in the middle of a run.
 
 Every plugin that takes an ``args`` parameter receives a :class:`PluginArgs`: a read-only view over the
 typed config sections (``args.rollout_max_response_len``, ``args.reward_key``, ``args.rm_url``, ...),
-plus ``args.client`` (the :class:`~miles.rollout.client.EngineClient`) and ``args.tokenizer``. This keeps
+plus ``args.client`` (the :class:`~miles.fleet.client.EngineClient`) and ``args.tokenizer``. This keeps
 Miles's ``custom_rm(args, sample)`` and ``generate(args, sample, sampling_params)`` working unchanged
 for code that only reads flags.
 """

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.config.base import ConfigError
-from miles.config.data import DataConfig
+from miles.config.data import DataConfig, custom_rollout_path
 from miles.rollout.data import DataError, DataSource, PromptDataset, PromptItem, read_rows
 from miles.rollout.data_source import DataSource as MilesDataSourceABC
 from miles.rollout.plugins import PluginArgs, call_bounded, client_address, load_function
@@ -45,26 +45,10 @@ logger = get_logger(__name__)
 
 FLAG = "--rollout-function-path"
 FORMS = "def generate_rollout(args, rollout_id, data_source, evaluation=False)"
-DEFAULT_PATHS = ("miles.rollout.inference_rollout.inference_rollout_common.InferenceRolloutFn",
-                 "miles.rollout.sglang_rollout.generate_rollout")
-FULLY_ASYNC_PATH = "miles.rollout.fully_async_rollout.FullyAsyncRolloutFn"
-SFT_PATH = "miles.rollout.sft_rollout.generate_rollout"
 
 
 class RolloutFunctionError(MilesError):
     """The --rollout-function-path function failed or returned samples the trainer cannot use."""
-
-
-def custom_rollout_path_of(path: str | None) -> str | None:
-    """``path`` when it names a function to call, None for Miles's default and fully async names."""
-    if path is None or path in DEFAULT_PATHS or path == FULLY_ASYNC_PATH:
-        return None
-    return path
-
-
-def custom_rollout_path(data: DataConfig) -> str | None:
-    """The rollout function to call instead of the built-in manager, or None (Miles's defaults, --fully-async)."""
-    return custom_rollout_path_of(data.rollout_function_path)
 
 
 class RawPromptDataset:

@@ -14,7 +14,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from miles.rollout.client import EngineClient
+from miles.fleet.client import EngineClient
 from miles.types import Sample, SampleStatus
 from miles.utils.errors import MilesError
 from miles.utils.logging import get_logger

@@ -24,8 +24,8 @@ import contextlib
 import time
 from typing import Any
 
+from miles.config.data import FULLY_ASYNC_PATH
 from miles.rollout.fully_async_rollout import FullyAsyncRollout
-from miles.rollout.rollout_fn import FULLY_ASYNC_PATH
 from miles.run.loop import RLLoop, dump_samples
 from miles.types import Sample
 from miles.utils.logging import get_logger

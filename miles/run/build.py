@@ -78,8 +78,8 @@ class Run:
 
 def _driver_plan(cfg: MilesConfig, ctx: SPMDContext) -> tuple[RunPlan, dict[str, Any]]:
     """Driver: start-up checks, tokenizer, data, derived values. Returns the plan and driver-only objects."""
+    from miles.fleet.engines import resolve_api_key, resolve_engine_kind
     from miles.rollout.data import DataSource, load_eval_datasets
-    from miles.rollout.engines import resolve_api_key, resolve_engine_kind
     from miles.run.preflight import preflight
     from miles.utils.model_dir import load_tokenizer
 
@@ -163,7 +163,7 @@ def _build_trainer(cfg: MilesConfig, ctx: SPMDContext, plan: RunPlan) -> Any:
 
 def _build_sender(cfg: MilesConfig, ctx: SPMDContext, trainer: Any, placement: Placement, version: int,
                   api_key: str | None) -> Any:
-    from miles.rollout.engines import engine_host
+    from miles.fleet.engines import engine_host
     from miles.trainer.hf_export import checkpoint_dtype
     from miles.weight_sync.base import EngineTarget, build_weight_sender, resolve_mode
 
@@ -266,7 +266,8 @@ async def _driver_setup(run: Run, local: dict[str, Any], extra: dict[str, Any] |
                           num_rollout=plan.num_rollout, start_rollout_id=plan.start_rollout_id,
                           restore=_restorable_record(extra))
     run.ranks = Ranks(run.worker)
-    from miles.rollout.rollout_fn import build_rollout_function, custom_rollout_path
+    from miles.config.data import custom_rollout_path
+    from miles.rollout.rollout_fn import build_rollout_function
 
     if cfg.algo.loss_type == "sft_loss" and custom_rollout_path(cfg.data) is None:
         from miles.run.sft import SFTSource

@@ -4,7 +4,7 @@
     chan.send({"cmd": "train", "rollout_id": 3})      # driver
     cmd = chan.recv()                                  # every other member, in the same order
 
-Commands are JSON (never pickle) sent with :func:`miles.rollout.wire.broadcast_bytes` (one gloo
+Commands are JSON (never pickle) sent with :func:`miles.run.wire.broadcast_bytes` (one gloo
 broadcast carrying the size and, for a command, the whole payload), so a rank that stopped answering surfaces as a TimeoutError naming the group within
 ``timeout`` seconds. While the driver generates, :meth:`CommandChannel.keepalive` sends ``{"cmd":
 "wait"}`` every ``keepalive_s`` so that followers waiting for their next command are never silent
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from miles.rollout.wire import broadcast_bytes
+from miles.run.wire import broadcast_bytes
 from miles.utils.logging import get_logger
 
 logger = get_logger(__name__)

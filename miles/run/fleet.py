@@ -4,7 +4,7 @@ Every rank calls :func:`place_engines` (one bounded all-gather over the control 
 node-0 leader picks its HTTP port (and, for a multi-node SGLang engine, the port of its
 ``--dist-init-addr``), every rank learns every engine's URL, and each leader then starts its share of
 the engine as a supervised child process (:class:`~miles.spmd.supervisor.EngineSupervisor`, argv from
-:func:`~miles.rollout.engines.engine_argv_from_config`, log in ``<output-dir>/engine<i>.log``).
+:func:`~miles.fleet.engines.engine_argv_from_config`, log in ``<output-dir>/engine<i>.log``).
 
 The driver then waits until every engine answers ``/health`` (``--engine-startup-timeout``), starts
 (or connects to, ``--sglang-router-ip/--sglang-router-port``) the sglang-router and builds the generation
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from miles.rollout.engines import engine_argv_from_config, engine_host, engine_url, replay_server_flags
+from miles.fleet.engines import engine_argv_from_config, engine_host, engine_url, replay_server_flags
 from miles.run.control import all_gather_json
 from miles.utils.logging import get_logger
 from miles.utils.net import find_free_port
@@ -65,7 +65,7 @@ class Fleet:
     _pruned: tuple[float, int] | None = field(default=None, repr=False)  # (when, the client's errors then)
 
     def control(self, url: str) -> Any:
-        from miles.rollout.client import EngineControl
+        from miles.fleet.client import EngineControl
 
         if url not in self._controls:
             self._controls[url] = EngineControl(url, api_key=self.api_key)
@@ -78,7 +78,7 @@ class Fleet:
     async def register(self) -> list[str]:
         """Add this run's engines to the router (after the initial weight sync: healthy and current).
         Engines the router lists already are left alone; returns the URLs added."""
-        from miles.rollout.router import RouterClient
+        from miles.fleet.router import RouterClient
 
         if self.router_url is None:
             return []
@@ -113,7 +113,7 @@ class Fleet:
         from the router (the router itself only marks them unhealthy). Their requests are retried on
         the others by the client; the next weight sync then fails naming the lost engine, since a dead
         member cannot be replaced without fault tolerance."""
-        from miles.rollout.router import RouterClient
+        from miles.fleet.router import RouterClient
 
         if self.router_url is None:
             return []
@@ -133,7 +133,7 @@ class Fleet:
     async def close(self) -> None:
         if self.router is None and self.router_url is not None:
             # a router we did not start outlives the run: deregister our engines from it
-            from miles.rollout.router import RouterClient
+            from miles.fleet.router import RouterClient
 
             try:
                 async with RouterClient(self.router_url, api_key=self.api_key) as rc:
@@ -246,8 +246,8 @@ async def connect_fleet(cfg: MilesConfig, placement: Placement, *, api_key: str 
                         num_nodes: int) -> Fleet:
     """Driver: wait for every engine, start or reach the router, build the client. The engines join the
     router later, once current (:meth:`Fleet.register` after the initial sync, or the FT controller)."""
-    from miles.rollout.client import EngineClient, EngineControl
-    from miles.rollout.router import RouterClient, connect_or_start_router
+    from miles.fleet.client import EngineClient, EngineControl
+    from miles.fleet.router import RouterClient, connect_or_start_router
     from miles.weight_sync.base import EngineTarget
 
     r = cfg.rollout

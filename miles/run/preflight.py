@@ -180,7 +180,7 @@ def path_checks(cfg: MilesConfig) -> list[Callable[[], Any]]:
 
 def check_rollout_source(cfg: MilesConfig) -> None:
     """RL training without engines has nothing to train on (only SFT data or a --rollout-function-path function)."""
-    from miles.rollout.rollout_fn import custom_rollout_path
+    from miles.config.data import custom_rollout_path
 
     c = cfg.cluster
     why = "--debug-train-only" if c.debug_train_only else "--rollout-num-gpus 0" if c.rollout_num_gpus == 0 else None
@@ -192,7 +192,7 @@ def check_rollout_source(cfg: MilesConfig) -> None:
 
 def check_sglang_importable(cfg: MilesConfig) -> None:
     """--dry-run only: --rollout-engine sglang needs the package here (the start checks it on each engine leader)."""
-    from miles.rollout.engines import SGLANG_INSTALL_HINT, sglang_importable
+    from miles.fleet.engines import SGLANG_INSTALL_HINT, sglang_importable
 
     if cfg.rollout.rollout_engine == "sglang" and not sglang_importable():
         raise ConfigError("--rollout-engine sglang: the Python package 'sglang' is not importable on this machine, so "
@@ -237,7 +237,8 @@ def check_plugin(name: str, path: str) -> None:
 
         check_eval_function(fn, path)
     elif name == "rollout_function_path":
-        from miles.rollout.rollout_fn import check_signature, custom_rollout_path_of
+        from miles.config.data import custom_rollout_path_of
+        from miles.rollout.rollout_fn import check_signature
 
         if custom_rollout_path_of(path) is not None:  # Miles's default / fully async names are not called
             check_signature(fn, path)

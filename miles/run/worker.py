@@ -105,7 +105,7 @@ class Worker:
             return {}
         import torch.distributed as dist
 
-        from miles.rollout.wire import scatter_samples
+        from miles.run.wire import scatter_samples
 
         with self.ctx.groups.guard("trainer"):  # a dead or stuck trainer rank: one readable error, not a traceback
             t0 = time.monotonic()
@@ -178,7 +178,7 @@ class Ranks:
 
     def train(self, rollout_id: int, groups: list[list[Sample]]) -> dict[str, float]:
         """Scatter whole groups to the trainer ranks (balanced by tokens) and train; trainer metrics."""
-        from miles.rollout.wire import split_for_dp
+        from miles.run.wire import split_for_dp
 
         if not self.dp_size:
             return {}

@@ -2,7 +2,7 @@
 
 The leader rank of each engine (one per node for a multi-node engine) runs
 ``EngineSupervisor(argv, env, ...)``. The command is pluggable: the embedded engine
-(``python -m miles.engine ...``) or an SGLang server, built by the rollout plane.
+(``python -m miles.engine ...``) or an SGLang server, built by the fleet (``miles.fleet.engines``).
 
 - The child gets this process's environment with every launcher variable removed (torchrun's
   ``TORCHELASTIC_*`` would make its own rendezvous hang; ``RANK``/``MASTER_*``/``OMPI_*``/``PMI_*``

@@ -42,10 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from miles.config.base import ConfigError
-
-HF_TO_MEGATRON = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj",
-                  "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2"}
-MEGATRON_KIND = {"linear_qkv": "column", "linear_fc1": "column", "linear_proj": "row", "linear_fc2": "row"}
+from miles.config.lora import MEGATRON_KIND, resolve_targets
 
 
 @dataclass(frozen=True)
@@ -67,40 +64,6 @@ class LoraSpec:
             return None
         return cls(rank=rank, alpha=float(train.lora_alpha), dropout=float(train.lora_dropout),
                    targets=resolve_targets(train.target_modules, getattr(train, "exclude_modules", None)))
-
-
-def _names(value: str | list[str] | None) -> list[str]:
-    if value is None:
-        return []
-    items = value if isinstance(value, list | tuple) else str(value).split(",")
-    return [m.strip() for m in items if m.strip()]
-
-
-def resolve_targets(target_modules: str | list[str] | None, exclude_modules: str | list[str] | None = None
-                    ) -> tuple[str, ...]:
-    """Megatron leaf names from ``--target-modules`` minus ``--exclude-modules`` (HF or Megatron names)."""
-    names = _names(target_modules)
-    if not names:
-        raise ConfigError("--lora-rank > 0 needs --target-modules: all-linear, or a comma list such as "
-                          "q_proj,k_proj,v_proj,o_proj (HF names) or linear_qkv,linear_proj (Megatron names).")
-    if names == ["all-linear"]:
-        names = list(HF_TO_MEGATRON)
-
-    def to_megatron(n: str, flag: str) -> str:
-        if n in MEGATRON_KIND:
-            return n
-        if n in HF_TO_MEGATRON:
-            return HF_TO_MEGATRON[n]
-        raise ConfigError(f"{flag}: {n!r} is not a LoRA target of the Megatron backend; use all-linear or names "
-                          f"from {sorted(HF_TO_MEGATRON) + sorted(MEGATRON_KIND)}.")
-
-    chosen = {to_megatron(n, "--target-modules") for n in names}
-    excluded = {to_megatron(n, "--exclude-modules") for n in _names(exclude_modules)}
-    chosen -= excluded
-    if not chosen:
-        raise ConfigError(f"--exclude-modules {exclude_modules} leaves no LoRA target of --target-modules "
-                          f"{target_modules}: exclude fewer modules.")
-    return tuple(sorted(chosen))
 
 
 class LoraPair(nn.Module):

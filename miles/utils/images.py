@@ -4,6 +4,8 @@
 as an RGB PIL image; :class:`VisionProcessor` is a VLM checkpoint's image side: its image processor
 (``preprocessor_config.json``), the image placeholder token (``image_token_id`` of ``config.json``) and how many
 placeholder tokens an image takes (one per merged patch, as the model's processor expands them).
+:func:`train_inputs` is Miles's ``Sample.multimodal_train_inputs`` (the processor's tensors of a sample's images,
+from the checkpoint the rollout manager names with :func:`set_rollout_checkpoint`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import base64
 import binascii
 import io
 import json
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -73,3 +76,46 @@ class VisionProcessor:
 
     def tokens_per_image(self, grid: Any) -> list[int]:
         return [int(t * h * w) // (self.merge ** 2) for t, h, w in grid.tolist()]
+
+
+# ----------------------------------------------------------------------------- Sample.multimodal_train_inputs
+MEDIA_KEY = "multimodal_inputs"          # the Sample.metadata entry holding {"images": [refs]}
+
+
+def sample_images(metadata: dict[str, Any]) -> list[str]:
+    """The image references of a sample (``metadata[MEDIA_KEY]["images"]``, in prompt order); [] without images."""
+    media = metadata.get(MEDIA_KEY) if isinstance(metadata, dict) else None
+    refs = media.get("images") if isinstance(media, dict) else None
+    return list(refs) if refs else []
+
+
+_ROLLOUT_CHECKPOINT: list[str] = []     # the --hf-checkpoint whose processor makes Sample.multimodal_train_inputs
+
+
+def set_rollout_checkpoint(hf_checkpoint: str) -> None:
+    """Name the checkpoint whose image processor ``Sample.multimodal_train_inputs`` uses (the rollout manager)."""
+    _ROLLOUT_CHECKPOINT[:] = [str(hf_checkpoint)]
+
+
+@lru_cache(maxsize=4)
+def _processor(hf_checkpoint: str) -> VisionProcessor:
+    return VisionProcessor(hf_checkpoint)
+
+
+@lru_cache(maxsize=64)      # a group's samples share one computation (and its tensors)
+def _train_inputs(hf_checkpoint: str, refs: tuple[str, ...]) -> dict[str, Any]:
+    return _processor(hf_checkpoint).pixels(list(refs))
+
+
+def train_inputs(metadata: dict[str, Any]) -> dict[str, Any] | None:
+    """Miles's ``Sample.multimodal_train_inputs`` of a sample: the image processor's ``pixel_values`` and
+    ``image_grid_thw`` tensors of its images (None for a text sample). For plugins that read them: the trainer does
+    not take them from the sample, it recomputes them from ``metadata[MEDIA_KEY]`` (the samples travel to the
+    trainer ranks as references, not pixels)."""
+    refs = sample_images(metadata)
+    if not refs:
+        return None
+    if not _ROLLOUT_CHECKPOINT:
+        raise RuntimeError("Sample.multimodal_train_inputs is computed by the rollout manager's image processor; "
+                           "none is set here (miles.utils.images.set_rollout_checkpoint).")
+    return dict(_train_inputs(_ROLLOUT_CHECKPOINT[0], tuple(refs)))

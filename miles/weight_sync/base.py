@@ -6,7 +6,7 @@ A sender moves the trainer's current weights into every engine and labels them w
 in lockstep on all ranks. Only the *source* rank (trainer rank 0, or each colocated engine's leader in
 ``tensor`` mode) talks to engines; the ``engines`` arguments matter only there.
 
-Every sync runs the same choreography over HTTP (``miles.rollout.client.EngineControl``, one call per
+Every sync runs the same choreography over HTTP (``miles.fleet.client.EngineControl``, one call per
 engine, issued concurrently, each bounded by the time left of ``--update-weight-timeout``):
 
     pause_generation(--pause-generation-mode) -> begin_weight_update -> <mode's transfer>
@@ -17,7 +17,7 @@ The new version travels in the transfer's own update calls (SGLang's ``weight_ve
 sent only when no update call carried it. When the whole model is one bucket and every engine is the
 embedded one (``/get_server_info`` says ``"engine": "miles-embedded"``, asked once per engine), the
 ``broadcast`` and ``tensor`` transports send that bucket as ONE request that also pauses, flushes and
-continues (``miles.rollout.client.whole_sync_params``): one round trip per sync instead of seven.
+continues (``miles.fleet.client.whole_sync_params``): one round trip per sync instead of seven.
 
 It returns a :class:`SyncResult` (gather / transfer / engine-load / control / total seconds, bytes).
 A failure raises :class:`WeightSyncError` naming the engine and the step; the engines are left paused
@@ -320,7 +320,7 @@ class WeightSender(ABC):
 
 
 def _default_control(engine: EngineTarget, timeout: float) -> Any:
-    from miles.rollout.client import EngineControl
+    from miles.fleet.client import EngineControl
 
     return EngineControl(engine.url, api_key=engine.api_key, timeout=timeout)
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from _miles_e2e import check_ok, metrics, run
 
-from miles.rollout.client import EngineControl
-from miles.rollout.engines import build_engine_argv, engine_url
+from miles.fleet.client import EngineControl
+from miles.fleet.engines import build_engine_argv, engine_url
 from miles.spmd.supervisor import EngineSupervisor
 from miles.utils.net import find_free_port
 from miles.utils.tiny_model import build_tiny_model

@@ -1,6 +1,6 @@
 """A checkpoint written in Miles's FSDP layout resumes here; a ``--load`` not written yet is a fresh start.
 
-Miles v0.1.0 (``miles/backends/fsdp_utils/checkpoint.py``) saves ``iter_000000N/{model,optimizer}`` as
+Miles v0.1.0 (``radixark/miles@v0.1.0:miles/backends/fsdp_utils/checkpoint.py``) saves ``iter_000000N/{model,optimizer}`` as
 DCP with the state dicts under ``model_state.model`` / ``optim_state.optim``, ``rng.pt`` and ``meta.json``
 (``rollout_id``, ``next_rollout_id``, ``global_step``), then ``latest_checkpointed_iteration.txt``.
 ``write_miles_checkpoint`` below writes exactly that layout with torch's DCP (Miles's own code needs Ray

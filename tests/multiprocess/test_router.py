@@ -17,9 +17,9 @@ import pytest
 from miles.config import rollout as rollout_flags
 from miles.config.base import ConfigError, section_from_namespace
 from miles.config.rollout import RolloutConfig
-from miles.rollout.client import EngineClient, EngineControl, EngineError
-from miles.rollout.engines import build_engine_argv, engine_url
-from miles.rollout.router import (
+from miles.fleet.client import EngineClient, EngineControl, EngineError
+from miles.fleet.engines import build_engine_argv, engine_url
+from miles.fleet.router import (
     RouterClient,
     RouterError,
     RouterProcess,

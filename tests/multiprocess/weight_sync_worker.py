@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from miles.config import parse_args
-from miles.rollout.client import SyncEngineControl
+from miles.fleet.client import SyncEngineControl
 from miles.spmd.supervisor import EngineSupervisor, scrubbed_env
 from miles.utils.net import find_free_port
 from miles.weight_sync import disk_delta as dd

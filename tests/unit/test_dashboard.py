@@ -1,6 +1,6 @@
 """--use-miles-dashboard: Miles's flags, the collector's files in Miles v0.1.0's format, and the viewer.
 
-The expected field sets are Miles v0.1.0's readers' (``miles/dashboard/store.py``: the ``Record`` dataclasses
+The expected field sets are Miles v0.1.0's readers' (``radixark/miles@v0.1.0:miles/dashboard/store.py``: the ``Record`` dataclasses
 ``MetricStore.load``/``from_dict`` build from each line, ``Meta``, ``lane_catalog.json`` as ``lane_index`` reads it,
 the hourly partition names ``_hour_bounds`` parses), written here as data.
 """
@@ -30,11 +30,11 @@ from miles.dashboard.sources import EngineScraper, GpuSampler, parse_prometheus
 REPO = Path(__file__).resolve().parents[2]
 BASE = ["--num-rollout", "2", "--rollout-batch-size", "4"]
 
-# Miles v0.1.0 miles/dashboard/args.py add_dashboard_arguments: dest -> default
+# radixark/miles@v0.1.0:miles/dashboard/args.py add_dashboard_arguments: dest -> default
 MILES_DEFAULTS = {"use_miles_dashboard": False, "dashboard_flush_interval": 5.0, "dashboard_gpu_sample_interval": 1.0,
                   "dashboard_sglang_scrape_interval": 2.0, "dashboard_sglang_scrape_mode": "auto",
                   "dashboard_sglang_metrics": None}
-# Miles v0.1.0 miles/dashboard/store.py: the fields each reader's from_dict / Meta(**...) takes
+# radixark/miles@v0.1.0:miles/dashboard/store.py: the fields each reader's from_dict / Meta(**...) takes
 META_KEYS = {"run_name", "start_ts", "args", "schema_version"}
 STREAM_KEYS = {
     "metrics": {"ts", "step_key", "step", "metrics"},

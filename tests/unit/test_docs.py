@@ -1,6 +1,7 @@
-"""The docs stand alone: every path they cite exists in this repository, every cited test exists, and no
+"""The docs stand alone: every path they cite exists in this repository, every cited test exists, no
 file of the repository points at notes or folders outside it (``notes/...``, ``/work/...``, a ``../``
-that leaves the checkout)."""
+that leaves the checkout), and a Miles upstream file is named ``radixark/miles@v0.1.0:<path>``, never as a
+``miles/...`` path that reads as one of ours."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ _CODE = re.compile(r"`([^`\s]+)`")                              # `path/inside/t
 _NODE = re.compile(r"([\w./-]+\.py)::(\w+)")                    # tests/x.py::test_name
 _OUTSIDE = re.compile(r"(?<![\w.-])notes/|shared/notes|/work/|/tmp/team")
 _PARENT = re.compile(r"(?<![\w./$-])((?:\.\./)+[\w./-]*)")
+_MILES_PATH = re.compile(r"(?<![\w./-])(miles/[\w/.-]*?\.py)\b")   # miles/x/y.py, not foo/miles/x.py
+UPSTREAM = "radixark/miles@v0.1.0:"                             # how a Miles upstream file is named
 
 
 def _repo_files() -> list[str]:
@@ -104,6 +107,23 @@ def test_nothing_points_outside_the_repo():
     assert not bad, "outside references (put the figure or fact in docs/ and cite that):\n" + "\n".join(bad)
 
 
+def _foreign_miles_paths(text: str) -> list[str]:
+    """``miles/...py`` paths in ``text`` that are not files of this repository and not named as Miles's."""
+    return [m.group(1) for m in _MILES_PATH.finditer(text)
+            if not text[:m.start()].endswith(UPSTREAM) and not (REPO / m.group(1)).is_file()]
+
+
+def test_miles_upstream_files_are_named_as_upstream():
+    """A ``miles/...py`` path in any file (comment, docstring, doc) is one of ours, or is written
+    ``radixark/miles@v0.1.0:miles/...py``: a bare ``miles/utils/arguments.py`` reads as a file of this repository."""
+    bad = []
+    for f in _text_files():
+        text = (REPO / f).read_text(errors="replace")
+        for path in _foreign_miles_paths(text):
+            bad.append(f"{f}: {path} is not a file here; name Miles's as {UPSTREAM}{path}, or fix the path")
+    assert not bad, "\n".join(bad)
+
+
 def test_the_checks_catch_what_they_are_for(tmp_path: Path):
     """The patterns above match the cases they exist for (so a green run means something)."""
     assert _OUTSIDE.search("see notes/anchors.md") and _OUTSIDE.search("(/work/shared/notes/x.md)")
@@ -112,3 +132,7 @@ def test_the_checks_catch_what_they_are_for(tmp_path: Path):
     assert _NODE.findall("`tests/e2e/test_x.py::test_y`") == [("tests/e2e/test_x.py", "test_y")]
     assert _PARENT.findall('REPO="$(cd "$HERE/../.." && pwd)"') == []  # $HERE/..: relative to a variable
     assert _PARENT.findall("see ../../notes/x.md") == ["../../notes/x.md"]
+    assert _foreign_miles_paths("# as Miles's miles/utils/arguments.py does") == ["miles/utils/arguments.py"]
+    assert _foreign_miles_paths("(``miles/backends/fsdp_utils/arguments.py``)") == ["miles/backends/fsdp_utils/arguments.py"]
+    assert _foreign_miles_paths(f"# {UPSTREAM}miles/utils/arguments.py, miles/run/loop.py") == []
+    assert _foreign_miles_paths("tools/miles/x.py and miles.utils.arguments") == []

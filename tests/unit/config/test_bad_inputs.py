@@ -246,7 +246,7 @@ def test_missing_hf_checkpoint_fails_the_dry_run_as_it_fails_the_start(env: dict
 
 
 def _sglang_importable() -> bool:
-    from miles.rollout.engines import sglang_importable
+    from miles.fleet.engines import sglang_importable
 
     return sglang_importable()
 

@@ -1,9 +1,9 @@
 """Defaults equal Miles v0.1.0's for the backend in use, and the backend in use is megatron unless named.
 
-The tables were read from Miles v0.1.0: ``miles/utils/arguments.py`` (``--train-backend`` defaults to
+The tables were read from Miles v0.1.0: ``radixark/miles@v0.1.0:miles/utils/arguments.py`` (``--train-backend`` defaults to
 megatron; its ``reset_arg`` overrides, e.g. ``--lr`` 1e-6 after either backend's parser),
-``miles/backends/fsdp_utils/arguments.py`` (FSDPArgs) for ``--train-backend fsdp``, and Megatron-LM's
-``megatron/training/arguments.py`` with ``miles/backends/megatron_utils/arguments.py``'s
+``radixark/miles@v0.1.0:miles/backends/fsdp_utils/arguments.py`` (FSDPArgs) for ``--train-backend fsdp``, and Megatron-LM's
+``megatron/training/arguments.py`` with ``radixark/miles@v0.1.0:miles/backends/megatron_utils/arguments.py``'s
 ``set_default_megatron_args`` for ``megatron``. ``DEPARTURES`` are the defaults kept different on purpose;
 docs/flags.md lists them with the reason.
 """

@@ -14,7 +14,7 @@ import pytest
 
 from miles.config import ConfigError, build_parser, parse_args
 from miles.config import router as R
-from miles.rollout.router import RouterProcess, router_argv
+from miles.fleet.router import RouterProcess, router_argv
 from miles.run.build import plugin_extra
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -122,7 +122,7 @@ def test_router_argv_user_flags_override_miles_settings(monkeypatch):
     def fake_popen(argv, **kwargs):
         started.append(argv)
         raise Stop
-    monkeypatch.setattr("miles.rollout.router.subprocess.Popen", fake_popen)
+    monkeypatch.setattr("miles.fleet.router.subprocess.Popen", fake_popen)
     r = cfg.rollout
     with pytest.raises(Stop):
         RouterProcess.start("127.0.0.1", 31000, r.sglang_router_policy, api_key="k",

@@ -11,7 +11,7 @@ from miles.config import sglang as S
 
 BASE = ["--num-rollout", "2", "--rollout-batch-size", "4"]
 
-# Miles v0.1.0, miles/backends/sglang_utils/arguments.py: _SKIPPED_SERVER_ARGS (not exposed as --sglang-*)
+# radixark/miles@v0.1.0:miles/backends/sglang_utils/arguments.py: _SKIPPED_SERVER_ARGS (not exposed as --sglang-*)
 MILES_V010_SKIPPED = {"model_path", "config", "trust_remote_code", "random_seed", "enable_memory_saver", "port", "nnodes",
                       "node_rank", "dist_init_addr", "gpu_id_step", "base_gpu_id", "nccl_port", "skip_server_warmup",
                       "enable_return_routed_experts", "enable_return_indexer_topk"}
@@ -187,7 +187,7 @@ def test_plugins_see_miles_sglang_attributes():
 
 def test_embedded_engine_honours_what_config_says_it_honours():
     from miles.config.sglang import EMBEDDED_HONOURED
-    from miles.rollout.engines import EMBEDDED_EQUIVALENTS
+    from miles.fleet.engines import EMBEDDED_EQUIVALENTS
 
     assert set(EMBEDDED_EQUIVALENTS) == EMBEDDED_HONOURED
 

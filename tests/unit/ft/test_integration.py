@@ -97,9 +97,9 @@ def test_abort_while_waiting_for_an_engine_returns_at_once_and_is_never_reissued
     import socket
     import time
 
+    from miles.fleet.client import EngineClient
     from miles.ft.integration import FaultTolerantClient
     from miles.ft.timing import ft_timings
-    from miles.rollout.client import EngineClient
 
     with socket.socket() as s:  # a port nobody listens on: every attempt is a retryable connection error
         s.bind(("127.0.0.1", 0))

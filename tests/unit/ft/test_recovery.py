@@ -25,13 +25,13 @@ from miles.config import FTConfig
 from miles.config import weights as weight_flags
 from miles.config.base import section_from_namespace
 from miles.config.weights import WeightSyncConfig
+from miles.fleet.client import EngineClient, run_sync
+from miles.fleet.engines import build_engine_argv
+from miles.fleet.router import RouterClient, RouterProcess
 from miles.ft.lighthouse import Lighthouse, torchft_coordination
 from miles.ft.recovery import EngineRecoveryController, NoEnginesLeftError
 from miles.ft.sync import sync_weights_with_recovery
 from miles.ft.timing import ft_timings
-from miles.rollout.client import EngineClient, run_sync
-from miles.rollout.engines import build_engine_argv
-from miles.rollout.router import RouterClient, RouterProcess
 from miles.utils.net import find_free_port
 from miles.utils.optional import MissingDependencyError
 from miles.weight_sync.base import EngineTarget, WeightSyncError, build_weight_sender

@@ -108,7 +108,7 @@ def _cfg(tmp_path: Path, *extra: str):
 def _run_delegate(engine: str, tok: Any, tmp_path: Path, delegate_url: str) -> tuple[dict, dict]:
     """(metrics of the eval function, metrics of the built-in evaluation) on the same datasets."""
     from miles.config.eval_datasets import resolve_eval_datasets
-    from miles.rollout.client import EngineClient
+    from miles.fleet.client import EngineClient
     from miles.rollout.data import load_eval_datasets
     from miles.rollout.manager import RolloutManager
     from miles.run.build import plugin_extra
@@ -372,7 +372,7 @@ def test_a_custom_rollout_function_evaluates_when_no_eval_function_is_given(plug
 def test_builtin_evaluate_logs_miles_eval_keys_with_failed_rewards(engine, tok, tmp_path, plugins):
     """The built-in evaluation logs what Miles's log_eval_rollout_data logs for the same data: a sample whose reward
     failed (None) counts 0 in eval/<name> and in eval/<name>-none_reward_ratio."""
-    from miles.rollout.client import EngineClient
+    from miles.fleet.client import EngineClient
     from miles.rollout.data import PromptDataset
     from miles.rollout.manager import RolloutManager
 

@@ -12,11 +12,11 @@ import json
 import pytest
 
 from miles.config import parse_args
-from miles.rollout.client import EngineClient, EngineControl, EngineError
+from miles.fleet.client import EngineClient, EngineControl, EngineError
+from miles.fleet.engines import build_engine_argv, engine_url
+from miles.fleet.router import RouterClient, RouterProcess
 from miles.rollout.data import DataSource, PromptDataset
-from miles.rollout.engines import build_engine_argv, engine_url
 from miles.rollout.manager import RolloutManager
-from miles.rollout.router import RouterClient, RouterProcess
 from miles.spmd.supervisor import EngineSupervisor
 from miles.types import SampleStatus
 from miles.utils.net import find_free_port

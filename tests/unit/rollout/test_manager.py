@@ -19,7 +19,7 @@ import textwrap
 import pytest
 
 from miles.config import ConfigError, parse_args
-from miles.rollout.client import EngineClient, EngineControl
+from miles.fleet.client import EngineClient, EngineControl
 from miles.rollout.data import DataSource, PromptDataset
 from miles.rollout.manager import RolloutError, RolloutManager
 from miles.types import SampleStatus

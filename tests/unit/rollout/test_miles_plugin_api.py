@@ -19,11 +19,11 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from test_client import start_engine, wait_engines
+from embedded_engines import start_engine, wait_engines
 from transformers import AutoTokenizer
 
 from miles.config import ConfigError, parse_args
-from miles.rollout.client import EngineClient
+from miles.fleet.client import EngineClient
 from miles.rollout.data import DataSource
 from miles.rollout.eval_fn import build_eval_function
 from miles.rollout.rollout_fn import build_prompt_dataset, build_rollout_function

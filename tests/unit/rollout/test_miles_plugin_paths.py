@@ -15,21 +15,17 @@ import textwrap
 
 import pytest
 import torch
-from test_client import start_engine, wait_engines
+from embedded_engines import start_engine, wait_engines
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from miles.config import ConfigError, parse_args
-from miles.rollout.client import EngineClient
+from miles.config.data import custom_rollout_path
+from miles.fleet.client import EngineClient
 from miles.rollout.data import DataSource, PromptDataset
 from miles.rollout.manager import RolloutError, RolloutManager
 from miles.rollout.plugins import PluginArgs, load_function
 from miles.rollout.reward_post_process import RewardPostProcessError
-from miles.rollout.rollout_fn import (
-    RolloutFunctionError,
-    build_prompt_dataset,
-    build_rollout_function,
-    custom_rollout_path,
-)
+from miles.rollout.rollout_fn import RolloutFunctionError, build_prompt_dataset, build_rollout_function
 from miles.rollout.teacher import TeacherError
 from miles.types import Sample, SampleStatus
 

@@ -167,7 +167,7 @@ def test_requests_carry_the_images_and_rewards_work(vlm_dir: Path, data: Path, g
         assert s.tokens.count(image_inputs(str(vlm_dir)).image_token_id) == n
         assert mm["pixel_values"].shape[0] == int(mm["image_grid_thw"].prod())
     assert 0.0 < metrics["eval/geo"] < 1.0 and "eval/geo/response_len" in metrics, metrics
-    from miles.rollout.wire import decode_samples, encode_samples
+    from miles.run.wire import decode_samples, encode_samples
 
     back = decode_samples(encode_samples(samples))
     assert [b.metadata[MEDIA_KEY] for b in back] == [s.metadata[MEDIA_KEY] for s in samples]

@@ -126,8 +126,8 @@ def test_topk_opd_on_a_real_engine_matches_a_reference_forward(engine, strategy)
     log-probs of the teacher's ids (one model: the two top-K sets coincide, so those answers are not used)."""
     from transformers import AutoModelForCausalLM
 
+    from miles.fleet.client import EngineClient
     from miles.rollout import generate as gen
-    from miles.rollout.client import EngineClient
     from miles.rollout.on_policy_distillation import post_process_rewards, reward_func
 
     eng, model_dir = engine

@@ -9,7 +9,7 @@ import numpy as np
 
 from miles.engine.routed_experts import decode, encode
 from miles.rollout import generate as gen
-from miles.rollout.wire import decode_samples, encode_samples
+from miles.run.wire import decode_samples, encode_samples
 from miles.types import Sample
 
 

@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 import torch
-from test_client import start_engine, wait_engines
+from embedded_engines import start_engine, wait_engines
 from transformers import AutoModelForCausalLM
 
-from miles.rollout.client import EngineClient
+from miles.fleet.client import EngineClient
 from miles.rollout.teacher import TeacherError, fill_teacher_log_probs, teacher_log_probs
 from miles.types import Sample, SampleStatus
 

@@ -66,7 +66,7 @@ def test_indexer_replay_stays_refused(flag):
 
 
 def test_sglang_engines_start_with_enable_return_routed_experts(tmp_path):
-    from miles.rollout.engines import engine_argv_from_config, replay_server_flags
+    from miles.fleet.engines import engine_argv_from_config, replay_server_flags
 
     cfg = parse_args(["--num-rollout", "1", "--rollout-batch-size", "1", "--use-rollout-routing-replay"])
     extra = replay_server_flags("sglang", cfg.algo)

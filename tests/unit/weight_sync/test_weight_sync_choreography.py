@@ -120,7 +120,7 @@ class _RefusingEngine:
     async def init_weights_update_group(self, *args, **kwargs):
         import asyncio
 
-        from miles.rollout.client import EngineError
+        from miles.fleet.client import EngineError
 
         await asyncio.sleep(0.2)
         raise EngineError(self.url, "/init_weights_update_group", None, "ClientConnectorError: connection refused")
@@ -158,7 +158,7 @@ class _JoiningEngine:
     async def init_weights_update_group(self, addr, port, rank_offset, world, name, backend, timeout=None):
         import asyncio
 
-        from miles.rollout.client import EngineError
+        from miles.fleet.client import EngineError
 
         q, stop = self.ctx.Queue(), self.ctx.Event()
         proc = self.ctx.Process(target=_member_main, args=(addr, port, rank_offset, world, name, q, stop), daemon=True)

@@ -14,7 +14,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from miles.rollout.wire import (
+from miles.run.wire import (
     INLINE_BYTES,
     SampleWireError,
     broadcast_bytes,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from miles.rollout.wire import SampleWireError, decode_samples, encode_samples, split_for_dp
+from miles.run.wire import SampleWireError, decode_samples, encode_samples, split_for_dp
 from miles.types import Sample, SampleStatus
 
 HERE = Path(__file__).resolve().parent
@@ -89,7 +89,7 @@ def test_malformed_payloads_raise_sample_wire_error(make, match):
 
 
 def test_decoder_checks_fields_even_with_a_valid_checksum(monkeypatch):
-    import miles.rollout.wire as wire
+    import miles.run.wire as wire
 
     monkeypatch.setattr(wire, "_checksum", lambda t, j: "same")  # isolate the structural checks
     data = encode_samples(samples())

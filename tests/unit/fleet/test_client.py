@@ -1,4 +1,4 @@
-"""The rollout HTTP client against a real embedded engine process (`python -m miles.engine`)."""
+"""The fleet's HTTP client against a real embedded engine process (`python -m miles.engine`)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from embedded_engines import start_engine, wait_engines
 
-from miles.rollout.client import EngineClient, EngineControl, EngineError, SyncEngineControl
-from miles.rollout.engines import build_engine_argv, engine_url
-from miles.spmd.supervisor import EngineSupervisor
+from miles.fleet.client import EngineClient, EngineControl, EngineError, SyncEngineControl
+from miles.fleet.engines import engine_url
 from miles.utils.net import find_free_port
 
 pytestmark = pytest.mark.multiprocess
@@ -20,27 +20,6 @@ KEY = "client-test-key"
 PROMPT = [5, 6, 7, 8, 9]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
 LONG = {"temperature": 1.0, "max_new_tokens": 480, "ignore_eos": True}  # runs for a while on the tiny model
-
-
-def start_engine(model_dir, log_path, api_key: str | None, name: str = "engine") -> tuple[EngineSupervisor, str]:
-    """One embedded engine under the real supervisor (no restarts); returns once it is healthy."""
-    port = find_free_port()
-    argv = build_engine_argv("embedded", hf_checkpoint=str(model_dir), host="127.0.0.1", port=port, api_key=api_key,
-                             device="cpu", max_running_requests=8, max_context_len=512)
-    sup = EngineSupervisor(argv, env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"},
-                           name=name, log_path=log_path, max_restarts=0).start()
-    return sup, engine_url("127.0.0.1", port)
-
-
-async def wait_engines(urls_and_sups, timeout: float = 180.0) -> None:
-    async def one(url, sup):
-        async with EngineControl(url) as ctl:
-            try:
-                await ctl.wait_healthy(timeout, alive=lambda: sup.alive)
-            except EngineError as e:
-                log = sup.log_path.read_text(errors="replace")[-3000:] if sup.log_path else ""
-                raise AssertionError(f"{e}\n--- engine log ---\n{log}") from e
-    await asyncio.gather(*(one(u, s) for u, s in urls_and_sups))
 
 
 @pytest.fixture(scope="module")
@@ -419,7 +398,7 @@ def test_weight_sync_round_trips(engine, tiny_model_dir, mode: str, buffer: str)
 def test_whole_sync_request_refuses_a_bad_mode_and_a_failed_load_leaves_the_engine_paused(engine):
     """A failed one-request sync leaves the engine paused (as a failed choreography does) for the caller to
     resync or replace; a mode that is not a pause mode is a 400 naming the parameter, before anything pauses."""
-    from miles.rollout.client import whole_sync_params
+    from miles.fleet.client import whole_sync_params
 
     async def go():
         async with EngineControl(engine, api_key=KEY, timeout=60) as ctl:

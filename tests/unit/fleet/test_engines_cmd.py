@@ -13,8 +13,8 @@ import pytest
 from miles.config import rollout as rollout_flags
 from miles.config.base import ConfigError, section_from_namespace
 from miles.config.rollout import RolloutConfig
-from miles.rollout import engines
-from miles.rollout.engines import (
+from miles.fleet import engines
+from miles.fleet.engines import (
     build_engine_argv,
     engine_argv_from_config,
     engine_host,
@@ -142,7 +142,7 @@ def test_argv_from_config_embedded(tmp_path):
 
 
 # --- SGLang's command line ------------------------------------------------------------------------------
-SPEC = json.loads(Path(engines.__file__).with_name("sglang_server_args.json").read_text())
+SPEC = json.loads(Path(rollout_flags.__file__).with_name("sglang_server_args.json").read_text())
 _CONVERT = {None: str, "str": str, "nullable_str": str, "int": int, "float": float, "human_readable_int": int,
             "loads": json.loads, "json_list_type": json.loads, "parse_cuda_graph_config_arg": json.loads}
 

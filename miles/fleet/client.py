@@ -1,4 +1,4 @@
-"""The HTTP client of the rollout plane: generation requests and per-engine control calls.
+"""The HTTP client of the engine fleet: generation requests (the rollout's) and per-engine control calls.
 
 Everything that talks to an engine (SGLang or the embedded engine, same protocol) goes through here:
 

@@ -7,8 +7,8 @@ import struct
 
 import pytest
 
-from miles.rollout import wire
-from miles.rollout.wire import SampleWireError, decode_samples, encode_samples
+from miles.run import wire
+from miles.run.wire import SampleWireError, decode_samples, encode_samples
 from miles.types import Sample
 
 
