@@ -47,13 +47,13 @@ BEFORE = "default, one forward per micro-batch"
 
 def _one_forward_per_micro_batch(tr) -> None:
     """The Megatron trainer as it ran before coalescing: one forward per planned micro-batch, the count
-    padded group-wide with dummy passes (the FSDP planner's ``_micro_batches``)."""
+    padded group-wide with dummy passes (the shared step's ``_micro_batches``, ``miles.trainer.step``)."""
     import functools
 
-    from miles.trainer.fsdp import FSDPTrainer
+    from miles.trainer.step import RLTrainer
 
     tr.coalesce_tokens = lambda: 0
-    tr._micro_batches = functools.partial(FSDPTrainer._micro_batches, tr)
+    tr._micro_batches = functools.partial(RLTrainer._micro_batches, tr)
 
 
 def _samples(n: int, rank: int, vocab: int):
@@ -76,15 +76,11 @@ def _trainer(model_dir: Path, extra: list[str], group, mesh, device, backend: st
     cfg = parse_args(["--train-backend", backend, "--hf-checkpoint", str(model_dir), "--lr", "1e-4", "--num-rollout", "1000",
                       "--rollout-batch-size", "8", "--n-samples-per-prompt", "8", "--num-steps-per-rollout", "1",
                       "--use-kl-loss", "--kl-loss-coef", "0.01"] + extra)
-    common = dict(group=group, device=device, rollout_temperature=1.0, num_rollout=1000, global_batch_size=None,
-                  num_steps_per_rollout=1, timeout=600)
-    if backend == "megatron":
-        from miles.trainer.megatron.trainer import MegatronTrainer
+    from miles.trainer.build import build_trainer
 
-        return MegatronTrainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, **common)
-    from miles.trainer.fsdp import FSDPTrainer
-
-    return FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=mesh, **common)
+    return build_trainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, group=group, mesh=mesh, device=device,
+                         rollout_temperature=1.0, num_rollout=1000, global_batch_size=None, num_steps_per_rollout=1,
+                         timeout=600)
 
 
 def main() -> None:

@@ -112,19 +112,16 @@ def trainer_side(backend: str, a, model_dir: Path, samples: list, device: torch.
     if backend == "megatron":
         argv += ["--tensor-model-parallel-size", str(a.tp)]
     cfg = parse_args(argv)
-    common = dict(group=group, device=device, rollout_temperature=1.0, num_rollout=1000,
-                  global_batch_size=a.samples, num_steps_per_rollout=1, timeout=600)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    if backend == "fsdp":
-        from miles.trainer.fsdp import FSDPTrainer
+    from miles.trainer.build import build_trainer
 
-        trainer = FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=mesh, **common)
+    trainer = build_trainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, group=group, mesh=mesh, device=device,
+                            rollout_temperature=1.0, num_rollout=1000, global_batch_size=a.samples,
+                            num_steps_per_rollout=1, timeout=600)
+    if backend == "fsdp":
         attention = trainer.model.lm.config._attn_implementation
     else:
-        from miles.trainer.megatron.trainer import MegatronTrainer
-
-        trainer = MegatronTrainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, **common)
         attention = "sdpa (SDPACoreAttention)"
     runs = []
     for it in range(a.warmup + a.steps):

@@ -161,7 +161,7 @@ def cpu_worker(a: argparse.Namespace) -> None:
     from torch.distributed.device_mesh import DeviceMesh
 
     from miles.config import parse_args
-    from miles.trainer.fsdp import FSDPTrainer
+    from miles.trainer.build import build_trainer
     from miles.weight_sync.base import build_weight_sender
 
     rank = int(os.environ["RANK"])
@@ -180,8 +180,9 @@ def cpu_worker(a: argparse.Namespace) -> None:
         model_dir = str(work / size)
         cfg = parse_args(["--train-backend", "fsdp", "--hf-checkpoint", model_dir, "--update-weight-timeout", "600",
                           "--update-weight-disk-dir", str(work / f"versions-{size}")], validate=False)
-        trainer = FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=mesh, group=group, device=torch.device("cpu"),
-                              rollout_temperature=1.0, num_rollout=1, global_batch_size=2, num_steps_per_rollout=1, timeout=600)
+        trainer = build_trainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=mesh, group=group, device=torch.device("cpu"),
+                                rollout_temperature=1.0, num_rollout=1, global_batch_size=2, num_steps_per_rollout=1,
+                                timeout=600)
         sups, engines = [], []
         if rank == 0:
             for i in range(2):

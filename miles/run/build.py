@@ -7,7 +7,7 @@
 Order: the driver resolves the plan (data size, output dir, engine kind, API key) and broadcasts it
 (a driver-side error travels in the same message, so no rank waits for a plan that will not come);
 every rank logs to ``<output-dir>/logs/rank<r>.log``; engine leaders start their engines; trainer
-ranks build the FSDP2 trainer and resume from ``--load`` (default ``--save``) if a complete checkpoint
+ranks build the trainer of --train-backend (``miles.trainer.build``) and resume from ``--load`` (default ``--save``) if a complete checkpoint
 exists; the driver waits for the engines, starts the router and connects the weight sender; the
 other ranks follow the driver's commands.
 """
@@ -144,23 +144,6 @@ def _write_config(cfg: MilesConfig, plan: RunPlan, out_dir: Path) -> None:
     (out_dir / "config.json").write_text(json.dumps(resolved, indent=2, sort_keys=True, default=str))
 
 
-def _build_trainer(cfg: MilesConfig, ctx: SPMDContext, plan: RunPlan) -> Any:
-    from miles.trainer.fsdp import FSDPTrainer
-
-    if cfg.train.train_backend == "megatron":
-        from miles.trainer.megatron import build_megatron_trainer
-
-        return build_megatron_trainer(cfg, ctx, plan)
-    if cfg.train.train_backend != "fsdp":
-        raise MilesError(f"--train-backend {cfg.train.train_backend} is not available in this build; use "
-                         "--train-backend fsdp.")
-    return FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=ctx.groups.trainer_mesh, group=ctx.groups.trainer_group,
-                       device=ctx.world.device, rollout_temperature=cfg.rollout.rollout_temperature,
-                       num_rollout=plan.num_rollout, global_batch_size=plan.global_batch_size,
-                       num_steps_per_rollout=plan.num_steps_per_rollout, timeout=cfg.cluster.distributed_timeout_minutes * 60,
-                       custom_config=cfg.custom_config)
-
-
 def _build_sender(cfg: MilesConfig, ctx: SPMDContext, trainer: Any, placement: Placement, version: int,
                   api_key: str | None) -> Any:
     from miles.fleet.engines import engine_host
@@ -208,7 +191,9 @@ async def build_run(cfg: MilesConfig, ctx: SPMDContext) -> Run:
                                            engine_startup_timeout=cfg.rollout.engine_startup_timeout)
     try:
         if ctx.is_trainer:
-            trainer = worker.trainer = _build_trainer(cfg, ctx, plan)
+            from miles.trainer.build import build_run_trainer
+
+            trainer = worker.trainer = build_run_trainer(cfg, ctx, plan)
             if progress.enabled:
                 trainer.optimizer.register_step_post_hook(lambda *_: progress.step())
             try:

@@ -1,120 +1,59 @@
-"""The FSDP2 trainer (``--train-backend fsdp``): one instance per trainer rank, SPMD over the trainer group.
+"""The FSDP2 backend (``--train-backend fsdp``) of the RL step (``miles.trainer.step.RLTrainer``): HF models
+sharded with FSDP2 over the trainer group, one instance per trainer rank.
 
-    trainer = FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=groups.trainer_mesh, group=groups.trainer,
-                          device=device, rollout_temperature=cfg.rollout.rollout_temperature,
-                          num_rollout=cfg.data.num_rollout, global_batch_size=cfg.data.global_batch_size,
-                          num_steps_per_rollout=steps, timeout=cfg.cluster.distributed_timeout_minutes * 60)
-    metrics = trainer.train(my_samples, rollout_id)          # on every trainer rank, whole groups per rank
-    for bucket in trainer.iter_weight_buckets(512 << 20, torch.bfloat16): ...   # lockstep on all trainer ranks
-    trainer.checkpoint(rollout_id, extra={...}); extra = trainer.resume()
+    trainer = build_trainer(cfg.train, cfg.algo, cfg.checkpoint, group=groups.trainer, mesh=groups.trainer_mesh,
+                            device=device, rollout_temperature=..., num_rollout=..., global_batch_size=...,
+                            num_steps_per_rollout=steps, timeout=...)          # miles.trainer.build
 
-``train`` runs, in order: forward-only passes (old log-probs unless --use-rollout-logprobs or they
-would equal the first training forward, reference log-probs when --kl-coef != 0 or --use-kl-loss,
-teacher log-probs for --use-opd --opd-type model, critic values for ppo), advantages and returns,
-then --num-steps-per-rollout optimizer steps over contiguous slices of the local samples. Every
-pass runs the same number of micro-batches on every rank (padded with zero-weight dummies), and
-losses are normalised by step totals over the whole group, so N ranks compute what one rank with
-all the samples would. Only the trainer group is used for collectives, never the default group.
-A one-rank group keeps its models unwrapped (``unwrapped``): FSDP2 would only add hooks and copies
-there; with bf16 the policy then computes on bf16 copies of its fp32 masters (``optim.MasterWeights``),
-the numbers of FSDP2's ``MixedPrecisionPolicy``. Each phase of ``train`` is timed (``TRAIN_PHASES``, ``phase/*`` metrics).
+What this backend adds to the shared step: the models (``modeling.PolicyModel`` over an HF model, FSDP2-wrapped;
+the PPO critic ``critic.Critic``), the packed varlen forward (``_policy_forward``; right-padded rows where SDPA
+would need a block-diagonal mask), FSDP2's communication schedule across micro-batches (``accumulation.py``:
+``_pass_scope``, ``_accumulation``), every pass running the same number of micro-batches on every rank (padded
+with zero-weight dummies: FSDP's collectives run per micro-batch), the weight export (``iter_weight_buckets``:
+shards gathered bucket by bucket; ``iter_weight_shards``: this rank's own rows, for ``p2p``), its checkpoint
+format (``state.py``) and offload. Only the trainer group is used for collectives, never the default group.
+A one-rank group keeps its models unwrapped (``unwrapped``): FSDP2 would only add hooks and copies there; with
+bf16 the policy then computes on bf16 copies of its fp32 masters (``optim.MasterWeights``), the numbers of
+FSDP2's ``MixedPrecisionPolicy``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
-import os
-import time
 from collections.abc import Iterator
-from dataclasses import asdict
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 from miles.trainer import modeling, routing_replay, vlm
 from miles.trainer.accumulation import Accumulation, fits, unsharded_forward
-from miles.trainer.advantages import AdvantageInputs, compute_advantages_and_returns
-from miles.trainer.batching import (
-    MicroBatch,
-    SampleData,
-    padded_micro_batches,
-    padded_rows,
-    plan_micro_batches,
-    split_into_steps,
-)
-from miles.trainer.checkpoint import cadence, fsdp_format
-from miles.trainer.collectives import bounded_union_of_names
+from miles.trainer.batching import MicroBatch, padded_rows
+from miles.trainer.checkpoint import fsdp_format
 from miles.trainer.critic import Critic
-from miles.trainer.hf_export import checkpoint_dtype, write_hf_dir
-from miles.trainer.losses import (
-    accumulate_metrics,
-    cat_per_sample,
-    custom_loss,
-    dummy_micro_batch_loss,
-    load_custom_loss,
-    load_tis_function,
-    micro_batch_loss,
-    policy_loss,
-    policy_loss_with_tis,
-    sft_loss,
-)
-from miles.trainer.metrics import MetricSums, active_params, mfu, moe_routing, peak_tflops
-from miles.trainer.optim import LRSchedule, MasterWeights, build_adamw, clip_grad_norm, finite_step
+from miles.trainer.metrics import active_params, moe_routing, peak_tflops
+from miles.trainer.optim import LRSchedule, MasterWeights, build_adamw, clip_grad_norm
+from miles.trainer.step import RLTrainer
 from miles.trainer.weights import checkpoint_tensor_names, iter_checkpoint_buckets, iter_full_params
-from miles.types import Sample
-from miles.utils.logging import get_logger, warn_once
+from miles.utils.logging import get_logger
+from miles.weight_sync.p2p import iter_local_shards
 
 logger = get_logger(__name__)
 
-# The phases of one ``train`` call, in order; timed on every rank (``PhaseClock``) and reported as rank 0's
-# seconds (``phase/<name>``) and the slowest rank's (``phase_max/<name>``); "metrics" is this rank's metric sums and
-# the agreement on their names; the rest of ``train_time`` (the one all-gather that reduces the metric sums over the
-# group together with these times) is the caller's residual.
-TRAIN_PHASES = ("data", "logprobs", "advantages", "fwd_bwd", "optimizer", "metrics")
 
+class FSDPTrainer(RLTrainer):
+    backend = "fsdp"
 
-class PhaseClock:
-    """``with clock("fwd_bwd"): ...`` adds the wall time of the block to ``clock.times["fwd_bwd"]``;
-    ``sync`` (a device synchronise on GPU) runs at both ends, so queued kernels count where they were issued."""
-
-    def __init__(self, sync=None) -> None:
-        self.times: dict[str, float] = dict.fromkeys(TRAIN_PHASES, 0.0)
-        self._sync = sync or (lambda: None)
-
-    @contextlib.contextmanager
-    def __call__(self, phase: str) -> Iterator[None]:
-        self._sync()
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._sync()
-            self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - t0
-
-
-class FSDPTrainer:
     def __init__(self, train, algo, ckpt, *, mesh, group: dist.ProcessGroup, device: torch.device,
                  rollout_temperature: float, num_rollout: int | None, global_batch_size: int | None,
                  num_steps_per_rollout: int, timeout: float, custom_config: dict | None = None):
-        self.cfg, self.algo, self.ckpt = train, algo, ckpt
-        self.mesh, self.group, self.device, self.timeout = mesh, group, torch.device(device), float(timeout)
+        self.mesh, self.group = mesh, group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        # the whole trainer group (saves, exports, barriers); a backend with model parallelism keeps its
-        # data-parallel group in group/rank/world and this one here
+        # the whole trainer group (saves, exports, barriers): the data-parallel group here
         self.trainer_group, self.trainer_rank, self.trainer_world = group, self.rank, self.world
-        self.num_rollout, self.global_batch_size = num_rollout, global_batch_size
-        self.num_steps_per_rollout = num_steps_per_rollout
-        self._validate(rollout_temperature)
-        self.temperature = float(rollout_temperature) if algo.loss_type != "sft_loss" else 1.0
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        torch.manual_seed(train.seed)
-        if train.deterministic_mode:  # --deterministic-mode (cuBLAS needs its workspace setting before first use)
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.use_deterministic_algorithms(True)
+        self._setup(train, algo, ckpt, device=device, timeout=timeout, rollout_temperature=rollout_temperature,
+                    num_rollout=num_rollout, global_batch_size=global_batch_size,
+                    num_steps_per_rollout=num_steps_per_rollout)
 
         total_steps = num_rollout * num_steps_per_rollout if num_rollout else None
         self.mp_policy = modeling.mixed_precision(self.device, train.bf16)
@@ -129,7 +68,6 @@ class FSDPTrainer:
         self.pad_id = int(config.pad_token_id if config.pad_token_id is not None else 0)
         # a vision-language --hf-checkpoint (Qwen3-VL): image inputs per micro-batch (miles.trainer.vlm)
         self._images = vlm.ImageProcessor(train.hf_checkpoint, config.image_token_id) if vlm.is_vlm(config) else None
-        self._mm: list | None = None
         self.num_params = modeling.count_params(self.model)
         experts = sum(p.numel() for n, p in self.model.named_parameters() if ".mlp.experts." in n)
         self.num_active_params = active_params(self.num_params, experts, moe_routing(config))  # MFU's N
@@ -140,29 +78,14 @@ class FSDPTrainer:
                                    warmup=train.warmup_steps(train.lr_decay_iters or total_steps),
                                    decay_iters=train.lr_decay_iters or total_steps)
 
-        policy = algo.loss_type != "sft_loss"
-        self.ref = None
-        if policy and (algo.kl_coef != 0 or algo.use_kl_loss):
-            self.ref = self._build_policy(train.ref_load or train.hf_checkpoint, offload=True, recompute=False)
-        self.teacher = None
-        if policy and algo.opd_teacher_in_trainer:  # --opd-type megatron (Miles) / model
-            self.teacher = self._build_policy(algo.opd_teacher_load, offload=True, recompute=False)
+        self._build_frozen()
         self.critic = None
-        if policy and algo.advantage_estimator == "ppo":
+        if algo.loss_type != "sft_loss" and algo.advantage_estimator == "ppo":
             self.critic = Critic(train, algo, path=train.critic_load or train.hf_checkpoint, mesh=mesh,
                                  device=self.device, total_steps=total_steps)
-        if algo.loss_type == "sft_loss":
-            self.loss_fn = sft_loss
-        elif algo.loss_type == "custom_loss":
-            self.loss_fn = custom_loss(load_custom_loss(algo.custom_loss_function_path))
-        elif algo.custom_tis_function_path:  # Miles's args: the flags, then the --custom-config-path extras
-            tis_args = SimpleNamespace(**{**(custom_config or {}), **asdict(train), **asdict(algo)})
-            self.loss_fn = policy_loss_with_tis(load_tis_function(algo.custom_tis_function_path), tis_args)
-        else:
-            self.loss_fn = policy_loss
+        self._select_loss(custom_config)
         self.peak = peak_tflops(self.device, getattr(train, "mfu_peak_tflops", None))
         self._keep_unsharded = self._unsharded_plan()
-        self.last_rollout_id: int | None = None
         self.routing_replay = routing_replay.install(self)   # --use-(rollout-)routing-replay (MoE)
         logger.info("FSDP trainer ready: %s params, %d rank(s)%s, device %s, attention %s, bf16 %s, ref %s, critic %s",
                     f"{self.num_params:,}", self.world, " (unwrapped: no FSDP2 on one rank)" if self.unwrapped() else "",
@@ -170,23 +93,6 @@ class FSDPTrainer:
                     self.critic is not None)
 
     # ------------------------------------------------------------------ construction
-    def _validate(self, temperature: float) -> None:
-        t, a = self.cfg, self.algo
-        if t.train_backend != "fsdp":
-            raise ValueError(f"FSDPTrainer serves --train-backend fsdp, got {t.train_backend!r}.")
-        if not t.hf_checkpoint:
-            raise ValueError("--hf-checkpoint DIR is required: the FSDP trainer loads the model from a local HF directory.")
-        if a.loss_type != "sft_loss" and temperature <= 0:
-            raise ValueError(f"--rollout-temperature must be > 0 for RL training (log-probs are taken under it), "
-                             f"got {temperature}.")
-        if t.use_dynamic_batch_size and not t.max_tokens_per_gpu:
-            raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu N.")
-        if self.num_steps_per_rollout is None or self.num_steps_per_rollout <= 0:
-            raise ValueError(f"num_steps_per_rollout must be a positive int, got {self.num_steps_per_rollout} "
-                             "(set --num-steps-per-rollout or --global-batch-size).")
-        if a.opd_teacher_in_trainer and not a.opd_teacher_load:
-            raise ValueError(f"--use-opd --opd-type {a.opd_type} needs --opd-teacher-load DIR.")
-
     def _unsharded_plan(self) -> dict[int, bool]:
         """Per model (by id): may it stay unsharded across micro-batches (``accumulation.fits``)? Agreed
         over the group (MIN), since every rank must run the same FSDP collectives."""
@@ -205,15 +111,6 @@ class FSDPTrainer:
         trainer group (and, on GPU, not CPU-offloaded), where sharding only adds the hooks, the all-gather
         copies and the resharding of every pass, and computes the same numbers (with bf16: ``_bf16``)."""
         return self.world == 1 and not (offload and self.device.type == "cuda")
-
-    def _bf16(self, *models) -> contextlib.ExitStack:
-        """The trained ``models`` that are plain modules with bf16 compute (``self._masters``) run on their bf16
-        copies inside; their fp32 masters and gradients are back on exit (``optim.MasterWeights``)."""
-        stack = contextlib.ExitStack()
-        for m in models:
-            if m is not None and id(m) in getattr(self, "_masters", {}):
-                stack.enter_context(self._masters[id(m)].compute())
-        return stack
 
     @property
     def policy_param_device(self) -> torch.device:
@@ -245,54 +142,7 @@ class FSDPTrainer:
                     p.data = p.data.to(self.mp_policy.param_dtype)
         return model
 
-    # ------------------------------------------------------------------ data
-    def _sample_data(self, s: Sample, i: int) -> SampleData:
-        where = f"sample {i} (index {s.index}, group {s.group_index})"
-        n, r = len(s.tokens), int(s.response_length)
-        if r <= 0 or r >= n:
-            raise ValueError(f"{where}: response_length {r} with {n} tokens; the trainer needs at least one prompt "
-                             "token and one response token (drop empty or aborted samples before training).")
-        # the bounds on the Python ints (a sample's few tokens): two tensor reductions and their host reads cost
-        # more than the sample's whole tensor; a tensor of tokens (not a list) is checked the same way
-        hi, lo = (max(s.tokens), min(s.tokens)) if isinstance(s.tokens, list) else (None, None)
-        tokens = torch.as_tensor(s.tokens, dtype=torch.long)
-        if hi is None:
-            hi, lo = int(tokens.max()), int(tokens.min())
-        if hi >= self.vocab_size or lo < 0:
-            bad = hi if hi >= self.vocab_size else lo
-            raise ValueError(f"{where}: token id {int(bad)} is outside the model's vocabulary of "
-                             f"{self.vocab_size} (--hf-checkpoint and the engine's tokenizer disagree).")
-        if s.loss_mask is None:
-            mask = torch.ones(r, dtype=torch.float32)
-        else:
-            if len(s.loss_mask) != r:
-                raise ValueError(f"{where}: loss_mask has {len(s.loss_mask)} entries, response_length is {r}.")
-            mask = torch.as_tensor(s.loss_mask, dtype=torch.float32)
-        if s.remove_sample:            # Miles: kept (its group's advantages saw it), trained on by no token
-            mask = torch.zeros(r, dtype=torch.float32)
-        return SampleData(tokens=tokens, response_length=r, loss_mask=mask)
-
-    def _per_sample_floats(self, samples: list[Sample], what: str, getter, required: bool) -> list[torch.Tensor] | None:
-        vals = [getter(s) for s in samples]
-        if all(v is None for v in vals) and not required:
-            return None
-        out = []
-        for i, (s, v) in enumerate(zip(samples, vals)):
-            if v is None or len(v) != s.response_length:
-                got = "none" if v is None else f"{len(v)} values"
-                raise ValueError(f"sample {i} (index {s.index}): {what} must have one value per response token "
-                                 f"({s.response_length}), got {got}.")
-            out.append(torch.as_tensor(v, dtype=torch.float32))
-        return out
-
-    def _plan(self, lengths: list[int]) -> list[list[int]]:
-        return plan_micro_batches(lengths, micro_batch_size=self.cfg.micro_batch_size,
-                                  max_tokens=self.cfg.max_tokens_per_gpu, dynamic=self.cfg.use_dynamic_batch_size)
-
-    def _micro_batches(self, data: list[SampleData], ids: list[int]) -> list[MicroBatch]:
-        sub = self._plan([data[i].length for i in ids])
-        return padded_micro_batches(data, [[ids[j] for j in mb] for mb in sub], self.group, self.device, self.pad_id)
-
+    # ------------------------------------------------------------------ forward
     def _policy_forward(self, model, mb: MicroBatch, *, with_entropy: bool = False, entropy_grad: bool = False):
         ids, pos, index = mb.input_ids, mb.position_ids, mb.logit_index
         mm = None
@@ -316,277 +166,20 @@ class FSDPTrainer:
             return False
         return k * int(mb.max_seqlen) <= 2 * mb.num_tokens
 
-    @torch.no_grad()
-    def _forward_pass(self, model, fn, data: list[SampleData]) -> list[torch.Tensor]:
-        """Run ``fn(micro_batch) -> [N]`` over all local samples; per-sample CPU float32 results."""
-        out: list[torch.Tensor | None] = [None] * len(data)
-        mbs = self._micro_batches(data, list(range(len(data))))
-        done: list[tuple[MicroBatch, torch.Tensor]] = []
-        with self._bf16(model), unsharded_forward(model, len(mbs), enabled=self._keep_unsharded[id(model)]):
-            for mb in mbs:
-                vals = fn(mb.to(self.device))
-                if not mb.is_dummy:
-                    done.append((mb, vals.float()))
-        modeling.reshard_all(model)
-        if done:                                   # one device -> host copy for the whole pass
-            flat = torch.cat([v for _, v in done]).cpu().split([sum(mb.lengths) for mb, _ in done])
-            for (mb, _), vals in zip(done, flat):
-                for sid, piece in zip(mb.sample_ids, vals.split(mb.lengths)):
-                    out[sid] = piece
-        return out  # type: ignore[return-value]
+    def _pass_scope(self, model, num_micro_batches: int) -> contextlib.AbstractContextManager:
+        """A forward-only pass gathers the parameters once when they fit (``accumulation.unsharded_forward``) and
+        leaves the model resharded."""
+        stack = contextlib.ExitStack()
+        stack.callback(modeling.reshard_all, model)
+        stack.enter_context(unsharded_forward(model, num_micro_batches, enabled=self._keep_unsharded[id(model)]))
+        return stack
 
-    # ------------------------------------------------------------------ training
-    def train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
-        """Train on this rank's share of a rollout (see module docstring); metrics reduced over the group."""
-        self._sync()
-        t_start = time.perf_counter()
-        clock = self.clock = PhaseClock(self._sync)
-        policy = self.algo.loss_type != "sft_loss"
-        with clock("data"):
-            data = [self._sample_data(s, i) for i, s in enumerate(samples)]
-            if getattr(self, "_images", None) is not None:
-                self._mm = [self._images.sample_inputs(s, f"sample {i} (index {s.index})") for i, s in enumerate(samples)]
-        with clock("logprobs"):
-            per_sample, n_fwd_passes = self._prepare(samples, data, policy)
-        advantages, extras = None, {}
-        # --num-critic-only-steps (PPO): the first rollouts train the critic only, the actor stays as it is
-        self._actor_frozen = self.critic is not None and rollout_id < self.cfg.num_critic_only_steps
-        with clock("advantages"):
-            if policy and self.algo.compute_advantages_and_returns:  # --disable-compute-advantages-and-returns
-                self._advantages(samples, data, per_sample)
-                advantages, extras = per_sample["adv"], per_sample.pop("extras")
-
-        t_train = time.perf_counter()
-        self._rollout_id = rollout_id
-        step_sums, grad_norms, critic_stats, local_tokens, lr = [], [], [], 0, 0.0
-        for ids in split_into_steps(len(data), self.num_steps_per_rollout):
-            sums, gn, lr, cst, ntok = self._train_step(data, ids, per_sample, samples)
-            step_sums.append(sums)
-            grad_norms.append(gn)
-            critic_stats.append(cst)
-            local_tokens += ntok
-        self._sync()
-        t_end = time.perf_counter()
-
-        with clock("metrics"):             # this rank's sums; the group's come from ONE all-gather below
-            keys = self._all_keys(set().union(*(s.sums.keys() for s in step_sums)))
-            step_local = [v for s in step_sums for v in s.values(keys)]
-            extra_names, extra_local = self._extra_local(data, extras, advantages, samples if policy else None)
-            perf_local = [float(local_tokens), float(sum(d.length for d in data)), float(len(data))]
-        phase_names = sorted(clock.times)
-        rows = self._group_rows(step_local + extra_local + perf_local + [t_end - t_train, t_end - t_start]
-                                + [clock.times[n] for n in phase_names])        # [world][...]: every rank's values
-        n_sums = len(step_local) + len(extra_local) + len(perf_local)
-        tot = [sum(r[j] for r in rows) for j in range(n_sums)]     # the group sums, summed in rank order
-        metrics = self._step_means(keys, tot[:len(step_local)], len(step_sums))
-        metrics["grad_norm"] = sum(grad_norms) / len(grad_norms)
-        if self.cfg.check_for_nan_in_loss_and_grad:      # the steps finite_step skipped (0 in a healthy run)
-            metrics["nonfinite_grad_steps"] = float(sum(not math.isfinite(g) for g in grad_norms))
-        metrics["lr"] = lr
-        if self.critic is not None:
-            metrics["critic_grad_norm"] = sum(c["critic_grad_norm"] for c in critic_stats) / len(critic_stats)
-        metrics.update(self._extra_metrics(extra_names, tot[len(step_local):len(step_local) + len(extra_local)],
-                                           samples if policy else None))
-        metrics.update(self._perf_metrics(rollout_id, n_fwd_passes, tot[n_sums - len(perf_local):n_sums],
-                                          [r[n_sums:] for r in rows], phase_names))
-        self.last_rollout_id = rollout_id
-        self._mm = None                            # this rollout's pixel values (a VLM) are not kept
-        return metrics
-
-    def _advantages(self, samples: list[Sample], data: list[SampleData], per_sample: dict) -> None:
-        """Fills ``per_sample["adv"]``, ``["ret"]`` and ``["extras"]`` (reward-shaping terms for metrics)."""
-        inp = AdvantageInputs(
-            rewards=torch.tensor([float(s.reward) for s in samples], dtype=torch.float32),
-            group_ids=[s.group_index for s in samples], loss_masks=[d.loss_mask for d in data],
-            log_probs=per_sample["old"], ref_log_probs=per_sample["ref"], values=per_sample["values"],
-            teacher_log_probs=per_sample["teacher"], opd_reverse_kl=per_sample.get("opd_rkl"))
-        per_sample["adv"], per_sample["ret"], per_sample["extras"] = compute_advantages_and_returns(
-            self.algo, inp, self.group, self.device)
-
-    def _prepare(self, samples: list[Sample], data: list[SampleData], policy: bool) -> tuple[dict, int]:
-        """Validate per-sample inputs and run the forward-only passes. Returns (per-sample lists, #passes)."""
-        a = self.algo
-        per: dict[str, list[torch.Tensor] | None] = dict.fromkeys(
-            ("old", "rollout", "ref", "teacher", "values", "adv", "ret"))
-        per["rollout"] = self._per_sample_floats(samples, "rollout_log_probs", lambda s: s.rollout_log_probs,
-                                                 required=policy and (a.use_rollout_logprobs or a.use_tis))
-        if policy and a.use_opd and a.opd_type == "sglang" and a.opd_log_prob_top_k > 0:  # top-k OPD
-            per["opd_rkl"] = self._per_sample_floats(samples, 'metadata["opd_reverse_kl"]',
-                                                     lambda s: s.metadata.get("opd_reverse_kl"), required=True)
-        elif policy and a.use_opd and a.opd_type == "sglang":
-            per["teacher"] = self._per_sample_floats(samples, 'metadata["teacher_log_probs"]',
-                                                     lambda s: s.metadata.get("teacher_log_probs"), required=True)
-        if policy and any(s.reward is None for s in samples):
-            bad = next(i for i, s in enumerate(samples) if s.reward is None)
-            raise ValueError(f"sample {bad} (index {samples[bad].index}) has no reward; policy training needs a "
-                             "reward per sample (or use --loss-type sft_loss).")
-        passes = 0
-        # old log-probs equal the first training forward's when there is one step and nothing before
-        # training needs them; then the training forward supplies them (detached)
-        need_old_for_adv = a.kl_coef != 0 or a.use_opd
-        skip_old = a.use_rollout_logprobs or (self.num_steps_per_rollout == 1 and not need_old_for_adv)
-        if policy and not skip_old:
-            self.model.eval()
-            per["old"] = self._forward_pass(self.model, lambda mb: self._policy_forward(self.model, mb)[0], data)
-            passes += 1
-        if a.use_rollout_logprobs:
-            per["old"] = per["rollout"]
-        for name, model in (("ref", self.ref), ("teacher", self.teacher)):
-            if model is not None:
-                per[name] = self._forward_pass(model, lambda mb, m=model: self._policy_forward(m, mb)[0], data)
-                passes += 1
-        if self.critic is not None:
-            self.critic.model.eval()
-            per["values"] = self._forward_pass(self.critic.model, self.critic.values, data)
-            passes += 1
-        return per, passes
-
-    def _perf_metrics(self, rollout_id: int, n_fwd_passes: int, totals: list[float], per_rank: list[list[float]],
-                      names: list[str]) -> dict[str, float]:
-        """From the group's (trained tokens, tokens, samples) ``totals`` and each rank's row of (step seconds, train
-        seconds, then the phases ``names``' seconds)."""
-        train_tokens, all_tokens, num_samples = totals
-        expected = (self.global_batch_size or 0) * self.num_steps_per_rollout
-        if expected and int(num_samples) != expected and self.rank == 0:
-            warn_once(logger, f"rollout {rollout_id}: the trainer group got {int(num_samples)} samples, not "
-                              f"--global-batch-size x --num-steps-per-rollout = {expected}; each of the "
-                              f"{self.num_steps_per_rollout} optimizer steps takes an equal share of what arrived.")
-        step_secs, total_secs = (max(r[j] for r in per_rank) for j in (0, 1))
-        out = {f"phase/{n}": per_rank[0][2 + j] for j, n in enumerate(names)}
-        out.update({f"phase_max/{n}": max(r[2 + j] for r in per_rank) for j, n in enumerate(names)})
-        out.update({
-            "num_samples": num_samples, "num_tokens": all_tokens, "train_time": total_secs, "step_time": step_secs,
-            "tokens_per_s": train_tokens / step_secs if step_secs > 0 else 0.0,
-            "num_optimizer_steps": float(self.num_steps_per_rollout),
-        })
-        m = mfu(num_params=self.num_active_params, train_tokens=train_tokens, forward_tokens=all_tokens * n_fwd_passes,
-                seconds=total_secs, num_gpus=self.world, peak=self.peak)
-        if m is not None:
-            out["mfu"] = m
-        return out
-
-    def _train_step(self, data, ids, per_sample, samples) -> tuple[MetricSums, float, float, dict, int]:
-        clock = getattr(self, "clock", None) or PhaseClock(self._sync)
-        with clock("fwd_bwd"):
-            sums, n_local_tokens = self._forward_backward(data, ids, per_sample, samples)
-        with clock("optimizer"):
-            grad_norm = self._clip_grad_norm()
-            lr = self.schedule.apply(self.optimizer)
-            ok = finite_step(grad_norm, self.cfg.check_for_nan_in_loss_and_grad,
-                             f"rollout {getattr(self, '_rollout_id', '?')}, actor", log=self.trainer_rank == 0)
-            if ok and not getattr(self, "_actor_frozen", False):
-                self.optimizer.step()
-                self.schedule.advance()
-            self.optimizer.zero_grad(set_to_none=True)
-            cstats = self.critic.step() if self.critic is not None else {}
-        return sums, grad_norm, lr, cstats, n_local_tokens
-
-    def _forward_backward(self, data, ids, per_sample, samples) -> tuple[MetricSums, int]:
-        """One optimizer step's micro-batches, forward and backward (gradients accumulated); (metric sums, tokens)."""
-        mbs = self._micro_batches(data, ids)
-        ntok, nsamp = self._group_sum([float(sum(float(data[i].loss_mask.sum()) for i in ids)), float(len(ids))])
-        self.model.train()
-        if self.critic is not None:
-            self.critic.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        sums = MetricSums()
-        acc_metrics: dict[str, torch.Tensor] = {}      # on the device: no host sync per micro-batch
-        n_local_tokens = 0
-        models = [self.model] + ([self.critic.model] if self.critic is not None else [])
-        with self._bf16(*models), Accumulation(models, len(mbs),
-                                               enabled=all(self._keep_unsharded[id(m)] for m in models)) as acc:
-            for i, mb in enumerate(mbs):
-                n_local_tokens += self._micro_step(mb, i, acc, per_sample, samples, ntok, nsamp, acc_metrics)
-        if acc_metrics:
-            keys = sorted(acc_metrics)
-            host = torch.stack([acc_metrics[k] for k in keys]).cpu()
-            sums.add(dict(zip(keys, host.unbind())))
-        return sums, n_local_tokens
+    def _accumulation(self, models: list, num_micro_batches: int) -> Accumulation:
+        return Accumulation(models, num_micro_batches, enabled=all(self._keep_unsharded[id(m)] for m in models))
 
     def _clip_grad_norm(self) -> float:
-        """The step's gradient norm, clipped to --clip-grad (the Megatron backend also reduces gradients here)."""
+        """The step's gradient norm, clipped to --clip-grad (FSDP2 reduced the gradients in the backward)."""
         return clip_grad_norm(list(self.model.parameters()), self.cfg.clip_grad)
-
-    def _micro_step(self, mb: MicroBatch, index: int, acc: Accumulation, per_sample, samples, ntok: float,
-                    nsamp: float, acc_metrics: dict[str, torch.Tensor]) -> int:
-        """Forward and backward of one micro-batch; adds its metrics to ``acc_metrics``. Returns its tokens."""
-        a = self.algo
-        dmb = mb.to(self.device)
-        lp, ent = self._policy_forward(self.model, dmb, with_entropy=True, entropy_grad=a.entropy_coef != 0)
-        acc.before_backward(index)
-        if mb.is_dummy:
-            dummy_micro_batch_loss(lp, ent).backward()
-            if self.critic is not None:
-                self.critic.backward(dmb, None, None, None, 1.0)
-            return 0
-        loss, metrics, reduce = micro_batch_loss(self.loss_fn, a, mb, dmb, lp, ent, per_sample, samples, ntok, nsamp,
-                                                 self.device)
-        (loss * self.world).backward()            # FSDP averages gradients over the group
-        if self.critic is not None:
-            values, ret = (cat_per_sample(per_sample, k, mb.sample_ids, self.device) for k in ("values", "ret"))
-            metrics = {**metrics, **self.critic.backward(dmb, values, ret, reduce, float(self.world))}
-        accumulate_metrics(acc_metrics, metrics)
-        return mb.num_tokens
-
-    # ------------------------------------------------------------------ metrics helpers
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def _group_sum(self, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        if self.world > 1:
-            dist.all_reduce(t, group=self.group)
-        return t.cpu().tolist()
-
-    def _group_rows(self, values: list[float]) -> list[list[float]]:
-        """Every rank's ``values`` (one all-gather over the group), in rank order."""
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        if self.world == 1:
-            return [t.cpu().tolist()]
-        out = torch.empty(self.world * t.numel(), dtype=t.dtype, device=self.device)
-        dist.all_gather_into_tensor(out, t, group=self.group)
-        return out.view(self.world, -1).cpu().tolist()
-
-    def _group_max(self, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        if self.world > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return t.cpu().tolist()
-
-    def _all_keys(self, keys: set[str]) -> list[str]:
-        if self.world == 1:
-            return sorted(keys)
-        return bounded_union_of_names(keys, self.group, self.timeout, self.device,
-                                      what="gathering the step's metric names")
-
-    @staticmethod
-    def _step_means(keys: list[str], sums: list[float], num_steps: int) -> dict[str, float]:
-        """Each key's group sum (``sums``: step by step, ``keys`` within a step), averaged over the optimizer steps."""
-        k = len(keys)
-        return {key: sum(sums[j * k + i] for j in range(num_steps)) / num_steps for i, key in enumerate(keys)}
-
-    def _extra_local(self, data, extras, advantages, samples) -> tuple[list[str], list[float]]:
-        """This rank's sums for ``_extra_metrics``: (names, [token sum, mask sum per name..., reward sum, samples])."""
-        names = sorted(extras) + (["advantages"] if advantages is not None else [])
-        sums = [0.0] * (2 * len(names))
-        if data:                                   # float64 sums over all local tokens: two host values per name
-            mask = torch.cat([d.loss_mask for d in data]).double()
-            for j, name in enumerate(names):
-                lst = advantages if name == "advantages" else extras[name]
-                sums[2 * j] = float((torch.cat(list(lst)).double() * mask).sum())
-                sums[2 * j + 1] = float(mask.sum())
-        reward_sum = sum(float(s.reward) for s in samples) if samples else 0.0
-        return names, sums + [reward_sum, float(len(data))]
-
-    @staticmethod
-    def _extra_metrics(names: list[str], tot: list[float], samples) -> dict[str, float]:
-        """Token-mean of the reward-shaping KL / OPD reverse KL, and advantage and reward means, from the group sums
-        of ``_extra_local``."""
-        out = {f"{n}_mean": tot[2 * j] / max(tot[2 * j + 1], 1.0) for j, n in enumerate(names)}
-        if samples is not None:
-            out["reward_mean"] = tot[-2] / max(tot[-1], 1.0)
-        return out
 
     # ------------------------------------------------------------------ weights
     def iter_weight_buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None, *,
@@ -609,30 +202,9 @@ class FSDPTrainer:
         """This rank's own FSDP2 shards under HF names, in the buckets of ``iter_weight_buckets`` and under its
         names (fused experts per expert), without any gather (``--update-weight-transfer-mode p2p``:
         ``miles.weight_sync.p2p.iter_local_shards``)."""
-        from miles.weight_sync.p2p import iter_local_shards
-
         modeling.reshard_all(self.model)
         return iter_local_shards(self.model, rank=self.rank, world=self.world, bucket_bytes=bucket_bytes, dtype=dtype,
                                  device=self.device, name_fn=modeling.hf_name, checkpoint_names=self._checkpoint_names())
-
-    def state_dict_for_check(self) -> dict[str, torch.Tensor]:
-        """Full parameters (CPU) on trainer rank 0, {} elsewhere; collective on the trainer group."""
-        out: dict[str, torch.Tensor] = {}
-        for bucket in self.iter_weight_buckets(256 << 20):
-            if self.trainer_rank == 0:
-                out.update({n: t.detach().cpu().clone() for n, t in bucket})
-        return out
-
-    def save_hf(self, path: str | Path) -> None:
-        """A HF model dir (safetensors + config + tokenizer from --hf-checkpoint); collective."""
-        dtype = checkpoint_dtype(self.cfg.hf_checkpoint)
-        tensors = []
-        for bucket in self.iter_weight_buckets(512 << 20, dtype):
-            if self.trainer_rank == 0:
-                tensors.extend((n, t.detach().cpu().clone()) for n, t in bucket)
-        if self.trainer_rank == 0:
-            write_hf_dir(path, tensors + self._checkpoint_buffers({n for n, _ in tensors}), self.cfg.hf_checkpoint)
-        self._barrier()
 
     def _checkpoint_buffers(self, have: set[str]) -> list[tuple[str, torch.Tensor]]:
         """Buffers the checkpoint stores beside the parameters (DeepSeek-style routers' ``e_score_correction_bias``),
@@ -642,10 +214,6 @@ class FSDPTrainer:
                 if modeling.hf_name(n) in names and modeling.hf_name(n) not in have]
 
     # ------------------------------------------------------------------ checkpoints
-    def _barrier(self) -> None:
-        if self.trainer_world > 1:
-            dist.all_reduce(torch.zeros(1, device=self.device), group=self.trainer_group)
-
     def save(self, path: str | Path, extra: dict) -> None:
         """Write model, optimizer (unless --no-save-optim), schedule, RNG and ``extra`` into ``path``
         (a directory every trainer rank sees); collective. Use ``checkpoint`` for the crash-safe layout."""
@@ -654,10 +222,6 @@ class FSDPTrainer:
     def load(self, path: str | Path) -> dict:
         """Restore what ``save`` wrote; returns ``extra``. Collective."""
         return fsdp_format.read(self, Path(path))
-
-    def should_save(self, rollout_id: int) -> bool:
-        """--save-interval rule: every N rollouts and always after the last (needs --save)."""
-        return cadence.should_save(self.ckpt, rollout_id, self.num_rollout)
 
     def checkpoint(self, rollout_id: int, extra: dict) -> Path:
         """Crash-safe save under --save as step_<rollout_id> (+ --save-hf, formatted with rollout_id)."""
@@ -672,13 +236,6 @@ class FSDPTrainer:
         return fsdp_format.resume(self)
 
     # ------------------------------------------------------------------ colocation
-    def offload(self) -> None:
-        """Move parameters and optimizer state (actor and critic) to CPU; no-op off GPU."""
-        self._move("cpu")
-
-    def onload(self) -> None:
-        self._move(self.device)
-
     def _move(self, device) -> None:
         if self.device.type != "cuda":
             return

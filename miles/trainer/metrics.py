@@ -1,4 +1,4 @@
-"""Trainer metrics: reduction over the trainer group, throughput and MFU.
+"""Trainer metrics: reduction over the trainer group, phase times, throughput and MFU.
 
 MFU counts ``6 N`` FLOPs per trained token (forward + backward) and ``2 N`` per token of a
 forward-only pass (old/ref/teacher log-probs, critic values), N = parameters a token passes through (tied
@@ -9,9 +9,37 @@ the number of trainer GPUs and the GPU's dense bf16 peak (table below, or --mfu-
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections import defaultdict
+from collections.abc import Iterator
 
 import torch
+
+# The phases of one ``train`` call, in order; timed on every rank (``PhaseClock``) and reported as rank 0's
+# seconds (``phase/<name>``) and the slowest rank's (``phase_max/<name>``); "metrics" is this rank's metric sums and
+# the agreement on their names; the rest of ``train_time`` (the one all-gather that reduces the metric sums over the
+# group together with these times) is the caller's residual.
+TRAIN_PHASES = ("data", "logprobs", "advantages", "fwd_bwd", "optimizer", "metrics")
+
+
+class PhaseClock:
+    """``with clock("fwd_bwd"): ...`` adds the wall time of the block to ``clock.times["fwd_bwd"]``;
+    ``sync`` (a device synchronise on GPU) runs at both ends, so queued kernels count where they were issued."""
+
+    def __init__(self, sync=None) -> None:
+        self.times: dict[str, float] = dict.fromkeys(TRAIN_PHASES, 0.0)
+        self._sync = sync or (lambda: None)
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        self._sync()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - t0
 
 # dense bf16 tensor-core peak, TFLOP/s, by a substring of torch.cuda.get_device_name()
 PEAK_BF16_TFLOPS = {
@@ -74,3 +102,17 @@ class MetricSums:
         """This rank's sums of ``keys`` (0.0 for a key it has not seen), for a reduction done by the caller."""
         return [float(self.sums[k]) if k in self.sums else 0.0 for k in keys]
 
+
+def step_means(keys: list[str], sums: list[float], num_steps: int) -> dict[str, float]:
+    """Each key's group sum (``sums``: step by step, ``keys`` within a step), averaged over the optimizer steps."""
+    k = len(keys)
+    return {key: sum(sums[j * k + i] for j in range(num_steps)) / num_steps for i, key in enumerate(keys)}
+
+
+def extra_metrics(names: list[str], tot: list[float], samples) -> dict[str, float]:
+    """Token-mean of the reward-shaping KL / OPD reverse KL, and advantage and reward means, from the group sums
+    of ``RLTrainer._extra_local`` ([token sum, mask sum per name..., reward sum, samples])."""
+    out = {f"{n}_mean": tot[2 * j] / max(tot[2 * j + 1], 1.0) for j, n in enumerate(names)}
+    if samples is not None:
+        out["reward_mean"] = tot[-2] / max(tot[-1], 1.0)
+    return out

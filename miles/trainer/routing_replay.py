@@ -286,7 +286,7 @@ def install(trainer) -> ReplayState | None:
     m = mode(trainer.algo)
     if m is None:
         return None
-    megatron = hasattr(trainer, "_rows_forward")
+    megatron = trainer.backend == "megatron"
     if megatron:
         shape = trainer.shape
         num_layers, top_k, experts = int(shape.num_layers), int(shape.moe_router_topk or 0), int(shape.num_experts or 0)

@@ -10,9 +10,10 @@ the next gather; at most two buckets are alive.
 Every trainer rank must iterate to the end (the gathers are collectives on the trainer group);
 every rank receives the full tensors, on the trainer's device.
 
-``split_fused_experts`` turns transformers 5's fused MoE expert tensors into the checkpoint's per-expert
-names and shapes (views into the gathered bucket): what HF checkpoints, SGLang's loaders and the Megatron
-backend's export use.
+``iter_checkpoint_buckets`` applies ``miles.weight_sync.buckets.split_fused_experts`` (transformers 5's fused MoE
+expert tensors -> the checkpoint's per-expert names and shapes, views into the gathered bucket): what HF
+checkpoints, SGLang's loaders and the Megatron backend's export use. The bucket plan and the expert split live
+in ``miles.weight_sync.buckets`` (the weight plane imports nothing of the trainer; the trainer imports them).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from miles.weight_sync.buckets import plan_buckets, split_fused_experts
 
 Bucket = list[tuple[str, torch.Tensor]]
 T = TypeVar("T")
@@ -43,28 +46,6 @@ def _local_and_rows(p: torch.Tensor, world: int) -> tuple[torch.Tensor, int, boo
             return p.to_local(), -(-d0 // world), True
         return p.full_tensor() if world > 1 else p.to_local(), 0, False
     return p.detach(), 0, False
-
-
-def plan_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int, dtype: torch.dtype | None) -> list[Bucket]:
-    """Group (name, param) pairs into buckets of at most bucket_bytes (a larger tensor gets its own);
-    a bucket never mixes dtypes."""
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes (--update-weight-buffer-size).")
-    buckets: list[Bucket] = []
-    cur: Bucket = []
-    cur_bytes, cur_dtype = 0, None
-    for name, p in named:
-        dt = dtype or p.dtype
-        nbytes = p.numel() * torch.empty(0, dtype=dt).element_size()
-        if cur and (cur_bytes + nbytes > bucket_bytes or dt != cur_dtype):
-            buckets.append(cur)
-            cur, cur_bytes = [], 0
-        cur.append((name, p))
-        cur_bytes += nbytes
-        cur_dtype = dt
-    if cur:
-        buckets.append(cur)
-    return buckets
 
 
 class _Pending:
@@ -154,10 +135,6 @@ def iter_prefetched(buckets: list[T], start: Callable[[T], P], finish: Callable[
         pending = nxt
 
 
-# ----------------------------------------------------------------------------- fused MoE experts
-_GATE_UP, _DOWN = ".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"
-
-
 def checkpoint_tensor_names(hf_dir: str | Path) -> frozenset[str]:
     """The tensor names in the ``*.safetensors`` files of an HF model dir (headers only; empty when none)."""
     from safetensors import safe_open
@@ -167,40 +144,6 @@ def checkpoint_tensor_names(hf_dir: str | Path) -> frozenset[str]:
         with safe_open(str(f), framework="pt") as h:
             names.update(h.keys())
     return frozenset(names)
-
-
-def split_fused_experts(bucket: Bucket, checkpoint_names: Container[str] | None = None) -> Bucket:
-    """transformers 5's fused experts (``mlp.experts.gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]) -> the
-    checkpoint's per-expert ``mlp.experts.<e>.{gate,up,down}_proj.weight`` ([I, H], [I, H], [H, I]), as views (no
-    copy); other tensors unchanged. With ``checkpoint_names``, a fused tensor is split only when the checkpoint
-    names its experts that way (a checkpoint that stores fused tensors keeps them)."""
-    out: Bucket = []
-    for name, t in bucket:
-        parts = fused_expert_parts(name, tuple(t.shape), checkpoint_names)
-        if parts is None:
-            out.append((name, t))
-        else:
-            out += [(part, t[e, lo:hi]) for part, e, lo, hi in parts]
-    return out
-
-
-def fused_expert_parts(name: str, shape: tuple[int, ...], checkpoint_names: Container[str] | None = None
-                       ) -> list[tuple[str, int, int, int]] | None:
-    """How ``split_fused_experts`` splits the tensor ``name`` of ``shape``: (per-expert name, expert ``e``, rows
-    ``lo:hi`` of ``t[e]``) in the order of their bytes in the fused tensor; None when it stays as it is."""
-    fused = name.endswith(_GATE_UP) or name.endswith(_DOWN)
-    if not fused or len(shape) != 3:
-        return None
-    base = name[: name.rindex(".") + 1]
-    kind = "gate" if name.endswith(_GATE_UP) else "down"
-    if checkpoint_names is not None and f"{base}0.{kind}_proj.weight" not in checkpoint_names:
-        return None
-    num_experts, rows = shape[0], shape[1]
-    if kind == "down":
-        return [(f"{base}{e}.down_proj.weight", e, 0, rows) for e in range(num_experts)]
-    half = -(-rows // 2)                                # torch.chunk(2)'s first part
-    return [part for e in range(num_experts) for part in ((f"{base}{e}.gate_proj.weight", e, 0, half),
-                                                          (f"{base}{e}.up_proj.weight", e, half, rows))]
 
 
 def iter_checkpoint_buckets(buckets: Iterable[Bucket], checkpoint_names: Container[str] | None = None

@@ -53,10 +53,16 @@ class WeightSyncError(MilesError):
 
 
 class WeightSource(Protocol):
-    """What the trainer exposes (``miles.trainer.fsdp.FSDPTrainer``)."""
+    """What a trainer exposes to the senders (every trainer backend implements it; the weight plane never imports
+    the trainer plane). Optional: ``iter_weight_shards(bucket_bytes, dtype)``, an iterator of lists of
+    ``miles.weight_sync.p2p.LocalShard`` (this rank's dim-0 rows of each HF tensor, in the buckets of
+    ``iter_weight_buckets``), which ``p2p`` takes when present; a trainer whose shards are not dim-0 row ranges
+    of the HF tensors (Megatron's TP shards) leaves it out, and ``p2p`` sends each rank's dim-0 share of the full
+    tensors instead."""
 
     def iter_weight_buckets(self, bucket_bytes: int, dtype: torch.dtype | None) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """HF-named full tensors, bucket by bucket; collective on every trainer rank (full tensors on rank 0)."""
+        """HF-named full tensors, bucket by bucket; collective on every trainer rank, every rank iterates to the
+        end and receives the full tensors."""
         ...
 
 

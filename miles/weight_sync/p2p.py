@@ -46,7 +46,7 @@ from miles.utils.logging import get_logger
 from miles.utils.net import host_address
 from miles.weight_sync.base import Deadline, EngineTarget, SyncResult, WeightSyncError
 from miles.weight_sync.broadcast import BroadcastSender
-from miles.weight_sync.buckets import as_bytes, bucket_metadata, dtype_to_str, nbytes
+from miles.weight_sync.buckets import as_bytes, bucket_metadata, dtype_to_str, fused_expert_parts, nbytes, plan_buckets
 from miles.weight_sync.group import WeightGroup, WeightGroupError, connect_store, host_store
 
 logger = get_logger(__name__)
@@ -117,8 +117,6 @@ def iter_local_shards(module: nn.Module, *, rank: int, world: int, bucket_bytes:
     ``module.named_parameters()``), fused MoE experts under the checkpoint's per-expert names
     (``split_expert_shards``). Local only (no collective), except for parameters that are neither
     dim-0 sharded nor replicated: every trainer rank must then iterate to the end."""
-    from miles.trainer.weights import plan_buckets
-
     named = [(name_fn(n), p) for n, p in module.named_parameters()]
     for bucket in plan_buckets(named, bucket_bytes, dtype):
         yield split_expert_shards([_local_shard(n, p, rank, world, device, dtype) for n, p in bucket], rank,
@@ -127,12 +125,10 @@ def iter_local_shards(module: nn.Module, *, rank: int, world: int, bucket_bytes:
 
 def split_expert_shards(bucket: list[LocalShard], rank: int,
                         checkpoint_names: Container[str] | None = None) -> list[LocalShard]:
-    """``miles.trainer.weights.split_fused_experts`` on this rank's shards: a fused expert tensor (dim 0 = the
+    """``miles.weight_sync.buckets.split_fused_experts`` on this rank's shards: a fused expert tensor (dim 0 = the
     experts) becomes one shard per expert part, held whole by the rank whose rows hold that expert. The parts
     follow each other in the fused tensor's byte order, so the flattened bucket and every rank's byte ranges
     (``plan_bucket``) are those of the fused tensor."""
-    from miles.trainer.weights import fused_expert_parts
-
     out: list[LocalShard] = []
     for s in bucket:
         parts = fused_expert_parts(s.name, s.shape, checkpoint_names)

@@ -1,14 +1,13 @@
 """The megatron-core trainer backend (``--train-backend megatron``); see ``trainer.py`` and docs/trainer.md.
 
-Importing this package needs no megatron-core; ``build_megatron_trainer`` raises one line naming the
-install command when it is missing.
+Importing this package needs no megatron-core; ``miles.trainer.build.build_trainer`` raises one line naming the
+install command when it is missing (``require_megatron_core``).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import warnings
-from typing import Any
 
 from miles.utils.errors import MilesError
 
@@ -51,14 +50,3 @@ def require_megatron_core() -> None:
         raise MilesError("--train-backend megatron (the default, as in Miles) needs megatron-core, which is not "
                          f"installed: {INSTALL_HINT}.")
 
-
-def build_megatron_trainer(cfg: Any, ctx: Any, plan: Any) -> Any:
-    """The trainer of one run (``miles.run.build``): over the trainer group, on this rank's device."""
-    require_megatron_core()
-    from miles.trainer.megatron.trainer import MegatronTrainer
-
-    return MegatronTrainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, group=ctx.groups.trainer_group,
-                           device=ctx.world.device, rollout_temperature=cfg.rollout.rollout_temperature,
-                           num_rollout=plan.num_rollout, global_batch_size=plan.global_batch_size,
-                           num_steps_per_rollout=plan.num_steps_per_rollout,
-                           timeout=cfg.cluster.distributed_timeout_minutes * 60, custom_config=cfg.custom_config)

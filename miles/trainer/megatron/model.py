@@ -134,7 +134,9 @@ def transformer_config(shape: ModelShape, *, tp_size: int, device: torch.device,
                        hidden_dropout: float = 0.0, attention_dropout: float = 0.0, sequence_parallel: bool = False,
                        pp_size: int = 1, first_stage_layers: int | None = None, last_stage_layers: int | None = None,
                        moe: dict | None = None, cp_size: int = 1, cp_comm_type: str = "p2p",
-                       mtp_loss_scale: float = 0.2):
+                       mtp_loss_scale: float = 0.2, deterministic: bool = False):
+    """megatron-core's TransformerConfig of ``shape``; ``deterministic``: --deterministic-mode (megatron-core's
+    ``deterministic_mode``, which keeps its layers off kernels without a deterministic implementation)."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.transformer_config import MLATransformerConfig
@@ -164,7 +166,7 @@ def transformer_config(shape: ModelShape, *, tp_size: int, device: torch.device,
         bf16=bf16, use_cpu_initialization=True, perform_initialization=False,
         attention_softmax_in_fp32=attention_softmax_in_fp32, bias_dropout_fusion=on_gpu, bias_activation_fusion=on_gpu,
         masked_softmax_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
-        persist_layer_norm=False, **kw)
+        persist_layer_norm=False, deterministic_mode=deterministic, **kw)
 
 
 def no_math_sdpa(q: torch.Tensor):

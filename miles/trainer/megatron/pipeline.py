@@ -370,7 +370,7 @@ def forward_pass(trainer: MegatronTrainer, model: nn.Module, data: list) -> list
 def forward_backward(trainer: MegatronTrainer, data: list, ids: list[int], per_sample: dict,
                      samples: list) -> tuple[MetricSums, int]:
     """One optimizer step's micro-batches through the 1F1B schedule; the loss of each is the shared loss family
-    (``losses.py``) on the last stage, as ``FSDPTrainer._micro_step`` composes it. The step's metric sums are
+    (``losses.py``) on the last stage, as ``RLTrainer._micro_step`` (``miles.trainer.step``) composes it. The step's metric sums are
     broadcast from the last stage, so every rank returns the same (metric sums, tokens)."""
     from miles.trainer.losses import accumulate_metrics, dummy_micro_batch_loss, micro_batch_loss
     from miles.trainer.metrics import MetricSums

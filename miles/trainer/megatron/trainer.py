@@ -1,16 +1,17 @@
-"""The megatron-core trainer (``--train-backend megatron``): the FSDP trainer's interface and RL math,
-megatron-core's GPTModel with tensor parallelism underneath.
+"""The megatron-core backend (``--train-backend megatron``) of the RL step (``miles.trainer.step.RLTrainer``, which
+the FSDP backend implements too): megatron-core's GPTModel with tensor, pipeline, context and expert parallelism.
 
-    trainer = MegatronTrainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, group=groups.trainer_group,
-                              device=device, rollout_temperature=..., num_rollout=..., global_batch_size=...,
-                              num_steps_per_rollout=steps, timeout=...)
+    trainer = build_trainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, group=groups.trainer_group,
+                            device=device, rollout_temperature=..., num_rollout=..., global_batch_size=...,
+                            num_steps_per_rollout=steps, timeout=...)          # miles.trainer.build
     metrics = trainer.train(my_samples, rollout_id)          # every trainer rank, whole groups per rank
     for bucket in trainer.iter_weight_buckets(512 << 20, torch.bfloat16): ...   # HF names, full tensors
 
-What is shared with ``FSDPTrainer`` (subclassed): sample validation, micro-batch planning (without dynamic
-batching, planned micro-batches share forwards up to a token budget: ``_coalesce``; the count is padded over
-data-parallel ranks only for MoE and pipeline parallelism), the forward-only passes, advantages, the loss family
-(``losses.py``), the loss normalisation over the step, metrics. What differs:
+What the shared step does: sample validation, micro-batch planning (here without dynamic batching, planned
+micro-batches share forwards up to a token budget: ``_coalesce``; the count is padded over data-parallel ranks
+only for MoE and pipeline parallelism), the forward-only passes, advantages, the loss family (``losses.py``), the
+loss normalisation over the step, metrics, --deterministic-mode (here also megatron-core's
+``TransformerConfig.deterministic_mode``). What this backend does its own way:
 
 - groups: megatron-core's TP groups over the trainer ranks (``parallel.py``); ``self.group`` is the
   data-parallel group, so every sum "over the trainer group" of the shared code runs over DP. The
@@ -27,7 +28,9 @@ data-parallel ranks only for MoE and pipeline parallelism), the forward-only pas
   (``parallel.finish_grads`` / ``clip_grad_norm``); AdamW over this rank's shards, its state sharded over
   DP with ``--use-distributed-optimizer``.
 - weights out: ``iter_weight_buckets`` gathers TP shards bucket by bucket and converts to HF names and
-  shapes (``export.py``), so the weight senders and ``--check-weight-update-equal`` work unchanged.
+  shapes (``export.py``), so the weight senders and ``--check-weight-update-equal`` work unchanged. There is no
+  ``iter_weight_shards`` (TP shards are not dim-0 row ranges of the HF tensors): ``p2p`` weight sync takes the
+  full tensors every trainer rank holds and each rank sends its dim-0 share (``miles.weight_sync.p2p``).
 """
 
 from __future__ import annotations
@@ -35,9 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator
-from dataclasses import asdict
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -48,23 +49,15 @@ from miles.trainer import lora as lora_mod
 from miles.trainer import vlm as hf_vlm
 from miles.trainer.batching import MicroBatch, coalesce_micro_batches, pack, plan_micro_batches
 from miles.trainer.collectives import bounded_all_gather_object
-from miles.trainer.fsdp import FSDPTrainer
 from miles.trainer.logprobs import VocabShard, logprobs_and_entropy
-from miles.trainer.losses import (
-    accumulate_metrics,
-    custom_loss,
-    load_custom_loss,
-    load_tis_function,
-    policy_loss,
-    policy_loss_with_tis,
-    sft_loss,
-)
+from miles.trainer.losses import accumulate_metrics
 from miles.trainer.megatron import context_parallel, convert, export, moe, options, parallel, pipeline
 from miles.trainer.megatron import model as mmodel
 from miles.trainer.megatron import mtp as mtp_mod
 from miles.trainer.megatron import vlm as mvlm
 from miles.trainer.metrics import active_params, moe_routing, peak_tflops
 from miles.trainer.optim import LRSchedule, MasterWeights, build_adamw
+from miles.trainer.step import RLTrainer
 from miles.types import Sample
 from miles.utils.logging import get_logger
 
@@ -91,23 +84,19 @@ def padded_batch(mb: MicroBatch, pad_id: int, multiple: int = 1) -> tuple[torch.
     return ids.view(b, s), position_ids, flat.index_select(0, mb.logit_index)
 
 
-class MegatronTrainer(FSDPTrainer):
+class MegatronTrainer(RLTrainer):
+    backend = "megatron"
+
     def __init__(self, train, algo, ckpt, megatron=None, *, group: dist.ProcessGroup, device: torch.device,
                  rollout_temperature: float, num_rollout: int | None, global_batch_size: int | None,
-                 num_steps_per_rollout: int, timeout: float, mesh=None, custom_config: dict | None = None):
-        self.cfg, self.algo, self.ckpt = train, algo, ckpt
+                 num_steps_per_rollout: int, timeout: float, custom_config: dict | None = None):
         self.opts = options.resolve(megatron, train)
         self.megatron_cfg = megatron            # the checkpoint flags (dist_ckpt.py): --finetune, --ckpt-step, ...
-        self.device, self.timeout, self.mesh = torch.device(device), float(timeout), None
         self.trainer_group = group
         self.trainer_rank, self.trainer_world = dist.get_rank(group), dist.get_world_size(group)
-        self.num_rollout, self.global_batch_size = num_rollout, global_batch_size
-        self.num_steps_per_rollout = num_steps_per_rollout
-        self._validate(rollout_temperature)
-        self.temperature = float(rollout_temperature) if algo.loss_type != "sft_loss" else 1.0
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        torch.manual_seed(train.seed)
+        self._setup(train, algo, ckpt, device=device, timeout=timeout, rollout_temperature=rollout_temperature,
+                    num_rollout=num_rollout, global_batch_size=global_batch_size,
+                    num_steps_per_rollout=num_steps_per_rollout)
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(train.hf_checkpoint)
@@ -117,7 +106,6 @@ class MegatronTrainer(FSDPTrainer):
         mvlm.check_static(self.opts, self.shape, lora=lora_mod.LoraSpec.from_config(train) is not None)
         self._images = (hf_vlm.ImageProcessor(train.hf_checkpoint, hf_config.image_token_id) if self.shape.vision
                         else None)
-        self._mm: list | None = None
         if getattr(train, "megatron_to_hf_mode", "raw") != "raw" and self.trainer_rank == 0:
             logger.info("--megatron-to-hf-mode %s: weights are converted by miles's own converter (convert.py), "
                         "to the same HF names and shapes.", train.megatron_to_hf_mode)
@@ -145,7 +133,6 @@ class MegatronTrainer(FSDPTrainer):
         self.vocab_size = self.shape.vocab_size
         self.pad_id = 0
         self.bf16 = self.device.type == "cuda" if train.bf16 is None else bool(train.bf16)
-        self.mp_policy = None
         self._dropout = self.opts.hidden_dropout > 0 or self.opts.attention_dropout > 0
         self.dropout_rng_state = torch.Generator().manual_seed(train.seed + 2718).get_state()
         self._hf_state: dict[str, torch.Tensor] | None = None
@@ -174,28 +161,14 @@ class MegatronTrainer(FSDPTrainer):
         self.schedule = LRSchedule(lr=train.lr, min_lr=train.min_lr, style=train.lr_decay_style,
                                    warmup=train.warmup_steps(decay) if hasattr(train, "warmup_steps")
                                    else train.lr_warmup_iters, decay_iters=decay)
-        policy = algo.loss_type != "sft_loss"
-        self.ref = None
-        if policy and (algo.kl_coef != 0 or algo.use_kl_loss):
-            self.ref = self._build_policy(train.ref_load or train.hf_checkpoint, offload=True, recompute=False)
-        self.teacher = None
-        if policy and _teacher_in_trainer(algo):
-            self.teacher = self._build_policy(algo.opd_teacher_load, offload=True, recompute=False)
+        self._build_frozen()
         self.critic = None
-        if policy and algo.advantage_estimator == "ppo":
+        if algo.loss_type != "sft_loss" and algo.advantage_estimator == "ppo":
             from miles.trainer.megatron.critic import MegatronCritic
 
             path = train.critic_load or train.hf_checkpoint
             self.critic = MegatronCritic(self, self._build_policy(path, offload=False, recompute=True))
-        if algo.loss_type == "sft_loss":
-            self.loss_fn = sft_loss
-        elif algo.loss_type == "custom_loss":
-            self.loss_fn = custom_loss(load_custom_loss(algo.custom_loss_function_path))
-        elif algo.custom_tis_function_path:  # as the FSDP trainer: Miles's args, the shared loss (losses.py)
-            tis_args = SimpleNamespace(**{**(custom_config or {}), **asdict(train), **asdict(algo)})
-            self.loss_fn = policy_loss_with_tis(load_tis_function(algo.custom_tis_function_path), tis_args)
-        else:
-            self.loss_fn = policy_loss
+        self._select_loss(custom_config)
         start = self.groups.tp_rank * (self.padded_vocab // tp)
         self.vocab_shard = VocabShard(self.groups.tp, start, self.vocab_size) if tp > 1 else None
         self.peak = peak_tflops(self.device, getattr(train, "mfu_peak_tflops", None))
@@ -203,9 +176,6 @@ class MegatronTrainer(FSDPTrainer):
         # fp32 gradients (optim.MasterWeights); the frozen reference and teacher are plain bf16 models
         self._masters = {id(m): MasterWeights([m] + ([self.lora] if m is self.model and self.lora else []))
                          for m in (self.model, self.critic.model if self.critic else None) if m is not None and self.bf16}
-        self._keep_unsharded = {id(m): False for m in (self.model, self.ref, self.teacher,
-                                                     self.critic.model if self.critic else None) if m is not None}
-        self.last_rollout_id: int | None = None
         self._hf_state = None                      # the converted weights are in the models now
         from miles.trainer import routing_replay
 
@@ -221,23 +191,6 @@ class MegatronTrainer(FSDPTrainer):
                     self.ref is not None, self.critic is not None)
 
     # ------------------------------------------------------------------ construction
-    def _validate(self, temperature: float) -> None:
-        t, a = self.cfg, self.algo
-        if t.train_backend != "megatron":
-            raise ValueError(f"MegatronTrainer serves --train-backend megatron, got {t.train_backend!r}.")
-        if not t.hf_checkpoint:
-            raise ConfigError("--hf-checkpoint DIR is required: the Megatron trainer converts the model from a local "
-                              "HF directory.")
-        if a.loss_type != "sft_loss" and temperature <= 0:
-            raise ConfigError(f"--rollout-temperature must be > 0 for RL training (log-probs are taken under it), "
-                              f"got {temperature}.")
-        if t.use_dynamic_batch_size and not t.max_tokens_per_gpu:
-            raise ConfigError("--use-dynamic-batch-size needs --max-tokens-per-gpu N.")
-        if self.num_steps_per_rollout is None or self.num_steps_per_rollout <= 0:
-            raise ValueError(f"num_steps_per_rollout must be a positive int, got {self.num_steps_per_rollout}.")
-        if _teacher_in_trainer(a) and not a.opd_teacher_load:
-            raise ConfigError(f"--use-opd --opd-type {a.opd_type} needs --opd-teacher-load DIR.")
-
     def _hf(self, path: str) -> dict[str, torch.Tensor]:
         if path == self.cfg.hf_checkpoint and self._hf_state is not None:
             return self._hf_state
@@ -269,7 +222,7 @@ class MegatronTrainer(FSDPTrainer):
             first_stage_layers=o.first_stage_layers, last_stage_layers=o.last_stage_layers,
             sequence_parallel=self._sequence_parallel, cp_size=o.cp, cp_comm_type=o.cp_comm_type,
             moe=moe.config_kwargs(shape, o.moe, ep=o.ep, etp=o.etp, te=mmodel.use_transformer_engine(self.device)),
-            mtp_loss_scale=o.mtp_loss_scale)
+            mtp_loss_scale=o.mtp_loss_scale, deterministic=self.cfg.deterministic_mode)
         core = "unfused" if o.attention_backend in ("unfused", "local") else "sdpa"
         model = mmodel.build_gpt_model(shape, config, padded_vocab=self.padded_vocab, device=self.device,
                                        core_attention=core, pre_process=self.stage.is_first,
@@ -497,15 +450,16 @@ class MegatronTrainer(FSDPTrainer):
     def _forward_pass(self, model, fn, data) -> list[torch.Tensor]:
         """With PP, a forward-only pass is a log-prob pass through the pipeline (``pipeline.forward_pass``; the
         critic, the other user of this hook, is refused with PP)."""
+        if self.stage.size == 1:
+            return super()._forward_pass(model, fn, data)
         with self._bf16(model):
-            if self.stage.size == 1:
-                return super()._forward_pass(model, fn, data)
             return pipeline.forward_pass(self, model, data)
 
     def _forward_backward(self, data, ids, per_sample, samples):
+        """With PP, the step's micro-batches go through the pipeline schedule (``pipeline.forward_backward``)."""
+        if self.stage.size == 1:
+            return super()._forward_backward(data, ids, per_sample, samples)
         with self._bf16(self.model, self.critic.model if self.critic is not None else None):
-            if self.stage.size == 1:
-                return super()._forward_backward(data, ids, per_sample, samples)
             return pipeline.forward_backward(self, data, ids, per_sample, samples)
 
     def _micro_step(self, mb: MicroBatch, index: int, acc, per_sample, samples, ntok: float, nsamp: float,
@@ -546,12 +500,6 @@ class MegatronTrainer(FSDPTrainer):
         torch.cuda.synchronize(self.device)
         if torch.device(device).type == "cpu":
             torch.cuda.empty_cache()
-
-    def _perf_metrics(self, *args, **kwargs) -> dict[str, float]:
-        out = super()._perf_metrics(*args, **kwargs)
-        if "mfu" in out:                                   # the shared formula counts DP ranks as GPUs
-            out["mfu"] /= self.groups.tp_size * self.groups.pp_size * self.groups.cp_size
-        return out
 
     # ------------------------------------------------------------------ weights
     def iter_weight_buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None, *,
@@ -630,9 +578,3 @@ def _merged_buckets(lora, it: Iterator) -> Iterator:
     with lora_mod.merged(lora):
         yield from it
 
-
-def _teacher_in_trainer(algo) -> bool:
-    flag = getattr(algo, "opd_teacher_in_trainer", None)
-    if flag is not None:
-        return bool(flag)
-    return bool(algo.use_opd and algo.opd_type == "model")

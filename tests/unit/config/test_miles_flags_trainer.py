@@ -62,11 +62,11 @@ def test_num_critic_only_steps_freezes_the_actor_first(tiny_model_dir, group):
 
 
 def test_disable_compute_advantages_and_returns_skips_them(tiny_model_dir, group, monkeypatch):
-    import miles.trainer.fsdp as fsdp
+    import miles.trainer.step as step
 
     calls = []
-    real = fsdp.compute_advantages_and_returns
-    monkeypatch.setattr(fsdp, "compute_advantages_and_returns", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = step.compute_advantages_and_returns
+    monkeypatch.setattr(step, "compute_advantages_and_returns", lambda *a, **k: calls.append(1) or real(*a, **k))
     path = f"{__name__}.mean_logprob_loss"  # this module, as pytest imported it
     tr = _trainer(tiny_model_dir, group, "--loss-type", "custom_loss", "--custom-loss-function-path", path)
     tr.train(_samples(), rollout_id=0)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 
 from miles.rollout.generate import append_output
-from miles.trainer.fsdp import FSDPTrainer
+from miles.trainer.step import RLTrainer
 from miles.types import Sample
 
 
@@ -28,9 +28,9 @@ def test_each_turn_records_the_engines_weight_version():
 
 def test_a_removed_sample_trains_on_no_token():
     trainer = SimpleNamespace(vocab_size=16)
-    kept = FSDPTrainer._sample_data(trainer, Sample(tokens=[1, 2, 3, 4], response_length=2, loss_mask=[1, 0]), 0)
+    kept = RLTrainer._sample_data(trainer, Sample(tokens=[1, 2, 3, 4], response_length=2, loss_mask=[1, 0]), 0)
     assert torch.equal(kept.loss_mask, torch.tensor([1.0, 0.0]))
     s = Sample(tokens=[1, 2, 3, 4], response_length=2, loss_mask=[1, 1], remove_sample=True)
-    gone = FSDPTrainer._sample_data(trainer, s, 1)
+    gone = RLTrainer._sample_data(trainer, s, 1)
     assert torch.equal(gone.loss_mask, torch.zeros(2)) and gone.response_length == 2
     assert s.loss_mask == [1, 1]                                      # the sample itself is not rewritten

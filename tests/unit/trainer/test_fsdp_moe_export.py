@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from miles.config import parse_args
-from miles.trainer.weights import split_fused_experts
+from miles.weight_sync.buckets import split_fused_experts
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,7 @@ import random
 import pytest
 import torch
 
-from miles.trainer.fsdp import FSDPTrainer
-from miles.trainer.metrics import MetricSums
+from miles.trainer.metrics import MetricSums, extra_metrics, step_means
 
 
 def test_step_means_and_extra_metrics_from_gathered_rows_equal_the_per_step_reductions() -> None:
@@ -27,7 +26,7 @@ def test_step_means_and_extra_metrics_from_gathered_rows_equal_the_per_step_redu
         ranks.append(per_step)
     rows = [[v for s in per_step for v in s.values(keys)] for per_step in ranks]
     tot = [sum(r[j] for r in rows) for j in range(len(rows[0]))]
-    got = FSDPTrainer._step_means(keys, tot, steps)
+    got = step_means(keys, tot, steps)
     # the old path: per step, each key summed over ranks (what the all-reduce computes), then the mean over steps
     ref = {k: sum(sum(float(ranks[r][j].sums[k]) if k in ranks[r][j].sums else 0.0 for r in range(world))
                   for j in range(steps)) / steps for k in keys}
@@ -35,6 +34,6 @@ def test_step_means_and_extra_metrics_from_gathered_rows_equal_the_per_step_redu
     for k in keys:
         assert got[k] == pytest.approx(ref[k], rel=1e-15, abs=1e-15)
     # extra metrics: token means and the reward mean from the summed [token sum, mask sum, ..., reward sum, samples]
-    extra = FSDPTrainer._extra_metrics(["advantages", "kl"], [3.0, 6.0, -1.0, 0.0, 5.0, 8.0], samples=[object()])
+    extra = extra_metrics(["advantages", "kl"], [3.0, 6.0, -1.0, 0.0, 5.0, 8.0], samples=[object()])
     assert extra == {"advantages_mean": 0.5, "kl_mean": -1.0, "reward_mean": 5.0 / 8.0}
-    assert "reward_mean" not in FSDPTrainer._extra_metrics(["kl"], [1.0, 2.0, 0.0, 0.0], samples=None)
+    assert "reward_mean" not in extra_metrics(["kl"], [1.0, 2.0, 0.0, 0.0], samples=None)

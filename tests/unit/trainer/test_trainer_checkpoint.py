@@ -14,7 +14,7 @@ from miles.trainer import checkpoint as C
 from miles.trainer.checkpoint import rng
 from miles.trainer.hf_export import checkpoint_dtype, write_hf_dir
 from miles.trainer.optim import LRSchedule
-from miles.trainer.weights import plan_buckets
+from miles.weight_sync.buckets import plan_buckets
 
 
 def _write(tag):

@@ -14,9 +14,12 @@ def test_missing_megatron_core_is_one_line(tmp_path: Path) -> None:
     shim = tmp_path / "shim" / "megatron"          # a ``megatron`` package without ``core`` shadows the real one
     shim.mkdir(parents=True)
     (shim / "__init__.py").write_text("")
-    code = ("from miles.trainer.megatron import build_megatron_trainer, megatron_available\n"
+    code = ("from types import SimpleNamespace\n"
+            "from miles.trainer.build import build_trainer\n"
+            "from miles.trainer.megatron import megatron_available\n"
             "assert not megatron_available()\n"
-            "try:\n    build_megatron_trainer(None, None, None)\n"
+            "try:\n    build_trainer(SimpleNamespace(train_backend='megatron'), None, None, group=None, device='cpu', "
+            "rollout_temperature=1.0, num_rollout=1, global_batch_size=None, num_steps_per_rollout=1, timeout=1)\n"
             "except Exception as e:\n    print(type(e).__name__, '|', e)\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "shim"), str(REPO)])}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
