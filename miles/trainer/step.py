@@ -117,8 +117,9 @@ class RLTrainer(ABC):
 
     @staticmethod
     def _deterministic_mode() -> None:
-        """--deterministic-mode, as Miles sets it up for Megatron (radixark/miles@v0.1.0:
-        miles/backends/megatron_utils/initialize.py): deterministic torch algorithms (an op without one raises),
+        """--deterministic-mode, as Miles sets it up for Megatron
+        (radixark/miles@v0.1.0:miles/backends/megatron_utils/initialize.py): deterministic torch algorithms (an op
+        without one raises),
         cuDNN deterministic and not autotuned; cuBLAS needs its workspace setting before its first use."""
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.backends.cudnn.deterministic = True

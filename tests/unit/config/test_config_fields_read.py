@@ -9,12 +9,13 @@ or through a helper of miles/config that reads it (a property such as ``TrainCon
   by that backend's modules, or be refused on that backend (``support.BACKEND_ONLY``, or its whole section in
   ``support.SECTION_BACKEND``), or be ``support.PARSE_ONLY``;
 - any other field must be read somewhere, or be ``support.PARSE_ONLY``;
-- a ``PARSE_ONLY`` field that code reads, or a ``BEING_FIXED`` gap that is closed, fails too: drop the entry.
+- a ``PARSE_ONLY`` field that code reads fails too: drop the entry.
 
 Modules are classified by path (``MODULE_KINDS``): miles/trainer/megatron/** is the Megatron backend,
 miles/trainer/fsdp* (fsdp.py, fsdp_*.py, fsdp/**) the FSDP one, the rest shared; a shared-path trainer module
-imported by one backend only (miles/trainer/lora.py) is that backend's. While ``MegatronTrainer`` subclasses
-``FSDPTrainer``, the FSDP methods it inherits (not overridden, or called through ``super()``) count for it too.
+imported by one backend only (miles/trainer/lora.py) is that backend's. No backend class subclasses a class of the
+other backend (checked below), so what a backend runs is its own modules, shared ones, and the other backend's
+functions it imports.
 """
 
 from __future__ import annotations
@@ -33,12 +34,6 @@ from miles.config.base import flag
 from miles.config.support import BACKEND_ONLY, BACKENDS, PARSE_ONLY, SECTION_BACKEND, TRAINER_SECTIONS
 
 REPO = Path(__file__).resolve().parents[3]
-# Gaps other changes close (the --train-backend megatron trainer does not read these yet). When one is read by
-# both backends this test fails: delete its entry.
-BEING_FIXED: dict[str, str] = {
-    "deterministic_mode": "--deterministic-mode on the Megatron backend (trainer-core)",
-    "save_retain_interval": "--save-retain-interval on the Megatron backend (trainer-ckpt)",
-}
 
 MODULE_KINDS: tuple[tuple[str, str], ...] = (
     ("miles/config/", "config"),
@@ -73,7 +68,6 @@ class Module:
     classes: dict[str, tuple[list[str], dict[str, Reads]]] = field(default_factory=dict)
     imports: set[str] = field(default_factory=set)
     imported_names: dict[str, str] = field(default_factory=dict)   # local name -> "module:name"
-    super_calls: dict[str, set[str]] = field(default_factory=dict)  # class -> methods it calls as super().name
 
 
 def _skipped(tree: ast.AST) -> set[int]:
@@ -138,10 +132,6 @@ def load_module(root: Path, path: Path) -> Module:
         elif isinstance(n, ast.ClassDef):
             methods = {b.name: reads_of([b], skip) for b in n.body
                        if isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef))}
-            for b in ast.walk(n):                    # super().name(...): the base's method runs as well
-                if (isinstance(b, ast.Attribute) and isinstance(b.value, ast.Call)
-                        and isinstance(b.value.func, ast.Name) and b.value.func.id == "super"):
-                    m.super_calls.setdefault(n.name, set()).add(b.attr)
             bases = [b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else ""
                      for b in n.bases]
             m.classes[n.name] = (bases, methods)
@@ -229,29 +219,18 @@ def field_readers(mods: dict[str, Module]) -> dict[str, dict[str, set[str]]]:
         for n in reads.fields | set().union(*(helpers[h] for h in resolve(reads.refs, mod, mods, helpers))):
             out[n][kind].add(where)
 
-    classes = {(m.name, c): (m, methods) for m in mods.values() for c, (_b, methods) in m.classes.items()}
     for m in mods.values():
         if m.kind == "config":
             continue
         add(m.reads, m.kind, m.rel, m)
         if m.kind not in BACKENDS:
             continue
-        # what this backend takes from the other one: functions it imports, methods its classes inherit
+        # what this backend takes from the other one: functions it imports
         for target in m.imported_names.values():
             mod, _, name = target.partition(":")
             src = mods.get(mod)
             if src is not None and src.kind in BACKENDS and src.kind != m.kind and name in src.defs:
                 add(src.defs[name], m.kind, f"{src.rel}:{name} (imported by {m.rel})", src)
-        for cname, (bases, methods) in m.classes.items():
-            for base in bases:
-                mod, _, bname = m.imported_names.get(base, "").partition(":")
-                if (mod, bname) not in classes:
-                    continue
-                src, inherited = classes[(mod, bname)]
-                if src.kind in BACKENDS and src.kind != m.kind:
-                    for meth, reads in inherited.items():
-                        if meth not in methods or meth in m.super_calls.get(cname, ()):
-                            add(reads, m.kind, f"{src.rel}:{bname}.{meth} (inherited by {m.rel}:{cname})", src)
     return out
 
 
@@ -290,8 +269,6 @@ def problems(readers: dict[str, dict[str, set[str]]], fields: list[tuple[str, st
             only = SECTION_BACKEND.get(section) or (BACKEND_ONLY[name].backend if name in BACKEND_ONLY else None)
             if only is not None and only != backend:
                 continue                        # refused on this backend by validation
-            if name in BEING_FIXED:
-                continue
             out.append(f"{section}.{name} ({flag(name)}) is not read by the {backend} backend "
                        f"(read: {_where(readers, name) or 'nowhere'}): honour it there, refuse it on {backend} "
                        "(support.BACKEND_ONLY), or list it in support.PARSE_ONLY with the reason")
@@ -327,14 +304,29 @@ def test_module_classification():
     assert kinds["miles/config/train.py"] == "config"
 
 
-def test_lists_name_real_fields_and_gaps_that_are_still_open(readers):
+def test_lists_name_real_fields():
     fields = {name for _section, name in config_fields()}
-    assert set(PARSE_ONLY) <= fields and set(BACKEND_ONLY) <= fields and set(BEING_FIXED) <= fields
+    assert set(PARSE_ONLY) <= fields and set(BACKEND_ONLY) <= fields
     assert set(SECTION_BACKEND) <= set(TRAINER_SECTIONS)
-    for name, why in BEING_FIXED.items():
-        kinds = set(readers.get(name, {}))
-        assert not ("shared" in kinds or set(BACKENDS) <= kinds), (
-            f"{name} is read by both backends now ({_where(readers, name)}): delete it from BEING_FIXED ({why})")
+
+
+def test_no_backend_class_subclasses_the_other_backends():
+    """Backends are siblings under the shared step (miles/trainer/step.py): a class of one backend deriving from a
+    class of the other would run the other's methods on its own model (issue 21: p2p on Megatron took FSDP's
+    shard iterator)."""
+    mods = load_modules(REPO)
+    defined = {(m.name, c): m.kind for m in mods.values() for c in m.classes}
+    bad = []
+    for m in mods.values():
+        if m.kind not in BACKENDS:
+            continue
+        for cname, (bases, _methods) in m.classes.items():
+            for base in bases:
+                mod, _, bname = m.imported_names.get(base, f"{m.name}:{base}").partition(":")
+                kind = defined.get((mod, bname))
+                if kind in BACKENDS and kind != m.kind:
+                    bad.append(f"{m.rel}:{cname} subclasses {mod}.{bname} ({kind})")
+    assert not bad, bad
 
 
 BASE = ["--num-rollout", "2", "--rollout-batch-size", "4"]
