@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -13,6 +14,19 @@ class SampleStatus(StrEnum):
     TRUNCATED = "truncated"      # hit max_new_tokens
     ABORTED = "aborted"          # aborted by the engine or the manager (not trained on)
     FAILED = "failed"            # reward or generation failed (counted, not trained on)
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """Miles's per-sample scoring spec (``sample.reward_spec``): set fields win over ``metadata["rm_type"]`` and the
+    ``--rm-type`` / ``--custom-rm-path`` flags when the sample is scored."""
+
+    rm_type: str | None = None
+    custom_rm_path: str | None = None
+
+
+# per-token lists a sample may carry in its metadata (one value per response token), cut with the response
+PER_TOKEN_METADATA = ("teacher_log_probs", "opd_reverse_kl", "opd_student_top_logprobs")
 
 
 @dataclass
@@ -46,6 +60,7 @@ class Sample:
     remove_sample: bool = False
     status: SampleStatus = SampleStatus.PENDING
     metadata: dict[str, Any] = field(default_factory=dict)
+    reward_spec: RewardSpec | None = None   # Miles's: how this sample is scored (None: the flags)
 
     Status = SampleStatus  # Miles's spelling: ``Sample.Status.ABORTED``
 
@@ -73,3 +88,28 @@ class Sample:
         """Miles's accessor: the reward, or its ``--reward-key`` entry when the reward is a dict."""
         key = getattr(args, "reward_key", None)
         return self.reward[key] if key and isinstance(self.reward, dict) else self.reward
+
+    def strip_last_output_tokens(self, n: int, tokenizer: Any) -> None:
+        """Miles's: drop the last ``n`` response tokens and everything kept per token for them (loss mask,
+        log-probs, routed experts, the per-token metadata lists), and re-decode ``response`` with ``tokenizer``."""
+        if n <= 0:
+            return
+        if n > self.response_length:
+            raise ValueError(f"cannot strip {n} tokens: only {self.response_length} output tokens available")
+        rows = len(self.tokens) - 1     # routed experts: one row per token but the last
+        self.tokens = self.tokens[:-n]
+        self.response_length -= n
+        if self.loss_mask is not None:
+            self.loss_mask = self.loss_mask[:-n]
+        if self.rollout_log_probs is not None:
+            self.rollout_log_probs = self.rollout_log_probs[:-n]
+        for key in PER_TOKEN_METADATA:
+            if isinstance(self.metadata.get(key), list):
+                self.metadata[key] = self.metadata[key][:-n]
+        if isinstance(self.rollout_routed_experts, str) and rows > 0:   # base64 of int32 [rows, layers, top-k]
+            raw = base64.b64decode(self.rollout_routed_experts)
+            keep = len(raw) // rows * (rows - n)
+            self.rollout_routed_experts = base64.b64encode(raw[:keep]).decode("ascii")
+        elif self.rollout_routed_experts is not None:                  # an array a plugin set
+            self.rollout_routed_experts = self.rollout_routed_experts[:-n]
+        self.response = tokenizer.decode(self.tokens[-self.response_length:]) if self.response_length else ""

@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--tis-clip", type=float, default=2.0, help="TIS upper clip.")
     a.add_argument("--tis-clip-low", type=float, default=0.0, help="TIS lower clip.")
     a.add_argument("--custom-tis-function-path", type=str, default=None,
-                   help="module.function computing the TIS/RS weights (not supported: the built-in --use-tis weights only).")
+                   help="module.function computing the TIS/RS weights (Miles's call), instead of the built-in --use-tis clamp.")
     a.add_argument("--use-routing-replay", action="store_true",
                    help="MoE routing replay (R2, arxiv 2507.18071): the training forwards route each token to the "
                         "experts the old log-prob forward chose (set by --use-rollout-routing-replay too, as Miles).")

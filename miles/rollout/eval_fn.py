@@ -121,8 +121,9 @@ class BuiltinEvalHandle:
     """What ``miles.rollout.sglang_rollout.generate_rollout(..., evaluation=True)`` runs: the built-in evaluation on
     the driver's event loop, from the eval function's thread. Pending runs are cancelled when the call ends."""
 
-    def __init__(self, run: BuiltinEval, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
-        self.run, self.loop, self.timeout = run, loop, timeout
+    def __init__(self, run: BuiltinEval, loop: asyncio.AbstractEventLoop, timeout: float, rollout_id: int = 0) -> None:
+        self.run, self.loop, self.timeout, self.rollout_id = run, loop, timeout, rollout_id
+        self.address: tuple[str, int] | None = None
         self.futures: set[Any] = set()
         self.closed = False
         self._lock = threading.Lock()
@@ -151,6 +152,18 @@ class BuiltinEvalHandle:
                 self.futures.discard(fut)
         return data
 
+    async def arun(self) -> dict[str, dict[str, Any]]:
+        """The built-in evaluation of this call's rollout, awaited from any event loop (Miles's
+        ``inference_rollout_eval.run_eval_datasets``)."""
+        if asyncio.get_running_loop() is self.loop:
+            try:
+                data, _ = await asyncio.wait_for(self.run(self.rollout_id), self.timeout)
+            except TimeoutError:
+                raise EvalFunctionError(f"the built-in evaluation did not return within --distributed-timeout-minutes "
+                                        f"({self.timeout:g}s)") from None
+            return data
+        return await asyncio.to_thread(self, self.rollout_id)
+
     def close(self) -> None:
         with self._lock:
             self.closed = True
@@ -161,12 +174,21 @@ class BuiltinEvalHandle:
 BUILTIN_ATTR = "_miles_builtin_eval"
 
 
+_current: list[BuiltinEvalHandle] = []   # the handle of the eval call in progress (one at a time in a run)
+
+
 def builtin_eval_of(args: Any) -> BuiltinEvalHandle | None:
     """The handle an eval function's ``args`` carry (None outside an --eval-function-path call)."""
     try:
         return object.__getattribute__(args, BUILTIN_ATTR)
     except AttributeError:
         return None
+
+
+def current_builtin_eval() -> BuiltinEvalHandle | None:
+    """The built-in evaluation of the eval call in progress (a class-based function's ``args`` are its
+    constructor's, which carry no handle); None outside one."""
+    return _current[-1] if _current else None
 
 
 class EvalFunction:
@@ -205,7 +227,10 @@ class EvalFunction:
     async def evaluate(self, rollout_id: int) -> dict[str, float]:
         handle = None
         if self.builtin is not None:
-            handle = BuiltinEvalHandle(self.builtin, asyncio.get_running_loop(), self.timeout)
+            handle = BuiltinEvalHandle(self.builtin, asyncio.get_running_loop(), self.timeout, rollout_id)
+            address = (getattr(self.args, "sglang_router_ip", None), getattr(self.args, "sglang_router_port", None))
+            handle.address = address if None not in address else None   # where it evaluates (run_eval_datasets)
+            _current.append(handle)
         args = self._args_of_call(handle)
         buffer = MilesDataBuffer(self.data_source, self.n, rollout_id) if self.data_source is not None else None
         try:
@@ -222,6 +247,7 @@ class EvalFunction:
         finally:
             if handle is not None:
                 handle.close()
+                _current.remove(handle)
         data, metrics = eval_data_of(out, self.what)
         return miles_eval_metrics(data, metrics)
 
@@ -254,4 +280,4 @@ def build_eval_function(cfg: Any, data_source: Any, tokenizer: Any, client: Any 
 
 
 __all__ = ["DEFAULT_EVAL_PATHS", "EvalFunction", "EvalFunctionError", "build_eval_function", "builtin_eval_of",
-           "check_eval_function", "eval_data_of", "eval_function_of", "miles_eval_metrics"]
+           "check_eval_function", "current_builtin_eval", "eval_data_of", "eval_function_of", "miles_eval_metrics"]

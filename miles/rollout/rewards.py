@@ -242,6 +242,7 @@ class Rewarder:
         self._first_failure_logged = False
         self.custom: Callable[..., Any] | None = None
         self._custom_arity = 2
+        self._spec_functions: dict[str, tuple[Callable[..., Any], int]] = {}
         if not reward.rm_timeout > 0:
             raise ConfigError(f"--rm-timeout must be a positive number of seconds, got {reward.rm_timeout}.")
         if reward.custom_rm_path:
@@ -261,6 +262,15 @@ class Rewarder:
         else:
             self._builtin(reward.rm_type, "--rm-type")
 
+    def _spec_function(self, path: str) -> tuple[Callable[..., Any], int]:
+        """(the reward function a sample's ``reward_spec.custom_rm_path`` names, its arity), loaded once."""
+        cache = self._spec_functions
+        if path not in cache:
+            fn = load_function(path, "sample.reward_spec.custom_rm_path")
+            cache[path] = fn, choose_arity(fn, (1, 2), "sample.reward_spec.custom_rm_path", path,
+                                           "async def f(args, sample) or async def f(sample) returning a float")
+        return cache[path]
+
     def _builtin(self, name: str, flag: str) -> tuple[RewardFn, str | None]:
         """(``f(args, sample)``, its default reward key) for a built-in name; ConfigError for unknown names."""
         if name == "remote_rm":
@@ -277,12 +287,18 @@ class Rewarder:
 
     async def _call_one(self, sample: Sample) -> tuple[Any, str | None]:
         timeout = self.cfg.rm_timeout
+        spec = sample.reward_spec  # Miles's per-sample spec: its set fields win over the flags (rm_hub's order)
+        if spec is not None and spec.custom_rm_path:
+            fn, arity = self._spec_function(spec.custom_rm_path)
+            what = f"sample.reward_spec.custom_rm_path {spec.custom_rm_path}"
+            return await call_bounded(fn, (self.args, sample) if arity == 2 else (sample,), timeout, what), None
         if self.custom is not None:
             call_args = (self.args, sample) if self._custom_arity == 2 else (sample,)
             what = f"--custom-rm-path {self.cfg.custom_rm_path}"
             return await call_bounded(self.custom, call_args, timeout, what), None
-        name = sample.metadata.get("rm_type") or self.cfg.rm_type
-        fn, key = self._builtin(name, "metadata 'rm_type'" if sample.metadata.get("rm_type") else "--rm-type")
+        name = (spec.rm_type if spec is not None else None) or sample.metadata.get("rm_type") or self.cfg.rm_type
+        fn, key = self._builtin(name, "sample.reward_spec.rm_type" if spec is not None and spec.rm_type else
+                                "metadata 'rm_type'" if sample.metadata.get("rm_type") else "--rm-type")
         if name == "remote_rm":
             return await self.remote.score(sample), None  # type: ignore[union-attr]  # bounded per try
         if getattr(fn, "miles_inline", False):  # a thread per sample cost more than the check (~0.1 ms each)

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from miles.types import Sample, SampleStatus
+from miles.types import RewardSpec, Sample, SampleStatus
 from miles.utils.errors import MilesError
 
 FORMAT = "miles.samples"
@@ -70,6 +70,9 @@ _FIELD_TYPES: list[tuple[str, Any, str]] = [
     ("response", lambda v: isinstance(v, str), "a string"),
     ("prompt", lambda v: isinstance(v, str | list), "a string or a list of messages"),
     ("metadata", lambda v: isinstance(v, dict), "an object"),
+    ("reward_spec", lambda v: v is None or (isinstance(v, dict) and set(v) == {"rm_type", "custom_rm_path"}
+                                            and all(x is None or isinstance(x, str) for x in v.values())),
+     "null or an object {rm_type, custom_rm_path} of strings or nulls"),
 ]
 
 
@@ -91,7 +94,7 @@ def _sample_json(i: int, s: Sample) -> dict[str, Any]:
     d: dict[str, Any] = {}
     for name in _JSON_FIELDS:
         v = getattr(s, name)
-        d[name] = v.value if isinstance(v, SampleStatus) else v
+        d[name] = v.value if isinstance(v, SampleStatus) else dataclasses.asdict(v) if isinstance(v, RewardSpec) else v
     d["has_loss_mask"] = s.loss_mask is not None
     d["has_log_probs"] = s.rollout_log_probs is not None
     return d
@@ -261,6 +264,8 @@ def _build(i: int, rec: Any, flats: dict[str, list[torch.Tensor]]) -> Sample:
     except ValueError as e:
         raise SampleWireError(f"bad payload: sample record {i} has unknown status {rec['status']!r}") from e
     kwargs["tokens"] = flats["tokens"][i].tolist()
+    if rec["reward_spec"] is not None:
+        kwargs["reward_spec"] = RewardSpec(**rec["reward_spec"])
     rl = rec["response_length"]
     if not isinstance(rl, int) or not 0 <= rl <= len(kwargs["tokens"]):
         raise SampleWireError(f"length mismatch: sample {i} response_length {rl!r} vs {len(kwargs['tokens'])} tokens")

@@ -142,6 +142,7 @@ class LossInputs:
     log_probs: torch.Tensor                         # current policy, with grad
     loss_mask: torch.Tensor
     lengths: list[int]                              # response lengths of the samples, sum = N
+    total_lengths: list[int] | None = None          # prompt + response tokens of each sample
     old_log_probs: torch.Tensor | None = None       # denominator of the ratio (old or rollout)
     rollout_log_probs: torch.Tensor | None = None
     ref_log_probs: torch.Tensor | None = None
@@ -177,6 +178,7 @@ def micro_batch_loss(loss_fn: Callable, algo, mb, dmb, log_probs: torch.Tensor, 
     old = cat_per_sample(per_sample, "old", ids, device)
     inp = LossInputs(
         log_probs=log_probs, loss_mask=dmb.loss_mask, lengths=mb.lengths,
+        total_lengths=mb.cu_seqlens.diff().tolist(),
         old_log_probs=old if old is not None else log_probs.detach(),
         rollout_log_probs=cat_per_sample(per_sample, "rollout", ids, device),
         ref_log_probs=cat_per_sample(per_sample, "ref", ids, device),
@@ -288,6 +290,7 @@ def custom_loss(fn: CustomLossFn) -> Callable:
 CUSTOM_TIS_FORM = ("def tis(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, **kwargs) -> "
                    "(pg_loss, loss_masks, metrics)")
 _TIS_KEYWORDS = ("pg_loss", "train_log_probs", "rollout_log_probs", "loss_masks")
+_TIS_PASSED = (*_TIS_KEYWORDS, "total_lengths", "response_lengths", "max_seq_lens")  # what run_custom_tis passes
 
 
 class CustomTisFn(Protocol):
@@ -299,9 +302,10 @@ class CustomTisFn(Protocol):
     ``args``: the flags (train and algo sections) plus the ``--custom-config-path`` keys that name no flag;
     ``pg_loss`` [N] the per-token clipped policy loss; ``train_log_probs`` / ``rollout_log_probs`` /
     ``loss_masks``: one [R_i] tensor per sample (the trainer's old log-probs, the engine's, the masks);
-    ``kwargs``: ``response_lengths`` (list of R_i). Returns the weighted ``pg_loss`` [N], the loss masks
-    (changed by rejection sampling, else as given) and per-token metrics [N] (reduced over the masks
-    given, before rejection). Called when ``--use-tis`` is on, instead of the built-in truncation.
+    ``kwargs``: ``total_lengths`` (prompt + response tokens of each sample), ``response_lengths`` (list of R_i)
+    and ``max_seq_lens`` (None: rows are packed, ``thd``), as Miles passes them. Returns the weighted ``pg_loss``
+    [N], the loss masks (changed by rejection sampling, else as given) and per-token metrics [N] (reduced over the
+    masks given, before rejection). Called when ``--use-tis`` is on, instead of the built-in truncation.
     """
 
     def __call__(self, args: Any, *, pg_loss: torch.Tensor, train_log_probs: list[torch.Tensor],
@@ -320,7 +324,7 @@ def check_tis_signature(fn: Callable[..., Any], path: str) -> None:
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     missing = [k for k in _TIS_KEYWORDS if k not in named and not var_kw]
     required_kw = [p.name for p in params if p.kind is p.KEYWORD_ONLY and p.default is p.empty
-                   and p.name not in _TIS_KEYWORDS]
+                   and p.name not in _TIS_PASSED]
     if not positional and not any(p.kind is p.VAR_POSITIONAL for p in params) or missing or required_kw:
         why = (f"it does not take {', '.join(missing)}" if missing else
                f"it requires {', '.join(required_kw)}, which is not passed" if required_kw else "it takes no args")
@@ -340,7 +344,7 @@ def run_custom_tis(fn: CustomTisFn, args: Any, pg: torch.Tensor, inp: LossInputs
     lengths = list(inp.lengths)
     out = fn(args, pg_loss=pg, train_log_probs=list(inp.old_log_probs.detach().split(lengths)),
              rollout_log_probs=list(inp.rollout_log_probs.split(lengths)), loss_masks=list(inp.loss_mask.split(lengths)),
-             response_lengths=lengths)
+             total_lengths=inp.total_lengths, response_lengths=lengths, max_seq_lens=None)
     if not (isinstance(out, tuple | list) and len(out) == 3):
         raise ValueError(f"--custom-tis-function-path must return {CUSTOM_TIS_FORM.split('-> ')[1]}, got "
                          f"{type(out).__name__}.")

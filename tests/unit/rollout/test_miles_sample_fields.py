@@ -34,3 +34,71 @@ def test_a_removed_sample_trains_on_no_token():
     gone = RLTrainer._sample_data(trainer, s, 1)
     assert torch.equal(gone.loss_mask, torch.zeros(2)) and gone.response_length == 2
     assert s.loss_mask == [1, 1]                                      # the sample itself is not rewritten
+
+
+class _CharTokenizer:
+    def decode(self, ids):
+        return "".join(chr(65 + i) for i in ids)
+
+
+def test_strip_last_output_tokens_cuts_every_per_token_field():
+    """Miles's ``Sample.strip_last_output_tokens(n, tokenizer)``: tokens, response_length, loss mask, log-probs,
+    the per-token metadata lists and the routed experts (base64 int32, one row per token but the last) lose the
+    last n response tokens; the response is re-decoded; n beyond the response is one line."""
+    import base64
+
+    import numpy as np
+
+    from miles.utils.types import Sample as MilesSample
+
+    assert MilesSample is Sample
+    experts = np.arange(4 * 2 * 3, dtype=np.int32).reshape(4, 2, 3)  # 5 tokens -> 4 rows, 2 layers, top-3
+    s = Sample(tokens=[1, 2, 3, 4, 5], response_length=3, response="DEF", loss_mask=[1, 0, 1],
+               rollout_log_probs=[-0.1, -0.2, -0.3], rollout_routed_experts=base64.b64encode(experts.tobytes()).decode(),
+               metadata={"teacher_log_probs": [-1.0, -2.0, -3.0], "opd_reverse_kl": [0.1, 0.2, 0.3], "other": [9]})
+    s.strip_last_output_tokens(0, _CharTokenizer())
+    assert s.tokens == [1, 2, 3, 4, 5] and s.response == "DEF"
+    s.strip_last_output_tokens(2, _CharTokenizer())
+    assert (s.tokens, s.response_length, s.response) == ([1, 2, 3], 1, "D")
+    assert s.loss_mask == [1] and s.rollout_log_probs == [-0.1]
+    assert s.metadata == {"teacher_log_probs": [-1.0], "opd_reverse_kl": [0.1], "other": [9]}
+    left = np.frombuffer(base64.b64decode(s.rollout_routed_experts), dtype=np.int32).reshape(-1, 2, 3)
+    assert left.shape == (2, 2, 3) and (left == experts[:2]).all()
+    s.strip_last_output_tokens(1, _CharTokenizer())
+    assert (s.tokens, s.response_length, s.response) == ([1, 2], 0, "")
+    try:
+        s.strip_last_output_tokens(1, _CharTokenizer())
+    except ValueError as e:
+        assert str(e) == "cannot strip 1 tokens: only 0 output tokens available"
+    else:
+        raise AssertionError("stripping past the response must fail")
+
+
+def test_reward_spec_routes_the_builtin_reward_and_crosses_the_wire():
+    """Miles's ``Sample.reward_spec`` (``RewardSpec(rm_type, custom_rm_path)``): its set fields win over
+    metadata["rm_type"] and the flags in the built-in rewarder (as in rm_hub), and it survives the sample wire."""
+    import asyncio
+
+    from miles.config import parse_args
+    from miles.rollout.rewards import Rewarder
+    from miles.rollout.wire import decode_samples, encode_samples
+    from miles.types import SampleStatus
+    from miles.utils.types import RewardSpec
+
+    reward = parse_args(["--rollout-batch-size", "2", "--num-rollout", "1", "--rm-type", "exact_match"],
+                        validate=False).reward
+    rewarder = Rewarder(reward)
+
+    def done(**kw):
+        return Sample(response="\\boxed{4}", label="4", status=SampleStatus.COMPLETED, **kw)
+
+    plain, by_spec, by_path = done(), done(reward_spec=RewardSpec(rm_type="math")), done(
+        reward_spec=RewardSpec(custom_rm_path=f"{__name__}.seven"))
+    asyncio.run(rewarder.score_group([plain, by_spec, by_path]))
+    assert (plain.reward, by_spec.reward, by_path.reward) == (0.0, 1.0, 7.0)   # exact_match, math, the function
+    back = decode_samples(encode_samples([by_spec, plain]))
+    assert back[0].reward_spec == RewardSpec(rm_type="math") and back[1].reward_spec is None
+
+
+async def seven(args, sample):
+    return 7.0

@@ -22,6 +22,7 @@ CALLS: list[dict] = []
 def recording_tis(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, **kwargs):
     """Zero weight on every token; records what it was called with."""
     CALLS.append({"tis_mode": args.tis_mode, "use_tis": args.use_tis, "lengths": kwargs["response_lengths"],
+                  "total": kwargs["total_lengths"], "max_seq_lens": kwargs["max_seq_lens"],
                   "n": len(train_log_probs), "rollout": [t.tolist() for t in rollout_log_probs]})
     return pg_loss * 0.0, loss_masks, {"w": torch.zeros_like(pg_loss)}
 
@@ -73,6 +74,8 @@ def test_custom_tis_function_is_what_the_trainer_calls(tiny_model_dir, group, tm
     metrics = _trainer(cfg, group).train(_samples(), rollout_id=0)
     assert CALLS and CALLS[0]["tis_mode"] == "zero" and CALLS[0]["use_tis"] is True
     assert sum(c["n"] for c in CALLS) == 8 and all(ln == 3 for c in CALLS for ln in c["lengths"])
+    # Miles's kwargs: prompt + response tokens of each sample (7 here), no bshd padding
+    assert all(c["total"] == [7] * c["n"] and c["max_seq_lens"] is None for c in CALLS)
     assert CALLS[0]["rollout"][0] == pytest.approx([-2.0, -2.5, -3.0])
     pg = next(v for k, v in metrics.items() if k.endswith("pg_loss"))
     assert pg == 0.0 and any(k.endswith("/w") or k == "w" for k in metrics), metrics
@@ -80,7 +83,7 @@ def test_custom_tis_function_is_what_the_trainer_calls(tiny_model_dir, group, tm
     assert next(v for k, v in plain.items() if k.endswith("pg_loss")) != 0.0
 
 
-def test_custom_tis_refusals(tiny_model_dir):
+def test_custom_tis_refusals(tiny_model_dir, monkeypatch):
     with pytest.raises(ConfigError, match="^--custom-tis-function-path .* only with --use-tis"):
         _cfg(tiny_model_dir, "--custom-tis-function-path", f"{__name__}.recording_tis")
     parse_args(["--train-backend", "megatron", "--num-rollout", "1", "--rollout-batch-size", "2", "--use-tis",
@@ -90,6 +93,10 @@ def test_custom_tis_refusals(tiny_model_dir):
     with pytest.raises(ConfigError, match="cannot be called as .* does not take train_log_probs"):
         check_plugin("custom_tis_function_path", f"{__name__}.bad_tis")
     check_plugin("custom_tis_function_path", f"{__name__}.recording_tis")
+    # Miles's Megatron form requires total_lengths and response_lengths by keyword: they are passed, so it binds
+    monkeypatch.syspath_prepend(str(MIS_DIR))
+    check_plugin("custom_tis_function_path",
+                 "examples.infra_features.train_infer_mismatch_helper.mis.compute_mis_weights_with_cp")
 
 
 def _inputs(n_tokens=(3, 2)):
@@ -130,6 +137,40 @@ def test_miles_mis_example_weights_and_rejection(monkeypatch):
     assert losses["truncate", True] != pytest.approx(losses["truncate", False])  # RS changed the numerators
     builtin, _ = policy_loss(algo, inp, Reducer(inp.loss_mask, inp.lengths, False, 5, 2))
     assert float(builtin.detach()) == pytest.approx(losses["truncate", False])  # built-in: clamp to [0, --tis-clip 2]
+
+
+def test_miles_mis_cp_form_gives_the_fsdp_form_result(monkeypatch):
+    """Miles's Megatron form (``compute_mis_weights_with_cp``: required total/response lengths, its cp_utils
+    gather and slice) gives what the FSDP form does: the loss holds each response whole here. cp_utils refuses
+    values that are not one per response token, and bshd, in one line."""
+    from types import SimpleNamespace
+
+    from miles.backends.training_utils.cp_utils import all_gather_with_cp, slice_log_prob_with_cp
+
+    monkeypatch.syspath_prepend(str(MIS_DIR))
+    from examples.infra_features.train_infer_mismatch_helper.mis import (
+        compute_mis_weights_fsdp,
+        compute_mis_weights_with_cp,
+    )
+
+    algo = parse_args(["--use-tis", "--num-rollout", "1", "--rollout-batch-size", "2", "--train-backend", "fsdp"]).algo
+    args = SimpleNamespace(tis_mode="truncate", tis_lower_bound=0.5, tis_upper_bound=2.0, use_rs=True,
+                           qkv_format="thd")
+    out = {}
+    for name, fn in (("fsdp", compute_mis_weights_fsdp), ("cp", compute_mis_weights_with_cp)):
+        inp = _inputs()
+        inp.total_lengths = [7, 4]
+        reduce = Reducer(inp.loss_mask, inp.lengths, per_token=False, num_step_tokens=5, num_step_samples=2)
+        loss, metrics = policy_loss_with_tis(fn, args)(algo, inp, reduce)
+        loss.backward()
+        out[name] = (float(loss.detach()), {k: float(v) for k, v in metrics.items()}, inp.log_probs.grad.tolist())
+    assert out["cp"] == out["fsdp"] and out["cp"][1]["mis_clipfrac"] > 0
+    x = torch.zeros(3)
+    assert all_gather_with_cp(x, 5, 3) is x and slice_log_prob_with_cp([1.0, 2.0, 3.0], 5, 3) == [1.0, 2.0, 3.0]
+    with pytest.raises(ValueError, match=r"^all_gather_with_cp: got 2 values for a response of 3 tokens"):
+        all_gather_with_cp(torch.zeros(2), 5, 3)
+    with pytest.raises(ValueError, match=r"^slice_log_prob_with_cp: qkv_format 'bshd' is not supported"):
+        slice_log_prob_with_cp(x, 5, 3, "bshd", 8)
 
 
 def test_fsdp_cpu_offload_reaches_the_policy_and_its_optimizer(tiny_model_dir, group, monkeypatch):

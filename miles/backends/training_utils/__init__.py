@@ -1,0 +1,1 @@
+"""Miles's ``miles.backends.training_utils`` import path (see :mod:`miles.backends`)."""

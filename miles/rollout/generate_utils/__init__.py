@@ -1,0 +1,1 @@
+"""Miles's ``miles.rollout.generate_utils`` package: the helpers its plugins import (``prefill_logprobs``)."""
