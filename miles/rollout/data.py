@@ -27,17 +27,13 @@ from typing import Any, BinaryIO
 from miles.config.base import ConfigError
 from miles.config.data import DataConfig, EvalConfig, parse_eval_prompt_data  # noqa: F401  (re-exported)
 from miles.config.eval_datasets import EvalDatasetSpec
-from miles.utils.errors import MilesError
+from miles.utils.errors import DataError
 from miles.utils.logging import get_logger
 
 logger = get_logger(__name__)
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
-
-
-class DataError(MilesError, ValueError):
-    """The prompt data is malformed; the message names the file, the line (or row) and the fix."""
 
 
 @dataclass

@@ -11,3 +11,8 @@ from __future__ import annotations
 
 class MilesError(RuntimeError):
     """A known failure at run time whose message says what happened and what to do."""
+
+
+class DataError(MilesError, ValueError):
+    """Input data is malformed (a prompt file, a conversation); the message names the file, the line (or row) and
+    the fix. ``miles.rollout.data`` re-exports it."""

@@ -5,7 +5,7 @@
     gen.get_text_from_loss_mask(token_ids, loss_mask)                # the trained spans, decoded
 
 Every template type (``qwen``, ``qwen3``) is rendered by this project's one implementation,
-:func:`miles.rollout.sft_rollout.conversation_tokens` (the chat template renders each message by appending, the
+:func:`miles.utils.chat.conversation_tokens` (the chat template renders each message by appending, the
 text an assistant message adds after the generation prompt is trained on, ``"step_loss_mask": 0`` turns a message
 off); ``distill_qwen`` (or a ``qwen`` tokenizer with DeepSeek-R1-distill's ``<｜Assistant｜>`` token) trains on
 the last message's raw content after the first message's prompt, as Miles does.
@@ -38,7 +38,7 @@ class MultiTurnLossMaskGenerator:
         return get_response_lengths(loss_masks)
 
     def _template(self, messages: list[dict], tools: list[dict] | None) -> tuple[list[int], list[int]]:
-        from miles.rollout.sft_rollout import conversation_tokens
+        from miles.utils.chat import conversation_tokens
 
         return conversation_tokens(self.tokenizer, messages, tools, where="MultiTurnLossMaskGenerator")
 

@@ -24,6 +24,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "config": (), "utils": (), "types": (),     # the ground floors: one another only, never a plane
     "spmd": (),
     "fleet": (),
+    "backends": (),                             # Miles's plugin-facing miles.backends.* names (pure helpers)
     "engine": ("miles.weight_sync.disk_delta", "miles.weight_sync.buckets"),
     "rollout": ("miles.fleet",),
     "weight_sync": ("miles.fleet.client",),

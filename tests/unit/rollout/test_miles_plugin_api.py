@@ -189,12 +189,12 @@ def test_async_rm_and_batched_async_rm_as_miles(tmp_path, monkeypatch):
     assert [s.reward for s in samples] == [1, 0]
     with pytest.raises(AssertionError, match="Overriding sample.reward"):
         run(batched_async_rm(args, samples, inplace_set_reward_field=True))
-    (tmp_path / "rm_plugin.py").write_text(textwrap.dedent('''
+    (tmp_path / "rm_plugin_group.py").write_text(textwrap.dedent('''
         async def group(args, samples, **kwargs):
             return [len(s.response) + kwargs.get("bonus", 0) for s in samples]
     '''))
     monkeypatch.syspath_prepend(str(tmp_path))
-    custom = SimpleNamespace(rm_type=None, custom_rm_path="rm_plugin.group")
+    custom = SimpleNamespace(rm_type=None, custom_rm_path="rm_plugin_group.group")
     assert run(batched_async_rm(custom, [Sample(response="abc")], bonus=1)) == [4]
 
 

@@ -10,7 +10,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from test_client import start_engine, wait_engines
+from embedded_engines import start_engine, wait_engines
 from transformers import AutoTokenizer
 
 from miles.config import parse_args

@@ -81,7 +81,7 @@ def test_reward_spec_routes_the_builtin_reward_and_crosses_the_wire():
 
     from miles.config import parse_args
     from miles.rollout.rewards import Rewarder
-    from miles.rollout.wire import decode_samples, encode_samples
+    from miles.run.wire import decode_samples, encode_samples
     from miles.types import SampleStatus
     from miles.utils.types import RewardSpec
 
