@@ -97,7 +97,7 @@ def dry_run(cfg: MilesConfig) -> str:
     """Parse, validate, build the role plan, run the start-up checks (``miles.run.preflight``: paths, plugins,
     outputs, backend checks) and derive the run's values; the text to print. Starts nothing."""
     from miles.run.metrics import default_output_dir
-    from miles.run.preflight import preflight
+    from miles.run.preflight import check_micro_batch_budget, preflight
     from miles.run.resolve import resolve_run
     from miles.spmd.roles import build_role_plan
     from miles.spmd.world import read_launch_env
@@ -112,7 +112,9 @@ def dry_run(cfg: MilesConfig) -> str:
         from miles.utils.model_dir import load_tokenizer
 
         tokenizer = load_tokenizer(cfg.train.hf_checkpoint, "--hf-checkpoint")
-        num_prompts = len(build_prompt_dataset(cfg.data, tokenizer, seed=cfg.rollout.rollout_seed))
+        dataset = build_prompt_dataset(cfg.data, tokenizer, seed=cfg.rollout.rollout_seed)
+        check_micro_batch_budget(cfg, dataset)  # as the start does, once the prompts are tokenized
+        num_prompts = len(dataset)
     run_plan = None
     if cfg.data.num_rollout is not None or cfg.data.num_epoch is not None:
         run_plan = resolve_run(cfg, num_prompts=num_prompts, output_dir=str(default_output_dir(cfg.output)),

@@ -138,6 +138,10 @@ BAD_STARTS = {
                           "--hf-checkpoint {t}/trunc: model.safetensors is truncated"),
     "sync-generate-plugin": (lambda m, t: ["--hf-checkpoint", str(m), "--custom-generate-function-path", "json.dumps"],
                              "--custom-generate-function-path 'json.dumps'"),
+    **{f"micro-batch-budget-{b}": (lambda m, t, b=b: ["--hf-checkpoint", str(m), "--train-backend", b,
+                                                       "--use-dynamic-batch-size", "--max-tokens-per-gpu", "1"],
+                                   "--max-tokens-per-gpu 1 is smaller than the longest prompt of --prompt-data (")
+       for b in ("fsdp", "megatron")},
 }
 
 
@@ -207,6 +211,22 @@ def test_rl_without_engines_stops_a_real_start_before_the_trainer_loads(tmp_path
                                    "--rollout-function-path, or drop --debug-train-only."), tail(log)
     assert "the driver (rank 0) failed during setup: ConfigError: --loss-type policy_loss" in lines["[miles r1]"]
     assert "FSDP trainer ready" not in text and not (out / "metrics.jsonl").exists(), tail(log)
+
+
+def test_a_micro_batch_budget_below_a_prompt_stops_a_real_start_in_one_line(tmp_path: Path, tiny_model_dir: Path):
+    """--use-dynamic-batch-size --max-tokens-per-gpu 1: no sample fits a micro-batch. Both ranks end (code 2) with one
+    line naming the flag, before the trainer is built (it was 'unexpected error (a bug)' at the first training step)."""
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in _rows(4)))
+    out, log = tmp_path / "out", tmp_path / "run.log"
+    result = run(_cmd(tiny_model_dir, data, out, "--num-rollout", "1", "--use-dynamic-batch-size",
+                      "--max-tokens-per-gpu", "1"), log, timeout=300)
+    text = log.read_text()
+    assert result.returncode != 0, tail(log)
+    lines = {ln.split("]")[0] + "]": ln for ln in _error_lines(text)}
+    assert set(lines) == {"[miles r0]", "[miles r1]"}, tail(log)
+    assert "--max-tokens-per-gpu 1 is smaller than the longest prompt of --prompt-data" in lines["[miles r0]"], tail(log)
+    assert "unexpected error" not in text and "trainer ready" not in text, tail(log)
 
 
 def test_an_engine_that_dies_at_start_ends_the_job_at_once(tmp_path: Path, tiny_model_dir: Path):
