@@ -9,6 +9,7 @@ and every rank releases what it holds (engines, router, sinks: the plot is writt
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any
 
 from miles.utils.logging import get_logger
@@ -57,14 +58,18 @@ async def run_job(cfg: MilesConfig, loop_cls: Any) -> None:
     except BaseException as e:
         from miles.spmd.errors import is_known_error
 
-        logger.error("run failed on rank %d: %s: %s", ctx.rank, type(e).__name__, e,  # a traceback only for bugs
-                     exc_info=not (isinstance(e, KeyboardInterrupt) or is_known_error(e)))
+        interrupted = isinstance(e, KeyboardInterrupt | asyncio.CancelledError)  # Ctrl-C: every rank got it
+        if interrupted:
+            logger.info("interrupted (SIGINT) on rank %d; stopping", ctx.rank)  # run_main prints the one error line
+        else:
+            logger.error("run failed on rank %d: %s: %s", ctx.rank, type(e).__name__, e,  # a traceback only for bugs
+                         exc_info=not is_known_error(e))
         if ctx.is_driver:
             job.sink.close()  # finished rollouts' metrics and the plot first: the launcher may end us soon
         named = name_silent_ranks(e, beat)  # a timed-out collective: which rank went silent (a few seconds)
         if named is not e:
             logger.error("%s", named)
-        if ctx.is_driver:
+        if ctx.is_driver and not interrupted:  # an interrupted follower is not waiting for a command
             job.worker.channel.abort(f"{type(e).__name__}: {named}")
         if named is not e:
             raise named from e
