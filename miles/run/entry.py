@@ -56,9 +56,12 @@ async def run_job(cfg: MilesConfig, loop_cls: Any) -> None:
         else:
             job.worker.follow()
     except BaseException as e:
-        from miles.spmd.errors import is_known_error
+        from miles.spmd import signals
+        from miles.spmd.errors import format_error, is_known_error
 
         interrupted = isinstance(e, KeyboardInterrupt | asyncio.CancelledError)  # Ctrl-C: every rank got it
+        if is_known_error(e):  # the launcher may SIGTERM us while we clean up: this is still our one line
+            signals.note_failure(format_error(e))
         if interrupted:
             logger.info("interrupted (SIGINT) on rank %d; stopping", ctx.rank)  # run_main prints the one error line
         else:
@@ -69,6 +72,7 @@ async def run_job(cfg: MilesConfig, loop_cls: Any) -> None:
         named = name_silent_ranks(e, beat)  # a timed-out collective: which rank went silent (a few seconds)
         if named is not e:
             logger.error("%s", named)
+            signals.note_failure(format_error(named))
         if ctx.is_driver and not interrupted:  # an interrupted follower is not waiting for a command
             job.worker.channel.abort(f"{type(e).__name__}: {named}")
         if named is not e:

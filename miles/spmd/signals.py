@@ -34,6 +34,7 @@ INTERRUPT_GRACE_S = 10.0
 _BACKSTOP_S = 3.0  # leave() exits by then whatever a log handler or a dead pipe does
 _leaving = threading.Lock()
 _quiet = threading.Event()  # run_main is already reporting this rank's failure: no second line
+_failure: list[str] = []  # the one line of a failure this rank is cleaning up after (note_failure)
 _installed = False
 
 
@@ -61,17 +62,31 @@ def leave(message: str | None, code: int) -> NoReturn:
     backstop.daemon = True
     backstop.start()
     if message is not None and not _quiet.is_set():
-        line = f"{_prefix()} error: {message}"
+        line = _failure[0] if _failure else f"{_prefix()} error: {message}"
         with contextlib.suppress(OSError):
             os.write(2, (line + "\n").encode())
-        with contextlib.suppress(Exception):
-            from miles.utils.logging import get_logger
-
-            get_logger(__name__).error("%s", line)  # the rank's log file, where one is configured
+        _log_to_files(line)
     kill_engines()
     from miles.spmd.errors import _flush_and_exit
 
     _flush_and_exit(code)
+
+
+def _log_to_files(line: str) -> None:
+    """``line`` into the rank's log file (the console has it already), where one is configured."""
+    import logging
+
+    with contextlib.suppress(Exception):
+        record = logging.LogRecord("miles.spmd.signals", logging.ERROR, __file__, 0, "%s", (line,), None)
+        for handler in logging.getLogger("miles").handlers:
+            if isinstance(handler, logging.FileHandler):
+                handler.handle(record)
+
+
+def note_failure(line: str) -> None:
+    """This rank failed (``line``: its one line) and is cleaning up: a SIGTERM that ends it meanwhile (the launcher
+    saw another rank exit) prints this line, not its own, so the rank's real error is what it reports."""
+    _failure[:] = [line]
 
 
 def quiet() -> None:
