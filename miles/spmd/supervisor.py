@@ -142,6 +142,19 @@ class EngineSupervisor:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
 
+    def kill_now(self) -> None:
+        """Stop supervising and SIGKILL the child's process group at once (a hung or stopped engine): no restart and
+        no ``on_exit`` call follow."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        proc = self._proc
+        if proc is not None:
+            self._kill_leftovers(proc.pid)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5)
+        _live.discard(self)
+
     def stop(self, timeout: float = 10.0) -> int | None:
         """Stop the child (SIGTERM to its group, SIGKILL after ``timeout``) and the watcher; returns its code."""
         with self._cond:

@@ -266,6 +266,105 @@ def test_a_micro_batch_budget_below_a_prompt_stops_a_real_start_in_one_line(tmp_
     assert "unexpected error" not in text and "trainer ready" not in text, tail(log)
 
 
+def _rl_flags(model: Path, data: Path, out: Path, backend: str, *extra: str) -> list[str]:
+    """1 trainer rank + 1 embedded engine, GRPO on tiny arithmetic prompts (flags after ``train.py``)."""
+    return ["--train-backend", backend, "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus",
+            "1", "--num-gpus-per-node", "2", "--hf-checkpoint", str(model), "--prompt-data", str(data), "--input-key",
+            "prompt", "--label-key", "label", "--rm-type", "math", "--rollout-batch-size", "2", "--n-samples-per-prompt",
+            "2", "--rollout-max-response-len", "4", "--global-batch-size", "4", "--advantage-estimator", "grpo",
+            "--output-dir", str(out), "--no-progress", *extra]
+
+
+def _rl_data(tmp_path: Path) -> Path:
+    data = tmp_path / "rl.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "label": str(2 * i)}) + "\n" for i in range(40)))
+    return data
+
+
+def _engine_pid(job) -> int:
+    import ft_harness as H
+
+    pids = [p for p in H.descendants(job.proc.pid) if b"miles.engine" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert len(pids) == 1, pids
+    return pids[0]
+
+
+def _wait_rollouts(job, out: Path, n: int, limit: float = 400) -> None:
+    import ft_harness as H
+
+    deadline = time.monotonic() + limit
+    while not ((out / "metrics.jsonl").exists() and len(metrics(out)) >= n):
+        assert job.proc.poll() is None and time.monotonic() < deadline, H.tail(job.log)
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_a_stopped_engine_without_fault_tolerance_ends_the_job_naming_it(tmp_path: Path, tiny_model_dir: Path,
+                                                                         backend: str):
+    """SIGSTOP of the engine mid-run, no --use-fault-tolerance: its leader rank's /health probes go unanswered, so it
+    SIGKILLs the engine and ends with one line naming it; the launcher ends the job and no process of it is left
+    (the stopped engine included). It used to stall generation for --rollout-request-timeout x retries (40 min by
+    default), silently, then wait in the weight sync until --update-weight-timeout."""
+    import os
+    import signal
+
+    import ft_harness as H
+
+    interval, timeout = 1.0, 3.0  # detection within interval + 2 x timeout = 7 s (miles.run.engine_watch)
+    out = tmp_path / "out"
+    job = H.launch(_rl_flags(tiny_model_dir, _rl_data(tmp_path), out, backend, "--num-rollout", "500",
+                             "--rollout-health-check-interval", str(interval), "--rollout-health-check-timeout",
+                             str(timeout)), nproc=2, workdir=tmp_path)
+    try:
+        _wait_rollouts(job, out, 2)
+        engine = _engine_pid(job)
+        os.kill(engine, signal.SIGSTOP)
+        t_stop = time.monotonic()
+        job.wait(120)
+        took = time.monotonic() - t_stop
+        left = H.descendants(job.proc.pid) + [p for p in (engine,) if Path(f"/proc/{p}").exists()
+                                              and Path(f"/proc/{p}/stat").read_text().split(") ")[1][0] != "Z"]
+    finally:
+        job.kill()
+    log = job.log.read_text(errors="replace")
+    lines = [ln for ln in log.splitlines() if ln.startswith("[miles r1] error: ")]
+    assert len(lines) == 1 and "engine0 (pid" in lines[0] and "is hung or stopped" in lines[0], H.tail(job.log)
+    assert "--rollout-health-check-timeout 3s" in lines[0], lines[0]
+    assert not left, f"processes of the job left after it ended: {left}"
+    print(f"{backend}: job ended {took:.1f}s after the engine's SIGSTOP")
+    # measured 5.1-7.6 s from the SIGSTOP to the launcher's exit (2-core CPU machine shared with other jobs,
+    # 2026-12-06; `pytest tests/e2e/test_run_errors.py -k stopped_engine -s`); the bound is 7 s + the job's exit
+    assert took < 2 * (interval + 2 * timeout) + 5, f"the job took {took:.1f}s to end after the engine stopped"
+
+
+def test_a_killed_engine_is_reported_as_killed_not_with_an_unrelated_log_line(tmp_path: Path, tiny_model_dir: Path):
+    """SIGKILL of the engine mid-run, no --use-fault-tolerance: its rank's one line says it was killed by SIGKILL, not
+    the engine log's 'Error handling request' (sglang-router's HTTP/2 probe of every worker it adds)."""
+    import os
+    import signal
+
+    import ft_harness as H
+
+    out = tmp_path / "out"
+    job = H.launch(_rl_flags(tiny_model_dir, _rl_data(tmp_path), out, "fsdp", "--num-rollout", "500"), nproc=2,
+                   workdir=tmp_path)
+    try:
+        _wait_rollouts(job, out, 2)
+        os.kill(_engine_pid(job), signal.SIGKILL)
+        t_kill = time.monotonic()
+        job.wait(120)
+        took = time.monotonic() - t_kill
+    finally:
+        job.kill()
+    log = job.log.read_text(errors="replace")
+    lines = [ln for ln in log.splitlines() if ln.startswith("[miles r1] error: ")]
+    assert len(lines) == 1 and "engine0 was killed by SIGKILL (exit code -9); without --use-fault-tolerance" in lines[0], \
+        H.tail(job.log)
+    engine_log = (out / "engine0.log").read_text(errors="replace")
+    assert "Error handling request" not in engine_log and "Traceback" not in engine_log, engine_log[-3000:]
+    assert took < 10, f"the job took {took:.1f}s to end after the engine was killed"
+
+
 def test_an_engine_that_dies_at_start_ends_the_job_at_once(tmp_path: Path, tiny_model_dir: Path):
     """An engine that exits at start (here: the engine refuses a bad MILES_ENGINE_SWITCH_INTERVAL with exit code 2)
     and will not be restarted (no --use-fault-tolerance) ends its rank with one line naming the engine and its error,
