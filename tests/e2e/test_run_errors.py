@@ -365,6 +365,31 @@ def test_a_killed_engine_is_reported_as_killed_not_with_an_unrelated_log_line(tm
     assert took < 10, f"the job took {took:.1f}s to end after the engine was killed"
 
 
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_a_generate_function_that_never_returns_is_bounded_by_its_flag(tmp_path: Path, tiny_model_dir: Path,
+                                                                       backend: str):
+    """A --custom-generate-function-path function that never returns: each call is cancelled after
+    --custom-generate-function-timeout, its sample fails naming the flag, and a rollout in which every sample failed
+    ends the job with one line. It used to hang the job without a line, whatever --distributed-timeout-minutes."""
+    import ft_harness as H
+
+    out = tmp_path / "out"
+    job = H.launch(_rl_flags(tiny_model_dir, _rl_data(tmp_path), out, backend, "--num-rollout", "2",
+                             "--custom-generate-function-path", "tests.e2e.fault_plugins.generate_never_returns",
+                             "--custom-generate-function-timeout", "2", "--distributed-timeout-minutes", "0.5"),
+                   nproc=2, workdir=tmp_path)
+    try:
+        job.wait(400)
+    finally:
+        job.kill()
+    log = job.log.read_text(errors="replace")
+    lines = [ln for ln in log.splitlines() if ln.startswith("[miles r0] error: ")]
+    assert len(lines) == 1, H.tail(job.log)
+    assert "every one of 4 samples failed" in lines[0] and "did not return within --custom-generate-function-timeout 2s" \
+        in lines[0], lines[0]
+    assert "unexpected error" not in log, H.tail(job.log)
+
+
 def test_an_engine_that_dies_at_start_ends_the_job_at_once(tmp_path: Path, tiny_model_dir: Path):
     """An engine that exits at start (here: the engine refuses a bad MILES_ENGINE_SWITCH_INTERVAL with exit code 2)
     and will not be restarted (no --use-fault-tolerance) ends its rank with one line naming the engine and its error,
