@@ -118,6 +118,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--over-sampling-batch-size", type=int, default=None, help="Prompts in flight for dynamic sampling.")
     d.add_argument("--dynamic-sampling-filter-path", type=str, default=None, help="module.function keeping a group.")
     d.add_argument("--custom-generate-function-path", type=str, default=None, help="module.function generating one sample.")
+    d.add_argument("--custom-generate-function-timeout", type=float, default=3600.0,
+                   help="Seconds one --custom-generate-function-path call may take; then its sample fails, naming this "
+                        "flag (miles's own: Miles v0.1.0 does not bound the call).")
     d.add_argument("--rollout-function-path", type=str, default=None,
                    help="module.function generating a whole rollout: fn(args, rollout_id, data_source, evaluation=False).")
     d.add_argument("--fully-async", action="store_true", help="Fully async rollout (train_async.py): keep generating while training.")
@@ -189,6 +192,7 @@ class DataConfig:
     over_sampling_batch_size: int | None
     dynamic_sampling_filter_path: str | None
     custom_generate_function_path: str | None
+    custom_generate_function_timeout: float
     rollout_function_path: str | None
     fully_async: bool
 

@@ -305,6 +305,9 @@ def _validate_ranges(cfg: MilesConfig) -> None:
     if not r.rollout_request_timeout > 0:
         raise ConfigError(f"--rollout-request-timeout must be a positive number of seconds, got "
                           f"{r.rollout_request_timeout}: e.g. --rollout-request-timeout 600.")
+    if not cfg.data.custom_generate_function_timeout > 0:  # nan included
+        raise ConfigError(f"--custom-generate-function-timeout must be a positive number of seconds, got "
+                          f"{cfg.data.custom_generate_function_timeout}: e.g. --custom-generate-function-timeout 3600.")
     if r.engine_max_running_requests < 1:
         raise ConfigError(f"--engine-max-running-requests must be at least 1, got {r.engine_max_running_requests}.")
     if r.sglang_mem_fraction_static is not None and not 0.0 < r.sglang_mem_fraction_static < 1.0:

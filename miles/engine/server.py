@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 from typing import Any
 
 import msgspec
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from miles.engine import protocol as P
 from miles.engine.engine import Engine
@@ -337,11 +339,26 @@ def build_app(engine: Engine) -> web.Application:
     return app
 
 
+class _ConnectionLog(logging.LoggerAdapter):
+    """aiohttp's per-connection log. A request aiohttp cannot parse is answered 400 by aiohttp itself; here it is one
+    debug line instead of an ERROR with a traceback: sglang-router probes every worker it adds over gRPC too (its
+    connection-mode detection), and that HTTP/2 preface (``PRI * HTTP/2.0``) left two tracebacks in every engine log,
+    which the run then quoted as the engine's last error when the engine died."""
+
+    def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
+        exc = kwargs.get("exc_info")
+        if isinstance(exc, HttpProcessingError):
+            kwargs.pop("exc_info")
+            level, msg = logging.DEBUG, f"{msg}: not an HTTP/1 request (answered 400): %s"
+            args = (*args, " ".join(str(exc).split())[:120])
+        super().log(level, msg, *args, **kwargs)
+
+
 async def serve(engine: Engine, host: str, port: int) -> None:
     """Run until cancelled (SIGTERM/SIGINT handled by the caller)."""
     app = build_app(engine)
     runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True,
-                           shutdown_timeout=SHUTDOWN_GRACE_S)
+                           shutdown_timeout=SHUTDOWN_GRACE_S, logger=_ConnectionLog(get_logger("miles.engine.http")))
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
     await site.start()

@@ -63,7 +63,8 @@ class RouterError(EngineError):
 
 def _set_pdeathsig() -> None:  # runs in the child between fork and exec
     with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        # PR_SET_PDEATHSIG; SIGKILL, which also ends a stopped router (a SIGTERM would stay pending in it)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
 
 
 def _http_ok(url: str, timeout: float) -> tuple[bool, str]:

@@ -62,8 +62,10 @@ def _skip_rest_of_line(f: BinaryIO, chunk: int = 1 << 20) -> int:
             return skipped
 
 
-def _iter_jsonl(p: Path, max_bytes: int | None, dropped: list[tuple[str, int]]) -> Iterator[tuple[str, dict[str, Any]]]:
-    """Stream (location, row) pairs; a line longer than ``max_bytes`` is skipped unread (its location kept)."""
+def _iter_jsonl(p: Path, max_bytes: int | None, dropped: list[tuple[str, int]],
+                flag: str = "--prompt-data") -> Iterator[tuple[str, dict[str, Any]]]:
+    """Stream (location, row) pairs; a line longer than ``max_bytes`` is skipped unread (its location kept).
+    ``flag`` is the flag that named the file (in the message of a line that is not UTF-8)."""
     with open(p, "rb") as f:
         lineno = 0
         while True:
@@ -79,13 +81,14 @@ def _iter_jsonl(p: Path, max_bytes: int | None, dropped: list[tuple[str, int]]) 
                 line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
             except UnicodeDecodeError as e:
                 raise DataError(f"{p}:{lineno}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of "
-                                f"the line); save --prompt-data as UTF-8 (e.g. `iconv -f latin1 -t utf-8`).") from None
+                                f"the line); save {flag} as UTF-8 (e.g. `iconv -f latin1 -t utf-8`).") from None
             if not line.strip():
                 continue
-            try:
-                row = json.loads(line)
+            try:  # without its line ending, so that a truncated last line reports the column where it ends
+                row = json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as e:
-                raise DataError(f"{p}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); each line must be "
+                where = "column" if e.msg.endswith(" at") else "at column"  # "Unterminated string starting at column 7"
+                raise DataError(f"{p}:{lineno}: not valid JSON ({e.msg} {where} {e.colno}); each line must be "
                                 f"one JSON object.") from e
             except RecursionError:
                 raise DataError(f"{p}:{lineno}: JSON nested too deeply to parse; flatten this record.") from None
@@ -95,8 +98,9 @@ def _iter_jsonl(p: Path, max_bytes: int | None, dropped: list[tuple[str, int]]) 
 
 
 def read_rows(path: str | Path, max_record_bytes: int | None = None,
-              dropped: list[tuple[str, int]] | None = None) -> list[tuple[str, dict[str, Any]]]:
-    """(location, row) pairs from a JSONL or Parquet file; location is ``file:line`` or ``file:row N``.
+              dropped: list[tuple[str, int]] | None = None, flag: str = "--prompt-data") -> list[tuple[str, dict[str, Any]]]:
+    """(location, row) pairs from a JSONL or Parquet file; location is ``file:line`` or ``file:row N``; ``flag``
+    names the flag that gave the file in messages about its content.
 
     A JSONL line longer than ``max_record_bytes`` is never parsed (nor held in memory whole): its
     (location, size in bytes) goes to ``dropped``.
@@ -117,7 +121,7 @@ def read_rows(path: str | Path, max_record_bytes: int | None = None,
     if not name.endswith(JSONL_SUFFIXES):
         raise DataError(f"prompt data {str(p)!r}: unknown format; use a .jsonl (one JSON object per line) "
                         f"or .parquet file.")
-    return list(_iter_jsonl(p, max_record_bytes, dropped))
+    return list(_iter_jsonl(p, max_record_bytes, dropped, flag))
 
 
 def _get(row: dict[str, Any], key: str, flag: str, where: str, seen_with_key: int = 0) -> Any:
@@ -156,8 +160,9 @@ def _expand_images(images: Any, ids: list[int], metadata: dict[str, Any], where:
 class PromptDataset:
     """All prompts of one file, rendered and tokenized, with over-long prompts dropped (and counted)."""
 
-    def __init__(self, path: str | Path, tokenizer: Any, data: DataConfig, seed: int = 0) -> None:
-        self.path = str(path)
+    def __init__(self, path: str | Path, tokenizer: Any, data: DataConfig, seed: int = 0,
+                 flag: str = "--prompt-data") -> None:
+        self.path, self.flag = str(path), flag
         self.seed = seed
         self.num_rows = 0
         self.num_dropped_too_long = 0
@@ -188,7 +193,7 @@ class PromptDataset:
 
             images = image_inputs(str(tokenizer.name_or_path))  # --hf-checkpoint is a VLM with an image processor
         too_big: list[tuple[str, int]] = []
-        rows = read_rows(path, max_bytes, too_big)
+        rows = read_rows(path, max_bytes, too_big, self.flag)
         for where, size in too_big:
             self._drop_too_big(where, "record", size, max_bytes)  # type: ignore[arg-type]
         self.num_rows = len(rows) + len(too_big)
@@ -414,5 +419,8 @@ def load_eval_datasets(specs: list[EvalDatasetSpec], eval_cfg: EvalConfig, data:
                 "tool_key": spec.tool_key}
         if eval_cfg.eval_max_prompt_len is not None:
             keys["rollout_max_prompt_len"] = eval_cfg.eval_max_prompt_len
-        out[spec.name] = EvalDataset(spec, PromptDataset(spec.path, tokenizer, dataclasses.replace(data, **keys), seed))
+        flag = (f"--eval-config's dataset {spec.name!r}" if eval_cfg.eval_config is not None
+                else f"--eval-prompt-data {spec.name}")
+        out[spec.name] = EvalDataset(spec, PromptDataset(spec.path, tokenizer, dataclasses.replace(data, **keys), seed,
+                                                         flag=flag))
     return out

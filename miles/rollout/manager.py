@@ -50,7 +50,15 @@ from miles.rollout.data import DataSource, EvalDataset, PromptDataset, PromptIte
 from miles.rollout.eval_fn import miles_eval_metrics
 from miles.rollout.filters import MetricGatherer, call_filter, load_filter
 from miles.rollout.opd_topk import student_top_k
-from miles.rollout.plugins import PluginArgs, choose_arity, client_address, is_async, load_function, reward_value
+from miles.rollout.plugins import (
+    PluginArgs,
+    call_bounded,
+    choose_arity,
+    client_address,
+    is_async,
+    load_function,
+    reward_value,
+)
 from miles.rollout.reward_post_process import RewardPostProcess
 from miles.rollout.rewards import Rewarder, reward_category_metrics
 from miles.types import Sample, SampleStatus
@@ -257,8 +265,10 @@ class RolloutManager:
         path = g.generate_path or self.data.custom_generate_function_path
         custom = self._generate_fns[g.generate_path] if g.generate_path else self.custom_generate
         try:
-            if custom is not None:
-                out = await custom(self.args, sample, params)
+            if custom is not None:  # bounded: one that never returns fails its sample, naming the flag
+                out = await call_bounded(custom, (self.args, sample, params), self.data.custom_generate_function_timeout,
+                                         f"--custom-generate-function-path {path}",
+                                         flag="--custom-generate-function-timeout")
                 problem = self._check_generated(out, prompt_ids)
                 if problem is not None:
                     raise RuntimeError(f"--custom-generate-function-path {path}: {problem}")

@@ -80,7 +80,7 @@ def _driver_plan(cfg: MilesConfig, ctx: SPMDContext) -> tuple[RunPlan, dict[str,
     """Driver: start-up checks, tokenizer, data, derived values. Returns the plan and driver-only objects."""
     from miles.fleet.engines import resolve_api_key, resolve_engine_kind
     from miles.rollout.data import DataSource, load_eval_datasets
-    from miles.run.preflight import preflight
+    from miles.run.preflight import check_micro_batch_budget, preflight
     from miles.utils.model_dir import load_tokenizer
 
     if not cfg.train.hf_checkpoint:
@@ -93,6 +93,7 @@ def _driver_plan(cfg: MilesConfig, ctx: SPMDContext) -> tuple[RunPlan, dict[str,
         from miles.rollout.rollout_fn import build_prompt_dataset
 
         dataset = build_prompt_dataset(cfg.data, tokenizer, seed)
+        check_micro_batch_budget(cfg, dataset)  # --use-dynamic-batch-size: every prompt fits a micro-batch
         data_source = DataSource(dataset, shuffle=cfg.data.rollout_shuffle, seed=seed)
     elif not cfg.cluster.debug_train_only:
         raise MilesError("--prompt-data FILE is required (JSONL or Parquet with prompts under --input-key).")

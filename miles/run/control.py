@@ -24,6 +24,8 @@ from typing import Any
 import torch
 
 from miles.run.wire import broadcast_bytes
+from miles.spmd.errors import PeerGoneError
+from miles.spmd.groups import translate_collective_error
 from miles.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -53,7 +55,7 @@ class CommandChannel:
             return  # they are inside a collective with the driver; its exit ends it
         try:
             self.send({"cmd": "abort", "reason": " ".join(reason.split())[:500]}, timeout=timeout)
-        except (RuntimeError, TimeoutError, ValueError) as e:
+        except (RuntimeError, TimeoutError, ValueError, PeerGoneError) as e:
             logger.debug("could not send abort: %s", e)
 
     def recv(self) -> dict[str, Any]:
@@ -80,7 +82,7 @@ class CommandChannel:
             while not stop.wait(self.keepalive_s):
                 try:
                     self.send({"cmd": WAIT})
-                except (RuntimeError, TimeoutError) as e:  # surfaces at the end of the block
+                except (RuntimeError, TimeoutError, PeerGoneError) as e:  # surfaces at the end of the block
                     errors.append(e)
                     return
 
@@ -117,6 +119,9 @@ def _wait(work: Any, timeout: float, what: str) -> None:
     try:
         ok = work.wait(timeout=timedelta(seconds=timeout))
     except RuntimeError as e:
+        gone = translate_collective_error(e, "control", timedelta(seconds=timeout))
+        if isinstance(gone, PeerGoneError):  # a member exited (its connection closed): not a timeout
+            raise gone from e
         raise TimeoutError(f"{what} over the control group did not complete within {timeout:.0f}s ({e}); a rank "
                            "may have died or is not taking part") from e
     if ok is False:

@@ -9,6 +9,7 @@ and every rank releases what it holds (engines, router, sinks: the plot is writt
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any
 
 from miles.utils.logging import get_logger
@@ -55,16 +56,24 @@ async def run_job(cfg: MilesConfig, loop_cls: Any) -> None:
         else:
             job.worker.follow()
     except BaseException as e:
-        from miles.spmd.errors import is_known_error
+        from miles.spmd import signals
+        from miles.spmd.errors import format_error, is_known_error
 
-        logger.error("run failed on rank %d: %s: %s", ctx.rank, type(e).__name__, e,  # a traceback only for bugs
-                     exc_info=not (isinstance(e, KeyboardInterrupt) or is_known_error(e)))
+        interrupted = isinstance(e, KeyboardInterrupt | asyncio.CancelledError)  # Ctrl-C: every rank got it
+        if is_known_error(e):  # the launcher may SIGTERM us while we clean up: this is still our one line
+            signals.note_failure(format_error(e))
+        if interrupted:
+            logger.info("interrupted (SIGINT) on rank %d; stopping", ctx.rank)  # run_main prints the one error line
+        else:
+            logger.error("run failed on rank %d: %s: %s", ctx.rank, type(e).__name__, e,  # a traceback only for bugs
+                         exc_info=not is_known_error(e))
         if ctx.is_driver:
             job.sink.close()  # finished rollouts' metrics and the plot first: the launcher may end us soon
         named = name_silent_ranks(e, beat)  # a timed-out collective: which rank went silent (a few seconds)
         if named is not e:
             logger.error("%s", named)
-        if ctx.is_driver:
+            signals.note_failure(format_error(named))
+        if ctx.is_driver and not interrupted:  # an interrupted follower is not waiting for a command
             job.worker.channel.abort(f"{type(e).__name__}: {named}")
         if named is not e:
             raise named from e
@@ -97,7 +106,7 @@ def dry_run(cfg: MilesConfig) -> str:
     """Parse, validate, build the role plan, run the start-up checks (``miles.run.preflight``: paths, plugins,
     outputs, backend checks) and derive the run's values; the text to print. Starts nothing."""
     from miles.run.metrics import default_output_dir
-    from miles.run.preflight import preflight
+    from miles.run.preflight import check_micro_batch_budget, preflight
     from miles.run.resolve import resolve_run
     from miles.spmd.roles import build_role_plan
     from miles.spmd.world import read_launch_env
@@ -112,7 +121,9 @@ def dry_run(cfg: MilesConfig) -> str:
         from miles.utils.model_dir import load_tokenizer
 
         tokenizer = load_tokenizer(cfg.train.hf_checkpoint, "--hf-checkpoint")
-        num_prompts = len(build_prompt_dataset(cfg.data, tokenizer, seed=cfg.rollout.rollout_seed))
+        dataset = build_prompt_dataset(cfg.data, tokenizer, seed=cfg.rollout.rollout_seed)
+        check_micro_batch_budget(cfg, dataset)  # as the start does, once the prompts are tokenized
+        num_prompts = len(dataset)
     run_plan = None
     if cfg.data.num_rollout is not None or cfg.data.num_epoch is not None:
         run_plan = resolve_run(cfg, num_prompts=num_prompts, output_dir=str(default_output_dir(cfg.output)),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,8 +43,12 @@ class Placement:
     urls: list[str]
     num_workers: list[int]
     supervisor: EngineSupervisor | None = None
+    watch: Any = None  # miles.run.engine_watch.EngineWatch (node-0 leader, without --use-fault-tolerance)
 
     def stop(self) -> None:
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
         if self.supervisor is not None:
             self.supervisor.stop(timeout=10.0)
             self.supervisor = None
@@ -176,6 +181,13 @@ def place_engines(cfg: MilesConfig, ctx: SPMDContext, *, kind: str, api_key: str
             dist_init_addr=dist_init, sglang=cfg.sglang, extra=replay_server_flags(kind, cfg.algo))
         name = f"engine{spec.engine_id}" + (f"-node{node_rank}" if node_rank else "")
         placement.supervisor = start_engine(argv, cfg, name=name, log_path=out_dir / f"{name}.log")
+        if node_rank == 0 and not cfg.ft.use_fault_tolerance:  # with it, the FT heartbeat probes and restarts
+            from miles.run.engine_watch import EngineWatch
+
+            placement.watch = EngineWatch(placement.supervisor, engine_url(node0["host"], node0["port"]), name=name,
+                                          interval=cfg.ft.rollout_health_check_interval,
+                                          timeout=cfg.ft.rollout_health_check_timeout,
+                                          log_path=out_dir / f"{name}.log").start()
     return placement
 
 
@@ -203,16 +215,40 @@ def _visible_base_gpu(spec: Any, world: Any) -> int:
     return spec.base_gpu_id
 
 
-def _last_error(log_path: Path) -> str:
-    """``: <the last ERROR line of the engine's log>`` (or its last line), to say why in the rank's one line."""
+def _last_error(log_path: Path, fallback: bool = True) -> str:
+    """``: <the last error line of the engine's log>`` (or, with ``fallback``, its last line), to say why in the rank's
+    one line. aiohttp's ``Error handling request`` and the traceback under it are skipped: that is a request it could
+    not parse (sglang-router's HTTP/2 probe of a new worker, in SGLang's log), never why an engine died."""
     try:
         with open(log_path, "rb") as f:
             f.seek(max(0, f.seek(0, 2) - 16384))
-            lines = [ln.strip() for ln in f.read().decode("utf-8", "replace").splitlines() if ln.strip()]
+            lines = [ln.rstrip() for ln in f.read().decode("utf-8", "replace").splitlines() if ln.strip()]
     except OSError:
         return ""
-    pick = next((ln for ln in reversed(lines) if "ERROR" in ln or "Error" in ln), lines[-1] if lines else "")
+    kept: list[str] = []
+    noise = False
+    for i, ln in enumerate(lines):
+        if ln[:1].isspace():  # a traceback's frames, an exception's detail
+            continue
+        if "Error handling request" in ln:
+            noise = i + 1 < len(lines) and lines[i + 1].startswith("Traceback")
+            continue
+        if noise:
+            noise = ln.startswith(("Traceback", "During handling", "The above"))  # else: its exception line, skipped
+            continue
+        kept.append(ln)
+    pick = next((ln for ln in reversed(kept) if "ERROR" in ln or "Error" in ln), kept[-1] if kept and fallback else "")
     return f": {pick[:300]}" if pick else ""
+
+
+def _exit_cause(code: int) -> str:
+    """``exited with code 2`` or ``was killed by SIGKILL (exit code -9)``."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name} (exit code {code})"
+        except ValueError:
+            pass
+    return f"exited with code {code}"
 
 
 def start_engine(argv: list[str], cfg: MilesConfig, *, name: str, log_path: Path) -> EngineSupervisor:
@@ -232,7 +268,8 @@ def start_engine(argv: list[str], cfg: MilesConfig, *, name: str, log_path: Path
             from miles.spmd.errors import exit_rank_now
             from miles.utils.errors import MilesError
 
-            exit_rank_now(MilesError(f"{name} exited with code {code}{_last_error(log_path)}; without "
+            # a killed engine's log ends where it was killed: quote an error line only (not whatever came last)
+            exit_rank_now(MilesError(f"{name} {_exit_cause(code)}{_last_error(log_path, fallback=code > 0)}; without "
                                      f"--use-fault-tolerance the run cannot go on without it (its log: {log_path})"))
 
     sup = EngineSupervisor(argv, env=scrubbed_env(extra=extra), name=name, log_path=log_path, max_restarts=restarts,

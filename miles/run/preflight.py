@@ -361,6 +361,29 @@ def check_dumps(cfg: MilesConfig) -> None:
         check_writable(out.dump_details, "--dump-details")
 
 
+def check_micro_batch_budget(cfg: MilesConfig, dataset: Any) -> None:
+    """With ``--use-dynamic-batch-size`` a micro-batch holds whole samples of at most ``--max-tokens-per-gpu`` tokens
+    (x ``--context-parallel-size``), and every sample holds its prompt: a prompt longer than that can never be trained
+    on. Checked on the tokenized ``--prompt-data`` (the driver's start and ``--dry-run``), so such a budget (e.g.
+    ``--max-tokens-per-gpu 1``) is one line before anything starts, not a failure of the first training step."""
+    t = cfg.train
+    if not t.use_dynamic_batch_size or not t.max_tokens_per_gpu or dataset is None or not len(dataset):
+        return
+    cp = int(getattr(cfg.megatron, "context_parallel_size", None) or 1) if t.train_backend == "megatron" else 1
+    budget = t.max_tokens_per_gpu * cp
+    longest = max(range(len(dataset)), key=lambda i: len(dataset[i].prompt_ids))
+    n = len(dataset[longest].prompt_ids)
+    if n > budget:
+        times_cp = f" x --context-parallel-size {cp} = {budget}" if cp > 1 else ""
+        resp = cfg.rollout.rollout_max_response_len
+        need = -(-(n + (resp or 1)) // cp)
+        plus = f"that prompt + --rollout-max-response-len {resp}" if resp else "that prompt + a response"
+        raise ConfigError(f"--max-tokens-per-gpu {t.max_tokens_per_gpu}{times_cp} is smaller than the longest prompt of "
+                          f"--prompt-data ({n} tokens, row {dataset[longest].index + 1}): with --use-dynamic-batch-size "
+                          f"a micro-batch holds whole samples (prompt + response), so raise --max-tokens-per-gpu to at "
+                          f"least {need} ({plus}{', over the CP ranks' if cp > 1 else ''}).")
+
+
 # ----------------------------------------------------------------------------- all of it
 def preflight(cfg: MilesConfig, *, has_engines: bool) -> None:
     """Run every check; one ConfigError listing each problem (a single problem is raised as it is)."""

@@ -310,6 +310,14 @@ def _wait(work: Any, timeout: float, what: str, group: Any, src: int) -> None:
     try:
         ok = work.wait(timeout=timedelta(seconds=timeout))
     except RuntimeError as e:
+        from miles.spmd.errors import PeerGoneError
+        from miles.spmd.groups import translate_collective_error
+
+        # a member that exited (its connection closed) is that, not a timeout: one known error naming the group
+        gone = translate_collective_error(e, getattr(group, "group_desc", None) or _group_desc(group),
+                                          timedelta(seconds=timeout))
+        if isinstance(gone, PeerGoneError):
+            raise gone from e
         raise TimeoutError(f"{what} from rank {src} over group {_group_desc(group)} did not complete within "
                            f"{timeout}s ({e}); a rank may have died or is not taking part") from e
     if ok is False:

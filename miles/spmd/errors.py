@@ -14,6 +14,7 @@ error file, so torchrun's "Root Cause" summary shows it instead of a link to its
 
 from __future__ import annotations
 
+import asyncio
 import faulthandler
 import json
 import logging
@@ -118,17 +119,21 @@ def run_main(fn: Callable[[], int | None]) -> NoReturn:
     the rank exits when the process that started it dies (``miles.spmd.lifeline``)."""
     if not faulthandler.is_enabled():
         faulthandler.enable(all_threads=True)
+    from miles.spmd import signals
     from miles.spmd.lifeline import watch_launcher
 
     watch_launcher()  # under a launcher, this rank (and its engines) ends within seconds of the launcher's death
+    signals.install()  # the launcher's SIGTERM: one line, engines SIGKILLed, exit at once; Ctrl-C: bounded
     try:
         rc = fn()
     except SystemExit:
         raise
-    except KeyboardInterrupt:
-        sys.stderr.write(format_error(RuntimeError("interrupted")) + "\n")
+    except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C (asyncio.run cancels its task first)
+        signals.quiet()
+        sys.stderr.write(format_error(RuntimeError("interrupted (SIGINT); the run stopped")) + "\n")
         _exit(130)
     except BaseException as exc:  # noqa: BLE001 - the one place that turns every failure into an exit code
+        signals.quiet()
         if is_known_error(exc):
             line = format_error(exc)
             sys.stderr.write(line + "\n")

@@ -58,7 +58,9 @@ class Groups:
 
 def translate_collective_error(exc: BaseException, name: str, timeout: timedelta) -> BaseException:
     """Map a backend error to CollectiveTimeoutError / PeerGoneError; return others unchanged."""
-    text = " ".join(str(exc).split())
+    if isinstance(exc, CollectiveTimeoutError | PeerGoneError):  # translated already, by an inner guard
+        return exc
+    text = " ".join(str(exc).split()).split(" This is typically caused by")[0]  # gloo's advice to its own users
     low = text.lower()
     minutes = timeout.total_seconds() / 60
     if any(m in low for m in _PEER_MARKERS):

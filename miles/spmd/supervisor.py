@@ -9,7 +9,8 @@ The leader rank of each engine (one per node for a multi-node engine) runs
   would make it believe it is a rank of this job), then ``env`` on top.
 - It runs in its own session and process group, so a signal to the engine (or a Ctrl-C in the
   terminal) never reaches the rank, and stopping the engine takes its helpers down with it. It gets
-  SIGTERM when the supervising thread dies (PR_SET_PDEATHSIG), so a killed rank leaves no engine behind.
+  SIGKILL when the supervising thread dies (PR_SET_PDEATHSIG), so a killed rank leaves no engine behind, even a
+  stopped one (a SIGTERM would stay pending in a SIGSTOPped process for ever).
 - One watcher thread spawns every child and waits on it. When the child exits it calls
   ``on_exit(supervisor, returncode, will_restart)``, kills leftovers of the child's process group,
   and starts a new child after ``restart_backoff * 2**k`` seconds (capped at 60 s), up to
@@ -57,7 +58,7 @@ def scrubbed_env(base: dict[str, str] | None = None, extra: dict[str, str] | Non
 
 def _child_setup(parent_pid: int) -> None:  # runs in the child between fork and exec
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(1)
 
@@ -141,6 +142,19 @@ class EngineSupervisor:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
 
+    def kill_now(self) -> None:
+        """Stop supervising and SIGKILL the child's process group at once (a hung or stopped engine): no restart and
+        no ``on_exit`` call follow."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        proc = self._proc
+        if proc is not None:
+            self._kill_leftovers(proc.pid)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5)
+        _live.discard(self)
+
     def stop(self, timeout: float = 10.0) -> int | None:
         """Stop the child (SIGTERM to its group, SIGKILL after ``timeout``) and the watcher; returns its code."""
         with self._cond:
@@ -158,10 +172,12 @@ class EngineSupervisor:
 
     # ------------------------------------------------------------------ internals
     def _terminate(self, proc: subprocess.Popen | None, timeout: float) -> None:
-        """SIGTERM the running child's process group; SIGKILL it after ``timeout`` s (then wait at most 5 s)."""
+        """SIGTERM (then SIGCONT) the running child's process group; SIGKILL it after ``timeout`` s (then wait at most
+        5 s)."""
         if proc is None or proc.poll() is not None:
             return
         self._signal_group(signal.SIGTERM)
+        self._signal_group(signal.SIGCONT)  # a stopped engine (SIGSTOP, a debugger) acts on the SIGTERM only once resumed
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -257,17 +273,19 @@ def stop_all(timeout: float = 5.0) -> None:
 
 def terminate_all(grace: float = 1.0) -> None:
     """Take every engine of this process down at once, now: SIGTERM to each child's process group, SIGKILL
-    to the groups still there after ``grace`` seconds. For a rank that is about to ``os._exit`` (its
-    launcher is gone, lifeline.py): it neither joins watcher threads nor restarts anything."""
+    to the groups still there after ``grace`` seconds (``grace <= 0``: SIGKILL at once, as on the launcher's
+    SIGTERM, signals.py). For a rank that is about to ``os._exit`` (its launcher is gone, lifeline.py; or it
+    was told to end): it neither joins watcher threads nor restarts anything."""
     sups = list(_live)
     for sup in sups:
         with sup._cond:
             sup._stopping = True  # the watcher must not respawn the child it sees exit
             sup._cond.notify_all()
     procs = [sup._proc for sup in sups if sup._proc is not None and sup._proc.poll() is None]
-    for proc in procs:
+    for proc in procs if grace > 0 else ():
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGTERM)
+            os.killpg(proc.pid, signal.SIGCONT)  # a stopped process acts on SIGTERM only once resumed
     deadline = time.monotonic() + grace
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         time.sleep(0.02)

@@ -115,6 +115,45 @@ def test_hung_trainer_rank_ends_job_naming_it(tmp_path: Path, tiny_model_dir: Pa
     assert len(metrics(out)) >= 2  # the finished rollouts stay recorded
 
 
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_killed_trainer_rank_is_named_as_gone_by_the_survivor(tmp_path: Path, tiny_model_dir: Path, backend: str):
+    """SIGKILL of trainer rank 1 mid-run: the driver's collective fails at once and its one line says that a member of
+    the group exited -- no traceback, no claim of a --distributed-timeout-minutes timeout that never happened (gloo's
+    'Connection reset by peer' used to be reported as 'did not complete within 600.0s', with two tracebacks)."""
+    import os
+    import signal
+
+    import ft_harness as H
+
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _rows(400)))
+    out = tmp_path / "out"
+    job = H.launch(_cmd(tiny_model_dir, data, out, "--num-rollout", "200", "--train-backend", backend)[5:], nproc=2,
+                   workdir=tmp_path)
+    try:
+        deadline = time.monotonic() + 240
+        while not ((out / "metrics.jsonl").exists() and len(metrics(out)) >= 2):
+            assert job.proc.poll() is None and time.monotonic() < deadline, H.tail(job.log)
+            time.sleep(0.1)
+        os.kill(H.rank_pid(job, 1), signal.SIGKILL)
+        t_kill = time.monotonic()
+        job.wait(60)
+        took = time.monotonic() - t_kill
+    finally:
+        job.kill()
+    log = job.log.read_text(errors="replace")
+    lines = [ln for ln in log.splitlines() if ln.startswith("[miles r0] error: ")]
+    assert len(lines) == 1 and "exited during a collective" in lines[0], H.tail(job.log)
+    assert "did not complete within" not in log and "Connection reset by peer. This is typically" not in lines[0]
+    # the only traceback is torchrun's own report of the dead child (ChildFailedError), never a rank's
+    blocks = log.split("Traceback (most recent call last):")[1:]
+    assert all("torch/distributed/run.py" in "".join(b.splitlines()[1:4]) for b in blocks), H.tail(job.log)
+    print(f"{backend}: job ended {took:.2f}s after the rank's SIGKILL")
+    # measured 0.57-1.13 s from the SIGKILL to torchrun's exit, both backends (2-core CPU machine, 2026-12-06;
+    # `pytest tests/e2e/test_run_errors.py -k killed_trainer -s`)
+    assert took < 5, f"the job took {took:.1f}s to end after the SIGKILL"
+
+
 # ---------------------------------------------------------------------------- start-up checks
 
 
@@ -138,6 +177,10 @@ BAD_STARTS = {
                           "--hf-checkpoint {t}/trunc: model.safetensors is truncated"),
     "sync-generate-plugin": (lambda m, t: ["--hf-checkpoint", str(m), "--custom-generate-function-path", "json.dumps"],
                              "--custom-generate-function-path 'json.dumps'"),
+    **{f"micro-batch-budget-{b}": (lambda m, t, b=b: ["--hf-checkpoint", str(m), "--train-backend", b,
+                                                       "--use-dynamic-batch-size", "--max-tokens-per-gpu", "1"],
+                                   "--max-tokens-per-gpu 1 is smaller than the longest prompt of --prompt-data (")
+       for b in ("fsdp", "megatron")},
 }
 
 
@@ -207,6 +250,186 @@ def test_rl_without_engines_stops_a_real_start_before_the_trainer_loads(tmp_path
                                    "--rollout-function-path, or drop --debug-train-only."), tail(log)
     assert "the driver (rank 0) failed during setup: ConfigError: --loss-type policy_loss" in lines["[miles r1]"]
     assert "FSDP trainer ready" not in text and not (out / "metrics.jsonl").exists(), tail(log)
+
+
+def test_a_micro_batch_budget_below_a_prompt_stops_a_real_start_in_one_line(tmp_path: Path, tiny_model_dir: Path):
+    """--use-dynamic-batch-size --max-tokens-per-gpu 1: no sample fits a micro-batch. Both ranks end (code 2) with one
+    line naming the flag, before the trainer is built (it was 'unexpected error (a bug)' at the first training step)."""
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in _rows(4)))
+    out, log = tmp_path / "out", tmp_path / "run.log"
+    result = run(_cmd(tiny_model_dir, data, out, "--num-rollout", "1", "--use-dynamic-batch-size",
+                      "--max-tokens-per-gpu", "1"), log, timeout=300)
+    text = log.read_text()
+    assert result.returncode != 0, tail(log)
+    lines = {ln.split("]")[0] + "]": ln for ln in _error_lines(text)}
+    assert set(lines) == {"[miles r0]", "[miles r1]"}, tail(log)
+    assert "--max-tokens-per-gpu 1 is smaller than the longest prompt of --prompt-data" in lines["[miles r0]"], tail(log)
+    assert "unexpected error" not in text and "trainer ready" not in text, tail(log)
+
+
+def _rl_flags(model: Path, data: Path, out: Path, backend: str, *extra: str) -> list[str]:
+    """1 trainer rank + 1 embedded engine, GRPO on tiny arithmetic prompts (flags after ``train.py``)."""
+    return ["--train-backend", backend, "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus",
+            "1", "--num-gpus-per-node", "2", "--hf-checkpoint", str(model), "--prompt-data", str(data), "--input-key",
+            "prompt", "--label-key", "label", "--rm-type", "math", "--rollout-batch-size", "2", "--n-samples-per-prompt",
+            "2", "--rollout-max-response-len", "4", "--global-batch-size", "4", "--advantage-estimator", "grpo",
+            "--output-dir", str(out), "--no-progress", *extra]
+
+
+def _rl_data(tmp_path: Path) -> Path:
+    data = tmp_path / "rl.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "label": str(2 * i)}) + "\n" for i in range(40)))
+    return data
+
+
+def _engine_pid(job) -> int:
+    import ft_harness as H
+
+    pids = [p for p in H.descendants(job.proc.pid) if b"miles.engine" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert len(pids) == 1, pids
+    return pids[0]
+
+
+def _wait_rollouts(job, out: Path, n: int, limit: float = 400) -> None:
+    import ft_harness as H
+
+    deadline = time.monotonic() + limit
+    while not ((out / "metrics.jsonl").exists() and len(metrics(out)) >= n):
+        assert job.proc.poll() is None and time.monotonic() < deadline, H.tail(job.log)
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_a_stopped_engine_without_fault_tolerance_ends_the_job_naming_it(tmp_path: Path, tiny_model_dir: Path,
+                                                                         backend: str):
+    """SIGSTOP of the engine mid-run, no --use-fault-tolerance: its leader rank's /health probes go unanswered, so it
+    SIGKILLs the engine and ends with one line naming it; the launcher ends the job and no process of it is left
+    (the stopped engine included). It used to stall generation for --rollout-request-timeout x retries (40 min by
+    default), silently, then wait in the weight sync until --update-weight-timeout."""
+    import os
+    import signal
+
+    import ft_harness as H
+
+    interval, timeout = 1.0, 3.0  # detection within interval + 2 x timeout = 7 s (miles.run.engine_watch)
+    out = tmp_path / "out"
+    job = H.launch(_rl_flags(tiny_model_dir, _rl_data(tmp_path), out, backend, "--num-rollout", "500",
+                             "--rollout-health-check-interval", str(interval), "--rollout-health-check-timeout",
+                             str(timeout)), nproc=2, workdir=tmp_path)
+    try:
+        _wait_rollouts(job, out, 2)
+        engine = _engine_pid(job)
+        os.kill(engine, signal.SIGSTOP)
+        t_stop = time.monotonic()
+        job.wait(120)
+        took = time.monotonic() - t_stop
+        left = H.descendants(job.proc.pid) + [p for p in (engine,) if Path(f"/proc/{p}").exists()
+                                              and Path(f"/proc/{p}/stat").read_text().split(") ")[1][0] != "Z"]
+    finally:
+        job.kill()
+    log = job.log.read_text(errors="replace")
+    lines = [ln for ln in log.splitlines() if ln.startswith("[miles r1] error: ")]
+    assert len(lines) == 1 and "engine0 (pid" in lines[0] and "is hung or stopped" in lines[0], H.tail(job.log)
+    assert "--rollout-health-check-timeout 3s" in lines[0], lines[0]
+    assert not left, f"processes of the job left after it ended: {left}"
+    print(f"{backend}: job ended {took:.1f}s after the engine's SIGSTOP")
+    # measured 7.2-8.8 s from the SIGSTOP to the launcher's exit, both backends (2-core CPU machine shared with other
+    # jobs, 2026-12-06; `pytest tests/e2e/test_run_errors.py -k stopped_engine -s`): the bound 7 s + the job's exit
+    assert took < 2 * (interval + 2 * timeout) + 5, f"the job took {took:.1f}s to end after the engine stopped"
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_ctrl_c_ends_an_rl_run_with_one_line_per_rank(tmp_path: Path, tiny_model_dir: Path, backend: str):
+    """SIGINT to torchrun (Ctrl-C) mid-run: torchrun forwards it to both ranks; each ends with one line, no
+    CancelledError traceback (rank 0 printed one) and no empty 'KeyboardInterrupt: ' line (the others did), and no
+    process of the job (the engine, the router) outlives the launcher by more than a few seconds."""
+    import os
+    import signal
+
+    import ft_harness as H
+
+    out = tmp_path / "out"
+    job = H.launch(_rl_flags(tiny_model_dir, _rl_data(tmp_path), out, backend, "--num-rollout", "500"), nproc=2,
+                   workdir=tmp_path)
+    try:
+        _wait_rollouts(job, out, 2)
+        procs = H.descendants(job.proc.pid)
+        os.kill(job.proc.pid, signal.SIGINT)
+        t_int = time.monotonic()
+        job.wait(60)
+        took = time.monotonic() - t_int
+        time.sleep(1.0)
+        left = [p for p in procs if Path(f"/proc/{p}").exists()
+                and Path(f"/proc/{p}/stat").read_text().rsplit(") ", 1)[1][0] != "Z"]
+    finally:
+        job.kill()
+    log = job.log.read_text(errors="replace")
+    for r in (0, 1):
+        lines = [ln for ln in log.splitlines() if ln.startswith(f"[miles r{r}] error: ")]
+        assert lines == [f"[miles r{r}] error: interrupted (SIGINT); the run stopped"], H.tail(job.log)
+    assert "CancelledError" not in log and "KeyboardInterrupt" not in log, H.tail(job.log)
+    # the only traceback is torchrun's own (its SignalException), never a rank's
+    blocks = log.split("Traceback (most recent call last):")[1:]
+    assert all("torch/distributed/run.py" in "".join(b.splitlines()[1:4]) for b in blocks), H.tail(job.log)
+    assert not left, f"processes of the job left 1 s after it ended: {left}"
+    print(f"{backend}: job ended {took:.1f}s after Ctrl-C")
+    # measured 2.6-3.8 s (2-core CPU machine, 2026-12-06; `pytest tests/e2e/test_run_errors.py -k ctrl_c -s`)
+    assert took < 15, f"the job took {took:.1f}s to end after Ctrl-C"  # INTERRUPT_GRACE_S (10 s) bounds each rank
+
+
+def test_a_killed_engine_is_reported_as_killed_not_with_an_unrelated_log_line(tmp_path: Path, tiny_model_dir: Path):
+    """SIGKILL of the engine mid-run, no --use-fault-tolerance: its rank's one line says it was killed by SIGKILL, not
+    the engine log's 'Error handling request' (sglang-router's HTTP/2 probe of every worker it adds)."""
+    import os
+    import signal
+
+    import ft_harness as H
+
+    out = tmp_path / "out"
+    job = H.launch(_rl_flags(tiny_model_dir, _rl_data(tmp_path), out, "fsdp", "--num-rollout", "500"), nproc=2,
+                   workdir=tmp_path)
+    try:
+        _wait_rollouts(job, out, 2)
+        os.kill(_engine_pid(job), signal.SIGKILL)
+        t_kill = time.monotonic()
+        job.wait(120)
+        took = time.monotonic() - t_kill
+    finally:
+        job.kill()
+    log = job.log.read_text(errors="replace")
+    lines = [ln for ln in log.splitlines() if ln.startswith("[miles r1] error: ")]
+    assert len(lines) == 1 and "engine0 was killed by SIGKILL (exit code -9); without --use-fault-tolerance" in lines[0], \
+        H.tail(job.log)
+    engine_log = (out / "engine0.log").read_text(errors="replace")
+    assert "Error handling request" not in engine_log and "Traceback" not in engine_log, engine_log[-3000:]
+    print(f"job ended {took:.1f}s after the engine's SIGKILL")  # measured 1.5 s (2-core CPU machine, 2026-12-06)
+    assert took < 10, f"the job took {took:.1f}s to end after the engine was killed"
+
+
+@pytest.mark.parametrize("backend", ["fsdp", "megatron"])
+def test_a_generate_function_that_never_returns_is_bounded_by_its_flag(tmp_path: Path, tiny_model_dir: Path,
+                                                                       backend: str):
+    """A --custom-generate-function-path function that never returns: each call is cancelled after
+    --custom-generate-function-timeout, its sample fails naming the flag, and a rollout in which every sample failed
+    ends the job with one line. It used to hang the job without a line, whatever --distributed-timeout-minutes."""
+    import ft_harness as H
+
+    out = tmp_path / "out"
+    job = H.launch(_rl_flags(tiny_model_dir, _rl_data(tmp_path), out, backend, "--num-rollout", "2",
+                             "--custom-generate-function-path", "tests.e2e.fault_plugins.generate_never_returns",
+                             "--custom-generate-function-timeout", "2", "--distributed-timeout-minutes", "0.5"),
+                   nproc=2, workdir=tmp_path)
+    try:
+        job.wait(400)
+    finally:
+        job.kill()
+    log = job.log.read_text(errors="replace")
+    lines = [ln for ln in log.splitlines() if ln.startswith("[miles r0] error: ")]
+    assert len(lines) == 1, H.tail(job.log)
+    assert "every one of 4 samples failed" in lines[0] and "did not return within --custom-generate-function-timeout 2s" \
+        in lines[0], lines[0]
+    assert "unexpected error" not in log, H.tail(job.log)
 
 
 def test_an_engine_that_dies_at_start_ends_the_job_at_once(tmp_path: Path, tiny_model_dir: Path):

@@ -105,13 +105,14 @@ def children_of(procs: dict[int, Proc], pid: int) -> list[Proc]:
     return [p for p in procs.values() if p.ppid == pid]
 
 
-def kill_and_time_orphans(job: Launched, victim: int, bound: float, keep: set[int] = frozenset()) -> tuple[float, dict]:
-    """SIGKILL ``victim``; return (seconds until every other tagged process not in ``keep`` is gone, the
-    processes seen just before). Fails, listing the survivors, if some are still there after ``bound`` s."""
+def kill_and_time_orphans(job: Launched, victim: int, bound: float, keep: set[int] = frozenset(),
+                          sig: int = signal.SIGKILL) -> tuple[float, dict]:
+    """Send ``sig`` (SIGKILL) to ``victim``; return (seconds until every other tagged process not in ``keep`` is
+    gone, the processes seen just before). Fails, listing the survivors, if some are still there after ``bound`` s."""
     before = tagged(job.tag)
     assert victim in before, f"pid {victim} is not a process of this job: {before}"
     t0 = time.monotonic()
-    os.kill(victim, signal.SIGKILL)
+    os.kill(victim, sig)
     last: dict[int, float] = {}  # pid -> when it was last seen alive
     while True:
         left = {pid: p for pid, p in tagged(job.tag).items() if pid not in keep}
@@ -122,6 +123,7 @@ def kill_and_time_orphans(job: Launched, victim: int, bound: float, keep: set[in
             return elapsed, before
         if elapsed > bound:
             listing = "\n".join(f"  pid {p.pid} ppid {p.ppid} {p.comm}: {p.cmdline}" for p in left.values())
-            raise AssertionError(f"{len(left)} process(es) of the job still alive {bound:g}s after SIGKILL of pid "
-                                 f"{victim} ({before[victim].comm}):\n{listing}\n{job.tail()}")
+            raise AssertionError(f"{len(left)} process(es) of the job still alive {bound:g}s after "
+                                 f"{signal.Signals(sig).name} of pid {victim} ({before[victim].comm}):\n{listing}\n"
+                                 f"{job.tail()}")
         time.sleep(0.05)

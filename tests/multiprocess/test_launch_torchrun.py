@@ -119,6 +119,41 @@ def test_sigkill_of_the_torchrun_agent_takes_every_rank_and_engine_down(tmp_path
     print(f"every rank and engine gone {seconds:.2f}s after the agent's SIGKILL")
 
 
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_the_agent_ending_the_job_takes_stopped_engines_down(tmp_path, sig):
+    """The torchrun agent told to end the job (SIGTERM: ``kill``, ``scancel``; SIGINT: Ctrl-C) while both engine
+    children are stopped (SIGSTOP): every rank and engine is gone within seconds, and each rank says why in one
+    line. Before, the agent's SIGTERM killed the ranks outright and the engines' parent-death SIGTERM stayed pending
+    in the stopped processes: they outlived the job (parent PID 1, state T)."""
+    from launcher_kill import children_of, kill_and_time_orphans, kill_tagged, launch, new_tag, tagged, wait_until
+
+    tag = new_tag()
+    job = launch(TORCHRUN + ["--standalone", "--nproc-per-node", "3"] + SMOKE + [
+        "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "2", "--smoke-dir", str(tmp_path), *HOLD],
+        job_env(), tag, tmp_path)
+    try:
+        wait_until(job, lambda: job.stdout.read_text().count("SMOKE OK") == 3, 180, "3 SMOKE OK lines")
+        procs = tagged(tag)
+        ranks = children_of(procs, job.proc.pid)
+        engines = [p for r in ranks for p in children_of(procs, r.pid)]
+        assert len(ranks) == 3 and len(engines) == 2, procs
+        for e in engines:
+            os.kill(e.pid, signal.SIGSTOP)
+        # SIGINT: the ranks stop their engines (SIGTERM, SIGKILL after 2 s): a stopped one takes the 2 s
+        seconds, _ = kill_and_time_orphans(job, job.proc.pid, ORPHAN_BOUND_S, sig=getattr(signal, sig))
+        job.proc.wait(timeout=10)
+    finally:
+        kill_tagged(tag)
+    err = job.stderr.read_text()
+    expected = ("stopped by SIGTERM: the launcher is ending the job" if sig == "SIGTERM"
+                else "interrupted (SIGINT); the run stopped")
+    for r in range(3):
+        lines = [ln for ln in err.splitlines() if ln.startswith(f"[miles r{r}] error: ")]
+        assert len(lines) == 1 and expected in lines[0], err[-3000:]
+    assert "Traceback" not in err.split("torchrun")[0] and "CancelledError" not in err, err[-3000:]
+    print(f"{sig}: every rank and stopped engine gone {seconds:.2f}s after the agent's signal")
+
+
 @pytest.mark.slow
 def test_sigkill_of_the_torchrun_agent_stops_a_training_run_and_its_checkpoints(tmp_path, tiny_model_dir):
     """train.py (2 colocated ranks: FSDP2 + an embedded engine each, the router on rank 0) saving after every

@@ -341,3 +341,20 @@ def test_weights_by_name_from_tensor_and_from_disk(eng, engine_model, hf_referen
     r = eng.post("/update_weights_from_disk", {"model_path": str(engine_model), "weight_version": "default"})
     assert r.status_code == 200
     assert greedy(eng, PROMPTS[0], 12)["output_ids"] == before
+
+
+def test_an_http2_preface_is_answered_400_without_a_traceback(eng):
+    """sglang-router detects a new worker's connection mode by probing it over HTTP and gRPC at once; the gRPC probe's
+    HTTP/2 preface used to leave 'Error handling request' and a traceback in the engine's log (twice per worker),
+    which the run later quoted as a dead engine's last error. It is answered 400 and logged as one debug line."""
+    import socket
+
+    before = eng.log.read_text(errors="replace")
+    with socket.create_connection(("127.0.0.1", eng.port), timeout=10) as s:
+        s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x12\x04\x00\x00\x00\x00\x00")  # preface + SETTINGS
+        reply = s.recv(64)
+    assert reply.split(b"\r\n")[0] in (b"HTTP/1.0 400 Bad Request", b"HTTP/1.1 400 Bad Request"), reply
+    assert requests.get(eng.url + "/health", timeout=10).status_code == 200  # still serving
+    time.sleep(0.5)  # the engine's output reaches its log file
+    new = eng.log.read_text(errors="replace")[len(before):]
+    assert "Traceback" not in new and "Error handling request" not in new, new

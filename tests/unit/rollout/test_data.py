@@ -84,6 +84,14 @@ def test_malformed_line_names_file_and_line(tmp_path, tok):
     p.write_text('{"input": "a"}\n\n{"input": "b"}\n{"input": "c",\n')
     with pytest.raises(DataError, match=r"bad\.jsonl:4: not valid JSON"):
         PromptDataset(p, tok, cfg().data)
+    # a truncated last line (with or without its newline): the column where the line ends, not column 1 of a next line
+    for ending in ("\n", "\r\n", ""):
+        p.write_text('{"input": "a"}\n{"input": "b", "label": "c' + ending)
+        with pytest.raises(DataError, match=r"bad\.jsonl:2: not valid JSON \(Unterminated string starting at column 25\)"):
+            PromptDataset(p, tok, cfg().data)
+        p.write_text('{"input": "a"}\n{"input": "b"' + ending)
+        with pytest.raises(DataError, match=r"bad\.jsonl:2: not valid JSON \(Expecting ',' delimiter at column 14\)"):
+            PromptDataset(p, tok, cfg().data)
     p.write_text('{"input": "a"}\n["not", "an", "object"]\n')
     with pytest.raises(DataError, match=r"bad\.jsonl:2: expected a JSON object per line, got list"):
         PromptDataset(p, tok, cfg().data)
@@ -123,6 +131,13 @@ def test_non_utf8_byte_names_file_and_line(tmp_path, tok):
         PromptDataset(p, tok, cfg().data)
     assert str(e.value).startswith(f"{p}:3: not valid UTF-8 (byte 0xe9 at byte 15 of the line); save --prompt-data as UTF-8")
     assert e.value.__cause__ is None and e.value.__suppress_context__  # one line, no chained decode traceback
+    # an evaluation file is named by the flag that gave it, not as --prompt-data
+    good = write_jsonl(tmp_path / "good.jsonl", ROWS)
+    c = cfg("--prompt-data", str(good), "--eval-prompt-data", "aime", str(p))
+    with pytest.raises(DataError) as e:
+        load_eval_datasets(resolve_eval_datasets(c.eval, c.data, c.rollout), c.eval, c.data, tok)
+    assert str(e.value).startswith(f"{p}:3: not valid UTF-8 (byte 0xe9 at byte 15 of the line); save --eval-prompt-data "
+                                   "aime as UTF-8"), str(e.value)
     # a UTF-8 byte-order mark on the first line is fine
     p.write_bytes(b"\xef\xbb\xbf" + b'{"input": "a"}\n{"input": "b"}\n')
     assert [it.prompt for it in PromptDataset(p, tok, cfg().data).items] == ["a", "b"]
