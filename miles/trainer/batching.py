@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from miles.config.base import ConfigError
+
 
 @dataclass
 class SampleData:
@@ -77,10 +79,10 @@ def plan_micro_batches(
         idx = list(range(len(lengths)))
         return [idx[i:i + micro_batch_size] for i in range(0, len(idx), micro_batch_size)]
     if not max_tokens or max_tokens <= 0:
-        raise ValueError("--use-dynamic-batch-size needs --max-tokens-per-gpu N (the token budget of a micro-batch).")
+        raise ConfigError("--use-dynamic-batch-size needs --max-tokens-per-gpu N (the token budget of a micro-batch).")
     longest = max(range(len(lengths)), key=lambda i: lengths[i])
     if lengths[longest] > max_tokens:
-        raise ValueError(f"a sample of {lengths[longest]} tokens (prompt + response) exceeds --max-tokens-per-gpu "
+        raise ConfigError(f"a sample of {lengths[longest]} tokens (prompt + response) exceeds --max-tokens-per-gpu "
                          f"{max_tokens}; raise --max-tokens-per-gpu to at least {lengths[longest]} or cap "
                          "--rollout-max-response-len.")
     bins: list[list[int]] = []
