@@ -80,7 +80,7 @@ def _driver_plan(cfg: MilesConfig, ctx: SPMDContext) -> tuple[RunPlan, dict[str,
     """Driver: start-up checks, tokenizer, data, derived values. Returns the plan and driver-only objects."""
     from miles.fleet.engines import resolve_api_key, resolve_engine_kind
     from miles.rollout.data import DataSource, load_eval_datasets
-    from miles.run.preflight import check_micro_batch_budget, preflight
+    from miles.run.preflight import check_engine_kind, check_micro_batch_budget, preflight
     from miles.utils.model_dir import load_tokenizer
 
     if not cfg.train.hf_checkpoint:
@@ -103,15 +103,7 @@ def _driver_plan(cfg: MilesConfig, ctx: SPMDContext) -> tuple[RunPlan, dict[str,
     eval_datasets = load_eval_datasets(eval_specs, cfg.eval, cfg.data, tokenizer, seed)
     has_engines = bool(ctx.plan.engines)
     kind = resolve_engine_kind(cfg.rollout, ctx.world.device.type == "cuda") if has_engines else "none"
-    if kind == "sglang" and cfg.weights.update_weight_transfer_mode == "p2p":  # --rollout-engine auto chose SGLang
-        from miles.config.base import ConfigError
-        from miles.config.validate import P2P_NEEDS_EMBEDDED
-
-        raise ConfigError(P2P_NEEDS_EMBEDDED)
-    if kind == "embedded" and cfg.rollout.rollout_engine == "auto":  # the --sglang-* flags it lacks (as at parse)
-        from miles.config.sglang import check_embedded_engine
-
-        check_embedded_engine(cfg.sglang, why="--rollout-engine auto chose it: no GPU, or SGLang not importable")
+    check_engine_kind(cfg, kind)  # what auto chose takes the flags (p2p, the --sglang-* flags it honours)
     api_key = resolve_api_key(cfg.rollout, ctx.world.num_nodes) if has_engines else None
     out_dir = str(default_output_dir(cfg.output))
     plan = resolve_run(cfg, num_prompts=len(dataset) if dataset is not None else None, output_dir=out_dir,

@@ -106,7 +106,7 @@ def dry_run(cfg: MilesConfig) -> str:
     """Parse, validate, build the role plan, run the start-up checks (``miles.run.preflight``: paths, plugins,
     outputs, backend checks) and derive the run's values; the text to print. Starts nothing."""
     from miles.run.metrics import default_output_dir
-    from miles.run.preflight import check_micro_batch_budget, preflight
+    from miles.run.preflight import check_engine_kind, check_micro_batch_budget, preflight
     from miles.run.resolve import resolve_run
     from miles.spmd.roles import build_role_plan
     from miles.spmd.world import read_launch_env
@@ -115,6 +115,14 @@ def dry_run(cfg: MilesConfig) -> str:
     world_size = launch.world_size if launch.launcher != "single" else expected_world_size(cfg)
     plan = build_role_plan(cfg.cluster, world_size)
     preflight(cfg, has_engines=bool(plan.engines))  # the checks the real start makes before loading anything
+    kind = cfg.rollout.rollout_engine
+    if plan.engines:  # the engine the start would pick here (auto: SGLang with a GPU and SGLang importable)
+        import torch
+
+        from miles.fleet.engines import resolve_engine_kind
+
+        kind = resolve_engine_kind(cfg.rollout, torch.cuda.is_available())
+        check_engine_kind(cfg, kind)
     num_prompts = None
     if cfg.data.prompt_data and cfg.train.hf_checkpoint:
         from miles.rollout.rollout_fn import build_prompt_dataset
@@ -127,7 +135,7 @@ def dry_run(cfg: MilesConfig) -> str:
     run_plan = None
     if cfg.data.num_rollout is not None or cfg.data.num_epoch is not None:
         run_plan = resolve_run(cfg, num_prompts=num_prompts, output_dir=str(default_output_dir(cfg.output)),
-                               world_size=world_size, engine_kind=cfg.rollout.rollout_engine)
+                               world_size=world_size, engine_kind=kind)
     lines = [plan.describe(), "", "resolved config:", cfg.to_json()]
     if run_plan is not None:
         import json

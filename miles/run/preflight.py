@@ -385,6 +385,21 @@ def check_micro_batch_budget(cfg: MilesConfig, dataset: Any) -> None:
 
 
 # ----------------------------------------------------------------------------- all of it
+def check_engine_kind(cfg: MilesConfig, kind: str) -> None:
+    """What the engine ``--rollout-engine auto`` resolved to (``miles.fleet.engines.resolve_engine_kind``) must take
+    the run's flags: p2p weight transfer needs the embedded engine, and the embedded engine refuses the
+    ``--sglang-*`` flags it cannot honour (as at parse when it is named). The start checks the engine it picks on the
+    driver; ``--dry-run`` the one it would pick on the machine running it."""
+    if kind == "sglang" and cfg.weights.update_weight_transfer_mode == "p2p":
+        from miles.config.validate import P2P_NEEDS_EMBEDDED
+
+        raise ConfigError(P2P_NEEDS_EMBEDDED)
+    if kind == "embedded" and cfg.rollout.rollout_engine == "auto":
+        from miles.config.sglang import check_embedded_engine
+
+        check_embedded_engine(cfg.sglang, why="--rollout-engine auto chose it: no GPU, or SGLang not importable")
+
+
 def preflight(cfg: MilesConfig, *, has_engines: bool) -> None:
     """Run every check; one ConfigError listing each problem (a single problem is raised as it is)."""
     problems: list[Exception] = []

@@ -303,3 +303,18 @@ def test_plugin_raising_on_import_is_one_line_exit_2(env: dict[str, Path]):
     errors = [ln for ln in r.stderr.splitlines() if "error" in ln.lower()]
     assert errors == [f"[miles] error: --custom-rm-path 'h11_boom.rm': importing module 'h11_boom' raised RuntimeError: "
                       f"boom at import (at {env['plugins']}/h11_boom.py:1); fix that module."], r.stderr
+
+
+@pytest.mark.skipif(_sglang_importable(), reason="SGLang is installed here: auto would pick it with a GPU")
+@pytest.mark.parametrize("extra", [["--sglang-enable-deterministic-inference"],
+                                   ["--update-weight-transfer-mode", "p2p", "--sglang-enable-deterministic-inference"]])
+def test_dry_run_checks_the_engine_auto_picks_here(env: dict[str, Path], extra: list[str]):
+    """--rollout-engine auto (the default) resolves in the dry run as at the start, on the machine running it (here: no
+    SGLang, so the embedded engine), and the flags that engine refuses fail the dry run as they fail the start
+    (miles.run.build). The dry run passed before and the start refused."""
+    with pytest.raises(Exception) as ei:
+        _dry_run(_argv(env, extra))
+    assert is_known_error(ei.value)
+    msg = str(ei.value)
+    assert "\n" not in msg and msg.startswith("--sglang-enable-deterministic-inference: the embedded engine "
+                                              "(--rollout-engine auto chose it"), msg
