@@ -24,7 +24,8 @@ _INT = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "decoder_f
         "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "vocab_size",
         "max_position_embeddings", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
         "moe_shared_expert_intermediate_size", "moe_router_num_groups", "moe_router_group_topk", "q_lora_rank",
-        "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers")
+        "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers",
+        "original_max_position_embeddings")
 _MLA_INT = ("moe_router_num_groups", "moe_router_group_topk", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
             "qk_pos_emb_head_dim", "v_head_dim")
 _SWITCHES = ("sequence_parallel", "use_distributed_optimizer", "accumulate_allreduce_grads_in_fp32",
@@ -33,7 +34,10 @@ _SWITCHES = ("sequence_parallel", "use_distributed_optimizer", "accumulate_allre
              "moe_grouped_gemm", "moe_permute_fusion", "moe_router_enable_expert_bias", "moe_router_pre_softmax",
              "optimizer_cpu_offload", "overlap_cpu_optimizer_d2h_h2d", "use_precision_aware_optimizer",
              "multi_latent_attention", "no_position_embedding", "no_rope_fusion",
-             "no_gradient_accumulation_fusion")
+             "no_gradient_accumulation_fusion", "no_masked_softmax_fusion", "no_bias_dropout_fusion")
+# YaRN rope (multi-latent attention: DeepSeek-V3, Kimi-K2, JoyAI; miles/trainer/megatron/yarn.py): float flags, each
+# checked against config.json's rope scaling
+_ROPE_FLOATS = ("rotary_scaling_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 _HELP = {
     "tensor_model_parallel_size": "Tensor-parallel size (default 1); must divide the trainer ranks.",
     "sequence_parallel": "Sequence parallelism within the TP group (no effect with TP 1).",
@@ -78,6 +82,16 @@ _HELP = {
     "make_vocab_size_divisible_by": "Pad the vocabulary to a multiple of this x TP (default 128).",
     "hidden_dropout": "Dropout after attention and MLP (default 0.0 for RL; Megatron-LM's own default is 0.1).",
     "attention_dropout": "Dropout on attention probabilities (default 0.0 for RL; Megatron-LM's is 0.1).",
+    "original_max_position_embeddings": "YaRN rope: config.json's rope_scaling original_max_position_embeddings.",
+    "rotary_scaling_factor": "YaRN rope: config.json's rope_scaling factor (1.0, or not given, without scaling).",
+    "beta_fast": "YaRN rope: config.json's rope_scaling beta_fast.",
+    "beta_slow": "YaRN rope: config.json's rope_scaling beta_slow.",
+    "mscale": "YaRN rope: config.json's rope_scaling mscale.",
+    "mscale_all_dim": "YaRN rope: config.json's rope_scaling mscale_all_dim.",
+    "no_masked_softmax_fusion": "No effect: the masked-softmax fusion is never used here (SDPA or megatron-core's "
+                                "unfused softmax).",
+    "no_bias_dropout_fusion": "No effect: no linear biases are built, and the fused and unfused bias-dropout-add "
+                              "compute the same sum.",
     "decoder_first_pipeline_num_layers": "Pipeline: transformer layers on the first stage (the rest split evenly).",
     "decoder_last_pipeline_num_layers": "Pipeline: transformer layers on the last stage (the rest split evenly).",
     # accepted for Miles's scripts, no effect (miles/config/support.py PARSE_ONLY)
@@ -128,6 +142,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--norm-epsilon", type=float, default=None, help="Must match config.json's rms_norm_eps.")
     g.add_argument("--rotary-base", type=float, default=None, help="Must match config.json's rope_theta.")
     g.add_argument("--rotary-percent", type=float, default=None, help="Only 1.0 is supported.")
+    g.add_argument("--rope-type", choices=["rope", "yarn"], default=None,
+                   help="RoPE variant: must match config.json (yarn: rope_scaling of type yarn; Megatron's default "
+                        "with --multi-latent-attention, where yarn of factor 1 is plain rope).")
+    for dest in _ROPE_FLOATS:
+        g.add_argument(flag(dest), type=float, default=None, help=_HELP[dest], metavar="X")
     g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default=None,
                    help="MoE router scores (Qwen3-MoE: softmax; GLM-4.7-Flash, DeepSeek-V3: sigmoid).")
     g.add_argument("--moe-router-load-balancing-type", nargs="+", default=None,
@@ -197,6 +216,15 @@ class MegatronConfig:
     untie_embeddings_and_output_weights: bool = False
     rotary_base: float | None = None
     rotary_percent: float | None = None
+    rope_type: str | None = None
+    rotary_scaling_factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    no_masked_softmax_fusion: bool = False
+    no_bias_dropout_fusion: bool = False
     position_embedding_type: str | None = None
     ckpt_format: str | None = None
     no_load_rng: bool = False
@@ -275,6 +303,10 @@ class MegatronConfig:
             raise ConfigError("--enable-mtp-training needs --mtp-num-layers N (the MTP layers to build and train, "
                               "config.json's num_nextn_predict_layers): add --mtp-num-layers or drop "
                               "--enable-mtp-training.")
+        for name in _ROPE_FLOATS:
+            v = getattr(self, name)
+            if v is not None and not math.isfinite(v):
+                raise ConfigError(f"{flag(name)} must be a finite number, got {v}.")
         for name, values in (("moe_aux_loss_coeff", self.moe_aux_loss_coeff or []),
                              ("mtp_loss_scaling_factor", [self.mtp_loss_scaling_factor]),
                              ("moe_router_bias_update_rate", [self.moe_router_bias_update_rate]),

@@ -63,6 +63,10 @@ PARSE_ONLY: dict[str, str] = {
     "no_position_embedding": "no learned absolute position embedding is ever built (rope only)",
     "no_rope_fusion": "RoPE is never fused here",
     "no_gradient_accumulation_fusion": "weight gradients are never accumulated inside the wgrad GEMM here",
+    "no_masked_softmax_fusion": "the masked-softmax fusion is never used here (SDPA, or megatron-core's unfused "
+                                "softmax)",
+    "no_bias_dropout_fusion": "no linear biases are built here, and the fused and unfused bias-dropout-add compute "
+                              "the same sum",
     "ckpt_format": "only torch_dist (Megatron-LM's default, what the Megatron backend writes) is accepted",
     "overlap_cpu_optimizer_d2h_h2d": "a hint: with --optimizer-cpu-offload the copies are non-blocking already",
     "use_precision_aware_optimizer": "AdamW state and master weights are fp32 either way",

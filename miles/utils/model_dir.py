@@ -14,12 +14,14 @@ nothing is downloaded.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from pathlib import Path
 from typing import Any
 
 from miles.utils.errors import MilesError
+from miles.utils.hf_aliases import register_for
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "vocab.txt",
@@ -115,6 +117,7 @@ def check_model_dir(path: str | Path, flag: str | None = None, *, tokenizer: boo
     if not isinstance(data, dict) or not data.get("model_type"):
         raise ModelDirError(f"{where}: config.json has no model_type, so it is not a transformers model config; "
                             "give a directory written by save_pretrained.")
+    register_for(data["model_type"])          # kimi_k2: DeepSeek-V3's architecture (hf_aliases)
     files = weight_files(p, flag)
     if files:
         for f in files:
@@ -148,6 +151,9 @@ def load_config(path: str | Path, flag: str | None = None, *, check: bool = True
 
     if check:
         check_model_dir(path, flag)
+    else:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            register_for(json.loads((Path(path) / "config.json").read_text()).get("model_type"))
     try:
         return AutoConfig.from_pretrained(str(path))
     except (OSError, ValueError, KeyError, TypeError) as e:

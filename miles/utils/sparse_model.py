@@ -35,7 +35,10 @@ def checkpoint_tensors(config: dict[str, Any]) -> dict[str, list[int]]:
     from transformers import AutoConfig
     from transformers.core_model_loading import revert_weight_conversion
 
+    from miles.utils.hf_aliases import register_for
+
     d = dict(config)
+    register_for(d.get("model_type"))          # kimi_k2 (hf_aliases)
     hf_config = AutoConfig.for_model(d.pop("model_type"), **d)
     arch = (config.get("architectures") or [None])[0]
     cls = getattr(transformers, arch, None) if arch else None
@@ -52,7 +55,7 @@ def checkpoint_tensors(config: dict[str, Any]) -> dict[str, list[int]]:
     return dict(sorted(out.items()))
 
 
-MTP_MODEL_TYPES = ("glm4_moe_lite", "deepseek_v3")   # transformers skips their model.layers.N.. (MTP) on load
+MTP_MODEL_TYPES = ("glm4_moe_lite", "deepseek_v3", "kimi_k2")   # transformers skips their model.layers.N.. (MTP) on load
 
 
 def _mtp_tensors(config: dict[str, Any]) -> dict[str, list[int]]:

@@ -2,6 +2,8 @@
 
     build_tiny_mla_model("/tmp/glm")                                  # Glm4MoeLiteForCausalLM, random init
     build_tiny_mla_model("/tmp/dsv3", model_type="deepseek_v3", n_group=2, topk_group=1)
+    build_tiny_mla_model("/tmp/k2", model_type="kimi_k2", rope_scaling=KIMI_K2_YARN)   # Kimi-K2: DeepSeek-V3 as
+    #                                                                  its checkpoints write it (model_type kimi_k2)
 
 Both are MLA attention (``q_a_proj``/``q_a_layernorm``/``q_b_proj``, or ``q_proj`` with ``q_lora_rank=None``;
 ``kv_a_proj_with_mqa``/``kv_a_layernorm``/``kv_b_proj``; ``o_proj``), dense MLPs on the first
@@ -17,7 +19,12 @@ from __future__ import annotations
 from pathlib import Path
 
 MLA_MODEL_TYPES = {"glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM"),
-                   "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM")}
+                   "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+                   "kimi_k2": ("DeepseekV3Config", "DeepseekV3ForCausalLM")}   # config.json's model_type kimi_k2
+# Kimi-K2's yarn rope_scaling (moonshotai/Kimi-K2-Instruct's config.json: beta_fast = beta_slow = 1), its original
+# context scaled down so that a 12-token row of a test crosses it
+KIMI_K2_YARN = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 8, "beta_fast": 1.0,
+                "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
 
 
 def build_tiny_mla_model(
@@ -87,6 +94,11 @@ def build_tiny_mla_model(
                 gate.e_score_correction_bias.uniform_(-0.1, 0.1)
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(str(out), safe_serialization=True)
+    if model_type == "kimi_k2":             # Kimi-K2's checkpoints: DeepseekV3ForCausalLM under model_type kimi_k2
+        import json
+
+        path = out / "config.json"
+        path.write_text(json.dumps(json.loads(path.read_text()) | {"model_type": "kimi_k2"}, indent=2))
     if mtp_layers:
         _add_mtp_layers(out, model, mtp_layers, seed)
     return out

@@ -110,9 +110,10 @@ def _gpt_worker(model_dir: str, out: str, ep: int = 1) -> None:
     import torch
     import torch.distributed as dist
     from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from miles.trainer.megatron import convert, export, model, moe, parallel
+    from miles.utils.model_dir import load_config
 
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -121,7 +122,7 @@ def _gpt_worker(model_dir: str, out: str, ep: int = 1) -> None:
     groups = parallel.init_parallel(tp_size=tp, num_trainer_ranks=world, seed=1, device=cpu, ep_size=ep)
     moe.apply_moe_compat()
     moe.apply_moe_cpu_compat()
-    shape = model.ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir))
+    shape = model.ModelShape.from_hf_config(load_config(model_dir))      # kimi_k2 registered (hf_aliases)
     padded = model.padded_vocab_size(shape.vocab_size, 128, tp)
     kw = moe.config_kwargs(shape, moe.MoeOptions(), ep=ep, etp=1, te=False)
     config = model.transformer_config(shape, tp_size=tp, device=cpu, moe=kw, sequence_parallel=tp > 1)
@@ -193,11 +194,24 @@ def tiny_dsv3_dir(tmp_path_factory) -> Path:
                                 max_position_embeddings=64)
 
 
-@pytest.mark.parametrize("family", ["glm", "dsv3"])
+@pytest.fixture(scope="module")
+def tiny_kimi_dir(tmp_path_factory) -> Path:
+    from miles.utils.tiny_mla import KIMI_K2_YARN, build_tiny_mla_model
+
+    # Kimi-K2 (config.json's model_type kimi_k2, DeepSeek-V3's architecture): its yarn (factor 32, beta_fast =
+    # beta_slow = 1) over 8 original positions, one expert group, q LoRA
+    return build_tiny_mla_model(tmp_path_factory.mktemp("tiny_kimi"), model_type="kimi_k2", rope_scaling=KIMI_K2_YARN,
+                                routed_scaling_factor=2.827, max_position_embeddings=256)
+
+
+FAMILY_DIRS = {"glm": "tiny_glm_dir", "dsv3": "tiny_dsv3_dir", "kimi": "tiny_kimi_dir"}
+
+
+@pytest.mark.parametrize("family", ["glm", "dsv3", "kimi"])
 def test_mla_gpt_matches_hf(request, tmp_path: Path, free_port: int, family: str) -> None:
     from safetensors.torch import load_file
 
-    model_dir = request.getfixturevalue("tiny_glm_dir" if family == "glm" else "tiny_dsv3_dir")
+    model_dir = request.getfixturevalue(FAMILY_DIRS[family])
     grads = {}
     for tp in (1, 2):
         out = tmp_path / f"gpt_tp{tp}.json"
@@ -219,11 +233,12 @@ def test_mla_gpt_matches_hf(request, tmp_path: Path, free_port: int, family: str
         assert err <= 1e-5 * max(float(g.abs().max()), 1e-6), (name, err, float(g.abs().max()))
 
 
-def test_mla_expert_parallel_matches_hf(tiny_glm_dir: Path, tmp_path: Path, free_port: int) -> None:
+@pytest.mark.parametrize("family", ["glm", "dsv3", "kimi"])
+def test_mla_expert_parallel_matches_hf(request, tmp_path: Path, free_port: int, family: str) -> None:
     """EP 2 (each rank half of the experts, all-to-all dispatcher): the same logits, and the export gathered over EP
     equals the checkpoint bit for bit (the routers' expert bias exported with the non-expert tensors)."""
     out = tmp_path / "gpt_ep2.json"
-    proc = _torchrun(2, free_port, "gpt", str(tiny_glm_dir), str(out), "2")
+    proc = _torchrun(2, free_port, "gpt", str(request.getfixturevalue(FAMILY_DIRS[family])), str(out), "2")
     assert proc.returncode == 0, proc.stdout[-4000:]
     res = json.loads(out.read_text())
     assert res["grads_ok"] and res["max_abs_err"] < 1e-5 * max(res["ref_scale"], 1.0), res["max_abs_err"]

@@ -40,8 +40,9 @@ import math
 import torch
 
 from miles.config.base import ConfigError
+from miles.trainer.megatron import yarn
 
-MLA_FAMILIES = {"glm4_moe_lite": "GLM-4.7-Flash", "deepseek_v3": "DeepSeek-V3"}
+MLA_FAMILIES = {"glm4_moe_lite": "GLM-4.7-Flash", **yarn.FAMILIES}   # yarn.py: DeepSeek-V3, Kimi-K2, JoyAI
 _ATTN = {  # megatron suffix -> HF suffix, per layer (MLA attention)
     "self_attention.linear_q_proj.weight": "self_attn.q_proj.weight",
     "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",

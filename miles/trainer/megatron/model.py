@@ -72,8 +72,9 @@ class ModelShape:
     def from_hf_config(cls, c) -> ModelShape:
         mt = getattr(c, "model_type", None)
         if mt not in FAMILIES:
-            raise ValueError(f"--train-backend megatron supports HF model types {sorted(FAMILIES)}, got {mt!r} "
-                             "(use --train-backend fsdp for other architectures).")
+            raise ValueError(f"--train-backend megatron does not build model_type {mt!r}; the nearest family it "
+                             f"builds is {mla.yarn.nearest_family(mt, FAMILIES)} (all: {sorted(FAMILIES)}); use "
+                             "--train-backend fsdp for other architectures.")
         vision = mt == "qwen3_vl"
         if vision:                    # Qwen3-VL (vlm.py): the text model's shape; tied embeddings are the top config's
             from miles.trainer.megatron.vlm import is_vlm_config

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import torch
 
 from miles.config.base import ConfigError
-from miles.trainer.megatron import mtp
+from miles.trainer.megatron import mtp, yarn
 from miles.trainer.megatron.mla import check_mla_shape, check_mla_static
 from miles.trainer.megatron.model import ModelShape, use_transformer_engine
 from miles.trainer.megatron.moe import MoeOptions, check_moe_shape, check_moe_static, resolve_moe
@@ -108,6 +108,7 @@ def check_shape(m, shape: ModelShape) -> None:
         return
     check_moe_shape(m, shape)          # --num-experts, --moe-* against config.json (moe.py)
     check_mla_shape(m, shape)          # --multi-latent-attention, --q/kv-lora-rank, ... (mla.py)
+    yarn.check_rope_flags(m, shape)    # --rope-type, --rotary-scaling-factor, --mscale, ... (yarn.py)
     mtp.check_mtp_shape(m, shape)      # --mtp-num-layers vs num_nextn_predict_layers (mtp.py)
     values = {
         "--num-layers": (m.num_layers, "num_hidden_layers", shape.num_layers),

@@ -99,7 +99,9 @@ class MegatronTrainer(RLTrainer):
                     num_steps_per_rollout=num_steps_per_rollout)
         from transformers import AutoConfig
 
-        hf_config = AutoConfig.from_pretrained(train.hf_checkpoint)
+        from miles.utils.model_dir import load_config
+
+        hf_config = load_config(train.hf_checkpoint, "--hf-checkpoint", check=False)   # kimi_k2 registered
         self.shape = dataclasses.replace(options.shape_of(hf_config),
                                          mtp_num_layers=self.opts.mtp_num_layers)      # the MTP block (mtp.py)
         # Qwen3-VL (vlm.py): image inputs per micro-batch, as the FSDP trainer reads them (miles.trainer.vlm)

@@ -263,3 +263,76 @@ def test_sparse_glm47_flash_has_its_mtp_layer() -> None:
     assert tensors["model.layers.46.self_attn.kv_b_proj.weight"] == [20 * (192 + 256), 512]
     assert not any(n.startswith("model.layers.48.") for n in tensors)
     assert sum(math.prod(s) for s in tensors.values()) == 31_221_488_576
+
+
+# ------------------------------------------------------------------ YaRN rope flags and Kimi-K2 (yarn.py)
+@pytest.fixture(scope="module")
+def tiny_kimi_dir(tmp_path_factory) -> Path:
+    from miles.utils.tiny_mla import KIMI_K2_YARN, build_tiny_mla_model
+
+    return build_tiny_mla_model(tmp_path_factory.mktemp("tiny_kimi"), model_type="kimi_k2", rope_scaling=KIMI_K2_YARN,
+                                max_position_embeddings=256)
+
+
+# the rope flags of Miles's scripts/models/kimi-k2.py (radixark/miles@v0.1.0), original context scaled to the tiny model
+KIMI_ROPE = ["--rope-type", "yarn", "--rotary-scaling-factor", "32.0", "--original-max-position-embeddings", "8",
+             "--beta-fast", "1", "--beta-slow", "1", "--mscale", "1.0", "--mscale-all-dim", "1.0"]
+
+
+def test_kimi_k2_is_built_as_deepseek_v3_with_its_yarn(tiny_kimi_dir: Path) -> None:
+    from miles.utils.model_dir import load_config
+
+    shape = options.shape_of(load_config(tiny_kimi_dir, "--hf-checkpoint"))
+    assert shape.model_type == "kimi_k2" and shape.mla and shape.yarn == (32.0, 8.0, 1.0, 1.0, 1.0, 1.0)
+    options.preflight_check(_cfg(tiny_kimi_dir, *KIMI_ROPE), _read(tiny_kimi_dir))
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"rotary_scaling_factor": "40"}, "--rotary-scaling-factor 40.0 does not match --hf-checkpoint's config.json "
+                                      "(rope_scaling factor 32.0)"),
+    ({"beta_fast": "32"}, "--beta-fast 32.0 does not match --hf-checkpoint's config.json (rope_scaling beta_fast 1.0)"),
+    ({"beta_slow": "2"}, "--beta-slow 2.0 does not match --hf-checkpoint's config.json (rope_scaling beta_slow 1.0)"),
+    ({"original_max_position_embeddings": "4096"}, "--original-max-position-embeddings 4096 does not match "
+                                                   "--hf-checkpoint's config.json (rope_scaling "
+                                                   "original_max_position_embeddings 8.0)"),
+    ({"mscale": "0.707"}, "--mscale 0.707 does not match --hf-checkpoint's config.json (rope_scaling mscale 1.0)"),
+    ({"mscale_all_dim": "0"}, "--mscale-all-dim 0.0 does not match --hf-checkpoint's config.json (rope_scaling "
+                              "mscale_all_dim 1.0)"),
+    ({"rope_type": "rope"}, "--rope-type rope does not match --hf-checkpoint's config.json (rope_scaling rope_type "
+                            "yarn)"),
+], ids=["factor", "beta_fast", "beta_slow", "original", "mscale", "mscale_all_dim", "rope_type"])
+def test_yarn_flags_checked_against_config_json(tiny_kimi_dir: Path, changes: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        options.preflight_check(_cfg(tiny_kimi_dir, *_with(KIMI_ROPE, **changes)), _read(tiny_kimi_dir))
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+def test_yarn_flags_without_rope_scaling(tiny_glm_dir: Path, tiny_model_dir: Path) -> None:
+    """config.json without rope scaling: yarn of factor 1 (Miles's MLA default; JoyAI's --mscale 1.0) is plain RoPE and
+    accepted; another factor, or --rope-type yarn on standard attention, is one line naming config.json's value."""
+    options.preflight_check(_cfg(tiny_glm_dir, "--rope-type", "yarn", "--mscale", "1.0", "--mscale-all-dim", "1.0"),
+                            _read(tiny_glm_dir))
+    for model, flags, message in (
+            (tiny_glm_dir, ["--rotary-scaling-factor", "40"], "--rotary-scaling-factor 40.0 does not match "
+                                                               "--hf-checkpoint's config.json (rope_scaling none"),
+            (tiny_model_dir, ["--rope-type", "yarn"], "--rope-type yarn does not match --hf-checkpoint's config.json "
+                                                      "(rope_scaling none")):
+        with pytest.raises(ConfigError) as e:
+            options.preflight_check(_cfg(model, *flags), _read(model))
+        assert str(e.value).startswith(message), str(e.value)
+
+
+def test_rope_flags_need_the_megatron_backend(tiny_kimi_dir: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^--rope-type \(and 6 more Megatron flags\) needs --train-backend megatron"):
+        parse_args(["--hf-checkpoint", str(tiny_kimi_dir), "--num-rollout", "1", "--rollout-batch-size", "2",
+                    "--train-backend", "fsdp", *KIMI_ROPE])
+
+
+@pytest.mark.parametrize("model_type,nearest", [("kimi_k25", "kimi_k2 (Kimi-K2.5's text model"),
+                                                ("deepseek_v32", "deepseek_v3"), ("qwen3_next", "qwen3")])
+def test_a_family_not_built_names_the_nearest(tiny_kimi_dir: Path, model_type: str, nearest: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        options.preflight_check(_cfg(tiny_kimi_dir), _read(tiny_kimi_dir) | {"model_type": model_type})
+    msg = str(e.value)
+    assert f"does not build model_type {model_type!r}; the nearest family it builds is {nearest}" in msg, msg
+    assert "\n" not in msg
