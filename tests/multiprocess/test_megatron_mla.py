@@ -41,17 +41,17 @@ def _parity_worker(model_dir: str, out: str) -> None:
     import torch
     import torch.distributed as dist
     from safetensors.torch import load_file
-    from test_fsdp import make_samples
     from test_megatron import _all_logprobs, _configs
     from test_megatron_moe import split_fused_experts
     from torch.distributed.device_mesh import DeviceMesh
+    from trainer_harness import random_samples
 
     from miles.trainer.fsdp import FSDPTrainer
     from miles.trainer.megatron.trainer import MegatronTrainer
 
     dist.init_process_group("gloo")
     rank, group = dist.get_rank(), dist.group.WORLD
-    samples = make_samples(4, 4, seed=7, vocab=90)
+    samples = random_samples(4, 4, seed=7, vocab=90)
     mine = samples[:8] if rank == 0 else samples[8:]
     common = dict(device=torch.device("cpu"), rollout_temperature=0.8, num_rollout=2, global_batch_size=None,
                   num_steps_per_rollout=1, timeout=120)

@@ -130,9 +130,9 @@ def _parity_worker(model_dir: str, out: str, ep: int, dispatcher: str, kind: str
     import torch
     import torch.distributed as dist
     from safetensors.torch import load_file
-    from test_fsdp import make_samples
     from test_megatron import _all_logprobs, _configs
     from torch.distributed.device_mesh import DeviceMesh
+    from trainer_harness import random_samples
 
     from miles.trainer.fsdp import FSDPTrainer
     from miles.trainer.megatron.trainer import MegatronTrainer
@@ -142,7 +142,7 @@ def _parity_worker(model_dir: str, out: str, ep: int, dispatcher: str, kind: str
     dev = torch.device("cpu") if kind == "cpu" else torch.device("cuda", 0)
     if kind == "cuda":
         torch.cuda.set_device(dev)
-    samples = make_samples(4, 4, seed=7, vocab=90)
+    samples = random_samples(4, 4, seed=7, vocab=90)
     mine = samples if world == 1 else (samples[:12] if rank == 0 else samples[12:]) if world == 2 else \
         samples[4 * rank:4 * rank + 4]
     common = dict(device=dev, rollout_temperature=0.8, num_rollout=2, global_batch_size=None,
@@ -270,8 +270,8 @@ def _engine_worker(model_dir: str, out: str, engine_url: str) -> None:
     import requests
     import torch
     import torch.distributed as dist
-    from test_fsdp import make_samples
     from test_megatron import _configs
+    from trainer_harness import random_samples
 
     from miles.trainer.megatron.trainer import MegatronTrainer
     from miles.weight_sync.check import compare
@@ -284,7 +284,7 @@ def _engine_worker(model_dir: str, out: str, engine_url: str) -> None:
     meg = MegatronTrainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, group=dist.group.WORLD,
                           device=torch.device("cpu"), rollout_temperature=0.8, num_rollout=1, global_batch_size=None,
                           num_steps_per_rollout=1, timeout=120)
-    samples = make_samples(4, 4, seed=7, vocab=90)
+    samples = random_samples(4, 4, seed=7, vocab=90)
     meg.train(samples[:8] if rank == 0 else samples[8:], 0)
     res = {"names": [], "posted": 0}
     before = {}

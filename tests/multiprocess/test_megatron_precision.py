@@ -30,9 +30,9 @@ def _worker(model_dir: str, out: str, kind: str) -> None:
     import torch
     import torch.distributed as dist
     from safetensors.torch import load_file
-    from test_fsdp import make_samples
     from test_megatron import _all_logprobs, _configs
     from torch.distributed.device_mesh import DeviceMesh
+    from trainer_harness import random_samples
 
     from miles.trainer import modeling
     from miles.trainer.fsdp import FSDPTrainer
@@ -43,7 +43,7 @@ def _worker(model_dir: str, out: str, kind: str) -> None:
     dev = torch.device("cpu") if kind == "cpu" else torch.device("cuda", 0)
     if kind != "cpu":
         torch.cuda.set_device(dev)
-    samples = make_samples(4, 4, seed=7, vocab=90)
+    samples = random_samples(4, 4, seed=7, vocab=90)
     common = dict(device=dev, rollout_temperature=0.8, num_rollout=2, global_batch_size=None,
                   num_steps_per_rollout=1, timeout=120, group=group)
     hf = load_file(str(Path(model_dir) / "model.safetensors"))

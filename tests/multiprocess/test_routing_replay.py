@@ -158,12 +158,12 @@ def _logprobs(tr, samples) -> list:
 def _worker(base: str, pert: str, out: str, backend: str, parallel: str = "none") -> None:
     import torch
     import torch.distributed as dist
-    from test_fsdp import make_samples
+    from trainer_harness import random_samples
 
     from miles.engine.routed_experts import encode
 
     dist.init_process_group("gloo")
-    samples = make_samples(3, 2, seed=3, vocab=90)
+    samples = random_samples(3, 2, seed=3, vocab=90)
     own = {s.index: _hf_routing(base, s.tokens[:-1]).tolist() for s in samples}
     for s in samples:
         s.rollout_routed_experts = encode(torch.tensor(own[s.index], dtype=torch.int32))
