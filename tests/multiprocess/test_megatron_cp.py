@@ -89,31 +89,19 @@ def _resume_worker(model_dir: str, out: str, save_dir: str, kill_at: int) -> Non
 
     import torch
     import torch.distributed as dist
-
-    from miles.config import parse_args
-    from miles.trainer.megatron.trainer import MegatronTrainer
-    from miles.types import Sample
+    from trainer_harness import build, flags, random_samples
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    args = ["--hf-checkpoint", model_dir, "--num-rollout", str(CKPT_ROLLOUTS), "--rollout-batch-size", "2",
-            "--n-samples-per-prompt", "3", "--lr", "3e-3", "--train-backend", "megatron", "--context-parallel-size",
-            "2", "--use-kl-loss", "--kl-loss-coef", "0.1", "--save-interval", "1", "--hidden-dropout", "0.1"]
-    cfg = parse_args(args + (["--save", save_dir] if save_dir != "-" else []))
-    tr = MegatronTrainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, group=dist.group.WORLD,
-                         device=torch.device("cpu"), rollout_temperature=1.0, num_rollout=CKPT_ROLLOUTS,
-                         global_batch_size=None, num_steps_per_rollout=1, timeout=60)
+    argv = flags("megatron_cp2", "kl", "dropout", ["--num-rollout", str(CKPT_ROLLOUTS), "--n-samples-per-prompt", "3",
+                                                   "--lr", "3e-3", "--save-interval", "1"])
+    tr = build(model_dir, argv + (["--save", save_dir] if save_dir != "-" else []))
     torch.manual_seed(100 + rank)
     extra = tr.resume() if save_dir != "-" else None
     start = 0 if extra is None else extra["rollout_id"] + 1
     losses = {}
     for rid in range(start, CKPT_ROLLOUTS):
-        samples = []
-        for k in range(3):
-            prompt, n = torch.randint(4, 90, (4,)).tolist(), int(torch.randint(2, 9, (1,)))
-            samples.append(Sample(group_index=rank, index=k, tokens=prompt + torch.randint(4, 90, (n,)).tolist(),
-                                  response_length=n, reward=float(torch.rand(()))))
-        losses[rid] = tr.train(samples, rid)["loss"]
+        losses[rid] = tr.train(random_samples(1, 3, first_group=rank), rid)["loss"]
         if tr.should_save(rid):
             tr.checkpoint(rid, extra={})
             if rid == kill_at and rank == 1:
@@ -181,22 +169,17 @@ def test_shard_rows_is_megatrons_load_balanced_split(cp: int) -> None:
 def _refusal_worker(model_dir: str, out: str, flag_sets: str) -> None:
     """Build a Megatron trainer with each ``;``-separated flag set on every rank; write one line per set
     (the ConfigError, or "ok")."""
-    import torch
     import torch.distributed as dist
+    from trainer_harness import build
 
-    from miles.config import ConfigError, parse_args
-    from miles.trainer.megatron.trainer import MegatronTrainer
+    from miles.config import ConfigError
 
     dist.init_process_group("gloo")
     lines = []
     for flags in flag_sets.split(";"):
         line = "ok"
         try:
-            cfg = parse_args(["--hf-checkpoint", model_dir, "--num-rollout", "1", "--rollout-batch-size", "2",
-                              "--n-samples-per-prompt", "2", "--train-backend", "megatron", *flags.split(",")])
-            MegatronTrainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, group=dist.group.WORLD,
-                            device=torch.device("cpu"), rollout_temperature=1.0, num_rollout=1,
-                            global_batch_size=None, num_steps_per_rollout=1, timeout=60)
+            build(model_dir, ["--train-backend", "megatron", *flags.split(",")])
         except ConfigError as e:
             line = str(e).replace("\n", "<newline>")
         lines.append(line)
