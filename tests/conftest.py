@@ -1,4 +1,4 @@
-"""Shared fixtures: a tiny local model, free ports, a clean logger, process cleanup.
+"""Shared fixtures: a tiny local model, free ports, a clean environment, a one-rank gloo group, two spawned ranks.
 
 Tests kill only the processes they start.
 """
@@ -42,6 +42,22 @@ def _env_hygiene(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("WANDB_MODE", "offline")
     yield
+
+
+@pytest.fixture
+def one_rank_group(tmp_path_factory):
+    """A real one-rank gloo process group, the default group (``dist.group.WORLD``), destroyed after the test.
+    Trainers built on it (``trainer_harness.build``) are whole trainer groups of one rank."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = tmp_path_factory.mktemp("one_rank_pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1, timeout=timedelta(seconds=60))
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.fixture

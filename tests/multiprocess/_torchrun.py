@@ -1,5 +1,5 @@
 """Run a multi-process test file as its own ``torchrun`` worker script (the file re-enters through its
-``__main__`` branch), with one thread per rank and this folder importable from the workers.
+``__main__`` branch), with one thread per rank and this folder and ``tests/`` (``trainer_harness.py``) importable from the workers.
 
 The ranks are forked from one server per pytest session (``_zygote.py``) that has imported torch,
 transformers, megatron-core and the trainers already: a launch skips ``torchrun``'s start and every rank's
@@ -25,7 +25,8 @@ _server: subprocess.Popen | None = None
 
 def _env(script: Path, extra_env: dict | None) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": os.pathsep.join([str(script.parent), str(HERE), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(script.parent), str(HERE), str(HERE.parent),
+                                          os.environ.get("PYTHONPATH", "")])}
     env.update(extra_env or {})
     return env
 

@@ -23,8 +23,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-FLAGS = ["--num-rollout", "4", "--rollout-batch-size", "2", "--n-samples-per-prompt", "3", "--lr", "3e-3",
-         "--num-steps-per-rollout", "2", "--save-interval", "1"]
+from trainer_harness import flags
+
+FLAGS = flags("ckpt_run", ["--num-rollout", "4", "--save-interval", "1"])
 
 
 class _Lines(logging.Handler):
@@ -49,6 +50,7 @@ def worker(make_trainer: Callable[[str, list[str], Any], Any], layout_name: str,
 
     import torch
     import torch.distributed as dist
+    from trainer_harness import random_samples
 
     from miles.trainer.checkpoint import layout as L
 
@@ -58,7 +60,6 @@ def worker(make_trainer: Callable[[str, list[str], Any], Any], layout_name: str,
     rank = dist.get_rank(group)
     work_dir = Path(work)
     res: dict[str, Any] = {}
-    samples = _samples_fn(rank)
 
     # 1. a disk that fills during a save
     probe = work_dir / "probe"
@@ -89,7 +90,7 @@ def worker(make_trainer: Callable[[str, list[str], Any], Any], layout_name: str,
     tr = make_trainer(model_dir, FLAGS + ["--save", str(root), "--keep-checkpoints", "0"], group)
     torch.manual_seed(7)
     for rid in range(4):
-        tr.train(samples(), rid)
+        tr.train(random_samples(1, 3, first_group=rank), rid)
         tr.checkpoint(rid, extra={"mark": rid})
     dist.barrier(group)
     if rank == 0:
@@ -145,12 +146,6 @@ def worker(make_trainer: Callable[[str, list[str], Any], Any], layout_name: str,
     Path(f"{out}.{rank}").write_text(json.dumps(res))
     dist.barrier(group)
     dist.destroy_process_group()
-
-
-def _samples_fn(rank: int) -> Callable[[], list]:
-    from kill_mid_save import samples
-
-    return lambda: samples(rank)
 
 
 def run(script: Path, layout_name: str, model_dir: Path, tmp: Path) -> list[dict]:

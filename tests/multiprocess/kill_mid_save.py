@@ -23,29 +23,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from trainer_harness import flags
+
 NUM_ROLLOUT = 5
 KILL_STEP = 2
-FLAGS = ["--num-rollout", str(NUM_ROLLOUT), "--rollout-batch-size", "2", "--n-samples-per-prompt", "3", "--lr", "3e-3",
-         "--num-steps-per-rollout", "2", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--min-lr", "1e-4",
-         "--use-kl-loss", "--kl-loss-coef", "0.1", "--save-interval", "1", "--keep-checkpoints", "1",
-         "--save-retain-interval", "2"]
+FLAGS = flags("ckpt_run", "cosine", "kl", ["--num-rollout", str(NUM_ROLLOUT), "--save-interval", "1",
+                                            "--keep-checkpoints", "1", "--save-retain-interval", "2"])
 # the rank each point is reached on: shards are written by every rank (kill a non-zero one); rank 0 renames,
 # updates the tracker and prunes
 KILL_RANK = {"shards": 1, "rename": 0, "tracker": 0, "prune": 0}
-
-
-def samples(rank: int) -> list:
-    import torch
-
-    from miles.types import Sample
-
-    out = []
-    for k in range(3):                                   # one group of 3 per rank and rollout
-        prompt = torch.randint(4, 90, (4,)).tolist()
-        n = int(torch.randint(2, 7, (1,)))
-        out.append(Sample(group_index=rank, index=k, tokens=prompt + torch.randint(4, 90, (n,)).tolist(),
-                          response_length=n, reward=float(torch.rand(())), rollout_log_probs=[-1.0] * n))
-    return out
 
 
 def worker(make_trainer: Callable[[str, list[str], Any], Any], model_dir: str, out: str, save_dir: str,
@@ -56,6 +42,7 @@ def worker(make_trainer: Callable[[str, list[str], Any], Any], model_dir: str, o
 
     import torch
     import torch.distributed as dist
+    from trainer_harness import random_samples
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     group = dist.new_group([0, 1], timeout=timedelta(seconds=60))
@@ -68,7 +55,8 @@ def worker(make_trainer: Callable[[str, list[str], Any], Any], model_dir: str, o
         assert extra["data_position"] == start * 3, extra
     losses = {}
     for rid in range(start, NUM_ROLLOUT):
-        losses[rid] = tr.train(samples(rank), rid)["loss"]
+        # one group of 3 per rank and rollout, from the global RNG
+        losses[rid] = tr.train(random_samples(1, 3, first_group=rank), rid)["loss"]
         if tr.should_save(rid):
             tr.checkpoint(rid, extra={"data_position": (rid + 1) * 3})
     torch.save({"params": tr.state_dict_for_check(), "losses": losses, "draw": torch.rand(4),

@@ -20,16 +20,9 @@ HERE = Path(__file__).resolve()
 
 
 def make_trainer(model_dir: str, flags: list[str], group):
-    import torch
-    from torch.distributed.device_mesh import DeviceMesh
+    from trainer_harness import build
 
-    from miles.config import parse_args
-    from miles.trainer.fsdp import FSDPTrainer
-
-    cfg = parse_args(["--train-backend", "fsdp", "--hf-checkpoint", model_dir] + flags)
-    return FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=DeviceMesh.from_group(group, device_type="cpu"),
-                       group=group, device=torch.device("cpu"), rollout_temperature=1.0,
-                       num_rollout=cfg.data.num_rollout, global_batch_size=None, num_steps_per_rollout=2, timeout=60)
+    return build(model_dir, ["--train-backend", "fsdp"] + flags, group=group)
 
 
 @pytest.fixture(scope="module")

@@ -19,36 +19,17 @@ pytestmark = pytest.mark.multiprocess
 HERE = Path(__file__).resolve()
 
 
-def _samples(rank: int, vocab: int) -> list:
-    import torch
-
-    from miles.types import Sample
-
-    g = torch.Generator().manual_seed(rank)
-    out = []
-    for i in range(4):
-        tokens = torch.randint(1, vocab, (7,), generator=g).tolist()
-        out.append(Sample(index=rank * 4 + i, group_index=rank * 2 + i // 2, tokens=tokens, response_length=3,
-                          loss_mask=[1, 1, 1], reward=float(i % 2), rollout_log_probs=[-2.0, -2.0, -2.0]))
-    return out
-
-
 def _worker(model_dir: str, out: str, backend: str, deterministic: str) -> None:
     import torch
     import torch.distributed as dist
-
-    from miles.config import parse_args
-    from miles.trainer.build import build_trainer
+    from trainer_harness import build, random_samples
 
     dist.init_process_group("gloo")
     flags = ["--deterministic-mode"] if deterministic == "1" else []
-    cfg = parse_args(["--train-backend", backend, "--hf-checkpoint", model_dir, "--num-rollout", "1",
-                      "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--num-steps-per-rollout", "1",
-                      "--use-kl-loss", "--kl-loss-coef", "0.01", "--entropy-coef", "0.01", *flags])
-    tr = build_trainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, group=dist.group.WORLD,
-                       device=torch.device("cpu"), rollout_temperature=1.0, num_rollout=1, global_batch_size=None,
-                       num_steps_per_rollout=1, timeout=120)
-    metrics = tr.train(_samples(dist.get_rank(), tr.vocab_size), rollout_id=0)
+    tr = build(model_dir, ["--train-backend", backend, "--rollout-batch-size", "4", "--use-kl-loss", "--kl-loss-coef",
+                           "0.01", "--entropy-coef", "0.01", *flags])
+    rank = dist.get_rank()
+    metrics = tr.train(random_samples(2, 2, seed=rank, vocab=tr.vocab_size, first_group=2 * rank), rollout_id=0)
     res = {"backend": tr.backend, "torch": torch.are_deterministic_algorithms_enabled(),
            "cudnn": bool(torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark),
            "grad_norm": metrics["grad_norm"]}

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from trainer_harness import PRESETS
 
 pytestmark = pytest.mark.multiprocess
 
@@ -25,48 +26,22 @@ HERE = Path(__file__).resolve()
 
 
 # ----------------------------------------------------------------------------------------------- worker
-def make_samples(num_groups: int, group_size: int, seed: int, vocab: int):
-    import torch
-
-    from miles.types import Sample
-
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for g in range(num_groups):
-        prompt = torch.randint(4, vocab, (int(torch.randint(3, 9, (1,), generator=gen)),), generator=gen).tolist()
-        for k in range(group_size):
-            n = int(torch.randint(2, 9, (1,), generator=gen))
-            resp = torch.randint(4, vocab, (n,), generator=gen).tolist()
-            mask = [1] * n
-            if n > 3:
-                mask[1] = 0                                   # a "tool output" token inside the response
-            out.append(Sample(group_index=g, index=g * group_size + k, tokens=prompt + resp, response_length=n,
-                              loss_mask=mask, reward=float(torch.rand((), generator=gen) > 0.5),
-                              rollout_log_probs=(-2.0 - torch.rand(n, generator=gen)).tolist()))
-    return out
+RUN = ["--num-rollout", "2", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--lr", "2e-3",
+       "--micro-batch-size", "3", "--adam-beta2", "0.99", "--rollout-temperature", "0.8"]
 
 
 def _trainer(model_dir, group, mesh, extra, steps=2, device="cpu"):
-    import torch
-
-    from miles.config import parse_args
-    from miles.trainer.fsdp import FSDPTrainer
+    from trainer_harness import build, flags
 
     if "--use-opd" in extra:
         extra = extra + ["--opd-teacher-load", str(model_dir)]
-    cfg = parse_args(["--train-backend", "fsdp", "--hf-checkpoint", str(model_dir), "--num-rollout", "2",
-                      "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--lr", "2e-3", "--micro-batch-size", "3",
-                      "--num-steps-per-rollout", str(steps), "--adam-beta2", "0.99"] + extra)
-    return FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=mesh, group=group, device=torch.device(device),
-                       rollout_temperature=0.8, num_rollout=2, global_batch_size=None, num_steps_per_rollout=steps,
-                       timeout=120)
+    return build(model_dir, flags("fsdp", RUN, ["--num-steps-per-rollout", str(steps)], extra), group=group,
+                 mesh=mesh, device=device)
 
 
 CONFIGS = {
-    "grpo_kl": ["--use-kl-loss", "--kl-loss-coef", "0.05", "--kl-loss-type", "k3", "--kl-coef", "0.02",
-                "--entropy-coef", "0.01", "--eps-clip-high", "0.28"],
-    "ppo": ["--advantage-estimator", "ppo", "--normalize-advantages", "--gamma", "0.99", "--lambd", "0.95",
-            "--use-tis", "--calculate-per-token-loss", "--recompute-activations"],
+    "grpo_kl": PRESETS["grpo_kl"],
+    "ppo": PRESETS["ppo"] + ["--use-tis", "--calculate-per-token-loss", "--recompute-activations"],
     # the teacher is the initial model itself (--opd-teacher-load is set in _trainer)
     "opd": ["--use-opd", "--opd-type", "model", "--opd-kl-coef", "0.5", "--advantage-estimator",
             "reinforce_plus_plus_baseline", "--use-rollout-logprobs", "--use-dynamic-batch-size",
@@ -86,6 +61,7 @@ def worker(out_dir: Path, model_dir: Path, kind: str) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
+    from trainer_harness import random_samples
 
     timeout = timedelta(seconds=120)
     dist.init_process_group("gloo" if kind == "cpu" else "cpu:gloo,cuda:nccl", timeout=timeout)
@@ -96,7 +72,7 @@ def worker(out_dir: Path, model_dir: Path, kind: str) -> None:
     group = group_a if rank < 2 else group_b
     device = "cpu" if kind == "cpu" else f"cuda:{rank % torch.cuda.device_count()}"
     mesh = DeviceMesh.from_group(group, device_type=kind)
-    samples = make_samples(4, 4, seed=7, vocab=90)
+    samples = random_samples(4, 4, seed=7, vocab=90)
     # A: rank 0 holds groups 0-2, rank 1 group 3 (uneven). B: all, ordered so its step slices
     # equal the union of A's slices (2 steps: A0 [0:6]+A1 [12:14], then A0 [6:12]+A1 [14:16]).
     if rank == 0:
@@ -269,7 +245,7 @@ def _launch(out: Path, model_dir: Path, kind: str):
     from miles.utils.net import find_free_port
 
     proc = torchrun(HERE, 3, find_free_port(), str(out), str(model_dir), kind, timeout=300,
-                    env={"PYTHONPATH": str(HERE.parents[2])})
+                    env={"PYTHONPATH": os.pathsep.join([str(HERE.parents[2]), str(HERE.parents[1])])})
     if proc.returncode != 0:
         pytest.fail(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-6000:]}")
     return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]

@@ -108,16 +108,14 @@ ALGO_FLAGS = {
 }
 
 
-def _configs(model_dir: str, backend: str, tp: int, distopt: bool = False, algo: str = "grpo",
-             megatron_flags: tuple[str, ...] = ()):
-    from miles.config import parse_args
-
+def _flags(backend: str, tp: int, distopt: bool = False, algo: str = "grpo",
+           megatron_flags: tuple[str, ...] = ()) -> list[str]:
+    """The parity run's flags (2 rollouts of 4 prompts x 4 samples, one optimizer step each) on ``backend``."""
     extra = COMMON_FLAGS + ALGO_FLAGS[algo]
     extra += ["--tensor-model-parallel-size", str(tp), *megatron_flags] if backend == "megatron" else []
     extra += ["--use-distributed-optimizer"] if distopt else []
-    return parse_args(["--hf-checkpoint", model_dir, "--num-rollout", "2", "--rollout-batch-size", "4",
-                       "--n-samples-per-prompt", "4", "--num-steps-per-rollout", "1", "--train-backend", backend]
-                      + extra)
+    return ["--num-rollout", "2", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
+            "--num-steps-per-rollout", "1", "--rollout-temperature", "0.8", "--train-backend", backend] + extra
 
 
 def _all_logprobs(tr, samples) -> list:
@@ -132,35 +130,23 @@ def _parity_worker(model_dir: str, out: str, tp: int, kind: str = "cpu", distopt
     bf16, the same recipe (bf16 parameters in the forward and backward, fp32 gradients and masters: FSDP's
     one-rank path and the Megatron backend through ``optim.MasterWeights``); the FSDP backend's varlen flash
     attention needs bf16."""
-    import dataclasses
-
     import torch
     import torch.distributed as dist
     from safetensors.torch import load_file
-    from test_fsdp import make_samples
-    from torch.distributed.device_mesh import DeviceMesh
-
-    from miles.trainer.fsdp import FSDPTrainer
-    from miles.trainer.megatron.trainer import MegatronTrainer
+    from trainer_harness import build, random_samples
 
     dist.init_process_group("gloo" if kind == "cpu" else "nccl")
     rank, group = dist.get_rank(), dist.group.WORLD
     dev = torch.device("cpu") if kind == "cpu" else torch.device("cuda", 0)
     if kind == "cuda":
         torch.cuda.set_device(dev)
-    samples = make_samples(4, 4, seed=7, vocab=90)
+    samples = random_samples(4, 4, seed=7, vocab=90)
     world = dist.get_world_size()
     # whole groups of 4 per rank; 2 ranks: uneven (rank 1 pads micro-batches); 4 ranks: one group each
     mine = samples if world == 1 else (samples[:12] if rank == 0 else samples[12:]) if world == 2 else \
         samples[4 * rank:4 * rank + 4]
-    common = dict(device=dev, rollout_temperature=0.8, num_rollout=2, global_batch_size=None,
-                  num_steps_per_rollout=1, timeout=120)
     res: dict = {}
-    cfg = _configs(model_dir, "fsdp", 1, algo=algo)
-    if kind == "cpu":
-        cfg.train = dataclasses.replace(cfg.train, bf16=False)
-    fsdp = FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=DeviceMesh.from_group(group, device_type=kind),
-                       group=group, **common)
+    fsdp = build(model_dir, _flags("fsdp", 1, algo=algo), group=group, device=dev)
     res["fsdp_lp"] = _all_logprobs(fsdp, samples)
     res["fsdp_metrics"] = [fsdp.train(mine, rid) for rid in range(2)]
     fsdp_sd = fsdp.state_dict_for_check()
@@ -169,10 +155,8 @@ def _parity_worker(model_dir: str, out: str, tp: int, kind: str = "cpu", distopt
                                   for p in fsdp.critic.model.value_head.parameters()]
     del fsdp
 
-    cfg = _configs(model_dir, "megatron", tp, distopt, algo, tuple(f for f in megatron_flags.split(",") if f))
-    if kind == "cpu":
-        cfg.train = dataclasses.replace(cfg.train, bf16=False)
-    meg = MegatronTrainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, group=group, **common)
+    meg = build(model_dir, _flags("megatron", tp, distopt, algo, tuple(f for f in megatron_flags.split(",") if f)),
+                group=group, device=dev)
     init = meg.state_dict_for_check()
     init_bf16 = {n: t.detach().cpu().clone() for b in meg.iter_weight_buckets(4096, torch.bfloat16) for n, t in b}
     res["meg_lp"] = _all_logprobs(meg, samples)
@@ -260,16 +244,10 @@ def test_trainer_parity_with_fsdp(tiny_model_dir: Path, tmp_path: Path, free_por
 def make_trainer(model_dir: str, flags: list[str], group):
     """TP 1 x DP 2: the sharded AdamW state (--use-distributed-optimizer) and PPO (the critic's too), dropout (the
     TP RNG tracker is restored too). TP 2 is test_megatron_ckpt.py's."""
-    import torch
+    from trainer_harness import build
 
-    from miles.config import parse_args
-    from miles.trainer.megatron.trainer import MegatronTrainer
-
-    cfg = parse_args(["--hf-checkpoint", model_dir, "--train-backend", "megatron", "--hidden-dropout", "0.1",
-                      "--use-distributed-optimizer", "--advantage-estimator", "ppo"] + flags)
-    return MegatronTrainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, group=group, device=torch.device("cpu"),
-                           rollout_temperature=1.0, num_rollout=cfg.data.num_rollout, global_batch_size=None,
-                           num_steps_per_rollout=2, timeout=60)
+    return build(model_dir, ["--train-backend", "megatron", "--hidden-dropout", "0.1", "--use-distributed-optimizer",
+                             "--advantage-estimator", "ppo"] + flags, group=group)
 
 
 @pytest.mark.parametrize("point", ["shards", "rename"])

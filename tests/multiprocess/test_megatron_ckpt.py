@@ -34,33 +34,11 @@ HERE = Path(__file__).resolve()
 NUM_ROLLOUT = 4
 
 
-def _trainer(model_dir: str, group, flags: list[str], num_rollout: int = NUM_ROLLOUT):
-    import torch
+def _trainer(model_dir: str, group, extra: list[str]):
+    from trainer_harness import build, flags
 
-    from miles.config import parse_args
-    from miles.trainer.megatron.trainer import MegatronTrainer
-
-    cfg = parse_args(["--hf-checkpoint", model_dir, "--num-rollout", str(num_rollout), "--rollout-batch-size", "2",
-                      "--n-samples-per-prompt", "3", "--lr", "3e-3", "--num-steps-per-rollout", "2",
-                      "--train-backend", "megatron", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
-                      "--min-lr", "1e-4", "--use-kl-loss", "--kl-loss-coef", "0.1"] + flags)
-    return MegatronTrainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, group=group, device=torch.device("cpu"),
-                           rollout_temperature=1.0, num_rollout=num_rollout, global_batch_size=None,
-                           num_steps_per_rollout=2, timeout=60)
-
-
-def _samples(rank: int):
-    import torch
-
-    from miles.types import Sample
-
-    out = []
-    for k in range(3):
-        prompt = torch.randint(4, 90, (4,)).tolist()
-        n = int(torch.randint(2, 7, (1,)))
-        out.append(Sample(group_index=rank, index=k, tokens=prompt + torch.randint(4, 90, (n,)).tolist(),
-                          response_length=n, reward=float(torch.rand(())), rollout_log_probs=[-1.0] * n))
-    return out
+    return build(model_dir, flags("megatron", "ckpt_run", "cosine", "kl", ["--num-rollout", str(NUM_ROLLOUT)], extra),
+                 group=group)
 
 
 def _init():
@@ -73,8 +51,7 @@ def _init():
 
 
 def make_trainer(model_dir: str, flags: list[str], group):
-    return _trainer(model_dir, group, ["--tensor-model-parallel-size", "2", "--hidden-dropout", "0.1"] + flags,
-                    num_rollout=int(flags[flags.index("--num-rollout") + 1]))
+    return _trainer(model_dir, group, ["--tensor-model-parallel-size", "2", "--hidden-dropout", "0.1"] + flags)
 
 
 def moments(tr) -> dict:
@@ -175,6 +152,7 @@ def _convert_worker(model_dir: str, root: str) -> None:
 
 def _finetune_worker(model_dir: str, other_dir: str, root: str, out: str) -> None:
     import torch
+    from trainer_harness import random_samples
 
     from miles.trainer.checkpoint import save_checkpoint
     from miles.trainer.megatron import convert, legacy_ckpt, parallel
@@ -189,7 +167,7 @@ def _finetune_worker(model_dir: str, other_dir: str, root: str, out: str) -> Non
     loaded = tr.state_dict_for_check()
     ref_equal = all(torch.equal(p, q) for p, q in zip(tr.model.parameters(), tr.ref.parameters()))
     step = tr.schedule.step
-    tr.train(_samples(rank), 0)
+    tr.train(random_samples(1, 3, first_group=rank), 0)
     tr.checkpoint(0, {"data_position": 3})
     tr4 = _trainer(model_dir, group, ["--load", save, "--finetune"])    # weights only, rollout 0
     finetune_extra, finetune_step = tr4.resume(), tr4.schedule.step

@@ -37,47 +37,39 @@ def _worker(model_dir: str, out: str) -> None:
 
     import torch
     import torch.distributed as dist
+    from trainer_harness import build, flags, random_samples
 
-    from miles.config import parse_args
     from miles.trainer.fsdp import FSDPTrainer
-    from miles.trainer.megatron.trainer import MegatronTrainer
-    from miles.types import Sample
 
-    class Probe(MegatronTrainer):
-        """Counts the model forwards and keeps the reduced, clipped gradients of the step."""
+    def probe(tr):
+        """Count the model forwards and keep the reduced, clipped gradients of the step."""
+        rows_forward, clip_grad_norm = tr._rows_forward, tr._clip_grad_norm
+        tr.forwards = 0
 
-        forwards = 0
+        def counted(model, mb, x=None):
+            tr.forwards += 1
+            return rows_forward(model, mb, x)
 
-        def _rows_forward(self, model, mb, x=None):
-            self.forwards += 1
-            return super()._rows_forward(model, mb, x)
-
-        def _clip_grad_norm(self) -> float:
-            gn = super()._clip_grad_norm()
-            self.grads = {n: p.grad.detach().clone() for n, p in self.model.named_parameters()}
+        def clip() -> float:
+            gn = clip_grad_norm()
+            tr.grads = {n: p.grad.detach().clone() for n, p in tr.model.named_parameters()}
             return gn
+
+        tr._rows_forward, tr._clip_grad_norm = counted, clip
+        return tr
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     group = dist.new_group([0, 1], timeout=timedelta(seconds=60))
     rank = dist.get_rank()
-    gen = torch.Generator().manual_seed(11 + rank)
-    all_samples = []
-    for k in range(6):
-        prompt, resp = int(torch.randint(3, 9, (1,), generator=gen)), int(torch.randint(2, 7, (1,), generator=gen))
-        all_samples.append(Sample(group_index=rank * 10 + k // 3, index=k, reward=float(k % 2),
-                                  tokens=torch.randint(4, 90, (prompt + resp,), generator=gen).tolist(),
-                                  response_length=resp, loss_mask=[1] * (resp - 1) + [k % 2]))
+    all_samples = random_samples(2, 3, seed=11 + rank, first_group=rank * 10)
     res: dict = {}
     for name, (extra, rank1_samples) in CONFIGS.items():
         samples = all_samples if rank == 0 else all_samples[:rank1_samples]
         for mode in ("slow", "coalesced"):
-            cfg = parse_args(["--hf-checkpoint", model_dir, "--num-rollout", "2", "--rollout-batch-size", "3",
-                              "--n-samples-per-prompt", "3", "--lr", "1e-3", "--num-steps-per-rollout", "1",
-                              "--train-backend", "megatron", "--micro-batch-size", "1"] + extra)
             torch.manual_seed(0)
-            tr = Probe(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, group=group, device=torch.device("cpu"),
-                       rollout_temperature=1.0, num_rollout=2, global_batch_size=None, num_steps_per_rollout=1,
-                       timeout=60)
+            tr = probe(build(model_dir, flags("megatron", ["--num-rollout", "2", "--rollout-batch-size", "3",
+                                                           "--n-samples-per-prompt", "3", "--lr", "1e-3",
+                                                           "--micro-batch-size", "1"], extra), group=group))
             if mode == "slow":      # the path before: one forward per sample, dummies up to the group-wide count
                 tr.coalesce_tokens = lambda: 0
                 tr._micro_batches = functools.partial(FSDPTrainer._micro_batches, tr)

@@ -7,8 +7,8 @@ ranks, train the same 2 rollouts on samples of uneven lengths (5 to 16 tokens, r
 2 x CP); compared: every sample's log-probs before training, the step metrics and the parameter update, as
 ``test_megatron.py::test_trainer_parity_with_fsdp`` does (its worker runs here).
 
-``test_cp_checkpoint_resume_matches_uninterrupted``: CP 2 with dropout, killed after a checkpoint and resumed,
-ends bitwise equal to an uninterrupted run.
+``test_cp_checkpoint_resume_matches_uninterrupted``: CP 2 with dropout, a rank SIGKILLed inside a save
+(``kill_mid_save.py``) and relaunched, ends bitwise equal to an uninterrupted run.
 
 ``test_cp_not_dividing_ranks_is_one_line`` / ``test_bad_combination_is_one_line``: a CP size that does not
 divide the trainer ranks, and flag combinations the backend does not run, are one ``ConfigError`` line naming
@@ -79,70 +79,21 @@ def test_cp_sp_parity_with_fsdp(tiny_model_dir: Path, tmp_path: Path, free_port:
 
 
 # ------------------------------------------------------------------------------------ checkpoints
-CKPT_ROLLOUTS = 3
+def make_trainer(model_dir: str, flags: list[str], group):
+    """CP 2 on the 2 ranks, dropout 0.1 (the RNG streams of both CP ranks are restored)."""
+    from trainer_harness import build
 
-
-def _resume_worker(model_dir: str, out: str, save_dir: str, kill_at: int) -> None:
-    """CP 2 on 2 ranks, dropout 0.1, 3 rollouts with a checkpoint after each; samples drawn from the global RNG
-    (restored by the checkpoint). ``kill_at``: rank 1 SIGKILLs itself right after that rollout's checkpoint."""
-    import signal
-
-    import torch
-    import torch.distributed as dist
-
-    from miles.config import parse_args
-    from miles.trainer.megatron.trainer import MegatronTrainer
-    from miles.types import Sample
-
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    args = ["--hf-checkpoint", model_dir, "--num-rollout", str(CKPT_ROLLOUTS), "--rollout-batch-size", "2",
-            "--n-samples-per-prompt", "3", "--lr", "3e-3", "--train-backend", "megatron", "--context-parallel-size",
-            "2", "--use-kl-loss", "--kl-loss-coef", "0.1", "--save-interval", "1", "--hidden-dropout", "0.1"]
-    cfg = parse_args(args + (["--save", save_dir] if save_dir != "-" else []))
-    tr = MegatronTrainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, group=dist.group.WORLD,
-                         device=torch.device("cpu"), rollout_temperature=1.0, num_rollout=CKPT_ROLLOUTS,
-                         global_batch_size=None, num_steps_per_rollout=1, timeout=60)
-    torch.manual_seed(100 + rank)
-    extra = tr.resume() if save_dir != "-" else None
-    start = 0 if extra is None else extra["rollout_id"] + 1
-    losses = {}
-    for rid in range(start, CKPT_ROLLOUTS):
-        samples = []
-        for k in range(3):
-            prompt, n = torch.randint(4, 90, (4,)).tolist(), int(torch.randint(2, 9, (1,)))
-            samples.append(Sample(group_index=rank, index=k, tokens=prompt + torch.randint(4, 90, (n,)).tolist(),
-                                  response_length=n, reward=float(torch.rand(()))))
-        losses[rid] = tr.train(samples, rid)["loss"]
-        if tr.should_save(rid):
-            tr.checkpoint(rid, extra={})
-            if rid == kill_at and rank == 1:
-                os.kill(os.getpid(), signal.SIGKILL)
-    params = tr.state_dict_for_check()
-    if rank == 0:
-        torch.save({"params": params, "losses": losses}, out)
-    dist.destroy_process_group()
+    return build(model_dir, ["--train-backend", "megatron", "--context-parallel-size", "2", "--hidden-dropout",
+                             "0.1"] + flags, group=group)
 
 
 def test_cp_checkpoint_resume_matches_uninterrupted(tiny_model_dir: Path, tmp_path: Path) -> None:
-    import torch
+    from kill_mid_save import kill_then_resume, reference
 
-    from miles.utils.net import find_free_port
+    from miles.trainer.checkpoint.layout import ITER
 
-    def launch(out: str, save: str, kill_at: int) -> subprocess.CompletedProcess:
-        return _launch(["resume", str(tiny_model_dir), out, save, str(kill_at)], 2, find_free_port(), timeout=300)
-
-    ref = launch(str(tmp_path / "ref.pt"), "-", -1)
-    assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-4000:]
-    ckpt = tmp_path / "ckpt"
-    killed = launch(str(tmp_path / "killed.pt"), str(ckpt), 0)       # dies after rollout 0's checkpoint
-    assert killed.returncode != 0
-    resumed = launch(str(tmp_path / "resumed.pt"), str(ckpt), -1)
-    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-4000:]
-    a, b = torch.load(tmp_path / "ref.pt", weights_only=False), torch.load(tmp_path / "resumed.pt", weights_only=False)
-    assert sorted(b["losses"]) == [1, 2] and all(b["losses"][k] == a["losses"][k] for k in b["losses"])
-    for k in a["params"]:
-        assert torch.equal(a["params"][k], b["params"][k]), k
+    ref = reference(HERE, tmp_path / "ref.pt", tiny_model_dir)
+    kill_then_resume(HERE, tmp_path, ref, "shards", ITER, tiny_model_dir)
 
 
 # ------------------------------------------------------------------------------------ the split itself
@@ -181,22 +132,17 @@ def test_shard_rows_is_megatrons_load_balanced_split(cp: int) -> None:
 def _refusal_worker(model_dir: str, out: str, flag_sets: str) -> None:
     """Build a Megatron trainer with each ``;``-separated flag set on every rank; write one line per set
     (the ConfigError, or "ok")."""
-    import torch
     import torch.distributed as dist
+    from trainer_harness import build
 
-    from miles.config import ConfigError, parse_args
-    from miles.trainer.megatron.trainer import MegatronTrainer
+    from miles.config import ConfigError
 
     dist.init_process_group("gloo")
     lines = []
     for flags in flag_sets.split(";"):
         line = "ok"
         try:
-            cfg = parse_args(["--hf-checkpoint", model_dir, "--num-rollout", "1", "--rollout-batch-size", "2",
-                              "--n-samples-per-prompt", "2", "--train-backend", "megatron", *flags.split(",")])
-            MegatronTrainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, group=dist.group.WORLD,
-                            device=torch.device("cpu"), rollout_temperature=1.0, num_rollout=1,
-                            global_batch_size=None, num_steps_per_rollout=1, timeout=60)
+            build(model_dir, ["--train-backend", "megatron", *flags.split(",")])
         except ConfigError as e:
             line = str(e).replace("\n", "<newline>")
         lines.append(line)
@@ -350,8 +296,10 @@ if __name__ == "__main__":
 
         _parity_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6:7] == ["1"],
                        *sys.argv[7:9])
-    elif sys.argv[1] == "resume":
-        _resume_worker(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
+    elif sys.argv[1] == "kill_mid_save":
+        import kill_mid_save
+
+        kill_mid_save.worker(make_trainer, *sys.argv[2:])
     elif sys.argv[1] == "kernels":
         _kernel_worker(sys.argv[2])
     elif sys.argv[1] == "refuse":

@@ -41,16 +41,14 @@ def _worker(model_dir: str, out: str, tp: int, yaml: str) -> None:
 
     import torch
     import torch.distributed as dist
+    from trainer_harness import build
 
-    from miles.config import parse_args
-    from miles.trainer.megatron.trainer import MegatronTrainer
     from miles.types import Sample
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     group = dist.new_group([0, 1], timeout=timedelta(seconds=60))
     rank = dist.get_rank()
-    base = ["--hf-checkpoint", model_dir, "--num-rollout", "1", "--rollout-batch-size", "2", "--n-samples-per-prompt",
-            "2", "--lr", "1e-2", "--num-steps-per-rollout", "1", "--train-backend", "megatron", "--use-tis",
+    base = ["--lr", "1e-2", "--train-backend", "megatron", "--use-tis",
             "--tis-clip", "1.2", "--tis-clip-low", "0.9", "--tensor-model-parallel-size", str(tp),
             # the same packed micro-batches for every run (the built-in TIS run would otherwise coalesce its
             # micro-batches and a custom function's would not: a float summation order apart)
@@ -59,12 +57,8 @@ def _worker(model_dir: str, out: str, tp: int, yaml: str) -> None:
     for name, extra in (("builtin", []), ("clamp", ["--custom-config-path", yaml, "--custom-tis-function-path",
                                                    "test_megatron_custom_tis.clamp_tis"]),
                         ("zero", ["--custom-tis-function-path", "test_megatron_custom_tis.zero_tis"])):
-        cfg = parse_args(base + extra)
         torch.manual_seed(0)
-        tr = MegatronTrainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, group=group,
-                             device=torch.device("cpu"), rollout_temperature=1.0, num_rollout=1,
-                             global_batch_size=None, num_steps_per_rollout=1, timeout=60,
-                             custom_config=cfg.custom_config)
+        tr = build(model_dir, base + extra, group=group)
         gen = torch.Generator().manual_seed(7 + rank)
         samples = [Sample(group_index=rank, index=k, tokens=torch.randint(4, 90, (7,), generator=gen).tolist(),
                           response_length=3, reward=float(k % 2),

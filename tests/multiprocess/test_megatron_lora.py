@@ -25,38 +25,22 @@ pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.multiprocess
 
 HERE = Path(__file__).resolve()
-LORA = ["--lora-rank", "4", "--lora-alpha", "8", "--lora-dropout", "0.0", "--target-modules", "all-linear"]
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _trainer(model_dir: str, group, flags: list[str]):
-    import torch
+def _trainer(model_dir: str, group, extra: list[str]):
+    from trainer_harness import build, flags
 
-    from miles.config import parse_args
-    from miles.trainer.megatron.trainer import MegatronTrainer
-
-    cfg = parse_args(["--hf-checkpoint", model_dir, "--num-rollout", "2", "--rollout-batch-size", "2",
-                      "--n-samples-per-prompt", "3", "--lr", "1e-2", "--num-steps-per-rollout", "1",
-                      "--train-backend", "megatron", "--lr-decay-style", "constant", "--use-kl-loss",
-                      "--kl-loss-coef", "0.1"] + LORA + flags)
-    return MegatronTrainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, group=group, device=torch.device("cpu"),
-                           rollout_temperature=1.0, num_rollout=2, global_batch_size=None,
-                           num_steps_per_rollout=1, timeout=60)
+    return build(model_dir, flags("megatron", "lora", ["--num-rollout", "2", "--n-samples-per-prompt", "3", "--lr",
+                                  "1e-2", "--lr-decay-style", "constant", "--use-kl-loss", "--kl-loss-coef", "0.1"],
+                                  extra), group=group)
 
 
 def _samples(rank: int, rid: int):
-    import torch
+    """One group of 3 per rank, the same for every launch (the data of (rollout, rank))."""
+    from trainer_harness import random_samples
 
-    from miles.types import Sample
-
-    g = torch.Generator().manual_seed(1000 * rid + rank)
-    out = []
-    for k in range(3):
-        prompt = torch.randint(4, 90, (4,), generator=g).tolist()
-        n = int(torch.randint(2, 7, (1,), generator=g))
-        out.append(Sample(group_index=rank, index=k, tokens=prompt + torch.randint(4, 90, (n,), generator=g).tolist(),
-                          response_length=n, reward=float(torch.rand((), generator=g)), rollout_log_probs=[-1.0] * n))
-    return out
+    return random_samples(1, 3, seed=1000 * rid + rank, first_group=rank)
 
 
 def _init():

@@ -125,50 +125,35 @@ def _parity_worker(model_dir: str, out: str, ep: int, dispatcher: str, kind: str
     optimizer flags (--optimizer-cpu-offload, fraction 0.5, ...)."""
     with_ckpt = kind == "cpu_ckpt"
     kind = "cpu" if with_ckpt else kind
-    import dataclasses
-
     import torch
     import torch.distributed as dist
     from safetensors.torch import load_file
-    from test_fsdp import make_samples
-    from test_megatron import _all_logprobs, _configs
-    from torch.distributed.device_mesh import DeviceMesh
-
-    from miles.trainer.fsdp import FSDPTrainer
-    from miles.trainer.megatron.trainer import MegatronTrainer
+    from test_megatron import _all_logprobs, _flags
+    from trainer_harness import PRESETS, build, random_samples
 
     dist.init_process_group("gloo" if kind == "cpu" else "nccl")
     rank, group, world = dist.get_rank(), dist.group.WORLD, dist.get_world_size()
     dev = torch.device("cpu") if kind == "cpu" else torch.device("cuda", 0)
     if kind == "cuda":
         torch.cuda.set_device(dev)
-    samples = make_samples(4, 4, seed=7, vocab=90)
+    samples = random_samples(4, 4, seed=7, vocab=90)
     mine = samples if world == 1 else (samples[:12] if rank == 0 else samples[12:]) if world == 2 else \
         samples[4 * rank:4 * rank + 4]
-    common = dict(device=dev, rollout_temperature=0.8, num_rollout=2, global_batch_size=None,
-                  num_steps_per_rollout=1, timeout=120)
     res: dict = {}
-    cfg = _configs(model_dir, "fsdp", 1)
-    if kind == "cpu":
-        cfg.train = dataclasses.replace(cfg.train, bf16=False)
-    fsdp = FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=DeviceMesh.from_group(group, device_type=kind),
-                       group=group, **common)
+    fsdp = build(model_dir, _flags("fsdp", 1), group=group, device=dev)
     res["fsdp_lp"] = _all_logprobs(fsdp, samples)
     res["fsdp_metrics"] = [fsdp.train(mine, rid) for rid in range(2)]
     fsdp_sd = split_fused_experts(fsdp.state_dict_for_check())
     del fsdp
 
-    flags = ("--expert-model-parallel-size", str(ep), "--moe-router-dtype", "fp32", "--moe-aux-loss-coeff", "0",
-             "--num-experts", "4", "--moe-router-topk", "2")
+    flags = ("--expert-model-parallel-size", str(ep), *PRESETS["moe_fp32_router"], "--num-experts", "4",
+             "--moe-router-topk", "2")
     flags += ("--moe-token-dispatcher-type", dispatcher) if dispatcher != "default" else ()
     flags += ("--save", str(Path(out).parent / "ckpt")) if with_ckpt else ()
     flags += ("--sequence-parallel", "--expert-tensor-parallel-size", "1") if tp > 1 else ()
     flags += ("--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5", "--overlap-cpu-optimizer-d2h-h2d",
               "--use-precision-aware-optimizer") if offload == "offload" else ()
-    cfg = _configs(model_dir, "megatron", tp, megatron_flags=flags)
-    if kind == "cpu":
-        cfg.train = dataclasses.replace(cfg.train, bf16=False)
-    meg = MegatronTrainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, group=group, **common)
+    meg = build(model_dir, _flags("megatron", tp, megatron_flags=flags), group=group, device=dev)
     res["offloaded"] = getattr(meg.optimizer, "offloaded", 0)
     res["trained"] = sum(p.requires_grad for p in meg.model.parameters())
     init_order = [n for b in meg.iter_weight_buckets(4096) for n, _ in b]
@@ -265,26 +250,19 @@ def test_moe_trainer_parity_with_fsdp(tiny_moe_dir: Path, tmp_path: Path, free_p
 def _engine_worker(model_dir: str, out: str, engine_url: str) -> None:
     """Megatron EP 2 trains one rollout, then rank 0 hands every bucket to the embedded engine (generic HF path,
     fused experts in transformers) through ``/update_weights_from_tensor``; rank 0 reads each tensor back."""
-    import dataclasses
-
     import requests
     import torch
     import torch.distributed as dist
-    from test_fsdp import make_samples
-    from test_megatron import _configs
+    from test_megatron import _flags
+    from trainer_harness import build, random_samples
 
-    from miles.trainer.megatron.trainer import MegatronTrainer
     from miles.weight_sync.check import compare
     from miles.weight_sync.tensor import pack_shared, serialize_bucket
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    cfg = _configs(model_dir, "megatron", 1, megatron_flags=("--expert-model-parallel-size", "2"))
-    cfg.train = dataclasses.replace(cfg.train, bf16=False)
-    meg = MegatronTrainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, group=dist.group.WORLD,
-                          device=torch.device("cpu"), rollout_temperature=0.8, num_rollout=1, global_batch_size=None,
-                          num_steps_per_rollout=1, timeout=120)
-    samples = make_samples(4, 4, seed=7, vocab=90)
+    meg = build(model_dir, _flags("megatron", 1, megatron_flags=("--expert-model-parallel-size", "2")))
+    samples = random_samples(4, 4, seed=7, vocab=90)
     meg.train(samples[:8] if rank == 0 else samples[8:], 0)
     res = {"names": [], "posted": 0}
     before = {}

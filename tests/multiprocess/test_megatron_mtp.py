@@ -23,32 +23,21 @@ from pathlib import Path
 
 import pytest
 from _torchrun import torchrun_self
+from trainer_harness import PRESETS
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.multiprocess
 
 HERE = Path(__file__).resolve()
 FLAGS = ["--lr", "2e-3", "--weight-decay", "0.0", "--lr-decay-style", "constant", "--micro-batch-size", "4",
-         "--clip-grad", "1.0", "--multi-latent-attention", "--moe-router-score-function", "sigmoid",
-         "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0", "--moe-aux-loss-coeff", "0"]
+         "--clip-grad", "1.0", *PRESETS["mla"]]
 
 
-def _trainer(model_dir: str, *flags: str):
-    import dataclasses
+def _trainer(model_dir: str, *extra: str):
+    from trainer_harness import build, flags
 
-    import torch
-    import torch.distributed as dist
-
-    from miles.config import parse_args
-    from miles.trainer.megatron.trainer import MegatronTrainer
-
-    cfg = parse_args(["--hf-checkpoint", model_dir, "--num-rollout", "2", "--rollout-batch-size", "2",
-                      "--n-samples-per-prompt", "4", "--num-steps-per-rollout", "1", "--train-backend", "megatron",
-                      "--save-hf", str(Path(model_dir).parent / "unused"), *FLAGS, *flags])
-    cfg.train = dataclasses.replace(cfg.train, bf16=False)
-    return MegatronTrainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, group=dist.group.WORLD,
-                           device=torch.device("cpu"), rollout_temperature=1.0, num_rollout=2, global_batch_size=None,
-                           num_steps_per_rollout=1, timeout=120)
+    return build(model_dir, flags("megatron", ["--num-rollout", "2", "--n-samples-per-prompt", "4", "--save-hf",
+                                               str(Path(model_dir).parent / "unused")], FLAGS, list(extra)))
 
 
 def _run(tr, samples, mine) -> dict:
@@ -63,11 +52,11 @@ def _worker(model_dir: str, out: str, case: str) -> None:
     import torch
     import torch.distributed as dist
     from safetensors.torch import load_file
-    from test_fsdp import make_samples
+    from trainer_harness import random_samples
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    samples = make_samples(2, 4, seed=3, vocab=90)
+    samples = random_samples(2, 4, seed=3, vocab=90)
     mine = samples[:4] if rank == 0 else samples[4:]
     res: dict = {}
     disk = load_file(str(Path(model_dir) / "model.safetensors"))

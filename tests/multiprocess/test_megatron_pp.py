@@ -80,18 +80,12 @@ def test_pp_parity_with_fsdp(tmp_path: Path, free_port: int, nproc: int, tp: int
 def _export_worker(model_dir: str, out: str, flags: str) -> None:
     import torch
     import torch.distributed as dist
+    from trainer_harness import build
 
-    from miles.config import parse_args
-    from miles.trainer.megatron.trainer import MegatronTrainer
-
-    dist.init_process_group("gloo")
-    cfg = parse_args(["--hf-checkpoint", model_dir, "--num-rollout", "1", "--rollout-batch-size", "2",
-                      "--train-backend", "megatron", *[f for f in flags.split(",") if f]])
-    tr = MegatronTrainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, group=dist.group.WORLD,
-                         device=torch.device("cpu"), rollout_temperature=1.0, num_rollout=1, global_batch_size=None,
-                         num_steps_per_rollout=1, timeout=60)
     from miles.trainer.megatron.pipeline import global_named_parameters
 
+    dist.init_process_group("gloo")
+    tr = build(model_dir, ["--train-backend", "megatron", *[f for f in flags.split(",") if f]])
     with torch.no_grad():   # weights unlike the HF checkpoint's, the same for PP 1 and 2 (by global name, same TP)
         for name, p in global_named_parameters(tr.model):
             p.add_(0.01 * torch.sin(torch.arange(p.numel(), dtype=p.dtype).view(p.shape) + len(name)
@@ -131,19 +125,12 @@ def test_pp_export_equals_one_stage(tiny_model_dir: Path, tmp_path: Path, free_p
 NUM_ROLLOUT = 4
 
 
-def _trainer(model_dir: str, flags: list[str], group, pp: int):
-    import torch
+def _trainer(model_dir: str, extra: list[str], group, pp: int):
+    from trainer_harness import build, flags
 
-    from miles.config import parse_args
-    from miles.trainer.megatron.trainer import MegatronTrainer
-
-    cfg = parse_args(["--hf-checkpoint", model_dir, "--num-rollout", str(NUM_ROLLOUT), "--rollout-batch-size", "2",
-                      "--n-samples-per-prompt", "3", "--lr", "3e-3", "--num-steps-per-rollout", "2", "--train-backend",
-                      "megatron", "--pipeline-model-parallel-size", str(pp), "--hidden-dropout", "0.1",
-                      "--micro-batch-size", "2"] + flags)
-    return MegatronTrainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, group=group, device=torch.device("cpu"),
-                           rollout_temperature=1.0, num_rollout=cfg.data.num_rollout, global_batch_size=None,
-                           num_steps_per_rollout=2, timeout=60)
+    return build(model_dir, flags("megatron", "ckpt_run", "dropout", ["--num-rollout", str(NUM_ROLLOUT),
+                                  "--pipeline-model-parallel-size", str(pp), "--micro-batch-size", "2"], extra),
+                 group=group)
 
 
 def make_trainer(model_dir: str, flags: list[str], group):

@@ -13,7 +13,6 @@ bf16 rounding alone gives (Adam's first steps turn rounding of near-zero gradien
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -30,43 +29,43 @@ def _worker(model_dir: str, out: str, kind: str) -> None:
     import torch
     import torch.distributed as dist
     from safetensors.torch import load_file
-    from test_fsdp import make_samples
-    from test_megatron import _all_logprobs, _configs
+    from test_megatron import _all_logprobs, _flags
     from torch.distributed.device_mesh import DeviceMesh
+    from trainer_harness import build, parse, random_samples
 
     from miles.trainer import modeling
     from miles.trainer.fsdp import FSDPTrainer
-    from miles.trainer.megatron.trainer import MegatronTrainer
 
     dist.init_process_group("gloo" if kind == "cpu" else "nccl")
     group = dist.group.WORLD
     dev = torch.device("cpu") if kind == "cpu" else torch.device("cuda", 0)
     if kind != "cpu":
         torch.cuda.set_device(dev)
-    samples = make_samples(4, 4, seed=7, vocab=90)
-    common = dict(device=dev, rollout_temperature=0.8, num_rollout=2, global_batch_size=None,
-                  num_steps_per_rollout=1, timeout=120, group=group)
+    samples = random_samples(4, 4, seed=7, vocab=90)
     hf = load_file(str(Path(model_dir) / "model.safetensors"))
     res: dict = {}
     runs = {}
     for name in ("fsdp2", "fsdp", "fsdp_mb1", "megatron"):
         backend = "megatron" if name == "megatron" else "fsdp"
-        cfg = _configs(model_dir, backend, 1)
-        cfg.train = dataclasses.replace(cfg.train, bf16=True, micro_batch_size=1 if name == "fsdp_mb1" else
-                                        cfg.train.micro_batch_size)
+        argv = _flags(backend, 1) + ["--bf16"] + (["--micro-batch-size", "1"] if name == "fsdp_mb1" else [])
+        if name == "fsdp2":                      # FSDP2 with its MixedPrecisionPolicy, as on more ranks
+            # a subclass that never takes the one-rank unwrapped path: built directly, as build_trainer has no
+            # such backend (the other arguments as build_run_trainer passes them)
+
+            class Wrapped(FSDPTrainer):
+                def unwrapped(self, offload: bool = False) -> bool:
+                    return False
+
+            cfg = parse(model_dir, argv)
+            tr = Wrapped(cfg.train, cfg.algo, cfg.checkpoint, mesh=DeviceMesh.from_group(group, device_type=kind),
+                         group=group, device=dev, rollout_temperature=cfg.rollout.rollout_temperature,
+                         num_rollout=cfg.data.num_rollout, global_batch_size=None, num_steps_per_rollout=1,
+                         timeout=cfg.cluster.distributed_timeout_minutes * 60)
+        else:
+            tr = build(model_dir, argv, group=group, device=dev)
         if backend == "fsdp":
-            cls = FSDPTrainer
-            if name == "fsdp2":                  # FSDP2 with its MixedPrecisionPolicy, as on more ranks
-
-                class cls(FSDPTrainer):          # noqa: N801
-                    def unwrapped(self, offload: bool = False) -> bool:
-                        return False
-
-            tr = cls(cfg.train, cfg.algo, cfg.checkpoint, mesh=DeviceMesh.from_group(group, device_type=kind),
-                     **common)
             res[f"{name}_wrapped"] = modeling.is_fsdp(tr.model)
         else:
-            tr = MegatronTrainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, **common)
             res["megatron_param_dtypes"] = sorted({str(p.dtype) for p in tr.model.parameters()})
             res["megatron_ref_dtypes"] = sorted({str(p.dtype) for p in tr.ref.parameters()})
         lp = _all_logprobs(tr, samples)

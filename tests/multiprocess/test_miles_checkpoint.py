@@ -53,25 +53,15 @@ def worker(out: Path, model_dir: Path, mode: str, ckpt: Path) -> None:
 
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-
-    from miles.config import parse_args
-    from miles.trainer.fsdp import FSDPTrainer
-    from miles.types import Sample
+    from trainer_harness import build, flags, random_samples
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     group = dist.new_group([0, 1], timeout=timedelta(seconds=60))
     rank = dist.get_rank(group)
-    mesh = DeviceMesh.from_group(group, device_type="cpu")
-    args = ["--train-backend", "fsdp", "--hf-checkpoint", str(model_dir), "--num-rollout", str(NUM_ROLLOUT),
-            "--rollout-batch-size", "2", "--n-samples-per-prompt", "3", "--lr", "3e-3", "--num-steps-per-rollout", "2",
-            "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--min-lr", "1e-4"]
+    args = flags("fsdp", "ckpt_run", "cosine", ["--num-rollout", str(NUM_ROLLOUT)])
     if mode == "resume":
         args += ["--load", str(ckpt)]
-    cfg = parse_args(args)
-    tr = FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=mesh, group=group, device=torch.device("cpu"),
-                     rollout_temperature=1.0, num_rollout=NUM_ROLLOUT, global_batch_size=None,
-                     num_steps_per_rollout=2, timeout=60)
+    tr = build(model_dir, args, group=group)
     start = 0
     if mode == "resume":
         extra = tr.resume()
@@ -79,16 +69,8 @@ def worker(out: Path, model_dir: Path, mode: str, ckpt: Path) -> None:
         assert tr.schedule.step == 4, tr.schedule.step
         start = extra["next_rollout_id"]
     for rid in range(start, NUM_ROLLOUT):
-        gen = torch.Generator().manual_seed(1000 * rid + rank)  # the data of (rollout, rank), RNG-state free
-        samples = []
-        for k in range(3):
-            prompt = torch.randint(4, 90, (4,), generator=gen).tolist()
-            n = int(torch.randint(2, 7, (1,), generator=gen))
-            samples.append(Sample(group_index=rank, index=k,
-                                  tokens=prompt + torch.randint(4, 90, (n,), generator=gen).tolist(),
-                                  response_length=n, reward=float(torch.rand((), generator=gen)),
-                                  rollout_log_probs=[-1.0] * n))
-        tr.train(samples, rid)
+        # the data of (rollout, rank), RNG-state free
+        tr.train(random_samples(1, 3, seed=1000 * rid + rank, first_group=rank), rid)
         if mode == "reference" and rid == 1:
             write_miles_checkpoint(tr, ckpt, rid, tr.schedule.step)
     params = tr.state_dict_for_check()

@@ -38,26 +38,16 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def _worker(model_dir: str, out: str) -> None:
-    import dataclasses
-
     import torch
     import torch.distributed as dist
     from safetensors.torch import load_file
-    from test_megatron import _configs
-    from torch.distributed.device_mesh import DeviceMesh
-
-    from miles.trainer.fsdp import FSDPTrainer
-    from miles.trainer.megatron.trainer import MegatronTrainer
+    from test_megatron import _flags
+    from trainer_harness import PRESETS, build
 
     dist.init_process_group("gloo")
-    rank, group = dist.get_rank(), dist.group.WORLD
-    common = dict(device=torch.device("cpu"), rollout_temperature=1.0, num_rollout=1, global_batch_size=None,
-                  num_steps_per_rollout=1, timeout=120)
+    rank = dist.get_rank()
     saved = str(Path(out).parent / "fsdp_hf")
-    cfg = _configs(model_dir, "fsdp", 1)
-    cfg.train = dataclasses.replace(cfg.train, bf16=False)
-    fsdp = FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=DeviceMesh.from_group(group, device_type="cpu"),
-                       group=group, **common)
+    fsdp = build(model_dir, _flags("fsdp", 1))
     f_init, f_init_bf16 = _export(fsdp), _export(fsdp, torch.bfloat16)
     g = torch.Generator().manual_seed(11 + rank)
     with torch.no_grad():                                    # "trained": every local shard moves differently
@@ -69,12 +59,10 @@ def _worker(model_dir: str, out: str) -> None:
     del fsdp
 
     res = {}
-    flags = ("--expert-model-parallel-size", "2", "--moe-router-dtype", "fp32", "--moe-aux-loss-coeff", "0",
-             "--num-experts", "4", "--moe-router-topk", "2")
+    flags = ("--expert-model-parallel-size", "2", *PRESETS["moe_fp32_router"], "--num-experts", "4",
+             "--moe-router-topk", "2")
     for tag, src in (("init", model_dir), ("trained", saved)):
-        cfg = _configs(src, "megatron", 1, megatron_flags=flags)
-        cfg.train = dataclasses.replace(cfg.train, bf16=False)
-        meg = MegatronTrainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, group=group, **common)
+        meg = build(src, _flags("megatron", 1, megatron_flags=flags))
         res[f"ep_{tag}"] = meg.groups.ep_size
         m = _export(meg)
         if tag == "init":

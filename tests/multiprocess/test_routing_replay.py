@@ -68,32 +68,14 @@ def _hf_routing(model_dir: str, tokens: list[int]):
     return rec.end(len(tokens))
 
 
-def _trainer(backend: str, model_dir: str, *flags: str, steps: int = 1, one_per_forward: bool = True):
-    import dataclasses
+def _trainer(backend: str, model_dir: str, *extra: str, steps: int = 1, one_per_forward: bool = True):
+    from trainer_harness import build, flags
 
-    import torch
-    import torch.distributed as dist
-
-    from miles.config import parse_args
-
-    cfg = parse_args(["--hf-checkpoint", model_dir, "--num-rollout", "1", "--rollout-batch-size", "3",
-                      "--n-samples-per-prompt", "2", "--num-steps-per-rollout", str(steps), "--train-backend", backend,
-                      "--micro-batch-size", "1", "--lr", "1e-2", "--use-tis",
-                      *(["--moe-router-dtype", "fp32", "--moe-aux-loss-coeff", "0"] if backend == "megatron" else []),
-                      *flags])
-    cfg.train = dataclasses.replace(cfg.train, bf16=False)
-    common = dict(group=dist.group.WORLD, device=torch.device("cpu"), rollout_temperature=1.0, num_rollout=1,
-                  global_batch_size=None, num_steps_per_rollout=steps, timeout=120)
+    tr = build(model_dir, flags(backend, ["--rollout-batch-size", "3", "--num-steps-per-rollout", str(steps),
+                                            "--micro-batch-size", "1", "--lr", "1e-2", "--use-tis"],
+                                "moe_fp32_router" if backend == "megatron" else [], list(extra)))
     if backend == "fsdp":
-        from torch.distributed.device_mesh import DeviceMesh
-
-        from miles.trainer.fsdp import FSDPTrainer
-
-        return FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"),
-                           **common)
-    from miles.trainer.megatron.trainer import MegatronTrainer
-
-    tr = MegatronTrainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, **common)
+        return tr
     if one_per_forward:
         tr.coalesce_tokens = lambda: 0  # one sample per forward: the spy below reads tokens in sample order
     return tr
@@ -158,12 +140,12 @@ def _logprobs(tr, samples) -> list:
 def _worker(base: str, pert: str, out: str, backend: str, parallel: str = "none") -> None:
     import torch
     import torch.distributed as dist
-    from test_fsdp import make_samples
+    from trainer_harness import random_samples
 
     from miles.engine.routed_experts import encode
 
     dist.init_process_group("gloo")
-    samples = make_samples(3, 2, seed=3, vocab=90)
+    samples = random_samples(3, 2, seed=3, vocab=90)
     own = {s.index: _hf_routing(base, s.tokens[:-1]).tolist() for s in samples}
     for s in samples:
         s.rollout_routed_experts = encode(torch.tensor(own[s.index], dtype=torch.int32))

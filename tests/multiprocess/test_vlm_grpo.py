@@ -101,12 +101,9 @@ def _visual(tr) -> dict:
 
 
 def _worker(model_dir: str, out: str, backend: str) -> None:
-    import dataclasses
-
     import torch
     import torch.distributed as dist
-
-    from miles.config import parse_args
+    from trainer_harness import build
 
     dist.init_process_group("gloo")
     rank, group = dist.get_rank(), dist.group.WORLD
@@ -114,23 +111,9 @@ def _worker(model_dir: str, out: str, backend: str) -> None:
     ref = _hf_logprobs(model_dir, samples)
     for s, lp in zip(samples, ref):
         s.rollout_log_probs = lp.tolist()               # the engine's log-probs: here HF's
-    flags = MEGATRON if backend == "megatron" else ["--train-backend", "fsdp"]
-    cfg = parse_args(["--hf-checkpoint", model_dir, "--num-rollout", "2", "--rollout-batch-size", "2",
-                      "--n-samples-per-prompt", "2", "--num-steps-per-rollout", "2", *GRPO, *flags])
-    cfg.train = dataclasses.replace(cfg.train, bf16=False)
-    common = dict(group=group, device=torch.device("cpu"), rollout_temperature=TEMPERATURE, num_rollout=2,
-                  global_batch_size=None, num_steps_per_rollout=2, timeout=120)
-    if backend == "megatron":
-        from miles.trainer.megatron.trainer import MegatronTrainer
-
-        tr = MegatronTrainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, **common)
-    else:
-        from torch.distributed.device_mesh import DeviceMesh
-
-        from miles.trainer.fsdp import FSDPTrainer
-
-        tr = FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=DeviceMesh.from_group(group, device_type="cpu"),
-                         **common)
+    backend_flags = MEGATRON if backend == "megatron" else ["--train-backend", "fsdp"]
+    tr = build(model_dir, ["--num-rollout", "2", "--num-steps-per-rollout", "2", "--rollout-temperature",
+                           str(TEMPERATURE), *GRPO, *backend_flags], group=group)
     seen: dict = {}
     prepare = tr._prepare
 

@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from miles.config import parse_args
 from miles.fleet.client import SyncEngineControl
 from miles.spmd.supervisor import EngineSupervisor, scrubbed_env
 from miles.utils.net import find_free_port
@@ -115,15 +114,11 @@ def main() -> None:
     work = Path(a.work)
     dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=120))
     group = dist.group.WORLD
-    from torch.distributed.device_mesh import DeviceMesh
+    from trainer_harness import build_from_config, parse
 
-    from miles.trainer.fsdp import FSDPTrainer
-
-    mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("dp",))
-    cfg = parse_args(["--train-backend", "fsdp", "--hf-checkpoint", a.model, "--update-weight-buffer-size", "64KiB", "--update-weight-timeout", "30",
-                      "--update-weight-disk-dir", str(work / "versions"), "--pause-generation-mode", "retract"], validate=False)
-    trainer = FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=mesh, group=group, device=torch.device("cpu"),
-                          rollout_temperature=1.0, num_rollout=1, global_batch_size=2, num_steps_per_rollout=1, timeout=60)
+    cfg = parse(a.model, ["--train-backend", "fsdp", "--update-weight-buffer-size", "64KiB", "--update-weight-timeout",
+                          "30", "--update-weight-disk-dir", str(work / "versions"), "--pause-generation-mode", "retract"])
+    trainer = build_from_config(cfg, group=group)
     sups, engines = [], []
     if rank == 0:
         for i in range(2):

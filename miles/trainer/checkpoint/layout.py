@@ -66,10 +66,6 @@ STEP = Layout("step", 8, marker=True, tracker=False)
 ITER = Layout("iter", 7, marker=False, tracker=True)
 
 
-def step_dir_name(step: int) -> str:
-    return STEP.name(step)
-
-
 def published(root: str | Path | None, layout: Layout) -> list[tuple[int, Path]]:
     """(step, dir) of the checkpoints under ``root`` that a save finished (renamed into place; with COMPLETE for
     STEP), oldest first. ``.tmp.*`` directories are never listed."""

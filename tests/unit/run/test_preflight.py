@@ -318,24 +318,12 @@ def test_save_without_room_for_one_checkpoint_is_refused(tmp_path: Path, tiny_mo
         _umount(small)
 
 
-def test_checkpoint_estimate_is_within_the_real_size(tmp_path: Path, tiny_model_dir: Path):
+def test_checkpoint_estimate_is_within_the_real_size(tmp_path: Path, tiny_model_dir: Path, one_rank_group):
     """The estimate is the fp32 weights + 2 Adam moments: 0.7-1.0x what a real FSDP checkpoint takes."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-
-    from miles.trainer.fsdp import FSDPTrainer
+    from trainer_harness import build_from_config, flags, parse
 
     save = tmp_path / "ckpt"
-    cfg = parse_args(["--train-backend", "fsdp", "--hf-checkpoint", str(tiny_model_dir), "--num-rollout", "1",
-                      "--rollout-batch-size", "2", "--save", str(save)])
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        group = dist.new_group([0])
-        tr = FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=DeviceMesh.from_group(group, device_type="cpu"),
-                         group=group, device=torch.device("cpu"), rollout_temperature=1.0, num_rollout=1,
-                         global_batch_size=None, num_steps_per_rollout=1, timeout=60)
-        tr.checkpoint(0, extra={})
-    finally:
-        dist.destroy_process_group()
+    cfg = parse(tiny_model_dir, flags("fsdp", ["--save", str(save)]))
+    build_from_config(cfg, group=one_rank_group).checkpoint(0, extra={})
     real = sum(f.stat().st_size for f in save.rglob("*") if f.is_file())
     assert 0.7 * real <= P.checkpoint_bytes(cfg) <= real, (P.checkpoint_bytes(cfg), real)

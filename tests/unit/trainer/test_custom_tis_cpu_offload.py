@@ -5,11 +5,11 @@ step (its masks restrict the numerators, the denominators stay the step's) on pl
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from trainer_harness import build_from_config, flags, parse
 
 from miles.config import ConfigError, parse_args
 from miles.trainer.losses import LossInputs, Reducer, policy_loss, policy_loss_with_tis
@@ -31,19 +31,8 @@ def bad_tis(args, pg_loss):  # no train_log_probs / rollout_log_probs / loss_mas
     return pg_loss, [], {}
 
 
-@pytest.fixture(scope="module")
-def group(tmp_path_factory):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg') / 'pg'}", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD, DeviceMesh.from_group(dist.group.WORLD, device_type="cpu")
-    finally:
-        dist.destroy_process_group()
-
-
 def _samples(n: int = 8) -> list[Sample]:
+    """Responses of 3 tokens with the rollout log-probs -2, -2.5, -3 (what the tests below check they reach)."""
     gen = torch.Generator().manual_seed(3)
     return [Sample(group_index=i // 4, index=i, tokens=torch.randint(4, 60, (7,), generator=gen).tolist(),
                    response_length=3, loss_mask=[1, 1, 1], reward=float(i % 2), rollout_log_probs=[-2.0, -2.5, -3.0])
@@ -51,27 +40,21 @@ def _samples(n: int = 8) -> list[Sample]:
 
 
 def _cfg(model_dir, *extra: str):
-    return parse_args(["--train-backend", "fsdp", "--hf-checkpoint", str(model_dir), "--num-rollout", "4",
-                       "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--lr", "1e-2",
-                       "--num-steps-per-rollout", "1", *extra])
+    return parse(model_dir, flags("fsdp", ["--num-rollout", "4", "--n-samples-per-prompt", "4", "--lr", "1e-2"],
+                                  list(extra)))
 
 
-def _trainer(cfg, group):
-    from miles.trainer.fsdp import FSDPTrainer
-
-    pg, mesh = group
-    return FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=mesh, group=pg, device=torch.device("cpu"),
-                       rollout_temperature=1.0, num_rollout=4, global_batch_size=None, num_steps_per_rollout=1,
-                       timeout=60, custom_config=cfg.custom_config)
+def _trainer(cfg, group, device="cpu"):
+    return build_from_config(cfg, group=group, device=device)
 
 
-def test_custom_tis_function_is_what_the_trainer_calls(tiny_model_dir, group, tmp_path):
+def test_custom_tis_function_is_what_the_trainer_calls(tiny_model_dir, one_rank_group, tmp_path):
     yaml = tmp_path / "mis.yaml"
     yaml.write_text("use_tis: true\ntis_mode: zero\n")  # tis_mode names no flag: it reaches args as in Miles
     cfg = _cfg(tiny_model_dir, "--custom-config-path", str(yaml),
                "--custom-tis-function-path", f"{__name__}.recording_tis")
     CALLS.clear()
-    metrics = _trainer(cfg, group).train(_samples(), rollout_id=0)
+    metrics = _trainer(cfg, one_rank_group).train(_samples(), rollout_id=0)
     assert CALLS and CALLS[0]["tis_mode"] == "zero" and CALLS[0]["use_tis"] is True
     assert sum(c["n"] for c in CALLS) == 8 and all(ln == 3 for c in CALLS for ln in c["lengths"])
     # Miles's kwargs: prompt + response tokens of each sample (7 here), no bshd padding
@@ -79,7 +62,7 @@ def test_custom_tis_function_is_what_the_trainer_calls(tiny_model_dir, group, tm
     assert CALLS[0]["rollout"][0] == pytest.approx([-2.0, -2.5, -3.0])
     pg = next(v for k, v in metrics.items() if k.endswith("pg_loss"))
     assert pg == 0.0 and any(k.endswith("/w") or k == "w" for k in metrics), metrics
-    plain = _trainer(_cfg(tiny_model_dir, "--use-tis"), group).train(_samples(), rollout_id=0)
+    plain = _trainer(_cfg(tiny_model_dir, "--use-tis"), one_rank_group).train(_samples(), rollout_id=0)
     assert next(v for k, v in plain.items() if k.endswith("pg_loss")) != 0.0
 
 
@@ -173,7 +156,7 @@ def test_miles_mis_cp_form_gives_the_fsdp_form_result(monkeypatch):
         slice_log_prob_with_cp(x, 5, 3, "bshd", 8)
 
 
-def test_fsdp_cpu_offload_reaches_the_policy_and_its_optimizer(tiny_model_dir, group, monkeypatch):
+def test_fsdp_cpu_offload_reaches_the_policy_and_its_optimizer(tiny_model_dir, one_rank_group, monkeypatch):
     import miles.trainer.fsdp as fsdp
 
     built, adam = [], []
@@ -181,22 +164,22 @@ def test_fsdp_cpu_offload_reaches_the_policy_and_its_optimizer(tiny_model_dir, g
     monkeypatch.setattr(fsdp.FSDPTrainer, "_build_policy",
                         lambda self, path, **kw: built.append(kw.get("cpu_offload", False)) or real_build(self, path, **kw))
     monkeypatch.setattr(fsdp, "build_adamw", lambda m, **kw: adam.append(kw["device"]) or real_adam(m, **kw))
-    tr = _trainer(_cfg(tiny_model_dir, "--fsdp-cpu-offload", "--use-kl-loss"), group)
+    tr = _trainer(_cfg(tiny_model_dir, "--fsdp-cpu-offload", "--use-kl-loss"), one_rank_group)
     assert built == [True, False] and adam == [torch.device("cpu")]  # the policy, then the reference model
     assert tr.policy_param_device == torch.device("cpu")
     tr.train(_samples(), rollout_id=0)
     built.clear()
-    _trainer(_cfg(tiny_model_dir, "--use-kl-loss"), group)
+    _trainer(_cfg(tiny_model_dir, "--use-kl-loss"), one_rank_group)
     assert built == [False, False]
 
 
-def test_topk_opd_estimate_reaches_the_advantages(tiny_model_dir, group):
+def test_topk_opd_estimate_reaches_the_advantages(tiny_model_dir, one_rank_group):
     """--opd-log-prob-top-k: the trainer reads metadata["opd_reverse_kl"] (not teacher log-probs) into the OPD
     term; a sample without it is one error naming the key."""
     opd = ["--use-opd", "--opd-type", "sglang", "--rm-url", "http://127.0.0.1:9/generate", "--opd-log-prob-top-k", "4",
            "--custom-rm-path", "miles.rollout.on_policy_distillation.reward_func",
            "--custom-reward-post-process-path", "miles.rollout.on_policy_distillation.post_process_rewards"]
-    tr = _trainer(_cfg(tiny_model_dir, *opd), group)
+    tr = _trainer(_cfg(tiny_model_dir, *opd), one_rank_group)
     samples = _samples()
     for s in samples:
         s.metadata["opd_reverse_kl"] = [0.3, 0.3, 0.3]
@@ -213,21 +196,14 @@ def test_fsdp_cpu_offload_keeps_the_policy_on_cpu_on_gpu(tiny_model_dir, tmp_pat
     """On a GPU: one training step with --fsdp-cpu-offload leaves the policy's parameters and AdamW state on
     CPU, and gives the loss, gradient norm and update direction of the same step without it."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
 
     dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
-        mesh = DeviceMesh.from_group(dist.group.WORLD, device_type="cuda")
-        from miles.trainer.fsdp import FSDPTrainer
-
         def whole(p):  # one rank: the local shard is the whole parameter
             return (p.to_local() if hasattr(p, "to_local") else p).detach().cpu().clone()
 
         def run(*extra):
-            cfg = _cfg(tiny_model_dir, *extra)
-            tr = FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=mesh, group=dist.group.WORLD,
-                             device=torch.device("cuda:0"), rollout_temperature=1.0, num_rollout=4,
-                             global_batch_size=None, num_steps_per_rollout=1, timeout=120)
+            tr = _trainer(_cfg(tiny_model_dir, *extra), dist.group.WORLD, device="cuda:0")
             before = {n: whole(p) for n, p in tr.model.named_parameters()}
             metrics = tr.train(_samples(), rollout_id=0)
             delta = torch.cat([(whole(p) - before[n]).flatten().float() for n, p in tr.model.named_parameters()])
@@ -247,19 +223,16 @@ def test_fsdp_cpu_offload_keeps_the_policy_on_cpu_on_gpu(tiny_model_dir, tmp_pat
         dist.destroy_process_group()
 
 
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-q"]))
-
-
 def nan_tis(args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, **kwargs):
     """A loss that turns NaN (as a diverging run's does): its gradients are NaN."""
     return pg_loss * float("nan"), loss_masks, {}
 
 
-def test_a_nonfinite_gradient_norm_skips_the_optimizer_step(tiny_model_dir, group):
+def test_a_nonfinite_gradient_norm_skips_the_optimizer_step(tiny_model_dir, one_rank_group):
     """Megatron-LM's check_for_nan_in_loss_and_grad, on by default: a step whose gradient norm is NaN leaves the
     weights, the optimizer state and the LR schedule as they were; --no-check-for-nan-in-loss-and-grad applies it."""
-    trainer = _trainer(_cfg(tiny_model_dir, "--custom-tis-function-path", f"{__name__}.nan_tis", "--use-tis"), group)
+    trainer = _trainer(_cfg(tiny_model_dir, "--custom-tis-function-path", f"{__name__}.nan_tis", "--use-tis"),
+                       one_rank_group)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     metrics = trainer.train(_samples(), rollout_id=0)
     assert metrics["nonfinite_grad_steps"] == 1.0 and metrics["grad_norm"] != metrics["grad_norm"], metrics
@@ -268,11 +241,11 @@ def test_a_nonfinite_gradient_norm_skips_the_optimizer_step(tiny_model_dir, grou
     assert not trainer.optimizer.state or all(not torch.is_tensor(v) or torch.isfinite(v).all()
                                               for s in trainer.optimizer.state.values() for v in s.values())
     assert trainer.schedule.step == 0
-    healthy = _trainer(_cfg(tiny_model_dir), group).train(_samples(), rollout_id=0)
+    healthy = _trainer(_cfg(tiny_model_dir), one_rank_group).train(_samples(), rollout_id=0)
     assert healthy["nonfinite_grad_steps"] == 0.0
 
     unchecked = _trainer(_cfg(tiny_model_dir, "--custom-tis-function-path", f"{__name__}.nan_tis", "--use-tis",
-                               "--no-check-for-nan-in-loss-and-grad"), group)
+                               "--no-check-for-nan-in-loss-and-grad"), one_rank_group)
     out = unchecked.train(_samples(), rollout_id=0)
     assert "nonfinite_grad_steps" not in out
     assert any(not torch.isfinite(p).all() for p in unchecked.model.parameters())

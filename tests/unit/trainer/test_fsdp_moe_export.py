@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from trainer_harness import build_from_config, flags, parse
 
-from miles.config import parse_args
 from miles.weight_sync.buckets import split_fused_experts
 
 
@@ -22,31 +22,12 @@ def moe_dir(tmp_path_factory) -> Path:
     return build_tiny_moe_model(tmp_path_factory.mktemp("tiny_moe"), mlp_only_layers=(1,), num_layers=3)
 
 
-@pytest.fixture(scope="module")
-def group(tmp_path_factory):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path_factory.mktemp('pg') / 'pg'}", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD, DeviceMesh.from_group(dist.group.WORLD, device_type="cpu")
-    finally:
-        dist.destroy_process_group()
-
-
 def _cfg(model_dir: Path, *extra: str):
-    return parse_args(["--train-backend", "fsdp", "--hf-checkpoint", str(model_dir), "--num-rollout", "1",
-                       "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--num-steps-per-rollout", "1",
-                       *extra], validate=False)
+    return parse(model_dir, flags("fsdp", list(extra)))
 
 
 def _trainer(cfg, group):
-    from miles.trainer.fsdp import FSDPTrainer
-
-    pg, mesh = group
-    return FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=mesh, group=pg, device=torch.device("cpu"),
-                       rollout_temperature=1.0, num_rollout=1, global_batch_size=None, num_steps_per_rollout=1,
-                       timeout=60)
+    return build_from_config(cfg, group=group)
 
 
 def _ckpt(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -84,8 +65,8 @@ def test_split_fused_experts_follows_the_checkpoint() -> None:
 
 
 @pytest.mark.parametrize("bucket_bytes", [1 << 12, 64 << 20], ids=["small_buckets", "one_bucket"])
-def test_fsdp_export_equals_the_checkpoint(moe_dir, group, bucket_bytes) -> None:
-    tr = _trainer(_cfg(moe_dir), group)
+def test_fsdp_export_equals_the_checkpoint(moe_dir, one_rank_group, bucket_bytes) -> None:
+    tr = _trainer(_cfg(moe_dir), one_rank_group)
     ckpt = _ckpt(moe_dir)
     assert _same(_export(tr, bucket_bytes), ckpt)                                   # fp32: names, shapes, bits
     bf16 = _export(tr, bucket_bytes, torch.bfloat16)
@@ -93,10 +74,10 @@ def test_fsdp_export_equals_the_checkpoint(moe_dir, group, bucket_bytes) -> None
     assert tr.state_dict_for_check().keys() == ckpt.keys()
 
 
-def test_save_hf_round_trips_with_the_checkpoint_names(moe_dir, group, tmp_path) -> None:
+def test_save_hf_round_trips_with_the_checkpoint_names(moe_dir, one_rank_group, tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 
-    tr = _trainer(_cfg(moe_dir), group)
+    tr = _trainer(_cfg(moe_dir), one_rank_group)
     with torch.no_grad():                                       # trained weights, not the checkpoint's
         for p in tr.model.parameters():
             p.add_(0.01)
@@ -112,7 +93,7 @@ def test_save_hf_round_trips_with_the_checkpoint_names(moe_dir, group, tmp_path)
     assert _same({n: p.detach() for n, p in back.named_parameters()}, live)
 
 
-def test_embedded_engine_takes_the_fsdp_export(moe_dir, group, tmp_path) -> None:
+def test_embedded_engine_takes_the_fsdp_export(moe_dir, one_rank_group, tmp_path) -> None:
     """broadcast (flattened buckets), p2p (the trainer's own shards) and disk-delta (a full version, then a delta) from the FSDP trainer into an
     embedded engine serving the MoE model: ``--check-weight-update-equal`` passes after each."""
     import sys
@@ -123,11 +104,11 @@ def test_embedded_engine_takes_the_fsdp_export(moe_dir, group, tmp_path) -> None
 
     cfg = _cfg(moe_dir, "--update-weight-buffer-size", "16KiB", "--update-weight-timeout", "60",
                "--update-weight-disk-dir", str(tmp_path / "versions"))
-    tr = _trainer(cfg, group)
+    tr = _trainer(cfg, one_rank_group)
     sup, target = start_engine(str(moe_dir), tmp_path / "engine.log")
     try:
         wait_healthy(target)
-        pg = group[0]
+        pg = one_rank_group
         perturb(tr, 1, 0)
         bc = build_weight_sender(cfg.weights, tr, is_source=True, engines=[target], status_group=pg,
                                  initial_version=0)
@@ -175,13 +156,13 @@ def test_disk_coverage_counts_per_expert_names_for_fused_experts() -> None:
 
 
 @pytest.mark.parametrize("bucket_bytes", [1 << 12, 64 << 20], ids=["small_buckets", "one_bucket"])
-def test_p2p_shards_use_the_checkpoint_names_and_the_same_bytes(moe_dir, group, bucket_bytes) -> None:
+def test_p2p_shards_use_the_checkpoint_names_and_the_same_bytes(moe_dir, one_rank_group, bucket_bytes) -> None:
     """``--update-weight-transfer-mode p2p``: the trainer's own shards go out in the buckets, names, shapes and
     flattened bytes of the gathering export (per-expert names, not transformers' fused ones)."""
     from miles.weight_sync.buckets import pack_bucket
     from miles.weight_sync.p2p import pack_local, plan_bucket
 
-    tr = _trainer(_cfg(moe_dir), group)
+    tr = _trainer(_cfg(moe_dir), one_rank_group)
     full = list(tr.iter_weight_buckets(bucket_bytes))
     shards = list(tr.iter_weight_shards(bucket_bytes))
     assert [[n for n, _ in b] for b in full] == [[s.name for s in b] for b in shards]
@@ -213,7 +194,7 @@ def test_split_expert_shards_keeps_every_rank_s_byte_ranges() -> None:
         assert torch.equal(split[3].data, gu[1, 2:]) if rank == 0 else split[3].data.numel() == 0
 
 
-def test_save_hf_keeps_the_router_bias_buffers(group, tmp_path) -> None:
+def test_save_hf_keeps_the_router_bias_buffers(one_rank_group, tmp_path) -> None:
     """GLM-4.7-Flash / DeepSeek-V3 routers hold ``e_score_correction_bias`` as a buffer, not a parameter: --save-hf
     writes it as the checkpoint has it."""
     from miles.utils.tiny_mla import build_tiny_mla_model
@@ -222,7 +203,7 @@ def test_save_hf_keeps_the_router_bias_buffers(group, tmp_path) -> None:
     ckpt = _ckpt(src)
     biases = sorted(k for k in ckpt if k.endswith("e_score_correction_bias"))
     assert biases
-    tr = _trainer(_cfg(src), group)
+    tr = _trainer(_cfg(src), one_rank_group)
     tr.save_hf(tmp_path / "hf")
     saved = _ckpt(tmp_path / "hf")
     assert sorted(saved) == sorted(ckpt)

@@ -103,27 +103,15 @@ def test_sharded_hf_export_loads_in_transformers(tmp_path, tiny_model_dir):
 # ---------------------------------------------------------------- real FSDP checkpoints (1 gloo rank)
 
 @pytest.fixture
-def trainer_factory(tmp_path, tiny_model_dir):
-    """Build FSDPTrainers on a real 1-rank gloo group (torch.distributed is set up once for the test)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
+def trainer_factory(one_rank_group, tiny_model_dir):
+    """Build FSDP trainers on a real 1-rank gloo group."""
+    from trainer_harness import build, flags
 
-    from miles.config import parse_args
-    from miles.trainer.fsdp import FSDPTrainer
+    def make(*extra: str):
+        return build(tiny_model_dir, flags("fsdp", ["--num-rollout", "4", "--save-interval", "1"], list(extra)),
+                     group=one_rank_group)
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    group = dist.new_group([0])
-    mesh = DeviceMesh.from_group(group, device_type="cpu")
-
-    def make(*flags: str) -> FSDPTrainer:
-        cfg = parse_args(["--train-backend", "fsdp", "--hf-checkpoint", str(tiny_model_dir), "--num-rollout", "4",
-                          "--rollout-batch-size", "2", "--save-interval", "1", *flags])
-        return FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=mesh, group=group, device=torch.device("cpu"),
-                           rollout_temperature=1.0, num_rollout=4, global_batch_size=None, num_steps_per_rollout=1,
-                           timeout=60)
-
-    yield make
-    dist.destroy_process_group()
+    return make
 
 
 class _Lines:

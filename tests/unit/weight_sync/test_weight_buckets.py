@@ -48,34 +48,23 @@ def test_iter_buckets_respects_size() -> None:
         list(iter_buckets(ts, 0))
 
 
-def test_a_weight_sync_abandoned_mid_way_leaves_autograd_on() -> None:
+def test_a_weight_sync_abandoned_mid_way_leaves_autograd_on(one_rank_group) -> None:
     """A sync that fails after some buckets (an engine killed mid-sync) drops its bucket iterator half-way; the
     training step that follows on the same thread must still record gradients (the iterators used to hold a
     ``torch.no_grad()`` block open across ``yield``)."""
-    import os
-    from datetime import timedelta
-
     import torch
-    import torch.distributed as dist
 
     from miles.trainer.weights import iter_full_params
-    from miles.utils.net import find_free_port
     from miles.weight_sync.p2p import iter_local_shards
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(find_free_port())
-    dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=30))
-    try:
-        group = dist.new_group([0])
-        iters = {"iter_full_params": iter_full_params(model, group=group, device=torch.device("cpu"), bucket_bytes=64),
-                 "iter_local_shards": iter_local_shards(model, rank=0, world=1, bucket_bytes=64, dtype=None,
-                                                        device=torch.device("cpu"))}
-        for name, it in iters.items():
-            next(it)  # one bucket sent, then the engine failed: the sync stops here, the iterator stays alive
-            assert torch.is_grad_enabled(), f"{name} left autograd off for the caller"
-            loss = model(torch.ones(1, 8)).sum()
-            loss.backward()  # the next training step
-            assert model[0].weight.grad is not None
-    finally:
-        dist.destroy_process_group()
+    iters = {"iter_full_params": iter_full_params(model, group=one_rank_group, device=torch.device("cpu"),
+                                                  bucket_bytes=64),
+             "iter_local_shards": iter_local_shards(model, rank=0, world=1, bucket_bytes=64, dtype=None,
+                                                    device=torch.device("cpu"))}
+    for name, it in iters.items():
+        next(it)  # one bucket sent, then the engine failed: the sync stops here, the iterator stays alive
+        assert torch.is_grad_enabled(), f"{name} left autograd off for the caller"
+        loss = model(torch.ones(1, 8)).sum()
+        loss.backward()  # the next training step
+        assert model[0].weight.grad is not None

@@ -40,7 +40,7 @@ def test_interleaved_mrope_angles_give_hf_cos_sin():
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_hf_megatron_hf_round_trip_is_the_identity(tmp_path: Path, tied: bool):
+def test_hf_megatron_hf_round_trip_is_the_identity(tmp_path: Path, tied: bool, one_rank_group):
     from transformers import AutoConfig
 
     from miles.trainer.megatron import convert, model
@@ -56,13 +56,10 @@ def test_hf_megatron_hf_round_trip_is_the_identity(tmp_path: Path, tied: bool):
     assert ("lm_head.weight" in hf) != tied
     assert any(k.startswith("model.visual.") for k in hf) and any(k.startswith("model.language_model.") for k in hf)
     # the megatron parameter names of such a model (vision tower under ``vision.``)
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    own_pg, own_mp = not dist.is_initialized(), not ps.model_parallel_is_initialized()
-    if own_pg:                                   # one rank, torn down below (nothing left for other tests)
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    own_mp = not ps.model_parallel_is_initialized()
     try:
         if own_mp:
             ps.initialize_model_parallel(create_gloo_process_groups=False)
@@ -73,8 +70,6 @@ def test_hf_megatron_hf_round_trip_is_the_identity(tmp_path: Path, tied: bool):
     finally:
         if own_mp:
             ps.destroy_model_parallel()
-        if own_pg:
-            dist.destroy_process_group()
     names = [n for n, _ in gpt.named_parameters()]
     assert any(n.startswith("vision.") for n in names)
     assert all(convert.partition_dim(n) is None for n in names if n.startswith("vision."))   # replicated

@@ -1,4 +1,4 @@
-"""Vocabulary-parallel log-probs (``logprobs.VocabShard``) on a one-rank gloo group: padding columns are
+"""Vocabulary-parallel log-probs (``logprobs.VocabShard``) on a one-rank gloo group (``one_rank_group``, tests/conftest.py): padding columns are
 excluded, values and gradients equal the unsharded path (the 2-rank split is covered by
 tests/multiprocess/test_megatron.py's parity with the FSDP backend)."""
 
@@ -6,16 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from miles.trainer.logprobs import VocabShard, logprobs_and_entropy
-
-
-@pytest.fixture
-def one_rank_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("chunk", [3, -1])

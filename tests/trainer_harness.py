@@ -1,0 +1,111 @@
+"""The trainer harness of the tests: a trainer built from a flag list the way the run builds it, flag presets as
+named data, and random samples. Importable from tests/unit (``tests/`` is on ``sys.path`` through its
+conftest.py) and from the multiprocess workers (``_torchrun.py`` puts ``tests/`` on their ``PYTHONPATH``):
+
+    from trainer_harness import PRESETS, build, flags, random_samples
+
+    tr = build(model_dir, flags("tiny", "megatron", "kl") + ["--lr", "3e-3"], group=group)
+    tr.train(random_samples(1, 3, seed=rank, first_group=rank), rollout_id=0)
+
+``build`` goes through ``parse_args`` -> ``miles.run.resolve.resolve_run`` (the run's plan: number of rollouts,
+optimizer steps per rollout, global batch size) -> ``miles.trainer.build.build_run_trainer`` (``--train-backend``
+picks the backend), on the given group and device; so the rollout temperature (``--rollout-temperature``), the
+collective timeout (``--distributed-timeout-minutes``) and ``--custom-config-path`` reach the trainer as in a run.
+The one-rank gloo group is the ``one_rank_group`` fixture of ``tests/conftest.py``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+# Flag presets, composed by the tests (``flags(...)``; a later value of the same flag wins, as on a command line).
+PRESETS: dict[str, list[str]] = {
+    # the smallest run: one rollout of 2 prompts x 2 samples, one optimizer step; collectives bounded at 2 min
+    "tiny": ["--num-rollout", "1", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
+             "--num-steps-per-rollout", "1", "--distributed-timeout-minutes", "2"],
+    "fsdp": ["--train-backend", "fsdp"],
+    "megatron": ["--train-backend", "megatron"],
+    "megatron_tp2": ["--train-backend", "megatron", "--tensor-model-parallel-size", "2"],
+    "megatron_pp2": ["--train-backend", "megatron", "--pipeline-model-parallel-size", "2"],
+    "megatron_cp2": ["--train-backend", "megatron", "--context-parallel-size", "2"],
+    # the checkpoint tests' run: 3 samples of one prompt per rank, 2 optimizer steps a rollout
+    "ckpt_run": ["--rollout-batch-size", "2", "--n-samples-per-prompt", "3", "--lr", "3e-3",
+                 "--num-steps-per-rollout", "2"],
+    "kl": ["--use-kl-loss", "--kl-loss-coef", "0.1"],
+    "dropout": ["--hidden-dropout", "0.1"],
+    "cosine": ["--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--min-lr", "1e-4"],
+    # GRPO with a KL loss, a KL reward, an entropy bonus and a clip-higher bound
+    "grpo_kl": ["--use-kl-loss", "--kl-loss-coef", "0.05", "--kl-loss-type", "k3", "--kl-coef", "0.02",
+                "--entropy-coef", "0.01", "--eps-clip-high", "0.28"],
+    # PPO with the critic, GAE and normalized advantages
+    "ppo": ["--advantage-estimator", "ppo", "--normalize-advantages", "--gamma", "0.99", "--lambd", "0.95"],
+    "lora": ["--lora-rank", "4", "--lora-alpha", "8", "--lora-dropout", "0.0", "--target-modules", "all-linear"],
+    # an MoE router whose numbers both backends compute alike on CPU (fp32 routing, no auxiliary loss)
+    "moe_fp32_router": ["--moe-router-dtype", "fp32", "--moe-aux-loss-coeff", "0"],
+    # DeepSeek-V3's attention and router (MLA, sigmoid scores with a frozen expert bias)
+    "mla": ["--multi-latent-attention", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+            "--moe-router-bias-update-rate", "0", "--moe-aux-loss-coeff", "0"],
+}
+
+
+def flags(*parts: str | list[str]) -> list[str]:
+    """The presets named in ``parts`` (and any literal flag lists among them), in order."""
+    out: list[str] = []
+    for p in parts:
+        out += PRESETS[p] if isinstance(p, str) else list(p)
+    return out
+
+
+def parse(model_dir: str | Path, argv: list[str]) -> Any:
+    """``parse_args`` of ``--hf-checkpoint model_dir`` and the preset ``tiny`` under ``argv`` (``argv`` wins)."""
+    from miles.config import parse_args
+
+    return parse_args(["--hf-checkpoint", str(model_dir), *PRESETS["tiny"], *argv])
+
+
+def build(model_dir: str | Path, argv: list[str], *, group: Any = None, device: Any = "cpu", mesh: Any = None) -> Any:
+    """The trainer of the flags ``argv`` (see ``parse``) over ``group`` (default: the whole world) on ``device``."""
+    return build_from_config(parse(model_dir, argv), group=group, device=device, mesh=mesh)
+
+
+def build_from_config(cfg: Any, *, group: Any = None, device: Any = "cpu", mesh: Any = None) -> Any:
+    """The trainer of a parsed config, through the run's plan and ``build_run_trainer``."""
+    import torch
+    import torch.distributed as dist
+
+    from miles.run.resolve import resolve_run
+    from miles.trainer.build import build_run_trainer
+
+    group = dist.group.WORLD if group is None else group
+    plan = resolve_run(cfg, num_prompts=None, output_dir="", world_size=dist.get_world_size(group))
+    ctx = SimpleNamespace(groups=SimpleNamespace(trainer_group=group, trainer_mesh=mesh),
+                          world=SimpleNamespace(device=torch.device(device)))
+    return build_run_trainer(cfg, ctx, plan)
+
+
+def random_samples(num_groups: int, group_size: int, *, seed: int | None = None, vocab: int = 90,
+                   first_group: int = 0) -> list:
+    """``num_groups`` x ``group_size`` scored samples: per group a random prompt (3-8 tokens), per sample a random
+    response (2-8 tokens; the second token masked as a tool output when there are more than 3), a 0/1 reward and
+    rollout log-probs in (-3, -2]. Token ids in [4, vocab). Groups are numbered from ``first_group``.
+    ``seed``: a private generator; None draws from torch's global RNG (which a checkpoint restores)."""
+    import torch
+
+    from miles.types import Sample
+
+    gen = None if seed is None else torch.Generator().manual_seed(seed)
+    out = []
+    for g in range(first_group, first_group + num_groups):
+        prompt = torch.randint(4, vocab, (int(torch.randint(3, 9, (1,), generator=gen)),), generator=gen).tolist()
+        for k in range(group_size):
+            n = int(torch.randint(2, 9, (1,), generator=gen))
+            resp = torch.randint(4, vocab, (n,), generator=gen).tolist()
+            mask = [1] * n
+            if n > 3:
+                mask[1] = 0                                   # a "tool output" token inside the response
+            out.append(Sample(group_index=g, index=g * group_size + k, tokens=prompt + resp, response_length=n,
+                              loss_mask=mask, reward=float(torch.rand((), generator=gen) > 0.5),
+                              rollout_log_probs=(-2.0 - torch.rand(n, generator=gen)).tolist()))
+    return out
