@@ -103,6 +103,74 @@ def _gpt_worker(model_dir: str, out: str, ep: int = 1) -> None:
     dist.destroy_process_group()
 
 
+def _parity_worker(model_dir: str, out: str) -> None:
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from test_fsdp import make_samples
+    from test_megatron import _all_logprobs, _configs
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from miles.trainer.fsdp import FSDPTrainer
+    from miles.trainer.megatron.trainer import MegatronTrainer
+
+    dist.init_process_group("gloo")
+    rank, group = dist.get_rank(), dist.group.WORLD
+    samples = make_samples(4, 4, seed=7, vocab=90)
+    mine = samples[:8] if rank == 0 else samples[8:]
+    common = dict(device=torch.device("cpu"), rollout_temperature=0.8, num_rollout=2, global_batch_size=None,
+                  num_steps_per_rollout=1, timeout=120)
+    res: dict = {}
+    cfg = _configs(model_dir, "fsdp", 1)
+    cfg.train = dataclasses.replace(cfg.train, bf16=False)
+    fsdp = FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=DeviceMesh.from_group(group, device_type="cpu"),
+                       group=group, **common)
+    res["fsdp_attention"] = fsdp.model.lm.config._attn_implementation if hasattr(fsdp.model, "lm") else None
+    fsdp_lp = _all_logprobs(fsdp, samples)
+    res["fsdp_metrics"] = [fsdp.train(mine, rid) for rid in range(2)]
+    fsdp_sd = fsdp.state_dict_for_check()
+    del fsdp
+    flags = ("--sequence-parallel", "--expert-tensor-parallel-size", "1", "--softmax-type", "learnable",
+             "--window-size", "4,0", "--window-attn-skip-freq", "2", "--moe-aux-loss-coeff", "0",
+             "--save", str(Path(out).parent / "ckpt"))
+    cfg = _configs(model_dir, "megatron", 2, megatron_flags=flags)
+    cfg.train = dataclasses.replace(cfg.train, bf16=False)
+    meg = MegatronTrainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, group=group, **common)
+    init = meg.state_dict_for_check()
+    init_bf16 = {n: t.detach().cpu().clone() for b in meg.iter_weight_buckets(4096, torch.bfloat16) for n, t in b}
+    meg_lp = _all_logprobs(meg, samples)
+    res["meg_metrics"] = [meg.train(mine, rid) for rid in range(2)]
+    meg_sd = meg.state_dict_for_check()
+    meg.save_hf(Path(out).parent / "hf_out")
+    meg.checkpoint(1, {"rollout_id": 1})
+    meg.train(mine, 2)                                  # move away, then load the checkpoint back
+    res["resumed_extra"] = meg.resume()
+    reloaded = meg.state_dict_for_check()
+    if rank == 0:
+        from transformers import AutoModelForCausalLM
+
+        hf = load_file(str(Path(model_dir) / "model.safetensors"))
+        res["ckpt_reload_bitwise"] = sorted(reloaded) == sorted(meg_sd) and all(
+            torch.equal(reloaded[k], meg_sd[k]) for k in meg_sd)
+        hf_model = AutoModelForCausalLM.from_pretrained(Path(out).parent / "hf_out")
+        saved = {n: t.detach().cpu() for n, t in hf_model.state_dict().items()}
+        res["save_hf_equal"] = sorted(saved) == sorted(meg_sd) and all(torch.equal(saved[k], meg_sd[k]) for k in meg_sd)
+        res["export_keys_equal"] = sorted(init) == sorted(hf) == sorted(meg_sd) == sorted(fsdp_sd)
+        res["export_bitwise"] = all(torch.equal(init[k], hf[k]) for k in hf)
+        res["export_bf16_bitwise"] = all(torch.equal(init_bf16[k], hf[k].bfloat16()) for k in hf)
+        keys = sorted(fsdp_sd)
+        deltas = {k: ((meg_sd[k] - hf[k]) - (fsdp_sd[k] - hf[k])).abs().max().item() for k in keys}
+        res["update_max_abs_diff"], res["update_worst"] = max(deltas.values()), max(deltas, key=deltas.get)
+        num = sum(((meg_sd[k] - fsdp_sd[k]).double() ** 2).sum().item() for k in keys)
+        den = sum(((fsdp_sd[k] - hf[k]).double() ** 2).sum().item() for k in keys)
+        res["update_rel_l2"] = (num / den) ** 0.5
+        res["lp_max_abs_diff"] = max((a - b).abs().max().item() for a, b in zip(fsdp_lp, meg_lp))
+        torch.save(res, out)
+    dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def tiny_gpt_oss_dir(tmp_path_factory) -> Path:
     from miles.utils.tiny_gpt_oss import build_tiny_gpt_oss_model
@@ -120,7 +188,7 @@ def test_gpt_oss_gpt_matches_hf(tiny_gpt_oss_dir: Path, tmp_path: Path, free_por
         assert proc.returncode == 0, proc.stdout[-4000:]
         res = json.loads(out.read_text())
         assert res["grads_ok"], res
-        assert res["max_abs_err"] < BOUND * max(res["ref_scale"], 1.0), (tp, res["max_abs_err"])
+        assert res["max_abs_err"] < BOUND, (tp, res["max_abs_err"])
         assert sorted(res["exported"]) == res["disk"] and len(res["exported"]) == len(set(res["exported"]))
         assert sorted(res["same"]) == res["disk"]                # bit for bit: sinks, biases, fused experts
         grads[tp] = load_file(str(out.with_suffix(".grads.safetensors")))
@@ -130,7 +198,10 @@ def test_gpt_oss_gpt_matches_hf(tiny_gpt_oss_dir: Path, tmp_path: Path, free_por
         assert err <= 1e-5 * max(float(g.abs().max()), 1e-6), (name, err, float(g.abs().max()))
 
 
-BOUND = 1e-5
+# fp32 rounding of another op order only: measured 1.5e-7 (TP 1, EP 2) and 1.2e-7 (TP 2) of logits up to 0.54
+# (python -m pytest tests/multiprocess/test_megatron_gpt_oss.py); the YaRN scale left out of the softmax scale
+# gives 2.7e-4, a window one key too wide 1.6e-2, the SwiGLU without its +1 3.5e-2
+BOUND = 3e-7
 
 
 def test_gpt_oss_expert_parallel_matches_hf(tiny_gpt_oss_dir: Path, tmp_path: Path, free_port: int) -> None:
@@ -140,10 +211,34 @@ def test_gpt_oss_expert_parallel_matches_hf(tiny_gpt_oss_dir: Path, tmp_path: Pa
     proc = _torchrun(2, free_port, "gpt", str(tiny_gpt_oss_dir), str(out), "2")
     assert proc.returncode == 0, proc.stdout[-4000:]
     res = json.loads(out.read_text())
-    assert res["grads_ok"] and res["max_abs_err"] < BOUND * max(res["ref_scale"], 1.0), res["max_abs_err"]
+    assert res["grads_ok"] and res["max_abs_err"] < BOUND, res["max_abs_err"]
     assert sorted(res["exported"]) == res["disk"] and sorted(res["same"]) == res["disk"]
+
+
+def test_gpt_oss_trainer_parity_with_fsdp(tiny_gpt_oss_dir: Path, tmp_path: Path, free_port: int) -> None:
+    import torch
+
+    out = tmp_path / "parity.pt"
+    proc = _torchrun(2, free_port, "parity", str(tiny_gpt_oss_dir), str(out), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    res = torch.load(out, weights_only=False)
+    assert res["export_keys_equal"] and res["export_bitwise"] and res["export_bf16_bitwise"], res
+    assert res["save_hf_equal"] and res["ckpt_reload_bitwise"] and res["resumed_extra"]["rollout_id"] == 1, res
+    assert res["lp_max_abs_diff"] < LP_BOUND, res
+    for f, m in zip(res["fsdp_metrics"], res["meg_metrics"]):
+        for key in ("loss", "pg_loss", "entropy", "ppo_kl", "tis", "grad_norm", "num_samples", "num_tokens",
+                    "advantages_mean", "kl_loss", "reward_kl_mean"):
+            assert abs(f[key] - m[key]) <= 1e-5 * max(1.0, abs(f[key])), (key, f[key], m[key])
+    assert res["update_max_abs_diff"] < UPDATE_BOUND and res["update_rel_l2"] < REL_BOUND, res
+
+
+# measured (python -m pytest tests/multiprocess/test_megatron_gpt_oss.py -k trainer_parity): log-probs 9.5e-7 apart,
+# the update after 2 steps 5.3e-6 (max abs), 8.5e-6 (relative L2)
+LP_BOUND, UPDATE_BOUND, REL_BOUND = 2e-6, 1.1e-5, 2e-5
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "gpt":
         _gpt_worker(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:5]))
+    elif sys.argv[1] == "parity":
+        _parity_worker(sys.argv[2], sys.argv[3])
