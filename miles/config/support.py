@@ -39,6 +39,8 @@ BACKEND_ONLY: dict[str, BackendOnly] = {
                                                                     "attention: --attention-backend)"),
     "fsdp_cpu_offload": BackendOnly("fsdp", False, "drop it (--offload-train moves the trainer's state to CPU while "
                                                    "the engines generate; --optimizer-cpu-offload moves AdamW)"),
+    "qkv_format": BackendOnly("megatron", "thd", "drop it (the FSDP backend packs samples into variable-length "
+                                                 "rows: thd)"),
     "megatron_to_hf_mode": BackendOnly("megatron", "raw", "drop it (the FSDP backend trains the HF model itself)"),
     **{name: BackendOnly("megatron", unset, "drop the LoRA flags, or add --train-backend megatron (miles's LoRA "
                                             "runs on the Megatron backend)")
@@ -52,7 +54,8 @@ PARSE_ONLY: dict[str, str] = {
                     "to the rank with the fewest tokens (both backends)",
     "attn_implementation": "FSDP backend: flash_attention_2 and flash_attention_3, the only values accepted, both "
                            "name what the FSDP trainer always runs (a flash varlen kernel on GPU, sdpa on CPU)",
-    "qkv_format": "only thd (the default) is accepted, what both backends run: packed variable-length rows",
+    "qkv_format": "thd (the default) or, on the Megatron backend, bshd: it runs every micro-batch as right-padded "
+                  "[b, s] rows either way (bshd, what Miles's gpt-oss script passes, names exactly that)",
     "lora_type": "only lora (the default) is accepted: fused q/k/v and gate/up adapters",
     "opd_teacher_ckpt_step": "refused when given: --opd-teacher-load is a HF directory here",
     "opd_topk_per_position": "refused when given: it needs a patched SGLang",
