@@ -237,8 +237,63 @@ def test_gpt_oss_trainer_parity_with_fsdp(tiny_gpt_oss_dir: Path, tmp_path: Path
 LP_BOUND, UPDATE_BOUND, REL_BOUND = 2e-6, 1.1e-5, 2e-5
 
 
+def _gpu_worker(model_dir: str, out: str) -> None:
+    """One rank on GPU 0 (NCCL), bf16 parameters, TP 1: the Megatron GPTModel's logits against transformers' own
+    gpt-oss (eager attention, bf16) on the same rows."""
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from miles.trainer.megatron import convert, model, moe, parallel
+
+    dist.init_process_group("nccl")
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    parallel.init_parallel(tp_size=1, num_trainer_ranks=1, seed=1, device=dev)
+    moe.apply_moe_compat()
+    shape = model.ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir))
+    padded = model.padded_vocab_size(shape.vocab_size, 128, 1)
+    kw = moe.config_kwargs(shape, moe.MoeOptions(), ep=1, etp=1, te=False)
+    config = model.transformer_config(shape, tp_size=1, device=dev, moe=kw, params_dtype=torch.bfloat16, bf16=True)
+    gpt = model.build_gpt_model(shape, config, padded_vocab=padded, device=dev)
+    convert.load_hf_into(gpt, convert.read_hf_state_dict(model_dir), shape, padded, 0, 1)
+    torch.manual_seed(0)
+    ids = torch.randint(4, shape.vocab_size, (2, SEQ), device=dev)
+    pos = torch.arange(SEQ, device=dev).unsqueeze(0).expand(2, -1)
+    with torch.no_grad():
+        hidden = gpt(ids, pos, attention_mask=None)
+        logits = (hidden.transpose(0, 1) @ model.output_weight(gpt).t())[..., :shape.vocab_size].float()
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="eager").to(dev)
+        ref = hf(input_ids=ids).logits.float()
+        hf32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").to(dev)
+        ref32 = hf32(input_ids=ids).logits
+    Path(out).write_text(json.dumps({"max_abs_err": float((logits - ref).abs().max()),
+                                     "hf_bf16_vs_fp32": float((ref - ref32).abs().max()),
+                                     "ref_scale": float(ref32.abs().max())}))
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_gpt_oss_matches_hf_on_gpu_bf16(tiny_gpt_oss_dir: Path, tmp_path: Path, free_port: int) -> None:
+    """bf16 on one GPU: Megatron's logits are as far from transformers' bf16 logits as transformers' own bf16 logits
+    are from its fp32 ones, within a factor of 2 (both are bf16 roundings of the same function; a wrong layout
+    gives > 1e-2 in fp32 already)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    out = tmp_path / "gpu.json"
+    proc = _torchrun(1, free_port, "gpu", str(tiny_gpt_oss_dir), str(out))
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    res = json.loads(out.read_text())
+    print(res)
+    assert res["max_abs_err"] <= 2 * max(res["hf_bf16_vs_fp32"], 1e-3), res
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "gpt":
         _gpt_worker(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:5]))
     elif sys.argv[1] == "parity":
         _parity_worker(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "gpu":
+        _gpu_worker(sys.argv[2], sys.argv[3])
