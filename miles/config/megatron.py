@@ -90,8 +90,7 @@ _HELP = {
     "mscale_all_dim": "YaRN rope: config.json's rope_scaling mscale_all_dim.",
     "no_masked_softmax_fusion": "No effect: the masked-softmax fusion is never used here (SDPA or megatron-core's "
                                 "unfused softmax).",
-    "no_bias_dropout_fusion": "No effect: no linear biases are built, and the fused and unfused bias-dropout-add "
-                              "compute the same sum.",
+    "no_bias_dropout_fusion": "No effect: the fused and unfused bias-dropout-add compute the same sum.",
     "decoder_first_pipeline_num_layers": "Pipeline: transformer layers on the first stage (the rest split evenly).",
     "decoder_last_pipeline_num_layers": "Pipeline: transformer layers on the last stage (the rest split evenly).",
     # accepted for Miles's scripts, no effect (miles/config/support.py PARSE_ONLY)
@@ -167,6 +166,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "must match config.json.")
     g.add_argument("--moe-token-drop-policy", choices=["probs", "position"], default=None,
                    help="MoE token dropping order (no effect: no expert capacity is set, no token is dropped).")
+    g.add_argument("--softmax-type", choices=["vanilla", "off-by-one", "learnable"], default=None,
+                   help="Attention softmax: learnable = gpt-oss's attention sinks (config.json's self_attn.sinks); "
+                        "vanilla on the other families.")
+    g.add_argument("--window-size", default=None,
+                   help="Sliding-window attention 'LEFT,RIGHT' (gpt-oss: config.json's sliding_window,0, e.g. "
+                        "'128,0'); the window is config.json's, as transformers and SGLang attend.")
+    g.add_argument("--window-attn-skip-freq", default=None,
+                   help="Full-attention layers among sliding ones: N (every N-th layer) or a 0/1 list per layer "
+                        "(1: sliding); must match config.json's layer_types.")
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"], default=None,
                    help="Only rope is supported.")
     g.add_argument("--ckpt-format", choices=["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"], default=None,
@@ -244,6 +252,9 @@ class MegatronConfig:
     no_position_embedding: bool = False
     no_rope_fusion: bool = False
     no_gradient_accumulation_fusion: bool = False
+    softmax_type: str | None = None
+    window_size: str | None = None
+    window_attn_skip_freq: str | None = None
     q_lora_rank: int | None = None
     kv_lora_rank: int | None = None
     qk_head_dim: int | None = None

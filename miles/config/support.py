@@ -39,6 +39,8 @@ BACKEND_ONLY: dict[str, BackendOnly] = {
                                                                     "attention: --attention-backend)"),
     "fsdp_cpu_offload": BackendOnly("fsdp", False, "drop it (--offload-train moves the trainer's state to CPU while "
                                                    "the engines generate; --optimizer-cpu-offload moves AdamW)"),
+    "qkv_format": BackendOnly("megatron", "thd", "drop it (the FSDP backend packs samples into variable-length "
+                                                 "rows: thd)"),
     "megatron_to_hf_mode": BackendOnly("megatron", "raw", "drop it (the FSDP backend trains the HF model itself)"),
     **{name: BackendOnly("megatron", unset, "drop the LoRA flags, or add --train-backend megatron (miles's LoRA "
                                             "runs on the Megatron backend)")
@@ -52,7 +54,8 @@ PARSE_ONLY: dict[str, str] = {
                     "to the rank with the fewest tokens (both backends)",
     "attn_implementation": "FSDP backend: flash_attention_2 and flash_attention_3, the only values accepted, both "
                            "name what the FSDP trainer always runs (a flash varlen kernel on GPU, sdpa on CPU)",
-    "qkv_format": "only thd (the default) is accepted, what both backends run: packed variable-length rows",
+    "qkv_format": "thd (the default) or, on the Megatron backend, bshd: it runs every micro-batch as right-padded "
+                  "[b, s] rows either way (bshd, what Miles's gpt-oss script passes, names exactly that)",
     "lora_type": "only lora (the default) is accepted: fused q/k/v and gate/up adapters",
     "opd_teacher_ckpt_step": "refused when given: --opd-teacher-load is a HF directory here",
     "opd_topk_per_position": "refused when given: it needs a patched SGLang",
@@ -65,8 +68,7 @@ PARSE_ONLY: dict[str, str] = {
     "no_gradient_accumulation_fusion": "weight gradients are never accumulated inside the wgrad GEMM here",
     "no_masked_softmax_fusion": "the masked-softmax fusion is never used here (SDPA, or megatron-core's unfused "
                                 "softmax)",
-    "no_bias_dropout_fusion": "no linear biases are built here, and the fused and unfused bias-dropout-add compute "
-                              "the same sum",
+    "no_bias_dropout_fusion": "the fused and unfused bias-dropout-add compute the same sum",
     "ckpt_format": "only torch_dist (Megatron-LM's default, what the Megatron backend writes) is accepted",
     "overlap_cpu_optimizer_d2h_h2d": "a hint: with --optimizer-cpu-offload the copies are non-blocking already",
     "use_precision_aware_optimizer": "AdamW state and master weights are fp32 either way",

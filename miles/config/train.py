@@ -92,8 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "free (an allocation past that is a CUDA out-of-memory error, as Miles's torch_memory_saver "
                         "margin). 0: no cap.")
     t.add_argument("--qkv-format", choices=["thd", "bshd"], default="thd",
-                   help="Attention input layout: thd (packed variable-length rows, what both backends run); "
-                        "bshd (padded batches) is not supported.")
+                   help="Attention input layout: thd (the default; the FSDP backend's packed variable-length rows); "
+                        "bshd (padded batches, as Miles's gpt-oss script passes it): Megatron backend only, which "
+                        "runs every micro-batch as right-padded [b, s] rows either way.")
     t.add_argument("--megatron-to-hf-mode", choices=["raw", "bridge"], default="raw",
                    help="Megatron backend: how Megatron weights are converted to HF names for the engines.")
     lo = parser.add_argument_group("LoRA (Megatron backend; miles/trainer/lora.py)")
@@ -201,9 +202,6 @@ class TrainConfig:
         if self.log_probs_chunk_size == 0 or self.log_probs_chunk_size < -1:
             raise ConfigError(f"--log-probs-chunk-size must be a positive number of tokens or -1 (no chunking), "
                               f"got {self.log_probs_chunk_size}.")
-        if self.qkv_format != "thd":
-            raise ConfigError(f"--qkv-format {self.qkv_format} is not supported: miles packs samples into variable-length "
-                              "rows; pass --qkv-format thd (the default) or drop the flag.")
         if self.train_backend == "fsdp" and self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise ConfigError(f"--attn-implementation {self.attn_implementation} is not supported: the FSDP trainer "
                               "packs samples into variable-length rows and runs them through a flash varlen kernel on "

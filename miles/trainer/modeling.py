@@ -12,7 +12,8 @@ forward, and shard it with FSDP2.
 - Attention: on GPU, when ``torch.nn.attention.varlen.varlen_attn`` exists and the model has no
   sliding window, a varlen flash-attention function is registered with transformers as
   ``miles_varlen`` and reads ``cu_seq_lens_q``/``max_length_q`` of the packed row; elsewhere SDPA with
-  the block-diagonal mask transformers derives from the restarting ``position_ids``.
+  the block-diagonal mask transformers derives from the restarting ``position_ids`` (eager attention with that
+  mask for gpt-oss, whose sinks transformers computes only there).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from miles.utils.logging import get_logger
 logger = get_logger(__name__)
 
 PREFIX = "lm."
+EAGER_ONLY = ("gpt_oss",)     # transformers' gpt-oss has no SDPA path (its attention sinks): eager attention
 VARLEN_ATTN = "miles_varlen"
 _registered = False
 
@@ -87,6 +89,8 @@ def register_varlen_attention() -> bool:
 
 def choose_attention(device: torch.device, config) -> str:
     """The attention implementation for the trainer on ``device`` (see module docstring)."""
+    if getattr(config, "model_type", None) in EAGER_ONLY:
+        return "eager"
     if device.type == "cuda" and getattr(config, "sliding_window", None) in (None, 0) and not getattr(
             config, "use_sliding_window", False) and register_varlen_attention():
         return VARLEN_ATTN

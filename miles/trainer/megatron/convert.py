@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from miles.config.base import ConfigError
-from miles.trainer.megatron import mla, moe, mtp, vlm
+from miles.trainer.megatron import gpt_oss, mla, moe, mtp, vlm
 from miles.trainer.megatron.model import ModelShape
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -81,7 +81,9 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], shape: ModelShape, padded_vocab:
                 raise KeyError(f"no HF source for megatron parameter {name}")
             i, suffix = m.group(1), m.group(2)
             p = f"model.layers.{i}."
-            if (t := mla.hf_to_megatron(suffix, p, hf, shape.mla)) is not None:    # MLA, shared experts, bias
+            if shape.gpt_oss and (t := gpt_oss.hf_to_megatron(suffix, p, hf)) is not None:    # sinks, experts, biases
+                out[name] = t
+            elif (t := mla.hf_to_megatron(suffix, p, hf, shape.mla)) is not None:    # MLA, shared experts, bias
                 out[name] = t
             elif suffix in _SIMPLE:
                 out[name] = hf[p + _SIMPLE[suffix]]
@@ -127,6 +129,8 @@ def _megatron_to_hf(name: str, full: torch.Tensor, shape: ModelShape) -> list[tu
     if m is None:
         raise KeyError(f"no HF name for megatron parameter {name}")
     p, suffix = f"model.layers.{m.group(1)}.", m.group(2)
+    if shape.gpt_oss and (pairs := gpt_oss.megatron_to_hf(suffix, p, full)) is not None:    # expert slices (export)
+        return pairs
     if (pairs := mla.megatron_to_hf(suffix, p, full, shape.mla)) is not None:    # MLA, shared experts, bias
         return pairs
     if suffix in _SIMPLE:
@@ -151,7 +155,7 @@ def is_glu_fc1(name: str) -> bool:
 
 
 _COLUMN = ("embedding.word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias",
-           "mlp.linear_fc1.weight", *mla.COLUMN, *mtp.COLUMN)
+           "mlp.linear_fc1.weight", *mla.COLUMN, *mtp.COLUMN, *gpt_oss.COLUMN)
 _ROW = ("linear_proj.weight", "mlp.linear_fc2.weight", *mla.ROW)
 
 

@@ -116,6 +116,20 @@ def iter_hf_buckets(model: nn.Module, shape: ModelShape, groups: Groups, *, devi
                     prefetch: bool = True, stage=None) -> Iterator[Bucket]:
     """Yield buckets of (HF name, full tensor) (see module docstring); collective on the TP group (and the
     pipeline group of ``stage`` when it has more than one stage)."""
+    if shape.gpt_oss is not None:          # gpt-oss: the experts' slices joined into HF's fused tensors (gpt_oss.py)
+        from miles.trainer.megatron.gpt_oss import fuse_experts
+
+        yield from fuse_experts(_iter_hf_buckets(model, shape, groups, device=device, bucket_bytes=bucket_bytes,
+                                                 dtype=dtype, timeout=timeout, prefetch=prefetch, stage=stage),
+                                shape.num_experts)
+        return
+    yield from _iter_hf_buckets(model, shape, groups, device=device, bucket_bytes=bucket_bytes, dtype=dtype,
+                                timeout=timeout, prefetch=prefetch, stage=stage)
+
+
+def _iter_hf_buckets(model: nn.Module, shape: ModelShape, groups: Groups, *, device: torch.device,
+                     bucket_bytes: int, dtype: torch.dtype | None, timeout: float, prefetch: bool,
+                     stage) -> Iterator[Bucket]:
     if stage is not None and stage.size > 1:
         yield from _iter_pipeline(model, shape, groups, stage, device=device, bucket_bytes=bucket_bytes,
                                   dtype=dtype, timeout=timeout)

@@ -1,5 +1,5 @@
 """GPTModel from a HF ``config.json`` (Llama, Qwen2, Qwen3, Qwen3-MoE; GLM-4.7-Flash and DeepSeek-V3 with
-multi-latent attention, ``mla.py``), and its layer spec.
+multi-latent attention, ``mla.py``; gpt-oss, ``gpt_oss.py``), and its layer spec.
 
     shape = ModelShape.from_hf_config(hf_config)          # the Megatron view of the HF architecture
     model = build_gpt_model(shape, tp_size=2, device=dev) # megatron-core GPTModel, returns hidden states
@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from miles.trainer.megatron import mla, mtp
+from miles.trainer.megatron import gpt_oss, mla, mtp
 from miles.trainer.megatron.moe import hf_moe_fields
 
 FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE", "qwen3_vl": "Qwen3-VL",
-            **mla.MLA_FAMILIES}
+            **mla.MLA_FAMILIES, **gpt_oss.FAMILIES}
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,7 @@ class ModelShape:
     nextn_layers: int = 0                     # config.json's num_nextn_predict_layers (the checkpoint's MTP layers)
     mtp_num_layers: int = 0                   # MTP layers built (--mtp-num-layers, mtp.py); 0: none
     vision: bool = False                      # a vision-language model (Qwen3-VL, vlm.py): the shape is its text model's
+    gpt_oss: gpt_oss.GptOssShape | None = None   # sinks, sliding windows, clamped SwiGLU, YaRN (gpt_oss.py)
 
     @property
     def mla(self) -> bool:
@@ -75,6 +76,8 @@ class ModelShape:
             raise ValueError(f"--train-backend megatron does not build model_type {mt!r}; the nearest family it "
                              f"builds is {mla.yarn.nearest_family(mt, FAMILIES)} (all: {sorted(FAMILIES)}); use "
                              "--train-backend fsdp for other architectures.")
+        if gpt_oss.is_gpt_oss_config(c):         # its own fields (gpt_oss.py)
+            return cls(**gpt_oss.shape_fields(c))
         vision = mt == "qwen3_vl"
         if vision:                    # Qwen3-VL (vlm.py): the text model's shape; tied embeddings are the top config's
             from miles.trainer.megatron.vlm import is_vlm_config
@@ -161,13 +164,13 @@ def transformer_config(shape: ModelShape, *, tp_size: int, device: torch.device,
         num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
         num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
         kv_channels=shape.kv_channels, normalization="RMSNorm", layernorm_epsilon=shape.norm_epsilon,
-        qk_layernorm=shape.qk_layernorm, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        add_qkv_bias=shape.qkv_bias, hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
+        qk_layernorm=shape.qk_layernorm, gated_linear_unit=True, add_qkv_bias=shape.qkv_bias, hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
         tensor_model_parallel_size=tp_size, sequence_parallel=sequence_parallel, params_dtype=params_dtype,
         bf16=bf16, use_cpu_initialization=True, perform_initialization=False,
-        attention_softmax_in_fp32=attention_softmax_in_fp32, bias_dropout_fusion=on_gpu, bias_activation_fusion=on_gpu,
-        masked_softmax_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
-        persist_layer_norm=False, deterministic_mode=deterministic, **kw)
+        attention_softmax_in_fp32=attention_softmax_in_fp32, bias_dropout_fusion=on_gpu, masked_softmax_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        persist_layer_norm=False, deterministic_mode=deterministic,
+        **({"activation_func": F.silu, "add_bias_linear": False, "bias_activation_fusion": on_gpu}
+           | gpt_oss.config_overrides(shape)), **kw)
 
 
 def no_math_sdpa(q: torch.Tensor):
@@ -290,11 +293,13 @@ def build_gpt_model(shape: ModelShape, config, *, padded_vocab: int, device: tor
     if shape.num_experts:           # MoE or dense MLP per layer (moe.py)
         from miles.trainer.megatron.moe import decoder_block_spec
 
-        sdpa = mla.mla_core_attention() if shape.mla else SDPACoreAttention
+        sdpa = mla.mla_core_attention() if shape.mla else gpt_oss.SinkAttention if shape.gpt_oss else SDPACoreAttention
         spec = decoder_block_spec(config, shape, te=use_transformer_engine(device),
                                   core_attention=sdpa if core_attention == "sdpa" else None)
         if shape.mla and not use_transformer_engine(device):
             mla.adapt_local_spec(spec)
+        if shape.gpt_oss and not use_transformer_engine(device):
+            gpt_oss.adapt_local_spec(spec)
     elif use_transformer_engine(device):
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_layernorm,
                                                           multi_latent_attention=shape.mla)
@@ -343,6 +348,7 @@ def build_gpt_model(shape: ModelShape, config, *, padded_vocab: int, device: tor
                                rotary_base=int(shape.rotary_base),
                                share_embeddings_and_output_weights=shape.tie_embeddings, parallel_output=True,
                                pre_process=pre_process, post_process=post_process)
+    gpt_oss.set_yarn(model, shape)
     if shape.mtp_num_layers:
         model.mtp_training = mtp_training
         if not mtp_training:

@@ -56,7 +56,7 @@ logger = get_logger(__name__)
 
 MOE_FAMILIES = {"qwen3_moe": "Qwen3-MoE"}
 _MOE_LAYER = r"(?:decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)"     # an MTP layer's too (mtp.py)
-_LOCAL_EXPERT = re.compile(rf"^({_MOE_LAYER}\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
+_LOCAL_EXPERT = re.compile(rf"^({_MOE_LAYER}\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12]\.(?:weight|bias))$")   # biases: gpt-oss
 _GROUPED_EXPERT = re.compile(rf"^({_MOE_LAYER}\.mlp\.experts\.)(linear_fc[12])\.weight(\d+)$")
 _HF_EXPERT = {"linear_fc1.weight": ("gate_proj", "up_proj"), "linear_fc2.weight": ("down_proj",)}
 

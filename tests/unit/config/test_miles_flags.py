@@ -31,7 +31,7 @@ def _refusal(argv: list[str]) -> str:
     (["--use-opd", "--opd-teacher-load", "x"], "--use-opd"),
     (["--train-env-vars", "[1]"], "train.py: argument --train-env-vars"),
     (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "5"], "--lr-warmup-fraction"),
-    (["--qkv-format", "bshd"], "--qkv-format"),
+    (["--train-backend", "fsdp", "--qkv-format", "bshd"], "--qkv-format"),
 ])
 def test_unsupported_values_are_one_line_naming_the_flag(argv, first):
     assert _refusal(argv).startswith(first)
