@@ -835,6 +835,10 @@ class ModelRunner:
         self.deterministic = opts.deterministic
         if self.deterministic:  # one decode shape, all the slots (see _NativeLM); captured when a bucket allows it
             self.graph_batch_sizes = [b for b in self.graph_batch_sizes if b == self.max_slots]
+            if opts.cuda_graph and self.device.type == "cuda" and not self.graph_batch_sizes:
+                logger.warning("--enable-deterministic-inference decodes every step at all %d slots, which "
+                               "--cuda-graph-bs/--cuda-graph-max-bs do not capture: decode runs without a CUDA graph; "
+                               "capture %d to have one", self.max_slots, self.max_slots)
         native = opts.native and getattr(self.config, "model_type", "") in NATIVE_MODEL_TYPES and not self.is_vlm
         self.impl: _NativeLM | _GenericLM
         if native:

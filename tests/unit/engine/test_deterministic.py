@@ -146,7 +146,7 @@ def test_outputs_do_not_depend_on_the_batch_on_gpu(tmp_path_factory, overlap):
     """bf16, the paged cache with its Triton kernel, CUDA graphs (the one decode graph of all the slots), the fused
     sampler's batches: the same bitwise invariance; and without the flag the bits differ."""
     gpu_model = build_engine_model(tmp_path_factory.mktemp("det_gpu"), hidden_size=256, num_layers=4,
-                                   num_heads=8, num_kv_heads=2, dtype="bfloat16")
+                                   num_heads=8, num_kv_heads=2)
     kw = dict(device="cuda", dtype="bfloat16", kv_cache="paged", max_running_requests=8, overlap_schedule=overlap)
     alone, mixed, load = _run(gpu_model, deterministic=True, **kw)
     for a, b in zip(alone, mixed):
