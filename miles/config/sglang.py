@@ -287,7 +287,7 @@ EMBEDDED_HONOURED = frozenset({
     "max_running_requests", "context_length", "dtype", "max_prefill_tokens", "chunked_prefill_size",
     "max_total_tokens", "cuda_graph_bs", "cuda_graph_bs_decode", "cuda_graph_max_bs", "cuda_graph_max_bs_decode",
     "disable_cuda_graph", "cuda_graph_backend_decode", "disable_overlap_schedule", "max_queued_requests", "log_level",
-    "weight_version"})
+    "weight_version", "enable_deterministic_inference"})
 SET_BY_ENGINE_LAUNCH = frozenset({"tp_size", "host", "device"})
 EMBEDDED_GRAPH_BACKENDS = ("disabled", "full")     # --sglang-cuda-graph-backend-decode values the embedded engine has
 # Flags Miles's recorded launch commands pass that the embedded engine accepts without effect: they change how fast
@@ -387,7 +387,8 @@ def flag_docs() -> list[str]:
         "`--sglang-chunked-prefill-size` / `--sglang-max-prefill-tokens` (its prefill token budget: the smaller),",
         "`--sglang-max-total-tokens`, `--sglang-cuda-graph-bs` / `--sglang-cuda-graph-max-bs` (and their",
         "`-decode` spellings), `--sglang-disable-cuda-graph` / `--sglang-cuda-graph-backend-decode disabled`,",
-        "`--sglang-disable-overlap-schedule`, `--sglang-dtype`, `--sglang-max-queued-requests`, `--sglang-log-level`",
+        "`--sglang-disable-overlap-schedule`, `--sglang-enable-deterministic-inference` (batch-invariant outputs,",
+        "docs/engine-protocol.md), `--sglang-dtype`, `--sglang-max-queued-requests`, `--sglang-log-level`",
         "and `--sglang-weight-version`. Any other `--sglang-*` flag is refused in one line with the embedded engine",
         "(at parse and `--dry-run` with `--rollout-engine embedded`; at the start when `--rollout-engine auto` picks",
         "it), and so is `--sglang-cuda-graph-backend-decode` other than `disabled` or `full`, except these, which",

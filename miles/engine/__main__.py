@@ -63,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "next step runs on the device while the host processes the last one.")
     p.add_argument("--enable-overlap-schedule", action="store_true",
                    help="The overlap scheduler on CPU too (the default there is off: nothing runs alongside the host).")
+    p.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="Batch-invariant outputs (as sglang): a request's tokens and log-probs do not depend on which "
+                        "other requests share its batches. Each prompt is prefilled on its own and every decode step "
+                        "runs all --max-running-requests rows over the whole context (one shape, one CUDA graph); "
+                        "non-greedy requests need a sampling_seed to be reproducible. Costs throughput "
+                        "(docs/engine-protocol.md).")
     p.add_argument("--generic-forward", action="store_true",
                    help="Use the HF forward (one request at a time) even for Llama/Qwen/Mistral models.")
     p.add_argument("--weight-update-timeout", type=float, default=600.0,
@@ -137,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             weight_update_timeout=args.weight_update_timeout, max_samples_per_request=args.max_samples_per_request,
             max_queued_requests=args.max_queued_requests, max_total_tokens=args.max_total_tokens,
             cuda_graph_bs=args.cuda_graph_bs, cuda_graph_max_bs=args.cuda_graph_max_bs,
-            kv_cache=args.kv_cache, page_size=args.page_size,
+            kv_cache=args.kv_cache, page_size=args.page_size, deterministic=args.enable_deterministic_inference,
             overlap_schedule=False if args.disable_overlap_schedule else (True if args.enable_overlap_schedule else None)))
     except ValueError as e:
         logger.error("%s", e)

@@ -151,7 +151,8 @@ class DecodeSteps:
                 top_n = max(top_n, r.spec.top_logprobs_num)
                 want_dist = want_dist or bool(r.spec.token_ids_logprob)
         t_sample = time.perf_counter()
-        out = sample(logits, sb, steps, suppress=suppress, want_logprobs=want_lp, top_n=top_n, want_dist=want_dist)
+        out = sample(logits, sb, steps, suppress=suppress, want_logprobs=want_lp, top_n=top_n, want_dist=want_dist,
+                     fused=not self.runner.deterministic)
         ids_lp = None
         if want_dist:  # the asked ids' log-probs of every row that wants them, as one flat gather
             rows, cols = [], []

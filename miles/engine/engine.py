@@ -58,6 +58,7 @@ class EngineArgs:
     kv_cache: str = "auto"                     # paged | slots | auto (paged on GPU, slots on CPU)
     page_size: int = 16                        # tokens per KV page (paged cache)
     overlap_schedule: bool | None = None       # the overlap scheduler; None: on CUDA (sglang --disable-overlap-schedule)
+    deterministic: bool = False                # batch-invariant outputs (sglang --enable-deterministic-inference)
 
 
 class Engine:
@@ -67,7 +68,7 @@ class Engine:
             device=args.device, dtype=args.dtype, max_running_requests=args.max_running_requests,
             max_context_len=args.max_context_len, cuda_graph=args.cuda_graph, native=args.native,
             max_total_tokens=args.max_total_tokens, cuda_graph_bs=args.cuda_graph_bs, cuda_graph_max_bs=args.cuda_graph_max_bs,
-            kv_cache=args.kv_cache, page_size=args.page_size))
+            kv_cache=args.kv_cache, page_size=args.page_size, deterministic=args.deterministic))
         self.tokenizer = self._load_tokenizer(args.hf_checkpoint)
         self.vision = None   # a VLM's image side (image_data on /generate); None: the model takes no images
         if self.runner.is_vlm:
@@ -269,6 +270,7 @@ class Engine:
             "native_forward": self.runner.native, "cuda_graph": bool(getattr(self.runner.impl, "use_graphs", False)),
             "cuda_graph_bs": self.runner.graph_batch_sizes, "cuda_graph_max_bs": max(self.runner.graph_batch_sizes, default=0),
             "max_queued_requests": a.max_queued_requests, "disable_overlap_schedule": not self.scheduler.overlap,
+            "enable_deterministic_inference": self.runner.deterministic,
             "memory_released": sorted(self.memory_released), "internal_states": [load], "version": "miles-embedded-engine",
             "engine": "miles-embedded",
         }

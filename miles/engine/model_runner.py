@@ -52,6 +52,7 @@ class RunnerOptions:
     cuda_graph_max_bs: int | None = None     # largest such batch (sglang --cuda-graph-max-bs)
     kv_cache: str = "auto"                   # "paged" | "slots" | "auto" (paged on GPU, slots on CPU)
     page_size: int = 16                      # tokens per KV page (paged cache; sglang --page-size)
+    deterministic: bool = False              # batch-invariant forwards (sglang --enable-deterministic-inference)
 
 
 def graph_batch_sizes(max_slots: int, sizes: list[int] | None = None, max_bs: int | None = None) -> list[int]:
@@ -154,7 +155,8 @@ class _NativeLM:
     """Own attention + static slot KV cache for decoder-only Llama-family models."""
 
     def __init__(self, model, max_slots: int, max_ctx: int, device: torch.device, dtype: torch.dtype, cuda_graph: bool,
-                 graph_bs: list[int] | None = None, num_pages: int | None = None, page_size: int = 16):
+                 graph_bs: list[int] | None = None, num_pages: int | None = None, page_size: int = 16,
+                 deterministic: bool = False):
         inner = model.model
         cfg = model.config
         self.model = model
@@ -192,6 +194,12 @@ class _NativeLM:
         self.g_tokens = torch.zeros(max_slots, dtype=torch.long, device=device)
         self.g_pos = torch.full((max_slots,), cache_ctx - 1, dtype=torch.long, device=device)
         self.batch_buckets = graph_bs if graph_bs is not None else graph_batch_sizes(max_slots)
+        # batch-invariant mode: every decode step has one shape, all ``max_slots`` rows (the running ones first, the
+        # rest padding) over the whole cache context, so a row's result cannot depend on how many others run (a
+        # GEMM's kernel, its split of the reduction, the paged kernel's split count all follow the shape); one graph
+        self.deterministic = deterministic
+        if deterministic:
+            self.batch_buckets = [b for b in self.batch_buckets if b == max_slots]
         self.ctx_buckets = sorted({min(cache_ctx, 1 << k) for k in range(8, 24)} | {cache_ctx})
         # paged mode (num_pages given): a page pool + block tables instead of the slot cache
         self.kv: PagedKV | None = None
@@ -222,6 +230,8 @@ class _NativeLM:
         # step's forward (its tokens are extra query rows of the chunk row); graphs per batch bucket with the chunk
         # padded to mix_tokens (padding tokens on the scratch row)
         self.mix_tokens = min(MIX_TOKENS, cache_ctx) if self.kv is not None and all(w is None for w in self.windows) else 0
+        if deterministic:  # a prompt chunk in a decode step's forward changes the step's shape: prefills run alone
+            self.mix_tokens = 0
         self.mix_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if self.mix_tokens:
             T = max_slots + self.mix_tokens
@@ -507,11 +517,14 @@ class _NativeLM:
         """One token for rows ``0..n-1`` (slot i = row i). ``max_len``: the longest context after this step."""
         n = tokens.shape[0]
         # the paged kernel walks each row's own length: one graph per batch size is enough
-        L = self.cache_ctx if self.kernel else next(c for c in self.ctx_buckets if c >= max_len)
-        if not self.use_graphs:
-            return self._decode_impl(tokens, positions, n, L).float()
-        bs = next((b for b in self.batch_buckets if b >= n), None)
-        if bs is None:  # larger than every captured batch size
+        L = self.cache_ctx if self.kernel or self.deterministic else next(c for c in self.ctx_buckets if c >= max_len)
+        bs = next((b for b in self.batch_buckets if b >= n), None) if self.use_graphs else None
+        if bs is None and self.deterministic and n < self.max_slots:  # eager, padded to the one shape
+            pad = self.max_slots - n
+            tokens = torch.cat([tokens, tokens.new_zeros(pad)])
+            positions = torch.cat([positions, positions.new_full((pad,), self.pad_pos)])
+            return self._decode_impl(tokens, positions, self.max_slots, L)[:n].float()
+        if bs is None:  # no graphs, or larger than every captured batch size
             return self._decode_impl(tokens, positions, n, L).float()
         entry = self.graphs.get((bs, L))
         if entry is None:
@@ -819,13 +832,20 @@ class ModelRunner:
             if not self.paged:  # the paged cache admits by free pages instead
                 self.max_slots = min(self.max_slots, opts.max_total_tokens // max_ctx)
         self.graph_batch_sizes = graph_batch_sizes(self.max_slots, opts.cuda_graph_bs, opts.cuda_graph_max_bs)
+        self.deterministic = opts.deterministic
+        if self.deterministic:  # one decode shape, all the slots (see _NativeLM); captured when a bucket allows it
+            self.graph_batch_sizes = [b for b in self.graph_batch_sizes if b == self.max_slots]
+            if opts.cuda_graph and self.device.type == "cuda" and not self.graph_batch_sizes:
+                logger.warning("--enable-deterministic-inference decodes every step at all %d slots, which "
+                               "--cuda-graph-bs/--cuda-graph-max-bs do not capture: decode runs without a CUDA graph; "
+                               "capture %d to have one", self.max_slots, self.max_slots)
         native = opts.native and getattr(self.config, "model_type", "") in NATIVE_MODEL_TYPES and not self.is_vlm
         self.impl: _NativeLM | _GenericLM
         if native:
             try:
                 pages = self._pool_pages(opts, max_ctx) if self.paged else None
                 self.impl = _NativeLM(self.model, self.max_slots, max_ctx, self.device, self.dtype, opts.cuda_graph,
-                                      self.graph_batch_sizes, pages, self.page_size)
+                                      self.graph_batch_sizes, pages, self.page_size, opts.deterministic)
             except (AttributeError, NotImplementedError) as e:
                 logger.warning("native forward unavailable for %s (%s); using the generic HF path", self.config.model_type, e)
                 native = False
@@ -953,7 +973,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ forward
     def prefill(self, slot_start: int, seqs: list[list[int]], full_for: list[bool], mm: list | None = None):
-        """``mm``: per sequence its images (``miles.engine.vlm.ImageBatch``) or None; only a VLM takes them."""
+        """``mm``: per sequence its images (``miles.engine.vlm.ImageBatch``) or None; only a VLM takes them.
+        Batch-invariant mode: each sequence is prefilled on its own (its forward's shapes are its own length's)."""
+        if self.deterministic and len(seqs) > 1:
+            outs = [self.prefill(slot_start + i, [s], [f], None if mm is None else [mm[i]])
+                    for i, (s, f) in enumerate(zip(seqs, full_for))]
+            return torch.cat([last for last, _ in outs]), [full[0] for _, full in outs]
         if mm is not None and any(b is not None for b in mm):
             return self.impl.prefill(slot_start, seqs, full_for, mm)
         return self.impl.prefill(slot_start, seqs, full_for)

@@ -125,10 +125,14 @@ def sample(
     want_logprobs: bool = False,
     top_n: int = 0,
     want_dist: bool = False,
+    fused: bool = True,
 ) -> SampleOutput:
     """Choose one token per row of ``logits`` [B, V] (float32). ``steps`` [B]: tokens generated so far.
 
-    ``suppress`` [B, V] bool masks tokens that may not be chosen (stop tokens before min_new_tokens).
+    ``suppress`` [B, V] bool masks tokens that may not be chosen (stop tokens before min_new_tokens). ``fused``:
+    the Triton sampler may take a batch whose rows all allow it. It computes the same tokens as the torch path but
+    its log-probs may differ in the last bits, so the batch-invariant mode passes False: which path a row takes
+    must not depend on the other rows.
     """
     logits = logits.float()
     if suppress is not None:
@@ -137,7 +141,7 @@ def sample(
         logits = logits + sb.logit_bias
     truncate = sb.need_top_k or sb.need_top_p or sb.need_min_p
     plain = not (truncate or top_n or want_dist or sb.all_greedy or RETURN_ORIGINAL_LOGPROB)
-    if plain and USE_FUSED_KERNEL and sample_kernel.available(logits.device):
+    if plain and fused and USE_FUSED_KERNEL and sample_kernel.available(logits.device):
         tokens, lp = sample_kernel.fused_sample(logits, sb.temperature, sb.seeds, steps, sb.greedy_i32)
         return SampleOutput(tokens=tokens, logprobs=lp if want_logprobs else None, top_values=None, top_indices=None,
                             logprob_dist=None)

@@ -558,6 +558,9 @@ class Scheduler(DecodeSteps):
         first: dict[tuple[int, ...], int] = {}
         budget = self.max_prefill_tokens
         free = rn.free_pages()
+        reserve = free is not None and rn.deterministic
+        if reserve:  # the pages the running requests may still take (see _final_pages)
+            free -= sum(self._final_pages(r) - rn.pages_held(r.slot) for r in self.running)
         share_running = rn.can_share_running_prefix
         mix = min(rn.mix_tokens, self.max_prefill_tokens)
         mix_ok = (mix > 0 and bool(self.running)
@@ -574,6 +577,8 @@ class Scheduler(DecodeSteps):
             if src is None and key is not None and share_running and not self._wants_input_logprobs(r):
                 holder = self._holder(key)
             if src is None and holder is None and n > self.max_prefill_tokens and rn.chunk_row is not None:
+                if reserve and self._final_pages(r) > free:
+                    break
                 if not (uniq or dups or held):  # prefilled in chunks from the next iteration on
                     self.waiting.popleft()
                     self.num_waiting -= 1
@@ -593,10 +598,12 @@ class Scheduler(DecodeSteps):
                 break
             if free is not None:
                 # the pages it takes now (one copied page when it shares a prompt), and one page of headroom
-                # per running request so that decode rarely has to retract
+                # per running request so that decode rarely has to retract; batch-invariant mode: every page it
+                # may take, so that decode never retracts
                 shared = src is not None or holder is not None
-                pages = rn.pages_for(n + 1) - (n // rn.page_size if shared else 0)
-                if pages + len(self.running) + len(uniq) + len(dups) + len(held) > free:
+                pages = (self._final_pages(r) if reserve else rn.pages_for(n + 1)) - (n // rn.page_size if shared else 0)
+                headroom = 0 if reserve else len(self.running) + len(uniq) + len(dups) + len(held)
+                if pages + headroom > free:
                     break
                 free -= pages
             self.waiting.popleft()
@@ -668,6 +675,16 @@ class Scheduler(DecodeSteps):
         for i in zero:
             self._finish(batch[i], {"type": "length", "length": 0})
         self._remove(done + [start + i for i in sample_rows if batch[i].finish is not None])
+
+    def _final_pages(self, r: Req) -> int:
+        """Batch-invariant mode, paged cache: the pages ``r`` holds when it has generated all it may (its prompt plus
+        max_new_tokens, at most the context). Admission reserves them, so that decode never runs short of pages and
+        no running request is retracted: a retracted request's KV is recomputed by a prefill, whose last bits differ
+        from the decode steps' that wrote it, and which requests get retracted depends on the others."""
+        rn = self.runner
+        new = r.spec.max_new_tokens
+        end = rn.max_ctx if new is None else min(len(r.spec.input_ids) + new, rn.max_ctx)
+        return rn.pages_for(end)
 
     def _prefill_chunk(self) -> None:
         """The next chunk (at most max_prefill_tokens tokens) of the prompt being prefilled in chunks; after the

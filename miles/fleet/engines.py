@@ -226,6 +226,7 @@ EMBEDDED_EQUIVALENTS: dict[str, str] = {
     "max_queued_requests": "--max-queued-requests",
     "log_level": "--log-level",
     "weight_version": "--weight-version",
+    "enable_deterministic_inference": "--enable-deterministic-inference",  # batch-invariant outputs, as SGLang's
 }
 _EMBEDDED_DTYPES = {"half": "float16", "float": "float32"}  # SGLang's spellings -> the engine's
 
@@ -258,6 +259,8 @@ def _embedded_options(user: dict[str, Any]) -> tuple[list[str], list[str]]:
         argv.append("--disable-cuda-graph")
     if user.get("disable_overlap_schedule"):
         argv.append("--disable-overlap-schedule")
+    if user.get("enable_deterministic_inference"):
+        argv.append("--enable-deterministic-inference")
     return argv, ignored
 
 

@@ -306,8 +306,8 @@ def test_plugin_raising_on_import_is_one_line_exit_2(env: dict[str, Path]):
 
 
 @pytest.mark.skipif(_sglang_importable(), reason="SGLang is installed here: auto would pick it with a GPU")
-@pytest.mark.parametrize("extra", [["--sglang-enable-deterministic-inference"],
-                                   ["--update-weight-transfer-mode", "p2p", "--sglang-enable-deterministic-inference"]])
+@pytest.mark.parametrize("extra", [["--sglang-enable-dp-attention"],
+                                   ["--update-weight-transfer-mode", "p2p", "--sglang-enable-dp-attention"]])
 def test_dry_run_checks_the_engine_auto_picks_here(env: dict[str, Path], extra: list[str]):
     """--rollout-engine auto (the default) resolves in the dry run as at the start, on the machine running it (here: no
     SGLang, so the embedded engine), and the flags that engine refuses fail the dry run as they fail the start
@@ -316,5 +316,5 @@ def test_dry_run_checks_the_engine_auto_picks_here(env: dict[str, Path], extra: 
         _dry_run(_argv(env, extra))
     assert is_known_error(ei.value)
     msg = str(ei.value)
-    assert "\n" not in msg and msg.startswith("--sglang-enable-deterministic-inference: the embedded engine "
+    assert "\n" not in msg and msg.startswith("--sglang-enable-dp-attention: the embedded engine "
                                               "(--rollout-engine auto chose it"), msg

@@ -194,7 +194,7 @@ def test_embedded_engine_honours_what_config_says_it_honours():
 
 @pytest.mark.parametrize("argv, first", [
     (["--sglang-speculative-draft-model-path", "/d"], "--sglang-speculative-draft-model-path /d: the embedded engine"),
-    (["--sglang-enable-deterministic-inference"], "--sglang-enable-deterministic-inference: the embedded engine"),
+    (["--sglang-enable-dp-attention"], "--sglang-enable-dp-attention: the embedded engine"),
     (["--sglang-cuda-graph-backend-decode", "breakable"],
      "--sglang-cuda-graph-backend-decode breakable: the embedded engine (--rollout-engine embedded) has no CUDA-graph "
      "backend breakable (it takes disabled or full)"),

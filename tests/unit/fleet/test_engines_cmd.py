@@ -330,7 +330,7 @@ EMBEDDED_FLAGS = ["--sglang-max-running-requests", "8", "--sglang-context-length
                   "--sglang-max-total-tokens", "768", "--sglang-cuda-graph-bs", "1", "2", "8",
                   "--sglang-cuda-graph-max-bs", "2", "--sglang-dtype", "float", "--sglang-max-queued-requests", "100",
                   "--sglang-weight-version", "v3", "--sglang-attention-backend", "triton",
-                  "--sglang-enable-deterministic-inference", "--sglang-mem-fraction-static", "0.5"]
+                  "--sglang-mem-fraction-static", "0.5"]
 
 
 def _embedded_from_flags(tmp_path, *flags: str) -> list[str]:
@@ -354,11 +354,13 @@ def test_embedded_maps_sglang_flags_to_its_own_options(tmp_path, caplog):
     assert (ns.cuda_graph_bs, ns.cuda_graph_max_bs, ns.dtype) == ([1, 2, 8], 2, "float32")
     assert (ns.max_queued_requests, ns.max_samples_per_request, ns.weight_version) == (100, 100, "v3")
     assert not ns.disable_cuda_graph and argv.count("--max-running-requests") == 1  # --engine-max-running-requests not passed
+    assert not ns.enable_deterministic_inference
+    argv = _embedded_from_flags(tmp_path, "--sglang-enable-deterministic-inference")
+    assert engine_parse_args(argv[3:]).enable_deterministic_inference   # batch-invariant outputs, as SGLang's
     ignored = [r.getMessage() for r in caplog.records if "embedded engine ignores" in r.getMessage()]
     assert len(ignored) == 1 and "\n" not in ignored[0], ignored  # said once, in one line
     listed = ignored[0].split("ignores these SGLang-only flags: ", 1)[1].split(" (it honours", 1)[0]
-    assert listed.split(", ") == ["--sglang-mem-fraction-static", "--sglang-attention-backend",
-                                  "--sglang-enable-deterministic-inference"]
+    assert listed.split(", ") == ["--sglang-mem-fraction-static", "--sglang-attention-backend"]
 
 
 def test_embedded_disable_cuda_graph_and_context_conflict(tmp_path):
