@@ -275,7 +275,8 @@ def test_trainer_parity_with_fsdp_on_gpu(tiny_model_dir: Path, tmp_path: Path, f
         pytest.skip("needs a CUDA GPU")
     out = tmp_path / "parity_gpu.pt"
     env = {**os.environ, "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE.parents[1]),  # tests/: trainer_harness
+                                          os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--master-addr", "127.0.0.1",
            "--master-port", str(free_port), str(HERE), "parity", str(tiny_model_dir), str(out), "1", "cuda"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
