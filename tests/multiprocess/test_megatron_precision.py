@@ -107,7 +107,7 @@ def _launch(model_dir: Path, tmp_path: Path, port: int, kind: str) -> dict:
 
 
 # Bounds at about twice what was measured (``pytest -s tests/multiprocess/test_megatron_precision.py -k cpu``
-# prints ``res``; docs/benchmarks.md "Precision"). CPU, 2026-12-02, torch 2.13.0+cpu, megatron-core 0.16.1, the
+# prints ``res``; docs/benchmarks.md "Precision"). CPU, 2026-12-06, torch 2.13.0+cpu, megatron-core 0.16.1, the
 # 2-core box: log-probs 0 and 0 (bitwise, as documented: asserted equal), one-rank FSDP vs FSDP2 update 0
 # (bitwise), Megatron vs FSDP2 update 0.0372 against the yardstick's 0.0291 (1.28x), the first step's loss
 # 5.4e-8 and gradient norm 8.0e-5 apart (relative; the yardstick's gradient norm 1.0e-4).
