@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast lint demo clean
+.PHONY: setup test test-fast test-real lint demo clean
 
 setup: $(VENV)/.installed
 
@@ -25,13 +25,19 @@ $(VENV)/.installed: setup.py requirements.txt requirements-test.txt tools/instal
 lint: setup
 	$(PY) -m ruff check .
 
-# Everything that runs on a CPU: unit, multi-process, MPI, Slurm and slow end-to-end tests.
+# Everything that runs on a CPU: unit, multi-process, MPI, Slurm and slow end-to-end tests. MILES_STRICT_SKIPS=1:
+# a test that skips for a dependency `make setup` installs fails (tests/suite_policy.py lists the expected skips).
 test: setup lint
-	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -m "not gpu and not sglang" $(PYTEST_ARGS) tests
+	MILES_STRICT_SKIPS=1 OMP_NUM_THREADS=1 $(VENV)/bin/pytest -m "not gpu and not sglang" $(PYTEST_ARGS) tests
 
 # The quick tier while developing.
 test-fast: setup
-	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -m "not gpu and not sglang and not slow and not slurm" $(PYTEST_ARGS) tests
+	MILES_STRICT_SKIPS=1 OMP_NUM_THREADS=1 $(VENV)/bin/pytest -m "not gpu and not sglang and not slow and not slurm" $(PYTEST_ARGS) tests
+
+# The multi-process tier with every launch under real `torchrun` instead of the fork server
+# (tests/multiprocess/_zygote.py), as a user's job starts: slower (each rank imports torch again).
+test-real: setup
+	MILES_TEST_REAL_TORCHRUN=1 MILES_STRICT_SKIPS=1 OMP_NUM_THREADS=1 $(VENV)/bin/pytest -m "multiprocess and not gpu and not sglang" $(PYTEST_ARGS) tests
 
 # The quickstart: build a tiny model and data locally, then learn with GRPO on CPU, on the default
 # backend (megatron, as in Miles; setup installs megatron-core). Append --train-backend fsdp for FSDP2:

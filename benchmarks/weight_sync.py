@@ -16,6 +16,11 @@ Printed per row: gather (trainer: FSDP2 all-gather + packing), transfer (bytes o
 load (engine: received -> in its parameters), control (pause/begin/end/version/flush/continue), total
 (gather to engine-ready, wall), effective GB/s = bytes / total, and the raw broadcast rate of the same
 bytes measured in the same run (``raw``), with total/raw as the overhead factor.
+
+Every configuration syncs weights its engine does not hold yet (every element of every shard changes
+before it) and is verified afterwards on every tensor: CPU through ``--check-weight-update-equal``
+(whole tensors through ``/get_weights_by_name``), GPU by sha256 digests of every tensor on both sides
+(each must have changed and equal the trainer's).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(1, str(REPO / "benchmarks"))
 
 SIZES = {  # name -> build_tiny_model kwargs (char-level vocab, so parameters sit in the layers)
     "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2),
@@ -309,12 +315,16 @@ def gpu_main(a: argparse.Namespace) -> None:
     lines, summary = [], {}
     base = parse_args(["--update-weight-timeout", "300"], validate=False).weights
     raw_gbps = None
+    step = 0
     try:
         for mib, window in [(int(x), int(w)) for x in a.bucket_mib.split(",") for w in a.in_flight.split(",")]:
             wcfg = dataclasses.replace(base, update_weight_buffer_size=mib << 20, update_weight_transfer_mode="broadcast")
             s = build_weight_sender(wcfg, source, is_source=True, engines=[eng_b], device=None if smoke else dev,
                                     master_addr="127.0.0.1", max_in_flight=window)
             s.connect([eng_b])
+            step += 1
+            _perturb_all(model, step)
+            before = _engine_digests(s, eng_b)
             if raw_gbps is None:
                 secs = min(_raw_broadcast(s, [eng_b], nbytes, 1 << 30) for _ in range(3))
                 raw_gbps = nbytes / secs / 1e9
@@ -325,29 +335,35 @@ def gpu_main(a: argparse.Namespace) -> None:
             summary[f"broadcast_{mib}MiB_inflight{window}"] = med
             lines.append(_row(f"broadcast {mib}MiB w{window}", "qwen3-8b", med, raw_gbps))
             print(lines[-1], flush=True)
-            _verify(s, source, eng_b)
+            _verify(s, source, eng_b, before)
             s.close()
         for mib in ([int(x) for x in a.bucket_mib.split(",")] if a.p2p else []):
             # p2p from the one trainer rank: every byte is its own shard; the rows show its path's overhead
             wcfg = dataclasses.replace(base, update_weight_buffer_size=mib << 20, update_weight_transfer_mode="p2p")
             s = build_weight_sender(wcfg, source, is_source=True, engines=[eng_b], device=None if smoke else dev,
                                     master_addr="127.0.0.1")
+            step += 1
+            _perturb_all(model, step)
+            before = _engine_digests(s, eng_b)
             res = [s.sync() for _ in range(a.repeats + 1)][1:]
             med = _median(res)
             summary[f"p2p_{mib}MiB"] = med
             lines.append(_row(f"p2p {mib}MiB", "qwen3-8b", med, raw_gbps))
             print(lines[-1], flush=True)
-            _verify(s, source, eng_b)
+            _verify(s, source, eng_b, before)
             s.close()
         wcfg = dataclasses.replace(base, update_weight_buffer_size=(int(a.bucket_mib.split(",")[0])) << 20,
                                    update_weight_transfer_mode="tensor")
         ts = build_weight_sender(wcfg, source, colocate=True, is_source=True, engines=[eng_t], device=None if smoke else dev)
+        step += 1
+        _perturb_all(model, step)
+        before = _engine_digests(ts, eng_t)
         res = [ts.sync() for _ in range(a.repeats + 1)][1:]
         med = _median(res)
         summary["tensor"] = med
         lines.append(_row("tensor (CUDA IPC)", "qwen3-8b", med, None))
         print(lines[-1], flush=True)
-        _verify(ts, source, eng_t)
+        _verify(ts, source, eng_t, before)
         ts.close()
     finally:
         sup_b.stop()
@@ -361,23 +377,43 @@ def gpu_main(a: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def _verify(sender, source, engine, sample: int = 12) -> None:
-    """Bitwise check of a spread of tensors (whole tensors; JSON of all 16 GB would take minutes)."""
+def _perturb_all(model, step: int) -> None:
+    """Change every element of every local shard (the next configuration syncs weights no engine holds yet)."""
     import torch
 
-    from miles.weight_sync.base import Deadline
-    from miles.weight_sync.check import compare
+    dev = next(model.parameters()).device
+    g = torch.Generator(device=dev).manual_seed(104729 + step)
+    with torch.no_grad():
+        for p in model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            local.add_(0.01 * torch.randn(local.shape, generator=g, device=dev, dtype=local.dtype))
 
-    deadline = Deadline(300, "verify")
-    picked = 0
-    for bucket in source.iter_weight_buckets(1 << 30, None):
-        for name, t in bucket:
-            if picked < sample and (t.dim() == 1 or "layers.35" in name or "layers.0." in name):
-                rows = min(int(t.shape[0]), 64)
-                got = sender.call_all([engine], lambda c, n=name, r=rows: c.get_weights_by_name(n, truncate_size=r), deadline, "verify")
-                compare(name, t[:rows].to(torch.bfloat16), got[0], engine.url)
-                picked += 1
-    print(f"verified {picked} tensors bitwise (first 64 rows each) on {engine.url}", flush=True)
+
+def _engine_digests(sender, engine) -> dict[str, str]:
+    from miles.weight_sync.base import Deadline
+
+    return sender.call_all([engine], lambda c: c._post("/bench_weights_digest", {}, 600), Deadline(600, "digest"),
+                           "bench_weights_digest")[0]
+
+
+def _verify(sender, source, engine, before: dict[str, str]) -> None:
+    """Every tensor of ``engine``: changed since ``before`` (its digests before this configuration's syncs) and
+    equal to the trainer's, bitwise (sha256 of each tensor's bytes on both sides)."""
+    import torch
+    from weight_sync_engine import digests
+
+    trainer = {}
+    for bucket in source.iter_weight_buckets(1 << 30, torch.bfloat16):
+        trainer.update(digests(bucket))
+    got = _engine_digests(sender, engine)
+    unchanged = [n for n in trainer if got.get(n) == before.get(n)]
+    differ = [n for n in trainer if got.get(n) != trainer[n]]
+    if sorted(got) != sorted(trainer) or unchanged or differ:
+        raise SystemExit(f"verify {engine.url}: {len(differ)} of {len(trainer)} tensors differ from the trainer's "
+                         f"({differ[:3]}), {len(unchanged)} unchanged by the sync ({unchanged[:3]}), "
+                         f"names equal: {sorted(got) == sorted(trainer)}")
+    print(f"verified all {len(trainer)} tensors bitwise (sha256) on {engine.url}: every one changed by this "
+          f"configuration's syncs and equal to the trainer's", flush=True)
 
 
 def main() -> None:

@@ -11,15 +11,20 @@ answer carries ``recv_s`` and ``load_s`` so the benchmark can split transfer fro
     python benchmarks/weight_sync_engine.py --spec spec.json --device cuda:1 --port 30000
 
 ``/bench_raw_broadcast {"group_name", "nbytes", "chunk_bytes"}`` receives a raw broadcast of ``nbytes``
-into a scratch buffer (the rate baseline measured in the same run).
+into a scratch buffer (the rate baseline measured in the same run). ``/bench_weights_digest`` answers
+``{name: sha256}`` of every parameter (``digests``; the benchmark compares them with the trainer's, every
+tensor, after each configuration: JSON of 16 GB through ``/get_weights_by_name`` would take minutes).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from aiohttp import web
@@ -49,6 +54,21 @@ class TorchEngine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
+
+
+def digests(named: Iterable[tuple[str, torch.Tensor]], threads: int = 8) -> dict[str, str]:
+    """name -> sha256 of the tensor's dtype, shape and bytes (copied to the CPU; hashlib drops the GIL, so
+    the hashing runs on ``threads`` cores)."""
+    def one(t: torch.Tensor) -> str:
+        t = t.detach().contiguous().cpu()
+        h = hashlib.sha256(f"{t.dtype}{list(t.shape)}".encode())
+        if t.numel():
+            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        return h.hexdigest()
+
+    with ThreadPoolExecutor(threads) as pool:
+        futs = {name: pool.submit(one, t) for name, t in named}
+        return {name: f.result() for name, f in futs.items()}
 
 
 def ok(**extra) -> web.Response:
@@ -128,6 +148,10 @@ def build_app(eng: TorchEngine, timeout: float) -> web.Application:
         t = eng.params[b["name"]]
         return web.json_response(t[: int(b.get("truncate_size", 100))].float().cpu().tolist())
 
+    async def weights_digest(_):
+        async with eng.lock:
+            return web.json_response(await asyncio.to_thread(digests, eng.params.items()))
+
     async def raw(req):
         b = await req.json()
 
@@ -157,6 +181,7 @@ def build_app(eng: TorchEngine, timeout: float) -> web.Application:
     r.add_post("/update_weights_from_disk", from_disk)
     r.add_post("/get_weights_by_name", weights_by_name)
     r.add_post("/bench_raw_broadcast", raw)
+    r.add_post("/bench_weights_digest", weights_digest)
     return app
 
 

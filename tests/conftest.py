@@ -1,6 +1,9 @@
-"""Shared fixtures: a tiny local model, free ports, a clean environment, a one-rank gloo group, two spawned ranks.
+"""Shared fixtures: a tiny local model, free ports, a clean environment, a one-rank gloo group, two spawned ranks;
+the skip policy.
 
-Tests kill only the processes they start.
+Tests kill only the processes they start. Skips for a dependency that ``make setup`` installs fail under the
+Makefile's test targets and on CI, and tests marked ``gpu`` launch their ranks under real ``torchrun``, never
+from the fork server (``suite_policy.py``, whose hooks and fixture are imported here).
 """
 
 from __future__ import annotations
@@ -10,6 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from suite_policy import (  # noqa: F401 -- hooks and an autouse fixture, found by name
+    _gpu_tests_use_real_torchrun,
+    pytest_make_collect_report,
+    pytest_runtest_makereport,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable

@@ -4,8 +4,10 @@
 The ranks are forked from one server per pytest session (``_zygote.py``) that has imported torch,
 transformers, megatron-core and the trainers already: a launch skips ``torchrun``'s start and every rank's
 imports (~5-7 s a rank on the 2-core CI box). The ranks see torchrun's environment and its failure handling
-(the first failing rank stops the others; the launch returns 1). ``MILES_TEST_REAL_TORCHRUN=1``, and any launch
-whose arguments name ``cuda``, go through ``python -m torch.distributed.run`` instead."""
+(the first failing rank stops the others; the launch returns 1) and leave as real ranks do, up to the
+interpreter's last teardown (``_zygote.py`` says what differs). ``MILES_TEST_REAL_TORCHRUN=1`` (``make test-real``;
+tests/suite_policy.py sets it for every test marked ``gpu``), and any launch whose arguments name ``cuda``, go through
+``python -m torch.distributed.run`` instead: CUDA cannot be initialised in a rank forked after the imports."""
 
 from __future__ import annotations
 

@@ -9,7 +9,20 @@ Protocol (one launch at a time): the parent writes one JSON line to our stdin
 ``sys.argv = [script, *args]``, stdout and stderr appended to ``log``. As torchrun's agent does: the first rank
 to fail (nonzero exit or a signal) gets the others stopped (SIGTERM, SIGKILL after 5 s) and the launch
 returns 1; all ranks exiting 0 returns 0. Nothing here runs torch code: the forked state is imports only
-(one thread, no process group, no CUDA context)."""
+(one thread, no process group).
+
+How a rank ends, against a rank under real ``torchrun`` (a fresh interpreter): as there, an uncaught exception
+prints its traceback and exits 1, ``SystemExit`` gives its code, then the non-daemon threads are joined
+(``threading._shutdown``, what the interpreter's finalisation does first) and the ``atexit`` functions run,
+then stdout and stderr are flushed. Unlike there, the rank then leaves with ``os._exit``: the interpreter's
+last teardown (garbage collection of what is left, ``__del__`` of objects still alive, closing files still
+open and unflushed) does not run. Code whose exit relies on that behaves differently here;
+``MILES_TEST_REAL_TORCHRUN=1`` runs every launch under ``torchrun`` (``make test-real``).
+
+CUDA: importing megatron-core (and some transformers modules) here may initialise CUDA on a GPU machine, and
+a forked child then cannot ("Cannot re-initialize CUDA in forked subprocess"). GPU launches never come here:
+``_torchrun.py`` sends launches whose arguments name ``cuda``, and tests/suite_policy.py every test marked
+``gpu``, to real ``torchrun``."""
 
 from __future__ import annotations
 
@@ -86,7 +99,8 @@ def _rank(req: dict, rank: int, proto_fds: tuple[int, ...]) -> None:
         except BaseException:               # noqa: BLE001
             traceback.print_exc()
             code = 1
-        atexit._run_exitfuncs()
+        threading._shutdown()                # as the interpreter's exit: join the non-daemon threads...
+        atexit._run_exitfuncs()              # ...then the atexit functions
     except BaseException:                   # noqa: BLE001
         try:
             traceback.print_exc()

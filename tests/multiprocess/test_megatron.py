@@ -284,14 +284,15 @@ def test_trainer_parity_with_fsdp_on_gpu(tiny_model_dir: Path, tmp_path: Path, f
     res = torch.load(out, weights_only=False)
     print({k: v for k, v in res.items() if "metrics" not in k})
     assert res["bf16"] and res["export_keys_equal"] and res["export_bitwise"] and res["export_bf16_bitwise"], res
-    # bf16 keeps ~3 significant digits: log-probs of magnitude ~5 agree within 0.1
-    assert res["lp_max_abs_diff"] < 0.1, res
+    # Bounds at about twice the figures docs/trainer.md and docs/benchmarks.md state for one H200 (2026-12-01, TP 1,
+    # bf16): log-probs 2.5e-3 apart, update 6.0% apart in relative L2 (7.9% before both backends ran the same bf16
+    # recipe; the FSDP backend differs from itself by 2.6% with another micro-batching). Not re-measured since these
+    # bounds were set (no GPU here): ``pytest -s -m gpu tests/multiprocess/test_megatron.py -k parity`` prints them.
+    assert res["lp_max_abs_diff"] < 5e-3, res
     for f, m in zip(res["fsdp_metrics"], res["meg_metrics"]):
         for key in ("loss", "pg_loss", "entropy", "grad_norm"):
             assert m[key] == pytest.approx(f[key], rel=5e-2, abs=5e-3), (key, f[key], m[key])
-    # measured on one H200 (2026-12-01): 0.060 (7.9% before both backends ran the same bf16 recipe); the FSDP
-    # backend differs from itself by 2.6% with another micro-batching (test_megatron_precision.py)
-    assert res["update_rel_l2"] < 0.075, res
+    assert res["update_rel_l2"] < 0.12, res
 
 
 if __name__ == "__main__":

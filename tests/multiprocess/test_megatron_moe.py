@@ -328,11 +328,15 @@ def test_moe_trainer_parity_with_fsdp_on_gpu(tiny_moe_dir: Path, tmp_path: Path,
     res = torch.load(out, weights_only=False)
     print({k: v for k, v in res.items() if "metrics" not in k and k != "export_order"})
     assert res["export_keys_equal"] and res["export_bitwise"] and res["export_bf16_bitwise"], res
-    assert res["lp_max_abs_diff"] < 0.1, res
+    # Bounds at about twice the figures reported for the one-H200 run of 2026-12-01 (EP 1, bf16; no log of it is kept):
+    # log-probs 2.4e-3 apart, update 6.0% apart in relative L2 (as the dense model's, test_megatron.py). Not
+    # re-measured since these bounds were set (no GPU here): ``pytest -s -m gpu tests/multiprocess/test_megatron_moe.py
+    # -k parity`` prints them.
+    assert res["lp_max_abs_diff"] < 5e-3, res
     for f, m in zip(res["fsdp_metrics"], res["meg_metrics"]):
         for key in ("loss", "pg_loss", "entropy", "grad_norm"):
             assert m[key] == pytest.approx(f[key], rel=5e-2, abs=5e-3), (key, f[key], m[key])
-    assert res["update_rel_l2"] < 0.3, res
+    assert res["update_rel_l2"] < 0.12, res
 
 
 if __name__ == "__main__":

@@ -228,11 +228,13 @@ def test_pp_parity_with_fsdp_on_two_gpus(tiny_model_dir: Path, tmp_path: Path, f
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     res = torch.load(out, weights_only=False)
     assert res["bf16"] and res["export_keys_equal"] and res["export_bitwise"] and res["export_bf16_bitwise"], res
-    assert res["lp_max_abs_diff"] < 0.1, res
+    # Never run yet (2 GPUs): the bounds of test_megatron.py's one-GPU bf16 parity, about twice the one-GPU H200
+    # figures (log-probs 2.5e-3, update 6.0%); ``pytest -s -m gpu`` on 2 GPUs prints what this run measures
+    assert res["lp_max_abs_diff"] < 5e-3, res
     for f, m in zip(res["fsdp_metrics"], res["meg_metrics"]):
         for key in ("loss", "pg_loss", "entropy", "grad_norm"):
             assert m[key] == pytest.approx(f[key], rel=5e-2, abs=5e-3), (key, f[key], m[key])
-    assert res["update_rel_l2"] < 0.3, res
+    assert res["update_rel_l2"] < 0.12, res
 
 
 if __name__ == "__main__":

@@ -105,23 +105,37 @@ def _launch(model_dir: Path, tmp_path: Path, port: int, kind: str) -> dict:
     return res
 
 
+# Bounds at about twice what was measured (``pytest -s tests/multiprocess/test_megatron_precision.py -k cpu``
+# prints ``res``; docs/benchmarks.md "Precision"). CPU, 2026-12-06, torch 2.13.0+cpu, megatron-core 0.16.1, the
+# 2-core box: log-probs 0 and 0 (bitwise, as documented: asserted equal), one-rank FSDP vs FSDP2 update 0
+# (bitwise), Megatron vs FSDP2 update 0.0372 against the yardstick's 0.0291 (1.28x), the first step's loss
+# 5.4e-8 and gradient norm 8.0e-5 apart (relative; the yardstick's gradient norm 1.0e-4).
+CPU_BOUNDS = {"lp": 0.0, "update_over_floor": 2.6, "loss_rel": 1.1e-7, "grad_norm_rel": 1.6e-4}
+# GPU: the figures docs/benchmarks.md states for one H200 (2026-12-01): log-probs 0.0025 apart, update 6.0% against
+# the yardstick's 2.6% (2.3x), loss and gradient norm of the first step 5e-5 apart (relative). Not re-measured since
+# these bounds were set (no GPU here): run ``pytest -s -m gpu tests/multiprocess/test_megatron_precision.py``.
+GPU_BOUNDS = {"lp": 5e-3, "update_over_floor": 4.6, "loss_rel": 1e-4, "grad_norm_rel": 1e-4}
+
+
 def test_bf16_recipe_matches_fsdp_on_cpu(tiny_model_dir: Path, tmp_path: Path, free_port: int) -> None:
     res = _launch(tiny_model_dir, tmp_path, free_port, "cpu")
     assert res["fsdp2_wrapped"] and not res["fsdp_wrapped"] and not res["fsdp_mb1_wrapped"], res
     assert res["megatron_param_dtypes"] == ["torch.float32"], res      # fp32 masters outside the compute window
     assert res["megatron_ref_dtypes"] == ["torch.bfloat16"], res       # the frozen reference: bf16 only
     assert res["unwrapped_rel_l2"] == 0.0, res     # same kernels on CPU: MasterWeights == FSDP2's bf16, bitwise
-    _check(res)
+    _check(res, CPU_BOUNDS)
 
 
-def _check(res: dict) -> None:
-    # the same recipe: log-probs of the untrained model within bf16 rounding of each other, the first step's
-    # loss and gradient norm closer than another micro-batching gets, the update within 3x the floor
-    assert res["lp_max_abs_diff"] < 1e-2 and res["unwrapped_lp_max_abs_diff"] < 1e-2, res
-    fsdp2, fsdp, mb1, meg = (run[0] for run in res["metrics"]["grad_norm"])
-    for other in (fsdp, meg):
-        assert abs(other - fsdp2) <= max(2 * abs(mb1 - fsdp), 1e-4 * fsdp2), res["metrics"]["grad_norm"]
-    assert res["update_rel_l2"] < 3 * res["floor_rel_l2"] and res["unwrapped_rel_l2"] < res["floor_rel_l2"], res
+def _check(res: dict, bounds: dict) -> None:
+    # the same recipe: log-probs of the untrained model within ``lp`` (CPU: equal), the first step's loss and
+    # gradient norm within the bounds, the update within ``update_over_floor`` x the yardstick's spread
+    assert res["lp_max_abs_diff"] <= bounds["lp"] and res["unwrapped_lp_max_abs_diff"] <= bounds["lp"], res
+    for key in ("loss", "grad_norm"):
+        fsdp2, fsdp, _, meg = (run[0] for run in res["metrics"][key])
+        for other in (fsdp, meg):
+            assert abs(other - fsdp2) <= bounds[f"{key}_rel"] * abs(fsdp2), (key, res["metrics"][key])
+    assert res["update_rel_l2"] < bounds["update_over_floor"] * res["floor_rel_l2"], res
+    assert res["unwrapped_rel_l2"] < res["floor_rel_l2"], res
 
 
 @pytest.mark.gpu
@@ -131,7 +145,7 @@ def test_bf16_recipe_matches_fsdp_on_gpu(tiny_model_dir: Path, tmp_path: Path, f
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     res = _launch(tiny_model_dir, tmp_path, free_port, "cuda")
-    _check(res)
+    _check(res, GPU_BOUNDS)
 
 
 if __name__ == "__main__":

@@ -224,30 +224,37 @@ def test_megatron_vlm_matches_hf_tp2_sequence_parallel(tmp_path: Path):
     assert proc.returncode == 0, proc.stdout[-4000:]
     r = json.loads(out.read_text())
     for tag in ("plain", "recompute"):
-        assert r[f"{tag}_vision_params"] > 0
-        assert r[f"{tag}_logprob_err"] < 1e-4, r
-        assert r[f"{tag}_vision_grad_err"] < 1e-4 * max(1.0, r[f"{tag}_vision_grad_scale"]), r
+        _check_fp32(r, tag)
     assert r["vision_changed"] and r["vision_update_same_on_ranks"] and r["vision_update_norm"] > 0, r
     assert r["export_names_equal"] and r["export_bit_equal"], r
     _check_bf16(r)
 
 
+# Bounds at about twice what was measured. CPU (2 gloo ranks, TP 2 + SP), 2026-12-06, torch 2.13.0+cpu, the 2-core
+# box (``pytest tests/multiprocess/test_megatron_vlm.py -k sequence_parallel``; the numbers are in the result.json
+# under pytest's tmp_path): fp32 log-probs 4.8e-7 from HF's, vision gradients 1.7e-6 (gradient scale 7.0); the bf16
+# recipe's log-probs 3.6e-3 from HF's fp32 ones (HF under the same recipe: 2.8e-3, ratio 1.29), vision gradients
+# 0.97% rel. L2 from HF's fp32 ones, cosine 0.999954. One H200 (docs/trainer.md, 2026-12-02, ``pytest -s -m gpu
+# tests/multiprocess/test_megatron_vlm.py``): 4.8e-7, 2.7e-6 (scale 7.0); 2.7e-3 (HF 2.6e-3), 0.9%, 0.99996.
+def _check_fp32(r: dict, tag: str) -> None:
+    assert r[f"{tag}_vision_params"] > 0
+    assert r[f"{tag}_logprob_err"] < 1e-6, r
+    assert r[f"{tag}_vision_grad_err"] < 8e-7 * max(1.0, r[f"{tag}_vision_grad_scale"]), r
+
+
 def _check_bf16(r: dict) -> None:
-    """The trainer's bf16 recipe (``_bf16_run``). Measured on CPU (2 gloo ranks, TP 2 + SP): log-probs (magnitude
-    up to 5) 3.6e-3 from HF's fp32 ones (HF under the same recipe: 2.8e-3), vision gradients 1.0e-2 rel. L2 from
-    HF's fp32 ones, cosine 0.99995."""
+    """The trainer's bf16 recipe (``_bf16_run``); the measured figures are above."""
     assert r["bf16_compute_dtype"] == "torch.bfloat16" and r["bf16_param_dtype"] == "torch.float32", r
     assert r["bf16_vision_params"] == r["plain_vision_params"] and r["bf16_vision_grads_fp32"], r
-    # bf16 keeps 8 significant bits (relative rounding 2^-9 = 0.2% per op): log-probs of magnitude ~5 after a few
-    # layers and the vision tower drift by some 1e-3, and within 0.1 (test_megatron.py's GPU parity bound); no
-    # further from the fp32 reference than HF under the same recipe, up to another rounding order (x3 + 0.02)
-    assert r["bf16_logprob_err"] < 0.1, r
-    assert r["bf16_logprob_err"] < 3 * r["hf_bf16_logprob_err"] + 0.02, r
+    # bf16 keeps 8 significant bits: log-probs of magnitude ~5 drift by some 1e-3 through the layers and the vision
+    # tower; no further from the fp32 reference than HF under the same recipe, up to another rounding order
+    assert r["bf16_logprob_err"] < 7.5e-3, r
+    assert r["bf16_logprob_err"] < 2.6 * r["hf_bf16_logprob_err"], r
     # one backward: every vision gradient finite and non-zero, the tower's gradient HF's fp32 one up to bf16
     # rounding (a dropped or misplaced image-feature / deepstack gradient is a rel. L2 error of order 1)
     assert r["bf16_vision_grads_finite"] and r["bf16_vision_grad_norm"] > 0, r
     assert r["bf16_vision_params_zero_grad"] == 0, r
-    assert r["bf16_vision_grad_rel_l2"] < 0.1 and r["bf16_vision_grad_cos"] > 0.99, r
+    assert r["bf16_vision_grad_rel_l2"] < 0.02 and r["bf16_vision_grad_cos"] > 0.9999, r
 
 
 @pytest.mark.gpu
@@ -269,9 +276,7 @@ def test_megatron_vlm_matches_hf_on_gpu(tmp_path: Path, free_port: int):
     print(r)
     # (a) fp32 parameters, TF32 off: another op order (fused QKV, SDPA kernels without vs with a padding mask)
     for tag in ("plain", "recompute"):
-        assert r[f"{tag}_vision_params"] > 0
-        assert r[f"{tag}_logprob_err"] < 1e-4, r
-        assert r[f"{tag}_vision_grad_err"] < 1e-4 * max(1.0, r[f"{tag}_vision_grad_scale"]), r
+        _check_fp32(r, tag)
     assert r["vision_changed"] and r["vision_update_norm"] > 0, r
     assert r["export_names_equal"] and r["export_bit_equal"], r
     _check_bf16(r)                  # (b) the trainer's bf16 recipe

@@ -11,7 +11,7 @@ steps a rollout, so the old and the reference log-probs are separate forward pas
 transformers' ``Qwen3VLForConditionalGeneration`` forward of each sample alone (its pixels from the same image
 processor, logits / --rollout-temperature):
 
-- the trainer's old and reference per-token log-probs of every response token equal HF's to 1e-4;
+- the trainer's old and reference per-token log-probs of every response token equal HF's to 1e-6;
 - ``train_rollout_logprob_abs_diff`` (old vs. the rollout's log-probs, here HF's) is ~0; the KL to the reference
   grows from 0 once the first step has moved the policy;
 - the step trains the vision tower (its exported weights change) and every rank ends with the same weights.
@@ -156,7 +156,9 @@ def test_vlm_grpo_logprobs_match_hf(tmp_path: Path, backend: str):
         print(backend, {k: v for k, v in r.items() if k != "metrics"})
         # FSDP: each rank its own 2 samples; Megatron TP 2: one replica, the ranks' shares gathered (all 4)
         assert sorted(r["indices"]) == ([0, 1, 2, 3] if backend == "megatron" else sorted(r["indices"]))
-        assert r["old_err"] < 1e-4 and r["ref_err"] < 1e-4, r    # measured: 5e-7 (FSDP), 1e-6 (Megatron TP 2)
+        # about twice what was measured: 4.8e-7 on both backends and ranks (2026-12-06, the 2-core CPU box,
+        # ``pytest -s tests/multiprocess/test_vlm_grpo.py`` prints them)
+        assert r["old_err"] < 1e-6 and r["ref_err"] < 1e-6, r
         assert all(n > 0 for n in r["old_lens"]), r
         m = r["metrics"]
         assert m["train_rollout_logprob_abs_diff"] < 1e-5, m

@@ -1,9 +1,12 @@
 """Weight sync end to end: a 2-rank FSDP2 trainer (torchrun, gloo) and 2 embedded engines, every mode.
 
 One torchrun job (tests/multiprocess/weight_sync_worker.py) runs the scenarios in order and writes what
-it saw; each test below checks one property. After every sync the worker compares each engine's
-weights with the trainer's through /get_weights_by_name (bitwise), so ``checked == 24`` means all 24
-HF tensors of the tiny model were equal on both engines.
+it saw; each test below checks one property. Before every sync the worker changes every shard of the
+trainer (a stand-in for an optimizer step; ``sync_one`` excepted, whose contract is an unchanged trainer,
+and whose newcomer holds the model dir's weights), and around it takes a sha256 digest of every tensor of
+both engines (through /get_weights_by_name) and of the trainer's: ``content`` says, per engine, how many
+of the 24 HF tensors of the tiny model changed in the sync and how many equal the trainer's. ``checked ==
+24`` is ``--check-weight-update-equal``'s count (all 24 equal on both engines, compared bitwise).
 """
 
 from __future__ import annotations
@@ -38,18 +41,29 @@ def run(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("scenario", ["broadcast_flat", "broadcast_per_tensor", "p2p", "broadcast_after_p2p", "tensor",
-                                      "disk_full", "disk_delta", "disk_corrupt_fallback", "after_restart", "sync_one",
+                                      "disk_full", "disk_delta", "disk_corrupt_fallback", "after_restart",
                                       "p2p_after_restart", "p2p_full_buckets"])
-def test_every_mode_leaves_engines_bit_identical(run: dict, scenario: str) -> None:
+def test_every_mode_moves_the_new_weights_into_every_engine(run: dict, scenario: str) -> None:
     s = run["scenarios"][scenario]
     assert s["checked"] == NUM_TENSORS
+    c = s["content"]
+    assert c["tensors"] == NUM_TENSORS
+    assert c["changed"] == [NUM_TENSORS] * 2, c  # every tensor of both engines changed in this sync...
+    assert c["equal"] == [NUM_TENSORS] * 2, c    # ...to the trainer's bytes
     assert s["buckets"] > 1 and s["bytes"] > 0  # 64 KiB buckets: the bucketed path really ran
+
+
+def test_sync_one_moves_only_the_newcomer(run: dict) -> None:
+    s = run["scenarios"]["sync_one"]
+    assert s["checked"] == NUM_TENSORS and s["buckets"] > 1
+    # engine 0 restarted from the model dir: every tensor changed to the trainer's; engine 1 was current already
+    assert s["content"] == {"tensors": NUM_TENSORS, "changed": [NUM_TENSORS, 0], "equal": [NUM_TENSORS] * 2}
 
 
 def test_bucketed_and_per_tensor_paths_agree(run: dict) -> None:
     flat, per = run["scenarios"]["broadcast_flat"], run["scenarios"]["broadcast_per_tensor"]
-    assert flat["version"] == per["version"] == 1 and flat["bytes"] == per["bytes"]
-    assert run["versions_after_broadcast"] == ["1", "1"]
+    assert (flat["version"], per["version"]) == (1, 2) and flat["bytes"] == per["bytes"]
+    assert run["versions_after_broadcast"] == ["2", "2"]
 
 
 def test_disk_delta_writes_less_and_falls_back_on_a_flipped_byte(run: dict) -> None:
@@ -84,9 +98,8 @@ def test_p2p_every_rank_sends_its_own_shard_and_engines_equal_broadcast(run: dic
     assert len(sent) == 2 and all(0 < s < p2p["bytes"] * 2 for s in sent)
     assert sum(sent) == p2p["bytes"] * 2  # 2 engines
     assert p2p["bytes"] == run["scenarios"]["broadcast_flat"]["bytes"]
-    d = run["p2p_digests"]
-    assert d["before"] != d["after_p2p"]  # the p2p sync moved new weights
-    assert d["after_p2p"] == d["after_broadcast"] and d["after_p2p"][0] == d["after_p2p"][1]
+    # the p2p sync moved every tensor to the trainer's bytes (test_every_mode_...), as the broadcast after it
+    assert p2p["content"]["changed"] == p2p["content"]["equal"] == [NUM_TENSORS] * 2
     assert run["versions_after_p2p"] == [str(run["scenarios"]["broadcast_after_p2p"]["version"])] * 2
 
 

@@ -2,9 +2,12 @@
 
 Real parts only: the FSDP2 trainer (``miles.trainer.fsdp.FSDPTrainer``) on 2 ranks, two embedded engine
 servers (``python -m miles.engine``) started and restarted by rank 0 through ``EngineSupervisor``, and
-every sender of ``miles.weight_sync``. Each scenario perturbs the trainer's shards (a stand-in for an
-optimizer step), syncs, and verifies bitwise equality through ``/get_weights_by_name``. Rank 0 writes
-the results as JSON to ``--out``.
+every sender of ``miles.weight_sync``. Each scenario perturbs every shard of the trainer (a stand-in for
+an optimizer step) and syncs; around the sync rank 0 takes a sha256 digest of every tensor of every engine
+(through ``/get_weights_by_name``) and of the trainer's full tensors, so the results say, per engine, how
+many tensors changed and how many equal the trainer's (``content``), besides ``--check-weight-update-equal``
+(``checked``). A sync that moved nothing, or the wrong bytes, shows in both. Rank 0 writes the results as
+JSON to ``--out``.
 
     torchrun --nproc-per-node 2 tests/multiprocess/weight_sync_worker.py --model DIR --work W --out R.json
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import signal
@@ -64,21 +68,48 @@ def wait_healthy(target: EngineTarget, timeout: float = 120.0) -> None:
         time.sleep(0.3)
 
 
-def engine_digests(targets: list[EngineTarget], names: list[str]) -> list[str]:
-    """A digest of each engine's whole weights (every tensor through /get_weights_by_name)."""
-    import hashlib
+def digest(t: torch.Tensor) -> str:
+    """sha256 of a tensor's dtype, shape and bytes."""
+    t = t.detach().to("cpu").contiguous()
+    h = hashlib.sha256(f"{t.dtype}{list(t.shape)}".encode())
+    if t.numel():
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
+
+def trainer_tensors(trainer) -> dict[str, tuple[str, torch.dtype, list[int]]]:
+    """name -> (digest, dtype, shape) of every HF tensor the trainer exports, as the senders send it (dtype
+    None: the trainer's own). Collective on every trainer rank; the full tensors (and the answer) are rank 0's."""
+    out = {}
+    for bucket in trainer.iter_weight_buckets(1 << 20, None):
+        if dist.get_rank() == 0:
+            out.update({name: (digest(t), t.dtype, list(t.shape)) for name, t in bucket})
+    return out
+
+
+def engine_digests(targets: list[EngineTarget], specs: dict) -> list[dict[str, str]]:
+    """Per engine, name -> digest of that tensor as the engine serves it (whole tensors through
+    /get_weights_by_name; JSON float64 holds every bf16/fp16/fp32 value exactly, so the digest is the
+    trainer's when the bytes are)."""
     out = []
     for t in targets:
-        h = hashlib.sha256()
         ctl = SyncEngineControl(t.url, timeout=30)
         try:
-            for name in names:
-                h.update(json.dumps([name, ctl.get_weights_by_name(name, truncate_size=1 << 30)]).encode())
+            d = {}
+            for name, (_, dtype, shape) in specs.items():
+                values = ctl.get_weights_by_name(name, truncate_size=1 << 30)
+                d[name] = digest(torch.tensor(values, dtype=torch.float64).reshape(shape).to(dtype))
+            out.append(d)
         finally:
             ctl.close()
-        out.append(h.hexdigest())
     return out
+
+
+def content(before: list[dict[str, str]], after: list[dict[str, str]], trainer: dict) -> dict:
+    """Per engine: how many tensors changed in the sync and how many now equal the trainer's."""
+    return {"tensors": len(trainer),
+            "changed": [sum(b[k] != a[k] for k in trainer) for b, a in zip(before, after)],
+            "equal": [sum(a[k] == trainer[k][0] for k in trainer) for a in after]}
 
 
 def version_of(target: EngineTarget) -> str:
@@ -138,62 +169,64 @@ def main() -> None:
         return build_weight_sender(c, kw.pop("source", trainer), is_source=rank == 0, engines=engines, status_group=group,
                                    initial_version=kw.pop("initial_version", 0), **kw)
 
-    version = 0
-    # 1. broadcast, flattened buckets, then the per-tensor path on the same trainer state
+    specs = trainer_tensors(trainer)
+
+    def verified(name: str, s, run=None, **extra):
+        """Sync with ``s`` (or ``run()``), then check every engine against the trainer; collective."""
+        before = engine_digests(engines, specs)
+        r = s.sync() if run is None else run()
+        checked = s.check()
+        after, now = engine_digests(engines, specs), trainer_tensors(trainer)
+        record(name, r, checked=checked, content=content(before, after, now), **extra)
+        return r
+
+    # 1. broadcast, flattened buckets, then the per-tensor path (SGLang's: one broadcast per tensor)
     perturb(trainer, 1, rank)
     bc = sender("broadcast")
     bc.connect(engines)
-    r = bc.sync()
-    record("broadcast_flat", r, checked=bc.check())
+    r = verified("broadcast_flat", bc)
+    bc.close()
+    perturb(trainer, 12, rank)
     pt = sender("broadcast", flatten=False, initial_version=r.version)
     pt.connect(engines)
-    r2 = pt.sync(bump_version=False)
-    record("broadcast_per_tensor", r2, checked=pt.check())
+    r = verified("broadcast_per_tensor", pt)
     pt.close()
-    version = r2.version
+    version = r.version
     if rank == 0:
         res["versions_after_broadcast"] = [version_of(t) for t in engines]
 
-    # 1b. p2p: each trainer rank sends its own FSDP2 rows straight to the engines (no gather); the engines
-    #     must end bitwise equal to the trainer, and to a broadcast re-send of the same state
-    from miles.trainer.modeling import hf_name
-
-    names = [hf_name(n) for n, _ in trainer.model.named_parameters()]
-    before_p2p = engine_digests(engines, names) if rank == 0 else None
+    # 1b. p2p: each trainer rank sends its own FSDP2 rows straight to the engines (no gather), then a broadcast
+    #     of the next state: each leaves every engine tensor changed and equal to the trainer's
     perturb(trainer, 7, rank)
     p2 = sender("p2p", initial_version=version)
     p2.connect(engines)
-    r = p2.sync()
+    r = verified("p2p", p2)
     sent = [None] * dist.get_world_size()
     dist.all_gather_object(sent, r.extra["sent_bytes"])
-    record("p2p", r, checked=p2.check(), sent_per_rank=sent)
-    after_p2p = engine_digests(engines, names) if rank == 0 else None
+    res["scenarios"]["p2p"]["sent_per_rank"] = sent
+    perturb(trainer, 13, rank)
     bc2 = sender("broadcast", initial_version=r.version)
     bc2.connect(engines)
-    r = bc2.sync(bump_version=False)
-    record("broadcast_after_p2p", r, checked=bc2.check())
+    r = verified("broadcast_after_p2p", bc2)
     bc2.close()
     version = r.version
     if rank == 0:
-        res["p2p_digests"] = {"before": before_p2p, "after_p2p": after_p2p, "after_broadcast": engine_digests(engines, names)}
         res["versions_after_p2p"] = [version_of(t) for t in engines]
 
     # 2. same-device hand-off (shared memory on CPU)
     perturb(trainer, 2, rank)
     ts = sender("tensor", initial_version=version)
-    r = ts.sync()
-    record("tensor", r, checked=ts.check())
+    r = verified("tensor", ts)
     version = r.version
     ts.close()
 
     # 3. disk-delta: full, then xor delta, then a delta with a flipped byte -> refused -> full fallback
     dk = sender("disk-delta", initial_version=version, model_dir=a.model)
     perturb(trainer, 3, rank)
-    r = dk.sync()
-    record("disk_full", r, checked=dk.check())
+    verified("disk_full", dk)
     perturb(trainer, 4, rank)
-    r = dk.sync()
-    record("disk_delta", r, checked=dk.check(), fallbacks=dk.fallbacks, written=r.extra.get("written_bytes"))
+    r = verified("disk_delta", dk)
+    res["scenarios"]["disk_delta"].update(fallbacks=dk.fallbacks, written=r.extra.get("written_bytes"))
     real_write = dd.write_version
 
     def corrupting_write(*args, **kwargs):
@@ -209,10 +242,10 @@ def main() -> None:
     perturb(trainer, 5, rank)
     dd.write_version = corrupting_write
     try:
-        r = dk.sync()
+        r = verified("disk_corrupt_fallback", dk)
     finally:
         dd.write_version = real_write
-    record("disk_corrupt_fallback", r, checked=dk.check(), fallbacks=dk.fallbacks)
+    res["scenarios"]["disk_corrupt_fallback"]["fallbacks"] = dk.fallbacks
     version = r.version
     if rank == 0:  # a delta dir with a missing piece is refused by the engine itself, naming the file
         perturb_dir = sorted((work / "versions").glob("delta_v*"))[-1]
@@ -249,8 +282,8 @@ def main() -> None:
     stall.source = trainer
     stall.cfg = dataclasses.replace(stall.cfg, update_weight_timeout=30.0)
     stall.reconnect(engines)
-    r = stall.sync()
-    record("after_restart", r, checked=stall.check())
+    perturb(trainer, 14, rank)  # engine 0 may hold some buckets of the stalled sync's state: a new one
+    r = verified("after_restart", stall)
     if rank == 0:
         res["versions_after_restart"] = [version_of(t) for t in engines]
         res["expected_version"] = str(stall.weight_version)
@@ -263,8 +296,8 @@ def main() -> None:
         wait_healthy(engines[0])
         res["newcomer_version_before"] = version_of(engines[0])
     stall.reconnect(engines)
-    r = stall.sync_one(engines[0] if rank == 0 else None)
-    record("sync_one", r, checked=stall.check())
+    # the trainer has not stepped (sync_one's contract): only the newcomer, restarted from the model dir, changes
+    verified("sync_one", stall, run=lambda: stall.sync_one(engines[0] if rank == 0 else None))
     if rank == 0:
         res["versions_after_sync_one"] = [version_of(t) for t in engines]
     stall.close()
@@ -274,8 +307,8 @@ def main() -> None:
     if rank == 0:
         p2.reconnect(engines)
     p2.weight_version = stall.weight_version  # the run's current version (this sender sat out scenarios 2-6)
-    r = p2.sync()
-    record("p2p_after_restart", r, checked=p2.check(), group=p2.group_name)
+    verified("p2p_after_restart", p2)
+    res["scenarios"]["p2p_after_restart"]["group"] = p2.group_name
     p2.close()
     # 7a. p2p from a trainer that exposes only full buckets (as the Megatron backend): each rank sends its
     #     dim-0 share of the gathered tensors
@@ -285,10 +318,10 @@ def main() -> None:
 
     perturb(trainer, 11, rank)
     p2f = sender("p2p", initial_version=p2.weight_version, source=FullOnly())
-    r = p2f.sync()
+    r = verified("p2p_full_buckets", p2f)
     sent = [None] * dist.get_world_size()
     dist.all_gather_object(sent, r.extra["sent_bytes"])
-    record("p2p_full_buckets", r, checked=p2f.check(), sent_per_rank=sent)
+    res["scenarios"]["p2p_full_buckets"]["sent_per_rank"] = sent
     p2.weight_version = p2f.weight_version
     p2f.close()
     # 7b. p2p where the engines refuse a bucket (rank 1's ranges as the source posts them leave a gap): the
