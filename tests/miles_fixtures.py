@@ -118,14 +118,14 @@ def shrink_config(real: dict, vocab_size: int, token_ids: dict[str, int | None])
     c = dict(real)
     for k in ("architectures", "quantization_config", "auto_map"):
         c.pop(k, None)
-    c.update(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_attention_heads=4, **token_ids)
-    mla = "kv_lora_rank" in c
-    c["num_key_value_heads"] = 4 if mla or real.get("num_key_value_heads") == real.get("num_attention_heads") else 2
+    c.update(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_attention_heads=8, **token_ids)
+    mla = "kv_lora_rank" in c     # 8 heads, 4 KV heads: TP 2 x CP 2 (all-to-all CP splits a TP rank's heads) divides both
+    c["num_key_value_heads"] = 8 if mla or real.get("num_key_value_heads") == real.get("num_attention_heads") else 4
     if mla:
         c.update(q_lora_rank=24 if real.get("q_lora_rank") else None, kv_lora_rank=16, qk_nope_head_dim=12,
                  qk_rope_head_dim=8, v_head_dim=10, head_dim=8, qk_head_dim=20)
     else:
-        c["head_dim"] = 16
+        c["head_dim"] = 8
     dense_first = int(real.get("first_k_dense_replace", 0) or 0)
     c["num_hidden_layers"] = 3 if dense_first or real.get("mlp_only_layers") else 2
     if dense_first:
@@ -161,7 +161,7 @@ def build_family_model(out: Path, model: str | None) -> Path:
     if model is None:
         from miles.utils.tiny_model import build_tiny_model
 
-        return build_tiny_model(out, hidden_size=64, num_layers=2)
+        return build_tiny_model(out, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=4)
     real = json.loads((MODELS / f"{model}.json").read_text())
     mt = real["model_type"]
     if mt == "qwen3_vl":
@@ -391,9 +391,29 @@ def tiny_replay(path: Path, workdir: Path, models: Path) -> Replay:
         changed["--prompt-data"] = f"(recorded dataset) -> {data.name}"
 
     if not train_only:
+        argv = _drop_sglang_only(argv, changed, entry)
         argv = argv + ["--check-weight-update-equal"]
     argv += ["--output-dir", str(out / "run")]
     return Replay(path.stem, entry, world, argv, engines=not train_only, changed=changed)
+
+
+def _drop_sglang_only(argv: list[str], changed: dict[str, str], entry: str) -> list[str]:
+    """``argv`` without the --sglang-* flags the embedded engine refuses (the CPU world's engines are embedded ones;
+    on a GPU with SGLang, --rollout-engine auto starts SGLang, which takes them)."""
+    from miles.config import ConfigError, parse_args
+    from miles.config.sglang import check_embedded_engine
+
+    while True:
+        cfg = parse_args(argv, is_async=entry == "train_async.py")
+        try:
+            check_embedded_engine(cfg.sglang, why="the CPU world's engines")
+            return argv
+        except ConfigError as e:
+            flag = str(e).split(" ", 1)[0].rstrip(":")
+            if not flag.startswith("--sglang-") or flag not in argv:
+                raise
+            changed[flag] = "(given) -> (dropped: SGLang-only, the CPU world's engines are embedded ones)"
+            argv = _drop(argv, flag)
 
 
 def write_replay_workdir(out: Path) -> Path:
