@@ -10,8 +10,12 @@ to tiny values, paths to local files; every other flag as recorded (``SCALED_FLA
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
 import shlex
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,22 +67,23 @@ def fixture_argv(lines: list[str], subs: dict[str, str]) -> list[str]:
     return argv
 
 
-def eval_delegate_yaml(data: Path, ifbench: bool = True) -> str:
-    """Miles's multi_tasks.yaml (the --eval-config of its eval delegate scripts), dataset paths ``data``."""
+def eval_delegate_yaml(data: Path, ifbench: bool = True, url: str = "http://skills_server:9050/evaluate") -> str:
+    """Miles's multi_tasks.yaml (the --eval-config of its eval delegate scripts), dataset paths ``data``, its
+    delegate evaluation server at ``url``."""
     ifbench_entry = (f"    - name: ifbench\n      path: {data}\n      rm_type: ifbench\n"
                      "      n_samples_per_eval_prompt: 1\n") if ifbench else ""
     return ("eval:\n  defaults:\n    n_samples_per_eval_prompt: 1\n    temperature: 0.6\n    top_p: 0.95\n"
             "    top_k: -1\n    max_response_len: 24576\n  datasets:\n"
             f"    - name: gpqa\n      path: {data}\n      rm_type: gpqa\n      n_samples_per_eval_prompt: 2\n"
             f"{ifbench_entry}"
-            "  delegate:\n    - name: skills\n      url: http://skills_server:9050/evaluate\n      timeout_secs: 7200\n"
+            f"  delegate:\n    - name: skills\n      url: {url}\n      timeout_secs: 7200\n"
             "      max_retries: 5\n      headers: {}\n      datasets:\n"
             "        - name: aime25\n          max_response_len: 8192\n          n_samples_per_eval_prompt: 8\n"
             "        - name: arena-hard\n          n_samples_per_eval_prompt: 2\n"
             "        - name: hle\n          max_response_len: 32768\n")
 
 
-def write_workdir(out: Path, rows: int = 256) -> Path:
+def write_workdir(out: Path, rows: int = 256, skills_url: str | None = None) -> Path:
     """The files the fixtures' placeholders name: data.jsonl (``rows`` arithmetic prompts, in every key a script
     reads), geo.jsonl + geo.png (geo3k's image rows), mis.yaml, eval_delegate_multi_tasks.yaml."""
     out.mkdir(parents=True, exist_ok=True)
@@ -100,7 +105,8 @@ def write_workdir(out: Path, rows: int = 256) -> Path:
     (out / "mis.yaml").write_text("use_tis: true\ntis_mode: truncate\ntis_upper_bound: 2.0\n")
     # Miles's examples/experimental/eval/scripts/multi_tasks.yaml, its dataset paths our data (its ifbench dataset
     # needs IFBench's evaluation_lib)
-    (out / "eval_delegate_multi_tasks.yaml").write_text(eval_delegate_yaml(data, ifbench=False))
+    (out / "eval_delegate_multi_tasks.yaml").write_text(
+        eval_delegate_yaml(data, ifbench=False, **({"url": skills_url} if skills_url else {})))
     return out
 
 
@@ -291,9 +297,10 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def tiny_replay(path: Path, workdir: Path, models: Path) -> Replay:
+def tiny_replay(path: Path, workdir: Path, models: Path, skills_url: str | None = None) -> Replay:
     """The fixture at ``path`` at tiny CPU scale (see the module docstring); the tiny model is built under
-    ``models`` (once per family), the data, files and outputs go to ``workdir/<fixture name>``."""
+    ``models`` (once per family), the data, files and outputs go to ``workdir/<fixture name>``; ``skills_url``: the
+    evaluation server of the eval delegate scripts (``skills_stand_in``)."""
     from transformers import AutoConfig
 
     from miles.trainer.megatron.model import ModelShape
@@ -302,7 +309,7 @@ def tiny_replay(path: Path, workdir: Path, models: Path) -> Replay:
     name = fixture_model(path)
     model = build_family_model(models / (name or "tiny-qwen3"), name)
     images = uses_images(lines)
-    out = write_replay_workdir(workdir / path.stem)      # its own data, files and --save / --load directory
+    out = write_replay_workdir(workdir / path.stem, skills_url)  # its own data, files and --save / --load directory
     data = out / ("geo.jsonl" if images else "data.jsonl")
     argv = fixture_argv(lines, {"MODEL": str(model), "DATA": str(data), "OUT": str(out)})
     flags = _flags(argv)
@@ -359,7 +366,7 @@ def tiny_replay(path: Path, workdir: Path, models: Path) -> Replay:
 
     # sizes: 2 rollouts of 2 prompts, at most 2 samples each, 8 tokens of response
     n = min(_int(flags, "--n-samples-per-prompt", 1), 2)
-    batch = 2
+    batch = max(2, trainers)   # the driver hands each trainer rank (TP and CP ranks too) whole groups of its own
     argv = _drop(argv, "--num-epoch")
     if "--num-epoch" in flags:
         changed["--num-epoch"] = f"{flags['--num-epoch'][0]} -> (dropped for --num-rollout 2)"
@@ -383,10 +390,10 @@ def tiny_replay(path: Path, workdir: Path, models: Path) -> Replay:
     if "--eval-prompt-data" in flags:
         vals = flags["--eval-prompt-data"]
         small = out / ("eval_" + data.name)
-        pairs = []
-        for i in range(0, len(vals) - 1, 2):
-            pairs += [vals[i], str(small)]
-        put("--eval-prompt-data", *pairs)
+        if len(vals) == 1:                      # a file alone (Miles names it after the file)
+            put("--eval-prompt-data", str(small))
+        else:                                   # NAME FILE pairs
+            put("--eval-prompt-data", *[v for i in range(0, len(vals) - 1, 2) for v in (vals[i], str(small))])
     if "--prompt-data" in flags:
         changed["--prompt-data"] = f"(recorded dataset) -> {data.name}"
 
@@ -416,10 +423,43 @@ def _drop_sglang_only(argv: list[str], changed: dict[str, str], entry: str) -> l
             argv = _drop(argv, flag)
 
 
-def write_replay_workdir(out: Path) -> Path:
+def write_replay_workdir(out: Path, skills_url: str | None = None) -> Path:
     """``write_workdir`` plus the 2-prompt evaluation sets the replays use."""
-    write_workdir(out)
+    write_workdir(out, skills_url=skills_url)
     for name in ("data.jsonl", "geo.jsonl"):
         rows = (out / name).read_text().splitlines()[:2]
         (out / f"eval_{name}").write_text("\n".join(rows) + "\n")
+    yaml = out / "eval_delegate_multi_tasks.yaml"  # its datasets at tiny scale too: 2 prompts, 8 response tokens
+    yaml.write_text(yaml.read_text().replace(str(out / "data.jsonl"), str(out / "eval_data.jsonl"))
+                    .replace("    max_response_len: 24576\n", "    max_response_len: 8\n"))
     return out
+
+
+@contextlib.contextmanager
+def skills_stand_in() -> Iterator[str]:
+    """A local stand-in for the evaluation server Miles's eval delegate scripts post to (``skills_server:9050`` in
+    its multi_tasks.yaml, NeMo-Skills there): every POST is answered with one accuracy per benchmark it names.
+    Yields its URL."""
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            names = [b.get("name", str(b)) if isinstance(b, dict) else str(b) for b in body.get("benchmarks") or []]
+            answer = json.dumps({name: {"accuracy": 0.0} for name in names}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/evaluate"
+    finally:
+        server.shutdown()
+        server.server_close()

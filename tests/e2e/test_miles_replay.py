@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from _miles_e2e import run, tail
-from miles_fixtures import FIXTURES, PLUGIN_FOLDERS, read_fixture, tiny_replay
+from miles_fixtures import FIXTURES, PLUGIN_FOLDERS, read_fixture, skills_stand_in, tiny_replay
 
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.replay, pytest.mark.timeout(900)]
@@ -26,7 +26,25 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.replay, py
 SUBSET = ("fsdp_qwen3_0_6b", "megatron_qwen3_dense", "p2p_qwen3_4b")
 RUN_ALL = os.environ.get("MILES_REPLAY_ALL") == "1"
 # fixture -> the defect its replay hits today (docs/miles-scripts.md gives the error line and the cause)
-KNOWN_FAILURES: dict[str, str] = {}
+MTP_CHECK = ("--check-weight-update-equal asks the engine for the MTP layer's tensors (--mtp-num-layers 1: the trainer "
+             "exports model.layers.<num_layers>.*), which engines do not serve (the embedded engine skips them on load): "
+             "HTTP 400 no parameter named 'model.layers.3.embed_tokens.weight'")
+OPD_TEACHER = ("its teacher SGLang server (--rm-url / --opd-teacher-urls http://127.0.0.1:13141, started by Miles's script "
+               "before train.py) has no stand-in in the replay yet: every reward fails to connect")
+KNOWN_FAILURES: dict[str, str] = {
+    "megatron_moe_glm47_flash": MTP_CHECK,
+    "p2p_profile_glm47_flash": MTP_CHECK,
+    "megatron_qwen3_4b": ("colocated same-device weight sync (--update-weight-transfer-mode tensor on CPU) to 4 engines laid "
+                          "over TP 2 x CP 2: engines answer HTTP 400 'unable to open shared memory object </torch_...>' to "
+                          "update_weights_from_tensor; v1 passes on its 3rd attempt, v2 fails all 3"),
+    "opd_megatron_qwen3_8b": ("--rm-type math without --label-key (as Miles's script): the dry run passes, then every reward "
+                              "raises 'needs a label' (miles/rollout/rewards.py label_candidates); Miles scores it 0"),
+    "opd_sglang_qwen3_8b": OPD_TEACHER,
+    "opd_multi_teacher_qwen3_8b": OPD_TEACHER,
+    "custom_generate_tau_bench": ("tiny-scale limit: check_reward_nonzero_std keeps only groups whose rewards differ; the "
+                                  "random tiny policy never solves a tau task, so rollout 0 ends with 'kept 0 of 258 "
+                                  "groups' after one pass over the data"),
+}
 REPLAYED = [p for p in FIXTURES if read_fixture(p)[1] == "dry-run"]
 
 
@@ -44,9 +62,15 @@ def tiny_models(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("replay_models")
 
 
+@pytest.fixture(scope="session")
+def skills_url():
+    with skills_stand_in() as url:
+        yield url
+
+
 @pytest.mark.parametrize("path", [_param(p) for p in REPLAYED])
-def test_recorded_command_runs_two_rollouts(path: Path, tiny_models: Path, tmp_path: Path) -> None:
-    replay = tiny_replay(path, tmp_path, tiny_models)
+def test_recorded_command_runs_two_rollouts(path: Path, tiny_models: Path, skills_url: str, tmp_path: Path) -> None:
+    replay = tiny_replay(path, tmp_path, tiny_models, skills_url)
     log = tmp_path / f"{replay.name}.log"
     cmd = ["torchrun", "--standalone", "--nproc-per-node", str(replay.nproc), replay.entry, *replay.argv]
     pythonpath = os.pathsep.join([str(Path(__file__).resolve().parents[2]), *map(str, PLUGIN_FOLDERS)])
