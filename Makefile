@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-fast test-real lint demo clean
+.PHONY: setup test test-fast test-real test-replay lint demo clean
 
 setup: $(VENV)/.installed
 
@@ -29,6 +29,11 @@ lint: setup
 # a test that skips for a dependency `make setup` installs fails (tests/suite_policy.py lists the expected skips).
 test: setup lint
 	MILES_STRICT_SKIPS=1 OMP_NUM_THREADS=1 $(VENV)/bin/pytest -m "not gpu and not sglang" $(PYTEST_ARGS) tests
+
+# Every Miles v0.1.0 recorded command that passes --dry-run, replayed for 2 rollouts at tiny CPU scale
+# (docs/miles-scripts.md); `make test` runs 3 of them.
+test-replay: setup
+	MILES_REPLAY_ALL=1 OMP_NUM_THREADS=1 $(VENV)/bin/pytest -m replay $(PYTEST_ARGS) tests/e2e/test_miles_replay.py
 
 # The quick tier while developing.
 test-fast: setup

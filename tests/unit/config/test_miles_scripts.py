@@ -23,57 +23,29 @@ import json
 import math
 import os
 import re
-import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from miles_fixtures import (
+    FIXTURES,
+    HERE,
+    MODELS,
+    PLUGIN_FOLDERS,
+    eval_delegate_yaml,
+    fixture_argv,
+    fixture_model,
+    read_fixture,
+    uses_images,
+    write_workdir,
+)
 
 from miles.config import ConfigError, parse_args
 
-HERE = Path(__file__).resolve().parents[2] / "fixtures" / "miles_scripts"
-FIXTURES = sorted(HERE.glob("*.flags"))
-MODELS = HERE / "models"
-PLUGINS = HERE / "plugins"
 REPO = Path(__file__).resolve().parents[3]
 CHECKPOINT_BYTES_PER_PARAM = 4 * 3  # fp32 weights + two fp32 Adam moments (no fixture has --no-save-optim or PPO)
-
-
-def read_fixture(path: Path) -> tuple[str, str, list[str]]:
-    """(entry, expect, flag lines) of a fixture."""
-    entry = expect = ""
-    lines = []
-    for line in path.read_text().splitlines():
-        if line.startswith("# entry:"):
-            entry = line.split(":", 1)[1].strip()
-        elif line.startswith("# expect:"):
-            expect = line.split(":", 1)[1].strip()
-        elif line.startswith("--"):
-            lines.append(line)
-    return entry, expect, lines
-
-
-def fixture_model(path: Path) -> str | None:
-    """The ``# model:`` name of a fixture (a config in models/), or None for the tiny model."""
-    for line in path.read_text().splitlines():
-        if line.startswith("# model:"):
-            return line.split(":", 1)[1].strip()
-    return None
-
-
-def fixture_argv(lines: list[str], subs: dict[str, str]) -> list[str]:
-    """One flag per line; a value starting with { or [ is one JSON token, others split as the shell does."""
-    argv: list[str] = []
-    for line in lines:
-        name, _, rest = line.partition(" ")
-        for key, value in subs.items():
-            rest = rest.replace("{" + key + "}", value)
-        argv.append(name)
-        if rest:
-            argv += [rest] if rest[:1] in "{[" else shlex.split(rest)
-    return argv
 
 
 ROOM = "1T"  # the tmpfs's size limit: one checkpoint of the largest fixture model (Qwen3-30B-A3B) is 366 GB
@@ -95,47 +67,10 @@ def workdir(tmp_path_factory):
             pytest.skip(f"cannot mount a tmpfs with room for --save here (needs root / CAP_SYS_ADMIN: "
                         f"{r.stderr.strip()}); set MILES_FIXTURE_OUT to a filesystem with 400 GB free")
     try:
-        yield _write_data(out)
+        yield write_workdir(out)
     finally:
         if mounted is not None:
             subprocess.run(["umount", str(mounted)], check=False)
-
-
-def _write_data(out: Path) -> Path:
-    data = out / "data.jsonl"  # 256 prompts: more than any script's --rollout-batch-size
-    rows = [{"prompt": f"{i}+1=", "label": str(i + 1), "reward_model": str(i + 1), "index": i,
-             "messages": [{"role": "user", "content": f"{i}+1="}, {"role": "assistant", "content": str(i + 1)}]}
-            for i in range(256)]
-    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    # geo3k's rows (the VLM fixtures, --multimodal-keys {"image": "images"}): a question with one <image>, as SFT
-    # messages and as geo3k_imgurl's problem / answer columns (the GRPO script's --input-key / --label-key)
-    from PIL import Image
-
-    Image.new("RGB", (64, 48), (120, 30, 200)).save(out / "geo.png")
-    (out / "geo.jsonl").write_text("".join(json.dumps(
-        {"messages": [{"role": "user", "content": f"<image>Find x. ({i})"}, {"role": "assistant", "content": str(i)}],
-         "problem": f"<image>Find x. ({i})", "answer": str(i), "images": ["geo.png"]}) + "\n" for i in range(256)))
-    # the keys of Miles's examples/infra_features/train_infer_mismatch_helper/mis.yaml that name flags here
-    (out / "mis.yaml").write_text("use_tis: true\ntis_mode: truncate\ntis_upper_bound: 2.0\n")
-    # Miles's examples/experimental/eval/scripts/multi_tasks.yaml, its dataset paths our data (its ifbench dataset
-    # needs IFBench's evaluation_lib: test_eval_delegate_ifbench_needs_its_library)
-    (out / "eval_delegate_multi_tasks.yaml").write_text(eval_delegate_yaml(data, ifbench=False))
-    return out
-
-
-def eval_delegate_yaml(data: Path, ifbench: bool = True) -> str:
-    """Miles's multi_tasks.yaml (the --eval-config of its eval delegate scripts), dataset paths ``data``."""
-    ifbench_entry = (f"    - name: ifbench\n      path: {data}\n      rm_type: ifbench\n"
-                     "      n_samples_per_eval_prompt: 1\n") if ifbench else ""
-    return ("eval:\n  defaults:\n    n_samples_per_eval_prompt: 1\n    temperature: 0.6\n    top_p: 0.95\n"
-            "    top_k: -1\n    max_response_len: 24576\n  datasets:\n"
-            f"    - name: gpqa\n      path: {data}\n      rm_type: gpqa\n      n_samples_per_eval_prompt: 2\n"
-            f"{ifbench_entry}"
-            "  delegate:\n    - name: skills\n      url: http://skills_server:9050/evaluate\n      timeout_secs: 7200\n"
-            "      max_retries: 5\n      headers: {}\n      datasets:\n"
-            "        - name: aime25\n          max_response_len: 8192\n          n_samples_per_eval_prompt: 8\n"
-            "        - name: arena-hard\n          n_samples_per_eval_prompt: 2\n"
-            "        - name: hle\n          max_response_len: 32768\n")
 
 
 @pytest.fixture(scope="module")
@@ -154,10 +89,6 @@ def model_dirs(tiny_model_dir, tmp_path_factory):
     return get
 
 
-PLUGIN_FOLDERS = (PLUGINS, PLUGINS / "examples" / "experimental" / "search-r1",
-                  PLUGINS / "examples" / "experimental" / "tau-bench")
-
-
 @pytest.fixture
 def plugins_on_path(monkeypatch):
     """The folders Miles's scripts run from (Miles's root, search-r1/, tau-bench/) on sys.path."""
@@ -169,7 +100,7 @@ def plugins_on_path(monkeypatch):
 
 
 def subs_for(path: Path, workdir: Path, model_dirs) -> dict[str, str]:
-    images = any(ln.startswith("--multimodal-keys") for ln in read_fixture(path)[2])
+    images = uses_images(read_fixture(path)[2])
     return {"MODEL": str(model_dirs(fixture_model(path))), "DATA": str(workdir / ("geo.jsonl" if images else "data.jsonl")),
             "OUT": str(workdir)}
 
@@ -189,7 +120,7 @@ def save_shortfall(cfg, model: Path) -> int | None:
 
 
 def test_every_fixture_says_what_it_expects():
-    assert len(FIXTURES) == 24
+    assert len(FIXTURES) == 34
     for path in FIXTURES:
         entry, expect, lines = read_fixture(path)
         assert entry in ("train.py", "train_async.py"), path.name

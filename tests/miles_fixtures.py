@@ -1,0 +1,465 @@
+"""Miles v0.1.0's recorded training commands as fixtures (tests/fixtures/miles_scripts/*.flags): reading them,
+the local data and files their placeholders stand for, and the tiny CPU scale the replay tier runs them at.
+
+A fixture is one flag per line with ``{MODEL}``, ``{DATA}``, ``{OUT}`` placeholders and ``# key: value`` headers
+(``source``, ``entry``, ``expect``, ``model``). ``tiny_replay(path, workdir)`` maps it to a command of 2 rollouts
+on a CPU world of at most 4 ranks: the model-shape flags to a tiny model of the same family (built locally from
+the recorded model's config.json, shrunk), GPU counts and parallel sizes to the CPU world, batch and length sizes
+to tiny values, paths to local files; every other flag as recorded (``SCALED_FLAGS`` lists the ones changed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import json
+import shlex
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent / "fixtures" / "miles_scripts"
+FIXTURES = sorted(HERE.glob("*.flags"))
+MODELS = HERE / "models"
+PLUGINS = HERE / "plugins"
+PLUGIN_FOLDERS = (PLUGINS, PLUGINS / "examples" / "experimental" / "search-r1",
+                  PLUGINS / "examples" / "experimental" / "tau-bench")
+
+
+def read_fixture(path: Path) -> tuple[str, str, list[str]]:
+    """(entry, expect, flag lines) of a fixture."""
+    entry = expect = ""
+    lines = []
+    for line in path.read_text().splitlines():
+        if line.startswith("# entry:"):
+            entry = line.split(":", 1)[1].strip()
+        elif line.startswith("# expect:"):
+            expect = line.split(":", 1)[1].strip()
+        elif line.startswith("--"):
+            lines.append(line)
+    return entry, expect, lines
+
+
+def fixture_header(path: Path, key: str) -> str | None:
+    """The value of a fixture's ``# key:`` line, or None."""
+    for line in path.read_text().splitlines():
+        if line.startswith(f"# {key}:"):
+            return line.split(":", 1)[1].strip()
+    return None
+
+
+def fixture_model(path: Path) -> str | None:
+    """The ``# model:`` name of a fixture (a config in models/), or None for the tiny model."""
+    return fixture_header(path, "model")
+
+
+def fixture_argv(lines: list[str], subs: dict[str, str]) -> list[str]:
+    """One flag per line; a value starting with { or [ is one JSON token, others split as the shell does."""
+    argv: list[str] = []
+    for line in lines:
+        name, _, rest = line.partition(" ")
+        for key, value in subs.items():
+            rest = rest.replace("{" + key + "}", value)
+        argv.append(name)
+        if rest:
+            argv += [rest] if rest[:1] in "{[" else shlex.split(rest)
+    return argv
+
+
+def eval_delegate_yaml(data: Path, ifbench: bool = True, url: str = "http://skills_server:9050/evaluate") -> str:
+    """Miles's multi_tasks.yaml (the --eval-config of its eval delegate scripts), dataset paths ``data``, its
+    delegate evaluation server at ``url``."""
+    ifbench_entry = (f"    - name: ifbench\n      path: {data}\n      rm_type: ifbench\n"
+                     "      n_samples_per_eval_prompt: 1\n") if ifbench else ""
+    return ("eval:\n  defaults:\n    n_samples_per_eval_prompt: 1\n    temperature: 0.6\n    top_p: 0.95\n"
+            "    top_k: -1\n    max_response_len: 24576\n  datasets:\n"
+            f"    - name: gpqa\n      path: {data}\n      rm_type: gpqa\n      n_samples_per_eval_prompt: 2\n"
+            f"{ifbench_entry}"
+            f"  delegate:\n    - name: skills\n      url: {url}\n      timeout_secs: 7200\n"
+            "      max_retries: 5\n      headers: {}\n      datasets:\n"
+            "        - name: aime25\n          max_response_len: 8192\n          n_samples_per_eval_prompt: 8\n"
+            "        - name: arena-hard\n          n_samples_per_eval_prompt: 2\n"
+            "        - name: hle\n          max_response_len: 32768\n")
+
+
+def write_workdir(out: Path, rows: int = 256, skills_url: str | None = None) -> Path:
+    """The files the fixtures' placeholders name: data.jsonl (``rows`` arithmetic prompts, in every key a script
+    reads), geo.jsonl + geo.png (geo3k's image rows), mis.yaml, eval_delegate_multi_tasks.yaml."""
+    out.mkdir(parents=True, exist_ok=True)
+    data = out / "data.jsonl"
+    items = [{"prompt": f"{i}+1=", "label": str(i + 1), "reward_model": str(i + 1), "index": i,
+              "messages": [{"role": "user", "content": f"{i}+1="}, {"role": "assistant", "content": str(i + 1)}]}
+             for i in range(rows)]
+    data.write_text("".join(json.dumps(row) + "\n" for row in items))
+    # geo3k's rows (the VLM fixtures, --multimodal-keys {"image": "images"}): a question with one <image>, as SFT
+    # messages and as geo3k_imgurl's problem / answer columns (the GRPO script's --input-key / --label-key)
+    from PIL import Image
+
+    Image.new("RGB", (64, 48), (120, 30, 200)).save(out / "geo.png")
+    (out / "geo.jsonl").write_text("".join(json.dumps(
+        {"messages": [{"role": "user", "content": f"<image>Find x. ({i})"}, {"role": "assistant", "content": str(i)}],
+         "problem": f"<image>Find x. ({i})", "answer": str(i), "images": ["geo.png"]}) + "\n"
+        for i in range(rows)))
+    # the keys of Miles's examples/infra_features/train_infer_mismatch_helper/mis.yaml that name flags here
+    (out / "mis.yaml").write_text("use_tis: true\ntis_mode: truncate\ntis_upper_bound: 2.0\n")
+    # Miles's examples/experimental/eval/scripts/multi_tasks.yaml, its dataset paths our data (its ifbench dataset
+    # needs IFBench's evaluation_lib)
+    (out / "eval_delegate_multi_tasks.yaml").write_text(
+        eval_delegate_yaml(data, ifbench=False, **({"url": skills_url} if skills_url else {})))
+    return out
+
+
+def uses_images(lines: list[str]) -> bool:
+    return any(ln.startswith("--multimodal-keys") for ln in lines)
+
+
+# ------------------------------------------------------------------------------------------- tiny models
+TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def shrink_config(real: dict, vocab_size: int, token_ids: dict[str, int | None]) -> dict:
+    """A tiny config.json of the same family as ``real``: every size field shrunk, every other field kept (rope
+    theta, norm eps, tied embeddings, router kind, MLA or not, MoE layer pattern kind, MTP layers)."""
+    c = dict(real)
+    for k in ("architectures", "quantization_config", "auto_map"):
+        c.pop(k, None)
+    c.update(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_attention_heads=8, **token_ids)
+    mla = "kv_lora_rank" in c     # 8 heads, 4 KV heads: TP 2 x CP 2 (all-to-all CP splits a TP rank's heads) divides both
+    c["num_key_value_heads"] = 8 if mla or real.get("num_key_value_heads") == real.get("num_attention_heads") else 4
+    if mla:
+        c.update(q_lora_rank=24 if real.get("q_lora_rank") else None, kv_lora_rank=16, qk_nope_head_dim=12,
+                 qk_rope_head_dim=8, v_head_dim=10, head_dim=8, qk_head_dim=20)
+    else:
+        c["head_dim"] = 8
+    dense_first = int(real.get("first_k_dense_replace", 0) or 0)
+    c["num_hidden_layers"] = 3 if dense_first or real.get("mlp_only_layers") else 2
+    if dense_first:
+        c["first_k_dense_replace"] = 1
+    if real.get("mlp_only_layers"):
+        c["mlp_only_layers"] = [0]
+    if "mlp_layer_types" in c:
+        c["mlp_layer_types"] = ["dense"] + ["sparse"] * (c["num_hidden_layers"] - 1) if dense_first else \
+            ["sparse"] * c["num_hidden_layers"]
+    if "layer_types" in c:
+        c["layer_types"] = c["layer_types"][:c["num_hidden_layers"]]
+    for key in ("num_experts", "n_routed_experts"):
+        if real.get(key):
+            c[key] = 4
+    if real.get("num_experts_per_tok"):
+        c["num_experts_per_tok"] = 2
+    if real.get("moe_intermediate_size"):
+        c["moe_intermediate_size"] = 32
+    if real.get("shared_expert_intermediate_size"):
+        c["shared_expert_intermediate_size"] = 32
+    if real.get("n_shared_experts"):
+        c["n_shared_experts"] = 1
+    if (real.get("n_group") or 1) > 1:
+        c.update(n_group=2, topk_group=1)
+    return c
+
+
+def build_family_model(out: Path, model: str | None) -> Path:
+    """A tiny random model of the family of ``models/<model>.json`` (None: the Qwen3 test model), with the tiny
+    tokenizer, written as save_pretrained does; routers drawn at random so that routing differs between tokens."""
+    if (out / "config.json").exists():
+        return out
+    if model is None:
+        from miles.utils.tiny_model import build_tiny_model
+
+        return build_tiny_model(out, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=4)
+    real = json.loads((MODELS / f"{model}.json").read_text())
+    mt = real["model_type"]
+    if mt == "qwen3_vl":
+        from miles.utils.tiny_vlm import build_tiny_vlm
+
+        return build_tiny_vlm(out, tie_word_embeddings=bool(real.get("tie_word_embeddings", False)))
+    if "kv_lora_rank" in real:
+        from miles.utils.tiny_mla import build_tiny_mla_model
+
+        return build_tiny_mla_model(out, model_type=mt, rms_norm_eps=float(real.get("rms_norm_eps", 1e-6)),
+                                    rope_theta=float((real.get("rope_parameters") or {}).get(
+                                        "rope_theta", real.get("rope_theta", 10000.0))),
+                                    q_lora_rank=24 if real.get("q_lora_rank") else None,
+                                    n_group=2 if (real.get("n_group") or 1) > 1 else 1,
+                                    routed_scaling_factor=float(real.get("routed_scaling_factor", 1.0) or 1.0),
+                                    mtp_layers=int(real.get("num_nextn_predict_layers", 0) or 0))
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from miles.utils.tiny_model import build_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(out)
+    ids = {"bos_token_id": None, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    tiny = shrink_config(real, len(tok), ids)
+    tiny.pop("model_type")
+    config = AutoConfig.for_model(mt, **tiny)
+    torch.manual_seed(0)
+    net = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+    net.to(torch.float32).save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+# ------------------------------------------------------------------------------------------- the scaler
+# flag -> ModelShape field: the model-shape flags rewritten to the tiny model's value when the recorded command gives them
+SHAPE_FIELDS = {
+    "--num-layers": "num_layers", "--hidden-size": "hidden_size", "--ffn-hidden-size": "ffn_hidden_size",
+    "--num-attention-heads": "num_attention_heads", "--num-query-groups": "num_query_groups",
+    "--kv-channels": "kv_channels", "--vocab-size": "vocab_size",
+    "--max-position-embeddings": "max_position_embeddings", "--rotary-base": "rotary_base",
+    "--norm-epsilon": "norm_epsilon", "--num-experts": "num_experts", "--moe-ffn-hidden-size": "moe_ffn_hidden_size",
+    "--moe-router-topk": "moe_router_topk", "--moe-shared-expert-intermediate-size": "moe_shared_ffn_hidden_size",
+    "--q-lora-rank": "q_lora_rank", "--kv-lora-rank": "kv_lora_rank", "--qk-head-dim": "qk_head_dim",
+    "--qk-pos-emb-head-dim": "qk_pos_emb_head_dim", "--v-head-dim": "v_head_dim",
+    "--moe-router-topk-scaling-factor": "moe_topk_scaling", "--moe-router-num-groups": "moe_num_groups",
+    "--moe-router-group-topk": "moe_group_topk",
+}
+WORLD_FLAGS = ("--actor-num-nodes", "--actor-num-gpus-per-node", "--rollout-num-gpus", "--rollout-num-gpus-per-engine",
+               "--num-gpus-per-node", "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+               "--context-parallel-size", "--expert-model-parallel-size", "--expert-tensor-parallel-size")
+SIZE_FLAGS = ("--num-rollout", "--num-epoch", "--rollout-batch-size", "--n-samples-per-prompt", "--global-batch-size",
+              "--micro-batch-size", "--over-sampling-batch-size", "--rollout-max-response-len",
+              "--eval-max-response-len", "--n-samples-per-eval-prompt", "--moe-layer-freq")
+PATH_FLAGS = ("--prompt-data", "--eval-prompt-data")
+SCALED_FLAGS = (*SHAPE_FIELDS, *WORLD_FLAGS, *SIZE_FLAGS, *PATH_FLAGS)
+MAX_RANKS = 4
+
+
+@dataclass
+class Replay:
+    """A recorded command at tiny CPU scale: ``nproc`` torchrun ranks running ``entry`` with ``argv``."""
+
+    name: str
+    entry: str
+    nproc: int
+    argv: list[str]
+    engines: bool
+    changed: dict[str, str] = field(default_factory=dict)   # flag -> "recorded -> tiny"
+
+
+def _flags(argv: list[str]) -> dict[str, list[str]]:
+    """flag -> its values (the flag's last occurrence)."""
+    out: dict[str, list[str]] = {}
+    cur = None
+    for t in argv:
+        if t.startswith("--"):
+            cur = t
+            out[cur] = []
+        elif cur is not None:
+            out[cur].append(t)
+    return out
+
+
+def _set(argv: list[str], flag: str, *values: str) -> list[str]:
+    """``argv`` with ``flag``'s values replaced (appended when absent)."""
+    out, i, done = [], 0, False
+    while i < len(argv):
+        t = argv[i]
+        if t == flag:
+            i += 1
+            while i < len(argv) and not argv[i].startswith("--"):
+                i += 1
+            if not done:
+                out += [flag, *values]
+                done = True
+            continue
+        out.append(t)
+        i += 1
+    return out if done else out + [flag, *values]
+
+
+def _drop(argv: list[str], flag: str) -> list[str]:
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] == flag:
+            i += 1
+            while i < len(argv) and not argv[i].startswith("--"):
+                i += 1
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
+def _int(flags: dict[str, list[str]], name: str, default: int) -> int:
+    v = flags.get(name)
+    return int(v[0]) if v else default
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float) and v.is_integer():
+        return str(int(v))
+    return str(v)
+
+
+def tiny_replay(path: Path, workdir: Path, models: Path, skills_url: str | None = None) -> Replay:
+    """The fixture at ``path`` at tiny CPU scale (see the module docstring); the tiny model is built under
+    ``models`` (once per family), the data, files and outputs go to ``workdir/<fixture name>``; ``skills_url``: the
+    evaluation server of the eval delegate scripts (``skills_stand_in``)."""
+    from transformers import AutoConfig
+
+    from miles.trainer.megatron.model import ModelShape
+
+    entry, expect, lines = read_fixture(path)
+    name = fixture_model(path)
+    model = build_family_model(models / (name or "tiny-qwen3"), name)
+    images = uses_images(lines)
+    out = write_replay_workdir(workdir / path.stem, skills_url)  # its own data, files and --save / --load directory
+    data = out / ("geo.jsonl" if images else "data.jsonl")
+    argv = fixture_argv(lines, {"MODEL": str(model), "DATA": str(data), "OUT": str(out)})
+    flags = _flags(argv)
+    changed: dict[str, str] = {}
+
+    def put(flag: str, *values: str) -> None:
+        nonlocal argv
+        before = " ".join(flags.get(flag, ["(absent)"])) or "(given)"
+        after = " ".join(values)
+        if before != after:
+            changed[flag] = f"{before} -> {after}"
+        argv = _set(argv, flag, *values)
+
+    # model shape: the tiny model's (config.json, as the Megatron backend reads it)
+    shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(str(model)))
+    for flag, attr in SHAPE_FIELDS.items():
+        if flag in flags:
+            put(flag, _fmt(getattr(shape, attr)))
+    if "--moe-layer-freq" in flags:
+        put("--moe-layer-freq", "[" + ",".join(str(v) for v in shape.moe_layer_pattern) + "]")
+
+    # world: parallel sizes at most 2 each, trainer ranks their product (at least 2 when the script has several)
+    train_only = "--debug-train-only" in flags
+    colocate = "--colocate" in flags
+    sizes = {f: min(_int(flags, f, 1), 2) for f in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                                                    "--context-parallel-size")}
+    ep = min(_int(flags, "--expert-model-parallel-size", 1), 2)
+    recorded_trainers = _int(flags, "--actor-num-nodes", 1) * _int(flags, "--actor-num-gpus-per-node", 1)
+    engine_ranks = 0 if train_only or colocate else min(_int(flags, "--rollout-num-gpus", 1), 2)
+    budget = MAX_RANKS - engine_ranks if colocate or train_only else 2
+    for f in ("--context-parallel-size", "--pipeline-model-parallel-size", "--tensor-model-parallel-size"):
+        while sizes["--tensor-model-parallel-size"] * sizes["--pipeline-model-parallel-size"] * \
+                sizes["--context-parallel-size"] > budget and sizes[f] > 1:
+            sizes[f] //= 2
+    model_parallel = sizes["--tensor-model-parallel-size"] * sizes["--pipeline-model-parallel-size"] * \
+        sizes["--context-parallel-size"]
+    trainers = max(model_parallel, min(recorded_trainers, 2), ep if ep <= budget else 1)
+    for f, v in sizes.items():
+        if f in flags:
+            put(f, str(v))
+    if "--expert-model-parallel-size" in flags:
+        put("--expert-model-parallel-size", str(ep if trainers % ep == 0 else 1))
+    if "--expert-tensor-parallel-size" in flags:
+        put("--expert-tensor-parallel-size", "1")
+    world = trainers + engine_ranks
+    put("--actor-num-nodes", "1")
+    put("--actor-num-gpus-per-node", str(trainers))
+    if "--rollout-num-gpus" in flags:
+        put("--rollout-num-gpus", str(trainers if colocate else engine_ranks))
+    if "--rollout-num-gpus-per-engine" in flags:   # the CPU world's engines are embedded ones: one device each
+        put("--rollout-num-gpus-per-engine", "1")
+    if "--num-gpus-per-node" in flags:
+        put("--num-gpus-per-node", str(world))
+
+    # sizes: 2 rollouts of 2 prompts, at most 2 samples each, 8 tokens of response
+    n = min(_int(flags, "--n-samples-per-prompt", 1), 2)
+    batch = max(2, trainers)   # the driver hands each trainer rank (TP and CP ranks too) whole groups of its own
+    argv = _drop(argv, "--num-epoch")
+    if "--num-epoch" in flags:
+        changed["--num-epoch"] = f"{flags['--num-epoch'][0]} -> (dropped for --num-rollout 2)"
+    put("--num-rollout", "2")
+    put("--rollout-batch-size", str(batch))
+    if "--n-samples-per-prompt" in flags:
+        put("--n-samples-per-prompt", str(n))
+    steps = _int(flags, "--num-steps-per-rollout", 1)
+    if "--global-batch-size" in flags:
+        put("--global-batch-size", str(max(batch * n // steps, 1)))
+    if "--micro-batch-size" in flags:
+        put("--micro-batch-size", "1")
+    if "--over-sampling-batch-size" in flags:
+        put("--over-sampling-batch-size", str(batch))
+    for f, v in (("--rollout-max-response-len", "8"), ("--eval-max-response-len", "8"),
+                 ("--n-samples-per-eval-prompt", "1")):
+        if f in flags:
+            put(f, v)
+
+    # data: 2 prompts for each evaluation set
+    if "--eval-prompt-data" in flags:
+        vals = flags["--eval-prompt-data"]
+        small = out / ("eval_" + data.name)
+        if len(vals) == 1:                      # a file alone (Miles names it after the file)
+            put("--eval-prompt-data", str(small))
+        else:                                   # NAME FILE pairs
+            put("--eval-prompt-data", *[v for i in range(0, len(vals) - 1, 2) for v in (vals[i], str(small))])
+    if "--prompt-data" in flags:
+        changed["--prompt-data"] = f"(recorded dataset) -> {data.name}"
+
+    if not train_only:
+        argv = _drop_sglang_only(argv, changed, entry)
+        argv = argv + ["--check-weight-update-equal"]
+    argv += ["--output-dir", str(out / "run")]
+    return Replay(path.stem, entry, world, argv, engines=not train_only, changed=changed)
+
+
+def _drop_sglang_only(argv: list[str], changed: dict[str, str], entry: str) -> list[str]:
+    """``argv`` without the --sglang-* flags the embedded engine refuses (the CPU world's engines are embedded ones;
+    on a GPU with SGLang, --rollout-engine auto starts SGLang, which takes them)."""
+    from miles.config import ConfigError, parse_args
+    from miles.config.sglang import check_embedded_engine
+
+    while True:
+        cfg = parse_args(argv, is_async=entry == "train_async.py")
+        try:
+            check_embedded_engine(cfg.sglang, why="the CPU world's engines")
+            return argv
+        except ConfigError as e:
+            flag = str(e).split(" ", 1)[0].rstrip(":")
+            if not flag.startswith("--sglang-") or flag not in argv:
+                raise
+            changed[flag] = "(given) -> (dropped: SGLang-only, the CPU world's engines are embedded ones)"
+            argv = _drop(argv, flag)
+
+
+def write_replay_workdir(out: Path, skills_url: str | None = None) -> Path:
+    """``write_workdir`` plus the 2-prompt evaluation sets the replays use."""
+    write_workdir(out, skills_url=skills_url)
+    for name in ("data.jsonl", "geo.jsonl"):
+        rows = (out / name).read_text().splitlines()[:2]
+        (out / f"eval_{name}").write_text("\n".join(rows) + "\n")
+    yaml = out / "eval_delegate_multi_tasks.yaml"  # its datasets at tiny scale too: 2 prompts, 8 response tokens
+    yaml.write_text(yaml.read_text().replace(str(out / "data.jsonl"), str(out / "eval_data.jsonl"))
+                    .replace("    max_response_len: 24576\n", "    max_response_len: 8\n"))
+    return out
+
+
+@contextlib.contextmanager
+def skills_stand_in() -> Iterator[str]:
+    """A local stand-in for the evaluation server Miles's eval delegate scripts post to (``skills_server:9050`` in
+    its multi_tasks.yaml, NeMo-Skills there): every POST is answered with one accuracy per benchmark it names.
+    Yields its URL."""
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            names = [b.get("name", str(b)) if isinstance(b, dict) else str(b) for b in body.get("benchmarks") or []]
+            answer = json.dumps({name: {"accuracy": 0.0} for name in names}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/evaluate"
+    finally:
+        server.shutdown()
+        server.server_close()
