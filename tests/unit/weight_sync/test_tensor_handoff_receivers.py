@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from miles.config import parse_args
@@ -29,7 +30,7 @@ def load(entry):  # copy out, then let go of every view (as the engine does befo
     h = hashlib.sha256()
     for n, t in deserialize_named_tensors(entry, "flattened_bucket"):
         h.update(n.encode())
-        h.update(t.clone().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 for line in sys.stdin:
@@ -47,7 +48,7 @@ def _digest(bucket: list[tuple[str, torch.Tensor]]) -> str:
     h = hashlib.sha256()
     for n, t in bucket:
         h.update(n.encode())
-        h.update(t.clone().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -88,21 +89,23 @@ class _Source:
         yield from self.buckets
 
 
-def test_every_one_of_four_engines_decodes_every_bucket_of_two_syncs() -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_every_one_of_four_engines_decodes_every_bucket_of_two_syncs(device: str) -> None:
+    """CPU: shared-memory files; GPU: CUDA IPC handles (every decoder process opens the sender's memory)."""
     g = torch.Generator().manual_seed(0)
     buckets = [[("a.weight", torch.randn(8, 4, generator=g)), ("a.bias", torch.randn(8, generator=g).to(torch.bfloat16))],
                [("b.weight", torch.randn(3, 5, generator=g).double()), ("b.idx", torch.arange(6))]]
     root = str(Path(__file__).resolve().parents[3])
     procs = [subprocess.Popen([sys.executable, "-c", _DECODER], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, cwd=root, env={"PYTHONPATH": root, "OMP_NUM_THREADS": "1",
-                                                                              "PATH": os.environ.get("PATH", "")})
+                              stdout=subprocess.PIPE, text=True, cwd=root, env={**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"})
              for _ in range(4)]
     log: list = []
     # the last engine has two TP workers: one payload each; the embedded engine loads one and releases the other
     engines = [EngineTarget(f"http://e{i}", engine_id=i, num_workers=2 if i == 3 else 1) for i in range(4)]
     controls = {e.url: _DecodingEngine(p, log) for e, p in zip(engines, procs)}
     cfg = parse_args(["--hf-checkpoint", "x", "--update-weight-timeout", "120"], validate=False).weights
-    sender = build_weight_sender(cfg, _Source(buckets), colocate=True, is_source=True, engines=engines,
+    sender = build_weight_sender(cfg, _Source(buckets), colocate=True, is_source=True, engines=engines, device=device,
                                  control_factory=lambda e, timeout: controls[e.url])
     try:
         for version in (1, 2):
@@ -118,7 +121,7 @@ def test_every_one_of_four_engines_decodes_every_bucket_of_two_syncs() -> None:
                 assert answers == [f"OK {w}" for w in want], answers
         gc.collect()
         # every reference was given back: no shared-memory file of this sender is left behind
-        assert not list(Path("/dev/shm").glob(f"torch_{os.getpid()}_*"))
+        assert device == "cuda" or not list(Path("/dev/shm").glob(f"torch_{os.getpid()}_*"))
     finally:
         sender.close()
         for p in procs:
