@@ -24,6 +24,7 @@ from miles.engine.weights import (
     WeightUpdateError,
     deserialize_named_tensors,
     load_from_disk,
+    release_handles,
 )
 from miles.utils.logging import get_logger
 
@@ -404,10 +405,15 @@ class Engine:
         if not b.serialized_named_tensors:
             raise P.BadRequest("serialized_named_tensors is empty; send one entry per TP rank (one for this engine)")
         async with self._update_lock:
-            named = await asyncio.to_thread(deserialize_named_tensors, b.serialized_named_tensors[0], b.load_format)
-            n = await self._apply(named, flush=b.flush_cache, abort_all=b.abort_all_requests, version=b.weight_version)
-            del named
-            return n
+            try:
+                named = await asyncio.to_thread(deserialize_named_tensors, b.serialized_named_tensors[0], b.load_format)
+                n = await self._apply(named, flush=b.flush_cache, abort_all=b.abort_all_requests, version=b.weight_version)
+                del named
+                return n
+            finally:
+                # one process serves every TP rank: entry 0 is loaded; the others are opened and dropped, since each
+                # pickled handle holds one reference that the sender counted for its one receiver
+                await asyncio.to_thread(release_handles, b.serialized_named_tensors[1:], b.load_format)
 
     async def update_from_disk(self, b: P.UpdateWeightFromDiskReqInput) -> int:
         async with self._update_lock:

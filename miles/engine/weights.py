@@ -286,6 +286,16 @@ def deserialize_named_tensors(b64: str, load_format: str | None) -> list[tuple[s
     return [(n, t) for n, t in payload]
 
 
+def release_handles(entries: list[str], load_format: str | None) -> None:
+    """Decode and drop entries this process does not load: each pickled handle carries one reference (CPU: the
+    shared file's refcount; GPU: the sender's IPC counter slot) that only its unpickling gives back."""
+    for b64 in entries:
+        try:
+            deserialize_named_tensors(b64, load_format)
+        except WeightUpdateError as e:
+            logger.debug("unused serialized_named_tensors entry: %s", e)
+
+
 # ----------------------------------------------------------------------------- disk
 def is_delta_dir(path: str | Path) -> bool:
     return Path(path, "delta_manifest.json").is_file()

@@ -8,14 +8,26 @@ buffer, "metadata": [...]}))``, SGLang's ``flattened_bucket`` payload:
   the GPUs under the same indices as the trainer rank; SGLang additionally remaps by device UUID);
 - CPU: a shared-memory file (torch's ``file_system`` sharing strategy, set only while pickling).
 
-The buffer stays referenced until the engine acknowledges the request, then is dropped. Metadata entries
-are :class:`FlattenedTensorMetadata` objects, attribute-compatible with SGLang's class of that name.
+One serialized payload is ONE receiver's ticket: torch's reductions count references per pickle, not
+per handle. ``file_system`` pickling increments the shared file's refcount once and every unpickle
+decrements it once (``rebuild_storage_filename``), so a payload decoded by N receivers drops N
+references for the one it took: with three or more receivers the file is unlinked while the sender
+still holds it and the next receiver fails with "unable to open shared memory object". CUDA IPC
+likewise gives every pickle its own producer-side counter slot (set to 1; the receiver's release
+decrements it), so a payload opened by N receivers leaves the counter wrong and the caching allocator's
+limbo stops protecting the block. Hence the buffer is serialized once per receiving worker (every
+engine, every TP worker), never one payload posted twice.
+
+The buffer stays referenced until the engine acknowledges the request, then is dropped; each receiver's
+ticket additionally keeps the memory alive until that receiver has opened and released it (CPU: the shared
+file's refcount; GPU: the counter slot, whose block waits in torch's limbo). Metadata entries are
+:class:`FlattenedTensorMetadata` objects, attribute-compatible with SGLang's class of that name.
 
 Who posts: by default the source rank (trainer rank 0, which holds the full tensors) posts every bucket
 to every engine, one payload per engine worker. With ``engine_group`` (the engine's gloo group from
 ``miles.spmd.groups``) every trainer rank of a colocated engine packs the bucket on its own device and
 the serialized payloads are gathered to the engine's leader (``engine_leader_rank``), which posts them
-in TP-rank order; this needs full tensors on every trainer rank.
+in TP-rank order to that one engine; this needs full tensors on every trainer rank.
 """
 
 from __future__ import annotations
@@ -79,7 +91,11 @@ def pack_shared(bucket: list[tuple[str, torch.Tensor]], device: torch.device | N
 
 
 def serialize_bucket(flat: torch.Tensor, metadata: list[dict[str, Any]]) -> str:
-    """``base64(pickle({"flattened_tensor", "metadata"}))`` with the buffer passed by handle."""
+    """``base64(pickle({"flattened_tensor", "metadata"}))`` with the buffer passed by handle.
+
+    The result is for exactly ONE receiver (it carries one reference; see the module docstring): call it
+    again for every other worker that will decode the buffer.
+    """
     from multiprocessing.reduction import ForkingPickler
 
     import torch.multiprocessing  # noqa: F401 - registers torch's ForkingPickler reductions
@@ -161,8 +177,11 @@ class TensorSender(WeightSender):
                 flat, meta = pack_shared(self._on_device(bucket), self.device)
                 t1 = time.monotonic()
                 result.gather_s += t1 - t0
-                payload = serialize_bucket(flat, meta)
-                payloads = self._gather_payloads(payload) if per_rank else None
+                if per_rank:  # this rank's worker of the engine: one receiver
+                    payloads = self._gather_payloads(serialize_bucket(flat, meta))
+                    per_engine = [payloads] if payloads is not None else None
+                elif posting:  # one payload per receiving worker, never one posted twice
+                    per_engine = [[serialize_bucket(flat, meta) for _ in range(e.num_workers)] for e in engines]
                 result.transfer_s += time.monotonic() - t1
                 result.num_buckets += 1
                 result.num_tensors += len(bucket)
@@ -172,7 +191,7 @@ class TensorSender(WeightSender):
                 try:
                     if in_flight is not None:
                         self._wait(engines, in_flight, deadline, result)
-                    in_flight = (self._post(engines, payload, payloads, version, deadline, whole), flat)
+                    in_flight = (self._post(engines, per_engine, version, deadline, whole), flat)
                 except WeightSyncError as e:
                     failure = e
             if failure is None and in_flight is not None:
@@ -204,12 +223,16 @@ class TensorSender(WeightSender):
         dist.gather_object(payload, out, dst=self.engine_leader_rank, group=self.engine_group)
         return out  # TP-rank order: the engine group's ranks are the engine's GPUs in order
 
-    def _post(self, engines: list[EngineTarget], payload: str, payloads: list[str] | None, version: int,
+    def _post(self, engines: list[EngineTarget], per_engine: list[list[str]] | None, version: int,
               deadline: Deadline, whole: str | None = None) -> list[Future]:
+        """Post ``per_engine[i]`` (one payload per worker of engine i, each serialized for that worker only)."""
+        if per_engine is None or len(per_engine) != len(engines):
+            raise WeightSyncError(f"per-rank tensor hand-off posts one engine's payloads, but this engine leader was given "
+                                  f"{len(engines)} engines; give each engine leader only its own engine")
         kw = {"load_format": "flattened_bucket", "weight_version": str(version), "flush_cache": False,
               "timeout": deadline.left(), **({"whole_sync": whole} if whole is not None else {})}
-        return [self.submit_all([e], lambda c, p=(payloads or [payload] * e.num_workers): c.update_weights_from_tensor(
-            p, **kw))[0] for e in engines]
+        return [self.submit_all([e], lambda c, p=p: c.update_weights_from_tensor(p, **kw))[0]
+                for e, p in zip(engines, per_engine)]
 
     def _wait(self, engines: list[EngineTarget], in_flight: tuple[list[Future], torch.Tensor], deadline: Deadline,
               result: SyncResult) -> None:
