@@ -36,8 +36,6 @@ KNOWN_FAILURES: dict[str, str] = {
     "megatron_qwen3_4b": ("colocated same-device weight sync (--update-weight-transfer-mode tensor on CPU) to 4 engines laid "
                           "over TP 2 x CP 2: engines answer HTTP 400 'unable to open shared memory object </torch_...>' to "
                           "update_weights_from_tensor; v1 passes on its 3rd attempt, v2 fails all 3"),
-    "opd_megatron_qwen3_8b": ("--rm-type math without --label-key (as Miles's script): the dry run passes, then every reward "
-                              "raises 'needs a label' (miles/rollout/rewards.py label_candidates); Miles scores it 0"),
     "opd_sglang_qwen3_8b": OPD_TEACHER,
     "opd_multi_teacher_qwen3_8b": OPD_TEACHER,
     "custom_generate_tau_bench": ("tiny-scale limit: check_reward_nonzero_std keeps only groups whose rewards differ; the "
