@@ -28,10 +28,6 @@ SUBSET = ("fsdp_qwen3_0_6b", "megatron_qwen3_dense", "p2p_qwen3_4b")
 RUN_ALL = os.environ.get("MILES_REPLAY_ALL") == "1"
 # fixture -> the defect its replay hits today (docs/miles-scripts.md gives the error line and the cause)
 KNOWN_FAILURES: dict[str, str] = {
-    "megatron_moe_glm47_flash": ("--use-rollout-routing-replay on the embedded engine with GLM-4.7-Flash (glm4_moe_lite): "
-                                 "the dry run passes, then every /generate answers HTTP 400 'the embedded engine records "
-                                 "routed experts for Qwen3-MoE models, not this glm4_moe_lite model' (the MTP weight "
-                                 "check before it passes: the MTP layer's tensors are skipped, saying so)"),
     "megatron_qwen3_4b": ("colocated same-device weight sync (--update-weight-transfer-mode tensor on CPU) to 4 engines laid "
                           "over TP 2 x CP 2: engines answer HTTP 400 'unable to open shared memory object </torch_...>' to "
                           "update_weights_from_tensor; v1 passes on its 3rd attempt, v2 fails all 3"),
