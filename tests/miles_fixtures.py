@@ -1,6 +1,9 @@
 """Miles v0.1.0's recorded training commands as fixtures (tests/fixtures/miles_scripts/*.flags): reading them,
 the local data and files their placeholders stand for, and the tiny CPU scale the replay tier runs them at.
 
+External services Miles's scripts start before train.py get local stand-ins: ``skills_stand_in`` (the eval
+delegate's evaluation server) and ``teacher_stand_ins`` (the OPD teacher SGLang servers, as embedded engines).
+
 A fixture is one flag per line with ``{MODEL}``, ``{DATA}``, ``{OUT}`` placeholders and ``# key: value`` headers
 (``source``, ``entry``, ``expect``, ``model``). ``tiny_replay(path, workdir)`` maps it to a command of 2 rollouts
 on a CPU world of at most 4 ranks: the model-shape flags to a tiny model of the same family (built locally from
@@ -13,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import http.server
 import json
+import re
 import shlex
 import threading
 from collections.abc import Iterator
@@ -159,15 +163,16 @@ def shrink_config(real: dict, vocab_size: int, token_ids: dict[str, int | None])
     return c
 
 
-def build_family_model(out: Path, model: str | None) -> Path:
+def build_family_model(out: Path, model: str | None, seed: int = 0) -> Path:
     """A tiny random model of the family of ``models/<model>.json`` (None: the Qwen3 test model), with the tiny
-    tokenizer, written as save_pretrained does; routers drawn at random so that routing differs between tokens."""
+    tokenizer, written as save_pretrained does; routers drawn at random so that routing differs between tokens.
+    ``seed``: its random weights (an OPD teacher stand-in differs from the student)."""
     if (out / "config.json").exists():
         return out
     if model is None:
         from miles.utils.tiny_model import build_tiny_model
 
-        return build_tiny_model(out, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=4)
+        return build_tiny_model(out, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=4, seed=seed)
     real = json.loads((MODELS / f"{model}.json").read_text())
     mt = real["model_type"]
     if mt == "qwen3_vl":
@@ -183,7 +188,7 @@ def build_family_model(out: Path, model: str | None) -> Path:
                                     q_lora_rank=24 if real.get("q_lora_rank") else None,
                                     n_group=2 if (real.get("n_group") or 1) > 1 else 1,
                                     routed_scaling_factor=float(real.get("routed_scaling_factor", 1.0) or 1.0),
-                                    mtp_layers=int(real.get("num_nextn_predict_layers", 0) or 0))
+                                    mtp_layers=int(real.get("num_nextn_predict_layers", 0) or 0), seed=seed)
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -195,7 +200,7 @@ def build_family_model(out: Path, model: str | None) -> Path:
     tiny = shrink_config(real, len(tok), ids)
     tiny.pop("model_type")
     config = AutoConfig.for_model(mt, **tiny)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     net = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, p in net.named_parameters():
@@ -463,3 +468,53 @@ def skills_stand_in() -> Iterator[str]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+# the flags naming the OPD teacher servers Miles's scripts start before train.py (SGLang on the teacher model at
+# http://127.0.0.1:13141, :13142); each recorded address gets an embedded engine on a free port
+TEACHER_FLAGS = ("--rm-url", "--opd-teacher-urls")
+_LOCAL_SERVER = re.compile(r"http://127\.0\.0\.1:\d+")
+
+
+def recorded_teachers(argv: list[str]) -> list[str]:
+    """The distinct local server addresses (``http://127.0.0.1:PORT``) the teacher flags of ``argv`` name."""
+    flags = _flags(argv)
+    return sorted({m.group(0) for f in TEACHER_FLAGS for v in flags.get(f, []) for m in _LOCAL_SERVER.finditer(v)})
+
+
+@contextlib.contextmanager
+def teacher_stand_ins(replay: Replay, path: Path, models: Path, logdir: Path,
+                      timeout: float = 300.0) -> Iterator[list[str]]:
+    """Stand-ins for the teacher servers the replay of fixture ``path`` names (``TEACHER_FLAGS``): one embedded
+    engine (``python -m miles.engine`` on CPU, under the real supervisor) per recorded address, serving a tiny model
+    of the fixture's family with other random weights than the student's (built under ``models``; the same tiny
+    tokenizer), each on a free port. The recorded addresses in ``replay.argv`` are rewritten to them and each rewrite is entered
+    in ``replay.changed``. Yields the stand-ins' URLs (none: nothing started); they stop on exit."""
+    import asyncio
+
+    from embedded_engines import start_engine, wait_engines
+
+    recorded = recorded_teachers(replay.argv)
+    if not recorded:
+        yield []
+        return
+    flags = _flags(replay.argv)
+    name = fixture_model(path)
+    model = build_family_model(models / f"{name or 'tiny-qwen3'}-teacher", name, seed=1)
+    started = []
+    try:
+        for i, _ in enumerate(recorded):
+            started.append(start_engine(model, logdir / f"teacher{i}.log", None, name=f"teacher{i}"))
+        asyncio.run(asyncio.wait_for(wait_engines([(url, sup) for sup, url in started], timeout), timeout + 10))
+        local = {rec: url for rec, (_, url) in zip(recorded, started)}
+        for flag in TEACHER_FLAGS:
+            if flag not in flags:
+                continue
+            values = [_LOCAL_SERVER.sub(lambda m: local[m.group(0)], v) for v in flags[flag]]
+            replay.argv = _set(replay.argv, flag, *values)
+            replay.changed[flag] = (f"{' '.join(flags[flag])} -> {' '.join(values)} (teacher stand-in: an embedded "
+                                    "engine on the tiny model)")
+        yield [url for _, url in started]
+    finally:
+        for sup, _ in started:
+            sup.stop()

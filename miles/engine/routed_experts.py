@@ -7,9 +7,10 @@ int32 array ``[prompt + completion - 1 - routed_experts_start_len, layers, top-k
 ``np.frombuffer(b64decode(s), np.int32).reshape(len(tokens) - 1, num_layers, top_k)``.
 
 ``RoutedExpertsRecorder`` hooks the HF MoE routers of a model whose router returns the indices it chose
-(transformers' ``Qwen3MoeTopKRouter``: ``(logits, weights, indices)``; ``RECORDED_MODEL_TYPES``) and collects, for
-each forward it is armed for, every MoE layer's ``[tokens, top-k]`` indices. Other MoE families (grouped or sigmoid
-routers that choose inside the block) are not recorded: a request for them is refused in one line.
+(transformers' ``Qwen3MoeTopKRouter``, and the grouped sigmoid ``Glm4MoeLiteTopkRouter`` / ``DeepseekV3TopkRouter``:
+``(logits, weights, indices)``; ``RECORDED_MODEL_TYPES``) and collects, for each forward it is armed for, every MoE
+layer's ``[tokens, top-k]`` indices. Other MoE families (routers that choose inside the block) are not recorded: a
+request for them is refused in one line.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import numpy as np
 import torch
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$")
-RECORDED_MODEL_TYPES = frozenset({"qwen3_moe"})   # routers that return (logits, weights, top-k indices)
+# routers that return (logits, weights, top-k indices), with the names the engine's refusal gives them
+RECORDED_MODEL_TYPES = {"qwen3_moe": "Qwen3-MoE", "glm4_moe_lite": "GLM-4.7-Flash", "deepseek_v3": "DeepSeek-V3"}
 
 
 def moe_routers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:

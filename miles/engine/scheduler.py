@@ -41,6 +41,7 @@ import torch
 from miles.engine.decode_step import DecodeSteps, Launched
 from miles.engine.model_runner import ModelRunner
 from miles.engine.protocol import BadRequest, GenSpec
+from miles.engine.routed_experts import RECORDED_MODEL_TYPES
 from miles.engine.sampling import SamplingBatch
 from miles.utils.logging import get_logger
 
@@ -335,7 +336,8 @@ class Scheduler(DecodeSteps):
             raise BadRequest("sampling_params.stop needs a tokenizer, and this model directory has none; use stop_token_ids")
         if spec.return_routed_experts and not self.runner.has_routed_experts:
             raise BadRequest(f"GenerateReqInput.return_routed_experts: the embedded engine records routed experts for "
-                             f"Qwen3-MoE models, not this {self.runner.config.model_type!r} model; drop it (and "
+                             f"{', '.join(RECORDED_MODEL_TYPES.values())} models, not this "
+                             f"{self.runner.config.model_type!r} model; drop it (and "
                              f"--use-rollout-routing-replay), or serve the model with --rollout-engine sglang")
 
     def submit(self, specs: list[GenSpec], loop: asyncio.AbstractEventLoop, stream: bool, *,

@@ -81,6 +81,10 @@ class Verifier:
     needs_label: bool = True
     reward_key: str | None = None  # the dict key to train on when --reward-key is unset
     inline: bool = False  # a string compare, linear in the response: called on the event loop (no thread, no timeout)
+    # the score of a sample without a label when --label-key is unset (None: such a sample fails). Miles's ``math``
+    # grades a missing label 0 (radixark/miles@v0.1.0:miles/rollout/rm_hub/math_utils.py grade_answer_verl), and its
+    # own OPD scripts pass --rm-type math without --label-key
+    unlabelled: float | None = None
 
 
 def _one(label: Any) -> Any:
@@ -89,7 +93,7 @@ def _one(label: Any) -> Any:
 
 
 HUB: dict[str, Verifier] = {
-    "math": Verifier(lambda r, lab, s: 1 if math_grader.grade_boxed(r, str(lab)) else 0),
+    "math": Verifier(lambda r, lab, s: 1 if math_grader.grade_boxed(r, str(lab)) else 0, unlabelled=0.0),
     "math_lenient": Verifier(lambda r, lab, s: math_reward(r, lab)),
     "deepscaler": Verifier(lambda r, lab, s: deepscaler.deepscaler_reward(r, lab)),
     "gemma_math": Verifier(lambda r, lab, s: deepscaler.gemma_math_reward(r, lab)),
@@ -127,6 +131,21 @@ def label_candidates(sample: Sample, rm: str, args: Any = None) -> list[Any]:
     return [label]
 
 
+_WARNED_UNLABELLED: set[str] = set()
+
+
+def _unlabelled_score(name: str, verifier: Verifier, sample: Sample, args: Any) -> float | None:
+    """The score of a sample without a label for a verifier that grades that (warned once per reward), else None."""
+    if sample.label is not None or verifier.unlabelled is None or getattr(args, "label_key", None):
+        return None
+    if name not in _WARNED_UNLABELLED:
+        _WARNED_UNLABELLED.add(name)
+        logger.warning(f"--rm-type {name}: the samples have no label (no --label-key is set), so every reward is "
+                       f"{verifier.unlabelled:g}, as in Miles; pass --label-key naming the answer field of --prompt-data "
+                       f"to grade responses.")
+    return verifier.unlabelled
+
+
 def _score_of(value: Any, key: str | None) -> float:
     return float(value.get(key or "reward", -math.inf)) if isinstance(value, dict) else float(value)
 
@@ -140,6 +159,8 @@ def _hub_call(name: str, verifier: Verifier, boxed: bool) -> Callable[[Any, Samp
             response = extract_boxed(response) or ""
         if not verifier.needs_label:
             return verifier.fn(response, None, sample)
+        if (unlabelled := _unlabelled_score(name, verifier, sample, args)) is not None:
+            return unlabelled
         results = [verifier.fn(response, lab, sample) for lab in label_candidates(sample, name, args)]
         key = getattr(args, "reward_key", None) or verifier.reward_key
         return max(results, key=lambda v: _score_of(v, key))

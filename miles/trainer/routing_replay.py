@@ -80,8 +80,9 @@ def preflight_check(cfg, hf_config: dict | None) -> None:
         from miles.engine.routed_experts import RECORDED_MODEL_TYPES
 
         if model_type not in RECORDED_MODEL_TYPES:
-            raise ConfigError(f"--use-rollout-routing-replay: the embedded engine returns routed experts for Qwen3-MoE "
-                              f"models, not this {model_type!r} one: use --rollout-engine sglang, or drop the flag.")
+            raise ConfigError(f"--use-rollout-routing-replay: the embedded engine returns routed experts for "
+                              f"{', '.join(RECORDED_MODEL_TYPES.values())} models, not this {model_type!r} one: use "
+                              "--rollout-engine sglang, or drop the flag.")
 
 
 # ------------------------------------------------------------------------------------------ the state

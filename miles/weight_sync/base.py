@@ -58,7 +58,8 @@ class WeightSource(Protocol):
     ``miles.weight_sync.p2p.LocalShard`` (this rank's dim-0 rows of each HF tensor, in the buckets of
     ``iter_weight_buckets``), which ``p2p`` takes when present; a trainer whose shards are not dim-0 row ranges
     of the HF tensors (Megatron's TP shards) leaves it out, and ``p2p`` sends each rank's dim-0 share of the full
-    tensors instead."""
+    tensors instead. Optional: ``mtp_weight_prefixes()``, the HF name prefixes of the multi-token-prediction layers
+    it exports, which ``--check-weight-update-equal`` does not ask the engines for (weight_sync/check.py)."""
 
     def iter_weight_buckets(self, bucket_bytes: int, dtype: torch.dtype | None) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """HF-named full tensors, bucket by bucket; collective on every trainer rank, every rank iterates to the

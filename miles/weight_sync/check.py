@@ -5,6 +5,11 @@ rank asks every engine for each tensor through ``/get_weights_by_name`` (``trunc
 dimension, i.e. the whole tensor) and compares the values bit for bit in the trainer's (sent) dtype.
 JSON numbers are float64, which represents every bf16/fp16/fp32 value exactly, so the comparison is
 exact. A mismatch raises :class:`WeightSyncError` naming the engine and the tensor.
+
+The multi-token-prediction layers a trainer exports with ``--mtp-num-layers`` (``model.layers.<num_layers + k>.*``,
+the source's optional ``mtp_weight_prefixes()``) are not compared: an engine's served model is the main model
+(SGLang reads them only into the draft model of speculative decoding, and skips them without it; the embedded
+engine skips them on load), so the check skips them and says so once, with their count.
 """
 
 from __future__ import annotations
@@ -52,8 +57,20 @@ def compare(name: str, expected: torch.Tensor, got: Any, url: str) -> None:
                               f"{bad}/{exp.numel()} elements, max |diff| {float(diff.max()) if diff.numel() else 0.0:.3g}")
 
 
+_SKIP_LOGGED: set[tuple[str, ...]] = set()
+
+
+def mtp_prefixes(source: Any) -> tuple[str, ...]:
+    """The HF name prefixes of the MTP layers ``source`` exports (its optional ``mtp_weight_prefixes()``), or ()."""
+    get = getattr(source, "mtp_weight_prefixes", None)
+    return tuple(get()) if callable(get) else ()
+
+
 def check_weights_equal(sender: WeightSender) -> int:
-    """Compare every engine's weights with the trainer's; returns the number of tensors checked (source)."""
+    """Compare every engine's weights with the trainer's; returns the number of tensors checked (source). The
+    exported MTP layers' tensors are skipped (module docstring), logged once."""
+    skip = mtp_prefixes(sender.source)
+    skipped = 0
     deadline = Deadline(sender.cfg.update_weight_timeout, "--check-weight-update-equal")
     engines = list(sender.engines) if sender.is_source else []
     checked = 0
@@ -63,6 +80,9 @@ def check_weights_equal(sender: WeightSender) -> int:
         if not engines or failure is not None:
             continue
         for name, t in bucket:
+            if skip and name.startswith(skip):
+                skipped += 1
+                continue
             size = int(t.shape[0]) if t.dim() else 1
             try:
                 answers = sender.call_all(engines, lambda c, n=name, s=size: c.get_weights_by_name(n, truncate_size=s), deadline,
@@ -75,6 +95,12 @@ def check_weights_equal(sender: WeightSender) -> int:
             checked += 1
     if failure is not None:
         raise failure
+    if skipped and skip not in _SKIP_LOGGED:
+        _SKIP_LOGGED.add(skip)
+        logger.warning("--check-weight-update-equal: skipped the %d exported tensors of the MTP layers (%s*, "
+                       "--mtp-num-layers): the engines serve the main model without them (SGLang reads them only "
+                       "into a speculative-decoding draft model, the embedded engine not at all)", skipped,
+                       "*, ".join(skip))
     if engines:
         logger.info("--check-weight-update-equal: %d tensors equal on %d engine(s) (v%d) in %.2fs", checked, len(engines),
                     sender.weight_version, time.monotonic() - t0)

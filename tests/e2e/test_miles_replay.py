@@ -1,8 +1,9 @@
 """Miles v0.1.0's recorded training commands run, not only parse: each fixture of tests/fixtures/miles_scripts/ that
 passes --dry-run is replayed for 2 rollouts under real torchrun on CPU at tiny scale (tests/miles_fixtures.py's
 ``tiny_replay``: model-shape flags to a tiny model of the same family, GPU counts and parallel sizes to a CPU world of
-at most 4 ranks, batch and length sizes to tiny values, data and --save to local files, every other flag as recorded)
-with --check-weight-update-equal after every weight sync. docs/miles-scripts.md lists the result per command.
+at most 4 ranks, batch and length sizes to tiny values, data and --save to local files, the OPD teacher servers to
+embedded engines (``teacher_stand_ins``), every other flag as recorded) with --check-weight-update-equal after every
+weight sync. docs/miles-scripts.md lists the result per command.
 
 ``make test`` runs SUBSET (one FSDP, one Megatron TP, one p2p command); ``make test-replay`` (MILES_REPLAY_ALL=1) runs
 every fixture. A replay that fails today is marked ``xfail(strict=True)`` with the defect: it fails the tier once the
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from _miles_e2e import run, tail
-from miles_fixtures import FIXTURES, PLUGIN_FOLDERS, read_fixture, skills_stand_in, tiny_replay
+from miles_fixtures import FIXTURES, PLUGIN_FOLDERS, read_fixture, skills_stand_in, teacher_stand_ins, tiny_replay
 
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.replay, pytest.mark.timeout(900)]
@@ -26,17 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.replay, py
 SUBSET = ("fsdp_qwen3_0_6b", "megatron_qwen3_dense", "p2p_qwen3_4b")
 RUN_ALL = os.environ.get("MILES_REPLAY_ALL") == "1"
 # fixture -> the defect its replay hits today (docs/miles-scripts.md gives the error line and the cause)
-MTP_CHECK = ("--check-weight-update-equal asks the engine for the MTP layer's tensors (--mtp-num-layers 1: the trainer "
-             "exports model.layers.<num_layers>.*), which engines do not serve (the embedded engine skips them on load): "
-             "HTTP 400 no parameter named 'model.layers.3.embed_tokens.weight'")
-OPD_TEACHER = ("its teacher SGLang server (--rm-url / --opd-teacher-urls http://127.0.0.1:13141, started by Miles's script "
-               "before train.py) has no stand-in in the replay yet: every reward fails to connect")
 KNOWN_FAILURES: dict[str, str] = {
-    "megatron_moe_glm47_flash": MTP_CHECK,
-    "opd_megatron_qwen3_8b": ("--rm-type math without --label-key (as Miles's script): the dry run passes, then every reward "
-                              "raises 'needs a label' (miles/rollout/rewards.py label_candidates); Miles scores it 0"),
-    "opd_sglang_qwen3_8b": OPD_TEACHER,
-    "opd_multi_teacher_qwen3_8b": OPD_TEACHER,
     "custom_generate_tau_bench": ("tiny-scale limit: check_reward_nonzero_std keeps only groups whose rewards differ; the "
                                   "random tiny policy never solves a tau task, so rollout 0 ends with 'kept 0 of 258 "
                                   "groups' after one pass over the data"),
@@ -68,17 +59,21 @@ def skills_url():
 def test_recorded_command_runs_two_rollouts(path: Path, tiny_models: Path, skills_url: str, tmp_path: Path) -> None:
     replay = tiny_replay(path, tmp_path, tiny_models, skills_url)
     log = tmp_path / f"{replay.name}.log"
-    cmd = ["torchrun", "--standalone", "--nproc-per-node", str(replay.nproc), replay.entry, *replay.argv]
     pythonpath = os.pathsep.join([str(Path(__file__).resolve().parents[2]), *map(str, PLUGIN_FOLDERS)])
-    t0 = time.monotonic()
-    result = run(cmd, log, timeout=600, PYTHONPATH=pythonpath)
-    seconds = time.monotonic() - t0
+    with teacher_stand_ins(replay, path, tiny_models, tmp_path):   # the OPD teacher servers Miles's scripts start before train.py
+        cmd = ["torchrun", "--standalone", "--nproc-per-node", str(replay.nproc), replay.entry, *replay.argv]
+        t0 = time.monotonic()
+        result = run(cmd, log, timeout=600, PYTHONPATH=pythonpath)
+        seconds = time.monotonic() - t0
     scaled = "\n".join(f"  {flag}: {change}" for flag, change in replay.changed.items())
     assert result.returncode == 0, f"{replay.name} exit code {result.returncode} after {seconds:.0f}s; scaled flags:\n" \
                                    f"{scaled}\nlog {log}:\n{tail(log)}"
     out = Path(replay.argv[replay.argv.index("--output-dir") + 1])
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["rollout_id"] for r in records] == [0, 1], records
+    if "--rm-url" in replay.changed or "--opd-teacher-urls" in replay.changed:   # the teacher stand-in answered,
+        kl = [r["train/opd_reverse_kl_mean"] for r in records]                   # and it is another model
+        assert all(abs(v) > 1e-4 for v in kl), records
     if replay.engines:  # the first sync and one after each rollout's training step, every tensor equal
         checks = log.read_text().count("--check-weight-update-equal: ")
         assert checks >= 3, f"{checks} weight checks; log {log}:\n{tail(log)}"

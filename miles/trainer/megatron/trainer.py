@@ -513,6 +513,11 @@ class MegatronTrainer(RLTrainer):
                                     prefetch=prefetch, stage=self.stage)
         return it if self.lora is None else _merged_buckets(self.lora, it)   # LoRA: W + (alpha / r) B @ A
 
+    def mtp_weight_prefixes(self) -> tuple[str, ...]:
+        """The HF name prefixes of the MTP layers ``iter_weight_buckets`` exports (``--mtp-num-layers``, mtp.py):
+        ``model.layers.<num_layers + k>.``; --check-weight-update-equal skips them (engines serve the main model)."""
+        return tuple(f"model.layers.{self.shape.num_layers + k}." for k in range(self.shape.mtp_num_layers))
+
     def save_hf(self, path: str | Path) -> None:
         """The HF model dir (merged weights under LoRA), and with LoRA also the adapter alone in HF PEFT format
         under ``path/adapter`` (as Miles writes it); collective."""

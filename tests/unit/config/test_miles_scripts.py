@@ -38,6 +38,7 @@ from miles_fixtures import (
     fixture_argv,
     fixture_model,
     read_fixture,
+    recorded_teachers,
     uses_images,
     write_workdir,
 )
@@ -128,6 +129,16 @@ def test_every_fixture_says_what_it_expects():
         assert lines, path.name
         model = fixture_model(path)
         assert model is None or (MODELS / f"{model}.json").is_file(), f"{path.name}: # model: {model}"
+
+
+def test_the_opd_teacher_servers_the_replay_stands_in_for():
+    """The replay (tests/e2e/test_miles_replay.py) starts an embedded engine per teacher address these name; every
+    other fixture names none, so none starts for it."""
+    subs = {"MODEL": "m", "DATA": "d", "OUT": "o"}
+    teachers = {p.stem: recorded_teachers(fixture_argv(read_fixture(p)[2], subs)) for p in FIXTURES}
+    assert {k: v for k, v in teachers.items() if v} == {
+        "opd_sglang_qwen3_8b": ["http://127.0.0.1:13141"],
+        "opd_multi_teacher_qwen3_8b": ["http://127.0.0.1:13141", "http://127.0.0.1:13142"]}
 
 
 @pytest.mark.parametrize("path", FIXTURES, ids=[p.stem for p in FIXTURES])

@@ -79,10 +79,43 @@ def test_engine_returns_the_routers_top_k_for_every_token(moe_model):
     np.testing.assert_array_equal(got, _hf_routing(moe_model, tokens[:-1])[4:])
 
 
+def test_glm47_flash_grouped_sigmoid_router_is_recorded(tmp_path):
+    """GLM-4.7-Flash's router (sigmoid scores + correction bias, group-limited top-k) returns its chosen indices too:
+    the engine reports them (Miles's GLM-4.7-Flash command passes --use-rollout-routing-replay), a dense first layer
+    as zeros."""
+    from miles.utils.tiny_mla import build_tiny_mla_model
+
+    model = build_tiny_mla_model(tmp_path / "glm", num_layers=3, n_routed_experts=4, num_experts_per_tok=2,
+                                 first_k_dense_replace=1, n_group=2, topk_group=1)
+    with torch.no_grad():   # a router drawn at random: routing differs between tokens
+        from safetensors.torch import load_file, save_file
+        files = list((tmp_path / "glm").glob("*.safetensors"))
+        for f in files:
+            sd = load_file(str(f))
+            for k in sd:
+                if k.endswith("mlp.gate.weight"):
+                    sd[k] = torch.randn(sd[k].shape, generator=torch.Generator().manual_seed(1)) * 0.5
+            save_file(sd, str(f), metadata={"format": "pt"})
+    prompt = [5, 9, 13, 2, 7, 30, 41, 8]
+    eng = _engine(model)
+    try:
+        out = _run(eng, [{"input_ids": prompt, "return_routed_experts": True,
+                          "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}])[0]
+    finally:
+        eng.stop()
+    tokens = prompt + out["output_ids"]
+    got = decode(out["meta_info"]["routed_experts"], 3, 2)
+    ref = _hf_routing(model, tokens[:-1])
+    assert got.shape == ref.shape == (len(tokens) - 1, 3, 2)
+    np.testing.assert_array_equal(np.sort(got, -1), np.sort(ref, -1))
+    assert (got[:, 0] == 0).all() and len(set(map(tuple, got[:, 1].tolist()))) > 1
+
+
 def test_a_dense_model_refuses_return_routed_experts(tmp_path):
     eng = _engine(build_engine_model(tmp_path / "dense"))
     try:
-        with pytest.raises(BadRequest, match="return_routed_experts: the embedded engine records routed experts for Qwen3-MoE models, not this 'qwen3'"):
+        with pytest.raises(BadRequest, match="return_routed_experts: the embedded engine records routed experts for Qwen3-MoE, GLM-4.7-Flash, DeepSeek-V3 "
+                           "models, not this 'qwen3'"):
             _run(eng, [{"input_ids": [1, 2, 3], "return_routed_experts": True, "sampling_params": {"max_new_tokens": 2}}])
     finally:
         eng.stop()

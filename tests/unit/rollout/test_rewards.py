@@ -8,6 +8,7 @@ import textwrap
 import pytest
 
 from miles.config import ConfigError, parse_args
+from miles.rollout.plugins import PluginArgs
 from miles.rollout.rewards import Rewarder, register_reward, registered_rewards
 from miles.rollout.rm_hub.math_answer import answers_match, extract_answer, extract_boxed, math_reward
 from miles.types import Sample, SampleStatus
@@ -63,8 +64,9 @@ def test_failures_are_visible_and_counted(caplog):
         Rewarder(reward_cfg("--rm-type", "nope"))
     with pytest.raises(ConfigError, match="no reward chosen"):
         Rewarder(reward_cfg())
-    r = Rewarder(reward_cfg("--rm-type", "math"))
-    s = [done("\\boxed{1}", "1", index=0), done("\\boxed{1}", None, index=5, group_index=2), done("1", "1", index=6)]
+    r = Rewarder(reward_cfg("--rm-type", "deepscaler"))
+    s = [done("</think>\\boxed{1}", "1", index=0), done("\\boxed{1}", None, index=5, group_index=2),
+         done("1", "1", index=6)]
     s[2].status = SampleStatus.ABORTED  # not scored at all
     with caplog.at_level("ERROR", logger="miles"):
         assert score(r, s) == 1
@@ -72,6 +74,26 @@ def test_failures_are_visible_and_counted(caplog):
     assert s[1].status is SampleStatus.FAILED and s[1].reward is None and "--label-key" in s[1].metadata["reward_error"]
     assert s[2].reward is None and s[2].status is SampleStatus.ABORTED
     assert "reward failed for sample 5 (group 2, rollout 0)" in caplog.text
+
+
+def test_math_without_label_key_scores_zero_and_warns_once(caplog):
+    """Miles's math grades a missing label 0, and its OPD scripts pass --rm-type math without --label-key."""
+    r = Rewarder(reward_cfg("--rm-type", "math"))
+    s = [done("\\boxed{1}", None, index=i) for i in range(3)]
+    with caplog.at_level("WARNING", logger="miles"):
+        assert score(r, s) == 0
+        assert score(r, [done("\\boxed{2}", None, index=4)]) == 0
+    assert [x.reward for x in s] == [0.0, 0.0, 0.0] and all(x.status is SampleStatus.COMPLETED for x in s)
+    assert caplog.text.count("pass --label-key") == 1, caplog.text
+    labelled = [done("\\boxed{1}", "1", index=0)]   # a labelled sample is still graded
+    assert score(r, labelled) == 0 and labelled[0].reward == 1.0
+    # with --label-key set, a sample whose label went missing still fails, naming the flag
+    cfg = parse_args(["--rollout-batch-size", "2", "--num-rollout", "1", "--rm-type", "math", "--label-key", "answer"],
+                     validate=False)
+    keyed = Rewarder(cfg.reward, PluginArgs(cfg.reward, cfg.data))
+    s = [done("\\boxed{1}", None, index=7)]
+    assert score(keyed, s) == 1 and s[0].status is SampleStatus.FAILED and "--label-key answer" in \
+        s[0].metadata["reward_error"]
 
 
 CUSTOM = textwrap.dedent('''

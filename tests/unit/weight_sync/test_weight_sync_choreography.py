@@ -111,6 +111,52 @@ def test_check_weight_update_equal_stops_the_sync_naming_the_tensor(tmp_path: Pa
         sender.close()
 
 
+class _MtpSource(_Source):
+    """A Megatron trainer with --mtp-num-layers 1 over 1 decoder layer: it also exports the MTP layer as
+    model.layers.1.* (mtp_weight_prefixes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tensors = {"model.layers.0.mlp.weight": torch.randn(4, 3), "model.layers.1.eh_proj.weight": torch.randn(2, 4),
+                        "model.layers.1.embed_tokens.weight": torch.randn(6, 2), "lm_head.weight": torch.randn(6, 2)}
+
+    def mtp_weight_prefixes(self):
+        return ("model.layers.1.",)
+
+
+def test_check_weight_update_equal_skips_the_mtp_layers_saying_so_once(tmp_path: Path, caplog) -> None:
+    """Engines serve the main model (SGLang without speculative decoding and the embedded engine do not load the MTP
+    layer): the check compares the served tensors, skips the MTP layer's with one warning, and still fails on a
+    served tensor that differs."""
+    cfg = parse_args(["--hf-checkpoint", "x", "--update-weight-transfer-mode", "disk-delta", "--update-weight-disk-dir",
+                      str(tmp_path / "v"), "--update-weight-timeout", "20", "--check-weight-update-equal"],
+                     validate=False).weights
+    src, log = _MtpSource(), []
+    served = {k: v.clone() for k, v in src.tensors.items() if not k.startswith("model.layers.1.")}
+    asked: list[str] = []
+
+    class _MainModelEngine(_Engine):
+        async def get_weights_by_name(self, name, truncate_size=100):
+            asked.append(name)
+            if name not in self.weights:   # the embedded engine's HTTP 400 'no parameter named ...'
+                raise WeightSyncError(f"engine {self.url}: no parameter named {name!r}")
+            return self.weights[name].tolist()
+
+    sender = build_weight_sender(cfg, src, is_source=True, engines=[EngineTarget("http://e0")],
+                                 control_factory=lambda e, timeout: _MainModelEngine(e.url, log, served))
+    try:
+        with caplog.at_level("WARNING", logger="miles"):
+            sender.sync()
+            sender.sync()
+        assert sorted(set(asked)) == ["lm_head.weight", "model.layers.0.mlp.weight"], asked
+        assert caplog.text.count("skipped the 2 exported tensors of the MTP layers (model.layers.1.*") == 1, caplog.text
+        served["lm_head.weight"][0, 1] += 1.0                      # a served tensor that differs still fails
+        with pytest.raises(WeightSyncError, match=r"tensor 'lm_head.weight' differs"):
+            sender.sync()
+    finally:
+        sender.close()
+
+
 class _RefusingEngine:
     """An engine whose /init_weights_update_group fails (refused, or unreachable: the request never lands)."""
 
