@@ -32,7 +32,8 @@ FIXTURE = HERE.parents[1] / "fixtures" / "miles_fsdp_ckpt"
 
 
 def write_miles_checkpoint(trainer, save: Path, rollout_id: int, global_step: int) -> None:
-    """Miles v0.1.0's FSDP ``save`` layout (see the module docstring), written with torch's DCP."""
+    """Miles v0.1.0's FSDP ``save`` layout (see the module docstring), written with torch's DCP; no
+    ``lr_scheduler/``, so the reader falls back to meta.json's ``global_step`` (as with --no-save-optim)."""
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -40,10 +41,14 @@ def write_miles_checkpoint(trainer, save: Path, rollout_id: int, global_step: in
 
     step = rollout_id + 1
     path = save / f"iter_{step:07d}"
-    dcp.save({"model_state": {"model": get_model_state_dict(trainer.model)}}, checkpoint_id=str(path / "model"),
+    # Miles saves the HF model itself: parameter names without our PolicyModel's "lm." prefix
+    dcp.save({"model_state": {"model": get_model_state_dict(trainer.model.lm)}}, checkpoint_id=str(path / "model"),
              process_group=trainer.group)
-    dcp.save({"optim_state": {"optim": get_optimizer_state_dict(trainer.model, trainer.optimizer)}},
-             checkpoint_id=str(path / "optimizer"), process_group=trainer.group)
+    optim = get_optimizer_state_dict(trainer.model, trainer.optimizer)
+    optim = {"state": {k.removeprefix("lm."): v for k, v in optim["state"].items()},
+             "param_groups": [{**g, "params": [n.removeprefix("lm.") for n in g["params"]]}
+                              for g in optim["param_groups"]]}
+    dcp.save({"optim_state": {"optim": optim}}, checkpoint_id=str(path / "optimizer"), process_group=trainer.group)
     if dist.get_rank(trainer.group) == 0:
         torch.save({"torch": torch.get_rng_state()}, path / "rng.pt")
         meta = {"iteration": step, "rollout_id": rollout_id, "next_rollout_id": rollout_id + 1,
