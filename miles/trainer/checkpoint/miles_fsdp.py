@@ -10,10 +10,13 @@ Miles (``radixark/miles@v0.1.0:miles/backends/fsdp_utils/checkpoint.py``) saves 
     iter_000000N/meta.json               rollout_id, next_rollout_id, global_step, world_size, ...
     rollout/global_dataset_state_dict_<rollout_id>.pt   the data position (with --rollout-global-dataset)
 
-``find`` names such a checkpoint under a ``--load`` directory; ``load`` reads the model (and the AdamW
-state, which both projects keep as torch's state dict keyed by parameter name) into this project's
-trainer and returns the ``extra`` a resume needs (the next rollout id, the data position when Miles
-saved one). The LR schedule resumes at Miles's ``global_step`` (optimizer steps so far).
+``find`` names such a checkpoint under a ``--load`` directory; ``load`` reads the model (Miles's names are the
+HF model's; ours sit under ``PolicyModel.lm``) and the AdamW state (exp_avg, exp_avg_sq, step by parameter name;
+the parameter groups stay this run's) into this project's trainer, sets the RNG from ``rng.pt`` (rank 0's, on
+every rank, as Miles does) and returns the ``extra`` a resume needs (the next rollout id, the data position when
+Miles saved one). The LR schedule resumes at the scheduler's ``last_epoch`` (optimizer steps so far; v0.1.0
+never advances meta.json's ``global_step``, which is the fallback without ``lr_scheduler/``).
+``tests/fixtures/miles_fsdp_ckpt/`` is such a checkpoint, written by Miles's own save.
 """
 
 from __future__ import annotations
