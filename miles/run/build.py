@@ -140,7 +140,7 @@ def _write_config(cfg: MilesConfig, plan: RunPlan, out_dir: Path) -> None:
 def _build_sender(cfg: MilesConfig, ctx: SPMDContext, trainer: Any, placement: Placement, version: int,
                   api_key: str | None) -> Any:
     from miles.fleet.engines import engine_host
-    from miles.trainer.hf_export import checkpoint_dtype
+    from miles.trainer.hf_export import weight_sync_dtype
     from miles.weight_sync.base import EngineTarget, build_weight_sender, resolve_mode
 
     targets = [EngineTarget(url=u, num_workers=n, engine_id=i, api_key=api_key)
@@ -154,7 +154,8 @@ def _build_sender(cfg: MilesConfig, ctx: SPMDContext, trainer: Any, placement: P
     is_source = ctx.rank == ctx.plan.trainer_ranks[0]  # trainer rank 0 holds the full tensors and posts them
     return build_weight_sender(cfg.weights, trainer, colocate=ctx.plan.colocate,
                                is_source=is_source, engines=targets if is_source else [],
-                               dtype=checkpoint_dtype(cfg.train.hf_checkpoint), initial_version=version,
+                               dtype=weight_sync_dtype(cfg.train.hf_checkpoint, cfg.sglang.server_args.get("dtype")),
+                               initial_version=version,
                                status_group=ctx.groups.trainer_group, **kwargs)
 
 

@@ -41,6 +41,23 @@ def checkpoint_dtype(hf_dir: str | Path) -> torch.dtype:
     return dt if isinstance(dt, torch.dtype) else torch.bfloat16
 
 
+
+# SGLang's --dtype choices (sglang_server_args.json) -> torch dtypes; 'auto' is absent: the checkpoint's
+_SGLANG_DTYPES = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                  "float": torch.float32, "float32": torch.float32}
+
+
+def weight_sync_dtype(hf_dir: str | Path, sglang_dtype: str | None) -> torch.dtype:
+    """The dtype the weight sync sends: the one the engines serve. ``sglang_dtype`` is ``--sglang-dtype`` (None or
+    ``auto``: the checkpoint's, ``checkpoint_dtype``). An engine casts what it receives to the dtype it holds, so
+    weights sent in another dtype would be rounded there (an fp32 trainer's update is below bf16's precision: the
+    engine would keep its old values) and would no longer equal the trainer's; cast on the trainer, they do."""
+    if sglang_dtype is None or sglang_dtype == "auto":
+        return checkpoint_dtype(hf_dir)
+    if sglang_dtype not in _SGLANG_DTYPES:
+        raise ValueError(f"--sglang-dtype {sglang_dtype!r} is not one of auto, {', '.join(_SGLANG_DTYPES)}")
+    return _SGLANG_DTYPES[sglang_dtype]
+
 def copy_non_weight_files(src: str | Path, dst: str | Path) -> None:
     for f in Path(src).iterdir():
         if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and f.name not in _WEIGHT_INDEXES:
