@@ -4,8 +4,9 @@ Miles's save (``radixark/miles@v0.1.0:miles/backends/fsdp_utils/checkpoint.py``)
 (``radixark/miles@v0.1.0:miles/backends/fsdp_utils/lr_scheduler.py``) are imported, unchanged, from a
 directory given on the command line (they are not part of this repository)::
 
-    git -C <miles clone> show v0.1.0:miles/backends/fsdp_utils/checkpoint.py   > /tmp/miles_v010/checkpoint.py
-    git -C <miles clone> show v0.1.0:miles/backends/fsdp_utils/lr_scheduler.py > /tmp/miles_v010/lr_scheduler.py
+    d=miles/backends/fsdp_utils   # in a clone of radixark/miles
+    git -C <miles clone> show "v0.1.0:$d/checkpoint.py"   > /tmp/miles_v010/checkpoint.py
+    git -C <miles clone> show "v0.1.0:$d/lr_scheduler.py" > /tmp/miles_v010/lr_scheduler.py
     PYTHONPATH=. python tools/make_miles_fsdp_ckpt_fixture.py /tmp/miles_v010 tests/fixtures/miles_fsdp_ckpt
 
 What this driver does, as Miles's FSDP actor (``radixark/miles@v0.1.0:miles/backends/fsdp_utils/actor.py``) would,
