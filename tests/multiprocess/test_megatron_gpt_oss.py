@@ -104,29 +104,18 @@ def _gpt_worker(model_dir: str, out: str, ep: int = 1) -> None:
 
 
 def _parity_worker(model_dir: str, out: str) -> None:
-    import dataclasses
-
     import torch
     import torch.distributed as dist
     from safetensors.torch import load_file
-    from test_fsdp import make_samples
-    from test_megatron import _all_logprobs, _configs
-    from torch.distributed.device_mesh import DeviceMesh
-
-    from miles.trainer.fsdp import FSDPTrainer
-    from miles.trainer.megatron.trainer import MegatronTrainer
+    from test_megatron import _all_logprobs, _flags
+    from trainer_harness import build, random_samples
 
     dist.init_process_group("gloo")
     rank, group = dist.get_rank(), dist.group.WORLD
-    samples = make_samples(4, 4, seed=7, vocab=90)
+    samples = random_samples(4, 4, seed=7, vocab=90)
     mine = samples[:8] if rank == 0 else samples[8:]
-    common = dict(device=torch.device("cpu"), rollout_temperature=0.8, num_rollout=2, global_batch_size=None,
-                  num_steps_per_rollout=1, timeout=120)
     res: dict = {}
-    cfg = _configs(model_dir, "fsdp", 1)
-    cfg.train = dataclasses.replace(cfg.train, bf16=False)
-    fsdp = FSDPTrainer(cfg.train, cfg.algo, cfg.checkpoint, mesh=DeviceMesh.from_group(group, device_type="cpu"),
-                       group=group, **common)
+    fsdp = build(model_dir, _flags("fsdp", 1), group=group)
     res["fsdp_attention"] = fsdp.model.lm.config._attn_implementation if hasattr(fsdp.model, "lm") else None
     fsdp_lp = _all_logprobs(fsdp, samples)
     res["fsdp_metrics"] = [fsdp.train(mine, rid) for rid in range(2)]
@@ -135,9 +124,7 @@ def _parity_worker(model_dir: str, out: str) -> None:
     flags = ("--sequence-parallel", "--expert-tensor-parallel-size", "1", "--softmax-type", "learnable",
              "--window-size", "4,0", "--window-attn-skip-freq", "2", "--moe-aux-loss-coeff", "0",
              "--save", str(Path(out).parent / "ckpt"))
-    cfg = _configs(model_dir, "megatron", 2, megatron_flags=flags)
-    cfg.train = dataclasses.replace(cfg.train, bf16=False)
-    meg = MegatronTrainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, group=group, **common)
+    meg = build(model_dir, _flags("megatron", 2, megatron_flags=flags), group=group)
     init = meg.state_dict_for_check()
     init_bf16 = {n: t.detach().cpu().clone() for b in meg.iter_weight_buckets(4096, torch.bfloat16) for n, t in b}
     meg_lp = _all_logprobs(meg, samples)

@@ -34,7 +34,12 @@ FAMILIES = {"deepseek_v3": "DeepSeek-V3 (and JoyAI-LLM-Flash)", "kimi_k2": "Kimi
 NEAREST = {"kimi_k25": "kimi_k2 (Kimi-K2.5's text model is Kimi-K2's architecture: train a text-only "
                        "kimi_k2/deepseek_v3 checkpoint of it)",
            "deepseek_v32": "deepseek_v3 (DeepSeek-V3.2 adds sparse attention, which is not built)",
-           "deepseek_v4": "deepseek_v3 (DeepSeek-V4's attention is not built)"}
+           "deepseek_v4": "deepseek_v3 (DeepSeek-V4's attention is not built)",
+           "glm_moe_dsa": "deepseek_v3 (GLM-5 adds DeepSeek sparse attention, which is not built)",
+           "qwen3_next": "qwen3_moe (Qwen3-Next's gated DeltaNet layers are not built)",
+           "qwen3_5": "qwen3 (Qwen3.5's gated DeltaNet layers are not built)",
+           "qwen3_5_moe": "qwen3_moe (Qwen3.5's gated DeltaNet layers are not built)",
+           "glm4_moe": "glm4_moe_lite (GLM-4.5's attention is not multi-latent)"}
 
 
 def _flag(dest: str) -> str:
@@ -71,5 +76,5 @@ def nearest_family(model_type: str, families) -> str:
     """The model type in ``families`` (and its name) closest to ``model_type``, for the refusal of a family not built."""
     if model_type in NEAREST:
         return NEAREST[model_type]
-    close = difflib.get_close_matches(str(model_type), list(families), n=1, cutoff=0.0)
-    return f"{close[0]} ({families[close[0]]})" if close else "none"
+    close = difflib.get_close_matches(str(model_type), list(families), n=1, cutoff=0.75)
+    return f"{close[0]} ({families[close[0]]})" if close else "none close to it"

@@ -106,7 +106,8 @@ def test_unsupported_architecture_is_one_line(tmp_path: Path) -> None:
     cfg_dir.mkdir()
     (cfg_dir / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
     cfg = _cfg(cfg_dir, "--train-backend", "megatron")
-    with pytest.raises(ConfigError, match=r"^--hf-checkpoint: --train-backend megatron supports HF model types"):
+    with pytest.raises(ConfigError, match=r"^--hf-checkpoint: --train-backend megatron does not build model_type 'gpt2'; "
+                                          r"the nearest family it builds is none close to it \(all: "):
         options.preflight_check(cfg, {"model_type": "gpt2", "n_layer": 2})
 
 
