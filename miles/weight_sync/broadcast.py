@@ -391,6 +391,8 @@ class BroadcastSender(WeightSender):
                 # the engine loads bucket k while bucket k+1 is broadcast (in order: see the docstring)
                 settle(in_flight - 1)
         except BaseException as e:  # noqa: BLE001 - reported to the main thread, which raises it
+            if isinstance(e, KeyboardInterrupt | SystemExit):
+                raise  # Ctrl-C on the calling thread (a whole sync runs inline): the run stops as interrupted
             if not isinstance(e, WeightSyncError | WeightGroupError):
                 e = WeightSyncError(f"weight broadcast failed: {type(e).__name__}: {e}")
             failure.append(e)
