@@ -26,10 +26,15 @@ _server: subprocess.Popen | None = None
 
 
 def _env(script: Path, extra_env: dict | None) -> dict:
+    """The ranks' environment. A ``PYTHONPATH`` in ``extra_env`` is added to the test folders (the script's,
+    tests/multiprocess, tests/: the harness modules), never put in their place: under the fork server the ranks
+    inherit the server's path, under real torchrun only this one (a test that replaced it failed there alone)."""
+    extra = dict(extra_env or {})
+    given = [extra.pop("PYTHONPATH")] if extra.get("PYTHONPATH") else []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": os.pathsep.join([str(script.parent), str(HERE), str(HERE.parent),
+           "PYTHONPATH": os.pathsep.join([str(script.parent), str(HERE), str(HERE.parent), *given,
                                           os.environ.get("PYTHONPATH", "")])}
-    env.update(extra_env or {})
+    env.update(extra)
     return env
 
 
