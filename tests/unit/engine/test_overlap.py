@@ -108,7 +108,9 @@ def test_overlap_gives_the_tokens_and_logprobs_of_the_serial_scheduler(engine_mo
         if "tight" in name:
             assert stats["retractions"] > 0, stats
         if "mixed" in name:
-            assert stats["mixed_steps"] > stats["mixed_prefills"] > 0, stats
+            # prompts were prefilled inside decode steps; whether some prompt took more than one of them (">") depends
+            # on arrival timing (6 > 6 failed once on a loaded machine)
+            assert stats["mixed_steps"] >= stats["mixed_prefills"] > 0, stats
         phases = sum(stats[f"decode_{p}_seconds"] for p in ("grow", "inputs", "forward", "sample", "append", "remove"))
         assert phases + stats["decode_wait_seconds"] <= stats["decode_seconds"] + 1e-3, stats
 
