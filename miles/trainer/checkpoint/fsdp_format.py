@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from miles.trainer.checkpoint import miles_fsdp
 from miles.trainer.checkpoint.faults import fault_point
-from miles.trainer.checkpoint.layout import STEP, published, save_atomic
+from miles.trainer.checkpoint.layout import STEP, published, read_trainer_state, save_atomic
 from miles.trainer.checkpoint.resume import resume_newest, resume_root
 from miles.trainer.checkpoint.rng import rng_state, set_rng_state
 from miles.trainer.checkpoint.sync import barrier, local_error, raise_if_any
@@ -167,11 +167,7 @@ def verify(path: Path, *, rank: int | None = None, world: int | None = None) -> 
 
 def read(trainer: FSDPTrainer, path: Path) -> dict:
     """Restore what ``write`` put into ``path`` (collective); returns ``extra``."""
-    meta_path = path / "trainer_state.json"
-    if not meta_path.is_file():
-        raise ValueError(f"{path} is not a trainer checkpoint (no trainer_state.json); pass a step_* directory "
-                         "written by --save, or the --save root to pick the newest complete one.")
-    meta = json.loads(meta_path.read_text())
+    meta = read_trainer_state(path)
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path}: checkpoint format {meta.get('format')} is not supported (expected {FORMAT}).")
     with_optim = bool(meta["has_optim"]) and not trainer.ckpt.no_load_optim

@@ -286,3 +286,13 @@ def describe_write_failure(root: Path, layout: Layout, step: int, exc: BaseExcep
         return f"another trainer rank failed to write {where} (its log says why); {tail}."
     text = " ".join(str(exc).split())[:300]
     return f"cannot write {where}: {type(exc).__name__}: {text}; {tail}. Check --save is writable on every rank."
+
+
+def read_trainer_state(path: Path) -> dict:
+    """``trainer_state.json`` of a ``step_*`` checkpoint (both backends write one); one error naming the fix when
+    ``path`` is not such a checkpoint."""
+    meta_path = Path(path) / "trainer_state.json"
+    if not meta_path.is_file():
+        raise ValueError(f"{path} is not a trainer checkpoint (no trainer_state.json); pass a step_* directory "
+                         "written by --save, or the --save root to pick the newest complete one.")
+    return json.loads(meta_path.read_text())

@@ -29,7 +29,7 @@ import torch
 from miles.trainer.checkpoint import miles_fsdp
 from miles.trainer.checkpoint.fsdp_format import FORMAT, json_extra
 from miles.trainer.checkpoint.fsdp_format import verify as verify_step_dir
-from miles.trainer.checkpoint.layout import STEP, TRACKER, published
+from miles.trainer.checkpoint.layout import STEP, TRACKER, published, read_trainer_state
 from miles.trainer.checkpoint.resume import resume_newest
 from miles.trainer.checkpoint.rng import rng_state, set_rng_state
 from miles.trainer.checkpoint.sync import barrier, local_error, raise_if_any
@@ -141,11 +141,7 @@ def _models(trainer: MegatronTrainer) -> list[tuple[str, torch.nn.Module, torch.
 def load_trainer_state(trainer: MegatronTrainer, path: Path) -> dict:
     import torch.distributed.checkpoint as dcp
 
-    meta_path = path / "trainer_state.json"
-    if not meta_path.is_file():
-        raise ValueError(f"{path} is not a trainer checkpoint (no trainer_state.json); pass a step_* directory "
-                         "written by --save, or the --save root to pick the newest complete one.")
-    meta = json.loads(meta_path.read_text())
+    meta = read_trainer_state(path)
     if meta.get("backend") != "megatron":
         raise ValueError(f"{path} was written by the {meta.get('backend', 'fsdp')} backend; resume it with "
                          f"--train-backend {meta.get('backend', 'fsdp')}, or start from --hf-checkpoint.")
