@@ -74,10 +74,7 @@ def pytest_make_collect_report(collector):
     """A module that skips at import (``pytest.importorskip`` at module level) for a setup dependency."""
     report = yield
     if report.skipped:
-        reason = _reason(report.longrepr)
-        if forbidden(report.nodeid, reason):
-            report.outcome = "failed"
-            report.longrepr = _failure(report.nodeid, reason)
+        _fail_if_forbidden(report, report.nodeid)
     return report
 
 
@@ -86,11 +83,16 @@ def pytest_runtest_makereport(item, call):
     """A test that skips (marker, ``pytest.skip``, ``importorskip``) for a setup dependency."""
     report = yield
     if report.skipped and not hasattr(report, "wasxfail"):
-        reason = _reason(report.longrepr)
-        if forbidden(item.nodeid, reason):
-            report.outcome = "failed"
-            report.longrepr = _failure(item.nodeid, reason)
+        _fail_if_forbidden(report, item.nodeid)
     return report
+
+
+def _fail_if_forbidden(report, nodeid: str) -> None:
+    """Turn ``report`` (a skip) into a failure when its reason names a dependency ``make setup`` installs."""
+    reason = _reason(report.longrepr)
+    if forbidden(nodeid, reason):
+        report.outcome = "failed"
+        report.longrepr = _failure(nodeid, reason)
 
 
 @pytest.fixture(autouse=True)
