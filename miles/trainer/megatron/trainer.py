@@ -162,7 +162,7 @@ class MegatronTrainer(RLTrainer):
         decay = train.lr_decay_iters or total_steps
         self.schedule = LRSchedule(lr=train.lr, min_lr=train.min_lr, style=train.lr_decay_style,
                                    warmup=train.warmup_steps(decay) if hasattr(train, "warmup_steps")
-                                   else train.lr_warmup_iters, decay_iters=decay)
+                                   else train.lr_warmup_iters, decay_iters=decay, init=train.lr_warmup_init)
         self._build_frozen()
         self.critic = None
         if algo.loss_type != "sft_loss" and algo.advantage_estimator == "ppo":
