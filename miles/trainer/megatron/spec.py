@@ -18,7 +18,7 @@ from miles.config.specs import check_spec
 
 def built_families() -> dict[str, str]:
     """model_type -> family name, for every family the Megatron backend builds."""
-    from miles.trainer.megatron.model import FAMILIES
+    from miles.trainer.megatron.families import FAMILIES
 
     return dict(FAMILIES)
 
