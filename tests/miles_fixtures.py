@@ -335,7 +335,6 @@ def tiny_replay(path: Path, workdir: Path, models: Path, skills_url: str | None 
     """The fixture at ``path`` at tiny CPU scale (see the module docstring); the tiny model is built under
     ``models`` (once per family), the data, files and outputs go to ``workdir/<fixture name>``; ``skills_url``: the
     evaluation server of the eval delegate scripts (``skills_stand_in``)."""
-    from transformers import AutoConfig
 
     from miles.trainer.megatron.model import ModelShape
 
@@ -358,10 +357,12 @@ def tiny_replay(path: Path, workdir: Path, models: Path, skills_url: str | None 
         argv = _set(argv, flag, *values)
 
     # model shape: the tiny model's (config.json, as the Megatron backend reads it)
-    shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(str(model)))
+    from miles.utils.model_dir import load_config
+
+    shape = ModelShape.from_hf_config(load_config(model))       # an aliased model type registered (hf_aliases)
     for flag, attr in SHAPE_FIELDS.items():
-        if flag in flags:
-            put(flag, _fmt(getattr(shape, attr)))
+        if flag in flags:        # ungrouped routing (ModelShape's 0 groups) is Megatron's 1 group of 1
+            put(flag, _fmt(getattr(shape, attr) or (1 if attr in ("moe_num_groups", "moe_group_topk") else 0)))
     if "--moe-layer-freq" in flags:
         put("--moe-layer-freq", "[" + ",".join(str(v) for v in shape.moe_layer_pattern) + "]")
 
