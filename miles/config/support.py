@@ -45,7 +45,7 @@ BACKEND_ONLY: dict[str, BackendOnly] = {
     **{name: BackendOnly("megatron", unset, "drop the LoRA flags, or add --train-backend megatron (miles's LoRA "
                                             "runs on the Megatron backend)")
        for name, unset in (("lora_rank", 0), ("lora_alpha", 16), ("lora_dropout", 0.0), ("target_modules", None),
-                           ("exclude_modules", None))},
+                           ("exclude_modules", None), ("experts_shared_outer_loras", False))},
 }
 
 # field -> why the parser accepts it and no plane reads it
