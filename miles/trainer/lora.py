@@ -380,6 +380,11 @@ def check_megatron(opts, shape, spec: LoraSpec) -> None:
         if not ok:
             raise ConfigError(f"{flag} {value} is not supported with --lora-rank: LoRA runs under tensor and data "
                               "parallelism only; drop the flag or train without LoRA.")
+    if shape.mla and "linear_qkv" in spec.targets:
+        raise ConfigError("--target-modules q_proj/k_proj/v_proj (or all-linear) on a multi-latent-attention model is "
+                          "not supported by the Megatron backend's LoRA (MLA has no fused linear_qkv; its q_a_proj, "
+                          "kv_a_proj_with_mqa, q_b_proj, kv_b_proj are not LoRA targets yet); target o_proj,gate_proj,"
+                          "up_proj,down_proj.")
     experts = bool(shape.num_experts) and bool({"linear_fc1", "linear_fc2"} & set(spec.targets))
     if experts and opts.moe.grouped_gemm:
         raise ConfigError("--moe-grouped-gemm with LoRA on the MoE experts (--target-modules gate_proj/up_proj/"

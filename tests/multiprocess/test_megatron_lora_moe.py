@@ -40,13 +40,27 @@ def tiny_moe_dir(tmp_path_factory) -> Path:
     return build_tiny_moe_model(tmp_path_factory.mktemp("tiny_moe"))
 
 
-def _flags(ep: int, shared: bool) -> list[str]:
+@pytest.fixture(scope="module")
+def tiny_glm_dir(tmp_path_factory) -> Path:
+    from miles.utils.tiny_mla import build_tiny_mla_model
+
+    return build_tiny_mla_model(tmp_path_factory.mktemp("tiny_glm"))
+
+
+# the MLA family (tiny GLM-4.7-Flash: a dense layer 0, then MoE layers with a shared expert): the Kimi-K2.5 LoRA
+# recipe's targets without the MLA projections (not LoRA targets yet)
+MLA_TARGETS = "o_proj,gate_proj,up_proj,down_proj"
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _flags(ep: int, shared: bool, mla: bool = False) -> list[str]:
     from trainer_harness import PRESETS, flags
 
     return flags("megatron", "lora", "moe_fp32_router", [
         "--num-rollout", "2", "--n-samples-per-prompt", "3", "--lr", "1e-2", "--lr-decay-style", "constant",
         "--expert-model-parallel-size", str(ep), "--num-experts", "4", "--moe-router-topk", "2",
-        *(["--experts-shared-outer-loras"] if shared else [])]) + PRESETS["kl"]
+        *(["--experts-shared-outer-loras"] if shared else []),
+        *([*PRESETS["mla"], "--target-modules", MLA_TARGETS] if mla else [])]) + PRESETS["kl"]
 
 
 def _logits(tr, ids):
@@ -58,7 +72,7 @@ def _logits(tr, ids):
     return tr.model(ids, pos, attention_mask=None).transpose(0, 1) @ model.output_weight(tr.model).t()
 
 
-def _worker(model_dir: str, out: str, ep: str, shared: str) -> None:
+def _worker(model_dir: str, out: str, ep: str, shared: str, mla: str) -> None:
     import torch
     import torch.distributed as dist
     from trainer_harness import build, random_samples
@@ -67,7 +81,7 @@ def _worker(model_dir: str, out: str, ep: str, shared: str) -> None:
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    tr = build(model_dir, _flags(int(ep), shared == "1"))
+    tr = build(model_dir, _flags(int(ep), shared == "1", mla == "1"))
     res: dict = {"init": tr.state_dict_for_check(), "metrics": {}}
     for rid in range(2):
         res["metrics"][rid] = tr.train(random_samples(1, 3, seed=1000 * rid + rank, first_group=rank), rid)
@@ -121,11 +135,11 @@ def _launch(*args: str, timeout: int = 400) -> subprocess.CompletedProcess:
     return torchrun_self(HERE, 2, find_free_port(), *args, timeout=timeout)
 
 
-def _run(tmp_path: Path, model_dir: Path, ep: int, shared: bool) -> dict:
+def _run(tmp_path: Path, model_dir: Path, ep: int, shared: bool, mla: bool = False) -> dict:
     import torch
 
-    out = tmp_path / f"ep{ep}_{int(shared)}.pt"
-    r = _launch("run", str(model_dir), str(out), str(ep), str(int(shared)))
+    out = tmp_path / f"ep{ep}_{int(shared)}_{int(mla)}.pt"
+    r = _launch("run", str(model_dir), str(out), str(ep), str(int(shared)), str(int(mla)))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return torch.load(out, weights_only=False)
 
@@ -134,17 +148,23 @@ def _expert_key(layer: int, e: int, fc: str) -> str:
     return f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.{fc}"
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["per_expert", "shared_outer"])
-def test_lora_moe_merged_reference(tiny_moe_dir: Path, tmp_path: Path, shared: bool) -> None:
+@pytest.mark.parametrize("model,shared", [("qwen3_moe", False), ("qwen3_moe", True), ("mla", True)],
+                         ids=["per_expert", "shared_outer", "mla_shared_outer"])
+def test_lora_moe_merged_reference(request, tmp_path: Path, model: str, shared: bool) -> None:
     import torch
     from transformers import AutoConfig
 
     from miles.trainer.megatron.convert import megatron_to_hf, read_hf_state_dict
     from miles.trainer.megatron.model import ModelShape
 
-    base = read_hf_state_dict(tiny_moe_dir)
-    shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(tiny_moe_dir))
-    runs = {ep: _run(tmp_path, tiny_moe_dir, ep, shared) for ep in (1, 2)}
+    mla = model == "mla"
+    model_dir = request.getfixturevalue("tiny_glm_dir" if mla else "tiny_moe_dir")
+    base = read_hf_state_dict(model_dir)
+    shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir))
+    moe_layers = [i for i in range(shape.num_layers) if f"model.layers.{i}.mlp.experts.0.down_proj.weight" in base]
+    ffn = 24 if mla else 32                                  # the tiny models' moe_intermediate_size
+    targets = ALL[3:] if mla else ALL
+    runs = {ep: _run(tmp_path, model_dir, ep, shared, mla) for ep in (1, 2)}
     for ep, res in runs.items():
         assert all(torch.equal(res["init"][k], base[k]) for k in base), ep        # B = 0: the base model exactly
         assert res["metrics"][0]["kl_loss"] == 0.0 and res["metrics"][1]["kl_loss"] != 0.0, ep
@@ -155,13 +175,12 @@ def test_lora_moe_merged_reference(tiny_moe_dir: Path, tmp_path: Path, shared: b
         assert res["restored"], ep
         assert res["base_grads"] == 0 and res["base_trainable"] == 0, ep
         assert res["expert_adapter_grads"] == res["expert_adapters"] > 0, ep       # every local expert got tokens
-        assert res["shared_grads"] == (2 * shape.num_layers if shared else 0), ep
+        assert res["shared_grads"] == (2 * len(moe_layers) if shared else 0), ep
         for k in base:
             moved = not torch.equal(res["final"][k], base[k])
-            leaf = k.split(".")[-2]
-            assert moved == (leaf in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")), k
+            assert moved == (k.split(".")[-2] in targets), k
         ad = res["adapters"]
-        for layer in range(shape.num_layers):
+        for layer in moe_layers:
             for e in range(4):
                 for fc in ("linear_fc1", "linear_fc2"):
                     name = _expert_key(layer, e, fc)
@@ -172,9 +191,9 @@ def test_lora_moe_merged_reference(tiny_moe_dir: Path, tmp_path: Path, shared: b
             b2 = [ad[_expert_key(layer, e, "linear_fc2")][1] for e in range(4)]
             same = all(torch.equal(a1[0], x) for x in a1) and all(torch.equal(b2[0], x) for x in b2)
             assert same == shared, (layer, same)
-    r, hidden, ffn, n = 4, shape.hidden_size, 32, 4           # rank, hidden, moe_intermediate_size, experts
+    r, hidden, n = 4, shape.hidden_size, 4                    # rank, hidden, experts
     outer, inner = r * hidden, 2 * ffn * r + r * ffn           # per expert: fc1 A + fc2 B; fc1 B + fc2 A
-    want = shape.num_layers * ((2 * outer + n * inner) if shared else n * (2 * outer + inner))
+    want = len(moe_layers) * ((2 * outer + n * inner) if shared else n * (2 * outer + inner))
     for res in runs.values():
         assert res["expert_trainable"] == want, (res["expert_trainable"], want)
     assert runs[1]["trainable"] == runs[2]["trainable"]
@@ -239,6 +258,6 @@ def test_lora_moe_weight_update_leaves_engine_equal(tiny_moe_dir: Path, tmp_path
 
 if __name__ == "__main__":
     if sys.argv[1] == "run":
-        _worker(*sys.argv[2:6])
+        _worker(*sys.argv[2:7])
     elif sys.argv[1] == "engine":
         _engine_worker(*sys.argv[2:5])
