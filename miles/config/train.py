@@ -97,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "runs every micro-batch as right-padded [b, s] rows either way.")
     t.add_argument("--megatron-to-hf-mode", choices=["raw", "bridge"], default="raw",
                    help="Megatron backend: how Megatron weights are converted to HF names for the engines.")
-    lo = parser.add_argument_group("LoRA (Megatron backend; miles/trainer/lora.py)")
+    lo = parser.add_argument_group("LoRA (both backends; miles/trainer/lora.py, lora_hf.py)")
     lo.add_argument("--lora-rank", type=int, default=0, help="LoRA rank. 0: LoRA off, every parameter trains.")
     lo.add_argument("--lora-alpha", type=int, default=16, help="LoRA alpha: the adapter delta is (alpha / rank) * B @ A.")
     lo.add_argument("--lora-dropout", type=float, default=0.0, help="Dropout on the LoRA input (training only).")
@@ -217,7 +217,7 @@ class TrainConfig:
                               f"{self.train_memory_margin_bytes}.")
         if self.lora_rank:
             self._validate_lora()
-        elif self.experts_shared_outer_loras:
+        elif self.experts_shared_outer_loras and self.train_backend == "megatron":   # fsdp: refused as megatron-only
             raise ConfigError("--experts-shared-outer-loras without --lora-rank: it shapes the MoE experts' LoRA "
                               "adapters; add --lora-rank R with --target-modules, or drop the flag.")
         if self.num_critic_only_steps < 0:

@@ -29,7 +29,7 @@ as in Miles's standard ``--lora-type lora``, any of q/k/v selects the fused ``li
 ``B`` whose rows are q, k and v) and gate/up select ``linear_fc1``.
 
 MoE experts (Miles's semantics, radixark/miles@v0.1.0:miles/backends/megatron_utils/lora_utils.py and its
-``--experts-shared-outer-loras`` help in miles/utils/arguments.py; Megatron-Bridge's ``LoRA`` matches a target by
+``--experts-shared-outer-loras`` help in radixark/miles@v0.1.0:miles/utils/arguments.py; Megatron-Bridge's ``LoRA`` matches a target by
 the module's leaf name): the expert names are the dense ones, so ``gate_proj`` / ``up_proj`` / ``linear_fc1``
 select the dense MLPs' ``linear_fc1``, the shared experts' and every routed expert's (``mlp.experts.
 local_experts.E.linear_fc1``, HF ``mlp.experts.E.{gate,up}_proj``), and ``down_proj`` / ``linear_fc2`` the

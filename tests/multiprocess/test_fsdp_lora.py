@@ -101,6 +101,7 @@ def test_fsdp_lora_matches_megatron_and_merged_reference(tiny_model_dir: Path, t
     # target (0.46-0.53% each); the non-LoRA FSDP/Megatron parity is 47x tighter: not yet explained (open question,
     # see the branch's report); bounded at about twice the measurement
     assert diff < 2e-4 and (num / den) ** 0.5 < 1e-2, (diff, (num / den) ** 0.5)
+    # fp32 rounding: measured 3.3e-7 (adapters move the logits by ~0.44)
     assert res["hooked_vs_merged"] < 1e-5 and res["hooked_vs_base"] > 1e-3, res
 
 

@@ -78,8 +78,9 @@ def test_flags_parse_with_miles_defaults_and_refusals(tiny_model_dir):
     d = parse_args(base).train
     assert (d.lora_rank, d.lora_alpha, d.lora_dropout, d.target_modules) == (0, 16, 0.0, None)   # Miles's defaults
     assert lora.LoraSpec.from_config(d) is None
-    for extra, msg in ((["--train-backend", "fsdp"], r"^--lora-rank 4 is not supported by --train-backend fsdp \(only by "
-                                                 r"--train-backend megatron\)"),
+    parse_args(base + ["--lora-rank", "4", "--target-modules", "all-linear", "--train-backend", "fsdp"])  # both
+    for extra, msg in ((["--train-backend", "fsdp", "--experts-shared-outer-loras"],
+                        r"^--experts-shared-outer-loras .* not supported by --train-backend fsdp"),
                        (["--lora-type", "canonical_lora"], "--lora-type canonical_lora is not supported"),
                        (["--lora-dropout", "1.5"], "--lora-dropout must be in"),
                        (["--target-modules", "embed"], "--target-modules: 'embed'")):
