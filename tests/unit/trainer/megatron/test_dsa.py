@@ -1,4 +1,4 @@
-"""DeepSeek sparse attention's own pieces (miles/trainer/megatron/dsa.py): the torch Hadamard transform that stands in
+"""DeepSeek sparse attention's own pieces (miles/trainer/megatron/families/dsa.py): the torch Hadamard transform that stands in
 for megatron-core's CUDA-only kernel (and, on a GPU with ``fast_hadamard_transform``, agrees with it), the indexer's
 weight permutation between transformers' and megatron-core's head layouts (exact both ways), and the indexer shape
 read from config.json with its one-line refusals."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miles.trainer.megatron import dsa
+from miles.trainer.megatron.families import dsa
 
 
 def _closed_form(dim: int) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """DeepSeek sparse attention (DSA) families on megatron-core: DeepSeek-V3.2 (``deepseek_v32``) and GLM-5 / 5.1 / 5.2
 (``glm_moe_dsa``), which are DeepSeek-V3's multi-latent attention and MoE (``mla.py``) plus a lightning indexer.
 
-    fields = dsa_fields(hf_config)           # DsaShape: indexer heads, head dim, top-k, rope layout, shared layers
+    fields = dsa_fields(hf_config)           # DsaShape (ModelShape.variant): indexer heads, dim, top-k, rope, sharing
     kw = config_kwargs(dsa)                  # TransformerConfig: experimental_attention_variant "dsa", dsa_indexer_*
     adapt_spec(spec, dsa)                    # each MLA layer's core attention: megatron-core's DSAttention
+    FAMILY                                   # the registry's hooks (families/__init__.py): mla.py's, plus the above
 
 Model: megatron-core's own blocks (``transformer/experimental_attention_variant/dsa.py``): ``DSAttention`` is the MLA
 layer's core attention; its ``DSAIndexer`` scores every key for each query from the hidden states and the q latent
@@ -57,6 +58,7 @@ from dataclasses import dataclass
 import torch
 
 from miles.config.base import ConfigError
+from miles.trainer.megatron.families import Family, mla
 
 FAMILIES = {"deepseek_v32": "DeepSeek-V3.2", "glm_moe_dsa": "GLM-5 / 5.1 / 5.2"}
 INDEXER_PREFIX = "self_attention.core_attention.indexer."
@@ -318,3 +320,70 @@ def check_static(o, shape, dsa: DsaShape) -> None:
     if getattr(shape, "mtp_num_layers", 0):
         raise ConfigError(f"--mtp-num-layers {shape.mtp_num_layers} with DeepSeek sparse attention "
                           f"({shape.model_type}) is not supported by the Megatron backend yet: drop it.")
+
+
+# ------------------------------------------------------------------------------------------- family
+class _AsMla:
+    """A DSA config read by ``mla``'s readers, which answer only for the model types of their own family."""
+
+    def __init__(self, c):
+        self._c = c
+
+    def __getattr__(self, name):
+        return "deepseek_v3" if name == "model_type" else getattr(self._c, name)
+
+
+def _attention_fields(c) -> dict:
+    return {**mla.hf_mla_fields(_AsMla(c)), "variant": dsa_fields(c)}
+
+
+def _config_kwargs(shape) -> dict:
+    return mla.config_kwargs(shape) | config_kwargs(shape.variant)
+
+
+def _prepare(device: torch.device) -> None:
+    mla.FAMILY.prepare(device)
+    apply_compat()
+
+
+def _adapt_spec(spec, shape, te: bool) -> None:
+    """The MLA layers' DSA core attention, on either layer spec. With transformer-engine the attention is the local
+    spec's (megatron-core's TE spec fuses the q latent norm into ``linear_q_up_proj``, so the indexer would read the
+    q latent unnormalised; megatron-core itself builds DSA's core attention locally) with our sequence-parallel
+    RMSNorms for the latents."""
+    if te:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        from miles.trainer.megatron.model import SequenceParallelNorm
+
+        local = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm", multi_latent_attention=True)
+        attn = local.submodules.self_attention
+        attn.submodules.q_layernorm = attn.submodules.kv_layernorm = SequenceParallelNorm
+        mla.adapt_local_spec(local)
+        for layer in getattr(spec, "layer_specs", None) or [spec]:
+            layer.submodules.self_attention = attn
+    adapt_spec(spec, shape.variant)
+
+
+def _hf_to_megatron(suffix: str, prefix: str, hf: dict, shape) -> torch.Tensor | None:
+    t = hf_to_megatron(suffix, prefix, hf, shape.variant)
+    return t if t is not None else mla.hf_to_megatron(suffix, prefix, hf, True)
+
+
+def _megatron_to_hf(suffix: str, prefix: str, full: torch.Tensor, shape) -> list | None:
+    pairs = megatron_to_hf(suffix, prefix, full, shape.variant)
+    return pairs if pairs is not None else mla.megatron_to_hf(suffix, prefix, full, True)
+
+
+def _check_static(o, shape) -> None:
+    mla.check_mla_static(o, shape)
+    check_static(o, shape, shape.variant)
+
+
+FAMILY = Family(
+    name="dsa", model_types=FAMILIES, attention_fields=_attention_fields, moe_fields=mla.hf_moe_fields,
+    rope_types=("default", "yarn"), config_kwargs=_config_kwargs, prepare=_prepare,
+    core_attention=lambda shape: mla.mla_core_attention(), adapt_local_spec=mla.adapt_local_spec,
+    adapt_spec=_adapt_spec, after_build=lambda model, shape: freeze_indexer(model),
+    hf_to_megatron=_hf_to_megatron, megatron_to_hf=_megatron_to_hf, column=mla.COLUMN, row=mla.ROW,
+    glu_fc1=(mla.SHARED_FC1,), exported_buffers=mla.exported_buffers, check_static=_check_static)
