@@ -39,7 +39,7 @@ MLA_WORKERS = HERE.with_name("test_megatron_mla.py")          # its "gpt" and "p
 GPU_WORKER = HERE.with_name("test_megatron_gpt_oss.py")       # its "gpu" worker (bf16, TP 1, eager transformers)
 
 # fp32 rounding of another op order only: measured 1.2e-7 .. 1.8e-7 (GLM-5, DeepSeek-V3.2, GLM-5.2's shared layers;
-# TP 1, TP 2) of logits up to 0.58 (python -m pytest -s tests/multiprocess/test_megatron_dsa.py -k gpt_matches);
+# TP 1, TP 2; EP 2: 1.2e-7, 1.3e-7) of logits up to 0.58 (python -m pytest -s tests/multiprocess/test_megatron_dsa.py -k gpt_matches);
 # the indexer's rope layout of the other family gives 0.23, a dense attention in place of the top-k 0.18
 BOUND = 4e-7
 
@@ -132,9 +132,9 @@ def test_dsa_trainer_parity_with_fsdp(tiny_glm5_dir: Path, tmp_path: Path, free_
     assert res["update_max_abs_diff"] < UPDATE_BOUND and res["update_rel_l2"] < REL_BOUND, res
 
 
-# measured (python -m pytest tests/multiprocess/test_megatron_dsa.py -k trainer_parity): see the report of the
-# first run in the commit that set these
-LP_BOUND, UPDATE_BOUND, REL_BOUND = 2e-6, 1e-5, 2e-5
+# measured (python -m pytest -s tests/multiprocess/test_megatron_dsa.py -k trainer_parity): log-probs 4.8e-7 apart,
+# the update after 2 steps 9.7e-6 (max abs, an MLP weight), 1.4e-5 (relative L2)
+LP_BOUND, UPDATE_BOUND, REL_BOUND = 1e-6, 2e-5, 3e-5
 
 
 @pytest.mark.gpu
