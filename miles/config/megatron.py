@@ -92,7 +92,7 @@ _HELP = {
     "no_masked_softmax_fusion": "No effect: the masked-softmax fusion is never used here (SDPA or megatron-core's "
                                 "unfused softmax).",
     "no_bias_dropout_fusion": "No effect: the fused and unfused bias-dropout-add compute the same sum.",
-    # Miles's GLM-5 / DeepSeek-V3.2 scripts (DeepSeek sparse attention, miles/trainer/megatron/dsa.py)
+    # Miles's GLM-5 / DeepSeek-V3.2 scripts (DeepSeek sparse attention, miles/trainer/megatron/families/dsa.py)
     "enable_experimental": "No effect: Megatron-LM's gate of its experimental features; the ones built here (DeepSeek "
                            "sparse attention) follow config.json.",
     "allgather_cp": "Miles's all-gather context parallelism for DeepSeek sparse attention: no effect with "

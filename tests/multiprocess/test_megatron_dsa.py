@@ -153,3 +153,27 @@ def test_dsa_matches_hf_on_gpu_bf16(request, tmp_path: Path, free_port: int, fam
     res = json.loads(out.read_text())
     print(family, res)
     assert res["max_abs_err"] <= 2 * max(res["hf_bf16_vs_fp32"], 1e-3), res
+
+
+@pytest.mark.parametrize("family", ["glm5", "dsv32"])
+def test_embedded_engine_serves_dsa(request, tmp_path: Path, family: str) -> None:
+    """``python -m miles.engine`` (generic transformers path, its cache built from config.json so the indexer keeps
+    its keys) decodes greedily as transformers' ``generate`` does, past the indexer's top-k."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from miles.engine.testing import EngineProc
+
+    model_dir = request.getfixturevalue(FAMILY_DIRS[family])
+    prompt = [5, 17, 23, 42, 8, 9, 11, 12]                   # longer than index_topk (4)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+    eng = EngineProc(model_dir, "--max-running-requests", "2", "--max-context-len", "64", log=tmp_path / "e.log")
+    try:
+        out = eng.generate({"input_ids": prompt, "sampling_params": {"max_new_tokens": 8, "temperature": 0.0,
+                                                                     "ignore_eos": True}})
+    finally:
+        eng.stop()
+    assert out["output_ids"] == ref, (out, ref)
