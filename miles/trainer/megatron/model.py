@@ -305,6 +305,7 @@ def build_gpt_model(shape: ModelShape, config, *, padded_vocab: int, device: tor
             spec.submodules.self_attention.submodules.core_attention = core
     if not te:
         fam.adapt_local_spec(spec)  # the family's blocks in the local spec
+    fam.adapt_spec(spec, shape, te)     # ... and on either spec (DSA's core attention)
 
     class HiddenGPTModel(GPTModel):
         """GPTModel whose forward returns the final-norm hidden states [s, b, h] (no output layer); with MTP

@@ -16,7 +16,8 @@ docs/trainer.md's family table names those tests.
 
 Families today: ``dense`` (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen3-VL: the generic reader of ``model.py``),
 ``mla`` (multi-latent attention and DeepSeek-style MoE: GLM-4.7-Flash, DeepSeek-V3, Kimi-K2, JoyAI; YaRN in
-``yarn.py``), ``gpt_oss`` (sinks, sliding windows, clamped SwiGLU, biases).
+``yarn.py``), ``gpt_oss`` (sinks, sliding windows, clamped SwiGLU, biases), ``dsa`` (DeepSeek sparse attention:
+DeepSeek-V3.2, GLM-5 / 5.1 / 5.2; mla's plus megatron-core's DSAttention).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class Family:
     core_attention: Callable[[Any], type | None] = _nothing     # the local spec's core attention for "sdpa" (None:
     #                                                             model.SDPACoreAttention)
     adapt_local_spec: Callable[[Any], None] = _nothing   # the local layer/block spec, after the core attention is set
+    adapt_spec: Callable[[Any, Any, bool], None] = _nothing   # (spec, shape, te): either layer/block spec, last
     after_build: Callable[[Any, Any], None] = _nothing   # the built model (model, shape), before its first forward
     # --- weights (convert.py, export.py)
     hf_to_megatron: Callable[[str, str, dict, Any], torch.Tensor | None] = _nothing   # (suffix, 'model.layers.L.',
@@ -79,9 +81,9 @@ class Family:
 
 
 def _load() -> tuple[Family, ...]:
-    from miles.trainer.megatron.families import dense, gpt_oss, mla
+    from miles.trainer.megatron.families import dense, dsa, gpt_oss, mla
 
-    return dense.FAMILY, mla.FAMILY, gpt_oss.FAMILY
+    return dense.FAMILY, mla.FAMILY, gpt_oss.FAMILY, dsa.FAMILY
 
 
 ALL: tuple[Family, ...] = _load()
@@ -92,9 +94,7 @@ _BY_TYPE = {mt: f for f in ALL for mt in f.model_types}
 # model types no family builds whose nearest family is not the closest spelling (a family's helper removes its row)
 NEAREST = {"kimi_k25": "kimi_k2 (Kimi-K2.5's text model is Kimi-K2's architecture: train a text-only "
                        "kimi_k2/deepseek_v3 checkpoint of it)",
-           "deepseek_v32": "deepseek_v3 (DeepSeek-V3.2 adds sparse attention, which is not built)",
            "deepseek_v4": "deepseek_v3 (DeepSeek-V4's attention is not built)",
-           "glm_moe_dsa": "deepseek_v3 (GLM-5 adds DeepSeek sparse attention, which is not built)",
            "qwen3_next": "qwen3_moe (Qwen3-Next's gated DeltaNet layers are not built)",
            "qwen3_5": "qwen3 (Qwen3.5's gated DeltaNet layers are not built)",
            "qwen3_5_moe": "qwen3_moe (Qwen3.5's gated DeltaNet layers are not built)",
