@@ -122,14 +122,12 @@ def _mixer_class():
         """megatron-core's ``MambaMixer`` (training forward, no inference cache) in torch: same constructor
         arguments (from the ``MambaLayer``), parameters, per-rank layouts and (out, bias) return."""
 
-        def __init__(self, config, submodules, d_model: int, d_conv: int = 4, layer_number: int | None = None,
+        def __init__(self, config, submodules, d_model: int, variant=None, layer_number: int | None = None,
                      pg_collection=None, pp_layer_offset: int = 0, **_unused):
             super().__init__(config)
             from megatron.core.transformer.spec_utils import build_module
 
-            from miles.trainer.megatron.families import nemotron_h
-
-            v = nemotron_h.mamba_fields(config)
+            v = variant          # the family's Mamba fields (nemotron_h.NemotronHShape)
             tp = pg_collection.tp.size()
             self.heads, self.headdim, self.ngroups, self.d_state = v.num_heads, v.head_dim, v.n_groups, v.state_size
             if self.heads % tp or self.ngroups % tp:
