@@ -239,16 +239,24 @@ class LatentLinear(torch.nn.Module):
         return torch.nn.functional.linear(x, self.weight), None
 
 
+def _norm(config) -> type:
+    """The local spec's torch RMSNorm (``model.SequenceParallelNorm`` under ``--sequence-parallel``)."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from miles.trainer.megatron.model import SequenceParallelNorm
+
+    return SequenceParallelNorm if config.sequence_parallel else WrappedTorchNorm
+
+
 @contextlib.contextmanager
-def _local_build_patches():
-    """While the local spec is built: MambaStack's final norm is megatron-core's torch norm (it hard-codes
+def _local_build_patches(config):
+    """While the local spec is built: MambaStack's final norm is the local torch norm (megatron-core hard-codes
     ``TENorm``) and MoELayer's latent projections are ``LatentLinear`` (it asserts transformer-engine)."""
     from megatron.core.ssm import mamba_block
     from megatron.core.transformer.moe import moe_layer
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     saved = (mamba_block.TENorm, moe_layer.HAVE_TE, getattr(moe_layer, "TELinear", None))
-    mamba_block.TENorm, moe_layer.HAVE_TE, moe_layer.TELinear = WrappedTorchNorm, True, LatentLinear
+    mamba_block.TENorm, moe_layer.HAVE_TE, moe_layer.TELinear = _norm(config), True, LatentLinear
     try:
         yield
     finally:
@@ -273,31 +281,32 @@ def stack_spec(config, shape, core_attention):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
     from miles.trainer.megatron.families.mamba import torch_mamba_mixer
 
+    norm = _norm(config)
+
     mixer = ModuleSpec(module=torch_mamba_mixer(), params={"variant": own(shape)},
                        submodules=SimpleNamespace(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear))
     attention = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
-        input_layernorm=WrappedTorchNorm,
+        input_layernorm=norm,
         self_attention=ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
                                   submodules=SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear,
                                                                      core_attention=core_attention,
                                                                      linear_proj=RowParallelLinear)),
         self_attn_bda=get_bias_dropout_add))
     mlp = ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
-        pre_mlp_layernorm=WrappedTorchNorm,
+        pre_mlp_layernorm=norm,
         mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
                                                             linear_fc2=RowParallelLinear)),
         mlp_bda=get_bias_dropout_add))
     subs = dict(mamba_layer=ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
-        norm=WrappedTorchNorm, mixer=mixer, mamba_bda=get_bias_dropout_add)), attention_layer=attention, mlp_layer=mlp)
+        norm=norm, mixer=mixer, mamba_bda=get_bias_dropout_add)), attention_layer=attention, mlp_layer=mlp)
     if shape.num_experts:
         moe = get_moe_module_spec(use_te=False, num_experts=shape.num_experts, moe_grouped_gemm=False)
         subs["moe_layer"] = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
-            pre_mlp_layernorm=WrappedTorchNorm, mlp=moe, mlp_bda=get_bias_dropout_add))
+            pre_mlp_layernorm=norm, mlp=moe, mlp_bda=get_bias_dropout_add))
     return ModuleSpec(module=MambaStack, submodules=MambaStackSubmodules(**subs))
 
 
@@ -321,7 +330,7 @@ def build_model(shape, config, *, padded_vocab: int, device: torch.device, core_
                 decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
             return self.decoder(hidden_states=decoder_input, attention_mask=attention_mask)
 
-    with _local_build_patches():
+    with _local_build_patches(config):
         model = HiddenMambaModel(config, stack_spec(config, shape, core_attention), vocab_size=padded_vocab,
                                  max_sequence_length=shape.max_position_embeddings, pre_process=pre_process,
                                  post_process=post_process, hybrid_override_pattern=own(shape).pattern,
