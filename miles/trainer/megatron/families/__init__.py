@@ -84,6 +84,8 @@ class Family:
     #                                                     refuses its own flags on another one
     check_static: Callable[[Any, Any], None] = _nothing  # (options.Options, shape): runs for its own shapes only
     linear_biases: bool = False                 # every linear has a bias (no --disable-bias-linear)
+    swiglu: bool = True                         # its MLPs are SwiGLU (--swiglu with --num-layers; else refused)
+    position_embedding: str = "rope"            # --position-embedding-type it accepts (Megatron-LM's name)
 
 
 def _load() -> tuple[Family, ...]:

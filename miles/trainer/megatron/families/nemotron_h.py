@@ -413,4 +413,4 @@ FAMILY = Family(
     name="Nemotron-H", model_types=FAMILIES, shape_fields=shape_fields, config_kwargs=config_kwargs,
     hf_to_megatron=hf_to_megatron, megatron_to_hf=megatron_to_hf, column=COLUMN, row=ROW,
     exported_buffers=exported_buffers, check_flags=check_flags, check_static=check_static, build_model=build_model,
-    top_names=TOP, tp_sections=tp_sections)
+    top_names=TOP, tp_sections=tp_sections, swiglu=False, position_embedding="none")
