@@ -91,6 +91,53 @@ def _worker(model_dir: str, out: str, ep: int = 1) -> None:
     dist.destroy_process_group()
 
 
+def _parity_worker(model_dir: str, out: str) -> None:
+    """2 ranks: FSDP (transformers' NemotronHForCausalLM, DP 2) and the Megatron trainer (TP 2, sequence parallel)
+    train the same 2 rollouts; then the Megatron side's exports, --save-hf and a torch_dist save / resume."""
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from test_megatron import _all_logprobs, _flags
+    from trainer_harness import build, random_samples
+
+    dist.init_process_group("gloo")
+    rank, group = dist.get_rank(), dist.group.WORLD
+    samples = random_samples(4, 4, seed=7, vocab=90)
+    mine = samples[:8] if rank == 0 else samples[8:]
+    res: dict = {}
+    fsdp = build(model_dir, _flags("fsdp", 1), group=group)
+    fsdp_lp = _all_logprobs(fsdp, samples)
+    res["fsdp_metrics"] = [fsdp.train(mine, rid) for rid in range(2)]
+    fsdp_sd = fsdp.state_dict_for_check()
+    del fsdp
+    flags = ("--sequence-parallel", "--expert-tensor-parallel-size", "1", "--moe-aux-loss-coeff", "0",
+             "--position-embedding-type", "none", "--moe-latent-size", "32", "--save", str(Path(out).parent / "ckpt"))
+    meg = build(model_dir, _flags("megatron", 2, megatron_flags=flags), group=group)
+    init = meg.state_dict_for_check()
+    meg_lp = _all_logprobs(meg, samples)
+    res["meg_metrics"] = [meg.train(mine, rid) for rid in range(2)]
+    meg_sd = meg.state_dict_for_check()
+    meg.save_hf(Path(out).parent / "hf_out")
+    meg.checkpoint(1, {"rollout_id": 1})
+    meg.train(mine, 2)                                  # move away, then load the checkpoint back
+    res["resumed_extra"] = meg.resume()
+    reloaded = meg.state_dict_for_check()
+    if rank == 0:
+        from transformers import AutoModelForCausalLM
+
+        hf = load_file(str(Path(model_dir) / "model.safetensors"))
+        res["keys"] = (sorted(init), sorted(hf), sorted(fsdp_sd))
+        res["ckpt_reload_bitwise"] = sorted(reloaded) == sorted(meg_sd) and all(
+            torch.equal(reloaded[k], meg_sd[k]) for k in meg_sd)
+        saved = load_file(str(Path(out).parent / "hf_out" / "model.safetensors"))
+        res["save_hf_equal"] = sorted(saved) == sorted(meg_sd) and all(torch.equal(saved[k], meg_sd[k]) for k in meg_sd)
+        AutoModelForCausalLM.from_pretrained(Path(out).parent / "hf_out")     # transformers loads what we wrote
+        res["export_bitwise"] = sorted(init) == sorted(hf) and all(torch.equal(init[k], hf[k]) for k in hf)
+        res["lp_max_abs_diff"] = max((a - b).abs().max().item() for a, b in zip(fsdp_lp, meg_lp))
+        torch.save(res, out)
+    dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def tiny_nemotron_dir(tmp_path_factory) -> Path:
     from miles.utils.tiny_nemotron import build_tiny_nemotron_model
@@ -112,6 +159,29 @@ def test_nemotron_h_matches_hf(tiny_nemotron_dir: Path, tmp_path: Path, free_por
     assert sorted(res["same"]) == res["disk"]                  # bit for bit, names included
 
 
+def test_nemotron_h_trainer_parity_with_fsdp(tiny_nemotron_dir: Path, tmp_path: Path, free_port: int) -> None:
+    import torch
+
+    out = tmp_path / "parity.pt"
+    proc = _torchrun(2, free_port, "parity", str(tiny_nemotron_dir), str(out), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    res = torch.load(out, weights_only=False)
+    print({k: v for k, v in res.items() if k not in ("keys", "fsdp_metrics", "meg_metrics")})
+    assert res["export_bitwise"] and res["save_hf_equal"] and res["ckpt_reload_bitwise"], res
+    assert res["resumed_extra"]["rollout_id"] == 1, res
+    assert res["lp_max_abs_diff"] < TRAINER_LP_BOUND, res
+    for f, m in zip(res["fsdp_metrics"], res["meg_metrics"]):
+        for key in ("loss", "pg_loss", "entropy", "grad_norm", "num_tokens"):
+            assert abs(f[key] - m[key]) <= 1e-5 * max(1.0, abs(f[key])), (key, f[key], m[key])
+
+
+# measured (2026-12-06, the 2-core CPU box, torchrun of /tmp scripts equivalent to the test): log-probs 5.7e-6 apart
+# at TP 2 (4.3e-6 at TP 1); grad norms 5.681859 vs 5.681842 after one update
+TRAINER_LP_BOUND = 1.2e-5
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "run":
         _worker(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:5]))
+    elif sys.argv[1] == "parity":
+        _parity_worker(sys.argv[2], sys.argv[3])

@@ -185,7 +185,64 @@ def _mixer_class():
             out, bias = self.out_proj(y.transpose(0, 1).contiguous())
             return out, bias
 
+        def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata: dict | None = None) -> dict:
+            """megatron-core's ``MambaMixer`` checkpoint layout: per-head parameters, ``conv1d`` and the norm split
+            over TP on dim 0, and ``in_proj`` / ``conv1d`` stored as their sections (``.z .x .B .C .dt``), each split
+            over TP on its own, so a checkpoint reads back at another TP size."""
+            from megatron.core import parallel_state
+            from megatron.core.transformer.utils import (
+                ensure_metadata_has_dp_cp_group,
+                make_sharded_tensors_for_checkpoint,
+                sharded_state_dict_default,
+            )
+
+            metadata = ensure_metadata_has_dp_cp_group(metadata)
+            tp_group = parallel_state.get_tensor_model_parallel_group()
+            own = {n: p for n, p in self.named_parameters(recurse=False)} | {
+                f"conv1d.{n}": p for n, p in self.conv1d.named_parameters()} | {"norm.weight": self.norm.weight}
+            out = make_sharded_tensors_for_checkpoint(own, prefix, {n: 0 for n in own}, sharded_offsets,
+                                                      tp_group=tp_group, dp_cp_group=metadata["dp_cp_group"])
+            for name in ("in_proj", "out_proj"):
+                out.update(sharded_state_dict_default(getattr(self, name), f"{prefix}{name}.", sharded_offsets,
+                                                      metadata, tp_group=tp_group))
+            gn = self.g_local * self.d_state
+            out[f"{prefix}in_proj.weight"] = _split_factory(out[f"{prefix}in_proj.weight"], [
+                self.d_local, self.d_local, gn, gn, self.h_local], ["z", "x", "B", "C", "dt"])
+            for name in ("conv1d.weight", "conv1d.bias"):
+                if f"{prefix}{name}" in out:
+                    out[f"{prefix}{name}"] = _split_factory(out[f"{prefix}{name}"], [self.d_local, gn, gn],
+                                                            ["x", "B", "C"])
+            return out
+
     return TorchMambaMixer
+
+
+def _split_factory(sharded, sections: list[int], names: list[str]):
+    """A ``ShardedTensorFactory`` saving a TP-split tensor as its row sections, each its own sharded tensor
+    (``<key>.<name>``), joined back on load (megatron-core's ``mamba_mixer._split_tensor_factory``, which cannot
+    be imported without triton)."""
+    from dataclasses import replace
+
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    bare = sharded.without_data()
+
+    @torch.no_grad()
+    def build(key, t, replica_id, flattened_range):
+        whole = replace(bare, key=key, data=t, dtype=t.dtype, replica_id=replica_id, flattened_range=flattened_range)
+        parts, start = [], 0
+        for size, name in zip(sections, names):
+            for piece in whole.narrow(0, start, size):
+                piece.key = f"{piece.key}.{name}"
+                parts.append(piece)
+            start += size
+        return parts
+
+    @torch.no_grad()
+    def merge(parts):
+        return torch.cat(parts)
+
+    return ShardedTensorFactory(sharded.key, sharded.data, build, merge, sharded.replica_id)
 
 
 _MIXER = None
