@@ -166,3 +166,59 @@ def test_moe_latent_size_checked_against_config_json(tiny_model_dir: Path) -> No
 def test_unsupported_configs_are_one_line(tiny_model_dir: Path, change: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         options.preflight_check(_cfg(tiny_model_dir), SUPER | change)
+
+
+# ------------------------------------------------------------------------------------------- the recorded Ultra command
+# radixark/miles@v0.1.0:tests/snapshots/launch_scripts/py/scripts/run_nemotron_3_ultra_550b_a55b.py/train.txt, after
+# train.py, with {MODEL}, {DATA}, {OUT} for its paths
+ULTRA_COMMAND = """--disable-bias-linear --group-query-attention --num-attention-heads 64 --num-query-groups 2 --kv-channels 128
+--num-layers 4 --hidden-size 8192 --ffn-hidden-size 5120 --normalization RMSNorm --position-embedding-type none
+--vocab-size 131072 --make-vocab-size-divisible-by 128 --untie-embeddings-and-output-weights --num-experts 512
+--moe-router-topk 22 --moe-ffn-hidden-size 5120 --moe-shared-expert-intermediate-size 10240 --moe-latent-size 2048
+--moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-grouped-gemm --moe-router-dtype fp32
+--moe-router-num-groups 1 --moe-router-group-topk 1 --moe-router-topk-scaling-factor 5.0 --moe-router-pre-softmax
+--moe-router-load-balancing-type seq_aux_loss --moe-router-bias-update-rate 0 --moe-aux-loss-coeff 0
+--hf-checkpoint {MODEL} --ref-load {MODEL} --megatron-to-hf-mode bridge --save {OUT}/checkpoints --save-interval 50
+--no-save-optim --prompt-data {DATA} --input-key prompt --label-key label --apply-chat-template --rollout-shuffle
+--rm-type deepscaler --num-rollout 30 --rollout-batch-size 32 --n-samples-per-prompt 8 --rollout-max-response-len 8192
+--rollout-temperature 1 --global-batch-size 128 --balance-data --optimizer adam --lr 1e-6 --lr-decay-style constant
+--weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.98 --optimizer-cpu-offload --overlap-cpu-optimizer-d2h-h2d
+--use-precision-aware-optimizer --advantage-estimator grpo --kl-loss-coef 0.00 --kl-loss-type low_var_kl
+--entropy-coef 0.00 --eps-clip 0.2 --eps-clip-high 0.28 --use-wandb --wandb-project miles-run_nemotron_3_ultra_550b_a55b
+--wandb-group 260101-000000-000 --wandb-key frozen-wandb-api-key --disable-wandb-random-suffix
+--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --context-parallel-size 1 --expert-model-parallel-size 8
+--expert-tensor-parallel-size 1 --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
+--use-dynamic-batch-size --max-tokens-per-gpu 1024 --log-probs-chunk-size 128 --rollout-num-gpus-per-engine 8
+--sglang-ep-size 8 --sglang-dp-size 2 --sglang-enable-dp-attention --sglang-mem-fraction-static 0.6
+--attention-dropout 0.0 --hidden-dropout 0.0 --accumulate-allreduce-grads-in-fp32 --attention-softmax-in-fp32
+--attention-backend auto --colocate --actor-num-nodes 1 --actor-num-gpus-per-node 8 --rollout-num-gpus 8
+--dump-details {OUT}/dump_details"""
+# Nemotron-3 Ultra's 4-layer cut at the sizes of Miles's model flags (scripts/models/nemotron-3-ultra-550b-a55b-4layer.py);
+# its layer pattern and Mamba sizes are not in Miles's script: illustrative
+ULTRA_4LAYER = SUPER | {"architectures": ["NemotronHForCausalLM"], "hidden_size": 8192, "hybrid_override_pattern": "MEM*",
+                        "num_attention_heads": 64, "intermediate_size": 5120, "mamba_num_heads": 256,
+                        "moe_intermediate_size": 5120, "moe_shared_expert_intermediate_size": 10240,
+                        "moe_latent_size": 2048, "torch_dtype": "bfloat16"}
+
+
+def test_recorded_ultra_command_dry_run(tmp_path: Path) -> None:
+    """The recorded Nemotron-3 Ultra command against a full-size (sparse) Ultra-shaped checkpoint: every model,
+    Megatron-shape (``--moe-latent-size`` included) and layout check passes; on this machine (no SGLang) the dry run
+    stops at the first flag the embedded engine lacks, ``--sglang-ep-size``, in one line; without the SGLang-only
+    serving flags it passes."""
+    from miles_fixtures import write_workdir
+
+    from miles.run.entry import dry_run
+    from miles.utils.sparse_model import build_sparse_model
+
+    model = build_sparse_model(tmp_path / "ultra", ULTRA_4LAYER)
+    work = write_workdir(tmp_path / "work")
+    argv = ULTRA_COMMAND.format(MODEL=model, DATA=work / "data.jsonl", OUT=tmp_path / "out").split() + ["--dry-run"]
+    with pytest.raises(ConfigError, match=r"^--sglang-ep-size 8: the embedded engine") as e:
+        dry_run(parse_args(argv))
+    assert "\n" not in str(e.value)
+    served = [a for a in argv if a != "--sglang-enable-dp-attention"]
+    for flag in ("--sglang-ep-size", "--sglang-dp-size"):
+        i = served.index(flag)
+        del served[i:i + 2]
+    assert "role plan" in dry_run(parse_args(served))
