@@ -171,15 +171,16 @@ def _mixer_class():
             xbc = F.silu(self.conv1d(xbc.transpose(1, 2))[..., :length].transpose(1, 2))
             x, B, C = xbc.split([self.d_local, gn, gn], dim=-1)
             b = x.shape[0]
-            dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dt_limit)
             A = -torch.exp(self.A_log.float())
             x4 = x.reshape(b, length, self.h_local, self.headdim)
             B4 = B.reshape(b, length, self.g_local, self.d_state)
             C4 = C.reshape(b, length, self.g_local, self.d_state)
             kernel = gpu_chunk_scan() if x.is_cuda else None
-            if kernel is not None:      # mamba_ssm's Triton scan (dt given processed: no bias, no softplus)
-                y = kernel(x4, dt.to(x.dtype), A, B4, C4, self.chunk_size, D=self.D)
+            if kernel is not None:      # mamba_ssm's Triton scan: bias, softplus and clamp inside, as megatron-core calls it
+                y = kernel(x4, dt, A, B4, C4, self.chunk_size, D=self.D, dt_bias=self.dt_bias.float(),
+                           dt_softplus=True, dt_limit=self.dt_limit)
             else:
+                dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dt_limit)
                 y, _ = ssd_scan(x4, dt, A, B4, C4, chunk_size=self.chunk_size, D=self.D)
             y = self.norm(y.reshape(b, length, self.d_local), z)
             out, bias = self.out_proj(y.transpose(0, 1).contiguous())

@@ -10,8 +10,8 @@ What the checkpoint holds (transformers 5.24's ``nemotron_h``; weights saved und
   attention, ``-`` MLP, ``E`` MoE; each layer is ``x + mixer(norm(x))`` with one RMSNorm (``layers.L.norm``).
 - Mamba-2 (``M``): ``in_proj`` -> [z, x, B, C, dt] (d_inner = mamba_num_heads * mamba_head_dim, B/C over
   ``n_groups`` groups of ``ssm_state_size``), a depthwise causal conv (``conv_kernel``, bias) and SiLU over
-  [x, B, C], dt = softplus(dt + dt_bias) clamped to [time_step_min, inf) (transformers' limit; megatron-core's
-  kernel path does not clamp: the tiny model's dt stays above it), A = -exp(A_log), the SSD scan chunked by
+  [x, B, C], dt = softplus(dt + dt_bias) clamped to [time_step_min, inf) (transformers' limit, which ours keeps;
+  megatron-core's ``MambaMixer`` does not clamp), A = -exp(A_log), the SSD scan chunked by
   ``chunk_size`` with skip ``D``, then RMSNorm over ``n_groups`` groups of y * silu(z) (``mixer.norm``), ``out_proj``.
 - attention (``*``): GQA with ``head_dim``, no position embedding at all (no rope), no biases.
 - MLP (``-``): non-gated ``down(relu(up x)^2)`` (``mlp_hidden_act`` relu2).
@@ -21,9 +21,11 @@ What the checkpoint holds (transformers 5.24's ``nemotron_h``; weights saved und
   ``fc2_latent_proj`` back after combine), a shared relu2 expert on the full hidden size, added after.
 
 How it is built, and from which megatron-core blocks: ``GPTModel`` cannot hold Mamba layers (its
-``TransformerBlock`` builds one layer spec per layer), so the family builds megatron-core's ``MambaModel``
+``TransformerBlock`` builds transformer layers only), so the family builds megatron-core's ``MambaModel``
 (``models/mamba/mamba_model.py``: embedding, ``MambaStack`` with its hybrid layer allocation from the pattern
-string (``ssm/mamba_hybrid_layer_allocation.py``), untied output layer), position embedding ``none``; the
+string (``ssm/mamba_hybrid_layer_allocation.py``), untied output layer), position embedding ``none``, as Miles does
+through megatron.bridge (radixark/miles@v0.1.0:miles_plugins/megatron_bridge/nemotron_h.py, whose MoE names are
+the ones below); the
 trainer's one builder, ``model.build_gpt_model``, hands the build to the family's ``build_model`` hook, and
 ``HiddenMambaModel`` returns the final-norm hidden states as ``HiddenGPTModel`` does. The stack's layers:
 
@@ -47,7 +49,10 @@ expert e's ``linear_fc1/2`` <- ``mixer.experts.e.up_proj/down_proj``. Tensor par
 sections ([z; x; B; C; dt], each its own TP split) and ``conv1d`` by [x; B; C] (``tp_sections``).
 
 Refused, one line each: context parallelism (the Mamba scan's state is not passed between CP ranks), pipeline
-parallelism, MTP layers, sequence packing; quantised checkpoints; ``mamba_hidden_act`` other than silu.
+parallelism (MambaStack's stages are not wired to ``pipeline.py``), MTP layers; quantised checkpoints;
+``mamba_hidden_act`` other than silu, linear biases. Rows are right-padded and unpacked (as for every family here), so
+a row's padding never reaches its real tokens through the scan. The transformer-engine spec is not used: on a GPU
+the same local spec runs (SDPA attention, ``mamba_ssm``'s scan where it imports).
 """
 
 from __future__ import annotations
