@@ -1,5 +1,6 @@
 """GPTModel from a HF ``config.json``, and its layer spec: what every family shares (the families, each one module
-with its hooks, are ``families/``: Llama, Qwen2/3, Qwen3-MoE, Qwen3-VL; multi-latent attention; gpt-oss).
+with its hooks, are ``families/``: Llama, Qwen2/3, Qwen3-MoE, Qwen3-VL; multi-latent attention; gpt-oss;
+Nemotron-H, which builds megatron-core's MambaModel through its ``build_model`` hook).
 
     shape = ModelShape.from_hf_config(hf_config)          # the Megatron view of the HF architecture
     model = build_gpt_model(shape, tp_size=2, device=dev) # megatron-core GPTModel, returns hidden states
