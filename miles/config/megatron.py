@@ -26,7 +26,7 @@ _INT = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "decoder_f
         "max_position_embeddings", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
         "moe_shared_expert_intermediate_size", "moe_router_num_groups", "moe_router_group_topk", "q_lora_rank",
         "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers",
-        "original_max_position_embeddings", "data_pad_size_multiplier")
+        "original_max_position_embeddings", "data_pad_size_multiplier", "moe_latent_size")
 _MLA_INT = ("moe_router_num_groups", "moe_router_group_topk", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
             "qk_pos_emb_head_dim", "v_head_dim")
 _SWITCHES = ("sequence_parallel", "use_distributed_optimizer", "accumulate_allreduce_grads_in_fp32",
@@ -54,6 +54,8 @@ _HELP = {
                                            "moe_intermediate_size x n_shared_experts (Qwen3-MoE: none).",
     # MLA and grouped routing (trainer.md "Multi-latent attention"): each must equal its config.json key
     "moe_router_num_groups": "MoE: config.json's n_group.",
+    "moe_latent_size": "Latent MoE (Nemotron-3 Super / Ultra): the routed experts' width; must match config.json's "
+                       "moe_latent_size.",
     "moe_router_group_topk": "MoE: config.json's topk_group.",
     "multi_latent_attention": "MLA (GLM-4.7-Flash, DeepSeek-V3), as config.json.",
     "no_position_embedding": "No effect (rope only).",
@@ -272,6 +274,7 @@ class MegatronConfig:
     moe_router_topk: int | None = None
     moe_ffn_hidden_size: int | None = None
     moe_shared_expert_intermediate_size: int | None = None
+    moe_latent_size: int | None = None
     moe_router_num_groups: int | None = None
     moe_router_group_topk: int | None = None
     multi_latent_attention: bool = False
