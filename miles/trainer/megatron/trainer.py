@@ -389,7 +389,8 @@ class MegatronTrainer(RLTrainer):
             head = weight[:self.vocab_size] if weight.shape[0] != self.vocab_size else weight
         return logprobs_and_entropy(h, head, mb.targets if targets is None else targets, temperature=self.temperature,
                                     chunk_size=self.cfg.log_probs_chunk_size, with_entropy=with_entropy,
-                                    entropy_grad=entropy_grad, vocab_shard=self.vocab_shard)
+                                    entropy_grad=entropy_grad, vocab_shard=self.vocab_shard,
+                                    softcap=getattr(self.shape, "final_logit_softcapping", 0.0))
 
     # ------------------------------------------------------------------ training
     def train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:

@@ -171,7 +171,8 @@ def shape_fields(c) -> dict:
         max_position_embeddings=int(t.max_position_embeddings),
         rotary_base=variant.global_theta,            # Miles's --rotary-base (the first rope_theta of config.json)
         norm_epsilon=float(t.rms_norm_eps), qk_layernorm=True, qkv_bias=False,
-        tie_embeddings=tie if multimodal else bool(getattr(t, "tie_word_embeddings", True)), variant=variant)
+        tie_embeddings=tie if multimodal else bool(getattr(t, "tie_word_embeddings", True)),
+        final_logit_softcapping=variant.final_logit_softcapping, variant=variant)
 
 
 # ------------------------------------------------------------------------------------------- flags
