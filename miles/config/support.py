@@ -72,6 +72,8 @@ PARSE_ONLY: dict[str, str] = {
     "ckpt_format": "only torch_dist (Megatron-LM's default, what the Megatron backend writes) is accepted",
     "overlap_cpu_optimizer_d2h_h2d": "a hint: with --optimizer-cpu-offload the copies are non-blocking already",
     "use_precision_aware_optimizer": "AdamW state and master weights are fp32 either way",
+    "moe_enable_deepep": "needs --moe-token-dispatcher-type flex, which the Megatron backend refuses (DeepEP's "
+                         "dispatcher is not wired in yet); where DeepEP (deep_ep) does not import, refused naming it",
 }
 
 

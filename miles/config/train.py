@@ -51,6 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default=d["lr_decay_style"],
                    help="Decay schedule (default: constant with fsdp, linear with megatron).")
     t.add_argument("--lr-warmup-iters", type=int, default=0, help="Optimizer steps of linear warm-up.")
+    t.add_argument("--lr-warmup-init", type=float, default=0.0,
+                   help="Learning rate of the first warm-up step (Megatron's; warm-up rises linearly from it to --lr).")
     t.add_argument("--lr-warmup-fraction", type=float, default=None,
                    help="Warm-up as a fraction of the decay steps (instead of --lr-warmup-iters).")
     t.add_argument("--lr-decay-iters", type=int, default=None, help="Optimizer steps to decay over.")
@@ -142,6 +144,7 @@ class TrainConfig:
     lr_decay_style: str
     lr_warmup_iters: int
     lr_warmup_fraction: float | None
+    lr_warmup_init: float
     lr_decay_iters: int | None
     weight_decay: float
     adam_beta1: float

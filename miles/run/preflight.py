@@ -54,7 +54,9 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 BackendCheck = Callable[["MilesConfig", "dict[str, Any] | None"], None]
-_BACKEND_CHECKS: dict[str, list[BackendCheck | str]] = {"megatron": ["miles.trainer.megatron.options.preflight_check",
+_BACKEND_CHECKS: dict[str, list[BackendCheck | str]] = {"megatron": ["miles.trainer.megatron.spec.preflight_check",
+                                                                    "miles.trainer.megatron.spec.kernels_check",
+                                                                    "miles.trainer.megatron.options.preflight_check",
                                                                     "miles.trainer.megatron.dist_ckpt.preflight_check",
                                                                     "miles.trainer.routing_replay.preflight_check"],
                                                        "fsdp": ["miles.trainer.routing_replay.preflight_check"]}

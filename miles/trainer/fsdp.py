@@ -76,7 +76,7 @@ class FSDPTrainer(RLTrainer):
                                      device=self.policy_param_device)
         self.schedule = LRSchedule(lr=train.lr, min_lr=train.min_lr, style=train.lr_decay_style,
                                    warmup=train.warmup_steps(train.lr_decay_iters or total_steps),
-                                   decay_iters=train.lr_decay_iters or total_steps)
+                                   decay_iters=train.lr_decay_iters or total_steps, init=train.lr_warmup_init)
 
         self._build_frozen()
         self.critic = None
