@@ -16,7 +16,8 @@ docs/trainer.md's family table names those tests.
 
 Families today: ``dense`` (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen3-VL: the generic reader of ``model.py``),
 ``mla`` (multi-latent attention and DeepSeek-style MoE: GLM-4.7-Flash, DeepSeek-V3, Kimi-K2, JoyAI; YaRN in
-``yarn.py``), ``gpt_oss`` (sinks, sliding windows, clamped SwiGLU, biases).
+``yarn.py``), ``gpt_oss`` (sinks, sliding windows, clamped SwiGLU, biases), ``gemma4`` (Gemma 4's dense text
+decoder: its own layer spec, the multimodal checkpoint's ``model.language_model.*`` names, final logit softcapping).
 """
 
 from __future__ import annotations
@@ -61,11 +62,17 @@ class Family:
     core_attention: Callable[[Any], type | None] = _nothing     # the local spec's core attention for "sdpa" (None:
     #                                                             model.SDPACoreAttention)
     adapt_local_spec: Callable[[Any], None] = _nothing   # the local layer/block spec, after the core attention is set
+    local_spec: Callable[[Any, type | None], Any] = _nothing   # (shape, core attention or None: megatron-core's
+    #                                                 unfused) -> the family's own layer spec, used instead of the TE
+    #                                                 and the default local spec (on every device); None: those
     after_build: Callable[[Any, Any], None] = _nothing   # the built model (model, shape), before its first forward
     # --- weights (convert.py, export.py)
     hf_to_megatron: Callable[[str, str, dict, Any], torch.Tensor | None] = _nothing   # (suffix, 'model.layers.L.',
     #                                                                                    hf, shape); None: not its own
     megatron_to_hf: Callable[[str, str, torch.Tensor, Any], list | None] = _nothing  # (suffix, prefix, full, shape)
+    text_prefix: Callable[[Any], str | None] = _nothing  # a multimodal checkpoint trained text-only: the prefix of its
+    #      text decoder's ``model.*`` names (e.g. "model.language_model."): loaded from there, exported (weight sync,
+    #      --save-hf) under it, the checkpoint's other tensors (towers) copied as they are by --save-hf; None: "model."
     column: tuple[str, ...] = ()                # parameter-name endings split over TP on dim 0 ...
     row: tuple[str, ...] = ()                   # ... and on dim 1
     glu_fc1: tuple[str, ...] = ()               # endings holding [gate; up] (each half split over TP on its own)
@@ -79,9 +86,9 @@ class Family:
 
 
 def _load() -> tuple[Family, ...]:
-    from miles.trainer.megatron.families import dense, gpt_oss, mla
+    from miles.trainer.megatron.families import dense, gemma4, gpt_oss, mla
 
-    return dense.FAMILY, mla.FAMILY, gpt_oss.FAMILY
+    return dense.FAMILY, mla.FAMILY, gpt_oss.FAMILY, gemma4.FAMILY
 
 
 ALL: tuple[Family, ...] = _load()

@@ -74,6 +74,8 @@ from dataclasses import dataclass
 
 import torch
 
+from miles.trainer.megatron.families import Family
+
 MODEL_TYPES = {"gemma4": "Gemma 4", "gemma4_text": "Gemma 4"}
 LM_PREFIX = "model.language_model."          # the text decoder in a multimodal checkpoint (model.* in a CausalLM one)
 _OWN = {  # megatron suffix -> HF suffix, per layer (the rest: qkv and fc1, below)
@@ -221,8 +223,7 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 def config_kwargs(shape) -> dict:
     """TransformerConfig arguments of Gemma 4."""
     g = shape.variant
-    kw = dict(activation_func=gelu_tanh, bias_activation_fusion=False, add_bias_linear=False, softmax_scale=1.0,
-              apply_rope_fusion=False)
+    kw = dict(activation_func=gelu_tanh, bias_activation_fusion=False, add_bias_linear=False, softmax_scale=1.0)
     if any(g.sliding_layers):
         kw.update(window_size=(g.sliding_window - 1, 0), window_attn_skip_freq=list(g.sliding_layers))
     return kw
@@ -447,12 +448,6 @@ def exported_buffers(model) -> list[tuple[str, torch.Tensor]]:
     return [(n, b) for n, b in model.named_buffers() if n.endswith(".layer_scalar")]
 
 
-def logit_softcap(shape) -> float:
-    """Final logit softcapping of the log-prob head (0: none)."""
-    g = getattr(shape, "variant", None)
-    return g.final_logit_softcapping if isinstance(g, Gemma4Shape) else 0.0
-
-
 # ------------------------------------------------------------------------------------------- names
 def _qkv_rows(shape, layer: int) -> tuple[int, int, bool, int]:
     """(query rows per group, head size, K=V, groups) of layer ``layer`` (0-based)."""
@@ -496,31 +491,12 @@ def megatron_to_hf(suffix: str, prefix: str, full: torch.Tensor, shape) -> list[
     return None
 
 
-def hf_name(name: str, shape) -> str:
-    """A text decoder name (``model.*``, ``lm_head.weight``) as the checkpoint spells it."""
-    if shape.variant.multimodal and name.startswith("model."):
-        return LM_PREFIX + name[len("model."):]
-    return name
+def text_prefix(shape) -> str | None:
+    """A multimodal checkpoint's text decoder names are under ``model.language_model.`` (None: ``model.``)."""
+    return LM_PREFIX if shape.variant.multimodal else None
 
 
-def text_state(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A checkpoint's text decoder tensors under ``model.*`` (the towers left out)."""
-    if not any(k.startswith(LM_PREFIX) for k in hf):
-        return hf
-    return {"model." + k[len(LM_PREFIX):]: v for k, v in hf.items() if k.startswith(LM_PREFIX)}
-
-
-COLUMN = ()                    # Gemma 4's own tensors split over TP: none (post norms, layer_scalar: replicated)
-
-
-def _family():
-    """Gemma 4's hooks in the registry's ``Family``. Not yet in ``families._load()``: the build needs three things
-    the registry does not give a family yet (a local layer spec built from the shape, the multimodal checkpoint's
-    ``model.language_model.`` prefix in convert/export, and ``ModelShape.final_logit_softcapping`` read by the
-    log-prob head); until then the Megatron backend refuses gemma4 as a family it does not build."""
-    from miles.trainer.megatron.families import Family
-
-    return Family(name="Gemma 4", model_types=MODEL_TYPES, shape_fields=shape_fields, config_kwargs=config_kwargs,
-                  prepare=prepare, core_attention=core_attention, after_build=after_build,
-                  hf_to_megatron=hf_to_megatron, megatron_to_hf=megatron_to_hf, exported_buffers=exported_buffers,
-                  check_flags=check_flags, check_static=check_static)
+FAMILY = Family(name="Gemma 4", model_types=MODEL_TYPES, shape_fields=shape_fields, config_kwargs=config_kwargs,
+                prepare=prepare, core_attention=core_attention, local_spec=layer_spec, after_build=after_build,
+                hf_to_megatron=hf_to_megatron, megatron_to_hf=megatron_to_hf, text_prefix=text_prefix,
+                exported_buffers=exported_buffers, check_flags=check_flags, check_static=check_static)
