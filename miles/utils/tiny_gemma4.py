@@ -13,7 +13,8 @@ quarter of the head (``partial_rotary_factor`` 0.25, theta 1e6); q/k norms, the 
 GeGLU, the embedding scaled by sqrt(hidden), ``layer_scalar``, final logit softcapping (1.0 here, so the tanh
 bends the tiny model's logits). Norm weights and layer scalars are drawn at random (transformers starts them at
 one) so each changes the output. No per-layer embeddings, KV sharing or MoE block (the E2B/E4B and 26B-A4B parts).
-The tokenizer is ``miles.utils.tiny_model``'s.
+The tokenizer is ``miles.utils.tiny_model``'s; the multimodal layout also writes the image processor's
+``preprocessor_config.json``, as the released checkpoints have one.
 """
 
 from __future__ import annotations
@@ -84,4 +85,8 @@ def build_tiny_gemma4(out_dir: str | Path, *, vision: bool = True, seed: int = 0
             layer.layer_scalar.copy_(0.5 + torch.rand(1, generator=gen))
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(str(out), safe_serialization=True)
+    if vision:                           # the checkpoint's image processor config (the released ones ship it)
+        from transformers import Gemma4ImageProcessorPil
+
+        Gemma4ImageProcessorPil(patch_size=4, pooling_kernel_size=2).save_pretrained(str(out))
     return out

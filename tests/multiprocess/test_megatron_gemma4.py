@@ -1,18 +1,23 @@
-"""Gemma 4 (tiny, ``miles.utils.tiny_gemma4``, multimodal layout) on megatron-core, on real gloo ranks (torchrun, CPU).
+"""Gemma 4 (tiny, ``miles.utils.tiny_gemma4``, multimodal layout) on the Megatron backend, on real gloo ranks (torchrun,
+CPU).
 
-``test_gemma4_gpt_matches_hf``: megatron-core's GPTModel with Gemma 4's blocks (``families/gemma4.py``: sandwich
-norms on post-normed RowParallelLinears, the full layers' own head size / KV heads / K=V / proportional RoPE, the
-weightless value norm, attention scale 1, sliding windows, layer scalars, the scaled embedding) loaded by the
-family's names gives transformers' own ``Gemma4ForConditionalGeneration`` log-probs in fp32, at TP 1 and TP 2
-(sequence parallel), on the windowed SDPA core attention and on megatron-core's unfused ``DotProductAttention``
-(``--attention-backend unfused``, Miles's recorded value); rows of 20 tokens are longer than the window (4); every
-parameter gets a finite gradient; the Megatron tensors converted back to HF names equal the checkpoint's bit for bit.
+``test_gemma4_gpt_matches_hf``: the registry's build (``model.build_gpt_model``: ``families/gemma4.py``'s own layer
+spec with sandwich norms on post-normed RowParallelLinears, the full layers' own head size / KV heads / K=V /
+proportional RoPE, the weightless value norm, attention scale 1, sliding windows, layer scalars, the scaled
+embedding), loaded by ``convert.load_hf_into`` from the checkpoint's ``model.language_model.*`` names, with the
+shape's final logit softcapping, gives transformers' own ``Gemma4ForConditionalGeneration`` log-probs in fp32, at
+TP 1 and TP 2 (sequence parallel), on the windowed SDPA core attention and on megatron-core's unfused
+``DotProductAttention`` (``--attention-backend unfused``, Miles's recorded value); rows of 20 tokens are longer than
+the window (4); every parameter gets a finite gradient; the export (``export.iter_hf_buckets``: the weight sync and
+``--save-hf``) is the checkpoint's text decoder, names and bits, and nothing of its vision tower.
 
-The model is built here from the family module's pieces (``layer_spec``, ``config_kwargs``, ``after_build``) until
-the family registry plugs Gemma 4 into ``model.build_gpt_model``; then this worker becomes the shared one of
-``test_megatron_gpt_oss.py`` (the trainer, export, torch_dist and FSDP checks included).
+``test_gemma4_trainer_parity_with_fsdp``: 2 ranks. The FSDP backend (transformers' Gemma4ForConditionalGeneration
+under FSDP2, DP 2) and the Megatron trainer (TP 2, sequence parallel, ``--qkv-format bshd``) train the same 2
+rollouts: log-probs before training, step metrics and the update agree; the export before training equals the
+checkpoint; ``--save-hf`` writes every tensor of the checkpoint (the trained text decoder, the towers as they were)
+and loads in transformers; a torch_dist checkpoint saved and resumed restores the weights bitwise.
 
-``test_gemma4_gpt_matches_hf_on_gpu`` (``gpu``): the same at TP 1 in bf16 on one GPU under real torchrun.
+``test_gemma4_gpt_matches_hf_on_gpu`` (``gpu``): the same build at TP 1 in bf16 on one GPU under real torchrun.
 """
 
 from __future__ import annotations
@@ -130,13 +135,18 @@ def _parity_worker(model_dir: str, out: str) -> None:
     samples = random_samples(4, 4, seed=7, vocab=90)
     mine = samples[:8] if rank == 0 else samples[8:]
     res: dict = {}
-    fsdp = build(model_dir, _flags("fsdp", 1), group=group)
+    # Adam's eps 1e-3 on both backends: at the default 1e-8 the first step lr * g / (|g| + eps) turns the fp32
+    # rounding of the few entries whose gradient is near 1e-8 into up to 2e-4 of update (measured, any softcap);
+    # at 1e-3 the update follows the gradient, so the bounds below compare the two backends' gradients
+    eps = ["--adam-eps", "1e-3"]
+    fsdp = build(model_dir, _flags("fsdp", 1) + eps, group=group)
+    fsdp._mm = [None] * len(samples)                    # a VLM on FSDP: these samples have no images (as train sets)
     fsdp_lp = _all_logprobs(fsdp, samples)
     res["fsdp_metrics"] = [fsdp.train(mine, rid) for rid in range(2)]
     fsdp_sd = fsdp.state_dict_for_check()
     del fsdp
     flags = ("--sequence-parallel", "--qkv-format", "bshd", "--save", str(Path(out).parent / "ckpt"))
-    meg = build(model_dir, _flags("megatron", 2, megatron_flags=flags), group=group)
+    meg = build(model_dir, _flags("megatron", 2, megatron_flags=flags) + eps, group=group)
     init = meg.state_dict_for_check()
     meg_lp = _all_logprobs(meg, samples)
     res["meg_metrics"] = [meg.train(mine, rid) for rid in range(2)]
@@ -160,9 +170,11 @@ def _parity_worker(model_dir: str, out: str) -> None:
         res["save_hf_keys_equal"] = sorted(on_disk) == sorted(hf)
         res["save_hf_towers_equal"] = all(torch.equal(on_disk[k], hf[k]) for k in hf if k not in meg_sd)
         res["export_keys_equal"] = sorted(init) == text == sorted(meg_sd)
-        res["fsdp_keys"] = sorted(fsdp_sd)
+        # FSDP exports parameters only (the layer_scalar buffers, never trained, stay with the engines)
+        res["fsdp_missing"] = sorted(set(meg_sd) - set(fsdp_sd))
         res["export_bitwise"] = all(torch.equal(init[k], hf[k]) for k in text)
-        keys = sorted(meg_sd)
+        keys = sorted(set(meg_sd) & set(fsdp_sd))
+        res["layer_scalar_kept"] = all(torch.equal(meg_sd[k], hf[k]) for k in res["fsdp_missing"])
         deltas = {k: ((meg_sd[k] - hf[k]) - (fsdp_sd[k] - hf[k])).abs().max().item() for k in keys}
         res["update_max_abs_diff"], res["update_worst"] = max(deltas.values()), max(deltas, key=deltas.get)
         num = sum(((meg_sd[k] - fsdp_sd[k]).double() ** 2).sum().item() for k in keys)
@@ -200,6 +212,8 @@ def test_gemma4_trainer_parity_with_fsdp(tiny_gemma4_dir: Path, tmp_path: Path, 
     assert proc.returncode == 0, proc.stdout[-5000:]
     res = torch.load(out, weights_only=False)
     assert res["export_keys_equal"] and res["export_bitwise"], res
+    assert res["fsdp_missing"] and all(k.endswith(".layer_scalar") for k in res["fsdp_missing"]), res
+    assert res["layer_scalar_kept"], res
     assert res["save_hf_text_equal"] and res["save_hf_keys_equal"] and res["save_hf_towers_equal"], res
     assert res["ckpt_reload_bitwise"] and res["resumed_extra"]["rollout_id"] == 1, res
     assert res["lp_max_abs_diff"] < LP_BOUND, res
@@ -210,8 +224,9 @@ def test_gemma4_trainer_parity_with_fsdp(tiny_gemma4_dir: Path, tmp_path: Path, 
     assert res["update_max_abs_diff"] < UPDATE_BOUND and res["update_rel_l2"] < REL_BOUND, res
 
 
-# measured: see below (python -m pytest tests/multiprocess/test_megatron_gemma4.py -k trainer_parity)
-LP_BOUND, UPDATE_BOUND, REL_BOUND = 1e-4, 1e-4, 1e-4
+# measured (OMP_NUM_THREADS=1 python -m pytest tests/multiprocess/test_megatron_gemma4.py -k trainer_parity): log-probs
+# 9.5e-7 apart, the update after 2 steps 6.6e-7 (max abs), 1.9e-5 (relative L2)
+LP_BOUND, UPDATE_BOUND, REL_BOUND = 2e-6, 1.4e-6, 4e-5
 
 
 @pytest.mark.gpu

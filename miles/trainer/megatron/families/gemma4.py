@@ -226,6 +226,8 @@ def config_kwargs(shape) -> dict:
     kw = dict(activation_func=gelu_tanh, bias_activation_fusion=False, add_bias_linear=False, softmax_scale=1.0)
     if any(g.sliding_layers):
         kw.update(window_size=(g.sliding_window - 1, 0), window_attn_skip_freq=list(g.sliding_layers))
+    if 0 < sum(g.sliding_layers) < len(g.sliding_layers):   # sliding and full layers' tensors differ in shape: the
+        kw.update(hetereogenous_dist_checkpoint=True)        # torch_dist checkpoint keys each layer on its own
     return kw
 
 
