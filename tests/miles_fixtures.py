@@ -179,6 +179,11 @@ def build_family_model(out: Path, model: str | None, seed: int = 0) -> Path:
         from miles.utils.tiny_vlm import build_tiny_vlm
 
         return build_tiny_vlm(out, tie_word_embeddings=bool(real.get("tie_word_embeddings", False)))
+    if mt == "gemma4":                 # the multimodal checkpoint (text decoder under model.language_model.*)
+        from miles.utils.tiny_gemma4 import build_tiny_gemma4
+
+        return build_tiny_gemma4(out, seed=seed, final_logit_softcapping=float(
+            real["text_config"].get("final_logit_softcapping") or 0.0) or None)
     if "kv_lora_rank" in real:
         from miles.utils.tiny_mla import build_tiny_mla_model
 

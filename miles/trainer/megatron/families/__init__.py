@@ -83,6 +83,9 @@ class Family:
     #                                                     refuses its own flags on another one
     check_static: Callable[[Any, Any], None] = _nothing  # (options.Options, shape): runs for its own shapes only
     linear_biases: bool = False                 # every linear has a bias (no --disable-bias-linear)
+    bridge_only: bool = False                   # Miles builds it only through Megatron-Bridge (from config.json):
+    #                                             its scripts' shape flags are compared, switches (--swiglu, ...) not
+    #                                             required with --num-layers
 
 
 def _load() -> tuple[Family, ...]:

@@ -179,8 +179,9 @@ def shape_fields(c) -> dict:
 
 # ------------------------------------------------------------------------------------------- flags
 def check_flags(m, shape) -> None:
-    """``--window-size`` / ``--window-attn-skip-freq`` against config.json on a Gemma 4 checkpoint; Miles's recorded
-    Gemma 4 commands pass neither (the bridge reads config.json), so their absence is not an error."""
+    """``--window-size``, ``--softmax-type`` and ``--swiglu`` against config.json on a Gemma 4 checkpoint; Miles's
+    recorded Gemma 4 commands pass none of them, nor ``--swiglu`` / ``--qk-layernorm`` (Megatron-Bridge builds Gemma 4
+    from config.json: ``bridge_only``), so the absence of a switch is not an error."""
     from miles.config.base import ConfigError
 
     g = getattr(shape, "variant", None)
@@ -192,6 +193,9 @@ def check_flags(m, shape) -> None:
         if (left, right) != (g.sliding_window - 1, 0) and (left, right) != (g.sliding_window, 0):
             raise ConfigError(f"--window-size {window} does not match --hf-checkpoint's config.json (sliding_window "
                               f"{g.sliding_window}): fix the flag or drop it (the model shape is read from config.json).")
+    if getattr(m, "swiglu", False):
+        raise ConfigError("--swiglu does not match --hf-checkpoint's config.json (Gemma 4's hidden_activation "
+                          "gelu_pytorch_tanh: GeGLU, read from config.json): drop the flag.")
     if getattr(m, "softmax_type", None) not in (None, "vanilla"):
         raise ConfigError(f"--softmax-type {m.softmax_type} does not match --hf-checkpoint's config.json (Gemma 4, no "
                           "attention sinks): drop the flag.")
@@ -501,4 +505,5 @@ def text_prefix(shape) -> str | None:
 FAMILY = Family(name="Gemma 4", model_types=MODEL_TYPES, shape_fields=shape_fields, config_kwargs=config_kwargs,
                 prepare=prepare, core_attention=core_attention, local_spec=layer_spec, after_build=after_build,
                 hf_to_megatron=hf_to_megatron, megatron_to_hf=megatron_to_hf, text_prefix=text_prefix,
-                exported_buffers=exported_buffers, check_flags=check_flags, check_static=check_static)
+                exported_buffers=exported_buffers, check_flags=check_flags, check_static=check_static,
+                bridge_only=True)
