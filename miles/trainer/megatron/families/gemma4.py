@@ -179,7 +179,7 @@ def shape_fields(c) -> dict:
 
 # ------------------------------------------------------------------------------------------- flags
 def check_flags(m, shape) -> None:
-    """``--window-size``, ``--softmax-type`` and ``--swiglu`` against config.json on a Gemma 4 checkpoint; Miles's
+    """``--window-size``, ``--window-attn-skip-freq``, ``--softmax-type`` and ``--swiglu`` against config.json on a Gemma 4 checkpoint; Miles's
     recorded Gemma 4 commands pass none of them, nor ``--swiglu`` / ``--qk-layernorm`` (Megatron-Bridge builds Gemma 4
     from config.json: ``bridge_only``), so the absence of a switch is not an error."""
     from miles.config.base import ConfigError
@@ -187,12 +187,27 @@ def check_flags(m, shape) -> None:
     g = getattr(shape, "variant", None)
     if m is None or not isinstance(g, Gemma4Shape):
         return
+    from miles.trainer.megatron.moe import parse_layer_freq
+
+    fix = "fix the flag or drop it (the model shape is read from config.json)."
     window = getattr(m, "window_size", None)
     if window is not None:
-        left, right = (int(v) for v in str(window).strip("()[] ").split(","))
+        try:
+            left, right = (int(v) for v in str(window).strip("()[] ").split(","))
+        except ValueError:
+            raise ConfigError(f"--window-size {window!r} is not two integers 'LEFT,RIGHT' such as "
+                              f"'{g.sliding_window - 1},0'.") from None
         if (left, right) != (g.sliding_window - 1, 0) and (left, right) != (g.sliding_window, 0):
             raise ConfigError(f"--window-size {window} does not match --hf-checkpoint's config.json (sliding_window "
-                              f"{g.sliding_window}): fix the flag or drop it (the model shape is read from config.json).")
+                              f"{g.sliding_window}): {fix}")
+    skip = getattr(m, "window_attn_skip_freq", None)
+    if skip is not None:
+        freq = parse_layer_freq(skip, "--window-attn-skip-freq")     # N: every N-th layer (1-indexed) is full
+        n = len(g.sliding_layers)
+        pattern = tuple(int((i + 1) % freq != 0) for i in range(n)) if isinstance(freq, int) else tuple(freq)
+        if pattern != g.sliding_layers:
+            raise ConfigError(f"--window-attn-skip-freq {skip} does not match --hf-checkpoint's config.json "
+                              f"(layer_types (1: sliding_attention) {list(g.sliding_layers)}): {fix}")
     if getattr(m, "swiglu", False):
         raise ConfigError("--swiglu does not match --hf-checkpoint's config.json (Gemma 4's hidden_activation "
                           "gelu_pytorch_tanh: GeGLU, read from config.json): drop the flag.")
