@@ -42,10 +42,8 @@ BACKEND_ONLY: dict[str, BackendOnly] = {
     "qkv_format": BackendOnly("megatron", "thd", "drop it (the FSDP backend packs samples into variable-length "
                                                  "rows: thd)"),
     "megatron_to_hf_mode": BackendOnly("megatron", "raw", "drop it (the FSDP backend trains the HF model itself)"),
-    **{name: BackendOnly("megatron", unset, "drop the LoRA flags, or add --train-backend megatron (miles's LoRA "
-                                            "runs on the Megatron backend)")
-       for name, unset in (("lora_rank", 0), ("lora_alpha", 16), ("lora_dropout", 0.0), ("target_modules", None),
-                           ("exclude_modules", None))},
+    "experts_shared_outer_loras": BackendOnly("megatron", False, "drop it, or add --train-backend megatron (LoRA on "
+                                                                 "MoE experts runs on the Megatron backend)"),
 }
 
 # field -> why the parser accepts it and no plane reads it
@@ -69,6 +67,14 @@ PARSE_ONLY: dict[str, str] = {
     "no_masked_softmax_fusion": "the masked-softmax fusion is never used here (SDPA, or megatron-core's unfused "
                                 "softmax)",
     "no_bias_dropout_fusion": "the fused and unfused bias-dropout-add compute the same sum",
+    "enable_experimental": "Megatron-LM's gate of its experimental features; DeepSeek sparse attention is built from "
+                           "config.json",
+    "allgather_cp": "no effect with --context-parallel-size 1, refused above it (MegatronConfig.validate): Miles's "
+                    "all-gather context parallelism of DeepSeek sparse attention is not built",
+    "data_pad_size_multiplier": "a padding of Miles's packed micro-batches for its kernels; rows are right-padded here "
+                                "and padding changes no log-prob",
+    "rematerialize_param_from_master_weight": "a host-memory saving of Miles's offload; the weights after an onload "
+                                              "are the same either way",
     "ckpt_format": "only torch_dist (Megatron-LM's default, what the Megatron backend writes) is accepted",
     "overlap_cpu_optimizer_d2h_h2d": "a hint: with --optimizer-cpu-offload the copies are non-blocking already",
     "use_precision_aware_optimizer": "AdamW state and master weights are fp32 either way",

@@ -28,7 +28,7 @@ UNSUPPORTED: dict[str, str] = {
     "--custom-model-provider-path": _MODEL_PROVIDER,
     **{f: _LORA for f in (
         "--lora-adapter-path", "--lora-sync-from-tensor", "--lora-base-cpu-backup", "--lora-train-only",
-        "--experts-shared-outer-loras", "--multi-lora-n-adapters", "--multi-lora-adapter", "--multi-lora-idle-poll-s",
+        "--multi-lora-n-adapters", "--multi-lora-adapter", "--multi-lora-idle-poll-s",
         "--multi-lora-http-server-path", "--multi-lora-backend-path", "--multi-lora-api-port",
         "--multi-lora-disable-service-mode", "--multi-lora-max-adapter-global-batch-size",
         "--multi-lora-max-coalesce-wait-s", "--multi-lora-max-empty-wait-s")},

@@ -720,6 +720,12 @@ class _GenericLM:
         self.caches[slot] = None
         self.routes[slot] = None
 
+    def _new_cache(self, cache_cls):
+        """An empty cache for one sequence; DeepSeek sparse attention's layers (config.json's layer_types
+        "indexed_attention": DeepSeek-V3.2, GLM-5) need the cache built from the config, which holds their indexer keys."""
+        layer_types = getattr(getattr(self.model, "config", None), "layer_types", None) or ()
+        return cache_cls(config=self.model.config) if "indexed_attention" in layer_types else cache_cls()
+
     @torch.no_grad()
     def prefill(self, slot_start: int, seqs: list[list[int]], full_for: list[bool]):
         from transformers import DynamicCache
@@ -727,7 +733,7 @@ class _GenericLM:
         last, full = [], []
         for i, s in enumerate(seqs):
             ids = torch.tensor([s], dtype=torch.long, device=self.device)
-            logits, self.caches[slot_start + i] = self._run(ids, DynamicCache(), slot_start + i)
+            logits, self.caches[slot_start + i] = self._run(ids, self._new_cache(DynamicCache), slot_start + i)
             last.append(logits[0, -1].float())
             full.append(logits[0].float() if full_for[i] else None)
         return torch.stack(last), full

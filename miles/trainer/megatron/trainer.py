@@ -256,7 +256,8 @@ class MegatronTrainer(RLTrainer):
         mtp_mod.check_mtp_lora(self.opts)
         g = self.groups
         adapters = lora_mod.attach(self.model, spec, tp_rank=g.tp_rank, tp_size=g.tp_size, tp_group=g.tp,
-                                   seed=self.cfg.seed)
+                                   seed=self.cfg.seed, ep_rank=g.ep_rank, ep_size=g.ep_size, ep_group=g.ep,
+                                   num_experts=self.shape.num_experts or 0)
         n = lora_mod.trainable_count(adapters)
         logger.info("LoRA rank %d alpha %s on %s: %s trainable of %s params (base frozen)", spec.rank, spec.alpha,
                     ",".join(spec.targets), f"{n:,}", f"{self.num_params:,}")
@@ -484,7 +485,7 @@ class MegatronTrainer(RLTrainer):
 
     def _clip_grad_norm(self) -> float:
         if self.lora is not None:
-            lora_mod.finish_grads(self.lora, self.groups.dp, self.groups.dp_size)
+            lora_mod.finish_grads(self.lora, self.groups)
             return lora_mod.clip_grad_norm(self.lora, self.cfg.clip_grad)
         parallel.finish_grads(self.model, self.groups)
         return parallel.clip_grad_norm(self.model, self.groups, self.cfg.clip_grad)

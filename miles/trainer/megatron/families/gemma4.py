@@ -521,4 +521,4 @@ FAMILY = Family(name="Gemma 4", model_types=MODEL_TYPES, shape_fields=shape_fiel
                 prepare=prepare, core_attention=core_attention, local_spec=layer_spec, after_build=after_build,
                 hf_to_megatron=hf_to_megatron, megatron_to_hf=megatron_to_hf, text_prefix=text_prefix,
                 exported_buffers=exported_buffers, check_flags=check_flags, check_static=check_static,
-                bridge_only=True)
+                swiglu=False, bridge_only=True)
