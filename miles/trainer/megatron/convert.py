@@ -29,6 +29,7 @@ from miles.trainer.megatron import families, moe, mtp, vlm
 from miles.trainer.megatron.model import ModelShape
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 _SIMPLE = {  # megatron suffix -> HF suffix, per layer
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
@@ -62,8 +63,11 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], shape: ModelShape, padded_vocab:
     ng = shape.num_query_groups
     if shape.vision and any(k.startswith(vlm.HF_LM_PREFIX) for k in hf):   # Qwen3-VL: the text model's names
         hf = vlm.text_hf_state(hf)
+    fam = shape.family
     for name in names:
-        if vlm.is_vision(name):                 # the vision tower: transformers' own module, names as in HF
+        if _LAYER.match(name) is None and (t := fam.hf_to_megatron(name, "", hf, shape)) is not None:
+            out[name] = _pad_rows(t, padded_vocab) if name in _VOCAB else t   # the family names it (DeepSeek-V4)
+        elif vlm.is_vision(name):               # the vision tower: transformers' own module, names as in HF
             out[name] = hf[vlm.HF_VISION_PREFIX + name[len(vlm.VISION_PREFIX):]]
         elif name == "embedding.word_embeddings.weight":
             out[name] = _pad_rows(hf["model.embed_tokens.weight"], padded_vocab)
@@ -112,6 +116,8 @@ def megatron_to_hf(name: str, full: torch.Tensor, shape: ModelShape) -> list[tup
 
 
 def _megatron_to_hf(name: str, full: torch.Tensor, shape: ModelShape) -> list[tuple[str, torch.Tensor]]:
+    if _LAYER.match(name) is None and (pairs := shape.family.megatron_to_hf(name, "", full, shape)) is not None:
+        return pairs                            # a name the family gives outside the layers (DeepSeek-V4)
     if name == "embedding.word_embeddings.weight":
         return [("model.embed_tokens.weight", full[:shape.vocab_size])] + mtp.shared_copies(name, full, shape)
     if name == "output_layer.weight":

@@ -290,6 +290,8 @@ def build_gpt_model(shape: ModelShape, config, *, padded_vocab: int, device: tor
     fam = shape.family
     fam.prepare(device)
     te = use_transformer_engine(device)
+    if fam.build_model is not None:           # a decoder that is not GPTModel's (families/deepseek_v4.py)
+        return fam.build_model(shape, config, padded_vocab=padded_vocab, device=device, te=te)
     core = (fam.core_attention(shape) or SDPACoreAttention) if core_attention == "sdpa" else None
     if shape.num_experts:           # MoE or dense MLP per layer (moe.py)
         from miles.trainer.megatron.moe import decoder_block_spec

@@ -16,7 +16,8 @@ docs/trainer.md's family table names those tests.
 
 Families today: ``dense`` (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen3-VL: the generic reader of ``model.py``),
 ``mla`` (multi-latent attention and DeepSeek-style MoE: GLM-4.7-Flash, DeepSeek-V3, Kimi-K2, JoyAI; YaRN in
-``yarn.py``), ``gpt_oss`` (sinks, sliding windows, clamped SwiGLU, biases).
+``yarn.py``), ``gpt_oss`` (sinks, sliding windows, clamped SwiGLU, biases), ``deepseek_v4`` (hyper-connections,
+compressed sparse attention, sqrtsoftplus / hash routing: its own decoder, ``dsv4_model.py``).
 """
 
 from __future__ import annotations
@@ -62,9 +63,14 @@ class Family:
     #                                                             model.SDPACoreAttention)
     adapt_local_spec: Callable[[Any], None] = _nothing   # the local layer/block spec, after the core attention is set
     after_build: Callable[[Any, Any], None] = _nothing   # the built model (model, shape), before its first forward
+    build_model: Callable[..., torch.nn.Module] | None = None   # (shape, config, padded_vocab=, device=, te=): a
+    #                                        family whose decoder is not megatron-core's GPTModel builds its own model
+    #                                        (same forward and names as model.HiddenGPTModel); None: GPTModel
     # --- weights (convert.py, export.py)
     hf_to_megatron: Callable[[str, str, dict, Any], torch.Tensor | None] = _nothing   # (suffix, 'model.layers.L.',
     #                                                                                    hf, shape); None: not its own
+    #                                        (a name outside the layers comes whole with prefix '', first, so a
+    #                                        family may name the embedding, output layer and final norm itself)
     megatron_to_hf: Callable[[str, str, torch.Tensor, Any], list | None] = _nothing  # (suffix, prefix, full, shape)
     column: tuple[str, ...] = ()                # parameter-name endings split over TP on dim 0 ...
     row: tuple[str, ...] = ()                   # ... and on dim 1
@@ -79,9 +85,9 @@ class Family:
 
 
 def _load() -> tuple[Family, ...]:
-    from miles.trainer.megatron.families import dense, gpt_oss, mla
+    from miles.trainer.megatron.families import deepseek_v4, dense, gpt_oss, mla
 
-    return dense.FAMILY, mla.FAMILY, gpt_oss.FAMILY
+    return dense.FAMILY, mla.FAMILY, gpt_oss.FAMILY, deepseek_v4.FAMILY
 
 
 ALL: tuple[Family, ...] = _load()
@@ -93,7 +99,6 @@ _BY_TYPE = {mt: f for f in ALL for mt in f.model_types}
 NEAREST = {"kimi_k25": "kimi_k2 (Kimi-K2.5's text model is Kimi-K2's architecture: train a text-only "
                        "kimi_k2/deepseek_v3 checkpoint of it)",
            "deepseek_v32": "deepseek_v3 (DeepSeek-V3.2 adds sparse attention, which is not built)",
-           "deepseek_v4": "deepseek_v3 (DeepSeek-V4's attention is not built)",
            "glm_moe_dsa": "deepseek_v3 (GLM-5 adds DeepSeek sparse attention, which is not built)",
            "qwen3_next": "qwen3_moe (Qwen3-Next's gated DeltaNet layers are not built)",
            "qwen3_5": "qwen3 (Qwen3.5's gated DeltaNet layers are not built)",

@@ -1,9 +1,8 @@
 """The DeepSeek-V4 family (config.json ``model_type: deepseek_v4``) on the Megatron backend: shape, router, names.
 
-    fields = shape_fields(hf_config)        # ModelShape's fields (+ ``dsv4``: Dsv4Shape); ValueError: not built
-    model = deepseek_v4_model.build_dsv4_model(shape, config, padded_vocab=V, device=dev)
-    load_hf_into(model, hf_state_dict, shape, padded_vocab, tp_rank, tp, ep_rank, ep)
-    hf = export_hf(model, shape, groups)    # every tensor under DeepSeek's checkpoint names, full size
+    FAMILY                                  # its hooks (families/__init__.py): shape, config, own model, names
+    fields = shape_fields(hf_config)        # ModelShape's fields (``variant``: Dsv4Shape); ValueError: not built
+    model = dsv4_model.build_dsv4_model(shape, config, padded_vocab=V, device=dev)   # via model.build_gpt_model
 
 Design note: what V4 is, against DeepSeek-V3 (``mla.py``, ``yarn.py``, ``moe.py``), what megatron-core 0.16.1 has
 for it, and what is ours (the reference is transformers 5.24's ``models/deepseek_v4``; Miles v0.1.0 trains it with a
@@ -49,7 +48,12 @@ radixark/miles@v0.1.0:miles_plugins/models/deepseek_v4/):
 
 Checkpoint names: DeepSeek's own (``embed.weight``, ``layers.L.attn.wq_a.weight``, ``layers.L.ffn.experts.E.w1``,
 ``hc_head_fn``, ``head.weight``, ...), or transformers' ``save_pretrained`` spelling of them (``model.`` before the
-layers, ``model.embed_tokens``, ``model.hc_head.hc_fn``): both read, DeepSeek's written (``native_name``).
+layers, ``model.embed_tokens``, ``model.hc_head.hc_fn``): both read, DeepSeek's written and sent to the engines (the
+names SGLang and transformers load). megatron names: ``decoder.layers.L.self_attention.<DeepSeek's attn name>``,
+``hc_attn.fn`` ..., megatron-core's ``mlp.router``/``mlp.experts``/``mlp.shared_experts`` (fc1 = [w1; w3]).
+
+Refused (one line each, ``check_static``): pipeline and context parallelism, TP without ``--sequence-parallel``, MTP
+layers, transformer-engine's layer spec (the attention is ours; megatron-core's experts may still be TE's).
 """
 
 from __future__ import annotations
@@ -59,7 +63,10 @@ from dataclasses import dataclass
 
 import torch
 
-FAMILIES = {"deepseek_v4": "DeepSeek-V4"}
+from miles.config.base import ConfigError
+from miles.trainer.megatron.families import Family
+
+MODEL_TYPES = {"deepseek_v4": "DeepSeek-V4"}
 LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 
 
@@ -87,11 +94,11 @@ class Dsv4Shape:
 
 
 def is_dsv4_config(c) -> bool:
-    return getattr(c, "model_type", None) in FAMILIES
+    return getattr(c, "model_type", None) in MODEL_TYPES
 
 
 def shape_fields(c) -> dict:
-    """``ModelShape``'s fields of a deepseek_v4 config.json, ``dsv4`` holding V4's own (ValueError, one line,
+    """``ModelShape``'s fields of a deepseek_v4 config.json, ``variant`` holding V4's own (``Dsv4Shape``) (ValueError, one line,
     naming what is not built)."""
     if getattr(c, "quantization_config", None):
         raise ValueError("config.json has quantization_config: the Megatron backend loads bf16/fp32 DeepSeek-V4 "
@@ -142,13 +149,13 @@ def shape_fields(c) -> dict:
         moe_shared_ffn_hidden_size=inter * int(getattr(c, "n_shared_experts", 1) or 0),
         moe_score_function="sqrtsoftplus", moe_expert_bias=True,
         moe_topk_scaling=float(getattr(c, "routed_scaling_factor", 1.0) or 1.0),
-        nextn_layers=int(getattr(c, "num_nextn_predict_layers", 0) or 0), dsv4=g)
+        nextn_layers=int(getattr(c, "num_nextn_predict_layers", 0) or 0), variant=g)
 
 
 def inv_freq(s, kind: str) -> torch.Tensor:
     """Inverse frequencies [rope_head_dim / 2] of the ``main`` rotary (``rope_theta``) or the ``compress`` one
     (``compress_rope_theta``, YaRN's ramp with megatron-core's helpers, truncated range as transformers has it)."""
-    g = s.dsv4
+    g = s.variant
     dim = g.rope_head_dim
     base = s.rotary_base if kind == "main" else g.compress_rope_theta
     extra = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
@@ -226,8 +233,6 @@ def router_class():
 
 
 # ------------------------------------------------------------------------------------------- names
-_ATTN = r"(wq_a|q_norm|wq_b|wkv|kv_norm|wo_a|wo_b|compressor\.(?:wkv|wgate|norm)|indexer\.(?:wq_b|weights_proj|" \
-        r"compressor\.(?:wkv|wgate|norm)))\.weight|attn_sink|compressor\.ape|indexer\.compressor\.ape"
 _LAYER = {  # megatron suffix (after decoder.layers.L.) -> DeepSeek suffix (after layers.L.)
     "input_layernorm.weight": "attn_norm.weight", "pre_mlp_layernorm.weight": "ffn_norm.weight",
     "hc_attn.fn": "hc_attn_fn", "hc_attn.base": "hc_attn_base", "hc_attn.scale": "hc_attn_scale",
@@ -239,12 +244,10 @@ _LAYER = {  # megatron suffix (after decoder.layers.L.) -> DeepSeek suffix (afte
 _TOP = {"embedding.word_embeddings.weight": "embed.weight", "output_layer.weight": "head.weight",
         "decoder.final_layernorm.weight": "norm.weight", "hc_head.fn": "hc_head_fn", "hc_head.base": "hc_head_base",
         "hc_head.scale": "hc_head_scale"}
-_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
-_TE_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
-# TP split dim of a megatron name's suffix (None: replicated); the experts are whole on each TP rank (ETP 1)
-_TP_DIM = {"self_attention.wq_b.weight": 0, "self_attention.wo_a.weight": 0, "self_attention.wo_b.weight": 1,
-           "self_attention.attn_sink": 0, "mlp.shared_experts.linear_fc1.weight": 0,
-           "mlp.shared_experts.linear_fc2.weight": 1}
+_EXPERT = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight|(linear_fc[12])\.weight(\d+))$")
+_SHARED_FC1 = "mlp.shared_experts.linear_fc1.weight"
+COLUMN = ("self_attention.wq_b.weight", "self_attention.wo_a.weight", "self_attention.attn_sink", _SHARED_FC1)
+ROW = ("self_attention.wo_b.weight", "mlp.shared_experts.linear_fc2.weight")
 
 
 def native_name(name: str) -> str:
@@ -253,145 +256,109 @@ def native_name(name: str) -> str:
     return name[len("model."):] if name.startswith("model.") else name
 
 
-def _split(name: str) -> tuple[int | None, str]:
-    m = re.match(r"^decoder\.layers\.(\d+)\.(.+)$", name)
-    return (int(m.group(1)), m.group(2)) if m else (None, name)
+def _get(hf: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """``hf[name]`` under DeepSeek's spelling or transformers' (``native_name``)."""
+    if name in hf:
+        return hf[name]
+    for k in ("model." + name, {"embed.weight": "model.embed_tokens.weight"}.get(name),
+              name.replace("hc_head_", "model.hc_head.hc_") if name.startswith("hc_head_") else None):
+        if k is not None and k in hf:
+            return hf[k]
+    raise KeyError(f"--hf-checkpoint has no tensor {name} (DeepSeek-V4's checkpoint names)")
 
 
-def megatron_to_hf(name: str, full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """DeepSeek names and tensors of a full (TP-gathered, EP-free: global expert index) megatron tensor."""
-    layer, rest = _split(name)
-    if layer is None:
-        if rest not in _TOP:
-            raise KeyError(f"DeepSeek-V4: no checkpoint name for {name}")
-        return [(_TOP[rest], full)]
+def _layer_names(suffix: str, layer: str) -> list[str] | None:
+    """DeepSeek names of a megatron layer suffix (two for a [w1; w3] fc1), None: not a V4 name."""
     p = f"layers.{layer}."
-    if rest in _LAYER:
-        return [(p + _LAYER[rest], full)]
-    if rest.startswith("self_attention."):
-        return [(p + "attn." + rest[len("self_attention."):], full)]
-    if rest == "mlp.shared_experts.linear_fc1.weight":
-        w1, w3 = full.chunk(2, dim=0)
-        return [(p + "ffn.shared_experts.w1.weight", w1), (p + "ffn.shared_experts.w3.weight", w3)]
-    m = _EXPERT.match(rest) or _TE_EXPERT.match(rest)
+    if suffix in _LAYER:
+        return [p + _LAYER[suffix]]
+    if suffix.startswith("self_attention."):
+        return [p + "attn." + suffix[len("self_attention."):]]
+    if suffix == _SHARED_FC1:
+        return [p + "ffn.shared_experts.w1.weight", p + "ffn.shared_experts.w3.weight"]
+    m = _EXPERT.match(suffix)
     if m is None:
-        raise KeyError(f"DeepSeek-V4: no checkpoint name for {name}")
-    e, fc = (int(m.group(1)), m.group(2)) if m.re is _EXPERT else (int(m.group(2)), m.group(1))
+        return None
+    e, fc = (m.group(1), m.group(2)) if m.group(1) is not None else (m.group(4), m.group(3))
     if fc == "linear_fc2":
-        return [(f"{p}ffn.experts.{e}.w2.weight", full)]
-    w1, w3 = full.chunk(2, dim=0)
-    return [(f"{p}ffn.experts.{e}.w1.weight", w1), (f"{p}ffn.experts.{e}.w3.weight", w3)]
+        return [f"{p}ffn.experts.{e}.w2.weight"]
+    return [f"{p}ffn.experts.{e}.w1.weight", f"{p}ffn.experts.{e}.w3.weight"]
 
 
-def hf_to_megatron(name: str, hf: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The full megatron tensor of ``name`` (EP-free) from the DeepSeek-named state dict ``hf``."""
-    layer, rest = _split(name)
-    if layer is None:
-        return hf[_TOP[rest]]
-    p = f"layers.{layer}."
-    if rest in _LAYER:
-        return hf[p + _LAYER[rest]]
-    if rest.startswith("self_attention."):
-        return hf[p + "attn." + rest[len("self_attention."):]]
-    if rest == "mlp.shared_experts.linear_fc1.weight":
-        return torch.cat([hf[p + "ffn.shared_experts.w1.weight"], hf[p + "ffn.shared_experts.w3.weight"]])
-    m = _EXPERT.match(rest) or _TE_EXPERT.match(rest)
+def _names(suffix: str, prefix: str) -> list[str] | None:
+    if not prefix:                                  # a name outside the layers (convert.py passes it whole)
+        return [_TOP[suffix]] if suffix in _TOP else None
+    return _layer_names(suffix, prefix.rstrip(".").rsplit(".", 1)[1])
+
+
+def hf_to_megatron(suffix: str, prefix: str, hf: dict[str, torch.Tensor], shape) -> torch.Tensor | None:
+    """The full megatron tensor of ``prefix + suffix`` (``prefix`` 'model.layers.L.', or '' with a whole name) from
+    the checkpoint (EP-free expert index); None: not a V4 name."""
+    names = _names(suffix, prefix)
+    if names is None:
+        return None
+    return torch.cat([_get(hf, n) for n in names]) if len(names) == 2 else _get(hf, names[0])
+
+
+def megatron_to_hf(suffix: str, prefix: str, full: torch.Tensor, shape) -> list[tuple[str, torch.Tensor]] | None:
+    names = _names(suffix, prefix)
+    if names is None:
+        return None
+    if suffix in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        full = full[:shape.vocab_size]
+    return list(zip(names, full.chunk(2, dim=0))) if len(names) == 2 else [(names[0], full)]
+
+
+def exported_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Each router's ``expert_bias`` (``ffn.gate.bias``) and each hash router's ``tid2eid`` (int64: never cast)."""
+    return [(n, b) for n, b in model.named_buffers() if n.endswith((".mlp.router.expert_bias", ".mlp.router.tid2eid"))]
+
+
+# ------------------------------------------------------------------------------------------- model and flags
+def config_kwargs(shape) -> dict:
+    """TransformerConfig arguments: the clamped SwiGLU, the routing scale and the shared expert (megatron-core's
+    router validation needs a score function it knows: ``Dsv4Router`` computes sqrtsoftplus whatever it says)."""
+    if shape.variant is None or not isinstance(shape.variant, Dsv4Shape):
+        return {}
+    return dict(activation_func_clamp_value=shape.variant.swiglu_limit, bias_activation_fusion=False,
+                moe_router_score_function="sigmoid", moe_router_enable_expert_bias=False,
+                moe_router_pre_softmax=False, moe_router_topk_scaling_factor=shape.moe_topk_scaling,
+                moe_shared_expert_intermediate_size=shape.moe_shared_ffn_hidden_size or None)
+
+
+def build_model(shape, config, *, padded_vocab: int, device: torch.device, te: bool):
+    from miles.trainer.megatron.families import dsv4_model
+
+    return dsv4_model.build_dsv4_model(shape, config, padded_vocab=padded_vocab, device=device)
+
+
+def check_static(o, shape) -> None:
+    """What the V4 build does not run (``o``: ``options.Options``)."""
+    for flag, value, bad in (("--pipeline-model-parallel-size", o.pp, o.pp > 1),
+                             ("--context-parallel-size", o.cp, o.cp > 1)):
+        if bad:
+            raise ConfigError(f"{flag} {value} with DeepSeek-V4 is not supported by the Megatron backend (its "
+                              "hyper-connection decoder is built whole on each rank); use tensor, expert and data "
+                              "parallelism.")
+    if shape.mtp_num_layers:
+        raise ConfigError(f"--mtp-num-layers {shape.mtp_num_layers} with DeepSeek-V4 is not supported (transformers "
+                          "builds no V4 MTP layers to check them against); drop it.")
+
+
+def check_flags(m, shape) -> None:
+    """V4's Miles flags against config.json, or refused on another family (one line naming flag and value)."""
     if m is None:
-        raise KeyError(f"DeepSeek-V4: no checkpoint tensor for {name}")
-    e, fc = (int(m.group(1)), m.group(2)) if m.re is _EXPERT else (int(m.group(2)), m.group(1))
-    if fc == "linear_fc2":
-        return hf[f"{p}ffn.experts.{e}.w2.weight"]
-    return torch.cat([hf[f"{p}ffn.experts.{e}.w1.weight"], hf[f"{p}ffn.experts.{e}.w3.weight"]])
+        return
+    g = shape.variant if isinstance(shape.variant, Dsv4Shape) else None
+    clamp = getattr(m, "activation_func_clamp_value", None)
+    if g is None:
+        return
+    if clamp is not None and float(clamp) != g.swiglu_limit:
+        raise ConfigError(f"--activation-func-clamp-value {clamp:g} does not match --hf-checkpoint's config.json "
+                          f"(swiglu_limit {g.swiglu_limit:g}): fix the flag or drop it.")
 
 
-def tp_dim(name: str) -> int | None:
-    layer, rest = _split(name)
-    if layer is None:
-        return 0 if rest in ("embedding.word_embeddings.weight", "output_layer.weight") else None
-    return _TP_DIM.get(rest)
-
-
-def _is_glu(name: str) -> bool:
-    return name.endswith("mlp.shared_experts.linear_fc1.weight")
-
-
-def _shard(name: str, full: torch.Tensor, dim: int, tp: int) -> list[torch.Tensor]:
-    """TP shards of a full tensor; a SwiGLU fc1 [gate; up] gives each rank [its gate rows; its up rows]."""
-    if not _is_glu(name):
-        return list(full.chunk(tp, dim=dim))
-    gate, up = full.chunk(2, dim=0)
-    return [torch.cat([g, u]) for g, u in zip(gate.chunk(tp), up.chunk(tp))]
-
-
-def _unshard(name: str, parts: list[torch.Tensor], dim: int) -> torch.Tensor:
-    if not _is_glu(name):
-        return torch.cat(parts, dim=dim)
-    halves = [p.chunk(2, dim=0) for p in parts]
-    return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
-
-
-def global_name(name: str, ep_rank: int, num_local: int) -> str:
-    layer, rest = _split(name)
-    m = _EXPERT.match(rest)
-    if m is not None:
-        return f"decoder.layers.{layer}.mlp.experts.local_experts.{ep_rank * num_local + int(m.group(1))}." \
-               f"{m.group(2)}.weight"
-    m = _TE_EXPERT.match(rest)
-    if m is not None:
-        return f"decoder.layers.{layer}.mlp.experts.{m.group(1)}.weight{ep_rank * num_local + int(m.group(2))}"
-    return name
-
-
-def _state(model) -> dict[str, torch.Tensor]:
-    """Parameters and persistent buffers (the router's ``expert_bias``, ``tid2eid``) by megatron name."""
-    return {k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")}
-
-
-@torch.no_grad()
-def load_hf_into(model, hf: dict[str, torch.Tensor], padded_vocab: int, tp_rank: int, tp: int, ep_rank: int = 0,
-                 ep: int = 1) -> None:
-    """Copy the DeepSeek-named checkpoint ``hf`` (any of its spellings: ``native_name``) into this rank's shards."""
-    hf = {native_name(k): v for k, v in hf.items()}
-    num_local = model.shape.num_experts // ep
-    for name, t in _state(model).items():
-        full = hf_to_megatron(global_name(name, ep_rank, num_local), hf)
-        if name in ("embedding.word_embeddings.weight", "output_layer.weight") and full.shape[0] < padded_vocab:
-            full = torch.cat([full, full.new_zeros(padded_vocab - full.shape[0], *full.shape[1:])])
-        dim = tp_dim(name)
-        if dim is not None and tp > 1:
-            full = _shard(name, full, dim, tp)[tp_rank]
-        if tuple(full.shape) != tuple(t.shape):
-            raise ValueError(f"DeepSeek-V4 checkpoint: {name} has shape {tuple(full.shape)}, the model "
-                             f"{tuple(t.shape)} (config.json and the weights disagree)")
-        t.copy_(full.to(t.dtype))
-
-
-@torch.no_grad()
-def export_hf(model, vocab_size: int, tp_group=None, ep_group=None) -> dict[str, torch.Tensor]:
-    """Every tensor of the model, full size, under DeepSeek's checkpoint names (collective over TP and EP: every
-    rank of both gets all of them)."""
-    import torch.distributed as dist
-
-    tp = tp_group.size() if tp_group is not None else 1
-    ep = ep_group.size() if ep_group is not None else 1
-    ep_rank = ep_group.rank() if ep_group is not None else 0
-    num_local = model.shape.num_experts // ep
-    out: dict[str, torch.Tensor] = {}
-    for name, t in _state(model).items():
-        t = t.detach()
-        dim = tp_dim(name)
-        if dim is not None and tp > 1:
-            parts = [torch.empty_like(t) for _ in range(tp)]
-            dist.all_gather(parts, t.contiguous(), group=tp_group)
-            t = _unshard(name, parts, dim)
-        names = [global_name(name, ep_rank, num_local)]
-        tensors = [t]
-        if ep > 1 and (_EXPERT.match(_split(name)[1]) or _TE_EXPERT.match(_split(name)[1])):
-            tensors = [torch.empty_like(t) for _ in range(ep)]
-            dist.all_gather(tensors, t.contiguous(), group=ep_group)
-            names = [global_name(name, r, num_local) for r in range(ep)]
-        for n, full in zip(names, tensors):
-            if n in ("embedding.word_embeddings.weight", "output_layer.weight"):
-                full = full[:vocab_size]
-            out.update((k, v.clone()) for k, v in megatron_to_hf(n, full))
-    return out
+FAMILY = Family(
+    name="deepseek_v4", model_types=MODEL_TYPES, shape_fields=shape_fields, config_kwargs=config_kwargs,
+    build_model=build_model, hf_to_megatron=hf_to_megatron, megatron_to_hf=megatron_to_hf, column=COLUMN, row=ROW,
+    glu_fc1=(_SHARED_FC1,), exported_buffers=exported_buffers, check_flags=check_flags, check_static=check_static)

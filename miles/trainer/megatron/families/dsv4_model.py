@@ -1,5 +1,5 @@
 """DeepSeek-V4's decoder on megatron-core: our own modules where megatron-core 0.16.1 has none (the design note is
-``deepseek_v4.py``'s docstring), megatron-core's where it has them.
+``families/deepseek_v4.py``'s docstring), megatron-core's where it has them.
 
     model = build_dsv4_model(shape, config, padded_vocab=V, device=dev)    # HiddenDsv4Model
     hidden = model(input_ids, position_ids, attention_mask=None)          # [s (/ tp under SP), b, h]
@@ -221,11 +221,15 @@ class Indexer(nn.Module):
 
 class Dsv4Attention(nn.Module):
     """transformers' ``DeepseekV4Attention`` (module docstring: what is split over TP). DeepSeek's names: ``wq_a``,
-    ``q_norm``, ``wq_b``, ``wkv``, ``kv_norm``, ``wo_a``, ``wo_b``, ``attn_sink``, ``compressor``, ``indexer``."""
+    ``q_norm``, ``wq_b``, ``wkv``, ``kv_norm`` (DeepSeek's ``norm``), ``wo_a``, ``wo_b``, ``attn_sink``,
+    ``compressor``, ``indexer``. Its torch_dist checkpoint layout: the TP-split tensors by their split dim
+    (``sharded_state_dict``), the rest replicated."""
+
+    TP_AXES = {"wq_b.weight": 0, "wo_a.weight": 0, "wo_b.weight": 1, "attn_sink": 0}
 
     def __init__(self, s, layer: int, tp: int, tp_group, sequence_parallel: bool):
         super().__init__()
-        g = s.dsv4
+        g = s.variant
         self.kind = g.layer_types[layer]
         self.heads = s.num_attention_heads // tp
         self.groups = g.o_groups // tp
@@ -250,6 +254,16 @@ class Dsv4Attention(nn.Module):
             if csa:
                 self.indexer = Indexer(s.hidden_size, g.q_lora_rank, g.index_n_heads, g.index_head_dim, g.index_topk,
                                        rate, s.norm_epsilon)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata: dict | None = None) -> dict:
+        from megatron.core import parallel_state
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, self.TP_AXES,
+                                                   sharded_offsets,
+                                                   tp_group=parallel_state.get_tensor_model_parallel_group(),
+                                                   dp_cp_group=metadata["dp_cp_group"])
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, inv_main: torch.Tensor, inv_compress: torch.Tensor):
         """x [s (/ tp under SP), b, h] -> [s (/ tp), b, h]."""
@@ -307,13 +321,14 @@ class Dsv4Attention(nn.Module):
 
 
 class Dsv4Layer(nn.Module):
-    """One decoder layer over the hyper-connection streams [s, b, n, h]."""
+    """One decoder layer over the hyper-connection streams [s, b, n, h]. Its torch_dist layout: each child's own
+    (megatron-core's MoELayer shards its experts over EP; the attention its TP-split tensors), the rest replicated."""
 
     def __init__(self, s, config, layer: int, tp: int, tp_group, moe_spec):
         super().__init__()
         from megatron.core.transformer.spec_utils import build_module
 
-        g = s.dsv4
+        g = s.variant
         self.layer = layer
         self.hash = layer < g.num_hash_layers
         args = (g.hc_mult, s.hidden_size, g.hc_sinkhorn_iters, g.hc_eps, s.norm_epsilon)
@@ -328,6 +343,9 @@ class Dsv4Layer(nn.Module):
         self.mlp.set_layer_number(layer + 1)
         self.mlp.router.set_hash(self.hash, s.vocab_size)
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata: dict | None = None) -> dict:
+        return _children_sharded(self, prefix, sharded_offsets, metadata)
+
     def forward(self, h: torch.Tensor, positions, inv_main, inv_compress, token_ids) -> torch.Tensor:
         dtype = h.dtype
         post, comb, x = self.hc_attn(h)
@@ -340,6 +358,27 @@ class Dsv4Layer(nn.Module):
         return post.to(dtype).unsqueeze(-1) * m.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), h)
 
 
+def _children_sharded(module: nn.Module, prefix: str, sharded_offsets, metadata) -> dict:
+    """megatron-core's sharded state dict of ``module``'s children (each its own layout, or replicated) and of its
+    ModuleLists' items."""
+    from megatron.core.transformer.utils import sharded_state_dict_default
+
+    out: dict = {}
+    for name, child in module.named_children():
+        items = list(child.named_children()) if isinstance(child, nn.ModuleList) else [(None, child)]
+        for i, sub in items:
+            key = f"{prefix}{name}." if i is None else f"{prefix}{name}.{i}."
+            out.update(sharded_state_dict_default(sub, key, sharded_offsets, metadata))
+    return out
+
+
+class _Decoder(nn.Module):
+    """``decoder.layers`` and ``decoder.final_layernorm`` (GPTModel's names)."""
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata: dict | None = None) -> dict:
+        return _children_sharded(self, prefix, sharded_offsets, metadata)
+
+
 def build_dsv4_model(s, config, *, padded_vocab: int, device: torch.device, te: bool = False):
     """A ``HiddenDsv4Model`` of ``s`` (a ``ModelShape`` with ``dsv4``) on ``device``; weights are loaded by
     ``deepseek_v4.load_hf_into``."""
@@ -348,9 +387,9 @@ def build_dsv4_model(s, config, *, padded_vocab: int, device: torch.device, te: 
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.module import MegatronModule
 
-    from miles.trainer.megatron import deepseek_v4
+    from miles.trainer.megatron.families import deepseek_v4
 
-    g = s.dsv4
+    g = s.variant
     tp = config.tensor_model_parallel_size
     if tp > 1 and not config.sequence_parallel:
         raise ValueError("DeepSeek-V4 with tensor parallelism needs sequence parallelism (its MoE layers do)")
@@ -374,7 +413,7 @@ def build_dsv4_model(s, config, *, padded_vocab: int, device: torch.device, te: 
                                                     max_sequence_length=s.max_position_embeddings,
                                                     position_embedding_type="rope")
             layers = [Dsv4Layer(s, config, i, tp, tp_group, moe_spec) for i in range(s.num_layers)]
-            self.decoder = nn.Module()
+            self.decoder = _Decoder()
             self.decoder.layers = nn.ModuleList(layers)
             self.decoder.final_layernorm = RMSNorm(s.hidden_size, s.norm_epsilon)
             _mark_tp_partial(self.decoder.final_layernorm)
