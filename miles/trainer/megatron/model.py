@@ -46,7 +46,7 @@ class ModelShape:
     moe_norm_topk_prob: bool = True
     moe_layer_pattern: tuple[int, ...] = ()   # 1 per MoE layer, 0 per dense one
     moe_shared_ffn_hidden_size: int = 0       # DeepSeek-style MoE (families/mla.py): shared experts' FFN size (0: none)
-    moe_score_function: str = "softmax"       # router scores: softmax (Qwen3-MoE) or sigmoid (DeepSeek style)
+    moe_score_function: str = "softmax"       # router scores: softmax (Qwen3-MoE), sigmoid (DeepSeek-V3), sqrtsoftplus (V4)
     moe_expert_bias: bool = False             # e_score_correction_bias
     moe_topk_scaling: float = 1.0             # routed_scaling_factor
     moe_num_groups: int = 0                   # n_group (0: no grouped routing)

@@ -46,11 +46,13 @@ radixark/miles@v0.1.0:miles_plugins/models/deepseek_v4/):
  8. MTP (``num_nextn_predict_layers``): transformers does not build it and ignores the checkpoint's ``mtp.*``; so
     does this build (``--mtp-num-layers`` is refused on V4).
 
-Checkpoint names: DeepSeek's own (``embed.weight``, ``layers.L.attn.wq_a.weight``, ``layers.L.ffn.experts.E.w1``,
-``hc_head_fn``, ``head.weight``, ...), or transformers' ``save_pretrained`` spelling of them (``model.`` before the
-layers, ``model.embed_tokens``, ``model.hc_head.hc_fn``): both read, DeepSeek's written and sent to the engines (the
-names SGLang and transformers load). megatron names: ``decoder.layers.L.self_attention.<DeepSeek's attn name>``,
-``hc_attn.fn`` ..., megatron-core's ``mlp.router``/``mlp.experts``/``mlp.shared_experts`` (fc1 = [w1; w3]).
+Names. Read: DeepSeek's checkpoint names (``embed.weight``, ``layers.L.attn.wq_a.weight``, per-expert
+``layers.L.ffn.experts.E.w1/w2/w3``, ``hc_head_fn``, ``head.weight``, with or without ``model.``: transformers'
+``save_pretrained`` writes that spelling) or transformers' own (what ``--save-hf`` writes). Exported (weight sync,
+``--save-hf``): transformers' module names with its fused experts (``mlp.experts.gate_up_proj`` [E, 2I, H] =
+[w1; w3] per expert, ``down_proj`` [E, H, I]), as the FSDP backend exports them and the embedded engine loads them.
+megatron names: ``decoder.layers.L.self_attention.<DeepSeek's attn name>``, ``hc_attn.fn`` ..., megatron-core's
+``mlp.router``/``mlp.experts``/``mlp.shared_experts`` (fc1 = [w1; w3]).
 
 Refused (one line each, ``check_static``): pipeline and context parallelism, TP without ``--sequence-parallel``, MTP
 layers, transformer-engine's layer spec (the attention is ours; megatron-core's experts may still be TE's).
@@ -233,80 +235,107 @@ def router_class():
 
 
 # ------------------------------------------------------------------------------------------- names
-_LAYER = {  # megatron suffix (after decoder.layers.L.) -> DeepSeek suffix (after layers.L.)
-    "input_layernorm.weight": "attn_norm.weight", "pre_mlp_layernorm.weight": "ffn_norm.weight",
-    "hc_attn.fn": "hc_attn_fn", "hc_attn.base": "hc_attn_base", "hc_attn.scale": "hc_attn_scale",
-    "hc_ffn.fn": "hc_ffn_fn", "hc_ffn.base": "hc_ffn_base", "hc_ffn.scale": "hc_ffn_scale",
-    "mlp.router.weight": "ffn.gate.weight", "mlp.router.expert_bias": "ffn.gate.bias",
-    "mlp.router.tid2eid": "ffn.gate.tid2eid", "self_attention.kv_norm.weight": "attn.norm.weight",
-    "mlp.shared_experts.linear_fc2.weight": "ffn.shared_experts.w2.weight",
-}
-_TOP = {"embedding.word_embeddings.weight": "embed.weight", "output_layer.weight": "head.weight",
-        "decoder.final_layernorm.weight": "norm.weight", "hc_head.fn": "hc_head_fn", "hc_head.base": "hc_head_base",
-        "hc_head.scale": "hc_head_scale"}
+# megatron suffix -> (transformers' name: what is exported, DeepSeek's checkpoint name: also read), per layer
+_ATTN = {"wq_a.weight": "q_a_proj.weight", "q_norm.weight": "q_a_norm.weight", "wq_b.weight": "q_b_proj.weight",
+         "wkv.weight": "kv_proj.weight", "kv_norm.weight": "kv_norm.weight", "wo_a.weight": "o_a_proj.weight",
+         "wo_b.weight": "o_b_proj.weight", "attn_sink": "sinks",
+         "compressor.wkv.weight": "compressor.kv_proj.weight", "compressor.wgate.weight": "compressor.gate_proj.weight",
+         "compressor.ape": "compressor.position_bias", "compressor.norm.weight": "compressor.kv_norm.weight",
+         "indexer.compressor.wkv.weight": "compressor.indexer.kv_proj.weight",
+         "indexer.compressor.wgate.weight": "compressor.indexer.gate_proj.weight",
+         "indexer.compressor.ape": "compressor.indexer.position_bias",
+         "indexer.compressor.norm.weight": "compressor.indexer.kv_norm.weight",
+         "indexer.wq_b.weight": "compressor.indexer.q_b_proj.weight",
+         "indexer.weights_proj.weight": "compressor.indexer.scorer.weights_proj.weight"}
+_LAYER = {**{f"self_attention.{k}": (f"self_attn.{v}", f"attn.{'norm.weight' if k == 'kv_norm.weight' else k}")
+             for k, v in _ATTN.items()},
+          "input_layernorm.weight": ("input_layernorm.weight", "attn_norm.weight"),
+          "pre_mlp_layernorm.weight": ("post_attention_layernorm.weight", "ffn_norm.weight"),
+          **{f"hc_{x}.{k}": (f"{x}_hc.{k}", f"hc_{x}_{k}") for x in ("attn", "ffn") for k in ("fn", "base", "scale")},
+          "mlp.router.weight": ("mlp.gate.weight", "ffn.gate.weight"),
+          "mlp.router.expert_bias": ("mlp.gate.e_score_correction_bias", "ffn.gate.bias"),
+          "mlp.router.tid2eid": ("mlp.gate.tid2eid", "ffn.gate.tid2eid"),
+          "mlp.shared_experts.linear_fc2.weight": ("mlp.shared_experts.down_proj.weight", "ffn.shared_experts.w2.weight")}
+_TOP = {"embedding.word_embeddings.weight": ("model.embed_tokens.weight", "embed.weight"),
+        "output_layer.weight": ("lm_head.weight", "head.weight"),
+        "decoder.final_layernorm.weight": ("model.norm.weight", "norm.weight"),
+        **{f"hc_head.{k}": (f"model.hc_head.hc_{k}", f"hc_head_{k}") for k in ("fn", "base", "scale")}}
 _EXPERT = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight|(linear_fc[12])\.weight(\d+))$")
 _SHARED_FC1 = "mlp.shared_experts.linear_fc1.weight"
 COLUMN = ("self_attention.wq_b.weight", "self_attention.wo_a.weight", "self_attention.attn_sink", _SHARED_FC1)
 ROW = ("self_attention.wo_b.weight", "mlp.shared_experts.linear_fc2.weight")
 
 
-def native_name(name: str) -> str:
-    """DeepSeek's checkpoint name of a name as DeepSeek or transformers' ``save_pretrained`` writes it."""
-    name = name.replace("model.embed_tokens.weight", "embed.weight").replace("model.hc_head.hc_", "hc_head_")
-    return name[len("model."):] if name.startswith("model.") else name
+def _get(hf: dict[str, torch.Tensor], names: tuple[str, ...]) -> torch.Tensor:
+    """The first of ``names`` (transformers' spelling, then DeepSeek's, with or without ``model.``) in ``hf``."""
+    for n in names:
+        for k in (n, "model." + n):
+            if k in hf:
+                return hf[k]
+    raise KeyError(f"--hf-checkpoint has no tensor {names[-1]} (nor {names[0]}): not a DeepSeek-V4 checkpoint of "
+                   "this config.json")
 
 
-def _get(hf: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    """``hf[name]`` under DeepSeek's spelling or transformers' (``native_name``)."""
-    if name in hf:
-        return hf[name]
-    for k in ("model." + name, {"embed.weight": "model.embed_tokens.weight"}.get(name),
-              name.replace("hc_head_", "model.hc_head.hc_") if name.startswith("hc_head_") else None):
-        if k is not None and k in hf:
-            return hf[k]
-    raise KeyError(f"--hf-checkpoint has no tensor {name} (DeepSeek-V4's checkpoint names)")
-
-
-def _layer_names(suffix: str, layer: str) -> list[str] | None:
-    """DeepSeek names of a megatron layer suffix (two for a [w1; w3] fc1), None: not a V4 name."""
-    p = f"layers.{layer}."
-    if suffix in _LAYER:
-        return [p + _LAYER[suffix]]
-    if suffix.startswith("self_attention."):
-        return [p + "attn." + suffix[len("self_attention."):]]
-    if suffix == _SHARED_FC1:
-        return [p + "ffn.shared_experts.w1.weight", p + "ffn.shared_experts.w3.weight"]
+def _expert(suffix: str) -> tuple[int, str] | None:
     m = _EXPERT.match(suffix)
     if m is None:
         return None
-    e, fc = (m.group(1), m.group(2)) if m.group(1) is not None else (m.group(4), m.group(3))
-    if fc == "linear_fc2":
-        return [f"{p}ffn.experts.{e}.w2.weight"]
-    return [f"{p}ffn.experts.{e}.w1.weight", f"{p}ffn.experts.{e}.w3.weight"]
-
-
-def _names(suffix: str, prefix: str) -> list[str] | None:
-    if not prefix:                                  # a name outside the layers (convert.py passes it whole)
-        return [_TOP[suffix]] if suffix in _TOP else None
-    return _layer_names(suffix, prefix.rstrip(".").rsplit(".", 1)[1])
+    return (int(m.group(1)), m.group(2)) if m.group(1) is not None else (int(m.group(4)), m.group(3))
 
 
 def hf_to_megatron(suffix: str, prefix: str, hf: dict[str, torch.Tensor], shape) -> torch.Tensor | None:
-    """The full megatron tensor of ``prefix + suffix`` (``prefix`` 'model.layers.L.', or '' with a whole name) from
-    the checkpoint (EP-free expert index); None: not a V4 name."""
-    names = _names(suffix, prefix)
-    if names is None:
+    """The full megatron tensor of ``prefix + suffix`` (``prefix`` 'model.layers.L.', or '' with a name outside the
+    layers) from the checkpoint (EP-free expert index), under transformers' names (fused experts) or DeepSeek's;
+    None: not a V4 name."""
+    if not prefix:
+        return _get(hf, _TOP[suffix]) if suffix in _TOP else None
+    native = "layers." + prefix.rstrip(".").rsplit(".", 1)[1] + "."
+    if suffix in _LAYER:
+        mod, nat = _LAYER[suffix]
+        return _get(hf, (prefix + mod, native + nat))
+    if suffix == _SHARED_FC1:
+        if prefix + "mlp.shared_experts.gate_proj.weight" in hf:
+            return torch.cat([hf[prefix + "mlp.shared_experts.gate_proj.weight"],
+                              hf[prefix + "mlp.shared_experts.up_proj.weight"]])
+        return torch.cat([_get(hf, (native + "ffn.shared_experts.w1.weight",)),
+                          _get(hf, (native + "ffn.shared_experts.w3.weight",))])
+    if (ex := _expert(suffix)) is None:
         return None
-    return torch.cat([_get(hf, n) for n in names]) if len(names) == 2 else _get(hf, names[0])
+    e, fc = ex
+    fused = prefix + ("mlp.experts.gate_up_proj" if fc == "linear_fc1" else "mlp.experts.down_proj")
+    if fused in hf:                                   # transformers' fused experts: [E, 2I, H] ([gate; up]), [E, H, I]
+        return hf[fused][e]
+    if fc == "linear_fc2":
+        return _get(hf, (f"{native}ffn.experts.{e}.w2.weight",))
+    return torch.cat([_get(hf, (f"{native}ffn.experts.{e}.w1.weight",)),
+                      _get(hf, (f"{native}ffn.experts.{e}.w3.weight",))])
 
 
 def megatron_to_hf(suffix: str, prefix: str, full: torch.Tensor, shape) -> list[tuple[str, torch.Tensor]] | None:
-    names = _names(suffix, prefix)
-    if names is None:
+    """transformers' names and tensors (what the FSDP backend exports and the engines load); an expert's under
+    ``<fused name>#<expert>``, joined by ``export_stream``."""
+    if not prefix:
+        if suffix not in _TOP:
+            return None
+        if suffix in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            full = full[:shape.vocab_size]
+        return [(_TOP[suffix][0], full)]
+    if suffix in _LAYER:
+        return [(prefix + _LAYER[suffix][0], full)]
+    if suffix == _SHARED_FC1:
+        gate, up = full.chunk(2, dim=0)
+        return [(prefix + "mlp.shared_experts.gate_proj.weight", gate), (prefix + "mlp.shared_experts.up_proj.weight",
+                                                                         up)]
+    if (ex := _expert(suffix)) is None:
         return None
-    if suffix in ("embedding.word_embeddings.weight", "output_layer.weight"):
-        full = full[:shape.vocab_size]
-    return list(zip(names, full.chunk(2, dim=0))) if len(names) == 2 else [(names[0], full)]
+    e, fc = ex
+    return [(f"{prefix}mlp.experts.{'gate_up_proj' if fc == 'linear_fc1' else 'down_proj'}#{e}", full)]
+
+
+def export_stream(buckets, shape):
+    from miles.trainer.megatron.families.gpt_oss import fuse_experts
+
+    return fuse_experts(buckets, shape.num_experts)
 
 
 def exported_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -361,4 +390,4 @@ def check_flags(m, shape) -> None:
 FAMILY = Family(
     name="deepseek_v4", model_types=MODEL_TYPES, shape_fields=shape_fields, config_kwargs=config_kwargs,
     build_model=build_model, hf_to_megatron=hf_to_megatron, megatron_to_hf=megatron_to_hf, column=COLUMN, row=ROW,
-    glu_fc1=(_SHARED_FC1,), exported_buffers=exported_buffers, check_flags=check_flags, check_static=check_static)
+    glu_fc1=(_SHARED_FC1,), exported_buffers=exported_buffers, export_stream=export_stream, check_flags=check_flags, check_static=check_static)

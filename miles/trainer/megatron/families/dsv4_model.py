@@ -438,4 +438,8 @@ def build_dsv4_model(s, config, *, padded_vocab: int, device: torch.device, te: 
                 h = layer(h, position_ids, self.inv_main, self.inv_compress, token_ids)
             return self.decoder.final_layernorm(self.hc_head(h))
 
-    return HiddenDsv4Model().to(device)
+    model = HiddenDsv4Model()
+    for mod in model.modules():        # our linears in the parameters' dtype; norms, sinks, mHC, biases stay fp32
+        if type(mod) is nn.Linear:
+            mod.to(config.params_dtype)
+    return model.to(device)
