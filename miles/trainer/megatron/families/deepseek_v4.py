@@ -140,9 +140,11 @@ def shape_fields(c) -> dict:
                   sliding_window=int(c.sliding_window), index_n_heads=int(c.index_n_heads),
                   index_head_dim=int(c.index_head_dim), index_topk=int(c.index_topk),
                   swiglu_limit=float(c.swiglu_limit), compress_rope_theta=float(rope["rope_theta"]), yarn=yarn)
+    # num_query_groups = heads: megatron-core's config sees multi-head attention (its TP checks); V4's one KV head is
+    # replicated on every TP rank by our attention
     return dict(
         model_type=c.model_type, num_layers=n, hidden_size=int(c.hidden_size), ffn_hidden_size=inter,
-        num_attention_heads=heads, num_query_groups=1, kv_channels=head_dim, vocab_size=int(c.vocab_size),
+        num_attention_heads=heads, num_query_groups=heads, kv_channels=head_dim, vocab_size=int(c.vocab_size),
         max_position_embeddings=int(c.max_position_embeddings),
         rotary_base=float(c.rope_parameters["main"]["rope_theta"]), norm_epsilon=float(c.rms_norm_eps),
         qk_layernorm=False, qkv_bias=False, tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
@@ -369,6 +371,14 @@ def check_static(o, shape) -> None:
             raise ConfigError(f"{flag} {value} with DeepSeek-V4 is not supported by the Megatron backend (its "
                               "hyper-connection decoder is built whole on each rank); use tensor, expert and data "
                               "parallelism.")
+    g = shape.variant
+    if g.o_groups % o.tp:
+        raise ConfigError(f"--tensor-model-parallel-size {o.tp} does not divide config.json's o_groups {g.o_groups} "
+                          "(DeepSeek-V4's output projection is split over TP by head group); choose a TP size that "
+                          "divides it.")
+    if o.tp > 1 and not o.sequence_parallel:
+        raise ConfigError(f"--tensor-model-parallel-size {o.tp} with DeepSeek-V4 needs --sequence-parallel (its MoE "
+                          "layers run on sequence-split tokens, as megatron-core's MoE does under TP); add it.")
     if shape.mtp_num_layers:
         raise ConfigError(f"--mtp-num-layers {shape.mtp_num_layers} with DeepSeek-V4 is not supported (transformers "
                           "builds no V4 MTP layers to check them against); drop it.")

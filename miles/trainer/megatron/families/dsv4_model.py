@@ -187,7 +187,8 @@ class Indexer(nn.Module):
     """CSA's lightning indexer: its own overlapping compressor at ``index_head_dim``, ``index_n_heads`` queries
     from the q latent (``wq_b``), scores ``sum_h w_h relu(q_h . k)`` (``weights_proj``), top ``index_topk`` of the
     entries a query may see; -1 marks a pick past the query's causal limit. No gradient reaches it through top-k
-    (as in transformers)."""
+    (as in transformers; DeepSeek trains it with a separate KL loss against the attention, which neither backend
+    has): its parameters are frozen."""
 
     def __init__(self, hidden: int, q_lora_rank: int, heads: int, head_dim: int, topk: int, rate: int, eps: float):
         super().__init__()
@@ -197,6 +198,8 @@ class Indexer(nn.Module):
         self.weights_proj = _linear(hidden, heads)
         for m in (self.wq_b, self.weights_proj):
             _mark_tp_partial(m)
+        for p in self.parameters():      # no gradient reaches it (top-k): frozen, so AdamW's weight decay leaves it as
+            p.requires_grad_(False)      # the FSDP backend's optimizer does (a parameter without gradient is skipped)
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor):
         b, s, _ = x.shape
