@@ -54,7 +54,7 @@ Names. Read: DeepSeek's checkpoint names (``embed.weight``, ``layers.L.attn.wq_a
 megatron names: ``decoder.layers.L.self_attention.<DeepSeek's attn name>``, ``hc_attn.fn`` ..., megatron-core's
 ``mlp.router``/``mlp.experts``/``mlp.shared_experts`` (fc1 = [w1; w3]).
 
-Refused (one line each, ``check_static``): pipeline and context parallelism, TP without ``--sequence-parallel``, MTP
+Refused (one line each, ``check_static``): pipeline and context parallelism, a TP size not dividing ``o_groups``, MTP
 layers, transformer-engine's layer spec (the attention is ours; megatron-core's experts may still be TE's).
 """
 
@@ -376,9 +376,6 @@ def check_static(o, shape) -> None:
         raise ConfigError(f"--tensor-model-parallel-size {o.tp} does not divide config.json's o_groups {g.o_groups} "
                           "(DeepSeek-V4's output projection is split over TP by head group); choose a TP size that "
                           "divides it.")
-    if o.tp > 1 and not o.sequence_parallel:
-        raise ConfigError(f"--tensor-model-parallel-size {o.tp} with DeepSeek-V4 needs --sequence-parallel (its MoE "
-                          "layers run on sequence-split tokens, as megatron-core's MoE does under TP); add it.")
     if shape.mtp_num_layers:
         raise ConfigError(f"--mtp-num-layers {shape.mtp_num_layers} with DeepSeek-V4 is not supported (transformers "
                           "builds no V4 MTP layers to check them against); drop it.")
