@@ -663,6 +663,9 @@ class _NativeLM:
         return graph, out
 
 
+_CONFIG_CACHE = ("deepseek_v4",)
+
+
 class _GenericLM:
     """Any HF causal LM: its own forward, one DynamicCache per slot, one request at a time."""
 
@@ -675,6 +678,8 @@ class _GenericLM:
         self.use_graphs = False
         # transformers 5.x renamed ``past_key_values`` to ``cache`` (input and output)
         self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        # DeepSeek-V4's cache layers (sliding window + compressor state per layer type) come from its config
+        self.config_cache = getattr(model.config, "model_type", None) in _CONFIG_CACHE
 
     def _run(self, ids: torch.Tensor, cache, slot: int | None = None, append: bool = False, **model_kw: torch.Tensor):
         """One HF forward of ``ids`` on ``cache`` (``model_kw``: further model inputs, e.g. a VLM's positions and
@@ -727,7 +732,8 @@ class _GenericLM:
         last, full = [], []
         for i, s in enumerate(seqs):
             ids = torch.tensor([s], dtype=torch.long, device=self.device)
-            logits, self.caches[slot_start + i] = self._run(ids, DynamicCache(), slot_start + i)
+            cache = DynamicCache(config=self.model.config) if self.config_cache else DynamicCache()
+            logits, self.caches[slot_start + i] = self._run(ids, cache, slot_start + i)
             last.append(logits[0, -1].float())
             full.append(logits[0].float() if full_for[i] else None)
         return torch.stack(last), full
