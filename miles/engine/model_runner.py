@@ -678,8 +678,6 @@ class _GenericLM:
         self.use_graphs = False
         # transformers 5.x renamed ``past_key_values`` to ``cache`` (input and output)
         self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        # DeepSeek-V4's cache layers (sliding window + compressor state per layer type) come from its config
-        self.config_cache = getattr(model.config, "model_type", None) in _CONFIG_CACHE
 
     def _run(self, ids: torch.Tensor, cache, slot: int | None = None, append: bool = False, **model_kw: torch.Tensor):
         """One HF forward of ``ids`` on ``cache`` (``model_kw``: further model inputs, e.g. a VLM's positions and
@@ -725,6 +723,15 @@ class _GenericLM:
         self.caches[slot] = None
         self.routes[slot] = None
 
+    def _new_cache(self, cache_cls):
+        """An empty cache for one sequence; DeepSeek sparse attention's layers (config.json's layer_types
+        "indexed_attention": DeepSeek-V3.2, GLM-5) need the cache built from the config, which holds their indexer keys,
+        and so do DeepSeek-V4's (sliding window plus compressor state per layer type)."""
+        config = getattr(self.model, "config", None)
+        layer_types = getattr(config, "layer_types", None) or ()
+        own = "indexed_attention" in layer_types or getattr(config, "model_type", None) in _CONFIG_CACHE
+        return cache_cls(config=self.model.config) if own else cache_cls()
+
     @torch.no_grad()
     def prefill(self, slot_start: int, seqs: list[list[int]], full_for: list[bool]):
         from transformers import DynamicCache
@@ -732,8 +739,7 @@ class _GenericLM:
         last, full = [], []
         for i, s in enumerate(seqs):
             ids = torch.tensor([s], dtype=torch.long, device=self.device)
-            cache = DynamicCache(config=self.model.config) if self.config_cache else DynamicCache()
-            logits, self.caches[slot_start + i] = self._run(ids, cache, slot_start + i)
+            logits, self.caches[slot_start + i] = self._run(ids, self._new_cache(DynamicCache), slot_start + i)
             last.append(logits[0, -1].float())
             full.append(logits[0].float() if full_for[i] else None)
         return torch.stack(last), full

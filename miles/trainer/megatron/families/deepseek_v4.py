@@ -357,8 +357,14 @@ def config_kwargs(shape) -> dict:
                 moe_shared_expert_intermediate_size=shape.moe_shared_ffn_hidden_size or None)
 
 
-def build_model(shape, config, *, padded_vocab: int, device: torch.device, te: bool):
+def build_model(shape, config, *, padded_vocab: int, device: torch.device, pre_process: bool = True,
+                post_process: bool = True, **_):
+    """The family's ``build_model`` hook: ``dsv4_model.HiddenDsv4Model`` (one pipeline stage only: PP is refused;
+    its attention is its own, so the core attention ``model.build_gpt_model`` offers is not used)."""
     from miles.trainer.megatron.families import dsv4_model
+
+    if not (pre_process and post_process):
+        raise ValueError("DeepSeek-V4 is built whole on each rank (pipeline parallelism is refused)")
 
     return dsv4_model.build_dsv4_model(shape, config, padded_vocab=padded_vocab, device=device)
 
