@@ -66,7 +66,8 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], shape: ModelShape, padded_vocab:
         hf = vlm.text_hf_state(hf)
     fam = shape.family
     for name in names:
-        if _LAYER.match(name) is None and (t := fam.hf_to_megatron(name, "", hf, shape)) is not None:
+        if fam.hooks_name_top and _LAYER.match(name) is None and (t := fam.hf_to_megatron(name, "", hf,
+                                                                                       shape)) is not None:
             out[name] = _pad_rows(t, padded_vocab) if name in _VOCAB else t   # the family names it (DeepSeek-V4)
         elif vlm.is_vision(name):               # the vision tower: transformers' own module, names as in HF
             out[name] = hf[vlm.HF_VISION_PREFIX + name[len(vlm.VISION_PREFIX):]]
@@ -120,7 +121,8 @@ def _megatron_to_hf(name: str, full: torch.Tensor, shape: ModelShape) -> list[tu
     if name in shape.family.top_names:         # the family's names outside the layers (Nemotron-H: backbone.*)
         return [(shape.family.top_names[name], full[:shape.vocab_size] if name in (
             "embedding.word_embeddings.weight", "output_layer.weight") else full)]
-    if _LAYER.match(name) is None and (pairs := shape.family.megatron_to_hf(name, "", full, shape)) is not None:
+    if shape.family.hooks_name_top and _LAYER.match(name) is None and (
+            pairs := shape.family.megatron_to_hf(name, "", full, shape)) is not None:
         return pairs                            # a name the family gives outside the layers (DeepSeek-V4)
     if name == "embedding.word_embeddings.weight":
         return [("model.embed_tokens.weight", full[:shape.vocab_size])] + mtp.shared_copies(name, full, shape)

@@ -73,8 +73,8 @@ class Family:
     # --- weights (convert.py, export.py)
     hf_to_megatron: Callable[[str, str, dict, Any], torch.Tensor | None] = _nothing   # (suffix, 'model.layers.L.',
     #                                                                                    hf, shape); None: not its own
-    #                                        (a name outside the layers comes whole with prefix '', first, so a
-    #                                        family may name the embedding, output layer and final norm itself)
+    hooks_name_top: bool = False                # the two hooks above also take the names outside the layers (whole,
+    #                                             prefix ''), before top_names and the generic ones (DeepSeek-V4)
     megatron_to_hf: Callable[[str, str, torch.Tensor, Any], list | None] = _nothing  # (suffix, prefix, full, shape)
     column: tuple[str, ...] = ()                # parameter-name endings split over TP on dim 0 ...
     row: tuple[str, ...] = ()                   # ... and on dim 1

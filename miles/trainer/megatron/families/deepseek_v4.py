@@ -402,5 +402,6 @@ def check_flags(m, shape) -> None:
 
 FAMILY = Family(
     name="deepseek_v4", model_types=MODEL_TYPES, shape_fields=shape_fields, config_kwargs=config_kwargs,
-    build_model=build_model, hf_to_megatron=hf_to_megatron, megatron_to_hf=megatron_to_hf, column=COLUMN, row=ROW,
+    build_model=build_model, hf_to_megatron=hf_to_megatron, megatron_to_hf=megatron_to_hf, hooks_name_top=True,
+    column=COLUMN, row=ROW,
     glu_fc1=(_SHARED_FC1,), exported_buffers=exported_buffers, export_stream=export_stream, check_flags=check_flags, check_static=check_static)
