@@ -168,8 +168,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "with --multi-latent-attention, where yarn of factor 1 is plain rope).")
     for dest in _ROPE_FLOATS:
         g.add_argument(flag(dest), type=float, default=None, help=_HELP[dest], metavar="X")
-    g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default=None,
-                   help="MoE router scores (Qwen3-MoE: softmax; GLM-4.7-Flash, DeepSeek-V3: sigmoid).")
+    g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid", "sqrtsoftplus"], default=None,
+                   help="MoE router scores (Qwen3-MoE: softmax; GLM-4.7-Flash, DeepSeek-V3: sigmoid; DeepSeek-V4: "
+                        "sqrtsoftplus, sqrt(softplus(logits))); must match config.json.")
     g.add_argument("--moe-router-load-balancing-type", nargs="+", default=None,
                    choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"],
                    help="MoE load balancing (Megatron-LM's default aux_loss; no effect with --moe-aux-loss-coeff 0).")

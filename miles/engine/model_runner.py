@@ -663,6 +663,9 @@ class _NativeLM:
         return graph, out
 
 
+_CONFIG_CACHE = ("deepseek_v4",)
+
+
 class _GenericLM:
     """Any HF causal LM: its own forward, one DynamicCache per slot, one request at a time."""
 
@@ -722,9 +725,12 @@ class _GenericLM:
 
     def _new_cache(self, cache_cls):
         """An empty cache for one sequence; DeepSeek sparse attention's layers (config.json's layer_types
-        "indexed_attention": DeepSeek-V3.2, GLM-5) need the cache built from the config, which holds their indexer keys."""
-        layer_types = getattr(getattr(self.model, "config", None), "layer_types", None) or ()
-        return cache_cls(config=self.model.config) if "indexed_attention" in layer_types else cache_cls()
+        "indexed_attention": DeepSeek-V3.2, GLM-5) need the cache built from the config, which holds their indexer keys,
+        and so do DeepSeek-V4's (sliding window plus compressor state per layer type)."""
+        config = getattr(self.model, "config", None)
+        layer_types = getattr(config, "layer_types", None) or ()
+        own = "indexed_attention" in layer_types or getattr(config, "model_type", None) in _CONFIG_CACHE
+        return cache_cls(config=self.model.config) if own else cache_cls()
 
     @torch.no_grad()
     def prefill(self, slot_start: int, seqs: list[list[int]], full_for: list[bool]):

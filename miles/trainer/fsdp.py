@@ -174,10 +174,13 @@ class FSDPTrainer(RLTrainer):
     @staticmethod
     def _as_rows(model, mb: MicroBatch) -> bool:
         """Run a micro-batch of several samples as right-padded rows rather than one packed row: without
-        varlen attention (SDPA), when the padding at most doubles the tokens. SDPA then needs no [T, T]
+        varlen attention (SDPA), when the padding at most doubles the tokens; always for a model that cannot be
+        packed (``modeling.NO_PACKING``). SDPA then needs no [T, T]
         block-diagonal mask (building and applying it dominated small steps on CPU); same values up to
         float rounding (tests/unit/trainer/test_logprobs_packing.py compares packed and unpacked)."""
         k = int(mb.cu_seqlens.numel()) - 1
+        if k >= 2 and getattr(model.lm.config, "model_type", None) in modeling.NO_PACKING:
+            return True                                  # DeepSeek-V4: never packed (modeling.NO_PACKING)
         if k < 2 or model.lm.config._attn_implementation == modeling.VARLEN_ATTN:
             return False
         return k * int(mb.max_seqlen) <= 2 * mb.num_tokens

@@ -13,7 +13,8 @@ forward, and shard it with FSDP2.
   sliding window, a varlen flash-attention function is registered with transformers as
   ``miles_varlen`` and reads ``cu_seq_lens_q``/``max_length_q`` of the packed row; elsewhere SDPA with
   the block-diagonal mask transformers derives from the restarting ``position_ids`` (eager attention with that
-  mask for gpt-oss, whose sinks transformers computes only there).
+  mask for gpt-oss, whose sinks transformers computes only there; DeepSeek-V4: eager, one right-padded row per
+  sample, ``NO_PACKING``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ from miles.utils.logging import get_logger
 logger = get_logger(__name__)
 
 PREFIX = "lm."
-EAGER_ONLY = ("gpt_oss",)     # transformers' gpt-oss has no SDPA path (its attention sinks): eager attention
+EAGER_ONLY = ("gpt_oss", "deepseek_v4")   # no SDPA path in transformers (attention sinks; V4's compressed entries)
+# models whose forward cannot take several samples packed in one row: DeepSeek-V4's compressors pool windows of the
+# row and see earlier windows whatever the position ids say (each sample runs as its own right-padded row)
+NO_PACKING = ("deepseek_v4",)
 VARLEN_ATTN = "miles_varlen"
 _registered = False
 

@@ -35,8 +35,10 @@ def _torchrun(nproc: int, port: int, *args: str, timeout: int = 300) -> subproce
     return torchrun_self(HERE, nproc, port, *args, timeout=timeout)
 
 
-def _gpt_worker(model_dir: str, out: str, ep: int = 1) -> None:
-    """TP = world size (``ep`` 1), or TP 1 x EP = world size (the experts split over the ranks, all-to-all)."""
+def _gpt_worker(model_dir: str, out: str, ep: int = 1, reference: str = "disk") -> None:
+    """TP = world size (``ep`` 1), or TP 1 x EP = world size (the experts split over the ranks, all-to-all).
+    Shared with the other families' tests (test_megatron_dsv4.py): ``reference`` "transformers" compares the export
+    with the state dict transformers loads rather than the safetensors file."""
     import torch
     import torch.distributed as dist
     from safetensors.torch import load_file
@@ -77,15 +79,22 @@ def _gpt_worker(model_dir: str, out: str, ep: int = 1) -> None:
     if ep == 1:
         parallel.finish_grads(gpt, groups)
     grads_ok = all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in gpt.parameters())
+    no_grad = [n for n, p in gpt.named_parameters() if p.grad is None]      # (EP: no finish_grads zero-fill)
+    finite_ok = all(bool(torch.isfinite(p.grad).all()) for p in gpt.parameters() if p.grad is not None)
     logits = logits.detach()
 
     exported = [pair for bucket in export.iter_hf_buckets(gpt, shape, groups, device=cpu, bucket_bytes=1 << 14)
                 for pair in bucket]
-    disk = load_file(str(Path(model_dir) / "model.safetensors"))
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    # what the export must equal: the checkpoint's tensors, or (a checkpoint named otherwise than transformers names
+    # its modules: DeepSeek-V4's) the state dict transformers loads from it
+    disk = load_file(str(Path(model_dir) / "model.safetensors")) if reference == "disk" else {
+        n: t.detach().clone() for n, t in hf.state_dict().items()}
     same = [n for n, t in exported if n in disk and disk[n].dtype == t.dtype and torch.equal(disk[n], t)]
     with torch.no_grad():                  # the full gradients in HF names: the export of p.grad in place of p
         for p in gpt.parameters() if ep == 1 else ():
-            p.data, p.grad = p.grad, p.data
+            if p.grad is not None:         # (a frozen parameter, DeepSeek-V4's indexer: its weight stands in)
+                p.data, p.grad = p.grad, p.data
         grads = {n: t.clone() for bucket in export.iter_hf_buckets(gpt, shape, groups, device=cpu, bucket_bytes=1 << 14)
                  for n, t in bucket}
     if rank == 0 and ep == 1:
@@ -93,13 +102,12 @@ def _gpt_worker(model_dir: str, out: str, ep: int = 1) -> None:
 
         save_file(grads, str(Path(out).with_suffix(".grads.safetensors")))
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
         ref = hf(input_ids=ids).logits
     if rank == 0:
         Path(out).write_text(json.dumps({
             "max_abs_err": float((logits - ref).abs().max()), "ref_scale": float(ref.abs().max()),
-            "grads_ok": grads_ok, "exported": [n for n, _ in exported], "same": same, "disk": sorted(disk)}))
+            "grads_ok": grads_ok, "no_grad": no_grad, "finite_ok": finite_ok, "exported": [n for n, _ in exported], "same": same, "disk": sorted(disk)}))
     dist.destroy_process_group()
 
 
@@ -279,7 +287,7 @@ def test_gpt_oss_matches_hf_on_gpu_bf16(tiny_gpt_oss_dir: Path, tmp_path: Path, 
 
 if __name__ == "__main__":
     if sys.argv[1] == "gpt":
-        _gpt_worker(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:5]))
+        _gpt_worker(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:5]), *sys.argv[5:6])
     elif sys.argv[1] == "parity":
         _parity_worker(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "gpu":

@@ -31,6 +31,7 @@ from miles.trainer.megatron import families, moe, mtp, vlm
 from miles.trainer.megatron.model import ModelShape
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 _SIMPLE = {  # megatron suffix -> HF suffix, per layer
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
@@ -66,8 +67,12 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], shape: ModelShape, padded_vocab:
     if shape.vision and any(k.startswith(vlm.HF_LM_PREFIX) for k in hf):   # Qwen3-VL: the text model's names
         hf = vlm.text_hf_state(hf)
     hf = text_state(hf, shape)
+    fam = shape.family
     for name in names:
-        if vlm.is_vision(name):                 # the vision tower: transformers' own module, names as in HF
+        if fam.hooks_name_top and _LAYER.match(name) is None and (t := fam.hf_to_megatron(name, "", hf,
+                                                                                       shape)) is not None:
+            out[name] = _pad_rows(t, padded_vocab) if name in _VOCAB else t   # the family names it (DeepSeek-V4)
+        elif vlm.is_vision(name):               # the vision tower: transformers' own module, names as in HF
             out[name] = hf[vlm.HF_VISION_PREFIX + name[len(vlm.VISION_PREFIX):]]
         elif name == "embedding.word_embeddings.weight":
             out[name] = _pad_rows(hf[top.get(name, "model.embed_tokens.weight")], padded_vocab)
@@ -134,6 +139,9 @@ def _megatron_to_hf(name: str, full: torch.Tensor, shape: ModelShape) -> list[tu
     if name in shape.family.top_names:         # the family's names outside the layers (Nemotron-H: backbone.*)
         return [(shape.family.top_names[name], full[:shape.vocab_size] if name in (
             "embedding.word_embeddings.weight", "output_layer.weight") else full)]
+    if shape.family.hooks_name_top and _LAYER.match(name) is None and (
+            pairs := shape.family.megatron_to_hf(name, "", full, shape)) is not None:
+        return pairs                            # a name the family gives outside the layers (DeepSeek-V4)
     if name == "embedding.word_embeddings.weight":
         return [("model.embed_tokens.weight", full[:shape.vocab_size])] + mtp.shared_copies(name, full, shape)
     if name == "output_layer.weight":

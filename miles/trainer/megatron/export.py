@@ -98,8 +98,8 @@ def _finish_each(pend: _Pending, groups: Groups, shape: ModelShape, device: torc
     offset = 0
     for name, p in pend.bucket:
         dim = partition_dim(name) if tp > 1 else None
-        if dim is None:
-            full = p.detach().to(device=device, dtype=dtype or p.dtype)
+        if dim is None:                              # an integer buffer (DeepSeek-V4's tid2eid) keeps its dtype
+            full = p.detach().to(device=device, dtype=dtype if dtype is not None and p.is_floating_point() else p.dtype)
         else:
             n = p.numel()
             shards = [gathered[r, offset:offset + n].view(p.shape).to(dtype or p.dtype) for r in range(tp)]

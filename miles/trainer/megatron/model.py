@@ -47,7 +47,7 @@ class ModelShape:
     moe_norm_topk_prob: bool = True
     moe_layer_pattern: tuple[int, ...] = ()   # 1 per MoE layer, 0 per dense one
     moe_shared_ffn_hidden_size: int = 0       # DeepSeek-style MoE (families/mla.py): shared experts' FFN size (0: none)
-    moe_score_function: str = "softmax"       # router scores: softmax (Qwen3-MoE) or sigmoid (DeepSeek style)
+    moe_score_function: str = "softmax"       # router scores: softmax (Qwen3-MoE), sigmoid (DeepSeek-V3), sqrtsoftplus (V4)
     moe_expert_bias: bool = False             # e_score_correction_bias
     moe_topk_scaling: float = 1.0             # routed_scaling_factor
     moe_num_groups: int = 0                   # n_group (0: no grouped routing)
@@ -298,7 +298,8 @@ def build_gpt_model(shape: ModelShape, config, *, padded_vocab: int, device: tor
     fam.prepare(device)
     te = use_transformer_engine(device)
     core = (fam.core_attention(shape) or SDPACoreAttention) if core_attention == "sdpa" else None
-    if fam.build_model is not None:         # a family with its own model (Nemotron-H: megatron-core's MambaModel)
+    if fam.build_model is not None:         # a family with its own model (Nemotron-H: megatron-core's MambaModel;
+        #                                     DeepSeek-V4: its hyper-connection decoder)
         if core is None:
             from megatron.core.transformer.dot_product_attention import DotProductAttention as core
         return fam.build_model(shape, config, padded_vocab=padded_vocab, device=device, core_attention=core,

@@ -1,5 +1,6 @@
-"""The MoE router's flags against config.json, for every MoE family: Qwen3-MoE's softmax router without bias, or
-the DeepSeek-style sigmoid router with expert bias, top-k scaling, groups and shared experts (``families/mla.py``).
+"""The MoE router's flags against config.json, for every MoE family: Qwen3-MoE's softmax router without bias, the
+DeepSeek-style sigmoid router with expert bias, top-k scaling, groups and shared experts (``families/mla.py``), or
+DeepSeek-V4's sqrtsoftplus router (``families/deepseek_v4.py``).
 
     check_router_shape(cfg.megatron, shape)   # --moe-router-score-function softmax vs config.json's sigmoid router
 """
@@ -45,8 +46,9 @@ def check_router_shape(m, shape) -> None:
     if m.num_layers is None:
         return
     for name, given, key, cv, needed in (
-            ("--moe-router-score-function sigmoid", m.moe_router_score_function == "sigmoid", "router scores",
-             "sigmoid", shape.moe_score_function == "sigmoid"),
+            (f"--moe-router-score-function {shape.moe_score_function}",
+             m.moe_router_score_function == shape.moe_score_function, "router scores", shape.moe_score_function,
+             shape.moe_score_function != "softmax"),
             ("--moe-router-enable-expert-bias", m.moe_router_enable_expert_bias, "e_score_correction_bias",
              "present", shape.moe_expert_bias),
             ("--moe-shared-expert-intermediate-size", shared is not None, "moe_intermediate_size x n_shared_experts",

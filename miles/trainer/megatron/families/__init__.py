@@ -20,7 +20,9 @@ Families today: ``dense`` (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen3-VL: the generic
 DeepSeek-V3.2, GLM-5 / 5.1 / 5.2; mla's plus megatron-core's DSAttention), ``nemotron_h`` (hybrid Mamba-2 /
 attention / latent MoE on megatron-core's MambaModel; the torch Mamba-2 scan and mixer in ``mamba.py``),
 ``gemma4`` (Gemma 4's dense text decoder: its own layer spec, the multimodal checkpoint's
-``model.language_model.*`` names, final logit softcapping).
+``model.language_model.*`` names, final logit softcapping),
+``deepseek_v4`` (hyper-connections, compressed sparse attention, sqrtsoftplus / hash routing: its own decoder,
+``dsv4_model.py``).
 """
 
 from __future__ import annotations
@@ -76,6 +78,8 @@ class Family:
     # --- weights (convert.py, export.py)
     hf_to_megatron: Callable[[str, str, dict, Any], torch.Tensor | None] = _nothing   # (suffix, 'model.layers.L.',
     #                                                                                    hf, shape); None: not its own
+    hooks_name_top: bool = False                # the two hooks above also take the names outside the layers (whole,
+    #                                             prefix ''), before top_names and the generic ones (DeepSeek-V4)
     megatron_to_hf: Callable[[str, str, torch.Tensor, Any], list | None] = _nothing  # (suffix, prefix, full, shape)
     text_prefix: Callable[[Any], str | None] = _nothing  # a multimodal checkpoint trained text-only: the prefix of its
     #      text decoder's ``model.*`` names (e.g. "model.language_model."): loaded from there, exported (weight sync,
@@ -102,9 +106,10 @@ class Family:
 
 
 def _load() -> tuple[Family, ...]:
-    from miles.trainer.megatron.families import dense, dsa, gemma4, gpt_oss, mla, nemotron_h
+    from miles.trainer.megatron.families import deepseek_v4, dense, dsa, gemma4, gpt_oss, mla, nemotron_h
 
-    return dense.FAMILY, mla.FAMILY, gpt_oss.FAMILY, dsa.FAMILY, nemotron_h.FAMILY, gemma4.FAMILY
+    return (dense.FAMILY, mla.FAMILY, gpt_oss.FAMILY, dsa.FAMILY, nemotron_h.FAMILY, gemma4.FAMILY,
+            deepseek_v4.FAMILY)
 
 
 ALL: tuple[Family, ...] = _load()
@@ -115,7 +120,6 @@ _BY_TYPE = {mt: f for f in ALL for mt in f.model_types}
 # model types no family builds whose nearest family is not the closest spelling (a family's helper removes its row)
 NEAREST = {"kimi_k25": "kimi_k2 (Kimi-K2.5's text model is Kimi-K2's architecture: train a text-only "
                        "kimi_k2/deepseek_v3 checkpoint of it)",
-           "deepseek_v4": "deepseek_v3 (DeepSeek-V4's attention is not built)",
            "qwen3_next": "qwen3_moe (Qwen3-Next's gated DeltaNet layers are not built)",
            "qwen3_5": "qwen3 (Qwen3.5's gated DeltaNet layers are not built)",
            "qwen3_5_moe": "qwen3_moe (Qwen3.5's gated DeltaNet layers are not built)",
