@@ -1,0 +1,95 @@
+"""Tiny Qwen3.5-MoE / Qwen3-Next models built locally (no hub): transformers' ``Qwen3_5MoeForCausalLM`` and
+``Qwen3NextForCausalLM`` at test size.
+
+    build_tiny_qwen35_model("/tmp/q35")                  # qwen3_5_moe_text: 4 layers, 3 gated DeltaNet + 1 gated attention
+    build_tiny_qwen35_model("/tmp/qn", kind="qwen3_next") # the same shape as Qwen3-Next (fused in_proj_qkvz / in_proj_ba)
+
+Every part of the family is present at this size: ``layer_types`` (``full_attention_interval`` 4: linear, linear,
+linear, full), the gated DeltaNet (``linear_num_value_heads`` twice ``linear_num_key_heads``, so each q/k head serves
+two value heads; a depthwise causal conv of ``linear_conv_kernel_dim``; ``A_log``, ``dt_bias``; the gated RMSNorm),
+the gated full attention (``q_proj`` holds each head's query and output gate; q/k norms; partial rotary, a quarter
+of ``head_dim``), the (1 + w) RMSNorms, MoE with a sigmoid-gated shared expert. Norm weights, ``dt_bias`` and the
+router are drawn at random (transformers starts them at 0 / 1) so each part changes the output. ``mtp.*`` weights
+are not written (transformers neither builds nor saves them). The tokenizer is ``miles.utils.tiny_model``'s.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+KINDS = ("qwen3_5_moe", "qwen3_next")
+
+
+def build_tiny_qwen35_model(
+    out_dir: str | Path,
+    *,
+    kind: str = "qwen3_5_moe",
+    hidden_size: int = 64,
+    num_layers: int = 4,
+    full_attention_interval: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    linear_num_key_heads: int = 2,
+    linear_num_value_heads: int = 4,
+    linear_key_head_dim: int = 8,
+    linear_value_head_dim: int = 8,
+    linear_conv_kernel_dim: int = 4,
+    num_experts: int = 4,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int = 32,
+    shared_expert_intermediate_size: int = 48,
+    max_position_embeddings: int = 512,
+    rope_theta: float = 10000.0,
+    partial_rotary_factor: float = 0.25,
+    seed: int = 0,
+    dtype: str = "float32",
+) -> Path:
+    """Write a randomly initialised ``kind`` causal LM plus the tiny tokenizer to ``out_dir``."""
+    import torch
+
+    from miles.utils.tiny_model import build_tokenizer
+
+    if kind not in KINDS:
+        raise ValueError(f"build_tiny_qwen35_model: kind {kind!r} is not one of {KINDS}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(out)
+    common = dict(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
+        linear_num_key_heads=linear_num_key_heads, linear_num_value_heads=linear_num_value_heads,
+        linear_key_head_dim=linear_key_head_dim, linear_value_head_dim=linear_value_head_dim,
+        linear_conv_kernel_dim=linear_conv_kernel_dim, num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok, moe_intermediate_size=moe_intermediate_size,
+        shared_expert_intermediate_size=shared_expert_intermediate_size,
+        max_position_embeddings=max_position_embeddings, full_attention_interval=full_attention_interval,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta,
+                         "partial_rotary_factor": partial_rotary_factor},
+        tie_word_embeddings=False, router_aux_loss_coef=0.0, hidden_act="silu", rms_norm_eps=1e-6,
+        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        torch_dtype=dtype)
+    if kind == "qwen3_next":
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+        config = Qwen3NextConfig(**common, intermediate_size=2 * moe_intermediate_size, decoder_sparse_step=1,
+                                 norm_topk_prob=True, mlp_only_layers=[])
+        cls = Qwen3NextForCausalLM
+    else:
+        from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+        config = Qwen3_5MoeTextConfig(**common)
+        cls = Qwen3_5MoeForCausalLM
+    torch.manual_seed(seed)
+    model = cls(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("layernorm.weight", "norm.weight", "q_norm.weight", "k_norm.weight")):
+                p.normal_(0.0, 0.2) if not name.endswith("linear_attn.norm.weight") else p.normal_(1.0, 0.2)
+            elif name.endswith("dt_bias"):
+                p.normal_(1.0, 0.3)
+            elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+                p.normal_(0.0, 0.5)
+    model = model.to(getattr(torch, dtype))
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out
