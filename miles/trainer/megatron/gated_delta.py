@@ -136,3 +136,126 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         state = state + k[:, i, :, :, None] * delta[:, :, None, :]
         outs.append(torch.einsum("bhk,bhkv->bhv", q[:, i], state))
     return torch.stack(outs, dim=1).to(dtype), state
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Depthwise causal conv then silu: x [B, D, T], weight [D, 1, W] (nn.Conv1d's) -> [B, D, T]."""
+    width = weight.shape[-1]
+    out = F.conv1d(F.pad(x, (width - 1, 0)), weight, bias, groups=x.shape[1])
+    return F.silu(out)
+
+
+class GatedRMSNorm(torch.nn.Module):
+    """transformers' ``Qwen3NextRMSNormGated`` without its gate (megatron-core's ``GatedDeltaNet`` multiplies by
+    ``silu(z)`` itself): x normalised in fp32, cast back to x's dtype, times ``w`` (plain weight, starts at 1)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **_):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def _fla_rule():
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule
+    except ImportError:
+        return None
+    return fla_rule
+
+
+def _gated_delta_net_class():
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+    from megatron.core.transformer.module import MegatronModule
+    from megatron.core.transformer.spec_utils import build_module
+
+    class GatedDeltaNetLayer(GatedDeltaNet):
+        """megatron-core's ``GatedDeltaNet`` on this module's torch rule (see the module docstring). Rows are
+        causal with right padding, as the rest of the local spec's (no packing); ``in_proj`` is [q; k; v; z; beta;
+        alpha] (this TP rank's heads of each)."""
+
+        def __init__(self, config, submodules, layer_number: int | None = None, bias: bool = False,
+                     conv_bias: bool = False, conv_init: float | None = None, use_qk_l2norm: bool = True,
+                     A_init_range: tuple[float, float] = (1, 16), pg_collection=None, **_):  # noqa: N803
+            MegatronModule.__init__(self, config)        # GatedDeltaNet.__init__ refuses without fla, builds on CUDA
+            if pg_collection is None:
+                from megatron.core.process_groups_config import ProcessGroupCollection
+
+                pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+            self.layer_number, self.bias, self.conv_bias, self.conv_init = layer_number, bias, conv_bias, conv_init
+            self.A_init_range, self.use_qk_l2norm, self.pg_collection = A_init_range, use_qk_l2norm, pg_collection
+            self.tp_size = pg_collection.tp.size()
+            self.sp_size = self.tp_size if config.sequence_parallel else 1
+            self.config, self.hidden_size = config, config.hidden_size
+            self.act_fn = config.activation_func
+            self.activation = self.act_fn.__name__
+            self.conv_kernel_dim = config.linear_conv_kernel_dim
+            self.key_head_dim, self.value_head_dim = config.linear_key_head_dim, config.linear_value_head_dim
+            self.num_key_heads, self.num_value_heads = config.linear_num_key_heads, config.linear_num_value_heads
+            self.qk_dim = self.key_head_dim * self.num_key_heads
+            self.v_dim = self.value_head_dim * self.num_value_heads
+            self.in_proj_dim = self.qk_dim * 2 + self.v_dim * 2 + self.num_value_heads * 2
+            self.in_proj = build_module(submodules.in_proj, self.hidden_size, self.in_proj_dim, config=config,
+                                        init_method=config.init_method, gather_output=False, bias=bias,
+                                        skip_bias_add=False, is_expert=False, tp_comm_buffer_name="fc1",
+                                        tp_group=pg_collection.tp)
+            self.conv_dim = self.qk_dim * 2 + self.v_dim
+            self.conv_dim_local_tp = self.conv_dim // self.tp_size
+            self.conv1d = torch.nn.Conv1d(self.conv_dim_local_tp, self.conv_dim_local_tp, bias=conv_bias,
+                                          kernel_size=self.conv_kernel_dim, groups=self.conv_dim_local_tp,
+                                          padding=self.conv_kernel_dim - 1, dtype=config.params_dtype)
+            self.conv1d.weight.tensor_model_parallel = True
+            self.num_v_heads_local_tp = self.num_value_heads // self.tp_size
+            self.dt_bias = torch.nn.Parameter(torch.ones(self.num_v_heads_local_tp, dtype=config.params_dtype))
+            self.A_log = torch.nn.Parameter(torch.zeros(self.num_v_heads_local_tp, dtype=config.params_dtype))
+            for p in (self.dt_bias, self.A_log):
+                p.tensor_model_parallel = True
+            self.out_norm = build_module(submodules.out_norm, config=config, hidden_size=self.value_head_dim,
+                                         eps=config.layernorm_epsilon)
+            self.out_proj = build_module(submodules.out_proj, self.v_dim, self.hidden_size, config=config,
+                                         init_method=config.output_layer_init_method, bias=bias,
+                                         input_is_parallel=True, skip_bias_add=True, is_expert=False,
+                                         tp_comm_buffer_name="fc2", tp_group=pg_collection.tp)
+
+        def forward(self, hidden_states: torch.Tensor, attention_mask=None, key_value_states=None,
+                    inference_context=None, attention_bias=None, packed_seq_params=None, sequence_len_offset=None,
+                    **_):
+            """hidden_states [s, b, h] (this rank's sequence part under --sequence-parallel) -> (out, bias)."""
+            if packed_seq_params is not None or inference_context is not None:
+                raise NotImplementedError("GatedDeltaNetLayer runs right-padded rows only (no packing, no inference).")
+            qkvzba, _ = self.in_proj(hidden_states)                      # [s, b, in_proj_dim / tp]
+            qkvzba = qkvzba.transpose(0, 1)                              # [b, s, .]
+            b, s = qkvzba.shape[:2]
+            tp = self.tp_size
+            qkv, z, beta, alpha = torch.split(qkvzba, [self.conv_dim_local_tp, self.v_dim // tp,
+                                                       self.num_v_heads_local_tp, self.num_v_heads_local_tp], dim=-1)
+            qkv = causal_conv1d(qkv.transpose(1, 2), self.conv1d.weight, self.conv1d.bias).transpose(1, 2)
+            q, k, v = torch.split(qkv, [self.qk_dim // tp, self.qk_dim // tp, self.v_dim // tp], dim=-1)
+            q = q.reshape(b, s, -1, self.key_head_dim)
+            k = k.reshape(b, s, -1, self.key_head_dim)
+            v = v.reshape(b, s, -1, self.value_head_dim)
+            g = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias.float())
+            beta = beta.sigmoid()
+            fla_rule = _fla_rule() if q.is_cuda and not self.config.deterministic_mode else None
+            if fla_rule is not None:
+                out, _ = fla_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=self.use_qk_l2norm)
+            else:
+                out, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=self.use_qk_l2norm)
+            normed = self.out_norm(out.reshape(-1, self.value_head_dim))
+            gated = (normed * F.silu(z.reshape(-1, self.value_head_dim).float())).to(out.dtype)
+            return self.out_proj(gated.reshape(b, s, -1).transpose(0, 1).contiguous())
+
+    return GatedDeltaNetLayer
+
+
+def __getattr__(name: str):
+    """``GatedDeltaNetLayer`` is built on first use (megatron-core is imported lazily)."""
+    if name == "GatedDeltaNetLayer":
+        cls = _gated_delta_net_class()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(name)
