@@ -202,9 +202,9 @@ def tiny_hybrid_dir(request, tmp_path_factory) -> Path:
     return build_tiny_qwen35_model(tmp_path_factory.mktemp(f"tiny_{request.param}"), kind=request.param)
 
 
-# fp32 rounding of another op order only: measured 2.4e-7 (TP 1), 2.4e-7 (TP 2), 2.4e-7 (EP 2), logits up to ~1
-# (python -m pytest tests/multiprocess/test_megatron_qwen3_next.py; both kinds)
-BOUND = 5e-7
+# fp32 rounding of another op order only: measured 2.1e-7 (TP 1, EP 2) and 1.8e-7 (TP 2) for qwen3_5_moe, 1.8e-7 /
+# 1.5e-7 for qwen3_next, of logits up to 0.62 (python -m pytest tests/multiprocess/test_megatron_qwen3_next.py)
+BOUND = 4e-7
 
 
 def test_hybrid_gpt_matches_hf(tiny_hybrid_dir: Path, tmp_path: Path, free_port: int) -> None:
@@ -222,9 +222,12 @@ def test_hybrid_gpt_matches_hf(tiny_hybrid_dir: Path, tmp_path: Path, free_port:
         assert res["same"] == res["disk"], sorted(set(res["disk"]) - set(res["same"]))     # bit for bit
         grads[tp] = load_file(str(out.with_suffix(".grads.safetensors")))
     assert grads[1].keys() == grads[2].keys()
+    # relative to the tensor's largest gradient, floored at 1% of the model's: A_log's gradients (6e-8) are sums over
+    # every token that cancel, measured 8e-11 apart (fp32 order) while the model's largest is 5.6e-3
+    scale = max(float(g.abs().max()) for g in grads[1].values())
     for name, g in grads[1].items():
         err = float((grads[2][name] - g).abs().max())
-        assert err <= 1e-5 * max(float(g.abs().max()), 1e-6), (name, err, float(g.abs().max()))
+        assert err <= 1e-5 * max(float(g.abs().max()), 1e-2 * scale), (name, err, float(g.abs().max()))
 
 
 def test_hybrid_expert_parallel_matches_hf(tiny_hybrid_dir: Path, tmp_path: Path, free_port: int) -> None:
