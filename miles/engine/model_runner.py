@@ -727,7 +727,10 @@ class _GenericLM:
         last, full = [], []
         for i, s in enumerate(seqs):
             ids = torch.tensor([s], dtype=torch.long, device=self.device)
-            logits, self.caches[slot_start + i] = self._run(ids, DynamicCache(), slot_start + i)
+            # the config gives the cache its per-layer kinds (a gated DeltaNet layer's conv and recurrent states,
+            # sliding windows); a bare DynamicCache holds attention keys and values only
+            cache = DynamicCache(config=self.model.config)
+            logits, self.caches[slot_start + i] = self._run(ids, cache, slot_start + i)
             last.append(logits[0, -1].float())
             full.append(logits[0].float() if full_for[i] else None)
         return torch.stack(last), full
