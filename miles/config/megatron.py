@@ -35,7 +35,7 @@ _SWITCHES = ("sequence_parallel", "use_distributed_optimizer", "accumulate_allre
              "optimizer_cpu_offload", "overlap_cpu_optimizer_d2h_h2d", "use_precision_aware_optimizer",
              "multi_latent_attention", "no_position_embedding", "no_rope_fusion",
              "no_gradient_accumulation_fusion", "no_masked_softmax_fusion", "no_bias_dropout_fusion")
-# YaRN rope (multi-latent attention: DeepSeek-V3, Kimi-K2, JoyAI; miles/trainer/megatron/yarn.py): float flags, each
+# YaRN rope (multi-latent attention: DeepSeek-V3, Kimi-K2, JoyAI; miles/trainer/megatron/families/yarn.py): float flags, each
 # checked against config.json's rope scaling
 _ROPE_FLOATS = ("rotary_scaling_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 _HELP = {

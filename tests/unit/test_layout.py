@@ -98,3 +98,16 @@ def test_the_scan_sees_every_form_of_import():
 def test_test_files_have_distinct_basenames():
     names = Counter(p.name for p in (ROOT / "tests").rglob("test_*.py") if "fixtures" not in p.parts)
     assert not [n for n, c in names.items() if c > 1], [n for n, c in names.items() if c > 1]
+
+
+def test_megatron_shared_modules_name_no_family():
+    """A family has one place (miles/trainer/megatron/families/<name>.py): the shared Megatron modules reach it only
+    through the registry (``families.family_of`` / ``ModelShape.family``), never by importing a family's module."""
+    megatron = MILES / "trainer" / "megatron"
+    family_module = re.compile(r"miles\.trainer\.megatron\.families\.\w+|from\s+miles\.trainer\.megatron\.families\s+"
+                               r"import\s+[^\n]*\b(?:" + "|".join(
+                                   p.stem for p in (megatron / "families").glob("*.py") if p.stem != "__init__") +
+                               r")\b")
+    bad = [str(p.relative_to(ROOT)) for p in sorted(megatron.rglob("*.py"))
+           if "families" not in p.parts and family_module.search(p.read_text())]
+    assert not bad, f"these shared modules import a family's module (use the registry's hooks instead): {bad}"

@@ -6,7 +6,7 @@ pre-MLP norms inside ``linear_qkv``/``linear_fc1`` as ``layer_norm_weight``, han
 - ``linear_qkv`` = per query group g: the group's ``nh/ng`` query heads, then its key head, then its
   value head (rows); bias likewise (Qwen2). Tensor parallelism splits it by whole groups.
 - ``linear_fc1`` = ``[gate; up]`` (SwiGLU); under TP rank r holds ``[gate_r; up_r]``.
-- Multi-latent attention and shared experts (``mla.py``): the HF projections as they are (whole heads per row
+- Multi-latent attention and shared experts (``families/mla.py``): the HF projections as they are (whole heads per row
   block), the shared experts' ``linear_fc1`` = ``[gate; up]`` like a dense MLP; the router's ``expert_bias``
   buffer = ``mlp.gate.e_score_correction_bias``.
 - ``word_embeddings`` / ``output_layer`` rows padded with zeros to the padded vocabulary; the output
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from miles.config.base import ConfigError
-from miles.trainer.megatron import gpt_oss, mla, moe, mtp, vlm
+from miles.trainer.megatron import families, moe, mtp, vlm
 from miles.trainer.megatron.model import ModelShape
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -81,9 +81,7 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], shape: ModelShape, padded_vocab:
                 raise KeyError(f"no HF source for megatron parameter {name}")
             i, suffix = m.group(1), m.group(2)
             p = f"model.layers.{i}."
-            if shape.gpt_oss and (t := gpt_oss.hf_to_megatron(suffix, p, hf)) is not None:    # sinks, experts, biases
-                out[name] = t
-            elif (t := mla.hf_to_megatron(suffix, p, hf, shape.mla)) is not None:    # MLA, shared experts, bias
+            if (t := shape.family.hf_to_megatron(suffix, p, hf, shape)) is not None:    # the family's own names
                 out[name] = t
             elif suffix in _SIMPLE:
                 out[name] = hf[p + _SIMPLE[suffix]]
@@ -129,9 +127,7 @@ def _megatron_to_hf(name: str, full: torch.Tensor, shape: ModelShape) -> list[tu
     if m is None:
         raise KeyError(f"no HF name for megatron parameter {name}")
     p, suffix = f"model.layers.{m.group(1)}.", m.group(2)
-    if shape.gpt_oss and (pairs := gpt_oss.megatron_to_hf(suffix, p, full)) is not None:    # expert slices (export)
-        return pairs
-    if (pairs := mla.megatron_to_hf(suffix, p, full, shape.mla)) is not None:    # MLA, shared experts, bias
+    if (pairs := shape.family.megatron_to_hf(suffix, p, full, shape)) is not None:    # the family's own names
         return pairs
     if suffix in _SIMPLE:
         return [(p + _SIMPLE[suffix], full)]
@@ -151,12 +147,12 @@ def _megatron_to_hf(name: str, full: torch.Tensor, shape: ModelShape) -> list[tu
 
 
 def is_glu_fc1(name: str) -> bool:
-    return name.endswith(("mlp.linear_fc1.weight", mla.SHARED_FC1))
+    return name.endswith(("mlp.linear_fc1.weight", *families.glu_fc1_endings()))
 
 
 _COLUMN = ("embedding.word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "linear_qkv.bias",
-           "mlp.linear_fc1.weight", *mla.COLUMN, *mtp.COLUMN, *gpt_oss.COLUMN)
-_ROW = ("linear_proj.weight", "mlp.linear_fc2.weight", *mla.ROW)
+           "mlp.linear_fc1.weight", *mtp.COLUMN, *families.column_endings())
+_ROW = ("linear_proj.weight", "mlp.linear_fc2.weight", *families.row_endings())
 
 
 def partition_dim(name: str) -> int | None:
@@ -213,7 +209,7 @@ def load_hf_into(model: torch.nn.Module, hf: dict[str, torch.Tensor], shape: Mod
                  tp_rank: int, tp_size: int, ep_rank: int = 0, ep_size: int = 1) -> None:
     """Copy a HF state dict into this rank's megatron-core parameters (every parameter is written); under
     expert parallelism this rank's experts (``moe.global_name``)."""
-    params = dict(model.named_parameters()) | dict(mla.exported_buffers(model))
+    params = dict(model.named_parameters()) | dict(shape.family.exported_buffers(model))
     num_local = shape.num_experts // ep_size if shape.num_experts else 0
     names = {name: moe.global_name(name, ep_rank, num_local) for name in params}
     mtp.check_mtp_tensors(hf, shape)

@@ -26,7 +26,6 @@ import torch.distributed as dist
 from torch import nn
 
 from miles.trainer.collectives import bounded_all_gather_object
-from miles.trainer.megatron import mla
 from miles.trainer.megatron.convert import megatron_to_hf, partition_dim, unshard
 from miles.trainer.megatron.model import ModelShape
 from miles.trainer.megatron.parallel import Groups
@@ -116,15 +115,10 @@ def iter_hf_buckets(model: nn.Module, shape: ModelShape, groups: Groups, *, devi
                     prefetch: bool = True, stage=None) -> Iterator[Bucket]:
     """Yield buckets of (HF name, full tensor) (see module docstring); collective on the TP group (and the
     pipeline group of ``stage`` when it has more than one stage)."""
-    if shape.gpt_oss is not None:          # gpt-oss: the experts' slices joined into HF's fused tensors (gpt_oss.py)
-        from miles.trainer.megatron.gpt_oss import fuse_experts
-
-        yield from fuse_experts(_iter_hf_buckets(model, shape, groups, device=device, bucket_bytes=bucket_bytes,
-                                                 dtype=dtype, timeout=timeout, prefetch=prefetch, stage=stage),
-                                shape.num_experts)
-        return
-    yield from _iter_hf_buckets(model, shape, groups, device=device, bucket_bytes=bucket_bytes, dtype=dtype,
-                                timeout=timeout, prefetch=prefetch, stage=stage)
+    stream = _iter_hf_buckets(model, shape, groups, device=device, bucket_bytes=bucket_bytes, dtype=dtype,
+                              timeout=timeout, prefetch=prefetch, stage=stage)
+    transform = shape.family.export_stream        # e.g. gpt-oss: the experts' slices joined into HF's fused tensors
+    yield from (stream if transform is None else transform(stream, shape))
 
 
 def _iter_hf_buckets(model: nn.Module, shape: ModelShape, groups: Groups, *, device: torch.device,
@@ -140,7 +134,7 @@ def _iter_hf_buckets(model: nn.Module, shape: ModelShape, groups: Groups, *, dev
         yield from iter_ep_buckets(model, shape, groups, device=device, bucket_bytes=bucket_bytes, dtype=dtype,
                                    timeout=timeout, prefetch=prefetch)
         return
-    buckets = plan(list(model.named_parameters()) + mla.exported_buffers(model), groups.tp_size, bucket_bytes,
+    buckets = plan(list(model.named_parameters()) + shape.family.exported_buffers(model), groups.tp_size, bucket_bytes,
                    dtype)
     yield from iter_prefetched(buckets, lambda b: _start(b, groups, device, dtype),
                                lambda pend: _finish(pend, groups, shape, device, dtype, timeout), prefetch)

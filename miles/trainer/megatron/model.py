@@ -1,5 +1,5 @@
-"""GPTModel from a HF ``config.json`` (Llama, Qwen2, Qwen3, Qwen3-MoE; GLM-4.7-Flash and DeepSeek-V3 with
-multi-latent attention, ``mla.py``; gpt-oss, ``gpt_oss.py``), and its layer spec.
+"""GPTModel from a HF ``config.json``, and its layer spec: what every family shares (the families, each one module
+with its hooks, are ``families/``: Llama, Qwen2/3, Qwen3-MoE, Qwen3-VL; multi-latent attention; gpt-oss).
 
     shape = ModelShape.from_hf_config(hf_config)          # the Megatron view of the HF architecture
     model = build_gpt_model(shape, tp_size=2, device=dev) # megatron-core GPTModel, returns hidden states
@@ -17,11 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from miles.trainer.megatron import gpt_oss, mla, mtp
+from miles.trainer.megatron import mtp
+from miles.trainer.megatron.families import FAMILIES, Family, family_of, nearest_family
 from miles.trainer.megatron.moe import hf_moe_fields
-
-FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "qwen3_moe": "Qwen3-MoE", "qwen3_vl": "Qwen3-VL",
-            **mla.MLA_FAMILIES, **gpt_oss.FAMILIES}
 
 
 @dataclass(frozen=True)
@@ -47,13 +45,13 @@ class ModelShape:
     moe_router_topk: int = 0
     moe_norm_topk_prob: bool = True
     moe_layer_pattern: tuple[int, ...] = ()   # 1 per MoE layer, 0 per dense one
-    moe_shared_ffn_hidden_size: int = 0       # DeepSeek-style MoE (mla.py): shared experts' FFN size (0: none)
+    moe_shared_ffn_hidden_size: int = 0       # DeepSeek-style MoE (families/mla.py): shared experts' FFN size (0: none)
     moe_score_function: str = "softmax"       # router scores: softmax (Qwen3-MoE) or sigmoid (DeepSeek style)
     moe_expert_bias: bool = False             # e_score_correction_bias
     moe_topk_scaling: float = 1.0             # routed_scaling_factor
     moe_num_groups: int = 0                   # n_group (0: no grouped routing)
     moe_group_topk: int = 0                   # topk_group
-    q_lora_rank: int = 0                      # multi-latent attention (mla.py); 0: no q LoRA (q_proj)
+    q_lora_rank: int = 0                      # multi-latent attention (families/mla.py); 0: no q LoRA (q_proj)
     kv_lora_rank: int = 0                     # 0: standard attention
     qk_head_dim: int = 0                      # qk_nope_head_dim
     qk_pos_emb_head_dim: int = 0              # qk_rope_head_dim
@@ -63,21 +61,28 @@ class ModelShape:
     nextn_layers: int = 0                     # config.json's num_nextn_predict_layers (the checkpoint's MTP layers)
     mtp_num_layers: int = 0                   # MTP layers built (--mtp-num-layers, mtp.py); 0: none
     vision: bool = False                      # a vision-language model (Qwen3-VL, vlm.py): the shape is its text model's
-    gpt_oss: gpt_oss.GptOssShape | None = None   # sinks, sliding windows, clamped SwiGLU, YaRN (gpt_oss.py)
+    variant: object = None                    # the family's own fields (a frozen dataclass of its module, e.g.
+    #                                           gpt_oss.GptOssShape), None for a family without any
 
     @property
     def mla(self) -> bool:
         return self.kv_lora_rank > 0
+
+    @property
+    def family(self) -> Family:
+        """The family that builds this shape (``families/``)."""
+        return family_of(self.model_type)
 
     @classmethod
     def from_hf_config(cls, c) -> ModelShape:
         mt = getattr(c, "model_type", None)
         if mt not in FAMILIES:
             raise ValueError(f"--train-backend megatron does not build model_type {mt!r}; the nearest family it "
-                             f"builds is {mla.yarn.nearest_family(mt, FAMILIES)} (all: {sorted(FAMILIES)}); use "
+                             f"builds is {nearest_family(mt)} (all: {sorted(FAMILIES)}); use "
                              "--train-backend fsdp for other architectures.")
-        if gpt_oss.is_gpt_oss_config(c):         # its own fields (gpt_oss.py)
-            return cls(**gpt_oss.shape_fields(c))
+        fam = family_of(mt)
+        if fam.shape_fields is not None:         # a family that reads its config.json itself
+            return cls(**fam.shape_fields(c))
         vision = mt == "qwen3_vl"
         if vision:                    # Qwen3-VL (vlm.py): the text model's shape; tied embeddings are the top config's
             from miles.trainer.megatron.vlm import is_vlm_config
@@ -90,9 +95,8 @@ class ModelShape:
             raise ValueError(f"--train-backend megatron: hidden_act {c.hidden_act!r} is not supported (silu only).")
         rope = getattr(c, "rope_parameters", None) or {}
         scaling = getattr(c, "rope_scaling", None)
-        yarn = mla.is_mla_config(c) and rope.get("rope_type") == "yarn"     # DeepSeek-V3's (mla.py)
-        if not yarn and ((rope.get("rope_type", "default") != "default") or (
-                scaling and scaling.get("rope_type", "default") not in ("default", None))):
+        if rope.get("rope_type", "default") not in fam.rope_types or (
+                scaling and scaling.get("rope_type", "default") not in (*fam.rope_types, None)):
             raise ValueError(f"--train-backend megatron: rope scaling {rope or scaling} is not supported.")
         if getattr(c, "use_sliding_window", False):
             raise ValueError("--train-backend megatron: sliding-window attention is not supported.")
@@ -101,11 +105,9 @@ class ModelShape:
         theta = rope.get("rope_theta", getattr(c, "rope_theta", None) or 10000.0)
         heads = int(c.num_attention_heads)
         head_dim = getattr(c, "head_dim", None) or int(c.hidden_size) // heads
-        qkv_bias = True if mt == "qwen2" else bool(getattr(c, "attention_bias", False))
-        fields = dict(kv_channels=int(head_dim), qk_layernorm=mt in ("qwen3", "qwen3_moe", "qwen3_vl"),
-                      qkv_bias=qkv_bias)
-        fields.update(mla.hf_mla_fields(c))          # MLA: kv_channels = qk_nope_head_dim, the latent norms
-        moe_fields = mla.hf_moe_fields(c) if mla.is_mla_config(c) else hf_moe_fields(c)
+        fields = dict(kv_channels=int(head_dim), qk_layernorm=False, qkv_bias=bool(getattr(c, "attention_bias", False)))
+        fields.update(fam.attention_fields(c))       # e.g. Qwen3's q/k norms; MLA: kv_channels = qk_nope_head_dim
+        moe_fields = (fam.moe_fields or hf_moe_fields)(c)
         return cls(model_type=mt, num_layers=int(c.num_hidden_layers), hidden_size=int(c.hidden_size),
                    ffn_hidden_size=int(c.intermediate_size), num_attention_heads=heads,
                    num_query_groups=int(getattr(c, "num_key_value_heads", None) or heads),
@@ -151,7 +153,7 @@ def transformer_config(shape: ModelShape, *, tp_size: int, device: torch.device,
         kw.update(recompute_granularity=recompute, recompute_method=recompute_method,
                   recompute_num_layers=recompute_num_layers)
     kw.update(moe or {})           # MoE layers and expert parallelism (moe.config_kwargs)
-    kw.update(mla.config_kwargs(shape))    # multi-latent attention, the DeepSeek-style router (mla.py)
+    kw.update(shape.family.config_kwargs(shape))    # what the family adds (families/): MLA, its router, sinks, ...
     if shape.mtp_num_layers:       # the MTP block (mtp.py)
         kw.update(mtp_num_layers=shape.mtp_num_layers, mtp_loss_scaling_factor=mtp_loss_scale)
     if cp_size > 1:                # context_parallel.py (the value megatron-core hands the core attention)
@@ -169,8 +171,7 @@ def transformer_config(shape: ModelShape, *, tp_size: int, device: torch.device,
         bf16=bf16, use_cpu_initialization=True, perform_initialization=False,
         attention_softmax_in_fp32=attention_softmax_in_fp32, bias_dropout_fusion=on_gpu, masked_softmax_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
         persist_layer_norm=False, deterministic_mode=deterministic,
-        **({"activation_func": F.silu, "add_bias_linear": False, "bias_activation_fusion": on_gpu}
-           | gpt_oss.config_overrides(shape)), **kw)
+        **({"activation_func": F.silu, "add_bias_linear": False, "bias_activation_fusion": on_gpu} | kw))
 
 
 def no_math_sdpa(q: torch.Tensor):
@@ -286,30 +287,24 @@ def build_gpt_model(shape: ModelShape, config, *, padded_vocab: int, device: tor
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    if shape.mla:
-        mla.apply_mla_compat()
-        if device.type != "cuda":
-            mla.apply_mla_cpu_compat()
+    fam = shape.family
+    fam.prepare(device)
+    te = use_transformer_engine(device)
+    core = (fam.core_attention(shape) or SDPACoreAttention) if core_attention == "sdpa" else None
     if shape.num_experts:           # MoE or dense MLP per layer (moe.py)
         from miles.trainer.megatron.moe import decoder_block_spec
 
-        sdpa = mla.mla_core_attention() if shape.mla else gpt_oss.SinkAttention if shape.gpt_oss else SDPACoreAttention
-        spec = decoder_block_spec(config, shape, te=use_transformer_engine(device),
-                                  core_attention=sdpa if core_attention == "sdpa" else None)
-        if shape.mla and not use_transformer_engine(device):
-            mla.adapt_local_spec(spec)
-        if shape.gpt_oss and not use_transformer_engine(device):
-            gpt_oss.adapt_local_spec(spec)
-    elif use_transformer_engine(device):
+        spec = decoder_block_spec(config, shape, te=te, core_attention=core)
+    elif te:
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_layernorm,
                                                           multi_latent_attention=shape.mla)
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_layernorm, normalization="RMSNorm",
                                         multi_latent_attention=shape.mla)
-        if shape.mla:
-            mla.adapt_local_spec(spec, mla.mla_core_attention() if core_attention == "sdpa" else None)
-        elif core_attention == "sdpa":
-            spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+        if core is not None:
+            spec.submodules.self_attention.submodules.core_attention = core
+    if not te:
+        fam.adapt_local_spec(spec)  # the family's blocks in the local spec
 
     class HiddenGPTModel(GPTModel):
         """GPTModel whose forward returns the final-norm hidden states [s, b, h] (no output layer); with MTP
@@ -348,7 +343,7 @@ def build_gpt_model(shape: ModelShape, config, *, padded_vocab: int, device: tor
                                rotary_base=int(shape.rotary_base),
                                share_embeddings_and_output_weights=shape.tie_embeddings, parallel_output=True,
                                pre_process=pre_process, post_process=post_process)
-    gpt_oss.set_yarn(model, shape)
+    fam.after_build(model, shape)
     if shape.mtp_num_layers:
         model.mtp_training = mtp_training
         if not mtp_training:

@@ -174,9 +174,9 @@ def check_moe_shape(m, shape) -> None:
                               shape.moe_ffn_hidden_size)):
         if v is not None and int(v) != int(cv):
             raise _mismatch(flag, v, key, cv)
-    from miles.trainer.megatron.mla import check_router_shape
+    from miles.trainer.megatron.router import check_router_shape
 
-    check_router_shape(m, shape)       # shared experts, sigmoid router, expert bias, scaling, groups (mla.py)
+    check_router_shape(m, shape)       # shared experts, sigmoid router, expert bias, scaling, groups (router.py)
     if m.moe_router_pre_softmax and shape.moe_norm_topk_prob and shape.moe_score_function == "softmax":
         raise _mismatch("--moe-router-pre-softmax", "(given)", "norm_topk_prob", True)
     if m.num_layers is not None and not m.moe_router_pre_softmax and not shape.moe_norm_topk_prob and \
@@ -548,8 +548,7 @@ def iter_ep_buckets(model, shape, groups, *, device: torch.device, bucket_bytes:
         return sum(p.numel() * (groups.ep_size if ep_sharded(n, groups) else groups.tp_size if partition_dim(n)
                                 is not None else 1) * (dtype or p.dtype).itemsize for n, p in unit)
 
-    from miles.trainer.megatron.mla import exported_buffers
-
-    buckets = pack(_units(list(model.named_parameters()) + exported_buffers(model), groups), nbytes, bucket_bytes)
+    buffers = shape.family.exported_buffers(model)
+    buckets = pack(_units(list(model.named_parameters()) + buffers, groups), nbytes, bucket_bytes)
     yield from iter_prefetched(buckets, lambda b: _ep_start(b, groups, device, dtype),
                                lambda pend: _ep_finish(pend, shape, groups, device, dtype, timeout), prefetch)

@@ -15,8 +15,7 @@ from types import SimpleNamespace
 import torch
 
 from miles.config.base import ConfigError
-from miles.trainer.megatron import gpt_oss, mtp, yarn
-from miles.trainer.megatron.mla import check_mla_shape, check_mla_static
+from miles.trainer.megatron import families, mtp
 from miles.trainer.megatron.model import ModelShape, use_transformer_engine
 from miles.trainer.megatron.moe import MoeOptions, check_moe_shape, check_moe_static, resolve_moe
 from miles.utils.logging import get_logger, warn_once
@@ -107,10 +106,8 @@ def check_shape(m, shape: ModelShape) -> None:
     if m is None:
         return
     check_moe_shape(m, shape)          # --num-experts, --moe-* against config.json (moe.py)
-    check_mla_shape(m, shape)          # --multi-latent-attention, --q/kv-lora-rank, ... (mla.py)
-    yarn.check_rope_flags(m, shape)    # --rope-type, --rotary-scaling-factor, --mscale, ... (yarn.py)
+    families.check_flags(m, shape)     # each family's flags (MLA dims, YaRN rope, sinks, windows, ...: families/)
     mtp.check_mtp_shape(m, shape)      # --mtp-num-layers vs num_nextn_predict_layers (mtp.py)
-    gpt_oss.check_shape(m, shape)      # --softmax-type, --window-size, --window-attn-skip-freq (gpt_oss.py)
     values = {
         "--num-layers": (m.num_layers, "num_hidden_layers", shape.num_layers),
         "--hidden-size": (m.hidden_size, "hidden_size", shape.hidden_size),
@@ -148,10 +145,10 @@ def check_shape(m, shape: ModelShape) -> None:
     for name, given, key, cv, needed in (
             ("--swiglu", m.swiglu, "hidden_act", "silu (SwiGLU)", True),
             ("--normalization RMSNorm", m.normalization == "RMSNorm", "normalization", "RMSNorm", True),
-            ("--disable-bias-linear", m.disable_bias_linear, "linear biases", "absent", shape.gpt_oss is None),
+            ("--disable-bias-linear", m.disable_bias_linear, "linear biases", "absent", not shape.family.linear_biases),
             ("--qk-layernorm", m.qk_layernorm, "q_a_layernorm/kv_a_layernorm" if shape.mla else "q_norm/k_norm",
              "present", shape.qk_layernorm),
-            ("--add-qkv-bias", m.add_qkv_bias or shape.mla or shape.gpt_oss is not None, "attention bias", "present",
+            ("--add-qkv-bias", m.add_qkv_bias or shape.mla or shape.family.linear_biases, "attention bias", "present",
              shape.qkv_bias),                                 # gpt-oss: every linear's bias (no --disable-bias-linear)
             ("--group-query-attention", m.group_query_attention, "num_key_value_heads",
              f"{shape.num_query_groups} < num_attention_heads {shape.num_attention_heads}", gqa),
@@ -199,9 +196,8 @@ def shape_of(hf_config) -> ModelShape:
 def check_static(o: Options, shape: ModelShape) -> None:
     """The unsupported values that do not depend on the device or the number of ranks."""
     check_moe_static(o, shape)         # MoE layers, --expert-model/tensor-parallel-size (moe.py)
-    check_mla_static(o, shape)         # multi-latent attention under TP / PP / CP (mla.py)
+    shape.family.check_static(o, shape)    # what the family does not run with (MLA under TP/PP/CP, gpt-oss under CP)
     mtp.check_mtp_static(o)            # the MTP block under PP / CP (mtp.py)
-    gpt_oss.check_static(o, shape)     # gpt-oss under CP, megatron-core's unfused attention (gpt_oss.py)
     from miles.trainer.megatron.pipeline import stage_layer_counts
 
     stage_layer_counts(shape.num_layers, o.pp, o.first_stage_layers, o.last_stage_layers)

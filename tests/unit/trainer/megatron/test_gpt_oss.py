@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from miles.config import ConfigError, parse_args
-from miles.trainer.megatron import gpt_oss, options
+from miles.trainer.megatron import options
 from miles.trainer.megatron.convert import hf_to_megatron, megatron_to_hf, partition_dim, shard, unshard
+from miles.trainer.megatron.families import gpt_oss
 from miles.trainer.megatron.model import ModelShape, padded_vocab_size
 
 pytest.importorskip("megatron.core")
@@ -43,7 +44,7 @@ def test_shape_of_gpt_oss_20b_and_its_megatron_config() -> None:
     assert (shape.num_layers, shape.hidden_size, shape.num_attention_heads, shape.num_query_groups, shape.kv_channels,
             shape.num_experts, shape.moe_router_topk, shape.moe_ffn_hidden_size) == (24, 2880, 64, 8, 64, 32, 4, 2880)
     assert shape.qkv_bias and not shape.tie_embeddings and shape.moe_layer_pattern == (1,) * 24
-    g = shape.gpt_oss
+    g = shape.variant
     assert g.sliding_window == 128 and g.sliding_layers == (1, 0) * 12 and g.swiglu_limit == 7.0
     assert g.yarn == (32.0, 4096.0, 32.0, 1.0) and not g.yarn_truncate
     assert g.attention_scaling == pytest.approx(0.1 * torch.log(torch.tensor(32.0)).item() + 1)
@@ -67,7 +68,7 @@ def test_yarn_frequencies_are_transformers(tiny_gpt_oss_dir: Path) -> None:
     shape = ModelShape.from_hf_config(config)
     ref, scale = ROPE_INIT_FUNCTIONS["yarn"](config)
     assert torch.allclose(gpt_oss.yarn_inv_freq(shape), ref, rtol=1e-6, atol=0)
-    assert shape.gpt_oss.attention_scaling == pytest.approx(scale)
+    assert shape.variant.attention_scaling == pytest.approx(scale)
 
 
 def _megatron_names(shape: ModelShape) -> list[str]:

@@ -1,4 +1,4 @@
-"""Multi-latent attention on the Megatron backend (miles/trainer/megatron/mla.py): the shape read from GLM-4.7-Flash's
+"""Multi-latent attention on the Megatron backend (miles/trainer/megatron/families/mla.py): the shape read from GLM-4.7-Flash's
 and DeepSeek-V3's config.json, the HF <-> megatron-core converter (bitwise, at TP 1, 2 and 4), Miles's MLA and
 DeepSeek-style MoE flags (accepted with Megatron's meaning and checked against config.json, one line per mismatch),
 and the values that are refused by name."""
@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from miles.config import ConfigError, parse_args
-from miles.trainer.megatron import mla, options
+from miles.trainer.megatron import options
 from miles.trainer.megatron.convert import hf_to_megatron, megatron_to_hf, partition_dim, shard, unshard
+from miles.trainer.megatron.families import mla
 from miles.trainer.megatron.model import ModelShape, padded_vocab_size
 
 GLM_JSON = Path(__file__).resolve().parents[3] / "fixtures" / "miles_scripts" / "models" / "GLM-4.7-Flash.json"

@@ -40,7 +40,7 @@ import math
 import torch
 
 from miles.config.base import ConfigError
-from miles.trainer.megatron import yarn
+from miles.trainer.megatron.families import Family, yarn
 
 MLA_FAMILIES = {"glm4_moe_lite": "GLM-4.7-Flash", **yarn.FAMILIES}   # yarn.py: DeepSeek-V3, Kimi-K2, JoyAI
 _ATTN = {  # megatron suffix -> HF suffix, per layer (MLA attention)
@@ -155,49 +155,6 @@ def check_mla_shape(m, shape) -> None:
         raise ConfigError("--multi-latent-attention is missing but --hf-checkpoint's config.json has kv_lora_rank "
                           f"{shape.kv_lora_rank} (MLA): add --multi-latent-attention (with --num-layers the Megatron "
                           "shape flags must describe the model fully), or drop the shape flags.")
-
-
-def check_router_shape(m, shape) -> None:
-    """The router and shared-expert flags against config.json (``moe.check_moe_shape`` calls it): Qwen3-MoE's
-    softmax router without bias, or the DeepSeek-style sigmoid router with bias, scaling and groups."""
-    spec = shape.moe_shared_ffn_hidden_size
-    shared = m.moe_shared_expert_intermediate_size
-    if shared is not None and int(shared) != spec:
-        raise _mismatch("--moe-shared-expert-intermediate-size", shared, "moe_intermediate_size x n_shared_experts",
-                        spec or "none")
-    if m.moe_router_score_function not in (None, shape.moe_score_function):
-        raise _mismatch("--moe-router-score-function", m.moe_router_score_function, "router scores",
-                        shape.moe_score_function)
-    if m.moe_router_enable_expert_bias and not shape.moe_expert_bias:
-        raise _mismatch("--moe-router-enable-expert-bias", "(given)", "router expert bias", "none")
-    scale = m.moe_router_topk_scaling_factor
-    if scale is not None and not math.isclose(scale, shape.moe_topk_scaling, rel_tol=1e-6):
-        raise _mismatch("--moe-router-topk-scaling-factor", scale, "routed_scaling_factor", shape.moe_topk_scaling)
-    for dest, key, cv in (("moe_router_num_groups", "n_group", shape.moe_num_groups or 1),
-                          ("moe_router_group_topk", "topk_group", shape.moe_group_topk or 1)):
-        v = getattr(m, dest, None)
-        if v is not None and int(v) != int(cv):
-            raise _mismatch(f"--{dest.replace('_', '-')}", v, key, cv)
-    rate = m.moe_router_bias_update_rate
-    if shape.moe_expert_bias and rate not in (None, 0):
-        raise ConfigError(f"--moe-router-bias-update-rate {rate:g} is not supported: the Megatron backend keeps the "
-                          "router's expert bias (e_score_correction_bias) as the checkpoint has it; pass 0, as "
-                          "Miles's scripts do.")
-    if m.num_layers is None:
-        return
-    for name, given, key, cv, needed in (
-            ("--moe-router-score-function sigmoid", m.moe_router_score_function == "sigmoid", "router scores",
-             "sigmoid", shape.moe_score_function == "sigmoid"),
-            ("--moe-router-enable-expert-bias", m.moe_router_enable_expert_bias, "e_score_correction_bias",
-             "present", shape.moe_expert_bias),
-            ("--moe-shared-expert-intermediate-size", shared is not None, "moe_intermediate_size x n_shared_experts",
-             spec, spec > 0),
-            (f"--moe-router-topk-scaling-factor {shape.moe_topk_scaling:g}", scale is not None,
-             "routed_scaling_factor", shape.moe_topk_scaling, not math.isclose(shape.moe_topk_scaling, 1.0))):
-        if needed and not given:
-            raise ConfigError(f"{name.split(' ')[0]} is missing but --hf-checkpoint's config.json has {key} {cv}: add "
-                              f"{name} (with --num-layers the Megatron shape flags must describe the model fully), "
-                              "or drop the shape flags.")
 
 
 # ------------------------------------------------------------------------------------------- model
@@ -342,3 +299,25 @@ def check_mla_static(o, shape) -> None:
             raise ConfigError(f"--tensor-model-parallel-size {o.tp} does not divide config.json's {what} {n} "
                               "(megatron-core splits the MLA down projections and the shared experts over TP); "
                               "choose a TP size that divides it.")
+
+
+# ------------------------------------------------------------------------------------------- family
+def _prepare(device: torch.device) -> None:
+    apply_mla_compat()
+    if device.type != "cuda":
+        apply_mla_cpu_compat()
+
+
+def _check_flags(m, shape) -> None:
+    check_mla_shape(m, shape)          # --multi-latent-attention, --q/kv-lora-rank, ...
+    yarn.check_rope_flags(m, shape)    # --rope-type, --rotary-scaling-factor, --mscale, ... (yarn.py)
+
+
+FAMILY = Family(
+    name="mla", model_types=MLA_FAMILIES, attention_fields=hf_mla_fields, moe_fields=hf_moe_fields,
+    rope_types=("default", "yarn"), config_kwargs=config_kwargs, prepare=_prepare,
+    core_attention=lambda shape: mla_core_attention(), adapt_local_spec=adapt_local_spec,
+    hf_to_megatron=lambda suffix, prefix, hf, shape: hf_to_megatron(suffix, prefix, hf, True),
+    megatron_to_hf=lambda suffix, prefix, full, shape: megatron_to_hf(suffix, prefix, full, True),
+    column=COLUMN, row=ROW, glu_fc1=(SHARED_FC1,), exported_buffers=exported_buffers, check_flags=_check_flags,
+    check_static=check_mla_static)

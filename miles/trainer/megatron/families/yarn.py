@@ -1,8 +1,7 @@
 """The DeepSeek-V3 architecture's families on the Megatron backend (DeepSeek-V3, Kimi-K2, JoyAI-LLM-Flash): Miles's
-YaRN rope flags checked against config.json, and the one line for a family this backend does not build.
+YaRN rope flags checked against config.json.
 
     check_rope_flags(cfg.megatron, shape)   # --rotary-scaling-factor 32 vs config.json's rope_scaling factor 40
-    nearest_family("kimi_k25")              # the family we build that is closest to a model type we do not
 
 The model is ``mla.py``'s (multi-latent attention, DeepSeek-style MoE) built from config.json, its YaRN rope
 (``ModelShape.yarn``) megatron-core's ``rope_type`` "yarn". Kimi-K2's checkpoints say ``model_type`` "kimi_k2" (a
@@ -19,7 +18,6 @@ so ``--mscale``, ``--beta-fast``, ... change nothing then (JoyAI's script passes
 
 from __future__ import annotations
 
-import difflib
 import math
 
 from miles.config.base import ConfigError
@@ -30,18 +28,6 @@ ROPE_FLAGS = {"rotary_scaling_factor": ("factor", 0), "original_max_position_emb
               "mscale": ("mscale", 4), "mscale_all_dim": ("mscale_all_dim", 5)}
 # model types Megatron builds as DeepSeek-V3 (mla.MLA_FAMILIES holds them all)
 FAMILIES = {"deepseek_v3": "DeepSeek-V3 (and JoyAI-LLM-Flash)", "kimi_k2": "Kimi-K2"}
-# model types we do not build whose nearest family is not the closest spelling
-NEAREST = {"kimi_k25": "kimi_k2 (Kimi-K2.5's text model is Kimi-K2's architecture: train a text-only "
-                       "kimi_k2/deepseek_v3 checkpoint of it)",
-           "deepseek_v32": "deepseek_v3 (DeepSeek-V3.2 adds sparse attention, which is not built)",
-           "deepseek_v4": "deepseek_v3 (DeepSeek-V4's attention is not built)",
-           "glm_moe_dsa": "deepseek_v3 (GLM-5 adds DeepSeek sparse attention, which is not built)",
-           "qwen3_next": "qwen3_moe (Qwen3-Next's gated DeltaNet layers are not built)",
-           "qwen3_5": "qwen3 (Qwen3.5's gated DeltaNet layers are not built)",
-           "qwen3_5_moe": "qwen3_moe (Qwen3.5's gated DeltaNet layers are not built)",
-           "glm4_moe": "glm4_moe_lite (GLM-4.5's attention is not multi-latent)"}
-
-
 def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
@@ -70,11 +56,3 @@ def check_rope_flags(m, shape) -> None:
         raise _mismatch("--rotary-scaling-factor", factor, "rope_scaling", "none: unscaled RoPE, factor 1")
     if given.get("rope_type") == "yarn" and not shape.mla:
         raise _mismatch("--rope-type", "yarn", "rope_scaling", "none: plain RoPE, --rope-type rope")
-
-
-def nearest_family(model_type: str, families) -> str:
-    """The model type in ``families`` (and its name) closest to ``model_type``, for the refusal of a family not built."""
-    if model_type in NEAREST:
-        return NEAREST[model_type]
-    close = difflib.get_close_matches(str(model_type), list(families), n=1, cutoff=0.75)
-    return f"{close[0]} ({families[close[0]]})" if close else "none close to it"

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
+from miles.trainer.megatron.families import Family
+
 FAMILIES = {"gpt_oss": "gpt-oss"}
 QUICK_GELU_ALPHA = 1.702               # megatron-core's quick_gelu: x * sigmoid(1.702 x)
 _EXPERT = re.compile(r"^(?:decoder\.)?layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
@@ -64,6 +66,11 @@ class GptOssShape:
     yarn: tuple[float, ...] = ()        # (factor, original max positions, beta_fast, beta_slow); () without YaRN
     yarn_truncate: bool = True
     attention_scaling: float = 1.0      # transformers' cos/sin scale (YaRN's mscale)
+
+
+def own(shape) -> GptOssShape | None:
+    """``shape``'s gpt-oss fields (``ModelShape.variant``), None for another family."""
+    return shape.variant if isinstance(shape.variant, GptOssShape) else None
 
 
 def is_gpt_oss_config(c) -> bool:
@@ -123,7 +130,7 @@ def shape_fields(c) -> dict:
         qk_layernorm=False, qkv_bias=True, tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
         num_experts=experts, moe_ffn_hidden_size=int(c.intermediate_size), moe_router_topk=int(c.num_experts_per_tok),
         moe_norm_topk_prob=True, moe_layer_pattern=(1,) * n,
-        gpt_oss=GptOssShape(sliding_window=window, sliding_layers=sliding, swiglu_limit=float(c.swiglu_limit),
+        variant=GptOssShape(sliding_window=window, sliding_layers=sliding, swiglu_limit=float(c.swiglu_limit),
                             yarn=yarn, yarn_truncate=truncate, attention_scaling=scaling))
 
 
@@ -136,7 +143,7 @@ def check_shape(m, shape) -> None:
 
     if m is None:
         return
-    g = shape.gpt_oss
+    g = own(shape)
     softmax = getattr(m, "softmax_type", None)
     window = getattr(m, "window_size", None)
     skip = getattr(m, "window_attn_skip_freq", None)
@@ -190,7 +197,7 @@ def check_static(o, shape) -> None:
     """What the gpt-oss build does not run (``o``: ``options.Options``)."""
     from miles.config.base import ConfigError
 
-    if shape.gpt_oss is None:
+    if own(shape) is None:
         return
     if o.cp > 1:
         raise ConfigError(f"--context-parallel-size {o.cp} with gpt-oss (attention sinks, sliding windows) is not "
@@ -204,7 +211,7 @@ def check_static(o, shape) -> None:
 # ------------------------------------------------------------------------------------------- model
 def config_overrides(shape) -> dict:
     """TransformerConfig arguments of gpt-oss (empty for another family)."""
-    g = shape.gpt_oss
+    g = own(shape)
     if g is None:
         return {}
     from megatron.core.fusions.fused_bias_geglu import quick_gelu
@@ -224,7 +231,7 @@ def yarn_inv_freq(shape, device: torch.device | None = None) -> torch.Tensor:
         _yarn_linear_ramp_mask,
     )
 
-    g = shape.gpt_oss
+    g = own(shape)
     factor, original, fast, slow = g.yarn
     dim = shape.kv_channels
     extra = 1.0 / (shape.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
@@ -236,7 +243,7 @@ def yarn_inv_freq(shape, device: torch.device | None = None) -> torch.Tensor:
 
 def set_yarn(model, shape) -> None:
     """The GPTModel's rotary embedding rotates with YaRN's frequencies (before its first forward)."""
-    if shape.gpt_oss is None or not shape.gpt_oss.yarn or getattr(model, "rotary_pos_emb", None) is None:
+    if own(shape) is None or not own(shape).yarn or getattr(model, "rotary_pos_emb", None) is None:
         return
     rope = model.rotary_pos_emb
     rope.inv_freq = yarn_inv_freq(shape, rope.inv_freq.device)
@@ -396,3 +403,13 @@ def fuse_experts(buckets: Iterator[list[tuple[str, torch.Tensor]]], num_experts:
             yield out
     if pending:
         raise RuntimeError(f"gpt-oss export: expert slices of {sorted(pending)} never completed (a bug).")
+
+
+# ------------------------------------------------------------------------------------------- family
+FAMILY = Family(
+    name="gpt-oss", model_types=FAMILIES, shape_fields=shape_fields, config_kwargs=config_overrides,
+    core_attention=lambda shape: SinkAttention, adapt_local_spec=adapt_local_spec, after_build=set_yarn,
+    hf_to_megatron=lambda suffix, prefix, hf, shape: hf_to_megatron(suffix, prefix, hf),
+    megatron_to_hf=lambda suffix, prefix, full, shape: megatron_to_hf(suffix, prefix, full), column=COLUMN,
+    export_stream=lambda buckets, shape: fuse_experts(buckets, shape.num_experts), check_flags=check_shape,
+    check_static=check_static, linear_biases=True)

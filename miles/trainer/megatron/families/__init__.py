@@ -1,0 +1,132 @@
+"""The model families the Megatron backend builds: one module per family, one registry.
+
+    fam = family_of(shape.model_type)       # the Family that builds this config.json's model_type
+    FAMILIES                                 # model_type -> name shown to users, every family's
+
+A family is one module of this package that defines ``FAMILY = Family(...)``: how its config.json is read into
+``model.ModelShape``, what it adds to megatron-core's ``TransformerConfig`` and layer spec, the HF <-> Megatron names
+of its own weights, the Miles flags it checks against config.json and the parallel layouts it refuses. ``model.py``,
+``convert.py``, ``export.py`` and ``options.py`` hold what every family shares and call the hooks below; they name no
+family. A hook left at its default adds nothing.
+
+Adding a family: write ``families/<name>.py`` (its shape fields, its blocks from megatron-core, our own torch module
+only where megatron-core has none), append its ``FAMILY`` to ``_MODULES`` below, and give it a tiny builder under
+``miles/utils/`` and a parity test against transformers (``tests/multiprocess/test_megatron_<name>.py``); its row in
+docs/trainer.md's family table names those tests.
+
+Families today: ``dense`` (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen3-VL: the generic reader of ``model.py``),
+``mla`` (multi-latent attention and DeepSeek-style MoE: GLM-4.7-Flash, DeepSeek-V3, Kimi-K2, JoyAI; YaRN in
+``yarn.py``), ``gpt_oss`` (sinks, sliding windows, clamped SwiGLU, biases).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+Buckets = Iterator[list[tuple[str, torch.Tensor]]]
+
+
+def _empty(*_args) -> dict:
+    return {}
+
+
+def _nothing(*_args) -> None:
+    return None
+
+
+def _no_buffers(_model) -> list:
+    return []
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family's hooks (defaults: the family adds nothing there)."""
+
+    name: str                                   # shown in messages and docs ("gpt-oss")
+    model_types: Mapping[str, str]              # config.json model_type -> the name shown for it
+    # --- shape (model.ModelShape.from_hf_config)
+    shape_fields: Callable[[Any], dict] | None = None   # every ModelShape field from config.json (the family reads
+    #                                                    it all); None: model.py's generic reader with the 2 hooks below
+    attention_fields: Callable[[Any], dict] = _empty     # generic reader: the attention's fields it sets differently
+    moe_fields: Callable[[Any], dict] | None = None      # generic reader: the MoE fields (None: moe.hf_moe_fields)
+    rope_types: tuple[str, ...] = ("default",)          # config.json rope_type values the generic reader accepts
+    # --- model (model.transformer_config / build_gpt_model)
+    config_kwargs: Callable[[Any], dict] = _empty        # TransformerConfig arguments it adds or overrides
+    prepare: Callable[[torch.device], None] = _nothing   # megatron-core compatibility patches before a build
+    core_attention: Callable[[Any], type | None] = _nothing     # the local spec's core attention for "sdpa" (None:
+    #                                                             model.SDPACoreAttention)
+    adapt_local_spec: Callable[[Any], None] = _nothing   # the local layer/block spec, after the core attention is set
+    after_build: Callable[[Any, Any], None] = _nothing   # the built model (model, shape), before its first forward
+    # --- weights (convert.py, export.py)
+    hf_to_megatron: Callable[[str, str, dict, Any], torch.Tensor | None] = _nothing   # (suffix, 'model.layers.L.',
+    #                                                                                    hf, shape); None: not its own
+    megatron_to_hf: Callable[[str, str, torch.Tensor, Any], list | None] = _nothing  # (suffix, prefix, full, shape)
+    column: tuple[str, ...] = ()                # parameter-name endings split over TP on dim 0 ...
+    row: tuple[str, ...] = ()                   # ... and on dim 1
+    glu_fc1: tuple[str, ...] = ()               # endings holding [gate; up] (each half split over TP on its own)
+    exported_buffers: Callable[[torch.nn.Module], list] = _no_buffers   # buffers exported with the parameters
+    export_stream: Callable[[Buckets, Any], Buckets] | None = None     # the HF weight stream's last transform
+    # --- flags (options.py)
+    check_flags: Callable[[Any, Any], None] = _nothing   # (megatron flags, shape): runs for EVERY shape, so a family
+    #                                                     refuses its own flags on another one
+    check_static: Callable[[Any, Any], None] = _nothing  # (options.Options, shape): runs for its own shapes only
+    linear_biases: bool = False                 # every linear has a bias (no --disable-bias-linear)
+
+
+def _load() -> tuple[Family, ...]:
+    from miles.trainer.megatron.families import dense, gpt_oss, mla
+
+    return dense.FAMILY, mla.FAMILY, gpt_oss.FAMILY
+
+
+ALL: tuple[Family, ...] = _load()
+FAMILIES: dict[str, str] = {mt: shown for f in ALL for mt, shown in f.model_types.items()}
+_BY_TYPE = {mt: f for f in ALL for mt in f.model_types}
+
+
+# model types no family builds whose nearest family is not the closest spelling (a family's helper removes its row)
+NEAREST = {"kimi_k25": "kimi_k2 (Kimi-K2.5's text model is Kimi-K2's architecture: train a text-only "
+                       "kimi_k2/deepseek_v3 checkpoint of it)",
+           "deepseek_v32": "deepseek_v3 (DeepSeek-V3.2 adds sparse attention, which is not built)",
+           "deepseek_v4": "deepseek_v3 (DeepSeek-V4's attention is not built)",
+           "glm_moe_dsa": "deepseek_v3 (GLM-5 adds DeepSeek sparse attention, which is not built)",
+           "qwen3_next": "qwen3_moe (Qwen3-Next's gated DeltaNet layers are not built)",
+           "qwen3_5": "qwen3 (Qwen3.5's gated DeltaNet layers are not built)",
+           "qwen3_5_moe": "qwen3_moe (Qwen3.5's gated DeltaNet layers are not built)",
+           "glm4_moe": "glm4_moe_lite (GLM-4.5's attention is not multi-latent)"}
+
+
+def nearest_family(model_type: str, families: Mapping[str, str] = FAMILIES) -> str:
+    """The model type in ``families`` (and its name) closest to ``model_type``, for the refusal of a family not built."""
+    if model_type in NEAREST:
+        return NEAREST[model_type]
+    close = difflib.get_close_matches(str(model_type), list(families), n=1, cutoff=0.75)
+    return f"{close[0]} ({families[close[0]]})" if close else "none close to it"
+
+
+def family_of(model_type: str | None) -> Family:
+    """The family that builds ``model_type`` (KeyError when none does: ``model.ModelShape`` says so in one line)."""
+    return _BY_TYPE[model_type]
+
+
+def check_flags(m, shape) -> None:
+    """Every family's flag checks (each refuses its own flags on another family's checkpoint)."""
+    for f in ALL:
+        f.check_flags(m, shape)
+
+
+def column_endings() -> tuple[str, ...]:
+    return tuple(c for f in ALL for c in f.column)
+
+
+def row_endings() -> tuple[str, ...]:
+    return tuple(c for f in ALL for c in f.row)
+
+
+def glu_fc1_endings() -> tuple[str, ...]:
+    return tuple(c for f in ALL for c in f.glu_fc1)
