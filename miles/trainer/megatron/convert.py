@@ -167,20 +167,27 @@ def partition_dim(name: str) -> int | None:
     return None
 
 
-def shard(name: str, full: torch.Tensor, dim: int | None, tp_rank: int, tp_size: int) -> torch.Tensor:
-    """This TP rank's piece of a full megatron tensor."""
+def shard(name: str, full: torch.Tensor, dim: int | None, tp_rank: int, tp_size: int,
+          shape: ModelShape | None = None) -> torch.Tensor:
+    """This TP rank's piece of a full megatron tensor (``shape``: its family's row sections, ``tp_sections``)."""
     if dim is None or tp_size == 1:
         return full
+    if shape is not None and (sections := shape.family.tp_sections(name, shape)) is not None:
+        return torch.cat([part.chunk(tp_size, dim=0)[tp_rank] for part in full.split(sections, dim=0)], dim=0)
     if is_glu_fc1(name):
         gate, up = full.chunk(2, dim=0)
         return torch.cat([gate.chunk(tp_size, dim=0)[tp_rank], up.chunk(tp_size, dim=0)[tp_rank]], dim=0)
     return full.chunk(tp_size, dim=dim)[tp_rank]
 
 
-def unshard(name: str, shards: list[torch.Tensor], dim: int | None) -> torch.Tensor:
+def unshard(name: str, shards: list[torch.Tensor], dim: int | None, shape: ModelShape | None = None) -> torch.Tensor:
     """The full megatron tensor from every TP rank's piece (inverse of ``shard``)."""
     if dim is None or len(shards) == 1:
         return shards[0]
+    if shape is not None and (sections := shape.family.tp_sections(name, shape)) is not None:
+        tp = len(shards)
+        pieces = [s.split([n // tp for n in sections], dim=0) for s in shards]
+        return torch.cat([pieces[r][j] for j in range(len(sections)) for r in range(tp)], dim=0)
     if is_glu_fc1(name):
         halves = [s.chunk(2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
@@ -215,7 +222,7 @@ def load_hf_into(model: torch.nn.Module, hf: dict[str, torch.Tensor], shape: Mod
     mtp.check_mtp_tensors(hf, shape)
     full = hf_to_megatron(hf, shape, padded_vocab, list(names.values()))
     for name, p in params.items():
-        piece = shard(name, full[names[name]], partition_dim(name), tp_rank, tp_size)
+        piece = shard(name, full[names[name]], partition_dim(name), tp_rank, tp_size, shape)
         if tuple(piece.shape) != tuple(p.shape):
             raise ConfigError(f"--hf-checkpoint: the weight for {name} has shape {tuple(piece.shape)}, but config.json "
                               f"makes it {tuple(p.shape)}: config.json and the weights disagree; fix the checkpoint.")

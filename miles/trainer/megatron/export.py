@@ -104,7 +104,7 @@ def _finish_each(pend: _Pending, groups: Groups, shape: ModelShape, device: torc
             n = p.numel()
             shards = [gathered[r, offset:offset + n].view(p.shape).to(dtype or p.dtype) for r in range(tp)]
             offset += n
-            full = unshard(name, shards, dim)
+            full = unshard(name, shards, dim, shape)
         result.append([(hf, t.contiguous()) for hf, t in megatron_to_hf(name, full, shape)])
     return result
 

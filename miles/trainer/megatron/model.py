@@ -61,6 +61,7 @@ class ModelShape:
     nextn_layers: int = 0                     # config.json's num_nextn_predict_layers (the checkpoint's MTP layers)
     mtp_num_layers: int = 0                   # MTP layers built (--mtp-num-layers, mtp.py); 0: none
     vision: bool = False                      # a vision-language model (Qwen3-VL, vlm.py): the shape is its text model's
+    rotary_percent: float = 1.0               # the part of each head rope rotates (partial_rotary_factor; Qwen3-Next)
     variant: object = None                    # the family's own fields (a frozen dataclass of its module, e.g.
     #                                           gpt_oss.GptOssShape), None for a family without any
 
@@ -291,7 +292,9 @@ def build_gpt_model(shape: ModelShape, config, *, padded_vocab: int, device: tor
     fam.prepare(device)
     te = use_transformer_engine(device)
     core = (fam.core_attention(shape) or SDPACoreAttention) if core_attention == "sdpa" else None
-    if shape.num_experts:           # MoE or dense MLP per layer (moe.py)
+    if fam.block_spec is not None:  # the family builds its own per-layer spec (e.g. Qwen3-Next's hybrid layers)
+        spec = fam.block_spec(config, shape, core)
+    elif shape.num_experts:         # MoE or dense MLP per layer (moe.py)
         from miles.trainer.megatron.moe import decoder_block_spec
 
         spec = decoder_block_spec(config, shape, te=te, core_attention=core)
@@ -303,7 +306,7 @@ def build_gpt_model(shape: ModelShape, config, *, padded_vocab: int, device: tor
                                         multi_latent_attention=shape.mla)
         if core is not None:
             spec.submodules.self_attention.submodules.core_attention = core
-    if not te:
+    if not te and fam.block_spec is None:
         fam.adapt_local_spec(spec)  # the family's blocks in the local spec
 
     class HiddenGPTModel(GPTModel):
@@ -340,7 +343,7 @@ def build_gpt_model(shape: ModelShape, config, *, padded_vocab: int, device: tor
                 mtp_spec = _swap_norms(mtp_spec, WrappedTorchNorm, SequenceParallelNorm, set())
         model = HiddenGPTModel(config, spec, mtp_block_spec=mtp_spec, vocab_size=padded_vocab,
                                max_sequence_length=shape.max_position_embeddings, position_embedding_type="rope",
-                               rotary_base=int(shape.rotary_base),
+                               rotary_base=int(shape.rotary_base), rotary_percent=shape.rotary_percent,
                                share_embeddings_and_output_weights=shape.tie_embeddings, parallel_output=True,
                                pre_process=pre_process, post_process=post_process)
     fam.after_build(model, shape)

@@ -131,8 +131,8 @@ def check_shape(m, shape: ModelShape) -> None:
         raise _mismatch("--normalization", m.normalization, "normalization", "RMSNorm")
     if m.position_embedding_type not in (None, "rope"):
         raise _mismatch("--position-embedding-type", m.position_embedding_type, "position embedding", "rope")
-    if m.rotary_percent is not None and m.rotary_percent != 1.0:
-        raise _mismatch("--rotary-percent", m.rotary_percent, "rotary percent", 1.0)
+    if m.rotary_percent is not None and not math.isclose(float(m.rotary_percent), shape.rotary_percent):
+        raise _mismatch("--rotary-percent", m.rotary_percent, "partial_rotary_factor", shape.rotary_percent)
     if m.qk_layernorm and not shape.qk_layernorm:
         raise _mismatch("--qk-layernorm", "(given)", "q_norm/k_norm", "absent")
     if m.add_qkv_bias and not shape.qkv_bias and not shape.mla:    # MLA builds no qkv bias (Megatron ignores it)

@@ -115,7 +115,7 @@ def load_hf_into(model: nn.Module, hf: dict[str, torch.Tensor], shape: ModelShap
     sources = ["embedding.word_embeddings.weight" if is_tied_copy(p) else n for n, p in named]
     full = convert.hf_to_megatron(hf, shape, padded_vocab, sorted(set(sources)))
     for (name, p), src in zip(named, sources):
-        piece = convert.shard(src, full[src], convert.partition_dim(src), tp_rank, tp_size)
+        piece = convert.shard(src, full[src], convert.partition_dim(src), tp_rank, tp_size, shape)
         if tuple(piece.shape) != tuple(p.shape):
             raise ValueError(f"HF weight for {name}: shape {tuple(piece.shape)} does not fit the megatron "
                              f"parameter {tuple(p.shape)} (config.json and the weights disagree).")

@@ -16,7 +16,9 @@ docs/trainer.md's family table names those tests.
 
 Families today: ``dense`` (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen3-VL: the generic reader of ``model.py``),
 ``mla`` (multi-latent attention and DeepSeek-style MoE: GLM-4.7-Flash, DeepSeek-V3, Kimi-K2, JoyAI; YaRN in
-``yarn.py``), ``gpt_oss`` (sinks, sliding windows, clamped SwiGLU, biases).
+``yarn.py``), ``gpt_oss`` (sinks, sliding windows, clamped SwiGLU, biases), ``qwen3_next`` (Qwen3-Next, Qwen3.5 /
+3.6: hybrid gated DeltaNet and gated attention layers, MoE with a gated shared expert; its torch gated delta rule in
+``gated_delta.py``).
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ class Family:
     core_attention: Callable[[Any], type | None] = _nothing     # the local spec's core attention for "sdpa" (None:
     #                                                             model.SDPACoreAttention)
     adapt_local_spec: Callable[[Any], None] = _nothing   # the local layer/block spec, after the core attention is set
+    block_spec: Callable[[Any, Any, Any], Any] | None = None   # (config, shape, core attention) -> the decoder block
+    #                                                    spec of this pipeline stage, built by the family (per-layer
+    #                                                    kinds, e.g. Qwen3-Next's hybrid layers); None: model.py's
     after_build: Callable[[Any, Any], None] = _nothing   # the built model (model, shape), before its first forward
     # --- weights (convert.py, export.py)
     hf_to_megatron: Callable[[str, str, dict, Any], torch.Tensor | None] = _nothing   # (suffix, 'model.layers.L.',
@@ -69,6 +74,10 @@ class Family:
     column: tuple[str, ...] = ()                # parameter-name endings split over TP on dim 0 ...
     row: tuple[str, ...] = ()                   # ... and on dim 1
     glu_fc1: tuple[str, ...] = ()               # endings holding [gate; up] (each half split over TP on its own)
+    tp_sections: Callable[[str, Any], list[int] | None] = _nothing   # (name, shape) -> row sections of a full tensor
+    #                                                    each split over TP on its own (rank r: r-th slice of each)
+    tp_partial: tuple[str, ...] = ()            # name parts of replicated parameters whose gradient each TP rank
+    #                                             holds for its own heads only (summed over TP, as q/k layernorms')
     exported_buffers: Callable[[torch.nn.Module], list] = _no_buffers   # buffers exported with the parameters
     export_stream: Callable[[Buckets, Any], Buckets] | None = None     # the HF weight stream's last transform
     # --- flags (options.py)
@@ -79,9 +88,9 @@ class Family:
 
 
 def _load() -> tuple[Family, ...]:
-    from miles.trainer.megatron.families import dense, gpt_oss, mla
+    from miles.trainer.megatron.families import dense, gpt_oss, mla, qwen3_next
 
-    return dense.FAMILY, mla.FAMILY, gpt_oss.FAMILY
+    return dense.FAMILY, mla.FAMILY, gpt_oss.FAMILY, qwen3_next.FAMILY
 
 
 ALL: tuple[Family, ...] = _load()
@@ -95,9 +104,6 @@ NEAREST = {"kimi_k25": "kimi_k2 (Kimi-K2.5's text model is Kimi-K2's architectur
            "deepseek_v32": "deepseek_v3 (DeepSeek-V3.2 adds sparse attention, which is not built)",
            "deepseek_v4": "deepseek_v3 (DeepSeek-V4's attention is not built)",
            "glm_moe_dsa": "deepseek_v3 (GLM-5 adds DeepSeek sparse attention, which is not built)",
-           "qwen3_next": "qwen3_moe (Qwen3-Next's gated DeltaNet layers are not built)",
-           "qwen3_5": "qwen3 (Qwen3.5's gated DeltaNet layers are not built)",
-           "qwen3_5_moe": "qwen3_moe (Qwen3.5's gated DeltaNet layers are not built)",
            "glm4_moe": "glm4_moe_lite (GLM-4.5's attention is not multi-latent)"}
 
 
@@ -130,3 +136,7 @@ def row_endings() -> tuple[str, ...]:
 
 def glu_fc1_endings() -> tuple[str, ...]:
     return tuple(c for f in ALL for c in f.glu_fc1)
+
+
+def tp_partial_parts() -> tuple[str, ...]:
+    return tuple(c for f in ALL for c in f.tp_partial)

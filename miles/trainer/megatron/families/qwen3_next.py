@@ -1,11 +1,10 @@
 """The Qwen3-Next / Qwen3.5 / Qwen3.6 family on megatron-core: hybrid layers of gated DeltaNet (linear attention) and
 gated full attention, MoE with a gated shared expert.
 
-    hybrid = hybrid_shape(hf_config)              # what the family adds to ModelShape (ValueError: not built)
-    fields = shape_fields(hf_config)              # ModelShape's fields
-    kw = config_kwargs(shape, hybrid)             # TransformerConfig arguments of the family
-    spec = decoder_block_spec(config, shape, hybrid)   # the per-layer spec: GDN or gated attention, MoE or MLP
-    after_build(model, hybrid)                    # partial rotary (a quarter of head_dim)
+    fields = shape_fields(hf_config)              # ModelShape's fields; variant: HybridShape (ValueError: not built)
+    kw = config_kwargs(shape)                     # TransformerConfig arguments of the family
+    spec = decoder_block_spec(config, shape, shape.variant)   # per layer: GDN or gated attention, MoE or MLP
+    FAMILY                                        # the registry's hooks (families/__init__.py)
 
 Miles selects these models with ``--spec miles_plugins.models.qwen3_5 get_qwen3_5_spec`` (Qwen3.5 / 3.6: config.json
 ``qwen3_5_moe`` or ``qwen3_5`` with a ``text_config``) and ``--spec miles_plugins.models.qwen3_next
@@ -58,6 +57,8 @@ from dataclasses import dataclass
 
 import torch
 
+from miles.trainer.megatron.families import Family
+
 FAMILIES = {"qwen3_next": "Qwen3-Next", "qwen3_5_moe": "Qwen3.5-MoE", "qwen3_5_moe_text": "Qwen3.5-MoE",
             "qwen3_5": "Qwen3.5", "qwen3_5_text": "Qwen3.5"}
 _QWEN35 = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_text")
@@ -72,8 +73,9 @@ _OWN = {  # megatron suffix -> HF suffix, per layer (one to one)
     "mlp.shared_experts.linear_fc2.weight": "mlp.shared_expert.down_proj.weight",
     "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
 }
-COLUMN = (IN_PROJ, CONV, "self_attention.A_log", "self_attention.dt_bias")      # TP split on dim 0 ...
-ROW = ("self_attention.out_proj.weight",)                                       # ... and on dim 1
+SHARED_FC1 = "mlp.shared_experts.linear_fc1.weight"
+COLUMN = (IN_PROJ, CONV, "self_attention.A_log", "self_attention.dt_bias", SHARED_FC1)   # TP split on dim 0 ...
+ROW = ("self_attention.out_proj.weight", "mlp.shared_experts.linear_fc2.weight")        # ... and on dim 1
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,6 @@ def hybrid_shape(c) -> HybridShape:
 def shape_fields(c) -> dict:
     """``ModelShape``'s fields of a Qwen3-Next / Qwen3.5 config.json."""
     t = text_config(c)
-    hybrid_shape(c)                                     # its refusals first
     n = int(t.num_hidden_layers)
     heads = int(t.num_attention_heads)
     rope = dict(getattr(t, "rope_parameters", None) or {})
@@ -156,7 +157,8 @@ def shape_fields(c) -> dict:
         max_position_embeddings=int(t.max_position_embeddings),
         rotary_base=float(rope.get("rope_theta", getattr(t, "rope_theta", None) or 10000.0)),
         norm_epsilon=float(t.rms_norm_eps), qk_layernorm=True, qkv_bias=bool(getattr(t, "attention_bias", False)),
-        tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)))
+        tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)), variant=hybrid_shape(c))
+    fields["rotary_percent"] = fields["variant"].rotary_percent
     if experts:
         dense = set(getattr(t, "mlp_only_layers", None) or [])
         step = int(getattr(t, "decoder_sparse_step", 1) or 1)
@@ -169,12 +171,10 @@ def shape_fields(c) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- flags
-def check_static(o, hybrid: HybridShape | None) -> None:
+def check_static(o, shape) -> None:
     """What the build does not run (``o``: ``options.Options``)."""
     from miles.config.base import ConfigError
 
-    if hybrid is None:
-        return
     if o.cp > 1:
         raise ConfigError(f"--context-parallel-size {o.cp}: the gated DeltaNet layers of Qwen3-Next / Qwen3.5 would "
                           "need their recurrent state passed between CP ranks, which the Megatron backend does not do; "
@@ -185,8 +185,9 @@ def check_static(o, hybrid: HybridShape | None) -> None:
 
 
 # ------------------------------------------------------------------------------------------- model
-def config_kwargs(shape, hybrid: HybridShape) -> dict:
+def config_kwargs(shape) -> dict:
     """TransformerConfig arguments of the family."""
+    hybrid = shape.variant
     kw = dict(attention_output_gate=True, experimental_attention_variant="gated_delta_net",
               linear_attention_freq=list(hybrid.linear_layers), linear_conv_kernel_dim=hybrid.conv_kernel,
               linear_key_head_dim=hybrid.key_head_dim, linear_value_head_dim=hybrid.value_head_dim,
@@ -263,19 +264,6 @@ def decoder_block_spec(config, shape, hybrid: HybridShape, *, core_attention=Non
         layers.append(layer)
     spec.layer_specs = layers
     return _swap(spec, WrappedTorchNorm, ZeroCenteredRMSNorm, set())
-
-
-def after_build(model, shape, hybrid: HybridShape) -> None:
-    """The GPTModel's rotary embedding on the first ``rotary_percent`` of each head (partial rotary)."""
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-
-    rope = getattr(model, "rotary_pos_emb", None)
-    if rope is None or hybrid.rotary_percent == 1.0:
-        return
-    model.rotary_pos_emb = RotaryEmbedding(kv_channels=shape.kv_channels, rotary_percent=hybrid.rotary_percent,
-                                           rotary_interleaved=False, seq_len_interpolation_factor=None,
-                                           rotary_base=int(shape.rotary_base), use_cpu_initialization=True,
-                                           cp_group=getattr(rope, "cp_group", None)).to(rope.inv_freq.device)
 
 
 # ------------------------------------------------------------------------------------------- names
@@ -367,3 +355,16 @@ def megatron_to_hf(suffix: str, prefix: str, full: torch.Tensor, shape, hybrid: 
         gate, up = full.chunk(2, dim=0)
         return [(prefix + "mlp.shared_expert.gate_proj.weight", gate), (prefix + "mlp.shared_expert.up_proj.weight", up)]
     return None
+
+
+def _sections(name: str, shape) -> list[int] | None:
+    return tp_sections(name, shape.variant) if isinstance(shape.variant, HybridShape) else None
+
+
+FAMILY = Family(
+    name="Qwen3-Next / Qwen3.5", model_types=FAMILIES, shape_fields=shape_fields, config_kwargs=config_kwargs,
+    block_spec=lambda config, shape, core: decoder_block_spec(config, shape, shape.variant, core_attention=core),
+    hf_to_megatron=lambda suffix, prefix, hf, shape: hf_to_megatron(suffix, prefix, hf, shape, shape.variant),
+    megatron_to_hf=lambda suffix, prefix, full, shape: megatron_to_hf(suffix, prefix, full, shape, shape.variant),
+    column=COLUMN, row=ROW, glu_fc1=(SHARED_FC1,), tp_sections=_sections, tp_partial=(".self_attention.out_norm.",),
+    check_static=check_static)
