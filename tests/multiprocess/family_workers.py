@@ -80,6 +80,67 @@ def gpt_worker(model_dir: str, out: str, ep: int = 1, seq: int = 20) -> None:
     dist.destroy_process_group()
 
 
+def parity_worker(model_dir: str, out: str, megatron_flags: tuple[str, ...] = ()) -> None:
+    """2 ranks: the FSDP backend (transformers' model under FSDP2, DP 2) and the Megatron trainer (TP 2, sequence
+    parallel, ``megatron_flags``) train the same 2 rollouts from ``model_dir``. Saves to ``out`` (torch.save): both
+    backends' log-probs' distance before training, step metrics, the update's distance, the export against the
+    checkpoint (fp32 and bf16), ``--save-hf`` reloaded in transformers, a torch_dist checkpoint resumed bitwise."""
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from test_megatron import _all_logprobs, _flags
+    from trainer_harness import build, random_samples
+
+    dist.init_process_group("gloo")
+    rank, group = dist.get_rank(), dist.group.WORLD
+    samples = random_samples(4, 4, seed=7, vocab=90)
+    mine = samples[:8] if rank == 0 else samples[8:]
+    res: dict = {}
+    fsdp = build(model_dir, _flags("fsdp", 1), group=group)
+    res["fsdp_attention"] = fsdp.model.lm.config._attn_implementation if hasattr(fsdp.model, "lm") else None
+    fsdp_lp = _all_logprobs(fsdp, samples)
+    res["fsdp_metrics"] = [fsdp.train(mine, rid) for rid in range(2)]
+    fsdp_sd = fsdp.state_dict_for_check()
+    del fsdp
+    flags = ("--sequence-parallel", *megatron_flags, "--save", str(Path(out).parent / "ckpt"))
+    meg = build(model_dir, _flags("megatron", 2, megatron_flags=flags), group=group)
+    init = meg.state_dict_for_check()
+    init_bf16 = {n: t.detach().cpu().clone() for b in meg.iter_weight_buckets(4096, torch.bfloat16) for n, t in b}
+    meg_lp = _all_logprobs(meg, samples)
+    res["meg_metrics"] = [meg.train(mine, rid) for rid in range(2)]
+    meg_sd = meg.state_dict_for_check()
+    meg.save_hf(Path(out).parent / "hf_out")
+    meg.checkpoint(1, {"rollout_id": 1})
+    meg.train(mine, 2)                                  # move away, then load the checkpoint back
+    res["resumed_extra"] = meg.resume()
+    reloaded = meg.state_dict_for_check()
+    if rank == 0:
+        from transformers import AutoModelForCausalLM
+
+        hf = load_file(str(Path(model_dir) / "model.safetensors"))
+        res["ckpt_reload_bitwise"] = sorted(reloaded) == sorted(meg_sd) and all(
+            torch.equal(reloaded[k], meg_sd[k]) for k in meg_sd)
+        hf_model = AutoModelForCausalLM.from_pretrained(Path(out).parent / "hf_out")
+        saved = {n: t.detach().cpu() for n, t in hf_model.state_dict().items()}
+        if sorted(saved) != sorted(meg_sd):        # transformers 5 fuses per-expert checkpoints' experts on load
+            from test_megatron_moe import split_fused_experts
+
+            saved = split_fused_experts(saved)
+        res["save_hf_equal"] = sorted(saved) == sorted(meg_sd) and all(torch.equal(saved[k], meg_sd[k]) for k in meg_sd)
+        res["export_keys_equal"] = sorted(init) == sorted(hf) == sorted(meg_sd) == sorted(fsdp_sd)
+        res["export_bitwise"] = all(torch.equal(init[k], hf[k]) for k in hf)
+        res["export_bf16_bitwise"] = all(torch.equal(init_bf16[k], hf[k].bfloat16()) for k in hf)
+        keys = sorted(fsdp_sd)
+        deltas = {k: ((meg_sd[k] - hf[k]) - (fsdp_sd[k] - hf[k])).abs().max().item() for k in keys}
+        res["update_max_abs_diff"], res["update_worst"] = max(deltas.values()), max(deltas, key=deltas.get)
+        num = sum(((meg_sd[k] - fsdp_sd[k]).double() ** 2).sum().item() for k in keys)
+        den = sum(((fsdp_sd[k] - hf[k]).double() ** 2).sum().item() for k in keys)
+        res["update_rel_l2"] = (num / den) ** 0.5
+        res["lp_max_abs_diff"] = max((a - b).abs().max().item() for a, b in zip(fsdp_lp, meg_lp))
+        torch.save(res, out)
+    dist.destroy_process_group()
+
+
 def gpu_worker(model_dir: str, out: str, seq: int = 20) -> None:
     """One rank on GPU 0 (NCCL), bf16 parameters, TP 1: the Megatron GPTModel's logits against transformers' own
     model (eager attention, bf16, and fp32 for the scale of bf16 rounding) on the same rows."""

@@ -23,72 +23,19 @@ from pathlib import Path
 
 import pytest
 from _torchrun import torchrun_self
-from family_workers import gpt_worker, gpu_worker
+from family_workers import gpt_worker, gpu_worker, parity_worker
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.multiprocess
 
 HERE = Path(__file__).resolve()
 SEQ = 20
+GPT_OSS_FLAGS = ("--expert-tensor-parallel-size", "1", "--softmax-type", "learnable", "--window-size", "4,0",
+                 "--window-attn-skip-freq", "2", "--moe-aux-loss-coeff", "0")
 
 
 def _torchrun(nproc: int, port: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return torchrun_self(HERE, nproc, port, *args, timeout=timeout)
-
-
-def _parity_worker(model_dir: str, out: str) -> None:
-    import torch
-    import torch.distributed as dist
-    from safetensors.torch import load_file
-    from test_megatron import _all_logprobs, _flags
-    from trainer_harness import build, random_samples
-
-    dist.init_process_group("gloo")
-    rank, group = dist.get_rank(), dist.group.WORLD
-    samples = random_samples(4, 4, seed=7, vocab=90)
-    mine = samples[:8] if rank == 0 else samples[8:]
-    res: dict = {}
-    fsdp = build(model_dir, _flags("fsdp", 1), group=group)
-    res["fsdp_attention"] = fsdp.model.lm.config._attn_implementation if hasattr(fsdp.model, "lm") else None
-    fsdp_lp = _all_logprobs(fsdp, samples)
-    res["fsdp_metrics"] = [fsdp.train(mine, rid) for rid in range(2)]
-    fsdp_sd = fsdp.state_dict_for_check()
-    del fsdp
-    flags = ("--sequence-parallel", "--expert-tensor-parallel-size", "1", "--softmax-type", "learnable",
-             "--window-size", "4,0", "--window-attn-skip-freq", "2", "--moe-aux-loss-coeff", "0",
-             "--save", str(Path(out).parent / "ckpt"))
-    meg = build(model_dir, _flags("megatron", 2, megatron_flags=flags), group=group)
-    init = meg.state_dict_for_check()
-    init_bf16 = {n: t.detach().cpu().clone() for b in meg.iter_weight_buckets(4096, torch.bfloat16) for n, t in b}
-    meg_lp = _all_logprobs(meg, samples)
-    res["meg_metrics"] = [meg.train(mine, rid) for rid in range(2)]
-    meg_sd = meg.state_dict_for_check()
-    meg.save_hf(Path(out).parent / "hf_out")
-    meg.checkpoint(1, {"rollout_id": 1})
-    meg.train(mine, 2)                                  # move away, then load the checkpoint back
-    res["resumed_extra"] = meg.resume()
-    reloaded = meg.state_dict_for_check()
-    if rank == 0:
-        from transformers import AutoModelForCausalLM
-
-        hf = load_file(str(Path(model_dir) / "model.safetensors"))
-        res["ckpt_reload_bitwise"] = sorted(reloaded) == sorted(meg_sd) and all(
-            torch.equal(reloaded[k], meg_sd[k]) for k in meg_sd)
-        hf_model = AutoModelForCausalLM.from_pretrained(Path(out).parent / "hf_out")
-        saved = {n: t.detach().cpu() for n, t in hf_model.state_dict().items()}
-        res["save_hf_equal"] = sorted(saved) == sorted(meg_sd) and all(torch.equal(saved[k], meg_sd[k]) for k in meg_sd)
-        res["export_keys_equal"] = sorted(init) == sorted(hf) == sorted(meg_sd) == sorted(fsdp_sd)
-        res["export_bitwise"] = all(torch.equal(init[k], hf[k]) for k in hf)
-        res["export_bf16_bitwise"] = all(torch.equal(init_bf16[k], hf[k].bfloat16()) for k in hf)
-        keys = sorted(fsdp_sd)
-        deltas = {k: ((meg_sd[k] - hf[k]) - (fsdp_sd[k] - hf[k])).abs().max().item() for k in keys}
-        res["update_max_abs_diff"], res["update_worst"] = max(deltas.values()), max(deltas, key=deltas.get)
-        num = sum(((meg_sd[k] - fsdp_sd[k]).double() ** 2).sum().item() for k in keys)
-        den = sum(((fsdp_sd[k] - hf[k]).double() ** 2).sum().item() for k in keys)
-        res["update_rel_l2"] = (num / den) ** 0.5
-        res["lp_max_abs_diff"] = max((a - b).abs().max().item() for a, b in zip(fsdp_lp, meg_lp))
-        torch.save(res, out)
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +125,6 @@ if __name__ == "__main__":
     if sys.argv[1] == "gpt":
         gpt_worker(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:5]))
     elif sys.argv[1] == "parity":
-        _parity_worker(sys.argv[2], sys.argv[3])
+        parity_worker(sys.argv[2], sys.argv[3], GPT_OSS_FLAGS)
     elif sys.argv[1] == "gpu":
         gpu_worker(sys.argv[2], sys.argv[3])
