@@ -157,7 +157,8 @@ def shape_fields(c) -> dict:
         max_position_embeddings=int(t.max_position_embeddings),
         rotary_base=float(rope.get("rope_theta", getattr(t, "rope_theta", None) or 10000.0)),
         norm_epsilon=float(t.rms_norm_eps), qk_layernorm=True, qkv_bias=bool(getattr(t, "attention_bias", False)),
-        tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)), variant=hybrid_shape(c))
+        tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)), variant=hybrid_shape(c),
+        nextn_layers=int(getattr(t, "mtp_num_hidden_layers", 0) or 0))
     fields["rotary_percent"] = fields["variant"].rotary_percent
     if experts:
         dense = set(getattr(t, "mlp_only_layers", None) or [])
@@ -171,6 +172,32 @@ def shape_fields(c) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- flags
+_SWITCHES = (("--attention-output-gate", "attention_output_gate", "q_proj's output gates"),
+             ("--apply-layernorm-1p", "apply_layernorm_1p", "(1 + w) RMSNorms"),
+             ("--moe-shared-expert-gate", "moe_shared_expert_gate", "mlp.shared_expert_gate"))
+
+
+def check_flags(m, shape) -> None:
+    """``--attention-output-gate``, ``--apply-layernorm-1p``, ``--moe-shared-expert-gate`` against config.json: what a
+    Qwen3-Next / Qwen3.5 checkpoint has (refused on another family; with ``--num-layers`` the shape flags describe
+    the model fully, so they are required here, as Miles's scripts pass them)."""
+    from miles.config.base import ConfigError
+
+    if m is None:
+        return
+    mine = isinstance(shape.variant, HybridShape)
+    for flag, dest, what in _SWITCHES:
+        given = bool(getattr(m, dest, False))
+        present = mine and (dest != "moe_shared_expert_gate" or shape.variant.shared_expert_gate)
+        if given and not present:
+            raise ConfigError(f"{flag} does not match --hf-checkpoint's config.json (model_type {shape.model_type}: no "
+                              f"{what}): drop the flag (the model shape is read from config.json).")
+        if present and not given and m.num_layers is not None:
+            raise ConfigError(f"{flag} is missing but --hf-checkpoint's config.json is {FAMILIES[shape.model_type]} "
+                              f"({what}): add {flag} (with --num-layers the Megatron shape flags must describe the "
+                              "model fully), or drop the shape flags.")
+
+
 def check_static(o, shape) -> None:
     """What the build does not run (``o``: ``options.Options``)."""
     from miles.config.base import ConfigError
@@ -367,4 +394,4 @@ FAMILY = Family(
     hf_to_megatron=lambda suffix, prefix, hf, shape: hf_to_megatron(suffix, prefix, hf, shape, shape.variant),
     megatron_to_hf=lambda suffix, prefix, full, shape: megatron_to_hf(suffix, prefix, full, shape, shape.variant),
     column=COLUMN, row=ROW, glu_fc1=(SHARED_FC1,), tp_sections=_sections, tp_partial=(".self_attention.out_norm.",),
-    check_static=check_static)
+    check_flags=check_flags, check_static=check_static)
