@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from _torchrun import torchrun_self
-from family_workers import gpt_worker, parity_worker
+from family_workers import gpt_worker, gpu_worker, parity_worker
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.multiprocess
@@ -102,8 +102,32 @@ LP_BOUND, UPDATE_BOUND, REL_BOUND = 1e-6, 2.5e-5, 3.2e-5
 FLAGS = ("--expert-tensor-parallel-size", "1", "--moe-aux-loss-coeff", "0")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_next"])
+def test_hybrid_matches_hf_on_gpu_bf16(kind: str, tmp_path: Path, free_port: int) -> None:
+    """bf16 on one GPU (TP 1, NCCL, real torchrun): the Megatron GPTModel's logits (GatedDeltaNet on fla's kernel when
+    flash-linear-attention imports, else the torch rule) are as far from transformers' bf16 logits as transformers'
+    own bf16 logits are from its fp32 ones, within a factor of 2. DeltaNet head dims of 64 (fla's kernels tile by 16
+    and more)."""
+    import torch
+
+    from miles.utils.tiny_qwen35 import build_tiny_qwen35_model
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    model_dir = build_tiny_qwen35_model(tmp_path / kind, kind=kind, linear_key_head_dim=64, linear_value_head_dim=64)
+    out = tmp_path / "gpu.json"
+    proc = _torchrun(1, free_port, "gpu", str(model_dir), str(out))
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    res = json.loads(out.read_text())
+    print(res)
+    assert res["max_abs_err"] <= 2 * max(res["hf_bf16_vs_fp32"], 1e-3), res
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "gpt":
         gpt_worker(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:5]), seq=SEQ)
     elif sys.argv[1] == "parity":
         parity_worker(sys.argv[2], sys.argv[3], FLAGS)
+    elif sys.argv[1] == "gpu":
+        gpu_worker(sys.argv[2], sys.argv[3], seq=SEQ)

@@ -241,8 +241,11 @@ def _gated_delta_net_class():
             g = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias.float())
             beta = beta.sigmoid()
             fla_rule = _fla_rule() if q.is_cuda and not self.config.deterministic_mode else None
-            if fla_rule is not None:
-                out, _ = fla_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=self.use_qk_l2norm)
+            if fla_rule is not None:              # each q/k head serves H / Hk value heads (as megatron-core calls fla)
+                rep = v.shape[2] // q.shape[2]
+                q, k = (t.repeat_interleave(rep, dim=2).contiguous() if rep > 1 else t.contiguous() for t in (q, k))
+                out, _ = fla_rule(q, k, v.contiguous(), g=g.contiguous(), beta=beta.contiguous(),
+                                  use_qk_l2norm_in_kernel=self.use_qk_l2norm)
             else:
                 out, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=self.use_qk_l2norm)
             normed = self.out_norm(out.reshape(-1, self.value_head_dim))
