@@ -1,0 +1,65 @@
+"""Qwen3.5-MoE end to end on CPU: the model flags of Miles's Qwen3.5-35B-A3B commands (radixark/miles@v0.1.0:
+tests/snapshots/model_args/qwen3.5-35B-A3B.txt, without ``--spec`` and ``--mtp-num-layers``: see docs/trainer.md)
+at the tiny model's sizes (``miles.utils.tiny_qwen35``), the parallel layout of its self-distillation command (TP 2
+with sequence parallelism, EP over the same 2 CPU ranks, colocated), the embedded engines serving the model on the
+generic transformers path (one cache per request: the DeltaNet's conv and recurrent states): 2 rollouts, a weight
+sync after each under ``--check-weight-update-equal`` (the engines hold exactly the trainer's weights under HF names).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from _miles_e2e import QUICKSTART, check_ok, check_run_dir, run
+
+pytest.importorskip("megatron.core")
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(900)]
+
+TINY_SHAPE = [  # Qwen3.5-35B-A3B's model flags, at the tiny model's sizes
+    "--disable-bias-linear", "--qk-layernorm", "--group-query-attention", "--num-attention-heads", "4",
+    "--num-query-groups", "2", "--kv-channels", "16", "--num-layers", "4", "--hidden-size", "64",
+    "--ffn-hidden-size", "32", "--normalization", "RMSNorm", "--apply-layernorm-1p", "--position-embedding-type",
+    "rope", "--norm-epsilon", "1e-6", "--rotary-percent", "0.25", "--swiglu", "--untie-embeddings-and-output-weights",
+    "--vocab-size", "101", "--rotary-base", "10000", "--moe-ffn-hidden-size", "32",
+    "--moe-shared-expert-intermediate-size", "48", "--moe-router-score-function", "softmax",
+    "--moe-token-dispatcher-type", "alltoall", "--moe-router-topk", "2", "--moe-layer-freq", "[1,1,1,1]",
+    "--num-experts", "4", "--moe-token-drop-policy", "probs", "--moe-router-dtype", "fp32", "--moe-aux-loss-coeff",
+    "0", "--attention-output-gate", "--moe-shared-expert-gate"]
+RECORDED = [  # from the self-distillation command (phase2_opd_selfdistill.sh), GPU counts scaled to 2 CPU ranks
+    "--apply-chat-template", "--rollout-shuffle", "--rollout-temperature", "1", "--num-steps-per-rollout", "1",
+    "--optimizer", "adam", "--lr", "1e-5", "--lr-decay-style", "constant", "--weight-decay", "0.1", "--adam-beta1",
+    "0.9", "--adam-beta2", "0.98", "--advantage-estimator", "grpo", "--kl-loss-type", "low_var_kl", "--entropy-coef",
+    "0.00", "--eps-clip", "0.2", "--eps-clip-high", "0.28", "--use-tis", "--tensor-model-parallel-size", "2",
+    "--sequence-parallel", "--pipeline-model-parallel-size", "1", "--context-parallel-size", "1",
+    "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--recompute-granularity", "full",
+    "--recompute-method", "uniform", "--recompute-num-layers", "1", "--rollout-num-gpus-per-engine", "1",
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
+    "--attention-softmax-in-fp32", "--colocate", "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2",
+    "--num-gpus-per-node", "2"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> tuple[Path, Path]:
+    from miles.utils.tiny_qwen35 import build_tiny_qwen35_model
+
+    d = tmp_path_factory.mktemp("qwen35")
+    log = d / "prepare.log"
+    check_ok(run(["bash", str(QUICKSTART / "prepare.sh"), str(d / "data")], log, timeout=300), log)
+    return d / "data", build_tiny_qwen35_model(d / "qwen35")
+
+
+def test_qwen35_moe_runs_two_rollouts_with_weight_check(setup, tmp_path: Path) -> None:
+    data, model = setup
+    out, log = tmp_path / "run", tmp_path / "run.log"
+    cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", "train.py", *TINY_SHAPE, *RECORDED,
+           "--hf-checkpoint", str(model), "--prompt-data", str(data / "train.jsonl"), "--input-key", "input",
+           "--label-key", "label", "--rm-type", "quickstart", "--num-rollout", "2", "--rollout-batch-size", "4",
+           "--n-samples-per-prompt", "2", "--global-batch-size", "8", "--rollout-max-response-len", "4",
+           "--check-weight-update-equal", "--output-dir", str(out)]
+    check_ok(run(cmd, log, timeout=600), log)
+    recs = check_run_dir(out, num_rollout=2, num_ranks=2)
+    assert all(r["rollout/num_samples"] == 8 for r in recs)
+    text = log.read_text()
+    assert "TP 2 x PP 1 x DP 1" in text, text[-3000:]
+    assert text.count("--check-weight-update-equal: ") >= 3, text[-3000:]   # initial sync + one per rollout
