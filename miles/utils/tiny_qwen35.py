@@ -3,6 +3,7 @@
 
     build_tiny_qwen35_model("/tmp/q35")                  # qwen3_5_moe_text: 4 layers, 3 gated DeltaNet + 1 gated attention
     build_tiny_qwen35_model("/tmp/qn", kind="qwen3_next") # the same shape as Qwen3-Next (fused in_proj_qkvz / in_proj_ba)
+    build_tiny_qwen35_model("/tmp/qv", vlm=True)          # the published Qwen3.5 layout: qwen3_5_moe, text_config
 
 Every part of the family is present at this size: ``layer_types`` (``full_attention_interval`` 4: linear, linear,
 linear, full), the gated DeltaNet (``linear_num_value_heads`` twice ``linear_num_key_heads``, so each q/k head serves
@@ -44,8 +45,12 @@ def build_tiny_qwen35_model(
     partial_rotary_factor: float = 0.25,
     seed: int = 0,
     dtype: str = "float32",
+    vlm: bool = False,
 ) -> Path:
-    """Write a randomly initialised ``kind`` causal LM plus the tiny tokenizer to ``out_dir``."""
+    """Write a randomly initialised ``kind`` causal LM plus the tiny tokenizer to ``out_dir``. ``vlm`` (Qwen3.5 only):
+    the layout of the published Qwen3.5 checkpoints instead, ``Qwen3_5MoeForConditionalGeneration`` (config.json
+    ``qwen3_5_moe`` with a ``text_config``; the text model under ``model.language_model.``, a one-block vision tower
+    under ``model.visual.``), the text model's weights the same as without ``vlm``."""
     import torch
 
     from miles.utils.tiny_model import build_tokenizer
@@ -91,5 +96,25 @@ def build_tiny_qwen35_model(
             elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
                 p.normal_(0.0, 0.5)
     model = model.to(getattr(torch, dtype))
+    if vlm:
+        if kind != "qwen3_5_moe":
+            raise ValueError("build_tiny_qwen35_model: vlm=True is the Qwen3.5 layout (kind qwen3_5_moe)")
+        from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+        text = config.to_dict()
+        for k in ("architectures", "model_type", "transformers_version"):
+            text.pop(k, None)
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden_size,
+                      patch_size=16, spatial_merge_size=2, temporal_patch_size=2)
+        full = Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=text, vision_config=vision,
+                                                                   tie_word_embeddings=False))
+        with torch.no_grad():                   # the same text model: its weights copied in
+            lm = model.state_dict()
+            for name, p in full.state_dict().items():
+                src = "model." + name[len("model.language_model."):] if name.startswith("model.language_model.") \
+                    else name
+                if src in lm:
+                    p.copy_(lm[src])
+        model = full.to(getattr(torch, dtype))
     model.save_pretrained(str(out), safe_serialization=True)
     return out

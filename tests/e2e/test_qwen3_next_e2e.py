@@ -39,14 +39,16 @@ RECORDED = [  # from the self-distillation command (phase2_opd_selfdistill.sh), 
     "--num-gpus-per-node", "2"]
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory) -> tuple[Path, Path]:
+@pytest.fixture(scope="module", params=[False, True], ids=["text", "vlm_layout"])
+def setup(request, tmp_path_factory) -> tuple[Path, Path]:
+    """The tiny model as a text-only checkpoint, and in the published Qwen3.5 layout (``qwen3_5_moe`` with a
+    ``text_config``, the text model under ``model.language_model.``, a vision tower the run does not train)."""
     from miles.utils.tiny_qwen35 import build_tiny_qwen35_model
 
     d = tmp_path_factory.mktemp("qwen35")
     log = d / "prepare.log"
     check_ok(run(["bash", str(QUICKSTART / "prepare.sh"), str(d / "data")], log, timeout=300), log)
-    return d / "data", build_tiny_qwen35_model(d / "qwen35")
+    return d / "data", build_tiny_qwen35_model(d / "qwen35", vlm=request.param)
 
 
 def test_qwen35_moe_runs_two_rollouts_with_weight_check(setup, tmp_path: Path) -> None:

@@ -60,8 +60,8 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], shape: ModelShape, padded_vocab:
     out = {}
     q_rows, kv_rows, _ = _qkv_split(shape)
     ng = shape.num_query_groups
-    if shape.vision and any(k.startswith(vlm.HF_LM_PREFIX) for k in hf):   # Qwen3-VL: the text model's names
-        hf = vlm.text_hf_state(hf)
+    if any(k.startswith(vlm.HF_LM_PREFIX) for k in hf):   # a VLM checkpoint (Qwen3-VL, Qwen3.5): the text model's
+        hf = vlm.text_hf_state(hf)                          # names (what transformers' causal LM of it holds)
     for name in names:
         if vlm.is_vision(name):                 # the vision tower: transformers' own module, names as in HF
             out[name] = hf[vlm.HF_VISION_PREFIX + name[len(vlm.VISION_PREFIX):]]
