@@ -46,11 +46,15 @@ def build_tiny_qwen35_model(
     seed: int = 0,
     dtype: str = "float32",
     vlm: bool = False,
+    mtp: bool = False,
 ) -> Path:
     """Write a randomly initialised ``kind`` causal LM plus the tiny tokenizer to ``out_dir``. ``vlm`` (Qwen3.5 only):
     the layout of the published Qwen3.5 checkpoints instead, ``Qwen3_5MoeForConditionalGeneration`` (config.json
     ``qwen3_5_moe`` with a ``text_config``; the text model under ``model.language_model.``, a one-block vision tower
-    under ``model.visual.``), the text model's weights the same as without ``vlm``."""
+    under ``model.visual.``), the text model's weights the same as without ``vlm``. ``mtp``: the checkpoint also
+    holds one MTP layer as the published ones do (``mtp_num_hidden_layers`` 1; ``mtp.fc``, ``mtp.pre_fc_norm_*``,
+    ``mtp.norm``, ``mtp.layers.0.*`` = a full-attention MoE decoder layer), drawn at random: transformers neither
+    builds nor reads it."""
     import torch
 
     from miles.utils.tiny_model import build_tokenizer
@@ -116,5 +120,46 @@ def build_tiny_qwen35_model(
                 if src in lm:
                     p.copy_(lm[src])
         model = full.to(getattr(torch, dtype))
+    if mtp:
+        config.mtp_num_hidden_layers = 1
+        if vlm:
+            model.config.text_config.mtp_num_hidden_layers = 1
     model.save_pretrained(str(out), safe_serialization=True)
+    if mtp:
+        _add_mtp(out, cls, config, seed, getattr(torch, dtype))
     return out
+
+
+def _add_mtp(out: Path, cls, config, seed: int, dtype) -> None:
+    """Append one random MTP layer's tensors (Qwen3-Next's names) to ``out``'s model.safetensors."""
+    import copy
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    one = copy.deepcopy(config)
+    one.num_hidden_layers, one.layer_types = 1, ["full_attention"]
+    torch.manual_seed(seed + 1)
+    layer = cls(one).model.layers[0]
+    h = config.hidden_size
+    tensors = {f"mtp.layers.0.{n}": t.detach().clone() for n, t in layer.state_dict().items()}
+    tensors = {n: (t.normal_(0.0, 0.2) if n.endswith("norm.weight") else t) for n, t in tensors.items()}
+    tensors["mtp.layers.0.mlp.gate.weight"] = torch.randn(config.num_experts, h) * 0.5
+    for name in ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight"):
+        tensors[name] = torch.randn(h) * 0.2
+    tensors["mtp.fc.weight"] = torch.randn(h, 2 * h) * 0.02
+    # transformers 5 fuses experts in memory; the checkpoint names them per expert, as save_pretrained writes them
+    fused = {n: t for n, t in tensors.items() if n.endswith((".experts.gate_up_proj", ".experts.down_proj"))}
+    for n, t in fused.items():
+        del tensors[n]
+        base = n[:n.rindex(".") + 1]
+        for e in range(t.shape[0]):
+            if n.endswith("gate_up_proj"):
+                gate, up = t[e].chunk(2, dim=0)
+                tensors[f"{base}{e}.gate_proj.weight"], tensors[f"{base}{e}.up_proj.weight"] = gate, up
+            else:
+                tensors[f"{base}{e}.down_proj.weight"] = t[e]
+    path = out / "model.safetensors"
+    disk = load_file(str(path))
+    disk.update({n: t.to(dtype).contiguous() for n, t in tensors.items()})
+    save_file(disk, str(path), metadata={"format": "pt"})

@@ -9,11 +9,12 @@ import json
 from pathlib import Path
 
 
-def gpt_worker(model_dir: str, out: str, ep: int = 1, seq: int = 20) -> None:
+def gpt_worker(model_dir: str, out: str, ep: int = 1, seq: int = 20, mtp: bool = False) -> None:
     """TP = world size (``ep`` 1), or TP 1 x EP = world size (the experts split over the ranks, all-to-all); 2 rows
     of ``seq`` random tokens. Writes to ``out`` (json): the logits' max distance to transformers' (fp32, eager),
     whether every gradient is finite, the exported HF names and those equal to the checkpoint bit for bit; at EP 1
-    the full gradients under HF names beside it (``<out>.grads.safetensors``)."""
+    the full gradients under HF names beside it (``<out>.grads.safetensors``). ``mtp``: the checkpoint's MTP layers
+    are built too (frozen, as without --enable-mtp-training) and exported."""
     import torch
     import torch.distributed as dist
     from safetensors.torch import load_file
@@ -29,6 +30,10 @@ def gpt_worker(model_dir: str, out: str, ep: int = 1, seq: int = 20) -> None:
     moe.apply_moe_compat()
     moe.apply_moe_cpu_compat()
     shape = model.ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir))
+    if mtp:
+        from dataclasses import replace
+
+        shape = replace(shape, mtp_num_layers=shape.nextn_layers)
     padded = model.padded_vocab_size(shape.vocab_size, 128, tp)
     kw = moe.config_kwargs(shape, moe.MoeOptions(), ep=ep, etp=1, te=False)
     config = model.transformer_config(shape, tp_size=tp, device=cpu, moe=kw, sequence_parallel=tp > 1)
@@ -53,7 +58,8 @@ def gpt_worker(model_dir: str, out: str, ep: int = 1, seq: int = 20) -> None:
     logits.square().mean().backward()
     if ep == 1:
         parallel.finish_grads(gpt, groups)
-    grads_ok = all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in gpt.parameters())
+    grads_ok = all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in gpt.parameters()
+                   if p.requires_grad)
     logits = logits.detach()
 
     exported = [pair for bucket in export.iter_hf_buckets(gpt, shape, groups, device=cpu, bucket_bytes=1 << 14)
@@ -61,11 +67,11 @@ def gpt_worker(model_dir: str, out: str, ep: int = 1, seq: int = 20) -> None:
     disk = load_file(str(Path(model_dir) / "model.safetensors"))
     same = [n for n, t in exported if n in disk and disk[n].dtype == t.dtype and torch.equal(disk[n], t)]
     with torch.no_grad():                  # the full gradients in HF names: the export of p.grad in place of p
-        for p in gpt.parameters() if ep == 1 else ():
+        for p in gpt.parameters() if ep == 1 and not mtp else ():
             p.data, p.grad = p.grad, p.data
         grads = {n: t.clone() for bucket in export.iter_hf_buckets(gpt, shape, groups, device=cpu, bucket_bytes=1 << 14)
                  for n, t in bucket}
-    if rank == 0 and ep == 1:
+    if rank == 0 and ep == 1 and not mtp:
         from safetensors.torch import save_file
 
         save_file(grads, str(Path(out).with_suffix(".grads.safetensors")))

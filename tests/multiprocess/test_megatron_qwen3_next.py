@@ -75,6 +75,24 @@ def test_hybrid_expert_parallel_matches_hf(tiny_hybrid_dir: Path, tmp_path: Path
     assert sorted(res["exported"]) == res["disk"] and sorted(res["same"]) == res["disk"]
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_hybrid_mtp_layer_loads_and_exports_bitwise(tp: int, tmp_path: Path, free_port: int) -> None:
+    """A checkpoint with its MTP layer (``mtp.*``, the published Qwen3.5 layout) and ``--mtp-num-layers 1``: the MTP
+    block (megatron-core's, like the decoder's last layer) is loaded from it, the main model's logits stay
+    transformers', and the export gives every tensor back under the checkpoint's names, bit for bit (TP 1, 2)."""
+    from miles.utils.tiny_qwen35 import build_tiny_qwen35_model
+
+    model_dir = build_tiny_qwen35_model(tmp_path / "mtp", mtp=True)
+    out = tmp_path / "gpt_mtp.json"
+    proc = _torchrun(tp, free_port, "gpt_mtp", str(model_dir), str(out))
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    res = json.loads(out.read_text())
+    assert any(n.startswith("mtp.") for n in res["disk"])
+    assert res["grads_ok"] and res["max_abs_err"] < BOUND, res
+    assert sorted(res["exported"]) == res["disk"] and sorted(res["same"]) == res["disk"], \
+        sorted(set(res["disk"]) - set(res["same"]))
+
+
 def test_hybrid_trainer_parity_with_fsdp(tiny_hybrid_dir: Path, tmp_path: Path, free_port: int) -> None:
     """2 ranks: the FSDP backend (transformers' model, DP 2) and the Megatron trainer (TP 2, sequence parallel) train
     the same 2 rollouts: log-probs before training, step metrics and the update agree; the export (fp32, bf16) equals
@@ -127,6 +145,8 @@ def test_hybrid_matches_hf_on_gpu_bf16(kind: str, tmp_path: Path, free_port: int
 if __name__ == "__main__":
     if sys.argv[1] == "gpt":
         gpt_worker(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:5]), seq=SEQ)
+    elif sys.argv[1] == "gpt_mtp":
+        gpt_worker(sys.argv[2], sys.argv[3], seq=SEQ, mtp=True)
     elif sys.argv[1] == "parity":
         parity_worker(sys.argv[2], sys.argv[3], FLAGS)
     elif sys.argv[1] == "gpu":

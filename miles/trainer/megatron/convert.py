@@ -54,14 +54,21 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return out
 
 
+def family_hf_state(hf: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
+    """``hf`` under the names this module reads: a VLM checkpoint's (Qwen3-VL, Qwen3.5) text model under the text
+    model's names (what transformers' causal LM of it holds), then the family's own renames (``Family.hf_state``)."""
+    if any(k.startswith(vlm.HF_LM_PREFIX) for k in hf):
+        hf = vlm.text_hf_state(hf)
+    return hf if shape.family.hf_state is None else shape.family.hf_state(hf, shape)
+
+
 def hf_to_megatron(hf: dict[str, torch.Tensor], shape: ModelShape, padded_vocab: int,
                    names: list[str]) -> dict[str, torch.Tensor]:
     """Full megatron tensors for the megatron parameter ``names`` from a HF state dict."""
     out = {}
     q_rows, kv_rows, _ = _qkv_split(shape)
     ng = shape.num_query_groups
-    if any(k.startswith(vlm.HF_LM_PREFIX) for k in hf):   # a VLM checkpoint (Qwen3-VL, Qwen3.5): the text model's
-        hf = vlm.text_hf_state(hf)                          # names (what transformers' causal LM of it holds)
+    hf = family_hf_state(hf, shape)
     for name in names:
         if vlm.is_vision(name):                 # the vision tower: transformers' own module, names as in HF
             out[name] = hf[vlm.HF_VISION_PREFIX + name[len(vlm.VISION_PREFIX):]]
@@ -219,6 +226,7 @@ def load_hf_into(model: torch.nn.Module, hf: dict[str, torch.Tensor], shape: Mod
     params = dict(model.named_parameters()) | dict(shape.family.exported_buffers(model))
     num_local = shape.num_experts // ep_size if shape.num_experts else 0
     names = {name: moe.global_name(name, ep_rank, num_local) for name in params}
+    hf = family_hf_state(hf, shape)
     mtp.check_mtp_tensors(hf, shape)
     full = hf_to_megatron(hf, shape, padded_vocab, list(names.values()))
     for name, p in params.items():

@@ -339,6 +339,8 @@ def build_gpt_model(shape: ModelShape, config, *, padded_vocab: int, device: tor
             from megatron.core.transformer import transformer_block
             from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
+            if fam.adapt_mtp_spec is not None:       # the family's MTP layer (e.g. its norms)
+                mtp_spec = fam.adapt_mtp_spec(mtp_spec)
             if transformer_block.LayerNormImpl is SequenceParallelNorm:     # its norms as the decoder's
                 mtp_spec = _swap_norms(mtp_spec, WrappedTorchNorm, SequenceParallelNorm, set())
         model = HiddenGPTModel(config, spec, mtp_block_spec=mtp_spec, vocab_size=padded_vocab,

@@ -80,6 +80,11 @@ class Family:
     #                                             holds for its own heads only (summed over TP, as q/k layernorms')
     exported_buffers: Callable[[torch.nn.Module], list] = _no_buffers   # buffers exported with the parameters
     export_stream: Callable[[Buckets, Any], Buckets] | None = None     # the HF weight stream's last transform
+    hf_state: Callable[[dict, Any], dict] | None = None  # (hf, shape) -> the checkpoint's tensors under the names
+    #                                                    convert.py reads (e.g. Qwen3-Next's mtp.* as model.layers.N.*)
+    mtp_prefix: str | None = None               # the HF name prefix of the MTP layers the export gives (None:
+    #                                             model.layers.{num_layers + k}., DeepSeek-V3's)
+    adapt_mtp_spec: Callable[[Any], Any] | None = None   # the MTP block spec -> the family's (e.g. its norms)
     # --- flags (options.py)
     check_flags: Callable[[Any, Any], None] = _nothing   # (megatron flags, shape): runs for EVERY shape, so a family
     #                                                     refuses its own flags on another one

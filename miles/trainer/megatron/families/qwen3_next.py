@@ -2,6 +2,7 @@
 gated full attention, MoE with a gated shared expert.
 
     fields = shape_fields(hf_config)              # ModelShape's fields; variant: HybridShape (ValueError: not built)
+    hf = hf_state(hf, shape)                      # mtp.* and fused experts under the names convert.py reads
     kw = config_kwargs(shape)                     # TransformerConfig arguments of the family
     spec = decoder_block_spec(config, shape, shape.variant)   # per layer: GDN or gated attention, MoE or MLP
     FAMILY                                        # the registry's hooks (families/__init__.py)
@@ -33,8 +34,11 @@ own DeltaNet module (on fla's kernels) in the linear layers' attention slot and 
 - MoE: megatron-core's softmax top-k router (``norm_topk_prob``), experts, and shared expert with
   ``moe_shared_expert_gate`` (``sigmoid(x . gate_weight)`` scales the shared expert's output); dense Qwen3.5
   models (``qwen3_5``) have a SwiGLU MLP per layer.
-- MTP (config.json's ``mtp_num_hidden_layers``, ``mtp.*`` weights) is not built: ``--mtp-num-layers`` is refused
-  for this family (``check_static``).
+- MTP (config.json's ``mtp_num_hidden_layers``, ``--mtp-num-layers 1``): megatron-core's MTP layer (``mtp.py``) like
+  the decoder's last layer (a full-attention one; otherwise refused), its ``enorm`` / ``hnorm`` / final norm the
+  family's (1 + w) norms (``adapt_mtp_spec``). The checkpoint's ``mtp.fc`` / ``mtp.pre_fc_norm_embedding`` /
+  ``mtp.pre_fc_norm_hidden`` / ``mtp.norm`` / ``mtp.layers.0.*`` are read as ``mtp.py`` reads DeepSeek-V3's
+  (``hf_state``) and exported under their own names again (``export_stream``); engines skip them.
 - context parallelism over a linear-attention layer would need the DeltaNet state passed between CP ranks; it is
   refused in one line (``check_static``).
 
@@ -206,9 +210,10 @@ def check_static(o, shape) -> None:
         raise ConfigError(f"--context-parallel-size {o.cp}: the gated DeltaNet layers of Qwen3-Next / Qwen3.5 would "
                           "need their recurrent state passed between CP ranks, which the Megatron backend does not do; "
                           "use tensor, expert and data parallelism (--context-parallel-size 1).")
-    if getattr(o, "mtp_num_layers", 0):
-        raise ConfigError(f"--mtp-num-layers {o.mtp_num_layers}: the MTP layers of Qwen3-Next / Qwen3.5 are not built "
-                          "by the Megatron backend yet; drop --mtp-num-layers (and --enable-mtp-training).")
+    if o.mtp_num_layers and not (o.mtp_num_layers == 1 and not shape.variant.linear_layers[-1]):
+        raise ConfigError(f"--mtp-num-layers {o.mtp_num_layers}: the Megatron backend builds Qwen3-Next / Qwen3.5's "
+                          "MTP layer as one megatron-core MTP layer like the decoder's last (a full-attention layer); "
+                          "use --mtp-num-layers 1 with such a checkpoint, or drop it.")
 
 
 # ------------------------------------------------------------------------------------------- model
@@ -384,6 +389,69 @@ def megatron_to_hf(suffix: str, prefix: str, full: torch.Tensor, shape, hybrid: 
     return None
 
 
+# ------------------------------------------------------------------------------------------- MTP and fused experts
+_MTP_OWN = {"mtp.fc.weight": "eh_proj.weight", "mtp.pre_fc_norm_embedding.weight": "enorm.weight",
+            "mtp.pre_fc_norm_hidden.weight": "hnorm.weight", "mtp.norm.weight": "shared_head.norm.weight"}
+_MTP_BACK = {v: k for k, v in _MTP_OWN.items()}
+_SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+
+
+def hf_state(hf: dict, shape) -> dict:
+    """The checkpoint's tensors under the names ``convert.py`` and ``mtp.py`` read: the MTP layer
+    (``mtp.fc`` = ``eh_proj`` over [embedding; hidden], ``mtp.pre_fc_norm_embedding`` / ``_hidden`` = ``enorm`` /
+    ``hnorm``, ``mtp.norm`` = the final norm, ``mtp.layers.k.*`` = a decoder layer) as DeepSeek-V3 keeps it
+    (``model.layers.{num_layers + k}.*``), and fused experts (``mlp.experts.gate_up_proj`` [E, 2I, H] with gate rows
+    first, ``down_proj`` [E, H, I]: the published Qwen3.5 checkpoints') as one tensor per expert (slices: bitwise)."""
+    if not any(k.startswith("mtp.") or k.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")) for k in hf):
+        return hf
+    n = shape.num_layers
+    out = {}
+    for k, t in hf.items():
+        if k in _MTP_OWN:
+            k = f"model.layers.{n}.{_MTP_OWN[k]}"
+        elif k.startswith("mtp.layers."):
+            layer, _, rest = k[len("mtp.layers."):].partition(".")
+            k = f"model.layers.{n + int(layer)}.{rest}"
+        if k.endswith(".mlp.experts.gate_up_proj"):
+            base = k[:-len("gate_up_proj")]
+            for e in range(t.shape[0]):
+                gate, up = t[e].chunk(2, dim=0)
+                out[f"{base}{e}.gate_proj.weight"], out[f"{base}{e}.up_proj.weight"] = gate, up
+        elif k.endswith(".mlp.experts.down_proj"):
+            base = k[:-len("down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = t[e]
+        else:
+            out[k] = t
+    return out
+
+
+def export_stream(buckets, shape):
+    """The weight stream with the MTP layers under the checkpoint's ``mtp.*`` names, without the embedding / output
+    copies ``mtp.py`` adds for DeepSeek-V3 (Qwen3-Next's MTP layer shares the main model's)."""
+    n = shape.num_layers
+    for bucket in buckets:
+        out = []
+        for name, t in bucket:
+            if name.startswith("model.layers.") and shape.mtp_num_layers:
+                layer, _, rest = name[len("model.layers."):].partition(".")
+                if int(layer) >= n:
+                    if rest in _SHARED_COPIES:
+                        continue
+                    name = _MTP_BACK.get(rest) or f"mtp.layers.{int(layer) - n}.{rest}"
+            out.append((name, t))
+        if out:
+            yield out
+
+
+def adapt_mtp_spec(spec):
+    """The MTP layer's ``enorm`` / ``hnorm`` / final norm as the family's (1 + w) norms (its decoder layer is the
+    decoder's last, a full-attention one: already the family's)."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    return _swap(spec, WrappedTorchNorm, ZeroCenteredRMSNorm, set())
+
+
 def _sections(name: str, shape) -> list[int] | None:
     return tp_sections(name, shape.variant) if isinstance(shape.variant, HybridShape) else None
 
@@ -394,4 +462,5 @@ FAMILY = Family(
     hf_to_megatron=lambda suffix, prefix, hf, shape: hf_to_megatron(suffix, prefix, hf, shape, shape.variant),
     megatron_to_hf=lambda suffix, prefix, full, shape: megatron_to_hf(suffix, prefix, full, shape, shape.variant),
     column=COLUMN, row=ROW, glu_fc1=(SHARED_FC1,), tp_sections=_sections, tp_partial=(".self_attention.out_norm.",),
-    check_flags=check_flags, check_static=check_static)
+    check_flags=check_flags, check_static=check_static, hf_state=hf_state, export_stream=export_stream,
+    mtp_prefix="mtp.", adapt_mtp_spec=adapt_mtp_spec)
