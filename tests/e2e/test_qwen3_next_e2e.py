@@ -39,22 +39,24 @@ RECORDED = [  # from the self-distillation command (phase2_opd_selfdistill.sh), 
     "--num-gpus-per-node", "2"]
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["text", "vlm_layout"])
-def setup(request, tmp_path_factory) -> tuple[Path, Path]:
+@pytest.fixture(scope="module", params=[False, True], ids=["text", "published_layout_mtp"])
+def setup(request, tmp_path_factory) -> tuple[Path, Path, bool]:
     """The tiny model as a text-only checkpoint, and in the published Qwen3.5 layout (``qwen3_5_moe`` with a
-    ``text_config``, the text model under ``model.language_model.``, a vision tower the run does not train)."""
+    ``text_config``, the text model under ``model.language_model.``, a vision tower the run does not train, an MTP
+    layer under ``mtp.*`` that the run builds and trains: Miles's ``--mtp-num-layers 1 --enable-mtp-training``)."""
     from miles.utils.tiny_qwen35 import build_tiny_qwen35_model
 
     d = tmp_path_factory.mktemp("qwen35")
     log = d / "prepare.log"
     check_ok(run(["bash", str(QUICKSTART / "prepare.sh"), str(d / "data")], log, timeout=300), log)
-    return d / "data", build_tiny_qwen35_model(d / "qwen35", vlm=request.param)
+    return d / "data", build_tiny_qwen35_model(d / "qwen35", vlm=request.param, mtp=request.param), request.param
 
 
 def test_qwen35_moe_runs_two_rollouts_with_weight_check(setup, tmp_path: Path) -> None:
-    data, model = setup
+    data, model, mtp = setup
     out, log = tmp_path / "run", tmp_path / "run.log"
-    cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", "train.py", *TINY_SHAPE, *RECORDED,
+    extra = ["--mtp-num-layers", "1", "--enable-mtp-training"] if mtp else []
+    cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", "train.py", *TINY_SHAPE, *RECORDED, *extra,
            "--hf-checkpoint", str(model), "--prompt-data", str(data / "train.jsonl"), "--input-key", "input",
            "--label-key", "label", "--rm-type", "quickstart", "--num-rollout", "2", "--rollout-batch-size", "4",
            "--n-samples-per-prompt", "2", "--global-batch-size", "8", "--rollout-max-response-len", "4",
@@ -65,3 +67,6 @@ def test_qwen35_moe_runs_two_rollouts_with_weight_check(setup, tmp_path: Path) -
     text = log.read_text()
     assert "TP 2 x PP 1 x DP 1" in text, text[-3000:]
     assert text.count("--check-weight-update-equal: ") >= 3, text[-3000:]   # initial sync + one per rollout
+    if mtp:                             # the MTP layer trained (its loss logged) and left out of the engines' check
+        assert all("train/mtp_loss" in r for r in recs), recs[0].keys()
+        assert "MTP" in text, text[-3000:]

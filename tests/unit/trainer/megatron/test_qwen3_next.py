@@ -171,10 +171,20 @@ def test_hybrid_flags_refused_on_another_family(tiny_model_dir: Path) -> None:
                           "(partial_rotary_factor 1.0)"), msg
 
 
+def test_mtp_layer_is_built_like_the_last_decoder_layer(tiny_model_dir: Path) -> None:
+    """``--mtp-num-layers 1`` (Miles's Qwen3.5 / Qwen3-Next commands): built when the decoder's last layer is a
+    full-attention one (as in every published checkpoint), one line otherwise."""
+    config = json.loads(NEXT_JSON.read_text())
+    options.preflight_check(_cfg(tiny_model_dir, *SCRIPT, "--mtp-num-layers", "1"), config)
+    config["layer_types"] = ["full_attention", "linear_attention"] * 24
+    msg = _refusal(tiny_model_dir, ["--mtp-num-layers", "1"], config)
+    assert msg.startswith("--mtp-num-layers 1: the Megatron backend builds Qwen3-Next / Qwen3.5's MTP layer as one "
+                          "megatron-core MTP layer like the decoder's last (a full-attention layer)"), msg
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--context-parallel-size", "2"], "--context-parallel-size 2: the gated DeltaNet layers of Qwen3-Next / Qwen3.5 "
                                        "would need their recurrent state passed between CP ranks"),
-    (["--mtp-num-layers", "1"], "--mtp-num-layers 1: the MTP layers of Qwen3-Next / Qwen3.5 are not built"),
     (["--rotary-percent", "0.5"], "--rotary-percent 0.5 does not match --hf-checkpoint's config.json "
                                   "(partial_rotary_factor 0.25)"),
 ])
