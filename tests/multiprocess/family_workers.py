@@ -86,9 +86,9 @@ def gpt_worker(model_dir: str, out: str, ep: int = 1, seq: int = 20, mtp: bool =
     dist.destroy_process_group()
 
 
-def parity_worker(model_dir: str, out: str, megatron_flags: tuple[str, ...] = ()) -> None:
-    """2 ranks: the FSDP backend (transformers' model under FSDP2, DP 2) and the Megatron trainer (TP 2, sequence
-    parallel, ``megatron_flags``) train the same 2 rollouts from ``model_dir``. Saves to ``out`` (torch.save): both
+def parity_worker(model_dir: str, out: str, megatron_flags: tuple[str, ...] = (), tp: int = 2) -> None:
+    """2 ranks: the FSDP backend (transformers' model under FSDP2, DP 2) and the Megatron trainer (TP ``tp``,
+    sequence parallel, ``megatron_flags``) train the same 2 rollouts from ``model_dir``. Saves to ``out`` (torch.save): both
     backends' log-probs' distance before training, step metrics, the update's distance, the export against the
     checkpoint (fp32 and bf16), ``--save-hf`` reloaded in transformers, a torch_dist checkpoint resumed bitwise."""
     import torch
@@ -109,7 +109,7 @@ def parity_worker(model_dir: str, out: str, megatron_flags: tuple[str, ...] = ()
     fsdp_sd = fsdp.state_dict_for_check()
     del fsdp
     flags = ("--sequence-parallel", *megatron_flags, "--save", str(Path(out).parent / "ckpt"))
-    meg = build(model_dir, _flags("megatron", 2, megatron_flags=flags), group=group)
+    meg = build(model_dir, _flags("megatron", tp, megatron_flags=flags), group=group)
     init = meg.state_dict_for_check()
     init_bf16 = {n: t.detach().cpu().clone() for b in meg.iter_weight_buckets(4096, torch.bfloat16) for n, t in b}
     meg_lp = _all_logprobs(meg, samples)

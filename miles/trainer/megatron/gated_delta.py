@@ -20,8 +20,14 @@ sequence boundary. The reference is transformers' ``torch_chunk_gated_delta_rule
 tensor-parallel split and distributed-checkpoint layout, ``in_proj`` = [q; k; v; z; beta; alpha] per TP rank) with
 its forward on this module's rule and a torch causal conv: megatron-core's own forward needs flash-linear-attention
 (fla) for its l2norm and chunk kernel, and its constructor refuses to build without fla and allocates on CUDA. On a
-GPU with fla installed the layer calls fla's kernel (``use_fla``); both give the same numbers to within fp32 rounding
-(the GPU test checks it).
+GPU with fla installed the layer calls fla's kernel; both give the same numbers to within rounding (the GPU test
+checks it).
+
+Context parallelism (megatron-core's has none): each CP rank holds 2 chunks of every row
+(``context_parallel.py``); the layer all-gathers its input projection over the CP group (backward: reduce-scatter),
+runs the conv and the recurrence over the whole sequence, and keeps its own chunks of the output. The recurrence is
+computed once per CP rank (no state is passed between ranks: the work is not split, the memory of the other layers
+is); the parameter gradients are partial sums over the CP ranks, reduced as the attention's are.
 """
 
 from __future__ import annotations
@@ -228,6 +234,12 @@ def _gated_delta_net_class():
             if packed_seq_params is not None or inference_context is not None:
                 raise NotImplementedError("GatedDeltaNetLayer runs right-padded rows only (no packing, no inference).")
             qkvzba, _ = self.in_proj(hidden_states)                      # [s, b, in_proj_dim / tp]
+            cp_group = self.pg_collection.cp if self.config.context_parallel_size > 1 else None
+            if cp_group is not None:                 # this rank's 2 chunks -> the whole sequence, in order
+                from miles.trainer.megatron import context_parallel as cpl
+
+                cp = self.config.context_parallel_size
+                qkvzba = cpl._to_sequence_order(cpl._AllGatherSeq.apply(qkvzba, cp_group), cp, 0)
             qkvzba = qkvzba.transpose(0, 1)                              # [b, s, .]
             b, s = qkvzba.shape[:2]
             tp = self.tp_size
@@ -250,7 +262,12 @@ def _gated_delta_net_class():
                 out, _ = chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=self.use_qk_l2norm)
             normed = self.out_norm(out.reshape(-1, self.value_head_dim))
             gated = (normed * F.silu(z.reshape(-1, self.value_head_dim).float())).to(out.dtype)
-            return self.out_proj(gated.reshape(b, s, -1).transpose(0, 1).contiguous())
+            gated = gated.reshape(b, s, -1).transpose(0, 1)              # [s, b, v / tp]
+            if cp_group is not None:                 # back to this rank's 2 chunks
+                rank = torch.distributed.get_rank(cp_group)
+                local = s // cp
+                gated = cpl._from_sequence_order(gated, cp, 0)[rank * local:(rank + 1) * local]
+            return self.out_proj(gated.contiguous())
 
     return GatedDeltaNetLayer
 

@@ -14,9 +14,9 @@ own DeltaNet module (on fla's kernels) in the linear layers' attention slot and 
 ``--attention-output-gate`` in the others. Here every block is megatron-core's:
 
 - layer pattern: config.json's ``layer_types`` (else every ``full_attention_interval``-th layer is full attention),
-  read per layer with the pipeline stage's offset (``decoder_block_spec``); megatron-core's
-  ``experimental_attention_variant="gated_delta_net"`` and ``linear_attention_freq`` (the 0/1 list) are set on the
-  TransformerConfig so that its own checks run (heads divisible by TP, no context parallelism).
+  read per layer with the pipeline stage's offset (``decoder_block_spec``). megatron-core's
+  ``experimental_attention_variant`` is left unset: it only selects megatron-core's own (transformer-engine) spec,
+  and it refuses context parallelism, which this build runs (``gated_delta.py``).
 - linear layers: megatron-core's ``GatedDeltaNet`` (``megatron.core.ssm.gated_delta_net``) as
   ``gated_delta.GatedDeltaNetLayer``: its parameters (``in_proj`` = [q; k; v; z; beta; alpha] rows per TP rank,
   ``conv1d`` depthwise over [q; k; v], ``A_log``, ``dt_bias``, ``out_norm``, ``out_proj``), its TP split and its
@@ -39,8 +39,8 @@ own DeltaNet module (on fla's kernels) in the linear layers' attention slot and 
   family's (1 + w) norms (``adapt_mtp_spec``). The checkpoint's ``mtp.fc`` / ``mtp.pre_fc_norm_embedding`` /
   ``mtp.pre_fc_norm_hidden`` / ``mtp.norm`` / ``mtp.layers.0.*`` are read as ``mtp.py`` reads DeepSeek-V3's
   (``hf_state``) and exported under their own names again (``export_stream``); engines skip them.
-- context parallelism over a linear-attention layer would need the DeltaNet state passed between CP ranks; it is
-  refused in one line (``check_static``).
+- context parallelism: the attention layers as every family's (``context_parallel.py``); a DeltaNet layer
+  all-gathers its input projection over the CP group and runs the whole sequence (``gated_delta.py``).
 
 Weights (HF suffix under ``model.layers.L.``; a Qwen3.5 VLM checkpoint's text model is under
 ``model.language_model.``): Qwen3.5's ``linear_attn.in_proj_qkv`` [q_all; k_all; v_all], ``in_proj_z``,
@@ -206,10 +206,11 @@ def check_static(o, shape) -> None:
     """What the build does not run (``o``: ``options.Options``)."""
     from miles.config.base import ConfigError
 
-    if o.cp > 1:
-        raise ConfigError(f"--context-parallel-size {o.cp}: the gated DeltaNet layers of Qwen3-Next / Qwen3.5 would "
-                          "need their recurrent state passed between CP ranks, which the Megatron backend does not do; "
-                          "use tensor, expert and data parallelism (--context-parallel-size 1).")
+    h = shape.variant
+    if h.key_heads % o.tp or h.value_heads % o.tp:
+        raise ConfigError(f"--tensor-model-parallel-size {o.tp} does not divide the gated DeltaNet's heads "
+                          f"(linear_num_key_heads {h.key_heads}, linear_num_value_heads {h.value_heads}): use a TP size "
+                          "dividing both.")
     if o.mtp_num_layers and not (o.mtp_num_layers == 1 and not shape.variant.linear_layers[-1]):
         raise ConfigError(f"--mtp-num-layers {o.mtp_num_layers}: the Megatron backend builds Qwen3-Next / Qwen3.5's "
                           "MTP layer as one megatron-core MTP layer like the decoder's last (a full-attention layer); "
@@ -220,8 +221,7 @@ def check_static(o, shape) -> None:
 def config_kwargs(shape) -> dict:
     """TransformerConfig arguments of the family."""
     hybrid = shape.variant
-    kw = dict(attention_output_gate=True, experimental_attention_variant="gated_delta_net",
-              linear_attention_freq=list(hybrid.linear_layers), linear_conv_kernel_dim=hybrid.conv_kernel,
+    kw = dict(attention_output_gate=True, linear_conv_kernel_dim=hybrid.conv_kernel,
               linear_key_head_dim=hybrid.key_head_dim, linear_value_head_dim=hybrid.value_head_dim,
               linear_num_key_heads=hybrid.key_heads, linear_num_value_heads=hybrid.value_heads)
     if shape.num_experts and shape.moe_shared_ffn_hidden_size:

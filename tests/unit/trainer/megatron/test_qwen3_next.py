@@ -53,8 +53,8 @@ def test_shape_of_qwen3_next_80b_and_its_megatron_config() -> None:
     config = transformer_config(shape, tp_size=2, device=torch.device("cpu"),
                                 moe=moe.config_kwargs(shape, moe.MoeOptions(), ep=1, etp=1, te=False))
     assert config.attention_output_gate and config.moe_shared_expert_gate
-    assert config.experimental_attention_variant == "gated_delta_net"
-    assert config.linear_attention_freq == [1, 1, 1, 0] * 12
+    assert (config.linear_num_key_heads, config.linear_num_value_heads, config.linear_key_head_dim,
+            config.linear_conv_kernel_dim) == (16, 32, 128, 4)
     assert config.moe_shared_expert_intermediate_size == 512 and not config.moe_router_pre_softmax
 
 
@@ -183,8 +183,8 @@ def test_mtp_layer_is_built_like_the_last_decoder_layer(tiny_model_dir: Path) ->
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--context-parallel-size", "2"], "--context-parallel-size 2: the gated DeltaNet layers of Qwen3-Next / Qwen3.5 "
-                                       "would need their recurrent state passed between CP ranks"),
+    (["--tensor-model-parallel-size", "32", "--sequence-parallel"], "--tensor-model-parallel-size 32 does not divide the gated DeltaNet's "
+                                             "heads (linear_num_key_heads 16, linear_num_value_heads 32)"),
     (["--rotary-percent", "0.5"], "--rotary-percent 0.5 does not match --hf-checkpoint's config.json "
                                   "(partial_rotary_factor 0.25)"),
 ])
