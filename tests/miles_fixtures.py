@@ -231,7 +231,12 @@ SIZE_FLAGS = ("--num-rollout", "--num-epoch", "--rollout-batch-size", "--n-sampl
               "--micro-batch-size", "--over-sampling-batch-size", "--rollout-max-response-len",
               "--eval-max-response-len", "--n-samples-per-eval-prompt", "--moe-layer-freq")
 PATH_FLAGS = ("--prompt-data", "--eval-prompt-data")
-SCALED_FLAGS = (*SHAPE_FIELDS, *WORLD_FLAGS, *SIZE_FLAGS, *PATH_FLAGS)
+# the flags that need a GPU kernel package (miles/config/kernels.py: --moe-grouped-gemm, --moe-permute-fusion, DeepEP,
+# ...): where the package does not import (a CPU box), the dry run refuses them by name, so the fixtures drop them
+# there (``without_absent_kernel_flags``; the refusal itself: test_miles_scripts.py's test_kernel_flags_refused_here)
+KERNEL_FLAGS = ("--moe-grouped-gemm", "--moe-permute-fusion", "--attention-backend", "--moe-enable-deepep",
+                "--moe-token-dispatcher-type")
+SCALED_FLAGS = (*SHAPE_FIELDS, *WORLD_FLAGS, *SIZE_FLAGS, *PATH_FLAGS, *KERNEL_FLAGS)
 MAX_RANKS = 4
 
 
@@ -291,6 +296,30 @@ def _drop(argv: list[str], flag: str) -> list[str]:
     return out
 
 
+def without_absent_kernel_flags(argv: list[str], changed: dict[str, str] | None = None) -> list[str]:
+    """``argv`` without the flags whose GPU kernel package does not import here (``miles.config.kernels``): a switch
+    is dropped, a value (``--attention-backend fused``, ``--moe-token-dispatcher-type flex``) becomes the one that
+    needs no package (auto, alltoall). Each change is entered in ``changed``."""
+    from miles.config.kernels import KERNEL_FLAGS as ROWS
+    from miles.config.kernels import importable
+
+    instead = {"--attention-backend": "auto", "--moe-token-dispatcher-type": "alltoall"}
+    flags = _flags(argv)
+    for row in ROWS:
+        name, _, value = row.flag.partition(" ")
+        if name not in flags or (value and flags[name] != [value]) or importable(row.module):
+            continue
+        if value:
+            argv = _set(argv, name, instead[name])
+            after = instead[name]
+        else:
+            argv = _drop(argv, name)
+            after = "(dropped)"
+        if changed is not None:
+            changed[name] = f"{' '.join(flags[name]) or '(given)'} -> {after}: needs {row.package}, absent here"
+    return argv
+
+
 def _int(flags: dict[str, list[str]], name: str, default: int) -> int:
     v = flags.get(name)
     return int(v[0]) if v else default
@@ -306,7 +335,6 @@ def tiny_replay(path: Path, workdir: Path, models: Path, skills_url: str | None 
     """The fixture at ``path`` at tiny CPU scale (see the module docstring); the tiny model is built under
     ``models`` (once per family), the data, files and outputs go to ``workdir/<fixture name>``; ``skills_url``: the
     evaluation server of the eval delegate scripts (``skills_stand_in``)."""
-    from transformers import AutoConfig
 
     from miles.trainer.megatron.model import ModelShape
 
@@ -329,10 +357,12 @@ def tiny_replay(path: Path, workdir: Path, models: Path, skills_url: str | None 
         argv = _set(argv, flag, *values)
 
     # model shape: the tiny model's (config.json, as the Megatron backend reads it)
-    shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(str(model)))
+    from miles.utils.model_dir import load_config
+
+    shape = ModelShape.from_hf_config(load_config(model))       # an aliased model type registered (hf_aliases)
     for flag, attr in SHAPE_FIELDS.items():
-        if flag in flags:
-            put(flag, _fmt(getattr(shape, attr)))
+        if flag in flags:        # ungrouped routing (ModelShape's 0 groups) is Megatron's 1 group of 1
+            put(flag, _fmt(getattr(shape, attr) or (1 if attr in ("moe_num_groups", "moe_group_topk") else 0)))
     if "--moe-layer-freq" in flags:
         put("--moe-layer-freq", "[" + ",".join(str(v) for v in shape.moe_layer_pattern) + "]")
 
@@ -402,6 +432,7 @@ def tiny_replay(path: Path, workdir: Path, models: Path, skills_url: str | None 
     if "--prompt-data" in flags:
         changed["--prompt-data"] = f"(recorded dataset) -> {data.name}"
 
+    argv = without_absent_kernel_flags(argv, changed)
     if not train_only:
         argv = _drop_sglang_only(argv, changed, entry)
         argv = argv + ["--check-weight-update-equal"]

@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from miles.config import build_parser, eval_datasets, support
+from miles.config import build_parser, eval_datasets, kernels, specs, support
 from miles.config import router as router_flags
 from miles.config import sglang as sglang_flags
 from miles.config.deprecations import RENAMED
@@ -57,6 +57,7 @@ def render() -> str:
             lines += [*eval_datasets.flag_docs(), ""]
     lines += miles_sections()
     lines += support.flag_docs()
+    lines += kernels.flag_docs() + specs.flag_docs()
     lines += ["## Deprecated spellings", "", "| old | new | status |", "|---|---|---|"]
     for old, (new, accepted) in RENAMED.items():
         status = "accepted with a warning in this release" if accepted else "refused: the error names the new flag"

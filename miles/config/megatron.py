@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 
 from miles.config.base import ConfigError, flag
+from miles.config.specs import known_spec
 
 _INT = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "decoder_first_pipeline_num_layers",
         "decoder_last_pipeline_num_layers", "context_parallel_size", "expert_model_parallel_size",
@@ -34,7 +35,8 @@ _SWITCHES = ("sequence_parallel", "use_distributed_optimizer", "accumulate_allre
              "moe_grouped_gemm", "moe_permute_fusion", "moe_router_enable_expert_bias", "moe_router_pre_softmax",
              "optimizer_cpu_offload", "overlap_cpu_optimizer_d2h_h2d", "use_precision_aware_optimizer",
              "multi_latent_attention", "no_position_embedding", "no_rope_fusion",
-             "no_gradient_accumulation_fusion", "no_masked_softmax_fusion", "no_bias_dropout_fusion")
+             "no_gradient_accumulation_fusion", "no_masked_softmax_fusion", "no_bias_dropout_fusion",
+             "moe_enable_deepep")
 # YaRN rope (multi-latent attention: DeepSeek-V3, Kimi-K2, JoyAI; miles/trainer/megatron/families/yarn.py): float flags, each
 # checked against config.json's rope scaling
 _ROPE_FLOATS = ("rotary_scaling_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
@@ -66,8 +68,11 @@ _HELP = {
     "mtp_num_layers": "Multi-token prediction: build megatron-core's MTP block of N layers from the checkpoint's MTP "
                       "layers (must equal config.json's num_nextn_predict_layers); trained only with "
                       "--enable-mtp-training.",
-    "moe_grouped_gemm": "MoE: grouped GEMM experts (transformer-engine; SequentialMLP otherwise, same math).",
-    "moe_permute_fusion": "MoE: fused token permutation (transformer-engine; unfused otherwise, same result).",
+    "moe_grouped_gemm": "MoE: grouped GEMM experts (needs transformer-engine: refused where it does not import; "
+                        "without the flag SequentialMLP, the same math).",
+    "moe_permute_fusion": "MoE: fused token permutation (needs transformer-engine: refused where it does not import).",
+    "moe_enable_deepep": "MoE: DeepEP's fused all-to-all, with --moe-token-dispatcher-type flex (needs DeepEP, "
+                         "Python package deep_ep: refused where it does not import).",
     "moe_router_enable_expert_bias": "MoE: aux-loss-free expert bias (config.json's e_score_correction_bias; kept "
                                      "fixed, --moe-router-bias-update-rate 0).",
     "moe_router_pre_softmax": "MoE: softmax before top-k (config.json's norm_topk_prob false).",
@@ -133,8 +138,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="Context-parallel attention (one value, or one per layer): all_gather (K/V gathered), p2p "
                         "(Megatron's default; runs all_gather here), a2a (all-to-all over heads); a2a+p2p refused.")
     g.add_argument("--attention-backend", choices=["auto", "flash", "fused", "unfused", "local"], default=None,
-                   help="Core attention: auto/flash/fused: torch SDPA (local spec) or transformer-engine's choice; "
+                   help="Core attention: auto/flash: torch SDPA (local spec) or transformer-engine's choice; fused: "
+                        "transformer-engine's cuDNN attention (refused where transformer-engine does not import); "
                         "unfused/local: megatron-core's DotProductAttention.")
+    g.add_argument("--spec", nargs="+", default=None, metavar="MODULE FUNCTION",
+                   help="Miles's custom layer spec (e.g. miles_plugins.models.glm5.glm5 get_glm5_spec): checked against "
+                        "config.json's model_type and the families built (miles/config/specs.py); the layers are built "
+                        "from config.json.")
     g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default=None,
                    help="Layer spec (default: transformer_engine when it imports on GPU, else local).")
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default=None, help="Must match config.json.")
@@ -154,7 +164,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=None,
                    help="MoE aux loss coefficient: 0 only (neither backend adds it to the RL loss).")
     g.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall", "flex"], default=None,
-                   help="MoE token dispatch over the EP group (default allgather).")
+                   help="MoE token dispatch over the EP group (default allgather; flex: DeepEP's, refused where its "
+                        "package deep_ep does not import).")
     g.add_argument("--moe-router-dtype", choices=["fp32", "fp64"], default=None,
                    help="MoE router logits and probabilities in this dtype (default: the activations').")
     g.add_argument("--moe-router-bias-update-rate", type=float, default=None,
@@ -216,6 +227,7 @@ class MegatronConfig:
     attention_backend: str | None = None
     cp_comm_type: list[str] | None = None
     transformer_impl: str | None = None
+    spec: list[str] | None = None                      # --spec MODULE FUNCTION (specs.py: checked, else no effect)
     make_vocab_size_divisible_by: int | None = None
     num_layers: int | None = None
     hidden_size: int | None = None
@@ -277,6 +289,7 @@ class MegatronConfig:
     moe_aux_loss_coeff: list[float] | None = None
     moe_grouped_gemm: bool = False
     moe_token_dispatcher_type: str | None = None
+    moe_enable_deepep: bool = False
     moe_router_dtype: str | None = None
     moe_permute_fusion: bool = False
     moe_router_bias_update_rate: float | None = None
@@ -308,6 +321,12 @@ class MegatronConfig:
             v = getattr(self, name)
             if v is not None and v <= 0:
                 raise ConfigError(f"{flag(name)} must be positive, got {v}.")
+        if self.spec is not None:
+            known_spec(self.spec)
+        if self.moe_enable_deepep and self.moe_token_dispatcher_type != "flex":
+            raise ConfigError(f"--moe-enable-deepep needs --moe-token-dispatcher-type flex (got "
+                              f"{self.moe_token_dispatcher_type or 'the default, allgather'}): add it, or drop "
+                              "--moe-enable-deepep.")
         if self.ckpt_format not in (None, "torch_dist"):
             raise ConfigError(f"--ckpt-format {self.ckpt_format} is not supported: miles's Megatron backend reads and "
                               "writes torch_dist checkpoints; pass --ckpt-format torch_dist or drop the flag.")

@@ -42,10 +42,8 @@ BACKEND_ONLY: dict[str, BackendOnly] = {
     "qkv_format": BackendOnly("megatron", "thd", "drop it (the FSDP backend packs samples into variable-length "
                                                  "rows: thd)"),
     "megatron_to_hf_mode": BackendOnly("megatron", "raw", "drop it (the FSDP backend trains the HF model itself)"),
-    **{name: BackendOnly("megatron", unset, "drop the LoRA flags, or add --train-backend megatron (miles's LoRA "
-                                            "runs on the Megatron backend)")
-       for name, unset in (("lora_rank", 0), ("lora_alpha", 16), ("lora_dropout", 0.0), ("target_modules", None),
-                           ("exclude_modules", None))},
+    "experts_shared_outer_loras": BackendOnly("megatron", False, "drop it, or add --train-backend megatron (LoRA on "
+                                                                 "MoE experts runs on the Megatron backend)"),
 }
 
 # field -> why the parser accepts it and no plane reads it
@@ -72,6 +70,8 @@ PARSE_ONLY: dict[str, str] = {
     "ckpt_format": "only torch_dist (Megatron-LM's default, what the Megatron backend writes) is accepted",
     "overlap_cpu_optimizer_d2h_h2d": "a hint: with --optimizer-cpu-offload the copies are non-blocking already",
     "use_precision_aware_optimizer": "AdamW state and master weights are fp32 either way",
+    "moe_enable_deepep": "needs --moe-token-dispatcher-type flex, which the Megatron backend refuses (DeepEP's "
+                         "dispatcher is not wired in yet); where DeepEP (deep_ep) does not import, refused naming it",
 }
 
 

@@ -51,6 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default=d["lr_decay_style"],
                    help="Decay schedule (default: constant with fsdp, linear with megatron).")
     t.add_argument("--lr-warmup-iters", type=int, default=0, help="Optimizer steps of linear warm-up.")
+    t.add_argument("--lr-warmup-init", type=float, default=0.0,
+                   help="Learning rate of the first warm-up step (Megatron's; warm-up rises linearly from it to --lr).")
     t.add_argument("--lr-warmup-fraction", type=float, default=None,
                    help="Warm-up as a fraction of the decay steps (instead of --lr-warmup-iters).")
     t.add_argument("--lr-decay-iters", type=int, default=None, help="Optimizer steps to decay over.")
@@ -97,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "runs every micro-batch as right-padded [b, s] rows either way.")
     t.add_argument("--megatron-to-hf-mode", choices=["raw", "bridge"], default="raw",
                    help="Megatron backend: how Megatron weights are converted to HF names for the engines.")
-    lo = parser.add_argument_group("LoRA (Megatron backend; miles/trainer/lora.py)")
+    lo = parser.add_argument_group("LoRA (both backends; miles/trainer/lora.py, lora_hf.py)")
     lo.add_argument("--lora-rank", type=int, default=0, help="LoRA rank. 0: LoRA off, every parameter trains.")
     lo.add_argument("--lora-alpha", type=int, default=16, help="LoRA alpha: the adapter delta is (alpha / rank) * B @ A.")
     lo.add_argument("--lora-dropout", type=float, default=0.0, help="Dropout on the LoRA input (training only).")
@@ -108,6 +110,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="LoRA targets: all-linear or a comma list of HF names (q_proj,k_proj,v_proj,o_proj,gate_proj,"
                          "up_proj,down_proj) or Megatron names (linear_qkv,linear_proj,linear_fc1,linear_fc2).")
     lo.add_argument("--exclude-modules", type=str, default=None, help="LoRA targets to leave out (comma list).")
+    lo.add_argument("--experts-shared-outer-loras", action="store_true", default=False,
+                    help="MoE experts' LoRA: one linear_fc1 (gate/up) A and one linear_fc2 (down) B per layer, shared "
+                         "by its experts (the hidden-size side); B of fc1 and A of fc2 stay per expert. Default: "
+                         "each expert has its own A and B.")
     t.add_argument("--seed", type=int, default=1234, help="Random seed of the trainer.")
     t.add_argument("--deterministic-mode", action="store_true",
                    help="Deterministic torch kernels in the trainer (torch.use_deterministic_algorithms).")
@@ -142,6 +148,7 @@ class TrainConfig:
     lr_decay_style: str
     lr_warmup_iters: int
     lr_warmup_fraction: float | None
+    lr_warmup_init: float
     lr_decay_iters: int | None
     weight_decay: float
     adam_beta1: float
@@ -178,6 +185,7 @@ class TrainConfig:
     lora_type: str = "lora"
     target_modules: str | None = None
     exclude_modules: str | None = None
+    experts_shared_outer_loras: bool = False
 
     @property
     def activation_checkpointing(self) -> bool:
@@ -212,6 +220,9 @@ class TrainConfig:
                               f"{self.train_memory_margin_bytes}.")
         if self.lora_rank:
             self._validate_lora()
+        elif self.experts_shared_outer_loras and self.train_backend == "megatron":   # fsdp: refused as megatron-only
+            raise ConfigError("--experts-shared-outer-loras without --lora-rank: it shapes the MoE experts' LoRA "
+                              "adapters; add --lora-rank R with --target-modules, or drop the flag.")
         if self.num_critic_only_steps < 0:
             raise ConfigError(f"--num-critic-only-steps must be >= 0, got {self.num_critic_only_steps}.")
 

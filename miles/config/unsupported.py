@@ -20,10 +20,15 @@ EVAL_SGLANG_PREFIX = "--eval-sglang-"
 
 # radixark/miles@v0.1.0:miles/utils/arguments.py add_lora_arguments, the replay flags of add_algo_arguments, the
 # eval fleet flags of its eval arguments, and radixark/miles@v0.1.0:miles/dashboard/args.py's --dashboard-forward-prometheus.
+_MODEL_PROVIDER = ("a custom Megatron model provider (Miles's own models, e.g. Inkling: miles_plugins.models.inkling, "
+                   "short convolutions, relative attention and a shared-expert sink, with no transformers "
+                   "implementation to check it against) is not supported: the Megatron backend builds the families "
+                   "of docs/trainer.md from config.json; drop it and train one of those.")
 UNSUPPORTED: dict[str, str] = {
+    "--custom-model-provider-path": _MODEL_PROVIDER,
     **{f: _LORA for f in (
         "--lora-adapter-path", "--lora-sync-from-tensor", "--lora-base-cpu-backup", "--lora-train-only",
-        "--experts-shared-outer-loras", "--multi-lora-n-adapters", "--multi-lora-adapter", "--multi-lora-idle-poll-s",
+        "--multi-lora-n-adapters", "--multi-lora-adapter", "--multi-lora-idle-poll-s",
         "--multi-lora-http-server-path", "--multi-lora-backend-path", "--multi-lora-api-port",
         "--multi-lora-disable-service-mode", "--multi-lora-max-adapter-global-batch-size",
         "--multi-lora-max-coalesce-wait-s", "--multi-lora-max-empty-wait-s")},

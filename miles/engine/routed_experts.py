@@ -23,7 +23,8 @@ import torch
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$")
 # routers that return (logits, weights, top-k indices), with the names the engine's refusal gives them
-RECORDED_MODEL_TYPES = {"qwen3_moe": "Qwen3-MoE", "glm4_moe_lite": "GLM-4.7-Flash", "deepseek_v3": "DeepSeek-V3"}
+RECORDED_MODEL_TYPES = {"qwen3_moe": "Qwen3-MoE", "glm4_moe_lite": "GLM-4.7-Flash", "deepseek_v3": "DeepSeek-V3",
+                        "kimi_k2": "Kimi-K2", "joyai_llm_flash": "JoyAI-LLM-Flash"}   # DeepSeek-V3's router (hf_aliases)
 
 
 def moe_routers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:

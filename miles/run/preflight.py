@@ -54,10 +54,13 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 BackendCheck = Callable[["MilesConfig", "dict[str, Any] | None"], None]
-_BACKEND_CHECKS: dict[str, list[BackendCheck | str]] = {"megatron": ["miles.trainer.megatron.options.preflight_check",
+_BACKEND_CHECKS: dict[str, list[BackendCheck | str]] = {"megatron": ["miles.trainer.megatron.spec.preflight_check",
+                                                                    "miles.trainer.megatron.spec.kernels_check",
+                                                                    "miles.trainer.megatron.options.preflight_check",
                                                                     "miles.trainer.megatron.dist_ckpt.preflight_check",
                                                                     "miles.trainer.routing_replay.preflight_check"],
-                                                       "fsdp": ["miles.trainer.routing_replay.preflight_check"]}
+                                                       "fsdp": ["miles.trainer.routing_replay.preflight_check",
+                                                                "miles.trainer.lora_hf.check_fsdp"]}
 
 # Miles's flags naming a ``module.function`` plugin (their config field names). Those with a known calling
 # convention are checked for it below; the others must import and be callable.

@@ -47,7 +47,7 @@ class Critic:
                                      betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps, device=device)
         self.schedule = LRSchedule(lr=self.lr, min_lr=train.min_lr, style=train.lr_decay_style,
                                    warmup=train.critic_lr_warmup_iters,  # --critic-lr-warmup-iters (Miles: own, 0)
-                                   decay_iters=train.lr_decay_iters or total_steps)
+                                   decay_iters=train.lr_decay_iters or total_steps, init=train.lr_warmup_init)
         self.clip_grad = train.clip_grad
         self.check_nan = train.check_for_nan_in_loss_and_grad
         self.value_clip = algo.value_clip

@@ -71,12 +71,13 @@ class FSDPTrainer(RLTrainer):
         self.num_params = modeling.count_params(self.model)
         experts = sum(p.numel() for n, p in self.model.named_parameters() if ".mlp.experts." in n)
         self.num_active_params = active_params(self.num_params, experts, moe_routing(config))  # MFU's N
-        self.optimizer = build_adamw(self.model, lr=train.lr, weight_decay=train.weight_decay,
+        self.lora = self._attach_lora(train)       # --lora-rank: base frozen, adapters trained (lora_hf.py)
+        self.optimizer = build_adamw(self.lora if self.lora is not None else self.model, lr=train.lr, weight_decay=train.weight_decay,
                                      betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps,
                                      device=self.policy_param_device)
         self.schedule = LRSchedule(lr=train.lr, min_lr=train.min_lr, style=train.lr_decay_style,
                                    warmup=train.warmup_steps(train.lr_decay_iters or total_steps),
-                                   decay_iters=train.lr_decay_iters or total_steps)
+                                   decay_iters=train.lr_decay_iters or total_steps, init=train.lr_warmup_init)
 
         self._build_frozen()
         self.critic = None
@@ -93,6 +94,19 @@ class FSDPTrainer(RLTrainer):
                     self.critic is not None)
 
     # ------------------------------------------------------------------ construction
+    def _attach_lora(self, train):
+        from miles.trainer import lora as lora_mod
+        from miles.trainer import lora_hf
+
+        spec = lora_mod.LoraSpec.from_config(train)
+        if spec is None:
+            return None
+        lora_hf.check_model(spec, self.model.lm.config.to_dict())
+        adapters = lora_hf.attach_hf(self.model.lm, self.model.lm.model.layers, spec, seed=train.seed)
+        logger.info("LoRA rank %d alpha %s on %s: %s trainable params (base frozen)", spec.rank, spec.alpha,
+                    ",".join(spec.targets), f"{sum(p.numel() for p in adapters.parameters()):,}")
+        return adapters
+
     def _unsharded_plan(self) -> dict[int, bool]:
         """Per model (by id): may it stay unsharded across micro-batches (``accumulation.fits``)? Agreed
         over the group (MIN), since every rank must run the same FSDP collectives."""
@@ -178,7 +192,13 @@ class FSDPTrainer(RLTrainer):
         return Accumulation(models, num_micro_batches, enabled=all(self._keep_unsharded[id(m)] for m in models))
 
     def _clip_grad_norm(self) -> float:
-        """The step's gradient norm, clipped to --clip-grad (FSDP2 reduced the gradients in the backward)."""
+        """The step's gradient norm, clipped to --clip-grad (FSDP2 reduced the gradients in the backward; LoRA:
+        the replicated adapters' gradients are averaged over the group here)."""
+        if self.lora is not None:
+            from miles.trainer.lora_hf import finish_grads
+
+            finish_grads(self.lora, self.group, self.world)
+            return clip_grad_norm(list(self.lora.parameters()), self.cfg.clip_grad)
         return clip_grad_norm(list(self.model.parameters()), self.cfg.clip_grad)
 
     # ------------------------------------------------------------------ weights
@@ -188,6 +208,12 @@ class FSDPTrainer(RLTrainer):
         The gather of bucket k+1 is issued before bucket k is yielded (``prefetch``). Fused MoE experts go out
         under the checkpoint's per-expert names and shapes (``split_fused_experts``)."""
         modeling.reshard_all(self.model)
+        if self.lora is not None:                  # LoRA: merged in the parameters' dtype, then cast (lora_hf.py)
+            from miles.trainer.lora_hf import merge_buckets
+
+            return merge_buckets(self.lora, iter_checkpoint_buckets(iter_full_params(
+                self.model, group=self.group, device=self.device, bucket_bytes=bucket_bytes, dtype=None,
+                name_fn=modeling.hf_name, timeout=self.timeout, prefetch=prefetch), self._checkpoint_names()), dtype)
         return iter_checkpoint_buckets(iter_full_params(
             self.model, group=self.group, device=self.device, bucket_bytes=bucket_bytes, dtype=dtype,
             name_fn=modeling.hf_name, timeout=self.timeout, prefetch=prefetch), self._checkpoint_names())
@@ -212,6 +238,17 @@ class FSDPTrainer(RLTrainer):
         names = self._checkpoint_names() or frozenset()
         return [(modeling.hf_name(n), b.detach().cpu().clone()) for n, b in self.model.named_buffers()
                 if modeling.hf_name(n) in names and modeling.hf_name(n) not in have]
+
+    def save_hf(self, path: str | Path) -> None:
+        """The HF model dir (merged weights under LoRA) and with LoRA the adapter alone in HF PEFT format under
+        ``path/adapter/``, as the Megatron backend writes it; collective."""
+        super().save_hf(path)
+        if self.lora is not None and self.rank == 0:
+            from miles.trainer import lora as lora_mod
+            from miles.trainer import lora_hf
+
+            lora_mod.write_peft_adapter(Path(path) / "adapter", lora_hf.peft_tensors(self.lora), self.lora.spec,
+                                        self.cfg.hf_checkpoint)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str | Path, extra: dict) -> None:
@@ -245,6 +282,8 @@ class FSDPTrainer(RLTrainer):
         for model, opt in policy + (
                 [(self.critic.model, self.critic.optimizer)] if self.critic is not None else []):
             model.to(device)
+            if model is self.model and self.lora is not None:
+                self.lora.to(device)
             move_optimizer_state(opt, torch.device(device))
         torch.cuda.synchronize(self.device)
         if torch.device(device).type == "cpu":

@@ -27,6 +27,28 @@ Target names (``--target-modules``, Miles's): ``all-linear`` or a comma list of 
 (``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``). Megatron fuses q/k/v and gate/up, so,
 as in Miles's standard ``--lora-type lora``, any of q/k/v selects the fused ``linear_qkv`` (one ``A``, a
 ``B`` whose rows are q, k and v) and gate/up select ``linear_fc1``.
+
+MoE experts (Miles's semantics, radixark/miles@v0.1.0:miles/backends/megatron_utils/lora_utils.py and its
+``--experts-shared-outer-loras`` help in radixark/miles@v0.1.0:miles/utils/arguments.py; Megatron-Bridge's ``LoRA`` matches a target by
+the module's leaf name): the expert names are the dense ones, so ``gate_proj`` / ``up_proj`` / ``linear_fc1``
+select the dense MLPs' ``linear_fc1``, the shared experts' and every routed expert's (``mlp.experts.
+local_experts.E.linear_fc1``, HF ``mlp.experts.E.{gate,up}_proj``), and ``down_proj`` / ``linear_fc2`` the
+``linear_fc2`` of each. Two layouts of the routed experts' adapters:
+
+- per-expert (the default): each expert ``E`` has its own ``A_E`` and ``B_E`` on ``linear_fc1`` and on
+  ``linear_fc2``; ``delta W_E = (alpha / r) B_E @ A_E``.
+- ``--experts-shared-outer-loras`` (SGLang's ``experts_shared_outer_loras=True`` serving contract, Miles's
+  "gate_up lora_A and down lora_B shared across experts, expert_dim=1"): the *outer* factors, those on the
+  hidden-size side, are one tensor per layer shared by all its experts: ``linear_fc1``'s ``A`` [r, hidden]
+  (``delta W1_E = (alpha / r) B1_E @ A1``) and ``linear_fc2``'s ``B`` [hidden, r] (``delta W2_E = (alpha / r)
+  B2 @ A2_E``); the inner ones (``B1_E`` [2 ffn, r], ``A2_E`` [r, ffn]) stay per expert.
+
+Expert parallelism: EP rank ``p`` holds the adapters of its local experts (seeded by the *global* expert's
+name, so EP 1 and EP 2 draw the same ``A``); their gradients are reduced as the experts' weights are (summed over
+the expert-data-parallel group, divided by the DP size: ``moe.reduce_expert_grads``). A shared outer factor is
+replicated on every EP rank and each rank's copy sees only its own experts' tokens, so its gradient is first summed
+over the EP group (Miles's ``_lora_grad_sum_group = "ep"``) and then reduced as an expert's. The merged export
+gathers the merged experts over EP as the base export does, so the engines still receive plain merged weights.
 """
 
 from __future__ import annotations
@@ -51,6 +73,7 @@ class LoraSpec:
     alpha: float
     dropout: float
     targets: tuple[str, ...]        # Megatron module leaf names, sorted
+    experts_shared_outer: bool = False   # --experts-shared-outer-loras: fc1's A, fc2's B shared by a layer's experts
 
     @property
     def scale(self) -> float:
@@ -63,16 +86,19 @@ class LoraSpec:
         if rank <= 0:
             return None
         return cls(rank=rank, alpha=float(train.lora_alpha), dropout=float(train.lora_dropout),
-                   targets=resolve_targets(train.target_modules, getattr(train, "exclude_modules", None)))
+                   targets=resolve_targets(train.target_modules, getattr(train, "exclude_modules", None)),
+                   experts_shared_outer=bool(getattr(train, "experts_shared_outer_loras", False)))
 
 
 class LoraPair(nn.Module):
-    """``A`` [r, in_local] and ``B`` [out_local, r] of one target (module docstring for the TP split)."""
+    """``A`` [r, in_local] and ``B`` [out_local, r] of one target (module docstring for the TP split). ``kind``:
+    ``column`` / ``row`` (dense, TP-split as the base weight), ``expert`` (a routed expert: whole, EP-local).
+    A factor passed as an ``nn.Parameter`` is shared (``--experts-shared-outer-loras``), not copied."""
 
     def __init__(self, a: torch.Tensor, b: torch.Tensor, kind: str):
         super().__init__()
-        self.lora_A = nn.Parameter(a)
-        self.lora_B = nn.Parameter(b)
+        self.lora_A = a if isinstance(a, nn.Parameter) else nn.Parameter(a)
+        self.lora_B = b if isinstance(b, nn.Parameter) else nn.Parameter(b)
         self.kind = kind
         # under TP the sharded one: B of a column-parallel target, A of a row-parallel one
         self.sharded = self.lora_B if kind == "column" else self.lora_A
@@ -81,11 +107,16 @@ class LoraPair(nn.Module):
 class LoraAdapters(nn.Module):
     """Every target's ``LoraPair`` (keys: the module name with '.' as '/'), plus what the hooks need."""
 
-    def __init__(self, spec: LoraSpec, tp_size: int, tp_group: dist.ProcessGroup | None):
+    def __init__(self, spec: LoraSpec, tp_size: int, tp_group: dist.ProcessGroup | None, ep_size: int = 1,
+                 ep_group: dist.ProcessGroup | None = None, ep_rank: int = 0):
         super().__init__()
         self.spec, self.tp_size, self.tp_group = spec, tp_size, tp_group
+        self.ep_size, self.ep_group, self.ep_rank = ep_size, ep_group, ep_rank
         self.pairs = nn.ModuleDict()
+        self.shared = nn.ParameterDict()               # --experts-shared-outer-loras: one outer factor per layer
         self.targets: dict[str, nn.Module] = {}        # name -> the base module (not registered here)
+        self.global_names: dict[str, str] = {}         # routed experts: local name -> EP-free (global) name
+        self.num_local = 0                             # routed experts per MoE layer on this EP rank
 
     def named_pairs(self) -> Iterator[tuple[str, LoraPair]]:
         for key, pair in self.pairs.items():
@@ -97,10 +128,19 @@ class LoraAdapters(nn.Module):
         return (pair.lora_B.float() @ pair.lora_A.float()) * self.spec.scale
 
     def sharded_params(self) -> list[nn.Parameter]:
-        return [p.sharded for _, p in self.named_pairs()]
+        """The TP-sharded factors of the dense targets."""
+        return [p.sharded for _, p in self.named_pairs() if p.kind != "expert"]
 
     def replicated_params(self) -> list[nn.Parameter]:
-        return [p.lora_A if p.kind == "column" else p.lora_B for _, p in self.named_pairs()]
+        """The factors every TP rank holds whole: the dense targets' other factor, and the shared outer ones."""
+        return ([p.lora_A if p.kind == "column" else p.lora_B for _, p in self.named_pairs() if p.kind != "expert"]
+                + list(self.shared.values()))
+
+    def expert_params(self) -> list[nn.Parameter]:
+        """The routed experts' own factors (EP-local; gradients reduced as the experts' weights)."""
+        shared = {id(p) for p in self.shared.values()}
+        return [t for _, p in self.named_pairs() if p.kind == "expert" for t in (p.lora_A, p.lora_B)
+                if id(t) not in shared]
 
 
 def _seed(seed: int, name: str) -> int:
@@ -119,32 +159,68 @@ def _leaf(name: str) -> str:
 
 
 def attach(model: nn.Module, spec: LoraSpec, *, tp_rank: int = 0, tp_size: int = 1,
-           tp_group: dist.ProcessGroup | None = None, seed: int = 0) -> LoraAdapters:
+           tp_group: dist.ProcessGroup | None = None, seed: int = 0, ep_rank: int = 0, ep_size: int = 1,
+           ep_group: dist.ProcessGroup | None = None, num_experts: int = 0) -> LoraAdapters:
     """Freeze every parameter of ``model`` and hook a LoRA pair onto each target linear (Megatron leaf names,
-    modules holding ``weight``); returns the adapters (on the base weights' device, fp32)."""
-    lora = LoraAdapters(spec, tp_size, tp_group)
+    modules holding ``weight``; routed experts included, ``num_experts`` of them over ``ep_size`` EP ranks);
+    returns the adapters (on the base weights' device, fp32)."""
+    from miles.trainer.megatron.moe import global_name, is_expert
+
+    lora = LoraAdapters(spec, tp_size, tp_group, ep_size, ep_group, ep_rank)
+    lora.num_local = num_local = num_experts // ep_size if num_experts else 0
     for p in model.parameters():
         p.requires_grad_(False)
     for name, module in model.named_modules():
         leaf = _leaf(name)
-        if leaf not in spec.targets or not isinstance(getattr(module, "weight", None), torch.Tensor):
+        if leaf not in spec.targets:
             continue
-        kind = MEGATRON_KIND[leaf]
+        if not isinstance(getattr(module, "weight", None), torch.Tensor):
+            if hasattr(module, "num_gemms"):          # transformer-engine's grouped expert linear
+                raise ConfigError(f"--target-modules {leaf} on MoE experts with --moe-grouped-gemm is not supported "
+                                  "by the Megatron backend's LoRA; drop --moe-grouped-gemm (the experts then run as "
+                                  "SequentialMLP, the same math) or the expert targets.")
+            continue
         w = module.weight
         out_local, in_local = w.shape
-        split = tp_size > 1
-        in_full = in_local * tp_size if (split and kind == "row") else in_local
-        a = _init_a(spec.rank, in_full, seed, name)
-        if split and kind == "row":
-            a = a.chunk(tp_size, dim=1)[tp_rank].clone()
-        b = torch.zeros(out_local, spec.rank, dtype=torch.float32)
-        pair = LoraPair(a.to(w.device), b.to(w.device), kind)
+        if is_expert(name + ".weight"):
+            gname = global_name(name + ".weight", ep_rank, num_local).removesuffix(".weight")
+            pair = _expert_pair(lora, spec, leaf, gname, name, out_local, in_local, seed, w.device)
+            lora.global_names[name] = gname
+        else:
+            kind = MEGATRON_KIND[leaf]
+            split = tp_size > 1
+            in_full = in_local * tp_size if (split and kind == "row") else in_local
+            a = _init_a(spec.rank, in_full, seed, name)
+            if split and kind == "row":
+                a = a.chunk(tp_size, dim=1)[tp_rank].clone()
+            b = torch.zeros(out_local, spec.rank, dtype=torch.float32)
+            pair = LoraPair(a.to(w.device), b.to(w.device), kind)
         lora.pairs[name.replace(".", "/")] = pair
         lora.targets[name] = module
         module.register_forward_hook(_hook(lora, pair))
     if not lora.targets:
         raise ConfigError(f"--target-modules: no module of the model matches {list(spec.targets)}.")
     return lora
+
+
+def _expert_pair(lora: LoraAdapters, spec: LoraSpec, leaf: str, gname: str, name: str, out_f: int, in_f: int,
+                 seed: int, device: torch.device) -> LoraPair:
+    """A routed expert's pair (whole: expert TP 1); with ``--experts-shared-outer-loras`` its outer factor is the
+    layer's shared one (created by the layer's first expert; seeded by the layer's name, so every EP rank and
+    EP size draw the same)."""
+    a = _init_a(spec.rank, in_f, seed, gname).to(device)
+    b = torch.zeros(out_f, spec.rank, dtype=torch.float32, device=device)
+    if spec.experts_shared_outer:
+        layer = name[:name.index(".local_experts.")] + "." + leaf          # ...mlp.experts.linear_fc1
+        key = layer.replace(".", "/")
+        if key not in lora.shared:
+            lora.shared[key] = nn.Parameter(_init_a(spec.rank, in_f, seed, layer).to(device) if leaf == "linear_fc1"
+                                            else b.clone())
+        if leaf == "linear_fc1":
+            a = lora.shared[key]
+        else:
+            b = lora.shared[key]
+    return LoraPair(a, b, "expert")
 
 
 def _hook(lora: LoraAdapters, pair: LoraPair):
@@ -164,7 +240,7 @@ def _hook(lora: LoraAdapters, pair: LoraPair):
             x = nn.functional.dropout(x, p=spec.dropout)
         a, b = pair.lora_A.to(x.dtype), pair.lora_B.to(x.dtype)
         h = nn.functional.linear(x, a)
-        if lora.tp_size > 1:
+        if lora.tp_size > 1 and pair.kind != "expert":
             h = (copy_to_tensor_model_parallel_region(h, group=lora.tp_group) if pair.kind == "column"
                  else reduce_from_tensor_model_parallel_region(h, group=lora.tp_group))
         d = nn.functional.linear(h, b) * spec.scale
@@ -196,25 +272,40 @@ def merged(lora: LoraAdapters | None):
 
 
 @torch.no_grad()
-def finish_grads(lora: LoraAdapters, dp_group: dist.ProcessGroup | None, dp_size: int) -> None:
-    """Average the adapters' gradients over data parallelism (TP needs nothing: the hooks' regions already
-    leave every rank with its complete gradient); a missing gradient becomes zero first."""
-    params = list(lora.parameters())
-    for p in params:
+def finish_grads(lora: LoraAdapters, groups) -> None:
+    """Reduce the adapters' gradients (``groups``: the Megatron backend's ``parallel.Groups``): the dense targets'
+    averaged over DP (TP needs nothing: the hooks' regions already leave every rank with its complete gradient);
+    the shared outer factors summed over EP first; then the routed experts' factors, shared ones included, as the
+    experts' weights (``moe.reduce_expert_grads``: summed over the expert-DP group, divided by the DP size; plain
+    DP averaging at EP 1 and TP 1). A missing gradient becomes zero first."""
+    from miles.trainer.megatron.moe import edp_reduced, reduce_expert_grads
+
+    for p in lora.parameters():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    if dp_size > 1:
-        flat = torch.cat([p.grad.reshape(-1).float() for p in params])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=dp_group)
-        flat /= dp_size
-        for p, piece in zip(params, flat.split([p.numel() for p in params])):
-            p.grad.copy_(piece.view_as(p.grad))
+    shared = list(lora.shared.values())
+    if shared and lora.ep_size > 1:
+        _all_reduce([p.grad for p in shared], lora.ep_group)
+    experts = [(f"x.mlp.experts.{i}", p) for i, p in enumerate(lora.expert_params() + shared)]
+    reduced = {id(p) for n, p in experts if edp_reduced(n, groups)}
+    reduce_expert_grads(experts, groups)
+    dense = [p for p in lora.parameters() if id(p) not in reduced]
+    if groups.dp_size > 1 and dense:
+        _all_reduce([p.grad for p in dense], groups.dp)
+        torch._foreach_div_([p.grad for p in dense], float(groups.dp_size))
+
+
+def _all_reduce(tensors: list[torch.Tensor], group) -> None:
+    flat = torch.cat([t.reshape(-1).float() for t in tensors])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    for t, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(piece.view_as(t))
 
 
 @torch.no_grad()
 def clip_grad_norm(lora: LoraAdapters, max_norm: float) -> float:
-    """The L2 norm of the full adapters' gradients (TP shards summed, replicated ones counted once); scaled to
-    ``max_norm`` when positive."""
+    """The L2 norm of the full adapters' gradients (TP shards summed, routed experts' factors summed over EP,
+    replicated ones counted once); scaled to ``max_norm`` when positive."""
     def sq(ps: list[nn.Parameter]) -> torch.Tensor:
         gs = [p.grad.float() for p in ps if p.grad is not None]
         return sum((g.square().sum() for g in gs), torch.zeros((), dtype=torch.float32, device=gs[0].device)
@@ -223,7 +314,10 @@ def clip_grad_norm(lora: LoraAdapters, max_norm: float) -> float:
     local = sq(lora.sharded_params())
     if lora.tp_size > 1:
         dist.all_reduce(local, group=lora.tp_group)
-    norm = (local + sq(lora.replicated_params()).to(local.device)).sqrt()
+    experts = sq(lora.expert_params()).to(local.device)
+    if lora.ep_size > 1:
+        dist.all_reduce(experts, group=lora.ep_group)
+    norm = (local + experts + sq(lora.replicated_params()).to(local.device)).sqrt()
     params = [p for p in lora.parameters() if p.grad is not None]
     if max_norm > 0 and params:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
@@ -231,17 +325,28 @@ def clip_grad_norm(lora: LoraAdapters, max_norm: float) -> float:
 
 
 def trainable_count(lora: LoraAdapters) -> int:
-    """Adapter parameters of the whole model (TP shards summed, replicated ones once); collective on TP."""
+    """Adapter parameters of the whole model (TP shards summed, routed experts' summed over EP, replicated ones
+    once); collective on TP and EP."""
     sharded = torch.tensor([float(sum(p.numel() for p in lora.sharded_params()))], dtype=torch.float64)
     if lora.tp_size > 1:
         dist.all_reduce(sharded, group=lora.tp_group)
-    return int(sharded.item()) + sum(p.numel() for p in lora.replicated_params())
+    experts = torch.tensor([float(sum(p.numel() for p in lora.expert_params()))], dtype=torch.float64)
+    if lora.ep_size > 1:
+        dist.all_reduce(experts, group=lora.ep_group)
+    return int(sharded.item()) + int(experts.item()) + sum(p.numel() for p in lora.replicated_params())
+
+
+def _spec_dict(spec: LoraSpec) -> dict:
+    out = {"rank": spec.rank, "alpha": spec.alpha, "targets": list(spec.targets)}
+    if spec.experts_shared_outer:
+        out["experts_shared_outer"] = True
+    return out
 
 
 def state(lora: LoraAdapters, optimizer: torch.optim.Optimizer | None) -> dict:
     """This rank's adapter weights (and optimizer state) for a checkpoint."""
-    out = {"spec": {"rank": lora.spec.rank, "alpha": lora.spec.alpha, "targets": list(lora.spec.targets)},
-           "tp_size": lora.tp_size, "adapters": {k: v.detach().cpu().clone() for k, v in lora.state_dict().items()}}
+    out = {"spec": _spec_dict(lora.spec), "tp_size": lora.tp_size, "ep_size": lora.ep_size,
+           "adapters": {k: v.detach().cpu().clone() for k, v in lora.state_dict().items()}}
     if optimizer is not None:
         out["optimizer"] = optimizer.state_dict()
     return out
@@ -249,11 +354,14 @@ def state(lora: LoraAdapters, optimizer: torch.optim.Optimizer | None) -> dict:
 
 def load_state(lora: LoraAdapters, optimizer: torch.optim.Optimizer | None, saved: dict, where: str) -> None:
     """Restore ``state``'s output; a checkpoint of another LoRA shape or TP size is refused in one line."""
-    want = {"rank": lora.spec.rank, "alpha": lora.spec.alpha, "targets": list(lora.spec.targets)}
-    if saved.get("spec") != want or saved.get("tp_size") != lora.tp_size:
-        raise ConfigError(f"{where}: the checkpoint's LoRA ({saved.get('spec')}, TP {saved.get('tp_size')}) differs "
-                          f"from this run's ({want}, TP {lora.tp_size}); resume with the same --lora-rank, "
-                          "--lora-alpha, --target-modules and --tensor-model-parallel-size.")
+    want = _spec_dict(lora.spec)
+    if (saved.get("spec") != want or saved.get("tp_size") != lora.tp_size
+            or saved.get("ep_size", 1) != lora.ep_size):
+        raise ConfigError(f"{where}: the checkpoint's LoRA ({saved.get('spec')}, TP {saved.get('tp_size')}, EP "
+                          f"{saved.get('ep_size', 1)}) differs from this run's ({want}, TP {lora.tp_size}, EP "
+                          f"{lora.ep_size}); resume with the same --lora-rank, --lora-alpha, --target-modules, "
+                          "--experts-shared-outer-loras, --tensor-model-parallel-size and "
+                          "--expert-model-parallel-size.")
     with torch.no_grad():
         for k, v in lora.state_dict().items():
             v.copy_(saved["adapters"][k].to(v.device))
@@ -265,7 +373,6 @@ def check_megatron(opts, shape, spec: LoraSpec) -> None:
     """Refuse the Megatron layouts LoRA is not built for (one line each)."""
     for flag, value, ok in (("--pipeline-model-parallel-size", opts.pp, opts.pp == 1),
                             ("--context-parallel-size", opts.cp, opts.cp == 1),
-                            ("--expert-model-parallel-size", opts.ep, opts.ep == 1),
                             ("--sequence-parallel", "with --tensor-model-parallel-size > 1",
                              not (opts.sequence_parallel and opts.tp > 1)),
                             ("--lora-dropout", f"{spec.dropout} with --tensor-model-parallel-size > 1",
@@ -273,8 +380,21 @@ def check_megatron(opts, shape, spec: LoraSpec) -> None:
         if not ok:
             raise ConfigError(f"{flag} {value} is not supported with --lora-rank: LoRA runs under tensor and data "
                               "parallelism only; drop the flag or train without LoRA.")
-    if shape.num_experts:
-        raise ConfigError("--lora-rank: LoRA on MoE models is not supported (dense models only); train without LoRA.")
+    if shape.mla and "linear_qkv" in spec.targets:
+        raise ConfigError("--target-modules q_proj/k_proj/v_proj (or all-linear) on a multi-latent-attention model is "
+                          "not supported by the Megatron backend's LoRA (MLA has no fused linear_qkv; its q_a_proj, "
+                          "kv_a_proj_with_mqa, q_b_proj, kv_b_proj are not LoRA targets yet); target o_proj,gate_proj,"
+                          "up_proj,down_proj.")
+    experts = bool(shape.num_experts) and bool({"linear_fc1", "linear_fc2"} & set(spec.targets))
+    if experts and opts.moe.grouped_gemm:
+        raise ConfigError("--moe-grouped-gemm with LoRA on the MoE experts (--target-modules gate_proj/up_proj/"
+                          "down_proj) is not supported by the Megatron backend; drop --moe-grouped-gemm (the experts "
+                          "run as SequentialMLP, the same math) or the expert targets.")
+    if spec.experts_shared_outer and not experts:
+        what = ("the model has no MoE experts" if not shape.num_experts
+                else f"--target-modules selects no expert linear ({','.join(spec.targets)})")
+        raise ConfigError(f"--experts-shared-outer-loras shares the experts' outer LoRA factors, but {what}; drop "
+                          "the flag, or target gate_proj,up_proj,down_proj on a MoE model.")
 
 
 def _file(path, rank: int):
@@ -306,12 +426,25 @@ def load_files(lora: LoraAdapters, optimizer: torch.optim.Optimizer | None, path
 
 @torch.no_grad()
 def full_pairs(lora: LoraAdapters) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Megatron module name -> (A, B) of the whole model (TP shards gathered; CPU fp32); collective on TP."""
+    """Megatron module name (routed experts: EP-free, global index) -> (A, B) of the whole model (TP shards and
+    EP ranks' experts gathered; CPU fp32); collective on TP and EP."""
     from miles.trainer.megatron.convert import unshard
+    from miles.trainer.megatron.moe import global_name
 
     out = {}
     for name, pair in lora.named_pairs():
         a, b = pair.lora_A.detach().float(), pair.lora_B.detach().float()
+        if pair.kind == "expert":
+            if lora.ep_size == 1:
+                out[name] = (a.cpu(), b.cpu())
+                continue
+            both = torch.cat([a.reshape(-1), b.reshape(-1)]).contiguous()
+            parts = [torch.empty_like(both) for _ in range(lora.ep_size)]
+            dist.all_gather(parts, both, group=lora.ep_group)
+            for r, t in enumerate(parts):
+                gname = global_name(name + ".weight", r, lora.num_local).removesuffix(".weight")
+                out[gname] = (t[:a.numel()].view_as(a).cpu(), t[a.numel():].view_as(b).cpu())
+            continue
         if lora.tp_size > 1:
             sh = pair.sharded.detach().float().contiguous()
             parts = [torch.empty_like(sh) for _ in range(lora.tp_size)]

@@ -3,7 +3,8 @@
 Schedule (Megatron's shape; ``s`` counts optimizer steps from 0, ``W`` = --lr-warmup-iters,
 ``D`` = --lr-decay-iters, defaulting to the run's total optimizer steps when known):
 
-    s < W:       lr = lr_max * (s + 1) / W
+    s < W:       lr = init + (lr_max - init) * s / W      (init = --lr-warmup-init, 0 by default: Megatron's and
+                                                          Miles's warm-up, whose first step runs at init)
     s >= D:      lr = min_lr
     otherwise:   p = (s - W) / (D - W);  constant: lr_max;  linear: min + (max - min)(1 - p);
                  cosine: min + (max - min) * 0.5 (1 + cos(pi p))
@@ -107,7 +108,8 @@ class MasterWeights:
 class LRSchedule:
     """Sets ``lr`` on an optimizer's groups for optimizer step ``s`` (see module docstring)."""
 
-    def __init__(self, *, lr: float, min_lr: float, style: str, warmup: int, decay_iters: int | None):
+    def __init__(self, *, lr: float, min_lr: float, style: str, warmup: int, decay_iters: int | None,
+                 init: float = 0.0):
         if style not in ("constant", "linear", "cosine"):
             raise ValueError(f"--lr-decay-style {style!r} is not known; choose constant, linear or cosine.")
         if warmup < 0:
@@ -118,11 +120,12 @@ class LRSchedule:
             logger.warning("--lr-decay-style %s without --lr-decay-iters or a known number of steps: "
                            "the learning rate stays at --lr after warm-up.", style)
         self.lr, self.min_lr, self.style, self.warmup, self.decay_iters = lr, min_lr, style, warmup, decay_iters
+        self.init = init
         self.step = 0
 
     def lr_at(self, s: int) -> float:
         if s < self.warmup:
-            return self.lr * (s + 1) / self.warmup
+            return self.init + (self.lr - self.init) * s / self.warmup
         if self.style == "constant" or self.decay_iters is None:
             return self.lr
         if s >= self.decay_iters:

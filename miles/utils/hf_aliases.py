@@ -3,15 +3,18 @@
     register_hf_aliases()      # AutoConfig / AutoModelForCausalLM then read a Kimi-K2 config.json (model_type kimi_k2)
 
 Kimi-K2's checkpoints (moonshotai/Kimi-K2-Instruct, Kimi-K2-Thinking) say ``model_type`` "kimi_k2" and ship
-DeepSeek-V3's remote code; transformers itself maps "kimi_k2" to "deepseek_v3" inside Kimi-K2.5's config. Here the
-alias is a ``DeepseekV3Config`` subclass of model type "kimi_k2" (so ``save_pretrained`` keeps the checkpoint's
-model type) with the DeepSeek-V3 model classes and weight conversions, so no remote code runs. ``miles.utils.
-model_dir`` calls this before it reads a config.json of an aliased type; it is idempotent.
+DeepSeek-V3's remote code; transformers itself maps "kimi_k2" to "deepseek_v3" inside Kimi-K2.5's config.
+JoyAI-LLM-Flash's (jdopensource/JoyAI-LLM-Flash) say "joyai_llm_flash", DeepSeek-V3's architecture too (Miles
+registers the same alias with its bridge: radixark/miles@v0.1.0:miles_plugins/mbridge/joyai_llm_flash.py). Each
+alias is a ``DeepseekV3Config`` subclass of the checkpoint's model type (so ``save_pretrained`` keeps it) with the
+DeepSeek-V3 model classes and weight conversions, so no remote code runs. ``miles.utils.model_dir`` calls this
+before it reads a config.json of an aliased type; it is idempotent.
 """
 
 from __future__ import annotations
 
-ALIASES = {"kimi_k2": "deepseek_v3"}       # model type -> the transformers model type of its architecture
+# model type -> the transformers model type of its architecture
+ALIASES = {"kimi_k2": "deepseek_v3", "joyai_llm_flash": "deepseek_v3"}
 
 
 def register_hf_aliases() -> None:
@@ -29,25 +32,22 @@ def register_hf_aliases() -> None:
     )
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    if "kimi_k2" in CONFIG_MAPPING:
-        return
+    for alias in ALIASES:
+        if alias in CONFIG_MAPPING:
+            continue
+        config_cls = type(f"{_camel(alias)}Config", (DeepseekV3Config,), {
+            "model_type": alias, "__doc__": f"config.json of model type {alias}: DeepSeek-V3's config."})
+        model_cls = type(f"{_camel(alias)}Model", (DeepseekV3Model,), {"config_class": config_cls})
+        lm_cls = type(f"{_camel(alias)}ForCausalLM", (DeepseekV3ForCausalLM,), {"config_class": config_cls})
+        AutoConfig.register(alias, config_cls)
+        AutoModel.register(config_cls, model_cls)
+        AutoModelForCausalLM.register(config_cls, lm_cls)
+        register_checkpoint_conversion_mapping(alias, get_checkpoint_conversion_mapping("deepseek_v3") or [],
+                                               overwrite=True)
 
-    class KimiK2Config(DeepseekV3Config):
-        """Kimi-K2's config.json: DeepSeek-V3's config under model type kimi_k2."""
 
-        model_type = "kimi_k2"
-
-    class KimiK2Model(DeepseekV3Model):
-        config_class = KimiK2Config
-
-    class KimiK2ForCausalLM(DeepseekV3ForCausalLM):
-        config_class = KimiK2Config
-
-    AutoConfig.register("kimi_k2", KimiK2Config)
-    AutoModel.register(KimiK2Config, KimiK2Model)
-    AutoModelForCausalLM.register(KimiK2Config, KimiK2ForCausalLM)
-    register_checkpoint_conversion_mapping("kimi_k2", get_checkpoint_conversion_mapping("deepseek_v3") or [],
-                                           overwrite=True)
+def _camel(model_type: str) -> str:
+    return "".join(part.capitalize() for part in model_type.split("_"))
 
 
 def register_for(model_type: str | None) -> None:

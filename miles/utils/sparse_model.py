@@ -55,7 +55,7 @@ def checkpoint_tensors(config: dict[str, Any]) -> dict[str, list[int]]:
     return dict(sorted(out.items()))
 
 
-MTP_MODEL_TYPES = ("glm4_moe_lite", "deepseek_v3", "kimi_k2")   # transformers skips their model.layers.N.. (MTP) on load
+MTP_MODEL_TYPES = ("glm4_moe_lite", "deepseek_v3", "kimi_k2", "joyai_llm_flash")   # transformers skips their model.layers.N.. (MTP) on load
 
 
 def _mtp_tensors(config: dict[str, Any]) -> dict[str, list[int]]:

@@ -20,7 +20,8 @@ from pathlib import Path
 
 MLA_MODEL_TYPES = {"glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM"),
                    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
-                   "kimi_k2": ("DeepseekV3Config", "DeepseekV3ForCausalLM")}   # config.json's model_type kimi_k2
+                   "kimi_k2": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),   # config.json's model_type kimi_k2
+                   "joyai_llm_flash": ("DeepseekV3Config", "DeepseekV3ForCausalLM")}   # ... joyai_llm_flash
 # Kimi-K2's yarn rope_scaling (moonshotai/Kimi-K2-Instruct's config.json: beta_fast = beta_slow = 1), its original
 # context scaled down so that a 12-token row of a test crosses it
 KIMI_K2_YARN = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 8, "beta_fast": 1.0,
@@ -94,11 +95,11 @@ def build_tiny_mla_model(
                 gate.e_score_correction_bias.uniform_(-0.1, 0.1)
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(str(out), safe_serialization=True)
-    if model_type == "kimi_k2":             # Kimi-K2's checkpoints: DeepseekV3ForCausalLM under model_type kimi_k2
+    if model_type in ("kimi_k2", "joyai_llm_flash"):   # their checkpoints: DeepseekV3ForCausalLM under their type
         import json
 
         path = out / "config.json"
-        path.write_text(json.dumps(json.loads(path.read_text()) | {"model_type": "kimi_k2"}, indent=2))
+        path.write_text(json.dumps(json.loads(path.read_text()) | {"model_type": model_type}, indent=2))
     if mtp_layers:
         _add_mtp_layers(out, model, mtp_layers, seed)
     return out

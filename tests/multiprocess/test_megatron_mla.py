@@ -230,11 +230,14 @@ def test_mla_expert_parallel_matches_hf(request, tmp_path: Path, free_port: int,
     assert sorted(res["exported"]) == res["disk"] and sorted(res["same"]) == res["disk"]
 
 
-def test_mla_trainer_parity_with_fsdp(tiny_glm_dir: Path, tmp_path: Path, free_port: int) -> None:
+@pytest.mark.parametrize("family", ["glm", "kimi"])
+def test_mla_trainer_parity_with_fsdp(request, tmp_path: Path, free_port: int, family: str) -> None:
+    """GLM-4.7-Flash, and Kimi-K2 (model_type kimi_k2: transformers' DeepSeek-V3 under FSDP2 via hf_aliases, its
+    YaRN rope over rows longer than the tiny original context)."""
     import torch
 
     out = tmp_path / "parity.pt"
-    proc = _torchrun(2, free_port, "parity", str(tiny_glm_dir), str(out), timeout=600)
+    proc = _torchrun(2, free_port, "parity", str(request.getfixturevalue(FAMILY_DIRS[family])), str(out), timeout=600)
     assert proc.returncode == 0, proc.stdout[-5000:]
     res = torch.load(out, weights_only=False)
     assert res["export_keys_equal"] and res["export_bitwise"] and res["export_bf16_bitwise"], res
@@ -247,11 +250,68 @@ def test_mla_trainer_parity_with_fsdp(tiny_glm_dir: Path, tmp_path: Path, free_p
     assert res["update_max_abs_diff"] < 5e-5 and res["update_rel_l2"] < 1e-4, res
 
 
+def _gpu_worker(model_dir: str, out: str) -> None:
+    """One rank on GPU 0 (NCCL), bf16 parameters, TP 1: the Megatron GPTModel's logits against transformers' own
+    model (bf16) on the same rows, and transformers' bf16 against its fp32 (the scale of bf16 rounding)."""
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from miles.trainer.megatron import convert, model, moe, parallel
+    from miles.utils.model_dir import load_config
+
+    dist.init_process_group("nccl")
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    parallel.init_parallel(tp_size=1, num_trainer_ranks=1, seed=1, device=dev)
+    moe.apply_moe_compat()
+    shape = model.ModelShape.from_hf_config(load_config(model_dir))      # kimi_k2 registered (hf_aliases)
+    padded = model.padded_vocab_size(shape.vocab_size, 128, 1)
+    kw = moe.config_kwargs(shape, moe.MoeOptions(router_dtype="fp32"), ep=1, etp=1, te=False)
+    config = model.transformer_config(shape, tp_size=1, device=dev, moe=kw, params_dtype=torch.bfloat16, bf16=True)
+    gpt = model.build_gpt_model(shape, config, padded_vocab=padded, device=dev)
+    convert.load_hf_into(gpt, convert.read_hf_state_dict(model_dir), shape, padded, 0, 1)
+    torch.manual_seed(0)
+    ids = torch.randint(4, shape.vocab_size, (2, 12), device=dev)
+    pos = torch.arange(12, device=dev).unsqueeze(0).expand(2, -1)
+    with torch.no_grad():
+        hidden = gpt(ids, pos, attention_mask=None)
+        logits = (hidden.transpose(0, 1) @ model.output_weight(gpt).t())[..., :shape.vocab_size].float()
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(dev)
+        ref = hf(input_ids=ids).logits.float()
+        hf32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(dev)
+        ref32 = hf32(input_ids=ids).logits
+    Path(out).write_text(json.dumps({"max_abs_err": float((logits - ref).abs().max()),
+                                     "hf_bf16_vs_fp32": float((ref - ref32).abs().max()),
+                                     "ref_scale": float(ref32.abs().max())}))
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["glm", "dsv3", "kimi"])
+def test_mla_matches_hf_on_gpu_bf16(request, tmp_path: Path, free_port: int, family: str) -> None:
+    """bf16 on one GPU, TP 1 (Kimi-K2: MLA, YaRN, the sigmoid router with expert bias and top-k scaling): Megatron's
+    logits are as far from transformers' bf16 logits as transformers' own bf16 logits are from its fp32 ones, within
+    a factor of 2 (both are bf16 roundings of the same function; a wrong layout gives > 1e-2 in fp32 already)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    out = tmp_path / "gpu.json"
+    proc = _torchrun(1, free_port, "gpu", str(request.getfixturevalue(FAMILY_DIRS[family])), str(out))
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    res = json.loads(out.read_text())
+    print(family, res)
+    assert res["max_abs_err"] <= 2 * max(res["hf_bf16_vs_fp32"], 1e-3), res
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "gpt":
         _gpt_worker(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:5]))
     elif sys.argv[1] == "parity":
         _parity_worker(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "gpu":
+        _gpu_worker(sys.argv[2], sys.argv[3])
 
 
 def test_embedded_engine_serves_glm4_moe_lite(tiny_glm_dir: Path, tmp_path: Path) -> None:

@@ -136,3 +136,24 @@ def test_the_checks_catch_what_they_are_for(tmp_path: Path):
     assert _foreign_miles_paths("(``miles/backends/fsdp_utils/arguments.py``)") == ["miles/backends/fsdp_utils/arguments.py"]
     assert _foreign_miles_paths(f"# {UPSTREAM}miles/utils/arguments.py, miles/run/loop.py") == []
     assert _foreign_miles_paths("tools/miles/x.py and miles.utils.arguments") == []
+
+
+def test_family_table_names_tests_that_exist():
+    """docs/trainer.md's "Families x backends x parallelism" table: every ``tests/...py::test_name`` (or test file) a
+    cell names exists, so a renamed or removed test fails here; every row has one cell per column."""
+    import re
+
+    text = (REPO / "docs" / "trainer.md").read_text()
+    section = text[text.index("### Families x backends x parallelism"):]
+    rows = [ln for ln in section.split("\n\n", 3)[2].splitlines() if ln.startswith("|")]
+    assert len(rows) >= 3 and rows[1].startswith("|---"), rows[:2]
+    columns = rows[0].count(" | ") + 1
+    named = 0
+    for row in rows[2:]:
+        assert row.count(" | ") + 1 == columns, row[:80]
+        for path, name in re.findall(r"`(tests/[\w/]+\.py)(?:::(\w+))?`", row):
+            assert (REPO / path).is_file(), (path, row[:60])
+            if name:
+                assert re.search(rf"^def {name}\(", (REPO / path).read_text(), re.M), (path, name)
+            named += 1
+    assert named >= 20, named

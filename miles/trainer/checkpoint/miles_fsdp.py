@@ -92,10 +92,6 @@ def _restore_schedule(trainer: FSDPTrainer, path: Path, meta: dict[str, Any]) ->
     if differ:
         logger.warning("%s: this run's LR schedule differs from the one Miles saved: %s; the schedule resumes at "
                        "step %d with this run's flags.", path, ", ".join(differ), step)
-    if step < ours.warmup:
-        logger.warning("%s: resuming inside the warm-up (step %d of %d), where Miles's warm-up (from "
-                       "--lr-warmup-init, lr*s/W) and this trainer's (lr*(s+1)/W) differ by one step.", path, step,
-                       ours.warmup)
 
 
 def _load_optimizer(trainer: FSDPTrainer, optim_dir: Path, prefix: str) -> None:

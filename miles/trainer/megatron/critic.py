@@ -42,7 +42,8 @@ class MegatronCritic(Critic):
         total = trainer.num_rollout * trainer.num_steps_per_rollout if trainer.num_rollout else None
         decay = train.lr_decay_iters or total
         self.schedule = LRSchedule(lr=self.lr, min_lr=train.min_lr, style=train.lr_decay_style,
-                                   warmup=train.warmup_steps(decay), decay_iters=decay)
+                                   warmup=train.critic_lr_warmup_iters,  # --critic-lr-warmup-iters, as the FSDP critic
+                                   decay_iters=decay, init=train.lr_warmup_init)
         self.clip_grad = train.clip_grad
         self.check_nan = train.check_for_nan_in_loss_and_grad
         self.value_clip = trainer.algo.value_clip

@@ -113,7 +113,9 @@ def check_shape(m, shape: ModelShape) -> None:
         "--hidden-size": (m.hidden_size, "hidden_size", shape.hidden_size),
         "--ffn-hidden-size": (m.ffn_hidden_size, "intermediate_size", shape.ffn_hidden_size),
         "--num-attention-heads": (m.num_attention_heads, "num_attention_heads", shape.num_attention_heads),
-        "--kv-channels": (m.kv_channels, "qk_nope_head_dim" if shape.mla else "head_dim", shape.kv_channels),
+        # multi-latent attention: megatron-core never reads --kv-channels (Miles's Kimi-K2 script passes 64, its
+        # DeepSeek-V3 script 128, both for qk_nope_head_dim 128): checked only as standard attention's head_dim
+        "--kv-channels": (None if shape.mla else m.kv_channels, "head_dim", shape.kv_channels),
         "--vocab-size": (m.vocab_size, "vocab_size", shape.vocab_size),
         "--max-position-embeddings": (m.max_position_embeddings, "max_position_embeddings",
                                       shape.max_position_embeddings),

@@ -45,6 +45,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from miles.config.base import ConfigError
+from miles.config.kernels import check_kernel_flags
 from miles.trainer import lora as lora_mod
 from miles.trainer import vlm as hf_vlm
 from miles.trainer.batching import MicroBatch, coalesce_micro_batches, pack, plan_micro_batches
@@ -112,6 +113,7 @@ class MegatronTrainer(RLTrainer):
             logger.info("--megatron-to-hf-mode %s: weights are converted by miles's own converter (convert.py), "
                         "to the same HF names and shapes.", train.megatron_to_hf_mode)
         options.check_shape(megatron, self.shape)
+        check_kernel_flags(megatron)                    # --moe-grouped-gemm, DeepEP, ...: their packages, on this rank
         options.check_supported(self.opts, self.shape, self.device,
                                 max(self.trainer_world // (self.opts.tp * self.opts.pp), 1))
         options.check_pipeline_algo(self.opts, algo)
@@ -162,7 +164,7 @@ class MegatronTrainer(RLTrainer):
         decay = train.lr_decay_iters or total_steps
         self.schedule = LRSchedule(lr=train.lr, min_lr=train.min_lr, style=train.lr_decay_style,
                                    warmup=train.warmup_steps(decay) if hasattr(train, "warmup_steps")
-                                   else train.lr_warmup_iters, decay_iters=decay)
+                                   else train.lr_warmup_iters, decay_iters=decay, init=train.lr_warmup_init)
         self._build_frozen()
         self.critic = None
         if algo.loss_type != "sft_loss" and algo.advantage_estimator == "ppo":
@@ -253,7 +255,8 @@ class MegatronTrainer(RLTrainer):
         mtp_mod.check_mtp_lora(self.opts)
         g = self.groups
         adapters = lora_mod.attach(self.model, spec, tp_rank=g.tp_rank, tp_size=g.tp_size, tp_group=g.tp,
-                                   seed=self.cfg.seed)
+                                   seed=self.cfg.seed, ep_rank=g.ep_rank, ep_size=g.ep_size, ep_group=g.ep,
+                                   num_experts=self.shape.num_experts or 0)
         n = lora_mod.trainable_count(adapters)
         logger.info("LoRA rank %d alpha %s on %s: %s trainable of %s params (base frozen)", spec.rank, spec.alpha,
                     ",".join(spec.targets), f"{n:,}", f"{self.num_params:,}")
@@ -480,7 +483,7 @@ class MegatronTrainer(RLTrainer):
 
     def _clip_grad_norm(self) -> float:
         if self.lora is not None:
-            lora_mod.finish_grads(self.lora, self.groups.dp, self.groups.dp_size)
+            lora_mod.finish_grads(self.lora, self.groups)
             return lora_mod.clip_grad_norm(self.lora, self.cfg.clip_grad)
         parallel.finish_grads(self.model, self.groups)
         return parallel.clip_grad_norm(self.model, self.groups, self.cfg.clip_grad)

@@ -299,7 +299,8 @@ def test_module_classification():
     mods = load_modules(REPO)
     kinds = {m.rel: m.kind for m in mods.values()}
     assert kinds["miles/trainer/megatron/trainer.py"] == "megatron" and kinds["miles/trainer/fsdp.py"] == "fsdp"
-    assert kinds["miles/trainer/lora.py"] == "megatron"          # imported by the Megatron backend only
+    assert kinds["miles/trainer/lora.py"] == "shared"            # imported by both backends (LoRA spec, init)
+    assert kinds["miles/trainer/lora_hf.py"] == "fsdp"
     assert kinds["miles/trainer/losses.py"] == "shared" and kinds["miles/run/loop.py"] == "shared"
     assert kinds["miles/config/train.py"] == "config"
 
@@ -330,7 +331,7 @@ def test_no_backend_class_subclasses_the_other_backends():
 
 
 BASE = ["--num-rollout", "2", "--rollout-batch-size", "4"]
-LORA = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules", "exclude_modules")
+LORA = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules", "exclude_modules", "experts_shared_outer_loras")
 
 
 def _given(name: str, unset) -> list[str]:

@@ -40,6 +40,7 @@ from miles_fixtures import (
     read_fixture,
     recorded_teachers,
     uses_images,
+    without_absent_kernel_flags,
     write_workdir,
 )
 
@@ -121,7 +122,7 @@ def save_shortfall(cfg, model: Path) -> int | None:
 
 
 def test_every_fixture_says_what_it_expects():
-    assert len(FIXTURES) == 34
+    assert len(FIXTURES) == 37
     for path in FIXTURES:
         entry, expect, lines = read_fixture(path)
         assert entry in ("train.py", "train_async.py"), path.name
@@ -146,7 +147,7 @@ def test_miles_launch_flags(path: Path, workdir: Path, model_dirs, plugins_on_pa
     from miles.run.entry import dry_run
 
     entry, expect, lines = read_fixture(path)
-    argv = fixture_argv(lines, subs_for(path, workdir, model_dirs)) + ["--dry-run"]
+    argv = without_absent_kernel_flags(fixture_argv(lines, subs_for(path, workdir, model_dirs))) + ["--dry-run"]
     if expect == "dry-run":
         cfg = parse_args(argv, is_async=entry == "train_async.py")
         need = save_shortfall(cfg, model_dirs(fixture_model(path)))
@@ -161,6 +162,26 @@ def test_miles_launch_flags(path: Path, workdir: Path, model_dirs, plugins_on_pa
     assert "\n" not in msg and "usage:" not in msg
     found = [p for p in problems(msg) if not p.startswith("--save ")] or [msg]  # this machine's disk aside (above)
     assert found[0].split(" ", 1)[0].rstrip(":") == flag, msg
+
+
+KERNELED = [p for p in FIXTURES if read_fixture(p)[1] == "dry-run"
+            and without_absent_kernel_flags(fixture_argv(read_fixture(p)[2], {})) != fixture_argv(read_fixture(p)[2], {})]
+
+
+@pytest.mark.parametrize("path", KERNELED, ids=[p.stem for p in KERNELED])
+def test_kernel_flags_refused_here(path: Path, workdir: Path, model_dirs, plugins_on_path):
+    """A fixture passing a flag whose GPU kernel package does not import here (--moe-grouped-gemm without
+    transformer-engine, ...) is refused on that flag as recorded: test_miles_launch_flags drops it (above)."""
+    from miles.run.entry import dry_run
+
+    entry, _, lines = read_fixture(path)
+    argv = fixture_argv(lines, subs_for(path, workdir, model_dirs)) + ["--dry-run"]
+    changed: dict[str, str] = {}
+    without_absent_kernel_flags(argv, changed)
+    with pytest.raises(ConfigError) as ei:
+        dry_run(parse_args(argv, is_async=entry == "train_async.py"))
+    found = [p for p in problems(str(ei.value)) if not p.startswith("--save ")]
+    assert found and found[0].split(" ", 1)[0] in changed and " needs " in found[0], ei.value
 
 
 SHAPED = [p for p in FIXTURES if fixture_model(p) and any(ln.startswith("--num-layers ") for ln in read_fixture(p)[2])]
@@ -186,7 +207,7 @@ def test_shape_flags_are_checked_against_the_model(path: Path, workdir: Path, mo
 
     entry, expect, lines = read_fixture(path)
     subs = subs_for(path, workdir, model_dirs) | {"MODEL": str(model_dirs("Qwen3-0.6B"))}
-    argv = fixture_argv(lines, subs) + ["--dry-run", "--train-backend", "megatron"]
+    argv = without_absent_kernel_flags(fixture_argv(lines, subs)) + ["--dry-run", "--train-backend", "megatron"]
     with pytest.raises(ConfigError) as ei:
         dry_run(parse_args(argv, is_async=entry == "train_async.py"))
     found = [p for p in problems(str(ei.value)) if p.split(" ", 1)[0] in SHAPE_FLAGS]

@@ -5,6 +5,8 @@ Tensor parallelism, the Megatron trainer, the merged weight sync and checkpoints
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -76,8 +78,9 @@ def test_flags_parse_with_miles_defaults_and_refusals(tiny_model_dir):
     d = parse_args(base).train
     assert (d.lora_rank, d.lora_alpha, d.lora_dropout, d.target_modules) == (0, 16, 0.0, None)   # Miles's defaults
     assert lora.LoraSpec.from_config(d) is None
-    for extra, msg in ((["--train-backend", "fsdp"], r"^--lora-rank 4 is not supported by --train-backend fsdp \(only by "
-                                                 r"--train-backend megatron\)"),
+    parse_args(base + ["--lora-rank", "4", "--target-modules", "all-linear", "--train-backend", "fsdp"])  # both
+    for extra, msg in ((["--train-backend", "fsdp", "--experts-shared-outer-loras"],
+                        r"^--experts-shared-outer-loras .* not supported by --train-backend fsdp"),
                        (["--lora-type", "canonical_lora"], "--lora-type canonical_lora is not supported"),
                        (["--lora-dropout", "1.5"], "--lora-dropout must be in"),
                        (["--target-modules", "embed"], "--target-modules: 'embed'")):
@@ -102,7 +105,7 @@ def test_zero_b_gives_the_base_model_exactly_and_a_step_trains_only_lora():
     for _ in range(2):
         opt.zero_grad()
         (-model(ids)[..., 3].mean()).backward()
-        lora.finish_grads(ad, None, 1)
+        lora.finish_grads(ad, SimpleNamespace(dp=None, dp_size=1, ep_size=1, tp_size=1, edp=None, edp_size=1))
         assert lora.clip_grad_norm(ad, 1.0) > 0
         opt.step()
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())      # base untouched
@@ -180,3 +183,35 @@ def test_preflight_refuses_the_layouts_lora_does_not_run(tiny_model_dir):
                        (["--tensor-model-parallel-size", "2", "--lora-dropout", "0.1"], "--lora-dropout 0.1")):
         with pytest.raises(ConfigError, match=msg):
             options.preflight_check(parse_args(base + extra), hf)
+
+
+def test_moe_expert_lora_preflight(tiny_model_dir, tmp_path):
+    """LoRA on MoE experts passes the Megatron preflight at EP 2 (per-expert and shared-outer); what it cannot
+    run is refused in one line: --moe-grouped-gemm on expert targets, --experts-shared-outer-loras on a dense model,
+    without expert targets, or without --lora-rank."""
+    import json
+
+    pytest.importorskip("megatron.core")
+    from miles.trainer.megatron import options
+    from miles.utils.tiny_model import build_tiny_moe_model
+
+    moe_dir = build_tiny_moe_model(tmp_path / "moe")
+    hf = json.loads((moe_dir / "config.json").read_text())
+    base = ["--hf-checkpoint", str(moe_dir), "--train-backend", "megatron", "--num-rollout", "1",
+            "--rollout-batch-size", "2", "--lora-rank", "4", "--target-modules", "gate_proj,up_proj,down_proj",
+            "--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2"]
+    options.preflight_check(parse_args(base), hf)
+    options.preflight_check(parse_args(base + ["--experts-shared-outer-loras"]), hf)
+    with pytest.raises(ConfigError, match=r"^--moe-grouped-gemm with LoRA on the MoE experts"):
+        options.preflight_check(parse_args(base + ["--moe-grouped-gemm"]), hf)
+    with pytest.raises(ConfigError, match=r"^--experts-shared-outer-loras .* selects no expert linear"):
+        options.preflight_check(parse_args(base[:-6] + ["--target-modules", "q_proj", "--num-experts", "4",
+                                                        "--experts-shared-outer-loras"]), hf)
+    dense = json.loads((tiny_model_dir / "config.json").read_text())
+    with pytest.raises(ConfigError, match=r"^--experts-shared-outer-loras .* the model has no MoE experts"):
+        options.preflight_check(parse_args(["--hf-checkpoint", str(tiny_model_dir), "--train-backend", "megatron",
+                                            "--num-rollout", "1", "--rollout-batch-size", "2",
+                                            "--lora-rank", "4", "--target-modules", "all-linear",
+                                            "--experts-shared-outer-loras"]), dense)
+    with pytest.raises(ConfigError, match=r"^--experts-shared-outer-loras without --lora-rank"):
+        parse_args(["--hf-checkpoint", str(tiny_model_dir), "--num-rollout", "1", "--experts-shared-outer-loras"])

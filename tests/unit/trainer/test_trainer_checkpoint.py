@@ -59,10 +59,14 @@ def test_rng_round_trip():
 
 
 def test_lr_schedule_shapes():
+    # warm-up as Megatron's / Miles's (radixark/miles@v0.1.0:miles/backends/fsdp_utils/lr_scheduler.py):
+    # init + (lr - init) * s / W, so the first step runs at --lr-warmup-init (0 by default)
     const = LRSchedule(lr=1.0, min_lr=0.1, style="constant", warmup=2, decay_iters=10)
-    assert [const.lr_at(s) for s in range(4)] == [0.5, 1.0, 1.0, 1.0]
+    assert [const.lr_at(s) for s in range(4)] == [0.0, 0.5, 1.0, 1.0]
+    warm = LRSchedule(lr=1.0, min_lr=0.1, style="constant", warmup=4, decay_iters=10, init=0.2)
+    assert [warm.lr_at(s) for s in range(5)] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0])
     lin = LRSchedule(lr=1.0, min_lr=0.0, style="linear", warmup=2, decay_iters=6)
-    assert [lin.lr_at(s) for s in range(8)] == pytest.approx([0.5, 1.0, 1.0, 0.75, 0.5, 0.25, 0.0, 0.0])
+    assert [lin.lr_at(s) for s in range(8)] == pytest.approx([0.0, 0.5, 1.0, 0.75, 0.5, 0.25, 0.0, 0.0])
     cos = LRSchedule(lr=1.0, min_lr=0.2, style="cosine", warmup=0, decay_iters=4)
     assert cos.lr_at(2) == pytest.approx(0.2 + 0.8 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert cos.lr_at(4) == pytest.approx(0.2)

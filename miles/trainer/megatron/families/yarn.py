@@ -5,7 +5,8 @@ YaRN rope flags checked against config.json.
 
 The model is ``mla.py``'s (multi-latent attention, DeepSeek-style MoE) built from config.json, its YaRN rope
 (``ModelShape.yarn``) megatron-core's ``rope_type`` "yarn". Kimi-K2's checkpoints say ``model_type`` "kimi_k2" (a
-DeepSeek-V3 config; ``miles.utils.hf_aliases`` registers it with transformers), JoyAI-LLM-Flash's ``deepseek_v3``.
+DeepSeek-V3 config; ``miles.utils.hf_aliases`` registers it with transformers), JoyAI-LLM-Flash's
+``joyai_llm_flash`` (the same alias).
 
 Miles's scripts (radixark/miles@v0.1.0:scripts/models/kimi-k2.py, deepseek-v3.py, joyai-llm-flash.py) spell the
 rope out as Megatron-LM flags: ``--rope-type``, ``--rotary-scaling-factor``, ``--original-max-position-embeddings``,
@@ -27,7 +28,9 @@ ROPE_FLAGS = {"rotary_scaling_factor": ("factor", 0), "original_max_position_emb
               ("original_max_position_embeddings", 1), "beta_fast": ("beta_fast", 2), "beta_slow": ("beta_slow", 3),
               "mscale": ("mscale", 4), "mscale_all_dim": ("mscale_all_dim", 5)}
 # model types Megatron builds as DeepSeek-V3 (mla.MLA_FAMILIES holds them all)
-FAMILIES = {"deepseek_v3": "DeepSeek-V3 (and JoyAI-LLM-Flash)", "kimi_k2": "Kimi-K2"}
+FAMILIES = {"deepseek_v3": "DeepSeek-V3", "kimi_k2": "Kimi-K2", "joyai_llm_flash": "JoyAI-LLM-Flash"}
+
+
 def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 

@@ -177,6 +177,18 @@ def test_glm47_flash_flags_accepted(tiny_model_dir: Path) -> None:
     assert cfg.megatron.multi_latent_attention and cfg.megatron.q_lora_rank == 768
 
 
+def test_kv_channels_is_not_a_shape_under_mla(tiny_model_dir: Path) -> None:
+    """megatron-core's multi-latent attention never reads --kv-channels (its heads are --qk-head-dim +
+    --qk-pos-emb-head-dim wide, values --v-head-dim): Miles's Kimi-K2 script passes 64 and its DeepSeek-V3 script 128
+    for the same qk_nope_head_dim 128, so any value is taken; without MLA it is head_dim and checked."""
+    for value in ("64", "128", "7"):
+        cfg = _cfg(tiny_model_dir, *_with(GLM_SCRIPT, kv_channels=value))
+        options.preflight_check(cfg, json.loads(GLM_JSON.read_text()))
+    plain = _cfg(tiny_model_dir, "--kv-channels", "7")
+    with pytest.raises(ConfigError, match=r"^--kv-channels 7 does not match --hf-checkpoint's config.json \(head_dim"):
+        options.preflight_check(plain, _read(tiny_model_dir))
+
+
 @pytest.mark.parametrize("changes,message", [
     ({"q_lora_rank": "512"}, "--q-lora-rank 512 does not match --hf-checkpoint's config.json (q_lora_rank 768)"),
     ({"kv_lora_rank": "256"}, "--kv-lora-rank 256 does not match --hf-checkpoint's config.json (kv_lora_rank 512)"),
@@ -184,7 +196,6 @@ def test_glm47_flash_flags_accepted(tiny_model_dir: Path) -> None:
     ({"qk_pos_emb_head_dim": "32"}, "--qk-pos-emb-head-dim 32 does not match --hf-checkpoint's config.json "
                                     "(qk_rope_head_dim 64)"),
     ({"v_head_dim": "128"}, "--v-head-dim 128 does not match --hf-checkpoint's config.json (v_head_dim 256)"),
-    ({"kv_channels": "128"}, "--kv-channels 128 does not match --hf-checkpoint's config.json (qk_nope_head_dim 192)"),
     ({"multi_latent_attention": None}, "--multi-latent-attention is missing but --hf-checkpoint's config.json has "
                                        "kv_lora_rank 512"),
     ({"qk_layernorm": None}, "--qk-layernorm is missing but --hf-checkpoint's config.json has "
@@ -203,7 +214,7 @@ def test_glm47_flash_flags_accepted(tiny_model_dir: Path) -> None:
     ({"moe_layer_freq": "[1]*47"}, "--moe-layer-freq [1]*47 does not match"),
     ({"sequence_parallel": None}, "--tensor-model-parallel-size 4 with MoE layers needs --sequence-parallel"),
     ({"tensor_model_parallel_size": "3"}, "--tensor-model-parallel-size 3 does not divide"),
-], ids=["q_lora", "kv_lora", "qk_head", "qk_pos", "v_head", "kv_channels", "mla_missing", "qk_layernorm_missing",
+], ids=["q_lora", "kv_lora", "qk_head", "qk_pos", "v_head", "mla_missing", "qk_layernorm_missing",
         "shared_size", "shared_missing", "score_function", "bias_missing", "scaling", "scaling_missing", "bias_rate",
         "layer_freq", "tp_without_sp", "tp_divides"])
 def test_glm47_flash_flags_checked_against_config_json(tiny_model_dir: Path, changes: dict, message: str) -> None:
@@ -330,7 +341,7 @@ def test_rope_flags_need_the_megatron_backend(tiny_kimi_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("model_type,nearest", [("kimi_k25", "kimi_k2 (Kimi-K2.5's text model"),
-                                                ("deepseek_v32", "deepseek_v3"), ("qwen3_next", "qwen3")])
+                                                ("deepseek_v32", "deepseek_v3"), ("glm4_moe", "glm4_moe_lite")])
 def test_a_family_not_built_names_the_nearest(tiny_kimi_dir: Path, model_type: str, nearest: str) -> None:
     with pytest.raises(ConfigError) as e:
         options.preflight_check(_cfg(tiny_kimi_dir), _read(tiny_kimi_dir) | {"model_type": model_type})
