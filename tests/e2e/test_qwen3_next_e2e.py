@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _miles_e2e import QUICKSTART, check_ok, check_run_dir, run
+from _miles_e2e import QUICKSTART, check_ok, check_run_dir, run, tail
 
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(900)]
@@ -70,3 +70,29 @@ def test_qwen35_moe_runs_two_rollouts_with_weight_check(setup, tmp_path: Path) -
     if mtp:                             # the MTP layer trained (its loss logged) and left out of the engines' check
         assert all("train/mtp_loss" in r for r in recs), recs[0].keys()
         assert "MTP" in text, text[-3000:]
+
+
+def test_recorded_qwen36_mtp_command_runs_two_rollouts(tmp_path: Path) -> None:
+    """Miles's recorded Qwen3.6-35B-A3B command (tests/fixtures/miles_scripts/megatron_moe_qwen3_6_35b_a3b_mtp.flags:
+    ``--spec miles_plugins.models.qwen3_5 get_qwen3_5_spec``, ``--mtp-num-layers 1 --enable-mtp-training``, EP 8)
+    through the replay tier's scaler (``miles_fixtures.tiny_replay``: the tiny model in the published layout with its
+    MTP layer, 2 CPU ranks, EP 2, the SGLang-only flags dropped: the CPU world's engines are embedded ones): 2
+    rollouts, the MTP loss trained, ``--check-weight-update-equal`` after every sync."""
+    import json
+    import os
+
+    from miles_fixtures import HERE, PLUGIN_FOLDERS, tiny_replay
+
+    replay = tiny_replay(HERE / "megatron_moe_qwen3_6_35b_a3b_mtp.flags", tmp_path, tmp_path / "models")
+    log = tmp_path / "replay.log"
+    pythonpath = os.pathsep.join([str(Path(__file__).resolve().parents[2]), *map(str, PLUGIN_FOLDERS)])
+    result = run(["torchrun", "--standalone", "--nproc-per-node", str(replay.nproc), replay.entry, *replay.argv], log,
+                 timeout=600, PYTHONPATH=pythonpath)
+    scaled = "\n".join(f"  {flag}: {change}" for flag, change in replay.changed.items())
+    assert result.returncode == 0, f"scaled flags:\n{scaled}\nlog {log}:\n{tail(log)}"
+    out = Path(replay.argv[replay.argv.index("--output-dir") + 1])
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["rollout_id"] for r in records] == [0, 1], records
+    assert all("train/mtp_loss" in r for r in records), records[0].keys()
+    assert "--sglang-ep-size" in replay.changed and "--spec" not in replay.changed, replay.changed
+    assert log.read_text().count("--check-weight-update-equal: ") >= 3, tail(log)
