@@ -187,6 +187,17 @@ def build_family_model(out: Path, model: str | None, seed: int = 0) -> Path:
         return build_tiny_qwen35_model(out, kind="qwen3_next" if mt == "qwen3_next" else "qwen3_5_moe",
                                        vlm="text_config" in real, mtp=bool(text.get("mtp_num_hidden_layers")),
                                        rope_theta=theta, seed=seed)
+    if "index_topk" in real:             # DeepSeek sparse attention (GLM-5, DeepSeek-V3.2): MLA plus the indexer
+        from miles.utils.tiny_dsa import TINY_YARN, build_tiny_dsa_model
+
+        rope = real.get("rope_parameters") or real.get("rope_scaling") or {}
+        yarn = rope.get("rope_type", rope.get("type")) == "yarn"
+        return build_tiny_dsa_model(out, model_type=mt, rms_norm_eps=float(real.get("rms_norm_eps", 1e-6)),
+                                    rope_theta=float(rope.get("rope_theta", real.get("rope_theta", 10000.0))),
+                                    n_group=2 if (real.get("n_group") or 1) > 1 else 1,
+                                    rope_scaling=TINY_YARN if yarn else None, max_position_embeddings=32 if yarn
+                                    else 256, routed_scaling_factor=float(real.get("routed_scaling_factor", 1.0)),
+                                    seed=seed)
     if "kv_lora_rank" in real:
         from miles.utils.tiny_mla import build_tiny_mla_model
 

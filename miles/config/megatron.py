@@ -26,7 +26,7 @@ _INT = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "decoder_f
         "max_position_embeddings", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
         "moe_shared_expert_intermediate_size", "moe_router_num_groups", "moe_router_group_topk", "q_lora_rank",
         "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers",
-        "original_max_position_embeddings")
+        "original_max_position_embeddings", "data_pad_size_multiplier", "moe_latent_size")
 _MLA_INT = ("moe_router_num_groups", "moe_router_group_topk", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
             "qk_pos_emb_head_dim", "v_head_dim")
 _SWITCHES = ("sequence_parallel", "use_distributed_optimizer", "accumulate_allreduce_grads_in_fp32",
@@ -36,7 +36,7 @@ _SWITCHES = ("sequence_parallel", "use_distributed_optimizer", "accumulate_allre
              "optimizer_cpu_offload", "overlap_cpu_optimizer_d2h_h2d", "use_precision_aware_optimizer",
              "multi_latent_attention", "no_position_embedding", "no_rope_fusion",
              "no_gradient_accumulation_fusion", "no_masked_softmax_fusion", "no_bias_dropout_fusion",
-             "moe_enable_deepep")
+             "moe_enable_deepep", "enable_experimental", "allgather_cp", "rematerialize_param_from_master_weight")
 # YaRN rope (multi-latent attention: DeepSeek-V3, Kimi-K2, JoyAI; miles/trainer/megatron/families/yarn.py): float flags, each
 # checked against config.json's rope scaling
 _ROPE_FLOATS = ("rotary_scaling_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
@@ -54,6 +54,8 @@ _HELP = {
                                            "moe_intermediate_size x n_shared_experts (Qwen3-MoE: none).",
     # MLA and grouped routing (trainer.md "Multi-latent attention"): each must equal its config.json key
     "moe_router_num_groups": "MoE: config.json's n_group.",
+    "moe_latent_size": "Latent MoE (Nemotron-3 Super / Ultra): the routed experts' width; must match config.json's "
+                       "moe_latent_size.",
     "moe_router_group_topk": "MoE: config.json's topk_group.",
     "multi_latent_attention": "MLA (GLM-4.7-Flash, DeepSeek-V3), as config.json.",
     "no_position_embedding": "No effect (rope only).",
@@ -96,6 +98,16 @@ _HELP = {
     "no_masked_softmax_fusion": "No effect: the masked-softmax fusion is never used here (SDPA or megatron-core's "
                                 "unfused softmax).",
     "no_bias_dropout_fusion": "No effect: the fused and unfused bias-dropout-add compute the same sum.",
+    # Miles's GLM-5 / DeepSeek-V3.2 scripts (DeepSeek sparse attention, miles/trainer/megatron/families/dsa.py)
+    "enable_experimental": "No effect: Megatron-LM's gate of its experimental features; the ones built here (DeepSeek "
+                           "sparse attention) follow config.json.",
+    "allgather_cp": "Miles's all-gather context parallelism for DeepSeek sparse attention: no effect with "
+                    "--context-parallel-size 1, refused above it (use --cp-comm-type all_gather).",
+    "data_pad_size_multiplier": "No effect: Miles pads each packed micro-batch to a multiple of N tokens for its "
+                                "kernels; micro-batches here are right-padded rows, and padding changes no log-prob.",
+    "rematerialize_param_from_master_weight": "No effect on values: Miles rebuilds the bf16 weights from the fp32 "
+                                              "master weights after an offload instead of keeping a host copy (a "
+                                              "memory saving not made here; the weights are the same).",
     "decoder_first_pipeline_num_layers": "Pipeline: transformer layers on the first stage (the rest split evenly).",
     "decoder_last_pipeline_num_layers": "Pipeline: transformer layers on the last stage (the rest split evenly).",
     # accepted for Miles's scripts, no effect (miles/config/support.py PARSE_ONLY)
@@ -254,6 +266,10 @@ class MegatronConfig:
     mscale_all_dim: float | None = None
     no_masked_softmax_fusion: bool = False
     no_bias_dropout_fusion: bool = False
+    enable_experimental: bool = False
+    allgather_cp: bool = False
+    data_pad_size_multiplier: int | None = None
+    rematerialize_param_from_master_weight: bool = False
     position_embedding_type: str | None = None
     ckpt_format: str | None = None
     no_load_rng: bool = False
@@ -267,6 +283,7 @@ class MegatronConfig:
     moe_router_topk: int | None = None
     moe_ffn_hidden_size: int | None = None
     moe_shared_expert_intermediate_size: int | None = None
+    moe_latent_size: int | None = None
     moe_router_num_groups: int | None = None
     moe_router_group_topk: int | None = None
     multi_latent_attention: bool = False
@@ -327,6 +344,10 @@ class MegatronConfig:
             raise ConfigError(f"--moe-enable-deepep needs --moe-token-dispatcher-type flex (got "
                               f"{self.moe_token_dispatcher_type or 'the default, allgather'}): add it, or drop "
                               "--moe-enable-deepep.")
+        if self.allgather_cp and (self.context_parallel_size or 1) > 1:
+            raise ConfigError(f"--allgather-cp with --context-parallel-size {self.context_parallel_size} is not "
+                              "supported: Miles's all-gather context parallelism of DeepSeek sparse attention is not "
+                              "built; use --cp-comm-type all_gather (standard attention) or drop --allgather-cp.")
         if self.ckpt_format not in (None, "torch_dist"):
             raise ConfigError(f"--ckpt-format {self.ckpt_format} is not supported: miles's Megatron backend reads and "
                               "writes torch_dist checkpoints; pass --ckpt-format torch_dist or drop the flag.")

@@ -67,6 +67,14 @@ PARSE_ONLY: dict[str, str] = {
     "no_masked_softmax_fusion": "the masked-softmax fusion is never used here (SDPA, or megatron-core's unfused "
                                 "softmax)",
     "no_bias_dropout_fusion": "the fused and unfused bias-dropout-add compute the same sum",
+    "enable_experimental": "Megatron-LM's gate of its experimental features; DeepSeek sparse attention is built from "
+                           "config.json",
+    "allgather_cp": "no effect with --context-parallel-size 1, refused above it (MegatronConfig.validate): Miles's "
+                    "all-gather context parallelism of DeepSeek sparse attention is not built",
+    "data_pad_size_multiplier": "a padding of Miles's packed micro-batches for its kernels; rows are right-padded here "
+                                "and padding changes no log-prob",
+    "rematerialize_param_from_master_weight": "a host-memory saving of Miles's offload; the weights after an onload "
+                                              "are the same either way",
     "ckpt_format": "only torch_dist (Megatron-LM's default, what the Megatron backend writes) is accepted",
     "overlap_cpu_optimizer_d2h_h2d": "a hint: with --optimizer-cpu-offload the copies are non-blocking already",
     "use_precision_aware_optimizer": "AdamW state and master weights are fp32 either way",

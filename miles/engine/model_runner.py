@@ -720,6 +720,16 @@ class _GenericLM:
         self.caches[slot] = None
         self.routes[slot] = None
 
+    def _new_cache(self, cache_cls):
+        """An empty cache for one sequence; DeepSeek sparse attention's layers (config.json's layer_types
+        "indexed_attention": DeepSeek-V3.2, GLM-5) and the gated DeltaNet layers of Qwen3-Next / Qwen3.5
+        ("linear_attention") need the cache built from the config, which holds their indexer keys / their conv and
+        recurrent states (one cache per request: a request's recurrent state is its own)."""
+        config = getattr(self.model, "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        layer_types = set(getattr(text, "layer_types", None) or ())
+        return cache_cls(config=config) if layer_types & {"indexed_attention", "linear_attention"} else cache_cls()
+
     @torch.no_grad()
     def prefill(self, slot_start: int, seqs: list[list[int]], full_for: list[bool]):
         from transformers import DynamicCache
@@ -727,10 +737,7 @@ class _GenericLM:
         last, full = [], []
         for i, s in enumerate(seqs):
             ids = torch.tensor([s], dtype=torch.long, device=self.device)
-            # the config gives the cache its per-layer kinds (a gated DeltaNet layer's conv and recurrent states,
-            # sliding windows); a bare DynamicCache holds attention keys and values only
-            cache = DynamicCache(config=self.model.config)
-            logits, self.caches[slot_start + i] = self._run(ids, cache, slot_start + i)
+            logits, self.caches[slot_start + i] = self._run(ids, self._new_cache(DynamicCache), slot_start + i)
             last.append(logits[0, -1].float())
             full.append(logits[0].float() if full_for[i] else None)
         return torch.stack(last), full

@@ -132,7 +132,8 @@ def _gpt_worker(model_dir: str, out: str, ep: int = 1) -> None:
     logits.square().mean().backward()                                 # the same loss on every TP rank
     if ep == 1:
         parallel.finish_grads(gpt, groups)                            # TP sums (sequence-parallel norms, router)
-    grads_ok = all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in gpt.parameters())
+    grads_ok = all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in gpt.parameters()
+                   if p.requires_grad)       # a frozen part (DSA's indexer, test_megatron_dsa.py) has none
     logits = logits.detach()
 
     exported = [pair for bucket in export.iter_hf_buckets(gpt, shape, groups, device=cpu, bucket_bytes=1 << 14)
@@ -141,7 +142,7 @@ def _gpt_worker(model_dir: str, out: str, ep: int = 1) -> None:
     same = [n for n, t in exported if n in disk and disk[n].dtype == t.dtype and torch.equal(disk[n], t)]
     with torch.no_grad():                  # the full gradients in HF names: the export of p.grad in place of p
         for p in gpt.parameters() if ep == 1 else ():
-            p.data, p.grad = p.grad, p.data
+            p.data, p.grad = (p.grad if p.grad is not None else torch.zeros_like(p)), p.data
         grads = {n: t.clone() for bucket in export.iter_hf_buckets(gpt, shape, groups, device=cpu, bucket_bytes=1 << 14)
                  for n, t in bucket if not n.endswith("e_score_correction_bias")}
     if rank == 0 and ep == 1:

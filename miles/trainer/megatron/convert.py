@@ -68,16 +68,17 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], shape: ModelShape, padded_vocab:
     out = {}
     q_rows, kv_rows, _ = _qkv_split(shape)
     ng = shape.num_query_groups
+    top = shape.family.top_names           # the family's names outside the layers (Nemotron-H: backbone.*)
     hf = family_hf_state(hf, shape)
     for name in names:
         if vlm.is_vision(name):                 # the vision tower: transformers' own module, names as in HF
             out[name] = hf[vlm.HF_VISION_PREFIX + name[len(vlm.VISION_PREFIX):]]
         elif name == "embedding.word_embeddings.weight":
-            out[name] = _pad_rows(hf["model.embed_tokens.weight"], padded_vocab)
+            out[name] = _pad_rows(hf[top.get(name, "model.embed_tokens.weight")], padded_vocab)
         elif name == "output_layer.weight":
-            out[name] = _pad_rows(hf["lm_head.weight"], padded_vocab)
-        elif name == "decoder.final_layernorm.weight":
-            out[name] = hf["model.norm.weight"]
+            out[name] = _pad_rows(hf[top.get(name, "lm_head.weight")], padded_vocab)
+        elif name in ("decoder.final_layernorm.weight", "decoder.final_norm.weight"):
+            out[name] = hf[top.get(name, "model.norm.weight")]
         elif mtp.is_mtp(name):                  # the MTP block: its own tensors, its decoder layer (mtp.py)
             own = mtp.own_hf_name(name, shape.num_layers)
             out[name] = hf[own] if own is not None else hf_to_megatron(
@@ -119,6 +120,9 @@ def megatron_to_hf(name: str, full: torch.Tensor, shape: ModelShape) -> list[tup
 
 
 def _megatron_to_hf(name: str, full: torch.Tensor, shape: ModelShape) -> list[tuple[str, torch.Tensor]]:
+    if name in shape.family.top_names:         # the family's names outside the layers (Nemotron-H: backbone.*)
+        return [(shape.family.top_names[name], full[:shape.vocab_size] if name in (
+            "embedding.word_embeddings.weight", "output_layer.weight") else full)]
     if name == "embedding.word_embeddings.weight":
         return [("model.embed_tokens.weight", full[:shape.vocab_size])] + mtp.shared_copies(name, full, shape)
     if name == "output_layer.weight":
@@ -174,13 +178,19 @@ def partition_dim(name: str) -> int | None:
     return None
 
 
+def _sections(name: str, full_rows: int, shape: ModelShape | None) -> list[int] | None:
+    """The family's row sections of ``name`` (each split over TP on its own), None when it has none."""
+    sec = shape.family.tp_sections(name, shape) if shape is not None else None
+    return None if sec is None else [full_rows if s == -1 else s for s in sec]
+
+
 def shard(name: str, full: torch.Tensor, dim: int | None, tp_rank: int, tp_size: int,
           shape: ModelShape | None = None) -> torch.Tensor:
-    """This TP rank's piece of a full megatron tensor (``shape``: its family's row sections, ``tp_sections``)."""
+    """This TP rank's piece of a full megatron tensor (``shape``: its family's sectioned tensors)."""
     if dim is None or tp_size == 1:
         return full
-    if shape is not None and (sections := shape.family.tp_sections(name, shape)) is not None:
-        return torch.cat([part.chunk(tp_size, dim=0)[tp_rank] for part in full.split(sections, dim=0)], dim=0)
+    if (sec := _sections(name, full.shape[0], shape)) is not None:
+        return torch.cat([part.chunk(tp_size, dim=0)[tp_rank] for part in full.split(sec, dim=0)], dim=0)
     if is_glu_fc1(name):
         gate, up = full.chunk(2, dim=0)
         return torch.cat([gate.chunk(tp_size, dim=0)[tp_rank], up.chunk(tp_size, dim=0)[tp_rank]], dim=0)
@@ -191,10 +201,11 @@ def unshard(name: str, shards: list[torch.Tensor], dim: int | None, shape: Model
     """The full megatron tensor from every TP rank's piece (inverse of ``shard``)."""
     if dim is None or len(shards) == 1:
         return shards[0]
-    if shape is not None and (sections := shape.family.tp_sections(name, shape)) is not None:
-        tp = len(shards)
-        pieces = [s.split([n // tp for n in sections], dim=0) for s in shards]
-        return torch.cat([pieces[r][j] for j in range(len(sections)) for r in range(tp)], dim=0)
+    tp = len(shards)
+    if (sec := _sections(name, shards[0].shape[0] * tp, shape)) is not None:
+        local = [s // tp for s in sec]
+        parts = [sh.split(local, dim=0) for sh in shards]
+        return torch.cat([parts[r][i] for i in range(len(sec)) for r in range(tp)], dim=0)
     if is_glu_fc1(name):
         halves = [s.chunk(2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)

@@ -1,5 +1,6 @@
 """GPTModel from a HF ``config.json``, and its layer spec: what every family shares (the families, each one module
-with its hooks, are ``families/``: Llama, Qwen2/3, Qwen3-MoE, Qwen3-VL; multi-latent attention; gpt-oss).
+with its hooks, are ``families/``: Llama, Qwen2/3, Qwen3-MoE, Qwen3-VL; multi-latent attention; gpt-oss;
+Nemotron-H, which builds megatron-core's MambaModel through its ``build_model`` hook).
 
     shape = ModelShape.from_hf_config(hf_config)          # the Megatron view of the HF architecture
     model = build_gpt_model(shape, tp_size=2, device=dev) # megatron-core GPTModel, returns hidden states
@@ -167,12 +168,13 @@ def transformer_config(shape: ModelShape, *, tp_size: int, device: torch.device,
         num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
         num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
         kv_channels=shape.kv_channels, normalization="RMSNorm", layernorm_epsilon=shape.norm_epsilon,
-        qk_layernorm=shape.qk_layernorm, gated_linear_unit=True, add_qkv_bias=shape.qkv_bias, hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
+        qk_layernorm=shape.qk_layernorm, add_qkv_bias=shape.qkv_bias, hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
         tensor_model_parallel_size=tp_size, sequence_parallel=sequence_parallel, params_dtype=params_dtype,
         bf16=bf16, use_cpu_initialization=True, perform_initialization=False,
         attention_softmax_in_fp32=attention_softmax_in_fp32, bias_dropout_fusion=on_gpu, masked_softmax_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
         persist_layer_norm=False, deterministic_mode=deterministic,
-        **({"activation_func": F.silu, "add_bias_linear": False, "bias_activation_fusion": on_gpu} | kw))
+        **({"activation_func": F.silu, "gated_linear_unit": True, "add_bias_linear": False,
+            "bias_activation_fusion": on_gpu} | kw))
 
 
 def no_math_sdpa(q: torch.Tensor):
@@ -292,6 +294,11 @@ def build_gpt_model(shape: ModelShape, config, *, padded_vocab: int, device: tor
     fam.prepare(device)
     te = use_transformer_engine(device)
     core = (fam.core_attention(shape) or SDPACoreAttention) if core_attention == "sdpa" else None
+    if fam.build_model is not None:         # a family with its own model (Nemotron-H: megatron-core's MambaModel)
+        if core is None:
+            from megatron.core.transformer.dot_product_attention import DotProductAttention as core
+        return fam.build_model(shape, config, padded_vocab=padded_vocab, device=device, core_attention=core,
+                               pre_process=pre_process, post_process=post_process)
     if fam.block_spec is not None:  # the family builds its own per-layer spec (e.g. Qwen3-Next's hybrid layers)
         spec = fam.block_spec(config, shape, core)
     elif shape.num_experts:         # MoE or dense MLP per layer (moe.py)
@@ -308,6 +315,7 @@ def build_gpt_model(shape: ModelShape, config, *, padded_vocab: int, device: tor
             spec.submodules.self_attention.submodules.core_attention = core
     if not te and fam.block_spec is None:
         fam.adapt_local_spec(spec)  # the family's blocks in the local spec
+    fam.adapt_spec(spec, shape, te)     # ... and on either spec (DSA's core attention)
 
     class HiddenGPTModel(GPTModel):
         """GPTModel whose forward returns the final-norm hidden states [s, b, h] (no output layer); with MTP

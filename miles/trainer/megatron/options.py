@@ -131,8 +131,11 @@ def check_shape(m, shape: ModelShape) -> None:
             raise _mismatch(name, v, key, cv)
     if m.normalization is not None and m.normalization != "RMSNorm":
         raise _mismatch("--normalization", m.normalization, "normalization", "RMSNorm")
-    if m.position_embedding_type not in (None, "rope"):
-        raise _mismatch("--position-embedding-type", m.position_embedding_type, "position embedding", "rope")
+    pe = shape.family.position_embedding
+    if m.position_embedding_type not in (None, pe):
+        raise _mismatch("--position-embedding-type", m.position_embedding_type, "position embedding", pe)
+    if m.swiglu and not shape.family.swiglu:
+        raise _mismatch("--swiglu", "(given)", "MLP", f"non-gated ({shape.family.name})")
     if m.rotary_percent is not None and not math.isclose(float(m.rotary_percent), shape.rotary_percent):
         raise _mismatch("--rotary-percent", m.rotary_percent, "partial_rotary_factor", shape.rotary_percent)
     if m.qk_layernorm and not shape.qk_layernorm:
@@ -145,7 +148,7 @@ def check_shape(m, shape: ModelShape) -> None:
         return
     gqa = shape.num_query_groups != shape.num_attention_heads
     for name, given, key, cv, needed in (
-            ("--swiglu", m.swiglu, "hidden_act", "silu (SwiGLU)", True),
+            ("--swiglu", m.swiglu, "hidden_act", "silu (SwiGLU)", shape.family.swiglu),
             ("--normalization RMSNorm", m.normalization == "RMSNorm", "normalization", "RMSNorm", True),
             ("--disable-bias-linear", m.disable_bias_linear, "linear biases", "absent", not shape.family.linear_biases),
             ("--qk-layernorm", m.qk_layernorm, "q_a_layernorm/kv_a_layernorm" if shape.mla else "q_norm/k_norm",
@@ -167,9 +170,9 @@ def preflight_check(cfg, hf_config: dict | None) -> None:
     architecture is supported, shape flags match config.json, parallelism values are supported."""
     if hf_config is None:
         return
-    from transformers import AutoConfig
+    from transformers import AutoConfig, PretrainedConfig
 
-    d = dict(hf_config)
+    d = PretrainedConfig._decode_special_floats(dict(hf_config))    # transformers' {"__float__": "Infinity"}
     try:
         config = AutoConfig.for_model(d.pop("model_type", None), **d)
     except ValueError:                                # an unknown model type: say which types are supported

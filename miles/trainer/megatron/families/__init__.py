@@ -16,13 +16,16 @@ docs/trainer.md's family table names those tests.
 
 Families today: ``dense`` (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen3-VL: the generic reader of ``model.py``),
 ``mla`` (multi-latent attention and DeepSeek-style MoE: GLM-4.7-Flash, DeepSeek-V3, Kimi-K2, JoyAI; YaRN in
-``yarn.py``), ``gpt_oss`` (sinks, sliding windows, clamped SwiGLU, biases), ``qwen3_next`` (Qwen3-Next, Qwen3.5 /
-3.6: hybrid gated DeltaNet and gated attention layers, MoE with a gated shared expert; its torch gated delta rule in
-``gated_delta.py``).
+``yarn.py``), ``gpt_oss`` (sinks, sliding windows, clamped SwiGLU, biases), ``dsa`` (DeepSeek sparse attention:
+DeepSeek-V3.2, GLM-5 / 5.1 / 5.2; mla's plus megatron-core's DSAttention), ``nemotron_h`` (hybrid Mamba-2 /
+attention / latent MoE on megatron-core's MambaModel; the torch Mamba-2 scan and mixer in ``mamba.py``)., ``qwen3_next``
+(Qwen3-Next, Qwen3.5 / 3.6: hybrid gated DeltaNet and gated attention layers, MoE with a gated shared expert, MTP;
+the torch gated delta rule in ``gated_delta.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -66,7 +69,10 @@ class Family:
     block_spec: Callable[[Any, Any, Any], Any] | None = None   # (config, shape, core attention) -> the decoder block
     #                                                    spec of this pipeline stage, built by the family (per-layer
     #                                                    kinds, e.g. Qwen3-Next's hybrid layers); None: model.py's
+    adapt_spec: Callable[[Any, Any, bool], None] = _nothing   # (spec, shape, te): either layer/block spec, last
     after_build: Callable[[Any, Any], None] = _nothing   # the built model (model, shape), before its first forward
+    build_model: Callable[..., Any] | None = None        # builds the family's own model in place of model.py's GPTModel
+    #                                                      (shape, config, padded_vocab=, device=, core_attention=, ...)
     # --- weights (convert.py, export.py)
     hf_to_megatron: Callable[[str, str, dict, Any], torch.Tensor | None] = _nothing   # (suffix, 'model.layers.L.',
     #                                                                                    hf, shape); None: not its own
@@ -74,8 +80,10 @@ class Family:
     column: tuple[str, ...] = ()                # parameter-name endings split over TP on dim 0 ...
     row: tuple[str, ...] = ()                   # ... and on dim 1
     glu_fc1: tuple[str, ...] = ()               # endings holding [gate; up] (each half split over TP on its own)
-    tp_sections: Callable[[str, Any], list[int] | None] = _nothing   # (name, shape) -> row sections of a full tensor
-    #                                                    each split over TP on its own (rank r: r-th slice of each)
+    tp_sections: Callable[[str, Any], tuple[int, ...] | None] = _nothing   # (name, shape): row sections of a full
+    #                                             tensor, each split over TP on its own ((-1,): one; None: default)
+    top_names: Mapping[str, str] = dataclasses.field(default_factory=dict)  # megatron name outside the layers -> HF
+    #                                             name, where it is not model.embed_tokens / model.norm / lm_head
     tp_partial: tuple[str, ...] = ()            # name parts of replicated parameters whose gradient each TP rank
     #                                             holds for its own heads only (summed over TP, as q/k layernorms')
     exported_buffers: Callable[[torch.nn.Module], list] = _no_buffers   # buffers exported with the parameters
@@ -90,12 +98,14 @@ class Family:
     #                                                     refuses its own flags on another one
     check_static: Callable[[Any, Any], None] = _nothing  # (options.Options, shape): runs for its own shapes only
     linear_biases: bool = False                 # every linear has a bias (no --disable-bias-linear)
+    swiglu: bool = True                         # its MLPs are SwiGLU (--swiglu with --num-layers; else refused)
+    position_embedding: str = "rope"            # --position-embedding-type it accepts (Megatron-LM's name)
 
 
 def _load() -> tuple[Family, ...]:
-    from miles.trainer.megatron.families import dense, gpt_oss, mla, qwen3_next
+    from miles.trainer.megatron.families import dense, dsa, gpt_oss, mla, nemotron_h, qwen3_next
 
-    return dense.FAMILY, mla.FAMILY, gpt_oss.FAMILY, qwen3_next.FAMILY
+    return dense.FAMILY, mla.FAMILY, gpt_oss.FAMILY, dsa.FAMILY, nemotron_h.FAMILY, qwen3_next.FAMILY
 
 
 ALL: tuple[Family, ...] = _load()
@@ -106,9 +116,7 @@ _BY_TYPE = {mt: f for f in ALL for mt in f.model_types}
 # model types no family builds whose nearest family is not the closest spelling (a family's helper removes its row)
 NEAREST = {"kimi_k25": "kimi_k2 (Kimi-K2.5's text model is Kimi-K2's architecture: train a text-only "
                        "kimi_k2/deepseek_v3 checkpoint of it)",
-           "deepseek_v32": "deepseek_v3 (DeepSeek-V3.2 adds sparse attention, which is not built)",
            "deepseek_v4": "deepseek_v3 (DeepSeek-V4's attention is not built)",
-           "glm_moe_dsa": "deepseek_v3 (GLM-5 adds DeepSeek sparse attention, which is not built)",
            "glm4_moe": "glm4_moe_lite (GLM-4.5's attention is not multi-latent)"}
 
 

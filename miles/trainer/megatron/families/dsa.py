@@ -1,0 +1,389 @@
+"""DeepSeek sparse attention (DSA) families on megatron-core: DeepSeek-V3.2 (``deepseek_v32``) and GLM-5 / 5.1 / 5.2
+(``glm_moe_dsa``), which are DeepSeek-V3's multi-latent attention and MoE (``mla.py``) plus a lightning indexer.
+
+    fields = dsa_fields(hf_config)           # DsaShape (ModelShape.variant): indexer heads, dim, top-k, rope, sharing
+    kw = config_kwargs(dsa)                  # TransformerConfig: experimental_attention_variant "dsa", dsa_indexer_*
+    adapt_spec(spec, dsa)                    # each MLA layer's core attention: megatron-core's DSAttention
+    FAMILY                                   # the registry's hooks (families/__init__.py): mla.py's, plus the above
+
+Model: megatron-core's own blocks (``transformer/experimental_attention_variant/dsa.py``): ``DSAttention`` is the MLA
+layer's core attention; its ``DSAIndexer`` scores every key for each query from the hidden states and the q latent
+(``relu(q_h . k) * w_h`` summed over the indexer heads, ``w`` = ``weights_proj(x) / sqrt(heads * head_dim)``; the
+keys from ``wk`` and a LayerNorm ``k_norm``; rope on the last ``qk_rope_head_dim`` dims of q and k) and keeps the
+``index_topk`` best (causal); ``unfused_dsa_fn`` attends over those keys only. What is ours, where megatron-core
+has none that runs here:
+
+- ``rotate_activation``: megatron-core rotates q and k of the indexer by a Hadamard transform with the
+  ``fast_hadamard_transform`` kernel (CUDA, bf16 only); ``hadamard_rotate`` is the same transform in torch (the
+  Sylvester matrix over ``sqrt(dim)``, for a power-of-two ``index_head_dim``) for CPU and fp32, and the kernel runs
+  where it imports and the tensor is a CUDA bf16 one. The transform is orthogonal, so the scores are transformers'
+  (which leaves it out) up to rounding.
+- Linear layers of the indexer: megatron-core's local spec has none (``LocalSpecProvider`` has no ``linear``):
+  ``IndexerLinear`` (a replicated ``torch.nn.Linear``), ``IndexerKNorm`` (``torch.nn.LayerNorm`` with transformers'
+  and DeepSeek's fixed eps 1e-6, where megatron-core would pass ``layernorm_epsilon``: GLM-5's rms_norm_eps is 1e-5).
+- GLM-5.2's shared top-k layers (config.json ``indexer_types`` "shared", transformers' ``prev_topk_indices``):
+  megatron-core has no cross-layer sharing. A full layer records its top-k in a holder of its model
+  (``TopkHolder``); a shared layer (``SharedTopkAttention``, no indexer weights, as the checkpoint has none) attends
+  over the top-k of the most recent full layer.
+
+The indexer is not trained: transformers runs it under ``no_grad`` and Miles's GLM-5 attention discards its scores
+(radixark/miles@v0.1.0:miles_plugins/models/glm5/glm5.py); megatron-core detaches its inputs and would train it
+only through its KL loss (``dsa_indexer_loss_coeff``, 0 here), so its parameters are frozen (``freeze_indexer``) and
+megatron-core's loss is not computed (``DSACoreAttention``). Both backends therefore leave the indexer's weights as
+the checkpoint has them (no weight decay either).
+
+Indexer rope layouts (weights permuted on load and back on export, exactly): megatron-core's indexer head is
+``[nope; rope]`` and rotates the rope dims de-interleaved (it is an MLA config). transformers' is ``[rope; nope]``;
+GLM-5 rotates interleaved (``apply_rotary_pos_emb_interleave``) and DeepSeek-V3.2 half-split
+(``apply_rotary_pos_emb``). So the rows of ``wq_b`` (per indexer head), ``wk`` and ``k_norm``'s weight and bias are
+permuted to ``[nope; rope]`` and, for DeepSeek-V3.2, the rope dims interleaved (``[r0, r_{d/2}, r1, ...]``), whose
+de-interleave is the half-split order. A dot product is unchanged by a permutation of both of its sides, and
+LayerNorm's mean and variance by any permutation.
+
+Weights (HF ``model.layers.L.self_attn.indexer.``; megatron ``decoder.layers.L.self_attention.core_attention.
+indexer.``, every one replicated over TP): ``wq_b`` = ``linear_wq_b``, ``wk`` = ``linear_wk``, ``k_norm`` =
+``k_norm`` (weight, bias), ``weights_proj`` = ``linear_weights_proj``. The rest is ``mla.py``'s.
+
+Cost: megatron-core's DSA is unfused: ``unfused_dsa_fn`` materialises the [b, heads, s, s] fp32 scores of each
+layer, and the indexer the [s, b, index_heads, s] ones (Miles runs tilelang kernels instead). That is fine at the
+sequence lengths of a test; at GLM-5's 16k tokens per GPU it is not.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from miles.config.base import ConfigError
+from miles.trainer.megatron.families import Family, mla
+
+FAMILIES = {"deepseek_v32": "DeepSeek-V3.2", "glm_moe_dsa": "GLM-5 / 5.1 / 5.2"}
+INDEXER_PREFIX = "self_attention.core_attention.indexer."
+_NAMES = {  # megatron suffix (after INDEXER_PREFIX) -> HF suffix (after self_attn.indexer.)
+    "linear_wq_b.weight": "wq_b.weight",
+    "linear_wk.weight": "wk.weight",
+    "k_norm.weight": "k_norm.weight",
+    "k_norm.bias": "k_norm.bias",
+    "linear_weights_proj.weight": "weights_proj.weight",
+}
+K_NORM_EPS = 1e-6      # transformers' DeepseekV32Indexer / GLM-5's k_norm, DeepSeek's reference and Miles's (fixed)
+
+
+@dataclass(frozen=True)
+class DsaShape:
+    """The indexer's shape, from config.json."""
+
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    rope_dim: int                        # qk_rope_head_dim: the indexer's rotated dims
+    rope_interleaved: bool               # GLM-5 true (interleaved), DeepSeek-V3.2 false (half-split)
+    full_layers: tuple[bool, ...]        # per layer: runs its own indexer (False: GLM-5.2's shared top-k)
+
+
+def is_dsa_config(c) -> bool:
+    return getattr(c, "model_type", None) in FAMILIES
+
+
+def dsa_fields(c) -> DsaShape:
+    """The indexer of a DSA config (ValueError for what is not built)."""
+    mt = c.model_type
+    heads, dim, topk = int(c.index_n_heads), int(c.index_head_dim), int(c.index_topk)
+    rope = int(c.qk_rope_head_dim)
+    if not getattr(c, "q_lora_rank", None):
+        raise ValueError(f"{mt}: q_lora_rank is not set; the DSA indexer reads the q latent (q_lora_rank).")
+    if dim & (dim - 1) or dim <= rope:
+        raise ValueError(f"{mt}: index_head_dim {dim} must be a power of two (the indexer's Hadamard transform) "
+                         f"larger than qk_rope_head_dim {rope}.")
+    if heads < 1 or topk < 1:
+        raise ValueError(f"{mt}: index_n_heads {heads} and index_topk {topk} must be positive.")
+    n = int(c.num_hidden_layers)
+    types = list(getattr(c, "indexer_types", None) or ["full"] * n)[:n]
+    if any(t not in ("full", "shared") for t in types) or types[0] != "full":
+        raise ValueError(f"{mt}: indexer_types {types} must be 'full' or 'shared' per layer, the first 'full'.")
+    return DsaShape(index_n_heads=heads, index_head_dim=dim, index_topk=topk, rope_dim=rope,
+                    rope_interleaved=mt == "glm_moe_dsa", full_layers=tuple(t == "full" for t in types))
+
+
+def config_kwargs(dsa: DsaShape) -> dict:
+    """``TransformerConfig`` arguments of megatron-core's DSA (its KL indexer loss off: the indexer is frozen)."""
+    return {"experimental_attention_variant": "dsa", "dsa_indexer_n_heads": dsa.index_n_heads,
+            "dsa_indexer_head_dim": dsa.index_head_dim, "dsa_indexer_topk": dsa.index_topk,
+            "dsa_indexer_loss_coeff": 0.0, "dsa_indexer_use_sparse_loss": False}
+
+
+# ------------------------------------------------------------------------------------------- Hadamard
+@functools.lru_cache(maxsize=8)
+def _hadamard(dim: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < dim:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / dim ** 0.5).to(dtype=dtype, device=device)
+
+
+def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
+    """``x`` times the normalised Sylvester-Hadamard matrix over its last dim (a power of two): what
+    ``fast_hadamard_transform.hadamard_transform(x, scale=dim ** -0.5)`` computes, in torch (any device, dtype)."""
+    dim = x.shape[-1]
+    if dim & (dim - 1):
+        raise ValueError(f"hadamard_rotate: last dim {dim} is not a power of two")
+    return x @ _hadamard(dim, x.dtype, str(x.device))       # symmetric: H.T == H
+
+
+def rotate_activation(x: torch.Tensor) -> torch.Tensor:
+    """megatron-core's ``rotate_activation``: the kernel for a CUDA bf16 tensor where ``fast_hadamard_transform``
+    imports, else ``hadamard_rotate``."""
+    if x.is_cuda and x.dtype == torch.bfloat16:
+        try:
+            from fast_hadamard_transform import hadamard_transform
+        except ImportError:
+            hadamard_transform = None
+        if hadamard_transform is not None:
+            return hadamard_transform(x, scale=x.shape[-1] ** -0.5)
+    return hadamard_rotate(x)
+
+
+def apply_compat() -> None:
+    """megatron-core's indexer calls its module's ``rotate_activation`` (CUDA bf16 kernel only): ours. Idempotent."""
+    from megatron.core.transformer.experimental_attention_variant import dsa
+
+    dsa.rotate_activation = rotate_activation
+
+
+# ------------------------------------------------------------------------------------------- modules
+class IndexerLinear(torch.nn.Linear):
+    """A replicated linear of the indexer (megatron-core's local spec has none): the constructor megatron-core's
+    ``DSAIndexer`` calls (``parallel_mode`` "duplicated"), ``(out, None)`` from forward."""
+
+    def __init__(self, input_size: int, output_size: int, *, config, init_method=None, bias: bool = False,
+                 skip_bias_add: bool = False, skip_weight_param_allocation: bool = False,
+                 parallel_mode: str = "duplicated", **_unused):
+        super().__init__(input_size, output_size, bias=bias, dtype=config.params_dtype)
+
+    def forward(self, x: torch.Tensor):
+        return super().forward(x), None
+
+
+class IndexerKNorm:
+    """The indexer's key LayerNorm (weight and bias) with eps ``K_NORM_EPS``, whatever eps megatron-core passes."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = K_NORM_EPS, **_unused) -> torch.nn.Module:
+        return torch.nn.LayerNorm(hidden_size, eps=K_NORM_EPS, dtype=config.params_dtype)
+
+
+class TopkHolder(dict):
+    """One model's top-k of its full DSA layers in the current forward: layer number -> [b, s, topk] indices."""
+
+
+def _core_attention_classes():
+    from megatron.core.transformer.experimental_attention_variant.dsa import DSAttention, unfused_dsa_fn
+    from megatron.core.transformer.module import MegatronModule
+
+    class DSACoreAttention(DSAttention):
+        """megatron-core's ``DSAttention`` without its indexer KL loss (coefficient 0: the indexer is frozen, the
+        loss would only cost a second [b, heads, s, s] score tensor); records its top-k for shared layers."""
+
+        def __init__(self, *args, topk_holder: TopkHolder | None = None, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.topk_holder = topk_holder
+            if topk_holder is not None:
+                find = self.indexer.forward_with_scores
+
+                def recording(*a, **kw):
+                    scores, topk = find(*a, **kw)
+                    topk_holder[self.layer_number] = topk
+                    return scores, topk
+
+                self.indexer.forward_with_scores = recording
+
+        def forward(self, *args, **kwargs):
+            training, self.training = self.training, False     # megatron-core attaches its loss in training only
+            try:
+                return super().forward(*args, **kwargs)
+            finally:
+                self.training = training
+
+    class SharedTopkAttention(MegatronModule):
+        """A shared DSA layer (GLM-5.2): the most recent full layer's top-k, megatron-core's sparse attention."""
+
+        def __init__(self, config, submodules=None, layer_number: int = 1, attn_mask_type=None,
+                     attention_type: str = "self", attention_dropout=None, softmax_scale: float | None = None,
+                     k_channels: int | None = None, v_channels: int | None = None, cp_comm_type: str = "p2p",
+                     pg_collection=None, topk_holder: TopkHolder | None = None, source_layer: int = 1):
+            super().__init__(config=config)
+            self.layer_number, self.source_layer, self.topk_holder = layer_number, source_layer, topk_holder
+            self.softmax_scale = softmax_scale or (k_channels or config.kv_channels) ** -0.5
+
+        def forward(self, query, key, value, attention_mask, x=None, qr=None, attn_mask_type=None,
+                    attention_bias=None, packed_seq_params=None):
+            topk = self.topk_holder.get(self.source_layer)
+            if topk is None or topk.shape[1] != query.shape[0]:
+                raise RuntimeError(f"DSA layer {self.layer_number} shares the top-k of layer {self.source_layer}, "
+                                   "which did not run before it in this forward")
+            return unfused_dsa_fn(query, key, value, topk, self.softmax_scale)
+
+    return DSACoreAttention, SharedTopkAttention
+
+
+def core_attention_spec(dsa: DsaShape, layer: int, holder: TopkHolder | None):
+    """The ``core_attention`` ModuleSpec of decoder layer ``layer`` (0-based)."""
+    from megatron.core.transformer.experimental_attention_variant.dsa import (
+        DSAIndexer,
+        DSAIndexerSubmodules,
+        DSAttentionSubmodules,
+    )
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    full, shared = _core_attention_classes()
+    if not dsa.full_layers[layer]:
+        source = max(i for i in range(layer) if dsa.full_layers[i]) + 1        # megatron layer numbers are 1-based
+        return ModuleSpec(module=shared, params={"topk_holder": holder, "source_layer": source})
+    indexer = ModuleSpec(module=DSAIndexer, submodules=DSAIndexerSubmodules(
+        linear_wq_b=IndexerLinear, linear_wk=IndexerLinear, k_norm=IndexerKNorm, linear_weights_proj=IndexerLinear))
+    return ModuleSpec(module=full, submodules=DSAttentionSubmodules(indexer=indexer),
+                      params={"topk_holder": holder} if holder is not None else {})
+
+
+def adapt_spec(spec, dsa: DsaShape) -> None:
+    """Every layer of the block ``spec`` (or the one layer spec): megatron-core's DSA core attention (its own copy
+    of the attention spec, as shared layers differ), one ``TopkHolder`` for the model when a layer is shared."""
+    block = getattr(spec, "layer_specs", None)
+    if block is None and not all(dsa.full_layers):
+        raise ValueError("DSA: shared top-k layers need a block spec (one layer spec per layer)")
+    layers = block if block is not None else [spec]
+    if block is not None and len(block) != len(dsa.full_layers):
+        raise ValueError(f"DSA: {len(block)} layer specs for {len(dsa.full_layers)} layers (pipeline stages are not "
+                         "supported with DSA)")
+    holder = TopkHolder() if not all(dsa.full_layers) else None
+    for i, layer in enumerate(layers):
+        attn = copy.copy(layer.submodules.self_attention)
+        attn.submodules = copy.copy(attn.submodules)
+        attn.submodules.core_attention = core_attention_spec(dsa, i, holder)
+        if block is not None:            # the block's layer specs may be one object: each layer its own copy
+            layer = block[i] = copy.copy(layer)
+            layer.submodules = copy.copy(layer.submodules)
+        layer.submodules.self_attention = attn
+
+
+def freeze_indexer(model: torch.nn.Module) -> None:
+    """The indexer's parameters carried without gradients (never trained here, as in transformers)."""
+    for name, p in model.named_parameters():
+        if ".core_attention.indexer." in name:
+            p.requires_grad_(False)
+
+
+# ------------------------------------------------------------------------------------------- weights
+def _perm(dsa: DsaShape) -> torch.Tensor:
+    """Megatron's indexer head dims as positions in the HF head: ``meg[j] = hf[perm[j]]``."""
+    d, r = dsa.index_head_dim, dsa.rope_dim
+    rope = list(range(r))
+    if not dsa.rope_interleaved:             # half-split: the de-interleave of [r0, r_{r/2}, r1, ...] is [r0, r1, ...]
+        rope = [x for i in range(r // 2) for x in (i, r // 2 + i)]
+    return torch.tensor(list(range(r, d)) + rope)
+
+
+def _permute_rows(t: torch.Tensor, perm: torch.Tensor, dim: int) -> torch.Tensor:
+    if t.shape[0] == dim:                    # wk, k_norm: one head
+        return t[perm].contiguous()
+    return t.reshape(-1, dim, *t.shape[1:])[:, perm].reshape(t.shape).contiguous()   # wq_b: per indexer head
+
+
+def hf_to_megatron(suffix: str, prefix: str, hf: dict[str, torch.Tensor], dsa: DsaShape) -> torch.Tensor | None:
+    """The megatron tensor of an indexer ``suffix`` (per layer) from a HF state dict; None: not an indexer name."""
+    if not suffix.startswith(INDEXER_PREFIX):
+        return None
+    own = suffix[len(INDEXER_PREFIX):]
+    t = hf[prefix + "self_attn.indexer." + _NAMES[own]]
+    return t if own == "linear_weights_proj.weight" else _permute_rows(t, _perm(dsa), dsa.index_head_dim)
+
+
+def megatron_to_hf(suffix: str, prefix: str, full: torch.Tensor,
+                   dsa: DsaShape) -> list[tuple[str, torch.Tensor]] | None:
+    if not suffix.startswith(INDEXER_PREFIX):
+        return None
+    own = suffix[len(INDEXER_PREFIX):]
+    if own != "linear_weights_proj.weight":
+        full = _permute_rows(full, torch.argsort(_perm(dsa)), dsa.index_head_dim)
+    return [(prefix + "self_attn.indexer." + _NAMES[own], full)]
+
+
+# ------------------------------------------------------------------------------------------- flags
+def check_static(o, shape, dsa: DsaShape) -> None:
+    """The parallel layouts megatron-core's DSA does not run (``o``: ``options.Options``)."""
+    if o.cp > 1:
+        raise ConfigError(f"--context-parallel-size {o.cp} with DeepSeek sparse attention ({shape.model_type}) is not "
+                          "supported (megatron-core's DSAttention has no context parallelism); use tensor, expert and "
+                          "data parallelism.")
+    if getattr(shape, "mtp_num_layers", 0):
+        raise ConfigError(f"--mtp-num-layers {shape.mtp_num_layers} with DeepSeek sparse attention "
+                          f"({shape.model_type}) is not supported by the Megatron backend yet: drop it.")
+
+
+# ------------------------------------------------------------------------------------------- family
+class _AsMla:
+    """A DSA config read by ``mla``'s readers, which answer only for the model types of their own family."""
+
+    def __init__(self, c):
+        self._c = c
+
+    def __getattr__(self, name):
+        return "deepseek_v3" if name == "model_type" else getattr(self._c, name)
+
+
+def _attention_fields(c) -> dict:
+    return {**mla.hf_mla_fields(_AsMla(c)), "variant": dsa_fields(c)}
+
+
+def _config_kwargs(shape) -> dict:
+    return mla.config_kwargs(shape) | config_kwargs(shape.variant)
+
+
+def _prepare(device: torch.device) -> None:
+    mla.FAMILY.prepare(device)
+    apply_compat()
+
+
+def _adapt_spec(spec, shape, te: bool) -> None:
+    """The MLA layers' DSA core attention, on either layer spec. With transformer-engine the attention is the local
+    spec's (megatron-core's TE spec fuses the q latent norm into ``linear_q_up_proj``, so the indexer would read the
+    q latent unnormalised; megatron-core itself builds DSA's core attention locally) with our sequence-parallel
+    RMSNorms for the latents."""
+    if te:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        from miles.trainer.megatron.model import SequenceParallelNorm
+
+        local = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm", multi_latent_attention=True)
+        attn = local.submodules.self_attention
+        attn.submodules.q_layernorm = attn.submodules.kv_layernorm = SequenceParallelNorm
+        mla.adapt_local_spec(local)
+        for layer in getattr(spec, "layer_specs", None) or [spec]:
+            layer.submodules.self_attention = attn
+    adapt_spec(spec, shape.variant)
+
+
+def _hf_to_megatron(suffix: str, prefix: str, hf: dict, shape) -> torch.Tensor | None:
+    t = hf_to_megatron(suffix, prefix, hf, shape.variant)
+    return t if t is not None else mla.hf_to_megatron(suffix, prefix, hf, True)
+
+
+def _megatron_to_hf(suffix: str, prefix: str, full: torch.Tensor, shape) -> list | None:
+    pairs = megatron_to_hf(suffix, prefix, full, shape.variant)
+    return pairs if pairs is not None else mla.megatron_to_hf(suffix, prefix, full, True)
+
+
+def _check_static(o, shape) -> None:
+    mla.check_mla_static(o, shape)
+    check_static(o, shape, shape.variant)
+
+
+FAMILY = Family(
+    name="dsa", model_types=FAMILIES, attention_fields=_attention_fields, moe_fields=mla.hf_moe_fields,
+    rope_types=("default", "yarn"), config_kwargs=_config_kwargs, prepare=_prepare,
+    core_attention=lambda shape: mla.mla_core_attention(), adapt_local_spec=mla.adapt_local_spec,
+    adapt_spec=_adapt_spec, after_build=lambda model, shape: freeze_indexer(model),
+    hf_to_megatron=_hf_to_megatron, megatron_to_hf=_megatron_to_hf, column=mla.COLUMN, row=mla.ROW,
+    glu_fc1=(mla.SHARED_FC1,), exported_buffers=mla.exported_buffers, check_static=_check_static)

@@ -1,0 +1,242 @@
+"""Nemotron-H (tiny, ``miles.utils.tiny_nemotron``: pattern ``ME*-E``, latent MoE) on the Megatron backend, on real
+gloo ranks (torchrun, CPU).
+
+``test_nemotron_h_matches_hf``: megatron-core's MambaModel built from config.json (Mamba layers on our torch
+mixer and SSD scan, attention without rope, squared-ReLU MLP, the latent MoE with a sigmoid router, expert bias and
+shared expert) and loaded by our converter gives transformers' own ``NemotronHForCausalLM`` log-probs in fp32 at
+TP 1, TP 2 (sequence parallel: in_proj / conv1d split by sections) and EP 2 (all-to-all dispatcher), on rows of 20
+tokens (the Mamba chunk is 8); every parameter gets a finite gradient; the weight export (HF ``backbone.*`` names)
+equals the checkpoint's safetensors bit for bit, names included.
+
+Measured on the 2-core CPU box (``pytest -s tests/multiprocess/test_megatron_nemotron_h.py``):
+max |log-prob difference| 5.7e-6 at TP 1, TP 2 and EP 2 (logits up to 9.0); bound 1.2e-5.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _torchrun import torchrun_self
+
+pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.multiprocess
+
+HERE = Path(__file__).resolve()
+SEQ = 20
+BOUND = 1.2e-5
+
+
+def _torchrun(nproc: int, port: int, *args: str, timeout: int = 400) -> subprocess.CompletedProcess:
+    return torchrun_self(HERE, nproc, port, *args, timeout=timeout)
+
+
+def _worker(model_dir: str, out: str, ep: int = 1) -> None:
+    """TP = world size (``ep`` 1), or TP 1 x EP = world size."""
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from miles.trainer.megatron import convert, export, model, moe, parallel
+
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    tp = world // ep
+    cpu = torch.device("cpu")
+    groups = parallel.init_parallel(tp_size=tp, num_trainer_ranks=world, seed=1, device=cpu, ep_size=ep)
+    moe.apply_moe_compat()
+    moe.apply_moe_cpu_compat()
+    shape = model.ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir))
+    padded = model.padded_vocab_size(shape.vocab_size, 128, tp)
+    kw = moe.config_kwargs(shape, moe.MoeOptions(), ep=ep, etp=1, te=False)
+    config = model.transformer_config(shape, tp_size=tp, device=cpu, moe=kw, sequence_parallel=tp > 1)
+    net = model.build_gpt_model(shape, config, padded_vocab=padded, device=cpu)
+    convert.load_hf_into(net, convert.read_hf_state_dict(model_dir), shape, padded, groups.tp_rank, tp,
+                         ep_rank=groups.ep_rank, ep_size=ep)
+
+    torch.manual_seed(0)
+    ids = torch.randint(4, shape.vocab_size, (2, SEQ))
+    pos = torch.arange(SEQ).unsqueeze(0).expand(2, -1)
+    hidden = net(ids, pos, attention_mask=None)                       # [s / tp (sequence parallel), b, h]
+    if tp > 1:
+        from megatron.core.tensor_parallel.mappings import (
+            gather_from_sequence_parallel_region,
+            gather_from_tensor_model_parallel_region,
+        )
+
+        hidden = gather_from_sequence_parallel_region(hidden)
+    local = hidden.transpose(0, 1) @ model.output_weight(net).t()     # [b, s, V / tp]
+    full = gather_from_tensor_model_parallel_region(local) if tp > 1 else local
+    logits = full[..., :shape.vocab_size]
+    logits.square().mean().backward()
+    if ep == 1:
+        parallel.finish_grads(net, groups)
+    grads_ok = all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in net.parameters())
+    exported = [pair for bucket in export.iter_hf_buckets(net, shape, groups, device=cpu, bucket_bytes=1 << 14)
+                for pair in bucket]
+    disk = load_file(str(Path(model_dir) / "model.safetensors"))
+    same = [n for n, t in exported if n in disk and disk[n].dtype == t.dtype and torch.equal(disk[n], t)]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(input_ids=ids).logits
+    err = (torch.log_softmax(logits.detach(), -1) - torch.log_softmax(ref, -1)).abs().max()
+    if rank == 0:
+        Path(out).write_text(json.dumps({
+            "max_lp_err": float(err), "ref_scale": float(ref.abs().max()), "grads_ok": grads_ok,
+            "exported": [n for n, _ in exported], "same": same, "disk": sorted(disk)}))
+    dist.destroy_process_group()
+
+
+def _parity_worker(model_dir: str, out: str) -> None:
+    """2 ranks: FSDP (transformers' NemotronHForCausalLM, DP 2) and the Megatron trainer (TP 2, sequence parallel)
+    train the same 2 rollouts; then the Megatron side's exports, --save-hf and a torch_dist save / resume."""
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from test_megatron import _all_logprobs, _flags
+    from trainer_harness import build, random_samples
+
+    dist.init_process_group("gloo")
+    rank, group = dist.get_rank(), dist.group.WORLD
+    samples = random_samples(4, 4, seed=7, vocab=90)
+    mine = samples[:8] if rank == 0 else samples[8:]
+    res: dict = {}
+    fsdp = build(model_dir, _flags("fsdp", 1), group=group)
+    fsdp_lp = _all_logprobs(fsdp, samples)
+    res["fsdp_metrics"] = [fsdp.train(mine, rid) for rid in range(2)]
+    fsdp_sd = fsdp.state_dict_for_check()
+    del fsdp
+    flags = ("--sequence-parallel", "--expert-tensor-parallel-size", "1", "--moe-aux-loss-coeff", "0",
+             "--position-embedding-type", "none", "--moe-latent-size", "32", "--save", str(Path(out).parent / "ckpt"))
+    meg = build(model_dir, _flags("megatron", 2, megatron_flags=flags), group=group)
+    init = meg.state_dict_for_check()
+    meg_lp = _all_logprobs(meg, samples)
+    res["meg_metrics"] = [meg.train(mine, rid) for rid in range(2)]
+    meg_sd = meg.state_dict_for_check()
+    meg.save_hf(Path(out).parent / "hf_out")
+    meg.checkpoint(1, {"rollout_id": 1})
+    meg.train(mine, 2)                                  # move away, then load the checkpoint back
+    res["resumed_extra"] = meg.resume()
+    reloaded = meg.state_dict_for_check()
+    if rank == 0:
+        from transformers import AutoModelForCausalLM
+
+        hf = load_file(str(Path(model_dir) / "model.safetensors"))
+        res["keys"] = (sorted(init), sorted(hf), sorted(fsdp_sd))
+        res["ckpt_reload_bitwise"] = sorted(reloaded) == sorted(meg_sd) and all(
+            torch.equal(reloaded[k], meg_sd[k]) for k in meg_sd)
+        saved = load_file(str(Path(out).parent / "hf_out" / "model.safetensors"))
+        res["save_hf_equal"] = sorted(saved) == sorted(meg_sd) and all(torch.equal(saved[k], meg_sd[k]) for k in meg_sd)
+        AutoModelForCausalLM.from_pretrained(Path(out).parent / "hf_out")     # transformers loads what we wrote
+        res["export_bitwise"] = sorted(init) == sorted(hf) and all(torch.equal(init[k], hf[k]) for k in hf)
+        res["lp_max_abs_diff"] = max((a - b).abs().max().item() for a, b in zip(fsdp_lp, meg_lp))
+        torch.save(res, out)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def tiny_nemotron_dir(tmp_path_factory) -> Path:
+    from miles.utils.tiny_nemotron import build_tiny_nemotron_model
+
+    return build_tiny_nemotron_model(tmp_path_factory.mktemp("tiny_nemotron"))
+
+
+@pytest.mark.parametrize("nproc,ep", [(1, 1), (2, 1), (2, 2)], ids=["tp1", "tp2_sp", "ep2"])
+def test_nemotron_h_matches_hf(tiny_nemotron_dir: Path, tmp_path: Path, free_port: int, nproc: int, ep: int) -> None:
+    out = tmp_path / "res.json"
+    proc = _torchrun(nproc, free_port, "run", str(tiny_nemotron_dir), str(out), str(ep))
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    res = json.loads(out.read_text())
+    print(f"nproc {nproc} ep {ep}: max |log-prob diff| {res['max_lp_err']:.2e} (logits up to {res['ref_scale']:.1f})")
+    assert res["ref_scale"] > 3.0               # log-probs far from uniform: the comparison can fail
+    assert res["grads_ok"], res
+    assert res["max_lp_err"] < BOUND, res["max_lp_err"]
+    assert sorted(res["exported"]) == res["disk"] and len(res["exported"]) == len(set(res["exported"]))
+    assert sorted(res["same"]) == res["disk"]                  # bit for bit, names included
+
+
+def test_nemotron_h_trainer_parity_with_fsdp(tiny_nemotron_dir: Path, tmp_path: Path, free_port: int) -> None:
+    import torch
+
+    out = tmp_path / "parity.pt"
+    proc = _torchrun(2, free_port, "parity", str(tiny_nemotron_dir), str(out), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    res = torch.load(out, weights_only=False)
+    print({k: v for k, v in res.items() if k not in ("keys", "fsdp_metrics", "meg_metrics")})
+    assert res["export_bitwise"] and res["save_hf_equal"] and res["ckpt_reload_bitwise"], res
+    assert res["resumed_extra"]["rollout_id"] == 1, res
+    assert res["lp_max_abs_diff"] < TRAINER_LP_BOUND, res
+    for f, m in zip(res["fsdp_metrics"], res["meg_metrics"]):
+        for key in ("loss", "pg_loss", "entropy", "grad_norm", "num_tokens"):
+            assert abs(f[key] - m[key]) <= 1e-5 * max(1.0, abs(f[key])), (key, f[key], m[key])
+
+
+# measured (2026-12-06, the 2-core CPU box, torchrun of /tmp scripts equivalent to the test): log-probs 5.7e-6 apart
+# at TP 2 (4.3e-6 at TP 1); grad norms 5.681859 vs 5.681842 after one update
+TRAINER_LP_BOUND = 1.2e-5
+
+
+def _gpu_worker(model_dir: str, out: str) -> None:
+    """One rank on GPU 0 (NCCL), bf16 parameters, TP 1: the Megatron MambaModel (mamba_ssm's scan where it imports,
+    else ours on the GPU) against transformers' own model (its kernels or torch fallbacks), bf16 and fp32."""
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from miles.trainer.megatron import convert, model, moe, parallel
+    from miles.trainer.megatron.families.mamba import gpu_chunk_scan
+
+    dist.init_process_group("nccl")
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    parallel.init_parallel(tp_size=1, num_trainer_ranks=1, seed=1, device=dev)
+    moe.apply_moe_compat()
+    shape = model.ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir))
+    padded = model.padded_vocab_size(shape.vocab_size, 128, 1)
+    kw = moe.config_kwargs(shape, moe.MoeOptions(), ep=1, etp=1, te=False)
+    config = model.transformer_config(shape, tp_size=1, device=dev, moe=kw, params_dtype=torch.bfloat16, bf16=True)
+    net = model.build_gpt_model(shape, config, padded_vocab=padded, device=dev)
+    convert.load_hf_into(net, convert.read_hf_state_dict(model_dir), shape, padded, 0, 1)
+    torch.manual_seed(0)
+    ids = torch.randint(4, shape.vocab_size, (2, SEQ), device=dev)
+    pos = torch.arange(SEQ, device=dev).unsqueeze(0).expand(2, -1)
+    with torch.no_grad():
+        hidden = net(ids, pos, attention_mask=None)
+        lp = torch.log_softmax((hidden.transpose(0, 1) @ model.output_weight(net).t())[..., :shape.vocab_size].float(), -1)
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(dev).eval()
+        ref = torch.log_softmax(hf(input_ids=ids).logits.float(), -1)
+        hf32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(dev).eval()
+        ref32 = torch.log_softmax(hf32(input_ids=ids).logits.float(), -1)
+    Path(out).write_text(json.dumps({"max_lp_err": float((lp - ref).abs().max()),
+                                     "hf_bf16_vs_fp32": float((ref - ref32).abs().max()),
+                                     "mamba_ssm": gpu_chunk_scan() is not None}))
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_nemotron_h_matches_hf_on_gpu_bf16(tiny_nemotron_dir: Path, tmp_path: Path, free_port: int) -> None:
+    """bf16 on one GPU: Megatron's log-probs are as far from transformers' bf16 ones as transformers' own bf16
+    log-probs are from its fp32 ones, within a factor of 2 (not run yet: no GPU on the CPU box)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    out = tmp_path / "gpu.json"
+    proc = _torchrun(1, free_port, "gpu", str(tiny_nemotron_dir), str(out))
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    res = json.loads(out.read_text())
+    print(res)
+    assert res["max_lp_err"] < 2 * max(res["hf_bf16_vs_fp32"], 1e-3), res
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "run":
+        _worker(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:5]))
+    elif sys.argv[1] == "parity":
+        _parity_worker(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "gpu":
+        _gpu_worker(sys.argv[2], sys.argv[3])
