@@ -7,6 +7,14 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from miles.utils.errors import MilesError
+
+
+class SampleError(MilesError, ValueError, AssertionError):
+    """A plugin asked a ``Sample`` for what it cannot do (strip more tokens than its response has); one line. A
+    ValueError (a bad argument) and an AssertionError too: Miles v0.1.0's ``Sample`` checks with ``assert``, and
+    Miles's tests and plugins expect that type."""
+
 
 class SampleStatus(StrEnum):
     PENDING = "pending"
@@ -53,6 +61,10 @@ class Sample:
     # [len(tokens) - 1, num_hidden_layers, top-k] (the experts every token but the last was routed to); Miles's field
     # name. Kept encoded (JSON-safe, compact) until the trainer reads it (miles.trainer.routing_replay).
     rollout_routed_experts: str | None = None
+    # Miles's field for DeepSeek-V3.2's indexer replay (--use-rollout-indexer-replay, refused here): the indexer's
+    # top-k of every token but the last, [len(tokens) - 1, indexer layers, index top-k] int32, as a plugin sets it.
+    # Kept on the rollout side (cut by strip_last_output_tokens), not sent to the trainer: no model here has an indexer.
+    rollout_indexer_topk: Any = None
     weight_version: int | None = None
     # Miles's fields: the engine's weight_version of each /generate turn (as the engine reports it), and a
     # sample a plugin marks to keep in its group but not train on (its loss mask becomes all zeros, as in Miles)
@@ -91,11 +103,13 @@ class Sample:
 
     def strip_last_output_tokens(self, n: int, tokenizer: Any) -> None:
         """Miles's: drop the last ``n`` response tokens and everything kept per token for them (loss mask,
-        log-probs, routed experts, the per-token metadata lists), and re-decode ``response`` with ``tokenizer``."""
+        log-probs, routed experts, indexer top-k, the per-token metadata lists), and re-decode ``response`` with
+        ``tokenizer``. ``n`` beyond the response raises SampleError (a ValueError and, as in Miles, an
+        AssertionError)."""
         if n <= 0:
             return
         if n > self.response_length:
-            raise ValueError(f"cannot strip {n} tokens: only {self.response_length} output tokens available")
+            raise SampleError(f"cannot strip {n} tokens: only {self.response_length} output tokens available")
         rows = len(self.tokens) - 1     # routed experts: one row per token but the last
         self.tokens = self.tokens[:-n]
         self.response_length -= n
@@ -106,10 +120,11 @@ class Sample:
         for key in PER_TOKEN_METADATA:
             if isinstance(self.metadata.get(key), list):
                 self.metadata[key] = self.metadata[key][:-n]
-        if isinstance(self.rollout_routed_experts, str) and rows > 0:   # base64 of int32 [rows, layers, top-k]
-            raw = base64.b64decode(self.rollout_routed_experts)
-            keep = len(raw) // rows * (rows - n)
-            self.rollout_routed_experts = base64.b64encode(raw[:keep]).decode("ascii")
-        elif self.rollout_routed_experts is not None:                  # an array a plugin set
-            self.rollout_routed_experts = self.rollout_routed_experts[:-n]
+        for name in ("rollout_routed_experts", "rollout_indexer_topk"):   # one row per token but the last
+            v = getattr(self, name)
+            if isinstance(v, str) and rows > 0:     # base64 of int32 [rows, layers, top-k] (SGLang's routed experts)
+                raw = base64.b64decode(v)
+                setattr(self, name, base64.b64encode(raw[:len(raw) // rows * (rows - n)]).decode("ascii"))
+            elif v is not None:                     # an array a plugin set
+                setattr(self, name, v[:-n])
         self.response = tokenizer.decode(self.tokens[-self.response_length:]) if self.response_length else ""

@@ -187,6 +187,11 @@ def build_family_model(out: Path, model: str | None, seed: int = 0) -> Path:
         return build_tiny_qwen35_model(out, kind="qwen3_next" if mt == "qwen3_next" else "qwen3_5_moe",
                                        vlm="text_config" in real, mtp=bool(text.get("mtp_num_hidden_layers")),
                                        rope_theta=theta, seed=seed)
+    if mt == "gemma4":                 # the multimodal checkpoint (text decoder under model.language_model.*)
+        from miles.utils.tiny_gemma4 import build_tiny_gemma4
+
+        return build_tiny_gemma4(out, seed=seed, final_logit_softcapping=float(
+            real["text_config"].get("final_logit_softcapping") or 0.0) or None)
     if "index_topk" in real:             # DeepSeek sparse attention (GLM-5, DeepSeek-V3.2): MLA plus the indexer
         from miles.utils.tiny_dsa import TINY_YARN, build_tiny_dsa_model
 

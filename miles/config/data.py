@@ -116,7 +116,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--global-batch-size", type=int, default=None, help="Samples per optimizer step.")
     d.add_argument("--num-steps-per-rollout", type=int, default=None, help="Optimizer steps per rollout.")
     d.add_argument("--over-sampling-batch-size", type=int, default=None, help="Prompts in flight for dynamic sampling.")
-    d.add_argument("--dynamic-sampling-filter-path", type=str, default=None, help="module.function keeping a group.")
+    d.add_argument("--dynamic-sampling-filter-path", type=str, default=None,
+                   help="module.function keeping a group. While it keeps fewer than --rollout-batch-size, more groups "
+                        "are launched, with a log line of the kept count each 4 x --rollout-batch-size; after one pass "
+                        "over the data the rollout fails, naming it (Miles goes on forever).")
     d.add_argument("--custom-generate-function-path", type=str, default=None, help="module.function generating one sample.")
     d.add_argument("--custom-generate-function-timeout", type=float, default=3600.0,
                    help="Seconds one --custom-generate-function-path call may take; then its sample fails, naming this "

@@ -195,13 +195,21 @@ class MultiTurn:
         if self.remaining is not None and len(ids) > self.remaining:
             self.sample.status = SampleStatus.TRUNCATED
             return False
-        s = self.sample
-        s.tokens = list(s.tokens) + list(ids)
-        s.response_length += len(ids)
-        s.loss_mask = s.loss_mask + [0] * len(ids)
-        s.rollout_log_probs = s.rollout_log_probs + [0.0] * len(ids)
-        s.response += self.decode(ids)
+        append_observation(self.sample, list(ids), self.decode)
         return True
+
+
+def append_observation(sample: Sample, ids: list[int], decode: Any) -> None:
+    """Append ``ids`` (tool or environment output) to ``sample`` as response tokens not trained on: loss mask 0,
+    log-prob 0.0, ``response`` += ``decode(ids)``. A loss mask of None (every response token trained on) becomes
+    explicit first; log-probs of None stay None when the sample has a response without them."""
+    n = sample.response_length
+    sample.tokens = list(sample.tokens) + list(ids)
+    sample.loss_mask = (list(sample.loss_mask) if sample.loss_mask is not None else [1] * n) + [0] * len(ids)
+    if sample.rollout_log_probs is not None or n == 0:
+        sample.rollout_log_probs = list(sample.rollout_log_probs or []) + [0.0] * len(ids)
+    sample.response_length = n + len(ids)
+    sample.response += decode(ids)
 
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,

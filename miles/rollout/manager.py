@@ -13,8 +13,11 @@ Each rollout draws ``--rollout-batch-size`` prompts (``--over-sampling-batch-siz
 Reproducibility: sample ``i`` of group ``g`` in rollout ``r`` gets ``sampling_seed`` =
 hash(``--rollout-seed``, r, g) + i, and the kept groups are the first ``--rollout-batch-size`` passing
 groups *in launch order* (not completion order), so two runs with the same seed and weights keep the
-same groups. Groups after the last kept one are surplus: their requests are aborted by rid and their
-unused prompts are given back to the data source.
+same groups. While the filter keeps too few, more are launched, with a progress line (kept / finished, the drop
+reasons) each ``FILTER_REPORT_EVERY`` x ``--rollout-batch-size`` groups; after one pass over the data (Miles
+goes on forever) the rollout ends with a RolloutError naming the filter and the kept count. Groups after the
+last kept one are surplus: their requests are aborted by rid and their unused prompts are given back to the data
+source.
 
 Every sample slot is filled exactly once: generation errors (after the client's retries) and reward
 errors mark that sample FAILED and are counted (``rollout/generate_failures``,
@@ -67,6 +70,7 @@ from miles.utils.http_utils import init_http_client
 from miles.utils.logging import get_logger
 
 logger = get_logger(__name__)
+FILTER_REPORT_EVERY = 4   # while the filter keeps too few groups: one progress line each 4 x --rollout-batch-size launched
 
 ProgressFn = Callable[[int, int], None]
 
@@ -243,12 +247,21 @@ class RolloutManager:
         return Sample(group_index=g.index, index=g.index * n + i, rollout_id=rollout_id, prompt=g.item.prompt,
                       tokens=list(g.item.prompt_ids), label=g.item.label, metadata=meta)
 
-    def _check_generated(self, sample: Sample, prompt_ids: list[int]) -> str | None:
+    @staticmethod
+    def _check_generated(sample: Sample) -> str | None:
+        """What is wrong with a generate function's sample, or None. Its prompt (``tokens`` before the response) may be
+        the data's prompt ids or one the function built itself (Miles's tau-bench agent templates its environment's
+        first message)."""
         if not isinstance(sample, Sample):
             return f"returned {type(sample).__name__}, expected a Sample"
-        if list(sample.tokens[:len(prompt_ids)]) != prompt_ids or len(sample.tokens) != len(prompt_ids) + sample.response_length:
-            return (f"tokens ({len(sample.tokens)}) must be the prompt ids ({len(prompt_ids)}) followed by "
-                    f"response_length ({sample.response_length}) response ids")
+        if not 0 <= sample.response_length < len(sample.tokens):
+            return (f"tokens ({len(sample.tokens)}) must be the prompt ids followed by response_length "
+                    f"({sample.response_length}) response ids, with at least one prompt id")
+        if not isinstance(sample.status, SampleStatus):
+            try:   # Miles's plugins may give the status as its value (tau-bench's res_to_sample: "completed")
+                sample.status = SampleStatus(sample.status)
+            except ValueError:
+                return f"status {sample.status!r} is not one of {[s.value for s in SampleStatus]}"
         for name in ("loss_mask", "rollout_log_probs"):
             v = getattr(sample, name)
             if v is not None and len(v) != sample.response_length:
@@ -260,7 +273,6 @@ class RolloutManager:
     async def _generate_slot(self, g: _Group, slot: int, params: dict[str, Any], counts: _Counts) -> Sample:
         """Run the generate function on slot ``slot``; an exception marks the sample FAILED (counted)."""
         sample = g.samples[slot]
-        prompt_ids = list(sample.tokens)
         token = _CURRENT.set((g, sample))
         path = g.generate_path or self.data.custom_generate_function_path
         custom = self._generate_fns[g.generate_path] if g.generate_path else self.custom_generate
@@ -269,7 +281,7 @@ class RolloutManager:
                 out = await call_bounded(custom, (self.args, sample, params), self.data.custom_generate_function_timeout,
                                          f"--custom-generate-function-path {path}",
                                          flag="--custom-generate-function-timeout")
-                problem = self._check_generated(out, prompt_ids)
+                problem = self._check_generated(out)
                 if problem is not None:
                     raise RuntimeError(f"--custom-generate-function-path {path}: {problem}")
                 out.group_index, out.index, out.rollout_id = sample.group_index, sample.index, sample.rollout_id
@@ -383,6 +395,7 @@ class RolloutManager:
         by_task: dict[asyncio.Task, _Group] = {}
         drops = MetricGatherer()
         max_groups = self.batch + max(len(self.data_source.dataset), self.over)
+        next_report = FILTER_REPORT_EVERY * self.batch
 
         def launch(k: int) -> None:
             for item in self.data_source.next_batch(k):
@@ -405,6 +418,13 @@ class RolloutManager:
                             f"kept {passing} of {len(groups)} groups (drops: {dict(drops.counts)}) without reaching "
                             f"--rollout-batch-size {self.batch}. Rewards may be all equal (e.g. all 0): check the "
                             f"reward, or drop --dynamic-sampling-filter-path.")
+                    if len(groups) >= next_report:   # a line each FILTER_REPORT_EVERY x --rollout-batch-size groups
+                        next_report += FILTER_REPORT_EVERY * self.batch
+                        logger.info("rollout %d: the dynamic sampling filter %s kept %d of %d finished groups so far "
+                                    "(drops: %s; --rollout-batch-size %d); launching %d more (at most %d groups, "
+                                    "one pass over the data)", rollout_id, self.data.dynamic_sampling_filter_path,
+                                    passing, sum(1 for g in groups if g.done), dict(drops.counts), self.batch,
+                                    self.over, max_groups)
                     launch(self.over)
                 pending = [g.task for g in groups if not g.done]
                 finished, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)

@@ -52,10 +52,10 @@ def parse_teacher_urls(values: Iterable[str] | None) -> dict[str, str]:
         name, sep, url = value.partition("=")
         name, url = name.strip(), url.strip()
         if not sep or not name or not url or "://" in name:
-            raise ConfigError(f"--opd-teacher-urls entry {value!r} is not NAME=URL (e.g. math=http://h1:30001/generate); "
+            raise ConfigError(f"--opd-teacher-urls entry {value!r}: expected NAME=URL (e.g. math=http://h1:30001/generate); "
                               "do not mix NAME=URL entries with plain URLs.")
         if name in out:
-            raise ConfigError(f"--opd-teacher-urls names teacher {name!r} twice; give each name one URL.")
+            raise ConfigError(f"Duplicate teacher name {name!r} in --opd-teacher-urls: give each name one URL.")
         out[name] = url
     return out
 
@@ -76,15 +76,26 @@ def teacher_url(args: Any, sample: Sample) -> str:
         return routes[str(name)]
     if DEFAULT_TEACHER in routes:
         return routes[DEFAULT_TEACHER]
-    what = f"metadata[{key!r}] = {name!r} names no teacher" if name is not None else f"has no metadata[{key!r}]"
-    raise ValueError(f"sample {sample.index} {what} in --opd-teacher-urls ({', '.join(sorted(routes))}) and there is "
-                     f"no '{DEFAULT_TEACHER}=URL' entry to fall back to")
+    what = (f"sample {sample.index}: metadata[{key!r}] = {name!r} matches no --opd-teacher-urls name" if name is not None
+            else f"sample {sample.index} is missing teacher key metadata[{key!r}] of --opd-teacher-urls")
+    raise ValueError(f"{what} ({', '.join(sorted(routes))}) and there is no '{DEFAULT_TEACHER}=URL' entry to fall back to")
 
 
-def score_payload(input_ids: list[int]) -> dict[str, Any]:
-    """A prefill-only SGLang /generate request returning the log-prob of every input token."""
-    return {"input_ids": list(input_ids), "return_logprob": True, "logprob_start_len": 0,
-            "sampling_params": {"temperature": 0, "max_new_tokens": 0, "skip_special_tokens": False}}
+def score_payload(input_ids: list[int], top_k: int = 0, token_ids: list[int] | None = None,
+                  token_ids_positions: list[list[int]] | None = None) -> dict[str, Any]:
+    """A prefill-only SGLang /generate request returning the log-prob of every input token; ``top_k`` > 0: also
+    each position's top-k (``top_logprobs_num``); ``token_ids``: also the log-probs of those ids at every position
+    (``token_ids_logprob``); ``token_ids_positions``: one id list per input position instead (a patched SGLang's
+    ``token_ids_logprob_positions``, Miles's ``--opd-topk-per-position``, refused here)."""
+    payload: dict[str, Any] = {"input_ids": list(input_ids), "return_logprob": True, "logprob_start_len": 0,
+                               "sampling_params": {"temperature": 0, "max_new_tokens": 0, "skip_special_tokens": False}}
+    if top_k > 0:
+        payload["top_logprobs_num"] = top_k
+    if token_ids_positions is not None:
+        payload["token_ids_logprob_positions"] = token_ids_positions
+    elif token_ids:
+        payload["token_ids_logprob"] = list(token_ids)
+    return payload
 
 
 async def post_json(url: str, payload: dict[str, Any], timeout: float, max_retries: int) -> dict[str, Any]:
@@ -140,3 +151,23 @@ def post_process_rewards(args: Any, samples: list[Sample], **kwargs: Any) -> tup
             s.metadata["teacher_log_probs"] = response_log_probs(answer, s)
     zeros = [0.0] * len(samples)
     return zeros, list(zeros)
+
+
+# Miles's private helper names (radixark/miles@v0.1.0:miles/rollout/on_policy_distillation.py), which Miles's own
+# tests/fast/rollout/test_on_policy_distillation.py imports: thin names over the implementation above, so that test
+# checks this module's routing, request bodies and top-k reverse KL against Miles's expectations.
+_teacher_url_for_sample = teacher_url
+_score_payload = score_payload
+
+
+def _compute_topk_reverse_kl(args: Any, sample: Sample, reward_payload: dict[str, Any]) -> Any:
+    """The per-response-token top-k reverse KL (``opd_topk.reverse_kl``) as a float32 tensor, as Miles returns it."""
+    import torch
+
+    return torch.tensor(opd_topk.reverse_kl(args, sample, reward_payload), dtype=torch.float32)
+
+
+def _per_position_ids(top_logprobs: list[list[Any]], prompt_len: int) -> list[list[int]]:
+    """One id list per scored input position for ``token_ids_logprob_positions``: ``prompt_len`` empty lists, then
+    each response position's ids (``[logprob, id, ...]`` entries) in order."""
+    return [[] for _ in range(prompt_len)] + [[int(e[1]) for e in row or [] if e is not None] for row in top_logprobs]

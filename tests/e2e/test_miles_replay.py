@@ -27,11 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.replay, py
 SUBSET = ("fsdp_qwen3_0_6b", "megatron_qwen3_dense", "p2p_qwen3_4b")
 RUN_ALL = os.environ.get("MILES_REPLAY_ALL") == "1"
 # fixture -> the defect its replay hits today (docs/miles-scripts.md gives the error line and the cause)
-KNOWN_FAILURES: dict[str, str] = {
-    "custom_generate_tau_bench": ("tiny-scale limit: check_reward_nonzero_std keeps only groups whose rewards differ; the "
-                                  "random tiny policy never solves a tau task, so rollout 0 ends with 'kept 0 of 258 "
-                                  "groups' after one pass over the data"),
-}
+KNOWN_FAILURES: dict[str, str] = {}
 REPLAYED = [p for p in FIXTURES if read_fixture(p)[1] == "dry-run"]
 
 

@@ -1,1 +1,2 @@
-"""Miles's ``miles.rollout.generate_utils`` package: the helpers its plugins import (``prefill_logprobs``)."""
+"""Miles's ``miles.rollout.generate_utils`` package: the helpers its plugins import (``prefill_logprobs``,
+``tool_call_utils``)."""

@@ -56,6 +56,35 @@ def test_dry_run_without_a_reward_needs_the_generate_function(tiny_model_dir, tm
     assert "role plan" in plan
 
 
+def test_the_tau_stand_in_scores_as_tau_bench(monkeypatch):
+    """The replay's tau-bench stand-in (plugins/.../generate_with_tau.py) rewards as tau-bench's
+    Env.calculate_reward: the database must equal the ground truth's and every task output must have been said to
+    the customer (case-insensitive, commas removed); the reward comes only when the customer ends the episode."""
+    monkeypatch.syspath_prepend(str(PLUGINS / "examples" / "experimental" / "tau-bench"))
+    import generate_with_tau as tau
+
+    def episode(task: int, *actions) -> tuple[float, bool]:
+        env = tau.RetailEnv(task)
+        res = None
+        for a in actions:
+            res = env.step(a)
+        return res.reward, res.done
+
+    say = lambda text: tau.Action(tau.RESPOND, {"content": text})  # noqa: E731
+    look = tau.Action("get_order_details", {"order_id": "#W2"})
+    cancel = tau.Action("cancel_pending_order", {"order_id": "#W2", "reason": "no longer needed"})
+    assert episode(0, look, say("It has 2 items.")) == (1.0, True)
+    assert episode(0, say("x2y")) == (1.0, True)              # an output is a substring, as in tau-bench
+    assert episode(0, say("It has two items.")) == (0.0, True)
+    assert episode(0, cancel, say("2 items")) == (0.0, True)  # a write the task did not ask for: database differs
+    assert episode(1, cancel, say("Done.")) == (1.0, True)
+    assert episode(1, say("Done.")) == (0.0, True)            # the cancellation was not made
+    assert episode(1, cancel) == (0.0, False)                 # no reward before the customer ends the episode
+    assert tau._parse('<tool_call>{"name": "get_order_details", "arguments": {"order_id": "#W1"}}</tool_call>') \
+        == tau.Action("get_order_details", {"order_id": "#W1"})
+    assert tau._parse("<tool_call>{not json</tool_call>") is None   # Miles aborts a sample its parser cannot read
+
+
 def test_numeric_prompts_load_as_miles_loads_them(tiny_model_dir, tmp_path):
     """A number under --input-key (tau-bench's task index) is kept as the prompt and tokenized as its text when
     a --custom-generate-function-path reads it; without one, or with --apply-chat-template, it is refused."""

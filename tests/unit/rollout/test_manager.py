@@ -115,6 +115,21 @@ PLUGINS = textwrap.dedent('''
 
     def not_async(args, sample, sampling_params):
         return sample
+
+    async def own_prompt(args, sample, sampling_params):
+        # Miles's tau-bench form: the function builds its prompt and returns a new Sample, the status as its value
+        from miles.utils.types import Sample
+        fresh = Sample(prompt="Task: " + sample.prompt, label=sample.label)
+        fresh.tokens = args.tokenizer(fresh.prompt, add_special_tokens=False)["input_ids"]
+        await generate(args.client, fresh, sampling_params)
+        fresh.status = fresh.status.value
+        return fresh
+
+    async def no_prompt(args, sample, sampling_params):
+        await generate(args.client, sample, sampling_params)
+        sample.response_length = len(sample.tokens)
+        sample.loss_mask = sample.rollout_log_probs = None
+        return sample
 ''')
 
 
@@ -307,6 +322,61 @@ def test_multi_turn_custom_generate_keeps_ids_exact(engine, tok, data_file, plug
 
     with pytest.raises(RolloutError, match="bad_mask: loss_mask has .* entries, expected response_length"):
         asyncio.run(bad())
+
+
+def test_a_generate_function_may_build_its_own_prompt(engine, tok, data_file, plugins):
+    """Miles's tau-bench agent templates its environment's first message as the prompt (the data's prompt is a task
+    index) and returns a new Sample whose status is a string: accepted; a sample with no prompt id is refused."""
+    cfg = config(data_file, "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rm-type", "exact_match",
+                 "--custom-generate-function-path", f"{plugins}.own_prompt")
+
+    async def main(cfg):
+        client = EngineClient(engine)
+        try:
+            return await build(cfg, client, tok).generate_rollout(0)
+        finally:
+            await client.close()
+
+    res = asyncio.run(main(cfg))
+    for s in (s for g in res.samples for s in g):
+        prompt = tok(s.prompt, add_special_tokens=False)["input_ids"]
+        assert s.prompt.startswith("Task: ") and s.tokens[:len(prompt)] == prompt
+        assert s.prompt_length == len(prompt) and s.response_length > 0
+        assert s.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED) and isinstance(s.status, SampleStatus)
+        assert s.reward is not None
+    cfg = config(data_file, "--rollout-batch-size", "2", "--rm-type", "exact_match",
+                 "--custom-generate-function-path", f"{plugins}.no_prompt")
+    with pytest.raises(RolloutError, match="no_prompt: tokens .* must be the prompt ids followed by response_length "
+                                           ".* with at least one prompt id"):
+        asyncio.run(main(cfg))
+
+
+def test_a_filter_that_keeps_nothing_reports_and_ends_after_one_pass(engine, tok, tmp_path, plugins, caplog):
+    """Every group's rewards equal: a progress line each FILTER_REPORT_EVERY x --rollout-batch-size groups naming the
+    filter and the kept count, then after one pass over the data one RolloutError (Miles would go on forever)."""
+    data = tmp_path / "const.jsonl"
+    data.write_text("".join(json.dumps({"input": f"{i}+1=", "label": str(i + 1), "metadata": {"kind": "const"}}) + "\n"
+                            for i in range(12)))
+    cfg = config(data, "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
+                 "--custom-rm-path", f"{plugins}.by_kind",
+                 "--dynamic-sampling-filter-path", "miles.rollout.filters.check_reward_nonzero_std")
+
+    async def main():
+        client = EngineClient(engine)
+        try:
+            return await build(cfg, client, tok).generate_rollout(0)
+        finally:
+            await client.close()
+
+    with caplog.at_level("INFO", logger="miles"), pytest.raises(
+            RolloutError, match=r"rollout 0: the dynamic sampling filter miles.rollout.filters.check_reward_nonzero_std "
+                                r"kept 0 of 14 groups \(drops: \{'zero_std': \d+\}\) without reaching "
+                                r"--rollout-batch-size 2"):
+        asyncio.run(main())
+    lines = [r.getMessage() for r in caplog.records if "finished groups so far" in r.getMessage()]
+    assert len(lines) == 1, lines   # 8 groups launched (4 x --rollout-batch-size 2); the 14th ends the rollout
+    assert lines[0].startswith("rollout 0: the dynamic sampling filter miles.rollout.filters.check_reward_nonzero_std "
+                               "kept 0 of ") and "launching 2 more (at most 14 groups, one pass over the data)" in lines[0]
 
 
 def test_evaluate(engine, tok, data_file):

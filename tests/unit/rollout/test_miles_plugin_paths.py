@@ -155,11 +155,11 @@ def test_opd_teacher_routing_by_metadata():
     assert teacher_url(routed, Sample(metadata={"opd_teacher": "math"})) == "http://m/generate"
     assert teacher_url(routed, Sample(metadata={"opd_teacher": "code"})) == "http://d/generate?a=b"
     assert teacher_url(routed, Sample()) == "http://d/generate?a=b"
-    with pytest.raises(ValueError, match=r"sample 3 metadata\['opd_teacher'\] = 'code' names no teacher .*math"):
+    with pytest.raises(ValueError, match=r"sample 3: metadata\['opd_teacher'\] = 'code' matches no --opd-teacher-urls name \(math\)"):
         teacher_url(args("--opd-teacher-urls", "math=http://m"), Sample(index=3, metadata={"opd_teacher": "code"}))
-    with pytest.raises(ConfigError, match="names teacher 'a' twice"):
+    with pytest.raises(ConfigError, match="Duplicate teacher name 'a' in --opd-teacher-urls"):
         parse_teacher_urls(["a=http://x", "a=http://y"])
-    with pytest.raises(ConfigError, match="is not NAME=URL"):
+    with pytest.raises(ConfigError, match="'http://y': expected NAME=URL"):
         parse_teacher_urls(["a=http://x", "http://y"])
 
 

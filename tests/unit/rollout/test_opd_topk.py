@@ -66,6 +66,24 @@ def test_reverse_kl_per_strategy_and_weight_mode(strategy, ids, normalize, mode)
     assert got == pytest.approx([_expected(ids, s_all, t_all, mode, normalize)], rel=1e-12)
 
 
+def test_miles_private_helper_names_are_this_implementation():
+    """Miles's tests/fast/rollout/test_on_policy_distillation.py imports the OPD module's private helpers: the same
+    reverse KL as a float32 tensor, the request bodies, the per-position id lists, the routing."""
+    from miles.rollout import on_policy_distillation as opd
+
+    sample, answer = _sample_and_answer()
+    got = opd._compute_topk_reverse_kl(_args("union"), sample, answer)
+    assert got.dtype == torch.float32 and got.tolist() == pytest.approx(opd_topk.reverse_kl(_args("union"), sample,
+                                                                                          answer), rel=1e-6)
+    assert opd._per_position_ids([_entries(S_TOP), []], prompt_len=2) == [[], [], [1, 2], []]
+    flat = opd._score_payload([1, 2], top_k=3, token_ids=[5])
+    assert flat["top_logprobs_num"] == 3 and flat["token_ids_logprob"] == [5] and flat["input_ids"] == [1, 2]
+    assert flat["sampling_params"]["max_new_tokens"] == 0 and flat["logprob_start_len"] == 0
+    per = opd._score_payload([1, 2], token_ids=[5], token_ids_positions=[[], [5]])
+    assert per["token_ids_logprob_positions"] == [[], [5]] and "token_ids_logprob" not in per
+    assert opd._score_payload([1]) == opd.score_payload([1]) and opd._teacher_url_for_sample is opd.teacher_url
+
+
 def test_missing_pieces_are_named():
     sample, answer = _sample_and_answer()
     sample.metadata.clear()

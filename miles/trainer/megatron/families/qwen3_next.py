@@ -394,19 +394,27 @@ _MTP_OWN = {"mtp.fc.weight": "eh_proj.weight", "mtp.pre_fc_norm_embedding.weight
             "mtp.pre_fc_norm_hidden.weight": "hnorm.weight", "mtp.norm.weight": "shared_head.norm.weight"}
 _MTP_BACK = {v: k for k, v in _MTP_OWN.items()}
 _SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+_LM = "model.language_model."                     # the published Qwen3.5 layout's text model
 
 
 def hf_state(hf: dict, shape) -> dict:
-    """The checkpoint's tensors under the names ``convert.py`` and ``mtp.py`` read: the MTP layer
+    """The checkpoint's tensors under the names ``convert.py`` and ``mtp.py`` read: a published Qwen3.5
+    checkpoint's text model (``model.language_model.*``) under transformers' causal-LM names (``model.*``: what the
+    FSDP backend and the engines load and the export gives; its ``model.visual.*`` tower left out), the MTP layer
     (``mtp.fc`` = ``eh_proj`` over [embedding; hidden], ``mtp.pre_fc_norm_embedding`` / ``_hidden`` = ``enorm`` /
     ``hnorm``, ``mtp.norm`` = the final norm, ``mtp.layers.k.*`` = a decoder layer) as DeepSeek-V3 keeps it
     (``model.layers.{num_layers + k}.*``), and fused experts (``mlp.experts.gate_up_proj`` [E, 2I, H] with gate rows
     first, ``down_proj`` [E, H, I]: the published Qwen3.5 checkpoints') as one tensor per expert (slices: bitwise)."""
-    if not any(k.startswith("mtp.") or k.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")) for k in hf):
+    if not any(k.startswith(("mtp.", _LM)) or k.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))
+               for k in hf):
         return hf
     n = shape.num_layers
     out = {}
     for k, t in hf.items():
+        if k.startswith("model.visual."):          # a Qwen3.5 checkpoint's vision tower: not trained here
+            continue
+        if k.startswith(_LM):                      # its text model, under transformers' causal-LM names
+            k = "model." + k[len(_LM):]
         if k in _MTP_OWN:
             k = f"model.layers.{n}.{_MTP_OWN[k]}"
         elif k.startswith("mtp.layers."):
