@@ -179,6 +179,14 @@ def build_family_model(out: Path, model: str | None, seed: int = 0) -> Path:
         from miles.utils.tiny_vlm import build_tiny_vlm
 
         return build_tiny_vlm(out, tie_word_embeddings=bool(real.get("tie_word_embeddings", False)))
+    if mt in ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"):     # hybrid DeltaNet families: their own builder
+        from miles.utils.tiny_qwen35 import build_tiny_qwen35_model
+
+        text = real.get("text_config") or real
+        theta = float((text.get("rope_parameters") or {}).get("rope_theta", text.get("rope_theta", 10000.0)))
+        return build_tiny_qwen35_model(out, kind="qwen3_next" if mt == "qwen3_next" else "qwen3_5_moe",
+                                       vlm="text_config" in real, mtp=bool(text.get("mtp_num_hidden_layers")),
+                                       rope_theta=theta, seed=seed)
     if mt == "gemma4":                 # the multimodal checkpoint (text decoder under model.language_model.*)
         from miles.utils.tiny_gemma4 import build_tiny_gemma4
 

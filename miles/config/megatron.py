@@ -199,6 +199,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--window-attn-skip-freq", default=None,
                    help="Full-attention layers among sliding ones: N (every N-th layer) or a 0/1 list per layer "
                         "(1: sliding); must match config.json's layer_types.")
+    g.add_argument("--attention-output-gate", action="store_true",
+                   help="Gated attention: each head's output times sigmoid of its gate (Qwen3-Next / Qwen3.5: the gate "
+                        "rows of config.json's q_proj); checked against config.json.")
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="RMSNorms computing x * (1 + w), weights stored centred on 0 (Qwen3-Next / Qwen3.5's); checked "
+                        "against config.json.")
+    g.add_argument("--moe-shared-expert-gate", action="store_true",
+                   help="A sigmoid gate on the MoE shared expert's output (Qwen3-Next / Qwen3.5's "
+                        "mlp.shared_expert_gate); checked against config.json.")
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"], default=None,
                    help="Only rope is supported.")
     g.add_argument("--ckpt-format", choices=["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"], default=None,
@@ -285,6 +294,9 @@ class MegatronConfig:
     softmax_type: str | None = None
     window_size: str | None = None
     window_attn_skip_freq: str | None = None
+    attention_output_gate: bool = False
+    apply_layernorm_1p: bool = False
+    moe_shared_expert_gate: bool = False
     q_lora_rank: int | None = None
     kv_lora_rank: int | None = None
     qk_head_dim: int | None = None

@@ -31,7 +31,8 @@ SPECS: dict[str, Spec] = {
                                                          ("glm_moe_dsa", "deepseek_v32")),
     "miles_plugins.models.deepseek_v4.deepseek_v4 get_dsv4_spec": Spec("DeepSeek-V4", ("deepseek_v4",)),
     "miles_plugins.models.qwen3_5 get_qwen3_5_spec": Spec("Qwen3.5 / Qwen3.6 (gated DeltaNet)",
-                                                          ("qwen3_5", "qwen3_5_moe")),
+                                                          ("qwen3_5", "qwen3_5_moe", "qwen3_5_text",
+                                                           "qwen3_5_moe_text")),
     "miles_plugins.models.qwen3_next get_qwen3_next_spec": Spec("Qwen3-Next (gated DeltaNet)", ("qwen3_next",)),
 }
 

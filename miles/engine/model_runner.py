@@ -725,12 +725,16 @@ class _GenericLM:
 
     def _new_cache(self, cache_cls):
         """An empty cache for one sequence; DeepSeek sparse attention's layers (config.json's layer_types
-        "indexed_attention": DeepSeek-V3.2, GLM-5) need the cache built from the config, which holds their indexer keys,
-        and so do DeepSeek-V4's (sliding window plus compressor state per layer type)."""
+        "indexed_attention": DeepSeek-V3.2, GLM-5), the gated DeltaNet layers of Qwen3-Next / Qwen3.5
+        ("linear_attention") and DeepSeek-V4 (sliding window plus compressor state per layer type) need the cache built
+        from the config, which holds their indexer keys / their conv and recurrent states (one cache per request: a
+        request's recurrent state is its own)."""
         config = getattr(self.model, "config", None)
-        layer_types = getattr(config, "layer_types", None) or ()
-        own = "indexed_attention" in layer_types or getattr(config, "model_type", None) in _CONFIG_CACHE
-        return cache_cls(config=self.model.config) if own else cache_cls()
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        layer_types = set(getattr(text, "layer_types", None) or ())
+        own = bool(layer_types & {"indexed_attention", "linear_attention"}) or getattr(
+            text, "model_type", None) in _CONFIG_CACHE or getattr(config, "model_type", None) in _CONFIG_CACHE
+        return cache_cls(config=config) if own else cache_cls()
 
     @torch.no_grad()
     def prefill(self, slot_start: int, seqs: list[list[int]], full_for: list[bool]):

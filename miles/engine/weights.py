@@ -322,12 +322,15 @@ def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
 
 def mtp_layer_names(config: Any) -> Callable[[str], bool]:
     """Whether a HF name belongs to the checkpoint's multi-token-prediction layers (GLM-4.7-Flash, DeepSeek-V3 keep
-    them as ``model.layers.{num_hidden_layers + k}.*``, config.json's ``num_nextn_predict_layers``): the engine
+    them as ``model.layers.{num_hidden_layers + k}.*``, config.json's ``num_nextn_predict_layers``; Qwen3-Next and
+    Qwen3.5 as ``mtp.*``, ``mtp_num_hidden_layers``): the engine
     serves the main model, so these tensors (in a checkpoint or a weight update from a trainer that carries the
     MTP block, ``--mtp-num-layers``) are skipped, not refused."""
     layers = int(getattr(config, "num_hidden_layers", 0) or 0)
     extra = int(getattr(config, "num_nextn_predict_layers", 0) or 0)
     prefixes = tuple(f"model.layers.{layers + k}." for k in range(extra))
+    if int(getattr(config, "mtp_num_hidden_layers", 0) or 0):     # Qwen3-Next / Qwen3.5: mtp.fc, mtp.layers.k, ...
+        prefixes += ("mtp.",)
     return (lambda name: name.startswith(prefixes)) if prefixes else (lambda name: False)
 
 

@@ -1,6 +1,6 @@
 """DeepSeek-V4 (tiny, ``miles.utils.tiny_dsv4``) on the Megatron backend, on real gloo ranks (torchrun, CPU).
 
-``test_dsv4_matches_hf`` (the shared worker of test_megatron_gpt_oss.py): our V4 decoder (``families/dsv4_model.py``:
+``test_dsv4_matches_hf`` (the shared worker of family_workers.py): our V4 decoder (``families/dsv4_model.py``:
 hyper-connections, sliding-window attention with sinks, CSA with its indexer, HCA, the grouped output projection;
 megatron-core's MoE with the sqrtsoftplus and hash routers) built from config.json and loaded by the converter from
 DeepSeek's checkpoint names gives transformers' own ``DeepseekV4ForCausalLM`` logits in fp32 at TP 1, TP 2
@@ -171,7 +171,7 @@ LP_BOUND, UPDATE_BOUND, REL_BOUND = 1e-6, 4e-5, 3.2e-4
 
 @pytest.mark.gpu
 def test_dsv4_matches_hf_on_gpu_bf16(tiny_dsv4_dir: Path, tmp_path: Path, free_port: int) -> None:
-    """bf16 on one GPU, TP 1 (the shared GPU worker of test_megatron_gpt_oss.py): Megatron's logits are as far
+    """bf16 on one GPU, TP 1 (the shared GPU worker of family_workers.py): Megatron's logits are as far
     from transformers' bf16 logits as transformers' own bf16 logits are from its fp32 ones, within a factor of 2."""
     import torch
 
@@ -186,11 +186,11 @@ def test_dsv4_matches_hf_on_gpu_bf16(tiny_dsv4_dir: Path, tmp_path: Path, free_p
 
 
 if __name__ == "__main__":
-    from test_megatron_gpt_oss import _gpt_worker, _gpu_worker
+    from family_workers import gpt_worker, gpu_worker
 
     if sys.argv[1] == "gpt":
-        _gpt_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
+        gpt_worker(sys.argv[2], sys.argv[3], ep=int(sys.argv[4]), reference=sys.argv[5])
     elif sys.argv[1] == "parity":
         _parity_worker(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "gpu":
-        _gpu_worker(sys.argv[2], sys.argv[3])
+        gpu_worker(sys.argv[2], sys.argv[3])

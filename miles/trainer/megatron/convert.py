@@ -57,6 +57,12 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return out
 
 
+def family_hf_state(hf: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
+    """``hf`` with the family's renames (``Family.hf_state``; e.g. Qwen3-Next's ``mtp.*`` as ``mtp.py`` reads MTP
+    layers); idempotent."""
+    return hf if shape.family.hf_state is None else shape.family.hf_state(hf, shape)
+
+
 def hf_to_megatron(hf: dict[str, torch.Tensor], shape: ModelShape, padded_vocab: int,
                    names: list[str]) -> dict[str, torch.Tensor]:
     """Full megatron tensors for the megatron parameter ``names`` from a HF state dict."""
@@ -67,6 +73,7 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], shape: ModelShape, padded_vocab:
     if shape.vision and any(k.startswith(vlm.HF_LM_PREFIX) for k in hf):   # Qwen3-VL: the text model's names
         hf = vlm.text_hf_state(hf)
     hf = text_state(hf, shape)
+    hf = family_hf_state(hf, shape)              # the family's renames (Family.hf_state)
     fam = shape.family
     for name in names:
         if fam.hooks_name_top and _LAYER.match(name) is None and (t := fam.hf_to_megatron(name, "", hf,
@@ -256,6 +263,7 @@ def load_hf_into(model: torch.nn.Module, hf: dict[str, torch.Tensor], shape: Mod
     params = dict(model.named_parameters()) | dict(shape.family.exported_buffers(model))
     num_local = shape.num_experts // ep_size if shape.num_experts else 0
     names = {name: moe.global_name(name, ep_rank, num_local) for name in params}
+    hf = family_hf_state(hf, shape)
     mtp.check_mtp_tensors(hf, shape)
     full = hf_to_megatron(hf, shape, padded_vocab, list(names.values()))
     for name, p in params.items():

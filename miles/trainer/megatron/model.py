@@ -63,6 +63,7 @@ class ModelShape:
     mtp_num_layers: int = 0                   # MTP layers built (--mtp-num-layers, mtp.py); 0: none
     vision: bool = False                      # a vision-language model (Qwen3-VL, vlm.py): the shape is its text model's
     final_logit_softcapping: float = 0.0      # the log-prob head caps the logits c * tanh(z / c) (0: none)
+    rotary_percent: float = 1.0               # the part of each head rope rotates (partial_rotary_factor; Qwen3-Next)
     variant: object = None                    # the family's own fields (a frozen dataclass of its module, e.g.
     #                                           gpt_oss.GptOssShape), None for a family without any
 
@@ -305,7 +306,9 @@ def build_gpt_model(shape: ModelShape, config, *, padded_vocab: int, device: tor
         return fam.build_model(shape, config, padded_vocab=padded_vocab, device=device, core_attention=core,
                                pre_process=pre_process, post_process=post_process)
     own = fam.local_spec(shape, core)          # the family's own layer spec (local blocks, on every device)
-    if own is not None:
+    if fam.block_spec is not None:  # the family's own per-layer block spec (e.g. Qwen3-Next's hybrid layers)
+        spec = own = fam.block_spec(config, shape, core)
+    elif own is not None:
         spec = own
     elif shape.num_experts:         # MoE or dense MLP per layer (moe.py)
         from miles.trainer.megatron.moe import decoder_block_spec
@@ -353,11 +356,13 @@ def build_gpt_model(shape: ModelShape, config, *, padded_vocab: int, device: tor
             from megatron.core.transformer import transformer_block
             from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
+            if fam.adapt_mtp_spec is not None:       # the family's MTP layer (e.g. its norms)
+                mtp_spec = fam.adapt_mtp_spec(mtp_spec)
             if transformer_block.LayerNormImpl is SequenceParallelNorm:     # its norms as the decoder's
                 mtp_spec = _swap_norms(mtp_spec, WrappedTorchNorm, SequenceParallelNorm, set())
         model = HiddenGPTModel(config, spec, mtp_block_spec=mtp_spec, vocab_size=padded_vocab,
                                max_sequence_length=shape.max_position_embeddings, position_embedding_type="rope",
-                               rotary_base=int(shape.rotary_base),
+                               rotary_base=int(shape.rotary_base), rotary_percent=shape.rotary_percent,
                                share_embeddings_and_output_weights=shape.tie_embeddings, parallel_output=True,
                                pre_process=pre_process, post_process=post_process)
     fam.after_build(model, shape)

@@ -136,8 +136,8 @@ def check_shape(m, shape: ModelShape) -> None:
         raise _mismatch("--position-embedding-type", m.position_embedding_type, "position embedding", pe)
     if m.swiglu and not shape.family.swiglu:
         raise _mismatch("--swiglu", "(given)", "MLP", f"non-gated ({shape.family.name})")
-    if m.rotary_percent is not None and m.rotary_percent != 1.0:
-        raise _mismatch("--rotary-percent", m.rotary_percent, "rotary percent", 1.0)
+    if m.rotary_percent is not None and not math.isclose(float(m.rotary_percent), shape.rotary_percent):
+        raise _mismatch("--rotary-percent", m.rotary_percent, "partial_rotary_factor", shape.rotary_percent)
     if m.qk_layernorm and not shape.qk_layernorm:
         raise _mismatch("--qk-layernorm", "(given)", "q_norm/k_norm", "absent")
     if m.add_qkv_bias and not shape.qkv_bias and not shape.mla:    # MLA builds no qkv bias (Megatron ignores it)

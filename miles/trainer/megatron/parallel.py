@@ -143,9 +143,13 @@ def _coalesced_all_reduce(grads: list[torch.Tensor], group: dist.ProcessGroup, o
 
 def _tp_partial(name: str, mla: bool = False) -> bool:
     """Replicated parameters whose gradient is split over TP ranks (each rank sees its own heads): the per-head
-    q/k layernorms. Multi-latent attention's ``q_layernorm``/``kv_layernorm`` normalise the whole latent on every
-    TP rank (complete gradients; under ``--sequence-parallel`` each rank's part of the sequence, summed as the
-    other sequence-parallel norms are)."""
+    q/k layernorms, and the families' own (``Family.tp_partial``). Multi-latent attention's
+    ``q_layernorm``/``kv_layernorm`` normalise the whole latent on every TP rank (complete gradients; under
+    ``--sequence-parallel`` each rank's part of the sequence, summed as the other sequence-parallel norms are)."""
+    from miles.trainer.megatron.families import tp_partial_parts
+
+    if any(part in name for part in tp_partial_parts()):
+        return True
     return not mla and (".q_layernorm." in name or ".k_layernorm." in name)
 
 

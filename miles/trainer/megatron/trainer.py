@@ -521,6 +521,8 @@ class MegatronTrainer(RLTrainer):
     def mtp_weight_prefixes(self) -> tuple[str, ...]:
         """The HF name prefixes of the MTP layers ``iter_weight_buckets`` exports (``--mtp-num-layers``, mtp.py):
         ``model.layers.<num_layers + k>.``; --check-weight-update-equal skips them (engines serve the main model)."""
+        if self.shape.mtp_num_layers and self.shape.family.mtp_prefix is not None:    # e.g. Qwen3-Next's mtp.*
+            return (self.shape.family.mtp_prefix,)
         return tuple(f"model.layers.{self.shape.num_layers + k}." for k in range(self.shape.mtp_num_layers))
 
     def _checkpoint_buffers(self, have: set[str]) -> list[tuple[str, torch.Tensor]]:

@@ -22,7 +22,9 @@ attention / latent MoE on megatron-core's MambaModel; the torch Mamba-2 scan and
 ``gemma4`` (Gemma 4's dense text decoder: its own layer spec, the multimodal checkpoint's
 ``model.language_model.*`` names, final logit softcapping),
 ``deepseek_v4`` (hyper-connections, compressed sparse attention, sqrtsoftplus / hash routing: its own decoder,
-``dsv4_model.py``).
+``dsv4_model.py``), ``qwen3_next``
+(Qwen3-Next, Qwen3.5 / 3.6: hybrid gated DeltaNet and gated attention layers, MoE with a gated shared expert, MTP;
+the torch gated delta rule in ``gated_delta.py``).
 """
 
 from __future__ import annotations
@@ -71,6 +73,9 @@ class Family:
     local_spec: Callable[[Any, type | None], Any] = _nothing   # (shape, core attention or None: megatron-core's
     #                                                 unfused) -> the family's own layer spec, used instead of the TE
     #                                                 and the default local spec (on every device); None: those
+    block_spec: Callable[[Any, Any, Any], Any] | None = None   # (config, shape, core attention) -> the decoder block
+    #                                                    spec of this pipeline stage, built by the family (per-layer
+    #                                                    kinds, e.g. Qwen3-Next's hybrid layers); None: model.py's
     adapt_spec: Callable[[Any, Any, bool], None] = _nothing   # (spec, shape, te): either layer/block spec, last
     after_build: Callable[[Any, Any], None] = _nothing   # the built model (model, shape), before its first forward
     build_model: Callable[..., Any] | None = None        # builds the family's own model in place of model.py's GPTModel
@@ -91,8 +96,15 @@ class Family:
     #                                             tensor, each split over TP on its own ((-1,): one; None: default)
     top_names: Mapping[str, str] = dataclasses.field(default_factory=dict)  # megatron name outside the layers -> HF
     #                                             name, where it is not model.embed_tokens / model.norm / lm_head
+    tp_partial: tuple[str, ...] = ()            # name parts of replicated parameters whose gradient each TP rank
+    #                                             holds for its own heads only (summed over TP, as q/k layernorms')
     exported_buffers: Callable[[torch.nn.Module], list] = _no_buffers   # buffers exported with the parameters
     export_stream: Callable[[Buckets, Any], Buckets] | None = None     # the HF weight stream's last transform
+    hf_state: Callable[[dict, Any], dict] | None = None  # (hf, shape) -> the checkpoint's tensors under the names
+    #                                                    convert.py reads (e.g. Qwen3-Next's mtp.* as model.layers.N.*)
+    mtp_prefix: str | None = None               # the HF name prefix of the MTP layers the export gives (None:
+    #                                             model.layers.{num_layers + k}., DeepSeek-V3's)
+    adapt_mtp_spec: Callable[[Any], Any] | None = None   # the MTP block spec -> the family's (e.g. its norms)
     # --- flags (options.py)
     check_flags: Callable[[Any, Any], None] = _nothing   # (megatron flags, shape): runs for EVERY shape, so a family
     #                                                     refuses its own flags on another one
@@ -106,10 +118,10 @@ class Family:
 
 
 def _load() -> tuple[Family, ...]:
-    from miles.trainer.megatron.families import deepseek_v4, dense, dsa, gemma4, gpt_oss, mla, nemotron_h
+    from miles.trainer.megatron.families import deepseek_v4, dense, dsa, gemma4, gpt_oss, mla, nemotron_h, qwen3_next
 
     return (dense.FAMILY, mla.FAMILY, gpt_oss.FAMILY, dsa.FAMILY, nemotron_h.FAMILY, gemma4.FAMILY,
-            deepseek_v4.FAMILY)
+            deepseek_v4.FAMILY, qwen3_next.FAMILY)
 
 
 ALL: tuple[Family, ...] = _load()
@@ -120,9 +132,6 @@ _BY_TYPE = {mt: f for f in ALL for mt in f.model_types}
 # model types no family builds whose nearest family is not the closest spelling (a family's helper removes its row)
 NEAREST = {"kimi_k25": "kimi_k2 (Kimi-K2.5's text model is Kimi-K2's architecture: train a text-only "
                        "kimi_k2/deepseek_v3 checkpoint of it)",
-           "qwen3_next": "qwen3_moe (Qwen3-Next's gated DeltaNet layers are not built)",
-           "qwen3_5": "qwen3 (Qwen3.5's gated DeltaNet layers are not built)",
-           "qwen3_5_moe": "qwen3_moe (Qwen3.5's gated DeltaNet layers are not built)",
            "glm4_moe": "glm4_moe_lite (GLM-4.5's attention is not multi-latent)"}
 
 
@@ -155,3 +164,7 @@ def row_endings() -> tuple[str, ...]:
 
 def glu_fc1_endings() -> tuple[str, ...]:
     return tuple(c for f in ALL for c in f.glu_fc1)
+
+
+def tp_partial_parts() -> tuple[str, ...]:
+    return tuple(c for f in ALL for c in f.tp_partial)

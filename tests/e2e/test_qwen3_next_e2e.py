@@ -1,0 +1,98 @@
+"""Qwen3.5-MoE end to end on CPU: the model flags of Miles's Qwen3.5-35B-A3B commands (radixark/miles@v0.1.0:
+tests/snapshots/model_args/qwen3.5-35B-A3B.txt, without ``--spec`` and ``--mtp-num-layers``: see docs/trainer.md)
+at the tiny model's sizes (``miles.utils.tiny_qwen35``), the parallel layout of its self-distillation command (TP 2
+with sequence parallelism, EP over the same 2 CPU ranks, colocated), the embedded engines serving the model on the
+generic transformers path (one cache per request: the DeltaNet's conv and recurrent states): 2 rollouts, a weight
+sync after each under ``--check-weight-update-equal`` (the engines hold exactly the trainer's weights under HF names).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from _miles_e2e import QUICKSTART, check_ok, check_run_dir, run, tail
+
+pytest.importorskip("megatron.core")
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(900)]
+
+TINY_SHAPE = [  # Qwen3.5-35B-A3B's model flags, at the tiny model's sizes
+    "--disable-bias-linear", "--qk-layernorm", "--group-query-attention", "--num-attention-heads", "4",
+    "--num-query-groups", "2", "--kv-channels", "16", "--num-layers", "4", "--hidden-size", "64",
+    "--ffn-hidden-size", "32", "--normalization", "RMSNorm", "--apply-layernorm-1p", "--position-embedding-type",
+    "rope", "--norm-epsilon", "1e-6", "--rotary-percent", "0.25", "--swiglu", "--untie-embeddings-and-output-weights",
+    "--vocab-size", "101", "--rotary-base", "10000", "--moe-ffn-hidden-size", "32",
+    "--moe-shared-expert-intermediate-size", "48", "--moe-router-score-function", "softmax",
+    "--moe-token-dispatcher-type", "alltoall", "--moe-router-topk", "2", "--moe-layer-freq", "[1,1,1,1]",
+    "--num-experts", "4", "--moe-token-drop-policy", "probs", "--moe-router-dtype", "fp32", "--moe-aux-loss-coeff",
+    "0", "--attention-output-gate", "--moe-shared-expert-gate"]
+RECORDED = [  # from the self-distillation command (phase2_opd_selfdistill.sh), GPU counts scaled to 2 CPU ranks
+    "--apply-chat-template", "--rollout-shuffle", "--rollout-temperature", "1", "--num-steps-per-rollout", "1",
+    "--optimizer", "adam", "--lr", "1e-5", "--lr-decay-style", "constant", "--weight-decay", "0.1", "--adam-beta1",
+    "0.9", "--adam-beta2", "0.98", "--advantage-estimator", "grpo", "--kl-loss-type", "low_var_kl", "--entropy-coef",
+    "0.00", "--eps-clip", "0.2", "--eps-clip-high", "0.28", "--use-tis", "--tensor-model-parallel-size", "2",
+    "--sequence-parallel", "--pipeline-model-parallel-size", "1", "--context-parallel-size", "1",
+    "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--recompute-granularity", "full",
+    "--recompute-method", "uniform", "--recompute-num-layers", "1", "--rollout-num-gpus-per-engine", "1",
+    "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
+    "--attention-softmax-in-fp32", "--colocate", "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2",
+    "--num-gpus-per-node", "2"]
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["text", "published_layout_mtp"])
+def setup(request, tmp_path_factory) -> tuple[Path, Path, bool]:
+    """The tiny model as a text-only checkpoint, and in the published Qwen3.5 layout (``qwen3_5_moe`` with a
+    ``text_config``, the text model under ``model.language_model.``, a vision tower the run does not train, an MTP
+    layer under ``mtp.*`` that the run builds and trains: Miles's ``--mtp-num-layers 1 --enable-mtp-training``)."""
+    from miles.utils.tiny_qwen35 import build_tiny_qwen35_model
+
+    d = tmp_path_factory.mktemp("qwen35")
+    log = d / "prepare.log"
+    check_ok(run(["bash", str(QUICKSTART / "prepare.sh"), str(d / "data")], log, timeout=300), log)
+    return d / "data", build_tiny_qwen35_model(d / "qwen35", vlm=request.param, mtp=request.param), request.param
+
+
+def test_qwen35_moe_runs_two_rollouts_with_weight_check(setup, tmp_path: Path) -> None:
+    data, model, mtp = setup
+    out, log = tmp_path / "run", tmp_path / "run.log"
+    extra = ["--mtp-num-layers", "1", "--enable-mtp-training"] if mtp else []
+    cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", "train.py", *TINY_SHAPE, *RECORDED, *extra,
+           "--hf-checkpoint", str(model), "--prompt-data", str(data / "train.jsonl"), "--input-key", "input",
+           "--label-key", "label", "--rm-type", "quickstart", "--num-rollout", "2", "--rollout-batch-size", "4",
+           "--n-samples-per-prompt", "2", "--global-batch-size", "8", "--rollout-max-response-len", "4",
+           "--check-weight-update-equal", "--output-dir", str(out)]
+    check_ok(run(cmd, log, timeout=600), log)
+    recs = check_run_dir(out, num_rollout=2, num_ranks=2)
+    assert all(r["rollout/num_samples"] == 8 for r in recs)
+    text = log.read_text()
+    assert "TP 2 x PP 1 x DP 1" in text, text[-3000:]
+    assert text.count("--check-weight-update-equal: ") >= 3, text[-3000:]   # initial sync + one per rollout
+    if mtp:                             # the MTP layer trained (its loss logged) and left out of the engines' check
+        assert all("train/mtp_loss" in r for r in recs), recs[0].keys()
+        assert "MTP" in text, text[-3000:]
+
+
+def test_recorded_qwen36_mtp_command_runs_two_rollouts(tmp_path: Path) -> None:
+    """Miles's recorded Qwen3.6-35B-A3B command (tests/fixtures/miles_scripts/megatron_moe_qwen3_6_35b_a3b_mtp.flags:
+    ``--spec miles_plugins.models.qwen3_5 get_qwen3_5_spec``, ``--mtp-num-layers 1 --enable-mtp-training``, EP 8)
+    through the replay tier's scaler (``miles_fixtures.tiny_replay``: the tiny model in the published layout with its
+    MTP layer, 2 CPU ranks, EP 2, the SGLang-only flags dropped: the CPU world's engines are embedded ones): 2
+    rollouts, the MTP loss trained, ``--check-weight-update-equal`` after every sync."""
+    import json
+    import os
+
+    from miles_fixtures import HERE, PLUGIN_FOLDERS, tiny_replay
+
+    replay = tiny_replay(HERE / "megatron_moe_qwen3_6_35b_a3b_mtp.flags", tmp_path, tmp_path / "models")
+    log = tmp_path / "replay.log"
+    pythonpath = os.pathsep.join([str(Path(__file__).resolve().parents[2]), *map(str, PLUGIN_FOLDERS)])
+    result = run(["torchrun", "--standalone", "--nproc-per-node", str(replay.nproc), replay.entry, *replay.argv], log,
+                 timeout=600, PYTHONPATH=pythonpath)
+    scaled = "\n".join(f"  {flag}: {change}" for flag, change in replay.changed.items())
+    assert result.returncode == 0, f"scaled flags:\n{scaled}\nlog {log}:\n{tail(log)}"
+    out = Path(replay.argv[replay.argv.index("--output-dir") + 1])
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["rollout_id"] for r in records] == [0, 1], records
+    assert all("train/mtp_loss" in r for r in records), records[0].keys()
+    assert "--sglang-ep-size" in replay.changed and "--spec" not in replay.changed, replay.changed
+    assert log.read_text().count("--check-weight-update-equal: ") >= 3, tail(log)
