@@ -720,11 +720,19 @@ class _GenericLM:
         self.caches[slot] = None
         self.routes[slot] = None
 
+    KV_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+
     def _new_cache(self, cache_cls):
-        """An empty cache for one sequence; DeepSeek sparse attention's layers (config.json's layer_types
-        "indexed_attention": DeepSeek-V3.2, GLM-5) need the cache built from the config, which holds their indexer keys."""
-        layer_types = getattr(getattr(self.model, "config", None), "layer_types", None) or ()
-        return cache_cls(config=self.model.config) if "indexed_attention" in layer_types else cache_cls()
+        """An empty cache for one sequence. A model whose config.json names layers other than (windowed) attention
+        gets the cache built from its config, as transformers' ``generate`` builds it: DeepSeek sparse attention's
+        "indexed_attention" (DeepSeek-V3.2, GLM-5: the indexer's keys), the recurrent "linear_attention" / "conv"
+        / "hybrid" layers (Nemotron-H's Mamba-2, gated DeltaNet: a conv and an SSM state per layer, which a cache of
+        lazily added key/value layers cannot hold) and the stateless "moe" / "mlp" layers. Each request has its own
+        cache and runs alone (batch 1), so a recurrent state never mixes requests."""
+        cfg = getattr(self.model, "config", None)
+        cfg = cfg.get_text_config(decoder=True) if cfg is not None else None
+        layer_types = set(getattr(cfg, "layer_types", None) or ())
+        return cache_cls(config=self.model.config) if layer_types - self.KV_LAYER_TYPES else cache_cls()
 
     @torch.no_grad()
     def prefill(self, slot_start: int, seqs: list[list[int]], full_for: list[bool]):
