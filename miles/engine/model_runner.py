@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from miles.engine import fused_ops, paged_attention
 from miles.engine.paged_cache import PagedKV, to_device
 from miles.engine.routed_experts import RoutedExpertsRecorder
-from miles.engine.weights import drop_mtp, mtp_layer_names
+from miles.engine.weights import checkpoint_renames, drop_mtp, mtp_layer_names
 from miles.utils.logging import get_logger
 
 logger = get_logger("miles.engine.model_runner")
@@ -757,22 +757,31 @@ class _GenericLM:
 
 class ParamIndex(dict):
     """The live tensors by HF name (``state_dict`` names; iteration and ``len`` cover those only). transformers 5
-    fuses MoE experts into 3-D parameters (``mlp.experts.gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I])
-    while checkpoints, SGLang and the trainers' exports name them per expert (``mlp.experts.<e>.gate_proj.weight``
-    ...): lookups by those names return views into the fused storage (made on lookup, so none outlives a
-    release of the weights), and updates and reads by either name reach the same weights."""
+    fuses MoE experts into 3-D parameters (``mlp.experts.gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I];
+    Nemotron-H's non-gated ``mixer.experts.up_proj``) while checkpoints, SGLang and the trainers' exports name them
+    per expert (``mlp.experts.<e>.gate_proj.weight`` ...): lookups by those names return views into the fused
+    storage (made on lookup, so none outlives a release of the weights), and updates and reads by either name
+    reach the same weights. ``renames`` (``weights.checkpoint_renames``): the checkpoint's names of tensors that
+    transformers renames on load (Nemotron-H's ``backbone.*``), looked up as the names they load into."""
 
-    def __init__(self, params: dict[str, torch.Tensor]):
+    def __init__(self, params: dict[str, torch.Tensor], renames: dict[str, str] | None = None):
         super().__init__(params)
         self.aliases: dict[str, tuple[str, int, int | None]] = {}     # name -> (fused name, expert, half)
         for name, p in params.items():
-            if p.dim() == 3 and name.endswith(".mlp.experts.gate_up_proj"):
+            if p.dim() == 3 and name.endswith(".experts.gate_up_proj"):
                 for e in range(p.shape[0]):
                     self.aliases[f"{name[:-13]}.{e}.gate_proj.weight"] = (name, e, 0)
                     self.aliases[f"{name[:-13]}.{e}.up_proj.weight"] = (name, e, 1)
-            elif p.dim() == 3 and name.endswith(".mlp.experts.down_proj"):
+            elif p.dim() == 3 and name.endswith((".experts.down_proj", ".experts.up_proj")):
+                base, proj = name.rsplit(".", 1)
                 for e in range(p.shape[0]):
-                    self.aliases[f"{name[:-10]}.{e}.down_proj.weight"] = (name, e, None)
+                    self.aliases[f"{base}.{e}.{proj}.weight"] = (name, e, None)
+        self.renames: dict[str, str] = {}                              # checkpoint name -> parameter name
+        for ext, name in (renames or {}).items():
+            if dict.__contains__(self, name):
+                self.renames[ext] = name
+            elif name in self.aliases:
+                self.aliases[ext] = self.aliases[name]
 
     def _view(self, name: str) -> torch.Tensor:
         fused, e, half = self.aliases[name]
@@ -782,13 +791,15 @@ class ParamIndex(dict):
     def get(self, name, default=None):
         if dict.__contains__(self, name):
             return dict.__getitem__(self, name)
+        if name in self.renames:
+            return dict.__getitem__(self, self.renames[name])
         return self._view(name) if name in self.aliases else default
 
     def __missing__(self, name):
-        return self._view(name)
+        return dict.__getitem__(self, self.renames[name]) if name in self.renames else self._view(name)
 
     def __contains__(self, name) -> bool:
-        return dict.__contains__(self, name) or name in self.aliases
+        return dict.__contains__(self, name) or name in self.aliases or name in self.renames
 
 
 class ModelRunner:
@@ -879,7 +890,8 @@ class ModelRunner:
                              f"{avail / 2**30:.1f} GiB is free; lower --max-running-requests or --max-context-len")
         self.impl.allocate_cache()
         self.eos_token_ids = self._eos_ids()
-        self._params = ParamIndex(self.model.state_dict(keep_vars=True))
+        self._renames = checkpoint_renames(self.model_path, self.model)   # e.g. Nemotron-H's backbone.* names
+        self._params = ParamIndex(self.model.state_dict(keep_vars=True), self._renames)
         self._weights_backup: dict[int, torch.Tensor] | None = None
         self.weights_epoch = 0   # bumped by every weight load: cached prompt KV/logits from before are stale
         self.weights_released = False
@@ -1096,7 +1108,7 @@ class ModelRunner:
             self.weights_released = False
             if self.native:
                 self.impl.fuse()
-            self._params = ParamIndex(self.model.state_dict(keep_vars=True))
+            self._params = ParamIndex(self.model.state_dict(keep_vars=True), self._renames)
         if "kv_cache" in tags and self.kv_released:
             self.impl.allocate_cache()
             self.kv_released = False
