@@ -366,7 +366,9 @@ def check_full_coverage(state: dict[str, torch.Tensor], live: dict[str, torch.Te
     is covered by its per-expert names, ``ParamIndex.aliases``, when they name every expert)."""
     aliases = getattr(live, "aliases", {})
     covered = {id(live[n]) for n in state if n in live and n not in aliases}
-    need, got = Counter(a[0] for a in aliases.values()), Counter(aliases[n][0] for n in state if n in aliases)
+    # each (fused tensor, expert, half) once: a fused expert may have two names (the checkpoint's and transformers')
+    need = Counter(a[0] for a in set(aliases.values()))
+    got = Counter(a[0] for a in {aliases[n] for n in state if n in aliases})
     covered |= {id(live[f]) for f, k in got.items() if k == need[f]}
     missing = [n for n, t in live.items() if id(t) not in covered]
     unknown = [n for n in state if n not in live]
