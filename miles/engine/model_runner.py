@@ -778,6 +778,8 @@ class ParamIndex(dict):
                     self.aliases[f"{base}.{e}.{proj}.weight"] = (name, e, None)
         self.renames: dict[str, str] = {}                              # checkpoint name -> parameter name
         for ext, name in (renames or {}).items():
+            if dict.__contains__(self, ext) or ext in self.aliases:     # a live name already: never shadowed
+                continue
             if dict.__contains__(self, name):
                 self.renames[ext] = name
             elif name in self.aliases:
