@@ -179,6 +179,11 @@ def build_family_model(out: Path, model: str | None, seed: int = 0) -> Path:
         from miles.utils.tiny_vlm import build_tiny_vlm
 
         return build_tiny_vlm(out, tie_word_embeddings=bool(real.get("tie_word_embeddings", False)))
+    if mt == "gemma4":                 # the multimodal checkpoint (text decoder under model.language_model.*)
+        from miles.utils.tiny_gemma4 import build_tiny_gemma4
+
+        return build_tiny_gemma4(out, seed=seed, final_logit_softcapping=float(
+            real["text_config"].get("final_logit_softcapping") or 0.0) or None)
     if "index_topk" in real:             # DeepSeek sparse attention (GLM-5, DeepSeek-V3.2): MLA plus the indexer
         from miles.utils.tiny_dsa import TINY_YARN, build_tiny_dsa_model
 

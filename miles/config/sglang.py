@@ -299,6 +299,10 @@ EMBEDDED_NO_EFFECT: dict[str, str] = {
                            "cache by --engine-max-running-requests x --engine-max-context-len",
     "attention_backend": "a choice of SGLang attention kernels; the embedded engine runs its own (the same attention)",
     "decode_log_interval": "how often SGLang logs decode batches; the embedded engine logs none",
+    "disable_custom_all_reduce": "SGLang's all-reduce kernel between the GPUs of one engine (NCCL's instead); an "
+                                 "embedded engine runs on one device",
+    "disable_radix_cache": "SGLang's reuse of a cached prompt prefix's KV (the same KV, computed once); the embedded "
+                           "engine shares only a whole prompt's KV among its samples",
     "load_format": "how SGLang reads its first weights; the embedded engine reads --hf-checkpoint, and every engine "
                    "gets the trainer's weights before its first request",
     "remote_instance_weight_loader_start_seed_via_transfer_engine": "how SGLang fetches its first weights from "

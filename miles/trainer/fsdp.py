@@ -65,7 +65,9 @@ class FSDPTrainer(RLTrainer):
                          if self.mp_policy is not None and not modeling.is_fsdp(self.model) else {})
         config = self.model.lm.config
         self.vocab_size = int(vlm.text_config(config).vocab_size)
-        self.pad_id = int(config.pad_token_id if config.pad_token_id is not None else 0)
+        pad = getattr(config, "pad_token_id", None)            # a VLM's (Gemma 4) may be its text config's only
+        pad = getattr(vlm.text_config(config), "pad_token_id", None) if pad is None else pad
+        self.pad_id = int(pad if pad is not None else 0)
         # a vision-language --hf-checkpoint (Qwen3-VL): image inputs per micro-batch (miles.trainer.vlm)
         self._images = vlm.ImageProcessor(train.hf_checkpoint, config.image_token_id) if vlm.is_vlm(config) else None
         self.num_params = modeling.count_params(self.model)

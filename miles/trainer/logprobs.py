@@ -4,7 +4,9 @@ Only the hidden states of positions that predict a response token are projected 
 vocabulary, ``chunk_size`` tokens at a time; with gradients on, each chunk runs under
 activation checkpointing, so at most one chunk of ``[chunk, vocab]`` float32 logits (plus its
 gradient) exists at any moment, forward or backward. Logits are divided by the temperature and
-upcast to float32 before the log-softmax, matching how the engine sampled the tokens.
+upcast to float32 before the log-softmax, matching how the engine sampled the tokens. A model with final logit
+softcapping (Gemma 2/3/4's ``final_logit_softcapping`` c) has its logits capped first, ``c * tanh(z / c)``, as its
+HF forward caps them (elementwise: a vocabulary shard caps its own columns).
 
     log p_t = z_t[y_t] / T - logsumexp(z_t / T),   H_t = logsumexp(z_t / T) - sum_v softmax(z_t / T)_v z_tv / T
 
@@ -69,10 +71,12 @@ def _sharded_lse_and_target(logits: torch.Tensor, targets: torch.Tensor, shard: 
 
 def _chunk_logprobs(
     lm_head: nn.Module, temperature: float, with_entropy: bool, entropy_grad: bool,
-    hidden: torch.Tensor, targets: torch.Tensor, shard: VocabShard | None = None,
+    hidden: torch.Tensor, targets: torch.Tensor, shard: VocabShard | None = None, softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [C, H], targets [C] -> (log-probs [C] fp32, entropy [C] fp32, zeros if not asked)."""
     logits = lm_head(hidden).float()                              # [C, V] (or [C, V/tp] with a shard)
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
     if temperature != 1.0:
         logits = logits / temperature
     if shard is not None:
@@ -112,18 +116,20 @@ def logprobs_and_entropy(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     vocab_shard: VocabShard | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """hidden [N, H] (the states that predict ``targets``), targets [N] -> (log-probs [N], entropy [N] or None).
     ``lm_head``: a module or function hidden -> logits, or the output weight [V, H] itself. With ``vocab_shard``,
     it gives this rank's vocabulary columns (module docstring). On a GPU without a shard, a bias-free linear head
-    (or a weight) takes ``fused_logprobs`` (same values, no fp32 [N, V] autograd graph)."""
+    (or a weight) takes ``fused_logprobs`` (same values, no fp32 [N, V] autograd graph) unless ``softcap`` (the
+    final logit softcapping c > 0; 0: none) is set."""
     if chunk_size == -1:  # Miles's default: no chunking, the whole micro-batch at once
         chunk_size = max(1, hidden.shape[0])
     if chunk_size <= 0:
         raise ValueError(f"--log-probs-chunk-size must be positive or -1 (no chunking), got {chunk_size}.")
     weight = lm_head if isinstance(lm_head, torch.Tensor) else getattr(lm_head, "weight", None)
     plain_head = isinstance(lm_head, torch.Tensor) or (isinstance(lm_head, nn.Linear) and lm_head.bias is None)
-    if plain_head and vocab_shard is None and hidden.is_cuda:   # fused_logprobs.py: no fp32 [N, V] autograd graph
+    if plain_head and vocab_shard is None and hidden.is_cuda and not softcap:   # fused_logprobs.py: no fp32 [N, V] autograd graph
         from miles.trainer.fused_logprobs import head_logprobs_and_entropy
 
         return head_logprobs_and_entropy(hidden, weight, targets, temperature=temperature, chunk_size=chunk_size,
@@ -136,9 +142,9 @@ def logprobs_and_entropy(
         h, t = hidden[start:start + chunk_size], targets[start:start + chunk_size]
         if use_ckpt:
             lp, ent = checkpoint(_chunk_logprobs, lm_head, temperature, with_entropy, entropy_grad, h, t,
-                                 vocab_shard, use_reentrant=False)
+                                 vocab_shard, softcap, use_reentrant=False)
         else:
-            lp, ent = _chunk_logprobs(lm_head, temperature, with_entropy, entropy_grad, h, t, vocab_shard)
+            lp, ent = _chunk_logprobs(lm_head, temperature, with_entropy, entropy_grad, h, t, vocab_shard, softcap)
         lps.append(lp)
         ents.append(ent)
     if not lps:

@@ -168,12 +168,21 @@ class PolicyModel(nn.Module):
                                   **attn_kwargs(self.lm, cu_seqlens, max_seqlen), **extra)
         hidden = out.last_hidden_state.flatten(0, 1).index_select(0, logit_index)   # [B*T, H] -> [N, H]
         lp, ent = logprobs_and_entropy(hidden, self.lm.get_output_embeddings(), targets, temperature=temperature,
-                                       chunk_size=chunk_size, with_entropy=with_entropy, entropy_grad=entropy_grad)
+                                       chunk_size=chunk_size, with_entropy=with_entropy, entropy_grad=entropy_grad,
+                                       softcap=final_logit_softcapping(self.lm.config))
         if mm is not None and "pixel_values" not in mm:  # same gradients on every rank (miles.trainer.vlm)
             from miles.trainer.vlm import vision_anchor
 
             lp = lp + vision_anchor(self.lm).to(lp.dtype)
         return lp, ent
+
+
+def final_logit_softcapping(config) -> float:
+    """The HF model's final logit softcapping (Gemma 2/3/4: ``final_logit_softcapping``, on a VLM its text config's;
+    0: none): its forward caps the logits, so the log-probs computed from its hidden states cap them too."""
+    text = getattr(config, "text_config", None) or config
+    return float(getattr(text, "final_logit_softcapping", None) or getattr(config, "final_logit_softcapping", None)
+                 or 0.0)
 
 
 def hf_name(name: str) -> str:

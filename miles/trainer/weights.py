@@ -146,6 +146,18 @@ def checkpoint_tensor_names(hf_dir: str | Path) -> frozenset[str]:
     return frozenset(names)
 
 
+def checkpoint_tensors(hf_dir: str | Path, keep: Callable[[str], bool]) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of an HF model dir's ``*.safetensors`` whose names ``keep`` selects, as stored (dtype included),
+    read one by one (the others are never loaded)."""
+    from safetensors import safe_open
+
+    out: list[tuple[str, torch.Tensor]] = []
+    for f in sorted(Path(hf_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            out.extend((k, h.get_tensor(k)) for k in h.keys() if keep(k))
+    return out
+
+
 def iter_checkpoint_buckets(buckets: Iterable[Bucket], checkpoint_names: Container[str] | None = None
                             ) -> Iterator[Bucket]:
     """``split_fused_experts`` applied bucket by bucket (the gathers of ``buckets`` keep their lockstep)."""

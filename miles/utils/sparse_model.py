@@ -110,13 +110,16 @@ def build_sparse_model(out_dir: str | Path, config: dict[str, Any], *,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    if isinstance(config.get("vision_config"), dict):      # a VLM (Qwen3-VL): its vision tokens at the config's ids
-        from miles.utils.tiny_vlm import VISION_ID_KEYS, build_vlm_tokenizer
+    from miles.utils.tiny_vlm import VISION_ID_KEYS, build_vlm_tokenizer
 
+    # a Qwen3-VL-style VLM (its vision-start/end tokens): the vision tokens at the config's ids; another multimodal
+    # checkpoint trained text-only (Gemma 4) gets the text tokenizer
+    qwen_vl = isinstance(config.get("vision_config"), dict) and all(k in config for k in VISION_ID_KEYS)
+    if qwen_vl:
         build_vlm_tokenizer(out, {k: int(config[k]) for k in VISION_ID_KEYS})
     else:
         build_tokenizer(out)
-    if isinstance(config.get("vision_config"), dict):      # a VLM (Qwen3-VL): its image processor's settings
+    if qwen_vl:                                            # its image processor's settings
         v = config["vision_config"]
         (out / "preprocessor_config.json").write_text(json.dumps({
             "image_processor_type": "Qwen2VLImageProcessor", "patch_size": v.get("patch_size", 16),

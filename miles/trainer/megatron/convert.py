@@ -9,6 +9,8 @@ pre-MLP norms inside ``linear_qkv``/``linear_fc1`` as ``layer_norm_weight``, han
 - Multi-latent attention and shared experts (``families/mla.py``): the HF projections as they are (whole heads per row
   block), the shared experts' ``linear_fc1`` = ``[gate; up]`` like a dense MLP; the router's ``expert_bias``
   buffer = ``mlp.gate.e_score_correction_bias``.
+- A multimodal checkpoint trained text-only (``Family.text_prefix``, e.g. Gemma 4's ``model.language_model.*``):
+  its text decoder read and written under that prefix, the towers neither loaded nor exported.
 - ``word_embeddings`` / ``output_layer`` rows padded with zeros to the padded vocabulary; the output
   layer is absent when embeddings are tied (HF ``tie_word_embeddings``; ``lm_head.weight`` then absent).
 
@@ -63,6 +65,7 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], shape: ModelShape, padded_vocab:
     top = shape.family.top_names           # the family's names outside the layers (Nemotron-H: backbone.*)
     if shape.vision and any(k.startswith(vlm.HF_LM_PREFIX) for k in hf):   # Qwen3-VL: the text model's names
         hf = vlm.text_hf_state(hf)
+    hf = text_state(hf, shape)
     for name in names:
         if vlm.is_vision(name):                 # the vision tower: transformers' own module, names as in HF
             out[name] = hf[vlm.HF_VISION_PREFIX + name[len(vlm.VISION_PREFIX):]]
@@ -102,11 +105,26 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], shape: ModelShape, padded_vocab:
     return out
 
 
+def text_state(hf: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
+    """A multimodal checkpoint trained text-only (``Family.text_prefix``): its text decoder's tensors under
+    ``model.*`` (``lm_head.weight`` as it is; the towers left out); other checkpoints as they are."""
+    prefix = shape.family.text_prefix(shape)
+    if prefix is None or not any(k.startswith(prefix) for k in hf):
+        return hf
+    return {("model." + k[len(prefix):] if k.startswith(prefix) else k): v for k, v in hf.items()
+            if k.startswith(prefix) or not k.startswith("model.")}
+
+
 def megatron_to_hf(name: str, full: torch.Tensor, shape: ModelShape) -> list[tuple[str, torch.Tensor]]:
     """HF tensors from one full megatron tensor (the norm copies of the TE spec map once); a vision-language
-    model's under its checkpoint's names (``model.visual.*``, ``model.language_model.*``, ``lm_head.weight``)."""
+    model's under its checkpoint's names (``model.visual.*``, ``model.language_model.*``, ``lm_head.weight``), a
+    text-only-trained multimodal one's text decoder under its ``Family.text_prefix``."""
     if not shape.vision:
-        return _megatron_to_hf(name, full, shape)
+        pairs = _megatron_to_hf(name, full, shape)
+        prefix = shape.family.text_prefix(shape)
+        if prefix is None:
+            return pairs
+        return [(prefix + n[len("model."):] if n.startswith("model.") else n, t) for n, t in pairs]
     if vlm.is_vision(name):
         return [(vlm.HF_VISION_PREFIX + name[len(vlm.VISION_PREFIX):], full)]
     return [(vlm.hf_lm_name(n), t) for n, t in _megatron_to_hf(name, full, shape)]

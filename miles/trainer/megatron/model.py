@@ -1,12 +1,12 @@
 """GPTModel from a HF ``config.json``, and its layer spec: what every family shares (the families, each one module
 with its hooks, are ``families/``: Llama, Qwen2/3, Qwen3-MoE, Qwen3-VL; multi-latent attention; gpt-oss;
-Nemotron-H, which builds megatron-core's MambaModel through its ``build_model`` hook).
+Gemma 4; Nemotron-H, which builds megatron-core's MambaModel through its ``build_model`` hook).
 
     shape = ModelShape.from_hf_config(hf_config)          # the Megatron view of the HF architecture
     model = build_gpt_model(shape, tp_size=2, device=dev) # megatron-core GPTModel, returns hidden states
 
-The transformer-engine layer spec is used when ``transformer_engine`` imports (and the device is a
-GPU), the local spec otherwise, with torch SDPA as its core attention (``SDPACoreAttention``) unless
+A family's own layer spec (``Family.local_spec``) is used when it gives one; else the transformer-engine layer spec
+when ``transformer_engine`` imports (and the device is a GPU), the local spec otherwise, with torch SDPA as its core attention (``SDPACoreAttention``) unless
 megatron-core's unfused one is asked for. ``HiddenGPTModel`` is a GPTModel whose forward stops after the final
 norm: log-probs are computed from those hidden states, vocabulary-parallel (``miles.trainer.logprobs``).
 """
@@ -62,6 +62,7 @@ class ModelShape:
     nextn_layers: int = 0                     # config.json's num_nextn_predict_layers (the checkpoint's MTP layers)
     mtp_num_layers: int = 0                   # MTP layers built (--mtp-num-layers, mtp.py); 0: none
     vision: bool = False                      # a vision-language model (Qwen3-VL, vlm.py): the shape is its text model's
+    final_logit_softcapping: float = 0.0      # the log-prob head caps the logits c * tanh(z / c) (0: none)
     variant: object = None                    # the family's own fields (a frozen dataclass of its module, e.g.
     #                                           gpt_oss.GptOssShape), None for a family without any
 
@@ -259,19 +260,23 @@ def _swap_norms(obj, old, new, seen: set[int]):
 
 @contextlib.contextmanager
 def _sequence_parallel_norms(config, spec):
-    """Under ``--sequence-parallel`` with megatron-core's torch norms (no apex, no transformer-engine): the
-    spec's norms and the block's final norm are ``SequenceParallelNorm`` while the model is built."""
+    """Under ``--sequence-parallel``: the spec's megatron-core torch norms (the local spec without apex; a family's
+    local spec beside transformer-engine) and, without TE / apex, the block's final norm are ``SequenceParallelNorm``
+    while the model is built."""
     from megatron.core.transformer import transformer_block
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    if not config.sequence_parallel or transformer_block.LayerNormImpl is not WrappedTorchNorm:
+    if not config.sequence_parallel:
         yield spec
         return
-    transformer_block.LayerNormImpl = SequenceParallelNorm
+    block = transformer_block.LayerNormImpl is WrappedTorchNorm     # else TE's / apex's final norm (SP-aware)
+    if block:
+        transformer_block.LayerNormImpl = SequenceParallelNorm
     try:
         yield _swap_norms(spec, WrappedTorchNorm, SequenceParallelNorm, set())
     finally:
-        transformer_block.LayerNormImpl = WrappedTorchNorm
+        if block:
+            transformer_block.LayerNormImpl = WrappedTorchNorm
 
 
 def build_gpt_model(shape: ModelShape, config, *, padded_vocab: int, device: torch.device,
@@ -298,7 +303,10 @@ def build_gpt_model(shape: ModelShape, config, *, padded_vocab: int, device: tor
             from megatron.core.transformer.dot_product_attention import DotProductAttention as core
         return fam.build_model(shape, config, padded_vocab=padded_vocab, device=device, core_attention=core,
                                pre_process=pre_process, post_process=post_process)
-    if shape.num_experts:           # MoE or dense MLP per layer (moe.py)
+    own = fam.local_spec(shape, core)          # the family's own layer spec (local blocks, on every device)
+    if own is not None:
+        spec = own
+    elif shape.num_experts:         # MoE or dense MLP per layer (moe.py)
         from miles.trainer.megatron.moe import decoder_block_spec
 
         spec = decoder_block_spec(config, shape, te=te, core_attention=core)
@@ -310,7 +318,7 @@ def build_gpt_model(shape: ModelShape, config, *, padded_vocab: int, device: tor
                                         multi_latent_attention=shape.mla)
         if core is not None:
             spec.submodules.self_attention.submodules.core_attention = core
-    if not te:
+    if not te and own is None:
         fam.adapt_local_spec(spec)  # the family's blocks in the local spec
     fam.adapt_spec(spec, shape, te)     # ... and on either spec (DSA's core attention)
 

@@ -144,7 +144,7 @@ def check_shape(m, shape: ModelShape) -> None:
         raise _mismatch("--add-qkv-bias", "(given)", "attention bias", "absent")
     if m.untie_embeddings_and_output_weights and shape.tie_embeddings:
         raise _mismatch("--untie-embeddings-and-output-weights", "(given)", "tie_word_embeddings", True)
-    if m.num_layers is None:
+    if m.num_layers is None or shape.family.bridge_only:    # the switches: what a Megatron-LM build would miss
         return
     gqa = shape.num_query_groups != shape.num_attention_heads
     for name, given, key, cv, needed in (

@@ -59,6 +59,7 @@ from miles.trainer.megatron import vlm as mvlm
 from miles.trainer.metrics import active_params, moe_routing, peak_tflops
 from miles.trainer.optim import LRSchedule, MasterWeights, build_adamw
 from miles.trainer.step import RLTrainer
+from miles.trainer.weights import checkpoint_tensors
 from miles.types import Sample
 from miles.utils.logging import get_logger
 
@@ -392,7 +393,8 @@ class MegatronTrainer(RLTrainer):
             head = weight[:self.vocab_size] if weight.shape[0] != self.vocab_size else weight
         return logprobs_and_entropy(h, head, mb.targets if targets is None else targets, temperature=self.temperature,
                                     chunk_size=self.cfg.log_probs_chunk_size, with_entropy=with_entropy,
-                                    entropy_grad=entropy_grad, vocab_shard=self.vocab_shard)
+                                    entropy_grad=entropy_grad, vocab_shard=self.vocab_shard,
+                                    softcap=self.shape.final_logit_softcapping)
 
     # ------------------------------------------------------------------ training
     def train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
@@ -520,6 +522,14 @@ class MegatronTrainer(RLTrainer):
         """The HF name prefixes of the MTP layers ``iter_weight_buckets`` exports (``--mtp-num-layers``, mtp.py):
         ``model.layers.<num_layers + k>.``; --check-weight-update-equal skips them (engines serve the main model)."""
         return tuple(f"model.layers.{self.shape.num_layers + k}." for k in range(self.shape.mtp_num_layers))
+
+    def _checkpoint_buffers(self, have: set[str]) -> list[tuple[str, torch.Tensor]]:
+        """A multimodal checkpoint trained text-only (``Family.text_prefix``): its other tensors (the towers) as
+        --hf-checkpoint holds them, so the --save-hf directory loads as the checkpoint did."""
+        prefix = self.shape.family.text_prefix(self.shape)
+        if prefix is None:
+            return []
+        return checkpoint_tensors(self.cfg.hf_checkpoint, lambda n: not n.startswith(prefix) and n not in have)
 
     def save_hf(self, path: str | Path) -> None:
         """The HF model dir (merged weights under LoRA), and with LoRA also the adapter alone in HF PEFT format

@@ -18,7 +18,9 @@ Families today: ``dense`` (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen3-VL: the generic
 ``mla`` (multi-latent attention and DeepSeek-style MoE: GLM-4.7-Flash, DeepSeek-V3, Kimi-K2, JoyAI; YaRN in
 ``yarn.py``), ``gpt_oss`` (sinks, sliding windows, clamped SwiGLU, biases), ``dsa`` (DeepSeek sparse attention:
 DeepSeek-V3.2, GLM-5 / 5.1 / 5.2; mla's plus megatron-core's DSAttention), ``nemotron_h`` (hybrid Mamba-2 /
-attention / latent MoE on megatron-core's MambaModel; the torch Mamba-2 scan and mixer in ``mamba.py``).
+attention / latent MoE on megatron-core's MambaModel; the torch Mamba-2 scan and mixer in ``mamba.py``),
+``gemma4`` (Gemma 4's dense text decoder: its own layer spec, the multimodal checkpoint's
+``model.language_model.*`` names, final logit softcapping).
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ class Family:
     core_attention: Callable[[Any], type | None] = _nothing     # the local spec's core attention for "sdpa" (None:
     #                                                             model.SDPACoreAttention)
     adapt_local_spec: Callable[[Any], None] = _nothing   # the local layer/block spec, after the core attention is set
+    local_spec: Callable[[Any, type | None], Any] = _nothing   # (shape, core attention or None: megatron-core's
+    #                                                 unfused) -> the family's own layer spec, used instead of the TE
+    #                                                 and the default local spec (on every device); None: those
     adapt_spec: Callable[[Any, Any, bool], None] = _nothing   # (spec, shape, te): either layer/block spec, last
     after_build: Callable[[Any, Any], None] = _nothing   # the built model (model, shape), before its first forward
     build_model: Callable[..., Any] | None = None        # builds the family's own model in place of model.py's GPTModel
@@ -72,6 +77,9 @@ class Family:
     hf_to_megatron: Callable[[str, str, dict, Any], torch.Tensor | None] = _nothing   # (suffix, 'model.layers.L.',
     #                                                                                    hf, shape); None: not its own
     megatron_to_hf: Callable[[str, str, torch.Tensor, Any], list | None] = _nothing  # (suffix, prefix, full, shape)
+    text_prefix: Callable[[Any], str | None] = _nothing  # a multimodal checkpoint trained text-only: the prefix of its
+    #      text decoder's ``model.*`` names (e.g. "model.language_model."): loaded from there, exported (weight sync,
+    #      --save-hf) under it, the checkpoint's other tensors (towers) copied as they are by --save-hf; None: "model."
     column: tuple[str, ...] = ()                # parameter-name endings split over TP on dim 0 ...
     row: tuple[str, ...] = ()                   # ... and on dim 1
     glu_fc1: tuple[str, ...] = ()               # endings holding [gate; up] (each half split over TP on its own)
@@ -88,12 +96,15 @@ class Family:
     linear_biases: bool = False                 # every linear has a bias (no --disable-bias-linear)
     swiglu: bool = True                         # its MLPs are SwiGLU (--swiglu with --num-layers; else refused)
     position_embedding: str = "rope"            # --position-embedding-type it accepts (Megatron-LM's name)
+    bridge_only: bool = False                   # Miles builds it only through Megatron-Bridge (from config.json):
+    #                                             its scripts' shape flags are compared, switches (--swiglu, ...) not
+    #                                             required with --num-layers
 
 
 def _load() -> tuple[Family, ...]:
-    from miles.trainer.megatron.families import dense, dsa, gpt_oss, mla, nemotron_h
+    from miles.trainer.megatron.families import dense, dsa, gemma4, gpt_oss, mla, nemotron_h
 
-    return dense.FAMILY, mla.FAMILY, gpt_oss.FAMILY, dsa.FAMILY, nemotron_h.FAMILY
+    return dense.FAMILY, mla.FAMILY, gpt_oss.FAMILY, dsa.FAMILY, nemotron_h.FAMILY, gemma4.FAMILY
 
 
 ALL: tuple[Family, ...] = _load()

@@ -152,9 +152,11 @@ def check_shape(m, shape) -> None:
         return ConfigError(f"{flag} {value} does not match --hf-checkpoint's config.json ({key} {cv}): fix the flag "
                            "or drop it (the model shape is read from config.json).")
 
-    if g is None:
+    if g is None:              # a family with sliding windows of its own (Gemma 4) checks the window flags itself
+        windowed = getattr(shape.variant, "sliding_window", None) is not None
         for flag, v in (("--softmax-type", softmax if softmax not in (None, "vanilla") else None),
-                        ("--window-size", window), ("--window-attn-skip-freq", skip)):
+                        ("--window-size", None if windowed else window),
+                        ("--window-attn-skip-freq", None if windowed else skip)):
             if v is not None:
                 raise mismatch(flag, v, "model_type", f"{shape.model_type}, no attention sinks or sliding windows")
         return

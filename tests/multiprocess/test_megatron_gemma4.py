@@ -1,0 +1,259 @@
+"""Gemma 4 (tiny, ``miles.utils.tiny_gemma4``, multimodal layout) on the Megatron backend, on real gloo ranks (torchrun,
+CPU).
+
+``test_gemma4_gpt_matches_hf``: the registry's build (``model.build_gpt_model``: ``families/gemma4.py``'s own layer
+spec with sandwich norms on post-normed RowParallelLinears, the full layers' own head size / KV heads / K=V /
+proportional RoPE, the weightless value norm, attention scale 1, sliding windows, layer scalars, the scaled
+embedding), loaded by ``convert.load_hf_into`` from the checkpoint's ``model.language_model.*`` names, with the
+shape's final logit softcapping, gives transformers' own ``Gemma4ForConditionalGeneration`` log-probs in fp32, at
+TP 1 and TP 2 (sequence parallel), on the windowed SDPA core attention and on megatron-core's unfused
+``DotProductAttention`` (``--attention-backend unfused``, Miles's recorded value); rows of 20 tokens are longer than
+the window (4); every parameter gets a finite gradient; the export (``export.iter_hf_buckets``: the weight sync and
+``--save-hf``) is the checkpoint's text decoder, names and bits, and nothing of its vision tower.
+
+``test_gemma4_trainer_parity_with_fsdp``: 2 ranks. The FSDP backend (transformers' Gemma4ForConditionalGeneration
+under FSDP2, DP 2) and the Megatron trainer (TP 2, sequence parallel, ``--qkv-format bshd``) train the same 2
+rollouts: log-probs before training, step metrics and the update agree; the export before training equals the
+checkpoint; ``--save-hf`` writes every tensor of the checkpoint (the trained text decoder, the towers as they were)
+and loads in transformers; a torch_dist checkpoint saved and resumed restores the weights bitwise.
+
+``test_gemma4_gpt_matches_hf_on_gpu`` (``gpu``): the same build at TP 1 in bf16 on one GPU under real torchrun.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _torchrun import torchrun_self
+
+pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.multiprocess
+
+HERE = Path(__file__).resolve()
+SEQ = 20
+# fp32 CPU, measured 1.4e-6 (SDPA, TP 1 and TP 2) and 0.0 (unfused, TP 1) in log-prob:
+# pytest tests/multiprocess/test_megatron_gemma4.py -k "not gpu"
+BOUND = 3e-6
+
+
+def _build(model_dir: str, tp: int, core: str, device, dtype):
+    """The Megatron backend's GPTModel of the Gemma 4 checkpoint (the registry's build and converter), loaded;
+    (model, shape, groups)."""
+    import torch
+    from transformers import AutoConfig
+
+    from miles.trainer.megatron import convert, parallel
+    from miles.trainer.megatron import model as mmodel
+
+    groups = parallel.init_parallel(tp_size=tp, num_trainer_ranks=tp, seed=1, device=device)
+    shape = mmodel.ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir))
+    config = mmodel.transformer_config(shape, tp_size=tp, device=device, params_dtype=dtype,
+                                       bf16=dtype == torch.bfloat16, sequence_parallel=tp > 1)
+    padded = mmodel.padded_vocab_size(shape.vocab_size, 128, tp)
+    gpt = mmodel.build_gpt_model(shape, config, padded_vocab=padded, device=device, core_attention=core)
+    convert.load_hf_into(gpt, convert.read_hf_state_dict(model_dir), shape, padded, groups.tp_rank, tp)
+    return gpt, shape, groups
+
+
+def _gpt_worker(model_dir: str, out: str, core: str, device_name: str = "cpu") -> None:
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    from miles.trainer.megatron import export, parallel
+    from miles.trainer.megatron import model as mmodel
+    from miles.trainer.megatron.compat import apply_cpu_compat
+
+    on_gpu = device_name == "cuda"
+    dist.init_process_group("nccl" if on_gpu else "gloo")
+    tp, rank = dist.get_world_size(), dist.get_rank()
+    device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)
+    else:
+        apply_cpu_compat()
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    gpt, shape, groups = _build(model_dir, tp, core, device, dtype)
+
+    torch.manual_seed(0)
+    ids = torch.randint(4, shape.vocab_size - 4, (2, SEQ))          # no image / video token ids
+    pos = torch.arange(SEQ).unsqueeze(0).expand(2, -1)
+    hidden = gpt(ids.to(device), pos.to(device), attention_mask=None)   # [s / tp (sequence parallel), b, h]
+    if tp > 1:
+        from megatron.core.tensor_parallel.mappings import (
+            gather_from_sequence_parallel_region,
+            gather_from_tensor_model_parallel_region,
+        )
+
+        hidden = gather_from_sequence_parallel_region(hidden)
+    logits = hidden.transpose(0, 1) @ mmodel.output_weight(gpt).t()     # [b, s, V / tp]
+    if tp > 1:
+        logits = gather_from_tensor_model_parallel_region(logits)
+    logits = logits[..., :shape.vocab_size].float()
+    cap = shape.final_logit_softcapping                                 # what the trainer's log-prob head applies
+    logits = cap * torch.tanh(logits / cap)
+    logits.square().mean().backward()
+    parallel.finish_grads(gpt, groups)
+    grads_ok = all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in gpt.parameters())
+    lp = torch.log_softmax(logits.detach().cpu(), -1)
+
+    # the export (weight sync, --save-hf): the text decoder under the checkpoint's names, bit for bit
+    exported = [(n, t.cpu()) for b in export.iter_hf_buckets(gpt, shape, groups, device=device, bucket_bytes=1 << 14,
+                                                              dtype=dtype) for n, t in b]
+    disk = load_file(str(Path(model_dir) / "model.safetensors"))
+    same = [n for n, t in exported if n in disk and torch.equal(t, disk[n].to(dtype))]
+
+    ref_model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
+    with torch.no_grad():
+        ref = torch.log_softmax(ref_model.to(device)(input_ids=ids.to(device)).logits.float().cpu(), -1)
+    if rank == 0:
+        text = sorted(k for k in disk if k.startswith("model.language_model."))
+        Path(out).write_text(json.dumps({
+            "lp_max_abs_err": float((lp - ref).abs().max()), "grads_ok": grads_ok,
+            "exported": sorted(n for n, _ in exported), "same": sorted(same), "text": text,
+            "softcap": cap, "towers": sorted({k.split(".")[1] for k in disk if k not in text})}))
+    dist.destroy_process_group()
+
+
+def _parity_worker(model_dir: str, out: str) -> None:
+    """2 ranks: the FSDP backend (transformers' Gemma4ForConditionalGeneration, DP 2) and the Megatron trainer (TP 2,
+    sequence parallel) train the same 2 rollouts; the Megatron side's torch_dist save/resume and --save-hf."""
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from test_megatron import _all_logprobs, _flags
+    from trainer_harness import build, random_samples
+
+    dist.init_process_group("gloo")
+    rank, group = dist.get_rank(), dist.group.WORLD
+    samples = random_samples(4, 4, seed=7, vocab=90)
+    mine = samples[:8] if rank == 0 else samples[8:]
+    res: dict = {}
+    # Adam's eps 1e-3 on both backends: at the default 1e-8 the first step lr * g / (|g| + eps) turns the fp32
+    # rounding of the few entries whose gradient is near 1e-8 into up to 2e-4 of update (measured, any softcap);
+    # at 1e-3 the update follows the gradient, so the bounds below compare the two backends' gradients
+    eps = ["--adam-eps", "1e-3"]
+    fsdp = build(model_dir, _flags("fsdp", 1) + eps, group=group)
+    fsdp._mm = [None] * len(samples)                    # a VLM on FSDP: these samples have no images (as train sets)
+    fsdp_lp = _all_logprobs(fsdp, samples)
+    res["fsdp_metrics"] = [fsdp.train(mine, rid) for rid in range(2)]
+    fsdp_sd = fsdp.state_dict_for_check()
+    del fsdp
+    flags = ("--sequence-parallel", "--qkv-format", "bshd", "--save", str(Path(out).parent / "ckpt"))
+    meg = build(model_dir, _flags("megatron", 2, megatron_flags=flags) + eps, group=group)
+    init = meg.state_dict_for_check()
+    meg_lp = _all_logprobs(meg, samples)
+    res["meg_metrics"] = [meg.train(mine, rid) for rid in range(2)]
+    meg_sd = meg.state_dict_for_check()
+    meg.save_hf(Path(out).parent / "hf_out")
+    meg.checkpoint(1, {"rollout_id": 1})
+    meg.train(mine, 2)                                  # move away, then load the checkpoint back
+    res["resumed_extra"] = meg.resume()
+    reloaded = meg.state_dict_for_check()
+    if rank == 0:
+        from transformers import AutoModelForImageTextToText
+
+        hf = load_file(str(Path(model_dir) / "model.safetensors"))
+        text = sorted(k for k in hf if k.startswith("model.language_model."))
+        res["ckpt_reload_bitwise"] = sorted(reloaded) == sorted(meg_sd) and all(
+            torch.equal(reloaded[k], meg_sd[k]) for k in meg_sd)
+        saved_model = AutoModelForImageTextToText.from_pretrained(Path(out).parent / "hf_out")
+        saved = {n: t.detach().cpu() for n, t in saved_model.state_dict().items()}
+        res["save_hf_text_equal"] = all(torch.equal(saved[k], meg_sd[k]) for k in meg_sd)
+        on_disk = load_file(str(Path(out).parent / "hf_out" / "model.safetensors"))
+        res["save_hf_keys_equal"] = sorted(on_disk) == sorted(hf)
+        res["save_hf_towers_equal"] = all(torch.equal(on_disk[k], hf[k]) for k in hf if k not in meg_sd)
+        res["export_keys_equal"] = sorted(init) == text == sorted(meg_sd)
+        # FSDP exports parameters only (the layer_scalar buffers, never trained, stay with the engines)
+        res["fsdp_missing"] = sorted(set(meg_sd) - set(fsdp_sd))
+        res["export_bitwise"] = all(torch.equal(init[k], hf[k]) for k in text)
+        keys = sorted(set(meg_sd) & set(fsdp_sd))
+        res["layer_scalar_kept"] = all(torch.equal(meg_sd[k], hf[k]) for k in res["fsdp_missing"])
+        deltas = {k: ((meg_sd[k] - hf[k]) - (fsdp_sd[k] - hf[k])).abs().max().item() for k in keys}
+        res["update_max_abs_diff"], res["update_worst"] = max(deltas.values()), max(deltas, key=deltas.get)
+        num = sum(((meg_sd[k] - fsdp_sd[k]).double() ** 2).sum().item() for k in keys)
+        den = sum(((fsdp_sd[k] - hf[k]).double() ** 2).sum().item() for k in keys)
+        res["update_rel_l2"] = (num / den) ** 0.5
+        res["lp_max_abs_diff"] = max((a - b).abs().max().item() for a, b in zip(fsdp_lp, meg_lp))
+        torch.save(res, out)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma4_dir(tmp_path_factory) -> Path:
+    from miles.utils.tiny_gemma4 import build_tiny_gemma4
+
+    return build_tiny_gemma4(tmp_path_factory.mktemp("tiny_gemma4"))
+
+
+@pytest.mark.parametrize("tp,core", [(1, "sdpa"), (2, "sdpa"), (1, "unfused"), (2, "unfused")])
+def test_gemma4_gpt_matches_hf(tiny_gemma4_dir: Path, tmp_path: Path, free_port: int, tp: int, core: str) -> None:
+    out = tmp_path / f"gpt_tp{tp}_{core}.json"
+    proc = torchrun_self(HERE, tp, free_port, "gpt", str(tiny_gemma4_dir), str(out), core, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    res = json.loads(out.read_text())
+    assert res["grads_ok"], res
+    assert res["softcap"] == 1.0 and res["towers"] == ["embed_vision", "vision_tower"], res
+    assert res["lp_max_abs_err"] < BOUND, (tp, core, res["lp_max_abs_err"])
+    assert res["exported"] == res["text"] and res["same"] == res["text"]     # the text decoder, bit for bit
+
+
+def test_gemma4_trainer_parity_with_fsdp(tiny_gemma4_dir: Path, tmp_path: Path, free_port: int) -> None:
+    import torch
+
+    out = tmp_path / "parity.pt"
+    proc = torchrun_self(HERE, 2, free_port, "parity", str(tiny_gemma4_dir), str(out), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    res = torch.load(out, weights_only=False)
+    assert res["export_keys_equal"] and res["export_bitwise"], res
+    assert res["fsdp_missing"] and all(k.endswith(".layer_scalar") for k in res["fsdp_missing"]), res
+    assert res["layer_scalar_kept"], res
+    assert res["save_hf_text_equal"] and res["save_hf_keys_equal"] and res["save_hf_towers_equal"], res
+    assert res["ckpt_reload_bitwise"] and res["resumed_extra"]["rollout_id"] == 1, res
+    assert res["lp_max_abs_diff"] < LP_BOUND, res
+    for f, m in zip(res["fsdp_metrics"], res["meg_metrics"]):
+        for key in ("loss", "pg_loss", "entropy", "ppo_kl", "tis", "grad_norm", "num_samples", "num_tokens",
+                    "advantages_mean", "kl_loss", "reward_kl_mean"):
+            assert abs(f[key] - m[key]) <= 1e-5 * max(1.0, abs(f[key])), (key, f[key], m[key])
+    assert res["update_max_abs_diff"] < UPDATE_BOUND and res["update_rel_l2"] < REL_BOUND, res
+
+
+# measured (OMP_NUM_THREADS=1 python -m pytest tests/multiprocess/test_megatron_gemma4.py -k trainer_parity): log-probs
+# 9.5e-7 apart, the update after 2 steps 6.6e-7 (max abs), 1.9e-5 (relative L2)
+LP_BOUND, UPDATE_BOUND, REL_BOUND = 2e-6, 1.4e-6, 4e-5
+
+
+@pytest.mark.gpu
+def test_gemma4_gpt_matches_hf_on_gpu(tiny_gemma4_dir: Path, tmp_path: Path, free_port: int) -> None:
+    """One GPU, bf16, TP 1 (real torchrun): megatron-core's Gemma 4 within bf16 rounding of transformers'."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    out = tmp_path / "gpt_gpu.json"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port), str(HERE), "gpt", str(tiny_gemma4_dir), str(out), "sdpa", "cuda"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    res = json.loads(out.read_text())
+    print(res["lp_max_abs_err"])
+    assert res["grads_ok"] and res["same"] == res["layers"], res
+    # Not measured yet (no GPU here): bf16 through 5 layers of a 64-wide model, log-probs of a ~4.6 nats scale; the
+    # bound is a bf16 budget (8 ulps of 4.6 = 0.125, halved) until the lead's run replaces it by twice the measured
+    # value: pytest -s -m gpu tests/multiprocess/test_megatron_gemma4.py -k gpu
+    assert res["lp_max_abs_err"] < 0.06, res
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "gpt":
+        _gpt_worker(*sys.argv[2:6])
+    elif sys.argv[1] == "parity":
+        _parity_worker(sys.argv[2], sys.argv[3])
