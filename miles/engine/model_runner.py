@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from miles.engine import fused_ops, paged_attention
 from miles.engine.paged_cache import PagedKV, to_device
 from miles.engine.routed_experts import RoutedExpertsRecorder
-from miles.engine.weights import drop_mtp, mtp_layer_names
+from miles.engine.weights import checkpoint_renames, drop_mtp, mtp_layer_names
 from miles.utils.logging import get_logger
 
 logger = get_logger("miles.engine.model_runner")
@@ -723,17 +723,21 @@ class _GenericLM:
         self.caches[slot] = None
         self.routes[slot] = None
 
+    KV_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+
     def _new_cache(self, cache_cls):
-        """An empty cache for one sequence; DeepSeek sparse attention's layers (config.json's layer_types
-        "indexed_attention": DeepSeek-V3.2, GLM-5), the gated DeltaNet layers of Qwen3-Next / Qwen3.5
-        ("linear_attention") and DeepSeek-V4 (sliding window plus compressor state per layer type) need the cache built
-        from the config, which holds their indexer keys / their conv and recurrent states (one cache per request: a
-        request's recurrent state is its own)."""
+        """An empty cache for one sequence. A model whose config.json names layers other than (windowed) attention
+        gets the cache built from its config, as transformers' ``generate`` builds it: DeepSeek sparse attention's
+        "indexed_attention" (DeepSeek-V3.2, GLM-5: the indexer's keys), the recurrent "linear_attention" / "conv"
+        / "hybrid" layers (Nemotron-H's Mamba-2, Qwen3-Next / Qwen3.5's gated DeltaNet: a conv and a recurrent state
+        per layer, which a cache of lazily added key/value layers cannot hold) and the stateless "moe" / "mlp" layers;
+        so does DeepSeek-V4 (sliding window plus compressor state per layer type). Each request has its own cache and
+        runs alone (batch 1), so a recurrent state never mixes requests."""
         config = getattr(self.model, "config", None)
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        text = config.get_text_config(decoder=True) if config is not None else None
         layer_types = set(getattr(text, "layer_types", None) or ())
-        own = bool(layer_types & {"indexed_attention", "linear_attention"}) or getattr(
-            text, "model_type", None) in _CONFIG_CACHE or getattr(config, "model_type", None) in _CONFIG_CACHE
+        own = bool(layer_types - self.KV_LAYER_TYPES) or getattr(text, "model_type", None) in _CONFIG_CACHE or \
+            getattr(config, "model_type", None) in _CONFIG_CACHE
         return cache_cls(config=config) if own else cache_cls()
 
     @torch.no_grad()
@@ -759,22 +763,33 @@ class _GenericLM:
 
 class ParamIndex(dict):
     """The live tensors by HF name (``state_dict`` names; iteration and ``len`` cover those only). transformers 5
-    fuses MoE experts into 3-D parameters (``mlp.experts.gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I])
-    while checkpoints, SGLang and the trainers' exports name them per expert (``mlp.experts.<e>.gate_proj.weight``
-    ...): lookups by those names return views into the fused storage (made on lookup, so none outlives a
-    release of the weights), and updates and reads by either name reach the same weights."""
+    fuses MoE experts into 3-D parameters (``mlp.experts.gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I];
+    Nemotron-H's non-gated ``mixer.experts.up_proj``) while checkpoints, SGLang and the trainers' exports name them
+    per expert (``mlp.experts.<e>.gate_proj.weight`` ...): lookups by those names return views into the fused
+    storage (made on lookup, so none outlives a release of the weights), and updates and reads by either name
+    reach the same weights. ``renames`` (``weights.checkpoint_renames``): the checkpoint's names of tensors that
+    transformers renames on load (Nemotron-H's ``backbone.*``), looked up as the names they load into."""
 
-    def __init__(self, params: dict[str, torch.Tensor]):
+    def __init__(self, params: dict[str, torch.Tensor], renames: dict[str, str] | None = None):
         super().__init__(params)
         self.aliases: dict[str, tuple[str, int, int | None]] = {}     # name -> (fused name, expert, half)
         for name, p in params.items():
-            if p.dim() == 3 and name.endswith(".mlp.experts.gate_up_proj"):
+            if p.dim() == 3 and name.endswith(".experts.gate_up_proj"):
                 for e in range(p.shape[0]):
                     self.aliases[f"{name[:-13]}.{e}.gate_proj.weight"] = (name, e, 0)
                     self.aliases[f"{name[:-13]}.{e}.up_proj.weight"] = (name, e, 1)
-            elif p.dim() == 3 and name.endswith(".mlp.experts.down_proj"):
+            elif p.dim() == 3 and name.endswith((".experts.down_proj", ".experts.up_proj")):
+                base, proj = name.rsplit(".", 1)
                 for e in range(p.shape[0]):
-                    self.aliases[f"{name[:-10]}.{e}.down_proj.weight"] = (name, e, None)
+                    self.aliases[f"{base}.{e}.{proj}.weight"] = (name, e, None)
+        self.renames: dict[str, str] = {}                              # checkpoint name -> parameter name
+        for ext, name in (renames or {}).items():
+            if dict.__contains__(self, ext) or ext in self.aliases:     # a live name already: never shadowed
+                continue
+            if dict.__contains__(self, name):
+                self.renames[ext] = name
+            elif name in self.aliases:
+                self.aliases[ext] = self.aliases[name]
 
     def _view(self, name: str) -> torch.Tensor:
         fused, e, half = self.aliases[name]
@@ -784,13 +799,15 @@ class ParamIndex(dict):
     def get(self, name, default=None):
         if dict.__contains__(self, name):
             return dict.__getitem__(self, name)
+        if name in self.renames:
+            return dict.__getitem__(self, self.renames[name])
         return self._view(name) if name in self.aliases else default
 
     def __missing__(self, name):
-        return self._view(name)
+        return dict.__getitem__(self, self.renames[name]) if name in self.renames else self._view(name)
 
     def __contains__(self, name) -> bool:
-        return dict.__contains__(self, name) or name in self.aliases
+        return dict.__contains__(self, name) or name in self.aliases or name in self.renames
 
 
 class ModelRunner:
@@ -881,7 +898,8 @@ class ModelRunner:
                              f"{avail / 2**30:.1f} GiB is free; lower --max-running-requests or --max-context-len")
         self.impl.allocate_cache()
         self.eos_token_ids = self._eos_ids()
-        self._params = ParamIndex(self.model.state_dict(keep_vars=True))
+        self._renames = checkpoint_renames(self.model_path, self.model)   # e.g. Nemotron-H's backbone.* names
+        self._params = ParamIndex(self.model.state_dict(keep_vars=True), self._renames)
         self._weights_backup: dict[int, torch.Tensor] | None = None
         self.weights_epoch = 0   # bumped by every weight load: cached prompt KV/logits from before are stale
         self.weights_released = False
@@ -1098,7 +1116,7 @@ class ModelRunner:
             self.weights_released = False
             if self.native:
                 self.impl.fuse()
-            self._params = ParamIndex(self.model.state_dict(keep_vars=True))
+            self._params = ParamIndex(self.model.state_dict(keep_vars=True), self._renames)
         if "kv_cache" in tags and self.kv_released:
             self.impl.allocate_cache()
             self.kv_released = False

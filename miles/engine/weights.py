@@ -320,6 +320,31 @@ def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def checkpoint_renames(path: str | Path, model: torch.nn.Module) -> dict[str, str]:
+    """The checkpoint's tensor names that transformers renames on load (its conversion mapping's renamings, e.g.
+    Nemotron-H's ``backbone.*`` -> ``model.*`` in transformers 5), each mapped to the name it gets in the live model
+    (a parameter, or a per-expert name of a fused expert tensor). The trainers export under the checkpoint's
+    names, so weight updates and reads by them reach the same tensors. Only the safetensors headers are read;
+    empty where transformers has no conversion mapping (4.x) or renames nothing."""
+    try:
+        from safetensors import safe_open
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, apply_renamings
+    except ImportError:
+        return {}
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    if not renamings:
+        return {}
+    out: dict[str, str] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            for name in h.keys():
+                renamed = apply_renamings(name, renamings)
+                if renamed != name:
+                    out[name] = renamed
+    return out
+
+
 def mtp_layer_names(config: Any) -> Callable[[str], bool]:
     """Whether a HF name belongs to the checkpoint's multi-token-prediction layers (GLM-4.7-Flash, DeepSeek-V3 keep
     them as ``model.layers.{num_hidden_layers + k}.*``, config.json's ``num_nextn_predict_layers``; Qwen3-Next and
@@ -344,7 +369,9 @@ def check_full_coverage(state: dict[str, torch.Tensor], live: dict[str, torch.Te
     is covered by its per-expert names, ``ParamIndex.aliases``, when they name every expert)."""
     aliases = getattr(live, "aliases", {})
     covered = {id(live[n]) for n in state if n in live and n not in aliases}
-    need, got = Counter(a[0] for a in aliases.values()), Counter(aliases[n][0] for n in state if n in aliases)
+    # each (fused tensor, expert, half) once: a fused expert may have two names (the checkpoint's and transformers')
+    need = Counter(a[0] for a in set(aliases.values()))
+    got = Counter(a[0] for a in {aliases[n] for n in state if n in aliases})
     covered |= {id(live[f]) for f, k in got.items() if k == need[f]}
     missing = [n for n, t in live.items() if id(t) not in covered]
     unknown = [n for n in state if n not in live]
@@ -365,6 +392,8 @@ def load_from_disk(path: str, live: dict[str, torch.Tensor],
         current = {n: t.detach().to("cpu") for n, t in live.items()}
         for a, (fused, e, half) in getattr(live, "aliases", {}).items():   # per-expert names of fused experts
             current[a] = current[fused][e] if half is None else current[fused][e].chunk(2, dim=0)[half]
+        for a, n in getattr(live, "renames", {}).items():   # the checkpoint's names of renamed parameters
+            current[a] = current[n]
         new = apply_delta_dir(path, current, skip=is_mtp)
         return {n: t for n, t in new.items() if n not in current or t is not current[n]}   # MTP: skipped
     if Path(path, "full_manifest.json").is_file():

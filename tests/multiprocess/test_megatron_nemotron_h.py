@@ -240,3 +240,34 @@ if __name__ == "__main__":
         _parity_worker(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "gpu":
         _gpu_worker(sys.argv[2], sys.argv[3])
+
+
+def test_embedded_engine_serves_nemotron_h(tiny_nemotron_dir: Path, tmp_path: Path) -> None:
+    """``python -m miles.engine`` serves Nemotron-H on the generic transformers path, each request with its own cache
+    built from config.json (a conv and an SSM state per Mamba layer, KV for the attention layer): a batch of prompts
+    of different lengths (2 to 20 tokens, across the Mamba chunk of 8), 2 samples each and different
+    ``max_new_tokens``, on 4 slots (so requests finish, leave and are admitted while others decode), gives greedily
+    exactly the tokens each prompt gets alone, and transformers' ``generate`` of the prompt alone."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from miles.engine.testing import EngineProc
+
+    prompts = [[5, 17, 23, 42, 8, 9, 11, 12, 3, 4, 5, 6, 7], [7, 8], list(range(30, 50)), [60, 61, 62, 63, 64]]
+    new = [8, 5, 10, 6]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_nemotron_dir, dtype=torch.float32)
+    with torch.no_grad():
+        ref = [hf.generate(torch.tensor([p]), max_new_tokens=m, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(p):].tolist() for p, m in zip(prompts, new)]
+    assert len({tuple(r) for r in ref}) == len(ref), ref          # the prompts' continuations differ
+    sp = [{"max_new_tokens": m, "temperature": 0.0, "ignore_eos": True, "n": 2} for m in new]
+    eng = EngineProc(tiny_nemotron_dir, "--max-running-requests", "4", "--max-context-len", "64",
+                     log=tmp_path / "e.log")
+    try:
+        batch = eng.generate({"input_ids": prompts, "sampling_params": sp})
+        alone = [eng.generate({"input_ids": p, "sampling_params": {**s, "n": 1}})["output_ids"]
+                 for p, s in zip(prompts, sp)]
+    finally:
+        eng.stop()
+    assert [o["output_ids"] for o in batch] == [r for r in ref for _ in range(2)], (batch, ref)
+    assert alone == ref, (alone, ref)

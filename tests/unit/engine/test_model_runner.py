@@ -143,3 +143,32 @@ def test_fused_projections_follow_weight_updates_and_memory_release(kind, tmp_pa
         outs.append((last, step))
     torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-5, rtol=0)
     torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-5, rtol=0)
+
+
+def test_checkpoint_names_reach_renamed_and_fused_tensors(tmp_path):
+    """Nemotron-H's checkpoint names its tensors ``backbone.*`` and each expert apart; transformers 5 loads them as
+    ``model.*`` with the experts fused (``mixer.experts.up_proj`` [E, I, H]). The engine's index answers to the
+    checkpoint's names (reads and in-place updates reach the live tensors), a full checkpoint under them covers every
+    tensor, and a weight update by them changes what the model computes."""
+    from safetensors.torch import load_file
+
+    from miles.engine.weights import load_from_disk
+    from miles.utils.tiny_nemotron import build_tiny_nemotron_model
+
+    d = build_tiny_nemotron_model(tmp_path / "nemotron")
+    ckpt = load_file(str(d / "model.safetensors"))
+    assert any(n.startswith("backbone.") for n in ckpt) and "backbone.layers.1.mixer.experts.2.up_proj.weight" in ckpt
+    r = ModelRunner(d, RunnerOptions(max_running_requests=2, max_context_len=32))
+    live = r.named_tensors()
+    assert all(n.startswith(("model.", "lm_head.")) for n in live)           # transformers' own names
+    for name, t in ckpt.items():
+        assert name in live and torch.equal(live[name], t), name
+    state = load_from_disk(str(d), live)                                    # full coverage by the checkpoint's names
+    assert set(state) == set(ckpt)
+    before = r.prefill(0, [[5, 6, 7, 8]], [False])[0]
+    new = {"backbone.layers.1.mixer.experts.2.up_proj.weight": torch.randn_like(ckpt["backbone.layers.1.mixer.experts.2.up_proj.weight"]),
+           "backbone.norm_f.weight": ckpt["backbone.norm_f.weight"] * 2}
+    assert r.load_tensors(new) == 2
+    assert torch.equal(r.model.model.layers[1].mixer.experts.up_proj[2], new["backbone.layers.1.mixer.experts.2.up_proj.weight"])
+    assert torch.equal(r.model.model.norm_f.weight, new["backbone.norm_f.weight"])
+    assert not torch.equal(r.prefill(0, [[5, 6, 7, 8]], [False])[0], before)
