@@ -49,7 +49,7 @@ def check_mtp_shape(m, shape) -> None:
         return
     if int(n) != shape.nextn_layers:
         raise ConfigError(f"--mtp-num-layers {n} does not match --hf-checkpoint's config.json "
-                          f"(num_nextn_predict_layers {shape.nextn_layers}): the MTP block is built from the "
+                          f"({shape.family.mtp_key} {shape.nextn_layers}): the MTP block is built from the "
                           "checkpoint's MTP layers; pass --mtp-num-layers "
                           f"{shape.nextn_layers}" + (" or drop it" if shape.nextn_layers else ": drop the flag")
                           + " (or use a checkpoint with its MTP layers).")

@@ -110,6 +110,7 @@ class Family:
     #                                                     refuses its own flags on another one
     check_static: Callable[[Any, Any], None] = _nothing  # (options.Options, shape): runs for its own shapes only
     linear_biases: bool = False                 # every linear has a bias (no --disable-bias-linear)
+    mtp_key: str = "num_nextn_predict_layers"   # config.json's count of MTP layers (ModelShape.nextn_layers)
     swiglu: bool = True                         # its MLPs are SwiGLU (--swiglu with --num-layers; else refused)
     position_embedding: str = "rope"            # --position-embedding-type it accepts (Megatron-LM's name)
     bridge_only: bool = False                   # Miles builds it only through Megatron-Bridge (from config.json):

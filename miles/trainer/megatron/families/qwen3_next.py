@@ -466,6 +466,7 @@ def _sections(name: str, shape) -> list[int] | None:
 
 FAMILY = Family(
     name="Qwen3-Next / Qwen3.5", model_types=FAMILIES, shape_fields=shape_fields, config_kwargs=config_kwargs,
+    mtp_key="mtp_num_hidden_layers",
     block_spec=lambda config, shape, core: decoder_block_spec(config, shape, shape.variant, core_attention=core),
     hf_to_megatron=lambda suffix, prefix, hf, shape: hf_to_megatron(suffix, prefix, hf, shape, shape.variant),
     megatron_to_hf=lambda suffix, prefix, full, shape: megatron_to_hf(suffix, prefix, full, shape, shape.variant),

@@ -180,6 +180,10 @@ def test_mtp_layer_is_built_like_the_last_decoder_layer(tiny_model_dir: Path) ->
     msg = _refusal(tiny_model_dir, ["--mtp-num-layers", "1"], config)
     assert msg.startswith("--mtp-num-layers 1: the Megatron backend builds Qwen3-Next / Qwen3.5's MTP layer as one "
                           "megatron-core MTP layer like the decoder's last (a full-attention layer)"), msg
+    config = json.loads(NEXT_JSON.read_text()) | {"mtp_num_hidden_layers": 1}
+    msg = _refusal(tiny_model_dir, ["--mtp-num-layers", "2"], config)   # the family's own key is named
+    assert msg.startswith("--mtp-num-layers 2 does not match --hf-checkpoint's config.json (mtp_num_hidden_layers "
+                          "1)"), msg
 
 
 @pytest.mark.parametrize("flags, message", [
