@@ -14,7 +14,7 @@ def gpt_worker(model_dir: str, out: str, ep: int = 1, seq: int = 20, mtp: bool =
     """TP = world size (``ep`` 1), or TP 1 x EP = world size (the experts split over the ranks, all-to-all); 2 rows
     of ``seq`` random tokens. Writes to ``out`` (json): the logits' max distance to transformers' (fp32, eager),
     whether every gradient is finite, the exported HF names and those equal to the checkpoint bit for bit; at EP 1
-    the full gradients under HF names beside it (``<out>.grads.safetensors``). ``mtp``: the checkpoint's MTP layers
+    the full gradients under HF names beside it (``<out>.grads.safetensors``); ``max_lp_err``: the log-probs' distance. ``mtp``: the checkpoint's MTP layers
     are built too (frozen, as without --enable-mtp-training) and exported. ``reference`` "transformers": the export is
     compared with the state dict transformers loads (a checkpoint named otherwise than transformers names its modules:
     DeepSeek-V4's) rather than the safetensors file."""
@@ -86,9 +86,11 @@ def gpt_worker(model_dir: str, out: str, ep: int = 1, seq: int = 20, mtp: bool =
 
     with torch.no_grad():
         ref = hf(input_ids=ids).logits
+    lp_err = (torch.log_softmax(logits, -1) - torch.log_softmax(ref, -1)).abs().max()
     if rank == 0:
         Path(out).write_text(json.dumps({
-            "max_abs_err": float((logits - ref).abs().max()), "ref_scale": float(ref.abs().max()),
+            "max_abs_err": float((logits - ref).abs().max()), "max_lp_err": float(lp_err),
+            "ref_scale": float(ref.abs().max()),
             "grads_ok": grads_ok, "no_grad": no_grad,
             "finite_ok": finite_ok, "exported": [n for n, _ in exported], "same": same, "disk": sorted(disk)}))
     dist.destroy_process_group()

@@ -34,63 +34,6 @@ def _torchrun(nproc: int, port: int, *args: str, timeout: int = 400) -> subproce
     return torchrun_self(HERE, nproc, port, *args, timeout=timeout)
 
 
-def _worker(model_dir: str, out: str, ep: int = 1) -> None:
-    """TP = world size (``ep`` 1), or TP 1 x EP = world size."""
-    import torch
-    import torch.distributed as dist
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from miles.trainer.megatron import convert, export, model, moe, parallel
-
-    dist.init_process_group("gloo")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    tp = world // ep
-    cpu = torch.device("cpu")
-    groups = parallel.init_parallel(tp_size=tp, num_trainer_ranks=world, seed=1, device=cpu, ep_size=ep)
-    moe.apply_moe_compat()
-    moe.apply_moe_cpu_compat()
-    shape = model.ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir))
-    padded = model.padded_vocab_size(shape.vocab_size, 128, tp)
-    kw = moe.config_kwargs(shape, moe.MoeOptions(), ep=ep, etp=1, te=False)
-    config = model.transformer_config(shape, tp_size=tp, device=cpu, moe=kw, sequence_parallel=tp > 1)
-    net = model.build_gpt_model(shape, config, padded_vocab=padded, device=cpu)
-    convert.load_hf_into(net, convert.read_hf_state_dict(model_dir), shape, padded, groups.tp_rank, tp,
-                         ep_rank=groups.ep_rank, ep_size=ep)
-
-    torch.manual_seed(0)
-    ids = torch.randint(4, shape.vocab_size, (2, SEQ))
-    pos = torch.arange(SEQ).unsqueeze(0).expand(2, -1)
-    hidden = net(ids, pos, attention_mask=None)                       # [s / tp (sequence parallel), b, h]
-    if tp > 1:
-        from megatron.core.tensor_parallel.mappings import (
-            gather_from_sequence_parallel_region,
-            gather_from_tensor_model_parallel_region,
-        )
-
-        hidden = gather_from_sequence_parallel_region(hidden)
-    local = hidden.transpose(0, 1) @ model.output_weight(net).t()     # [b, s, V / tp]
-    full = gather_from_tensor_model_parallel_region(local) if tp > 1 else local
-    logits = full[..., :shape.vocab_size]
-    logits.square().mean().backward()
-    if ep == 1:
-        parallel.finish_grads(net, groups)
-    grads_ok = all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in net.parameters())
-    exported = [pair for bucket in export.iter_hf_buckets(net, shape, groups, device=cpu, bucket_bytes=1 << 14)
-                for pair in bucket]
-    disk = load_file(str(Path(model_dir) / "model.safetensors"))
-    same = [n for n, t in exported if n in disk and disk[n].dtype == t.dtype and torch.equal(disk[n], t)]
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        ref = hf(input_ids=ids).logits
-    err = (torch.log_softmax(logits.detach(), -1) - torch.log_softmax(ref, -1)).abs().max()
-    if rank == 0:
-        Path(out).write_text(json.dumps({
-            "max_lp_err": float(err), "ref_scale": float(ref.abs().max()), "grads_ok": grads_ok,
-            "exported": [n for n, _ in exported], "same": same, "disk": sorted(disk)}))
-    dist.destroy_process_group()
-
-
 def _parity_worker(model_dir: str, out: str) -> None:
     """2 ranks: FSDP (transformers' NemotronHForCausalLM, DP 2) and the Megatron trainer (TP 2, sequence parallel)
     train the same 2 rollouts; then the Megatron side's exports, --save-hf and a torch_dist save / resume."""
@@ -235,7 +178,9 @@ def test_nemotron_h_matches_hf_on_gpu_bf16(tiny_nemotron_dir: Path, tmp_path: Pa
 
 if __name__ == "__main__":
     if sys.argv[1] == "run":
-        _worker(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:5]))
+        from family_workers import gpt_worker
+
+        gpt_worker(sys.argv[2], sys.argv[3], ep=int(sys.argv[4]) if len(sys.argv) > 4 else 1, seq=SEQ)
     elif sys.argv[1] == "parity":
         _parity_worker(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "gpu":
