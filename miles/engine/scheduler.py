@@ -227,6 +227,7 @@ class Scheduler(DecodeSteps):
         self.decode_seconds = 0.0
         self.decode_wait_seconds = 0.0
         self.decode_phases = dict.fromkeys(("grow", "inputs", "forward", "sample", "append", "remove"), 0.0)
+        self.cpu_threads = torch.get_num_threads()  # the scheduler thread's torch intra-op threads (set in _loop)
 
     # ------------------------------------------------------------------ thread plumbing
     def start(self) -> None:
@@ -273,6 +274,8 @@ class Scheduler(DecodeSteps):
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
+        self.cpu_threads = torch.get_num_threads()  # what the forward passes run with (OMP_NUM_THREADS of the process)
+        logger.info("scheduler thread: %d CPU thread(s) for the forward passes", self.cpu_threads)
         if self.runner.device.type == "cuda":
             torch.cuda.set_device(self.runner.device)
         try:
@@ -789,5 +792,5 @@ class Scheduler(DecodeSteps):
                 "chunked_prefills": self.chunked_prefills, "mixed_prefills": self.mixed_prefills,
                 "mixed_steps": self.mixed_steps, "overlap_steps": self.overlap_steps,
                 "overlap_dropped_tokens": self.dropped_tokens, "decode_seconds": round(self.decode_seconds, 4),
-                "decode_wait_seconds": round(self.decode_wait_seconds, 4),
+                "decode_wait_seconds": round(self.decode_wait_seconds, 4), "cpu_threads": self.cpu_threads,
                 **{f"decode_{k}_seconds": round(v, 4) for k, v in self.decode_phases.items()}, **self.runner.kv_stats()}

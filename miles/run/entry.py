@@ -40,7 +40,7 @@ async def run_job(cfg: MilesConfig, loop_cls: Any) -> None:
     dashboard.start(cfg, ctx)  # --use-miles-dashboard: this rank's telemetry collector (a no-op without it)
     beat = Liveness.start(ctx.world.rank, ctx.world.world_size)  # after a timeout: which rank went silent
     try:
-        job = await build_run(cfg, ctx)
+        job = await build_run(cfg, ctx, overlap=getattr(loop_cls, "overlaps_phases", False))
     except BaseException:
         dashboard.close()  # its last flush: what it has recorded of the start-up
         raise
