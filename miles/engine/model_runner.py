@@ -200,7 +200,11 @@ class _NativeLM:
         self.deterministic = deterministic
         if deterministic:
             self.batch_buckets = [b for b in self.batch_buckets if b == max_slots]
-        self.ctx_buckets = sorted({min(cache_ctx, 1 << k) for k in range(8, 24)} | {cache_ctx})
+        # the context an eager decode step attends over: the live length rounded up to a power of two, from 16 (a whole
+        # page of the paged cache at least; from 256 with CUDA graphs: one graph per bucket). Starting at 256 on CPU, a
+        # quickstart rollout (contexts of ~6 tokens) spent a fifth of the scheduler's CPU on masked positions
+        low = 256 if self.use_graphs else max(16, page_size if num_pages is not None else 1)
+        self.ctx_buckets = sorted({min(cache_ctx, 1 << k) for k in range(low.bit_length() - 1, 24)} | {cache_ctx})
         # paged mode (num_pages given): a page pool + block tables instead of the slot cache
         self.kv: PagedKV | None = None
         if num_pages is not None:
