@@ -349,6 +349,18 @@ class _NativeLM:
             return self.kv.share(src, dst, length)
         self.move_slot(src, dst, length)  # the slot cache copies (a move leaves the source's KV in place)
 
+    def share_prefix_many(self, src: int, dsts: list[int], length: int) -> None:
+        """``share_prefix`` to every slot of ``dsts``: on the slot cache one copy per layer and K/V for all of them
+        (a group of n samples was 2 x layers x (n - 1) small copies)."""
+        if self.kv is not None or len(dsts) < 2:
+            for dst in dsts:
+                self.share_prefix(src, dst, length)
+            return
+        idx = torch.tensor(dsts, dtype=torch.long, device=self.device)
+        for kc, vc in zip(self.k_cache, self.v_cache):
+            kc[idx, :, :length] = kc[src, :, :length]
+            vc[idx, :, :length] = vc[src, :, :length]
+
     def release_slot(self, slot: int) -> None:
         if self.kv is not None:
             self.kv.release(slot)
@@ -979,6 +991,14 @@ class ModelRunner:
 
     def share_prefix(self, src: int, dst: int, length: int) -> None:
         self.impl.share_prefix(src, dst, length)
+
+    def share_prefix_many(self, src: int, dsts: list[int], length: int) -> None:
+        """``share_prefix(src, dst, length)`` for every ``dst`` (batched where the cache can)."""
+        many = getattr(self.impl, "share_prefix_many", None)
+        if many is not None:
+            return many(src, dsts, length)
+        for dst in dsts:
+            self.impl.share_prefix(src, dst, length)
 
     @property
     def can_share_running_prefix(self) -> bool:

@@ -638,8 +638,11 @@ class Scheduler(DecodeSteps):
         else:
             last, full = None, []
         rows = list(range(len(uniq))) + [src for _, src in dups]
+        by_src: dict[int, list[int]] = {}  # the samples of one prompt get its KV together
         for j, (_, src) in enumerate(dups):
-            rn.share_prefix(start + src, start + len(uniq) + j, len(seqs[src]))
+            by_src.setdefault(src, []).append(start + len(uniq) + j)
+        for src, dsts in by_src.items():
+            rn.share_prefix_many(start + src, dsts, len(seqs[src]))
         full = full + [full[src] for _, src in dups] + [None] * len(held)
         seqs = seqs + [seqs[src] for _, src in dups] + [r.spec.input_ids for r, _ in held]
         base = len(uniq) + len(dups)
