@@ -509,21 +509,25 @@ class Scheduler(DecodeSteps):
                 posts.append(r)
 
     def _remove(self, idxs: list[int]) -> None:
-        for i in sorted(idxs, reverse=True):
-            last = len(self.running) - 1
-            gone = self.running[i]
-            self._drop_holder(gone)
-            gone.state, gone.slot = "done", -1
-            if gone.spec.return_routed_experts:
-                gone.routed_experts = self.runner.routed_experts(i)
-            self.runner.release_slot(i)
-            if i != last:
-                mover = self.running[last]
-                self.runner.move_slot(last, i, mover.kv_len)
-                self.running[i] = mover
-                mover.slot = i
-            self.running.pop()
-            gone.post(final=True)
+        gone_now: list[Req] = []
+        try:
+            for i in sorted(idxs, reverse=True):
+                last = len(self.running) - 1
+                gone = self.running[i]
+                self._drop_holder(gone)
+                gone.state, gone.slot = "done", -1
+                if gone.spec.return_routed_experts:
+                    gone.routed_experts = self.runner.routed_experts(i)
+                self.runner.release_slot(i)
+                if i != last:
+                    mover = self.running[last]
+                    self.runner.move_slot(last, i, mover.kv_len)
+                    self.running[i] = mover
+                    mover.slot = i
+                self.running.pop()
+                gone_now.append(gone)
+        finally:  # one event-loop wake-up for all of them (was a self-pipe write per request), even after a failure
+            post_final(gone_now)
         if idxs:
             self._epoch += 1
 
