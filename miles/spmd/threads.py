@@ -18,6 +18,12 @@ set split it. An engine process runs on its leader rank's CPUs. Every process ge
 ``OMP_NUM_THREADS`` set by the user (in the environment or ``--train-env-vars``) fixes the count of every
 process of the job instead, as in plain torch. torchrun sets ``OMP_NUM_THREADS=1`` for its workers when the
 user gave none and it starts several a node; that value is torchrun's, not a choice, and the plan replaces it.
+
+Between two parallel regions an OpenMP worker busy-waits before it sleeps: libgomp's default is 300,000 spins,
+~3.5 ms here, so a process that ends its phase keeps a core busy into the next phase, and on a machine where
+other jobs run a thread spins while the peer it waits for is descheduled. :func:`default_openmp_env` sets
+``GOMP_SPINCOUNT=10000`` (~0.1 ms) for the job's processes unless ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is
+given; it must run before torch loads libgomp.
 """
 
 from __future__ import annotations
@@ -52,6 +58,20 @@ def describe_threads(plan: RolePlan, per_rank: Sequence[CpuThreads]) -> str:
     return (f"CPU threads: {counts([per_rank[r].trainer for r in plan.trainer_ranks])} per trainer rank while it "
             f"trains, {counts([per_rank[r].engine for r in engine_processes(plan)])} per engine process while it "
             "generates (the cores of a node shared by the processes of each phase; OMP_NUM_THREADS=N fixes N)")
+
+
+SPIN_COUNT = "10000"
+
+
+def default_openmp_env(env: dict[str, str] | None = None) -> bool:
+    """``GOMP_SPINCOUNT=SPIN_COUNT`` in ``env`` (default ``os.environ``, inherited by the engine processes) unless
+    the user set ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT``; True when it set it. Only a process that has not loaded
+    torch yet takes it (libgomp reads it once, when torch loads it)."""
+    env = os.environ if env is None else env
+    if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
+        return False
+    env["GOMP_SPINCOUNT"] = SPIN_COUNT
+    return True
 
 
 def usable_cpus(pid: int = 0) -> list[int]:

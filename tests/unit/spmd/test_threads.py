@@ -10,6 +10,7 @@ from miles.spmd.roles import build_role_plan
 from miles.spmd.threads import (
     _cgroup_quota,
     cpu_ranges,
+    default_openmp_env,
     describe_threads,
     engine_processes,
     parse_cpu_ranges,
@@ -112,3 +113,11 @@ def test_cpu_ranges_round_trip_and_cgroup_quota(tmp_path):
     f.write_text("max 100000\n")
     assert _cgroup_quota(str(f)) is None
     assert _cgroup_quota(str(tmp_path / "absent")) is None
+
+
+def test_openmp_threads_spin_briefly_unless_the_user_chose():
+    env: dict[str, str] = {}
+    assert default_openmp_env(env) and env == {"GOMP_SPINCOUNT": "10000"}
+    for given in ({"GOMP_SPINCOUNT": "300000"}, {"OMP_WAIT_POLICY": "active"}):
+        env = dict(given)
+        assert not default_openmp_env(env) and env == given
