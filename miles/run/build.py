@@ -130,7 +130,8 @@ def _share_plan(cfg: MilesConfig, ctx: SPMDContext, timeout: float) -> tuple[Run
     return RunPlan.from_dict(msg["plan"]), {}
 
 
-def _share_cpu_threads(ctx: SPMDContext, *, overlap: bool, timeout: float) -> CpuThreads:
+def _share_cpu_threads(ctx: SPMDContext, *, overlap: bool, timeout: float,
+                       train_env_vars: dict[str, str] | None = None) -> CpuThreads:
     """Every rank's usable CPUs (one all-gather over the control group), then this rank's thread counts
     (``miles.spmd.threads``; the driver logs the job's); a bad ``OMP_NUM_THREADS`` on any rank fails every rank
     with its line."""
@@ -144,7 +145,7 @@ def _share_cpu_threads(ctx: SPMDContext, *, overlap: bool, timeout: float) -> Cp
     )
 
     try:
-        fixed, err = user_omp_threads(), None
+        fixed, err = user_omp_threads(train_env_vars=train_env_vars), None
     except ConfigError as e:
         fixed, err = None, str(e)
     rows = all_gather_json({"cpus": cpu_ranges(usable_cpus()), "error": err}, ctx.groups.control_group, timeout)
@@ -200,7 +201,7 @@ async def build_run(cfg: MilesConfig, ctx: SPMDContext, *, overlap: bool = False
     if ctx.is_driver:
         _write_config(cfg, plan, out_dir)
         logger.info("output dir %s (config.json, metrics.jsonl, logs/)", out_dir)
-    threads = _share_cpu_threads(ctx, overlap=overlap, timeout=timeout)
+    threads = _share_cpu_threads(ctx, overlap=overlap, timeout=timeout, train_env_vars=cfg.train.train_env_vars)
     if ctx.is_trainer:
         import torch
 

@@ -91,16 +91,19 @@ def _cgroup_quota(path: str = "/sys/fs/cgroup/cpu.max") -> int | None:
         return None
 
 
-def user_omp_threads(env: Mapping[str, str] | None = None, launcher_env: Mapping[str, str] | None = None) -> int | None:
+def user_omp_threads(env: Mapping[str, str] | None = None, launcher_env: Mapping[str, str] | None = None,
+                     train_env_vars: Mapping[str, str] | None = None) -> int | None:
     """``OMP_NUM_THREADS`` as the user set it; None when unset or set by torchrun for its workers.
 
     ``launcher_env``: the environment the launcher process was started with (default: the parent's, read from
-    ``/proc`` under torchrun); a value torchrun added itself is absent there."""
+    ``/proc`` under torchrun); a value torchrun added itself is absent there. ``train_env_vars``: what
+    ``--train-env-vars`` set (the user's too)."""
     env = os.environ if env is None else env
     raw = env.get("OMP_NUM_THREADS")
     if raw is None or not raw.strip():
         return None
-    if "TORCHELASTIC_RUN_ID" in env:  # a torchrun worker: was the value in torchrun's own environment?
+    if "TORCHELASTIC_RUN_ID" in env and "OMP_NUM_THREADS" not in (train_env_vars or {}):
+        # a torchrun worker: was the value in torchrun's own environment?
         parent = _parent_env() if launcher_env is None else launcher_env
         if parent is not None and "OMP_NUM_THREADS" not in parent:
             return None

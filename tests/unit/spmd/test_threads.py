@@ -98,6 +98,7 @@ def test_omp_num_threads_given_or_set_by_torchrun():
     torchrun = {"TORCHELASTIC_RUN_ID": "x", "OMP_NUM_THREADS": "1"}
     assert user_omp_threads(torchrun, launcher_env={"PATH": "/bin"}) is None  # torchrun added it
     assert user_omp_threads(torchrun, launcher_env={"OMP_NUM_THREADS": "1"}) == 1  # the user gave it to torchrun
+    assert user_omp_threads(torchrun, launcher_env={}, train_env_vars={"OMP_NUM_THREADS": "1"}) == 1  # --train-env-vars
     for bad in ("0", "two", "-1"):
         with pytest.raises(ConfigError, match=f"OMP_NUM_THREADS='{bad}' is not a positive whole number"):
             user_omp_threads({"OMP_NUM_THREADS": bad})
