@@ -1,7 +1,7 @@
 """CPU threads follow the phase (miles.spmd.threads) in a real 2-rank run: torchrun, 1 FSDP trainer rank + 1
 embedded engine on one node. With no OMP_NUM_THREADS from the user (torchrun then sets 1 for its workers) the
-trainer rank trains with every usable core and the engine generates with every usable core; the user's
-OMP_NUM_THREADS=1 keeps one thread in both. The trainer's count is read inside its loss (a custom loss that
+trainer rank trains with every usable core and the engine generates with every usable core; under
+train_async.py, where both compute at once, each gets half; the user's OMP_NUM_THREADS=1 keeps one thread in both. The trainer's count is read inside its loss (a custom loss that
 reports ``torch.get_num_threads()`` as ``train/cpu_threads``), the engine's on its scheduler thread (its log)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(60
 HERE = Path(__file__).resolve().parent
 
 
-def _run(tmp_path: Path, model: Path, omp: str | None) -> tuple[list[dict], str, str]:
+def _run(tmp_path: Path, model: Path, omp: str | None, script: str = "train.py") -> tuple[list[dict], str, str]:
     data = tmp_path / "rl.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "label": str(2 * i)}) + "\n" for i in range(16)))
     out, log = tmp_path / "run", tmp_path / "run.log"
@@ -29,7 +29,7 @@ def _run(tmp_path: Path, model: Path, omp: str | None) -> tuple[list[dict], str,
     e.pop("OMP_NUM_THREADS")
     if omp is not None:
         e["OMP_NUM_THREADS"] = omp
-    cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", "train.py", "--train-backend", "fsdp",
+    cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", script, "--train-backend", "fsdp",
            "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "1", "--num-gpus-per-node",
            "2", "--hf-checkpoint", str(model), "--prompt-data", str(data), "--input-key", "prompt", "--label-key",
            "label", "--rm-type", "math", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
@@ -61,3 +61,11 @@ def test_the_users_omp_num_threads_fixes_every_process(tmp_path: Path, tiny_mode
     assert [r["train/cpu_threads"] for r in recs] == [1.0, 1.0], text[-3000:]
     assert _engine_threads(engine_log) == [1], engine_log[-2000:]
     assert "CPU threads: 1 in every process (OMP_NUM_THREADS)" in text
+
+
+def test_train_async_splits_the_cores_between_trainer_and_engine(tmp_path: Path, tiny_model_dir: Path):
+    half = max(1, len(usable_cpus()) // 2)
+    recs, engine_log, text = _run(tmp_path, tiny_model_dir, None, script="train_async.py")
+    assert [r["train/cpu_threads"] for r in recs] == [float(half)] * 2, text[-3000:]
+    assert _engine_threads(engine_log) == [half], engine_log[-2000:]
+    assert f"CPU threads: {half} per trainer rank while it trains, {half} per engine process while it generates" in text
