@@ -99,6 +99,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "runs every micro-batch as right-padded [b, s] rows either way.")
     t.add_argument("--megatron-to-hf-mode", choices=["raw", "bridge"], default="raw",
                    help="Megatron backend: how Megatron weights are converted to HF names for the engines.")
+    t.add_argument("--model-name", type=str, default=None,
+                   help="Megatron backend: Miles's name of the model, which picks its Megatron -> HF converter by "
+                        "substring (deepseekv3, qwen3moe, kimi_k25, ...). miles's converter follows config.json's "
+                        "model_type, so a name given must pick that architecture's converter (checked; another "
+                        "architecture's is refused in one line).")
     lo = parser.add_argument_group("LoRA (both backends; miles/trainer/lora.py, lora_hf.py)")
     lo.add_argument("--lora-rank", type=int, default=0, help="LoRA rank. 0: LoRA off, every parameter trains.")
     lo.add_argument("--lora-alpha", type=int, default=16, help="LoRA alpha: the adapter delta is (alpha / rank) * B @ A.")
@@ -169,6 +174,7 @@ class TrainConfig:
     train_memory_margin_bytes: int
     qkv_format: str
     megatron_to_hf_mode: str
+    model_name: str | None
     seed: int
     deterministic_mode: bool
     bf16: bool | None

@@ -525,6 +525,11 @@ class MegatronTrainer(RLTrainer):
             return (self.shape.family.mtp_prefix,)
         return tuple(f"model.layers.{self.shape.num_layers + k}." for k in range(self.shape.mtp_num_layers))
 
+    def weight_export_is_partial(self) -> bool:
+        """A multimodal checkpoint trained text-only (``Family.text_prefix``): the export is its text model, the
+        towers stay as the engines loaded them (``WeightSource.weight_export_is_partial``)."""
+        return self.shape.family.text_prefix(self.shape) is not None
+
     def _checkpoint_buffers(self, have: set[str]) -> list[tuple[str, torch.Tensor]]:
         """A multimodal checkpoint trained text-only (``Family.text_prefix``): its other tensors (the towers) as
         --hf-checkpoint holds them, so the --save-hf directory loads as the checkpoint did."""

@@ -145,6 +145,36 @@ _BY_TYPE = {mt: f for f in ALL for mt in f.model_types}
 NEAREST = {"glm4_moe": "glm4_moe_lite (GLM-4.5's attention is not multi-latent)"}
 
 
+# Miles's --model-name dispatch (radixark/miles@v0.1.0:miles/backends/megatron_utils/megatron_to_hf/__init__.py),
+# in its order: the substrings of the lower-cased name that pick a converter -> the model types whose HF names it writes
+MILES_CONVERTERS = (
+    (("glm4moelite", "deepseekv3", "glmmoedsa", "glm_moe_dsa"),
+     ("glm4_moe_lite", "deepseek_v3", "kimi_k2", "joyai_llm_flash", "glm_moe_dsa", "deepseek_v32")),
+    (("glm4moe",), ("glm4_moe",)), (("glm4",), ("glm4",)), (("qwen3moe",), ("qwen3_moe",)),
+    (("qwen3next",), ("qwen3_next",)), (("qwen3_5", "qwen3_6"), ("qwen3_5_moe", "qwen3_5")),
+    (("qwen2", "qwen3"), ("qwen2", "qwen3", "qwen3_vl")), (("deepseekv4",), ("deepseek_v4",)),
+    (("inkling",), ("inkling",)), (("llama",), ("llama",)), (("mimo",), ("mimo",)), (("kimivl",), ("kimi_vl",)),
+    (("kimi_k25",), ("kimi_k25",)))
+
+
+def model_name_problem(name: str | None, model_type: str) -> str | None:
+    """One line when Miles's ``--model-name`` ``name`` picks another architecture's converter than config.json's
+    ``model_type`` (None: it picks that one, or no name was given)."""
+    if name is None:
+        return None
+    low = name.lower()
+    for keys, types in MILES_CONVERTERS:
+        if any(k in low for k in keys):
+            if model_type in types:
+                return None
+            return (f"--model-name {name} picks Miles's converter for {', '.join(types)}, but --hf-checkpoint's "
+                    f"config.json has model_type {model_type}: miles converts the weights by config.json's model "
+                    "type; fix the name or drop it.")
+    return (f"--model-name {name} picks none of Miles's converters (names containing "
+            f"{', '.join(k for keys, _ in MILES_CONVERTERS for k in keys)}): fix the name or drop it (miles converts "
+            f"the weights by config.json's model_type, {model_type}).")
+
+
 def nearest_family(model_type: str, families: Mapping[str, str] = FAMILIES) -> str:
     """The model type in ``families`` (and its name) closest to ``model_type``, for the refusal of a family not built."""
     if model_type in NEAREST:

@@ -80,7 +80,12 @@ def test_offload_flags_reach_the_options(tiny_model_dir) -> None:
     assert o.cpu_offload_fraction == 0.25 and not o.distributed_optimizer      # ZeRO off unless asked for
     assert options.resolve(_cfg(tiny_model_dir, "--optimizer-cpu-offload").megatron).cpu_offload_fraction == 1.0
     assert options.resolve(_cfg(tiny_model_dir).megatron).cpu_offload_fraction is None
-    with pytest.raises(ConfigError, match=r"^--optimizer-cpu-offload with --use-distributed-optimizer is not "):
-        options.preflight_check(_cfg(tiny_model_dir, "--optimizer-cpu-offload", "--use-distributed-optimizer"), hf)
+    with pytest.raises(ConfigError, match=r"^--optimizer-cpu-offload with --use-distributed-optimizer over 2 "
+                                          r"data-parallel ranks is not supported"):
+        options.preflight_check(_cfg(tiny_model_dir, "--optimizer-cpu-offload", "--use-distributed-optimizer",
+                                     "--actor-num-gpus-per-node", "2"), hf)
+    # one DP rank (Miles's Kimi-K2.5 command: TP 8 on 8 GPUs): the distributed optimizer shards nothing
+    options.preflight_check(_cfg(tiny_model_dir, "--optimizer-cpu-offload", "--use-distributed-optimizer",
+                                 "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2"), hf)
     with pytest.raises(ConfigError, match=r"^--optimizer-offload-fraction must be in \[0, 1\], got 1.5"):
         _cfg(tiny_model_dir, "--optimizer-cpu-offload", "--optimizer-offload-fraction", "1.5")
