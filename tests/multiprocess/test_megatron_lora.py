@@ -1,9 +1,10 @@
 """LoRA on the Megatron backend, on real gloo ranks (torchrun, CPU, 2 ranks).
 
 ``test_lora_tp2_matches_tp1_and_exports_merged``: the tiny Qwen3 with ``--lora-rank 4 --lora-alpha 8
---target-modules all-linear`` trains 2 rollouts at TP 2 and at TP 1 x DP 2 on the same samples. At step 0 the
+--target-modules all-linear`` trains 2 rollouts at TP 2, at TP 2 with ``--sequence-parallel`` and at TP 1 x DP 2 on
+the same samples. At step 0 the
 KL to the (LoRA-free) reference is exactly 0 and the export (the weight sync's buckets) equals the HF checkpoint
-bit for bit (B = 0). After training: the losses and merged exports of TP 2 and TP 1 agree; only the target
+bit for bit (B = 0). After training: the losses and merged exports of TP 2 (with and without sequence parallelism) and TP 1 agree; only the target
 linears (q/k/v/o, gate/up/down) moved; the exported q/k/v and o_proj of layer 0 equal base + (alpha/r) B @ A
 computed by hand from the gathered adapter shards; ``--save-hf`` writes exactly the exported (merged) weights,
 and the adapter alone in HF PEFT layout (``adapter/``) whose base + (alpha/r) B @ A per module is that model.
@@ -60,8 +61,9 @@ def _run_worker(model_dir: str, out: str, tp: str, save_dir: str, mode: str) -> 
 
     dist, group = _init()
     rank = dist.get_rank(group)
-    flags = ["--tensor-model-parallel-size", tp] + (["--save", save_dir, "--save-interval", "1"]
-                                                    if save_dir != "-" else [])
+    sp = tp.endswith("sp")                               # "2sp": TP 2 with sequence parallelism
+    flags = (["--tensor-model-parallel-size", tp.removesuffix("sp")] + (["--sequence-parallel"] if sp else [])
+             + (["--save", save_dir, "--save-interval", "1"] if save_dir != "-" else []))
     tr = _trainer(model_dir, group, flags)
     res: dict = {"init": tr.state_dict_for_check()}
     start = 0
@@ -94,7 +96,7 @@ def _launch(*args: str, timeout: int = 400) -> subprocess.CompletedProcess:
     return torchrun_self(HERE, 2, find_free_port(), *args, timeout=timeout)
 
 
-def _run(tmp_path: Path, model_dir: Path, name: str, tp: int, save: str = "-", mode: str = "full") -> dict:
+def _run(tmp_path: Path, model_dir: Path, name: str, tp: int | str, save: str = "-", mode: str = "full") -> dict:
     import torch
 
     r = _launch("run", str(model_dir), str(tmp_path / name), str(tp), save, mode)
@@ -113,7 +115,8 @@ def test_lora_tp2_matches_tp1_and_exports_merged(tiny_model_dir: Path, tmp_path:
     base = read_hf_state_dict(tiny_model_dir)
     tp2 = _run(tmp_path, tiny_model_dir, "tp2", 2)
     tp1 = _run(tmp_path, tiny_model_dir, "tp1", 1)
-    for res in (tp1, tp2):
+    tp2sp = _run(tmp_path, tiny_model_dir, "tp2sp", "2sp")     # sequence parallel: the hooks' SP regions
+    for res in (tp1, tp2, tp2sp):
         assert sorted(res["init"]) == sorted(base)
         assert all(torch.equal(res["init"][k], base[k]) for k in base)          # B = 0: the base model exactly
         assert res["metrics"][0]["kl_loss"] == 0.0                               # policy = reference at step 0
@@ -121,15 +124,16 @@ def test_lora_tp2_matches_tp1_and_exports_merged(tiny_model_dir: Path, tmp_path:
         for k in base:
             moved = not torch.equal(res["final"][k], base[k])
             assert moved == (k.split(".")[-2] in TARGETS), k
-    for rid in (0, 1):
-        for key in ("loss", "pg_loss", "kl_loss", "grad_norm"):
-            assert tp2["metrics"][rid][key] == pytest.approx(tp1["metrics"][rid][key], rel=1e-4, abs=1e-6), key
-    # 2 AdamW steps of lr 1e-2 move the targets by up to ~2e-2; TP 2 and TP 1 differ by rounding, which Adam's
-    # normalisation amplifies where a gradient is near 0: bounded as the FSDP/Megatron parity test bounds it
-    diff = {k: (tp2["final"][k] - tp1["final"][k]).abs().max().item() for k in base}
-    num = sum(((tp2["final"][k] - tp1["final"][k]) ** 2).sum().item() for k in base)
-    den = sum(((tp1["final"][k] - base[k]) ** 2).sum().item() for k in base)
-    assert max(diff.values()) < 5e-5 and (num / den) ** 0.5 < 1e-4, (max(diff.values()), (num / den) ** 0.5)
+    for other in (tp2, tp2sp):
+        for rid in (0, 1):
+            for key in ("loss", "pg_loss", "kl_loss", "grad_norm"):
+                assert other["metrics"][rid][key] == pytest.approx(tp1["metrics"][rid][key], rel=1e-4, abs=1e-6), key
+        # 2 AdamW steps of lr 1e-2 move the targets by up to ~2e-2; TP 2 and TP 1 differ by rounding, which Adam's
+        # normalisation amplifies where a gradient is near 0: bounded as the FSDP/Megatron parity test bounds it
+        diff = {k: (other["final"][k] - tp1["final"][k]).abs().max().item() for k in base}
+        num = sum(((other["final"][k] - tp1["final"][k]) ** 2).sum().item() for k in base)
+        den = sum(((tp1["final"][k] - base[k]) ** 2).sum().item() for k in base)
+        assert max(diff.values()) < 5e-5 and (num / den) ** 0.5 < 1e-4, (max(diff.values()), (num / den) ** 0.5)
 
     shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(tiny_model_dir))
     for layer_mod in ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1"):

@@ -155,9 +155,6 @@ class MegatronTrainer(RLTrainer):
         if self.opts.cpu_offload_fraction is not None:      # --optimizer-cpu-offload (cpu_offload.py)
             from miles.trainer.megatron.cpu_offload import build_offloaded_adamw
 
-            if self.lora is not None:
-                raise ConfigError("--optimizer-cpu-offload with --lora-rank is not supported by the Megatron "
-                                  "backend (the adapters' AdamW state is small): drop --optimizer-cpu-offload.")
             self.optimizer = build_offloaded_adamw(self.model, fraction=self.opts.cpu_offload_fraction, **adam)
         else:
             self.optimizer = (parallel.distributed_adamw(self.model, self.groups, **adam) if self.distributed_optimizer
