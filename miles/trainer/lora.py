@@ -186,10 +186,14 @@ def _leaf(name: str) -> str:
 
 def attach(model: nn.Module, spec: LoraSpec, *, tp_rank: int = 0, tp_size: int = 1,
            tp_group: dist.ProcessGroup | None = None, seed: int = 0, ep_rank: int = 0, ep_size: int = 1,
-           ep_group: dist.ProcessGroup | None = None, num_experts: int = 0) -> LoraAdapters:
+           ep_group: dist.ProcessGroup | None = None, num_experts: int = 0,
+           inputs_require_grad: bool = False) -> LoraAdapters:
     """Freeze every parameter of ``model`` and hook a LoRA pair onto each target linear (Megatron leaf names,
     modules holding ``weight``; routed experts included, ``num_experts`` of them over ``ep_size`` EP ranks);
-    returns the adapters (on the base weights' device, fp32)."""
+    returns the adapters (on the base weights' device, fp32). ``inputs_require_grad`` (``--recompute-granularity
+    full``): the embedding's output requires grad, as PEFT's ``enable_input_require_grads`` makes it; megatron-core's
+    full recompute checkpoints each layer with a reentrant autograd function, which gives its output a gradient
+    only when an input has one, and with the base frozen none has: the adapters inside would get no gradient."""
     from miles.trainer.megatron.moe import global_name, is_expert
 
     lora = LoraAdapters(spec, tp_size, tp_group, ep_size, ep_group, ep_rank)
@@ -229,12 +233,22 @@ def attach(model: nn.Module, spec: LoraSpec, *, tp_rank: int = 0, tp_size: int =
         module.register_forward_hook(_hook(lora, pair))
     if not lora.targets:
         raise ConfigError(f"--target-modules: no module of the model matches {list(spec.targets)}.")
+    embedding = getattr(model, "embedding", None)
+    if inputs_require_grad and embedding is not None:
+        embedding.register_forward_hook(_require_grad)
     unmatched = sorted(set(spec.targets) - matched - ({"linear_qkv", "linear_q_proj"} if {"linear_qkv", "linear_q_proj"}
                                                        & matched else set()))
     if unmatched:        # e.g. q/k/v's fused linear_qkv on a multi-latent-attention model, which has none
         logger.info("--target-modules: this model has no module named %s: those names select nothing here (LoRA on "
                     "%s)", ", ".join(unmatched), ", ".join(sorted(matched)))
     return lora
+
+
+def _require_grad(_module: nn.Module, _args, output):
+    """A forward hook: the output (a tensor without a graph: the frozen embedding's) requires grad."""
+    if isinstance(output, torch.Tensor) and not output.requires_grad and torch.is_grad_enabled():
+        output.requires_grad_(True)
+    return output
 
 
 def _expert_pair(lora: LoraAdapters, spec: LoraSpec, leaf: str, gname: str, name: str, out_f: int, in_f: int,

@@ -1,8 +1,8 @@
 """LoRA on the Megatron backend, on real gloo ranks (torchrun, CPU, 2 ranks).
 
 ``test_lora_tp2_matches_tp1_and_exports_merged``: the tiny Qwen3 with ``--lora-rank 4 --lora-alpha 8
---target-modules all-linear`` trains 2 rollouts at TP 2, at TP 2 with ``--sequence-parallel`` and at TP 1 x DP 2 on
-the same samples. At step 0 the
+--target-modules all-linear`` trains 2 rollouts at TP 2, at TP 2 with ``--sequence-parallel`` (also with
+``--recompute-granularity full``) and at TP 1 x DP 2 on the same samples. At step 0 the
 KL to the (LoRA-free) reference is exactly 0 and the export (the weight sync's buckets) equals the HF checkpoint
 bit for bit (B = 0). After training: the losses and merged exports of TP 2 (with and without sequence parallelism) and TP 1 agree; only the target
 linears (q/k/v/o, gate/up/down) moved; the exported q/k/v and o_proj of layer 0 equal base + (alpha/r) B @ A
@@ -61,8 +61,12 @@ def _run_worker(model_dir: str, out: str, tp: str, save_dir: str, mode: str) -> 
 
     dist, group = _init()
     rank = dist.get_rank(group)
-    sp = tp.endswith("sp")                               # "2sp": TP 2 with sequence parallelism
+    rc = tp.endswith("rc")             # "...rc": full activation recompute (megatron-core's reentrant checkpoint)
+    tp = tp.removesuffix("rc")
+    sp = tp.endswith("sp")             # "2sp": TP 2 with sequence parallelism
     flags = (["--tensor-model-parallel-size", tp.removesuffix("sp")] + (["--sequence-parallel"] if sp else [])
+             + (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+                if rc else [])
              + (["--save", save_dir, "--save-interval", "1"] if save_dir != "-" else []))
     tr = _trainer(model_dir, group, flags)
     res: dict = {"init": tr.state_dict_for_check()}
@@ -116,7 +120,10 @@ def test_lora_tp2_matches_tp1_and_exports_merged(tiny_model_dir: Path, tmp_path:
     tp2 = _run(tmp_path, tiny_model_dir, "tp2", 2)
     tp1 = _run(tmp_path, tiny_model_dir, "tp1", 1)
     tp2sp = _run(tmp_path, tiny_model_dir, "tp2sp", "2sp")     # sequence parallel: the hooks' SP regions
-    for res in (tp1, tp2, tp2sp):
+    # and with full recompute (Miles's LoRA recipes run it): the frozen embedding's output requires grad, so the
+    # reentrant checkpoint of each layer passes the adapters their gradients
+    tp2sprc = _run(tmp_path, tiny_model_dir, "tp2sprc", "2sprc")
+    for res in (tp1, tp2, tp2sp, tp2sprc):
         assert sorted(res["init"]) == sorted(base)
         assert all(torch.equal(res["init"][k], base[k]) for k in base)          # B = 0: the base model exactly
         assert res["metrics"][0]["kl_loss"] == 0.0                               # policy = reference at step 0
@@ -124,7 +131,7 @@ def test_lora_tp2_matches_tp1_and_exports_merged(tiny_model_dir: Path, tmp_path:
         for k in base:
             moved = not torch.equal(res["final"][k], base[k])
             assert moved == (k.split(".")[-2] in TARGETS), k
-    for other in (tp2, tp2sp):
+    for other in (tp2, tp2sp, tp2sprc):
         for rid in (0, 1):
             for key in ("loss", "pg_loss", "kl_loss", "grad_norm"):
                 assert other["metrics"][rid][key] == pytest.approx(tp1["metrics"][rid][key], rel=1e-4, abs=1e-6), key

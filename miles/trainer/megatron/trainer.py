@@ -254,10 +254,12 @@ class MegatronTrainer(RLTrainer):
         g = self.groups
         adapters = lora_mod.attach(self.model, spec, tp_rank=g.tp_rank, tp_size=g.tp_size, tp_group=g.tp,
                                    seed=self.cfg.seed, ep_rank=g.ep_rank, ep_size=g.ep_size, ep_group=g.ep,
-                                   num_experts=self.shape.num_experts or 0)
+                                   num_experts=self.shape.num_experts or 0,
+                                   inputs_require_grad=self.opts.recompute_granularity == "full")
         n = lora_mod.trainable_count(adapters)
         logger.info("LoRA rank %d alpha %s on %s: %s trainable of %s params (base frozen)", spec.rank, spec.alpha,
-                    ",".join(spec.targets), f"{n:,}", f"{self.num_params:,}")
+                    ",".join(sorted({name.rsplit(".", 1)[-1] for name in adapters.targets})), f"{n:,}",
+                    f"{self.num_params:,}")
         return adapters
 
     def _expert_param_count(self) -> int:
