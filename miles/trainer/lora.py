@@ -436,9 +436,6 @@ def check_megatron(opts, shape, spec: LoraSpec) -> None:
             raise ConfigError(f"{flag} {value} is not supported with --lora-rank: LoRA runs under tensor (with or "
                               "without --sequence-parallel), expert and data parallelism only; drop the flag or train "
                               "without LoRA.")
-    if getattr(opts, "cpu_offload_fraction", None) is not None:
-        raise ConfigError("--optimizer-cpu-offload with --lora-rank is not supported by the Megatron backend (the "
-                          "adapters' AdamW state is small): drop --optimizer-cpu-offload.")
     experts = bool(shape.num_experts) and bool({"linear_fc1", "linear_fc2"} & set(spec.targets))
     if experts and opts.moe.grouped_gemm:
         raise ConfigError("--moe-grouped-gemm with LoRA on the MoE experts (--target-modules gate_proj/up_proj/"

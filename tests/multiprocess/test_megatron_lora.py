@@ -10,7 +10,8 @@ computed by hand from the gathered adapter shards; ``--save-hf`` writes exactly 
 and the adapter alone in HF PEFT layout (``adapter/``) whose base + (alpha/r) B @ A per module is that model.
 
 ``test_lora_resume_matches_uninterrupted``: TP 2, a checkpoint after rollout 0 (``--save``), a relaunch that
-resumes and trains rollout 1 ends with the adapters, AdamW state and export of the uninterrupted run.
+resumes and trains rollout 1 ends with the adapters, AdamW state and export of the uninterrupted run; also with
+``--optimizer-cpu-offload`` (the adapters' AdamW on CPU).
 """
 
 from __future__ import annotations
@@ -61,12 +62,15 @@ def _run_worker(model_dir: str, out: str, tp: str, save_dir: str, mode: str) -> 
 
     dist, group = _init()
     rank = dist.get_rank(group)
+    off = tp.endswith("off")           # "...off": --optimizer-cpu-offload (the adapters' AdamW on CPU)
+    tp = tp.removesuffix("off")
     rc = tp.endswith("rc")             # "...rc": full activation recompute (megatron-core's reentrant checkpoint)
     tp = tp.removesuffix("rc")
     sp = tp.endswith("sp")             # "2sp": TP 2 with sequence parallelism
     flags = (["--tensor-model-parallel-size", tp.removesuffix("sp")] + (["--sequence-parallel"] if sp else [])
              + (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
                 if rc else [])
+             + (["--optimizer-cpu-offload"] if off else [])
              + (["--save", save_dir, "--save-interval", "1"] if save_dir != "-" else []))
     tr = _trainer(model_dir, group, flags)
     res: dict = {"init": tr.state_dict_for_check()}
@@ -164,14 +168,17 @@ def test_lora_tp2_matches_tp1_and_exports_merged(tiny_model_dir: Path, tmp_path:
         torch.testing.assert_close(merged, saved[hf].float(), rtol=1e-5, atol=1e-6)
 
 
-def test_lora_resume_matches_uninterrupted(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("offload", [False, True], ids=["adamw", "cpu_offload"])
+def test_lora_resume_matches_uninterrupted(tiny_model_dir: Path, tmp_path: Path, offload: bool) -> None:
+    """(also with --optimizer-cpu-offload: the adapters' AdamW state on CPU, saved and loaded with them)"""
     import torch
 
-    full = _run(tmp_path, tiny_model_dir, "full", 2)
+    tp = "2off" if offload else "2"
+    full = _run(tmp_path, tiny_model_dir, "full", tp)
     ckpt = str(tmp_path / "ckpt")
-    first = _run(tmp_path, tiny_model_dir, "first", 2, ckpt, "first")
+    first = _run(tmp_path, tiny_model_dir, "first", tp, ckpt, "first")
     assert (Path(ckpt) / "iter_0000000" / "lora" / "rank_00001.pt").is_file()
-    resumed = _run(tmp_path, tiny_model_dir, "resumed", 2, ckpt, "resume")
+    resumed = _run(tmp_path, tiny_model_dir, "resumed", tp, ckpt, "resume")
     assert list(resumed["metrics"]) == [1]
     assert first["metrics"][0]["loss"] == full["metrics"][0]["loss"]
     assert resumed["metrics"][1]["loss"] == full["metrics"][1]["loss"]

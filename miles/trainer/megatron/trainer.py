@@ -155,7 +155,8 @@ class MegatronTrainer(RLTrainer):
         if self.opts.cpu_offload_fraction is not None:      # --optimizer-cpu-offload (cpu_offload.py)
             from miles.trainer.megatron.cpu_offload import build_offloaded_adamw
 
-            self.optimizer = build_offloaded_adamw(self.model, fraction=self.opts.cpu_offload_fraction, **adam)
+            self.optimizer = build_offloaded_adamw(self.lora if self.lora is not None else self.model,
+                                                   fraction=self.opts.cpu_offload_fraction, **adam)
         else:
             self.optimizer = (parallel.distributed_adamw(self.model, self.groups, **adam) if self.distributed_optimizer
                               else build_adamw(self.lora if self.lora is not None else self.model, **adam))

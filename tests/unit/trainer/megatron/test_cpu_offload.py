@@ -57,6 +57,27 @@ def test_offloaded_adamw_sees_a_weight_load() -> None:
     assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), off.parameters()))
 
 
+def test_offloaded_adamw_state_dict_resumes_bitwise() -> None:
+    """``state_dict`` / ``load_state_dict`` (a LoRA checkpoint's optimizer): a fresh offloaded AdamW (part offloaded,
+    part on the device) loaded from the state after 3 steps continues exactly as the uninterrupted one."""
+    import copy
+
+    full, resumed = _model(), _model()
+    opt = CpuOffloadAdamW(_groups(full), fraction=0.7, lr=1e-2, betas=(0.9, 0.98), eps=1e-8, device=torch.device("cpu"))
+    _train(full, opt)
+    saved = copy.deepcopy(opt.state_dict())
+    with torch.no_grad():
+        for a, b in zip(resumed.parameters(), full.parameters()):
+            a.copy_(b)
+    again = CpuOffloadAdamW(_groups(resumed), fraction=0.7, lr=1e-2, betas=(0.9, 0.98), eps=1e-8,
+                            device=torch.device("cpu"))
+    again.load_state_dict(saved)
+    assert 0 < again.offloaded < 4 and all(int(st["step"]) == 3 for st in again.state.values())
+    _train(full, opt)
+    _train(resumed, again)
+    assert all(torch.equal(a, b) for a, b in zip(full.parameters(), resumed.parameters()))
+
+
 def _cfg(model, *extra: str):
     from miles.config import parse_args
 
