@@ -123,3 +123,17 @@ def test_miles_shape_flags_accepted_and_checked(tiny_k25_dir: Path) -> None:
         with pytest.raises(ConfigError) as e:
             options.preflight_check(_cfg(tiny_k25_dir, *_with(K25_FLAGS, **changes)), _read(tiny_k25_dir))
         assert str(e.value).startswith(message), str(e.value)
+
+
+def test_model_name_must_pick_the_checkpoints_converter(tiny_k25_dir: Path) -> None:
+    """--model-name (Miles's name of the Megatron -> HF converter): kimi_k25 picks Kimi-K2.5's; a name picking another
+    architecture's converter, or none, is one line; the FSDP backend refuses it."""
+    from test_mla import _read
+
+    options.preflight_check(_cfg(tiny_k25_dir, "--model-name", "kimi_k25"), _read(tiny_k25_dir))
+    for name, message in (("deepseekv3", "--model-name deepseekv3 picks Miles's converter for glm4_moe_lite, "
+                                         "deepseek_v3, kimi_k2"),
+                          ("nothing", "--model-name nothing picks none of Miles's converters")):
+        with pytest.raises(ConfigError) as e:
+            options.preflight_check(_cfg(tiny_k25_dir, "--model-name", name), _read(tiny_k25_dir))
+        assert str(e.value).startswith(message) and "kimi_k25" in str(e.value) and "\n" not in str(e.value)
