@@ -393,8 +393,11 @@ def trainable_count(lora: LoraAdapters) -> int:
     return int(sharded.item()) + int(experts.item()) + sum(p.numel() for p in lora.replicated_params())
 
 
-def _spec_dict(spec: LoraSpec) -> dict:
-    out = {"rank": spec.rank, "alpha": spec.alpha, "targets": list(spec.targets)}
+def _spec_dict(lora: LoraAdapters) -> dict:
+    """The LoRA's shape a checkpoint records: rank, alpha and the target leaf names the model has (those that
+    selected nothing do not count: ``all-linear`` records the same targets however many names it resolves to)."""
+    spec = lora.spec
+    out = {"rank": spec.rank, "alpha": spec.alpha, "targets": sorted({_leaf(n) for n in lora.targets})}
     if spec.experts_shared_outer:
         out["experts_shared_outer"] = True
     return out
@@ -402,7 +405,7 @@ def _spec_dict(spec: LoraSpec) -> dict:
 
 def state(lora: LoraAdapters, optimizer: torch.optim.Optimizer | None) -> dict:
     """This rank's adapter weights (and optimizer state) for a checkpoint."""
-    out = {"spec": _spec_dict(lora.spec), "tp_size": lora.tp_size, "ep_size": lora.ep_size,
+    out = {"spec": _spec_dict(lora), "tp_size": lora.tp_size, "ep_size": lora.ep_size,
            "adapters": {k: v.detach().cpu().clone() for k, v in lora.state_dict().items()}}
     if optimizer is not None:
         out["optimizer"] = optimizer.state_dict()
@@ -411,7 +414,7 @@ def state(lora: LoraAdapters, optimizer: torch.optim.Optimizer | None) -> dict:
 
 def load_state(lora: LoraAdapters, optimizer: torch.optim.Optimizer | None, saved: dict, where: str) -> None:
     """Restore ``state``'s output; a checkpoint of another LoRA shape or TP size is refused in one line."""
-    want = _spec_dict(lora.spec)
+    want = _spec_dict(lora)
     if (saved.get("spec") != want or saved.get("tp_size") != lora.tp_size
             or saved.get("ep_size", 1) != lora.ep_size):
         raise ConfigError(f"{where}: the checkpoint's LoRA ({saved.get('spec')}, TP {saved.get('tp_size')}, EP "
