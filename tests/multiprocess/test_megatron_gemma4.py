@@ -39,28 +39,37 @@ SEQ = 20
 # fp32 CPU, measured 1.4e-6 (SDPA, TP 1 and TP 2) and 0.0 (unfused, TP 1) in log-prob:
 # pytest tests/multiprocess/test_megatron_gemma4.py -k "not gpu"
 BOUND = 3e-6
+MOE_BOUND = 3e-6
 
 
-def _build(model_dir: str, tp: int, core: str, device, dtype):
-    """The Megatron backend's GPTModel of the Gemma 4 checkpoint (the registry's build and converter), loaded;
+def _build(model_dir: str, tp: int, core: str, device, dtype, ep: int = 1):
+    """The Megatron backend's GPTModel of the Gemma 4 checkpoint (the registry's build and converter; the MoE
+    block's config from ``moe.config_kwargs`` as the trainer gives it, experts split over ``ep`` ranks), loaded;
     (model, shape, groups)."""
     import torch
     from transformers import AutoConfig
 
-    from miles.trainer.megatron import convert, parallel
+    from miles.trainer.megatron import convert, moe, parallel
     from miles.trainer.megatron import model as mmodel
 
-    groups = parallel.init_parallel(tp_size=tp, num_trainer_ranks=tp, seed=1, device=device)
+    groups = parallel.init_parallel(tp_size=tp, num_trainer_ranks=tp * ep, seed=1, device=device, ep_size=ep)
     shape = mmodel.ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir))
-    config = mmodel.transformer_config(shape, tp_size=tp, device=device, params_dtype=dtype,
+    moe_kw = None
+    if shape.num_experts:
+        moe.apply_moe_compat()
+        if device.type == "cpu":
+            moe.apply_moe_cpu_compat()
+        moe_kw = moe.config_kwargs(shape, moe.MoeOptions(), ep=ep, etp=1, te=False)
+    config = mmodel.transformer_config(shape, tp_size=tp, device=device, params_dtype=dtype, moe=moe_kw,
                                        bf16=dtype == torch.bfloat16, sequence_parallel=tp > 1)
     padded = mmodel.padded_vocab_size(shape.vocab_size, 128, tp)
     gpt = mmodel.build_gpt_model(shape, config, padded_vocab=padded, device=device, core_attention=core)
-    convert.load_hf_into(gpt, convert.read_hf_state_dict(model_dir), shape, padded, groups.tp_rank, tp)
+    convert.load_hf_into(gpt, convert.read_hf_state_dict(model_dir), shape, padded, groups.tp_rank, tp,
+                         ep_rank=groups.ep_rank, ep_size=ep)
     return gpt, shape, groups
 
 
-def _gpt_worker(model_dir: str, out: str, core: str, device_name: str = "cpu") -> None:
+def _gpt_worker(model_dir: str, out: str, core: str, device_name: str = "cpu", ep: str = "1") -> None:
     import torch
     import torch.distributed as dist
     from safetensors.torch import load_file
@@ -72,14 +81,16 @@ def _gpt_worker(model_dir: str, out: str, core: str, device_name: str = "cpu") -
 
     on_gpu = device_name == "cuda"
     dist.init_process_group("nccl" if on_gpu else "gloo")
-    tp, rank = dist.get_world_size(), dist.get_rank()
+    world, rank = dist.get_world_size(), dist.get_rank()
     device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
     if on_gpu:
         torch.cuda.set_device(device)
     else:
         apply_cpu_compat()
     dtype = torch.bfloat16 if on_gpu else torch.float32
-    gpt, shape, groups = _build(model_dir, tp, core, device, dtype)
+    ep = int(ep)
+    tp = world // ep
+    gpt, shape, groups = _build(model_dir, tp, core, device, dtype, ep)
 
     torch.manual_seed(0)
     ids = torch.randint(4, shape.vocab_size - 4, (2, SEQ))          # no image / video token ids
@@ -101,6 +112,8 @@ def _gpt_worker(model_dir: str, out: str, core: str, device_name: str = "cpu") -
     logits.square().mean().backward()
     parallel.finish_grads(gpt, groups)
     grads_ok = all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in gpt.parameters())
+    # every parameter moves the loss (the router's scale and per-expert scale, the block's five norms included)
+    zero_grad = sorted(n for n, p in gpt.named_parameters() if p.grad is not None and not bool(p.grad.any()))
     lp = torch.log_softmax(logits.detach().cpu(), -1)
 
     # the export (weight sync, --save-hf): the text decoder under the checkpoint's names, bit for bit
@@ -115,7 +128,7 @@ def _gpt_worker(model_dir: str, out: str, core: str, device_name: str = "cpu") -
     if rank == 0:
         text = sorted(k for k in disk if k.startswith("model.language_model."))
         Path(out).write_text(json.dumps({
-            "lp_max_abs_err": float((lp - ref).abs().max()), "grads_ok": grads_ok,
+            "lp_max_abs_err": float((lp - ref).abs().max()), "grads_ok": grads_ok, "zero_grad": zero_grad,
             "exported": sorted(n for n, _ in exported), "same": sorted(same), "text": text,
             "softcap": cap, "towers": sorted({k.split(".")[1] for k in disk if k not in text})}))
     dist.destroy_process_group()
@@ -192,6 +205,31 @@ def tiny_gemma4_dir(tmp_path_factory) -> Path:
     return build_tiny_gemma4(tmp_path_factory.mktemp("tiny_gemma4"))
 
 
+@pytest.fixture(scope="module")
+def tiny_gemma4_moe_dir(tmp_path_factory) -> Path:
+    from miles.utils.tiny_gemma4 import build_tiny_gemma4
+
+    return build_tiny_gemma4(tmp_path_factory.mktemp("tiny_gemma4_moe"), moe=True)
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 1), (2, 1), (1, 2)])
+def test_gemma4_moe_gpt_matches_hf(tiny_gemma4_moe_dir: Path, tmp_path: Path, free_port: int, tp: int,
+                                   ep: int) -> None:
+    """gemma-4-26B-A4B's MoE block (every layer: the dense MLP and 4 experts, top-2, side by side; families/
+    gemma4_moe.py) at TP 1, TP 2 + SP and EP 2 (all-to-all): transformers' log-probs, finite non-zero gradients
+    for every parameter, the export the checkpoint's tensors bit for bit (fused experts included)."""
+    out = tmp_path / f"moe_tp{tp}_ep{ep}.json"
+    proc = torchrun_self(HERE, tp * ep, free_port, "gpt", str(tiny_gemma4_moe_dir), str(out), "unfused", "cpu",
+                         str(ep), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    res = json.loads(out.read_text())
+    print(tp, ep, res["lp_max_abs_err"])
+    assert res["grads_ok"] and not res["zero_grad"], res
+    assert res["lp_max_abs_err"] < MOE_BOUND, (tp, ep, res["lp_max_abs_err"])
+    assert res["exported"] == res["text"] and res["same"] == res["text"]
+    assert any(n.endswith("layers.0.experts.gate_up_proj") for n in res["text"])
+
+
 @pytest.mark.parametrize("tp,core", [(1, "sdpa"), (2, "sdpa"), (1, "unfused"), (2, "unfused")])
 def test_gemma4_gpt_matches_hf(tiny_gemma4_dir: Path, tmp_path: Path, free_port: int, tp: int, core: str) -> None:
     out = tmp_path / f"gpt_tp{tp}_{core}.json"
@@ -254,6 +292,6 @@ def test_gemma4_gpt_matches_hf_on_gpu(tiny_gemma4_dir: Path, tmp_path: Path, fre
 
 if __name__ == "__main__":
     if sys.argv[1] == "gpt":
-        _gpt_worker(*sys.argv[2:6])
+        _gpt_worker(*sys.argv[2:7])
     elif sys.argv[1] == "parity":
         _parity_worker(sys.argv[2], sys.argv[3])

@@ -74,7 +74,7 @@ from dataclasses import dataclass
 
 import torch
 
-from miles.trainer.megatron.families import Family
+from miles.trainer.megatron.families import Family, gemma4_moe
 
 MODEL_TYPES = {"gemma4": "Gemma 4", "gemma4_text": "Gemma 4"}
 LM_PREFIX = "model.language_model."          # the text decoder in a multimodal checkpoint (model.* in a CausalLM one)
@@ -130,7 +130,6 @@ def shape_fields(c) -> dict:
         t = Gemma4TextConfig(**{k: v for k, v in t.items() if k != "model_type"})
     for key, what in (("hidden_size_per_layer_input", "per-layer embeddings"),
                       ("num_kv_shared_layers", "KV sharing"), ("use_double_wide_mlp", "the double-wide MLP"),
-                      ("enable_moe_block", "the MoE block (26B-A4B)"),
                       ("use_bidirectional_attention", "bidirectional attention"), ("attention_bias", "q/k/v/o biases")):
         if _get(t, key):
             raise ValueError(f"Gemma 4 with {key} {_get(t, key)!r} ({what}) is not built by the Megatron backend yet "
@@ -167,6 +166,7 @@ def shape_fields(c) -> dict:
         sliding_theta=float(slide.get("rope_theta", 10000.0)), global_theta=float(full.get("rope_theta", 1e6)),
         global_rotary_fraction=fraction, final_logit_softcapping=float(cap), multimodal=multimodal)
     return dict(
+        **gemma4_moe.moe_fields(t),
         model_type=c.model_type, num_layers=n, hidden_size=int(t.hidden_size),
         ffn_hidden_size=int(t.intermediate_size), num_attention_heads=heads,
         num_query_groups=kv_heads, kv_channels=head_dim, vocab_size=int(t.vocab_size),
@@ -247,6 +247,7 @@ def config_kwargs(shape) -> dict:
         kw.update(window_size=(g.sliding_window - 1, 0), window_attn_skip_freq=list(g.sliding_layers))
     if 0 < sum(g.sliding_layers) < len(g.sliding_layers):   # sliding and full layers' tensors differ in shape: the
         kw.update(hetereogenous_dist_checkpoint=True)        # torch_dist checkpoint keys each layer on its own
+    kw.update(gemma4_moe.config_kwargs(shape))               # the MoE block (26B-A4B): gemma4_moe.py
     return kw
 
 
@@ -292,6 +293,8 @@ def _classes() -> dict[str, type]:
 
     from megatron.core.tensor_parallel import RowParallelLinear
     from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     class PostNormRowParallelLinear(RowParallelLinear):
@@ -366,10 +369,19 @@ def _classes() -> dict[str, type]:
             return query, key, value
 
     class Gemma4Layer(TransformerLayer):
-        """megatron-core's TransformerLayer whose output (residual included) is multiplied by ``layer_scalar``."""
+        """megatron-core's TransformerLayer whose output (residual included) is multiplied by ``layer_scalar``. With
+        the MoE block its ``mlp`` is ``gemma4_moe``'s MoE layer, built here with the layer's process groups
+        (megatron-core passes them only to its own MoELayer class)."""
 
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
+        def __init__(self, config, submodules, *args, **kwargs):
+            moe = submodules.mlp if gemma4_moe.is_moe_spec(submodules.mlp) else None
+            if moe is not None:
+                submodules = dataclasses.replace(submodules, mlp=IdentityOp)
+            super().__init__(config, submodules, *args, **kwargs)
+            if moe is not None:
+                self.mlp = build_module(moe, config=self.config, pg_collection=self.pg_collection)
+                self.mlp.set_layer_number(self.layer_number)
+                self.is_moe_layer, self.recompute_mlp = True, False   # as megatron-core sets them for its MoELayer
             self.register_buffer("layer_scalar", torch.ones(1, dtype=self.config.params_dtype))
 
         def forward(self, *args, **kwargs):
@@ -440,7 +452,13 @@ def layer_spec(shape, core: type | None = None):
     if core is not None:
         attn.submodules.core_attention = core
     attn.submodules.linear_proj = c["PostNormRowParallelLinear"]
-    spec.submodules.mlp.submodules.linear_fc2 = c["PostNormRowParallelLinear"]
+    if shape.num_experts:                 # the MoE block: the raw residual into gemma4_moe's MoE layer
+        from megatron.core.transformer.identity_op import IdentityOp
+
+        spec.submodules.pre_mlp_layernorm = IdentityOp
+        spec.submodules.mlp = gemma4_moe.mlp_spec(c["PostNormRowParallelLinear"])
+    else:
+        spec.submodules.mlp.submodules.linear_fc2 = c["PostNormRowParallelLinear"]
     return spec
 
 
@@ -485,6 +503,8 @@ def hf_to_megatron(suffix: str, prefix: str, hf: dict[str, torch.Tensor], shape)
     strip ``model.language_model.`` to ``model.``); ``prefix`` is 'model.layers.L.'."""
     if suffix in _OWN:
         return hf[prefix + _OWN[suffix]]
+    if shape.num_experts and (t := gemma4_moe.hf_to_megatron(suffix, prefix, hf)) is not None:
+        return t
     if suffix == "self_attention.linear_qkv.weight":
         q_rows, hn, k_eq_v, ng = _qkv_rows(shape, int(prefix.split(".")[2]))
         parts = [hf[prefix + "self_attn.q_proj.weight"].reshape(ng, q_rows, -1),
@@ -501,6 +521,8 @@ def megatron_to_hf(suffix: str, prefix: str, full: torch.Tensor, shape) -> list[
     """HF tensors (text decoder names, ``model.layers.L.*``) of a full megatron layer tensor."""
     if suffix in _OWN:
         return [(prefix + _OWN[suffix], full)]
+    if shape.num_experts and (pairs := gemma4_moe.megatron_to_hf(suffix, prefix, full)) is not None:
+        return pairs
     if suffix == "self_attention.linear_qkv.weight":
         q_rows, hn, k_eq_v, ng = _qkv_rows(shape, int(prefix.split(".")[2]))
         sizes = [q_rows, hn] + ([] if k_eq_v else [hn])
@@ -521,4 +543,5 @@ FAMILY = Family(name="Gemma 4", model_types=MODEL_TYPES, shape_fields=shape_fiel
                 prepare=prepare, core_attention=core_attention, local_spec=layer_spec, after_build=after_build,
                 hf_to_megatron=hf_to_megatron, megatron_to_hf=megatron_to_hf, text_prefix=text_prefix,
                 exported_buffers=exported_buffers, check_flags=check_flags, check_static=check_static,
-                swiglu=False, bridge_only=True)
+                column=(gemma4_moe.SHARED_FC1,), row=(gemma4_moe.SHARED_FC2,), glu_fc1=(gemma4_moe.SHARED_FC1,),
+                export_stream=gemma4_moe.export_stream, swiglu=False, bridge_only=True)
