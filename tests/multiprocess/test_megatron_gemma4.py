@@ -11,13 +11,18 @@ TP 1 and TP 2 (sequence parallel), on the windowed SDPA core attention and on me
 the window (4); every parameter gets a finite gradient; the export (``export.iter_hf_buckets``: the weight sync and
 ``--save-hf``) is the checkpoint's text decoder, names and bits, and nothing of its vision tower.
 
-``test_gemma4_trainer_parity_with_fsdp``: 2 ranks. The FSDP backend (transformers' Gemma4ForConditionalGeneration
-under FSDP2, DP 2) and the Megatron trainer (TP 2, sequence parallel, ``--qkv-format bshd``) train the same 2
-rollouts: log-probs before training, step metrics and the update agree; the export before training equals the
-checkpoint; ``--save-hf`` writes every tensor of the checkpoint (the trained text decoder, the towers as they were)
-and loads in transformers; a torch_dist checkpoint saved and resumed restores the weights bitwise.
+``test_gemma4_moe_gpt_matches_hf``: the same for gemma-4-26B-A4B's MoE block (``families/gemma4_moe.py``: the dense
+MLP and 4 experts side by side in every layer, Gemma's router) at TP 1, TP 2 + SP and EP 2 (all-to-all): transformers'
+log-probs, a finite and non-zero gradient for every parameter, the export bitwise with the fused experts.
 
-``test_gemma4_gpt_matches_hf_on_gpu`` (``gpu``): the same build at TP 1 in bf16 on one GPU under real torchrun.
+``test_gemma4_trainer_parity_with_fsdp``: 2 ranks. The FSDP backend (transformers' Gemma4ForConditionalGeneration
+under FSDP2, DP 2) and the Megatron trainer (TP 2, sequence parallel, ``--qkv-format bshd``; the MoE model with EP 2
+too) train the same 2 rollouts: log-probs before training, step metrics and the update agree; the export before
+training equals the checkpoint; ``--save-hf`` writes every tensor of the checkpoint (the trained text decoder, the
+towers as they were) and loads in transformers; a torch_dist checkpoint saved and resumed restores the weights bitwise.
+
+``test_gemma4_gpt_matches_hf_on_gpu`` / ``test_gemma4_moe_gpt_matches_hf_on_gpu`` (``gpu``): the same builds at TP 1
+in bf16 on one GPU under real torchrun.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ SEQ = 20
 # fp32 CPU, measured 1.4e-6 (SDPA, TP 1 and TP 2) and 0.0 (unfused, TP 1) in log-prob:
 # pytest tests/multiprocess/test_megatron_gemma4.py -k "not gpu"
 BOUND = 3e-6
+# the MoE block, fp32 CPU, measured 9.5e-7 (TP 1, EP 2) and 1.4e-6 (TP 2 + SP) in log-prob:
+# pytest -s tests/multiprocess/test_megatron_gemma4.py -k "moe and not gpu and not parity"
 MOE_BOUND = 3e-6
 
 
@@ -114,7 +121,7 @@ def _gpt_worker(model_dir: str, out: str, core: str, device_name: str = "cpu", e
     grads_ok = all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in gpt.parameters())
     # every parameter moves the loss (the router's scale and per-expert scale, the block's five norms included)
     zero_grad = sorted(n for n, p in gpt.named_parameters() if p.grad is not None and not bool(p.grad.any()))
-    lp = torch.log_softmax(logits.detach().cpu(), -1)
+    lp = torch.log_softmax(logits.detach().cpu().float(), -1)
 
     # the export (weight sync, --save-hf): the text decoder under the checkpoint's names, bit for bit
     exported = [(n, t.cpu()) for b in export.iter_hf_buckets(gpt, shape, groups, device=device, bucket_bytes=1 << 14,
@@ -128,15 +135,17 @@ def _gpt_worker(model_dir: str, out: str, core: str, device_name: str = "cpu", e
     if rank == 0:
         text = sorted(k for k in disk if k.startswith("model.language_model."))
         Path(out).write_text(json.dumps({
-            "lp_max_abs_err": float((lp - ref).abs().max()), "grads_ok": grads_ok, "zero_grad": zero_grad,
+            "lp_max_abs_err": float((lp - ref).abs().max()), "lp_mean_abs_err": float((lp - ref).abs().mean()),
+            "grads_ok": grads_ok, "zero_grad": zero_grad,
             "exported": sorted(n for n, _ in exported), "same": sorted(same), "text": text,
             "softcap": cap, "towers": sorted({k.split(".")[1] for k in disk if k not in text})}))
     dist.destroy_process_group()
 
 
-def _parity_worker(model_dir: str, out: str) -> None:
+def _parity_worker(model_dir: str, out: str, *megatron_flags: str) -> None:
     """2 ranks: the FSDP backend (transformers' Gemma4ForConditionalGeneration, DP 2) and the Megatron trainer (TP 2,
-    sequence parallel) train the same 2 rollouts; the Megatron side's torch_dist save/resume and --save-hf."""
+    sequence parallel, ``megatron_flags``) train the same 2 rollouts; the Megatron side's torch_dist save/resume and
+    --save-hf."""
     import torch
     import torch.distributed as dist
     from safetensors.torch import load_file
@@ -158,7 +167,7 @@ def _parity_worker(model_dir: str, out: str) -> None:
     res["fsdp_metrics"] = [fsdp.train(mine, rid) for rid in range(2)]
     fsdp_sd = fsdp.state_dict_for_check()
     del fsdp
-    flags = ("--sequence-parallel", "--qkv-format", "bshd", "--save", str(Path(out).parent / "ckpt"))
+    flags = ("--sequence-parallel", "--qkv-format", "bshd", *megatron_flags, "--save", str(Path(out).parent / "ckpt"))
     meg = build(model_dir, _flags("megatron", 2, megatron_flags=flags) + eps, group=group)
     init = meg.state_dict_for_check()
     meg_lp = _all_logprobs(meg, samples)
@@ -242,11 +251,17 @@ def test_gemma4_gpt_matches_hf(tiny_gemma4_dir: Path, tmp_path: Path, free_port:
     assert res["exported"] == res["text"] and res["same"] == res["text"]     # the text decoder, bit for bit
 
 
-def test_gemma4_trainer_parity_with_fsdp(tiny_gemma4_dir: Path, tmp_path: Path, free_port: int) -> None:
+@pytest.mark.parametrize("kind", ["dense", "moe_ep2"])
+def test_gemma4_trainer_parity_with_fsdp(tiny_gemma4_dir: Path, tiny_gemma4_moe_dir: Path, tmp_path: Path,
+                                         free_port: int, kind: str) -> None:
+    """moe_ep2: gemma-4-26B-A4B's MoE block, TP 2 + SP with the experts split over EP 2 (the EP group spans the
+    TP ranks, as the recorded command's TP 4 / EP 8 does)."""
     import torch
 
     out = tmp_path / "parity.pt"
-    proc = torchrun_self(HERE, 2, free_port, "parity", str(tiny_gemma4_dir), str(out), timeout=600)
+    model, extra = (tiny_gemma4_dir, ()) if kind == "dense" else (tiny_gemma4_moe_dir,
+                                                                   ("--expert-model-parallel-size", "2"))
+    proc = torchrun_self(HERE, 2, free_port, "parity", str(model), str(out), *extra, timeout=600)
     assert proc.returncode == 0, proc.stdout[-5000:]
     res = torch.load(out, weights_only=False)
     assert res["export_keys_equal"] and res["export_bitwise"], res
@@ -254,6 +269,7 @@ def test_gemma4_trainer_parity_with_fsdp(tiny_gemma4_dir: Path, tmp_path: Path, 
     assert res["layer_scalar_kept"], res
     assert res["save_hf_text_equal"] and res["save_hf_keys_equal"] and res["save_hf_towers_equal"], res
     assert res["ckpt_reload_bitwise"] and res["resumed_extra"]["rollout_id"] == 1, res
+    print(kind, {k: res[k] for k in ("lp_max_abs_diff", "update_max_abs_diff", "update_rel_l2", "update_worst")})
     assert res["lp_max_abs_diff"] < LP_BOUND, res
     for f, m in zip(res["fsdp_metrics"], res["meg_metrics"]):
         for key in ("loss", "pg_loss", "entropy", "ppo_kl", "tis", "grad_norm", "num_samples", "num_tokens",
@@ -262,9 +278,23 @@ def test_gemma4_trainer_parity_with_fsdp(tiny_gemma4_dir: Path, tmp_path: Path, 
     assert res["update_max_abs_diff"] < UPDATE_BOUND and res["update_rel_l2"] < REL_BOUND, res
 
 
-# measured (OMP_NUM_THREADS=1 python -m pytest tests/multiprocess/test_megatron_gemma4.py -k trainer_parity): log-probs
-# 9.5e-7 apart, the update after 2 steps 6.6e-7 (max abs), 1.9e-5 (relative L2)
+# measured (OMP_NUM_THREADS=1 python -m pytest -s tests/multiprocess/test_megatron_gemma4.py -k trainer_parity): log-probs
+# 9.5e-7 apart, the update after 2 steps 6.6e-7 (max abs), 1.9e-5 (relative L2); the MoE block at TP 2 / EP 2: 9.5e-7,
+# 4.6e-7, 1.5e-5
 LP_BOUND, UPDATE_BOUND, REL_BOUND = 2e-6, 1.4e-6, 4e-5
+
+
+def _gpu_run(model_dir: Path, out: Path, free_port: int) -> dict:
+    """The ``gpt`` worker on one GPU in bf16 at TP 1 under real torchrun (CUDA cannot start in a forked rank)."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port), str(HERE), "gpt", str(model_dir), str(out), "sdpa", "cuda", "1"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    res = json.loads(out.read_text())
+    print({k: res[k] for k in ("lp_max_abs_err", "lp_mean_abs_err")})
+    return res
 
 
 @pytest.mark.gpu
@@ -274,24 +304,35 @@ def test_gemma4_gpt_matches_hf_on_gpu(tiny_gemma4_dir: Path, tmp_path: Path, fre
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    out = tmp_path / "gpt_gpu.json"
-    env = {**os.environ, "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port), str(HERE), "gpt", str(tiny_gemma4_dir), str(out), "sdpa", "cuda"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    res = json.loads(out.read_text())
-    print(res["lp_max_abs_err"])
-    assert res["grads_ok"] and res["same"] == res["layers"], res
+    res = _gpu_run(tiny_gemma4_dir, tmp_path / "gpt_gpu.json", free_port)
+    assert res["grads_ok"] and res["exported"] == res["text"] and res["same"] == res["text"], res
     # Not measured yet (no GPU here): bf16 through 5 layers of a 64-wide model, log-probs of a ~4.6 nats scale; the
     # bound is a bf16 budget (8 ulps of 4.6 = 0.125, halved) until the lead's run replaces it by twice the measured
     # value: pytest -s -m gpu tests/multiprocess/test_megatron_gemma4.py -k gpu
     assert res["lp_max_abs_err"] < 0.06, res
 
 
+@pytest.mark.gpu
+def test_gemma4_moe_gpt_matches_hf_on_gpu(tiny_gemma4_moe_dir: Path, tmp_path: Path, free_port: int) -> None:
+    """One GPU, bf16, TP 1: gemma-4-26B-A4B's MoE block (families/gemma4_moe.py) within bf16 rounding of
+    transformers'. bf16 may flip a near-tied top-2 choice of a token in one layer (transformers' router projection
+    runs in bf16, megatron-core's router here too), which moves that token's log-probs by much more than rounding:
+    the mean error is bounded tightly, the largest loosely."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    res = _gpu_run(tiny_gemma4_moe_dir, tmp_path / "moe_gpu.json", free_port)
+    assert res["grads_ok"] and res["exported"] == res["text"] and res["same"] == res["text"], res
+    # Not measured yet (no GPU here): bounds are bf16 budgets as the dense test's (mean: a quarter of its max) until
+    # the lead's run replaces them by twice the measured values: pytest -s -m gpu tests/multiprocess/
+    # test_megatron_gemma4.py -k "moe and gpu"
+    assert res["lp_mean_abs_err"] < 0.015, res
+    assert res["lp_max_abs_err"] < 0.5, res
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "gpt":
         _gpt_worker(*sys.argv[2:7])
     elif sys.argv[1] == "parity":
-        _parity_worker(sys.argv[2], sys.argv[3])
+        _parity_worker(*sys.argv[2:])
