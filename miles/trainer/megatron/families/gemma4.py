@@ -227,10 +227,10 @@ def check_static(o, shape) -> None:
     if o.pp > 1:
         raise ConfigError(f"--pipeline-model-parallel-size {o.pp} with Gemma 4 is not supported by the Megatron "
                           "backend yet; use tensor and data parallelism.")
-    if g.global_kv_heads % o.tp:
-        raise ConfigError(f"--tensor-model-parallel-size {o.tp} does not divide config.json's "
+    if g.global_kv_heads % o.tp and o.tp % g.global_kv_heads:
+        raise ConfigError(f"--tensor-model-parallel-size {o.tp} neither divides nor is a multiple of config.json's "
                           f"num_global_key_value_heads {g.global_kv_heads} (Gemma 4's full-attention layers); choose "
-                          "a TP size that divides it.")
+                          "a TP size that divides it or a multiple of it.")
 
 
 # ------------------------------------------------------------------------------------------- model
@@ -274,6 +274,12 @@ def proportional_inv_freq(dim: int, theta: float, fraction: float, device=None) 
     angles = int(fraction * dim // 2)
     inv = 1.0 / (theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64, device=device).float() / dim))
     return torch.cat([inv, torch.zeros(dim // 2 - angles, dtype=torch.float32, device=device)])
+
+
+def kv_replicated(g: Gemma4Shape, tp: int) -> bool:
+    """The full layers have fewer KV heads than TP ranks (gemma-4-26B-A4B: 2, Miles's TP 4): each rank computes its
+    query heads' KV head from a replicated weight (``Gemma4Attention``)."""
+    return 0 < g.global_kv_heads < tp
 
 
 def _layer_is_sliding(config, layer_number: int) -> bool:
@@ -324,10 +330,24 @@ def _classes() -> dict[str, type]:
             g = self.gemma
             self.sliding = _layer_is_sliding(config, layer_number)
             self.k_eq_v = g.k_eq_v and not self.sliding
+            tp = config.tensor_model_parallel_size
+            self.kv_copies = 0                     # > 0: the full layer's KV heads replicated over TP (kv_replicated)
             if not self.sliding:
-                config = dataclasses.replace(config, kv_channels=g.global_head_dim, num_query_groups=g.global_kv_heads)
+                groups = g.global_kv_heads
+                if kv_replicated(g, tp):           # each TP rank one group: a copy of its query heads' KV head
+                    self.kv_copies, groups = tp // groups, tp
+                config = dataclasses.replace(config, kv_channels=g.global_head_dim, num_query_groups=groups)
             super().__init__(config, submodules, layer_number, *args, **kwargs)
-            if self.k_eq_v:                        # [q heads; k] per group: no value rows
+            hn, kv = self.hidden_size_per_attention_head, 1 if self.k_eq_v else 2
+            if self.kv_copies:                     # q split over TP by heads; every KV head's [k; v] rows on each rank
+                del self.linear_qkv
+                self.linear_q = submodules.linear_qkv(
+                    self.config.hidden_size, self.query_projection_size, config=self.config,
+                    init_method=self.config.init_method, gather_output=False, bias=False,
+                    skip_bias_add=False, is_expert=False, tp_comm_buffer_name="qkv", tp_group=self.pg_collection.tp)
+                self.linear_kv = torch.nn.Linear(self.config.hidden_size, g.global_kv_heads * kv * hn, bias=False,
+                                                 dtype=self.config.params_dtype)
+            elif self.k_eq_v:                      # [q heads; k] per group: no value rows
                 self.linear_qkv_out_dim = self.query_projection_size + self.kv_projection_size
                 self.linear_qkv = submodules.linear_qkv(
                     self.config.hidden_size, self.linear_qkv_out_dim, config=self.config,
@@ -354,19 +374,42 @@ def _classes() -> dict[str, type]:
                                         split_qkv: bool = True):
             if output_gate or not split_qkv:
                 raise NotImplementedError("Gemma 4 attention: no output gate or fused qkv-rope (a bug).")
-            mixed, _ = self.linear_qkv(hidden_states)
-            per_group = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
             hn = self.hidden_size_per_attention_head
             kv = 1 if self.k_eq_v else 2
-            mixed = mixed.view(*mixed.shape[:-1], self.num_query_groups_per_partition, (per_group + kv) * hn)
-            parts = torch.split(mixed, [per_group * hn, hn] + ([hn] if kv == 2 else []), dim=3)
-            query, key = parts[0], parts[1]
-            value = parts[2] if kv == 2 else key
+            if self.kv_copies:
+                query, key, value = self._replicated_kv(hidden_states, hn, kv)
+            else:
+                mixed, _ = self.linear_qkv(hidden_states)
+                per_group = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+                mixed = mixed.view(*mixed.shape[:-1], self.num_query_groups_per_partition, (per_group + kv) * hn)
+                parts = torch.split(mixed, [per_group * hn, hn] + ([hn] if kv == 2 else []), dim=3)
+                query, key = parts[0], parts[1]
+                value = parts[2] if kv == 2 else key
             query = query.reshape(query.size(0), query.size(1), -1, hn)
             query = self.q_layernorm(query)
             key = self.k_layernorm(key)
             value = torch.nn.functional.rms_norm(value.float(), (hn,), eps=self.config.layernorm_epsilon).to(value.dtype)
             return query, key, value
+
+        def _replicated_kv(self, hidden_states, hn: int, kv: int):
+            """q of this rank's heads, and k / v of their KV head from the replicated ``linear_kv`` on the whole
+            sequence (gathered under sequence parallelism; otherwise the input's gradient summed over TP, as
+            ColumnParallelLinear does for q). ``linear_kv``'s gradient holds this rank's KV head only: summed over TP
+            (``tp_partial``)."""
+            from megatron.core.tensor_parallel.mappings import (
+                copy_to_tensor_model_parallel_region,
+                gather_from_sequence_parallel_region,
+            )
+
+            tp = self.pg_collection.tp
+            query, _ = self.linear_q(hidden_states)
+            x = gather_from_sequence_parallel_region(hidden_states, group=tp) if self.config.sequence_parallel else \
+                copy_to_tensor_model_parallel_region(hidden_states, group=tp)
+            group = tp.rank() // self.kv_copies
+            mixed = torch.nn.functional.linear(x, self.linear_kv.weight[group * kv * hn:(group + 1) * kv * hn])
+            mixed = mixed.unsqueeze(2)                                          # [s, b, 1 group, kv * hn]
+            key = mixed[..., :hn]
+            return query, key, (mixed[..., hn:] if kv == 2 else key)
 
     class Gemma4Layer(TransformerLayer):
         """megatron-core's TransformerLayer whose output (residual included) is multiplied by ``layer_scalar``. With
@@ -505,6 +548,12 @@ def hf_to_megatron(suffix: str, prefix: str, hf: dict[str, torch.Tensor], shape)
         return hf[prefix + _OWN[suffix]]
     if shape.num_experts and (t := gemma4_moe.hf_to_megatron(suffix, prefix, hf)) is not None:
         return t
+    if suffix == "self_attention.linear_q.weight":          # a full layer with its KV heads replicated over TP
+        return hf[prefix + "self_attn.q_proj.weight"]
+    if suffix == "self_attention.linear_kv.weight":         # ... [k; v] per KV head ([k] with K=V)
+        _, hn, k_eq_v, ng = _qkv_rows(shape, int(prefix.split(".")[2]))
+        parts = [hf[prefix + f"self_attn.{x}_proj.weight"].reshape(ng, hn, -1) for x in ("k" if k_eq_v else "kv")]
+        return torch.cat(parts, dim=1).reshape(-1, parts[0].shape[-1])
     if suffix == "self_attention.linear_qkv.weight":
         q_rows, hn, k_eq_v, ng = _qkv_rows(shape, int(prefix.split(".")[2]))
         parts = [hf[prefix + "self_attn.q_proj.weight"].reshape(ng, q_rows, -1),
@@ -523,6 +572,12 @@ def megatron_to_hf(suffix: str, prefix: str, full: torch.Tensor, shape) -> list[
         return [(prefix + _OWN[suffix], full)]
     if shape.num_experts and (pairs := gemma4_moe.megatron_to_hf(suffix, prefix, full)) is not None:
         return pairs
+    if suffix == "self_attention.linear_q.weight":
+        return [(prefix + "self_attn.q_proj.weight", full)]
+    if suffix == "self_attention.linear_kv.weight":
+        _, hn, k_eq_v, ng = _qkv_rows(shape, int(prefix.split(".")[2]))
+        parts = full.reshape(ng, -1, full.shape[-1]).split(hn, dim=1)
+        return [(f"{prefix}self_attn.{x}_proj.weight", t.reshape(-1, full.shape[-1])) for x, t in zip("kv", parts)]
     if suffix == "self_attention.linear_qkv.weight":
         q_rows, hn, k_eq_v, ng = _qkv_rows(shape, int(prefix.split(".")[2]))
         sizes = [q_rows, hn] + ([] if k_eq_v else [hn])
@@ -543,5 +598,6 @@ FAMILY = Family(name="Gemma 4", model_types=MODEL_TYPES, shape_fields=shape_fiel
                 prepare=prepare, core_attention=core_attention, local_spec=layer_spec, after_build=after_build,
                 hf_to_megatron=hf_to_megatron, megatron_to_hf=megatron_to_hf, text_prefix=text_prefix,
                 exported_buffers=exported_buffers, check_flags=check_flags, check_static=check_static,
-                column=(gemma4_moe.SHARED_FC1,), row=(gemma4_moe.SHARED_FC2,), glu_fc1=(gemma4_moe.SHARED_FC1,),
+                column=("self_attention.linear_q.weight", gemma4_moe.SHARED_FC1), row=(gemma4_moe.SHARED_FC2,),
+                glu_fc1=(gemma4_moe.SHARED_FC1,), tp_partial=(".self_attention.linear_kv.",),
                 export_stream=gemma4_moe.export_stream, swiglu=False, bridge_only=True)
