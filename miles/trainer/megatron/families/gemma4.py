@@ -10,7 +10,8 @@ Miles v0.1.0 records two Gemma 4 commands (radixark/miles@v0.1.0:scripts/run_gem
 radixark/miles@v0.1.0:scripts/run_gemma_4_26b_a4b.py, MoE), both on the multimodal checkpoints
 (``Gemma4ForConditionalGeneration``) through Megatron-Bridge's Gemma4VLBridge, training the language model only
 (radixark/miles@v0.1.0:docs/models/gemma/gemma-4.md: "the RL recipe simply trains the language stack"); there is
-no Gemma entry under radixark/miles@v0.1.0:miles_plugins. Built here: the text decoder of the dense checkpoints.
+no Gemma entry under radixark/miles@v0.1.0:miles_plugins. Built here: the text decoder of the dense checkpoints and of 26B-A4B's, whose MoE block is
+``gemma4_moe.py``'s.
 
 - Text decoder (``Gemma4TextModel``; under ``model.language_model.*`` in a multimodal checkpoint, ``model.*`` in a
   ``Gemma4ForCausalLM`` one): megatron-core's ``GPTModel`` with the local layer spec, blocks swapped as below.
@@ -33,7 +34,9 @@ no Gemma entry under radixark/miles@v0.1.0:miles_plugins. Built here: the text d
   ``SelfAttention``) builds a full layer from the config with ``kv_channels = global_head_dim`` and
   ``num_query_groups = num_global_key_value_heads``; with ``attention_k_eq_v`` a full layer has no ``v_proj``: its
   ``linear_qkv`` holds q and k per group and the value is the raw key (before k's norm and RoPE), as transformers
-  computes it. Sliding layers rotate with the GPTModel's RoPE (theta ``sliding_attention.rope_theta``, whole head);
+  computes it. A full layer with fewer KV heads than TP ranks (26B-A4B: 2 at Miles's TP 4; ``kv_replicated``) has
+  one group per TP rank: ``linear_q`` (q, split over TP by heads) and ``linear_kv`` (every KV head's [k; v] rows,
+  replicated; each rank uses its heads' KV head, the gradient is summed over TP: ``tp_partial``). Sliding layers rotate with the GPTModel's RoPE (theta ``sliding_attention.rope_theta``, whole head);
   full layers with their own frequencies: transformers' "proportional" RoPE (theta 1e6, ``partial_rotary_factor``
   0.25: the first quarter of the frequencies of the full head size, the rest zero, so only those dims rotate, paired
   i with i + d/2 as megatron-core's non-interleaved RoPE pairs them).
@@ -47,11 +50,10 @@ no Gemma entry under radixark/miles@v0.1.0:miles_plugins. Built here: the text d
 - Tied embeddings (``tie_word_embeddings``, no ``lm_head.weight`` in the checkpoint): megatron-core's shared
   embedding and output weight.
 - Refused in one line (``shape_fields``): per-layer embeddings (``hidden_size_per_layer_input``), KV sharing
-  (``num_kv_shared_layers``), the double-wide MLP (the E2B/E4B checkpoints' parts), bidirectional attention, and
-  the MoE block (``enable_moe_block``, 26B-A4B: a dense MLP and 128 experts side by side, each with its own pre-
-  and post-norms, a router on the RMS-normalised residual with a learned ``scale`` and a ``per_expert_scale`` on the
-  top-k weights; megatron-core's ``MoELayer`` routes the input its experts take and scales top-k weights by one
-  number only; not built yet).
+  (``num_kv_shared_layers``), the double-wide MLP (the E2B/E4B checkpoints' parts), bidirectional attention.
+- The MoE block (``enable_moe_block``, 26B-A4B: the dense MLP and 128 experts side by side, each with its own pre-
+  and post-norms, Gemma's router): ``gemma4_moe.py``, megatron-core's ``MoELayer`` as the layer's ``mlp``
+  (``Gemma4Layer`` builds it with the layer's process groups).
 - Vision tower (``model.vision_tower.*``, ``model.embed_vision.*``) and audio tower: not in the Megatron model.
   Training is text-only, as Miles's recipes are; the engines keep the towers they loaded (the weight sync sends
   the language model's tensors under their checkpoint names).
@@ -63,8 +65,9 @@ each row, no packing), which is bshd, so the flag is accepted with the same math
 
 Weights (``hf_to_megatron`` / ``megatron_to_hf``, suffixes under ``model.layers.L.`` / ``decoder.layers.L.``):
 ``linear_qkv`` per query group [q heads; k; v] (full K=V layers: [q heads; k]), ``linear_fc1`` [gate; up],
-``pre_mlp_layernorm`` = ``pre_feedforward_layernorm``, the post norms, ``layer_scalar``. Slicing and stacking only,
-so the round trip is bitwise.
+``pre_mlp_layernorm`` = ``pre_feedforward_layernorm``, the post norms, ``layer_scalar``; ``linear_q`` = ``q_proj``,
+``linear_kv`` per KV head [k; v] ([k] with K=V); the MoE block's: ``gemma4_moe.py``. Slicing and stacking only, so
+the round trip is bitwise.
 """
 
 from __future__ import annotations
