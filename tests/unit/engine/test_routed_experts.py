@@ -114,8 +114,8 @@ def test_glm47_flash_grouped_sigmoid_router_is_recorded(tmp_path):
 def test_a_dense_model_refuses_return_routed_experts(tmp_path):
     eng = _engine(build_engine_model(tmp_path / "dense"))
     try:
-        with pytest.raises(BadRequest, match="return_routed_experts: the embedded engine records routed experts for Qwen3-MoE, GLM-4.7-Flash, DeepSeek-V3, Kimi-K2, JoyAI-LLM-Flash "
-                           "models, not this 'qwen3'"):
+        with pytest.raises(BadRequest, match="return_routed_experts: the embedded engine records routed experts for Qwen3-MoE, GLM-4.7-Flash, DeepSeek-V3, Kimi-K2, JoyAI-LLM-Flash, "
+                           "Gemma 4 MoE models, not this 'qwen3'"):
             _run(eng, [{"input_ids": [1, 2, 3], "return_routed_experts": True, "sampling_params": {"max_new_tokens": 2}}])
     finally:
         eng.stop()
