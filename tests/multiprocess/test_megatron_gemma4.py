@@ -15,9 +15,13 @@ the window (4); every parameter gets a finite gradient; the export (``export.ite
 MLP and 4 experts side by side in every layer, Gemma's router) at TP 1, TP 2 + SP and EP 2 (all-to-all): transformers'
 log-probs, a finite and non-zero gradient for every parameter, the export bitwise with the fused experts.
 
+``test_gemma4_full_layers_kv_heads_replicated_over_tp``: TP 2 over a full layer's single KV head: log-probs as
+transformers', every gradient TP 1's.
+
 ``test_gemma4_trainer_parity_with_fsdp``: 2 ranks. The FSDP backend (transformers' Gemma4ForConditionalGeneration
 under FSDP2, DP 2) and the Megatron trainer (TP 2, sequence parallel, ``--qkv-format bshd``; the MoE model with EP 2
-too) train the same 2 rollouts: log-probs before training, step metrics and the update agree; the export before
+too, and with one KV head in the full layers, replicated over TP) train the same 2 rollouts: log-probs before
+training, step metrics and the update agree; the export before
 training equals the checkpoint; ``--save-hf`` writes every tensor of the checkpoint (the trained text decoder, the
 towers as they were) and loads in transformers; a torch_dist checkpoint saved and resumed restores the weights bitwise.
 
@@ -301,16 +305,19 @@ def test_gemma4_gpt_matches_hf(tiny_gemma4_dir: Path, tmp_path: Path, free_port:
     assert res["exported"] == res["text"] and res["same"] == res["text"]     # the text decoder, bit for bit
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe_ep2"])
-def test_gemma4_trainer_parity_with_fsdp(tiny_gemma4_dir: Path, tiny_gemma4_moe_dir: Path, tmp_path: Path,
-                                         free_port: int, kind: str) -> None:
+@pytest.mark.parametrize("kind", ["dense", "moe_ep2", "moe_ep2_kv_replicated"])
+def test_gemma4_trainer_parity_with_fsdp(tiny_gemma4_dir: Path, tiny_gemma4_moe_dir: Path,
+                                         tiny_gemma4_one_kv_dir: Path, tmp_path: Path, free_port: int,
+                                         kind: str) -> None:
     """moe_ep2: gemma-4-26B-A4B's MoE block, TP 2 + SP with the experts split over EP 2 (the EP group spans the
-    TP ranks, as the recorded command's TP 4 / EP 8 does)."""
+    TP ranks, as the recorded command's TP 4 / EP 8 does); *_kv_replicated: the full layers' one KV head on both
+    TP ranks (as 26B-A4B's 2 over TP 4)."""
     import torch
 
     out = tmp_path / "parity.pt"
-    model, extra = (tiny_gemma4_dir, ()) if kind == "dense" else (tiny_gemma4_moe_dir,
-                                                                   ("--expert-model-parallel-size", "2"))
+    model = {"dense": tiny_gemma4_dir, "moe_ep2": tiny_gemma4_moe_dir,
+             "moe_ep2_kv_replicated": tiny_gemma4_one_kv_dir}[kind]
+    extra = () if kind == "dense" else ("--expert-model-parallel-size", "2")
     proc = torchrun_self(HERE, 2, free_port, "parity", str(model), str(out), *extra, timeout=600)
     assert proc.returncode == 0, proc.stdout[-5000:]
     res = torch.load(out, weights_only=False)
@@ -330,7 +337,7 @@ def test_gemma4_trainer_parity_with_fsdp(tiny_gemma4_dir: Path, tiny_gemma4_moe_
 
 # measured (OMP_NUM_THREADS=1 python -m pytest -s tests/multiprocess/test_megatron_gemma4.py -k trainer_parity): log-probs
 # 9.5e-7 apart, the update after 2 steps 6.6e-7 (max abs), 1.9e-5 (relative L2); the MoE block at TP 2 / EP 2: 9.5e-7,
-# 4.6e-7, 1.5e-5
+# 4.6e-7, 1.5e-5; with the full layers' KV head replicated: 9.5e-7, 2.8e-7, 9.4e-6
 LP_BOUND, UPDATE_BOUND, REL_BOUND = 2e-6, 1.4e-6, 4e-5
 
 
