@@ -25,8 +25,8 @@ import torch
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:mlp\.gate|router)$")      # Gemma 4: layers.L.router
 # routers that return (scores, weights, top-k indices), with the names the engine's refusal gives them
 RECORDED_MODEL_TYPES = {"qwen3_moe": "Qwen3-MoE", "glm4_moe_lite": "GLM-4.7-Flash", "deepseek_v3": "DeepSeek-V3",
-                        "kimi_k2": "Kimi-K2", "joyai_llm_flash": "JoyAI-LLM-Flash",   # DeepSeek-V3's router (hf_aliases)
-                        "gemma4_text": "Gemma 4 MoE"}
+                        "kimi_k2": "Kimi-K2", "joyai_llm_flash": "JoyAI-LLM-Flash",   # DeepSeek-V3's router
+                        "gemma4_text": "Gemma 4 MoE"}                                 # (hf_aliases); Gemma4TextRouter
 
 
 def moe_routers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:

@@ -69,7 +69,7 @@ def moe_routing(config) -> tuple[int, int] | None:
     config = getattr(config, "text_config", None) or config
     e = next((getattr(config, a) for a in ("num_experts", "num_local_experts", "n_routed_experts")
               if getattr(config, a, None)), None)
-    k = next((getattr(config, a) for a in ("num_experts_per_tok", "moe_topk", "top_k_experts")     # Gemma 4: top_k_experts
+    k = next((getattr(config, a) for a in ("num_experts_per_tok", "moe_topk", "top_k_experts")   # Gemma 4: the last
               if getattr(config, a, None)), None)
     return (int(e), int(k)) if e and k else None
 

@@ -335,9 +335,9 @@ def test_gemma4_trainer_parity_with_fsdp(tiny_gemma4_dir: Path, tiny_gemma4_moe_
     assert res["update_max_abs_diff"] < UPDATE_BOUND and res["update_rel_l2"] < REL_BOUND, res
 
 
-# measured (OMP_NUM_THREADS=1 python -m pytest -s tests/multiprocess/test_megatron_gemma4.py -k trainer_parity): log-probs
-# 9.5e-7 apart, the update after 2 steps 6.6e-7 (max abs), 1.9e-5 (relative L2); the MoE block at TP 2 / EP 2: 9.5e-7,
-# 4.6e-7, 1.5e-5; with the full layers' KV head replicated: 9.5e-7, 2.8e-7, 9.4e-6
+# measured (OMP_NUM_THREADS=1 python -m pytest -s tests/multiprocess/test_megatron_gemma4.py -k trainer_parity):
+# log-probs 9.5e-7 apart, the update after 2 steps 6.6e-7 (max abs), 1.9e-5 (relative L2); the MoE block at TP 2 /
+# EP 2: 9.5e-7, 4.6e-7, 1.5e-5; with the full layers' KV head replicated: 9.5e-7, 2.8e-7, 9.4e-6
 LP_BOUND, UPDATE_BOUND, REL_BOUND = 2e-6, 1.4e-6, 4e-5
 
 

@@ -10,8 +10,8 @@ Miles v0.1.0 records two Gemma 4 commands (radixark/miles@v0.1.0:scripts/run_gem
 radixark/miles@v0.1.0:scripts/run_gemma_4_26b_a4b.py, MoE), both on the multimodal checkpoints
 (``Gemma4ForConditionalGeneration``) through Megatron-Bridge's Gemma4VLBridge, training the language model only
 (radixark/miles@v0.1.0:docs/models/gemma/gemma-4.md: "the RL recipe simply trains the language stack"); there is
-no Gemma entry under radixark/miles@v0.1.0:miles_plugins. Built here: the text decoder of the dense checkpoints and of 26B-A4B's, whose MoE block is
-``gemma4_moe.py``'s.
+no Gemma entry under radixark/miles@v0.1.0:miles_plugins. Built here: the text decoder of the dense checkpoints and
+of 26B-A4B's, whose MoE block is ``gemma4_moe.py``'s.
 
 - Text decoder (``Gemma4TextModel``; under ``model.language_model.*`` in a multimodal checkpoint, ``model.*`` in a
   ``Gemma4ForCausalLM`` one): megatron-core's ``GPTModel`` with the local layer spec, blocks swapped as below.
@@ -36,10 +36,11 @@ no Gemma entry under radixark/miles@v0.1.0:miles_plugins. Built here: the text d
   ``linear_qkv`` holds q and k per group and the value is the raw key (before k's norm and RoPE), as transformers
   computes it. A full layer with fewer KV heads than TP ranks (26B-A4B: 2 at Miles's TP 4; ``kv_replicated``) has
   one group per TP rank: ``linear_q`` (q, split over TP by heads) and ``linear_kv`` (every KV head's [k; v] rows,
-  replicated; each rank uses its heads' KV head, the gradient is summed over TP: ``tp_partial``). Sliding layers rotate with the GPTModel's RoPE (theta ``sliding_attention.rope_theta``, whole head);
-  full layers with their own frequencies: transformers' "proportional" RoPE (theta 1e6, ``partial_rotary_factor``
-  0.25: the first quarter of the frequencies of the full head size, the rest zero, so only those dims rotate, paired
-  i with i + d/2 as megatron-core's non-interleaved RoPE pairs them).
+  replicated; each rank uses its heads' KV head, the gradient is summed over TP: ``tp_partial``). Sliding layers
+  rotate with the GPTModel's RoPE (theta ``sliding_attention.rope_theta``, whole head); full layers with their own
+  frequencies: transformers' "proportional" RoPE (theta 1e6, ``partial_rotary_factor`` 0.25: the first quarter of
+  the frequencies of the full head size, the rest zero, so only those dims rotate, paired i with i + d/2 as
+  megatron-core's non-interleaved RoPE pairs them).
 - Core attention: torch SDPA with a causal band mask on sliding layers (``WindowSDPAttention``, CPU and GPU), or
   megatron-core's unfused ``DotProductAttention`` (``--attention-backend unfused``, Miles's recorded value; its
   sliding-window mask is built on CUDA, so on CPU ``prepare`` gives it the same mask on the CPU).

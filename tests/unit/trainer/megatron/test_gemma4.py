@@ -187,7 +187,8 @@ def test_moe_block_and_replicated_kv_names_round_trip_bitwise(tmp_path: Path) ->
     p = "model.language_model.layers.2."
     assert sorted(back) == sorted(p + n for n in (
         "router.proj.weight", "router.scale", "router.per_expert_scale", "pre_feedforward_layernorm.weight",
-        "pre_feedforward_layernorm_2.weight", "post_feedforward_layernorm_2.weight", "post_feedforward_layernorm.weight",
+        "pre_feedforward_layernorm_2.weight", "post_feedforward_layernorm_2.weight",
+        "post_feedforward_layernorm.weight",
         "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "post_feedforward_layernorm_1.weight",
         "self_attn.q_proj.weight", "self_attn.k_proj.weight", "experts.gate_up_proj", "experts.down_proj"))
     assert all(torch.equal(t, hf[n]) for n, t in back.items())
