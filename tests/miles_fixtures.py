@@ -190,8 +190,9 @@ def build_family_model(out: Path, model: str | None, seed: int = 0) -> Path:
     if mt == "gemma4":                 # the multimodal checkpoint (text decoder under model.language_model.*)
         from miles.utils.tiny_gemma4 import build_tiny_gemma4
 
+        text = real["text_config"]        # 26B-A4B: the MoE block (4 experts, top-2)
         return build_tiny_gemma4(out, seed=seed, final_logit_softcapping=float(
-            real["text_config"].get("final_logit_softcapping") or 0.0) or None)
+            text.get("final_logit_softcapping") or 0.0) or None, moe=bool(text.get("enable_moe_block")))
     if "index_topk" in real:             # DeepSeek sparse attention (GLM-5, DeepSeek-V3.2): MLA plus the indexer
         from miles.utils.tiny_dsa import TINY_YARN, build_tiny_dsa_model
 

@@ -70,7 +70,7 @@ def preflight_check(cfg, hf_config: dict | None) -> None:
     text = hf_config.get("text_config") or hf_config
     experts = text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts") or 0
     model_type = text.get("model_type") or hf_config.get("model_type")
-    if not experts or not text.get("num_experts_per_tok"):
+    if not experts or not (text.get("num_experts_per_tok") or text.get("top_k_experts")):    # Gemma 4: top_k_experts
         raise ConfigError(f"{_flag(m)}: --hf-checkpoint's model ({model_type}) has no MoE layers, so "
                           "there is no routing to replay: drop the flag (it is for MoE models such as Qwen3-MoE).")
     if cfg.train.train_backend == "fsdp" and model_type not in HF_REPLAY_MODEL_TYPES:

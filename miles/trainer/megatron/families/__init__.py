@@ -19,8 +19,8 @@ Families today: ``dense`` (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen3-VL: the generic
 ``yarn.py``), ``gpt_oss`` (sinks, sliding windows, clamped SwiGLU, biases), ``dsa`` (DeepSeek sparse attention:
 DeepSeek-V3.2, GLM-5 / 5.1 / 5.2; mla's plus megatron-core's DSAttention), ``nemotron_h`` (hybrid Mamba-2 /
 attention / latent MoE on megatron-core's MambaModel; the torch Mamba-2 scan and mixer in ``mamba.py``),
-``gemma4`` (Gemma 4's dense text decoder: its own layer spec, the multimodal checkpoint's
-``model.language_model.*`` names, final logit softcapping),
+``gemma4`` (Gemma 4's text decoder: its own layer spec, the multimodal checkpoint's
+``model.language_model.*`` names, final logit softcapping; 26B-A4B's MoE block in ``gemma4_moe.py``),
 ``deepseek_v4`` (hyper-connections, compressed sparse attention, sqrtsoftplus / hash routing: its own decoder,
 ``dsv4_model.py``), ``qwen3_next``
 (Qwen3-Next, Qwen3.5 / 3.6: hybrid gated DeltaNet and gated attention layers, MoE with a gated shared expert, MTP;
