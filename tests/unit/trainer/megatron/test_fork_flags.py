@@ -192,3 +192,29 @@ def test_models_json_parse() -> None:
     g = shape.variant
     assert (shape.num_layers, g.csa_rate, g.hca_rate, g.num_hash_layers, g.yarn) == (4, 4, 128, 3,
                                                                                       (16.0, 65536.0, 32.0, 1.0))
+
+
+# radixark/miles@v0.1.0:scripts/models/deepseek-v4-flash.py COMPRESS_RATIOS: V4-Flash's 43 layers and its MTP layer
+FLASH_RATIOS = "0 0 " + "4 128 " * 20 + "4 0"
+
+
+def test_full_v4_flash_flags_of_the_amd_command() -> None:
+    """Miles's AMD V4 command (radixark/miles@v0.1.0:tests/snapshots/launch_scripts/py/scripts/amd/run_deepseek_v4.py/
+    full_train.txt) trains the whole V4-Flash: 43 layers, 44 compress ratios (the last its MTP layer's), against the
+    43-layer config (the 4-layer one's, with V4-Flash's layer schedule)."""
+    d = _model("DeepSeek-V4-Flash-4layer")
+    kind = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+    d.update(num_hidden_layers=43, layer_types=[kind[int(r)] for r in FLASH_RATIOS.split()[:43]],
+             mlp_layer_types=["hash_moe"] * 3 + ["moe"] * 40)
+    argv = _swap(_swap(_swap(V4_FLASH_4LAYER, "--num-layers", "43"), "--moe-layer-freq", "[" + ",".join("1" * 43) + "]"),
+                 "--dsv4-compress-ratios", *FLASH_RATIOS.split())
+    options.preflight_check(_cfg(*argv, *V4_RUN), d)
+    d["layer_types"][2] = "heavily_compressed_attention"
+    msg = _refused_dict(d, *argv)
+    assert msg.startswith("--dsv4-compress-ratios 0 0 4 128") and "(layer_types / compress_rates 0 0 128 128" in msg
+
+
+def _refused_dict(hf: dict, *flags: str) -> str:
+    with pytest.raises(ConfigError) as e:
+        options.preflight_check(_cfg(*flags), hf)
+    return str(e.value)
