@@ -854,7 +854,8 @@ class ModelRunner:
         self.model = auto_cls.from_pretrained(self.model_path, dtype=self.dtype).to(self.device).eval()
         self.model.requires_grad_(False)
         if not opts.clamp_shared_expert:
-            unclamp_shared_experts(self.model)
+            logger.info("--no-activation-func-clamp-shared-expert: %d shared experts served unclamped",
+                        unclamp_shared_experts(self.model))
         self.config = self.model.config
         text_cfg = getattr(self.config, "text_config", None) if self.is_vlm else None
         self.is_mtp_name = mtp_layer_names(text_cfg or self.config)   # the checkpoint's MTP layers: not served, skipped
