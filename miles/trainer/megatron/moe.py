@@ -98,7 +98,7 @@ _SHAPE_FLAGS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_sh
                 "moe_router_score_function", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_grouped_gemm",
                 "moe_token_dispatcher_type", "moe_router_dtype", "moe_permute_fusion", "moe_router_bias_update_rate",
                 "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor", "moe_layer_freq",
-                "moe_router_pre_softmax", "moe_token_drop_policy")
+                "moe_router_pre_softmax", "moe_token_drop_policy", "moe_router_freeze_gate")
 
 
 def _flag(dest: str) -> str:

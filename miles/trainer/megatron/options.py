@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import torch
 
 from miles.config.base import ConfigError
-from miles.trainer.megatron import families, mtp
+from miles.trainer.megatron import families, fork_flags, mtp
 from miles.trainer.megatron.model import ModelShape, use_transformer_engine
 from miles.trainer.megatron.moe import MoeOptions, check_moe_shape, check_moe_static, resolve_moe
 from miles.utils.logging import get_logger, warn_once
@@ -52,6 +52,8 @@ class Options:
     mtp_num_layers: int = 0                        # --mtp-num-layers (mtp.py); 0: no MTP block
     mtp_training: bool = False                     # --enable-mtp-training
     mtp_loss_scale: float = 0.2                    # --mtp-loss-scaling-factor (Miles's default)
+    freeze_router_gate: bool = False               # --moe-router-freeze-gate (fork_flags.py)
+    clamp_shared_expert: bool = True               # off: --no-activation-func-clamp-shared-expert (fork_flags.py)
 
 
 def resolve(m, train=None) -> Options:
@@ -91,7 +93,9 @@ def resolve(m, train=None) -> Options:
         distributed_optimizer_given=bool(m.use_distributed_optimizer),
         mtp_num_layers=getattr(m, "mtp_num_layers", None) or 0,
         mtp_training=bool(getattr(m, "enable_mtp_training", False)),
-        mtp_loss_scale=0.2 if getattr(m, "mtp_loss_scaling_factor", None) is None else float(m.mtp_loss_scaling_factor))
+        mtp_loss_scale=0.2 if getattr(m, "mtp_loss_scaling_factor", None) is None else float(m.mtp_loss_scaling_factor),
+        freeze_router_gate=bool(getattr(m, "moe_router_freeze_gate", False)),
+        clamp_shared_expert=not getattr(m, "no_activation_func_clamp_shared_expert", False))
 
 
 def _mismatch(name: str, value, key: str, config_value) -> ConfigError:
@@ -106,6 +110,7 @@ def check_shape(m, shape: ModelShape) -> None:
     if m is None:
         return
     check_moe_shape(m, shape)          # --num-experts, --moe-* against config.json (moe.py)
+    fork_flags.check_fork_flags(m, shape)   # Miles's Megatron fork: --dsv4-*, --dsa-indexer-*, ... (fork_flags.py)
     families.check_flags(m, shape)     # each family's flags (MLA dims, YaRN rope, sinks, windows, ...: families/)
     mtp.check_mtp_shape(m, shape)      # --mtp-num-layers vs num_nextn_predict_layers (mtp.py)
     values = {
@@ -138,7 +143,7 @@ def check_shape(m, shape: ModelShape) -> None:
         raise _mismatch("--swiglu", "(given)", "MLP", f"non-gated ({shape.family.name})")
     if m.rotary_percent is not None and not math.isclose(float(m.rotary_percent), shape.rotary_percent):
         raise _mismatch("--rotary-percent", m.rotary_percent, "partial_rotary_factor", shape.rotary_percent)
-    if m.qk_layernorm and not shape.qk_layernorm:
+    if m.qk_layernorm and not shape.qk_layernorm and "qk_layernorm" not in fork_flags.claimed(shape):
         raise _mismatch("--qk-layernorm", "(given)", "q_norm/k_norm", "absent")
     if m.add_qkv_bias and not shape.qkv_bias and not shape.mla:    # MLA builds no qkv bias (Megatron ignores it)
         raise _mismatch("--add-qkv-bias", "(given)", "attention bias", "absent")

@@ -52,7 +52,7 @@ from miles.trainer.batching import MicroBatch, coalesce_micro_batches, pack, pla
 from miles.trainer.collectives import bounded_all_gather_object
 from miles.trainer.logprobs import VocabShard, logprobs_and_entropy
 from miles.trainer.losses import accumulate_metrics
-from miles.trainer.megatron import context_parallel, convert, export, moe, options, parallel, pipeline
+from miles.trainer.megatron import context_parallel, convert, export, fork_flags, moe, options, parallel, pipeline
 from miles.trainer.megatron import model as mmodel
 from miles.trainer.megatron import mtp as mtp_mod
 from miles.trainer.megatron import vlm as mvlm
@@ -240,6 +240,7 @@ class MegatronTrainer(RLTrainer):
             ref = ckpt_path == self.cfg.ref_load
             dist_ckpt.load_weights(self, model, ckpt_path, getattr(self.megatron_cfg, "ref_ckpt_step", None) if ref
                                    else None, "--ref-load" if ref else "--critic-load/--opd-teacher-load")
+        fork_flags.apply(model, o)          # --moe-router-freeze-gate, --no-activation-func-clamp-shared-expert
         if offload:
             model.eval()
             for p in model.parameters():

@@ -109,6 +109,10 @@ class Family:
     check_flags: Callable[[Any, Any], None] = _nothing   # (megatron flags, shape): runs for EVERY shape, so a family
     #                                                     refuses its own flags on another one
     check_static: Callable[[Any, Any], None] = _nothing  # (options.Options, shape): runs for its own shapes only
+    fork_flags: Callable[[Any], dict] = _empty  # (shape) -> {MegatronConfig field: (config.json key, value)}: the
+    #      flags of Miles's Megatron fork its config.json fixes (fork_flags.FORK_FLAGS: --experimental-attention-variant,
+    #      --dsv4-*, --dsa-indexer-*, --activation-func-clamp-value) and any MLA / YaRN flag it reads in that fork's
+    #      spelling (DeepSeek-V4's); fork_flags.py checks each one given, a FORK_FLAGS one not listed is refused
     linear_biases: bool = False                 # every linear has a bias (no --disable-bias-linear)
     mtp_key: str = "num_nextn_predict_layers"   # config.json's count of MTP layers (ModelShape.nextn_layers)
     swiglu: bool = True                         # its MLPs are SwiGLU (--swiglu with --num-layers; else refused)
