@@ -211,7 +211,23 @@ def attach(model: nn.Module, spec: LoraSpec, *, tp_rank: int = 0, tp_size: int =
         module.register_forward_hook(_hook(lora, pair))
     if not lora.targets:
         raise ConfigError(f"--target-modules: no module of the model matches {list(spec.targets)}.")
+    _recompute_reaches_adapters(model)
     return lora
+
+
+def _recompute_reaches_adapters(model: nn.Module) -> None:
+    """``--recompute-granularity full``: megatron-core runs each block in a reentrant checkpoint, which records no
+    graph when none of its inputs requires grad, and with the whole base frozen the embedding's output does not: the
+    adapters inside would get no gradient. The embedding's output is marked as requiring grad (as transformers'
+    ``enable_input_require_grads``); a later pipeline stage's input already does."""
+    emb = getattr(model, "embedding", None)
+    if emb is None or getattr(getattr(model, "config", None), "recompute_granularity", None) != "full":
+        return
+
+    def mark(module: nn.Module, args, output):
+        return output.requires_grad_(True) if isinstance(output, torch.Tensor) else output
+
+    emb.register_forward_hook(mark)
 
 
 def _expert_pair(lora: LoraAdapters, spec: LoraSpec, leaf: str, gname: str, name: str, out_f: int, in_f: int,
