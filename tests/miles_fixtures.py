@@ -446,6 +446,12 @@ def tiny_replay(path: Path, workdir: Path, models: Path, skills_url: str | None 
         if f in flags:
             put(f, v)
 
+    # reward: a random tiny policy solves no prompt, so a recorded check_reward_nonzero_std filter would keep no group;
+    # 0/1 rewards drawn per sample let a group's rewards differ (the filter kept as recorded)
+    if "--rm-type" in flags and any(v.endswith(".check_reward_nonzero_std")
+                                    for v in flags.get("--dynamic-sampling-filter-path", [])):
+        put("--rm-type", "deterministic_random")
+
     # data: 2 prompts for each evaluation set
     if "--eval-prompt-data" in flags:
         vals = flags["--eval-prompt-data"]

@@ -19,6 +19,14 @@ Megatron tensor parallelism follows the base weight's split:
 - row-parallel (``linear_proj``, ``linear_fc2``; W [out, in/tp], input split): ``A`` split on columns like
   W, ``B`` replicated; ``A x`` is a TP-partial sum, reduced over TP before ``B``.
 
+Under ``--sequence-parallel`` (the base linear's ``sequence_parallel``) the TP region of the rank-r activations
+``h = A x`` follows the base linear's: a column-parallel target's input is this rank's part of the sequence, so
+``h`` is all-gathered over the sequence before ``B`` (backward: reduce-scattered); a row-parallel target's output
+is this rank's part of the sequence, so the TP-partial ``h`` is reduce-scattered over the sequence before ``B``
+(backward: all-gathered). The replicated factor (``A`` of a column target, ``B`` of a row one) then sees only
+this rank's positions, and its gradient is summed over TP in ``finish_grads``, as megatron-core's
+``finalize_model_grads`` sums the sequence-parallel norms' (the rank-r exchange is smaller than gathering ``x``).
+
 So ``B @ A`` has W's local shape on every rank and ``merged`` adds it to the local shard: the export
 gathers and converts merged weights exactly as it does base weights (HF names; the engines need no LoRA).
 
@@ -53,6 +61,7 @@ gathers the merged experts over EP as the base export does, so the engines still
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from collections.abc import Iterator
@@ -100,6 +109,7 @@ class LoraPair(nn.Module):
         self.lora_A = a if isinstance(a, nn.Parameter) else nn.Parameter(a)
         self.lora_B = b if isinstance(b, nn.Parameter) else nn.Parameter(b)
         self.kind = kind
+        self.sequence_parallel = False                 # the base linear's (TP > 1): set by attach
         # under TP the sharded one: B of a column-parallel target, A of a row-parallel one
         self.sharded = self.lora_B if kind == "column" else self.lora_A
 
@@ -195,12 +205,29 @@ def attach(model: nn.Module, spec: LoraSpec, *, tp_rank: int = 0, tp_size: int =
                 a = a.chunk(tp_size, dim=1)[tp_rank].clone()
             b = torch.zeros(out_local, spec.rank, dtype=torch.float32)
             pair = LoraPair(a.to(w.device), b.to(w.device), kind)
+            pair.sequence_parallel = split and bool(getattr(module, "sequence_parallel", False))
         lora.pairs[name.replace(".", "/")] = pair
         lora.targets[name] = module
         module.register_forward_hook(_hook(lora, pair))
     if not lora.targets:
         raise ConfigError(f"--target-modules: no module of the model matches {list(spec.targets)}.")
+    _recompute_reaches_adapters(model)
     return lora
+
+
+def _recompute_reaches_adapters(model: nn.Module) -> None:
+    """``--recompute-granularity full``: megatron-core runs each block in a reentrant checkpoint, which records no
+    graph when none of its inputs requires grad, and with the whole base frozen the embedding's output does not: the
+    adapters inside would get no gradient. The embedding's output is marked as requiring grad (as transformers'
+    ``enable_input_require_grads``); a later pipeline stage's input already does."""
+    emb = getattr(model, "embedding", None)
+    if emb is None or getattr(getattr(model, "config", None), "recompute_granularity", None) != "full":
+        return
+
+    def mark(module: nn.Module, args, output):
+        return output.requires_grad_(True) if isinstance(output, torch.Tensor) else output
+
+    emb.register_forward_hook(mark)
 
 
 def _expert_pair(lora: LoraAdapters, spec: LoraSpec, leaf: str, gname: str, name: str, out_f: int, in_f: int,
@@ -225,11 +252,15 @@ def _expert_pair(lora: LoraAdapters, spec: LoraSpec, leaf: str, gname: str, name
 
 def _hook(lora: LoraAdapters, pair: LoraPair):
     spec = lora.spec
-    if lora.tp_size > 1:
-        from megatron.core.tensor_parallel.mappings import (
-            copy_to_tensor_model_parallel_region,
-            reduce_from_tensor_model_parallel_region,
-        )
+    if lora.tp_size > 1 and pair.kind != "expert":
+        from megatron.core.tensor_parallel import mappings as tpm
+
+        if pair.kind == "column":           # x: the whole sequence, or this rank's part (gathered)
+            region = (functools.partial(tpm.gather_from_sequence_parallel_region, tensor_parallel_output_grad=True)
+                      if pair.sequence_parallel else tpm.copy_to_tensor_model_parallel_region)
+        else:                               # h: TP-partial; the output: the whole sequence, or this rank's part
+            region = (tpm.reduce_scatter_to_sequence_parallel_region if pair.sequence_parallel
+                      else tpm.reduce_from_tensor_model_parallel_region)
 
     def hook(module: nn.Module, args, output):
         x = args[0]
@@ -241,8 +272,7 @@ def _hook(lora: LoraAdapters, pair: LoraPair):
         a, b = pair.lora_A.to(x.dtype), pair.lora_B.to(x.dtype)
         h = nn.functional.linear(x, a)
         if lora.tp_size > 1 and pair.kind != "expert":
-            h = (copy_to_tensor_model_parallel_region(h, group=lora.tp_group) if pair.kind == "column"
-                 else reduce_from_tensor_model_parallel_region(h, group=lora.tp_group))
+            h = region(h, group=lora.tp_group)
         d = nn.functional.linear(h, b) * spec.scale
         if isinstance(output, tuple):            # megatron-core linears: (output, bias)
             return (output[0] + d.to(output[0].dtype),) + tuple(output[1:])
@@ -274,7 +304,8 @@ def merged(lora: LoraAdapters | None):
 @torch.no_grad()
 def finish_grads(lora: LoraAdapters, groups) -> None:
     """Reduce the adapters' gradients (``groups``: the Megatron backend's ``parallel.Groups``): the dense targets'
-    averaged over DP (TP needs nothing: the hooks' regions already leave every rank with its complete gradient);
+    averaged over DP (under TP the hooks' regions leave every rank with its complete gradient, except the replicated
+    factor of a sequence-parallel target, which saw this rank's positions only: summed over TP first);
     the shared outer factors summed over EP first; then the routed experts' factors, shared ones included, as the
     experts' weights (``moe.reduce_expert_grads``: summed over the expert-DP group, divided by the DP size; plain
     DP averaging at EP 1 and TP 1). A missing gradient becomes zero first."""
@@ -283,6 +314,9 @@ def finish_grads(lora: LoraAdapters, groups) -> None:
     for p in lora.parameters():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+    sp = [(p.lora_A if p.kind == "column" else p.lora_B).grad for _, p in lora.named_pairs() if p.sequence_parallel]
+    if sp:
+        _all_reduce(sp, lora.tp_group)
     shared = list(lora.shared.values())
     if shared and lora.ep_size > 1:
         _all_reduce([p.grad for p in shared], lora.ep_group)
@@ -373,8 +407,6 @@ def check_megatron(opts, shape, spec: LoraSpec) -> None:
     """Refuse the Megatron layouts LoRA is not built for (one line each)."""
     for flag, value, ok in (("--pipeline-model-parallel-size", opts.pp, opts.pp == 1),
                             ("--context-parallel-size", opts.cp, opts.cp == 1),
-                            ("--sequence-parallel", "with --tensor-model-parallel-size > 1",
-                             not (opts.sequence_parallel and opts.tp > 1)),
                             ("--lora-dropout", f"{spec.dropout} with --tensor-model-parallel-size > 1",
                              not (spec.dropout > 0 and opts.tp > 1))):
         if not ok:

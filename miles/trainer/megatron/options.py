@@ -211,9 +211,6 @@ def check_static(o: Options, shape: ModelShape) -> None:
     from miles.trainer.megatron.pipeline import stage_layer_counts
 
     stage_layer_counts(shape.num_layers, o.pp, o.first_stage_layers, o.last_stage_layers)
-    if o.pp > 1 and o.sequence_parallel:
-        raise ConfigError(f"--sequence-parallel with --pipeline-model-parallel-size {o.pp} is not supported (the "
-                          "pipeline sends whole-sequence hidden states); drop one of them.")
     if o.pp > 1 and shape.num_experts:
         raise ConfigError(f"--pipeline-model-parallel-size {o.pp} with a MoE model (config.json's num_experts "
                           f"{shape.num_experts}) is not supported by the Megatron backend yet; use "

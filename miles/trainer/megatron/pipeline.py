@@ -21,7 +21,10 @@ the shared trainer code. The schedule is Megatron's non-interleaved 1F1B: stage 
 remaining backwards; so at most ``P - s`` micro-batches' activations are alive on stage ``s``. Each exchange
 posts its send and its receive together (``isend``/``irecv``; even stages send first, odd stages receive first,
 as megatron-core's unbatched p2p does, so a NCCL pair's in-order stream never waits on itself) and waits for
-both, which matches the neighbour's order and cannot deadlock. Hidden states travel as ``[s, b, h]`` in the parameters' dtype.
+both, which matches the neighbour's order and cannot deadlock. Hidden states travel as ``[s, b, h]`` in the parameters' dtype;
+under ``--sequence-parallel`` each TP rank sends its own part of the sequence, ``[s / tp, b, h]`` (the stage's output
+as megatron-core leaves it; only the last stage gathers it over TP before the head), to the same TP rank of the next
+stage, as megatron-core's schedules do.
 Interleaved (virtual) stages are not implemented: ``--num-layers-per-virtual-pipeline-stage`` and
 ``--num-virtual-stages-per-pipeline-rank`` are refused by name.
 
@@ -113,7 +116,7 @@ def load_hf_into(model: nn.Module, hf: dict[str, torch.Tensor], shape: ModelShap
 
     named = global_named_parameters(model)
     sources = ["embedding.word_embeddings.weight" if is_tied_copy(p) else n for n, p in named]
-    full = convert.hf_to_megatron(hf, shape, padded_vocab, sorted(set(sources)))
+    full = convert.hf_to_megatron(convert.family_hf_state(hf, shape), shape, padded_vocab, sorted(set(sources)))
     for (name, p), src in zip(named, sources):
         piece = convert.shard(src, full[src], convert.partition_dim(src), tp_rank, tp_size, shape)
         if tuple(piece.shape) != tuple(p.shape):
@@ -319,9 +322,15 @@ def broadcast_object_from_last(stage: Stage, obj: Any, device: torch.device) -> 
 
 
 # ---------------------------------------------------------------------------------------------- trainer passes
-def _shape_fn(mbs: list, hidden_size: int) -> Callable[[int], tuple]:
-    """[s, b, h] of micro-batch i's hidden states (``trainer.padded_batch`` rows: s = its longest sample)."""
-    return lambda i: (int(mbs[i].max_seqlen), int(mbs[i].cu_seqlens.numel()) - 1, hidden_size)
+def _shape_fn(mbs: list, hidden_size: int, sp: int = 1) -> Callable[[int], tuple]:
+    """[s, b, h] of micro-batch i's hidden states (``trainer.padded_batch`` rows: s = its longest sample); under
+    ``--sequence-parallel`` (``sp`` = the TP size) this rank's part of the sequence, s rounded up to a multiple
+    of ``sp`` and divided by it, as megatron-core sends ``seq_length // tp`` between stages."""
+    return lambda i: (-(-int(mbs[i].max_seqlen) // sp), int(mbs[i].cu_seqlens.numel()) - 1, hidden_size)
+
+
+def _exchange_shape(trainer: MegatronTrainer, mbs: list) -> Callable[[int], tuple]:
+    return _shape_fn(mbs, trainer.shape.hidden_size, trainer.groups.tp_size if trainer._sequence_parallel else 1)
 
 
 def activation_dtype(model: nn.Module) -> torch.dtype:
@@ -351,8 +360,7 @@ def forward_pass(trainer: MegatronTrainer, model: nn.Module, data: list) -> list
             return out.to(dtype)
         return trainer._head_logprobs(model, dmb, _select(out, index))[0].float()
 
-    outs = forward_only(stage, len(mbs), _shape_fn(mbs, trainer.shape.hidden_size), fwd, device=trainer.device,
-                        dtype=dtype)
+    outs = forward_only(stage, len(mbs), _exchange_shape(trainer, mbs), fwd, device=trainer.device, dtype=dtype)
     real = [j for j, mb in enumerate(mbs) if not mb.is_dummy]
     sizes = [sum(mbs[j].lengths) for j in real]
     if stage.is_last:
@@ -398,7 +406,7 @@ def forward_backward(trainer: MegatronTrainer, data: list, ids: list[int], per_s
         accumulate_metrics(acc, metrics)
         return loss * trainer.world                       # gradients are averaged over DP
 
-    train_1f1b(stage, len(mbs), _shape_fn(mbs, trainer.shape.hidden_size), fwd, device=dev, dtype=dtype)
+    train_1f1b(stage, len(mbs), _exchange_shape(trainer, mbs), fwd, device=dev, dtype=dtype)
     keys = sorted(acc)
     host = torch.stack([acc[k] for k in keys]).cpu() if keys else None
     keys, host = broadcast_object_from_last(stage, (keys, host), dev)

@@ -322,8 +322,9 @@ class MegatronTrainer(RLTrainer):
     def _rows_forward(self, model, mb: MicroBatch, x: torch.Tensor | None = None):
         """``_stage_forward`` plus the CP split: with context parallelism the rows are this CP rank's chunks
         (``context_parallel.shard_rows``: hidden [2c, b, h], index [n] into [b * 2c], and the shard that
-        reassembles per-position values), else the shard is None. Under ``--sequence-parallel`` the
-        sequence-split output is all-gathered over TP (backward: this rank's part of the replicated gradient)."""
+        reassembles per-position values), else the shard is None. Under ``--sequence-parallel`` the last stage's
+        sequence-split output is all-gathered over TP (backward: this rank's part of the replicated gradient); an
+        earlier pipeline stage returns its part [s / tp, b, h], which the next stage takes as it is."""
         cp = self.groups.cp_size
         multiple = (2 * cp if cp > 1 else 1) * (self.groups.tp_size if self._sequence_parallel else 1)
         ids, pos, index = padded_batch(mb, self.pad_id, multiple)
@@ -343,7 +344,7 @@ class MegatronTrainer(RLTrainer):
                                       tp_rank=self.groups.tp_rank, tp_size=self.groups.tp_size, **kw)
             else:
                 hidden = model(ids, pos, attention_mask=None, **kw)              # [s, b, h]
-        if self._sequence_parallel:
+        if self._sequence_parallel and self.stage.is_last:     # earlier stages send their part (pipeline.py)
             from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
             hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False,

@@ -1,5 +1,6 @@
 """Pipeline-parallel flags on the Megatron backend: the layer split (megatron-core's rule, checked before any
-rank starts), and what is refused by name in one line (interleaved stages, the PPO critic, sequence parallel)."""
+rank starts), what is refused by name in one line (interleaved stages, the PPO critic), and sequence parallelism
+accepted with it."""
 
 from __future__ import annotations
 
@@ -61,14 +62,16 @@ def test_pipeline_in_the_preflight(tiny_model_dir: Path) -> None:
         assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
 
 
-def test_sequence_parallel_with_pipeline_is_refused(tiny_model_dir: Path) -> None:
+def test_sequence_parallel_with_pipeline_is_accepted(tiny_model_dir: Path) -> None:
+    """TP 2 + SP with PP 2 (the stages exchange each TP rank's part of the sequence: test_megatron_pp.py)."""
     from transformers import AutoConfig
 
-    shape = options.shape_of(AutoConfig.from_pretrained(tiny_model_dir))
-    o = options.resolve(_cfg(tiny_model_dir, "--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size",
-                             "2", "--sequence-parallel").megatron)
-    with pytest.raises(ConfigError, match=r"^--sequence-parallel with --pipeline-model-parallel-size 2 is not "):
-        options.check_static(o, shape)
+    hf = AutoConfig.from_pretrained(tiny_model_dir)
+    cfg = _cfg(tiny_model_dir, "--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+               "--sequence-parallel")
+    o = options.resolve(cfg.megatron)
+    assert (o.pp, o.tp, o.sequence_parallel) == (2, 2, True)
+    options.check_static(o, options.shape_of(hf))
 
 
 @pytest.mark.parametrize("flag", ["--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank"])
