@@ -78,13 +78,8 @@ def test_interleaved_pipeline_is_refused_by_name(tiny_model_dir: Path, flag: str
     assert str(e.value).startswith(flag) and "\n" not in str(e.value), str(e.value)
 
 
-def test_moe_with_pipeline_is_refused(tiny_model_dir: Path) -> None:
-    import dataclasses
-
-    from transformers import AutoConfig
-
-    shape = dataclasses.replace(options.shape_of(AutoConfig.from_pretrained(tiny_model_dir)), num_experts=4)
-    o = options.resolve(_cfg(tiny_model_dir, "--pipeline-model-parallel-size", "2").megatron)
-    with pytest.raises(ConfigError, match=r"^--pipeline-model-parallel-size 2 with a MoE model \(config.json's "
-                                          r"num_experts 4\) is not supported"):
-        options.check_static(o, shape)
+@pytest.mark.parametrize("flag", ["--use-routing-replay", "--use-rollout-routing-replay"])
+def test_routing_replay_with_pipeline_is_refused(tiny_model_dir: Path, flag: str) -> None:
+    cfg = _cfg(tiny_model_dir, "--pipeline-model-parallel-size", "2", flag)
+    with pytest.raises(ConfigError, match=rf"^{flag} with --pipeline-model-parallel-size 2 is not supported"):
+        options.check_pipeline_algo(options.resolve(cfg.megatron, cfg.train), cfg.algo)
