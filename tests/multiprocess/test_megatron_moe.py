@@ -261,6 +261,9 @@ LAYOUTS = {
                                   (2, 2, "")),
     "ep2_cp2_checkpoint_to_one_rank": (4, 1, 2, "alltoall", "cpu_ckpt", "--context-parallel-size,2", (1, 1, "")),
     "tp2_cp2_sp": (4, 2, 1, "allgather", "cpu", "--context-parallel-size,2", None),
+    # Miles's amd Qwen3-30B-A3B layout (PP 2 x CP 2 x EP 4, SP at TP 1) at EP 2: the EP group is the CP pair
+    "ep2_pp2_cp2_sp": (4, 1, 2, "alltoall", "cpu", "--pipeline-model-parallel-size,2,--context-parallel-size,2,"
+                       "--sequence-parallel", None),
 }
 
 

@@ -206,9 +206,6 @@ def check_static(o: Options, shape: ModelShape) -> None:
     from miles.trainer.megatron.pipeline import stage_layer_counts
 
     stage_layer_counts(shape.num_layers, o.pp, o.first_stage_layers, o.last_stage_layers)
-    if o.pp > 1 and o.sequence_parallel:
-        raise ConfigError(f"--sequence-parallel with --pipeline-model-parallel-size {o.pp} is not supported (the "
-                          "pipeline sends whole-sequence hidden states); drop one of them.")
     check_context_parallel(o, shape)
     from miles.trainer.megatron import vlm
 
@@ -241,9 +238,6 @@ def check_context_parallel(o: Options, shape: ModelShape) -> None:
         raise ConfigError(f"--cp-comm-type {o.cp_comm_type} (hierarchical context parallelism) needs "
                           "--hierarchical-context-parallel-sizes, which the Megatron backend does not take; use a2a, "
                           "all_gather or p2p.")
-    if o.pp > 1:
-        raise ConfigError(f"--context-parallel-size {o.cp} with --pipeline-model-parallel-size {o.pp} is not supported "
-                          "by the Megatron backend; use one of them (with tensor and data parallelism).")
     if o.attention_backend in ("unfused", "local"):
         raise ConfigError(f"--attention-backend {o.attention_backend} (megatron-core's DotProductAttention) does not "
                           f"support --context-parallel-size {o.cp}; use --attention-backend auto/flash (torch SDPA).")

@@ -320,9 +320,14 @@ def broadcast_object_from_last(stage: Stage, obj: Any, device: torch.device) -> 
 
 
 # ---------------------------------------------------------------------------------------------- trainer passes
-def _shape_fn(mbs: list, hidden_size: int) -> Callable[[int], tuple]:
-    """[s, b, h] of micro-batch i's hidden states (``trainer.padded_batch`` rows: s = its longest sample)."""
-    return lambda i: (int(mbs[i].max_seqlen), int(mbs[i].cu_seqlens.numel()) - 1, hidden_size)
+def _shape_fn(trainer: MegatronTrainer, mbs: list) -> Callable[[int], tuple]:
+    """[s, b, h] of micro-batch i's hidden states between stages (``trainer.padded_batch`` rows: its longest
+    sample, rounded up to ``trainer.row_multiple()``; this CP rank's two chunks of it, and under
+    ``--sequence-parallel`` this TP rank's part)."""
+    m, g = trainer.row_multiple(), trainer.groups
+    split = g.cp_size * (g.tp_size if trainer._sequence_parallel else 1)
+    return lambda i: (-(-int(mbs[i].max_seqlen) // m) * m // split, int(mbs[i].cu_seqlens.numel()) - 1,
+                      trainer.shape.hidden_size)
 
 
 def activation_dtype(model: nn.Module) -> torch.dtype:
@@ -347,13 +352,11 @@ def forward_pass(trainer: MegatronTrainer, model: nn.Module, data: list) -> list
 
     def fwd(i: int, x: torch.Tensor | None) -> torch.Tensor:
         dmb = mbs[i].to(trainer.device)
-        out, index = trainer._stage_forward(model, dmb, x)
         if not stage.is_last:
-            return out.to(dtype)
-        return trainer._head_logprobs(model, dmb, _select(out, index))[0].float()
+            return trainer._stage_forward(model, dmb, x)[0].to(dtype)
+        return trainer._policy_forward(model, dmb, x=x)[0].float()      # CP: reassembled over the CP group
 
-    outs = forward_only(stage, len(mbs), _shape_fn(mbs, trainer.shape.hidden_size), fwd, device=trainer.device,
-                        dtype=dtype)
+    outs = forward_only(stage, len(mbs), _shape_fn(trainer, mbs), fwd, device=trainer.device, dtype=dtype)
     real = [j for j, mb in enumerate(mbs) if not mb.is_dummy]
     sizes = [sum(mbs[j].lengths) for j in real]
     if stage.is_last:
@@ -387,11 +390,10 @@ def forward_backward(trainer: MegatronTrainer, data: list, ids: list[int], per_s
     def fwd(i: int, x: torch.Tensor | None) -> torch.Tensor:
         mb = mbs[i]
         dmb = mb.to(dev)
-        out, index = trainer._stage_forward(trainer.model, dmb, x)
         if not stage.is_last:
-            return out.to(dtype)
-        lp, ent = trainer._head_logprobs(trainer.model, dmb, _select(out, index), with_entropy=True,
-                                         entropy_grad=a.entropy_coef != 0)
+            return trainer._stage_forward(trainer.model, dmb, x)[0].to(dtype)
+        lp, ent = trainer._policy_forward(trainer.model, dmb, with_entropy=True, entropy_grad=a.entropy_coef != 0,
+                                          x=x)
         if mb.is_dummy:
             return dummy_micro_batch_loss(lp, ent)
         loss, metrics, _ = micro_batch_loss(trainer.loss_fn, a, mb, dmb, lp, ent, per_sample, samples, ntok, nsamp,
@@ -399,7 +401,7 @@ def forward_backward(trainer: MegatronTrainer, data: list, ids: list[int], per_s
         accumulate_metrics(acc, metrics)
         return loss * trainer.world                       # gradients are averaged over DP
 
-    train_1f1b(stage, len(mbs), _shape_fn(mbs, trainer.shape.hidden_size), fwd, device=dev, dtype=dtype)
+    train_1f1b(stage, len(mbs), _shape_fn(trainer, mbs), fwd, device=dev, dtype=dtype)
     keys = sorted(acc)
     host = torch.stack([acc[k] for k in keys]).cpu() if keys else None
     keys, host = broadcast_object_from_last(stage, (keys, host), dev)

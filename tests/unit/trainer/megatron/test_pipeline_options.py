@@ -61,14 +61,15 @@ def test_pipeline_in_the_preflight(tiny_model_dir: Path) -> None:
         assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
 
 
-def test_sequence_parallel_with_pipeline_is_refused(tiny_model_dir: Path) -> None:
+def test_sequence_and_context_parallelism_with_pipeline_pass_the_checks(tiny_model_dir: Path) -> None:
+    """The layouts tests/multiprocess/test_megatron_pp.py::test_pp_parity_with_fsdp trains (tp2_pp2_sequence_parallel,
+    pp2_cp2)."""
     from transformers import AutoConfig
 
     shape = options.shape_of(AutoConfig.from_pretrained(tiny_model_dir))
-    o = options.resolve(_cfg(tiny_model_dir, "--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size",
-                             "2", "--sequence-parallel").megatron)
-    with pytest.raises(ConfigError, match=r"^--sequence-parallel with --pipeline-model-parallel-size 2 is not "):
-        options.check_static(o, shape)
+    for flags in (["--tensor-model-parallel-size", "2", "--sequence-parallel"], ["--context-parallel-size", "2"]):
+        options.check_static(options.resolve(_cfg(tiny_model_dir, "--pipeline-model-parallel-size", "2",
+                                                  *flags).megatron), shape)
 
 
 @pytest.mark.parametrize("flag", ["--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank"])
