@@ -102,19 +102,41 @@ def _export_worker(model_dir: str, out: str, flags: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("nproc,flags", [(2, PP2), (4, PP2 + ",--tensor-model-parallel-size,2")],
-                         ids=["pp2", "tp2_pp2"])
+EP2 = ",--expert-model-parallel-size,2,--moe-aux-loss-coeff,0"
+
+
+def _moe_model(family: str, out: Path) -> Path:
+    if family == "qwen3_moe":
+        from miles.utils.tiny_model import build_tiny_moe_model
+
+        return build_tiny_moe_model(out)
+    if family == "gpt_oss":
+        from miles.utils.tiny_gpt_oss import build_tiny_gpt_oss_model
+
+        return build_tiny_gpt_oss_model(out)
+    from miles.utils.tiny_qwen35 import build_tiny_qwen35_model
+
+    return build_tiny_qwen35_model(out, kind=family)
+
+
+@pytest.mark.parametrize("nproc,flags,family", [
+    (2, PP2, None), (4, PP2 + ",--tensor-model-parallel-size,2", None), (4, PP2 + EP2, "qwen3_moe"),
+    (4, PP2 + EP2, "gpt_oss"), (4, PP2 + EP2, "qwen3_5_moe")],
+    ids=["pp2", "tp2_pp2", "ep2_pp2_qwen3_moe", "ep2_pp2_gpt_oss", "ep2_pp2_qwen3_5_moe"])
 def test_pp_export_equals_one_stage(tiny_model_dir: Path, tmp_path: Path, free_port: int, nproc: int,
-                                    flags: str) -> None:
-    """The reference: the same TP size with one stage, on half the ranks."""
+                                    flags: str, family: str | None) -> None:
+    """The reference: the same TP and EP sizes with one stage, on half the ranks. The MoE families: each stage
+    loads its layers' experts of its EP rank and gathers them over its EP group (``moe.start_units``) before the
+    pipeline broadcast; the export is the one-stage EP 2 export (itself the checkpoint's: test_megatron_moe.py)."""
     import torch
 
-    tp_flags = ",--tensor-model-parallel-size,2" if "tensor" in flags else ""
-    one = _torchrun(nproc // 2, free_port, "export", str(tiny_model_dir), str(tmp_path / "one"), tp_flags.strip(","))
+    model_dir = tiny_model_dir if family is None else _moe_model(family, tmp_path / family)
+    tp_flags = ",--tensor-model-parallel-size,2" if "tensor" in flags else EP2 if "expert" in flags else ""
+    one = _torchrun(nproc // 2, free_port, "export", str(model_dir), str(tmp_path / "one"), tp_flags.strip(","))
     assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-4000:]
     from miles.utils.net import find_free_port
 
-    two = _torchrun(nproc, find_free_port(), "export", str(tiny_model_dir), str(tmp_path / "two"), flags)
+    two = _torchrun(nproc, find_free_port(), "export", str(model_dir), str(tmp_path / "two"), flags)
     assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-4000:]
     ref = torch.load(f"{tmp_path / 'one'}.rank0", weights_only=False)
     for rank in range(nproc):
