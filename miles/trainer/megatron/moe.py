@@ -25,11 +25,17 @@ as ``[gate; up]``, ``down_proj`` = ``linear_fc2`` (TE grouped: ``experts.linear_
 global expert ``E = ep_rank * num_local_experts + e``. Megatron names with the *global* index are the EP-free
 names (``global_name``); the converter and the export use them.
 
-Expert parallelism (megatron-core's ``tp-cp-ep-dp-pp`` layout over the trainer ranks): EP rank r holds experts
-``[r E/ep, (r + 1) E/ep)``; tokens reach them through megatron-core's dispatcher (all-to-all or all-gather over
-the EP group). Expert gradients are summed over the expert-data-parallel group and divided by the DP size
-(each expert saw the tokens of all EP ranks; Megatron's ``expert_gradient_scaling_factor``); the others are
-averaged over DP as before. The gradient norm adds the experts' squares summed over EP.
+Expert parallelism (megatron-core's ``tp-cp-ep-dp-pp`` layout over the trainer ranks; the expert groups are laid
+over TP x CP x DP within a pipeline stage): EP rank r holds experts ``[r E/ep, (r + 1) E/ep)``; tokens reach them
+through megatron-core's dispatcher (all-to-all or all-gather over the EP group). Expert gradients are summed over
+the expert-data-parallel group and divided by the DP size (each expert saw the tokens of all EP ranks; Megatron's
+``expert_gradient_scaling_factor``); the others are averaged over DP (summed over DP x CP under context
+parallelism) as before. The gradient norm adds the experts' squares summed over EP. A pipeline stage's experts
+are gathered over its EP group for the export (``export_units``, ``start_units``, ``finish_units``, and
+``unit_layout`` for the layout of another stage's), then broadcast over the pipeline group (``export.py``).
+``--use-distributed-optimizer`` shards the experts' AdamW state over the expert-DP group
+(``parallel.ExpertShardedAdamW``). ``--expert-tensor-parallel-size`` other than 1 is refused (whole experts on
+every TP rank here).
 
 Tensor parallelism (``--tensor-model-parallel-size`` > 1, ``--expert-tensor-parallel-size 1``, megatron-core's
 meaning): attention and the dense MLPs are split over TP, the experts are not; megatron-core needs

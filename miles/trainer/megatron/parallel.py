@@ -24,7 +24,9 @@ by the DP size (``moe.reduce_expert_grads``).
 
 ``--use-distributed-optimizer`` (ZeRO-1, Megatron's meaning): with DP > 1 the AdamW state is sharded over
 the DP group by whole (TP-local) parameters (torch's ``ZeroRedundancyOptimizer``): each DP rank updates the
-parameters it owns and broadcasts them; gradients are still averaged over DP first. The broadcast after the
+parameters it owns and broadcasts them; gradients are still averaged over DP first. Under expert parallelism the
+DP ranks hold different experts, so the experts are sharded over the expert-DP group instead, in a second
+ZeroRedundancyOptimizer (``ExpertShardedAdamW``), as megatron-core's distributed optimizer does. The broadcast after the
 step is one flattened tensor per owner rank (and dtype, device; split at ``_SYNC_BUCKET_BYTES``), not torch's one
 per parameter: each gloo collective is a fixed 1-2 ms on a small CPU host (issue 13). The bytes sent are the
 same, so the weights are bit for bit torch's; state_dict/load_state_dict are torch's own. Not torch's

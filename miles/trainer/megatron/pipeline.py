@@ -21,7 +21,10 @@ the shared trainer code. The schedule is Megatron's non-interleaved 1F1B: stage 
 remaining backwards; so at most ``P - s`` micro-batches' activations are alive on stage ``s``. Each exchange
 posts its send and its receive together (``isend``/``irecv``; even stages send first, odd stages receive first,
 as megatron-core's unbatched p2p does, so a NCCL pair's in-order stream never waits on itself) and waits for
-both, which matches the neighbour's order and cannot deadlock. Hidden states travel as ``[s, b, h]`` in the parameters' dtype.
+both, which matches the neighbour's order and cannot deadlock. Hidden states travel as ``[s, b, h]`` in the parameters' dtype,
+``s`` this rank's part of the padded rows: its two chunks under context parallelism, its TP part under
+``--sequence-parallel`` (the last stage gathers it over TP and reassembles the log-probs over CP, as one stage does).
+MoE layers run their all-to-all over the stage's own EP group; every rank of a stage runs the same schedule.
 Interleaved (virtual) stages are not implemented: ``--num-layers-per-virtual-pipeline-stage`` and
 ``--num-virtual-stages-per-pipeline-rank`` are refused by name.
 

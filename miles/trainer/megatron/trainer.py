@@ -26,7 +26,7 @@ loss normalisation over the step, metrics, --deterministic-mode (here also megat
   over TP before the head.
 - gradients: TP-partial ones summed over TP, all averaged over DP, the norm over the full model
   (``parallel.finish_grads`` / ``clip_grad_norm``); AdamW over this rank's shards, its state sharded over
-  DP with ``--use-distributed-optimizer``.
+  DP with ``--use-distributed-optimizer`` (the experts' over the expert-DP group under expert parallelism).
 - weights out: ``iter_weight_buckets`` gathers TP shards bucket by bucket and converts to HF names and
   shapes (``export.py``), so the weight senders and ``--check-weight-update-equal`` work unchanged. There is no
   ``iter_weight_shards`` (TP shards are not dim-0 row ranges of the HF tensors): ``p2p`` weight sync takes the
