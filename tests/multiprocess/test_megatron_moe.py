@@ -335,6 +335,34 @@ def test_moe_parallel_layouts_match_fsdp(tiny_moe_dir: Path, tmp_path: Path, fre
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want), sorted(got)[:4]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["ep2_pp2_checkpoint_to_ep2", "ep2_cp2_checkpoint_to_one_rank"])
+def test_moe_parallel_layouts_match_fsdp_on_four_gpus(tiny_moe_dir: Path, tmp_path: Path, free_port: int,
+                                                      case: str) -> None:
+    """EP 2 x PP 2 and EP 2 x CP 2 on 4 GPUs (NCCL: the pipeline's p2p and the experts' all-to-all on one host, the
+    sharded optimizer's fused AdamW), each backend in its GPU default bf16, against FSDP DP 4."""
+    import torch
+
+    if torch.cuda.device_count() < 4:
+        pytest.skip("needs 4 GPUs (one per rank)")
+    nproc, tp, ep, dispatcher, _, mflags, _ = LAYOUTS[case]
+    out = tmp_path / "parity_gpu.pt"
+    proc = _torchrun(nproc, free_port, "parity", str(tiny_moe_dir), str(out), str(ep), dispatcher, "cuda", str(tp), "",
+                     mflags, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    res = torch.load(out, weights_only=False)
+    print(case, {k: v for k, v in res.items() if "metrics" not in k and k != "export_order"})
+    assert res["distributed_optimizer"] and res["layout"]["ep_size"] == 2, res
+    assert res["export_keys_equal"] and res["export_bitwise"] and res["export_bf16_bitwise"], res
+    # Never run yet (4 GPUs): the bounds of test_moe_trainer_parity_with_fsdp_on_gpu (one GPU, bf16); ``pytest -s -m
+    # gpu tests/multiprocess/test_megatron_moe.py -k four_gpus`` prints what this run measures
+    assert res["lp_max_abs_diff"] < 5e-3, res
+    for f, m in zip(res["fsdp_metrics"], res["meg_metrics"]):
+        for key in ("loss", "pg_loss", "entropy", "grad_norm"):
+            assert m[key] == pytest.approx(f[key], rel=5e-2, abs=5e-3), (key, f[key], m[key])
+    assert res["update_rel_l2"] < 0.12, res
+
+
 # ------------------------------------------------------------------------------------------- engine
 def _engine_worker(model_dir: str, out: str, engine_url: str) -> None:
     """Megatron EP 2 trains one rollout, then rank 0 hands every bucket to the embedded engine (generic HF path,
@@ -434,6 +462,10 @@ if __name__ == "__main__":
     elif sys.argv[1] == "engine":
         _engine_worker(sys.argv[2], sys.argv[3], sys.argv[4])
     elif sys.argv[1] == "parity":
+        if sys.argv[6:7] == ["cuda"] and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:   # the worker runs on
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")                                  # cuda:0: a GPU per rank
+            local = int(os.environ["LOCAL_RANK"])
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[local] if visible else str(local)
         _parity_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], *sys.argv[6:7],
                        *map(int, sys.argv[7:8]), *sys.argv[8:10])
     elif sys.argv[1] == "load":
