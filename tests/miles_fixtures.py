@@ -251,7 +251,8 @@ SHAPE_FIELDS = {
 }
 WORLD_FLAGS = ("--actor-num-nodes", "--actor-num-gpus-per-node", "--rollout-num-gpus", "--rollout-num-gpus-per-engine",
                "--num-gpus-per-node", "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
-               "--context-parallel-size", "--expert-model-parallel-size", "--expert-tensor-parallel-size")
+               "--context-parallel-size", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
+               "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers")
 SIZE_FLAGS = ("--num-rollout", "--num-epoch", "--rollout-batch-size", "--n-samples-per-prompt", "--global-batch-size",
               "--micro-batch-size", "--over-sampling-batch-size", "--rollout-max-response-len",
               "--eval-max-response-len", "--n-samples-per-eval-prompt", "--moe-layer-freq")
@@ -414,6 +415,10 @@ def tiny_replay(path: Path, workdir: Path, models: Path, skills_url: str | None 
         put("--expert-model-parallel-size", str(ep if trainers % ep == 0 else 1))
     if "--expert-tensor-parallel-size" in flags:
         put("--expert-tensor-parallel-size", "1")
+    for f in ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"):
+        if f in flags:       # the real model's uneven split: the tiny model's layers split evenly over its stages
+            argv = _drop(argv, f)
+            changed[f] = f"{flags[f][0]} -> (dropped: the tiny model's {shape.num_layers} layers split evenly)"
     world = trainers + engine_ranks
     put("--actor-num-nodes", "1")
     put("--actor-num-gpus-per-node", str(trainers))
@@ -478,8 +483,8 @@ def _drop_sglang_only(argv: list[str], changed: dict[str, str], entry: str) -> l
     from miles.config.sglang import check_embedded_engine
 
     while True:
-        cfg = parse_args(argv, is_async=entry == "train_async.py")
-        try:
+        try:        # a flag that needs a dropped one (--sglang-dp-size without --sglang-enable-dp-attention) goes too
+            cfg = parse_args(argv, is_async=entry == "train_async.py")
             check_embedded_engine(cfg.sglang, why="the CPU world's engines")
             return argv
         except ConfigError as e:

@@ -31,7 +31,7 @@ class Options:
     cp: int = 1
     ep: int = 1
     etp: int = 1
-    distributed_optimizer: bool = True             # as Miles (set_default_megatron_args, Adam); off with EP > 1
+    distributed_optimizer: bool = True             # as Miles (set_default_megatron_args, Adam)
     recompute_granularity: str | None = None
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
@@ -71,10 +71,10 @@ def resolve(m, train=None) -> Options:
                                  ("--decoder-last-pipeline-num-layers", m.decoder_last_pipeline_num_layers))
                   if v is not None)
     ep = m.expert_model_parallel_size or 1
-    distopt = m.use_distributed_optimizer                 # not given: on, as Miles; EP > 1 does not support it
+    distopt = m.use_distributed_optimizer                 # not given: on, as Miles (off with the CPU-offloaded AdamW)
     offload = getattr(m, "optimizer_cpu_offload", False)    # --optimizer-cpu-offload: no ZeRO unless asked for
     fraction = getattr(m, "optimizer_offload_fraction", None)
-    distopt = ep == 1 and not offload if distopt is None else distopt
+    distopt = not offload if distopt is None else distopt
     moe = tuple(f for f, v in (("--num-experts", m.num_experts), ("--moe-router-topk", m.moe_router_topk),
                                ("--moe-ffn-hidden-size", m.moe_ffn_hidden_size)) if v is not None)
     return Options(
@@ -211,10 +211,6 @@ def check_static(o: Options, shape: ModelShape) -> None:
     from miles.trainer.megatron.pipeline import stage_layer_counts
 
     stage_layer_counts(shape.num_layers, o.pp, o.first_stage_layers, o.last_stage_layers)
-    if o.pp > 1 and shape.num_experts:
-        raise ConfigError(f"--pipeline-model-parallel-size {o.pp} with a MoE model (config.json's num_experts "
-                          f"{shape.num_experts}) is not supported by the Megatron backend yet; use "
-                          "--pipeline-model-parallel-size 1 with expert, tensor and data parallelism.")
     check_context_parallel(o, shape)
     from miles.trainer.megatron import vlm
 
@@ -247,9 +243,6 @@ def check_context_parallel(o: Options, shape: ModelShape) -> None:
         raise ConfigError(f"--cp-comm-type {o.cp_comm_type} (hierarchical context parallelism) needs "
                           "--hierarchical-context-parallel-sizes, which the Megatron backend does not take; use a2a, "
                           "all_gather or p2p.")
-    if o.pp > 1:
-        raise ConfigError(f"--context-parallel-size {o.cp} with --pipeline-model-parallel-size {o.pp} is not supported "
-                          "by the Megatron backend; use one of them (with tensor and data parallelism).")
     if o.attention_backend in ("unfused", "local"):
         raise ConfigError(f"--attention-backend {o.attention_backend} (megatron-core's DotProductAttention) does not "
                           f"support --context-parallel-size {o.cp}; use --attention-backend auto/flash (torch SDPA).")
@@ -263,11 +256,20 @@ def check_context_parallel(o: Options, shape: ModelShape) -> None:
 
 
 def check_pipeline_algo(o: Options, algo) -> None:
-    """What does not run through the pipeline yet: the PPO critic."""
-    if o.pp > 1 and algo is not None and algo.loss_type != "sft_loss" and algo.advantage_estimator == "ppo":
+    """What does not run through the pipeline yet: the PPO critic, routing replay."""
+    if o.pp == 1 or algo is None:
+        return
+    if algo.loss_type != "sft_loss" and algo.advantage_estimator == "ppo":
         raise ConfigError(f"--advantage-estimator ppo (the PPO critic) with --pipeline-model-parallel-size {o.pp} is "
                           "not supported by the Megatron backend; use --pipeline-model-parallel-size 1 (tensor and "
                           "data parallelism), another estimator (grpo, ...), or --train-backend fsdp.")
+    from miles.trainer.routing_replay import mode
+
+    if (replay := mode(algo)) is not None:
+        flag = "--use-rollout-routing-replay" if replay == "r3" else "--use-routing-replay"
+        raise ConfigError(f"{flag} with --pipeline-model-parallel-size {o.pp} is not supported by the Megatron backend "
+                          "(the replay hooks the one-stage forward): use --pipeline-model-parallel-size 1 (tensor, "
+                          "context, expert and data parallelism), or drop the flag.")
 
 
 def check_supported(o: Options, shape: ModelShape, device: torch.device, dp_size: int) -> None:

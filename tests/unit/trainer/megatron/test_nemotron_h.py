@@ -131,7 +131,7 @@ def test_super_flags_accepted(tiny_model_dir: Path) -> None:
 
 @pytest.mark.parametrize("extra,message", [
     (["--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2"],      # the recorded layout
-     "--expert-model-parallel-size 8 with pipeline or context parallelism is not supported"),
+     "--pipeline-model-parallel-size 2 with Nemotron-H"),
     (["--tensor-model-parallel-size", "4"], "--tensor-model-parallel-size 4 does not divide .*num_key_value_heads 2"),
     (["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "1"],
      "--pipeline-model-parallel-size 2 with Nemotron-H"),
@@ -140,7 +140,7 @@ def test_super_flags_accepted(tiny_model_dir: Path) -> None:
 ])
 def test_recorded_layouts_not_built_are_one_line(tiny_model_dir: Path, extra: list[str], message: str) -> None:
     """The recorded Super command runs TP 4 (2 KV heads here), PP 2 and EP 8: refused in one line naming what is not
-    built (EP with PP first); each of TP 4, PP and CP alone too."""
+    built (PP first: the Mamba stack's stages); each of TP 4, PP and CP alone too."""
     with pytest.raises(ConfigError, match=message) as e:
         options.preflight_check(_cfg(tiny_model_dir, *SCRIPT, *extra), SUPER)
     assert "\n" not in str(e.value)
