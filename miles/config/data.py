@@ -142,6 +142,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--log-reward-category", type=str, default=None,
                    help="KEY of a dict-valued reward: log error_cat/<value> (the share of a rollout's samples whose "
                         "reward dict has that value under KEY; 'none' without it).")
+    r.add_argument("--log-passrate", action="store_true",
+                   help="Log pass@k for k = 1, 2, 4, ... up to the group size: passrate/pass@k over each rollout's "
+                        "complete groups of --n-samples-per-prompt, eval/<name>-pass@k over each eval dataset's "
+                        "groups (a sample passes with reward 1; Miles's unbiased estimator).")
     r.add_argument("--reward-key", type=str, default=None, help="Key to pick from dict-valued rewards.")
     r.add_argument("--rm-timeout", type=float, default=60.0, help="Seconds per --rm-url request (remote_rm).")
     r.add_argument("--rm-max-retries", type=int, default=3, help="Retries of a failed --rm-url request.")
@@ -219,6 +223,7 @@ class RewardConfig:
     custom_config_path: str | None
     custom_reward_post_process_path: str | None
     log_reward_category: str | None = None
+    log_passrate: bool = False
 
 
 @dataclass(kw_only=True)

@@ -99,11 +99,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "runs every micro-batch as right-padded [b, s] rows either way.")
     t.add_argument("--megatron-to-hf-mode", choices=["raw", "bridge"], default="raw",
                    help="Megatron backend: how Megatron weights are converted to HF names for the engines.")
-    t.add_argument("--model-name", type=str, default=None,
-                   help="Megatron backend: Miles's name of the model, which picks its Megatron -> HF converter by "
-                        "substring (deepseekv3, qwen3moe, kimi_k25, ...). miles's converter follows config.json's "
-                        "model_type, so a name given must pick that architecture's converter (checked; another "
-                        "architecture's is refused in one line).")
     lo = parser.add_argument_group("LoRA (both backends; miles/trainer/lora.py, lora_hf.py)")
     lo.add_argument("--lora-rank", type=int, default=0, help="LoRA rank. 0: LoRA off, every parameter trains.")
     lo.add_argument("--lora-alpha", type=int, default=16, help="LoRA alpha: the adapter delta is (alpha / rank) * B @ A.")
@@ -124,6 +119,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="Deterministic torch kernels in the trainer (torch.use_deterministic_algorithms).")
     t.add_argument("--bf16", action="store_true", default=None, help="bf16 mixed precision (default on GPU).")
     t.add_argument("--hf-checkpoint", type=str, default=None, help="Local HF model directory (weights, config, tokenizer).")
+    t.add_argument("--model-name", type=str, default=None,
+                   help="Miles picks its weight converter by this name (e.g. deepseekv4); miles reads the weight names "
+                        "from --hf-checkpoint's config.json, so it must name that model (model_type or config class, "
+                        "case, - and _ ignored), else refused.")
     t.add_argument("--ref-load", type=str, default=None, help="Reference model (HF dir); default: the initial weights.")
     t.add_argument("--critic-load", type=str, default=None, help="Critic initial weights (HF dir); default: --hf-checkpoint.")
     t.add_argument("--critic-lr", type=float, default=None, help="Critic learning rate (default: --lr).")
@@ -174,11 +173,11 @@ class TrainConfig:
     train_memory_margin_bytes: int
     qkv_format: str
     megatron_to_hf_mode: str
-    model_name: str | None
     seed: int
     deterministic_mode: bool
     bf16: bool | None
     hf_checkpoint: str | None
+    model_name: str | None
     ref_load: str | None
     critic_load: str | None
     critic_lr: float | None

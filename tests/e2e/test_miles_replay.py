@@ -27,12 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.replay, py
 SUBSET = ("fsdp_qwen3_0_6b", "megatron_qwen3_dense", "p2p_qwen3_4b")
 RUN_ALL = os.environ.get("MILES_REPLAY_ALL") == "1"
 # fixture -> the defect its replay hits today (docs/miles-scripts.md gives the error line and the cause)
-KNOWN_FAILURES: dict[str, str] = {
-    "lora_qwen3_4b": "its recorded --dynamic-sampling-filter-path check_reward_nonzero_std keeps no group at tiny scale "
-                     "(the deepscaler reward of a random tiny policy is 0 on every sample); without the filter and "
-                     "--over-sampling-batch-size the replay runs 2 rollouts with --check-weight-update-equal "
-                     "(docs/miles-scripts.md)",
-}
+KNOWN_FAILURES: dict[str, str] = {}
 REPLAYED = [p for p in FIXTURES if read_fixture(p)[1] == "dry-run"]
 
 

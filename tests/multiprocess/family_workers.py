@@ -203,3 +203,44 @@ def gpu_worker(model_dir: str, out: str, seq: int = 20, text_vocab: int | None =
                                      "hf_bf16_vs_fp32": float((ref - ref32).abs().max()),
                                      "ref_scale": float(ref32.abs().max())}))
     dist.destroy_process_group()
+
+
+def train_worker(model_dir: str, out: str, megatron_flags: str = "") -> None:
+    """The Megatron trainer of ``megatron_flags`` (comma-separated, after ``test_megatron._flags``' TP 1) trains 2
+    rollouts of 4 prompts x 4 samples, split evenly over the ranks in order (the model-parallel group gathers them
+    back in that order, so runs of any layout with DP 1 train the same micro-batches). Saves to ``out`` from rank 0
+    (torch.save): the log-probs before training, the step metrics, the weights before and after (HF names)."""
+    import torch
+    import torch.distributed as dist
+    from test_megatron import _all_logprobs, _flags
+    from trainer_harness import build, random_samples
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    samples = random_samples(4, 4, seed=7, vocab=90)
+    per = len(samples) // world
+    mine = samples[per * rank:per * (rank + 1)]
+    tr = build(model_dir, _flags("megatron", 1, megatron_flags=tuple(f for f in megatron_flags.split(",") if f)))
+    res = {"init": tr.state_dict_for_check(), "lp": _all_logprobs(tr, samples)}
+    res["metrics"] = [tr.train(mine, rid) for rid in range(2)]
+    res["final"] = tr.state_dict_for_check()
+    res["layout"] = (tr.groups.tp_size, tr.groups.pp_size, tr.groups.dp_size, tr._sequence_parallel)
+    if rank == 0:
+        torch.save(res, out)
+    dist.destroy_process_group()
+
+
+def compare_runs(a: dict, b: dict) -> dict:
+    """Two ``train_worker`` results: the log-probs' max distance, each step metric's largest relative distance,
+    the updates' max distance and their distance relative to ``a``'s update (L2)."""
+    keys = sorted(a["final"])
+    assert keys == sorted(b["final"]) == sorted(a["init"]) and all(a["init"][k].equal(b["init"][k]) for k in keys)
+    upd = {k: ((b["final"][k] - b["init"][k]) - (a["final"][k] - a["init"][k])).abs().max().item() for k in keys}
+    num = sum(((b["final"][k] - a["final"][k]).double() ** 2).sum().item() for k in keys)
+    den = sum(((a["final"][k] - a["init"][k]).double() ** 2).sum().item() for k in keys)
+    metric = {key: max(abs(ma[key] - mb[key]) / max(1.0, abs(ma[key])) for ma, mb in zip(a["metrics"], b["metrics"]))
+              for key in ("loss", "pg_loss", "entropy", "ppo_kl", "tis", "grad_norm", "num_tokens", "kl_loss")}
+    return {"lp_max_abs_diff": max((x - y).abs().max().item() for x, y in zip(a["lp"], b["lp"])),
+            "metric_rel": metric, "update_max_abs_diff": max(upd.values()), "update_worst": max(upd, key=upd.get),
+            "update_max_abs": max((a["final"][k] - a["init"][k]).abs().max().item() for k in keys),
+            "update_rel_l2": (num / den) ** 0.5}

@@ -91,6 +91,42 @@ def _parity_worker(model_dir: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+def _fork_flags_worker(model_dir: str, out: str) -> None:
+    """1 rank, fp32: the Megatron trainer with Miles's ``--no-activation-func-clamp-shared-expert`` and
+    ``--moe-router-freeze-gate`` against the FSDP backend's transformers model as it is (shared experts clamped) and
+    with its shared experts unclamped by the embedded engine's helper; one training step with the gates frozen."""
+    import torch
+    import torch.distributed as dist
+    from test_megatron import _all_logprobs, _flags
+    from trainer_harness import build, random_samples
+
+    from miles.engine.model_runner import unclamp_shared_experts
+
+    dist.init_process_group("gloo")
+    samples = random_samples(4, 4, seed=7, vocab=90)
+    res: dict = {}
+    fsdp = build(model_dir, _flags("fsdp", 1))
+    clamped = _all_logprobs(fsdp, samples)
+    res["unclamped_modules"] = unclamp_shared_experts(fsdp.model)
+    unclamped = _all_logprobs(fsdp, samples)
+    del fsdp
+    flags = (*MEGATRON_FLAGS, "--no-activation-func-clamp-shared-expert", "--moe-router-freeze-gate")
+    meg = build(model_dir, _flags("megatron", 1, megatron_flags=flags))
+    meg_lp = _all_logprobs(meg, samples)
+    res["clamp_effect"] = max((a - b).abs().max().item() for a, b in zip(clamped, unclamped))
+    res["meg_vs_unclamped"] = max((a - b).abs().max().item() for a, b in zip(meg_lp, unclamped))
+    before = meg.state_dict_for_check()
+    res["metrics"] = meg.train(samples, 0)
+    after = meg.state_dict_for_check()
+    gates = [k for k in before if k.endswith(".mlp.gate.weight")]
+    res["gates"] = len(gates)
+    res["gates_unchanged"] = all(torch.equal(before[k], after[k]) for k in gates)
+    res["others_changed"] = sorted(k for k in before if k.endswith("gate_up_proj") and not torch.equal(before[k],
+                                                                                                       after[k]))
+    torch.save(res, out)
+    dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def tiny_dsv4_dir(tmp_path_factory) -> Path:
     from miles.utils.tiny_dsv4 import build_tiny_dsv4_model
@@ -169,6 +205,30 @@ def test_dsv4_trainer_parity_with_fsdp(tiny_dsv4_dir: Path, tmp_path: Path, free
 LP_BOUND, UPDATE_BOUND, REL_BOUND = 1e-6, 4e-5, 3.2e-4
 
 
+def test_dsv4_fork_flags_unclamp_shared_experts_and_freeze_gates(tmp_path: Path, free_port: int) -> None:
+    """Miles's V4 scripts pass ``--no-activation-func-clamp-shared-expert`` (its Megatron fork: only the routed
+    experts clamp) and ``--moe-router-freeze-gate``: the Megatron trainer's log-probs are transformers' with its
+    shared experts unclamped (what the embedded engine serves with the flag), which differ from transformers' own on
+    this model (swiglu_limit 0.1, so the clamp fires); after a step every router gate is as loaded, the experts moved."""
+    import torch
+
+    from miles.utils.tiny_dsv4 import build_tiny_dsv4_model
+
+    model = build_tiny_dsv4_model(tmp_path / "tiny_low_limit", swiglu_limit=0.1)
+    out = tmp_path / "fork.pt"
+    proc = _torchrun(1, free_port, "fork_flags", str(model), str(out), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    res = torch.load(out, weights_only=False)
+    assert res["unclamped_modules"] == 4, res                     # one shared expert per layer
+    assert res["clamp_effect"] > 100 * LP_BOUND, res              # the flag changes the model here ...
+    assert res["meg_vs_unclamped"] < LP_BOUND, res                # ... and the trainer follows it
+    assert res["gates"] == 4 and res["gates_unchanged"] and len(res["others_changed"]) == 4, res
+
+
+# measured (python -m pytest tests/multiprocess/test_megatron_dsv4.py -k fork_flags): the trainer 4.8e-7 from
+# transformers with unclamped shared experts (LP_BOUND, as the parity test's), transformers' own clamp 0.054 away
+
+
 @pytest.mark.gpu
 def test_dsv4_matches_hf_on_gpu_bf16(tiny_dsv4_dir: Path, tmp_path: Path, free_port: int) -> None:
     """bf16 on one GPU, TP 1 (the shared GPU worker of family_workers.py): Megatron's logits are as far
@@ -194,3 +254,5 @@ if __name__ == "__main__":
         _parity_worker(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "gpu":
         gpu_worker(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "fork_flags":
+        _fork_flags_worker(sys.argv[2], sys.argv[3])

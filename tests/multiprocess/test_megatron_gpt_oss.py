@@ -82,11 +82,15 @@ def test_gpt_oss_expert_parallel_matches_hf(tiny_gpt_oss_dir: Path, tmp_path: Pa
     assert sorted(res["exported"]) == res["disk"] and sorted(res["same"]) == res["disk"]
 
 
-def test_gpt_oss_trainer_parity_with_fsdp(tiny_gpt_oss_dir: Path, tmp_path: Path, free_port: int) -> None:
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_gpt_oss_trainer_parity_with_fsdp(tiny_gpt_oss_dir: Path, tmp_path: Path, free_port: int, layout: str) -> None:
+    """2 ranks: FSDP DP 2 and the Megatron trainer at TP 2 + SP, or PP 2 (the sliding-window layer on the first
+    stage, the full-attention one on the last; each stage's sinks and expert biases exported from it)."""
     import torch
 
     out = tmp_path / "parity.pt"
-    proc = _torchrun(2, free_port, "parity", str(tiny_gpt_oss_dir), str(out), timeout=600)
+    proc = _torchrun(2, free_port, "parity" if layout == "tp2" else "parity_pp2", str(tiny_gpt_oss_dir), str(out),
+                     timeout=600)
     assert proc.returncode == 0, proc.stdout[-5000:]
     res = torch.load(out, weights_only=False)
     assert res["export_keys_equal"] and res["export_bitwise"] and res["export_bf16_bitwise"], res
@@ -126,5 +130,7 @@ if __name__ == "__main__":
         gpt_worker(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:5]))
     elif sys.argv[1] == "parity":
         parity_worker(sys.argv[2], sys.argv[3], GPT_OSS_FLAGS)
+    elif sys.argv[1] == "parity_pp2":
+        parity_worker(sys.argv[2], sys.argv[3], (*GPT_OSS_FLAGS, "--pipeline-model-parallel-size", "2"), tp=1)
     elif sys.argv[1] == "gpu":
         gpu_worker(sys.argv[2], sys.argv[3])

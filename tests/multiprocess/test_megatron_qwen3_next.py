@@ -93,10 +93,12 @@ def test_hybrid_mtp_layer_loads_and_exports_bitwise(tp: int, tmp_path: Path, fre
         sorted(set(res["disk"]) - set(res["same"]))
 
 
-@pytest.mark.parametrize("layout", ["tp2", "cp2"])
+@pytest.mark.parametrize("layout", ["tp2", "cp2", "pp2", "ep2_cp2"])
 def test_hybrid_trainer_parity_with_fsdp(tiny_hybrid_dir: Path, tmp_path: Path, free_port: int, layout: str) -> None:
     """2 ranks: the FSDP backend (transformers' model, DP 2) and the Megatron trainer (TP 2 with sequence
-    parallelism, or CP 2: each row split over the 2 ranks, the DeltaNet layers all-gathering it) train the same 2
+    parallelism, or CP 2: each row split over the 2 ranks, the DeltaNet layers all-gathering it; PP 2: two
+    DeltaNet layers on the first stage, a DeltaNet and the attention layer on the last; CP 2 with EP 2 over the same
+    2 ranks: each CP rank routes its chunks' tokens to both ranks' experts) train the same 2
     rollouts: log-probs before training, step metrics and the update agree; the export (fp32, bf16) equals the
     checkpoint; ``--save-hf`` loads in transformers to the trained weights; a torch_dist checkpoint (the DeltaNet's
     in_proj and conv1d split per section by megatron-core's factories) saved and resumed restores them bitwise."""
@@ -154,5 +156,10 @@ if __name__ == "__main__":
         parity_worker(sys.argv[2], sys.argv[3], FLAGS)
     elif sys.argv[1] == "parity_cp2":
         parity_worker(sys.argv[2], sys.argv[3], (*FLAGS, "--context-parallel-size", "2"), tp=1)
+    elif sys.argv[1] == "parity_pp2":
+        parity_worker(sys.argv[2], sys.argv[3], (*FLAGS, "--pipeline-model-parallel-size", "2"), tp=1)
+    elif sys.argv[1] == "parity_ep2_cp2":
+        parity_worker(sys.argv[2], sys.argv[3], (*FLAGS, "--context-parallel-size", "2", "--expert-model-parallel-size",
+                                                 "2"), tp=1)
     elif sys.argv[1] == "gpu":
         gpu_worker(sys.argv[2], sys.argv[3], seq=SEQ)

@@ -340,7 +340,7 @@ def _given(name: str, unset) -> list[str]:
         return [flag(name)]
     value = {"attn_implementation": "flash_attention_3", "megatron_to_hf_mode": "bridge", "lora_rank": "8",
              "lora_alpha": "32", "lora_dropout": "0.1", "target_modules": "all-linear",
-             "exclude_modules": "o_proj", "qkv_format": "bshd", "model_name": "kimi_k25"}[name]
+             "exclude_modules": "o_proj", "qkv_format": "bshd"}[name]
     return [flag(name), value]
 
 

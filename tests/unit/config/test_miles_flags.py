@@ -163,7 +163,7 @@ def test_save_retain_interval_keeps_multiples_from_pruning(tmp_path):
 
 
 def test_other_miles_flags_are_refused_as_not_implemented_not_guessed():
-    msg = _refusal(["--custom-eval-rollout-log-function-path", "m.f", "--log-passrate"])
+    msg = _refusal(["--custom-eval-rollout-log-function-path", "m.f", "--custom-rollout-log-function-path", "m.g"])
     assert msg.startswith("--custom-eval-rollout-log-function-path (and 1 more): a Miles v0.1.0 flag that miles does "
                           "not implement")
     assert "did you mean" not in msg  # a Miles flag is named as such, not guessed

@@ -183,6 +183,7 @@ def test_preflight_refuses_the_layouts_lora_does_not_run(tiny_model_dir):
     base = ["--hf-checkpoint", str(tiny_model_dir), "--train-backend", "megatron", "--num-rollout", "1",
             "--rollout-batch-size", "2", "--lora-rank", "4", "--target-modules", "all-linear"]
     options.preflight_check(parse_args(base + ["--tensor-model-parallel-size", "2"]), hf)
+    options.preflight_check(parse_args(base + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]), hf)
     for extra, msg in ((["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2 is not supported "
                                                                  "with --lora-rank"),
                        (["--context-parallel-size", "2"], "--context-parallel-size 2"),

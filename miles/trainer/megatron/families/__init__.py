@@ -17,11 +17,12 @@ docs/trainer.md's family table names those tests.
 Families today: ``dense`` (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen3-VL: the generic reader of ``model.py``),
 ``mla`` (multi-latent attention and DeepSeek-style MoE: GLM-4.7-Flash, DeepSeek-V3, Kimi-K2, JoyAI; YaRN in
 ``yarn.py``), ``kimi_k25`` (Kimi-K2.5's text model, trained text-only: mla's hooks on the multimodal checkpoint's
-``language_model.model.*`` names), ``gpt_oss`` (sinks, sliding windows, clamped SwiGLU, biases), ``dsa`` (DeepSeek sparse attention:
-DeepSeek-V3.2, GLM-5 / 5.1 / 5.2; mla's plus megatron-core's DSAttention), ``nemotron_h`` (hybrid Mamba-2 /
-attention / latent MoE on megatron-core's MambaModel; the torch Mamba-2 scan and mixer in ``mamba.py``),
-``gemma4`` (Gemma 4's dense text decoder: its own layer spec, the multimodal checkpoint's
-``model.language_model.*`` names, final logit softcapping),
+``language_model.model.*`` names), ``gpt_oss`` (sinks, sliding windows, clamped SwiGLU, biases), ``dsa`` (DeepSeek
+sparse attention: DeepSeek-V3.2, GLM-5 / 5.1 / 5.2; mla's plus megatron-core's DSAttention), ``nemotron_h``
+(hybrid Mamba-2 / attention / latent MoE on megatron-core's MambaModel; the torch Mamba-2 scan and mixer in
+``mamba.py``),
+``gemma4`` (Gemma 4's text decoder: its own layer spec, the multimodal checkpoint's
+``model.language_model.*`` names, final logit softcapping; 26B-A4B's MoE block in ``gemma4_moe.py``),
 ``deepseek_v4`` (hyper-connections, compressed sparse attention, sqrtsoftplus / hash routing: its own decoder,
 ``dsv4_model.py``), ``qwen3_next``
 (Qwen3-Next, Qwen3.5 / 3.6: hybrid gated DeltaNet and gated attention layers, MoE with a gated shared expert, MTP;
@@ -110,6 +111,10 @@ class Family:
     check_flags: Callable[[Any, Any], None] = _nothing   # (megatron flags, shape): runs for EVERY shape, so a family
     #                                                     refuses its own flags on another one
     check_static: Callable[[Any, Any], None] = _nothing  # (options.Options, shape): runs for its own shapes only
+    fork_flags: Callable[[Any], dict] = _empty  # (shape) -> {MegatronConfig field: (config.json key, value)}: the
+    #      flags of Miles's Megatron fork its config.json fixes (fork_flags.FORK_FLAGS: --experimental-attention-variant,
+    #      --dsv4-*, --dsa-indexer-*, --activation-func-clamp-value) and any MLA / YaRN flag it reads in that fork's
+    #      spelling (DeepSeek-V4's); fork_flags.py checks each one given, a FORK_FLAGS one not listed is refused
     linear_biases: bool = False                 # every linear has a bias (no --disable-bias-linear)
     mtp_key: str = "num_nextn_predict_layers"   # config.json's count of MTP layers (ModelShape.nextn_layers)
     swiglu: bool = True                         # its MLPs are SwiGLU (--swiglu with --num-layers; else refused)
@@ -143,36 +148,6 @@ _BY_TYPE = {mt: f for f in ALL for mt in f.model_types}
 
 # model types no family builds whose nearest family is not the closest spelling (a family's helper removes its row)
 NEAREST = {"glm4_moe": "glm4_moe_lite (GLM-4.5's attention is not multi-latent)"}
-
-
-# Miles's --model-name dispatch (radixark/miles@v0.1.0:miles/backends/megatron_utils/megatron_to_hf/__init__.py),
-# in its order: the substrings of the lower-cased name that pick a converter -> the model types whose HF names it writes
-MILES_CONVERTERS = (
-    (("glm4moelite", "deepseekv3", "glmmoedsa", "glm_moe_dsa"),
-     ("glm4_moe_lite", "deepseek_v3", "kimi_k2", "joyai_llm_flash", "glm_moe_dsa", "deepseek_v32")),
-    (("glm4moe",), ("glm4_moe",)), (("glm4",), ("glm4",)), (("qwen3moe",), ("qwen3_moe",)),
-    (("qwen3next",), ("qwen3_next",)), (("qwen3_5", "qwen3_6"), ("qwen3_5_moe", "qwen3_5")),
-    (("qwen2", "qwen3"), ("qwen2", "qwen3", "qwen3_vl")), (("deepseekv4",), ("deepseek_v4",)),
-    (("inkling",), ("inkling",)), (("llama",), ("llama",)), (("mimo",), ("mimo",)), (("kimivl",), ("kimi_vl",)),
-    (("kimi_k25",), ("kimi_k25",)))
-
-
-def model_name_problem(name: str | None, model_type: str) -> str | None:
-    """One line when Miles's ``--model-name`` ``name`` picks another architecture's converter than config.json's
-    ``model_type`` (None: it picks that one, or no name was given)."""
-    if name is None:
-        return None
-    low = name.lower()
-    for keys, types in MILES_CONVERTERS:
-        if any(k in low for k in keys):
-            if model_type in types:
-                return None
-            return (f"--model-name {name} picks Miles's converter for {', '.join(types)}, but --hf-checkpoint's "
-                    f"config.json has model_type {model_type}: miles converts the weights by config.json's model "
-                    "type; fix the name or drop it.")
-    return (f"--model-name {name} picks none of Miles's converters (names containing "
-            f"{', '.join(k for keys, _ in MILES_CONVERTERS for k in keys)}): fix the name or drop it (miles converts "
-            f"the weights by config.json's model_type, {model_type}).")
 
 
 def nearest_family(model_type: str, families: Mapping[str, str] = FAMILIES) -> str:

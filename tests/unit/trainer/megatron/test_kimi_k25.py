@@ -125,15 +125,18 @@ def test_miles_shape_flags_accepted_and_checked(tiny_k25_dir: Path) -> None:
         assert str(e.value).startswith(message), str(e.value)
 
 
-def test_model_name_must_pick_the_checkpoints_converter(tiny_k25_dir: Path) -> None:
-    """--model-name (Miles's name of the Megatron -> HF converter): kimi_k25 picks Kimi-K2.5's; a name picking another
-    architecture's converter, or none, is one line; the FSDP backend refuses it."""
+def test_model_name_names_kimi_k25(tiny_k25_dir: Path) -> None:
+    """--model-name (Miles's converter pick; checked against config.json by run/preflight.check_model_name, both
+    backends): Miles's recorded kimi_k25 and the config class name the checkpoint; a name of another model, Kimi-K2's
+    included, is one line."""
     from test_mla import _read
 
-    options.preflight_check(_cfg(tiny_k25_dir, "--model-name", "kimi_k25"), _read(tiny_k25_dir))
-    for name, message in (("deepseekv3", "--model-name deepseekv3 picks Miles's converter for glm4_moe_lite, "
-                                         "deepseek_v3, kimi_k2"),
-                          ("nothing", "--model-name nothing picks none of Miles's converters")):
+    from miles.run.preflight import check_model_name
+
+    for name in ("kimi_k25", "Kimi_K25Config"):
+        check_model_name(name, _read(tiny_k25_dir))
+    for name in ("deepseekv3", "kimi_k2"):
         with pytest.raises(ConfigError) as e:
-            options.preflight_check(_cfg(tiny_k25_dir, "--model-name", name), _read(tiny_k25_dir))
-        assert str(e.value).startswith(message) and "kimi_k25" in str(e.value) and "\n" not in str(e.value)
+            check_model_name(name, _read(tiny_k25_dir))
+        assert str(e.value).startswith(f"--model-name {name} does not name --hf-checkpoint's model (config.json "
+                                       "model_type kimi_k25)") and "\n" not in str(e.value), e.value
