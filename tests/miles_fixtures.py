@@ -193,6 +193,15 @@ def build_family_model(out: Path, model: str | None, seed: int = 0) -> Path:
         text = real["text_config"]        # 26B-A4B: the MoE block (4 experts, top-2)
         return build_tiny_gemma4(out, seed=seed, final_logit_softcapping=float(
             text.get("final_logit_softcapping") or 0.0) or None, moe=bool(text.get("enable_moe_block")))
+    if mt == "kimi_k25":               # the multimodal checkpoint (text model under language_model.model.*)
+        from miles.utils.tiny_kimi_k25 import build_tiny_kimi_k25
+
+        text = real["text_config"]           # its rope as it is (the recorded YaRN flags name it), sizes tiny
+        rope = {k: v for k, v in (text.get("rope_scaling") or {}).items() if k != "type"}
+        return build_tiny_kimi_k25(out, seed=seed, rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+                                   rope_theta=float(text.get("rope_theta", 50000.0)),
+                                   rope_scaling={"rope_type": "yarn", **rope} if rope else None,
+                                   max_position_embeddings=int(text["max_position_embeddings"]))
     if "index_topk" in real:             # DeepSeek sparse attention (GLM-5, DeepSeek-V3.2): MLA plus the indexer
         from miles.utils.tiny_dsa import TINY_YARN, build_tiny_dsa_model
 

@@ -115,6 +115,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--n-samples-per-prompt", type=int, default=1, help="Samples per prompt (group size).")
     d.add_argument("--global-batch-size", type=int, default=None, help="Samples per optimizer step.")
     d.add_argument("--num-steps-per-rollout", type=int, default=None, help="Optimizer steps per rollout.")
+    d.add_argument("--use-dynamic-global-batch-size", action="store_true",
+                   help="One optimizer step per rollout over every sample the rollout gives (its loss normalised by "
+                        "their number), however many arrive (dynamic sampling filters, aborted samples): Miles's "
+                        "meaning, which rounds that count down to a multiple of the DP size (here each DP rank trains "
+                        "its share, the shares may differ by a sample). Needs --use-dynamic-batch-size; "
+                        "--num-steps-per-rollout 1 and --global-batch-size = rollout samples are all it takes.")
     d.add_argument("--over-sampling-batch-size", type=int, default=None, help="Prompts in flight for dynamic sampling.")
     d.add_argument("--dynamic-sampling-filter-path", type=str, default=None,
                    help="module.function keeping a group. While it keeps fewer than --rollout-batch-size, more groups "
@@ -196,6 +202,7 @@ class DataConfig:
     n_samples_per_prompt: int
     global_batch_size: int | None
     num_steps_per_rollout: int | None
+    use_dynamic_global_batch_size: bool
     over_sampling_batch_size: int | None
     dynamic_sampling_filter_path: str | None
     custom_generate_function_path: str | None

@@ -811,6 +811,19 @@ class ParamIndex(dict):
         return dict.__contains__(self, name) or name in self.aliases or name in self.renames
 
 
+def has_causal_lm(config) -> bool:
+    """Whether transformers has a causal-LM class for ``config``'s model type (a registered alias counts); False for
+    a multimodal type it builds only as an image-text-to-text model (Kimi-K2.5's ``kimi_k25``), which the engine
+    loads as that and serves on text (no image input: ``miles.engine.vlm`` is Qwen3-VL's)."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    mt = getattr(config, "model_type", None)
+    return type(config) in MODEL_FOR_CAUSAL_LM_MAPPING or mt not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+
 def unclamp_shared_experts(model: torch.nn.Module) -> int:
     """``--no-activation-func-clamp-shared-expert``: transformers' shared experts whose SwiGLU clamps at ``limit``
     (DeepSeek-V4's ``DeepseekV4MLP``) computed unclamped, the routed experts' clamp kept; as the trainer computes them
@@ -847,8 +860,8 @@ class ModelRunner:
         from miles.engine import vlm
 
         self.is_vlm = vlm.is_vlm(config)   # Qwen3-VL: images on /generate, the generic HF path (miles.engine.vlm)
-        if self.is_vlm:
-            from transformers import AutoModelForImageTextToText as auto_cls
+        if self.is_vlm or not has_causal_lm(config):   # a multimodal model type without a causal LM (Kimi-K2.5):
+            from transformers import AutoModelForImageTextToText as auto_cls  # its own model, served on text
         else:
             auto_cls = AutoModelForCausalLM
         self.model = auto_cls.from_pretrained(self.model_path, dtype=self.dtype).to(self.device).eval()

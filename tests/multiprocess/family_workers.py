@@ -9,19 +9,30 @@ import json
 from pathlib import Path
 
 
+def hf_lm(model_dir: str, **kw):
+    """transformers' own model of ``model_dir``: its causal LM, or for a multimodal checkpoint whose model type has
+    none (Kimi-K2.5) its image-text-to-text model, run on text."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    causal = AutoConfig.from_pretrained(model_dir).model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return (AutoModelForCausalLM if causal else AutoModelForImageTextToText).from_pretrained(model_dir, **kw)
+
+
 def gpt_worker(model_dir: str, out: str, ep: int = 1, seq: int = 20, mtp: bool = False,
-               reference: str = "disk") -> None:
+               reference: str = "disk", text_vocab: int | None = None) -> None:
     """TP = world size (``ep`` 1), or TP 1 x EP = world size (the experts split over the ranks, all-to-all); 2 rows
     of ``seq`` random tokens. Writes to ``out`` (json): the logits' max distance to transformers' (fp32, eager),
     whether every gradient is finite, the exported HF names and those equal to the checkpoint bit for bit; at EP 1
     the full gradients under HF names beside it (``<out>.grads.safetensors``); ``max_lp_err``: the log-probs' distance. ``mtp``: the checkpoint's MTP layers
     are built too (frozen, as without --enable-mtp-training) and exported. ``reference`` "transformers": the export is
     compared with the state dict transformers loads (a checkpoint named otherwise than transformers names its modules:
-    DeepSeek-V4's) rather than the safetensors file."""
+    DeepSeek-V4's) rather than the safetensors file. ``text_vocab``: the token ids drawn stay below it (a
+    multimodal checkpoint's image / video ids, which transformers embeds otherwise, above)."""
     import torch
     import torch.distributed as dist
     from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from miles.trainer.megatron import convert, export, model, moe, parallel
 
@@ -45,7 +56,7 @@ def gpt_worker(model_dir: str, out: str, ep: int = 1, seq: int = 20, mtp: bool =
     convert.load_hf_into(gpt, hf_sd, shape, padded, groups.tp_rank, tp, ep_rank=groups.ep_rank, ep_size=ep)
 
     torch.manual_seed(0)
-    ids = torch.randint(4, shape.vocab_size, (2, seq))
+    ids = torch.randint(4, text_vocab or shape.vocab_size, (2, seq))
     pos = torch.arange(seq).unsqueeze(0).expand(2, -1)
     hidden = gpt(ids, pos, attention_mask=None)                       # [s / tp (sequence parallel), b, h]
     if tp > 1:
@@ -69,7 +80,7 @@ def gpt_worker(model_dir: str, out: str, ep: int = 1, seq: int = 20, mtp: bool =
 
     exported = [pair for bucket in export.iter_hf_buckets(gpt, shape, groups, device=cpu, bucket_bytes=1 << 14)
                 for pair in bucket]
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    hf = hf_lm(model_dir, dtype=torch.float32, attn_implementation="eager")
     disk = load_file(str(Path(model_dir) / "model.safetensors")) if reference == "disk" else {
         n: t.detach().clone() for n, t in hf.state_dict().items()}
     same = [n for n, t in exported if n in disk and disk[n].dtype == t.dtype and torch.equal(disk[n], t)]
@@ -157,12 +168,13 @@ def parity_worker(model_dir: str, out: str, megatron_flags: tuple[str, ...] = ()
     dist.destroy_process_group()
 
 
-def gpu_worker(model_dir: str, out: str, seq: int = 20) -> None:
+def gpu_worker(model_dir: str, out: str, seq: int = 20, text_vocab: int | None = None) -> None:
     """One rank on GPU 0 (NCCL), bf16 parameters, TP 1: the Megatron GPTModel's logits against transformers' own
-    model (eager attention, bf16, and fp32 for the scale of bf16 rounding) on the same rows."""
+    model (eager attention, bf16, and fp32 for the scale of bf16 rounding) on the same rows (``text_vocab``: as
+    ``gpt_worker``'s)."""
     import torch
     import torch.distributed as dist
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from miles.trainer.megatron import convert, model, moe, parallel
 
@@ -178,14 +190,14 @@ def gpu_worker(model_dir: str, out: str, seq: int = 20) -> None:
     gpt = model.build_gpt_model(shape, config, padded_vocab=padded, device=dev)
     convert.load_hf_into(gpt, convert.read_hf_state_dict(model_dir), shape, padded, 0, 1)
     torch.manual_seed(0)
-    ids = torch.randint(4, shape.vocab_size, (2, seq), device=dev)
+    ids = torch.randint(4, text_vocab or shape.vocab_size, (2, seq), device=dev)
     pos = torch.arange(seq, device=dev).unsqueeze(0).expand(2, -1)
     with torch.no_grad():
         hidden = gpt(ids, pos, attention_mask=None)
         logits = (hidden.transpose(0, 1) @ model.output_weight(gpt).t())[..., :shape.vocab_size].float()
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="eager").to(dev)
+        hf = hf_lm(model_dir, dtype=torch.bfloat16, attn_implementation="eager").to(dev)
         ref = hf(input_ids=ids).logits.float()
-        hf32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").to(dev)
+        hf32 = hf_lm(model_dir, dtype=torch.float32, attn_implementation="eager").to(dev)
         ref32 = hf32(input_ids=ids).logits
     Path(out).write_text(json.dumps({"max_abs_err": float((logits - ref).abs().max()),
                                      "hf_bf16_vs_fp32": float((ref - ref32).abs().max()),

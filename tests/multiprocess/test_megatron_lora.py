@@ -18,7 +18,8 @@ base + (alpha/r) B @ A.
 TP 2 + SP trains as TP 1 x DP 2.
 
 ``test_lora_resume_matches_uninterrupted``: TP 2, a checkpoint after rollout 0 (``--save``), a relaunch that
-resumes and trains rollout 1 ends with the adapters, AdamW state and export of the uninterrupted run.
+resumes and trains rollout 1 ends with the adapters, AdamW state and export of the uninterrupted run; also with
+``--optimizer-cpu-offload`` (the adapters' AdamW on CPU).
 """
 
 from __future__ import annotations
@@ -241,14 +242,17 @@ def test_lora_moe_tp2_sequence_parallel_matches_tp1(tmp_path: Path) -> None:
                                                "mlp.experts.local_experts.1.linear_fc2"))
 
 
-def test_lora_resume_matches_uninterrupted(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("offload", [False, True], ids=["adamw", "cpu_offload"])
+def test_lora_resume_matches_uninterrupted(tiny_model_dir: Path, tmp_path: Path, offload: bool) -> None:
+    """(also with --optimizer-cpu-offload: the adapters' AdamW state on CPU, saved and loaded with them)"""
     import torch
 
-    full = _run(tmp_path, tiny_model_dir, "full", 2)
+    extra = "--optimizer-cpu-offload" if offload else ""
+    full = _run(tmp_path, tiny_model_dir, "full", 2, extra=extra)
     ckpt = str(tmp_path / "ckpt")
-    first = _run(tmp_path, tiny_model_dir, "first", 2, ckpt, "first")
+    first = _run(tmp_path, tiny_model_dir, "first", 2, ckpt, "first", extra=extra)
     assert (Path(ckpt) / "iter_0000000" / "lora" / "rank_00001.pt").is_file()
-    resumed = _run(tmp_path, tiny_model_dir, "resumed", 2, ckpt, "resume")
+    resumed = _run(tmp_path, tiny_model_dir, "resumed", 2, ckpt, "resume", extra=extra)
     assert list(resumed["metrics"]) == [1]
     assert first["metrics"][0]["loss"] == full["metrics"][0]["loss"]
     assert resumed["metrics"][1]["loss"] == full["metrics"][1]["loss"]

@@ -189,7 +189,9 @@ def preflight_check(cfg, hf_config: dict | None) -> None:
     vlm.check_static(resolve(cfg.megatron, cfg.train), shape,   # Qwen3-VL: one line for what it does not run with
                      lora=lora.LoraSpec.from_config(cfg.train) is not None)
     check_shape(cfg.megatron, shape)
-    check_static(resolve(cfg.megatron, cfg.train), shape)
+    o = resolve(cfg.megatron, cfg.train)
+    check_static(o, shape)
+    check_dp(o, max(cfg.cluster.actor_num_nodes * cfg.cluster.actor_num_gpus_per_node // (o.tp * o.pp), 1))
     check_pipeline_algo(resolve(cfg.megatron, cfg.train), cfg.algo)
     if (spec := lora.LoraSpec.from_config(cfg.train)) is not None:    # --lora-rank: the layouts LoRA runs on
         lora.check_megatron(resolve(cfg.megatron, cfg.train), shape, spec)
@@ -215,9 +217,6 @@ def check_static(o: Options, shape: ModelShape) -> None:
     from miles.trainer.megatron import vlm
 
     vlm.check_static(o, shape)         # Qwen3-VL: PP, CP, MTP (vlm.py)
-    if o.cpu_offload_fraction is not None and o.distributed_optimizer_given:
-        raise ConfigError("--optimizer-cpu-offload with --use-distributed-optimizer is not supported by the Megatron "
-                          "backend (the offloaded AdamW is not sharded over DP): drop one of them.")
     for what, n in (("num_attention_heads", shape.num_attention_heads), ("num_key_value_heads",
                                                                          shape.num_query_groups),
                     ("intermediate_size", shape.ffn_hidden_size)):
@@ -272,9 +271,18 @@ def check_pipeline_algo(o: Options, algo) -> None:
                           "context, expert and data parallelism), or drop the flag.")
 
 
+def check_dp(o: Options, dp_size: int) -> None:
+    """The values this build does not run with ``dp_size`` data-parallel ranks (the trainer ranks / (TP x PP))."""
+    if o.cpu_offload_fraction is not None and o.distributed_optimizer_given and dp_size > 1:
+        raise ConfigError(f"--optimizer-cpu-offload with --use-distributed-optimizer over {dp_size} data-parallel "
+                          "ranks is not supported by the Megatron backend (the offloaded AdamW is not sharded over DP; "
+                          "with one DP rank there is nothing to shard): drop one of them.")
+
+
 def check_supported(o: Options, shape: ModelShape, device: torch.device, dp_size: int) -> None:
     """One line for the first value this build does not run on ``device`` with ``dp_size`` DP ranks."""
     check_static(o, shape)
+    check_dp(o, dp_size)
     te = use_transformer_engine(device) and o.transformer_impl != "local"
     if o.sequence_parallel and o.tp == 1:          # Megatron-LM turns it off; here it is kept and does nothing
         warn_once(logger, "--sequence-parallel has no effect with --tensor-model-parallel-size 1 (no TP group to "

@@ -155,10 +155,8 @@ class MegatronTrainer(RLTrainer):
         if self.opts.cpu_offload_fraction is not None:      # --optimizer-cpu-offload (cpu_offload.py)
             from miles.trainer.megatron.cpu_offload import build_offloaded_adamw
 
-            if self.lora is not None:
-                raise ConfigError("--optimizer-cpu-offload with --lora-rank is not supported by the Megatron "
-                                  "backend (the adapters' AdamW state is small): drop --optimizer-cpu-offload.")
-            self.optimizer = build_offloaded_adamw(self.model, fraction=self.opts.cpu_offload_fraction, **adam)
+            self.optimizer = build_offloaded_adamw(self.lora if self.lora is not None else self.model,
+                                                   fraction=self.opts.cpu_offload_fraction, **adam)
         else:
             self.optimizer = (parallel.distributed_adamw(self.model, self.groups, **adam) if self.distributed_optimizer
                               else build_adamw(self.lora if self.lora is not None else self.model, **adam))
@@ -258,10 +256,12 @@ class MegatronTrainer(RLTrainer):
         g = self.groups
         adapters = lora_mod.attach(self.model, spec, tp_rank=g.tp_rank, tp_size=g.tp_size, tp_group=g.tp,
                                    seed=self.cfg.seed, ep_rank=g.ep_rank, ep_size=g.ep_size, ep_group=g.ep,
-                                   num_experts=self.shape.num_experts or 0)
+                                   num_experts=self.shape.num_experts or 0,
+                                   inputs_require_grad=self.opts.recompute_granularity == "full")
         n = lora_mod.trainable_count(adapters)
         logger.info("LoRA rank %d alpha %s on %s: %s trainable of %s params (base frozen)", spec.rank, spec.alpha,
-                    ",".join(spec.targets), f"{n:,}", f"{self.num_params:,}")
+                    ",".join(sorted({name.rsplit(".", 1)[-1] for name in adapters.targets})), f"{n:,}",
+                    f"{self.num_params:,}")
         return adapters
 
     def _expert_param_count(self) -> int:
@@ -528,6 +528,11 @@ class MegatronTrainer(RLTrainer):
         if self.shape.mtp_num_layers and self.shape.family.mtp_prefix is not None:    # e.g. Qwen3-Next's mtp.*
             return (self.shape.family.mtp_prefix,)
         return tuple(f"model.layers.{self.shape.num_layers + k}." for k in range(self.shape.mtp_num_layers))
+
+    def weight_export_is_partial(self) -> bool:
+        """A multimodal checkpoint trained text-only (``Family.text_prefix``): the export is its text model, the
+        towers stay as the engines loaded them (``WeightSource.weight_export_is_partial``)."""
+        return self.shape.family.text_prefix(self.shape) is not None
 
     def _checkpoint_buffers(self, have: set[str]) -> list[tuple[str, torch.Tensor]]:
         """A multimodal checkpoint trained text-only (``Family.text_prefix``): its other tensors (the towers) as

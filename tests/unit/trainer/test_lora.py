@@ -54,10 +54,17 @@ def _spec(targets="all-linear", rank=4, alpha=8, dropout=0.0, exclude=None):
 
 
 def test_targets_resolve_as_miles_names_them():
-    assert lora.resolve_targets("all-linear") == ("linear_fc1", "linear_fc2", "linear_proj", "linear_qkv")
-    assert lora.resolve_targets("q_proj,v_proj, o_proj") == ("linear_proj", "linear_qkv")
+    mla = ("linear_kv_down_proj", "linear_kv_up_proj", "linear_q_down_proj", "linear_q_proj", "linear_q_up_proj")
+    assert lora.resolve_targets("all-linear") == tuple(sorted(("linear_fc1", "linear_fc2", "linear_proj",
+                                                              "linear_qkv") + mla))
+    # q_proj: the fused linear_qkv, or multi-latent attention's q projection of a model without q LoRA
+    assert lora.resolve_targets("q_proj,v_proj, o_proj") == ("linear_proj", "linear_q_proj", "linear_qkv")
     assert lora.resolve_targets("linear_qkv,down_proj") == ("linear_fc2", "linear_qkv")
-    assert lora.resolve_targets("all-linear", "gate_proj,linear_fc2") == ("linear_proj", "linear_qkv")
+    assert lora.resolve_targets("all-linear", "gate_proj,linear_fc2,q_a_proj,kv_b_proj") == (
+        "linear_kv_down_proj", "linear_proj", "linear_q_proj", "linear_q_up_proj", "linear_qkv")
+    # Miles's Kimi-K2.5 LoRA recipe (radixark/miles@v0.1.0:examples/lora/run-kimi-k25-megatron-lora.sh)
+    assert lora.resolve_targets("q_a_proj,kv_a_proj_with_mqa,o_proj,gate_proj,up_proj,down_proj") == (
+        "linear_fc1", "linear_fc2", "linear_kv_down_proj", "linear_proj", "linear_q_down_proj")
     with pytest.raises(ConfigError, match="--target-modules: 'lm_head'"):
         lora.resolve_targets("q_proj,lm_head")
     with pytest.raises(ConfigError, match="needs --target-modules"):
@@ -183,6 +190,8 @@ def test_preflight_refuses_the_layouts_lora_does_not_run(tiny_model_dir):
                        (["--tensor-model-parallel-size", "2", "--lora-dropout", "0.1"], "--lora-dropout 0.1")):
         with pytest.raises(ConfigError, match=msg):
             options.preflight_check(parse_args(base + extra), hf)
+    options.preflight_check(parse_args(base + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]), hf)
+    options.preflight_check(parse_args(base + ["--optimizer-cpu-offload"]), hf)     # the adapters' AdamW offloaded
 
 
 def test_moe_expert_lora_preflight(tiny_model_dir, tmp_path):
