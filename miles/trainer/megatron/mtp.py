@@ -18,6 +18,9 @@ MTP layer (layer k predicts token t + k + 1). Per layer, the masked mean of mega
 cross entropy over this micro-batch; their mean over the layers x ``--mtp-loss-scaling-factor`` is added to the
 training loss through megatron-core's ``MTPLossAutoScaler`` (its gradient enters at the hidden states, scaled
 per micro-batch as the policy loss is), and logged as ``mtp_loss`` (unscaled, the step's mean over micro-batches).
+Under context parallelism the labels and mask are the whole rows' cut like the input ids (``cp_columns``), and every
+shift (ids, positions, labels, mask) crosses the load-balanced chunks (``context_parallel.roll_left``; see
+``attach_loss``). Pipeline parallelism is refused (``check_mtp_static``).
 
 Weights (HF GLM-4.7-Flash / DeepSeek-V3 keep MTP layer k as ``model.layers.{num_hidden_layers + k}``):
 ``mtp.layers.k.enorm`` = ``enorm``, ``hnorm`` = ``hnorm``, ``eh_proj`` = ``eh_proj`` ([h, 2h]: ``[embedding;
