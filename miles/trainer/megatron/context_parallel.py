@@ -5,6 +5,7 @@ over the N ranks of a CP group, attention still sees the whole sequence.
     hidden = model(shard.input_ids, shard.position_ids)     # [2c, b, h]: only this rank's tokens
     full = shard.reassemble(local_values, cp_group)         # [n] per-position values -> [N], all CP ranks
     out = attention(q, k, v, comm="all_gather", group=cp_group, scale=..., dropout_p=0.0)
+    nxt = roll_left(shard.input_ids, cp_group)             # the whole rows shifted left by one, this rank's part (MTP)
 
 Layout (Megatron's load balancing): the micro-batch's right-padded rows ``[b, s]`` (``s`` a multiple of
 ``2 cp``) are cut into ``2 cp`` chunks of ``c = s / (2 cp)`` columns; CP rank ``i`` holds chunks ``i``
