@@ -327,15 +327,18 @@ class MegatronTrainer(RLTrainer):
         earlier pipeline stage returns its part [s / tp, b, h], which the next stage takes as it is."""
         cp = self.groups.cp_size
         ids, pos, index = padded_batch(mb, self.pad_id, self.row_multiple())
+        kw = {}
+        if getattr(model, "mtp_training", False) and model.training and not mb.is_dummy:   # mtp.py: whole rows
+            kw["labels"], kw["loss_mask"] = mtp_mod.labels_and_mask(ids, index, mb.loss_mask, self.pad_id)
         shard = None
         if cp > 1:
             shard = context_parallel.shard_rows(ids, pos, index, self.groups.cp_rank, cp)
             ids, pos, index = shard.input_ids, shard.position_ids, shard.local_index
+            if kw:                              # ... and this CP rank's columns of them
+                kw["labels"], kw["loss_mask"] = mtp_mod.cp_columns(kw["labels"], kw["loss_mask"],
+                                                                   self.groups.cp_rank, cp)
         if x is not None:
             model.set_input_tensor(x)
-        kw = {}
-        if getattr(model, "mtp_training", False) and model.training and not mb.is_dummy:   # mtp.py
-            kw["labels"], kw["loss_mask"] = mtp_mod.labels_and_mask(ids, index, mb.loss_mask, self.pad_id)
         with self._dropout_stream(model):
             if self._images is not None:      # Qwen3-VL (vlm.py): the micro-batch's images, M-RoPE, deepstack
                 mm = hf_vlm.batch_inputs(self._mm or [], mb.sample_ids, ids, self._images.image_token_id, ids.device)
