@@ -20,16 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from family_workers import (
-    check_export,
-    check_gpu_matches_hf,
-    check_grads_match,
-    check_parity,
-    gpt_worker,
-    gpu_worker,
-    launch,
-    parity_worker,
-)
+from family_workers import check_export, check_gpu_matches_hf, check_grads_match, check_parity, launch
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.multiprocess
@@ -97,6 +88,8 @@ def test_gpt_oss_matches_hf_on_gpu_bf16(tiny_gpt_oss_dir: Path, tmp_path: Path, 
 
 
 if __name__ == "__main__":
+    from family_workers import gpt_worker, gpu_worker, parity_worker
+
     if sys.argv[1] == "gpt":
         gpt_worker(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:5]))
     elif sys.argv[1] == "parity":

@@ -15,16 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from family_workers import (
-    check_export,
-    check_gpu_matches_hf,
-    check_grads_match,
-    check_parity,
-    gpt_worker,
-    gpu_worker,
-    launch,
-    parity_worker,
-)
+from family_workers import check_export, check_gpu_matches_hf, check_grads_match, check_parity, launch
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.multiprocess
@@ -119,6 +110,8 @@ def test_hybrid_matches_hf_on_gpu_bf16(kind: str, tmp_path: Path, free_port: int
 
 
 if __name__ == "__main__":
+    from family_workers import gpt_worker, gpu_worker, parity_worker
+
     if sys.argv[1] == "gpt":
         gpt_worker(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:5]), seq=SEQ)
     elif sys.argv[1] == "gpt_mtp":
