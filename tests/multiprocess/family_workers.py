@@ -20,6 +20,16 @@ METRICS = ("loss", "pg_loss", "entropy", "ppo_kl", "tis", "grad_norm", "num_samp
 
 
 # ------------------------------------------------------------------------------------------- in the ranks
+def hf_lm(model_dir: str, **kw):
+    """transformers' own model of ``model_dir``: its causal LM, or for a multimodal checkpoint whose model type has
+    none (Kimi-K2.5) its image-text-to-text model, run on text."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    causal = AutoConfig.from_pretrained(model_dir).model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return (AutoModelForCausalLM if causal else AutoModelForImageTextToText).from_pretrained(model_dir, **kw)
+
+
 def build_loaded(model_dir: str, *, tp: int, ep: int = 1, device, dtype=None, core_attention: str = "sdpa",
                  mtp: bool = False, router_dtype: str | None = None):
     """The Megatron backend's model of ``model_dir`` at TP ``tp`` (sequence parallel when > 1) x EP ``ep`` on
@@ -88,7 +98,8 @@ def hf_grads(gpt, shape, groups, device, frozen: str = "weight") -> dict:
 
 
 def gpt_worker(model_dir: str, out: str, ep: int = 1, seq: int = 20, mtp: bool = False,
-               reference: str = "disk", *, attn_implementation: str | None = "eager", frozen: str = "weight") -> None:
+               reference: str = "disk", text_vocab: int | None = None, *, attn_implementation: str | None = "eager",
+               frozen: str = "weight") -> None:
     """TP = world size (``ep`` 1), or TP 1 x EP = world size (the experts split over the ranks, all-to-all); 2 rows
     of ``seq`` random tokens. Writes to ``out`` (json): the logits' max distance to transformers' (fp32,
     ``attn_implementation``) and the log-probs' (``max_lp_err``), whether every gradient is finite, the exported HF
@@ -96,11 +107,11 @@ def gpt_worker(model_dir: str, out: str, ep: int = 1, seq: int = 20, mtp: bool =
     (``<out>.grads.safetensors``, ``hf_grads`` with ``frozen``). ``mtp``: the checkpoint's MTP layers are built too
     and exported. ``reference`` "transformers": the export is compared with the state dict transformers loads (a
     checkpoint named otherwise than transformers names its modules: DeepSeek-V4's) rather than the safetensors
-    file."""
+    file. ``text_vocab``: the token ids drawn stay below it (a multimodal checkpoint's image / video ids, which
+    transformers embeds otherwise, above)."""
     import torch
     import torch.distributed as dist
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
     from miles.trainer.megatron import export, parallel
 
@@ -111,7 +122,7 @@ def gpt_worker(model_dir: str, out: str, ep: int = 1, seq: int = 20, mtp: bool =
     gpt, shape, groups = build_loaded(model_dir, tp=tp, ep=ep, device=cpu, mtp=mtp)
 
     torch.manual_seed(0)
-    ids = torch.randint(4, shape.vocab_size, (2, seq))
+    ids = torch.randint(4, text_vocab or shape.vocab_size, (2, seq))
     pos = torch.arange(seq).unsqueeze(0).expand(2, -1)
     logits = full_logits(gpt, shape, ids, pos, tp)
     logits.square().mean().backward()                                 # the same loss on every TP rank
@@ -125,7 +136,7 @@ def gpt_worker(model_dir: str, out: str, ep: int = 1, seq: int = 20, mtp: bool =
 
     exported = [pair for bucket in export.iter_hf_buckets(gpt, shape, groups, device=cpu, bucket_bytes=1 << 14)
                 for pair in bucket]
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn_implementation)
+    hf = hf_lm(model_dir, dtype=torch.float32, attn_implementation=attn_implementation)
     disk = load_file(str(Path(model_dir) / "model.safetensors")) if reference == "disk" else {
         n: t.detach().clone() for n, t in hf.state_dict().items()}
     same = [n for n, t in exported if n in disk and disk[n].dtype == t.dtype and torch.equal(disk[n], t)]
@@ -148,29 +159,27 @@ def gpt_worker(model_dir: str, out: str, ep: int = 1, seq: int = 20, mtp: bool =
     dist.destroy_process_group()
 
 
-def gpu_worker(model_dir: str, out: str, seq: int = 20, *, attn_implementation: str | None = "eager",
-               router_dtype: str | None = None, info=None) -> None:
+def gpu_worker(model_dir: str, out: str, seq: int = 20, text_vocab: int | None = None, *,
+               attn_implementation: str | None = "eager", router_dtype: str | None = None, info=None) -> None:
     """One rank on GPU 0 (NCCL), bf16 parameters, TP 1: the Megatron model's logits and log-probs against
-    transformers' own model (``attn_implementation``, bf16, and fp32 for the scale of bf16 rounding) on the same rows.
-    ``router_dtype``: --moe-router-dtype; ``info()``: more entries for ``out``, computed after the forwards."""
+    transformers' own model (``attn_implementation``, bf16, and fp32 for the scale of bf16 rounding) on the same rows
+    (``text_vocab``: as ``gpt_worker``'s). ``router_dtype``: --moe-router-dtype; ``info()``: more entries for
+    ``out``, computed after the forwards."""
     import torch
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM
 
     dist.init_process_group("nccl")
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
     gpt, shape, _ = build_loaded(model_dir, tp=1, device=dev, dtype=torch.bfloat16, router_dtype=router_dtype)
     torch.manual_seed(0)
-    ids = torch.randint(4, shape.vocab_size, (2, seq), device=dev)
+    ids = torch.randint(4, text_vocab or shape.vocab_size, (2, seq), device=dev)
     pos = torch.arange(seq, device=dev).unsqueeze(0).expand(2, -1)
     with torch.no_grad():
         logits = full_logits(gpt, shape, ids, pos, 1).float()
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16,
-                                                  attn_implementation=attn_implementation).to(dev)
+        hf = hf_lm(model_dir, dtype=torch.bfloat16, attn_implementation=attn_implementation).to(dev)
         ref = hf(input_ids=ids).logits.float()
-        hf32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                    attn_implementation=attn_implementation).to(dev)
+        hf32 = hf_lm(model_dir, dtype=torch.float32, attn_implementation=attn_implementation).to(dev)
         ref32 = hf32(input_ids=ids).logits
     lp, ref_lp, ref32_lp = (torch.log_softmax(x, -1) for x in (logits, ref, ref32))
     Path(out).write_text(json.dumps({"max_abs_err": float((logits - ref).abs().max()),
