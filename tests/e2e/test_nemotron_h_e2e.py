@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _miles_e2e import QUICKSTART, check_ok, check_run_dir, run
+from _family_e2e import quickstart_data, run_two_rollouts
 
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(1200)]
@@ -65,9 +65,7 @@ def setup(tmp_path_factory) -> tuple[Path, Path]:
     from miles.utils.tiny_nemotron import build_tiny_nemotron_model
 
     d = tmp_path_factory.mktemp("nemotron_h")
-    log = d / "prepare.log"
-    check_ok(run(["bash", str(QUICKSTART / "prepare.sh"), str(d / "data")], log, timeout=300), log)
-    return d / "data", build_tiny_nemotron_model(d / "nemotron", routed_scaling_factor=5.0)
+    return quickstart_data(d), build_tiny_nemotron_model(d / "nemotron", routed_scaling_factor=5.0)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -76,15 +74,5 @@ def test_nemotron_h_recorded_command_runs_two_rollouts(setup, tmp_path: Path, mo
     flags, nproc = MODES[mode]
     if mode == "disk-delta":
         flags = [*flags, "--update-weight-disk-dir", str(tmp_path / "deltas")]
-    out, log = tmp_path / "run", tmp_path / "run.log"
-    cmd = ["torchrun", "--standalone", "--nproc-per-node", str(nproc), "train.py", *TINY_SHAPE, *RECORDED, *flags,
-           "--hf-checkpoint", str(model), "--prompt-data", str(data / "train.jsonl"), "--input-key", "input",
-           "--label-key", "label", "--rm-type", "quickstart", "--num-rollout", "2", "--rollout-batch-size", "4",
-           "--n-samples-per-prompt", "2", "--global-batch-size", "8", "--rollout-max-response-len", "4",
-           "--check-weight-update-equal", "--output-dir", str(out)]
-    check_ok(run(cmd, log, timeout=900), log)
-    recs = check_run_dir(out, num_rollout=2, num_ranks=nproc)
-    assert all(r["rollout/num_samples"] == 8 for r in recs)
-    text = log.read_text()
-    assert "TP 2 x PP 1 x DP 1" in text, text[-3000:]
-    assert text.count("--check-weight-update-equal: ") >= 3, text[-3000:]   # initial sync + one per rollout
+    run_two_rollouts([*TINY_SHAPE, *RECORDED, *flags], model=model, data=data, tmp_path=tmp_path, nproc=nproc,
+                     timeout=900)
