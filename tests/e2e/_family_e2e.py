@@ -18,6 +18,14 @@ from pathlib import Path
 from _miles_e2e import QUICKSTART, REPO, check_ok, check_run_dir, metrics, run, tail
 
 TRAINER_LAYOUT = "TP 2 x PP 1 x DP 1"         # the families' recorded layouts scaled to 2 CPU ranks (TP 2, EP 2)
+# weight-sync mode -> its flags and ranks (2 trainer ranks; colocated engines on them, or one engine rank of its own)
+WEIGHT_SYNC_MODES = {
+    "tensor": (["--colocate", "--num-gpus-per-node", "2"], 2),
+    "broadcast": (["--rollout-num-gpus", "1", "--num-gpus-per-node", "3"], 3),
+    "p2p": (["--rollout-num-gpus", "1", "--num-gpus-per-node", "3", "--update-weight-transfer-mode", "p2p"], 3),
+    "disk-delta": (["--rollout-num-gpus", "1", "--num-gpus-per-node", "3", "--update-weight-transfer-mode",
+                    "disk-delta"], 3),
+}
 
 
 def quickstart_data(d: Path) -> Path:
@@ -25,6 +33,14 @@ def quickstart_data(d: Path) -> Path:
     log = d / "prepare.log"
     check_ok(run(["bash", str(QUICKSTART / "prepare.sh"), str(d / "data")], log, timeout=300), log)
     return d / "data"
+
+
+def weight_sync_flags(mode: str, tmp_path: Path) -> tuple[list[str], int]:
+    """A ``WEIGHT_SYNC_MODES`` mode's flags (disk-delta's directory under ``tmp_path``) and number of ranks."""
+    flags, nproc = WEIGHT_SYNC_MODES[mode]
+    if mode == "disk-delta":
+        flags = [*flags, "--update-weight-disk-dir", str(tmp_path / "deltas")]
+    return flags, nproc
 
 
 def two_rollouts_cmd(flags: list[str], *, model: Path, data: Path, out: Path, nproc: int = 2,

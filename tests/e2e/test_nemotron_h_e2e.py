@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _family_e2e import quickstart_data, run_two_rollouts
+from _family_e2e import WEIGHT_SYNC_MODES, quickstart_data, run_two_rollouts, weight_sync_flags
 
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(1200)]
@@ -50,14 +50,6 @@ RECORDED = [  # the rest of the recorded command, GPU counts scaled to 2 trainer
     "--rollout-num-gpus-per-engine", "1", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
     "--accumulate-allreduce-grads-in-fp32", "--attention-softmax-in-fp32", "--attention-backend", "auto",
     "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2"]
-# weight-sync mode -> its flags and ranks (2 trainer ranks; colocated engines on them, or one engine rank of its own)
-MODES = {
-    "tensor": (["--colocate", "--num-gpus-per-node", "2"], 2),
-    "broadcast": (["--rollout-num-gpus", "1", "--num-gpus-per-node", "3"], 3),
-    "p2p": (["--rollout-num-gpus", "1", "--num-gpus-per-node", "3", "--update-weight-transfer-mode", "p2p"], 3),
-    "disk-delta": (["--rollout-num-gpus", "1", "--num-gpus-per-node", "3", "--update-weight-transfer-mode",
-                    "disk-delta"], 3),
-}
 
 
 @pytest.fixture(scope="module")
@@ -68,11 +60,9 @@ def setup(tmp_path_factory) -> tuple[Path, Path]:
     return quickstart_data(d), build_tiny_nemotron_model(d / "nemotron", routed_scaling_factor=5.0)
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", list(WEIGHT_SYNC_MODES))
 def test_nemotron_h_recorded_command_runs_two_rollouts(setup, tmp_path: Path, mode: str) -> None:
     data, model = setup
-    flags, nproc = MODES[mode]
-    if mode == "disk-delta":
-        flags = [*flags, "--update-weight-disk-dir", str(tmp_path / "deltas")]
+    flags, nproc = weight_sync_flags(mode, tmp_path)
     run_two_rollouts([*TINY_SHAPE, *RECORDED, *flags], model=model, data=data, tmp_path=tmp_path, nproc=nproc,
                      timeout=900)

@@ -2,8 +2,8 @@
 real torchrun, and the checks the tests make of what the workers write. A family's tiny checkpoint goes through the
 Megatron backend's own path (``ModelShape`` from config.json, ``build_gpt_model``, ``convert.load_hf_into``,
 ``export.iter_hf_buckets``) and is compared with transformers' model of the same directory (``gpt_worker``, on GPU
-``gpu_worker``) and with the FSDP backend training the same rollouts (``parity_worker``); ``train_worker`` runs
-train the Megatron trainer in two layouts for ``compare_runs``.
+``gpu_worker``) and with the FSDP backend training the same rollouts (``parity_worker``); ``train_worker`` trains
+the Megatron trainer in one layout, ``compare_runs`` compares two layouts' runs.
 
 A family's test passes only what differs: its flags, its row length, how its checkpoint is named (``reference``),
 its bounds (with the measurement beside them); ``launch`` runs a worker and reads its result, ``check_export``,
