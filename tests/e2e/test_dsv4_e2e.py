@@ -27,7 +27,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _miles_e2e import QUICKSTART, check_ok, check_run_dir, run
+from _family_e2e import check_two_rollouts, quickstart_data, two_rollouts_cmd
+from _miles_e2e import check_ok, run
 
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(900)]
@@ -91,9 +92,7 @@ def setup(tmp_path_factory) -> tuple[Path, Path]:
     from miles.utils.tiny_dsv4 import build_tiny_dsv4_model
 
     d = tmp_path_factory.mktemp("dsv4")
-    log = d / "prepare.log"
-    check_ok(run(["bash", str(QUICKSTART / "prepare.sh"), str(d / "data")], log, timeout=300), log)
-    return d / "data", build_tiny_dsv4_model(d / "dsv4")
+    return quickstart_data(d), build_tiny_dsv4_model(d / "dsv4")
 
 
 @pytest.mark.parametrize("unclamped", [False, True], ids=["as_transformers", "no_shared_expert_clamp"])
@@ -125,19 +124,10 @@ def test_engine_serves_dsv4(setup, unclamped: bool) -> None:
 def test_dsv4_recorded_flags_run_two_rollouts(setup, tmp_path: Path) -> None:
     data, model = setup
     out, log = tmp_path / "run", tmp_path / "run.log"
-    cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", "train.py", *RECORDED, *fork_spelled_flags(model),
-           *FORK_SWITCHES,
-           "--hf-checkpoint", str(model), "--prompt-data", str(data / "train.jsonl"), "--input-key", "input",
-           "--label-key", "label", "--rm-type", "quickstart", "--num-rollout", "2", "--rollout-batch-size", "4",
-           "--n-samples-per-prompt", "2", "--global-batch-size", "8", "--rollout-max-response-len", "4",
-           "--check-weight-update-equal", "--output-dir", str(out)]
+    cmd = two_rollouts_cmd([*RECORDED, *fork_spelled_flags(model), *FORK_SWITCHES], model=model, data=data, out=out)
     dry = run([*cmd, "--dry-run"], tmp_path / "dry.log", timeout=300)
     check_ok(dry, tmp_path / "dry.log")
     check_ok(run(cmd, log, timeout=600, MILES_ENGINE_LOG_LEVEL="INFO"), log)   # INFO: the engines' unclamp line
-    recs = check_run_dir(out, num_rollout=2, num_ranks=2)
-    assert all(r["rollout/num_samples"] == 8 for r in recs)
-    text = log.read_text()
-    assert "TP 2 x PP 1 x DP 1" in text, text[-3000:]
-    assert text.count("--check-weight-update-equal: ") >= 3, text[-3000:]   # initial sync + one per rollout
+    check_two_rollouts(out, log)
     engines = [p.read_text() for p in sorted(out.rglob("engine*.log"))]     # the engines follow the trainer's flag
     assert engines and all("4 shared experts served unclamped" in t for t in engines), [t[-2000:] for t in engines]

@@ -38,7 +38,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _torchrun import torchrun_self
+from family_workers import check_parity, launch
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.multiprocess
@@ -57,42 +57,18 @@ MOE_BOUND = 3e-6
 GRAD_REL_BOUND, KV_GRAD_REL_BOUND = 5e-5, 8e-6
 
 
-def _build(model_dir: str, tp: int, core: str, device, dtype, ep: int = 1):
-    """The Megatron backend's GPTModel of the Gemma 4 checkpoint (the registry's build and converter; the MoE
-    block's config from ``moe.config_kwargs`` as the trainer gives it, experts split over ``ep`` ranks), loaded;
-    (model, shape, groups)."""
-    import torch
-    from transformers import AutoConfig
-
-    from miles.trainer.megatron import convert, moe, parallel
-    from miles.trainer.megatron import model as mmodel
-
-    groups = parallel.init_parallel(tp_size=tp, num_trainer_ranks=tp * ep, seed=1, device=device, ep_size=ep)
-    shape = mmodel.ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir))
-    moe_kw = None
-    if shape.num_experts:
-        moe.apply_moe_compat()
-        if device.type == "cpu":
-            moe.apply_moe_cpu_compat()
-        moe_kw = moe.config_kwargs(shape, moe.MoeOptions(), ep=ep, etp=1, te=False)
-    config = mmodel.transformer_config(shape, tp_size=tp, device=device, params_dtype=dtype, moe=moe_kw,
-                                       bf16=dtype == torch.bfloat16, sequence_parallel=tp > 1)
-    padded = mmodel.padded_vocab_size(shape.vocab_size, 128, tp)
-    gpt = mmodel.build_gpt_model(shape, config, padded_vocab=padded, device=device, core_attention=core)
-    convert.load_hf_into(gpt, convert.read_hf_state_dict(model_dir), shape, padded, groups.tp_rank, tp,
-                         ep_rank=groups.ep_rank, ep_size=ep)
-    return gpt, shape, groups
-
-
 def _gpt_worker(model_dir: str, out: str, core: str, device_name: str = "cpu", ep: str = "1") -> None:
+    """TP = world size / ``ep`` (sequence parallel), the experts over ``ep`` ranks, ``core`` attention; fp32 on CPU,
+    bf16 on GPU 0 (``device_name`` "cuda"): the log-probs (after the final softcap) against transformers'
+    Gemma4ForConditionalGeneration, the gradients, the export against the checkpoint's text decoder; at EP 1 on CPU
+    the full gradients under HF names (``<out>.grads.safetensors``)."""
     import torch
     import torch.distributed as dist
+    from family_workers import build_loaded, full_logits, hf_grads
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
 
     from miles.trainer.megatron import export, parallel
-    from miles.trainer.megatron import model as mmodel
-    from miles.trainer.megatron.compat import apply_cpu_compat
 
     on_gpu = device_name == "cuda"
     dist.init_process_group("nccl" if on_gpu else "gloo")
@@ -100,28 +76,15 @@ def _gpt_worker(model_dir: str, out: str, core: str, device_name: str = "cpu", e
     device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
     if on_gpu:
         torch.cuda.set_device(device)
-    else:
-        apply_cpu_compat()
     dtype = torch.bfloat16 if on_gpu else torch.float32
     ep = int(ep)
     tp = world // ep
-    gpt, shape, groups = _build(model_dir, tp, core, device, dtype, ep)
+    gpt, shape, groups = build_loaded(model_dir, tp=tp, ep=ep, device=device, dtype=dtype, core_attention=core)
 
     torch.manual_seed(0)
     ids = torch.randint(4, shape.vocab_size - 4, (2, SEQ))          # no image / video token ids
     pos = torch.arange(SEQ).unsqueeze(0).expand(2, -1)
-    hidden = gpt(ids.to(device), pos.to(device), attention_mask=None)   # [s / tp (sequence parallel), b, h]
-    if tp > 1:
-        from megatron.core.tensor_parallel.mappings import (
-            gather_from_sequence_parallel_region,
-            gather_from_tensor_model_parallel_region,
-        )
-
-        hidden = gather_from_sequence_parallel_region(hidden)
-    logits = hidden.transpose(0, 1) @ mmodel.output_weight(gpt).t()     # [b, s, V / tp]
-    if tp > 1:
-        logits = gather_from_tensor_model_parallel_region(logits)
-    logits = logits[..., :shape.vocab_size].float()
+    logits = full_logits(gpt, shape, ids.to(device), pos.to(device), tp).float()
     cap = shape.final_logit_softcapping                                 # what the trainer's log-prob head applies
     logits = cap * torch.tanh(logits / cap)
     logits.square().mean().backward()
@@ -136,12 +99,8 @@ def _gpt_worker(model_dir: str, out: str, core: str, device_name: str = "cpu", e
                                                               dtype=dtype) for n, t in b]
     disk = load_file(str(Path(model_dir) / "model.safetensors"))
     same = [n for n, t in exported if n in disk and torch.equal(t, disk[n].to(dtype))]
-    if ep == 1 and not on_gpu:             # the full gradients under HF names: the export of p.grad in place of p
-        with torch.no_grad():
-            for p in gpt.parameters():
-                p.data, p.grad = p.grad, p.data
-            grads = {n: t.clone() for b in export.iter_hf_buckets(gpt, shape, groups, device=device,
-                                                                  bucket_bytes=1 << 14) for n, t in b}
+    if ep == 1 and not on_gpu:
+        grads = hf_grads(gpt, shape, groups, device)
         if rank == 0:
             from safetensors.torch import save_file
 
@@ -157,71 +116,6 @@ def _gpt_worker(model_dir: str, out: str, core: str, device_name: str = "cpu", e
             "grads_ok": grads_ok, "zero_grad": zero_grad,
             "exported": sorted(n for n, _ in exported), "same": sorted(same), "text": text,
             "softcap": cap, "towers": sorted({k.split(".")[1] for k in disk if k not in text})}))
-    dist.destroy_process_group()
-
-
-def _parity_worker(model_dir: str, out: str, *megatron_flags: str) -> None:
-    """2 ranks: the FSDP backend (transformers' Gemma4ForConditionalGeneration, DP 2) and the Megatron trainer (TP 2,
-    sequence parallel, ``megatron_flags``) train the same 2 rollouts; the Megatron side's torch_dist save/resume and
-    --save-hf."""
-    import torch
-    import torch.distributed as dist
-    from safetensors.torch import load_file
-    from test_megatron import _all_logprobs, _flags
-    from trainer_harness import build, random_samples
-
-    dist.init_process_group("gloo")
-    rank, group = dist.get_rank(), dist.group.WORLD
-    samples = random_samples(4, 4, seed=7, vocab=90)
-    mine = samples[:8] if rank == 0 else samples[8:]
-    res: dict = {}
-    # Adam's eps 1e-3 on both backends: at the default 1e-8 the first step lr * g / (|g| + eps) turns the fp32
-    # rounding of the few entries whose gradient is near 1e-8 into up to 2e-4 of update (measured, any softcap);
-    # at 1e-3 the update follows the gradient, so the bounds below compare the two backends' gradients
-    eps = ["--adam-eps", "1e-3"]
-    fsdp = build(model_dir, _flags("fsdp", 1) + eps, group=group)
-    fsdp._mm = [None] * len(samples)                    # a VLM on FSDP: these samples have no images (as train sets)
-    fsdp_lp = _all_logprobs(fsdp, samples)
-    res["fsdp_metrics"] = [fsdp.train(mine, rid) for rid in range(2)]
-    fsdp_sd = fsdp.state_dict_for_check()
-    del fsdp
-    flags = ("--sequence-parallel", "--qkv-format", "bshd", *megatron_flags, "--save", str(Path(out).parent / "ckpt"))
-    meg = build(model_dir, _flags("megatron", 2, megatron_flags=flags) + eps, group=group)
-    init = meg.state_dict_for_check()
-    meg_lp = _all_logprobs(meg, samples)
-    res["meg_metrics"] = [meg.train(mine, rid) for rid in range(2)]
-    meg_sd = meg.state_dict_for_check()
-    meg.save_hf(Path(out).parent / "hf_out")
-    meg.checkpoint(1, {"rollout_id": 1})
-    meg.train(mine, 2)                                  # move away, then load the checkpoint back
-    res["resumed_extra"] = meg.resume()
-    reloaded = meg.state_dict_for_check()
-    if rank == 0:
-        from transformers import AutoModelForImageTextToText
-
-        hf = load_file(str(Path(model_dir) / "model.safetensors"))
-        text = sorted(k for k in hf if k.startswith("model.language_model."))
-        res["ckpt_reload_bitwise"] = sorted(reloaded) == sorted(meg_sd) and all(
-            torch.equal(reloaded[k], meg_sd[k]) for k in meg_sd)
-        saved_model = AutoModelForImageTextToText.from_pretrained(Path(out).parent / "hf_out")
-        saved = {n: t.detach().cpu() for n, t in saved_model.state_dict().items()}
-        res["save_hf_text_equal"] = all(torch.equal(saved[k], meg_sd[k]) for k in meg_sd)
-        on_disk = load_file(str(Path(out).parent / "hf_out" / "model.safetensors"))
-        res["save_hf_keys_equal"] = sorted(on_disk) == sorted(hf)
-        res["save_hf_towers_equal"] = all(torch.equal(on_disk[k], hf[k]) for k in hf if k not in meg_sd)
-        res["export_keys_equal"] = sorted(init) == text == sorted(meg_sd)
-        # FSDP exports parameters only (the layer_scalar buffers, never trained, stay with the engines)
-        res["fsdp_missing"] = sorted(set(meg_sd) - set(fsdp_sd))
-        res["export_bitwise"] = all(torch.equal(init[k], hf[k]) for k in text)
-        keys = sorted(set(meg_sd) & set(fsdp_sd))
-        res["layer_scalar_kept"] = all(torch.equal(meg_sd[k], hf[k]) for k in res["fsdp_missing"])
-        deltas = {k: ((meg_sd[k] - hf[k]) - (fsdp_sd[k] - hf[k])).abs().max().item() for k in keys}
-        res["update_max_abs_diff"], res["update_worst"] = max(deltas.values()), max(deltas, key=deltas.get)
-        num = sum(((meg_sd[k] - fsdp_sd[k]).double() ** 2).sum().item() for k in keys)
-        den = sum(((fsdp_sd[k] - hf[k]).double() ** 2).sum().item() for k in keys)
-        res["update_rel_l2"] = (num / den) ** 0.5
-        res["lp_max_abs_diff"] = max((a - b).abs().max().item() for a, b in zip(fsdp_lp, meg_lp))
-        torch.save(res, out)
     dist.destroy_process_group()
 
 
@@ -245,11 +139,8 @@ def test_gemma4_moe_gpt_matches_hf(tiny_gemma4_moe_dir: Path, tmp_path: Path, fr
     """gemma-4-26B-A4B's MoE block (every layer: the dense MLP and 4 experts, top-2, side by side; families/
     gemma4_moe.py) at TP 1, TP 2 + SP and EP 2 (all-to-all): transformers' log-probs, finite non-zero gradients
     for every parameter, the export the checkpoint's tensors bit for bit (fused experts included)."""
-    out = tmp_path / f"moe_tp{tp}_ep{ep}.json"
-    proc = torchrun_self(HERE, tp * ep, free_port, "gpt", str(tiny_gemma4_moe_dir), str(out), "unfused", "cpu",
-                         str(ep), timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    res = json.loads(out.read_text())
+    res = launch(HERE, tp * ep, free_port, "gpt", tiny_gemma4_moe_dir, tmp_path / f"moe_tp{tp}_ep{ep}.json",
+                 "unfused", "cpu", ep)
     print(tp, ep, res["lp_max_abs_err"])
     assert res["grads_ok"] and not res["zero_grad"], res
     assert res["lp_max_abs_err"] < MOE_BOUND, (tp, ep, res["lp_max_abs_err"])
@@ -275,10 +166,8 @@ def test_gemma4_full_layers_kv_heads_replicated_over_tp(tiny_gemma4_one_kv_dir: 
     runs = {}
     for tp in (1, 2):
         out = tmp_path / f"kv_tp{tp}.json"
-        proc = torchrun_self(HERE, tp, free_port + tp, "gpt", str(tiny_gemma4_one_kv_dir), str(out), "sdpa", "cpu",
-                             "1", timeout=300)
-        assert proc.returncode == 0, proc.stdout[-4000:]
-        runs[tp] = json.loads(out.read_text()), load_file(str(out.with_suffix(".grads.safetensors")))
+        res = launch(HERE, tp, free_port + tp, "gpt", tiny_gemma4_one_kv_dir, out, "sdpa", "cpu", "1")
+        runs[tp] = res, load_file(str(out.with_suffix(".grads.safetensors")))
     (one, g1), (two, g2) = runs[1], runs[2]
     print(one["lp_max_abs_err"], two["lp_max_abs_err"])
     assert two["lp_max_abs_err"] < MOE_BOUND and one["lp_max_abs_err"] < MOE_BOUND, (one, two)
@@ -295,10 +184,7 @@ def test_gemma4_full_layers_kv_heads_replicated_over_tp(tiny_gemma4_one_kv_dir: 
 
 @pytest.mark.parametrize("tp,core", [(1, "sdpa"), (2, "sdpa"), (1, "unfused"), (2, "unfused")])
 def test_gemma4_gpt_matches_hf(tiny_gemma4_dir: Path, tmp_path: Path, free_port: int, tp: int, core: str) -> None:
-    out = tmp_path / f"gpt_tp{tp}_{core}.json"
-    proc = torchrun_self(HERE, tp, free_port, "gpt", str(tiny_gemma4_dir), str(out), core, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    res = json.loads(out.read_text())
+    res = launch(HERE, tp, free_port, "gpt", tiny_gemma4_dir, tmp_path / f"gpt_tp{tp}_{core}.json", core)
     assert res["grads_ok"], res
     assert res["softcap"] == 1.0 and res["towers"] == ["embed_vision", "vision_tower"], res
     assert res["lp_max_abs_err"] < BOUND, (tp, core, res["lp_max_abs_err"])
@@ -312,27 +198,17 @@ def test_gemma4_trainer_parity_with_fsdp(tiny_gemma4_dir: Path, tiny_gemma4_moe_
     """moe_ep2: gemma-4-26B-A4B's MoE block, TP 2 + SP with the experts split over EP 2 (the EP group spans the
     TP ranks, as the recorded command's TP 4 / EP 8 does); *_kv_replicated: the full layers' one KV head on both
     TP ranks (as 26B-A4B's 2 over TP 4)."""
-    import torch
-
-    out = tmp_path / "parity.pt"
     model = {"dense": tiny_gemma4_dir, "moe_ep2": tiny_gemma4_moe_dir,
              "moe_ep2_kv_replicated": tiny_gemma4_one_kv_dir}[kind]
     extra = () if kind == "dense" else ("--expert-model-parallel-size", "2")
-    proc = torchrun_self(HERE, 2, free_port, "parity", str(model), str(out), *extra, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-5000:]
-    res = torch.load(out, weights_only=False)
-    assert res["export_keys_equal"] and res["export_bitwise"], res
+    res = launch(HERE, 2, free_port, "parity", model, tmp_path / "parity.pt", *extra, timeout=600)
+    # FSDP exports parameters only (the layer_scalar buffers, never trained, stay with the engines)
     assert res["fsdp_missing"] and all(k.endswith(".layer_scalar") for k in res["fsdp_missing"]), res
-    assert res["layer_scalar_kept"], res
-    assert res["save_hf_text_equal"] and res["save_hf_keys_equal"] and res["save_hf_towers_equal"], res
-    assert res["ckpt_reload_bitwise"] and res["resumed_extra"]["rollout_id"] == 1, res
+    assert res["fsdp_missing_unchanged"], res
+    # --save-hf writes every tensor of the checkpoint: the trained text decoder, the towers as they were
+    assert res["save_hf_keys_equal"] and res["save_hf_towers_equal"], res
     print(kind, {k: res[k] for k in ("lp_max_abs_diff", "update_max_abs_diff", "update_rel_l2", "update_worst")})
-    assert res["lp_max_abs_diff"] < LP_BOUND, res
-    for f, m in zip(res["fsdp_metrics"], res["meg_metrics"]):
-        for key in ("loss", "pg_loss", "entropy", "ppo_kl", "tis", "grad_norm", "num_samples", "num_tokens",
-                    "advantages_mean", "kl_loss", "reward_kl_mean"):
-            assert abs(f[key] - m[key]) <= 1e-5 * max(1.0, abs(f[key])), (key, f[key], m[key])
-    assert res["update_max_abs_diff"] < UPDATE_BOUND and res["update_rel_l2"] < REL_BOUND, res
+    check_parity(res, lp_bound=LP_BOUND, update_bound=UPDATE_BOUND, rel_bound=REL_BOUND, bf16=False)
 
 
 # measured (OMP_NUM_THREADS=1 python -m pytest -s tests/multiprocess/test_megatron_gemma4.py -k trainer_parity):
@@ -392,4 +268,10 @@ if __name__ == "__main__":
     if sys.argv[1] == "gpt":
         _gpt_worker(*sys.argv[2:7])
     elif sys.argv[1] == "parity":
-        _parity_worker(*sys.argv[2:])
+        from family_workers import parity_worker
+
+        # Adam's eps 1e-3 on both backends: at the default 1e-8 the first step lr * g / (|g| + eps) turns the fp32
+        # rounding of the few entries whose gradient is near 1e-8 into up to 2e-4 of update (measured, any softcap);
+        # at 1e-3 the update follows the gradient, so the bounds compare the two backends' gradients
+        parity_worker(sys.argv[2], sys.argv[3], ("--qkv-format", "bshd", *sys.argv[4:]), flags=("--adam-eps", "1e-3"),
+                      bf16_export=False, vlm=True)

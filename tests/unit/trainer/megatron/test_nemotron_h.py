@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from _tp_round_trip import round_trip_under_tp
 
 from miles.config import ConfigError, parse_args
 from miles.trainer.megatron import options
-from miles.trainer.megatron.convert import hf_to_megatron, megatron_to_hf, partition_dim, shard, unshard
-from miles.trainer.megatron.model import ModelShape, padded_vocab_size
+from miles.trainer.megatron.convert import shard
+from miles.trainer.megatron.model import ModelShape
 
 pytest.importorskip("megatron.core")
 
@@ -101,16 +102,7 @@ def test_round_trip_is_bitwise_under_tp(tiny_nemotron_dir: Path, tp: int) -> Non
 
     hf = load_file(str(tiny_nemotron_dir / "model.safetensors"))
     shape = _shape(json.loads((tiny_nemotron_dir / "config.json").read_text()))
-    padded = padded_vocab_size(shape.vocab_size, 128, tp)
-    names = _megatron_names(shape)
-    full = hf_to_megatron(hf, shape, padded, names)
-    back = {}
-    for name in names:
-        dim = partition_dim(name)
-        pieces = [shard(name, full[name], dim, r, tp, shape) for r in range(tp)]
-        back.update(megatron_to_hf(name, unshard(name, pieces, dim, shape), shape))
-    assert back.keys() == hf.keys()
-    assert all(back[k].dtype == hf[k].dtype and torch.equal(back[k], hf[k]) for k in hf)
+    full = round_trip_under_tp(hf, shape, _megatron_names(shape), tp)
     if tp == 2:   # rank 1's in_proj: the second half of each of z, x, B, C, dt (megatron-core's per-rank layout)
         w = hf["backbone.layers.0.mixer.in_proj.weight"]
         d, gn, h = 64, 32, 8
