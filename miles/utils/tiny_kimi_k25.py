@@ -88,12 +88,9 @@ def build_tiny_kimi_k25(out_dir: str | Path, *, seed: int = 0, dtype: str = "flo
                             tie_word_embeddings=False, dtype=dtype)
     torch.manual_seed(seed)
     model = Kimi_K25ForConditionalGeneration(config)
-    with torch.no_grad():          # transformers initialises router and bias to zeros: a random, distinct routing
-        for layer in model.model.language_model.layers:
-            gate = getattr(layer.mlp, "gate", None)
-            if gate is not None:
-                gate.weight.normal_(0.0, 0.5)
-                gate.e_score_correction_bias.uniform_(-0.1, 0.1)
+    from miles.utils.tiny_mla import randomize_routers
+
+    randomize_routers(model.model.language_model.layers)
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(str(out), safe_serialization=True)
     path = out / "model.safetensors"

@@ -359,11 +359,7 @@ def test_moe_parallel_layouts_match_fsdp_on_four_gpus(tiny_moe_dir: Path, tmp_pa
     assert res["export_keys_equal"] and res["export_bitwise"] and res["export_bf16_bitwise"], res
     # Never run yet (4 GPUs): the bounds of test_moe_trainer_parity_with_fsdp_on_gpu (one GPU, bf16); ``pytest -s -m
     # gpu tests/multiprocess/test_megatron_moe.py -k four_gpus`` prints what this run measures
-    assert res["lp_max_abs_diff"] < 5e-3, res
-    for f, m in zip(res["fsdp_metrics"], res["meg_metrics"]):
-        for key in ("loss", "pg_loss", "entropy", "grad_norm"):
-            assert m[key] == pytest.approx(f[key], rel=5e-2, abs=5e-3), (key, f[key], m[key])
-    assert res["update_rel_l2"] < 0.12, res
+    _check_gpu_parity(res)
 
 
 # ------------------------------------------------------------------------------------------- engine
@@ -452,6 +448,10 @@ def test_moe_trainer_parity_with_fsdp_on_gpu(tiny_moe_dir: Path, tmp_path: Path,
     # log-probs 2.4e-3 apart, update 6.0% apart in relative L2 (as the dense model's, test_megatron.py). Not
     # re-measured since these bounds were set (no GPU here): ``pytest -s -m gpu tests/multiprocess/test_megatron_moe.py
     # -k parity`` prints them.
+    _check_gpu_parity(res)
+
+def _check_gpu_parity(res: dict) -> None:
+    """The one-GPU bf16 bounds (test_moe_trainer_parity_with_fsdp_on_gpu's), shared by the 4-GPU layouts' test."""
     assert res["lp_max_abs_diff"] < 5e-3, res
     for f, m in zip(res["fsdp_metrics"], res["meg_metrics"]):
         for key in ("loss", "pg_loss", "entropy", "grad_norm"):
