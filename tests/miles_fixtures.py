@@ -190,8 +190,18 @@ def build_family_model(out: Path, model: str | None, seed: int = 0) -> Path:
     if mt == "gemma4":                 # the multimodal checkpoint (text decoder under model.language_model.*)
         from miles.utils.tiny_gemma4 import build_tiny_gemma4
 
+        text = real["text_config"]        # 26B-A4B: the MoE block (4 experts, top-2)
         return build_tiny_gemma4(out, seed=seed, final_logit_softcapping=float(
-            real["text_config"].get("final_logit_softcapping") or 0.0) or None)
+            text.get("final_logit_softcapping") or 0.0) or None, moe=bool(text.get("enable_moe_block")))
+    if mt == "kimi_k25":               # the multimodal checkpoint (text model under language_model.model.*)
+        from miles.utils.tiny_kimi_k25 import build_tiny_kimi_k25
+
+        text = real["text_config"]           # its rope as it is (the recorded YaRN flags name it), sizes tiny
+        rope = {k: v for k, v in (text.get("rope_scaling") or {}).items() if k != "type"}
+        return build_tiny_kimi_k25(out, seed=seed, rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+                                   rope_theta=float(text.get("rope_theta", 50000.0)),
+                                   rope_scaling={"rope_type": "yarn", **rope} if rope else None,
+                                   max_position_embeddings=int(text["max_position_embeddings"]))
     if "index_topk" in real:             # DeepSeek sparse attention (GLM-5, DeepSeek-V3.2): MLA plus the indexer
         from miles.utils.tiny_dsa import TINY_YARN, build_tiny_dsa_model
 
@@ -250,7 +260,8 @@ SHAPE_FIELDS = {
 }
 WORLD_FLAGS = ("--actor-num-nodes", "--actor-num-gpus-per-node", "--rollout-num-gpus", "--rollout-num-gpus-per-engine",
                "--num-gpus-per-node", "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
-               "--context-parallel-size", "--expert-model-parallel-size", "--expert-tensor-parallel-size")
+               "--context-parallel-size", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
+               "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers")
 SIZE_FLAGS = ("--num-rollout", "--num-epoch", "--rollout-batch-size", "--n-samples-per-prompt", "--global-batch-size",
               "--micro-batch-size", "--over-sampling-batch-size", "--rollout-max-response-len",
               "--eval-max-response-len", "--n-samples-per-eval-prompt", "--moe-layer-freq")
@@ -413,6 +424,10 @@ def tiny_replay(path: Path, workdir: Path, models: Path, skills_url: str | None 
         put("--expert-model-parallel-size", str(ep if trainers % ep == 0 else 1))
     if "--expert-tensor-parallel-size" in flags:
         put("--expert-tensor-parallel-size", "1")
+    for f in ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"):
+        if f in flags:       # the real model's uneven split: the tiny model's layers split evenly over its stages
+            argv = _drop(argv, f)
+            changed[f] = f"{flags[f][0]} -> (dropped: the tiny model's {shape.num_layers} layers split evenly)"
     world = trainers + engine_ranks
     put("--actor-num-nodes", "1")
     put("--actor-num-gpus-per-node", str(trainers))
@@ -445,6 +460,12 @@ def tiny_replay(path: Path, workdir: Path, models: Path, skills_url: str | None 
         if f in flags:
             put(f, v)
 
+    # reward: a random tiny policy solves no prompt, so a recorded check_reward_nonzero_std filter would keep no group;
+    # 0/1 rewards drawn per sample let a group's rewards differ (the filter kept as recorded)
+    if "--rm-type" in flags and any(v.endswith(".check_reward_nonzero_std")
+                                    for v in flags.get("--dynamic-sampling-filter-path", [])):
+        put("--rm-type", "deterministic_random")
+
     # data: 2 prompts for each evaluation set
     if "--eval-prompt-data" in flags:
         vals = flags["--eval-prompt-data"]
@@ -471,8 +492,8 @@ def _drop_sglang_only(argv: list[str], changed: dict[str, str], entry: str) -> l
     from miles.config.sglang import check_embedded_engine
 
     while True:
-        cfg = parse_args(argv, is_async=entry == "train_async.py")
-        try:
+        try:        # a flag that needs a dropped one (--sglang-dp-size without --sglang-enable-dp-attention) goes too
+            cfg = parse_args(argv, is_async=entry == "train_async.py")
             check_embedded_engine(cfg.sglang, why="the CPU world's engines")
             return argv
         except ConfigError as e:

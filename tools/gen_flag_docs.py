@@ -128,7 +128,9 @@ every recorded command (passes and runs, refused by name, broken in Miles) is in
 | recorded command | what is wrong | here |
 |---|---|---|
 | `radixark/miles@v0.1.0:tests/snapshots/launch_scripts/py/scripts/run_deepseek_v32.py/train.txt`, `.../full_train.txt` | `--actor-num-nodes None`: the launcher formats an unset Python value into the command; the flag takes an int in Miles too (`type=int`) | refused by the parser: `argument --actor-num-nodes: invalid int value: 'None'` |
+| `radixark/miles@v0.1.0:tests/snapshots/launch_scripts/py/scripts/amd/run_deepseek_v4.py/train.txt` | `--hf-checkpoint None`: the launcher formats an unset Python value into the command (its `full_train.txt` names the checkpoint) | refused first by name on `--fp8-format` (FP8 training is not built); without the FP8 flags the dry run says `--hf-checkpoint None: no such directory` |
 | `radixark/miles@v0.1.0:tests/snapshots/launch_scripts/self_executing/examples/infra_features/p2p_weight_transfer/run.py/run/*/broadcast.txt`, `.../p2p.txt` (18 commands, 9 models) | `'--sglang-load-format dummy'` is one argument (run.py appends `"--sglang-load-format dummy"` as one list item), left after the store-true `--sglang-remote-instance-weight-loader-start-seed-via-transfer-engine`: it is no flag, so SGLang never gets `--load-format dummy` | refused: `unrecognized argument --sglang-load-format dummy`; the fixture `p2p_qwen3_4b` leaves that one argument out (its note says so) |
+| `radixark/miles@v0.1.0:tests/snapshots/launch_scripts/sh/examples/lora/run-kimi-k25-megatron-lora.sh.txt` | `--filter-zero-reward-samples` is no flag of Miles v0.1.0 (nor of Megatron-LM, whose parser Miles extends and which refuses unknown arguments) | refused first on `--lora-base-cpu-backup` (a LoRA feature miles does not have); without it, `unrecognized argument --filter-zero-reward-samples` |
 """
 
 

@@ -115,6 +115,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--n-samples-per-prompt", type=int, default=1, help="Samples per prompt (group size).")
     d.add_argument("--global-batch-size", type=int, default=None, help="Samples per optimizer step.")
     d.add_argument("--num-steps-per-rollout", type=int, default=None, help="Optimizer steps per rollout.")
+    d.add_argument("--use-dynamic-global-batch-size", action="store_true",
+                   help="One optimizer step per rollout over every sample the rollout gives (its loss normalised by "
+                        "their number), however many arrive (dynamic sampling filters, aborted samples): Miles's "
+                        "meaning, which rounds that count down to a multiple of the DP size (here each DP rank trains "
+                        "its share, the shares may differ by a sample). Needs --use-dynamic-batch-size; "
+                        "--num-steps-per-rollout 1 and --global-batch-size = rollout samples are all it takes.")
     d.add_argument("--over-sampling-batch-size", type=int, default=None, help="Prompts in flight for dynamic sampling.")
     d.add_argument("--dynamic-sampling-filter-path", type=str, default=None,
                    help="module.function keeping a group. While it keeps fewer than --rollout-batch-size, more groups "
@@ -136,6 +142,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--log-reward-category", type=str, default=None,
                    help="KEY of a dict-valued reward: log error_cat/<value> (the share of a rollout's samples whose "
                         "reward dict has that value under KEY; 'none' without it).")
+    r.add_argument("--log-passrate", action="store_true",
+                   help="Log pass@k for k = 1, 2, 4, ... up to the group size: passrate/pass@k over each rollout's "
+                        "complete groups of --n-samples-per-prompt, eval/<name>-pass@k over each eval dataset's "
+                        "groups (a sample passes with reward 1; Miles's unbiased estimator).")
     r.add_argument("--reward-key", type=str, default=None, help="Key to pick from dict-valued rewards.")
     r.add_argument("--rm-timeout", type=float, default=60.0, help="Seconds per --rm-url request (remote_rm).")
     r.add_argument("--rm-max-retries", type=int, default=3, help="Retries of a failed --rm-url request.")
@@ -192,6 +202,7 @@ class DataConfig:
     n_samples_per_prompt: int
     global_batch_size: int | None
     num_steps_per_rollout: int | None
+    use_dynamic_global_batch_size: bool
     over_sampling_batch_size: int | None
     dynamic_sampling_filter_path: str | None
     custom_generate_function_path: str | None
@@ -212,6 +223,7 @@ class RewardConfig:
     custom_config_path: str | None
     custom_reward_post_process_path: str | None
     log_reward_category: str | None = None
+    log_passrate: bool = False
 
 
 @dataclass(kw_only=True)

@@ -26,7 +26,9 @@ _INT = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "decoder_f
         "max_position_embeddings", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
         "moe_shared_expert_intermediate_size", "moe_router_num_groups", "moe_router_group_topk", "q_lora_rank",
         "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "mtp_num_layers",
-        "original_max_position_embeddings", "data_pad_size_multiplier", "moe_latent_size")
+        "original_max_position_embeddings", "data_pad_size_multiplier", "moe_latent_size",
+        "dsv4_hc_mult", "dsv4_hc_sinkhorn_iters", "dsv4_o_groups", "dsv4_o_lora_rank", "dsv4_window_size",
+        "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk")
 _MLA_INT = ("moe_router_num_groups", "moe_router_group_topk", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
             "qk_pos_emb_head_dim", "v_head_dim")
 _SWITCHES = ("sequence_parallel", "use_distributed_optimizer", "accumulate_allreduce_grads_in_fp32",
@@ -36,7 +38,9 @@ _SWITCHES = ("sequence_parallel", "use_distributed_optimizer", "accumulate_allre
              "optimizer_cpu_offload", "overlap_cpu_optimizer_d2h_h2d", "use_precision_aware_optimizer",
              "multi_latent_attention", "no_position_embedding", "no_rope_fusion",
              "no_gradient_accumulation_fusion", "no_masked_softmax_fusion", "no_bias_dropout_fusion",
-             "moe_enable_deepep", "enable_experimental", "allgather_cp", "rematerialize_param_from_master_weight")
+             "moe_enable_deepep", "enable_experimental", "allgather_cp", "rematerialize_param_from_master_weight",
+             "no_bias_swiglu_fusion", "no_activation_func_clamp_shared_expert", "moe_router_freeze_gate",
+             "freeze_e_score_correction_bias")
 # YaRN rope (multi-latent attention: DeepSeek-V3, Kimi-K2, JoyAI; miles/trainer/megatron/families/yarn.py): float flags, each
 # checked against config.json's rope scaling
 _ROPE_FLOATS = ("rotary_scaling_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
@@ -108,6 +112,26 @@ _HELP = {
     "rematerialize_param_from_master_weight": "No effect on values: Miles rebuilds the bf16 weights from the fp32 "
                                               "master weights after an offload instead of keeping a host copy (a "
                                               "memory saving not made here; the weights are the same).",
+    # Miles's Megatron fork (radixark/Megatron-LM, its DeepSeek-V4 and DSA arguments): each must equal what
+    # config.json says (miles/trainer/megatron/fork_flags.py), refused on a model without it
+    "dsv4_hc_mult": "DeepSeek-V4: hyper-connection streams; must match config.json's hc_mult.",
+    "dsv4_hc_sinkhorn_iters": "DeepSeek-V4: Sinkhorn iterations of the hyper-connection mixing; must match "
+                              "config.json's hc_sinkhorn_iters.",
+    "dsv4_o_groups": "DeepSeek-V4: groups of the output projection; must match config.json's o_groups.",
+    "dsv4_o_lora_rank": "DeepSeek-V4: rank of each output group; must match config.json's o_lora_rank.",
+    "dsv4_window_size": "DeepSeek-V4: the sliding window of every layer; must match config.json's sliding_window.",
+    "dsa_indexer_n_heads": "Lightning indexer (DeepSeek-V4, DeepSeek sparse attention): heads; must match "
+                           "config.json's index_n_heads.",
+    "dsa_indexer_head_dim": "Lightning indexer: head size; must match config.json's index_head_dim.",
+    "dsa_indexer_topk": "Lightning indexer: entries kept per query; must match config.json's index_topk.",
+    "no_bias_swiglu_fusion": "No effect on values: the fused and unfused SwiGLU compute the same (the clamped "
+                             "SwiGLU of --activation-func-clamp-value is never fused here).",
+    "no_activation_func_clamp_shared_expert": "Miles's Megatron fork: the shared expert's SwiGLU is not clamped "
+                                              "(--activation-func-clamp-value clamps the routed experts only; "
+                                              "DeepSeek-V4); the embedded engines serve the model so too.",
+    "moe_router_freeze_gate": "MoE: the routers' gate weights are not trained (kept as --hf-checkpoint has them).",
+    "freeze_e_score_correction_bias": "No effect: the routers' expert bias (e_score_correction_bias) is never "
+                                      "updated here (--moe-router-bias-update-rate 0 only).",
     "decoder_first_pipeline_num_layers": "Pipeline: transformer layers on the first stage (the rest split evenly).",
     "decoder_last_pipeline_num_layers": "Pipeline: transformer layers on the last stage (the rest split evenly).",
     # accepted for Miles's scripts, no effect (miles/config/support.py PARSE_ONLY)
@@ -208,6 +232,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-shared-expert-gate", action="store_true",
                    help="A sigmoid gate on the MoE shared expert's output (Qwen3-Next / Qwen3.5's "
                         "mlp.shared_expert_gate); checked against config.json.")
+    g.add_argument("--experimental-attention-variant", choices=["gated_delta_net", "dsa", "dsv4"], default=None,
+                   help="The attention of Miles's Megatron fork: dsv4 (DeepSeek-V4's), dsa (DeepSeek sparse attention: "
+                        "DeepSeek-V3.2, GLM-5), gated_delta_net (Qwen3-Next / Qwen3.5); must name config.json's.")
+    g.add_argument("--dsv4-compress-ratios", type=int, nargs="+", default=None, metavar="R",
+                   help="DeepSeek-V4: per layer 0 (sliding), the CSA rate or the HCA rate; must match config.json's "
+                        "layer_types and compress_rates (values past the layers: the checkpoint's MTP layers).")
+    g.add_argument("--dsv4-compress-rope-theta", type=float, default=None,
+                   help="DeepSeek-V4: rope theta of the compressed layers; must match config.json's "
+                        "compress_rope_theta.")
+    g.add_argument("--dsv4-n-hash-layers", type=int, default=None, metavar="N",
+                   help="DeepSeek-V4: the first N MoE layers route by token id; must match config.json's "
+                        "mlp_layer_types (hash_moe).")
+    g.add_argument("--activation-func-clamp-value", type=float, default=None, metavar="X",
+                   help="Clamped SwiGLU (gate <= X, |up| <= X): DeepSeek-V4 and gpt-oss; must match config.json's "
+                        "swiglu_limit.")
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"], default=None,
                    help="Only rope is supported.")
     g.add_argument("--ckpt-format", choices=["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"], default=None,
@@ -297,6 +336,24 @@ class MegatronConfig:
     attention_output_gate: bool = False
     apply_layernorm_1p: bool = False
     moe_shared_expert_gate: bool = False
+    # Miles's Megatron fork (DeepSeek-V4, DSA): checked against config.json (miles/trainer/megatron/fork_flags.py)
+    experimental_attention_variant: str | None = None
+    dsv4_hc_mult: int | None = None
+    dsv4_hc_sinkhorn_iters: int | None = None
+    dsv4_compress_ratios: list[int] | None = None
+    dsv4_compress_rope_theta: float | None = None
+    dsv4_o_groups: int | None = None
+    dsv4_o_lora_rank: int | None = None
+    dsv4_n_hash_layers: int | None = None
+    dsv4_window_size: int | None = None
+    dsa_indexer_n_heads: int | None = None
+    dsa_indexer_head_dim: int | None = None
+    dsa_indexer_topk: int | None = None
+    activation_func_clamp_value: float | None = None
+    no_bias_swiglu_fusion: bool = False
+    no_activation_func_clamp_shared_expert: bool = False
+    moe_router_freeze_gate: bool = False
+    freeze_e_score_correction_bias: bool = False
     q_lora_rank: int | None = None
     kv_lora_rank: int | None = None
     qk_head_dim: int | None = None
@@ -367,6 +424,15 @@ class MegatronConfig:
             raise ConfigError("--enable-mtp-training needs --mtp-num-layers N (the MTP layers to build and train, "
                               "config.json's num_nextn_predict_layers): add --mtp-num-layers or drop "
                               "--enable-mtp-training.")
+        for name in ("dsv4_compress_rope_theta", "activation_func_clamp_value"):
+            v = getattr(self, name)
+            if v is not None and not (math.isfinite(v) and v > 0):
+                raise ConfigError(f"{flag(name)} must be a finite number > 0, got {v}.")
+        if self.dsv4_n_hash_layers is not None and self.dsv4_n_hash_layers < 0:
+            raise ConfigError(f"--dsv4-n-hash-layers must be >= 0, got {self.dsv4_n_hash_layers}.")
+        if any(r < 0 for r in self.dsv4_compress_ratios or []):
+            raise ConfigError(f"--dsv4-compress-ratios must be >= 0 (0: a sliding layer), got "
+                              f"{' '.join(map(str, self.dsv4_compress_ratios))}.")
         for name in _ROPE_FLOATS:
             v = getattr(self, name)
             if v is not None and not math.isfinite(v):

@@ -298,6 +298,8 @@ EMBEDDED_NO_EFFECT: dict[str, str] = {
     "mem_fraction_static": "SGLang's share of GPU memory for weights and KV cache; the embedded engine sizes its "
                            "cache by --engine-max-running-requests x --engine-max-context-len",
     "attention_backend": "a choice of SGLang attention kernels; the embedded engine runs its own (the same attention)",
+    "moe_runner_backend": "a choice of SGLang MoE kernels; the embedded engine runs the model's own experts (the same "
+                          "routing and sums)",
     "decode_log_interval": "how often SGLang logs decode batches; the embedded engine logs none",
     "disable_custom_all_reduce": "SGLang's all-reduce kernel between the GPUs of one engine (NCCL's instead); an "
                                  "embedded engine runs on one device",

@@ -67,6 +67,11 @@ PARSE_ONLY: dict[str, str] = {
     "no_masked_softmax_fusion": "the masked-softmax fusion is never used here (SDPA, or megatron-core's unfused "
                                 "softmax)",
     "no_bias_dropout_fusion": "the fused and unfused bias-dropout-add compute the same sum",
+    "no_bias_swiglu_fusion": "the fused and unfused SwiGLU compute the same; the clamped SwiGLU (DeepSeek-V4, gpt-oss: "
+                             "--activation-func-clamp-value) is never fused here",
+    "freeze_e_score_correction_bias": "the routers' expert bias (e_score_correction_bias) is never updated by the "
+                                      "Megatron backend (--moe-router-bias-update-rate other than 0 is refused): it is "
+                                      "frozen with or without the flag",
     "enable_experimental": "Megatron-LM's gate of its experimental features; DeepSeek sparse attention is built from "
                            "config.json",
     "allgather_cp": "no effect with --context-parallel-size 1, refused above it (MegatronConfig.validate): Miles's "

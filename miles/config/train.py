@@ -119,6 +119,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="Deterministic torch kernels in the trainer (torch.use_deterministic_algorithms).")
     t.add_argument("--bf16", action="store_true", default=None, help="bf16 mixed precision (default on GPU).")
     t.add_argument("--hf-checkpoint", type=str, default=None, help="Local HF model directory (weights, config, tokenizer).")
+    t.add_argument("--model-name", type=str, default=None,
+                   help="Miles picks its weight converter by this name (e.g. deepseekv4); miles reads the weight names "
+                        "from --hf-checkpoint's config.json, so it must name that model (model_type or config class, "
+                        "case, - and _ ignored), else refused.")
     t.add_argument("--ref-load", type=str, default=None, help="Reference model (HF dir); default: the initial weights.")
     t.add_argument("--critic-load", type=str, default=None, help="Critic initial weights (HF dir); default: --hf-checkpoint.")
     t.add_argument("--critic-lr", type=float, default=None, help="Critic learning rate (default: --lr).")
@@ -173,6 +177,7 @@ class TrainConfig:
     deterministic_mode: bool
     bf16: bool | None
     hf_checkpoint: str | None
+    model_name: str | None
     ref_load: str | None
     critic_load: str | None
     critic_lr: float | None

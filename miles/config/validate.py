@@ -79,6 +79,18 @@ def validate_config(cfg: MilesConfig) -> None:
         if total % d.global_batch_size:
             raise ConfigError(f"--global-batch-size {d.global_batch_size} must divide --rollout-batch-size x "
                               f"--n-samples-per-prompt = {total}.")
+    if d.use_dynamic_global_batch_size:
+        samples = (d.rollout_batch_size or 0) * d.n_samples_per_prompt
+        if not cfg.train.use_dynamic_batch_size:
+            raise ConfigError("--use-dynamic-global-batch-size needs --use-dynamic-batch-size (with "
+                              "--max-tokens-per-gpu), as in Miles: add it.")
+        if d.num_steps_per_rollout not in (None, 1):
+            raise ConfigError(f"--num-steps-per-rollout {d.num_steps_per_rollout} with --use-dynamic-global-batch-size:"
+                              " the dynamic global batch is one optimizer step per rollout; drop one of them.")
+        if d.global_batch_size is not None and samples and d.global_batch_size != samples:
+            raise ConfigError(f"--global-batch-size {d.global_batch_size} with --use-dynamic-global-batch-size: the "
+                              f"dynamic global batch is every sample of a rollout (--rollout-batch-size x "
+                              f"--n-samples-per-prompt = {samples}), one optimizer step; drop --global-batch-size.")
     if d.over_sampling_batch_size is not None and d.rollout_batch_size and d.over_sampling_batch_size < d.rollout_batch_size:
         raise ConfigError(f"--over-sampling-batch-size ({d.over_sampling_batch_size}) must be at least "
                           f"--rollout-batch-size ({d.rollout_batch_size}).")

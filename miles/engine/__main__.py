@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "runs all --max-running-requests rows over the whole context (one shape, one CUDA graph); "
                         "non-greedy requests need a sampling_seed to be reproducible. Costs throughput "
                         "(docs/engine-protocol.md).")
+    p.add_argument("--no-activation-func-clamp-shared-expert", action="store_true",
+                   help="Serve the model's shared experts with an unclamped SwiGLU (DeepSeek-V4: its routed experts "
+                        "keep swiglu_limit), as the trainer computes them with Miles's flag of this name.")
     p.add_argument("--generic-forward", action="store_true",
                    help="Use the HF forward (one request at a time) even for Llama/Qwen/Mistral models.")
     p.add_argument("--weight-update-timeout", type=float, default=600.0,
@@ -144,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             max_queued_requests=args.max_queued_requests, max_total_tokens=args.max_total_tokens,
             cuda_graph_bs=args.cuda_graph_bs, cuda_graph_max_bs=args.cuda_graph_max_bs,
             kv_cache=args.kv_cache, page_size=args.page_size, deterministic=args.enable_deterministic_inference,
-            overlap_schedule=False if args.disable_overlap_schedule else (True if args.enable_overlap_schedule else None)))
+            clamp_shared_expert=not args.no_activation_func_clamp_shared_expert, overlap_schedule=False if args.disable_overlap_schedule else (True if args.enable_overlap_schedule else None)))
     except ValueError as e:
         logger.error("%s", e)
         return 2

@@ -60,6 +60,7 @@ class EngineArgs:
     page_size: int = 16                        # tokens per KV page (paged cache)
     overlap_schedule: bool | None = None       # the overlap scheduler; None: on CUDA (sglang --disable-overlap-schedule)
     deterministic: bool = False                # batch-invariant outputs (sglang --enable-deterministic-inference)
+    clamp_shared_expert: bool = True           # off: --no-activation-func-clamp-shared-expert (the trainer's flag)
 
 
 class Engine:
@@ -69,7 +70,8 @@ class Engine:
             device=args.device, dtype=args.dtype, max_running_requests=args.max_running_requests,
             max_context_len=args.max_context_len, cuda_graph=args.cuda_graph, native=args.native,
             max_total_tokens=args.max_total_tokens, cuda_graph_bs=args.cuda_graph_bs, cuda_graph_max_bs=args.cuda_graph_max_bs,
-            kv_cache=args.kv_cache, page_size=args.page_size, deterministic=args.deterministic))
+            kv_cache=args.kv_cache, page_size=args.page_size, deterministic=args.deterministic,
+            clamp_shared_expert=args.clamp_shared_expert))
         self.tokenizer = self._load_tokenizer(args.hf_checkpoint)
         self.vision = None   # a VLM's image side (image_data on /generate); None: the model takes no images
         if self.runner.is_vlm:

@@ -53,6 +53,7 @@ class RunnerOptions:
     kv_cache: str = "auto"                   # "paged" | "slots" | "auto" (paged on GPU, slots on CPU)
     page_size: int = 16                      # tokens per KV page (paged cache; sglang --page-size)
     deterministic: bool = False              # batch-invariant forwards (sglang --enable-deterministic-inference)
+    clamp_shared_expert: bool = True         # off: --no-activation-func-clamp-shared-expert (unclamp_shared_experts)
 
 
 def graph_batch_sizes(max_slots: int, sizes: list[int] | None = None, max_bs: int | None = None) -> list[int]:
@@ -826,6 +827,33 @@ class ParamIndex(dict):
         return dict.__contains__(self, name) or name in self.aliases or name in self.renames
 
 
+def has_causal_lm(config) -> bool:
+    """Whether transformers has a causal-LM class for ``config``'s model type (a registered alias counts); False for
+    a multimodal type it builds only as an image-text-to-text model (Kimi-K2.5's ``kimi_k25``), which the engine
+    loads as that and serves on text (no image input: ``miles.engine.vlm`` is Qwen3-VL's)."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    mt = getattr(config, "model_type", None)
+    return type(config) in MODEL_FOR_CAUSAL_LM_MAPPING or mt not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+
+def unclamp_shared_experts(model: torch.nn.Module) -> int:
+    """``--no-activation-func-clamp-shared-expert``: transformers' shared experts whose SwiGLU clamps at ``limit``
+    (DeepSeek-V4's ``DeepseekV4MLP``) computed unclamped, the routed experts' clamp kept; as the trainer computes them
+    with Miles's flag (``miles.trainer.megatron.fork_flags``). ValueError, one line, when the model has none."""
+    found = [m for name, m in model.named_modules()
+             if name.rsplit(".", 1)[-1] == "shared_experts" and isinstance(getattr(m, "limit", None), (int, float))]
+    if not found:
+        raise ValueError(f"--no-activation-func-clamp-shared-expert: {type(model).__name__} has no shared experts with "
+                         "a clamped SwiGLU (DeepSeek-V4's swiglu_limit); drop the flag")
+    for m in found:
+        m.limit = float("inf")             # clamp(max=inf) and clamp(-inf, inf) leave every value as it is
+    return len(found)
+
+
 class ModelRunner:
     """The model, its KV cache, weight access, and memory release/resume."""
 
@@ -848,12 +876,15 @@ class ModelRunner:
         from miles.engine import vlm
 
         self.is_vlm = vlm.is_vlm(config)   # Qwen3-VL: images on /generate, the generic HF path (miles.engine.vlm)
-        if self.is_vlm:
-            from transformers import AutoModelForImageTextToText as auto_cls
+        if self.is_vlm or not has_causal_lm(config):   # a multimodal model type without a causal LM (Kimi-K2.5):
+            from transformers import AutoModelForImageTextToText as auto_cls  # its own model, served on text
         else:
             auto_cls = AutoModelForCausalLM
         self.model = auto_cls.from_pretrained(self.model_path, dtype=self.dtype).to(self.device).eval()
         self.model.requires_grad_(False)
+        if not opts.clamp_shared_expert:
+            logger.info("--no-activation-func-clamp-shared-expert: %d shared experts served unclamped",
+                        unclamp_shared_experts(self.model))
         self.config = self.model.config
         text_cfg = getattr(self.config, "text_config", None) if self.is_vlm else None
         self.is_mtp_name = mtp_layer_names(text_cfg or self.config)   # the checkpoint's MTP layers: not served, skipped

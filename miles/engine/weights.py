@@ -364,9 +364,11 @@ def drop_mtp(tensors: dict[str, torch.Tensor], is_mtp: Callable[[str], bool] | N
     return tensors if is_mtp is None else {n: t for n, t in tensors.items() if not is_mtp(n)}
 
 
-def check_full_coverage(state: dict[str, torch.Tensor], live: dict[str, torch.Tensor]) -> None:
+def check_full_coverage(state: dict[str, torch.Tensor], live: dict[str, torch.Tensor], partial: bool = False) -> None:
     """A full checkpoint must name every live tensor (a tied alias counts for its twin; a fused MoE expert tensor
-    is covered by its per-expert names, ``ParamIndex.aliases``, when they name every expert)."""
+    is covered by its per-expert names, ``ParamIndex.aliases``, when they name every expert); ``partial`` (a trainer's
+    disk-delta full version whose manifest says it exports part of the model: a multimodal checkpoint trained
+    text-only) only its own names are checked, the tensors it does not name keep their values."""
     aliases = getattr(live, "aliases", {})
     covered = {id(live[n]) for n in state if n in live and n not in aliases}
     # each (fused tensor, expert, half) once: a fused expert may have two names (the checkpoint's and transformers')
@@ -378,7 +380,7 @@ def check_full_coverage(state: dict[str, torch.Tensor], live: dict[str, torch.Te
     if unknown:
         raise WeightUpdateError(f"the checkpoint has tensors this model does not: {unknown[:5]}"
                                 f"{' ...' if len(unknown) > 5 else ''} (is it the same architecture?)")
-    if missing:
+    if missing and not partial:
         raise WeightUpdateError(f"the checkpoint lacks {len(missing)} of the model's tensors, e.g. {missing[:5]}")
 
 
@@ -396,12 +398,16 @@ def load_from_disk(path: str, live: dict[str, torch.Tensor],
             current[a] = current[n]
         new = apply_delta_dir(path, current, skip=is_mtp)
         return {n: t for n, t in new.items() if n not in current or t is not current[n]}   # MTP: skipped
+    partial = False
     if Path(path, "full_manifest.json").is_file():
+        import json
+
         from miles.weight_sync.disk_delta import read_full_dir
 
         state = read_full_dir(path, verify=True)  # a disk-delta full version: checksums verified
+        partial = bool(json.loads(Path(path, "full_manifest.json").read_text()).get("partial", False))
     else:
         state = read_safetensors_dir(path)
     state = drop_mtp(state, is_mtp)
-    check_full_coverage(state, live)
+    check_full_coverage(state, live, partial=partial)
     return state

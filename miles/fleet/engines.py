@@ -336,6 +336,15 @@ def replay_server_flags(kind: str, algo: Any) -> list[str]:
     return []
 
 
+def model_server_flags(kind: str, megatron: Any) -> list[str]:
+    """Engine flags that make the engines compute the model as the trainer does: with Miles's
+    ``--no-activation-func-clamp-shared-expert`` the embedded engine serves the shared experts unclamped too. SGLang
+    gets nothing (as from Miles): its own DeepSeek-V4 model decides how its shared experts clamp."""
+    if kind == "embedded" and getattr(megatron, "no_activation_func_clamp_shared_expert", False):
+        return ["--no-activation-func-clamp-shared-expert"]
+    return []
+
+
 def engine_argv_from_config(
     kind: str,
     rollout: RolloutConfig,

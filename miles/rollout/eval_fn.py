@@ -35,6 +35,7 @@ from typing import Any
 from miles.config.base import ConfigError
 from miles.config.eval_datasets import DEFAULT_EVAL_PATHS, custom_eval_function, evaluating_function
 from miles.rollout.plugins import PluginArgs, call_bounded, client_address, load_function, router_address
+from miles.rollout.rewards import pass_at_k
 from miles.rollout.rollout_fn import MilesDataBuffer, check_signature, construct_rollout_class, is_rollout_class
 from miles.types import Sample, SampleStatus
 from miles.utils.errors import MilesError
@@ -90,8 +91,10 @@ def eval_data_of(out: Any, what: str) -> tuple[dict[str, dict[str, Any]], dict[s
     return out, metrics
 
 
-def miles_eval_metrics(data: dict[str, dict[str, Any]], extra: dict[str, Any] | None = None) -> dict[str, float]:
-    """Miles v0.1.0's ``log_eval_rollout_data`` over eval data (without --log-passrate, which miles lacks)."""
+def miles_eval_metrics(data: dict[str, dict[str, Any]], extra: dict[str, Any] | None = None, *,
+                       passrate_group_size: int | None = None) -> dict[str, float]:
+    """Miles v0.1.0's ``log_eval_rollout_data`` over eval data; with ``passrate_group_size`` (``--log-passrate``:
+    the samples per eval prompt) also ``eval/<name>-pass@k`` over consecutive groups of that many rewards."""
     log: dict[str, float] = {k: float(v) for k, v in (extra or {}).items()
                              if isinstance(v, int | float) and not isinstance(v, bool)}
     for name, entry in data.items():
@@ -114,6 +117,10 @@ def miles_eval_metrics(data: dict[str, dict[str, Any]], extra: dict[str, Any] | 
                             sum(s.status is SampleStatus.TRUNCATED for s in samples) / len(samples)})
         if entry.get("truncated"):
             log[f"eval/{name}-truncated_ratio"] = sum(map(bool, entry["truncated"])) / len(entry["truncated"])
+        if passrate_group_size:
+            n = passrate_group_size
+            groups = [rewards[i:i + n] for i in range(0, len(rewards), n)]
+            log.update({f"eval/{name}-{k}": v for k, v in pass_at_k(groups, n, f"eval/{name}").items()})
     return log
 
 
@@ -249,7 +256,8 @@ class EvalFunction:
                 handle.close()
                 _current.remove(handle)
         data, metrics = eval_data_of(out, self.what)
-        return miles_eval_metrics(data, metrics)
+        n = getattr(self.args, "n_samples_per_eval_prompt", None) if getattr(self.args, "log_passrate", False) else None
+        return miles_eval_metrics(data, metrics, passrate_group_size=n)
 
 
 def eval_function_of(cfg: Any) -> tuple[str, str] | None:

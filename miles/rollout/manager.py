@@ -63,7 +63,7 @@ from miles.rollout.plugins import (
     reward_value,
 )
 from miles.rollout.reward_post_process import RewardPostProcess
-from miles.rollout.rewards import Rewarder, reward_category_metrics
+from miles.rollout.rewards import Rewarder, pass_at_k, reward_category_metrics
 from miles.types import Sample, SampleStatus
 from miles.utils.errors import MilesError
 from miles.utils.http_utils import init_http_client
@@ -444,6 +444,9 @@ class RolloutManager:
         result = [g.samples for g in selected]
         post = await self.post_process.apply(result) if self.post_process is not None else {}
         metrics = self._metrics(result, counts, t0)
+        if self.reward.log_passrate:     # --log-passrate: pass@k over the rollout's complete groups
+            metrics.update({f"passrate/{k}": v for k, v in pass_at_k(
+                [[reward_value(s, self.args) for s in g] for g in result], n).items()})
         metrics.update(post)
         metrics.update({
             "rollout/retries": self.client.retries - retries0,
@@ -545,7 +548,10 @@ class RolloutManager:
             metrics.update(m)
             # and Miles's log_eval_rollout_data over the same data: eval/<name> counts a failed sample's reward
             # (None) as 0, eval/<name>-none_reward_ratio counts them, eval/<name>-truncated_ratio, response_len/...
-            metrics.update(miles_eval_metrics({name: data[name]}))
+            n = (dataset.spec if isinstance(dataset, EvalDataset) else self._flag_spec(name, dataset.path)
+                 ).n_samples_per_eval_prompt
+            metrics.update(miles_eval_metrics({name: data[name]}, passrate_group_size=n if self.reward.log_passrate
+                                              else None))
         return data, metrics
 
     async def _evaluate_one(self, name: str, dataset: EvalDataset | PromptDataset,

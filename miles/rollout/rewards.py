@@ -183,6 +183,34 @@ def reward_category_metrics(samples: list[Sample], key: str | None) -> dict[str,
     return {f"error_cat/{name}": n / len(samples) for name, n in counts.items()}
 
 
+def pass_at_k(reward_groups: list[list[Any]], group_size: int, what: str = "rollout") -> dict[str, float]:
+    """``--log-passrate`` (Miles's ``compute_pass_rate``): for k = 1, 2, 4, ... up to ``group_size``, the unbiased
+    pass@k estimate ``1 - C(n - c, k) / C(n, k)`` of each group of ``group_size`` rewards (``c``: the rewards equal
+    to 1), averaged over the groups: ``{"pass@k": value}``. Groups of another size are left out (a warning names
+    how many: Miles's rollout-side rule); {} for a group size of 1 or no complete group."""
+    if group_size <= 1:
+        return {}
+    full = [g for g in reward_groups if len(g) == group_size]
+    if len(full) < len(reward_groups):
+        logger.warning("%s pass@k: excluding %d/%d incomplete groups (fewer than %d samples).", what,
+                       len(reward_groups) - len(full), len(reward_groups), group_size)
+    if not full:
+        return {}
+    out, k = {}, 1
+    while k <= group_size:
+        est = [_pass_at(group_size, sum(1 for r in g if r == 1), k) for g in full]
+        out[f"pass@{k}"] = sum(est) / len(est)
+        k *= 2
+    return out
+
+
+def _pass_at(n: int, c: int, k: int) -> float:
+    """1 - C(n - c, k) / C(n, k) as a product (no large binomials)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
 def builtin_call(name: str) -> tuple[RewardFn, str | None] | None:
     """(``f(args, sample)``, its default reward key) of a registered or reward-hub name (``boxed_<type>`` included;
     not ``remote_rm``), or None for an unknown name."""

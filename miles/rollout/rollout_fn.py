@@ -34,8 +34,8 @@ from miles.config.base import ConfigError
 from miles.config.data import DataConfig, custom_rollout_path
 from miles.rollout.data import DataError, DataSource, PromptDataset, PromptItem, read_rows
 from miles.rollout.data_source import DataSource as MilesDataSourceABC
-from miles.rollout.plugins import PluginArgs, call_bounded, client_address, load_function
-from miles.rollout.rewards import reward_category_metrics
+from miles.rollout.plugins import PluginArgs, call_bounded, client_address, load_function, reward_value
+from miles.rollout.rewards import pass_at_k, reward_category_metrics
 from miles.types import Sample, SampleStatus
 from miles.utils.errors import MilesError
 from miles.utils.http_utils import init_http_client
@@ -283,6 +283,9 @@ class RolloutFunctionSource:
                    "rollout/epoch": float(self.data_source.epoch),
                    "perf/rollout_time": time.monotonic() - t0,
                    **reward_category_metrics(flat, getattr(self.args, "log_reward_category", None))}
+        if getattr(self.args, "log_passrate", False):     # --log-passrate: over the rollout's complete groups
+            metrics.update({f"passrate/{k}": v for k, v in pass_at_k(
+                [[reward_value(s, self.args) for s in g] for g in groups], self.n).items()})
         return groups, metrics
 
 

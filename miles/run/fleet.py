@@ -23,7 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from miles.fleet.engines import engine_argv_from_config, engine_host, engine_url, replay_server_flags
+from miles.fleet.engines import (
+    engine_argv_from_config,
+    engine_host,
+    engine_url,
+    model_server_flags,
+    replay_server_flags,
+)
 from miles.run.control import all_gather_json
 from miles.utils.logging import get_logger
 from miles.utils.net import find_free_port
@@ -179,7 +185,8 @@ def place_engines(cfg: MilesConfig, ctx: SPMDContext, *, kind: str, api_key: str
         argv = engine_argv_from_config(
             kind, cfg.rollout, hf_checkpoint=cfg.train.hf_checkpoint, host=host, port=node0["port"], api_key=api_key, num_gpus=spec.num_gpus, base_gpu_id=_visible_base_gpu(spec, world),
             device=world.device.type, colocate=plan.colocate, nnodes=spec.nnodes, node_rank=node_rank,
-            dist_init_addr=dist_init, sglang=cfg.sglang, extra=replay_server_flags(kind, cfg.algo))
+            dist_init_addr=dist_init, sglang=cfg.sglang,
+            extra=replay_server_flags(kind, cfg.algo) + model_server_flags(kind, cfg.megatron))
         name = f"engine{spec.engine_id}" + (f"-node{node_rank}" if node_rank else "")
         placement.supervisor = start_engine(argv, cfg, name=name, log_path=out_dir / f"{name}.log", threads=threads)
         if node_rank == 0 and not cfg.ft.use_fault_tolerance:  # with it, the FT heartbeat probes and restarts

@@ -391,7 +391,8 @@ def check_micro_batch_budget(cfg: MilesConfig, dataset: Any) -> None:
 def check_engine_kind(cfg: MilesConfig, kind: str) -> None:
     """What the engine ``--rollout-engine auto`` resolved to (``miles.fleet.engines.resolve_engine_kind``) must take
     the run's flags: p2p weight transfer needs the embedded engine, and the embedded engine refuses the
-    ``--sglang-*`` flags it cannot honour (as at parse when it is named). The start checks the engine it picks on the
+    ``--sglang-*`` flags it cannot honour and ``--use-rollout-routing-replay`` of a family it does not record (as
+    when it is named). The start checks the engine it picks on the
     driver; ``--dry-run`` the one it would pick on the machine running it."""
     if kind == "sglang" and cfg.weights.update_weight_transfer_mode == "p2p":
         from miles.config.validate import P2P_NEEDS_EMBEDDED
@@ -400,7 +401,12 @@ def check_engine_kind(cfg: MilesConfig, kind: str) -> None:
     if kind == "embedded" and cfg.rollout.rollout_engine == "auto":
         from miles.config.sglang import check_embedded_engine
 
-        check_embedded_engine(cfg.sglang, why="--rollout-engine auto chose it: no GPU, or SGLang not importable")
+        why = "--rollout-engine auto chose it: no GPU, or SGLang not importable"
+        check_embedded_engine(cfg.sglang, why=why)
+        if cfg.algo.use_rollout_routing_replay and cfg.train.hf_checkpoint:
+            from miles.trainer.routing_replay import check_embedded_r3
+
+            check_embedded_r3(_config_dict(cfg.train.hf_checkpoint), why=why)
 
 
 def preflight(cfg: MilesConfig, *, has_engines: bool) -> None:
@@ -432,6 +438,7 @@ def preflight(cfg: MilesConfig, *, has_engines: bool) -> None:
     attempt(lambda: check_dumps(cfg))
     if hf_ok:
         config_dict = _config_dict(cfg.train.hf_checkpoint)
+        attempt(lambda: check_model_name(cfg.train.model_name, config_dict))
         for check in backend_checks(cfg.train.train_backend):
             attempt(lambda check=check: check(cfg, config_dict))
     if len(problems) == 1:
@@ -440,6 +447,31 @@ def preflight(cfg: MilesConfig, *, has_engines: bool) -> None:
         raise ConfigError(f"{len(problems)} problems found before starting: "
                           + " ".join(f"({i}) {e}" for i, e in enumerate(problems, 1)))
     logger.info("preflight passed: model directories, data files, plugins, outputs, backend checks")
+
+
+def _squash(name: str) -> str:
+    return name.lower().replace("-", "").replace("_", "")
+
+
+def check_model_name(name: str | None, hf_config: dict[str, Any] | None) -> None:
+    """``--model-name``: Miles picks its Megatron -> HF weight converter by this name (its default: the config
+    class's name, e.g. deepseekv4config). Both backends here read the names from config.json's model_type, so the
+    name must name that model: it contains the model type or the transformers config class's stem (case, ``-`` and
+    ``_`` ignored, as Miles compares them)."""
+    if name is None or hf_config is None:
+        return
+    from transformers import CONFIG_MAPPING
+
+    from miles.utils.hf_aliases import ALIASES
+
+    model_type = str(hf_config.get("model_type", ""))
+    types = [t for t in (model_type, ALIASES.get(model_type)) if t]      # kimi_k2: DeepSeek-V3's config class
+    stems = {_squash(t) for t in types} | {_squash(CONFIG_MAPPING[t].__name__.removesuffix("Config"))
+                                           for t in types if t in CONFIG_MAPPING}
+    if not any(s in _squash(name) for s in stems):
+        raise ConfigError(f"--model-name {name} does not name --hf-checkpoint's model (config.json model_type "
+                          f"{model_type or '(none)'}): miles reads the weight names from config.json, so drop the flag "
+                          f"or name that model (e.g. {_squash(model_type) or 'its model type'}).")
 
 
 def _config_dict(hf_checkpoint: str | None) -> dict[str, Any] | None:

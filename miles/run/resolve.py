@@ -8,7 +8,8 @@ Derivations (Miles's batch invariant, ``docs/flags.md``):
 - ``num_rollout``: ``--num-rollout``, else ``--num-epoch`` x (prompts // ``--rollout-batch-size``);
 - ``num_steps_per_rollout``: ``--num-steps-per-rollout``, else rollout samples / ``--global-batch-size``,
   else 1; ``global_batch_size`` = rollout samples / steps (rollout samples = ``--rollout-batch-size`` x
-  ``--n-samples-per-prompt``);
+  ``--n-samples-per-prompt``); ``--use-dynamic-global-batch-size``: 1 step of the rollout's samples (the trainer
+  takes whatever number arrives);
 - offloading when colocated: ``--offload-train`` / ``--offload-rollout`` default to ``--colocate`` (or
   ``--offload``).
 Nothing here rewrites the config; the plan is a separate object.
@@ -78,6 +79,8 @@ def derive_steps(cfg: MilesConfig) -> tuple[int, int, int]:
     """(num_steps_per_rollout, global_batch_size, rollout_samples)."""
     d = cfg.data
     samples = (d.rollout_batch_size or 0) * d.n_samples_per_prompt
+    if d.use_dynamic_global_batch_size:     # one step over whatever the rollout gives (validate.py checks the rest)
+        return 1, samples, samples
     if d.num_steps_per_rollout is not None:
         steps = d.num_steps_per_rollout
     elif d.global_batch_size is not None:

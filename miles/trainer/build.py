@@ -54,5 +54,7 @@ def build_run_trainer(cfg: Any, ctx: Any, plan: Any) -> Any:
     return build_trainer(cfg.train, cfg.algo, cfg.checkpoint, cfg.megatron, group=ctx.groups.trainer_group,
                          mesh=ctx.groups.trainer_mesh, device=ctx.world.device,
                          rollout_temperature=cfg.rollout.rollout_temperature, num_rollout=plan.num_rollout,
-                         global_batch_size=plan.global_batch_size, num_steps_per_rollout=plan.num_steps_per_rollout,
+                         # --use-dynamic-global-batch-size: the step's batch is what arrives (no expected count)
+                         global_batch_size=None if cfg.data.use_dynamic_global_batch_size else plan.global_batch_size,
+                         num_steps_per_rollout=plan.num_steps_per_rollout,
                          timeout=cfg.cluster.distributed_timeout_minutes * 60, custom_config=cfg.custom_config)

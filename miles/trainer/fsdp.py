@@ -71,7 +71,7 @@ class FSDPTrainer(RLTrainer):
         # a vision-language --hf-checkpoint (Qwen3-VL): image inputs per micro-batch (miles.trainer.vlm)
         self._images = vlm.ImageProcessor(train.hf_checkpoint, config.image_token_id) if vlm.is_vlm(config) else None
         self.num_params = modeling.count_params(self.model)
-        experts = sum(p.numel() for n, p in self.model.named_parameters() if ".mlp.experts." in n)
+        experts = sum(p.numel() for n, p in self.model.named_parameters() if ".experts." in n)   # Gemma 4: layers.L.*
         self.num_active_params = active_params(self.num_params, experts, moe_routing(config))  # MFU's N
         self.lora = self._attach_lora(train)       # --lora-rank: base frozen, adapters trained (lora_hf.py)
         self.optimizer = build_adamw(self.lora if self.lora is not None else self.model, lr=train.lr, weight_decay=train.weight_decay,

@@ -19,14 +19,27 @@ Megatron tensor parallelism follows the base weight's split:
 - row-parallel (``linear_proj``, ``linear_fc2``; W [out, in/tp], input split): ``A`` split on columns like
   W, ``B`` replicated; ``A x`` is a TP-partial sum, reduced over TP before ``B``.
 
+- replicated (multi-latent attention's down projections ``linear_q_down_proj`` / ``linear_kv_down_proj``, whole on
+  every TP rank): ``A`` and ``B`` whole.
+
 So ``B @ A`` has W's local shape on every rank and ``merged`` adds it to the local shard: the export
 gathers and converts merged weights exactly as it does base weights (HF names; the engines need no LoRA).
 
+Under sequence parallelism (``--sequence-parallel``, each TP rank holding a slice of the sequence where megatron-core
+does, the module's own ``sequence_parallel``): a column-parallel target's input is this rank's slice, so ``A x`` is
+gathered from the sequence-parallel region (backward: reduce-scattered); a row-parallel target's ``A x`` is
+reduce-scattered to this rank's slice before ``B``; a replicated target sees this rank's slice only. The factors
+every TP rank holds whole (column's ``A``, row's ``B``, replicated's both) then have a gradient from this rank's part
+of the sequence: ``finish_grads`` sums them over TP first, as megatron-core sums its sequence-parallel norms.
+
 Target names (``--target-modules``, Miles's): ``all-linear`` or a comma list of HF names (``q_proj``,
-``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``) or Megatron names
-(``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``). Megatron fuses q/k/v and gate/up, so,
+``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``; multi-latent attention's ``q_a_proj``,
+``kv_a_proj_with_mqa``, ``q_b_proj``, ``kv_b_proj``) or Megatron names (``linear_qkv``, ``linear_proj``,
+``linear_fc1``, ``linear_fc2``, ``linear_q_proj``, ``linear_q_down_proj``, ``linear_kv_down_proj``,
+``linear_q_up_proj``, ``linear_kv_up_proj``; ``miles.config.lora``). Megatron fuses q/k/v and gate/up, so,
 as in Miles's standard ``--lora-type lora``, any of q/k/v selects the fused ``linear_qkv`` (one ``A``, a
-``B`` whose rows are q, k and v) and gate/up select ``linear_fc1``.
+``B`` whose rows are q, k and v) and gate/up select ``linear_fc1``; a name selects the modules of that leaf name the
+model has (as Megatron-Bridge's LoRA, which Miles uses), the ones that select nothing are logged.
 
 MoE experts (Miles's semantics, radixark/miles@v0.1.0:miles/backends/megatron_utils/lora_utils.py and its
 ``--experts-shared-outer-loras`` help in radixark/miles@v0.1.0:miles/utils/arguments.py; Megatron-Bridge's ``LoRA`` matches a target by
@@ -65,6 +78,9 @@ from torch import nn
 
 from miles.config.base import ConfigError
 from miles.config.lora import MEGATRON_KIND, resolve_targets
+from miles.utils.logging import get_logger
+
+logger = get_logger("miles.trainer.lora")
 
 
 @dataclass(frozen=True)
@@ -95,13 +111,18 @@ class LoraPair(nn.Module):
     ``column`` / ``row`` (dense, TP-split as the base weight), ``expert`` (a routed expert: whole, EP-local).
     A factor passed as an ``nn.Parameter`` is shared (``--experts-shared-outer-loras``), not copied."""
 
-    def __init__(self, a: torch.Tensor, b: torch.Tensor, kind: str):
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, kind: str, sequence_parallel: bool = False):
         super().__init__()
         self.lora_A = a if isinstance(a, nn.Parameter) else nn.Parameter(a)
         self.lora_B = b if isinstance(b, nn.Parameter) else nn.Parameter(b)
         self.kind = kind
-        # under TP the sharded one: B of a column-parallel target, A of a row-parallel one
-        self.sharded = self.lora_B if kind == "column" else self.lora_A
+        self.sequence_parallel = sequence_parallel     # the target's input / output is this TP rank's sequence slice
+        # under TP the sharded one: B of a column-parallel target, A of a row-parallel one (None: replicated)
+        self.sharded = {"column": self.lora_B, "row": self.lora_A}.get(kind)
+
+    def whole(self) -> list[nn.Parameter]:
+        """The factors every TP rank holds whole (a dense target's)."""
+        return {"column": [self.lora_A], "row": [self.lora_B], "replicated": [self.lora_A, self.lora_B]}[self.kind]
 
 
 class LoraAdapters(nn.Module):
@@ -129,12 +150,17 @@ class LoraAdapters(nn.Module):
 
     def sharded_params(self) -> list[nn.Parameter]:
         """The TP-sharded factors of the dense targets."""
-        return [p.sharded for _, p in self.named_pairs() if p.kind != "expert"]
+        return [p.sharded for _, p in self.named_pairs() if p.sharded is not None and p.kind != "expert"]
 
     def replicated_params(self) -> list[nn.Parameter]:
-        """The factors every TP rank holds whole: the dense targets' other factor, and the shared outer ones."""
-        return ([p.lora_A if p.kind == "column" else p.lora_B for _, p in self.named_pairs() if p.kind != "expert"]
-                + list(self.shared.values()))
+        """The factors every TP rank holds whole: the dense targets' other factor (a replicated target's both), and
+        the shared outer ones."""
+        return [t for _, p in self.named_pairs() if p.kind != "expert" for t in p.whole()] + list(self.shared.values())
+
+    def tp_partial_params(self) -> list[nn.Parameter]:
+        """The whole factors of the targets under sequence parallelism: each TP rank's gradient is its part of the
+        sequence's (summed over TP by ``finish_grads``)."""
+        return [t for _, p in self.named_pairs() if p.kind != "expert" and p.sequence_parallel for t in p.whole()]
 
     def expert_params(self) -> list[nn.Parameter]:
         """The routed experts' own factors (EP-local; gradients reduced as the experts' weights)."""
@@ -160,20 +186,26 @@ def _leaf(name: str) -> str:
 
 def attach(model: nn.Module, spec: LoraSpec, *, tp_rank: int = 0, tp_size: int = 1,
            tp_group: dist.ProcessGroup | None = None, seed: int = 0, ep_rank: int = 0, ep_size: int = 1,
-           ep_group: dist.ProcessGroup | None = None, num_experts: int = 0) -> LoraAdapters:
+           ep_group: dist.ProcessGroup | None = None, num_experts: int = 0,
+           inputs_require_grad: bool = False) -> LoraAdapters:
     """Freeze every parameter of ``model`` and hook a LoRA pair onto each target linear (Megatron leaf names,
     modules holding ``weight``; routed experts included, ``num_experts`` of them over ``ep_size`` EP ranks);
-    returns the adapters (on the base weights' device, fp32)."""
+    returns the adapters (on the base weights' device, fp32). ``inputs_require_grad`` (``--recompute-granularity
+    full``): the embedding's output requires grad, as PEFT's ``enable_input_require_grads`` makes it; megatron-core's
+    full recompute checkpoints each layer with a reentrant autograd function, which gives its output a gradient
+    only when an input has one, and with the base frozen none has: the adapters inside would get no gradient."""
     from miles.trainer.megatron.moe import global_name, is_expert
 
     lora = LoraAdapters(spec, tp_size, tp_group, ep_size, ep_group, ep_rank)
     lora.num_local = num_local = num_experts // ep_size if num_experts else 0
     for p in model.parameters():
         p.requires_grad_(False)
+    matched: set[str] = set()
     for name, module in model.named_modules():
         leaf = _leaf(name)
         if leaf not in spec.targets:
             continue
+        matched.add(leaf)
         if not isinstance(getattr(module, "weight", None), torch.Tensor):
             if hasattr(module, "num_gemms"):          # transformer-engine's grouped expert linear
                 raise ConfigError(f"--target-modules {leaf} on MoE experts with --moe-grouped-gemm is not supported "
@@ -194,13 +226,29 @@ def attach(model: nn.Module, spec: LoraSpec, *, tp_rank: int = 0, tp_size: int =
             if split and kind == "row":
                 a = a.chunk(tp_size, dim=1)[tp_rank].clone()
             b = torch.zeros(out_local, spec.rank, dtype=torch.float32)
-            pair = LoraPair(a.to(w.device), b.to(w.device), kind)
+            sp = split and bool(getattr(module, "sequence_parallel", False) or getattr(w, "sequence_parallel", False))
+            pair = LoraPair(a.to(w.device), b.to(w.device), kind, sequence_parallel=sp)
         lora.pairs[name.replace(".", "/")] = pair
         lora.targets[name] = module
         module.register_forward_hook(_hook(lora, pair))
     if not lora.targets:
         raise ConfigError(f"--target-modules: no module of the model matches {list(spec.targets)}.")
+    embedding = getattr(model, "embedding", None)
+    if inputs_require_grad and embedding is not None:
+        embedding.register_forward_hook(_require_grad)
+    unmatched = sorted(set(spec.targets) - matched - ({"linear_qkv", "linear_q_proj"} if {"linear_qkv", "linear_q_proj"}
+                                                       & matched else set()))
+    if unmatched:        # e.g. q/k/v's fused linear_qkv on a multi-latent-attention model, which has none
+        logger.info("--target-modules: this model has no module named %s: those names select nothing here (LoRA on "
+                    "%s)", ", ".join(unmatched), ", ".join(sorted(matched)))
     return lora
+
+
+def _require_grad(_module: nn.Module, _args, output):
+    """A forward hook: the output (a tensor without a graph: the frozen embedding's) requires grad."""
+    if isinstance(output, torch.Tensor) and not output.requires_grad and torch.is_grad_enabled():
+        output.requires_grad_(True)
+    return output
 
 
 def _expert_pair(lora: LoraAdapters, spec: LoraSpec, leaf: str, gname: str, name: str, out_f: int, in_f: int,
@@ -228,7 +276,9 @@ def _hook(lora: LoraAdapters, pair: LoraPair):
     if lora.tp_size > 1:
         from megatron.core.tensor_parallel.mappings import (
             copy_to_tensor_model_parallel_region,
+            gather_from_sequence_parallel_region,
             reduce_from_tensor_model_parallel_region,
+            reduce_scatter_to_sequence_parallel_region,
         )
 
     def hook(module: nn.Module, args, output):
@@ -240,8 +290,11 @@ def _hook(lora: LoraAdapters, pair: LoraPair):
             x = nn.functional.dropout(x, p=spec.dropout)
         a, b = pair.lora_A.to(x.dtype), pair.lora_B.to(x.dtype)
         h = nn.functional.linear(x, a)
-        if lora.tp_size > 1 and pair.kind != "expert":
-            h = (copy_to_tensor_model_parallel_region(h, group=lora.tp_group) if pair.kind == "column"
+        if lora.tp_size > 1 and pair.kind == "column":        # h: this rank's sequence slice under SP, else whole
+            h = (gather_from_sequence_parallel_region(h, group=lora.tp_group) if pair.sequence_parallel
+                 else copy_to_tensor_model_parallel_region(h, group=lora.tp_group))
+        elif lora.tp_size > 1 and pair.kind == "row":         # h: a TP-partial sum over this rank's inputs
+            h = (reduce_scatter_to_sequence_parallel_region(h, group=lora.tp_group) if pair.sequence_parallel
                  else reduce_from_tensor_model_parallel_region(h, group=lora.tp_group))
         d = nn.functional.linear(h, b) * spec.scale
         if isinstance(output, tuple):            # megatron-core linears: (output, bias)
@@ -274,7 +327,8 @@ def merged(lora: LoraAdapters | None):
 @torch.no_grad()
 def finish_grads(lora: LoraAdapters, groups) -> None:
     """Reduce the adapters' gradients (``groups``: the Megatron backend's ``parallel.Groups``): the dense targets'
-    averaged over DP (TP needs nothing: the hooks' regions already leave every rank with its complete gradient);
+    averaged over DP (TP needs nothing without sequence parallelism: the hooks' regions already leave every rank with
+    its complete gradient; under it the whole factors' TP-partial gradients are summed over TP first);
     the shared outer factors summed over EP first; then the routed experts' factors, shared ones included, as the
     experts' weights (``moe.reduce_expert_grads``: summed over the expert-DP group, divided by the DP size; plain
     DP averaging at EP 1 and TP 1). A missing gradient becomes zero first."""
@@ -283,6 +337,9 @@ def finish_grads(lora: LoraAdapters, groups) -> None:
     for p in lora.parameters():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+    partial = lora.tp_partial_params()
+    if partial and lora.tp_size > 1:        # sequence parallelism: each TP rank's part of the sequence
+        _all_reduce([p.grad for p in partial], lora.tp_group)
     shared = list(lora.shared.values())
     if shared and lora.ep_size > 1:
         _all_reduce([p.grad for p in shared], lora.ep_group)
@@ -336,8 +393,11 @@ def trainable_count(lora: LoraAdapters) -> int:
     return int(sharded.item()) + int(experts.item()) + sum(p.numel() for p in lora.replicated_params())
 
 
-def _spec_dict(spec: LoraSpec) -> dict:
-    out = {"rank": spec.rank, "alpha": spec.alpha, "targets": list(spec.targets)}
+def _spec_dict(lora: LoraAdapters) -> dict:
+    """The LoRA's shape a checkpoint records: rank, alpha and the target leaf names the model has (those that
+    selected nothing do not count: ``all-linear`` records the same targets however many names it resolves to)."""
+    spec = lora.spec
+    out = {"rank": spec.rank, "alpha": spec.alpha, "targets": sorted({_leaf(n) for n in lora.targets})}
     if spec.experts_shared_outer:
         out["experts_shared_outer"] = True
     return out
@@ -345,7 +405,7 @@ def _spec_dict(spec: LoraSpec) -> dict:
 
 def state(lora: LoraAdapters, optimizer: torch.optim.Optimizer | None) -> dict:
     """This rank's adapter weights (and optimizer state) for a checkpoint."""
-    out = {"spec": _spec_dict(lora.spec), "tp_size": lora.tp_size, "ep_size": lora.ep_size,
+    out = {"spec": _spec_dict(lora), "tp_size": lora.tp_size, "ep_size": lora.ep_size,
            "adapters": {k: v.detach().cpu().clone() for k, v in lora.state_dict().items()}}
     if optimizer is not None:
         out["optimizer"] = optimizer.state_dict()
@@ -354,7 +414,7 @@ def state(lora: LoraAdapters, optimizer: torch.optim.Optimizer | None) -> dict:
 
 def load_state(lora: LoraAdapters, optimizer: torch.optim.Optimizer | None, saved: dict, where: str) -> None:
     """Restore ``state``'s output; a checkpoint of another LoRA shape or TP size is refused in one line."""
-    want = _spec_dict(lora.spec)
+    want = _spec_dict(lora)
     if (saved.get("spec") != want or saved.get("tp_size") != lora.tp_size
             or saved.get("ep_size", 1) != lora.ep_size):
         raise ConfigError(f"{where}: the checkpoint's LoRA ({saved.get('spec')}, TP {saved.get('tp_size')}, EP "
@@ -373,18 +433,12 @@ def check_megatron(opts, shape, spec: LoraSpec) -> None:
     """Refuse the Megatron layouts LoRA is not built for (one line each)."""
     for flag, value, ok in (("--pipeline-model-parallel-size", opts.pp, opts.pp == 1),
                             ("--context-parallel-size", opts.cp, opts.cp == 1),
-                            ("--sequence-parallel", "with --tensor-model-parallel-size > 1",
-                             not (opts.sequence_parallel and opts.tp > 1)),
                             ("--lora-dropout", f"{spec.dropout} with --tensor-model-parallel-size > 1",
                              not (spec.dropout > 0 and opts.tp > 1))):
         if not ok:
-            raise ConfigError(f"{flag} {value} is not supported with --lora-rank: LoRA runs under tensor and data "
-                              "parallelism only; drop the flag or train without LoRA.")
-    if shape.mla and "linear_qkv" in spec.targets:
-        raise ConfigError("--target-modules q_proj/k_proj/v_proj (or all-linear) on a multi-latent-attention model is "
-                          "not supported by the Megatron backend's LoRA (MLA has no fused linear_qkv; its q_a_proj, "
-                          "kv_a_proj_with_mqa, q_b_proj, kv_b_proj are not LoRA targets yet); target o_proj,gate_proj,"
-                          "up_proj,down_proj.")
+            raise ConfigError(f"{flag} {value} is not supported with --lora-rank: LoRA runs under tensor (with or "
+                              "without --sequence-parallel), expert and data parallelism only; drop the flag or train "
+                              "without LoRA.")
     experts = bool(shape.num_experts) and bool({"linear_fc1", "linear_fc2"} & set(spec.targets))
     if experts and opts.moe.grouped_gemm:
         raise ConfigError("--moe-grouped-gemm with LoRA on the MoE experts (--target-modules gate_proj/up_proj/"
@@ -445,7 +499,7 @@ def full_pairs(lora: LoraAdapters) -> dict[str, tuple[torch.Tensor, torch.Tensor
                 gname = global_name(name + ".weight", r, lora.num_local).removesuffix(".weight")
                 out[gname] = (t[:a.numel()].view_as(a).cpu(), t[a.numel():].view_as(b).cpu())
             continue
-        if lora.tp_size > 1:
+        if lora.tp_size > 1 and pair.sharded is not None:
             sh = pair.sharded.detach().float().contiguous()
             parts = [torch.empty_like(sh) for _ in range(lora.tp_size)]
             dist.all_gather(parts, sh, group=lora.tp_group)

@@ -111,6 +111,8 @@ def attach_hf(hf: nn.Module, layers, spec: LoraSpec, *, seed: int) -> HFLoraAdap
         p.requires_grad_(False)
     for i, layer in enumerate(layers):
         for target in spec.targets:
+            if target not in GROUPS:          # multi-latent attention's projections: no such linear here (an MLA
+                continue                      # model is refused by check_model)
             parent_name, members, middle = GROUPS[target]
             parent = getattr(layer, parent_name, None)
             mods = {m: getattr(parent, m, None) for m in members}

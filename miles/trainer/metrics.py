@@ -64,10 +64,13 @@ def peak_tflops(device: torch.device, override: float | None = None) -> float | 
 
 
 def moe_routing(config) -> tuple[int, int] | None:
-    """(routed experts E, experts per token k) of an HF config, or None for a dense model."""
+    """(routed experts E, experts per token k) of an HF config (a multimodal one's ``text_config``), or None for a
+    dense model."""
+    config = getattr(config, "text_config", None) or config
     e = next((getattr(config, a) for a in ("num_experts", "num_local_experts", "n_routed_experts")
               if getattr(config, a, None)), None)
-    k = next((getattr(config, a) for a in ("num_experts_per_tok", "moe_topk") if getattr(config, a, None)), None)
+    k = next((getattr(config, a) for a in ("num_experts_per_tok", "moe_topk", "top_k_experts")   # Gemma 4: the last
+              if getattr(config, a, None)), None)
     return (int(e), int(k)) if e and k else None
 
 

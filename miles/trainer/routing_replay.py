@@ -70,19 +70,29 @@ def preflight_check(cfg, hf_config: dict | None) -> None:
     text = hf_config.get("text_config") or hf_config
     experts = text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts") or 0
     model_type = text.get("model_type") or hf_config.get("model_type")
-    if not experts or not text.get("num_experts_per_tok"):
+    if not experts or not (text.get("num_experts_per_tok") or text.get("top_k_experts")):    # Gemma 4: top_k_experts
         raise ConfigError(f"{_flag(m)}: --hf-checkpoint's model ({model_type}) has no MoE layers, so "
                           "there is no routing to replay: drop the flag (it is for MoE models such as Qwen3-MoE).")
     if cfg.train.train_backend == "fsdp" and model_type not in HF_REPLAY_MODEL_TYPES:
         raise ConfigError(f"{_flag(m)} with --train-backend fsdp replays Qwen3-MoE routers, not this {model_type!r} "
                           "model's: use --train-backend megatron, or drop the flag.")
     if m == "r3" and cfg.rollout.rollout_engine == "embedded":
-        from miles.engine.routed_experts import RECORDED_MODEL_TYPES
+        check_embedded_r3(hf_config)
 
-        if model_type not in RECORDED_MODEL_TYPES:
-            raise ConfigError(f"--use-rollout-routing-replay: the embedded engine returns routed experts for "
-                              f"{', '.join(RECORDED_MODEL_TYPES.values())} models, not this {model_type!r} one: use "
-                              "--rollout-engine sglang, or drop the flag.")
+
+def check_embedded_r3(hf_config: dict | None, why: str = "") -> None:
+    """``--use-rollout-routing-replay`` on the embedded engine (named, or what ``--rollout-engine auto`` picks:
+    ``miles.run.preflight.check_engine_kind``): it returns the routed experts of the families it records only."""
+    from miles.engine.routed_experts import RECORDED_MODEL_TYPES
+
+    if hf_config is None:
+        return
+    text = hf_config.get("text_config") or hf_config
+    model_type = text.get("model_type") or hf_config.get("model_type")
+    if model_type not in RECORDED_MODEL_TYPES:
+        raise ConfigError(f"--use-rollout-routing-replay: the embedded engine{f' ({why})' if why else ''} returns "
+                          f"routed experts for {', '.join(RECORDED_MODEL_TYPES.values())} models, not this "
+                          f"{model_type!r} one: use --rollout-engine sglang, or drop the flag.")
 
 
 # ------------------------------------------------------------------------------------------ the state

@@ -51,6 +51,10 @@ def checkpoint_tensors(config: dict[str, Any]) -> dict[str, list[int]]:
     state.update((n, b) for n, b in model.named_buffers() if n not in skip)
     state = revert_weight_conversion(model, state)
     out = {name: list(t.shape) for name, t in state.items()}
+    if config.get("model_type") == "kimi_k25":   # the published names of its text layers (save_pretrained's differ)
+        from miles.utils.tiny_kimi_k25 import published_name
+
+        out = {published_name(name): shape for name, shape in out.items()}
     out.update(_mtp_tensors(config))
     return dict(sorted(out.items()))
 

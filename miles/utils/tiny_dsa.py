@@ -63,36 +63,19 @@ def build_tiny_dsa_model(
     dtype: str = "float32",
 ) -> Path:
     """Write a randomly initialised DSA causal LM of ``model_type`` plus the tiny tokenizer to ``out_dir``."""
-    import torch
     import transformers
 
-    from miles.utils.tiny_model import build_tokenizer
+    from miles.utils.tiny_model import build_tiny_causal_lm
 
     if model_type not in DSA_MODEL_TYPES:
         raise ValueError(f"model_type {model_type!r}: one of {sorted(DSA_MODEL_TYPES)}")
     if indexer_types is not None and model_type != "glm_moe_dsa":
         raise ValueError("indexer_types (shared top-k layers) is GLM-5's (glm_moe_dsa)")
     config_cls, model_cls = (getattr(transformers, n) for n in DSA_MODEL_TYPES[model_type])
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(out)
     rope = {"rope_type": "default", "rope_theta": rope_theta} if rope_scaling is None else dict(
         rope_scaling, rope_theta=rope_theta)
-    config = config_cls(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, num_hidden_layers=num_layers,
-        num_attention_heads=num_heads, num_key_value_heads=num_heads, q_lora_rank=q_lora_rank,
-        kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim,
-        v_head_dim=v_head_dim, index_topk=index_topk, index_n_heads=index_n_heads, index_head_dim=index_head_dim,
-        intermediate_size=intermediate_size, moe_intermediate_size=moe_intermediate_size,
-        n_routed_experts=n_routed_experts, num_experts_per_tok=num_experts_per_tok, n_shared_experts=n_shared_experts,
-        first_k_dense_replace=first_k_dense_replace, n_group=n_group, topk_group=topk_group, norm_topk_prob=True,
-        routed_scaling_factor=routed_scaling_factor, rms_norm_eps=rms_norm_eps, attention_bias=False,
-        max_position_embeddings=max_position_embeddings, rope_parameters=rope, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        torch_dtype=dtype, **({"indexer_types": list(indexer_types)} if indexer_types is not None else {}))
-    torch.manual_seed(seed)
-    model = model_cls(config)
-    with torch.no_grad():          # a random, distinct routing (transformers starts router and bias at zero) and an
+
+    def init(model) -> None:       # a random, distinct routing (transformers starts router and bias at zero) and an
         for layer in model.model.layers:      # indexer whose scores spread out
             gate = getattr(layer.mlp, "gate", None)
             if gate is not None:
@@ -104,6 +87,16 @@ def build_tiny_dsa_model(
                     lin.weight.normal_(0.0, 0.5)
                 indexer.k_norm.weight.uniform_(0.5, 1.5)
                 indexer.k_norm.bias.normal_(0.0, 0.2)
-    model = model.to(getattr(torch, dtype))
-    model.save_pretrained(str(out), safe_serialization=True)
-    return out
+
+    return build_tiny_causal_lm(
+        out_dir, config_cls, model_cls, seed=seed, dtype=dtype, init=init,
+        hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_heads, q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank,
+        qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim, v_head_dim=v_head_dim,
+        index_topk=index_topk, index_n_heads=index_n_heads, index_head_dim=index_head_dim,
+        intermediate_size=intermediate_size, moe_intermediate_size=moe_intermediate_size,
+        n_routed_experts=n_routed_experts, num_experts_per_tok=num_experts_per_tok, n_shared_experts=n_shared_experts,
+        first_k_dense_replace=first_k_dense_replace, n_group=n_group, topk_group=topk_group, norm_topk_prob=True,
+        routed_scaling_factor=routed_scaling_factor, rms_norm_eps=rms_norm_eps, attention_bias=False,
+        max_position_embeddings=max_position_embeddings, rope_parameters=rope, tie_word_embeddings=False,
+        **({"indexer_types": list(indexer_types)} if indexer_types is not None else {}))

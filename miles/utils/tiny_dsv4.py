@@ -63,37 +63,15 @@ def build_tiny_dsv4_model(
     import torch
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-    from miles.utils.tiny_model import build_tokenizer
+    from miles.utils.tiny_model import build_tiny_causal_lm
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(out)
     n = len(layer_types)
-    config = DeepseekV4Config(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, num_hidden_layers=n, num_attention_heads=num_heads,
-        num_key_value_heads=1, head_dim=head_dim, partial_rotary_factor=rope_head_dim / head_dim,
-        q_lora_rank=q_lora_rank, o_groups=o_groups, o_lora_rank=o_lora_rank, moe_intermediate_size=moe_intermediate_size,
-        n_routed_experts=n_routed_experts, n_shared_experts=1, num_experts_per_tok=num_experts_per_tok,
-        scoring_func="sqrtsoftplus", norm_topk_prob=True, routed_scaling_factor=routed_scaling_factor,
-        layer_types=list(layer_types), mlp_layer_types=["hash_moe"] * num_hash_layers + ["moe"] * (n - num_hash_layers),
-        compress_rates={"compressed_sparse_attention": csa_rate, "heavily_compressed_attention": hca_rate},
-        hc_mult=hc_mult, hc_sinkhorn_iters=hc_sinkhorn_iters, sliding_window=sliding_window,
-        index_n_heads=index_n_heads, index_head_dim=index_head_dim, index_topk=index_topk, swiglu_limit=swiglu_limit,
-        rope_theta=rope_theta, compress_rope_theta=compress_rope_theta,
-        rope_parameters={"rope_type": "yarn", "factor": yarn_factor, "beta_fast": 32.0, "beta_slow": 1.0,
-                         "original_max_position_embeddings": yarn_original_max_position_embeddings},
-        max_position_embeddings=max_position_embeddings, rms_norm_eps=rms_norm_eps, tie_word_embeddings=False,
-        num_nextn_predict_layers=0, router_aux_loss_coef=0.0,
-        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        torch_dtype=dtype)
-    torch.manual_seed(seed)
-    model = DeepseekV4ForCausalLM(config)
     g = torch.Generator().manual_seed(seed + 1)
 
     def draw(t: torch.Tensor, std: float, mean: float = 0.0) -> None:
         t.copy_(mean + std * torch.randn(t.shape, generator=g))
 
-    with torch.no_grad():
+    def init(model) -> None:
         for layer in model.model.layers:
             attn = layer.self_attn
             draw(attn.sinks, 0.5)
@@ -116,15 +94,30 @@ def build_tiny_dsv4_model(
                 draw(gate.e_score_correction_bias, 0.1)
             if hasattr(gate, "tid2eid"):            # each token's hash experts: distinct, drawn at random
                 rows = [torch.randperm(n_routed_experts, generator=g)[:num_experts_per_tok]
-                        for _ in range(config.vocab_size)]
+                        for _ in range(model.config.vocab_size)]
                 gate.tid2eid.copy_(torch.stack(rows))
         head = model.model.hc_head
         draw(head.hc_fn, 0.05)
         draw(head.hc_base, 0.5)
         draw(head.hc_scale, 0.2, 1.0)
         draw(model.model.norm.weight, 0.1, 1.0)
-    model = model.to(getattr(torch, dtype))
-    model.save_pretrained(str(out), safe_serialization=True)
+
+    out = build_tiny_causal_lm(
+        out_dir, DeepseekV4Config, DeepseekV4ForCausalLM, seed=seed, dtype=dtype, init=init,
+        hidden_size=hidden_size, num_hidden_layers=n, num_attention_heads=num_heads,
+        num_key_value_heads=1, head_dim=head_dim, partial_rotary_factor=rope_head_dim / head_dim,
+        q_lora_rank=q_lora_rank, o_groups=o_groups, o_lora_rank=o_lora_rank, moe_intermediate_size=moe_intermediate_size,
+        n_routed_experts=n_routed_experts, n_shared_experts=1, num_experts_per_tok=num_experts_per_tok,
+        scoring_func="sqrtsoftplus", norm_topk_prob=True, routed_scaling_factor=routed_scaling_factor,
+        layer_types=list(layer_types), mlp_layer_types=["hash_moe"] * num_hash_layers + ["moe"] * (n - num_hash_layers),
+        compress_rates={"compressed_sparse_attention": csa_rate, "heavily_compressed_attention": hca_rate},
+        hc_mult=hc_mult, hc_sinkhorn_iters=hc_sinkhorn_iters, sliding_window=sliding_window,
+        index_n_heads=index_n_heads, index_head_dim=index_head_dim, index_topk=index_topk, swiglu_limit=swiglu_limit,
+        rope_theta=rope_theta, compress_rope_theta=compress_rope_theta,
+        rope_parameters={"rope_type": "yarn", "factor": yarn_factor, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "original_max_position_embeddings": yarn_original_max_position_embeddings},
+        max_position_embeddings=max_position_embeddings, rms_norm_eps=rms_norm_eps, tie_word_embeddings=False,
+        num_nextn_predict_layers=0, router_aux_loss_coef=0.0)
     _to_native_names(out / "model.safetensors")
     return out
 

@@ -5,6 +5,7 @@ decoder is under ``model.language_model.*``, a vision tower under ``model.vision
 
     build_tiny_gemma4("/tmp/g4")                 # 5 layers: 2 sliding, 1 full, 1 sliding, 1 full (as 31B's 5:1)
     build_tiny_gemma4("/tmp/g4", vision=False)   # Gemma4ForCausalLM (model.layers.*), the text decoder alone
+    build_tiny_gemma4("/tmp/g4m", moe=True)      # 26B-A4B's MoE block in every layer: 4 experts, top-2
 
 The text decoder has every part of 31B's at this size: sliding-window layers (``sliding_window`` 4, shorter than
 the test sequences) and full-attention layers with their own head size (``global_head_dim``), fewer KV heads
@@ -12,7 +13,9 @@ the test sequences) and full-attention layers with their own head size (``global
 quarter of the head (``partial_rotary_factor`` 0.25, theta 1e6); q/k norms, the weightless v norm, sandwich norms,
 GeGLU, the embedding scaled by sqrt(hidden), ``layer_scalar``, final logit softcapping (1.0 here, so the tanh
 bends the tiny model's logits). Norm weights and layer scalars are drawn at random (transformers starts them at
-one) so each changes the output. No per-layer embeddings, KV sharing or MoE block (the E2B/E4B and 26B-A4B parts).
+one) so each changes the output. ``moe=True``: gemma-4-26B-A4B's MoE block beside the dense MLP in every layer
+(``enable_moe_block``: 4 experts of 32, top-2; the router's ``scale`` and ``per_expert_scale`` drawn around one, its
+projection wide enough that tokens pick different experts). No per-layer embeddings or KV sharing (the E2B/E4B parts).
 The tokenizer is ``miles.utils.tiny_model``'s; the multimodal layout also writes the image processor's
 ``preprocessor_config.json``, as the released checkpoints have one.
 """
@@ -28,9 +31,12 @@ def tiny_text_config(vocab_size: int, *, hidden_size: int = 64, intermediate_siz
                      num_kv_heads: int = 4, head_dim: int = 8, global_head_dim: int = 16, num_global_kv_heads: int = 2,
                      layer_types: tuple[str, ...] = LAYER_TYPES, sliding_window: int = 4,
                      final_logit_softcapping: float | None = 1.0, max_position_embeddings: int = 512,
-                     pad_token_id: int = 0, eos_token_id: int = 1) -> dict:
-    """The ``text_config`` of the tiny Gemma 4 (31B's switches, tiny sizes)."""
-    return dict(
+                     pad_token_id: int = 0, eos_token_id: int = 1, moe: bool = False, num_experts: int = 4,
+                     top_k_experts: int = 2, moe_intermediate_size: int = 32) -> dict:
+    """The ``text_config`` of the tiny Gemma 4 (31B's switches, tiny sizes; ``moe``: 26B-A4B's MoE block)."""
+    experts = dict(num_experts=num_experts, top_k_experts=top_k_experts,
+                   moe_intermediate_size=moe_intermediate_size) if moe else {}
+    return dict(**experts,
         model_type="gemma4_text", vocab_size=vocab_size, hidden_size=hidden_size,
         intermediate_size=intermediate_size, num_hidden_layers=len(layer_types), num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads, head_dim=head_dim, global_head_dim=global_head_dim,
@@ -40,7 +46,7 @@ def tiny_text_config(vocab_size: int, *, hidden_size: int = 64, intermediate_siz
         rope_parameters={"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                             "rope_theta": 1000000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
-        hidden_size_per_layer_input=0, num_kv_shared_layers=0, enable_moe_block=False, use_double_wide_mlp=False,
+        hidden_size_per_layer_input=0, num_kv_shared_layers=0, enable_moe_block=moe, use_double_wide_mlp=False,
         attention_bias=False, tie_word_embeddings=True, pad_token_id=pad_token_id, eos_token_id=eos_token_id,
         bos_token_id=None)
 
@@ -79,8 +85,10 @@ def build_tiny_gemma4(out_dir: str | Path, *, vision: bool = True, seed: int = 0
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in lm.named_parameters():
-            if "norm" in name and name.endswith("weight"):
+            if "norm" in name and name.endswith("weight") or name.endswith(("router.scale", "router.per_expert_scale")):
                 p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("router.proj.weight"):     # logits of order one: routing differs between tokens
+                p.copy_(torch.randn(p.shape, generator=gen))
         for layer in lm.layers:
             layer.layer_scalar.copy_(0.5 + torch.rand(1, generator=gen))
     model = model.to(getattr(torch, dtype))

@@ -37,28 +37,11 @@ def build_tiny_gpt_oss_model(
     dtype: str = "float32",
 ) -> Path:
     """Write a randomly initialised gpt-oss causal LM plus the tiny tokenizer to ``out_dir``."""
-    import torch
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    from miles.utils.tiny_model import build_tokenizer
+    from miles.utils.tiny_model import build_tiny_causal_lm
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(out)
-    config = GptOssConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, num_hidden_layers=num_layers,
-        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
-        intermediate_size=intermediate_size, num_local_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
-        sliding_window=sliding_window, swiglu_limit=swiglu_limit, max_position_embeddings=max_position_embeddings,
-        rope_parameters={"rope_type": "yarn", "rope_theta": rope_theta, "factor": yarn_factor, "beta_fast": 32.0,
-                         "beta_slow": 1.0, "truncate": False,
-                         "original_max_position_embeddings": yarn_original_max_position_embeddings},
-        tie_word_embeddings=False, attention_bias=True, router_aux_loss_coef=0.0,
-        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        torch_dtype=dtype)
-    torch.manual_seed(seed)
-    model = GptOssForCausalLM(config)
-    with torch.no_grad():
+    def init(model) -> None:
         for layer in model.model.layers:
             layer.self_attn.sinks.normal_(0.0, 1.0)
             layer.mlp.router.weight.normal_(0.0, 0.5)
@@ -68,6 +51,14 @@ def build_tiny_gpt_oss_model(
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
                          layer.self_attn.o_proj):
                 proj.bias.normal_(0.0, 0.1)
-    model = model.to(getattr(torch, dtype))
-    model.save_pretrained(str(out), safe_serialization=True)
-    return out
+
+    return build_tiny_causal_lm(
+        out_dir, GptOssConfig, GptOssForCausalLM, seed=seed, dtype=dtype, init=init,
+        hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads, head_dim=head_dim, intermediate_size=intermediate_size,
+        num_local_experts=num_experts, num_experts_per_tok=num_experts_per_tok, sliding_window=sliding_window,
+        swiglu_limit=swiglu_limit, max_position_embeddings=max_position_embeddings,
+        rope_parameters={"rope_type": "yarn", "rope_theta": rope_theta, "factor": yarn_factor, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": yarn_original_max_position_embeddings},
+        tie_word_embeddings=False, attention_bias=True, router_aux_loss_coef=0.0)

@@ -87,12 +87,7 @@ def build_tiny_mla_model(
         torch_dtype=dtype, **({"num_nextn_predict_layers": mtp_layers} if mtp_layers else {}))
     torch.manual_seed(seed)
     model = model_cls(config)
-    with torch.no_grad():          # transformers initialises router and bias to zeros: a random, distinct routing
-        for layer in model.model.layers:
-            gate = getattr(layer.mlp, "gate", None)
-            if gate is not None:
-                gate.weight.normal_(0.0, 0.5)
-                gate.e_score_correction_bias.uniform_(-0.1, 0.1)
+    randomize_routers(model.model.layers)
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(str(out), safe_serialization=True)
     if model_type in ("kimi_k2", "joyai_llm_flash"):   # their checkpoints: DeepseekV3ForCausalLM under their type
@@ -103,6 +98,19 @@ def build_tiny_mla_model(
     if mtp_layers:
         _add_mtp_layers(out, model, mtp_layers, seed)
     return out
+
+
+def randomize_routers(layers) -> None:
+    """transformers initialises a DeepSeek-style router and its expert bias to zeros: draw them (from torch's global
+    RNG, in layer order) for a random, distinct routing."""
+    import torch
+
+    with torch.no_grad():
+        for layer in layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None:
+                gate.weight.normal_(0.0, 0.5)
+                gate.e_score_correction_bias.uniform_(-0.1, 0.1)
 
 
 def _add_mtp_layers(out: Path, model, n: int, seed: int) -> None:

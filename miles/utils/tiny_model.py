@@ -4,12 +4,16 @@
 
 The tokenizer is a character-level ``PreTrainedTokenizerFast`` over printable ASCII plus special
 tokens, with a ChatML-style chat template, so prompts round-trip exactly and token ids are stable.
+``build_tiny_causal_lm`` is what every family's tiny builder (``tiny_<family>.py``) does around its own config:
+the tokenizer, the config's token fields, the seeded init, the parts redrawn, the save.
 """
 
 from __future__ import annotations
 
 import string
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 SPECIAL_TOKENS = ["<pad>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -45,14 +49,35 @@ def build_tokenizer(out_dir: str | Path | None = None, fixed_ids: dict[str, int]
     return fast
 
 
-def _shape_kwargs(tokenizer, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
-                  max_position_embeddings: int, tie_word_embeddings: bool, dtype: str) -> dict:
-    """The Qwen3 config fields both tiny builders share (attention shape, tokens, dtype)."""
-    return dict(vocab_size=len(tokenizer), hidden_size=hidden_size, num_hidden_layers=num_layers,
-                num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=hidden_size // num_heads,
-                max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
-                bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                torch_dtype=dtype)
+def build_tiny_causal_lm(out_dir: str | Path, config_cls, model_cls, *, seed: int = 0, dtype: str = "float32",
+                         init: Callable[[Any], None] | None = None, **config: Any) -> Path:
+    """Write a randomly initialised ``model_cls(config_cls(**config))`` plus the tiny tokenizer to ``out_dir``: the
+    config gets the tokenizer's vocabulary size and special ids (no BOS) and ``dtype``; the weights are drawn under
+    ``seed``, then ``init(model)`` (under ``no_grad``) redraws what transformers starts at constants (routers, biases,
+    norms) so that each part changes the output; saved in ``dtype`` as safetensors."""
+    import torch
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(out)
+    cfg = config_cls(**config, vocab_size=len(tokenizer), bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+                     pad_token_id=tokenizer.pad_token_id, torch_dtype=dtype)
+    torch.manual_seed(seed)
+    model = model_cls(cfg)
+    if init is not None:
+        with torch.no_grad():
+            init(model)
+    model = model.to(getattr(torch, dtype))
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+def _shape_kwargs(hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
+                  max_position_embeddings: int, tie_word_embeddings: bool) -> dict:
+    """The Qwen3 config fields both tiny builders share (attention shape, embeddings)."""
+    return dict(hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                num_key_value_heads=num_kv_heads, head_dim=hidden_size // num_heads,
+                max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings)
 
 
 def build_tiny_model(
@@ -68,21 +93,12 @@ def build_tiny_model(
     dtype: str = "float32",
 ) -> Path:
     """Write a randomly initialised Qwen3-architecture causal LM plus tokenizer to ``out_dir``."""
-    import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(out)
-    config = Qwen3Config(
+    return build_tiny_causal_lm(
+        out_dir, Qwen3Config, Qwen3ForCausalLM, seed=seed, dtype=dtype,
         intermediate_size=intermediate_size or hidden_size * 3,
-        **_shape_kwargs(tokenizer, hidden_size, num_layers, num_heads, num_kv_heads, max_position_embeddings,
-                        tie_word_embeddings, dtype),
-    )
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).to(getattr(torch, dtype))
-    model.save_pretrained(str(out), safe_serialization=True)
-    return out
+        **_shape_kwargs(hidden_size, num_layers, num_heads, num_kv_heads, max_position_embeddings, tie_word_embeddings))
 
 
 def build_tiny_moe_model(
@@ -104,30 +120,17 @@ def build_tiny_moe_model(
     """Write a randomly initialised Qwen3-MoE causal LM (``Qwen3MoeForCausalLM``: a top-k softmax router and
     ``num_experts`` SwiGLU experts per layer, dense MLPs on ``mlp_only_layers``) plus tokenizer to ``out_dir``.
     ``norm_topk_prob`` True (renormalised top-k weights) and untied embeddings, as Qwen3-30B-A3B."""
-    import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(out)
-    config = Qwen3MoeConfig(
-        intermediate_size=hidden_size * 3,
-        moe_intermediate_size=moe_intermediate_size,
-        num_experts=num_experts,
-        num_experts_per_tok=num_experts_per_tok,
-        norm_topk_prob=norm_topk_prob,
-        decoder_sparse_step=1,
-        mlp_only_layers=list(mlp_only_layers),
-        **_shape_kwargs(tokenizer, hidden_size, num_layers, num_heads, num_kv_heads, max_position_embeddings,
-                        tie_word_embeddings, dtype),
-    )
-    torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(config)
-    with torch.no_grad():  # transformers initialises the router to zeros: give it a random, distinct routing
+    def init(model) -> None:         # transformers initialises the router to zeros: a random, distinct routing
         for layer in model.model.layers:
             gate = getattr(layer.mlp, "gate", None)
             if gate is not None:
                 gate.weight.normal_(0.0, 0.5)
-    model = model.to(getattr(torch, dtype))
-    model.save_pretrained(str(out), safe_serialization=True)
-    return out
+
+    return build_tiny_causal_lm(
+        out_dir, Qwen3MoeConfig, Qwen3MoeForCausalLM, seed=seed, dtype=dtype, init=init,
+        intermediate_size=hidden_size * 3, moe_intermediate_size=moe_intermediate_size, num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok, norm_topk_prob=norm_topk_prob, decoder_sparse_step=1,
+        mlp_only_layers=list(mlp_only_layers),
+        **_shape_kwargs(hidden_size, num_layers, num_heads, num_kv_heads, max_position_embeddings, tie_word_embeddings))

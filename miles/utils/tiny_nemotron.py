@@ -46,26 +46,9 @@ def build_tiny_nemotron_model(
     import torch
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
-    from miles.utils.tiny_model import build_tokenizer
+    from miles.utils.tiny_model import build_tiny_causal_lm
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(out)
-    config = NemotronHConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, hybrid_override_pattern=pattern,
-        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
-        intermediate_size=intermediate_size, mlp_hidden_act="relu2", mamba_num_heads=mamba_num_heads,
-        mamba_head_dim=mamba_head_dim, n_groups=n_groups, ssm_state_size=ssm_state_size, conv_kernel=conv_kernel,
-        chunk_size=chunk_size, n_routed_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
-        moe_intermediate_size=moe_intermediate_size,
-        moe_shared_expert_intermediate_size=moe_shared_expert_intermediate_size, moe_latent_size=moe_latent_size,
-        routed_scaling_factor=routed_scaling_factor, n_group=1, topk_group=1, norm_topk_prob=True,
-        max_position_embeddings=max_position_embeddings, tie_word_embeddings=False, layer_norm_epsilon=1e-5,
-        initializer_range=0.1, bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        torch_dtype=dtype)
-    torch.manual_seed(seed)
-    model = NemotronHForCausalLM(config)
-    with torch.no_grad():
+    def init(model) -> None:
         for layer in model.model.layers:
             layer.norm.weight.uniform_(0.5, 1.5)
             mixer = layer.mixer
@@ -80,6 +63,15 @@ def build_tiny_nemotron_model(
                 mixer.gate.e_score_correction_bias.normal_(0.0, 0.1)
         model.model.norm_f.weight.uniform_(0.5, 1.5)
         model.lm_head.weight.normal_(0.0, 0.3)          # logits of a few units: log-probs far from uniform
-    model = model.to(getattr(torch, dtype))
-    model.save_pretrained(str(out), safe_serialization=True)
-    return out
+
+    return build_tiny_causal_lm(
+        out_dir, NemotronHConfig, NemotronHForCausalLM, seed=seed, dtype=dtype, init=init,
+        hidden_size=hidden_size, hybrid_override_pattern=pattern, num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads, head_dim=head_dim, intermediate_size=intermediate_size,
+        mlp_hidden_act="relu2", mamba_num_heads=mamba_num_heads, mamba_head_dim=mamba_head_dim, n_groups=n_groups,
+        ssm_state_size=ssm_state_size, conv_kernel=conv_kernel, chunk_size=chunk_size, n_routed_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok, moe_intermediate_size=moe_intermediate_size,
+        moe_shared_expert_intermediate_size=moe_shared_expert_intermediate_size, moe_latent_size=moe_latent_size,
+        routed_scaling_factor=routed_scaling_factor, n_group=1, topk_group=1, norm_topk_prob=True,
+        max_position_embeddings=max_position_embeddings, tie_word_embeddings=False, layer_norm_epsilon=1e-5,
+        initializer_range=0.1)

@@ -59,7 +59,10 @@ class WeightSource(Protocol):
     ``iter_weight_buckets``), which ``p2p`` takes when present; a trainer whose shards are not dim-0 row ranges
     of the HF tensors (Megatron's TP shards) leaves it out, and ``p2p`` sends each rank's dim-0 share of the full
     tensors instead. Optional: ``mtp_weight_prefixes()``, the HF name prefixes of the multi-token-prediction layers
-    it exports, which ``--check-weight-update-equal`` does not ask the engines for (weight_sync/check.py)."""
+    it exports, which ``--check-weight-update-equal`` does not ask the engines for (weight_sync/check.py). Optional:
+    ``weight_export_is_partial()``, True when the export is part of the model the engines serve (a multimodal
+    checkpoint trained text-only: the towers stay as the engines loaded them), which disk-delta's full versions say
+    in their manifest (``disk_delta.write_version``'s ``partial``)."""
 
     def iter_weight_buckets(self, bucket_bytes: int, dtype: torch.dtype | None) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """HF-named full tensors, bucket by bucket; collective on every trainer rank, every rank iterates to the

@@ -241,11 +241,14 @@ def write_version(
     base_version: int | None = None,
     model_dir: str | Path | None = None,
     stats: dict[str, Any] | None = None,
+    partial: bool = False,
 ) -> Path:
     """Write weight version ``version`` under ``out_root`` and return its dir.
 
     ``baseline`` None: a full, HF-loadable safetensors dir (``full_v{version:06d}``; ``model_dir``'s
-    config.json and tokenizer files are copied in). Otherwise a delta dir (``delta_v{version:06d}``)
+    config.json and tokenizer files are copied in); ``partial``: the trainer exports part of the model (a
+    multimodal checkpoint trained text-only: its towers stay as the engines loaded them), said in the manifest
+    (``"partial": true``) so that an engine does not ask the version for the tensors it never holds. Otherwise a delta dir (``delta_v{version:06d}``)
     against ``baseline`` (the previous version's tensors, on CPU), whose version is ``base_version``
     (default ``version - 1``). ``stats``, when given, receives num_tensors, tensor_bytes, written_bytes
     and num_unchanged. The dir is built under a temp name and renamed into place when complete.
@@ -265,6 +268,8 @@ def write_version(
     try:
         if baseline is None:
             manifest = _write_full(tmp, version, named_tensors, algo, model_dir, stats)
+            if partial:
+                manifest["partial"] = True
             mname = FULL_MANIFEST
         else:
             bv = version - 1 if base_version is None else base_version

@@ -72,7 +72,7 @@ class DiskDeltaSender(WeightSender):
                 self.root, version, self._collect(result, snapshot),
                 baseline=self._snapshot, base_version=self._snapshot_version,
                 encoding=self.cfg.update_weight_delta_encoding, checksum=self.cfg.update_weight_delta_checksum,
-                model_dir=self.model_dir, stats=stats)
+                model_dir=self.model_dir, stats=stats, partial=self._partial())
             result.transfer_s += (time.monotonic() - t_write) - (result.gather_s - gather_before)
             result.extra.update(written_bytes=float(stats["written_bytes"]), unchanged_tensors=float(stats["num_unchanged"]))
             self._snapshot, self._snapshot_version, self._synced = snapshot, version, True
@@ -98,6 +98,11 @@ class DiskDeltaSender(WeightSender):
                 result.bytes += cpu.numel() * cpu.element_size()
                 yield name, cpu
 
+    def _partial(self) -> bool:
+        """Whether the source exports part of the model (``WeightSource.weight_export_is_partial``)."""
+        fn = getattr(self.source, "weight_export_is_partial", None)
+        return bool(fn()) if fn is not None else False
+
     def full_version_dir(self, version: int) -> Path:
         """The full dir of ``version`` (the snapshot's), written now if it is not on disk yet."""
         path = self.root / dd.version_dir_name(version, "full")
@@ -105,7 +110,8 @@ class DiskDeltaSender(WeightSender):
             if self._snapshot is None or self._snapshot_version != version:
                 raise WeightSyncError(f"no snapshot of weight version {version} to write a full version from")
             dd.write_version(self.root, version, self._snapshot.items(), baseline=None,
-                             checksum=self.cfg.update_weight_delta_checksum, model_dir=self.model_dir)
+                             checksum=self.cfg.update_weight_delta_checksum, model_dir=self.model_dir,
+                             partial=self._partial())
         return path
 
     def _push(self, engines: list[EngineTarget], version: int, deadline: Deadline, result: SyncResult,

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _miles_e2e import QUICKSTART, check_ok, check_run_dir, run
+from _family_e2e import quickstart_data, run_two_rollouts
 
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(900)]
@@ -52,22 +52,10 @@ def setup(tmp_path_factory) -> tuple[Path, Path]:
     from miles.utils.tiny_dsa import build_tiny_dsa_model
 
     d = tmp_path_factory.mktemp("glm5")
-    log = d / "prepare.log"
-    check_ok(run(["bash", str(QUICKSTART / "prepare.sh"), str(d / "data")], log, timeout=300), log)
-    return d / "data", build_tiny_dsa_model(d / "glm5", routed_scaling_factor=2.5, rope_theta=1e6, rms_norm_eps=1e-5)
+    return quickstart_data(d), build_tiny_dsa_model(d / "glm5", routed_scaling_factor=2.5, rope_theta=1e6,
+                                                    rms_norm_eps=1e-5)
 
 
 def test_glm5_recorded_command_runs_two_rollouts(setup, tmp_path: Path) -> None:
     data, model = setup
-    out, log = tmp_path / "run", tmp_path / "run.log"
-    cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", "train.py", *TINY_SHAPE, *RECORDED,
-           "--hf-checkpoint", str(model), "--prompt-data", str(data / "train.jsonl"), "--input-key", "input",
-           "--label-key", "label", "--rm-type", "quickstart", "--num-rollout", "2", "--rollout-batch-size", "4",
-           "--n-samples-per-prompt", "2", "--global-batch-size", "8", "--rollout-max-response-len", "4",
-           "--check-weight-update-equal", "--output-dir", str(out)]
-    check_ok(run(cmd, log, timeout=600), log)
-    recs = check_run_dir(out, num_rollout=2, num_ranks=2)
-    assert all(r["rollout/num_samples"] == 8 for r in recs)
-    text = log.read_text()
-    assert "TP 2 x PP 1 x DP 1" in text, text[-3000:]
-    assert text.count("--check-weight-update-equal: ") >= 3, text[-3000:]   # initial sync + one per rollout
+    run_two_rollouts([*TINY_SHAPE, *RECORDED], model=model, data=data, tmp_path=tmp_path)

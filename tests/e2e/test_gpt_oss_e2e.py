@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _miles_e2e import QUICKSTART, check_ok, check_run_dir, run
+from _family_e2e import quickstart_data, run_two_rollouts
 from miles_fixtures import without_absent_kernel_flags
 
 pytest.importorskip("megatron.core")
@@ -43,25 +43,11 @@ def setup(tmp_path_factory) -> tuple[Path, Path]:
     from miles.utils.tiny_gpt_oss import build_tiny_gpt_oss_model
 
     d = tmp_path_factory.mktemp("gpt_oss")
-    log = d / "prepare.log"
-    check_ok(run(["bash", str(QUICKSTART / "prepare.sh"), str(d / "data")], log, timeout=300), log)
-    return d / "data", build_tiny_gpt_oss_model(d / "gpt_oss")
+    return quickstart_data(d), build_tiny_gpt_oss_model(d / "gpt_oss")
 
 
 def test_gpt_oss_recorded_command_runs_two_rollouts(setup, tmp_path: Path) -> None:
     data, model = setup
-    out, log = tmp_path / "run", tmp_path / "run.log"
     # --moe-grouped-gemm, --attention-backend fused need transformer-engine: dropped / auto where it does not import
     # (refused there by name)
-    cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", "train.py",
-           *without_absent_kernel_flags([*TINY_SHAPE, *RECORDED]),
-           "--hf-checkpoint", str(model), "--prompt-data", str(data / "train.jsonl"), "--input-key", "input",
-           "--label-key", "label", "--rm-type", "quickstart", "--num-rollout", "2", "--rollout-batch-size", "4",
-           "--n-samples-per-prompt", "2", "--global-batch-size", "8", "--rollout-max-response-len", "4",
-           "--check-weight-update-equal", "--output-dir", str(out)]
-    check_ok(run(cmd, log, timeout=600), log)
-    recs = check_run_dir(out, num_rollout=2, num_ranks=2)
-    assert all(r["rollout/num_samples"] == 8 for r in recs)
-    text = log.read_text()
-    assert "TP 2 x PP 1 x DP 1" in text, text[-3000:]
-    assert text.count("--check-weight-update-equal: ") >= 3, text[-3000:]   # initial sync + one per rollout
+    run_two_rollouts(without_absent_kernel_flags([*TINY_SHAPE, *RECORDED]), model=model, data=data, tmp_path=tmp_path)

@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _miles_e2e import QUICKSTART, check_ok, check_run_dir, run
+from _family_e2e import WEIGHT_SYNC_MODES, quickstart_data, run_two_rollouts, weight_sync_flags
 
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(1200)]
@@ -50,14 +50,6 @@ RECORDED = [  # the rest of the recorded command, GPU counts scaled to 2 trainer
     "--rollout-num-gpus-per-engine", "1", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
     "--accumulate-allreduce-grads-in-fp32", "--attention-softmax-in-fp32", "--attention-backend", "auto",
     "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2"]
-# weight-sync mode -> its flags and ranks (2 trainer ranks; colocated engines on them, or one engine rank of its own)
-MODES = {
-    "tensor": (["--colocate", "--num-gpus-per-node", "2"], 2),
-    "broadcast": (["--rollout-num-gpus", "1", "--num-gpus-per-node", "3"], 3),
-    "p2p": (["--rollout-num-gpus", "1", "--num-gpus-per-node", "3", "--update-weight-transfer-mode", "p2p"], 3),
-    "disk-delta": (["--rollout-num-gpus", "1", "--num-gpus-per-node", "3", "--update-weight-transfer-mode",
-                    "disk-delta"], 3),
-}
 
 
 @pytest.fixture(scope="module")
@@ -65,26 +57,12 @@ def setup(tmp_path_factory) -> tuple[Path, Path]:
     from miles.utils.tiny_nemotron import build_tiny_nemotron_model
 
     d = tmp_path_factory.mktemp("nemotron_h")
-    log = d / "prepare.log"
-    check_ok(run(["bash", str(QUICKSTART / "prepare.sh"), str(d / "data")], log, timeout=300), log)
-    return d / "data", build_tiny_nemotron_model(d / "nemotron", routed_scaling_factor=5.0)
+    return quickstart_data(d), build_tiny_nemotron_model(d / "nemotron", routed_scaling_factor=5.0)
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", list(WEIGHT_SYNC_MODES))
 def test_nemotron_h_recorded_command_runs_two_rollouts(setup, tmp_path: Path, mode: str) -> None:
     data, model = setup
-    flags, nproc = MODES[mode]
-    if mode == "disk-delta":
-        flags = [*flags, "--update-weight-disk-dir", str(tmp_path / "deltas")]
-    out, log = tmp_path / "run", tmp_path / "run.log"
-    cmd = ["torchrun", "--standalone", "--nproc-per-node", str(nproc), "train.py", *TINY_SHAPE, *RECORDED, *flags,
-           "--hf-checkpoint", str(model), "--prompt-data", str(data / "train.jsonl"), "--input-key", "input",
-           "--label-key", "label", "--rm-type", "quickstart", "--num-rollout", "2", "--rollout-batch-size", "4",
-           "--n-samples-per-prompt", "2", "--global-batch-size", "8", "--rollout-max-response-len", "4",
-           "--check-weight-update-equal", "--output-dir", str(out)]
-    check_ok(run(cmd, log, timeout=900), log)
-    recs = check_run_dir(out, num_rollout=2, num_ranks=nproc)
-    assert all(r["rollout/num_samples"] == 8 for r in recs)
-    text = log.read_text()
-    assert "TP 2 x PP 1 x DP 1" in text, text[-3000:]
-    assert text.count("--check-weight-update-equal: ") >= 3, text[-3000:]   # initial sync + one per rollout
+    flags, nproc = weight_sync_flags(mode, tmp_path)
+    run_two_rollouts([*TINY_SHAPE, *RECORDED, *flags], model=model, data=data, tmp_path=tmp_path, nproc=nproc,
+                     timeout=900)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _miles_e2e import QUICKSTART, check_ok, check_run_dir, run, tail
+from _family_e2e import check_synced, quickstart_data, run_replay, run_two_rollouts
 
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(900)]
@@ -47,26 +47,13 @@ def setup(request, tmp_path_factory) -> tuple[Path, Path, bool]:
     from miles.utils.tiny_qwen35 import build_tiny_qwen35_model
 
     d = tmp_path_factory.mktemp("qwen35")
-    log = d / "prepare.log"
-    check_ok(run(["bash", str(QUICKSTART / "prepare.sh"), str(d / "data")], log, timeout=300), log)
-    return d / "data", build_tiny_qwen35_model(d / "qwen35", vlm=request.param, mtp=request.param), request.param
+    return quickstart_data(d), build_tiny_qwen35_model(d / "qwen35", vlm=request.param, mtp=request.param), request.param
 
 
 def test_qwen35_moe_runs_two_rollouts_with_weight_check(setup, tmp_path: Path) -> None:
     data, model, mtp = setup
-    out, log = tmp_path / "run", tmp_path / "run.log"
     extra = ["--mtp-num-layers", "1", "--enable-mtp-training"] if mtp else []
-    cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", "train.py", *TINY_SHAPE, *RECORDED, *extra,
-           "--hf-checkpoint", str(model), "--prompt-data", str(data / "train.jsonl"), "--input-key", "input",
-           "--label-key", "label", "--rm-type", "quickstart", "--num-rollout", "2", "--rollout-batch-size", "4",
-           "--n-samples-per-prompt", "2", "--global-batch-size", "8", "--rollout-max-response-len", "4",
-           "--check-weight-update-equal", "--output-dir", str(out)]
-    check_ok(run(cmd, log, timeout=600), log)
-    recs = check_run_dir(out, num_rollout=2, num_ranks=2)
-    assert all(r["rollout/num_samples"] == 8 for r in recs)
-    text = log.read_text()
-    assert "TP 2 x PP 1 x DP 1" in text, text[-3000:]
-    assert text.count("--check-weight-update-equal: ") >= 3, text[-3000:]   # initial sync + one per rollout
+    recs, text = run_two_rollouts([*TINY_SHAPE, *RECORDED, *extra], model=model, data=data, tmp_path=tmp_path)
     if mtp:                             # the MTP layer trained (its loss logged) and left out of the engines' check
         assert all("train/mtp_loss" in r for r in recs), recs[0].keys()
         assert "MTP" in text, text[-3000:]
@@ -78,21 +65,11 @@ def test_recorded_qwen36_mtp_command_runs_two_rollouts(tmp_path: Path) -> None:
     through the replay tier's scaler (``miles_fixtures.tiny_replay``: the tiny model in the published layout with its
     MTP layer, 2 CPU ranks, EP 2, the SGLang-only flags dropped: the CPU world's engines are embedded ones): 2
     rollouts, the MTP loss trained, ``--check-weight-update-equal`` after every sync."""
-    import json
-    import os
-
     from miles_fixtures import HERE, PLUGIN_FOLDERS, tiny_replay
 
     replay = tiny_replay(HERE / "megatron_moe_qwen3_6_35b_a3b_mtp.flags", tmp_path, tmp_path / "models")
     log = tmp_path / "replay.log"
-    pythonpath = os.pathsep.join([str(Path(__file__).resolve().parents[2]), *map(str, PLUGIN_FOLDERS)])
-    result = run(["torchrun", "--standalone", "--nproc-per-node", str(replay.nproc), replay.entry, *replay.argv], log,
-                 timeout=600, PYTHONPATH=pythonpath)
-    scaled = "\n".join(f"  {flag}: {change}" for flag, change in replay.changed.items())
-    assert result.returncode == 0, f"scaled flags:\n{scaled}\nlog {log}:\n{tail(log)}"
-    out = Path(replay.argv[replay.argv.index("--output-dir") + 1])
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    assert [r["rollout_id"] for r in records] == [0, 1], records
+    records = run_replay(replay, log, *PLUGIN_FOLDERS)
     assert all("train/mtp_loss" in r for r in records), records[0].keys()
     assert "--sglang-ep-size" in replay.changed and "--spec" not in replay.changed, replay.changed
-    assert log.read_text().count("--check-weight-update-equal: ") >= 3, tail(log)
+    check_synced(log, layout=None)

@@ -149,9 +149,12 @@ def test_killed_trainer_rank_is_named_as_gone_by_the_survivor(tmp_path: Path, ti
     blocks = log.split("Traceback (most recent call last):")[1:]
     assert all("torch/distributed/run.py" in "".join(b.splitlines()[1:4]) for b in blocks), H.tail(job.log)
     print(f"{backend}: job ended {took:.2f}s after the rank's SIGKILL")
-    # measured 0.57-1.13 s from the SIGKILL to torchrun's exit, both backends (2-core CPU machine, 2026-12-06;
-    # `pytest tests/e2e/test_run_errors.py -k killed_trainer -s`)
-    assert took < 5, f"the job took {took:.1f}s to end after the SIGKILL"
+    # The behaviour checked: the job ends at once, not after a collective's timeout (--distributed-timeout-minutes,
+    # 10 min by default). Measured 0.57-1.13 s from the SIGKILL to torchrun's exit, both backends (idle 2-core CPU
+    # machine, 2026-12-06; `pytest tests/e2e/test_run_errors.py -k killed_trainer -s`), and 5.2 s (megatron) in
+    # `make test-real` at load average 10 the same day: the bound leaves room for a loaded CI box and is still 40x
+    # under the timeout it tells apart.
+    assert took < 15, f"the job took {took:.1f}s to end after the SIGKILL"
 
 
 # ---------------------------------------------------------------------------- start-up checks

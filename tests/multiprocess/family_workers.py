@@ -1,66 +1,133 @@
-"""Workers shared by the Megatron family tests (``test_megatron_<family>.py``): run under real torchrun by each
-test's ``__main__``. A family's tiny checkpoint goes through the Megatron backend's own path (``ModelShape`` from
-config.json, ``build_gpt_model``, ``convert.load_hf_into``, ``export.iter_hf_buckets``) and is compared with
-transformers' model of the same directory."""
+"""What the Megatron family tests (``test_megatron_<family>.py``) share: the workers their ``__main__`` runs under
+real torchrun, and the checks the tests make of what the workers write. A family's tiny checkpoint goes through the
+Megatron backend's own path (``ModelShape`` from config.json, ``build_gpt_model``, ``convert.load_hf_into``,
+``export.iter_hf_buckets``) and is compared with transformers' model of the same directory (``gpt_worker``, on GPU
+``gpu_worker``) and with the FSDP backend training the same rollouts (``parity_worker``); ``train_worker`` trains
+the Megatron trainer in one layout, ``compare_runs`` compares two layouts' runs.
+
+A family's test passes only what differs: its flags, its row length, how its checkpoint is named (``reference``),
+its bounds (with the measurement beside them); ``launch`` runs a worker and reads its result, ``check_export``,
+``check_grads_match``, ``check_parity`` and ``check_gpu_matches_hf`` assert what every family asserts."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+# every step metric the parity tests compare between the backends (relative 1e-5)
+METRICS = ("loss", "pg_loss", "entropy", "ppo_kl", "tis", "grad_norm", "num_samples", "num_tokens", "advantages_mean",
+           "kl_loss", "reward_kl_mean")
+
+
+# ------------------------------------------------------------------------------------------- in the ranks
+def hf_lm(model_dir: str, **kw):
+    """transformers' own model of ``model_dir``: its causal LM, or for a multimodal checkpoint whose model type has
+    none (Kimi-K2.5) its image-text-to-text model, run on text."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    causal = AutoConfig.from_pretrained(model_dir).model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return (AutoModelForCausalLM if causal else AutoModelForImageTextToText).from_pretrained(model_dir, **kw)
+
+
+def build_loaded(model_dir: str, *, tp: int, ep: int = 1, device, dtype=None, core_attention: str = "sdpa",
+                 mtp: bool = False, router_dtype: str | None = None):
+    """The Megatron backend's model of ``model_dir`` at TP ``tp`` (sequence parallel when > 1) x EP ``ep`` on
+    ``device``, its parameters in ``dtype`` (fp32; bf16 turns on megatron-core's bf16), loaded from the checkpoint
+    (the MoE layers configured by ``moe.config_kwargs`` as the trainer does). ``mtp``: the checkpoint's MTP layers
+    built too (frozen, as without --enable-mtp-training). Returns (model, shape, groups)."""
+    import torch
+
+    from miles.trainer.megatron import convert, model, moe, parallel
+    from miles.utils.model_dir import load_config
+
+    dtype = dtype or torch.float32
+    groups = parallel.init_parallel(tp_size=tp, num_trainer_ranks=tp * ep, seed=1, device=device, ep_size=ep)
+    shape = model.ModelShape.from_hf_config(load_config(model_dir))     # an aliased model_type registered
+    if mtp:
+        from dataclasses import replace
+
+        shape = replace(shape, mtp_num_layers=shape.nextn_layers)
+    kw = None
+    if shape.num_experts:
+        moe.apply_moe_compat()
+        if device.type == "cpu":
+            moe.apply_moe_cpu_compat()
+        kw = moe.config_kwargs(shape, moe.MoeOptions(router_dtype=router_dtype), ep=ep, etp=1, te=False)
+    padded = model.padded_vocab_size(shape.vocab_size, 128, tp)
+    config = model.transformer_config(shape, tp_size=tp, device=device, params_dtype=dtype, moe=kw,
+                                      bf16=dtype == torch.bfloat16, sequence_parallel=tp > 1)
+    gpt = model.build_gpt_model(shape, config, padded_vocab=padded, device=device, core_attention=core_attention)
+    convert.load_hf_into(gpt, convert.read_hf_state_dict(model_dir), shape, padded, groups.tp_rank, tp,
+                         ep_rank=groups.ep_rank, ep_size=ep)
+    return gpt, shape, groups
+
+
+def full_logits(gpt, shape, ids, pos, tp: int):
+    """The model's logits [b, s, vocab] on every TP rank: the sequence-parallel hidden states gathered, then the
+    vocab-parallel logits (both gathers sum the TP ranks' parts in the backward)."""
+    from miles.trainer.megatron import model
+
+    hidden = gpt(ids, pos, attention_mask=None)                       # [s / tp (sequence parallel), b, h]
+    if tp > 1:
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+        hidden = gather_from_sequence_parallel_region(hidden)
+    logits = hidden.transpose(0, 1) @ model.output_weight(gpt).t()    # [b, s, V / tp]
+    if tp > 1:
+        from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+        logits = gather_from_tensor_model_parallel_region(logits)
+    return logits[..., :shape.vocab_size]
+
+
+def hf_grads(gpt, shape, groups, device, frozen: str = "weight") -> dict:
+    """The full gradients under HF names: the export of each ``p.grad`` in place of ``p`` (the model is left
+    holding them). A parameter without a gradient (a frozen one: DeepSeek-V4's, DSA's indexer) exports its weight
+    (``frozen`` "weight") or zeros ("zero")."""
+    import torch
+
+    from miles.trainer.megatron import export
+
+    with torch.no_grad():
+        for p in gpt.parameters():
+            if p.grad is not None or frozen == "zero":
+                p.data, p.grad = (p.grad if p.grad is not None else torch.zeros_like(p)), p.data
+        return {n: t.clone() for bucket in export.iter_hf_buckets(gpt, shape, groups, device=device,
+                                                                  bucket_bytes=1 << 14) for n, t in bucket}
+
 
 def gpt_worker(model_dir: str, out: str, ep: int = 1, seq: int = 20, mtp: bool = False,
-               reference: str = "disk") -> None:
+               reference: str = "disk", text_vocab: int | None = None, *, attn_implementation: str | None = "eager",
+               frozen: str = "weight") -> None:
     """TP = world size (``ep`` 1), or TP 1 x EP = world size (the experts split over the ranks, all-to-all); 2 rows
-    of ``seq`` random tokens. Writes to ``out`` (json): the logits' max distance to transformers' (fp32, eager),
-    whether every gradient is finite, the exported HF names and those equal to the checkpoint bit for bit; at EP 1
-    the full gradients under HF names beside it (``<out>.grads.safetensors``); ``max_lp_err``: the log-probs' distance. ``mtp``: the checkpoint's MTP layers
-    are built too (frozen, as without --enable-mtp-training) and exported. ``reference`` "transformers": the export is
-    compared with the state dict transformers loads (a checkpoint named otherwise than transformers names its modules:
-    DeepSeek-V4's) rather than the safetensors file."""
+    of ``seq`` random tokens. Writes to ``out`` (json): the logits' max distance to transformers' (fp32,
+    ``attn_implementation``) and the log-probs' (``max_lp_err``), whether every gradient is finite, the exported HF
+    names and those equal to the checkpoint bit for bit; at EP 1 the full gradients under HF names beside it
+    (``<out>.grads.safetensors``, ``hf_grads`` with ``frozen``). ``mtp``: the checkpoint's MTP layers are built too
+    and exported. ``reference`` "transformers": the export is compared with the state dict transformers loads (a
+    checkpoint named otherwise than transformers names its modules: DeepSeek-V4's) rather than the safetensors
+    file. ``text_vocab``: the token ids drawn stay below it (a multimodal checkpoint's image / video ids, which
+    transformers embeds otherwise, above)."""
     import torch
     import torch.distributed as dist
     from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from miles.trainer.megatron import convert, export, model, moe, parallel
+    from miles.trainer.megatron import export, parallel
 
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     tp = world // ep
     cpu = torch.device("cpu")
-    groups = parallel.init_parallel(tp_size=tp, num_trainer_ranks=world, seed=1, device=cpu, ep_size=ep)
-    moe.apply_moe_compat()
-    moe.apply_moe_cpu_compat()
-    shape = model.ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir))
-    if mtp:
-        from dataclasses import replace
-
-        shape = replace(shape, mtp_num_layers=shape.nextn_layers)
-    padded = model.padded_vocab_size(shape.vocab_size, 128, tp)
-    kw = moe.config_kwargs(shape, moe.MoeOptions(), ep=ep, etp=1, te=False)
-    config = model.transformer_config(shape, tp_size=tp, device=cpu, moe=kw, sequence_parallel=tp > 1)
-    gpt = model.build_gpt_model(shape, config, padded_vocab=padded, device=cpu)
-    hf_sd = convert.read_hf_state_dict(model_dir)
-    convert.load_hf_into(gpt, hf_sd, shape, padded, groups.tp_rank, tp, ep_rank=groups.ep_rank, ep_size=ep)
+    gpt, shape, groups = build_loaded(model_dir, tp=tp, ep=ep, device=cpu, mtp=mtp)
 
     torch.manual_seed(0)
-    ids = torch.randint(4, shape.vocab_size, (2, seq))
+    ids = torch.randint(4, text_vocab or shape.vocab_size, (2, seq))
     pos = torch.arange(seq).unsqueeze(0).expand(2, -1)
-    hidden = gpt(ids, pos, attention_mask=None)                       # [s / tp (sequence parallel), b, h]
-    if tp > 1:
-        from megatron.core.tensor_parallel.mappings import (
-            gather_from_sequence_parallel_region,
-            gather_from_tensor_model_parallel_region,
-        )
-
-        hidden = gather_from_sequence_parallel_region(hidden)
-    local = hidden.transpose(0, 1) @ model.output_weight(gpt).t()     # [b, s, V / tp]
-    full = gather_from_tensor_model_parallel_region(local) if tp > 1 else local
-    logits = full[..., :shape.vocab_size]
-    logits.square().mean().backward()
+    logits = full_logits(gpt, shape, ids, pos, tp)
+    logits.square().mean().backward()                                 # the same loss on every TP rank
     if ep == 1:
-        parallel.finish_grads(gpt, groups)
+        parallel.finish_grads(gpt, groups)                            # TP sums (sequence-parallel norms, router)
     grads_ok = all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in gpt.parameters()
                    if p.requires_grad)
     no_grad = [n for n, p in gpt.named_parameters() if p.grad is None]      # (EP: no finish_grads zero-fill)
@@ -69,20 +136,16 @@ def gpt_worker(model_dir: str, out: str, ep: int = 1, seq: int = 20, mtp: bool =
 
     exported = [pair for bucket in export.iter_hf_buckets(gpt, shape, groups, device=cpu, bucket_bytes=1 << 14)
                 for pair in bucket]
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    hf = hf_lm(model_dir, dtype=torch.float32, attn_implementation=attn_implementation)
     disk = load_file(str(Path(model_dir) / "model.safetensors")) if reference == "disk" else {
         n: t.detach().clone() for n, t in hf.state_dict().items()}
     same = [n for n, t in exported if n in disk and disk[n].dtype == t.dtype and torch.equal(disk[n], t)]
-    with torch.no_grad():                  # the full gradients in HF names: the export of p.grad in place of p
-        for p in gpt.parameters() if ep == 1 and not mtp else ():
-            if p.grad is not None:         # (a frozen parameter, DeepSeek-V4's indexer: its weight stands in)
-                p.data, p.grad = p.grad, p.data
-        grads = {n: t.clone() for bucket in export.iter_hf_buckets(gpt, shape, groups, device=cpu, bucket_bytes=1 << 14)
-                 for n, t in bucket}
-    if rank == 0 and ep == 1 and not mtp:
-        from safetensors.torch import save_file
+    if ep == 1 and not mtp:
+        grads = hf_grads(gpt, shape, groups, cpu, frozen)
+        if rank == 0:
+            from safetensors.torch import save_file
 
-        save_file(grads, str(Path(out).with_suffix(".grads.safetensors")))
+            save_file(grads, str(Path(out).with_suffix(".grads.safetensors")))
 
     with torch.no_grad():
         ref = hf(input_ids=ids).logits
@@ -96,15 +159,56 @@ def gpt_worker(model_dir: str, out: str, ep: int = 1, seq: int = 20, mtp: bool =
     dist.destroy_process_group()
 
 
-def parity_worker(model_dir: str, out: str, megatron_flags: tuple[str, ...] = (), tp: int = 2) -> None:
+def gpu_worker(model_dir: str, out: str, seq: int = 20, text_vocab: int | None = None, *,
+               attn_implementation: str | None = "eager", router_dtype: str | None = None, info=None) -> None:
+    """One rank on GPU 0 (NCCL), bf16 parameters, TP 1: the Megatron model's logits and log-probs against
+    transformers' own model (``attn_implementation``, bf16, and fp32 for the scale of bf16 rounding) on the same rows
+    (``text_vocab``: as ``gpt_worker``'s). ``router_dtype``: --moe-router-dtype; ``info()``: more entries for
+    ``out``, computed after the forwards."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl")
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    gpt, shape, _ = build_loaded(model_dir, tp=1, device=dev, dtype=torch.bfloat16, router_dtype=router_dtype)
+    torch.manual_seed(0)
+    ids = torch.randint(4, text_vocab or shape.vocab_size, (2, seq), device=dev)
+    pos = torch.arange(seq, device=dev).unsqueeze(0).expand(2, -1)
+    with torch.no_grad():
+        logits = full_logits(gpt, shape, ids, pos, 1).float()
+        hf = hf_lm(model_dir, dtype=torch.bfloat16, attn_implementation=attn_implementation).to(dev)
+        ref = hf(input_ids=ids).logits.float()
+        hf32 = hf_lm(model_dir, dtype=torch.float32, attn_implementation=attn_implementation).to(dev)
+        ref32 = hf32(input_ids=ids).logits
+    lp, ref_lp, ref32_lp = (torch.log_softmax(x, -1) for x in (logits, ref, ref32))
+    Path(out).write_text(json.dumps({"max_abs_err": float((logits - ref).abs().max()),
+                                     "hf_bf16_vs_fp32": float((ref - ref32).abs().max()),
+                                     "ref_scale": float(ref32.abs().max()),
+                                     "max_lp_err": float((lp - ref_lp).abs().max()),
+                                     "hf_lp_bf16_vs_fp32": float((ref_lp - ref32_lp).abs().max()),
+                                     **(info() if info else {})}))
+    dist.destroy_process_group()
+
+
+def parity_worker(model_dir: str, out: str, megatron_flags: tuple[str, ...] = (), tp: int = 2, *,
+                  flags: tuple[str, ...] = (), reference: str = "disk", saved: str = "transformers",
+                  bf16_export: bool = True, vlm: bool = False, split_fsdp_experts: bool = False) -> None:
     """2 ranks: the FSDP backend (transformers' model under FSDP2, DP 2) and the Megatron trainer (TP ``tp``,
-    sequence parallel, ``megatron_flags``) train the same 2 rollouts from ``model_dir``. Saves to ``out`` (torch.save): both
-    backends' log-probs' distance before training, step metrics, the update's distance, the export against the
-    checkpoint (fp32 and bf16), ``--save-hf`` reloaded in transformers, a torch_dist checkpoint resumed bitwise."""
+    sequence parallel, ``megatron_flags``) train the same 2 rollouts from ``model_dir`` (``flags``: to both). Saves
+    to ``out`` (torch.save): both backends' log-probs' distance before training, step metrics, the update's distance
+    (over the tensors both export), the names only one backend exports, the Megatron export before training
+    against the checkpoint (``reference`` "disk": its safetensors; "transformers": the state dict transformers
+    loads; fp32, and bf16 with ``bf16_export``), ``--save-hf`` (``saved`` "transformers": reloaded by transformers;
+    "disk": the safetensors written, transformers loading them), a torch_dist checkpoint resumed bitwise.
+    ``vlm``: a multimodal checkpoint trained text-only (the FSDP samples without images; the text decoder's tensors,
+    ``model.language_model.*``, compared; ``--save-hf`` holds the towers as they were). ``split_fsdp_experts``:
+    the FSDP export's fused experts split per expert before the comparison."""
     import torch
     import torch.distributed as dist
     from safetensors.torch import load_file
     from test_megatron import _all_logprobs, _flags
+    from test_megatron_moe import split_fused_experts
     from trainer_harness import build, random_samples
 
     dist.init_process_group("gloo")
@@ -112,82 +216,175 @@ def parity_worker(model_dir: str, out: str, megatron_flags: tuple[str, ...] = ()
     samples = random_samples(4, 4, seed=7, vocab=90)
     mine = samples[:8] if rank == 0 else samples[8:]
     res: dict = {}
-    fsdp = build(model_dir, _flags("fsdp", 1), group=group)
-    res["fsdp_attention"] = fsdp.model.lm.config._attn_implementation if hasattr(fsdp.model, "lm") else None
+    fsdp = build(model_dir, _flags("fsdp", 1) + list(flags), group=group)
+    if vlm:
+        fsdp._mm = [None] * len(samples)                # a VLM on FSDP: these samples have no images (as train sets)
     fsdp_lp = _all_logprobs(fsdp, samples)
     res["fsdp_metrics"] = [fsdp.train(mine, rid) for rid in range(2)]
     fsdp_sd = fsdp.state_dict_for_check()
+    if split_fsdp_experts:
+        fsdp_sd = split_fused_experts(fsdp_sd)
     del fsdp
-    flags = ("--sequence-parallel", *megatron_flags, "--save", str(Path(out).parent / "ckpt"))
-    meg = build(model_dir, _flags("megatron", tp, megatron_flags=flags), group=group)
+    hf_out = Path(out).parent / "hf_out"
+    meg_flags = ("--sequence-parallel", *megatron_flags, "--save", str(Path(out).parent / "ckpt"))
+    meg = build(model_dir, _flags("megatron", tp, megatron_flags=meg_flags) + list(flags), group=group)
     init = meg.state_dict_for_check()
-    init_bf16 = {n: t.detach().cpu().clone() for b in meg.iter_weight_buckets(4096, torch.bfloat16) for n, t in b}
+    if bf16_export:
+        init_bf16 = {n: t.detach().cpu().clone() for b in meg.iter_weight_buckets(4096, torch.bfloat16) for n, t in b}
     meg_lp = _all_logprobs(meg, samples)
     res["meg_metrics"] = [meg.train(mine, rid) for rid in range(2)]
     meg_sd = meg.state_dict_for_check()
-    meg.save_hf(Path(out).parent / "hf_out")
+    meg.save_hf(hf_out)
     meg.checkpoint(1, {"rollout_id": 1})
     meg.train(mine, 2)                                  # move away, then load the checkpoint back
     res["resumed_extra"] = meg.resume()
     reloaded = meg.state_dict_for_check()
     if rank == 0:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-        hf = load_file(str(Path(model_dir) / "model.safetensors"))
+        auto = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
+        ref = load_file(str(Path(model_dir) / "model.safetensors")) if reference == "disk" else {
+            n: t.detach() for n, t in auto.from_pretrained(model_dir).state_dict().items()}
+        trained = sorted(k for k in ref if k.startswith("model.language_model." if vlm else ""))
         res["ckpt_reload_bitwise"] = sorted(reloaded) == sorted(meg_sd) and all(
             torch.equal(reloaded[k], meg_sd[k]) for k in meg_sd)
-        hf_model = AutoModelForCausalLM.from_pretrained(Path(out).parent / "hf_out")
-        saved = {n: t.detach().cpu() for n, t in hf_model.state_dict().items()}
-        if sorted(saved) != sorted(meg_sd):        # transformers 5 fuses per-expert checkpoints' experts on load
-            from test_megatron_moe import split_fused_experts
-
-            saved = split_fused_experts(saved)
-        res["save_hf_equal"] = sorted(saved) == sorted(meg_sd) and all(torch.equal(saved[k], meg_sd[k]) for k in meg_sd)
-        res["export_keys_equal"] = sorted(init) == sorted(hf) == sorted(meg_sd) == sorted(fsdp_sd)
-        res["export_bitwise"] = all(torch.equal(init[k], hf[k]) for k in hf)
-        res["export_bf16_bitwise"] = all(torch.equal(init_bf16[k], hf[k].bfloat16()) for k in hf)
-        keys = sorted(fsdp_sd)
-        deltas = {k: ((meg_sd[k] - hf[k]) - (fsdp_sd[k] - hf[k])).abs().max().item() for k in keys}
-        res["update_max_abs_diff"], res["update_worst"] = max(deltas.values()), max(deltas, key=deltas.get)
-        num = sum(((meg_sd[k] - fsdp_sd[k]).double() ** 2).sum().item() for k in keys)
-        den = sum(((fsdp_sd[k] - hf[k]).double() ** 2).sum().item() for k in keys)
-        res["update_rel_l2"] = (num / den) ** 0.5
+        if saved == "disk":
+            saved_sd = load_file(str(hf_out / "model.safetensors"))
+            auto.from_pretrained(hf_out)               # transformers loads what we wrote
+        else:
+            saved_sd = {n: t.detach().cpu() for n, t in auto.from_pretrained(hf_out).state_dict().items()}
+            if not vlm and sorted(saved_sd) != sorted(meg_sd):   # transformers 5 fuses per-expert checkpoints'
+                saved_sd = split_fused_experts(saved_sd)         # experts on load
+        if vlm:                                        # the trained text decoder, the towers as they were
+            res["save_hf_equal"] = all(torch.equal(saved_sd[k], meg_sd[k]) for k in meg_sd)
+            on_disk = load_file(str(hf_out / "model.safetensors"))
+            res["save_hf_keys_equal"] = sorted(on_disk) == sorted(ref)
+            res["save_hf_towers_equal"] = all(torch.equal(on_disk[k], ref[k]) for k in ref if k not in meg_sd)
+        else:
+            res["save_hf_equal"] = sorted(saved_sd) == sorted(meg_sd) and all(
+                torch.equal(saved_sd[k], meg_sd[k]) for k in meg_sd)
+        res["export_keys_equal"] = sorted(init) == trained == sorted(meg_sd)
+        res["export_bitwise"] = all(torch.equal(init[k], ref[k]) for k in trained)
+        if bf16_export:
+            res["export_bf16_bitwise"] = all(torch.equal(init_bf16[k], ref[k].bfloat16()) for k in trained)
+        # the FSDP backend exports parameters only (a buffer never trained stays with the checkpoint)
+        res["meg_keys"] = sorted(meg_sd)
+        res["fsdp_missing"] = sorted(set(meg_sd) - set(fsdp_sd))
+        res["fsdp_extra"] = sorted(set(fsdp_sd) - set(meg_sd))
+        res["fsdp_missing_unchanged"] = all(k in ref and torch.equal(meg_sd[k], ref[k]) for k in res["fsdp_missing"])
+        keys = sorted(set(meg_sd) & set(fsdp_sd) & set(ref))
+        if keys:                                        # (absent, so a test that bounds them fails, without any)
+            deltas = {k: ((meg_sd[k] - ref[k]) - (fsdp_sd[k] - ref[k])).abs().max().item() for k in keys}
+            res["update_max_abs_diff"], res["update_worst"] = max(deltas.values()), max(deltas, key=deltas.get)
+            num = sum(((meg_sd[k] - fsdp_sd[k]).double() ** 2).sum().item() for k in keys)
+            den = sum(((fsdp_sd[k] - ref[k]).double() ** 2).sum().item() for k in keys)
+            res["update_rel_l2"] = (num / den) ** 0.5
         res["lp_max_abs_diff"] = max((a - b).abs().max().item() for a, b in zip(fsdp_lp, meg_lp))
         torch.save(res, out)
     dist.destroy_process_group()
 
 
-def gpu_worker(model_dir: str, out: str, seq: int = 20) -> None:
-    """One rank on GPU 0 (NCCL), bf16 parameters, TP 1: the Megatron GPTModel's logits against transformers' own
-    model (eager attention, bf16, and fp32 for the scale of bf16 rounding) on the same rows."""
+def train_worker(model_dir: str, out: str, megatron_flags: str = "") -> None:
+    """The Megatron trainer of ``megatron_flags`` (comma-separated, after ``test_megatron._flags``' TP 1) trains 2
+    rollouts of 4 prompts x 4 samples, split evenly over the ranks in order (the model-parallel group gathers them
+    back in that order, so runs of any layout with DP 1 train the same micro-batches). Saves to ``out`` from rank 0
+    (torch.save): the log-probs before training, the step metrics, the weights before and after (HF names)."""
     import torch
     import torch.distributed as dist
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from test_megatron import _all_logprobs, _flags
+    from trainer_harness import build, random_samples
 
-    from miles.trainer.megatron import convert, model, moe, parallel
-
-    dist.init_process_group("nccl")
-    dev = torch.device("cuda", 0)
-    torch.cuda.set_device(dev)
-    parallel.init_parallel(tp_size=1, num_trainer_ranks=1, seed=1, device=dev)
-    moe.apply_moe_compat()
-    shape = model.ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir))
-    padded = model.padded_vocab_size(shape.vocab_size, 128, 1)
-    kw = moe.config_kwargs(shape, moe.MoeOptions(), ep=1, etp=1, te=False)
-    config = model.transformer_config(shape, tp_size=1, device=dev, moe=kw, params_dtype=torch.bfloat16, bf16=True)
-    gpt = model.build_gpt_model(shape, config, padded_vocab=padded, device=dev)
-    convert.load_hf_into(gpt, convert.read_hf_state_dict(model_dir), shape, padded, 0, 1)
-    torch.manual_seed(0)
-    ids = torch.randint(4, shape.vocab_size, (2, seq), device=dev)
-    pos = torch.arange(seq, device=dev).unsqueeze(0).expand(2, -1)
-    with torch.no_grad():
-        hidden = gpt(ids, pos, attention_mask=None)
-        logits = (hidden.transpose(0, 1) @ model.output_weight(gpt).t())[..., :shape.vocab_size].float()
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="eager").to(dev)
-        ref = hf(input_ids=ids).logits.float()
-        hf32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").to(dev)
-        ref32 = hf32(input_ids=ids).logits
-    Path(out).write_text(json.dumps({"max_abs_err": float((logits - ref).abs().max()),
-                                     "hf_bf16_vs_fp32": float((ref - ref32).abs().max()),
-                                     "ref_scale": float(ref32.abs().max())}))
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    samples = random_samples(4, 4, seed=7, vocab=90)
+    per = len(samples) // world
+    mine = samples[per * rank:per * (rank + 1)]
+    tr = build(model_dir, _flags("megatron", 1, megatron_flags=tuple(f for f in megatron_flags.split(",") if f)))
+    res = {"init": tr.state_dict_for_check(), "lp": _all_logprobs(tr, samples)}
+    res["metrics"] = [tr.train(mine, rid) for rid in range(2)]
+    res["final"] = tr.state_dict_for_check()
+    res["layout"] = (tr.groups.tp_size, tr.groups.pp_size, tr.groups.dp_size, tr._sequence_parallel)
+    if rank == 0:
+        torch.save(res, out)
     dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------- in the tests
+def launch(script: Path, nproc: int, port: int, worker: str, model_dir, out: Path, *args, timeout: int = 300):
+    """Run ``script``'s ``worker`` on ``nproc`` ranks (``_torchrun.torchrun_self``: the script's ``__main__``
+    gets ``worker model_dir out *args``) and return what it wrote to ``out`` (json, else torch.save)."""
+    from _torchrun import torchrun_self
+
+    proc = torchrun_self(script, nproc, port, worker, str(model_dir), str(out), *map(str, args), timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    if out.suffix == ".json":
+        return json.loads(out.read_text())
+    import torch
+
+    return torch.load(out, weights_only=False)
+
+
+def check_export(res: dict) -> None:
+    """A ``gpt_worker`` result: the export holds every tensor of the checkpoint once, under its name, bit for bit."""
+    assert sorted(res["exported"]) == res["disk"] and len(res["exported"]) == len(set(res["exported"]))
+    assert sorted(res["same"]) == res["disk"], sorted(set(res["disk"]) - set(res["same"]))       # bit for bit
+
+
+def check_grads_match(one: dict, two: dict, rel: float, *, floor: float = 0.0, scale_floor: float = 0.0) -> None:
+    """TP 2's gradients (``two``, HF names) against TP 1's (``one``): each tensor's max distance within ``rel`` of
+    its largest entry, that floored at ``floor`` and at ``scale_floor`` times the model's largest gradient entry
+    (the gradients that cancel to near zero differ by fp32 rounding of the larger terms)."""
+    assert one.keys() == two.keys()
+    scale = max(float(g.double().abs().max()) for g in one.values())
+    err = {n: float((two[n].double() - g.double()).abs().max()) for n, g in one.items()}
+    den = {n: max(float(g.double().abs().max()), floor, scale_floor * scale) for n, g in one.items()}
+    worst = max(one, key=lambda n: err[n] - rel * den[n])
+    assert err[worst] <= rel * den[worst], (worst, err[worst], den[worst])
+
+
+def check_parity(res: dict, *, lp_bound: float, update_bound: float | None = None, rel_bound: float | None = None,
+                 metrics: tuple[str, ...] = METRICS, bf16: bool = True) -> None:
+    """A ``parity_worker`` result: the export before training is the checkpoint (fp32; bf16 with ``bf16``),
+    ``--save-hf`` and the torch_dist checkpoint round trips hold, the log-probs before training are within
+    ``lp_bound``, the step ``metrics`` within 1e-5 relative, and (with ``update_bound``) the update after 2 steps
+    within ``update_bound`` (max abs) and ``rel_bound`` (relative L2)."""
+    assert res["export_keys_equal"] and res["export_bitwise"], res
+    assert not bf16 or res["export_bf16_bitwise"], res
+    assert res["save_hf_equal"] and res["ckpt_reload_bitwise"] and res["resumed_extra"]["rollout_id"] == 1, res
+    assert res["lp_max_abs_diff"] < lp_bound, res
+    for f, m in zip(res["fsdp_metrics"], res["meg_metrics"]):
+        for key in metrics:
+            assert abs(f[key] - m[key]) <= 1e-5 * max(1.0, abs(f[key])), (key, f[key], m[key])
+    if update_bound is not None:
+        assert res["update_max_abs_diff"] < update_bound and res["update_rel_l2"] < rel_bound, res
+
+
+def check_gpu_matches_hf(script: Path, model_dir, out: Path, port: int, label: str = "") -> dict:
+    """``script``'s ``gpu`` worker (``gpu_worker``) on one GPU: Megatron's bf16 logits are as far from
+    transformers' bf16 logits as transformers' own bf16 logits are from its fp32 ones, within a factor of 2 (both
+    are bf16 roundings of the same function; a wrong layout gives > 1e-2 in fp32 already). Skips without a GPU."""
+    import pytest
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    res = launch(script, 1, port, "gpu", model_dir, out)
+    print(label, res)
+    assert res["max_abs_err"] <= 2 * max(res["hf_bf16_vs_fp32"], 1e-3), res
+    return res
+
+
+def compare_runs(a: dict, b: dict) -> dict:
+    """Two ``train_worker`` results: the log-probs' max distance, each step metric's largest relative distance,
+    the updates' max distance and their distance relative to ``a``'s update (L2)."""
+    keys = sorted(a["final"])
+    assert keys == sorted(b["final"]) == sorted(a["init"]) and all(a["init"][k].equal(b["init"][k]) for k in keys)
+    upd = {k: ((b["final"][k] - b["init"][k]) - (a["final"][k] - a["init"][k])).abs().max().item() for k in keys}
+    num = sum(((b["final"][k] - a["final"][k]).double() ** 2).sum().item() for k in keys)
+    den = sum(((a["final"][k] - a["init"][k]).double() ** 2).sum().item() for k in keys)
+    metric = {key: max(abs(ma[key] - mb[key]) / max(1.0, abs(ma[key])) for ma, mb in zip(a["metrics"], b["metrics"]))
+              for key in ("loss", "pg_loss", "entropy", "ppo_kl", "tis", "grad_norm", "num_tokens", "kl_loss")}
+    return {"lp_max_abs_diff": max((x - y).abs().max().item() for x, y in zip(a["lp"], b["lp"])),
+            "metric_rel": metric, "update_max_abs_diff": max(upd.values()), "update_worst": max(upd, key=upd.get),
+            "update_max_abs": max((a["final"][k] - a["init"][k]).abs().max().item() for k in keys),
+            "update_rel_l2": (num / den) ** 0.5}

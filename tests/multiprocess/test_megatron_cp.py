@@ -170,8 +170,6 @@ REFUSED = {          # checked without a world, as the preflight and --dry-run d
     "--context-parallel-size,2,--cp-comm-type,a2a+p2p": "--cp-comm-type a2a+p2p (hierarchical",
     "--context-parallel-size,2,--attention-backend,unfused": "--attention-backend unfused",
     "--context-parallel-size,2,--cp-comm-type,p2p,a2a": "--cp-comm-type p2p a2a: one value per layer",
-    "--context-parallel-size,2,--pipeline-model-parallel-size,2": "--context-parallel-size 2 with "
-                                                                   "--pipeline-model-parallel-size 2",
     # a2a splits a TP rank's heads over CP: 2 KV heads / TP 2 = 1 cannot be split over CP 2
     "--tensor-model-parallel-size,2,--context-parallel-size,2,--cp-comm-type,a2a": "2 attention heads and 1 KV heads",
 }

@@ -1,7 +1,8 @@
 """DeepSeek sparse attention (tiny GLM-5 ``glm_moe_dsa``, DeepSeek-V3.2 ``deepseek_v32``, GLM-5.2's shared top-k
 layers; ``miles.utils.tiny_dsa``) on the Megatron backend, on real gloo ranks (torchrun, CPU). The workers are
-test_megatron_mla.py's (every family goes through the registry, ``miles/trainer/megatron/families/``), run here on
-the DSA checkpoints:
+family_workers.py's (every family goes through the registry, ``miles/trainer/megatron/families/``), run here as
+test_megatron_mla.py runs them on the MLA checkpoints (12-token rows, transformers' default attention, the frozen
+indexer's gradient exported as zeros, the FSDP export's experts split per expert):
 
 ``test_dsa_gpt_matches_hf``: megatron-core's MLA with its ``DSAttention`` / ``DSAIndexer`` core attention (our torch
 Hadamard transform, the indexer weights permuted to megatron-core's head layout) built from config.json and loaded
@@ -24,28 +25,22 @@ bitwise.
 
 from __future__ import annotations
 
-import json
-import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from _torchrun import torchrun_self
+from family_workers import check_export, check_gpu_matches_hf, check_grads_match, check_parity, launch
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.multiprocess
 
 HERE = Path(__file__).resolve()
-MLA_WORKERS = HERE.with_name("test_megatron_mla.py")          # its "gpt" and "parity" workers
-GPU_WORKER = HERE.with_name("test_megatron_gpt_oss.py")       # its "gpu" worker (bf16, TP 1, eager transformers)
+SEQ = 12
 
 # fp32 rounding of another op order only: measured 1.2e-7 .. 1.8e-7 (GLM-5, DeepSeek-V3.2, GLM-5.2's shared layers;
 # TP 1, TP 2; EP 2: 1.2e-7, 1.3e-7) of logits up to 0.58 (python -m pytest -s tests/multiprocess/test_megatron_dsa.py -k gpt_matches);
 # the indexer's rope layout of the other family gives 0.23, a dense attention in place of the top-k 0.18
 BOUND = 4e-7
-
-
-def _torchrun(script: Path, nproc: int, port: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return torchrun_self(script, nproc, port, *args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +72,14 @@ def tiny_glm52_dir(tmp_path_factory) -> Path:
 FAMILY_DIRS = {"glm5": "tiny_glm5_dir", "dsv32": "tiny_dsv32_dir", "glm52": "tiny_glm52_dir"}
 
 
+def _gpt(model_dir: Path, out: Path, port: int, nproc: int, *args: str) -> dict:
+    res = launch(HERE, nproc, port, "gpt", model_dir, out, *args)
+    assert res["grads_ok"], res
+    assert res["max_abs_err"] < BOUND, (nproc, args, res["max_abs_err"])
+    check_export(res)                                            # bit for bit, the indexer's permutation undone
+    return res
+
+
 @pytest.mark.parametrize("family", ["glm5", "dsv32", "glm52"])
 def test_dsa_gpt_matches_hf(request, tmp_path: Path, free_port: int, family: str) -> None:
     from safetensors.torch import load_file
@@ -85,51 +88,25 @@ def test_dsa_gpt_matches_hf(request, tmp_path: Path, free_port: int, family: str
     grads = {}
     for tp in (1, 2):
         out = tmp_path / f"gpt_tp{tp}.json"
-        proc = _torchrun(MLA_WORKERS, tp, free_port + tp - 1, "gpt", str(model_dir), str(out))
-        assert proc.returncode == 0, proc.stdout[-4000:]
-        res = json.loads(out.read_text())
-        assert res["grads_ok"], res
+        res = _gpt(model_dir, out, free_port + tp - 1, tp)
         print(family, tp, res["max_abs_err"], res["ref_scale"])
-        assert res["max_abs_err"] < BOUND, (tp, res["max_abs_err"])
-        assert sorted(res["exported"]) == res["disk"] and len(res["exported"]) == len(set(res["exported"]))
-        assert sorted(res["same"]) == res["disk"]                # bit for bit, the indexer's permutation undone
         assert any(".self_attn.indexer.wq_b." in n for n in res["same"])
         grads[tp] = load_file(str(out.with_suffix(".grads.safetensors")))
-    assert grads[1].keys() == grads[2].keys()
-    for name, g in grads[1].items():
-        err = float((grads[2][name] - g).abs().max())
-        assert err <= 1e-5 * max(float(g.abs().max()), 1e-6), (name, err, float(g.abs().max()))
-        if ".indexer." in name:                                  # frozen: no gradient (exported as zeros)
-            assert not g.any(), name
+    check_grads_match(grads[1], grads[2], 1e-5, floor=1e-6)
+    frozen = [name for name in grads[1] if ".indexer." in name]
+    assert frozen and not any(grads[1][name].any() for name in frozen)    # frozen: no gradient (exported as zeros)
 
 
 @pytest.mark.parametrize("family", ["glm5", "dsv32"])
 def test_dsa_expert_parallel_matches_hf(request, tmp_path: Path, free_port: int, family: str) -> None:
-    out = tmp_path / "gpt_ep2.json"
-    proc = _torchrun(MLA_WORKERS, 2, free_port, "gpt", str(request.getfixturevalue(FAMILY_DIRS[family])), str(out), "2")
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    res = json.loads(out.read_text())
+    res = _gpt(request.getfixturevalue(FAMILY_DIRS[family]), tmp_path / "gpt_ep2.json", free_port, 2, "2")
     print(family, "ep2", res["max_abs_err"])
-    assert res["grads_ok"] and res["max_abs_err"] < BOUND, res["max_abs_err"]
-    assert sorted(res["exported"]) == res["disk"] and sorted(res["same"]) == res["disk"]
 
 
 def test_dsa_trainer_parity_with_fsdp(tiny_glm5_dir: Path, tmp_path: Path, free_port: int) -> None:
-    import torch
-
-    out = tmp_path / "parity.pt"
-    proc = _torchrun(MLA_WORKERS, 2, free_port, "parity", str(tiny_glm5_dir), str(out), timeout=600)
-    assert proc.returncode == 0, proc.stdout[-5000:]
-    res = torch.load(out, weights_only=False)
+    res = launch(HERE, 2, free_port, "parity", tiny_glm5_dir, tmp_path / "parity.pt", timeout=600)
     print({k: res[k] for k in ("lp_max_abs_diff", "update_max_abs_diff", "update_rel_l2", "update_worst")})
-    assert res["export_keys_equal"] and res["export_bitwise"] and res["export_bf16_bitwise"], res
-    assert res["save_hf_equal"] and res["ckpt_reload_bitwise"] and res["resumed_extra"]["rollout_id"] == 1, res
-    assert res["lp_max_abs_diff"] < LP_BOUND, res
-    for f, m in zip(res["fsdp_metrics"], res["meg_metrics"]):
-        for key in ("loss", "pg_loss", "entropy", "ppo_kl", "tis", "grad_norm", "num_samples", "num_tokens",
-                    "advantages_mean", "kl_loss", "reward_kl_mean"):
-            assert abs(f[key] - m[key]) <= 1e-5 * max(1.0, abs(f[key])), (key, f[key], m[key])
-    assert res["update_max_abs_diff"] < UPDATE_BOUND and res["update_rel_l2"] < REL_BOUND, res
+    check_parity(res, lp_bound=LP_BOUND, update_bound=UPDATE_BOUND, rel_bound=REL_BOUND)
 
 
 # measured (python -m pytest -s tests/multiprocess/test_megatron_dsa.py -k trainer_parity): log-probs 4.8e-7 apart,
@@ -143,16 +120,7 @@ def test_dsa_matches_hf_on_gpu_bf16(request, tmp_path: Path, free_port: int, fam
     """bf16 on one GPU (the indexer's Hadamard transform by fast_hadamard_transform where it imports): Megatron's
     logits are as far from transformers' bf16 logits as transformers' own bf16 logits are from its fp32 ones, within
     a factor of 2."""
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs a GPU")
-    out = tmp_path / "gpu.json"
-    proc = _torchrun(GPU_WORKER, 1, free_port, "gpu", str(request.getfixturevalue(FAMILY_DIRS[family])), str(out))
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    res = json.loads(out.read_text())
-    print(family, res)
-    assert res["max_abs_err"] <= 2 * max(res["hf_bf16_vs_fp32"], 1e-3), res
+    check_gpu_matches_hf(HERE, request.getfixturevalue(FAMILY_DIRS[family]), tmp_path / "gpu.json", free_port, family)
 
 
 @pytest.mark.parametrize("family", ["glm5", "dsv32"])
@@ -177,3 +145,17 @@ def test_embedded_engine_serves_dsa(request, tmp_path: Path, family: str) -> Non
     finally:
         eng.stop()
     assert out["output_ids"] == ref, (out, ref)
+
+
+if __name__ == "__main__":
+    from family_workers import gpt_worker, gpu_worker, parity_worker
+    from trainer_harness import PRESETS
+
+    if sys.argv[1] == "gpt":            # as test_megatron_mla.py's: transformers' default attention, the indexer's
+        gpt_worker(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:5]), seq=SEQ,     # zero gradient exported
+                   attn_implementation=None, frozen="zero")
+    elif sys.argv[1] == "parity":
+        parity_worker(sys.argv[2], sys.argv[3], ("--expert-tensor-parallel-size", "1", *PRESETS["mla"],
+                                                 "--moe-router-dtype", "fp32"), split_fsdp_experts=True)
+    elif sys.argv[1] == "gpu":
+        gpu_worker(sys.argv[2], sys.argv[3])

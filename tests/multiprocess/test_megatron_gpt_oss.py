@@ -16,26 +16,18 @@ in transformers to the trained weights; a torch_dist checkpoint saved and resume
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from _torchrun import torchrun_self
-from family_workers import gpt_worker, gpu_worker, parity_worker
+from family_workers import check_export, check_gpu_matches_hf, check_grads_match, check_parity, launch
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.multiprocess
 
 HERE = Path(__file__).resolve()
-SEQ = 20
 GPT_OSS_FLAGS = ("--expert-tensor-parallel-size", "1", "--softmax-type", "learnable", "--window-size", "4,0",
                  "--window-attn-skip-freq", "2", "--moe-aux-loss-coeff", "0")
-
-
-def _torchrun(nproc: int, port: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return torchrun_self(HERE, nproc, port, *args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -45,24 +37,23 @@ def tiny_gpt_oss_dir(tmp_path_factory) -> Path:
     return build_tiny_gpt_oss_model(tmp_path_factory.mktemp("tiny_gpt_oss"))
 
 
+def _gpt(model_dir: Path, out: Path, port: int, nproc: int, *args: str) -> dict:
+    res = launch(HERE, nproc, port, "gpt", model_dir, out, *args)
+    assert res["grads_ok"], res
+    assert res["max_abs_err"] < BOUND, (nproc, args, res["max_abs_err"])
+    check_export(res)                                            # bit for bit: sinks, biases, fused experts
+    return res
+
+
 def test_gpt_oss_gpt_matches_hf(tiny_gpt_oss_dir: Path, tmp_path: Path, free_port: int) -> None:
     from safetensors.torch import load_file
 
     grads = {}
     for tp in (1, 2):
         out = tmp_path / f"gpt_tp{tp}.json"
-        proc = _torchrun(tp, free_port + tp - 1, "gpt", str(tiny_gpt_oss_dir), str(out))
-        assert proc.returncode == 0, proc.stdout[-4000:]
-        res = json.loads(out.read_text())
-        assert res["grads_ok"], res
-        assert res["max_abs_err"] < BOUND, (tp, res["max_abs_err"])
-        assert sorted(res["exported"]) == res["disk"] and len(res["exported"]) == len(set(res["exported"]))
-        assert sorted(res["same"]) == res["disk"]                # bit for bit: sinks, biases, fused experts
+        _gpt(tiny_gpt_oss_dir, out, free_port + tp - 1, tp)
         grads[tp] = load_file(str(out.with_suffix(".grads.safetensors")))
-    assert grads[1].keys() == grads[2].keys()
-    for name, g in grads[1].items():
-        err = float((grads[2][name] - g).abs().max())
-        assert err <= 1e-5 * max(float(g.abs().max()), 1e-6), (name, err, float(g.abs().max()))
+    check_grads_match(grads[1], grads[2], 1e-5, floor=1e-6)
 
 
 # fp32 rounding of another op order only: measured 1.5e-7 (TP 1, EP 2) and 1.2e-7 (TP 2) of logits up to 0.54
@@ -74,29 +65,17 @@ BOUND = 3e-7
 def test_gpt_oss_expert_parallel_matches_hf(tiny_gpt_oss_dir: Path, tmp_path: Path, free_port: int) -> None:
     """EP 2 (each rank half of the experts, all-to-all dispatcher): the same logits, and the export gathered over EP
     (the expert biases with their weights) equals the checkpoint bit for bit."""
-    out = tmp_path / "gpt_ep2.json"
-    proc = _torchrun(2, free_port, "gpt", str(tiny_gpt_oss_dir), str(out), "2")
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    res = json.loads(out.read_text())
-    assert res["grads_ok"] and res["max_abs_err"] < BOUND, res["max_abs_err"]
-    assert sorted(res["exported"]) == res["disk"] and sorted(res["same"]) == res["disk"]
+    _gpt(tiny_gpt_oss_dir, tmp_path / "gpt_ep2.json", free_port, 2, "2")
 
 
-def test_gpt_oss_trainer_parity_with_fsdp(tiny_gpt_oss_dir: Path, tmp_path: Path, free_port: int) -> None:
-    import torch
-
-    out = tmp_path / "parity.pt"
-    proc = _torchrun(2, free_port, "parity", str(tiny_gpt_oss_dir), str(out), timeout=600)
-    assert proc.returncode == 0, proc.stdout[-5000:]
-    res = torch.load(out, weights_only=False)
-    assert res["export_keys_equal"] and res["export_bitwise"] and res["export_bf16_bitwise"], res
-    assert res["save_hf_equal"] and res["ckpt_reload_bitwise"] and res["resumed_extra"]["rollout_id"] == 1, res
-    assert res["lp_max_abs_diff"] < LP_BOUND, res
-    for f, m in zip(res["fsdp_metrics"], res["meg_metrics"]):
-        for key in ("loss", "pg_loss", "entropy", "ppo_kl", "tis", "grad_norm", "num_samples", "num_tokens",
-                    "advantages_mean", "kl_loss", "reward_kl_mean"):
-            assert abs(f[key] - m[key]) <= 1e-5 * max(1.0, abs(f[key])), (key, f[key], m[key])
-    assert res["update_max_abs_diff"] < UPDATE_BOUND and res["update_rel_l2"] < REL_BOUND, res
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_gpt_oss_trainer_parity_with_fsdp(tiny_gpt_oss_dir: Path, tmp_path: Path, free_port: int, layout: str) -> None:
+    """2 ranks: FSDP DP 2 and the Megatron trainer at TP 2 + SP, or PP 2 (the sliding-window layer on the first
+    stage, the full-attention one on the last; each stage's sinks and expert biases exported from it)."""
+    res = launch(HERE, 2, free_port, "parity" if layout == "tp2" else "parity_pp2", tiny_gpt_oss_dir,
+                 tmp_path / "parity.pt", timeout=600)
+    assert not res["fsdp_missing"] and not res["fsdp_extra"], res          # both backends export the same names
+    check_parity(res, lp_bound=LP_BOUND, update_bound=UPDATE_BOUND, rel_bound=REL_BOUND)
 
 
 # measured (python -m pytest tests/multiprocess/test_megatron_gpt_oss.py -k trainer_parity): log-probs 9.5e-7 apart,
@@ -109,22 +88,17 @@ def test_gpt_oss_matches_hf_on_gpu_bf16(tiny_gpt_oss_dir: Path, tmp_path: Path, 
     """bf16 on one GPU: Megatron's logits are as far from transformers' bf16 logits as transformers' own bf16 logits
     are from its fp32 ones, within a factor of 2 (both are bf16 roundings of the same function; a wrong layout
     gives > 1e-2 in fp32 already)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs a GPU")
-    out = tmp_path / "gpu.json"
-    proc = _torchrun(1, free_port, "gpu", str(tiny_gpt_oss_dir), str(out))
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    res = json.loads(out.read_text())
-    print(res)
-    assert res["max_abs_err"] <= 2 * max(res["hf_bf16_vs_fp32"], 1e-3), res
+    check_gpu_matches_hf(HERE, tiny_gpt_oss_dir, tmp_path / "gpu.json", free_port)
 
 
 if __name__ == "__main__":
+    from family_workers import gpt_worker, gpu_worker, parity_worker
+
     if sys.argv[1] == "gpt":
         gpt_worker(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:5]))
     elif sys.argv[1] == "parity":
         parity_worker(sys.argv[2], sys.argv[3], GPT_OSS_FLAGS)
+    elif sys.argv[1] == "parity_pp2":
+        parity_worker(sys.argv[2], sys.argv[3], (*GPT_OSS_FLAGS, "--pipeline-model-parallel-size", "2"), tp=1)
     elif sys.argv[1] == "gpu":
         gpu_worker(sys.argv[2], sys.argv[3])

@@ -11,7 +11,9 @@
 - shared-outer: every expert of a layer holds the same ``linear_fc1`` A and ``linear_fc2`` B, and the adapter has
   fewer parameters than per-expert;
 - EP 2 agrees with EP 1 x DP 2 (step metrics within 1e-4 relative, merged exports within the bounds of the dense
-  LoRA TP test).
+  LoRA TP test); on the MLA model (the Kimi-K2.5 recipe's targets: the down projections ``q_a_proj`` /
+  ``kv_a_proj_with_mqa``, replicated over TP, with GLM-5's up projections ``q_b_proj`` / ``kv_b_proj``) so does
+  TP 2 with sequence parallelism and EP 2 (each rank its own samples, as the driver hands them).
 
 ``test_lora_moe_weight_update_leaves_engine_equal``: EP 2 with shared-outer adapters trains a rollout; every merged
 bucket goes to the embedded engine (``/update_weights_from_tensor``) and reads back bit for bit equal
@@ -48,31 +50,44 @@ def tiny_glm_dir(tmp_path_factory) -> Path:
 
 
 # the MLA family (tiny GLM-4.7-Flash: a dense layer 0, then MoE layers with a shared expert): the Kimi-K2.5 LoRA
-# recipe's targets without the MLA projections (not LoRA targets yet)
-MLA_TARGETS = "o_proj,gate_proj,up_proj,down_proj"
+# recipe's targets (radixark/miles@v0.1.0:examples/lora/run-kimi-k25-megatron-lora.sh: the down projections q_a_proj,
+# kv_a_proj_with_mqa, replicated over TP) and the up projections (q_b_proj, kv_b_proj: column-parallel) of GLM-5's
+MLA_HF = ("q_a_proj", "kv_a_proj_with_mqa", "q_b_proj", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MLA_TARGETS = ",".join(MLA_HF)
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _flags(ep: int, shared: bool, mla: bool = False) -> list[str]:
+def _flags(ep: int, shared: bool, mla: bool = False, tp_sp: bool = False) -> list[str]:
     from trainer_harness import PRESETS, flags
 
     return flags("megatron", "lora", "moe_fp32_router", [
         "--num-rollout", "2", "--n-samples-per-prompt", "3", "--lr", "1e-2", "--lr-decay-style", "constant",
         "--expert-model-parallel-size", str(ep), "--num-experts", "4", "--moe-router-topk", "2",
         *(["--experts-shared-outer-loras"] if shared else []),
+        *(["--tensor-model-parallel-size", "2", "--sequence-parallel"] if tp_sp else []),
         *([*PRESETS["mla"], "--target-modules", MLA_TARGETS] if mla else [])]) + PRESETS["kl"]
 
 
 def _logits(tr, ids):
+    """The full logits [b, s, V] (under TP 2 + SP: the sequence and the vocabulary gathered)."""
     import torch
 
     from miles.trainer.megatron import model
 
     pos = torch.arange(ids.shape[1]).unsqueeze(0).expand(ids.shape[0], -1)
-    return tr.model(ids, pos, attention_mask=None).transpose(0, 1) @ model.output_weight(tr.model).t()
+    hidden = tr.model(ids, pos, attention_mask=None)
+    if tr.groups.tp_size > 1:
+        from megatron.core.tensor_parallel.mappings import (
+            gather_from_sequence_parallel_region,
+            gather_from_tensor_model_parallel_region,
+        )
+
+        hidden = gather_from_sequence_parallel_region(hidden)
+        return gather_from_tensor_model_parallel_region(hidden.transpose(0, 1) @ model.output_weight(tr.model).t())
+    return hidden.transpose(0, 1) @ model.output_weight(tr.model).t()
 
 
-def _worker(model_dir: str, out: str, ep: str, shared: str, mla: str) -> None:
+def _worker(model_dir: str, out: str, ep: str, shared: str, mla: str, tp_sp: str = "0") -> None:
     import torch
     import torch.distributed as dist
     from trainer_harness import build, random_samples
@@ -81,9 +96,10 @@ def _worker(model_dir: str, out: str, ep: str, shared: str, mla: str) -> None:
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    tr = build(model_dir, _flags(int(ep), shared == "1", mla == "1"))
+    tr = build(model_dir, _flags(int(ep), shared == "1", mla == "1", tp_sp == "1"))
     res: dict = {"init": tr.state_dict_for_check(), "metrics": {}}
     for rid in range(2):
+        # each rank its own group, as the driver gives every trainer rank (TP ranks too) whole groups of its own
         res["metrics"][rid] = tr.train(random_samples(1, 3, seed=1000 * rid + rank, first_group=rank), rid)
     res["final"] = tr.state_dict_for_check()
     res["adapters"] = lora.full_pairs(tr.lora)
@@ -135,11 +151,11 @@ def _launch(*args: str, timeout: int = 400) -> subprocess.CompletedProcess:
     return torchrun_self(HERE, 2, find_free_port(), *args, timeout=timeout)
 
 
-def _run(tmp_path: Path, model_dir: Path, ep: int, shared: bool, mla: bool = False) -> dict:
+def _run(tmp_path: Path, model_dir: Path, ep: int, shared: bool, mla: bool = False, tp_sp: bool = False) -> dict:
     import torch
 
-    out = tmp_path / f"ep{ep}_{int(shared)}_{int(mla)}.pt"
-    r = _launch("run", str(model_dir), str(out), str(ep), str(int(shared)), str(int(mla)))
+    out = tmp_path / f"ep{ep}_{int(shared)}_{int(mla)}_{int(tp_sp)}.pt"
+    r = _launch("run", str(model_dir), str(out), str(ep), str(int(shared)), str(int(mla)), str(int(tp_sp)))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return torch.load(out, weights_only=False)
 
@@ -163,8 +179,10 @@ def test_lora_moe_merged_reference(request, tmp_path: Path, model: str, shared: 
     shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(model_dir))
     moe_layers = [i for i in range(shape.num_layers) if f"model.layers.{i}.mlp.experts.0.down_proj.weight" in base]
     ffn = 24 if mla else 32                                  # the tiny models' moe_intermediate_size
-    targets = ALL[3:] if mla else ALL
+    targets = MLA_HF if mla else ALL
     runs = {ep: _run(tmp_path, model_dir, ep, shared, mla) for ep in (1, 2)}
+    if mla:                 # TP 2 + sequence parallelism + EP 2 (MLA under TP needs it; the recipes run it so)
+        runs["tp2sp"] = _run(tmp_path, model_dir, 2, shared, mla, tp_sp=True)
     for ep, res in runs.items():
         assert all(torch.equal(res["init"][k], base[k]) for k in base), ep        # B = 0: the base model exactly
         assert res["metrics"][0]["kl_loss"] == 0.0 and res["metrics"][1]["kl_loss"] != 0.0, ep
@@ -196,15 +214,17 @@ def test_lora_moe_merged_reference(request, tmp_path: Path, model: str, shared: 
     want = len(moe_layers) * ((2 * outer + n * inner) if shared else n * (2 * outer + inner))
     for res in runs.values():
         assert res["expert_trainable"] == want, (res["expert_trainable"], want)
-    assert runs[1]["trainable"] == runs[2]["trainable"]
-    e1, e2 = runs[1], runs[2]
-    for rid in (0, 1):
-        for key in ("loss", "pg_loss", "kl_loss", "grad_norm"):
-            assert e2["metrics"][rid][key] == pytest.approx(e1["metrics"][rid][key], rel=1e-4, abs=1e-6), (rid, key)
-    diff = max((e2["final"][k] - e1["final"][k]).abs().max().item() for k in base)
-    num = sum(((e2["final"][k] - e1["final"][k]) ** 2).sum().item() for k in base)
-    den = sum(((e1["final"][k] - base[k]) ** 2).sum().item() for k in base)
-    assert diff < 5e-5 and (num / den) ** 0.5 < 1e-4, (diff, (num / den) ** 0.5)
+    e1 = runs[1]
+    for other in [r for key, r in runs.items() if key != 1]:
+        assert other["trainable"] == e1["trainable"]
+        for rid in (0, 1):
+            for key in ("loss", "pg_loss", "kl_loss", "grad_norm"):
+                assert other["metrics"][rid][key] == pytest.approx(e1["metrics"][rid][key], rel=1e-4, abs=1e-6), \
+                    (rid, key)
+        diff = max((other["final"][k] - e1["final"][k]).abs().max().item() for k in base)
+        num = sum(((other["final"][k] - e1["final"][k]) ** 2).sum().item() for k in base)
+        den = sum(((e1["final"][k] - base[k]) ** 2).sum().item() for k in base)
+        assert diff < 5e-5 and (num / den) ** 0.5 < 1e-4, (diff, (num / den) ** 0.5)
 
 
 def _engine_worker(model_dir: str, out: str, engine_url: str) -> None:
@@ -258,6 +278,6 @@ def test_lora_moe_weight_update_leaves_engine_equal(tiny_moe_dir: Path, tmp_path
 
 if __name__ == "__main__":
     if sys.argv[1] == "run":
-        _worker(*sys.argv[2:7])
+        _worker(*sys.argv[2:8])
     elif sys.argv[1] == "engine":
         _engine_worker(*sys.argv[2:5])

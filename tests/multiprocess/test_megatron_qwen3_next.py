@@ -11,24 +11,17 @@ checkpoint's safetensors bit for bit, names included; the TP 2 gradients equal T
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from _torchrun import torchrun_self
-from family_workers import gpt_worker, gpu_worker, parity_worker
+from family_workers import check_export, check_gpu_matches_hf, check_grads_match, check_parity, launch
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.multiprocess
 
 HERE = Path(__file__).resolve()
 SEQ = 70          # longer than one 64-token chunk of the gated delta rule: the state is handed between chunks
-
-
-def _torchrun(nproc: int, port: int, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return torchrun_self(HERE, nproc, port, *args, timeout=timeout)
 
 
 @pytest.fixture(scope="module", params=["qwen3_5_moe", "qwen3_next"])
@@ -43,36 +36,29 @@ def tiny_hybrid_dir(request, tmp_path_factory) -> Path:
 BOUND = 4e-7
 
 
+def _gpt(model_dir: Path, out: Path, port: int, nproc: int, worker: str = "gpt", *args: str) -> dict:
+    res = launch(HERE, nproc, port, worker, model_dir, out, *args)
+    assert res["grads_ok"], res
+    assert res["max_abs_err"] < BOUND, (nproc, res["max_abs_err"], res["ref_scale"])
+    check_export(res)
+    return res
+
+
 def test_hybrid_gpt_matches_hf(tiny_hybrid_dir: Path, tmp_path: Path, free_port: int) -> None:
     from safetensors.torch import load_file
 
     grads = {}
     for tp in (1, 2):
         out = tmp_path / f"gpt_tp{tp}.json"
-        proc = _torchrun(tp, free_port + tp - 1, "gpt", str(tiny_hybrid_dir), str(out))
-        assert proc.returncode == 0, proc.stdout[-4000:]
-        res = json.loads(out.read_text())
-        assert res["grads_ok"], res
-        assert res["max_abs_err"] < BOUND, (tp, res["max_abs_err"], res["ref_scale"])
-        assert sorted(res["exported"]) == res["disk"] and len(res["exported"]) == len(set(res["exported"]))
-        assert sorted(res["same"]) == res["disk"], sorted(set(res["disk"]) - set(res["same"]))     # bit for bit
+        _gpt(tiny_hybrid_dir, out, free_port + tp - 1, tp)
         grads[tp] = load_file(str(out.with_suffix(".grads.safetensors")))
-    assert grads[1].keys() == grads[2].keys()
     # relative to the tensor's largest gradient, floored at 1% of the model's: A_log's gradients (6e-8) are sums over
     # every token that cancel, measured 8e-11 apart (fp32 order) while the model's largest is 5.6e-3
-    scale = max(float(g.abs().max()) for g in grads[1].values())
-    for name, g in grads[1].items():
-        err = float((grads[2][name] - g).abs().max())
-        assert err <= 1e-5 * max(float(g.abs().max()), 1e-2 * scale), (name, err, float(g.abs().max()))
+    check_grads_match(grads[1], grads[2], 1e-5, scale_floor=1e-2)
 
 
 def test_hybrid_expert_parallel_matches_hf(tiny_hybrid_dir: Path, tmp_path: Path, free_port: int) -> None:
-    out = tmp_path / "gpt_ep2.json"
-    proc = _torchrun(2, free_port, "gpt", str(tiny_hybrid_dir), str(out), "2")
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    res = json.loads(out.read_text())
-    assert res["grads_ok"] and res["max_abs_err"] < BOUND, res
-    assert sorted(res["exported"]) == res["disk"] and sorted(res["same"]) == res["disk"]
+    _gpt(tiny_hybrid_dir, tmp_path / "gpt_ep2.json", free_port, 2, "gpt", "2")
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -83,37 +69,22 @@ def test_hybrid_mtp_layer_loads_and_exports_bitwise(tp: int, tmp_path: Path, fre
     from miles.utils.tiny_qwen35 import build_tiny_qwen35_model
 
     model_dir = build_tiny_qwen35_model(tmp_path / "mtp", mtp=True)
-    out = tmp_path / "gpt_mtp.json"
-    proc = _torchrun(tp, free_port, "gpt_mtp", str(model_dir), str(out))
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    res = json.loads(out.read_text())
+    res = _gpt(model_dir, tmp_path / "gpt_mtp.json", free_port, tp, "gpt_mtp")
     assert any(n.startswith("mtp.") for n in res["disk"])
-    assert res["grads_ok"] and res["max_abs_err"] < BOUND, res
-    assert sorted(res["exported"]) == res["disk"] and sorted(res["same"]) == res["disk"], \
-        sorted(set(res["disk"]) - set(res["same"]))
 
 
-@pytest.mark.parametrize("layout", ["tp2", "cp2"])
+@pytest.mark.parametrize("layout", ["tp2", "cp2", "pp2", "ep2_cp2"])
 def test_hybrid_trainer_parity_with_fsdp(tiny_hybrid_dir: Path, tmp_path: Path, free_port: int, layout: str) -> None:
     """2 ranks: the FSDP backend (transformers' model, DP 2) and the Megatron trainer (TP 2 with sequence
-    parallelism, or CP 2: each row split over the 2 ranks, the DeltaNet layers all-gathering it) train the same 2
+    parallelism, or CP 2: each row split over the 2 ranks, the DeltaNet layers all-gathering it; PP 2: two
+    DeltaNet layers on the first stage, a DeltaNet and the attention layer on the last; CP 2 with EP 2 over the same
+    2 ranks: each CP rank routes its chunks' tokens to both ranks' experts) train the same 2
     rollouts: log-probs before training, step metrics and the update agree; the export (fp32, bf16) equals the
     checkpoint; ``--save-hf`` loads in transformers to the trained weights; a torch_dist checkpoint (the DeltaNet's
     in_proj and conv1d split per section by megatron-core's factories) saved and resumed restores them bitwise."""
-    import torch
-
-    out = tmp_path / "parity.pt"
-    proc = _torchrun(2, free_port, "parity_" + layout, str(tiny_hybrid_dir), str(out), timeout=600)
-    assert proc.returncode == 0, proc.stdout[-5000:]
-    res = torch.load(out, weights_only=False)
-    assert res["export_keys_equal"] and res["export_bitwise"] and res["export_bf16_bitwise"], res
-    assert res["save_hf_equal"] and res["ckpt_reload_bitwise"] and res["resumed_extra"]["rollout_id"] == 1, res
-    assert res["lp_max_abs_diff"] < LP_BOUND, res
-    for f, m in zip(res["fsdp_metrics"], res["meg_metrics"]):
-        for key in ("loss", "pg_loss", "entropy", "ppo_kl", "tis", "grad_norm", "num_samples", "num_tokens",
-                    "advantages_mean", "kl_loss", "reward_kl_mean"):
-            assert abs(f[key] - m[key]) <= 1e-5 * max(1.0, abs(f[key])), (key, f[key], m[key])
-    assert res["update_max_abs_diff"] < UPDATE_BOUND and res["update_rel_l2"] < REL_BOUND, res
+    res = launch(HERE, 2, free_port, "parity_" + layout, tiny_hybrid_dir, tmp_path / "parity.pt", timeout=600)
+    assert not res["fsdp_missing"] and not res["fsdp_extra"], res          # both backends export the same names
+    check_parity(res, lp_bound=LP_BOUND, update_bound=UPDATE_BOUND, rel_bound=REL_BOUND)
 
 
 # measured (python -m pytest tests/multiprocess/test_megatron_qwen3_next.py -k parity), qwen3_5_moe / qwen3_next:
@@ -137,15 +108,12 @@ def test_hybrid_matches_hf_on_gpu_bf16(kind: str, tmp_path: Path, free_port: int
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     model_dir = build_tiny_qwen35_model(tmp_path / kind, kind=kind, linear_key_head_dim=64, linear_value_head_dim=64)
-    out = tmp_path / "gpu.json"
-    proc = _torchrun(1, free_port, "gpu", str(model_dir), str(out))
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    res = json.loads(out.read_text())
-    print(res)
-    assert res["max_abs_err"] <= 2 * max(res["hf_bf16_vs_fp32"], 1e-3), res
+    check_gpu_matches_hf(HERE, model_dir, tmp_path / "gpu.json", free_port)
 
 
 if __name__ == "__main__":
+    from family_workers import gpt_worker, gpu_worker, parity_worker
+
     if sys.argv[1] == "gpt":
         gpt_worker(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:5]), seq=SEQ)
     elif sys.argv[1] == "gpt_mtp":
@@ -154,5 +122,10 @@ if __name__ == "__main__":
         parity_worker(sys.argv[2], sys.argv[3], FLAGS)
     elif sys.argv[1] == "parity_cp2":
         parity_worker(sys.argv[2], sys.argv[3], (*FLAGS, "--context-parallel-size", "2"), tp=1)
+    elif sys.argv[1] == "parity_pp2":
+        parity_worker(sys.argv[2], sys.argv[3], (*FLAGS, "--pipeline-model-parallel-size", "2"), tp=1)
+    elif sys.argv[1] == "parity_ep2_cp2":
+        parity_worker(sys.argv[2], sys.argv[3], (*FLAGS, "--context-parallel-size", "2", "--expert-model-parallel-size",
+                                                 "2"), tp=1)
     elif sys.argv[1] == "gpu":
         gpu_worker(sys.argv[2], sys.argv[3], seq=SEQ)

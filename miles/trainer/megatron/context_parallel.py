@@ -5,6 +5,7 @@ over the N ranks of a CP group, attention still sees the whole sequence.
     hidden = model(shard.input_ids, shard.position_ids)     # [2c, b, h]: only this rank's tokens
     full = shard.reassemble(local_values, cp_group)         # [n] per-position values -> [N], all CP ranks
     out = attention(q, k, v, comm="all_gather", group=cp_group, scale=..., dropout_p=0.0)
+    nxt = roll_left(shard.input_ids, cp_group)             # the whole rows shifted left by one, this rank's part (MTP)
 
 Layout (Megatron's load balancing): the micro-batch's right-padded rows ``[b, s]`` (``s`` a multiple of
 ``2 cp``) are cut into ``2 cp`` chunks of ``c = s / (2 cp)`` columns; CP rank ``i`` holds chunks ``i``
@@ -218,3 +219,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: str, g
     if comm == "a2a":
         return _a2a_attention(q, k, v, group, scale, dropout_p)
     raise ValueError(f"--cp-comm-type {comm!r} is not supported (one of {', '.join(COMM_TYPES)}).")
+
+
+def roll_left(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's columns [..., 2c] of rows shifted left by one over the whole sequence (the last column of the
+    row 0), as megatron-core's ``roll_tensor(shifts=-1, cp_group=...)`` on the load-balanced layout, on any device
+    (no gradient: token ids, positions, labels, masks). Each chunk's new last column is the next chunk's first,
+    all-gathered over the CP group ([..., 2] per rank)."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    c = x.shape[-1] // 2
+    firsts = x[..., [0, c]].contiguous()                                       # [..., 2]: both chunks' first
+    got = firsts.new_empty((cp * firsts.shape[0], *firsts.shape[1:]))
+    dist.all_gather_into_tensor(got, firsts, group=group)
+    got = got.view(cp, *firsts.shape)
+    by_chunk = [got[m, ..., 0] if m < cp else got[2 * cp - 1 - m, ..., 1] for m in range(2 * cp)]
+    zero = torch.zeros_like(by_chunk[0])
+    out = []
+    for half, chunk in ((0, rank), (1, 2 * cp - 1 - rank)):
+        part = x[..., half * c:(half + 1) * c]
+        nxt = by_chunk[chunk + 1] if chunk + 1 < 2 * cp else zero
+        out.append(torch.cat([part[..., 1:], nxt.unsqueeze(-1)], dim=-1))
+    return torch.cat(out, dim=-1)

@@ -12,7 +12,8 @@ its AdamW state (CPU tensors for the offloaded ones), so checkpoints save and lo
 CPU device the update is the plain AdamW's, bit for bit. ``--overlap-cpu-optimizer-d2h-h2d`` is accepted as a hint:
 the copies are issued non-blocking from pinned buffers on CUDA and are not overlapped with the CPU update. The
 parameters are copied to their CPU masters each step (a checkpoint load or a weight change is seen). Offload and
-onload (colocated runs) move only the device part of the state.
+onload (colocated runs) move only the device part of the state. ``load_state_dict`` takes ``state_dict``'s
+output (a LoRA checkpoint's optimizer: ``miles.trainer.lora.save_files``).
 """
 
 from __future__ import annotations
@@ -74,6 +75,29 @@ class CpuOffloadAdamW(torch.optim.Optimizer):
     @state.setter
     def state(self, value) -> None:         # torch.optim.Optimizer.__init__ assigns it
         self.__dict__["_unused_state"] = value
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's ``Optimizer.state_dict()`` layout (parameters by index in group order, as ``state_dict`` gives it
+        from the ``state`` view): each parameter's AdamW state into the CPU or device optimizer that steps it (its
+        tensors on that one's side), the groups' hyper-parameters into ``param_groups``. (torch's own
+        ``load_state_dict`` would replace ``param_groups`` by new dicts, which the inner optimizers do not follow.)"""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups) or any(len(g["params"]) != len(s["params"])
+                                                        for g, s in zip(self.param_groups, groups)):
+            raise ValueError("the optimizer state was saved for other parameter groups than this optimizer's")
+        saved = state_dict["state"]
+        for g, sg in zip(self.param_groups, groups):
+            g.update({k: v for k, v in sg.items() if k != "params"})
+            for p, index in zip(g["params"], sg["params"]):
+                st = saved.get(index)
+                if st is None:
+                    continue
+                on_cpu = id(p) in self._cpu
+                key = self._cpu[id(p)] if on_cpu else p
+                inner = (self._on_cpu if on_cpu else self._on_dev).state
+                inner[key] = {k: (v.detach().to(key.device).clone() if isinstance(v, torch.Tensor) and k != "step"
+                                  else (v.detach().clone() if isinstance(v, torch.Tensor) else v))
+                              for k, v in st.items()}
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -11,8 +11,9 @@ and receives the full tensors (each data-parallel replica gathers within its own
 
 Pipeline parallelism (``stage``): the buckets are planned over every stage's parameters in model order
 (layers by their global index, the last stage's copy of a tied embedding left out), so they are the buckets
-of one stage; each stage gathers its own TP shards and converts them, then broadcasts its part of the bucket
-over the pipeline group, so every rank of every stage receives the whole bucket, bit for bit as with one stage.
+of one stage; each stage gathers its own TP shards (and, under expert parallelism, its experts over the EP group:
+``moe.start_units``) and converts them, then broadcasts its part of the bucket over the pipeline group, so every
+rank of every stage receives the whole bucket, bit for bit as with one stage.
 """
 
 from __future__ import annotations
@@ -159,33 +160,25 @@ def _stage_entries(model: nn.Module, stage, device: torch.device) -> list[tuple[
             for s, entries in enumerate(meta) for n, shp, dt in entries]
 
 
-def _hf_layout(name: str, local: torch.Tensor, tp: int, shape: ModelShape,
-               dtype: torch.dtype | None) -> list[tuple[str, torch.Size, torch.dtype]]:
-    """HF names, shapes and dtypes of one (other stage's) megatron parameter, from its local shape."""
-    full = list(local.shape)
-    dim = partition_dim(name)
-    if dim is not None:
-        full[dim] *= tp
-    return [(hf, t.shape, t.dtype) for hf, t in megatron_to_hf(name, torch.empty(full, dtype=dtype or local.dtype,
-                                                                           device="meta"), shape)]
-
-
 def _iter_pipeline(model, shape: ModelShape, groups: Groups, stage, *, device: torch.device, bucket_bytes: int,
                    dtype: torch.dtype | None, timeout: float) -> Iterator[Bucket]:
+    from miles.trainer.megatron import moe
     from miles.trainer.megatron.pipeline import wait_all
 
     entries = _stage_entries(model, stage, device)
     owner = {n: s for s, n, _ in entries}
-    for bucket in plan([(n, p) for _, n, p in entries], groups.tp_size, bucket_bytes, dtype):
-        mine = [(n, p) for n, p in bucket if owner[n] == stage.rank]
-        local = _finish(_start(mine, groups, device, dtype), groups, shape, device, dtype, timeout) if mine else []
+    units = moe.export_units([(n, p) for _, n, p in entries], groups)     # a layer's experts together (EP > 1)
+    for bucket in pack(units, lambda unit: moe.unit_nbytes(unit, groups, dtype), bucket_bytes):
+        mine = [unit for unit in bucket if owner[unit[0][0]] == stage.rank]
+        local = moe.finish_units(moe.start_units(mine, groups, device, dtype), shape, groups, device, dtype,
+                                 timeout) if mine else []
         result: Bucket = []
-        for s in sorted({owner[n] for n, _ in bucket}):
+        for s in sorted({owner[unit[0][0]] for unit in bucket}):
             if s == stage.rank:
                 part = local
             else:
-                layout = [x for n, p in bucket if owner[n] == s for x in _hf_layout(n, p, groups.tp_size, shape,
-                                                                                     dtype)]
+                layout = [x for unit in bucket if owner[unit[0][0]] == s
+                          for x in moe.unit_layout(unit, groups, shape, dtype)]
                 part = [(hf, torch.empty(shp, dtype=dt, device=device)) for hf, shp, dt in layout]
             by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
             for _, t in part:

@@ -25,11 +25,17 @@ as ``[gate; up]``, ``down_proj`` = ``linear_fc2`` (TE grouped: ``experts.linear_
 global expert ``E = ep_rank * num_local_experts + e``. Megatron names with the *global* index are the EP-free
 names (``global_name``); the converter and the export use them.
 
-Expert parallelism (megatron-core's ``tp-cp-ep-dp-pp`` layout over the trainer ranks): EP rank r holds experts
-``[r E/ep, (r + 1) E/ep)``; tokens reach them through megatron-core's dispatcher (all-to-all or all-gather over
-the EP group). Expert gradients are summed over the expert-data-parallel group and divided by the DP size
-(each expert saw the tokens of all EP ranks; Megatron's ``expert_gradient_scaling_factor``); the others are
-averaged over DP as before. The gradient norm adds the experts' squares summed over EP.
+Expert parallelism (megatron-core's ``tp-cp-ep-dp-pp`` layout over the trainer ranks; the expert groups are laid
+over TP x CP x DP within a pipeline stage): EP rank r holds experts ``[r E/ep, (r + 1) E/ep)``; tokens reach them
+through megatron-core's dispatcher (all-to-all or all-gather over the EP group). Expert gradients are summed over
+the expert-data-parallel group and divided by the DP size (each expert saw the tokens of all EP ranks; Megatron's
+``expert_gradient_scaling_factor``); the others are averaged over DP (summed over DP x CP under context
+parallelism) as before. The gradient norm adds the experts' squares summed over EP. A pipeline stage's experts
+are gathered over its EP group for the export (``export_units``, ``start_units``, ``finish_units``, and
+``unit_layout`` for the layout of another stage's), then broadcast over the pipeline group (``export.py``).
+``--use-distributed-optimizer`` shards the experts' AdamW state over the expert-DP group
+(``parallel.ExpertShardedAdamW``). ``--expert-tensor-parallel-size`` other than 1 is refused (whole experts on
+every TP rank here).
 
 Tensor parallelism (``--tensor-model-parallel-size`` > 1, ``--expert-tensor-parallel-size 1``, megatron-core's
 meaning): attention and the dense MLPs are split over TP, the experts are not; megatron-core needs
@@ -98,7 +104,7 @@ _SHAPE_FLAGS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_sh
                 "moe_router_score_function", "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_grouped_gemm",
                 "moe_token_dispatcher_type", "moe_router_dtype", "moe_permute_fusion", "moe_router_bias_update_rate",
                 "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor", "moe_layer_freq",
-                "moe_router_pre_softmax", "moe_token_drop_policy")
+                "moe_router_pre_softmax", "moe_token_drop_policy", "moe_router_freeze_gate")
 
 
 def _flag(dest: str) -> str:
@@ -198,25 +204,18 @@ def check_moe_static(o, shape) -> None:
         raise ConfigError(f"--expert-model-parallel-size {o.ep} needs an MoE model; --hf-checkpoint's config.json "
                           "has no experts: drop the flag.")
     if o.etp != 1:
-        raise ConfigError(f"--expert-tensor-parallel-size {o.etp} is not supported by the Megatron backend yet (1 "
-                          "only: experts are not split over TP); drop the flag.")
+        raise ConfigError(f"--expert-tensor-parallel-size {o.etp} is not supported by the Megatron backend (the "
+                          "converter, the weight export and the gradient reduction hold whole experts on every TP "
+                          "rank): use 1, which Miles's recorded commands use (TP still splits attention and the dense "
+                          "MLPs), and expert parallelism to split the experts.")
     if not shape.num_experts:
         return
     if shape.num_experts % o.ep:
         raise ConfigError(f"--expert-model-parallel-size {o.ep} does not divide config.json's num_experts "
                           f"{shape.num_experts}; choose a divisor.")
-    if o.ep > 1 and (o.pp > 1 or o.cp > 1):
-        raise ConfigError(f"--expert-model-parallel-size {o.ep} with pipeline or context parallelism is not "
-                          "supported by the Megatron backend yet: use EP with data parallelism only.")
     if o.tp > 1 and not o.sequence_parallel:
         raise ConfigError(f"--tensor-model-parallel-size {o.tp} with MoE layers needs --sequence-parallel "
                           "(megatron-core trains MoE layers under TP only with sequence parallelism): add it.")
-    if o.tp > 1 and o.cp > 1:
-        raise ConfigError(f"--tensor-model-parallel-size {o.tp} with --context-parallel-size {o.cp} and MoE layers "
-                          "is not supported by the Megatron backend yet: use one of them.")
-    if o.ep > 1 and o.distributed_optimizer:
-        raise ConfigError(f"--use-distributed-optimizer with --expert-model-parallel-size {o.ep} is not supported "
-                          "yet (the optimizer state is sharded over DP, which holds different experts): drop one.")
     if o.ep > 1 and m.dispatcher == "allgather":
         raise ConfigError(f"--moe-token-dispatcher-type allgather with --expert-model-parallel-size {o.ep} needs the "
                           "same number of tokens on every EP rank, and RL micro-batches differ in length: use "
@@ -463,9 +462,9 @@ def _order_key(name: str) -> tuple:
     return (m.group(2), int(m.group(3))) if m else (name,)
 
 
-def _units(named: list[tuple[str, torch.Tensor]], groups) -> list[list[tuple[str, torch.Tensor]]]:
-    """One unit per parameter, except that the local experts of one MoE layer form one unit (bucketed together,
-    so they come out in the global expert order)."""
+def export_units(named: list[tuple[str, torch.Tensor]], groups) -> list[list[tuple[str, torch.Tensor]]]:
+    """One unit per parameter, except that the EP-sharded local experts of one MoE layer form one unit (bucketed
+    together, so they come out in the global expert order)."""
     units: list[list[tuple[str, torch.Tensor]]] = []
     last = None
     for name, p in named:
@@ -478,13 +477,44 @@ def _units(named: list[tuple[str, torch.Tensor]], groups) -> list[list[tuple[str
     return units
 
 
+def unit_nbytes(unit: list[tuple[str, torch.Tensor]], groups, dtype: torch.dtype | None) -> int:
+    """Bytes of a unit's full tensors (experts of every EP rank, TP shards joined), cast to ``dtype``."""
+    from miles.trainer.megatron.convert import partition_dim
+
+    return sum(p.numel() * (groups.ep_size if ep_sharded(n, groups) else groups.tp_size if partition_dim(n)
+                            is not None else 1) * (dtype or p.dtype).itemsize for n, p in unit)
+
+
+def unit_layout(unit: list[tuple[str, torch.Tensor]], groups, shape,
+                dtype: torch.dtype | None) -> list[tuple[str, torch.Size, torch.dtype]]:
+    """(HF name, shape, dtype) of what ``finish_units`` gives for ``unit``, from its local (meta) tensors: the
+    layout of another pipeline stage's part of a bucket (``export._iter_pipeline``)."""
+    from miles.trainer.megatron.convert import megatron_to_hf, partition_dim
+
+    full: dict[str, torch.Tensor] = {}
+    for name, p in unit:
+        dims = list(p.shape)
+        if not ep_sharded(name, groups) and (dim := partition_dim(name)) is not None:
+            dims[dim] *= groups.tp_size
+        meta = torch.empty(dims, dtype=dtype or p.dtype, device="meta")
+        if ep_sharded(name, groups):
+            num_local = shape.num_experts // groups.ep_size
+            full.update({global_name(name, r, num_local): meta for r in range(groups.ep_size)})
+        else:
+            full[name] = meta
+    names = sorted(full, key=_order_key) if ep_sharded(unit[0][0], groups) else list(full)
+    return [(hf, t.shape, t.dtype) for name in names for hf, t in megatron_to_hf(name, full[name], shape)]
+
+
 class _EPPending:
     def __init__(self, units, out, work, sizes, tp=None):
         self.units, self.out, self.work, self.sizes = units, out, work, sizes
         self.tp = tp        # export._Pending of the other parameters (their TP shards gathered under TP > 1)
 
 
-def _ep_start(units, groups, device, dtype) -> _EPPending:
+def start_units(units, groups, device, dtype) -> _EPPending:
+    """Issue the gathers of ``units`` (``export_units``): the experts of every EP rank over the EP group in one
+    ``all_gather_into_tensor``, the other parameters' TP shards over the TP group (``export._start``)."""
     import torch.distributed as dist
 
     from miles.trainer.megatron.export import _start
@@ -502,7 +532,9 @@ def _ep_start(units, groups, device, dtype) -> _EPPending:
     return _EPPending(units, out, work, send.numel(), tp)
 
 
-def _ep_finish(pend: _EPPending, shape, groups, device, dtype, timeout: float) -> list[tuple[str, torch.Tensor]]:
+def finish_units(pend: _EPPending, shape, groups, device, dtype, timeout: float) -> list[tuple[str, torch.Tensor]]:
+    """The (HF name, full tensor) pairs of ``start_units``'s units, in order; the experts of a layer in the global
+    expert order."""
     from datetime import timedelta
 
     from miles.trainer.megatron.convert import megatron_to_hf
@@ -513,7 +545,7 @@ def _ep_finish(pend: _EPPending, shape, groups, device, dtype, timeout: float) -
         raise TimeoutError(f"gathering the experts over the EP group timed out after {timeout:.0f}s (a trainer rank "
                            "is missing or stuck).")
     gathered = pend.out.view(groups.ep_size, -1) if pend.out is not None else None
-    num_local = shape.num_experts // groups.ep_size
+    num_local = shape.num_experts // groups.ep_size if shape.num_experts else 0
     result: list[tuple[str, torch.Tensor]] = []
     offset = 0
     for unit in pend.units:
@@ -540,15 +572,11 @@ def iter_ep_buckets(model, shape, groups, *, device: torch.device, bucket_bytes:
     tensors equal the EP = 1 export bit for bit, in the same order), the other parameters' TP shards over the TP
     group as ``export`` does; the gathers of bucket k+1 are issued before bucket k is yielded. Collective on the
     EP and TP groups; every trainer rank iterates to the end."""
-    from miles.trainer.megatron.convert import partition_dim
     from miles.trainer.megatron.export import pack
     from miles.trainer.weights import iter_prefetched
 
-    def nbytes(unit) -> int:
-        return sum(p.numel() * (groups.ep_size if ep_sharded(n, groups) else groups.tp_size if partition_dim(n)
-                                is not None else 1) * (dtype or p.dtype).itemsize for n, p in unit)
-
     buffers = shape.family.exported_buffers(model)
-    buckets = pack(_units(list(model.named_parameters()) + buffers, groups), nbytes, bucket_bytes)
-    yield from iter_prefetched(buckets, lambda b: _ep_start(b, groups, device, dtype),
-                               lambda pend: _ep_finish(pend, shape, groups, device, dtype, timeout), prefetch)
+    buckets = pack(export_units(list(model.named_parameters()) + buffers, groups),
+                   lambda unit: unit_nbytes(unit, groups, dtype), bucket_bytes)
+    yield from iter_prefetched(buckets, lambda b: start_units(b, groups, device, dtype),
+                               lambda pend: finish_units(pend, shape, groups, device, dtype, timeout), prefetch)

@@ -18,6 +18,9 @@ MTP layer (layer k predicts token t + k + 1). Per layer, the masked mean of mega
 cross entropy over this micro-batch; their mean over the layers x ``--mtp-loss-scaling-factor`` is added to the
 training loss through megatron-core's ``MTPLossAutoScaler`` (its gradient enters at the hidden states, scaled
 per micro-batch as the policy loss is), and logged as ``mtp_loss`` (unscaled, the step's mean over micro-batches).
+Under context parallelism the labels and mask are the whole rows' cut like the input ids (``cp_columns``), and every
+shift (ids, positions, labels, mask) crosses the load-balanced chunks (``context_parallel.roll_left``; see
+``attach_loss``). Pipeline parallelism is refused (``check_mtp_static``).
 
 Weights (HF GLM-4.7-Flash / DeepSeek-V3 keep MTP layer k as ``model.layers.{num_hidden_layers + k}``):
 ``mtp.layers.k.enorm`` = ``enorm``, ``hnorm`` = ``hnorm``, ``eh_proj`` = ``eh_proj`` ([h, 2h]: ``[embedding;
@@ -59,11 +62,10 @@ def check_mtp_static(o) -> None:
     """The MTP block under parallelisms this backend does not build it for (``o``: ``options.Options``)."""
     if not o.mtp_num_layers:
         return
-    for name, v in (("--pipeline-model-parallel-size", o.pp), ("--context-parallel-size", o.cp)):
-        if v > 1:
-            raise ConfigError(f"--mtp-num-layers {o.mtp_num_layers} with {name} {v} is not supported by the Megatron "
-                              f"backend yet: use {name} 1 (tensor, expert and data parallelism), or drop "
-                              "--mtp-num-layers.")
+    if o.pp > 1:
+        raise ConfigError(f"--mtp-num-layers {o.mtp_num_layers} with --pipeline-model-parallel-size {o.pp} is not "
+                          "supported by the Megatron backend yet: use --pipeline-model-parallel-size 1 (tensor, "
+                          "context, expert and data parallelism), or drop --mtp-num-layers.")
 
 
 def check_mtp_tensors(hf: dict, shape) -> None:
@@ -135,9 +137,15 @@ def attach_loss(model, hidden: torch.Tensor, kwargs: dict, labels: torch.Tensor,
                 vocab_size: int) -> torch.Tensor:
     """Run the MTP block on the main hidden states [s, b, h] and attach megatron-core's MTP loss to them
     (``MTPLossAutoScaler``); returns the main hidden states. ``model.mtp_loss_value`` is the (detached, unscaled)
-    mean over the MTP layers of each layer's masked mean cross entropy."""
-    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, roll_tensor
+    mean over the MTP layers of each layer's masked mean cross entropy. Under context parallelism ``labels`` /
+    ``loss_mask`` are this rank's columns of the whole rows' (``cp_columns``), the rolls cross the chunks
+    (``context_parallel.roll_left``), each layer's loss is this rank's sum over the CP group's count (the CP ranks'
+    gradients are partial sums, as the main head's) and the logged value is summed over the CP group."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
+    cp = _cp_group(model)
+    if cp is not None:
+        install_cp_roll(model, cp)
     out = model.mtp(hidden_states=hidden, embedding=model.embedding, **kwargs)
     n = model.config.mtp_num_layers
     chunks = torch.chunk(out, 1 + n, dim=0)
@@ -149,14 +157,55 @@ def attach_loss(model, hidden: torch.Tensor, kwargs: dict, labels: torch.Tensor,
         start = logits.shape[-1] * _tp_rank(model)                          # this rank's vocabulary shard
         cols = torch.arange(start, start + logits.shape[-1], device=logits.device)
         logits = logits.masked_fill(cols >= vocab_size, float("-inf"))    # the vocabulary padding rows
-        labels, _ = roll_tensor(labels, shifts=-1, dims=-1, cp_group=model.cp_group)
-        loss_mask, num = roll_tensor(loss_mask, shifts=-1, dims=-1, cp_group=model.cp_group)
+        labels, loss_mask = _roll(labels, cp), _roll(loss_mask, cp)
+        num = loss_mask.sum()
+        if cp is not None:
+            torch.distributed.all_reduce(num, group=cp)
         ce = model.compute_language_model_loss(labels, logits)            # [b, s]
         layer_loss = (ce * loss_mask).sum() / num.clamp(min=1)
         total = total + layer_loss.float().detach()
         main = MTPLossAutoScaler.apply(main, model.config.mtp_loss_scaling_factor / n * layer_loss)
+    if cp is not None:
+        torch.distributed.all_reduce(total, group=cp)
     model.mtp_loss_value = total / n
     return main
+
+
+def _cp_group(model):
+    cp = getattr(model, "cp_group", None)
+    return cp if cp is not None and torch.distributed.get_world_size(cp) > 1 else None
+
+
+def _roll(x: torch.Tensor, cp) -> torch.Tensor:
+    """megatron-core's roll of the MTP inputs (left by one, zero last); under CP across the chunks."""
+    if cp is None:
+        from megatron.core.transformer.multi_token_prediction import roll_tensor
+
+        return roll_tensor(x, shifts=-1, dims=-1)[0]
+    from miles.trainer.megatron import context_parallel
+
+    return context_parallel.roll_left(x, cp)
+
+
+def install_cp_roll(model, cp) -> None:
+    """Each MTP layer's input shift (token t + k + 1's embedding at position t) rolled across the CP chunks with
+    ``context_parallel.roll_left`` (megatron-core's CP roll allocates its buffers on CUDA only)."""
+    from megatron.core.utils import make_viewless_tensor
+
+    for layer in model.mtp.layers:
+        if getattr(layer, "_miles_cp_roll", False):
+            continue
+
+        def get_embeddings(input_ids, position_ids, embedding, hidden_states, packed_seq_params=None):
+            if packed_seq_params is not None:
+                raise ValueError("the MTP block under context parallelism takes padded rows, not packed sequences")
+            input_ids, position_ids = _roll(input_ids, cp), _roll(position_ids, cp)
+            decoder_input = embedding(input_ids=input_ids, position_ids=position_ids)
+            hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
+            return input_ids, position_ids, decoder_input, hidden_states
+
+        layer._get_embeddings = get_embeddings
+        layer._miles_cp_roll = True
 
 
 def _tp_rank(model) -> int:
@@ -171,6 +220,14 @@ def labels_and_mask(ids: torch.Tensor, index: torch.Tensor, loss_mask: torch.Ten
     mask = torch.zeros(ids.numel(), dtype=torch.float32, device=ids.device)
     mask[index] = loss_mask.to(device=ids.device, dtype=torch.float32)
     return labels, mask.view(ids.shape)
+
+
+def cp_columns(labels: torch.Tensor, mask: torch.Tensor, cp_rank: int, cp_size: int):
+    """This CP rank's columns (``context_parallel.chunk_columns``) of the whole rows' labels and loss mask."""
+    from miles.trainer.megatron import context_parallel
+
+    cols = context_parallel.chunk_columns(labels.shape[1], cp_rank, cp_size, labels.device)
+    return labels.index_select(1, cols), mask.index_select(1, cols)
 
 
 def set_backward_scale(scale: float, device: torch.device) -> None:

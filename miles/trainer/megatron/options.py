@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import torch
 
 from miles.config.base import ConfigError
-from miles.trainer.megatron import families, mtp
+from miles.trainer.megatron import families, fork_flags, mtp
 from miles.trainer.megatron.model import ModelShape, use_transformer_engine
 from miles.trainer.megatron.moe import MoeOptions, check_moe_shape, check_moe_static, resolve_moe
 from miles.utils.logging import get_logger, warn_once
@@ -31,7 +31,7 @@ class Options:
     cp: int = 1
     ep: int = 1
     etp: int = 1
-    distributed_optimizer: bool = True             # as Miles (set_default_megatron_args, Adam); off with EP > 1
+    distributed_optimizer: bool = True             # as Miles (set_default_megatron_args, Adam)
     recompute_granularity: str | None = None
     recompute_method: str | None = None
     recompute_num_layers: int | None = None
@@ -52,6 +52,8 @@ class Options:
     mtp_num_layers: int = 0                        # --mtp-num-layers (mtp.py); 0: no MTP block
     mtp_training: bool = False                     # --enable-mtp-training
     mtp_loss_scale: float = 0.2                    # --mtp-loss-scaling-factor (Miles's default)
+    freeze_router_gate: bool = False               # --moe-router-freeze-gate (fork_flags.py)
+    clamp_shared_expert: bool = True               # off: --no-activation-func-clamp-shared-expert (fork_flags.py)
 
 
 def resolve(m, train=None) -> Options:
@@ -69,10 +71,10 @@ def resolve(m, train=None) -> Options:
                                  ("--decoder-last-pipeline-num-layers", m.decoder_last_pipeline_num_layers))
                   if v is not None)
     ep = m.expert_model_parallel_size or 1
-    distopt = m.use_distributed_optimizer                 # not given: on, as Miles; EP > 1 does not support it
+    distopt = m.use_distributed_optimizer                 # not given: on, as Miles (off with the CPU-offloaded AdamW)
     offload = getattr(m, "optimizer_cpu_offload", False)    # --optimizer-cpu-offload: no ZeRO unless asked for
     fraction = getattr(m, "optimizer_offload_fraction", None)
-    distopt = ep == 1 and not offload if distopt is None else distopt
+    distopt = not offload if distopt is None else distopt
     moe = tuple(f for f, v in (("--num-experts", m.num_experts), ("--moe-router-topk", m.moe_router_topk),
                                ("--moe-ffn-hidden-size", m.moe_ffn_hidden_size)) if v is not None)
     return Options(
@@ -91,7 +93,9 @@ def resolve(m, train=None) -> Options:
         distributed_optimizer_given=bool(m.use_distributed_optimizer),
         mtp_num_layers=getattr(m, "mtp_num_layers", None) or 0,
         mtp_training=bool(getattr(m, "enable_mtp_training", False)),
-        mtp_loss_scale=0.2 if getattr(m, "mtp_loss_scaling_factor", None) is None else float(m.mtp_loss_scaling_factor))
+        mtp_loss_scale=0.2 if getattr(m, "mtp_loss_scaling_factor", None) is None else float(m.mtp_loss_scaling_factor),
+        freeze_router_gate=bool(getattr(m, "moe_router_freeze_gate", False)),
+        clamp_shared_expert=not getattr(m, "no_activation_func_clamp_shared_expert", False))
 
 
 def _mismatch(name: str, value, key: str, config_value) -> ConfigError:
@@ -106,6 +110,7 @@ def check_shape(m, shape: ModelShape) -> None:
     if m is None:
         return
     check_moe_shape(m, shape)          # --num-experts, --moe-* against config.json (moe.py)
+    fork_flags.check_fork_flags(m, shape)   # Miles's Megatron fork: --dsv4-*, --dsa-indexer-*, ... (fork_flags.py)
     families.check_flags(m, shape)     # each family's flags (MLA dims, YaRN rope, sinks, windows, ...: families/)
     mtp.check_mtp_shape(m, shape)      # --mtp-num-layers vs num_nextn_predict_layers (mtp.py)
     values = {
@@ -138,7 +143,7 @@ def check_shape(m, shape: ModelShape) -> None:
         raise _mismatch("--swiglu", "(given)", "MLP", f"non-gated ({shape.family.name})")
     if m.rotary_percent is not None and not math.isclose(float(m.rotary_percent), shape.rotary_percent):
         raise _mismatch("--rotary-percent", m.rotary_percent, "partial_rotary_factor", shape.rotary_percent)
-    if m.qk_layernorm and not shape.qk_layernorm:
+    if m.qk_layernorm and not shape.qk_layernorm and "qk_layernorm" not in fork_flags.claimed(shape):
         raise _mismatch("--qk-layernorm", "(given)", "q_norm/k_norm", "absent")
     if m.add_qkv_bias and not shape.qkv_bias and not shape.mla:    # MLA builds no qkv bias (Megatron ignores it)
         raise _mismatch("--add-qkv-bias", "(given)", "attention bias", "absent")
@@ -184,7 +189,9 @@ def preflight_check(cfg, hf_config: dict | None) -> None:
     vlm.check_static(resolve(cfg.megatron, cfg.train), shape,   # Qwen3-VL: one line for what it does not run with
                      lora=lora.LoraSpec.from_config(cfg.train) is not None)
     check_shape(cfg.megatron, shape)
-    check_static(resolve(cfg.megatron, cfg.train), shape)
+    o = resolve(cfg.megatron, cfg.train)
+    check_static(o, shape)
+    check_dp(o, max(cfg.cluster.actor_num_nodes * cfg.cluster.actor_num_gpus_per_node // (o.tp * o.pp), 1))
     check_pipeline_algo(resolve(cfg.megatron, cfg.train), cfg.algo)
     if (spec := lora.LoraSpec.from_config(cfg.train)) is not None:    # --lora-rank: the layouts LoRA runs on
         lora.check_megatron(resolve(cfg.megatron, cfg.train), shape, spec)
@@ -206,20 +213,10 @@ def check_static(o: Options, shape: ModelShape) -> None:
     from miles.trainer.megatron.pipeline import stage_layer_counts
 
     stage_layer_counts(shape.num_layers, o.pp, o.first_stage_layers, o.last_stage_layers)
-    if o.pp > 1 and o.sequence_parallel:
-        raise ConfigError(f"--sequence-parallel with --pipeline-model-parallel-size {o.pp} is not supported (the "
-                          "pipeline sends whole-sequence hidden states); drop one of them.")
-    if o.pp > 1 and shape.num_experts:
-        raise ConfigError(f"--pipeline-model-parallel-size {o.pp} with a MoE model (config.json's num_experts "
-                          f"{shape.num_experts}) is not supported by the Megatron backend yet; use "
-                          "--pipeline-model-parallel-size 1 with expert, tensor and data parallelism.")
     check_context_parallel(o, shape)
     from miles.trainer.megatron import vlm
 
     vlm.check_static(o, shape)         # Qwen3-VL: PP, CP, MTP (vlm.py)
-    if o.cpu_offload_fraction is not None and o.distributed_optimizer_given:
-        raise ConfigError("--optimizer-cpu-offload with --use-distributed-optimizer is not supported by the Megatron "
-                          "backend (the offloaded AdamW is not sharded over DP): drop one of them.")
     for what, n in (("num_attention_heads", shape.num_attention_heads), ("num_key_value_heads",
                                                                          shape.num_query_groups),
                     ("intermediate_size", shape.ffn_hidden_size)):
@@ -245,9 +242,6 @@ def check_context_parallel(o: Options, shape: ModelShape) -> None:
         raise ConfigError(f"--cp-comm-type {o.cp_comm_type} (hierarchical context parallelism) needs "
                           "--hierarchical-context-parallel-sizes, which the Megatron backend does not take; use a2a, "
                           "all_gather or p2p.")
-    if o.pp > 1:
-        raise ConfigError(f"--context-parallel-size {o.cp} with --pipeline-model-parallel-size {o.pp} is not supported "
-                          "by the Megatron backend; use one of them (with tensor and data parallelism).")
     if o.attention_backend in ("unfused", "local"):
         raise ConfigError(f"--attention-backend {o.attention_backend} (megatron-core's DotProductAttention) does not "
                           f"support --context-parallel-size {o.cp}; use --attention-backend auto/flash (torch SDPA).")
@@ -261,16 +255,34 @@ def check_context_parallel(o: Options, shape: ModelShape) -> None:
 
 
 def check_pipeline_algo(o: Options, algo) -> None:
-    """What does not run through the pipeline yet: the PPO critic."""
-    if o.pp > 1 and algo is not None and algo.loss_type != "sft_loss" and algo.advantage_estimator == "ppo":
+    """What does not run through the pipeline yet: the PPO critic, routing replay."""
+    if o.pp == 1 or algo is None:
+        return
+    if algo.loss_type != "sft_loss" and algo.advantage_estimator == "ppo":
         raise ConfigError(f"--advantage-estimator ppo (the PPO critic) with --pipeline-model-parallel-size {o.pp} is "
                           "not supported by the Megatron backend; use --pipeline-model-parallel-size 1 (tensor and "
                           "data parallelism), another estimator (grpo, ...), or --train-backend fsdp.")
+    from miles.trainer.routing_replay import mode
+
+    if (replay := mode(algo)) is not None:
+        flag = "--use-rollout-routing-replay" if replay == "r3" else "--use-routing-replay"
+        raise ConfigError(f"{flag} with --pipeline-model-parallel-size {o.pp} is not supported by the Megatron backend "
+                          "(the replay hooks the one-stage forward): use --pipeline-model-parallel-size 1 (tensor, "
+                          "context, expert and data parallelism), or drop the flag.")
+
+
+def check_dp(o: Options, dp_size: int) -> None:
+    """The values this build does not run with ``dp_size`` data-parallel ranks (the trainer ranks / (TP x PP))."""
+    if o.cpu_offload_fraction is not None and o.distributed_optimizer_given and dp_size > 1:
+        raise ConfigError(f"--optimizer-cpu-offload with --use-distributed-optimizer over {dp_size} data-parallel "
+                          "ranks is not supported by the Megatron backend (the offloaded AdamW is not sharded over DP; "
+                          "with one DP rank there is nothing to shard): drop one of them.")
 
 
 def check_supported(o: Options, shape: ModelShape, device: torch.device, dp_size: int) -> None:
     """One line for the first value this build does not run on ``device`` with ``dp_size`` DP ranks."""
     check_static(o, shape)
+    check_dp(o, dp_size)
     te = use_transformer_engine(device) and o.transformer_impl != "local"
     if o.sequence_parallel and o.tp == 1:          # Megatron-LM turns it off; here it is kept and does nothing
         warn_once(logger, "--sequence-parallel has no effect with --tensor-model-parallel-size 1 (no TP group to "

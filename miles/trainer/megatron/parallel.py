@@ -24,7 +24,9 @@ by the DP size (``moe.reduce_expert_grads``).
 
 ``--use-distributed-optimizer`` (ZeRO-1, Megatron's meaning): with DP > 1 the AdamW state is sharded over
 the DP group by whole (TP-local) parameters (torch's ``ZeroRedundancyOptimizer``): each DP rank updates the
-parameters it owns and broadcasts them; gradients are still averaged over DP first. The broadcast after the
+parameters it owns and broadcasts them; gradients are still averaged over DP first. Under expert parallelism the
+DP ranks hold different experts, so the experts are sharded over the expert-DP group instead, in a second
+ZeroRedundancyOptimizer (``ExpertShardedAdamW``), as megatron-core's distributed optimizer does. The broadcast after the
 step is one flattened tensor per owner rank (and dtype, device; split at ``_SYNC_BUCKET_BYTES``), not torch's one
 per parameter: each gloo collective is a fixed 1-2 ms on a small CPU host (issue 13). The bytes sent are the
 same, so the weights are bit for bit torch's; state_dict/load_state_dict are torch's own. Not torch's
@@ -208,22 +210,74 @@ def _sync_buckets(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return out + [bucket for bucket, _ in open_.values() if bucket]
 
 
-def distributed_adamw(model: nn.Module, groups: Groups, *, lr: float, weight_decay: float,
-                      betas: tuple[float, float], eps: float, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW with its state sharded over the DP group (same parameter groups as ``optim.build_adamw``)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+def _zero_adamw(params: list[nn.Parameter], group: dist.ProcessGroup, *, lr: float, weight_decay: float,
+                betas: tuple[float, float], eps: float, device: torch.device) -> torch.optim.Optimizer:
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
     param_groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
                                 {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
     kw = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    return _zero_class()(param_groups, optimizer_class=torch.optim.AdamW,
-                         process_group=groups.dp_cp if groups.cp_size > 1 else groups.dp,
-                         lr=lr, betas=betas, eps=eps, **kw)
+    return _zero_class()(param_groups, optimizer_class=torch.optim.AdamW, process_group=group, lr=lr, betas=betas,
+                         eps=eps, **kw)
+
+
+def distributed_adamw(model: nn.Module, groups: Groups, *, lr: float, weight_decay: float,
+                      betas: tuple[float, float], eps: float, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW with its state sharded over the DP group (DP x CP with context parallelism; same parameter groups as
+    ``optim.build_adamw``). Under expert parallelism the DP ranks hold different experts, so the experts' state is
+    sharded over the expert-data-parallel group instead (the ranks holding the same experts), as megatron-core's
+    distributed optimizer does: ``ExpertShardedAdamW``."""
+    adam = dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, device=device)
+    dense_group = groups.dp_cp if groups.cp_size > 1 else groups.dp
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if groups.ep_size == 1:
+        return _zero_adamw([p for _, p in named], dense_group, **adam)
+    dense = [p for n, p in named if not ep_sharded(n, groups)]
+    experts = [p for n, p in named if ep_sharded(n, groups)]
+    return ExpertShardedAdamW(_zero_adamw(dense, dense_group, **adam), _zero_adamw(experts, groups.edp, **adam))
 
 
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The optimizer that holds this rank's state (the inner one of a ZeroRedundancyOptimizer)."""
     return getattr(optimizer, "optim", optimizer)
+
+
+class _LocalState:
+    """The state and parameter groups of this rank's part of an ``ExpertShardedAdamW`` (``local_optimizer``)."""
+
+    def __init__(self, parts: tuple[torch.optim.Optimizer, ...]):
+        self._parts = parts
+
+    @property
+    def state(self) -> dict:
+        return {p: st for o in self._parts for p, st in local_optimizer(o).state.items()}
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for o in self._parts for g in local_optimizer(o).param_groups]
+
+
+class ExpertShardedAdamW:
+    """``--use-distributed-optimizer`` under expert parallelism: two sharded AdamWs, the dense parameters' over DP
+    (x CP) and the experts' over the expert-DP group. ``param_groups`` (the LR schedule writes ``lr`` there),
+    ``step`` and ``zero_grad`` are both parts'; ``optim`` (``local_optimizer``) holds this rank's state of both,
+    keyed by parameter, so checkpoints save and load it as a ZeroRedundancyOptimizer's."""
+
+    def __init__(self, dense: torch.optim.Optimizer, experts: torch.optim.Optimizer):
+        self.parts = (dense, experts)
+        self.optim = _LocalState(self.parts)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for o in self.parts for g in o.param_groups]
+
+    def step(self, closure=None) -> None:
+        for o in self.parts:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.parts:
+            o.zero_grad(set_to_none=set_to_none)
 
 
 @torch.no_grad()
@@ -249,7 +303,7 @@ def finish_grads(model: nn.Module, groups: Groups) -> None:
     if groups.tp_size > 1 and sequence_parallel:    # norms in the sequence-parallel region: each TP rank saw
         _coalesced_all_reduce(sequence_parallel, groups.tp, dist.ReduceOp.SUM)    # its part of the sequence
     if groups.cp_size > 1:      # CP ranks hold partial sums (their chunks): sum over DP x CP, average over DP
-        grads = [p.grad for _, p in named]
+        grads = [p.grad for n, p in named if not edp_reduced(n, groups)]
         _coalesced_all_reduce(grads, groups.dp_cp, dist.ReduceOp.SUM)
         if groups.dp_size > 1:
             torch._foreach_div_(grads, float(groups.dp_size))

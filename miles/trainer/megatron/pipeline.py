@@ -21,7 +21,10 @@ the shared trainer code. The schedule is Megatron's non-interleaved 1F1B: stage 
 remaining backwards; so at most ``P - s`` micro-batches' activations are alive on stage ``s``. Each exchange
 posts its send and its receive together (``isend``/``irecv``; even stages send first, odd stages receive first,
 as megatron-core's unbatched p2p does, so a NCCL pair's in-order stream never waits on itself) and waits for
-both, which matches the neighbour's order and cannot deadlock. Hidden states travel as ``[s, b, h]`` in the parameters' dtype.
+both, which matches the neighbour's order and cannot deadlock. Hidden states travel as ``[s, b, h]`` in the parameters' dtype,
+``s`` this rank's part of the padded rows: its two chunks under context parallelism, its TP part under
+``--sequence-parallel`` (the last stage gathers it over TP and reassembles the log-probs over CP, as one stage does).
+MoE layers run their all-to-all over the stage's own EP group; every rank of a stage runs the same schedule.
 Interleaved (virtual) stages are not implemented: ``--num-layers-per-virtual-pipeline-stage`` and
 ``--num-virtual-stages-per-pipeline-rank`` are refused by name.
 
@@ -106,14 +109,15 @@ def is_tied_copy(p: torch.Tensor) -> bool:
 
 @torch.no_grad()
 def load_hf_into(model: nn.Module, hf: dict[str, torch.Tensor], shape: ModelShape, padded_vocab: int, tp_rank: int,
-                 tp_size: int) -> None:
-    """``convert.load_hf_into`` for one pipeline stage: layers by their global index, and the last stage's copy
-    of a tied embedding from the HF embedding."""
-    from miles.trainer.megatron import convert
+                 tp_size: int, ep_rank: int = 0, ep_size: int = 1) -> None:
+    """``convert.load_hf_into`` for one pipeline stage: layers by their global index, this EP rank's experts by
+    their global index (``moe.global_name``), and the last stage's copy of a tied embedding from the HF embedding."""
+    from miles.trainer.megatron import convert, moe
 
-    named = global_named_parameters(model)
+    num_local = shape.num_experts // ep_size if shape.num_experts else 0
+    named = [(moe.global_name(n, ep_rank, num_local), p) for n, p in global_named_parameters(model)]
     sources = ["embedding.word_embeddings.weight" if is_tied_copy(p) else n for n, p in named]
-    full = convert.hf_to_megatron(hf, shape, padded_vocab, sorted(set(sources)))
+    full = convert.hf_to_megatron(convert.family_hf_state(hf, shape), shape, padded_vocab, sorted(set(sources)))
     for (name, p), src in zip(named, sources):
         piece = convert.shard(src, full[src], convert.partition_dim(src), tp_rank, tp_size, shape)
         if tuple(piece.shape) != tuple(p.shape):
@@ -319,9 +323,14 @@ def broadcast_object_from_last(stage: Stage, obj: Any, device: torch.device) -> 
 
 
 # ---------------------------------------------------------------------------------------------- trainer passes
-def _shape_fn(mbs: list, hidden_size: int) -> Callable[[int], tuple]:
-    """[s, b, h] of micro-batch i's hidden states (``trainer.padded_batch`` rows: s = its longest sample)."""
-    return lambda i: (int(mbs[i].max_seqlen), int(mbs[i].cu_seqlens.numel()) - 1, hidden_size)
+def _shape_fn(trainer: MegatronTrainer, mbs: list) -> Callable[[int], tuple]:
+    """[s, b, h] of micro-batch i's hidden states between stages (``trainer.padded_batch`` rows: its longest
+    sample, rounded up to ``trainer.row_multiple()``; this CP rank's two chunks of it, and under
+    ``--sequence-parallel`` this TP rank's part)."""
+    m, g = trainer.row_multiple(), trainer.groups
+    split = g.cp_size * (g.tp_size if trainer._sequence_parallel else 1)
+    return lambda i: (-(-int(mbs[i].max_seqlen) // m) * m // split, int(mbs[i].cu_seqlens.numel()) - 1,
+                      trainer.shape.hidden_size)
 
 
 def activation_dtype(model: nn.Module) -> torch.dtype:
@@ -346,13 +355,11 @@ def forward_pass(trainer: MegatronTrainer, model: nn.Module, data: list) -> list
 
     def fwd(i: int, x: torch.Tensor | None) -> torch.Tensor:
         dmb = mbs[i].to(trainer.device)
-        out, index = trainer._stage_forward(model, dmb, x)
         if not stage.is_last:
-            return out.to(dtype)
-        return trainer._head_logprobs(model, dmb, _select(out, index))[0].float()
+            return trainer._stage_forward(model, dmb, x)[0].to(dtype)
+        return trainer._policy_forward(model, dmb, x=x)[0].float()      # CP: reassembled over the CP group
 
-    outs = forward_only(stage, len(mbs), _shape_fn(mbs, trainer.shape.hidden_size), fwd, device=trainer.device,
-                        dtype=dtype)
+    outs = forward_only(stage, len(mbs), _shape_fn(trainer, mbs), fwd, device=trainer.device, dtype=dtype)
     real = [j for j, mb in enumerate(mbs) if not mb.is_dummy]
     sizes = [sum(mbs[j].lengths) for j in real]
     if stage.is_last:
@@ -386,11 +393,10 @@ def forward_backward(trainer: MegatronTrainer, data: list, ids: list[int], per_s
     def fwd(i: int, x: torch.Tensor | None) -> torch.Tensor:
         mb = mbs[i]
         dmb = mb.to(dev)
-        out, index = trainer._stage_forward(trainer.model, dmb, x)
         if not stage.is_last:
-            return out.to(dtype)
-        lp, ent = trainer._head_logprobs(trainer.model, dmb, _select(out, index), with_entropy=True,
-                                         entropy_grad=a.entropy_coef != 0)
+            return trainer._stage_forward(trainer.model, dmb, x)[0].to(dtype)
+        lp, ent = trainer._policy_forward(trainer.model, dmb, with_entropy=True, entropy_grad=a.entropy_coef != 0,
+                                          x=x)
         if mb.is_dummy:
             return dummy_micro_batch_loss(lp, ent)
         loss, metrics, _ = micro_batch_loss(trainer.loss_fn, a, mb, dmb, lp, ent, per_sample, samples, ntok, nsamp,
@@ -398,7 +404,7 @@ def forward_backward(trainer: MegatronTrainer, data: list, ids: list[int], per_s
         accumulate_metrics(acc, metrics)
         return loss * trainer.world                       # gradients are averaged over DP
 
-    train_1f1b(stage, len(mbs), _shape_fn(mbs, trainer.shape.hidden_size), fwd, device=dev, dtype=dtype)
+    train_1f1b(stage, len(mbs), _shape_fn(trainer, mbs), fwd, device=dev, dtype=dtype)
     keys = sorted(acc)
     host = torch.stack([acc[k] for k in keys]).cpu() if keys else None
     keys, host = broadcast_object_from_last(stage, (keys, host), dev)

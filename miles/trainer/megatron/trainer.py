@@ -26,7 +26,7 @@ loss normalisation over the step, metrics, --deterministic-mode (here also megat
   over TP before the head.
 - gradients: TP-partial ones summed over TP, all averaged over DP, the norm over the full model
   (``parallel.finish_grads`` / ``clip_grad_norm``); AdamW over this rank's shards, its state sharded over
-  DP with ``--use-distributed-optimizer``.
+  DP with ``--use-distributed-optimizer`` (the experts' over the expert-DP group under expert parallelism).
 - weights out: ``iter_weight_buckets`` gathers TP shards bucket by bucket and converts to HF names and
   shapes (``export.py``), so the weight senders and ``--check-weight-update-equal`` work unchanged. There is no
   ``iter_weight_shards`` (TP shards are not dim-0 row ranges of the HF tensors): ``p2p`` weight sync takes the
@@ -52,7 +52,7 @@ from miles.trainer.batching import MicroBatch, coalesce_micro_batches, pack, pla
 from miles.trainer.collectives import bounded_all_gather_object
 from miles.trainer.logprobs import VocabShard, logprobs_and_entropy
 from miles.trainer.losses import accumulate_metrics
-from miles.trainer.megatron import context_parallel, convert, export, moe, options, parallel, pipeline
+from miles.trainer.megatron import context_parallel, convert, export, fork_flags, moe, options, parallel, pipeline
 from miles.trainer.megatron import model as mmodel
 from miles.trainer.megatron import mtp as mtp_mod
 from miles.trainer.megatron import vlm as mvlm
@@ -155,10 +155,8 @@ class MegatronTrainer(RLTrainer):
         if self.opts.cpu_offload_fraction is not None:      # --optimizer-cpu-offload (cpu_offload.py)
             from miles.trainer.megatron.cpu_offload import build_offloaded_adamw
 
-            if self.lora is not None:
-                raise ConfigError("--optimizer-cpu-offload with --lora-rank is not supported by the Megatron "
-                                  "backend (the adapters' AdamW state is small): drop --optimizer-cpu-offload.")
-            self.optimizer = build_offloaded_adamw(self.model, fraction=self.opts.cpu_offload_fraction, **adam)
+            self.optimizer = build_offloaded_adamw(self.lora if self.lora is not None else self.model,
+                                                   fraction=self.opts.cpu_offload_fraction, **adam)
         else:
             self.optimizer = (parallel.distributed_adamw(self.model, self.groups, **adam) if self.distributed_optimizer
                               else build_adamw(self.lora if self.lora is not None else self.model, **adam))
@@ -240,6 +238,7 @@ class MegatronTrainer(RLTrainer):
             ref = ckpt_path == self.cfg.ref_load
             dist_ckpt.load_weights(self, model, ckpt_path, getattr(self.megatron_cfg, "ref_ckpt_step", None) if ref
                                    else None, "--ref-load" if ref else "--critic-load/--opd-teacher-load")
+        fork_flags.apply(model, o)          # --moe-router-freeze-gate, --no-activation-func-clamp-shared-expert
         if offload:
             model.eval()
             for p in model.parameters():
@@ -257,10 +256,12 @@ class MegatronTrainer(RLTrainer):
         g = self.groups
         adapters = lora_mod.attach(self.model, spec, tp_rank=g.tp_rank, tp_size=g.tp_size, tp_group=g.tp,
                                    seed=self.cfg.seed, ep_rank=g.ep_rank, ep_size=g.ep_size, ep_group=g.ep,
-                                   num_experts=self.shape.num_experts or 0)
+                                   num_experts=self.shape.num_experts or 0,
+                                   inputs_require_grad=self.opts.recompute_granularity == "full")
         n = lora_mod.trainable_count(adapters)
         logger.info("LoRA rank %d alpha %s on %s: %s trainable of %s params (base frozen)", spec.rank, spec.alpha,
-                    ",".join(spec.targets), f"{n:,}", f"{self.num_params:,}")
+                    ",".join(sorted({name.rsplit(".", 1)[-1] for name in adapters.targets})), f"{n:,}",
+                    f"{self.num_params:,}")
         return adapters
 
     def _expert_param_count(self) -> int:
@@ -321,20 +322,23 @@ class MegatronTrainer(RLTrainer):
     def _rows_forward(self, model, mb: MicroBatch, x: torch.Tensor | None = None):
         """``_stage_forward`` plus the CP split: with context parallelism the rows are this CP rank's chunks
         (``context_parallel.shard_rows``: hidden [2c, b, h], index [n] into [b * 2c], and the shard that
-        reassembles per-position values), else the shard is None. Under ``--sequence-parallel`` the
-        sequence-split output is all-gathered over TP (backward: this rank's part of the replicated gradient)."""
+        reassembles per-position values), else the shard is None. Under ``--sequence-parallel`` the last stage's
+        sequence-split output is all-gathered over TP (backward: this rank's part of the replicated gradient); an
+        earlier pipeline stage returns its part [s / tp, b, h], which the next stage takes as it is."""
         cp = self.groups.cp_size
-        multiple = (2 * cp if cp > 1 else 1) * (self.groups.tp_size if self._sequence_parallel else 1)
-        ids, pos, index = padded_batch(mb, self.pad_id, multiple)
+        ids, pos, index = padded_batch(mb, self.pad_id, self.row_multiple())
+        kw = {}
+        if getattr(model, "mtp_training", False) and model.training and not mb.is_dummy:   # mtp.py: whole rows
+            kw["labels"], kw["loss_mask"] = mtp_mod.labels_and_mask(ids, index, mb.loss_mask, self.pad_id)
         shard = None
         if cp > 1:
             shard = context_parallel.shard_rows(ids, pos, index, self.groups.cp_rank, cp)
             ids, pos, index = shard.input_ids, shard.position_ids, shard.local_index
+            if kw:                              # ... and this CP rank's columns of them
+                kw["labels"], kw["loss_mask"] = mtp_mod.cp_columns(kw["labels"], kw["loss_mask"],
+                                                                   self.groups.cp_rank, cp)
         if x is not None:
             model.set_input_tensor(x)
-        kw = {}
-        if getattr(model, "mtp_training", False) and model.training and not mb.is_dummy:   # mtp.py
-            kw["labels"], kw["loss_mask"] = mtp_mod.labels_and_mask(ids, index, mb.loss_mask, self.pad_id)
         with self._dropout_stream(model):
             if self._images is not None:      # Qwen3-VL (vlm.py): the micro-batch's images, M-RoPE, deepstack
                 mm = hf_vlm.batch_inputs(self._mm or [], mb.sample_ids, ids, self._images.image_token_id, ids.device)
@@ -342,33 +346,36 @@ class MegatronTrainer(RLTrainer):
                                       tp_rank=self.groups.tp_rank, tp_size=self.groups.tp_size, **kw)
             else:
                 hidden = model(ids, pos, attention_mask=None, **kw)              # [s, b, h]
-        if self._sequence_parallel:
+        if self._sequence_parallel and self.stage.is_last:    # earlier stages send their part of the sequence
             from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
             hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False,
                                                           group=self.groups.tp)
         return hidden, index, shard
 
-    def _local_hidden(self, model, mb: MicroBatch):
+    def row_multiple(self) -> int:
+        """What a micro-batch's rows are padded to a multiple of: 2 x CP (``context_parallel.shard_rows``), x TP
+        under ``--sequence-parallel`` (megatron-core splits the sequence over TP)."""
+        cp = self.groups.cp_size
+        return (2 * cp if cp > 1 else 1) * (self.groups.tp_size if self._sequence_parallel else 1)
+
+    def _local_hidden(self, model, mb: MicroBatch, x: torch.Tensor | None = None):
         """(hidden [n, h] at this CP rank's response-predicting positions, their targets [n], ``full``:
         per-position values of those positions [n] -> the whole micro-batch's [N], on every CP rank; without
-        CP all N positions and the identity)."""
-        hidden, index, shard = self._rows_forward(model, mb)
+        CP all N positions and the identity). ``x``: the previous pipeline stage's output (last stage)."""
+        hidden, index, shard = self._rows_forward(model, mb, x)
         h = pipeline._select(hidden, index)
         if shard is None:
             return h, mb.targets, lambda t: t
         return h, mb.targets.index_select(0, shard.mine), lambda t: shard.reassemble(t, self.groups.cp)
 
-    def _hidden(self, model, mb: MicroBatch) -> torch.Tensor:
-        """Final-norm hidden states [N, h] at the positions that predict the response tokens (one stage)."""
-        return pipeline._select(*self._stage_forward(model, mb))
-
-    def _policy_forward(self, model, mb: MicroBatch, *, with_entropy: bool = False, entropy_grad: bool = False):
+    def _policy_forward(self, model, mb: MicroBatch, *, with_entropy: bool = False, entropy_grad: bool = False,
+                        x: torch.Tensor | None = None):
+        """Log-probs (and entropy) of ``mb``'s targets; under pipeline parallelism the last stage's, ``x`` its
+        input. With context parallelism each CP rank computes its own positions', reassembled per micro-batch."""
+        h, targets, full = self._local_hidden(model, mb, x)
         if self.groups.cp_size == 1:
-            return self._head_logprobs(model, mb, self._hidden(model, mb), with_entropy=with_entropy,
-                                       entropy_grad=entropy_grad)
-        # context parallelism: log-probs and entropy of this rank's positions, reassembled per micro-batch
-        h, targets, full = self._local_hidden(model, mb)
+            return self._head_logprobs(model, mb, h, with_entropy=with_entropy, entropy_grad=entropy_grad)
         if h.shape[0] == 0:       # no response position in this rank's chunks: the backward must still run
             lp = h.float().sum(-1) * 0.0                                # (collectives), so stay in the graph
             ent = lp if with_entropy else None
@@ -524,6 +531,11 @@ class MegatronTrainer(RLTrainer):
         if self.shape.mtp_num_layers and self.shape.family.mtp_prefix is not None:    # e.g. Qwen3-Next's mtp.*
             return (self.shape.family.mtp_prefix,)
         return tuple(f"model.layers.{self.shape.num_layers + k}." for k in range(self.shape.mtp_num_layers))
+
+    def weight_export_is_partial(self) -> bool:
+        """A multimodal checkpoint trained text-only (``Family.text_prefix``): the export is its text model, the
+        towers stay as the engines loaded them (``WeightSource.weight_export_is_partial``)."""
+        return self.shape.family.text_prefix(self.shape) is not None
 
     def _checkpoint_buffers(self, have: set[str]) -> list[tuple[str, torch.Tensor]]:
         """A multimodal checkpoint trained text-only (``Family.text_prefix``): its other tensors (the towers) as

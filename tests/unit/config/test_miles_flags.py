@@ -163,7 +163,7 @@ def test_save_retain_interval_keeps_multiples_from_pruning(tmp_path):
 
 
 def test_other_miles_flags_are_refused_as_not_implemented_not_guessed():
-    msg = _refusal(["--custom-eval-rollout-log-function-path", "m.f", "--log-passrate"])
+    msg = _refusal(["--custom-eval-rollout-log-function-path", "m.f", "--custom-rollout-log-function-path", "m.g"])
     assert msg.startswith("--custom-eval-rollout-log-function-path (and 1 more): a Miles v0.1.0 flag that miles does "
                           "not implement")
     assert "did you mean" not in msg  # a Miles flag is named as such, not guessed
@@ -212,3 +212,31 @@ def test_secrets_are_not_written_out():
     text = cfg.to_json()
     assert "k-123" not in text and "s-456" not in text
     assert cfg.output.wandb_key == "k-123"  # the value itself is kept for wandb.login
+
+
+def test_dynamic_global_batch_size_is_one_step_of_what_arrives(monkeypatch):
+    """--use-dynamic-global-batch-size (Miles's run_kimi_k25.py): one optimizer step per rollout over every sample it
+    gives; the trainer gets no expected count (it normalises by what arrives). Needs --use-dynamic-batch-size, as in
+    Miles; a step count or global batch that would be dropped is refused in one line."""
+    from types import SimpleNamespace
+
+    from miles.run.resolve import derive_steps
+    from miles.trainer import build
+
+    dyn = ["--use-dynamic-global-batch-size", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "512",
+           "--n-samples-per-prompt", "8"]
+    cfg = parse_args(BASE + dyn + ["--global-batch-size", "32"])
+    assert cfg.data.use_dynamic_global_batch_size and derive_steps(cfg) == (1, 32, 32)
+    seen = {}
+    monkeypatch.setattr(build, "build_trainer", lambda *a, **kw: seen.update(kw))   # what the trainer is handed
+    plan = SimpleNamespace(num_rollout=2, global_batch_size=32, num_steps_per_rollout=1)
+    ctx = SimpleNamespace(groups=SimpleNamespace(trainer_group=None, trainer_mesh=None),
+                          world=SimpleNamespace(device="cpu"))
+    build.build_run_trainer(cfg, ctx, plan)
+    assert seen["global_batch_size"] is None and seen["num_steps_per_rollout"] == 1
+    for argv, first in ((dyn[:1], "--use-dynamic-global-batch-size needs --use-dynamic-batch-size"),
+                        (dyn + ["--num-steps-per-rollout", "2"], "--num-steps-per-rollout 2 with "
+                                                                 "--use-dynamic-global-batch-size"),
+                        (dyn + ["--global-batch-size", "16"], "--global-batch-size 16 with "
+                                                              "--use-dynamic-global-batch-size")):
+        assert _refusal(argv).startswith(first)

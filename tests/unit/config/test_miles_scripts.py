@@ -122,7 +122,7 @@ def save_shortfall(cfg, model: Path) -> int | None:
 
 
 def test_every_fixture_says_what_it_expects():
-    assert len(FIXTURES) == 40
+    assert len(FIXTURES) == 49
     for path in FIXTURES:
         entry, expect, lines = read_fixture(path)
         assert entry in ("train.py", "train_async.py"), path.name
@@ -291,3 +291,55 @@ def test_geo3k_grpo_prompts_hold_the_image_tokens(workdir: Path, model_dirs, plu
     assert n > 1 and item.prompt_ids[start + 1:start + n + 2] == [config["image_token_id"]] * n + [
         config["vision_end_token_id"]]
     assert item.prompt_ids.count(config["image_token_id"]) == n and item.label == "0"
+
+
+def test_deepseek_v4_command_without_fp8_training(workdir: Path, model_dirs, plugins_on_path):
+    """The recorded DeepSeek-V4 command (``megatron_deepseek_v4``, refused on ``--fp8-format``: FP8 training is not
+    built) without its three FP8 training flags: every flag of Miles's Megatron fork and every model check passes
+    against V4-Flash's 4-layer config.json (the sparse checkpoint's headers too); what is left refused here is the
+    engine's: the SGLang-only serving flags and ``--use-rollout-routing-replay`` (the embedded engine, which
+    ``--rollout-engine auto`` picks on this machine, neither serves EP nor records V4's routing); without those the dry
+    run passes."""
+    import importlib.util
+
+    from miles_fixtures import _drop, _drop_sglang_only
+
+    from miles.run.entry import dry_run
+
+    path = HERE / "megatron_deepseek_v4.flags"
+    argv = without_absent_kernel_flags(fixture_argv(read_fixture(path)[2], subs_for(path, workdir, model_dirs)))
+    for flag in ("--fp8-format", "--fp8-recipe", "--te-precision-config-file"):
+        argv = _drop(argv, flag)
+    if importlib.util.find_spec("sglang") is None:
+        with pytest.raises(ConfigError) as ei:
+            dry_run(parse_args(argv + ["--dry-run"]))
+        assert problems(str(ei.value))[0].startswith("--sglang-"), ei.value
+        argv = _drop_sglang_only(argv, {}, "train.py")
+        with pytest.raises(ConfigError) as ei:
+            dry_run(parse_args(argv + ["--dry-run"]))
+        assert str(ei.value).startswith("--use-rollout-routing-replay: the embedded engine (--rollout-engine auto "
+                                        "chose it"), ei.value
+        argv = _drop(argv, "--use-rollout-routing-replay")
+    assert "role plan" in dry_run(parse_args(argv + ["--dry-run"]))
+
+
+def test_kimi_k25_command_without_its_sglang_serving_flags(workdir: Path, model_dirs, plugins_on_path):
+    """The recorded Kimi-K2.5 command (``megatron_kimi_k25``, TP 8 + SP, EP 8, the distributed optimizer with
+    ``--optimizer-cpu-offload`` at its one data-parallel rank) is refused on this machine only by its SGLang-only
+    serving flags (``--sglang-ep-size``: the embedded engine, which ``--rollout-engine auto`` picks without SGLang,
+    has no such setting); without them the dry run passes, ``--use-distributed-optimizer`` with expert parallelism
+    included."""
+    import importlib.util
+
+    from miles_fixtures import _drop_sglang_only
+
+    from miles.run.entry import dry_run
+
+    path = HERE / "megatron_kimi_k25.flags"
+    argv = without_absent_kernel_flags(fixture_argv(read_fixture(path)[2], subs_for(path, workdir, model_dirs)))
+    assert "--use-distributed-optimizer" in argv and "--expert-model-parallel-size" in argv
+    if importlib.util.find_spec("sglang") is None:
+        changed: dict[str, str] = {}
+        argv = _drop_sglang_only(argv, changed, "train.py")
+        assert sorted(changed) == ["--sglang-ep-size"], changed
+    assert "role plan" in dry_run(parse_args(argv + ["--dry-run"]))

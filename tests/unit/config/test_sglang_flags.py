@@ -212,7 +212,7 @@ def test_embedded_engine_refuses_sglang_flags_it_would_ignore(argv, first):
 def test_embedded_engine_accepts_the_no_effect_flags_of_miles_scripts():
     cfg = parse_args(["--num-rollout", "2", "--rollout-batch-size", "4", "--rollout-engine", "embedded",
                       "--sglang-attention-backend", "fa3", "--sglang-decode-log-interval", "1000",
-                      "--sglang-mem-fraction-static", "0.7", "--sglang-load-format", "dummy",
+                      "--sglang-moe-runner-backend", "triton", "--sglang-mem-fraction-static", "0.7", "--sglang-load-format", "dummy",
                       "--sglang-speculative-algorithm", "EAGLE", "--sglang-speculative-num-steps", "2",
                       "--sglang-chunked-prefill-size", "4096", "--sglang-cuda-graph-backend-decode", "full"])
     assert cfg.sglang.server_args["attention_backend"] == "fa3"

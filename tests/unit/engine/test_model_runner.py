@@ -172,3 +172,33 @@ def test_checkpoint_names_reach_renamed_and_fused_tensors(tmp_path):
     assert torch.equal(r.model.model.layers[1].mixer.experts.up_proj[2], new["backbone.layers.1.mixer.experts.2.up_proj.weight"])
     assert torch.equal(r.model.model.norm_f.weight, new["backbone.norm_f.weight"])
     assert not torch.equal(r.prefill(0, [[5, 6, 7, 8]], [False])[0], before)
+
+
+def test_text_only_multimodal_checkpoint_kimi_k25(tmp_path):
+    """Kimi-K2.5 (``kimi_k25``: transformers builds it only as an image-text-to-text model) is served on text; the
+    published checkpoint's names (``language_model.model.*``, ``language_model.lm_head.weight``) reach the live
+    tensors, a per-expert one included. A disk-delta full version of its text model alone (what the Megatron trainer
+    exports) loads when its manifest says it is partial, and is refused as lacking the towers otherwise."""
+    from safetensors.torch import load_file
+
+    from miles.engine.model_runner import has_causal_lm
+    from miles.engine.weights import WeightUpdateError, load_from_disk
+    from miles.utils.tiny_kimi_k25 import build_tiny_kimi_k25
+    from miles.weight_sync.disk_delta import write_version
+
+    d = build_tiny_kimi_k25(tmp_path / "k25")
+    r = ModelRunner(d, RunnerOptions(max_running_requests=2, max_context_len=32))
+    assert not has_causal_lm(r.config) and type(r.model).__name__ == "Kimi_K25ForConditionalGeneration"
+    live = r.named_tensors()
+    ckpt = load_file(str(d / "model.safetensors"))
+    text = {n: t for n, t in ckpt.items() if n.startswith("language_model.")}
+    for name in ("language_model.lm_head.weight", "language_model.model.layers.2.mlp.experts.3.up_proj.weight",
+                 "language_model.model.layers.0.self_attn.kv_a_proj_with_mqa.weight"):
+        assert name in live and torch.equal(live[name], text[name]), name
+    for partial in (True, False):
+        path = write_version(tmp_path / f"v{int(partial)}", 1, text.items(), baseline=None, model_dir=d, partial=partial)
+        if partial:
+            assert set(load_from_disk(str(path), live)) == set(text)
+        else:
+            with pytest.raises(WeightUpdateError, match="the checkpoint lacks"):
+                load_from_disk(str(path), live)

@@ -114,8 +114,33 @@ def test_glm47_flash_grouped_sigmoid_router_is_recorded(tmp_path):
 def test_a_dense_model_refuses_return_routed_experts(tmp_path):
     eng = _engine(build_engine_model(tmp_path / "dense"))
     try:
-        with pytest.raises(BadRequest, match="return_routed_experts: the embedded engine records routed experts for Qwen3-MoE, GLM-4.7-Flash, DeepSeek-V3, Kimi-K2, JoyAI-LLM-Flash "
-                           "models, not this 'qwen3'"):
+        with pytest.raises(BadRequest, match="return_routed_experts: the embedded engine records routed experts for Qwen3-MoE, GLM-4.7-Flash, DeepSeek-V3, Kimi-K2, JoyAI-LLM-Flash, "
+                           "Gemma 4 MoE models, not this 'qwen3'"):
             _run(eng, [{"input_ids": [1, 2, 3], "return_routed_experts": True, "sampling_params": {"max_new_tokens": 2}}])
     finally:
         eng.stop()
+
+
+def test_gemma4_moe_routers_are_recorded(tmp_path):
+    """Gemma 4's routers (``layers.L.router`` of the multimodal model's text decoder, returning (probabilities,
+    weights, indices)) are recorded: each layer's row is the top-k of its router's probabilities."""
+    from transformers import AutoModelForImageTextToText
+
+    from miles.utils.tiny_gemma4 import build_tiny_gemma4
+
+    model = AutoModelForImageTextToText.from_pretrained(build_tiny_gemma4(tmp_path / "g4m", moe=True),
+                                                        dtype=torch.float32).eval()
+    rec = RoutedExpertsRecorder(model, model.config.text_config)
+    assert rec.enabled and [layer for layer, _ in rec.routers] == list(range(5)) and rec.top_k == 2
+    probs: dict[int, torch.Tensor] = {}
+    for layer, mod in rec.routers:
+        mod.register_forward_hook(lambda _m, _i, out, layer=layer: probs.__setitem__(layer, out[0]))
+    ids = torch.tensor([[5, 9, 13, 2, 7, 30, 41, 8, 11]])
+    rec.begin()
+    with torch.no_grad():
+        model(input_ids=ids)
+    rows = rec.end(ids.shape[1])
+    assert rows.shape == (9, 5, 2)
+    for layer in range(5):
+        assert torch.equal(rows[:, layer].long(), probs[layer].topk(2, dim=-1).indices), layer
+    assert len(set(map(tuple, rows[:, 0].tolist()))) > 1      # the routing varies over tokens

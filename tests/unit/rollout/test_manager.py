@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import signal
 import subprocess
@@ -181,7 +182,7 @@ def build(cfg, client, tok, shuffle=False, progress=None, seed=1):
 
 def test_full_groups_token_bookkeeping_and_failures(engine, tok, data_file, plugins):
     cfg = config(data_file, "--rollout-batch-size", "4", "--n-samples-per-prompt", "3",
-                 "--custom-rm-path", f"{plugins}.flaky")
+                 "--custom-rm-path", f"{plugins}.flaky", "--log-passrate")
     progress = []
 
     async def main():
@@ -219,6 +220,11 @@ def test_full_groups_token_bookkeeping_and_failures(engine, tok, data_file, plug
     assert m["rollout/truncated_ratio"] == pytest.approx(sum(s.status is SampleStatus.TRUNCATED for s in flat) / 12)
     assert m["perf/rollout_time"] > 0
     assert progress[-1] == (12, 12) and len(progress) == 12
+    # --log-passrate: pass@k = 1 - C(n - c, k) / C(n, k) per group of 3 (c: rewards of 1; a failed sample fails), k 1, 2
+    for k in (1, 2):
+        c = [sum(s.reward == 1 for s in g) for g in res.samples]
+        assert m[f"passrate/pass@{k}"] == pytest.approx(sum(1 - math.comb(3 - x, k) / math.comb(3, k) for x in c) / 4)
+    assert "passrate/pass@4" not in m
 
 
 def test_every_sample_failing_is_an_error_and_bad_plugins_fail_at_startup(engine, tok, data_file, plugins):
@@ -381,18 +387,23 @@ def test_a_filter_that_keeps_nothing_reports_and_ends_after_one_pass(engine, tok
 
 def test_evaluate(engine, tok, data_file):
     cfg = config(data_file, "--rollout-batch-size", "2", "--rm-type", "exact_match", "--n-samples-per-eval-prompt", "2",
-                 "--eval-max-response-len", "4", "--eval-temperature", "0")
+                 "--eval-max-response-len", "4", "--eval-temperature", "0", "--log-passrate")
 
     async def main():
         client = EngineClient(engine)
         mgr = build(cfg, client, tok)
-        out = await mgr.evaluate({"tiny": mgr.data_source.dataset}, rollout_id=3)
+        out = await mgr.evaluate_data({"tiny": mgr.data_source.dataset}, rollout_id=3)
         await client.close()
         return out
 
-    m = asyncio.run(main())
+    data, m = asyncio.run(main())
     assert m["eval/tiny/num_samples"] == 24 and m["eval/tiny/response_len_max"] <= 4
     assert m["eval/tiny"] == m["eval/tiny/raw_reward"] and m["eval/tiny/reward_failures"] == 0
+    # --log-passrate: eval/<name>-pass@k over each prompt's 2 samples (Miles's keys)
+    rewards = data["tiny"]["rewards"]
+    c = [sum(r == 1 for r in rewards[i:i + 2]) for i in range(0, 24, 2)]
+    assert m["eval/tiny-pass@1"] == pytest.approx(sum(rewards) / 24)
+    assert m["eval/tiny-pass@2"] == pytest.approx(sum(x > 0 for x in c) / 12)
 
 
 def test_evaluate_eval_config_datasets_each_with_their_own_settings(engine, tok, data_file, tmp_path):

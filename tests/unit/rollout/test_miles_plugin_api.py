@@ -233,6 +233,32 @@ def test_log_reward_category_metrics():
     assert cfg("--log-reward-category", "why").reward.log_reward_category == "why"
 
 
+def test_log_passrate_is_miles_unbiased_pass_at_k(caplog):
+    """--log-passrate: pass@k for k = 1, 2, 4 <= n of groups of n rewards, 1 - C(n - c, k) / C(n, k) averaged (c: the
+    rewards equal to 1: True counts, 0.5, None and a dict do not); a group of another size is left out with a
+    warning; {} for n = 1."""
+    import math
+
+    from miles.rollout.rewards import pass_at_k
+
+    groups = [[1, 0, 0, 0, 1], [0.0, 0.5, None, {"r": 1}, True], [1.0] * 5, [0] * 5, [1, 1]]
+    got = pass_at_k(groups, 5)
+    c = [2, 1, 5, 0]
+    assert sorted(got) == ["pass@1", "pass@2", "pass@4"]
+    for k in (1, 2, 4):
+        assert got[f"pass@{k}"] == pytest.approx(sum(1 - math.comb(5 - x, k) / math.comb(5, k) for x in c) / 4)
+    assert got["pass@1"] == pytest.approx(8 / 20)                        # pass@1: the share of passing samples
+    assert "excluding 1/5 incomplete groups" in caplog.text
+    assert pass_at_k([[1], [0]], 1) == {} and pass_at_k([[1]], 2) == {}
+    # an eval function's data (--eval-function-path): a failed sample's None counts 0, consecutive groups of n
+    from miles.rollout.eval_fn import miles_eval_metrics
+
+    m = miles_eval_metrics({"x": {"rewards": [1, 0, None, 1, 0, 0]}}, passrate_group_size=2)
+    assert (m["eval/x-pass@1"], m["eval/x-pass@2"]) == (pytest.approx(2 / 6), pytest.approx(2 / 3))
+    assert not any("pass@" in k for k in miles_eval_metrics({"x": {"rewards": [1, 0]}}))
+    assert cfg("--log-passrate").reward.log_passrate and not cfg().reward.log_passrate
+
+
 def test_a_lone_eval_prompt_data_path_is_the_aime_dataset(tmp_path, caplog):
     from miles.config.eval_datasets import resolve_eval_datasets
     from miles.utils import logging as miles_logging

@@ -54,10 +54,17 @@ def _spec(targets="all-linear", rank=4, alpha=8, dropout=0.0, exclude=None):
 
 
 def test_targets_resolve_as_miles_names_them():
-    assert lora.resolve_targets("all-linear") == ("linear_fc1", "linear_fc2", "linear_proj", "linear_qkv")
-    assert lora.resolve_targets("q_proj,v_proj, o_proj") == ("linear_proj", "linear_qkv")
+    mla = ("linear_kv_down_proj", "linear_kv_up_proj", "linear_q_down_proj", "linear_q_proj", "linear_q_up_proj")
+    assert lora.resolve_targets("all-linear") == tuple(sorted(("linear_fc1", "linear_fc2", "linear_proj",
+                                                              "linear_qkv") + mla))
+    # q_proj: the fused linear_qkv, or multi-latent attention's q projection of a model without q LoRA
+    assert lora.resolve_targets("q_proj,v_proj, o_proj") == ("linear_proj", "linear_q_proj", "linear_qkv")
     assert lora.resolve_targets("linear_qkv,down_proj") == ("linear_fc2", "linear_qkv")
-    assert lora.resolve_targets("all-linear", "gate_proj,linear_fc2") == ("linear_proj", "linear_qkv")
+    assert lora.resolve_targets("all-linear", "gate_proj,linear_fc2,q_a_proj,kv_b_proj") == (
+        "linear_kv_down_proj", "linear_proj", "linear_q_proj", "linear_q_up_proj", "linear_qkv")
+    # Miles's Kimi-K2.5 LoRA recipe (radixark/miles@v0.1.0:examples/lora/run-kimi-k25-megatron-lora.sh)
+    assert lora.resolve_targets("q_a_proj,kv_a_proj_with_mqa,o_proj,gate_proj,up_proj,down_proj") == (
+        "linear_fc1", "linear_fc2", "linear_kv_down_proj", "linear_proj", "linear_q_down_proj")
     with pytest.raises(ConfigError, match="--target-modules: 'lm_head'"):
         lora.resolve_targets("q_proj,lm_head")
     with pytest.raises(ConfigError, match="needs --target-modules"):
@@ -176,13 +183,15 @@ def test_preflight_refuses_the_layouts_lora_does_not_run(tiny_model_dir):
     base = ["--hf-checkpoint", str(tiny_model_dir), "--train-backend", "megatron", "--num-rollout", "1",
             "--rollout-batch-size", "2", "--lora-rank", "4", "--target-modules", "all-linear"]
     options.preflight_check(parse_args(base + ["--tensor-model-parallel-size", "2"]), hf)
+    options.preflight_check(parse_args(base + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]), hf)
     for extra, msg in ((["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2 is not supported "
                                                                  "with --lora-rank"),
                        (["--context-parallel-size", "2"], "--context-parallel-size 2"),
-                       (["--tensor-model-parallel-size", "2", "--sequence-parallel"], "--sequence-parallel"),
                        (["--tensor-model-parallel-size", "2", "--lora-dropout", "0.1"], "--lora-dropout 0.1")):
         with pytest.raises(ConfigError, match=msg):
             options.preflight_check(parse_args(base + extra), hf)
+    options.preflight_check(parse_args(base + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]), hf)
+    options.preflight_check(parse_args(base + ["--optimizer-cpu-offload"]), hf)     # the adapters' AdamW offloaded
 
 
 def test_moe_expert_lora_preflight(tiny_model_dir, tmp_path):

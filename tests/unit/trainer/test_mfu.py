@@ -24,6 +24,19 @@ def test_active_params_of_a_real_qwen3_moe(tmp_path):
     assert active_params(total, experts, moe_routing(cfg)) == total - 2 * 3 * 3 * 64 * 32
 
 
+def test_gemma4_moe_routing_from_its_text_config(tmp_path):
+    """Gemma 4 26B-A4B: the multimodal config's text_config, top_k_experts; its experts' fused tensors counted."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from miles.utils.tiny_gemma4 import build_tiny_gemma4
+
+    d = build_tiny_gemma4(tmp_path / "g4m", moe=True)
+    assert moe_routing(AutoConfig.from_pretrained(d)) == (4, 2)
+    model = AutoModelForImageTextToText.from_pretrained(d)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert experts == 5 * 4 * 3 * 64 * 32       # 5 layers of 4 experts, gate / up / down 64 x 32
+
+
 def test_dense_models_count_every_parameter(tiny_model_dir):
     from transformers import AutoConfig
 

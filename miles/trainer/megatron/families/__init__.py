@@ -16,11 +16,13 @@ docs/trainer.md's family table names those tests.
 
 Families today: ``dense`` (Llama, Qwen2, Qwen3, Qwen3-MoE, Qwen3-VL: the generic reader of ``model.py``),
 ``mla`` (multi-latent attention and DeepSeek-style MoE: GLM-4.7-Flash, DeepSeek-V3, Kimi-K2, JoyAI; YaRN in
-``yarn.py``), ``gpt_oss`` (sinks, sliding windows, clamped SwiGLU, biases), ``dsa`` (DeepSeek sparse attention:
-DeepSeek-V3.2, GLM-5 / 5.1 / 5.2; mla's plus megatron-core's DSAttention), ``nemotron_h`` (hybrid Mamba-2 /
-attention / latent MoE on megatron-core's MambaModel; the torch Mamba-2 scan and mixer in ``mamba.py``),
-``gemma4`` (Gemma 4's dense text decoder: its own layer spec, the multimodal checkpoint's
-``model.language_model.*`` names, final logit softcapping),
+``yarn.py``), ``kimi_k25`` (Kimi-K2.5's text model, trained text-only: mla's hooks on the multimodal checkpoint's
+``language_model.model.*`` names), ``gpt_oss`` (sinks, sliding windows, clamped SwiGLU, biases), ``dsa`` (DeepSeek
+sparse attention: DeepSeek-V3.2, GLM-5 / 5.1 / 5.2; mla's plus megatron-core's DSAttention), ``nemotron_h``
+(hybrid Mamba-2 / attention / latent MoE on megatron-core's MambaModel; the torch Mamba-2 scan and mixer in
+``mamba.py``),
+``gemma4`` (Gemma 4's text decoder: its own layer spec, the multimodal checkpoint's
+``model.language_model.*`` names, final logit softcapping; 26B-A4B's MoE block in ``gemma4_moe.py``),
 ``deepseek_v4`` (hyper-connections, compressed sparse attention, sqrtsoftplus / hash routing: its own decoder,
 ``dsv4_model.py``), ``qwen3_next``
 (Qwen3-Next, Qwen3.5 / 3.6: hybrid gated DeltaNet and gated attention layers, MoE with a gated shared expert, MTP;
@@ -109,6 +111,10 @@ class Family:
     check_flags: Callable[[Any, Any], None] = _nothing   # (megatron flags, shape): runs for EVERY shape, so a family
     #                                                     refuses its own flags on another one
     check_static: Callable[[Any, Any], None] = _nothing  # (options.Options, shape): runs for its own shapes only
+    fork_flags: Callable[[Any], dict] = _empty  # (shape) -> {MegatronConfig field: (config.json key, value)}: the
+    #      flags of Miles's Megatron fork its config.json fixes (fork_flags.FORK_FLAGS: --experimental-attention-variant,
+    #      --dsv4-*, --dsa-indexer-*, --activation-func-clamp-value) and any MLA / YaRN flag it reads in that fork's
+    #      spelling (DeepSeek-V4's); fork_flags.py checks each one given, a FORK_FLAGS one not listed is refused
     linear_biases: bool = False                 # every linear has a bias (no --disable-bias-linear)
     mtp_key: str = "num_nextn_predict_layers"   # config.json's count of MTP layers (ModelShape.nextn_layers)
     swiglu: bool = True                         # its MLPs are SwiGLU (--swiglu with --num-layers; else refused)
@@ -119,9 +125,19 @@ class Family:
 
 
 def _load() -> tuple[Family, ...]:
-    from miles.trainer.megatron.families import deepseek_v4, dense, dsa, gemma4, gpt_oss, mla, nemotron_h, qwen3_next
+    from miles.trainer.megatron.families import (
+        deepseek_v4,
+        dense,
+        dsa,
+        gemma4,
+        gpt_oss,
+        kimi_k25,
+        mla,
+        nemotron_h,
+        qwen3_next,
+    )
 
-    return (dense.FAMILY, mla.FAMILY, gpt_oss.FAMILY, dsa.FAMILY, nemotron_h.FAMILY, gemma4.FAMILY,
+    return (dense.FAMILY, mla.FAMILY, kimi_k25.FAMILY, gpt_oss.FAMILY, dsa.FAMILY, nemotron_h.FAMILY, gemma4.FAMILY,
             deepseek_v4.FAMILY, qwen3_next.FAMILY)
 
 
@@ -131,9 +147,7 @@ _BY_TYPE = {mt: f for f in ALL for mt in f.model_types}
 
 
 # model types no family builds whose nearest family is not the closest spelling (a family's helper removes its row)
-NEAREST = {"kimi_k25": "kimi_k2 (Kimi-K2.5's text model is Kimi-K2's architecture: train a text-only "
-                       "kimi_k2/deepseek_v3 checkpoint of it)",
-           "glm4_moe": "glm4_moe_lite (GLM-4.5's attention is not multi-latent)"}
+NEAREST = {"glm4_moe": "glm4_moe_lite (GLM-4.5's attention is not multi-latent)"}
 
 
 def nearest_family(model_type: str, families: Mapping[str, str] = FAMILIES) -> str:

@@ -38,9 +38,10 @@ radixark/miles@v0.1.0:miles_plugins/models/deepseek_v4/):
     TopKRouter has softmax and sigmoid only, no hash routing -> ``Dsv4Router`` (a TopKRouter: its gating linear,
     its place in MoELayer); the MoELayer, dispatchers, experts and shared expert are megatron-core's.
  6. Clamped SwiGLU (``swiglu_limit``: gate <= l, |up| <= l) on routed and shared experts: megatron-core's
-    ``activation_func_clamp_value`` (its MLP and expert MLPs both clamp). Miles passes
-    ``--no-activation-func-clamp-shared-expert`` (its Megatron fork's flag); transformers 5.24 clamps the shared
-    expert, and transformers is the parity reference here.
+    ``activation_func_clamp_value`` (its MLP and expert MLPs both clamp), as transformers 5.24 (the parity
+    reference) clamps both. The shared-expert clamp question: Miles passes ``--no-activation-func-clamp-shared-expert``
+    (its Megatron fork's flag: the shared expert unclamped), as SGLang's V4 serves it; with that flag the trainer's
+    shared experts and the embedded engine's are unclamped (``fork_flags.py``).
  7. Norm weights, sinks, compressor position biases and the mHC parameters are fp32 in transformers
     (``_keep_in_fp32_modules_strict``); ours compute the same in fp32.
  8. MTP (``num_nextn_predict_layers``): transformers does not build it and ignores the checkpoint's ``mtp.*``; so
@@ -53,6 +54,10 @@ Names. Read: DeepSeek's checkpoint names (``embed.weight``, ``layers.L.attn.wq_a
 [w1; w3] per expert, ``down_proj`` [E, H, I]), as the FSDP backend exports them and the embedded engine loads them.
 megatron names: ``decoder.layers.L.self_attention.<DeepSeek's attn name>``, ``hc_attn.fn`` ..., megatron-core's
 ``mlp.router``/``mlp.experts``/``mlp.shared_experts`` (fc1 = [w1; w3]).
+
+Flags: Miles's V4 scripts spell the model out in its Megatron fork's arguments (``--experimental-attention-variant
+dsv4``, ``--dsv4-*``, ``--dsa-indexer-*``, ``--activation-func-clamp-value``, and the MLA / YaRN flags read as that fork
+reads them for V4): ``fork_flags`` lists config.json's value of each, ``fork_flags.py`` checks them.
 
 Refused (one line each, ``check_static``): pipeline and context parallelism, a TP size not dividing ``o_groups``, MTP
 layers, transformer-engine's layer spec (the attention is ours; megatron-core's experts may still be TE's).
@@ -387,21 +392,60 @@ def check_static(o, shape) -> None:
                           "builds no V4 MTP layers to check them against); drop it.")
 
 
+def compress_ratios(g: Dsv4Shape) -> tuple[int, ...]:
+    """Miles's ``--dsv4-compress-ratios`` of ``layer_types``: 0 (sliding), the CSA rate or the HCA rate per layer."""
+    rate = {"sliding_attention": 0, "compressed_sparse_attention": g.csa_rate,
+            "heavily_compressed_attention": g.hca_rate}
+    return tuple(rate[t] for t in g.layer_types)
+
+
+def fork_flags(shape) -> dict:
+    """The flags of Miles's Megatron fork config.json fixes (``fork_flags.check_fork_flags`` checks them): V4's own
+    (radixark/miles@v0.1.0:scripts/models/deepseek-v4-flash.py), and the MLA and YaRN flags as that fork reads them
+    for V4: ``--q-lora-rank`` q_lora_rank, ``--kv-lora-rank`` / ``--qk-head-dim`` / ``--v-head-dim`` the shared KV
+    head's size (head_dim), ``--qk-pos-emb-head-dim`` qk_rope_head_dim, ``--qk-layernorm`` its q/kv norms, the YaRN
+    flags the compressed layers' rope (``rope_parameters['compress']``; the sliding layers' is plain)."""
+    g = shape.variant
+    if not isinstance(g, Dsv4Shape):
+        return {}
+    out = {"experimental_attention_variant": ("attention", "dsv4"), "dsv4_hc_mult": ("hc_mult", g.hc_mult),
+           "dsv4_hc_sinkhorn_iters": ("hc_sinkhorn_iters", g.hc_sinkhorn_iters),
+           "dsv4_compress_ratios": ("layer_types / compress_rates", compress_ratios(g)),
+           "dsv4_compress_rope_theta": ("compress_rope_theta", g.compress_rope_theta),
+           "dsv4_o_groups": ("o_groups", g.o_groups), "dsv4_o_lora_rank": ("o_lora_rank", g.o_lora_rank),
+           "dsv4_n_hash_layers": ("mlp_layer_types hash_moe layers", g.num_hash_layers),
+           "dsv4_window_size": ("sliding_window", g.sliding_window),
+           "dsa_indexer_n_heads": ("index_n_heads", g.index_n_heads),
+           "dsa_indexer_head_dim": ("index_head_dim", g.index_head_dim),
+           "dsa_indexer_topk": ("index_topk", g.index_topk),
+           "activation_func_clamp_value": ("swiglu_limit", g.swiglu_limit),
+           "multi_latent_attention": ("attention", True), "qk_layernorm": ("q_norm / kv_norm", True),
+           "q_lora_rank": ("q_lora_rank", g.q_lora_rank), "kv_lora_rank": ("head_dim", g.head_dim),
+           "qk_head_dim": ("head_dim", g.head_dim), "qk_pos_emb_head_dim": ("qk_rope_head_dim", g.rope_head_dim),
+           "v_head_dim": ("head_dim", g.head_dim),
+           "rope_type": ("rope_parameters compress rope_type", "yarn" if g.yarn else "rope"),
+           "rotary_scaling_factor": ("rope_parameters compress factor", g.yarn[0] if g.yarn else 1.0)}
+    if g.yarn:
+        out.update(original_max_position_embeddings=("rope_parameters compress original_max_position_embeddings",
+                                                     g.yarn[1]),
+                   beta_fast=("rope_parameters compress beta_fast", g.yarn[2]),
+                   beta_slow=("rope_parameters compress beta_slow", g.yarn[3]))
+    return out
+
+
 def check_flags(m, shape) -> None:
-    """V4's Miles flags against config.json, or refused on another family (one line naming flag and value)."""
-    if m is None:
+    """What ``fork_flags`` does not cover: YaRN's mscale, which V4's compressed rope does not have."""
+    if m is None or not isinstance(shape.variant, Dsv4Shape):
         return
-    g = shape.variant if isinstance(shape.variant, Dsv4Shape) else None
-    clamp = getattr(m, "activation_func_clamp_value", None)
-    if g is None:
-        return
-    if clamp is not None and float(clamp) != g.swiglu_limit:
-        raise ConfigError(f"--activation-func-clamp-value {clamp:g} does not match --hf-checkpoint's config.json "
-                          f"(swiglu_limit {g.swiglu_limit:g}): fix the flag or drop it.")
+    for name, v in (("--mscale", m.mscale), ("--mscale-all-dim", m.mscale_all_dim)):
+        if v is not None:
+            raise ConfigError(f"{name} {v:g} is given but DeepSeek-V4's compressed rope has no mscale (config.json's "
+                              "rope_parameters compress attention_factor is 1): drop the flag.")
 
 
 FAMILY = Family(
     name="deepseek_v4", model_types=MODEL_TYPES, shape_fields=shape_fields, config_kwargs=config_kwargs,
     build_model=build_model, hf_to_megatron=hf_to_megatron, megatron_to_hf=megatron_to_hf, hooks_name_top=True,
     column=COLUMN, row=ROW,
-    glu_fc1=(_SHARED_FC1,), exported_buffers=exported_buffers, export_stream=export_stream, check_flags=check_flags, check_static=check_static)
+    glu_fc1=(_SHARED_FC1,), exported_buffers=exported_buffers, export_stream=export_stream, check_flags=check_flags,
+    check_static=check_static, fork_flags=fork_flags)

@@ -375,6 +375,17 @@ def _megatron_to_hf(suffix: str, prefix: str, full: torch.Tensor, shape) -> list
     return pairs if pairs is not None else mla.megatron_to_hf(suffix, prefix, full, True)
 
 
+def fork_flags(shape) -> dict:
+    """The flags of Miles's Megatron fork config.json fixes (``fork_flags.check_fork_flags`` checks them)."""
+    d = shape.variant
+    if not isinstance(d, DsaShape):
+        return {}
+    return {"experimental_attention_variant": ("attention", "dsa"),
+            "dsa_indexer_n_heads": ("index_n_heads", d.index_n_heads),
+            "dsa_indexer_head_dim": ("index_head_dim", d.index_head_dim),
+            "dsa_indexer_topk": ("index_topk", d.index_topk)}
+
+
 def _check_static(o, shape) -> None:
     mla.check_mla_static(o, shape)
     check_static(o, shape, shape.variant)
@@ -386,4 +397,5 @@ FAMILY = Family(
     core_attention=lambda shape: mla.mla_core_attention(), adapt_local_spec=mla.adapt_local_spec,
     adapt_spec=_adapt_spec, after_build=lambda model, shape: freeze_indexer(model),
     hf_to_megatron=_hf_to_megatron, megatron_to_hf=_megatron_to_hf, column=mla.COLUMN, row=mla.ROW,
-    glu_fc1=(mla.SHARED_FC1,), exported_buffers=mla.exported_buffers, check_static=_check_static)
+    glu_fc1=(mla.SHARED_FC1,), exported_buffers=mla.exported_buffers, check_static=_check_static,
+    fork_flags=fork_flags)

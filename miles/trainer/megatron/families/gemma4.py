@@ -10,7 +10,8 @@ Miles v0.1.0 records two Gemma 4 commands (radixark/miles@v0.1.0:scripts/run_gem
 radixark/miles@v0.1.0:scripts/run_gemma_4_26b_a4b.py, MoE), both on the multimodal checkpoints
 (``Gemma4ForConditionalGeneration``) through Megatron-Bridge's Gemma4VLBridge, training the language model only
 (radixark/miles@v0.1.0:docs/models/gemma/gemma-4.md: "the RL recipe simply trains the language stack"); there is
-no Gemma entry under radixark/miles@v0.1.0:miles_plugins. Built here: the text decoder of the dense checkpoints.
+no Gemma entry under radixark/miles@v0.1.0:miles_plugins. Built here: the text decoder of the dense checkpoints and
+of 26B-A4B's, whose MoE block is ``gemma4_moe.py``'s.
 
 - Text decoder (``Gemma4TextModel``; under ``model.language_model.*`` in a multimodal checkpoint, ``model.*`` in a
   ``Gemma4ForCausalLM`` one): megatron-core's ``GPTModel`` with the local layer spec, blocks swapped as below.
@@ -33,10 +34,13 @@ no Gemma entry under radixark/miles@v0.1.0:miles_plugins. Built here: the text d
   ``SelfAttention``) builds a full layer from the config with ``kv_channels = global_head_dim`` and
   ``num_query_groups = num_global_key_value_heads``; with ``attention_k_eq_v`` a full layer has no ``v_proj``: its
   ``linear_qkv`` holds q and k per group and the value is the raw key (before k's norm and RoPE), as transformers
-  computes it. Sliding layers rotate with the GPTModel's RoPE (theta ``sliding_attention.rope_theta``, whole head);
-  full layers with their own frequencies: transformers' "proportional" RoPE (theta 1e6, ``partial_rotary_factor``
-  0.25: the first quarter of the frequencies of the full head size, the rest zero, so only those dims rotate, paired
-  i with i + d/2 as megatron-core's non-interleaved RoPE pairs them).
+  computes it. A full layer with fewer KV heads than TP ranks (26B-A4B: 2 at Miles's TP 4; ``kv_replicated``) has
+  one group per TP rank: ``linear_q`` (q, split over TP by heads) and ``linear_kv`` (every KV head's [k; v] rows,
+  replicated; each rank uses its heads' KV head, the gradient is summed over TP: ``tp_partial``). Sliding layers
+  rotate with the GPTModel's RoPE (theta ``sliding_attention.rope_theta``, whole head); full layers with their own
+  frequencies: transformers' "proportional" RoPE (theta 1e6, ``partial_rotary_factor`` 0.25: the first quarter of
+  the frequencies of the full head size, the rest zero, so only those dims rotate, paired i with i + d/2 as
+  megatron-core's non-interleaved RoPE pairs them).
 - Core attention: torch SDPA with a causal band mask on sliding layers (``WindowSDPAttention``, CPU and GPU), or
   megatron-core's unfused ``DotProductAttention`` (``--attention-backend unfused``, Miles's recorded value; its
   sliding-window mask is built on CUDA, so on CPU ``prepare`` gives it the same mask on the CPU).
@@ -47,11 +51,10 @@ no Gemma entry under radixark/miles@v0.1.0:miles_plugins. Built here: the text d
 - Tied embeddings (``tie_word_embeddings``, no ``lm_head.weight`` in the checkpoint): megatron-core's shared
   embedding and output weight.
 - Refused in one line (``shape_fields``): per-layer embeddings (``hidden_size_per_layer_input``), KV sharing
-  (``num_kv_shared_layers``), the double-wide MLP (the E2B/E4B checkpoints' parts), bidirectional attention, and
-  the MoE block (``enable_moe_block``, 26B-A4B: a dense MLP and 128 experts side by side, each with its own pre-
-  and post-norms, a router on the RMS-normalised residual with a learned ``scale`` and a ``per_expert_scale`` on the
-  top-k weights; megatron-core's ``MoELayer`` routes the input its experts take and scales top-k weights by one
-  number only; not built yet).
+  (``num_kv_shared_layers``), the double-wide MLP (the E2B/E4B checkpoints' parts), bidirectional attention.
+- The MoE block (``enable_moe_block``, 26B-A4B: the dense MLP and 128 experts side by side, each with its own pre-
+  and post-norms, Gemma's router): ``gemma4_moe.py``, megatron-core's ``MoELayer`` as the layer's ``mlp``
+  (``Gemma4Layer`` builds it with the layer's process groups).
 - Vision tower (``model.vision_tower.*``, ``model.embed_vision.*``) and audio tower: not in the Megatron model.
   Training is text-only, as Miles's recipes are; the engines keep the towers they loaded (the weight sync sends
   the language model's tensors under their checkpoint names).
@@ -63,8 +66,9 @@ each row, no packing), which is bshd, so the flag is accepted with the same math
 
 Weights (``hf_to_megatron`` / ``megatron_to_hf``, suffixes under ``model.layers.L.`` / ``decoder.layers.L.``):
 ``linear_qkv`` per query group [q heads; k; v] (full K=V layers: [q heads; k]), ``linear_fc1`` [gate; up],
-``pre_mlp_layernorm`` = ``pre_feedforward_layernorm``, the post norms, ``layer_scalar``. Slicing and stacking only,
-so the round trip is bitwise.
+``pre_mlp_layernorm`` = ``pre_feedforward_layernorm``, the post norms, ``layer_scalar``; ``linear_q`` = ``q_proj``,
+``linear_kv`` per KV head [k; v] ([k] with K=V); the MoE block's: ``gemma4_moe.py``. Slicing and stacking only, so
+the round trip is bitwise.
 """
 
 from __future__ import annotations
@@ -74,7 +78,7 @@ from dataclasses import dataclass
 
 import torch
 
-from miles.trainer.megatron.families import Family
+from miles.trainer.megatron.families import Family, gemma4_moe
 
 MODEL_TYPES = {"gemma4": "Gemma 4", "gemma4_text": "Gemma 4"}
 LM_PREFIX = "model.language_model."          # the text decoder in a multimodal checkpoint (model.* in a CausalLM one)
@@ -130,7 +134,6 @@ def shape_fields(c) -> dict:
         t = Gemma4TextConfig(**{k: v for k, v in t.items() if k != "model_type"})
     for key, what in (("hidden_size_per_layer_input", "per-layer embeddings"),
                       ("num_kv_shared_layers", "KV sharing"), ("use_double_wide_mlp", "the double-wide MLP"),
-                      ("enable_moe_block", "the MoE block (26B-A4B)"),
                       ("use_bidirectional_attention", "bidirectional attention"), ("attention_bias", "q/k/v/o biases")):
         if _get(t, key):
             raise ValueError(f"Gemma 4 with {key} {_get(t, key)!r} ({what}) is not built by the Megatron backend yet "
@@ -167,6 +170,7 @@ def shape_fields(c) -> dict:
         sliding_theta=float(slide.get("rope_theta", 10000.0)), global_theta=float(full.get("rope_theta", 1e6)),
         global_rotary_fraction=fraction, final_logit_softcapping=float(cap), multimodal=multimodal)
     return dict(
+        **gemma4_moe.moe_fields(t),
         model_type=c.model_type, num_layers=n, hidden_size=int(t.hidden_size),
         ffn_hidden_size=int(t.intermediate_size), num_attention_heads=heads,
         num_query_groups=kv_heads, kv_channels=head_dim, vocab_size=int(t.vocab_size),
@@ -227,10 +231,10 @@ def check_static(o, shape) -> None:
     if o.pp > 1:
         raise ConfigError(f"--pipeline-model-parallel-size {o.pp} with Gemma 4 is not supported by the Megatron "
                           "backend yet; use tensor and data parallelism.")
-    if g.global_kv_heads % o.tp:
-        raise ConfigError(f"--tensor-model-parallel-size {o.tp} does not divide config.json's "
+    if g.global_kv_heads % o.tp and o.tp % g.global_kv_heads:
+        raise ConfigError(f"--tensor-model-parallel-size {o.tp} neither divides nor is a multiple of config.json's "
                           f"num_global_key_value_heads {g.global_kv_heads} (Gemma 4's full-attention layers); choose "
-                          "a TP size that divides it.")
+                          "a TP size that divides it or a multiple of it.")
 
 
 # ------------------------------------------------------------------------------------------- model
@@ -247,6 +251,7 @@ def config_kwargs(shape) -> dict:
         kw.update(window_size=(g.sliding_window - 1, 0), window_attn_skip_freq=list(g.sliding_layers))
     if 0 < sum(g.sliding_layers) < len(g.sliding_layers):   # sliding and full layers' tensors differ in shape: the
         kw.update(hetereogenous_dist_checkpoint=True)        # torch_dist checkpoint keys each layer on its own
+    kw.update(gemma4_moe.config_kwargs(shape))               # the MoE block (26B-A4B): gemma4_moe.py
     return kw
 
 
@@ -275,6 +280,12 @@ def proportional_inv_freq(dim: int, theta: float, fraction: float, device=None) 
     return torch.cat([inv, torch.zeros(dim // 2 - angles, dtype=torch.float32, device=device)])
 
 
+def kv_replicated(g: Gemma4Shape, tp: int) -> bool:
+    """The full layers have fewer KV heads than TP ranks (gemma-4-26B-A4B: 2, Miles's TP 4): each rank computes its
+    query heads' KV head from a replicated weight (``Gemma4Attention``)."""
+    return 0 < g.global_kv_heads < tp
+
+
 def _layer_is_sliding(config, layer_number: int) -> bool:
     from megatron.core.transformer.utils import is_layer_window_attention
 
@@ -292,6 +303,8 @@ def _classes() -> dict[str, type]:
 
     from megatron.core.tensor_parallel import RowParallelLinear
     from megatron.core.transformer.attention import SelfAttention
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     class PostNormRowParallelLinear(RowParallelLinear):
@@ -321,10 +334,24 @@ def _classes() -> dict[str, type]:
             g = self.gemma
             self.sliding = _layer_is_sliding(config, layer_number)
             self.k_eq_v = g.k_eq_v and not self.sliding
+            tp = config.tensor_model_parallel_size
+            self.kv_copies = 0                     # > 0: the full layer's KV heads replicated over TP (kv_replicated)
             if not self.sliding:
-                config = dataclasses.replace(config, kv_channels=g.global_head_dim, num_query_groups=g.global_kv_heads)
+                groups = g.global_kv_heads
+                if kv_replicated(g, tp):           # each TP rank one group: a copy of its query heads' KV head
+                    self.kv_copies, groups = tp // groups, tp
+                config = dataclasses.replace(config, kv_channels=g.global_head_dim, num_query_groups=groups)
             super().__init__(config, submodules, layer_number, *args, **kwargs)
-            if self.k_eq_v:                        # [q heads; k] per group: no value rows
+            hn, kv = self.hidden_size_per_attention_head, 1 if self.k_eq_v else 2
+            if self.kv_copies:                     # q split over TP by heads; every KV head's [k; v] rows on each rank
+                del self.linear_qkv
+                self.linear_q = submodules.linear_qkv(
+                    self.config.hidden_size, self.query_projection_size, config=self.config,
+                    init_method=self.config.init_method, gather_output=False, bias=False,
+                    skip_bias_add=False, is_expert=False, tp_comm_buffer_name="qkv", tp_group=self.pg_collection.tp)
+                self.linear_kv = torch.nn.Linear(self.config.hidden_size, g.global_kv_heads * kv * hn, bias=False,
+                                                 dtype=self.config.params_dtype)
+            elif self.k_eq_v:                      # [q heads; k] per group: no value rows
                 self.linear_qkv_out_dim = self.query_projection_size + self.kv_projection_size
                 self.linear_qkv = submodules.linear_qkv(
                     self.config.hidden_size, self.linear_qkv_out_dim, config=self.config,
@@ -351,25 +378,57 @@ def _classes() -> dict[str, type]:
                                         split_qkv: bool = True):
             if output_gate or not split_qkv:
                 raise NotImplementedError("Gemma 4 attention: no output gate or fused qkv-rope (a bug).")
-            mixed, _ = self.linear_qkv(hidden_states)
-            per_group = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
             hn = self.hidden_size_per_attention_head
             kv = 1 if self.k_eq_v else 2
-            mixed = mixed.view(*mixed.shape[:-1], self.num_query_groups_per_partition, (per_group + kv) * hn)
-            parts = torch.split(mixed, [per_group * hn, hn] + ([hn] if kv == 2 else []), dim=3)
-            query, key = parts[0], parts[1]
-            value = parts[2] if kv == 2 else key
+            if self.kv_copies:
+                query, key, value = self._replicated_kv(hidden_states, hn, kv)
+            else:
+                mixed, _ = self.linear_qkv(hidden_states)
+                per_group = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+                mixed = mixed.view(*mixed.shape[:-1], self.num_query_groups_per_partition, (per_group + kv) * hn)
+                parts = torch.split(mixed, [per_group * hn, hn] + ([hn] if kv == 2 else []), dim=3)
+                query, key = parts[0], parts[1]
+                value = parts[2] if kv == 2 else key
             query = query.reshape(query.size(0), query.size(1), -1, hn)
             query = self.q_layernorm(query)
             key = self.k_layernorm(key)
             value = torch.nn.functional.rms_norm(value.float(), (hn,), eps=self.config.layernorm_epsilon).to(value.dtype)
             return query, key, value
 
-    class Gemma4Layer(TransformerLayer):
-        """megatron-core's TransformerLayer whose output (residual included) is multiplied by ``layer_scalar``."""
+        def _replicated_kv(self, hidden_states, hn: int, kv: int):
+            """q of this rank's heads, and k / v of their KV head from the replicated ``linear_kv`` on the whole
+            sequence (gathered under sequence parallelism; otherwise the input's gradient summed over TP, as
+            ColumnParallelLinear does for q). ``linear_kv``'s gradient holds this rank's KV head only: summed over TP
+            (``tp_partial``)."""
+            from megatron.core.tensor_parallel.mappings import (
+                copy_to_tensor_model_parallel_region,
+                gather_from_sequence_parallel_region,
+            )
 
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
+            tp = self.pg_collection.tp
+            query, _ = self.linear_q(hidden_states)
+            x = gather_from_sequence_parallel_region(hidden_states, group=tp) if self.config.sequence_parallel else \
+                copy_to_tensor_model_parallel_region(hidden_states, group=tp)
+            group = tp.rank() // self.kv_copies
+            mixed = torch.nn.functional.linear(x, self.linear_kv.weight[group * kv * hn:(group + 1) * kv * hn])
+            mixed = mixed.unsqueeze(2)                                          # [s, b, 1 group, kv * hn]
+            key = mixed[..., :hn]
+            return query, key, (mixed[..., hn:] if kv == 2 else key)
+
+    class Gemma4Layer(TransformerLayer):
+        """megatron-core's TransformerLayer whose output (residual included) is multiplied by ``layer_scalar``. With
+        the MoE block its ``mlp`` is ``gemma4_moe``'s MoE layer, built here with the layer's process groups
+        (megatron-core passes them only to its own MoELayer class)."""
+
+        def __init__(self, config, submodules, *args, **kwargs):
+            moe = submodules.mlp if gemma4_moe.is_moe_spec(submodules.mlp) else None
+            if moe is not None:
+                submodules = dataclasses.replace(submodules, mlp=IdentityOp)
+            super().__init__(config, submodules, *args, **kwargs)
+            if moe is not None:
+                self.mlp = build_module(moe, config=self.config, pg_collection=self.pg_collection)
+                self.mlp.set_layer_number(self.layer_number)
+                self.is_moe_layer, self.recompute_mlp = True, False   # as megatron-core sets them for its MoELayer
             self.register_buffer("layer_scalar", torch.ones(1, dtype=self.config.params_dtype))
 
         def forward(self, *args, **kwargs):
@@ -440,7 +499,13 @@ def layer_spec(shape, core: type | None = None):
     if core is not None:
         attn.submodules.core_attention = core
     attn.submodules.linear_proj = c["PostNormRowParallelLinear"]
-    spec.submodules.mlp.submodules.linear_fc2 = c["PostNormRowParallelLinear"]
+    if shape.num_experts:                 # the MoE block: the raw residual into gemma4_moe's MoE layer
+        from megatron.core.transformer.identity_op import IdentityOp
+
+        spec.submodules.pre_mlp_layernorm = IdentityOp
+        spec.submodules.mlp = gemma4_moe.mlp_spec(c["PostNormRowParallelLinear"])
+    else:
+        spec.submodules.mlp.submodules.linear_fc2 = c["PostNormRowParallelLinear"]
     return spec
 
 
@@ -485,6 +550,14 @@ def hf_to_megatron(suffix: str, prefix: str, hf: dict[str, torch.Tensor], shape)
     strip ``model.language_model.`` to ``model.``); ``prefix`` is 'model.layers.L.'."""
     if suffix in _OWN:
         return hf[prefix + _OWN[suffix]]
+    if shape.num_experts and (t := gemma4_moe.hf_to_megatron(suffix, prefix, hf)) is not None:
+        return t
+    if suffix == "self_attention.linear_q.weight":          # a full layer with its KV heads replicated over TP
+        return hf[prefix + "self_attn.q_proj.weight"]
+    if suffix == "self_attention.linear_kv.weight":         # ... [k; v] per KV head ([k] with K=V)
+        _, hn, k_eq_v, ng = _qkv_rows(shape, int(prefix.split(".")[2]))
+        parts = [hf[prefix + f"self_attn.{x}_proj.weight"].reshape(ng, hn, -1) for x in ("k" if k_eq_v else "kv")]
+        return torch.cat(parts, dim=1).reshape(-1, parts[0].shape[-1])
     if suffix == "self_attention.linear_qkv.weight":
         q_rows, hn, k_eq_v, ng = _qkv_rows(shape, int(prefix.split(".")[2]))
         parts = [hf[prefix + "self_attn.q_proj.weight"].reshape(ng, q_rows, -1),
@@ -501,6 +574,14 @@ def megatron_to_hf(suffix: str, prefix: str, full: torch.Tensor, shape) -> list[
     """HF tensors (text decoder names, ``model.layers.L.*``) of a full megatron layer tensor."""
     if suffix in _OWN:
         return [(prefix + _OWN[suffix], full)]
+    if shape.num_experts and (pairs := gemma4_moe.megatron_to_hf(suffix, prefix, full)) is not None:
+        return pairs
+    if suffix == "self_attention.linear_q.weight":
+        return [(prefix + "self_attn.q_proj.weight", full)]
+    if suffix == "self_attention.linear_kv.weight":
+        _, hn, k_eq_v, ng = _qkv_rows(shape, int(prefix.split(".")[2]))
+        parts = full.reshape(ng, -1, full.shape[-1]).split(hn, dim=1)
+        return [(f"{prefix}self_attn.{x}_proj.weight", t.reshape(-1, full.shape[-1])) for x, t in zip("kv", parts)]
     if suffix == "self_attention.linear_qkv.weight":
         q_rows, hn, k_eq_v, ng = _qkv_rows(shape, int(prefix.split(".")[2]))
         sizes = [q_rows, hn] + ([] if k_eq_v else [hn])
@@ -521,4 +602,6 @@ FAMILY = Family(name="Gemma 4", model_types=MODEL_TYPES, shape_fields=shape_fiel
                 prepare=prepare, core_attention=core_attention, local_spec=layer_spec, after_build=after_build,
                 hf_to_megatron=hf_to_megatron, megatron_to_hf=megatron_to_hf, text_prefix=text_prefix,
                 exported_buffers=exported_buffers, check_flags=check_flags, check_static=check_static,
-                swiglu=False, bridge_only=True)
+                column=("self_attention.linear_q.weight", gemma4_moe.SHARED_FC1), row=(gemma4_moe.SHARED_FC2,),
+                glu_fc1=(gemma4_moe.SHARED_FC1,), tp_partial=(".self_attention.linear_kv.",),
+                export_stream=gemma4_moe.export_stream, swiglu=False, bridge_only=True)

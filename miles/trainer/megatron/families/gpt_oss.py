@@ -414,4 +414,6 @@ FAMILY = Family(
     hf_to_megatron=lambda suffix, prefix, hf, shape: hf_to_megatron(suffix, prefix, hf),
     megatron_to_hf=lambda suffix, prefix, full, shape: megatron_to_hf(suffix, prefix, full), column=COLUMN,
     export_stream=lambda buckets, shape: fuse_experts(buckets, shape.num_experts), check_flags=check_shape,
-    check_static=check_static, linear_biases=True)
+    check_static=check_static, linear_biases=True,
+    fork_flags=lambda shape: {"activation_func_clamp_value": ("swiglu_limit", own(shape).swiglu_limit)}
+    if own(shape) else {})

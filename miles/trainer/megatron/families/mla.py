@@ -135,8 +135,9 @@ def check_mla_shape(m, shape) -> None:
     """``--multi-latent-attention`` and the MLA dims agree with config.json (one line naming flag, value and key)."""
     if m is None:
         return
+    own = shape.family.fork_flags(shape)     # read in Miles's fork's spelling by the family (DeepSeek-V4): its check
     given = [f"--{d.replace('_', '-')}" for d in ("multi_latent_attention",) + MLA_FLAGS
-             if getattr(m, d, None) not in (None, False)]
+             if getattr(m, d, None) not in (None, False) and d not in own]
     if not shape.mla:
         if given:
             raise ConfigError(f"{given[0]} is given but --hf-checkpoint's config.json describes standard attention "

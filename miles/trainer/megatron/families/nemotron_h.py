@@ -48,8 +48,12 @@ grouped per query group; ``linear_proj`` <- ``o_proj``; ``mlp.linear_fc1/2`` <- 
 expert e's ``linear_fc1/2`` <- ``mixer.experts.e.up_proj/down_proj``. Tensor parallelism splits ``in_proj`` by
 sections ([z; x; B; C; dt], each its own TP split) and ``conv1d`` by [x; B; C] (``tp_sections``).
 
+Pipeline parallelism: ``MambaStack`` builds its stage's part of the pattern (megatron-core's split, as
+``pipeline.stage_layer_counts``) with global layer numbers, so ``pipeline.py`` runs it as it runs ``GPTModel``'s
+stages (dense patterns; with MoE layers it is refused, below).
+
 Refused, one line each: context parallelism (the Mamba scan's state is not passed between CP ranks), pipeline
-parallelism (MambaStack's stages are not wired to ``pipeline.py``), MTP layers; quantised checkpoints;
+parallelism with MoE layers (``E``), MTP layers; quantised checkpoints;
 ``mamba_hidden_act`` other than silu, linear biases. Rows are right-padded and unpacked (as for every family here), so
 a row's padding never reaches its real tokens through the scan. The transformer-engine spec is not used: on a GPU
 the same local spec runs (SDPA attention, ``mamba_ssm``'s scan where it imports).
@@ -202,9 +206,11 @@ def check_static(o, shape) -> None:
     if o.cp > 1:
         raise ConfigError(f"--context-parallel-size {o.cp} with Nemotron-H: the Mamba layers' scan state is not passed "
                           "between context-parallel ranks; use --context-parallel-size 1.")
-    if o.pp > 1:
-        raise ConfigError(f"--pipeline-model-parallel-size {o.pp} with Nemotron-H is not supported by the Megatron "
-                          "backend yet (MambaStack's stages); use tensor, expert and data parallelism.")
+    if o.pp > 1 and shape.num_experts:
+        raise ConfigError(f"--pipeline-model-parallel-size {o.pp} with Nemotron-H's MoE layers (config.json's pattern "
+                          f"{own(shape).pattern}) is not supported by the Megatron backend yet (the routers' expert "
+                          "bias is not carried through a pipeline's load and export); use tensor, expert and data "
+                          "parallelism.")
 
 
 # ------------------------------------------------------------------------------------------- model

@@ -472,4 +472,5 @@ FAMILY = Family(
     megatron_to_hf=lambda suffix, prefix, full, shape: megatron_to_hf(suffix, prefix, full, shape, shape.variant),
     column=COLUMN, row=ROW, glu_fc1=(SHARED_FC1,), tp_sections=_sections, tp_partial=(".self_attention.out_norm.",),
     check_flags=check_flags, check_static=check_static, hf_state=hf_state, export_stream=export_stream,
-    mtp_prefix="mtp.", adapt_mtp_spec=adapt_mtp_spec)
+    mtp_prefix="mtp.", adapt_mtp_spec=adapt_mtp_spec,
+    fork_flags=lambda shape: {"experimental_attention_variant": ("linear attention layers", "gated_delta_net")})

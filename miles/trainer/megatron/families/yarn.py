@@ -44,7 +44,9 @@ def check_rope_flags(m, shape) -> None:
     """The rope flags given against config.json's rope scaling (``shape.yarn``): one line per mismatch."""
     if m is None:
         return
-    given = {d: getattr(m, d, None) for d in ("rope_type", *ROPE_FLAGS) if getattr(m, d, None) is not None}
+    own = shape.family.fork_flags(shape)     # read in Miles's fork's spelling by the family (DeepSeek-V4): its check
+    given = {d: getattr(m, d, None) for d in ("rope_type", *ROPE_FLAGS)
+             if getattr(m, d, None) is not None and d not in own}
     if not given:
         return
     if shape.yarn:

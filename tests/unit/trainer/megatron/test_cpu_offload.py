@@ -57,6 +57,27 @@ def test_offloaded_adamw_sees_a_weight_load() -> None:
     assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), off.parameters()))
 
 
+def test_offloaded_adamw_state_dict_resumes_bitwise() -> None:
+    """``state_dict`` / ``load_state_dict`` (a LoRA checkpoint's optimizer): a fresh offloaded AdamW (part offloaded,
+    part on the device) loaded from the state after 3 steps continues exactly as the uninterrupted one."""
+    import copy
+
+    full, resumed = _model(), _model()
+    opt = CpuOffloadAdamW(_groups(full), fraction=0.7, lr=1e-2, betas=(0.9, 0.98), eps=1e-8, device=torch.device("cpu"))
+    _train(full, opt)
+    saved = copy.deepcopy(opt.state_dict())
+    with torch.no_grad():
+        for a, b in zip(resumed.parameters(), full.parameters()):
+            a.copy_(b)
+    again = CpuOffloadAdamW(_groups(resumed), fraction=0.7, lr=1e-2, betas=(0.9, 0.98), eps=1e-8,
+                            device=torch.device("cpu"))
+    again.load_state_dict(saved)
+    assert 0 < again.offloaded < 4 and all(int(st["step"]) == 3 for st in again.state.values())
+    _train(full, opt)
+    _train(resumed, again)
+    assert all(torch.equal(a, b) for a, b in zip(full.parameters(), resumed.parameters()))
+
+
 def _cfg(model, *extra: str):
     from miles.config import parse_args
 
@@ -80,7 +101,12 @@ def test_offload_flags_reach_the_options(tiny_model_dir) -> None:
     assert o.cpu_offload_fraction == 0.25 and not o.distributed_optimizer      # ZeRO off unless asked for
     assert options.resolve(_cfg(tiny_model_dir, "--optimizer-cpu-offload").megatron).cpu_offload_fraction == 1.0
     assert options.resolve(_cfg(tiny_model_dir).megatron).cpu_offload_fraction is None
-    with pytest.raises(ConfigError, match=r"^--optimizer-cpu-offload with --use-distributed-optimizer is not "):
-        options.preflight_check(_cfg(tiny_model_dir, "--optimizer-cpu-offload", "--use-distributed-optimizer"), hf)
+    with pytest.raises(ConfigError, match=r"^--optimizer-cpu-offload with --use-distributed-optimizer over 2 "
+                                          r"data-parallel ranks is not supported"):
+        options.preflight_check(_cfg(tiny_model_dir, "--optimizer-cpu-offload", "--use-distributed-optimizer",
+                                     "--actor-num-gpus-per-node", "2"), hf)
+    # one DP rank (Miles's Kimi-K2.5 command: TP 8 on 8 GPUs): the distributed optimizer shards nothing
+    options.preflight_check(_cfg(tiny_model_dir, "--optimizer-cpu-offload", "--use-distributed-optimizer",
+                                 "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2"), hf)
     with pytest.raises(ConfigError, match=r"^--optimizer-offload-fraction must be in \[0, 1\], got 1.5"):
         _cfg(tiny_model_dir, "--optimizer-cpu-offload", "--optimizer-offload-fraction", "1.5")

@@ -151,20 +151,26 @@ def test_moe_flags_need_the_megatron_backend(tiny_moe_dir: Path) -> None:
      "--moe-token-dispatcher-type allgather with --expert-model-parallel-size 2 needs the same number of tokens"),
     (["--expert-tensor-parallel-size", "2"], "--expert-tensor-parallel-size 2 is not supported"),
     (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size 2 with MoE layers needs --sequence-parallel"),
-    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2"],
-     "--tensor-model-parallel-size 2 with --context-parallel-size 2 and MoE layers is not supported"),
-    (["--expert-model-parallel-size", "2", "--use-distributed-optimizer"],
-     "--use-distributed-optimizer with --expert-model-parallel-size 2 is not supported"),
-    (["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
-     "--expert-model-parallel-size 2 with pipeline or context parallelism is not supported"),
 ], ids=["num_experts", "topk", "ffn", "score_function", "expert_bias", "shared_expert", "topk_scaling", "pre_softmax",
         "layer_freq_int", "layer_freq_list", "layer_freq_code", "aux_loss", "sinkhorn", "flex", "ep_divides", "allgather_ep",
-        "etp", "tp_without_sp", "tp_cp", "distopt_ep", "ep_pp"])
+        "etp", "tp_without_sp"])
 def test_moe_flags_checked_against_config_json(tiny_moe_dir: Path, flags: list[str], message: str) -> None:
     cfg = _cfg(tiny_moe_dir, *flags)
     with pytest.raises(ConfigError) as e:
         options.preflight_check(cfg, _hf(tiny_moe_dir))
     assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("flags", [
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2"],
+    ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"],
+    ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "2"],
+    ["--expert-model-parallel-size", "2", "--context-parallel-size", "2"],
+], ids=["tp_cp", "distopt_ep", "ep_pp", "ep_cp"])
+def test_moe_parallel_layouts_pass_the_checks(tiny_moe_dir: Path, flags: list[str]) -> None:
+    """The layouts tests/multiprocess/test_megatron_moe.py::test_moe_parallel_layouts_match_fsdp trains."""
+    options.preflight_check(_cfg(tiny_moe_dir, *flags), _hf(tiny_moe_dir))
+    assert options.resolve(_cfg(tiny_moe_dir, *flags).megatron).distributed_optimizer     # Miles's default
 
 
 def test_moe_flags_on_a_dense_model_are_refused(tiny_model_dir: Path) -> None:

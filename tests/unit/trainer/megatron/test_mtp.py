@@ -83,6 +83,7 @@ def test_bad_combinations_are_one_line(glm_mtp_dir: Path, glm_dir: Path, tiny_mo
     msg = _refused(lambda: options.preflight_check(
         _cfg(tiny_model_dir, "--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2"), dense))
     assert msg.startswith("--mtp-num-layers 1 with --pipeline-model-parallel-size 2 is not supported"), msg
+    options.preflight_check(_cfg(tiny_model_dir, "--mtp-num-layers", "1", "--context-parallel-size", "2"), dense)  # built
 
 
 def test_checkpoint_without_its_mtp_layer_is_refused(glm_dir: Path) -> None:

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from _tp_round_trip import round_trip_under_tp
 
 from miles.config import ConfigError, parse_args
 from miles.trainer.megatron import options
-from miles.trainer.megatron.convert import hf_to_megatron, megatron_to_hf, partition_dim, shard, unshard
-from miles.trainer.megatron.model import ModelShape, padded_vocab_size
+from miles.trainer.megatron.convert import shard
+from miles.trainer.megatron.model import ModelShape
 
 pytest.importorskip("megatron.core")
 
@@ -101,16 +102,7 @@ def test_round_trip_is_bitwise_under_tp(tiny_nemotron_dir: Path, tp: int) -> Non
 
     hf = load_file(str(tiny_nemotron_dir / "model.safetensors"))
     shape = _shape(json.loads((tiny_nemotron_dir / "config.json").read_text()))
-    padded = padded_vocab_size(shape.vocab_size, 128, tp)
-    names = _megatron_names(shape)
-    full = hf_to_megatron(hf, shape, padded, names)
-    back = {}
-    for name in names:
-        dim = partition_dim(name)
-        pieces = [shard(name, full[name], dim, r, tp, shape) for r in range(tp)]
-        back.update(megatron_to_hf(name, unshard(name, pieces, dim, shape), shape))
-    assert back.keys() == hf.keys()
-    assert all(back[k].dtype == hf[k].dtype and torch.equal(back[k], hf[k]) for k in hf)
+    full = round_trip_under_tp(hf, shape, _megatron_names(shape), tp)
     if tp == 2:   # rank 1's in_proj: the second half of each of z, x, B, C, dt (megatron-core's per-rank layout)
         w = hf["backbone.layers.0.mixer.in_proj.weight"]
         d, gn, h = 64, 32, 8
@@ -131,7 +123,7 @@ def test_super_flags_accepted(tiny_model_dir: Path) -> None:
 
 @pytest.mark.parametrize("extra,message", [
     (["--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2"],      # the recorded layout
-     "--expert-model-parallel-size 8 with pipeline or context parallelism is not supported"),
+     "--pipeline-model-parallel-size 2 with Nemotron-H"),
     (["--tensor-model-parallel-size", "4"], "--tensor-model-parallel-size 4 does not divide .*num_key_value_heads 2"),
     (["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "1"],
      "--pipeline-model-parallel-size 2 with Nemotron-H"),
@@ -140,7 +132,7 @@ def test_super_flags_accepted(tiny_model_dir: Path) -> None:
 ])
 def test_recorded_layouts_not_built_are_one_line(tiny_model_dir: Path, extra: list[str], message: str) -> None:
     """The recorded Super command runs TP 4 (2 KV heads here), PP 2 and EP 8: refused in one line naming what is not
-    built (EP with PP first); each of TP 4, PP and CP alone too."""
+    built (PP first: the Mamba stack's stages); each of TP 4, PP and CP alone too."""
     with pytest.raises(ConfigError, match=message) as e:
         options.preflight_check(_cfg(tiny_model_dir, *SCRIPT, *extra), SUPER)
     assert "\n" not in str(e.value)
@@ -232,4 +224,51 @@ def test_recorded_ultra_command_dry_run(tmp_path: Path) -> None:
         assert "\n" not in str(e.value) and str(e.value).split(" ", 1)[0] in absent, str(e.value)
     for flag in absent:
         argv = _drop(argv, flag)
+    assert "role plan" in dry_run(parse_args(argv))
+
+
+# ------------------------------------------------------------------------------------------- the recorded Nano command
+# radixark/miles@v0.1.0:tests/snapshots/launch_scripts/py/scripts/run_nemotron_3_nano.py/execute.txt (the dense
+# Nemotron-3-Nano-4B at TP 2 + SP x PP 2), after train.py, with {MODEL}, {DATA}, {OUT} for its paths
+NANO_COMMAND = """--disable-bias-linear --group-query-attention --num-attention-heads 40 --num-query-groups 8 --kv-channels 128
+--num-layers 42 --hidden-size 3136 --ffn-hidden-size 12544 --normalization RMSNorm --position-embedding-type none
+--vocab-size 131072 --make-vocab-size-divisible-by 128 --untie-embeddings-and-output-weights --hf-checkpoint {MODEL}
+--ref-load {MODEL} --save {OUT}/checkpoints --save-interval 20 --megatron-to-hf-mode bridge --prompt-data {DATA}
+--input-key prompt --label-key label --apply-chat-template --rollout-shuffle --rm-type deepscaler --num-rollout 10
+--rollout-batch-size 32 --n-samples-per-prompt 8 --rollout-max-response-len 4096 --rollout-temperature 1
+--global-batch-size 256 --balance-data --optimizer adam --lr 1e-6 --lr-decay-style constant --weight-decay 0.1
+--adam-beta1 0.9 --adam-beta2 0.98 --advantage-estimator grpo --use-kl-loss --kl-loss-coef 0.00 --kl-loss-type low_var_kl
+--entropy-coef 0.00 --eps-clip 0.2 --eps-clip-high 0.28 --use-wandb --wandb-project miles-run_nemotron_3_nano
+--wandb-group 260101-000000-000 --wandb-key frozen-wandb-api-key --disable-wandb-random-suffix
+--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 2 --context-parallel-size 1
+--expert-model-parallel-size 1 --expert-tensor-parallel-size 1 --use-dynamic-batch-size --max-tokens-per-gpu 9216
+--rollout-num-gpus-per-engine 1 --sglang-mem-fraction-static 0.7 --attention-dropout 0.0 --hidden-dropout 0.0
+--accumulate-allreduce-grads-in-fp32 --attention-softmax-in-fp32 --attention-backend auto --colocate
+--actor-num-nodes 1 --actor-num-gpus-per-node 8 --num-gpus-per-node 8 --rollout-num-gpus 8"""
+# Nemotron-3-Nano-4B at the sizes of Miles's model flags (radixark/miles@v0.1.0:scripts/models/nemotron-3-nano-4b.py:
+# 42 layers, hidden 3136, FFN 12544, 40 heads / 8 KV groups of 128, vocab 131072, untied); its layer pattern (dense:
+# Mamba, attention, MLP) and Mamba sizes are not in Miles's script: illustrative
+NANO_4B = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "hidden_size": 3136,
+           "hybrid_override_pattern": "".join("*" if i in (7, 17, 27, 37) else "M-"[i % 2] for i in range(42)),
+           "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 12544,
+           "mlp_hidden_act": "relu2", "mamba_num_heads": 96, "mamba_head_dim": 80, "n_groups": 8, "ssm_state_size": 128,
+           "conv_kernel": 4, "chunk_size": 128, "vocab_size": 131072, "max_position_embeddings": 262144,
+           "tie_word_embeddings": False, "layer_norm_epsilon": 1e-5, "torch_dtype": "bfloat16"}
+
+
+def test_recorded_nano_command_dry_run(tmp_path: Path) -> None:
+    """The recorded Nemotron-3-Nano-4B command (TP 2 + SP with PP 2 on the dense hybrid) passes ``--dry-run`` against
+    a full-size (sparse) Nano-4B-shaped checkpoint; its PP 2 splits the 42 layers 21 + 21."""
+    from miles_fixtures import write_workdir
+
+    from miles.run.entry import dry_run
+    from miles.trainer.megatron.pipeline import stage_layer_counts
+    from miles.utils.sparse_model import build_sparse_model
+
+    shape = _shape(NANO_4B)
+    assert (shape.num_layers, shape.num_experts, shape.hidden_size) == (42, 0, 3136)
+    assert stage_layer_counts(shape.num_layers, 2) == [21, 21]
+    model = build_sparse_model(tmp_path / "nano", NANO_4B)
+    work = write_workdir(tmp_path / "work")
+    argv = NANO_COMMAND.format(MODEL=model, DATA=work / "data.jsonl", OUT=tmp_path / "out").split() + ["--dry-run"]
     assert "role plan" in dry_run(parse_args(argv))

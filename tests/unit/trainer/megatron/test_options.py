@@ -118,6 +118,6 @@ def test_distributed_optimizer_is_on_by_default_as_in_miles(tiny_model_dir: Path
     assert cfg.megatron.use_distributed_optimizer is None and "--use-distributed-optimizer" not in cfg.megatron.given()
     assert options.resolve(cfg.megatron, cfg.train).distributed_optimizer
     assert _cfg(tiny_model_dir, "--train-backend", "fsdp").megatron.given() == []
-    # EP > 1 does not run with it (moe.py refuses the flag when given): not given, it is off there
+    # with EP > 1 too (the experts' state sharded over the expert-DP group: parallel.ExpertShardedAdamW)
     cfg = _cfg(tiny_model_dir, "--train-backend", "megatron", "--expert-model-parallel-size", "2")
-    assert not options.resolve(cfg.megatron, cfg.train).distributed_optimizer
+    assert options.resolve(cfg.megatron, cfg.train).distributed_optimizer

@@ -1,5 +1,6 @@
 """Pipeline-parallel flags on the Megatron backend: the layer split (megatron-core's rule, checked before any
-rank starts), and what is refused by name in one line (interleaved stages, the PPO critic, sequence parallel)."""
+rank starts), what is refused by name in one line (interleaved stages, the PPO critic), and sequence parallelism
+accepted with it."""
 
 from __future__ import annotations
 
@@ -61,14 +62,15 @@ def test_pipeline_in_the_preflight(tiny_model_dir: Path) -> None:
         assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
 
 
-def test_sequence_parallel_with_pipeline_is_refused(tiny_model_dir: Path) -> None:
+def test_sequence_and_context_parallelism_with_pipeline_pass_the_checks(tiny_model_dir: Path) -> None:
+    """The layouts tests/multiprocess/test_megatron_pp.py::test_pp_parity_with_fsdp trains (tp2_pp2_sequence_parallel,
+    pp2_cp2)."""
     from transformers import AutoConfig
 
     shape = options.shape_of(AutoConfig.from_pretrained(tiny_model_dir))
-    o = options.resolve(_cfg(tiny_model_dir, "--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size",
-                             "2", "--sequence-parallel").megatron)
-    with pytest.raises(ConfigError, match=r"^--sequence-parallel with --pipeline-model-parallel-size 2 is not "):
-        options.check_static(o, shape)
+    for flags in (["--tensor-model-parallel-size", "2", "--sequence-parallel"], ["--context-parallel-size", "2"]):
+        options.check_static(options.resolve(_cfg(tiny_model_dir, "--pipeline-model-parallel-size", "2",
+                                                  *flags).megatron), shape)
 
 
 @pytest.mark.parametrize("flag", ["--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank"])
@@ -78,13 +80,8 @@ def test_interleaved_pipeline_is_refused_by_name(tiny_model_dir: Path, flag: str
     assert str(e.value).startswith(flag) and "\n" not in str(e.value), str(e.value)
 
 
-def test_moe_with_pipeline_is_refused(tiny_model_dir: Path) -> None:
-    import dataclasses
-
-    from transformers import AutoConfig
-
-    shape = dataclasses.replace(options.shape_of(AutoConfig.from_pretrained(tiny_model_dir)), num_experts=4)
-    o = options.resolve(_cfg(tiny_model_dir, "--pipeline-model-parallel-size", "2").megatron)
-    with pytest.raises(ConfigError, match=r"^--pipeline-model-parallel-size 2 with a MoE model \(config.json's "
-                                          r"num_experts 4\) is not supported"):
-        options.check_static(o, shape)
+@pytest.mark.parametrize("flag", ["--use-routing-replay", "--use-rollout-routing-replay"])
+def test_routing_replay_with_pipeline_is_refused(tiny_model_dir: Path, flag: str) -> None:
+    cfg = _cfg(tiny_model_dir, "--pipeline-model-parallel-size", "2", flag)
+    with pytest.raises(ConfigError, match=rf"^{flag} with --pipeline-model-parallel-size 2 is not supported"):
+        options.check_pipeline_algo(options.resolve(cfg.megatron, cfg.train), cfg.algo)

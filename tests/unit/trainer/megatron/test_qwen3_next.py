@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from _tp_round_trip import round_trip_under_tp
 
 from miles.config import ConfigError, parse_args
 from miles.trainer.megatron import options
-from miles.trainer.megatron.convert import hf_to_megatron, megatron_to_hf, partition_dim, shard, unshard
+from miles.trainer.megatron.convert import hf_to_megatron, megatron_to_hf, shard
 from miles.trainer.megatron.model import ModelShape, padded_vocab_size
 
 pytest.importorskip("megatron.core")
@@ -93,16 +94,7 @@ def test_round_trip_is_bitwise_under_tp(tiny_hybrid_dir: Path, tp: int) -> None:
 
     hf = load_file(str(tiny_hybrid_dir / "model.safetensors"))
     shape = _shape(json.loads((tiny_hybrid_dir / "config.json").read_text()))
-    padded = padded_vocab_size(shape.vocab_size, 128, tp)
-    names = _megatron_names(shape)
-    full = hf_to_megatron(hf, shape, padded, names)
-    back = {}
-    for name in names:
-        dim = partition_dim(name)
-        pieces = [shard(name, full[name], dim, r, tp, shape) for r in range(tp)]
-        back.update(megatron_to_hf(name, unshard(name, pieces, dim, shape), shape))
-    assert back.keys() == hf.keys()
-    assert all(back[k].dtype == hf[k].dtype and torch.equal(back[k], hf[k]) for k in hf)
+    full = round_trip_under_tp(hf, shape, _megatron_names(shape), tp)
     # rank r's in_proj: the r-th half of each of q, k, v, z, beta, alpha (megatron-core's GatedDeltaNet layout)
     h = shape.variant
     in_proj = full["decoder.layers.0.self_attention.in_proj.weight"]

@@ -1,0 +1,51 @@
+"""Miles's recorded Qwen3-235B-A22B commands (tests/fixtures/miles_scripts/megatron_moe_qwen3_235b_a22b.flags,
+int4_qwen3_235b_a22b.flags: TP 4 x PP 4 x CP 2 x EP 16 with --sequence-parallel) run for 2 rollouts at tiny scale
+through the replay tier's scaler (``miles_fixtures.tiny_replay``). On a machine without SGLang their dry run is
+refused by their SGLang-only serving flags (``--sglang-enable-dp-attention``, ``--sglang-ep-size``), so the replay
+tier (tests/e2e/test_miles_replay.py, dry-run fixtures only) does not take them; here they run with those flags
+dropped, as the tier drops them for every fixture: the colocated int4 command as TP 2 x PP 2 x EP 2 with
+--sequence-parallel on 4 ranks, the disaggregated one as TP 2 x EP 2 on 2 trainer ranks and 2 engine ranks, with
+``--check-weight-update-equal`` after every sync.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from _miles_e2e import run, tail
+
+pytest.importorskip("megatron.core")
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(900)]
+
+# fixture -> the parallel sizes the replay runs (flag -> value), the trainer ranks
+CASES = {
+    "int4_qwen3_235b_a22b": ({"--tensor-model-parallel-size": "2", "--pipeline-model-parallel-size": "2",
+                              "--context-parallel-size": "1", "--expert-model-parallel-size": "2"}, 4),
+    "megatron_moe_qwen3_235b_a22b": ({"--tensor-model-parallel-size": "2", "--pipeline-model-parallel-size": "1",
+                                      "--context-parallel-size": "1", "--expert-model-parallel-size": "2"}, 2),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_recorded_qwen3_235b_command_runs_two_rollouts(name: str, tmp_path: Path) -> None:
+    from miles_fixtures import HERE, PLUGIN_FOLDERS, tiny_replay
+
+    sizes, trainers = CASES[name]
+    replay = tiny_replay(HERE / f"{name}.flags", tmp_path, tmp_path / "models")
+    argv = replay.argv
+    assert {f: argv[argv.index(f) + 1] for f in sizes} == sizes, replay.changed
+    assert "--sequence-parallel" in argv and argv[argv.index("--actor-num-gpus-per-node") + 1] == str(trainers)
+    assert any(f.startswith("--sglang-") for f in replay.changed), replay.changed
+    log = tmp_path / "replay.log"
+    pythonpath = os.pathsep.join([str(Path(__file__).resolve().parents[2]), *map(str, PLUGIN_FOLDERS)])
+    result = run(["torchrun", "--standalone", "--nproc-per-node", str(replay.nproc), replay.entry, *argv], log,
+                 timeout=600, PYTHONPATH=pythonpath)
+    scaled = "\n".join(f"  {flag}: {change}" for flag, change in replay.changed.items())
+    assert result.returncode == 0, f"scaled flags:\n{scaled}\nlog {log}:\n{tail(log)}"
+    out = Path(argv[argv.index("--output-dir") + 1])
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["rollout_id"] for r in records] == [0, 1], records
+    assert log.read_text().count("--check-weight-update-equal: ") >= 3, tail(log)
