@@ -216,12 +216,18 @@ def build_family_model(out: Path, model: str | None, seed: int = 0) -> Path:
     if "kv_lora_rank" in real:
         from miles.utils.tiny_mla import build_tiny_mla_model
 
+        rope = real.get("rope_parameters") or real.get("rope_scaling") or {}
+        yarn = rope.get("rope_type", rope.get("type")) == "yarn"     # its rope as it is (the recorded YaRN flags name it)
+        scaling = {"rope_type": "yarn", **{k: v for k, v in rope.items() if k not in ("type", "rope_type",
+                                                                                       "rope_theta")}}
         return build_tiny_mla_model(out, model_type=mt, rms_norm_eps=float(real.get("rms_norm_eps", 1e-6)),
-                                    rope_theta=float((real.get("rope_parameters") or {}).get(
-                                        "rope_theta", real.get("rope_theta", 10000.0))),
+                                    rope_theta=float(rope.get("rope_theta", real.get("rope_theta", 10000.0))),
                                     q_lora_rank=24 if real.get("q_lora_rank") else None,
                                     n_group=2 if (real.get("n_group") or 1) > 1 else 1,
                                     routed_scaling_factor=float(real.get("routed_scaling_factor", 1.0) or 1.0),
+                                    rope_scaling=scaling if yarn else None,
+                                    **({"max_position_embeddings": int(real["max_position_embeddings"])} if yarn
+                                       else {}),
                                     mtp_layers=int(real.get("num_nextn_predict_layers", 0) or 0), seed=seed)
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -424,10 +430,14 @@ def tiny_replay(path: Path, workdir: Path, models: Path, skills_url: str | None 
         put("--expert-model-parallel-size", str(ep if trainers % ep == 0 else 1))
     if "--expert-tensor-parallel-size" in flags:
         put("--expert-tensor-parallel-size", "1")
-    for f in ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"):
-        if f in flags:       # the real model's uneven split: the tiny model's layers split evenly over its stages
-            argv = _drop(argv, f)
-            changed[f] = f"{flags[f][0]} -> (dropped: the tiny model's {shape.num_layers} layers split evenly)"
+    pp, layers = sizes["--pipeline-model-parallel-size"], shape.num_layers
+    split = [f for f in ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers") if f in flags]
+    for i, f in enumerate(split):
+        if i == 0 and pp > 1 and layers % pp:    # the real model's uneven split at the tiny model's size: this end
+            put(f, str(layers - -(-layers // pp) * (pp - 1)))   # stage a layer less (3 layers at PP 2: 2 + 1)
+            continue
+        argv = _drop(argv, f)       # the tiny model's layers split evenly over its stages (or its other end stage's)
+        changed[f] = f"{flags[f][0]} -> (dropped: the tiny model's {layers} layers split evenly)"
     world = trainers + engine_ranks
     put("--actor-num-nodes", "1")
     put("--actor-num-gpus-per-node", str(trainers))

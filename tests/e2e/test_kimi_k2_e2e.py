@@ -1,8 +1,9 @@
 """Kimi-K2 end to end on CPU: Miles's recorded Kimi-K2 command (radixark/miles@v0.1.0:tests/snapshots/launch_scripts/
 py/scripts/run_kimi_k2.py/execute.txt) with its model-shape flags at the tiny Kimi-K2's sizes (``miles.utils.tiny_mla``,
 config.json model_type kimi_k2, its YaRN rope and routed scaling) and its 256-GPU world at 2 CPU trainer ranks (TP 2
-with sequence parallelism and EP 2, as its TP 8 / EP 32; PP 8 and CP 4 at 1: the Megatron backend does not build
-multi-latent attention under pipeline or context parallelism), the embedded engines serving it on the generic transformers path: 2 rollouts with a weight sync
+with sequence parallelism and EP 2, as its TP 8 / EP 32; PP 8 and CP 4 at 1 here: the recorded command's PP with TP
+and EP at tiny scale runs in tests/e2e/test_mla_parallel_replay.py, MLA under CP in tests/multiprocess/
+test_megatron_mla.py), the embedded engines serving it on the generic transformers path: 2 rollouts with a weight sync
 after each under ``--check-weight-update-equal`` (every tensor the trainer exports equals the engine's, HF names), in
 each weight-sync mode: ``tensor`` (colocated, as recorded), ``broadcast``, ``p2p`` and ``disk-delta`` (one engine rank
 of its own).

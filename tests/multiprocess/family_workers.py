@@ -203,7 +203,8 @@ def parity_worker(model_dir: str, out: str, megatron_flags: tuple[str, ...] = ()
     "disk": the safetensors written, transformers loading them), a torch_dist checkpoint resumed bitwise.
     ``vlm``: a multimodal checkpoint trained text-only (the FSDP samples without images; the text decoder's tensors,
     ``model.language_model.*``, compared; ``--save-hf`` holds the towers as they were). ``split_fsdp_experts``:
-    the FSDP export's fused experts split per expert before the comparison."""
+    the FSDP export's fused experts split per expert before the comparison. ``res["layout"]``: the Megatron trainer's
+    parallel sizes."""
     import torch
     import torch.distributed as dist
     from safetensors.torch import load_file
@@ -228,6 +229,7 @@ def parity_worker(model_dir: str, out: str, megatron_flags: tuple[str, ...] = ()
     hf_out = Path(out).parent / "hf_out"
     meg_flags = ("--sequence-parallel", *megatron_flags, "--save", str(Path(out).parent / "ckpt"))
     meg = build(model_dir, _flags("megatron", tp, megatron_flags=meg_flags) + list(flags), group=group)
+    res["layout"] = {k: getattr(meg.groups, k) for k in ("tp_size", "pp_size", "cp_size", "ep_size", "dp_size")}
     init = meg.state_dict_for_check()
     if bf16_export:
         init_bf16 = {n: t.detach().cpu().clone() for b in meg.iter_weight_buckets(4096, torch.bfloat16) for n, t in b}
@@ -284,26 +286,32 @@ def parity_worker(model_dir: str, out: str, megatron_flags: tuple[str, ...] = ()
     dist.destroy_process_group()
 
 
-def train_worker(model_dir: str, out: str, megatron_flags: str = "") -> None:
+def train_worker(model_dir: str, out: str, megatron_flags: str = "", device: str = "cpu") -> None:
     """The Megatron trainer of ``megatron_flags`` (comma-separated, after ``test_megatron._flags``' TP 1) trains 2
     rollouts of 4 prompts x 4 samples, split evenly over the ranks in order (the model-parallel group gathers them
     back in that order, so runs of any layout with DP 1 train the same micro-batches). Saves to ``out`` from rank 0
-    (torch.save): the log-probs before training, the step metrics, the weights before and after (HF names)."""
+    (torch.save): the log-probs before training, the step metrics, the weights before and after (HF names).
+    ``device`` "cuda": NCCL, each rank on its ``cuda:0`` (the caller sets ``CUDA_VISIBLE_DEVICES``), bf16."""
     import torch
     import torch.distributed as dist
     from test_megatron import _all_logprobs, _flags
     from trainer_harness import build, random_samples
 
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo" if device == "cpu" else "nccl")
+    dev = torch.device("cpu") if device == "cpu" else torch.device("cuda", 0)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
     rank, world = dist.get_rank(), dist.get_world_size()
     samples = random_samples(4, 4, seed=7, vocab=90)
     per = len(samples) // world
     mine = samples[per * rank:per * (rank + 1)]
-    tr = build(model_dir, _flags("megatron", 1, megatron_flags=tuple(f for f in megatron_flags.split(",") if f)))
+    tr = build(model_dir, _flags("megatron", 1, megatron_flags=tuple(f for f in megatron_flags.split(",") if f)),
+               device=dev)
     res = {"init": tr.state_dict_for_check(), "lp": _all_logprobs(tr, samples)}
     res["metrics"] = [tr.train(mine, rid) for rid in range(2)]
     res["final"] = tr.state_dict_for_check()
     res["layout"] = (tr.groups.tp_size, tr.groups.pp_size, tr.groups.dp_size, tr._sequence_parallel)
+    res["cp_size"], res["bf16"] = tr.groups.cp_size, tr.bf16
     if rank == 0:
         torch.save(res, out)
     dist.destroy_process_group()

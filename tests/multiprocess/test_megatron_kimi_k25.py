@@ -9,7 +9,8 @@ finite gradient and TP 2's gradients equal TP 1's; the export (``export.iter_hf_
 ``--save-hf``) is the checkpoint's text model, names (``language_model.lm_head.weight`` included) and bits, and nothing
 of its vision tower.
 
-``test_kimi_k25_trainer_round_trip``: the Megatron trainer (TP 2 + sequence parallel + EP 2, 2 ranks, GRPO) gives
+``test_kimi_k25_trainer_round_trip``: the Megatron trainer (2 ranks, GRPO, sequence parallel: TP 2 + EP 2 as Miles's
+command, CP 2 x EP 2 and PP 2 with multi-latent attention under context / pipeline parallelism) gives
 transformers' log-probs of its samples before training; after 2 steps ``--save-hf`` writes every tensor of the
 checkpoint, the trained text model and the tower / projector copied bit for bit, and transformers loads it to the
 trainer's weights; a torch_dist checkpoint saved and resumed restores them bitwise.
@@ -91,8 +92,18 @@ def test_kimi_k25_gpt_matches_hf(tiny_k25_dir: Path, tmp_path: Path, free_port: 
             assert err <= 1e-5 * max(float(g.abs().max()), 1e-6), (name, err, float(g.abs().max()))
 
 
-def _trainer_worker(model_dir: str, out: str) -> None:
-    """2 ranks: the Megatron trainer (TP 2, sequence parallel, EP 2) on 2 rollouts; transformers' log-probs of the
+# layout -> the Megatron flags of the trainer test (2 ranks, --sequence-parallel): Miles's recorded K2.5 command's TP
+# with EP, and multi-latent attention under context parallelism (x EP: the EP group is the CP pair) and under
+# pipeline parallelism (the tiny model's 3 layers as 2 + 1)
+TRAINER_LAYOUTS = {
+    "tp2_ep2": ("--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"),
+    "cp2_ep2": ("--context-parallel-size", "2", "--expert-model-parallel-size", "2"),
+    "pp2": ("--pipeline-model-parallel-size", "2", "--decoder-last-pipeline-num-layers", "1"),
+}
+
+
+def _trainer_worker(model_dir: str, out: str, layout: str = "tp2_ep2") -> None:
+    """2 ranks: the Megatron trainer (``TRAINER_LAYOUTS[layout]``) on 2 rollouts; transformers' log-probs of the
     same samples before training; --save-hf, torch_dist save and resume."""
     import torch
     import torch.distributed as dist
@@ -110,10 +121,10 @@ def _trainer_worker(model_dir: str, out: str) -> None:
              "--num-steps-per-rollout", "1", "--rollout-temperature", "1.0", "--train-backend", "megatron",
              "--use-kl-loss", "--kl-loss-coef", "0.05", "--kl-loss-type", "low_var_kl", "--lr", "2e-3",
              "--lr-decay-style", "constant", "--micro-batch-size", "3", "--clip-grad", "1.0",
-             "--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
-             "--expert-tensor-parallel-size", "1", "--moe-router-dtype", "fp32",
-             "--save", str(Path(out).parent / "ckpt")]
+             *TRAINER_LAYOUTS[layout], "--sequence-parallel", "--expert-tensor-parallel-size", "1",
+             "--moe-router-dtype", "fp32", "--save", str(Path(out).parent / "ckpt")]
     meg = build(model_dir, flags, group=group)
+    res["layout"] = {k: getattr(meg.groups, k) for k in ("tp_size", "pp_size", "cp_size", "ep_size")}
     init = meg.state_dict_for_check()
     meg_lp = _all_logprobs(meg, samples)
     res["meg_metrics"] = [meg.train(mine, rid) for rid in range(2)]
@@ -153,14 +164,19 @@ def _trainer_worker(model_dir: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_kimi_k25_trainer_round_trip(tiny_k25_dir: Path, tmp_path: Path, free_port: int) -> None:
+@pytest.mark.parametrize("layout", list(TRAINER_LAYOUTS))
+def test_kimi_k25_trainer_round_trip(tiny_k25_dir: Path, tmp_path: Path, free_port: int, layout: str) -> None:
     import torch
 
     out = tmp_path / "trainer.pt"
-    proc = torchrun_self(HERE, 2, free_port, "trainer", str(tiny_k25_dir), str(out), timeout=600)
+    proc = torchrun_self(HERE, 2, free_port, "trainer", str(tiny_k25_dir), str(out), layout, timeout=600)
     assert proc.returncode == 0, proc.stdout[-5000:]
     res = torch.load(out, weights_only=False)
-    print("trainer lp_max_abs_err", res["lp_max_abs_err"])
+    flags = TRAINER_LAYOUTS[layout]
+    assert res["layout"] == {k: int(flags[flags.index(f) + 1]) if f in flags else 1 for k, f in (
+        ("tp_size", "--tensor-model-parallel-size"), ("pp_size", "--pipeline-model-parallel-size"),
+        ("cp_size", "--context-parallel-size"), ("ep_size", "--expert-model-parallel-size"))}, res["layout"]
+    print(layout, "trainer lp_max_abs_err", res["lp_max_abs_err"])
     assert res["export_keys_equal"] and res["export_bitwise"] and res["trained"], res
     assert res["save_hf_keys_equal"] and res["save_hf_text_equal"] and res["save_hf_towers_equal"], res
     assert res["save_hf_loads"], res
@@ -226,7 +242,7 @@ if __name__ == "__main__":
 
         gpt_worker(sys.argv[2], sys.argv[3], ep=int(sys.argv[4]), seq=SEQ, text_vocab=int(sys.argv[5]))
     elif sys.argv[1] == "trainer":
-        _trainer_worker(sys.argv[2], sys.argv[3])
+        _trainer_worker(*sys.argv[2:5])
     elif sys.argv[1] == "gpu":
         from family_workers import gpu_worker
 

@@ -13,6 +13,11 @@ and the Megatron trainer (TP 2, sequence parallel, experts whole on each TP rank
 with KL loss, KL reward, entropy bonus, TIS): log-probs before training, step metrics and the update after 2 steps
 agree; the export of the untrained model equals the checkpoint bit for bit (fp32 and bf16); ``--save-hf`` loads in
 transformers to the trained weights; a checkpoint saved and resumed restores them bitwise.
+
+``test_mla_parallel_layouts_match_fsdp``: the same comparison (``family_workers.parity_worker``) for Kimi-K2 with
+multi-latent attention under context parallelism (CP 2), pipeline parallelism (PP 2, uneven) and CP 2 x EP 2 with
+the all-to-all CP attention, on 2 ranks against FSDP DP 2. The ``gpu`` tests: the CP attention on MLA's widths on one
+GPU (bf16), and CP 2 / PP 2 against FSDP on two GPUs (NCCL, bf16).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pathlib import Path
 
 import pytest
 from _torchrun import torchrun_self
+from trainer_harness import PRESETS
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.multiprocess
@@ -251,6 +257,41 @@ def test_mla_trainer_parity_with_fsdp(request, tmp_path: Path, free_port: int, f
     assert res["update_max_abs_diff"] < 5e-5 and res["update_rel_l2"] < 1e-4, res
 
 
+# ------------------------------------------------------------------------------------------- CP, PP, CP x EP
+MLA_FLAGS = (*PRESETS["mla"], "--moe-router-dtype", "fp32")
+LAYOUTS = {  # id: Megatron flags on 2 ranks (TP 1, --sequence-parallel as the recorded commands pass it)
+    "cp2": ("--context-parallel-size", "2"),
+    # Kimi-K2's uneven split (--decoder-last-pipeline-num-layers), here 2 + 1 of the tiny model's 3 layers
+    "pp2": ("--pipeline-model-parallel-size", "2", "--decoder-last-pipeline-num-layers", "1"),
+    # the EP group is the CP pair; Ulysses all-to-all over heads with values narrower than the keys
+    "cp2_ep2_a2a": ("--context-parallel-size", "2", "--cp-comm-type", "a2a", "--expert-model-parallel-size", "2",
+                    "--expert-tensor-parallel-size", "1"),
+}
+SIZES = {"cp2": (1, 2, 1), "pp2": (2, 1, 1), "cp2_ep2_a2a": (1, 2, 2)}      # (PP, CP, EP)
+# Measured (2026-12-07, CPU fp32, 2 gloo ranks, the box shared with other jobs; OMP_NUM_THREADS=1 python -m pytest -s
+# tests/multiprocess/test_megatron_mla.py -k "parallel_layouts_match_fsdp and not gpu"): log-probs 4.8e-7 in each
+# layout; update max 5.1e-6 (cp2) / 6.0e-6 (pp2) / 7.7e-6 (cp2_ep2_a2a), relative L2 8.8e-6 / 9.6e-6 / 1.1e-5.
+# Bounds: about twice the largest.
+LP_BOUND_LAYOUTS, UPDATE_BOUND_LAYOUTS, REL_BOUND_LAYOUTS = 1e-6, 1.6e-5, 2.3e-5
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_mla_parallel_layouts_match_fsdp(tiny_kimi_dir: Path, tmp_path: Path, free_port: int, layout: str) -> None:
+    """Kimi-K2 (MLA with its YaRN rope over rows longer than the tiny original context, the DeepSeek-style MoE) under
+    context parallelism (each rank its load-balanced chunks: megatron-core's MLA picks their rotary angles, the
+    core attention gathers K/V or all-to-alls the heads), pipeline parallelism (2 stages, uneven) and CP 2 x EP 2
+    (a2a), 2 ranks, against the FSDP backend over the same ranks (DP 2): log-probs before training, the step metrics
+    and the update after 2 steps; the export bitwise (fp32 and bf16), ``--save-hf`` and a checkpoint resume."""
+    from family_workers import check_parity, launch
+
+    res = launch(HERE, 2, free_port, "layout", tiny_kimi_dir, tmp_path / "parity.pt", ",".join(LAYOUTS[layout]),
+                 timeout=900)
+    pp, cp, ep = SIZES[layout]
+    assert res["layout"] == {"tp_size": 1, "pp_size": pp, "cp_size": cp, "ep_size": ep, "dp_size": 2 // (pp * cp)}
+    print(layout, {k: res[k] for k in ("lp_max_abs_diff", "update_max_abs_diff", "update_rel_l2", "update_worst")})
+    check_parity(res, lp_bound=LP_BOUND_LAYOUTS, update_bound=UPDATE_BOUND_LAYOUTS, rel_bound=REL_BOUND_LAYOUTS)
+
+
 def _gpu_worker(model_dir: str, out: str) -> None:
     """One rank on GPU 0 (NCCL), bf16 parameters, TP 1: the Megatron GPTModel's logits against transformers' own
     model (bf16) on the same rows, and transformers' bf16 against its fp32 (the scale of bf16 rounding)."""
@@ -306,6 +347,91 @@ def test_mla_matches_hf_on_gpu_bf16(request, tmp_path: Path, free_port: int, fam
     assert res["max_abs_err"] <= 2 * max(res["hf_bf16_vs_fp32"], 1e-3), res
 
 
+def _cp_attention_worker(out: str) -> None:
+    """One rank on GPU 0 (NCCL): ``context_parallel.attention`` at DeepSeek-V3's MLA widths (keys 128 + 64, values
+    128, as many key as query heads; a CP group of one rank holds chunks 0 and 1 of 2, so the all_gather path
+    attends chunk 1 through the lower-right causal mask, the a2a path through its all-to-all) against plain causal
+    SDPA, bf16, forward and backward."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from miles.trainer.megatron import context_parallel
+
+    dist.init_process_group("nccl")
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    torch.manual_seed(0)
+    b, heads, s, d, dv = 2, 16, 512, 192, 128
+    q, k, v = (torch.randn(b, heads, s, w, device=dev, dtype=torch.bfloat16, requires_grad=True) for w in (d, d, dv))
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=d ** -0.5)
+    grads_ref = torch.autograd.grad(ref.float().square().sum(), (q, k, v))
+    res = {}
+    for comm in ("all_gather", "a2a"):
+        o = context_parallel.attention(q, k, v, comm=comm, group=dist.group.WORLD, scale=d ** -0.5)
+        grads = torch.autograd.grad(o.float().square().sum(), (q, k, v))
+        res[comm] = {"shape": list(o.shape), "out": float((o.float() - ref.float()).abs().max()),
+                     "scale": float(ref.float().abs().max()),
+                     "grad": max(float((a.float() - r.float()).abs().max() / r.float().abs().max())
+                                 for a, r in zip(grads, grads_ref))}
+    Path(out).write_text(json.dumps(res))
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_mla_cp_attention_on_gpu(tmp_path: Path, free_port: int) -> None:
+    """The CP attention on MLA's widths on one GPU in bf16 (SDPA's kernels take values narrower than the keys, with
+    the lower-right causal mask too): within bf16 rounding of plain SDPA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    out = tmp_path / "mla_cp_attention.json"
+    proc = _torchrun(1, free_port, "cp_attention", "-", str(out))
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    res = json.loads(out.read_text())
+    print(res)
+    for comm, r in res.items():
+        # bf16: ~3 significant digits; another kernel (masked memory-efficient vs plain causal) rounds differently
+        # (the bound of test_megatron_cp.py::test_cp_attention_kernels_on_gpu; not run here, no GPU)
+        assert r["shape"] == [2, 16, 512, 128], (comm, r)
+        assert r["out"] < 2e-2 * max(r["scale"], 1.0) and r["grad"] < 2e-2, (comm, r)
+
+
+@pytest.mark.gpu
+def test_mla_parallel_layouts_on_two_gpus(tiny_kimi_dir: Path, tmp_path: Path, free_port: int) -> None:
+    """Kimi-K2's Megatron trainer in bf16 (NCCL, one GPU per rank) at CP 2 and PP 2 on 2 GPUs against the same
+    trainer on one GPU (the same micro-batches: ``family_workers.train_worker``): within bf16 rounding. (Against
+    the Megatron trainer, not FSDP: the FSDP backend's varlen flash attention on GPU takes no values narrower than
+    the keys, which MLA has.)"""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    from family_workers import compare_runs, launch
+
+    runs = {name: launch(HERE, nproc, free_port + i, "train_gpu", tiny_kimi_dir, tmp_path / f"{name}.pt",
+                         ",".join((*MLA_FLAGS, *flags)), timeout=900)
+            for i, (name, nproc, flags) in enumerate((("one", 1, ()), ("cp2", 2, LAYOUTS["cp2"]),
+                                                      ("pp2", 2, LAYOUTS["pp2"])))}
+    assert runs["one"]["bf16"] and runs["cp2"]["cp_size"] == 2 and runs["pp2"]["layout"][1] == 2, runs["pp2"]["layout"]
+    for name in ("cp2", "pp2"):
+        res = compare_runs(runs["one"], runs[name])
+        print(name, res)
+        # Never run yet (no GPU here): the bounds of the dense model's 2-GPU CP parity (test_megatron_cp.py::
+        # test_cp2_parity_with_fsdp_on_two_gpus: about twice the one-GPU H200 bf16 figures, log-probs 2.5e-3,
+        # update 6.0%); ``pytest -s -m gpu tests/multiprocess/test_megatron_mla.py -k two_gpus`` prints these figures
+        assert res["lp_max_abs_diff"] < 5e-3, (name, res)
+        assert all(v < 5e-2 for v in res["metric_rel"].values()), (name, res)
+        assert res["update_rel_l2"] < 0.12, (name, res)
+
+
+def _layout_worker(model_dir: str, out: str, flags_csv: str) -> None:
+    from family_workers import parity_worker
+
+    parity_worker(model_dir, out, (*MLA_FLAGS, *flags_csv.split(",")), tp=1, split_fsdp_experts=True)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "gpt":
         _gpt_worker(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:5]))
@@ -313,6 +439,19 @@ if __name__ == "__main__":
         _parity_worker(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "gpu":
         _gpu_worker(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "layout":
+        _layout_worker(sys.argv[2], sys.argv[3], sys.argv[4])
+    elif sys.argv[1] == "train_gpu":         # one GPU per rank, each seen as cuda:0 (the worker's device)
+        import os
+
+        from family_workers import train_worker
+
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        local = int(os.environ["LOCAL_RANK"])
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[local] if visible else str(local)
+        train_worker(sys.argv[2], sys.argv[3], sys.argv[4], "cuda")
+    elif sys.argv[1] == "cp_attention":
+        _cp_attention_worker(sys.argv[3])
 
 
 def test_embedded_engine_serves_glm4_moe_lite(tiny_glm_dir: Path, tmp_path: Path) -> None:

@@ -28,6 +28,8 @@ Attention (``--cp-comm-type``, the value megatron-core hands the core attention)
   sequence for ``heads / cp`` of its heads), plain causal attention, and the inverse all-to-all; needs the
   attention and KV heads of a TP rank divisible by CP.
 - ``a2a+p2p`` (hierarchical, with ``--hierarchical-context-parallel-sizes``): refused by name.
+Values may be narrower than queries and keys (multi-latent attention, ``families/mla.py``: keys
+``qk_nope + qk_rope`` wide, values ``v_head_dim``); every path gathers or exchanges them on their own.
 """
 
 from __future__ import annotations
@@ -194,26 +196,28 @@ def _all_gather_attention(q, k, v, group, scale: float, dropout_p: float) -> tor
 
 def _a2a_attention(q, k, v, group, scale: float, dropout_p: float) -> torch.Tensor:
     cp = dist.get_world_size(group)
-    b, h, local, d = q.shape
+    b, h, local, _ = q.shape
 
     def to_heads(x: torch.Tensor) -> torch.Tensor:          # [b, n, 2c, d] -> [b, n / cp, s, d]
-        n = x.shape[1]
+        n, d = x.shape[1], x.shape[3]                       # (MLA: values narrower than queries and keys)
         blocks = x.reshape(b, cp, n // cp, local, d).transpose(0, 1)          # [cp, b, n/cp, 2c, d]: to rank j
         got = _AllToAll.apply(blocks.contiguous(), group)                      # [cp (from rank i), ...]
         seq = got.permute(1, 2, 0, 3, 4).reshape(b, n // cp, cp * local, d)
         return _to_sequence_order(seq, cp, 2)
 
     out = F.scaled_dot_product_attention(to_heads(q), to_heads(k), to_heads(v), dropout_p=dropout_p, is_causal=True,
-                                         scale=scale, enable_gqa=q.shape[1] != k.shape[1])   # [b, h/cp, s, d]
-    blocks = _from_sequence_order(out, cp, 2).reshape(b, h // cp, cp, local, d).permute(2, 0, 1, 3, 4)
-    back = _AllToAll.apply(blocks.contiguous(), group)                         # [cp (head group j), b, h/cp, 2c, d]
-    return back.transpose(0, 1).reshape(b, h, local, d)
+                                         scale=scale, enable_gqa=q.shape[1] != k.shape[1])   # [b, h/cp, s, dv]
+    dv = out.shape[3]
+    blocks = _from_sequence_order(out, cp, 2).reshape(b, h // cp, cp, local, dv).permute(2, 0, 1, 3, 4)
+    back = _AllToAll.apply(blocks.contiguous(), group)                         # [cp (head group j), b, h/cp, 2c, dv]
+    return back.transpose(0, 1).reshape(b, h, local, dv)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: str, group: dist.ProcessGroup,
               scale: float, dropout_p: float = 0.0) -> torch.Tensor:
     """Causal attention of this rank's query chunks over the whole sequence: q [b, heads, 2c, d],
-    k/v [b, kv_heads, 2c, d] (this rank's two chunks, RoPE applied) -> [b, heads, 2c, d]."""
+    k [b, kv_heads, 2c, d], v [b, kv_heads, 2c, dv] (this rank's two chunks, RoPE applied; ``dv`` may differ from
+    ``d``: multi-latent attention's values) -> [b, heads, 2c, dv]."""
     if comm in ("all_gather", "p2p"):
         return _all_gather_attention(q, k, v, group, scale, dropout_p)
     if comm == "a2a":

@@ -208,7 +208,7 @@ def shape_of(hf_config) -> ModelShape:
 def check_static(o: Options, shape: ModelShape) -> None:
     """The unsupported values that do not depend on the device or the number of ranks."""
     check_moe_static(o, shape)         # MoE layers, --expert-model/tensor-parallel-size (moe.py)
-    shape.family.check_static(o, shape)    # what the family does not run with (MLA under TP/PP/CP, gpt-oss under CP)
+    shape.family.check_static(o, shape)    # what the family does not run with (MLA under TP without SP, gpt-oss under CP)
     mtp.check_mtp_static(o)            # the MTP block under PP / CP (mtp.py)
     from miles.trainer.megatron.pipeline import stage_layer_counts
 

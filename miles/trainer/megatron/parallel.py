@@ -37,6 +37,7 @@ same, so the weights are bit for bit torch's; state_dict/load_state_dict are tor
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -261,11 +262,22 @@ class ExpertShardedAdamW:
     """``--use-distributed-optimizer`` under expert parallelism: two sharded AdamWs, the dense parameters' over DP
     (x CP) and the experts' over the expert-DP group. ``param_groups`` (the LR schedule writes ``lr`` there),
     ``step`` and ``zero_grad`` are both parts'; ``optim`` (``local_optimizer``) holds this rank's state of both,
-    keyed by parameter, so checkpoints save and load it as a ZeroRedundancyOptimizer's."""
+    keyed by parameter, so checkpoints save and load it as a ZeroRedundancyOptimizer's; a hook registered with
+    ``register_step_post_hook`` (the run's progress line) runs once per ``step``, after both parts stepped."""
 
     def __init__(self, dense: torch.optim.Optimizer, experts: torch.optim.Optimizer):
         self.parts = (dense, experts)
         self.optim = _LocalState(self.parts)
+        self._step_post_hooks: OrderedDict = OrderedDict()      # (weakly referenced by the hooks' handles)
+
+    def register_step_post_hook(self, hook):
+        """``torch.optim.Optimizer``'s: ``hook(self, args, kwargs)`` after each ``step``; returns its removable
+        handle."""
+        from torch.utils.hooks import RemovableHandle
+
+        handle = RemovableHandle(self._step_post_hooks)
+        self._step_post_hooks[handle.id] = hook
+        return handle
 
     @property
     def param_groups(self) -> list[dict]:
@@ -274,6 +286,8 @@ class ExpertShardedAdamW:
     def step(self, closure=None) -> None:
         for o in self.parts:
             o.step()
+        for hook in list(self._step_post_hooks.values()):
+            hook(self, (), {})
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for o in self.parts:

@@ -30,7 +30,8 @@ Interleaved (virtual) stages are not implemented: ``--num-layers-per-virtual-pip
 
 Names: a stage's parameters are ``decoder.layers.<local i>``; ``global_named_parameters`` renames them to the
 model-wide layer number megatron-core gave the layer (``layer_number - 1``), so the HF conversion, the weight
-export and the checkpoints see the same names as with one stage.
+export and the checkpoints see the same names as with one stage (``global_exported_buffers``: the family's buffers
+loaded and exported with them, the DeepSeek-style routers' expert bias).
 """
 
 from __future__ import annotations
@@ -101,6 +102,12 @@ def global_named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(global_name(model, n), p) for n, p in model.named_parameters()]
 
 
+def global_exported_buffers(model: nn.Module, shape: ModelShape) -> list[tuple[str, torch.Tensor]]:
+    """The family's buffers loaded and exported with the parameters (``Family.exported_buffers``: the DeepSeek-style
+    routers' ``expert_bias``), under global layer names."""
+    return [(global_name(model, n), b) for n, b in shape.family.exported_buffers(model)]
+
+
 def is_tied_copy(p: torch.Tensor) -> bool:
     """The last stage's copy of a tied embedding (megatron-core marks it ``shared``): not exported and not
     counted twice in the gradient norm."""
@@ -111,11 +118,13 @@ def is_tied_copy(p: torch.Tensor) -> bool:
 def load_hf_into(model: nn.Module, hf: dict[str, torch.Tensor], shape: ModelShape, padded_vocab: int, tp_rank: int,
                  tp_size: int, ep_rank: int = 0, ep_size: int = 1) -> None:
     """``convert.load_hf_into`` for one pipeline stage: layers by their global index, this EP rank's experts by
-    their global index (``moe.global_name``), and the last stage's copy of a tied embedding from the HF embedding."""
+    their global index (``moe.global_name``), the family's exported buffers (the routers' expert bias) as
+    parameters, and the last stage's copy of a tied embedding from the HF embedding."""
     from miles.trainer.megatron import convert, moe
 
     num_local = shape.num_experts // ep_size if shape.num_experts else 0
-    named = [(moe.global_name(n, ep_rank, num_local), p) for n, p in global_named_parameters(model)]
+    named = [(moe.global_name(n, ep_rank, num_local), p)
+             for n, p in global_named_parameters(model) + global_exported_buffers(model, shape)]
     sources = ["embedding.word_embeddings.weight" if is_tied_copy(p) else n for n, p in named]
     full = convert.hf_to_megatron(convert.family_hf_state(hf, shape), shape, padded_vocab, sorted(set(sources)))
     for (name, p), src in zip(named, sources):

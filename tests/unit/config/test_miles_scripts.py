@@ -122,7 +122,7 @@ def save_shortfall(cfg, model: Path) -> int | None:
 
 
 def test_every_fixture_says_what_it_expects():
-    assert len(FIXTURES) == 49
+    assert len(FIXTURES) == 50
     for path in FIXTURES:
         entry, expect, lines = read_fixture(path)
         assert entry in ("train.py", "train_async.py"), path.name
@@ -342,4 +342,33 @@ def test_kimi_k25_command_without_its_sglang_serving_flags(workdir: Path, model_
         changed: dict[str, str] = {}
         argv = _drop_sglang_only(argv, changed, "train.py")
         assert sorted(changed) == ["--sglang-ep-size"], changed
+    assert "role plan" in dry_run(parse_args(argv + ["--dry-run"]))
+
+
+@pytest.mark.parametrize("name,cp,pp,ep", [("megatron_kimi_k2", 4, 8, 32), ("megatron_deepseek_v3", 4, 1, 4),
+                                           ("kimi_k2_thinking_int4", 4, 8, 32)])
+def test_mla_commands_without_their_sglang_serving_flags(name: str, cp: int, pp: int, ep: int, workdir: Path,
+                                                          model_dirs, plugins_on_path):
+    """The recorded Kimi-K2 (bf16, and Kimi-K2-Thinking's int4 QAT script: the same layout) and DeepSeek-V3 commands
+    (multi-latent attention at CP 4, Kimi-K2's with PP 8 and an uneven last stage, EP 32 / 4, TP 8 / 1 with
+    --sequence-parallel) are refused on this machine only by their
+    SGLang-only serving flags (the embedded engine, which ``--rollout-engine auto`` picks without SGLang, has no
+    DP-attention or expert-parallel serving); without them the dry run passes against the real config.json."""
+    import importlib.util
+
+    from miles_fixtures import _drop_sglang_only, _flags
+
+    from miles.run.entry import dry_run
+
+    path = HERE / f"{name}.flags"
+    argv = without_absent_kernel_flags(fixture_argv(read_fixture(path)[2], subs_for(path, workdir, model_dirs)))
+    given = _flags(argv)
+    assert [given[f] for f in ("--context-parallel-size", "--pipeline-model-parallel-size",
+                               "--expert-model-parallel-size")] == [[str(cp)], [str(pp)], [str(ep)]]
+    assert "--multi-latent-attention" in given and "--sequence-parallel" in given
+    if importlib.util.find_spec("sglang") is None:
+        changed: dict[str, str] = {}
+        argv = _drop_sglang_only(argv, changed, "train.py")
+        assert changed and all(f.startswith("--sglang-") for f in changed), changed
+        assert read_fixture(path)[1] == f"refused: {next(iter(changed))}"      # the first one refused, as expected
     assert "role plan" in dry_run(parse_args(argv + ["--dry-run"]))

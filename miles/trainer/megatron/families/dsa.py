@@ -317,6 +317,10 @@ def check_static(o, shape, dsa: DsaShape) -> None:
         raise ConfigError(f"--context-parallel-size {o.cp} with DeepSeek sparse attention ({shape.model_type}) is not "
                           "supported (megatron-core's DSAttention has no context parallelism); use tensor, expert and "
                           "data parallelism.")
+    if o.pp > 1:        # its block spec holds every layer (a shared layer reads an earlier layer's top-k)
+        raise ConfigError(f"--pipeline-model-parallel-size {o.pp} with DeepSeek sparse attention ({shape.model_type}) "
+                          "is not supported by the Megatron backend yet (its shared top-k layers read earlier "
+                          "layers'); use tensor, expert and data parallelism.")
     if getattr(shape, "mtp_num_layers", 0):
         raise ConfigError(f"--mtp-num-layers {shape.mtp_num_layers} with DeepSeek sparse attention "
                           f"({shape.model_type}) is not supported by the Megatron backend yet: drop it.")

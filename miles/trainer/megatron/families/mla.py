@@ -15,6 +15,14 @@ q and k, which is HF's ``rope_interleave`` true (both configs' default; false is
 "yarn" with the same parameters (the same inverse-frequency ramp, cos/sin scale and softmax ``mscale``).
 The latent norms take ``rms_norm_eps`` (megatron-core's and SGLang's choice; transformers uses 1e-6 there).
 
+Context parallelism (``context_parallel.py``): ``MLASelfAttention`` computes its rotary angles itself (it takes no
+position ids): for the whole row (its local length x CP, x TP under sequence parallelism), then keeps this CP rank's
+load-balanced chunks (megatron-core's ``get_pos_emb_on_this_cp_rank``), the chunks ``context_parallel.shard_rows``
+gave the rank; the core attention gets the CP group and ``--cp-comm-type`` and runs ``context_parallel.attention``
+on keys ``qk_nope + qk_rope`` wide and values ``v_head_dim`` wide (a2a splits the heads, which MLA has as many of
+for keys as for queries). Pipeline parallelism: each stage builds its own layers (the dense-first ones included)
+from the stage's block spec, with its own rotary embedding; nothing MLA-specific crosses a stage.
+
 Weights (HF names per layer ``model.layers.L.self_attn.``; megatron ``decoder.layers.L.self_attention.``), the
 same rows in both (whole heads per TP rank: each up projection's rows are per head ``[nope; rope]`` or
 ``[nope; v]``), the up projections TP-split along dim 0 as megatron-core's column-parallel linears hold them,
@@ -268,31 +276,27 @@ def apply_mla_compat() -> None:
 
 
 def apply_mla_cpu_compat() -> None:
-    """megatron-core 0.16's yarn rotary embedding (DeepSeek-V3) allocates on ``torch.cuda.current_device()``; on CPU
-    it sees ``"cpu"`` there, as ``compat.apply_cpu_compat`` does for the other rotary embedding. Idempotent."""
+    """megatron-core 0.16's yarn rotary embedding (DeepSeek-V3) allocates on ``torch.cuda.current_device()`` and,
+    under context parallelism, selects this CP rank's chunks with an index pinned and moved to CUDA (the
+    ``get_pos_emb_on_this_cp_rank`` it imported by name); on CPU it sees ``"cpu"`` there and selects on the
+    embedding's device, as ``compat.apply_cpu_compat`` does for the other rotary embedding. Idempotent."""
     from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding as y
 
     from miles.trainer.megatron import compat
 
     if not isinstance(y.torch, compat._CpuTorch):
         y.torch = compat._CpuTorch("torch")
+    y.get_pos_emb_on_this_cp_rank = compat._cpu_pos_emb_on_this_cp_rank
 
 
 def check_mla_static(o, shape) -> None:
     """The MLA values this build does not run (``o``: ``options.Options``): one line each."""
     if not shape.mla:
         return
-    if o.cp > 1:
-        raise ConfigError(f"--context-parallel-size {o.cp} with multi-latent attention (config.json's kv_lora_rank "
-                          f"{shape.kv_lora_rank}) is not supported by the Megatron backend yet; use tensor, expert and "
-                          "data parallelism.")
     if o.tp > 1 and not o.sequence_parallel:
         raise ConfigError(f"--tensor-model-parallel-size {o.tp} with multi-latent attention needs --sequence-parallel "
                           "(the shared RoPE key's gradient is summed over TP through the sequence-parallel region): "
                           "add it.")
-    if o.pp > 1:
-        raise ConfigError(f"--pipeline-model-parallel-size {o.pp} with multi-latent attention is not supported by the "
-                          "Megatron backend yet; use tensor, expert and data parallelism.")
     for what, n in (("q_lora_rank", shape.q_lora_rank),
                     ("kv_lora_rank + qk_rope_head_dim", shape.kv_lora_rank + shape.qk_pos_emb_head_dim),
                     ("moe_intermediate_size x n_shared_experts", shape.moe_shared_ffn_hidden_size)):

@@ -230,15 +230,43 @@ def test_glm47_flash_flags_checked_against_config_json(tiny_model_dir: Path, cha
     (["--moe-router-group-topk", "2"], "--moe-router-group-topk 2 does not match --hf-checkpoint's config.json "
                                        "(topk_group 1)"),
     (["--q-lora-rank", "24"], "--q-lora-rank 24 does not match --hf-checkpoint's config.json (q_lora_rank None)"),
-    (["--context-parallel-size", "2"], "--context-parallel-size 2 with multi-latent attention"),
-    (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2 with multi-latent attention"),
-], ids=["num_groups", "group_topk", "q_lora_absent", "cp", "pp"])
+], ids=["num_groups", "group_topk", "q_lora_absent"])
 def test_deepseek_v3_flags(tiny_dsv3_dir: Path, flags: list[str], message: str) -> None:
     options.preflight_check(_cfg(tiny_dsv3_dir, "--moe-router-num-groups", "2", "--moe-router-group-topk", "1"),
                             _read(tiny_dsv3_dir))
     with pytest.raises(ConfigError) as e:
         options.preflight_check(_cfg(tiny_dsv3_dir, *flags), _read(tiny_dsv3_dir))
     assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("flags", [
+    ["--context-parallel-size", "2"],
+    ["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--expert-model-parallel-size", "2"],
+    ["--pipeline-model-parallel-size", "2", "--decoder-last-pipeline-num-layers", "1"],
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
+     "--decoder-first-pipeline-num-layers", "2", "--context-parallel-size", "2", "--expert-model-parallel-size", "2",
+     "--expert-tensor-parallel-size", "1"],
+], ids=["cp2", "cp2_a2a_ep2", "pp2", "tp2_pp2_cp2_ep2"])
+def test_mla_runs_under_context_and_pipeline_parallelism(tiny_dsv3_dir: Path, flags: list[str]) -> None:
+    """MLA is built under CP (its rotary angles of this rank's chunks, ``context_parallel.attention`` on values
+    narrower than the keys) and PP (each stage its layers): the checks pass (the runs: test_megatron_mla.py)."""
+    options.preflight_check(_cfg(tiny_dsv3_dir, "--actor-num-gpus-per-node", "8", "--moe-router-num-groups", "2",
+                                 "--moe-router-group-topk", "1", *flags), _read(tiny_dsv3_dir))
+
+
+def test_dsa_is_refused_under_context_and_pipeline_parallelism(tmp_path: Path) -> None:
+    """DeepSeek sparse attention (MLA plus megatron-core's DSAttention) keeps its refusals: CP (DSAttention has
+    none) and PP (its block spec holds every layer)."""
+    from miles.utils.tiny_dsa import build_tiny_dsa_model
+
+    d = build_tiny_dsa_model(tmp_path / "dsa")
+    for flags, message in ((["--context-parallel-size", "2"], "--context-parallel-size 2 with DeepSeek sparse "
+                                                               "attention"),
+                           (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2 with DeepSeek "
+                                                                     "sparse attention")):
+        with pytest.raises(ConfigError) as e:
+            options.preflight_check(_cfg(d, "--actor-num-gpus-per-node", "2", *flags), _read(d))
+        assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
 
 
 def test_mla_flags_on_standard_attention_are_refused(tiny_model_dir: Path) -> None:

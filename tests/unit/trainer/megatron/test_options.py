@@ -121,3 +121,24 @@ def test_distributed_optimizer_is_on_by_default_as_in_miles(tiny_model_dir: Path
     # with EP > 1 too (the experts' state sharded over the expert-DP group: parallel.ExpertShardedAdamW)
     cfg = _cfg(tiny_model_dir, "--train-backend", "megatron", "--expert-model-parallel-size", "2")
     assert options.resolve(cfg.megatron, cfg.train).distributed_optimizer
+
+
+def test_expert_sharded_adamw_runs_step_post_hooks_once_per_step() -> None:
+    """The run's progress line registers a step post-hook on the trainer's optimizer (``run/build.py``); the
+    distributed optimizer under expert parallelism (two parts) runs it once per step, after both parts stepped,
+    and its handle removes it."""
+    import torch
+
+    from miles.trainer.megatron.parallel import ExpertShardedAdamW
+
+    dense, expert = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    opt = ExpertShardedAdamW(torch.optim.AdamW([dense], lr=0.1), torch.optim.AdamW([expert], lr=0.1))
+    seen = []
+    handle = opt.register_step_post_hook(lambda o, args, kwargs: seen.append((o, bool((dense < 1).all()),
+                                                                             bool((expert < 1).all()))))
+    dense.grad, expert.grad = torch.ones(2), torch.ones(3)
+    opt.step()
+    assert seen == [(opt, True, True)]
+    handle.remove()
+    opt.step()
+    assert len(seen) == 1
