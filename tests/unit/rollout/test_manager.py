@@ -395,7 +395,7 @@ def test_a_generate_function_may_return_several_samples_for_its_slot(engine, tok
             assert s.tokens[:len(prompt)] == prompt and 0 < s.response_length <= 3 + k % 3
             assert s.rollout_id == 0 and s.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)
             assert (s.reward == 0.5) if k % 3 == 0 else (s.reward in (0.0, 1.0))
-    assert 0 < res.metrics["rollout/response_len"] and res.metrics["rollout/response_len_max"] <= 5
+    assert res.metrics["rollout/num_samples"] == 12 and 0 < res.metrics["rollout/response_len_max"] <= 5
     cfg = config(data_file, "--rollout-batch-size", "2", "--rm-type", "exact_match",
                  "--custom-generate-function-path", f"{plugins}.empty_list")
     with pytest.raises(RolloutError, match=r"empty_list: returned list, expected a Sample \(or a non-empty list"):
