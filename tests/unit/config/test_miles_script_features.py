@@ -161,13 +161,20 @@ def test_the_formal_math_stand_in_scores_on_the_lean_stand_in(monkeypatch):
     replay's Lean server stand-in (tests/miles_fixtures.py, lean_stand_in) speaks kimina's /api/check."""
     from miles_fixtures import lean_rows, lean_stand_in
 
+    from miles.utils.http_utils import close_http_client
+
     monkeypatch.syspath_prepend(str(PLUGINS))
     from examples.experimental.formal_math.single_round import reward_fn as rf
 
     prompt = lean_rows(4)[3]["prompt"]            # theorem add_3 : (3 : ℕ) + 1 = 4 := by sorry
 
     def score(response: str) -> dict:
-        return asyncio.run(rf.reward_fn(None, Sample(prompt=prompt, response=response)))
+        async def go() -> dict:
+            try:
+                return await rf.reward_fn(None, Sample(prompt=prompt, response=response))
+            finally:
+                await close_http_client()
+        return asyncio.run(go())
 
     with lean_stand_in() as url:
         monkeypatch.setenv("LEAN_SERVER_URL", url)
