@@ -71,7 +71,7 @@ from miles.rollout.reward_post_process import RewardPostProcess
 from miles.rollout.rewards import Rewarder, pass_at_k, reward_category_metrics
 from miles.types import Sample, SampleStatus
 from miles.utils.errors import MilesError
-from miles.utils.http_utils import init_http_client
+from miles.utils.http_utils import close_http_client, init_http_client
 from miles.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -608,3 +608,4 @@ class RolloutManager:
 
     async def aclose(self) -> None:
         await self.rewarder.aclose()
+        await close_http_client()   # the session plugins' miles.utils.http_utils.post opened on this loop
