@@ -2,10 +2,11 @@
 the local data and files their placeholders stand for, and the tiny CPU scale the replay tier runs them at.
 
 External services Miles's scripts start before train.py get local stand-ins: ``skills_stand_in`` (the eval
-delegate's evaluation server) and ``teacher_stand_ins`` (the OPD teacher SGLang servers, as embedded engines).
+delegate's evaluation server), ``lean_stand_in`` (the kimina Lean server the formal-math reward checks proofs on) and
+``teacher_stand_ins`` (the OPD teacher SGLang servers, as embedded engines).
 
 A fixture is one flag per line with ``{MODEL}``, ``{DATA}``, ``{OUT}`` placeholders and ``# key: value`` headers
-(``source``, ``entry``, ``expect``, ``model``). ``tiny_replay(path, workdir)`` maps it to a command of 2 rollouts
+(``source``, ``entry``, ``expect``, ``model``, ``data``). ``tiny_replay(path, workdir)`` maps it to a command of 2 rollouts
 on a CPU world of at most 4 ranks: the model-shape flags to a tiny model of the same family (built locally from
 the recorded model's config.json, shrunk), GPU counts and parallel sizes to the CPU world, batch and length sizes
 to tiny values, paths to local files; every other flag as recorded (``SCALED_FLAGS`` lists the ones changed).
@@ -71,6 +72,32 @@ def fixture_argv(lines: list[str], subs: dict[str, str]) -> list[str]:
     return argv
 
 
+def fixture_data(path: Path) -> str:
+    """The data file ``{DATA}`` names for a fixture: its ``# data: NAME`` header's NAME.jsonl (``lean``: Lean 4
+    theorems, the formal-math script's), else geo.jsonl for a script with images, else data.jsonl."""
+    name = fixture_header(path, "data")
+    if name:
+        return f"{name}.jsonl"
+    return "geo.jsonl" if uses_images(read_fixture(path)[2]) else "data.jsonl"
+
+
+def multi_task_yaml(data: Path, ifbench: bool = True) -> str:
+    """Miles's examples/experimental/eval_multi_task/multi_task.yaml (aime, gpqa, ifbench), dataset paths ``data``."""
+    ifbench_entry = (f"    - name: ifbench\n      path: {data}\n      rm_type: ifbench\n"
+                     "      n_samples_per_eval_prompt: 1\n") if ifbench else ""
+    return ("eval:\n  defaults:\n    max_response_len: 16384\n    top_p: 0.7\n  datasets:\n"
+            f"    - name: aime\n      path: {data}\n      rm_type: deepscaler\n      n_samples_per_eval_prompt: 16\n"
+            f"    - name: gpqa\n      path: {data}\n      rm_type: gpqa\n      n_samples_per_eval_prompt: 2\n"
+            f"{ifbench_entry}")
+
+
+def lean_rows(rows: int) -> list[dict]:
+    """Prompts as Miles's formal-math data (flc_train.jsonl): a Lean 4 theorem with ``sorry`` in a code block."""
+    return [{"prompt": "Complete the following Lean 4 code:\n\n```lean4\nimport Mathlib\n\n"
+                       f"theorem add_{i} : ({i} : ℕ) + 1 = {i + 1} := by\n  sorry\n```", "label": str(i + 1)}
+            for i in range(rows)]
+
+
 def eval_delegate_yaml(data: Path, ifbench: bool = True, url: str = "http://skills_server:9050/evaluate") -> str:
     """Miles's multi_tasks.yaml (the --eval-config of its eval delegate scripts), dataset paths ``data``, its
     delegate evaluation server at ``url``."""
@@ -89,7 +116,8 @@ def eval_delegate_yaml(data: Path, ifbench: bool = True, url: str = "http://skil
 
 def write_workdir(out: Path, rows: int = 256, skills_url: str | None = None) -> Path:
     """The files the fixtures' placeholders name: data.jsonl (``rows`` arithmetic prompts, in every key a script
-    reads), geo.jsonl + geo.png (geo3k's image rows), mis.yaml, eval_delegate_multi_tasks.yaml."""
+    reads), geo.jsonl + geo.png (geo3k's image rows), lean.jsonl (Lean 4 theorems), mis.yaml,
+    eval_delegate_multi_tasks.yaml, multi_task.yaml."""
     out.mkdir(parents=True, exist_ok=True)
     data = out / "data.jsonl"
     items = [{"prompt": f"{i}+1=", "label": str(i + 1), "reward_model": str(i + 1), "index": i,
@@ -105,12 +133,15 @@ def write_workdir(out: Path, rows: int = 256, skills_url: str | None = None) -> 
         {"messages": [{"role": "user", "content": f"<image>Find x. ({i})"}, {"role": "assistant", "content": str(i)}],
          "problem": f"<image>Find x. ({i})", "answer": str(i), "images": ["geo.png"]}) + "\n"
         for i in range(rows)))
+    (out / "lean.jsonl").write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in lean_rows(rows)))
     # the keys of Miles's examples/infra_features/train_infer_mismatch_helper/mis.yaml that name flags here
     (out / "mis.yaml").write_text("use_tis: true\ntis_mode: truncate\ntis_upper_bound: 2.0\n")
     # Miles's examples/experimental/eval/scripts/multi_tasks.yaml, its dataset paths our data (its ifbench dataset
     # needs IFBench's evaluation_lib)
     (out / "eval_delegate_multi_tasks.yaml").write_text(
         eval_delegate_yaml(data, ifbench=False, **({"url": skills_url} if skills_url else {})))
+    # Miles's examples/experimental/eval_multi_task/multi_task.yaml, the same way (ifbench tested on its own)
+    (out / "multi_task.yaml").write_text(multi_task_yaml(data, ifbench=False))
     return out
 
 
@@ -382,9 +413,8 @@ def tiny_replay(path: Path, workdir: Path, models: Path, skills_url: str | None 
     entry, expect, lines = read_fixture(path)
     name = fixture_model(path)
     model = build_family_model(models / (name or "tiny-qwen3"), name)
-    images = uses_images(lines)
     out = write_replay_workdir(workdir / path.stem, skills_url)  # its own data, files and --save / --load directory
-    data = out / ("geo.jsonl" if images else "data.jsonl")
+    data = out / fixture_data(path)
     argv = fixture_argv(lines, {"MODEL": str(model), "DATA": str(data), "OUT": str(out)})
     flags = _flags(argv)
     changed: dict[str, str] = {}
@@ -517,12 +547,16 @@ def _drop_sglang_only(argv: list[str], changed: dict[str, str], entry: str) -> l
 def write_replay_workdir(out: Path, skills_url: str | None = None) -> Path:
     """``write_workdir`` plus the 2-prompt evaluation sets the replays use."""
     write_workdir(out, skills_url=skills_url)
-    for name in ("data.jsonl", "geo.jsonl"):
+    for name in ("data.jsonl", "geo.jsonl", "lean.jsonl"):
         rows = (out / name).read_text().splitlines()[:2]
         (out / f"eval_{name}").write_text("\n".join(rows) + "\n")
     yaml = out / "eval_delegate_multi_tasks.yaml"  # its datasets at tiny scale too: 2 prompts, 8 response tokens
     yaml.write_text(yaml.read_text().replace(str(out / "data.jsonl"), str(out / "eval_data.jsonl"))
                     .replace("    max_response_len: 24576\n", "    max_response_len: 8\n"))
+    yaml = out / "multi_task.yaml"  # the same, and at most 2 samples per eval prompt
+    yaml.write_text(yaml.read_text().replace(str(out / "data.jsonl"), str(out / "eval_data.jsonl"))
+                    .replace("    max_response_len: 16384\n", "    max_response_len: 8\n")
+                    .replace("n_samples_per_eval_prompt: 16\n", "n_samples_per_eval_prompt: 2\n"))
     return out
 
 
@@ -551,6 +585,72 @@ def skills_stand_in() -> Iterator[str]:
     thread.start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}/evaluate"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+# the proofs the Lean stand-in accepts: a closed natural-number sum, closed by a decision tactic
+_LEAN_THEOREM = re.compile(r"theorem\s+\S+\s*:\s*\((\d+)\s*:\s*ℕ\)\s*\+\s*(\d+)\s*=\s*(\d+)\s*:=\s*by\s+"
+                           r"(norm_num|decide|rfl|simp|omega)\s*$")
+
+
+def lean_check(code: str) -> dict:
+    """The Lean stand-in's answer for one snippet, in the Lean REPL's response form (kimina's ``response``): a
+    ``sorry`` gives a warning and a ``sorries`` entry; a theorem ``(a : ℕ) + b = c`` closed by ``norm_num``,
+    ``decide``, ``rfl``, ``simp`` or ``omega`` is accepted when a + b = c (no messages); anything else is an error
+    message (the stand-in checks nothing else: it is no Lean)."""
+    pos = {"line": 1, "column": 0}
+    if re.search(r"\bsorry\b", code):
+        return {"env": 0, "messages": [{"severity": "warning", "pos": pos, "endPos": pos,
+                                        "data": "declaration uses 'sorry'"}],
+                "sorries": [{"pos": pos, "endPos": pos, "goal": "⊢ (stand-in)"}]}
+    m = _LEAN_THEOREM.search(code.strip())
+    if m and int(m.group(1)) + int(m.group(2)) == int(m.group(3)):
+        return {"env": 0}
+    why = "the equation does not hold" if m else "not a proof the stand-in can check"
+    return {"env": 0, "messages": [{"severity": "error", "pos": pos, "endPos": pos, "data": f"stand-in: {why}"}]}
+
+
+@contextlib.contextmanager
+def lean_stand_in() -> Iterator[str]:
+    """A local stand-in for the kimina Lean server (``projectnumina/kimina-lean-server``, which Miles's formal-math
+    reward starts in docker): ``GET /health``, and ``POST /api/check`` with ``{"snippets": [{"id", "code"}], "timeout",
+    ...}`` answered ``{"results": [{"id", "time", "error": None, "response": ...}]}`` per snippet (``lean_check``).
+    Yields its base URL."""
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _answer(self, status: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            self._answer(200, {"status": "ok"}) if self.path == "/health" else self._answer(404, {"detail": "Not Found"})
+
+        def do_POST(self) -> None:  # noqa: N802
+            if self.path != "/api/check":
+                self._answer(404, {"detail": "Not Found"})
+                return
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            snippets = body.get("snippets") or []
+            if not snippets:
+                self._answer(422, {"detail": "`snippets` must be non empty"})
+                return
+            self._answer(200, {"results": [{"id": s["id"], "time": 0.0, "error": None, "response": lean_check(s["code"])}
+                                           for s in snippets]})
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()

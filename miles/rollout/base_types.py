@@ -4,9 +4,9 @@
 
 ``input.args`` are the flags (a :class:`~miles.rollout.plugins.PluginArgs`, with ``args.client`` and
 ``args.tokenizer``), ``input.state.tokenizer`` the tokenizer, ``input.sample`` the sample to fill and
-``input.sampling_params`` its sampling parameters. The output's ``samples`` must be one Sample (a list
-of several, Miles's multi-sample output, is refused). The older form
-``generate(args, sample, sampling_params) -> Sample`` works as well.
+``input.sampling_params`` its sampling parameters. The output's ``samples`` is one Sample or a list of
+several (Miles's multi-sample output: they all join the prompt's group, see :mod:`miles.rollout.manager`). The older
+form ``generate(args, sample, sampling_params) -> Sample | list[Sample]`` works as well.
 
 Class-based rollout functions (Miles's ``RolloutFnProtocol``) for ``--rollout-function-path`` /
 ``--eval-function-path``::
@@ -129,19 +129,14 @@ def call_rollout_fn(fn: Callable[..., Any], *args: Any, evaluation: bool, **kwar
     return out
 
 
-def input_form(fn: Callable[[GenerateFnInput], Awaitable[Any]]) -> Callable[..., Awaitable[Sample]]:
-    """``fn(input) -> GenerateFnOutput`` as the ``(args, sample, sampling_params) -> Sample`` the manager calls."""
+def input_form(fn: Callable[[GenerateFnInput], Awaitable[Any]]) -> Callable[..., Awaitable[Sample | list[Sample]]]:
+    """``fn(input) -> GenerateFnOutput`` as the ``(args, sample, sampling_params) -> Sample | list[Sample]`` the
+    manager calls."""
 
-    async def call(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
+    async def call(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample | list[Sample]:
         state = GenerateState(args=args, tokenizer=getattr(args, "tokenizer", None), sampling_params=dict(sampling_params))
         out = await fn(GenerateFnInput(state=state, sample=sample, sampling_params=sampling_params))
-        got = out.samples if isinstance(out, GenerateFnOutput) else getattr(out, "samples", out)
-        if isinstance(got, list):
-            if len(got) != 1:
-                raise TypeError(f"{getattr(fn, '__qualname__', fn)} returned {len(got)} samples for one slot; "
-                                "one sample per slot is supported")
-            got = got[0]
-        return got
+        return out.samples if isinstance(out, GenerateFnOutput) else getattr(out, "samples", out)
 
     call.__qualname__ = getattr(fn, "__qualname__", "generate")
     return call

@@ -28,6 +28,11 @@ With ``group_requests`` (the embedded engine, which seeds sample ``j`` of an ``n
 ``sampling_seed + j``) a group's samples are ONE ``/generate`` with ``sampling_params.n`` (sglang-router
 passes it through) instead of one request per sample: the same seeds, so the same samples; a sample
 aborted by the engine is then generated again alone. Custom generate functions always go per sample.
+
+A custom generate function may return several samples for its slot (Miles's multi-sample output, e.g. its
+multi-agent example: one sample per agent call): each is checked as one sample, shares the slot's group, index and
+rollout, is rewarded unless the function set its reward, and joins the slot's group once the group is generated
+(so the group, its filter, its group reward and its reward normalisation see them all).
 """
 
 from __future__ import annotations
@@ -66,7 +71,7 @@ from miles.rollout.reward_post_process import RewardPostProcess
 from miles.rollout.rewards import Rewarder, pass_at_k, reward_category_metrics
 from miles.types import Sample, SampleStatus
 from miles.utils.errors import MilesError
-from miles.utils.http_utils import init_http_client
+from miles.utils.http_utils import close_http_client, init_http_client
 from miles.utils.logging import get_logger
 
 logger = get_logger(__name__)
@@ -104,6 +109,7 @@ class _Group:
     rids: set[str] = field(default_factory=set)
     requests: int = 0
     generate_path: str | None = None  # an eval dataset's custom_generate_function_path (None: the manager's)
+    more: dict[int, list[Sample]] = field(default_factory=dict)  # slot -> further samples its generate function gave
 
 
 _CURRENT: contextvars.ContextVar[tuple[_Group, Sample] | None] = contextvars.ContextVar("miles_rollout_slot", default=None)
@@ -253,7 +259,7 @@ class RolloutManager:
         the data's prompt ids or one the function built itself (Miles's tau-bench agent templates its environment's
         first message)."""
         if not isinstance(sample, Sample):
-            return f"returned {type(sample).__name__}, expected a Sample"
+            return f"returned {type(sample).__name__}, expected a Sample (or a non-empty list of Samples)"
         if not 0 <= sample.response_length < len(sample.tokens):
             return (f"tokens ({len(sample.tokens)}) must be the prompt ids followed by response_length "
                     f"({sample.response_length}) response ids, with at least one prompt id")
@@ -281,11 +287,14 @@ class RolloutManager:
                 out = await call_bounded(custom, (self.args, sample, params), self.data.custom_generate_function_timeout,
                                          f"--custom-generate-function-path {path}",
                                          flag="--custom-generate-function-timeout")
-                problem = self._check_generated(out)
-                if problem is not None:
-                    raise RuntimeError(f"--custom-generate-function-path {path}: {problem}")
-                out.group_index, out.index, out.rollout_id = sample.group_index, sample.index, sample.rollout_id
-                g.samples[slot] = sample = out
+                outs = out if isinstance(out, list) and out else [out]   # Miles's multi-sample output: a list
+                for one in outs:
+                    problem = self._check_generated(one)
+                    if problem is not None:
+                        raise RuntimeError(f"--custom-generate-function-path {path}: {problem}")
+                    one.group_index, one.index, one.rollout_id = sample.group_index, sample.index, sample.rollout_id
+                g.samples[slot] = sample = outs[0]
+                g.more[slot] = outs[1:]
             else:
                 await gen.generate(self.client, sample, params, top_logprobs_num=self.student_top_k,
                                    routed_experts=self.routed_experts)
@@ -335,6 +344,7 @@ class RolloutManager:
         for attempt in range(self.engine_abort_retries + 1):
             if attempt:  # the engine aborted it (e.g. paused for a weight update): start the slot afresh
                 g.samples[slot] = self._fresh_sample(g, g.samples[slot].rollout_id, slot, len(g.samples))
+                g.more.pop(slot, None)
             if attempt == 0 and generated:
                 sample = g.samples[slot]
             else:
@@ -344,14 +354,15 @@ class RolloutManager:
             counts.engine_abort_retries += 1
             logger.info("sample %d (group %d) was aborted by the engine; generating it again (%d/%d)",
                         sample.index, g.index, attempt + 1, self.engine_abort_retries)
-        counts.response_tokens += sample.response_length
-        if score and not self.rewarder.group and sample.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED):
-            t0 = time.monotonic()
-            ok = await self.rewarder.score_sample(sample)
-            counts.reward_time += time.monotonic() - t0
-            if not ok:
-                counts.reward_failures += 1
-                counts.first_error = counts.first_error or f"reward: {sample.metadata.get('reward_error')}"
+        for one in [sample, *g.more.get(slot, [])]:
+            counts.response_tokens += one.response_length
+            if score and not self.rewarder.group and one.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED):
+                t0 = time.monotonic()
+                ok = await self.rewarder.score_sample(one)
+                counts.reward_time += time.monotonic() - t0
+                if not ok:
+                    counts.reward_failures += 1
+                    counts.first_error = counts.first_error or f"reward: {one.metadata.get('reward_error')}"
         counts.finished += 1
         if counts.progress is not None:
             counts.progress(counts.finished, counts.launched)
@@ -374,6 +385,9 @@ class RolloutManager:
             await self._generate_group(g, {**base, "sampling_seed": first}, counts)
         await asyncio.gather(*(self._run_sample(g, i, {**base, "sampling_seed": first + i}, counts, True, together)
                                for i in range(len(g.samples))))
+        if any(g.more.values()):   # each slot's further samples join the group after it
+            g.samples = [one for i, s in enumerate(g.samples) for one in (s, *g.more.get(i, []))]
+        g.more = {}
         if self.rewarder.group and not g.aborted:
             t0 = time.monotonic()
             failed = await self.rewarder.score_group(g.samples)
@@ -594,3 +608,4 @@ class RolloutManager:
 
     async def aclose(self) -> None:
         await self.rewarder.aclose()
+        await close_http_client()   # the session plugins' miles.utils.http_utils.post opened on this loop

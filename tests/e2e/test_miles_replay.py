@@ -2,8 +2,9 @@
 passes --dry-run is replayed for 2 rollouts under real torchrun on CPU at tiny scale (tests/miles_fixtures.py's
 ``tiny_replay``: model-shape flags to a tiny model of the same family, GPU counts and parallel sizes to a CPU world of
 at most 4 ranks, batch and length sizes to tiny values, data and --save to local files, the OPD teacher servers to
-embedded engines (``teacher_stand_ins``), every other flag as recorded) with --check-weight-update-equal after every
-weight sync. docs/miles-scripts.md lists the result per command.
+embedded engines (``teacher_stand_ins``), the formal-math reward's Lean server to ``lean_stand_in``, every other flag
+as recorded) with --check-weight-update-equal after every weight sync. docs/miles-scripts.md lists the result per
+command.
 
 ``make test`` runs SUBSET (one FSDP, one Megatron TP, one p2p command); ``make test-replay`` (MILES_REPLAY_ALL=1) runs
 every fixture. A replay that fails today is marked ``xfail(strict=True)`` with the defect: it fails the tier once the
@@ -19,7 +20,15 @@ from pathlib import Path
 
 import pytest
 from _miles_e2e import run, tail
-from miles_fixtures import FIXTURES, PLUGIN_FOLDERS, read_fixture, skills_stand_in, teacher_stand_ins, tiny_replay
+from miles_fixtures import (
+    FIXTURES,
+    PLUGIN_FOLDERS,
+    lean_stand_in,
+    read_fixture,
+    skills_stand_in,
+    teacher_stand_ins,
+    tiny_replay,
+)
 
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.replay, pytest.mark.timeout(900)]
@@ -51,15 +60,22 @@ def skills_url():
         yield url
 
 
+@pytest.fixture(scope="session")
+def lean_url():
+    with lean_stand_in() as url:
+        yield url
+
+
 @pytest.mark.parametrize("path", [_param(p) for p in REPLAYED])
-def test_recorded_command_runs_two_rollouts(path: Path, tiny_models: Path, skills_url: str, tmp_path: Path) -> None:
+def test_recorded_command_runs_two_rollouts(path: Path, tiny_models: Path, skills_url: str, lean_url: str,
+                                            tmp_path: Path) -> None:
     replay = tiny_replay(path, tmp_path, tiny_models, skills_url)
     log = tmp_path / f"{replay.name}.log"
     pythonpath = os.pathsep.join([str(Path(__file__).resolve().parents[2]), *map(str, PLUGIN_FOLDERS)])
     with teacher_stand_ins(replay, path, tiny_models, tmp_path):   # the OPD teacher servers Miles's scripts start before train.py
         cmd = ["torchrun", "--standalone", "--nproc-per-node", str(replay.nproc), replay.entry, *replay.argv]
         t0 = time.monotonic()
-        result = run(cmd, log, timeout=600, PYTHONPATH=pythonpath)
+        result = run(cmd, log, timeout=600, PYTHONPATH=pythonpath, LEAN_SERVER_URL=lean_url)
         seconds = time.monotonic() - t0
     scaled = "\n".join(f"  {flag}: {change}" for flag, change in replay.changed.items())
     assert result.returncode == 0, f"{replay.name} exit code {result.returncode} after {seconds:.0f}s; scaled flags:\n" \

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -136,6 +137,14 @@ def test_miles_example_plugins_have_miles_signatures(monkeypatch):
     check_plugin("custom_generate_function_path", "generate_with_tau.generate")
     check_plugin("custom_tis_function_path",
                  "examples.infra_features.train_infer_mismatch_helper.mis.compute_mis_weights_fsdp")
+    check_plugin("custom_tis_function_path",
+                 "examples.infra_features.train_infer_mismatch_helper.mis.compute_mis_weights_with_cp")
+    check_plugin("custom_generate_function_path",
+                 "examples.experimental.multi_agent.rollout_with_multi_agents.generate_with_multi_agents")
+    check_plugin("custom_generate_function_path", "examples.experimental.strands_sglang.generate_with_strands.generate")
+    for path in ("examples.experimental.strands_sglang.generate_with_strands.reward_func",
+                 "examples.experimental.formal_math.single_round.reward_fn.reward_fn"):
+        check_plugin("custom_rm_path", path)
     from miles.rollout.rewards import Rewarder
 
     Rewarder(_reward("--custom-rm-path", "generate_with_search.reward_func"))
@@ -144,3 +153,63 @@ def test_miles_example_plugins_have_miles_signatures(monkeypatch):
     answer = Sample(response="<answer>Paris</answer>", label={"ground_truth": {"target": ["paris"]}})
     wrong = Sample(response="<answer>Lyon</answer>", label={"ground_truth": {"target": ["paris"]}})
     assert asyncio.run(g.reward_func(None, answer)) == 1.0 and asyncio.run(g.reward_func(None, wrong)) == g.FORMAT_SCORE
+
+
+def test_the_formal_math_stand_in_scores_on_the_lean_stand_in(monkeypatch):
+    """The formal-math reward stand-in (plugins/.../formal_math/single_round/reward_fn.py) assembles the prompt's
+    theorem and the response's proof as Miles's does and scores kimina's analysis of the Lean server's answer; the
+    replay's Lean server stand-in (tests/miles_fixtures.py, lean_stand_in) speaks kimina's /api/check."""
+    from miles_fixtures import lean_rows, lean_stand_in
+
+    from miles.utils.http_utils import close_http_client
+
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    from examples.experimental.formal_math.single_round import reward_fn as rf
+
+    prompt = lean_rows(4)[3]["prompt"]            # theorem add_3 : (3 : ℕ) + 1 = 4 := by sorry
+
+    def score(response: str) -> dict:
+        async def go() -> dict:
+            try:
+                return await rf.reward_fn(None, Sample(prompt=prompt, response=response))
+            finally:
+                await close_http_client()
+        return asyncio.run(go())
+
+    with lean_stand_in() as url:
+        monkeypatch.setenv("LEAN_SERVER_URL", url)
+        whole = score("```lean4\ntheorem add_3 : (3 : ℕ) + 1 = 4 := by norm_num\n```")
+        assert (whole["reward_value"], whole["reward_cat"]) == (1.0, "success")
+        assert whole["extracted_code"].startswith("import Mathlib") and whole["extracted_code"].endswith(":= by norm_num\n")
+        assert score("```lean\ndecide\n```")["reward_value"] == 1.0     # a bare tactic proof: ':= by' put before it
+        assert score("```lean4\n:= by\n  sorry\n```")["reward_cat"] == "lean_sorry"
+        assert score("```lean4\n:= by simp [foo]\n```")["reward_cat"] == "lean_lean_error"
+        assert score("the answer is 4") == {"reward_value": 0.0, "reward_cat": "no_code"}
+    monkeypatch.setenv("LEAN_SERVER_URL", url)                       # the server gone: 0, in its own category
+    down = score("```lean4\n:= by norm_num\n```")
+    assert (down["reward_value"], down["reward_cat"]) == (0.0, "python_error") and down["error_details"]
+    assert rf._status({"error": "Lean REPL timed out", "response": None}) == "timeout_error"
+    assert rf._status({"error": None, "response": {"message": "unknown environment"}}) == "repl_error"
+
+
+def test_the_strands_stand_in_scores_and_runs_its_tool(monkeypatch):
+    """The strands stand-in (plugins/.../strands_sglang/generate_with_strands.py) needs none of strands' packages;
+    its reward is Miles's (DAPO math score, a wrong answer at most -0.6, raised by tool rounds) and its one tool runs
+    Python in a subprocess."""
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    from examples.experimental.strands_sglang import generate_with_strands as st
+
+    def reward(response: str, label: str, rounds: int) -> float:
+        sample = Sample(response=response, label=label, metadata={"tool_iterations": rounds})
+        return asyncio.run(st.reward_func(None, sample))
+
+    assert reward("so the answer is \\boxed{42}", "42", 0) == 1.0
+    assert reward("Answer: 41", "42", 0) == pytest.approx(-1.1)        # -1 + (0 - 2) / 2 * 0.1
+    assert reward("Answer: 41", "42", 5) == pytest.approx(-0.85)
+    assert reward("Answer: 41", "42", 12) == pytest.approx(-0.6)        # capped at -0.6
+    call = '<tool_call>{"name": "execute_python_code", "arguments": {"code": "print(6 * 7)"}}</tool_call>'
+    assert st._tool_calls("let me compute " + call) == ["print(6 * 7)"]
+    assert st._tool_calls('<tool_call>{"name": "search"}</tool_call><tool_call>{bad</tool_call>') == [None, None]
+    assert st.execute_python_code("print(6 * 7)") == "42"
+    assert "ZeroDivisionError" in st.execute_python_code("1 / 0")
+    assert not {"strands", "strands_sglang", "camel"} & {m.split(".")[0] for m in sys.modules}

@@ -36,10 +36,11 @@ from miles_fixtures import (
     PLUGIN_FOLDERS,
     eval_delegate_yaml,
     fixture_argv,
+    fixture_data,
     fixture_model,
+    multi_task_yaml,
     read_fixture,
     recorded_teachers,
-    uses_images,
     without_absent_kernel_flags,
     write_workdir,
 )
@@ -102,9 +103,7 @@ def plugins_on_path(monkeypatch):
 
 
 def subs_for(path: Path, workdir: Path, model_dirs) -> dict[str, str]:
-    images = uses_images(read_fixture(path)[2])
-    return {"MODEL": str(model_dirs(fixture_model(path))), "DATA": str(workdir / ("geo.jsonl" if images else "data.jsonl")),
-            "OUT": str(workdir)}
+    return {"MODEL": str(model_dirs(fixture_model(path))), "DATA": str(workdir / fixture_data(path)), "OUT": str(workdir)}
 
 
 def save_shortfall(cfg, model: Path) -> int | None:
@@ -122,7 +121,7 @@ def save_shortfall(cfg, model: Path) -> int | None:
 
 
 def test_every_fixture_says_what_it_expects():
-    assert len(FIXTURES) == 50
+    assert len(FIXTURES) == 55
     for path in FIXTURES:
         entry, expect, lines = read_fixture(path)
         assert entry in ("train.py", "train_async.py"), path.name
@@ -238,18 +237,22 @@ def test_sparse_model_headers_are_checked(model_dirs, tmp_path: Path):
         check_model_dir(cut, "--hf-checkpoint")
 
 
-def test_eval_delegate_ifbench_needs_its_library(workdir: Path, model_dirs, plugins_on_path):
-    """Miles's whole multi_tasks.yaml (with its ifbench dataset): without IFBench's evaluation_lib the dry run is one
-    line naming the dataset, its rm_type and where to get the library."""
+@pytest.mark.parametrize("name, yaml, make", [
+    ("eval_delegate_qwen3_4b", "eval_delegate_multi_tasks.yaml", eval_delegate_yaml),
+    ("eval_multi_task_qwen3_4b", "multi_task.yaml", multi_task_yaml)])
+def test_eval_config_ifbench_needs_its_library(name: str, yaml: str, make, workdir: Path, model_dirs, plugins_on_path):
+    """Miles's whole eval document (multi_tasks.yaml of the eval delegate scripts, multi_task.yaml of eval_multi_task,
+    with their ifbench dataset): without IFBench's evaluation_lib the dry run is one line naming the dataset, its
+    rm_type and where to get the library."""
     import importlib.util
 
     from miles.run.entry import dry_run
 
     if importlib.util.find_spec("evaluation_lib") is not None:
         pytest.skip("IFBench's evaluation_lib is importable here")
-    path = HERE / "eval_delegate_qwen3_4b.flags"
-    (workdir / "eval_delegate_full.yaml").write_text(eval_delegate_yaml(workdir / "data.jsonl"))
-    lines = [ln.replace("eval_delegate_multi_tasks.yaml", "eval_delegate_full.yaml") for ln in read_fixture(path)[2]]
+    path = HERE / f"{name}.flags"
+    (workdir / f"full_{yaml}").write_text(make(workdir / "data.jsonl"))
+    lines = [ln.replace(yaml, f"full_{yaml}") for ln in read_fixture(path)[2]]
     cfg = parse_args(fixture_argv(lines, subs_for(path, workdir, model_dirs)) + ["--dry-run"])
     with pytest.raises(ConfigError) as ei:
         dry_run(cfg)

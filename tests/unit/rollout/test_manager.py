@@ -126,6 +126,21 @@ PLUGINS = textwrap.dedent('''
         fresh.status = fresh.status.value
         return fresh
 
+    async def three_agents(args, sample, sampling_params):
+        # Miles's multi-sample output (its multi-agent example): one sample per agent call, the first one's reward
+        # set by the function, the others left to the run's reward
+        import copy
+        out = []
+        for k in range(3):
+            one = copy.deepcopy(sample)
+            await generate(args.client, one, {**sampling_params, "max_new_tokens": 3 + k})
+            out.append(one)
+        out[0].reward = 0.5
+        return out
+
+    async def empty_list(args, sample, sampling_params):
+        return []
+
     async def no_prompt(args, sample, sampling_params):
         await generate(args.client, sample, sampling_params)
         sample.response_length = len(sample.tokens)
@@ -354,6 +369,36 @@ def test_a_generate_function_may_build_its_own_prompt(engine, tok, data_file, pl
                  "--custom-generate-function-path", f"{plugins}.no_prompt")
     with pytest.raises(RolloutError, match="no_prompt: tokens .* must be the prompt ids followed by response_length "
                                            ".* with at least one prompt id"):
+        asyncio.run(main(cfg))
+
+
+def test_a_generate_function_may_return_several_samples_for_its_slot(engine, tok, data_file, plugins):
+    """Miles's multi-sample output: each slot's samples join its group (3 per slot here), each keeps the slot's group,
+    index and rollout, is rewarded unless the function set its reward, and counts in the rollout's metrics; an empty
+    list fails its slots, naming what is expected."""
+    cfg = config(data_file, "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rm-type", "exact_match",
+                 "--custom-generate-function-path", f"{plugins}.three_agents")
+
+    async def main(cfg):
+        client = EngineClient(engine)
+        try:
+            return await build(cfg, client, tok).generate_rollout(0)
+        finally:
+            await client.close()
+
+    res = asyncio.run(main(cfg))
+    assert [len(g) for g in res.samples] == [6, 6]
+    for g in res.samples:
+        assert len({s.group_index for s in g}) == 1 and [s.index for s in g] == [g[0].index] * 3 + [g[3].index] * 3
+        for k, s in enumerate(g):
+            prompt = tok(s.prompt, add_special_tokens=False)["input_ids"]
+            assert s.tokens[:len(prompt)] == prompt and 0 < s.response_length <= 3 + k % 3
+            assert s.rollout_id == 0 and s.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)
+            assert (s.reward == 0.5) if k % 3 == 0 else (s.reward in (0.0, 1.0))
+    assert res.metrics["rollout/num_samples"] == 12 and 0 < res.metrics["rollout/response_len_max"] <= 5
+    cfg = config(data_file, "--rollout-batch-size", "2", "--rm-type", "exact_match",
+                 "--custom-generate-function-path", f"{plugins}.empty_list")
+    with pytest.raises(RolloutError, match=r"empty_list: returned list, expected a Sample \(or a non-empty list"):
         asyncio.run(main(cfg))
 
 

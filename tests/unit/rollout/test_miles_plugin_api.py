@@ -289,10 +289,10 @@ def test_checkpoint_eval_is_importable_and_refused_as_an_eval_function(tmp_path)
 def test_a_plugin_needing_a_package_the_user_installs_is_one_line(tmp_path, monkeypatch):
     from miles.rollout.plugins import load_function
 
-    for package in ("tau_bench", "camel", "omegaconf_not_installed_here", "evaluation_lib"):
+    for package in ("tau_bench", "camel", "omegaconf_not_installed_here", "evaluation_lib", "strands", "kimina_client"):
         (tmp_path / f"uses_{package}.py").write_text(f"import {package}\n\nasync def generate(args, sample, p): ...\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    for package in ("tau_bench", "camel", "omegaconf_not_installed_here", "evaluation_lib"):
+    for package in ("tau_bench", "camel", "omegaconf_not_installed_here", "evaluation_lib", "strands", "kimina_client"):
         with pytest.raises(ConfigError) as e:
             load_function(f"uses_{package}.generate", "--custom-generate-function-path")
         assert "\n" not in str(e.value) and f"No module named '{package}'" in str(e.value)
@@ -421,6 +421,43 @@ def test_class_based_rollout_functions_train_and_evaluate_on_the_engine(engine, 
 
     _, (groups, _), _, _, ev = asyncio.run(go("miles_api_plugins.AsyncClassRollout"))
     assert len(groups) == 1 and all(s.response_length > 0 for s in groups[0]) and "eval/mine" in ev
+
+
+@pytest.mark.multiprocess
+def test_the_multi_agent_stand_in_returns_every_agents_sample(engine, tiny_model_dir, monkeypatch):
+    """Miles's multi-agent generate function (its stand-in, tests/fixtures/miles_scripts/plugins/.../multi_agent/) on
+    the engine through the router address args: one prompt slot gives several samples, here the 5 solvers' (a tiny
+    random model writes no '</think>' answer in 4 tokens, so the system stops after the solvers, as Miles's does), each
+    a copy of the slot's sample with its own prompt and response ids, scored by the run's reward and weighted by
+    incorrect_reward_weight; the plugin args are left unchanged."""
+    from miles_fixtures import PLUGINS
+
+    from miles.rollout.plugins import PluginArgs, router_address
+    from miles.utils.http_utils import init_http_client
+
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    from examples.experimental.multi_agent.rollout_with_multi_agents import (
+        MULTI_AGENT_CONFIGS,
+        generate_with_multi_agents,
+    )
+
+    c = cfg("--hf-checkpoint", str(tiny_model_dir), "--rm-type", "math", "--rollout-max-context-len", "64",
+            validate=False)
+    args = PluginArgs(c.data, c.rollout, c.reward, c.eval, c.algo, c.train, overrides=router_address(engine))
+    init_http_client(args)
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    ids = tok("1+1=", add_special_tokens=False)["input_ids"]
+    sample = Sample(group_index=3, index=7, prompt="1+1=", tokens=list(ids), label="2")
+    out = asyncio.run(generate_with_multi_agents(args, sample, {"max_new_tokens": 4, "temperature": 1.0}))
+    assert len(out) == MULTI_AGENT_CONFIGS["num_parallel"]
+    for s in out:
+        assert (s.group_index, s.index, s.label, s.prompt) == (3, 7, "2", "1+1=") and s is not sample
+        assert 0 < s.response_length <= 4 and s.tokens[:len(ids)] == ids and len(s.tokens) == len(ids) + s.response_length
+        assert len(s.rollout_log_probs) == s.response_length and s.status in (SampleStatus.COMPLETED,
+                                                                              SampleStatus.TRUNCATED)
+        assert s.reward in (0.0, MULTI_AGENT_CONFIGS["incorrect_reward_weight"])   # math's 0 or 1, x 0.8
+    with pytest.raises(AttributeError):
+        args.num_parallel   # noqa: B018 - set on a view, not on the run's args
 
 
 def test_class_based_rollout_function_contract_errors(plugins):
