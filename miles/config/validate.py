@@ -192,6 +192,10 @@ def _validate_lora_base_cpu_backup(cfg: MilesConfig) -> None:
         raise ConfigError(f"--lora-base-cpu-backup with --train-backend {cfg.train.train_backend}: sending only the "
                           "merged LoRA targets is built for the Megatron backend only; add --train-backend megatron or "
                           "drop the flag.")
+    if cfg.ft.use_fault_tolerance:
+        raise ConfigError("--lora-base-cpu-backup with --use-fault-tolerance is not supported: an engine that returns "
+                          "reloads --hf-checkpoint, and the syncs that send only the LoRA targets would not give it the "
+                          "trainer's frozen weights; drop one of them.")
 
 
 def _validate_miles_flags(cfg: MilesConfig) -> None:

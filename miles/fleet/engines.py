@@ -340,7 +340,7 @@ def weight_backup_server_flags(kind: str, weights: Any) -> list[str]:
     """``--lora-base-cpu-backup`` (as Miles): SGLang engines keep their weights in host memory across
     ``release_memory_occupation`` (``--enable-weights-cpu-backup``), since the syncs after the first no longer re-send
     the frozen ones; the embedded engine always keeps a host copy of released weights and needs none."""
-    if kind == "sglang" and getattr(weights, "lora_base_cpu_backup", False):
+    if kind == "sglang" and weights.lora_base_cpu_backup:
         return ["--enable-weights-cpu-backup"]
     return []
 

@@ -9,8 +9,7 @@ when that sync succeeded), and :class:`CatchUp` pushes that copy to one returned
 group of its own (broadcast over gloo: driver + that engine), with the same ``weight_version``. The
 recovery controller then checks the version and health before routing to it.
 
-Cost: one host copy of the model on the driver (the sync's dtype), refreshed at every sync (with
-``--lora-base-cpu-backup`` a sync sends the trained tensors only; they replace their cached copies by name).
+Cost: one host copy of the model on the driver (the sync's dtype), refreshed at every sync.
 """
 
 from __future__ import annotations
@@ -34,25 +33,16 @@ class WeightCache:
         self.source = source
         self._lock = threading.Lock()
         self._staged: list[list[tuple[str, torch.Tensor]]] | None = None
-        self._staged_partial = False      # the staged buckets hold the trained tensors only (--lora-base-cpu-backup)
         self._buckets: list[list[tuple[str, torch.Tensor]]] = []
         self.version: int | None = None
 
     def iter_weight_buckets(self, bucket_bytes: int, dtype: torch.dtype | None) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        yield from self._staging(self.source.iter_weight_buckets(bucket_bytes, dtype), partial=False)
-
-    def iter_trained_weight_buckets(self, bucket_bytes: int, dtype: torch.dtype | None
-                                    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """The source's trained tensors only (``--lora-base-cpu-backup``); committed over the cached ones by name."""
-        yield from self._staging(self.source.iter_trained_weight_buckets(bucket_bytes, dtype), partial=True)
-
-    def _staging(self, buckets, *, partial: bool) -> Iterator[list[tuple[str, torch.Tensor]]]:
         staged: list[list[tuple[str, torch.Tensor]]] = []
         self._staged = None
-        for bucket in buckets:
+        for bucket in self.source.iter_weight_buckets(bucket_bytes, dtype):
             staged.append([(name, t.detach().to("cpu", copy=True)) for name, t in bucket])
             yield bucket
-        self._staged, self._staged_partial = staged, partial
+        self._staged = staged
 
     def __getattr__(self, name: str) -> Any:  # the trainer's other attributes (state_dict_for_check, ...)
         return getattr(self.source, name)
@@ -65,15 +55,6 @@ class WeightCache:
                            version)
             return
         with self._lock:
-            if self._staged_partial:   # only some tensors were sent: the others are unchanged
-                if not self._buckets:
-                    logger.warning("weight cache: a partial sync (v%d) before any full one; catch-up waits for a full "
-                                   "sync", version)
-                    return
-                fresh = {name: t for bucket in staged for name, t in bucket}
-                staged = [[(name, fresh.pop(name, t)) for name, t in bucket] for bucket in self._buckets]
-                if fresh:
-                    staged.append(list(fresh.items()))
             self._buckets, self.version = staged, int(version)
 
     def snapshot(self) -> tuple[int | None, list[list[tuple[str, torch.Tensor]]]]:

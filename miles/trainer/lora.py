@@ -246,8 +246,8 @@ def attach(model: nn.Module, spec: LoraSpec, *, tp_rank: int = 0, tp_size: int =
         if name.startswith("mtp.") or leaf not in MEGATRON_KIND or not spec.selects(name, path_prefix):
             continue
         if leaf in FAMILY_TARGETS and leaf not in family_targets:
-            raise ConfigError(f"--target-modules selects {name} (a {leaf} LoRA is built for the gated DeltaNet of "
-                              "Qwen3-Next / Qwen3.5 only); drop in_proj/out_proj from --target-modules.")
+            raise ConfigError(f"--target-modules selects {name}, whose family builds no {leaf} LoRA target "
+                              f"(Family.lora_targets); drop {leaf} from --target-modules.")
         matched.add(leaf)
         paths_hit.update(p for p in spec.paths if any(path_matches(p, b) for b in bridge_names(name, path_prefix)))
         if not isinstance(getattr(module, "weight", None), torch.Tensor):
@@ -492,8 +492,11 @@ def check_megatron(opts, shape, spec: LoraSpec) -> None:
     family = shape.family
     foreign = sorted(set(spec.names) & set(FAMILY_TARGETS) - set(family.lora_targets))
     if foreign:
-        raise ConfigError(f"--target-modules {','.join(foreign)}: LoRA on in_proj / out_proj is built for the gated "
-                          f"DeltaNet of Qwen3-Next / Qwen3.5 only, not for {family.name} ({shape.model_type}); drop "
+        from miles.trainer.megatron.families import ALL
+
+        built = sorted({f.name for f in ALL if set(foreign) & set(f.lora_targets)})
+        raise ConfigError(f"--target-modules {','.join(foreign)}: LoRA on {' / '.join(foreign)} is built for "
+                          f"{', '.join(built) or 'no family'} only, not for {family.name} ({shape.model_type}); drop "
                           "them from --target-modules.")
     experts = bool(shape.num_experts) and selects_routed_experts(spec, shape)
     if experts and opts.moe.grouped_gemm:
@@ -544,9 +547,11 @@ def load_files(lora: LoraAdapters, optimizer: torch.optim.Optimizer | None, path
 
 
 @torch.no_grad()
-def full_pairs(lora: LoraAdapters) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def full_pairs(lora: LoraAdapters, shape=None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Megatron module name (routed experts: EP-free, global index) -> (A, B) of the whole model (TP shards and
-    EP ranks' experts gathered; CPU fp32); collective on TP and EP."""
+    EP ranks' experts gathered, a column target's B rows joined as its weight's are: ``shape``, the model's
+    ``ModelShape``, for a family's sectioned weights such as the gated DeltaNet's ``in_proj``; CPU fp32); collective
+    on TP and EP."""
     from miles.trainer.megatron.convert import unshard
     from miles.trainer.megatron.moe import global_name
 
@@ -569,7 +574,7 @@ def full_pairs(lora: LoraAdapters) -> dict[str, tuple[torch.Tensor, torch.Tensor
             parts = [torch.empty_like(sh) for _ in range(lora.tp_size)]
             dist.all_gather(parts, sh, group=lora.tp_group)
             if pair.kind == "column":
-                b = unshard(name + ".weight", parts, 0)        # linear_fc1's shards are [gate_r; up_r]
+                b = unshard(name + ".weight", parts, 0, shape)  # fc1's shards are [gate_r; up_r], in_proj's by section
             else:
                 a = torch.cat(parts, dim=1)
         out[name] = (a.cpu(), b.cpu())
@@ -583,7 +588,7 @@ def peft_tensors(lora: LoraAdapters, shape) -> list[tuple[str, torch.Tensor]]:
     from miles.trainer.megatron.convert import megatron_to_hf
 
     out = []
-    for name, (a, b) in full_pairs(lora).items():
+    for name, (a, b) in full_pairs(lora, shape).items():
         for hf, rows in megatron_to_hf(name + ".weight", b, shape):
             module = "base_model.model." + hf.removesuffix(".weight")
             out += [(module + ".lora_A.weight", a.clone()), (module + ".lora_B.weight", rows.contiguous())]

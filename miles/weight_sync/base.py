@@ -192,7 +192,7 @@ class WeightSender(ABC):
         targets = list(self.engines if engines is None else engines)
         err: BaseException | None = None
         result = SyncResult(self.mode, version, num_engines=len(targets))
-        self._trained_only = bool(getattr(self.cfg, "lora_base_cpu_backup", False)) and self._base_sent and not full
+        self._trained_only = self.cfg.lora_base_cpu_backup and self._base_sent and not full
         try:
             result = self._sync(targets, version)
         except (WeightSyncError, OSError, RuntimeError, ValueError) as e:

@@ -9,8 +9,8 @@ and ``...out_proj``), with ``--experts-shared-outer-loras`` and ``--mtp-num-laye
 ``test_gdn_lora_trains_and_merges`` (TP 1 x DP 2, and TP 2 + ``--sequence-parallel``, the recipe's layout): 2
 rollouts of training, then
 
-- every DeltaNet layer's ``in_proj`` and ``out_proj`` has an adapter, the MTP block none; the step-0 export is the
-  base model (B = 0) and the base parameters get no gradient;
+- every DeltaNet layer's ``in_proj`` and ``out_proj`` has an adapter that training moved (B starts at 0), the MTP
+  block none; no base parameter is trainable;
 - the exported DeltaNet weights (``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a``, ``out_proj``) equal
   base + (alpha / r) B @ A of the gathered adapters, split as the converter splits ``in_proj``; every other target
   (attention q/k/v/o, the experts, the shared expert) moved, and nothing else did (conv1d, A_log, dt_bias, norms,
@@ -74,19 +74,14 @@ def _worker(model_dir: str, out: str, tp_sp: str) -> None:
     for rid in range(2):
         res["metrics"][rid] = tr.train(random_samples(1, 3, seed=1000 * rid + rank, first_group=rank), rid)
     res["final"] = tr.state_dict_for_check()
-    res["adapters"] = lora.full_pairs(tr.lora)
+    res["adapters"] = lora.full_pairs(tr.lora, tr.shape)
     trained = {}
     for bucket in tr.iter_trained_weight_buckets(256 << 20):
         trained.update({n: t.detach().cpu().clone() for n, t in bucket})
     res["trained"] = trained
-    tr.model.train()
-    ids = torch.randint(4, 90, (2, 12), generator=torch.Generator().manual_seed(0))
-    pos = torch.arange(ids.shape[1]).unsqueeze(0).expand(ids.shape[0], -1)
-    tr.model(ids, pos, attention_mask=None).float().square().mean().backward()
-    res["base_grads"] = sum(p.grad is not None for p in tr.model.parameters())
-    res["gdn_adapter_grads"] = sum(int(p.grad is not None and bool(p.grad.abs().sum() > 0))
-                                   for name, pair in tr.lora.named_pairs() if name.endswith(("in_proj", "out_proj"))
-                                   for p in (pair.lora_A, pair.lora_B))
+    res["base_trainable"] = sum(p.requires_grad for p in tr.model.parameters())
+    res["gdn_trained"] = sum(int(bool(pair.lora_B.abs().sum() > 0)) for name, pair in tr.lora.named_pairs()
+                             if name.endswith(("in_proj", "out_proj")))       # B starts at 0: a step reached it
     if rank == 0:
         torch.save(res, out)
     dist.barrier()
@@ -122,7 +117,7 @@ def test_gdn_lora_trains_and_merges(tiny_qwen35_dir: Path, tmp_path: Path) -> No
                 assert f"decoder.layers.{i}.self_attention.{proj}" in res["targets"], (tp_sp, i, proj)
         assert not any(t.startswith("mtp.") for t in res["targets"]), tp_sp
         assert res["metrics"][0]["kl_loss"] == 0.0 and res["metrics"][1]["kl_loss"] != 0.0, tp_sp
-        assert res["base_grads"] == 0 and res["gdn_adapter_grads"] == 4 * len(linear), tp_sp
+        assert res["base_trainable"] == 0 and res["gdn_trained"] == 2 * len(linear), tp_sp
         moved = {k for k in base if not torch.equal(final[k], base[k])}
         want = {k for k in base if ".layers." in k and not k.startswith("mtp.") and k.endswith(MOVED)
                 and not k.endswith(("shared_expert_gate.weight",))}

@@ -1,7 +1,6 @@
 """``--lora-base-cpu-backup`` (Miles's flag; LoRA with colocated engines): the flag's refusals, the SGLang engines'
 ``--enable-weights-cpu-backup``, which buckets each sync sends (``WeightSender.sync``: the first sync and
-``sync_one`` everything, the later ones the trained tensors only, the equality check everything), and the FT weight
-cache committing a partial sync over the cached tensors by name.
+``sync_one`` everything, the later ones the trained tensors only, the equality check everything).
 
 End to end (Megatron LoRA, a colocated embedded engine that releases and resumes its weights between rollouts,
 ``--check-weight-update-equal`` comparing every tensor after each partial sync): the replay of Miles's Qwen3.5 LoRA
@@ -15,7 +14,6 @@ import torch
 from miles.config import ConfigError, parse_args
 from miles.config.unsupported import unsupported_message
 from miles.fleet.engines import weight_backup_server_flags
-from miles.ft.catchup import WeightCache
 from miles.weight_sync.base import SyncResult, WeightSender
 
 LORA = ["--lora-rank", "4", "--target-modules", "all-linear", "--train-backend", "megatron"]
@@ -29,7 +27,9 @@ def test_flag_needs_lora_colocate_and_the_megatron_backend(tiny_model_dir):
     for argv, msg in ((["--colocate"], r"^--lora-base-cpu-backup without --lora-rank"),
                       (LORA, r"^--lora-base-cpu-backup without --colocate"),
                       (LORA[:-2] + ["--train-backend", "fsdp", "--colocate"],
-                       r"^--lora-base-cpu-backup with --train-backend fsdp")):
+                       r"^--lora-base-cpu-backup with --train-backend fsdp"),
+                      (LORA + ["--colocate", "--use-fault-tolerance"],
+                       r"^--lora-base-cpu-backup with --use-fault-tolerance")):
         with pytest.raises(ConfigError, match=msg):
             parse_args(base + argv + ["--lora-base-cpu-backup"])
     assert weight_backup_server_flags("sglang", cfg.weights) == ["--enable-weights-cpu-backup"]
@@ -94,21 +94,3 @@ def test_a_failed_first_sync_is_sent_whole_again():
     s.sync()
     s.sync()
     assert s.sent == [["frozen.weight", "trained.weight"], ["trained.weight"]]
-
-
-def test_weight_cache_commits_a_partial_sync_over_the_cached_tensors():
-    src = _Source()
-    cache = WeightCache(src)
-    list(cache.iter_trained_weight_buckets(0, None))
-    cache.commit(1)                                # a partial sync before any full one: nothing to serve
-    assert cache.snapshot() == (None, [])
-    list(cache.iter_weight_buckets(0, None))
-    cache.commit(1)
-    src.tensors["trained.weight"] = torch.full((2,), 7.0)
-    list(cache.iter_trained_weight_buckets(0, None))
-    cache.commit(2)
-    version, buckets = cache.snapshot()
-    got = {n: t for b in buckets for n, t in b}
-    assert version == 2 and sorted(got) == ["frozen.weight", "trained.weight"]
-    assert torch.equal(got["trained.weight"], torch.full((2,), 7.0)) and torch.equal(got["frozen.weight"],
-                                                                                      torch.zeros(3))
