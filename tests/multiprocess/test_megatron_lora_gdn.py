@@ -38,9 +38,9 @@ TARGETS = ",".join(f"{_LAYERS}.{m}" for m in (
     "mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2", "self_attention.in_proj",
     "self_attention.out_proj"))
 # the HF tensors those targets change (suffixes under model.layers.L.)
-MOVED = ("linear_attn.in_proj_qkv.", "linear_attn.in_proj_z.", "linear_attn.in_proj_b.", "linear_attn.in_proj_a.",
-         "linear_attn.out_proj.", "self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.", "self_attn.o_proj.",
-         "_proj.weight")           # the experts' and the shared expert's gate/up/down
+MOVED = ("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight", "linear_attn.in_proj_b.weight",
+         "linear_attn.in_proj_a.weight",
+         "_proj.weight")           # out_proj, q/k/v/o_proj, the experts' and the shared expert's gate/up/down_proj
 
 
 @pytest.fixture(scope="module")
