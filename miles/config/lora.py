@@ -15,9 +15,10 @@ the model's family builds them as such (``FAMILY_TARGETS``; ``Family.lora_target
 q/k/v select nothing on an MLA model, the MLA names nothing on a standard one (the trainer says which selected nothing;
 none matching at all is refused).
 
-Module paths (an entry holding ``.`` or ``*``): Megatron-Bridge's syntax (radixark/miles@v0.1.0:
-miles/backends/megatron_utils/lora_utils.py passes them to Megatron-Bridge unchanged, whose matcher takes a module when
-``re.match('^' + pattern.replace('*', '(.*)') + '$', full_name)``): ``*`` stands for any run of characters, dots
+Module paths (an entry holding ``.`` or ``*``): Megatron-Bridge's syntax
+(radixark/miles@v0.1.0:miles/backends/megatron_utils/lora_utils.py passes them to Megatron-Bridge unchanged, whose
+matcher takes a module when ``re.match('^' + pattern.replace('*', '(.*)') + '$', full_name)``; here dots are literal):
+``*`` stands for any run of characters, dots
 included, and the pattern must match the module's whole name in the model Megatron-Bridge builds (e.g.
 ``language_model.decoder.layers.*.self_attention.linear_qkv`` for Qwen3.5, whose text model Megatron-Bridge holds
 under ``language_model.``). Its last part must be one of the Megatron names below (it decides how the adapter splits
