@@ -17,8 +17,9 @@ rollouts of training, then
   router, shared-expert gate, embeddings, the MTP layer);
 - ``iter_trained_weight_buckets`` (``--lora-base-cpu-backup``'s syncs) gives exactly the moved tensors, equal to
   the full export's;
-- TP 2 + SP agrees with TP 1 x DP 2 (step metrics within 1e-4 relative, merged exports within 5e-5: the bounds of the
-  dense LoRA TP test), so the adapters of the DeltaNet's sectioned ``in_proj`` split over TP as its weight does.
+- TP 2 + SP agrees with TP 1 x DP 2 (step metrics within 1e-4 relative; merged exports within 1e-5, 2e-5 of the
+  update's L2 norm: measured 3.8e-6 / 8.3e-6), so the adapters of the DeltaNet's sectioned ``in_proj`` split over TP
+  as its weight does.
 """
 
 from __future__ import annotations
@@ -139,7 +140,9 @@ def test_gdn_lora_trains_and_merges(tiny_qwen35_dir: Path, tmp_path: Path) -> No
     diff = max((two["final"][k] - one["final"][k]).abs().max().item() for k in base)
     num = sum(((two["final"][k] - one["final"][k]) ** 2).sum().item() for k in base)
     den = sum(((one["final"][k] - base[k]) ** 2).sum().item() for k in base)
-    assert diff < 5e-5 and (num / den) ** 0.5 < 1e-4, (diff, (num / den) ** 0.5)
+    # fp32 rounding of another reduction order: measured 3.8e-6 max and 8.3e-6 of the update's L2 norm (2 CPU gloo
+    # ranks, 2026-12-07, python -m pytest tests/multiprocess/test_megatron_lora_gdn.py)
+    assert diff < 1e-5 and (num / den) ** 0.5 < 2e-5, (diff, (num / den) ** 0.5)
 
 
 if __name__ == "__main__":
