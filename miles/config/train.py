@@ -108,8 +108,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          "is not supported.")
     lo.add_argument("--target-modules", type=str, default=None,
                     help="LoRA targets: all-linear or a comma list of HF names (q_proj,k_proj,v_proj,o_proj,gate_proj,"
-                         "up_proj,down_proj) or Megatron names (linear_qkv,linear_proj,linear_fc1,linear_fc2).")
-    lo.add_argument("--exclude-modules", type=str, default=None, help="LoRA targets to leave out (comma list).")
+                         "up_proj,down_proj), Megatron names (linear_qkv,linear_proj,linear_fc1,linear_fc2; the gated "
+                         "DeltaNet's in_proj,out_proj) or Megatron-Bridge module paths with * wildcards "
+                         "(decoder.layers.*.self_attention.linear_qkv).")
+    lo.add_argument("--exclude-modules", type=str, default=None,
+                    help="LoRA targets to leave out (comma list of names or module paths).")
     lo.add_argument("--experts-shared-outer-loras", action="store_true", default=False,
                     help="MoE experts' LoRA: one linear_fc1 (gate/up) A and one linear_fc2 (down) B per layer, shared "
                          "by its experts (the hidden-size side); B of fc1 and A of fc2 stay per expert. Default: "

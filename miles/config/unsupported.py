@@ -34,7 +34,7 @@ UNSUPPORTED: dict[str, str] = {
     "--custom-model-provider-path": _MODEL_PROVIDER,
     **{f: _FP8_TRAINING for f in ("--fp8-format", "--fp8-recipe", "--te-precision-config-file")},
     **{f: _LORA for f in (
-        "--lora-adapter-path", "--lora-sync-from-tensor", "--lora-base-cpu-backup", "--lora-train-only",
+        "--lora-adapter-path", "--lora-sync-from-tensor", "--lora-train-only",
         "--multi-lora-n-adapters", "--multi-lora-adapter", "--multi-lora-idle-poll-s",
         "--multi-lora-http-server-path", "--multi-lora-backend-path", "--multi-lora-api-port",
         "--multi-lora-disable-service-mode", "--multi-lora-max-adapter-global-batch-size",

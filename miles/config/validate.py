@@ -162,6 +162,8 @@ def validate_config(cfg: MilesConfig) -> None:
     if w.update_weight_transfer_mode == "tensor" and not c.colocate:
         raise ConfigError("--update-weight-transfer-mode tensor hands weights over on the same device and needs --colocate; "
                           "use broadcast or disk-delta for disaggregated engines.")
+    if w.lora_base_cpu_backup:
+        _validate_lora_base_cpu_backup(cfg)
     if cfg.reward.group_rm and not cfg.reward.custom_rm_path:
         raise ConfigError("--group-rm needs --custom-rm-path module.function taking a whole group.")
     if cfg.reward.rm_type == "remote_rm" and not cfg.reward.rm_url:
@@ -174,6 +176,26 @@ def validate_config(cfg: MilesConfig) -> None:
         raise ConfigError("--sglang-router-ip and --sglang-router-port name a running router together: pass both or neither.")
     if r.rollout_temperature < 0:
         raise ConfigError(f"--rollout-temperature must be >= 0, got {r.rollout_temperature}.")
+
+
+def _validate_lora_base_cpu_backup(cfg: MilesConfig) -> None:
+    """--lora-base-cpu-backup: LoRA on the Megatron backend with colocated engines (Miles ignores it otherwise; refused
+    here, so it is never accepted and dropped)."""
+    if not cfg.train.lora_rank:
+        raise ConfigError("--lora-base-cpu-backup without --lora-rank: it keeps the engines' frozen base weights while "
+                          "only the LoRA targets change; add --lora-rank R with --target-modules, or drop the flag.")
+    if not cfg.cluster.colocate:
+        raise ConfigError("--lora-base-cpu-backup without --colocate: it keeps the engines' frozen weights in host memory "
+                          "across the colocated memory release (disaggregated engines keep theirs on their GPUs); add "
+                          "--colocate or drop the flag.")
+    if cfg.train.train_backend != "megatron":
+        raise ConfigError(f"--lora-base-cpu-backup with --train-backend {cfg.train.train_backend}: sending only the "
+                          "merged LoRA targets is built for the Megatron backend only; add --train-backend megatron or "
+                          "drop the flag.")
+    if cfg.ft.use_fault_tolerance:
+        raise ConfigError("--lora-base-cpu-backup with --use-fault-tolerance is not supported: an engine that returns "
+                          "reloads --hf-checkpoint, and the syncs that send only the LoRA targets would not give it the "
+                          "trainer's frozen weights; drop one of them.")
 
 
 def _validate_miles_flags(cfg: MilesConfig) -> None:

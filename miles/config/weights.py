@@ -37,6 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--pause-generation-mode", choices=["abort", "retract", "in_place"], default="retract",
                    help="How engines pause for a weight update.")
     w.add_argument("--check-weight-update-equal", action="store_true", help="Compare engine weights to the trainer's after each sync.")
+    w.add_argument("--lora-base-cpu-backup", action="store_true", default=False,
+                   help="LoRA + --colocate (Miles's flag): the engines keep their frozen weights in host memory across "
+                        "the colocated memory release (SGLang: --enable-weights-cpu-backup; the embedded engine always "
+                        "does) and each weight sync after the first sends only the merged LoRA targets, not the frozen "
+                        "rest. Megatron backend.")
 
 
 @dataclass(kw_only=True)
@@ -51,3 +56,4 @@ class WeightSyncConfig:
     max_weight_staleness: int | None
     pause_generation_mode: str
     check_weight_update_equal: bool
+    lora_base_cpu_backup: bool = False     # LoRA + colocate: syncs after the first send the merged targets only

@@ -336,6 +336,15 @@ def replay_server_flags(kind: str, algo: Any) -> list[str]:
     return []
 
 
+def weight_backup_server_flags(kind: str, weights: Any) -> list[str]:
+    """``--lora-base-cpu-backup`` (as Miles): SGLang engines keep their weights in host memory across
+    ``release_memory_occupation`` (``--enable-weights-cpu-backup``), since the syncs after the first no longer re-send
+    the frozen ones; the embedded engine always keeps a host copy of released weights and needs none."""
+    if kind == "sglang" and weights.lora_base_cpu_backup:
+        return ["--enable-weights-cpu-backup"]
+    return []
+
+
 def model_server_flags(kind: str, megatron: Any) -> list[str]:
     """Engine flags that make the engines compute the model as the trainer does: with Miles's
     ``--no-activation-func-clamp-shared-expert`` the embedded engine serves the shared experts unclamped too. SGLang

@@ -29,6 +29,7 @@ from miles.fleet.engines import (
     engine_url,
     model_server_flags,
     replay_server_flags,
+    weight_backup_server_flags,
 )
 from miles.run.control import all_gather_json
 from miles.utils.logging import get_logger
@@ -186,7 +187,8 @@ def place_engines(cfg: MilesConfig, ctx: SPMDContext, *, kind: str, api_key: str
             kind, cfg.rollout, hf_checkpoint=cfg.train.hf_checkpoint, host=host, port=node0["port"], api_key=api_key, num_gpus=spec.num_gpus, base_gpu_id=_visible_base_gpu(spec, world),
             device=world.device.type, colocate=plan.colocate, nnodes=spec.nnodes, node_rank=node_rank,
             dist_init_addr=dist_init, sglang=cfg.sglang,
-            extra=replay_server_flags(kind, cfg.algo) + model_server_flags(kind, cfg.megatron))
+            extra=replay_server_flags(kind, cfg.algo) + model_server_flags(kind, cfg.megatron)
+            + weight_backup_server_flags(kind, cfg.weights))
         name = f"engine{spec.engine_id}" + (f"-node{node_rank}" if node_rank else "")
         placement.supervisor = start_engine(argv, cfg, name=name, log_path=out_dir / f"{name}.log", threads=threads)
         if node_rank == 0 and not cfg.ft.use_fault_tolerance:  # with it, the FT heartbeat probes and restarts

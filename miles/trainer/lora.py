@@ -67,6 +67,7 @@ gathers the merged experts over EP as the base export does, so the engines still
 from __future__ import annotations
 
 import math
+import re
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -77,7 +78,7 @@ import torch.distributed as dist
 from torch import nn
 
 from miles.config.base import ConfigError
-from miles.config.lora import MEGATRON_KIND, resolve_targets
+from miles.config.lora import FAMILY_TARGETS, MEGATRON_KIND, path_matches, resolve, resolve_targets  # noqa: F401
 from miles.utils.logging import get_logger
 
 logger = get_logger("miles.trainer.lora")
@@ -90,10 +91,25 @@ class LoraSpec:
     dropout: float
     targets: tuple[str, ...]        # Megatron module leaf names, sorted
     experts_shared_outer: bool = False   # --experts-shared-outer-loras: fc1's A, fc2's B shared by a layer's experts
+    paths: tuple[str, ...] = ()          # Megatron-Bridge module paths (wildcards), matched against the full name
+    exclude_paths: tuple[str, ...] = ()  # --exclude-modules paths
 
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every leaf name a target can have: the leaf targets and each path's last part."""
+        return tuple(sorted(set(self.targets) | {p.rsplit(".", 1)[-1] for p in self.paths}))
+
+    def selects(self, name: str, prefix: str = "") -> bool:
+        """Whether the module ``name`` (ours) is a target: its leaf name is one, or a path matches one of its
+        Megatron-Bridge names (``bridge_names``), and no excluded path does."""
+        bridge = bridge_names(name, prefix)
+        if any(path_matches(p, b) for p in self.exclude_paths for b in bridge):
+            return False
+        return _leaf(name) in self.targets or any(path_matches(p, b) for p in self.paths for b in bridge)
 
     @classmethod
     def from_config(cls, train) -> LoraSpec | None:
@@ -101,9 +117,26 @@ class LoraSpec:
         rank = int(getattr(train, "lora_rank", 0) or 0)
         if rank <= 0:
             return None
-        return cls(rank=rank, alpha=float(train.lora_alpha), dropout=float(train.lora_dropout),
-                   targets=resolve_targets(train.target_modules, getattr(train, "exclude_modules", None)),
-                   experts_shared_outer=bool(getattr(train, "experts_shared_outer_loras", False)))
+        t = resolve(train.target_modules, getattr(train, "exclude_modules", None))
+        return cls(rank=rank, alpha=float(train.lora_alpha), dropout=float(train.lora_dropout), targets=t.leaves,
+                   experts_shared_outer=bool(getattr(train, "experts_shared_outer_loras", False)), paths=t.paths,
+                   exclude_paths=t.exclude_paths)
+
+
+_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.local_experts\.\d+\.(linear_fc[12])$")
+
+
+def bridge_names(name: str, prefix: str = "") -> list[str]:
+    """The names Megatron-Bridge's model gives module ``name`` of ours, which ``--target-modules`` paths match:
+    ``prefix`` + the name (``Family.lora_path_prefix``: e.g. ``language_model.`` where Megatron-Bridge holds a
+    multimodal checkpoint's text model), and for a routed expert's linear (``...mlp.experts.local_experts.E.
+    linear_fc1``, megatron-core's SequentialMLP) also the grouped experts' module (``...mlp.experts.linear_fc1``, what
+    Miles's recipes, run with --moe-grouped-gemm, name)."""
+    out = [prefix + name]
+    m = _LOCAL_EXPERT.match(name)
+    if m is not None:
+        out.append(f"{prefix}{m.group(1)}.{m.group(2)}")
+    return out
 
 
 class LoraPair(nn.Module):
@@ -187,13 +220,19 @@ def _leaf(name: str) -> str:
 def attach(model: nn.Module, spec: LoraSpec, *, tp_rank: int = 0, tp_size: int = 1,
            tp_group: dist.ProcessGroup | None = None, seed: int = 0, ep_rank: int = 0, ep_size: int = 1,
            ep_group: dist.ProcessGroup | None = None, num_experts: int = 0,
-           inputs_require_grad: bool = False) -> LoraAdapters:
+           inputs_require_grad: bool = False, path_prefix: str = "",
+           family_targets: tuple[str, ...] = ()) -> LoraAdapters:
     """Freeze every parameter of ``model`` and hook a LoRA pair onto each target linear (Megatron leaf names,
     modules holding ``weight``; routed experts included, ``num_experts`` of them over ``ep_size`` EP ranks);
     returns the adapters (on the base weights' device, fp32). ``inputs_require_grad`` (``--recompute-granularity
     full``): the embedding's output requires grad, as PEFT's ``enable_input_require_grads`` makes it; megatron-core's
     full recompute checkpoints each layer with a reentrant autograd function, which gives its output a gradient
-    only when an input has one, and with the base frozen none has: the adapters inside would get no gradient."""
+    only when an input has one, and with the base frozen none has: the adapters inside would get no gradient.
+    ``path_prefix``: what Megatron-Bridge's model puts before the module names that ``--target-modules`` paths match
+    (``Family.lora_path_prefix``); ``family_targets``: the ``FAMILY_TARGETS`` leaf names the model's family builds as
+    targets (``Family.lora_targets``; another module of such a name that a target selects is refused). The
+    multi-token-prediction block (``mtp.*``) is never adapted: it is carried frozen (``--mtp-num-layers`` without
+    ``--enable-mtp-training``), as Miles's recipes leave it."""
     from miles.trainer.megatron.moe import global_name, is_expert
 
     lora = LoraAdapters(spec, tp_size, tp_group, ep_size, ep_group, ep_rank)
@@ -201,11 +240,16 @@ def attach(model: nn.Module, spec: LoraSpec, *, tp_rank: int = 0, tp_size: int =
     for p in model.parameters():
         p.requires_grad_(False)
     matched: set[str] = set()
+    paths_hit: set[str] = set()
     for name, module in model.named_modules():
         leaf = _leaf(name)
-        if leaf not in spec.targets:
+        if name.startswith("mtp.") or leaf not in MEGATRON_KIND or not spec.selects(name, path_prefix):
             continue
+        if leaf in FAMILY_TARGETS and leaf not in family_targets:
+            raise ConfigError(f"--target-modules selects {name}, whose family builds no {leaf} LoRA target "
+                              f"(Family.lora_targets); drop {leaf} from --target-modules.")
         matched.add(leaf)
+        paths_hit.update(p for p in spec.paths if any(path_matches(p, b) for b in bridge_names(name, path_prefix)))
         if not isinstance(getattr(module, "weight", None), torch.Tensor):
             if hasattr(module, "num_gemms"):          # transformer-engine's grouped expert linear
                 raise ConfigError(f"--target-modules {leaf} on MoE experts with --moe-grouped-gemm is not supported "
@@ -232,7 +276,9 @@ def attach(model: nn.Module, spec: LoraSpec, *, tp_rank: int = 0, tp_size: int =
         lora.targets[name] = module
         module.register_forward_hook(_hook(lora, pair))
     if not lora.targets:
-        raise ConfigError(f"--target-modules: no module of the model matches {list(spec.targets)}.")
+        raise ConfigError(f"--target-modules: no module of the model matches {list(spec.targets) + list(spec.paths)}"
+                          + (f" (module paths are matched against Megatron-Bridge's names: {path_prefix}decoder.layers."
+                             "N....)" if spec.paths else "") + ".")
     embedding = getattr(model, "embedding", None)
     if inputs_require_grad and embedding is not None:
         embedding.register_forward_hook(_require_grad)
@@ -241,6 +287,10 @@ def attach(model: nn.Module, spec: LoraSpec, *, tp_rank: int = 0, tp_size: int =
     if unmatched:        # e.g. q/k/v's fused linear_qkv on a multi-latent-attention model, which has none
         logger.info("--target-modules: this model has no module named %s: those names select nothing here (LoRA on "
                     "%s)", ", ".join(unmatched), ", ".join(sorted(matched)))
+    if set(spec.paths) - paths_hit:
+        logger.info("--target-modules: the module path(s) %s match no module of this model (its names as "
+                    "Megatron-Bridge gives them: %sdecoder.layers.N....)", ", ".join(sorted(set(spec.paths) - paths_hit)),
+                    path_prefix)
     return lora
 
 
@@ -439,16 +489,34 @@ def check_megatron(opts, shape, spec: LoraSpec) -> None:
             raise ConfigError(f"{flag} {value} is not supported with --lora-rank: LoRA runs under tensor (with or "
                               "without --sequence-parallel), expert and data parallelism only; drop the flag or train "
                               "without LoRA.")
-    experts = bool(shape.num_experts) and bool({"linear_fc1", "linear_fc2"} & set(spec.targets))
+    family = shape.family
+    foreign = sorted(set(spec.names) & set(FAMILY_TARGETS) - set(family.lora_targets))
+    if foreign:
+        from miles.trainer.megatron.families import ALL
+
+        built = sorted({f.name for f in ALL if set(foreign) & set(f.lora_targets)})
+        raise ConfigError(f"--target-modules {','.join(foreign)}: LoRA on {' / '.join(foreign)} is built for "
+                          f"{', '.join(built) or 'no family'} only, not for {family.name} ({shape.model_type}); drop "
+                          "them from --target-modules.")
+    experts = bool(shape.num_experts) and selects_routed_experts(spec, shape)
     if experts and opts.moe.grouped_gemm:
         raise ConfigError("--moe-grouped-gemm with LoRA on the MoE experts (--target-modules gate_proj/up_proj/"
                           "down_proj) is not supported by the Megatron backend; drop --moe-grouped-gemm (the experts "
                           "run as SequentialMLP, the same math) or the expert targets.")
     if spec.experts_shared_outer and not experts:
         what = ("the model has no MoE experts" if not shape.num_experts
-                else f"--target-modules selects no expert linear ({','.join(spec.targets)})")
+                else f"--target-modules selects no expert linear ({','.join(spec.targets + spec.paths)})")
         raise ConfigError(f"--experts-shared-outer-loras shares the experts' outer LoRA factors, but {what}; drop "
                           "the flag, or target gate_proj,up_proj,down_proj on a MoE model.")
+
+
+def selects_routed_experts(spec: LoraSpec, shape) -> bool:
+    """Whether a target selects a routed expert's linear of some MoE layer (its name as our model and as
+    Megatron-Bridge's give it: ``bridge_names``)."""
+    prefix = shape.family.lora_path_prefix(shape)
+    layers = [i for i, moe in enumerate(shape.moe_layer_pattern or (1,) * shape.num_layers) if moe]
+    return any(spec.selects(f"decoder.layers.{i}.mlp.experts.local_experts.0.{leaf}", prefix)
+               for i in layers for leaf in ("linear_fc1", "linear_fc2"))
 
 
 def _file(path, rank: int):
@@ -479,9 +547,11 @@ def load_files(lora: LoraAdapters, optimizer: torch.optim.Optimizer | None, path
 
 
 @torch.no_grad()
-def full_pairs(lora: LoraAdapters) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def full_pairs(lora: LoraAdapters, shape=None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Megatron module name (routed experts: EP-free, global index) -> (A, B) of the whole model (TP shards and
-    EP ranks' experts gathered; CPU fp32); collective on TP and EP."""
+    EP ranks' experts gathered, a column target's B rows joined as its weight's are: ``shape``, the model's
+    ``ModelShape``, for a family's sectioned weights such as the gated DeltaNet's ``in_proj``; CPU fp32); collective
+    on TP and EP."""
     from miles.trainer.megatron.convert import unshard
     from miles.trainer.megatron.moe import global_name
 
@@ -504,7 +574,7 @@ def full_pairs(lora: LoraAdapters) -> dict[str, tuple[torch.Tensor, torch.Tensor
             parts = [torch.empty_like(sh) for _ in range(lora.tp_size)]
             dist.all_gather(parts, sh, group=lora.tp_group)
             if pair.kind == "column":
-                b = unshard(name + ".weight", parts, 0)        # linear_fc1's shards are [gate_r; up_r]
+                b = unshard(name + ".weight", parts, 0, shape)  # fc1's shards are [gate_r; up_r], in_proj's by section
             else:
                 a = torch.cat(parts, dim=1)
         out[name] = (a.cpu(), b.cpu())
@@ -518,7 +588,7 @@ def peft_tensors(lora: LoraAdapters, shape) -> list[tuple[str, torch.Tensor]]:
     from miles.trainer.megatron.convert import megatron_to_hf
 
     out = []
-    for name, (a, b) in full_pairs(lora).items():
+    for name, (a, b) in full_pairs(lora, shape).items():
         for hf, rows in megatron_to_hf(name + ".weight", b, shape):
             module = "base_model.model." + hf.removesuffix(".weight")
             out += [(module + ".lora_A.weight", a.clone()), (module + ".lora_B.weight", rows.contiguous())]

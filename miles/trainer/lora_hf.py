@@ -87,6 +87,13 @@ def check_model(spec: LoraSpec, hf_config: dict | None) -> None:
     """The models the FSDP LoRA does not adapt (config.json as a dict), one line each."""
     c = hf_config or {}
     text = c.get("text_config") or c
+    if spec.paths or spec.exclude_paths:
+        raise ConfigError(f"--target-modules / --exclude-modules module paths ({','.join(spec.paths + spec.exclude_paths)}) "
+                          "name Megatron-Bridge's modules: they select LoRA targets on the Megatron backend only; add "
+                          "--train-backend megatron, or give names such as q_proj,k_proj,v_proj,o_proj.")
+    if set(spec.targets) & {"in_proj", "out_proj"}:
+        raise ConfigError("--target-modules in_proj/out_proj (the gated DeltaNet's projections) with --train-backend "
+                          "fsdp: LoRA on them runs on the Megatron backend only; add --train-backend megatron.")
     experts = text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts") or 0
     if experts and {"linear_fc1", "linear_fc2"} & set(spec.targets):
         raise ConfigError(f"--target-modules {','.join(spec.targets)} with --train-backend fsdp: LoRA on the MoE "

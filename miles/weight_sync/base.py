@@ -62,7 +62,9 @@ class WeightSource(Protocol):
     it exports, which ``--check-weight-update-equal`` does not ask the engines for (weight_sync/check.py). Optional:
     ``weight_export_is_partial()``, True when the export is part of the model the engines serve (a multimodal
     checkpoint trained text-only: the towers stay as the engines loaded them), which disk-delta's full versions say
-    in their manifest (``disk_delta.write_version``'s ``partial``)."""
+    in their manifest (``disk_delta.write_version``'s ``partial``). Optional: ``iter_trained_weight_buckets(bucket_bytes,
+    dtype)``, the buckets of ``iter_weight_buckets`` less the tensors training never changes (LoRA: the merged targets
+    only), which ``--lora-base-cpu-backup`` sends after the first sync."""
 
     def iter_weight_buckets(self, bucket_bytes: int, dtype: torch.dtype | None) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """HF-named full tensors, bucket by bucket; collective on every trainer rank, every rank iterates to the
@@ -161,6 +163,10 @@ class WeightSender(ABC):
         self._controls: dict[str, Any] = {}
         self._embedded: dict[str, bool] = {}      # url -> the engine serves whole-sync requests
         self._loop: _Loop | None = None
+        # --lora-base-cpu-backup: after a full sync succeeded the engines hold the frozen base (and keep it across the
+        # colocated memory release), so the next syncs send the trained tensors only (decided alike on every rank)
+        self._base_sent = False
+        self._trained_only = False
 
     # -- public API ------------------------------------------------------------------------------------
     def connect(self, engines: Sequence[EngineTarget] | None = None) -> None:
@@ -173,21 +179,30 @@ class WeightSender(ABC):
         self.engines = list(live_engines)
         self._embedded.clear()
 
-    def sync(self, engines: Sequence[EngineTarget] | None = None, *, bump_version: bool = True) -> SyncResult:
+    def sync(self, engines: Sequence[EngineTarget] | None = None, *, bump_version: bool = True,
+             full: bool = False) -> SyncResult:
         """Push the trainer's current weights. Collective on every trainer rank.
 
         ``bump_version`` False re-sends the current version (use it only when the trainer has not
-        stepped since the last sync). ``engines`` (source rank) restricts the targets.
+        stepped since the last sync). ``engines`` (source rank) restricts the targets. With
+        ``--lora-base-cpu-backup`` a sync after the first successful one sends the trained tensors only
+        (``WeightSource.iter_trained_weight_buckets``) unless ``full``.
         """
         version = self.weight_version + 1 if bump_version else self.weight_version
         targets = list(self.engines if engines is None else engines)
         err: BaseException | None = None
         result = SyncResult(self.mode, version, num_engines=len(targets))
+        self._trained_only = self.cfg.lora_base_cpu_backup and self._base_sent and not full
         try:
             result = self._sync(targets, version)
         except (WeightSyncError, OSError, RuntimeError, ValueError) as e:
             err = e
+        finally:
+            trained_only, self._trained_only = self._trained_only, False
         self._agree(err)
+        self._base_sent = True
+        if trained_only:
+            result.extra["trained_only"] = 1.0
         self.weight_version = version
         if self.cfg.check_weight_update_equal:
             err = None
@@ -196,15 +211,17 @@ class WeightSender(ABC):
             except (WeightSyncError, RuntimeError, ValueError) as e:
                 err = e
             self._agree(err)
-        logger.info("weight sync v%d (%s) to %d engine(s): %.3fs total, gather %.3fs, transfer %.3fs, load %.3fs, "
-                    "control %.3fs, %.1f MB, %.2f GB/s", version, self.mode, result.num_engines, result.total_s,
+        logger.info("weight sync v%d (%s%s) to %d engine(s): %.3fs total, gather %.3fs, transfer %.3fs, load %.3fs, "
+                    "control %.3fs, %.1f MB, %.2f GB/s", version, self.mode,
+                    ", trained tensors only: --lora-base-cpu-backup" if trained_only else "", result.num_engines,
+                    result.total_s,
                     result.gather_s, result.transfer_s, result.load_s, result.control_s, result.bytes / 1e6, result.gbps)
         return result
 
     def sync_one(self, engine: EngineTarget | None) -> SyncResult:
         """Bring one (new) engine to the current version before it is routed to. Collective: the other
         trainer ranks call it too (``engine`` matters only on the source rank)."""
-        return self.sync([engine] if self.is_source and engine is not None else [], bump_version=False)
+        return self.sync([engine] if self.is_source and engine is not None else [], bump_version=False, full=True)
 
     def check(self) -> int:
         """``--check-weight-update-equal`` now (collective): every engine equals the trainer, bitwise."""
@@ -227,7 +244,15 @@ class WeightSender(ABC):
     def _sync(self, engines: list[EngineTarget], version: int) -> SyncResult:
         """Gather (all ranks) and transfer (source) one version; raise WeightSyncError on failure."""
 
-    def iter_buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def iter_buckets(self, *, full: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The buckets of this sync (collective): the trainer's weights, or with ``--lora-base-cpu-backup`` after the
+        first sync only the trained ones; ``full``: all of them whatever the sync sends (the equality check)."""
+        if self._trained_only and not full:
+            trained = getattr(self.source, "iter_trained_weight_buckets", None)
+            if trained is None:
+                raise WeightSyncError("--lora-base-cpu-backup: the weight source has no iter_trained_weight_buckets "
+                                      "(a trainer backend without it refuses the flag at start; a bug)")
+            return trained(self.cfg.update_weight_buffer_size, self.dtype)
         return self.source.iter_weight_buckets(self.cfg.update_weight_buffer_size, self.dtype)
 
     def timed_buckets(self, result: SyncResult) -> Iterator[list[tuple[str, torch.Tensor]]]:

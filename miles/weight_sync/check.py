@@ -76,7 +76,7 @@ def check_weights_equal(sender: WeightSender) -> int:
     checked = 0
     t0 = time.monotonic()
     failure: WeightSyncError | None = None
-    for bucket in sender.iter_buckets():  # every rank, in lockstep
+    for bucket in sender.iter_buckets(full=True):  # every rank, in lockstep; every tensor, sent this time or not
         if not engines or failure is not None:
             continue
         for name, t in bucket:

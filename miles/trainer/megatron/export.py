@@ -113,18 +113,29 @@ def _finish_each(pend: _Pending, groups: Groups, shape: ModelShape, device: torc
 @torch.no_grad()  # per resumption (torch wraps generators): never left off while the caller runs
 def iter_hf_buckets(model: nn.Module, shape: ModelShape, groups: Groups, *, device: torch.device,
                     bucket_bytes: int, dtype: torch.dtype | None = None, timeout: float = 600.0,
-                    prefetch: bool = True, stage=None) -> Iterator[Bucket]:
+                    prefetch: bool = True, stage=None, only: Callable[[str], bool] | None = None) -> Iterator[Bucket]:
     """Yield buckets of (HF name, full tensor) (see module docstring); collective on the TP group (and the
-    pipeline group of ``stage`` when it has more than one stage)."""
+    pipeline group of ``stage`` when it has more than one stage). ``only``: export just the parameters whose megatron
+    name it accepts (no buffers; one pipeline stage only), e.g. the LoRA targets' weights (--lora-base-cpu-backup)."""
+    if only is not None and stage is not None and stage.size > 1:
+        raise ValueError("a partial weight export (only=) is not built under pipeline parallelism")
     stream = _iter_hf_buckets(model, shape, groups, device=device, bucket_bytes=bucket_bytes, dtype=dtype,
-                              timeout=timeout, prefetch=prefetch, stage=stage)
+                              timeout=timeout, prefetch=prefetch, stage=stage, only=only)
     transform = shape.family.export_stream        # e.g. gpt-oss: the experts' slices joined into HF's fused tensors
     yield from (stream if transform is None else transform(stream, shape))
 
 
+def _exported(model: nn.Module, shape: ModelShape, only: Callable[[str], bool] | None) -> list:
+    """(megatron name, tensor) of what the export sends: every parameter and the family's exported buffers, or the
+    parameters ``only`` accepts."""
+    if only is not None:
+        return [(n, p) for n, p in model.named_parameters() if only(n)]
+    return list(model.named_parameters()) + shape.family.exported_buffers(model)
+
+
 def _iter_hf_buckets(model: nn.Module, shape: ModelShape, groups: Groups, *, device: torch.device,
                      bucket_bytes: int, dtype: torch.dtype | None, timeout: float, prefetch: bool,
-                     stage) -> Iterator[Bucket]:
+                     stage, only: Callable[[str], bool] | None = None) -> Iterator[Bucket]:
     if stage is not None and stage.size > 1:
         yield from _iter_pipeline(model, shape, groups, stage, device=device, bucket_bytes=bucket_bytes,
                                   dtype=dtype, timeout=timeout)
@@ -133,10 +144,9 @@ def _iter_hf_buckets(model: nn.Module, shape: ModelShape, groups: Groups, *, dev
         from miles.trainer.megatron.moe import iter_ep_buckets
 
         yield from iter_ep_buckets(model, shape, groups, device=device, bucket_bytes=bucket_bytes, dtype=dtype,
-                                   timeout=timeout, prefetch=prefetch)
+                                   timeout=timeout, prefetch=prefetch, named=_exported(model, shape, only))
         return
-    buckets = plan(list(model.named_parameters()) + shape.family.exported_buffers(model), groups.tp_size, bucket_bytes,
-                   dtype)
+    buckets = plan(_exported(model, shape, only), groups.tp_size, bucket_bytes, dtype)
     yield from iter_prefetched(buckets, lambda b: _start(b, groups, device, dtype),
                                lambda pend: _finish(pend, groups, shape, device, dtype, timeout), prefetch)
 

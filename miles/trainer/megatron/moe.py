@@ -566,17 +566,19 @@ def finish_units(pend: _EPPending, shape, groups, device, dtype, timeout: float)
 
 @torch.no_grad()  # per resumption (torch wraps generators)
 def iter_ep_buckets(model, shape, groups, *, device: torch.device, bucket_bytes: int, dtype: torch.dtype | None,
-                    timeout: float, prefetch: bool = True):
+                    timeout: float, prefetch: bool = True, named: list | None = None):
     """``export.iter_hf_buckets`` under expert parallelism: buckets of (HF name, full tensor), the local experts of
     every EP rank gathered with one ``all_gather_into_tensor`` over the EP group per bucket (cast first, so the
     tensors equal the EP = 1 export bit for bit, in the same order), the other parameters' TP shards over the TP
     group as ``export`` does; the gathers of bucket k+1 are issued before bucket k is yielded. Collective on the
-    EP and TP groups; every trainer rank iterates to the end."""
+    EP and TP groups; every trainer rank iterates to the end. ``named``: the (megatron name, tensor) pairs to export
+    (default: every parameter and the family's exported buffers)."""
     from miles.trainer.megatron.export import pack
     from miles.trainer.weights import iter_prefetched
 
-    buffers = shape.family.exported_buffers(model)
-    buckets = pack(export_units(list(model.named_parameters()) + buffers, groups),
+    if named is None:
+        named = list(model.named_parameters()) + shape.family.exported_buffers(model)
+    buckets = pack(export_units(named, groups),
                    lambda unit: unit_nbytes(unit, groups, dtype), bucket_bytes)
     yield from iter_prefetched(buckets, lambda b: start_units(b, groups, device, dtype),
                                lambda pend: finish_units(pend, shape, groups, device, dtype, timeout), prefetch)

@@ -80,9 +80,12 @@ def check_mtp_tensors(hf: dict, shape) -> None:
 
 
 def check_mtp_lora(o) -> None:
-    if o.mtp_num_layers:
-        raise ConfigError(f"--mtp-num-layers {o.mtp_num_layers} with --lora-rank is not supported by the Megatron "
-                          "backend: drop --mtp-num-layers (the engines keep the checkpoint's MTP layer) or LoRA.")
+    """LoRA with an MTP block: carried frozen and not adapted (as Miles's LoRA recipes leave it), so
+    ``--enable-mtp-training`` (which would train it) is refused."""
+    if o.mtp_num_layers and o.mtp_training:
+        raise ConfigError(f"--enable-mtp-training with --lora-rank is not supported by the Megatron backend (the MTP "
+                          f"block of --mtp-num-layers {o.mtp_num_layers} is carried frozen and not adapted under LoRA): "
+                          "drop --enable-mtp-training or LoRA.")
 
 
 # ------------------------------------------------------------------------------------------- names

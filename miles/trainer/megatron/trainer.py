@@ -257,7 +257,9 @@ class MegatronTrainer(RLTrainer):
         adapters = lora_mod.attach(self.model, spec, tp_rank=g.tp_rank, tp_size=g.tp_size, tp_group=g.tp,
                                    seed=self.cfg.seed, ep_rank=g.ep_rank, ep_size=g.ep_size, ep_group=g.ep,
                                    num_experts=self.shape.num_experts or 0,
-                                   inputs_require_grad=self.opts.recompute_granularity == "full")
+                                   inputs_require_grad=self.opts.recompute_granularity == "full",
+                                   path_prefix=self.shape.family.lora_path_prefix(self.shape),
+                                   family_targets=self.shape.family.lora_targets)
         n = lora_mod.trainable_count(adapters)
         logger.info("LoRA rank %d alpha %s on %s: %s trainable of %s params (base frozen)", spec.rank, spec.alpha,
                     ",".join(sorted({name.rsplit(".", 1)[-1] for name in adapters.targets})), f"{n:,}",
@@ -524,6 +526,19 @@ class MegatronTrainer(RLTrainer):
                                     bucket_bytes=bucket_bytes, dtype=dtype, timeout=self.timeout,
                                     prefetch=prefetch, stage=self.stage)
         return it if self.lora is None else _merged_buckets(self.lora, it)   # LoRA: W + (alpha / r) B @ A
+
+    def iter_trained_weight_buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None, *,
+                                    prefetch: bool = True) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """``iter_weight_buckets`` less the tensors training never changes: under LoRA, the merged target linears'
+        weights only (``--lora-base-cpu-backup``: the engines keep the frozen rest, WeightSource in weight_sync/base.py);
+        without LoRA, everything."""
+        if self.lora is None:
+            return self.iter_weight_buckets(bucket_bytes, dtype, prefetch=prefetch)
+        names = {name + ".weight" for name in self.lora.targets}
+        it = export.iter_hf_buckets(self.model, self.shape, self.groups, device=self.device,
+                                    bucket_bytes=bucket_bytes, dtype=dtype, timeout=self.timeout,
+                                    prefetch=prefetch, stage=self.stage, only=names.__contains__)
+        return _merged_buckets(self.lora, it)
 
     def mtp_weight_prefixes(self) -> tuple[str, ...]:
         """The HF name prefixes of the MTP layers ``iter_weight_buckets`` exports (``--mtp-num-layers``, mtp.py):

@@ -121,7 +121,7 @@ def save_shortfall(cfg, model: Path) -> int | None:
 
 
 def test_every_fixture_says_what_it_expects():
-    assert len(FIXTURES) == 55
+    assert len(FIXTURES) == 56
     for path in FIXTURES:
         entry, expect, lines = read_fixture(path)
         assert entry in ("train.py", "train_async.py"), path.name
@@ -375,3 +375,26 @@ def test_mla_commands_without_their_sglang_serving_flags(name: str, cp: int, pp:
         assert changed and all(f.startswith("--sglang-") for f in changed), changed
         assert read_fixture(path)[1] == f"refused: {next(iter(changed))}"      # the first one refused, as expected
     assert "role plan" in dry_run(parse_args(argv + ["--dry-run"]))
+
+
+def test_qwen3_5_lora_command_without_its_sglang_serving_flags(workdir: Path, model_dirs, plugins_on_path):
+    """The recorded Qwen3.5-35B-A3B LoRA command (``lora_qwen3_5_35b_a3b``: ``--lora-base-cpu-backup`` with
+    ``--colocate``, Megatron-Bridge module paths as ``--target-modules`` with the gated DeltaNet's ``in_proj`` /
+    ``out_proj``, ``--experts-shared-outer-loras``, TP 2 + SP, EP 8, full recompute, ``--mtp-num-layers 1``) is refused on
+    this machine only by its SGLang-only LoRA serving flags; without them the dry run passes."""
+    import importlib.util
+
+    from miles_fixtures import _drop_sglang_only
+
+    from miles.run.entry import dry_run
+
+    path = HERE / "lora_qwen3_5_35b_a3b.flags"
+    argv = without_absent_kernel_flags(fixture_argv(read_fixture(path)[2], subs_for(path, workdir, model_dirs)))
+    assert "--lora-base-cpu-backup" in argv and "--mtp-num-layers" in argv
+    if importlib.util.find_spec("sglang") is None:
+        changed: dict[str, str] = {}
+        argv = _drop_sglang_only(argv, changed, "train.py")
+        assert sorted(changed) == ["--sglang-lora-backend", "--sglang-max-lora-rank"], changed
+    cfg = parse_args(argv + ["--dry-run"])
+    assert cfg.weights.lora_base_cpu_backup
+    assert "role plan" in dry_run(cfg)

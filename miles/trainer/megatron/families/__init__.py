@@ -54,6 +54,10 @@ def _no_buffers(_model) -> list:
     return []
 
 
+def _no_prefix(_shape) -> str:
+    return ""
+
+
 @dataclass(frozen=True)
 class Family:
     """One model family's hooks (defaults: the family adds nothing there)."""
@@ -119,6 +123,12 @@ class Family:
     mtp_key: str = "num_nextn_predict_layers"   # config.json's count of MTP layers (ModelShape.nextn_layers)
     swiglu: bool = True                         # its MLPs are SwiGLU (--swiglu with --num-layers; else refused)
     position_embedding: str = "rope"            # --position-embedding-type it accepts (Megatron-LM's name)
+    # --- LoRA (miles/trainer/lora.py)
+    lora_targets: tuple[str, ...] = ()          # leaf names of miles.config.lora.FAMILY_TARGETS it builds as LoRA targets
+    #                                             (the gated DeltaNet's in_proj / out_proj); elsewhere refused
+    lora_path_prefix: Callable[[Any], str] = _no_prefix  # (shape) -> what Megatron-Bridge's model puts before the
+    #                                             decoder's module names (e.g. "language_model." for a multimodal
+    #                                             checkpoint's text model): --target-modules paths are matched with it
     bridge_only: bool = False                   # Miles builds it only through Megatron-Bridge (from config.json):
     #                                             its scripts' shape flags are compared, switches (--swiglu, ...) not
     #                                             required with --num-layers

@@ -41,6 +41,10 @@ own DeltaNet module (on fla's kernels) in the linear layers' attention slot and 
   (``hf_state``) and exported under their own names again (``export_stream``); engines skip them.
 - context parallelism: the attention layers as every family's (``context_parallel.py``); a DeltaNet layer
   all-gathers its input projection over the CP group and runs the whole sequence (``gated_delta.py``).
+- LoRA: the DeltaNet's ``in_proj`` (column-parallel, its TP sections as the weight's) and ``out_proj`` (row-parallel)
+  are targets (``lora_targets``; Miles's Qwen3.5 recipe names them), merged and exported as the weights are;
+  ``--target-modules`` paths are matched under ``language_model.`` for a Qwen3.5 (VL) checkpoint, as Megatron-Bridge
+  names its modules (``lora_path_prefix``).
 
 Weights (HF suffix under ``model.layers.L.``; a Qwen3.5 VLM checkpoint's text model is under
 ``model.language_model.``): Qwen3.5's ``linear_attn.in_proj_qkv`` [q_all; k_all; v_all], ``in_proj_z``,
@@ -460,6 +464,14 @@ def adapt_mtp_spec(spec):
     return _swap(spec, WrappedTorchNorm, ZeroCenteredRMSNorm, set())
 
 
+def lora_path_prefix(shape) -> str:
+    """Megatron-Bridge builds a Qwen3.5 checkpoint (``qwen3_5_moe`` / ``qwen3_5``: a vision-language one) as its VL model,
+    the text model under ``language_model.`` (Miles's Qwen3.5 LoRA targets read
+    ``language_model.decoder.layers.*.self_attention.linear_qkv``); Qwen3-Next and the text-only configs as a GPT
+    model (no prefix)."""
+    return "language_model." if shape.model_type in ("qwen3_5_moe", "qwen3_5") else ""
+
+
 def _sections(name: str, shape) -> list[int] | None:
     return tp_sections(name, shape.variant) if isinstance(shape.variant, HybridShape) else None
 
@@ -472,5 +484,6 @@ FAMILY = Family(
     megatron_to_hf=lambda suffix, prefix, full, shape: megatron_to_hf(suffix, prefix, full, shape, shape.variant),
     column=COLUMN, row=ROW, glu_fc1=(SHARED_FC1,), tp_sections=_sections, tp_partial=(".self_attention.out_norm.",),
     check_flags=check_flags, check_static=check_static, hf_state=hf_state, export_stream=export_stream,
-    mtp_prefix="mtp.", adapt_mtp_spec=adapt_mtp_spec,
+    mtp_prefix="mtp.", adapt_mtp_spec=adapt_mtp_spec, lora_targets=("in_proj", "out_proj"),
+    lora_path_prefix=lora_path_prefix,
     fork_flags=lambda shape: {"experimental_attention_variant": ("linear attention layers", "gated_delta_net")})
