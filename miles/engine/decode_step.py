@@ -103,12 +103,16 @@ class DecodeSteps:
         if n > self.max_prefill_tokens and rn.chunk_row is not None:
             return False
         mix = self._mix_budget()
-        return not (self._mix_ok(mix) and n <= mix * self.MIX_MAX_CHUNKS
+        return not (self._mix_ok(mix) and n <= self._mix_longest()
                     and (head.retracted or not self._wants_input_logprobs(head)))
 
     def _mix_budget(self) -> int:
         """Prompt tokens one decode step carries for the riders (0: this engine has no mixed steps)."""
         return min(self.runner.mix_step_tokens, self.max_prefill_tokens)
+
+    def _mix_longest(self) -> int:
+        """The longest prompt that rides (``MIX_MAX_CHUNKS`` graph chunks of ``mix_tokens``, within the budget's cap)."""
+        return min(self.runner.mix_tokens, self.max_prefill_tokens) * self.MIX_MAX_CHUNKS
 
     def _mix_ok(self, budget: int) -> bool:
         """Whether refills ride in the decode steps now: the engine can mix, something decodes (or rides), a ride row

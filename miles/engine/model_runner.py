@@ -54,6 +54,7 @@ class RunnerOptions:
     page_size: int = 16                      # tokens per KV page (paged cache; sglang --page-size)
     deterministic: bool = False              # batch-invariant forwards (sglang --enable-deterministic-inference)
     clamp_shared_expert: bool = True         # off: --no-activation-func-clamp-shared-expert (unclamp_shared_experts)
+    mix_step_tokens: int | None = None       # prompt tokens a mixed step carries with CUDA graphs (None: MIX_STEP_TOKENS)
 
 
 def graph_batch_sizes(max_slots: int, sizes: list[int] | None = None, max_bs: int | None = None) -> list[int]:
@@ -162,7 +163,7 @@ class _NativeLM:
 
     def __init__(self, model, max_slots: int, max_ctx: int, device: torch.device, dtype: torch.dtype, cuda_graph: bool,
                  graph_bs: list[int] | None = None, num_pages: int | None = None, page_size: int = 16,
-                 deterministic: bool = False):
+                 deterministic: bool = False, mix_step_tokens: int | None = None):
         inner = model.model
         cfg = model.config
         self.model = model
@@ -239,6 +240,7 @@ class _NativeLM:
         if deterministic:  # a prompt chunk in a decode step's forward changes the step's shape: prefills run alone
             self.mix_tokens = 0
         self.mix_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.mix_step_max = MIX_STEP_TOKENS if mix_step_tokens is None else mix_step_tokens
         if self.mix_tokens:
             T = max_slots + self.mix_tokens
             self.m_tokens = torch.zeros(T, dtype=torch.long, device=device)
@@ -568,11 +570,12 @@ class _NativeLM:
 
     @property
     def mix_step_tokens(self) -> int:
-        """Prompt tokens one mixed step carries at most: ``MIX_STEP_TOKENS`` with CUDA graphs (graph replay up to
-        ``mix_tokens``, eager beyond), else ``mix_tokens``."""
+        """Prompt tokens one mixed step carries at most: ``MIX_STEP_TOKENS`` (``RunnerOptions.mix_step_tokens``) with
+        CUDA graphs (graph replay up to ``mix_tokens``, eager beyond; never fewer than ``mix_tokens``), else
+        ``mix_tokens``."""
         if not self.mix_tokens:
             return 0
-        return max(self.mix_tokens, MIX_STEP_TOKENS) if self.use_graphs and self.kernel else self.mix_tokens
+        return max(self.mix_tokens, self.mix_step_max) if self.use_graphs and self.kernel else self.mix_tokens
 
     @torch.no_grad()
     def decode_mixed(self, tokens: torch.Tensor, positions: torch.Tensor, max_len: int, row: int, chunk: list[int],
@@ -945,7 +948,8 @@ class ModelRunner:
             try:
                 pages = self._pool_pages(opts, max_ctx) if self.paged else None
                 self.impl = _NativeLM(self.model, self.max_slots, max_ctx, self.device, self.dtype, opts.cuda_graph,
-                                      self.graph_batch_sizes, pages, self.page_size, opts.deterministic)
+                                      self.graph_batch_sizes, pages, self.page_size, opts.deterministic,
+                                      mix_step_tokens=opts.mix_step_tokens)
             except (AttributeError, NotImplementedError) as e:
                 logger.warning("native forward unavailable for %s (%s); using the generic HF path", self.config.model_type, e)
                 native = False

@@ -577,7 +577,8 @@ class Scheduler(DecodeSteps):
         return None
 
     HOLDERS = 2
-    MIX_MAX_CHUNKS = 4   # a refill whose prompt needs more mixed chunks than this is prefilled on its own instead
+    MIX_MAX_CHUNKS = 4   # a refill whose prompt needs more mixed graph chunks (mix_tokens) than this is prefilled on
+    #                      its own instead: a rider's prompt tokens attend to its earlier ones through the decode kernel
 
     def _admit(self) -> None:
         """Admit queued requests (FIFO) while slots, prefill tokens and (paged) free pages allow; one prefill.
@@ -620,7 +621,7 @@ class Scheduler(DecodeSteps):
                     r.state, r.kv_len, self.chunking = "prefilling", 0, r
                     self.chunked_prefills += 1
                 break
-            if (src is None and holder is None and mix_ok and n <= mix * self.MIX_MAX_CHUNKS
+            if (src is None and holder is None and mix_ok and n <= self._mix_longest()
                     and (r.retracted or not self._wants_input_logprobs(r))):
                 # a refill: its prompt rides in the next decode steps (mixed), after the riders before it; the
                 # requests gathered for a batched prefill so far go first
