@@ -15,6 +15,11 @@ excluded: TRL from ``on_train_begin``, this project the ``perf/step_time`` of ea
     python benchmarks/vs_trl.py                              # both sides, 1 trainer rank + 1 engine
     python benchmarks/vs_trl.py --layout quickstart          # this project with 2 trainer ranks + 2 engines
     python benchmarks/vs_trl.py --skip-trl --max-steps 100   # this project only
+    python benchmarks/vs_trl.py --runs 3 --stop-at-threshold # 3 runs of both sides: the ratio's median
+
+Threads: TRL's process uses every usable core (``--trl-threads``, torch's default); this project's processes,
+with ``OMP_NUM_THREADS`` unset, each phase's share of them (docs/launching.md, "CPU threads"). On a machine
+busy with other jobs give ``OMP_NUM_THREADS=1 ... --trl-threads 1`` (one thread everywhere).
 
 TRL is installed by this script into its own virtual environment (``--trl-venv``, default
 ``~/.cache/miles-bench/trl-venv``): ``python -m venv``, then ``pip install torch==2.13.0`` (the CPU build
@@ -59,8 +64,13 @@ def to_threshold(rewards: list[float], step_times: list[float], window: int, thr
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-            "PYTHONPATH": str(REPO)}
+    """The runs' environment. ``OMP_NUM_THREADS`` is passed on only when the caller set it: unset, this project's
+    processes take their share of the cores in each phase (docs/launching.md, "CPU threads")."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0))
 
 
 def _cpu_children() -> float:
@@ -257,13 +267,18 @@ def main() -> None:
     p.add_argument("--sft-rollouts", type=int, default=30, help="SFT warm start: rollouts of 320 demonstrations.")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trl-venv", type=Path, default=Path.home() / ".cache" / "miles-bench" / "trl-venv")
-    p.add_argument("--trl-threads", type=int, default=1,
-                   help="torch threads of the TRL process (one process). On a shared 2-core box 2 threads thrash "
-                        "(seen: 12-26 s a step at load 13, against ~1 s with one thread).")
+    p.add_argument("--trl-threads", type=int, default=None,
+                   help="torch threads of the TRL process (one process; default: every usable core, as torch "
+                        "does). On a machine busy with other jobs more than one thread thrash (seen: 12-26 s a step "
+                        "at load 13 with 2 threads on 2 cores, against ~1 s with one); there give 1, and "
+                        "OMP_NUM_THREADS=1 for this project's processes.")
     p.add_argument("--train-backend", choices=["fsdp", "megatron"], default="fsdp",
                    help="This project's GRPO trainer backend (the SFT warm start always uses fsdp).")
     p.add_argument("--script", choices=["train.py", "train_async.py"], default="train.py",
                    help="train_async.py: generation of step k+1 overlaps training of step k (one step off-policy).")
+    p.add_argument("--runs", type=int, default=1,
+                   help="Run both sides this many times (TRL, then this project, run after run); prints each run's "
+                        "time-to-threshold ratio and their median.")
     p.add_argument("--skip-trl", action="store_true")
     p.add_argument("--stop-at-threshold", action="store_true",
                    help="Stop TRL once the threshold is reached (saves time; its s/step then covers fewer steps).")
@@ -275,6 +290,8 @@ def main() -> None:
     p.add_argument("--trl-out", help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=2, help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.trl_threads is None:
+        a.trl_threads = _cores()
     if a.trl_worker:
         trl_worker(a)
         return
@@ -282,45 +299,59 @@ def main() -> None:
     a.work.mkdir(parents=True, exist_ok=True)
     load0 = os.getloadavg()
     task = build_task(a.work, a.hidden_size, a.num_layers, a.seed, a.sft_rollouts)
-    results: list[tuple[str, dict]] = []
-    trl_note = "skipped (--skip-trl)"
+    trl_note, py = "skipped (--skip-trl)", None
     if not a.skip_trl:
         py, why = ensure_trl_venv(a.trl_venv)
+        trl_note = f"TRL NOT MEASURED: {why}" if py is None else f"trl in {a.trl_venv} ({why})"
         if py is None:
-            trl_note = f"TRL NOT MEASURED: {why}"
             print(f"vs_trl: {trl_note}", file=sys.stderr)
-        else:
-            res = run_trl(py, task, a.work / "trl", a)
-            trl_note = f"trl {res['version']} in {a.trl_venv} ({why})"
+    names = {"single": "1 trainer rank + 1 engine", "quickstart": "2 trainer ranks + 2 engines"}
+    runs: list[list[tuple[str, dict]]] = []  # per run: TRL first, then this project's layouts
+    for i in range(a.runs):
+        tag = f"-{i + 1}" if a.runs > 1 else ""
+        results: list[tuple[str, dict]] = []
+        if py is not None:
+            res = run_trl(py, task, a.work / f"trl{tag}", a)
             results.append((f"TRL {res['version']} GRPOTrainer (1 process, {a.trl_threads} threads)", res))
-    phases: dict[str, list] = {}
-    for layout in (LAYOUTS if a.layout == "both" else [a.layout]):
-        res = run_miles(task, a.work / f"miles-{layout}", layout, a)
-        name = f"miles {a.script}, " + {"single": "1 trainer rank + 1 engine",
-                                        "quickstart": "2 trainer ranks + 2 engines"}[layout]
-        results.append((name, res))
-        phases[name] = res["phases"]
+        for layout in (LAYOUTS if a.layout == "both" else [a.layout]):
+            res = run_miles(task, a.work / f"miles-{layout}{tag}", layout, a)
+            results.append((f"miles {a.script}, {names[layout]}", res))
+        runs.append(results)
     load1 = os.getloadavg()
 
     print(f"\nGRPO to a {a.window}-step mean reward of {a.threshold} (model {a.hidden_size}x{a.num_layers}, "
           f"8 prompts x 8 samples, <= 8 tokens, lr 1e-4, T 1, no KL); {trl_note}")
-    print(f"load average before {load0[0]:.2f}, after {load1[0]:.2f} ({os.cpu_count()} cores)\n")
+    omp = os.environ.get("OMP_NUM_THREADS")
+    print(f"load average before {load0[0]:.2f}, after {load1[0]:.2f} ({_cores()} usable cores); TRL "
+          f"{a.trl_threads} thread(s); this project's threads: "
+          + (f"OMP_NUM_THREADS={omp} in every process" if omp else "each phase's share of the cores") + "\n")
     print("| run | steps to threshold | training s to threshold | s/step | steps run | training s, all steps | "
           "wall s (with start-up) | CPU s, all processes (per step) |")
     print("|---|---|---|---|---|---|---|---|")
-    for name, res in results:
-        print(_row(name, res, a))
-    trl = next((r for n, r in results if n.startswith("TRL")), None)
-    for name, res in results:
-        if trl is not None and res is not trl:
+    for i, results in enumerate(runs):
+        for name, res in results:
+            print(_row(name + (f", run {i + 1}" if a.runs > 1 else ""), res, a))
+    ratios: dict[str, list[float]] = {}
+    for results in runs:  # this project / TRL of the same run (TRL ran just before it)
+        trl = next((r for n, r in results if n.startswith("TRL")), None)
+        h_t = to_threshold(trl["rewards"], trl["step_times"], a.window, a.threshold) if trl is not None else None
+        for name, res in results:
             h_m = to_threshold(res["rewards"], res["step_times"], a.window, a.threshold)
-            h_t = to_threshold(trl["rewards"], trl["step_times"], a.window, a.threshold)
-            if h_m and h_t:
-                print(f"\n{name}: time to threshold / TRL's = {h_m[1] / h_t[1]:.2f}")
-    for name, rows in phases.items():
-        print(f"\nPer-phase breakdown, {name} (mean seconds a step, rollouts 5+; rank 0's clock; "
-              "train parts: trainer rank 0):")
-        for key, secs, depth in rows:
+            if res is not trl and h_m and h_t:
+                ratios.setdefault(name, []).append(h_m[1] / h_t[1])
+    for name, rs in ratios.items():
+        each = ", ".join(f"{r:.2f}" for r in rs)
+        print(f"\n{name}: time to threshold / TRL's = {statistics.median(rs):.2f}"
+              + (f" (median of {len(rs)} runs: {each})" if len(rs) > 1 else ""))
+    for name, _ in runs[0]:
+        per_run = [dict((k, (s, d)) for k, s, d in res["phases"]) for results in runs for n, res in results
+                   if n == name and "phases" in res]
+        if not per_run:
+            continue
+        print(f"\nPer-phase breakdown, {name} (mean seconds a step, rollouts 5+, mean of {len(per_run)} run(s); "
+              "rank 0's clock; train parts: trainer rank 0):")
+        for key, (_, depth) in per_run[0].items():
+            secs = statistics.mean(r[key][0] for r in per_run if key in r)
             print(f"{'    ' * depth}{key:<{44 - 4 * depth}} {secs:8.4f}")
 
 

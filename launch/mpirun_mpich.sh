@@ -22,5 +22,4 @@ MPIEXEC=${MPIEXEC:-$(command -v mpiexec.hydra || command -v mpiexec)}
 read -r -a ENTRY_WORDS <<<"${ENTRY:-train.py}"
 ARGS=(-n "$NP" -ppn "$PER_NODE" -genvall)
 [ -n "${HOSTS:-}" ] && ARGS+=(-hosts "$HOSTS")
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec "$MPIEXEC" "${ARGS[@]}" "${PYTHON:-python}" "${ENTRY_WORDS[@]}" --num-gpus-per-node "$PER_NODE" "$@"

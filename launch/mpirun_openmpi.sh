@@ -22,9 +22,8 @@ ARGS=(-n "$NP" --map-by "ppr:$PER_NODE:node" --bind-to none)
 [ "$(id -u)" -eq 0 ] && ARGS+=(--allow-run-as-root)
 # forward the environment every rank needs (Open MPI passes nothing by default to remote nodes)
 for v in PATH LD_LIBRARY_PATH PYTHONPATH VIRTUAL_ENV HF_HOME HF_HUB_OFFLINE CUDA_VISIBLE_DEVICES NCCL_DEBUG \
-         NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME MASTER_ADDR MASTER_PORT MPI4PY_LIBMPI WANDB_MODE; do
+         NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME MASTER_ADDR MASTER_PORT MPI4PY_LIBMPI WANDB_MODE OMP_NUM_THREADS; do
   [ -n "${!v:-}" ] && ARGS+=(-x "$v")
 done
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec mpirun "${ARGS[@]}" -x OMP_NUM_THREADS "${MORE[@]}" "${PYTHON:-python}" "${ENTRY_WORDS[@]}" \
+exec mpirun "${ARGS[@]}" "${MORE[@]}" "${PYTHON:-python}" "${ENTRY_WORDS[@]}" \
   --num-gpus-per-node "$PER_NODE" "$@"

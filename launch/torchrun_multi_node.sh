@@ -26,6 +26,5 @@ BACKEND=${RDZV_BACKEND:-c10d}
 read -r -a ENTRY_WORDS <<<"${ENTRY:-train.py}"
 RDZV=(--rdzv-backend "$BACKEND" --rdzv-endpoint "$RDZV_HOST:$RDZV_PORT" --rdzv-id "${RUN_ID:-miles-$RDZV_HOST-$RDZV_PORT}")
 [ "$BACKEND" = static ] && RDZV=(--node-rank "${NODE_RANK:?static rendezvous needs NODE_RANK}" --master-addr "$RDZV_HOST" --master-port "$RDZV_PORT")
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec "${PYTHON:-python}" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC" "${RDZV[@]}" \
   "${ENTRY_WORDS[@]}" --num-gpus-per-node "$NPROC" "$@"

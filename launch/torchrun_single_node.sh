@@ -12,6 +12,5 @@ cd "$(dirname "$0")/.."
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l || true)
 NPROC=${NPROC:-$([ "${gpus:-0}" -gt 0 ] && echo "$gpus" || echo 8)}
 read -r -a ENTRY_WORDS <<<"${ENTRY:-train.py}"
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec "${PYTHON:-python}" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
   "${ENTRY_WORDS[@]}" --num-gpus-per-node "$NPROC" "$@"

@@ -72,7 +72,7 @@ GPUS_PER_NODE=${GPUS_PER_NODE:-${PER_NODE_TASKS%%(*}}
 GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
 TOTAL=$(( NNODES * GPUS_PER_NODE ))
 GPUS_PER_ENGINE=${GPUS_PER_ENGINE:-1}
-export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export PYTHONUNBUFFERED=1
 
 # ---------------------------------------------------------------- the role plan's flags
 if [ "${COLOCATE:-0}" = 1 ]; then

@@ -207,7 +207,11 @@ class _NativeLM:
         self.deterministic = deterministic
         if deterministic:
             self.batch_buckets = [b for b in self.batch_buckets if b == max_slots]
-        self.ctx_buckets = sorted({min(cache_ctx, 1 << k) for k in range(8, 24)} | {cache_ctx})
+        # the context an eager decode step attends over: the live length rounded up to a power of two, from 16 (a whole
+        # page of the paged cache at least; from 256 with CUDA graphs: one graph per bucket). Starting at 256 on CPU, a
+        # quickstart rollout (contexts of ~6 tokens) spent a fifth of the scheduler's CPU on masked positions
+        low = 256 if self.use_graphs else max(16, page_size if num_pages is not None else 1)
+        self.ctx_buckets = sorted({min(cache_ctx, 1 << k) for k in range(low.bit_length() - 1, 24)} | {cache_ctx})
         # paged mode (num_pages given): a page pool + block tables instead of the slot cache
         self.kv: PagedKV | None = None
         if num_pages is not None:
@@ -352,6 +356,18 @@ class _NativeLM:
         if self.kv is not None:
             return self.kv.share(src, dst, length)
         self.move_slot(src, dst, length)  # the slot cache copies (a move leaves the source's KV in place)
+
+    def share_prefix_many(self, src: int, dsts: list[int], length: int) -> None:
+        """``share_prefix`` to every slot of ``dsts``: on the slot cache one copy per layer and K/V for all of them
+        (a group of n samples was 2 x layers x (n - 1) small copies)."""
+        if self.kv is not None or len(dsts) < 2:
+            for dst in dsts:
+                self.share_prefix(src, dst, length)
+            return
+        idx = torch.tensor(dsts, dtype=torch.long, device=self.device)
+        for kc, vc in zip(self.k_cache, self.v_cache):
+            kc[idx, :, :length] = kc[src, :, :length]
+            vc[idx, :, :length] = vc[src, :, :length]
 
     def release_slot(self, slot: int) -> None:
         if self.kv is not None:
@@ -1060,6 +1076,14 @@ class ModelRunner:
 
     def share_prefix(self, src: int, dst: int, length: int) -> None:
         self.impl.share_prefix(src, dst, length)
+
+    def share_prefix_many(self, src: int, dsts: list[int], length: int) -> None:
+        """``share_prefix(src, dst, length)`` for every ``dst`` (batched where the cache can)."""
+        many = getattr(self.impl, "share_prefix_many", None)
+        if many is not None:
+            return many(src, dsts, length)
+        for dst in dsts:
+            self.impl.share_prefix(src, dst, length)
 
     @property
     def can_share_running_prefix(self) -> bool:

@@ -233,6 +233,7 @@ class Scheduler(DecodeSteps):
         self.prefill_seconds = 0.0    # admissions (batched prefills, first tokens) and chunks prefilled between steps
         self.prefills = 0             # batched admission prefills
         self.decode_phases = dict.fromkeys(("grow", "inputs", "forward", "sample", "append", "remove"), 0.0)
+        self.cpu_threads = torch.get_num_threads()  # the scheduler thread's torch intra-op threads (set in _loop)
 
     # ------------------------------------------------------------------ thread plumbing
     def start(self) -> None:
@@ -279,6 +280,8 @@ class Scheduler(DecodeSteps):
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
+        self.cpu_threads = torch.get_num_threads()  # what the forward passes run with (OMP_NUM_THREADS of the process)
+        logger.info("scheduler thread: %d CPU thread(s) for the forward passes", self.cpu_threads)
         if self.runner.device.type == "cuda":
             torch.cuda.set_device(self.runner.device)
         try:
@@ -539,21 +542,25 @@ class Scheduler(DecodeSteps):
                 posts.append(r)
 
     def _remove(self, idxs: list[int]) -> None:
-        for i in sorted(idxs, reverse=True):
-            last = len(self.running) - 1
-            gone = self.running[i]
-            self._drop_holder(gone)
-            gone.state, gone.slot = "done", -1
-            if gone.spec.return_routed_experts:
-                gone.routed_experts = self.runner.routed_experts(i)
-            self.runner.release_slot(i)
-            if i != last:
-                mover = self.running[last]
-                self.runner.move_slot(last, i, mover.kv_len)
-                self.running[i] = mover
-                mover.slot = i
-            self.running.pop()
-            gone.post(final=True)
+        gone_now: list[Req] = []
+        try:
+            for i in sorted(idxs, reverse=True):
+                last = len(self.running) - 1
+                gone = self.running[i]
+                self._drop_holder(gone)
+                gone.state, gone.slot = "done", -1
+                if gone.spec.return_routed_experts:
+                    gone.routed_experts = self.runner.routed_experts(i)
+                self.runner.release_slot(i)
+                if i != last:
+                    mover = self.running[last]
+                    self.runner.move_slot(last, i, mover.kv_len)
+                    self.running[i] = mover
+                    mover.slot = i
+                self.running.pop()
+                gone_now.append(gone)
+        finally:  # one event-loop wake-up for all of them (was a self-pipe write per request), even after a failure
+            post_final(gone_now)
         if idxs:
             self._epoch += 1
 
@@ -677,8 +684,11 @@ class Scheduler(DecodeSteps):
         else:
             last, full = None, []
         rows = list(range(len(uniq))) + [src for _, src in dups]
+        by_src: dict[int, list[int]] = {}  # the samples of one prompt get its KV together
         for j, (_, src) in enumerate(dups):
-            rn.share_prefix(start + src, start + len(uniq) + j, len(seqs[src]))
+            by_src.setdefault(src, []).append(start + len(uniq) + j)
+        for src, dsts in by_src.items():
+            rn.share_prefix_many(start + src, dsts, len(seqs[src]))
         full = full + [full[src] for _, src in dups] + [None] * len(held)
         seqs = seqs + [seqs[src] for _, src in dups] + [r.spec.input_ids for r, _ in held]
         base = len(uniq) + len(dups)
@@ -840,6 +850,6 @@ class Scheduler(DecodeSteps):
                 "num_prefilling_reqs": len(self.riders) + (self.chunking is not None),
                 "mixed_steps": self.mixed_steps, "overlap_steps": self.overlap_steps,
                 "overlap_dropped_tokens": self.dropped_tokens, "decode_seconds": round(self.decode_seconds, 4),
-                "decode_wait_seconds": round(self.decode_wait_seconds, 4), "prefills": self.prefills,
-                "prefill_seconds": round(self.prefill_seconds, 4),
+                "decode_wait_seconds": round(self.decode_wait_seconds, 4), "cpu_threads": self.cpu_threads,
+                "prefills": self.prefills, "prefill_seconds": round(self.prefill_seconds, 4),
                 **{f"decode_{k}_seconds": round(v, 4) for k, v in self.decode_phases.items()}, **self.runner.kv_stats()}

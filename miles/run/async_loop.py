@@ -34,6 +34,8 @@ logger = get_logger(__name__)
 
 
 class AsyncRLLoop(RLLoop):
+    overlaps_phases = True  # trainer ranks and engines compute at once: they share the cores (miles.spmd.threads)
+
     def __init__(self, job: Any) -> None:
         super().__init__(job)
         self.interval = max(1, self.cfg.weights.update_weights_interval)

@@ -1,6 +1,6 @@
 """Build one run's components on every rank, in an order every rank agrees on.
 
-    run = await build_run(cfg, ctx, is_async=False)   # a Run: plan, worker, and on the driver the rest
+    run = await build_run(cfg, ctx, overlap=False)    # a Run: plan, worker, and on the driver the rest
     ...
     await run.close()                                   # on every exit path
 
@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from miles.config.base import ConfigError
 from miles.ft.launcher import LauncherHeartbeat
-from miles.run.control import CommandChannel, broadcast_json
+from miles.run.control import CommandChannel, all_gather_json, broadcast_json
 from miles.run.fleet import Fleet, Placement, connect_fleet, place_engines
 from miles.run.metrics import NullSink, build_sink, default_output_dir
 from miles.run.progress import Progress
@@ -32,6 +33,7 @@ from miles.utils.logging import configure_logging, get_logger
 if TYPE_CHECKING:
     from miles.config import MilesConfig
     from miles.spmd import SPMDContext
+    from miles.spmd.threads import CpuThreads
 
 logger = get_logger(__name__)
 
@@ -128,6 +130,35 @@ def _share_plan(cfg: MilesConfig, ctx: SPMDContext, timeout: float) -> tuple[Run
     return RunPlan.from_dict(msg["plan"]), {}
 
 
+def _share_cpu_threads(ctx: SPMDContext, *, overlap: bool, timeout: float,
+                       train_env_vars: dict[str, str] | None = None) -> CpuThreads:
+    """Every rank's usable CPUs (one all-gather over the control group), then this rank's thread counts
+    (``miles.spmd.threads``; the driver logs the job's); a bad ``OMP_NUM_THREADS`` on any rank fails every rank
+    with its line."""
+    from miles.spmd.threads import (
+        cpu_ranges,
+        describe_threads,
+        parse_cpu_ranges,
+        plan_threads,
+        usable_cpus,
+        user_omp_threads,
+    )
+
+    try:
+        fixed, err = user_omp_threads(train_env_vars=train_env_vars), None
+    except ConfigError as e:
+        fixed, err = None, str(e)
+    rows = all_gather_json({"cpus": cpu_ranges(usable_cpus()), "error": err}, ctx.groups.control_group, timeout)
+    bad = next(((r, row["error"]) for r, row in enumerate(rows) if row["error"]), None)
+    if bad is not None:
+        raise ConfigError(bad[1] if bad[0] == ctx.rank else f"rank {bad[0]}: {bad[1]}")
+    cpus = [parse_cpu_ranges(row["cpus"]) for row in rows]
+    if ctx.is_driver:
+        every = [plan_threads(ctx.plan, r, cpus, overlap=overlap, fixed=fixed) for r in range(ctx.plan.world_size)]
+        logger.info("%s", describe_threads(ctx.plan, every))
+    return plan_threads(ctx.plan, ctx.rank, cpus, overlap=overlap, fixed=fixed)
+
+
 def _write_config(cfg: MilesConfig, plan: RunPlan, out_dir: Path) -> None:
     resolved = cfg.to_dict()
     resolved["run_plan"] = {k: v for k, v in plan.to_dict().items() if k != "engine_api_key"}
@@ -159,7 +190,8 @@ def _build_sender(cfg: MilesConfig, ctx: SPMDContext, trainer: Any, placement: P
                                status_group=ctx.groups.trainer_group, **kwargs)
 
 
-async def build_run(cfg: MilesConfig, ctx: SPMDContext) -> Run:
+async def build_run(cfg: MilesConfig, ctx: SPMDContext, *, overlap: bool = False) -> Run:
+    """``overlap``: the loop trains while it generates (``train_async.py``), which decides the CPU threads."""
     timeout = cfg.cluster.distributed_timeout_minutes * 60.0
     plan, local = _share_plan(cfg, ctx, timeout)
     out_dir = Path(plan.output_dir)
@@ -169,10 +201,16 @@ async def build_run(cfg: MilesConfig, ctx: SPMDContext) -> Run:
     if ctx.is_driver:
         _write_config(cfg, plan, out_dir)
         logger.info("output dir %s (config.json, metrics.jsonl, logs/)", out_dir)
+    threads = _share_cpu_threads(ctx, overlap=overlap, timeout=timeout, train_env_vars=cfg.train.train_env_vars)
+    if ctx.is_trainer:
+        import torch
+
+        torch.set_num_threads(threads.trainer)  # before the trainer's first op (and its threads' first parallel op)
     channel = CommandChannel(ctx.groups.control_group, ctx.plan.driver_rank, timeout)
     progress = Progress(enabled=ctx.is_driver and not cfg.output.no_progress)
     placement = (place_engines(cfg, ctx, kind=plan.engine_kind, api_key=plan.engine_api_key, out_dir=out_dir,
-                               timeout=timeout) if ctx.plan.engines else None)
+                               timeout=timeout, threads=threads.engine if threads.source == "phases" else None)
+                 if ctx.plan.engines else None)
     trainer = extra = None
     worker = Worker(ctx, channel, timeout=timeout, placement=placement, progress=progress)
     worker.heartbeat = LauncherHeartbeat.from_env()  # under ft_launcher: a hung rank is restarted sooner

@@ -30,17 +30,20 @@ def apply_train_env_vars(env: dict[str, str]) -> None:
 
 
 async def run_job(cfg: MilesConfig, loop_cls: Any) -> None:
+    from miles.spmd.threads import default_openmp_env
+
+    apply_train_env_vars(cfg.train.train_env_vars)  # before torch.distributed and the first CUDA allocation
+    default_openmp_env()  # before torch loads libgomp (the imports below): OpenMP threads spin ~0.1 ms, not ~3.5
     from miles.dashboard import hooks as dashboard
     from miles.run.build import build_run
     from miles.run.liveness import Liveness, name_silent_ranks
     from miles.spmd import bootstrap
 
-    apply_train_env_vars(cfg.train.train_env_vars)  # before torch.distributed and the first CUDA allocation
     ctx = bootstrap(cfg)
     dashboard.start(cfg, ctx)  # --use-miles-dashboard: this rank's telemetry collector (a no-op without it)
     beat = Liveness.start(ctx.world.rank, ctx.world.world_size)  # after a timeout: which rank went silent
     try:
-        job = await build_run(cfg, ctx)
+        job = await build_run(cfg, ctx, overlap=getattr(loop_cls, "overlaps_phases", False))
     except BaseException:
         dashboard.close()  # its last flush: what it has recorded of the start-up
         raise

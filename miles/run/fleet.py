@@ -161,8 +161,9 @@ class Fleet:
 
 
 def place_engines(cfg: MilesConfig, ctx: SPMDContext, *, kind: str, api_key: str | None, out_dir: Path,
-                  timeout: float) -> Placement:
-    """Collective over the control group: agree on engine addresses, then leaders start their engines."""
+                  timeout: float, threads: int | None = None) -> Placement:
+    """Collective over the control group: agree on engine addresses, then leaders start their engines.
+    ``threads``: the engine process's ``OMP_NUM_THREADS`` (``miles.spmd.threads``; None: inherited)."""
     plan, world = ctx.plan, ctx.world
     spec = ctx.engine
     host = engine_host(world.num_nodes)  # loopback when the job is on one node
@@ -187,7 +188,7 @@ def place_engines(cfg: MilesConfig, ctx: SPMDContext, *, kind: str, api_key: str
             dist_init_addr=dist_init, sglang=cfg.sglang,
             extra=replay_server_flags(kind, cfg.algo) + model_server_flags(kind, cfg.megatron))
         name = f"engine{spec.engine_id}" + (f"-node{node_rank}" if node_rank else "")
-        placement.supervisor = start_engine(argv, cfg, name=name, log_path=out_dir / f"{name}.log")
+        placement.supervisor = start_engine(argv, cfg, name=name, log_path=out_dir / f"{name}.log", threads=threads)
         if node_rank == 0 and not cfg.ft.use_fault_tolerance:  # with it, the FT heartbeat probes and restarts
             from miles.run.engine_watch import EngineWatch
 
@@ -258,11 +259,14 @@ def _exit_cause(code: int) -> str:
     return f"exited with code {code}"
 
 
-def start_engine(argv: list[str], cfg: MilesConfig, *, name: str, log_path: Path) -> EngineSupervisor:
+def start_engine(argv: list[str], cfg: MilesConfig, *, name: str, log_path: Path,
+                 threads: int | None = None) -> EngineSupervisor:
     from miles.spmd.supervisor import EngineSupervisor, scrubbed_env
 
     restarts = cfg.ft.max_engine_restarts if cfg.ft.use_fault_tolerance else 0
     extra = {"MILES_LOG_LEVEL": os.environ.get("MILES_ENGINE_LOG_LEVEL", "WARNING")}
+    if threads is not None:  # its share of the node's cores while it generates (miles.spmd.threads)
+        extra["OMP_NUM_THREADS"] = str(threads)
 
     def on_exit(sup: EngineSupervisor, code: int, will_restart: bool) -> None:
         if code == 0:

@@ -89,6 +89,8 @@ def dump_samples(path: str, groups: list[list[Sample]]) -> None:
 class RLLoop:
     """Components are injected through ``run``; the loop holds no other state than counters."""
 
+    overlaps_phases = False  # generation and training take turns: each gets the node's cores (miles.spmd.threads)
+
     def __init__(self, job: Run) -> None:
         self.job, self.cfg, self.plan = job, job.cfg, job.plan
         self.ranks = job.ranks
