@@ -2,12 +2,23 @@
 
     python benchmarks/engine_rollout.py --small                                   # CPU, tiny model (~1 min)
     python benchmarks/engine_rollout.py --device cuda --dtype bfloat16            # one GPU, Qwen3-0.6B shape
+    python benchmarks/engine_rollout.py --device cuda --dtype bfloat16 --workloads http --skip-hf
 
-Workload (the issue's): ``--requests`` separate ``/generate`` calls, ``--concurrency`` of them in flight at
-once (a client semaphore), random prompts of ``--prompt-len`` tokens, ``temperature 1``, ``return_logprob``,
-EOS ignored, response lengths either all ``--fixed-len`` or uniform in ``--min-len..--max-len`` (seeded).
-tokens/s = response tokens asked for / wall time from the first request sent to the last answer.
-The model is random-weight, built locally from a config (no downloads).
+Workloads (``--workloads``, default all three): ``fixed`` and ``uniform``: ``--requests`` separate
+``/generate`` calls, ``--concurrency`` of them in flight at once (a client semaphore), random prompts of
+``--prompt-len`` tokens, ``temperature 1``, ``return_logprob``, EOS ignored, response lengths either all
+``--fixed-len`` or uniform in ``--min-len..--max-len`` (seeded). ``http``: what one rollout of ``train.py``
+sends an engine: ``--concurrency`` requests of ``--fixed-len`` tokens all sent at once (no client limit: the
+engine's queue holds what does not run), each with the body the rollout's default generate function sends
+(``return_logprob``, temperature 1, top_p 1, top_k -1; EOS ignored so that the lengths are known), so the
+engine prefills while it decodes and answers every request with its log-probs at the end. tokens/s = response
+tokens asked for / wall time from the first request sent to the last answer. The model is random-weight, built
+locally from a config (no downloads).
+
+The memory bound of each workload (``memory_bound``: bytes a generated token costs when every decode step reads
+every weight once and every running request's KV cache, the workload replayed as continuous batching with
+``--concurrency`` slots) turns, on a GPU, into a ceiling in tokens/s at the anchor's copy bandwidth; each engine
+line reports ``pct_of_memory_bound`` = its tokens/s over that ceiling.
 
 Reference in the same run: transformers ``generate`` (static cache, sampling at temperature 1, EOS ignored) in
 batches of ``--hf-batch``; each batch decodes to its longest length and counts only the tokens asked for
@@ -31,11 +42,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _anchor import anchor  # noqa: E402
 from engine_throughput import PRESETS, build_model, sync  # noqa: E402
+
+WORKLOADS = ("fixed", "uniform", "http")
 
 
 def workload(kind: str, n: int, a: argparse.Namespace) -> list[int]:
     rng = random.Random(7)
+    if kind == "http":
+        return [a.fixed_len] * a.concurrency
     if kind == "fixed":
         return [a.fixed_len] * n
     return [rng.randint(a.min_len, a.max_len) for _ in range(n)]
@@ -64,30 +80,39 @@ def memory_bound(model_dir: Path, lengths: list[int], prompt_len: int, slots: in
     return {"bytes_per_token": round(total / sum(lengths)), "steps": steps}
 
 
-async def _client(url: str, prompts: list[list[int]], lengths: list[int], concurrency: int) -> tuple[float, int]:
+async def _client(url: str, prompts: list[list[int]], lengths: list[int], concurrency: int,
+                  train_body: bool = False) -> tuple[float, int, list[float]]:
+    """Send every request (``concurrency`` in flight); wall time, response tokens and each answer's arrival (seconds
+    after the first request). ``train_body``: the sampling params of the rollout's default generate function."""
     import aiohttp
 
     sem = asyncio.Semaphore(concurrency)
-    got = 0
+    got, arrivals = 0, []
+    params = {"temperature": 1.0, "ignore_eos": True}
+    if train_body:      # miles.rollout.generate.build_sampling_params with the default --rollout-* flags
+        params.update(top_p=1.0, top_k=-1, skip_special_tokens=True)
 
     async def one(session, p, n):
         nonlocal got
-        body = {"input_ids": p, "return_logprob": True,
-                "sampling_params": {"max_new_tokens": n, "temperature": 1.0, "ignore_eos": True}}
+        body = {"input_ids": p, "return_logprob": True, "sampling_params": {"max_new_tokens": n, **params}}
         async with sem, session.post(url + "/generate", json=body) as r:
             r.raise_for_status()
             out = await r.json()
         assert len(out["output_ids"]) == n and len(out["meta_info"]["output_token_logprobs"]) == n
+        arrivals.append(time.perf_counter() - t0)
         got += n
 
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
         t0 = time.perf_counter()
         await asyncio.gather(*[one(session, p, n) for p, n in zip(prompts, lengths)])
-        return time.perf_counter() - t0, got
+        return time.perf_counter() - t0, got, sorted(arrivals)
 
 
-def bench_engine(model_dir: Path, a: argparse.Namespace, kv_cache: str, runs: dict[str, tuple[list, list]]) -> dict:
+def bench_engine(model_dir: Path, a: argparse.Namespace, kv_cache: str, runs: dict[str, tuple[list, list]],
+                 ceiling: dict[str, float]) -> dict:
+    """Each workload of ``runs`` against one engine child (after a warm-up); ``ceiling``: a workload's tokens/s at
+    the memory bound (empty off GPU)."""
     from miles.engine.testing import EngineProc
 
     ctx = a.prompt_len + max(a.max_len, a.fixed_len) + 1
@@ -105,15 +130,24 @@ def bench_engine(model_dir: Path, a: argparse.Namespace, kv_cache: str, runs: di
         asyncio.run(_client(eng.url, next(iter(runs.values()))[0][:warm], [min(64, a.fixed_len)] * warm, warm))
         for kind, (prompts, lengths) in runs.items():
             before = eng.get("/get_load").json()[0]
-            dt, toks = asyncio.run(_client(eng.url, prompts, lengths, a.concurrency))
+            everything = kind == "http"             # all at once: no client limit
+            dt, toks, arrivals = asyncio.run(_client(eng.url, prompts, lengths, len(prompts) if everything else
+                                                     a.concurrency, train_body=everything))
             load = eng.get("/get_load").json()[0]
             out[kind] = round(toks / dt, 1)
             steps = load["steps"] - before["steps"]  # decode steps; tokens / steps = the mean running batch
             print(json.dumps({"side": f"engine ({kv_cache})", "workload": kind, "tokens": toks, "seconds": round(dt, 2),
-                              "tokens_per_s": out[kind], "decode_steps": steps,
+                              "tokens_per_s": out[kind],
+                              "pct_of_memory_bound": round(100 * out[kind] / ceiling[kind], 1) if kind in ceiling else None,
+                              "first_answer_s": round(arrivals[0], 3), "last_answer_s": round(arrivals[-1], 3),
+                              "decode_steps": steps,
                               "mean_batch": round((load["generated_tokens"] - before["generated_tokens"]) / max(steps, 1), 1),
                               "kv_pages_peak": load.get("kv_pages_peak"), "retractions": load.get("retractions"),
                               "mixed_prefills": load.get("mixed_prefills", 0) - before.get("mixed_prefills", 0),
+                              "mixed_steps": load.get("mixed_steps", 0) - before.get("mixed_steps", 0),
+                              "prefills": load.get("prefills", 0) - before.get("prefills", 0),
+                              "prefill_s": round(load.get("prefill_seconds", 0.0) - before.get("prefill_seconds", 0.0), 3),
+                              "decode_s": round(load.get("decode_seconds", 0.0) - before.get("decode_seconds", 0.0), 3),
                               "overlap_steps": load.get("overlap_steps", 0) - before.get("overlap_steps", 0),
                               # per decode step: wall time, the time inside the scheduler's decode step, and its wait
                               # for the device (the rest of the step is host work during which the device may idle)
@@ -133,36 +167,6 @@ def _per_step(load: dict, before: dict, key: str, steps: int) -> float | None:
     return round(1e3 * (load[key] - before.get(key, 0.0)) / max(steps, 1), 3)
 
 
-def anchor(device: str) -> dict:
-    """The machine's speed in this run, to compare runs across sessions: device-to-device copy bandwidth (1 GiB)
-    and a bf16 8192^3 matrix product, each the best of 10 timed with CUDA events after a warm-up."""
-    if not device.startswith("cuda"):
-        return {}
-    x = torch.empty(1 << 29, dtype=torch.bfloat16, device=device)
-    y = torch.empty_like(x)
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
-    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
-
-    def best(fn) -> float:
-        fn()
-        times = []
-        for _ in range(10):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e) / 1e3)
-        return min(times)
-    copy_s = best(lambda: y.copy_(x))
-    mm_s = best(lambda: a @ b)
-    out = {"copy_TB_s": round(2 * x.numel() * 2 / copy_s / 1e12, 2), "bf16_matmul_TFLOP_s": round(2 * 8192**3 / mm_s / 1e12, 1)}
-    x = y = a = b = None  # noqa: F841 - freed before the engine starts
-    torch.cuda.empty_cache()
-    print(json.dumps({"anchor": out}), flush=True)
-    return out
-
-
 def bench_hf(model_dir: Path, a: argparse.Namespace, runs: dict[str, tuple[list, list]]) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -174,6 +178,8 @@ def bench_hf(model_dir: Path, a: argparse.Namespace, runs: dict[str, tuple[list,
         model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8, do_sample=True, temperature=1.0, top_k=0,
                        cache_implementation="static", pad_token_id=0)
     for kind, (prompts, lengths) in runs.items():
+        if kind == "http":                          # the same requests as "fixed" for a static batch
+            continue
         prompts, lengths = prompts[: a.hf_requests], lengths[: a.hf_requests]
         total, t_all = 0, 0.0
         for i in range(0, len(prompts), a.hf_batch):
@@ -386,7 +392,8 @@ def main() -> None:
     ap.add_argument("--min-len", type=int, default=None)
     ap.add_argument("--max-len", type=int, default=None)
     ap.add_argument("--kv-cache", default="paged", help="Comma-separated engine KV layouts to measure: paged, slots.")
-    ap.add_argument("--workloads", default="fixed,uniform")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS),
+                    help="Comma-separated: fixed, uniform, http (see the module docstring).")
     ap.add_argument("--hf-batch", type=int, default=None)
     ap.add_argument("--hf-requests", type=int, default=None, help="Requests HF generate runs (default: all).")
     ap.add_argument("--skip-hf", action="store_true")
@@ -421,9 +428,13 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     vocab = PRESETS[a.preset]["vocab_size"]
     runs = {}
-    for kind in a.workloads.split(","):
-        prompts = torch.randint(2, vocab, (a.requests, a.prompt_len), generator=g).tolist()
-        runs[kind] = (prompts, workload(kind, a.requests, a))
+    kinds = [k for k in a.workloads.split(",") if k]
+    if not kinds or any(k not in WORKLOADS for k in kinds):
+        raise SystemExit(f"--workloads {a.workloads}: choose from {','.join(WORKLOADS)}")
+    for kind in kinds:
+        lengths = workload(kind, a.requests, a)
+        prompts = torch.randint(2, vocab, (len(lengths), a.prompt_len), generator=g).tolist()
+        runs[kind] = (prompts, lengths)
     res = {"preset": a.preset, "device": a.device, "dtype": a.dtype, "requests": a.requests, "concurrency": a.concurrency,
            "overlap_schedule": not a.disable_overlap_schedule and a.device.startswith("cuda"), "prompt_len": a.prompt_len, "fixed_len": a.fixed_len, "uniform": [a.min_len, a.max_len], "torch": torch.__version__,
            "machine": torch.cuda.get_device_name() if a.device.startswith("cuda") else platform.processor() or platform.machine()}
@@ -438,10 +449,18 @@ def main() -> None:
                  for kind, (_, lengths) in runs.items()}
         if {"fixed", "uniform"} <= set(bound):     # the ceiling of uniform / fixed at the memory bound (any bandwidth)
             bound["uniform_over_fixed"] = round(bound["fixed"]["bytes_per_token"] / bound["uniform"]["bytes_per_token"], 3)
+        ceiling = {}
+        if res["anchor"]:                           # tokens/s at the memory bound at this call's copy bandwidth
+            ceiling = {kind: res["anchor"]["copy_TB_s"] * 1e12 / bound[kind]["bytes_per_token"] for kind in runs}
+            for kind in runs:
+                bound[kind]["tokens_per_s_at_anchor"] = round(ceiling[kind])
         res["memory_bound"] = bound
         print(json.dumps({"memory_bound": bound}), flush=True)
         for kv in a.kv_cache.split(","):
-            res[f"engine_{kv}"] = bench_engine(model_dir, a, kv, runs)
+            res[f"engine_{kv}"] = bench_engine(model_dir, a, kv, runs, ceiling)
+            if ceiling:
+                res[f"engine_{kv}_pct_of_memory_bound"] = {k: round(100 * v / ceiling[k], 1)
+                                                           for k, v in res[f"engine_{kv}"].items()}
         if not a.skip_hf:
             res["hf_generate"] = bench_hf(model_dir, a, runs)
     print(json.dumps(res), flush=True)

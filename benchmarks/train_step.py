@@ -1,25 +1,34 @@
 """Trainer step throughput on one model with random weights: the FSDP2 trainer, the Megatron trainer and
-a plain transformers + AdamW step, each measured in the same run (``--backends``).
+a plain transformers + AdamW step (``--backends``), each side in its own process.
 
 Each measured ``train()`` call is one optimizer step over ``--samples`` x ``--seq-len`` tokens (GRPO policy
 loss, one step per rollout, so no extra forward pass; every sample packed into micro-batches of
 ``--max-tokens-per-gpu``), split over the GPUs. Per trainer side (``fsdp_*`` / ``megatron_*`` keys): global
 tokens/s of the step, achieved TFLOP/s per GPU by the 6·N·tokens count (docs/benchmarks.md, "Reference
 figures"), MFU against ``--peak-tflops`` (default: the GPU's bf16 peak, metrics.PEAK_BF16_TFLOPS), peak
-memory and the phases of a step; one JSON line on rank 0.
+memory and the phases of a step.
+
+The parent process touches no GPU: it starts one child per side, one after the other (``torchrun --standalone
+--nproc-per-node N`` for N GPUs, a plain ``python`` for one), so no side runs in memory another side left
+behind; each child prints its side's row (one JSON line); on a GPU one more child first measures the anchor
+(device-to-device copy bandwidth, a bf16 matmul: how fast this machine was in this call). The parent prints
+the sides as a table side by side, then one JSON line with every side's keys (``*_vs_plain``: ratios of
+tokens/s), and writes that to ``--json-out``.
 
 Both trainers run their GPU default precision: fp32 master weights updated by fused AdamW, bf16 parameters
 and activations in the forward and backward, fp32 gradients (FSDP2 ``MixedPrecisionPolicy``; Megatron
 ``optim.MasterWeights``). The Megatron side is ``MegatronTrainer`` (megatron-core GPTModel, TP 1 on one
-rank, ``--tensor-model-parallel-size`` otherwise). On one rank the plain side (``plain_*`` keys) loads the
+rank, ``--tensor-model-parallel-size`` otherwise). On one GPU the plain side (``plain_*`` keys) loads the
 same model with transformers, fp32 master weights, bf16 autocast, fused AdamW, the same samples as one
-batch ``[samples, seq_len]`` with the next-token cross-entropy of the response tokens; ``*_vs_plain`` are
-ratios of tokens/s.
+batch ``[samples, seq_len]`` with the next-token cross-entropy of the response tokens.
 
-    torchrun --nproc-per-node 1 benchmarks/train_step.py            # 1 GPU, Qwen3-1.7B shape, 8 x 2048 tokens, all sides
-    torchrun --nproc-per-node 1 benchmarks/train_step.py --preset qwen3-0.6b --backends fsdp,plain
-    torchrun --nproc-per-node 2 benchmarks/train_step.py --backends fsdp   # 2 GPUs (4 samples each)
-    python benchmarks/train_step.py --tiny                          # CPU smoke run of the script (fp32)
+    python benchmarks/train_step.py                  # 1 GPU, Qwen3-1.7B shape, 8 x 2048 tokens, all sides
+    python benchmarks/train_step.py --preset qwen3-0.6b --backends fsdp,plain
+    python benchmarks/train_step.py --nproc-per-node 2 --backends fsdp   # 2 GPUs (4 samples each)
+    python benchmarks/train_step.py --tiny           # CPU smoke run of the script (fp32)
+
+(``torchrun --nproc-per-node N benchmarks/train_step.py ...`` works too: its rank 0 becomes the parent, with
+N GPUs for the children, and the other ranks exit.)
 """
 
 from __future__ import annotations
@@ -61,8 +70,9 @@ def build_model(out: Path, preset: str) -> None:
 
 
 def plain_step_tokens_per_s(model_dir: Path, samples: list, prompt_len: int, device: torch.device, warmup: int,
-                            steps: int, recompute: bool) -> float:
-    """Tokens/s of a plain transformers + fused AdamW step on ``samples`` (see the module docstring)."""
+                            steps: int, recompute: bool) -> tuple[float, int]:
+    """Tokens/s of a plain transformers + fused AdamW step on ``samples`` (see the module docstring), and the
+    model's parameter count."""
     import time
 
     from transformers import AutoModelForCausalLM
@@ -91,8 +101,9 @@ def plain_step_tokens_per_s(model_dir: Path, samples: list, prompt_len: int, dev
             torch.cuda.synchronize(device)
         if it >= warmup:
             times.append(time.perf_counter() - t0)
+    num_params = sum(p.numel() for p in model.parameters())
     del model, opt
-    return ids.numel() / statistics.mean(times)
+    return ids.numel() / statistics.mean(times), num_params
 
 
 def trainer_side(backend: str, a, model_dir: Path, samples: list, device: torch.device, mesh, group,
@@ -164,12 +175,119 @@ def profile_step(trainer, samples: list, path: Path) -> list[str]:
     return sorted({e.key[:80] for e in prof.key_averages() if any(w in e.key.lower() for w in words)})
 
 
+SIDE_KEYS = (("step_time_s", "step time (s)"), ("tokens_per_s", "tokens/s"), ("tflops_per_gpu_6N", "TFLOP/s per GPU (6N)"),
+             ("mfu", "MFU"), ("peak_mem_gib", "peak memory (GiB)"), ("vs_plain", "tokens/s vs plain"),
+             ("error", "error"))
+
+
+def run_side(a, model_dir: Path, side: str) -> dict:
+    """This process measures one side (``--side``), under torchrun or as a one-rank world by itself; rank 0 prints
+    ``{"side": side, <side>_* keys}`` as its last stdout line."""
+    from miles.types import Sample
+
+    if side == "anchor":
+        from _anchor import anchor
+
+        print(json.dumps({"side": "anchor", "anchor": anchor("cuda") if torch.cuda.is_available() else {}}), flush=True)
+        return {}
+    device, rank, world, group, mesh = init_bench_world(not a.tiny)
+    if rank == 0 and not (model_dir / "config.json").is_file():
+        build_model(model_dir, a.preset)
+    dist.barrier(group)
+    if a.samples % world:
+        raise SystemExit(f"--samples {a.samples} must divide over {world} ranks")
+    per_rank = a.samples // world
+    gen = torch.Generator().manual_seed(1234 + rank)
+    vocab = PRESETS[a.preset]["vocab_size"]
+    samples = []
+    for i in range(per_rank):
+        tokens = torch.randint(0, vocab, (a.seq_len,), generator=gen).tolist()
+        samples.append(Sample(group_index=rank * per_rank + i // 4, index=i, tokens=tokens,
+                              response_length=a.seq_len - a.prompt_len, reward=float(i % 2)))
+    if side == "plain":
+        from miles.trainer.metrics import peak_tflops
+
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        plain, num_params = plain_step_tokens_per_s(model_dir, samples, a.prompt_len, device, a.warmup, a.steps,
+                                                    a.recompute)
+        peak = peak_tflops(device, a.peak_tflops)
+        row = {"plain_params": num_params, "plain_step_time_s": round(len(samples) * a.seq_len / plain, 4),
+               "plain_tokens_per_s": round(plain, 1),
+               "plain_tflops_per_gpu_6N": round(6 * num_params * plain / 1e12, 1),
+               "plain_mfu": round(6 * num_params * plain / 1e12 / peak, 4) if peak else 0.0,
+               "plain_peak_mem_gib": (round(torch.cuda.max_memory_allocated(device) / 2**30, 1)
+                                      if device.type == "cuda" else None)}
+    else:
+        row = trainer_side(side, a, model_dir, samples, device, mesh, group, world)
+    row.update(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", gpus=world)
+    if rank == 0:
+        print(json.dumps({"side": side, **row}), flush=True)
+    dist.barrier(group)
+    dist.destroy_process_group()
+    return row
+
+
+_LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+               "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def run_child(argv: list[str], nproc: int, side: str, timeout: float) -> dict:
+    """One side in its own process (group): its stdout echoed, its last JSON line returned; on a non-zero exit or
+    after ``timeout`` seconds (the whole process group killed) ``{"<side>_error": why}``."""
+    import signal
+    import subprocess
+
+    script = str(Path(__file__).resolve())
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), script]
+    else:
+        cmd = [sys.executable, script]
+    cmd += [*argv, "--side", side]
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_ENV and not k.startswith("TORCHELASTIC_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                      env.get("PYTHONPATH")]))
+    print(f"[train_step] side {side}: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return {f"{side}_error": f"timed out after {timeout:g} s (--side-timeout)"}
+    finally:
+        if proc.poll() is None:             # the parent is dying (Ctrl-C, SIGTERM): its children die with it
+            os.killpg(proc.pid, signal.SIGKILL)
+    sys.stderr.write(out)
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{") and '"side"' in line]
+    if proc.returncode != 0 or not rows:
+        return {f"{side}_error": f"exit code {proc.returncode}" + ("" if rows else ", no result line")}
+    row = rows[-1]
+    row.pop("side")
+    return row
+
+
+def side_table(result: dict, sides: list[str]) -> str:
+    """The sides as columns, the figures as rows (markdown)."""
+    lines = ["| | " + " | ".join(sides) + " |", "|---" * (len(sides) + 1) + "|"]
+    for key, label in SIDE_KEYS:
+        cells = [result.get(f"{s}_{key}") for s in sides]
+        if all(c is None for c in cells):
+            continue
+        if key == "mfu":
+            cells = [None if c is None else f"{100 * c:.1f}%" for c in cells]
+        lines.append(f"| {label} | " + " | ".join("" if c is None else str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", default=None, help="Reuse (or create) the random model here.")
     p.add_argument("--preset", choices=sorted(PRESETS), default="qwen3-1.7b")
     p.add_argument("--backends", default=",".join(BACKENDS),
-                   help="Comma-separated sides to measure, in order: fsdp, megatron, plain (plain on 1 rank only).")
+                   help="Comma-separated sides to measure, in order: fsdp, megatron, plain (plain on 1 GPU only).")
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="GPUs per side (default: torchrun's WORLD_SIZE, else 1).")
     p.add_argument("--tp", type=int, default=1, help="Megatron side: --tensor-model-parallel-size.")
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=2048)
@@ -183,62 +301,45 @@ def main() -> None:
     p.add_argument("--json-out", default=None)
     p.add_argument("--profile-dir", default=None,
                    help="GPU: one more profiled step per trainer side; kernel tables written here.")
-    a = p.parse_args()
+    p.add_argument("--side-timeout", type=float, default=900.0, help="Seconds a side's process may run.")
+    p.add_argument("--side", choices=(*BACKENDS, "anchor"), default=None, help=argparse.SUPPRESS)   # a child's side
+    argv = sys.argv[1:]
+    a = p.parse_args(argv)
     if a.tiny:
         a.preset, a.samples, a.seq_len, a.prompt_len = "tiny", 4, 128, 16
+    model_dir = Path(a.model_dir or os.path.join(tempfile.gettempdir(), f"miles_bench_{a.preset.replace('.', '_')}"))
+    if a.side is not None:
+        run_side(a, model_dir, a.side)
+        return
     backends = [b for b in a.backends.split(",") if b]
     if not backends or any(b not in BACKENDS for b in backends):
         raise SystemExit(f"--backends {a.backends}: choose from {','.join(BACKENDS)}")
-
-    from miles.types import Sample
-
-    device, rank, world, group, mesh = init_bench_world(not a.tiny)
-    model_dir = Path(a.model_dir or os.path.join(tempfile.gettempdir(), f"miles_bench_{a.preset.replace('.', '_')}"))
-    if rank == 0 and not (model_dir / "config.json").is_file():
-        build_model(model_dir, a.preset)
-    dist.barrier(group)
-
-    if a.samples % world:
-        raise SystemExit(f"--samples {a.samples} must divide over {world} ranks")
-    per_rank = a.samples // world
-    gen = torch.Generator().manual_seed(1234 + rank)
-    vocab = PRESETS[a.preset]["vocab_size"]
-    samples = []
-    for i in range(per_rank):
-        tokens = torch.randint(0, vocab, (a.seq_len,), generator=gen).tolist()
-        samples.append(Sample(group_index=rank * per_rank + i // 4, index=i, tokens=tokens,
-                              response_length=a.seq_len - a.prompt_len, reward=float(i % 2)))
-    result = {
-        "model": f"{a.preset}-shaped", "gpus": world, "tokens_per_step": a.samples * a.seq_len,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "torch": torch.__version__,
-        "recompute": a.recompute,
-    }
+    if int(os.environ.get("RANK", "0")) != 0:      # under torchrun: rank 0 is the parent, the others have no part
+        return
+    nproc = a.nproc_per_node or int(os.environ.get("WORLD_SIZE", "1"))
+    if a.samples % nproc:
+        raise SystemExit(f"--samples {a.samples} must divide over {nproc} GPUs (--nproc-per-node)")
+    if nproc > 1 and "plain" in backends:
+        print("[train_step] plain side skipped: it runs on one GPU only", file=sys.stderr, flush=True)
+        backends.remove("plain")
+    result: dict = {"model": f"{a.preset}-shaped", "gpus": nproc, "tokens_per_step": a.samples * a.seq_len,
+                    "torch": torch.__version__, "recompute": a.recompute}
+    if not a.tiny and torch.cuda.is_available():
+        result.update(run_child(argv, 1, "anchor", a.side_timeout))
     for backend in backends:
-        if backend == "plain":
-            if world > 1:
-                continue
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            plain = plain_step_tokens_per_s(model_dir, samples, a.prompt_len, device, a.warmup, a.steps, a.recompute)
-            result["plain_tokens_per_s"] = round(plain, 1)
-            result["plain_peak_mem_gib"] = (round(torch.cuda.max_memory_allocated(device) / 2**30, 1)
-                                            if device.type == "cuda" else None)
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        else:
-            result.update(trainer_side(backend, a, model_dir, samples, device, mesh, group, world))
-        if rank == 0:
-            print(json.dumps({k: v for k, v in result.items() if k.startswith(backend)}), file=sys.stderr, flush=True)
+        row = run_child(argv, nproc, backend, a.side_timeout)
+        result.setdefault("device", row.pop("device", None))
+        row.pop("gpus", None)
+        result.update(row)
     for backend in ("fsdp", "megatron"):
         if f"{backend}_tokens_per_s" in result and "plain_tokens_per_s" in result:
             result[f"{backend}_vs_plain"] = round(result[f"{backend}_tokens_per_s"] / result["plain_tokens_per_s"], 3)
-    if rank == 0:
-        print(json.dumps(result), flush=True)
-        if a.json_out:
-            Path(a.json_out).write_text(json.dumps(result))
-    dist.barrier(group)
-    dist.destroy_process_group()
+    print(side_table(result, backends), flush=True)
+    print(json.dumps(result), flush=True)
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps(result))
+    if any(f"{b}_error" in result for b in backends):
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -136,6 +136,16 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("MILES_ENGINE_SWITCH_INTERVAL=%r is not a positive number of seconds (default %g); unset it or "
                      "give e.g. 0.005", raw, SWITCH_INTERVAL)
         return 2
+    # the prompt tokens of riders (refills prefilled inside decode steps) one step carries on CUDA with graphs, to
+    # measure the trade-off (docs/engine-protocol.md); SGLang has no such setting, hence no flag
+    raw = os.environ.get("MILES_ENGINE_MIX_STEP_TOKENS")
+    mix_step_tokens = None
+    if raw is not None:
+        if not raw.isdigit() or int(raw) < 1:
+            logger.error("MILES_ENGINE_MIX_STEP_TOKENS=%r is not a positive number of tokens; unset it (default "
+                         "1024) or give e.g. 256", raw)
+            return 2
+        mix_step_tokens = int(raw)
 
     try:
         engine = Engine(EngineArgs(
@@ -147,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
             max_queued_requests=args.max_queued_requests, max_total_tokens=args.max_total_tokens,
             cuda_graph_bs=args.cuda_graph_bs, cuda_graph_max_bs=args.cuda_graph_max_bs,
             kv_cache=args.kv_cache, page_size=args.page_size, deterministic=args.enable_deterministic_inference,
-            clamp_shared_expert=not args.no_activation_func_clamp_shared_expert, overlap_schedule=False if args.disable_overlap_schedule else (True if args.enable_overlap_schedule else None)))
+            clamp_shared_expert=not args.no_activation_func_clamp_shared_expert, mix_step_tokens=mix_step_tokens,
+            overlap_schedule=False if args.disable_overlap_schedule else (True if args.enable_overlap_schedule else None)))
     except ValueError as e:
         logger.error("%s", e)
         return 2

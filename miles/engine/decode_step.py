@@ -102,11 +102,24 @@ class DecodeSteps:
             return True
         if n > self.max_prefill_tokens and rn.chunk_row is not None:
             return False
-        mix = min(rn.mix_tokens, self.max_prefill_tokens)
-        mix_ok = (mix > 0 and bool(self.running)
-                  and min(rn.max_slots - len(self.running), self.num_waiting) < self.mix_below)
-        return not (mix_ok and n <= mix * self.MIX_MAX_CHUNKS
+        mix = self._mix_budget()
+        return not (self._mix_ok(mix) and n <= self._mix_longest()
                     and (head.retracted or not self._wants_input_logprobs(head)))
+
+    def _mix_budget(self) -> int:
+        """Prompt tokens one decode step carries for the riders (0: this engine has no mixed steps)."""
+        return min(self.runner.mix_step_tokens, self.max_prefill_tokens)
+
+    def _mix_longest(self) -> int:
+        """The longest prompt that rides (``MIX_MAX_CHUNKS`` graph chunks of ``mix_tokens``, within the budget's cap)."""
+        return min(self.runner.mix_tokens, self.max_prefill_tokens) * self.MIX_MAX_CHUNKS
+
+    def _mix_ok(self, budget: int) -> bool:
+        """Whether refills ride in the decode steps now: the engine can mix, something decodes (or rides), a ride row
+        is free, and fewer than ``mix_below`` requests could be admitted (more: one batched prefill)."""
+        busy = len(self.running) + len(self.riders)
+        return (budget > 0 and busy > 0 and bool(self._free_ride_rows)
+                and min(self.runner.max_slots - busy, self.num_waiting) < self.mix_below)
 
     # ------------------------------------------------------------------ sampling
     @staticmethod
@@ -255,9 +268,10 @@ class DecodeSteps:
             self._collect_inflight()
             free = rn.free_pages()
             need = [i for i, r in enumerate(self.running) if r.kv_len % ps == 0]
-        if len(need) > free and self.chunking is not None:  # the newest work: its chunks are recomputed later
+        if len(need) > free and (self.chunking is not None or self.riders):  # the newest work: recomputed later
+            self.retractions += (self.chunking is not None) + len(self.riders)
             self._requeue_chunking()
-            self.retractions += 1
+            self._requeue_riders()
             free = rn.free_pages()
         while len(need) > free and len(self.running) > 1:
             self._retract_last()
@@ -266,20 +280,30 @@ class DecodeSteps:
             free = rn.free_pages()
         rn.grow_pages(need)
 
-    def _mix_chunk(self) -> tuple[Req, list[int], int, int] | None:
-        """The prompt chunk the next decode step carries (request, sequence, start, length), or None: no mixed
-        refill under way, or too few free pages for its next chunk right now (the step then decodes only)."""
-        r, rn = self.chunking, self.runner
-        if r is None or not self.mixing:
-            return None
-        seq = r.spec.input_ids + r.output_ids[:-1] if r.retracted else r.spec.input_ids
-        start = r.kv_len
-        t = min(rn.mix_tokens, self.max_prefill_tokens, len(seq) - start)
-        need = rn.pages_for(start + t) - rn.pages_held(rn.chunk_row)
+    def _mix_chunks(self) -> list[tuple[Req, list[int], int, int]]:
+        """The prompt chunks the next decode step carries (request, sequence, start, length): the riders' next tokens
+        in their order, up to ``_mix_budget()`` tokens in all (the last one may stop mid-prompt), and only while the
+        page pool holds them with a page of headroom per running request; none: the step decodes only."""
+        rn = self.runner
+        budget = self._mix_budget()
         free = rn.free_pages()
-        if free is not None and need + len(self.running) > free:
-            return None
-        return r, seq, start, t
+        if free is not None:
+            free -= len(self.running)
+        out = []
+        for r in self.riders:
+            if budget <= 0:
+                break
+            seq = r.spec.input_ids + r.output_ids[:-1] if r.retracted else r.spec.input_ids
+            start = r.kv_len
+            t = min(budget, len(seq) - start)
+            need = rn.pages_for(start + t) - rn.pages_held(r.ride_row)
+            if free is not None:
+                if need > free:
+                    break
+                free -= need
+            out.append((r, seq, start, t))
+            budget -= t
+        return out
 
     def _step_inputs(self, prev: Launched | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The next step's (tokens, positions, sampling steps) on the device. Unchanged batch: the last step's outputs
@@ -319,18 +343,20 @@ class DecodeSteps:
         self._grow_pages()
         t = self._lap("grow", t)
         reqs = self.running
-        if not reqs:
+        chunks = self._mix_chunks()
+        if not reqs and not chunks:
+            if self.riders:   # nothing decodes and no rider's next chunk fits the pool: back to the queue, whose
+                self._requeue_riders()   # admission (a batched prefill with nothing running) waits for pages
             return
         prev = self._inflight
         tokens, positions, steps = self._step_inputs(prev)
-        max_len = max(r.kv_len for r in reqs) + 1
-        chunk = self._mix_chunk()
+        max_len = max((r.kv_len for r in reqs), default=0) + 1
         t = self._lap("inputs", t)
-        if chunk is None:
+        if not chunks:
             logits = rn.decode(tokens, positions, max_len)
-        else:  # mixed: the refill's next prompt chunk is in this forward too (logits row n: its last token)
-            cr, seq, start, clen = chunk
-            logits = rn.decode_mixed(tokens, positions, max_len, rn.chunk_row, seq[start:start + clen], start)
+        else:  # mixed: the riders' next prompt chunks are in this forward too (logits row n + j: chunk j's last token)
+            logits = rn.decode_mixed_many(tokens, positions, max_len,
+                                          [(cr.ride_row, seq[start:start + clen], start) for cr, seq, start, clen in chunks])
             self.mixed_steps += 1
         n = len(reqs)
         ps = prev.serial if prev is not None else None   # rows of ``prev`` have one token more than appended
@@ -342,22 +368,33 @@ class DecodeSteps:
             r.kv_len += 1
             r.launched, r.row = serial, i
         next_pos = positions + 1
-        late = None   # a completed chunk that joins after this step's sampling (a retracted request, or 0 tokens)
-        if chunk is not None:
-            cr.kv_len = start + clen
-            chunk_last = logits[n]
-            if cr.kv_len == len(seq):
+        late = []   # completed riders that join after this step's sampling (a retracted request, or 0 tokens)
+        if chunks:
+            keep = list(range(n))   # logits rows of this step's sampling: the decode rows, then the riders that join
+            for j, (cr, seq, start, clen) in enumerate(chunks):
+                cr.kv_len = start + clen
+                if cr.kv_len < len(seq):
+                    continue
                 if not cr.retracted and cr.spec.max_new_tokens != 0:
-                    # joins now as row n and draws its first token in this step's sampling, with the others
-                    self._join_chunked(cr, chunk_last, False)
-                    cr.launched, cr.row = serial, n
+                    # joins now as the next row and draws its first token in this step's sampling, with the others
+                    row = len(self.running)
+                    self._join_chunked(cr, logits[n + j], False)
+                    cr.launched, cr.row = serial, row
                     if cr.spec.min_new_tokens:
-                        need_min.append(n)
-                    steps = torch.cat([steps, steps.new_zeros(1)])
-                    next_pos = torch.cat([next_pos, next_pos.new_full((1,), cr.kv_len)])
+                        need_min.append(row)
+                    keep.append(n + j)
                 else:
-                    late = cr
-            logits = logits[: len(self.running)]
+                    late.append((cr, logits[n + j]))
+            joined = len(keep) - n
+            if joined:
+                steps = torch.cat([steps, steps.new_zeros(joined)])
+                next_pos = torch.cat([next_pos, to_device(torch.tensor([r.kv_len for r in self.running[n:]]),
+                                                          next_pos.device)])
+            logits = logits[:n] if not joined else logits[to_device(torch.tensor(keep), logits.device)]
+        if not self.running:   # the forward carried only riders' prompt chunks, none complete: nothing to sample
+            self._lap("forward", t)
+            self._join_late(late)
+            return
         epoch = self._epoch
         self._lap("forward", t)
         launched = self._launch_sample(list(self.running), logits, steps, need_min, serial, cache=True)
@@ -372,11 +409,18 @@ class DecodeSteps:
                 self._finish_step(prev)
         else:
             self._finish_step(launched)
-        if late is not None:
-            t = time.perf_counter()
+        self._join_late(late)
+
+    def _join_late(self, late: list[tuple[Req, torch.Tensor]]) -> None:
+        """Riders whose prompt completed in this step but that draw no token in its sampling join now: a retracted
+        request resuming (its next token is its last one), or one asking for 0 new tokens (finished at once)."""
+        if not late:
+            return
+        t = time.perf_counter()
+        for cr, chunk_last in late:
             row = len(self.running)
-            if self._join_chunked(late, chunk_last, False):
-                self._first_token(late, chunk_last)
-                if late.finish is not None:
+            if self._join_chunked(cr, chunk_last, False):
+                self._first_token(cr, chunk_last)
+                if cr.finish is not None:
                     self._remove([row])
-            self._lap("remove", t)
+        self._lap("remove", t)

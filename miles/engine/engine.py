@@ -61,6 +61,7 @@ class EngineArgs:
     overlap_schedule: bool | None = None       # the overlap scheduler; None: on CUDA (sglang --disable-overlap-schedule)
     deterministic: bool = False                # batch-invariant outputs (sglang --enable-deterministic-inference)
     clamp_shared_expert: bool = True           # off: --no-activation-func-clamp-shared-expert (the trainer's flag)
+    mix_step_tokens: int | None = None         # riders' prompt tokens a decode step carries on CUDA (None: 1,024)
 
 
 class Engine:
@@ -71,7 +72,7 @@ class Engine:
             max_context_len=args.max_context_len, cuda_graph=args.cuda_graph, native=args.native,
             max_total_tokens=args.max_total_tokens, cuda_graph_bs=args.cuda_graph_bs, cuda_graph_max_bs=args.cuda_graph_max_bs,
             kv_cache=args.kv_cache, page_size=args.page_size, deterministic=args.deterministic,
-            clamp_shared_expert=args.clamp_shared_expert))
+            clamp_shared_expert=args.clamp_shared_expert, mix_step_tokens=args.mix_step_tokens))
         self.tokenizer = self._load_tokenizer(args.hf_checkpoint)
         self.vision = None   # a VLM's image side (image_data on /generate); None: the model takes no images
         if self.runner.is_vlm:

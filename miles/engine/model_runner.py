@@ -54,6 +54,7 @@ class RunnerOptions:
     page_size: int = 16                      # tokens per KV page (paged cache; sglang --page-size)
     deterministic: bool = False              # batch-invariant forwards (sglang --enable-deterministic-inference)
     clamp_shared_expert: bool = True         # off: --no-activation-func-clamp-shared-expert (unclamp_shared_experts)
+    mix_step_tokens: int | None = None       # prompt tokens a mixed step carries with CUDA graphs (None: MIX_STEP_TOKENS)
 
 
 def graph_batch_sizes(max_slots: int, sizes: list[int] | None = None, max_bs: int | None = None) -> list[int]:
@@ -70,8 +71,13 @@ def graph_batch_sizes(max_slots: int, sizes: list[int] | None = None, max_bs: in
     return sorted({b for b in sizes if 1 <= b <= cap})
 
 
-# prompt tokens a mixed prefill + decode step carries (paged cache): the chunk size of its CUDA graphs
+# prompt tokens a mixed prefill + decode step carries in its CUDA graphs (paged cache): their chunk size
 MIX_TOKENS = 256
+# prompts a mixed step carries at most (each in its own block-table row), and the prompt tokens it carries at most
+# with CUDA graphs (a step carrying more than MIX_TOKENS runs eagerly: its prompt tokens' compute outweighs the
+# launches a graph saves); without graphs a mixed step carries MIX_TOKENS
+MIX_RIDERS = 8
+MIX_STEP_TOKENS = 1024
 
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # divisors of the 64-token alignment of the decode context buckets
 
@@ -157,7 +163,7 @@ class _NativeLM:
 
     def __init__(self, model, max_slots: int, max_ctx: int, device: torch.device, dtype: torch.dtype, cuda_graph: bool,
                  graph_bs: list[int] | None = None, num_pages: int | None = None, page_size: int = 16,
-                 deterministic: bool = False):
+                 deterministic: bool = False, mix_step_tokens: int | None = None):
         inner = model.model
         cfg = model.config
         self.model = model
@@ -210,7 +216,7 @@ class _NativeLM:
         self.kv: PagedKV | None = None
         if num_pages is not None:
             self.kv = PagedKV(len(self.layers), self.n_kv, self.head_dim, num_pages, page_size, max_slots, cache_ctx,
-                              dtype, device)
+                              dtype, device, ride_rows=MIX_RIDERS)
         # the Triton paged-decode kernel (CUDA): attention reads only each row's live pages; no sliding windows
         # (its tl.arange over the head dimension needs a power of two: other models take the torch path)
         pow2_head = self.head_dim > 0 and self.head_dim & (self.head_dim - 1) == 0
@@ -238,12 +244,13 @@ class _NativeLM:
         if deterministic:  # a prompt chunk in a decode step's forward changes the step's shape: prefills run alone
             self.mix_tokens = 0
         self.mix_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.mix_step_max = MIX_STEP_TOKENS if mix_step_tokens is None else mix_step_tokens
         if self.mix_tokens:
             T = max_slots + self.mix_tokens
             self.m_tokens = torch.zeros(T, dtype=torch.long, device=device)
             self.m_pos = torch.zeros(T, dtype=torch.long, device=device)
             self.m_rows = torch.full((T,), self.kv.scratch_row, dtype=torch.long, device=device)
-            self.m_out = torch.zeros(max_slots + 1, dtype=torch.long, device=device)
+            self.m_out = torch.zeros(max_slots + MIX_RIDERS, dtype=torch.long, device=device)
 
     # ------------------------------------------------------------------ fused projections
     def fuse(self) -> None:
@@ -577,60 +584,92 @@ class _NativeLM:
 
         return self.lm_head(self._token_layers(self.embed(tokens), attend)[out_idx])
 
+    @property
+    def mix_step_tokens(self) -> int:
+        """Prompt tokens one mixed step carries at most: ``MIX_STEP_TOKENS`` (``RunnerOptions.mix_step_tokens``) with
+        CUDA graphs (graph replay up to ``mix_tokens``, eager beyond; never fewer than ``mix_tokens``), else
+        ``mix_tokens``."""
+        if not self.mix_tokens:
+            return 0
+        return max(self.mix_tokens, self.mix_step_max) if self.use_graphs and self.kernel else self.mix_tokens
+
     @torch.no_grad()
     def decode_mixed(self, tokens: torch.Tensor, positions: torch.Tensor, max_len: int, row: int, chunk: list[int],
                      start: int) -> torch.Tensor:
-        """One decode token for rows ``0..n-1`` and, in the same forward, positions ``start..start+len(chunk)-1`` of
-        block-table row ``row`` (a prompt chunk of at most ``mix_tokens`` tokens whose first ``start`` positions are
-        in its pages already). Returns ``[n + 1, vocab]`` logits: the decode rows', then the chunk's last token's."""
-        n, c, kv = tokens.shape[0], len(chunk), self.kv
-        if not 0 < c <= self.mix_tokens:
-            raise ValueError(f"a mixed step carries 1..{self.mix_tokens} prompt tokens, got {c}")
-        end = start + c
-        kv.grow(row, end)
+        """``decode_mixed_many`` with one prompt chunk: ``[n + 1, vocab]`` logits."""
+        return self.decode_mixed_many(tokens, positions, max_len, [(row, chunk, start)])
+
+    @torch.no_grad()
+    def decode_mixed_many(self, tokens: torch.Tensor, positions: torch.Tensor, max_len: int,
+                          chunks: list[tuple[int, list[int], int]]) -> torch.Tensor:
+        """One decode token for rows ``0..n-1`` and, in the same forward, for each ``(row, chunk, start)`` of
+        ``chunks`` positions ``start..start+len(chunk)-1`` of block-table row ``row`` (a prompt chunk whose first
+        ``start`` positions are in its pages already; rows distinct and not below ``max_slots``). Returns
+        ``[n + len(chunks), vocab]`` logits: the decode rows', then each chunk's last token's. Replayed as the
+        CUDA graph of the decode bucket when the chunks hold at most ``mix_tokens`` tokens (at most ``MIX_RIDERS``
+        chunks), else eager."""
+        n, kv = tokens.shape[0], self.kv
+        lens = [len(c) for _, c, _ in chunks]
+        total = sum(lens)
+        if not chunks or min(lens) < 1 or total > self.mix_step_tokens:
+            raise ValueError(f"a mixed step carries 1..{self.mix_step_tokens} prompt tokens in chunks of at least "
+                             f"one, got {lens}")
+        for row, c, start in chunks:
+            kv.grow(row, start + len(c))
         dev = self.device
-        bs = next((b for b in self.batch_buckets if b >= n), None) if self.use_graphs and self.kernel else None
+        bs = None
+        if total <= self.mix_tokens and len(chunks) <= MIX_RIDERS and self.use_graphs and self.kernel:
+            bs = next((b for b in self.batch_buckets if b >= n), None)
+        host = torch.empty(3, total, dtype=torch.long)
+        at = 0
+        for row, c, start in chunks:
+            host[0, at:at + len(c)] = torch.tensor(c, dtype=torch.long)
+            host[1, at:at + len(c)] = torch.arange(start, start + len(c))
+            host[2, at:at + len(c)] = row
+            at += len(c)
+        ends = torch.tensor(lens).cumsum(0) - 1           # each chunk's last token among the chunk tokens
         if bs is None:  # eager: exactly the live tokens
+            end = max(start + len(c) for _, c, start in chunks)
             L = self.cache_ctx if self.kernel else next(x for x in self.ctx_buckets if x >= max(max_len, end))
-            toks = torch.cat([tokens, to_device(torch.tensor(chunk, dtype=torch.long), dev)])
-            pos = torch.cat([positions, self.ar_ctx[start:end]])
-            rows = torch.cat([self.ar_slots[:n], torch.full((c,), row, dtype=torch.long, device=dev)])
-            out = torch.arange(n + 1, device=dev)
-            out[n] = n + c - 1
+            host = to_device(torch.cat([host, (ends + n)[None].expand(3, -1)], 1), dev)
+            toks = torch.cat([tokens, host[0, :total]])
+            pos = torch.cat([positions, host[1, :total]])
+            rows = torch.cat([self.ar_slots[:n], host[2, :total]])
+            out = torch.cat([self.ar_slots[:n], host[0, total:]])
             return self._mixed_impl(toks, pos, rows, out, L).float()
         entry = self.mix_graphs.get(bs)
         if entry is None:
             entry = self._capture_mixed(bs)
         C = self.mix_tokens
-        host = torch.zeros(3, C, dtype=torch.long)
-        host[0, :c] = torch.tensor(chunk, dtype=torch.long)
-        host[1, :c] = torch.arange(start, end)
-        host[2, :c] = row
-        host[2, c:] = kv.scratch_row
-        host = to_device(host, dev)
+        pad = torch.zeros(3, C - total, dtype=torch.long)
+        pad[2] = kv.scratch_row
+        outs = torch.zeros(1, MIX_RIDERS, dtype=torch.long)
+        outs[0, :len(chunks)] = ends + bs
+        host = to_device(torch.cat([torch.cat([host, pad], 1), outs.expand(3, -1)], 1), dev)
         self.m_tokens[:n].copy_(tokens)
         self.m_pos[:n].copy_(positions)
         if bs > n:
             self.m_pos[n:bs].fill_(self.pad_pos)
         self.m_rows[:bs].copy_(self.ar_slots[:bs])
-        self.m_tokens[bs:bs + C].copy_(host[0])
-        self.m_pos[bs:bs + C].copy_(host[1])
-        self.m_rows[bs:bs + C].copy_(host[2])
+        self.m_tokens[bs:bs + C].copy_(host[0, :C])
+        self.m_pos[bs:bs + C].copy_(host[1, :C])
+        self.m_rows[bs:bs + C].copy_(host[2, :C])
         self.m_out[:bs].copy_(self.ar_slots[:bs])
-        self.m_out[bs].fill_(bs + c - 1)
+        self.m_out[bs:bs + MIX_RIDERS].copy_(host[0, C:])
         entry[0].replay()
         o = entry[1]
-        return torch.cat([o[:n], o[bs:bs + 1]]).float()
+        return torch.cat([o[:n], o[bs:bs + len(chunks)]]).float()
 
     def _capture_mixed(self, bs: int):
-        """The mixed step's graph for decode bucket ``bs`` plus a chunk of ``mix_tokens`` (captured on scratch rows)."""
+        """The mixed step's graph for decode bucket ``bs`` plus ``mix_tokens`` prompt tokens (captured on scratch rows),
+        whose logits are those of ``bs + MIX_RIDERS`` tokens (the decode rows', then up to MIX_RIDERS chunks' last)."""
         T = bs + self.mix_tokens
         self.m_pos[:T].fill_(0)
         self.m_rows[:T].fill_(self.kv.scratch_row)
-        self.m_out[: bs + 1].fill_(0)
+        self.m_out[: bs + MIX_RIDERS].fill_(0)
         if self.graph_pool is None:
             self.graph_pool = torch.cuda.graph_pool_handle()
-        args = (self.m_tokens[:T], self.m_pos[:T], self.m_rows[:T], self.m_out[: bs + 1], self.cache_ctx)
+        args = (self.m_tokens[:T], self.m_pos[:T], self.m_rows[:T], self.m_out[: bs + MIX_RIDERS], self.cache_ctx)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -925,7 +964,8 @@ class ModelRunner:
             try:
                 pages = self._pool_pages(opts, max_ctx) if self.paged else None
                 self.impl = _NativeLM(self.model, self.max_slots, max_ctx, self.device, self.dtype, opts.cuda_graph,
-                                      self.graph_batch_sizes, pages, self.page_size, opts.deterministic)
+                                      self.graph_batch_sizes, pages, self.page_size, opts.deterministic,
+                                      mix_step_tokens=opts.mix_step_tokens)
             except (AttributeError, NotImplementedError) as e:
                 logger.warning("native forward unavailable for %s (%s); using the generic HF path", self.config.model_type, e)
                 native = False
@@ -1016,6 +1056,20 @@ class ModelRunner:
     def decode_mixed(self, tokens: torch.Tensor, positions: torch.Tensor, max_len: int, row: int, chunk: list[int],
                      start: int) -> torch.Tensor:
         return self.impl.decode_mixed(tokens, positions, max_len, row, chunk, start)
+
+    def decode_mixed_many(self, tokens: torch.Tensor, positions: torch.Tensor, max_len: int,
+                          chunks: list[tuple[int, list[int], int]]) -> torch.Tensor:
+        return self.impl.decode_mixed_many(tokens, positions, max_len, chunks)
+
+    @property
+    def mix_step_tokens(self) -> int:
+        """Prompt tokens one mixed step carries at most, over all its prompts (0: no mixed steps)."""
+        return self.impl.mix_step_tokens if self.mix_tokens else 0
+
+    @property
+    def ride_rows(self) -> list[int]:
+        """The block-table rows of the prompts prefilled inside decode steps (paged native cache; else none)."""
+        return list(self.kv.ride_rows) if self.kv is not None and self.mix_tokens else []
 
     def pages_held(self, row: int) -> int:
         return len(self.kv.tables[row]) if self.kv is not None else 0

@@ -82,15 +82,18 @@ class PagedKV:
     """The page pools of every layer, the block tables, and the gathers/writes the forward needs."""
 
     def __init__(self, n_layers: int, n_kv: int, head_dim: int, num_pages: int, page_size: int, max_rows: int,
-                 max_ctx: int, dtype: torch.dtype, device: torch.device):
+                 max_ctx: int, dtype: torch.dtype, device: torch.device, ride_rows: int = 0):
         self.n_layers, self.n_kv, self.head_dim = n_layers, n_kv, head_dim
         self.page_size, self.dtype, self.device = page_size, dtype, device
-        # two rows more than the running requests: row ``max_rows`` (``chunk_row``) holds a prompt being prefilled in
-        # chunks; row ``max_rows + 1`` (``scratch_row``) never holds a page (all scratch page 0): the padding tokens of
-        # a mixed prefill + decode step write and read there. Decode (and its graph padding) touches rows below both.
-        self.max_rows = max_rows + 2
+        # rows beyond the running requests': row ``max_rows`` (``chunk_row``) holds a prompt being prefilled in chunks
+        # between decode steps; row ``max_rows + 1`` (``scratch_row``) never holds a page (all scratch page 0): the
+        # padding tokens of a mixed prefill + decode step write and read there; the ``ride_rows`` after it hold the
+        # prompts being prefilled inside decode steps (mixed), one each. Decode (and its graph padding) touches rows
+        # below all of them.
+        self.max_rows = max_rows + 2 + ride_rows
         self.chunk_row = max_rows
         self.scratch_row = max_rows + 1
+        self.ride_rows = list(range(max_rows + 2, max_rows + 2 + ride_rows))
         self.max_pages_per_row = -(-max_ctx // page_size)
         self.pool = PagePool(num_pages)
         self.tables: list[list[int]] = [[] for _ in range(self.max_rows)]

@@ -3,9 +3,11 @@
 Each loop iteration: run queued commands (new requests, aborts, pause/continue, weight loads), admit
 waiting requests into free KV slots (one padded prefill), run one decode step for every running request,
 then hand finished/streamed tokens back to the event loop. A freed slot is refilled at the next iteration;
-with the paged cache, a refill of one request (fewer than ``mix_below`` admissible) is prefilled inside the
-decode steps' forward instead (mixed prefill + decode: ``ModelRunner.decode_mixed``, chunks of at most
-``mix_tokens`` prompt tokens in the chunk row) and samples its first token with the decode rows. Requests join and leave the running batch
+with the paged cache, refills (fewer than ``mix_below`` admissible) are prefilled inside the decode steps'
+forward instead (mixed prefill + decode, ``ModelRunner.decode_mixed_many``): each such "rider" has its own
+block-table row, every decode step carries the riders' next prompt tokens in queue order up to a budget of
+``ModelRunner.mix_step_tokens`` (a prompt longer than what is left of it continues in the next steps), and a rider
+whose prompt is complete joins the running rows and samples its first token with them. Requests join and leave the running batch
 between decode steps; beyond ``max_running_requests`` they wait in FIFO order. Running requests always
 occupy slots ``0..n-1``: when one leaves, the last one moves into its slot (one KV copy), so the decode
 step sees contiguous, static-shaped cache views. The decode step itself is ``decode_step.py``: with the overlap
@@ -151,6 +153,7 @@ class Req:
         self.routed_experts: torch.Tensor | None = None   # [tokens run, layers, top-k], set when it leaves its slot
         self.launched = -1           # the last decode step it ran in (DecodeSteps) and its row there
         self.row = -1
+        self.ride_row = -1           # while a rider (prefilled inside decode steps): its block-table row
 
     def keys(self) -> list[str]:
         """The rid and each of its ``_``-prefixes: the abort keys that reach this request."""
@@ -203,10 +206,11 @@ class Scheduler(DecodeSteps):
         self._prompt_holders: dict[tuple[int, ...], dict[Req, None]] = {}
         self.shared_prompts = 0     # requests admitted on another running request's prompt KV (no prefill)
         # a prompt longer than max_prefill_tokens (paged cache): prefilled one chunk per loop iteration, between
-        # decode steps of the running requests, in the cache's spare row; nothing else is admitted meanwhile.
-        # ``mixing``: the chunking prompt is a refill whose chunks ride in the decode steps' forward instead
+        # decode steps of the running requests, in the cache's spare row; nothing else is admitted meanwhile
         self.chunking: Req | None = None
-        self.mixing = False
+        # refills prefilled inside the decode steps (mixed), in queue order, each in a row of ``_free_ride_rows``
+        self.riders: list[Req] = []
+        self._free_ride_rows: list[int] = runner.ride_rows[::-1]
         self.chunked_prefills = 0
         self.mixed_prefills = 0     # prompts prefilled inside decode steps (mixed prefill + decode)
         self.mixed_steps = 0        # decode steps that carried a prompt chunk
@@ -226,6 +230,8 @@ class Scheduler(DecodeSteps):
         # at the step's one synchronisation (the sampled tokens coming back); the rest is host work
         self.decode_seconds = 0.0
         self.decode_wait_seconds = 0.0
+        self.prefill_seconds = 0.0    # admissions (batched prefills, first tokens) and chunks prefilled between steps
+        self.prefills = 0             # batched admission prefills
         self.decode_phases = dict.fromkeys(("grow", "inputs", "forward", "sample", "append", "remove"), 0.0)
         self.cpu_threads = torch.get_num_threads()  # the scheduler thread's torch intra-op threads (set in _loop)
 
@@ -284,21 +290,24 @@ class Scheduler(DecodeSteps):
             logger.exception("capturing the decode CUDA graphs at start failed; they are captured on first use")
         while not self._stop.is_set():
             can_work = self._inflight is not None or (
-                not self.paused and self.runner.ready and (self.running or self.waiting or self.chunking))
+                not self.paused and self.runner.ready and (self.running or self.waiting or self.chunking or self.riders))
             self._drain(block=not can_work)
             try:
                 if self.paused or not self.runner.ready:
                     self._sync()
                     continue
                 if self.chunking is not None:
-                    if not (self.mixing and self.running):  # a mixed chunk rides in the decode step below
-                        self._sync()
-                        self._prefill_chunk()
-                elif self.waiting and len(self.running) < self.runner.max_slots:
+                    self._sync()
+                    t0 = time.perf_counter()
+                    self._prefill_chunk()
+                    self.prefill_seconds += time.perf_counter() - t0
+                elif self.waiting and len(self.running) + len(self.riders) < self.runner.max_slots:
                     if self._inflight is not None and self._admission_prefills():
                         self._sync()
+                    t0 = time.perf_counter()
                     self._admit()
-                if self.running:
+                    self.prefill_seconds += time.perf_counter() - t0
+                if self.running or self.riders:   # riders' prompt chunks ride in the decode step's forward
                     self._decode_step()
                 else:
                     self._sync()
@@ -313,7 +322,10 @@ class Scheduler(DecodeSteps):
         chunking = [self.chunking] if self.chunking is not None else []
         if chunking:
             self._drop_chunking()
-        for r in list(self.running) + self._admitting + chunking:
+        riders = list(self.riders)
+        for r in riders:
+            self._drop_rider(r)
+        for r in list(self.running) + self._admitting + chunking + riders:
             if r.finish is None:
                 self._finish(r, {"type": "abort", "message": f"engine error: {type(e).__name__}: {e}"})
             if r.state == "running":
@@ -420,6 +432,8 @@ class Scheduler(DecodeSteps):
                 slots.append(r.slot)
             elif r is self.chunking:
                 self._drop_chunking()
+            elif r.state == "prefilling":
+                self._drop_rider(r)
             self._finish(r, {"type": "abort", "message": message}, posts)
             n += 1
         post_final(posts)
@@ -440,6 +454,7 @@ class Scheduler(DecodeSteps):
     def _retract_all(self) -> None:
         self._sync()
         self._requeue_chunking()
+        self._requeue_riders()
         while self.running:
             self._retract_last()
 
@@ -448,7 +463,24 @@ class Scheduler(DecodeSteps):
         if self.chunking is not None:
             self.runner.release_slot(self.runner.chunk_row)
             self.chunking = None
-        self.mixing = False
+
+    def _drop_rider(self, r: Req) -> int:
+        """Free the pages of a rider (a prompt prefilled inside decode steps); it no longer rides. Returns its row."""
+        row = r.ride_row
+        self.runner.release_slot(row)
+        self.riders.remove(r)
+        self._free_ride_rows.append(row)
+        r.ride_row = -1
+        return row
+
+    def _requeue_riders(self) -> None:
+        """Send every rider back to the head of the queue, in their order (their prompt KV is recomputed)."""
+        for r in reversed(list(self.riders)):
+            self._drop_rider(r)
+            r.kv_len, r.chunk_lp, r.chunk_top, r.chunk_ids_lp = 0, [], [], []
+            r.state = "waiting"
+            self.waiting.appendleft(r)
+            self.num_waiting += 1
 
     def _requeue_chunking(self) -> None:
         """Send the prompt being prefilled in chunks back to the head of the queue (its chunks are recomputed)."""
@@ -479,7 +511,8 @@ class Scheduler(DecodeSteps):
         Only running requests hold KV. While paused, queued requests (new ones, or retracted ones whose
         KV is recomputed on continue) do not, so the cache can be flushed (SGLang's retract/abort modes)."""
         self._sync()
-        return bool(self.running) or self.chunking is not None or (not self.paused and self.num_waiting > 0)
+        return (bool(self.running) or self.chunking is not None or bool(self.riders)
+                or (not self.paused and self.num_waiting > 0))
 
     def flush_cache(self) -> bool:
         if self.cache_in_use():
@@ -551,7 +584,8 @@ class Scheduler(DecodeSteps):
         return None
 
     HOLDERS = 2
-    MIX_MAX_CHUNKS = 4   # a refill whose prompt needs more mixed chunks than this is prefilled on its own instead
+    MIX_MAX_CHUNKS = 4   # a refill whose prompt needs more mixed graph chunks (mix_tokens) than this is prefilled on
+    #                      its own instead: a rider's prompt tokens attend to its earlier ones through the decode kernel
 
     def _admit(self) -> None:
         """Admit queued requests (FIFO) while slots, prefill tokens and (paged) free pages allow; one prefill.
@@ -571,10 +605,10 @@ class Scheduler(DecodeSteps):
         if reserve:  # the pages the running requests may still take (see _final_pages)
             free -= sum(self._final_pages(r) - rn.pages_held(r.slot) for r in self.running)
         share_running = rn.can_share_running_prefix
-        mix = min(rn.mix_tokens, self.max_prefill_tokens)
-        mix_ok = (mix > 0 and bool(self.running)
-                  and min(rn.max_slots - len(self.running), self.num_waiting) < self.mix_below)
-        while self.waiting and len(self.running) + len(uniq) + len(dups) + len(held) < rn.max_slots:
+        mix = self._mix_budget()
+        mix_ok = self._mix_ok(mix)
+        riding = len(self.riders)
+        while self.waiting and len(self.running) + riding + len(uniq) + len(dups) + len(held) < rn.max_slots:
             r = self.waiting[0]
             if r.finish is not None:  # aborted while queued
                 self.waiting.popleft()
@@ -594,14 +628,21 @@ class Scheduler(DecodeSteps):
                     r.state, r.kv_len, self.chunking = "prefilling", 0, r
                     self.chunked_prefills += 1
                 break
-            if (src is None and holder is None and mix_ok and n <= mix * self.MIX_MAX_CHUNKS
+            if (src is None and holder is None and mix_ok and n <= self._mix_longest()
                     and (r.retracted or not self._wants_input_logprobs(r))):
-                # a refill: its prompt rides in the next decode steps (mixed), after the shared ones gathered so far
-                if not (uniq or dups or held) and (free is None or rn.pages_for(n + 1) + len(self.running) <= free):
+                # a refill: its prompt rides in the next decode steps (mixed), after the riders before it; the
+                # requests gathered for a batched prefill so far go first
+                if (not (uniq or dups or held) and self._free_ride_rows
+                        and (free is None or rn.pages_for(n + 1) + len(self.running) + riding <= free)):
                     self.waiting.popleft()
                     self.num_waiting -= 1
-                    r.state, r.kv_len, self.chunking, self.mixing = "prefilling", 0, r, True
+                    r.state, r.kv_len, r.ride_row = "prefilling", 0, self._free_ride_rows.pop()
+                    self.riders.append(r)
                     self.mixed_prefills += 1
+                    riding += 1
+                    if free is not None:
+                        free -= rn.pages_for(n + 1)
+                    continue
                 break
             if src is None and holder is None and uniq and n * (len(uniq) + 1) > budget:
                 break
@@ -638,6 +679,7 @@ class Scheduler(DecodeSteps):
             want_full[src] = want_full[src] or want[len(uniq) + j]
         start = len(self.running)
         if uniq:
+            self.prefills += 1
             last, full = rn.prefill(start, seqs, want_full, [r.spec.mm for r in uniq])
         else:
             last, full = None, []
@@ -730,12 +772,20 @@ class Scheduler(DecodeSteps):
             self._sample_and_append([r], last[None])
 
     def _join_chunked(self, r: Req, last: torch.Tensor, want: bool) -> bool:
-        """The prompt prefilled in chunks is complete: its row joins the running rows (as the last one). Returns
-        whether it is fresh (its first token still to draw from ``last``) rather than a retracted request resuming."""
+        """The prompt prefilled in chunks (between decode steps, or a rider's inside them) is complete: its row joins
+        the running rows (as the last one). Returns whether it is fresh (its first token still to draw from
+        ``last``) rather than a retracted request resuming."""
         rn = self.runner
-        self.chunking, self.mixing = None, False
+        if r is self.chunking:
+            self.chunking = None
+            src = rn.chunk_row
+        else:
+            src = r.ride_row
+            self.riders.remove(r)
+            self._free_ride_rows.append(src)
+            r.ride_row = -1
         row = len(self.running)
-        rn.move_slot(rn.chunk_row, row, r.kv_len)
+        rn.move_slot(src, row, r.kv_len)
         r.state, r.slot = "running", row
         self.running.append(r)
         self._epoch += 1
@@ -797,7 +847,9 @@ class Scheduler(DecodeSteps):
                 "pause_mode": self.pause_mode, "steps": self.steps, "generated_tokens": self.generated_tokens,
                 "retractions": self.retractions, "shared_prompts": self.shared_prompts,
                 "chunked_prefills": self.chunked_prefills, "mixed_prefills": self.mixed_prefills,
+                "num_prefilling_reqs": len(self.riders) + (self.chunking is not None),
                 "mixed_steps": self.mixed_steps, "overlap_steps": self.overlap_steps,
                 "overlap_dropped_tokens": self.dropped_tokens, "decode_seconds": round(self.decode_seconds, 4),
                 "decode_wait_seconds": round(self.decode_wait_seconds, 4), "cpu_threads": self.cpu_threads,
+                "prefills": self.prefills, "prefill_seconds": round(self.prefill_seconds, 4),
                 **{f"decode_{k}_seconds": round(v, 4) for k, v in self.decode_phases.items()}, **self.runner.kv_stats()}

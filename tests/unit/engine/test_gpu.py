@@ -268,6 +268,57 @@ def test_mixed_steps_graph_replay_matches_eager_and_the_slot_cache(gpu_model):
     _same(outs["mixed8"], outs["slots"])
 
 
+def test_mixed_steps_with_several_prompts_on_gpu(gpu_model):
+    """Several riders on GPU (bf16): three prompt chunks in their ride rows replayed in the mixed graph equal the
+    eager step and track HF; a step carrying more than ``mix_tokens`` prompt tokens runs eagerly and gives the same
+    decode rows; the engine with every refill riding (fp32, graphs on) gives the slot cache's tokens and log-probs."""
+    from test_mixed_steps import _bodies
+    from test_paged_cache import _engine, _run, _same, _stats
+
+    runner = ModelRunner(gpu_model, RunnerOptions(device="cuda", dtype="bfloat16", max_running_requests=8, max_context_len=600,
+                                                  kv_cache="paged", page_size=16))
+    assert runner.impl.use_graphs and runner.mix_step_tokens > runner.mix_tokens > 0
+    seqs = [[5 + i for i in range(40)], [7, 8, 9], [11] * 17]
+    runner.prefill(0, seqs, [False] * 3)
+    runner.grow_pages([i for i, s in enumerate(seqs) if len(s) % 16 == 0])
+    toks, pos = torch.tensor([3, 4, 5], device="cuda"), torch.tensor([len(s) for s in seqs], device="cuda")
+    rows = runner.ride_rows
+    prompts = [[20 + i for i in range(45)], [30 + i for i in range(60)], [9, 8, 7]]
+    chunks = [(row, p, 0) for row, p in zip(rows, prompts)]
+    runner.impl.use_graphs = False
+    eager = runner.decode_mixed_many(toks, pos, int(pos.max()) + 1, chunks).clone()
+    runner.impl.use_graphs = True
+    graphed = runner.decode_mixed_many(toks, pos, int(pos.max()) + 1, chunks).clone()
+    assert graphed.shape == eager.shape == (6, runner.vocab_size)
+    torch.testing.assert_close(graphed, eager, atol=2e-2, rtol=0)
+    with torch.no_grad():
+        for j, p in enumerate(prompts):
+            ref = runner.model(torch.tensor([p], device="cuda")).logits[0, -1].float()
+            assert torch.nn.functional.cosine_similarity(graphed[3 + j], ref, dim=0) > 0.999
+    big = [[40 + i % 100 for i in range(300)], [50 + i % 7 for i in range(200)]]
+    wide = runner.decode_mixed_many(toks, pos, int(pos.max()) + 1, [(rows[3], big[0], 0), (rows[4], big[1], 0)])
+    assert wide.shape == (5, runner.vocab_size)
+    torch.testing.assert_close(wide[:3], graphed[:3], atol=2e-2, rtol=0)   # the same decode tokens at the same positions
+    with torch.no_grad():
+        for j, p in enumerate(big):
+            ref = runner.model(torch.tensor([p], device="cuda")).logits[0, -1].float()
+            assert torch.nn.functional.cosine_similarity(wide[3 + j], ref, dim=0) > 0.999
+    del runner
+    outs = {}
+    for name, kw in {"slots": dict(kv_cache="slots"), "riders": dict(kv_cache="paged", page_size=16)}.items():
+        eng = _engine(gpu_model, device="cuda", dtype="float32", max_running_requests=6, **kw)
+        try:
+            eng.scheduler.mix_below = 6   # every refill rides
+            outs[name] = _run(eng, _bodies())
+            stats = _stats(eng)
+        finally:
+            eng.stop()
+        if name != "slots":
+            assert stats["mixed_prefills"] > 0 and stats["kv_pages_in_use"] == 0, stats
+            assert stats["num_prefilling_reqs"] == 0, stats
+    _same(outs["riders"], outs["slots"])
+
+
 # ----------------------------------------------------------------------------- Qwen3-VL image prompts (miles.engine.vlm)
 @pytest.fixture(scope="module")
 def gpu_vlm(tmp_path_factory):
