@@ -213,6 +213,18 @@ def build_family_model(out: Path, model: str | None, seed: int = 0) -> Path:
                                     rope_scaling=TINY_YARN if yarn else None, max_position_embeddings=32 if yarn
                                     else 256, routed_scaling_factor=float(real.get("routed_scaling_factor", 1.0)),
                                     seed=seed)
+    if mt == "glm4_moe":                 # GLM-4.5 / 4.5-Air: their switches kept (q/k norms, biases, partial RoPE)
+        from miles.utils.tiny_glm4_moe import build_tiny_glm4_moe
+
+        return build_tiny_glm4_moe(out, use_qk_norm=bool(real.get("use_qk_norm")),
+                                   attention_bias=bool(real.get("attention_bias")),
+                                   partial_rotary_factor=float(real.get("partial_rotary_factor", 0.5)),
+                                   rms_norm_eps=float(real.get("rms_norm_eps", 1e-5)),
+                                   rope_theta=float(real.get("rope_theta", 10000.0)),
+                                   first_k_dense_replace=1 if real.get("first_k_dense_replace") else 0,
+                                   routed_scaling_factor=float(real.get("routed_scaling_factor", 1.0) or 1.0),
+                                   n_group=2 if (real.get("n_group") or 1) > 1 else 1,
+                                   mtp_layers=int(real.get("num_nextn_predict_layers", 0) or 0), seed=seed)
     if "kv_lora_rank" in real:
         from miles.utils.tiny_mla import build_tiny_mla_model
 
