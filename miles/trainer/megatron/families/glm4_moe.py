@@ -39,13 +39,8 @@ def rotary_fraction(c) -> float:
 
 def attention_fields(c) -> dict:
     """q/k norms by ``use_qk_norm``, q/k/v biases by ``attention_bias``, RoPE on ``partial_rotary_factor`` of a head."""
-    fraction = rotary_fraction(c)
-    head_dim = int(getattr(c, "head_dim", None) or int(c.hidden_size) // int(c.num_attention_heads))
-    if int(head_dim * fraction) % 2:
-        raise ValueError(f"partial_rotary_factor {fraction} of head_dim {head_dim} is an odd number of rotary dims "
-                         "(RoPE rotates pairs): not a GLM-4.5 layout megatron-core builds.")
     return {"qk_layernorm": bool(getattr(c, "use_qk_norm", False)), "qkv_bias": bool(getattr(c, "attention_bias", False)),
-            "rotary_percent": fraction}
+            "rotary_percent": rotary_fraction(c)}
 
 
 FAMILY = Family(
