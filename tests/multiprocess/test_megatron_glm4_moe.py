@@ -99,8 +99,9 @@ def test_glm4_moe_trainer_parity_with_fsdp(tiny_glm45_dir: Path, tmp_path: Path,
     check_parity(res, lp_bound=LP_BOUND, update_bound=UPDATE_BOUND, rel_bound=REL_BOUND)
 
 
-# measured PENDING (python -m pytest tests/multiprocess/test_megatron_glm4_moe.py -k trainer_parity)
-LP_BOUND, UPDATE_BOUND, REL_BOUND = 1e-5, 5e-5, 1e-4
+# measured (nice -n 10 python -m pytest -s tests/multiprocess/test_megatron_glm4_moe.py -k trainer_parity, 2026-12-07):
+# log-probs 4.8e-7 apart, the update after 2 steps 1.0e-5 (max abs), 1.3e-5 (relative L2)
+LP_BOUND, UPDATE_BOUND, REL_BOUND = 1e-6, 2e-5, 3e-5
 
 
 @pytest.mark.gpu
