@@ -437,7 +437,8 @@ def tiny_replay(path: Path, workdir: Path, models: Path, skills_url: str | None 
         if f in flags:
             put(f, str(v))
     if "--expert-model-parallel-size" in flags:
-        put("--expert-model-parallel-size", str(ep if trainers % ep == 0 else 1))
+        stage = trainers // sizes["--pipeline-model-parallel-size"]     # EP splits a pipeline stage's ranks
+        put("--expert-model-parallel-size", str(ep if stage % ep == 0 else 1))
     if "--expert-tensor-parallel-size" in flags:
         put("--expert-tensor-parallel-size", "1")
     for f in ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"):

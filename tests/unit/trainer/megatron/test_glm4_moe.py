@@ -104,3 +104,16 @@ def test_flags_that_disagree_with_config_json_are_refused(tiny_model_dir: Path) 
     msg = _refusal(tiny_model_dir, [a for a in _model_args("p2p_profile_glm45_air") if a != "--add-qkv-bias"], air)
     assert msg.startswith("--add-qkv-bias is missing but --hf-checkpoint's config.json has attention bias"), msg
 
+
+
+def test_expert_parallel_size_must_divide_a_pipeline_stage(tiny_model_dir: Path) -> None:
+    """GLM-4.5-Air's p2p profile at 2 trainer ranks with its PP and EP halved (PP 2 x EP 2): megatron-core splits
+    each stage's ranks into expert groups, so the dry run refuses it in one line (it failed in the group setup)."""
+    args = _model_args("p2p_profile_glm45_air")
+    msg = _refusal(tiny_model_dir, args + ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+                                           "--actor-num-gpus-per-node", "2"], _config("GLM-4.5-Air"))
+    assert msg.startswith("--expert-model-parallel-size 2 (x --expert-tensor-parallel-size 1) does not divide the 1 "
+                          "trainer ranks of a pipeline stage"), msg
+    options.preflight_check(_cfg(tiny_model_dir, *args, "--pipeline-model-parallel-size", "2",
+                                 "--expert-model-parallel-size", "2", "--actor-num-gpus-per-node", "4"),
+                            _config("GLM-4.5-Air"))
