@@ -244,6 +244,19 @@ def build_family_model(out: Path, model: str | None, seed: int = 0) -> Path:
                                     rope_scaling=TINY_YARN if yarn else None, max_position_embeddings=32 if yarn
                                     else 256, routed_scaling_factor=float(real.get("routed_scaling_factor", 1.0)),
                                     seed=seed)
+    if mt == "glm4_moe":     # GLM-4.5 / 4.5-Air: their switches kept (q/k norms, biases, partial RoPE); 4 layers
+        #                      (1 dense, 3 MoE) so that their PP 2 splits them evenly
+        from miles.utils.tiny_glm4_moe import build_tiny_glm4_moe
+
+        return build_tiny_glm4_moe(out, num_layers=4, use_qk_norm=bool(real.get("use_qk_norm")),
+                                   attention_bias=bool(real.get("attention_bias")),
+                                   partial_rotary_factor=float(real.get("partial_rotary_factor", 0.5)),
+                                   rms_norm_eps=float(real.get("rms_norm_eps", 1e-5)),
+                                   rope_theta=float(real.get("rope_theta", 10000.0)),
+                                   first_k_dense_replace=1 if real.get("first_k_dense_replace") else 0,
+                                   routed_scaling_factor=float(real.get("routed_scaling_factor", 1.0) or 1.0),
+                                   n_group=2 if (real.get("n_group") or 1) > 1 else 1,
+                                   mtp_layers=int(real.get("num_nextn_predict_layers", 0) or 0), seed=seed)
     if "kv_lora_rank" in real:
         from miles.utils.tiny_mla import build_tiny_mla_model
 
@@ -308,7 +321,8 @@ PATH_FLAGS = ("--prompt-data", "--eval-prompt-data")
 # there (``without_absent_kernel_flags``; the refusal itself: test_miles_scripts.py's test_kernel_flags_refused_here)
 KERNEL_FLAGS = ("--moe-grouped-gemm", "--moe-permute-fusion", "--attention-backend", "--moe-enable-deepep",
                 "--moe-token-dispatcher-type")
-SCALED_FLAGS = (*SHAPE_FIELDS, *WORLD_FLAGS, *SIZE_FLAGS, *PATH_FLAGS, *KERNEL_FLAGS)
+TOKEN_FLAGS = ("--rollout-stop-token-ids",)     # token ids of the real tokenizer: the tiny tokenizer's eos
+SCALED_FLAGS = (*SHAPE_FIELDS, *WORLD_FLAGS, *SIZE_FLAGS, *PATH_FLAGS, *KERNEL_FLAGS, *TOKEN_FLAGS)
 MAX_RANKS = 4
 
 
@@ -436,6 +450,8 @@ def tiny_replay(path: Path, workdir: Path, models: Path, skills_url: str | None 
             put(flag, _fmt(getattr(shape, attr) or (1 if attr in ("moe_num_groups", "moe_group_topk") else 0)))
     if "--moe-layer-freq" in flags:
         put("--moe-layer-freq", "[" + ",".join(str(v) for v in shape.moe_layer_pattern) + "]")
+    if "--rollout-stop-token-ids" in flags:    # the real tokenizer's ids (GLM-4.5's eos, <|user|>, <|observation|>)
+        put("--rollout-stop-token-ids", str(load_config(model).eos_token_id))     # -> the tiny tokenizer's eos
 
     # world: parallel sizes at most 2 each, trainer ranks their product (at least 2 when the script has several)
     train_only = "--debug-train-only" in flags
@@ -457,7 +473,8 @@ def tiny_replay(path: Path, workdir: Path, models: Path, skills_url: str | None 
         if f in flags:
             put(f, str(v))
     if "--expert-model-parallel-size" in flags:
-        put("--expert-model-parallel-size", str(ep if trainers % ep == 0 else 1))
+        stage = trainers // sizes["--pipeline-model-parallel-size"]     # EP splits a pipeline stage's ranks
+        put("--expert-model-parallel-size", str(ep if stage % ep == 0 else 1))
     if "--expert-tensor-parallel-size" in flags:
         put("--expert-tensor-parallel-size", "1")
     pp, layers = sizes["--pipeline-model-parallel-size"], shape.num_layers

@@ -59,11 +59,11 @@ def checkpoint_tensors(config: dict[str, Any]) -> dict[str, list[int]]:
     return dict(sorted(out.items()))
 
 
-MTP_MODEL_TYPES = ("glm4_moe_lite", "deepseek_v3", "kimi_k2", "joyai_llm_flash")   # transformers skips their model.layers.N.. (MTP) on load
+MTP_MODEL_TYPES = ("glm4_moe", "glm4_moe_lite", "deepseek_v3", "kimi_k2", "joyai_llm_flash")   # transformers skips their model.layers.N.. (MTP) on load
 
 
 def _mtp_tensors(config: dict[str, Any]) -> dict[str, list[int]]:
-    """The multi-token-prediction layers' tensors of a GLM-4.7-Flash / DeepSeek-V3 checkpoint (empty otherwise)."""
+    """The multi-token-prediction layers' tensors of a GLM-4.5 / GLM-4.7-Flash / DeepSeek-V3 checkpoint (empty otherwise)."""
     n = int(config.get("num_nextn_predict_layers") or 0)
     if config.get("model_type") not in MTP_MODEL_TYPES or n <= 0:
         return {}

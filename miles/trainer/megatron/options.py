@@ -192,6 +192,7 @@ def preflight_check(cfg, hf_config: dict | None) -> None:
     o = resolve(cfg.megatron, cfg.train)
     check_static(o, shape)
     check_dp(o, max(cfg.cluster.actor_num_nodes * cfg.cluster.actor_num_gpus_per_node // (o.tp * o.pp), 1))
+    check_expert_world(o, cfg.cluster.actor_num_nodes * cfg.cluster.actor_num_gpus_per_node)
     check_pipeline_algo(resolve(cfg.megatron, cfg.train), cfg.algo)
     if (spec := lora.LoraSpec.from_config(cfg.train)) is not None:    # --lora-rank: the layouts LoRA runs on
         lora.check_megatron(resolve(cfg.megatron, cfg.train), shape, spec)
@@ -277,6 +278,16 @@ def check_dp(o: Options, dp_size: int) -> None:
         raise ConfigError(f"--optimizer-cpu-offload with --use-distributed-optimizer over {dp_size} data-parallel "
                           "ranks is not supported by the Megatron backend (the offloaded AdamW is not sharded over DP; "
                           "with one DP rank there is nothing to shard): drop one of them.")
+
+
+def check_expert_world(o: Options, trainers: int) -> None:
+    """EP x ETP divides a pipeline stage's trainer ranks (megatron-core's expert groups split each stage; otherwise
+    its group setup fails on the first rank)."""
+    if o.ep * o.etp > 1 and trainers % o.pp == 0 and (trainers // o.pp) % (o.ep * o.etp):
+        raise ConfigError(f"--expert-model-parallel-size {o.ep} (x --expert-tensor-parallel-size {o.etp}) does not "
+                          f"divide the {trainers // o.pp} trainer ranks of a pipeline stage (--actor-num-nodes x "
+                          f"--actor-num-gpus-per-node = {trainers}, --pipeline-model-parallel-size {o.pp}): choose "
+                          "an expert-parallel size that divides them, or more trainer ranks.")
 
 
 def check_supported(o: Options, shape: ModelShape, device: torch.device, dp_size: int) -> None:

@@ -121,7 +121,7 @@ def save_shortfall(cfg, model: Path) -> int | None:
 
 
 def test_every_fixture_says_what_it_expects():
-    assert len(FIXTURES) == 56
+    assert len(FIXTURES) == 59
     for path in FIXTURES:
         entry, expect, lines = read_fixture(path)
         assert entry in ("train.py", "train_async.py"), path.name
@@ -398,3 +398,30 @@ def test_qwen3_5_lora_command_without_its_sglang_serving_flags(workdir: Path, mo
     cfg = parse_args(argv + ["--dry-run"])
     assert cfg.weights.lora_base_cpu_backup
     assert "role plan" in dry_run(cfg)
+
+
+@pytest.mark.parametrize("name, dropped", [
+    ("megatron_moe_glm45_355b_a32b_8node", ["--sglang-dp-size", "--sglang-enable-dp-attention",
+                                            "--sglang-enable-dp-lm-head", "--sglang-enable-draft-weights-cpu-backup",
+                                            "--sglang-ep-size", "--sglang-moe-dense-tp-size"]),
+    ("p2p_profile_glm45_air", ["--sglang-enable-dp-attention", "--sglang-enable-dp-lm-head", "--sglang-ep-size",
+                               "--sglang-model-loader-extra-config"]),
+])
+def test_glm45_commands_without_their_sglang_serving_flags(name: str, dropped: list[str], workdir: Path, model_dirs,
+                                                           plugins_on_path):
+    """The recorded GLM-4.5 8-node command (TP 8 + SP x PP 4 x CP 2 x EP 16, ``--optimizer-cpu-offload``; DeepEP's
+    flags dropped here as for every fixture) and GLM-4.5-Air's p2p profile (PP 4 x EP 8, p2p weight transfer) are
+    refused on this machine only by their SGLang-only serving flags; without them the dry run passes."""
+    import importlib.util
+
+    from miles_fixtures import _drop_sglang_only
+
+    from miles.run.entry import dry_run
+
+    path = HERE / f"{name}.flags"
+    argv = without_absent_kernel_flags(fixture_argv(read_fixture(path)[2], subs_for(path, workdir, model_dirs)))
+    if importlib.util.find_spec("sglang") is None:
+        changed: dict[str, str] = {}
+        argv = _drop_sglang_only(argv, changed, "train.py")
+        assert sorted(changed) == dropped, changed
+    assert "role plan" in dry_run(parse_args(argv + ["--dry-run"]))

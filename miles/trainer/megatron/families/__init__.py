@@ -26,7 +26,8 @@ sparse attention: DeepSeek-V3.2, GLM-5 / 5.1 / 5.2; mla's plus megatron-core's D
 ``deepseek_v4`` (hyper-connections, compressed sparse attention, sqrtsoftplus / hash routing: its own decoder,
 ``dsv4_model.py``), ``qwen3_next``
 (Qwen3-Next, Qwen3.5 / 3.6: hybrid gated DeltaNet and gated attention layers, MoE with a gated shared expert, MTP;
-the torch gated delta rule in ``gated_delta.py``).
+the torch gated delta rule in ``gated_delta.py``), ``glm4_moe`` (GLM-4.5 / 4.5-Air: GQA with partial RoPE, q/k/v
+biases and optional q/k norms on megatron-core's standard layer, and mla's DeepSeek-style MoE hooks).
 """
 
 from __future__ import annotations
@@ -140,6 +141,7 @@ def _load() -> tuple[Family, ...]:
         dense,
         dsa,
         gemma4,
+        glm4_moe,
         gpt_oss,
         kimi_k25,
         mla,
@@ -148,7 +150,7 @@ def _load() -> tuple[Family, ...]:
     )
 
     return (dense.FAMILY, mla.FAMILY, kimi_k25.FAMILY, gpt_oss.FAMILY, dsa.FAMILY, nemotron_h.FAMILY, gemma4.FAMILY,
-            deepseek_v4.FAMILY, qwen3_next.FAMILY)
+            deepseek_v4.FAMILY, qwen3_next.FAMILY, glm4_moe.FAMILY)
 
 
 ALL: tuple[Family, ...] = _load()
@@ -157,7 +159,7 @@ _BY_TYPE = {mt: f for f in ALL for mt in f.model_types}
 
 
 # model types no family builds whose nearest family is not the closest spelling (a family's helper removes its row)
-NEAREST = {"glm4_moe": "glm4_moe_lite (GLM-4.5's attention is not multi-latent)"}
+NEAREST: dict[str, str] = {}
 
 
 def nearest_family(model_type: str, families: Mapping[str, str] = FAMILIES) -> str:
