@@ -24,6 +24,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 from miles.engine import fused_ops, paged_attention
 from miles.engine.paged_cache import PagedKV, to_device
 from miles.engine.routed_experts import RoutedExpertsRecorder
-from miles.engine.weights import checkpoint_renames, drop_mtp, mtp_layer_names
+from miles.engine.weights import checkpoint_parts, checkpoint_renames, drop_mtp, mtp_layer_names
 from miles.utils.logging import get_logger
 
 logger = get_logger("miles.engine.model_runner")
@@ -824,9 +825,12 @@ class ParamIndex(dict):
     per expert (``mlp.experts.<e>.gate_proj.weight`` ...): lookups by those names return views into the fused
     storage (made on lookup, so none outlives a release of the weights), and updates and reads by either name
     reach the same weights. ``renames`` (``weights.checkpoint_renames``): the checkpoint's names of tensors that
-    transformers renames on load (Nemotron-H's ``backbone.*``), looked up as the names they load into."""
+    transformers renames on load (Nemotron-H's ``backbone.*``), looked up as the names they load into. ``parts``
+    (``weights.checkpoint_parts``): the checkpoint's other names that transformers converts on load, each a view of
+    part of a live tensor (transformers' conversion reverted, as the trainers export it: DeepSeek-V4's native names)."""
 
-    def __init__(self, params: dict[str, torch.Tensor], renames: dict[str, str] | None = None):
+    def __init__(self, params: dict[str, torch.Tensor], renames: dict[str, str] | None = None,
+                 parts: dict[str, tuple[str, Any]] | None = None):
         super().__init__(params)
         self.aliases: dict[str, tuple[str, int, int | None]] = {}     # name -> (fused name, expert, half)
         for name, p in params.items():
@@ -846,8 +850,16 @@ class ParamIndex(dict):
                 self.renames[ext] = name
             elif name in self.aliases:
                 self.aliases[ext] = self.aliases[name]
+        self.parts: dict[str, tuple[str, Any]] = {}                     # checkpoint name -> (live name, Part)
+        for ext, (name, part) in (parts or {}).items():
+            if not (dict.__contains__(self, ext) or ext in self.aliases or ext in self.renames) \
+                    and dict.__contains__(self, name):
+                self.parts[ext] = (name, part)
 
     def _view(self, name: str) -> torch.Tensor:
+        if name in self.parts:
+            live, part = self.parts[name]
+            return part.of(dict.__getitem__(self, live).detach())
         fused, e, half = self.aliases[name]
         t = dict.__getitem__(self, fused).detach()[e]
         return t if half is None else t.chunk(2, dim=0)[half]
@@ -857,13 +869,13 @@ class ParamIndex(dict):
             return dict.__getitem__(self, name)
         if name in self.renames:
             return dict.__getitem__(self, self.renames[name])
-        return self._view(name) if name in self.aliases else default
+        return self._view(name) if name in self.aliases or name in self.parts else default
 
     def __missing__(self, name):
         return dict.__getitem__(self, self.renames[name]) if name in self.renames else self._view(name)
 
     def __contains__(self, name) -> bool:
-        return dict.__contains__(self, name) or name in self.aliases or name in self.renames
+        return dict.__contains__(self, name) or name in self.aliases or name in self.renames or name in self.parts
 
 
 def has_causal_lm(config) -> bool:
@@ -986,7 +998,8 @@ class ModelRunner:
         self.impl.allocate_cache()
         self.eos_token_ids = self._eos_ids()
         self._renames = checkpoint_renames(self.model_path, self.model)   # e.g. Nemotron-H's backbone.* names
-        self._params = ParamIndex(self.model.state_dict(keep_vars=True), self._renames)
+        self._parts = checkpoint_parts(self.model_path, self.model)       # e.g. DeepSeek-V4's native names
+        self._params = ParamIndex(self.model.state_dict(keep_vars=True), self._renames, self._parts)
         self._weights_backup: dict[int, torch.Tensor] | None = None
         self.weights_epoch = 0   # bumped by every weight load: cached prompt KV/logits from before are stale
         self.weights_released = False
@@ -1225,7 +1238,7 @@ class ModelRunner:
             self.weights_released = False
             if self.native:
                 self.impl.fuse()
-            self._params = ParamIndex(self.model.state_dict(keep_vars=True), self._renames)
+            self._params = ParamIndex(self.model.state_dict(keep_vars=True), self._renames, self._parts)
         if "kv_cache" in tags and self.kv_released:
             self.impl.allocate_cache()
             self.kv_released = False

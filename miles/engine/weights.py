@@ -345,6 +345,28 @@ def checkpoint_renames(path: str | Path, model: torch.nn.Module) -> dict[str, st
     return out
 
 
+def checkpoint_parts(path: str | Path, model: torch.nn.Module) -> dict[str, tuple[str, Any]]:
+    """The checkpoint's names of tensors that transformers converts on load into parts of a live tensor (per-expert
+    weights stacked into one; renamed ones), each mapped to (live name, ``miles.weight_sync.hf_layout.Part``): the
+    layout the trainers export (transformers' conversion reverted, ``hf_layout.CheckpointLayout``), so updates and
+    reads by the checkpoint's names reach views of the live tensors for every family (DeepSeek-V4's native
+    ``layers.L.attn.*``, ``ffn.experts.E.w1``, ...). Only the safetensors headers are read; empty where transformers
+    converted nothing."""
+    try:
+        from safetensors import safe_open
+
+        from miles.weight_sync.hf_layout import CheckpointLayout
+    except ImportError:
+        return {}
+    names: set[str] = set()
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            names.update(h.keys())
+    live = {n: t for n, t in model.state_dict(keep_vars=True).items() if t.is_contiguous()}
+    layout = CheckpointLayout(model, [(n, tuple(t.shape)) for n, t in live.items()], frozenset(names))
+    return {p.name: (n, p) for n, parts in layout.parts.items() for p in parts if p.name in names}
+
+
 def mtp_layer_names(config: Any) -> Callable[[str], bool]:
     """Whether a HF name belongs to the checkpoint's multi-token-prediction layers (GLM-4.7-Flash, DeepSeek-V3 keep
     them as ``model.layers.{num_hidden_layers + k}.*``, config.json's ``num_nextn_predict_layers``; Qwen3-Next and
@@ -375,6 +397,10 @@ def check_full_coverage(state: dict[str, torch.Tensor], live: dict[str, torch.Te
     need = Counter(a[0] for a in set(aliases.values()))
     got = Counter(a[0] for a in {aliases[n] for n in state if n in aliases})
     covered |= {id(live[f]) for f, k in got.items() if k == need[f]}
+    parts = getattr(live, "parts", {})      # the checkpoint's names of parts of live tensors: all of them cover one
+    need_parts = Counter(n for n, _ in parts.values())
+    got_parts = Counter(parts[n][0] for n in set(state) if n in parts)
+    covered |= {id(live[n]) for n, k in got_parts.items() if k == need_parts[n]}
     missing = [n for n, t in live.items() if id(t) not in covered]
     unknown = [n for n in state if n not in live]
     if unknown:
@@ -396,6 +422,8 @@ def load_from_disk(path: str, live: dict[str, torch.Tensor],
             current[a] = current[fused][e] if half is None else current[fused][e].chunk(2, dim=0)[half]
         for a, n in getattr(live, "renames", {}).items():   # the checkpoint's names of renamed parameters
             current[a] = current[n]
+        for a, (n, part) in getattr(live, "parts", {}).items():   # ... of parts of converted ones
+            current[a] = part.of(current[n])
         new = apply_delta_dir(path, current, skip=is_mtp)
         return {n: t for n, t in new.items() if n not in current or t is not current[n]}   # MTP: skipped
     partial = False

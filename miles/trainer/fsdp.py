@@ -36,6 +36,7 @@ from miles.trainer.optim import LRSchedule, MasterWeights, build_adamw, clip_gra
 from miles.trainer.step import RLTrainer
 from miles.trainer.weights import checkpoint_tensor_names, iter_checkpoint_buckets, iter_full_params
 from miles.utils.logging import get_logger
+from miles.weight_sync.hf_layout import CheckpointLayout
 from miles.weight_sync.p2p import iter_local_shards
 
 logger = get_logger(__name__)
@@ -209,19 +210,22 @@ class FSDPTrainer(RLTrainer):
     # ------------------------------------------------------------------ weights
     def iter_weight_buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None, *,
                             prefetch: bool = True) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Full parameters under their HF names, bucket by bucket; every trainer rank must iterate to the end.
-        The gather of bucket k+1 is issued before bucket k is yielded (``prefetch``). Fused MoE experts go out
-        under the checkpoint's per-expert names and shapes (``split_fused_experts``)."""
+        """Full parameters under the checkpoint's names and shapes, bucket by bucket; every trainer rank must
+        iterate to the end. The gather of bucket k+1 is issued before bucket k is yielded (``prefetch``).
+        transformers' load-time conversion is reverted (``_checkpoint_layout``: renames, fused MoE experts per
+        expert), as ``save_pretrained`` does."""
         modeling.reshard_all(self.model)
+        layout = self._checkpoint_layout()
         if self.lora is not None:                  # LoRA: merged in the parameters' dtype, then cast (lora_hf.py)
             from miles.trainer.lora_hf import merge_buckets
 
-            return merge_buckets(self.lora, iter_checkpoint_buckets(iter_full_params(
+            return iter_checkpoint_buckets(merge_buckets(self.lora, iter_full_params(
                 self.model, group=self.group, device=self.device, bucket_bytes=bucket_bytes, dtype=None,
-                name_fn=modeling.hf_name, timeout=self.timeout, prefetch=prefetch), self._checkpoint_names()), dtype)
+                name_fn=modeling.hf_name, timeout=self.timeout, prefetch=prefetch, together=layout.together), dtype),
+                layout)
         return iter_checkpoint_buckets(iter_full_params(
             self.model, group=self.group, device=self.device, bucket_bytes=bucket_bytes, dtype=dtype,
-            name_fn=modeling.hf_name, timeout=self.timeout, prefetch=prefetch), self._checkpoint_names())
+            name_fn=modeling.hf_name, timeout=self.timeout, prefetch=prefetch, together=layout.together), layout)
 
     def _checkpoint_names(self) -> frozenset[str] | None:
         """The tensor names of --hf-checkpoint (read once; None when it has no safetensors)."""
@@ -229,20 +233,37 @@ class FSDPTrainer(RLTrainer):
             self._ckpt_names = checkpoint_tensor_names(self.cfg.hf_checkpoint)
         return self._ckpt_names or None
 
+    def _checkpoint_layout(self) -> CheckpointLayout:
+        """Where the checkpoint's tensors lie in the policy's (``miles.weight_sync.hf_layout``; built once, on meta
+        tensors, from transformers' conversion of --hf-checkpoint at load)."""
+        if getattr(self, "_layout", None) is None:
+            tensors = [(modeling.hf_name(n), tuple(t.shape)) for n, t in
+                       [*self.model.named_parameters(), *self.model.named_buffers()]]
+            self._layout = CheckpointLayout(self.model.lm, tensors, self._checkpoint_names())
+        return self._layout
+
     def iter_weight_shards(self, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[list]:
-        """This rank's own FSDP2 shards under HF names, in the buckets of ``iter_weight_buckets`` and under its
-        names (fused experts per expert), without any gather (``--update-weight-transfer-mode p2p``:
+        """This rank's own FSDP2 shards in the buckets of ``iter_weight_buckets`` and under its names and shapes
+        (the same ``_checkpoint_layout``), without any gather (``--update-weight-transfer-mode p2p``:
         ``miles.weight_sync.p2p.iter_local_shards``)."""
         modeling.reshard_all(self.model)
         return iter_local_shards(self.model, rank=self.rank, world=self.world, bucket_bytes=bucket_bytes, dtype=dtype,
-                                 device=self.device, name_fn=modeling.hf_name, checkpoint_names=self._checkpoint_names())
+                                 device=self.device, name_fn=modeling.hf_name, layout=self._checkpoint_layout())
 
     def _checkpoint_buffers(self, have: set[str]) -> list[tuple[str, torch.Tensor]]:
         """Buffers the checkpoint stores beside the parameters (DeepSeek-style routers' ``e_score_correction_bias``),
         in their own dtype: FSDP2 keeps buffers whole on every rank, and a reload without them routes wrongly."""
-        names = self._checkpoint_names() or frozenset()
-        return [(modeling.hf_name(n), b.detach().cpu().clone()) for n, b in self.model.named_buffers()
-                if modeling.hf_name(n) in names and modeling.hf_name(n) not in have]
+        names, layout = self._checkpoint_names() or frozenset(), self._checkpoint_layout()
+        out = layout.revert([(modeling.hf_name(n), b.detach()) for n, b in self.model.named_buffers()])
+        return [(n, b.cpu().clone()) for n, b in out if n in names and n not in have]
+
+    def weight_export_is_partial(self) -> bool:
+        """The export holds the parameters only: where the checkpoint also stores buffers (routers'
+        ``e_score_correction_bias``, never trained) they stay as the engines loaded them, so disk-delta's full
+        versions say they are partial (``WeightSource.weight_export_is_partial``)."""
+        if getattr(self, "_partial_export", None) is None:
+            self._partial_export = bool(self._checkpoint_buffers(set()))
+        return self._partial_export
 
     def save_hf(self, path: str | Path) -> None:
         """The HF model dir (merged weights under LoRA) and with LoRA the adapter alone in HF PEFT format under

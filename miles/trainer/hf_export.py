@@ -1,7 +1,9 @@
 """Write the trained policy as a HF model directory (``--save-hf``).
 
-Weights come from ``FSDPTrainer.iter_weight_buckets`` under their HF names (tied embeddings once,
-as ``save_pretrained`` writes them; MoE experts per expert, as in the source checkpoint), cast to the dtype of the source checkpoint's config, and are
+Weights come from the trainer's ``iter_weight_buckets`` under the source checkpoint's names and shapes (tied
+embeddings once, as ``save_pretrained`` writes them; on the FSDP backend transformers 5's load-time conversion
+reverted, ``miles.weight_sync.hf_layout``: Nemotron-H's ``backbone.*``, MoE experts per expert), cast to the dtype of
+the source checkpoint's config, and are
 written by trainer rank 0 as ``model.safetensors`` or, above ``max_shard_bytes``, as numbered shards
 with ``model.safetensors.index.json``. Everything else in ``--hf-checkpoint`` except weights
 (config, generation config, tokenizer files, chat template) is copied alongside, so the directory

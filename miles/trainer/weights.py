@@ -10,15 +10,16 @@ the next gather; at most two buckets are alive.
 Every trainer rank must iterate to the end (the gathers are collectives on the trainer group);
 every rank receives the full tensors, on the trainer's device.
 
-``iter_checkpoint_buckets`` applies ``miles.weight_sync.buckets.split_fused_experts`` (transformers 5's fused MoE
-expert tensors -> the checkpoint's per-expert names and shapes, views into the gathered bucket): what HF
-checkpoints, SGLang's loaders and the Megatron backend's export use. The bucket plan and the expert split live
-in ``miles.weight_sync.buckets`` (the weight plane imports nothing of the trainer; the trainer imports them).
+``iter_checkpoint_buckets`` applies a ``miles.weight_sync.hf_layout.CheckpointLayout`` (transformers 5's load-time
+conversion reverted: renames such as Nemotron-H's ``model.*`` -> ``backbone.*``, fused MoE expert tensors -> the
+checkpoint's per-expert names and shapes, as views into the gathered bucket): what HF checkpoints, SGLang's loaders
+and the Megatron backend's export use. The bucket plan (``miles.weight_sync.buckets``) and the layout live in the
+weight plane (which imports nothing of the trainer; the trainer imports them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import TypeVar
@@ -27,7 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from miles.weight_sync.buckets import plan_buckets, split_fused_experts
+from miles.weight_sync.buckets import plan_buckets
+from miles.weight_sync.hf_layout import CheckpointLayout
 
 Bucket = list[tuple[str, torch.Tensor]]
 T = TypeVar("T")
@@ -108,12 +110,13 @@ def _finish(pend: _Pending, world: int, timeout: float) -> Bucket:
 def iter_full_params(
     module: nn.Module, *, group: dist.ProcessGroup, device: torch.device, bucket_bytes: int,
     dtype: torch.dtype | None = None, name_fn: Callable[[str], str] = lambda n: n, timeout: float = 600.0,
-    prefetch: bool = True,
+    prefetch: bool = True, together: Callable[[str], Hashable | None] | None = None,
 ) -> Iterator[Bucket]:
-    """Yield buckets of (name_fn(name), full tensor) in ``module.named_parameters()`` order."""
+    """Yield buckets of (name_fn(name), full tensor) in ``module.named_parameters()`` order (``together``: see
+    ``plan_buckets``)."""
     world = dist.get_world_size(group)
     named = [(name_fn(n), p) for n, p in module.named_parameters()]
-    buckets = plan_buckets(named, bucket_bytes, dtype)
+    buckets = plan_buckets(named, bucket_bytes, dtype, together)
     yield from iter_prefetched(buckets, lambda b: _start(b, group, world, device, dtype),
                                lambda pend: _finish(pend, world, timeout), prefetch)
 
@@ -158,8 +161,7 @@ def checkpoint_tensors(hf_dir: str | Path, keep: Callable[[str], bool]) -> list[
     return out
 
 
-def iter_checkpoint_buckets(buckets: Iterable[Bucket], checkpoint_names: Container[str] | None = None
-                            ) -> Iterator[Bucket]:
-    """``split_fused_experts`` applied bucket by bucket (the gathers of ``buckets`` keep their lockstep)."""
+def iter_checkpoint_buckets(buckets: Iterable[Bucket], layout: CheckpointLayout) -> Iterator[Bucket]:
+    """``layout.revert`` applied bucket by bucket (the gathers of ``buckets`` keep their lockstep)."""
     for bucket in buckets:
-        yield split_fused_experts(bucket, checkpoint_names)
+        yield layout.revert(bucket)

@@ -9,14 +9,14 @@ derive the same offsets with :func:`bucket_metadata`.
 
 The engine (``miles.engine``) imports :func:`unpack_bucket` and :func:`bucket_metadata` from here so the
 two ends can never disagree about the layout. The trainer imports :func:`plan_buckets` (which parameters go
-in which bucket) and :func:`split_fused_experts` / :func:`fused_expert_parts` (transformers 5's fused MoE
-experts under the checkpoint's per-expert names) from here, so the senders (``p2p``'s local shards) and the
-trainer's full buckets agree; this module imports nothing of the trainer.
+in which bucket) from here, so the senders (``p2p``'s local shards) and the trainer's full buckets agree (the
+checkpoint's names and shapes of what is in them: ``miles.weight_sync.hf_layout``); this module imports nothing of
+the trainer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -132,62 +132,50 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
         yield bucket
 
 
-def plan_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int, dtype: torch.dtype | None) -> list[Bucket]:
+def plan_buckets(named: list[tuple[str, torch.Tensor]], bucket_bytes: int, dtype: torch.dtype | None,
+                 together: Callable[[str], Hashable | None] | None = None) -> list[Bucket]:
     """Group (name, param) pairs into buckets of at most bucket_bytes (a larger tensor gets its own);
-    a bucket never mixes dtypes."""
+    a bucket never mixes dtypes. ``together(name)``: a key (None: none) of tensors that must share a bucket
+    (``miles.weight_sync.hf_layout.CheckpointLayout.together``): they follow the first of them, in one bucket."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes (--update-weight-buffer-size).")
+    if together is not None:
+        named = _grouped(named, together)
     buckets: list[Bucket] = []
     cur: Bucket = []
-    cur_bytes, cur_dtype = 0, None
+    cur_bytes, cur_dtype, cur_key = 0, None, None
     for name, p in named:
         dt = dtype or p.dtype
         nbytes = p.numel() * torch.empty(0, dtype=dt).element_size()
-        if cur and (cur_bytes + nbytes > bucket_bytes or dt != cur_dtype):
+        key = together(name) if together is not None else None
+        if cur and (key is None or key != cur_key) and (cur_bytes + nbytes > bucket_bytes or dt != cur_dtype):
             buckets.append(cur)
             cur, cur_bytes = [], 0
         cur.append((name, p))
         cur_bytes += nbytes
-        cur_dtype = dt
+        cur_dtype, cur_key = dt, key
     if cur:
         buckets.append(cur)
     return buckets
 
 
-# ----------------------------------------------------------------------------- fused MoE experts
-_GATE_UP, _DOWN = ".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"
-
-
-
-def split_fused_experts(bucket: Bucket, checkpoint_names: Container[str] | None = None) -> Bucket:
-    """transformers 5's fused experts (``mlp.experts.gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]) -> the
-    checkpoint's per-expert ``mlp.experts.<e>.{gate,up,down}_proj.weight`` ([I, H], [I, H], [H, I]), as views (no
-    copy); other tensors unchanged. With ``checkpoint_names``, a fused tensor is split only when the checkpoint
-    names its experts that way (a checkpoint that stores fused tensors keeps them)."""
-    out: Bucket = []
-    for name, t in bucket:
-        parts = fused_expert_parts(name, tuple(t.shape), checkpoint_names)
-        if parts is None:
-            out.append((name, t))
+def _grouped(named: list[tuple[str, torch.Tensor]], together: Callable[[str], Hashable | None]
+             ) -> list[tuple[str, torch.Tensor]]:
+    """``named`` with the tensors of one ``together`` key moved right after the first of them (order kept otherwise)."""
+    groups: dict[Hashable, list[tuple[str, torch.Tensor]]] = {}
+    order: list[tuple[str, torch.Tensor] | Hashable] = []
+    for item in named:
+        key = together(item[0])
+        if key is None:
+            order.append(item)
         else:
-            out += [(part, t[e, lo:hi]) for part, e, lo, hi in parts]
-    return out
+            if key not in groups:
+                groups[key] = []
+                order.append(_Key(key))
+            groups[key].append(item)
+    return [x for o in order for x in (groups[o.key] if isinstance(o, _Key) else [o])]
 
 
-def fused_expert_parts(name: str, shape: tuple[int, ...], checkpoint_names: Container[str] | None = None
-                       ) -> list[tuple[str, int, int, int]] | None:
-    """How ``split_fused_experts`` splits the tensor ``name`` of ``shape``: (per-expert name, expert ``e``, rows
-    ``lo:hi`` of ``t[e]``) in the order of their bytes in the fused tensor; None when it stays as it is."""
-    fused = name.endswith(_GATE_UP) or name.endswith(_DOWN)
-    if not fused or len(shape) != 3:
-        return None
-    base = name[: name.rindex(".") + 1]
-    kind = "gate" if name.endswith(_GATE_UP) else "down"
-    if checkpoint_names is not None and f"{base}0.{kind}_proj.weight" not in checkpoint_names:
-        return None
-    num_experts, rows = shape[0], shape[1]
-    if kind == "down":
-        return [(f"{base}{e}.down_proj.weight", e, 0, rows) for e in range(num_experts)]
-    half = -(-rows // 2)                                # torch.chunk(2)'s first part
-    return [part for e in range(num_experts) for part in ((f"{base}{e}.gate_proj.weight", e, 0, half),
-                                                          (f"{base}{e}.up_proj.weight", e, half, rows))]
+class _Key:
+    def __init__(self, key: Hashable):
+        self.key = key

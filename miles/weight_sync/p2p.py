@@ -33,7 +33,7 @@ import collections
 import json
 import time
 import uuid
-from collections.abc import Callable, Container, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -46,8 +46,9 @@ from miles.utils.logging import get_logger
 from miles.utils.net import host_address
 from miles.weight_sync.base import Deadline, EngineTarget, SyncResult, WeightSyncError
 from miles.weight_sync.broadcast import BroadcastSender
-from miles.weight_sync.buckets import as_bytes, bucket_metadata, dtype_to_str, fused_expert_parts, nbytes, plan_buckets
+from miles.weight_sync.buckets import as_bytes, bucket_metadata, dtype_to_str, nbytes, plan_buckets
 from miles.weight_sync.group import WeightGroup, WeightGroupError, connect_store, host_store
+from miles.weight_sync.hf_layout import CheckpointLayout
 
 logger = get_logger(__name__)
 
@@ -112,37 +113,64 @@ def _local_shard(name: str, p: torch.Tensor, rank: int, world: int, device: torc
 @torch.no_grad()  # per resumption (torch wraps generators): never left off while the caller runs
 def iter_local_shards(module: nn.Module, *, rank: int, world: int, bucket_bytes: int, dtype: torch.dtype | None,
                       device: torch.device, name_fn: Callable[[str], str] = lambda n: n,
-                      checkpoint_names: Container[str] | None = None) -> Iterator[list[LocalShard]]:
+                      layout: CheckpointLayout | None = None) -> Iterator[list[LocalShard]]:
     """This rank's part of every parameter, in the buckets ``broadcast`` uses (``plan_buckets`` over
-    ``module.named_parameters()``), fused MoE experts under the checkpoint's per-expert names
-    (``split_expert_shards``). Local only (no collective), except for parameters that are neither
-    dim-0 sharded nor replicated: every trainer rank must then iterate to the end."""
+    ``module.named_parameters()``), under the checkpoint's names and shapes (``revert_shards`` with ``layout``).
+    Local only (no collective), except for parameters that are neither dim-0 sharded nor replicated: every
+    trainer rank must then iterate to the end."""
     named = [(name_fn(n), p) for n, p in module.named_parameters()]
-    for bucket in plan_buckets(named, bucket_bytes, dtype):
-        yield split_expert_shards([_local_shard(n, p, rank, world, device, dtype) for n, p in bucket], rank,
-                                  checkpoint_names)
+    together = layout.together if layout is not None else None
+    for bucket in plan_buckets(named, bucket_bytes, dtype, together):
+        shards = [_local_shard(n, p, rank, world, device, dtype) for n, p in bucket]
+        yield revert_shards(shards, rank, layout) if layout is not None else shards
 
 
-def split_expert_shards(bucket: list[LocalShard], rank: int,
-                        checkpoint_names: Container[str] | None = None) -> list[LocalShard]:
-    """``miles.weight_sync.buckets.split_fused_experts`` on this rank's shards: a fused expert tensor (dim 0 = the
-    experts) becomes one shard per expert part, held whole by the rank whose rows hold that expert. The parts
-    follow each other in the fused tensor's byte order, so the flattened bucket and every rank's byte ranges
-    (``plan_bucket``) are those of the fused tensor."""
+def revert_shards(bucket: list[LocalShard], rank: int, layout: CheckpointLayout) -> list[LocalShard]:
+    """``CheckpointLayout.revert`` on this rank's shards: a tensor holding several checkpoint tensors (a fused expert
+    tensor, dim 0 = the experts) becomes one shard per part, each rank holding the rows of the part that lie in its
+    own rows. The parts follow each other in the tensor's byte order, so the flattened bucket and every rank's byte
+    ranges (``plan_bucket``) are those of the in-memory tensor. A part that is not a run of whole rows of one
+    contiguous byte range (a transpose) cannot be sent from shards: WeightSyncError, naming the tensor."""
     out: list[LocalShard] = []
     for s in bucket:
-        parts = fused_expert_parts(s.name, s.shape, checkpoint_names)
+        parts = layout.parts.get(s.name)
+        if s.name in layout.groups or s.name in layout.computed:
+            raise WeightSyncError(f"p2p weight sync: {s.name!r} is converted to the checkpoint's layout by computing "
+                                  "new tensors, which this rank's shard alone cannot give; use "
+                                  "--update-weight-transfer-mode broadcast")
         if parts is None:
             out.append(s)
             continue
-        first = s.splits[rank][0]
-        for name, e, lo, hi in parts:
-            rows = hi - lo
-            owner = next(r for r, (a, b) in enumerate(s.splits) if a <= e < b)
-            data = s.data[e - first, lo:hi].contiguous() if owner == rank else s.data.reshape(-1)[:0]
-            out.append(LocalShard(name, (rows, *s.shape[2:]), s.dtype,
-                                  [(0, rows) if r == owner else (rows, rows) for r in range(len(s.splits))], data))
+        row = _numel(s.shape[1:]) if s.shape else 1
+        first = s.splits[rank][0] * row
+        flat = s.data.reshape(-1)
+        for p in parts:
+            n = _numel(p.shape)
+            prow = _numel(p.shape[1:]) if p.shape else n
+            splits = []
+            for a, b in s.splits:
+                lo, hi = max(p.offset, a * row), min(p.offset + n, b * row)
+                if hi <= lo:
+                    splits.append((n // max(prow, 1),) * 2)
+                    continue
+                if not p.contiguous or (lo - p.offset) % prow or (hi - p.offset) % prow:
+                    raise WeightSyncError(f"p2p weight sync: the checkpoint's {p.name!r} (shape {list(p.shape)}) is not "
+                                          f"whole rows of one byte range of {s.name!r} on every trainer rank; use "
+                                          "--update-weight-transfer-mode broadcast")
+                splits.append(((lo - p.offset) // prow, (hi - p.offset) // prow))
+            a, b = splits[rank]
+            data = (flat[p.offset + a * prow - first: p.offset + b * prow - first].view(b - a, *p.shape[1:])
+                    if b > a and p.shape else flat[p.offset - first:p.offset - first + 1].view(()) if b > a
+                    else flat[:0])
+            out.append(LocalShard(p.name, p.shape, s.dtype, splits, data))
     return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for x in shape:
+        n *= int(x)
+    return n
 
 
 @dataclass

@@ -193,7 +193,8 @@ def gpu_worker(model_dir: str, out: str, seq: int = 20, text_vocab: int | None =
 
 def parity_worker(model_dir: str, out: str, megatron_flags: tuple[str, ...] = (), tp: int = 2, *,
                   flags: tuple[str, ...] = (), reference: str = "disk", saved: str = "transformers",
-                  bf16_export: bool = True, vlm: bool = False, split_fsdp_experts: bool = False) -> None:
+                  bf16_export: bool = True, vlm: bool = False, split_fsdp_experts: bool = False,
+                  fsdp_names: str = "checkpoint") -> None:
     """2 ranks: the FSDP backend (transformers' model under FSDP2, DP 2) and the Megatron trainer (TP ``tp``,
     sequence parallel, ``megatron_flags``) train the same 2 rollouts from ``model_dir`` (``flags``: to both). Saves
     to ``out`` (torch.save): both backends' log-probs' distance before training, step metrics, the update's distance
@@ -203,7 +204,9 @@ def parity_worker(model_dir: str, out: str, megatron_flags: tuple[str, ...] = ()
     "disk": the safetensors written, transformers loading them), a torch_dist checkpoint resumed bitwise.
     ``vlm``: a multimodal checkpoint trained text-only (the FSDP samples without images; the text decoder's tensors,
     ``model.language_model.*``, compared; ``--save-hf`` holds the towers as they were). ``split_fsdp_experts``:
-    the FSDP export's fused experts split per expert before the comparison. ``res["layout"]``: the Megatron trainer's
+    the FSDP export's fused experts split per expert before the comparison. ``fsdp_names`` "memory": the FSDP
+    side's weights compared under transformers' in-memory names (a family whose Megatron export uses those, not the
+    checkpoint's: DeepSeek-V4), not its export's (the checkpoint's). ``res["layout"]``: the Megatron trainer's
     parallel sizes."""
     import torch
     import torch.distributed as dist
@@ -222,7 +225,14 @@ def parity_worker(model_dir: str, out: str, megatron_flags: tuple[str, ...] = ()
         fsdp._mm = [None] * len(samples)                # a VLM on FSDP: these samples have no images (as train sets)
     fsdp_lp = _all_logprobs(fsdp, samples)
     res["fsdp_metrics"] = [fsdp.train(mine, rid) for rid in range(2)]
-    fsdp_sd = fsdp.state_dict_for_check()
+    if fsdp_names == "memory":
+        from miles.trainer.modeling import hf_name
+        from miles.trainer.weights import iter_full_params
+
+        fsdp_sd = {n: t.detach().cpu().clone() for b in iter_full_params(
+            fsdp.model, group=group, device=fsdp.device, bucket_bytes=256 << 20, name_fn=hf_name) for n, t in b}
+    else:
+        fsdp_sd = fsdp.state_dict_for_check()
     if split_fsdp_experts:
         fsdp_sd = split_fused_experts(fsdp_sd)
     del fsdp

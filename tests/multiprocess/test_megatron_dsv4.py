@@ -160,7 +160,8 @@ if __name__ == "__main__":
     if sys.argv[1] == "gpt":
         gpt_worker(sys.argv[2], sys.argv[3], ep=int(sys.argv[4]), reference=sys.argv[5])
     elif sys.argv[1] == "parity":                # transformers' names: the checkpoint's are DeepSeek's own
-        parity_worker(sys.argv[2], sys.argv[3], DSV4_FLAGS, reference="transformers", bf16_export=False)
+        parity_worker(sys.argv[2], sys.argv[3], DSV4_FLAGS, reference="transformers", bf16_export=False,
+                      fsdp_names="memory")      # V4's Megatron export: transformers' names (families/deepseek_v4.py)
     elif sys.argv[1] == "gpu":
         gpu_worker(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "fork_flags":

@@ -25,10 +25,11 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "spmd": (),
     "fleet": (),
     "backends": (),                             # Miles's plugin-facing miles.backends.* names (pure helpers)
-    "engine": ("miles.weight_sync.disk_delta", "miles.weight_sync.buckets"),
+    "engine": ("miles.weight_sync.disk_delta", "miles.weight_sync.buckets", "miles.weight_sync.hf_layout"),
     "rollout": ("miles.fleet",),
     "weight_sync": ("miles.fleet.client",),
-    "trainer": ("miles.weight_sync.p2p", "miles.weight_sync.buckets", "miles.engine.routed_experts"),
+    "trainer": ("miles.weight_sync.p2p", "miles.weight_sync.buckets", "miles.weight_sync.hf_layout",
+                "miles.engine.routed_experts"),
     "ft": ("miles.fleet", "miles.weight_sync.base"),
     "dashboard": ("miles.spmd",),               # the type of start()'s context only
     "run": ("miles.spmd", "miles.fleet", "miles.rollout", "miles.trainer", "miles.weight_sync", "miles.ft",

@@ -12,8 +12,6 @@ import pytest
 import torch
 from trainer_harness import build_from_config, flags, parse
 
-from miles.weight_sync.buckets import split_fused_experts
-
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory) -> Path:
@@ -50,18 +48,47 @@ def _export(tr, bucket_bytes: int, dtype=None) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_split_fused_experts_follows_the_checkpoint() -> None:
-    gu, down = torch.arange(2 * 6 * 3.0).view(2, 6, 3), torch.arange(2 * 3 * 3.0).view(2, 3, 3)
-    bucket = [("m.l.0.mlp.experts.gate_up_proj", gu), ("m.l.0.mlp.experts.down_proj", down), ("m.x", torch.ones(2))]
-    out = dict(split_fused_experts(bucket))
-    assert sorted(out) == sorted(["m.x"] + [f"m.l.0.mlp.experts.{e}.{k}_proj.weight" for e in range(2)
-                                            for k in ("gate", "up", "down")])
-    assert torch.equal(out["m.l.0.mlp.experts.1.gate_proj.weight"], gu[1, :3])
-    assert torch.equal(out["m.l.0.mlp.experts.1.up_proj.weight"], gu[1, 3:])
-    assert torch.equal(out["m.l.0.mlp.experts.0.down_proj.weight"], down[0])
-    assert out["m.l.0.mlp.experts.1.up_proj.weight"].data_ptr() == gu[1, 3:].data_ptr()   # a view, no copy
-    # a checkpoint that stores the experts fused keeps them fused
-    assert [n for n, _ in split_fused_experts(bucket, {"m.l.0.mlp.experts.gate_up_proj"})] == [n for n, _ in bucket]
+def _layout(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    from miles.trainer.weights import checkpoint_tensor_names
+    from miles.weight_sync.hf_layout import CheckpointLayout
+
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return m, CheckpointLayout(m, [(n, p.shape) for n, p in m.named_parameters()], checkpoint_tensor_names(model_dir))
+
+
+def test_layout_splits_fused_experts_as_views(moe_dir) -> None:
+    """transformers' conversion reverted: the fused experts -> per-expert tensors, views of the fused ones (no copy),
+    each expert's gate and up in their byte order; names the conversion leaves alone pass through unchanged."""
+    m, layout = _layout(moe_dir)
+    gu = dict(m.named_parameters())["model.layers.0.mlp.experts.gate_up_proj"].detach()
+    down = dict(m.named_parameters())["model.layers.0.mlp.experts.down_proj"].detach()
+    x = torch.ones(2)
+    out = layout.revert([("model.layers.0.mlp.experts.gate_up_proj", gu),
+                         ("model.layers.0.mlp.experts.down_proj", down), ("model.norm.weight", x)])
+    e_count, half = gu.shape[0], gu.shape[1] // 2
+    assert [n for n, _ in out] == [f"model.layers.0.mlp.experts.{e}.{k}_proj.weight" for e in range(e_count)
+                                   for k in ("gate", "up")] + [f"model.layers.0.mlp.experts.{e}.down_proj.weight"
+                                                               for e in range(e_count)] + ["model.norm.weight"]
+    d = dict(out)
+    assert torch.equal(d["model.layers.0.mlp.experts.1.gate_proj.weight"], gu[1, :half])
+    assert torch.equal(d["model.layers.0.mlp.experts.1.up_proj.weight"], gu[1, half:])
+    assert torch.equal(d["model.layers.0.mlp.experts.0.down_proj.weight"], down[0])
+    assert d["model.layers.0.mlp.experts.1.up_proj.weight"].data_ptr() == gu[1, half:].data_ptr()   # a view
+    assert d["model.norm.weight"] is x
+
+
+def test_layout_keeps_a_fused_checkpoint_fused(moe_dir, tmp_path) -> None:
+    """A checkpoint that stores the experts fused (transformers' own layout, ``save_original_format=False``) loads
+    without conversion, and its export keeps them fused."""
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).save_pretrained(
+        tmp_path / "fused", save_original_format=False)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in _ckpt(tmp_path / "fused")
+    m, layout = _layout(tmp_path / "fused")
+    assert layout.parts == {} and layout.groups == {} and layout.computed == set()
 
 
 @pytest.mark.parametrize("bucket_bytes", [1 << 12, 64 << 20], ids=["small_buckets", "one_bucket"])
@@ -174,24 +201,29 @@ def test_p2p_shards_use_the_checkpoint_names_and_the_same_bytes(moe_dir, one_ran
         assert torch.equal(pack_local(sb, torch.device("cpu")), flat)
 
 
-def test_split_expert_shards_keeps_every_rank_s_byte_ranges() -> None:
-    """Two trainer ranks, experts split 2 + 1 on dim 0: the per-expert shards tile the bucket with the fused
-    tensor's byte ranges, and each rank packs the same bytes."""
-    from miles.weight_sync.p2p import LocalShard, _splits, pack_local, plan_bucket, split_expert_shards
+def test_revert_shards_keeps_every_rank_s_byte_ranges(moe_dir) -> None:
+    """Two trainer ranks, experts split 2 + 2 on dim 0 (and a 3 + 1 split of a 4-row tensor that is not an expert
+    tensor): the per-expert shards tile the bucket with the fused tensor's byte ranges, each rank packs the same
+    bytes, and its data are the rows of the experts it holds."""
+    from miles.weight_sync.p2p import LocalShard, _splits, pack_local, plan_bucket, revert_shards
 
-    gu = torch.arange(3 * 4 * 2, dtype=torch.float32).view(3, 4, 2)
-    splits = _splits(3, 2, True)                                    # [(0, 2), (2, 3)]
+    m, layout = _layout(moe_dir)
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    gu = dict(m.named_parameters())[name].detach()
+    e_count, half = gu.shape[0], gu.shape[1] // 2
+    splits = _splits(e_count, 2, True)
     for rank in range(2):
         a, b = splits[rank]
-        fused = [LocalShard("l.mlp.experts.gate_up_proj", (3, 4, 2), torch.float32, splits, gu[a:b].contiguous()),
-                 LocalShard("l.norm.weight", (2,), torch.float32, _splits(2, 2, False),
+        fused = [LocalShard(name, tuple(gu.shape), torch.float32, splits, gu[a:b].contiguous()),
+                 LocalShard("model.norm.weight", (2,), torch.float32, _splits(2, 2, False),
                             torch.ones(2) if rank == 0 else torch.ones(0))]
-        split = split_expert_shards(fused, rank)
-        assert [s.name for s in split] == [f"l.mlp.experts.{e}.{k}_proj.weight" for e in range(3)
-                                           for k in ("gate", "up")] + ["l.norm.weight"]
+        split = revert_shards(fused, rank, layout)
+        assert [s.name for s in split] == [f"model.layers.0.mlp.experts.{e}.{k}_proj.weight" for e in range(e_count)
+                                           for k in ("gate", "up")] + ["model.norm.weight"]
         assert plan_bucket(split, 2).ranges == plan_bucket(fused, 2).ranges
         assert torch.equal(pack_local(split, torch.device("cpu")), pack_local(fused, torch.device("cpu")))
-        assert torch.equal(split[3].data, gu[1, 2:]) if rank == 0 else split[3].data.numel() == 0
+        up1 = split[3].data
+        assert torch.equal(up1, gu[1, half:]) if a <= 1 < b else up1.numel() == 0
 
 
 def test_save_hf_keeps_the_router_bias_buffers(one_rank_group, tmp_path) -> None:

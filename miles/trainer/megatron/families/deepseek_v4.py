@@ -51,7 +51,8 @@ Names. Read: DeepSeek's checkpoint names (``embed.weight``, ``layers.L.attn.wq_a
 ``layers.L.ffn.experts.E.w1/w2/w3``, ``hc_head_fn``, ``head.weight``, with or without ``model.``: transformers'
 ``save_pretrained`` writes that spelling) or transformers' own (what ``--save-hf`` writes). Exported (weight sync,
 ``--save-hf``): transformers' module names with its fused experts (``mlp.experts.gate_up_proj`` [E, 2I, H] =
-[w1; w3] per expert, ``down_proj`` [E, H, I]), as the FSDP backend exports them and the embedded engine loads them.
+[w1; w3] per expert, ``down_proj`` [E, H, I]), which the embedded engine loads; the FSDP backend exports the
+checkpoint's own names (DeepSeek's, ``miles.weight_sync.hf_layout``), which the embedded engine also takes.
 megatron names: ``decoder.layers.L.self_attention.<DeepSeek's attn name>``, ``hc_attn.fn`` ..., megatron-core's
 ``mlp.router``/``mlp.experts``/``mlp.shared_experts`` (fc1 = [w1; w3]).
 
