@@ -111,13 +111,16 @@ def is_tied_copy(p: torch.Tensor) -> bool:
 def load_hf_into(model: nn.Module, hf: dict[str, torch.Tensor], shape: ModelShape, padded_vocab: int, tp_rank: int,
                  tp_size: int, ep_rank: int = 0, ep_size: int = 1) -> None:
     """``convert.load_hf_into`` for one pipeline stage: layers by their global index, this EP rank's experts by
-    their global index (``moe.global_name``), and the last stage's copy of a tied embedding from the HF embedding."""
-    from miles.trainer.megatron import convert, moe
+    their global index (``moe.global_name``), and the last stage's copy of a tied embedding (or of the embedding the
+    MTP block reads, mtp.py) from the HF embedding."""
+    from miles.trainer.megatron import convert, moe, mtp
 
     num_local = shape.num_experts // ep_size if shape.num_experts else 0
     named = [(moe.global_name(n, ep_rank, num_local), p) for n, p in global_named_parameters(model)]
     sources = ["embedding.word_embeddings.weight" if is_tied_copy(p) else n for n, p in named]
-    full = convert.hf_to_megatron(convert.family_hf_state(hf, shape), shape, padded_vocab, sorted(set(sources)))
+    hf = convert.family_hf_state(hf, shape)
+    mtp.check_mtp_tensors(hf, shape)              # every stage: the same one line where the MTP layers are missing
+    full = convert.hf_to_megatron(hf, shape, padded_vocab, sorted(set(sources)))
     for (name, p), src in zip(named, sources):
         piece = convert.shard(src, full[src], convert.partition_dim(src), tp_rank, tp_size, shape)
         if tuple(piece.shape) != tuple(p.shape):
