@@ -108,7 +108,7 @@ def test_recorded_qwen35_next_commands_run_two_rollouts(name: str, tmp_path: Pat
     assert any(f.startswith("--sglang-") for f in replay.changed), replay.changed
     if "--enable-mtp-training" in replay.argv:
         assert all("train/mtp_loss" in r for r in records), records[0].keys()
-    if "--pipeline-model-parallel-size" in replay.argv:
+    if name == "megatron_moe_qwen3_next_80b_a3b":       # PP 4 recorded: 2 stages, the frozen MTP block on the last
         assert replay.argv[replay.argv.index("--pipeline-model-parallel-size") + 1] == "2", replay.changed
         assert "train/mtp_loss" not in records[0] and "x PP 2 x" in text, text[-3000:]
     if "--opd-teacher-load" in replay.argv:
