@@ -4,6 +4,8 @@ at the tiny model's sizes (``miles.utils.tiny_qwen35``), the parallel layout of 
 with sequence parallelism, EP over the same 2 CPU ranks, colocated), the embedded engines serving the model on the
 generic transformers path (one cache per request: the DeltaNet's conv and recurrent states): 2 rollouts, a weight
 sync after each under ``--check-weight-update-equal`` (the engines hold exactly the trainer's weights under HF names).
+Miles's recorded Qwen3.6 / Qwen3.5 MTP, Qwen3-Next-80B-A3B (PP with the MTP block) and Qwen3.5 self-distillation
+commands (fixtures refused here only by their SGLang-only serving flags) run through the replay tier's scaler.
 """
 
 from __future__ import annotations
