@@ -114,10 +114,20 @@ def eval_delegate_yaml(data: Path, ifbench: bool = True, url: str = "http://skil
             "        - name: hle\n          max_response_len: 32768\n")
 
 
+def dapo_heldout_yaml(data: Path, max_response_len: int = 24576) -> str:
+    """Miles's eval_dapo_heldout.yaml (radixark/miles@v0.1.0:examples/on_policy_distillation/qwen3_5_35b_selfdistill/,
+    the --eval-config of its self-distillation scripts), its held-out dataset ``data``: prompt / label keys, one
+    sample per prompt, the evaluation samples tagged ``opd_reward_mode: eval_math`` for ``reward_func_pure_opd``."""
+    return ("eval:\n  defaults:\n    temperature: 0.6\n    top_p: 0.95\n  datasets:\n"
+            f"    - name: dapo_heldout\n      path: {data}\n      input_key: prompt\n      label_key: label\n"
+            f"      n_samples_per_eval_prompt: 1\n      max_response_len: {max_response_len}\n"
+            "      metadata_overrides:\n        opd_reward_mode: eval_math\n")
+
+
 def write_workdir(out: Path, rows: int = 256, skills_url: str | None = None) -> Path:
     """The files the fixtures' placeholders name: data.jsonl (``rows`` arithmetic prompts, in every key a script
     reads), geo.jsonl + geo.png (geo3k's image rows), lean.jsonl (Lean 4 theorems), mis.yaml,
-    eval_delegate_multi_tasks.yaml, multi_task.yaml."""
+    eval_delegate_multi_tasks.yaml, multi_task.yaml, eval_dapo_heldout.yaml."""
     out.mkdir(parents=True, exist_ok=True)
     data = out / "data.jsonl"
     items = [{"prompt": f"{i}+1=", "label": str(i + 1), "reward_model": str(i + 1), "index": i,
@@ -142,6 +152,7 @@ def write_workdir(out: Path, rows: int = 256, skills_url: str | None = None) -> 
         eval_delegate_yaml(data, ifbench=False, **({"url": skills_url} if skills_url else {})))
     # Miles's examples/experimental/eval_multi_task/multi_task.yaml, the same way (ifbench tested on its own)
     (out / "multi_task.yaml").write_text(multi_task_yaml(data, ifbench=False))
+    (out / "eval_dapo_heldout.yaml").write_text(dapo_heldout_yaml(data))
     return out
 
 
@@ -574,6 +585,7 @@ def write_replay_workdir(out: Path, skills_url: str | None = None) -> Path:
     yaml.write_text(yaml.read_text().replace(str(out / "data.jsonl"), str(out / "eval_data.jsonl"))
                     .replace("    max_response_len: 16384\n", "    max_response_len: 8\n")
                     .replace("n_samples_per_eval_prompt: 16\n", "n_samples_per_eval_prompt: 2\n"))
+    (out / "eval_dapo_heldout.yaml").write_text(dapo_heldout_yaml(out / "eval_data.jsonl", max_response_len=8))
     return out
 
 

@@ -351,7 +351,7 @@ class Scheduler(DecodeSteps):
             raise BadRequest("sampling_params.stop needs a tokenizer, and this model directory has none; use stop_token_ids")
         if spec.return_routed_experts and not self.runner.has_routed_experts:
             raise BadRequest(f"GenerateReqInput.return_routed_experts: the embedded engine records routed experts for "
-                             f"{', '.join(RECORDED_MODEL_TYPES.values())} models, not this "
+                             f"{', '.join(dict.fromkeys(RECORDED_MODEL_TYPES.values()))} models, not this "
                              f"{self.runner.config.model_type!r} model; drop it (and "
                              f"--use-rollout-routing-replay), or serve the model with --rollout-engine sglang")
 

@@ -91,7 +91,7 @@ def check_embedded_r3(hf_config: dict | None, why: str = "") -> None:
     model_type = text.get("model_type") or hf_config.get("model_type")
     if model_type not in RECORDED_MODEL_TYPES:
         raise ConfigError(f"--use-rollout-routing-replay: the embedded engine{f' ({why})' if why else ''} returns "
-                          f"routed experts for {', '.join(RECORDED_MODEL_TYPES.values())} models, not this "
+                          f"routed experts for {', '.join(dict.fromkeys(RECORDED_MODEL_TYPES.values()))} models, not this "
                           f"{model_type!r} one: use --rollout-engine sglang, or drop the flag.")
 
 

@@ -4,6 +4,8 @@ at the tiny model's sizes (``miles.utils.tiny_qwen35``), the parallel layout of 
 with sequence parallelism, EP over the same 2 CPU ranks, colocated), the embedded engines serving the model on the
 generic transformers path (one cache per request: the DeltaNet's conv and recurrent states): 2 rollouts, a weight
 sync after each under ``--check-weight-update-equal`` (the engines hold exactly the trainer's weights under HF names).
+Miles's recorded Qwen3.6 / Qwen3.5 MTP, Qwen3-Next-80B-A3B (PP with the MTP block) and Qwen3.5 self-distillation
+commands (fixtures refused here only by their SGLang-only serving flags) run through the replay tier's scaler.
 """
 
 from __future__ import annotations
@@ -73,3 +75,44 @@ def test_recorded_qwen36_mtp_command_runs_two_rollouts(tmp_path: Path) -> None:
     assert all("train/mtp_loss" in r for r in records), records[0].keys()
     assert "--sglang-ep-size" in replay.changed and "--spec" not in replay.changed, replay.changed
     check_synced(log, layout=None)
+
+
+# the recorded commands of issue 26 (tests/fixtures/miles_scripts/): name -> (what the replay trains, the scaled
+# layout on 4 CPU ranks); each is refused here only by SGLang-only serving flags (dropped by the scaler)
+RECORDED_COMMANDS = {
+    "megatron_moe_qwen3_5_35b_a3b_mtp": "MTP trained, TP 2 x CP 2 (recorded TP 2 x CP 2 x EP 8), EP 2",
+    "megatron_moe_qwen3_next_80b_a3b": "MTP frozen, TP 2 x PP 2 (recorded TP 2 x PP 4 x CP 2 x EP 8), EP 2",
+    "opd_selfdistill_qwen3_5_35b_phase1_rlvr_teacher": "RLVR, routing replay, TP 2 x CP 2, EP 2",
+    "opd_selfdistill_qwen3_5_35b_phase2_opd_selfdistill": "Megatron OPD teacher, TP 2 x CP 2, EP 2",
+    "opd_selfdistill_qwen3_5_35b_phase2_gb200": "Megatron OPD teacher, 2 x 4 GPUs recorded, TP 2 x CP 2, EP 2",
+}
+
+
+@pytest.mark.parametrize("name", list(RECORDED_COMMANDS))
+def test_recorded_qwen35_next_commands_run_two_rollouts(name: str, tmp_path: Path) -> None:
+    """Miles's recorded Qwen3.5-35B-A3B MTP, Qwen3-Next-80B-A3B and Qwen3.5 self-distillation commands through the
+    replay tier's scaler (``miles_fixtures.tiny_replay``: the tiny model of the family in the published layout with
+    its MTP layer, parallel sizes at most 2 on 4 CPU ranks, the SGLang-only flags dropped: the CPU world's engines are
+    embedded ones): 2 rollouts, ``--check-weight-update-equal`` after every sync. The MTP command logs ``mtp_loss``;
+    Qwen3-Next's builds the MTP block (frozen) on the last of its 2 pipeline stages; the OPD commands' Megatron
+    teacher (``--opd-teacher-load``) is a tiny model of other random weights, so the reverse KL is not zero."""
+    from miles_fixtures import HERE, PLUGIN_FOLDERS, build_family_model, fixture_model, tiny_replay
+    from miles_fixtures import _set as set_flag
+
+    path = HERE / f"{name}.flags"
+    replay = tiny_replay(path, tmp_path, tmp_path / "models")
+    if "--opd-teacher-load" in replay.argv:
+        teacher = build_family_model(tmp_path / "models" / "teacher", fixture_model(path), seed=1)
+        replay.argv = set_flag(replay.argv, "--opd-teacher-load", str(teacher))
+    log = tmp_path / "replay.log"
+    records = run_replay(replay, log, *PLUGIN_FOLDERS)
+    text = check_synced(log, layout=None)
+    assert any(f.startswith("--sglang-") for f in replay.changed), replay.changed
+    if "--enable-mtp-training" in replay.argv:
+        assert all("train/mtp_loss" in r for r in records), records[0].keys()
+    if name == "megatron_moe_qwen3_next_80b_a3b":       # PP 4 recorded: 2 stages, the frozen MTP block on the last
+        assert replay.argv[replay.argv.index("--pipeline-model-parallel-size") + 1] == "2", replay.changed
+        assert "train/mtp_loss" not in records[0] and "x PP 2 x" in text, text[-3000:]
+    if "--opd-teacher-load" in replay.argv:
+        kl = [r["train/opd_reverse_kl_mean"] for r in records]
+        assert all(abs(v) > 1e-4 for v in kl), records

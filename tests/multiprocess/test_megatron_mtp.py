@@ -19,6 +19,10 @@ logs ``mtp_loss`` and trains the MTP layer's experts; a torch_dist checkpoint re
 ``--enable-mtp-training`` at ``--context-parallel-size 2`` (each row split into the load-balanced chunks, the MTP
 input shift crossing them) against CP 1 on one rank: ``mtp_loss``, ``grad_norm`` and the whole update (the MTP block
 included) agree; ``context_parallel.roll_left`` of the sharded rows is the whole rows' shift, sharded.
+
+``test_mtp_pipeline_parallel``: the same model and step at ``--pipeline-model-parallel-size 2`` (the MTP block and a
+copy of the embedding on the last stage) against PP 1 on one rank: log-probs, ``mtp_loss``, ``grad_norm`` and the
+update agree; a torch_dist checkpoint restores the PP 2 model bitwise; the frozen block leaves the step exact.
 """
 
 from __future__ import annotations
@@ -91,6 +95,10 @@ def _worker(model_dir: str, out: str, case: str) -> None:
         _cp_worker(model_dir, out, samples, rank, int(case[2:]))
         dist.destroy_process_group()
         return
+    if case.startswith("pp"):
+        _pp_worker(model_dir, out, samples, rank, int(case[2:]))
+        dist.destroy_process_group()
+        return
     base = _run(_trainer(model_dir), samples, mine)
     if case == "frozen":
         tr = _trainer(model_dir, "--mtp-num-layers", "1")
@@ -149,6 +157,56 @@ def _cp_worker(model_dir: str, out: str, samples: list, rank: int, cp: int) -> N
     tr = build(model_dir, argv)
     res["metrics"] = tr.train(samples if cp == 1 else samples[rank * 4:(rank + 1) * 4], 0)   # the rank's share
     res["sd"] = tr.state_dict_for_check()
+    if rank == 0:
+        torch.save(res, out)
+
+
+def _pp_worker(model_dir: str, out: str, samples: list, rank: int, pp: int) -> None:
+    """One step of the 8 samples (2 micro-batches) with --enable-mtp-training at PP ``pp`` (DP 1): rank 0 saves the
+    metrics and the updated weights. Under PP 2 also: a torch_dist checkpoint of the trained model (the MTP block and
+    the last stage's embedding copy included) restores it bitwise; with the MTP block frozen (``--mtp-num-layers 1``
+    alone, as the recorded Qwen3-Next command runs it) the log-probs and the step equal the run without MTP exactly
+    and the MTP weights stay the checkpoint's."""
+    import torch
+    from test_megatron import _all_logprobs
+    from trainer_harness import build, flags
+
+    def trainer(*extra: str):
+        return build(model_dir, flags("megatron", ["--num-rollout", "2", "--n-samples-per-prompt", "4", "--save-hf",
+                                                   str(Path(model_dir).parent / "unused"),
+                                                   "--pipeline-model-parallel-size", str(pp)], CP_FLAGS, list(extra)))
+
+    mine = samples if pp == 1 else samples[rank * 4:(rank + 1) * 4]          # the rank's share (gathered over PP)
+    res: dict = {}
+    tr = trainer("--mtp-num-layers", "1", "--enable-mtp-training", "--save", str(Path(out).parent / f"ckpt{pp}"))
+    res["lp"] = [t.clone() for t in _all_logprobs(tr, samples)]
+    res["metrics"] = tr.train(mine, 0)
+    res["sd"] = tr.state_dict_for_check()
+    if pp > 1:
+        import torch.distributed as dist
+
+        stages = [None] * pp                  # per stage: (MTP block, embedding, output layer) held
+        dist.all_gather_object(stages, [hasattr(tr.model, m) for m in ("mtp", "embedding", "output_layer")])
+        res["stages"] = stages
+        tr.checkpoint(0, {"rollout_id": 0})
+        tr.train(mine, 1)
+        tr.resume()
+        again = tr.state_dict_for_check()
+        res["resume_bitwise"] = sorted(again) == sorted(res["sd"]) and all(torch.equal(again[k], res["sd"][k])
+                                                                            for k in again)
+        del tr
+        runs = {}
+        for name, extra in (("frozen", ("--mtp-num-layers", "1")), ("base", ())):
+            t = trainer(*extra)
+            lp = [x.clone() for x in _all_logprobs(t, samples)]
+            runs[name] = (lp, t.train(mine, 0), t.state_dict_for_check())
+            del t
+        (flp, fm, fsd), (blp, bm, bsd) = runs["frozen"], runs["base"]
+        res["frozen_lp_equal"] = all(torch.equal(a, b) for a, b in zip(flp, blp))
+        res["frozen_main_equal"] = all(torch.equal(fsd[k], bsd[k]) for k in bsd)
+        res["frozen_mtp_keys"] = sorted(set(fsd) - set(bsd))
+        res["frozen_mtp_sd"] = {k: fsd[k] for k in res["frozen_mtp_keys"]}
+        res["frozen_metrics"], res["base_metrics"] = fm, bm
     if rank == 0:
         torch.save(res, out)
 
@@ -222,6 +280,53 @@ def test_mtp_context_parallel(tmp_path: Path, free_port: int) -> None:
     assert abs(m2["mtp_loss"] - m1["mtp_loss"]) < 1e-6, (m2, m1)
     assert abs(m2["grad_norm"] - m1["grad_norm"]) < 2e-6 * m1["grad_norm"], (m2, m1)
     assert rel(list(disk)) < 1.2e-6 and rel(mtp_keys) < 2e-6, (rel(list(disk)), rel(mtp_keys))
+
+
+def test_mtp_pipeline_parallel(tmp_path: Path, free_port: int) -> None:
+    """A tiny Qwen3.5 with its MTP layer, one step of ``--enable-mtp-training`` at PP 2 (the MTP block and a copy of
+    the embedding on the last stage, the decoder split 2 + 2) against PP 1 on one rank, the same 2 micro-batches:
+    the step-0 log-probs, ``mtp_loss``, ``grad_norm`` and the whole update (the MTP block and the embedding, whose
+    gradient comes from both stages, included) agree; the checkpoint restores the PP 2 model bitwise; the frozen block
+    leaves the PP 2 step as without MTP, bit for bit."""
+    from miles.utils.tiny_qwen35 import build_tiny_qwen35_model
+
+    model_dir = build_tiny_qwen35_model(tmp_path / "qwen35_mtp", mtp=True)
+    one = _results(model_dir, tmp_path, free_port, "pp1", nproc=1)
+    two = _results(model_dir, tmp_path, free_port, "pp2")
+    disk = _init(str(model_dir))
+    mtp_keys = [k for k in disk if k.startswith("mtp.")]
+    assert sorted(one["sd"]) == sorted(two["sd"]) == sorted(disk), sorted(set(disk) ^ set(two["sd"]))
+    assert two["stages"] == [[False, True, False], [True, True, True]], two["stages"]   # the block on the last stage
+
+    def rel(keys: list[str]) -> float:        # the updates' relative L2 distance (Adam eps 1: update ~ gradient)
+        num = sum(((two["sd"][k].float() - one["sd"][k].float()) ** 2).sum().item() for k in keys)
+        return (num / sum(((one["sd"][k].float() - disk[k]) ** 2).sum().item() for k in keys)) ** 0.5
+
+    m1, m2 = one["metrics"], two["metrics"]
+    lp_err = max((a - b).abs().max().item() for a, b in zip(one["lp"], two["lp"]))
+    assert min((one["sd"][k].float() - disk[k]).abs().max().item() for k in
+               ("mtp.fc.weight", "mtp.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight")) > 0
+    # measured: log-probs and mtp_loss (4.5978506) equal, grad_norm 7.5e-8 apart (relative), the update's relative L2
+    # 5.6e-8 (all), 0 (the MTP block), 8.3e-8 (the embedding: its gradient summed over the two stages' copies)
+    # (python -m pytest tests/multiprocess/test_megatron_mtp.py -k pipeline); the bounds about twice that, a floor of
+    # 1e-7 where it was 0. Were the embedding copy's gradient not summed over the embedding group, the embedding's
+    # update would miss its MTP part; were the MTP loss not scaled per micro-batch as at PP 1, the MTP block's would move.
+    assert lp_err < 1e-7, lp_err
+    assert abs(m2["mtp_loss"] - m1["mtp_loss"]) < 1e-7 * m1["mtp_loss"], (m2, m1)
+    assert abs(m2["grad_norm"] - m1["grad_norm"]) < 1.5e-7 * m1["grad_norm"], (m2, m1)
+    assert rel(list(disk)) < 1.2e-7 and rel(mtp_keys) < 1e-7 and rel(["model.embed_tokens.weight"]) < 1.7e-7, \
+        (rel(list(disk)), rel(mtp_keys), rel(["model.embed_tokens.weight"]))
+    assert two["resume_bitwise"], "the PP 2 checkpoint did not restore the trained weights bitwise"
+    # frozen (the recorded Qwen3-Next command's --mtp-num-layers 1 without --enable-mtp-training)
+    assert two["frozen_lp_equal"] and two["frozen_main_equal"], two
+    assert two["frozen_mtp_keys"] == sorted(mtp_keys) and "mtp_loss" not in two["frozen_metrics"]
+    assert all(torch_equal(two["frozen_mtp_sd"][k], disk[k]) for k in mtp_keys)
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a.float(), b.float())
 
 
 if __name__ == "__main__":

@@ -58,13 +58,17 @@ def _models(trainer: MegatronTrainer) -> list[tuple[str, torch.nn.Module, torch.
 
 def model_sharded(model: torch.nn.Module) -> dict:
     """megatron-core's ``sharded_state_dict()``; for the PPO critic (``critic.MegatronValueModel``) its backbone's
-    under ``gpt.`` plus the value head, replicated everywhere and written by the last pipeline stage (it uses it)."""
+    under ``gpt.`` plus the value head, replicated everywhere and written by the last pipeline stage (it uses it).
+    The metadata is passed with its ``dp_cp_group`` (what megatron-core fills in for None): GPTModel's tie of the
+    MTP stage's embedding copy (a last pipeline stage holding the MTP block, mtp.py) reads it from the caller's."""
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
     if hasattr(model, "sharded_state_dict"):
-        return model.sharded_state_dict()
+        return model.sharded_state_dict(metadata=ensure_metadata_has_dp_cp_group(None))
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    sd = model.gpt.sharded_state_dict(prefix="gpt.")
+    sd = model.gpt.sharded_state_dict(prefix="gpt.", metadata=ensure_metadata_has_dp_cp_group(None))
     replica = (ps.get_pipeline_model_parallel_world_size() - 1 - ps.get_pipeline_model_parallel_rank(),
                ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank(with_context_parallel=True))
     for name, p in model.value_head.named_parameters():

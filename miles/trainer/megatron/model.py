@@ -284,8 +284,8 @@ def build_gpt_model(shape: ModelShape, config, *, padded_vocab: int, device: tor
                     core_attention: str = "sdpa", pre_process: bool = True, post_process: bool = True,
                     mtp_training: bool = False, hf_config=None):
     """A HiddenGPTModel on ``device`` (weights uninitialised: load them with ``convert.load_hf_into``).
-    With ``shape.mtp_num_layers`` it holds megatron-core's MTP block (``mtp.py``), run and trained only with
-    ``mtp_training``, else frozen.
+    With ``shape.mtp_num_layers`` it holds megatron-core's MTP block (``mtp.py``; on the last pipeline stage, with a
+    copy of the embedding), run and trained only with ``mtp_training``, else frozen.
     ``core_attention`` (local spec only): "sdpa" (``SDPACoreAttention``) or "unfused" (megatron-core's).
     ``pre_process``/``post_process``: this pipeline stage holds the embedding / the final norm and output layer.
     A vision-language ``shape`` (``shape.vision``) gets ``hf_config``'s vision tower, M-RoPE and deepstack (vlm.py)."""
@@ -351,8 +351,9 @@ def build_gpt_model(shape: ModelShape, config, *, padded_vocab: int, device: tor
 
     mtp_spec = None
     with _sequence_parallel_norms(config, spec) as spec:
-        if shape.mtp_num_layers:
+        if shape.mtp_num_layers and post_process:     # the last pipeline stage holds the block (mtp.py)
             mtp_spec = mtp.block_spec(config, spec, te=use_transformer_engine(device))
+        if mtp_spec is not None:
             from megatron.core.transformer import transformer_block
             from megatron.core.transformer.torch_norm import WrappedTorchNorm
 

@@ -20,7 +20,15 @@ training loss through megatron-core's ``MTPLossAutoScaler`` (its gradient enters
 per micro-batch as the policy loss is), and logged as ``mtp_loss`` (unscaled, the step's mean over micro-batches).
 Under context parallelism the labels and mask are the whole rows' cut like the input ids (``cp_columns``), and every
 shift (ids, positions, labels, mask) crosses the load-balanced chunks (``context_parallel.roll_left``; see
-``attach_loss``). Pipeline parallelism is refused (``check_mtp_static``).
+``attach_loss``).
+
+Under pipeline parallelism the block is megatron-core's placement: on the last stage (``get_gpt_mtp_block_spec``
+builds it there only), with a copy of the word embedding there (megatron-core's ``mtp_process``: the copy is marked
+``shared`` / ``shared_embedding`` like a tied output layer's, loaded from the HF embedding, its gradient summed with
+the first stage's over the embedding group in ``parallel.finish_grads``, so both copies take the same update; it is
+neither exported nor counted twice). The last stage reads the micro-batch's input ids itself (every stage has them),
+so nothing but the hidden states crosses the pipeline. Refused: pipeline parallelism with tied embeddings
+(``check_mtp_static``: the last stage would carry an output layer weight the tied head never reads).
 
 Weights (HF GLM-4.7-Flash / DeepSeek-V3 keep MTP layer k as ``model.layers.{num_hidden_layers + k}``):
 ``mtp.layers.k.enorm`` = ``enorm``, ``hnorm`` = ``hnorm``, ``eh_proj`` = ``eh_proj`` ([h, 2h]: ``[embedding;
@@ -58,14 +66,14 @@ def check_mtp_shape(m, shape) -> None:
                           + " (or use a checkpoint with its MTP layers).")
 
 
-def check_mtp_static(o) -> None:
-    """The MTP block under parallelisms this backend does not build it for (``o``: ``options.Options``)."""
+def check_mtp_static(o, shape) -> None:
+    """The MTP block under layouts this backend does not build it for (``o``: ``options.Options``)."""
     if not o.mtp_num_layers:
         return
-    if o.pp > 1:
-        raise ConfigError(f"--mtp-num-layers {o.mtp_num_layers} with --pipeline-model-parallel-size {o.pp} is not "
-                          "supported by the Megatron backend yet: use --pipeline-model-parallel-size 1 (tensor, "
-                          "context, expert and data parallelism), or drop --mtp-num-layers.")
+    if o.pp > 1 and shape.tie_embeddings:
+        raise ConfigError(f"--mtp-num-layers {o.mtp_num_layers} with --pipeline-model-parallel-size {o.pp} and tied "
+                          "embeddings (config.json's tie_word_embeddings true) is not supported by the Megatron "
+                          "backend: use --pipeline-model-parallel-size 1, or drop --mtp-num-layers.")
 
 
 def check_mtp_tensors(hf: dict, shape) -> None:
@@ -124,14 +132,18 @@ def shared_copies(name: str, full: torch.Tensor, shape) -> list[tuple[str, torch
 
 # ------------------------------------------------------------------------------------------- model
 def block_spec(config, layer_spec, *, te: bool):
-    """megatron-core's MTP block spec of ``config.mtp_num_layers`` layers like the decoder's last one."""
+    """megatron-core's MTP block spec of ``config.mtp_num_layers`` layers like the decoder's last one; None on a
+    pipeline stage other than the last (megatron-core places the block there)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
     return get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=te)
 
 
 def freeze(model: torch.nn.Module) -> None:
-    """Without ``--enable-mtp-training``: the MTP block carried without gradients (its weights never change)."""
+    """Without ``--enable-mtp-training``: the MTP block carried without gradients (its weights never change); a
+    pipeline stage without the block has nothing to freeze."""
+    if getattr(model, "mtp", None) is None:
+        return
     for p in model.mtp.parameters():
         p.requires_grad_(False)
 

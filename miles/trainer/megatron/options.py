@@ -210,7 +210,7 @@ def check_static(o: Options, shape: ModelShape) -> None:
     """The unsupported values that do not depend on the device or the number of ranks."""
     check_moe_static(o, shape)         # MoE layers, --expert-model/tensor-parallel-size (moe.py)
     shape.family.check_static(o, shape)    # what the family does not run with (MLA under TP without SP, gpt-oss under CP)
-    mtp.check_mtp_static(o)            # the MTP block under PP / CP (mtp.py)
+    mtp.check_mtp_static(o, shape)     # the MTP block under PP with tied embeddings (mtp.py)
     from miles.trainer.megatron.pipeline import stage_layer_counts
 
     stage_layer_counts(shape.num_layers, o.pp, o.first_stage_layers, o.last_stage_layers)

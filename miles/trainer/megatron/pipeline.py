@@ -119,14 +119,17 @@ def load_hf_into(model: nn.Module, hf: dict[str, torch.Tensor], shape: ModelShap
                  tp_size: int, ep_rank: int = 0, ep_size: int = 1) -> None:
     """``convert.load_hf_into`` for one pipeline stage: layers by their global index, this EP rank's experts by
     their global index (``moe.global_name``), the family's exported buffers (the routers' expert bias) as
-    parameters, and the last stage's copy of a tied embedding from the HF embedding."""
-    from miles.trainer.megatron import convert, moe
+    parameters, and the last stage's copy of a tied embedding (or of the embedding the MTP block reads, mtp.py) from
+    the HF embedding."""
+    from miles.trainer.megatron import convert, moe, mtp
 
     num_local = shape.num_experts // ep_size if shape.num_experts else 0
     named = [(moe.global_name(n, ep_rank, num_local), p)
              for n, p in global_named_parameters(model) + global_exported_buffers(model, shape)]
     sources = ["embedding.word_embeddings.weight" if is_tied_copy(p) else n for n, p in named]
-    full = convert.hf_to_megatron(convert.family_hf_state(hf, shape), shape, padded_vocab, sorted(set(sources)))
+    hf = convert.family_hf_state(hf, shape)
+    mtp.check_mtp_tensors(hf, shape)              # every stage: the same one line where the MTP layers are missing
+    full = convert.hf_to_megatron(hf, shape, padded_vocab, sorted(set(sources)))
     for (name, p), src in zip(named, sources):
         piece = convert.shard(src, full[src], convert.partition_dim(src), tp_rank, tp_size, shape)
         if tuple(piece.shape) != tuple(p.shape):
@@ -386,8 +389,10 @@ def forward_pass(trainer: MegatronTrainer, model: nn.Module, data: list) -> list
 def forward_backward(trainer: MegatronTrainer, data: list, ids: list[int], per_sample: dict,
                      samples: list) -> tuple[MetricSums, int]:
     """One optimizer step's micro-batches through the 1F1B schedule; the loss of each is the shared loss family
-    (``losses.py``) on the last stage, as ``RLTrainer._micro_step`` (``miles.trainer.step``) composes it. The step's metric sums are
-    broadcast from the last stage, so every rank returns the same (metric sums, tokens)."""
+    (``losses.py``) on the last stage, as ``RLTrainer._micro_step`` (``miles.trainer.step``) composes it, and with
+    ``--enable-mtp-training`` the MTP block's (last stage, ``mtp.attach_loss``) as ``MegatronTrainer._micro_step``
+    scales and logs it. The step's metric sums are broadcast from the last stage, so every rank returns the same
+    (metric sums, tokens)."""
     from miles.trainer.losses import accumulate_metrics, dummy_micro_batch_loss, micro_batch_loss
     from miles.trainer.metrics import MetricSums
 
@@ -398,18 +403,26 @@ def forward_backward(trainer: MegatronTrainer, data: list, ids: list[int], per_s
     trainer.optimizer.zero_grad(set_to_none=True)
     acc: dict[str, torch.Tensor] = {}
     dtype = activation_dtype(trainer.model)
+    mtp = stage.is_last and getattr(trainer.model, "mtp_training", False)      # the MTP block's loss (mtp.py)
+    if mtp:             # its gradient scaled per micro-batch as MegatronTrainer._micro_step scales it (PP 1)
+        from miles.trainer.megatron import mtp as mtp_mod
+
+        mtp_mod.set_backward_scale(trainer.world / max(len(mbs), 1), dev)
 
     def fwd(i: int, x: torch.Tensor | None) -> torch.Tensor:
         mb = mbs[i]
         dmb = mb.to(dev)
         if not stage.is_last:
             return trainer._stage_forward(trainer.model, dmb, x)[0].to(dtype)
+        trainer.model.mtp_loss_value = None
         lp, ent = trainer._policy_forward(trainer.model, dmb, with_entropy=True, entropy_grad=a.entropy_coef != 0,
                                           x=x)
         if mb.is_dummy:
             return dummy_micro_batch_loss(lp, ent)
         loss, metrics, _ = micro_batch_loss(trainer.loss_fn, a, mb, dmb, lp, ent, per_sample, samples, ntok, nsamp,
                                             dev)
+        if mtp and trainer.model.mtp_loss_value is not None:    # the step's mean over micro-batches and DP
+            metrics = {**metrics, "mtp_loss": trainer.model.mtp_loss_value / (max(len(mbs), 1) * trainer.world)}
         accumulate_metrics(acc, metrics)
         return loss * trainer.world                       # gradients are averaged over DP
 

@@ -330,7 +330,8 @@ class MegatronTrainer(RLTrainer):
         cp = self.groups.cp_size
         ids, pos, index = padded_batch(mb, self.pad_id, self.row_multiple())
         kw = {}
-        if getattr(model, "mtp_training", False) and model.training and not mb.is_dummy:   # mtp.py: whole rows
+        if getattr(model, "mtp_training", False) and model.training:   # mtp.py: whole rows; a dummy micro-batch
+            #   (zero loss mask) runs the MTP block too, so its MoE all-to-all stays in step with the EP group's
             kw["labels"], kw["loss_mask"] = mtp_mod.labels_and_mask(ids, index, mb.loss_mask, self.pad_id)
         shard = None
         if cp > 1:
@@ -455,9 +456,11 @@ class MegatronTrainer(RLTrainer):
     def coalesce_tokens(self) -> int:
         """Tokens a coalesced forward may hold: ``--max-tokens-per-gpu`` (x CP) when given, else
         ``COALESCE_TOKENS`` of the device type (a micro-batch planned larger runs alone, as planned). 0 (off) for
-        a ``--custom-loss-function-path`` / ``--custom-tis-function-path``, whose function sees the micro-batch, and
-        under pipeline parallelism, whose schedule needs the micro-batches to fill the pipeline."""
-        if self.algo.loss_type == "custom_loss" or self.algo.custom_tis_function_path or self.stage.size > 1:
+        a ``--custom-loss-function-path`` / ``--custom-tis-function-path``, whose function sees the micro-batch, with
+        ``--enable-mtp-training`` (the MTP loss is a mean per micro-batch, as Miles's: mtp.py), and under pipeline
+        parallelism, whose schedule needs the micro-batches to fill the pipeline."""
+        if self.algo.loss_type == "custom_loss" or self.algo.custom_tis_function_path or self.stage.size > 1 \
+                or self.opts.mtp_training:
             return 0
         if self.cfg.max_tokens_per_gpu:
             return int(self.cfg.max_tokens_per_gpu) * self.groups.cp_size

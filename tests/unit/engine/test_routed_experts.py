@@ -115,7 +115,7 @@ def test_a_dense_model_refuses_return_routed_experts(tmp_path):
     eng = _engine(build_engine_model(tmp_path / "dense"))
     try:
         with pytest.raises(BadRequest, match="return_routed_experts: the embedded engine records routed experts for Qwen3-MoE, GLM-4.7-Flash, DeepSeek-V3, Kimi-K2, JoyAI-LLM-Flash, "
-                           "Gemma 4 MoE models, not this 'qwen3'"):
+                           "Gemma 4 MoE, Qwen3-Next, Qwen3.5-MoE models, not this 'qwen3'"):
             _run(eng, [{"input_ids": [1, 2, 3], "return_routed_experts": True, "sampling_params": {"max_new_tokens": 2}}])
     finally:
         eng.stop()
@@ -144,3 +144,40 @@ def test_gemma4_moe_routers_are_recorded(tmp_path):
     for layer in range(5):
         assert torch.equal(rows[:, layer].long(), probs[layer].topk(2, dim=-1).indices), layer
     assert len(set(map(tuple, rows[:, 0].tolist()))) > 1      # the routing varies over tokens
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_moe"])
+def test_qwen3_next_and_qwen35_routers_are_recorded(kind: str, tmp_path):
+    """Qwen3-Next's and Qwen3.5-MoE's routers (``layers.L.mlp.gate``, Qwen3-MoE's ``(logits, scores, indices)``; the
+    published Qwen3.5 layout's text decoder under ``model.language_model.``; not the shared expert's gate) are
+    recorded: each layer's row is the top-k of its router's logits (Miles's Qwen3.5 self-distillation commands pass
+    --use-rollout-routing-replay)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from miles.utils.tiny_qwen35 import build_tiny_qwen35_model
+
+    vlm = kind == "qwen3_5_moe"
+    path = build_tiny_qwen35_model(tmp_path / kind, kind=kind, vlm=vlm)
+    model = (AutoModelForImageTextToText if vlm else AutoModelForCausalLM).from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():       # routers drawn at random: routing differs between tokens
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.5)
+    model.eval()
+    config = getattr(model.config, "text_config", None) or model.config
+    rec = RoutedExpertsRecorder(model, config)
+    layers = config.num_hidden_layers
+    assert rec.enabled and [layer for layer, _ in rec.routers] == list(range(layers)) and rec.top_k == 2
+    logits: dict[int, torch.Tensor] = {}
+    for layer, mod in rec.routers:
+        mod.register_forward_hook(lambda _m, _i, out, layer=layer: logits.__setitem__(layer, out[0]))
+    ids = torch.tensor([[5, 9, 13, 2, 7, 30, 41, 8, 11]])
+    rec.begin()
+    with torch.no_grad():
+        model(input_ids=ids)
+    rows = rec.end(ids.shape[1])
+    assert rows.shape == (9, layers, 2)
+    for layer in range(layers):
+        assert torch.equal(rows[:, layer].long().sort(-1).values,
+                           logits[layer].topk(2, dim=-1).indices.sort(-1).values), layer
+    assert len(set(map(tuple, rows[:, 0].tolist()))) > 1

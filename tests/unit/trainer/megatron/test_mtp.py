@@ -80,9 +80,13 @@ def test_bad_combinations_are_one_line(glm_mtp_dir: Path, glm_dir: Path, tiny_mo
     msg = _refused(lambda: options.preflight_check(_cfg(glm_dir, "--mtp-num-layers", "1"), _config(glm_dir)))
     assert "(num_nextn_predict_layers 0)" in msg and "drop the flag" in msg, msg
     dense = _config(tiny_model_dir) | {"num_nextn_predict_layers": 1}
+    assert dense["tie_word_embeddings"]
     msg = _refused(lambda: options.preflight_check(
         _cfg(tiny_model_dir, "--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2"), dense))
-    assert msg.startswith("--mtp-num-layers 1 with --pipeline-model-parallel-size 2 is not supported"), msg
+    assert msg.startswith("--mtp-num-layers 1 with --pipeline-model-parallel-size 2 and tied embeddings (config.json's "
+                          "tie_word_embeddings true) is not supported"), msg
+    options.preflight_check(_cfg(tiny_model_dir, "--mtp-num-layers", "1", "--pipeline-model-parallel-size", "2"),
+                            dense | {"tie_word_embeddings": False})     # built: the block on the last stage
     options.preflight_check(_cfg(tiny_model_dir, "--mtp-num-layers", "1", "--context-parallel-size", "2"), dense)  # built
 
 
