@@ -368,7 +368,7 @@ def test_rope_flags_need_the_megatron_backend(tiny_kimi_dir: Path) -> None:
                     "--train-backend", "fsdp", *KIMI_ROPE])
 
 
-@pytest.mark.parametrize("model_type,nearest", [("glm4_moe", "glm4_moe_lite")])
+@pytest.mark.parametrize("model_type,nearest", [("deepseek_v2", "deepseek_v32 (DeepSeek-V3.2)")])
 def test_a_family_not_built_names_the_nearest(tiny_kimi_dir: Path, model_type: str, nearest: str) -> None:
     with pytest.raises(ConfigError) as e:
         options.preflight_check(_cfg(tiny_kimi_dir), _read(tiny_kimi_dir) | {"model_type": model_type})
