@@ -73,3 +73,53 @@ def test_recorded_command_runs_two_rollouts(path: Path, tiny_models: Path, skill
     if replay.engines:  # the first sync and one after each rollout's training step, every tensor equal
         checks = log.read_text().count("--check-weight-update-equal: ")
         assert checks >= 3, f"{checks} weight checks; log {log}:\n{tail(log)}"
+
+
+# A refused fixture replayed without what refuses it here: fixture -> (flags dropped, why, the parallel sizes)
+WITHOUT = {
+    "megatron_nemotron_3_super_120b_a12b": (
+        ("--use-rollout-routing-replay",),
+        "R3: the embedded engine returns no routed experts for Nemotron-H, and the Megatron backend does not replay "
+        "routing through a pipeline",
+        {"--tensor-model-parallel-size": "2", "--pipeline-model-parallel-size": "2",
+         "--expert-model-parallel-size": "2"}),
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if RUN_ALL else [pytest.mark.skip(
+    reason="the whole replay tier runs under `make test-replay` (MILES_REPLAY_ALL=1)")]) for n in WITHOUT])
+def test_refused_command_runs_two_rollouts_without_its_refused_flags(name: str, tiny_models: Path,
+                                                                      tmp_path: Path) -> None:
+    """Nemotron-3 Super's recorded command (TP 4 over 2 KV heads x PP 2 x EP 8, SP, latent MoE) at tiny scale: TP 2
+    + SP over one KV head (replicated, as the recorded TP 4 over 2) x PP 2 (an MoE layer on each stage) x EP 2 on 4
+    colocated ranks, every other recorded flag kept (CPU Adam, full recompute, dynamic batches), 2 rollouts with
+    --check-weight-update-equal after every sync; the dropped flag is the one its dry run refuses."""
+    from miles_fixtures import HERE, _drop
+
+    from miles.config import ConfigError, parse_args
+    from miles.run.entry import dry_run
+
+    dropped, why, sizes = WITHOUT[name]
+    path = HERE / f"{name}.flags"
+    assert read_fixture(path)[1] == f"refused: {dropped[0]}"
+    replay = tiny_replay(path, tmp_path, tiny_models)
+    with pytest.raises(ConfigError) as ei:                              # the tiny command is refused as recorded
+        dry_run(parse_args([*replay.argv, "--dry-run"]))
+    assert str(ei.value).startswith(dropped[0]) or f"(1) {dropped[0]}" in str(ei.value), ei.value
+    argv = replay.argv
+    for flag in dropped:
+        argv = _drop(argv, flag)
+        replay.changed[flag] = f"(given) -> (dropped: {why})"
+    replay.argv = argv
+    assert {f: argv[argv.index(f) + 1] for f in sizes} == sizes, replay.changed
+    assert "--sequence-parallel" in argv and replay.nproc == 4, replay.changed
+    log = tmp_path / f"{name}.log"
+    pythonpath = os.pathsep.join([str(Path(__file__).resolve().parents[2]), *map(str, PLUGIN_FOLDERS)])
+    result = run(["torchrun", "--standalone", "--nproc-per-node", str(replay.nproc), replay.entry, *argv], log,
+                 timeout=600, PYTHONPATH=pythonpath)
+    scaled = "\n".join(f"  {flag}: {change}" for flag, change in replay.changed.items())
+    assert result.returncode == 0, f"scaled flags:\n{scaled}\nlog {log}:\n{tail(log)}"
+    out = Path(argv[argv.index("--output-dir") + 1])
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["rollout_id"] for r in records] == [0, 1], records
+    assert log.read_text().count("--check-weight-update-equal: ") >= 3, tail(log)

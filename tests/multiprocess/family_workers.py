@@ -284,22 +284,27 @@ def parity_worker(model_dir: str, out: str, megatron_flags: tuple[str, ...] = ()
     dist.destroy_process_group()
 
 
-def train_worker(model_dir: str, out: str, megatron_flags: str = "") -> None:
+def train_worker(model_dir: str, out: str, megatron_flags: str = "", kind: str = "cpu") -> None:
     """The Megatron trainer of ``megatron_flags`` (comma-separated, after ``test_megatron._flags``' TP 1) trains 2
     rollouts of 4 prompts x 4 samples, split evenly over the ranks in order (the model-parallel group gathers them
     back in that order, so runs of any layout with DP 1 train the same micro-batches). Saves to ``out`` from rank 0
-    (torch.save): the log-probs before training, the step metrics, the weights before and after (HF names)."""
+    (torch.save): the log-probs before training, the step metrics, the weights before and after (HF names).
+    ``kind`` "cpu": gloo; "cuda": NCCL, rank r on GPU r (the trainer's GPU defaults)."""
     import torch
     import torch.distributed as dist
     from test_megatron import _all_logprobs, _flags
     from trainer_harness import build, random_samples
 
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo" if kind == "cpu" else "nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cpu") if kind == "cpu" else torch.device("cuda", rank)
+    if kind == "cuda":
+        torch.cuda.set_device(dev)
     samples = random_samples(4, 4, seed=7, vocab=90)
     per = len(samples) // world
     mine = samples[per * rank:per * (rank + 1)]
-    tr = build(model_dir, _flags("megatron", 1, megatron_flags=tuple(f for f in megatron_flags.split(",") if f)))
+    tr = build(model_dir, _flags("megatron", 1, megatron_flags=tuple(f for f in megatron_flags.split(",") if f)),
+               device=dev)
     res = {"init": tr.state_dict_for_check(), "lp": _all_logprobs(tr, samples)}
     res["metrics"] = [tr.train(mine, rid) for rid in range(2)]
     res["final"] = tr.state_dict_for_check()

@@ -141,14 +141,15 @@ def _iter_hf_buckets(model: nn.Module, shape: ModelShape, groups: Groups, *, dev
                                lambda pend: _finish(pend, groups, shape, device, dtype, timeout), prefetch)
 
 
-def _stage_entries(model: nn.Module, stage, device: torch.device) -> list[tuple[int, str, torch.Tensor]]:
-    """(stage, global megatron name, parameter) of every stage's exported parameters in model order: this
-    stage's real parameters, the others' as meta tensors of their local (TP-shard) shape. Cached on the model
-    (shapes never change); one object all-gather over the pipeline group the first time, bounded by the stage's
-    timeout."""
-    from miles.trainer.megatron.pipeline import global_named_parameters, is_tied_copy
+def _stage_entries(model: nn.Module, shape: ModelShape, stage, device: torch.device
+                   ) -> list[tuple[int, str, torch.Tensor]]:
+    """(stage, global megatron name, tensor) of every stage's exported parameters (and the family's exported buffers,
+    ``Family.exported_buffers``) in model order: this stage's real tensors, the others' as meta tensors of their
+    local (TP-shard) shape. Cached on the model (shapes never change); one object all-gather over the pipeline
+    group the first time, bounded by the stage's timeout."""
+    from miles.trainer.megatron.pipeline import global_exported, is_tied_copy
 
-    mine = [(n, p) for n, p in global_named_parameters(model) if not is_tied_copy(p)]
+    mine = [(n, p) for n, p in global_exported(model, shape) if not is_tied_copy(p)]
     meta = getattr(model, "_miles_pp_export_meta", None)
     if meta is None:
         local = [(n, tuple(p.shape), p.dtype) for n, p in mine]
@@ -165,7 +166,7 @@ def _iter_pipeline(model, shape: ModelShape, groups: Groups, stage, *, device: t
     from miles.trainer.megatron import moe
     from miles.trainer.megatron.pipeline import wait_all
 
-    entries = _stage_entries(model, stage, device)
+    entries = _stage_entries(model, shape, stage, device)
     owner = {n: s for s, n, _ in entries}
     units = moe.export_units([(n, p) for _, n, p in entries], groups)     # a layer's experts together (EP > 1)
     for bucket in pack(units, lambda unit: moe.unit_nbytes(unit, groups, dtype), bucket_bytes):

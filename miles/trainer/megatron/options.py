@@ -220,9 +220,12 @@ def check_static(o: Options, shape: ModelShape) -> None:
     for what, n in (("num_attention_heads", shape.num_attention_heads), ("num_key_value_heads",
                                                                          shape.num_query_groups),
                     ("intermediate_size", shape.ffn_hidden_size)):
+        if what == "num_key_value_heads" and shape.family.replicated_kv and n and o.tp % n == 0:
+            continue                   # fewer KV heads than TP ranks: replicated over TP (kv_replicate.py)
         if n % o.tp:
+            kv = " (or, for this family, a multiple of them)" if shape.family.replicated_kv else ""
             raise ConfigError(f"--tensor-model-parallel-size {o.tp} does not divide config.json's {what} {n}; "
-                              "choose a TP size that divides the heads, the KV heads and the FFN size.")
+                              f"choose a TP size that divides the heads, the KV heads{kv} and the FFN size.")
 
 
 def check_context_parallel(o: Options, shape: ModelShape) -> None:

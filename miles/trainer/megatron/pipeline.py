@@ -101,6 +101,13 @@ def global_named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(global_name(model, n), p) for n, p in model.named_parameters()]
 
 
+def global_exported(model: nn.Module, shape: ModelShape) -> list[tuple[str, torch.Tensor]]:
+    """This stage's parameters and the buffers its family exports with them (``Family.exported_buffers``: e.g. the
+    routers' ``expert_bias``), under their global names."""
+    buffers = [(global_name(model, n), b) for n, b in shape.family.exported_buffers(model)]
+    return global_named_parameters(model) + buffers
+
+
 def is_tied_copy(p: torch.Tensor) -> bool:
     """The last stage's copy of a tied embedding (megatron-core marks it ``shared``): not exported and not
     counted twice in the gradient norm."""
@@ -111,11 +118,12 @@ def is_tied_copy(p: torch.Tensor) -> bool:
 def load_hf_into(model: nn.Module, hf: dict[str, torch.Tensor], shape: ModelShape, padded_vocab: int, tp_rank: int,
                  tp_size: int, ep_rank: int = 0, ep_size: int = 1) -> None:
     """``convert.load_hf_into`` for one pipeline stage: layers by their global index, this EP rank's experts by
-    their global index (``moe.global_name``), and the last stage's copy of a tied embedding from the HF embedding."""
+    their global index (``moe.global_name``), the family's exported buffers (the routers' ``expert_bias``) as
+    parameters are, and the last stage's copy of a tied embedding from the HF embedding."""
     from miles.trainer.megatron import convert, moe
 
     num_local = shape.num_experts // ep_size if shape.num_experts else 0
-    named = [(moe.global_name(n, ep_rank, num_local), p) for n, p in global_named_parameters(model)]
+    named = [(moe.global_name(n, ep_rank, num_local), p) for n, p in global_exported(model, shape)]
     sources = ["embedding.word_embeddings.weight" if is_tied_copy(p) else n for n, p in named]
     full = convert.hf_to_megatron(convert.family_hf_state(hf, shape), shape, padded_vocab, sorted(set(sources)))
     for (name, p), src in zip(named, sources):
