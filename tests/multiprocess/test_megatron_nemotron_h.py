@@ -110,8 +110,12 @@ def test_nemotron_h_moe_pipeline_matches_one_stage(tmp_path: Path, free_port: in
 
     model_dir = build_tiny_nemotron_model(tmp_path / "moe", pattern="ME*E")
     runs = {}
-    for name, nproc, port, flags in (("one", 1, free_port, MOE_FLAGS),
-                                     ("pp2", 2, find_free_port(), MOE_FLAGS + ",--pipeline-model-parallel-size,2")):
+    # --adam-eps 1e-3: Adam's first step moves every weight by about lr whatever its gradient's size, so a gradient
+    # of rounding size (1e-9) would move a weight by lr in either run and a different routing follow; a larger eps
+    # keeps such weights still and the comparison at rounding
+    base = MOE_FLAGS + ",--adam-eps,1e-3"
+    for name, nproc, port, flags in (("one", 1, free_port, base),
+                                     ("pp2", 2, find_free_port(), base + ",--pipeline-model-parallel-size,2")):
         runs[name] = launch(HERE, nproc, port, "train", model_dir, tmp_path / f"{name}.pt", flags, timeout=600)
     assert runs["one"]["layout"] == (1, 1, 1, False) and runs["pp2"]["layout"] == (1, 2, 1, False)
     disk = load_file(str(model_dir / "model.safetensors"))
@@ -119,15 +123,13 @@ def test_nemotron_h_moe_pipeline_matches_one_stage(tmp_path: Path, free_port: in
     assert len(bias) == 2 and all(torch_equal(runs["pp2"]["init"][n], disk[n]) for n in bias), bias
     res = compare_runs(runs["one"], runs["pp2"])
     print(res)
-    # measured: see MOE_PP_MEASURED; bounds at about twice that
-    assert res["lp_max_abs_diff"] < MOE_PP_LP_BOUND, res
-    assert all(v <= MOE_PP_METRIC_BOUND for v in res["metric_rel"].values()), res
-    assert res["update_max_abs"] > 1e-3 and res["update_max_abs_diff"] < MOE_PP_UPDATE_BOUND, res
-
-
-# measured (2-core CPU box, ``OMP_NUM_THREADS=1 pytest -s tests/multiprocess/test_megatron_nemotron_h.py -k
-# moe_pipeline``): MOE_PP_MEASURED
-MOE_PP_LP_BOUND, MOE_PP_METRIC_BOUND, MOE_PP_UPDATE_BOUND = 6e-6, 2.2e-6, 7.5e-6
+    # measured (2-core CPU box, ``OMP_NUM_THREADS=1 pytest -s tests/multiprocess/test_megatron_nemotron_h.py -k
+    # moe_pipeline``): log-probs before training equal (0.0: each micro-batch runs alone in both), the first step's
+    # grad norm equal to all digits, the second's 3.0e-6 apart (relative), updates of up to 3.5e-3 differ by 1.2e-7;
+    # bounds at about twice that (the log-probs at 1e-6)
+    assert res["lp_max_abs_diff"] < 1e-6, res
+    assert all(v <= 6e-6 for v in res["metric_rel"].values()), res
+    assert res["update_max_abs"] > 1e-3 and res["update_max_abs_diff"] < 2.5e-7, res
 
 
 def torch_equal(a, b) -> bool:
@@ -163,10 +165,14 @@ def test_nemotron_h_kv_heads_replicated_over_tp(tiny_nemotron_one_kv_dir: Path, 
     check_export(two)
     kv = [n for n in g1 if n.endswith(("mixer.k_proj.weight", "mixer.v_proj.weight"))]
     assert len(kv) == 2 and all(float(g1[n].abs().max()) > 0 for n in kv), kv
-    # measured: KV_GRAD_MEASURED; bound at about twice that
+    worst = max(g1, key=lambda n: float((g2[n] - g1[n]).abs().max() / g1[n].abs().max().clamp_min(1e-30)))
+    print("largest gradient distance, relative to the tensor's largest entry:", worst,
+          float((g2[worst] - g1[worst]).abs().max() / g1[worst].abs().max()))
     check_grads_match(g1, g2, KV_GRAD_REL_BOUND)
 
 
+# passes at 1e-5 (2-core CPU box, ``pytest -s tests/multiprocess/test_megatron_nemotron_h.py -k kv_heads``, which
+# prints the largest distance); TP 1 and TP 2 log-probs 5.7e-6 / 6.7e-6 from transformers'
 KV_GRAD_REL_BOUND = 1e-5
 
 
@@ -186,7 +192,7 @@ def test_nemotron_h_super_layout_on_four_gpus(tmp_path: Path, free_port: int) ->
     if torch.cuda.device_count() < 4:
         pytest.skip("needs 4 GPUs (one per rank)")
     model_dir = build_tiny_nemotron_model(tmp_path / "super", pattern="ME*E", num_kv_heads=1)
-    base = MOE_FLAGS + ",--tensor-model-parallel-size,2,--sequence-parallel,--expert-model-parallel-size,2"
+    base = MOE_FLAGS + ",--adam-eps,1e-3,--tensor-model-parallel-size,2,--sequence-parallel,--expert-model-parallel-size,2"
     runs = {}
     for name, nproc, port, flags in (("one", 2, free_port, base),
                                      ("pp2", 4, find_free_port(), base + ",--pipeline-model-parallel-size,2")):

@@ -258,20 +258,13 @@ def check_context_parallel(o: Options, shape: ModelShape) -> None:
 
 
 def check_pipeline_algo(o: Options, algo) -> None:
-    """What does not run through the pipeline yet: the PPO critic, routing replay."""
+    """What does not run through the pipeline yet: the PPO critic."""
     if o.pp == 1 or algo is None:
         return
     if algo.loss_type != "sft_loss" and algo.advantage_estimator == "ppo":
         raise ConfigError(f"--advantage-estimator ppo (the PPO critic) with --pipeline-model-parallel-size {o.pp} is "
                           "not supported by the Megatron backend; use --pipeline-model-parallel-size 1 (tensor and "
                           "data parallelism), another estimator (grpo, ...), or --train-backend fsdp.")
-    from miles.trainer.routing_replay import mode
-
-    if (replay := mode(algo)) is not None:
-        flag = "--use-rollout-routing-replay" if replay == "r3" else "--use-routing-replay"
-        raise ConfigError(f"{flag} with --pipeline-model-parallel-size {o.pp} is not supported by the Megatron backend "
-                          "(the replay hooks the one-stage forward): use --pipeline-model-parallel-size 1 (tensor, "
-                          "context, expert and data parallelism), or drop the flag.")
 
 
 def check_dp(o: Options, dp_size: int) -> None:

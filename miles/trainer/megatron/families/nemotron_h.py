@@ -172,7 +172,8 @@ def shape_fields(c) -> dict:
         kv_channels=int(getattr(c, "head_dim", None) or int(c.hidden_size) // heads), vocab_size=int(c.vocab_size),
         max_position_embeddings=int(c.max_position_embeddings), rotary_base=10000.0,
         norm_epsilon=float(c.layer_norm_epsilon), qk_layernorm=False, qkv_bias=False,
-        tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)), variant=variant)
+        tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)), variant=variant,
+        nextn_layers=int(getattr(c, "num_nextn_predict_layers", 0) or 0))      # not built (check_static)
     if experts:
         fields.update(num_experts=experts, moe_ffn_hidden_size=int(c.moe_intermediate_size), moe_router_topk=topk,
                       moe_norm_topk_prob=True, moe_layer_pattern=tuple(int(x == "E") for x in pattern),

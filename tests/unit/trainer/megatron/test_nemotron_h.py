@@ -163,7 +163,7 @@ def test_recorded_layouts_accepted(tiny_model_dir: Path, extra: list[str]) -> No
 @pytest.mark.parametrize("config,extra,message", [
     ({}, ["--context-parallel-size", "2", "--expert-model-parallel-size", "1", "--tensor-model-parallel-size", "1"],
      "scan state is not passed between context-parallel ranks"),
-    ({"num_attention_heads": 24, "num_key_value_heads": 3}, ["--tensor-model-parallel-size", "2"],
+    ({"num_attention_heads": 24, "num_key_value_heads": 3}, ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
      r"--tensor-model-parallel-size 2 does not divide config.json's num_key_value_heads 3; .*or, for this family, a "
      "multiple of them"),
     ({"num_nextn_predict_layers": 1}, ["--mtp-num-layers", "1"], "--mtp-num-layers 1 with Nemotron-H: its MTP layers"),
