@@ -171,9 +171,10 @@ def test_nemotron_h_kv_heads_replicated_over_tp(tiny_nemotron_one_kv_dir: Path, 
     check_grads_match(g1, g2, KV_GRAD_REL_BOUND)
 
 
-# passes at 1e-5 (2-core CPU box, ``pytest -s tests/multiprocess/test_megatron_nemotron_h.py -k kv_heads``, which
-# prints the largest distance); TP 1 and TP 2 log-probs 5.7e-6 / 6.7e-6 from transformers'
-KV_GRAD_REL_BOUND = 1e-5
+# measured (2-core CPU box, ``pytest -s tests/multiprocess/test_megatron_nemotron_h.py -k kv_heads``, which prints
+# it): the largest gradient distance 2.6e-6 of its tensor's largest entry (layer 4's router); TP 1 and TP 2 log-probs
+# 5.7e-6 / 6.7e-6 from transformers' (BOUND 1.2e-5); the bound at about twice that
+KV_GRAD_REL_BOUND = 5.5e-6
 
 
 @pytest.mark.gpu
