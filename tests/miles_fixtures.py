@@ -235,6 +235,15 @@ def build_family_model(out: Path, model: str | None, seed: int = 0) -> Path:
         text = real["text_config"]        # 26B-A4B: the MoE block (4 experts, top-2)
         return build_tiny_gemma4(out, seed=seed, final_logit_softcapping=float(
             text.get("final_logit_softcapping") or 0.0) or None, moe=bool(text.get("enable_moe_block")))
+    if mt == "nemotron_h":             # hybrid Mamba-2 / attention / latent MoE: its own builder
+        from miles.utils.tiny_nemotron import build_tiny_nemotron_model
+
+        # every layer kind on each of 2 pipeline stages (M E * | - E M); KV heads 1 where the real model has 2 so
+        # the replay's TP 2 replicates them as the recorded TP 4 does
+        kv = int(real.get("num_key_value_heads") or 2)
+        return build_tiny_nemotron_model(out, pattern="ME*-EM", num_kv_heads=1 if kv <= 2 else 2, seed=seed,
+                                         moe_latent_size=32 if real.get("moe_latent_size") else None,
+                                         routed_scaling_factor=float(real.get("routed_scaling_factor", 1.0) or 1.0))
     if mt == "kimi_k25":               # the multimodal checkpoint (text model under language_model.model.*)
         from miles.utils.tiny_kimi_k25 import build_tiny_kimi_k25
 
@@ -463,6 +472,8 @@ def tiny_replay(path: Path, workdir: Path, models: Path, skills_url: str | None 
         put("--moe-layer-freq", "[" + ",".join(str(v) for v in shape.moe_layer_pattern) + "]")
     if "--rollout-stop-token-ids" in flags:    # the real tokenizer's ids (GLM-4.5's eos, <|user|>, <|observation|>)
         put("--rollout-stop-token-ids", str(load_config(model).eos_token_id))     # -> the tiny tokenizer's eos
+    if "--moe-latent-size" in flags:     # Nemotron-H's latent MoE (config.json's moe_latent_size)
+        put("--moe-latent-size", str(getattr(shape.variant, "latent_size", 0)))
 
     # world: parallel sizes at most 2 each, trainer ranks their product (at least 2 when the script has several)
     train_only = "--debug-train-only" in flags

@@ -7,9 +7,10 @@ int32 array ``[prompt + completion - 1 - routed_experts_start_len, layers, top-k
 ``np.frombuffer(b64decode(s), np.int32).reshape(len(tokens) - 1, num_layers, top_k)``.
 
 ``RoutedExpertsRecorder`` hooks the HF MoE routers of a model whose router returns the indices it chose
-(transformers' ``Qwen3MoeTopKRouter`` and its Qwen3-Next / Qwen3.5-MoE copies, and the grouped sigmoid ``Glm4MoeLiteTopkRouter`` / ``DeepseekV3TopkRouter``:
-``(logits, weights, indices)``; Gemma 4's ``Gemma4TextRouter`` at ``layers.L.router``: ``(probabilities, weights,
-indices)``; ``RECORDED_MODEL_TYPES``) and collects, for each forward it is armed for, every MoE layer's ``[tokens,
+(transformers' ``Qwen3MoeTopKRouter`` and its Qwen3-Next / Qwen3.5-MoE copies, and the grouped sigmoid
+``Glm4MoeLiteTopkRouter`` / ``DeepseekV3TopkRouter``: ``(logits, weights, indices)``; Nemotron-H's
+``NemotronHTopkRouter`` at ``layers.L.mixer.gate``, the same; Gemma 4's ``Gemma4TextRouter`` at ``layers.L.router``:
+``(probabilities, weights, indices)``; ``RECORDED_MODEL_TYPES``) and collects, for each forward it is armed for, every MoE layer's ``[tokens,
 top-k]`` indices. Other MoE families (routers that choose inside the block) are not recorded: a
 request for them is refused in one line.
 """
@@ -22,18 +23,20 @@ import re
 import numpy as np
 import torch
 
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:mlp\.gate|router)$")      # Gemma 4: layers.L.router
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:mlp\.gate|mixer\.gate|router)$")   # Gemma 4: layers.L.router;
+#                                                                               Nemotron-H: layers.L.mixer.gate
 # routers that return (scores, weights, top-k indices), with the names the engine's refusal gives them
 RECORDED_MODEL_TYPES = {"qwen3_moe": "Qwen3-MoE", "glm4_moe_lite": "GLM-4.7-Flash", "deepseek_v3": "DeepSeek-V3",
                         "kimi_k2": "Kimi-K2", "joyai_llm_flash": "JoyAI-LLM-Flash",   # DeepSeek-V3's router
                         "gemma4_text": "Gemma 4 MoE",                                 # (hf_aliases); Gemma4TextRouter
                         "qwen3_next": "Qwen3-Next", "qwen3_5_moe": "Qwen3.5-MoE",     # Qwen3-MoE's router
-                        "qwen3_5_moe_text": "Qwen3.5-MoE"}                            # (the published layout's text)
+                        "qwen3_5_moe_text": "Qwen3.5-MoE",                            # (the published layout's text)
+                        "nemotron_h": "Nemotron-H (Nemotron-3)"}                      # NemotronHTopkRouter
 
 
 def moe_routers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
     """``(layer index, router module)`` of every MoE layer of a HF decoder (``model.layers.L.mlp.gate``; Gemma 4's
-    ``...layers.L.router``)."""
+    ``...layers.L.router``; Nemotron-H's ``...layers.L.mixer.gate``)."""
     found = []
     for name, mod in model.named_modules():
         m = _LAYER.search(name)

@@ -15,10 +15,13 @@ saw; padding; dummy micro-batches) keeps its own top-k.
 Wiring (``install(trainer)``, called at the end of both trainers' ``__init__``): the policy's routers get a hook
 (HF ``Qwen3MoeTopKRouter.forward`` on the FSDP backend; megatron-core's ``TopKRouter.router_replay`` on the
 Megatron backend); ``trainer._prepare`` (the start of every ``train`` call) loads the samples' routing, and
-``trainer._policy_forward`` sets, for the policy's micro-batch, the per-token replay rows in the order the router
-sees the tokens (FSDP: the packed row or the right-padded ``[k, L]`` rows, flattened; Megatron: ``[s, b]``, this CP
-rank's chunks and, under sequence parallelism, this TP rank's part). The rows stay set until the next policy
-forward, so activation recompute inside the backward routes the same way.
+``trainer._policy_forward`` (and on the Megatron backend ``trainer._stage_forward``, which a pipeline's earlier
+stages run) sets, for the policy's micro-batch, the per-token replay rows in the order the router sees the tokens
+(FSDP: the packed row or the right-padded ``[k, L]`` rows, flattened; Megatron: ``[s, b]``, this CP rank's chunks
+and, under sequence parallelism, this TP rank's part). Routers are indexed by their model-wide layer (under
+pipeline parallelism a stage's modules number its layers from 0). The rows stay set until the next policy forward,
+and are set again when a forward's backward starts (a hook on its output), so activation recompute inside the
+backward routes the same way, also under a pipeline's 1F1B order (later forwards before this backward).
 """
 
 from __future__ import annotations
@@ -229,14 +232,26 @@ class _McoreLayerReplay:
         return scores.gather(1, idx), idx
 
 
-def _hook_routers(model: torch.nn.Module, state: ReplayState, megatron: bool) -> int:
-    n = 0
+def _router_layers(model: torch.nn.Module, megatron: bool) -> list[tuple[str, int, torch.nn.Module]]:
+    """(name, model-wide layer index, router) of every MoE router: under pipeline parallelism a stage's layers are
+    numbered from 0 in its module names, so the index is the one megatron-core gave the layer (``layer_number - 1``,
+    ``pipeline.global_name``), which the replayed rows are indexed by."""
+    out = []
     pattern = _MCORE_ROUTER if megatron else _HF_ROUTER
     for name, mod in model.named_modules():
-        m = pattern.search(name)
-        if m is None:
+        if pattern.search(name) is None:
             continue
-        layer = int(m.group(1))
+        if megatron:
+            from miles.trainer.megatron.pipeline import global_name
+
+            name = global_name(model, name + ".x")[:-2]
+        out.append((name, int(pattern.search(name).group(1)), mod))
+    return out
+
+
+def _hook_routers(model: torch.nn.Module, state: ReplayState, megatron: bool) -> int:
+    n = 0
+    for name, layer, mod in _router_layers(model, megatron):
         if megatron:
             if getattr(mod.config, "moe_router_fusion", False):
                 raise ConfigError("routing replay with --moe-router-fusion: the fused router takes no replayed "
@@ -284,6 +299,22 @@ def _layout_megatron(trainer, mb) -> torch.Tensor:
     return seq.reshape(-1)
 
 
+def _restore_on_backward(state: ReplayState, out) -> None:
+    """The replay rows of this forward set again when its backward starts (a hook on its first output that needs a
+    gradient): a pipeline's 1F1B schedule runs later micro-batches' forwards before this one's backward, and
+    activation recompute inside the backward must route as the forward did."""
+    first = out[0] if isinstance(out, tuple) else out
+    if state.stage == RECORD or not isinstance(first, torch.Tensor) or not first.requires_grad:
+        return
+    saved = (state.stage, state.current, state.layout)
+
+    def restore(grad):
+        state.stage, state.current, state.layout = saved
+        return grad
+
+    first.register_hook(restore)
+
+
 def _with_ids(mb, ids: torch.Tensor):
     import dataclasses
 
@@ -316,30 +347,39 @@ def install(trainer) -> ReplayState | None:
     n = _hook_routers(trainer.model, state, megatron)
     if n == 0:
         raise ConfigError(f"{_flag(m)}: no MoE router found in the policy model: drop the flag for this model.")
-    layers = sorted({int(x.group(1)) for name, _ in trainer.model.named_modules()
-                     if (x := (_MCORE_ROUTER if megatron else _HF_ROUTER).search(name))})
+    layers = sorted({layer for _, layer, _ in _router_layers(trainer.model, megatron)})
     state.moe_layers = list(pattern and [i for i, v in enumerate(pattern) if v] or layers)
     trainer.routing_replay = state
-    prepare, policy_forward = trainer._prepare, trainer._policy_forward
+    prepare = trainer._prepare
 
     def _prepare(samples, data, policy):
         state.begin(samples)
         return prepare(samples, data, policy)
 
-    def _policy_forward(model, mb, **kw):
-        if model is not trainer.model or mb.is_dummy:
-            if model is trainer.model:
+    def replaying(forward):
+        """``forward`` (the policy's forward of one micro-batch) with the replay rows of that micro-batch set."""
+        def wrapped(model, mb, *args, **kw):
+            if model is not trainer.model:
+                return forward(model, mb, *args, **kw)
+            if mb.is_dummy:
                 state.stage, state.current = OFF, None
-            return policy_forward(model, mb, **kw)
-        stage = REPLAY if (m == "r3" or model.training) else RECORD
-        layout = _layout_megatron(trainer, mb) if megatron else _layout_fsdp(trainer, model, mb)
-        lengths = [int(x) for x in (mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).tolist()]
-        state.start_forward(stage, mb.sample_ids, lengths, layout)
-        out = policy_forward(model, mb, **kw)
-        state.finish_record(mb.sample_ids, lengths)
-        return out
+                out = forward(model, mb, *args, **kw)
+                _restore_on_backward(state, out)
+                return out
+            stage = REPLAY if (m == "r3" or model.training) else RECORD
+            layout = _layout_megatron(trainer, mb) if megatron else _layout_fsdp(trainer, model, mb)
+            lengths = [int(x) for x in (mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).tolist()]
+            state.start_forward(stage, mb.sample_ids, lengths, layout)
+            out = forward(model, mb, *args, **kw)
+            _restore_on_backward(state, out)
+            state.finish_record(mb.sample_ids, lengths)
+            return out
+        return wrapped
 
-    trainer._prepare, trainer._policy_forward = _prepare, _policy_forward
+    trainer._policy_forward = replaying(trainer._policy_forward)
+    if megatron:      # a pipeline's earlier stages run the policy through _stage_forward (pipeline.py)
+        trainer._stage_forward = replaying(trainer._stage_forward)
+    trainer._prepare = _prepare
     logger.info("routing replay (%s, %s): %d MoE routers of the policy replay %s", m.upper(), _flag(m), n,
                 "the rollout's routing" if m == "r3" else "the old log-prob pass's routing")
     return state

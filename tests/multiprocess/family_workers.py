@@ -301,15 +301,20 @@ def train_worker(model_dir: str, out: str, megatron_flags: str = "", device: str
     rollouts of 4 prompts x 4 samples, split evenly over the ranks in order (the model-parallel group gathers them
     back in that order, so runs of any layout with DP 1 train the same micro-batches). Saves to ``out`` from rank 0
     (torch.save): the log-probs before training, the step metrics, the weights before and after (HF names).
-    ``device`` "cuda": NCCL, each rank on its ``cuda:0`` (the caller sets ``CUDA_VISIBLE_DEVICES``), bf16."""
+    ``device`` "cuda": NCCL, bf16, each rank on the GPU of its local rank among those it sees (one GPU per rank:
+    the caller may narrow ``CUDA_VISIBLE_DEVICES`` to it, then ``cuda:0``)."""
     import torch
     import torch.distributed as dist
     from test_megatron import _all_logprobs, _flags
     from trainer_harness import build, random_samples
 
     dist.init_process_group("gloo" if device == "cpu" else "nccl")
-    dev = torch.device("cpu") if device == "cpu" else torch.device("cuda", 0)
-    if dev.type == "cuda":
+    if device == "cpu":
+        dev = torch.device("cpu")
+    else:
+        import os
+
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         torch.cuda.set_device(dev)
     rank, world = dist.get_rank(), dist.get_world_size()
     samples = random_samples(4, 4, seed=7, vocab=90)

@@ -221,9 +221,12 @@ def check_static(o: Options, shape: ModelShape) -> None:
     for what, n in (("num_attention_heads", shape.num_attention_heads), ("num_key_value_heads",
                                                                          shape.num_query_groups),
                     ("intermediate_size", shape.ffn_hidden_size)):
+        if what == "num_key_value_heads" and shape.family.replicated_kv and n and o.tp % n == 0:
+            continue                   # fewer KV heads than TP ranks: replicated over TP (kv_replicate.py)
         if n % o.tp:
+            kv = " (or, for this family, a multiple of them)" if shape.family.replicated_kv else ""
             raise ConfigError(f"--tensor-model-parallel-size {o.tp} does not divide config.json's {what} {n}; "
-                              "choose a TP size that divides the heads, the KV heads and the FFN size.")
+                              f"choose a TP size that divides the heads, the KV heads{kv} and the FFN size.")
 
 
 def check_context_parallel(o: Options, shape: ModelShape) -> None:
@@ -256,20 +259,13 @@ def check_context_parallel(o: Options, shape: ModelShape) -> None:
 
 
 def check_pipeline_algo(o: Options, algo) -> None:
-    """What does not run through the pipeline yet: the PPO critic, routing replay."""
+    """What does not run through the pipeline yet: the PPO critic."""
     if o.pp == 1 or algo is None:
         return
     if algo.loss_type != "sft_loss" and algo.advantage_estimator == "ppo":
         raise ConfigError(f"--advantage-estimator ppo (the PPO critic) with --pipeline-model-parallel-size {o.pp} is "
                           "not supported by the Megatron backend; use --pipeline-model-parallel-size 1 (tensor and "
                           "data parallelism), another estimator (grpo, ...), or --train-backend fsdp.")
-    from miles.trainer.routing_replay import mode
-
-    if (replay := mode(algo)) is not None:
-        flag = "--use-rollout-routing-replay" if replay == "r3" else "--use-routing-replay"
-        raise ConfigError(f"{flag} with --pipeline-model-parallel-size {o.pp} is not supported by the Megatron backend "
-                          "(the replay hooks the one-stage forward): use --pipeline-model-parallel-size 1 (tensor, "
-                          "context, expert and data parallelism), or drop the flag.")
 
 
 def check_dp(o: Options, dp_size: int) -> None:

@@ -115,7 +115,7 @@ def test_a_dense_model_refuses_return_routed_experts(tmp_path):
     eng = _engine(build_engine_model(tmp_path / "dense"))
     try:
         with pytest.raises(BadRequest, match="return_routed_experts: the embedded engine records routed experts for Qwen3-MoE, GLM-4.7-Flash, DeepSeek-V3, Kimi-K2, JoyAI-LLM-Flash, "
-                           "Gemma 4 MoE, Qwen3-Next, Qwen3.5-MoE models, not this 'qwen3'"):
+                           "Gemma 4 MoE, Qwen3-Next, Qwen3.5-MoE, Nemotron-H \\(Nemotron-3\\) models, not this 'qwen3'"):
             _run(eng, [{"input_ids": [1, 2, 3], "return_routed_experts": True, "sampling_params": {"max_new_tokens": 2}}])
     finally:
         eng.stop()
@@ -181,3 +181,28 @@ def test_qwen3_next_and_qwen35_routers_are_recorded(kind: str, tmp_path):
         assert torch.equal(rows[:, layer].long().sort(-1).values,
                            logits[layer].topk(2, dim=-1).indices.sort(-1).values), layer
     assert len(set(map(tuple, rows[:, 0].tolist()))) > 1
+
+
+def test_nemotron_h_routers_are_recorded(tmp_path):
+    """Nemotron-H's routers (``layers.L.mixer.gate`` of its MoE layers: sigmoid scores plus the correction bias,
+    returning (logits, weights, indices)) are recorded: each MoE layer's row is its router's top-k, the Mamba,
+    attention and MLP layers' rows zero (Miles's Nemotron-3 Super command passes --use-rollout-routing-replay)."""
+    from transformers import AutoModelForCausalLM
+
+    from miles.utils.tiny_nemotron import build_tiny_nemotron_model
+
+    model = AutoModelForCausalLM.from_pretrained(build_tiny_nemotron_model(tmp_path / "nh"), dtype=torch.float32).eval()
+    rec = RoutedExpertsRecorder(model, model.config)
+    assert rec.enabled and [layer for layer, _ in rec.routers] == [1, 4] and rec.top_k == 2     # pattern ME*-E
+    chosen: dict[int, torch.Tensor] = {}
+    for layer, mod in rec.routers:
+        mod.register_forward_hook(lambda _m, _i, out, layer=layer: chosen.__setitem__(layer, out[2]))
+    ids = torch.tensor([[5, 9, 13, 2, 7, 30, 41, 8, 11]])
+    rec.begin()
+    with torch.no_grad():
+        model(input_ids=ids)
+    rows = rec.end(ids.shape[1])
+    assert rows.shape == (9, 5, 2)
+    for layer in (1, 4):
+        assert torch.equal(rows[:, layer].long(), chosen[layer]), layer
+    assert (rows[:, [0, 2, 3]] == 0).all() and len(set(map(tuple, rows[:, 1].tolist()))) > 1

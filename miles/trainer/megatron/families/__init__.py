@@ -105,6 +105,8 @@ class Family:
     #                                             name, where it is not model.embed_tokens / model.norm / lm_head
     tp_partial: tuple[str, ...] = ()            # name parts of replicated parameters whose gradient each TP rank
     #                                             holds for its own heads only (summed over TP, as q/k layernorms')
+    replicated_kv: bool = False                 # its attention replicates config.json's KV heads over a TP size that
+    #                                             is a multiple of them (kv_replicate.py); else TP must divide them
     exported_buffers: Callable[[torch.nn.Module], list] = _no_buffers   # buffers exported with the parameters
     export_stream: Callable[[Buckets, Any], Buckets] | None = None     # the HF weight stream's last transform
     hf_state: Callable[[dict, Any], dict] | None = None  # (hf, shape) -> the checkpoint's tensors under the names

@@ -36,7 +36,8 @@ of 26B-A4B's, whose MoE block is ``gemma4_moe.py``'s.
   ``linear_qkv`` holds q and k per group and the value is the raw key (before k's norm and RoPE), as transformers
   computes it. A full layer with fewer KV heads than TP ranks (26B-A4B: 2 at Miles's TP 4; ``kv_replicated``) has
   one group per TP rank: ``linear_q`` (q, split over TP by heads) and ``linear_kv`` (every KV head's [k; v] rows,
-  replicated; each rank uses its heads' KV head, the gradient is summed over TP: ``tp_partial``). Sliding layers
+  replicated; each rank uses its heads' KV head, the gradient is summed over TP: the shared ``kv_replicate.py``,
+  which Nemotron-H's attention uses too). Sliding layers
   rotate with the GPTModel's RoPE (theta ``sliding_attention.rope_theta``, whole head); full layers with their own
   frequencies: transformers' "proportional" RoPE (theta 1e6, ``partial_rotary_factor`` 0.25: the first quarter of
   the frequencies of the full head size, the rest zero, so only those dims rotate, paired i with i + d/2 as
@@ -78,6 +79,7 @@ from dataclasses import dataclass
 
 import torch
 
+from miles.trainer.megatron import kv_replicate
 from miles.trainer.megatron.families import Family, gemma4_moe
 
 MODEL_TYPES = {"gemma4": "Gemma 4", "gemma4_text": "Gemma 4"}
@@ -282,8 +284,8 @@ def proportional_inv_freq(dim: int, theta: float, fraction: float, device=None) 
 
 def kv_replicated(g: Gemma4Shape, tp: int) -> bool:
     """The full layers have fewer KV heads than TP ranks (gemma-4-26B-A4B: 2, Miles's TP 4): each rank computes its
-    query heads' KV head from a replicated weight (``Gemma4Attention``)."""
-    return 0 < g.global_kv_heads < tp
+    query heads' KV head from a replicated weight (``Gemma4Attention``, ``kv_replicate.py``)."""
+    return kv_replicate.kv_replicated(g.global_kv_heads, tp)
 
 
 def _layer_is_sliding(config, layer_number: int) -> bool:
@@ -342,15 +344,9 @@ def _classes() -> dict[str, type]:
                     self.kv_copies, groups = tp // groups, tp
                 config = dataclasses.replace(config, kv_channels=g.global_head_dim, num_query_groups=groups)
             super().__init__(config, submodules, layer_number, *args, **kwargs)
-            hn, kv = self.hidden_size_per_attention_head, 1 if self.k_eq_v else 2
+            kv = 1 if self.k_eq_v else 2
             if self.kv_copies:                     # q split over TP by heads; every KV head's [k; v] rows on each rank
-                del self.linear_qkv
-                self.linear_q = submodules.linear_qkv(
-                    self.config.hidden_size, self.query_projection_size, config=self.config,
-                    init_method=self.config.init_method, gather_output=False, bias=False,
-                    skip_bias_add=False, is_expert=False, tp_comm_buffer_name="qkv", tp_group=self.pg_collection.tp)
-                self.linear_kv = torch.nn.Linear(self.config.hidden_size, g.global_kv_heads * kv * hn, bias=False,
-                                                 dtype=self.config.params_dtype)
+                kv_replicate.build_projections(self, submodules, g.global_kv_heads, kv)
             elif self.k_eq_v:                      # [q heads; k] per group: no value rows
                 self.linear_qkv_out_dim = self.query_projection_size + self.kv_projection_size
                 self.linear_qkv = submodules.linear_qkv(
@@ -380,8 +376,8 @@ def _classes() -> dict[str, type]:
                 raise NotImplementedError("Gemma 4 attention: no output gate or fused qkv-rope (a bug).")
             hn = self.hidden_size_per_attention_head
             kv = 1 if self.k_eq_v else 2
-            if self.kv_copies:
-                query, key, value = self._replicated_kv(hidden_states, hn, kv)
+            if self.kv_copies:                     # (kv_replicate.py: linear_kv's gradient summed over TP)
+                query, key, value = kv_replicate.replicated_qkv(self, hidden_states, kv, self.kv_copies)
             else:
                 mixed, _ = self.linear_qkv(hidden_states)
                 per_group = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
@@ -394,26 +390,6 @@ def _classes() -> dict[str, type]:
             key = self.k_layernorm(key)
             value = torch.nn.functional.rms_norm(value.float(), (hn,), eps=self.config.layernorm_epsilon).to(value.dtype)
             return query, key, value
-
-        def _replicated_kv(self, hidden_states, hn: int, kv: int):
-            """q of this rank's heads, and k / v of their KV head from the replicated ``linear_kv`` on the whole
-            sequence (gathered under sequence parallelism; otherwise the input's gradient summed over TP, as
-            ColumnParallelLinear does for q). ``linear_kv``'s gradient holds this rank's KV head only: summed over TP
-            (``tp_partial``)."""
-            from megatron.core.tensor_parallel.mappings import (
-                copy_to_tensor_model_parallel_region,
-                gather_from_sequence_parallel_region,
-            )
-
-            tp = self.pg_collection.tp
-            query, _ = self.linear_q(hidden_states)
-            x = gather_from_sequence_parallel_region(hidden_states, group=tp) if self.config.sequence_parallel else \
-                copy_to_tensor_model_parallel_region(hidden_states, group=tp)
-            group = tp.rank() // self.kv_copies
-            mixed = torch.nn.functional.linear(x, self.linear_kv.weight[group * kv * hn:(group + 1) * kv * hn])
-            mixed = mixed.unsqueeze(2)                                          # [s, b, 1 group, kv * hn]
-            key = mixed[..., :hn]
-            return query, key, (mixed[..., hn:] if kv == 2 else key)
 
     class Gemma4Layer(TransformerLayer):
         """megatron-core's TransformerLayer whose output (residual included) is multiplied by ``layer_scalar``. With
@@ -556,8 +532,8 @@ def hf_to_megatron(suffix: str, prefix: str, hf: dict[str, torch.Tensor], shape)
         return hf[prefix + "self_attn.q_proj.weight"]
     if suffix == "self_attention.linear_kv.weight":         # ... [k; v] per KV head ([k] with K=V)
         _, hn, k_eq_v, ng = _qkv_rows(shape, int(prefix.split(".")[2]))
-        parts = [hf[prefix + f"self_attn.{x}_proj.weight"].reshape(ng, hn, -1) for x in ("k" if k_eq_v else "kv")]
-        return torch.cat(parts, dim=1).reshape(-1, parts[0].shape[-1])
+        return kv_replicate.hf_linear_kv([hf[prefix + f"self_attn.{x}_proj.weight"] for x in ("k" if k_eq_v else "kv")],
+                                         ng, hn)
     if suffix == "self_attention.linear_qkv.weight":
         q_rows, hn, k_eq_v, ng = _qkv_rows(shape, int(prefix.split(".")[2]))
         parts = [hf[prefix + "self_attn.q_proj.weight"].reshape(ng, q_rows, -1),
@@ -580,8 +556,7 @@ def megatron_to_hf(suffix: str, prefix: str, full: torch.Tensor, shape) -> list[
         return [(prefix + "self_attn.q_proj.weight", full)]
     if suffix == "self_attention.linear_kv.weight":
         _, hn, k_eq_v, ng = _qkv_rows(shape, int(prefix.split(".")[2]))
-        parts = full.reshape(ng, -1, full.shape[-1]).split(hn, dim=1)
-        return [(f"{prefix}self_attn.{x}_proj.weight", t.reshape(-1, full.shape[-1])) for x, t in zip("kv", parts)]
+        return [(f"{prefix}self_attn.{x}_proj.weight", t) for x, t in zip("kv", kv_replicate.split_linear_kv(full, ng, hn))]
     if suffix == "self_attention.linear_qkv.weight":
         q_rows, hn, k_eq_v, ng = _qkv_rows(shape, int(prefix.split(".")[2]))
         sizes = [q_rows, hn] + ([] if k_eq_v else [hn])
@@ -602,6 +577,6 @@ FAMILY = Family(name="Gemma 4", model_types=MODEL_TYPES, shape_fields=shape_fiel
                 prepare=prepare, core_attention=core_attention, local_spec=layer_spec, after_build=after_build,
                 hf_to_megatron=hf_to_megatron, megatron_to_hf=megatron_to_hf, text_prefix=text_prefix,
                 exported_buffers=exported_buffers, check_flags=check_flags, check_static=check_static,
-                column=("self_attention.linear_q.weight", gemma4_moe.SHARED_FC1), row=(gemma4_moe.SHARED_FC2,),
-                glu_fc1=(gemma4_moe.SHARED_FC1,), tp_partial=(".self_attention.linear_kv.",),
+                column=(*kv_replicate.COLUMN, gemma4_moe.SHARED_FC1), row=(gemma4_moe.SHARED_FC2,),
+                glu_fc1=(gemma4_moe.SHARED_FC1,), tp_partial=kv_replicate.TP_PARTIAL,
                 export_stream=gemma4_moe.export_stream, swiglu=False, bridge_only=True)

@@ -50,11 +50,21 @@ sections ([z; x; B; C; dt], each its own TP split) and ``conv1d`` by [x; B; C] (
 
 Pipeline parallelism: ``MambaStack`` builds its stage's part of the pattern (megatron-core's split, as
 ``pipeline.stage_layer_counts``) with global layer numbers, so ``pipeline.py`` runs it as it runs ``GPTModel``'s
-stages (dense patterns; with MoE layers it is refused, below).
+stages, MoE layers included (each stage's routers' ``expert_bias`` loaded and exported with its parameters, the
+experts over the stage's EP group).
 
-Refused, one line each: context parallelism (the Mamba scan's state is not passed between CP ranks), pipeline
-parallelism with MoE layers (``E``), MTP layers; quantised checkpoints;
-``mamba_hidden_act`` other than silu, linear biases. Rows are right-padded and unpacked (as for every family here), so
+Tensor parallelism over more ranks than KV heads (Nemotron-3 Super / Ultra: 2 KV heads, Miles's Super command runs
+TP 4): the attention layers replicate the KV heads over TP (``kv_replicate.py``, as Gemma 4's full layers do):
+``linear_q`` (``q_proj``, split over TP by heads) and ``linear_kv`` (``k_proj`` / ``v_proj`` per KV head, on every
+rank, its gradient summed over TP). TP must divide the KV heads or be a multiple of them.
+
+MTP layers (config.json ``num_nextn_predict_layers``, Nemotron-3 Super's 1): not built, as Miles's bridge drops them
+(radixark/miles@v0.1.0:miles_plugins/megatron_bridge/nemotron_h.py: ``mtp_num_layers = None`` unless an environment
+variable keeps them) and transformers does not load them; the main model trains and exports without them,
+``--mtp-num-layers`` is refused.
+
+Refused, one line each: context parallelism (the Mamba scan's state is not passed between CP ranks),
+``--mtp-num-layers``; quantised checkpoints; ``mamba_hidden_act`` other than silu, linear biases. Rows are right-padded and unpacked (as for every family here), so
 a row's padding never reaches its real tokens through the scan. The transformer-engine spec is not used: on a GPU
 the same local spec runs (SDPA attention, ``mamba_ssm``'s scan where it imports).
 """
@@ -67,6 +77,7 @@ from dataclasses import dataclass
 
 import torch
 
+from miles.trainer.megatron import kv_replicate
 from miles.trainer.megatron.families import Family
 
 FAMILIES = {"nemotron_h": "Nemotron-H (Nemotron-3)"}
@@ -135,9 +146,6 @@ def shape_fields(c) -> dict:
     for key in ("use_bias", "mlp_bias", "attention_bias", "mamba_proj_bias"):
         if getattr(c, key, False):
             raise ValueError(f"nemotron_h {key} true is not supported (Nemotron-3 has no linear biases).")
-    if int(getattr(c, "num_nextn_predict_layers", 0) or 0):
-        raise ValueError("nemotron_h num_nextn_predict_layers > 0: its MTP layers are not built by the Megatron "
-                         "backend; train the checkpoint without them (they are dropped on load by transformers).")
     pattern = layer_pattern(c)
     n = len(pattern)
     experts = int(getattr(c, "n_routed_experts", 0) or 0) if "E" in pattern else 0
@@ -164,7 +172,8 @@ def shape_fields(c) -> dict:
         kv_channels=int(getattr(c, "head_dim", None) or int(c.hidden_size) // heads), vocab_size=int(c.vocab_size),
         max_position_embeddings=int(c.max_position_embeddings), rotary_base=10000.0,
         norm_epsilon=float(c.layer_norm_epsilon), qk_layernorm=False, qkv_bias=False,
-        tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)), variant=variant)
+        tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)), variant=variant,
+        nextn_layers=int(getattr(c, "num_nextn_predict_layers", 0) or 0))      # not built (check_static)
     if experts:
         fields.update(num_experts=experts, moe_ffn_hidden_size=int(c.moe_intermediate_size), moe_router_topk=topk,
                       moe_norm_topk_prob=True, moe_layer_pattern=tuple(int(x == "E") for x in pattern),
@@ -206,11 +215,10 @@ def check_static(o, shape) -> None:
     if o.cp > 1:
         raise ConfigError(f"--context-parallel-size {o.cp} with Nemotron-H: the Mamba layers' scan state is not passed "
                           "between context-parallel ranks; use --context-parallel-size 1.")
-    if o.pp > 1 and shape.num_experts:
-        raise ConfigError(f"--pipeline-model-parallel-size {o.pp} with Nemotron-H's MoE layers (config.json's pattern "
-                          f"{own(shape).pattern}) is not supported by the Megatron backend yet (the routers' expert "
-                          "bias is not carried through a pipeline's load and export); use tensor, expert and data "
-                          "parallelism.")
+    if o.mtp_num_layers:
+        raise ConfigError(f"--mtp-num-layers {o.mtp_num_layers} with Nemotron-H: its MTP layers (config.json's "
+                          f"num_nextn_predict_layers {shape.nextn_layers}) are not built by the Megatron backend; drop "
+                          "the flag (the main model trains without them, as Miles's Nemotron-H bridge does).")
 
 
 # ------------------------------------------------------------------------------------------- model
@@ -295,14 +303,17 @@ def stack_spec(config, shape, core_attention):
     from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
     from miles.trainer.megatron.families.mamba import torch_mamba_mixer
+    from miles.trainer.megatron.kv_replicate import kv_replicated, replicated_attention
 
     norm = _norm(config)
 
     mixer = ModuleSpec(module=torch_mamba_mixer(), params={"variant": own(shape)},
                        submodules=SimpleNamespace(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear))
+    kv = shape.num_query_groups            # fewer KV heads than TP ranks: replicated over TP (kv_replicate.py)
+    self_attention = replicated_attention(kv) if kv_replicated(kv, config.tensor_model_parallel_size) else SelfAttention
     attention = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
         input_layernorm=norm,
-        self_attention=ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+        self_attention=ModuleSpec(module=self_attention, params={"attn_mask_type": AttnMaskType.causal},
                                   submodules=SelfAttentionSubmodules(linear_qkv=ColumnParallelLinear,
                                                                      core_attention=core_attention,
                                                                      linear_proj=RowParallelLinear)),
@@ -386,6 +397,11 @@ def hf_to_megatron(suffix: str, prefix: str, hf: dict[str, torch.Tensor], shape)
         return hf[p + suffix]
     if suffix in _SAME:
         return hf[p + _SAME[suffix]]
+    if suffix == "self_attention.linear_q.weight":           # KV heads replicated over TP (kv_replicate.py)
+        return hf[p + "mixer.q_proj.weight"]
+    if suffix == "self_attention.linear_kv.weight":
+        return kv_replicate.hf_linear_kv([hf[f"{p}mixer.{x}_proj.weight"] for x in "kv"], shape.num_query_groups,
+                                         shape.kv_channels)
     if suffix == "self_attention.linear_qkv.weight":
         ng = shape.num_query_groups
         q, k, v = (hf[f"{p}mixer.{x}_proj.weight"] for x in "qkv")
@@ -408,6 +424,11 @@ def megatron_to_hf(suffix: str, prefix: str, full: torch.Tensor, shape) -> list[
         return [(p + suffix, full)]
     if suffix in _SAME:
         return [(p + _SAME[suffix], full)]
+    if suffix == "self_attention.linear_q.weight":
+        return [(p + "mixer.q_proj.weight", full)]
+    if suffix == "self_attention.linear_kv.weight":
+        parts = kv_replicate.split_linear_kv(full, shape.num_query_groups, shape.kv_channels)
+        return [(f"{p}mixer.{x}_proj.weight", t) for x, t in zip("kv", parts)]
     if suffix == "self_attention.linear_qkv.weight":
         ng, d = shape.num_query_groups, shape.kv_channels
         per = shape.num_attention_heads // ng * d
@@ -422,6 +443,6 @@ def megatron_to_hf(suffix: str, prefix: str, full: torch.Tensor, shape) -> list[
 # ------------------------------------------------------------------------------------------- family
 FAMILY = Family(
     name="Nemotron-H", model_types=FAMILIES, shape_fields=shape_fields, config_kwargs=config_kwargs,
-    hf_to_megatron=hf_to_megatron, megatron_to_hf=megatron_to_hf, column=COLUMN, row=ROW,
-    exported_buffers=exported_buffers, check_flags=check_flags, check_static=check_static, build_model=build_model,
+    hf_to_megatron=hf_to_megatron, megatron_to_hf=megatron_to_hf, column=COLUMN + kv_replicate.COLUMN, row=ROW,
+    tp_partial=kv_replicate.TP_PARTIAL, replicated_kv=True, exported_buffers=exported_buffers, check_flags=check_flags, check_static=check_static, build_model=build_model,
     top_names=TOP, tp_sections=tp_sections, swiglu=False, position_embedding="none")

@@ -72,8 +72,11 @@ def test_shape_of_a_super_config_and_its_megatron_config() -> None:
         (128, 64, 8, 128)
 
 
-def _megatron_names(net_shape: ModelShape) -> list[str]:
+def _megatron_names(net_shape: ModelShape, kv_replicated: bool = False) -> list[str]:
     from miles.trainer.megatron.families import nemotron_h
+
+    qkv = ["self_attention.linear_q.weight", "self_attention.linear_kv.weight"] if kv_replicated else [
+        "self_attention.linear_qkv.weight"]
 
     names = ["embedding.word_embeddings.weight"]
     for i, kind in enumerate(nemotron_h.own(net_shape).pattern):
@@ -83,8 +86,7 @@ def _megatron_names(net_shape: ModelShape) -> list[str]:
                 "in_proj.weight", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D", "norm.weight",
                 "out_proj.weight")]
         elif kind == "*":
-            names += [p + n for n in ("input_layernorm.weight", "self_attention.linear_qkv.weight",
-                                      "self_attention.linear_proj.weight")]
+            names += [p + n for n in ("input_layernorm.weight", *qkv, "self_attention.linear_proj.weight")]
         elif kind == "-":
             names += [p + n for n in ("pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight")]
         else:
@@ -112,6 +114,33 @@ def test_round_trip_is_bitwise_under_tp(tiny_nemotron_dir: Path, tp: int) -> Non
         assert torch.equal(shard(name, full[name], 0, 1, 2, shape), want)
 
 
+@pytest.fixture(scope="module")
+def tiny_nemotron_one_kv_dir(tmp_path_factory) -> Path:
+    from miles.utils.tiny_nemotron import build_tiny_nemotron_model
+
+    return build_tiny_nemotron_model(tmp_path_factory.mktemp("tiny_nemotron_one_kv"), num_kv_heads=1)
+
+
+def test_round_trip_is_bitwise_with_kv_heads_replicated(tiny_nemotron_one_kv_dir: Path) -> None:
+    """TP 2 over one KV head (``kv_replicate.py``): ``linear_q`` = ``q_proj`` split over TP by heads, ``linear_kv`` =
+    [k_proj; v_proj] of the head, whole on every rank; the round trip is bitwise."""
+    from safetensors.torch import load_file
+
+    from miles.trainer.megatron.convert import partition_dim
+
+    hf = load_file(str(tiny_nemotron_one_kv_dir / "model.safetensors"))
+    shape = _shape(json.loads((tiny_nemotron_one_kv_dir / "config.json").read_text()))
+    assert shape.num_query_groups == 1
+    full = round_trip_under_tp(hf, shape, _megatron_names(shape, kv_replicated=True), 2)
+    layer = "decoder.layers.2.self_attention."                    # the pattern's '*'
+    k, v = hf["backbone.layers.2.mixer.k_proj.weight"], hf["backbone.layers.2.mixer.v_proj.weight"]
+    assert torch.equal(full[layer + "linear_kv.weight"], torch.cat([k, v]))
+    assert partition_dim(layer + "linear_kv.weight") is None and partition_dim(layer + "linear_q.weight") == 0
+    q = hf["backbone.layers.2.mixer.q_proj.weight"]
+    assert torch.equal(shard(layer + "linear_q.weight", full[layer + "linear_q.weight"], 0, 1, 2, shape),
+                       q.chunk(2)[1])                              # rank 1: the second half of the query heads
+
+
 def _cfg(model: Path, *extra: str):
     return parse_args(["--hf-checkpoint", str(model), "--num-rollout", "1", "--rollout-batch-size", "2",
                        "--train-backend", "megatron", *extra])
@@ -121,21 +150,39 @@ def test_super_flags_accepted(tiny_model_dir: Path) -> None:
     options.preflight_check(_cfg(tiny_model_dir, *SCRIPT), SUPER)
 
 
-@pytest.mark.parametrize("extra,message", [
-    (["--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2"],      # the recorded layout
-     "--pipeline-model-parallel-size 2 with Nemotron-H"),
-    (["--tensor-model-parallel-size", "4"], "--tensor-model-parallel-size 4 does not divide .*num_key_value_heads 2"),
-    (["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "1"],
-     "--pipeline-model-parallel-size 2 with Nemotron-H"),
-    (["--context-parallel-size", "2", "--expert-model-parallel-size", "1", "--tensor-model-parallel-size", "1"],
+@pytest.mark.parametrize("extra", [
+    ["--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2"],       # the recorded layout
+    ["--tensor-model-parallel-size", "4"],                   # 2 KV heads replicated over TP 4 (kv_replicate.py)
+    ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "1"],
+], ids=["tp4_pp2_ep8", "tp4", "pp2"])
+def test_recorded_layouts_accepted(tiny_model_dir: Path, extra: list[str]) -> None:
+    """The recorded Super command runs TP 4 (over 2 KV heads), PP 2 (MoE layers on both stages) and EP 8."""
+    options.preflight_check(_cfg(tiny_model_dir, *SCRIPT, *extra), SUPER)
+
+
+@pytest.mark.parametrize("config,extra,message", [
+    ({}, ["--context-parallel-size", "2", "--expert-model-parallel-size", "1", "--tensor-model-parallel-size", "1"],
      "scan state is not passed between context-parallel ranks"),
+    ({"num_attention_heads": 24, "num_key_value_heads": 3}, ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+     r"--tensor-model-parallel-size 2 does not divide config.json's num_key_value_heads 3; .*or, for this family, a "
+     "multiple of them"),
+    ({"num_nextn_predict_layers": 1}, ["--mtp-num-layers", "1"], "--mtp-num-layers 1 with Nemotron-H: its MTP layers"),
 ])
-def test_recorded_layouts_not_built_are_one_line(tiny_model_dir: Path, extra: list[str], message: str) -> None:
-    """The recorded Super command runs TP 4 (2 KV heads here), PP 2 and EP 8: refused in one line naming what is not
-    built (PP first: the Mamba stack's stages); each of TP 4, PP and CP alone too."""
+def test_layouts_not_built_are_one_line(tiny_model_dir: Path, config: dict, extra: list[str], message: str) -> None:
+    """CP, a TP size that neither divides the KV heads nor is a multiple of them, and the MTP layers: one line each
+    naming what is not built."""
+    base = [] if config else SCRIPT
     with pytest.raises(ConfigError, match=message) as e:
-        options.preflight_check(_cfg(tiny_model_dir, *SCRIPT, *extra), SUPER)
+        options.preflight_check(_cfg(tiny_model_dir, *base, *extra), SUPER | config)
     assert "\n" not in str(e.value)
+
+
+def test_mtp_layers_of_the_checkpoint_are_not_built(tiny_model_dir: Path) -> None:
+    """Nemotron-3 Super's config.json has one MTP layer (num_nextn_predict_layers 1): as Miles's bridge, the main model
+    is built and trained without it."""
+    shape = _shape(SUPER | {"num_nextn_predict_layers": 1})
+    assert shape.nextn_layers == 1 and shape.mtp_num_layers == 0
+    options.preflight_check(_cfg(tiny_model_dir, *SCRIPT), SUPER | {"num_nextn_predict_layers": 1})
 
 
 def test_moe_latent_size_checked_against_config_json(tiny_model_dir: Path) -> None:
@@ -152,7 +199,6 @@ def test_moe_latent_size_checked_against_config_json(tiny_model_dir: Path) -> No
 
 @pytest.mark.parametrize("change,message", [
     ({"mamba_hidden_act": "gelu"}, "mamba_hidden_act 'gelu' is not supported"),
-    ({"num_nextn_predict_layers": 1}, "MTP layers are not built"),
     ({"mlp_bias": True}, "mlp_bias true is not supported"),
 ])
 def test_unsupported_configs_are_one_line(tiny_model_dir: Path, change: dict, message: str) -> None:

@@ -81,7 +81,7 @@ def test_interleaved_pipeline_is_refused_by_name(tiny_model_dir: Path, flag: str
 
 
 @pytest.mark.parametrize("flag", ["--use-routing-replay", "--use-rollout-routing-replay"])
-def test_routing_replay_with_pipeline_is_refused(tiny_model_dir: Path, flag: str) -> None:
+def test_routing_replay_with_pipeline_is_accepted(tiny_model_dir: Path, flag: str) -> None:
+    """Routing replay runs through the pipeline (tests/multiprocess/test_routing_replay.py, pp2)."""
     cfg = _cfg(tiny_model_dir, "--pipeline-model-parallel-size", "2", flag)
-    with pytest.raises(ConfigError, match=rf"^{flag} with --pipeline-model-parallel-size 2 is not supported"):
-        options.check_pipeline_algo(options.resolve(cfg.megatron, cfg.train), cfg.algo)
+    options.check_pipeline_algo(options.resolve(cfg.megatron, cfg.train), cfg.algo)
