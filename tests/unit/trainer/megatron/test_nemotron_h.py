@@ -151,7 +151,8 @@ def test_super_flags_accepted(tiny_model_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("extra", [
-    ["--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2"],       # the recorded layout
+    ["--tensor-model-parallel-size", "4", "--pipeline-model-parallel-size", "2",        # the recorded layout:
+     "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "8"],                         # 16 ranks, 8 a stage
     ["--tensor-model-parallel-size", "4"],                   # 2 KV heads replicated over TP 4 (kv_replicate.py)
     ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "1"],
 ], ids=["tp4_pp2_ep8", "tp4", "pp2"])
