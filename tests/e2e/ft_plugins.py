@@ -182,10 +182,10 @@ def _install_sync_hook() -> None:
 
     original = WeightSender.iter_buckets
 
-    def iter_buckets(self):
+    def iter_buckets(self, *, full: bool = False):
         version = getattr(self, "_ft_syncing", None)
         catch_up = type(self.source).__name__ == "_CachedSource"
-        for k, bucket in enumerate(original(self)):
+        for k, bucket in enumerate(original(self, full=full)):
             for i, f in enumerate(_FAULTS):
                 if (i not in _done and version is not None and not catch_up and self.is_source
                         and f.get("sync_version") == version and k >= f.get("after_buckets", 1)):
