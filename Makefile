@@ -33,7 +33,8 @@ test: setup lint
 # Every Miles v0.1.0 recorded command that passes --dry-run, replayed for 2 rollouts at tiny CPU scale
 # (docs/miles-scripts.md); `make test` runs 3 of them.
 test-replay: setup
-	MILES_REPLAY_ALL=1 OMP_NUM_THREADS=1 $(VENV)/bin/pytest -m replay $(PYTEST_ARGS) tests/e2e/test_miles_replay.py
+	MILES_REPLAY_ALL=1 OMP_NUM_THREADS=1 $(VENV)/bin/pytest -m replay $(PYTEST_ARGS) tests/e2e/test_miles_replay.py \
+		tests/e2e/test_mla_parallel_replay.py tests/e2e/test_glm45_e2e.py tests/e2e/test_qwen3_next_e2e.py
 
 # The quick tier while developing.
 test-fast: setup

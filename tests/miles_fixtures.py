@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import http.server
 import json
+import os
 import re
 import shlex
 import threading
@@ -344,6 +345,18 @@ KERNEL_FLAGS = ("--moe-grouped-gemm", "--moe-permute-fusion", "--attention-backe
 TOKEN_FLAGS = ("--rollout-stop-token-ids",)     # token ids of the real tokenizer: the tiny tokenizer's eos
 SCALED_FLAGS = (*SHAPE_FIELDS, *WORLD_FLAGS, *SIZE_FLAGS, *PATH_FLAGS, *KERNEL_FLAGS, *TOKEN_FLAGS)
 MAX_RANKS = 4
+
+
+REPLAY_ALL = os.environ.get("MILES_REPLAY_ALL") == "1"
+
+
+def replay_params(names, in_make_test: tuple[str, ...]) -> list:
+    """``names`` as pytest params of a replay test: those not in ``in_make_test`` run only under ``make test-replay``
+    (MILES_REPLAY_ALL=1), as the replay tier's own fixtures beyond its ``make test`` subset."""
+    import pytest
+
+    skip = pytest.mark.skip(reason="the whole replay tier runs under `make test-replay` (MILES_REPLAY_ALL=1)")
+    return [pytest.param(n, marks=() if REPLAY_ALL or n in in_make_test else skip) for n in names]
 
 
 @dataclass

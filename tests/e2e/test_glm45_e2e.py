@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from _miles_e2e import run, tail
+from miles_fixtures import replay_params
 
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.replay, pytest.mark.timeout(900)]
@@ -22,7 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.replay, py
 NAMES = ("megatron_moe_glm45_355b_a32b_8node", "p2p_profile_glm45_air")
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", replay_params(NAMES, in_make_test=("megatron_moe_glm45_355b_a32b_8node",)))
 def test_recorded_glm45_command_runs_two_rollouts(name: str, tmp_path: Path) -> None:
     from miles_fixtures import HERE, PLUGIN_FOLDERS, tiny_replay
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from _miles_e2e import metrics, run, tail
+from miles_fixtures import replay_params
 
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.replay, pytest.mark.timeout(900)]
@@ -33,7 +34,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", replay_params(CASES, in_make_test=("megatron_kimi_k2",)))
 def test_recorded_mla_command_runs_two_rollouts(name: str, tmp_path: Path) -> None:
     from miles_fixtures import HERE, PLUGIN_FOLDERS, read_fixture, tiny_replay
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from _family_e2e import check_synced, quickstart_data, run_replay, run_two_rollouts
+from miles_fixtures import replay_params
 
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(900)]
@@ -88,7 +89,8 @@ RECORDED_COMMANDS = {
 }
 
 
-@pytest.mark.parametrize("name", list(RECORDED_COMMANDS))
+@pytest.mark.replay
+@pytest.mark.parametrize("name", replay_params(RECORDED_COMMANDS, in_make_test=("megatron_moe_qwen3_next_80b_a3b",)))
 def test_recorded_qwen35_next_commands_run_two_rollouts(name: str, tmp_path: Path) -> None:
     """Miles's recorded Qwen3.5-35B-A3B MTP, Qwen3-Next-80B-A3B and Qwen3.5 self-distillation commands through the
     replay tier's scaler (``miles_fixtures.tiny_replay``: the tiny model of the family in the published layout with
