@@ -54,6 +54,12 @@ class Groups:
             yield
         except RuntimeError as e:
             raise translate_collective_error(e, name, self.timeout) from e
+        except TimeoutError as e:  # a bounded wait (miles.trainer.collectives) ended by the backend's own error
+            gone = translate_collective_error(e.__cause__, name, self.timeout) if isinstance(
+                e.__cause__, RuntimeError) else e
+            if isinstance(gone, PeerGoneError):  # a member exited: say so, not "timed out after 600s"
+                raise gone from e
+            raise
 
 
 def translate_collective_error(exc: BaseException, name: str, timeout: timedelta) -> BaseException:

@@ -31,6 +31,27 @@ def test_bootstrap_single_process_world():
         with pytest.raises(CollectiveTimeoutError, match="group 'control' did not finish within 10 min"):
             with g.guard("control"):
                 raise RuntimeError("Timed out waiting 600000ms for recv operation to complete")
+        # a bounded wait's TimeoutError over gloo's "connection reset" (trainer.collectives._wait): the member is named
+        # as gone, not reported as a 600 s timeout; a real bounded-wait timeout stays what it is
+        from miles.spmd.errors import PeerGoneError
+        from miles.trainer.collectives import _wait
+
+        class _Work:
+            def __init__(self, exc: Exception | None) -> None:
+                self.exc = exc
+
+            def wait(self, timeout=None):
+                if self.exc is not None:
+                    raise self.exc
+                return False
+
+        reset = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:16621: Connection reset by peer")
+        with pytest.raises(PeerGoneError, match="a member of group 'trainer' exited during a collective"):
+            with g.guard("trainer"):
+                _wait(_Work(reset), "gathering the step's metric names", 2, 600)
+        with pytest.raises(TimeoutError, match="timed out after 600s"):
+            with g.guard("trainer"):
+                _wait(_Work(None), "gathering the step's metric names", 2, 600)
     finally:
         ctx.close()
     assert not dist.is_initialized()
