@@ -614,6 +614,19 @@ def write_replay_workdir(out: Path, skills_url: str | None = None) -> Path:
 
 
 @contextlib.contextmanager
+def _serving(handler: type) -> Iterator[str]:
+    """``handler`` served on a free local port in a daemon thread; yields the base URL, shuts down on exit."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@contextlib.contextmanager
 def skills_stand_in() -> Iterator[str]:
     """A local stand-in for the evaluation server Miles's eval delegate scripts post to (``skills_server:9050`` in
     its multi_tasks.yaml, NeMo-Skills there): every POST is answered with one accuracy per benchmark it names.
@@ -632,15 +645,8 @@ def skills_stand_in() -> Iterator[str]:
         def log_message(self, *args) -> None:
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/evaluate"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with _serving(Handler) as url:
+        yield url + "/evaluate"
 
 
 # the proofs the Lean stand-in accepts: a closed natural-number sum, closed by a decision tactic
@@ -698,15 +704,8 @@ def lean_stand_in() -> Iterator[str]:
         def log_message(self, *args) -> None:
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with _serving(Handler) as url:
+        yield url
 
 
 # the flags naming the OPD teacher servers Miles's scripts start before train.py (SGLang on the teacher model at
