@@ -14,6 +14,7 @@ excluded: TRL from ``on_train_begin``, this project the ``perf/step_time`` of ea
 
     python benchmarks/vs_trl.py                              # both sides, 1 trainer rank + 1 engine
     python benchmarks/vs_trl.py --layout quickstart          # this project with 2 trainer ranks + 2 engines
+    python benchmarks/vs_trl.py --layout colocated           # 1 rank: the trainer and its engine share it
     python benchmarks/vs_trl.py --skip-trl --max-steps 100   # this project only
     python benchmarks/vs_trl.py --runs 3 --stop-at-threshold # 3 runs of both sides: the ratio's median
 
@@ -49,6 +50,8 @@ LAYOUTS = {  # torchrun processes and train.py's role flags
                    "--rollout-num-gpus-per-engine", "1", "--num-gpus-per-node", "2"]),
     "quickstart": (4, ["--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "2",
                        "--rollout-num-gpus-per-engine", "1", "--num-gpus-per-node", "4"]),
+    "colocated": (1, ["--colocate", "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "1",
+                      "--rollout-num-gpus-per-engine", "1", "--num-gpus-per-node", "1"]),
 }
 
 
@@ -258,7 +261,7 @@ def _row(name: str, res: dict, a: argparse.Namespace) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", type=Path, default=Path("/tmp/miles-vs-trl"), help="Work directory (task, runs, logs).")
-    p.add_argument("--layout", choices=[*LAYOUTS, "both"], default="single", help="This project's role layout.")
+    p.add_argument("--layout", choices=[*LAYOUTS, "both"], default="single", help="This project's role layout (both: single and quickstart).")
     p.add_argument("--max-steps", type=int, default=800, help="GRPO steps on each side.")
     p.add_argument("--threshold", type=float, default=0.8, help="Mean reward to reach.")
     p.add_argument("--window", type=int, default=50, help="Steps the mean reward is taken over.")
@@ -305,7 +308,8 @@ def main() -> None:
         trl_note = f"TRL NOT MEASURED: {why}" if py is None else f"trl in {a.trl_venv} ({why})"
         if py is None:
             print(f"vs_trl: {trl_note}", file=sys.stderr)
-    names = {"single": "1 trainer rank + 1 engine", "quickstart": "2 trainer ranks + 2 engines"}
+    names = {"single": "1 trainer rank + 1 engine", "quickstart": "2 trainer ranks + 2 engines",
+             "colocated": "1 rank: trainer + its engine, colocated"}
     runs: list[list[tuple[str, dict]]] = []  # per run: TRL first, then this project's layouts
     for i in range(a.runs):
         tag = f"-{i + 1}" if a.runs > 1 else ""
@@ -313,7 +317,7 @@ def main() -> None:
         if py is not None:
             res = run_trl(py, task, a.work / f"trl{tag}", a)
             results.append((f"TRL {res['version']} GRPOTrainer (1 process, {a.trl_threads} threads)", res))
-        for layout in (LAYOUTS if a.layout == "both" else [a.layout]):
+        for layout in (("single", "quickstart") if a.layout == "both" else [a.layout]):
             res = run_miles(task, a.work / f"miles-{layout}{tag}", layout, a)
             results.append((f"miles {a.script}, {names[layout]}", res))
         runs.append(results)
