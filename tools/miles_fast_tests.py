@@ -92,8 +92,53 @@ PYTEST_INI = "[pytest]\naddopts = --strict-markers\n" + (
 HUB_SIGNS = ("LocalEntryNotFoundError", "outgoing traffic has been disabled", "couldn't connect to 'https://huggingface.co'")
 
 
+# what the examples and the test files import from miles: checked statically as well (also imports inside functions)
+MILES_NAMES = r'''
+import ast, importlib, importlib.util
+from pathlib import Path
+
+
+def miles_names(file):
+    """The ``miles`` modules and names the file imports anywhere (also inside functions) that this package lacks."""
+    missing = []
+    for node in ast.walk(ast.parse(Path(file).read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "miles":
+            wanted = [(node.module, a.name) for a in node.names if a.name != "*"]
+        elif isinstance(node, ast.Import):
+            wanted = [(a.name, None) for a in node.names if a.name.split(".")[0] == "miles"]
+        else:
+            continue
+        for module, name in wanted:
+            try:
+                m = importlib.import_module(module)
+            except Exception:
+                missing.append(module)
+                continue
+            if name and not hasattr(m, name):
+                try:
+                    found = importlib.util.find_spec(f"{module}.{name}") is not None
+                except Exception:  # module is not a package
+                    found = False
+                if not found:
+                    missing.append(f"{module}.{name}")
+    return sorted(set(missing))
+'''
+
+
+def with_packages(paths: list[str]) -> list[str]:
+    """``paths`` and the ``__init__.py`` / ``conftest.py`` of every folder above them up to ``tests/`` (for --also)."""
+    out = list(paths)
+    for rel in paths:
+        parent = Path(rel).parent
+        while parent.parts and parent.parts[0] == "tests" and len(parent.parts) > 1:
+            out += [str(parent / "__init__.py"), str(parent / "conftest.py")]
+            parent = parent.parent
+    return sorted(set(out))
+
+
 def extract(args: argparse.Namespace, dest: Path) -> str:
     """Copy Miles's needed paths into ``dest``; return what was copied from (rev and commit, or the checkout)."""
+    wanted = [*TEST_FILES, *with_packages(args.also)]
     if args.miles_dir:
         src = Path(args.miles_dir).resolve()
         for rel in SUPPORT:
@@ -103,16 +148,17 @@ def extract(args: argparse.Namespace, dest: Path) -> str:
             elif p.is_file():
                 (dest / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(p, dest / rel)
-        for rel in TEST_FILES:
-            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src / rel, dest / rel)
+        for rel in wanted:
+            if (src / rel).is_file():
+                (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src / rel, dest / rel)
         head = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True)
         return f"{src} ({head.stdout.strip() or 'not a git checkout'})"
     git = ["git", "-C", args.mirror]
     commit = subprocess.run([*git, "rev-parse", f"{args.rev}^{{commit}}"], capture_output=True, text=True)
     if commit.returncode:
         sys.exit(f"--rev {args.rev!r} is not a revision of --mirror {args.mirror}: {commit.stderr.strip()}")
-    names = subprocess.run([*git, "ls-tree", "--name-only", args.rev, *SUPPORT, *TEST_FILES],
+    names = subprocess.run([*git, "ls-tree", "--name-only", args.rev, *SUPPORT, *wanted],
                            capture_output=True, text=True, check=True).stdout.split()
     archive = subprocess.run([*git, "archive", "--format=tar", args.rev, *names], capture_output=True, check=True)
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
@@ -146,15 +192,20 @@ def run_test_file(root: Path, rel: str, timeout: int, verbose: bool) -> dict:
         return row
     if verbose:
         print(proc.stdout[-6000:], proc.stderr[-2000:], sep="\n")
-    if not xml.exists():
-        row["problems"].append(f"pytest exited {proc.returncode} without a report: {proc.stderr.strip()[-300:]}")
+    if not xml.exists():  # e.g. a conftest.py of its folder did not import: counted as the file's import error
+        lines = (proc.stdout + proc.stderr).splitlines()
+        why = [ln[1:].strip() for ln in lines if ln.startswith("E ")][-1:] or [proc.stderr.strip()[-300:]]
+        row["import_errors"] = 1
+        row["problems"].append(f"pytest exited {proc.returncode} without a report: {why[0]}")
         return row
     for case in ET.parse(xml).getroot().iter("testcase"):
         name = f"{case.get('classname', '')}::{case.get('name', '')}"
         kinds = {child.tag: child for child in case}
         if "error" in kinds and "collection failure" in (kinds["error"].get("message") or ""):
             row["import_errors"] += 1
-            row["problems"].append(f"import: {_first_error_line(kinds['error'])}")
+            also = lacking(root, rel)
+            also_text = f"; it and the tests.* modules it imports also use, absent here: {', '.join(also)}" if also else ""
+            row["problems"].append(f"import: {_first_error_line(kinds['error'])}{also_text}")
             continue
         row["collected"] += 1
         if "skipped" in kinds:
@@ -171,6 +222,29 @@ def run_test_file(root: Path, rel: str, timeout: int, verbose: bool) -> dict:
     return row
 
 
+NAMES_CHILD = MILES_NAMES + r'''
+import json, sys
+print(json.dumps({f: miles_names(f) for f in sys.argv[1:]}))
+'''
+
+
+def lacking(root: Path, rel: str) -> list[str]:
+    """The ``miles`` modules and names a test file, and the ``tests.*`` modules it imports, use that we lack."""
+    files = [root / rel]
+    for line in (root / rel).read_text().splitlines():
+        words = line.split()
+        if len(words) > 1 and words[0] in ("from", "import") and words[1].startswith("tests."):
+            f = root / (words[1].replace(".", "/") + ".py")
+            if f.exists() and f not in files:
+                files.append(f)
+    proc = subprocess.run([sys.executable, "-c", NAMES_CHILD, *map(str, files)], cwd=root, env=env_for(root),
+                          capture_output=True, text=True, timeout=120)
+    if proc.returncode:
+        return [f"(could not read its imports: {proc.stderr.strip().splitlines()[-1:]})"]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    return sorted({name for names in found.values() for name in names})
+
+
 def _first_error_line(node: ET.Element) -> str:
     """The line of a JUnit failure/error that says what went wrong (pytest's ``E   ...`` lines), else its message."""
     text = (node.text or "").splitlines()
@@ -182,6 +256,7 @@ def _first_error_line(node: ET.Element) -> str:
 
 # ---------------------------------------------------------------------------------------------- examples
 
+
 IMPORT_CHILD = r'''
 import ast, importlib, importlib.util, json, sys, traceback
 from pathlib import Path
@@ -189,33 +264,7 @@ root, out = sys.argv[1], sys.argv[2]
 from miles.config.base import ConfigError
 from miles.rollout.plugins import load_function
 base_path = list(sys.path)
-
-
-def miles_names(file):
-    """The ``miles`` modules and names the file imports anywhere (also inside functions) that this package lacks."""
-    missing = []
-    for node in ast.walk(ast.parse(Path(file).read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "miles":
-            wanted = [(node.module, a.name) for a in node.names if a.name != "*"]
-        elif isinstance(node, ast.Import):
-            wanted = [(a.name, None) for a in node.names if a.name.split(".")[0] == "miles"]
-        else:
-            continue
-        for module, name in wanted:
-            try:
-                m = importlib.import_module(module)
-            except Exception:
-                missing.append(module)
-                continue
-            if name and not hasattr(m, name):
-                try:
-                    found = importlib.util.find_spec(f"{module}.{name}") is not None
-                except Exception:  # module is not a package
-                    found = False
-                if not found:
-                    missing.append(f"{module}.{name}")
-    return sorted(set(missing))
-
+''' + MILES_NAMES + r'''
 
 # the top-level names an example can be imported under (examples reuse names: run, rollout, agent): forgotten after
 # each module, with everything under them, so the next module imports its own
@@ -328,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--miles-dir", help="a Miles checkout (its working tree)")
     src.add_argument("--mirror", help="a Miles git repository (bare is fine); with --rev")
     p.add_argument("--rev", default="v0.1.0", help="the Miles revision to take from --mirror (default v0.1.0)")
+    p.add_argument("--also", action="append", default=[], metavar="TEST_FILE",
+                   help="also run this Miles test file (path in Miles's repository); its folders' conftest.py come too")
     p.add_argument("--only", action="append", default=[], help="run only test files whose path contains this")
     p.add_argument("--no-examples", action="store_true", help="skip the examples import check")
     p.add_argument("--no-tests", action="store_true", help="only the examples import check")
@@ -351,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Miles: {origin}\nours:  {OURS}\ncopied to: {root}\n")
         if not a.no_tests:
             files = sorted({str(f.relative_to(root)) for d in TEST_DIRS for f in (root / d).glob("test_*.py")}
-                           | {f for f in TEST_FILES if (root / f).exists()})
+                           | {f for f in (*TEST_FILES, *a.also) if (root / f).exists()})
             files = [f for f in files if not a.only or any(o in f for o in a.only)]
             rows = [run_test_file(root, f, a.timeout, a.verbose) for f in files]
             cols = ("collected", "import_errors", "passed", "failed", "errors", "skipped", "needs_hub")
@@ -364,8 +415,11 @@ def main(argv: list[str] | None = None) -> int:
                 seen: dict[str, list[str]] = {}
                 for prob in r["problems"]:
                     kind, _, rest = prob.partition(" ")
-                    test, _, why = rest.partition(": ") if kind != "import:" else ("", "", rest)
-                    seen.setdefault(f"{kind.rstrip(':')}: {why}", []).append(test.rpartition("::")[2])
+                    if kind in ("failed", "errors", "needs_hub", "skipped"):
+                        test, _, why = rest.partition(": ")
+                        seen.setdefault(f"{kind}: {why}", []).append(test.rpartition("::")[2])
+                    else:  # import errors and runs without a report: as they are
+                        seen.setdefault(prob, []).append("")
                 for why, tests in seen.items():
                     first = f" ({len(tests)} tests, e.g. {tests[0]})" if tests[0] else ""
                     print(f"  {r['file']}: {why}{first}")
