@@ -168,6 +168,27 @@ def extract(args: argparse.Namespace, dest: Path) -> str:
 ONLINE = False  # --online: let tests fetch tokenizers from the Hugging Face hub
 
 
+def our_commit() -> str:
+    """This checkout's commit, and whether its working tree differs from it."""
+    head = subprocess.run(["git", "-C", str(OURS), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", str(OURS), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True)
+    return (head.stdout.strip() or "not a git checkout") + (" + uncommitted changes" if dirty.stdout.strip() else "")
+
+
+def machine() -> str:
+    """Date, machine and the versions the run depends on, for the record."""
+    import datetime
+    import platform
+
+    versions = subprocess.run([sys.executable, "-c", "import pytest, torch, transformers; print(f'pytest "
+                               "{pytest.__version__}, torch {torch.__version__}, transformers {transformers.__version__}')"],
+                              capture_output=True, text=True).stdout.strip()
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return (f"run:   {when}; {platform.machine()} {platform.system()} {platform.release()}, {os.cpu_count()} CPUs; "
+            f"Python {platform.python_version()}, {versions}")
+
+
 def env_for(root: Path) -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{OURS}",
                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONDONTWRITEBYTECODE="1")
@@ -399,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         origin = extract(a, root)
         (root / "tests" / "conftest.py").write_text(CONFTEST)
         (root / "pytest.ini").write_text(PYTEST_INI)
-        print(f"Miles: {origin}\nours:  {OURS}\ncopied to: {root}\n")
+        print(f"Miles: {origin}\nours:  {OURS} ({our_commit()})\n{machine()}\ncopied to: {root}\n")
         if not a.no_tests:
             files = sorted({str(f.relative_to(root)) for d in TEST_DIRS for f in (root / d).glob("test_*.py")}
                            | {f for f in (*TEST_FILES, *a.also) if (root / f).exists()})
