@@ -101,6 +101,27 @@ class Sample:
         key = getattr(args, "reward_key", None)
         return self.reward[key] if key and isinstance(self.reward, dict) else self.reward
 
+    def validate(self) -> None:
+        """Miles's check that the per-token fields agree with ``response_length``: ``loss_mask``,
+        ``rollout_log_probs``, ``metadata["teacher_log_probs"]`` / ``["opd_reverse_kl"]`` one entry per response token,
+        a routed-experts or indexer array (as a plugin sets it) one row per token but the last. The first that does
+        not raises SampleError (a ValueError and, as Miles's ``assert``, an AssertionError), one line. The engine's
+        base64 routed experts are checked by the trainer, which knows the model's layers and top-k."""
+        if not 0 <= self.response_length <= len(self.tokens):
+            raise SampleError(f"response_length {self.response_length} must be between 0 and len(tokens) "
+                              f"{len(self.tokens)}")
+        lists = {name: getattr(self, name) for name in ("loss_mask", "rollout_log_probs")}
+        meta = self.metadata if isinstance(self.metadata, dict) else {}
+        lists.update({f"metadata[{key!r}]": meta.get(key) for key in ("teacher_log_probs", "opd_reverse_kl")})
+        for name, v in lists.items():
+            if v is not None and len(v) != self.response_length:
+                raise SampleError(f"{name} has {len(v)} entries, expected response_length {self.response_length}")
+        for name in ("rollout_routed_experts", "rollout_indexer_topk"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str) and len(v) != len(self.tokens) - 1:
+                raise SampleError(f"{name} has {len(v)} rows, expected one per token but the last "
+                                  f"({len(self.tokens) - 1})")
+
     def strip_last_output_tokens(self, n: int, tokenizer: Any) -> None:
         """Miles's: drop the last ``n`` response tokens and everything kept per token for them (loss mask,
         log-probs, routed experts, indexer top-k, the per-token metadata lists), and re-decode ``response`` with

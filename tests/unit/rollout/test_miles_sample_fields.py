@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -118,3 +119,31 @@ def test_reward_spec_routes_the_builtin_reward_and_crosses_the_wire():
 
 async def seven(args, sample):
     return 7.0
+
+
+def test_validate_names_the_first_per_token_field_that_disagrees():
+    """Miles's ``Sample.validate()`` (its verifiers example calls it on the sample it builds): the per-token fields
+    agree with ``response_length``; otherwise one line, a SampleError (a ValueError and, as Miles's ``assert``, an
+    AssertionError) naming the field and both lengths."""
+    from miles.types import SampleError
+
+    ok = Sample(tokens=[1, 2, 3, 4], response_length=2, loss_mask=[1, 0], rollout_log_probs=[-0.1, 0.0],
+                metadata={"teacher_log_probs": [-0.2, -0.3]}, rollout_indexer_topk=[[0], [1], [2]])
+    ok.validate()
+    Sample().validate()                                              # an empty sample is consistent
+    bad = {
+        "response_length -1 must be between 0 and len(tokens) 2": Sample(tokens=[1, 2], response_length=-1),
+        "response_length 3 must be between 0 and len(tokens) 2": Sample(tokens=[1, 2], response_length=3),
+        "loss_mask has 1 entries, expected response_length 2": Sample(tokens=[1, 2, 3], response_length=2,
+                                                                      loss_mask=[1]),
+        "rollout_log_probs has 3 entries, expected response_length 2": Sample(
+            tokens=[1, 2, 3], response_length=2, rollout_log_probs=[0.0] * 3),
+        "metadata['opd_reverse_kl'] has 1 entries, expected response_length 2": Sample(
+            tokens=[1, 2, 3], response_length=2, metadata={"opd_reverse_kl": [0.1]}),
+        "rollout_indexer_topk has 2 rows, expected one per token but the last (3)": Sample(
+            tokens=[1, 2, 3, 4], response_length=1, rollout_indexer_topk=[[0], [1]]),
+    }
+    for message, sample in bad.items():
+        with pytest.raises(SampleError, match=re.escape(message)) as e:
+            sample.validate()
+        assert isinstance(e.value, AssertionError) and isinstance(e.value, ValueError) and "\n" not in str(e.value)
