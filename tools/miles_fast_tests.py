@@ -122,7 +122,42 @@ def miles_names(file):
                 if not found:
                     missing.append(f"{module}.{name}")
     return sorted(set(missing))
+
+
+def miles_sample_names(miles_types):
+    """The attributes of Miles's ``Sample`` (fields, methods, properties, nested classes) from its source file."""
+    tree = ast.parse(Path(miles_types).read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Sample")
+    names = set()
+    for n in cls.body:
+        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+            names.add(n.target.id)
+        elif isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(n.name)
+    return names
+
+
+def sample_reads(file, miles_types):
+    """Attributes of Miles's ``Sample`` the file reads (on a name ``sample`` or ``*_sample``), and keywords of
+    ``Sample(...)`` calls, that this package's Sample lacks."""
+    from miles.utils.types import Sample
+
+    import inspect
+
+    probe, theirs = Sample(), miles_sample_names(miles_types)
+    tree = ast.parse(Path(file).read_text())
+    reads = {node.attr for node in ast.walk(tree)
+             if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and isinstance(node.value, ast.Name)
+             and (node.value.id == "sample" or node.value.id.endswith("_sample"))}
+    accepted = set(inspect.signature(Sample).parameters)
+    kwargs = {f"Sample({k.arg}=)" for node in ast.walk(tree)
+              if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "Sample"
+              for k in node.keywords if k.arg and k.arg in theirs and k.arg not in accepted}
+    return sorted({a for a in reads & theirs if not hasattr(probe, a)} | kwargs)
 '''
+
+
+MILES_TYPES = ".miles_utils_types.py"  # Miles's miles/utils/types.py, read (never imported) for its Sample's names
 
 
 def with_packages(paths: list[str]) -> list[str]:
@@ -152,6 +187,7 @@ def extract(args: argparse.Namespace, dest: Path) -> str:
             if (src / rel).is_file():
                 (dest / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(src / rel, dest / rel)
+        shutil.copy2(src / "miles" / "utils" / "types.py", dest / MILES_TYPES)
         head = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True)
         return f"{src} ({head.stdout.strip() or 'not a git checkout'})"
     git = ["git", "-C", args.mirror]
@@ -162,6 +198,8 @@ def extract(args: argparse.Namespace, dest: Path) -> str:
                            capture_output=True, text=True, check=True).stdout.split()
     archive = subprocess.run([*git, "archive", "--format=tar", args.rev, *names], capture_output=True, check=True)
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+    (dest / MILES_TYPES).write_bytes(subprocess.run([*git, "show", f"{args.rev}:miles/utils/types.py"],
+                                                    capture_output=True, check=True).stdout)
     return f"{args.mirror} {args.rev} ({commit.stdout.strip()})"
 
 
@@ -281,7 +319,7 @@ def _first_error_line(node: ET.Element) -> str:
 IMPORT_CHILD = r'''
 import ast, importlib, importlib.util, json, sys, traceback
 from pathlib import Path
-root, out = sys.argv[1], sys.argv[2]
+root, out, miles_types = sys.argv[1], sys.argv[2], sys.argv[3]
 from miles.config.base import ConfigError
 from miles.rollout.plugins import load_function
 base_path = list(sys.path)
@@ -320,6 +358,10 @@ with open(out, "a") as f:
             rec["miles_missing"] = miles_names(file)
         except Exception as e:
             rec["miles_missing"] = [f"(could not read its imports: {type(e).__name__}: {e})"]
+        try:
+            rec["sample_missing"] = sample_reads(file, miles_types)
+        except Exception as e:
+            rec["sample_missing"] = [f"(could not read it: {type(e).__name__}: {e})"]
         for name in [n for n in sys.modules if n.split(".")[0] in local_tops]:
             del sys.modules[name]
         f.write(json.dumps(rec) + "\n"); f.flush()
@@ -350,7 +392,7 @@ def run_examples(root: Path, timeout: int) -> list[dict]:
         todo = [i for i in range(len(mods)) if i not in results]
         out.write_text("")
         try:
-            subprocess.run([sys.executable, "-c", IMPORT_CHILD, str(root), str(out)], cwd=root, env=env_for(root),
+            subprocess.run([sys.executable, "-c", IMPORT_CHILD, str(root), str(out), str(root / MILES_TYPES)], cwd=root, env=env_for(root),
                            input="".join(json.dumps([i, *mods[i][1:], str(root / mods[i][0])]) + "\n" for i in todo), text=True,
                            timeout=timeout, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         except subprocess.TimeoutExpired:
@@ -452,12 +494,16 @@ def main(argv: list[str] | None = None) -> int:
             for r in recs:
                 key = r["class"].split(" (")[0] if r["class"].startswith("needs") else r["class"]
                 counts[key] = counts.get(key, 0) + 1
-            print("  " + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
+            print("  " + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
+                  + f"; using a Sample attribute absent here: {sum(bool(r.get('sample_missing')) for r in recs)}")
             for r in recs:
                 detail = "" if r["class"] == "ok" else f"  -- {r.get('message', '')}"
                 if r["class"].startswith("needs"):
                     detail = f"  -- refused: {r.get('refusal', '')}"
                 print(f"  {r['class']:<16} {r['file']}{detail}")
+                if r.get("sample_missing"):
+                    print(f"  {'':<16} {'':<4}uses what Miles's Sample has and this package's lacks: "
+                          f"{', '.join(r['sample_missing'])}")
             bad |= any(r["class"] in ("MISSING", "ERROR") or "NOT refused" in r["class"] for r in recs)
     finally:
         if a.keep:
