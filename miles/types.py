@@ -33,6 +33,30 @@ class RewardSpec:
     custom_rm_path: str | None = None
 
 
+@dataclass
+class PrefixCacheInfo:
+    """Miles's ``Sample.PrefixCacheInfo``: the prompt tokens the engines found in their prefix cache, added up over a
+    sample's /generate answers (their ``meta_info`` ``cached_tokens`` / ``prompt_tokens``)."""
+
+    cached_tokens: int = 0
+    total_prompt_tokens: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.cached_tokens / self.total_prompt_tokens if self.total_prompt_tokens > 0 else 0.0
+
+    def add(self, meta_info: dict[str, Any]) -> None:
+        self.cached_tokens += int(meta_info.get("cached_tokens", 0) or 0)
+        self.total_prompt_tokens += int(meta_info.get("prompt_tokens", 0) or 0)
+
+    def to_dict(self) -> dict[str, int]:
+        return {"cached_tokens": self.cached_tokens, "total_prompt_tokens": self.total_prompt_tokens}
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> PrefixCacheInfo:
+        return PrefixCacheInfo(int(data.get("cached_tokens", 0)), int(data.get("total_prompt_tokens", 0)))
+
+
 # per-token lists a sample may carry in its metadata (one value per response token), cut with the response
 PER_TOKEN_METADATA = ("teacher_log_probs", "opd_reverse_kl", "opd_student_top_logprobs")
 
@@ -75,6 +99,17 @@ class Sample:
     reward_spec: RewardSpec | None = None   # Miles's: how this sample is scored (None: the flags)
 
     Status = SampleStatus  # Miles's spelling: ``Sample.Status.ABORTED``
+    PrefixCacheInfo = PrefixCacheInfo  # Miles's spelling: ``Sample.PrefixCacheInfo``
+
+    @property
+    def prefix_cache_info(self) -> PrefixCacheInfo:
+        """Miles's field: the engines' prefix-cache hits over this sample's answers (the rollout adds each answer's;
+        plugins may ``.add(meta_info)``). Not a dataclass field: it stays on the rollout side."""
+        return self.__dict__.setdefault("_prefix_cache_info", PrefixCacheInfo())
+
+    @prefix_cache_info.setter
+    def prefix_cache_info(self, value: PrefixCacheInfo) -> None:
+        self.__dict__["_prefix_cache_info"] = value
 
     @property
     def multimodal_train_inputs(self) -> dict[str, Any] | None:
