@@ -1,6 +1,6 @@
 """Run Miles's own fast tests of the modules its plugins import, and import its example plugins, against THIS package.
 
-    python tools/miles_fast_tests.py --mirror /work/.mirror/radixark+miles/repo --rev v0.1.0
+    python tools/miles_fast_tests.py --mirror MILES_GIT_DIR --rev v0.1.0      # a Miles git repository (bare is fine)
     python tools/miles_fast_tests.py --miles-dir ~/src/miles            # a Miles checkout
     python tools/miles_fast_tests.py --mirror DIR --only rm_hub --only test_types   # some files
     python tools/miles_fast_tests.py --mirror DIR --no-examples --keep               # keep the temp dir
