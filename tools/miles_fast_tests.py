@@ -16,13 +16,19 @@ Each test file runs in its own pytest process (``--timeout`` seconds each), with
 ``--online``: a test that fails only because a tokenizer named by its hub id is not in the local cache counts under
 ``needs_hub``, not ``failed``.
 
-The table per file: collected, import errors (the file did not import), passed, failed, errors (a fixture or setup
-failed), skipped, needs_hub. Then the examples: every ``examples/**.py`` module of Miles imported in a child process (by its
-package path where its folders are packages, else by name from its folder), classed as ``ok``, ``needs PACKAGE``
-(a package outside miles; for those, ``miles.rollout.plugins.load_function`` must refuse the module in one line
-naming the package), ``launcher`` (Miles's Ray job launchers, ``miles.utils.external_utils``) or ``MISSING`` (a
-``miles`` name this package lacks) / ``ERROR``. Exit status 0 always unless ``--strict`` (then 1 when a test failed
-or an example is MISSING / ERROR / refused in more than one line).
+The table per file: collected, import errors (the file, or a conftest.py of its folder, did not import; with every
+``miles`` name the file and the ``tests.*`` modules it imports use that this package lacks), passed, failed, errors
+(a fixture or setup failed), skipped, needs_hub. ``--also FILE`` runs further Miles test files.
+
+Then the examples: every ``examples/**.py`` module of Miles imported in a child process (``examples.a.b`` as Miles
+imports them from its repository root, or by name from its own folder where a folder name has a dash), classed as
+``ok``, ``needs PACKAGE`` (a package outside miles; for those, ``miles.rollout.plugins.load_function`` must refuse the
+module in one line naming the package), ``own code`` (its own top-level code raised: a script reading argv or an
+environment variable), ``MISSING`` (a ``miles`` module or name this package lacks, imported at the top or inside a
+function) or ``ERROR`` (raised elsewhere, e.g. in this package). Each also lists what it uses of Miles's ``Sample``
+(attributes read on a name ``sample`` / ``*_sample``, ``Sample(...)`` keywords) that this package's lacks, from
+Miles's miles/utils/types.py read as text. Exit status 0 unless ``--strict`` (then 1 when a test file did not import,
+a test failed, or an example is MISSING / ERROR / refused in more than one line).
 """
 
 from __future__ import annotations
