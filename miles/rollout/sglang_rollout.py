@@ -31,7 +31,7 @@ async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -
 
     if sample.status not in (SampleStatus.PENDING, SampleStatus.ABORTED):
         raise SampleError(f"miles.rollout.sglang_rollout.generate: sample {sample.index} has status "
-                          f"{sample.status.value}; only a pending or an aborted (resumed) sample is generated.")
+                          f"{sample.status}; only a pending or an aborted (resumed) sample is generated.")
     params = dict(sampling_params)
     if sample.response_length and params.get("max_new_tokens") is not None:
         left = int(params["max_new_tokens"]) - sample.response_length

@@ -58,11 +58,11 @@ def test_no_budget_left_is_truncated_without_a_request(path):
     assert isinstance(e.value, AssertionError) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("status", [SampleStatus.COMPLETED, SampleStatus.TRUNCATED])
+@pytest.mark.parametrize("status", [SampleStatus.COMPLETED, SampleStatus.TRUNCATED, "completed"])
 @pytest.mark.parametrize("path", sorted(PATHS))
 def test_a_finished_sample_is_refused(path, status):
     engine = _Engine()
     s = Sample(tokens=[1, 2, 3, 7], response="t", response_length=1, status=status)
-    with pytest.raises(AssertionError, match=f"status {status.value}; only a pending or an aborted"):
+    with pytest.raises(AssertionError, match=f"status {status}; only a pending or an aborted"):   # a str too
         asyncio.run(PATHS[path](SimpleNamespace(client=engine), s, {"max_new_tokens": 4}))
     assert engine.asked == []
