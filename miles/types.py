@@ -46,8 +46,13 @@ class PrefixCacheInfo:
         return self.cached_tokens / self.total_prompt_tokens if self.total_prompt_tokens > 0 else 0.0
 
     def add(self, meta_info: dict[str, Any]) -> None:
-        self.cached_tokens += int(meta_info.get("cached_tokens", 0) or 0)
-        self.total_prompt_tokens += int(meta_info.get("prompt_tokens", 0) or 0)
+        """Add one answer's counts (a count that is absent or not a number adds nothing)."""
+        def count(key: str) -> int:
+            v = meta_info.get(key)
+            return int(v) if isinstance(v, int | float) and not isinstance(v, bool) else 0
+
+        self.cached_tokens += count("cached_tokens")
+        self.total_prompt_tokens += count("prompt_tokens")
 
     def to_dict(self) -> dict[str, int]:
         return {"cached_tokens": self.cached_tokens, "total_prompt_tokens": self.total_prompt_tokens}
@@ -149,11 +154,11 @@ class Sample:
         meta = self.metadata if isinstance(self.metadata, dict) else {}
         lists.update({f"metadata[{key!r}]": meta.get(key) for key in ("teacher_log_probs", "opd_reverse_kl")})
         for name, v in lists.items():
-            if v is not None and len(v) != self.response_length:
+            if hasattr(v, "__len__") and len(v) != self.response_length:
                 raise SampleError(f"{name} has {len(v)} entries, expected response_length {self.response_length}")
         for name in ("rollout_routed_experts", "rollout_indexer_topk"):
             v = getattr(self, name)
-            if v is not None and not isinstance(v, str) and len(v) != len(self.tokens) - 1:
+            if hasattr(v, "__len__") and not isinstance(v, str) and len(v) != len(self.tokens) - 1:
                 raise SampleError(f"{name} has {len(v)} rows, expected one per token but the last "
                                   f"({len(self.tokens) - 1})")
 

@@ -165,6 +165,7 @@ def test_prefix_cache_info_adds_up_each_turns_cached_prompt_tokens():
     info = s.prefix_cache_info
     assert (info.cached_tokens, info.total_prompt_tokens, info.prefix_cache_hit_rate) == (4, 7, 4 / 7)
     info.add({"cached_tokens": 3, "prompt_tokens": 3})                 # as Miles's plugins call it
+    info.add({"cached_tokens": {"device": 1}, "prompt_tokens": None})  # an engine's other shape adds nothing
     assert info.to_dict() == {"cached_tokens": 7, "total_prompt_tokens": 10}
     assert Sample.PrefixCacheInfo.from_dict(info.to_dict()) == info
     assert Sample(tokens=[1]).prefix_cache_info is not Sample(tokens=[1]).prefix_cache_info   # one per sample
