@@ -33,6 +33,35 @@ class RewardSpec:
     custom_rm_path: str | None = None
 
 
+@dataclass
+class PrefixCacheInfo:
+    """Miles's ``Sample.PrefixCacheInfo``: the prompt tokens the engines found in their prefix cache, added up over a
+    sample's /generate answers (their ``meta_info`` ``cached_tokens`` / ``prompt_tokens``)."""
+
+    cached_tokens: int = 0
+    total_prompt_tokens: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.cached_tokens / self.total_prompt_tokens if self.total_prompt_tokens > 0 else 0.0
+
+    def add(self, meta_info: dict[str, Any]) -> None:
+        """Add one answer's counts (a count that is absent or not a number adds nothing)."""
+        def count(key: str) -> int:
+            v = meta_info.get(key)
+            return int(v) if isinstance(v, int | float) and not isinstance(v, bool) else 0
+
+        self.cached_tokens += count("cached_tokens")
+        self.total_prompt_tokens += count("prompt_tokens")
+
+    def to_dict(self) -> dict[str, int]:
+        return {"cached_tokens": self.cached_tokens, "total_prompt_tokens": self.total_prompt_tokens}
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> PrefixCacheInfo:
+        return PrefixCacheInfo(int(data.get("cached_tokens", 0)), int(data.get("total_prompt_tokens", 0)))
+
+
 # per-token lists a sample may carry in its metadata (one value per response token), cut with the response
 PER_TOKEN_METADATA = ("teacher_log_probs", "opd_reverse_kl", "opd_student_top_logprobs")
 
@@ -75,6 +104,17 @@ class Sample:
     reward_spec: RewardSpec | None = None   # Miles's: how this sample is scored (None: the flags)
 
     Status = SampleStatus  # Miles's spelling: ``Sample.Status.ABORTED``
+    PrefixCacheInfo = PrefixCacheInfo  # Miles's spelling: ``Sample.PrefixCacheInfo``
+
+    @property
+    def prefix_cache_info(self) -> PrefixCacheInfo:
+        """Miles's field: the engines' prefix-cache hits over this sample's answers (the rollout adds each answer's;
+        plugins may ``.add(meta_info)``). Not a dataclass field: it stays on the rollout side."""
+        return self.__dict__.setdefault("_prefix_cache_info", PrefixCacheInfo())
+
+    @prefix_cache_info.setter
+    def prefix_cache_info(self, value: PrefixCacheInfo) -> None:
+        self.__dict__["_prefix_cache_info"] = value
 
     @property
     def multimodal_train_inputs(self) -> dict[str, Any] | None:
@@ -100,6 +140,27 @@ class Sample:
         """Miles's accessor: the reward, or its ``--reward-key`` entry when the reward is a dict."""
         key = getattr(args, "reward_key", None)
         return self.reward[key] if key and isinstance(self.reward, dict) else self.reward
+
+    def validate(self) -> None:
+        """Miles's check that the per-token fields agree with ``response_length``: ``loss_mask``,
+        ``rollout_log_probs``, ``metadata["teacher_log_probs"]`` / ``["opd_reverse_kl"]`` one entry per response token,
+        a routed-experts or indexer array (as a plugin sets it) one row per token but the last. The first that does
+        not raises SampleError (a ValueError and, as Miles's ``assert``, an AssertionError), one line. The engine's
+        base64 routed experts are checked by the trainer, which knows the model's layers and top-k."""
+        if not 0 <= self.response_length <= len(self.tokens):
+            raise SampleError(f"response_length {self.response_length} must be between 0 and len(tokens) "
+                              f"{len(self.tokens)}")
+        lists = {name: getattr(self, name) for name in ("loss_mask", "rollout_log_probs")}
+        meta = self.metadata if isinstance(self.metadata, dict) else {}
+        lists.update({f"metadata[{key!r}]": meta.get(key) for key in ("teacher_log_probs", "opd_reverse_kl")})
+        for name, v in lists.items():
+            if hasattr(v, "__len__") and len(v) != self.response_length:
+                raise SampleError(f"{name} has {len(v)} entries, expected response_length {self.response_length}")
+        for name in ("rollout_routed_experts", "rollout_indexer_topk"):
+            v = getattr(self, name)
+            if hasattr(v, "__len__") and not isinstance(v, str) and len(v) != len(self.tokens) - 1:
+                raise SampleError(f"{name} has {len(v)} rows, expected one per token but the last "
+                                  f"({len(self.tokens) - 1})")
 
     def strip_last_output_tokens(self, n: int, tokenizer: Any) -> None:
         """Miles's: drop the last ``n`` response tokens and everything kept per token for them (loss mask,

@@ -96,6 +96,7 @@ def append_output(sample: Sample, out: dict[str, Any], decode: Any = None) -> tu
         sample.metadata.setdefault("opd_student_top_logprobs", []).extend(top[:len(ids)])
     sample.tokens = list(sample.tokens) + ids
     sample.response_length += len(ids)
+    sample.prefix_cache_info.add(out.get("meta_info") or {})
     routed = (out.get("meta_info") or {}).get("routed_experts")
     if isinstance(routed, str):  # R3: each answer covers the whole stream so far, prompt included (SGLang)
         sample.rollout_routed_experts = routed

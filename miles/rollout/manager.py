@@ -69,7 +69,7 @@ from miles.rollout.plugins import (
 )
 from miles.rollout.reward_post_process import RewardPostProcess
 from miles.rollout.rewards import Rewarder, pass_at_k, reward_category_metrics
-from miles.types import Sample, SampleStatus
+from miles.types import Sample, SampleError, SampleStatus
 from miles.utils.errors import MilesError
 from miles.utils.http_utils import close_http_client, init_http_client
 from miles.utils.logging import get_logger
@@ -268,10 +268,10 @@ class RolloutManager:
                 sample.status = SampleStatus(sample.status)
             except ValueError:
                 return f"status {sample.status!r} is not one of {[s.value for s in SampleStatus]}"
-        for name in ("loss_mask", "rollout_log_probs"):
-            v = getattr(sample, name)
-            if v is not None and len(v) != sample.response_length:
-                return f"{name} has {len(v)} entries, expected response_length {sample.response_length}"
+        try:
+            sample.validate()   # the per-token fields agree with response_length (Miles's Sample.validate)
+        except SampleError as e:
+            return str(e)
         if sample.status is SampleStatus.PENDING:
             return "left the sample's status PENDING"
         return None

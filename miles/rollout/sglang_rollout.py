@@ -2,7 +2,7 @@
 
 - ``generate`` (``--custom-generate-function-path miles.rollout.sglang_rollout.generate``): Miles's
   default single-turn generate function, ``generate(args, sample, sampling_params) -> Sample``; the
-  same as leaving the flag unset.
+  same as leaving the flag unset (and, as Miles's, it resumes an aborted sample within the budget left).
 - ``GenerateState(args)``: what Miles's custom generate functions import from here (``.tokenizer``,
   ``.sampling_params``), see :mod:`miles.rollout.base_types`.
 - ``generate_rollout`` (``--rollout-function-path`` / Miles's default under
@@ -18,16 +18,32 @@ from typing import Any
 from miles.rollout import generate as gen
 from miles.rollout.base_types import GenerateState, RolloutFnEvalOutput
 from miles.rollout.rollout_fn import RolloutFunctionError
-from miles.types import Sample
+from miles.types import Sample, SampleError, SampleStatus
 
 __all__ = ["GenerateState", "generate", "generate_rollout"]
 
 
 async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
-    """One ``/generate`` on the sample's prompt ids through ``args.client`` (token in, token out)."""
+    """One ``/generate`` on the sample's ids through ``args.client`` (token in, token out). As Miles's: a sample
+    handed back after an abort continues within what is left of ``max_new_tokens`` (none left: TRUNCATED, no
+    request); a finished one is refused (``SampleError``, an AssertionError as Miles's ``assert``)."""
     from miles.rollout.opd_topk import student_top_k
 
-    return await gen.generate(args.client, sample, dict(sampling_params), top_logprobs_num=student_top_k(args),
+    if sample.status not in (SampleStatus.PENDING, SampleStatus.ABORTED):
+        raise SampleError(f"miles.rollout.sglang_rollout.generate: sample {sample.index} has status "
+                          f"{sample.status}; only a pending or an aborted (resumed) sample is generated.")
+    params = dict(sampling_params)
+    if sample.response_length and params.get("max_new_tokens") is not None:
+        left = int(params["max_new_tokens"]) - sample.response_length
+        if left < 0:
+            raise SampleError(f"miles.rollout.sglang_rollout.generate: sample {sample.index} has "
+                              f"{sample.response_length} response tokens already, more than max_new_tokens "
+                              f"{params['max_new_tokens']}.")
+        if left == 0:
+            sample.status = SampleStatus.TRUNCATED
+            return sample
+        params["max_new_tokens"] = left
+    return await gen.generate(args.client, sample, params, top_logprobs_num=student_top_k(args),
                               routed_experts=bool(getattr(args, "use_rollout_routing_replay", False)))
 
 

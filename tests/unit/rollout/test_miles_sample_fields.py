@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -118,3 +119,55 @@ def test_reward_spec_routes_the_builtin_reward_and_crosses_the_wire():
 
 async def seven(args, sample):
     return 7.0
+
+
+def test_validate_names_the_first_per_token_field_that_disagrees():
+    """Miles's ``Sample.validate()`` (its verifiers example calls it on the sample it builds): the per-token fields
+    agree with ``response_length``; otherwise one line, a SampleError (a ValueError and, as Miles's ``assert``, an
+    AssertionError) naming the field and both lengths."""
+    from miles.types import SampleError
+
+    ok = Sample(tokens=[1, 2, 3, 4], response_length=2, loss_mask=[1, 0], rollout_log_probs=[-0.1, 0.0],
+                metadata={"teacher_log_probs": [-0.2, -0.3]}, rollout_indexer_topk=[[0], [1], [2]])
+    ok.validate()
+    Sample().validate()                                              # an empty sample is consistent
+    bad = {
+        "response_length -1 must be between 0 and len(tokens) 2": Sample(tokens=[1, 2], response_length=-1),
+        "response_length 3 must be between 0 and len(tokens) 2": Sample(tokens=[1, 2], response_length=3),
+        "loss_mask has 1 entries, expected response_length 2": Sample(tokens=[1, 2, 3], response_length=2,
+                                                                      loss_mask=[1]),
+        "rollout_log_probs has 3 entries, expected response_length 2": Sample(
+            tokens=[1, 2, 3], response_length=2, rollout_log_probs=[0.0] * 3),
+        "metadata['opd_reverse_kl'] has 1 entries, expected response_length 2": Sample(
+            tokens=[1, 2, 3], response_length=2, metadata={"opd_reverse_kl": [0.1]}),
+        "rollout_indexer_topk has 2 rows, expected one per token but the last (3)": Sample(
+            tokens=[1, 2, 3, 4], response_length=1, rollout_indexer_topk=[[0], [1]]),
+    }
+    for message, sample in bad.items():
+        with pytest.raises(SampleError, match=re.escape(message)) as e:
+            sample.validate()
+        assert isinstance(e.value, AssertionError) and isinstance(e.value, ValueError) and "\n" not in str(e.value)
+
+
+def test_prefix_cache_info_adds_up_each_turns_cached_prompt_tokens():
+    """Miles's ``Sample.prefix_cache_info`` (``Sample.PrefixCacheInfo``; its random_async example calls
+    ``sample.prefix_cache_info.add(meta_info)``): each /generate answer's ``cached_tokens`` / ``prompt_tokens`` added
+    up, by the default generate and by a plugin; a rollout-side attribute, not sent to the trainer."""
+    from miles.run.wire import decode_samples, encode_samples
+
+    s = Sample(tokens=[1, 2])
+    assert isinstance(s.prefix_cache_info, Sample.PrefixCacheInfo) and s.prefix_cache_info.prefix_cache_hit_rate == 0.0
+    first, second = _answer([3, 4], "5"), _answer([6], "5")
+    first["meta_info"].update(prompt_tokens=2, cached_tokens=0)
+    second["meta_info"].update(prompt_tokens=5, cached_tokens=4)
+    append_output(s, first)
+    append_output(s, second)
+    info = s.prefix_cache_info
+    assert (info.cached_tokens, info.total_prompt_tokens, info.prefix_cache_hit_rate) == (4, 7, 4 / 7)
+    info.add({"cached_tokens": 3, "prompt_tokens": 3})                 # as Miles's plugins call it
+    info.add({"cached_tokens": {"device": 1}, "prompt_tokens": None})  # an engine's other shape adds nothing
+    assert info.to_dict() == {"cached_tokens": 7, "total_prompt_tokens": 10}
+    assert Sample.PrefixCacheInfo.from_dict(info.to_dict()) == info
+    assert Sample(tokens=[1]).prefix_cache_info is not Sample(tokens=[1]).prefix_cache_info   # one per sample
+    back = decode_samples(encode_samples([s]))[0]
+    assert back.tokens == s.tokens and back.prefix_cache_info == Sample.PrefixCacheInfo()  # not on the wire

@@ -55,3 +55,30 @@ def test_multi_turn_keeps_the_latest_answer_covering_the_whole_stream():
     assert got.shape[0] == len(turn.sample.tokens) - 1 and turn.sample.rollout_routed_experts != first
     assert gen.request_extra(4, True) == {"top_logprobs_num": 4, "return_routed_experts": True}
     assert gen.request_extra() is None
+
+
+def test_the_generate_hub_asks_what_the_default_asks():
+    """Miles's ``generate_hub.single_turn.generate`` (GenerateFnInput form) is the default generate: under R3 it asks
+    for and keeps the routed experts, under top-k OPD it asks for the student's top-k (radixark/miles@v0.1.0:
+    tests/fast/rollout/generate_hub/test_single_turn.py, TestRoutedExperts, checks the former); so does
+    ``benchmarkers.generate_with_random_osl``, which Miles builds on the default's call."""
+    from types import SimpleNamespace
+
+    from miles.rollout.base_types import input_form
+    from miles.rollout.generate_hub import single_turn
+
+    client = _Client()
+    args = SimpleNamespace(client=client, use_rollout_routing_replay=True, use_opd=True, opd_log_prob_top_k=4,
+                           opd_top_k_strategy="only-student")
+    s = asyncio.run(input_form(single_turn.generate)(args, Sample(tokens=[1, 2, 3]), {"max_new_tokens": 2}))
+    assert client.bodies == [{"return_routed_experts": True, "top_logprobs_num": 4}]
+    assert decode(s.rollout_routed_experts, 3, 2).shape == (len(s.tokens) - 1, 3, 2)
+    plain = SimpleNamespace(client=client)
+    asyncio.run(input_form(single_turn.generate)(plain, Sample(tokens=[1, 2]), {"max_new_tokens": 2}))
+    assert client.bodies[-1] == {}
+
+    from miles.rollout.generate_hub.benchmarkers import generate_with_random_osl
+
+    s = asyncio.run(generate_with_random_osl(args, Sample(tokens=[1, 2, 3]), {"max_new_tokens": 2}))
+    assert client.bodies[-1] == {"return_routed_experts": True, "top_logprobs_num": 4}
+    assert s.rollout_routed_experts is not None
