@@ -4,7 +4,8 @@
 host-blocking ``.item()``, so a silent peer hangs the caller for the process group's whole timeout (or for
 ever). ``bounded_all_gather_object`` gathers the pickled sizes, then the bytes padded to the largest size,
 each as async work waited on for at most ``timeout`` seconds; a peer that never joins ends the call in one
-line, a ``TimeoutError`` naming what was being gathered, the group's size and the bound.
+line, a ``TimeoutError`` naming what was being gathered, the group (its ``group_desc``, else its ranks), its size
+and the bound.
 ``bounded_union_of_names``: the union of every rank's names (a step's metric names), in one gather of a
 24-byte fingerprint (a 16-byte digest and the count) when every rank has the same names (the usual case: 1
 collective, not the object gather's 2).
@@ -21,16 +22,27 @@ import torch
 import torch.distributed as dist
 
 
-def _wait(work: Any, what: str, size: int, timeout: float) -> None:
+def _describe(group: dist.ProcessGroup | None, size: int) -> str:
+    """The group as an error names it: ``'trainer' (2 ranks)``, or its ranks when it has no description."""
+    name = getattr(group, "group_desc", None) if group is not None else "default"
+    if not name or name == "undefined":
+        try:
+            name = f"ranks {dist.get_process_group_ranks(group)}"
+        except (RuntimeError, ValueError):
+            name = "(default)"
+    return f"'{name}' ({size} ranks)"
+
+
+def _wait(work: Any, what: str, size: int, timeout: float, group: dist.ProcessGroup | None = None) -> None:
     try:
         ok = work.wait(timeout=timedelta(seconds=timeout))
     except RuntimeError as e:                       # gloo raises on a timeout, NCCL may return False
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TimeoutError(f"{what} over a group of {size} ranks failed or timed out after {timeout:.0f}s (a rank "
-                           f"is missing or stuck): {first}") from e
+        raise TimeoutError(f"{what} over group {_describe(group, size)} failed or timed out after {timeout:.0f}s (a "
+                           f"rank is missing or stuck): {first}") from e
     if ok is False:
-        raise TimeoutError(f"{what} over a group of {size} ranks timed out after {timeout:.0f}s (a rank is missing "
-                           "or stuck).")
+        raise TimeoutError(f"{what} over group {_describe(group, size)} timed out after {timeout:.0f}s (a rank is "
+                           "missing or stuck).")
 
 
 def bounded_all_gather_object(obj: Any, group: dist.ProcessGroup | None, timeout: float,
@@ -44,13 +56,13 @@ def bounded_all_gather_object(obj: Any, group: dist.ProcessGroup | None, timeout
     payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
     mine = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
     sizes = [torch.empty_like(mine) for _ in range(size)]
-    _wait(dist.all_gather(sizes, mine, group=group, async_op=True), what, size, timeout)
+    _wait(dist.all_gather(sizes, mine, group=group, async_op=True), what, size, timeout, group)
     lengths = [int(n) for n in torch.cat(sizes).cpu().tolist()]
     longest = max(lengths)
     send = torch.zeros(longest, dtype=torch.uint8, device=device)
     send[:payload.numel()] = payload
     bufs = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(size)]
-    _wait(dist.all_gather(bufs, send, group=group, async_op=True), what, size, timeout)
+    _wait(dist.all_gather(bufs, send, group=group, async_op=True), what, size, timeout, group)
     return [pickle.loads(b[:n].cpu().numpy().tobytes()) for b, n in zip(bufs, lengths)]
 
 
@@ -66,7 +78,7 @@ def bounded_union_of_names(names: set[str] | list[str], group: dist.ProcessGroup
     digest = hashlib.blake2b("\0".join(mine).encode(), digest_size=16, person=b"miles-names").digest()
     local = torch.frombuffer(bytearray(digest + len(mine).to_bytes(8, "little")), dtype=torch.int64).to(device)
     out = torch.empty(size * local.numel(), dtype=torch.int64, device=device)
-    _wait(dist.all_gather_into_tensor(out, local, group=group, async_op=True), what, size, timeout)
+    _wait(dist.all_gather_into_tensor(out, local, group=group, async_op=True), what, size, timeout, group)
     if bool((out.view(size, -1) == local).all()):
         return mine
     return sorted(set().union(*bounded_all_gather_object(mine, group, timeout, device, what)))

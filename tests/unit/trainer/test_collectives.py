@@ -50,7 +50,7 @@ def test_every_rank_gets_every_object_in_rank_order(two_ranks) -> None:
 def test_a_silent_rank_stops_the_gather_after_the_timeout(two_ranks) -> None:
     out = two_ranks(_worker, "silent")
     message, seconds = out[0]
-    assert message.startswith("TimeoutError: gathering test objects over a group of 2 ranks"), out
+    assert message.startswith("TimeoutError: gathering test objects over group 'default' (2 ranks)"), out
     assert "\n" not in message
     assert 0.8 * TIMEOUT < seconds < 2 * TIMEOUT, out
 
