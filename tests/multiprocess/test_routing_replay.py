@@ -32,9 +32,12 @@ PP2 = ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-laye
 # rounding size (expert weights a token barely reaches) would move by +-lr in either run; a larger eps keeps such
 # weights still and the update comparison at rounding (as test_megatron_nemotron_h's MoE pipeline test)
 ADAM_EPS = ["--adam-eps", "1e-3"]
-# PP 2 vs one stage (``_check_pp2_steps``): PP_BOUNDS_MEASURED
-PP_METRIC_BOUND = 1e-5
-PP_UPDATE_BOUND = 1e-5
+# PP 2 vs one stage (``_check_pp2_steps``), measured on the 2-core CPU box (``OMP_NUM_THREADS=1 nice -n 19 pytest -s
+# tests/multiprocess/test_routing_replay.py -k pp2``, 2026-12-07): loss, pg_loss, tis, advantages equal; the gradient
+# norm (summed over the stages) 9.6e-8 apart (relative); the updates (up to 9.6e-3) bitwise equal, with R3 and
+# without. Bounds: the metrics at twice that, the update at about 10 fp32 ulps of its largest entry
+PP_METRIC_BOUND = 2e-7
+PP_UPDATE_BOUND = 1e-8
 
 
 def _torchrun(nproc: int, port: int, *args: str, timeout: int = 500) -> subprocess.CompletedProcess:
@@ -338,13 +341,15 @@ def _check_pp2_steps(steps: dict, updates: dict, one_stage: dict) -> None:
     ratio = steps["plain_on_every_rank"]["loss"] / ref["plain"]["loss"]
     print({"rel": rel, "update": upd, "recompute": recompute, "recompute_update": recompute_upd, "twice": twice,
            "ratio": ratio, "loss": {k: v["loss"] for k, v in steps.items()}})
-    # measured: PP_STEPS_MEASURED
+    # measured: see PP_METRIC_BOUND; with recompute equal to all digits, update bitwise; every rank given all the
+    # samples: loss 0.0090166 = one stage's on the samples twice (grad norm 7.8e-8 apart), ratio to one stage's
+    # 0.0073620 1.2247439 (sqrt(3/2) = 1.2247449: the std's eps), bound at twice that distance
     for run in ("r3", "plain"):
         assert ref[run]["grad_norm"] > 1e-3 and max(rel[run].values()) < PP_METRIC_BOUND, (run, rel)
         assert upd[run][0] > 1e-3 and upd[run][1] < PP_UPDATE_BOUND, (run, upd)
     assert max(recompute.values()) < 1e-6 and recompute_upd < PP_UPDATE_BOUND, (recompute, recompute_upd)
     assert max(twice.values()) < PP_METRIC_BOUND, twice
-    assert abs(ratio - 1.5 ** 0.5) < 1e-4, ratio
+    assert abs(ratio - 1.5 ** 0.5) < 2e-6, ratio
 
 
 def _max_diff(a: list, b: list) -> float:
