@@ -23,6 +23,9 @@ from typing import Any
 
 from miles.utils.errors import MilesError
 from miles.utils.hf_aliases import register_for
+from miles.utils.logging import get_logger
+
+logger = get_logger(__name__)
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "vocab.txt",
@@ -210,4 +213,5 @@ def load_tokenizer(path: str | Path, flag: str | None = "--hf-checkpoint", *, ch
                             "files of the base model into it.") from None
     if template is not None:
         tokenizer.chat_template = template
+        logger.info("chat template: %s %s (in place of the tokenizer's own)", CHAT_TEMPLATE_FLAG, chat_template_path)
     return tokenizer
