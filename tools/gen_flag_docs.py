@@ -13,7 +13,7 @@ from pathlib import Path
 from miles.config import build_parser, eval_datasets, kernels, specs, support
 from miles.config import router as router_flags
 from miles.config import sglang as sglang_flags
-from miles.config.deprecations import RENAMED
+from miles.config.deprecations import DEPRECATED_VALUES, RENAMED
 from miles.config.train import BACKEND_DEFAULTS
 from miles.config.unsupported import UNSUPPORTED
 
@@ -62,6 +62,8 @@ def render() -> str:
     for old, (new, accepted) in RENAMED.items():
         status = "accepted with a warning in this release" if accepted else "refused: the error names the new flag"
         lines.append(f"| `{old}` | `{new}` | {status} |")
+    for flag, (value, why) in DEPRECATED_VALUES.items():
+        lines.append(f"| `{flag} {value}` | no `{flag}` | accepted with a warning, read as not given: {why} |")
     lines += ["", *DEPARTURES.strip("\n").splitlines()]
     lines += ["", *BROKEN_IN_MILES.strip("\n").splitlines()]
     return "\n".join(lines) + "\n"

@@ -28,7 +28,7 @@ from miles.config.algo import AlgoConfig
 from miles.config.base import ConfigError, section_from_namespace
 from miles.config.cluster import ClusterConfig
 from miles.config.data import DataConfig, EvalConfig, RewardConfig
-from miles.config.deprecations import apply_deprecations
+from miles.config.deprecations import apply_deprecations, deprecated_value
 from miles.config.ft import FTConfig
 from miles.config.logging import OutputConfig
 from miles.config.megatron import MegatronConfig
@@ -237,6 +237,8 @@ def _apply_custom_config(parser: argparse.ArgumentParser, ns: argparse.Namespace
     extra: dict[str, Any] = {}
     for key, value in load_custom_config(ns.custom_config_path).items():
         if key in dests and key != "custom_config_path":
+            if deprecated_value("--" + key.replace("_", "-"), value):  # Miles's alias of "not given"
+                value = parser.get_default(key)
             logger.info("--custom-config-path sets %s = %r (was %r)", key, value, getattr(ns, key))
             setattr(ns, key, value)
         else:

@@ -105,6 +105,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--apply-chat-template", action="store_true", help="Apply the tokenizer's chat template (never implied).")
     d.add_argument("--apply-chat-template-kwargs", type=json_object, default={},
                    help='JSON object of extra chat-template arguments, e.g. \'{"enable_thinking": false}\'.')
+    d.add_argument("--chat-template-path", type=str, default=None,
+                   help="A Jinja chat template file used instead of the --hf-checkpoint tokenizer's own, wherever the "
+                        "run templates (--apply-chat-template prompts, SFT conversations and their loss masks, "
+                        "evaluation data, plugins' args.chat_template_path) and by SGLang engines (their "
+                        "--chat-template). Miles's deprecated value 'autofix' means no file (logged).")
     d.add_argument("--rollout-shuffle", action="store_true", help="Shuffle prompts each epoch.")
     d.add_argument("--rollout-max-prompt-len", type=int, default=None, help="Drop prompts longer than this (tokens).")
     d.add_argument("--rollout-max-prompt-bytes", type=int, default=8 * 1024 * 1024,
@@ -193,6 +198,7 @@ class DataConfig:
     multimodal_keys: dict[str, str] | None
     apply_chat_template: bool
     apply_chat_template_kwargs: dict
+    chat_template_path: str | None = None
     rollout_shuffle: bool
     rollout_max_prompt_len: int | None
     rollout_max_prompt_bytes: int | None

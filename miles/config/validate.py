@@ -217,6 +217,11 @@ def _validate_miles_flags(cfg: MilesConfig) -> None:
                           "Miles): add --use-tis (or use_tis: true in --custom-config-path), or drop it.")
     if d.multimodal_keys is not None:  # images (miles.rollout.multimodal): SFT, and RL through the built-in rollout
         _validate_multimodal(cfg)
+    engine_template = cfg.sglang.server_args.get("chat_template")
+    if d.chat_template_path and engine_template is not None and engine_template != d.chat_template_path:
+        raise ConfigError(f"--chat-template-path {d.chat_template_path} disagrees with --sglang-chat-template "
+                          f"{engine_template} (SGLang engines take --chat-template-path's file): drop "
+                          "--sglang-chat-template or make them equal.")
     if not a.compute_advantages_and_returns and a.loss_type == "policy_loss":
         raise ConfigError("--disable-compute-advantages-and-returns leaves the policy loss without advantages: use it "
                           "with --loss-type sft_loss or custom_loss, or drop it.")

@@ -345,6 +345,16 @@ def weight_backup_server_flags(kind: str, weights: Any) -> list[str]:
     return []
 
 
+def chat_template_server_flags(kind: str, data: Any, server_args: Mapping[str, Any] | None) -> list[str]:
+    """``--chat-template-path`` (as Miles, which sets ``--sglang-chat-template`` to it): SGLang engines template their
+    ``/v1/chat/completions`` requests with the same file, unless ``--sglang-chat-template`` already gives it (the
+    config refuses a different one). The embedded engine serves no chat endpoint and needs none."""
+    path = getattr(data, "chat_template_path", None)
+    if kind == "sglang" and path and "chat_template" not in (server_args or {}):
+        return ["--chat-template", str(path)]
+    return []
+
+
 def model_server_flags(kind: str, megatron: Any) -> list[str]:
     """Engine flags that make the engines compute the model as the trainer does: with Miles's
     ``--no-activation-func-clamp-shared-expert`` the embedded engine serves the shared experts unclamped too. SGLang

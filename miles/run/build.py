@@ -88,7 +88,9 @@ def _driver_plan(cfg: MilesConfig, ctx: SPMDContext) -> tuple[RunPlan, dict[str,
     if not cfg.train.hf_checkpoint:
         raise MilesError("--hf-checkpoint DIR is required (a local HF model directory: weights, config, tokenizer).")
     preflight(cfg, has_engines=bool(ctx.plan.engines))  # what --dry-run checks: paths, plugins, --save, backend
-    tokenizer = load_tokenizer(cfg.train.hf_checkpoint, "--hf-checkpoint")
+    # the one tokenizer of the driver's templating: data, eval data, SFT conversations, plugins (args.tokenizer)
+    tokenizer = load_tokenizer(cfg.train.hf_checkpoint, "--hf-checkpoint",
+                               chat_template_path=cfg.data.chat_template_path)
     seed = cfg.rollout.rollout_seed
     dataset = data_source = None
     if cfg.data.prompt_data:

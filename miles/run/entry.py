@@ -131,7 +131,8 @@ def dry_run(cfg: MilesConfig) -> str:
         from miles.rollout.rollout_fn import build_prompt_dataset
         from miles.utils.model_dir import load_tokenizer
 
-        tokenizer = load_tokenizer(cfg.train.hf_checkpoint, "--hf-checkpoint")
+        tokenizer = load_tokenizer(cfg.train.hf_checkpoint, "--hf-checkpoint",
+                                   chat_template_path=cfg.data.chat_template_path)
         dataset = build_prompt_dataset(cfg.data, tokenizer, seed=cfg.rollout.rollout_seed)
         check_micro_batch_budget(cfg, dataset)  # as the start does, once the prompts are tokenized
         num_prompts = len(dataset)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from miles.fleet.engines import (
+    chat_template_server_flags,
     engine_argv_from_config,
     engine_host,
     engine_url,
@@ -188,7 +189,8 @@ def place_engines(cfg: MilesConfig, ctx: SPMDContext, *, kind: str, api_key: str
             device=world.device.type, colocate=plan.colocate, nnodes=spec.nnodes, node_rank=node_rank,
             dist_init_addr=dist_init, sglang=cfg.sglang,
             extra=replay_server_flags(kind, cfg.algo) + model_server_flags(kind, cfg.megatron)
-            + weight_backup_server_flags(kind, cfg.weights))
+            + weight_backup_server_flags(kind, cfg.weights)
+            + chat_template_server_flags(kind, cfg.data, cfg.sglang.server_args))
         name = f"engine{spec.engine_id}" + (f"-node{node_rank}" if node_rank else "")
         placement.supervisor = start_engine(argv, cfg, name=name, log_path=out_dir / f"{name}.log", threads=threads)
         if node_rank == 0 and not cfg.ft.use_fault_tolerance:  # with it, the FT heartbeat probes and restarts

@@ -14,8 +14,8 @@ with the plan broadcast). Checked:
 - a run without engines (``--debug-train-only``) has SFT data or a ``--rollout-function-path`` to train on;
   under ``--dry-run``, ``--rollout-engine sglang`` needs SGLang importable on this machine;
 - ``--load`` holds a complete checkpoint; ``--prompt-data`` and every ``--eval-prompt-data`` (or ``--eval-config``
-  dataset) file exist; each ``--eval-config`` dataset's ``rm_type`` is a known reward and its
-  ``custom_generate_function_path`` imports;
+  dataset) file exist; ``--chat-template-path`` is a readable Jinja file that compiles; each ``--eval-config``
+  dataset's ``rm_type`` is a known reward and its ``custom_generate_function_path`` imports;
 - plugins (the ``module.function`` flags): they import and take the arguments they are called with; the
   reward the run builds (``--rm-type`` known, ``--custom-rm-path``, ``--rm-url`` for ``remote_rm``) is
   built here too, by the same ``Rewarder``;
@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 from miles.config.base import ConfigError
 from miles.utils.errors import MilesError
 from miles.utils.logging import get_logger
-from miles.utils.model_dir import check_model_dir, load_config, load_tokenizer, num_params
+from miles.utils.model_dir import check_model_dir, load_config, load_tokenizer, num_params, read_chat_template
 
 if TYPE_CHECKING:
     from miles.config import MilesConfig
@@ -178,6 +178,8 @@ def path_checks(cfg: MilesConfig) -> list[Callable[[], Any]]:
     else:
         files += [(f"--eval-prompt-data {n}", p) for n, p in parse_eval_prompt_data(cfg.eval.eval_prompt_data)]
     checks += [lambda path=path, flag=flag: check_data_file(path, flag) for flag, path in files]
+    if cfg.data.chat_template_path:
+        checks.append(lambda: read_chat_template(cfg.data.chat_template_path))
     return checks
 
 

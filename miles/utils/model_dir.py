@@ -3,6 +3,7 @@
     check_model_dir(path, "--hf-checkpoint", tokenizer=True)   # raises ModelDirError (a ValueError too)
     num_params(path)                                           # from the safetensors headers, no tensor read
     load_config(path, flag) / load_tokenizer(path, flag)       # transformers' loaders, failures as one line
+    read_chat_template(path)                                   # --chat-template-path: a Jinja file that compiles
 
 A model directory holds ``config.json`` (a JSON object with ``model_type``), weights (``*.safetensors``,
 with ``model.safetensors.index.json`` naming the shards when sharded, or ``pytorch_model*.bin``) and,
@@ -22,6 +23,9 @@ from typing import Any
 
 from miles.utils.errors import MilesError
 from miles.utils.hf_aliases import register_for
+from miles.utils.logging import get_logger
+
+logger = get_logger(__name__)
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "vocab.txt",
@@ -161,15 +165,53 @@ def load_config(path: str | Path, flag: str | None = None, *, check: bool = True
                             "upgrade transformers or give a supported model.") from None
 
 
-def load_tokenizer(path: str | Path, flag: str | None = "--hf-checkpoint", *, check: bool = True) -> Any:
-    """``AutoTokenizer.from_pretrained`` of a checked directory (``check=False``: checked already); a failure
-    is one line naming the flag."""
+CHAT_TEMPLATE_FLAG = "--chat-template-path"
+
+
+def read_chat_template(path: str | Path, flag: str = CHAT_TEMPLATE_FLAG) -> str:
+    """The text of a Jinja chat template file; ModelDirError (one line naming ``flag``, the path and the fix) when
+    it is not a readable UTF-8 file or transformers' Jinja environment does not compile it."""
+    p = Path(path)
+    fix = "give the path of a Jinja chat template file readable on every node"
+    if not p.exists():
+        raise ModelDirError(f"{flag} {path}: no such file; {fix}.")
+    if not p.is_file():
+        raise ModelDirError(f"{flag} {path} is {'a directory' if p.is_dir() else 'not a regular file'}; {fix}.")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelDirError(f"{flag} {path}: cannot be read as UTF-8 text ({_first_line(e)}); {fix}.") from None
+    if not text.strip():
+        raise ModelDirError(f"{flag} {path} is empty; {fix}.")
+    try:  # the environment apply_chat_template renders with (its extensions, e.g. {% generation %})
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # another transformers: the template is compiled at its first use instead
+        return text
+    try:
+        _compile_jinja_template(text)
+    except Exception as e:  # noqa: BLE001 - jinja2's TemplateSyntaxError and friends: all mean "does not compile"
+        line = f" line {e.lineno}" if isinstance(getattr(e, "lineno", None), int) else ""
+        raise ModelDirError(f"{flag} {path}: the Jinja template does not compile ({_first_line(e)}{line}); fix the "
+                            "template or drop the flag to use the tokenizer's own.") from None
+    return text
+
+
+def load_tokenizer(path: str | Path, flag: str | None = "--hf-checkpoint", *, check: bool = True,
+                   chat_template_path: str | Path | None = None) -> Any:
+    """``AutoTokenizer.from_pretrained`` of a checked directory (``check=False``: checked already), its chat template
+    replaced by the file ``chat_template_path`` (``--chat-template-path``) when given; a failure is one line naming
+    the flag."""
     from transformers import AutoTokenizer
 
     if check:
         check_model_dir(path, flag, tokenizer=True)
+    template = read_chat_template(chat_template_path) if chat_template_path else None
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # noqa: BLE001 - transformers raises many types here; all mean "this tokenizer does not load"
         raise ModelDirError(f"{_where(flag, path)}: its tokenizer does not load ({_first_line(e)}); copy the tokenizer "
                             "files of the base model into it.") from None
+    if template is not None:
+        tokenizer.chat_template = template
+        logger.info("chat template: %s %s (in place of the tokenizer's own)", CHAT_TEMPLATE_FLAG, chat_template_path)
+    return tokenizer

@@ -36,7 +36,8 @@ MILES_V010 = {
     "sglang_router_policy": None,
     # data, reward, eval
     "prompt_data": None, "input_key": "input", "label_key": None, "metadata_key": "metadata", "tool_key": "tools",
-    "multimodal_keys": None, "apply_chat_template": False, "rollout_shuffle": False, "rollout_max_prompt_len": None,
+    "multimodal_keys": None, "apply_chat_template": False, "chat_template_path": None, "rollout_shuffle": False,
+    "rollout_max_prompt_len": None,
     "num_epoch": None, "num_rollout": None, "n_samples_per_prompt": 1, "global_batch_size": None,
     "num_steps_per_rollout": None, "over_sampling_batch_size": None, "dynamic_sampling_filter_path": None,
     "custom_generate_function_path": None, "rm_type": None, "custom_rm_path": None, "group_rm": False,
