@@ -102,6 +102,11 @@ class Sample:
     status: SampleStatus = SampleStatus.PENDING
     metadata: dict[str, Any] = field(default_factory=dict)
     reward_spec: RewardSpec | None = None   # Miles's: how this sample is scored (None: the flags)
+    # Miles's field: sent as sglang-router's ``X-SMG-Routing-Key`` header with each of this sample's /generate
+    # requests (the router's ``manual`` policy sends every request of one key to the same engine). Under
+    # ``--sglang-router-policy manual`` the rollout gives each sample without one a fresh key, as Miles does. Kept on
+    # the rollout side: the sample wire does not carry it (Miles's trainer does not get it either).
+    routing_key: str | None = None
 
     Status = SampleStatus  # Miles's spelling: ``Sample.Status.ABORTED``
     PrefixCacheInfo = PrefixCacheInfo  # Miles's spelling: ``Sample.PrefixCacheInfo``

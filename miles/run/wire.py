@@ -49,7 +49,7 @@ _TENSOR_FIELDS = {"tokens": "token", "loss_mask": "loss_mask", "rollout_log_prob
 _FLAT = {"tokens": ("tokens", "token_offsets", torch.int32),
          "loss_mask": ("loss_mask", "loss_mask_offsets", torch.uint8),
          "rollout_log_probs": ("log_probs", "log_prob_offsets", torch.float32)}
-_ROLLOUT_ONLY = {"rollout_indexer_topk"}   # Miles's field no trainer here reads (types.py says why): not sent
+_ROLLOUT_ONLY = {"rollout_indexer_topk", "routing_key"}   # Miles's fields no trainer reads (types.py says why): not sent
 _JSON_FIELDS = [f.name for f in dataclasses.fields(Sample) if f.name not in _FLAT and f.name not in _ROLLOUT_ONLY]
 _INT32_MAX = 2**31 - 1
 
