@@ -122,13 +122,52 @@ class Sample:
         self.__dict__["_prefix_cache_info"] = value
 
     @property
+    def multimodal_inputs(self) -> dict[str, Any] | None:
+        """Miles's field: the sample's raw media, ``{"images": [PIL RGB images], "videos": None}`` in prompt order,
+        None for a sample without images. Loaded on first read from the references in ``metadata["multimodal_inputs"]``
+        (``--multimodal-keys``), where Miles's data loader puts the images; a plugin may assign it or extend its
+        ``images`` in place (Miles's multi-turn geo3k example adds each observation's images). Whatever it holds is
+        written back as references (:meth:`store_multimodal_inputs`: an image read from a reference keeps it, a new
+        one becomes a PNG data URI) before the sample's next request and when its generate function returns, so the
+        engines get, and each trainer rank recomputes the pixels of, exactly these images. Videos and other media
+        are refused there (one line). Not a dataclass field: the PIL images stay on the rollout side."""
+        if "_multimodal_inputs" not in self.__dict__:
+            from miles.utils.images import raw_inputs
+
+            self.__dict__["_multimodal_inputs"], self.__dict__["_multimodal_loaded"] = raw_inputs(self.metadata)
+        return self.__dict__["_multimodal_inputs"]
+
+    @multimodal_inputs.setter
+    def multimodal_inputs(self, value: dict[str, Any] | None) -> None:
+        self.__dict__["_multimodal_inputs"] = value
+
+    def store_multimodal_inputs(self) -> None:
+        """Write :attr:`multimodal_inputs`, once read or set, back to ``metadata["multimodal_inputs"]["images"]`` as
+        references (what the requests and the trainer read); SampleError (one line) for media the trainer cannot
+        take. Without a read or an assignment nothing changes."""
+        if "_multimodal_inputs" not in self.__dict__:
+            return
+        from miles.utils.images import MEDIA_KEY, inputs_refs, sample_images
+
+        try:
+            refs = inputs_refs(self.__dict__["_multimodal_inputs"], self.__dict__.get("_multimodal_loaded", []))
+        except ValueError as e:
+            raise SampleError(f"sample {self.index}: {e}") from None
+        if refs or sample_images(self.metadata):
+            media = self.metadata.get(MEDIA_KEY)
+            self.metadata[MEDIA_KEY] = {**(media if isinstance(media, dict) else {}), "images": refs}
+
+    @property
     def multimodal_train_inputs(self) -> dict[str, Any] | None:
         """Miles's field: the image processor's outputs of the sample's images (``pixel_values``,
         ``image_grid_thw``), None for a text sample; computed on first read from ``metadata["multimodal_inputs"]``
-        (``miles.utils.images.train_inputs``), settable by plugins. Not a dataclass field: it stays on the
-        rollout side; the trainer recomputes the pixels from the image references the sample carries."""
+        (``miles.utils.images.train_inputs``; after :attr:`multimodal_inputs` is stored), settable by plugins. Not a
+        dataclass field: it stays on the rollout side; the trainer recomputes the pixels from the image references
+        the sample carries."""
         if "_multimodal_train_inputs" not in self.__dict__:
             from miles.utils.images import train_inputs
+
+            self.store_multimodal_inputs()
 
             self.__dict__["_multimodal_train_inputs"] = train_inputs(self.metadata)
         return self.__dict__["_multimodal_train_inputs"]

@@ -128,8 +128,9 @@ def request_extra(top_logprobs_num: int = 0, routed_experts: bool = False,
 
 
 def sample_image_data(sample: Sample) -> list[str] | None:
-    """The ``image_data`` of a sample's requests (``--multimodal-keys``: its ``metadata["multimodal_inputs"]``), or
-    None for a text sample."""
+    """The ``image_data`` of a sample's requests (``--multimodal-keys``: its ``metadata["multimodal_inputs"]``, after
+    the sample's ``multimodal_inputs`` is stored there), or None for a text sample."""
+    sample.store_multimodal_inputs()    # a plugin's Sample.multimodal_inputs (Miles's field), as references
     if not isinstance(sample.metadata, dict) or "multimodal_inputs" not in sample.metadata:  # multimodal.MEDIA_KEY
         return None
     from miles.rollout.multimodal import image_data

@@ -276,6 +276,7 @@ class RolloutManager:
                 return f"status {sample.status!r} is not one of {[s.value for s in SampleStatus]}"
         try:
             sample.validate()   # the per-token fields agree with response_length (Miles's Sample.validate)
+            sample.store_multimodal_inputs()   # Miles's multimodal_inputs as the function left it: the trained images
         except SampleError as e:
             return str(e)
         if sample.status is SampleStatus.PENDING:

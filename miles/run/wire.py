@@ -121,6 +121,10 @@ def encode_samples(samples: list[Sample]) -> bytes:
     tensors: dict[str, torch.Tensor] = {}
     for i, s in enumerate(samples):
         _check_sample(i, s)
+        try:   # Miles's Sample.multimodal_inputs, as a plugin left it: the image references the trainer reads
+            s.store_multimodal_inputs()
+        except ValueError as e:
+            raise SampleWireError(str(e)) from None
     for field, (flat_name, off_name, dtype) in _FLAT.items():
         values = [getattr(s, field) or [] for s in samples]
         lengths = torch.tensor([0] + [len(v) for v in values], dtype=torch.int64)
