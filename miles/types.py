@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import inspect
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -233,3 +234,27 @@ class Sample:
             elif v is not None:                     # an array a plugin set
                 setattr(self, name, v[:-n])
         self.response = tokenizer.decode(self.tokens[-self.response_length:]) if self.response_length else ""
+
+
+# Miles's Sample takes multimodal_inputs= / multimodal_train_inputs= in its constructor; here they are properties
+# (rollout side only), so the dataclass __init__ is wrapped to take them too (given: assigned, as by a plugin).
+_UNSET: Any = object()
+_dataclass_init = Sample.__init__
+
+
+def _sample_init(self: Sample, *args: Any, multimodal_inputs: Any = _UNSET, multimodal_train_inputs: Any = _UNSET,
+                 **kwargs: Any) -> None:
+    _dataclass_init(self, *args, **kwargs)
+    if multimodal_inputs is not _UNSET:
+        self.multimodal_inputs = multimodal_inputs
+    if multimodal_train_inputs is not _UNSET:
+        self.multimodal_train_inputs = multimodal_train_inputs
+
+
+_signature = inspect.signature(_dataclass_init)
+_sample_init.__signature__ = _signature.replace(parameters=[   # type: ignore[attr-defined]
+    *_signature.parameters.values(),
+    *(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)
+      for name in ("multimodal_inputs", "multimodal_train_inputs"))])
+_sample_init.__doc__ = _dataclass_init.__doc__
+Sample.__init__ = _sample_init  # type: ignore[method-assign]

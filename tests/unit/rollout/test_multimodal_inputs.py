@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import inspect
 import io
 
 import numpy as np
@@ -66,6 +67,12 @@ def test_appended_and_assigned_images_become_references(image_sample):
     text.multimodal_inputs = {"images": [picture(3)]}    # a plugin gives a text sample an image
     text.store_multimodal_inputs()
     assert len(text.metadata[MEDIA_KEY]["images"]) == 1
+    built = Sample(tokens=[1], multimodal_inputs={"images": [picture(4)], "videos": None},   # Miles's constructor
+                   multimodal_train_inputs={"pixel_values": None})
+    assert built.multimodal_train_inputs == {"pixel_values": None}
+    built.store_multimodal_inputs()
+    assert (pixels(load_image(built.metadata[MEDIA_KEY]["images"][0])) == pixels(picture(4))).all()
+    assert {"multimodal_inputs", "multimodal_train_inputs", "tokens"} <= set(inspect.signature(Sample).parameters)
 
 
 @pytest.mark.parametrize("value, message", [
