@@ -124,8 +124,9 @@ def _aborted_response(prompt_len: int, why: str) -> dict[str, Any]:
 class TrackedClient:
     """Wraps the EngineClient for generate functions: request ids the manager can abort, retry counts.
 
-    Requests made inside a sample's task get rid ``<run>-<stream>-r<rollout>-g<group>-s<index>-<k>``;
-    once the group is aborted, further requests are answered locally as aborted.
+    Requests made inside a sample's task get rid ``<run>-<stream>-r<rollout>-g<group>-s<index>-<k>`` and, when the
+    sample has a ``routing_key`` and the call names none, that key; once the group is aborted, further requests are
+    answered locally as aborted.
     """
 
     def __init__(self, inner: Any, prefix: str) -> None:
@@ -142,6 +143,8 @@ class TrackedClient:
             return _aborted_response(len(input_ids), "aborted by the rollout manager (surplus group)")
         group.requests += 1
         rid = rid or f"{self.prefix}-r{sample.rollout_id}-g{group.index}-s{sample.index}-{group.requests}"
+        if sample.routing_key and "routing_key" not in kwargs:   # a plugin's own call: the sample's engine
+            kwargs["routing_key"] = sample.routing_key
         group.rids.add(rid)
         try:
             resp = await self.inner.generate(input_ids, sampling_params, return_logprob=return_logprob, rid=rid, **kwargs)

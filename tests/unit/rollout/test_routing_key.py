@@ -195,13 +195,27 @@ class Engine:
         return None
 
 
-@pytest.mark.parametrize("policy", [None, ["--sglang-router-policy", "manual"], ["--router-policy", "manual"]])
-def test_a_routing_key_policy_gives_each_sample_its_own_key_and_request(prompts, policy):
+PLUGIN = """
+async def generate(args, sample, sampling_params):   # a plugin calling the run's client itself
+    from miles.rollout.generate import append_output
+    append_output(sample, await args.client.generate(list(sample.tokens), sampling_params))
+    return sample
+"""
+
+
+@pytest.mark.parametrize("policy, generate", [
+    (None, None), (["--sglang-router-policy", "manual"], None), (["--router-policy", "manual"], None),
+    (["--sglang-router-policy", "manual"], "miles.rollout.sglang_rollout.generate"),
+    (["--sglang-router-policy", "manual"], "rk_plugin.generate")])
+def test_a_routing_key_policy_gives_each_sample_its_own_key_and_request(prompts, policy, generate, tmp_path,
+                                                                        monkeypatch):
     path, tok = prompts
+    (tmp_path / "rk_plugin.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
     cfg = parse_args(["--prompt-data", str(path), "--label-key", "label", "--rm-type", "exact_match",
                       "--rollout-batch-size", "2", "--n-samples-per-prompt", "3", "--rollout-max-response-len", "4",
-                      "--num-rollout", "1",
-                      *(policy or [])])
+                      "--num-rollout", "1", *(policy or []),
+                      *(["--custom-generate-function-path", generate] if generate else [])])
     engine = Engine()
     manager = RolloutManager(cfg.rollout, cfg.data, cfg.reward, engine, tok,
                              DataSource(PromptDataset(path, tok, cfg.data), shuffle=False), group_requests=True)
@@ -211,6 +225,8 @@ def test_a_routing_key_policy_gives_each_sample_its_own_key_and_request(prompts,
         asyncio.run(manager.aclose())
     samples = [s for group in result.samples for s in group]
     assert len(samples) == 6 and all(s.status is SampleStatus.COMPLETED for s in samples)
+    if generate:         # a custom generate function: one request per sample anyway
+        assert engine.groups == 0
     if policy is None:   # no key, and each group in one request
         assert engine.groups == 2 and all(s.routing_key is None for s in samples) and set(engine.keys) == {None}
     else:                # a fresh uuid per sample, each sample its own request carrying it
