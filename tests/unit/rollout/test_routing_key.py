@@ -35,7 +35,7 @@ class Recorder:
     key header or None) per request. ``failing`` servers answer 503."""
 
     def __init__(self, n: int) -> None:
-        self.n, self.seen, self.failing, self.urls = n, [], set(), []
+        self.n, self.seen, self.failing, self.urls, self.flushes = n, [], set(), [], []
         self._runners: list[web.AppRunner] = []
 
     def _app(self, i: int) -> web.Application:
@@ -44,12 +44,20 @@ class Recorder:
             self.seen.append((i, request.headers.get(ROUTING_KEY_HEADER)))
             if i in self.failing:
                 return web.json_response({"error": "down"}, status=503)
+            if body["sampling_params"].get("max_new_tokens") == 0:   # a prefill: each input token's log-prob
+                return web.json_response({"text": "", "meta_info": {"finish_reason": {"type": "length"},
+                                          "input_token_logprobs": [[-0.125, t, None] for t in body["input_ids"]]}})
             return web.json_response({"text": "ab", "meta_info": {
-                "id": body["rid"], "finish_reason": {"type": "stop"},
+                "id": body.get("rid"), "finish_reason": {"type": "stop"},
                 "output_token_logprobs": [[-0.5, 7, None], [-0.25, 8, None]]}})
+
+        async def flush_cache(request: web.Request) -> web.Response:
+            self.flushes.append(request.headers.get(ROUTING_KEY_HEADER))
+            return web.Response(text="Cache flushed.\n")
 
         app = web.Application()
         app.router.add_post("/generate", generate)
+        app.router.add_post("/flush_cache", flush_cache)
         return app
 
     async def __aenter__(self) -> Recorder:
@@ -89,6 +97,29 @@ def test_the_key_travels_as_the_header_of_every_request_and_attempt():
             await gen.generate(client, Sample(tokens=[1, 2]), {"max_new_tokens": 2})
             return rec.seen
     assert [key for _, key in run(go())] == ["trace-1", None, "group-key", "s-1", "s-2", "s-3", "s-3", None]
+
+
+def test_prefill_rescoring_sends_each_samples_key_as_miles(monkeypatch):
+    """Miles's recompute_samples_rollout_logprobs_via_prefill: the flush and the prefill of a sample go to its engine
+    (its key's header); under a routing-key policy a sample without a key is refused."""
+    from miles.rollout.generate_utils.prefill_logprobs import recompute_samples_rollout_logprobs_via_prefill
+
+    def sample(key):
+        return Sample(tokens=[1, 2, 7, 8], response_length=2, loss_mask=[1, 1], rollout_log_probs=[-0.5, -0.25],
+                      status=SampleStatus.COMPLETED, routing_key=key)
+
+    async def go(policy, samples):
+        async with Recorder(1) as rec:
+            args = SimpleNamespace(recompute_logprobs_via_prefill=True, sglang_router_policy=policy)
+            await recompute_samples_rollout_logprobs_via_prefill(args, samples, url=rec.urls[0] + "/generate",
+                                                                 sampling_params={})
+            return rec.seen, rec.flushes
+    samples = [sample("a"), sample(None)]
+    seen, flushes = run(go(None, samples))
+    assert [k for _, k in seen] == flushes == ["a", None]
+    assert all(s.rollout_log_probs == [-0.125, -0.125] for s in samples)
+    with pytest.raises(SampleError, match=r"router policy manual routes by X-SMG-Routing-Key, but sample"):
+        run(go("manual", [sample(None)]))
 
 
 def test_a_key_that_cannot_be_a_header_is_refused_before_sending():
