@@ -114,3 +114,33 @@ def test_the_request_and_the_wire_carry_the_plugins_images(image_sample):
     refs = back.metadata[MEDIA_KEY]["images"]
     assert len(refs) == 3 and refs[0] == path and (pixels(load_image(refs[2])) == pixels(picture(2))).all()
     assert [pixels(i).shape for i in back.multimodal_inputs["images"]] == [(20, 28, 3)] * 3
+
+
+def test_the_trainer_takes_an_observation_image_a_plugin_appended(tmp_path, image_sample):
+    """Miles's multi-turn example: an observation's image tokens go into the response (loss mask 0) and its image into
+    ``multimodal_inputs``; after the wire each trainer rank gets both images' pixels, matching the image tokens."""
+    import json
+
+    import torch
+
+    from miles.trainer.vlm import ImageProcessor
+    from miles.utils.images import VisionProcessor
+    from miles.utils.tiny_vlm import build_tiny_vlm
+
+    vlm = str(build_tiny_vlm(tmp_path / "vlm"))
+    image_token = json.loads((tmp_path / "vlm" / "config.json").read_text())["image_token_id"]
+    s, path = image_sample
+    s.multimodal_inputs["images"].append(picture(1, (40, 36)))
+    vision = VisionProcessor(vlm)
+    s.store_multimodal_inputs()
+    counts = vision.tokens_per_image(vision.pixels(s.metadata[MEDIA_KEY]["images"])["image_grid_thw"])
+    prompt = [5] + [image_token] * counts[0] + [6]
+    observation = [7] + [image_token] * counts[1] + [8]
+    s.tokens, s.response_length = prompt + [9] + observation, 1 + len(observation)
+    s.loss_mask, s.rollout_log_probs = [1] + [0] * len(observation), [-0.5] + [0.0] * len(observation)
+    s.status = SampleStatus.COMPLETED
+    (back,) = decode_samples(encode_samples([s]))
+    got = ImageProcessor(vlm, image_token).sample_inputs(back, "sample 0")
+    want = vision.processor(images=[Image.open(path).convert("RGB"), picture(1, (40, 36))], return_tensors="pt")
+    assert torch.equal(got["image_grid_thw"], want["image_grid_thw"]) and len(counts) == 2
+    assert torch.allclose(got["pixel_values"], want["pixel_values"])
