@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import inspect
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -102,6 +103,11 @@ class Sample:
     status: SampleStatus = SampleStatus.PENDING
     metadata: dict[str, Any] = field(default_factory=dict)
     reward_spec: RewardSpec | None = None   # Miles's: how this sample is scored (None: the flags)
+    # Miles's field: sent as sglang-router's ``X-SMG-Routing-Key`` header with each of this sample's /generate
+    # requests (the router's ``manual`` policy sends every request of one key to the same engine). Under
+    # ``--sglang-router-policy manual`` the rollout gives each sample without one a fresh key, as Miles does. Kept on
+    # the rollout side: the sample wire does not carry it (Miles's trainer does not get it either).
+    routing_key: str | None = None
 
     Status = SampleStatus  # Miles's spelling: ``Sample.Status.ABORTED``
     PrefixCacheInfo = PrefixCacheInfo  # Miles's spelling: ``Sample.PrefixCacheInfo``
@@ -117,13 +123,52 @@ class Sample:
         self.__dict__["_prefix_cache_info"] = value
 
     @property
+    def multimodal_inputs(self) -> dict[str, Any] | None:
+        """Miles's field: the sample's raw media, ``{"images": [PIL RGB images], "videos": None}`` in prompt order,
+        None for a sample without images. Loaded on first read from the references in ``metadata["multimodal_inputs"]``
+        (``--multimodal-keys``), where Miles's data loader puts the images; a plugin may assign it or extend its
+        ``images`` in place (Miles's multi-turn geo3k example adds each observation's images). Whatever it holds is
+        written back as references (:meth:`store_multimodal_inputs`: an image read from a reference keeps it, a new
+        one becomes a PNG data URI) before the sample's next request and when its generate function returns, so the
+        engines get, and each trainer rank recomputes the pixels of, exactly these images. Videos and other media
+        are refused there (one line). Not a dataclass field: the PIL images stay on the rollout side."""
+        if "_multimodal_inputs" not in self.__dict__:
+            from miles.utils.images import raw_inputs
+
+            self.__dict__["_multimodal_inputs"], self.__dict__["_multimodal_loaded"] = raw_inputs(self.metadata)
+        return self.__dict__["_multimodal_inputs"]
+
+    @multimodal_inputs.setter
+    def multimodal_inputs(self, value: dict[str, Any] | None) -> None:
+        self.__dict__["_multimodal_inputs"] = value
+
+    def store_multimodal_inputs(self) -> None:
+        """Write :attr:`multimodal_inputs`, once read or set, back to ``metadata["multimodal_inputs"]["images"]`` as
+        references (what the requests and the trainer read); SampleError (one line) for media the trainer cannot
+        take. Without a read or an assignment nothing changes."""
+        if "_multimodal_inputs" not in self.__dict__:
+            return
+        from miles.utils.images import MEDIA_KEY, inputs_refs, sample_images
+
+        try:
+            refs = inputs_refs(self.__dict__["_multimodal_inputs"], self.__dict__.get("_multimodal_loaded", []))
+        except ValueError as e:
+            raise SampleError(f"sample {self.index}: {e}") from None
+        if refs or sample_images(self.metadata):
+            media = self.metadata.get(MEDIA_KEY)
+            self.metadata[MEDIA_KEY] = {**(media if isinstance(media, dict) else {}), "images": refs}
+
+    @property
     def multimodal_train_inputs(self) -> dict[str, Any] | None:
         """Miles's field: the image processor's outputs of the sample's images (``pixel_values``,
         ``image_grid_thw``), None for a text sample; computed on first read from ``metadata["multimodal_inputs"]``
-        (``miles.utils.images.train_inputs``), settable by plugins. Not a dataclass field: it stays on the
-        rollout side; the trainer recomputes the pixels from the image references the sample carries."""
+        (``miles.utils.images.train_inputs``; after :attr:`multimodal_inputs` is stored), settable by plugins. Not a
+        dataclass field: it stays on the rollout side; the trainer recomputes the pixels from the image references
+        the sample carries."""
         if "_multimodal_train_inputs" not in self.__dict__:
             from miles.utils.images import train_inputs
+
+            self.store_multimodal_inputs()
 
             self.__dict__["_multimodal_train_inputs"] = train_inputs(self.metadata)
         return self.__dict__["_multimodal_train_inputs"]
@@ -189,3 +234,27 @@ class Sample:
             elif v is not None:                     # an array a plugin set
                 setattr(self, name, v[:-n])
         self.response = tokenizer.decode(self.tokens[-self.response_length:]) if self.response_length else ""
+
+
+# Miles's Sample takes multimodal_inputs= / multimodal_train_inputs= in its constructor; here they are properties
+# (rollout side only), so the dataclass __init__ is wrapped to take them too (given: assigned, as by a plugin).
+_UNSET: Any = object()
+_dataclass_init = Sample.__init__
+
+
+def _sample_init(self: Sample, *args: Any, multimodal_inputs: Any = _UNSET, multimodal_train_inputs: Any = _UNSET,
+                 **kwargs: Any) -> None:
+    _dataclass_init(self, *args, **kwargs)
+    if multimodal_inputs is not _UNSET:
+        self.multimodal_inputs = multimodal_inputs
+    if multimodal_train_inputs is not _UNSET:
+        self.multimodal_train_inputs = multimodal_train_inputs
+
+
+_signature = inspect.signature(_dataclass_init)
+_sample_init.__signature__ = _signature.replace(parameters=[   # type: ignore[attr-defined]
+    *_signature.parameters.values(),
+    *(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)
+      for name in ("multimodal_inputs", "multimodal_train_inputs"))])
+_sample_init.__doc__ = _dataclass_init.__doc__
+Sample.__init__ = _sample_init  # type: ignore[method-assign]

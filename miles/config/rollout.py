@@ -16,7 +16,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sglang-router-ip", type=str, default=None, help="Use a running sglang-router at this address.")
     g.add_argument("--sglang-router-port", type=int, default=None, help="Port of a running sglang-router.")
     g.add_argument("--sglang-router-policy", type=str, default=None,
-                   help="sglang-router --policy (default: the router's own, cache_aware).")
+                   help="sglang-router --policy (default: the router's own, cache_aware): random, round_robin, "
+                        "cache_aware, power_of_two or manual (each sample gets a routing key, sent as X-SMG-Routing-Key; "
+                        "the router keeps one key's requests on one engine).")
     g.add_argument("--sglang-router-request-timeout-secs", type=int, default=14400, help="Router request timeout.")
     g.add_argument("--sglang-server-concurrency", type=int, default=512, help="Concurrent requests per engine.")
     g.add_argument("--sglang-mem-fraction-static", type=float, default=None, help="Passed to SGLang.")

@@ -45,6 +45,15 @@ PAIRED: dict[str, tuple[str, str]] = {
     "api_key": ("--sglang-api-key", "sglang_api_key"),
 }
 _TYPES = {None: str, "str": str, "int": int, "float": float}
+# Miles's --sglang-router-policy values that route by the X-SMG-Routing-Key header: under them each sample gets a
+# routing key (radixark/miles@v0.1.0:miles/rollout/generate_utils/generate_endpoint_utils.py policy_uses_routing_key).
+# sglang-router 0.3.2 has ``manual`` only; ``consistent_hashing`` is accepted for a running router (--sglang-router-ip).
+ROUTING_KEY_POLICIES = ("consistent_hashing", "manual")
+
+
+def uses_routing_key(policy: str | None) -> bool:
+    """True when ``--sglang-router-policy`` routes by each request's ``X-SMG-Routing-Key`` (Miles's test)."""
+    return policy in ROUTING_KEY_POLICIES
 
 
 @dataclass(frozen=True)
@@ -149,8 +158,27 @@ def shown(args: Mapping[str, Any]) -> dict[str, Any]:
     return {k: ("***" if k in SECRETS and v else v) for k, v in args.items()}
 
 
+def router_policy(r: RolloutConfig) -> str | None:
+    """The policy of the router the run sends to: ``--sglang-router-policy``, else ``--router-policy`` (None: the
+    router's default, or whatever a running router has)."""
+    return r.sglang_router_policy or (r.router_args or {}).get("policy")
+
+
+def router_policies() -> tuple[str, ...]:
+    """The ``--policy`` values of the sglang-router release the JSON was taken from."""
+    return tuple(load_spec()["policy"].choices or ())
+
+
 def validate_router(r: RolloutConfig) -> None:
-    """The ``--router-*`` flags given: package present, no running router, agreement with miles's own flags."""
+    """``--sglang-router-policy`` is one the router miles starts has; the ``--router-*`` flags given: package
+    present, no running router, agreement with miles's own flags."""
+    policy = r.sglang_router_policy
+    if policy is not None and r.sglang_router_ip is None and policy not in router_policies():
+        why = (" (Miles's hashing routing-key policy, in newer sglang-router releases; `manual` also sends every request "
+               "of one routing key to the same engine)") if policy == "consistent_hashing" else ""
+        raise ConfigError(f"--sglang-router-policy {policy}: sglang-router {router_version()}, which miles starts, has no "
+                          f"such policy{why}; pass one of {', '.join(router_policies())}, or point "
+                          "--sglang-router-ip/--sglang-router-port at a running router that has it.")
     given = r.router_args or {}
     if not given:
         return

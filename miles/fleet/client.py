@@ -6,6 +6,9 @@ Everything that talks to an engine (SGLang or the embedded engine, same protocol
   ``--sglang-server-concurrency`` x engines), a timeout per attempt and bounded retries on connection
   errors, timeouts, 5xx and 429. Through the router a retry lands on another engine (the router picks);
   given several engine URLs directly, the client rotates among them and skips a failing one for a while.
+  A request's ``routing_key`` travels as sglang-router's ``X-SMG-Routing-Key`` header (its ``manual`` policy sends
+  every request of one key to the same engine); given engine URLs directly, the client itself sends a key's requests
+  to one engine (a hash of the key picks it; the next healthy one while it is failing).
   Each response carries ``resp["miles"]``: rid, the URL that served it, attempts, latency, errors seen.
   ``abort(rid)`` / ``abort_all()`` also reach a request that is between attempts (in its retry backoff or
   waiting for a concurrency slot): it wakes at once, sends no further attempt and answers like an
@@ -20,6 +23,7 @@ Every call is bounded by a timeout; failures raise ``EngineError(url, endpoint, 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import json
 import time
@@ -35,6 +39,7 @@ from miles.utils.logging import get_logger
 logger = get_logger(__name__)
 T = TypeVar("T")
 
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"  # sglang-router's routing key (its manual policy; Miles's Sample.routing_key)
 # Fields of /generate owned by EngineClient.generate's own arguments.
 _OWN_FIELDS = frozenset({"input_ids", "text", "sampling_params", "return_logprob", "rid", "stream"})
 
@@ -111,12 +116,14 @@ class _Http:
         await self.close()
 
     async def _request(self, method: str, url: str, endpoint: str, payload: Any = None,
-                       timeout: float | None = None, params: dict[str, str] | None = None) -> Any:
-        """Send one request; return the parsed body of a 2xx answer, raise EngineError otherwise."""
+                       timeout: float | None = None, params: dict[str, str] | None = None,
+                       headers: dict[str, str] | None = None) -> Any:
+        """Send one request (``headers``: added to the session's); return the parsed body of a 2xx answer, raise
+        EngineError otherwise."""
         session = await self._get_session()
         limit = self.timeout if timeout is None else float(timeout)
         try:
-            async with session.request(method, url.rstrip("/") + endpoint, json=payload, params=params,
+            async with session.request(method, url.rstrip("/") + endpoint, json=payload, params=params, headers=headers,
                                        timeout=aiohttp.ClientTimeout(total=limit)) as resp:
                 raw = await resp.read()
                 body: Any = raw.decode("utf-8", "replace")
@@ -362,11 +369,16 @@ class EngineClient(_Http):
             self._sem, self._sem_loop = asyncio.Semaphore(self.concurrency), loop
         return self._sem
 
-    def _pick_url(self, avoid: str | None) -> str:
+    def _pick_url(self, avoid: str | None, routing_key: str | None = None) -> str:
+        """The URL of the next attempt: round robin, or for a routing key the engine its hash picks (the next in
+        order while that one is failing or was just tried)."""
         if len(self.urls) == 1:
             return self.urls[0]
         now = time.monotonic()
-        start = next(self._rr)
+        if routing_key is None:
+            start = next(self._rr)
+        else:
+            start = int.from_bytes(hashlib.blake2b(routing_key.encode(), digest_size=8).digest(), "big") % len(self.urls)
         order = [self.urls[(start + i) % len(self.urls)] for i in range(len(self.urls))]
         for url in order:
             if url != avoid and self._bad_until.get(url, 0.0) <= now:
@@ -378,20 +390,22 @@ class EngineClient(_Http):
 
     async def generate(self, input_ids: Sequence[int], sampling_params: dict, return_logprob: bool = True,
                        rid: str | None = None, timeout: float | None = None,
-                       extra: dict | None = None) -> dict:
+                       extra: dict | None = None, routing_key: str | None = None) -> dict:
         """One prompt's ``/generate``; returns SGLang's response dict plus ``resp["miles"]`` metadata.
 
         ``timeout`` bounds each attempt (default: the client's); a failed attempt is retried up to
         ``max_retries`` times, each with its own rid (``<rid>-r<k>``) so that an engine never sees a
         duplicate rid. An aborted request (``finish_reason.type == "abort"``) is returned, not retried.
+        ``routing_key``: sent as the ``X-SMG-Routing-Key`` header of every attempt (see the module docstring).
         """
         if int(sampling_params.get("n", 1)) != 1:
             raise ValueError("generate: sampling_params['n'] must be 1; use generate_group for n samples of one prompt")
-        return (await self._generate(input_ids, sampling_params, 1, return_logprob, rid, timeout, extra))[0]
+        return (await self._generate(input_ids, sampling_params, 1, return_logprob, rid, timeout, extra,
+                                     routing_key))[0]
 
     async def generate_group(self, input_ids: Sequence[int], sampling_params: dict, n: int,
                              return_logprob: bool = True, rid: str | None = None, timeout: float | None = None,
-                             extra: dict | None = None) -> list[dict]:
+                             extra: dict | None = None, routing_key: str | None = None) -> list[dict]:
         """``n`` samples of one prompt in ONE ``/generate`` (``sampling_params.n``, which sglang-router passes
         through); returns the ``n`` answers in sample order, each with ``resp["miles"]`` (shared: one request).
 
@@ -403,12 +417,19 @@ class EngineClient(_Http):
         if "n" in sampling_params:
             raise ValueError("generate_group: give the sample count as n=, not in sampling_params")
         params = dict(sampling_params, n=int(n)) if n > 1 else dict(sampling_params)
-        return await self._generate(input_ids, params, n, return_logprob, rid, timeout, extra)
+        return await self._generate(input_ids, params, n, return_logprob, rid, timeout, extra, routing_key)
 
     async def _generate(self, input_ids: Sequence[int], sampling_params: dict, n: int, return_logprob: bool,
-                        rid: str | None, timeout: float | None, extra: dict | None) -> list[dict]:
+                        rid: str | None, timeout: float | None, extra: dict | None,
+                        routing_key: str | None = None) -> list[dict]:
         if not input_ids:
             raise ValueError("generate: input_ids is empty; every request needs at least one prompt token")
+        if routing_key is not None and (not isinstance(routing_key, str) or not routing_key
+                                        or not routing_key.isprintable() or not routing_key.isascii()):
+            raise ValueError(f"generate: routing_key {routing_key!r} must be a non-empty printable ASCII string "
+                             f"(it travels as the {ROUTING_KEY_HEADER} header)")
+        # only when set: subclasses and stand-ins with the older _request signature keep working
+        headers = {"headers": {ROUTING_KEY_HEADER: routing_key}} if routing_key is not None else {}
         bad = _OWN_FIELDS.intersection(extra or {})
         if bad:
             raise ValueError(f"generate: extra fields {sorted(bad)} are set by generate's own arguments")
@@ -431,11 +452,12 @@ class EngineClient(_Http):
                 for attempt in range(self.max_retries + 1):
                     if aborted.is_set():  # aborted while waiting for a slot or in the backoff: no new attempt
                         return stopped(attempt)
-                    url = self._pick_url(avoid=url if errors else None)
+                    url = self._pick_url(avoid=url if errors else None, routing_key=routing_key)
                     attempt_rid = rid if attempt == 0 else f"{rid}-r{attempt}"
                     self._inflight[rid] = (attempt_rid, url)
                     try:
-                        resp = await self._request("POST", url, "/generate", {**payload, "rid": attempt_rid}, timeout)
+                        resp = await self._request("POST", url, "/generate", {**payload, "rid": attempt_rid}, timeout,
+                                                   **headers)
                     except EngineError as e:
                         errors.append(str(e))
                         if e.retryable:

@@ -36,7 +36,7 @@ from typing import Any
 
 from miles.config.base import ConfigError
 from miles.config.rollout import RolloutConfig
-from miles.config.router import SECRETS, load_spec, router_cli
+from miles.config.router import SECRETS, load_spec, router_cli, router_policies
 from miles.fleet.client import EngineControl, EngineError, _Http
 from miles.fleet.engines import engine_url
 from miles.utils.logging import get_logger
@@ -44,7 +44,7 @@ from miles.utils.net import find_free_port
 
 logger = get_logger(__name__)
 
-ROUTER_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two", "manual")
+ROUTER_POLICIES = router_policies()  # sglang-router 0.3.2's --policy choices (miles/config/sglang_router_args.json)
 
 
 _SECRET_FLAGS = frozenset(a.router_flag for a in load_spec().values() if a.name in SECRETS)

@@ -3,7 +3,7 @@
 Token in, token out: the engine gets ``sample.tokens`` (the prompt ids from the data source, and in
 later turns everything so far) as ``input_ids`` with ``return_logprob=True`` (and, for a sample with images,
 SGLang's ``image_data``: each image as ``data:image/png;base64,...``, its tokens already expanded in the ids,
-as Miles sends them); the generated ids and
+as Miles sends them; a sample's ``routing_key`` as sglang-router's ``X-SMG-Routing-Key`` header); the generated ids and
 their log-probs are read from ``meta_info.output_token_logprobs`` and appended unchanged. Nothing is
 ever re-tokenized, so the trainer sees exactly the ids the engine produced.
 
@@ -30,7 +30,7 @@ import operator
 from typing import Any
 
 from miles.config.rollout import RolloutConfig
-from miles.types import Sample, SampleStatus
+from miles.types import Sample, SampleError, SampleStatus
 
 FINISH_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
 
@@ -128,13 +128,34 @@ def request_extra(top_logprobs_num: int = 0, routed_experts: bool = False,
 
 
 def sample_image_data(sample: Sample) -> list[str] | None:
-    """The ``image_data`` of a sample's requests (``--multimodal-keys``: its ``metadata["multimodal_inputs"]``), or
-    None for a text sample."""
+    """The ``image_data`` of a sample's requests (``--multimodal-keys``: its ``metadata["multimodal_inputs"]``, after
+    the sample's ``multimodal_inputs`` is stored there), or None for a text sample."""
+    sample.store_multimodal_inputs()    # a plugin's Sample.multimodal_inputs (Miles's field), as references
     if not isinstance(sample.metadata, dict) or "multimodal_inputs" not in sample.metadata:  # multimodal.MEDIA_KEY
         return None
     from miles.rollout.multimodal import image_data
 
     return image_data(sample.metadata)
+
+
+def routing(sample: Sample) -> dict[str, Any]:
+    """The client keyword of a sample's requests: ``routing_key`` when the sample has one (a client that takes no
+    such argument still serves a sample without one)."""
+    return {"routing_key": sample.routing_key} if sample.routing_key else {}
+
+
+def routing_headers(args: Any, sample: Sample) -> dict[str, str] | None:
+    """Miles's ``compute_routing_headers``: ``{"X-SMG-Routing-Key": key}`` for a sample with a routing key, else None;
+    under a routing-key policy (``args.sglang_router_policy`` manual or consistent_hashing) a sample without one is
+    refused (SampleError, one line), as in Miles."""
+    from miles.config.router import uses_routing_key
+    from miles.fleet.client import ROUTING_KEY_HEADER
+
+    policy = getattr(args, "sglang_router_policy", None)
+    if uses_routing_key(policy) and not sample.routing_key:
+        raise SampleError(f"router policy {policy} routes by {ROUTING_KEY_HEADER}, but sample (index={sample.index}) "
+                          "has no routing_key set: set sample.routing_key (the built-in rollout gives each sample one).")
+    return {ROUTING_KEY_HEADER: sample.routing_key} if sample.routing_key else None
 
 
 async def generate(client: Any, sample: Sample, sampling_params: dict[str, Any], *,
@@ -143,7 +164,8 @@ async def generate(client: Any, sample: Sample, sampling_params: dict[str, Any],
     the engine's top-k log-probs of every generated position (``metadata["opd_student_top_logprobs"]``);
     ``routed_experts``: ask for the MoE routing (R3), kept in ``sample.rollout_routed_experts``."""
     extra = request_extra(top_logprobs_num, routed_experts, sample_image_data(sample))
-    out = await client.generate(list(sample.tokens), sampling_params, return_logprob=True, extra=extra)
+    out = await client.generate(list(sample.tokens), sampling_params, return_logprob=True, extra=extra,
+                                **routing(sample))
     append_output(sample, out)
     return sample
 
@@ -178,7 +200,8 @@ class MultiTurn:
         asked = overrides.get("max_new_tokens", remaining)
         limits = [n for n in (remaining, asked) if n is not None]
         params = {**self.sampling_params, **overrides, "max_new_tokens": min(limits) if limits else None}
-        out = await client.generate(list(self.sample.tokens), params, return_logprob=True, extra=self.extra)
+        out = await client.generate(list(self.sample.tokens), params, return_logprob=True, extra=self.extra,
+                                    **routing(self.sample))
         return append_output(self.sample, out, decode=self.decode)
 
     def decode(self, ids: list[int]) -> str:

@@ -52,6 +52,7 @@ from miles.config.base import ConfigError
 from miles.config.data import DataConfig, EvalConfig, RewardConfig
 from miles.config.eval_datasets import EvalDatasetSpec, resolve_eval_datasets
 from miles.config.rollout import RolloutConfig
+from miles.config.router import router_policy, uses_routing_key
 from miles.rollout import generate as gen
 from miles.rollout.base_types import input_form
 from miles.rollout.data import DataSource, EvalDataset, PromptDataset, PromptItem
@@ -123,8 +124,9 @@ def _aborted_response(prompt_len: int, why: str) -> dict[str, Any]:
 class TrackedClient:
     """Wraps the EngineClient for generate functions: request ids the manager can abort, retry counts.
 
-    Requests made inside a sample's task get rid ``<run>-<stream>-r<rollout>-g<group>-s<index>-<k>``;
-    once the group is aborted, further requests are answered locally as aborted.
+    Requests made inside a sample's task get rid ``<run>-<stream>-r<rollout>-g<group>-s<index>-<k>`` and, when the
+    sample has a ``routing_key`` and the call names none, that key; once the group is aborted, further requests are
+    answered locally as aborted.
     """
 
     def __init__(self, inner: Any, prefix: str) -> None:
@@ -141,6 +143,8 @@ class TrackedClient:
             return _aborted_response(len(input_ids), "aborted by the rollout manager (surplus group)")
         group.requests += 1
         rid = rid or f"{self.prefix}-r{sample.rollout_id}-g{group.index}-s{sample.index}-{group.requests}"
+        if sample.routing_key and "routing_key" not in kwargs:   # a plugin's own call: the sample's engine
+            kwargs["routing_key"] = sample.routing_key
         group.rids.add(rid)
         try:
             resp = await self.inner.generate(input_ids, sampling_params, return_logprob=return_logprob, rid=rid, **kwargs)
@@ -221,6 +225,8 @@ class RolloutManager:
         self.filter = load_filter(data.dynamic_sampling_filter_path) if data.dynamic_sampling_filter_path else None
         self.group_requests = (bool(group_requests) and self.custom_generate is None
                                and callable(getattr(client, "generate_group", None)))
+        # a routing-key policy (--sglang-router-policy manual): each sample gets a key of its own, as in Miles
+        self.routing_keys = uses_routing_key(router_policy(rollout))
         self.batch = data.rollout_batch_size
         self.over = data.over_sampling_batch_size or self.batch
         if data.over_sampling_batch_size and self.filter is None:
@@ -243,6 +249,9 @@ class RolloutManager:
     def _new_group(self, index: int, item: PromptItem, rollout_id: int, n: int) -> _Group:
         g = _Group(index=index, item=item)
         g.samples = [self._fresh_sample(g, rollout_id, i, n) for i in range(n)]
+        if self.routing_keys:   # Miles's generate_and_rm_group: a fresh key per sample under a routing-key policy
+            for sample in g.samples:
+                sample.routing_key = str(uuid.uuid4())
         return g
 
     @staticmethod
@@ -270,6 +279,7 @@ class RolloutManager:
                 return f"status {sample.status!r} is not one of {[s.value for s in SampleStatus]}"
         try:
             sample.validate()   # the per-token fields agree with response_length (Miles's Sample.validate)
+            sample.store_multimodal_inputs()   # Miles's multimodal_inputs as the function left it: the trained images
         except SampleError as e:
             return str(e)
         if sample.status is SampleStatus.PENDING:
@@ -342,8 +352,10 @@ class RolloutManager:
         """Generate slot ``slot`` (``generated``: the group request already did, once), regenerating what the
         engine aborted, then reward it."""
         for attempt in range(self.engine_abort_retries + 1):
-            if attempt:  # the engine aborted it (e.g. paused for a weight update): start the slot afresh
+            if attempt:  # the engine aborted it (e.g. paused for a weight update): start the slot afresh (same key)
+                key = g.samples[slot].routing_key
                 g.samples[slot] = self._fresh_sample(g, g.samples[slot].rollout_id, slot, len(g.samples))
+                g.samples[slot].routing_key = key
                 g.more.pop(slot, None)
             if attempt == 0 and generated:
                 sample = g.samples[slot]
@@ -380,7 +392,9 @@ class RolloutManager:
     async def _run_group(self, g: _Group, stream: str, rollout_id: int, base: dict[str, Any], counts: _Counts) -> None:
         first = group_seed(self.rollout.rollout_seed, stream, rollout_id, g.index)
         base = self._fit_context(base, len(g.samples[0].tokens), stream)  # a group's samples share the prompt
-        together = self.group_requests and len(g.samples) > 1 and g.generate_path is None
+        # one request for the group, unless its samples have routing keys (one request carries one key)
+        together = (self.group_requests and len(g.samples) > 1 and g.generate_path is None
+                    and not any(s.routing_key for s in g.samples))
         if together:
             await self._generate_group(g, {**base, "sampling_seed": first}, counts)
         await asyncio.gather(*(self._run_sample(g, i, {**base, "sampling_seed": first + i}, counts, True, together)

@@ -26,12 +26,15 @@ __all__ = ["GenerateState", "generate", "generate_rollout"]
 async def generate(args: Any, sample: Sample, sampling_params: dict[str, Any]) -> Sample:
     """One ``/generate`` on the sample's ids through ``args.client`` (token in, token out). As Miles's: a sample
     handed back after an abort continues within what is left of ``max_new_tokens`` (none left: TRUNCATED, no
-    request); a finished one is refused (``SampleError``, an AssertionError as Miles's ``assert``)."""
+    request); a finished one is refused (``SampleError``, an AssertionError as Miles's ``assert``). The sample's
+    ``routing_key`` is sent as ``X-SMG-Routing-Key``; under ``--sglang-router-policy manual`` a sample without one is
+    refused, as Miles's ``compute_routing_headers`` does."""
     from miles.rollout.opd_topk import student_top_k
 
     if sample.status not in (SampleStatus.PENDING, SampleStatus.ABORTED):
         raise SampleError(f"miles.rollout.sglang_rollout.generate: sample {sample.index} has status "
                           f"{sample.status}; only a pending or an aborted (resumed) sample is generated.")
+    gen.routing_headers(args, sample)   # a routing-key policy needs the sample's key (sent by gen.generate)
     params = dict(sampling_params)
     if sample.response_length and params.get("max_new_tokens") is not None:
         left = int(params["max_new_tokens"]) - sample.response_length

@@ -49,7 +49,7 @@ _TENSOR_FIELDS = {"tokens": "token", "loss_mask": "loss_mask", "rollout_log_prob
 _FLAT = {"tokens": ("tokens", "token_offsets", torch.int32),
          "loss_mask": ("loss_mask", "loss_mask_offsets", torch.uint8),
          "rollout_log_probs": ("log_probs", "log_prob_offsets", torch.float32)}
-_ROLLOUT_ONLY = {"rollout_indexer_topk"}   # Miles's field no trainer here reads (types.py says why): not sent
+_ROLLOUT_ONLY = {"rollout_indexer_topk", "routing_key"}   # Miles's fields no trainer reads (types.py says why): not sent
 _JSON_FIELDS = [f.name for f in dataclasses.fields(Sample) if f.name not in _FLAT and f.name not in _ROLLOUT_ONLY]
 _INT32_MAX = 2**31 - 1
 
@@ -121,6 +121,10 @@ def encode_samples(samples: list[Sample]) -> bytes:
     tensors: dict[str, torch.Tensor] = {}
     for i, s in enumerate(samples):
         _check_sample(i, s)
+        try:   # Miles's Sample.multimodal_inputs, as a plugin left it: the image references the trainer reads
+            s.store_multimodal_inputs()
+        except ValueError as e:
+            raise SampleWireError(str(e)) from None
     for field, (flat_name, off_name, dtype) in _FLAT.items():
         values = [getattr(s, field) or [] for s in samples]
         lengths = torch.tensor([0] + [len(v) for v in values], dtype=torch.int64)

@@ -5,7 +5,9 @@ as an RGB PIL image; :class:`VisionProcessor` is a VLM checkpoint's image side: 
 (``preprocessor_config.json``), the image placeholder token (``image_token_id`` of ``config.json``) and how many
 placeholder tokens an image takes (one per merged patch, as the model's processor expands them).
 :func:`train_inputs` is Miles's ``Sample.multimodal_train_inputs`` (the processor's tensors of a sample's images,
-from the checkpoint the rollout manager names with :func:`set_rollout_checkpoint`).
+from the checkpoint the rollout manager names with :func:`set_rollout_checkpoint`); :func:`raw_inputs` and
+:func:`inputs_refs` are Miles's ``Sample.multimodal_inputs`` (the images as PIL objects) and its way back to the
+references the sample carries.
 """
 
 from __future__ import annotations
@@ -119,3 +121,45 @@ def train_inputs(metadata: dict[str, Any]) -> dict[str, Any] | None:
         raise RuntimeError("Sample.multimodal_train_inputs is computed by the rollout manager's image processor; "
                            "none is set here (miles.utils.images.set_rollout_checkpoint).")
     return dict(_train_inputs(_ROLLOUT_CHECKPOINT[0], tuple(refs)))
+
+
+# ----------------------------------------------------------------------------- Sample.multimodal_inputs
+def raw_inputs(metadata: dict[str, Any]) -> tuple[dict[str, Any] | None, list[tuple[Any, str]]]:
+    """Miles's ``Sample.multimodal_inputs`` of a sample: ``{"images": [PIL RGB images], "videos": None}`` in prompt
+    order (None without images), and each image paired with the reference it was loaded from."""
+    refs = sample_images(metadata)
+    images = [load_image(r) for r in refs]
+    return ({"images": images, "videos": None} if refs else None), list(zip(images, refs))
+
+
+def inputs_refs(inputs: Any, loaded: list[tuple[Any, str]]) -> list[str]:
+    """The references of a ``Sample.multimodal_inputs`` value, in order: an image loaded from a reference keeps it, a
+    new PIL image becomes a PNG data URI, a string must be an absolute path or a ``data:image/`` URI. ValueError (one
+    line) for a value the trainer could not use: not a dict, videos or other media (only images are supported)."""
+    if inputs is None:
+        return []
+    if not isinstance(inputs, dict):
+        raise ValueError(f"Sample.multimodal_inputs must be a dict such as {{'images': [...]}} or None, got "
+                         f"{type(inputs).__name__}")
+    other = [k for k, v in inputs.items() if k != "images" and v]
+    if other:
+        raise ValueError(f"Sample.multimodal_inputs[{other[0]!r}]: only images are supported here (as --multimodal-keys "
+                         "takes image columns only); leave it None or empty")
+    images = inputs.get("images") or []
+    if not isinstance(images, list | tuple):
+        raise ValueError(f"Sample.multimodal_inputs['images'] must be a list, got {type(images).__name__}")
+    refs = []
+    for i, img in enumerate(images):
+        ref = next((r for im, r in loaded if im is img), None)
+        if ref is None and isinstance(img, str):
+            if not (img.startswith("data:image/") or Path(img).is_absolute()):
+                raise ValueError(f"Sample.multimodal_inputs['images'][{i}] {img[:60]!r}: a string must be an absolute "
+                                 "path or a data:image/...;base64, URI")
+            ref = img
+        elif ref is None:
+            if not (hasattr(img, "mode") and hasattr(img, "save")):
+                raise ValueError(f"Sample.multimodal_inputs['images'][{i}] is a {type(img).__name__}; expected a PIL "
+                                 "image, an absolute path or a data:image URI")
+            ref = png_data_uri(img)
+        refs.append(ref)
+    return refs

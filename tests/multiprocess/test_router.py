@@ -26,7 +26,9 @@ from miles.fleet.router import (
     connect_or_start_router,
     remove_dead_workers,
 )
+from miles.rollout import generate as gen
 from miles.spmd.supervisor import EngineSupervisor
+from miles.types import Sample
 from miles.utils.net import find_free_port
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
@@ -34,6 +36,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 KEY = "router-test-key"
 PROMPT = [3, 4, 5, 6]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
+TOKENS_32 = {"temperature": 0.0, "max_new_tokens": 32, "ignore_eos": True}
 LONG = {"temperature": 1.0, "max_new_tokens": 500, "ignore_eos": True}  # prompt + 500 fits max_context_len 512
 
 
@@ -132,6 +135,44 @@ def test_api_key_enforced_end_to_end(cluster):
     assert no_key.status == 401 and "--sglang-api-key" in str(no_key)
     assert no_key_workers.status == 401 and engine_no_key.status == 401
     assert len(ok["output_ids"]) == 8
+
+
+def test_manual_policy_serves_each_routing_key_on_one_engine(cluster, tmp_path):
+    """``--sglang-router-policy manual`` (with ``--router-assignment-mode min_group``): a sample's ``routing_key``,
+    sent by the default generate as ``X-SMG-Routing-Key``, keeps its requests on one engine, and the keys spread over
+    both. Which engine served is read from each engine's own ``/get_load`` token counter (the routers' health probes
+    add a token each: each request makes 32, so an engine that served none of a key's requests has fewer than 32)."""
+    _, (a, b) = cluster
+    router = RouterProcess.start("127.0.0.1", None, "manual", timeout=60, api_key=KEY, log_path=tmp_path / "router.log",
+                                 router_args={"assignment_mode": "min_group"})
+
+    async def generated(ctls):
+        return [(await c.get_load())["generated_tokens"] for c in ctls]
+
+    async def go():
+        per_key = {}
+        async with RouterClient(router.url, api_key=KEY, timeout=60) as rc, \
+                EngineClient(router.url, api_key=KEY, timeout=60, max_retries=0) as client, \
+                EngineControl(a.url, KEY) as ca, EngineControl(b.url, KEY) as cb:
+            await rc.wait_ready(30)
+            for e in (a, b):
+                await rc.add_worker(e.url)
+                await rc.wait_healthy(e.url, timeout=30)
+            for key in ("trace-1", "trace-2", "trace-3", "trace-4"):
+                before = await generated((ca, cb))
+                for _ in range(3):
+                    s = await gen.generate(client, Sample(tokens=list(PROMPT), routing_key=key), TOKENS_32)
+                    assert s.response_length == 32
+                after = await generated((ca, cb))
+                per_key[key] = [x - y for x, y in zip(after, before)]
+        return per_key
+    try:
+        per_key = run(go())
+    finally:
+        router.stop()
+    served = {key: [d >= 3 * 32 for d in deltas] for key, deltas in per_key.items()}
+    assert all(min(d) < 32 and max(d) >= 3 * 32 for d in per_key.values()), per_key   # each key: one engine only
+    assert {tuple(v) for v in served.values()} == {(True, False), (False, True)}, per_key   # keys use both
 
 
 def test_add_worker_that_never_gets_healthy_fails_clearly(cluster):

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from miles.rollout.generate import sample_image_data
+from miles.rollout.generate import routing_headers, sample_image_data
 from miles.rollout.teacher import response_log_probs
 from miles.types import Sample, SampleStatus
 from miles.utils.http_utils import post
@@ -65,12 +65,15 @@ async def recompute_rollout_logprobs_via_prefill(args: Any, sample: Sample, *, u
 async def recompute_samples_rollout_logprobs_via_prefill(args: Any, samples: list[Sample], *, url: str,
                                                          sampling_params: Mapping[str, Any]) -> None:
     """Rescore every sample with a response that is not aborted, each after a ``/flush_cache`` of ``url``'s server
-    (a clean prefill, not a cache hit)."""
+    (a clean prefill, not a cache hit); both carry the sample's ``X-SMG-Routing-Key`` when it has one (under a
+    routing-key policy it must, as in Miles)."""
     if not getattr(args, "recompute_logprobs_via_prefill", False):
         return
     flush_url = url.rsplit("/", 1)[0] + "/flush_cache"
     for sample in samples:
         if sample.response_length == 0 or sample.status is SampleStatus.ABORTED:
             continue
-        await post(flush_url, {})
-        await recompute_rollout_logprobs_via_prefill(args, sample, url=url, sampling_params=sampling_params)
+        headers = routing_headers(args, sample)   # the sample's engine under a routing-key policy, as Miles
+        await post(flush_url, {}, headers=headers)
+        await recompute_rollout_logprobs_via_prefill(args, sample, url=url, sampling_params=sampling_params,
+                                                     headers=headers)
