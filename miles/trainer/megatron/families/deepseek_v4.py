@@ -49,10 +49,13 @@ radixark/miles@v0.1.0:miles_plugins/models/deepseek_v4/):
 
 Names. Read: DeepSeek's checkpoint names (``embed.weight``, ``layers.L.attn.wq_a.weight``, per-expert
 ``layers.L.ffn.experts.E.w1/w2/w3``, ``hc_head_fn``, ``head.weight``, with or without ``model.``: transformers'
-``save_pretrained`` writes that spelling) or transformers' own (what ``--save-hf`` writes). Exported (weight sync,
-``--save-hf``): transformers' module names with its fused experts (``mlp.experts.gate_up_proj`` [E, 2I, H] =
-[w1; w3] per expert, ``down_proj`` [E, H, I]), which the embedded engine loads; the FSDP backend exports the
-checkpoint's own names (DeepSeek's, ``miles.weight_sync.hf_layout``), which the embedded engine also takes.
+``save_pretrained`` writes that spelling) or transformers' own module names (fused experts
+``mlp.experts.gate_up_proj`` [E, 2I, H] = [w1; w3] per expert, ``down_proj`` [E, H, I]). ``megatron_to_hf`` gives
+transformers' module names (LoRA's PEFT adapters name those modules); the exported stream (weight sync,
+``--save-hf``: ``export_stream``) DeepSeek's checkpoint names without ``model.``, experts one by one: the names of
+V4's checkpoints, which SGLang and the embedded engine load and the FSDP backend exports (transformers' load-time
+conversion reverted, ``miles.weight_sync.hf_layout``), so ``--save-hf`` holds a DeepSeek-named checkpoint's key set
+(a checkpoint in transformers' spellings is read, and exported under DeepSeek's).
 megatron names: ``decoder.layers.L.self_attention.<DeepSeek's attn name>``, ``hc_attn.fn`` ..., megatron-core's
 ``mlp.router``/``mlp.experts``/``mlp.shared_experts`` (fc1 = [w1; w3]).
 
