@@ -97,12 +97,15 @@ def _checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def _megatron_export(model_dir: Path, bucket_bytes: int) -> tuple[list[tuple[str, torch.Tensor]], object]:
-    """(HF name, tensor) of the Megatron export of ``model_dir`` loaded at TP 1, and its ``ModelShape``."""
+    """(HF name, tensor) of the Megatron export of ``model_dir`` loaded at TP 1 (names spelled as the checkpoint
+    spells them, as the trainer's ``iter_weight_buckets``), and its ``ModelShape``."""
     from megatron.core import parallel_state as ps
     from transformers import AutoConfig
 
     from miles.trainer.megatron import convert, export, model, moe, parallel
+    from miles.trainer.weights import checkpoint_tensor_names
     from miles.utils.model_dir import load_config
+    from miles.weight_sync.hf_layout import checkpoint_spelling
 
     cpu = torch.device("cpu")
     groups = parallel.init_parallel(tp_size=1, num_trainer_ranks=1, seed=1, device=cpu, timeout=60)
@@ -118,8 +121,9 @@ def _megatron_export(model_dir: Path, bucket_bytes: int) -> tuple[list[tuple[str
         gpt = model.build_gpt_model(shape, config, padded_vocab=padded, device=cpu,
                                     hf_config=AutoConfig.from_pretrained(model_dir) if shape.vision else None)
         convert.load_hf_into(gpt, convert.read_hf_state_dict(model_dir), shape, padded, 0, 1)
-        pairs = [(n, t.clone()) for b in export.iter_hf_buckets(gpt, shape, groups, device=cpu,
-                                                                 bucket_bytes=bucket_bytes) for n, t in b]
+        spelling = checkpoint_spelling(shape.model_type, checkpoint_tensor_names(model_dir))   # as the trainer's
+        pairs = [(n, t.clone()) for b in export.iter_hf_buckets(gpt, shape, groups, device=cpu, bucket_bytes=bucket_bytes,
+                                                                 spelling=spelling) for n, t in b]
     finally:
         ps.destroy_model_parallel()
     return pairs, shape
@@ -163,3 +167,24 @@ def test_dsv4_save_hf_is_the_checkpoint(one_rank_group, tmp_path: Path) -> None:
     b = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     sa, sb = a.state_dict(), b.state_dict()
     assert sorted(sa) == sorted(sb) and all(torch.equal(sa[k], sb[k]) for k in sb)
+
+
+def test_dsv4_export_spells_names_as_the_checkpoint(one_rank_group, tmp_path: Path) -> None:
+    """A DeepSeek-V4 checkpoint written by transformers' ``save_pretrained`` spells DeepSeek's names its own way
+    (``model.layers.L.attn.wq_a.weight``, ``model.embed_tokens.weight``, ``model.hc_head.hc_fn``, ``head.weight``):
+    the export (``hf_layout.checkpoint_spelling``, as the FSDP backend's ``CheckpointLayout``) holds that
+    checkpoint's key set bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    from miles.utils.tiny_dsv4 import build_tiny_dsv4_model
+
+    native = build_tiny_dsv4_model(tmp_path / "native")
+    AutoModelForCausalLM.from_pretrained(native, dtype=torch.float32).save_pretrained(tmp_path / "saved")
+    ckpt = _checkpoint(tmp_path / "saved")
+    assert "model.layers.0.attn.wq_a.weight" in ckpt and sorted(ckpt) != sorted(_checkpoint(native))
+    for f in native.iterdir():              # config and tokenizer beside the re-saved weights
+        if not f.name.endswith(".safetensors") and not (tmp_path / "saved" / f.name).exists():
+            (tmp_path / "saved" / f.name).write_bytes(f.read_bytes())
+    got = dict(_megatron_export(tmp_path / "saved", 1 << 14)[0])
+    assert sorted(got) == sorted(ckpt)
+    assert [k for k in ckpt if got[k].dtype != ckpt[k].dtype or not torch.equal(got[k], ckpt[k])] == []
