@@ -5,13 +5,15 @@ the model megatron-core builds from config.json, loaded from the checkpoint by t
 CPU), exports (``export.iter_hf_buckets``: the weight sync's stream, which ``--save-hf`` writes) exactly the
 checkpoint's safetensors tensors: the same key set, each tensor with the checkpoint's shape, dtype and bits. The FSDP
 backend's export equals the same checkpoint (``tests/unit/trainer/test_fsdp_export_names.py``), so the two backends
-sync the same names. A multimodal checkpoint trained text-only (``Family.text_prefix``) exports its text model;
-``--save-hf`` adds the towers from the checkpoint (``_checkpoint_buffers``). TP / EP / PP gathers of the same
+sync the same names. A multimodal checkpoint trained text-only (``Family.text_prefix``: Gemma 4's, Kimi-K2.5's,
+Qwen3.5's VL layout) exports its text model; ``--save-hf`` adds the towers from the checkpoint
+(``_checkpoint_buffers``). A checkpoint with MTP layers builds and exports them. TP / EP / PP gathers of the same
 stream: the families' multiprocess tests.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -42,7 +44,8 @@ def _builders() -> dict:
         "mla": {"glm4_moe_lite": tiny_mla.build_tiny_mla_model,
                 "deepseek_v3": lambda p: tiny_mla.build_tiny_mla_model(p, model_type="deepseek_v3", n_group=2,
                                                                        topk_group=1),
-                "kimi_k2": lambda p: tiny_mla.build_tiny_mla_model(p, model_type="kimi_k2")},
+                "kimi_k2": lambda p: tiny_mla.build_tiny_mla_model(p, model_type="kimi_k2"),
+                "glm4_moe_lite_mtp": lambda p: tiny_mla.build_tiny_mla_model(p, mtp_layers=1)},
         "kimi_k25": {"kimi_k25": tiny_kimi_k25.build_tiny_kimi_k25},
         "gpt_oss": {"gpt_oss": tiny_gpt_oss.build_tiny_gpt_oss_model},
         "dsa": {"glm_moe_dsa": tiny_dsa.build_tiny_dsa_model,
@@ -53,16 +56,14 @@ def _builders() -> dict:
         "deepseek_v4": {"deepseek_v4": tiny_dsv4.build_tiny_dsv4_model},
         "qwen3_next": {"qwen3_next": lambda p: tiny_qwen35.build_tiny_qwen35_model(p, kind="qwen3_next"),
                        "qwen3_5_moe_text": tiny_qwen35.build_tiny_qwen35_model,
-                       "qwen3_5_moe": lambda p: tiny_qwen35.build_tiny_qwen35_model(p, vlm=True)},
+                       "qwen3_5_moe": lambda p: tiny_qwen35.build_tiny_qwen35_model(p, vlm=True),
+                       "qwen3_5_moe_mtp": lambda p: tiny_qwen35.build_tiny_qwen35_model(p, vlm=True, mtp=True)},
         "glm4_moe": {"glm4_moe": tiny_glm4_moe.build_tiny_glm4_moe},
     }
 
 
 # exports that differ from the checkpoint today (each with what differs): strict, so a fix turns them red
-DIFFER = {
-    "qwen3_5_moe": "a Qwen3.5 VL checkpoint's text model (model.language_model.*) is exported under transformers' "
-                   "causal-LM names (model.*), not the checkpoint's (families/qwen3_next.py hf_state)",
-}
+DIFFER: dict[str, str] = {}
 CASES = [pytest.param(fam, case, id=case, marks=[pytest.mark.xfail(strict=True, reason=DIFFER[case])]
                       if case in DIFFER else []) for fam, cases in _builders().items() for case in cases]
 
@@ -111,6 +112,8 @@ def _megatron_export(model_dir: Path, bucket_bytes: int) -> tuple[list[tuple[str
     groups = parallel.init_parallel(tp_size=1, num_trainer_ranks=1, seed=1, device=cpu, timeout=60)
     try:
         shape = model.ModelShape.from_hf_config(load_config(model_dir))
+        if shape.nextn_layers:          # the checkpoint's MTP layers built and exported (--mtp-num-layers)
+            shape = dataclasses.replace(shape, mtp_num_layers=shape.nextn_layers)
         kw = None
         if shape.num_experts:
             moe.apply_moe_compat()
