@@ -99,10 +99,14 @@ def _same_tensor_names(renamings: list, prefix: str,
     def load_name(name: str) -> str:    # transformers loads a name with or without the base model's prefix
         return apply_renamings(name.removeprefix(prefix), renamings).removeprefix(prefix)
 
-    by_load_name = {load_name(n): n for n in checkpoint_names}
+    by_load_name: dict[str, str] = {}
 
     def canonical(name: str) -> str:
-        return name if name in checkpoint_names else by_load_name.get(load_name(name), name)
+        if name in checkpoint_names:
+            return name
+        if not by_load_name:            # built at the first name the checkpoint lacks (a regex per name and renaming)
+            by_load_name.update((load_name(n), n) for n in checkpoint_names)
+        return by_load_name.get(load_name(name), name)
 
     return canonical
 
