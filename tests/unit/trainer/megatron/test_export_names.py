@@ -191,3 +191,30 @@ def test_dsv4_export_spells_names_as_the_checkpoint(one_rank_group, tmp_path: Pa
     got = dict(_megatron_export(tmp_path / "saved", 1 << 14)[0])
     assert sorted(got) == sorted(ckpt)
     assert [k for k in ckpt if got[k].dtype != ckpt[k].dtype or not torch.equal(got[k], ckpt[k])] == []
+
+
+def test_dsv4_trainer_save_hf_keeps_the_checkpoint_spelling(one_rank_group, tmp_path: Path) -> None:
+    """The Megatron trainer itself (one gloo rank): on the ``save_pretrained``-spelled V4 checkpoint its weight
+    export and its ``--save-hf`` directory hold that checkpoint's key set bit for bit (``iter_weight_buckets``
+    spells the names by ``--hf-checkpoint``)."""
+    from trainer_harness import build
+    from transformers import AutoModelForCausalLM
+
+    from miles.utils.tiny_dsv4 import build_tiny_dsv4_model
+
+    native = build_tiny_dsv4_model(tmp_path / "native")
+    saved = tmp_path / "saved"
+    AutoModelForCausalLM.from_pretrained(native, dtype=torch.float32).save_pretrained(saved)
+    for f in native.iterdir():
+        if not f.name.endswith(".safetensors") and not (saved / f.name).exists():
+            (saved / f.name).write_bytes(f.read_bytes())
+    tr = build(saved, ["--train-backend", "megatron", "--moe-router-score-function", "sqrtsoftplus",
+                       "--moe-router-enable-expert-bias", "--moe-router-topk-scaling-factor", "1.5",
+                       "--moe-aux-loss-coeff", "0", "--expert-tensor-parallel-size", "1"], group=one_rank_group)
+    ckpt = _checkpoint(saved)
+    got = {n: t.clone() for b in tr.iter_weight_buckets(1 << 14) for n, t in b}
+    assert sorted(got) == sorted(ckpt)
+    tr.save_hf(tmp_path / "out")
+    out = _checkpoint(tmp_path / "out")
+    assert sorted(out) == sorted(ckpt)
+    assert [k for k in ckpt if out[k].dtype != ckpt[k].dtype or not torch.equal(out[k], ckpt[k])] == []
