@@ -172,23 +172,32 @@ def test_dsv4_save_hf_is_the_checkpoint(one_rank_group, tmp_path: Path) -> None:
     assert sorted(sa) == sorted(sb) and all(torch.equal(sa[k], sb[k]) for k in sb)
 
 
-def test_dsv4_export_spells_names_as_the_checkpoint(one_rank_group, tmp_path: Path) -> None:
-    """A DeepSeek-V4 checkpoint written by transformers' ``save_pretrained`` spells DeepSeek's names its own way
-    (``model.layers.L.attn.wq_a.weight``, ``model.embed_tokens.weight``, ``model.hc_head.hc_fn``, ``head.weight``):
-    the export (``hf_layout.checkpoint_spelling``, as the FSDP backend's ``CheckpointLayout``) holds that
-    checkpoint's key set bit for bit."""
+def _resaved_dsv4(tmp_path: Path) -> Path:
+    """The tiny DeepSeek-V4 (DeepSeek's names) loaded by transformers and written again by ``save_pretrained``
+    (its spelling: ``model.layers.L.attn.*``, ``model.embed_tokens.weight``, ``head.weight``), tokenizer beside."""
     from transformers import AutoModelForCausalLM
 
     from miles.utils.tiny_dsv4 import build_tiny_dsv4_model
 
     native = build_tiny_dsv4_model(tmp_path / "native")
-    AutoModelForCausalLM.from_pretrained(native, dtype=torch.float32).save_pretrained(tmp_path / "saved")
-    ckpt = _checkpoint(tmp_path / "saved")
-    assert "model.layers.0.attn.wq_a.weight" in ckpt and sorted(ckpt) != sorted(_checkpoint(native))
-    for f in native.iterdir():              # config and tokenizer beside the re-saved weights
-        if not f.name.endswith(".safetensors") and not (tmp_path / "saved" / f.name).exists():
-            (tmp_path / "saved" / f.name).write_bytes(f.read_bytes())
-    got = dict(_megatron_export(tmp_path / "saved", 1 << 14)[0])
+    saved = tmp_path / "saved"
+    AutoModelForCausalLM.from_pretrained(native, dtype=torch.float32).save_pretrained(saved)
+    names = _checkpoint(saved)
+    assert "model.layers.0.attn.wq_a.weight" in names and sorted(names) != sorted(_checkpoint(native))
+    for f in native.iterdir():
+        if not f.name.endswith(".safetensors") and not (saved / f.name).exists():
+            (saved / f.name).write_bytes(f.read_bytes())
+    return saved
+
+
+def test_dsv4_export_spells_names_as_the_checkpoint(one_rank_group, tmp_path: Path) -> None:
+    """A DeepSeek-V4 checkpoint written by transformers' ``save_pretrained`` spells DeepSeek's names its own way
+    (``model.layers.L.attn.wq_a.weight``, ``model.embed_tokens.weight``, ``model.hc_head.hc_fn``, ``head.weight``):
+    the export (``hf_layout.checkpoint_spelling``, as the FSDP backend's ``CheckpointLayout``) holds that
+    checkpoint's key set bit for bit."""
+    saved = _resaved_dsv4(tmp_path)
+    ckpt = _checkpoint(saved)
+    got = dict(_megatron_export(saved, 1 << 14)[0])
     assert sorted(got) == sorted(ckpt)
     assert [k for k in ckpt if got[k].dtype != ckpt[k].dtype or not torch.equal(got[k], ckpt[k])] == []
 
@@ -198,16 +207,8 @@ def test_dsv4_trainer_save_hf_keeps_the_checkpoint_spelling(one_rank_group, tmp_
     export and its ``--save-hf`` directory hold that checkpoint's key set bit for bit (``iter_weight_buckets``
     spells the names by ``--hf-checkpoint``)."""
     from trainer_harness import build
-    from transformers import AutoModelForCausalLM
 
-    from miles.utils.tiny_dsv4 import build_tiny_dsv4_model
-
-    native = build_tiny_dsv4_model(tmp_path / "native")
-    saved = tmp_path / "saved"
-    AutoModelForCausalLM.from_pretrained(native, dtype=torch.float32).save_pretrained(saved)
-    for f in native.iterdir():
-        if not f.name.endswith(".safetensors") and not (saved / f.name).exists():
-            (saved / f.name).write_bytes(f.read_bytes())
+    saved = _resaved_dsv4(tmp_path)
     tr = build(saved, ["--train-backend", "megatron", "--moe-router-score-function", "sqrtsoftplus",
                        "--moe-router-enable-expert-bias", "--moe-router-topk-scaling-factor", "1.5",
                        "--moe-aux-loss-coeff", "0", "--expert-tensor-parallel-size", "1"], group=one_rank_group)
