@@ -97,9 +97,11 @@ def _checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _megatron_export(model_dir: Path, bucket_bytes: int) -> tuple[list[tuple[str, torch.Tensor]], object]:
+def _megatron_export(model_dir: Path, bucket_bytes: int,
+                     mtp: bool = False) -> tuple[list[tuple[str, torch.Tensor]], object]:
     """(HF name, tensor) of the Megatron export of ``model_dir`` loaded at TP 1 (names spelled as the checkpoint
-    spells them, as the trainer's ``iter_weight_buckets``), and its ``ModelShape``."""
+    spells them, as the trainer's ``iter_weight_buckets``), and its ``ModelShape``. ``mtp``: the checkpoint's MTP
+    layers built and exported too (``--mtp-num-layers``)."""
     from megatron.core import parallel_state as ps
     from transformers import AutoConfig
 
@@ -112,7 +114,7 @@ def _megatron_export(model_dir: Path, bucket_bytes: int) -> tuple[list[tuple[str
     groups = parallel.init_parallel(tp_size=1, num_trainer_ranks=1, seed=1, device=cpu, timeout=60)
     try:
         shape = model.ModelShape.from_hf_config(load_config(model_dir))
-        if shape.nextn_layers:          # the checkpoint's MTP layers built and exported (--mtp-num-layers)
+        if mtp:
             shape = dataclasses.replace(shape, mtp_num_layers=shape.nextn_layers)
         kw = None
         if shape.num_experts:
@@ -136,7 +138,7 @@ def _megatron_export(model_dir: Path, bucket_bytes: int) -> tuple[list[tuple[str
 def test_megatron_export_is_the_checkpoint(family: str, case: str, one_rank_group, tmp_path: Path) -> None:
     model_dir = _builders()[family][case](tmp_path / case)
     ckpt = _checkpoint(model_dir)
-    pairs, shape = _megatron_export(model_dir, 1 << 14)
+    pairs, shape = _megatron_export(model_dir, 1 << 14, mtp=case.endswith("_mtp"))
     got = dict(pairs)
     assert len(got) == len(pairs), "a name exported twice"
     prefix = shape.family.text_prefix(shape)
