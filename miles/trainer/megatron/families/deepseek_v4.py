@@ -54,8 +54,10 @@ Names. Read: DeepSeek's checkpoint names (``embed.weight``, ``layers.L.attn.wq_a
 transformers' module names (LoRA's PEFT adapters name those modules); the exported stream (weight sync,
 ``--save-hf``: ``export_stream``) DeepSeek's checkpoint names without ``model.``, experts one by one: the names of
 V4's checkpoints, which SGLang and the embedded engine load and the FSDP backend exports (transformers' load-time
-conversion reverted, ``miles.weight_sync.hf_layout``), so ``--save-hf`` holds a DeepSeek-named checkpoint's key set
-(a checkpoint in transformers' spellings is read, and exported under DeepSeek's).
+conversion reverted, ``miles.weight_sync.hf_layout``), so ``--save-hf`` holds a DeepSeek-named checkpoint's key set.
+The trainer then spells each name as ``--hf-checkpoint`` does (``hf_layout.checkpoint_spelling``: a ``save_pretrained``
+directory's ``model.layers.L.attn.*`` kept); a checkpoint holding transformers' fused experts gets its experts back
+one by one (transformers loads either).
 megatron names: ``decoder.layers.L.self_attention.<DeepSeek's attn name>``, ``hc_attn.fn`` ..., megatron-core's
 ``mlp.router``/``mlp.experts``/``mlp.shared_experts`` (fc1 = [w1; w3]).
 
