@@ -24,11 +24,13 @@ new values) runs transformers' function on the real tensors. The p2p mode's loca
 
 Where a reverted name is not in the checkpoint (transformers' revert is not always the inverse: a renaming that also
 matched names it did not rename on load), the checkpoint's name with the same load-time name is used (``_canonical``).
+An exporter without a transformers model (the Megatron backend's converter) spells its names as the checkpoint does
+with the same rule (``checkpoint_spelling``: by the model type's renamings).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Iterable, Sequence
+from collections.abc import Callable, Collection, Container, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +86,47 @@ def _revert(model: Any, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return revert_weight_conversion(model, tensors)
 
 
+def _same_tensor_names(renamings: list, prefix: str,
+                       checkpoint_names: Container[str] | None) -> Callable[[str], str] | None:
+    """name -> the checkpoint's name that transformers loads (``renamings``: its load-time ones) as the same tensor,
+    the name itself where it is the checkpoint's or none is; None when there is nothing to map."""
+    if checkpoint_names is None or not hasattr(checkpoint_names, "__iter__") or not renamings:
+        return None
+    from transformers.core_model_loading import apply_renamings
+
+    prefix = f"{prefix}."
+
+    def load_name(name: str) -> str:    # transformers loads a name with or without the base model's prefix
+        return apply_renamings(name.removeprefix(prefix), renamings).removeprefix(prefix)
+
+    by_load_name: dict[str, str] = {}
+
+    def canonical(name: str) -> str:
+        if name in checkpoint_names:
+            return name
+        if not by_load_name:            # built at the first name the checkpoint lacks (a regex per name and renaming)
+            by_load_name.update((load_name(n), n) for n in checkpoint_names)
+        return by_load_name.get(load_name(name), name)
+
+    return canonical
+
+
+def checkpoint_spelling(model_type: str, checkpoint_names: Collection[str]) -> Callable[[str], str]:
+    """name -> how the checkpoint spells the tensor transformers loads from ``name``, by ``model_type``'s load-time
+    renamings (``transformers.conversion_mapping``; e.g. DeepSeek-V4's ``layers.0.attn.wq_a.weight`` as a
+    ``save_pretrained`` directory's ``model.layers.0.attn.wq_a.weight``); a name the checkpoint holds, or one no
+    checkpoint name loads like, is itself. What ``CheckpointLayout`` does to reverted names, for an exporter without
+    a transformers model (the Megatron backend's): both backends send the checkpoint's spelling."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+    except ImportError:                 # transformers 4: no load-time conversion
+        return lambda n: n
+    renamings = [t for t in get_checkpoint_conversion_mapping(model_type) or [] if isinstance(t, WeightRenaming)]
+    names = frozenset(checkpoint_names)
+    return _same_tensor_names(renamings, "model", names) or (lambda n: n)
+
+
 class CheckpointLayout:
     """How the in-memory tensors of a transformers model (``from_pretrained``) map onto its checkpoint's tensors.
 
@@ -124,24 +167,11 @@ class CheckpointLayout:
 
     def _names_from(self, checkpoint_names: Container[str] | None) -> None:
         """``_canonical``: a reverted name -> the checkpoint's name that loads as the same tensor."""
-        if checkpoint_names is None or not hasattr(checkpoint_names, "__iter__"):
-            return
-        from transformers.core_model_loading import WeightRenaming, apply_renamings
+        from transformers.core_model_loading import WeightRenaming
 
         renamings = [t for t in self.model._weight_conversions if isinstance(t, WeightRenaming)]
-        if not renamings:
-            return
-        prefix = f"{getattr(self.model, 'base_model_prefix', '') or ''}."
-
-        def load_name(name: str) -> str:    # transformers loads a name with or without the base model's prefix
-            return apply_renamings(name.removeprefix(prefix), renamings).removeprefix(prefix)
-
-        by_load_name = {load_name(n): n for n in checkpoint_names}
-
-        def canonical(name: str) -> str:
-            return name if name in checkpoint_names else by_load_name.get(load_name(name), name)
-
-        self._canonical = canonical
+        prefix = getattr(self.model, "base_model_prefix", "") or ""
+        self._canonical = _same_tensor_names(renamings, prefix, checkpoint_names) or self._canonical
 
     def _probe(self, name: str, shape: tuple[int, ...]) -> tuple[list[str], tuple[Part, ...] | None]:
         """The checkpoint names reverting a meta tensor of ``shape`` gives, and its parts: None when they are not

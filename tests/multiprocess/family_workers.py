@@ -5,8 +5,7 @@ Megatron backend's own path (``ModelShape`` from config.json, ``build_gpt_model`
 ``gpu_worker``) and with the FSDP backend training the same rollouts (``parity_worker``); ``train_worker`` trains
 the Megatron trainer in one layout, ``compare_runs`` compares two layouts' runs.
 
-A family's test passes only what differs: its flags, its row length, how its checkpoint is named (``reference``),
-its bounds (with the measurement beside them); ``launch`` runs a worker and reads its result, ``check_export``,
+A family's test passes only what differs: its flags, its row length, its bounds (with the measurement beside them); ``launch`` runs a worker and reads its result, ``check_export``,
 ``check_grads_match``, ``check_parity`` and ``check_gpu_matches_hf`` assert what every family asserts."""
 
 from __future__ import annotations
@@ -98,16 +97,14 @@ def hf_grads(gpt, shape, groups, device, frozen: str = "weight") -> dict:
 
 
 def gpt_worker(model_dir: str, out: str, ep: int = 1, seq: int = 20, mtp: bool = False,
-               reference: str = "disk", text_vocab: int | None = None, *, attn_implementation: str | None = "eager",
+               text_vocab: int | None = None, *, attn_implementation: str | None = "eager",
                frozen: str = "weight") -> None:
     """TP = world size (``ep`` 1), or TP 1 x EP = world size (the experts split over the ranks, all-to-all); 2 rows
     of ``seq`` random tokens. Writes to ``out`` (json): the logits' max distance to transformers' (fp32,
     ``attn_implementation``) and the log-probs' (``max_lp_err``), whether every gradient is finite, the exported HF
     names and those equal to the checkpoint bit for bit; at EP 1 the full gradients under HF names beside it
     (``<out>.grads.safetensors``, ``hf_grads`` with ``frozen``). ``mtp``: the checkpoint's MTP layers are built too
-    and exported. ``reference`` "transformers": the export is compared with the state dict transformers loads (a
-    checkpoint named otherwise than transformers names its modules: DeepSeek-V4's) rather than the safetensors
-    file. ``text_vocab``: the token ids drawn stay below it (a multimodal checkpoint's image / video ids, which
+    and exported. ``text_vocab``: the token ids drawn stay below it (a multimodal checkpoint's image / video ids, which
     transformers embeds otherwise, above)."""
     import torch
     import torch.distributed as dist
@@ -137,8 +134,7 @@ def gpt_worker(model_dir: str, out: str, ep: int = 1, seq: int = 20, mtp: bool =
     exported = [pair for bucket in export.iter_hf_buckets(gpt, shape, groups, device=cpu, bucket_bytes=1 << 14)
                 for pair in bucket]
     hf = hf_lm(model_dir, dtype=torch.float32, attn_implementation=attn_implementation)
-    disk = load_file(str(Path(model_dir) / "model.safetensors")) if reference == "disk" else {
-        n: t.detach().clone() for n, t in hf.state_dict().items()}
+    disk = load_file(str(Path(model_dir) / "model.safetensors"))
     same = [n for n, t in exported if n in disk and disk[n].dtype == t.dtype and torch.equal(disk[n], t)]
     if ep == 1 and not mtp:
         grads = hf_grads(gpt, shape, groups, cpu, frozen)
@@ -192,21 +188,17 @@ def gpu_worker(model_dir: str, out: str, seq: int = 20, text_vocab: int | None =
 
 
 def parity_worker(model_dir: str, out: str, megatron_flags: tuple[str, ...] = (), tp: int = 2, *,
-                  flags: tuple[str, ...] = (), reference: str = "disk", saved: str = "transformers",
-                  bf16_export: bool = True, vlm: bool = False, split_fsdp_experts: bool = False,
-                  fsdp_names: str = "checkpoint") -> None:
+                  flags: tuple[str, ...] = (), saved: str = "transformers", bf16_export: bool = True,
+                  vlm: bool = False, split_fsdp_experts: bool = False) -> None:
     """2 ranks: the FSDP backend (transformers' model under FSDP2, DP 2) and the Megatron trainer (TP ``tp``,
     sequence parallel, ``megatron_flags``) train the same 2 rollouts from ``model_dir`` (``flags``: to both). Saves
     to ``out`` (torch.save): both backends' log-probs' distance before training, step metrics, the update's distance
     (over the tensors both export), the names only one backend exports, the Megatron export before training
-    against the checkpoint (``reference`` "disk": its safetensors; "transformers": the state dict transformers
-    loads; fp32, and bf16 with ``bf16_export``), ``--save-hf`` (``saved`` "transformers": reloaded by transformers;
+    against the checkpoint's safetensors (fp32, and bf16 with ``bf16_export``), ``--save-hf`` (``saved`` "transformers": reloaded by transformers;
     "disk": the safetensors written, transformers loading them), a torch_dist checkpoint resumed bitwise.
     ``vlm``: a multimodal checkpoint trained text-only (the FSDP samples without images; the text decoder's tensors,
     ``model.language_model.*``, compared; ``--save-hf`` holds the towers as they were). ``split_fsdp_experts``:
-    the FSDP export's fused experts split per expert before the comparison. ``fsdp_names`` "memory": the FSDP
-    side's weights compared under transformers' in-memory names (a family whose Megatron export uses those, not the
-    checkpoint's: DeepSeek-V4), not its export's (the checkpoint's). ``res["layout"]``: the Megatron trainer's
+    the FSDP export's fused experts split per expert before the comparison. ``res["layout"]``: the Megatron trainer's
     parallel sizes."""
     import torch
     import torch.distributed as dist
@@ -225,14 +217,7 @@ def parity_worker(model_dir: str, out: str, megatron_flags: tuple[str, ...] = ()
         fsdp._mm = [None] * len(samples)                # a VLM on FSDP: these samples have no images (as train sets)
     fsdp_lp = _all_logprobs(fsdp, samples)
     res["fsdp_metrics"] = [fsdp.train(mine, rid) for rid in range(2)]
-    if fsdp_names == "memory":
-        from miles.trainer.modeling import hf_name
-        from miles.trainer.weights import iter_full_params
-
-        fsdp_sd = {n: t.detach().cpu().clone() for b in iter_full_params(
-            fsdp.model, group=group, device=fsdp.device, bucket_bytes=256 << 20, name_fn=hf_name) for n, t in b}
-    else:
-        fsdp_sd = fsdp.state_dict_for_check()
+    fsdp_sd = fsdp.state_dict_for_check()
     if split_fsdp_experts:
         fsdp_sd = split_fused_experts(fsdp_sd)
     del fsdp
@@ -255,8 +240,7 @@ def parity_worker(model_dir: str, out: str, megatron_flags: tuple[str, ...] = ()
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
         auto = AutoModelForImageTextToText if vlm else AutoModelForCausalLM
-        ref = load_file(str(Path(model_dir) / "model.safetensors")) if reference == "disk" else {
-            n: t.detach() for n, t in auto.from_pretrained(model_dir).state_dict().items()}
+        ref = load_file(str(Path(model_dir) / "model.safetensors"))
         trained = sorted(k for k in ref if k.startswith("model.language_model." if vlm else ""))
         res["ckpt_reload_bitwise"] = sorted(reloaded) == sorted(meg_sd) and all(
             torch.equal(reloaded[k], meg_sd[k]) for k in meg_sd)

@@ -5,13 +5,14 @@ hyper-connections, sliding-window attention with sinks, CSA with its indexer, HC
 megatron-core's MoE with the sqrtsoftplus and hash routers) built from config.json and loaded by the converter from
 DeepSeek's checkpoint names gives transformers' own ``DeepseekV4ForCausalLM`` logits in fp32 at TP 1, TP 2
 (sequence parallel) and EP 2 (all-to-all), on rows (20 tokens) longer than the sliding window (8) and holding 5 CSA
-and 2 HCA windows; every parameter gets a finite gradient; the export equals the state dict transformers loads from
-the checkpoint bit for bit, names included; the TP 2 gradients equal TP 1's.
+and 2 HCA windows; every parameter gets a finite gradient; the export equals the checkpoint's safetensors bit for
+bit, DeepSeek's names included; the TP 2 gradients equal TP 1's.
 
 ``test_dsv4_trainer_parity_with_fsdp``: 2 ranks. The FSDP backend (transformers' model under FSDP2, DP 2, eager, one
 right-padded row per sample) and the Megatron trainer (TP 2, sequence parallel, with Miles's
 ``--moe-router-score-function sqrtsoftplus``) train the same 2 rollouts: log-probs before training, step metrics and
-the update agree; ``--save-hf`` loads in transformers to the trained weights; a torch_dist checkpoint saved and
+the update agree, both exports under DeepSeek's names; ``--save-hf`` holds the trained weights under the
+checkpoint's names and loads in transformers; a torch_dist checkpoint saved and
 resumed restores them bitwise.
 """
 
@@ -59,11 +60,11 @@ def _fork_flags_worker(model_dir: str, out: str) -> None:
     before = meg.state_dict_for_check()
     res["metrics"] = meg.train(samples, 0)
     after = meg.state_dict_for_check()
-    gates = [k for k in before if k.endswith(".mlp.gate.weight")]
+    gates = [k for k in before if k.endswith(".ffn.gate.weight")]         # DeepSeek's names (the export's)
     res["gates"] = len(gates)
     res["gates_unchanged"] = all(torch.equal(before[k], after[k]) for k in gates)
-    res["others_changed"] = sorted(k for k in before if k.endswith("gate_up_proj") and not torch.equal(before[k],
-                                                                                                       after[k]))
+    res["others_changed"] = sorted({k.split(".ffn.")[0] for k in before if ".ffn.experts." in k   # layers whose
+                                    and not torch.equal(before[k], after[k])})                    # experts moved
     torch.save(res, out)
     dist.destroy_process_group()
 
@@ -83,7 +84,7 @@ GRAD_REL_BOUND = 1.5e-6
 
 
 def _gpt(tiny: Path, out: Path, port: int, nproc: int, ep: int = 1) -> dict:
-    res = launch(HERE, nproc, port, "gpt", tiny, out, ep, "transformers")
+    res = launch(HERE, nproc, port, "gpt", tiny, out, ep)
     # the lightning indexer gets no gradient through its top-k (as in transformers): frozen, the only parameters
     # without a gradient
     assert res["finite_ok"] and res["no_grad"] and all(".indexer." in n for n in res["no_grad"]), res["no_grad"]
@@ -117,7 +118,7 @@ def test_dsv4_trainer_parity_with_fsdp(tiny_dsv4_dir: Path, tmp_path: Path, free
     res = launch(HERE, 2, free_port, "parity", tiny_dsv4_dir, tmp_path / "parity.pt", timeout=600)
     # the FSDP backend exports parameters only (the routers' frozen buffers are not trained)
     assert not res["fsdp_extra"] and set(res["fsdp_missing"]) == {
-        k for k in res["meg_keys"] if k.endswith(("e_score_correction_bias", "tid2eid"))}, res
+        k for k in res["meg_keys"] if k.endswith((".ffn.gate.bias", ".ffn.gate.tid2eid"))}, res
     check_parity(res, lp_bound=LP_BOUND, update_bound=UPDATE_BOUND, rel_bound=REL_BOUND, bf16=False)
 
 
@@ -158,10 +159,9 @@ if __name__ == "__main__":
     from family_workers import gpt_worker, gpu_worker, parity_worker
 
     if sys.argv[1] == "gpt":
-        gpt_worker(sys.argv[2], sys.argv[3], ep=int(sys.argv[4]), reference=sys.argv[5])
-    elif sys.argv[1] == "parity":                # transformers' names: the checkpoint's are DeepSeek's own
-        parity_worker(sys.argv[2], sys.argv[3], DSV4_FLAGS, reference="transformers", bf16_export=False,
-                      fsdp_names="memory")      # V4's Megatron export: transformers' names (families/deepseek_v4.py)
+        gpt_worker(sys.argv[2], sys.argv[3], ep=int(sys.argv[4]))
+    elif sys.argv[1] == "parity":                # --save-hf compared on disk: transformers loads DeepSeek's names
+        parity_worker(sys.argv[2], sys.argv[3], DSV4_FLAGS, saved="disk", bf16_export=False)
     elif sys.argv[1] == "gpu":
         gpu_worker(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "fork_flags":

@@ -113,16 +113,19 @@ def _finish_each(pend: _Pending, groups: Groups, shape: ModelShape, device: torc
 @torch.no_grad()  # per resumption (torch wraps generators): never left off while the caller runs
 def iter_hf_buckets(model: nn.Module, shape: ModelShape, groups: Groups, *, device: torch.device,
                     bucket_bytes: int, dtype: torch.dtype | None = None, timeout: float = 600.0,
-                    prefetch: bool = True, stage=None, only: Callable[[str], bool] | None = None) -> Iterator[Bucket]:
+                    prefetch: bool = True, stage=None, only: Callable[[str], bool] | None = None,
+                    spelling: Callable[[str], str] | None = None) -> Iterator[Bucket]:
     """Yield buckets of (HF name, full tensor) (see module docstring); collective on the TP group (and the
     pipeline group of ``stage`` when it has more than one stage). ``only``: export just the parameters whose megatron
-    name it accepts (no buffers; one pipeline stage only), e.g. the LoRA targets' weights (--lora-base-cpu-backup)."""
+    name it accepts (no buffers; one pipeline stage only), e.g. the LoRA targets' weights (--lora-base-cpu-backup).
+    ``spelling``: each HF name as the checkpoint spells it (``miles.weight_sync.hf_layout.checkpoint_spelling``)."""
     if only is not None and stage is not None and stage.size > 1:
         raise ValueError("a partial weight export (only=) is not built under pipeline parallelism")
     stream = _iter_hf_buckets(model, shape, groups, device=device, bucket_bytes=bucket_bytes, dtype=dtype,
                               timeout=timeout, prefetch=prefetch, stage=stage, only=only)
     transform = shape.family.export_stream        # e.g. gpt-oss: the experts' slices joined into HF's fused tensors
-    yield from (stream if transform is None else transform(stream, shape))
+    stream = stream if transform is None else transform(stream, shape)
+    yield from (stream if spelling is None else ([(spelling(n), t) for n, t in b] for b in stream))
 
 
 def _exported(model: nn.Module, shape: ModelShape, only: Callable[[str], bool] | None) -> list:

@@ -527,8 +527,19 @@ class MegatronTrainer(RLTrainer):
         bucket); every trainer rank must iterate to the end and receives the full tensors."""
         it = export.iter_hf_buckets(self.model, self.shape, self.groups, device=self.device,
                                     bucket_bytes=bucket_bytes, dtype=dtype, timeout=self.timeout,
-                                    prefetch=prefetch, stage=self.stage)
+                                    prefetch=prefetch, stage=self.stage, spelling=self._checkpoint_spelling())
         return it if self.lora is None else _merged_buckets(self.lora, it)   # LoRA: W + (alpha / r) B @ A
+
+    def _checkpoint_spelling(self):
+        """HF names as --hf-checkpoint spells them (``hf_layout.checkpoint_spelling``, as the FSDP backend's export
+        spells them; e.g. a DeepSeek-V4 checkpoint written by ``save_pretrained``: ``model.layers.L.attn.*``);
+        its safetensors headers read once."""
+        if getattr(self, "_spelling", None) is None:
+            from miles.trainer.weights import checkpoint_tensor_names
+            from miles.weight_sync.hf_layout import checkpoint_spelling
+
+            self._spelling = checkpoint_spelling(self.shape.model_type, checkpoint_tensor_names(self.cfg.hf_checkpoint))
+        return self._spelling
 
     def iter_trained_weight_buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None, *,
                                     prefetch: bool = True) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -540,7 +551,8 @@ class MegatronTrainer(RLTrainer):
         names = {name + ".weight" for name in self.lora.targets}
         it = export.iter_hf_buckets(self.model, self.shape, self.groups, device=self.device,
                                     bucket_bytes=bucket_bytes, dtype=dtype, timeout=self.timeout,
-                                    prefetch=prefetch, stage=self.stage, only=names.__contains__)
+                                    prefetch=prefetch, stage=self.stage, only=names.__contains__,
+                                    spelling=self._checkpoint_spelling())
         return _merged_buckets(self.lora, it)
 
     def mtp_weight_prefixes(self) -> tuple[str, ...]:

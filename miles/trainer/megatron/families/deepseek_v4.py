@@ -49,10 +49,15 @@ radixark/miles@v0.1.0:miles_plugins/models/deepseek_v4/):
 
 Names. Read: DeepSeek's checkpoint names (``embed.weight``, ``layers.L.attn.wq_a.weight``, per-expert
 ``layers.L.ffn.experts.E.w1/w2/w3``, ``hc_head_fn``, ``head.weight``, with or without ``model.``: transformers'
-``save_pretrained`` writes that spelling) or transformers' own (what ``--save-hf`` writes). Exported (weight sync,
-``--save-hf``): transformers' module names with its fused experts (``mlp.experts.gate_up_proj`` [E, 2I, H] =
-[w1; w3] per expert, ``down_proj`` [E, H, I]), which the embedded engine loads; the FSDP backend exports the
-checkpoint's own names (DeepSeek's, ``miles.weight_sync.hf_layout``), which the embedded engine also takes.
+``save_pretrained`` writes that spelling) or transformers' own module names (fused experts
+``mlp.experts.gate_up_proj`` [E, 2I, H] = [w1; w3] per expert, ``down_proj`` [E, H, I]). ``megatron_to_hf`` gives
+transformers' module names (LoRA's PEFT adapters name those modules); the exported stream (weight sync,
+``--save-hf``: ``export_stream``) DeepSeek's checkpoint names without ``model.``, experts one by one: the names of
+V4's checkpoints, which SGLang and the embedded engine load and the FSDP backend exports (transformers' load-time
+conversion reverted, ``miles.weight_sync.hf_layout``), so ``--save-hf`` holds a DeepSeek-named checkpoint's key set.
+The trainer then spells each name as ``--hf-checkpoint`` does (``hf_layout.checkpoint_spelling``: a ``save_pretrained``
+directory's ``model.layers.L.attn.*`` kept); a checkpoint holding transformers' fused experts gets its experts back
+one by one (transformers loads either).
 megatron names: ``decoder.layers.L.self_attention.<DeepSeek's attn name>``, ``hc_attn.fn`` ..., megatron-core's
 ``mlp.router``/``mlp.experts``/``mlp.shared_experts`` (fc1 = [w1; w3]).
 
@@ -320,8 +325,8 @@ def hf_to_megatron(suffix: str, prefix: str, hf: dict[str, torch.Tensor], shape)
 
 
 def megatron_to_hf(suffix: str, prefix: str, full: torch.Tensor, shape) -> list[tuple[str, torch.Tensor]] | None:
-    """transformers' names and tensors (what the FSDP backend exports and the engines load); an expert's under
-    ``<fused name>#<expert>``, joined by ``export_stream``."""
+    """transformers' module names and tensors (LoRA's PEFT adapters name these modules); an expert's under
+    ``<fused name>#<expert>``. ``export_stream`` gives the weight stream DeepSeek's checkpoint names."""
     if not prefix:
         if suffix not in _TOP:
             return None
@@ -340,10 +345,40 @@ def megatron_to_hf(suffix: str, prefix: str, full: torch.Tensor, shape) -> list[
     return [(f"{prefix}mlp.experts.{'gate_up_proj' if fc == 'linear_fc1' else 'down_proj'}#{e}", full)]
 
 
-def export_stream(buckets, shape):
-    from miles.trainer.megatron.families.gpt_oss import fuse_experts
+# transformers' name -> DeepSeek's checkpoint name (what ``export_stream`` sends), outside the layers and per layer
+_CKPT_TOP = dict(_TOP.values())
+_CKPT_LAYER = {**dict(_LAYER.values()), "mlp.shared_experts.gate_proj.weight": "ffn.shared_experts.w1.weight",
+               "mlp.shared_experts.up_proj.weight": "ffn.shared_experts.w3.weight"}
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
-    return fuse_experts(buckets, shape.num_experts)
+
+def checkpoint_tensors(name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """DeepSeek's checkpoint names and tensors of one tensor ``megatron_to_hf`` gives: ``layers.L.attn.wq_a.weight``,
+    ``embed.weight``, ``hc_head_fn``, ...; an expert's ``gate_up_proj#e`` [2I, H] as ``layers.L.ffn.experts.e.w1`` /
+    ``w3`` (its halves: views), ``down_proj#e`` as ``w2``."""
+    if name in _CKPT_TOP:
+        return [(_CKPT_TOP[name], t)]
+    m = _HF_LAYER.match(name)
+    if m is None:
+        raise KeyError(f"DeepSeek-V4 export: no checkpoint name for {name} (a bug)")
+    native, rest = f"layers.{m.group(1)}.", m.group(2)
+    base, sep, e = rest.partition("#")
+    if not sep:
+        return [(native + _CKPT_LAYER[rest], t)]
+    experts = f"{native}ffn.experts.{e}."
+    if base == "mlp.experts.down_proj":
+        return [(experts + "w2.weight", t)]
+    w1, w3 = t.chunk(2, dim=0)
+    return [(experts + "w1.weight", w1), (experts + "w3.weight", w3)]
+
+
+def export_stream(buckets, shape):
+    """The weight stream (weight sync, ``--save-hf``) under DeepSeek's checkpoint names, experts one by one, as
+    DeepSeek-V4's checkpoints hold them, SGLang and the embedded engine load them and the FSDP backend exports them
+    (``miles.weight_sync.hf_layout``: transformers' load-time conversion reverted): ``--save-hf`` writes the
+    checkpoint's key set."""
+    for bucket in buckets:
+        yield [pair for name, t in bucket for pair in checkpoint_tensors(name, t)]
 
 
 def exported_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

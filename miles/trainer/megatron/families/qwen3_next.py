@@ -47,7 +47,8 @@ own DeltaNet module (on fla's kernels) in the linear layers' attention slot and 
   names its modules (``lora_path_prefix``).
 
 Weights (HF suffix under ``model.layers.L.``; a Qwen3.5 VLM checkpoint's text model is under
-``model.language_model.``): Qwen3.5's ``linear_attn.in_proj_qkv`` [q_all; k_all; v_all], ``in_proj_z``,
+``model.language_model.``, read and exported there: ``text_prefix``, its vision tower neither trained nor exported,
+copied by ``--save-hf``): Qwen3.5's ``linear_attn.in_proj_qkv`` [q_all; k_all; v_all], ``in_proj_z``,
 ``in_proj_b``, ``in_proj_a`` stack into ``self_attention.in_proj.weight``; Qwen3-Next's ``in_proj_qkvz`` /
 ``in_proj_ba`` hold them grouped per key head ([q_g, k_g, v_g, z_g] rows per group) and are regrouped; ``conv1d``,
 ``A_log``, ``dt_bias``, ``norm`` (-> ``out_norm``), ``out_proj`` map one to one. ``self_attn.q_proj`` holds per head
@@ -403,8 +404,8 @@ _LM = "model.language_model."                     # the published Qwen3.5 layout
 
 def hf_state(hf: dict, shape) -> dict:
     """The checkpoint's tensors under the names ``convert.py`` and ``mtp.py`` read: a published Qwen3.5
-    checkpoint's text model (``model.language_model.*``) under transformers' causal-LM names (``model.*``: what the
-    FSDP backend and the engines load and the export gives; its ``model.visual.*`` tower left out), the MTP layer
+    checkpoint's text model (``model.language_model.*``) under transformers' causal-LM names (``model.*``; exported
+    under its own again, ``text_prefix``; its ``model.visual.*`` tower left out), the MTP layer
     (``mtp.fc`` = ``eh_proj`` over [embedding; hidden], ``mtp.pre_fc_norm_embedding`` / ``_hidden`` = ``enorm`` /
     ``hnorm``, ``mtp.norm`` = the final norm, ``mtp.layers.k.*`` = a decoder layer) as DeepSeek-V3 keeps it
     (``model.layers.{num_layers + k}.*``), and fused experts (``mlp.experts.gate_up_proj`` [E, 2I, H] with gate rows
@@ -438,15 +439,22 @@ def hf_state(hf: dict, shape) -> dict:
     return out
 
 
+def text_prefix(shape) -> str | None:
+    """A Qwen3.5 VL checkpoint (``qwen3_5_moe`` / ``qwen3_5``) trained text-only: its text model's names are under
+    ``model.language_model.`` (read and exported there; ``--save-hf`` copies its vision tower as it is)."""
+    return _LM if shape.model_type in ("qwen3_5_moe", "qwen3_5") else None
+
+
 def export_stream(buckets, shape):
     """The weight stream with the MTP layers under the checkpoint's ``mtp.*`` names, without the embedding / output
     copies ``mtp.py`` adds for DeepSeek-V3 (Qwen3-Next's MTP layer shares the main model's)."""
     n = shape.num_layers
+    layers = (text_prefix(shape) or "model.") + "layers."
     for bucket in buckets:
         out = []
         for name, t in bucket:
-            if name.startswith("model.layers.") and shape.mtp_num_layers:
-                layer, _, rest = name[len("model.layers."):].partition(".")
+            if name.startswith(layers) and shape.mtp_num_layers:
+                layer, _, rest = name[len(layers):].partition(".")
                 if int(layer) >= n:
                     if rest in _SHARED_COPIES:
                         continue
@@ -485,5 +493,5 @@ FAMILY = Family(
     column=COLUMN, row=ROW, glu_fc1=(SHARED_FC1,), tp_sections=_sections, tp_partial=(".self_attention.out_norm.",),
     check_flags=check_flags, check_static=check_static, hf_state=hf_state, export_stream=export_stream,
     mtp_prefix="mtp.", adapt_mtp_spec=adapt_mtp_spec, lora_targets=("in_proj", "out_proj"),
-    lora_path_prefix=lora_path_prefix,
+    lora_path_prefix=lora_path_prefix, text_prefix=text_prefix,
     fork_flags=lambda shape: {"experimental_attention_variant": ("linear attention layers", "gated_delta_net")})

@@ -192,10 +192,10 @@ def test_what_is_not_built_is_one_line(tiny_model_dir: Path, flags: list[str], m
 def test_qwen35_vlm_checkpoint_reads_its_text_model(tmp_path: Path) -> None:
     """A checkpoint in the published Qwen3.5 layout (config.json ``qwen3_5_moe`` with ``text_config``, the text model
     under ``model.language_model.``, a vision tower) trains its text model: the shape is text_config's, the megatron
-    tensors are read from the prefixed names, and the export gives transformers' causal-LM names (what the FSDP
-    backend and the engines hold: ``AutoModelForCausalLM`` of the directory) with the checkpoint's tensors."""
+    tensors are read from the prefixed names, and the export gives the checkpoint's names (``model.language_model.*``,
+    experts one by one: what the FSDP backend's export gives and the engines load) with the checkpoint's tensors."""
     from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from miles.trainer.megatron.convert import read_hf_state_dict
     from miles.utils.tiny_qwen35 import build_tiny_qwen35_model
@@ -208,11 +208,6 @@ def test_qwen35_vlm_checkpoint_reads_its_text_model(tmp_path: Path) -> None:
     names = _megatron_names(shape)
     full = hf_to_megatron(read_hf_state_dict(model_dir), shape, padded_vocab_size(shape.vocab_size, 128, 1), names)
     back = dict(pair for name in names for pair in megatron_to_hf(name, full[name], shape))
-    causal = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
-    # transformers fuses the experts in memory (mlp.experts.gate_up_proj); the export names them per expert, as the
-    # checkpoint does and the engines' weight loader takes them
-    assert {n for n in back if ".mlp.experts." not in n} == {n for n in causal if ".mlp.experts." not in n}
+    assert set(back) == {n for n in disk if not n.startswith("model.visual.")}     # the tower is not trained
     assert len([n for n in back if ".mlp.experts." in n]) == 3 * shape.num_experts * shape.num_layers
-    for name, t in back.items():
-        stored = disk.get(name.replace("model.", "model.language_model.", 1), disk.get(name))
-        assert stored is not None and torch.equal(t, stored.float()), name
+    assert [n for n, t in back.items() if not torch.equal(t, disk[n].float())] == []
