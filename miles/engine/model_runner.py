@@ -334,6 +334,11 @@ class _NativeLM:
         self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
 
+    def reset_cache(self) -> None:
+        """The allocated cache kept, every slot and page free (what :meth:`allocate_cache` leaves, without zeroing)."""
+        if self.kv is not None:
+            self.kv.reset()
+
     def free_cache(self) -> None:
         self.k_cache, self.v_cache = [], []
         if self.kv is not None:
@@ -761,6 +766,8 @@ class _GenericLM:
 
     def free_cache(self) -> None:
         self.caches = [None] * self.max_slots
+
+    reset_cache = allocate_cache
 
     def drop_graphs(self) -> None:
         pass
@@ -1210,8 +1217,11 @@ class ModelRunner:
             self.impl.free_cache()
 
     def release(self, tags: set[str]) -> None:
+        # CPU: host memory is not a device's to give back to a colocated trainer; the weights and the KV cache stay
+        # (freeing the cache and zeroing it again at resume cost 0.55 s a step at 128 slots x 2,048 positions)
         if "kv_cache" in tags and not self.kv_released:
-            self.impl.free_cache()
+            if self.device.type != "cpu":
+                self.impl.free_cache()
             self.kv_released = True
         if "cuda_graph" in tags or "weights" in tags:
             self.impl.drop_graphs()
@@ -1240,7 +1250,10 @@ class ModelRunner:
                 self.impl.fuse()
             self._params = ParamIndex(self.model.state_dict(keep_vars=True), self._renames, self._parts)
         if "kv_cache" in tags and self.kv_released:
-            self.impl.allocate_cache()
+            if self.device.type != "cpu":
+                self.impl.allocate_cache()
+            else:                                      # the cache's contents stay; its bookkeeping starts afresh
+                self.impl.reset_cache()
             self.kv_released = False
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -111,6 +111,10 @@ class PagedKV:
         shape = (self.pool.num_pages, self.page_size, self.n_kv, self.head_dim)
         self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.n_layers)]
         self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.n_layers)]
+        self.reset()
+
+    def reset(self) -> None:
+        """Every page free and every row's table empty; the pages' contents are left as they are."""
         self.pool.reset()
         self.tables = [[] for _ in range(self.max_rows)]
         self.block_table.zero_()

@@ -202,3 +202,25 @@ def test_text_only_multimodal_checkpoint_kimi_k25(tmp_path):
         else:
             with pytest.raises(WeightUpdateError, match="the checkpoint lacks"):
                 load_from_disk(str(path), live)
+
+
+@pytest.mark.parametrize("kv_cache", ["slots", "paged"])
+def test_release_and_resume_on_cpu_keep_the_cache_and_free_its_pages(kv_cache, tmp_path):
+    """On CPU, release_memory_occupation keeps the KV cache's tensors (host memory: nothing to give back to a
+    colocated trainer, and zeroing the cache again at each resume is what a step would pay); resume starts the
+    bookkeeping afresh (every page free), and a prefill after it matches HF."""
+    path = _save(_config("qwen3"), tmp_path)
+    runner = ModelRunner(path, RunnerOptions(max_running_requests=4, max_context_len=64, kv_cache=kv_cache, page_size=4))
+    seq = [5, 6, 7, 8, 9, 10, 11]
+    runner.prefill(0, [seq], [False])
+    before = [t.data_ptr() for t in runner.impl.k_cache]
+    runner.release_slot(0)
+    runner.release({"kv_cache", "weights"})
+    assert not runner.ready
+    runner.resume({"kv_cache", "weights"})
+    assert runner.ready
+    assert [t.data_ptr() for t in runner.impl.k_cache] == before
+    if runner.paged:
+        assert runner.impl.kv.pool.num_used == 0 and runner.impl.kv.tables == [[] for _ in runner.impl.kv.tables]
+    last, _ = runner.prefill(0, [seq[:5]], [False])
+    torch.testing.assert_close(last[0], runner.model(torch.tensor([seq[:5]])).logits[0, -1].float(), atol=2e-4, rtol=1e-4)
