@@ -249,6 +249,15 @@ def _router_layers(model: torch.nn.Module, megatron: bool) -> list[tuple[str, in
     return out
 
 
+def _replays(router: torch.nn.Module) -> bool:
+    """Whether a megatron-core router's ``routing`` asks ``router_replay``: megatron-core's own does; a family's
+    router that overrides it says so with ``replays_routing = True`` (DeepSeek-V4's, Gemma 4's)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    own = getattr(type(router), "routing", None)
+    return own is getattr(TopKRouter, "routing", None) or bool(getattr(router, "replays_routing", False))
+
+
 def _hook_routers(model: torch.nn.Module, state: ReplayState, megatron: bool) -> int:
     n = 0
     for name, layer, mod in _router_layers(model, megatron):
@@ -256,6 +265,9 @@ def _hook_routers(model: torch.nn.Module, state: ReplayState, megatron: bool) ->
             if getattr(mod.config, "moe_router_fusion", False):
                 raise ConfigError("routing replay with --moe-router-fusion: the fused router takes no replayed "
                                   "experts; drop --moe-router-fusion.")
+            if not _replays(mod):
+                raise ConfigError(f"{_flag(state.mode)}: {type(mod).__name__} ({name}) chooses its experts without "
+                                  "megatron-core's router_replay, so its routing cannot be replayed: drop the flag.")
             mod.router_replay = _McoreLayerReplay(state, layer)
         else:
             if not all(hasattr(mod, a) for a in ("top_k", "weight", "norm_topk_prob", "hidden_dim")):

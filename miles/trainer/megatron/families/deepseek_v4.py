@@ -228,6 +228,8 @@ def router_class():
                 self.expert_bias = None
                 self.register_buffer("tid2eid", torch.zeros(vocab_size, self.topk, dtype=torch.long))
 
+        replays_routing = True      # routing() asks router_replay (miles.trainer.routing_replay: R3 / R2)
+
         def routing(self, logits: torch.Tensor, padding_mask=None):
             logits = logits.view(-1, self.config.num_moe_experts)
             indices = None
@@ -235,8 +237,22 @@ def router_class():
                 if self.token_ids is None or self.token_ids.numel() != logits.shape[0]:
                     raise RuntimeError("DeepSeek-V4 hash router: token ids of this forward were not set (a bug)")
                 indices = self.tid2eid[self.token_ids.to(self.tid2eid.device)]
+            if self.router_replay is not None:   # routing replay: the replayed experts of every layer, hash ones too
+                indices = self._replayed(logits, indices)
             return sqrtsoftplus_topk(logits, self.topk, self.config.moe_router_topk_scaling_factor or 1.0,
                                      self.expert_bias, indices)
+
+        def _replayed(self, logits: torch.Tensor, hashed: torch.Tensor | None) -> torch.Tensor:
+            """The experts ``router_replay`` gives (megatron-core's ``get_replay_topk`` protocol: the scores it
+            selects on and this router's own choice, the hash table's or the top-k of the biased scores)."""
+            scores = torch.nn.functional.softplus(logits).sqrt()
+            if self.expert_bias is not None and hashed is None:
+                scores = scores + self.expert_bias
+
+            def own(s, k, num_groups=None, group_topk=None):
+                idx = hashed if hashed is not None else torch.topk(s, k, dim=-1, sorted=False).indices
+                return s.gather(1, idx), idx
+            return self.router_replay.get_replay_topk(scores, self.topk, None, None, own)[1]
 
     _router_cls = Dsv4Router
     return Dsv4Router
