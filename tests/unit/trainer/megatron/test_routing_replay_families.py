@@ -267,3 +267,43 @@ def test_r2_training_forwards_replay_the_old_pass(family: str, tmp_path: Path, g
         out[flag] = (len(seen) - n, bad / max(total, 1))
     assert out["--use-routing-replay"] == (len(samples), 0.0)
     assert out[None][0] == len(samples) and out[None][1] > 0.9        # measured: 1.0 (GLM-4.5), 0.97 (V4)
+
+
+def test_a_router_choosing_without_the_replay_is_refused():
+    """A family router that overrides megatron-core's ``routing`` is hooked only when it says it asks
+    ``router_replay`` (``replays_routing``); else the flag is refused in one line naming the router, never accepted
+    and dropped."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.moe.router import TopKRouter
+    from torch import nn
+
+    from miles.config.base import ConfigError
+    from miles.trainer.routing_replay import ReplayState, _hook_routers
+
+    class OwnRouting(TopKRouter):
+        def __init__(self):
+            nn.Module.__init__(self)
+            self.config = SimpleNamespace(moe_router_fusion=False)
+
+        def routing(self, logits, padding_mask=None):
+            raise AssertionError("not called")
+
+    class AsksReplay(OwnRouting):
+        replays_routing = True
+
+    def model(router_cls):
+        layer = nn.Module()
+        layer.layer_number, layer.mlp = 1, nn.Module()
+        layer.mlp.router = router_cls()
+        m = nn.Module()
+        m.decoder = nn.Module()
+        m.decoder.layers = nn.ModuleList([layer])
+        return m
+
+    state = ReplayState("r3", 1, 2, 4, [0])
+    with pytest.raises(ConfigError, match=r"^--use-rollout-routing-replay: OwnRouting \(decoder\.layers\.0\.mlp\.router\) "
+                                          "chooses its experts without megatron-core's router_replay"):
+        _hook_routers(model(OwnRouting), state, megatron=True)
+    m = model(AsksReplay)
+    assert _hook_routers(m, state, megatron=True) == 1 and m.decoder.layers[0].mlp.router.router_replay.layer == 0
