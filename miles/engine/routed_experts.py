@@ -10,9 +10,10 @@ int32 array ``[prompt + completion - 1 - routed_experts_start_len, layers, top-k
 (transformers' ``Qwen3MoeTopKRouter`` and its Qwen3-Next / Qwen3.5-MoE copies, and the grouped sigmoid
 ``Glm4MoeLiteTopkRouter`` / ``DeepseekV3TopkRouter``: ``(logits, weights, indices)``; Nemotron-H's
 ``NemotronHTopkRouter`` at ``layers.L.mixer.gate``, the same; Gemma 4's ``Gemma4TextRouter`` at ``layers.L.router``:
-``(probabilities, weights, indices)``; ``RECORDED_MODEL_TYPES``) and collects, for each forward it is armed for, every MoE layer's ``[tokens,
-top-k]`` indices. Other MoE families (routers that choose inside the block) are not recorded: a
-request for them is refused in one line.
+``(probabilities, weights, indices)``; GLM-4.5's ``Glm4MoeTopkRouter``, gpt-oss's ``GptOssTopKRouter`` at
+``layers.L.mlp.router``, DeepSeek-V3.2's / GLM-5's DeepSeek-V3 router and DeepSeek-V4's top-k and hash routers, all
+``(logits, weights, indices)``; ``RECORDED_MODEL_TYPES``) and collects, for each forward it is armed for, every MoE
+layer's ``[tokens, top-k]`` indices. Other MoE families are not recorded: a request for them is refused in one line.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ engines' shared experts unclamped), ``--moe-router-freeze-gate``, ``--freeze-e-s
 
 Left out (refused by name here): the FP8 training flags (``--fp8-format``, ``--fp8-recipe``,
 ``--te-precision-config-file``: not built), ``--moe-grouped-gemm`` and ``--transformer-impl transformer_engine``
-(transformer-engine, not on a CPU box) and ``--use-rollout-routing-replay`` (the embedded engine does not record V4's
-hash / sqrtsoftplus routing).
+(transformer-engine, not on a CPU box) and ``--use-rollout-routing-replay`` (R3 of V4, engine to trainer, is
+``tests/unit/trainer/megatron/test_routing_replay_families.py``; not yet run in this replay).
 
 ``test_engine_serves_dsv4``: the embedded engine's greedy tokens (a prompt of 11 and 14 new tokens: past the sliding
 window, several CSA windows and an HCA window, through V4's own cache layers) equal transformers' full forward's; with

@@ -36,7 +36,9 @@ radixark/miles@v0.1.0:miles_plugins/models/deepseek_v4/):
     renormalised, times ``routed_scaling_factor``; the first ``mlp_layer_types == hash_moe`` layers (Miles:
     ``--dsv4-n-hash-layers``) pick experts from a frozen token-id table ``tid2eid`` [vocab, k]. megatron-core's
     TopKRouter has softmax and sigmoid only, no hash routing -> ``Dsv4Router`` (a TopKRouter: its gating linear,
-    its place in MoELayer); the MoELayer, dispatchers, experts and shared expert are megatron-core's.
+    its place in MoELayer); the MoELayer, dispatchers, experts and shared expert are megatron-core's. Routing replay
+    (R3 / R2): ``Dsv4Router.routing`` asks megatron-core's ``router_replay`` for the experts of every layer, hash
+    layers included (the replayed experts replace the table's pick), the weights from the current scores.
  6. Clamped SwiGLU (``swiglu_limit``: gate <= l, |up| <= l) on routed and shared experts: megatron-core's
     ``activation_func_clamp_value`` (its MLP and expert MLPs both clamp), as transformers 5.24 (the parity
     reference) clamps both. The shared-expert clamp question: Miles passes ``--no-activation-func-clamp-shared-expert``
