@@ -8,8 +8,10 @@ The embedded engine serves the family's tiny model and returns each token's rout
 by itself (the engine records what the family's router chooses); built from a checkpoint whose routers are perturbed
 (each router's experts shifted by one, V4's hash tables too) it routes a large share of (token, layer) pairs
 otherwise, and with ``--use-rollout-routing-replay`` none: in the old log-prob pass and in a training step, whose
-router weights still move (the gate weights come from the current router). A spy on each router's routing map
-reads the experts each token reaches.
+router weights still move (the gate weights come from the current router); the 6 samples in one forward
+(right-padded rows) give the log-probs of one sample per forward. A spy on each router's routing map reads the
+experts each token reaches. R2 (``--use-routing-replay``) on GLM-4.5 and V4: the training forwards route as the old
+log-prob pass did after the routers are shifted in place.
 """
 
 from __future__ import annotations
@@ -118,12 +120,13 @@ def _engine_samples(model_dir: Path) -> list:
     return out
 
 
-def _trainer(model_dir: Path, group, fam_flags: list[str], *extra: str):
+def _trainer(model_dir: Path, group, fam_flags: list[str], *extra: str, one_per_forward: bool = True):
     from trainer_harness import build, flags
 
     tr = build(model_dir, flags("megatron", ["--rollout-batch-size", "3", "--micro-batch-size", "1", "--lr", "1e-2",
                                              "--use-tis", *fam_flags, *extra]), group=group)
-    tr.coalesce_tokens = lambda: 0      # one sample per forward: the spy reads the tokens in sample order
+    if one_per_forward:
+        tr.coalesce_tokens = lambda: 0  # one sample per forward: the spy reads the tokens in sample order
     return tr
 
 
@@ -162,12 +165,12 @@ def _mismatch(seen: list, recorded: dict[int, torch.Tensor]) -> tuple[float, int
     return bad / max(total, 1), total
 
 
-def _logprob_pass(tr, samples) -> None:
+def _logprob_pass(tr, samples) -> list[torch.Tensor]:
     data = [tr._sample_data(s, i) for i, s in enumerate(samples)]
     if tr.routing_replay is not None:
         tr.routing_replay.begin(samples)
     tr.model.eval()
-    tr._forward_pass(tr.model, lambda mb: tr._policy_forward(tr.model, mb)[0], data)
+    return tr._forward_pass(tr.model, lambda mb: tr._policy_forward(tr.model, mb)[0], data)
 
 
 @pytest.fixture
@@ -214,7 +217,7 @@ def test_r3_trainer_routes_as_the_engine_recorded(family: str, tmp_path: Path, g
 
     tr = _trainer(pert, group, fam_flags, "--use-rollout-routing-replay")
     seen = _spy(tr)
-    _logprob_pass(tr, samples)
+    one = _logprob_pass(tr, samples)
     assert _mismatch(seen, recorded) == (0.0, pairs)
     seen.clear()
     router = {n: p.detach().clone() for n, p in tr.model.named_parameters() if n.endswith("mlp.router.weight")}
@@ -223,6 +226,16 @@ def test_r3_trainer_routes_as_the_engine_recorded(family: str, tmp_path: Path, g
     assert torch.isfinite(torch.tensor(metrics["loss"]))
     moved = [float((p.detach() - router[n]).abs().max()) for n, p in tr.model.named_parameters() if n in router]
     assert moved and min(moved) > 0                       # the gate weights come from the current router
+    # the 6 samples in one forward (right-padded [s, b] rows; padding keeps its own top-k): the same log-probs, so
+    # each token got its own replayed row
+    coalesced = _trainer(pert, group, fam_flags, "--use-rollout-routing-replay", "--micro-batch-size", "6",
+                         one_per_forward=False)
+    forwards = _spy(coalesced)
+    many = _logprob_pass(coalesced, samples)
+    assert [sorted(f["sid"]) for f in forwards] == [list(range(len(samples)))]
+    diff = max(float((a - b).abs().max()) for a, b in zip(one, many))
+    # measured (this test, 2-core CPU box): 4.8e-7 (GLM-4.5, GLM-5), 0 (gpt-oss), 9.5e-7 (V4): fp32 rounding
+    assert len(many) == len(one) and diff < 2e-6, diff
 
 
 def _perturb_in_place(model) -> None:
