@@ -18,8 +18,8 @@ backend, which a family's router overriding ``routing`` asks too and says so wit
 DeepSeek-V4's, Gemma 4's; another is refused by name); ``trainer._prepare`` (the start of every ``train`` call)
 loads the samples' routing, and ``trainer._policy_forward`` (and on the Megatron backend ``trainer._stage_forward``,
 which a pipeline's earlier stages run) sets, for the policy's micro-batch, the per-token replay rows in the order
-the router sees the tokens (FSDP: the packed row or the right-padded ``[k, L]`` rows, flattened; Megatron: ``[s,
-b]``, this CP rank's chunks and, under sequence parallelism, this TP rank's part). Routers are indexed by their
+the router sees the tokens (FSDP: the packed row or the right-padded ``[k, L]`` rows, flattened; Megatron:
+``[s, b]``, this CP rank's chunks and, under sequence parallelism, this TP rank's part). Routers are indexed by their
 model-wide layer (under pipeline parallelism a stage's modules number its layers from 0). The rows stay set until
 the next policy forward, and are set again when a forward's backward starts (a hook on its output), so activation
 recompute inside the backward routes the same way, also under a pipeline's 1F1B order (later forwards before this
