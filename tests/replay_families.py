@@ -1,7 +1,7 @@
 """The MoE families of the routing-replay tests beyond Qwen3-MoE (GLM-4.5, gpt-oss, GLM-5 / DSA, DeepSeek-V4): their
 tiny checkpoints, the Megatron flags their parity tests use, and a copy of a checkpoint whose routers choose other
 experts. Shared by ``tests/unit/trainer/megatron/test_routing_replay_families.py`` and
-``tests/multiprocess/test_routing_replay_families.py``.
+``tests/multiprocess/test_routing_replay_family_layouts.py``.
 """
 
 from __future__ import annotations
