@@ -10,9 +10,10 @@ int32 array ``[prompt + completion - 1 - routed_experts_start_len, layers, top-k
 (transformers' ``Qwen3MoeTopKRouter`` and its Qwen3-Next / Qwen3.5-MoE copies, and the grouped sigmoid
 ``Glm4MoeLiteTopkRouter`` / ``DeepseekV3TopkRouter``: ``(logits, weights, indices)``; Nemotron-H's
 ``NemotronHTopkRouter`` at ``layers.L.mixer.gate``, the same; Gemma 4's ``Gemma4TextRouter`` at ``layers.L.router``:
-``(probabilities, weights, indices)``; ``RECORDED_MODEL_TYPES``) and collects, for each forward it is armed for, every MoE layer's ``[tokens,
-top-k]`` indices. Other MoE families (routers that choose inside the block) are not recorded: a
-request for them is refused in one line.
+``(probabilities, weights, indices)``; GLM-4.5's ``Glm4MoeTopkRouter``, gpt-oss's ``GptOssTopKRouter`` at
+``layers.L.mlp.router``, DeepSeek-V3.2's / GLM-5's DeepSeek-V3 router and DeepSeek-V4's top-k and hash routers, all
+``(logits, weights, indices)``; ``RECORDED_MODEL_TYPES``) and collects, for each forward it is armed for, every MoE
+layer's ``[tokens, top-k]`` indices. Other MoE families are not recorded: a request for them is refused in one line.
 """
 
 from __future__ import annotations
@@ -23,15 +24,19 @@ import re
 import numpy as np
 import torch
 
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:mlp\.gate|mixer\.gate|router)$")   # Gemma 4: layers.L.router;
-#                                                                               Nemotron-H: layers.L.mixer.gate
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:mlp\.gate|mixer\.gate|mlp\.router|router)$")
+# Gemma 4: layers.L.router; Nemotron-H: layers.L.mixer.gate; gpt-oss: layers.L.mlp.router
 # routers that return (scores, weights, top-k indices), with the names the engine's refusal gives them
 RECORDED_MODEL_TYPES = {"qwen3_moe": "Qwen3-MoE", "glm4_moe_lite": "GLM-4.7-Flash", "deepseek_v3": "DeepSeek-V3",
                         "kimi_k2": "Kimi-K2", "joyai_llm_flash": "JoyAI-LLM-Flash",   # DeepSeek-V3's router
                         "gemma4_text": "Gemma 4 MoE",                                 # (hf_aliases); Gemma4TextRouter
                         "qwen3_next": "Qwen3-Next", "qwen3_5_moe": "Qwen3.5-MoE",     # Qwen3-MoE's router
                         "qwen3_5_moe_text": "Qwen3.5-MoE",                            # (the published layout's text)
-                        "nemotron_h": "Nemotron-H (Nemotron-3)"}                      # NemotronHTopkRouter
+                        "nemotron_h": "Nemotron-H (Nemotron-3)",                      # NemotronHTopkRouter
+                        "glm4_moe": "GLM-4.5",                                        # Glm4MoeTopkRouter
+                        "gpt_oss": "gpt-oss",                                         # GptOssTopKRouter
+                        "deepseek_v32": "DeepSeek-V3.2", "glm_moe_dsa": "GLM-5",      # DeepSeek-V3's router
+                        "deepseek_v4": "DeepSeek-V4"}                                 # its top-k and hash routers
 
 
 def moe_routers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:

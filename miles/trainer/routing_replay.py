@@ -12,16 +12,18 @@ logits at the replayed experts (softmax over the experts, gathered, renormalised
 PPO critic) route by themselves. A token without a replayed row (a sample's last token, which no engine forward
 saw; padding; dummy micro-batches) keeps its own top-k.
 
-Wiring (``install(trainer)``, called at the end of both trainers' ``__init__``): the policy's routers get a hook
-(HF ``Qwen3MoeTopKRouter.forward`` on the FSDP backend; megatron-core's ``TopKRouter.router_replay`` on the
-Megatron backend); ``trainer._prepare`` (the start of every ``train`` call) loads the samples' routing, and
-``trainer._policy_forward`` (and on the Megatron backend ``trainer._stage_forward``, which a pipeline's earlier
-stages run) sets, for the policy's micro-batch, the per-token replay rows in the order the router sees the tokens
-(FSDP: the packed row or the right-padded ``[k, L]`` rows, flattened; Megatron: ``[s, b]``, this CP rank's chunks
-and, under sequence parallelism, this TP rank's part). Routers are indexed by their model-wide layer (under
-pipeline parallelism a stage's modules number its layers from 0). The rows stay set until the next policy forward,
-and are set again when a forward's backward starts (a hook on its output), so activation recompute inside the
-backward routes the same way, also under a pipeline's 1F1B order (later forwards before this backward).
+Wiring (``install(trainer)``, called at the end of both trainers' ``__init__``): the policy's routers get a hook (HF
+``Qwen3MoeTopKRouter.forward`` on the FSDP backend; megatron-core's ``TopKRouter.router_replay`` on the Megatron
+backend, which a family's router overriding ``routing`` asks too and says so with ``replays_routing``:
+DeepSeek-V4's, Gemma 4's; another is refused by name); ``trainer._prepare`` (the start of every ``train`` call)
+loads the samples' routing, and ``trainer._policy_forward`` (and on the Megatron backend ``trainer._stage_forward``,
+which a pipeline's earlier stages run) sets, for the policy's micro-batch, the per-token replay rows in the order
+the router sees the tokens (FSDP: the packed row or the right-padded ``[k, L]`` rows, flattened; Megatron:
+``[s, b]``, this CP rank's chunks and, under sequence parallelism, this TP rank's part). Routers are indexed by their
+model-wide layer (under pipeline parallelism a stage's modules number its layers from 0). The rows stay set until
+the next policy forward, and are set again when a forward's backward starts (a hook on its output), so activation
+recompute inside the backward routes the same way, also under a pipeline's 1F1B order (later forwards before this
+backward).
 """
 
 from __future__ import annotations
@@ -249,6 +251,15 @@ def _router_layers(model: torch.nn.Module, megatron: bool) -> list[tuple[str, in
     return out
 
 
+def _replays(router: torch.nn.Module) -> bool:
+    """Whether a megatron-core router's ``routing`` asks ``router_replay``: megatron-core's own does; a family's
+    router that overrides it says so with ``replays_routing = True`` (DeepSeek-V4's, Gemma 4's)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    own = getattr(type(router), "routing", None)
+    return own is getattr(TopKRouter, "routing", None) or bool(getattr(router, "replays_routing", False))
+
+
 def _hook_routers(model: torch.nn.Module, state: ReplayState, megatron: bool) -> int:
     n = 0
     for name, layer, mod in _router_layers(model, megatron):
@@ -256,6 +267,9 @@ def _hook_routers(model: torch.nn.Module, state: ReplayState, megatron: bool) ->
             if getattr(mod.config, "moe_router_fusion", False):
                 raise ConfigError("routing replay with --moe-router-fusion: the fused router takes no replayed "
                                   "experts; drop --moe-router-fusion.")
+            if not _replays(mod):
+                raise ConfigError(f"{_flag(state.mode)}: {type(mod).__name__} ({name}) chooses its experts without "
+                                  "megatron-core's router_replay, so its routing cannot be replayed: drop the flag.")
             mod.router_replay = _McoreLayerReplay(state, layer)
         else:
             if not all(hasattr(mod, a) for a in ("top_k", "weight", "norm_topk_prob", "hidden_dim")):

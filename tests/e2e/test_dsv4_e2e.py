@@ -14,8 +14,8 @@ engines' shared experts unclamped), ``--moe-router-freeze-gate``, ``--freeze-e-s
 
 Left out (refused by name here): the FP8 training flags (``--fp8-format``, ``--fp8-recipe``,
 ``--te-precision-config-file``: not built), ``--moe-grouped-gemm`` and ``--transformer-impl transformer_engine``
-(transformer-engine, not on a CPU box) and ``--use-rollout-routing-replay`` (the embedded engine does not record V4's
-hash / sqrtsoftplus routing).
+(transformer-engine, not on a CPU box). ``--use-rollout-routing-replay`` runs as recorded: the engines return V4's
+routed experts (its hash layers' too) and the trainer's 4 routers replay them.
 
 ``test_engine_serves_dsv4``: the embedded engine's greedy tokens (a prompt of 11 and 14 new tokens: past the sliding
 window, several CSA windows and an HCA window, through V4's own cache layers) equal transformers' full forward's; with
@@ -50,7 +50,8 @@ RECORDED = [  # the recorded command's flags miles takes, GPU counts scaled to 2
     "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
     "--micro-batch-size", "1", "--rollout-num-gpus-per-engine", "1", "--accumulate-allreduce-grads-in-fp32",
     "--qkv-format", "bshd", "--colocate", "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2",
-    "--num-gpus-per-node", "2", "--spec", "miles_plugins.models.deepseek_v4.deepseek_v4", "get_dsv4_spec"]
+    "--num-gpus-per-node", "2", "--spec", "miles_plugins.models.deepseek_v4.deepseek_v4", "get_dsv4_spec",
+    "--use-rollout-routing-replay"]
 
 
 # the recorded command's flags of Miles's Megatron fork that name no shape
@@ -129,5 +130,7 @@ def test_dsv4_recorded_flags_run_two_rollouts(setup, tmp_path: Path) -> None:
     check_ok(dry, tmp_path / "dry.log")
     check_ok(run(cmd, log, timeout=600, MILES_ENGINE_LOG_LEVEL="INFO"), log)   # INFO: the engines' unclamp line
     check_two_rollouts(out, log)
+    text = log.read_text()
+    assert "routing replay (R3, --use-rollout-routing-replay): 4 MoE routers" in text, text[-3000:]
     engines = [p.read_text() for p in sorted(out.rglob("engine*.log"))]     # the engines follow the trainer's flag
     assert engines and all("4 shared experts served unclamped" in t for t in engines), [t[-2000:] for t in engines]

@@ -115,7 +115,8 @@ def test_a_dense_model_refuses_return_routed_experts(tmp_path):
     eng = _engine(build_engine_model(tmp_path / "dense"))
     try:
         with pytest.raises(BadRequest, match="return_routed_experts: the embedded engine records routed experts for Qwen3-MoE, GLM-4.7-Flash, DeepSeek-V3, Kimi-K2, JoyAI-LLM-Flash, "
-                           "Gemma 4 MoE, Qwen3-Next, Qwen3.5-MoE, Nemotron-H \\(Nemotron-3\\) models, not this 'qwen3'"):
+                           "Gemma 4 MoE, Qwen3-Next, Qwen3.5-MoE, Nemotron-H \\(Nemotron-3\\), GLM-4.5, gpt-oss, DeepSeek-V3.2, "
+                           "GLM-5, DeepSeek-V4 models, not this 'qwen3'"):
             _run(eng, [{"input_ids": [1, 2, 3], "return_routed_experts": True, "sampling_params": {"max_new_tokens": 2}}])
     finally:
         eng.stop()
@@ -206,3 +207,68 @@ def test_nemotron_h_routers_are_recorded(tmp_path):
     for layer in (1, 4):
         assert torch.equal(rows[:, layer].long(), chosen[layer]), layer
     assert (rows[:, [0, 2, 3]] == 0).all() and len(set(map(tuple, rows[:, 1].tolist()))) > 1
+
+
+def _family_model(family: str, d):
+    if family == "glm4_moe":
+        from miles.utils.tiny_glm4_moe import build_tiny_glm4_moe
+        return build_tiny_glm4_moe(d, n_routed_experts=8, n_group=2, topk_group=1)
+    if family == "gpt_oss":
+        from miles.utils.tiny_gpt_oss import build_tiny_gpt_oss_model
+        return build_tiny_gpt_oss_model(d, num_experts=8)
+    if family == "deepseek_v4":
+        from miles.utils.tiny_dsv4 import build_tiny_dsv4_model
+        return build_tiny_dsv4_model(d, n_routed_experts=8)
+    from miles.utils.tiny_dsa import build_tiny_dsa_model
+    return build_tiny_dsa_model(d, model_type=family, n_routed_experts=8)
+
+
+def _family_choice(family: str, router, h: torch.Tensor, ids: torch.Tensor, config) -> torch.Tensor:
+    """The experts [T, k] the family's routing formula picks for router input ``h`` (written out here, not HF's)."""
+    import torch.nn.functional as F
+
+    h, k = h.reshape(-1, h.shape[-1]).float(), config.num_experts_per_tok
+    if family == "gpt_oss":                                     # top-k of the biased logits (softmax after)
+        return F.linear(h, router.weight.float(), router.bias.float()).topk(k, -1).indices
+    if family == "deepseek_v4":
+        if hasattr(router, "tid2eid"):                          # hash layer: the token-id table
+            return router.tid2eid[ids.reshape(-1)]
+        s = F.softplus(F.linear(h, router.weight.float())).sqrt() + router.e_score_correction_bias
+        return s.topk(k, -1).indices
+    s = torch.sigmoid(F.linear(h, router.weight.float())) + router.e_score_correction_bias
+    g = int(getattr(config, "n_group", 1) or 1)
+    if g > 1:                                                   # group score: its top 2; keep the best topk_group
+        grp = s.view(s.shape[0], g, -1).topk(2, -1).values.sum(-1)
+        keep = torch.zeros_like(grp).scatter(1, grp.topk(config.topk_group, -1).indices, 1.0)
+        s = s.masked_fill(keep.repeat_interleave(s.shape[1] // g, 1) == 0, float("-inf"))
+    return s.topk(k, -1).indices
+
+
+@pytest.mark.parametrize("family, moe_layers", [("glm4_moe", [1, 2]), ("gpt_oss", [0, 1]),
+                                                ("glm_moe_dsa", [1, 2]), ("deepseek_v32", [1, 2]),
+                                                ("deepseek_v4", [0, 1, 2, 3])])
+def test_family_routers_are_recorded(family: str, moe_layers: list[int], tmp_path):
+    """GLM-4.5 (grouped sigmoid top-k with the correction bias), gpt-oss (``layers.L.mlp.router``: top-k of the
+    biased logits), DeepSeek-V3.2 / GLM-5 (DeepSeek-V3's router) and DeepSeek-V4 (sqrtsoftplus top-k, and its hash
+    layers' token-id table): each MoE layer's recorded row is the expert set the family's formula picks for that
+    router's input, a dense layer's row zero."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(_family_model(family, tmp_path / family), dtype=torch.float32).eval()
+    rec = RoutedExpertsRecorder(model, model.config)
+    assert rec.enabled and [layer for layer, _ in rec.routers] == moe_layers and rec.top_k == 2
+    inputs: dict[int, torch.Tensor] = {}
+    for layer, mod in rec.routers:
+        mod.register_forward_pre_hook(lambda _m, args, layer=layer: inputs.__setitem__(layer, args[0]))
+    ids = torch.tensor([[5, 9, 13, 2, 7, 30, 41, 8, 11]])
+    rec.begin()
+    with torch.no_grad():
+        model(input_ids=ids)
+    rows = rec.end(ids.shape[1]).long()
+    n = model.config.num_hidden_layers
+    assert rows.shape == (9, n, 2)
+    for layer, mod in rec.routers:
+        want = _family_choice(family, mod, inputs[layer], ids, model.config)
+        assert torch.equal(rows[:, layer].sort(-1).values, want.sort(-1).values), layer
+    assert not rows[:, [i for i in range(n) if i not in moe_layers]].any()
+    assert any(len(set(map(tuple, rows[:, i].tolist()))) > 1 for i in moe_layers)   # it varies over tokens

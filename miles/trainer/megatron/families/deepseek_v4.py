@@ -36,7 +36,9 @@ radixark/miles@v0.1.0:miles_plugins/models/deepseek_v4/):
     renormalised, times ``routed_scaling_factor``; the first ``mlp_layer_types == hash_moe`` layers (Miles:
     ``--dsv4-n-hash-layers``) pick experts from a frozen token-id table ``tid2eid`` [vocab, k]. megatron-core's
     TopKRouter has softmax and sigmoid only, no hash routing -> ``Dsv4Router`` (a TopKRouter: its gating linear,
-    its place in MoELayer); the MoELayer, dispatchers, experts and shared expert are megatron-core's.
+    its place in MoELayer); the MoELayer, dispatchers, experts and shared expert are megatron-core's. Routing replay
+    (R3 / R2): ``Dsv4Router.routing`` asks megatron-core's ``router_replay`` for the experts of every layer, hash
+    layers included (the replayed experts replace the table's pick), the weights from the current scores.
  6. Clamped SwiGLU (``swiglu_limit``: gate <= l, |up| <= l) on routed and shared experts: megatron-core's
     ``activation_func_clamp_value`` (its MLP and expert MLPs both clamp), as transformers 5.24 (the parity
     reference) clamps both. The shared-expert clamp question: Miles passes ``--no-activation-func-clamp-shared-expert``
@@ -233,6 +235,8 @@ def router_class():
                 self.expert_bias = None
                 self.register_buffer("tid2eid", torch.zeros(vocab_size, self.topk, dtype=torch.long))
 
+        replays_routing = True      # routing() asks router_replay (miles.trainer.routing_replay: R3 / R2)
+
         def routing(self, logits: torch.Tensor, padding_mask=None):
             logits = logits.view(-1, self.config.num_moe_experts)
             indices = None
@@ -240,8 +244,22 @@ def router_class():
                 if self.token_ids is None or self.token_ids.numel() != logits.shape[0]:
                     raise RuntimeError("DeepSeek-V4 hash router: token ids of this forward were not set (a bug)")
                 indices = self.tid2eid[self.token_ids.to(self.tid2eid.device)]
+            if self.router_replay is not None:   # routing replay: the replayed experts of every layer, hash ones too
+                indices = self._replayed(logits, indices)
             return sqrtsoftplus_topk(logits, self.topk, self.config.moe_router_topk_scaling_factor or 1.0,
                                      self.expert_bias, indices)
+
+        def _replayed(self, logits: torch.Tensor, hashed: torch.Tensor | None) -> torch.Tensor:
+            """The experts ``router_replay`` gives (megatron-core's ``get_replay_topk`` protocol: the scores it
+            selects on and this router's own choice, the hash table's or the top-k of the biased scores)."""
+            scores = torch.nn.functional.softplus(logits).sqrt()
+            if self.expert_bias is not None and hashed is None:
+                scores = scores + self.expert_bias
+
+            def own(s, k, num_groups=None, group_topk=None):
+                idx = hashed if hashed is not None else torch.topk(s, k, dim=-1, sorted=False).indices
+                return s.gather(1, idx), idx
+            return self.router_replay.get_replay_topk(scores, self.topk, None, None, own)[1]
 
     _router_cls = Dsv4Router
     return Dsv4Router

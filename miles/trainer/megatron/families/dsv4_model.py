@@ -333,6 +333,7 @@ class Dsv4Layer(nn.Module):
 
         g = s.variant
         self.layer = layer
+        self.layer_number = layer + 1             # megatron-core's (1-based): pipeline.global_name reads it
         self.hash = layer < g.num_hash_layers
         args = (g.hc_mult, s.hidden_size, g.hc_sinkhorn_iters, g.hc_eps, s.norm_epsilon)
         self.hc_attn = HyperConnection(*args)

@@ -134,6 +134,8 @@ def classes() -> dict[str, type]:
             x = torch.nn.functional.rms_norm(input.float(), (h,), eps=self.config.layernorm_epsilon).type_as(input)
             return super().gating(x * self.scale * h ** -0.5)
 
+        replays_routing = True      # routing() is megatron-core's, which asks router_replay
+
         def routing(self, logits: torch.Tensor, padding_mask=None):
             probs, routing_map = super().routing(logits, padding_mask=padding_mask)
             return probs * self.per_expert_scale.to(probs.dtype), routing_map
