@@ -11,11 +11,15 @@ conftest.py) and from the multiprocess workers (``_torchrun.py`` puts ``tests/``
 optimizer steps per rollout, global batch size) -> ``miles.trainer.build.build_run_trainer`` (``--train-backend``
 picks the backend), on the given group and device; so the rollout temperature (``--rollout-temperature``), the
 collective timeout (``--distributed-timeout-minutes``) and ``--custom-config-path`` reach the trainer as in a run.
-The one-rank gloo group is the ``one_rank_group`` fixture of ``tests/conftest.py``.
+The one-rank gloo group is the ``one_rank_group`` fixture of ``tests/conftest.py``; a worker of its ``two_ranks``
+fixture (2 spawned ranks) runs in ``gloo_rank`` and reports a bounded collective through ``put_timed``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -109,3 +113,34 @@ def random_samples(num_groups: int, group_size: int, *, seed: int | None = None,
                               loss_mask=mask, reward=float(torch.rand((), generator=gen) > 0.5),
                               rollout_log_probs=(-2.0 - torch.rand(n, generator=gen)).tolist()))
     return out
+
+
+@contextlib.contextmanager
+def gloo_rank(rank: int, port: int, q: Any) -> Iterator[None]:
+    """The body of a ``two_ranks`` worker (tests/conftest.py): rank ``rank`` of a 2-rank gloo group on ``port``
+    (collectives bounded at 60 s); after it the queue ``q`` is flushed and the process exits without the group's
+    teardown (a rank that never joined a collective leaves one open)."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    try:
+        yield
+    finally:
+        q.close()
+        q.join_thread()
+        os._exit(0)
+
+
+def put_timed(q: Any, rank: int, call: Callable[[], Any]) -> None:
+    """Put ``(rank, call(), seconds it took)`` on ``q``, or ``(rank, "Type: message", seconds)`` when it raised."""
+    start = time.monotonic()
+    try:
+        value = call()
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        q.put((rank, f"{type(e).__name__}: {e}", time.monotonic() - start))
+        return
+    q.put((rank, value, time.monotonic() - start))

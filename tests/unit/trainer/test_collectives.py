@@ -12,31 +12,25 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from trainer_harness import gloo_rank, put_timed
 
 TIMEOUT = 2.0
 
 
 def _worker(rank: int, port: int, scenario: str, q) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
-    from miles.trainer.collectives import bounded_all_gather_object
+    with gloo_rank(rank, port, q):
+        from miles.trainer.collectives import bounded_all_gather_object
 
-    obj = {"rank": rank, "payload": list(range(3 + 100 * rank)), "t": torch.tensor([rank + 0.5])}
-    try:
+        obj = {"rank": rank, "payload": list(range(3 + 100 * rank)), "t": torch.tensor([rank + 0.5])}
         if scenario == "silent" and rank == 1:
             time.sleep(4 * TIMEOUT)                 # alive, never gathering: rank 0 must time out
             q.put((rank, "slept", 0.0))
         else:
-            start = time.monotonic()
-            try:
+            def gather():
                 got = bounded_all_gather_object(obj, None, TIMEOUT, torch.device("cpu"), "gathering test objects")
-                q.put((rank, [(g["rank"], len(g["payload"]), float(g["t"])) for g in got], time.monotonic() - start))
-            except Exception as e:  # noqa: BLE001 - reported to the test
-                q.put((rank, f"{type(e).__name__}: {e}", time.monotonic() - start))
-    finally:
-        q.close()
-        q.join_thread()
-        os._exit(0)                                 # skip process-group teardown (the silent case leaves one open)
+                return [(g["rank"], len(g["payload"]), float(g["t"])) for g in got]
+
+            put_timed(q, rank, gather)
 
 
 @pytest.mark.multiprocess
