@@ -458,22 +458,8 @@ def test_embedded_engine_serves_glm4_moe_lite(tiny_glm_dir: Path, tmp_path: Path
     """``python -m miles.engine`` (generic HF path) generates from the tiny GLM-4.7-Flash: greedy tokens equal
     transformers' greedy decoding, and the routers' ``e_score_correction_bias`` (exported by the Megatron trainer)
     is a weight the engine reports by name."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    from family_workers import check_engine_greedy
 
-    from miles.engine.testing import EngineProc
-
-    prompt = [5, 17, 23, 42, 8]
-    hf = AutoModelForCausalLM.from_pretrained(tiny_glm_dir, dtype=torch.float32)
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)[0, len(prompt):].tolist()
-    eng = EngineProc(tiny_glm_dir, "--max-running-requests", "2", "--max-context-len", "64", log=tmp_path / "e.log")
-    try:
-        out = eng.generate({"input_ids": prompt, "sampling_params": {"max_new_tokens": 8, "temperature": 0.0,
-                                                                     "ignore_eos": True}})
-        bias = eng.post("/get_weights_by_name", {"name": "model.layers.1.mlp.gate.e_score_correction_bias"})
-    finally:
-        eng.stop()
-    assert out["output_ids"] == ref, (out["output_ids"], ref)
-    assert bias.status_code == 200, bias.text
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    got = check_engine_greedy(tiny_glm_dir, tmp_path / "e.log", [5, 17, 23, 42, 8], (bias,))
+    assert got[bias].status_code == 200, got[bias].text
