@@ -345,6 +345,7 @@ def test_moe_parallel_layouts_match_fsdp_on_four_gpus(tiny_moe_dir: Path, tmp_pa
     """EP 2 x PP 2 and EP 2 x CP 2 on 4 GPUs (NCCL: the pipeline's p2p and the experts' all-to-all on one host, the
     sharded optimizer's fused AdamW), each backend in its GPU default bf16, against FSDP DP 4."""
     import torch
+    from family_workers import check_gpu_bf16_parity
 
     if torch.cuda.device_count() < 4:
         pytest.skip("needs 4 GPUs (one per rank)")
@@ -359,7 +360,7 @@ def test_moe_parallel_layouts_match_fsdp_on_four_gpus(tiny_moe_dir: Path, tmp_pa
     assert res["export_keys_equal"] and res["export_bitwise"] and res["export_bf16_bitwise"], res
     # Never run yet (4 GPUs): the bounds of test_moe_trainer_parity_with_fsdp_on_gpu (one GPU, bf16); ``pytest -s -m
     # gpu tests/multiprocess/test_megatron_moe.py -k four_gpus`` prints what this run measures
-    _check_gpu_parity(res)
+    check_gpu_bf16_parity(res)
 
 
 # ------------------------------------------------------------------------------------------- engine
@@ -435,6 +436,7 @@ def test_moe_weight_update_leaves_engine_equal_to_trainer(tiny_moe_dir: Path, tm
 def test_moe_trainer_parity_with_fsdp_on_gpu(tiny_moe_dir: Path, tmp_path: Path, free_port: int) -> None:
     """One rank on a GPU (NCCL, EP 1), both backends in bf16: Megatron's MoE stays within bf16 rounding of FSDP's."""
     import torch
+    from family_workers import check_gpu_bf16_parity
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -448,15 +450,7 @@ def test_moe_trainer_parity_with_fsdp_on_gpu(tiny_moe_dir: Path, tmp_path: Path,
     # log-probs 2.4e-3 apart, update 6.0% apart in relative L2 (as the dense model's, test_megatron.py). Not
     # re-measured since these bounds were set (no GPU here): ``pytest -s -m gpu tests/multiprocess/test_megatron_moe.py
     # -k parity`` prints them.
-    _check_gpu_parity(res)
-
-def _check_gpu_parity(res: dict) -> None:
-    """The one-GPU bf16 bounds (test_moe_trainer_parity_with_fsdp_on_gpu's), shared by the 4-GPU layouts' test."""
-    assert res["lp_max_abs_diff"] < 5e-3, res
-    for f, m in zip(res["fsdp_metrics"], res["meg_metrics"]):
-        for key in ("loss", "pg_loss", "entropy", "grad_norm"):
-            assert m[key] == pytest.approx(f[key], rel=5e-2, abs=5e-3), (key, f[key], m[key])
-    assert res["update_rel_l2"] < 0.12, res
+    check_gpu_bf16_parity(res)
 
 
 if __name__ == "__main__":
