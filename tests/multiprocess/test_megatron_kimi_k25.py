@@ -107,7 +107,7 @@ def _trainer_worker(model_dir: str, out: str, layout: str = "tp2_ep2") -> None:
     same samples before training; --save-hf, torch_dist save and resume."""
     import torch
     import torch.distributed as dist
-    from family_workers import hf_lm
+    from family_workers import hf_lm, save_and_resume
     from safetensors.torch import load_file
     from test_megatron import _all_logprobs
     from trainer_harness import build, random_samples
@@ -128,12 +128,7 @@ def _trainer_worker(model_dir: str, out: str, layout: str = "tp2_ep2") -> None:
     init = meg.state_dict_for_check()
     meg_lp = _all_logprobs(meg, samples)
     res["meg_metrics"] = [meg.train(mine, rid) for rid in range(2)]
-    meg_sd = meg.state_dict_for_check()
-    meg.save_hf(Path(out).parent / "hf_out")
-    meg.checkpoint(1, {"rollout_id": 1})
-    meg.train(mine, 2)                                  # move away, then load the checkpoint back
-    res["resumed_extra"] = meg.resume()
-    reloaded = meg.state_dict_for_check()
+    meg_sd, res["resumed_extra"], reloaded = save_and_resume(meg, mine, Path(out).parent / "hf_out")
     if rank == 0:
         hf = load_file(str(Path(model_dir) / "model.safetensors"))
         text = sorted(k for k in hf if k.startswith("language_model."))

@@ -44,6 +44,7 @@ def _torchrun(nproc: int, port: int, *args: str, timeout: int = 300) -> subproce
 def _parity_worker(model_dir: str, out: str) -> None:
     import torch
     import torch.distributed as dist
+    from family_workers import save_and_resume
     from safetensors.torch import load_file
     from test_megatron import _all_logprobs, _flags
     from test_megatron_moe import split_fused_experts
@@ -66,12 +67,7 @@ def _parity_worker(model_dir: str, out: str) -> None:
     init_bf16 = {n: t.detach().cpu().clone() for b in meg.iter_weight_buckets(4096, torch.bfloat16) for n, t in b}
     meg_lp = _all_logprobs(meg, samples)
     res["meg_metrics"] = [meg.train(mine, rid) for rid in range(2)]
-    meg_sd = meg.state_dict_for_check()
-    meg.save_hf(Path(out).parent / "hf_out")
-    meg.checkpoint(1, {"rollout_id": 1})
-    meg.train(mine, 2)                                  # move away, then load the checkpoint back
-    res["resumed_extra"] = meg.resume()
-    reloaded = meg.state_dict_for_check()
+    meg_sd, res["resumed_extra"], reloaded = save_and_resume(meg, mine, Path(out).parent / "hf_out")
     if rank == 0:
         from transformers import AutoModelForCausalLM
 
