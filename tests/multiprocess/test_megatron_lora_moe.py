@@ -35,20 +35,6 @@ pytestmark = pytest.mark.multiprocess
 HERE = Path(__file__).resolve()
 
 
-@pytest.fixture(scope="module")
-def tiny_moe_dir(tmp_path_factory) -> Path:
-    from miles.utils.tiny_model import build_tiny_moe_model
-
-    return build_tiny_moe_model(tmp_path_factory.mktemp("tiny_moe"))
-
-
-@pytest.fixture(scope="module")
-def tiny_glm_dir(tmp_path_factory) -> Path:
-    from miles.utils.tiny_mla import build_tiny_mla_model
-
-    return build_tiny_mla_model(tmp_path_factory.mktemp("tiny_glm"))
-
-
 # the MLA family (tiny GLM-4.7-Flash: a dense layer 0, then MoE layers with a shared expert): the Kimi-K2.5 LoRA
 # recipe's targets (radixark/miles@v0.1.0:examples/lora/run-kimi-k25-megatron-lora.sh: the down projections q_a_proj,
 # kv_a_proj_with_mqa, replicated over TP) and the up projections (q_b_proj, kv_b_proj: column-parallel) of GLM-5's

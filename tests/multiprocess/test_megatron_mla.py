@@ -163,13 +163,6 @@ def _gpt_worker(model_dir: str, out: str, ep: int = 1) -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny_glm_dir(tmp_path_factory) -> Path:
-    from miles.utils.tiny_mla import build_tiny_mla_model
-
-    return build_tiny_mla_model(tmp_path_factory.mktemp("tiny_glm"))
-
-
-@pytest.fixture(scope="module")
 def tiny_dsv3_dir(tmp_path_factory) -> Path:
     from miles.utils.tiny_mla import build_tiny_mla_model
 

@@ -31,13 +31,6 @@ pytestmark = pytest.mark.multiprocess
 HERE = Path(__file__).resolve()
 
 
-@pytest.fixture(scope="module")
-def tiny_moe_dir(tmp_path_factory) -> Path:
-    from miles.utils.tiny_model import build_tiny_moe_model
-
-    return build_tiny_moe_model(tmp_path_factory.mktemp("tiny_moe"))
-
-
 def _torchrun(nproc: int, port: int, *args: str, timeout: int = 400) -> subprocess.CompletedProcess:
     return torchrun_self(HERE, nproc, port, *args, timeout=timeout)
 

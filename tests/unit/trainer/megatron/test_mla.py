@@ -21,13 +21,6 @@ GLM_JSON = Path(__file__).resolve().parents[3] / "fixtures" / "miles_scripts" / 
 
 
 @pytest.fixture(scope="module")
-def tiny_glm_dir(tmp_path_factory) -> Path:
-    from miles.utils.tiny_mla import build_tiny_mla_model
-
-    return build_tiny_mla_model(tmp_path_factory.mktemp("tiny_glm"))
-
-
-@pytest.fixture(scope="module")
 def tiny_dsv3_dir(tmp_path_factory) -> Path:
     from miles.utils.tiny_mla import build_tiny_mla_model
 
