@@ -135,8 +135,14 @@ def gloo_rank(rank: int, port: int, q: Any) -> Iterator[None]:
         os._exit(0)
 
 
-def put_timed(q: Any, rank: int, call: Callable[[], Any]) -> None:
-    """Put ``(rank, call(), seconds it took)`` on ``q``, or ``(rank, "Type: message", seconds)`` when it raised."""
+def put_timed(q: Any, rank: int, call: Callable[[], Any], *, silent_for: float = 0.0) -> None:
+    """Put ``(rank, call(), seconds it took)`` on ``q``, or ``(rank, "Type: message", seconds)`` when it raised. With
+    ``silent_for`` the rank stays alive that long without calling (its peer's collective must time out), then puts
+    ``(rank, "slept", 0.0)``."""
+    if silent_for:
+        time.sleep(silent_for)
+        q.put((rank, "slept", 0.0))
+        return
     start = time.monotonic()
     try:
         value = call()

@@ -29,14 +29,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from family_workers import (
-    check_engine_greedy,
-    check_export,
-    check_gpu_matches_hf,
-    check_grads_match,
-    check_parity,
-    launch,
-)
+from family_workers import check_export, check_gpu_matches_hf, check_grads_match, check_parity, launch
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.multiprocess
@@ -134,6 +127,8 @@ def test_dsa_matches_hf_on_gpu_bf16(request, tmp_path: Path, free_port: int, fam
 def test_embedded_engine_serves_dsa(request, tmp_path: Path, family: str) -> None:
     """``python -m miles.engine`` (generic transformers path, its cache built from config.json so the indexer keeps
     its keys) decodes greedily as transformers' ``generate`` does, past the indexer's top-k."""
+    from family_workers import check_engine_greedy
+
     model_dir = request.getfixturevalue(FAMILY_DIRS[family])
     check_engine_greedy(model_dir, tmp_path / "e.log", [5, 17, 23, 42, 8, 9, 11, 12])   # longer than index_topk (4)
 

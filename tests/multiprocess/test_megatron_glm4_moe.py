@@ -24,14 +24,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from family_workers import (
-    check_engine_greedy,
-    check_export,
-    check_gpu_matches_hf,
-    check_grads_match,
-    check_parity,
-    launch,
-)
+from family_workers import check_export, check_gpu_matches_hf, check_grads_match, check_parity, launch
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.multiprocess
@@ -123,6 +116,8 @@ def test_embedded_engine_serves_glm4_moe(tiny_glm45_dir: Path, tmp_path: Path) -
     """``python -m miles.engine`` (transformers' model code) generates from the tiny GLM-4.5: greedy tokens equal
     transformers' greedy decoding (partial RoPE, q/k norms, biases, the sigmoid router), and the routers'
     ``e_score_correction_bias``, which the Megatron trainer exports, is a weight the engine knows by that name."""
+    from family_workers import check_engine_greedy
+
     bias = "model.layers.1.mlp.gate.e_score_correction_bias"
     got = check_engine_greedy(tiny_glm45_dir, tmp_path / "e.log", [5, 17, 23, 42, 8], (bias,))
     assert got[bias].status_code == 200, got[bias].text

@@ -6,7 +6,6 @@ union of the object gather with one collective when every rank has the same name
 from __future__ import annotations
 
 import os
-import time
 from datetime import timedelta
 
 import pytest
@@ -22,15 +21,13 @@ def _worker(rank: int, port: int, scenario: str, q) -> None:
         from miles.trainer.collectives import bounded_all_gather_object
 
         obj = {"rank": rank, "payload": list(range(3 + 100 * rank)), "t": torch.tensor([rank + 0.5])}
-        if scenario == "silent" and rank == 1:
-            time.sleep(4 * TIMEOUT)                 # alive, never gathering: rank 0 must time out
-            q.put((rank, "slept", 0.0))
-        else:
-            def gather():
-                got = bounded_all_gather_object(obj, None, TIMEOUT, torch.device("cpu"), "gathering test objects")
-                return [(g["rank"], len(g["payload"]), float(g["t"])) for g in got]
 
-            put_timed(q, rank, gather)
+        def gather():
+            got = bounded_all_gather_object(obj, None, TIMEOUT, torch.device("cpu"), "gathering test objects")
+            return [(g["rank"], len(g["payload"]), float(g["t"])) for g in got]
+
+        # "silent": rank 1 alive, never gathering: rank 0 must time out
+        put_timed(q, rank, gather, silent_for=4 * TIMEOUT if scenario == "silent" and rank == 1 else 0.0)
 
 
 @pytest.mark.multiprocess

@@ -4,8 +4,6 @@ timeout (not the process group's) with the pipeline's one-line TimeoutError."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from trainer_harness import gloo_rank, put_timed
@@ -19,15 +17,13 @@ def _worker(rank: int, port: int, scenario: str, q) -> None:
 
         stage = Stage(group=None, rank=rank, size=2, prev=0, next=1, first_rank=0, last_rank=1, timeout=STAGE_TIMEOUT)
         obj = (["kl", "loss"], torch.tensor([0.25, -1.5], dtype=torch.float64)) if rank == 1 else None
-        if scenario == "silent_last" and rank == 1:
-            time.sleep(4 * STAGE_TIMEOUT)          # alive, never broadcasting: the first stage must time out
-            q.put((rank, "slept", 0.0))
-        else:
-            def broadcast():
-                got = broadcast_object_from_last(stage, obj, torch.device("cpu"))
-                return got[0], got[1].tolist()
 
-            put_timed(q, rank, broadcast)
+        def broadcast():
+            got = broadcast_object_from_last(stage, obj, torch.device("cpu"))
+            return got[0], got[1].tolist()
+
+        # "silent_last": the last stage alive, never broadcasting: the first stage must time out
+        put_timed(q, rank, broadcast, silent_for=4 * STAGE_TIMEOUT if scenario == "silent_last" and rank == 1 else 0.0)
 
 
 @pytest.mark.multiprocess
