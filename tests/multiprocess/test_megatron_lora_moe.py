@@ -214,12 +214,9 @@ def test_lora_moe_merged_reference(request, tmp_path: Path, model: str, shared: 
 
 
 def _engine_worker(model_dir: str, out: str, engine_url: str) -> None:
-    import requests
     import torch.distributed as dist
+    from test_megatron_moe import post_bucket_and_check
     from trainer_harness import build, random_samples
-
-    from miles.weight_sync.check import compare
-    from miles.weight_sync.tensor import pack_shared, serialize_bucket
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -229,17 +226,7 @@ def _engine_worker(model_dir: str, out: str, engine_url: str) -> None:
     for bucket in tr.iter_weight_buckets(16 << 10):
         if rank != 0:
             continue
-        flat, meta = pack_shared(bucket)
-        r = requests.post(engine_url + "/update_weights_from_tensor", timeout=60,
-                          json={"serialized_named_tensors": [serialize_bucket(flat, meta)],
-                                "load_format": "flattened_bucket", "flush_cache": True})
-        assert r.status_code == 200, r.text
-        for name, t in bucket:
-            r = requests.post(engine_url + "/get_weights_by_name", json={"name": name, "truncate_size": t.shape[0]},
-                              timeout=30)
-            assert r.status_code == 200, (name, r.text)
-            compare(name, t, r.json(), engine_url)         # raises unless bitwise equal
-            res["names"].append(name)
+        res["names"] += post_bucket_and_check(engine_url, bucket)
     if rank == 0:
         Path(out).write_text(json.dumps(res))
     dist.barrier()

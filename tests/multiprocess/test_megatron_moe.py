@@ -357,6 +357,28 @@ def test_moe_parallel_layouts_match_fsdp_on_four_gpus(tiny_moe_dir: Path, tmp_pa
 
 
 # ------------------------------------------------------------------------------------------- engine
+def post_bucket_and_check(engine_url: str, bucket: list) -> list[str]:
+    """Hand one weight bucket (``[(name, tensor)]``) to the engine at ``engine_url`` through
+    ``/update_weights_from_tensor`` (a flattened bucket), then read each tensor back by name (``/get_weights_by_name``)
+    and compare it bitwise (``weight_sync.check.compare`` raises otherwise). Returns the names checked."""
+    import requests
+
+    from miles.weight_sync.check import compare
+    from miles.weight_sync.tensor import pack_shared, serialize_bucket
+
+    flat, meta = pack_shared(bucket)
+    r = requests.post(engine_url + "/update_weights_from_tensor", timeout=60,
+                      json={"serialized_named_tensors": [serialize_bucket(flat, meta)],
+                            "load_format": "flattened_bucket", "flush_cache": True})
+    assert r.status_code == 200, r.text
+    for name, t in bucket:
+        r = requests.post(engine_url + "/get_weights_by_name", json={"name": name, "truncate_size": t.shape[0]},
+                          timeout=30)
+        assert r.status_code == 200, (name, r.text)
+        compare(name, t, r.json(), engine_url)         # raises unless bitwise equal
+    return [name for name, _ in bucket]
+
+
 def _engine_worker(model_dir: str, out: str, engine_url: str) -> None:
     """Megatron EP 2 trains one rollout, then rank 0 hands every bucket to the embedded engine (generic HF path,
     fused experts in transformers) through ``/update_weights_from_tensor``; rank 0 reads each tensor back."""
@@ -365,9 +387,6 @@ def _engine_worker(model_dir: str, out: str, engine_url: str) -> None:
     import torch.distributed as dist
     from test_megatron import _flags
     from trainer_harness import build, random_samples
-
-    from miles.weight_sync.check import compare
-    from miles.weight_sync.tensor import pack_shared, serialize_bucket
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -383,18 +402,8 @@ def _engine_worker(model_dir: str, out: str, engine_url: str) -> None:
             r = requests.post(engine_url + "/get_weights_by_name", json={"name": name, "truncate_size": t.shape[0]},
                               timeout=30)
             before[name] = r.status_code == 200 and torch.equal(torch.tensor(r.json(), dtype=t.dtype).reshape(t.shape), t)
-        flat, meta = pack_shared(bucket)
-        r = requests.post(engine_url + "/update_weights_from_tensor", timeout=60,
-                          json={"serialized_named_tensors": [serialize_bucket(flat, meta)],
-                                "load_format": "flattened_bucket", "flush_cache": True})
-        assert r.status_code == 200, r.text
+        res["names"] += post_bucket_and_check(engine_url, bucket)
         res["posted"] += 1
-        for name, t in bucket:
-            r = requests.post(engine_url + "/get_weights_by_name", json={"name": name, "truncate_size": t.shape[0]},
-                              timeout=30)
-            assert r.status_code == 200, (name, r.text)
-            compare(name, t, r.json(), engine_url)         # raises unless bitwise equal
-            res["names"].append(name)
     if rank == 0:
         res["changed"] = sum(not v for v in before.values())
         g = requests.post(engine_url + "/generate", timeout=60,
