@@ -12,7 +12,8 @@ optimizer steps per rollout, global batch size) -> ``miles.trainer.build.build_r
 picks the backend), on the given group and device; so the rollout temperature (``--rollout-temperature``), the
 collective timeout (``--distributed-timeout-minutes``) and ``--custom-config-path`` reach the trainer as in a run.
 The one-rank gloo group is the ``one_rank_group`` fixture of ``tests/conftest.py``; a worker of its ``two_ranks``
-fixture (2 spawned ranks) runs in ``gloo_rank`` and reports a bounded collective through ``put_timed``.
+fixture (2 spawned ranks) runs in ``gloo_rank`` and reports a bounded collective through ``put_timed``. A trainer's
+export by name is ``export_by_name``, a checkpoint's tensors ``checkpoint_tensors``; ``same_tensors`` compares them.
 """
 
 from __future__ import annotations
@@ -114,6 +115,35 @@ def random_samples(num_groups: int, group_size: int, *, seed: int | None = None,
                               rollout_log_probs=(-2.0 - torch.rand(n, generator=gen)).tolist()))
     return out
 
+
+
+def export_by_name(tr: Any, bucket_bytes: int, dtype: Any = None) -> dict:
+    """A trainer's weight export (``iter_weight_buckets(bucket_bytes, dtype)``) by name, each name once (asserted),
+    the tensors copied to the CPU."""
+    out: dict = {}
+    for bucket in tr.iter_weight_buckets(bucket_bytes, dtype):
+        for n, t in bucket:
+            assert n not in out, n
+            out[n] = t.detach().cpu().clone()
+    return out
+
+
+def checkpoint_tensors(model_dir: str | Path) -> dict:
+    """Every tensor of a HF checkpoint directory (all its safetensors files) by name."""
+    from safetensors.torch import load_file
+
+    out: dict = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def same_tensors(a: dict, b: dict) -> bool:
+    """The same names, and under each the same dtype, shape and bits."""
+    import torch
+
+    return sorted(a) == sorted(b) and all(a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
+                                          and torch.equal(a[k], b[k]) for k in a)
 
 @contextlib.contextmanager
 def gloo_rank(rank: int, port: int, q: Any) -> Iterator[None]:
