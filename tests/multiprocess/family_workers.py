@@ -283,14 +283,23 @@ def parity_worker(model_dir: str, out: str, megatron_flags: tuple[str, ...] = ()
         res["fsdp_missing_unchanged"] = all(k in ref and torch.equal(meg_sd[k], ref[k]) for k in res["fsdp_missing"])
         keys = sorted(set(meg_sd) & set(fsdp_sd) & set(ref))
         if keys:                                        # (absent, so a test that bounds them fails, without any)
-            deltas = {k: ((meg_sd[k] - ref[k]) - (fsdp_sd[k] - ref[k])).abs().max().item() for k in keys}
-            res["update_max_abs_diff"], res["update_worst"] = max(deltas.values()), max(deltas, key=deltas.get)
-            num = sum(((meg_sd[k] - fsdp_sd[k]).double() ** 2).sum().item() for k in keys)
-            den = sum(((fsdp_sd[k] - ref[k]).double() ** 2).sum().item() for k in keys)
-            res["update_rel_l2"] = (num / den) ** 0.5
+            res.update(update_distance(meg_sd, fsdp_sd, ref, keys))
         res["lp_max_abs_diff"] = max((a - b).abs().max().item() for a, b in zip(fsdp_lp, meg_lp))
         torch.save(res, out)
     dist.destroy_process_group()
+
+
+def update_distance(meg_sd: dict, fsdp_sd: dict, ref: dict, keys) -> dict:
+    """How far the Megatron backend's update (``meg_sd - ref``) is from the FSDP backend's (``fsdp_sd - ref``) over
+    ``keys``: the largest difference (``update_max_abs_diff``) and its tensor (``update_worst``), the FSDP update's
+    largest entry (``update_max_abs``) and the difference's L2 norm relative to the FSDP update's
+    (``update_rel_l2``)."""
+    deltas = {k: ((meg_sd[k] - ref[k]) - (fsdp_sd[k] - ref[k])).abs().max().item() for k in keys}
+    num = sum(((meg_sd[k] - fsdp_sd[k]).double() ** 2).sum().item() for k in keys)
+    den = sum(((fsdp_sd[k] - ref[k]).double() ** 2).sum().item() for k in keys)
+    return {"update_max_abs_diff": max(deltas.values()), "update_worst": max(deltas, key=deltas.get),
+            "update_max_abs": max((fsdp_sd[k] - ref[k]).abs().max().item() for k in keys),
+            "update_rel_l2": (num / den) ** 0.5}
 
 
 def save_and_resume(meg, mine: list, hf_out: Path) -> tuple[dict, dict, dict]:

@@ -132,6 +132,7 @@ def _parity_worker(model_dir: str, out: str, tp: int, kind: str = "cpu", distopt
     attention needs bf16."""
     import torch
     import torch.distributed as dist
+    from family_workers import update_distance
     from safetensors.torch import load_file
     from trainer_harness import build, random_samples
 
@@ -177,14 +178,8 @@ def _parity_worker(model_dir: str, out: str, tp: int, kind: str = "cpu", distopt
         res["export_keys_equal"] = sorted(init) == sorted(hf) == sorted(meg_sd) == sorted(fsdp_sd)
         res["export_bitwise"] = all(torch.equal(init[k], hf[k]) for k in hf)
         res["export_bf16_bitwise"] = all(torch.equal(init_bf16[k], hf[k].bfloat16()) for k in hf)
-        deltas = {k: ((meg_sd[k] - hf[k]) - (fsdp_sd[k] - hf[k])).abs().max().item() for k in hf}
-        res["update_max_abs_diff"] = max(deltas.values())
-        res["update_worst"] = max(deltas, key=deltas.get)
-        res["update_max_abs"] = max((fsdp_sd[k] - hf[k]).abs().max().item() for k in hf)
+        res.update(update_distance(meg_sd, fsdp_sd, hf, list(hf)))
         res["lp_max_abs_diff"] = max((a - b).abs().max().item() for a, b in zip(res["fsdp_lp"], res.pop("meg_lp")))
-        num = sum(((meg_sd[k] - fsdp_sd[k]).double() ** 2).sum().item() for k in hf)
-        den = sum(((fsdp_sd[k] - hf[k]).double() ** 2).sum().item() for k in hf)
-        res["update_rel_l2"] = (num / den) ** 0.5
         res["bf16"] = meg.bf16
         res["distributed_optimizer"] = meg.distributed_optimizer
     res.pop("fsdp_lp")

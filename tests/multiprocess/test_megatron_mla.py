@@ -44,7 +44,7 @@ def _torchrun(nproc: int, port: int, *args: str, timeout: int = 300) -> subproce
 def _parity_worker(model_dir: str, out: str) -> None:
     import torch
     import torch.distributed as dist
-    from family_workers import save_and_resume
+    from family_workers import save_and_resume, update_distance
     from safetensors.torch import load_file
     from test_megatron import _all_logprobs, _flags
     from test_megatron_moe import split_fused_experts
@@ -82,11 +82,7 @@ def _parity_worker(model_dir: str, out: str) -> None:
         res["export_bf16_bitwise"] = all(torch.equal(init_bf16[k], hf[k].bfloat16()) for k in hf)
         keys = sorted(fsdp_sd)                          # the parameters (the FSDP export has no buffers)
         res["fsdp_keys_missing"] = sorted(set(hf) - set(keys))
-        deltas = {k: ((meg_sd[k] - hf[k]) - (fsdp_sd[k] - hf[k])).abs().max().item() for k in keys}
-        res["update_max_abs_diff"], res["update_worst"] = max(deltas.values()), max(deltas, key=deltas.get)
-        num = sum(((meg_sd[k] - fsdp_sd[k]).double() ** 2).sum().item() for k in keys)
-        den = sum(((fsdp_sd[k] - hf[k]).double() ** 2).sum().item() for k in keys)
-        res["update_rel_l2"] = (num / den) ** 0.5
+        res.update(update_distance(meg_sd, fsdp_sd, hf, keys))
         res["lp_max_abs_diff"] = max((a - b).abs().max().item() for a, b in zip(fsdp_lp, meg_lp))
         torch.save(res, out)
     dist.destroy_process_group()

@@ -121,6 +121,7 @@ def _parity_worker(model_dir: str, out: str, ep: int, dispatcher: str, kind: str
     kind = "cpu" if with_ckpt else kind
     import torch
     import torch.distributed as dist
+    from family_workers import update_distance
     from safetensors.torch import load_file
     from test_megatron import _all_logprobs, _flags
     from trainer_harness import PRESETS, build, random_samples
@@ -187,15 +188,9 @@ def _parity_worker(model_dir: str, out: str, ep: int, dispatcher: str, kind: str
         res["export_order"] = init_order
         res["export_bitwise"] = all(torch.equal(init[k], hf[k]) for k in hf)
         res["export_bf16_bitwise"] = all(torch.equal(init_bf16[k], hf[k].bfloat16()) for k in hf)
-        deltas = {k: ((meg_sd[k] - hf[k]) - (fsdp_sd[k] - hf[k])).abs().max().item() for k in hf}
-        res["update_max_abs_diff"] = max(deltas.values())
-        res["update_worst"] = max(deltas, key=deltas.get)
-        res["update_max_abs"] = max((fsdp_sd[k] - hf[k]).abs().max().item() for k in hf)
+        res.update(update_distance(meg_sd, fsdp_sd, hf, list(hf)))
         res["experts_moved"] = min((fsdp_sd[k] - hf[k]).abs().max().item() for k in hf if ".experts." in k)
         res["lp_max_abs_diff"] = max((a - b).abs().max().item() for a, b in zip(res["fsdp_lp"], res.pop("meg_lp")))
-        num = sum(((meg_sd[k] - fsdp_sd[k]).double() ** 2).sum().item() for k in hf)
-        den = sum(((fsdp_sd[k] - hf[k]).double() ** 2).sum().item() for k in hf)
-        res["update_rel_l2"] = (num / den) ** 0.5
         res["ep_size"], res["tp_size"] = meg.groups.ep_size, meg.groups.tp_size
     res.pop("fsdp_lp")
     if rank == 0:
