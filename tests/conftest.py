@@ -1,5 +1,5 @@
-"""Shared fixtures: a tiny local model, free ports, a clean environment, a one-rank gloo group, two spawned ranks;
-the skip policy.
+"""Shared fixtures: tiny local models (a dense one per session; a Qwen3-MoE and a GLM-4.7-Flash per test module),
+free ports, a clean environment, a one-rank gloo group, two spawned ranks; the skip policy.
 
 Tests kill only the processes they start. Skips for a dependency that ``make setup`` installs fail under the
 Makefile's test targets and on CI, and tests marked ``gpu`` launch their ranks under real ``torchrun``, never
@@ -29,6 +29,23 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from miles.utils.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny_model"), hidden_size=64, num_layers=2)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen3-MoE model (``build_tiny_moe_model``'s defaults), built once per test module."""
+    from miles.utils.tiny_model import build_tiny_moe_model
+
+    return build_tiny_moe_model(tmp_path_factory.mktemp("tiny_moe"))
+
+
+@pytest.fixture(scope="module")
+def tiny_glm_dir(tmp_path_factory) -> Path:
+    """A tiny GLM-4.7-Flash (multi-latent attention, DeepSeek-style MoE: ``build_tiny_mla_model``'s defaults), built
+    once per test module."""
+    from miles.utils.tiny_mla import build_tiny_mla_model
+
+    return build_tiny_mla_model(tmp_path_factory.mktemp("tiny_glm"))
 
 
 @pytest.fixture

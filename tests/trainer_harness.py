@@ -11,11 +11,16 @@ conftest.py) and from the multiprocess workers (``_torchrun.py`` puts ``tests/``
 optimizer steps per rollout, global batch size) -> ``miles.trainer.build.build_run_trainer`` (``--train-backend``
 picks the backend), on the given group and device; so the rollout temperature (``--rollout-temperature``), the
 collective timeout (``--distributed-timeout-minutes``) and ``--custom-config-path`` reach the trainer as in a run.
-The one-rank gloo group is the ``one_rank_group`` fixture of ``tests/conftest.py``.
+The one-rank gloo group is the ``one_rank_group`` fixture of ``tests/conftest.py``; a worker of its ``two_ranks``
+fixture (2 spawned ranks) runs in ``gloo_rank`` and reports a bounded collective through ``put_timed``. A trainer's
+export by name is ``export_by_name``, a checkpoint's tensors ``checkpoint_tensors``; ``same_tensors`` compares them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -109,3 +114,69 @@ def random_samples(num_groups: int, group_size: int, *, seed: int | None = None,
                               loss_mask=mask, reward=float(torch.rand((), generator=gen) > 0.5),
                               rollout_log_probs=(-2.0 - torch.rand(n, generator=gen)).tolist()))
     return out
+
+
+
+def export_by_name(tr: Any, bucket_bytes: int, dtype: Any = None) -> dict:
+    """A trainer's weight export (``iter_weight_buckets(bucket_bytes, dtype)``) by name, each name once (asserted),
+    the tensors copied to the CPU."""
+    out: dict = {}
+    for bucket in tr.iter_weight_buckets(bucket_bytes, dtype):
+        for n, t in bucket:
+            assert n not in out, n
+            out[n] = t.detach().cpu().clone()
+    return out
+
+
+def checkpoint_tensors(model_dir: str | Path) -> dict:
+    """Every tensor of a HF checkpoint directory (all its safetensors files) by name."""
+    from safetensors.torch import load_file
+
+    out: dict = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def same_tensors(a: dict, b: dict) -> bool:
+    """The same names, and under each the same dtype, shape and bits."""
+    import torch
+
+    return sorted(a) == sorted(b) and all(a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
+                                          and torch.equal(a[k], b[k]) for k in a)
+
+@contextlib.contextmanager
+def gloo_rank(rank: int, port: int, q: Any) -> Iterator[None]:
+    """The body of a ``two_ranks`` worker (tests/conftest.py): rank ``rank`` of a 2-rank gloo group on ``port``
+    (collectives bounded at 60 s); after it the queue ``q`` is flushed and the process exits without the group's
+    teardown (a rank that never joined a collective leaves one open)."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    try:
+        yield
+    finally:
+        q.close()
+        q.join_thread()
+        os._exit(0)
+
+
+def put_timed(q: Any, rank: int, call: Callable[[], Any], *, silent_for: float = 0.0) -> None:
+    """Put ``(rank, call(), seconds it took)`` on ``q``, or ``(rank, "Type: message", seconds)`` when it raised. With
+    ``silent_for`` the rank stays alive that long without calling (its peer's collective must time out), then puts
+    ``(rank, "slept", 0.0)``."""
+    if silent_for:
+        time.sleep(silent_for)
+        q.put((rank, "slept", 0.0))
+        return
+    start = time.monotonic()
+    try:
+        value = call()
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        q.put((rank, f"{type(e).__name__}: {e}", time.monotonic() - start))
+        return
+    q.put((rank, value, time.monotonic() - start))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import inspect
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -808,10 +809,21 @@ class _GenericLM:
     def prefill(self, slot_start: int, seqs: list[list[int]], full_for: list[bool]):
         from transformers import DynamicCache
 
+        def forward(row: int, slot: int, ids: torch.Tensor) -> torch.Tensor:
+            logits, self.caches[slot] = self._run(ids, self._new_cache(DynamicCache), slot)
+            return logits
+
+        return self._prefill_rows(slot_start, seqs, full_for, forward)
+
+    def _prefill_rows(self, slot_start: int, seqs: list[list[int]], full_for: list[bool],
+                      forward: Callable[[int, int, torch.Tensor], torch.Tensor]):
+        """Each sequence prefilled on its own (batch 1): ``forward(row, slot, ids)`` runs ``ids`` [1, T] into
+        ``slot``'s new cache and returns the logits; the last position's logits of every row (stacked) and all of
+        them for the rows ``full_for`` asks (else None)."""
         last, full = [], []
         for i, s in enumerate(seqs):
             ids = torch.tensor([s], dtype=torch.long, device=self.device)
-            logits, self.caches[slot_start + i] = self._run(ids, self._new_cache(DynamicCache), slot_start + i)
+            logits = forward(i, slot_start + i, ids)
             last.append(logits[0, -1].float())
             full.append(logits[0].float() if full_for[i] else None)
         return torch.stack(last), full
@@ -820,9 +832,14 @@ class _GenericLM:
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, max_len: int) -> torch.Tensor:
         rows = []
         for i in range(tokens.shape[0]):
-            logits, self.caches[i] = self._run(tokens[i: i + 1][None], self.caches[i], i, append=True)
+            logits, self.caches[i] = self._run(tokens[i: i + 1][None], self.caches[i], i, append=True,
+                                               **self._decode_inputs(i, positions))
             rows.append(logits[0, -1].float())
         return torch.stack(rows)
+
+    def _decode_inputs(self, slot: int, positions: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Further model inputs of ``slot``'s decode step (none; a VLM's M-RoPE positions)."""
+        return {}
 
 
 class ParamIndex(dict):

@@ -200,29 +200,22 @@ class VLMGenericLM(_GenericLM):
                 mm: list[ImageBatch | None] | None = None):
         from transformers import DynamicCache
 
-        last, full = [], []
-        for i, s in enumerate(seqs):
-            images = mm[i] if mm is not None else None
-            ids = torch.tensor([s], dtype=torch.long, device=self.device)
+        def forward(row: int, slot: int, ids: torch.Tensor) -> torch.Tensor:
+            images = mm[row] if mm is not None else None
             pos, delta = self.rope_positions(ids, images)
             kw = {}
             if images is not None:
                 kw = {"pixel_values": images.pixel_values.to(self.device, non_blocking=True),
                       "image_grid_thw": images.grid.to(self.device)}
-            logits, self.caches[slot_start + i] = self._run(ids, DynamicCache(), slot_start + i, position_ids=pos, **kw)
-            self.deltas[slot_start + i] = delta
-            last.append(logits[0, -1].float())
-            full.append(logits[0].float() if full_for[i] else None)
-        return torch.stack(last), full
+            logits, self.caches[slot] = self._run(ids, DynamicCache(), slot, position_ids=pos, **kw)
+            self.deltas[slot] = delta
+            return logits
 
-    @torch.no_grad()
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, max_len: int) -> torch.Tensor:
-        rows = []
-        for i in range(tokens.shape[0]):
-            pos = (positions[i: i + 1] + self.deltas[i]).view(1, 1, 1).expand(3, 1, 1)
-            logits, self.caches[i] = self._run(tokens[i: i + 1][None], self.caches[i], i, append=True, position_ids=pos)
-            rows.append(logits[0, -1].float())
-        return torch.stack(rows)
+        return self._prefill_rows(slot_start, seqs, full_for, forward)
+
+    def _decode_inputs(self, slot: int, positions: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The M-RoPE positions of ``slot``'s next token: its text position plus the request's rope delta."""
+        return {"position_ids": (positions[slot: slot + 1] + self.deltas[slot]).view(1, 1, 1).expand(3, 1, 1)}
 
     def move_slot(self, src: int, dst: int, length: int) -> None:
         super().move_slot(src, dst, length)

@@ -52,14 +52,9 @@ class AsyncRLLoop(RLLoop):
                         "(truncated importance sampling against the engine's log-probs)", self.interval, self.interval)
 
     async def run(self) -> None:
-        start, end = self.plan.start_rollout_id, self.plan.num_rollout
-        if start >= end:
-            logger.info("nothing to do: the checkpoint is at rollout %d of %d", start - 1, end)
+        if not await self.begin():
             return
-        await self.initial_sync()
-        self.timer.pop()
-        if start == 0 and not self.cfg.eval.skip_eval_before_train and self.job.eval_datasets:
-            self.job.sink.log_eval(start, await self.evaluate(start))
+        start, end = self.plan.start_rollout_id, self.plan.num_rollout
         pending = asyncio.ensure_future(self.generate_overlapped(start))
         try:
             await self._overlapped(start, end, pending)

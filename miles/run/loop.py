@@ -98,15 +98,24 @@ class RLLoop:
         self.policy = self.cfg.algo.loss_type != "sft_loss"
         self.has_trainer = bool(job.ctx.plan.trainer_ranks)
 
-    async def run(self) -> None:
+    async def begin(self) -> bool:
+        """Before the first rollout (both loops): False when the checkpoint is already at --num-rollout (nothing to
+        do, said in the log); else the first weight sync (``initial_sync``) and, from rollout 0, the evaluation
+        before training (unless --skip-eval-before-train)."""
         start, end = self.plan.start_rollout_id, self.plan.num_rollout
         if start >= end:
             logger.info("nothing to do: the checkpoint is at rollout %d of %d", start - 1, end)
-            return
+            return False
         await self.initial_sync()
         self.timer.pop()
         if start == 0 and not self.cfg.eval.skip_eval_before_train and self.job.eval_datasets:
             self.job.sink.log_eval(start, await self.evaluate(start))
+        return True
+
+    async def run(self) -> None:
+        if not await self.begin():
+            return
+        start, end = self.plan.start_rollout_id, self.plan.num_rollout
         ft = self.job.worker.ft
         for rollout_id in range(start, end):
             t_step = time.monotonic()

@@ -65,6 +65,7 @@ def build_tiny_dsa_model(
     """Write a randomly initialised DSA causal LM of ``model_type`` plus the tiny tokenizer to ``out_dir``."""
     import transformers
 
+    from miles.utils.tiny_mla import randomize_router
     from miles.utils.tiny_model import build_tiny_causal_lm
 
     if model_type not in DSA_MODEL_TYPES:
@@ -77,10 +78,7 @@ def build_tiny_dsa_model(
 
     def init(model) -> None:       # a random, distinct routing (transformers starts router and bias at zero) and an
         for layer in model.model.layers:      # indexer whose scores spread out
-            gate = getattr(layer.mlp, "gate", None)
-            if gate is not None:
-                gate.weight.normal_(0.0, 0.5)
-                gate.e_score_correction_bias.uniform_(-0.1, 0.1)
+            randomize_router(layer)
             indexer = getattr(layer.self_attn, "indexer", None)
             if indexer is not None:
                 for lin in (indexer.wq_b, indexer.wk, indexer.weights_proj):

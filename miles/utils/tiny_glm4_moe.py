@@ -77,11 +77,7 @@ def build_tiny_glm4_moe(
                          "partial_rotary_factor": partial_rotary_factor},
         max_position_embeddings=max_position_embeddings, tie_word_embeddings=False, num_nextn_predict_layers=mtp_layers)
     if mtp_layers:
-        from types import SimpleNamespace
+        from miles.utils.tiny_mla import add_mtp_layers
 
-        from transformers import AutoConfig
-
-        from miles.utils.tiny_mla import _add_mtp_layers  # (it reads the model's config only)
-
-        _add_mtp_layers(out, SimpleNamespace(config=AutoConfig.from_pretrained(str(out))), mtp_layers, seed)
+        add_mtp_layers(out, mtp_layers, seed)
     return out

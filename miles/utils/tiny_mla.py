@@ -62,19 +62,16 @@ def build_tiny_mla_model(
     (``model.layers.{num_layers + k}``: a decoder layer plus ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm``
     and copies of the embedding / output layer as ``embed_tokens`` / ``shared_head.head``; config.json's
     ``num_nextn_predict_layers``), which transformers does not load."""
-    import torch
     import transformers
 
-    from miles.utils.tiny_model import build_tokenizer
+    from miles.utils.tiny_model import build_tiny_causal_lm
 
     if model_type not in MLA_MODEL_TYPES:
         raise ValueError(f"model_type {model_type!r}: one of {sorted(MLA_MODEL_TYPES)}")
     config_cls, model_cls = (getattr(transformers, n) for n in MLA_MODEL_TYPES[model_type])
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(out)
-    config = config_cls(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, num_hidden_layers=num_layers,
+    out = build_tiny_causal_lm(
+        out_dir, config_cls, model_cls, seed=seed, dtype=dtype, init=lambda m: randomize_routers(m.model.layers),
+        hidden_size=hidden_size, num_hidden_layers=num_layers,
         num_attention_heads=num_heads, num_key_value_heads=num_heads, q_lora_rank=q_lora_rank,
         kv_lora_rank=kv_lora_rank, qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim,
         v_head_dim=v_head_dim, intermediate_size=intermediate_size, moe_intermediate_size=moe_intermediate_size,
@@ -83,20 +80,14 @@ def build_tiny_mla_model(
         routed_scaling_factor=routed_scaling_factor, rms_norm_eps=rms_norm_eps, attention_bias=False,
         max_position_embeddings=max_position_embeddings, rope_theta=rope_theta, tie_word_embeddings=False,
         **({"rope_scaling": dict(rope_scaling, rope_theta=rope_theta)} if rope_scaling else {}),
-        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        torch_dtype=dtype, **({"num_nextn_predict_layers": mtp_layers} if mtp_layers else {}))
-    torch.manual_seed(seed)
-    model = model_cls(config)
-    randomize_routers(model.model.layers)
-    model = model.to(getattr(torch, dtype))
-    model.save_pretrained(str(out), safe_serialization=True)
+        **({"num_nextn_predict_layers": mtp_layers} if mtp_layers else {}))
     if model_type in ("kimi_k2", "joyai_llm_flash"):   # their checkpoints: DeepseekV3ForCausalLM under their type
         import json
 
         path = out / "config.json"
         path.write_text(json.dumps(json.loads(path.read_text()) | {"model_type": model_type}, indent=2))
     if mtp_layers:
-        _add_mtp_layers(out, model, mtp_layers, seed)
+        add_mtp_layers(out, mtp_layers, seed)
     return out
 
 
@@ -107,19 +98,27 @@ def randomize_routers(layers) -> None:
 
     with torch.no_grad():
         for layer in layers:
-            gate = getattr(layer.mlp, "gate", None)
-            if gate is not None:
-                gate.weight.normal_(0.0, 0.5)
-                gate.e_score_correction_bias.uniform_(-0.1, 0.1)
+            randomize_router(layer)
 
 
-def _add_mtp_layers(out: Path, model, n: int, seed: int) -> None:
+def randomize_router(layer) -> None:
+    """``randomize_routers`` of one decoder layer (nothing on a dense one); call under ``torch.no_grad``."""
+    gate = getattr(layer.mlp, "gate", None)
+    if gate is not None:
+        gate.weight.normal_(0.0, 0.5)
+        gate.e_score_correction_bias.uniform_(-0.1, 0.1)
+
+
+def add_mtp_layers(out: Path, n: int, seed: int) -> None:
     """Append ``n`` random MTP layers to ``out``'s model.safetensors (HF layout, see ``build_tiny_mla_model``): each
     a decoder layer shaped like the last one (megatron-core builds its MTP layers so) plus the MTP tensors."""
+    import json
+
     import torch
     from safetensors.torch import load_file, save_file
 
-    layers, h = model.config.num_hidden_layers, model.config.hidden_size
+    config = json.loads((out / "config.json").read_text())
+    layers, h = config["num_hidden_layers"], config["hidden_size"]
     path = out / "model.safetensors"
     tensors = load_file(str(path))
     last = f"model.layers.{layers - 1}."

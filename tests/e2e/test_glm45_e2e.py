@@ -9,12 +9,10 @@ dry-run fixture ``megatron_moe_glm45_355b_a32b`` itself.
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import pytest
-from _miles_e2e import run, tail
+from _family_e2e import check_synced, run_replay
 from miles_fixtures import replay_params
 
 pytest.importorskip("megatron.core")
@@ -28,15 +26,7 @@ def test_recorded_glm45_command_runs_two_rollouts(name: str, tmp_path: Path) -> 
     from miles_fixtures import HERE, PLUGIN_FOLDERS, tiny_replay
 
     replay = tiny_replay(HERE / f"{name}.flags", tmp_path, tmp_path / "models")
-    argv = replay.argv
     assert any(f.startswith("--sglang-") for f in replay.changed), replay.changed
     log = tmp_path / "replay.log"
-    pythonpath = os.pathsep.join([str(Path(__file__).resolve().parents[2]), *map(str, PLUGIN_FOLDERS)])
-    result = run(["torchrun", "--standalone", "--nproc-per-node", str(replay.nproc), replay.entry, *argv], log,
-                 timeout=600, PYTHONPATH=pythonpath)
-    scaled = "\n".join(f"  {flag}: {change}" for flag, change in replay.changed.items())
-    assert result.returncode == 0, f"scaled flags:\n{scaled}\nlog {log}:\n{tail(log)}"
-    out = Path(argv[argv.index("--output-dir") + 1])
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    assert [r["rollout_id"] for r in records] == [0, 1], records
-    assert log.read_text().count("--check-weight-update-equal: ") >= 3, tail(log)
+    run_replay(replay, log, *PLUGIN_FOLDERS)
+    check_synced(log, layout=None)

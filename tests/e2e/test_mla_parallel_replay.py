@@ -13,11 +13,10 @@ after every sync.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
-from _miles_e2e import metrics, run, tail
+from _family_e2e import check_synced, run_replay
 from miles_fixtures import replay_params
 
 pytest.importorskip("megatron.core")
@@ -47,13 +46,5 @@ def test_recorded_mla_command_runs_two_rollouts(name: str, tmp_path: Path) -> No
     assert argv[argv.index("--actor-num-gpus-per-node") + 1] == str(trainers) and replay.nproc == trainers
     assert any(f.startswith("--sglang-") for f in replay.changed), replay.changed
     log = tmp_path / "replay.log"
-    pythonpath = os.pathsep.join([str(Path(__file__).resolve().parents[2]), *map(str, PLUGIN_FOLDERS)])
-    result = run(["torchrun", "--standalone", "--nproc-per-node", str(replay.nproc), replay.entry, *argv], log,
-                 timeout=800, PYTHONPATH=pythonpath)
-    scaled = "\n".join(f"  {flag}: {change}" for flag, change in replay.changed.items())
-    assert result.returncode == 0, f"scaled flags:\n{scaled}\nlog {log}:\n{tail(log)}"
-    records = metrics(Path(argv[argv.index("--output-dir") + 1]))
-    assert [r["rollout_id"] for r in records] == [0, 1], records
-    text = log.read_text()
-    assert layout in text, tail(log)
-    assert text.count("--check-weight-update-equal: ") >= 3, tail(log)   # the first sync and one per rollout
+    run_replay(replay, log, *PLUGIN_FOLDERS, timeout=800)
+    check_synced(log, layout)                         # the layout; the first sync and one per rollout checked

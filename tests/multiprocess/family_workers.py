@@ -5,8 +5,11 @@ Megatron backend's own path (``ModelShape`` from config.json, ``build_gpt_model`
 ``gpu_worker``) and with the FSDP backend training the same rollouts (``parity_worker``); ``train_worker`` trains
 the Megatron trainer in one layout, ``compare_runs`` compares two layouts' runs.
 
-A family's test passes only what differs: its flags, its row length, its bounds (with the measurement beside them); ``launch`` runs a worker and reads its result, ``check_export``,
-``check_grads_match``, ``check_parity`` and ``check_gpu_matches_hf`` assert what every family asserts."""
+A family's test passes only what differs: its flags, its row length, its bounds (with the measurement beside them);
+``launch`` runs a worker and reads its result, ``check_export``, ``check_grads_match``, ``check_parity``,
+``check_gpu_matches_hf``, ``check_gpu_bf16_parity`` and ``check_engine_greedy`` (the embedded engine against
+transformers' greedy decoding) assert what every family asserts; ``save_hf`` and the checkpoint round trip after
+training are ``save_and_resume``."""
 
 from __future__ import annotations
 
@@ -230,12 +233,7 @@ def parity_worker(model_dir: str, out: str, megatron_flags: tuple[str, ...] = ()
         init_bf16 = {n: t.detach().cpu().clone() for b in meg.iter_weight_buckets(4096, torch.bfloat16) for n, t in b}
     meg_lp = _all_logprobs(meg, samples)
     res["meg_metrics"] = [meg.train(mine, rid) for rid in range(2)]
-    meg_sd = meg.state_dict_for_check()
-    meg.save_hf(hf_out)
-    meg.checkpoint(1, {"rollout_id": 1})
-    meg.train(mine, 2)                                  # move away, then load the checkpoint back
-    res["resumed_extra"] = meg.resume()
-    reloaded = meg.state_dict_for_check()
+    meg_sd, res["resumed_extra"], reloaded = save_and_resume(meg, mine, hf_out)
     if rank == 0:
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -270,14 +268,35 @@ def parity_worker(model_dir: str, out: str, megatron_flags: tuple[str, ...] = ()
         res["fsdp_missing_unchanged"] = all(k in ref and torch.equal(meg_sd[k], ref[k]) for k in res["fsdp_missing"])
         keys = sorted(set(meg_sd) & set(fsdp_sd) & set(ref))
         if keys:                                        # (absent, so a test that bounds them fails, without any)
-            deltas = {k: ((meg_sd[k] - ref[k]) - (fsdp_sd[k] - ref[k])).abs().max().item() for k in keys}
-            res["update_max_abs_diff"], res["update_worst"] = max(deltas.values()), max(deltas, key=deltas.get)
-            num = sum(((meg_sd[k] - fsdp_sd[k]).double() ** 2).sum().item() for k in keys)
-            den = sum(((fsdp_sd[k] - ref[k]).double() ** 2).sum().item() for k in keys)
-            res["update_rel_l2"] = (num / den) ** 0.5
+            res.update(update_distance(meg_sd, fsdp_sd, ref, keys))
         res["lp_max_abs_diff"] = max((a - b).abs().max().item() for a, b in zip(fsdp_lp, meg_lp))
         torch.save(res, out)
     dist.destroy_process_group()
+
+
+def update_distance(meg_sd: dict, fsdp_sd: dict, ref: dict, keys) -> dict:
+    """How far the Megatron backend's update (``meg_sd - ref``) is from the FSDP backend's (``fsdp_sd - ref``) over
+    ``keys``: the largest difference (``update_max_abs_diff``) and its tensor (``update_worst``), the FSDP update's
+    largest entry (``update_max_abs``) and the difference's L2 norm relative to the FSDP update's
+    (``update_rel_l2``)."""
+    deltas = {k: ((meg_sd[k] - ref[k]) - (fsdp_sd[k] - ref[k])).abs().max().item() for k in keys}
+    num = sum(((meg_sd[k] - fsdp_sd[k]).double() ** 2).sum().item() for k in keys)
+    den = sum(((fsdp_sd[k] - ref[k]).double() ** 2).sum().item() for k in keys)
+    return {"update_max_abs_diff": max(deltas.values()), "update_worst": max(deltas, key=deltas.get),
+            "update_max_abs": max((fsdp_sd[k] - ref[k]).abs().max().item() for k in keys),
+            "update_rel_l2": (num / den) ** 0.5}
+
+
+def save_and_resume(meg, mine: list, hf_out: Path) -> tuple[dict, dict, dict]:
+    """After a Megatron trainer's 2 rollouts (0, 1): its weights (``state_dict_for_check``), ``--save-hf`` to
+    ``hf_out``, a torch_dist checkpoint of rollout 1, one more step on ``mine`` (away from it) and the checkpoint
+    resumed. Returns (the weights, ``resume``'s extra state, the weights after resuming)."""
+    meg_sd = meg.state_dict_for_check()
+    meg.save_hf(hf_out)
+    meg.checkpoint(1, {"rollout_id": 1})
+    meg.train(mine, 2)                                  # move away, then load the checkpoint back
+    resumed_extra = meg.resume()
+    return meg_sd, resumed_extra, meg.state_dict_for_check()
 
 
 def train_worker(model_dir: str, out: str, megatron_flags: str = "", device: str = "cpu") -> None:
@@ -379,6 +398,43 @@ def check_gpu_matches_hf(script: Path, model_dir, out: Path, port: int, label: s
     print(label, res)
     assert res["max_abs_err"] <= 2 * max(res["hf_bf16_vs_fp32"], 1e-3), res
     return res
+
+
+def check_gpu_bf16_parity(res: dict) -> None:
+    """A GPU parity result (``test_megatron._parity_worker``'s or ``test_megatron_moe``'s, both backends in bf16):
+    the bounds of test_megatron.py's one-GPU parity test, about twice the one-H200 figures (2026-12-01, TP 1, bf16:
+    log-probs 2.5e-3 apart, update 6.0% apart in relative L2): log-probs within 5e-3, the loss, pg_loss, entropy and
+    gradient norm of each step within 5% (or 5e-3), the update within 12% (relative L2)."""
+    import pytest
+
+    assert res["lp_max_abs_diff"] < 5e-3, res
+    for f, m in zip(res["fsdp_metrics"], res["meg_metrics"]):
+        for key in ("loss", "pg_loss", "entropy", "grad_norm"):
+            assert m[key] == pytest.approx(f[key], rel=5e-2, abs=5e-3), (key, f[key], m[key])
+    assert res["update_rel_l2"] < 0.12, res
+
+
+def check_engine_greedy(model_dir: Path, log: Path, prompt: list[int], names: tuple[str, ...] = ()) -> dict:
+    """``python -m miles.engine`` on ``model_dir`` (log ``log``) decodes ``prompt`` greedily (8 new tokens) to the
+    tokens transformers' ``generate`` gives (``hf_lm``, fp32); returns the engine's answers to
+    ``/get_weights_by_name`` for each of ``names``, asked before it stops."""
+    import torch
+
+    from miles.engine.testing import EngineProc
+
+    hf = hf_lm(str(model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+    eng = EngineProc(model_dir, "--max-running-requests", "2", "--max-context-len", "64", log=log)
+    try:
+        out = eng.generate({"input_ids": prompt, "sampling_params": {"max_new_tokens": 8, "temperature": 0.0,
+                                                                     "ignore_eos": True}})
+        got = {n: eng.post("/get_weights_by_name", {"name": n}) for n in names}
+    finally:
+        eng.stop()
+    assert out["output_ids"] == ref, (out["output_ids"], ref)
+    return got
 
 
 def compare_runs(a: dict, b: dict) -> dict:

@@ -96,19 +96,28 @@ HOLD = ["--smoke-engine-argv", "builtin", "--smoke-hold", "300"]  # ranks and en
 ORPHAN_BOUND_S = 5.0  # the watch polls every 0.2 s and gives engines 1 s after SIGTERM (miles/spmd/lifeline.py)
 
 
-def test_sigkill_of_the_torchrun_agent_takes_every_rank_and_engine_down(tmp_path):
-    from launcher_kill import children_of, kill_and_time_orphans, kill_tagged, launch, new_tag, tagged, wait_until
+def _held_smoke_job(tmp_path, tag: str):
+    """The torchrun agent's 3 smoke ranks (1 trainer, 2 engine leaders), tagged ``tag``, held up once each said SMOKE
+    OK: the job and its 2 engine processes (the 3 ranks are the agent's children; each leader's engine its child)."""
+    from launcher_kill import children_of, launch, tagged, wait_until
 
-    tag = new_tag()
     job = launch(TORCHRUN + ["--standalone", "--nproc-per-node", "3"] + SMOKE + [
         "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "2", "--smoke-dir", str(tmp_path), *HOLD],
         job_env(), tag, tmp_path)
+    wait_until(job, lambda: job.stdout.read_text().count("SMOKE OK") == 3, 180, "3 SMOKE OK lines")
+    procs = tagged(tag)
+    ranks = children_of(procs, job.proc.pid)
+    engines = [p for r in ranks for p in children_of(procs, r.pid)]
+    assert len(ranks) == 3 and len(engines) == 2, procs  # the agent's 3 ranks; 2 engine leaders' children
+    return job, engines
+
+
+def test_sigkill_of_the_torchrun_agent_takes_every_rank_and_engine_down(tmp_path):
+    from launcher_kill import kill_and_time_orphans, kill_tagged, new_tag
+
+    tag = new_tag()
     try:
-        wait_until(job, lambda: job.stdout.read_text().count("SMOKE OK") == 3, 180, "3 SMOKE OK lines")
-        procs = tagged(tag)
-        ranks = children_of(procs, job.proc.pid)
-        engines = [p for r in ranks for p in children_of(procs, r.pid)]
-        assert len(ranks) == 3 and len(engines) == 2, procs  # the agent's 3 ranks; 2 engine leaders' children
+        job, _ = _held_smoke_job(tmp_path, tag)
         seconds, _ = kill_and_time_orphans(job, job.proc.pid, ORPHAN_BOUND_S)
         job.proc.wait(timeout=10)
     finally:
@@ -125,18 +134,11 @@ def test_the_agent_ending_the_job_takes_stopped_engines_down(tmp_path, sig):
     children are stopped (SIGSTOP): every rank and engine is gone within seconds, and each rank says why in one
     line. Before, the agent's SIGTERM killed the ranks outright and the engines' parent-death SIGTERM stayed pending
     in the stopped processes: they outlived the job (parent PID 1, state T)."""
-    from launcher_kill import children_of, kill_and_time_orphans, kill_tagged, launch, new_tag, tagged, wait_until
+    from launcher_kill import kill_and_time_orphans, kill_tagged, new_tag
 
     tag = new_tag()
-    job = launch(TORCHRUN + ["--standalone", "--nproc-per-node", "3"] + SMOKE + [
-        "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "2", "--smoke-dir", str(tmp_path), *HOLD],
-        job_env(), tag, tmp_path)
     try:
-        wait_until(job, lambda: job.stdout.read_text().count("SMOKE OK") == 3, 180, "3 SMOKE OK lines")
-        procs = tagged(tag)
-        ranks = children_of(procs, job.proc.pid)
-        engines = [p for r in ranks for p in children_of(procs, r.pid)]
-        assert len(ranks) == 3 and len(engines) == 2, procs
+        job, engines = _held_smoke_job(tmp_path, tag)
         for e in engines:
             os.kill(e.pid, signal.SIGSTOP)
         # SIGINT: the ranks stop their engines (SIGTERM, SIGKILL after 2 s): a stopped one takes the 2 s

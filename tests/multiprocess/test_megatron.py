@@ -132,6 +132,7 @@ def _parity_worker(model_dir: str, out: str, tp: int, kind: str = "cpu", distopt
     attention needs bf16."""
     import torch
     import torch.distributed as dist
+    from family_workers import update_distance
     from safetensors.torch import load_file
     from trainer_harness import build, random_samples
 
@@ -177,14 +178,8 @@ def _parity_worker(model_dir: str, out: str, tp: int, kind: str = "cpu", distopt
         res["export_keys_equal"] = sorted(init) == sorted(hf) == sorted(meg_sd) == sorted(fsdp_sd)
         res["export_bitwise"] = all(torch.equal(init[k], hf[k]) for k in hf)
         res["export_bf16_bitwise"] = all(torch.equal(init_bf16[k], hf[k].bfloat16()) for k in hf)
-        deltas = {k: ((meg_sd[k] - hf[k]) - (fsdp_sd[k] - hf[k])).abs().max().item() for k in hf}
-        res["update_max_abs_diff"] = max(deltas.values())
-        res["update_worst"] = max(deltas, key=deltas.get)
-        res["update_max_abs"] = max((fsdp_sd[k] - hf[k]).abs().max().item() for k in hf)
+        res.update(update_distance(meg_sd, fsdp_sd, hf, list(hf)))
         res["lp_max_abs_diff"] = max((a - b).abs().max().item() for a, b in zip(res["fsdp_lp"], res.pop("meg_lp")))
-        num = sum(((meg_sd[k] - fsdp_sd[k]).double() ** 2).sum().item() for k in hf)
-        den = sum(((fsdp_sd[k] - hf[k]).double() ** 2).sum().item() for k in hf)
-        res["update_rel_l2"] = (num / den) ** 0.5
         res["bf16"] = meg.bf16
         res["distributed_optimizer"] = meg.distributed_optimizer
     res.pop("fsdp_lp")
@@ -270,6 +265,7 @@ def test_checkpoint_kill_mid_save_then_resume_matches_uninterrupted(tiny_model_d
 def test_trainer_parity_with_fsdp_on_gpu(tiny_model_dir: Path, tmp_path: Path, free_port: int) -> None:
     """One rank on a GPU (NCCL, TP 1), both backends in bf16: Megatron stays within bf16 rounding of FSDP."""
     import torch
+    from family_workers import check_gpu_bf16_parity
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -288,11 +284,7 @@ def test_trainer_parity_with_fsdp_on_gpu(tiny_model_dir: Path, tmp_path: Path, f
     # bf16): log-probs 2.5e-3 apart, update 6.0% apart in relative L2 (7.9% before both backends ran the same bf16
     # recipe; the FSDP backend differs from itself by 2.6% with another micro-batching). Not re-measured since these
     # bounds were set (no GPU here): ``pytest -s -m gpu tests/multiprocess/test_megatron.py -k parity`` prints them.
-    assert res["lp_max_abs_diff"] < 5e-3, res
-    for f, m in zip(res["fsdp_metrics"], res["meg_metrics"]):
-        for key in ("loss", "pg_loss", "entropy", "grad_norm"):
-            assert m[key] == pytest.approx(f[key], rel=5e-2, abs=5e-3), (key, f[key], m[key])
-    assert res["update_rel_l2"] < 0.12, res
+    check_gpu_bf16_parity(res)
 
 
 if __name__ == "__main__":

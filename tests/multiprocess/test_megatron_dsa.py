@@ -127,24 +127,10 @@ def test_dsa_matches_hf_on_gpu_bf16(request, tmp_path: Path, free_port: int, fam
 def test_embedded_engine_serves_dsa(request, tmp_path: Path, family: str) -> None:
     """``python -m miles.engine`` (generic transformers path, its cache built from config.json so the indexer keeps
     its keys) decodes greedily as transformers' ``generate`` does, past the indexer's top-k."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from miles.engine.testing import EngineProc
+    from family_workers import check_engine_greedy
 
     model_dir = request.getfixturevalue(FAMILY_DIRS[family])
-    prompt = [5, 17, 23, 42, 8, 9, 11, 12]                   # longer than index_topk (4)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)[0, len(prompt):].tolist()
-    eng = EngineProc(model_dir, "--max-running-requests", "2", "--max-context-len", "64", log=tmp_path / "e.log")
-    try:
-        out = eng.generate({"input_ids": prompt, "sampling_params": {"max_new_tokens": 8, "temperature": 0.0,
-                                                                     "ignore_eos": True}})
-    finally:
-        eng.stop()
-    assert out["output_ids"] == ref, (out, ref)
+    check_engine_greedy(model_dir, tmp_path / "e.log", [5, 17, 23, 42, 8, 9, 11, 12])   # longer than index_topk (4)
 
 
 if __name__ == "__main__":

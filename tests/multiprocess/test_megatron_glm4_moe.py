@@ -116,25 +116,11 @@ def test_embedded_engine_serves_glm4_moe(tiny_glm45_dir: Path, tmp_path: Path) -
     """``python -m miles.engine`` (transformers' model code) generates from the tiny GLM-4.5: greedy tokens equal
     transformers' greedy decoding (partial RoPE, q/k norms, biases, the sigmoid router), and the routers'
     ``e_score_correction_bias``, which the Megatron trainer exports, is a weight the engine knows by that name."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    from family_workers import check_engine_greedy
 
-    from miles.engine.testing import EngineProc
-
-    prompt = [5, 17, 23, 42, 8]
-    hf = AutoModelForCausalLM.from_pretrained(tiny_glm45_dir, dtype=torch.float32)
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)[0, len(prompt):].tolist()
-    eng = EngineProc(tiny_glm45_dir, "--max-running-requests", "2", "--max-context-len", "64", log=tmp_path / "e.log")
-    try:
-        out = eng.generate({"input_ids": prompt, "sampling_params": {"max_new_tokens": 8, "temperature": 0.0,
-                                                                     "ignore_eos": True}})
-        bias = eng.post("/get_weights_by_name", {"name": "model.layers.1.mlp.gate.e_score_correction_bias"})
-    finally:
-        eng.stop()
-    assert out["output_ids"] == ref, (out["output_ids"], ref)
-    assert bias.status_code == 200, bias.text
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    got = check_engine_greedy(tiny_glm45_dir, tmp_path / "e.log", [5, 17, 23, 42, 8], (bias,))
+    assert got[bias].status_code == 200, got[bias].text
 
 
 if __name__ == "__main__":

@@ -107,7 +107,7 @@ def _trainer_worker(model_dir: str, out: str, layout: str = "tp2_ep2") -> None:
     same samples before training; --save-hf, torch_dist save and resume."""
     import torch
     import torch.distributed as dist
-    from family_workers import hf_lm
+    from family_workers import hf_lm, save_and_resume
     from safetensors.torch import load_file
     from test_megatron import _all_logprobs
     from trainer_harness import build, random_samples
@@ -128,12 +128,7 @@ def _trainer_worker(model_dir: str, out: str, layout: str = "tp2_ep2") -> None:
     init = meg.state_dict_for_check()
     meg_lp = _all_logprobs(meg, samples)
     res["meg_metrics"] = [meg.train(mine, rid) for rid in range(2)]
-    meg_sd = meg.state_dict_for_check()
-    meg.save_hf(Path(out).parent / "hf_out")
-    meg.checkpoint(1, {"rollout_id": 1})
-    meg.train(mine, 2)                                  # move away, then load the checkpoint back
-    res["resumed_extra"] = meg.resume()
-    reloaded = meg.state_dict_for_check()
+    meg_sd, res["resumed_extra"], reloaded = save_and_resume(meg, mine, Path(out).parent / "hf_out")
     if rank == 0:
         hf = load_file(str(Path(model_dir) / "model.safetensors"))
         text = sorted(k for k in hf if k.startswith("language_model."))
@@ -190,26 +185,14 @@ def test_embedded_engine_serves_kimi_k25(tiny_k25_dir: Path, tmp_path: Path) -> 
     transformers' greedy tokens, and reports weights by the checkpoint's published names (the names the trainer
     exports), an expert's included."""
     import torch
+    from family_workers import check_engine_greedy
     from safetensors.torch import load_file
 
-    from miles.engine.testing import EngineProc
-
     prompt = [5, 17, 23, 42, 8, 61, 9, 30, 12]     # with 8 new tokens the rows cross the YaRN original context (8)
-    hf = __import__("family_workers").hf_lm(str(tiny_k25_dir), dtype=torch.float32)
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)[0, len(prompt):].tolist()
     disk = load_file(str(tiny_k25_dir / "model.safetensors"))
-    names = ["language_model.model.layers.1.mlp.gate.e_score_correction_bias", "language_model.lm_head.weight",
-             "language_model.model.layers.2.mlp.experts.3.up_proj.weight"]
-    eng = EngineProc(tiny_k25_dir, "--max-running-requests", "2", "--max-context-len", "64", log=tmp_path / "e.log")
-    try:
-        out = eng.generate({"input_ids": prompt, "sampling_params": {"max_new_tokens": 8, "temperature": 0.0,
-                                                                     "ignore_eos": True}})
-        got = {n: eng.post("/get_weights_by_name", {"name": n}) for n in names}
-    finally:
-        eng.stop()
-    assert out["output_ids"] == ref, (out["output_ids"], ref)
+    names = ("language_model.model.layers.1.mlp.gate.e_score_correction_bias", "language_model.lm_head.weight",
+             "language_model.model.layers.2.mlp.experts.3.up_proj.weight")
+    got = check_engine_greedy(tiny_k25_dir, tmp_path / "e.log", prompt, names)
     for n, r in got.items():
         assert r.status_code == 200, (n, r.text)
         assert torch.equal(torch.tensor(r.json()).to(disk[n].dtype), disk[n][:100]), n      # truncate_size 100

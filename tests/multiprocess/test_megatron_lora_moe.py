@@ -35,20 +35,6 @@ pytestmark = pytest.mark.multiprocess
 HERE = Path(__file__).resolve()
 
 
-@pytest.fixture(scope="module")
-def tiny_moe_dir(tmp_path_factory) -> Path:
-    from miles.utils.tiny_model import build_tiny_moe_model
-
-    return build_tiny_moe_model(tmp_path_factory.mktemp("tiny_moe"))
-
-
-@pytest.fixture(scope="module")
-def tiny_glm_dir(tmp_path_factory) -> Path:
-    from miles.utils.tiny_mla import build_tiny_mla_model
-
-    return build_tiny_mla_model(tmp_path_factory.mktemp("tiny_glm"))
-
-
 # the MLA family (tiny GLM-4.7-Flash: a dense layer 0, then MoE layers with a shared expert): the Kimi-K2.5 LoRA
 # recipe's targets (radixark/miles@v0.1.0:examples/lora/run-kimi-k25-megatron-lora.sh: the down projections q_a_proj,
 # kv_a_proj_with_mqa, replicated over TP) and the up projections (q_b_proj, kv_b_proj: column-parallel) of GLM-5's
@@ -228,12 +214,9 @@ def test_lora_moe_merged_reference(request, tmp_path: Path, model: str, shared: 
 
 
 def _engine_worker(model_dir: str, out: str, engine_url: str) -> None:
-    import requests
     import torch.distributed as dist
+    from test_megatron_moe import post_bucket_and_check
     from trainer_harness import build, random_samples
-
-    from miles.weight_sync.check import compare
-    from miles.weight_sync.tensor import pack_shared, serialize_bucket
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -243,17 +226,7 @@ def _engine_worker(model_dir: str, out: str, engine_url: str) -> None:
     for bucket in tr.iter_weight_buckets(16 << 10):
         if rank != 0:
             continue
-        flat, meta = pack_shared(bucket)
-        r = requests.post(engine_url + "/update_weights_from_tensor", timeout=60,
-                          json={"serialized_named_tensors": [serialize_bucket(flat, meta)],
-                                "load_format": "flattened_bucket", "flush_cache": True})
-        assert r.status_code == 200, r.text
-        for name, t in bucket:
-            r = requests.post(engine_url + "/get_weights_by_name", json={"name": name, "truncate_size": t.shape[0]},
-                              timeout=30)
-            assert r.status_code == 200, (name, r.text)
-            compare(name, t, r.json(), engine_url)         # raises unless bitwise equal
-            res["names"].append(name)
+        res["names"] += post_bucket_and_check(engine_url, bucket)
     if rank == 0:
         Path(out).write_text(json.dumps(res))
     dist.barrier()

@@ -44,6 +44,7 @@ def _torchrun(nproc: int, port: int, *args: str, timeout: int = 300) -> subproce
 def _parity_worker(model_dir: str, out: str) -> None:
     import torch
     import torch.distributed as dist
+    from family_workers import save_and_resume, update_distance
     from safetensors.torch import load_file
     from test_megatron import _all_logprobs, _flags
     from test_megatron_moe import split_fused_experts
@@ -66,12 +67,7 @@ def _parity_worker(model_dir: str, out: str) -> None:
     init_bf16 = {n: t.detach().cpu().clone() for b in meg.iter_weight_buckets(4096, torch.bfloat16) for n, t in b}
     meg_lp = _all_logprobs(meg, samples)
     res["meg_metrics"] = [meg.train(mine, rid) for rid in range(2)]
-    meg_sd = meg.state_dict_for_check()
-    meg.save_hf(Path(out).parent / "hf_out")
-    meg.checkpoint(1, {"rollout_id": 1})
-    meg.train(mine, 2)                                  # move away, then load the checkpoint back
-    res["resumed_extra"] = meg.resume()
-    reloaded = meg.state_dict_for_check()
+    meg_sd, res["resumed_extra"], reloaded = save_and_resume(meg, mine, Path(out).parent / "hf_out")
     if rank == 0:
         from transformers import AutoModelForCausalLM
 
@@ -86,11 +82,7 @@ def _parity_worker(model_dir: str, out: str) -> None:
         res["export_bf16_bitwise"] = all(torch.equal(init_bf16[k], hf[k].bfloat16()) for k in hf)
         keys = sorted(fsdp_sd)                          # the parameters (the FSDP export has no buffers)
         res["fsdp_keys_missing"] = sorted(set(hf) - set(keys))
-        deltas = {k: ((meg_sd[k] - hf[k]) - (fsdp_sd[k] - hf[k])).abs().max().item() for k in keys}
-        res["update_max_abs_diff"], res["update_worst"] = max(deltas.values()), max(deltas, key=deltas.get)
-        num = sum(((meg_sd[k] - fsdp_sd[k]).double() ** 2).sum().item() for k in keys)
-        den = sum(((fsdp_sd[k] - hf[k]).double() ** 2).sum().item() for k in keys)
-        res["update_rel_l2"] = (num / den) ** 0.5
+        res.update(update_distance(meg_sd, fsdp_sd, hf, keys))
         res["lp_max_abs_diff"] = max((a - b).abs().max().item() for a, b in zip(fsdp_lp, meg_lp))
         torch.save(res, out)
     dist.destroy_process_group()
@@ -167,13 +159,6 @@ def _gpt_worker(model_dir: str, out: str, ep: int = 1) -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny_glm_dir(tmp_path_factory) -> Path:
-    from miles.utils.tiny_mla import build_tiny_mla_model
-
-    return build_tiny_mla_model(tmp_path_factory.mktemp("tiny_glm"))
-
-
-@pytest.fixture(scope="module")
 def tiny_dsv3_dir(tmp_path_factory) -> Path:
     from miles.utils.tiny_mla import build_tiny_mla_model
 
@@ -242,19 +227,12 @@ def test_mla_trainer_parity_with_fsdp(request, tmp_path: Path, free_port: int, f
     """GLM-4.7-Flash, and Kimi-K2 (model_type kimi_k2: transformers' DeepSeek-V3 under FSDP2 via hf_aliases, its
     YaRN rope over rows longer than the tiny original context)."""
     import torch
+    from family_workers import check_parity
 
     out = tmp_path / "parity.pt"
     proc = _torchrun(2, free_port, "parity", str(request.getfixturevalue(FAMILY_DIRS[family])), str(out), timeout=600)
     assert proc.returncode == 0, proc.stdout[-5000:]
-    res = torch.load(out, weights_only=False)
-    assert res["export_keys_equal"] and res["export_bitwise"] and res["export_bf16_bitwise"], res
-    assert res["save_hf_equal"] and res["ckpt_reload_bitwise"] and res["resumed_extra"]["rollout_id"] == 1, res
-    assert res["lp_max_abs_diff"] < 1e-5, res
-    for f, m in zip(res["fsdp_metrics"], res["meg_metrics"]):
-        for key in ("loss", "pg_loss", "entropy", "ppo_kl", "tis", "grad_norm", "num_samples", "num_tokens",
-                    "advantages_mean", "kl_loss", "reward_kl_mean"):
-            assert abs(f[key] - m[key]) <= 1e-5 * max(1.0, abs(f[key])), (key, f[key], m[key])
-    assert res["update_max_abs_diff"] < 5e-5 and res["update_rel_l2"] < 1e-4, res
+    check_parity(torch.load(out, weights_only=False), lp_bound=1e-5, update_bound=5e-5, rel_bound=1e-4)
 
 
 # ------------------------------------------------------------------------------------------- CP, PP, CP x EP
@@ -458,22 +436,8 @@ def test_embedded_engine_serves_glm4_moe_lite(tiny_glm_dir: Path, tmp_path: Path
     """``python -m miles.engine`` (generic HF path) generates from the tiny GLM-4.7-Flash: greedy tokens equal
     transformers' greedy decoding, and the routers' ``e_score_correction_bias`` (exported by the Megatron trainer)
     is a weight the engine reports by name."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    from family_workers import check_engine_greedy
 
-    from miles.engine.testing import EngineProc
-
-    prompt = [5, 17, 23, 42, 8]
-    hf = AutoModelForCausalLM.from_pretrained(tiny_glm_dir, dtype=torch.float32)
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)[0, len(prompt):].tolist()
-    eng = EngineProc(tiny_glm_dir, "--max-running-requests", "2", "--max-context-len", "64", log=tmp_path / "e.log")
-    try:
-        out = eng.generate({"input_ids": prompt, "sampling_params": {"max_new_tokens": 8, "temperature": 0.0,
-                                                                     "ignore_eos": True}})
-        bias = eng.post("/get_weights_by_name", {"name": "model.layers.1.mlp.gate.e_score_correction_bias"})
-    finally:
-        eng.stop()
-    assert out["output_ids"] == ref, (out["output_ids"], ref)
-    assert bias.status_code == 200, bias.text
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    got = check_engine_greedy(tiny_glm_dir, tmp_path / "e.log", [5, 17, 23, 42, 8], (bias,))
+    assert got[bias].status_code == 200, got[bias].text

@@ -23,22 +23,6 @@ pytestmark = pytest.mark.multiprocess
 HERE = Path(__file__).resolve()
 
 
-def _export(tr, dtype=None) -> dict:
-    out = {}
-    for bucket in tr.iter_weight_buckets(16 << 10, dtype):
-        for n, t in bucket:
-            assert n not in out, n
-            out[n] = t.detach().cpu().clone()
-    return out
-
-
-def _same(a: dict, b: dict) -> bool:
-    import torch
-
-    return sorted(a) == sorted(b) and all(a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
-                                          and torch.equal(a[k], b[k]) for k in a)
-
-
 MEGATRON_FLAGS = {
     "qwen3_moe": ("--num-experts", "4", "--moe-router-topk", "2"),
     "nemotron_h": ("--expert-tensor-parallel-size", "1", "--position-embedding-type", "none", "--moe-latent-size", "32"),
@@ -50,20 +34,20 @@ def _worker(model_dir: str, out: str, family: str) -> None:
     import torch.distributed as dist
     from safetensors.torch import load_file
     from test_megatron import _flags
-    from trainer_harness import PRESETS, build
+    from trainer_harness import PRESETS, build, export_by_name, same_tensors
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     saved = str(Path(out).parent / "fsdp_hf")
     fsdp = build(model_dir, _flags("fsdp", 1))
-    f_init, f_init_bf16 = _export(fsdp), _export(fsdp, torch.bfloat16)
+    f_init, f_init_bf16 = export_by_name(fsdp, 16 << 10), export_by_name(fsdp, 16 << 10, torch.bfloat16)
     buffers = sorted(n for n, _ in fsdp._checkpoint_buffers(set()))      # in the checkpoint, not parameters
     g = torch.Generator().manual_seed(11 + rank)
     with torch.no_grad():                                    # "trained": every local shard moves differently
         for p in fsdp.model.parameters():
             local = p.to_local() if hasattr(p, "to_local") else p
             local.add_(0.01 * torch.randn(local.shape, generator=g))
-    f_trained = _export(fsdp)
+    f_trained = export_by_name(fsdp, 16 << 10)
     fsdp.save_hf(saved)
     del fsdp
 
@@ -74,19 +58,19 @@ def _worker(model_dir: str, out: str, family: str) -> None:
     for tag, src in (("init", model_dir), ("trained", saved)):
         meg = build(src, _flags("megatron", 1, megatron_flags=flags))
         res[f"ep_{tag}"] = meg.groups.ep_size
-        m = _export(meg)
+        m = export_by_name(meg, 16 << 10)
         res[f"meg_buffers_{tag}"] = sorted(set(m) - set(f_init))
         m_bufs = {k: m.pop(k) for k in buffers if k in m}
         if tag == "init":
-            res["init_equal"] = _same(m, f_init)
-            res["init_bf16_equal"] = _same({k: v for k, v in _export(meg, torch.bfloat16).items() if k not in buffers},
-                                           f_init_bf16)
-            res["init_is_checkpoint"] = _same(f_init, {k: v for k, v in ckpt.items() if k not in buffers})
-            res["buffers_are_checkpoint"] = _same(m_bufs, {k: ckpt[k] for k in buffers})
+            res["init_equal"] = same_tensors(m, f_init)
+            m_bf16 = export_by_name(meg, 16 << 10, torch.bfloat16)
+            res["init_bf16_equal"] = same_tensors({k: v for k, v in m_bf16.items() if k not in buffers}, f_init_bf16)
+            res["init_is_checkpoint"] = same_tensors(f_init, {k: v for k, v in ckpt.items() if k not in buffers})
+            res["buffers_are_checkpoint"] = same_tensors(m_bufs, {k: ckpt[k] for k in buffers})
         else:
             on_disk = load_file(str(Path(saved) / "model.safetensors"))
-            res["trained_equal"] = _same(m, f_trained)
-            res["trained_moved"] = not _same(f_trained, f_init)
+            res["trained_equal"] = same_tensors(m, f_trained)
+            res["trained_moved"] = not same_tensors(f_trained, f_init)
             res["saved_names"] = sorted(on_disk) == sorted(ckpt)
             res["saved_shapes"] = all(on_disk[k].shape == ckpt[k].shape for k in ckpt)
         del meg

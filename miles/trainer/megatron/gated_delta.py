@@ -70,6 +70,19 @@ def _chunked(q, k, v, g, beta, chunk_size: int, initial_state):
     return torch.stack(outs, dim=2).reshape(b, h, t, dv), state
 
 
+def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+             scale: float | None, l2norm_qk: bool) -> tuple[torch.Tensor, ...]:
+    """What both forms do first: q and k repeated to v's H heads, all in fp32, q and k L2-normalised with
+    ``l2norm_qk``, q scaled (``scale``, default Dk^-0.5)."""
+    h, hk = v.shape[2], k.shape[2]
+    if h != hk:
+        q, k = q.repeat_interleave(h // hk, dim=2), k.repeat_interleave(h // hk, dim=2)
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    if l2norm_qk:
+        q, k = l2norm(q), l2norm(k)
+    return q * (q.shape[-1] ** -0.5 if scale is None else scale), k, v, g, beta
+
+
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
                            scale: float | None = None, chunk_size: int = 64, initial_state: torch.Tensor | None = None,
                            output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
@@ -80,13 +93,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     Returns the output [B, T, H, Dv] in q's dtype and, with ``output_final_state``, the states [B or N, H, Dk, Dv]
     (fp32)."""
     dtype = q.dtype
-    h, hk = v.shape[2], k.shape[2]
-    if h != hk:
-        q, k = q.repeat_interleave(h // hk, dim=2), k.repeat_interleave(h // hk, dim=2)
-    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
-    if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)
-    q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
     if cu_seqlens is not None:
         if q.shape[0] != 1:
             raise ValueError(f"chunk_gated_delta_rule: cu_seqlens takes a batch of 1 packed row, got {q.shape[0]}")
@@ -125,14 +132,8 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """The recurrence token by token (the definition; for tests and one-token decode steps). Same arguments as
     ``chunk_gated_delta_rule`` without packing; returns (output, final state)."""
     dtype = q.dtype
-    h, hk = v.shape[2], k.shape[2]
-    if h != hk:
-        q, k = q.repeat_interleave(h // hk, dim=2), k.repeat_interleave(h // hk, dim=2)
-    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
-    if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)
-    q = q * (q.shape[-1] ** -0.5 if scale is None else scale)
-    b, t, _, dk = k.shape
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
+    b, t, h, dk = k.shape
     state = torch.zeros(b, h, dk, v.shape[-1], device=q.device) if initial_state is None else initial_state.float()
     outs = []
     for i in range(t):

@@ -51,6 +51,22 @@ def _hf_routing(model_dir, tokens: list[int]) -> np.ndarray:
     return rec.end(len(tokens)).numpy()
 
 
+IDS = torch.tensor([[5, 9, 13, 2, 7, 30, 41, 8, 11]])
+
+
+def _record_routers(model, config, pick) -> tuple[RoutedExpertsRecorder, torch.Tensor, dict[int, torch.Tensor]]:
+    """The recorder of ``model`` (``config``: its text model's), the rows it records over one forward of ``IDS``, and
+    per router layer ``pick(output)`` of what that router returned in the same forward."""
+    rec = RoutedExpertsRecorder(model, config)
+    seen: dict[int, torch.Tensor] = {}
+    for layer, mod in rec.routers:
+        mod.register_forward_hook(lambda _m, _i, out, layer=layer: seen.__setitem__(layer, pick(out)))
+    rec.begin()
+    with torch.no_grad():
+        model(input_ids=IDS)
+    return rec, rec.end(IDS.shape[1]), seen
+
+
 def test_engine_returns_the_routers_top_k_for_every_token(moe_model):
     prompts = [[5, 9, 13, 2, 7, 30], [40, 41, 8], [11, 12, 13, 14, 15, 16, 17, 18]]
     bodies = [{"input_ids": p, "return_logprob": True, "return_routed_experts": True,
@@ -131,16 +147,8 @@ def test_gemma4_moe_routers_are_recorded(tmp_path):
 
     model = AutoModelForImageTextToText.from_pretrained(build_tiny_gemma4(tmp_path / "g4m", moe=True),
                                                         dtype=torch.float32).eval()
-    rec = RoutedExpertsRecorder(model, model.config.text_config)
+    rec, rows, probs = _record_routers(model, model.config.text_config, lambda out: out[0])
     assert rec.enabled and [layer for layer, _ in rec.routers] == list(range(5)) and rec.top_k == 2
-    probs: dict[int, torch.Tensor] = {}
-    for layer, mod in rec.routers:
-        mod.register_forward_hook(lambda _m, _i, out, layer=layer: probs.__setitem__(layer, out[0]))
-    ids = torch.tensor([[5, 9, 13, 2, 7, 30, 41, 8, 11]])
-    rec.begin()
-    with torch.no_grad():
-        model(input_ids=ids)
-    rows = rec.end(ids.shape[1])
     assert rows.shape == (9, 5, 2)
     for layer in range(5):
         assert torch.equal(rows[:, layer].long(), probs[layer].topk(2, dim=-1).indices), layer
@@ -166,17 +174,9 @@ def test_qwen3_next_and_qwen35_routers_are_recorded(kind: str, tmp_path):
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.5)
     model.eval()
     config = getattr(model.config, "text_config", None) or model.config
-    rec = RoutedExpertsRecorder(model, config)
+    rec, rows, logits = _record_routers(model, config, lambda out: out[0])
     layers = config.num_hidden_layers
     assert rec.enabled and [layer for layer, _ in rec.routers] == list(range(layers)) and rec.top_k == 2
-    logits: dict[int, torch.Tensor] = {}
-    for layer, mod in rec.routers:
-        mod.register_forward_hook(lambda _m, _i, out, layer=layer: logits.__setitem__(layer, out[0]))
-    ids = torch.tensor([[5, 9, 13, 2, 7, 30, 41, 8, 11]])
-    rec.begin()
-    with torch.no_grad():
-        model(input_ids=ids)
-    rows = rec.end(ids.shape[1])
     assert rows.shape == (9, layers, 2)
     for layer in range(layers):
         assert torch.equal(rows[:, layer].long().sort(-1).values,
@@ -193,16 +193,8 @@ def test_nemotron_h_routers_are_recorded(tmp_path):
     from miles.utils.tiny_nemotron import build_tiny_nemotron_model
 
     model = AutoModelForCausalLM.from_pretrained(build_tiny_nemotron_model(tmp_path / "nh"), dtype=torch.float32).eval()
-    rec = RoutedExpertsRecorder(model, model.config)
+    rec, rows, chosen = _record_routers(model, model.config, lambda out: out[2])
     assert rec.enabled and [layer for layer, _ in rec.routers] == [1, 4] and rec.top_k == 2     # pattern ME*-E
-    chosen: dict[int, torch.Tensor] = {}
-    for layer, mod in rec.routers:
-        mod.register_forward_hook(lambda _m, _i, out, layer=layer: chosen.__setitem__(layer, out[2]))
-    ids = torch.tensor([[5, 9, 13, 2, 7, 30, 41, 8, 11]])
-    rec.begin()
-    with torch.no_grad():
-        model(input_ids=ids)
-    rows = rec.end(ids.shape[1])
     assert rows.shape == (9, 5, 2)
     for layer in (1, 4):
         assert torch.equal(rows[:, layer].long(), chosen[layer]), layer

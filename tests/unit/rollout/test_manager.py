@@ -195,6 +195,18 @@ def build(cfg, client, tok, shuffle=False, progress=None, seed=1):
     return RolloutManager(cfg.rollout, cfg.data, cfg.reward, client, tok, source, eval_cfg=cfg.eval, progress=progress)
 
 
+def rollout(cfg, engine, tok):
+    """Rollout 0 of a manager built from ``cfg`` on a client of ``engine`` (closed after it, also on an error)."""
+    async def main():
+        client = EngineClient(engine)
+        try:
+            return await build(cfg, client, tok).generate_rollout(0)
+        finally:
+            await client.close()
+
+    return asyncio.run(main())
+
+
 def test_full_groups_token_bookkeeping_and_failures(engine, tok, data_file, plugins):
     cfg = config(data_file, "--rollout-batch-size", "4", "--n-samples-per-prompt", "3",
                  "--custom-rm-path", f"{plugins}.flaky", "--log-passrate")
@@ -246,15 +258,8 @@ def test_every_sample_failing_is_an_error_and_bad_plugins_fail_at_startup(engine
     cfg = config(data_file, "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
                  "--custom-rm-path", f"{plugins}.always_raises")
 
-    async def main():
-        client = EngineClient(engine)
-        try:
-            await build(cfg, client, tok).generate_rollout(0)
-        finally:
-            await client.close()
-
     with pytest.raises(RolloutError, match="every one of 4 samples failed; first error: reward: RuntimeError: broken verifier"):
-        asyncio.run(main())
+        rollout(cfg, engine, tok)
     with pytest.raises(ConfigError, match="--custom-generate-function-path .*not_async.* must be a coroutine function"):
         build(config(data_file, "--rollout-batch-size", "2", "--rm-type", "exact_match",
                      "--custom-generate-function-path", f"{plugins}.not_async"), None, tok)
@@ -334,15 +339,8 @@ def test_multi_turn_custom_generate_keeps_ids_exact(engine, tok, data_file, plug
     cfg = config(data_file, "--rollout-batch-size", "2", "--rm-type", "exact_match",
                  "--custom-generate-function-path", f"{plugins}.bad_mask")
 
-    async def bad():
-        client = EngineClient(engine)
-        try:
-            return await build(cfg, client, tok).generate_rollout(0)
-        finally:
-            await client.close()
-
     with pytest.raises(RolloutError, match="bad_mask: loss_mask has .* entries, expected response_length"):
-        asyncio.run(bad())
+        rollout(cfg, engine, tok)
 
 
 def test_a_generate_function_may_build_its_own_prompt(engine, tok, data_file, plugins):
@@ -351,14 +349,7 @@ def test_a_generate_function_may_build_its_own_prompt(engine, tok, data_file, pl
     cfg = config(data_file, "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rm-type", "exact_match",
                  "--custom-generate-function-path", f"{plugins}.own_prompt")
 
-    async def main(cfg):
-        client = EngineClient(engine)
-        try:
-            return await build(cfg, client, tok).generate_rollout(0)
-        finally:
-            await client.close()
-
-    res = asyncio.run(main(cfg))
+    res = rollout(cfg, engine, tok)
     for s in (s for g in res.samples for s in g):
         prompt = tok(s.prompt, add_special_tokens=False)["input_ids"]
         assert s.prompt.startswith("Task: ") and s.tokens[:len(prompt)] == prompt
@@ -369,7 +360,7 @@ def test_a_generate_function_may_build_its_own_prompt(engine, tok, data_file, pl
                  "--custom-generate-function-path", f"{plugins}.no_prompt")
     with pytest.raises(RolloutError, match="no_prompt: tokens .* must be the prompt ids followed by response_length "
                                            ".* with at least one prompt id"):
-        asyncio.run(main(cfg))
+        rollout(cfg, engine, tok)
 
 
 def test_a_generate_function_may_return_several_samples_for_its_slot(engine, tok, data_file, plugins):
@@ -379,14 +370,7 @@ def test_a_generate_function_may_return_several_samples_for_its_slot(engine, tok
     cfg = config(data_file, "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rm-type", "exact_match",
                  "--custom-generate-function-path", f"{plugins}.three_agents")
 
-    async def main(cfg):
-        client = EngineClient(engine)
-        try:
-            return await build(cfg, client, tok).generate_rollout(0)
-        finally:
-            await client.close()
-
-    res = asyncio.run(main(cfg))
+    res = rollout(cfg, engine, tok)
     assert [len(g) for g in res.samples] == [6, 6]
     for g in res.samples:
         assert len({s.group_index for s in g}) == 1 and [s.index for s in g] == [g[0].index] * 3 + [g[3].index] * 3
@@ -399,7 +383,7 @@ def test_a_generate_function_may_return_several_samples_for_its_slot(engine, tok
     cfg = config(data_file, "--rollout-batch-size", "2", "--rm-type", "exact_match",
                  "--custom-generate-function-path", f"{plugins}.empty_list")
     with pytest.raises(RolloutError, match=r"empty_list: returned list, expected a Sample \(or a non-empty list"):
-        asyncio.run(main(cfg))
+        rollout(cfg, engine, tok)
 
 
 def test_a_filter_that_keeps_nothing_reports_and_ends_after_one_pass(engine, tok, tmp_path, plugins, caplog):
@@ -412,18 +396,11 @@ def test_a_filter_that_keeps_nothing_reports_and_ends_after_one_pass(engine, tok
                  "--custom-rm-path", f"{plugins}.by_kind",
                  "--dynamic-sampling-filter-path", "miles.rollout.filters.check_reward_nonzero_std")
 
-    async def main():
-        client = EngineClient(engine)
-        try:
-            return await build(cfg, client, tok).generate_rollout(0)
-        finally:
-            await client.close()
-
     with caplog.at_level("INFO", logger="miles"), pytest.raises(
             RolloutError, match=r"rollout 0: the dynamic sampling filter miles.rollout.filters.check_reward_nonzero_std "
                                 r"kept 0 of 14 groups \(drops: \{'zero_std': \d+\}\) without reaching "
                                 r"--rollout-batch-size 2"):
-        asyncio.run(main())
+        rollout(cfg, engine, tok)
     lines = [r.getMessage() for r in caplog.records if "finished groups so far" in r.getMessage()]
     assert len(lines) == 1, lines   # 8 groups launched (4 x --rollout-batch-size 2); the 14th ends the rollout
     assert lines[0].startswith("rollout 0: the dynamic sampling filter miles.rollout.filters.check_reward_nonzero_std "

@@ -147,3 +147,39 @@ def test_step_phases_add_up_to_the_step_time(tmp_path: Path, tiny_model_dir):
         for part in ("data", "logprobs", "advantages", "fwd_bwd", "optimizer", "metrics"):   # one trainer rank
             assert r[f"perf/train/{part}_time_max"] == r[f"perf/train/{part}_time"]
     assert "run summary: 3 rollouts" in proc.stderr + proc.stdout
+
+
+@pytest.mark.parametrize("loop_cls", ["RLLoop", "AsyncRLLoop"])
+def test_both_loops_begin_with_the_first_sync_and_the_eval_before_training(loop_cls: str) -> None:
+    """``RLLoop.begin``, which both loops' ``run`` start with: a checkpoint already at --num-rollout does nothing
+    (no sync, no rollout); from rollout 0 the engines are synced, then evaluated (unless
+    --skip-eval-before-train); from a resumed rollout only synced."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from miles.run import async_loop, loop
+
+    calls = []
+    lp = object.__new__(getattr(async_loop if loop_cls == "AsyncRLLoop" else loop, loop_cls))
+    lp.timer = PhaseTimer()
+    lp.job = SimpleNamespace(eval_datasets=["d"], sink=SimpleNamespace(log_eval=lambda i, m: calls.append(("log", i, m))))
+
+    async def initial_sync():
+        calls.append("sync")
+
+    async def evaluate(rollout_id):
+        calls.append(("eval", rollout_id))
+        return {"eval/x": 1.0}
+
+    lp.initial_sync, lp.evaluate = initial_sync, evaluate
+    for start, skip, expect in ((3, False, []), (0, False, ["sync", ("eval", 0), ("log", 0, {"eval/x": 1.0})]),
+                                (0, True, ["sync"]), (1, False, ["sync"])):
+        calls.clear()
+        lp.plan = SimpleNamespace(start_rollout_id=start, num_rollout=3)
+        lp.cfg = SimpleNamespace(eval=SimpleNamespace(skip_eval_before_train=skip))
+        assert asyncio.run(lp.begin()) is (start < 3)
+        assert calls == expect, (start, skip, calls)
+    lp.plan = SimpleNamespace(start_rollout_id=3, num_rollout=3)
+    calls.clear()
+    asyncio.run(lp.run())                  # nothing to do: returns before anything else
+    assert calls == []

@@ -6,37 +6,28 @@ union of the object gather with one collective when every rank has the same name
 from __future__ import annotations
 
 import os
-import time
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
+from trainer_harness import gloo_rank, put_timed
 
 TIMEOUT = 2.0
 
 
 def _worker(rank: int, port: int, scenario: str, q) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
-    from miles.trainer.collectives import bounded_all_gather_object
+    with gloo_rank(rank, port, q):
+        from miles.trainer.collectives import bounded_all_gather_object
 
-    obj = {"rank": rank, "payload": list(range(3 + 100 * rank)), "t": torch.tensor([rank + 0.5])}
-    try:
-        if scenario == "silent" and rank == 1:
-            time.sleep(4 * TIMEOUT)                 # alive, never gathering: rank 0 must time out
-            q.put((rank, "slept", 0.0))
-        else:
-            start = time.monotonic()
-            try:
-                got = bounded_all_gather_object(obj, None, TIMEOUT, torch.device("cpu"), "gathering test objects")
-                q.put((rank, [(g["rank"], len(g["payload"]), float(g["t"])) for g in got], time.monotonic() - start))
-            except Exception as e:  # noqa: BLE001 - reported to the test
-                q.put((rank, f"{type(e).__name__}: {e}", time.monotonic() - start))
-    finally:
-        q.close()
-        q.join_thread()
-        os._exit(0)                                 # skip process-group teardown (the silent case leaves one open)
+        obj = {"rank": rank, "payload": list(range(3 + 100 * rank)), "t": torch.tensor([rank + 0.5])}
+
+        def gather():
+            got = bounded_all_gather_object(obj, None, TIMEOUT, torch.device("cpu"), "gathering test objects")
+            return [(g["rank"], len(g["payload"]), float(g["t"])) for g in got]
+
+        # "silent": rank 1 alive, never gathering: rank 0 must time out
+        put_timed(q, rank, gather, silent_for=4 * TIMEOUT if scenario == "silent" and rank == 1 else 0.0)
 
 
 @pytest.mark.multiprocess

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_harness import build_from_config, flags, parse
+from trainer_harness import build_from_config, checkpoint_tensors, export_by_name, flags, parse
 
 
 def _families() -> dict:
@@ -63,24 +63,6 @@ def family(request, tmp_path_factory) -> tuple[str, Path]:
     return request.param, _families()[request.param](tmp_path_factory.mktemp(request.param))
 
 
-def _ckpt(model_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(model_dir.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
-
-
-def _export(tr, bucket_bytes: int, dtype=None) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for bucket in tr.iter_weight_buckets(bucket_bytes, dtype):
-        for n, t in bucket:
-            assert n not in out, n
-            out[n] = t.detach().clone()
-    return out
-
-
 def _check_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     assert sorted(set(want) - set(got)) == [] and sorted(set(got) - set(want)) == []
     assert [k for k in want if got[k].shape != want[k].shape] == []
@@ -95,12 +77,12 @@ def test_fsdp_export_is_the_checkpoint(family, one_rank_group, tmp_path) -> None
     if name in NOT_ON_FSDP:
         pytest.skip(f"the FSDP backend does not load the tiny {name} (no image processor config)")
     tr = build_from_config(parse(model_dir, flags("fsdp")), group=one_rank_group)
-    ckpt = _ckpt(model_dir)
+    ckpt = checkpoint_tensors(model_dir)
     buffers = dict(tr._checkpoint_buffers(set()))            # the router biases FSDP holds as buffers
     params = {k: v for k, v in ckpt.items() if k not in buffers}
     for bucket_bytes in (1 << 12, 64 << 20):
-        _check_same(_export(tr, bucket_bytes), params)
-        _check_same(_export(tr, bucket_bytes, torch.bfloat16), {k: v.to(torch.bfloat16) for k, v in params.items()})
+        _check_same(export_by_name(tr, bucket_bytes), params)
+        _check_same(export_by_name(tr, bucket_bytes, torch.bfloat16), {k: v.to(torch.bfloat16) for k, v in params.items()})
         full, shards = list(tr.iter_weight_buckets(bucket_bytes)), list(tr.iter_weight_shards(bucket_bytes))
         assert [[n for n, _ in b] for b in full] == [[s.name for s in b] for b in shards]
         for fb, sb in zip(full, shards):                    # p2p: same names, shapes and flattened bytes
@@ -109,7 +91,7 @@ def test_fsdp_export_is_the_checkpoint(family, one_rank_group, tmp_path) -> None
             assert plan.shapes == [m["shape"] for m in meta] and plan.total == flat.numel()
             assert torch.equal(pack_local(sb, torch.device("cpu")), flat)
     tr.save_hf(tmp_path / "hf")
-    _check_same(_ckpt(tmp_path / "hf"), ckpt)
+    _check_same(checkpoint_tensors(tmp_path / "hf"), ckpt)
 
 
 def test_engine_index_takes_the_checkpoint_names(family) -> None:
@@ -124,7 +106,7 @@ def test_engine_index_takes_the_checkpoint_names(family) -> None:
     model = load_hf_model(model_dir, torch.device("cpu"))      # transformers' model (a VLM's too), as loaded
     index = ParamIndex(model.state_dict(keep_vars=True), checkpoint_renames(model_dir, model),
                        checkpoint_parts(model_dir, model))
-    ckpt = _ckpt(model_dir)
+    ckpt = checkpoint_tensors(model_dir)
     if name == "kimi_k25":     # its vision tower's fused wqkv: split and RoPE-permuted on load, not a view; never
         ckpt = {k: v for k, v in ckpt.items() if ".wqkv." not in k}   # sent (trainers train the text)
     assert [k for k in ckpt if k not in index] == []
@@ -150,8 +132,8 @@ def test_embedded_engine_takes_nemotron_h_s_export(one_rank_group, tmp_path) -> 
     cfg = parse(model_dir, flags("fsdp", ["--update-weight-buffer-size", "16KiB", "--update-weight-timeout", "60",
                                           "--update-weight-disk-dir", str(tmp_path / "versions")]))
     tr = build_from_config(cfg, group=one_rank_group)
-    n_params = len(_export(tr, 64 << 20))
-    assert all(n.startswith(("backbone.", "lm_head.")) for n in _export(tr, 64 << 20))
+    n_params = len(export_by_name(tr, 64 << 20))
+    assert all(n.startswith(("backbone.", "lm_head.")) for n in export_by_name(tr, 64 << 20))
     sup, target = start_engine(str(model_dir), tmp_path / "engine.log")
     try:
         wait_healthy(target)

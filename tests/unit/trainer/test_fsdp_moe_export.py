@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_harness import build_from_config, flags, parse
+from trainer_harness import build_from_config, checkpoint_tensors, export_by_name, flags, parse, same_tensors
 
 
 @pytest.fixture(scope="module")
@@ -26,26 +26,6 @@ def _cfg(model_dir: Path, *extra: str):
 
 def _trainer(cfg, group):
     return build_from_config(cfg, group=group)
-
-
-def _ckpt(model_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(model_dir / "model.safetensors"))
-
-
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return sorted(a) == sorted(b) and all(a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
-                                          and torch.equal(a[k], b[k]) for k in a)
-
-
-def _export(tr, bucket_bytes: int, dtype=None) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for bucket in tr.iter_weight_buckets(bucket_bytes, dtype):
-        for n, t in bucket:
-            assert n not in out, n
-            out[n] = t.detach().clone()
-    return out
 
 
 def _layout(model_dir: Path):
@@ -86,7 +66,7 @@ def test_layout_keeps_a_fused_checkpoint_fused(moe_dir, tmp_path) -> None:
 
     AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).save_pretrained(
         tmp_path / "fused", save_original_format=False)
-    assert "model.layers.0.mlp.experts.gate_up_proj" in _ckpt(tmp_path / "fused")
+    assert "model.layers.0.mlp.experts.gate_up_proj" in checkpoint_tensors(tmp_path / "fused")
     m, layout = _layout(tmp_path / "fused")
     assert layout.parts == {} and layout.groups == {} and layout.computed == set()
 
@@ -94,10 +74,10 @@ def test_layout_keeps_a_fused_checkpoint_fused(moe_dir, tmp_path) -> None:
 @pytest.mark.parametrize("bucket_bytes", [1 << 12, 64 << 20], ids=["small_buckets", "one_bucket"])
 def test_fsdp_export_equals_the_checkpoint(moe_dir, one_rank_group, bucket_bytes) -> None:
     tr = _trainer(_cfg(moe_dir), one_rank_group)
-    ckpt = _ckpt(moe_dir)
-    assert _same(_export(tr, bucket_bytes), ckpt)                                   # fp32: names, shapes, bits
-    bf16 = _export(tr, bucket_bytes, torch.bfloat16)
-    assert _same(bf16, {k: v.to(torch.bfloat16) for k, v in ckpt.items()})
+    ckpt = checkpoint_tensors(moe_dir)
+    assert same_tensors(export_by_name(tr, bucket_bytes), ckpt)                  # fp32: names, shapes, bits
+    bf16 = export_by_name(tr, bucket_bytes, torch.bfloat16)
+    assert same_tensors(bf16, {k: v.to(torch.bfloat16) for k, v in ckpt.items()})
     assert tr.state_dict_for_check().keys() == ckpt.keys()
 
 
@@ -108,16 +88,16 @@ def test_save_hf_round_trips_with_the_checkpoint_names(moe_dir, one_rank_group, 
     with torch.no_grad():                                       # trained weights, not the checkpoint's
         for p in tr.model.parameters():
             p.add_(0.01)
-    exported = _export(tr, 1 << 20)
+    exported = export_by_name(tr, 1 << 20)
     tr.save_hf(tmp_path / "hf")
-    saved = _ckpt(tmp_path / "hf")
-    assert sorted(saved) == sorted(_ckpt(moe_dir)) and _same(saved, exported)
+    saved = checkpoint_tensors(tmp_path / "hf")
+    assert sorted(saved) == sorted(checkpoint_tensors(moe_dir)) and same_tensors(saved, exported)
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     live = {n: p.detach() for n, p in tr.model.named_parameters()}
     from miles.trainer.modeling import hf_name
 
     live = {hf_name(n): t for n, t in live.items()}
-    assert _same({n: p.detach() for n, p in back.named_parameters()}, live)
+    assert same_tensors({n: p.detach() for n, p in back.named_parameters()}, live)
 
 
 def test_embedded_engine_takes_the_fsdp_export(moe_dir, one_rank_group, tmp_path) -> None:
@@ -141,14 +121,14 @@ def test_embedded_engine_takes_the_fsdp_export(moe_dir, one_rank_group, tmp_path
                                  initial_version=0)
         bc.connect([target])
         r = bc.sync()
-        assert bc.check() == len(_ckpt(moe_dir))
+        assert bc.check() == len(checkpoint_tensors(moe_dir))
         bc.close()
         perturb(tr, 4, 0)                               # p2p: the trainer's own shards, per-expert names
         p2 = build_weight_sender(dataclasses.replace(cfg.weights, update_weight_transfer_mode="p2p"), tr,
                                  is_source=True, engines=[target], status_group=pg, initial_version=r.version)
         p2.connect([target])
         r = p2.sync()
-        assert p2.check() == len(_ckpt(moe_dir))
+        assert p2.check() == len(checkpoint_tensors(moe_dir))
         p2.close()
         dk = build_weight_sender(dataclasses.replace(cfg.weights, update_weight_transfer_mode="disk-delta"), tr,
                                  is_source=True, engines=[target], status_group=pg, initial_version=r.version,
@@ -157,7 +137,7 @@ def test_embedded_engine_takes_the_fsdp_export(moe_dir, one_rank_group, tmp_path
             for step in (2, 3):                         # full version, then a delta on top of it
                 perturb(tr, step, 0)
                 dk.sync()
-                assert dk.check() == len(_ckpt(moe_dir))
+                assert dk.check() == len(checkpoint_tensors(moe_dir))
             assert dk.fallbacks == 0                    # the engine applied the delta itself (no full fallback)
             assert any(p.name.startswith("delta_v") for p in (tmp_path / "versions").iterdir())
         finally:
@@ -232,11 +212,11 @@ def test_save_hf_keeps_the_router_bias_buffers(one_rank_group, tmp_path) -> None
     from miles.utils.tiny_mla import build_tiny_mla_model
 
     src = build_tiny_mla_model(tmp_path / "glm")
-    ckpt = _ckpt(src)
+    ckpt = checkpoint_tensors(src)
     biases = sorted(k for k in ckpt if k.endswith("e_score_correction_bias"))
     assert biases
     tr = _trainer(_cfg(src), one_rank_group)
     tr.save_hf(tmp_path / "hf")
-    saved = _ckpt(tmp_path / "hf")
+    saved = checkpoint_tensors(tmp_path / "hf")
     assert sorted(saved) == sorted(ckpt)
     assert all(saved[k].dtype == ckpt[k].dtype and torch.equal(saved[k], ckpt[k]) for k in biases)

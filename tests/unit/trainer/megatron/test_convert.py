@@ -17,6 +17,21 @@ from miles.trainer.megatron.convert import (  # noqa: E402
 from miles.trainer.megatron.model import ModelShape, padded_vocab_size  # noqa: E402
 
 
+def tp_round_trip(hf: dict, shape: ModelShape, names: list[str], tp: int) -> tuple[dict, list]:
+    """HF -> megatron-core (``hf_to_megatron`` of ``names``, vocabulary padded for ``tp``) -> ``tp`` shards of each
+    tensor, each exactly 1/``tp`` of its partition dim -> unsharded -> HF: the full megatron tensors and the HF
+    (name, tensor) pairs back, in order."""
+    full = hf_to_megatron(hf, shape, padded_vocab_size(shape.vocab_size, 128, tp), names)
+    pairs = []
+    for name in names:
+        dim = partition_dim(name)
+        pieces = [shard(name, full[name], dim, r, tp) for r in range(tp)]
+        if dim is not None and tp > 1:
+            assert all(p.shape[dim] * tp == full[name].shape[dim] for p in pieces), name
+        pairs += megatron_to_hf(name, unshard(name, pieces, dim), shape)
+    return full, pairs
+
+
 def _hf_model(family: str, tie: bool):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
@@ -56,16 +71,11 @@ def test_round_trip_bitwise(family: str, tie: bool, tp: int) -> None:
     hf = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
     if tie:
         hf.pop("lm_head.weight", None)
-    padded = padded_vocab_size(shape.vocab_size, 128, tp)
     names = _megatron_names(shape)
-    full = hf_to_megatron(hf, shape, padded, [n for n, _ in names])
-    back: dict[str, torch.Tensor] = {}
     for name, dim in names:
         assert partition_dim(name) == dim, name
-        pieces = [shard(name, full[name], dim, r, tp) for r in range(tp)]
-        if dim is not None and tp > 1:
-            assert all(p.shape[dim] == full[name].shape[dim] // tp for p in pieces), name
-        back.update(megatron_to_hf(name, unshard(name, pieces, dim), shape))
+    _, pairs = tp_round_trip(hf, shape, [n for n, _ in names], tp)
+    back = dict(pairs)
     assert sorted(back) == sorted(hf)
     for k, v in hf.items():
         assert torch.equal(back[k], v), k

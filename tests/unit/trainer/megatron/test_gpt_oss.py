@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_convert import tp_round_trip
 
 from miles.config import ConfigError, parse_args
 from miles.trainer.megatron import options
-from miles.trainer.megatron.convert import hf_to_megatron, megatron_to_hf, partition_dim, shard, unshard
+from miles.trainer.megatron.convert import partition_dim, shard
 from miles.trainer.megatron.families import gpt_oss
-from miles.trainer.megatron.model import ModelShape, padded_vocab_size
+from miles.trainer.megatron.model import ModelShape
 
 pytest.importorskip("megatron.core")
 
@@ -91,14 +92,7 @@ def test_round_trip_is_bitwise_under_tp(tiny_gpt_oss_dir: Path, tp: int) -> None
 
     hf = load_file(str(tiny_gpt_oss_dir / "model.safetensors"))
     shape = _shape(json.loads((tiny_gpt_oss_dir / "config.json").read_text()))
-    padded = padded_vocab_size(shape.vocab_size, 128, tp)
-    names = _megatron_names(shape)
-    full = hf_to_megatron(hf, shape, padded, names)
-    pairs = []
-    for name in names:
-        dim = partition_dim(name)
-        pieces = [shard(name, full[name], dim, r, tp) for r in range(tp)]
-        pairs += megatron_to_hf(name, unshard(name, pieces, dim), shape)
+    full, pairs = tp_round_trip(hf, shape, _megatron_names(shape), tp)
     back = dict(pair for bucket in gpt_oss.fuse_experts(iter([pairs[:7], pairs[7:]]), shape.num_experts)
                 for pair in bucket)
     assert back.keys() == hf.keys()

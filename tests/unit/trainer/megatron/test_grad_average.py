@@ -4,35 +4,29 @@ very different magnitudes."""
 
 from __future__ import annotations
 
-import os
-from datetime import timedelta
-
 import pytest
 import torch
 import torch.distributed as dist
+from trainer_harness import gloo_rank, put_timed
+
+
+def _average(rank: int) -> bool:
+    from miles.trainer.megatron.parallel import _coalesced_all_reduce
+
+    g = torch.Generator().manual_seed(rank)
+    shapes = [(37, 5), (101,), (3, 4, 7), (1,)]
+    grads = [torch.randn(s, generator=g) * 10.0 ** torch.randint(-6, 6, s, generator=g) for s in shapes]
+    grads += [torch.randn(9, generator=g, dtype=torch.float64) / 3]
+    expect = [t.clone() for t in grads]
+    for t in expect:
+        dist.all_reduce(t, op=dist.ReduceOp.AVG)    # gloo's own AVG, one tensor at a time
+    _coalesced_all_reduce(grads, dist.group.WORLD, dist.ReduceOp.AVG)
+    return all(torch.equal(a, b) for a, b in zip(grads, expect))
 
 
 def _worker(rank: int, port: int, scenario: str, q) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
-    try:
-        from miles.trainer.megatron.parallel import _coalesced_all_reduce
-
-        g = torch.Generator().manual_seed(rank)
-        shapes = [(37, 5), (101,), (3, 4, 7), (1,)]
-        grads = [torch.randn(s, generator=g) * 10.0 ** torch.randint(-6, 6, s, generator=g) for s in shapes]
-        grads += [torch.randn(9, generator=g, dtype=torch.float64) / 3]
-        expect = [t.clone() for t in grads]
-        for t in expect:
-            dist.all_reduce(t, op=dist.ReduceOp.AVG)    # gloo's own AVG, one tensor at a time
-        _coalesced_all_reduce(grads, dist.group.WORLD, dist.ReduceOp.AVG)
-        q.put((rank, all(torch.equal(a, b) for a, b in zip(grads, expect)), 0.0))
-    except Exception as e:  # noqa: BLE001 - reported to the test
-        q.put((rank, f"{type(e).__name__}: {e}", 0.0))
-    finally:
-        q.close()
-        q.join_thread()
-        os._exit(0)
+    with gloo_rank(rank, port, q):
+        put_timed(q, rank, lambda: _average(rank))
 
 
 @pytest.mark.multiprocess

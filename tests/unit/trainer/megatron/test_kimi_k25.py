@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_convert import tp_round_trip
 from test_mla import _cfg, _megatron_names
 
 from miles.config import ConfigError
 from miles.trainer.megatron import convert, options
-from miles.trainer.megatron.convert import hf_to_megatron, megatron_to_hf, partition_dim, shard, unshard
-from miles.trainer.megatron.model import padded_vocab_size
 
 K25_JSON = Path(__file__).resolve().parents[3] / "fixtures" / "miles_scripts" / "models" / "Kimi-K2.5.json"
 
@@ -68,16 +67,11 @@ def test_round_trip_is_bitwise_under_tp(tiny_k25_dir: Path, tp: int) -> None:
 
     hf = load_file(str(tiny_k25_dir / "model.safetensors"))
     shape = _shape(tiny_k25_dir)
-    padded = padded_vocab_size(shape.vocab_size, 128, tp)
-    names = _megatron_names(shape)
-    full = hf_to_megatron(hf, shape, padded, names)
+    _, pairs = tp_round_trip(hf, shape, _megatron_names(shape), tp)
     back: dict[str, torch.Tensor] = {}
-    for name in names:
-        dim = partition_dim(name)
-        pieces = [shard(name, full[name], dim, r, tp) for r in range(tp)]
-        for k, t in megatron_to_hf(name, unshard(name, pieces, dim), shape):
-            assert k not in back, k
-            back[k] = t
+    for k, t in pairs:
+        assert k not in back, k
+        back[k] = t
     text = {k for k in hf if k.startswith("language_model.")}
     assert back.keys() == text and all(back[k].dtype == hf[k].dtype and torch.equal(back[k], hf[k]) for k in text)
     assert "language_model.lm_head.weight" in back and "language_model.model.layers.2.mlp.experts.3.up_proj.weight" in back

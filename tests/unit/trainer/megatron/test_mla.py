@@ -10,21 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_convert import tp_round_trip
 
 from miles.config import ConfigError, parse_args
 from miles.trainer.megatron import options
-from miles.trainer.megatron.convert import hf_to_megatron, megatron_to_hf, partition_dim, shard, unshard
+from miles.trainer.megatron.convert import partition_dim, shard
 from miles.trainer.megatron.families import mla
-from miles.trainer.megatron.model import ModelShape, padded_vocab_size
+from miles.trainer.megatron.model import ModelShape
 
 GLM_JSON = Path(__file__).resolve().parents[3] / "fixtures" / "miles_scripts" / "models" / "GLM-4.7-Flash.json"
-
-
-@pytest.fixture(scope="module")
-def tiny_glm_dir(tmp_path_factory) -> Path:
-    from miles.utils.tiny_mla import build_tiny_mla_model
-
-    return build_tiny_mla_model(tmp_path_factory.mktemp("tiny_glm"))
 
 
 @pytest.fixture(scope="module")
@@ -111,18 +105,11 @@ def test_round_trip_is_bitwise_under_tp(request, family: str, tp: int) -> None:
     d = request.getfixturevalue("tiny_glm_dir" if family == "glm" else "tiny_dsv3_dir")
     hf = load_file(str(d / "model.safetensors"))
     shape = _shape(_read(d))
-    padded = padded_vocab_size(shape.vocab_size, 128, tp)
-    names = _megatron_names(shape)
-    full = hf_to_megatron(hf, shape, padded, names)
+    full, pairs = tp_round_trip(hf, shape, _megatron_names(shape), tp)
     back: dict[str, torch.Tensor] = {}
-    for name in names:
-        dim = partition_dim(name)
-        pieces = [shard(name, full[name], dim, r, tp) for r in range(tp)]
-        if dim is not None and tp > 1:
-            assert pieces[0].shape[dim] * tp == full[name].shape[dim], name
-        for k, t in megatron_to_hf(name, unshard(name, pieces, dim), shape):
-            assert k not in back, k
-            back[k] = t
+    for k, t in pairs:
+        assert k not in back, k
+        back[k] = t
     assert back.keys() == hf.keys()
     assert all(back[k].dtype == hf[k].dtype and torch.equal(back[k], hf[k]) for k in hf)
     # the shards are megatron-core's: whole heads per TP rank, [gate_r; up_r] for the shared experts

@@ -4,39 +4,26 @@ timeout (not the process group's) with the pipeline's one-line TimeoutError."""
 
 from __future__ import annotations
 
-import os
-import time
-from datetime import timedelta
-
 import pytest
 import torch
-import torch.distributed as dist
+from trainer_harness import gloo_rank, put_timed
 
 STAGE_TIMEOUT = 2.0
 
 
 def _worker(rank: int, port: int, scenario: str, q) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
-    from miles.trainer.megatron.pipeline import Stage, broadcast_object_from_last
+    with gloo_rank(rank, port, q):
+        from miles.trainer.megatron.pipeline import Stage, broadcast_object_from_last
 
-    stage = Stage(group=None, rank=rank, size=2, prev=0, next=1, first_rank=0, last_rank=1, timeout=STAGE_TIMEOUT)
-    obj = (["kl", "loss"], torch.tensor([0.25, -1.5], dtype=torch.float64)) if rank == 1 else None
-    try:
-        if scenario == "silent_last" and rank == 1:
-            time.sleep(4 * STAGE_TIMEOUT)          # alive, never broadcasting: the first stage must time out
-            q.put((rank, "slept", 0.0))
-        else:
-            start = time.monotonic()
-            try:
-                got = broadcast_object_from_last(stage, obj, torch.device("cpu"))
-                q.put((rank, (got[0], got[1].tolist()), time.monotonic() - start))
-            except Exception as e:  # noqa: BLE001 - reported to the test
-                q.put((rank, f"{type(e).__name__}: {e}", time.monotonic() - start))
-    finally:
-        q.close()
-        q.join_thread()
-        os._exit(0)                                 # skip process-group teardown (the silent case leaves one open)
+        stage = Stage(group=None, rank=rank, size=2, prev=0, next=1, first_rank=0, last_rank=1, timeout=STAGE_TIMEOUT)
+        obj = (["kl", "loss"], torch.tensor([0.25, -1.5], dtype=torch.float64)) if rank == 1 else None
+
+        def broadcast():
+            got = broadcast_object_from_last(stage, obj, torch.device("cpu"))
+            return got[0], got[1].tolist()
+
+        # "silent_last": the last stage alive, never broadcasting: the first stage must time out
+        put_timed(q, rank, broadcast, silent_for=4 * STAGE_TIMEOUT if scenario == "silent_last" and rank == 1 else 0.0)
 
 
 @pytest.mark.multiprocess

@@ -63,8 +63,8 @@ def test_pipeline_in_the_preflight(tiny_model_dir: Path) -> None:
 
 
 def test_sequence_and_context_parallelism_with_pipeline_pass_the_checks(tiny_model_dir: Path) -> None:
-    """The layouts tests/multiprocess/test_megatron_pp.py::test_pp_parity_with_fsdp trains (tp2_pp2_sequence_parallel,
-    pp2_cp2)."""
+    """The layouts tests/multiprocess/test_megatron_pp.py trains (TP 2 x PP 2 with SP:
+    test_pp_sequence_parallel_matches_without; PP 2 x CP 2: test_pp_parity_with_fsdp[pp2_cp2_...])."""
     from transformers import AutoConfig
 
     shape = options.shape_of(AutoConfig.from_pretrained(tiny_model_dir))
