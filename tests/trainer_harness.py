@@ -180,3 +180,44 @@ def put_timed(q: Any, rank: int, call: Callable[[], Any], *, silent_for: float =
         q.put((rank, f"{type(e).__name__}: {e}", time.monotonic() - start))
         return
     q.put((rank, value, time.monotonic() - start))
+
+
+def spy_routing(tr: Any, backend: str = "megatron") -> list:
+    """Per policy forward of ``tr``: its sample ids and, per MoE layer, every token's sorted expert set (a list per
+    forward of ``{"sid": [...], layer: [[...]]}``), read by forward hooks on the routers (Megatron) or the experts
+    (FSDP)."""
+    import re
+
+    seen: list = []
+    pat = re.compile(r"layers\.(\d+)\.mlp\.(experts|router)$")
+    for name, mod in tr.model.named_modules():
+        m = pat.search(name)
+        if m is None or (backend == "fsdp") != (m.group(2) == "experts"):
+            continue
+        layer = int(m.group(1))
+
+        def hook(_mod, args, out, layer=layer):
+            if backend == "fsdp":
+                sets = [sorted(r) for r in args[1].tolist()]                   # top_k_index [T, k]
+            else:
+                sets = [sorted(r.nonzero().flatten().tolist()) for r in out[1]]  # routing_map [T, E]
+            seen[-1][layer] = sets
+        mod.register_forward_hook(hook)
+    inner = tr._policy_forward
+
+    def policy_forward(model, mb, **kw):
+        if model is tr.model:
+            seen.append({"sid": list(mb.sample_ids)})
+        return inner(model, mb, **kw)
+    tr._policy_forward = policy_forward
+    return seen
+
+
+def policy_logprobs(tr: Any, samples: list) -> list:
+    """``tr``'s log-probs of ``samples`` in one eval-mode forward pass (routing replay begun first when it is on)."""
+    data = [tr._sample_data(s, i) for i, s in enumerate(samples)]
+    if tr.routing_replay is not None:
+        tr.routing_replay.begin(samples)
+    tr.model.eval()
+    out = tr._forward_pass(tr.model, lambda mb: tr._policy_forward(tr.model, mb)[0], data)
+    return [x.tolist() for x in out]

@@ -93,35 +93,6 @@ def _trainer(backend: str, model_dir: str, *extra: str, steps: int = 1, one_per_
     return tr
 
 
-def _spy(tr, backend: str) -> list:
-    """Per policy forward, per MoE layer: the expert set of every token (a list per forward of {layer: [[...]]})."""
-    import re
-
-    seen: list = []
-    pat = re.compile(r"layers\.(\d+)\.mlp\.(experts|router)$")
-    for name, mod in tr.model.named_modules():
-        m = pat.search(name)
-        if m is None or (backend == "fsdp") != (m.group(2) == "experts"):
-            continue
-        layer = int(m.group(1))
-
-        def hook(_mod, args, out, layer=layer):
-            if backend == "fsdp":
-                sets = [sorted(r) for r in args[1].tolist()]                   # top_k_index [T, k]
-            else:
-                sets = [sorted(r.nonzero().flatten().tolist()) for r in out[1]]  # routing_map [T, E]
-            seen[-1][layer] = sets
-        mod.register_forward_hook(hook)
-    inner = tr._policy_forward
-
-    def policy_forward(model, mb, **kw):
-        if model is tr.model:
-            seen.append({"sid": list(mb.sample_ids)})
-        return inner(model, mb, **kw)
-    tr._policy_forward = policy_forward
-    return seen
-
-
 def _mismatch(seen: list, expect: dict[int, list], rows: str = "all but last") -> float:
     """Fraction of (token, MoE layer) whose experts differ from ``expect[sample]`` [tokens, layers, k]."""
     bad = total = 0
@@ -158,19 +129,10 @@ def _step(tr, samples: list, update: bool = True) -> tuple[dict, dict]:
     return metrics, {k: after[k] - before[k] for k in after}
 
 
-def _logprobs(tr, samples) -> list:
-    data = [tr._sample_data(s, i) for i, s in enumerate(samples)]
-    if tr.routing_replay is not None:
-        tr.routing_replay.begin(samples)
-    tr.model.eval()
-    out = tr._forward_pass(tr.model, lambda mb: tr._policy_forward(tr.model, mb)[0], data)
-    return [x.tolist() for x in out]
-
-
 def _worker(base: str, pert: str, out: str, backend: str, parallel: str = "none") -> None:
     import torch
     import torch.distributed as dist
-    from trainer_harness import random_samples
+    from trainer_harness import policy_logprobs, random_samples, spy_routing
 
     from miles.engine.routed_experts import encode
 
@@ -188,9 +150,9 @@ def _worker(base: str, pert: str, out: str, backend: str, parallel: str = "none"
                                           "cp2": ["--context-parallel-size", "2"],
                                           "ep2": ["--expert-model-parallel-size", "2"],
                                           "pp2": PP2}[parallel]
-    res["lp_pert_replayed_mb3"] = _logprobs(_trainer(backend, pert, r3, "--micro-batch-size", "3", *par,
+    res["lp_pert_replayed_mb3"] = policy_logprobs(_trainer(backend, pert, r3, "--micro-batch-size", "3", *par,
                                                      one_per_forward=False), samples)
-    res["lp_own_replayed_mb3"] = _logprobs(_trainer(backend, base, r3, "--micro-batch-size", "3", *par,
+    res["lp_own_replayed_mb3"] = policy_logprobs(_trainer(backend, base, r3, "--micro-batch-size", "3", *par,
                                                     one_per_forward=False), samples)
     steps: dict = {}            # one training step's metrics and update, by run (``_step``)
     if parallel == "pp2":       # a training step through the 1F1B schedule: each stage's rank given its share
@@ -215,15 +177,15 @@ def _worker(base: str, pert: str, out: str, backend: str, parallel: str = "none"
             Path(out).write_text(json.dumps(res))
         dist.destroy_process_group()
         return
-    res["lp_plain"] = _logprobs(_trainer(backend, base), samples)
-    res["lp_own_replayed"] = _logprobs(_trainer(backend, base, r3), samples)
+    res["lp_plain"] = policy_logprobs(_trainer(backend, base), samples)
+    res["lp_own_replayed"] = policy_logprobs(_trainer(backend, base, r3), samples)
     tr = _trainer(backend, pert)
-    seen = _spy(tr, backend)
-    res["lp_pert"] = _logprobs(tr, samples)
+    seen = spy_routing(tr, backend)
+    res["lp_pert"] = policy_logprobs(tr, samples)
     res["pert_mismatch"] = _mismatch(seen, own)
     tr = _trainer(backend, pert, r3)
-    seen = _spy(tr, backend)
-    res["lp_pert_replayed"] = _logprobs(tr, samples)
+    seen = spy_routing(tr, backend)
+    res["lp_pert_replayed"] = policy_logprobs(tr, samples)
     res["pert_replayed_mismatch"] = _mismatch(seen, own)
     # a training step under R3: the old pass and the training forward replay, the router still learns
     seen.clear()
@@ -239,7 +201,7 @@ def _worker(base: str, pert: str, out: str, backend: str, parallel: str = "none"
     # R2: the old pass records, the routers are perturbed before the training forwards, which replay the record
     for flag in ("--use-routing-replay", None):
         tr = _trainer(backend, base, *([flag] if flag else []), "--use-kl-loss", "--kl-loss-coef", "0.01", steps=2)
-        seen = _spy(tr, backend)
+        seen = spy_routing(tr, backend)
         prepare = tr._prepare
 
         def perturbed_after_old_pass(smp, data, policy, prepare=prepare, tr=tr):

@@ -30,7 +30,7 @@ def _worker(family: str, base: str, pert: str, out: str, layout: str) -> None:
     import torch
     import torch.distributed as dist
     from replay_families import FAMILIES
-    from trainer_harness import build, flags, random_samples
+    from trainer_harness import build, flags, policy_logprobs, random_samples
     from transformers import AutoModelForCausalLM
 
     from miles.engine.routed_experts import RoutedExpertsRecorder, encode
@@ -47,14 +47,9 @@ def _worker(family: str, base: str, pert: str, out: str, layout: str) -> None:
     del hf
 
     def logprobs(model_dir: str, *extra: str) -> list:
-        tr = build(model_dir, flags("megatron", ["--rollout-batch-size", "3", "--micro-batch-size", "3",
-                                                 *FAMILIES[family][1], *LAYOUTS[layout], *extra]))
-        data = [tr._sample_data(s, i) for i, s in enumerate(samples)]
-        if tr.routing_replay is not None:
-            tr.routing_replay.begin(samples)
-        tr.model.eval()
-        lp = tr._forward_pass(tr.model, lambda mb: tr._policy_forward(tr.model, mb)[0], data)
-        return [x.tolist() for x in lp]
+        return policy_logprobs(build(model_dir, flags("megatron", ["--rollout-batch-size", "3", "--micro-batch-size", "3",
+                                                                   *FAMILIES[family][1], *LAYOUTS[layout], *extra])),
+                               samples)
 
     res = {"pert_replayed": logprobs(pert, R3), "pert": logprobs(pert), "own_replayed": logprobs(base, R3),
            "own": logprobs(base)}

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from replay_families import FAMILIES, PROMPTS, perturbed
+from trainer_harness import spy_routing
 
 pytest.importorskip("megatron.core")
 
@@ -64,25 +65,6 @@ def _trainer(model_dir: Path, group, fam_flags: list[str], *extra: str, one_per_
     if one_per_forward:
         tr.coalesce_tokens = lambda: 0  # one sample per forward: the spy reads the tokens in sample order
     return tr
-
-
-def _spy(tr) -> list:
-    """Per policy forward: its sample ids and, per MoE layer (model-wide index), each token's sorted experts."""
-    seen: list = []
-    pat = re.compile(r"layers\.(\d+)\.mlp\.router$")
-    for name, mod in tr.model.named_modules():
-        m = pat.search(name)
-        if m is not None:
-            mod.register_forward_hook(lambda _m, _a, out, layer=int(m.group(1)): seen[-1].__setitem__(
-                layer, [sorted(r.nonzero().flatten().tolist()) for r in out[1]]))     # routing_map [T, E]
-    inner = tr._policy_forward
-
-    def policy_forward(model, mb, **kw):
-        if model is tr.model:
-            seen.append({"sid": list(mb.sample_ids)})
-        return inner(model, mb, **kw)
-    tr._policy_forward = policy_forward
-    return seen
 
 
 def _mismatch(seen: list, recorded: dict[int, torch.Tensor]) -> tuple[float, int]:
@@ -138,7 +120,7 @@ def test_r3_trainer_routes_as_the_engine_recorded(family: str, tmp_path: Path, g
     assert all(r.shape[0] == len(s.tokens) - 1 for r, s in zip(recorded.values(), samples))
 
     tr = _trainer(base, group, fam_flags)       # the same weights: the family routes as the engine did
-    seen = _spy(tr)
+    seen = spy_routing(tr)
     _logprob_pass(tr, samples)
     own, pairs = _mismatch(seen, recorded)
     assert pairs > 50 and own == 0.0, own
@@ -147,12 +129,12 @@ def test_r3_trainer_routes_as_the_engine_recorded(family: str, tmp_path: Path, g
     assert moe and all(not bool(r[:, dense].any()) for r in recorded.values())   # a dense layer's rows are 0
 
     tr = _trainer(pert, group, fam_flags)       # perturbed routers, no replay: other experts
-    seen = _spy(tr)
+    seen = spy_routing(tr)
     _logprob_pass(tr, samples)
     assert _mismatch(seen, recorded)[0] > 0.9             # measured: 1.0 for each family
 
     tr = _trainer(pert, group, fam_flags, "--use-rollout-routing-replay")
-    seen = _spy(tr)
+    seen = spy_routing(tr)
     one = _logprob_pass(tr, samples)
     assert _mismatch(seen, recorded) == (0.0, pairs)
     seen.clear()
@@ -166,7 +148,7 @@ def test_r3_trainer_routes_as_the_engine_recorded(family: str, tmp_path: Path, g
     # each token got its own replayed row
     coalesced = _trainer(pert, group, fam_flags, "--use-rollout-routing-replay", "--micro-batch-size", "6",
                          one_per_forward=False)
-    forwards = _spy(coalesced)
+    forwards = spy_routing(coalesced)
     many = _logprob_pass(coalesced, samples)
     assert [sorted(f["sid"]) for f in forwards] == [list(range(len(samples)))]
     diff = max(float((a - b).abs().max()) for a, b in zip(one, many))
@@ -196,7 +178,7 @@ def test_r2_training_forwards_replay_the_old_pass(family: str, tmp_path: Path, g
     for flag in ("--use-routing-replay", None):
         tr = _trainer(base, group, fam_flags, *([flag] if flag else []), "--num-steps-per-rollout", "2",
                       "--use-kl-loss", "--kl-loss-coef", "0.01")
-        seen = _spy(tr)
+        seen = spy_routing(tr)
         prepare = tr._prepare
 
         def shifted_after_old_pass(smp, data, policy, prepare=prepare, tr=tr):
