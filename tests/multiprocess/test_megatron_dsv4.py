@@ -163,6 +163,6 @@ if __name__ == "__main__":
     elif sys.argv[1] == "parity":                # --save-hf compared on disk: transformers loads DeepSeek's names
         parity_worker(sys.argv[2], sys.argv[3], DSV4_FLAGS, saved="disk", bf16_export=False)
     elif sys.argv[1] == "gpu":
-        gpu_worker(sys.argv[2], sys.argv[3])
+        gpu_worker(sys.argv[2], sys.argv[3], hf_autocast=True)
     elif sys.argv[1] == "fork_flags":
         _fork_flags_worker(sys.argv[2], sys.argv[3])

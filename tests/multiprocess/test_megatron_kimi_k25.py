@@ -31,6 +31,7 @@ from pathlib import Path
 
 import pytest
 from _torchrun import torchrun_self
+from family_workers import assert_bf16_parity
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.multiprocess
@@ -216,7 +217,7 @@ def test_kimi_k25_matches_hf_on_gpu(tiny_k25_dir: Path, tmp_path: Path, free_por
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     res = json.loads(out.read_text())
     print(res)
-    assert res["max_abs_err"] <= 2 * max(res["hf_bf16_vs_fp32"], 1e-3), res
+    assert_bf16_parity(res)
 
 
 if __name__ == "__main__":

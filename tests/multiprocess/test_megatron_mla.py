@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 from _torchrun import torchrun_self
+from family_workers import assert_bf16_parity
 from trainer_harness import PRESETS
 
 pytest.importorskip("megatron.core")
@@ -270,43 +271,6 @@ def test_mla_parallel_layouts_match_fsdp(tiny_kimi_dir: Path, tmp_path: Path, fr
     check_parity(res, lp_bound=LP_BOUND_LAYOUTS, update_bound=UPDATE_BOUND_LAYOUTS, rel_bound=REL_BOUND_LAYOUTS)
 
 
-def _gpu_worker(model_dir: str, out: str) -> None:
-    """One rank on GPU 0 (NCCL), bf16 parameters, TP 1: the Megatron GPTModel's logits against transformers' own
-    model (bf16) on the same rows, and transformers' bf16 against its fp32 (the scale of bf16 rounding)."""
-    import torch
-    import torch.distributed as dist
-    from transformers import AutoModelForCausalLM
-
-    from miles.trainer.megatron import convert, model, moe, parallel
-    from miles.utils.model_dir import load_config
-
-    dist.init_process_group("nccl")
-    dev = torch.device("cuda", 0)
-    torch.cuda.set_device(dev)
-    parallel.init_parallel(tp_size=1, num_trainer_ranks=1, seed=1, device=dev)
-    moe.apply_moe_compat()
-    shape = model.ModelShape.from_hf_config(load_config(model_dir))      # kimi_k2 registered (hf_aliases)
-    padded = model.padded_vocab_size(shape.vocab_size, 128, 1)
-    kw = moe.config_kwargs(shape, moe.MoeOptions(router_dtype="fp32"), ep=1, etp=1, te=False)
-    config = model.transformer_config(shape, tp_size=1, device=dev, moe=kw, params_dtype=torch.bfloat16, bf16=True)
-    gpt = model.build_gpt_model(shape, config, padded_vocab=padded, device=dev)
-    convert.load_hf_into(gpt, convert.read_hf_state_dict(model_dir), shape, padded, 0, 1)
-    torch.manual_seed(0)
-    ids = torch.randint(4, shape.vocab_size, (2, 12), device=dev)
-    pos = torch.arange(12, device=dev).unsqueeze(0).expand(2, -1)
-    with torch.no_grad():
-        hidden = gpt(ids, pos, attention_mask=None)
-        logits = (hidden.transpose(0, 1) @ model.output_weight(gpt).t())[..., :shape.vocab_size].float()
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(dev)
-        ref = hf(input_ids=ids).logits.float()
-        hf32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(dev)
-        ref32 = hf32(input_ids=ids).logits
-    Path(out).write_text(json.dumps({"max_abs_err": float((logits - ref).abs().max()),
-                                     "hf_bf16_vs_fp32": float((ref - ref32).abs().max()),
-                                     "ref_scale": float(ref32.abs().max())}))
-    dist.destroy_process_group()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["glm", "dsv3", "kimi"])
 def test_mla_matches_hf_on_gpu_bf16(request, tmp_path: Path, free_port: int, family: str) -> None:
@@ -322,7 +286,7 @@ def test_mla_matches_hf_on_gpu_bf16(request, tmp_path: Path, free_port: int, fam
     assert proc.returncode == 0, proc.stdout[-4000:]
     res = json.loads(out.read_text())
     print(family, res)
-    assert res["max_abs_err"] <= 2 * max(res["hf_bf16_vs_fp32"], 1e-3), res
+    assert_bf16_parity(res)
 
 
 def _cp_attention_worker(out: str) -> None:
@@ -416,7 +380,9 @@ if __name__ == "__main__":
     elif sys.argv[1] == "parity":
         _parity_worker(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "gpu":
-        _gpu_worker(sys.argv[2], sys.argv[3])
+        from family_workers import gpu_worker
+
+        gpu_worker(sys.argv[2], sys.argv[3], seq=12, attn_implementation=None, router_dtype="fp32")
     elif sys.argv[1] == "layout":
         _layout_worker(sys.argv[2], sys.argv[3], sys.argv[4])
     elif sys.argv[1] == "train_gpu":         # one GPU per rank, each seen as cuda:0 (the worker's device)

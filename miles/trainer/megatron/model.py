@@ -189,6 +189,23 @@ def no_math_sdpa(q: torch.Tensor):
                        set_priority=True)
 
 
+def causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float, scale: float) -> torch.Tensor:
+    """Causal SDPA over [b, heads, s, hn] (grouped K/V heads allowed) without the math fallback on GPU. Multi-latent
+    attention's value head dim differs from the query/key one, which no fused GPU kernel takes: the narrower side
+    is zero-padded to the wider (zero columns add nothing to q.k, and the padded output columns are dropped), so
+    the result is exact."""
+    dq, dv = q.shape[-1], v.shape[-1]
+    pad = q.device.type == "cuda" and dq != dv
+    if pad and dv < dq:
+        v = torch.nn.functional.pad(v, (0, dq - dv))
+    elif pad:
+        q, k = (torch.nn.functional.pad(t, (0, dv - dq)) for t in (q, k))
+    with no_math_sdpa(q):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale,
+                                                               enable_gqa=q.shape[1] != k.shape[1])
+    return out[..., :dv] if pad else out
+
+
 class SDPACoreAttention(torch.nn.Module):
     """Causal core attention on ``torch.nn.functional.scaled_dot_product_attention`` (flash or memory-efficient
     kernels on GPU), in place of megatron-core's unfused ``DotProductAttention`` in the local layer spec, which
@@ -210,7 +227,6 @@ class SDPACoreAttention(torch.nn.Module):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None) -> torch.Tensor:
         """query [sq, b, np, hn], key/value [sk, b, ng, hn] -> [sq, b, np * hn]."""
-        import torch.nn.functional as F
         from megatron.core import tensor_parallel
 
         if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
@@ -225,9 +241,7 @@ class SDPACoreAttention(torch.nn.Module):
                 out = context_parallel.attention(q, k, v, comm=self.cp_comm_type, group=self.cp_group,
                                                  scale=self.softmax_scale, dropout_p=p)
             else:
-                with no_math_sdpa(q):
-                    out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
-                                                         scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
+                out = causal_sdpa(q, k, v, dropout_p=p, scale=self.softmax_scale)
         sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
 

@@ -295,7 +295,7 @@ def test_mixed_steps_with_several_prompts_on_gpu(gpu_model):
         for j, p in enumerate(prompts):
             ref = runner.model(torch.tensor([p], device="cuda")).logits[0, -1].float()
             assert torch.nn.functional.cosine_similarity(graphed[3 + j], ref, dim=0) > 0.999
-    big = [[40 + i % 100 for i in range(300)], [50 + i % 7 for i in range(200)]]
+    big = [[40 + i % 60 for i in range(300)], [50 + i % 7 for i in range(200)]]
     wide = runner.decode_mixed_many(toks, pos, int(pos.max()) + 1, [(rows[3], big[0], 0), (rows[4], big[1], 0)])
     assert wide.shape == (5, runner.vocab_size)
     torch.testing.assert_close(wide[:3], graphed[:3], atol=2e-2, rtol=0)   # the same decode tokens at the same positions
