@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Use the HF forward (one request at a time) even for Llama/Qwen/Mistral models.")
     p.add_argument("--weight-update-timeout", type=float, default=600.0,
                    help="Seconds a weight-update group may take to form or to finish a broadcast.")
+    p.add_argument("--pick-cpu-threads", action="store_true",
+                   help="On CPU: at start, time a one-token forward on the process's threads (OMP_NUM_THREADS) and on "
+                        "one, and run every forward on the faster (the launcher passes it with its share of the "
+                        "cores: a tiny model decodes faster on one thread).")
     p.add_argument("--log-level", default=os.environ.get("MILES_LOG_LEVEL", "INFO"), help="DEBUG, INFO, WARNING, ...")
     return p
 
@@ -158,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             cuda_graph_bs=args.cuda_graph_bs, cuda_graph_max_bs=args.cuda_graph_max_bs,
             kv_cache=args.kv_cache, page_size=args.page_size, deterministic=args.enable_deterministic_inference,
             clamp_shared_expert=not args.no_activation_func_clamp_shared_expert, mix_step_tokens=mix_step_tokens,
+            pick_cpu_threads=args.pick_cpu_threads,
             overlap_schedule=False if args.disable_overlap_schedule else (True if args.enable_overlap_schedule else None)))
     except ValueError as e:
         logger.error("%s", e)

@@ -62,6 +62,7 @@ class EngineArgs:
     deterministic: bool = False                # batch-invariant outputs (sglang --enable-deterministic-inference)
     clamp_shared_expert: bool = True           # off: --no-activation-func-clamp-shared-expert (the trainer's flag)
     mix_step_tokens: int | None = None         # riders' prompt tokens a decode step carries on CUDA (None: 1,024)
+    pick_cpu_threads: bool = False             # CPU: the faster of OMP_NUM_THREADS and one thread (--pick-cpu-threads)
 
 
 class Engine:
@@ -81,7 +82,8 @@ class Engine:
             self.vision = VisionInputs(args.hf_checkpoint, self.runner.config)
         self.scheduler = Scheduler(self.runner, self.tokenizer, max_prefill_tokens=args.max_prefill_tokens,
                                    weight_version=args.weight_version, random_seed=args.random_seed,
-                                   max_queued_requests=args.max_queued_requests, overlap=args.overlap_schedule)
+                                   max_queued_requests=args.max_queued_requests, overlap=args.overlap_schedule,
+                                   pick_cpu_threads=args.pick_cpu_threads)
         self.groups = WeightGroups(self.runner.device)
         self.model_path = args.hf_checkpoint
         self.weight_update_session: str | None = None

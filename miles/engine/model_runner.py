@@ -1178,6 +1178,39 @@ class ModelRunner:
     def routed_experts(self, slot: int) -> torch.Tensor | None:
         return self.impl.routed_experts(slot) if self.has_routed_experts else None
 
+    @torch.no_grad()
+    def pick_cpu_threads(self, rows: int = 64, reps: int = 5) -> int:
+        """On CPU with more than one intra-op thread: time a one-token forward of ``rows`` rows (a decode step's
+        matmuls; no KV cache is touched) on the calling thread's intra-op threads and on one, and keep the faster
+        for every forward from now on. A tiny model decodes faster on one thread (its ops take microseconds, less
+        than an OpenMP fork / join), a larger one on all of them. Each side: the best of ``reps`` forwards after a
+        warm one. Returns the count kept (the count as it was on GPU, on one thread, or when the forward fails)."""
+        n = torch.get_num_threads()
+        if self.device.type != "cpu" or n == 1 or not self.ready:
+            return n
+        ids = torch.zeros(min(rows, self.max_slots), 1, dtype=torch.long)
+
+        def best(threads: int) -> float:
+            torch.set_num_threads(threads)
+            times = []
+            for _ in range(reps + 1):
+                t0 = time.perf_counter()
+                self.model(input_ids=ids, use_cache=False)
+                times.append(time.perf_counter() - t0)
+            return min(times[1:])
+
+        try:
+            t_n, t_1 = best(n), best(1)
+        except Exception:  # noqa: BLE001 - a model whose forward needs more than ids keeps the process's threads
+            torch.set_num_threads(n)
+            logger.debug("CPU thread check skipped: the one-token forward failed", exc_info=True)
+            return n
+        keep = 1 if t_1 < t_n else n
+        torch.set_num_threads(keep)
+        logger.info("CPU forwards on %d thread(s): a %d-row one-token forward took %.2f ms on %d, %.2f ms on 1",
+                    keep, ids.shape[0], t_n * 1e3, n, t_1 * 1e3)
+        return keep
+
     def warm_up(self) -> None:
         """Capture the decode CUDA graphs ahead of the first requests (a no-op where there are none to capture)."""
         warm = getattr(self.impl, "warm_up", None)

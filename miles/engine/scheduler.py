@@ -168,7 +168,8 @@ class Req:
 class Scheduler(DecodeSteps):
     def __init__(self, runner: ModelRunner, tokenizer, *, max_prefill_tokens: int = 16384,
                  weight_version: str = "default", random_seed: int | None = None,
-                 max_queued_requests: int | None = None, overlap: bool | None = None):
+                 max_queued_requests: int | None = None, overlap: bool | None = None,
+                 pick_cpu_threads: bool = False):
         self.runner = runner
         # the overlap scheduler (decode_step.py): step k+1 is launched before step k's tokens are processed; by
         # default on CUDA only (on CPU the forward runs on the scheduler thread itself: nothing to overlap)
@@ -234,6 +235,7 @@ class Scheduler(DecodeSteps):
         self.prefills = 0             # batched admission prefills
         self.decode_phases = dict.fromkeys(("grow", "inputs", "forward", "sample", "append", "remove"), 0.0)
         self.cpu_threads = torch.get_num_threads()  # the scheduler thread's torch intra-op threads (set in _loop)
+        self.pick_cpu_threads = pick_cpu_threads   # CPU: _loop keeps the faster of those threads and one
 
     # ------------------------------------------------------------------ thread plumbing
     def start(self) -> None:
@@ -280,10 +282,12 @@ class Scheduler(DecodeSteps):
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
-        self.cpu_threads = torch.get_num_threads()  # what the forward passes run with (OMP_NUM_THREADS of the process)
-        logger.info("scheduler thread: %d CPU thread(s) for the forward passes", self.cpu_threads)
         if self.runner.device.type == "cuda":
             torch.cuda.set_device(self.runner.device)
+        elif self.pick_cpu_threads:     # the launcher's share of the cores is an upper bound
+            self.runner.pick_cpu_threads()
+        self.cpu_threads = torch.get_num_threads()  # what the forward passes run with (OMP_NUM_THREADS of the process)
+        logger.info("scheduler thread: %d CPU thread(s) for the forward passes", self.cpu_threads)
         try:
             self.runner.warm_up()
         except Exception:  # noqa: BLE001 - graphs are then captured on first use

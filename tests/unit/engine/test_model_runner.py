@@ -224,3 +224,47 @@ def test_release_and_resume_on_cpu_keep_the_cache_and_free_its_pages(kv_cache, t
         assert runner.impl.kv.pool.num_used == 0 and runner.impl.kv.tables == [[] for _ in runner.impl.kv.tables]
     last, _ = runner.prefill(0, [seq[:5]], [False])
     torch.testing.assert_close(last[0], runner.model(torch.tensor([seq[:5]])).logits[0, -1].float(), atol=2e-4, rtol=1e-4)
+
+
+class _SlowOn(torch.nn.Module):
+    """The runner's model, 20 ms slower per forward when torch runs on ``slow`` intra-op threads (1 or "many")."""
+
+    def __init__(self, model, slow: str):
+        super().__init__()
+        self.inner, self.slow = model, slow
+
+    def forward(self, **kw):
+        import time
+
+        if (torch.get_num_threads() == 1) == (self.slow == "1"):
+            time.sleep(0.02)
+        return self.inner(**kw)
+
+
+@pytest.mark.parametrize("slow, kept", [("many", 1), ("1", 2)])
+def test_pick_cpu_threads_keeps_the_faster_count(slow, kept, tmp_path):
+    """--pick-cpu-threads: a one-token forward timed on the thread's intra-op threads and on one; the faster count
+    stays set for every later forward (here the model is made 20 ms slower on one side, so either answer can
+    come out and the test fails if the choice ignores the timings)."""
+    path = _save(_config("qwen3"), tmp_path)
+    runner = ModelRunner(path, RunnerOptions(max_running_requests=4, max_context_len=64))
+    runner.model = _SlowOn(runner.model, slow)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert runner.pick_cpu_threads(reps=2) == kept
+        assert torch.get_num_threads() == kept
+        torch.set_num_threads(1)                        # one thread: nothing to pick, no forward timed
+        runner.model = None
+        assert runner.pick_cpu_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_engine_cli_passes_pick_cpu_threads():
+    """The launcher starts the embedded engine with --pick-cpu-threads under its share of the cores
+    (miles/run/fleet.py); the flag reaches EngineArgs, off by default."""
+    from miles.engine.__main__ import parse_args
+
+    assert parse_args(["--hf-checkpoint", "x", "--pick-cpu-threads"]).pick_cpu_threads is True
+    assert parse_args(["--hf-checkpoint", "x"]).pick_cpu_threads is False
