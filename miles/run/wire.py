@@ -41,6 +41,7 @@ import torch
 
 from miles.types import RewardSpec, Sample, SampleStatus
 from miles.utils.errors import MilesError
+from miles.utils.process_groups import describe_group, group_name
 
 FORMAT = "miles.samples"
 VERSION = "1"
@@ -319,23 +320,13 @@ def _wait(work: Any, timeout: float, what: str, group: Any, src: int) -> None:
         from miles.spmd.groups import translate_collective_error
 
         # a member that exited (its connection closed) is that, not a timeout: one known error naming the group
-        gone = translate_collective_error(e, getattr(group, "group_desc", None) or _group_desc(group),
-                                          timedelta(seconds=timeout))
+        gone = translate_collective_error(e, group_name(group), timedelta(seconds=timeout))
         if isinstance(gone, PeerGoneError):
             raise gone from e
-        raise TimeoutError(f"{what} from rank {src} over group {_group_desc(group)} did not complete within "
+        raise TimeoutError(f"{what} from rank {src} over group {describe_group(group)} did not complete within "
                            f"{timeout}s ({e}); a rank may have died or is not taking part") from e
     if ok is False:
-        raise TimeoutError(f"{what} from rank {src} over group {_group_desc(group)} timed out after {timeout}s")
-
-
-def _group_desc(group: Any) -> str:
-    import torch.distributed as dist
-
-    try:
-        return f"ranks {dist.get_process_group_ranks(group)}"
-    except (RuntimeError, ValueError):
-        return "(default)"
+        raise TimeoutError(f"{what} from rank {src} over group {describe_group(group)} timed out after {timeout}s")
 
 
 # broadcast_bytes: the first collective carries the size and up to this many payload bytes, so a command of the

@@ -21,16 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-
-def _describe(group: dist.ProcessGroup | None, size: int) -> str:
-    """The group as an error names it: ``'trainer' (2 ranks)``, or its ranks when it has no description."""
-    name = getattr(group, "group_desc", None) if group is not None else "default"
-    if not name or name == "undefined":
-        try:
-            name = f"ranks {dist.get_process_group_ranks(group)}"
-        except (RuntimeError, ValueError):
-            name = "(default)"
-    return f"'{name}' ({size} ranks)"
+from miles.utils.process_groups import describe_group
 
 
 def _wait(work: Any, what: str, size: int, timeout: float, group: dist.ProcessGroup | None = None) -> None:
@@ -38,11 +29,11 @@ def _wait(work: Any, what: str, size: int, timeout: float, group: dist.ProcessGr
         ok = work.wait(timeout=timedelta(seconds=timeout))
     except RuntimeError as e:                       # gloo raises on a timeout, NCCL may return False
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TimeoutError(f"{what} over group {_describe(group, size)} failed or timed out after {timeout:.0f}s (a "
-                           f"rank is missing or stuck): {first}") from e
+        raise TimeoutError(f"{what} over group {describe_group(group, size)} failed or timed out after "
+                           f"{timeout:.0f}s (a rank is missing or stuck): {first}") from e
     if ok is False:
-        raise TimeoutError(f"{what} over group {_describe(group, size)} timed out after {timeout:.0f}s (a rank is "
-                           "missing or stuck).")
+        raise TimeoutError(f"{what} over group {describe_group(group, size)} timed out after {timeout:.0f}s (a "
+                           "rank is missing or stuck).")
 
 
 def bounded_all_gather_object(obj: Any, group: dist.ProcessGroup | None, timeout: float,

@@ -296,14 +296,13 @@ def _layout_fsdp(trainer, model, mb) -> torch.Tensor:
 
 def _layout_megatron(trainer, mb) -> torch.Tensor:
     from miles.trainer.megatron import context_parallel
-    from miles.trainer.megatron.trainer import padded_batch
+    from miles.trainer.megatron.forward import padded_batch, row_multiple
 
     g = trainer.groups
     cp, sp = g.cp_size, trainer._sequence_parallel
-    multiple = (2 * cp if cp > 1 else 1) * (g.tp_size if sp else 1)
     total = int(mb.input_ids.shape[1])
     probe = _with_ids(mb, torch.arange(total, device=mb.input_ids.device).unsqueeze(0))
-    ids, pos, index = padded_batch(probe, -1, multiple)
+    ids, pos, index = padded_batch(probe, -1, row_multiple(trainer))
     if cp > 1:
         ids = context_parallel.shard_rows(ids, pos, index, g.cp_rank, cp).input_ids
     seq = ids.t()                                                      # [s, b]: the router's token order

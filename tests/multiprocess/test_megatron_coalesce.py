@@ -40,22 +40,27 @@ def _worker(model_dir: str, out: str) -> None:
     from trainer_harness import build, flags, random_samples
 
     from miles.trainer.fsdp import FSDPTrainer
+    from miles.trainer.megatron import forward
+
+    rows_forward = forward.rows_forward
+
+    def counted(tr, model, mb, x=None):
+        tr.forwards += 1
+        return rows_forward(tr, model, mb, x)
+
+    forward.rows_forward = counted          # every model forward of every trainer this process builds
 
     def probe(tr):
-        """Count the model forwards and keep the reduced, clipped gradients of the step."""
-        rows_forward, clip_grad_norm = tr._rows_forward, tr._clip_grad_norm
+        """Count the model forwards (``counted``) and keep the reduced, clipped gradients of the step."""
+        clip_grad_norm = tr._clip_grad_norm
         tr.forwards = 0
-
-        def counted(model, mb, x=None):
-            tr.forwards += 1
-            return rows_forward(model, mb, x)
 
         def clip() -> float:
             gn = clip_grad_norm()
             tr.grads = {n: p.grad.detach().clone() for n, p in tr.model.named_parameters()}
             return gn
 
-        tr._rows_forward, tr._clip_grad_norm = counted, clip
+        tr._clip_grad_norm = clip
         return tr
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))

@@ -14,7 +14,7 @@ from torch import nn
 
 from miles.trainer.batching import MicroBatch
 from miles.trainer.critic import Critic
-from miles.trainer.megatron import parallel
+from miles.trainer.megatron import forward, parallel
 from miles.trainer.optim import LRSchedule, build_adamw, finite_step
 
 
@@ -49,7 +49,7 @@ class MegatronCritic(Critic):
         self.value_clip = trainer.algo.value_clip
 
     def forward(self, mb: MicroBatch) -> torch.Tensor:
-        h, _, full = self.trainer._local_hidden(self.model.gpt, mb)         # [n, h]: this CP rank's positions
+        h, _, full = forward.local_hidden(self.trainer, self.model.gpt, mb)   # [n, h]: this CP rank's positions
         return full(self.model.value_head(h.to(self.model.value_head.weight.dtype)).squeeze(-1).float())   # [N]
 
     def step(self) -> dict[str, float]:

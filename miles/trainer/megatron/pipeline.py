@@ -336,10 +336,12 @@ def broadcast_object_from_last(stage: Stage, obj: Any, device: torch.device) -> 
 
 # ---------------------------------------------------------------------------------------------- trainer passes
 def _shape_fn(trainer: MegatronTrainer, mbs: list) -> Callable[[int], tuple]:
-    """[s, b, h] of micro-batch i's hidden states between stages (``trainer.padded_batch`` rows: its longest
-    sample, rounded up to ``trainer.row_multiple()``; this CP rank's two chunks of it, and under
+    """[s, b, h] of micro-batch i's hidden states between stages (``forward.padded_batch`` rows: its longest
+    sample, rounded up to ``forward.row_multiple``; this CP rank's two chunks of it, and under
     ``--sequence-parallel`` this TP rank's part)."""
-    m, g = trainer.row_multiple(), trainer.groups
+    from miles.trainer.megatron.forward import row_multiple
+
+    m, g = row_multiple(trainer), trainer.groups
     split = g.cp_size * (g.tp_size if trainer._sequence_parallel else 1)
     return lambda i: (-(-int(mbs[i].max_seqlen) // m) * m // split, int(mbs[i].cu_seqlens.numel()) - 1,
                       trainer.shape.hidden_size)
@@ -349,12 +351,6 @@ def activation_dtype(model: nn.Module) -> torch.dtype:
     """The dtype of the hidden states between stages: the parameters' (fp32 masters under autocast keep an fp32
     residual stream; bf16 parameters give bf16 states); the same on every stage."""
     return next(model.parameters()).dtype
-
-
-def _select(out: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """[s, b, h] -> [N, h] at the flattened [b * s] positions ``index``."""
-    s, b = out.shape[0], out.shape[1]
-    return out.transpose(0, 1).reshape(b * s, -1).index_select(0, index)
 
 
 def forward_pass(trainer: MegatronTrainer, model: nn.Module, data: list) -> list[torch.Tensor]:

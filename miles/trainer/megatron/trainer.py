@@ -16,14 +16,13 @@ loss normalisation over the step, metrics, --deterministic-mode (here also megat
 - groups: megatron-core's TP groups over the trainer ranks (``parallel.py``); ``self.group`` is the
   data-parallel group, so every sum "over the trainer group" of the shared code runs over DP. The
   ranks of one TP group train the same samples: ``train`` first gathers the samples of the TP group.
-- micro-batches: the packed row of the shared planner becomes a right-padded ``[b, s]`` batch (one
-  sample per row, causal attention; padding comes after the real tokens, so it is never attended to).
-- log-probs: the shared chunked implementation, vocabulary-parallel under TP (``logprobs.VocabShard``:
-  no rank materialises the full vocabulary); padding rows of the vocabulary are excluded.
-- context parallelism (``context_parallel.py``): each CP rank runs its two chunks of every row and computes
-  log-probs, entropy and values on its own positions; ``RowShard.reassemble`` all-gathers them into
-  micro-batch order for the shared loss. ``--sequence-parallel``: the sequence-split output is all-gathered
-  over TP before the head.
+- the policy forward (``forward.py``): the packed row of the shared planner becomes a right-padded ``[b, s]``
+  batch (one sample per row, causal attention; padding comes after the real tokens, so it is never attended
+  to); log-probs by the shared chunked implementation, vocabulary-parallel under TP (``logprobs.VocabShard``:
+  no rank materialises the full vocabulary); padding rows of the vocabulary are excluded. Context parallelism
+  (``context_parallel.py``): each CP rank runs its two chunks of every row and computes log-probs, entropy and
+  values on its own positions; ``RowShard.reassemble`` all-gathers them into micro-batch order for the shared
+  loss. ``--sequence-parallel``: the sequence-split output is all-gathered over TP before the head.
 - gradients: TP-partial ones summed over TP, all averaged over DP, the norm over the full model
   (``parallel.finish_grads`` / ``clip_grad_norm``); AdamW over this rank's shards, its state sharded over
   DP with ``--use-distributed-optimizer`` (the experts' over the expert-DP group under expert parallelism).
@@ -42,7 +41,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from miles.config.base import ConfigError
 from miles.config.kernels import check_kernel_flags
@@ -50,9 +48,9 @@ from miles.trainer import lora as lora_mod
 from miles.trainer import vlm as hf_vlm
 from miles.trainer.batching import MicroBatch, coalesce_micro_batches, pack, plan_micro_batches
 from miles.trainer.collectives import bounded_all_gather_object
-from miles.trainer.logprobs import VocabShard, logprobs_and_entropy
+from miles.trainer.logprobs import VocabShard
 from miles.trainer.losses import accumulate_metrics
-from miles.trainer.megatron import context_parallel, convert, export, fork_flags, moe, options, parallel, pipeline
+from miles.trainer.megatron import convert, export, fork_flags, forward, moe, options, parallel, pipeline
 from miles.trainer.megatron import model as mmodel
 from miles.trainer.megatron import mtp as mtp_mod
 from miles.trainer.megatron import vlm as mvlm
@@ -68,22 +66,6 @@ logger = get_logger(__name__)
 # Without --use-dynamic-batch-size, planned micro-batches share a forward up to this many tokens (``_coalesce``);
 # a GPU keeps a small budget (activation memory), a CPU host a larger one. --max-tokens-per-gpu overrides both.
 COALESCE_TOKENS = {"cpu": 8192, "default": 1024}
-
-
-def padded_batch(mb: MicroBatch, pad_id: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A packed micro-batch as right-padded rows: (input_ids [b, s], position_ids [b, s], index [N] of the
-    response-predicting positions in the flattened [b * s]); ``s`` rounded up to ``multiple``."""
-    cu = mb.cu_seqlens.to(device=mb.input_ids.device, dtype=torch.long)
-    b = cu.numel() - 1
-    s = -(-int(mb.max_seqlen) // multiple) * multiple
-    total = int(mb.input_ids.shape[1])                             # = cu[-1], without a device sync
-    pos = torch.arange(total, device=cu.device)
-    row = torch.searchsorted(cu[1:], pos, right=True)              # sample of each packed position
-    flat = row * s + pos - cu[row]
-    ids = torch.full((b * s,), pad_id, dtype=mb.input_ids.dtype, device=cu.device)
-    ids[flat] = mb.input_ids[0, :total]
-    position_ids = torch.arange(s, device=cu.device).unsqueeze(0).expand(b, s)
-    return ids.view(b, s), position_ids, flat.index_select(0, mb.logit_index)
 
 
 class MegatronTrainer(RLTrainer):
@@ -298,113 +280,18 @@ class MegatronTrainer(RLTrainer):
         embeds = 1 if self.shape.tie_embeddings else 2
         return int(sharded + replicated) - pad_rows * self.shape.hidden_size * embeds
 
-    # ------------------------------------------------------------------ forward
-    @contextlib.contextmanager
-    def _dropout_stream(self, model):
-        """On CPU, megatron-core's hidden dropout draws from the global torch generator, which other code
-        (data, samplers) uses differently on each rank; the ranks of a TP group must draw the same masks.
-        Training forwards therefore run on the trainer's own CPU stream (same seed on every rank;
-        checkpointed). On GPU megatron-core's seeding of the CUDA generator does this."""
-        if self.device.type == "cuda" or not model.training or not self._dropout:
-            yield
-            return
-        outer = torch.get_rng_state()
-        torch.set_rng_state(self.dropout_rng_state)
-        try:
-            yield
-        finally:
-            self.dropout_rng_state = torch.get_rng_state()
-            torch.set_rng_state(outer)
-
-    def _stage_forward(self, model, mb: MicroBatch, x: torch.Tensor | None = None):
-        """This pipeline stage's forward: (hidden states [s, b, h], index [N] of the response-predicting
-        positions in the flattened [b * s]); ``x`` is the previous stage's output (None on the first stage)."""
-        return self._rows_forward(model, mb, x)[:2]
-
-    def _rows_forward(self, model, mb: MicroBatch, x: torch.Tensor | None = None):
-        """``_stage_forward`` plus the CP split: with context parallelism the rows are this CP rank's chunks
-        (``context_parallel.shard_rows``: hidden [2c, b, h], index [n] into [b * 2c], and the shard that
-        reassembles per-position values), else the shard is None. Under ``--sequence-parallel`` the last stage's
-        sequence-split output is all-gathered over TP (backward: this rank's part of the replicated gradient); an
-        earlier pipeline stage returns its part [s / tp, b, h], which the next stage takes as it is."""
-        cp = self.groups.cp_size
-        ids, pos, index = padded_batch(mb, self.pad_id, self.row_multiple())
-        kw = {}
-        if getattr(model, "mtp_training", False) and model.training:   # mtp.py: whole rows; a dummy micro-batch
-            #   (zero loss mask) runs the MTP block too, so its MoE all-to-all stays in step with the EP group's
-            kw["labels"], kw["loss_mask"] = mtp_mod.labels_and_mask(ids, index, mb.loss_mask, self.pad_id)
-        shard = None
-        if cp > 1:
-            shard = context_parallel.shard_rows(ids, pos, index, self.groups.cp_rank, cp)
-            ids, pos, index = shard.input_ids, shard.position_ids, shard.local_index
-            if kw:                              # ... and this CP rank's columns of them
-                kw["labels"], kw["loss_mask"] = mtp_mod.cp_columns(kw["labels"], kw["loss_mask"],
-                                                                   self.groups.cp_rank, cp)
-        if x is not None:
-            model.set_input_tensor(x)
-        with self._dropout_stream(model):
-            if self._images is not None:      # Qwen3-VL (vlm.py): the micro-batch's images, M-RoPE, deepstack
-                mm = hf_vlm.batch_inputs(self._mm or [], mb.sample_ids, ids, self._images.image_token_id, ids.device)
-                hidden = mvlm.forward(model, ids, mm, sequence_parallel=self._sequence_parallel,
-                                      tp_rank=self.groups.tp_rank, tp_size=self.groups.tp_size, **kw)
-            else:
-                hidden = model(ids, pos, attention_mask=None, **kw)              # [s, b, h]
-        if self._sequence_parallel and self.stage.is_last:    # earlier stages send their part of the sequence
-            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-
-            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False,
-                                                          group=self.groups.tp)
-        return hidden, index, shard
-
-    def row_multiple(self) -> int:
-        """What a micro-batch's rows are padded to a multiple of: 2 x CP (``context_parallel.shard_rows``), x TP
-        under ``--sequence-parallel`` (megatron-core splits the sequence over TP)."""
-        cp = self.groups.cp_size
-        return (2 * cp if cp > 1 else 1) * (self.groups.tp_size if self._sequence_parallel else 1)
-
-    def _local_hidden(self, model, mb: MicroBatch, x: torch.Tensor | None = None):
-        """(hidden [n, h] at this CP rank's response-predicting positions, their targets [n], ``full``:
-        per-position values of those positions [n] -> the whole micro-batch's [N], on every CP rank; without
-        CP all N positions and the identity). ``x``: the previous pipeline stage's output (last stage)."""
-        hidden, index, shard = self._rows_forward(model, mb, x)
-        h = pipeline._select(hidden, index)
-        if shard is None:
-            return h, mb.targets, lambda t: t
-        return h, mb.targets.index_select(0, shard.mine), lambda t: shard.reassemble(t, self.groups.cp)
-
+    # ------------------------------------------------------------------ forward (forward.py)
     def _policy_forward(self, model, mb: MicroBatch, *, with_entropy: bool = False, entropy_grad: bool = False,
                         x: torch.Tensor | None = None):
-        """Log-probs (and entropy) of ``mb``'s targets; under pipeline parallelism the last stage's, ``x`` its
-        input. With context parallelism each CP rank computes its own positions', reassembled per micro-batch."""
-        h, targets, full = self._local_hidden(model, mb, x)
-        if self.groups.cp_size == 1:
-            return self._head_logprobs(model, mb, h, with_entropy=with_entropy, entropy_grad=entropy_grad)
-        if h.shape[0] == 0:       # no response position in this rank's chunks: the backward must still run
-            lp = h.float().sum(-1) * 0.0                                # (collectives), so stay in the graph
-            ent = lp if with_entropy else None
-        else:
-            lp, ent = self._head_logprobs(model, mb, h, with_entropy=with_entropy, entropy_grad=entropy_grad,
-                                          targets=targets)
-        return full(lp), (full(ent) if ent is not None else None)
+        """The shared step's hook: log-probs (and entropy) of ``mb``'s targets (``forward.policy_forward``; under
+        pipeline parallelism the last stage's, ``x`` its input)."""
+        return forward.policy_forward(self, model, mb, with_entropy=with_entropy, entropy_grad=entropy_grad, x=x)
 
-    def _head_logprobs(self, model, mb: MicroBatch, h: torch.Tensor, *, with_entropy: bool = False,
-                       entropy_grad: bool = False, targets: torch.Tensor | None = None):
-        """Log-probs (and entropy) of ``mb``'s targets (or ``targets``) from the final hidden states ``h`` [N, h]
-        (last stage)."""
-        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
-
-        weight = mmodel.output_weight(model)
-        if self.vocab_shard is not None:
-            h = copy_to_tensor_model_parallel_region(h, group=self.groups.tp)   # backward: sum over TP
-
-            def head(x):
-                return F.linear(x, weight.to(x.dtype))
-        else:                   # the weight itself: logprobs takes its fused path on GPU
-            head = weight[:self.vocab_size] if weight.shape[0] != self.vocab_size else weight
-        return logprobs_and_entropy(h, head, mb.targets if targets is None else targets, temperature=self.temperature,
-                                    chunk_size=self.cfg.log_probs_chunk_size, with_entropy=with_entropy,
-                                    entropy_grad=entropy_grad, vocab_shard=self.vocab_shard,
-                                    softcap=self.shape.final_logit_softcapping)
+    def _stage_forward(self, model, mb: MicroBatch, x: torch.Tensor | None = None):
+        """The pipeline schedule's hook: this stage's (hidden states [s, b, h], index [N] of the
+        response-predicting positions in the flattened [b * s]); ``x`` is the previous stage's output (None on the
+        first stage). ``forward.rows_forward`` without its CP shard."""
+        return forward.rows_forward(self, model, mb, x)[:2]
 
     # ------------------------------------------------------------------ training
     def train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:

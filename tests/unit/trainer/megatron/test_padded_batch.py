@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from miles.trainer.batching import SampleData, pack
-from miles.trainer.megatron.trainer import padded_batch
+from miles.trainer.megatron.forward import padded_batch
 
 
 def test_padded_rows_and_logit_positions() -> None:
