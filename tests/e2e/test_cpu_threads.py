@@ -1,6 +1,7 @@
 """CPU threads follow the phase (miles.spmd.threads) in a real 2-rank run: torchrun, 1 FSDP trainer rank + 1
 embedded engine on one node. With no OMP_NUM_THREADS from the user (torchrun then sets 1 for its workers) the
-trainer rank trains with every usable core and the engine generates with every usable core; under
+trainer rank trains with every usable core and the engine generates with every usable core, or with one when its
+start-up timing finds one faster (``--pick-cpu-threads``, checked against the timings it logs); under
 train_async.py, where both compute at once, each gets half; the user's OMP_NUM_THREADS=1 keeps one thread in both. The trainer's count is read inside its loss (a custom loss that
 reports ``torch.get_num_threads()`` as ``train/cpu_threads``), the engine's on its scheduler thread (its log)."""
 
@@ -46,13 +47,27 @@ def _engine_threads(engine_log: str) -> list[int]:
     return [int(n) for n in re.findall(r"scheduler thread: (\d+) CPU thread", engine_log)]
 
 
+def _picked(engine_log: str, share: int) -> int:
+    """The count the engine keeps of its ``share`` (``--pick-cpu-threads``): the share itself when it is one thread,
+    else the faster side of the timings it logged (``share`` threads against one)."""
+    found = re.findall(r"CPU forwards on (\d+) thread\(s\): a \d+-row one-token forward took ([\d.]+) ms on (\d+), "
+                       r"([\d.]+) ms on 1", engine_log)
+    if share == 1:
+        assert not found, engine_log[-2000:]
+        return 1
+    assert len(found) == 1, engine_log[-2000:]
+    kept, t_share, n, t_one = found[0]
+    assert int(n) == share and int(kept) == (1 if float(t_one) < float(t_share) else share), found
+    return int(kept)
+
+
 def test_each_phase_gets_every_core_without_omp_num_threads(tmp_path: Path, tiny_model_dir: Path):
     cores = len(usable_cpus())
     if cores < 2:
         pytest.skip("one usable CPU: one thread is every core, so the plan cannot be told from torchrun's default")
     recs, engine_log, text = _run(tmp_path, tiny_model_dir, None)
     assert [r["train/cpu_threads"] for r in recs] == [float(cores)] * 2, text[-3000:]
-    assert _engine_threads(engine_log) == [cores], engine_log[-2000:]
+    assert _engine_threads(engine_log) == [_picked(engine_log, cores)], engine_log[-2000:]
     assert f"CPU threads: {cores} per trainer rank while it trains, {cores} per engine process while it generates" in text
 
 
@@ -67,5 +82,5 @@ def test_train_async_splits_the_cores_between_trainer_and_engine(tmp_path: Path,
     half = max(1, len(usable_cpus()) // 2)
     recs, engine_log, text = _run(tmp_path, tiny_model_dir, None, script="train_async.py")
     assert [r["train/cpu_threads"] for r in recs] == [float(half)] * 2, text[-3000:]
-    assert _engine_threads(engine_log) == [half], engine_log[-2000:]
+    assert _engine_threads(engine_log) == [_picked(engine_log, half)], engine_log[-2000:]
     assert f"CPU threads: {half} per trainer rank while it trains, {half} per engine process while it generates" in text
