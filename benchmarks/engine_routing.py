@@ -7,8 +7,10 @@ One process, one engine (in-process, no HTTP) on a random-weight tiny Qwen3-MoE 
 layer; generic HF path, where the recorder lives). A rollout: ``--prompts`` prompts of ``--prompt-len`` random tokens,
 ``n = --samples`` each, ``--new-tokens`` tokens each (temperature 1, EOS ignored), all submitted at once. Rollouts
 alternate between requests without and with ``return_routed_experts`` (``--rounds`` of each, after one warm-up
-pair), and each prints one JSON line: wall seconds and how many forwards armed the recorder
-(``RoutedExpertsRecorder.begin`` calls). The summary gives each mode's median and their ratio. Run against a
+pair), and each prints one JSON line: wall seconds, the process's CPU seconds (``time.process_time``: all its
+threads, the scheduler thread's forwards included; less disturbed than wall time by other jobs on a shared machine)
+and how many forwards armed the recorder (``RoutedExpertsRecorder.begin`` calls). The summary gives each mode's
+medians and their ratios. Run against a
 checkout before the recording became per request (``PYTHONPATH=<that checkout>``) it shows what a rollout without
 the flag paid then.
 """
@@ -61,36 +63,39 @@ def main() -> None:
                                 max_running_requests=slots, random_seed=0))
         eng.start()
         rng = random.Random(0)
-        prompts = [[rng.randrange(1, 200) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
+        prompts = [[rng.randrange(1, 100) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
         params = {"max_new_tokens": args.new_tokens, "temperature": 1.0, "ignore_eos": True, "n": args.samples}
 
-        async def rollout(flag: bool) -> float:
+        async def rollout(flag: bool) -> tuple[float, float]:
             specs = []
             for p in prompts:
                 specs += eng.prepare(GenerateReqInput(input_ids=p, return_routed_experts=flag,
                                                       sampling_params=params))[0]
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             outs = await asyncio.wait_for(eng.wait_final(eng.submit(specs, stream=False)), 600)
-            dt = time.perf_counter() - t0
+            dt, cpu = time.perf_counter() - t0, time.process_time() - c0
             assert all(("routed_experts" in o["meta_info"]) == flag for o in outs)
-            return dt
+            return dt, cpu
 
-        times: dict[bool, list[float]] = {False: [], True: []}
+        times: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
         try:
             for r in range(args.rounds + 1):
                 for flag in (False, True):
                     armed[0] = 0
-                    dt = asyncio.run(rollout(flag))
+                    dt, cpu = asyncio.run(rollout(flag))
                     if r:   # round 0 warms up
-                        times[flag].append(dt)
+                        times[flag].append((dt, cpu))
                     print(json.dumps({"round": r, "return_routed_experts": flag, "wall_s": round(dt, 4),
-                                      "recorder_begin_calls": armed[0]}), flush=True)
+                                      "cpu_s": round(cpu, 4), "recorder_begin_calls": armed[0]}), flush=True)
         finally:
             eng.stop()
-    off, on = statistics.median(times[False]), statistics.median(times[True])
-    print(json.dumps({"summary": {"median_wall_s_without": round(off, 4), "median_wall_s_with": round(on, 4),
-                                  "with_over_without": round(on / off, 3), "rounds": args.rounds,
-                                  "tokens_per_rollout": slots * args.new_tokens, "layers": args.layers}}))
+    summary: dict[str, float] = {}
+    for i, what in enumerate(("wall_s", "cpu_s")):
+        off, on = (statistics.median(t[i] for t in times[flag]) for flag in (False, True))
+        summary |= {f"median_{what}_without": round(off, 4), f"median_{what}_with": round(on, 4),
+                    f"{what}_with_over_without": round(on / off, 3)}
+    print(json.dumps({"summary": summary | {"rounds": args.rounds, "tokens_per_rollout": slots * args.new_tokens,
+                                            "layers": args.layers}}))
 
 
 if __name__ == "__main__":
