@@ -735,17 +735,20 @@ class _GenericLM:
     def __init__(self, model, max_slots: int, max_ctx: int, device: torch.device):
         self.model, self.max_slots, self.max_ctx, self.device = model, max_slots, max_ctx, device
         self.caches: list = [None] * max_slots
-        # MoE routing of every token each slot's forwards ran (SGLang's return_routed_experts)
+        # MoE routing of every token each slot's forwards ran (SGLang's return_routed_experts), recorded only for the
+        # slots whose request asked (``record_routes``): the other forwards run without the router hooks
         self.recorder = RoutedExpertsRecorder(model, getattr(model.config, "text_config", None) or model.config)
         self.routes: list[list[torch.Tensor] | None] = [None] * max_slots
+        self.record: list[bool] = [False] * max_slots
         self.use_graphs = False
         # transformers 5.x renamed ``past_key_values`` to ``cache`` (input and output)
         self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def _run(self, ids: torch.Tensor, cache, slot: int | None = None, append: bool = False, **model_kw: torch.Tensor):
         """One HF forward of ``ids`` on ``cache`` (``model_kw``: further model inputs, e.g. a VLM's positions and
-        pixels); records the run's expert routing for ``slot`` (appended to the slot's when ``append``)."""
-        rec = self.recorder.enabled and slot is not None
+        pixels); records the run's expert routing for ``slot`` when it records (appended to the slot's when
+        ``append``)."""
+        rec = slot is not None and self.record[slot] and self.recorder.enabled
         if rec:
             self.recorder.begin()
         out = self.model(input_ids=ids, use_cache=True, **{self.cache_kw: cache}, **model_kw)
@@ -754,8 +757,15 @@ class _GenericLM:
             self.routes[slot] = (self.routes[slot] or []) + [rows] if append else [rows]
         return out.logits, out[self.cache_kw] if self.cache_kw in out else out.past_key_values
 
+    def record_routes(self, slot: int, on: bool) -> None:
+        """Whether ``slot``'s forwards record their MoE routing from now on; off drops the rows it holds."""
+        self.record[slot] = on
+        if not on:
+            self.routes[slot] = None
+
     def routed_experts(self, slot: int) -> torch.Tensor | None:
-        """``[tokens run, layers, top-k]`` int32 of the request in ``slot`` (None for a dense model)."""
+        """``[tokens run, layers, top-k]`` int32 of the request in ``slot`` (None for a dense model or a slot that
+        does not record)."""
         parts = self.routes[slot]
         return None if not parts else torch.cat(parts)
 
@@ -776,17 +786,19 @@ class _GenericLM:
     def move_slot(self, src: int, dst: int, length: int) -> None:
         self.caches[dst], self.caches[src] = self.caches[src], None
         self.routes[dst], self.routes[src] = self.routes[src], None
+        self.record[dst], self.record[src] = self.record[src], False
 
     def share_prefix(self, src: int, dst: int, length: int) -> None:
         import copy
 
         self.caches[dst] = copy.deepcopy(self.caches[src])
-        parts = self.routes[src]
-        self.routes[dst] = [torch.cat(parts)[:length]] if parts else None
+        parts = self.routes[src]   # the prompt's rows, for a ``dst`` that records (set before the share)
+        self.routes[dst] = [torch.cat(parts)[:length]] if parts and self.record[dst] else None
 
     def release_slot(self, slot: int) -> None:
         self.caches[slot] = None
         self.routes[slot] = None
+        self.record[slot] = False
 
     KV_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
 
@@ -1174,6 +1186,12 @@ class ModelRunner:
         """MoE routing is recorded (a MoE model, which runs on the generic HF path)."""
         rec = getattr(self.impl, "recorder", None)
         return rec is not None and rec.enabled
+
+    def record_routes(self, slot: int, on: bool) -> None:
+        """Record ``slot``'s MoE routing from its next forward on (its request asked for routed experts), or stop and
+        drop its rows; a slot released or freshly admitted does not record until told. A no-op where nothing is."""
+        if self.has_routed_experts:
+            self.impl.record_routes(slot, on)
 
     def routed_experts(self, slot: int) -> torch.Tensor | None:
         return self.impl.routed_experts(slot) if self.has_routed_experts else None

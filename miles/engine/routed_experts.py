@@ -14,6 +14,7 @@ int32 array ``[prompt + completion - 1 - routed_experts_start_len, layers, top-k
 ``layers.L.mlp.router``, DeepSeek-V3.2's / GLM-5's DeepSeek-V3 router and DeepSeek-V4's top-k and hash routers, all
 ``(logits, weights, indices)``; ``RECORDED_MODEL_TYPES``) and collects, for each forward it is armed for, every MoE
 layer's ``[tokens, top-k]`` indices. Other MoE families are not recorded: a request for them is refused in one line.
+The hooks exist only while armed (``begin`` to ``end``): a forward nobody records runs the routers hook-free.
 """
 
 from __future__ import annotations
@@ -79,8 +80,7 @@ class RoutedExpertsRecorder:
         self.num_layers = int(config.num_hidden_layers)
         self.top_k = topk_of(config)
         self._cur: dict[int, torch.Tensor] | None = None
-        for layer, mod in self.routers:
-            mod.register_forward_hook(self._hook(layer))
+        self._handles: list = []
 
     @property
     def enabled(self) -> bool:
@@ -94,11 +94,17 @@ class RoutedExpertsRecorder:
         return hook
 
     def begin(self) -> None:
+        """Arm for the next forward: hook every router (the hooks go again at ``end``)."""
         self._cur = {} if self.enabled else None
+        if self._cur is not None and not self._handles:
+            self._handles = [mod.register_forward_hook(self._hook(layer)) for layer, mod in self.routers]
 
     def end(self, num_tokens: int) -> torch.Tensor | None:
         """The armed forward's ``[num_tokens, layers, top-k]`` (CPU int32; zeros for dense layers), then disarm."""
         cur, self._cur = self._cur, None
+        for h in self._handles:
+            h.remove()
+        self._handles = []
         if cur is None:
             return None
         rows = torch.zeros(num_tokens, self.num_layers, self.top_k, dtype=torch.int32)

@@ -682,6 +682,14 @@ class Scheduler(DecodeSteps):
         for j, (_, src) in enumerate(dups):
             want_full[src] = want_full[src] or want[len(uniq) + j]
         start = len(self.running)
+        # R3: only the slots whose request asked record their MoE routing (the others' forwards run no router hooks);
+        # a prompt's prefill records for its samples that ask too, and stops after sharing if it did not ask itself
+        asks = [r.spec.return_routed_experts for r in batch]
+        record = asks[: len(uniq)]
+        for j, (_, src) in enumerate(dups):
+            record[src] = record[src] or asks[len(uniq) + j]
+        for i, on in enumerate(record + asks[len(uniq):]):
+            rn.record_routes(start + i, on)
         if uniq:
             self.prefills += 1
             last, full = rn.prefill(start, seqs, want_full, [r.spec.mm for r in uniq])
@@ -693,6 +701,9 @@ class Scheduler(DecodeSteps):
             by_src.setdefault(src, []).append(start + len(uniq) + j)
         for src, dsts in by_src.items():
             rn.share_prefix_many(start + src, dsts, len(seqs[src]))
+        for i in range(len(uniq)):
+            if record[i] and not asks[i]:
+                rn.record_routes(start + i, False)
         full = full + [full[src] for _, src in dups] + [None] * len(held)
         seqs = seqs + [seqs[src] for _, src in dups] + [r.spec.input_ids for r, _ in held]
         base = len(uniq) + len(dups)

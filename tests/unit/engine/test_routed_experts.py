@@ -264,3 +264,38 @@ def test_family_routers_are_recorded(family: str, moe_layers: list[int], tmp_pat
         assert torch.equal(rows[:, layer].sort(-1).values, want.sort(-1).values), layer
     assert not rows[:, [i for i in range(n) if i not in moe_layers]].any()
     assert any(len(set(map(tuple, rows[:, i].tolist()))) > 1 for i in moe_layers)   # it varies over tokens
+
+
+def test_only_requests_that_ask_record_their_routing(moe_model, monkeypatch):
+    """Recording costs every forward it is armed for (router hooks, a row copy per token): a request without
+    ``return_routed_experts`` arms nothing (no ``begin``, no hook on a router), and one that asks in the same engine
+    and the same batch, sharing the other's prompt, still gets its rows: one recorded prefill (the shared prompt's,
+    recorded for the samples that ask) and each asking sample's decode steps, nothing of the other request's."""
+    armed: list[int] = []
+    begin = RoutedExpertsRecorder.begin
+    monkeypatch.setattr(RoutedExpertsRecorder, "begin", lambda self: (armed.append(1), begin(self))[1])
+    prompt, new = [5, 9, 13, 2, 7, 30], 5
+    params = {"max_new_tokens": new, "temperature": 1.0, "ignore_eos": True}
+    eng = Engine(EngineArgs(hf_checkpoint=str(moe_model), max_context_len=96, max_running_requests=4, random_seed=0))
+    eng.start()
+    rec = eng.runner.impl.recorder
+    try:
+        plain = _run(eng, [{"input_ids": prompt, "sampling_params": {**params, "n": 2}}])
+        assert armed == [] and all(not mod._forward_hooks for _, mod in rec.routers)
+        assert all("routed_experts" not in o["meta_info"] for o in plain)
+
+        async def mixed():   # one submit: admitted together, the asking samples share the plain request's prefill
+            specs, _ = eng.prepare(GenerateReqInput(input_ids=prompt, sampling_params=params))
+            asks, _ = eng.prepare(GenerateReqInput(input_ids=prompt, return_routed_experts=True,
+                                                   sampling_params={**params, "n": 2, "sampling_seed": 3}))
+            return await asyncio.wait_for(eng.wait_final(eng.submit(specs + asks, stream=False)), 120)
+        outs = asyncio.run(mixed())
+    finally:
+        eng.stop()
+    assert len(armed) == 1 + 2 * (new - 1)
+    assert all(not mod._forward_hooks for _, mod in rec.routers)
+    assert "routed_experts" not in outs[0]["meta_info"]
+    for o in outs[1:]:
+        tokens = prompt + o["output_ids"]
+        got = decode(o["meta_info"]["routed_experts"], LAYERS, TOPK)
+        np.testing.assert_array_equal(got[:, [0, 2]], _hf_routing(moe_model, tokens[:-1])[:, [0, 2]])
