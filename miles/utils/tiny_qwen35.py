@@ -3,6 +3,7 @@
 
     build_tiny_qwen35_model("/tmp/q35")                  # qwen3_5_moe_text: 4 layers, 3 gated DeltaNet + 1 gated attention
     build_tiny_qwen35_model("/tmp/qn", kind="qwen3_next") # the same shape as Qwen3-Next (fused in_proj_qkvz / in_proj_ba)
+    build_tiny_qwen35_model("/tmp/qd", kind="qwen3_5")    # dense Qwen3.5 (qwen3_5_text): a SwiGLU MLP per layer
     build_tiny_qwen35_model("/tmp/qv", vlm=True)          # the published Qwen3.5 layout: qwen3_5_moe, text_config
 
 Every part of the family is present at this size: ``layer_types`` (``full_attention_interval`` 4: linear, linear,
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-KINDS = ("qwen3_5_moe", "qwen3_next")
+KINDS = ("qwen3_5_moe", "qwen3_next", "qwen3_5")
 
 
 def build_tiny_qwen35_model(
@@ -84,6 +85,13 @@ def build_tiny_qwen35_model(
         config = Qwen3NextConfig(**common, intermediate_size=2 * moe_intermediate_size, decoder_sparse_step=1,
                                  norm_topk_prob=True, mlp_only_layers=[])
         cls = Qwen3NextForCausalLM
+    elif kind == "qwen3_5":
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+        dense = {k: v for k, v in common.items() if k not in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                                             "shared_expert_intermediate_size", "router_aux_loss_coef")}
+        config = Qwen3_5TextConfig(**dense, intermediate_size=2 * moe_intermediate_size)
+        cls = Qwen3_5ForCausalLM
     else:
         from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
