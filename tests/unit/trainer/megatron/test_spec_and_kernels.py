@@ -122,6 +122,34 @@ def test_kernel_flag_without_its_package_is_one_line(tiny_model_dir: Path, flags
             spec_check.kernels_check(cfg, _hf(tiny_model_dir))
 
 
+def test_dsa_attention_backend_tilelang_is_refused_in_one_line(tiny_model_dir: Path) -> None:
+    """Miles's GLM-5.1/5.2 LoRA recipes pass --dsa-attention-backend tilelang: refused naming the package where it
+    does not import, and where it does (its kernels are not wired here); megatron (the torch path) is accepted."""
+    cfg = _cfg(tiny_model_dir, "--dsa-attention-backend", "tilelang")
+    assert cfg.megatron.dsa_attention_backend == "tilelang"
+    fix = ("use --dsa-attention-backend megatron (DeepSeek sparse attention and its indexer in torch: the same math, "
+           "unfused).")
+    unwired = ("miles's Megatron backend has no TileLang kernels wired (it runs DeepSeek sparse attention and its "
+               "indexer in torch)")
+    with pytest.raises(ConfigError) as e:
+        check_kernel_flags(cfg.megatron, importable=lambda module: module != "tilelang")
+    assert str(e.value) == ("--dsa-attention-backend tilelang needs TileLang (Python package tilelang), which does not "
+                            f"import here, and {unwired}; {fix}")
+    with pytest.raises(ConfigError) as e:
+        check_kernel_flags(cfg.megatron, importable=lambda module: True)
+    assert str(e.value) == ("--dsa-attention-backend tilelang: TileLang (Python package tilelang) imports here, but "
+                            f"{unwired}; {fix}")
+    with pytest.raises(ConfigError, match=r"^--dsa-attention-backend tilelang(:| needs) "):   # the preflight, here
+        spec_check.kernels_check(cfg, _hf(tiny_model_dir))
+    megatron = _cfg(tiny_model_dir, "--dsa-attention-backend", "megatron")
+    check_kernel_flags(megatron.megatron, importable=lambda module: False)
+    spec_check.kernels_check(megatron, _hf(tiny_model_dir))
+    with pytest.raises(ConfigError, match=r"^--dsa-attention-backend needs --train-backend megatron \(got "
+                                          r"--train-backend fsdp\)"):
+        parse_args(["--hf-checkpoint", str(tiny_model_dir), "--num-rollout", "1", "--rollout-batch-size", "2",
+                    "--train-backend", "fsdp", "--dsa-attention-backend", "megatron"])
+
+
 def test_deepep_needs_the_flex_dispatcher(tiny_model_dir: Path) -> None:
     with pytest.raises(ConfigError, match=r"^--moe-enable-deepep needs --moe-token-dispatcher-type flex \(got "
                                           r"alltoall\): add it, or drop --moe-enable-deepep\.$"):
