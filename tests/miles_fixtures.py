@@ -416,17 +416,19 @@ def _drop(argv: list[str], flag: str) -> list[str]:
 
 
 def without_absent_kernel_flags(argv: list[str], changed: dict[str, str] | None = None) -> list[str]:
-    """``argv`` without the flags whose GPU kernel package does not import here (``miles.config.kernels``): a switch
-    is dropped, a value (``--attention-backend fused``, ``--moe-token-dispatcher-type flex``) becomes the one that
-    needs no package (auto, alltoall). Each change is entered in ``changed``."""
+    """``argv`` without the flags whose GPU kernel package does not import here, or whose kernels are not wired
+    (``miles.config.kernels``): a switch is dropped, a value (``--attention-backend fused``,
+    ``--moe-token-dispatcher-type flex``, ``--dsa-attention-backend tilelang``) becomes the one that needs no package
+    (auto, alltoall, megatron). Each change is entered in ``changed``."""
     from miles.config.kernels import KERNEL_FLAGS as ROWS
     from miles.config.kernels import importable
 
-    instead = {"--attention-backend": "auto", "--moe-token-dispatcher-type": "alltoall"}
+    instead = {"--attention-backend": "auto", "--moe-token-dispatcher-type": "alltoall",
+               "--dsa-attention-backend": "megatron"}
     flags = _flags(argv)
     for row in ROWS:
         name, _, value = row.flag.partition(" ")
-        if name not in flags or (value and flags[name] != [value]) or importable(row.module):
+        if name not in flags or (value and flags[name] != [value]) or (importable(row.module) and not row.unwired):
             continue
         if value:
             argv = _set(argv, name, instead[name])
@@ -435,7 +437,8 @@ def without_absent_kernel_flags(argv: list[str], changed: dict[str, str] | None 
             argv = _drop(argv, name)
             after = "(dropped)"
         if changed is not None:
-            changed[name] = f"{' '.join(flags[name]) or '(given)'} -> {after}: needs {row.package}, absent here"
+            why = "its kernels are not wired here" if row.unwired else "absent here"
+            changed[name] = f"{' '.join(flags[name]) or '(given)'} -> {after}: needs {row.package}, {why}"
     return argv
 
 

@@ -1,4 +1,5 @@
-"""Megatron flags that need a GPU kernel package: accepted where the package imports, else refused in one line.
+"""Megatron flags that need a GPU kernel package: accepted where the package imports (and its kernels are wired),
+else refused in one line.
 
 megatron-core 0.16.1 runs these only through a package of its own kernels (no torch path it could fall back to):
 
@@ -8,11 +9,14 @@ megatron-core 0.16.1 runs these only through a package of its own kernels (no to
 | ``--moe-permute-fusion`` | transformer_engine | TE's fused token permutation |
 | ``--attention-backend fused`` | transformer_engine | TE's cuDNN fused attention |
 | ``--moe-enable-deepep``, ``--moe-token-dispatcher-type flex`` | deep_ep | DeepEP's fused all-to-all (``MoEFlexTokenDispatcher``) |
+| ``--dsa-attention-backend tilelang`` | tilelang | Miles's fused TileLang DSA kernels (SparseMLA, lightning indexer): not wired here, refused even where tilelang imports |
 
 ``check_kernel_flags(cfg.megatron)`` is called by the Megatron backend's start-up checks (``--dry-run`` included,
 ``miles.trainer.megatron.spec``): a flag given while its package does not import is one line naming the flag, the
-package, how to install it and what to pass instead. Run the dry run where the trainer runs (a GPU node), as for
-``--rollout-engine auto``. ``importable`` is the one place the packages are probed.
+package, how to install it and what to pass instead; a row with ``unwired`` set (kernels miles has not wired:
+Miles's own TileLang DSA kernels, not megatron-core's) is refused where its package imports too, in one line saying
+so. Run the dry run where the trainer runs (a GPU node), as for ``--rollout-engine auto``. ``importable`` is the one
+place the packages are probed.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from miles.config.base import ConfigError
 
 TE_INSTALL = "pip install --no-build-isolation 'transformer_engine[pytorch]' on the GPU nodes"
 DEEPEP_INSTALL = "build DeepEP (https://github.com/deepseek-ai/DeepEP, Python package deep_ep) on the GPU nodes"
+TILELANG_INSTALL = "pip install tilelang on the GPU nodes"
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,7 @@ class KernelFlag:
     package: str                         # its name for people (pip / project)
     install: str
     instead: str                         # what to pass without the package
+    unwired: str = ""                    # set: miles has no kernels of this package wired (why), refused anyway
 
 
 KERNEL_FLAGS: tuple[KernelFlag, ...] = (
@@ -51,6 +57,14 @@ KERNEL_FLAGS: tuple[KernelFlag, ...] = (
                "drop it and use --moe-token-dispatcher-type alltoall"),
     KernelFlag("--moe-token-dispatcher-type flex", "moe_token_dispatcher_type", lambda v: v == "flex", "deep_ep",
                "DeepEP", DEEPEP_INSTALL, "use --moe-token-dispatcher-type alltoall"),
+    # radixark/miles@v0.1.0:miles/utils/arguments.py --dsa-attention-backend (default tilelang there; its GLM-5.1/5.2
+    # LoRA recipes pass it): the fused SparseMLA + lightning-indexer kernels
+    KernelFlag("--dsa-attention-backend tilelang", "dsa_attention_backend", lambda v: v == "tilelang", "tilelang",
+               "TileLang", TILELANG_INSTALL,
+               "use --dsa-attention-backend megatron (DeepSeek sparse attention and its indexer in torch: the same "
+               "math, unfused)",
+               unwired="miles's Megatron backend has no TileLang kernels wired (it runs DeepSeek sparse attention and "
+                       "its indexer in torch)"),
 )
 
 
@@ -74,17 +88,27 @@ def kernel_flags_given(m) -> list[KernelFlag]:
 
 
 def check_kernel_flags(m, importable: Callable[[str], bool] = importable) -> None:
-    """One ``ConfigError`` line for the first flag of ``m`` whose kernel package does not import."""
+    """One ``ConfigError`` line for the first flag of ``m`` whose kernel package does not import, or whose kernels
+    miles has not wired (``unwired``)."""
     for k in kernel_flags_given(m):
+        if not importable(k.module) and k.unwired:      # installing it would not help: say both, then the fix
+            raise ConfigError(f"{k.flag} needs {k.package} (Python package {k.module}), which does not import here, "
+                              f"and {k.unwired}; {k.instead}.")
         if not importable(k.module):
             raise ConfigError(f"{k.flag} needs {k.package} (Python package {k.module}), which does not import here: "
                               f"{k.install}, or {k.instead}.")
+        if k.unwired:
+            raise ConfigError(f"{k.flag}: {k.package} (Python package {k.module}) imports here, but {k.unwired}; "
+                              f"{k.instead}.")
 
 
 def flag_docs() -> list[str]:
     """The docs/flags.md section for ``KERNEL_FLAGS`` (tools/gen_flag_docs.py)."""
     lines = ["## Flags that need a GPU kernel package", "",
-             "Accepted where the package imports; otherwise refused in one line naming it (`--dry-run` too: run it "
+             "Accepted where the package imports (unless said below); otherwise refused in one line naming it "
+             "(`--dry-run` too: run it "
              "where the trainer runs).", "", "| flag | package (import name) | install | without it |", "|---|---|---|---|"]
-    lines += [f"| `{k.flag}` | {k.package} (`{k.module}`) | {k.install} | {k.instead} |" for k in KERNEL_FLAGS]
-    return lines + [""]
+    lines += [f"| `{k.flag}` | {k.package} (`{k.module}`) | {'not wired (below)' if k.unwired else k.install} | "
+              f"{k.instead} |" for k in KERNEL_FLAGS]
+    unwired = [f"`{k.flag}` is refused where {k.package} imports too: {k.unwired}." for k in KERNEL_FLAGS if k.unwired]
+    return lines + [""] + (unwired + [""] if unwired else [])

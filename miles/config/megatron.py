@@ -177,6 +177,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="Core attention: auto/flash: torch SDPA (local spec) or transformer-engine's choice; fused: "
                         "transformer-engine's cuDNN attention (refused where transformer-engine does not import); "
                         "unfused/local: megatron-core's DotProductAttention.")
+    g.add_argument("--dsa-attention-backend", choices=["megatron", "tilelang"], default=None,
+                   help="DeepSeek sparse attention's kernels (GLM-5, DeepSeek-V3.2): megatron: the unfused torch "
+                        "path, what runs without the flag; tilelang (Miles's default, its fused SparseMLA and "
+                        "lightning-indexer kernels): refused, naming the tilelang package where it does not import, "
+                        "and its kernels are not wired here (miles/config/kernels.py).")
     g.add_argument("--spec", nargs="+", default=None, metavar="MODULE FUNCTION",
                    help="Miles's custom layer spec (e.g. miles_plugins.models.glm5.glm5 get_glm5_spec): checked against "
                         "config.json's model_type and the families built (miles/config/specs.py); the layers are built "
@@ -277,6 +282,7 @@ class MegatronConfig:
     hidden_dropout: float | None = None
     attention_dropout: float | None = None
     attention_backend: str | None = None
+    dsa_attention_backend: str | None = None           # megatron (torch) only; tilelang refused (kernels.py)
     cp_comm_type: list[str] | None = None
     transformer_impl: str | None = None
     spec: list[str] | None = None                      # --spec MODULE FUNCTION (specs.py: checked, else no effect)

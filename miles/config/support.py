@@ -72,6 +72,9 @@ PARSE_ONLY: dict[str, str] = {
     "freeze_e_score_correction_bias": "the routers' expert bias (e_score_correction_bias) is never updated by the "
                                       "Megatron backend (--moe-router-bias-update-rate other than 0 is refused): it is "
                                       "frozen with or without the flag",
+    "dsa_attention_backend": "megatron names the DeepSeek sparse attention the Megatron backend always runs (in "
+                             "torch, unfused); tilelang is refused (miles/config/kernels.py: the tilelang package, "
+                             "or its kernels, not wired here)",
     "enable_experimental": "Megatron-LM's gate of its experimental features; DeepSeek sparse attention is built from "
                            "config.json",
     "allgather_cp": "no effect with --context-parallel-size 1, refused above it (MegatronConfig.validate): Miles's "
