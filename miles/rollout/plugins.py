@@ -24,7 +24,6 @@ from typing import Any
 from miles.config.base import ConfigError
 from miles.utils.imports import UNSUPPORTED_ATTR, load_function, unsupported  # noqa: F401 - re-exported
 
-
 # Miles flags refused here (naming one is an error), at the value they have when not given: a plugin written for Miles
 # that reads one sees what is true of this run (Miles's multi-turn geo3k example asserts ``not args.partial_rollout``)
 REFUSED_FLAG_VALUES: dict[str, Any] = {"partial_rollout": False}
