@@ -64,6 +64,23 @@ def test_the_fixture_is_miles_own_code():
         assert hashlib.sha1(b"blob %d\0" % len(body) + body).hexdigest() == blob, path
 
 
+def test_generate_state_processor_as_miles(tiny_model_dir, vlm_dir):
+    """GenerateState(args).processor: the checkpoint's processor (once per checkpoint), None for a text-only model
+    or args without a checkpoint; a refused Miles flag a plugin reads has its value when not given."""
+    from transformers import ProcessorMixin
+
+    from miles.rollout.plugins import PluginArgs
+    from miles.rollout.sglang_rollout import GenerateState
+
+    vlm = GenerateState(types.SimpleNamespace(hf_checkpoint=str(vlm_dir))).processor
+    assert isinstance(vlm, ProcessorMixin) and vlm is GenerateState(types.SimpleNamespace(
+        tokenizer=load_tokenizer(str(vlm_dir), "--hf-checkpoint"))).processor   # else the tokenizer's directory
+    assert GenerateState(types.SimpleNamespace(hf_checkpoint=str(tiny_model_dir))).processor is None
+    assert GenerateState(types.SimpleNamespace()).processor is None
+    c = parse_args(["--rollout-batch-size", "1", "--num-rollout", "1"], validate=False)
+    assert PluginArgs(c.rollout, c.data).partial_rollout is False
+
+
 # ----------------------------------------------------------------------------- the model, the data, the run
 def build_tool_calling_vlm(out: Path) -> Path:
     """A tiny Qwen3-VL (miles.utils.tiny_vlm) that answers a generation prompt with ``TOOL_CALL`` and its EOS.
