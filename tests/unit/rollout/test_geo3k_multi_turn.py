@@ -1,13 +1,20 @@
-"""Miles's multi-turn geo3k VLM example, its own code unchanged, as the custom generate function of a rollout here.
+"""The multi-turn geo3k VLM example as the custom generate function of a rollout here: ours, and Miles's own on demand.
 
-tests/fixtures/miles_scripts/plugins/examples/geo3k_vlm/multi_turn/ holds radixark/miles@v0.1.0:examples/geo3k_vlm/
-multi_turn/{rollout,env_geo3k,base_env,__init__}.py and its config yaml byte for byte (below a header naming each
-file's git blob; checked here). The rollout runs with the flags of Miles's launcher
-(radixark/miles@v0.1.0:examples/geo3k_vlm/multi_turn/run_geo3k_vlm_multi_turn.py: ``--input-key problem --label-key
-answer --multimodal-keys '{"image": "images"}' --rm-type math --apply-chat-template --custom-generate-function-path
-examples.geo3k_vlm.multi_turn.rollout.generate --custom-config-path .../geo3k_vlm_multi_turn_config.yaml``) on a
-tiny Qwen3-VL. What the example needs from the run, as Miles gives it: ``GenerateState(args).processor`` (the
-checkpoint's processor), ``sample.prompt`` as the chat-templated text, ``args.partial_rollout`` and the router address.
+tests/fixtures/miles_scripts/plugins/examples/geo3k_vlm/multi_turn/ is this project's small module of Miles's example
+(radixark/miles@v0.1.0:examples/geo3k_vlm/multi_turn/: same module path, names, signatures, config keys and uses of
+the plugin API, its own code). Each scenario also runs Miles's files themselves when ``MILES_REPO`` names a Miles
+checkout or git directory (a bare mirror is fine; ``MILES_REV``, default v0.1.0): ``examples/__init__.py`` and
+``examples/geo3k_vlm/multi_turn/`` are extracted into the test's tmp directory (nothing of Miles enters the
+repository) and put on ``sys.path`` in place of the fixture; without ``MILES_REPO`` that variant is skipped.
+
+The rollout runs with the flags of Miles's launcher (radixark/miles@v0.1.0:examples/geo3k_vlm/multi_turn/
+run_geo3k_vlm_multi_turn.py: ``--input-key problem --label-key answer --multimodal-keys '{"image": "images"}'
+--rm-type math --apply-chat-template --custom-generate-function-path examples.geo3k_vlm.multi_turn.rollout.generate
+--custom-config-path .../geo3k_vlm_multi_turn_config.yaml``) on a tiny Qwen3-VL. What the example needs from the run,
+as Miles gives it: ``GenerateState(args).processor`` (the checkpoint's processor) and ``.tokenizer``,
+``sample.prompt`` as the chat-templated text, ``sample.multimodal_inputs``, ``args.partial_rollout``,
+``args.apply_chat_template(_kwargs)``, the config's ``max_turns`` / ``rollout_interaction_env_path`` and the router
+address.
 
 The model answers every turn with one tool call, ``<tool_call>{"name": "calc_score", "arguments": {"answer": "3"}}
 </tool_call>``, so that geo3k's environment scores it and the sample takes all of ``max_turns: 3``: three model turns,
@@ -24,11 +31,16 @@ them), the only messages geo3k's environment writes; a message with images is re
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import io
 import json
+import os
+import shutil
+import subprocess
 import sys
+import tarfile
 import threading
 import types
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -44,24 +56,16 @@ from miles.types import SampleStatus
 from miles.utils.model_dir import load_tokenizer
 
 PLUGINS = Path(__file__).resolve().parents[2] / "fixtures" / "miles_scripts" / "plugins"
-EXAMPLE = PLUGINS / "examples" / "geo3k_vlm" / "multi_turn"
-MARKER = "# ---- verbatim below ----\n"
+EXAMPLE = Path("examples") / "geo3k_vlm" / "multi_turn"
+CONFIG = EXAMPLE / "geo3k_vlm_multi_turn_config.yaml"
+MILES_REPO, MILES_REV = os.environ.get("MILES_REPO"), os.environ.get("MILES_REV", "v0.1.0")
 PAYLOAD = '{"name": "calc_score", "arguments": {"answer": "3"}}'
 TOOL_CALL = f"<tool_call>{PAYLOAD}</tool_call>"
-OBSERVATION = ("calc_score result: 1.0. Parsed answer '3' matches the reference. You can now stop reasoning and "
-               "provide the final solution in \\boxed{}.")
+# the environment's answer to a right calc_score call, the fixture's and Miles's
+OBSERVATIONS = {"ours": "calc_score says 1.0: the answer '3' is correct. Give the final answer as \\boxed{}.",
+                "miles": "calc_score result: 1.0. Parsed answer '3' matches the reference. You can now stop reasoning "
+                         "and provide the final solution in \\boxed{}."}
 MAX_TURNS = 3
-
-
-def test_the_fixture_is_miles_own_code():
-    """Each file below its header is the blob the header names (git's object hash of Miles's file at v0.1.0)."""
-    for path in sorted(EXAMPLE.iterdir()):
-        if path.name == "__pycache__":
-            continue
-        header, body = path.read_bytes().split(MARKER.encode(), 1)
-        assert f"radixark/miles@v0.1.0:examples/geo3k_vlm/multi_turn/{path.name}".encode() in header, path
-        blob = header.split(b"git blob ")[1][:40].decode()
-        assert hashlib.sha1(b"blob %d\0" % len(body) + body).hexdigest() == blob, path
 
 
 def test_generate_state_processor_as_miles(tiny_model_dir, vlm_dir):
@@ -137,30 +141,72 @@ def data(tmp_path_factory) -> Path:
     return path
 
 
-def _flags(vlm_dir: Path, data: Path) -> list[str]:
+def _flags(vlm_dir: Path, data: Path, config: Path) -> list[str]:
     return ["--hf-checkpoint", str(vlm_dir), "--prompt-data", str(data), "--input-key", "problem",
             "--label-key", "answer", "--multimodal-keys", '{"image": "images"}', "--rm-type", "math",
             "--apply-chat-template", "--custom-generate-function-path", "examples.geo3k_vlm.multi_turn.rollout.generate",
-            "--custom-config-path", str(EXAMPLE / "geo3k_vlm_multi_turn_config.yaml"),
+            "--custom-config-path", str(config),
             "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "1024",
             "--rollout-max-context-len", "500", "--rollout-temperature", "1", "--num-rollout", "1",
             "--train-backend", "fsdp"]
 
 
-@pytest.fixture
-def example_on_path(monkeypatch):
-    monkeypatch.syspath_prepend(str(PLUGINS))
-    yield
-    for name in [m for m in sys.modules if m.startswith(("examples.geo3k_vlm.multi_turn", "rollout_env_"))]:
+def materialise_miles_example(repo: Path, rev: str, out: Path) -> Path:
+    """Miles's ``examples/__init__.py`` and ``examples/geo3k_vlm/multi_turn/`` under ``out``, from a checkout (its
+    files) or a git directory (``git archive`` of ``rev``)."""
+    parts = ["examples/__init__.py", str(EXAMPLE)]
+    if (repo / "examples").is_dir():
+        shutil.copytree(repo / EXAMPLE, out / EXAMPLE)
+        shutil.copy(repo / parts[0], out / parts[0])
+    else:
+        tar = subprocess.run(["git", "--git-dir", str(repo), "archive", rev, *parts], capture_output=True, timeout=60)
+        assert tar.returncode == 0, tar.stderr.decode()
+        with tarfile.open(fileobj=io.BytesIO(tar.stdout)) as t:
+            t.extractall(out, filter="data")
+    return out
+
+
+@dataclass
+class Example:
+    source: str          # "ours" (the fixture) or "miles" (Miles's files from MILES_REPO)
+    root: Path           # the directory holding examples/
+
+    @property
+    def config(self) -> Path:
+        return self.root / CONFIG
+
+    @property
+    def observation(self) -> str:
+        return OBSERVATIONS[self.source]
+
+
+@pytest.fixture(params=["ours", "miles"])
+def example_on_path(request, monkeypatch, tmp_path):
+    """The example's ``examples`` package first on sys.path (ours, or Miles's: skipped without MILES_REPO); the
+    ``examples.*`` modules imported before are set aside and put back after."""
+    if request.param == "miles":
+        if not MILES_REPO:
+            pytest.skip("MILES_REPO (a Miles checkout or git directory) is not set: Miles's own example is not run")
+        root = materialise_miles_example(Path(MILES_REPO), MILES_REV, tmp_path / "miles")
+    else:
+        root = PLUGINS
+    assert (root / EXAMPLE / "rollout.py").is_file()
+    mine = ("examples", "rollout_env_", "geo3k_env_")
+    saved = {n: sys.modules.pop(n) for n in [m for m in sys.modules if m.startswith(mine)]}
+    monkeypatch.syspath_prepend(str(root))
+    yield Example(request.param, root)
+    for name in [m for m in sys.modules if m.startswith(mine)]:
         sys.modules.pop(name, None)
+    sys.modules.update(saved)
 
 
 @pytest.fixture
-def vision_info(monkeypatch, example_on_path):
-    """qwen_vl_utils, or the stand-in of its process_vision_info for messages without images or videos."""
+def vision_info(monkeypatch, example_on_path) -> Example:
+    """The example on the path, with qwen_vl_utils or the stand-in of its process_vision_info for messages without
+    images or videos."""
     try:
         import qwen_vl_utils  # noqa: F401
-        return
+        return example_on_path
     except ImportError:
         pass
 
@@ -177,11 +223,12 @@ def vision_info(monkeypatch, example_on_path):
     stand_in = types.ModuleType("qwen_vl_utils")
     stand_in.process_vision_info = process_vision_info
     monkeypatch.setitem(sys.modules, "qwen_vl_utils", stand_in)
+    return example_on_path
 
 
-async def run_rollout(vlm_dir: Path, data: Path, client: Any) -> tuple[Any, PromptDataset]:
+async def run_rollout(vlm_dir: Path, data: Path, client: Any, config: Path) -> tuple[Any, PromptDataset]:
     """One training rollout of the built-in rollout manager with the launcher's flags (2 prompts x 2 samples)."""
-    cfg = parse_args(_flags(vlm_dir, data))
+    cfg = parse_args(_flags(vlm_dir, data, config))
     tok = load_tokenizer(str(vlm_dir), "--hf-checkpoint")
     ds = PromptDataset(data, tok, cfg.data)
     manager = RolloutManager(cfg.rollout, cfg.data, cfg.reward, client, tok, DataSource(ds), eval_cfg=cfg.eval,
@@ -203,7 +250,7 @@ def _runs(mask: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def check_samples(samples: list[Any], ds: PromptDataset, vlm_dir: Path) -> None:
+def check_samples(samples: list[Any], ds: PromptDataset, vlm_dir: Path, observation: str) -> None:
     """Each sample is Miles's multi-turn trajectory: the templated prompt's processor ids, then three tool-call turns
     (loss mask 1) with the environment's two observations between them (loss mask 0), the images kept."""
     from miles.rollout.sglang_rollout import GenerateState
@@ -235,7 +282,7 @@ def check_samples(samples: list[Any], ds: PromptDataset, vlm_dir: Path) -> None:
         for turn in chunks[0::2]:
             assert tok.decode(turn, skip_special_tokens=True) == TOOL_CALL
         for obs in chunks[1::2]:
-            assert tok.decode(obs) == f"<|im_start|>user\n{OBSERVATION}<|im_end|>\n<|im_start|>assistant\n"
+            assert tok.decode(obs) == f"<|im_start|>user\n{observation}<|im_end|>\n<|im_start|>assistant\n"
         lp = np.asarray(s.rollout_log_probs)
         assert np.all(lp[np.asarray(s.loss_mask) == 0] == 0.0) and np.all(lp <= 0.0)
         assert s.response == tok.decode(response, skip_special_tokens=False)
@@ -296,17 +343,16 @@ def stand_in(vlm_dir):
     server.close()
 
 
-def test_miles_example_runs_unchanged_against_a_generate_stand_in(vlm_dir, data, stand_in, vision_info):
-    """Every /generate of a sample holds its tokens so far and, for the row with an image, that image as SGLang's
+def test_geo3k_multi_turn_against_a_generate_stand_in(vlm_dir, data, stand_in, vision_info):
+    """Three turns per sample, the observations between them (check_samples). Every /generate of a sample holds its tokens so far and, for the row with an image, that image as SGLang's
     image_data (PNG of its pixels), on each of its three turns."""
     import base64
-    import io
 
     from PIL import Image
 
-    result, ds = asyncio.run(run_rollout(vlm_dir, data, stand_in))
+    result, ds = asyncio.run(run_rollout(vlm_dir, data, stand_in, vision_info.config))
     samples = [s for g in result.samples for s in g]
-    check_samples(samples, ds, vlm_dir)
+    check_samples(samples, ds, vlm_dir, vision_info.observation)
     assert len(stand_in.payloads) == 4 * MAX_TURNS
     for s in samples:
         mine = [p for p in stand_in.payloads if p["input_ids"] == s.tokens[:len(p["input_ids"])]]
@@ -324,13 +370,13 @@ def test_miles_example_runs_unchanged_against_a_generate_stand_in(vlm_dir, data,
 
 def test_without_qwen_vl_utils_the_first_observation_fails_in_one_line(vlm_dir, data, stand_in, example_on_path,
                                                                        monkeypatch):
-    """Miles's example imports qwen_vl_utils to encode an observation once a processor is set; without the package
+    """The example imports qwen_vl_utils (Miles's requirement) to encode an observation once a processor is set; without the package
     each sample fails there, and a rollout whose samples all failed stops with one line naming the module."""
     from miles.rollout.manager import RolloutError
 
     monkeypatch.setitem(sys.modules, "qwen_vl_utils", None)    # not importable, whether installed or not
     with pytest.raises(RolloutError) as e:
-        asyncio.run(run_rollout(vlm_dir, data, stand_in))
+        asyncio.run(run_rollout(vlm_dir, data, stand_in, example_on_path.config))
     assert "every one of 4 samples failed" in str(e.value) and "qwen_vl_utils" in str(e.value), e.value
     assert "\n" not in str(e.value)
     assert len(stand_in.payloads) == 4       # one model turn each, then the observation's encoding failed
@@ -338,8 +384,8 @@ def test_without_qwen_vl_utils_the_first_observation_fails_in_one_line(vlm_dir, 
 
 # ----------------------------------------------------------------------------- against the embedded engine
 @pytest.mark.multiprocess
-def test_miles_example_runs_unchanged_on_the_embedded_engine(vlm_dir, data, vision_info, tmp_path):
-    """The embedded engine serves the tiny Qwen3-VL (images through its vision tower); Miles's example drives it
+def test_geo3k_multi_turn_on_the_embedded_engine(vlm_dir, data, vision_info, tmp_path):
+    """The embedded engine serves the tiny Qwen3-VL (images through its vision tower); the example drives it
     through the router address args with ``miles.utils.http_utils.post``, three turns per sample."""
     from embedded_engines import start_engine, wait_engines
 
@@ -348,7 +394,7 @@ def test_miles_example_runs_unchanged_on_the_embedded_engine(vlm_dir, data, visi
     async def go() -> tuple[Any, PromptDataset]:
         await wait_engines([(url, sup)])
         async with EngineClient(url, timeout=120, max_retries=1, concurrency=8) as client:
-            return await run_rollout(vlm_dir, data, client)
+            return await run_rollout(vlm_dir, data, client, vision_info.config)
 
     sup, url = start_engine(vlm_dir, tmp_path / "engine.log", None, name="geo3k")
     try:
@@ -356,6 +402,6 @@ def test_miles_example_runs_unchanged_on_the_embedded_engine(vlm_dir, data, visi
     finally:
         sup.stop()
     samples = [s for g in result.samples for s in g]
-    check_samples(samples, ds, vlm_dir)
+    check_samples(samples, ds, vlm_dir, vision_info.observation)
     for s in samples:
         assert all(lp > -1e-3 for lp, m in zip(s.rollout_log_probs, s.loss_mask) if m)   # the chain: p ~ 1
