@@ -32,7 +32,10 @@ from miles.types import Sample
 
 @dataclass
 class GenerateState:
-    """What Miles's generate functions read from ``input.state``."""
+    """What Miles's generate functions read from ``input.state`` (or build as ``GenerateState(args)``): ``tokenizer``
+    (the run's, ``args.tokenizer``) and ``processor``, as Miles's ``load_processor(args.hf_checkpoint)``: the
+    checkpoint's multimodal processor (``miles.utils.processing_utils.checkpoint_processor``, loaded once per
+    checkpoint), None for a text-only model or args naming no checkpoint."""
 
     args: Any
     tokenizer: Any = None
@@ -42,6 +45,16 @@ class GenerateState:
     def __post_init__(self) -> None:
         if self.tokenizer is None:  # Miles's GenerateState(args) loads it; here the args carry it
             self.tokenizer = getattr(self.args, "tokenizer", None)
+        if self.processor is None:
+            self.processor = _processor_of(self.args, self.tokenizer)
+
+
+def _processor_of(args: Any, tokenizer: Any) -> Any:
+    """The processor of ``--hf-checkpoint`` (else of the directory the tokenizer came from), or None."""
+    from miles.utils.processing_utils import checkpoint_processor
+
+    path = getattr(args, "hf_checkpoint", None) or getattr(tokenizer, "name_or_path", None)
+    return checkpoint_processor(str(path)) if path else None
 
 
 @dataclass(frozen=True)

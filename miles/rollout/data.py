@@ -9,7 +9,8 @@ Rows are objects with the prompt under ``--input-key`` (a string, or a list of c
 optional label under ``--label-key``, metadata under ``--metadata-key`` and tool specs under
 ``--tool-key``. ``--apply-chat-template`` renders the prompt with the tokenizer's own chat template
 (a string prompt becomes one user message); it is never implied: a list-shaped prompt without the
-flag is an error. Prompt token ids are computed here, once, and travel unchanged to the engine. With
+flag is an error. Prompt token ids are computed here, once, and travel unchanged to the engine. The rendered
+text is kept too (``PromptItem.text``): it is ``sample.prompt`` of the samples a generate function gets, as in Miles. With
 ``--multimodal-keys`` the ``<image>`` placeholders are rendered as image items and each image's token is expanded
 to its count (``miles.rollout.multimodal``), so the ids are what the engine and the trainer take with the images.
 """
@@ -38,7 +39,9 @@ PARQUET_SUFFIXES = (".parquet", ".pq")
 
 @dataclass
 class PromptItem:
-    """One prompt, ready to generate from. ``index`` is its row position in the dataset."""
+    """One prompt, ready to generate from. ``index`` is its row position in the dataset. ``prompt`` is the row's
+    prompt; ``text`` its chat-templated text under ``--apply-chat-template`` (None without the flag): what Miles's
+    data loader makes ``sample.prompt``, and the text ``prompt_ids`` are the tokens of (images' tokens expanded)."""
 
     index: int
     prompt: str | list[dict[str, Any]]
@@ -46,6 +49,13 @@ class PromptItem:
     label: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
     tools: list[dict[str, Any]] | None = None
+    text: str | None = None
+
+    @property
+    def sample_prompt(self) -> Any:
+        """``Sample.prompt`` of a generated sample, as Miles's: the chat-templated text under
+        ``--apply-chat-template``, else the row's prompt."""
+        return self.text if self.text is not None else self.prompt
 
 
 DEFAULT_MAX_RECORD_BYTES = 8 * 1024 * 1024
@@ -239,8 +249,9 @@ class PromptDataset:
         for start in range(0, len(texts), _TOKENIZE_CHUNK):
             chunk = texts[start:start + _TOKENIZE_CHUNK]
             # with images the limit applies to the expanded ids (as Miles's processor-based length filter)
-            for (where, prompt, label, metadata, tools), ids in zip(
-                    parsed[start:start + _TOKENIZE_CHUNK], self._tokenize(tokenizer, chunk, None if images else limit)):
+            for (where, prompt, label, metadata, tools), text, ids in zip(
+                    parsed[start:start + _TOKENIZE_CHUNK], chunk,
+                    self._tokenize(tokenizer, chunk, None if images else limit)):
                 if ids is not None and images is not None:
                     ids = _expand_images(images, ids, metadata, where)
                     ids = ids if limit is None or len(ids) <= limit else None
@@ -248,7 +259,8 @@ class PromptDataset:
                     self.num_dropped_too_long += 1
                     continue
                 items.append(PromptItem(index=len(items), prompt=prompt, prompt_ids=ids, label=label,
-                                        metadata=metadata, tools=tools or None))
+                                        metadata=metadata, tools=tools or None,
+                                        text=text if data.apply_chat_template else None))
         if self.num_dropped_too_long:
             logger.warning("%s: dropped %d of %d prompts longer than --rollout-max-prompt-len %d tokens",
                            self.path, self.num_dropped_too_long, self.num_rows, limit)

@@ -259,7 +259,7 @@ class RolloutManager:
         meta = copy.deepcopy(g.item.metadata)
         if g.item.tools is not None:
             meta.setdefault("tools", g.item.tools)
-        return Sample(group_index=g.index, index=g.index * n + i, rollout_id=rollout_id, prompt=g.item.prompt,
+        return Sample(group_index=g.index, index=g.index * n + i, rollout_id=rollout_id, prompt=g.item.sample_prompt,
                       tokens=list(g.item.prompt_ids), label=g.item.label, metadata=meta)
 
     @staticmethod

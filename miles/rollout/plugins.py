@@ -24,12 +24,17 @@ from typing import Any
 from miles.config.base import ConfigError
 from miles.utils.imports import UNSUPPORTED_ATTR, load_function, unsupported  # noqa: F401 - re-exported
 
+# Miles flags refused here (naming one is an error), at the value they have when not given: a plugin written for Miles
+# that reads one sees what is true of this run (Miles's multi-turn geo3k example asserts ``not args.partial_rollout``)
+REFUSED_FLAG_VALUES: dict[str, Any] = {"partial_rollout": False}
+
 
 class PluginArgs:
     """Read-only attribute view over config sections, plus the engine client and the tokenizer.
 
     ``args.x`` returns ``overrides[x]``, else the first section's field ``x`` (sections never share field names),
-    else ``extra[x]``. Unknown names raise AttributeError listing where they were looked up.
+    else ``extra[x]``, else the value of a Miles flag refused here (``REFUSED_FLAG_VALUES``). Unknown names raise
+    AttributeError listing where they were looked up.
     """
 
     def __init__(self, *sections: Any, client: Any = None, tokenizer: Any = None,
@@ -43,6 +48,8 @@ class PluginArgs:
             for f in fields(sec):
                 values.setdefault(f.name, getattr(sec, f.name))
         for name, value in (extra or {}).items():  # --custom-config-path keys that name no flag
+            values.setdefault(name, value)
+        for name, value in REFUSED_FLAG_VALUES.items():
             values.setdefault(name, value)
         object.__setattr__(self, "_values", values)
         object.__setattr__(self, "_sections", [type(s).__name__ for s in sections if s is not None])
