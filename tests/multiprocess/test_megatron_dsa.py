@@ -127,7 +127,7 @@ LP_BOUND, UPDATE_BOUND, REL_BOUND = 2e-6, 3e-5, 4e-5
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["glm5", "dsv32"])
+@pytest.mark.parametrize("family", ["glm5", "dsv32", "glm52"])
 def test_dsa_matches_hf_on_gpu_bf16(request, tmp_path: Path, free_port: int, family: str) -> None:
     """bf16 on one GPU (the indexer's Hadamard transform by fast_hadamard_transform where it imports): Megatron's
     logits are as far from transformers' bf16 logits as transformers' own bf16 logits are from its fp32 ones, within
@@ -135,7 +135,7 @@ def test_dsa_matches_hf_on_gpu_bf16(request, tmp_path: Path, free_port: int, fam
     check_gpu_matches_hf(HERE, request.getfixturevalue(FAMILY_DIRS[family]), tmp_path / "gpu.json", free_port, family)
 
 
-@pytest.mark.parametrize("family", ["glm5", "dsv32"])
+@pytest.mark.parametrize("family", ["glm5", "dsv32", "glm52"])
 def test_embedded_engine_serves_dsa(request, tmp_path: Path, family: str) -> None:
     """``python -m miles.engine`` (generic transformers path, its cache built from config.json so the indexer keeps
     its keys) decodes greedily as transformers' ``generate`` does, past the indexer's top-k."""
