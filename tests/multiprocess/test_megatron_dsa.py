@@ -18,7 +18,8 @@ bitwise.
 DeepseekV32ForCausalLM under FSDP2, DP 2) and the Megatron trainer (TP 2, sequence parallel) train the same 2
 rollouts: log-probs before training, step metrics and the update after 2 steps agree; the fp32 and bf16 exports of
 the untrained model equal the checkpoint; ``--save-hf`` loads in transformers to the trained weights; a torch_dist
-checkpoint saved and resumed restores them bitwise.
+checkpoint saved and resumed restores them bitwise. The rows are checked first to leave no indexer top-k to a tie
+(``boundary_ties``: there the keys kept would be ``torch.topk``'s tie order, not the model's).
 
 ``test_dsa_matches_hf_on_gpu_bf16`` (``gpu``): one GPU, bf16, TP 1, against transformers' bf16 logits.
 """
@@ -112,9 +113,40 @@ def test_dsa_expert_parallel_matches_hf(request, tmp_path: Path, free_port: int,
     print(family, "ep2", res["max_abs_err"])
 
 
+def boundary_ties(model_dir: Path, samples: list) -> list[tuple[int, int]]:
+    """(sample, query position) where transformers' indexer, run on the sample alone, has a tie between its
+    ``index_topk``-th and next best score over the causal keys: there the keys kept are ``torch.topk``'s tie order,
+    which changes with the row's padded length, so two backends need not keep the same ones."""
+    from unittest import mock
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    k, topk, seen = hf.config.index_topk, torch.Tensor.topk, []
+
+    def recording(t, n, *a, **kw):
+        if t.dim() == 3 and t.shape[-1] == t.shape[-2] == length and n == min(k, length):
+            seen.append(t.detach().clone())            # the indexer's [1, s, s] scores (not the router's)
+        return topk(t, n, *a, **kw)
+
+    ties = []
+    with mock.patch.object(torch.Tensor, "topk", recording), torch.no_grad():
+        for i, sample in enumerate(samples):
+            length, seen = len(sample.tokens), []
+            hf(input_ids=torch.tensor([sample.tokens]))
+            ties += [(i, q) for scores in seen for q in range(k, length)
+                     if (v := scores[0, q, :q + 1].sort(descending=True).values)[k - 1] == v[k]]
+    return ties
+
+
 @pytest.mark.parametrize("family", ["glm5", "dsv32", "glm52"])
 def test_dsa_trainer_parity_with_fsdp(request, tmp_path: Path, free_port: int, family: str) -> None:
+    from trainer_harness import random_samples
+
     model_dir = request.getfixturevalue(FAMILY_DIRS[family])
+    # the parity worker's rows (family_workers.parity_worker) must not leave the top-k to a tie (INDEX_HEADS)
+    assert not boundary_ties(model_dir, random_samples(4, 4, seed=7, vocab=90)), "indexer top-k ties in the rows"
     res = launch(HERE, 2, free_port, "parity", model_dir, tmp_path / "parity.pt", timeout=600)
     print(family, {k: res[k] for k in ("lp_max_abs_diff", "update_max_abs_diff", "update_rel_l2", "update_worst")})
     check_parity(res, lp_bound=LP_BOUND, update_bound=UPDATE_BOUND, rel_bound=REL_BOUND)
