@@ -239,11 +239,12 @@ def build_family_model(out: Path, model: str | None, seed: int = 0) -> Path:
     if mt == "nemotron_h":             # hybrid Mamba-2 / attention / latent MoE: its own builder
         from miles.utils.tiny_nemotron import build_tiny_nemotron_model
 
-        # every layer kind on each of 2 pipeline stages (M E * | - E M); KV heads 1 where the real model has 2 so
-        # the replay's TP 2 replicates them as the recorded TP 4 does
+        # every layer kind on each of 2 pipeline stages (M E * | - E M; the dense Nano: M * - | M * -); KV heads 1
+        # where the real model has 2 so the replay's TP 2 replicates them as the recorded TP 4 does
         kv = int(real.get("num_key_value_heads") or 2)
-        return build_tiny_nemotron_model(out, pattern="ME*-EM", num_kv_heads=1 if kv <= 2 else 2, seed=seed,
-                                         moe_latent_size=32 if real.get("moe_latent_size") else None,
+        moe = "E" in real["hybrid_override_pattern"]
+        return build_tiny_nemotron_model(out, pattern="ME*-EM" if moe else "M*-M*-", num_kv_heads=1 if kv <= 2 else 2,
+                                         seed=seed, moe_latent_size=32 if real.get("moe_latent_size") else None,
                                          routed_scaling_factor=float(real.get("routed_scaling_factor", 1.0) or 1.0))
     if mt == "kimi_k25":               # the multimodal checkpoint (text model under language_model.model.*)
         from miles.utils.tiny_kimi_k25 import build_tiny_kimi_k25

@@ -1,4 +1,5 @@
-"""Multi-latent attention (tiny GLM-4.7-Flash / DeepSeek-V3, ``miles.utils.tiny_mla``) on the Megatron backend, on
+"""Multi-latent attention (tiny GLM-4.7-Flash / DeepSeek-V3 / Kimi-K2 / JoyAI-LLM-Flash, ``miles.utils.tiny_mla``) on
+the Megatron backend, on
 real gloo ranks (torchrun, CPU).
 
 ``test_mla_gpt_matches_hf``: megatron-core's ``MLASelfAttention`` (local spec, our SDPA core attention) with the
@@ -183,10 +184,20 @@ def tiny_kimi_dir(tmp_path_factory) -> Path:
                                 routed_scaling_factor=2.827, max_position_embeddings=256)
 
 
-FAMILY_DIRS = {"glm": "tiny_glm_dir", "dsv3": "tiny_dsv3_dir", "kimi": "tiny_kimi_dir"}
+@pytest.fixture(scope="module")
+def tiny_joyai_dir(tmp_path_factory) -> Path:
+    from miles.utils.tiny_mla import build_tiny_mla_model
+
+    # JoyAI-LLM-Flash (config.json's model_type joyai_llm_flash, DeepSeek-V3's architecture; models/
+    # JoyAI-LLM-Flash.json): q LoRA, one expert group, routed scaling 2.5, rope theta 32e6 without scaling
+    return build_tiny_mla_model(tmp_path_factory.mktemp("tiny_joyai"), model_type="joyai_llm_flash",
+                                routed_scaling_factor=2.5, rope_theta=32000000.0)
 
 
-@pytest.mark.parametrize("family", ["glm", "dsv3", "kimi"])
+FAMILY_DIRS = {"glm": "tiny_glm_dir", "dsv3": "tiny_dsv3_dir", "kimi": "tiny_kimi_dir", "joyai": "tiny_joyai_dir"}
+
+
+@pytest.mark.parametrize("family", ["glm", "dsv3", "kimi", "joyai"])
 def test_mla_gpt_matches_hf(request, tmp_path: Path, free_port: int, family: str) -> None:
     from safetensors.torch import load_file
 
@@ -212,7 +223,7 @@ def test_mla_gpt_matches_hf(request, tmp_path: Path, free_port: int, family: str
         assert err <= 1e-5 * max(float(g.abs().max()), 1e-6), (name, err, float(g.abs().max()))
 
 
-@pytest.mark.parametrize("family", ["glm", "dsv3", "kimi"])
+@pytest.mark.parametrize("family", ["glm", "dsv3", "kimi", "joyai"])
 def test_mla_expert_parallel_matches_hf(request, tmp_path: Path, free_port: int, family: str) -> None:
     """EP 2 (each rank half of the experts, all-to-all dispatcher): the same logits, and the export gathered over EP
     equals the checkpoint bit for bit (the routers' expert bias exported with the non-expert tensors)."""
@@ -224,11 +235,11 @@ def test_mla_expert_parallel_matches_hf(request, tmp_path: Path, free_port: int,
     assert sorted(res["exported"]) == res["disk"] and sorted(res["same"]) == res["disk"]
 
 
-@pytest.mark.parametrize("family", ["glm", "dsv3", "kimi"])
+@pytest.mark.parametrize("family", ["glm", "dsv3", "kimi", "joyai"])
 def test_mla_trainer_parity_with_fsdp(request, tmp_path: Path, free_port: int, family: str) -> None:
-    """GLM-4.7-Flash, DeepSeek-V3 (grouped routing, no q LoRA, YaRN rope) and Kimi-K2 (model_type kimi_k2:
+    """GLM-4.7-Flash, DeepSeek-V3 (grouped routing, no q LoRA, YaRN rope), Kimi-K2 (model_type kimi_k2:
     transformers' DeepSeek-V3 under FSDP2 via hf_aliases, its YaRN rope over rows longer than the tiny original
-    context)."""
+    context) and JoyAI-LLM-Flash (model_type joyai_llm_flash, the same alias; rope theta 32e6, no scaling)."""
     import torch
     from family_workers import check_parity
 
@@ -242,7 +253,9 @@ def test_mla_trainer_parity_with_fsdp(request, tmp_path: Path, free_port: int, f
 
 # measured (2026-12-07, OMP_NUM_THREADS=1 python -m pytest -s tests/multiprocess/test_megatron_mla.py -k
 # "trainer_parity_with_fsdp"): log-probs 9.5e-7 (GLM-4.7-Flash, DeepSeek-V3) / 4.8e-7 (Kimi-K2) apart; the update
-# after 2 steps 1.5e-5 / 1.1e-5 / 4.8e-6 (max abs), 1.5e-5 / 1.8e-5 / 9.1e-6 (relative L2). About twice the largest.
+# after 2 steps 1.5e-5 / 1.1e-5 / 4.8e-6 (max abs), 1.5e-5 / 1.8e-5 / 9.1e-6 (relative L2). JoyAI-LLM-Flash (same day,
+# -k "trainer_parity_with_fsdp and joyai"): log-probs 9.5e-7, update 4.8e-6 (max abs), 7.4e-6 (relative L2). About
+# twice the largest.
 LP_BOUND, UPDATE_BOUND, REL_BOUND = 2e-6, 3e-5, 4e-5
 
 
@@ -282,7 +295,7 @@ def test_mla_parallel_layouts_match_fsdp(tiny_kimi_dir: Path, tmp_path: Path, fr
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["glm", "dsv3", "kimi"])
+@pytest.mark.parametrize("family", ["glm", "dsv3", "kimi", "joyai"])
 def test_mla_matches_hf_on_gpu_bf16(request, tmp_path: Path, free_port: int, family: str) -> None:
     """bf16 on one GPU, TP 1 (Kimi-K2: MLA, YaRN, the sigmoid router with expert bias and top-k scaling): Megatron's
     logits are as far from transformers' bf16 logits as transformers' own bf16 logits are from its fp32 ones, within

@@ -294,13 +294,10 @@ NANO_COMMAND = """--disable-bias-linear --group-query-attention --num-attention-
 --actor-num-nodes 1 --actor-num-gpus-per-node 8 --num-gpus-per-node 8 --rollout-num-gpus 8"""
 # Nemotron-3-Nano-4B at the sizes of Miles's model flags (radixark/miles@v0.1.0:scripts/models/nemotron-3-nano-4b.py:
 # 42 layers, hidden 3136, FFN 12544, 40 heads / 8 KV groups of 128, vocab 131072, untied); its layer pattern (dense:
-# Mamba, attention, MLP) and Mamba sizes are not in Miles's script: illustrative
-NANO_4B = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "hidden_size": 3136,
-           "hybrid_override_pattern": "".join("*" if i in (7, 17, 27, 37) else "M-"[i % 2] for i in range(42)),
-           "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 12544,
-           "mlp_hidden_act": "relu2", "mamba_num_heads": 96, "mamba_head_dim": 80, "n_groups": 8, "ssm_state_size": 128,
-           "conv_kernel": 4, "chunk_size": 128, "vocab_size": 131072, "max_position_embeddings": 262144,
-           "tie_word_embeddings": False, "layer_norm_epsilon": 1e-5, "torch_dtype": "bfloat16"}
+# Mamba, attention, MLP) and Mamba sizes are not in Miles's script: illustrative (the FSDP Nano fixture's model,
+# tests/fixtures/miles_scripts/models/README.md)
+NANO_4B = json.loads((Path(__file__).resolve().parents[3] / "fixtures/miles_scripts/models/NVIDIA-Nemotron-3-Nano-4B.json")
+                     .read_text())
 
 
 def test_recorded_nano_command_dry_run(tmp_path: Path) -> None:
