@@ -66,7 +66,8 @@ def setup(tmp_path_factory) -> tuple[Path, Callable[[bool], Path]]:
 
 # layout (published with MTP, or text-only) x weight-sync mode: colocated (``tensor``) as recorded, and the published
 # layout once through ``disk-delta`` (one engine rank of its own, loading a full safetensors version under the
-# published names, ``model.language_model.`` and the DeltaNet's ``linear_attn.*`` among them, then per-tensor deltas)
+# published names, ``model.language_model.``, the DeltaNet's ``linear_attn.*`` and the MTP layer's ``mtp.*`` among
+# them, then per-tensor deltas; the check leaves ``mtp.*`` out: the engines serve the main model)
 LAYOUT_MODES = {"text": (False, "tensor"), "published_layout_mtp": (True, "tensor"),
                 "published_layout_mtp-disk-delta": (True, "disk-delta")}
 
