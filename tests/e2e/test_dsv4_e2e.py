@@ -3,7 +3,8 @@ tests/snapshots/launch_scripts/py/scripts/run_deepseek_v4.py/train.txt) that mil
 scaled to 2 CPU ranks (TP 2 with sequence parallelism and EP 2, as its TP 8 / EP 8; colocated), on the tiny V4
 (``miles.utils.tiny_dsv4``), the embedded engines serving it on the generic transformers path: 2 rollouts, a weight
 sync after each under ``--check-weight-update-equal`` (the engines hold exactly the trainer's weights: transformers'
-names, fused experts, the hash routers' int64 tables).
+names, fused experts, the hash routers' int64 tables), colocated (``tensor``, as recorded) and with one engine rank of
+its own (``p2p``: each trainer rank sends its dim-0 share of every tensor, the int64 tables and the mHC tensors too).
 
 The model is spelled out as the recorded command spells it, in Miles's Megatron fork's flags at the tiny model's
 values (``fork_spelled_flags``: ``--multi-latent-attention`` with ``--kv-lora-rank`` as V4's head dim, the YaRN flags of
@@ -27,7 +28,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _family_e2e import check_two_rollouts, quickstart_data, two_rollouts_cmd
+from _family_e2e import check_two_rollouts, quickstart_data, two_rollouts_cmd, weight_sync_flags
 from _miles_e2e import check_ok, run
 
 pytest.importorskip("megatron.core")
@@ -49,9 +50,9 @@ RECORDED = [  # the recorded command's flags miles takes, GPU counts scaled to 2
     "--context-parallel-size", "1", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
     "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
     "--micro-batch-size", "1", "--rollout-num-gpus-per-engine", "1", "--accumulate-allreduce-grads-in-fp32",
-    "--qkv-format", "bshd", "--colocate", "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2",
-    "--num-gpus-per-node", "2", "--spec", "miles_plugins.models.deepseek_v4.deepseek_v4", "get_dsv4_spec",
-    "--use-rollout-routing-replay"]
+    "--qkv-format", "bshd", "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2",
+    "--spec", "miles_plugins.models.deepseek_v4.deepseek_v4", "get_dsv4_spec",
+    "--use-rollout-routing-replay"]  # + the weight-sync mode's flags (recorded: --colocate)
 
 
 # the recorded command's flags of Miles's Megatron fork that name no shape
@@ -122,14 +123,17 @@ def test_engine_serves_dsv4(setup, unclamped: bool) -> None:
     assert got["output_ids"] == seq[0, len(prompt):].tolist()
 
 
-def test_dsv4_recorded_flags_run_two_rollouts(setup, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["tensor", "p2p"])
+def test_dsv4_recorded_flags_run_two_rollouts(setup, tmp_path: Path, mode: str) -> None:
     data, model = setup
+    flags, nproc = weight_sync_flags(mode, tmp_path)
     out, log = tmp_path / "run", tmp_path / "run.log"
-    cmd = two_rollouts_cmd([*RECORDED, *fork_spelled_flags(model), *FORK_SWITCHES], model=model, data=data, out=out)
+    cmd = two_rollouts_cmd([*RECORDED, *fork_spelled_flags(model), *FORK_SWITCHES, *flags], model=model, data=data,
+                           out=out, nproc=nproc)
     dry = run([*cmd, "--dry-run"], tmp_path / "dry.log", timeout=300)
     check_ok(dry, tmp_path / "dry.log")
     check_ok(run(cmd, log, timeout=600, MILES_ENGINE_LOG_LEVEL="INFO"), log)   # INFO: the engines' unclamp line
-    check_two_rollouts(out, log)
+    check_two_rollouts(out, log, nproc)
     text = log.read_text()
     assert "routing replay (R3, --use-rollout-routing-replay): 4 MoE routers" in text, text[-3000:]
     engines = [p.read_text() for p in sorted(out.rglob("engine*.log"))]     # the engines follow the trainer's flag

@@ -3,7 +3,9 @@ megatron_glm5.flags) with its model-shape flags scaled to a tiny GLM-5 (``miles.
 world to 2 CPU ranks (TP 2 with sequence parallelism and EP 2, as its TP 4 / EP 8; colocated), the embedded engines
 serving the model on the generic transformers path (transformers' GlmMoeDsaForCausalLM, its indexer included): 2
 rollouts, a weight sync after each under ``--check-weight-update-equal`` (the engines hold exactly the trainer's
-weights under HF names, the indexer's permutation undone).
+weights under HF names, the indexer's permutation undone), colocated (``tensor``, as recorded) and with one engine rank
+of its own (``broadcast``: the DSA indexer's tensors, ``indexer.wq_b`` / ``wk`` / ``k_norm`` / ``weights_proj``, sent
+in the broadcast buckets).
 
 Left out of the recorded command: the GPU kernel flags (``--moe-grouped-gemm``, ``--moe-permute-fusion``: transformer-engine; ``--moe-enable-deepep``,
 ``--moe-token-dispatcher-type flex``: DeepEP) and the ``--sglang-*`` flags of SGLang's DSA serving, which the
@@ -15,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _family_e2e import quickstart_data, run_two_rollouts
+from _family_e2e import quickstart_data, run_two_rollouts, weight_sync_flags
 
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(900)]
@@ -44,7 +46,7 @@ RECORDED = [  # the rest of the recorded command, GPU counts scaled to 2 CPU ran
     "--rollout-num-gpus-per-engine", "1", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
     "--accumulate-allreduce-grads-in-fp32", "--attention-softmax-in-fp32", "--allgather-cp",
     "--update-weight-buffer-size", "2147483648", "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2",
-    "--num-gpus-per-node", "2", "--colocate", "--rematerialize-param-from-master-weight"]
+    "--rematerialize-param-from-master-weight"]  # + the weight-sync mode's flags (recorded: --colocate)
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +58,8 @@ def setup(tmp_path_factory) -> tuple[Path, Path]:
                                                     rms_norm_eps=1e-5)
 
 
-def test_glm5_recorded_command_runs_two_rollouts(setup, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["tensor", "broadcast"])
+def test_glm5_recorded_command_runs_two_rollouts(setup, tmp_path: Path, mode: str) -> None:
     data, model = setup
-    run_two_rollouts([*TINY_SHAPE, *RECORDED], model=model, data=data, tmp_path=tmp_path)
+    flags, nproc = weight_sync_flags(mode, tmp_path)
+    run_two_rollouts([*TINY_SHAPE, *RECORDED, *flags], model=model, data=data, tmp_path=tmp_path, nproc=nproc)

@@ -2,7 +2,10 @@
 megatron_moe_gpt_oss_20b.flags) with its model-shape flags scaled to the tiny gpt-oss (``miles.utils.tiny_gpt_oss``)
 and its 8-GPU world to 2 CPU ranks (TP 2 with sequence parallelism and EP 2, as its TP 8 / EP 8; colocated), the
 embedded engines serving the model on the generic transformers path: 2 rollouts, a weight sync after each under
-``--check-weight-update-equal`` (the engines hold exactly the trainer's weights, HF names and fused experts).
+``--check-weight-update-equal`` (the engines hold exactly the trainer's weights, HF names and fused experts),
+colocated (``tensor``, as recorded) and with one engine rank of its own (``p2p``: each trainer rank sends its dim-0
+share of every tensor, the attention sinks, the biases and the fused experts' ``gate_up_proj`` / ``down_proj`` and
+their biases among them).
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _family_e2e import quickstart_data, run_two_rollouts
+from _family_e2e import quickstart_data, run_two_rollouts, weight_sync_flags
 from miles_fixtures import without_absent_kernel_flags
 
 pytest.importorskip("megatron.core")
@@ -34,8 +37,8 @@ RECORDED = [  # the rest of the recorded command, GPU counts scaled to 2 CPU ran
     "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--recompute-granularity", "full",
     "--recompute-method", "uniform", "--recompute-num-layers", "1", "--micro-batch-size", "1",
     "--rollout-num-gpus-per-engine", "1", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
-    "--qkv-format", "bshd", "--attention-backend", "fused", "--colocate", "--actor-num-nodes", "1",
-    "--actor-num-gpus-per-node", "2", "--num-gpus-per-node", "2"]
+    "--qkv-format", "bshd", "--attention-backend", "fused", "--actor-num-nodes", "1",
+    "--actor-num-gpus-per-node", "2"]  # + the weight-sync mode's flags (recorded: --colocate)
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +49,11 @@ def setup(tmp_path_factory) -> tuple[Path, Path]:
     return quickstart_data(d), build_tiny_gpt_oss_model(d / "gpt_oss")
 
 
-def test_gpt_oss_recorded_command_runs_two_rollouts(setup, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["tensor", "p2p"])
+def test_gpt_oss_recorded_command_runs_two_rollouts(setup, tmp_path: Path, mode: str) -> None:
     data, model = setup
+    flags, nproc = weight_sync_flags(mode, tmp_path)
     # --moe-grouped-gemm, --attention-backend fused need transformer-engine: dropped / auto where it does not import
     # (refused there by name)
-    run_two_rollouts(without_absent_kernel_flags([*TINY_SHAPE, *RECORDED]), model=model, data=data, tmp_path=tmp_path)
+    run_two_rollouts(without_absent_kernel_flags([*TINY_SHAPE, *RECORDED, *flags]), model=model, data=data,
+                     tmp_path=tmp_path, nproc=nproc)

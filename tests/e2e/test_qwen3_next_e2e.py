@@ -3,17 +3,19 @@ tests/snapshots/model_args/qwen3.5-35B-A3B.txt, without ``--spec`` and ``--mtp-n
 at the tiny model's sizes (``miles.utils.tiny_qwen35``), the parallel layout of its self-distillation command (TP 2
 with sequence parallelism, EP over the same 2 CPU ranks, colocated), the embedded engines serving the model on the
 generic transformers path (one cache per request: the DeltaNet's conv and recurrent states): 2 rollouts, a weight
-sync after each under ``--check-weight-update-equal`` (the engines hold exactly the trainer's weights under HF names).
+sync after each under ``--check-weight-update-equal`` (the engines hold exactly the trainer's weights under HF names),
+colocated as recorded, and the published layout once more through ``disk-delta`` (one engine rank of its own).
 Miles's recorded Qwen3.6 / Qwen3.5 MTP, Qwen3-Next-80B-A3B (PP with the MTP block) and Qwen3.5 self-distillation
 commands (fixtures refused here only by their SGLang-only serving flags) run through the replay tier's scaler.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from _family_e2e import check_synced, quickstart_data, run_replay, run_two_rollouts
+from _family_e2e import check_synced, quickstart_data, run_replay, run_two_rollouts, weight_sync_flags
 from miles_fixtures import replay_params
 
 pytest.importorskip("megatron.core")
@@ -38,26 +40,46 @@ RECORDED = [  # from the self-distillation command (phase2_opd_selfdistill.sh), 
     "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1", "--recompute-granularity", "full",
     "--recompute-method", "uniform", "--recompute-num-layers", "1", "--rollout-num-gpus-per-engine", "1",
     "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--accumulate-allreduce-grads-in-fp32",
-    "--attention-softmax-in-fp32", "--colocate", "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2",
-    "--num-gpus-per-node", "2"]
+    "--attention-softmax-in-fp32", "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2"]
+# + the weight-sync mode's flags (recorded: --colocate)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["text", "published_layout_mtp"])
-def setup(request, tmp_path_factory) -> tuple[Path, Path, bool]:
-    """The tiny model as a text-only checkpoint, and in the published Qwen3.5 layout (``qwen3_5_moe`` with a
-    ``text_config``, the text model under ``model.language_model.``, a vision tower the run does not train, an MTP
-    layer under ``mtp.*`` that the run builds and trains: Miles's ``--mtp-num-layers 1 --enable-mtp-training``)."""
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> tuple[Path, Callable[[bool], Path]]:
+    """The quickstart's data, and the tiny model (built once each) as a text-only checkpoint (False) or in the
+    published Qwen3.5 layout (True: ``qwen3_5_moe`` with a ``text_config``, the text model under
+    ``model.language_model.``, a vision tower the run does not train, an MTP layer under ``mtp.*`` that the run
+    builds and trains: Miles's ``--mtp-num-layers 1 --enable-mtp-training``)."""
     from miles.utils.tiny_qwen35 import build_tiny_qwen35_model
 
     d = tmp_path_factory.mktemp("qwen35")
-    return quickstart_data(d), build_tiny_qwen35_model(d / "qwen35", vlm=request.param, mtp=request.param), request.param
+    models: dict[bool, Path] = {}
+
+    def model(published: bool) -> Path:
+        if published not in models:
+            models[published] = build_tiny_qwen35_model(d / ("published" if published else "text"), vlm=published,
+                                                        mtp=published)
+        return models[published]
+
+    return quickstart_data(d), model
 
 
-def test_qwen35_moe_runs_two_rollouts_with_weight_check(setup, tmp_path: Path) -> None:
-    data, model, mtp = setup
-    extra = ["--mtp-num-layers", "1", "--enable-mtp-training"] if mtp else []
-    recs, text = run_two_rollouts([*TINY_SHAPE, *RECORDED, *extra], model=model, data=data, tmp_path=tmp_path)
-    if mtp:                             # the MTP layer trained (its loss logged) and left out of the engines' check
+# layout (published with MTP, or text-only) x weight-sync mode: colocated (``tensor``) as recorded, and the published
+# layout once through ``disk-delta`` (one engine rank of its own, loading a full safetensors version under the
+# published names, ``model.language_model.``, the DeltaNet's ``linear_attn.*`` and the MTP layer's ``mtp.*`` among
+# them, then per-tensor deltas; the check leaves ``mtp.*`` out: the engines serve the main model)
+LAYOUT_MODES = {"text": (False, "tensor"), "published_layout_mtp": (True, "tensor"),
+                "published_layout_mtp-disk-delta": (True, "disk-delta")}
+
+
+@pytest.mark.parametrize("published, mode", list(LAYOUT_MODES.values()), ids=list(LAYOUT_MODES))
+def test_qwen35_moe_runs_two_rollouts_with_weight_check(setup, tmp_path: Path, published: bool, mode: str) -> None:
+    data, model = setup
+    flags, nproc = weight_sync_flags(mode, tmp_path)
+    extra = ["--mtp-num-layers", "1", "--enable-mtp-training"] if published else []
+    recs, text = run_two_rollouts([*TINY_SHAPE, *RECORDED, *extra, *flags], model=model(published), data=data,
+                                  tmp_path=tmp_path, nproc=nproc)
+    if published:                       # the MTP layer trained (its loss logged) and left out of the engines' check
         assert all("train/mtp_loss" in r for r in recs), recs[0].keys()
         assert "MTP" in text, text[-3000:]
 
