@@ -344,7 +344,10 @@ PATH_FLAGS = ("--prompt-data", "--eval-prompt-data")
 KERNEL_FLAGS = ("--moe-grouped-gemm", "--moe-permute-fusion", "--attention-backend", "--moe-enable-deepep",
                 "--moe-token-dispatcher-type")
 TOKEN_FLAGS = ("--rollout-stop-token-ids",)     # token ids of the real tokenizer: the tiny tokenizer's eos
-SCALED_FLAGS = (*SHAPE_FIELDS, *WORLD_FLAGS, *SIZE_FLAGS, *PATH_FLAGS, *KERNEL_FLAGS, *TOKEN_FLAGS)
+# the reward where a random tiny policy would score every sample alike (a nonzero-std filter's script, the LoRA
+# scripts), and a LoRA script's --save (added where absent: the test reads the saved adapters)
+REWARD_FLAGS = ("--rm-type", "--custom-rm-path", "--save")
+SCALED_FLAGS = (*SHAPE_FIELDS, *WORLD_FLAGS, *SIZE_FLAGS, *PATH_FLAGS, *KERNEL_FLAGS, *TOKEN_FLAGS, *REWARD_FLAGS)
 MAX_RANKS = 4
 
 

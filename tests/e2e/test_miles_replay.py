@@ -3,8 +3,11 @@ passes --dry-run is replayed for 2 rollouts under real torchrun on CPU at tiny s
 ``tiny_replay``: model-shape flags to a tiny model of the same family, GPU counts and parallel sizes to a CPU world of
 at most 4 ranks, batch and length sizes to tiny values, data and --save to local files, the OPD teacher servers to
 embedded engines (``teacher_stand_ins``), the formal-math reward's Lean server to ``lean_stand_in``, every other flag
-as recorded) with --check-weight-update-equal after every weight sync. The fixtures refused here only by SGLang-only
-serving flags that ``SGLANG_ONLY_REFUSED`` names run the same way (the replay drops those flags).
+as recorded) with --check-weight-update-equal after every weight sync. A LoRA command's replay checks that its
+adapters train: its reward varies within a group (``varying_reward``; the recorded math reward is 0 on every sample of
+a random tiny policy), ``train/grad_norm`` is > 0 in every step and a saved ``lora_B`` moved off its zero init.
+The fixtures refused here only by SGLang-only serving flags that ``SGLANG_ONLY_REFUSED`` names run the same way (the
+replay drops those flags).
 docs/miles-scripts.md lists the result per command.
 
 ``make test`` runs SUBSET (one FSDP, one Megatron TP, one p2p command); ``make test-replay`` (MILES_REPLAY_ALL=1) runs
