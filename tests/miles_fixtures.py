@@ -15,6 +15,7 @@ to tiny values, paths to local files; every other flag as recorded (``SCALED_FLA
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import http.server
 import json
 import os
@@ -344,7 +345,10 @@ PATH_FLAGS = ("--prompt-data", "--eval-prompt-data")
 KERNEL_FLAGS = ("--moe-grouped-gemm", "--moe-permute-fusion", "--attention-backend", "--moe-enable-deepep",
                 "--moe-token-dispatcher-type")
 TOKEN_FLAGS = ("--rollout-stop-token-ids",)     # token ids of the real tokenizer: the tiny tokenizer's eos
-SCALED_FLAGS = (*SHAPE_FIELDS, *WORLD_FLAGS, *SIZE_FLAGS, *PATH_FLAGS, *KERNEL_FLAGS, *TOKEN_FLAGS)
+# the reward where a random tiny policy would score every sample alike (a nonzero-std filter's script, the LoRA
+# scripts), and a LoRA script's --save (added where absent: the test reads the saved adapters)
+REWARD_FLAGS = ("--rm-type", "--custom-rm-path", "--save")
+SCALED_FLAGS = (*SHAPE_FIELDS, *WORLD_FLAGS, *SIZE_FLAGS, *PATH_FLAGS, *KERNEL_FLAGS, *TOKEN_FLAGS, *REWARD_FLAGS)
 MAX_RANKS = 4
 
 
@@ -454,6 +458,16 @@ def _fmt(v) -> str:
     return str(v)
 
 
+VARYING_REWARD = "miles_fixtures.varying_reward"   # the LoRA replays' reward (tiny_replay); tests/ on PYTHONPATH
+
+
+async def varying_reward(args, sample) -> float:
+    """A reward in [0, 1) from a hash of the sample's tokens: two different samples of a group get different
+    rewards, so GRPO's advantages (and the gradient) are not 0 on a random tiny policy."""
+    digest = hashlib.sha256(str(list(sample.tokens)).encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2 ** 64
+
+
 def tiny_replay(path: Path, workdir: Path, models: Path, skills_url: str | None = None) -> Replay:
     """The fixture at ``path`` at tiny CPU scale (see the module docstring); the tiny model is built under
     ``models`` (once per family), the data, files and outputs go to ``workdir/<fixture name>``; ``skills_url``: the
@@ -561,6 +575,14 @@ def tiny_replay(path: Path, workdir: Path, models: Path, skills_url: str | None 
     if "--rm-type" in flags and any(v.endswith(".check_reward_nonzero_std")
                                     for v in flags.get("--dynamic-sampling-filter-path", [])):
         put("--rm-type", "deterministic_random")
+    # LoRA: the recorded reward (math, deepscaler) is 0 on every sample of the random tiny policy, so every advantage
+    # and the gradient would be 0 and a broken adapter backward would pass; a reward in [0, 1) from a hash of each
+    # sample differs between a group's samples, so the test can check the adapters train (grad norm > 0, lora_B
+    # moved off its zero init in the saved adapters: --save added where the command has none)
+    elif "--lora-rank" in flags and "--rm-type" in flags and "--custom-rm-path" not in flags:
+        put("--custom-rm-path", VARYING_REWARD)
+    if "--lora-rank" in flags and "--save" not in flags:
+        put("--save", str(out / "lora_replay_save"))
 
     # data: 2 prompts for each evaluation set
     if "--eval-prompt-data" in flags:

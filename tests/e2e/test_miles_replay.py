@@ -3,8 +3,11 @@ passes --dry-run is replayed for 2 rollouts under real torchrun on CPU at tiny s
 ``tiny_replay``: model-shape flags to a tiny model of the same family, GPU counts and parallel sizes to a CPU world of
 at most 4 ranks, batch and length sizes to tiny values, data and --save to local files, the OPD teacher servers to
 embedded engines (``teacher_stand_ins``), the formal-math reward's Lean server to ``lean_stand_in``, every other flag
-as recorded) with --check-weight-update-equal after every weight sync. The fixtures refused here only by SGLang-only
-serving flags that ``SGLANG_ONLY_REFUSED`` names run the same way (the replay drops those flags).
+as recorded) with --check-weight-update-equal after every weight sync. A LoRA command's replay checks that its
+adapters train: its reward varies within a group (``varying_reward``; the recorded math reward is 0 on every sample of
+a random tiny policy), ``train/grad_norm`` is > 0 in every step and a saved ``lora_B`` moved off its zero init.
+The fixtures refused here only by SGLang-only serving flags that ``SGLANG_ONLY_REFUSED`` names run the same way (the
+replay drops those flags).
 docs/miles-scripts.md lists the result per command.
 
 ``make test`` runs SUBSET (one FSDP, one Megatron TP, one p2p command); ``make test-replay`` (MILES_REPLAY_ALL=1) runs
@@ -20,10 +23,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from _miles_e2e import run, tail
 from miles_fixtures import (
     FIXTURES,
     PLUGIN_FOLDERS,
+    Replay,
     lean_stand_in,
     read_fixture,
     skills_stand_in,
@@ -75,7 +80,8 @@ def test_recorded_command_runs_two_rollouts(path: Path, tiny_models: Path, skill
                                             tmp_path: Path) -> None:
     replay = tiny_replay(path, tmp_path, tiny_models, skills_url)
     log = tmp_path / f"{replay.name}.log"
-    pythonpath = os.pathsep.join([str(Path(__file__).resolve().parents[2]), *map(str, PLUGIN_FOLDERS)])
+    here = Path(__file__).resolve()     # the repo, tests/ (miles_fixtures.varying_reward) and Miles's plugin folders
+    pythonpath = os.pathsep.join([str(here.parents[2]), str(here.parents[1]), *map(str, PLUGIN_FOLDERS)])
     with teacher_stand_ins(replay, path, tiny_models, tmp_path):   # the OPD teacher servers Miles's scripts start before train.py
         cmd = ["torchrun", "--standalone", "--nproc-per-node", str(replay.nproc), replay.entry, *replay.argv]
         t0 = time.monotonic()
@@ -93,5 +99,25 @@ def test_recorded_command_runs_two_rollouts(path: Path, tiny_models: Path, skill
     if replay.engines:  # the first sync and one after each rollout's training step, every tensor equal
         checks = log.read_text().count("--check-weight-update-equal: ")
         assert checks >= 3, f"{checks} weight checks; log {log}:\n{tail(log)}"
+    if "--lora-rank" in replay.argv:
+        check_adapters_trained(replay, records, log)
     if "--lora-base-cpu-backup" in replay.argv:   # the syncs after the first sent the merged LoRA targets only
         assert "trained tensors only: --lora-base-cpu-backup" in log.read_text(), tail(log)
+
+
+def check_adapters_trained(replay: Replay, records: list[dict], log: Path) -> None:
+    """A LoRA replay trained its adapters: a nonzero gradient in every step (its reward varies within a group:
+    tiny_replay) and the saved adapters' ``lora_B`` (zero-initialised) moved off zero on some rank."""
+    norms = [r.get("train/grad_norm") for r in records]
+    assert all(isinstance(v, float | int) and v > 0 for v in norms), \
+        f"{replay.name}: train/grad_norm {norms}: the adapters got no gradient; log {log}:\n{tail(log)}"
+    save = Path(replay.argv[replay.argv.index("--save") + 1])
+    files = sorted(save.glob("**/lora/rank_*.pt"))
+    assert files, f"{replay.name}: no adapter files (lora/rank_*.pt) under --save {save}"
+    newest = max(files, key=lambda f: f.stat().st_mtime_ns).parent.parent
+    moved = []
+    for f in sorted(newest.glob("lora/rank_*.pt")):
+        adapters = torch.load(f, map_location="cpu", weights_only=False)["adapters"]
+        moved += [float(t.abs().max()) for k, t in adapters.items() if "lora_B" in k and t.numel()]
+    assert moved and max(moved) > 0, f"{replay.name}: every lora_B in {newest} is still 0 (its init): the " \
+                                     f"optimizer did not move the adapters; log {log}:\n{tail(log)}"
