@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pick-cpu-threads", action="store_true",
                    help="On CPU: at start, time a one-token forward on the process's threads (OMP_NUM_THREADS) and on "
                         "one, and run every forward on the faster (the launcher passes it with its share of the "
-                        "cores: a tiny model decodes faster on one thread).")
+                        "cores: a tiny model decodes faster on one thread). The choice follows timings, so two runs "
+                        "may differ in it; --enable-deterministic-inference or a fixed OMP_NUM_THREADS turns it off.")
     p.add_argument("--log-level", default=os.environ.get("MILES_LOG_LEVEL", "INFO"), help="DEBUG, INFO, WARNING, ...")
     return p
 

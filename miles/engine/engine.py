@@ -83,7 +83,7 @@ class Engine:
         self.scheduler = Scheduler(self.runner, self.tokenizer, max_prefill_tokens=args.max_prefill_tokens,
                                    weight_version=args.weight_version, random_seed=args.random_seed,
                                    max_queued_requests=args.max_queued_requests, overlap=args.overlap_schedule,
-                                   pick_cpu_threads=args.pick_cpu_threads)
+                                   pick_cpu_threads=args.pick_cpu_threads and not args.deterministic)
         self.groups = WeightGroups(self.runner.device)
         self.model_path = args.hf_checkpoint
         self.weight_update_session: str | None = None

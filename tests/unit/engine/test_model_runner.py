@@ -268,3 +268,14 @@ def test_engine_cli_passes_pick_cpu_threads():
 
     assert parse_args(["--hf-checkpoint", "x", "--pick-cpu-threads"]).pick_cpu_threads is True
     assert parse_args(["--hf-checkpoint", "x"]).pick_cpu_threads is False
+
+
+def test_deterministic_inference_turns_the_thread_pick_off(tmp_path):
+    """The pick follows timings, so it could differ between two runs: --enable-deterministic-inference keeps the
+    process's threads (the engine's scheduler is built without the pick)."""
+    from miles.engine.engine import Engine, EngineArgs
+
+    path = _save(_config("qwen3"), tmp_path)
+    base = dict(hf_checkpoint=str(path), max_context_len=64, max_running_requests=2, pick_cpu_threads=True)
+    assert Engine(EngineArgs(**base)).scheduler.pick_cpu_threads is True
+    assert Engine(EngineArgs(**base, deterministic=True)).scheduler.pick_cpu_threads is False
