@@ -38,7 +38,7 @@ def build_adamw(module: nn.Module, *, lr: float, weight_decay: float, betas: tup
     no_decay = [p for p in module.parameters() if p.requires_grad and p.ndim < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
-    kw = {"fused": True} if device.type in ("cuda", "cpu") else {"foreach": True}
+    kw = {"fused": True} if device.type == "cuda" else {"foreach": True}
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **kw)
 
 
