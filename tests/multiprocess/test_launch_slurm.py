@@ -203,6 +203,9 @@ def _job_field(conf: str, job_id: str, field: str) -> str:
     return m.group(1) if m else ""
 
 
+ROLLOUTS = 40    # the requeue test's job: long enough (~6 s of rollouts) to be requeued mid-run
+
+
 def test_sbatch_requeue_resumes_from_the_last_checkpoint(slurm_conf, quickstart, tmp_path):
     """`sbatch --requeue`: the job is requeued mid-run (what a node failure or preemption does); Slurm runs
     the same script again and train.py resumes from the newest complete checkpoint (--load defaults to
@@ -215,18 +218,20 @@ def test_sbatch_requeue_resumes_from_the_last_checkpoint(slurm_conf, quickstart,
     name = f"miles-test-{uuid.uuid4().hex[:8]}"
     cmd = ["sbatch", "--parsable", "--requeue", "--open-mode=append", f"--job-name={name}", "--time=8",
            "--gpus-per-node=0", "--cpus-per-task=1", "--ntasks-per-node=2", f"--output={log}",
-           str(REPO / "slurm/grpo.sh"), "--train-backend", "fsdp", "--num-rollout", "4", "--save", str(ckpt),
+           str(REPO / "slurm/grpo.sh"), "--train-backend", "fsdp", "--num-rollout", str(ROLLOUTS), "--save", str(ckpt),
            "--save-interval", "1", "--output-dir", str(out_dir), "--eval-interval", "100", "--no-progress"]
     sub = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert sub.returncode == 0, sub.stderr
     job_id = sub.stdout.strip().split(";")[0]
     try:
         deadline = time.monotonic() + 300
-        while not (ckpt / "step_00000001" / "COMPLETE").exists():  # rollouts 0 and 1 are checkpointed
+        # rollouts 0 and 1 are checkpointed (the newest two are kept, so step 1's may be pruned already); a rollout
+        # takes ~0.15 s here, so the job is polled often and runs ROLLOUTS of them to stay up until the requeue
+        while not any(int(d.name.split("_")[1]) >= 1 for d in ckpt.glob("step_*") if (d / "COMPLETE").exists()):
             state = _job_field(slurm_conf, job_id, "JobState")
             assert state in ("PENDING", "CONFIGURING", "RUNNING") and time.monotonic() < deadline, \
                 f"job {job_id} {state}:\n{log.read_text()[-4000:] if log.exists() else ''}"
-            time.sleep(0.5)
+            time.sleep(0.1)
         req = subprocess.run(["scontrol", "requeue", job_id], env=env, capture_output=True, text=True, timeout=30)
         assert req.returncode == 0, req.stderr
         deadline = time.monotonic() + 420
@@ -246,8 +251,8 @@ def test_sbatch_requeue_resumes_from_the_last_checkpoint(slurm_conf, quickstart,
     m = re.findall(r"resuming at rollout (\d+)", text)
     assert len(m) == 1 and int(m[0]) >= 2, text[-4000:]  # the second run started from a checkpoint
     recs = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    assert [r["rollout_id"] for r in recs] == [0, 1, 2, 3]  # each rollout once, in order
-    assert (ckpt / "step_00000003" / "COMPLETE").exists()
+    assert [r["rollout_id"] for r in recs] == list(range(ROLLOUTS))  # each rollout once, in order
+    assert (ckpt / f"step_{ROLLOUTS - 1:08d}" / "COMPLETE").exists()
 
 
 # --- every rank and child dies with its launcher (miles/spmd/lifeline.py) ---------------------------------
