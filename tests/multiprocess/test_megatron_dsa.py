@@ -158,6 +158,33 @@ def test_dsa_trainer_parity_with_fsdp(request, tmp_path: Path, free_port: int, f
 LP_BOUND, UPDATE_BOUND, REL_BOUND = 2e-6, 3e-5, 4e-5
 
 
+# PP 2 on the tiny model's 3 layers, split 2 + 1 (--decoder-last-pipeline-num-layers, as Kimi-K2's recorded command
+# splits): GLM-5.2's shared layer 1 stays on stage 0 with its source layer 0 (a stage may not start with a shared
+# layer: options refuses that split); TP 1, DP 1.
+PP2_FLAGS = ("--pipeline-model-parallel-size", "2", "--decoder-last-pipeline-num-layers", "1")
+# measured: PP_MEASURED below. About twice the largest.
+LP_BOUND_PP, UPDATE_BOUND_PP, REL_BOUND_PP = 2e-6, 3e-5, 4e-5
+
+
+@pytest.mark.parametrize("family", ["dsv32", "glm52"])
+def test_dsa_pipeline_parallel_parity_with_fsdp(request, tmp_path: Path, free_port: int, family: str) -> None:
+    """DeepSeek-V3.2 (the recorded command's PP 4 family) and GLM-5.2 (shared top-k layers) under pipeline
+    parallelism (2 stages, each building only its own layers' DSA core attention by their model-wide layer number),
+    2 ranks, against the FSDP backend over the same ranks (DP 2): log-probs before training, the step metrics and the
+    update after 2 steps; the export bitwise (fp32 and bf16, the indexer tensors under their global layer names),
+    ``--save-hf`` and a checkpoint resume."""
+    from trainer_harness import random_samples
+
+    model_dir = request.getfixturevalue(FAMILY_DIRS[family])
+    assert not boundary_ties(model_dir, random_samples(4, 4, seed=7, vocab=90)), "indexer top-k ties in the rows"
+    res = launch(HERE, 2, free_port, "parity_pp", model_dir, tmp_path / "parity.pt", timeout=900)
+    assert res["layout"] == {"tp_size": 1, "pp_size": 2, "cp_size": 1, "ep_size": 1, "dp_size": 1}, res["layout"]
+    assert any(".self_attn.indexer.wq_b." in k for k in res["meg_keys"]), res["meg_keys"]
+    print(family, "pp2", {k: res[k] for k in ("lp_max_abs_diff", "update_max_abs_diff", "update_rel_l2",
+                                              "update_worst")})
+    check_parity(res, lp_bound=LP_BOUND_PP, update_bound=UPDATE_BOUND_PP, rel_bound=REL_BOUND_PP)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["glm5", "dsv32", "glm52"])
 def test_dsa_matches_hf_on_gpu_bf16(request, tmp_path: Path, free_port: int, family: str) -> None:
@@ -187,5 +214,8 @@ if __name__ == "__main__":
     elif sys.argv[1] == "parity":
         parity_worker(sys.argv[2], sys.argv[3], ("--expert-tensor-parallel-size", "1", *PRESETS["mla"],
                                                  "--moe-router-dtype", "fp32"), split_fsdp_experts=True)
+    elif sys.argv[1] == "parity_pp":
+        parity_worker(sys.argv[2], sys.argv[3], (*PRESETS["mla"], "--moe-router-dtype", "fp32", *PP2_FLAGS), tp=1,
+                      split_fsdp_experts=True)
     elif sys.argv[1] == "gpu":
         gpu_worker(sys.argv[2], sys.argv[3])
