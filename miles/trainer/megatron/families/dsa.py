@@ -354,6 +354,12 @@ def check_static(o, shape, dsa: DsaShape) -> None:
                     "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers so every stage starts "
                     "with a full layer.")
             start += n
+        if o.recompute_granularity:      # 1F1B: a later micro-batch's forward runs before this one's backward
+            raise ConfigError(
+                f"--recompute-granularity {o.recompute_granularity} with --pipeline-model-parallel-size {o.pp} and "
+                f"shared DSA layers ({shape.model_type} indexer_types) is not supported: a recomputed shared layer "
+                "would read the top-k of the micro-batch its stage ran last; drop --recompute-granularity / "
+                "--recompute-activations or use --pipeline-model-parallel-size 1.")
     if getattr(shape, "mtp_num_layers", 0):
         raise ConfigError(f"--mtp-num-layers {shape.mtp_num_layers} with DeepSeek sparse attention "
                           f"({shape.model_type}) is not supported by the Megatron backend yet: drop it.")

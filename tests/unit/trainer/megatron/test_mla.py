@@ -255,7 +255,7 @@ def test_dsa_is_refused_under_context_parallelism(tmp_path: Path) -> None:
 def test_dsa_pipeline_stages_start_with_a_full_layer(tmp_path: Path) -> None:
     """DSA under pipeline parallelism: any split of full layers runs; with GLM-5.2's shared top-k layers a stage
     must not start with a shared layer (its source layer's top-k is on an earlier stage): one line naming the split
-    flags, and the split that keeps the pair on one stage passes."""
+    flags, and the split that keeps the pair on one stage passes; nor be recomputed under PP (one line)."""
     from miles.utils.tiny_dsa import build_tiny_dsa_model
 
     pp = ["--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size", "2"]
@@ -269,6 +269,13 @@ def test_dsa_pipeline_stages_start_with_a_full_layer(tmp_path: Path) -> None:
     assert str(e.value).startswith("--pipeline-model-parallel-size 2: pipeline stage 1 would start with decoder "
                                    "layer 1, a shared DSA layer") and "\n" not in str(e.value), str(e.value)
     assert "--decoder-first-pipeline-num-layers" in str(e.value)
+    with pytest.raises(ConfigError) as e:       # under 1F1B a recomputed shared layer would read a later micro-batch's
+        options.preflight_check(_cfg(shared, *pp, "--decoder-last-pipeline-num-layers", "1", "--recompute-granularity",
+                                     "full"), _read(shared))
+    assert str(e.value).startswith("--recompute-granularity full with --pipeline-model-parallel-size 2 and shared "
+                                   "DSA layers") and "\n" not in str(e.value), str(e.value)
+    options.preflight_check(_cfg(full, *pp, "--decoder-last-pipeline-num-layers", "1", "--recompute-granularity",
+                                 "full"), _read(full))     # full layers only: each recomputes its own top-k
 
 
 def test_dsa_shared_layer_without_its_source_is_refused_when_built() -> None:
