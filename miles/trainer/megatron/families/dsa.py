@@ -25,6 +25,11 @@ has none that runs here:
   megatron-core has no cross-layer sharing. A full layer records its top-k in a holder of its model
   (``TopkHolder``); a shared layer (``SharedTopkAttention``, no indexer weights, as the checkpoint has none) attends
   over the top-k of the most recent full layer.
+- Pipeline parallelism: a stage's block spec holds its own layers only, so one core-attention spec serves every layer
+  and ``LayerCoreAttention`` picks full or shared when megatron-core builds the layer, from the model-wide layer
+  number it passes (the stage's offset included). A shared layer needs its source layer on its own stage
+  (``check_static`` refuses a split that starts a stage with a shared layer, and activation recompute with shared
+  layers under PP, where 1F1B runs a later micro-batch's forward before this one's backward).
 
 The indexer is not trained: transformers runs it under ``no_grad`` and Miles's GLM-5 attention discards its scores
 (radixark/miles@v0.1.0:miles_plugins/models/glm5/glm5.py); megatron-core detaches its inputs and would train it
