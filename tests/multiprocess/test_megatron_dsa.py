@@ -21,6 +21,10 @@ the untrained model equal the checkpoint; ``--save-hf`` loads in transformers to
 checkpoint saved and resumed restores them bitwise. The rows are checked first to leave no indexer top-k to a tie
 (``boundary_ties``: there the keys kept would be ``torch.topk``'s tie order, not the model's).
 
+``test_dsa_pipeline_parallel_parity_with_fsdp``: 2 ranks, each family, PP 2 (the 3 layers split 2 + 1, so GLM-5.2's
+shared layer is on its source layer's stage): the same comparison against FSDP DP 2, each stage building only its own
+layers' core attention.
+
 ``test_dsa_matches_hf_on_gpu_bf16`` (``gpu``): one GPU, bf16, TP 1, against transformers' bf16 logits.
 """
 
