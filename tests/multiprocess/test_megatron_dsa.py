@@ -21,6 +21,10 @@ the untrained model equal the checkpoint; ``--save-hf`` loads in transformers to
 checkpoint saved and resumed restores them bitwise. The rows are checked first to leave no indexer top-k to a tie
 (``boundary_ties``: there the keys kept would be ``torch.topk``'s tie order, not the model's).
 
+``test_dsa_pipeline_parallel_parity_with_fsdp``: 2 ranks, each family, PP 2 (the 3 layers split 2 + 1, so GLM-5.2's
+shared layer is on its source layer's stage): the same comparison against FSDP DP 2, each stage building only its own
+layers' core attention.
+
 ``test_dsa_matches_hf_on_gpu_bf16`` (``gpu``): one GPU, bf16, TP 1, against transformers' bf16 logits.
 """
 
@@ -158,6 +162,36 @@ def test_dsa_trainer_parity_with_fsdp(request, tmp_path: Path, free_port: int, f
 LP_BOUND, UPDATE_BOUND, REL_BOUND = 2e-6, 3e-5, 4e-5
 
 
+# PP 2 on the tiny model's 3 layers, split 2 + 1 (--decoder-last-pipeline-num-layers, as Kimi-K2's recorded command
+# splits): GLM-5.2's shared layer 1 stays on stage 0 with its source layer 0 (a stage may not start with a shared
+# layer: options refuses that split); TP 1, DP 1.
+PP2_FLAGS = ("--pipeline-model-parallel-size", "2", "--decoder-last-pipeline-num-layers", "1")
+# measured (2026-12-07, CPU fp32, 2 gloo ranks; OMP_NUM_THREADS=1 python -m pytest -s
+# tests/multiprocess/test_megatron_dsa.py -k pipeline_parallel_parity): log-probs 4.8e-7 apart in each (GLM-5,
+# DeepSeek-V3.2, GLM-5.2); the update after 2 steps 3.3e-6 / 4.3e-6 / 4.1e-6 (max abs), 6.6e-6 / 7.2e-6 / 5.9e-6
+# (relative L2). About twice the largest.
+LP_BOUND_PP, UPDATE_BOUND_PP, REL_BOUND_PP = 1e-6, 9e-6, 1.5e-5
+
+
+@pytest.mark.parametrize("family", ["glm5", "dsv32", "glm52"])
+def test_dsa_pipeline_parallel_parity_with_fsdp(request, tmp_path: Path, free_port: int, family: str) -> None:
+    """GLM-5, DeepSeek-V3.2 (its recorded command runs PP 4) and GLM-5.2 (shared top-k layers) under pipeline
+    parallelism (2 stages, each building only its own layers' DSA core attention by their model-wide layer number),
+    2 ranks, against the FSDP backend over the same ranks (DP 2): log-probs before training, the step metrics and the
+    update after 2 steps; the export bitwise (fp32 and bf16, the indexer tensors under their global layer names),
+    ``--save-hf`` and a checkpoint resume."""
+    from trainer_harness import random_samples
+
+    model_dir = request.getfixturevalue(FAMILY_DIRS[family])
+    assert not boundary_ties(model_dir, random_samples(4, 4, seed=7, vocab=90)), "indexer top-k ties in the rows"
+    res = launch(HERE, 2, free_port, "parity_pp", model_dir, tmp_path / "parity.pt", timeout=900)
+    assert res["layout"] == {"tp_size": 1, "pp_size": 2, "cp_size": 1, "ep_size": 1, "dp_size": 1}, res["layout"]
+    assert any(".self_attn.indexer.wq_b." in k for k in res["meg_keys"]), res["meg_keys"]
+    print(family, "pp2", {k: res[k] for k in ("lp_max_abs_diff", "update_max_abs_diff", "update_rel_l2",
+                                              "update_worst")})
+    check_parity(res, lp_bound=LP_BOUND_PP, update_bound=UPDATE_BOUND_PP, rel_bound=REL_BOUND_PP)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["glm5", "dsv32", "glm52"])
 def test_dsa_matches_hf_on_gpu_bf16(request, tmp_path: Path, free_port: int, family: str) -> None:
@@ -187,5 +221,8 @@ if __name__ == "__main__":
     elif sys.argv[1] == "parity":
         parity_worker(sys.argv[2], sys.argv[3], ("--expert-tensor-parallel-size", "1", *PRESETS["mla"],
                                                  "--moe-router-dtype", "fp32"), split_fsdp_experts=True)
+    elif sys.argv[1] == "parity_pp":
+        parity_worker(sys.argv[2], sys.argv[3], (*PRESETS["mla"], "--moe-router-dtype", "fp32", *PP2_FLAGS), tp=1,
+                      split_fsdp_experts=True)
     elif sys.argv[1] == "gpu":
         gpu_worker(sys.argv[2], sys.argv[3])

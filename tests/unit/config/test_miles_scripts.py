@@ -121,7 +121,7 @@ def save_shortfall(cfg, model: Path) -> int | None:
 
 
 def test_every_fixture_says_what_it_expects():
-    assert len(FIXTURES) == 66
+    assert len(FIXTURES) == 67
     for path in FIXTURES:
         entry, expect, lines = read_fixture(path)
         assert entry in ("train.py", "train_async.py"), path.name
@@ -345,12 +345,13 @@ def test_kimi_k25_command_without_its_sglang_serving_flags(workdir: Path, model_
 
 
 @pytest.mark.parametrize("name,cp,pp,ep", [("megatron_kimi_k2", 4, 8, 32), ("megatron_deepseek_v3", 4, 1, 4),
-                                           ("kimi_k2_thinking_int4", 4, 8, 32)])
+                                           ("kimi_k2_thinking_int4", 4, 8, 32), ("megatron_deepseek_v32", 1, 4, 16)])
 def test_mla_commands_without_their_sglang_serving_flags(name: str, cp: int, pp: int, ep: int, workdir: Path,
                                                           model_dirs, plugins_on_path):
     """The recorded Kimi-K2 (bf16, and Kimi-K2-Thinking's int4 QAT script: the same layout) and DeepSeek-V3 commands
     (multi-latent attention at CP 4, Kimi-K2's with PP 8 and an uneven last stage, EP 32 / 4, TP 8 / 1 with
-    --sequence-parallel) are refused on this machine only by their
+    --sequence-parallel), and DeepSeek-V3.2's (DeepSeek sparse attention at TP 2 x PP 4, uneven, x EP 16; its two
+    unset node counts given) are refused on this machine only by their
     SGLang-only serving flags (the embedded engine, which ``--rollout-engine auto`` picks without SGLang, has no
     DP-attention or expert-parallel serving); without them the dry run passes against the real config.json."""
     import importlib.util

@@ -25,6 +25,11 @@ has none that runs here:
   megatron-core has no cross-layer sharing. A full layer records its top-k in a holder of its model
   (``TopkHolder``); a shared layer (``SharedTopkAttention``, no indexer weights, as the checkpoint has none) attends
   over the top-k of the most recent full layer.
+- Pipeline parallelism: a stage's block spec holds its own layers only, so one core-attention spec serves every layer
+  and ``LayerCoreAttention`` picks full or shared when megatron-core builds the layer, from the model-wide layer
+  number it passes (the stage's offset included). A shared layer needs its source layer on its own stage
+  (``check_static`` refuses a split that starts a stage with a shared layer, and activation recompute with shared
+  layers under PP, where 1F1B runs a later micro-batch's forward before this one's backward).
 
 The indexer is not trained: transformers runs it under ``no_grad`` and Miles's GLM-5 attention discards its scores
 (radixark/miles@v0.1.0:miles_plugins/models/glm5/glm5.py); megatron-core detaches its inputs and would train it
@@ -175,9 +180,15 @@ class IndexerKNorm:
 
 
 class TopkHolder(dict):
-    """One model's top-k of its full DSA layers in the current forward: layer number -> [b, s, topk] indices."""
+    """One model's top-k of its full DSA layers in the current forward: layer number -> [b, s, topk] indices.
+    ``built``: the full layers this model (this pipeline stage) holds, filled as they are built."""
+
+    def __init__(self):
+        super().__init__()
+        self.built: set[int] = set()
 
 
+@functools.cache
 def _core_attention_classes():
     from megatron.core.transformer.experimental_attention_variant.dsa import DSAttention, unfused_dsa_fn
     from megatron.core.transformer.module import MegatronModule
@@ -190,6 +201,7 @@ def _core_attention_classes():
             super().__init__(*args, **kwargs)
             self.topk_holder = topk_holder
             if topk_holder is not None:
+                topk_holder.built.add(self.layer_number)
                 find = self.indexer.forward_with_scores
 
                 def recording(*a, **kw):
@@ -228,8 +240,32 @@ def _core_attention_classes():
     return DSACoreAttention, SharedTopkAttention
 
 
-def core_attention_spec(dsa: DsaShape, layer: int, holder: TopkHolder | None):
-    """The ``core_attention`` ModuleSpec of decoder layer ``layer`` (0-based)."""
+def source_layer(dsa: DsaShape, layer: int) -> int:
+    """The full layer (0-based) whose top-k the shared layer ``layer`` (0-based) attends over: the most recent one."""
+    return max(i for i in range(layer) if dsa.full_layers[i])
+
+
+class LayerCoreAttention:
+    """The core attention of one DSA layer, picked when megatron-core builds it from the ``layer_number`` it passes
+    (model-wide and 1-based: the pipeline stage's offset included): ``DSACoreAttention`` for a full layer,
+    ``SharedTopkAttention`` over its source layer's top-k for a shared one. One spec for every layer, so a pipeline
+    stage's block spec (its own layers only) needs no per-layer copy."""
+
+    def __new__(cls, config, submodules=None, layer_number: int = 1, *, dsa: DsaShape,
+                topk_holder: TopkHolder | None = None, **kwargs) -> torch.nn.Module:
+        full, shared = _core_attention_classes()
+        i = layer_number - 1
+        if dsa.full_layers[i]:
+            return full(config, submodules=submodules, layer_number=layer_number, topk_holder=topk_holder, **kwargs)
+        source = source_layer(dsa, i) + 1
+        if topk_holder is None or source not in topk_holder.built:
+            raise ValueError(f"DSA layer {layer_number} shares the top-k of layer {source}, which is not built before "
+                             "it in this model (pipeline stage): a stage must start with a full layer")
+        return shared(config, layer_number=layer_number, topk_holder=topk_holder, source_layer=source, **kwargs)
+
+
+def core_attention_spec(dsa: DsaShape, holder: TopkHolder | None):
+    """The ``core_attention`` ModuleSpec of every decoder layer (``LayerCoreAttention`` picks full or shared)."""
     from megatron.core.transformer.experimental_attention_variant.dsa import (
         DSAIndexer,
         DSAIndexerSubmodules,
@@ -237,32 +273,24 @@ def core_attention_spec(dsa: DsaShape, layer: int, holder: TopkHolder | None):
     )
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    full, shared = _core_attention_classes()
-    if not dsa.full_layers[layer]:
-        source = max(i for i in range(layer) if dsa.full_layers[i]) + 1        # megatron layer numbers are 1-based
-        return ModuleSpec(module=shared, params={"topk_holder": holder, "source_layer": source})
     indexer = ModuleSpec(module=DSAIndexer, submodules=DSAIndexerSubmodules(
         linear_wq_b=IndexerLinear, linear_wk=IndexerLinear, k_norm=IndexerKNorm, linear_weights_proj=IndexerLinear))
-    return ModuleSpec(module=full, submodules=DSAttentionSubmodules(indexer=indexer),
-                      params={"topk_holder": holder} if holder is not None else {})
+    return ModuleSpec(module=LayerCoreAttention, submodules=DSAttentionSubmodules(indexer=indexer),
+                      params={"dsa": dsa, "topk_holder": holder})
 
 
 def adapt_spec(spec, dsa: DsaShape) -> None:
-    """Every layer of the block ``spec`` (or the one layer spec): megatron-core's DSA core attention (its own copy
-    of the attention spec, as shared layers differ), one ``TopkHolder`` for the model when a layer is shared."""
-    block = getattr(spec, "layer_specs", None)
-    if block is None and not all(dsa.full_layers):
-        raise ValueError("DSA: shared top-k layers need a block spec (one layer spec per layer)")
-    layers = block if block is not None else [spec]
-    if block is not None and len(block) != len(dsa.full_layers):
-        raise ValueError(f"DSA: {len(block)} layer specs for {len(dsa.full_layers)} layers (pipeline stages are not "
-                         "supported with DSA)")
+    """Every layer of the block ``spec`` (a pipeline stage's own layers) or the one layer spec: the DSA core
+    attention (``LayerCoreAttention``), one ``TopkHolder`` for the model when a layer is shared. The attention and
+    layer specs are copied (a block's layer specs may be one object, the layer spec a module-level one)."""
     holder = TopkHolder() if not all(dsa.full_layers) else None
-    for i, layer in enumerate(layers):
+    core = core_attention_spec(dsa, holder)
+    block = getattr(spec, "layer_specs", None)
+    for i, layer in enumerate(block if block is not None else [spec]):
         attn = copy.copy(layer.submodules.self_attention)
         attn.submodules = copy.copy(attn.submodules)
-        attn.submodules.core_attention = core_attention_spec(dsa, i, holder)
-        if block is not None:            # the block's layer specs may be one object: each layer its own copy
+        attn.submodules.core_attention = core
+        if block is not None:
             layer = block[i] = copy.copy(layer)
             layer.submodules = copy.copy(layer.submodules)
         layer.submodules.self_attention = attn
@@ -317,10 +345,26 @@ def check_static(o, shape, dsa: DsaShape) -> None:
         raise ConfigError(f"--context-parallel-size {o.cp} with DeepSeek sparse attention ({shape.model_type}) is not "
                           "supported (megatron-core's DSAttention has no context parallelism); use tensor, expert and "
                           "data parallelism.")
-    if o.pp > 1:        # its block spec holds every layer (a shared layer reads an earlier layer's top-k)
-        raise ConfigError(f"--pipeline-model-parallel-size {o.pp} with DeepSeek sparse attention ({shape.model_type}) "
-                          "is not supported by the Megatron backend yet (its shared top-k layers read earlier "
-                          "layers'); use tensor, expert and data parallelism.")
+    if o.pp > 1 and not all(dsa.full_layers):     # a shared layer reads the top-k of an earlier layer of its stage
+        from miles.trainer.megatron.pipeline import stage_layer_counts
+
+        start = 0
+        for stage, n in enumerate(stage_layer_counts(len(dsa.full_layers), o.pp, o.first_stage_layers,
+                                                     o.last_stage_layers)):
+            if not dsa.full_layers[start]:
+                raise ConfigError(
+                    f"--pipeline-model-parallel-size {o.pp}: pipeline stage {stage} would start with decoder layer "
+                    f"{start}, a shared DSA layer ({shape.model_type} indexer_types, 0-based) that reads the top-k of layer "
+                    f"{source_layer(dsa, start)} on an earlier stage; move the split with "
+                    "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers so every stage starts "
+                    "with a full layer.")
+            start += n
+        if o.recompute_granularity:      # 1F1B: a later micro-batch's forward runs before this one's backward
+            raise ConfigError(
+                f"--recompute-granularity {o.recompute_granularity} with --pipeline-model-parallel-size {o.pp} and "
+                f"shared DSA layers ({shape.model_type} indexer_types) is not supported: a recomputed shared layer "
+                "would read the top-k of the micro-batch its stage ran last; drop --recompute-granularity / "
+                "--recompute-activations or use --pipeline-model-parallel-size 1.")
     if getattr(shape, "mtp_num_layers", 0):
         raise ConfigError(f"--mtp-num-layers {shape.mtp_num_layers} with DeepSeek sparse attention "
                           f"({shape.model_type}) is not supported by the Megatron backend yet: drop it.")

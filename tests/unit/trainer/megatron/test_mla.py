@@ -241,19 +241,51 @@ def test_mla_runs_under_context_and_pipeline_parallelism(tiny_dsv3_dir: Path, fl
                                  "--moe-router-group-topk", "1", *flags), _read(tiny_dsv3_dir))
 
 
-def test_dsa_is_refused_under_context_and_pipeline_parallelism(tmp_path: Path) -> None:
-    """DeepSeek sparse attention (MLA plus megatron-core's DSAttention) keeps its refusals: CP (DSAttention has
-    none) and PP (its block spec holds every layer)."""
+def test_dsa_is_refused_under_context_parallelism(tmp_path: Path) -> None:
+    """DeepSeek sparse attention (MLA plus megatron-core's DSAttention) keeps its CP refusal (DSAttention has none)."""
     from miles.utils.tiny_dsa import build_tiny_dsa_model
 
     d = build_tiny_dsa_model(tmp_path / "dsa")
-    for flags, message in ((["--context-parallel-size", "2"], "--context-parallel-size 2 with DeepSeek sparse "
-                                                               "attention"),
-                           (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2 with DeepSeek "
-                                                                     "sparse attention")):
-        with pytest.raises(ConfigError) as e:
-            options.preflight_check(_cfg(d, "--actor-num-gpus-per-node", "2", *flags), _read(d))
-        assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+    with pytest.raises(ConfigError) as e:
+        options.preflight_check(_cfg(d, "--actor-num-gpus-per-node", "2", "--context-parallel-size", "2"), _read(d))
+    assert str(e.value).startswith("--context-parallel-size 2 with DeepSeek sparse attention") and \
+        "\n" not in str(e.value), str(e.value)
+
+
+def test_dsa_pipeline_stages_start_with_a_full_layer(tmp_path: Path) -> None:
+    """DSA under pipeline parallelism: any split of full layers runs; with GLM-5.2's shared top-k layers a stage
+    must not start with a shared layer (its source layer's top-k is on an earlier stage): one line naming the split
+    flags, and the split that keeps the pair on one stage passes; nor be recomputed under PP (one line)."""
+    from miles.utils.tiny_dsa import build_tiny_dsa_model
+
+    pp = ["--actor-num-gpus-per-node", "2", "--pipeline-model-parallel-size", "2"]
+    full = build_tiny_dsa_model(tmp_path / "dsa")
+    for split in ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"):
+        options.preflight_check(_cfg(full, *pp, split, "1"), _read(full))
+    shared = build_tiny_dsa_model(tmp_path / "glm52", indexer_types=["full", "shared", "full"])
+    options.preflight_check(_cfg(shared, *pp, "--decoder-last-pipeline-num-layers", "1"), _read(shared))  # [0, 1] [2]
+    with pytest.raises(ConfigError) as e:                                                             # [0] [1, 2]
+        options.preflight_check(_cfg(shared, *pp, "--decoder-first-pipeline-num-layers", "1"), _read(shared))
+    assert str(e.value).startswith("--pipeline-model-parallel-size 2: pipeline stage 1 would start with decoder "
+                                   "layer 1, a shared DSA layer") and "\n" not in str(e.value), str(e.value)
+    assert "--decoder-first-pipeline-num-layers" in str(e.value)
+    with pytest.raises(ConfigError) as e:       # under 1F1B a recomputed shared layer would read a later micro-batch's
+        options.preflight_check(_cfg(shared, *pp, "--decoder-last-pipeline-num-layers", "1", "--recompute-granularity",
+                                     "full"), _read(shared))
+    assert str(e.value).startswith("--recompute-granularity full with --pipeline-model-parallel-size 2 and shared "
+                                   "DSA layers") and "\n" not in str(e.value), str(e.value)
+    options.preflight_check(_cfg(full, *pp, "--decoder-last-pipeline-num-layers", "1", "--recompute-granularity",
+                                 "full"), _read(full))     # full layers only: each recomputes its own top-k
+
+
+def test_dsa_shared_layer_without_its_source_is_refused_when_built() -> None:
+    """A shared layer's core attention is built only after its source full layer in the same model (stage)."""
+    from miles.trainer.megatron.families.dsa import DsaShape, LayerCoreAttention, TopkHolder
+
+    dsa = DsaShape(index_n_heads=2, index_head_dim=8, index_topk=4, rope_dim=4, rope_interleaved=True,
+                   full_layers=(True, False, True))
+    with pytest.raises(ValueError, match="DSA layer 2 shares the top-k of layer 1, which is not built"):
+        LayerCoreAttention(None, layer_number=2, dsa=dsa, topk_holder=TopkHolder())
 
 
 def test_mla_flags_on_standard_attention_are_refused(tiny_model_dir: Path) -> None:
