@@ -70,7 +70,11 @@ groups, as above); the gradient norm and the trainable count are summed over the
 this stage's targets, and the pipeline export (``export._iter_pipeline``) broadcasts each stage's merged weights
 under their global names, so the engines receive the whole merged model. ``full_pairs`` (and the PEFT adapter)
 gathers the stages' adapters over the pipeline group; ``--save`` writes each rank's adapters (its stage's), and a
-checkpoint resumes at the same pipeline size only. Context parallelism is not implemented (refused).
+checkpoint resumes at the same pipeline size only.
+
+Context parallelism (``--context-parallel-size``): a target linear maps each token on its own, so the hooks need
+nothing; each CP rank's adapter gradients are its sequence chunks', summed over DP x CP as the base weights' are
+(``finish_grads``; a routed expert's over the expert-DP group, which spans the CP ranks).
 """
 
 from __future__ import annotations
@@ -405,7 +409,8 @@ def merged(lora: LoraAdapters | None):
 @torch.no_grad()
 def finish_grads(lora: LoraAdapters, groups) -> None:
     """Reduce the adapters' gradients (``groups``: the Megatron backend's ``parallel.Groups``): the dense targets'
-    averaged over DP (TP needs nothing without sequence parallelism: the hooks' regions already leave every rank with
+    averaged over DP (under context parallelism summed over DP x CP first, each CP rank's gradient being its
+    sequence chunks', as ``parallel.finish_grads`` reduces the base weights; TP needs nothing without sequence parallelism: the hooks' regions already leave every rank with
     its complete gradient; under it the whole factors' TP-partial gradients are summed over TP first);
     the shared outer factors summed over EP first; then the routed experts' factors, shared ones included, as the
     experts' weights (``moe.reduce_expert_grads``: summed over the expert-DP group, divided by the DP size; plain
@@ -425,7 +430,12 @@ def finish_grads(lora: LoraAdapters, groups) -> None:
     reduced = {id(p) for n, p in experts if edp_reduced(n, groups)}
     reduce_expert_grads(experts, groups)
     dense = [p for p in lora.parameters() if id(p) not in reduced]
-    if groups.dp_size > 1 and dense:
+    cp_size = getattr(groups, "cp_size", 1)
+    if cp_size > 1 and dense:       # CP ranks hold partial sums (their chunks): sum over DP x CP, average over DP
+        _all_reduce([p.grad for p in dense], groups.dp_cp)
+        if groups.dp_size > 1:
+            torch._foreach_div_([p.grad for p in dense], float(groups.dp_size))
+    elif groups.dp_size > 1 and dense:
         _all_reduce([p.grad for p in dense], groups.dp)
         torch._foreach_div_([p.grad for p in dense], float(groups.dp_size))
 
@@ -517,13 +527,9 @@ def load_state(lora: LoraAdapters, optimizer: torch.optim.Optimizer | None, save
 
 def check_megatron(opts, shape, spec: LoraSpec) -> None:
     """Refuse the Megatron layouts LoRA is not built for (one line each)."""
-    for flag, value, ok in (("--context-parallel-size", opts.cp, opts.cp == 1),
-                            ("--lora-dropout", f"{spec.dropout} with --tensor-model-parallel-size > 1",
-                             not (spec.dropout > 0 and opts.tp > 1))):
-        if not ok:
-            raise ConfigError(f"{flag} {value} is not supported with --lora-rank: LoRA runs under tensor (with or "
-                              "without --sequence-parallel), pipeline, expert and data parallelism only; drop the "
-                              "flag or train without LoRA.")
+    if spec.dropout > 0 and opts.tp > 1:
+        raise ConfigError(f"--lora-dropout {spec.dropout} with --tensor-model-parallel-size > 1 is not supported with "
+                          "--lora-rank; use --lora-dropout 0 at TP > 1, or train at --tensor-model-parallel-size 1.")
     family = shape.family
     foreign = sorted(set(spec.names) & set(FAMILY_TARGETS) - set(family.lora_targets))
     if foreign:

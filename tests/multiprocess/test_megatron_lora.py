@@ -17,9 +17,10 @@ base + (alpha/r) B @ A.
 ``test_lora_moe_tp2_sequence_parallel_matches_tp1``: the same with the routed experts' adapters (tiny Qwen3-MoE):
 TP 2 + SP trains as TP 1 x DP 2.
 
-``test_lora_pp2_matches_pp1``: ``--pipeline-model-parallel-size 2`` (a layer and its adapters per stage) trains as
-PP 1 x DP 2: the same metrics, adapters and merged export within fp32 rounding; the second stage's merged weights
-are base + (alpha/r) B @ A; the targets-only export and the PEFT adapter hold both stages' layers.
+``test_lora_pp2_and_cp2_match_dp2``: ``--pipeline-model-parallel-size 2`` (a layer and its adapters per stage) and
+``--context-parallel-size 2`` each train as PP 1 x DP 2: the same metrics, adapters and merged export within fp32
+rounding; both layers' merged weights are base + (alpha/r) B @ A; the targets-only export and the PEFT adapter hold
+both layers (under PP: both stages').
 
 ``test_lora_resume_matches_uninterrupted``: TP 2, a checkpoint after rollout 0 (``--save``), a relaunch that
 resumes and trains rollout 1 ends with the adapters, AdamW state and export of the uninterrupted run; also with
@@ -40,8 +41,8 @@ pytestmark = pytest.mark.multiprocess
 
 HERE = Path(__file__).resolve()
 FULL_RECOMPUTE = "--recompute-granularity,full,--recompute-method,uniform,--recompute-num-layers,1"
-# PP 2 vs PP 1 x DP 2 (test_lora_pp2_matches_pp1): placeholders until measured
-METRIC_PP, ADAPTERS_PP, DIFF_PP, REL_PP = 1e-4, 1e-4, 5e-5, 1e-4
+# test_lora_pp2_and_cp2_match_dp2: (metrics, adapters, merged weights, relative L2) vs PP 1 x DP 2; placeholders
+BOUNDS = {"pp2": (1e-4, 1e-4, 5e-5, 1e-4), "cp2": (1e-4, 1e-4, 5e-5, 1e-4)}
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -171,11 +172,12 @@ def test_lora_tp2_matches_tp1_and_exports_merged(tiny_model_dir: Path, tmp_path:
         torch.testing.assert_close(merged, saved[hf].float(), rtol=1e-5, atol=1e-6)
 
 
-def test_lora_pp2_matches_pp1(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """PP 2 (each stage holds one of the 2 layers and its adapters, seeded by the global layer index) trains as PP 1 x
-    DP 2 on the same samples: the same step metrics, adapters and merged export (every stage's layers under their
-    global names); the merged weights of the second stage's layer are base + (alpha/r) B @ A; the targets-only export
-    (--lora-base-cpu-backup's) and the PEFT adapter of --save-hf cover both stages."""
+def test_lora_pp2_and_cp2_match_dp2(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """PP 2 (each stage holds one of the 2 layers and its adapters, seeded by the global layer index) and CP 2 (each
+    rank two chunks of every sequence, the adapters' gradients summed over DP x CP) train as PP 1 x DP 2 on the same
+    samples: the same step metrics, adapters and merged export (under PP every stage's layers under their global
+    names); the merged weights of both layers are base + (alpha/r) B @ A; the targets-only export
+    (--lora-base-cpu-backup's) and the PEFT adapter of --save-hf cover every layer."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoConfig
@@ -185,32 +187,36 @@ def test_lora_pp2_matches_pp1(tiny_model_dir: Path, tmp_path: Path) -> None:
 
     base = read_hf_state_dict(tiny_model_dir)
     shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(tiny_model_dir))
-    pp1 = _run(tmp_path, tiny_model_dir, "pp1", 1)
-    pp2 = _run(tmp_path, tiny_model_dir, "pp2", 1, extra="--pipeline-model-parallel-size,2")
-    assert sorted(pp2["init"]) == sorted(base) and all(torch.equal(pp2["init"][k], base[k]) for k in base)
-    assert pp2["metrics"][0]["kl_loss"] == 0.0 and pp2["metrics"][1]["kl_loss"] != 0.0
-    assert sorted(pp2["adapters"]) == sorted(pp1["adapters"]) and pp2["trainable"] == pp1["trainable"]
-    for k in base:
-        assert (not torch.equal(pp2["final"][k], base[k])) == (k.split(".")[-2] in TARGETS), k
-    metric = max(abs(pp2["metrics"][rid][k] - pp1["metrics"][rid][k]) / max(1.0, abs(pp1["metrics"][rid][k]))
-                 for rid in (0, 1) for k in ("loss", "pg_loss", "kl_loss", "grad_norm"))
-    adapters = max((x2 - x).abs().max().item() for name, pair in pp1["adapters"].items()
-                   for x, x2 in zip(pair, pp2["adapters"][name]))
-    diff = max((pp2["final"][k] - pp1["final"][k]).abs().max().item() for k in base)
-    num = sum(((pp2["final"][k] - pp1["final"][k]) ** 2).sum().item() for k in base)
-    den = sum(((pp1["final"][k] - base[k]) ** 2).sum().item() for k in base)
-    print(f"lora pp2 vs pp1: metrics {metric:.2e}, adapters {adapters:.2e}, merged weights {diff:.2e} "
-          f"(relative L2 {(num / den) ** 0.5:.2e})")
-    assert metric < METRIC_PP and adapters < ADAPTERS_PP, (metric, adapters)
-    assert diff < DIFF_PP and (num / den) ** 0.5 < REL_PP, (diff, (num / den) ** 0.5)
-    _check_merged(pp2, base, shape)
-    _check_merged(pp2, base, shape, layer=1)                                    # the second stage's layer
+    dp2 = _run(tmp_path, tiny_model_dir, "dp2", 1)
     targets = sorted(k for k in base if k.split(".")[-2] in TARGETS)
-    assert sorted(pp2["trained"]) == targets and all(torch.equal(pp2["trained"][k], pp2["final"][k]) for k in targets)
-    saved = load_file(str(tmp_path / "pp2.hf" / "model.safetensors"))
-    assert sorted(saved) == sorted(base) and all(torch.equal(saved[k].float(), pp2["final"][k]) for k in base)
-    adapter = load_file(str(tmp_path / "pp2.hf" / "adapter" / "adapter_model.safetensors"))
-    assert len({k.removesuffix(".lora_A.weight") for k in adapter if k.endswith(".lora_A.weight")}) == 7 * 2
+    for name, extra in (("pp2", "--pipeline-model-parallel-size,2"), ("cp2", "--context-parallel-size,2")):
+        res = _run(tmp_path, tiny_model_dir, name, 1, extra=extra)
+        assert sorted(res["init"]) == sorted(base) and all(torch.equal(res["init"][k], base[k]) for k in base), name
+        assert res["metrics"][0]["kl_loss"] == 0.0 and res["metrics"][1]["kl_loss"] != 0.0, name
+        assert sorted(res["adapters"]) == sorted(dp2["adapters"]) and res["trainable"] == dp2["trainable"], name
+        for k in base:
+            assert (not torch.equal(res["final"][k], base[k])) == (k in targets), (name, k)
+        metric = max(abs(res["metrics"][rid][k] - dp2["metrics"][rid][k]) / max(1.0, abs(dp2["metrics"][rid][k]))
+                     for rid in (0, 1) for k in ("loss", "pg_loss", "kl_loss", "grad_norm"))
+        adapters = max((x2 - x).abs().max().item() for n, pair in dp2["adapters"].items()
+                       for x, x2 in zip(pair, res["adapters"][n]))
+        diff = max((res["final"][k] - dp2["final"][k]).abs().max().item() for k in base)
+        num = sum(((res["final"][k] - dp2["final"][k]) ** 2).sum().item() for k in base)
+        den = sum(((dp2["final"][k] - base[k]) ** 2).sum().item() for k in base)
+        rel = (num / den) ** 0.5
+        print(f"lora {name} vs dp2: metrics {metric:.2e}, adapters {adapters:.2e}, merged weights {diff:.2e} "
+              f"(relative L2 {rel:.2e})")
+        bound = BOUNDS[name]
+        assert metric < bound[0] and adapters < bound[1] and diff < bound[2] and rel < bound[3], (
+            name, metric, adapters, diff, rel)
+        _check_merged(res, base, shape)
+        _check_merged(res, base, shape, layer=1)                                # PP 2: the second stage's layer
+        assert sorted(res["trained"]) == targets, name
+        assert all(torch.equal(res["trained"][k], res["final"][k]) for k in targets), name
+        saved = load_file(str(tmp_path / f"{name}.hf" / "model.safetensors"))
+        assert sorted(saved) == sorted(base) and all(torch.equal(saved[k].float(), res["final"][k]) for k in base)
+        adapter = load_file(str(tmp_path / f"{name}.hf" / "adapter" / "adapter_model.safetensors"))
+        assert len({k.removesuffix(".lora_A.weight") for k in adapter if k.endswith(".lora_A.weight")}) == 7 * 2
 
 
 def _check_merged(res: dict, base: dict, shape, layer_mods: tuple[str, ...] = (
