@@ -24,7 +24,7 @@ both layers (under PP: both stages').
 
 ``test_lora_resume_matches_uninterrupted``: TP 2, a checkpoint after rollout 0 (``--save``), a relaunch that
 resumes and trains rollout 1 ends with the adapters, AdamW state and export of the uninterrupted run; also with
-``--optimizer-cpu-offload`` (the adapters' AdamW on CPU).
+``--optimizer-cpu-offload`` (the adapters' AdamW on CPU) and at PP 2 (each rank its stage's adapters).
 """
 
 from __future__ import annotations
@@ -300,17 +300,19 @@ def test_lora_moe_tp2_sequence_parallel_matches_tp1(tmp_path: Path) -> None:
                                                "mlp.experts.local_experts.1.linear_fc2"))
 
 
-@pytest.mark.parametrize("offload", [False, True], ids=["adamw", "cpu_offload"])
-def test_lora_resume_matches_uninterrupted(tiny_model_dir: Path, tmp_path: Path, offload: bool) -> None:
-    """(also with --optimizer-cpu-offload: the adapters' AdamW state on CPU, saved and loaded with them)"""
+@pytest.mark.parametrize("layout", ["adamw", "cpu_offload", "pp2"])
+def test_lora_resume_matches_uninterrupted(tiny_model_dir: Path, tmp_path: Path, layout: str) -> None:
+    """(also with --optimizer-cpu-offload: the adapters' AdamW state on CPU, saved and loaded with them; and at PP 2:
+    each rank saves and loads its stage's adapters)"""
     import torch
 
-    extra = "--optimizer-cpu-offload" if offload else ""
-    full = _run(tmp_path, tiny_model_dir, "full", 2, extra=extra)
+    extra = {"adamw": "", "cpu_offload": "--optimizer-cpu-offload", "pp2": "--pipeline-model-parallel-size,2"}[layout]
+    tp = 1 if layout == "pp2" else 2
+    full = _run(tmp_path, tiny_model_dir, "full", tp, extra=extra)
     ckpt = str(tmp_path / "ckpt")
-    first = _run(tmp_path, tiny_model_dir, "first", 2, ckpt, "first", extra=extra)
+    first = _run(tmp_path, tiny_model_dir, "first", tp, ckpt, "first", extra=extra)
     assert (Path(ckpt) / "iter_0000000" / "lora" / "rank_00001.pt").is_file()
-    resumed = _run(tmp_path, tiny_model_dir, "resumed", 2, ckpt, "resume", extra=extra)
+    resumed = _run(tmp_path, tiny_model_dir, "resumed", tp, ckpt, "resume", extra=extra)
     assert list(resumed["metrics"]) == [1]
     assert first["metrics"][0]["loss"] == full["metrics"][0]["loss"]
     assert resumed["metrics"][1]["loss"] == full["metrics"][1]["loss"]
