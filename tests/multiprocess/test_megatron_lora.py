@@ -42,11 +42,12 @@ pytestmark = pytest.mark.multiprocess
 HERE = Path(__file__).resolve()
 FULL_RECOMPUTE = "--recompute-granularity,full,--recompute-method,uniform,--recompute-num-layers,1"
 # test_lora_pp2_and_cp2_match_dp2: (metrics (relative), adapters, merged weights, merged relative L2) vs PP 1 x DP 2.
-# Measured (2-core CPU box, ``pytest -s tests/multiprocess/test_megatron_lora.py -k pp2_and_cp2``): PP 2 1.4e-7,
-# 8.1e-7, 2.1e-7, 9.8e-7; CP 2 1.4e-7, 2.3e-6, 1.1e-7, 7.2e-7; bounds at about twice that.
+# Measured (2-core CPU box, ``pytest -s tests/multiprocess/test_megatron_lora.py -k pp2_and_cp2``), with the CPU
+# AdamW foreach (main since 4e7b491) / fused: PP 2 3.2e-8 / 1.4e-7, 3.0e-6 / 8.1e-7, 2.1e-7 / 2.1e-7, 1.0e-6 /
+# 9.8e-7; CP 2 1.1e-8 / 1.4e-7, 4.4e-6 / 2.3e-6, 1.8e-7 / 1.1e-7, 9.4e-7 / 7.2e-7; bounds at about twice the larger.
 # Seen failing: the CP ranks' gradients left unsummed over CP measure 2.0e-1, 4.0e-2, 2.6e-2, 1.2; the stages' adapters
 # named by their local layer index (not the global one) fail the names check.
-BOUNDS = {"pp2": (3e-7, 1.6e-6, 4.2e-7, 2e-6), "cp2": (3e-7, 4.7e-6, 2.2e-7, 1.5e-6)}
+BOUNDS = {"pp2": (3e-7, 6e-6, 4.2e-7, 2.1e-6), "cp2": (3e-7, 9e-6, 3.6e-7, 1.9e-6)}
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
