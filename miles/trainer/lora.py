@@ -62,6 +62,19 @@ the expert-data-parallel group, divided by the DP size: ``moe.reduce_expert_grad
 replicated on every EP rank and each rank's copy sees only its own experts' tokens, so its gradient is first summed
 over the EP group (Miles's ``_lora_grad_sum_group = "ep"``) and then reduced as an expert's. The merged export
 gathers the merged experts over EP as the base export does, so the engines still receive plain merged weights.
+
+Pipeline parallelism (``--pipeline-model-parallel-size``): each stage attaches adapters to the layers it holds,
+named, selected and seeded by the layer's model-wide index (``pipeline.global_name``: ``decoder.layers.<global
+i>``), so every PP size draws the same adapters. The gradients are reduced per stage (over the stage's TP / EP / DP
+groups, as above); the gradient norm and the trainable count are summed over the pipeline group. ``merged`` merges
+this stage's targets, and the pipeline export (``export._iter_pipeline``) broadcasts each stage's merged weights
+under their global names, so the engines receive the whole merged model. ``full_pairs`` (and the PEFT adapter)
+gathers the stages' adapters over the pipeline group; ``--save`` writes each rank's adapters (its stage's), and a
+checkpoint resumes at the same pipeline size only.
+
+Context parallelism (``--context-parallel-size``): a target linear maps each token on its own, so the hooks need
+nothing; each CP rank's adapter gradients are its sequence chunks', summed over DP x CP as the base weights' are
+(``finish_grads``; a routed expert's over the expert-DP group, which spans the CP ranks).
 """
 
 from __future__ import annotations
@@ -162,10 +175,15 @@ class LoraAdapters(nn.Module):
     """Every target's ``LoraPair`` (keys: the module name with '.' as '/'), plus what the hooks need."""
 
     def __init__(self, spec: LoraSpec, tp_size: int, tp_group: dist.ProcessGroup | None, ep_size: int = 1,
-                 ep_group: dist.ProcessGroup | None = None, ep_rank: int = 0):
+                 ep_group: dist.ProcessGroup | None = None, ep_rank: int = 0, pp_size: int = 1,
+                 pp_group: dist.ProcessGroup | None = None, timeout: float = 600.0):
         super().__init__()
         self.spec, self.tp_size, self.tp_group = spec, tp_size, tp_group
         self.ep_size, self.ep_group, self.ep_rank = ep_size, ep_group, ep_rank
+        self.pp_size, self.pp_group, self.timeout = pp_size, pp_group, timeout
+        self.device = torch.device("cpu")              # the base weights' (set by attach)
+        self.stage_names: dict[str, str] = {}          # every target: local name -> its name with the global layer index
+        self.all_targets: tuple[str, ...] = ()         # the targets of every pipeline stage (global layer names)
         self.pairs = nn.ModuleDict()
         self.shared = nn.ParameterDict()               # --experts-shared-outer-loras: one outer factor per layer
         self.targets: dict[str, nn.Module] = {}        # name -> the base module (not registered here)
@@ -221,7 +239,8 @@ def attach(model: nn.Module, spec: LoraSpec, *, tp_rank: int = 0, tp_size: int =
            tp_group: dist.ProcessGroup | None = None, seed: int = 0, ep_rank: int = 0, ep_size: int = 1,
            ep_group: dist.ProcessGroup | None = None, num_experts: int = 0,
            inputs_require_grad: bool = False, path_prefix: str = "",
-           family_targets: tuple[str, ...] = ()) -> LoraAdapters:
+           family_targets: tuple[str, ...] = (), pp_size: int = 1, pp_group: dist.ProcessGroup | None = None,
+           timeout: float = 600.0) -> LoraAdapters:
     """Freeze every parameter of ``model`` and hook a LoRA pair onto each target linear (Megatron leaf names,
     modules holding ``weight``; routed experts included, ``num_experts`` of them over ``ep_size`` EP ranks);
     returns the adapters (on the base weights' device, fp32). ``inputs_require_grad`` (``--recompute-granularity
@@ -232,17 +251,21 @@ def attach(model: nn.Module, spec: LoraSpec, *, tp_rank: int = 0, tp_size: int =
     (``Family.lora_path_prefix``); ``family_targets``: the ``FAMILY_TARGETS`` leaf names the model's family builds as
     targets (``Family.lora_targets``; another module of such a name that a target selects is refused). The
     multi-token-prediction block (``mtp.*``) is never adapted: it is carried frozen (``--mtp-num-layers`` without
-    ``--enable-mtp-training``), as Miles's recipes leave it."""
+    ``--enable-mtp-training``), as Miles's recipes leave it. ``pp_size`` > 1: ``model`` is one pipeline stage (module
+    docstring); collective on ``pp_group`` (the stages' target names gathered, bounded by ``timeout``)."""
     from miles.trainer.megatron.moe import global_name, is_expert
+    from miles.trainer.megatron.pipeline import global_name as stage_global_name
 
-    lora = LoraAdapters(spec, tp_size, tp_group, ep_size, ep_group, ep_rank)
+    lora = LoraAdapters(spec, tp_size, tp_group, ep_size, ep_group, ep_rank, pp_size, pp_group, timeout)
     lora.num_local = num_local = num_experts // ep_size if num_experts else 0
+    lora.device = next((p.device for p in model.parameters()), torch.device("cpu"))
     for p in model.parameters():
         p.requires_grad_(False)
     matched: set[str] = set()
     paths_hit: set[str] = set()
-    for name, module in model.named_modules():
-        leaf = _leaf(name)
+    for local, module in model.named_modules():
+        leaf = _leaf(local)
+        name = stage_global_name(model, local) if pp_size > 1 else local    # the layer's model-wide index
         if name.startswith("mtp.") or leaf not in MEGATRON_KIND or not spec.selects(name, path_prefix):
             continue
         if leaf in FAMILY_TARGETS and leaf not in family_targets:
@@ -260,8 +283,8 @@ def attach(model: nn.Module, spec: LoraSpec, *, tp_rank: int = 0, tp_size: int =
         out_local, in_local = w.shape
         if is_expert(name + ".weight"):
             gname = global_name(name + ".weight", ep_rank, num_local).removesuffix(".weight")
-            pair = _expert_pair(lora, spec, leaf, gname, name, out_local, in_local, seed, w.device)
-            lora.global_names[name] = gname
+            pair = _expert_pair(lora, spec, leaf, gname, local, name, out_local, in_local, seed, w.device)
+            lora.global_names[local] = gname
         else:
             kind = MEGATRON_KIND[leaf]
             split = tp_size > 1
@@ -272,10 +295,18 @@ def attach(model: nn.Module, spec: LoraSpec, *, tp_rank: int = 0, tp_size: int =
             b = torch.zeros(out_local, spec.rank, dtype=torch.float32)
             sp = split and bool(getattr(module, "sequence_parallel", False) or getattr(w, "sequence_parallel", False))
             pair = LoraPair(a.to(w.device), b.to(w.device), kind, sequence_parallel=sp)
-        lora.pairs[name.replace(".", "/")] = pair
-        lora.targets[name] = module
+        lora.pairs[local.replace(".", "/")] = pair
+        lora.targets[local] = module
+        lora.stage_names[local] = name
         module.register_forward_hook(_hook(lora, pair))
-    if not lora.targets:
+    lora.all_targets = tuple(sorted(lora.stage_names.values()))
+    if pp_size > 1:            # a stage may hold no target (--target-modules paths of some layers): the model must
+        from miles.trainer.collectives import bounded_all_gather_object
+
+        parts = bounded_all_gather_object(lora.all_targets, pp_group, timeout, lora.device,
+                                          "gathering the pipeline stages' LoRA targets")
+        lora.all_targets = tuple(sorted({n for part in parts for n in part}))
+    if not lora.all_targets:
         raise ConfigError(f"--target-modules: no module of the model matches {list(spec.targets) + list(spec.paths)}"
                           + (f" (module paths are matched against Megatron-Bridge's names: {path_prefix}decoder.layers."
                              "N....)" if spec.paths else "") + ".")
@@ -301,16 +332,17 @@ def _require_grad(_module: nn.Module, _args, output):
     return output
 
 
-def _expert_pair(lora: LoraAdapters, spec: LoraSpec, leaf: str, gname: str, name: str, out_f: int, in_f: int,
-                 seed: int, device: torch.device) -> LoraPair:
+def _expert_pair(lora: LoraAdapters, spec: LoraSpec, leaf: str, gname: str, local: str, name: str, out_f: int,
+                 in_f: int, seed: int, device: torch.device) -> LoraPair:
     """A routed expert's pair (whole: expert TP 1); with ``--experts-shared-outer-loras`` its outer factor is the
-    layer's shared one (created by the layer's first expert; seeded by the layer's name, so every EP rank and
-    EP size draw the same)."""
+    layer's shared one (created by the layer's first expert; seeded by the layer's global name, so every EP rank,
+    EP size and PP size draw the same). ``local``: the module's name in this stage, ``name``: with the global layer
+    index."""
     a = _init_a(spec.rank, in_f, seed, gname).to(device)
     b = torch.zeros(out_f, spec.rank, dtype=torch.float32, device=device)
     if spec.experts_shared_outer:
         layer = name[:name.index(".local_experts.")] + "." + leaf          # ...mlp.experts.linear_fc1
-        key = layer.replace(".", "/")
+        key = (local[:local.index(".local_experts.")] + "." + leaf).replace(".", "/")
         if key not in lora.shared:
             lora.shared[key] = nn.Parameter(_init_a(spec.rank, in_f, seed, layer).to(device) if leaf == "linear_fc1"
                                             else b.clone())
@@ -377,7 +409,8 @@ def merged(lora: LoraAdapters | None):
 @torch.no_grad()
 def finish_grads(lora: LoraAdapters, groups) -> None:
     """Reduce the adapters' gradients (``groups``: the Megatron backend's ``parallel.Groups``): the dense targets'
-    averaged over DP (TP needs nothing without sequence parallelism: the hooks' regions already leave every rank with
+    averaged over DP (under context parallelism summed over DP x CP first, each CP rank's gradient being its
+    sequence chunks', as ``parallel.finish_grads`` reduces the base weights; TP needs nothing without sequence parallelism: the hooks' regions already leave every rank with
     its complete gradient; under it the whole factors' TP-partial gradients are summed over TP first);
     the shared outer factors summed over EP first; then the routed experts' factors, shared ones included, as the
     experts' weights (``moe.reduce_expert_grads``: summed over the expert-DP group, divided by the DP size; plain
@@ -397,7 +430,12 @@ def finish_grads(lora: LoraAdapters, groups) -> None:
     reduced = {id(p) for n, p in experts if edp_reduced(n, groups)}
     reduce_expert_grads(experts, groups)
     dense = [p for p in lora.parameters() if id(p) not in reduced]
-    if groups.dp_size > 1 and dense:
+    cp_size = getattr(groups, "cp_size", 1)
+    if cp_size > 1 and dense:       # CP ranks hold partial sums (their chunks): sum over DP x CP, average over DP
+        _all_reduce([p.grad for p in dense], groups.dp_cp)
+        if groups.dp_size > 1:
+            torch._foreach_div_([p.grad for p in dense], float(groups.dp_size))
+    elif groups.dp_size > 1 and dense:
         _all_reduce([p.grad for p in dense], groups.dp)
         torch._foreach_div_([p.grad for p in dense], float(groups.dp_size))
 
@@ -412,19 +450,22 @@ def _all_reduce(tensors: list[torch.Tensor], group) -> None:
 @torch.no_grad()
 def clip_grad_norm(lora: LoraAdapters, max_norm: float) -> float:
     """The L2 norm of the full adapters' gradients (TP shards summed, routed experts' factors summed over EP,
-    replicated ones counted once); scaled to ``max_norm`` when positive."""
+    replicated ones counted once, every pipeline stage's summed); scaled to ``max_norm`` when positive."""
     def sq(ps: list[nn.Parameter]) -> torch.Tensor:
         gs = [p.grad.float() for p in ps if p.grad is not None]
-        return sum((g.square().sum() for g in gs), torch.zeros((), dtype=torch.float32, device=gs[0].device)
-                   if gs else torch.zeros(()))
+        return sum((g.square().sum().to(lora.device) for g in gs),
+                   torch.zeros((), dtype=torch.float32, device=lora.device))
 
     local = sq(lora.sharded_params())
     if lora.tp_size > 1:
         dist.all_reduce(local, group=lora.tp_group)
-    experts = sq(lora.expert_params()).to(local.device)
+    experts = sq(lora.expert_params())
     if lora.ep_size > 1:
         dist.all_reduce(experts, group=lora.ep_group)
-    norm = (local + experts + sq(lora.replicated_params()).to(local.device)).sqrt()
+    total = local + experts + sq(lora.replicated_params())
+    if lora.pp_size > 1:                  # the same over every rank of a stage: sum the stages'
+        dist.all_reduce(total, group=lora.pp_group)
+    norm = total.sqrt()
     params = [p for p in lora.parameters() if p.grad is not None]
     if max_norm > 0 and params:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
@@ -433,14 +474,18 @@ def clip_grad_norm(lora: LoraAdapters, max_norm: float) -> float:
 
 def trainable_count(lora: LoraAdapters) -> int:
     """Adapter parameters of the whole model (TP shards summed, routed experts' summed over EP, replicated ones
-    once); collective on TP and EP."""
-    sharded = torch.tensor([float(sum(p.numel() for p in lora.sharded_params()))], dtype=torch.float64)
+    once, every pipeline stage's summed); collective on TP, EP and PP."""
+    dev = lora.device
+    sharded = torch.tensor([float(sum(p.numel() for p in lora.sharded_params()))], dtype=torch.float64, device=dev)
     if lora.tp_size > 1:
         dist.all_reduce(sharded, group=lora.tp_group)
-    experts = torch.tensor([float(sum(p.numel() for p in lora.expert_params()))], dtype=torch.float64)
+    experts = torch.tensor([float(sum(p.numel() for p in lora.expert_params()))], dtype=torch.float64, device=dev)
     if lora.ep_size > 1:
         dist.all_reduce(experts, group=lora.ep_group)
-    return int(sharded.item()) + int(experts.item()) + sum(p.numel() for p in lora.replicated_params())
+    total = sharded + experts + float(sum(p.numel() for p in lora.replicated_params()))
+    if lora.pp_size > 1:
+        dist.all_reduce(total, group=lora.pp_group)
+    return int(total.item())
 
 
 def _spec_dict(lora: LoraAdapters) -> dict:
@@ -455,7 +500,7 @@ def _spec_dict(lora: LoraAdapters) -> dict:
 
 def state(lora: LoraAdapters, optimizer: torch.optim.Optimizer | None) -> dict:
     """This rank's adapter weights (and optimizer state) for a checkpoint."""
-    out = {"spec": _spec_dict(lora), "tp_size": lora.tp_size, "ep_size": lora.ep_size,
+    out = {"spec": _spec_dict(lora), "tp_size": lora.tp_size, "ep_size": lora.ep_size, "pp_size": lora.pp_size,
            "adapters": {k: v.detach().cpu().clone() for k, v in lora.state_dict().items()}}
     if optimizer is not None:
         out["optimizer"] = optimizer.state_dict()
@@ -463,15 +508,16 @@ def state(lora: LoraAdapters, optimizer: torch.optim.Optimizer | None) -> dict:
 
 
 def load_state(lora: LoraAdapters, optimizer: torch.optim.Optimizer | None, saved: dict, where: str) -> None:
-    """Restore ``state``'s output; a checkpoint of another LoRA shape or TP size is refused in one line."""
+    """Restore ``state``'s output; a checkpoint of another LoRA shape, TP, EP or PP size is refused in one line."""
     want = _spec_dict(lora)
     if (saved.get("spec") != want or saved.get("tp_size") != lora.tp_size
-            or saved.get("ep_size", 1) != lora.ep_size):
+            or saved.get("ep_size", 1) != lora.ep_size or saved.get("pp_size", 1) != lora.pp_size):
         raise ConfigError(f"{where}: the checkpoint's LoRA ({saved.get('spec')}, TP {saved.get('tp_size')}, EP "
-                          f"{saved.get('ep_size', 1)}) differs from this run's ({want}, TP {lora.tp_size}, EP "
-                          f"{lora.ep_size}); resume with the same --lora-rank, --lora-alpha, --target-modules, "
-                          "--experts-shared-outer-loras, --tensor-model-parallel-size and "
-                          "--expert-model-parallel-size.")
+                          f"{saved.get('ep_size', 1)}, PP {saved.get('pp_size', 1)}) differs from this run's ({want}, "
+                          f"TP {lora.tp_size}, EP {lora.ep_size}, PP {lora.pp_size}); resume with the same "
+                          "--lora-rank, --lora-alpha, --target-modules, --experts-shared-outer-loras, "
+                          "--tensor-model-parallel-size, --expert-model-parallel-size and "
+                          "--pipeline-model-parallel-size.")
     with torch.no_grad():
         for k, v in lora.state_dict().items():
             v.copy_(saved["adapters"][k].to(v.device))
@@ -481,14 +527,9 @@ def load_state(lora: LoraAdapters, optimizer: torch.optim.Optimizer | None, save
 
 def check_megatron(opts, shape, spec: LoraSpec) -> None:
     """Refuse the Megatron layouts LoRA is not built for (one line each)."""
-    for flag, value, ok in (("--pipeline-model-parallel-size", opts.pp, opts.pp == 1),
-                            ("--context-parallel-size", opts.cp, opts.cp == 1),
-                            ("--lora-dropout", f"{spec.dropout} with --tensor-model-parallel-size > 1",
-                             not (spec.dropout > 0 and opts.tp > 1))):
-        if not ok:
-            raise ConfigError(f"{flag} {value} is not supported with --lora-rank: LoRA runs under tensor (with or "
-                              "without --sequence-parallel), expert and data parallelism only; drop the flag or train "
-                              "without LoRA.")
+    if spec.dropout > 0 and opts.tp > 1:
+        raise ConfigError(f"--lora-dropout {spec.dropout} with --tensor-model-parallel-size > 1 is not supported with "
+                          "--lora-rank; use --lora-dropout 0 at TP > 1, or train at --tensor-model-parallel-size 1.")
     family = shape.family
     foreign = sorted(set(spec.names) & set(FAMILY_TARGETS) - set(family.lora_targets))
     if foreign:
@@ -548,15 +589,16 @@ def load_files(lora: LoraAdapters, optimizer: torch.optim.Optimizer | None, path
 
 @torch.no_grad()
 def full_pairs(lora: LoraAdapters, shape=None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Megatron module name (routed experts: EP-free, global index) -> (A, B) of the whole model (TP shards and
-    EP ranks' experts gathered, a column target's B rows joined as its weight's are: ``shape``, the model's
-    ``ModelShape``, for a family's sectioned weights such as the gated DeltaNet's ``in_proj``; CPU fp32); collective
-    on TP and EP."""
+    """Megatron module name (global layer index; routed experts: EP-free, global index) -> (A, B) of the whole model
+    (TP shards, EP ranks' experts and pipeline stages gathered, a column target's B rows joined as its weight's are:
+    ``shape``, the model's ``ModelShape``, for a family's sectioned weights such as the gated DeltaNet's
+    ``in_proj``; CPU fp32); collective on TP, EP and PP."""
     from miles.trainer.megatron.convert import unshard
     from miles.trainer.megatron.moe import global_name
 
     out = {}
-    for name, pair in lora.named_pairs():
+    for local, pair in lora.named_pairs():
+        name = lora.stage_names.get(local, local)
         a, b = pair.lora_A.detach().float(), pair.lora_B.detach().float()
         if pair.kind == "expert":
             if lora.ep_size == 1:
@@ -578,6 +620,12 @@ def full_pairs(lora: LoraAdapters, shape=None) -> dict[str, tuple[torch.Tensor, 
             else:
                 a = torch.cat(parts, dim=1)
         out[name] = (a.cpu(), b.cpu())
+    if lora.pp_size > 1:
+        from miles.trainer.collectives import bounded_all_gather_object
+
+        parts = bounded_all_gather_object(out, lora.pp_group, lora.timeout, lora.device,
+                                          "gathering the pipeline stages' LoRA adapters")
+        out = {k: v for part in parts for k, v in part.items()}
     return out
 
 

@@ -15,9 +15,10 @@
   ``kv_a_proj_with_mqa``, replicated over TP, with GLM-5's up projections ``q_b_proj`` / ``kv_b_proj``) so does
   TP 2 with sequence parallelism and EP 2 (each rank its own samples, as the driver hands them).
 
-``test_lora_moe_weight_update_leaves_engine_equal``: EP 2 with shared-outer adapters trains a rollout; every merged
-bucket goes to the embedded engine (``/update_weights_from_tensor``) and reads back bit for bit equal
-(``--check-weight-update-equal``'s comparison, ``miles.weight_sync.check.compare``).
+``test_lora_moe_weight_update_leaves_engine_equal``: EP 2 (and PP 2: each stage's layer, its experts' adapters
+included) with shared-outer adapters trains a rollout; every merged bucket goes to the embedded engine
+(``/update_weights_from_tensor``) and reads back bit for bit equal (``--check-weight-update-equal``'s comparison,
+``miles.weight_sync.check.compare``), and the buckets name every tensor of the checkpoint (both stages' layers).
 """
 
 from __future__ import annotations
@@ -213,14 +214,15 @@ def test_lora_moe_merged_reference(request, tmp_path: Path, model: str, shared: 
         assert diff < 5e-5 and (num / den) ** 0.5 < 1e-4, (diff, (num / den) ** 0.5)
 
 
-def _engine_worker(model_dir: str, out: str, engine_url: str) -> None:
+def _engine_worker(model_dir: str, out: str, engine_url: str, layout: str = "ep2") -> None:
     import torch.distributed as dist
     from test_megatron_moe import post_bucket_and_check
     from trainer_harness import build, random_samples
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    tr = build(model_dir, _flags(2, True))
+    tr = build(model_dir, _flags(2, True) if layout == "ep2" else
+               _flags(1, True) + ["--pipeline-model-parallel-size", "2"])
     tr.train(random_samples(1, 3, seed=rank, first_group=rank), 0)
     res = {"names": []}
     for bucket in tr.iter_weight_buckets(16 << 10):
@@ -233,7 +235,8 @@ def _engine_worker(model_dir: str, out: str, engine_url: str) -> None:
     dist.destroy_process_group()
 
 
-def test_lora_moe_weight_update_leaves_engine_equal(tiny_moe_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", ["ep2", "pp2"])
+def test_lora_moe_weight_update_leaves_engine_equal(tiny_moe_dir: Path, tmp_path: Path, layout: str) -> None:
     from safetensors.torch import load_file
 
     from miles.engine.testing import EngineProc
@@ -241,7 +244,7 @@ def test_lora_moe_weight_update_leaves_engine_equal(tiny_moe_dir: Path, tmp_path
     eng = EngineProc(tiny_moe_dir, "--max-running-requests", "2", log=tmp_path / "engine.log")
     try:
         out = tmp_path / "engine.json"
-        proc = _launch("engine", str(tiny_moe_dir), str(out), eng.url)
+        proc = _launch("engine", str(tiny_moe_dir), str(out), eng.url, layout)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         res = json.loads(out.read_text())
     finally:
@@ -253,4 +256,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "run":
         _worker(*sys.argv[2:8])
     elif sys.argv[1] == "engine":
-        _engine_worker(*sys.argv[2:5])
+        _engine_worker(*sys.argv[2:6])

@@ -117,10 +117,9 @@ def iter_hf_buckets(model: nn.Module, shape: ModelShape, groups: Groups, *, devi
                     spelling: Callable[[str], str] | None = None) -> Iterator[Bucket]:
     """Yield buckets of (HF name, full tensor) (see module docstring); collective on the TP group (and the
     pipeline group of ``stage`` when it has more than one stage). ``only``: export just the parameters whose megatron
-    name it accepts (no buffers; one pipeline stage only), e.g. the LoRA targets' weights (--lora-base-cpu-backup).
+    name (under pipeline parallelism: with the global layer index, of any stage) it accepts (no buffers), e.g. the
+    LoRA targets' weights (--lora-base-cpu-backup).
     ``spelling``: each HF name as the checkpoint spells it (``miles.weight_sync.hf_layout.checkpoint_spelling``)."""
-    if only is not None and stage is not None and stage.size > 1:
-        raise ValueError("a partial weight export (only=) is not built under pipeline parallelism")
     stream = _iter_hf_buckets(model, shape, groups, device=device, bucket_bytes=bucket_bytes, dtype=dtype,
                               timeout=timeout, prefetch=prefetch, stage=stage, only=only)
     transform = shape.family.export_stream        # e.g. gpt-oss: the experts' slices joined into HF's fused tensors
@@ -141,7 +140,7 @@ def _iter_hf_buckets(model: nn.Module, shape: ModelShape, groups: Groups, *, dev
                      stage, only: Callable[[str], bool] | None = None) -> Iterator[Bucket]:
     if stage is not None and stage.size > 1:
         yield from _iter_pipeline(model, shape, groups, stage, device=device, bucket_bytes=bucket_bytes,
-                                  dtype=dtype, timeout=timeout)
+                                  dtype=dtype, timeout=timeout, only=only)
         return
     if groups.ep_size > 1:                 # experts gathered over the EP group (moe.py)
         from miles.trainer.megatron.moe import iter_ep_buckets
@@ -176,11 +175,14 @@ def _stage_entries(model: nn.Module, shape: ModelShape, stage,
 
 
 def _iter_pipeline(model, shape: ModelShape, groups: Groups, stage, *, device: torch.device, bucket_bytes: int,
-                   dtype: torch.dtype | None, timeout: float) -> Iterator[Bucket]:
+                   dtype: torch.dtype | None, timeout: float,
+                   only: Callable[[str], bool] | None = None) -> Iterator[Bucket]:
     from miles.trainer.megatron import moe
     from miles.trainer.megatron.pipeline import wait_all
 
     entries = _stage_entries(model, shape, stage, device)
+    if only is not None:                   # every rank filters every stage's names alike: the same buckets
+        entries = [(s, n, p) for s, n, p in entries if only(n)]
     owner = {n: s for s, n, _ in entries}
     units = moe.export_units([(n, p) for _, n, p in entries], groups)     # a layer's experts together (EP > 1)
     for bucket in pack(units, lambda unit: moe.unit_nbytes(unit, groups, dtype), bucket_bytes):

@@ -267,7 +267,8 @@ def train_1f1b(stage: Stage, n: int, shape_of: Callable[[int], tuple], forward: 
 
     def bwd(grad_y: torch.Tensor | None) -> torch.Tensor | None:
         x, y = pending.popleft()
-        torch.autograd.backward(y, grad_y)
+        if y.requires_grad:            # LoRA: a first stage without adapters (the base frozen) has nothing to train
+            torch.autograd.backward(y, grad_y)
         if x is None:
             return None
         return x.grad if x.grad is not None else torch.zeros_like(x)

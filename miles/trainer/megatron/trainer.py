@@ -241,7 +241,8 @@ class MegatronTrainer(RLTrainer):
                                    num_experts=self.shape.num_experts or 0,
                                    inputs_require_grad=self.opts.recompute_granularity == "full",
                                    path_prefix=self.shape.family.lora_path_prefix(self.shape),
-                                   family_targets=self.shape.family.lora_targets)
+                                   family_targets=self.shape.family.lora_targets, pp_size=g.pp_size, pp_group=g.pp,
+                                   timeout=self.timeout)
         n = lora_mod.trainable_count(adapters)
         logger.info("LoRA rank %d alpha %s on %s: %s trainable of %s params (base frozen)", spec.rank, spec.alpha,
                     ",".join(sorted({name.rsplit(".", 1)[-1] for name in adapters.targets})), f"{n:,}",
@@ -435,7 +436,7 @@ class MegatronTrainer(RLTrainer):
         without LoRA, everything."""
         if self.lora is None:
             return self.iter_weight_buckets(bucket_bytes, dtype, prefetch=prefetch)
-        names = {name + ".weight" for name in self.lora.targets}
+        names = {name + ".weight" for name in self.lora.all_targets}       # every stage's (global layer names)
         it = export.iter_hf_buckets(self.model, self.shape, self.groups, device=self.device,
                                     bucket_bytes=bucket_bytes, dtype=dtype, timeout=self.timeout,
                                     prefetch=prefetch, stage=self.stage, only=names.__contains__,

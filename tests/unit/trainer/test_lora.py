@@ -169,6 +169,10 @@ def test_adapter_state_round_trips_and_a_mismatch_is_refused(tmp_path):
     other = lora.attach(Toy(), _spec(rank=2), seed=1)
     with pytest.raises(ConfigError, match="differs from this run's"):
         lora.load_files(other, None, tmp_path, 0)
+    staged = lora.attach(Toy(), _spec(), seed=1)
+    staged.pp_size = 2                                             # a stage of a 2-stage pipeline: per-rank files
+    with pytest.raises(ConfigError, match=r"PP 1\) differs .* PP 2\); .*--pipeline-model-parallel-size"):
+        lora.load_files(staged, None, tmp_path, 0)
     with pytest.raises(ConfigError, match="no LoRA adapters"):
         lora.load_files(bd, None, tmp_path / "nope", 0)
 
@@ -184,10 +188,10 @@ def test_preflight_refuses_the_layouts_lora_does_not_run(tiny_model_dir):
             "--rollout-batch-size", "2", "--lora-rank", "4", "--target-modules", "all-linear"]
     options.preflight_check(parse_args(base + ["--tensor-model-parallel-size", "2"]), hf)
     options.preflight_check(parse_args(base + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]), hf)
-    for extra, msg in ((["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2 is not supported "
-                                                                 "with --lora-rank"),
-                       (["--context-parallel-size", "2"], "--context-parallel-size 2"),
-                       (["--tensor-model-parallel-size", "2", "--lora-dropout", "0.1"], "--lora-dropout 0.1")):
+    options.preflight_check(parse_args(base + ["--pipeline-model-parallel-size", "2"]), hf)   # each stage's layers
+    options.preflight_check(parse_args(base + ["--context-parallel-size", "2"]), hf)
+    for extra, msg in ((["--tensor-model-parallel-size", "2", "--lora-dropout", "0.1"],
+                        r"^--lora-dropout 0.1 with --tensor-model-parallel-size > 1 is not supported with --lora-rank"),):
         with pytest.raises(ConfigError, match=msg):
             options.preflight_check(parse_args(base + extra), hf)
     options.preflight_check(parse_args(base + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]), hf)
