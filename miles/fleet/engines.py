@@ -327,6 +327,13 @@ def _sglang_argv(*, hf_checkpoint, host, port, api_key, num_gpus, base_gpu_id, d
     return argv + server_args_cli(server_args) + list(extra)
 
 
+def cpu_threads_server_flags(kind: str, device: str, threads: int | None) -> list[str]:
+    """The embedded engine on CPU under the launcher's share of the cores (``threads``, miles.spmd.threads): that
+    share is an upper bound, the engine keeps the faster of it and one thread (``--pick-cpu-threads``; a tiny
+    model decodes faster on one). None: the user's OMP_NUM_THREADS fixes the count."""
+    return ["--pick-cpu-threads"] if kind != "sglang" and device == "cpu" and threads is not None else []
+
+
 def replay_server_flags(kind: str, algo: Any) -> list[str]:
     """Server flags routing replay needs: SGLang returns routed experts only when started with
     ``--enable-return-routed-experts`` (Miles sets it with --use-rollout-routing-replay); the embedded engine

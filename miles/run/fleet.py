@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from miles.fleet.engines import (
     chat_template_server_flags,
+    cpu_threads_server_flags,
     engine_argv_from_config,
     engine_host,
     engine_url,
@@ -191,8 +192,7 @@ def place_engines(cfg: MilesConfig, ctx: SPMDContext, *, kind: str, api_key: str
             extra=replay_server_flags(kind, cfg.algo) + model_server_flags(kind, cfg.megatron)
             + weight_backup_server_flags(kind, cfg.weights)
             + chat_template_server_flags(kind, cfg.data, cfg.sglang.server_args)
-            + (["--pick-cpu-threads"] if kind != "sglang" and world.device.type == "cpu" and threads is not None
-               else []))      # the plan's share is an upper bound: a tiny model decodes faster on one thread
+            + cpu_threads_server_flags(kind, world.device.type, threads))
         name = f"engine{spec.engine_id}" + (f"-node{node_rank}" if node_rank else "")
         placement.supervisor = start_engine(argv, cfg, name=name, log_path=out_dir / f"{name}.log", threads=threads)
         if node_rank == 0 and not cfg.ft.use_fault_tolerance:  # with it, the FT heartbeat probes and restarts

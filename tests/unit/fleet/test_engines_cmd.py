@@ -459,3 +459,14 @@ def test_graph_batch_sizes_and_max_total_tokens_in_the_engine(tiny_model_dir):
     assert logits.shape[0] == 3
     with pytest.raises(ValueError, match="--max-total-tokens 32 is less than one request's context"):
         ModelRunner(tiny_model_dir, RunnerOptions(max_context_len=64, max_total_tokens=32))
+
+
+def test_the_embedded_engine_on_cpu_picks_its_threads_under_the_plan_only():
+    """--pick-cpu-threads: the embedded engine on CPU with the launcher's share of the cores; not SGLang, not on a
+    GPU, not when the user's OMP_NUM_THREADS fixes the count (threads None)."""
+    from miles.fleet.engines import cpu_threads_server_flags
+
+    assert cpu_threads_server_flags("embedded", "cpu", 2) == ["--pick-cpu-threads"]
+    assert cpu_threads_server_flags("embedded", "cpu", None) == []
+    assert cpu_threads_server_flags("embedded", "cuda", 2) == []
+    assert cpu_threads_server_flags("sglang", "cpu", 2) == []
