@@ -257,16 +257,18 @@ def build_family_model(out: Path, model: str | None, seed: int = 0) -> Path:
                                    rope_scaling={"rope_type": "yarn", **rope} if rope else None,
                                    max_position_embeddings=int(text["max_position_embeddings"]))
     if "index_topk" in real:             # DeepSeek sparse attention (GLM-5, DeepSeek-V3.2): MLA plus the indexer
-        from miles.utils.tiny_dsa import TINY_YARN, build_tiny_dsa_model
+        from miles.utils.tiny_dsa import build_tiny_dsa_model
 
         rope = real.get("rope_parameters") or real.get("rope_scaling") or {}
-        yarn = rope.get("rope_type", rope.get("type")) == "yarn"
+        yarn = rope.get("rope_type", rope.get("type")) == "yarn"     # its rope as it is (the recorded YaRN flags name it)
+        scaling = {"rope_type": "yarn", **{k: v for k, v in rope.items() if k not in ("type", "rope_type",
+                                                                                       "rope_theta")}}
         return build_tiny_dsa_model(out, model_type=mt, rms_norm_eps=float(real.get("rms_norm_eps", 1e-6)),
                                     rope_theta=float(rope.get("rope_theta", real.get("rope_theta", 10000.0))),
                                     n_group=2 if (real.get("n_group") or 1) > 1 else 1,
-                                    rope_scaling=TINY_YARN if yarn else None, max_position_embeddings=32 if yarn
-                                    else 256, routed_scaling_factor=float(real.get("routed_scaling_factor", 1.0)),
-                                    seed=seed)
+                                    rope_scaling=scaling if yarn else None,
+                                    max_position_embeddings=int(real["max_position_embeddings"]) if yarn else 256,
+                                    routed_scaling_factor=float(real.get("routed_scaling_factor", 1.0)), seed=seed)
     if mt == "glm4_moe":     # GLM-4.5 / 4.5-Air: their switches kept (q/k norms, biases, partial RoPE); 4 layers
         #                      (1 dense, 3 MoE) so that their PP 2 splits them evenly
         from miles.utils.tiny_glm4_moe import build_tiny_glm4_moe
@@ -468,6 +470,19 @@ async def varying_reward(args, sample) -> float:
     return int.from_bytes(digest[:8], "big") / 2 ** 64
 
 
+HALVING_ORDER = ("--context-parallel-size", "--pipeline-model-parallel-size", "--tensor-model-parallel-size")
+
+
+def halving_order(path: Path) -> tuple[str, ...]:
+    """The order in which the replay of fixture ``path`` halves its parallel sizes while its trainer ranks pass the
+    CPU world's budget: ``HALVING_ORDER``, the size its ``# replay-keep: FLAG`` header names (what its replay is
+    for, e.g. DeepSeek-V3.2's DSA under PP) moved last."""
+    keep = (fixture_header(path, "replay-keep") or "").split(" ", 1)[0]
+    if keep and keep not in HALVING_ORDER:
+        raise ValueError(f"{path.name}: # replay-keep: {keep!r} is none of {', '.join(HALVING_ORDER)}")
+    return tuple(f for f in HALVING_ORDER if f != keep) + ((keep,) if keep else ())
+
+
 def tiny_replay(path: Path, workdir: Path, models: Path, skills_url: str | None = None) -> Replay:
     """The fixture at ``path`` at tiny CPU scale (see the module docstring); the tiny model is built under
     ``models`` (once per family), the data, files and outputs go to ``workdir/<fixture name>``; ``skills_url``: the
@@ -515,7 +530,7 @@ def tiny_replay(path: Path, workdir: Path, models: Path, skills_url: str | None 
     recorded_trainers = _int(flags, "--actor-num-nodes", 1) * _int(flags, "--actor-num-gpus-per-node", 1)
     engine_ranks = 0 if train_only or colocate else min(_int(flags, "--rollout-num-gpus", 1), 2)
     budget = MAX_RANKS - engine_ranks if colocate or train_only else 2
-    for f in ("--context-parallel-size", "--pipeline-model-parallel-size", "--tensor-model-parallel-size"):
+    for f in halving_order(path):
         while sizes["--tensor-model-parallel-size"] * sizes["--pipeline-model-parallel-size"] * \
                 sizes["--context-parallel-size"] > budget and sizes[f] > 1:
             sizes[f] //= 2

@@ -27,6 +27,7 @@ from miles.run.wire import broadcast_bytes
 from miles.spmd.errors import PeerGoneError
 from miles.spmd.groups import translate_collective_error
 from miles.utils.logging import get_logger
+from miles.utils.process_groups import wait_timeout_message
 
 logger = get_logger(__name__)
 
@@ -105,27 +106,26 @@ def all_gather_json(obj: Any, group: Any, timeout: float) -> list[Any]:
     n = dist.get_world_size(group)
     size = torch.tensor([len(data)], dtype=torch.int64)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
-    _wait(dist.all_gather(sizes, size, group=group, async_op=True), timeout, "size all-gather")
+    _wait(dist.all_gather(sizes, size, group=group, async_op=True), group, timeout, "size all-gather")
     width = int(max(int(s) for s in sizes))
     buf = torch.zeros(width, dtype=torch.uint8)
     if data:
         buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     outs = [torch.empty(width, dtype=torch.uint8) for _ in range(n)]
-    _wait(dist.all_gather(outs, buf, group=group, async_op=True), timeout, "all-gather")
+    _wait(dist.all_gather(outs, buf, group=group, async_op=True), group, timeout, "all-gather")
     return [json.loads(o[:int(s)].numpy().tobytes().decode()) for o, s in zip(outs, sizes)]
 
 
-def _wait(work: Any, timeout: float, what: str) -> None:
+def _wait(work: Any, group: Any, timeout: float, what: str) -> None:
     try:
         ok = work.wait(timeout=timedelta(seconds=timeout))
     except RuntimeError as e:
         gone = translate_collective_error(e, "control", timedelta(seconds=timeout))
         if isinstance(gone, PeerGoneError):  # a member exited (its connection closed): not a timeout
             raise gone from e
-        raise TimeoutError(f"{what} over the control group did not complete within {timeout:.0f}s ({e}); a rank "
-                           "may have died or is not taking part") from e
+        raise TimeoutError(wait_timeout_message(what, group, timeout, error=e)) from e
     if ok is False:
-        raise TimeoutError(f"{what} over the control group timed out after {timeout:.0f}s")
+        raise TimeoutError(wait_timeout_message(what, group, timeout))
 
 
 def broadcast_json(obj: Any, group: Any, src: int, timeout: float) -> Any:

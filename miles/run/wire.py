@@ -41,7 +41,7 @@ import torch
 
 from miles.types import RewardSpec, Sample, SampleStatus
 from miles.utils.errors import MilesError
-from miles.utils.process_groups import describe_group, group_name
+from miles.utils.process_groups import group_name, wait_timeout_message
 
 FORMAT = "miles.samples"
 VERSION = "1"
@@ -323,10 +323,9 @@ def _wait(work: Any, timeout: float, what: str, group: Any, src: int) -> None:
         gone = translate_collective_error(e, group_name(group), timedelta(seconds=timeout))
         if isinstance(gone, PeerGoneError):
             raise gone from e
-        raise TimeoutError(f"{what} from rank {src} over group {describe_group(group)} did not complete within "
-                           f"{timeout}s ({e}); a rank may have died or is not taking part") from e
+        raise TimeoutError(wait_timeout_message(f"{what} from rank {src}", group, timeout, error=e)) from e
     if ok is False:
-        raise TimeoutError(f"{what} from rank {src} over group {describe_group(group)} timed out after {timeout}s")
+        raise TimeoutError(wait_timeout_message(f"{what} from rank {src}", group, timeout))
 
 
 # broadcast_bytes: the first collective carries the size and up to this many payload bytes, so a command of the

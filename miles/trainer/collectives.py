@@ -4,8 +4,8 @@
 host-blocking ``.item()``, so a silent peer hangs the caller for the process group's whole timeout (or for
 ever). ``bounded_all_gather_object`` gathers the pickled sizes, then the bytes padded to the largest size,
 each as async work waited on for at most ``timeout`` seconds; a peer that never joins ends the call in one
-line, a ``TimeoutError`` naming what was being gathered, the group (its ``group_desc``, else its ranks), its size
-and the bound.
+line, a ``TimeoutError`` naming what was being gathered, the group (its ``group_desc``, else its ranks), its size,
+the bound and what to check (``miles.utils.process_groups.wait_timeout_message``, as every bounded wait words it).
 ``bounded_union_of_names``: the union of every rank's names (a step's metric names), in one gather of a
 24-byte fingerprint (a 16-byte digest and the count) when every rank has the same names (the usual case: 1
 collective, not the object gather's 2).
@@ -21,19 +21,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from miles.utils.process_groups import describe_group
+from miles.utils.process_groups import wait_timeout_message
 
 
 def _wait(work: Any, what: str, size: int, timeout: float, group: dist.ProcessGroup | None = None) -> None:
     try:
         ok = work.wait(timeout=timedelta(seconds=timeout))
     except RuntimeError as e:                       # gloo raises on a timeout, NCCL may return False
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise TimeoutError(f"{what} over group {describe_group(group, size)} failed or timed out after "
-                           f"{timeout:.0f}s (a rank is missing or stuck): {first}") from e
+        raise TimeoutError(wait_timeout_message(what, group, timeout, size=size, error=e)) from e
     if ok is False:
-        raise TimeoutError(f"{what} over group {describe_group(group, size)} timed out after {timeout:.0f}s (a "
-                           "rank is missing or stuck).")
+        raise TimeoutError(wait_timeout_message(what, group, timeout, size=size))
 
 
 def bounded_all_gather_object(obj: Any, group: dist.ProcessGroup | None, timeout: float,

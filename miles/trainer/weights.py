@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from miles.utils.process_groups import wait_timeout_message
 from miles.weight_sync.buckets import plan_buckets
 from miles.weight_sync.hf_layout import CheckpointLayout
 
@@ -84,12 +85,11 @@ def _start(bucket: Bucket, group: dist.ProcessGroup, world: int, device: torch.d
     return _Pending(bucket, out, work, layout, ready)
 
 
-def _finish(pend: _Pending, world: int, timeout: float) -> Bucket:
+def _finish(pend: _Pending, group: dist.ProcessGroup, world: int, timeout: float) -> Bucket:
     if pend.work is not None:
         ok = pend.work.wait(timeout=timedelta(seconds=timeout))
         if ok is False:
-            raise TimeoutError(f"gathering weights on the trainer group timed out after {timeout:.0f}s "
-                               "(a trainer rank is missing or stuck).")
+            raise TimeoutError(wait_timeout_message("gathering weights", group, timeout, size=world))
     ready = iter(pend.ready or [])
     gathered = pend.out.view(world, -1) if pend.out is not None else None
     result: Bucket = []
@@ -118,7 +118,7 @@ def iter_full_params(
     named = [(name_fn(n), p) for n, p in module.named_parameters()]
     buckets = plan_buckets(named, bucket_bytes, dtype, together)
     yield from iter_prefetched(buckets, lambda b: _start(b, group, world, device, dtype),
-                               lambda pend: _finish(pend, world, timeout), prefetch)
+                               lambda pend: _finish(pend, group, world, timeout), prefetch)
 
 
 def iter_prefetched(buckets: list[T], start: Callable[[T], P], finish: Callable[[P], R],

@@ -31,6 +31,7 @@ from miles.trainer.megatron.convert import megatron_to_hf, partition_dim, unshar
 from miles.trainer.megatron.model import ModelShape
 from miles.trainer.megatron.parallel import Groups
 from miles.trainer.weights import iter_prefetched
+from miles.utils.process_groups import wait_timeout_message
 
 Bucket = list[tuple[str, torch.Tensor]]
 T = TypeVar("T")
@@ -91,8 +92,8 @@ def _finish_each(pend: _Pending, groups: Groups, shape: ModelShape, device: torc
                  timeout: float) -> list[Bucket]:
     """The HF tensors of each parameter of the bucket, in bucket order."""
     if pend.work is not None and pend.work.wait(timeout=timedelta(seconds=timeout)) is False:
-        raise TimeoutError(f"gathering TP shards of the weights timed out after {timeout:.0f}s (a trainer rank is "
-                           "missing or stuck).")
+        raise TimeoutError(wait_timeout_message("gathering TP shards of the weights", groups.tp, timeout,
+                                                size=groups.tp_size))
     tp = groups.tp_size
     gathered = pend.out.view(tp, -1) if pend.out is not None else None
     result: list[Bucket] = []

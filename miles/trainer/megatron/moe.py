@@ -57,6 +57,7 @@ import torch
 
 from miles.config.base import ConfigError
 from miles.utils.logging import get_logger, warn_once
+from miles.utils.process_groups import wait_timeout_message
 
 logger = get_logger(__name__)
 
@@ -542,8 +543,7 @@ def finish_units(pend: _EPPending, shape, groups, device, dtype, timeout: float)
 
     others = iter(_finish_each(pend.tp, groups, shape, device, dtype, timeout))
     if pend.work is not None and pend.work.wait(timeout=timedelta(seconds=timeout)) is False:
-        raise TimeoutError(f"gathering the experts over the EP group timed out after {timeout:.0f}s (a trainer rank "
-                           "is missing or stuck).")
+        raise TimeoutError(wait_timeout_message("gathering the experts", groups.ep, timeout, size=groups.ep_size))
     gathered = pend.out.view(groups.ep_size, -1) if pend.out is not None else None
     num_local = shape.num_experts // groups.ep_size if shape.num_experts else 0
     result: list[tuple[str, torch.Tensor]] = []

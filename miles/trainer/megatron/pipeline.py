@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from miles.config.base import ConfigError
+from miles.utils.process_groups import LOG_HINT, wait_timeout_message
 
 if TYPE_CHECKING:
     from miles.trainer.megatron.model import ModelShape
@@ -181,11 +182,19 @@ def wait_all(works: list, stage: Stage, what: str) -> None:
         try:
             ok = w.wait(timeout=timedelta(seconds=stage.timeout))
         except RuntimeError as e:
-            raise TimeoutError(f"pipeline stage {stage.rank} of {stage.size}: {what} failed or timed out after "
-                               f"{stage.timeout:.0f}s (a neighbouring stage is missing or stuck): {e}") from e
+            raise TimeoutError(_timeout_message(stage, what, e)) from e
         if ok is False:
-            raise TimeoutError(f"pipeline stage {stage.rank} of {stage.size}: {what} timed out after "
-                               f"{stage.timeout:.0f}s (a neighbouring stage is missing or stuck).")
+            raise TimeoutError(_timeout_message(stage, what))
+
+
+def _timeout_message(stage: Stage, what: str, error: BaseException | None = None) -> str:
+    """``wait_timeout_message`` for a stage: the stage named, its neighbours (global ranks) what to check."""
+    ranks = sorted({stage.prev, stage.next} - {dist.get_rank()}) or [stage.prev]
+    named = f"global rank{'s' if len(ranks) > 1 else ''} {' and '.join(map(str, ranks))}"
+    return wait_timeout_message(f"pipeline stage {stage.rank} of {stage.size}: {what}", stage.group, stage.timeout,
+                                size=stage.size, error=error,
+                                check=f"that the neighbouring stages ({named}) are alive and reached this call "
+                                      f"({LOG_HINT})")
 
 
 class _Pipe:

@@ -141,6 +141,25 @@ def test_the_opd_teacher_servers_the_replay_stands_in_for():
         "opd_multi_teacher_qwen3_8b": ["http://127.0.0.1:13141", "http://127.0.0.1:13142"]}
 
 
+def test_replay_keep_moves_its_parallel_size_last(tmp_path: Path):
+    """The replay halves CP, then PP, then TP while its trainer ranks pass the CPU world's budget; a fixture's
+    ``# replay-keep: FLAG`` moves that size last: DeepSeek-V3.2's disaggregated replay keeps PP 2 (DSA under PP) on
+    its 2 trainer ranks, where a fixture without the header keeps TP; a header naming no parallel size is refused."""
+    from miles_fixtures import HALVING_ORDER, halving_order, tiny_replay
+
+    v32 = HERE / "megatron_deepseek_v32.flags"
+    assert halving_order(HERE / "megatron_qwen3_dense.flags") == HALVING_ORDER
+    assert halving_order(v32)[-1] == "--pipeline-model-parallel-size"
+    assert [p.stem for p in FIXTURES if halving_order(p) != HALVING_ORDER] == ["megatron_deepseek_v32"]
+    argv = tiny_replay(v32, tmp_path / "work", tmp_path / "models").argv
+    assert [argv[argv.index(f) + 1] for f in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                                              "--actor-num-gpus-per-node")] == ["1", "2", "2"]
+    bad = tmp_path / "bad.flags"
+    bad.write_text("# replay-keep: --num-layers\n--num-layers 2\n")
+    with pytest.raises(ValueError, match="bad.flags: # replay-keep: '--num-layers' is none of --context-parallel-size"):
+        halving_order(bad)
+
+
 @pytest.mark.parametrize("path", FIXTURES, ids=[p.stem for p in FIXTURES])
 def test_miles_launch_flags(path: Path, workdir: Path, model_dirs, plugins_on_path):
     from miles.run.entry import dry_run
