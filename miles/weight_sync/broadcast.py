@@ -74,8 +74,9 @@ class _Detached:
     """A whole sync whose post, broadcast and engine answer run on their own thread (``sync(detach=True)``)."""
 
     def __init__(self, thread: threading.Thread, failure: list[BaseException], engines: list[EngineTarget],
-                 deadline: Deadline, version: int) -> None:
+                 deadline: Deadline, version: int, previous: int) -> None:
         self.thread, self.failure, self.engines, self.deadline, self.version = thread, failure, engines, deadline, version
+        self.previous = previous  # the sender's version before this sync: back to it when the sync fails
 
 
 class BroadcastSender(WeightSender):
@@ -317,7 +318,7 @@ class BroadcastSender(WeightSender):
                 self._sender_loop(q, group, engines, version, deadline, result, failure, whole, False)
 
             thread = threading.Thread(target=send, name="miles-weight-detached", daemon=True)
-            self._detached = _Detached(thread, failure, engines, deadline, version)
+            self._detached = _Detached(thread, failure, engines, deadline, version, self.weight_version)
             result.extra["detached"] = 1.0
             thread.start()
             return
@@ -336,6 +337,8 @@ class BroadcastSender(WeightSender):
             return 0.0
         t0 = time.monotonic()
         det.thread.join(timeout=max(0.0, det.deadline.end - time.monotonic()) + 5.0)
+        if det.thread.is_alive() or det.failure:
+            self.weight_version = det.previous  # as after a plain sync that failed: the engines lack this version
         if det.thread.is_alive():
             raise WeightSyncError(f"weight sync v{det.version} (detached): the engines did not answer within "
                                   f"--update-weight-timeout={det.deadline.seconds:g}s -- engines: {[e.url for e in det.engines]}")

@@ -67,6 +67,16 @@ def test_detached_sync_sends_the_weights_of_its_call_and_lands_before_the_next(r
     assert a["checked"] == NUM_TENSORS and a["content"]["equal"] == [NUM_TENSORS] * 2, a
 
 
+def test_detached_sync_refused_by_the_engines_fails_when_landed(run: dict) -> None:
+    """The engines' refusal of a detached sync is raised by land(), naming the engines and the tensor, and the
+    sender's version is back to the one the engines hold (as after a plain sync that failed)."""
+    r = run["detached_refused"]
+    assert r["detached"] == 1.0
+    assert r["error"] is not None and "no.such.weight" in r["error"], r
+    assert any(url in r["error"] for url in r["urls"]), r
+    assert r["version_after"] == r["version"] - 1
+
+
 def test_sync_one_moves_only_the_newcomer(run: dict) -> None:
     s = run["scenarios"]["sync_one"]
     assert s["checked"] == NUM_TENSORS and s["buckets"] > 1

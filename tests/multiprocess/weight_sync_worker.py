@@ -218,6 +218,25 @@ def main() -> None:
     wd.close()
     version = r.version
 
+    # 1b'. a detached sync the engines refuse (a tensor they do not have): sync returns, land raises naming the
+    #      engines, and the sender's version goes back to what the engines hold
+    class BogusSource:
+        def iter_weight_buckets(self, bucket_bytes, dtype):
+            for i, bucket in enumerate(trainer.iter_weight_buckets(bucket_bytes, dtype)):
+                yield bucket + ([("no.such.weight", torch.zeros(3))] if i == 0 else [])
+
+    bad = sender("broadcast", initial_version=version, cfg={"update_weight_buffer_size": 1 << 30}, source=BogusSource())
+    bad.connect(engines)
+    rb = bad.sync(detach=True)
+    try:
+        bad.land()
+        refused = None
+    except WeightSyncError as e:
+        refused = str(e)
+    res["detached_refused"] = {"detached": rb.extra.get("detached", 0.0), "version": rb.version, "error": refused,
+                               "version_after": bad.weight_version, "urls": [t.url for t in engines]}
+    bad.close()
+
     # 1b. p2p: each trainer rank sends its own FSDP2 rows straight to the engines (no gather), then a broadcast
     #     of the next state: each leaves every engine tensor changed and equal to the trainer's
     perturb(trainer, 7, rank)
