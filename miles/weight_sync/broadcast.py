@@ -332,11 +332,13 @@ class BroadcastSender(WeightSender):
 
     def _land_detached(self) -> float:
         """Wait for a detached sync's engines to answer (see ``WeightSender.land``); raises its failure."""
-        det, self._detached = self._detached, None
+        det = self._detached
         if det is None:
             return 0.0
         t0 = time.monotonic()
         det.thread.join(timeout=max(0.0, det.deadline.end - time.monotonic()) + 5.0)
+        if self._detached is det:  # a second caller landing at the same time waits for the same thread
+            self._detached = None
         if det.thread.is_alive() or det.failure:
             self.weight_version = det.previous  # as after a plain sync that failed: the engines lack this version
         if det.thread.is_alive():
