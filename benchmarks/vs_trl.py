@@ -8,6 +8,11 @@ rank), then GRPO from that checkpoint on both sides with the same data, reward a
 0.9/0.98, no weight decay, gradient clip 1.0, PPO clip 0.2, no KL, group mean/std advantages, one
 optimizer step per rollout, per-sample token-mean loss (TRL's ``loss_type="grpo"``).
 
+This project runs ``train_async.py`` unless ``--script train.py`` (or ``--layout colocated``) is given: the
+engine generates step k+1 while the trainer trains on step k (on 2 cores: one each), so each step trains on
+samples generated with the weights of one step before (one step off-policy, no importance-sampling correction:
+the same loss as ``train.py``); TRL's side is on-policy. ``--script train.py`` compares the synchronous loop.
+
 Each side runs until ``--max-steps``; the criterion is the first step at which the mean reward of the
 last ``--window`` steps reaches ``--threshold``. Training time is the sum of step times (start-up
 excluded: TRL from ``on_train_begin``, this project the ``perf/step_time`` of each rollout).
@@ -17,6 +22,7 @@ excluded: TRL from ``on_train_begin``, this project the ``perf/step_time`` of ea
     python benchmarks/vs_trl.py --layout colocated           # 1 rank: the trainer and its engine share it
     python benchmarks/vs_trl.py --skip-trl --max-steps 100   # this project only
     python benchmarks/vs_trl.py --runs 3 --stop-at-threshold # 3 runs of both sides: the ratio's median
+    python benchmarks/vs_trl.py --script train.py            # this project's synchronous loop (on-policy)
 
 Threads: TRL's process uses every usable core (``--trl-threads``, torch's default); this project's processes,
 with ``OMP_NUM_THREADS`` unset, each phase's share of them (docs/launching.md, "CPU threads"). On a machine
@@ -277,8 +283,11 @@ def main() -> None:
                         "OMP_NUM_THREADS=1 for this project's processes.")
     p.add_argument("--train-backend", choices=["fsdp", "megatron"], default="fsdp",
                    help="This project's GRPO trainer backend (the SFT warm start always uses fsdp).")
-    p.add_argument("--script", choices=["train.py", "train_async.py"], default="train.py",
-                   help="train_async.py: generation of step k+1 overlaps training of step k (one step off-policy).")
+    p.add_argument("--script", choices=["train.py", "train_async.py"], default=None,
+                   help="This project's entry point. train_async.py (the default; train.py with --layout colocated, "
+                        "which train_async.py refuses): generation of step k+1 overlaps "
+                        "training on step k, so every step trains on samples of the weights one step old (one step "
+                        "off-policy; TRL's GRPOTrainer here is on-policy); train.py: the synchronous loop.")
     p.add_argument("--runs", type=int, default=1,
                    help="Run both sides this many times (TRL, then this project, run after run); prints each run's "
                         "time-to-threshold ratio and their median.")
@@ -295,6 +304,8 @@ def main() -> None:
     a = p.parse_args()
     if a.trl_threads is None:
         a.trl_threads = _cores()
+    if a.script is None:
+        a.script = "train.py" if a.layout == "colocated" else "train_async.py"
     if a.trl_worker:
         trl_worker(a)
         return

@@ -3,7 +3,10 @@
 As in Miles's ``train_async.py``: rollout k+1 is generated (on the event loop) while the trainer ranks
 train on rollout k (in a worker thread on the driver). Every ``--update-weights-interval`` rollouts the
 loop first waits for the generation in flight, so weights never change in the middle of a rollout,
-then syncs; that prefetched rollout is trained on next. Samples are therefore up to
+then syncs; that prefetched rollout is trained on next. The sync returns once the weights are packed for
+sending: the engines receive and load them while the trainer trains on (``WeightSender.sync(detach=True)``,
+one-request syncs to embedded engines), and the next generation first waits for their answer
+(``perf/wait_weights_time``). Samples are therefore up to
 ``--update-weights-interval`` weight versions old. Each sample carries the ``weight_version`` the
 engine generated it with; with ``--max-weight-staleness N`` groups older than N versions (relative to
 the trainer's current version) are dropped (``rollout/stale_dropped_groups``). Off-policy correction
@@ -46,6 +49,10 @@ class AsyncRLLoop(RLLoop):
         d = self.cfg.data
         if job.manager is not None and (d.fully_async or d.rollout_function_path == FULLY_ASYNC_PATH):
             self.fully = FullyAsyncRollout(job.manager, job.data_source)
+        # the weight sync returns once the weights are packed; the engines load them while the trainer trains on
+        # (WeightSender.sync(detach=True)), and the next generation lands it first. Not with the fully async
+        # producer (it generates across syncs) nor under fault tolerance (it handles a sync's failure at once).
+        self.detach = self.fully is None and job.worker.ft is None
         a = self.cfg.algo
         if self.policy and self.interval > 1 and not (a.use_tis or a.use_rollout_logprobs):
             logger.info("--update-weights-interval %d trains on samples up to %d versions old; consider --use-tis "
@@ -58,6 +65,7 @@ class AsyncRLLoop(RLLoop):
         pending = asyncio.ensure_future(self.generate_overlapped(start))
         try:
             await self._overlapped(start, end, pending)
+            await self.land_weights()  # the last sync's failure is the run's
         finally:
             for task in self._tasks:
                 task.cancel()  # a failure leaves no generation running into the closing client
@@ -90,7 +98,7 @@ class AsyncRLLoop(RLLoop):
                 if rollout_id + 1 < end:
                     with self.job.worker.channel.keepalive():
                         await asyncio.wait([pending])  # no weight change in the middle of a rollout
-                metrics.update(await self.sync_weights())
+                metrics.update(await self.sync_weights(detach=self.detach))
             metrics.update(await self.maybe_eval(rollout_id))
             metrics.update({k: v for k, v in self.timer.pop().items() if k not in metrics})
             if ft is not None:
@@ -98,12 +106,22 @@ class AsyncRLLoop(RLLoop):
             metrics["perf/step_time"] = time.monotonic() - t_step
             self.job.sink.log(rollout_id, metrics)
 
+    async def land_weights(self) -> float:
+        """Wait for the engines to answer a detached weight sync (the seconds waited); raises its failure."""
+        sender = self.job.worker.sender
+        if sender is None or not sender.detached_in_flight:
+            return 0.0
+        return await asyncio.to_thread(sender.land)
+
     async def generate_overlapped(self, rollout_id: int) -> tuple[list[list[Sample]], dict[str, float]]:
-        """One rollout, timed on its own (phases overlap, so the shared timer would double count)."""
+        """One rollout, timed on its own (phases overlap, so the shared timer would double count), with the
+        weights of the last sync landed first."""
         t0 = time.monotonic()
+        landed = await self.land_weights()
         groups, metrics = await self.generate(rollout_id, keepalive=False)
         self.timer.times.pop("perf/rollout_time", None)
         metrics["perf/rollout_time"] = time.monotonic() - t0
+        metrics["perf/wait_weights_time"] = landed
         return groups, metrics
 
     async def generate(self, rollout_id: int, keepalive: bool = True) -> tuple[list[list[Sample]], dict[str, float]]:
@@ -121,6 +139,7 @@ class AsyncRLLoop(RLLoop):
         return groups, metrics
 
     async def evaluate(self, rollout_id: int) -> dict[str, float]:
+        await self.land_weights()
         if self.fully is None:
             return await super().evaluate(rollout_id)
         self.fully.pause()  # no new training groups while the engines evaluate

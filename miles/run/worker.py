@@ -5,7 +5,8 @@ control group (:class:`~miles.run.control.CommandChannel`):
 
     {"cmd": "train", "rollout_id": k}     trainer ranks: receive their samples (wire format, scattered
                                           over the trainer group), then ``FSDPTrainer.train``
-    {"cmd": "sync_weights"}               trainer ranks: ``WeightSender.sync`` (collective)
+    {"cmd": "sync_weights"}               trainer ranks: ``WeightSender.sync`` (collective; ``"detach": true``
+                                          from train_async.py: see ``WeightSender.sync``)
     {"cmd": "save", "rollout_id": k, "extra": {...}}   trainer ranks: crash-safe checkpoint
     {"cmd": "offload_train"} / {"cmd": "onload_train"} trainer ranks (colocated on GPU)
     {"cmd": "stop"}                       everyone: leave the loop (engine leaders stop their engine)
@@ -79,7 +80,7 @@ class Worker:
         if name == "train":
             self.train(int(cmd["rollout_id"]), None)
         elif name == "sync_weights":
-            self.sync_weights()
+            self.sync_weights(bool(cmd.get("detach", False)))
         elif name == "save":
             self.save(int(cmd["rollout_id"]), cmd["extra"])
         elif name == "offload_train":
@@ -118,12 +119,14 @@ class Worker:
             metrics = self.trainer.train(samples, rollout_id)
         return {"perf/train/scatter_time": t_scatter, **trainer_metrics(metrics)}
 
-    def sync_weights(self) -> dict[str, float]:
+    def sync_weights(self, detach: bool = False) -> dict[str, float]:
+        """``detach``: the source rank may leave the engines' answer to a thread (``WeightSender.sync``); not under
+        fault tolerance, whose recovery needs the outcome at once."""
         if not self.is_trainer or self.sender is None:
             return {}
         if self.ft is not None:  # drops engines that die during the sync, re-admits returned ones
             return self.ft.sync_weights(self.sender).as_metrics()
-        return self.sender.sync().as_metrics()
+        return self.sender.sync(detach=detach).as_metrics()
 
     def save(self, rollout_id: int, extra: dict[str, Any]) -> None:
         if self.is_trainer:
@@ -185,10 +188,11 @@ class Ranks:
         per_rank = split_for_dp(groups, self.dp_size)
         return self._command({"cmd": "train", "rollout_id": rollout_id}, self.worker.train, rollout_id, per_rank)
 
-    def sync_weights(self) -> dict[str, float]:
+    def sync_weights(self, detach: bool = False) -> dict[str, float]:
         if not self.dp_size or self.worker.sender is None:
             return {}
-        return self._command({"cmd": "sync_weights"}, self.worker.sync_weights)
+        cmd = {"cmd": "sync_weights", **({"detach": True} if detach else {})}
+        return self._command(cmd, self.worker.sync_weights, detach)
 
     def save(self, rollout_id: int, extra: dict[str, Any]) -> float:
         t0 = time.monotonic()

@@ -167,6 +167,7 @@ class WeightSender(ABC):
         # colocated memory release), so the next syncs send the trained tensors only (decided alike on every rank)
         self._base_sent = False
         self._trained_only = False
+        self._detach_this = False  # this sync may leave the engines' answer to a thread (sync(detach=True))
 
     # -- public API ------------------------------------------------------------------------------------
     def connect(self, engines: Sequence[EngineTarget] | None = None) -> None:
@@ -180,25 +181,41 @@ class WeightSender(ABC):
         self._embedded.clear()
 
     def sync(self, engines: Sequence[EngineTarget] | None = None, *, bump_version: bool = True,
-             full: bool = False) -> SyncResult:
+             full: bool = False, detach: bool = False) -> SyncResult:
         """Push the trainer's current weights. Collective on every trainer rank.
 
         ``bump_version`` False re-sends the current version (use it only when the trainer has not
         stepped since the last sync). ``engines`` (source rank) restricts the targets. With
         ``--lora-base-cpu-backup`` a sync after the first successful one sends the trained tensors only
         (``WeightSource.iter_trained_weight_buckets``) unless ``full``.
+
+        ``detach`` (``train_async.py``): when the sync is one request to embedded engines (the whole model in one
+        bucket, ``broadcast``), return once the weights are packed into the send buffer, and leave the request,
+        the broadcast and the engines' answer to a thread; the trainer may train on meanwhile. The caller must
+        :meth:`land` the sync before the engines generate with it (the next sync and :meth:`close` do too); a
+        failure is raised there. Ignored under ``--check-weight-update-equal`` and by the other transports.
         """
         version = self.weight_version + 1 if bump_version else self.weight_version
         targets = list(self.engines if engines is None else engines)
         err: BaseException | None = None
         result = SyncResult(self.mode, version, num_engines=len(targets))
         self._trained_only = self.cfg.lora_base_cpu_backup and self._base_sent and not full
+        self._detach_this = detach and self.is_source and not self.cfg.check_weight_update_equal
         try:
-            result = self._sync(targets, version)
+            self.land()  # a detached sync still in flight lands before the next one starts
+        except WeightSyncError as e:
+            err = e
+        try:
+            if err is None:
+                result = self._sync(targets, version)
+            else:
+                for _ in self.iter_buckets():  # the other trainer ranks gather in lockstep: keep up with them
+                    pass
         except (WeightSyncError, OSError, RuntimeError, ValueError) as e:
             err = e
         finally:
             trained_only, self._trained_only = self._trained_only, False
+            self._detach_this = False
         self._agree(err)
         self._base_sent = True
         if trained_only:
@@ -217,6 +234,19 @@ class WeightSender(ABC):
                     result.total_s,
                     result.gather_s, result.transfer_s, result.load_s, result.control_s, result.bytes / 1e6, result.gbps)
         return result
+
+    def land(self) -> float:
+        """Wait until a detached sync (``sync(detach=True)``) has been answered by its engines; the seconds waited
+        (0.0 when none is in flight). Raises :class:`WeightSyncError` when it failed."""
+        return self._land_detached()
+
+    @property
+    def detached_in_flight(self) -> bool:
+        """A detached sync has not been landed yet."""
+        return False  # only a transport that can detach (broadcast) overrides this and _land_detached
+
+    def _land_detached(self) -> float:
+        return 0.0
 
     def sync_one(self, engine: EngineTarget | None) -> SyncResult:
         """Bring one (new) engine to the current version before it is routed to. Collective: the other

@@ -70,6 +70,15 @@ def _end_rendezvous(store: Any, name: str, world: int, wait_s: float = 2.0) -> N
         logger.debug("ending the rendezvous of %s: %s", name, e)
 
 
+class _Detached:
+    """A whole sync whose post, broadcast and engine answer run on their own thread (``sync(detach=True)``)."""
+
+    def __init__(self, thread: threading.Thread, failure: list[BaseException], engines: list[EngineTarget],
+                 deadline: Deadline, version: int, previous: int) -> None:
+        self.thread, self.failure, self.engines, self.deadline, self.version = thread, failure, engines, deadline, version
+        self.previous = previous  # the sender's version before this sync: back to it when the sync fails
+
+
 class BroadcastSender(WeightSender):
     """``--update-weight-transfer-mode broadcast``. ``flatten=False`` sends one broadcast per tensor;
     ``max_in_flight`` buckets may await their engines' answers (2: an engine loads bucket k while k+1 travels)."""
@@ -92,6 +101,7 @@ class BroadcastSender(WeightSender):
         self._group_engines: list[EngineTarget] = []
         self._formations = 0
         self._in_flight: collections.deque = collections.deque()  # buckets whose engine answers are outstanding
+        self._detached: _Detached | None = None  # a detached whole sync not yet landed
 
     # -- group membership ----------------------------------------------------------------------------
     @property
@@ -296,15 +306,48 @@ class BroadcastSender(WeightSender):
     def _send_inline(self, group: WeightGroup, engines: list[EngineTarget], version: int, deadline: Deadline,
                      result: SyncResult, buckets: Iterator[list[tuple[str, torch.Tensor]]], whole: str) -> None:
         """``_sender_loop`` on the calling thread, for a whole sync (one bucket): the same request and broadcast
-        without a thread start, two queue hand-offs and a join per sync."""
+        without a thread start, two queue hand-offs and a join per sync. A detached sync (``sync(detach=True)``)
+        packs the bucket here, then posts, broadcasts and waits for the engines' answer on a thread of its own."""
         q: queue.Queue = queue.Queue()
         for bucket in buckets:
-            q.put(self._prepared(bucket, result))
+            q.put(self._prepared(bucket, result))  # the bytes are copied out: the trainer may step again
         q.put(_DONE)
         failure: list[BaseException] = []
+        if self._detach_this:
+            def send() -> None:
+                self._sender_loop(q, group, engines, version, deadline, result, failure, whole, False)
+
+            thread = threading.Thread(target=send, name="miles-weight-detached", daemon=True)
+            self._detached = _Detached(thread, failure, engines, deadline, version, self.weight_version)
+            result.extra["detached"] = 1.0
+            thread.start()
+            return
         self._sender_loop(q, group, engines, version, deadline, result, failure, whole, False)
         if failure:
             raise self._name_suspects(failure[0], engines)
+
+    @property
+    def detached_in_flight(self) -> bool:
+        return self._detached is not None
+
+    def _land_detached(self) -> float:
+        """Wait for a detached sync's engines to answer (see ``WeightSender.land``); raises its failure."""
+        det = self._detached
+        if det is None:
+            return 0.0
+        t0 = time.monotonic()
+        det.thread.join(timeout=max(0.0, det.deadline.end - time.monotonic()) + 5.0)
+        if self._detached is det:  # a second caller landing at the same time waits for the same thread
+            self._detached = None
+        if det.thread.is_alive() or det.failure:
+            self.weight_version = det.previous  # as after a plain sync that failed: the engines lack this version
+        if det.thread.is_alive():
+            raise WeightSyncError(f"weight sync v{det.version} (detached): the engines did not answer within "
+                                  f"--update-weight-timeout={det.deadline.seconds:g}s -- engines: {[e.url for e in det.engines]}")
+        if det.failure:
+            self._drop_group(notify=[])  # unusable now
+            raise self._name_suspects(det.failure[0], det.engines)
+        return time.monotonic() - t0
 
     def _prepared(self, bucket: list[tuple[str, torch.Tensor]], result: SyncResult) -> tuple[torch.Tensor | None, list, Any]:
         """``_prepare`` with its time counted as gathering and the bucket counted in ``result``."""
@@ -414,7 +457,11 @@ class BroadcastSender(WeightSender):
                                f"bucket(s) in flight: stalled or dead")
 
     def close(self) -> None:
-        """Destroy the group (telling its engines) and stop the HTTP loop."""
+        """Land a detached sync, destroy the group (telling its engines) and stop the HTTP loop."""
+        try:
+            self.land()
+        except WeightSyncError as e:
+            logger.warning("the last weight sync (detached) failed: %s", e)
         if self.is_source:
             try:
                 self._drop_group(notify=list(self._group_engines))

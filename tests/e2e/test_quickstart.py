@@ -80,6 +80,9 @@ def test_train_async(quickstart: Path, tmp_path: Path):
     assert [r["rollout/weight_staleness_max"] for r in recs] == [0.0, 1.0, 1.0]
     assert all(r["rollout/stale_dropped_groups"] == 0 for r in recs)
     assert all("perf/wait_rollout_time" in r for r in recs)
+    # the sync detached (one request to each embedded engine), and each next generation landed it first
+    assert [r["weight_sync/detached"] for r in recs] == [1.0, 1.0, 1.0]
+    assert all("perf/wait_weights_time" in r for r in recs[1:])
 
 
 def test_train_async_refuses_colocate(tmp_path: Path):

@@ -53,6 +53,30 @@ def test_every_mode_moves_the_new_weights_into_every_engine(run: dict, scenario:
     assert s["buckets"] > 1 and s["bytes"] > 0  # 64 KiB buckets: the bucketed path really ran
 
 
+def test_detached_sync_sends_the_weights_of_its_call_and_lands_before_the_next(run: dict) -> None:
+    """train_async.py's sync: it returns with the engines' answer outstanding, the trainer steps on at once, and
+    every engine still ends with the weights the trainer had at the call; a plain sync right after one lands it."""
+    s = run["scenarios"]["broadcast_detached"]
+    assert s["detached"] == 1.0 and s["buckets"] == 1            # the whole model in one request: detached
+    assert s["in_flight"] is True and s["landed"] is True
+    c = s["content"]
+    assert c["changed"] == [NUM_TENSORS] * 2 and c["equal"] == [NUM_TENSORS] * 2, c  # the weights at the call
+    assert s["versions"] == [str(s["version"])] * 2
+    a = run["scenarios"]["broadcast_after_detached"]
+    assert a["version"] == s["version"] + 2 and a["detached"] == 0.0  # a plain sync waits for its engines
+    assert a["checked"] == NUM_TENSORS and a["content"]["equal"] == [NUM_TENSORS] * 2, a
+
+
+def test_detached_sync_refused_by_the_engines_fails_when_landed(run: dict) -> None:
+    """The engines' refusal of a detached sync is raised by land(), naming the engines and the tensor, and the
+    sender's version is back to the one the engines hold (as after a plain sync that failed)."""
+    r = run["detached_refused"]
+    assert r["detached"] == 1.0
+    assert r["error"] is not None and "no.such.weight" in r["error"], r
+    assert any(url in r["error"] for url in r["urls"]), r
+    assert r["version_after"] == r["version"] - 1
+
+
 def test_sync_one_moves_only_the_newcomer(run: dict) -> None:
     s = run["scenarios"]["sync_one"]
     assert s["checked"] == NUM_TENSORS and s["buckets"] > 1

@@ -195,6 +195,48 @@ def main() -> None:
     if rank == 0:
         res["versions_after_broadcast"] = [version_of(t) for t in engines]
 
+    # 1a. a detached whole sync (train_async.py): the whole model in one bucket, one request per engine; sync returns
+    #     once the weights are packed, the trainer steps on at once, and the engines still get the weights of the
+    #     sync (landed later); a detached sync followed at once by another is landed by it
+    perturb(trainer, 14, rank)
+    wd = sender("broadcast", initial_version=version, cfg={"update_weight_buffer_size": 1 << 30})
+    wd.connect(engines)
+    before, sent = engine_digests(engines, specs), trainer_tensors(trainer)
+    r = wd.sync(detach=True)
+    in_flight = wd.detached_in_flight
+    perturb(trainer, 15, rank)                   # the next optimizer step, while the engines may still be loading
+    wd.land()
+    after = engine_digests(engines, specs)
+    record("broadcast_detached", r, content=content(before, after, sent), detached=r.extra.get("detached", 0.0),
+           in_flight=in_flight, landed=not wd.detached_in_flight, versions=[version_of(t) for t in engines])
+    wd.sync(detach=True)                          # (the weights of step 15)
+    perturb(trainer, 16, rank)
+    before = engine_digests(engines, specs)
+    r = wd.sync()                                 # lands the detached one, then a plain sync of step 16's weights
+    record("broadcast_after_detached", r, checked=wd.check(), detached=r.extra.get("detached", 0.0),
+           content=content(before, engine_digests(engines, specs), trainer_tensors(trainer)))
+    wd.close()
+    version = r.version
+
+    # 1b'. a detached sync the engines refuse (a tensor they do not have): sync returns, land raises naming the
+    #      engines, and the sender's version goes back to what the engines hold
+    class BogusSource:
+        def iter_weight_buckets(self, bucket_bytes, dtype):
+            for i, bucket in enumerate(trainer.iter_weight_buckets(bucket_bytes, dtype)):
+                yield bucket + ([("no.such.weight", torch.zeros(3))] if i == 0 else [])
+
+    bad = sender("broadcast", initial_version=version, cfg={"update_weight_buffer_size": 1 << 30}, source=BogusSource())
+    bad.connect(engines)
+    rb = bad.sync(detach=True)
+    try:
+        bad.land()
+        refused = None
+    except WeightSyncError as e:
+        refused = str(e)
+    res["detached_refused"] = {"detached": rb.extra.get("detached", 0.0), "version": rb.version, "error": refused,
+                               "version_after": bad.weight_version, "urls": [t.url for t in engines]}
+    bad.close()
+
     # 1b. p2p: each trainer rank sends its own FSDP2 rows straight to the engines (no gather), then a broadcast
     #     of the next state: each leaves every engine tensor changed and equal to the trainer's
     perturb(trainer, 7, rank)

@@ -183,3 +183,60 @@ def test_both_loops_begin_with_the_first_sync_and_the_eval_before_training(loop_
     calls.clear()
     asyncio.run(lp.run())                  # nothing to do: returns before anything else
     assert calls == []
+
+
+def test_async_loop_detaches_each_sync_and_lands_it_before_the_next_generation() -> None:
+    """train_async.py: every sync is asked to detach (the engines load while the trainer trains on), and the
+    generation that follows waits for that sync's answer (``WeightSender.land``) before it asks the engines for
+    anything; the time it waited is the rollout's ``perf/wait_weights_time``."""
+    import asyncio
+    import contextlib
+    from types import SimpleNamespace
+
+    from miles.run.async_loop import AsyncRLLoop
+
+    events: list = []
+    logged: dict[int, dict] = {}
+
+    class Sender:
+        weight_version, in_flight = 0, False
+
+        @property
+        def detached_in_flight(self) -> bool:
+            return self.in_flight
+
+        def land(self) -> float:
+            events.append("land")
+            self.in_flight = False
+            return 0.25
+
+    sender = Sender()
+    lp = object.__new__(AsyncRLLoop)
+    lp.interval, lp.max_staleness, lp.detach, lp.fully, lp._tasks, lp.timer = 1, None, True, None, [], PhaseTimer()
+    lp.job = SimpleNamespace(worker=SimpleNamespace(ft=None, sender=sender, channel=SimpleNamespace(keepalive=contextlib.nullcontext)),
+                             data_source=None, sink=SimpleNamespace(log=lambda i, m: logged.__setitem__(i, m)))
+
+    async def generate(rollout_id, keepalive=True):
+        events.append(("generate", rollout_id))
+        return [], {}
+
+    async def sync_weights(detach=False):
+        events.append(("sync", detach))
+        sender.in_flight = detach
+        return {}
+
+    async def maybe_eval(rollout_id):
+        return {}
+
+    lp.generate, lp.sync_weights, lp.maybe_eval = generate, sync_weights, maybe_eval
+    lp.score = lambda groups: (groups, {})
+    lp.train_step = lambda rollout_id, groups: {}
+    lp.maybe_save = lambda rollout_id, metrics=None: None
+
+    async def main() -> None:
+        await lp._overlapped(0, 3, asyncio.ensure_future(lp.generate_overlapped(0)))
+
+    asyncio.run(main())
+    assert events == [("generate", 0), ("generate", 1), ("sync", True), "land", ("generate", 2), ("sync", True),
+                      ("sync", True)], events
+    assert [logged[i]["perf/wait_weights_time"] for i in range(3)] == [0.0, 0.0, 0.25]
