@@ -129,7 +129,7 @@ def test_fsdp_lora_moe_matches_megatron(tiny_moe_dir: Path, tmp_path: Path, shar
             assert (not torch.equal(run["final"][k], base[k])) == (k.split(".")[-2] in TARGETS), k
     assert fs["base_grads"] == 0 and fs["base_trainable"] == 0
     assert sorted(fs["adapters"]) == sorted(mg["adapters"]) and len(fs["adapters"]) == 2 * 4 * 2   # layers x E x fc
-    for name, (a, b) in fs["adapters"].items():
+    for name, (_a, b) in fs["adapters"].items():
         assert b.abs().max() > 0, name                                          # every expert's B moved off zero
     for layer in range(2):
         a1 = [fs["adapters"][f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.linear_fc1"][0] for e in range(4)]
