@@ -31,7 +31,11 @@ its dense first layers are dense targets.
 Weights out: merged, as on Megatron: the export gathers the base weights in fp32 and adds ``(alpha / r) B @ A``
 before the cast to the sync dtype, so the engines need no LoRA. Not here (refused in one line by ``check_fsdp``):
 LoRA on the experts of other MoE layouts (gpt-oss's transposed, interleaved, biased experts and the model types not
-in ``EXPERT_MODEL_TYPES``), checkpoints (``--save`` / ``--load``) and vision-language models.
+in ``EXPERT_MODEL_TYPES``), multi-latent attention and vision-language models.
+
+Checkpoints (``--save`` / ``--load``): the adapters and their AdamW state as the Megatron backend writes them
+(``lora.save_files``: ``<step>/lora/rank_NNNNN.pt``, the LoRA's shape recorded and checked on load), instead of the
+frozen model's DCP shards (``checkpoint.fsdp_format``); the base comes from --hf-checkpoint again.
 """
 
 from __future__ import annotations
@@ -78,6 +82,8 @@ class HFLoraAdapters(nn.Module):
     factors (``shared``, ``--experts-shared-outer-loras``) and each fused expert tensor's HF name -> its experts'
     pairs in expert order (``fused``)."""
 
+    tp_size = ep_size = pp_size = 1        # replicated on every rank: what an adapter checkpoint records (lora.state)
+
     def __init__(self, spec: LoraSpec):
         super().__init__()
         self.spec = spec
@@ -87,9 +93,14 @@ class HFLoraAdapters(nn.Module):
         self.hf: dict[str, tuple[HFLoraGroup, str]] = {}
         self.fused: dict[str, list[LoraPair]] = {}
 
-    def targets(self) -> set[str]:
+    def hf_targets(self) -> set[str]:
         """The HF names of the adapted weights (the fused expert tensors included)."""
         return set(self.hf) | set(self.fused)
+
+    @property
+    def targets(self) -> list[str]:
+        """The Megatron module names of the targets (``lora._spec_dict`` records their leaf names)."""
+        return [k.replace("/", ".") for k in [*self.groups, *self.pairs]]
 
     def delta(self, hf_weight: str) -> torch.Tensor:
         """(alpha / r) B @ A of an adapted weight, its shape (a fused expert tensor: one [out, in] per expert)."""
@@ -113,11 +124,6 @@ def check_fsdp(cfg, hf_config: dict | None) -> None:
     if cfg.weights.update_weight_transfer_mode == "p2p":
         raise ConfigError("--update-weight-transfer-mode p2p with --lora-rank is not supported by the FSDP backend "
                           "(it sends unmerged local shards); use the default transfer mode.")
-    for flag, value in (("--save", cfg.checkpoint.save), ("--load", cfg.checkpoint.load)):
-        if value:
-            raise ConfigError(f"{flag} {value} with --lora-rank is not supported by the FSDP backend yet (its "
-                              "checkpoint format holds the model's optimizer, not the adapters'); drop it, or use "
-                              "--train-backend megatron (adapter checkpoints).")
 
 
 def check_model(spec: LoraSpec, hf_config: dict | None) -> None:

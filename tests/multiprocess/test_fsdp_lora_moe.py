@@ -165,6 +165,69 @@ def test_fsdp_lora_moe_matches_megatron(tiny_moe_dir: Path, tmp_path: Path, shar
         assert diff1 < 2e-7 and rel1 < 1.5e-6, (diff1, rel1)
 
 
+def _resume_worker(model_dir: str, out: str, save: str) -> None:
+    """Uninterrupted: rollouts 0 and 1 with a checkpoint after rollout 0; then a new trainer resumes from it and trains
+    rollout 1 again; then a trainer without LoRA is handed the LoRA checkpoint."""
+    import torch
+    import torch.distributed as dist
+    from trainer_harness import build
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    flags = _flags("fsdp", True) + ["--save", save]
+    res: dict = {}
+    for mode in ("full", "resumed"):
+        tr = build(model_dir, flags)
+        start = 0 if mode == "full" else tr.resume()["rollout_id"] + 1
+        res[mode] = {"metrics": {}}
+        for rid in range(start, 2):
+            res[mode]["metrics"][rid] = tr.train(_samples(rid, rank, 2), rid)
+            if mode == "full" and rid == 0:
+                tr.checkpoint(rid, extra={})
+        res[mode]["final"] = tr.state_dict_for_check()
+        res[mode]["adapters"] = {k: v.detach().clone() for k, v in tr.lora.state_dict().items()}
+        state = tr.optimizer.state
+        res[mode]["moments"] = {n: (state[p]["exp_avg"].clone(), int(state[p]["step"]))
+                                for n, p in tr.lora.named_parameters()}
+        del tr
+    plain = build(model_dir, [f for f in _flags("fsdp", False) if f not in ("--lora-rank", "4", "--lora-alpha", "8",
+                                                                           "--lora-dropout", "0.0",
+                                                                           "--target-modules", "all-linear")]
+                  + ["--load", save])
+    try:
+        plain.resume()
+        res["plain"] = "loaded"
+    except ValueError as e:
+        res["plain"] = str(e)
+    if rank == 0:
+        torch.save(res, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_fsdp_lora_moe_resume_matches_uninterrupted(tiny_moe_dir: Path, tmp_path: Path) -> None:
+    """``--save`` writes the adapters and their AdamW state (``<step>/lora/rank_NNNNN.pt``, the Megatron backend's
+    layout), not the frozen model; a relaunch resumes and ends bitwise equal to the uninterrupted run (exports,
+    adapters, AdamW moments); the LoRA checkpoint handed to a run without LoRA is refused in one line."""
+    import torch
+
+    out, save = tmp_path / "resume.pt", tmp_path / "ckpt"
+    r = _launch(2, "resume", str(tiny_moe_dir), str(out), str(save))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    res = torch.load(out, weights_only=False)
+    (step,) = [d for d in save.iterdir() if d.name.startswith("step_")]
+    assert sorted(f.name for f in (step / "lora").iterdir()) == ["rank_00000.pt", "rank_00001.pt"]
+    assert not (step / "actor").exists()
+    full, resumed = res["full"], res["resumed"]
+    assert list(resumed["metrics"]) == [1] and resumed["metrics"][1]["loss"] == full["metrics"][1]["loss"]
+    assert sorted(full["final"]) == sorted(resumed["final"])
+    assert all(torch.equal(full["final"][k], resumed["final"][k]) for k in full["final"])
+    assert all(torch.equal(full["adapters"][k], resumed["adapters"][k]) for k in full["adapters"])
+    for n, (m, k) in full["moments"].items():
+        assert torch.equal(resumed["moments"][n][0], m) and resumed["moments"][n][1] == k == 2, n
+    assert "holds LoRA adapters (--lora-rank), not the model" in res["plain"], res["plain"]
+
+
 def _engine_worker(model_dir: str, out: str, engine_url: str) -> None:
     import torch.distributed as dist
     from test_megatron_moe import post_bucket_and_check
@@ -205,3 +268,5 @@ if __name__ == "__main__":
         _worker(*sys.argv[2:6])
     elif sys.argv[1] == "engine":
         _engine_worker(*sys.argv[2:5])
+    elif sys.argv[1] == "resume":
+        _resume_worker(*sys.argv[2:5])

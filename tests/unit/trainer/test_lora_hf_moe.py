@@ -50,7 +50,7 @@ def test_expert_adapters_equal_their_merged_weights(request, family: str, shared
     n = model.model.layers[moe_layers[0]].mlp.experts.gate_up_proj.shape[0]
     assert len(ad.pairs) == 2 * n * len(moe_layers) and len(ad.shared) == (2 * len(moe_layers) if shared else 0)
     assert {f"model.layers.{i}.mlp.experts.{w}" for i in moe_layers for w in ("gate_up_proj", "down_proj")} \
-        <= ad.targets()
+        <= ad.hf_targets()
     if family == "glm4_moe":          # the dense first layer's MLP and the shared experts' linears: dense targets
         assert "model.layers.0.mlp.gate_proj.weight" in ad.hf
         assert f"model.layers.{moe_layers[0]}.mlp.shared_experts.down_proj.weight" in ad.hf
@@ -73,7 +73,7 @@ def test_expert_adapters_equal_their_merged_weights(request, family: str, shared
             p.normal_(0.0, 0.3)
         hooked = model(input_ids=ids).logits
         sd = base.state_dict()
-        for name in ad.targets():
+        for name in ad.hf_targets():
             sd[name] = sd[name] + ad.delta(name)
         base.load_state_dict(sd)
         merged = base(input_ids=ids).logits
