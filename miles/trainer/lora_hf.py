@@ -17,9 +17,10 @@ adapters. The shared ``A x`` (and its dropout mask) is computed once per forward
 members. The adapters are replicated on every rank (not FSDP-sharded: they are small); their gradients are
 averaged over the trainer group after the backward.
 
-MoE experts (``qwen3_moe``, ``glm4_moe``: ``EXPERT_MODEL_TYPES``): transformers keeps a layer's routed experts fused,
-``mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows, then up rows: Megatron's ``linear_fc1`` layout) and ``down_proj``
-[E, H, I], so no per-expert linear exists to hook. Each expert gets the Megatron backend's ``LoraPair`` (``pairs``,
+MoE experts (``qwen3_moe``, ``glm4_moe``, ``gpt_oss``: ``EXPERT_MODEL_TYPES``): transformers keeps a layer's routed
+experts fused, ``mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows, then up rows: Megatron's ``linear_fc1`` layout) and
+``down_proj`` [E, H, I] (gpt-oss: [E, H, 2I] with gate and up interleaved column by column, [E, I, H], biases; the
+adapters keep Megatron's layout, ``FusedExperts`` maps them), so no per-expert linear exists to hook. Each expert gets the Megatron backend's ``LoraPair`` (``pairs``,
 keyed by its Megatron name ``decoder.layers.L.mlp.experts.local_experts.E.linear_fc1``), drawn by the same
 ``lora._expert_pair`` (with ``--experts-shared-outer-loras`` fc1's ``A`` and fc2's ``B`` are one per layer, in
 ``shared``), and the experts module's forward is replaced by ``_experts_forward``: transformers' eager loop over the
@@ -30,8 +31,8 @@ its dense first layers are dense targets.
 
 Weights out: merged, as on Megatron: the export gathers the base weights in fp32 and adds ``(alpha / r) B @ A``
 before the cast to the sync dtype, so the engines need no LoRA. Not here (refused in one line by ``check_fsdp``):
-LoRA on the experts of other MoE layouts (gpt-oss's transposed, interleaved, biased experts and the model types not
-in ``EXPERT_MODEL_TYPES``), multi-latent attention and vision-language models.
+LoRA on the experts of the model types not in ``EXPERT_MODEL_TYPES``, multi-latent attention and vision-language
+models.
 
 Checkpoints (``--save`` / ``--load``): the adapters and their AdamW state as the Megatron backend writes them
 (``lora.save_files``: ``<step>/lora/rank_NNNNN.pt``, the LoRA's shape recorded and checked on load), instead of the
@@ -41,6 +42,7 @@ frozen model's DCP shards (``checkpoint.fsdp_format``); the base comes from --hf
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -59,9 +61,10 @@ SHARED_EXPERTS = {"linear_fc1": ("mlp.shared_experts", ("gate_proj", "up_proj"),
                   "linear_fc2": ("mlp.shared_experts", ("down_proj",), "mlp.shared_experts")}
 # Megatron's routed-expert target -> transformers' fused 3-D expert tensor ([E, out, in]) it adapts
 FUSED = {"linear_fc1": "gate_up_proj", "linear_fc2": "down_proj"}
-# the model types whose routed experts the FSDP LoRA adapts: transformers' fused experts in the concatenated
-# ([gate; up] rows), untransposed ([E, out, in]), bias-free layout, each expert ``down(act(gate) * up)``
-EXPERT_MODEL_TYPES = ("qwen3_moe", "glm4_moe")
+# the model types whose routed experts the FSDP LoRA adapts: transformers' fused experts, each expert
+# ``down(gate_fn(gate, up))``, either concatenated ([gate; up] rows), untransposed ([E, out, in]) and bias-free, or
+# gpt-oss's interleaved, transposed ([E, in, out]) and biased layout
+EXPERT_MODEL_TYPES = ("qwen3_moe", "glm4_moe", "gpt_oss")
 
 
 class HFLoraGroup(nn.Module):
@@ -91,7 +94,7 @@ class HFLoraAdapters(nn.Module):
         self.pairs = nn.ModuleDict()
         self.shared = nn.ParameterDict()
         self.hf: dict[str, tuple[HFLoraGroup, str]] = {}
-        self.fused: dict[str, list[LoraPair]] = {}
+        self.fused: dict[str, FusedExperts] = {}
 
     def hf_targets(self) -> set[str]:
         """The HF names of the adapted weights (the fused expert tensors included)."""
@@ -105,7 +108,7 @@ class HFLoraAdapters(nn.Module):
     def delta(self, hf_weight: str) -> torch.Tensor:
         """(alpha / r) B @ A of an adapted weight, its shape (a fused expert tensor: one [out, in] per expert)."""
         if hf_weight in self.fused:
-            return torch.stack([p.lora_B.float() @ p.lora_A.float() for p in self.fused[hf_weight]]) * self.spec.scale
+            return self.fused[hf_weight].delta(self.spec.scale)
         group, member = self.hf[hf_weight]
         return (group.lora_B[member].float() @ group.lora_A.float()) * self.spec.scale
 
@@ -197,63 +200,100 @@ def _attach_group(lora: HFLoraAdapters, layer: nn.Module, i: int, target: str, p
         mod.register_forward_hook(_hook(spec, group, m, len(mods)))
 
 
+@dataclass
+class FusedExperts:
+    """One fused expert tensor's adapters: its experts' pairs in expert order; ``rows``: the permutation of fc1's
+    Megatron ``B`` rows ([gate; up]) into the tensor's (gpt-oss interleaves gate and up), None when they agree;
+    ``transposed``: the tensor holds each expert as [in, out] (gpt-oss)."""
+    pairs: list[LoraPair]
+    rows: torch.Tensor | None
+    transposed: bool
+
+    def b(self, e: int) -> torch.Tensor:
+        """Expert ``e``'s ``B`` with its rows in the fused tensor's output order."""
+        b = self.pairs[e].lora_B
+        return b if self.rows is None else b[self.rows]
+
+    def delta(self, scale: float) -> torch.Tensor:
+        """(alpha / r) B_e @ A_e of every expert, stacked in the fused tensor's layout."""
+        d = torch.stack([self.b(e).float() @ p.lora_A.float() for e, p in enumerate(self.pairs)]) * scale
+        return d.transpose(1, 2) if self.transposed else d
+
+
 def _attach_experts(lora: HFLoraAdapters, layer: nn.Module, i: int, seed: int) -> None:
     """The routed experts of decoder layer ``i`` in transformers' fused layout (``mlp.experts.gate_up_proj`` [E, 2I,
-    H], ``down_proj`` [E, H, I]): one ``LoraPair`` per expert and target, drawn as the Megatron backend draws them
-    (``lora._expert_pair``: the seed and the expert's Megatron name, the shared outer factors per layer); the
-    module's forward becomes ``_experts_forward`` (the same loop over the hit experts, each linear plus its
-    adapter)."""
+    H] and ``down_proj`` [E, H, I]; gpt-oss: [E, H, 2I] with gate and up interleaved column by column, [E, I, H], and
+    biases): one ``LoraPair`` per expert and target, drawn as the Megatron backend draws them (``lora._expert_pair``:
+    the seed and the expert's Megatron name, the shared outer factors per layer; fc1's ``B`` rows [gate; up] as
+    Megatron's ``linear_fc1``); the module's forward becomes ``_experts_forward`` (the same loop over the hit
+    experts, each linear plus its adapter)."""
     spec = lora.spec
     experts = getattr(getattr(layer, "mlp", None), "experts", None)
     chosen = [t for t in ("linear_fc1", "linear_fc2") if t in spec.targets]
     if experts is None or not chosen or not isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
         return
-    layout = (getattr(experts, "is_concatenated", True), getattr(experts, "is_transposed", False),
-              getattr(experts, "has_bias", False), getattr(experts, "has_gate", True),
+    concatenated, transposed = getattr(experts, "is_concatenated", True), getattr(experts, "is_transposed", False)
+    layout = (concatenated, transposed, getattr(experts, "has_bias", False), getattr(experts, "has_gate", True),
               getattr(experts, "has_post_expert_norm", False))
-    if layout != (True, False, False, True, False):
+    if layout not in ((True, False, False, True, False), (False, True, True, True, False)):
         raise ConfigError(f"--target-modules {','.join(chosen)} on the MoE experts of {type(experts).__name__} "
-                          "(an interleaved, transposed or biased expert layout) is not supported by the FSDP LoRA; "
-                          "add --train-backend megatron, or target q_proj,k_proj,v_proj,o_proj.")
-    per_target: dict[str, list[LoraPair]] = {}
+                          f"(expert layout {layout}: concatenated, transposed, bias, gate, post-norm) is not supported "
+                          "by the FSDP LoRA; add --train-backend megatron, or target q_proj,k_proj,v_proj,o_proj.")
+    per_target: dict[str, FusedExperts] = {}
     for target in chosen:
         w = getattr(experts, FUSED[target])
+        out_f, in_f = (w.shape[2], w.shape[1]) if transposed else (w.shape[1], w.shape[2])
+        rows = None
+        if target == "linear_fc1" and not concatenated:          # HF column 2j: gate j, 2j + 1: up j
+            half = out_f // 2
+            rows = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1).to(w.device)
         pairs = []
         for e in range(w.shape[0]):
             gname = f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{target}"
-            pair = _expert_pair(lora, spec, target, gname, gname, gname, w.shape[1], w.shape[2], seed, w.device)
+            pair = _expert_pair(lora, spec, target, gname, gname, gname, out_f, in_f, seed, w.device)
             lora.pairs[gname.replace(".", "/")] = pair
             pairs.append(pair)
-        lora.fused[f"model.layers.{i}.mlp.experts.{FUSED[target]}"] = per_target[target] = pairs
+        lora.fused[f"model.layers.{i}.mlp.experts.{FUSED[target]}"] = per_target[target] = FusedExperts(
+            pairs, rows, transposed)
     experts.forward = _experts_forward(experts, spec, per_target.get("linear_fc1"), per_target.get("linear_fc2"))
 
 
-def _experts_forward(experts: nn.Module, spec: LoraSpec, fc1: list[LoraPair] | None, fc2: list[LoraPair] | None):
-    """transformers' eager fused-experts forward (each hit expert's tokens through ``down(act(gate) * up)``, weighted
-    and summed in expert order) with each expert's adapter added to its linear's output: ``W_e x + (alpha / r)
-    B_e (A_e dropout(x))``, as the Megatron backend's hook on each SequentialMLP expert's linear."""
+def _experts_forward(experts: nn.Module, spec: LoraSpec, fc1: FusedExperts | None, fc2: FusedExperts | None):
+    """transformers' eager fused-experts forward (each hit expert's tokens through ``down(gate_fn(gate, up))``, with
+    the module's own ``_apply_gate``, weighted and summed in expert order) with each expert's adapter added to its
+    linear's output: ``W_e x (+ b_e) + (alpha / r) B_e (A_e dropout(x))``, as the Megatron backend's hook on each
+    SequentialMLP expert's linear."""
+    transposed = getattr(experts, "is_transposed", False)
+    bias = getattr(experts, "has_bias", False)
 
-    def adapted(x: torch.Tensor, w: torch.Tensor, pair: LoraPair | None) -> torch.Tensor:
-        y = nn.functional.linear(x, w)
-        if pair is None:
+    def adapted(x: torch.Tensor, name: str, e: int, fused: FusedExperts | None) -> torch.Tensor:
+        w = getattr(experts, name)[e]
+        y = x @ w if transposed else nn.functional.linear(x, w)
+        if bias:
+            y = y + getattr(experts, name + "_bias")[e]
+        if fused is None:
             return y
         xd = nn.functional.dropout(x, p=spec.dropout) if spec.dropout > 0 and experts.training else x
-        h = nn.functional.linear(xd, pair.lora_A.to(x.dtype))
-        return y + (nn.functional.linear(h, pair.lora_B.to(x.dtype)) * spec.scale).to(y.dtype)
+        h = nn.functional.linear(xd, fused.pairs[e].lora_A.to(x.dtype))
+        return y + (nn.functional.linear(h, fused.b(e).to(x.dtype)) * spec.scale).to(y.dtype)
 
-    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor | None = None,
+                top_k_weights: torch.Tensor | None = None, *, router_indices: torch.Tensor | None = None,
+                routing_weights: torch.Tensor | None = None) -> torch.Tensor:       # gpt-oss: router_indices=...
+        index = top_k_index if top_k_index is not None else router_indices
+        weights = top_k_weights if top_k_weights is not None else routing_weights
         num = experts.gate_up_proj.shape[0]
         out = torch.zeros_like(hidden_states)
         with torch.no_grad():
-            mask = nn.functional.one_hot(top_k_index, num_classes=num + 1).permute(2, 1, 0)
+            mask = nn.functional.one_hot(index, num_classes=num + 1).permute(2, 1, 0)
             hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
         for e in hit[:, 0].tolist():
             if e == num:
                 continue
             pos, tok = torch.where(mask[e])
-            gate_up = adapted(hidden_states[tok], experts.gate_up_proj[e], fc1[e] if fc1 else None)
-            y = adapted(experts._apply_gate(gate_up), experts.down_proj[e], fc2[e] if fc2 else None)
-            out.index_add_(0, tok, (y * top_k_weights[tok, pos, None]).to(out.dtype))
+            gate_up = adapted(hidden_states[tok], "gate_up_proj", e, fc1)
+            y = adapted(experts._apply_gate(gate_up), "down_proj", e, fc2)
+            out.index_add_(0, tok, (y * weights[tok, pos, None]).to(out.dtype))
         return out
 
     return forward
@@ -312,9 +352,9 @@ def peft_tensors(lora: HFLoraAdapters) -> list[tuple[str, torch.Tensor]]:
         module = "base_model.model." + hf.removesuffix(".weight")
         out += [(module + ".lora_A.weight", group.lora_A.detach().float().cpu().clone()),
                 (module + ".lora_B.weight", group.lora_B[member].detach().float().cpu().clone())]
-    for fused, pairs in lora.fused.items():          # the checkpoint's per-expert linears (fc1: gate rows, up rows)
+    for fused, experts in lora.fused.items():        # per-expert linears (fc1: gate rows, up rows), as Megatron's
         prefix = "base_model.model." + fused.rsplit(".", 1)[0]
-        for e, pair in enumerate(pairs):
+        for e, pair in enumerate(experts.pairs):
             a, b = pair.lora_A.detach().float().cpu(), pair.lora_B.detach().float().cpu()
             rows = ({"gate_proj": b[:b.shape[0] // 2], "up_proj": b[b.shape[0] // 2:]}
                     if fused.endswith("gate_up_proj") else {"down_proj": b})

@@ -38,22 +38,41 @@ def glm_moe_dir(tmp_path_factory):
     return build_tiny_glm4_moe(tmp_path_factory.mktemp("glm4_moe"))
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe"])
+@pytest.fixture(scope="module")
+def gpt_oss_dir(tmp_path_factory):
+    from miles.utils.tiny_gpt_oss import build_tiny_gpt_oss_model
+
+    return build_tiny_gpt_oss_model(tmp_path_factory.mktemp("gpt_oss"))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm4_moe", "gpt_oss"])
 @pytest.mark.parametrize("shared", [False, True], ids=["per_expert", "shared_outer"])
 def test_expert_adapters_equal_their_merged_weights(request, family: str, shared: bool) -> None:
-    path = request.getfixturevalue("tiny_moe_dir" if family == "qwen3_moe" else "glm_moe_dir")
+    path = request.getfixturevalue({"qwen3_moe": "tiny_moe_dir", "glm4_moe": "glm_moe_dir",
+                                    "gpt_oss": "gpt_oss_dir"}[family])
     model, base = _model(path), _model(path)
     cfg = json.loads((path / "config.json").read_text())
     lora_hf.check_model(_spec(shared), cfg)            # passes: no refusal
     ad = lora_hf.attach_hf(model, model.model.layers, _spec(shared), seed=5)
     moe_layers = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
-    n = model.model.layers[moe_layers[0]].mlp.experts.gate_up_proj.shape[0]
+    experts = model.model.layers[moe_layers[0]].mlp.experts
+    n = experts.gate_up_proj.shape[0]
     assert len(ad.pairs) == 2 * n * len(moe_layers) and len(ad.shared) == (2 * len(moe_layers) if shared else 0)
     assert {f"model.layers.{i}.mlp.experts.{w}" for i in moe_layers for w in ("gate_up_proj", "down_proj")} \
         <= ad.hf_targets()
     if family == "glm4_moe":          # the dense first layer's MLP and the shared experts' linears: dense targets
         assert "model.layers.0.mlp.gate_proj.weight" in ad.hf
         assert f"model.layers.{moe_layers[0]}.mlp.shared_experts.down_proj.weight" in ad.hf
+    if family == "gpt_oss":           # [E, H, 2I], gate and up interleaved: delta's column 2j is B's gate row j
+        f = ad.fused[f"model.layers.{moe_layers[0]}.mlp.experts.gate_up_proj"]
+        with torch.no_grad():
+            f.pairs[1].lora_B.normal_()
+        d, half = ad.delta(f"model.layers.{moe_layers[0]}.mlp.experts.gate_up_proj")[1], f.pairs[1].lora_B.shape[0] // 2
+        want = (f.pairs[1].lora_B @ f.pairs[1].lora_A).detach() * 2.0
+        assert d.shape == experts.gate_up_proj.shape[1:]
+        torch.testing.assert_close(d[:, 0::2], want[:half].t()) and torch.testing.assert_close(d[:, 1::2], want[half:].t())
+        with torch.no_grad():
+            f.pairs[1].lora_B.zero_()
     # the Megatron backend's draw: the seed and the expert's Megatron name (the layer's for a shared outer factor)
     layer = moe_layers[0]
     fc1 = ad.pairs[f"decoder/layers/{layer}/mlp/experts/local_experts/1/linear_fc1"]
@@ -77,9 +96,11 @@ def test_expert_adapters_equal_their_merged_weights(request, family: str, shared
             sd[name] = sd[name] + ad.delta(name)
         base.load_state_dict(sd)
         merged = base(input_ids=ids).logits
-    # fp32 rounding: measured at most 3.2e-6 (qwen3_moe per-expert; 2.1e-6 shared-outer, 1.1e-6 / 7.4e-7 glm4_moe)
-    # while the adapters move the logits by ~0.7; bounded at twice the largest
-    assert (hooked - merged).abs().max() < 6.5e-6 and (hooked - ref).abs().max() > 1e-2, \
+    # fp32 rounding: measured (2026-12) per-expert / shared-outer 3.2e-6 / 2.1e-6 (qwen3_moe), 1.1e-6 / 7.4e-7
+    # (glm4_moe), 9.0e-6 / 8.6e-6 (gpt_oss: x @ W + b, clamped SwiGLU) while the adapters move the logits by ~0.7;
+    # bounded at about twice the family's largest
+    bound = {"qwen3_moe": 6.5e-6, "glm4_moe": 2.5e-6, "gpt_oss": 2e-5}[family]
+    assert (hooked - merged).abs().max() < bound and (hooked - ref).abs().max() > 1e-2, \
         ((hooked - merged).abs().max(), (hooked - ref).abs().max())
 
     # a backward reaches every hit expert's adapters, never a base weight
@@ -116,9 +137,11 @@ def test_refusals(tiny_moe_dir, tiny_model_dir, tmp_path) -> None:
     dense = json.loads((tiny_model_dir / "config.json").read_text())
     gpt_oss = json.loads((build_tiny_gpt_oss_model(tmp_path / "gpt_oss") / "config.json").read_text())
     lora_hf.check_model(_spec(True), moe)
-    lora_hf.check_model(_spec(False, ("linear_proj", "linear_qkv")), gpt_oss)     # attention only: fine
-    with pytest.raises(ConfigError, match=r"^--target-modules .* LoRA on the MoE experts of gpt_oss"):
-        lora_hf.check_model(_spec(False), gpt_oss)
+    lora_hf.check_model(_spec(True), gpt_oss)
+    qwen2_moe = {"model_type": "qwen2_moe", "num_experts": 4}                  # a layout not built here
+    lora_hf.check_model(_spec(False, ("linear_proj", "linear_qkv")), qwen2_moe)   # attention only: fine
+    with pytest.raises(ConfigError, match=r"^--target-modules .* LoRA on the MoE experts of qwen2_moe"):
+        lora_hf.check_model(_spec(False), qwen2_moe)
     with pytest.raises(ConfigError, match=r"^--experts-shared-outer-loras .* the model has no MoE experts"):
         lora_hf.check_model(_spec(True), dense)
     with pytest.raises(ConfigError, match=r"^--experts-shared-outer-loras .* selects no expert linear"):
