@@ -252,6 +252,8 @@ def _resume_worker(model_dir: str, out: str, save: str) -> None:
     import torch.distributed as dist
     from trainer_harness import build
 
+    from miles.trainer import lora_hf
+
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     flags = _flags("fsdp", True) + ["--save", save]
@@ -269,6 +271,9 @@ def _resume_worker(model_dir: str, out: str, save: str) -> None:
         state = tr.optimizer.state
         res[mode]["moments"] = {n: (state[p]["exp_avg"].clone(), int(state[p]["step"]))
                                 for n, p in tr.lora.named_parameters()}
+        if mode == "full":
+            tr.save_hf(f"{out}.hf")
+            res["peft"] = dict(lora_hf.peft_tensors(tr.lora))
         del tr
     plain = build(model_dir, [f for f in _flags("fsdp", False) if f not in ("--lora-rank", "4", "--lora-alpha", "8",
                                                                            "--lora-dropout", "0.0",
@@ -288,8 +293,10 @@ def _resume_worker(model_dir: str, out: str, save: str) -> None:
 def test_fsdp_lora_moe_resume_matches_uninterrupted(tiny_moe_dir: Path, tmp_path: Path) -> None:
     """``--save`` writes the adapters and their AdamW state (``<step>/lora/rank_NNNNN.pt``, the Megatron backend's
     layout), not the frozen model; a relaunch resumes and ends bitwise equal to the uninterrupted run (exports,
-    adapters, AdamW moments); the LoRA checkpoint handed to a run without LoRA is refused in one line."""
+    adapters, AdamW moments); the LoRA checkpoint handed to a run without LoRA is refused in one line; ``--save-hf``
+    writes the merged export and the PEFT adapter (each expert's up_proj delta = (alpha / r) B @ A from it)."""
     import torch
+    from safetensors.torch import load_file
 
     out, save = tmp_path / "resume.pt", tmp_path / "ckpt"
     r = _launch(2, "resume", str(tiny_moe_dir), str(out), str(save))
@@ -306,6 +313,19 @@ def test_fsdp_lora_moe_resume_matches_uninterrupted(tiny_moe_dir: Path, tmp_path
     for n, (m, k) in full["moments"].items():
         assert torch.equal(resumed["moments"][n][0], m) and resumed["moments"][n][1] == k == 2, n
     assert "holds LoRA adapters (--lora-rank), not the model" in res["plain"], res["plain"]
+    # --save-hf: the merged model (the export, bit for bit) and the PEFT adapter, the experts under per-expert names
+    hf = out.parent / (out.name + ".hf")
+    merged = load_file(str(hf / "model.safetensors"))
+    assert sorted(merged) == sorted(full["final"]) and all(torch.equal(merged[k], full["final"][k]) for k in merged)
+    adapter = load_file(str(hf / "adapter" / "adapter_model.safetensors"))
+    assert sorted(adapter) == sorted(res["peft"]) and all(torch.equal(adapter[k], res["peft"][k]) for k in adapter)
+    pre = "base_model.model.model.layers.1.mlp.experts.3"
+    a, b = adapter[f"{pre}.up_proj.lora_A.weight"], adapter[f"{pre}.up_proj.lora_B.weight"]
+    gate_b = adapter[f"{pre}.gate_proj.lora_B.weight"]
+    delta = merged["model.layers.1.mlp.experts.3.up_proj.weight"] - load_file(str(tiny_moe_dir / "model.safetensors"))[
+        "model.layers.1.mlp.experts.3.up_proj.weight"]
+    torch.testing.assert_close(delta, (b @ a) * 2.0, rtol=1e-4, atol=1e-6)          # alpha / r = 2
+    assert torch.equal(a, adapter[f"{pre}.gate_proj.lora_A.weight"]) and not torch.equal(b, gate_b)
 
 
 def _engine_worker(model_dir: str, out: str, engine_url: str) -> None:
