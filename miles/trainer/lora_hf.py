@@ -20,14 +20,15 @@ averaged over the trainer group after the backward.
 MoE experts (``qwen3_moe``, ``glm4_moe``, ``gpt_oss``: ``EXPERT_MODEL_TYPES``): transformers keeps a layer's routed
 experts fused, ``mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows, then up rows: Megatron's ``linear_fc1`` layout) and
 ``down_proj`` [E, H, I] (gpt-oss: [E, H, 2I] with gate and up interleaved column by column, [E, I, H], biases; the
-adapters keep Megatron's layout, ``FusedExperts`` maps them), so no per-expert linear exists to hook. Each expert gets the Megatron backend's ``LoraPair`` (``pairs``,
-keyed by its Megatron name ``decoder.layers.L.mlp.experts.local_experts.E.linear_fc1``), drawn by the same
-``lora._expert_pair`` (with ``--experts-shared-outer-loras`` fc1's ``A`` and fc2's ``B`` are one per layer, in
-``shared``), and the experts module's forward is replaced by ``_experts_forward``: transformers' eager loop over the
-hit experts with each expert's adapter added to its linear's output, as the Megatron backend's hook on each
-SequentialMLP expert's linear. The export adds ``(alpha / r) B_E @ A_E`` to each expert's slice of the fused tensor
-(``fused``) before the checkpoint layout splits it per expert. GLM-4.5's shared experts (``mlp.shared_experts``) and
-its dense first layers are dense targets.
+adapters keep Megatron's layout, ``FusedExperts`` maps them), so no per-expert linear exists to hook. Each expert
+gets the Megatron backend's ``LoraPair`` (``pairs``, keyed by its Megatron name
+``decoder.layers.L.mlp.experts.local_experts.E.linear_fc1``), drawn by the same ``lora._expert_pair`` (with
+``--experts-shared-outer-loras`` fc1's ``A`` and fc2's ``B`` are one per layer, in ``shared``), and the experts
+module's forward is replaced by ``_experts_forward``: transformers' eager loop over the hit experts with each
+expert's adapter added to its linear's output, as the Megatron backend's hook on each SequentialMLP expert's linear
+(whatever ``config._experts_implementation`` says: the grouped kernels have no place for an adapter). The export adds
+``(alpha / r) B_E @ A_E`` to each expert's slice of the fused tensor (``fused``) before the checkpoint layout splits
+it per expert. GLM-4.5's shared experts (``mlp.shared_experts``) and its dense first layers are dense targets.
 
 Weights out: merged, as on Megatron: the export gathers the base weights in fp32 and adds ``(alpha / r) B @ A``
 before the cast to the sync dtype, so the engines need no LoRA. Not here (refused in one line by ``check_fsdp``):
