@@ -2,19 +2,23 @@
 --target-modules all-linear``), real gloo ranks (torchrun), against the Megatron backend's LoRA on the same model.
 
 ``test_fsdp_lora_moe_matches_megatron`` (per-expert and ``--experts-shared-outer-loras``; also tiny gpt-oss,
-shared-outer: transformers' interleaved, transposed, biased experts; and tiny GLM-4.5, per-expert: a dense first layer
-and a shared expert): FSDP2 (DP 2) and the
-Megatron backend (EP 1 x DP 2) train 2 rollouts on the same samples from the same adapters (both draw each expert's
-``A`` from the trainer seed and the expert's Megatron name, ``B`` = 0). Compared: the step metrics, the log-probs
-after training, every routed expert's ``A`` and ``B`` and the merged weight-sync exports (HF per-expert names); the
-FSDP export at step 0 equals the checkpoint bit for bit, only the target linears moved (not the router, not the
-norms), every expert's ``lora_B`` moved where the expert got tokens (the same experts on both), no base parameter of the FSDP model has a gradient, and shared-outer holds
-one fc1 ``A`` and one fc2 ``B`` per layer. The shared-outer case also trains on one FSDP rank (the two ranks' samples
-together) and agrees with the two ranks.
+shared-outer: transformers' interleaved, transposed, biased experts; and tiny GLM-4.5, per-expert: a dense first
+layer and a shared expert): FSDP2 (DP 2) and the Megatron backend (EP 1 x DP 2), with the same AdamW settings, train
+2 rollouts on the same samples from the same adapters (both draw each expert's ``A`` from the trainer seed and the
+expert's Megatron name, ``B`` = 0). Compared: the step metrics, the log-probs after training, every routed expert's
+``A`` and ``B`` and the merged weight-sync exports (HF names); the FSDP export at step 0 equals the checkpoint bit for
+bit, only the target linears moved (not the router, not the norms, not the biases), every expert's ``lora_B`` moved
+where the expert got tokens (the same experts on both), no base parameter of the FSDP model has a gradient, and
+shared-outer holds one fc1 ``A`` and one fc2 ``B`` per layer. The Qwen3-MoE shared-outer case also trains on one FSDP
+rank (the two ranks' samples together) and agrees with the two ranks.
+
+``test_fsdp_lora_moe_resume_matches_uninterrupted``: ``--save`` / ``--load`` of the adapters, and ``--save-hf``.
 
 ``test_fsdp_lora_moe_weight_update_leaves_engine_equal``: 2 FSDP ranks with shared-outer expert adapters train a
 rollout; every merged bucket goes to the embedded engine (``/update_weights_from_tensor``) and reads back bit for
 bit (``--check-weight-update-equal``'s comparison), under every tensor name of the checkpoint.
+
+``test_fsdp_lora_moe_trains_on_gpu`` (gpu): one rank, NCCL, bf16.
 """
 
 from __future__ import annotations
