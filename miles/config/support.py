@@ -42,8 +42,6 @@ BACKEND_ONLY: dict[str, BackendOnly] = {
     "qkv_format": BackendOnly("megatron", "thd", "drop it (the FSDP backend packs samples into variable-length "
                                                  "rows: thd)"),
     "megatron_to_hf_mode": BackendOnly("megatron", "raw", "drop it (the FSDP backend trains the HF model itself)"),
-    "experts_shared_outer_loras": BackendOnly("megatron", False, "drop it, or add --train-backend megatron (LoRA on "
-                                                                 "MoE experts runs on the Megatron backend)"),
 }
 
 # field -> why the parser accepts it and no plane reads it

@@ -228,7 +228,7 @@ class TrainConfig:
                               f"{self.train_memory_margin_bytes}.")
         if self.lora_rank:
             self._validate_lora()
-        elif self.experts_shared_outer_loras and self.train_backend == "megatron":   # fsdp: refused as megatron-only
+        elif self.experts_shared_outer_loras:
             raise ConfigError("--experts-shared-outer-loras without --lora-rank: it shapes the MoE experts' LoRA "
                               "adapters; add --lora-rank R with --target-modules, or drop the flag.")
         if self.num_critic_only_steps < 0:

@@ -17,28 +17,55 @@ adapters. The shared ``A x`` (and its dropout mask) is computed once per forward
 members. The adapters are replicated on every rank (not FSDP-sharded: they are small); their gradients are
 averaged over the trainer group after the backward.
 
+MoE experts (``qwen3_moe``, ``glm4_moe``, ``gpt_oss``: ``EXPERT_MODEL_TYPES``): transformers keeps a layer's routed
+experts fused, ``mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows, then up rows: Megatron's ``linear_fc1`` layout) and
+``down_proj`` [E, H, I] (gpt-oss: [E, H, 2I] with gate and up interleaved column by column, [E, I, H], biases; the
+adapters keep Megatron's layout, ``FusedExperts`` maps them), so no per-expert linear exists to hook. Each expert
+gets the Megatron backend's ``LoraPair`` (``pairs``, keyed by its Megatron name
+``decoder.layers.L.mlp.experts.local_experts.E.linear_fc1``), drawn by the same ``lora._expert_pair`` (with
+``--experts-shared-outer-loras`` fc1's ``A`` and fc2's ``B`` are one per layer, in ``shared``), and the experts
+module's forward is replaced by ``_experts_forward``: transformers' eager loop over the hit experts with each
+expert's adapter added to its linear's output, as the Megatron backend's hook on each SequentialMLP expert's linear
+(whatever ``config._experts_implementation`` says: the grouped kernels have no place for an adapter). The export adds
+``(alpha / r) B_E @ A_E`` to each expert's slice of the fused tensor (``fused``) before the checkpoint layout splits
+it per expert. GLM-4.5's shared experts (``mlp.shared_experts``) and its dense first layers are dense targets.
+
 Weights out: merged, as on Megatron: the export gathers the base weights in fp32 and adds ``(alpha / r) B @ A``
 before the cast to the sync dtype, so the engines need no LoRA. Not here (refused in one line by ``check_fsdp``):
-LoRA on MoE experts (transformers' fused 3-D expert tensors), ``--experts-shared-outer-loras``, checkpoints
-(``--save`` / ``--load``) and vision-language models.
+LoRA on the experts of the model types not in ``EXPERT_MODEL_TYPES``, multi-latent attention and vision-language
+models.
+
+Checkpoints (``--save`` / ``--load``): the adapters and their AdamW state as the Megatron backend writes them
+(``lora.save_files``: ``<step>/lora/rank_NNNNN.pt``, the LoRA's shape recorded and checked on load), instead of the
+frozen model's DCP shards (``checkpoint.fsdp_format``); the base comes from --hf-checkpoint again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from miles.config.base import ConfigError
-from miles.trainer.lora import LoraSpec, _init_a
+from miles.trainer.lora import LoraPair, LoraSpec, _expert_pair, _init_a
 
 # Megatron target -> (HF parent attribute of the decoder layer, its HF linears, the Megatron module name's middle)
 GROUPS = {"linear_qkv": ("self_attn", ("q_proj", "k_proj", "v_proj"), "self_attention"),
           "linear_proj": ("self_attn", ("o_proj",), "self_attention"),
           "linear_fc1": ("mlp", ("gate_proj", "up_proj"), "mlp"),
           "linear_fc2": ("mlp", ("down_proj",), "mlp")}
+# a MoE layer's shared experts (GLM-4.5's ``mlp.shared_experts``): the dense MLP's linears one level down
+SHARED_EXPERTS = {"linear_fc1": ("mlp.shared_experts", ("gate_proj", "up_proj"), "mlp.shared_experts"),
+                  "linear_fc2": ("mlp.shared_experts", ("down_proj",), "mlp.shared_experts")}
+# Megatron's routed-expert target -> transformers' fused 3-D expert tensor ([E, out, in]) it adapts
+FUSED = {"linear_fc1": "gate_up_proj", "linear_fc2": "down_proj"}
+# the model types whose routed experts the FSDP LoRA adapts: transformers' fused experts, each expert
+# ``down(gate_fn(gate, up))``, either concatenated ([gate; up] rows), untransposed ([E, out, in]) and bias-free, or
+# gpt-oss's interleaved, transposed ([E, in, out]) and biased layout
+EXPERT_MODEL_TYPES = ("qwen3_moe", "glm4_moe", "gpt_oss")
 
 
 class HFLoraGroup(nn.Module):
@@ -53,18 +80,43 @@ class HFLoraGroup(nn.Module):
 
 
 class HFLoraAdapters(nn.Module):
-    """Every target's ``HFLoraGroup`` (keys: the Megatron module name with '.' as '/'), and the HF weight name of
-    each adapted linear -> (group, member)."""
+    """Every dense target's ``HFLoraGroup`` (keys: the Megatron module name with '.' as '/') and the HF weight name
+    of each adapted linear -> (group, member); every routed expert's ``lora.LoraPair`` (``pairs``, keys as the
+    Megatron backend's: ``decoder/layers/L/mlp/experts/local_experts/E/linear_fc1``), the layers' shared outer
+    factors (``shared``, ``--experts-shared-outer-loras``) and each fused expert tensor's HF name -> its experts'
+    pairs in expert order (``fused``)."""
+
+    tp_size = ep_size = pp_size = 1        # replicated on every rank: what an adapter checkpoint records (lora.state)
 
     def __init__(self, spec: LoraSpec):
         super().__init__()
         self.spec = spec
         self.groups = nn.ModuleDict()
+        self.pairs = nn.ModuleDict()
+        self.shared = nn.ParameterDict()
         self.hf: dict[str, tuple[HFLoraGroup, str]] = {}
+        self.fused: dict[str, FusedExperts] = {}
+
+    def hf_targets(self) -> set[str]:
+        """The HF names of the adapted weights (the fused expert tensors included)."""
+        return set(self.hf) | set(self.fused)
+
+    @property
+    def targets(self) -> list[str]:
+        """The Megatron module names of the targets (``lora._spec_dict`` records their leaf names)."""
+        return [k.replace("/", ".") for k in [*self.groups, *self.pairs]]
 
     def delta(self, hf_weight: str) -> torch.Tensor:
+        """(alpha / r) B @ A of an adapted weight, its shape (a fused expert tensor: one [out, in] per expert)."""
+        if hf_weight in self.fused:
+            return self.fused[hf_weight].delta(self.spec.scale)
         group, member = self.hf[hf_weight]
         return (group.lora_B[member].float() @ group.lora_A.float()) * self.spec.scale
+
+    def expert_pairs(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Megatron module name -> (A, B) of every routed expert (as ``lora.full_pairs`` gives them at EP 1)."""
+        return {k.replace("/", "."): (p.lora_A.detach().float().cpu(), p.lora_B.detach().float().cpu())
+                for k, p in self.pairs.items()}
 
 
 def check_fsdp(cfg, hf_config: dict | None) -> None:
@@ -76,11 +128,6 @@ def check_fsdp(cfg, hf_config: dict | None) -> None:
     if cfg.weights.update_weight_transfer_mode == "p2p":
         raise ConfigError("--update-weight-transfer-mode p2p with --lora-rank is not supported by the FSDP backend "
                           "(it sends unmerged local shards); use the default transfer mode.")
-    for flag, value in (("--save", cfg.checkpoint.save), ("--load", cfg.checkpoint.load)):
-        if value:
-            raise ConfigError(f"{flag} {value} with --lora-rank is not supported by the FSDP backend yet (its "
-                              "checkpoint format holds the model's optimizer, not the adapters'); drop it, or use "
-                              "--train-backend megatron (adapter checkpoints).")
 
 
 def check_model(spec: LoraSpec, hf_config: dict | None) -> None:
@@ -95,13 +142,18 @@ def check_model(spec: LoraSpec, hf_config: dict | None) -> None:
         raise ConfigError("--target-modules in_proj/out_proj (the gated DeltaNet's projections) with --train-backend "
                           "fsdp: LoRA on them runs on the Megatron backend only; add --train-backend megatron.")
     experts = text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts") or 0
-    if experts and {"linear_fc1", "linear_fc2"} & set(spec.targets):
+    on_experts = bool(experts) and bool({"linear_fc1", "linear_fc2"} & set(spec.targets))
+    model_type = text.get("model_type") or c.get("model_type")
+    if on_experts and model_type not in EXPERT_MODEL_TYPES:
         raise ConfigError(f"--target-modules {','.join(spec.targets)} with --train-backend fsdp: LoRA on the MoE "
-                          f"experts of this model ({experts} experts) runs on the Megatron backend only; add "
-                          "--train-backend megatron, or target q_proj,k_proj,v_proj,o_proj.")
-    if spec.experts_shared_outer:
-        raise ConfigError("--experts-shared-outer-loras with --train-backend fsdp: LoRA on MoE experts runs on the "
-                          "Megatron backend only; add --train-backend megatron or drop the flag.")
+                          f"experts of {model_type} ({experts} experts) runs on the Megatron backend only (the FSDP "
+                          f"LoRA adapts the experts of {', '.join(EXPERT_MODEL_TYPES)}); add --train-backend megatron, "
+                          "or target q_proj,k_proj,v_proj,o_proj.")
+    if spec.experts_shared_outer and not on_experts:
+        what = ("the model has no MoE experts" if not experts
+                else f"--target-modules selects no expert linear ({','.join(spec.targets)})")
+        raise ConfigError(f"--experts-shared-outer-loras shares the experts' outer LoRA factors, but {what}; drop "
+                          "the flag, or target gate_proj,up_proj,down_proj on a MoE model.")
     if "text_config" in c or "vision_config" in c:
         raise ConfigError("--lora-rank with a vision-language --hf-checkpoint is not supported by the FSDP backend; "
                           "drop --lora-rank.")
@@ -120,22 +172,132 @@ def attach_hf(hf: nn.Module, layers, spec: LoraSpec, *, seed: int) -> HFLoraAdap
         for target in spec.targets:
             if target not in GROUPS:          # multi-latent attention's projections: no such linear here (an MLA
                 continue                      # model is refused by check_model)
-            parent_name, members, middle = GROUPS[target]
-            parent = getattr(layer, parent_name, None)
-            mods = {m: getattr(parent, m, None) for m in members}
-            if parent is None or any(not isinstance(m, nn.Linear) for m in mods.values()):
-                continue
-            w = next(iter(mods.values())).weight
-            mname = f"decoder.layers.{i}.{middle}.{target}"
-            group = HFLoraGroup(_init_a(spec.rank, w.shape[1], seed, mname).to(w.device),
-                                {m: mod.weight.shape[0] for m, mod in mods.items()}, spec.rank)
-            lora.groups[mname.replace(".", "/")] = group
-            for m, mod in mods.items():
-                lora.hf[f"model.layers.{i}.{parent_name}.{m}.weight"] = (group, m)
-                mod.register_forward_hook(_hook(spec, group, m, len(mods)))
-    if not lora.groups:
+            for parent_name, members, middle in (GROUPS[target], SHARED_EXPERTS.get(target, (None, (), ""))):
+                if parent_name is not None:
+                    _attach_group(lora, layer, i, target, parent_name, members, middle, seed)
+        _attach_experts(lora, layer, i, seed)
+    if not lora.groups and not lora.pairs:
         raise ConfigError(f"--target-modules: no linear of the model matches {list(spec.targets)}.")
     return lora
+
+
+def _attach_group(lora: HFLoraAdapters, layer: nn.Module, i: int, target: str, parent_name: str,
+                  members: tuple[str, ...], middle: str, seed: int) -> None:
+    """One dense target of decoder layer ``i`` (its HF linears under ``layer.<parent_name>``), when it has them."""
+    spec = lora.spec
+    parent = layer
+    for part in parent_name.split("."):
+        parent = getattr(parent, part, None)
+    mods = {m: getattr(parent, m, None) for m in members}
+    if parent is None or any(not isinstance(m, nn.Linear) for m in mods.values()):
+        return
+    w = next(iter(mods.values())).weight
+    mname = f"decoder.layers.{i}.{middle}.{target}"
+    group = HFLoraGroup(_init_a(spec.rank, w.shape[1], seed, mname).to(w.device),
+                        {m: mod.weight.shape[0] for m, mod in mods.items()}, spec.rank)
+    lora.groups[mname.replace(".", "/")] = group
+    for m, mod in mods.items():
+        lora.hf[f"model.layers.{i}.{parent_name}.{m}.weight"] = (group, m)
+        mod.register_forward_hook(_hook(spec, group, m, len(mods)))
+
+
+@dataclass
+class FusedExperts:
+    """One fused expert tensor's adapters: its experts' pairs in expert order; ``rows``: the permutation of fc1's
+    Megatron ``B`` rows ([gate; up]) into the tensor's (gpt-oss interleaves gate and up), None when they agree;
+    ``transposed``: the tensor holds each expert as [in, out] (gpt-oss)."""
+    pairs: list[LoraPair]
+    rows: torch.Tensor | None
+    transposed: bool
+
+    def b(self, e: int) -> torch.Tensor:
+        """Expert ``e``'s ``B`` with its rows in the fused tensor's output order."""
+        b = self.pairs[e].lora_B
+        return b if self.rows is None else b[self.rows]
+
+    def delta(self, scale: float) -> torch.Tensor:
+        """(alpha / r) B_e @ A_e of every expert, stacked in the fused tensor's layout."""
+        d = torch.stack([self.b(e).float() @ p.lora_A.float() for e, p in enumerate(self.pairs)]) * scale
+        return d.transpose(1, 2) if self.transposed else d
+
+
+def _attach_experts(lora: HFLoraAdapters, layer: nn.Module, i: int, seed: int) -> None:
+    """The routed experts of decoder layer ``i`` in transformers' fused layout (``mlp.experts.gate_up_proj`` [E, 2I,
+    H] and ``down_proj`` [E, H, I]; gpt-oss: [E, H, 2I] with gate and up interleaved column by column, [E, I, H], and
+    biases): one ``LoraPair`` per expert and target, drawn as the Megatron backend draws them (``lora._expert_pair``:
+    the seed and the expert's Megatron name, the shared outer factors per layer; fc1's ``B`` rows [gate; up] as
+    Megatron's ``linear_fc1``); the module's forward becomes ``_experts_forward`` (the same loop over the hit
+    experts, each linear plus its adapter)."""
+    spec = lora.spec
+    experts = getattr(getattr(layer, "mlp", None), "experts", None)
+    chosen = [t for t in ("linear_fc1", "linear_fc2") if t in spec.targets]
+    if experts is None or not chosen or not isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
+        return
+    concatenated, transposed = getattr(experts, "is_concatenated", True), getattr(experts, "is_transposed", False)
+    layout = (concatenated, transposed, getattr(experts, "has_bias", False), getattr(experts, "has_gate", True),
+              getattr(experts, "has_post_expert_norm", False))
+    if layout not in ((True, False, False, True, False), (False, True, True, True, False)):
+        raise ConfigError(f"--target-modules {','.join(chosen)} on the MoE experts of {type(experts).__name__} "
+                          f"(expert layout {layout}: concatenated, transposed, bias, gate, post-norm) is not supported "
+                          "by the FSDP LoRA; add --train-backend megatron, or target q_proj,k_proj,v_proj,o_proj.")
+    per_target: dict[str, FusedExperts] = {}
+    for target in chosen:
+        w = getattr(experts, FUSED[target])
+        out_f, in_f = (w.shape[2], w.shape[1]) if transposed else (w.shape[1], w.shape[2])
+        rows = None
+        if target == "linear_fc1" and not concatenated:          # HF column 2j: gate j, 2j + 1: up j
+            half = out_f // 2
+            rows = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1).to(w.device)
+        pairs = []
+        for e in range(w.shape[0]):
+            gname = f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{target}"
+            pair = _expert_pair(lora, spec, target, gname, gname, gname, out_f, in_f, seed, w.device)
+            lora.pairs[gname.replace(".", "/")] = pair
+            pairs.append(pair)
+        lora.fused[f"model.layers.{i}.mlp.experts.{FUSED[target]}"] = per_target[target] = FusedExperts(
+            pairs, rows, transposed)
+    experts.forward = _experts_forward(experts, spec, per_target.get("linear_fc1"), per_target.get("linear_fc2"))
+
+
+def _experts_forward(experts: nn.Module, spec: LoraSpec, fc1: FusedExperts | None, fc2: FusedExperts | None):
+    """transformers' eager fused-experts forward (each hit expert's tokens through ``down(gate_fn(gate, up))``, with
+    the module's own ``_apply_gate``, weighted and summed in expert order) with each expert's adapter added to its
+    linear's output: ``W_e x (+ b_e) + (alpha / r) B_e (A_e dropout(x))``, as the Megatron backend's hook on each
+    SequentialMLP expert's linear."""
+    transposed = getattr(experts, "is_transposed", False)
+    bias = getattr(experts, "has_bias", False)
+
+    def adapted(x: torch.Tensor, name: str, e: int, fused: FusedExperts | None) -> torch.Tensor:
+        w = getattr(experts, name)[e]
+        y = x @ w if transposed else nn.functional.linear(x, w)
+        if bias:
+            y = y + getattr(experts, name + "_bias")[e]
+        if fused is None:
+            return y
+        xd = nn.functional.dropout(x, p=spec.dropout) if spec.dropout > 0 and experts.training else x
+        h = nn.functional.linear(xd, fused.pairs[e].lora_A.to(x.dtype))
+        return y + (nn.functional.linear(h, fused.b(e).to(x.dtype)) * spec.scale).to(y.dtype)
+
+    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor | None = None,
+                top_k_weights: torch.Tensor | None = None, *, router_indices: torch.Tensor | None = None,
+                routing_weights: torch.Tensor | None = None) -> torch.Tensor:       # gpt-oss: router_indices=...
+        index = top_k_index if top_k_index is not None else router_indices
+        weights = top_k_weights if top_k_weights is not None else routing_weights
+        num = experts.gate_up_proj.shape[0]
+        out = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            mask = nn.functional.one_hot(index, num_classes=num + 1).permute(2, 1, 0)
+            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for e in hit[:, 0].tolist():
+            if e == num:
+                continue
+            pos, tok = torch.where(mask[e])
+            gate_up = adapted(hidden_states[tok], "gate_up_proj", e, fc1)
+            y = adapted(experts._apply_gate(gate_up), "down_proj", e, fc2)
+            out.index_add_(0, tok, (y * weights[tok, pos, None]).to(out.dtype))
+        return out
+
+    return forward
 
 
 def _hook(spec: LoraSpec, group: HFLoraGroup, member: str, n: int):
@@ -178,7 +340,7 @@ def merge_buckets(lora: HFLoraAdapters, buckets: Iterator[list[tuple[str, torch.
     for bucket in buckets:
         out = []
         for name, t in bucket:
-            if name in lora.hf:
+            if name in lora.hf or name in lora.fused:
                 t = (t.float() + lora.delta(name).to(t.device)).to(t.dtype)
             out.append((name, t.to(dtype) if dtype is not None else t))
         yield out
@@ -191,4 +353,13 @@ def peft_tensors(lora: HFLoraAdapters) -> list[tuple[str, torch.Tensor]]:
         module = "base_model.model." + hf.removesuffix(".weight")
         out += [(module + ".lora_A.weight", group.lora_A.detach().float().cpu().clone()),
                 (module + ".lora_B.weight", group.lora_B[member].detach().float().cpu().clone())]
+    for fused, experts in lora.fused.items():        # per-expert linears (fc1: gate rows, up rows), as Megatron's
+        prefix = "base_model.model." + fused.rsplit(".", 1)[0]
+        for e, pair in enumerate(experts.pairs):
+            a, b = pair.lora_A.detach().float().cpu(), pair.lora_B.detach().float().cpu()
+            rows = ({"gate_proj": b[:b.shape[0] // 2], "up_proj": b[b.shape[0] // 2:]}
+                    if fused.endswith("gate_up_proj") else {"down_proj": b})
+            for m, bm in rows.items():
+                out += [(f"{prefix}.{e}.{m}.lora_A.weight", a.clone()), (f"{prefix}.{e}.{m}.lora_B.weight",
+                                                                          bm.contiguous().clone())]
     return out

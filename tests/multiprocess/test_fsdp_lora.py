@@ -2,9 +2,10 @@
 Qwen3, 2 real gloo ranks (FSDP2, DP 2), against the Megatron backend's LoRA (TP 1 x DP 2) on the same samples.
 
 ``test_fsdp_lora_matches_megatron_and_merged_reference``: at step 0 both exports equal the HF checkpoint bit for bit
-(B = 0) and the KL to the reference is 0; after 2 rollouts the step metrics of the two backends agree within 2e-4
-relative (measured 1.04e-4) and their merged exports within 2e-4 (relative L2 1e-2 of the update; measured 8.1e-5 and 4.7e-3); only q/k/v/o/gate/up/down moved,
-and no base parameter of the FSDP model has a gradient or requires one. The merged reference: a plain HF model with
+(B = 0) and the KL to the reference is 0; after 2 rollouts (the same AdamW settings on both: the backends' defaults
+differ) the step metrics of the two backends agree within 5e-5 relative (measured 1.5e-5) and their merged exports
+within 1e-6 (relative L2 5e-6 of the update; measured 5.0e-7 and 2.3e-6); only q/k/v/o/gate/up/down moved, and no
+base parameter of the FSDP model has a gradient or requires one. The merged reference: a plain HF model with
 the FSDP run's merged export gives the same logits (fp32 rounding) as the base HF model with the run's adapters
 hooked on (``lora_hf.attach_hf``).
 """
@@ -34,8 +35,9 @@ def _worker(model_dir: str, out: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     res: dict = {}
+    # the optimizer's defaults differ by backend (AdamW beta2 0.95 / 0.999, weight decay 0 / 0.01): set alike
     argv = ["--num-rollout", "2", "--n-samples-per-prompt", "3", "--lr", "1e-2", "--lr-decay-style", "constant",
-            "--use-kl-loss", "--kl-loss-coef", "0.1"]
+            "--adam-beta2", "0.999", "--weight-decay", "0.01", "--use-kl-loss", "--kl-loss-coef", "0.1"]
     for backend in ("fsdp", "megatron"):
         tr = build(model_dir, flags(backend, "lora", argv))
         r = {"init": tr.state_dict_for_check(), "metrics": {}}
@@ -87,20 +89,21 @@ def test_fsdp_lora_matches_megatron_and_merged_reference(tiny_model_dir: Path, t
         for k in base:
             assert (not torch.equal(run["final"][k], base[k])) == (k.split(".")[-2] in TARGETS), k
     assert fs["base_grads"] == 0 and fs["base_trainable"] == 0
-    # two implementations (HF + FSDP2 vs megatron-core) after an AdamW step: measured at most 1.04e-4 relative
-    # (rollout 1's grad_norm; 2 CPU gloo ranks, 2026-12), bounded at twice that
+    # two implementations (HF + FSDP2 vs megatron-core) after an AdamW step: measured 1.5e-5 relative (of at least
+    # 1e-3; 2 CPU gloo ranks, 2026-12), bounded at about three times that
     for rid in (0, 1):
         for key in ("loss", "pg_loss", "kl_loss", "grad_norm"):
-            assert fs["metrics"][rid][key] == pytest.approx(mg["metrics"][rid][key], rel=2e-4, abs=1e-6), (rid, key)
+            assert fs["metrics"][rid][key] == pytest.approx(mg["metrics"][rid][key], rel=5e-5, abs=1e-6), (rid, key)
     diff = max((fs["final"][k] - mg["final"][k]).abs().max().item() for k in base)
     num = sum(((fs["final"][k] - mg["final"][k]) ** 2).sum().item() for k in base)
     den = sum(((mg["final"][k] - base[k]) ** 2).sum().item() for k in base)
+    metrics = max(abs(fs["metrics"][r][k] - mg["metrics"][r][k]) / max(abs(mg["metrics"][r][k]), 1e-3)
+                  for r in (0, 1) for k in ("loss", "pg_loss", "kl_loss", "grad_norm"))
     print({"max_abs": diff, "rel_l2": (num / den) ** 0.5, "hooked_vs_merged": res["hooked_vs_merged"],
-           "hooked_vs_base": res["hooked_vs_base"]})
-    # measured (2 CPU gloo ranks, 2026-12): max 8.1e-5, relative L2 4.7e-3 of the update, spread evenly over every
-    # target (0.46-0.53% each); the non-LoRA FSDP/Megatron parity is 47x tighter: not yet explained (open question,
-    # see the branch's report); bounded at about twice the measurement
-    assert diff < 2e-4 and (num / den) ** 0.5 < 1e-2, (diff, (num / den) ** 0.5)
+           "hooked_vs_base": res["hooked_vs_base"], "metrics_rel": metrics})
+    # measured (2 CPU gloo ranks, 2026-12): max 5.0e-7, relative L2 2.3e-6 of the update (with each backend's own AdamW
+    # defaults, beta2 0.95 / 0.999 and weight decay 0 / 0.01, it was 0.5% on every target); bounded at about twice that
+    assert diff < 1e-6 and (num / den) ** 0.5 < 5e-6, (diff, (num / den) ** 0.5)
     # fp32 rounding: measured 3.3e-7 (adapters move the logits by ~0.44)
     assert res["hooked_vs_merged"] < 1e-5 and res["hooked_vs_base"] > 1e-3, res
 

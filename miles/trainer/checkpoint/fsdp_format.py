@@ -8,6 +8,8 @@
 Inside one checkpoint directory::
 
     actor/                DCP: {"model": sharded model state, "optim": AdamW state (unless --no-save-optim)}
+    lora/rank00000.pt ... with --lora-rank instead of actor/: the adapters and their AdamW state, each trainer rank's
+                          file (the adapters are replicated; the Megatron backend's layout, ``lora.save_files``)
     critic/               the same for the PPO critic (value head included)
     rng/rank00000.pt ...  python, numpy, torch and CUDA RNG states of each trainer rank
     trainer_state.json    format, world size, LR schedule step(s), has_optim, has_critic, extra
@@ -91,7 +93,13 @@ def write(trainer: FSDPTrainer, path: Path, extra: dict) -> None:
     group, device = trainer.trainer_group, trainer.device
     raise_if_any(local_error(lambda: path.mkdir(parents=True, exist_ok=True)), group, device)
     with_optim = not trainer.ckpt.no_save_optim
-    _dcp_write(trainer.model, trainer.optimizer, path / "actor", trainer.group, with_optim)
+    if trainer.lora is not None:                  # the base is frozen (--hf-checkpoint): the adapters only
+        from miles.trainer import lora as lora_mod
+
+        lora_mod.save_files(trainer.lora, trainer.optimizer if with_optim else None, path, trainer.rank,
+                            trainer.group)
+    else:
+        _dcp_write(trainer.model, trainer.optimizer, path / "actor", trainer.group, with_optim)
     if trainer.critic is not None:
         _dcp_write(trainer.critic.model, trainer.critic.optimizer, path / "critic", trainer.group, with_optim)
     fault_point("shards", int(extra_json.get("rollout_id", -1)), trainer.trainer_rank)
@@ -104,6 +112,7 @@ def write(trainer: FSDPTrainer, path: Path, extra: dict) -> None:
                 "format": FORMAT, "world_size": trainer.world, "schedule": trainer.schedule.state_dict(),
                 "critic_schedule": trainer.critic.schedule.state_dict() if trainer.critic is not None else None,
                 "has_optim": with_optim, "has_critic": trainer.critic is not None, "extra": extra_json,
+                "has_lora": trainer.lora is not None,
             }
             (path / "trainer_state.json").write_text(json.dumps(meta, indent=2))
 
@@ -151,10 +160,12 @@ def verify(path: Path, *, rank: int | None = None, world: int | None = None) -> 
     missing = [k for k in ("world_size", "schedule", "has_optim", "extra") if k not in meta]
     if missing:
         return f"trainer_state.json lacks {', '.join(missing)}"
-    for sub in ["actor"] + (["critic"] if meta.get("has_critic") else []):
+    for sub in ([] if meta.get("has_lora") else ["actor"]) + (["critic"] if meta.get("has_critic") else []):
         problem = verify_dcp(path / sub)
         if problem:
             return problem
+    if meta.get("has_lora") and not (path / "lora" / "rank_00000.pt").is_file():
+        return "lora/rank_00000.pt is missing"
     if rank is not None and meta["world_size"] == world:
         rng_file = path / "rng" / f"rank{rank:05d}.pt"
         if rng_file.is_file():
@@ -173,7 +184,17 @@ def read(trainer: FSDPTrainer, path: Path) -> dict:
     with_optim = bool(meta["has_optim"]) and not trainer.ckpt.no_load_optim
     if not meta["has_optim"] and not trainer.ckpt.no_load_optim:
         logger.warning("%s was saved with --no-save-optim: AdamW state starts fresh.", path)
-    _dcp_read(trainer.model, trainer.optimizer, path / "actor", trainer.group, with_optim)
+    if bool(meta.get("has_lora")) != (trainer.lora is not None):
+        raise ValueError(f"{path} " + ("holds LoRA adapters (--lora-rank), not the model: resume it with its LoRA "
+                                       "flags" if meta.get("has_lora") else
+                                       "holds the whole model, no LoRA adapters: resume it without --lora-rank, or "
+                                       "start the LoRA run from --hf-checkpoint with a fresh --save") + ".")
+    if trainer.lora is not None:               # replicated adapters: rank 0's file, whatever the number of ranks
+        from miles.trainer import lora as lora_mod
+
+        lora_mod.load_files(trainer.lora, trainer.optimizer if with_optim else None, path, 0)
+    else:
+        _dcp_read(trainer.model, trainer.optimizer, path / "actor", trainer.group, with_optim)
     trainer.schedule.load_state_dict(meta["schedule"])
     if trainer.critic is not None:
         if not meta.get("has_critic"):
