@@ -25,11 +25,23 @@ checkpoint saved and resumed restores them bitwise. The rows are checked first t
 shared layer is on its source layer's stage): the same comparison against FSDP DP 2, each stage building only its own
 layers' core attention.
 
+``test_dsa_cp2_matches_cp1``: 1 and 2 ranks, each family. Context parallelism (CP 2: each rank its load-balanced
+chunks of the 12-token rows; the indexer keys and the attention's keys and values all-gathered over the CP group,
+causal by position in the row) against megatron-core's own ``DSAttention`` at CP 1: every full layer's indexer keeps
+the same keys for every query (the rows have no top-k tie at CP 1), the log-probs and the gradients of their sum agree.
+
+``test_dsa_cp2_trainer_parity_with_fsdp``: 2 ranks, each family, CP 2 with Miles's ``--allgather-cp``: the same
+comparison against FSDP DP 2 as the TP and PP tests.
+
+``test_dsa_cp_sparse_attention_is_megatron_cores``: the CP sparse attention on a CP group of one rank is megatron-core's
+``unfused_dsa_fn`` bit for bit, forward and backward, in fp32 on CPU and (``gpu``) in bf16 on one GPU.
+
 ``test_dsa_matches_hf_on_gpu_bf16`` (``gpu``): one GPU, bf16, TP 1, against transformers' bf16 logits.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -293,6 +305,80 @@ def test_dsa_cp2_matches_cp1(request, tmp_path: Path, free_port: int, family: st
     assert frozen and not any(two["grads"][n].any() for n in frozen)
 
 
+# CP 2 on the 2 ranks (TP 1, DP 1), with Miles's --allgather-cp as GLM-5's recorded commands pass it
+CP2_FLAGS = ("--context-parallel-size", "2", "--allgather-cp")
+# measured (2026-12-07, CPU fp32, 2 gloo ranks; OMP_NUM_THREADS=1 python -m pytest -s
+# tests/multiprocess/test_megatron_dsa.py -k cp2_trainer_parity): log-probs 4.8e-7 apart in each (GLM-5,
+# DeepSeek-V3.2, GLM-5.2); the update after 2 steps 9.2e-6 / 7.7e-6 / 2.0e-6 (max abs), 1.3e-5 / 9.6e-6 / 4.2e-6
+# (relative L2). About twice the largest.
+LP_BOUND_CP, UPDATE_BOUND_CP, REL_BOUND_CP = 1e-6, 2e-5, 2.6e-5
+
+
+@pytest.mark.parametrize("family", ["glm5", "dsv32", "glm52"])
+def test_dsa_cp2_trainer_parity_with_fsdp(request, tmp_path: Path, free_port: int, family: str) -> None:
+    """The Megatron trainer at CP 2 (each sample's row split into load-balanced chunks over the 2 ranks, DSA's keys
+    gathered) against the FSDP backend over the same ranks (DP 2) on the same 2 rollouts: log-probs before training,
+    the step metrics (loss included) and the update after 2 steps; the export bitwise, ``--save-hf`` and a checkpoint
+    resume."""
+    from trainer_harness import random_samples
+
+    model_dir = request.getfixturevalue(FAMILY_DIRS[family])
+    assert not boundary_ties(model_dir, random_samples(4, 4, seed=7, vocab=90)), "indexer top-k ties in the rows"
+    res = launch(HERE, 2, free_port, "parity_cp", model_dir, tmp_path / "parity.pt", timeout=900)
+    assert res["layout"] == {"tp_size": 1, "pp_size": 1, "cp_size": 2, "ep_size": 1, "dp_size": 1}, res["layout"]
+    print(family, "cp2", {k: res[k] for k in ("lp_max_abs_diff", "update_max_abs_diff", "update_rel_l2",
+                                              "update_worst")})
+    check_parity(res, lp_bound=LP_BOUND_CP, update_bound=UPDATE_BOUND_CP, rel_bound=REL_BOUND_CP)
+
+
+def _cp_sparse_worker(out: str, device: str) -> None:
+    """One rank (NCCL on GPU 0 in bf16, or gloo on CPU in fp32), a CP group of that one rank (chunks 0 and 1 of 2:
+    the gather and the chunk order are the identity): ``dsa.cp_sparse_attention`` against megatron-core's
+    ``unfused_dsa_fn`` at GLM-5's MLA widths (keys 192, values 256) with a top-k of 64 of 256 keys, forward and the
+    gradients of q, k and v: the same math in the same order."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core.transformer.experimental_attention_variant.dsa import unfused_dsa_fn
+
+    from miles.trainer.megatron.families import dsa
+
+    cuda = device == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo")
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(dev)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    torch.manual_seed(0)
+    s, b, heads, d, dv, k = 256, 2, 8, 192, 256, 64
+    q, key, v = (torch.randn(s, b, heads, w, device=dev, dtype=dtype, requires_grad=True) for w in (d, d, dv))
+    scores = torch.randn(b, s, s, device=dev).masked_fill(torch.ones(s, s, device=dev, dtype=torch.bool).triu(1),
+                                                           float("-inf"))
+    topk = scores.topk(k, dim=-1)[1]
+    res = {}
+    for name, fn in (("ref", lambda: unfused_dsa_fn(q, key, v, topk, d ** -0.5)),
+                     ("cp", lambda: dsa.cp_sparse_attention(q, key, v, topk, d ** -0.5, dist.group.WORLD))):
+        o = fn()
+        res[name] = (o.detach(), *torch.autograd.grad(o.float().square().sum(), (q, key, v)))
+    Path(out).write_text(json.dumps({"shape": list(res["cp"][0].shape), "dtype": str(res["cp"][0].dtype),
+                                     "equal": [bool(torch.equal(a, r)) for a, r in zip(res["cp"], res["ref"])]}))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_dsa_cp_sparse_attention_is_megatron_cores(tmp_path: Path, free_port: int, device: str) -> None:
+    """The CP sparse attention on a CP group of one rank is megatron-core's ``unfused_dsa_fn`` bit for bit, forward
+    and backward (the gather, the chunk order and the causal mask by position reduce to its own); on GPU in bf16
+    (NCCL), on CPU in fp32 (gloo)."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    res = launch(HERE, 1, free_port, "cp_sparse", "-", tmp_path / "cp_sparse.json", device)
+    assert res["shape"] == [256, 2, 8 * 256] and res["dtype"] == ("torch.bfloat16" if device == "cuda" else
+                                                                  "torch.float32"), res
+    assert res["equal"] == [True] * 4, res                       # output, d q, d k, d v
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["glm5", "dsv32", "glm52"])
 def test_dsa_matches_hf_on_gpu_bf16(request, tmp_path: Path, free_port: int, family: str) -> None:
@@ -325,7 +411,12 @@ if __name__ == "__main__":
     elif sys.argv[1] == "parity_pp":
         parity_worker(sys.argv[2], sys.argv[3], (*PRESETS["mla"], "--moe-router-dtype", "fp32", *PP2_FLAGS), tp=1,
                       split_fsdp_experts=True)
+    elif sys.argv[1] == "parity_cp":
+        parity_worker(sys.argv[2], sys.argv[3], (*PRESETS["mla"], "--moe-router-dtype", "fp32", *CP2_FLAGS), tp=1,
+                      split_fsdp_experts=True)
     elif sys.argv[1] == "gpu":
         gpu_worker(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "cp_sparse":
+        _cp_sparse_worker(sys.argv[3], sys.argv[4])
     elif sys.argv[1] == "cp":
         _cp_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]))
