@@ -31,6 +31,17 @@ has none that runs here:
   (``check_static`` refuses a split that starts a stage with a shared layer, and activation recompute with shared
   layers under PP, where 1F1B runs a later micro-batch's forward before this one's backward).
 
+- Context parallelism: megatron-core's ``DSAttention`` has none (its config refuses CP with DSA; the family sets the
+  CP size after that check: ``Family.own_context_parallel``). Each CP rank holds Megatron's load-balanced chunks of
+  every row (``context_parallel.py``); megatron-core's rotary embeddings (MLA's and the indexer's) give the chunks'
+  angles. ``cp_indexer_topk`` is the indexer's forward with its keys all-gathered over the CP group (in sequence
+  order, ``context_parallel.gather_sequence``): this rank's queries score every key of the row, causal by position
+  in the row, and keep ``min(index_topk, s)`` as positions in the row; ``cp_sparse_attention`` is ``unfused_dsa_fn``
+  over the all-gathered keys and values (backward: their gradients reduce-scattered) with that causal mask. The same
+  under every ``--cp-comm-type``, and Miles's ``--allgather-cp`` (its sequential layout) gives the same values.
+  It gathers the per-head keys and values after the up projections (Miles gathers the compressed latent and the
+  rope key, less traffic for many heads per TP rank); the scores are [b, heads, s / cp, s] per rank.
+
 The indexer is not trained: transformers runs it under ``no_grad`` and Miles's GLM-5 attention discards its scores
 (radixark/miles@v0.1.0:miles_plugins/models/glm5/glm5.py); megatron-core detaches its inputs and would train it
 only through its KL loss (``dsa_indexer_loss_coeff``, 0 here), so its parameters are frozen (``freeze_indexer``) and
