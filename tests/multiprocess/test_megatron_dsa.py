@@ -205,28 +205,29 @@ def test_dsa_pipeline_parallel_parity_with_fsdp(request, tmp_path: Path, free_po
 
 
 # ------------------------------------------------------------------------------------------- context parallelism
-def _cp_worker(model_dir: str, out: str, seed: int) -> None:
-    """CP = world size (1 or 2), TP 1: 2 rows of ``SEQ`` tokens (drawn with ``seed``), each CP rank its load-balanced chunks. Saves (rank
-    0): the whole rows' log-probs of the next token (``lp`` [2, SEQ]), the gradients of their sum (each rank's own
-    positions' sum, the parameter gradients summed over CP) under HF names (``grads``), each full layer's top-k per
+def _cp_worker(model_dir: str, out: str, seed: int, tp: int) -> None:
+    """TP ``tp`` (sequence parallel when > 1) x CP = world size / ``tp``: 2 rows of ``SEQ`` tokens (drawn with
+    ``seed``), each CP rank its load-balanced chunks. Saves (rank 0): the whole rows' log-probs of the next token
+    (``lp`` [2, SEQ]), the gradients of their sum (each CP rank's own positions' sum, the parameter gradients reduced
+    as the trainer does: ``parallel.finish_grads``) under HF names (``grads``), each full layer's top-k per
     query position as the sorted keys at or before it (``topk``), and at CP 1 the (row, query) pairs whose top-k
     boundary is a tie among those keys (``ties``: there the keys kept are ``torch.topk``'s order)."""
     import torch
     import torch.distributed as dist
-    from family_workers import build_loaded, hf_grads
+    from family_workers import build_loaded, full_logits, hf_grads
 
-    from miles.trainer.megatron import model
+    from miles.trainer.megatron import parallel
     from miles.trainer.megatron.context_parallel import chunk_columns, gather_sequence
     from miles.trainer.megatron.families import dsa
 
     dist.init_process_group("gloo")
-    cp, rank, world = dist.get_world_size(), dist.get_rank(), dist.group.WORLD
+    cp = dist.get_world_size() // tp
     cpu = torch.device("cpu")
-    gpt, shape, groups = build_loaded(model_dir, tp=1, cp=cp, device=cpu)
+    gpt, shape, groups = build_loaded(model_dir, tp=tp, cp=cp, device=cpu)
     torch.manual_seed(seed)
     ids = torch.randint(4, shape.vocab_size, (2, SEQ))
     pos = torch.arange(SEQ).unsqueeze(0).expand(2, -1)
-    cols = chunk_columns(SEQ, rank, cp, cpu)
+    cols = chunk_columns(SEQ, groups.cp_rank, cp, cpu)
     topks, ties = [], []
     if cp == 1:                                  # megatron-core's own indexer, its scores checked for ties
         def recording(find):
@@ -251,47 +252,47 @@ def _cp_worker(model_dir: str, out: str, seed: int) -> None:
             return topk
 
         dsa.cp_indexer_topk = recording_cp
-    hidden = gpt(ids[:, cols], pos[:, cols], attention_mask=None)                   # [2c, b, h]: this rank's
-    logits = (hidden.transpose(0, 1) @ model.output_weight(gpt).t())[..., :shape.vocab_size]
+    logits = full_logits(gpt, shape, ids[:, cols], pos[:, cols], tp)                  # [b, 2c, V]: this CP rank's
     target = ids.roll(-1, 1)[:, cols]
     lp = torch.log_softmax(logits, -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)      # [b, 2c]
     lp.sum().backward()
-    for p in gpt.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad, group=world)
+    parallel.finish_grads(gpt, groups)                # TP sums, the CP ranks' partial sums summed
     grads = hf_grads(gpt, shape, groups, cpu, "zero")
 
     def whole(t: torch.Tensor) -> torch.Tensor:       # [b, 2c, ...] this rank's -> [b, SEQ, ...] the rows'
-        return gather_sequence(t.transpose(0, 1).contiguous(), world).transpose(0, 1)
+        return t if cp == 1 else gather_sequence(t.transpose(0, 1).contiguous(), groups.cp).transpose(0, 1)
 
     lp_all = whole(lp.detach())
     topk_all = [[[sorted(i for i in whole(t)[b, q].tolist() if i <= q) for q in range(SEQ)] for b in range(2)]
                 for t in topks]
-    if rank == 0:
-        torch.save({"lp": lp_all, "grads": grads, "topk": topk_all, "ties": ties, "cp": groups.cp_size}, out)
+    if dist.get_rank() == 0:
+        torch.save({"lp": lp_all, "grads": grads, "topk": topk_all, "ties": ties, "tp": groups.tp_size,
+                    "cp": groups.cp_size}, out)
     dist.destroy_process_group()
 
 
 # measured (2026-12-07, CPU fp32, 2 gloo ranks; OMP_NUM_THREADS=1 python -m pytest -s
-# tests/multiprocess/test_megatron_dsa.py -k cp2_matches_cp1): log-probs 4.8e-7 (GLM-5, GLM-5.2) / 0 (DeepSeek-V3.2)
-# apart; gradients 3.9e-7 / 5.6e-7 / 4.2e-7 (a tensor's max distance over its largest entry, floored at 1e-6). About
-# twice the largest.
-CP_LP_BOUND, CP_GRAD_REL = 1e-6, 1.2e-6
+# tests/multiprocess/test_megatron_dsa.py -k cp2_matches_cp1): log-probs 4.8e-7 (GLM-5, GLM-5.2; both also at TP 2 +
+# SP) / 0 (DeepSeek-V3.2) apart; gradients 3.9e-7 / 5.6e-7 / 4.2e-7, at TP 2 + SP 8.6e-7 (GLM-5) / 7.8e-7 (GLM-5.2)
+# (a tensor's max distance over its largest entry, floored at 1e-6). About twice the largest.
+CP_LP_BOUND, CP_GRAD_REL = 1e-6, 1.7e-6
 CP_ROW_SEED = 1      # rows with no indexer tie at the top-k boundary in the three tiny models (checked at CP 1; seed 0
 #                      has one in GLM-5.2's, seeds 1-5 none)
 
 
-@pytest.mark.parametrize("family", ["glm5", "dsv32", "glm52"])
-def test_dsa_cp2_matches_cp1(request, tmp_path: Path, free_port: int, family: str) -> None:
+@pytest.mark.parametrize("family,tp", [("glm5", 1), ("dsv32", 1), ("glm52", 1), ("glm5", 2), ("glm52", 2)],
+                         ids=["glm5", "dsv32", "glm52", "glm5_tp2_sp", "glm52_tp2_sp"])
+def test_dsa_cp2_matches_cp1(request, tmp_path: Path, free_port: int, family: str, tp: int) -> None:
     """DSA under context parallelism (CP 2, each rank its load-balanced chunks of the 12-token rows; the indexer keys
-    and the attention's keys and values all-gathered, causal by position in the row) against CP 1 (megatron-core's
-    own ``DSAttention``): the indexer of each full layer keeps the same keys for every query (no tie at the top-k
-    boundary in these rows, checked at CP 1), and the log-probs and the gradients of their sum agree to fp32
-    rounding; GLM-5.2's shared layer attends over its source layer's top-k under CP too."""
+    and the attention's keys and values all-gathered, causal by position in the row; at TP 2 + SP on 4 ranks the
+    indexer's inputs gathered over TP first) against TP 1 x CP 1 (megatron-core's own ``DSAttention``): the indexer
+    of each full layer keeps the same keys for every query (no tie at the top-k boundary in these rows, checked at
+    CP 1), and the log-probs and the gradients of their sum agree to fp32 rounding; GLM-5.2's shared layer attends
+    over its source layer's top-k under CP too."""
     model_dir = request.getfixturevalue(FAMILY_DIRS[family])
-    one, two = (launch(HERE, cp, free_port + cp, "cp", model_dir, tmp_path / f"cp{cp}.pt", CP_ROW_SEED)
-                for cp in (1, 2))
-    assert (one["cp"], two["cp"]) == (1, 2)
+    one, two = (launch(HERE, n, free_port + n, "cp", model_dir, tmp_path / f"cp{n}.pt", CP_ROW_SEED, t)
+                for n, t in ((1, 1), (2 * tp, tp)))
+    assert (one["tp"], one["cp"], two["tp"], two["cp"]) == (1, 1, tp, 2)
     assert not one["ties"], one["ties"]
     assert len(one["topk"]) == len(two["topk"]) == (2 if family == "glm52" else 3)      # the full layers
     assert one["topk"] == two["topk"]
@@ -419,4 +420,4 @@ if __name__ == "__main__":
     elif sys.argv[1] == "cp_sparse":
         _cp_sparse_worker(sys.argv[3], sys.argv[4])
     elif sys.argv[1] == "cp":
-        _cp_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        _cp_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
