@@ -25,13 +25,14 @@ checkpoint saved and resumed restores them bitwise. The rows are checked first t
 shared layer is on its source layer's stage): the same comparison against FSDP DP 2, each stage building only its own
 layers' core attention.
 
-``test_dsa_cp2_matches_cp1``: 1 and 2 ranks, each family. Context parallelism (CP 2: each rank its load-balanced
-chunks of the 12-token rows; the indexer keys and the attention's keys and values all-gathered over the CP group,
-causal by position in the row) against megatron-core's own ``DSAttention`` at CP 1: every full layer's indexer keeps
-the same keys for every query (the rows have no top-k tie at CP 1), the log-probs and the gradients of their sum agree.
+``test_dsa_cp2_matches_cp1``: 1 and 2 ranks, each family, and 4 (TP 2 + SP x CP 2: GLM-5, GLM-5.2). Context
+parallelism (CP 2: each rank its load-balanced chunks of the 12-token rows; the indexer keys and the attention's keys
+and values all-gathered over the CP group, causal by position in the row) against megatron-core's own
+``DSAttention`` at CP 1: every full layer's indexer keeps the same keys for every query (the rows have no top-k tie
+at CP 1), the log-probs and the gradients of their sum agree.
 
-``test_dsa_cp2_trainer_parity_with_fsdp``: 2 ranks, each family, CP 2 with Miles's ``--allgather-cp``: the same
-comparison against FSDP DP 2 as the TP and PP tests.
+``test_dsa_cp2_trainer_parity_with_fsdp``: 2 ranks, each family, CP 2 with Miles's ``--allgather-cp`` and full
+recompute: the same comparison against FSDP DP 2 as the TP and PP tests.
 
 ``test_dsa_cp_sparse_attention_is_megatron_cores``: the CP sparse attention on a CP group of one rank is megatron-core's
 ``unfused_dsa_fn`` bit for bit, forward and backward, in fp32 on CPU and (``gpu``) in bf16 on one GPU.
@@ -306,12 +307,14 @@ def test_dsa_cp2_matches_cp1(request, tmp_path: Path, free_port: int, family: st
     assert frozen and not any(two["grads"][n].any() for n in frozen)
 
 
-# CP 2 on the 2 ranks (TP 1, DP 1), with Miles's --allgather-cp as GLM-5's recorded commands pass it
-CP2_FLAGS = ("--context-parallel-size", "2", "--allgather-cp")
+# CP 2 on the 2 ranks (TP 1, DP 1), with Miles's --allgather-cp and the full recompute of one layer at a time as
+# GLM-5's recorded commands pass them (the recomputed forward gathers the keys again)
+CP2_FLAGS = ("--context-parallel-size", "2", "--allgather-cp", "--recompute-granularity", "full", "--recompute-method",
+             "uniform", "--recompute-num-layers", "1")
 # measured (2026-12-07, CPU fp32, 2 gloo ranks; OMP_NUM_THREADS=1 python -m pytest -s
 # tests/multiprocess/test_megatron_dsa.py -k cp2_trainer_parity): log-probs 4.8e-7 apart in each (GLM-5,
 # DeepSeek-V3.2, GLM-5.2); the update after 2 steps 9.2e-6 / 7.7e-6 / 2.0e-6 (max abs), 1.3e-5 / 9.6e-6 / 4.2e-6
-# (relative L2). About twice the largest.
+# (relative L2), the same with and without the recompute flags. About twice the largest.
 LP_BOUND_CP, UPDATE_BOUND_CP, REL_BOUND_CP = 1e-6, 2e-5, 2.6e-5
 
 
