@@ -34,6 +34,9 @@ at CP 1), the log-probs and the gradients of their sum agree.
 ``test_dsa_cp2_trainer_parity_with_fsdp``: 2 ranks, each family, CP 2 with Miles's ``--allgather-cp`` and full
 recompute: the same comparison against FSDP DP 2 as the TP and PP tests.
 
+``test_dsa_pp2_cp2_ep2_matches_one_rank``: 4 ranks (PP 2 x CP 2 x EP 2 + SP, ``--allgather-cp``: GLM-5's
+disaggregated profile's layout, smaller) against one rank, GLM-5 and GLM-5.2: the same log-probs, metrics and update.
+
 ``test_dsa_cp_sparse_attention_is_megatron_cores``: the CP sparse attention on a CP group of one rank is megatron-core's
 ``unfused_dsa_fn`` bit for bit, forward and backward, in fp32 on CPU and (``gpu``) in bf16 on one GPU.
 
@@ -335,6 +338,36 @@ def test_dsa_cp2_trainer_parity_with_fsdp(request, tmp_path: Path, free_port: in
     check_parity(res, lp_bound=LP_BOUND_CP, update_bound=UPDATE_BOUND_CP, rel_bound=REL_BOUND_CP)
 
 
+# GLM-5's disaggregated profile's layout (TP 4 + SP x PP 8, uneven, x CP 2 x EP 16, --allgather-cp) at 4 ranks:
+# PP 2 (2 + 1 layers) x CP 2 x EP 2 (the EP group is the CP pair) + SP at TP 1
+PP_CP_FLAGS = ("--pipeline-model-parallel-size", "2", "--decoder-last-pipeline-num-layers", "1",
+               "--context-parallel-size", "2", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size",
+               "1", "--sequence-parallel", "--allgather-cp")
+# measured (2026-12-07, CPU fp32, 4 gloo ranks against 1; OMP_NUM_THREADS=1 python -m pytest -s
+# tests/multiprocess/test_megatron_dsa.py -k pp2_cp2): log-probs 4.8e-7 apart (GLM-5, GLM-5.2); step metrics 1.0e-7
+# relative at most (entropy); the update after 2 steps 2.3e-6 / 5.7e-6 (max abs), 5.3e-6 / 8.5e-6 (relative L2).
+# About twice the largest.
+LP_BOUND_PP_CP, METRIC_BOUND_PP_CP, UPDATE_BOUND_PP_CP, REL_BOUND_PP_CP = 1e-6, 2e-7, 1.2e-5, 1.7e-5
+
+
+@pytest.mark.parametrize("family", ["glm5", "glm52"])
+def test_dsa_pp2_cp2_ep2_matches_one_rank(request, tmp_path: Path, free_port: int, family: str) -> None:
+    """The Megatron trainer at PP 2 x CP 2 x EP 2 on 4 ranks (DP 1; GLM-5.2's shared layer on its source layer's
+    stage, every stage's DSA under CP) against one rank, on the same 2 rollouts (``family_workers.train_worker``):
+    log-probs before training, the step metrics and the update after 2 steps."""
+    from family_workers import compare_runs
+
+    model_dir = request.getfixturevalue(FAMILY_DIRS[family])
+    runs = {n: launch(HERE, n, free_port + n, "train", model_dir, tmp_path / f"train{n}.pt",
+                      ",".join(PP_CP_FLAGS if n > 1 else ()), timeout=900) for n in (1, 4)}
+    assert (runs[4]["layout"][1], runs[4]["cp_size"]) == (2, 2), (runs[4]["layout"], runs[4]["cp_size"])
+    got = compare_runs(runs[1], runs[4])
+    print(family, "pp2_cp2_ep2", got)
+    assert got["lp_max_abs_diff"] < LP_BOUND_PP_CP, got
+    assert all(v <= METRIC_BOUND_PP_CP for v in got["metric_rel"].values()), got["metric_rel"]
+    assert got["update_max_abs_diff"] < UPDATE_BOUND_PP_CP and got["update_rel_l2"] < REL_BOUND_PP_CP, got
+
+
 def _cp_sparse_worker(out: str, device: str) -> None:
     """One rank (NCCL on GPU 0 in bf16, or gloo on CPU in fp32), a CP group of that one rank (chunks 0 and 1 of 2:
     the gather and the chunk order are the identity): ``dsa.cp_sparse_attention`` against megatron-core's
@@ -420,6 +453,11 @@ if __name__ == "__main__":
                       split_fsdp_experts=True)
     elif sys.argv[1] == "gpu":
         gpu_worker(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "train":
+        from family_workers import train_worker
+
+        train_worker(sys.argv[2], sys.argv[3], ",".join((*PRESETS["mla"], "--moe-router-dtype", "fp32",
+                                                         *[f for f in sys.argv[4].split(",") if f])))
     elif sys.argv[1] == "cp_sparse":
         _cp_sparse_worker(sys.argv[3], sys.argv[4])
     elif sys.argv[1] == "cp":
