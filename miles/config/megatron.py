@@ -105,8 +105,9 @@ _HELP = {
     # Miles's GLM-5 / DeepSeek-V3.2 scripts (DeepSeek sparse attention, miles/trainer/megatron/families/dsa.py)
     "enable_experimental": "No effect: Megatron-LM's gate of its experimental features; the ones built here (DeepSeek "
                            "sparse attention) follow config.json.",
-    "allgather_cp": "Miles's all-gather context parallelism for DeepSeek sparse attention: no effect with "
-                    "--context-parallel-size 1, refused above it (use --cp-comm-type all_gather).",
+    "allgather_cp": "No effect on values: Miles's sequential context-parallel layout for DeepSeek sparse attention "
+                    "(each CP rank a contiguous slice); here every CP rank holds Megatron's load-balanced chunks and "
+                    "DSA all-gathers its keys over the CP group either way.",
     "data_pad_size_multiplier": "No effect: Miles pads each packed micro-batch to a multiple of N tokens for its "
                                 "kernels; micro-batches here are right-padded rows, and padding changes no log-prob.",
     "rematerialize_param_from_master_weight": "No effect on values: Miles rebuilds the bf16 weights from the fp32 "
@@ -408,10 +409,6 @@ class MegatronConfig:
             raise ConfigError(f"--moe-enable-deepep needs --moe-token-dispatcher-type flex (got "
                               f"{self.moe_token_dispatcher_type or 'the default, allgather'}): add it, or drop "
                               "--moe-enable-deepep.")
-        if self.allgather_cp and (self.context_parallel_size or 1) > 1:
-            raise ConfigError(f"--allgather-cp with --context-parallel-size {self.context_parallel_size} is not "
-                              "supported: Miles's all-gather context parallelism of DeepSeek sparse attention is not "
-                              "built; use --cp-comm-type all_gather (standard attention) or drop --allgather-cp.")
         if self.ckpt_format not in (None, "torch_dist"):
             raise ConfigError(f"--ckpt-format {self.ckpt_format} is not supported: miles's Megatron backend reads and "
                               "writes torch_dist checkpoints; pass --ckpt-format torch_dist or drop the flag.")

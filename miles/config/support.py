@@ -75,8 +75,8 @@ PARSE_ONLY: dict[str, str] = {
                              "or its kernels, not wired here)",
     "enable_experimental": "Megatron-LM's gate of its experimental features; DeepSeek sparse attention is built from "
                            "config.json",
-    "allgather_cp": "no effect with --context-parallel-size 1, refused above it (MegatronConfig.validate): Miles's "
-                    "all-gather context parallelism of DeepSeek sparse attention is not built",
+    "allgather_cp": "Miles's sequential CP layout of DeepSeek sparse attention; here the load-balanced chunks, DSA's "
+                    "keys all-gathered over the CP group either way (the same values)",
     "data_pad_size_multiplier": "a padding of Miles's packed micro-batches for its kernels; rows are right-padded here "
                                 "and padding changes no log-prob",
     "rematerialize_param_from_master_weight": "a host-memory saving of Miles's offload; the weights after an onload "

@@ -34,18 +34,20 @@ def hf_lm(model_dir: str, **kw):
 
 
 def build_loaded(model_dir: str, *, tp: int, ep: int = 1, device, dtype=None, core_attention: str = "sdpa",
-                 mtp: bool = False, router_dtype: str | None = None):
+                 mtp: bool = False, router_dtype: str | None = None, cp: int = 1):
     """The Megatron backend's model of ``model_dir`` at TP ``tp`` (sequence parallel when > 1) x EP ``ep`` on
     ``device``, its parameters in ``dtype`` (fp32; bf16 turns on megatron-core's bf16), loaded from the checkpoint
     (the MoE layers configured by ``moe.config_kwargs`` as the trainer does). ``mtp``: the checkpoint's MTP layers
-    built too (frozen, as without --enable-mtp-training). Returns (model, shape, groups)."""
+    built too (frozen, as without --enable-mtp-training). ``cp``: x CP (``--context-parallel-size``, the
+    all-gather attention). Returns (model, shape, groups)."""
     import torch
 
     from miles.trainer.megatron import convert, model, moe, parallel
     from miles.utils.model_dir import load_config
 
     dtype = dtype or torch.float32
-    groups = parallel.init_parallel(tp_size=tp, num_trainer_ranks=tp * ep, seed=1, device=device, ep_size=ep)
+    groups = parallel.init_parallel(tp_size=tp, num_trainer_ranks=tp * ep * cp, seed=1, device=device, ep_size=ep,
+                                    cp_size=cp)
     shape = model.ModelShape.from_hf_config(load_config(model_dir))     # an aliased model_type registered
     if mtp:
         from dataclasses import replace
@@ -59,7 +61,7 @@ def build_loaded(model_dir: str, *, tp: int, ep: int = 1, device, dtype=None, co
         kw = moe.config_kwargs(shape, moe.MoeOptions(router_dtype=router_dtype), ep=ep, etp=1, te=False)
     padded = model.padded_vocab_size(shape.vocab_size, 128, tp)
     config = model.transformer_config(shape, tp_size=tp, device=device, params_dtype=dtype, moe=kw,
-                                      bf16=dtype == torch.bfloat16, sequence_parallel=tp > 1)
+                                      bf16=dtype == torch.bfloat16, sequence_parallel=tp > 1, cp_size=cp)
     gpt = model.build_gpt_model(shape, config, padded_vocab=padded, device=device, core_attention=core_attention)
     convert.load_hf_into(gpt, convert.read_hf_state_dict(model_dir), shape, padded, groups.tp_rank, tp,
                          ep_rank=groups.ep_rank, ep_size=ep)

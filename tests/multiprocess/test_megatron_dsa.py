@@ -25,11 +25,27 @@ checkpoint saved and resumed restores them bitwise. The rows are checked first t
 shared layer is on its source layer's stage): the same comparison against FSDP DP 2, each stage building only its own
 layers' core attention.
 
+``test_dsa_cp2_matches_cp1``: 1 and 2 ranks, each family, and 4 (TP 2 + SP x CP 2: GLM-5, GLM-5.2). Context
+parallelism (CP 2: each rank its load-balanced chunks of the 12-token rows; the indexer keys and the attention's keys
+and values all-gathered over the CP group, causal by position in the row) against megatron-core's own
+``DSAttention`` at CP 1: every full layer's indexer keeps the same keys for every query (the rows have no top-k tie
+at CP 1), the log-probs and the gradients of their sum agree.
+
+``test_dsa_cp2_trainer_parity_with_fsdp``: 2 ranks, each family, CP 2 with Miles's ``--allgather-cp`` and full
+recompute: the same comparison against FSDP DP 2 as the TP and PP tests.
+
+``test_dsa_pp2_cp2_ep2_matches_one_rank``: 4 ranks (PP 2 x CP 2 x EP 2 + SP, ``--allgather-cp``: GLM-5's
+disaggregated profile's layout, smaller) against one rank, GLM-5 and GLM-5.2: the same log-probs, metrics and update.
+
+``test_dsa_cp_sparse_attention_is_megatron_cores``: the CP sparse attention on a CP group of one rank is megatron-core's
+``unfused_dsa_fn`` bit for bit, forward and backward, in fp32 on CPU and (``gpu``) in bf16 on one GPU.
+
 ``test_dsa_matches_hf_on_gpu_bf16`` (``gpu``): one GPU, bf16, TP 1, against transformers' bf16 logits.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -192,6 +208,214 @@ def test_dsa_pipeline_parallel_parity_with_fsdp(request, tmp_path: Path, free_po
     check_parity(res, lp_bound=LP_BOUND_PP, update_bound=UPDATE_BOUND_PP, rel_bound=REL_BOUND_PP)
 
 
+# ------------------------------------------------------------------------------------------- context parallelism
+def _cp_worker(model_dir: str, out: str, seed: int, tp: int) -> None:
+    """TP ``tp`` (sequence parallel when > 1) x CP = world size / ``tp``: 2 rows of ``SEQ`` tokens (drawn with
+    ``seed``), each CP rank its load-balanced chunks. Saves (rank 0): the whole rows' log-probs of the next token
+    (``lp`` [2, SEQ]), the gradients of their sum (each CP rank's own positions' sum, the parameter gradients reduced
+    as the trainer does: ``parallel.finish_grads``) under HF names (``grads``), each full layer's top-k per
+    query position as the sorted keys at or before it (``topk``), and at CP 1 the (row, query) pairs whose top-k
+    boundary is a tie among those keys (``ties``: there the keys kept are ``torch.topk``'s order)."""
+    import torch
+    import torch.distributed as dist
+    from family_workers import build_loaded, full_logits, hf_grads
+
+    from miles.trainer.megatron import parallel
+    from miles.trainer.megatron.context_parallel import chunk_columns, gather_sequence
+    from miles.trainer.megatron.families import dsa
+
+    dist.init_process_group("gloo")
+    cp = dist.get_world_size() // tp
+    cpu = torch.device("cpu")
+    gpt, shape, groups = build_loaded(model_dir, tp=tp, cp=cp, device=cpu)
+    torch.manual_seed(seed)
+    ids = torch.randint(4, shape.vocab_size, (2, SEQ))
+    pos = torch.arange(SEQ).unsqueeze(0).expand(2, -1)
+    cols = chunk_columns(SEQ, groups.cp_rank, cp, cpu)
+    topks, ties = [], []
+    if cp == 1:                                  # megatron-core's own indexer, its scores checked for ties
+        def recording(find):
+            def run(*a, **kw):
+                scores, topk = find(*a, **kw)
+                topks.append(topk.detach())
+                k = topk.shape[-1]
+                ties.extend((b, q) for b in range(scores.shape[0]) for q in range(k, SEQ)
+                            if (v := scores[b, q, :q + 1].sort(descending=True).values)[k - 1] == v[k])
+                return scores, topk
+            return run
+
+        for m in gpt.modules():
+            if hasattr(m, "indexer"):
+                m.indexer.forward_with_scores = recording(m.indexer.forward_with_scores)
+    else:
+        real = dsa.cp_indexer_topk
+
+        def recording_cp(*a, **kw):
+            topk = real(*a, **kw)
+            topks.append(topk.detach())
+            return topk
+
+        dsa.cp_indexer_topk = recording_cp
+    logits = full_logits(gpt, shape, ids[:, cols], pos[:, cols], tp)                  # [b, 2c, V]: this CP rank's
+    target = ids.roll(-1, 1)[:, cols]
+    lp = torch.log_softmax(logits, -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)      # [b, 2c]
+    lp.sum().backward()
+    parallel.finish_grads(gpt, groups)                # TP sums, the CP ranks' partial sums summed
+    grads = hf_grads(gpt, shape, groups, cpu, "zero")
+
+    def whole(t: torch.Tensor) -> torch.Tensor:       # [b, 2c, ...] this rank's -> [b, SEQ, ...] the rows'
+        return t if cp == 1 else gather_sequence(t.transpose(0, 1).contiguous(), groups.cp).transpose(0, 1)
+
+    lp_all = whole(lp.detach())
+    topk_all = [[[sorted(i for i in whole(t)[b, q].tolist() if i <= q) for q in range(SEQ)] for b in range(2)]
+                for t in topks]
+    if dist.get_rank() == 0:
+        torch.save({"lp": lp_all, "grads": grads, "topk": topk_all, "ties": ties, "tp": groups.tp_size,
+                    "cp": groups.cp_size}, out)
+    dist.destroy_process_group()
+
+
+# measured (2026-12-07, CPU fp32, 2 gloo ranks; OMP_NUM_THREADS=1 python -m pytest -s
+# tests/multiprocess/test_megatron_dsa.py -k cp2_matches_cp1): log-probs 4.8e-7 (GLM-5, GLM-5.2; both also at TP 2 +
+# SP) / 0 (DeepSeek-V3.2) apart; gradients 3.9e-7 / 5.6e-7 / 4.2e-7, at TP 2 + SP 8.6e-7 (GLM-5) / 7.8e-7 (GLM-5.2)
+# (a tensor's max distance over its largest entry, floored at 1e-6). About twice the largest.
+CP_LP_BOUND, CP_GRAD_REL = 1e-6, 1.7e-6
+CP_ROW_SEED = 1      # rows with no indexer tie at the top-k boundary in the three tiny models (checked at CP 1; seed 0
+#                      has one in GLM-5.2's, seeds 1-5 none)
+
+
+@pytest.mark.parametrize("family,tp", [("glm5", 1), ("dsv32", 1), ("glm52", 1), ("glm5", 2), ("glm52", 2)],
+                         ids=["glm5", "dsv32", "glm52", "glm5_tp2_sp", "glm52_tp2_sp"])
+def test_dsa_cp2_matches_cp1(request, tmp_path: Path, free_port: int, family: str, tp: int) -> None:
+    """DSA under context parallelism (CP 2, each rank its load-balanced chunks of the 12-token rows; the indexer keys
+    and the attention's keys and values all-gathered, causal by position in the row; at TP 2 + SP on 4 ranks the
+    indexer's inputs gathered over TP first) against TP 1 x CP 1 (megatron-core's own ``DSAttention``): the indexer
+    of each full layer keeps the same keys for every query (no tie at the top-k boundary in these rows, checked at
+    CP 1), and the log-probs and the gradients of their sum agree to fp32 rounding; GLM-5.2's shared layer attends
+    over its source layer's top-k under CP too."""
+    model_dir = request.getfixturevalue(FAMILY_DIRS[family])
+    one, two = (launch(HERE, n, free_port + n, "cp", model_dir, tmp_path / f"cp{n}.pt", CP_ROW_SEED, t)
+                for n, t in ((1, 1), (2 * tp, tp)))
+    assert (one["tp"], one["cp"], two["tp"], two["cp"]) == (1, 1, tp, 2)
+    assert not one["ties"], one["ties"]
+    assert len(one["topk"]) == len(two["topk"]) == (2 if family == "glm52" else 3)      # the full layers
+    assert one["topk"] == two["topk"]
+    assert any(len(keys) == 4 < q + 1 for layer in one["topk"] for row in layer for q, keys in enumerate(row))  # sparse
+    lp_err = float((one["lp"] - two["lp"]).abs().max())
+    print(family, "cp2 lp", lp_err, "grads", max(float((two["grads"][n] - g).abs().max() / max(g.abs().max(), 1e-6))
+                                                 for n, g in one["grads"].items()))
+    assert lp_err < CP_LP_BOUND, lp_err
+    check_grads_match(one["grads"], two["grads"], CP_GRAD_REL, floor=1e-6)
+    frozen = [n for n in one["grads"] if ".indexer." in n]
+    assert frozen and not any(two["grads"][n].any() for n in frozen)
+
+
+# CP 2 on the 2 ranks (TP 1, DP 1), with Miles's --allgather-cp and the full recompute of one layer at a time as
+# GLM-5's recorded commands pass them (the recomputed forward gathers the keys again)
+CP2_FLAGS = ("--context-parallel-size", "2", "--allgather-cp", "--recompute-granularity", "full", "--recompute-method",
+             "uniform", "--recompute-num-layers", "1")
+# measured (2026-12-07, CPU fp32, 2 gloo ranks; OMP_NUM_THREADS=1 python -m pytest -s
+# tests/multiprocess/test_megatron_dsa.py -k cp2_trainer_parity): log-probs 4.8e-7 apart in each (GLM-5,
+# DeepSeek-V3.2, GLM-5.2); the update after 2 steps 9.2e-6 / 7.7e-6 / 2.0e-6 (max abs), 1.3e-5 / 9.6e-6 / 4.2e-6
+# (relative L2), the same with and without the recompute flags. About twice the largest.
+LP_BOUND_CP, UPDATE_BOUND_CP, REL_BOUND_CP = 1e-6, 2e-5, 2.6e-5
+
+
+@pytest.mark.parametrize("family", ["glm5", "dsv32", "glm52"])
+def test_dsa_cp2_trainer_parity_with_fsdp(request, tmp_path: Path, free_port: int, family: str) -> None:
+    """The Megatron trainer at CP 2 (each sample's row split into load-balanced chunks over the 2 ranks, DSA's keys
+    gathered) against the FSDP backend over the same ranks (DP 2) on the same 2 rollouts: log-probs before training,
+    the step metrics (loss included) and the update after 2 steps; the export bitwise, ``--save-hf`` and a checkpoint
+    resume."""
+    from trainer_harness import random_samples
+
+    model_dir = request.getfixturevalue(FAMILY_DIRS[family])
+    assert not boundary_ties(model_dir, random_samples(4, 4, seed=7, vocab=90)), "indexer top-k ties in the rows"
+    res = launch(HERE, 2, free_port, "parity_cp", model_dir, tmp_path / "parity.pt", timeout=900)
+    assert res["layout"] == {"tp_size": 1, "pp_size": 1, "cp_size": 2, "ep_size": 1, "dp_size": 1}, res["layout"]
+    print(family, "cp2", {k: res[k] for k in ("lp_max_abs_diff", "update_max_abs_diff", "update_rel_l2",
+                                              "update_worst")})
+    check_parity(res, lp_bound=LP_BOUND_CP, update_bound=UPDATE_BOUND_CP, rel_bound=REL_BOUND_CP)
+
+
+# GLM-5's disaggregated profile's layout (TP 4 + SP x PP 8, uneven, x CP 2 x EP 16, --allgather-cp) at 4 ranks:
+# PP 2 (2 + 1 layers) x CP 2 x EP 2 (the EP group is the CP pair) + SP at TP 1
+PP_CP_FLAGS = ("--pipeline-model-parallel-size", "2", "--decoder-last-pipeline-num-layers", "1",
+               "--context-parallel-size", "2", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size",
+               "1", "--sequence-parallel", "--allgather-cp")
+# measured (2026-12-07, CPU fp32, 4 gloo ranks against 1; OMP_NUM_THREADS=1 python -m pytest -s
+# tests/multiprocess/test_megatron_dsa.py -k pp2_cp2): log-probs 4.8e-7 apart (GLM-5, GLM-5.2); step metrics 1.0e-7
+# relative at most (entropy); the update after 2 steps 2.3e-6 / 5.7e-6 (max abs), 5.3e-6 / 8.5e-6 (relative L2).
+# About twice the largest.
+LP_BOUND_PP_CP, METRIC_BOUND_PP_CP, UPDATE_BOUND_PP_CP, REL_BOUND_PP_CP = 1e-6, 2e-7, 1.2e-5, 1.7e-5
+
+
+@pytest.mark.parametrize("family", ["glm5", "glm52"])
+def test_dsa_pp2_cp2_ep2_matches_one_rank(request, tmp_path: Path, free_port: int, family: str) -> None:
+    """The Megatron trainer at PP 2 x CP 2 x EP 2 on 4 ranks (DP 1; GLM-5.2's shared layer on its source layer's
+    stage, every stage's DSA under CP) against one rank, on the same 2 rollouts (``family_workers.train_worker``):
+    log-probs before training, the step metrics and the update after 2 steps."""
+    from family_workers import compare_runs
+
+    model_dir = request.getfixturevalue(FAMILY_DIRS[family])
+    runs = {n: launch(HERE, n, free_port + n, "train", model_dir, tmp_path / f"train{n}.pt",
+                      ",".join(PP_CP_FLAGS if n > 1 else ()), timeout=900) for n in (1, 4)}
+    assert (runs[4]["layout"][1], runs[4]["cp_size"]) == (2, 2), (runs[4]["layout"], runs[4]["cp_size"])
+    got = compare_runs(runs[1], runs[4])
+    print(family, "pp2_cp2_ep2", got)
+    assert got["lp_max_abs_diff"] < LP_BOUND_PP_CP, got
+    assert all(v <= METRIC_BOUND_PP_CP for v in got["metric_rel"].values()), got["metric_rel"]
+    assert got["update_max_abs_diff"] < UPDATE_BOUND_PP_CP and got["update_rel_l2"] < REL_BOUND_PP_CP, got
+
+
+def _cp_sparse_worker(out: str, device: str) -> None:
+    """One rank (NCCL on GPU 0 in bf16, or gloo on CPU in fp32), a CP group of that one rank (chunks 0 and 1 of 2:
+    the gather and the chunk order are the identity): ``dsa.cp_sparse_attention`` against megatron-core's
+    ``unfused_dsa_fn`` at GLM-5's MLA widths (keys 192, values 256) with a top-k of 64 of 256 keys, forward and the
+    gradients of q, k and v: the same math in the same order."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core.transformer.experimental_attention_variant.dsa import unfused_dsa_fn
+
+    from miles.trainer.megatron.families import dsa
+
+    cuda = device == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo")
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(dev)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    torch.manual_seed(0)
+    s, b, heads, d, dv, k = 256, 2, 8, 192, 256, 64
+    q, key, v = (torch.randn(s, b, heads, w, device=dev, dtype=dtype, requires_grad=True) for w in (d, d, dv))
+    scores = torch.randn(b, s, s, device=dev).masked_fill(torch.ones(s, s, device=dev, dtype=torch.bool).triu(1),
+                                                           float("-inf"))
+    topk = scores.topk(k, dim=-1)[1]
+    res = {}
+    for name, fn in (("ref", lambda: unfused_dsa_fn(q, key, v, topk, d ** -0.5)),
+                     ("cp", lambda: dsa.cp_sparse_attention(q, key, v, topk, d ** -0.5, dist.group.WORLD))):
+        o = fn()
+        res[name] = (o.detach(), *torch.autograd.grad(o.float().square().sum(), (q, key, v)))
+    Path(out).write_text(json.dumps({"shape": list(res["cp"][0].shape), "dtype": str(res["cp"][0].dtype),
+                                     "equal": [bool(torch.equal(a, r)) for a, r in zip(res["cp"], res["ref"])]}))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_dsa_cp_sparse_attention_is_megatron_cores(tmp_path: Path, free_port: int, device: str) -> None:
+    """The CP sparse attention on a CP group of one rank is megatron-core's ``unfused_dsa_fn`` bit for bit, forward
+    and backward (the gather, the chunk order and the causal mask by position reduce to its own); on GPU in bf16
+    (NCCL), on CPU in fp32 (gloo)."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    res = launch(HERE, 1, free_port, "cp_sparse", "-", tmp_path / "cp_sparse.json", device)
+    assert res["shape"] == [256, 2, 8 * 256] and res["dtype"] == ("torch.bfloat16" if device == "cuda" else
+                                                                  "torch.float32"), res
+    assert res["equal"] == [True] * 4, res                       # output, d q, d k, d v
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["glm5", "dsv32", "glm52"])
 def test_dsa_matches_hf_on_gpu_bf16(request, tmp_path: Path, free_port: int, family: str) -> None:
@@ -224,5 +448,17 @@ if __name__ == "__main__":
     elif sys.argv[1] == "parity_pp":
         parity_worker(sys.argv[2], sys.argv[3], (*PRESETS["mla"], "--moe-router-dtype", "fp32", *PP2_FLAGS), tp=1,
                       split_fsdp_experts=True)
+    elif sys.argv[1] == "parity_cp":
+        parity_worker(sys.argv[2], sys.argv[3], (*PRESETS["mla"], "--moe-router-dtype", "fp32", *CP2_FLAGS), tp=1,
+                      split_fsdp_experts=True)
     elif sys.argv[1] == "gpu":
         gpu_worker(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "train":
+        from family_workers import train_worker
+
+        train_worker(sys.argv[2], sys.argv[3], ",".join((*PRESETS["mla"], "--moe-router-dtype", "fp32",
+                                                         *[f for f in sys.argv[4].split(",") if f])))
+    elif sys.argv[1] == "cp_sparse":
+        _cp_sparse_worker(sys.argv[3], sys.argv[4])
+    elif sys.argv[1] == "cp":
+        _cp_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))

@@ -6,6 +6,7 @@ over the N ranks of a CP group, attention still sees the whole sequence.
     full = shard.reassemble(local_values, cp_group)         # [n] per-position values -> [N], all CP ranks
     out = attention(q, k, v, comm="all_gather", group=cp_group, scale=..., dropout_p=0.0)
     nxt = roll_left(shard.input_ids, cp_group)             # the whole rows shifted left by one, this rank's part (MTP)
+    k_all = gather_sequence(k_local, cp_group)              # [2c, ...] -> [s, ...] in order (DSA's keys)
 
 Layout (Megatron's load balancing): the micro-batch's right-padded rows ``[b, s]`` (``s`` a multiple of
 ``2 cp``) are cut into ``2 cp`` chunks of ``c = s / (2 cp)`` columns; CP rank ``i`` holds chunks ``i``
@@ -30,6 +31,8 @@ Attention (``--cp-comm-type``, the value megatron-core hands the core attention)
 - ``a2a+p2p`` (hierarchical, with ``--hierarchical-context-parallel-sizes``): refused by name.
 Values may be narrower than queries and keys (multi-latent attention, ``families/mla.py``: keys
 ``qk_nope + qk_rope`` wide, values ``v_head_dim``); every path gathers or exchanges them on their own.
+DeepSeek sparse attention (``families/dsa.py``) gathers its keys, values and indexer keys with ``gather_sequence``
+under every ``--cp-comm-type`` (its top-k picks keys from the whole sequence).
 """
 
 from __future__ import annotations
@@ -179,13 +182,18 @@ def _causal_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
 
 
+def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's two chunks [2c, ...] (along dim 0) -> the whole sequence [2c x cp, ...] in order, on every CP
+    rank (all-gather; backward: reduce-scatter, each rank's part of the summed gradient)."""
+    return _to_sequence_order(_AllGatherSeq.apply(x, group), dist.get_world_size(group), 0)
+
+
 def _all_gather_attention(q, k, v, group, scale: float, dropout_p: float) -> torch.Tensor:
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     gqa = q.shape[1] != k.shape[1]
     c = q.shape[2] // 2
     # [b, g, 2c, d] -> gathered along the sequence (dim 0 for the collective), in sequence order
-    k_all, v_all = (_to_sequence_order(_AllGatherSeq.apply(t.permute(2, 0, 1, 3), group), cp, 0).permute(1, 2, 0, 3)
-                    for t in (k, v))
+    k_all, v_all = (gather_sequence(t.permute(2, 0, 1, 3), group).permute(1, 2, 0, 3) for t in (k, v))
     outs = []
     for half, chunk in ((0, rank), (1, 2 * cp - 1 - rank)):
         end = (chunk + 1) * c

@@ -159,13 +159,14 @@ def transformer_config(shape: ModelShape, *, tp_size: int, device: torch.device,
     kw.update(shape.family.config_kwargs(shape))    # what the family adds (families/): MLA, its router, sinks, ...
     if shape.mtp_num_layers:       # the MTP block (mtp.py)
         kw.update(mtp_num_layers=shape.mtp_num_layers, mtp_loss_scaling_factor=mtp_loss_scale)
-    if cp_size > 1:                # context_parallel.py (the value megatron-core hands the core attention)
-        kw.update(context_parallel_size=cp_size, cp_comm_type=cp_comm_type)
+    cp_kw = {"context_parallel_size": cp_size, "cp_comm_type": cp_comm_type} if cp_size > 1 else {}
+    if not shape.family.own_context_parallel:   # context_parallel.py (the value megatron-core hands the core attention)
+        kw.update(cp_kw)
     if pp_size > 1:                # megatron-core asks for pipeline_dtype; pipeline.py's schedule does not read it
         kw.update(pipeline_model_parallel_size=pp_size, pipeline_dtype=torch.float32,
                   num_layers_in_first_pipeline_stage=first_stage_layers,
                   num_layers_in_last_pipeline_stage=last_stage_layers)
-    return (MLATransformerConfig if shape.mla else TransformerConfig)(
+    config = (MLATransformerConfig if shape.mla else TransformerConfig)(
         num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
         num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
         kv_channels=shape.kv_channels, normalization="RMSNorm", layernorm_epsilon=shape.norm_epsilon,
@@ -176,6 +177,10 @@ def transformer_config(shape: ModelShape, *, tp_size: int, device: torch.device,
         persist_layer_norm=False, deterministic_mode=deterministic,
         **({"activation_func": F.silu, "gated_linear_unit": True, "add_bias_linear": False,
             "bias_activation_fusion": on_gpu} | kw))
+    if shape.family.own_context_parallel:       # past megatron-core's refusal of CP for the attention it names
+        for name, value in cp_kw.items():
+            setattr(config, name, value)
+    return config
 
 
 def no_math_sdpa(q: torch.Tensor):

@@ -246,6 +246,8 @@ def check_context_parallel(o: Options, shape: ModelShape) -> None:
         raise ConfigError(f"--cp-comm-type {o.cp_comm_type} (hierarchical context parallelism) needs "
                           "--hierarchical-context-parallel-sizes, which the Megatron backend does not take; use a2a, "
                           "all_gather or p2p.")
+    if shape.family.own_context_parallel:      # its own core attention under CP, whatever these two flags say
+        return
     if o.attention_backend in ("unfused", "local"):
         raise ConfigError(f"--attention-backend {o.attention_backend} (megatron-core's DotProductAttention) does not "
                           f"support --context-parallel-size {o.cp}; use --attention-backend auto/flash (torch SDPA).")

@@ -87,6 +87,9 @@ class Family:
     after_build: Callable[[Any, Any], None] = _nothing   # the built model (model, shape), before its first forward
     build_model: Callable[..., Any] | None = None        # builds the family's own model in place of model.py's GPTModel
     #                                                      (shape, config, padded_vocab=, device=, core_attention=, ...)
+    own_context_parallel: bool = False          # its core attention runs CP itself where megatron-core's config
+    #                                             refuses CP for the attention it names (DSA): model.py sets the CP
+    #                                             size after the config's checks
     # --- weights (convert.py, export.py)
     hf_to_megatron: Callable[[str, str, dict, Any], torch.Tensor | None] = _nothing   # (suffix, 'model.layers.L.',
     #                                                                                    hf, shape); None: not its own

@@ -31,6 +31,17 @@ has none that runs here:
   (``check_static`` refuses a split that starts a stage with a shared layer, and activation recompute with shared
   layers under PP, where 1F1B runs a later micro-batch's forward before this one's backward).
 
+- Context parallelism: megatron-core's ``DSAttention`` has none (its config refuses CP with DSA; the family sets the
+  CP size after that check: ``Family.own_context_parallel``). Each CP rank holds Megatron's load-balanced chunks of
+  every row (``context_parallel.py``); megatron-core's rotary embeddings (MLA's and the indexer's) give the chunks'
+  angles. ``cp_indexer_topk`` is the indexer's forward with its keys all-gathered over the CP group (in sequence
+  order, ``context_parallel.gather_sequence``): this rank's queries score every key of the row, causal by position
+  in the row, and keep ``min(index_topk, s)`` as positions in the row; ``cp_sparse_attention`` is ``unfused_dsa_fn``
+  over the all-gathered keys and values (backward: their gradients reduce-scattered) with that causal mask. The same
+  under every ``--cp-comm-type``, and Miles's ``--allgather-cp`` (its sequential layout) gives the same values.
+  It gathers the per-head keys and values after the up projections (Miles gathers the compressed latent and the
+  rope key, less traffic for many heads per TP rank); the scores are [b, heads, s / cp, s] per rank.
+
 The indexer is not trained: transformers runs it under ``no_grad`` and Miles's GLM-5 attention discards its scores
 (radixark/miles@v0.1.0:miles_plugins/models/glm5/glm5.py); megatron-core detaches its inputs and would train it
 only through its KL loss (``dsa_indexer_loss_coeff``, 0 here), so its parameters are frozen (``freeze_indexer``) and
@@ -158,6 +169,88 @@ def apply_compat() -> None:
     dsa.rotate_activation = rotate_activation
 
 
+# ------------------------------------------------------------------------------------------- context parallelism
+def _cp_positions(local: int, group, device: torch.device) -> tuple[torch.Tensor, int]:
+    """The sequence positions [2c] of this CP rank's chunks (``context_parallel.chunk_columns``) and the length."""
+    from miles.trainer.megatron.context_parallel import chunk_columns
+
+    total = local * group.size()
+    return chunk_columns(total, group.rank(), group.size(), device), total
+
+
+def _future(q_pos: torch.Tensor, total: int) -> torch.Tensor:
+    """[2c, s] true where the key comes after the query (the causal mask by global position)."""
+    return torch.arange(total, device=q_pos.device).unsqueeze(0) > q_pos.unsqueeze(1)
+
+
+def cp_indexer_topk(indexer, x: torch.Tensor, qr: torch.Tensor, group) -> torch.Tensor:
+    """megatron-core's ``DSAIndexer.forward_with_scores`` under context parallelism: this rank's queries (its two
+    chunks; x [2c, b, hidden], qr [2c, b, q_lora_rank], detached) score the keys of the whole sequence (the
+    indexer keys all-gathered), causal by global position; -> [b, 2c, min(topk, s)] key positions in the sequence.
+    The rotary angles are the rank's chunks' (megatron-core's rotary embedding selects them for its CP group)."""
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    from miles.trainer.megatron.context_parallel import gather_sequence
+
+    cfg = indexer.config
+    rope_len = indexer.rotary_pos_emb.get_rotary_seq_len(None, None, x, cfg, None)
+    if cfg.rope_type == "rope":
+        emb, mscale = indexer.rotary_pos_emb(rope_len, packed_seq=False), 1.0
+    else:
+        emb, mscale = indexer.rotary_pos_emb(rope_len, packed_seq=False)
+    if cfg.sequence_parallel and indexer.pg_collection.tp.size() > 1:
+        x = gather_from_sequence_parallel_region(x, group=indexer.pg_collection.tp)
+        qr = gather_from_sequence_parallel_region(qr, group=indexer.pg_collection.tp)
+    sq, b, _ = x.shape
+    heads, dim = indexer.index_n_heads, indexer.index_head_dim
+    q = indexer._apply_rope(indexer.linear_wq_b(qr)[0].reshape(sq, b, heads, dim), emb, mscale)
+    k = indexer._apply_rope(indexer.k_norm(indexer.linear_wk(x)[0]).reshape(sq, b, 1, dim), emb, mscale)
+    q, k = rotate_activation(q), rotate_activation(k.reshape(sq, b, dim))
+    weights = indexer.linear_weights_proj(x)[0] * heads ** -0.5 * indexer.softmax_scale
+    q_pos, total = _cp_positions(sq, group, x.device)
+    scores = indexer._compute_index_scores(q, weights, gather_sequence(k, group))          # [b, 2c, s]
+    scores = scores.masked_fill(_future(q_pos, total), float("-inf"))
+    return scores.topk(min(indexer.index_topk, total), dim=-1)[1]
+
+
+def cp_sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, topk: torch.Tensor,
+                        scale: float, group) -> torch.Tensor:
+    """megatron-core's ``unfused_dsa_fn`` under context parallelism: this rank's queries [2c, b, np, hn] attend over
+    their ``topk`` [b, 2c, k] (key positions in the sequence) of the keys and values all-gathered over the CP group
+    (key [2c, b, np, hn], value [2c, b, np, hnv]; backward: their gradients reduce-scattered), causal by global
+    position; the same fp32 scores and softmax -> [2c, b, np * hnv]."""
+    from miles.trainer.megatron.context_parallel import gather_sequence
+
+    sq, b, heads, hn = query.shape
+    key, value = gather_sequence(key, group), gather_sequence(value, group)
+    skv, hnv = key.shape[0], value.shape[3]
+    q_pos, _ = _cp_positions(sq, group, query.device)
+    scores = torch.bmm(query.permute(1, 2, 0, 3).reshape(b * heads, sq, hn).float(),
+                       key.permute(1, 2, 3, 0).reshape(b * heads, hn, skv).float()) * scale
+    mask = torch.full((b, sq, skv), float("-inf"), device=query.device).scatter_(-1, topk, 0)
+    mask = mask.masked_fill(_future(q_pos, skv), float("-inf"))
+    probs = torch.softmax(scores.view(b, heads, sq, skv) + mask.unsqueeze(1), dim=-1, dtype=torch.float32)
+    out = torch.bmm(probs.view(b * heads, sq, skv).to(value.dtype),
+                    value.permute(1, 2, 0, 3).reshape(b * heads, skv, hnv))
+    return out.view(b, heads, sq, hnv).permute(2, 0, 1, 3).reshape(sq, b, heads * hnv)
+
+
+def _cp_group(config, pg_collection):
+    """The CP group of a core attention (None without context parallelism)."""
+    if config.context_parallel_size <= 1:
+        return None
+    if pg_collection is None or getattr(pg_collection, "cp", None) is None:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_context_parallel_group()
+    return pg_collection.cp
+
+
+def _check_cp_inputs(attention_mask, packed_seq_params) -> None:
+    if attention_mask is not None or packed_seq_params is not None:
+        raise NotImplementedError("DSA under context parallelism runs causal rows only (no mask or packing).")
+
+
 # ------------------------------------------------------------------------------------------- modules
 class IndexerLinear(torch.nn.Linear):
     """A replicated linear of the indexer (megatron-core's local spec has none): the constructor megatron-core's
@@ -200,6 +293,7 @@ def _core_attention_classes():
         def __init__(self, *args, topk_holder: TopkHolder | None = None, **kwargs):
             super().__init__(*args, **kwargs)
             self.topk_holder = topk_holder
+            self.cp_group = _cp_group(self.config, self.indexer.pg_collection)
             if topk_holder is not None:
                 topk_holder.built.add(self.layer_number)
                 find = self.indexer.forward_with_scores
@@ -211,10 +305,18 @@ def _core_attention_classes():
 
                 self.indexer.forward_with_scores = recording
 
-        def forward(self, *args, **kwargs):
+        def forward(self, query, key, value, attention_mask, x=None, qr=None, attn_mask_type=None,
+                    attention_bias=None, packed_seq_params=None):
+            if self.cp_group is not None:        # this rank's query chunks against the whole sequence's keys
+                _check_cp_inputs(attention_mask, packed_seq_params)
+                topk = cp_indexer_topk(self.indexer, x.detach(), qr.detach(), self.cp_group)
+                if self.topk_holder is not None:
+                    self.topk_holder[self.layer_number] = topk
+                return cp_sparse_attention(query, key, value, topk, self.softmax_scale, self.cp_group)
+            args = (query, key, value, attention_mask, x, qr, attn_mask_type, attention_bias, packed_seq_params)
             training, self.training = self.training, False     # megatron-core attaches its loss in training only
             try:
-                return super().forward(*args, **kwargs)
+                return super().forward(*args)
             finally:
                 self.training = training
 
@@ -228,6 +330,7 @@ def _core_attention_classes():
             super().__init__(config=config)
             self.layer_number, self.source_layer, self.topk_holder = layer_number, source_layer, topk_holder
             self.softmax_scale = softmax_scale or (k_channels or config.kv_channels) ** -0.5
+            self.cp_group = _cp_group(config, pg_collection)
 
         def forward(self, query, key, value, attention_mask, x=None, qr=None, attn_mask_type=None,
                     attention_bias=None, packed_seq_params=None):
@@ -235,6 +338,9 @@ def _core_attention_classes():
             if topk is None or topk.shape[1] != query.shape[0]:
                 raise RuntimeError(f"DSA layer {self.layer_number} shares the top-k of layer {self.source_layer}, "
                                    "which did not run before it in this forward")
+            if self.cp_group is not None:
+                _check_cp_inputs(attention_mask, packed_seq_params)
+                return cp_sparse_attention(query, key, value, topk, self.softmax_scale, self.cp_group)
             return unfused_dsa_fn(query, key, value, topk, self.softmax_scale)
 
     return DSACoreAttention, SharedTopkAttention
@@ -341,10 +447,6 @@ def megatron_to_hf(suffix: str, prefix: str, full: torch.Tensor,
 # ------------------------------------------------------------------------------------------- flags
 def check_static(o, shape, dsa: DsaShape) -> None:
     """The parallel layouts megatron-core's DSA does not run (``o``: ``options.Options``)."""
-    if o.cp > 1:
-        raise ConfigError(f"--context-parallel-size {o.cp} with DeepSeek sparse attention ({shape.model_type}) is not "
-                          "supported (megatron-core's DSAttention has no context parallelism); use tensor, expert and "
-                          "data parallelism.")
     if o.pp > 1 and not all(dsa.full_layers):     # a shared layer reads the top-k of an earlier layer of its stage
         from miles.trainer.megatron.pipeline import stage_layer_counts
 
@@ -443,7 +545,7 @@ FAMILY = Family(
     name="dsa", model_types=FAMILIES, attention_fields=_attention_fields, moe_fields=mla.hf_moe_fields,
     rope_types=("default", "yarn"), config_kwargs=_config_kwargs, prepare=_prepare,
     core_attention=lambda shape: mla.mla_core_attention(), adapt_local_spec=mla.adapt_local_spec,
-    adapt_spec=_adapt_spec, after_build=lambda model, shape: freeze_indexer(model),
+    adapt_spec=_adapt_spec, after_build=lambda model, shape: freeze_indexer(model), own_context_parallel=True,
     hf_to_megatron=_hf_to_megatron, megatron_to_hf=_megatron_to_hf, column=mla.COLUMN, row=mla.ROW,
     glu_fc1=(mla.SHARED_FC1,), exported_buffers=mla.exported_buffers, check_static=_check_static,
     fork_flags=fork_flags)
