@@ -98,7 +98,8 @@ class MegatronTrainer(RLTrainer):
         options.check_shape(megatron, self.shape)
         check_kernel_flags(megatron)                    # --moe-grouped-gemm, DeepEP, ...: their packages, on this rank
         options.check_supported(self.opts, self.shape, self.device,
-                                max(self.trainer_world // (self.opts.tp * self.opts.pp), 1))
+                                max(self.trainer_world // (self.opts.tp * self.opts.pp), 1),
+                                lora=lora_mod.LoraSpec.from_config(train) is not None)
         options.check_pipeline_algo(self.opts, algo)
         ranks = dist.get_process_group_ranks(group)
         if ranks != list(range(self.trainer_world)):     # megatron-core lays its groups over ranks 0..n-1
