@@ -82,11 +82,11 @@ class Engine:
             enable_lora=args.enable_lora or bool(args.lora_paths), max_lora_rank=args.max_lora_rank,
             max_loaded_loras=args.max_loaded_loras, lora_target_modules=args.lora_target_modules))
         for entry in args.lora_paths or ():     # sglang --lora-paths: adapters loaded before the first request
-            name, _, path = entry.rpartition("=")
-            from miles.engine.lora import read_adapter_dir
+            from miles.engine.lora import lora_path_entry, read_adapter_dir
 
+            name, path, pinned = lora_path_entry(entry)
             config, tensors = read_adapter_dir(path)
-            self.runner.lora.load(name or path, config, tensors, path=path)
+            self.runner.lora.load(name, config, tensors, path=path, pinned=pinned)
         self.tokenizer = self._load_tokenizer(args.hf_checkpoint)
         self.vision = None   # a VLM's image side (image_data on /generate); None: the model takes no images
         if self.runner.is_vlm:

@@ -56,6 +56,19 @@ def _scale(config: dict[str, Any], rank: int) -> float:
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 
+def lora_path_entry(entry: str) -> tuple[str, str, bool]:
+    """(name, path, pinned) of one ``--lora-paths`` entry: ``NAME=PATH``, ``PATH`` (named by itself) or SGLang's JSON
+    ``{"lora_name": ..., "lora_path": ..., "pinned": ...}``."""
+    if entry.lstrip().startswith("{"):
+        try:
+            d = json.loads(entry)
+            return str(d["lora_name"]), str(d["lora_path"]), bool(d.get("pinned", False))
+        except (ValueError, KeyError, TypeError) as e:
+            raise LoraLoadError(f"--lora-paths {entry!r}: not a JSON object with lora_name and lora_path ({e})") from None
+    name, _, path = entry.rpartition("=")
+    return name or path, path, False
+
+
 def read_adapter_dir(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(adapter_config.json, the adapter's tensors) of a PEFT adapter directory."""
     d = Path(path)
