@@ -324,6 +324,16 @@ EMBEDDED_NO_EFFECT: dict[str, str] = {
 }
 
 
+LORA_ADAPTER_NAME = "miles_lora"   # the trained adapter's name on the engines, as radixark/miles@v0.1.0:miles/utils/lora.py's
+
+
+def serves_lora_adapters(train: Any, sglang: SGLangConfig) -> bool:
+    """A LoRA run (``--lora-rank``) whose engines serve the adapters (``--sglang-enable-lora``): the weight sync sends
+    the adapters (the base once, unmerged) and the rollouts name them, as Miles does for every LoRA run; without
+    ``--sglang-enable-lora`` the engines get the merged weights ``W + (alpha / r) B @ A``."""
+    return int(getattr(train, "lora_rank", 0) or 0) > 0 and bool(sglang.server_args.get("enable_lora"))
+
+
 def check_embedded_engine(sglang: SGLangConfig, *, why: str) -> None:
     """Refuse the --sglang-* flags the embedded engine would ignore (one line naming flag, value and fix). ``why``
     says how the embedded engine was chosen, e.g. "--rollout-engine embedded"."""

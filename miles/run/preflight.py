@@ -411,6 +411,17 @@ def check_engine_kind(cfg: MilesConfig, kind: str) -> None:
             check_embedded_r3(_config_dict(cfg.train.hf_checkpoint), why=why)
 
 
+def check_lora_adapter_sync(cfg: MilesConfig) -> None:
+    """``--sglang-enable-lora`` with ``--lora-rank``: the engines serve the adapters, which the weight sync sends by
+    ``/load_lora_adapter_from_tensors`` (colocated transports only; ``miles.weight_sync.base``)."""
+    from miles.config.sglang import serves_lora_adapters
+
+    if serves_lora_adapters(cfg.train, cfg.sglang):
+        from miles.weight_sync.base import check_lora_adapter_mode, resolve_mode
+
+        check_lora_adapter_mode(resolve_mode(cfg.weights, cfg.cluster.colocate))
+
+
 def preflight(cfg: MilesConfig, *, has_engines: bool) -> None:
     """Run every check; one ConfigError listing each problem (a single problem is raised as it is)."""
     problems: list[Exception] = []
@@ -438,6 +449,8 @@ def preflight(cfg: MilesConfig, *, has_engines: bool) -> None:
         attempt(check)
     attempt(lambda: check_save(cfg, estimate=hf_ok))  # the size estimate reads --hf-checkpoint's headers
     attempt(lambda: check_dumps(cfg))
+    if has_engines:
+        attempt(lambda: check_lora_adapter_sync(cfg))
     if hf_ok:
         config_dict = _config_dict(cfg.train.hf_checkpoint)
         attempt(lambda: check_model_name(cfg.train.model_name, config_dict))

@@ -39,6 +39,7 @@ from typing import Any, Protocol
 import torch
 
 from miles.config.base import ConfigError
+from miles.config.sglang import LORA_ADAPTER_NAME
 from miles.config.weights import WeightSyncConfig
 from miles.utils.errors import MilesError
 from miles.utils.logging import get_logger
@@ -153,8 +154,15 @@ class WeightSender(ABC):
     def __init__(self, cfg: WeightSyncConfig, source: WeightSource, *, is_source: bool,
                  engines: Sequence[EngineTarget] = (), dtype: torch.dtype | None = None,
                  initial_version: int = 0, status_group: Any = None,
-                 control_factory: Callable[[EngineTarget, float], Any] | None = None) -> None:
+                 control_factory: Callable[[EngineTarget, float], Any] | None = None,
+                 lora_adapter: bool = False) -> None:
         self.cfg, self.source, self.is_source = cfg, source, is_source
+        # the engines serve the LoRA adapters (--sglang-enable-lora with --lora-rank, as Miles does): the base goes
+        # unmerged (WeightSource.iter_base_weight_buckets) and each sync loads the adapter (lora_adapter) under
+        # LORA_ADAPTER_NAME, which the rollouts name; only the colocated ``tensor`` transport sends it here
+        self.lora_adapter = lora_adapter
+        if lora_adapter:
+            check_lora_adapter_mode(self.mode)
         self.dtype = dtype
         self.engines: list[EngineTarget] = list(engines)
         self.weight_version = int(initial_version)
@@ -211,9 +219,11 @@ class WeightSender(ABC):
             except (WeightSyncError, RuntimeError, ValueError) as e:
                 err = e
             self._agree(err)
-        logger.info("weight sync v%d (%s%s) to %d engine(s): %.3fs total, gather %.3fs, transfer %.3fs, load %.3fs, "
+        adapter = result.extra.get("lora_adapter_tensors")
+        logger.info("weight sync v%d (%s%s%s) to %d engine(s): %.3fs total, gather %.3fs, transfer %.3fs, load %.3fs, "
                     "control %.3fs, %.1f MB, %.2f GB/s", version, self.mode,
-                    ", trained tensors only: --lora-base-cpu-backup" if trained_only else "", result.num_engines,
+                    ", trained tensors only: --lora-base-cpu-backup" if trained_only else "",
+                    f", LoRA adapter {LORA_ADAPTER_NAME} ({int(adapter)} tensors)" if adapter else "", result.num_engines,
                     result.total_s,
                     result.gather_s, result.transfer_s, result.load_s, result.control_s, result.bytes / 1e6, result.gbps)
         return result
@@ -247,6 +257,10 @@ class WeightSender(ABC):
     def iter_buckets(self, *, full: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The buckets of this sync (collective): the trainer's weights, or with ``--lora-base-cpu-backup`` after the
         first sync only the trained ones; ``full``: all of them whatever the sync sends (the equality check)."""
+        if self.lora_adapter:    # the frozen base (the adapters go by lora_adapter); nothing once the engines keep it
+            if self._trained_only and not full:
+                return iter(())
+            return self.source.iter_base_weight_buckets(self.cfg.update_weight_buffer_size, self.dtype)
         if self._trained_only and not full:
             trained = getattr(self.source, "iter_trained_weight_buckets", None)
             if trained is None:
@@ -352,6 +366,16 @@ class WeightSender(ABC):
             if isinstance(err, WeightSyncError):
                 raise err
             raise WeightSyncError(f"weight sync ({self.mode}) failed: {err}") from err
+
+
+def check_lora_adapter_mode(mode: str) -> None:
+    """Adapters go to the engines by ``/load_lora_adapter_from_tensors`` (colocated, as Miles does); Miles's
+    distributed path (``/load_lora_adapter_from_distributed``) is not built here."""
+    if mode != "tensor":
+        raise ConfigError(f"--sglang-enable-lora with --lora-rank syncs the LoRA adapters to the engines, which is "
+                          f"built for colocated engines only (load_lora_adapter_from_tensors); --update-weight-transfer-"
+                          f"mode {mode} without --colocate is not: add --colocate, or drop --sglang-enable-lora to sync "
+                          "merged weights")
 
 
 def _default_control(engine: EngineTarget, timeout: float) -> Any:

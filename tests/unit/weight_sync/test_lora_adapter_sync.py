@@ -1,0 +1,77 @@
+"""Adapters synced instead of merged weights (``--sglang-enable-lora`` with ``--lora-rank``, as Miles syncs LoRA):
+which runs select it, its refusal off the colocated transport (one line, at preflight and when the sender is
+built), and which buckets each sync sends (the unmerged base; with ``--lora-base-cpu-backup`` only the first time).
+
+End to end (a Megatron LoRA run whose colocated embedded engines serve the adapter, against the same run syncing
+merged weights): tests/e2e/test_lora_adapter_sync_e2e.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from miles.config import ConfigError, parse_args
+from miles.config.sglang import serves_lora_adapters
+from miles.run.preflight import check_lora_adapter_sync
+from miles.weight_sync.base import SyncResult, WeightSender, build_weight_sender
+
+LORA = ["--lora-rank", "4", "--target-modules", "all-linear", "--train-backend", "megatron"]
+
+
+def _cfg(*flags: str):
+    return parse_args(["--hf-checkpoint", "x", "--num-rollout", "1", "--rollout-batch-size", "2", *flags],
+                      validate=False)
+
+
+def test_which_runs_serve_adapters_and_the_refusal_off_colocated():
+    assert serves_lora_adapters(_cfg(*LORA, "--sglang-enable-lora").train, _cfg(*LORA, "--sglang-enable-lora").sglang)
+    assert not serves_lora_adapters(_cfg(*LORA).train, _cfg(*LORA).sglang)            # merged weights, as before
+    plain = _cfg("--sglang-enable-lora")                 # engines that serve adapters, but nothing trains one
+    assert not serves_lora_adapters(plain.train, plain.sglang)
+    check_lora_adapter_sync(_cfg(*LORA, "--sglang-enable-lora", "--colocate"))
+    check_lora_adapter_sync(_cfg(*LORA))
+    msg = (r"^--sglang-enable-lora with --lora-rank syncs the LoRA adapters to the engines, which is built for "
+           r"colocated engines only \(load_lora_adapter_from_tensors\); --update-weight-transfer-mode broadcast "
+           r"without --colocate is not: add --colocate, or drop --sglang-enable-lora to sync merged weights$")
+    with pytest.raises(ConfigError, match=msg):
+        check_lora_adapter_sync(_cfg(*LORA, "--sglang-enable-lora"))
+    with pytest.raises(ConfigError, match=msg):
+        build_weight_sender(_cfg(*LORA).weights, _Source(), is_source=True, lora_adapter=True)
+
+
+class _Source:
+    """A trainer stand-in: its merged export differs from its base (a trained adapter)."""
+
+    def iter_weight_buckets(self, bucket_bytes, dtype=None):
+        yield [("w.weight", torch.ones(2))]
+
+    def iter_base_weight_buckets(self, bucket_bytes, dtype=None):
+        yield [("w.weight", torch.zeros(2))]
+
+    def iter_trained_weight_buckets(self, bucket_bytes, dtype=None):
+        yield [("w.weight", torch.ones(2))]
+
+
+class _Recording(WeightSender):
+    mode = "tensor"
+
+    def __init__(self, cfg, source):
+        super().__init__(cfg, source, is_source=True, lora_adapter=True)
+        self.sent: list[list[float]] = []
+
+    def _sync(self, engines, version):
+        self.sent.append([float(t.sum()) for bucket in self.iter_buckets() for _, t in bucket])
+        return SyncResult(self.mode, version)
+
+
+def test_adapter_syncs_send_the_unmerged_base():
+    s = _Recording(_cfg(*LORA, "--colocate").weights, _Source())
+    s.sync()
+    s.sync()
+    assert s.sent == [[0.0], [0.0]]                     # the base every time: a colocated engine may drop it
+    s = _Recording(_cfg(*LORA, "--colocate", "--lora-base-cpu-backup").weights, _Source())
+    s.sync()
+    s.sync()
+    s.sync_one(None)
+    assert s.sent == [[0.0], [], [0.0]]                 # the engines keep the base: later syncs the adapter only
+    assert [float(t.sum()) for b in s.iter_buckets(full=True) for _, t in b] == [0.0]   # what the check compares
