@@ -65,7 +65,9 @@ class WeightSource(Protocol):
     checkpoint trained text-only: the towers stay as the engines loaded them), which disk-delta's full versions say
     in their manifest (``disk_delta.write_version``'s ``partial``). Optional: ``iter_trained_weight_buckets(bucket_bytes,
     dtype)``, the buckets of ``iter_weight_buckets`` less the tensors training never changes (LoRA: the merged targets
-    only), which ``--lora-base-cpu-backup`` sends after the first sync."""
+    only), which ``--lora-base-cpu-backup`` sends after the first sync. With LoRA adapters served by the engines
+    (``lora_adapter``): ``iter_base_weight_buckets`` (the same buckets with the adapters unmerged) and
+    ``lora_adapter()`` (collective: adapter_config.json's dict and the HF PEFT-named tensors)."""
 
     def iter_weight_buckets(self, bucket_bytes: int, dtype: torch.dtype | None) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """HF-named full tensors, bucket by bucket; collective on every trainer rank, every rank iterates to the

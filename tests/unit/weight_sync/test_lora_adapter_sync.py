@@ -75,3 +75,10 @@ def test_adapter_syncs_send_the_unmerged_base():
     s.sync_one(None)
     assert s.sent == [[0.0], [], [0.0]]                 # the engines keep the base: later syncs the adapter only
     assert [float(t.sum()) for b in s.iter_buckets(full=True) for _, t in b] == [0.0]   # what the check compares
+
+
+def test_adapter_serving_with_fault_tolerance_is_refused():
+    with pytest.raises(ConfigError, match=r"^--sglang-enable-lora with --lora-rank and --use-fault-tolerance is not "
+                                          r"supported"):
+        parse_args(["--hf-checkpoint", "x", "--num-rollout", "1", "--rollout-batch-size", "2", *LORA, "--colocate",
+                    "--sglang-enable-lora", "--use-fault-tolerance"])
