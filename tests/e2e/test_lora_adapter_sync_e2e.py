@@ -1,5 +1,5 @@
 """LoRA adapters synced to the engines, as Miles does (``--sglang-enable-lora`` with ``--lora-rank``): a tiny
-Megatron LoRA run (``train.py`` under torchrun, 2 colocated CPU ranks, an embedded engine each, 2 rollouts) sends
+LoRA run (Megatron, and FSDP) (``train.py`` under torchrun, 2 colocated CPU ranks, an embedded engine each, 2 rollouts) sends
 the frozen base once (unmerged; ``--check-weight-update-equal`` checks it bit for bit) and the adapter at every sync
 (``/load_lora_adapter_from_tensors`` under ``miles_lora``), and its rollouts name the adapter (``lora_path``). The
 reference is the same run syncing merged weights ``W + (alpha / r) B @ A`` (no ``--sglang-enable-lora``): the
@@ -14,15 +14,14 @@ from pathlib import Path
 import pytest
 from _miles_e2e import check_ok, metrics, run
 
-pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
 TESTS = Path(__file__).resolve().parents[1]
 
 
-def _train(tmp_path: Path, model: Path, data: Path, name: str, *extra: str) -> Path:
+def _train(tmp_path: Path, model: Path, data: Path, backend: str, name: str, *extra: str) -> Path:
     out, log = tmp_path / name, tmp_path / f"{name}.log"
-    cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", "train.py", "--train-backend", "megatron", "--colocate",
+    cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", "train.py", "--train-backend", backend, "--colocate",
            "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2", "--num-gpus-per-node", "2",
            "--hf-checkpoint", str(model), "--prompt-data", str(data), "--input-key", "input", "--label-key", "label",
            "--rm-type", "math", "--custom-rm-path", "miles_fixtures.varying_reward",
@@ -39,11 +38,14 @@ def _rows(out: Path, rollout_id: int) -> list[dict]:
     return sorted(rows, key=lambda r: r["index"])
 
 
-def test_adapters_synced_give_the_merged_weights_rollouts(tmp_path: Path, tiny_model_dir: Path):
+@pytest.mark.parametrize("backend", ["megatron", "fsdp"])
+def test_adapters_synced_give_the_merged_weights_rollouts(tmp_path: Path, tiny_model_dir: Path, backend: str):
+    if backend == "megatron":
+        pytest.importorskip("megatron.core")
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"input": f"{i} plus {i} is", "label": str(2 * i)}) + "\n" for i in range(4)))
-    served = _train(tmp_path, tiny_model_dir, data, "adapters", "--sglang-enable-lora")
-    merged = _train(tmp_path, tiny_model_dir, data, "merged")
+    served = _train(tmp_path, tiny_model_dir, data, backend, "adapters", "--sglang-enable-lora")
+    merged = _train(tmp_path, tiny_model_dir, data, backend, "merged")
     log = (served / "logs" / "rank0.log").read_text()
     syncs = [line for line in log.splitlines() if "weight sync v" in line]
     # the first sync and one per rollout, each loading the adapter (q/k/v/o, gate/up/down of 2 layers: A and B)

@@ -82,3 +82,19 @@ def test_adapter_serving_with_fault_tolerance_is_refused():
                                           r"supported"):
         parse_args(["--hf-checkpoint", "x", "--num-rollout", "1", "--rollout-batch-size", "2", *LORA, "--colocate",
                     "--sglang-enable-lora", "--use-fault-tolerance"])
+
+
+def test_embedded_engine_refuses_adapters_on_moe_experts(tiny_moe_dir, tiny_model_dir):
+    """The embedded engine serves adapters on plain linears only: a Megatron LoRA run adapting the routed experts with
+    --sglang-enable-lora is refused when the engine is known (the dry run, the start), not at its first sync."""
+    from miles.run.preflight import check_engine_kind
+
+    def cfg(model, targets):
+        return _cfg("--hf-checkpoint", str(model), "--lora-rank", "4", "--target-modules", targets,
+                    "--train-backend", "megatron", "--colocate", "--sglang-enable-lora")
+    with pytest.raises(ConfigError, match=r"^--sglang-enable-lora with --target-modules all-linear: the embedded "
+                                          r"engine serves no LoRA adapters on MoE experts"):
+        check_engine_kind(cfg(tiny_moe_dir, "all-linear"), "embedded")
+    check_engine_kind(cfg(tiny_moe_dir, "all-linear"), "sglang")           # SGLang serves MoE LoRA
+    check_engine_kind(cfg(tiny_moe_dir, "q_proj,v_proj"), "embedded")       # attention only
+    check_engine_kind(cfg(tiny_model_dir, "all-linear"), "embedded")        # a dense model
