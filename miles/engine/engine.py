@@ -216,6 +216,24 @@ class Engine:
         return await self._lora_call(lambda: lora.load(b.lora_name, b.config_dict, tensors, path="__tensor__",
                                                        pinned=b.pinned, upsert=b.upsert))
 
+    async def load_lora_adapter_from_distributed(self, b: P.LoadLoRAAdapterFromDistributedReqInput) -> dict[str, Any]:
+        lora = self._lora("load_lora_adapter_from_distributed")
+        if b.added_tokens_config is not None:
+            raise P.BadRequest("LoadLoRAAdapterFromDistributedReqInput.added_tokens_config is not supported by the "
+                               "embedded engine; leave it unset")
+        if not (len(b.names) == len(b.dtypes) == len(b.shapes)) or not b.names:
+            raise P.BadRequest(f"LoadLoRAAdapterFromDistributedReqInput: names, dtypes and shapes must be non-empty "
+                               f"and of one length, got {len(b.names)}, {len(b.dtypes)}, {len(b.shapes)}")
+        try:
+            async with self._update_lock:     # the broadcast, in names order, as update_weights_from_distributed's
+                named = await asyncio.to_thread(self.groups.receive, b.group_name, b.names, b.dtypes, b.shapes,
+                                                None, None)
+        except WeightUpdateError as e:
+            return {"success": False, "error_message": str(e), "loaded_adapters": lora.loaded()}
+        tensors = dict(named)
+        return await self._lora_call(lambda: lora.load(b.lora_name, b.config_dict, tensors, path="__distributed__",
+                                                       pinned=b.pinned, upsert=b.upsert))
+
     async def unload_lora_adapter(self, b: P.UnloadLoRAAdapterReqInput) -> dict[str, Any]:
         lora = self._lora("unload_lora_adapter")
         return await self._lora_call(lambda: lora.unload(b.lora_name))

@@ -345,6 +345,22 @@ class LoadLoRAAdapterFromTensorsReqInput(_Control, kw_only=True):
     expected_checksums: dict[str, str] | None = None
 
 
+class LoadLoRAAdapterFromDistributedReqInput(_Control, kw_only=True):
+    """The adapter's metadata; its tensors arrive by broadcast over the weight-update group ``group_name`` in
+    ``names`` order (Miles's SGLang: ``load_lora_adapter_from_distributed``)."""
+
+    lora_name: str
+    config_dict: dict[str, Any]
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    pinned: bool = False
+    added_tokens_config: dict[str, Any] | None = None
+    upsert: bool = False
+    lora_id: str | None = None
+
+
 class GetWeightsByNameReqInput(_Control, kw_only=True):
     name: str
     truncate_size: int = 100

@@ -325,6 +325,11 @@ async def load_lora_adapter_from_tensors(request: web.Request) -> web.Response:
     return _lora_result(await eng.load_lora_adapter_from_tensors(b))
 
 
+async def load_lora_adapter_from_distributed(request: web.Request) -> web.Response:
+    b = await _body(request, P.LoadLoRAAdapterFromDistributedReqInput)
+    return _lora_result(await _engine(request).load_lora_adapter_from_distributed(b))
+
+
 async def unload_lora_adapter(request: web.Request) -> web.Response:
     b = await _body(request, P.UnloadLoRAAdapterReqInput)
     return _lora_result(await _engine(request).unload_lora_adapter(b))
@@ -363,6 +368,7 @@ def build_app(engine: Engine) -> web.Application:
     r.add_post("/update_weight_version", update_weight_version)
     r.add_post("/load_lora_adapter", load_lora_adapter)
     r.add_post("/load_lora_adapter_from_tensors", load_lora_adapter_from_tensors)
+    r.add_post("/load_lora_adapter_from_distributed", load_lora_adapter_from_distributed)
     r.add_post("/unload_lora_adapter", unload_lora_adapter)
     return app
 

@@ -328,6 +328,13 @@ class EngineControl(_Http):
                    "serialized_named_tensors": list(serialized_named_tensors), "load_format": load_format}
         return await self._post("/load_lora_adapter_from_tensors", payload, timeout)
 
+    async def load_lora_adapter_from_distributed(self, lora_name: str, config_dict: dict, names: list[str],
+                                                 dtypes: list[str], shapes: list[list[int]], group_name: str,
+                                                 timeout: float | None = None) -> Any:
+        payload = {"lora_name": lora_name, "config_dict": dict(config_dict), "names": list(names),
+                   "dtypes": list(dtypes), "shapes": [list(s) for s in shapes], "group_name": group_name}
+        return await self._post("/load_lora_adapter_from_distributed", payload, timeout)
+
     async def unload_lora_adapter(self, lora_name: str, timeout: float | None = None) -> Any:
         return await self._post("/unload_lora_adapter", {"lora_name": lora_name}, timeout)
 

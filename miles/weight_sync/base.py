@@ -161,7 +161,7 @@ class WeightSender(ABC):
         self.cfg, self.source, self.is_source = cfg, source, is_source
         # the engines serve the LoRA adapters (--sglang-enable-lora with --lora-rank, as Miles does): the base goes
         # unmerged (WeightSource.iter_base_weight_buckets) and each sync loads the adapter (lora_adapter) under
-        # LORA_ADAPTER_NAME, which the rollouts name; only the colocated ``tensor`` transport sends it here
+        # LORA_ADAPTER_NAME, which the rollouts name (the tensor and broadcast transports)
         self.lora_adapter = lora_adapter
         if lora_adapter:
             check_lora_adapter_mode(self.mode)
@@ -202,7 +202,10 @@ class WeightSender(ABC):
         targets = list(self.engines if engines is None else engines)
         err: BaseException | None = None
         result = SyncResult(self.mode, version, num_engines=len(targets))
-        self._trained_only = self.cfg.lora_base_cpu_backup and self._base_sent and not full
+        # the engines keep the frozen base: --lora-base-cpu-backup (colocated), or separate engines serving the adapters
+        # (as Miles skips the base sync of a distributed LoRA sync)
+        keeps_base = self.cfg.lora_base_cpu_backup or (self.lora_adapter and self.mode == "broadcast")
+        self._trained_only = keeps_base and self._base_sent and not full
         try:
             result = self._sync(targets, version)
         except (WeightSyncError, OSError, RuntimeError, ValueError) as e:
@@ -224,7 +227,8 @@ class WeightSender(ABC):
         adapter = result.extra.get("lora_adapter_tensors")
         logger.info("weight sync v%d (%s%s%s) to %d engine(s): %.3fs total, gather %.3fs, transfer %.3fs, load %.3fs, "
                     "control %.3fs, %.1f MB, %.2f GB/s", version, self.mode,
-                    ", trained tensors only: --lora-base-cpu-backup" if trained_only else "",
+                    "" if not trained_only else ", base kept by the engines" if self.lora_adapter
+                    else ", trained tensors only: --lora-base-cpu-backup",
                     f", LoRA adapter {LORA_ADAPTER_NAME} ({int(adapter)} tensors)" if adapter else "", result.num_engines,
                     result.total_s,
                     result.gather_s, result.transfer_s, result.load_s, result.control_s, result.bytes / 1e6, result.gbps)
@@ -371,13 +375,14 @@ class WeightSender(ABC):
 
 
 def check_lora_adapter_mode(mode: str) -> None:
-    """Adapters go to the engines by ``/load_lora_adapter_from_tensors`` (colocated, as Miles does); Miles's
-    distributed path (``/load_lora_adapter_from_distributed``) is not built here."""
-    if mode != "tensor":
+    """Adapters go to the engines as Miles sends them: ``/load_lora_adapter_from_tensors`` (colocated, ``tensor``) or
+    ``/load_lora_adapter_from_distributed`` over the weight-update group (``broadcast``); Miles refuses LoRA with
+    disk-delta, and p2p has no adapter path."""
+    if mode not in ("tensor", "broadcast"):
         raise ConfigError(f"--sglang-enable-lora with --lora-rank syncs the LoRA adapters to the engines, which is "
-                          f"built for colocated engines only (load_lora_adapter_from_tensors); --update-weight-transfer-"
-                          f"mode {mode} without --colocate is not: add --colocate, or drop --sglang-enable-lora to sync "
-                          "merged weights")
+                          f"built for the tensor (colocated: load_lora_adapter_from_tensors) and broadcast "
+                          f"(load_lora_adapter_from_distributed) transports; --update-weight-transfer-mode {mode} is "
+                          "not: use broadcast (or --colocate), or drop --sglang-enable-lora to sync merged weights")
 
 
 def _default_control(engine: EngineTarget, timeout: float) -> Any:

@@ -1,10 +1,12 @@
 """LoRA adapters synced to the engines, as Miles does (``--sglang-enable-lora`` with ``--lora-rank``): a tiny
-LoRA run (Megatron, and FSDP) (``train.py`` under torchrun, 2 colocated CPU ranks, an embedded engine each, 2 rollouts) sends
-the frozen base once (unmerged; ``--check-weight-update-equal`` checks it bit for bit) and the adapter at every sync
-(``/load_lora_adapter_from_tensors`` under ``miles_lora``), and its rollouts name the adapter (``lora_path``). The
-reference is the same run syncing merged weights ``W + (alpha / r) B @ A`` (no ``--sglang-enable-lora``): the
-second rollout, generated after a training step moved the adapters, has the same tokens and the same engine
-log-probs (the trainer's log-probs equal the engines' in both runs), and the two runs train alike."""
+LoRA run (Megatron and FSDP: ``train.py`` under torchrun, 2 colocated CPU ranks with an embedded engine each;
+Megatron also with a separate engine rank, broadcast) of 2 rollouts sends the frozen base unmerged
+(``--check-weight-update-equal`` checks it bit for bit) and the adapter at every sync under ``miles_lora``
+(``/load_lora_adapter_from_tensors``, or ``/load_lora_adapter_from_distributed`` over the weight-update group), and
+its rollouts name the adapter (``lora_path``). The reference is the same run syncing merged weights
+``W + (alpha / r) B @ A`` (no ``--sglang-enable-lora``): the second rollout, generated after a training step moved
+the adapters, has the same tokens, the trainer's log-probs equal the engines' in both runs, and the two runs train
+alike."""
 
 from __future__ import annotations
 
@@ -19,10 +21,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(90
 TESTS = Path(__file__).resolve().parents[1]
 
 
-def _train(tmp_path: Path, model: Path, data: Path, backend: str, name: str, *extra: str) -> Path:
+# weight-sync transport -> its flags and ranks (2 trainer ranks; colocated engines on them, or one engine of its own)
+MODES = {"tensor": (["--colocate", "--num-gpus-per-node", "2"], 2),
+         "broadcast": (["--rollout-num-gpus", "1", "--num-gpus-per-node", "3"], 3)}
+
+
+def _train(tmp_path: Path, model: Path, data: Path, backend: str, mode: str, name: str, *extra: str) -> Path:
     out, log = tmp_path / name, tmp_path / f"{name}.log"
-    cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", "train.py", "--train-backend", backend, "--colocate",
-           "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2", "--num-gpus-per-node", "2",
+    flags, ranks = MODES[mode]
+    cmd = ["torchrun", "--standalone", "--nproc-per-node", str(ranks), "train.py", "--train-backend", backend, *flags,
+           "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2",
            "--hf-checkpoint", str(model), "--prompt-data", str(data), "--input-key", "input", "--label-key", "label",
            "--rm-type", "math", "--custom-rm-path", "miles_fixtures.varying_reward",
            "--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4",
@@ -38,18 +46,19 @@ def _rows(out: Path, rollout_id: int) -> list[dict]:
     return sorted(rows, key=lambda r: r["index"])
 
 
-@pytest.mark.parametrize("backend", ["megatron", "fsdp"])
-def test_adapters_synced_give_the_merged_weights_rollouts(tmp_path: Path, tiny_model_dir: Path, backend: str):
+@pytest.mark.parametrize("backend, mode", [("megatron", "tensor"), ("fsdp", "tensor"), ("megatron", "broadcast")])
+def test_adapters_synced_give_the_merged_weights_rollouts(tmp_path: Path, tiny_model_dir: Path, backend: str,
+                                                          mode: str):
     if backend == "megatron":
         pytest.importorskip("megatron.core")
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"input": f"{i} plus {i} is", "label": str(2 * i)}) + "\n" for i in range(4)))
-    served = _train(tmp_path, tiny_model_dir, data, backend, "adapters", "--sglang-enable-lora")
-    merged = _train(tmp_path, tiny_model_dir, data, backend, "merged")
+    served = _train(tmp_path, tiny_model_dir, data, backend, mode, "adapters", "--sglang-enable-lora")
+    merged = _train(tmp_path, tiny_model_dir, data, backend, mode, "merged")
     log = (served / "logs" / "rank0.log").read_text()
     syncs = [line for line in log.splitlines() if "weight sync v" in line]
     # the first sync and one per rollout, each loading the adapter (q/k/v/o, gate/up/down of 2 layers: A and B)
-    assert len(syncs) == 3 and all("LoRA adapter miles_lora (28 tensors)" in line for line in syncs), syncs
+    assert len(syncs) == 3 and all(f"({mode}, LoRA adapter miles_lora (28 tensors))" in line for line in syncs), syncs
     assert "LoRA adapter" not in (merged / "logs" / "rank0.log").read_text()
     a, b = metrics(served), metrics(merged)
     for ra, rb in zip(a, b, strict=True):

@@ -43,6 +43,10 @@ CONTROL = {
                                            "serialized_tensors": "x", "serialized_named_tensors": None,
                                            "pinned": False, "added_tokens_config": None, "lora_id": None,
                                            "load_format": None, "upsert": False, "expected_checksums": None},
+    P.LoadLoRAAdapterFromDistributedReqInput: {**BASE, "lora_name": "a", "config_dict": {"r": 2}, "names": ["x"],
+                                               "dtypes": ["float32"], "shapes": [[2, 3]], "group_name": "g",
+                                               "pinned": False, "added_tokens_config": None, "upsert": False,
+                                               "lora_id": None},
 }
 
 GENERATE_FIELDS = (

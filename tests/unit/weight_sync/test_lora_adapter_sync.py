@@ -1,6 +1,6 @@
 """Adapters synced instead of merged weights (``--sglang-enable-lora`` with ``--lora-rank``, as Miles syncs LoRA):
-which runs select it, its refusal off the colocated transport (one line, at preflight and when the sender is
-built), and which buckets each sync sends (the unmerged base; with ``--lora-base-cpu-backup`` only the first time).
+which runs select it, its refusal on the transports without an adapter path (disk-delta, p2p: one line, at
+preflight and when the sender is built), and which buckets each sync sends (the unmerged base; with ``--lora-base-cpu-backup`` only the first time).
 
 End to end (a Megatron LoRA run whose colocated embedded engines serve the adapter, against the same run syncing
 merged weights): tests/e2e/test_lora_adapter_sync_e2e.py."""
@@ -28,15 +28,20 @@ def test_which_runs_serve_adapters_and_the_refusal_off_colocated():
     assert not serves_lora_adapters(_cfg(*LORA).train, _cfg(*LORA).sglang)            # merged weights, as before
     plain = _cfg("--sglang-enable-lora")                 # engines that serve adapters, but nothing trains one
     assert not serves_lora_adapters(plain.train, plain.sglang)
-    check_lora_adapter_sync(_cfg(*LORA, "--sglang-enable-lora", "--colocate"))
+    check_lora_adapter_sync(_cfg(*LORA, "--sglang-enable-lora", "--colocate"))           # tensor
+    check_lora_adapter_sync(_cfg(*LORA, "--sglang-enable-lora"))                         # broadcast
     check_lora_adapter_sync(_cfg(*LORA))
-    msg = (r"^--sglang-enable-lora with --lora-rank syncs the LoRA adapters to the engines, which is built for "
-           r"colocated engines only \(load_lora_adapter_from_tensors\); --update-weight-transfer-mode broadcast "
-           r"without --colocate is not: add --colocate, or drop --sglang-enable-lora to sync merged weights$")
+    msg = (r"^--sglang-enable-lora with --lora-rank syncs the LoRA adapters to the engines, which is built for the "
+           r"tensor \(colocated: load_lora_adapter_from_tensors\) and broadcast \(load_lora_adapter_from_distributed\) "
+           r"transports; --update-weight-transfer-mode disk-delta is not: use broadcast \(or --colocate\), or drop "
+           r"--sglang-enable-lora to sync merged weights$")
+    disk = ["--update-weight-transfer-mode", "disk-delta", "--update-weight-disk-dir", "/tmp/d"]
     with pytest.raises(ConfigError, match=msg):
-        check_lora_adapter_sync(_cfg(*LORA, "--sglang-enable-lora"))
+        check_lora_adapter_sync(_cfg(*LORA, "--sglang-enable-lora", *disk))
+    with pytest.raises(ConfigError, match=msg.replace("$", "").replace("disk-delta", "p2p")):
+        check_lora_adapter_sync(_cfg(*LORA, "--sglang-enable-lora", "--update-weight-transfer-mode", "p2p"))
     with pytest.raises(ConfigError, match=msg):
-        build_weight_sender(_cfg(*LORA).weights, _Source(), is_source=True, lora_adapter=True)
+        build_weight_sender(_cfg(*LORA, *disk).weights, _Source(), is_source=True, lora_adapter=True)
 
 
 class _Source:
@@ -55,7 +60,8 @@ class _Source:
 class _Recording(WeightSender):
     mode = "tensor"
 
-    def __init__(self, cfg, source):
+    def __init__(self, cfg, source, mode: str = "tensor"):
+        self.mode = mode
         super().__init__(cfg, source, is_source=True, lora_adapter=True)
         self.sent: list[list[float]] = []
 
@@ -75,6 +81,11 @@ def test_adapter_syncs_send_the_unmerged_base():
     s.sync_one(None)
     assert s.sent == [[0.0], [], [0.0]]                 # the engines keep the base: later syncs the adapter only
     assert [float(t.sum()) for b in s.iter_buckets(full=True) for _, t in b] == [0.0]   # what the check compares
+    s = _Recording(_cfg(*LORA).weights, _Source(), mode="broadcast")      # separate engines keep their base
+    s.sync()
+    s.sync()
+    s.sync_one(None)
+    assert s.sent == [[0.0], [], [0.0]]
 
 
 def test_adapter_serving_with_fault_tolerance_is_refused():
