@@ -1,7 +1,8 @@
 """LoRA adapters served by the embedded engine (``miles.engine.lora``, ``--enable-lora``): an adapter loaded from disk
 (PEFT layout) or from tensors gives, on the requests that name it by ``lora_path``, the tokens and log-probs of the
 merged weights ``W + (alpha / r) B @ A`` served without LoRA; one batch mixing two adapters and base requests gives
-each request its own adapter's; unload, bad adapters and bad names are one clear line each."""
+each request its own adapter's (slot cache, paged cache, paged with every prompt prefilled in chunks, the generic HF
+path); unload, bad adapters and bad names are one clear line each."""
 
 from __future__ import annotations
 
@@ -125,7 +126,8 @@ def _same(got: dict, ref: dict) -> None:
     torch.testing.assert_close(torch.tensor(ig), torch.tensor(ir), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("kw", [{}, {"kv_cache": "paged"}, {"native": False}], ids=["slots", "paged", "generic"])
+@pytest.mark.parametrize("kw", [{}, {"kv_cache": "paged"}, {"kv_cache": "paged", "max_prefill_tokens": 2},
+                                {"native": False}], ids=["slots", "paged", "paged_chunked", "generic"])
 def test_adapters_equal_merged_weights_in_one_mixed_batch(engine_model, adapters, kw):
     refs = {}
     for key, model in (("base", engine_model), ("a1", adapters["merged1"]), ("a2", adapters["merged2"])):
