@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.config.base import ConfigError
+from miles.utils.lora import LORA_ADAPTER_NAME  # noqa: F401 - the trained adapter's name on the engines (Miles's)
 
 SPEC_PATH = Path(__file__).with_name("sglang_server_args.json")
 DEST = "sglang_server_args"
@@ -324,7 +325,6 @@ EMBEDDED_NO_EFFECT: dict[str, str] = {
 }
 
 
-LORA_ADAPTER_NAME = "miles_lora"   # the trained adapter's name on the engines, as radixark/miles@v0.1.0:miles/utils/lora.py's
 
 
 def serves_lora_adapters(train: Any, sglang: SGLangConfig) -> bool:

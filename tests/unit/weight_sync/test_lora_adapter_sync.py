@@ -109,3 +109,17 @@ def test_embedded_engine_refuses_adapters_on_moe_experts(tiny_moe_dir, tiny_mode
     check_engine_kind(cfg(tiny_moe_dir, "all-linear"), "sglang")           # SGLang serves MoE LoRA
     check_engine_kind(cfg(tiny_moe_dir, "q_proj,v_proj"), "embedded")       # attention only
     check_engine_kind(cfg(tiny_model_dir, "all-linear"), "embedded")        # a dense model
+
+
+def test_plugins_name_the_adapter_only_when_the_engines_serve_it():
+    """Miles's ``miles.utils.lora.lora_rollout_enabled`` (plugins put ``lora_path`` in their own /generate bodies when
+    it holds, e.g. ``prefill_logprobs``) follows ``serves_lora_adapters``: engines holding merged weights know no
+    adapter, so a LoRA run without --sglang-enable-lora names none."""
+    from miles.rollout.plugins import PluginArgs
+    from miles.run.build import plugin_extra
+    from miles.utils.lora import lora_rollout_enabled
+
+    for extra, serves in (([], False), (["--sglang-enable-lora"], True)):
+        c = _cfg(*LORA, *extra)
+        assert lora_rollout_enabled(PluginArgs(c.rollout, c.data, c.train, extra=plugin_extra(c))) is serves
+        assert serves_lora_adapters(c.train, c.sglang) is serves
