@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from miles.config.base import ConfigError
+from miles.utils.lora import LORA_ADAPTER_NAME  # noqa: F401 - the trained adapter's name on the engines (Miles's)
 
 SPEC_PATH = Path(__file__).with_name("sglang_server_args.json")
 DEST = "sglang_server_args"
@@ -287,7 +288,9 @@ EMBEDDED_HONOURED = frozenset({
     "max_running_requests", "context_length", "dtype", "max_prefill_tokens", "chunked_prefill_size",
     "max_total_tokens", "cuda_graph_bs", "cuda_graph_bs_decode", "cuda_graph_max_bs", "cuda_graph_max_bs_decode",
     "disable_cuda_graph", "cuda_graph_backend_decode", "disable_overlap_schedule", "max_queued_requests", "log_level",
-    "weight_version", "enable_deterministic_inference"})
+    "weight_version", "enable_deterministic_inference",
+    # LoRA adapters (miles.engine.lora): served, loaded and named as SGLang's
+    "enable_lora", "max_lora_rank", "max_loaded_loras", "lora_target_modules", "lora_paths"})
 SET_BY_ENGINE_LAUNCH = frozenset({"tp_size", "host", "device"})
 EMBEDDED_GRAPH_BACKENDS = ("disabled", "full")     # --sglang-cuda-graph-backend-decode values the embedded engine has
 # Flags Miles's recorded launch commands pass that the embedded engine accepts without effect: they change how fast
@@ -309,9 +312,26 @@ EMBEDDED_NO_EFFECT: dict[str, str] = {
                    "gets the trainer's weights before its first request",
     "remote_instance_weight_loader_start_seed_via_transfer_engine": "how SGLang fetches its first weights from "
                                                                     "another instance; see load_format",
+    "lora_backend": "a choice of SGLang LoRA kernels; the embedded engine adds each request's adapter as torch "
+                    "matmuls (the same sums)",
+    "max_lora_chunk_size": "the chunk size of SGLang's chunked LoRA kernel; the embedded engine has no such kernel",
+    "max_loras_per_batch": "how many adapters one SGLang batch holds (requests of others wait); the embedded engine "
+                           "batches any mix of adapters, each request with its own",
+    "lora_eviction_policy": "which adapter SGLang evicts from its batch slots; the embedded engine keeps every loaded "
+                            "adapter on its device",
+    "enable_lora_overlap_loading": "SGLang's adapter loading overlapped with its forwards (speed only)",
     "speculative_algorithm": _SPECULATIVE, "speculative_eagle_topk": _SPECULATIVE,
     "speculative_num_draft_tokens": _SPECULATIVE, "speculative_num_steps": _SPECULATIVE,
 }
+
+
+
+
+def serves_lora_adapters(train: Any, sglang: SGLangConfig) -> bool:
+    """A LoRA run (``--lora-rank``) whose engines serve the adapters (``--sglang-enable-lora``): the weight sync sends
+    the adapters (the base once, unmerged) and the rollouts name them, as Miles does for every LoRA run; without
+    ``--sglang-enable-lora`` the engines get the merged weights ``W + (alpha / r) B @ A``."""
+    return int(getattr(train, "lora_rank", 0) or 0) > 0 and bool(sglang.server_args.get("enable_lora"))
 
 
 def check_embedded_engine(sglang: SGLangConfig, *, why: str) -> None:
@@ -394,8 +414,10 @@ def flag_docs() -> list[str]:
         "`--sglang-max-total-tokens`, `--sglang-cuda-graph-bs` / `--sglang-cuda-graph-max-bs` (and their",
         "`-decode` spellings), `--sglang-disable-cuda-graph` / `--sglang-cuda-graph-backend-decode disabled`,",
         "`--sglang-disable-overlap-schedule`, `--sglang-enable-deterministic-inference` (batch-invariant outputs,",
-        "docs/engine-protocol.md), `--sglang-dtype`, `--sglang-max-queued-requests`, `--sglang-log-level`",
-        "and `--sglang-weight-version`. Any other `--sglang-*` flag is refused in one line with the embedded engine",
+        "docs/engine-protocol.md), `--sglang-dtype`, `--sglang-max-queued-requests`, `--sglang-log-level`,",
+        "`--sglang-weight-version` and the LoRA serving flags `--sglang-enable-lora`, `--sglang-max-lora-rank`,",
+        "`--sglang-max-loaded-loras`, `--sglang-lora-target-modules`, `--sglang-lora-paths` (adapters named by",
+        "`lora_path`, docs/engine-protocol.md). Any other `--sglang-*` flag is refused in one line with the embedded engine",
         "(at parse and `--dry-run` with `--rollout-engine embedded`; at the start when `--rollout-engine auto` picks",
         "it), and so is `--sglang-cuda-graph-backend-decode` other than `disabled` or `full`, except these, which",
         "Miles's scripts pass and which change SGLang's speed or logs, not the samples (the engine logs them once",

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from miles.config.base import ConfigError
+from miles.config.sglang import serves_lora_adapters
 
 if TYPE_CHECKING:
     from miles.config import MilesConfig
@@ -164,6 +165,10 @@ def validate_config(cfg: MilesConfig) -> None:
                           "use broadcast or disk-delta for disaggregated engines.")
     if w.lora_base_cpu_backup:
         _validate_lora_base_cpu_backup(cfg)
+    if serves_lora_adapters(cfg.train, cfg.sglang) and cfg.ft.use_fault_tolerance:
+        raise ConfigError("--sglang-enable-lora with --lora-rank and --use-fault-tolerance is not supported: an engine "
+                          "that returns catches up on the trainer's weights without the LoRA adapter its rollouts name; "
+                          "drop --sglang-enable-lora (merged weights) or --use-fault-tolerance.")
     if cfg.reward.group_rm and not cfg.reward.custom_rm_path:
         raise ConfigError("--group-rm needs --custom-rm-path module.function taking a whole group.")
     if cfg.reward.rm_type == "remote_rm" and not cfg.reward.rm_url:

@@ -81,6 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "one, and run every forward on the faster (the launcher passes it with its share of the "
                         "cores: a tiny model decodes faster on one thread). The choice follows timings, so two runs "
                         "may differ in it; --enable-deterministic-inference or a fixed OMP_NUM_THREADS turns it off.")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="Serve LoRA adapters (as sglang): /load_lora_adapter, /load_lora_adapter_from_tensors, "
+                        "/unload_lora_adapter, and lora_path on /generate (decode then runs without CUDA graphs).")
+    p.add_argument("--max-lora-rank", type=int, default=None, help="Refuse adapters of a larger rank (as sglang).")
+    p.add_argument("--max-loaded-loras", type=int, default=None, help="Most adapters loaded at once (as sglang).")
+    p.add_argument("--lora-target-modules", nargs="+", default=None,
+                   help="The linears adapters may target, e.g. q_proj v_proj, or all (as sglang).")
+    p.add_argument("--lora-paths", nargs="+", default=None,
+                   help="Adapters loaded at the start, each NAME=PATH or PATH (a PEFT directory; as sglang); implies "
+                        "--enable-lora.")
     p.add_argument("--log-level", default=os.environ.get("MILES_LOG_LEVEL", "INFO"), help="DEBUG, INFO, WARNING, ...")
     return p
 
@@ -163,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
             cuda_graph_bs=args.cuda_graph_bs, cuda_graph_max_bs=args.cuda_graph_max_bs,
             kv_cache=args.kv_cache, page_size=args.page_size, deterministic=args.enable_deterministic_inference,
             clamp_shared_expert=not args.no_activation_func_clamp_shared_expert, mix_step_tokens=mix_step_tokens,
-            pick_cpu_threads=args.pick_cpu_threads,
+            pick_cpu_threads=args.pick_cpu_threads, enable_lora=args.enable_lora, max_lora_rank=args.max_lora_rank,
+            max_loaded_loras=args.max_loaded_loras, lora_target_modules=args.lora_target_modules,
+            lora_paths=args.lora_paths,
             overlap_schedule=False if args.disable_overlap_schedule else (True if args.enable_overlap_schedule else None)))
     except ValueError as e:
         logger.error("%s", e)

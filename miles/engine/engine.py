@@ -63,6 +63,11 @@ class EngineArgs:
     clamp_shared_expert: bool = True           # off: --no-activation-func-clamp-shared-expert (the trainer's flag)
     mix_step_tokens: int | None = None         # riders' prompt tokens a decode step carries on CUDA (None: 1,024)
     pick_cpu_threads: bool = False             # CPU: the faster of OMP_NUM_THREADS and one thread (--pick-cpu-threads)
+    enable_lora: bool = False                  # serve LoRA adapters (sglang --enable-lora; miles.engine.lora)
+    max_lora_rank: int | None = None           # sglang --max-lora-rank
+    max_loaded_loras: int | None = None        # sglang --max-loaded-loras
+    lora_target_modules: list[str] | None = None   # sglang --lora-target-modules
+    lora_paths: list[str] | None = None        # sglang --lora-paths: NAME=PATH (or PATH, named by itself) at the start
 
 
 class Engine:
@@ -73,7 +78,15 @@ class Engine:
             max_context_len=args.max_context_len, cuda_graph=args.cuda_graph, native=args.native,
             max_total_tokens=args.max_total_tokens, cuda_graph_bs=args.cuda_graph_bs, cuda_graph_max_bs=args.cuda_graph_max_bs,
             kv_cache=args.kv_cache, page_size=args.page_size, deterministic=args.deterministic,
-            clamp_shared_expert=args.clamp_shared_expert, mix_step_tokens=args.mix_step_tokens))
+            clamp_shared_expert=args.clamp_shared_expert, mix_step_tokens=args.mix_step_tokens,
+            enable_lora=args.enable_lora or bool(args.lora_paths), max_lora_rank=args.max_lora_rank,
+            max_loaded_loras=args.max_loaded_loras, lora_target_modules=args.lora_target_modules))
+        for entry in args.lora_paths or ():     # sglang --lora-paths: adapters loaded before the first request
+            from miles.engine.lora import lora_path_entry, read_adapter_dir
+
+            name, path, pinned = lora_path_entry(entry)
+            config, tensors = read_adapter_dir(path)
+            self.runner.lora.load(name, config, tensors, path=path, pinned=pinned)
         self.tokenizer = self._load_tokenizer(args.hf_checkpoint)
         self.vision = None   # a VLM's image side (image_data on /generate); None: the model takes no images
         if self.runner.is_vlm:
@@ -125,8 +138,105 @@ class Engine:
             image_error = None if self.vision is not None else (
                 f"this {self.runner.config.model_type!r} model takes no images (not a vision-language model); drop "
                 f"image_data or serve a vision-language model such as Qwen3-VL")
-            return P.normalize_generate(body, self._tokenize, self.runner.vocab_size, lambda: os.urandom(16).hex(),
-                                        max_samples=self.args.max_samples_per_request, image_error=image_error)
+            specs, is_batch = P.normalize_generate(body, self._tokenize, self.runner.vocab_size,
+                                                   lambda: os.urandom(16).hex(),
+                                                   max_samples=self.args.max_samples_per_request, image_error=image_error)
+        if body.lora_path is not None:
+            lora = self.runner.lora
+            if lora is None:
+                raise P.BadRequest("GenerateReqInput.lora_path: this engine serves no LoRA adapters; start it with "
+                                   "--enable-lora (--sglang-enable-lora)")
+            from miles.engine.lora import LoraLoadError
+
+            try:
+                for sp in specs:
+                    sp.lora_index = lora.index(sp.lora_path)
+            except LoraLoadError as e:
+                raise P.BadRequest(f"GenerateReqInput.{e}") from None
+        return specs, is_batch
+
+    # ------------------------------------------------------------------ LoRA adapters (miles.engine.lora)
+    def _lora(self, what: str):
+        if self.runner.lora is None:
+            raise P.BadRequest(f"{what}: this engine serves no LoRA adapters; start it with --enable-lora "
+                               "(--sglang-enable-lora)")
+        return self.runner.lora
+
+    async def _lora_call(self, fn) -> dict[str, Any]:
+        """Run ``fn`` on the scheduler thread (between forwards); SGLang's LoRAUpdateOutput as a dict."""
+        from miles.engine.lora import LoraLoadError
+
+        lora = self.runner.lora
+
+        def go():
+            fn()
+            self.runner.weights_epoch += 1     # cached prompt logits of an adapter are stale now
+        try:
+            async with self._update_lock:
+                await self.scheduler.acall(go)
+        except (LoraLoadError, WeightUpdateError) as e:
+            return {"success": False, "error_message": str(e), "loaded_adapters": lora.loaded()}
+        return {"success": True, "error_message": None, "loaded_adapters": lora.loaded()}
+
+    async def load_lora_adapter(self, b: P.LoadLoRAAdapterReqInput) -> dict[str, Any]:
+        from miles.engine.lora import LoraLoadError, read_adapter_dir
+
+        lora = self._lora("load_lora_adapter")
+        try:
+            config, tensors = await asyncio.to_thread(read_adapter_dir, b.lora_path)
+        except LoraLoadError as e:
+            return {"success": False, "error_message": str(e), "loaded_adapters": lora.loaded()}
+        return await self._lora_call(lambda: lora.load(b.lora_name, config, tensors, path=b.lora_path,
+                                                       pinned=b.pinned))
+
+    async def load_lora_adapter_from_tensors(self, b: P.LoadLoRAAdapterFromTensorsReqInput) -> dict[str, Any]:
+        lora = self._lora("load_lora_adapter_from_tensors")
+        if (b.serialized_tensors is None) == (b.serialized_named_tensors is None):
+            raise P.BadRequest("LoadLoRAAdapterFromTensorsReqInput: give exactly one of 'serialized_tensors' or "
+                               "'serialized_named_tensors'")
+        if b.added_tokens_config is not None:
+            raise P.BadRequest("LoadLoRAAdapterFromTensorsReqInput.added_tokens_config is not supported by the "
+                               "embedded engine; leave it unset")
+        entries = [b.serialized_tensors] if b.serialized_tensors is not None else list(b.serialized_named_tensors)
+        if not entries:
+            raise P.BadRequest("LoadLoRAAdapterFromTensorsReqInput.serialized_named_tensors is empty")
+        try:
+            named = await asyncio.to_thread(deserialize_named_tensors, entries[0], b.load_format)
+        except WeightUpdateError as e:
+            return {"success": False, "error_message": str(e), "loaded_adapters": lora.loaded()}
+        finally:   # one process serves every TP rank (see update_from_tensor)
+            await asyncio.to_thread(release_handles, entries[1:], b.load_format)
+        tensors = {n: t.detach().clone() for n, t in named}
+        del named
+        if b.expected_checksums is not None:
+            bad = _checksum_mismatches(tensors, b.expected_checksums)
+            if bad:
+                return {"success": False, "error_message": f"expected_checksums: {len(bad)} tensors differ, e.g. "
+                        f"{bad[0]!r}", "loaded_adapters": lora.loaded()}
+        return await self._lora_call(lambda: lora.load(b.lora_name, b.config_dict, tensors, path="__tensor__",
+                                                       pinned=b.pinned, upsert=b.upsert))
+
+    async def load_lora_adapter_from_distributed(self, b: P.LoadLoRAAdapterFromDistributedReqInput) -> dict[str, Any]:
+        lora = self._lora("load_lora_adapter_from_distributed")
+        if b.added_tokens_config is not None:
+            raise P.BadRequest("LoadLoRAAdapterFromDistributedReqInput.added_tokens_config is not supported by the "
+                               "embedded engine; leave it unset")
+        if not (len(b.names) == len(b.dtypes) == len(b.shapes)) or not b.names:
+            raise P.BadRequest(f"LoadLoRAAdapterFromDistributedReqInput: names, dtypes and shapes must be non-empty "
+                               f"and of one length, got {len(b.names)}, {len(b.dtypes)}, {len(b.shapes)}")
+        try:
+            async with self._update_lock:     # the broadcast, in names order, as update_weights_from_distributed's
+                named = await asyncio.to_thread(self.groups.receive, b.group_name, b.names, b.dtypes, b.shapes,
+                                                None, None)
+        except WeightUpdateError as e:
+            return {"success": False, "error_message": str(e), "loaded_adapters": lora.loaded()}
+        tensors = dict(named)
+        return await self._lora_call(lambda: lora.load(b.lora_name, b.config_dict, tensors, path="__distributed__",
+                                                       pinned=b.pinned, upsert=b.upsert))
+
+    async def unload_lora_adapter(self, b: P.UnloadLoRAAdapterReqInput) -> dict[str, Any]:
+        lora = self._lora("unload_lora_adapter")
+        return await self._lora_call(lambda: lora.unload(b.lora_name))
 
     async def attach_images(self, specs: list[P.GenSpec], is_batch: bool) -> None:
         """A VLM: decode and process each prompt's ``image_data`` (in a worker thread, off the event loop) into
@@ -438,3 +548,17 @@ class Engine:
         def go():
             return t.detach()[:truncate_size].float().cpu().tolist()
         return await self.scheduler.acall(go)
+
+
+def _checksum_mismatches(tensors: dict[str, torch.Tensor], expected: dict[str, str]) -> list[str]:
+    """The names whose sha256 of their bytes (as Miles's client computes it) is not ``expected``'s (or missing)."""
+    import hashlib
+
+    bad = []
+    for name, want in expected.items():
+        t = tensors.get(name)
+        got = None if t is None else hashlib.sha256(
+            t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()).hexdigest()
+        if got != want:
+            bad.append(name)
+    return bad

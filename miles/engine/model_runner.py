@@ -57,6 +57,10 @@ class RunnerOptions:
     deterministic: bool = False              # batch-invariant forwards (sglang --enable-deterministic-inference)
     clamp_shared_expert: bool = True         # off: --no-activation-func-clamp-shared-expert (unclamp_shared_experts)
     mix_step_tokens: int | None = None       # prompt tokens a mixed step carries with CUDA graphs (None: MIX_STEP_TOKENS)
+    enable_lora: bool = False                # serve LoRA adapters (sglang --enable-lora; miles.engine.lora)
+    max_lora_rank: int | None = None         # sglang --max-lora-rank: larger adapters are refused at load
+    max_loaded_loras: int | None = None      # sglang --max-loaded-loras
+    lora_target_modules: list[str] | None = None   # sglang --lora-target-modules: the linears adapters may target
 
 
 def graph_batch_sizes(max_slots: int, sizes: list[int] | None = None, max_bs: int | None = None) -> list[int]:
@@ -233,6 +237,7 @@ class _NativeLM:
             type(m).__name__ in _PLAIN_RMSNORMS for layer in self.layers for m in (layer.self_attn.q_norm, layer.self_attn.k_norm)))
         # one GEMM for q/k/v and one for gate/up per layer (their parameters become views of the fused buffers), and
         # on CUDA the residual add with the next RMSNorm and SwiGLU's silu * up as single kernels
+        self.lora = None   # miles.engine.lora.LoraServing when adapters are served (then the linears stay unfused)
         self.fuse()
         self.fused_norms = (cuda_kernels and all(
             type(m).__name__ in _PLAIN_RMSNORMS and m.weight.dtype == dtype
@@ -260,6 +265,9 @@ class _NativeLM:
         MLP (SiLU, gate/up/down without bias), gate/up as one (``self.gate_up[li]`` or None)."""
         self.qkv: list[tuple[torch.Tensor, torch.Tensor | None] | None] = []
         self.gate_up: list[torch.Tensor | None] = []
+        if self.lora is not None:     # the adapters' hooks sit on the separate linears
+            self.unfuse()
+            return
         for layer in self.layers:
             a, mlp = layer.self_attn, layer.mlp
             self.qkv.append(_fuse_linears([a.q_proj, a.k_proj, a.v_proj]))
@@ -390,6 +398,8 @@ class _NativeLM:
         for i, s in enumerate(seqs):
             tok[i, : len(s)] = torch.tensor(s, dtype=torch.long)
         tok = tok.to(self.device, non_blocking=True)
+        if self.lora is not None:
+            self.lora.tokens(torch.arange(slot_start, slot_start + n, device=self.device).repeat_interleave(T))
         lens_t = torch.tensor(lens, device=self.device)
         uniform = all(x == T for x in lens)
         h = self.embed(tok)
@@ -451,6 +461,8 @@ class _NativeLM:
         t, end = len(tokens), start + len(tokens)
         kv.grow(row, end)
         tok = torch.tensor([tokens], dtype=torch.long).to(self.device, non_blocking=True)
+        if self.lora is not None:
+            self.lora.tokens(torch.full((t,), row, dtype=torch.long, device=self.device))
         pos = self.ar_ctx[start:end]
         cos, sin = self.cos[start:end][None, None], self.sin[start:end][None, None]
         table = kv.block_table[row]
@@ -509,6 +521,8 @@ class _NativeLM:
     def _decode_impl(self, tokens: torch.Tensor, positions: torch.Tensor, B: int, L: int) -> torch.Tensor:
         cos, sin = (None, None) if self.fused_rope else (self.cos[positions][:, None], self.sin[positions][:, None])
         ar = self.ar_slots[:B]
+        if self.lora is not None:
+            self.lora.tokens(ar)
         kv = self.kv
         if not self.kernel:
             kpos = self.ar_ctx[:L]
@@ -575,6 +589,8 @@ class _NativeLM:
         the logits of the tokens ``out_idx``. Decode is the case ``rows = 0..n-1``, one token each."""
         kv = self.kv
         T = tokens.shape[0]
+        if self.lora is not None:
+            self.lora.tokens(rows)
         cos, sin = (None, None) if self.fused_rope else (self.cos[positions][:, None], self.sin[positions][:, None])
         w_page = kv.block_table[rows, positions // kv.page_size]
         w_off = positions % kv.page_size
@@ -741,6 +757,7 @@ class _GenericLM:
         self.routes: list[list[torch.Tensor] | None] = [None] * max_slots
         self.record: list[bool] = [False] * max_slots
         self.use_graphs = False
+        self.lora = None   # miles.engine.lora.LoraServing when adapters are served
         # transformers 5.x renamed ``past_key_values`` to ``cache`` (input and output)
         self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
@@ -749,6 +766,9 @@ class _GenericLM:
         pixels); records the run's expert routing for ``slot`` when it records (appended to the slot's when
         ``append``)."""
         rec = slot is not None and self.record[slot] and self.recorder.enabled
+        if self.lora is not None:
+            self.lora.tokens(None if slot is None else torch.full((ids.numel(),), slot, dtype=torch.long,
+                                                                  device=self.device))
         if rec:
             self.recorder.begin()
         out = self.model(input_ids=ids, use_cache=True, **{self.cache_kw: cache}, **model_kw)
@@ -1011,7 +1031,9 @@ class ModelRunner:
         if native:
             try:
                 pages = self._pool_pages(opts, max_ctx) if self.paged else None
-                self.impl = _NativeLM(self.model, self.max_slots, max_ctx, self.device, self.dtype, opts.cuda_graph,
+                # served adapters run through Python hooks per forward: no CUDA graphs then
+                self.impl = _NativeLM(self.model, self.max_slots, max_ctx, self.device, self.dtype,
+                                      opts.cuda_graph and not opts.enable_lora,
                                       self.graph_batch_sizes, pages, self.page_size, opts.deterministic,
                                       mix_step_tokens=opts.mix_step_tokens)
             except (AttributeError, NotImplementedError) as e:
@@ -1031,6 +1053,16 @@ class ModelRunner:
         if need > 0.9 * avail:
             raise ValueError(f"the KV cache needs {need / 2**30:.1f} GiB ({self.max_slots} slots x {max_ctx} tokens) but only "
                              f"{avail / 2**30:.1f} GiB is free; lower --max-running-requests or --max-context-len")
+        self.lora = None
+        if opts.enable_lora:   # sglang --enable-lora: adapters named by /generate's lora_path (miles.engine.lora)
+            from miles.engine.lora import LoraServing
+
+            self.lora = LoraServing(self.model, self.max_slots + MIX_RIDERS + 2, self.device,
+                                    max_rank=opts.max_lora_rank, max_loaded=opts.max_loaded_loras,
+                                    target_modules=opts.lora_target_modules)
+            self.impl.lora = self.lora
+            if native:
+                self.impl.unfuse()
         self.impl.allocate_cache()
         self.eos_token_ids = self._eos_ids()
         self._renames = checkpoint_renames(self.model_path, self.model)   # e.g. Nemotron-H's backbone.* names
@@ -1180,6 +1212,13 @@ class ModelRunner:
 
     def move_slot(self, src: int, dst: int, length: int) -> None:
         self.impl.move_slot(src, dst, length)
+        if self.lora is not None:
+            self.lora.move_row(src, dst)
+
+    def set_lora(self, row: int, index: int) -> None:
+        """KV row ``row`` now holds a request of adapter ``index`` (0: the base model); no-op without adapters."""
+        if self.lora is not None:
+            self.lora.set_row(row, index)
 
     @property
     def has_routed_experts(self) -> bool:

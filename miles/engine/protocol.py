@@ -146,7 +146,7 @@ class GenerateReqInput(_Req):
 
 _UNSUPPORTED_GENERATE = {
     "input_embeds": None, "video_data": None, "audio_data": None, "modalities": None,
-    "session_params": None, "lora_path": None, "lora_id": None, "custom_logit_processor": None,
+    "session_params": None, "lora_id": None, "custom_logit_processor": None,
     "return_hidden_states": False, "return_entropy": False,
     "bootstrap_host": None, "bootstrap_port": None, "bootstrap_room": None, "bootstrap_pair_key": None,
     "decode_tp_size": None, "mm_hashes": None, "mm_content_hashes": None, "use_audio_in_video": False,
@@ -193,6 +193,10 @@ class GenSpec(msgspec.Struct, kw_only=True):
     # the list), and the engine's decoded form of it (``miles.engine.vlm.ImageBatch``, set before submission)
     image_data: list[str] | None = None
     mm: Any = None
+    # SGLang's lora_path: the name of the loaded LoRA adapter this request runs with (None: the base model), and the
+    # engine's index of it (``miles.engine.lora``; set before submission)
+    lora_path: str | None = None
+    lora_index: int = 0
 
 
 TEXT_ONLY = ("this model takes no images (not a vision-language model); drop image_data or serve a "
@@ -313,6 +317,50 @@ class UpdateWeightVersionReqInput(_Control, kw_only=True):
     abort_all_requests: bool = True  # SGLang's default: send false to keep paused/running requests
 
 
+class LoadLoRAAdapterReqInput(_Control, kw_only=True):
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+    lora_id: str | None = None
+
+
+class UnloadLoRAAdapterReqInput(_Control, kw_only=True):
+    lora_name: str
+    lora_id: str | None = None
+
+
+class LoadLoRAAdapterFromTensorsReqInput(_Control, kw_only=True):
+    """SGLang's struct; its newer releases (and Miles's client) send ``serialized_named_tensors`` (one entry per TP
+    rank) instead of ``serialized_tensors``, with ``upsert`` and ``expected_checksums``: both forms are taken."""
+
+    lora_name: str
+    config_dict: dict[str, Any]
+    serialized_tensors: str | None = None
+    serialized_named_tensors: list[str] | None = None
+    pinned: bool = False
+    added_tokens_config: dict[str, Any] | None = None
+    lora_id: str | None = None
+    load_format: str | None = None
+    upsert: bool = False
+    expected_checksums: dict[str, str] | None = None
+
+
+class LoadLoRAAdapterFromDistributedReqInput(_Control, kw_only=True):
+    """The adapter's metadata; its tensors arrive by broadcast over the weight-update group ``group_name`` in
+    ``names`` order (Miles's SGLang: ``load_lora_adapter_from_distributed``)."""
+
+    lora_name: str
+    config_dict: dict[str, Any]
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    pinned: bool = False
+    added_tokens_config: dict[str, Any] | None = None
+    upsert: bool = False
+    lora_id: str | None = None
+
+
 class GetWeightsByNameReqInput(_Control, kw_only=True):
     name: str
     truncate_size: int = 100
@@ -333,6 +381,17 @@ def decode(body: bytes, cls: type[msgspec.Struct], *, empty_ok: bool = False) ->
 
 
 # ----------------------------------------------------------------------------- normalisation
+def _lora_paths(value: Any, n_items: int, is_batch: bool) -> list[str | None]:
+    """SGLang's ``lora_path``: one adapter name for every prompt, or (a batch) one per prompt, None for the base."""
+    items = value if isinstance(value, list) else [value] * n_items
+    if isinstance(value, list) and (not is_batch or len(value) != n_items):
+        raise BadRequest(f"GenerateReqInput.lora_path has {len(value)} entries for {n_items} prompt(s)")
+    for x in items:
+        if x is not None and (not isinstance(x, str) or not x):
+            raise BadRequest(f"GenerateReqInput.lora_path: {x!r} is not the name of a loaded LoRA adapter")
+    return items
+
+
 def _per_item(value: Any, n_items: int, name: str, is_batch: bool) -> list[Any]:
     if is_batch and isinstance(value, list):
         if len(value) != n_items:
@@ -469,6 +528,7 @@ def normalize_generate(req: GenerateReqInput, tokenize, vocab_size: int, new_rid
     else:
         til_list = [til] * n_items
     image_refs = _image_refs(req.image_data, n_items, is_batch) if image_error is None else [None] * n_items
+    loras = _lora_paths(req.lora_path, n_items, is_batch)
     rids = req.rid
     rre = bool(req.return_routed_experts)
     re_start = int(req.routed_experts_start_len or 0)
@@ -518,6 +578,6 @@ def normalize_generate(req: GenerateReqInput, tokenize, vocab_size: int, new_rid
                                  top_logprobs_num=int(tl), token_ids_logprob=tids,
                                  return_text_in_logprobs=req.return_text_in_logprobs, index=index,
                                  return_routed_experts=rre, routed_experts_start_len=re_start,
-                                 image_data=image_refs[i], **d))
+                                 image_data=image_refs[i], lora_path=loras[i], **d))
             index += 1
     return specs, is_batch or n_samples > 1

@@ -52,9 +52,11 @@ logger = get_logger("miles.engine.scheduler")
 
 def prompt_key(spec: GenSpec) -> tuple:
     """What prompt KV is shared by: the token ids, and the images' bytes (``spec.mm.key``) for an image prompt, so that
-    prompts whose image tokens are equal but whose images differ never share KV or first-token logits."""
+    prompts whose image tokens are equal but whose images differ never share KV or first-token logits; and the LoRA
+    adapter (``spec.lora_path``) a request runs with, whose KV differs from the base model's."""
     ids = tuple(spec.input_ids)
-    return ids if spec.mm is None else (ids, spec.mm.key)
+    key = ids if spec.mm is None else (ids, spec.mm.key)
+    return key if spec.lora_path is None else (key, "lora", spec.lora_path)
 
 
 class QueueFull(RuntimeError):
@@ -630,6 +632,7 @@ class Scheduler(DecodeSteps):
                     self.waiting.popleft()
                     self.num_waiting -= 1
                     r.state, r.kv_len, self.chunking = "prefilling", 0, r
+                    rn.set_lora(rn.chunk_row, r.spec.lora_index)
                     self.chunked_prefills += 1
                 break
             if (src is None and holder is None and mix_ok and n <= self._mix_longest()
@@ -641,6 +644,7 @@ class Scheduler(DecodeSteps):
                     self.waiting.popleft()
                     self.num_waiting -= 1
                     r.state, r.kv_len, r.ride_row = "prefilling", 0, self._free_ride_rows.pop()
+                    rn.set_lora(r.ride_row, r.spec.lora_index)
                     self.riders.append(r)
                     self.mixed_prefills += 1
                     riding += 1
@@ -690,6 +694,8 @@ class Scheduler(DecodeSteps):
             record[src] = record[src] or asks[len(uniq) + j]
         for i, on in enumerate(record + asks[len(uniq):]):
             rn.record_routes(start + i, on)
+        for i, r in enumerate(batch):        # the LoRA adapter each row's tokens run with (0: the base model)
+            rn.set_lora(start + i, r.spec.lora_index)
         if uniq:
             self.prefills += 1
             last, full = rn.prefill(start, seqs, want_full, [r.spec.mm for r in uniq])

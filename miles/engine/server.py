@@ -305,6 +305,36 @@ async def get_weights_by_name(request: web.Request) -> web.Response:
     return _json(await _engine(request).get_weights_by_name(b.name, b.truncate_size))
 
 
+# ----------------------------------------------------------------------------- LoRA adapters
+def _lora_result(out: dict[str, Any]) -> web.Response:
+    """SGLang's LoRAUpdateOutput: 200 on success, 400 with its error_message otherwise."""
+    return _json(out, 200 if out["success"] else 400)
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    b = await _body(request, P.LoadLoRAAdapterReqInput)
+    return _lora_result(await _engine(request).load_lora_adapter(b))
+
+
+async def load_lora_adapter_from_tensors(request: web.Request) -> web.Response:
+    eng = _engine(request)
+    if eng.args.api_key is None and not (request.remote or "").startswith(_LOOPBACK):
+        return _error("load_lora_adapter_from_tensors unpickles tensor handles and is served only to loopback "
+                      "clients unless the engine runs with --api-key", 403)
+    b = await _body(request, P.LoadLoRAAdapterFromTensorsReqInput)
+    return _lora_result(await eng.load_lora_adapter_from_tensors(b))
+
+
+async def load_lora_adapter_from_distributed(request: web.Request) -> web.Response:
+    b = await _body(request, P.LoadLoRAAdapterFromDistributedReqInput)
+    return _lora_result(await _engine(request).load_lora_adapter_from_distributed(b))
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    b = await _body(request, P.UnloadLoRAAdapterReqInput)
+    return _lora_result(await _engine(request).unload_lora_adapter(b))
+
+
 def build_app(engine: Engine) -> web.Application:
     app = web.Application(middlewares=[_make_auth(engine.args.api_key), _errors], client_max_size=1 << 30)
     app[_ENGINE] = engine
@@ -336,6 +366,10 @@ def build_app(engine: Engine) -> web.Application:
     r.add_post("/update_weights_from_tensor", update_from_tensor)
     r.add_post("/update_weights_from_disk", update_from_disk)
     r.add_post("/update_weight_version", update_weight_version)
+    r.add_post("/load_lora_adapter", load_lora_adapter)
+    r.add_post("/load_lora_adapter_from_tensors", load_lora_adapter_from_tensors)
+    r.add_post("/load_lora_adapter_from_distributed", load_lora_adapter_from_distributed)
+    r.add_post("/unload_lora_adapter", unload_lora_adapter)
     return app
 
 

@@ -67,7 +67,7 @@ def _error_message(body: Any) -> str:
             return str(err.get("message") or json.dumps(err))
         if isinstance(err, str):
             return err
-        for key in ("message", "detail"):
+        for key in ("message", "detail", "error_message"):    # error_message: SGLang's LoRAUpdateOutput
             if body.get(key):
                 return str(body[key])
         return json.dumps(body)[:1000]
@@ -317,6 +317,27 @@ class EngineControl(_Http):
         # SGLang's abort_all_requests defaults to true: say false, so paused (retracted) requests survive the sync
         return await self._post("/update_weight_version", {"new_version": str(new_version), "abort_all_requests": False})
 
+    # -- LoRA adapters (SGLang's io_struct bodies; answered with LoRAUpdateOutput) -------------------------------
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, timeout: float | None = None) -> Any:
+        return await self._post("/load_lora_adapter", {"lora_name": lora_name, "lora_path": str(lora_path)}, timeout)
+
+    async def load_lora_adapter_from_tensors(self, lora_name: str, config_dict: dict,
+                                             serialized_named_tensors: list[str], load_format: str | None = None,
+                                             timeout: float | None = None) -> Any:
+        payload = {"lora_name": lora_name, "config_dict": dict(config_dict),
+                   "serialized_named_tensors": list(serialized_named_tensors), "load_format": load_format}
+        return await self._post("/load_lora_adapter_from_tensors", payload, timeout)
+
+    async def load_lora_adapter_from_distributed(self, lora_name: str, config_dict: dict, names: list[str],
+                                                 dtypes: list[str], shapes: list[list[int]], group_name: str,
+                                                 timeout: float | None = None) -> Any:
+        payload = {"lora_name": lora_name, "config_dict": dict(config_dict), "names": list(names),
+                   "dtypes": list(dtypes), "shapes": [list(s) for s in shapes], "group_name": group_name}
+        return await self._post("/load_lora_adapter_from_distributed", payload, timeout)
+
+    async def unload_lora_adapter(self, lora_name: str, timeout: float | None = None) -> Any:
+        return await self._post("/unload_lora_adapter", {"lora_name": lora_name}, timeout)
+
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
         return await self._post("/get_weights_by_name", {"name": name, "truncate_size": int(truncate_size)})
 
@@ -330,7 +351,7 @@ class EngineClient(_Http):
 
     def __init__(self, base_url: str | Sequence[str], api_key: str | None = None, timeout: float = 600.0,
                  max_retries: int = 3, concurrency: int = 512, backoff: float = 0.5, max_backoff: float = 5.0,
-                 cooldown: float = 10.0, engine_urls: Sequence[str] | None = None):
+                 cooldown: float = 10.0, engine_urls: Sequence[str] | None = None, lora_path: str | None = None):
         if concurrency < 1:
             raise ValueError(f"concurrency (--sglang-server-concurrency x engines) must be >= 1, got {concurrency}")
         if max_retries < 0:
@@ -342,6 +363,8 @@ class EngineClient(_Http):
         self.urls = [u.rstrip("/") for u in urls]
         self.max_retries = max_retries
         self.concurrency = concurrency
+        # the LoRA adapter every /generate names (SGLang's lora_path) when the engines serve the trained adapters
+        self.lora_path = lora_path
         self.backoff, self.max_backoff, self.cooldown = backoff, max_backoff, cooldown
         # Engines reachable directly: the URLs themselves when several are given, else (behind a router)
         # the engines the caller lists; used to broadcast aborts.
@@ -436,6 +459,8 @@ class EngineClient(_Http):
         rid = rid or uuid.uuid4().hex
         payload: dict[str, Any] = {"input_ids": [int(t) for t in input_ids], "sampling_params": dict(sampling_params),
                                    "return_logprob": bool(return_logprob), **(extra or {})}
+        if self.lora_path is not None:
+            payload.setdefault("lora_path", self.lora_path)
         if rid in self._pending:
             raise ValueError(f"generate: request id {rid!r} is already in progress on this client; rids must be unique")
         aborted = self._pending[rid] = asyncio.Event()

@@ -227,6 +227,11 @@ EMBEDDED_EQUIVALENTS: dict[str, str] = {
     "log_level": "--log-level",
     "weight_version": "--weight-version",
     "enable_deterministic_inference": "--enable-deterministic-inference",  # batch-invariant outputs, as SGLang's
+    "enable_lora": "--enable-lora",            # LoRA adapters (miles.engine.lora)
+    "max_lora_rank": "--max-lora-rank",
+    "max_loaded_loras": "--max-loaded-loras",
+    "lora_target_modules": "--lora-target-modules",
+    "lora_paths": "--lora-paths",
 }
 _EMBEDDED_DTYPES = {"half": "float16", "float": "float32"}  # SGLang's spellings -> the engine's
 
@@ -261,6 +266,14 @@ def _embedded_options(user: dict[str, Any]) -> tuple[list[str], list[str]]:
         argv.append("--disable-overlap-schedule")
     if user.get("enable_deterministic_inference"):
         argv.append("--enable-deterministic-inference")
+    if user.get("enable_lora"):
+        argv.append("--enable-lora")
+    for name in ("max_lora_rank", "max_loaded_loras"):
+        if user.get(name) is not None:
+            argv += [EMBEDDED_EQUIVALENTS[name], str(user[name])]
+    for name in ("lora_target_modules", "lora_paths"):
+        if user.get(name):
+            argv += [EMBEDDED_EQUIVALENTS[name], *(str(v) for v in user[name])]
     return argv, ignored
 
 

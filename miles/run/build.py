@@ -172,6 +172,7 @@ def _write_config(cfg: MilesConfig, plan: RunPlan, out_dir: Path) -> None:
 
 def _build_sender(cfg: MilesConfig, ctx: SPMDContext, trainer: Any, placement: Placement, version: int,
                   api_key: str | None) -> Any:
+    from miles.config.sglang import serves_lora_adapters
     from miles.fleet.engines import engine_host
     from miles.trainer.hf_export import weight_sync_dtype
     from miles.weight_sync.base import EngineTarget, build_weight_sender, resolve_mode
@@ -188,7 +189,7 @@ def _build_sender(cfg: MilesConfig, ctx: SPMDContext, trainer: Any, placement: P
     return build_weight_sender(cfg.weights, trainer, colocate=ctx.plan.colocate,
                                is_source=is_source, engines=targets if is_source else [],
                                dtype=weight_sync_dtype(cfg.train.hf_checkpoint, cfg.sglang.server_args.get("dtype")),
-                               initial_version=version,
+                               initial_version=version, lora_adapter=serves_lora_adapters(cfg.train, cfg.sglang),
                                status_group=ctx.groups.trainer_group, **kwargs)
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from miles.config.sglang import LORA_ADAPTER_NAME, serves_lora_adapters
 from miles.fleet.engines import (
     chat_template_server_flags,
     cpu_threads_server_flags,
@@ -325,10 +326,13 @@ async def connect_fleet(cfg: MilesConfig, placement: Placement, *, api_key: str 
         await rc.close()
     # R3: sglang-router drops return_routed_experts from /generate bodies (docs/rollout.md), so with
     # --use-rollout-routing-replay the rollout sends its requests to the engines directly (round robin)
-    gen_urls = list(placement.urls) if cfg.algo.use_rollout_routing_replay else router_url
+    # and so does a rollout naming the engines' LoRA adapter (the router drops lora_path too)
+    lora_path = LORA_ADAPTER_NAME if serves_lora_adapters(cfg.train, cfg.sglang) else None
+    gen_urls = list(placement.urls) if cfg.algo.use_rollout_routing_replay or lora_path else router_url
     client = EngineClient(gen_urls, api_key=api_key, timeout=r.rollout_request_timeout,
                           max_retries=r.rollout_request_retries,
-                          concurrency=max(1, r.sglang_server_concurrency * len(placement.urls)), engine_urls=placement.urls)
+                          concurrency=max(1, r.sglang_server_concurrency * len(placement.urls)), engine_urls=placement.urls,
+                          lora_path=lora_path)
     targets = [EngineTarget(url=u, num_workers=n, engine_id=i, api_key=api_key)
                for i, (u, n) in enumerate(zip(placement.urls, placement.num_workers))]
     return Fleet(urls=list(placement.urls), targets=targets, client=client, router_url=router_url, router=router,

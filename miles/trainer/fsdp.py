@@ -227,6 +227,25 @@ class FSDPTrainer(RLTrainer):
             self.model, group=self.group, device=self.device, bucket_bytes=bucket_bytes, dtype=dtype,
             name_fn=modeling.hf_name, timeout=self.timeout, prefetch=prefetch, together=layout.together), layout)
 
+    def iter_base_weight_buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None, *,
+                                 prefetch: bool = True) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """``iter_weight_buckets`` without merging the LoRA adapters: the frozen base, for engines that serve the
+        adapters themselves (``lora_adapter``; WeightSource in weight_sync/base.py)."""
+        modeling.reshard_all(self.model)
+        layout = self._checkpoint_layout()
+        return iter_checkpoint_buckets(iter_full_params(
+            self.model, group=self.group, device=self.device, bucket_bytes=bucket_bytes, dtype=dtype,
+            name_fn=modeling.hf_name, timeout=self.timeout, prefetch=prefetch, together=layout.together), layout)
+
+    def lora_adapter(self) -> tuple[dict, list[tuple[str, torch.Tensor]]]:
+        """The LoRA adapters as an HF PEFT adapter: (adapter_config.json's dict, the PEFT-named tensors); the
+        adapters are replicated on every rank, so nothing is gathered."""
+        from miles.trainer import lora as lora_mod
+        from miles.trainer import lora_hf
+
+        tensors = lora_hf.peft_tensors(self.lora)
+        return lora_mod.peft_config(tensors, self.lora.spec, self.cfg.hf_checkpoint), tensors
+
     def _checkpoint_names(self) -> frozenset[str] | None:
         """The tensor names of --hf-checkpoint (read once; None when it has no safetensors)."""
         if getattr(self, "_ckpt_names", None) is None:

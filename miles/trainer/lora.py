@@ -653,8 +653,12 @@ def write_peft_adapter(path, tensors: list[tuple[str, torch.Tensor]], spec: Lora
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     save_file(dict(tensors), str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (out / "adapter_config.json").write_text(json.dumps(peft_config(tensors, spec, base), indent=2) + "\n")
+
+
+def peft_config(tensors: list[tuple[str, torch.Tensor]], spec: LoraSpec, base: str | None) -> dict:
+    """adapter_config.json of ``tensors`` (PEFT names), also the ``config_dict`` of an adapter sent to the engines."""
     modules = sorted({k.rsplit(".", 3)[1] for k, _ in tensors})      # <prefix>.<module>.lora_X.weight
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
-              "lora_dropout": spec.dropout, "target_modules": modules, "bias": "none",
-              "base_model_name_or_path": base, "fan_in_fan_out": False, "inference_mode": True}
-    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
+            "lora_dropout": spec.dropout, "target_modules": modules, "bias": "none",
+            "base_model_name_or_path": base, "fan_in_fan_out": False, "inference_mode": True}

@@ -13,5 +13,8 @@ def is_lora_enabled(args: Any) -> bool:
 
 
 def lora_rollout_enabled(args: Any) -> bool:
-    """LoRA is on and the engines serve the adapter (not under ``--lora-train-only``)."""
-    return is_lora_enabled(args) and not getattr(args, "lora_train_only", False)
+    """LoRA is on and the engines serve the adapter (not under ``--lora-train-only``). Miles's engines serve it in every
+    LoRA run; here they do with ``--sglang-enable-lora`` (otherwise they hold merged weights and know no adapter:
+    ``miles.config.sglang.serves_lora_adapters``), so a plugin names ``LORA_ADAPTER_NAME`` only then."""
+    return (is_lora_enabled(args) and not getattr(args, "lora_train_only", False)
+            and bool(getattr(args, "sglang_enable_lora", False)))

@@ -39,6 +39,7 @@ from typing import Any, Protocol
 import torch
 
 from miles.config.base import ConfigError
+from miles.config.sglang import LORA_ADAPTER_NAME
 from miles.config.weights import WeightSyncConfig
 from miles.utils.errors import MilesError
 from miles.utils.logging import get_logger
@@ -64,7 +65,9 @@ class WeightSource(Protocol):
     checkpoint trained text-only: the towers stay as the engines loaded them), which disk-delta's full versions say
     in their manifest (``disk_delta.write_version``'s ``partial``). Optional: ``iter_trained_weight_buckets(bucket_bytes,
     dtype)``, the buckets of ``iter_weight_buckets`` less the tensors training never changes (LoRA: the merged targets
-    only), which ``--lora-base-cpu-backup`` sends after the first sync."""
+    only), which ``--lora-base-cpu-backup`` sends after the first sync. With LoRA adapters served by the engines
+    (``lora_adapter``): ``iter_base_weight_buckets`` (the same buckets with the adapters unmerged) and
+    ``lora_adapter()`` (collective: adapter_config.json's dict and the HF PEFT-named tensors)."""
 
     def iter_weight_buckets(self, bucket_bytes: int, dtype: torch.dtype | None) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """HF-named full tensors, bucket by bucket; collective on every trainer rank, every rank iterates to the
@@ -153,8 +156,15 @@ class WeightSender(ABC):
     def __init__(self, cfg: WeightSyncConfig, source: WeightSource, *, is_source: bool,
                  engines: Sequence[EngineTarget] = (), dtype: torch.dtype | None = None,
                  initial_version: int = 0, status_group: Any = None,
-                 control_factory: Callable[[EngineTarget, float], Any] | None = None) -> None:
+                 control_factory: Callable[[EngineTarget, float], Any] | None = None,
+                 lora_adapter: bool = False) -> None:
         self.cfg, self.source, self.is_source = cfg, source, is_source
+        # the engines serve the LoRA adapters (--sglang-enable-lora with --lora-rank, as Miles does): the base goes
+        # unmerged (WeightSource.iter_base_weight_buckets) and each sync loads the adapter (lora_adapter) under
+        # LORA_ADAPTER_NAME, which the rollouts name (the tensor and broadcast transports)
+        self.lora_adapter = lora_adapter
+        if lora_adapter:
+            check_lora_adapter_mode(self.mode)
         self.dtype = dtype
         self.engines: list[EngineTarget] = list(engines)
         self.weight_version = int(initial_version)
@@ -199,8 +209,13 @@ class WeightSender(ABC):
         targets = list(self.engines if engines is None else engines)
         err: BaseException | None = None
         result = SyncResult(self.mode, version, num_engines=len(targets))
-        self._trained_only = self.cfg.lora_base_cpu_backup and self._base_sent and not full
-        self._detach_this = detach and self.is_source and not self.cfg.check_weight_update_equal
+        # the engines keep the frozen base: --lora-base-cpu-backup (colocated), or separate engines serving the adapters
+        # (as Miles skips the base sync of a distributed LoRA sync)
+        keeps_base = self.cfg.lora_base_cpu_backup or (self.lora_adapter and self.mode == "broadcast")
+        self._trained_only = keeps_base and self._base_sent and not full
+        # an adapter sync is two requests (base, adapter): never detached
+        self._detach_this = (detach and self.is_source and not self.cfg.check_weight_update_equal
+                             and not self.lora_adapter)
         try:
             self.land()  # a detached sync still in flight lands before the next one starts
         except WeightSyncError as e:
@@ -228,9 +243,12 @@ class WeightSender(ABC):
             except (WeightSyncError, RuntimeError, ValueError) as e:
                 err = e
             self._agree(err)
-        logger.info("weight sync v%d (%s%s) to %d engine(s): %.3fs total, gather %.3fs, transfer %.3fs, load %.3fs, "
+        adapter = result.extra.get("lora_adapter_tensors")
+        logger.info("weight sync v%d (%s%s%s) to %d engine(s): %.3fs total, gather %.3fs, transfer %.3fs, load %.3fs, "
                     "control %.3fs, %.1f MB, %.2f GB/s", version, self.mode,
-                    ", trained tensors only: --lora-base-cpu-backup" if trained_only else "", result.num_engines,
+                    "" if not trained_only else ", base kept by the engines" if self.lora_adapter
+                    else ", trained tensors only: --lora-base-cpu-backup",
+                    f", LoRA adapter {LORA_ADAPTER_NAME} ({int(adapter)} tensors)" if adapter else "", result.num_engines,
                     result.total_s,
                     result.gather_s, result.transfer_s, result.load_s, result.control_s, result.bytes / 1e6, result.gbps)
         return result
@@ -277,6 +295,10 @@ class WeightSender(ABC):
     def iter_buckets(self, *, full: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The buckets of this sync (collective): the trainer's weights, or with ``--lora-base-cpu-backup`` after the
         first sync only the trained ones; ``full``: all of them whatever the sync sends (the equality check)."""
+        if self.lora_adapter:    # the frozen base (the adapters go by lora_adapter); nothing once the engines keep it
+            if self._trained_only and not full:
+                return iter(())
+            return self.source.iter_base_weight_buckets(self.cfg.update_weight_buffer_size, self.dtype)
         if self._trained_only and not full:
             trained = getattr(self.source, "iter_trained_weight_buckets", None)
             if trained is None:
@@ -382,6 +404,17 @@ class WeightSender(ABC):
             if isinstance(err, WeightSyncError):
                 raise err
             raise WeightSyncError(f"weight sync ({self.mode}) failed: {err}") from err
+
+
+def check_lora_adapter_mode(mode: str) -> None:
+    """Adapters go to the engines as Miles sends them: ``/load_lora_adapter_from_tensors`` (colocated, ``tensor``) or
+    ``/load_lora_adapter_from_distributed`` over the weight-update group (``broadcast``); Miles refuses LoRA with
+    disk-delta, and p2p has no adapter path."""
+    if mode not in ("tensor", "broadcast"):
+        raise ConfigError(f"--sglang-enable-lora with --lora-rank syncs the LoRA adapters to the engines, which is "
+                          f"built for the tensor (colocated: load_lora_adapter_from_tensors) and broadcast "
+                          f"(load_lora_adapter_from_distributed) transports; --update-weight-transfer-mode {mode} is "
+                          "not: use broadcast (or --colocate), or drop --sglang-enable-lora to sync merged weights")
 
 
 def _default_control(engine: EngineTarget, timeout: float) -> Any:

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from miles.config.sglang import LORA_ADAPTER_NAME
 from miles.utils.logging import get_logger
 from miles.utils.net import host_address
 from miles.weight_sync.base import Deadline, EngineTarget, SyncResult, WeightSender, WeightSyncError
@@ -216,6 +217,8 @@ class BroadcastSender(WeightSender):
         if not self.is_source:
             for _ in self.timed_buckets(result):
                 pass
+            if self.lora_adapter:
+                self.source.lora_adapter()   # collective: the adapters' gathers
             result.total_s = time.monotonic() - t_start
             return result
         deadline = Deadline(self.cfg.update_weight_timeout, f"weight sync v{version} (broadcast)")
@@ -224,6 +227,8 @@ class BroadcastSender(WeightSender):
             if not engines:
                 for _ in self.timed_buckets(result):
                     pass
+                if self.lora_adapter:
+                    self.source.lora_adapter()
                 return result
             if self._group is None:
                 self.connect(self.engines)
@@ -232,7 +237,8 @@ class BroadcastSender(WeightSender):
                 group = temp_group = self._form(engines)  # a subset (a newcomer): a group of its own
             tc = time.monotonic()
             embedded = self.all_embedded(engines, deadline)
-            whole = self.cfg.pause_generation_mode if embedded else None
+            # the adapter loads after the base and before generation continues: no one-request sync with it
+            whole = self.cfg.pause_generation_mode if embedded and not self.lora_adapter else None
             if whole is None:
                 self.begin(engines, deadline)
             result.control_s += time.monotonic() - tc
@@ -247,6 +253,8 @@ class BroadcastSender(WeightSender):
                     whole = None
                 buckets = itertools.chain([b for b in (first, second) if b is not None], buckets)
             self._send_all(group, engines, version, deadline, result, buckets, whole, ordered=embedded and whole is None)
+            if self.lora_adapter:
+                self._send_adapter(group, engines, deadline, result)
             if whole is None:
                 tc = time.monotonic()
                 self.finish(engines, version, deadline, versioned=result.num_buckets > 0)
@@ -445,6 +453,46 @@ class BroadcastSender(WeightSender):
                         return
                 except queue.Empty:
                     return
+
+    def _send_adapter(self, group: WeightGroup, engines: list[EngineTarget], deadline: Deadline,
+                      result: SyncResult) -> None:
+        """The LoRA adapter to every engine over the group, as Miles's distributed LoRA sync: unload the last one (a
+        failure there is fine: none yet), then ``/load_lora_adapter_from_distributed`` (names, dtypes, shapes) while
+        each tensor is broadcast in that order. Every trainer rank gathers the adapter (``lora_adapter``)."""
+        t0 = time.monotonic()
+        config, tensors = self.source.lora_adapter()
+        result.gather_s += time.monotonic() - t0
+        if not tensors:
+            raise WeightSyncError("LoRA adapter sync: the trainer exported no adapter tensors")
+        tensors = [(n, t.to(self.device).contiguous() if self.device is not None else t.contiguous())
+                   for n, t in tensors]
+
+        async def unload(c):
+            try:
+                await c.unload_lora_adapter(LORA_ADAPTER_NAME, timeout=deadline.left())
+            except Exception as e:  # noqa: BLE001 - the first sync has nothing to unload
+                logger.debug("unload_lora_adapter before the load: %s", e)
+        self.call_all(engines, unload, deadline, "unload_lora_adapter")
+        names = [n for n, _ in tensors]
+        dtypes = [dtype_to_str(t.dtype) for _, t in tensors]
+        shapes = [list(t.shape) for _, t in tensors]
+        futs = self.submit_all(engines, lambda c: c.load_lora_adapter_from_distributed(
+            LORA_ADAPTER_NAME, config, names, dtypes, shapes, group.name, timeout=deadline.left()))
+        t1 = time.monotonic()
+        try:
+            for n, t in tensors:
+                group.broadcast(t, src=0, timeout_s=deadline.left(), what=f"LoRA tensor {n!r}")
+        except WeightGroupError as e:
+            for f in futs:
+                f.cancel()
+            raise WeightSyncError(f"{e} (engines: {[x.url for x in engines]})") from e
+        result.transfer_s += time.monotonic() - t1
+        t2 = time.monotonic()
+        self.wait_all(engines, futs, deadline, "load_lora_adapter_from_distributed")
+        result.load_s += time.monotonic() - t2
+        result.bytes += sum(t.numel() * t.element_size() for _, t in tensors)
+        result.num_tensors += len(tensors)
+        result.extra["lora_adapter_tensors"] = float(len(tensors))
 
     def _name_suspects(self, err: BaseException, engines: list[EngineTarget]) -> BaseException:
         """Add to ``err`` which engines had not answered the bucket in flight (the stalled or dead ones)."""

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from miles.config.sglang import LORA_ADAPTER_NAME
 from miles.utils.logging import get_logger
 from miles.weight_sync.base import Deadline, EngineTarget, SyncResult, WeightSender, WeightSyncError
 from miles.weight_sync.buckets import bucket_metadata, dtype_from_str, pack_bucket, unpack_bucket
@@ -151,7 +152,7 @@ class TensorSender(WeightSender):
             it = self.iter_buckets()
             if posting:
                 tc = time.monotonic()
-                whole = self.whole_sync_mode(engines, deadline)
+                whole = None if self.lora_adapter else self.whole_sync_mode(engines, deadline)
                 if whole is None:
                     self.begin(engines, deadline)
                 result.control_s += time.monotonic() - tc
@@ -196,6 +197,8 @@ class TensorSender(WeightSender):
                     failure = e
             if failure is None and in_flight is not None:
                 self._wait(engines, in_flight, deadline, result)
+            if self.lora_adapter:     # collective (the adapters' gathers); then loaded by the posting ranks
+                failure = self._send_adapter(engines, deadline, result, posting and failure is None) or failure
             if failure is not None:
                 raise failure
             if posting and whole is None:
@@ -205,6 +208,40 @@ class TensorSender(WeightSender):
         finally:
             result.total_s = time.monotonic() - t_start
         return result
+
+    def _send_adapter(self, engines: list[EngineTarget], deadline: Deadline, result: SyncResult,
+                      post: bool) -> WeightSyncError | None:
+        """The LoRA adapter to every engine: unload the last one (a failure there is fine: none yet) and load the new
+        one under LORA_ADAPTER_NAME by ``/load_lora_adapter_from_tensors`` (a flattened bucket, one payload per
+        worker), as Miles's colocated LoRA sync does. Collective: every rank gathers the adapter."""
+        t0 = time.monotonic()
+        config, tensors = self.source.lora_adapter()
+        result.gather_s += time.monotonic() - t0
+        if not post:
+            return None
+        if not tensors:
+            return WeightSyncError("LoRA adapter sync: the trainer exported no adapter tensors")
+        flat, meta = pack_shared(self._on_device(tensors), self.device)
+        result.bytes += flat.numel()
+        result.num_tensors += len(tensors)
+        t1 = time.monotonic()
+        try:
+            async def unload(c):
+                try:
+                    await c.unload_lora_adapter(LORA_ADAPTER_NAME, timeout=deadline.left())
+                except Exception as e:  # noqa: BLE001 - the first sync has nothing to unload
+                    logger.debug("unload_lora_adapter before the load: %s", e)
+            self.call_all(engines, unload, deadline, "unload_lora_adapter")
+            futures = [self.submit_all([e], lambda c, e=e: c.load_lora_adapter_from_tensors(
+                LORA_ADAPTER_NAME, config, [serialize_bucket(flat, meta) for _ in range(e.num_workers)],
+                load_format="flattened_bucket", timeout=deadline.left()))[0] for e in engines]
+            self.wait_all(engines, futures, deadline, "load_lora_adapter_from_tensors")
+            result.extra["lora_adapter_tensors"] = float(len(tensors))
+        except WeightSyncError as e:
+            return e
+        finally:
+            result.load_s += time.monotonic() - t1
+        return None
 
     def _on_device(self, bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         for name, t in bucket:

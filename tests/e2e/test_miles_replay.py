@@ -44,8 +44,8 @@ RUN_ALL = os.environ.get("MILES_REPLAY_ALL") == "1"
 # fixture -> the defect its replay hits today (docs/miles-scripts.md gives the error line and the cause)
 KNOWN_FAILURES: dict[str, str] = {}
 # fixtures refused on a machine without SGLang only by SGLang-only serving flags, which the replay drops (its engines
-# are embedded ones): replayed too
-SGLANG_ONLY_REFUSED = ("lora_qwen3_5_35b_a3b", "lora_moe_gpt_oss_20b", "megatron_deepseek_v32")
+# are embedded ones): replayed too (the LoRA commands' SGLang LoRA flags are the embedded engine's too now)
+SGLANG_ONLY_REFUSED = ("megatron_deepseek_v32",)
 REPLAYED = [p for p in FIXTURES if read_fixture(p)[1] == "dry-run" or p.stem in SGLANG_ONLY_REFUSED]
 
 

@@ -191,7 +191,8 @@ def preflight_check(cfg, hf_config: dict | None) -> None:
     check_shape(cfg.megatron, shape)
     o = resolve(cfg.megatron, cfg.train)
     check_static(o, shape)
-    check_dp(o, max(cfg.cluster.actor_num_nodes * cfg.cluster.actor_num_gpus_per_node // (o.tp * o.pp), 1))
+    check_dp(o, max(cfg.cluster.actor_num_nodes * cfg.cluster.actor_num_gpus_per_node // (o.tp * o.pp), 1),
+             lora=lora.LoraSpec.from_config(cfg.train) is not None)
     check_expert_world(o, cfg.cluster.actor_num_nodes * cfg.cluster.actor_num_gpus_per_node)
     check_pipeline_algo(resolve(cfg.megatron, cfg.train), cfg.algo)
     if (spec := lora.LoraSpec.from_config(cfg.train)) is not None:    # --lora-rank: the layouts LoRA runs on
@@ -270,9 +271,11 @@ def check_pipeline_algo(o: Options, algo) -> None:
                           "data parallelism), another estimator (grpo, ...), or --train-backend fsdp.")
 
 
-def check_dp(o: Options, dp_size: int) -> None:
-    """The values this build does not run with ``dp_size`` data-parallel ranks (the trainer ranks / (TP x PP))."""
-    if o.cpu_offload_fraction is not None and o.distributed_optimizer_given and dp_size > 1:
+def check_dp(o: Options, dp_size: int, lora: bool = False) -> None:
+    """The values this build does not run with ``dp_size`` data-parallel ranks (the trainer ranks / (TP x PP)).
+    Under LoRA (``lora``) the distributed optimizer is not built (the trainer's AdamW, offloaded or not, holds only the
+    small adapters: trainer.py's ``distributed_optimizer``), so the offloaded AdamW with it is no conflict there."""
+    if o.cpu_offload_fraction is not None and o.distributed_optimizer_given and dp_size > 1 and not lora:
         raise ConfigError(f"--optimizer-cpu-offload with --use-distributed-optimizer over {dp_size} data-parallel "
                           "ranks is not supported by the Megatron backend (the offloaded AdamW is not sharded over DP; "
                           "with one DP rank there is nothing to shard): drop one of them.")
@@ -288,10 +291,11 @@ def check_expert_world(o: Options, trainers: int) -> None:
                           "an expert-parallel size that divides them, or more trainer ranks.")
 
 
-def check_supported(o: Options, shape: ModelShape, device: torch.device, dp_size: int) -> None:
-    """One line for the first value this build does not run on ``device`` with ``dp_size`` DP ranks."""
+def check_supported(o: Options, shape: ModelShape, device: torch.device, dp_size: int, lora: bool = False) -> None:
+    """One line for the first value this build does not run on ``device`` with ``dp_size`` DP ranks (``lora``: a
+    --lora-rank run)."""
     check_static(o, shape)
-    check_dp(o, dp_size)
+    check_dp(o, dp_size, lora=lora)
     te = use_transformer_engine(device) and o.transformer_impl != "local"
     if o.sequence_parallel and o.tp == 1:          # Megatron-LM turns it off; here it is kept and does nothing
         warn_once(logger, "--sequence-parallel has no effect with --tensor-model-parallel-size 1 (no TP group to "

@@ -98,7 +98,8 @@ class MegatronTrainer(RLTrainer):
         options.check_shape(megatron, self.shape)
         check_kernel_flags(megatron)                    # --moe-grouped-gemm, DeepEP, ...: their packages, on this rank
         options.check_supported(self.opts, self.shape, self.device,
-                                max(self.trainer_world // (self.opts.tp * self.opts.pp), 1))
+                                max(self.trainer_world // (self.opts.tp * self.opts.pp), 1),
+                                lora=lora_mod.LoraSpec.from_config(train) is not None)
         options.check_pipeline_algo(self.opts, algo)
         ranks = dist.get_process_group_ranks(group)
         if ranks != list(range(self.trainer_world)):     # megatron-core lays its groups over ranks 0..n-1
@@ -442,6 +443,20 @@ class MegatronTrainer(RLTrainer):
                                     prefetch=prefetch, stage=self.stage, only=names.__contains__,
                                     spelling=self._checkpoint_spelling())
         return _merged_buckets(self.lora, it)
+
+    def iter_base_weight_buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None, *,
+                                 prefetch: bool = True) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """``iter_weight_buckets`` without merging the LoRA adapters: the frozen base, for engines that serve the
+        adapters themselves (``lora_adapter``; WeightSource in weight_sync/base.py)."""
+        return export.iter_hf_buckets(self.model, self.shape, self.groups, device=self.device,
+                                      bucket_bytes=bucket_bytes, dtype=dtype, timeout=self.timeout,
+                                      prefetch=prefetch, stage=self.stage, spelling=self._checkpoint_spelling())
+
+    def lora_adapter(self) -> tuple[dict, list[tuple[str, torch.Tensor]]]:
+        """The LoRA adapters as an HF PEFT adapter: (adapter_config.json's dict, the PEFT-named tensors, CPU fp32);
+        collective (TP, EP and PP gathers)."""
+        tensors = lora_mod.peft_tensors(self.lora, self.shape)
+        return lora_mod.peft_config(tensors, self.lora.spec, self.cfg.hf_checkpoint), tensors
 
     def mtp_weight_prefixes(self) -> tuple[str, ...]:
         """The HF name prefixes of the MTP layers ``iter_weight_buckets`` exports (``--mtp-num-layers``, mtp.py):

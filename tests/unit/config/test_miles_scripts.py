@@ -393,27 +393,28 @@ def test_mla_commands_without_their_sglang_serving_flags(name: str, cp: int, pp:
     assert "role plan" in dry_run(parse_args(argv + ["--dry-run"]))
 
 
-def test_qwen3_5_lora_command_without_its_sglang_serving_flags(workdir: Path, model_dirs, plugins_on_path):
+def test_qwen3_5_lora_command_keeps_its_sglang_lora_flags(workdir: Path, model_dirs, plugins_on_path):
     """The recorded Qwen3.5-35B-A3B LoRA command (``lora_qwen3_5_35b_a3b``: ``--lora-base-cpu-backup`` with
     ``--colocate``, Megatron-Bridge module paths as ``--target-modules`` with the gated DeltaNet's ``in_proj`` /
-    ``out_proj``, ``--experts-shared-outer-loras``, TP 2 + SP, EP 8, full recompute, ``--mtp-num-layers 1``) is refused on
-    this machine only by its SGLang-only LoRA serving flags; without them the dry run passes."""
-    import importlib.util
-
-    from miles_fixtures import _drop_sglang_only
-
+    ``out_proj``, ``--experts-shared-outer-loras``, TP 2 + SP, EP 8, full recompute, ``--mtp-num-layers 1``) passes the
+    dry run with its SGLang LoRA serving flags: ``--sglang-max-lora-rank 16`` reaches the embedded engine (its
+    ``--max-lora-rank``), ``--sglang-lora-backend triton`` is a kernel choice that changes nothing there. Without
+    ``--sglang-enable-lora`` the engines get merged weights (its adapters on the routed experts are no adapters the
+    embedded engine serves)."""
+    from miles.config.sglang import serves_lora_adapters
+    from miles.fleet.engines import engine_argv_from_config
     from miles.run.entry import dry_run
 
     path = HERE / "lora_qwen3_5_35b_a3b.flags"
     argv = without_absent_kernel_flags(fixture_argv(read_fixture(path)[2], subs_for(path, workdir, model_dirs)))
     assert "--lora-base-cpu-backup" in argv and "--mtp-num-layers" in argv
-    if importlib.util.find_spec("sglang") is None:
-        changed: dict[str, str] = {}
-        argv = _drop_sglang_only(argv, changed, "train.py")
-        assert sorted(changed) == ["--sglang-lora-backend", "--sglang-max-lora-rank"], changed
     cfg = parse_args(argv + ["--dry-run"])
-    assert cfg.weights.lora_base_cpu_backup
+    assert cfg.weights.lora_base_cpu_backup and not serves_lora_adapters(cfg.train, cfg.sglang)
+    assert cfg.sglang.server_args == {**cfg.sglang.server_args, "max_lora_rank": 16, "lora_backend": "triton"}
     assert "role plan" in dry_run(cfg)
+    engine = engine_argv_from_config("embedded", cfg.rollout, sglang=cfg.sglang, hf_checkpoint="/m", host="127.0.0.1",
+                                     port=2000, api_key=None, num_gpus=1, base_gpu_id=0, device="cpu", colocate=True)
+    assert engine[engine.index("--max-lora-rank") + 1] == "16" and "--enable-lora" not in engine
 
 
 @pytest.mark.parametrize("name, dropped", [

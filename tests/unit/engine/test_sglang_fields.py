@@ -35,6 +35,18 @@ CONTROL = {
                                      "flush_cache": True, "manifest": None},
     P.UpdateWeightVersionReqInput: {**BASE, "new_version": "1", "abort_all_requests": True},
     P.GetWeightsByNameReqInput: {**BASE, "name": "w", "truncate_size": 100},
+    # io_struct's LoRA requests; LoadLoRAAdapterFromTensorsReqInput also in its newer form (one serialized entry per
+    # TP rank, upsert, expected_checksums), which Miles's client sends
+    P.LoadLoRAAdapterReqInput: {**BASE, "lora_name": "a", "lora_path": "/a", "pinned": False, "lora_id": None},
+    P.UnloadLoRAAdapterReqInput: {**BASE, "lora_name": "a", "lora_id": None},
+    P.LoadLoRAAdapterFromTensorsReqInput: {**BASE, "lora_name": "a", "config_dict": {"r": 2},
+                                           "serialized_tensors": "x", "serialized_named_tensors": None,
+                                           "pinned": False, "added_tokens_config": None, "lora_id": None,
+                                           "load_format": None, "upsert": False, "expected_checksums": None},
+    P.LoadLoRAAdapterFromDistributedReqInput: {**BASE, "lora_name": "a", "config_dict": {"r": 2}, "names": ["x"],
+                                               "dtypes": ["float32"], "shapes": [[2, 3]], "group_name": "g",
+                                               "pinned": False, "added_tokens_config": None, "upsert": False,
+                                               "lora_id": None},
 }
 
 GENERATE_FIELDS = (

@@ -470,3 +470,23 @@ def test_the_embedded_engine_on_cpu_picks_its_threads_under_the_plan_only():
     assert cpu_threads_server_flags("embedded", "cpu", None) == []
     assert cpu_threads_server_flags("embedded", "cuda", 2) == []
     assert cpu_threads_server_flags("sglang", "cpu", 2) == []
+
+
+def test_embedded_maps_the_sglang_lora_flags(tmp_path):
+    """The SGLang LoRA serving flags the embedded engine honours reach its own options (miles.engine.lora); the
+    kernel choices are accepted as changing nothing there; the MoE-LoRA ones stay refused by name."""
+    from miles.config import ConfigError, parse_args
+    from miles.engine.__main__ import parse_args as engine_parse_args
+
+    argv = _embedded_from_flags(tmp_path, "--sglang-enable-lora", "--sglang-max-lora-rank", "16",
+                                "--sglang-max-loaded-loras", "3", "--sglang-lora-target-modules", "q_proj", "v_proj",
+                                "--sglang-lora-paths", "a=/x", "--sglang-lora-backend", "triton",
+                                "--sglang-max-loras-per-batch", "2")
+    ns = engine_parse_args(argv[3:])
+    assert ns.enable_lora and (ns.max_lora_rank, ns.max_loaded_loras) == (16, 3)
+    assert ns.lora_target_modules == ["q_proj", "v_proj"] and ns.lora_paths == ["a=/x"]
+    base = ["--num-rollout", "2", "--rollout-batch-size", "4", "--rollout-engine", "embedded"]
+    parse_args(base + ["--sglang-enable-lora", "--sglang-lora-backend", "triton", "--sglang-max-lora-rank", "16"])
+    with pytest.raises(ConfigError, match=r"^--sglang-lora-use-virtual-experts: the embedded engine "
+                                          r"\(--rollout-engine embedded\) has no such setting"):
+        parse_args(base + ["--sglang-lora-use-virtual-experts"])

@@ -89,6 +89,7 @@ def test_offload_flags_reach_the_options(tiny_model_dir) -> None:
     import json
 
     import pytest
+    from transformers import AutoConfig
 
     from miles.config import ConfigError
     from miles.trainer.megatron import options
@@ -108,5 +109,15 @@ def test_offload_flags_reach_the_options(tiny_model_dir) -> None:
     # one DP rank (Miles's Kimi-K2.5 command: TP 8 on 8 GPUs): the distributed optimizer shards nothing
     options.preflight_check(_cfg(tiny_model_dir, "--optimizer-cpu-offload", "--use-distributed-optimizer",
                                  "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2"), hf)
+    # under LoRA the distributed optimizer is not built (the AdamW holds only the adapters; trainer.py's
+    # distributed_optimizer): Miles's Kimi-K2.5 LoRA recipe passes over 2 DP ranks, the trainer's own check too
+    lora = _cfg(tiny_model_dir, "--optimizer-cpu-offload", "--use-distributed-optimizer", "--actor-num-gpus-per-node",
+                "2", "--lora-rank", "4", "--target-modules", "all-linear")
+    options.preflight_check(lora, hf)
+    shape = options.shape_of(AutoConfig.from_pretrained(tiny_model_dir))
+    o = options.resolve(lora.megatron, lora.train)
+    options.check_supported(o, shape, torch.device("cpu"), 2, lora=True)
+    with pytest.raises(ConfigError, match=r"^--optimizer-cpu-offload with --use-distributed-optimizer over 2 "):
+        options.check_supported(o, shape, torch.device("cpu"), 2)
     with pytest.raises(ConfigError, match=r"^--optimizer-offload-fraction must be in \[0, 1\], got 1.5"):
         _cfg(tiny_model_dir, "--optimizer-cpu-offload", "--optimizer-offload-fraction", "1.5")

@@ -1,0 +1,73 @@
+"""LoRA adapters synced to the engines, as Miles does (``--sglang-enable-lora`` with ``--lora-rank``): a tiny
+LoRA run (Megatron and FSDP: ``train.py`` under torchrun, 2 colocated CPU ranks with an embedded engine each;
+Megatron also with a separate engine rank, broadcast) of 2 rollouts sends the frozen base unmerged
+(``--check-weight-update-equal`` checks it bit for bit) and the adapter at every sync under ``miles_lora``
+(``/load_lora_adapter_from_tensors``, or ``/load_lora_adapter_from_distributed`` over the weight-update group), and
+its rollouts name the adapter (``lora_path``). The reference is the same run syncing merged weights
+``W + (alpha / r) B @ A`` (no ``--sglang-enable-lora``): the second rollout, generated after a training step moved
+the adapters, has the same tokens, the trainer's log-probs equal the engines' in both runs, and the two runs train
+alike."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from _miles_e2e import check_ok, metrics, run
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(900)]
+
+TESTS = Path(__file__).resolve().parents[1]
+
+
+# weight-sync transport -> its flags and ranks (2 trainer ranks; colocated engines on them, or one engine of its own)
+MODES = {"tensor": (["--colocate", "--num-gpus-per-node", "2"], 2),
+         "broadcast": (["--rollout-num-gpus", "1", "--num-gpus-per-node", "3"], 3)}
+
+
+def _train(tmp_path: Path, model: Path, data: Path, backend: str, mode: str, name: str, *extra: str) -> Path:
+    out, log = tmp_path / name, tmp_path / f"{name}.log"
+    flags, ranks = MODES[mode]
+    cmd = ["torchrun", "--standalone", "--nproc-per-node", str(ranks), "train.py", "--train-backend", backend, *flags,
+           "--actor-num-nodes", "1", "--actor-num-gpus-per-node", "2",
+           "--hf-checkpoint", str(model), "--prompt-data", str(data), "--input-key", "input", "--label-key", "label",
+           "--rm-type", "math", "--custom-rm-path", "miles_fixtures.varying_reward",
+           "--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4",
+           "--rollout-max-response-len", "4", "--rollout-seed", "3", "--lr", "5e-2", "--lora-rank", "4", "--lora-alpha",
+           "8", "--target-modules", "all-linear", "--check-weight-update-equal", "--output-dir", str(out),
+           "--no-progress", "--save-debug-rollout-data", str(out / "rollouts" / "rollout_{rollout_id}.jsonl"), *extra]
+    check_ok(run(cmd, log, timeout=600, PYTHONPATH=f"{TESTS.parent}:{TESTS}"), log)
+    return out
+
+
+def _rows(out: Path, rollout_id: int) -> list[dict]:
+    rows = [json.loads(line) for line in (out / "rollouts" / f"rollout_{rollout_id}.jsonl").read_text().splitlines()]
+    return sorted(rows, key=lambda r: r["index"])
+
+
+@pytest.mark.parametrize("backend, mode", [("megatron", "tensor"), ("fsdp", "tensor"), ("megatron", "broadcast")])
+def test_adapters_synced_give_the_merged_weights_rollouts(tmp_path: Path, tiny_model_dir: Path, backend: str,
+                                                          mode: str):
+    if backend == "megatron":
+        pytest.importorskip("megatron.core")
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"input": f"{i} plus {i} is", "label": str(2 * i)}) + "\n" for i in range(4)))
+    served = _train(tmp_path, tiny_model_dir, data, backend, mode, "adapters", "--sglang-enable-lora")
+    merged = _train(tmp_path, tiny_model_dir, data, backend, mode, "merged")
+    log = (served / "logs" / "rank0.log").read_text()
+    syncs = [line for line in log.splitlines() if "weight sync v" in line]
+    # the first sync and one per rollout, each loading the adapter (q/k/v/o, gate/up/down of 2 layers: A and B)
+    assert len(syncs) == 3 and all("LoRA adapter miles_lora (28 tensors))" in line for line in syncs), syncs
+    # a separate engine keeps the frozen base: sent at the first sync only (colocated ones may drop it: every sync)
+    assert [", base kept by the engines" in line for line in syncs] == [False] + [mode == "broadcast"] * 2, syncs
+    assert "LoRA adapter" not in (merged / "logs" / "rank0.log").read_text()
+    a, b = metrics(served), metrics(merged)
+    for ra, rb in zip(a, b, strict=True):
+        assert ra["train/grad_norm"] > 0, ra                   # the adapters train (B moves off 0 from step 0)
+        for key in ("train/grad_norm", "train/loss", "train/train_rollout_logprob_abs_diff"):
+            assert ra[key] == pytest.approx(rb[key], rel=1e-4, abs=1e-6), key
+        # the trainer's log-probs against the engines': the same model on both sides (measured 1.5e-7)
+        assert ra["train/train_rollout_logprob_abs_diff"] < 1e-5, ra
+    for rid in (0, 1):
+        assert [r["tokens"] for r in _rows(served, rid)] == [r["tokens"] for r in _rows(merged, rid)], rid
