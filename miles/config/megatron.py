@@ -186,6 +186,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="Miles's custom layer spec (e.g. miles_plugins.models.glm5.glm5 get_glm5_spec): checked against "
                         "config.json's model_type and the families built (miles/config/specs.py); the layers are built "
                         "from config.json.")
+    g.add_argument("--custom-model-provider-path", default=None, metavar="MODULE.FUNCTION",
+                   help="A Megatron model provider, called as Miles calls it (pre_process=, post_process=[, "
+                        "vp_stage=][, config=]) -> a megatron-core GPTModel whose parameter names are those of "
+                        "--hf-checkpoint's family (docs/trainer.md \"Custom model providers\").")
     g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default=None,
                    help="Layer spec (default: transformer_engine when it imports on GPU, else local).")
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default=None, help="Must match config.json.")
@@ -286,6 +290,7 @@ class MegatronConfig:
     cp_comm_type: list[str] | None = None
     transformer_impl: str | None = None
     spec: list[str] | None = None                      # --spec MODULE FUNCTION (specs.py: checked, else no effect)
+    custom_model_provider_path: str | None = None      # a user's model provider (trainer/megatron/provider.py)
     make_vocab_size_divisible_by: int | None = None
     num_layers: int | None = None
     hidden_size: int | None = None
