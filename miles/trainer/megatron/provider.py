@@ -57,7 +57,8 @@ def load_provider(path: str) -> Callable[..., Any]:
 def _hint(missing: str) -> str:
     top = missing.split(".")[0]
     if top == "transformer_engine":
-        return " (transformer-engine: a GPU package, the 'te' extra; the provider's layers are TE-only)"
+        return (" (transformer-engine, a GPU package: pip install --no-build-isolation 'transformer_engine[pytorch]' "
+                "on the GPU nodes)")
     if missing.startswith("megatron.training"):
         return " (Megatron-LM's training package, which megatron-core does not include)"
     return ""
