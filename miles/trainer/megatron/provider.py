@@ -14,21 +14,34 @@ the HF checkpoint by that family's converter (convert.py, export.py). Its forwar
 stops it after the final norm and computes log-probs from those hidden states with the output layer's weight, so an
 output layer whose forward was replaced (e.g. a scaled head) is refused rather than silently bypassed.
 
+Megatron-LM's global arguments, which Miles's providers read (``from megatron.training import get_args``), are
+the run's flags (``megatron_namespace``: every field of the trainer's config sections under its Miles / Megatron-LM
+name, overridden by what miles resolves, ``resolved_values``: the parallel sizes, ``padded_vocab_size``, the model
+shape from config.json, the ``--no-*`` switches under Megatron-LM's names), set before the provider is called
+(``set_megatron_args``; ``load_provider`` installs the module before importing the provider's): through Megatron-LM's own
+``megatron.training.global_vars.set_args`` where Megatron-LM is installed, else on a stand-in module
+``megatron.training`` holding ``get_args`` / ``global_vars.set_args`` only (megatron-core does not include
+Megatron-LM's training package).
+
 What is refused, each in one line naming the flag and the value: a path that does not import (a missing dependency
-named, e.g. ``transformer_engine``), a provider that raises (where), one that reads Megatron-LM's global arguments
-(``megatron.training.get_args()``: Megatron-LM's training package is not part of miles, which parses Miles's flags
-itself), a return value that is not a GPTModel, and a checkpoint whose model_type has no converter here (Miles picks
-its HF <-> Megatron conversion by ``--model-name`` among its own modules, e.g. megatron_to_hf/inkling.py, which miles
-does not have).
+named, e.g. ``transformer_engine``), a provider that raises (where: e.g. an argument Megatron-LM has and miles does
+not parse), a return value that is not a GPTModel, and a checkpoint whose model_type has no converter here (Miles
+picks its HF <-> Megatron conversion by ``--model-name`` among its own modules, e.g. megatron_to_hf/inkling.py, which
+miles does not have).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
+import sys
 import traceback
+import types
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from miles.config.base import ConfigError
 from miles.utils.imports import load_function
@@ -38,6 +51,7 @@ FLAG = "--custom-model-provider-path"
 
 def load_provider(path: str) -> Callable[..., Any]:
     """The provider function ``path`` names; a module that fails for want of a package names that package."""
+    _training_package()                 # a module importing megatron.training at its top imports
     module_name = path.rpartition(".")[0]
     if module_name:
         try:
@@ -52,6 +66,92 @@ def load_provider(path: str) -> Callable[..., Any]:
         except Exception:       # noqa: BLE001 -- load_function below names it in one line
             pass
     return load_function(path, FLAG)
+
+
+def megatron_namespace(sections: list[Any], values: dict[str, Any]) -> types.SimpleNamespace:
+    """Megatron-LM's ``args`` as a provider reads them: every field of ``sections`` (config dataclasses; a later one
+    wins), then ``values`` (``resolved_values``: what miles resolved, which a given flag agrees with)."""
+    ns: dict[str, Any] = {}
+    for section in sections:
+        if section is not None and dataclasses.is_dataclass(section):
+            ns.update({f.name: getattr(section, f.name) for f in dataclasses.fields(section)})
+    return types.SimpleNamespace(**(ns | values))
+
+
+# Megatron-LM's switches stored under another name (``--no-x`` -> ``args.y = False``): Megatron-LM's dest -> ours
+_NEGATED = {"masked_softmax_fusion": "no_masked_softmax_fusion", "bias_swiglu_fusion": "no_bias_swiglu_fusion",
+            "bias_dropout_fusion": "no_bias_dropout_fusion", "apply_rope_fusion": "no_rope_fusion",
+            "gradient_accumulation_fusion": "no_gradient_accumulation_fusion",
+            "add_bias_linear": "disable_bias_linear", "add_position_embedding": "no_position_embedding"}
+
+
+def resolved_values(shape: Any, opts: Any, flags: Any, *, hf_checkpoint: str, padded_vocab: int, bf16: bool,
+                    sequence_parallel: bool) -> dict[str, Any]:
+    """What Megatron-LM's args hold that miles resolves itself: the parallel sizes (options.Options), the model shape
+    from config.json (model.ModelShape) under Megatron-LM's names, the checkpoint and dtype, and the ``--no-*``
+    switches of ``flags`` (the Megatron section) under Megatron-LM's names (``--no-rope-fusion``:
+    ``apply_rope_fusion False``)."""
+    values = {dest: not bool(getattr(flags, ours, False)) for dest, ours in _NEGATED.items()}
+    values.update(
+        tensor_model_parallel_size=opts.tp, pipeline_model_parallel_size=opts.pp, context_parallel_size=opts.cp,
+        expert_model_parallel_size=opts.ep, expert_tensor_parallel_size=opts.etp, sequence_parallel=sequence_parallel,
+        hf_checkpoint=hf_checkpoint, bf16=bf16, fp16=False, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        padded_vocab_size=padded_vocab, vocab_size=shape.vocab_size, num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
+        num_attention_heads=shape.num_attention_heads, num_query_groups=shape.num_query_groups,
+        group_query_attention=shape.num_query_groups != shape.num_attention_heads, kv_channels=shape.kv_channels,
+        max_position_embeddings=shape.max_position_embeddings, norm_epsilon=shape.norm_epsilon,
+        rotary_base=shape.rotary_base, qk_layernorm=shape.qk_layernorm, add_qkv_bias=shape.qkv_bias,
+        untie_embeddings_and_output_weights=not shape.tie_embeddings, normalization="RMSNorm", swiglu=True,
+        variable_seq_lengths=True, make_vocab_size_divisible_by=opts.vocab_divisible_by,
+        recompute_granularity=opts.recompute_granularity, recompute_method=opts.recompute_method,
+        recompute_num_layers=opts.recompute_num_layers, hidden_dropout=opts.hidden_dropout,
+        attention_dropout=opts.attention_dropout)
+    if shape.num_experts:
+        values.update(num_experts=shape.num_experts, moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
+                      moe_router_topk=shape.moe_router_topk)
+    return values
+
+
+def set_megatron_args(args: Any) -> None:
+    """``megatron.training.get_args()`` returns ``args`` from now on in this process (Megatron-LM's own global where
+    it is installed, else the stand-in module described above)."""
+    _training_package().set_args(args)
+
+
+def _training_package() -> types.ModuleType:
+    """Megatron-LM's ``megatron.training.global_vars`` where it is installed, else the stand-in's."""
+    try:
+        from megatron.training import global_vars
+    except ImportError:
+        global_vars = _stand_in_training_package()
+    return global_vars
+
+
+def _stand_in_training_package() -> types.ModuleType:
+    """``megatron.training`` with ``get_args`` and ``global_vars.{get_args,set_args}``, registered in sys.modules."""
+    import megatron
+
+    existing = sys.modules.get("megatron.training.global_vars")
+    if existing is not None:
+        return existing
+    global_vars = types.ModuleType("megatron.training.global_vars", "miles's stand-in: Megatron-LM's global args only")
+    state: dict[str, Any] = {"args": None}
+
+    def get_args() -> Any:
+        if state["args"] is None:
+            raise RuntimeError("args is not initialized.")
+        return state["args"]
+
+    def set_args(args: Any) -> None:
+        state["args"] = args
+
+    global_vars.get_args, global_vars.set_args = get_args, set_args
+    training = types.ModuleType("megatron.training", "miles's stand-in for Megatron-LM's training package: get_args")
+    training.get_args, training.global_vars = get_args, global_vars
+    sys.modules["megatron.training"], sys.modules["megatron.training.global_vars"] = training, global_vars
+    megatron.training = training
+    return global_vars
 
 
 def _hint(missing: str) -> str:
@@ -89,10 +189,7 @@ def build(fn: Callable[..., Any], path: str, *, config: Any, pre_process: bool =
         model = fn(**kw)
     except ModuleNotFoundError as e:
         raise ConfigError(f"{FLAG} {path}: the provider imports '{e.name}', which is not installed here"
-                          f"{_hint(e.name or '')}" + (
-                              "; miles does not hold Megatron-LM's global arguments: write the provider to take "
-                              "`config` (the TransformerConfig miles builds) instead of calling get_args()"
-                              if (e.name or "").startswith("megatron.training") else "; install it") + ".") from None
+                          f"{_hint(e.name or '')}; install it.") from None
     except ConfigError:
         raise
     except Exception as e:      # noqa: BLE001 -- the user's code: one line naming where, not a traceback

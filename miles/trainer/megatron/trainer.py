@@ -213,6 +213,10 @@ class MegatronTrainer(RLTrainer):
         if custom:                      # --custom-model-provider-path (provider.py): the user's GPTModel
             provider.check_layout(custom, pp=o.pp, mtp_layers=shape.mtp_num_layers, vision=shape.vision)
             shape.family.prepare(self.device)
+            provider.set_megatron_args(provider.megatron_namespace(     # what get_args() returns to the provider
+                [self.cfg, self.algo, self.ckpt, self.megatron_cfg],
+                provider.resolved_values(shape, o, self.megatron_cfg, hf_checkpoint=path, padded_vocab=self.padded_vocab, bf16=self.bf16,
+                                         sequence_parallel=self._sequence_parallel)))
             model = provider.build(provider.load_provider(custom), custom, config=config,
                                    pre_process=self.stage.is_first, post_process=self.stage.is_last).to(self.device)
             self.padded_vocab = provider.vocab_rows(model, custom, vocab_size=shape.vocab_size,

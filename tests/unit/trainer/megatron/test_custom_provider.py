@@ -1,8 +1,9 @@
 """``--custom-model-provider-path`` on the Megatron backend (miles/trainer/megatron/provider.py).
 
-A provider of our own (tests/fixtures/model_providers/tiny_gpt_provider.py: megatron-core's GPTModel on its own local
+Providers of our own (tests/fixtures/model_providers/tiny_gpt_provider.py: megatron-core's GPTModel on its own local
 layer spec, whose core attention is megatron-core's unfused ``DotProductAttention`` where miles's builder puts torch
-SDPA, with config.json's unpadded vocabulary) is called as Miles calls it and trained on CPU (one gloo rank): its
+SDPA; one taking ``config`` with config.json's unpadded vocabulary, one building its config from Megatron-LM's
+``get_args()`` as Miles's providers do) are called as Miles calls them and trained on CPU (one gloo rank): its
 log-probs equal transformers' on the tiny Qwen3 checkpoint (so the converter loaded its weights), one GRPO step moves
 its weights, and the weight sync's export holds the checkpoint's names and shapes. Providers that cannot run
 are refused in one line naming the flag and the value (dry run and trainer). Miles's own Inkling provider, from a
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,7 +40,20 @@ def provider_module(monkeypatch, tmp_path_factory):
     model_dir = build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"))
     monkeypatch.setattr(tiny_gpt_provider, "HF_CHECKPOINT", str(model_dir))
     tiny_gpt_provider.BUILT.clear()
-    return tiny_gpt_provider
+    yield tiny_gpt_provider
+    _drop_stand_in()
+
+
+def _drop_stand_in() -> None:
+    """miles's stand-in ``megatron.training`` (provider.py) out of sys.modules, as before the test."""
+    import megatron
+
+    mod = sys.modules.get("megatron.training")
+    if mod is not None and (mod.__doc__ or "").startswith("miles's stand-in"):
+        for name in ("megatron.training", "megatron.training.global_vars"):
+            sys.modules.pop(name, None)
+        if getattr(megatron, "training", None) is mod:
+            del megatron.training
 
 
 def _trainer(model_dir, extra: list[str], group):
@@ -47,27 +62,46 @@ def _trainer(model_dir, extra: list[str], group):
     return build(model_dir, flags("megatron", ["--lr", "3e-3"]) + extra, group=group)
 
 
-def test_provider_model_trains_and_syncs(provider_module, one_rank_group) -> None:
+# Miles's launchers pass these Megatron-LM switches (Inkling's among them); Megatron-LM's args hold them negated
+MILES_FUSION_FLAGS = ["--no-masked-softmax-fusion", "--no-rope-fusion", "--no-bias-dropout-fusion",
+                      "--no-gradient-accumulation-fusion", "--no-bias-swiglu-fusion", "--disable-bias-linear"]
+
+
+@pytest.mark.parametrize("name", ["unfused_provider", "get_args_provider"])
+def test_provider_model_trains_and_syncs(provider_module, one_rank_group, name: str) -> None:
+    """``unfused_provider`` takes ``config`` (Megatron-LM's provider signature) and builds config.json's unpadded
+    vocabulary; ``get_args_provider`` builds its own TransformerConfig from ``megatron.training.get_args()``, as
+    Miles's providers do, with the padded vocabulary."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.parallel_state import destroy_model_parallel
     from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from transformers import AutoModelForCausalLM
     from trainer_harness import checkpoint_tensors, export_by_name, random_samples
+    from transformers import AutoModelForCausalLM
 
     model_dir = provider_module.HF_CHECKPOINT
     try:
-        tr = _trainer(model_dir, [FLAG, "tiny_gpt_provider.unfused_provider"], one_rank_group)
+        tr = _trainer(model_dir, [FLAG, f"tiny_gpt_provider.{name}", *MILES_FUSION_FLAGS], one_rank_group)
         # called as Miles calls it: by keyword, vp_stage None, the whole model on this stage
-        assert provider_module.BUILT == [{"pre_process": True, "post_process": True, "vp_stage": None}]
+        (built,) = provider_module.BUILT
+        assert {k: built[k] for k in ("pre_process", "post_process", "vp_stage")} == {
+            "pre_process": True, "post_process": True, "vp_stage": None}
+        if name == "get_args_provider":         # Megatron-LM's args as Miles's providers read them
+            args = built["args"]
+            assert (args.hf_checkpoint, args.tensor_model_parallel_size, args.num_layers, args.padded_vocab_size,
+                    args.masked_softmax_fusion, args.add_bias_linear, args.lr) == (
+                str(model_dir), 1, 2, tr.padded_vocab, False, False, 3e-3)
         assert isinstance(tr.model, GPTModel)
         assert all(type(layer.self_attention.core_attention) is DotProductAttention for layer in tr.model.decoder.layers)
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        assert tr.padded_vocab == hf.config.vocab_size          # the provider's own (unpadded) vocabulary rows
+        # the provider's own vocabulary rows: config.json's (unfused_provider) or padded to 128 (get_args_provider)
+        vocab = hf.config.vocab_size
+        padded = -(-vocab // 128) * 128
+        assert padded != vocab and tr.padded_vocab == (vocab if name == "unfused_provider" else padded)
         ids = torch.randint(4, 90, (2, 7), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             tr.model.eval()
             hidden = tr.model(ids, torch.arange(7).expand(2, 7), attention_mask=None)      # [s, b, h]
-            ours = (hidden.transpose(0, 1) @ tr.model.shared_embedding_or_output_weight().T).float()
+            ours = (hidden.transpose(0, 1) @ tr.model.shared_embedding_or_output_weight().T).float()[..., :tr.vocab_size]
             theirs = hf(ids).logits
         # fp32 on CPU, unfused softmax attention vs transformers': max |diff| 1.49e-7 measured (this test, -s with a
         # print, torch 2.13 CPU); the bound is about twice that
@@ -89,7 +123,7 @@ def test_provider_model_trains_and_syncs(provider_module, one_rank_group) -> Non
 @pytest.mark.parametrize("name,expect", [
     ("extra_param_provider", "no HF source for megatron parameter decoder.extra_scale"),
     ("not_a_gpt_provider", "returned a Linear, not a megatron-core GPTModel"),
-    ("get_args_provider", "imports 'megatron.training', which is not installed here"),
+    ("training_utils_provider", "imports 'megatron.training.arguments', which is not installed here (Megatron-LM's"),
     ("raising_provider", "raised ValueError: the provider's own check failed"),
 ])
 def test_provider_refusals_in_the_trainer(provider_module, one_rank_group, name: str, expect: str) -> None:
@@ -167,7 +201,7 @@ def _materialise(repo: Path, rev: str, out: Path) -> Path:
     return out
 
 
-def test_miles_inkling_provider_is_refused_naming_what_is_missing(monkeypatch, tmp_path: Path) -> None:
+def test_miles_inkling_provider_is_refused_naming_what_is_missing(monkeypatch, request, tmp_path: Path) -> None:
     """Miles's Inkling provider (radixark/miles@v0.1.0:miles_plugins/models/inkling/model.py) imports
     transformer-engine at module level (its layers: TE linears and norms); without it the flag is refused naming it."""
     if not MILES_REPO:
@@ -177,6 +211,8 @@ def test_miles_inkling_provider_is_refused_naming_what_is_missing(monkeypatch, t
 
     root = _materialise(Path(MILES_REPO), MILES_REV, tmp_path / "miles")
     monkeypatch.syspath_prepend(str(root))
+    request.addfinalizer(_drop_stand_in)
+    request.addfinalizer(lambda: [sys.modules.pop(m) for m in list(sys.modules) if m.startswith("miles_plugins")])
     path = "miles_plugins.models.inkling.model.inkling_model_provider"
     try:
         import transformer_engine  # noqa: F401
