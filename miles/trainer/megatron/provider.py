@@ -32,13 +32,14 @@ miles does not have).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import inspect
 import sys
 import traceback
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -186,7 +187,8 @@ def build(fn: Callable[..., Any], path: str, *, config: Any, pre_process: bool =
 
     kw = call_kwargs(fn, config=config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
     try:
-        model = fn(**kw)
+        with _sequence_parallel_torch_norms(bool(getattr(config, "sequence_parallel", False))):
+            model = fn(**kw)
     except ModuleNotFoundError as e:
         raise ConfigError(f"{FLAG} {path}: the provider imports '{e.name}', which is not installed here"
                           f"{_hint(e.name or '')}; install it.") from None
@@ -209,6 +211,33 @@ def build(fn: Callable[..., Any], path: str, *, config: Any, pre_process: bool =
                           "vocabulary-parallel); keep megatron-core's output layer.")
     model.__class__ = _hidden_class(type(model))
     return model
+
+
+@contextlib.contextmanager
+def _sequence_parallel_torch_norms(enabled: bool) -> Iterator[None]:
+    """Under ``--sequence-parallel``, while the provider builds: megatron-core's torch RMSNorm wrapper (its local
+    spec's norms without transformer-engine or apex, which refuses sequence parallelism) builds
+    ``model.SequenceParallelNorm``, as miles's own builder swaps it in (``model._sequence_parallel_norms``: the same
+    torch RMSNorm, its gradient summed over TP). Other norms are left to the wrapper."""
+    if not enabled:
+        yield
+        return
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from miles.trainer.megatron.model import SequenceParallelNorm
+
+    original = WrappedTorchNorm.__dict__["__new__"]
+
+    def new(cls, config, hidden_size: int, eps: float = 1e-5, *args, **kwargs):
+        if config.normalization != "RMSNorm":
+            return original(cls, config, hidden_size, eps, *args, **kwargs)
+        return SequenceParallelNorm(config, hidden_size, eps)
+
+    WrappedTorchNorm.__new__ = staticmethod(new)
+    try:
+        yield
+    finally:
+        WrappedTorchNorm.__new__ = original
 
 
 _HIDDEN: dict[type, type] = {}

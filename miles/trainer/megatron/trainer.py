@@ -221,6 +221,9 @@ class MegatronTrainer(RLTrainer):
                                    pre_process=self.stage.is_first, post_process=self.stage.is_last).to(self.device)
             self.padded_vocab = provider.vocab_rows(model, custom, vocab_size=shape.vocab_size,
                                                     tp_size=self.groups.tp_size, padded=self.padded_vocab)
+            if self.trainer_rank == 0:
+                logger.info("--custom-model-provider-path %s: a %s (layer 0's core attention: %s), weights by the %s "
+                            "converter", custom, type(model).__name__, _core_attention(model), shape.family.name)
         else:
             model = mmodel.build_gpt_model(shape, config, padded_vocab=self.padded_vocab, device=self.device,
                                            core_attention=core, pre_process=self.stage.is_first,
@@ -551,3 +554,9 @@ def _merged_buckets(lora, it: Iterator) -> Iterator:
     with lora_mod.merged(lora):
         yield from it
 
+
+def _core_attention(model) -> str:
+    """The class name of the first decoder layer's core attention (what a provider's layer spec chose), or "none"."""
+    layers = getattr(getattr(model, "decoder", None), "layers", None) or []
+    attn = getattr(getattr(layers[0], "self_attention", None), "core_attention", None) if len(layers) else None
+    return type(attn).__name__ if attn is not None else "none"
