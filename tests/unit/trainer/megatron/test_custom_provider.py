@@ -120,6 +120,27 @@ def test_provider_model_trains_and_syncs(provider_module, one_rank_group, name: 
         destroy_model_parallel()
 
 
+def test_provider_model_with_lora(provider_module, one_rank_group) -> None:
+    """LoRA (--lora-rank, miles/trainer/lora.py) attaches to the provider's model by its module names: the base stays
+    frozen, one step trains the adapters, and the synced (merged) weights move off the checkpoint's."""
+    from megatron.core.parallel_state import destroy_model_parallel
+    from trainer_harness import checkpoint_tensors, export_by_name, flags, random_samples
+
+    model_dir = provider_module.HF_CHECKPOINT
+    try:
+        tr = _trainer(model_dir, flags("lora", [FLAG, "tiny_gpt_provider.get_args_provider", *MILES_FUSION_FLAGS]),
+                      one_rank_group)
+        assert tr.lora is not None and not any(p.requires_grad for p in tr.model.parameters())
+        metrics = tr.train(random_samples(2, 2, seed=1), rollout_id=0)
+        assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values() if isinstance(v, float))
+        exported, ckpt = export_by_name(tr, 1 << 16), checkpoint_tensors(model_dir)
+        assert sorted(exported) == sorted(ckpt)
+        moved = [n for n in ckpt if not torch.equal(exported[n], ckpt[n])]
+        assert moved and all("proj" in n for n in moved), moved       # the adapted linears only
+    finally:
+        destroy_model_parallel()
+
+
 def _tp2(rank: int, model_dir: str) -> tuple:
     """Rank ``rank`` of TP 2 + sequence parallelism with ``get_args_provider``: (export before training = the checkpoint bit for bit, max
     |logits - transformers'| over the vocabulary gathered from both TP ranks, the step's metrics finite, the export's
