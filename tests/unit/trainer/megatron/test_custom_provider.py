@@ -141,6 +141,25 @@ def test_provider_model_with_lora(provider_module, one_rank_group) -> None:
         destroy_model_parallel()
 
 
+def test_provider_builds_the_reference_and_the_critic(provider_module, one_rank_group) -> None:
+    """PPO with a KL loss: the reference model and the critic's GPT are the provider's too (as Miles builds every role
+    with it), and one step trains the critic."""
+    from megatron.core.parallel_state import destroy_model_parallel
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from trainer_harness import flags, random_samples
+
+    try:
+        tr = _trainer(provider_module.HF_CHECKPOINT, flags("ppo", "kl", [FLAG, "tiny_gpt_provider.get_args_provider",
+                                                                         *MILES_FUSION_FLAGS]), one_rank_group)
+        assert len(provider_module.BUILT) == 3                  # the policy, the reference, the critic's GPT
+        for gpt in (tr.model, tr.ref, tr.critic.model.gpt):
+            assert type(gpt.decoder.layers[0].self_attention.core_attention) is DotProductAttention
+        metrics = tr.train(random_samples(2, 2, seed=1), rollout_id=0)
+        assert all(k in metrics and torch.isfinite(torch.tensor(metrics[k])) for k in ("value_loss", "kl_loss")), metrics
+    finally:
+        destroy_model_parallel()
+
+
 def _tp2(rank: int, model_dir: str) -> tuple:
     """Rank ``rank`` of TP 2 + sequence parallelism with ``get_args_provider``: (export before training = the checkpoint bit for bit, max
     |logits - transformers'| over the vocabulary gathered from both TP ranks, the step's metrics finite, the export's
