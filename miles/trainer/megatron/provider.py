@@ -2,6 +2,7 @@
 
     fn = load_provider(path)                                    # the dotted path, imported (one ConfigError line)
     model = build(fn, path, config=config, pre_process=True, post_process=True)   # its GPTModel, hidden-state forward
+    model, rows = build_for_trainer(trainer, path, shape, config, hf_checkpoint)  # the trainer's: args set, checks
 
 The provider is called as Miles calls it (radixark/miles@v0.1.0:miles/backends/megatron_utils/model_provider.py,
 ``get_model_provider_func``): by keyword, ``pre_process=``, ``post_process=`` and ``vp_stage=`` when its signature
@@ -46,8 +47,10 @@ import torch
 
 from miles.config.base import ConfigError
 from miles.utils.imports import load_function
+from miles.utils.logging import get_logger
 
 FLAG = "--custom-model-provider-path"
+logger = get_logger(__name__)
 
 
 def load_provider(path: str) -> Callable[..., Any]:
@@ -301,3 +304,31 @@ def preflight_check(cfg, hf_config: dict | None) -> None:
     check_layout(path, pp=getattr(mcfg, "pipeline_model_parallel_size", None) or 1,
                  mtp_layers=getattr(mcfg, "mtp_num_layers", None) or 0,
                  vision=mt == "qwen3_vl")
+
+
+def build_for_trainer(trainer: Any, path: str, shape: Any, config: Any, hf_checkpoint: str) -> tuple[Any, int]:
+    """The provider's model for this rank of ``trainer`` (a ``MegatronTrainer``; this pipeline stage, on its device)
+    and its vocabulary rows (``vocab_rows``): Megatron-LM's args set from the trainer's flags, the family's
+    megatron-core patches applied, the provider called."""
+    o = trainer.opts
+    check_layout(path, pp=o.pp, mtp_layers=shape.mtp_num_layers, vision=shape.vision)
+    shape.family.prepare(trainer.device)
+    set_megatron_args(megatron_namespace(                  # what get_args() returns to the provider
+        [trainer.cfg, trainer.algo, trainer.ckpt, trainer.megatron_cfg],
+        resolved_values(shape, o, trainer.megatron_cfg, hf_checkpoint=hf_checkpoint, padded_vocab=trainer.padded_vocab,
+                        bf16=trainer.bf16, sequence_parallel=trainer._sequence_parallel)))
+    model = build(load_provider(path), path, config=config, pre_process=trainer.stage.is_first,
+                  post_process=trainer.stage.is_last).to(trainer.device)
+    rows = vocab_rows(model, path, vocab_size=shape.vocab_size, tp_size=trainer.groups.tp_size,
+                      padded=trainer.padded_vocab)
+    if trainer.trainer_rank == 0:
+        logger.info("%s %s: a %s (layer 0's core attention: %s), weights by the %s converter", FLAG, path,
+                    type(model).__name__, _core_attention(model), shape.family.name)
+    return model, rows
+
+
+def _core_attention(model: Any) -> str:
+    """The class name of the first decoder layer's core attention (what a provider's layer spec chose), or "none"."""
+    layers = getattr(getattr(model, "decoder", None), "layers", None) or []
+    attn = getattr(getattr(layers[0], "self_attention", None), "core_attention", None) if len(layers) else None
+    return type(attn).__name__ if attn is not None else "none"

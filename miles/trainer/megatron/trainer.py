@@ -211,19 +211,7 @@ class MegatronTrainer(RLTrainer):
         core = "unfused" if o.attention_backend in ("unfused", "local") else "sdpa"
         custom = getattr(self.megatron_cfg, "custom_model_provider_path", None)
         if custom:                      # --custom-model-provider-path (provider.py): the user's GPTModel
-            provider.check_layout(custom, pp=o.pp, mtp_layers=shape.mtp_num_layers, vision=shape.vision)
-            shape.family.prepare(self.device)
-            provider.set_megatron_args(provider.megatron_namespace(     # what get_args() returns to the provider
-                [self.cfg, self.algo, self.ckpt, self.megatron_cfg],
-                provider.resolved_values(shape, o, self.megatron_cfg, hf_checkpoint=path, padded_vocab=self.padded_vocab, bf16=self.bf16,
-                                         sequence_parallel=self._sequence_parallel)))
-            model = provider.build(provider.load_provider(custom), custom, config=config,
-                                   pre_process=self.stage.is_first, post_process=self.stage.is_last).to(self.device)
-            self.padded_vocab = provider.vocab_rows(model, custom, vocab_size=shape.vocab_size,
-                                                    tp_size=self.groups.tp_size, padded=self.padded_vocab)
-            if self.trainer_rank == 0:
-                logger.info("--custom-model-provider-path %s: a %s (layer 0's core attention: %s), weights by the %s "
-                            "converter", custom, type(model).__name__, _core_attention(model), shape.family.name)
+            model, self.padded_vocab = provider.build_for_trainer(self, custom, shape, config, path)
         else:
             model = mmodel.build_gpt_model(shape, config, padded_vocab=self.padded_vocab, device=self.device,
                                            core_attention=core, pre_process=self.stage.is_first,
@@ -554,9 +542,3 @@ def _merged_buckets(lora, it: Iterator) -> Iterator:
     with lora_mod.merged(lora):
         yield from it
 
-
-def _core_attention(model) -> str:
-    """The class name of the first decoder layer's core attention (what a provider's layer spec chose), or "none"."""
-    layers = getattr(getattr(model, "decoder", None), "layers", None) or []
-    attn = getattr(getattr(layers[0], "self_attention", None), "core_attention", None) if len(layers) else None
-    return type(attn).__name__ if attn is not None else "none"
