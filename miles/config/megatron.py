@@ -62,10 +62,14 @@ _HELP = {
                        "moe_latent_size.",
     "moe_router_group_topk": "MoE: config.json's topk_group.",
     "multi_latent_attention": "MLA (GLM-4.7-Flash, DeepSeek-V3), as config.json.",
-    "no_position_embedding": "No effect (rope only).",
-    "no_rope_fusion": "No effect (unfused RoPE).",
-    "no_gradient_accumulation_fusion": "No effect: weight gradients are never accumulated inside the wgrad GEMM "
-                                       "here (Megatron-LM's fusion needs APEX or transformer-engine).",
+    "no_position_embedding": "No effect on miles's own layers (rope only); a --custom-model-provider-path provider "
+                             "reads it as Megatron-LM's args.add_position_embedding False.",
+    "no_rope_fusion": "No effect on miles's own layers (unfused RoPE); a --custom-model-provider-path provider reads "
+                      "it as Megatron-LM's args.apply_rope_fusion False.",
+    "no_gradient_accumulation_fusion": "No effect on miles's own layers: weight gradients are never accumulated "
+                                       "inside the wgrad GEMM here (Megatron-LM's fusion needs APEX or "
+                                       "transformer-engine); a --custom-model-provider-path provider reads it as "
+                                       "Megatron-LM's args.gradient_accumulation_fusion False.",
     "q_lora_rank": "MLA: config.json's q_lora_rank.",
     "kv_lora_rank": "MLA: config.json's kv_lora_rank.",
     "qk_head_dim": "MLA: config.json's qk_nope_head_dim.",
@@ -99,9 +103,12 @@ _HELP = {
     "beta_slow": "YaRN rope: config.json's rope_scaling beta_slow.",
     "mscale": "YaRN rope: config.json's rope_scaling mscale.",
     "mscale_all_dim": "YaRN rope: config.json's rope_scaling mscale_all_dim.",
-    "no_masked_softmax_fusion": "No effect: the masked-softmax fusion is never used here (SDPA or megatron-core's "
-                                "unfused softmax).",
-    "no_bias_dropout_fusion": "No effect: the fused and unfused bias-dropout-add compute the same sum.",
+    "no_masked_softmax_fusion": "No effect on miles's own layers: the masked-softmax fusion is never used there "
+                                "(SDPA or megatron-core's unfused softmax); a --custom-model-provider-path provider "
+                                "reads it as Megatron-LM's args.masked_softmax_fusion False.",
+    "no_bias_dropout_fusion": "No effect on values: the fused and unfused bias-dropout-add compute the same sum; a "
+                              "--custom-model-provider-path provider reads it as Megatron-LM's "
+                              "args.bias_dropout_fusion False.",
     # Miles's GLM-5 / DeepSeek-V3.2 scripts (DeepSeek sparse attention, miles/trainer/megatron/families/dsa.py)
     "enable_experimental": "No effect: Megatron-LM's gate of its experimental features; the ones built here (DeepSeek "
                            "sparse attention) follow config.json.",
@@ -126,7 +133,9 @@ _HELP = {
     "dsa_indexer_head_dim": "Lightning indexer: head size; must match config.json's index_head_dim.",
     "dsa_indexer_topk": "Lightning indexer: entries kept per query; must match config.json's index_topk.",
     "no_bias_swiglu_fusion": "No effect on values: the fused and unfused SwiGLU compute the same (the clamped "
-                             "SwiGLU of --activation-func-clamp-value is never fused here).",
+                             "SwiGLU of --activation-func-clamp-value is never fused here); a "
+                             "--custom-model-provider-path provider reads it as Megatron-LM's "
+                             "args.bias_swiglu_fusion False.",
     "no_activation_func_clamp_shared_expert": "Miles's Megatron fork: the shared expert's SwiGLU is not clamped "
                                               "(--activation-func-clamp-value clamps the routed experts only; "
                                               "DeepSeek-V4); the embedded engines serve the model so too.",
@@ -187,6 +196,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="Miles's custom layer spec (e.g. miles_plugins.models.glm5.glm5 get_glm5_spec): checked against "
                         "config.json's model_type and the families built (miles/config/specs.py); the layers are built "
                         "from config.json.")
+    g.add_argument("--custom-model-provider-path", default=None, metavar="MODULE.FUNCTION",
+                   help="A Megatron model provider, called as Miles calls it (pre_process=, post_process=[, "
+                        "vp_stage=][, config=]) -> a megatron-core GPTModel whose parameter names are those of "
+                        "--hf-checkpoint's family (docs/trainer.md \"Custom model providers\").")
     g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default=None,
                    help="Layer spec (default: transformer_engine when it imports on GPU, else local).")
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default=None, help="Must match config.json.")
@@ -287,6 +300,7 @@ class MegatronConfig:
     cp_comm_type: list[str] | None = None
     transformer_impl: str | None = None
     spec: list[str] | None = None                      # --spec MODULE FUNCTION (specs.py: checked, else no effect)
+    custom_model_provider_path: str | None = None      # a user's model provider (trainer/megatron/provider.py)
     make_vocab_size_divisible_by: int | None = None
     num_layers: int | None = None
     hidden_size: int | None = None

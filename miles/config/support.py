@@ -59,14 +59,6 @@ PARSE_ONLY: dict[str, str] = {
     "attention_softmax_in_fp32": "always on: the Megatron backend's attention softmax runs in fp32",
     "use_rotary_position_embeddings": "Megatron-LM's older spelling of --position-embedding-type rope, the only "
                                       "position embedding the Megatron backend builds",
-    "no_position_embedding": "no learned absolute position embedding is ever built (rope only)",
-    "no_rope_fusion": "RoPE is never fused here",
-    "no_gradient_accumulation_fusion": "weight gradients are never accumulated inside the wgrad GEMM here",
-    "no_masked_softmax_fusion": "the masked-softmax fusion is never used here (SDPA, or megatron-core's unfused "
-                                "softmax)",
-    "no_bias_dropout_fusion": "the fused and unfused bias-dropout-add compute the same sum",
-    "no_bias_swiglu_fusion": "the fused and unfused SwiGLU compute the same; the clamped SwiGLU (DeepSeek-V4, gpt-oss: "
-                             "--activation-func-clamp-value) is never fused here",
     "freeze_e_score_correction_bias": "the routers' expert bias (e_score_correction_bias) is never updated by the "
                                       "Megatron backend (--moe-router-bias-update-rate other than 0 is refused): it is "
                                       "frozen with or without the flag",

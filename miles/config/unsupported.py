@@ -21,17 +21,12 @@ EVAL_SGLANG_PREFIX = "--eval-sglang-"
 
 # radixark/miles@v0.1.0:miles/utils/arguments.py add_lora_arguments, the replay flags of add_algo_arguments, the
 # eval fleet flags of its eval arguments, and radixark/miles@v0.1.0:miles/dashboard/args.py's --dashboard-forward-prometheus.
-_MODEL_PROVIDER = ("a custom Megatron model provider (Miles's own models, e.g. Inkling: miles_plugins.models.inkling, "
-                   "short convolutions, relative attention and a shared-expert sink, with no transformers "
-                   "implementation to check it against) is not supported: the Megatron backend builds the families "
-                   "of docs/trainer.md from config.json; drop it and train one of those.")
 # Megatron-LM's FP8 training flags (Miles's DeepSeek-V4 scripts: --fp8-format e4m3 --fp8-recipe blockwise and a
 # transformer-engine precision config); a reason of their own rather than the generic Megatron-LM refusal
 _FP8_TRAINING = ("FP8 training (transformer-engine's FP8 GEMMs in the trainer) is not built by the Megatron backend: it "
                  "trains in bf16 (--bf16, on GPU) or fp32; drop the flag (FP8 serving is the engines' --sglang-* "
                  "flags).")
 UNSUPPORTED: dict[str, str] = {
-    "--custom-model-provider-path": _MODEL_PROVIDER,
     **{f: _FP8_TRAINING for f in ("--fp8-format", "--fp8-recipe", "--te-precision-config-file")},
     **{f: _LORA for f in (
         "--lora-adapter-path", "--lora-sync-from-tensor", "--lora-train-only",

@@ -54,7 +54,8 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 BackendCheck = Callable[["MilesConfig", "dict[str, Any] | None"], None]
-_BACKEND_CHECKS: dict[str, list[BackendCheck | str]] = {"megatron": ["miles.trainer.megatron.spec.preflight_check",
+_BACKEND_CHECKS: dict[str, list[BackendCheck | str]] = {"megatron": ["miles.trainer.megatron.provider.preflight_check",
+                                                                    "miles.trainer.megatron.spec.preflight_check",
                                                                     "miles.trainer.megatron.spec.kernels_check",
                                                                     "miles.trainer.megatron.options.preflight_check",
                                                                     "miles.trainer.megatron.dist_ckpt.preflight_check",
@@ -63,14 +64,15 @@ _BACKEND_CHECKS: dict[str, list[BackendCheck | str]] = {"megatron": ["miles.trai
                                                                 "miles.trainer.lora_hf.check_fsdp"]}
 
 # Miles's flags naming a ``module.function`` plugin (their config field names). Those with a known calling
-# convention are checked for it below; the others must import and be callable.
+# convention are checked for it below; the others must import and be callable. (--custom-model-provider-path: the
+# Megatron backend's check, miles.trainer.megatron.provider.preflight_check.)
 PLUGIN_FIELDS = (
     "custom_rm_path", "custom_generate_function_path", "dynamic_sampling_filter_path", "custom_loss_function_path",
     "rollout_function_path", "eval_function_path", "custom_reward_post_process_path", "custom_tis_function_path",
     "custom_pg_loss_reducer_function_path", "custom_convert_samples_to_train_data_path", "buffer_filter_path",
     "rollout_sample_filter_path", "rollout_all_samples_process_path", "rollout_data_postprocess_path",
     "custom_rollout_log_function_path", "custom_eval_rollout_log_function_path", "data_source_path",
-    "custom_async_data_buffer_path", "custom_update_weight_post_write_path", "custom_model_provider_path",
+    "custom_async_data_buffer_path", "custom_update_weight_post_write_path",
     "custom_megatron_init_path", "custom_megatron_before_log_prob_hook_path",
     "custom_megatron_before_train_step_hook_path", "custom_megatron_post_save_hook_path",
     "session_sample_picker_path", "session_sample_postprocessor_path",

@@ -50,7 +50,7 @@ from miles.trainer.batching import MicroBatch, coalesce_micro_batches, pack, pla
 from miles.trainer.collectives import bounded_all_gather_object
 from miles.trainer.logprobs import VocabShard
 from miles.trainer.losses import accumulate_metrics
-from miles.trainer.megatron import convert, export, fork_flags, forward, moe, options, parallel, pipeline
+from miles.trainer.megatron import convert, export, fork_flags, forward, moe, options, parallel, pipeline, provider
 from miles.trainer.megatron import model as mmodel
 from miles.trainer.megatron import mtp as mtp_mod
 from miles.trainer.megatron import vlm as mvlm
@@ -210,13 +210,25 @@ class MegatronTrainer(RLTrainer):
             moe=moe.config_kwargs(shape, o.moe, ep=o.ep, etp=o.etp, te=mmodel.use_transformer_engine(self.device)),
             mtp_loss_scale=o.mtp_loss_scale, deterministic=self.cfg.deterministic_mode)
         core = "unfused" if o.attention_backend in ("unfused", "local") else "sdpa"
-        model = mmodel.build_gpt_model(shape, config, padded_vocab=self.padded_vocab, device=self.device,
-                                       core_attention=core, pre_process=self.stage.is_first,
-                                       post_process=self.stage.is_last, mtp_training=mtp and o.mtp_training,
-                                       hf_config=AutoConfig.from_pretrained(path) if shape.vision else None)
+        custom = getattr(self.megatron_cfg, "custom_model_provider_path", None)
+        if custom:                      # --custom-model-provider-path (provider.py): the user's GPTModel
+            model, self.padded_vocab = provider.build_for_trainer(self, custom, shape, config, path)
+        else:
+            model = mmodel.build_gpt_model(shape, config, padded_vocab=self.padded_vocab, device=self.device,
+                                           core_attention=core, pre_process=self.stage.is_first,
+                                           post_process=self.stage.is_last, mtp_training=mtp and o.mtp_training,
+                                           hf_config=AutoConfig.from_pretrained(path) if shape.vision else None)
         load = pipeline.load_hf_into if o.pp > 1 else convert.load_hf_into
         ep = {"ep_rank": self.groups.ep_rank, "ep_size": self.groups.ep_size} if self.groups.ep_size > 1 else {}
-        load(model, self._hf(path), shape, self.padded_vocab, self.groups.tp_rank, self.groups.tp_size, **ep)
+        try:
+            load(model, self._hf(path), shape, self.padded_vocab, self.groups.tp_rank, self.groups.tp_size, **ep)
+        except KeyError as e:
+            if not custom:
+                raise
+            raise ConfigError(f"--custom-model-provider-path {custom}: {e.args[0] if e.args else e} (the "
+                              f"{shape.family.name} converter's names): the provider's model must have the "
+                              "parameter names of --hf-checkpoint's family; rename its modules or drop the flag."
+                              ) from None
         if megatron_ckpt:
             ref = ckpt_path == self.cfg.ref_load
             dist_ckpt.load_weights(self, model, ckpt_path, getattr(self.megatron_cfg, "ref_ckpt_step", None) if ref
