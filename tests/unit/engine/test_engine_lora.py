@@ -121,7 +121,7 @@ def _same(got: dict, ref: dict) -> None:
     tr, lr, ir = _tokens_and_logprobs(ref)
     assert tg == tr
     # fp32: x W^T + s (x A^T) B^T against x (W + s B A)^T differ only by rounding (measured at most 5.2e-6 over the
-    # three layouts: pytest tests/unit/engine/test_lora.py -k mixed, CPU)
+    # three layouts: pytest tests/unit/engine/test_engine_lora.py -k mixed, CPU)
     torch.testing.assert_close(torch.tensor(lg), torch.tensor(lr), atol=1e-5, rtol=0)
     torch.testing.assert_close(torch.tensor(ig), torch.tensor(ir), atol=1e-5, rtol=0)
 
