@@ -227,28 +227,34 @@ def test_release_and_resume_on_cpu_keep_the_cache_and_free_its_pages(kv_cache, t
 
 
 class _SlowOn(torch.nn.Module):
-    """The runner's model, 20 ms slower per forward when torch runs on ``slow`` intra-op threads (1 or "many")."""
+    """The runner's model on a clock of its own: each forward advances ``clock`` by 1 ms, and by 20 ms more when
+    torch runs on ``slow`` intra-op threads (1 or "many"). The forward itself still runs (the pick's real path);
+    only the time it reads is this clock, so the machine's load cannot decide the test."""
 
     def __init__(self, model, slow: str):
         super().__init__()
-        self.inner, self.slow = model, slow
+        self.inner, self.slow, self.clock = model, slow, 0.0
+
+    def perf_counter(self) -> float:
+        return self.clock
 
     def forward(self, **kw):
-        import time
-
-        if (torch.get_num_threads() == 1) == (self.slow == "1"):
-            time.sleep(0.02)
-        return self.inner(**kw)
+        out = self.inner(**kw)
+        self.clock += 0.001 + (0.02 if (torch.get_num_threads() == 1) == (self.slow == "1") else 0.0)
+        return out
 
 
 @pytest.mark.parametrize("slow, kept", [("many", 1), ("1", 2)])
-def test_pick_cpu_threads_keeps_the_faster_count(slow, kept, tmp_path):
+def test_pick_cpu_threads_keeps_the_faster_count(slow, kept, tmp_path, monkeypatch):
     """--pick-cpu-threads: a one-token forward timed on the thread's intra-op threads and on one; the faster count
-    stays set for every later forward (here the model is made 20 ms slower on one side, so either answer can
+    stays set for every later forward (here the model's clock makes one side 20 ms slower, so either answer can
     come out and the test fails if the choice ignores the timings)."""
+    import miles.engine.model_runner as mr
+
     path = _save(_config("qwen3"), tmp_path)
     runner = ModelRunner(path, RunnerOptions(max_running_requests=4, max_context_len=64))
-    runner.model = _SlowOn(runner.model, slow)
+    runner.model = slow_model = _SlowOn(runner.model, slow)
+    monkeypatch.setattr(mr.time, "perf_counter", slow_model.perf_counter)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
