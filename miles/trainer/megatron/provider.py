@@ -317,8 +317,10 @@ def build_for_trainer(trainer: Any, path: str, shape: Any, config: Any, hf_check
         [trainer.cfg, trainer.algo, trainer.ckpt, trainer.megatron_cfg],
         resolved_values(shape, o, trainer.megatron_cfg, hf_checkpoint=hf_checkpoint, padded_vocab=trainer.padded_vocab,
                         bf16=trainer.bf16, sequence_parallel=trainer._sequence_parallel)))
+    # in the dtype miles's own build uses (config.params_dtype: fp32 masters under the bf16 recipe, whose compute
+    # copies optim.MasterWeights makes), whatever get_args().params_dtype (Megatron-LM's bf16) led the provider to
     model = build(load_provider(path), path, config=config, pre_process=trainer.stage.is_first,
-                  post_process=trainer.stage.is_last).to(trainer.device)
+                  post_process=trainer.stage.is_last).to(trainer.device, dtype=config.params_dtype)
     rows = vocab_rows(model, path, vocab_size=shape.vocab_size, tp_size=trainer.groups.tp_size,
                       padded=trainer.padded_vocab)
     if trainer.trainer_rank == 0:

@@ -67,6 +67,22 @@ MILES_FUSION_FLAGS = ["--no-masked-softmax-fusion", "--no-rope-fusion", "--no-bi
                       "--no-gradient-accumulation-fusion", "--no-bias-swiglu-fusion", "--disable-bias-linear"]
 
 
+def test_provider_params_are_built_in_the_trainers_dtype(provider_module, one_rank_group) -> None:
+    """A provider that builds bf16 parameters (Megatron-LM's ``args.params_dtype`` under --bf16, as Miles's do on a
+    GPU) gets them cast to the dtype miles's own build uses (fp32 masters): on an H100 (2026-12-07) such a model
+    failed its first step with "attempting to assign a gradient with dtype 'float' to a tensor with grad_dtype
+    'BFloat16'" before the cast."""
+    from megatron.core.parallel_state import destroy_model_parallel
+
+    try:
+        tr = _trainer(provider_module.HF_CHECKPOINT, [FLAG, "tiny_gpt_provider.bf16_params_provider",
+                                                     *MILES_FUSION_FLAGS], one_rank_group)
+        dtypes = {p.dtype for p in tr.model.parameters()}
+        assert dtypes == {torch.float32}, dtypes
+    finally:
+        destroy_model_parallel()
+
+
 @pytest.mark.parametrize("name", ["unfused_provider", "get_args_provider"])
 def test_provider_model_trains_and_syncs(provider_module, one_rank_group, name: str) -> None:
     """``unfused_provider`` takes ``config`` (Megatron-LM's provider signature) and builds config.json's unpadded
