@@ -3,7 +3,7 @@
 
     spec = LoraSpec.from_config(cfg.train)
     check_fsdp(cfg, hf_config)                      # preflight: what the FSDP LoRA cannot train, one line each
-    lora = attach_hf(hf_model, spec, seed=seed)     # base frozen, hooks on q/k/v/o and gate/up/down
+    lora = attach_hf(hf_model, spec, seed=seed)     # base frozen, hooks on q/k/v/o (MLA's), gate/up/down
     optimizer = build_adamw(lora, ...)              # the adapters are the only trained parameters
     finish_grads(lora, group); clip_grad_norm(lora, max_norm)
     merge_buckets(lora, buckets, dtype)             # the weight export: W + (alpha / r) * B @ A under HF names
@@ -16,6 +16,16 @@ and ``v_proj`` with one ``B`` per projection (Megatron's ``B`` rows, split as th
 adapters. The shared ``A x`` (and its dropout mask) is computed once per forward of the group and reused by its
 members. The adapters are replicated on every rank (not FSDP-sharded: they are small); their gradients are
 averaged over the trainer group after the backward.
+
+Multi-latent attention (``MLA_MODEL_TYPES``: DeepSeek-V3, Kimi-K2, JoyAI-LLM-Flash, GLM-4.7-Flash): each of
+megatron-core's MLA projections is one HF linear holding the same rows (``MLA_GROUPS``: ``linear_q_down_proj`` =
+``q_a_proj``, ``linear_q_up_proj`` = ``q_b_proj``, ``linear_kv_down_proj`` = ``kv_a_proj_with_mqa``,
+``linear_kv_up_proj`` = ``kv_b_proj``, ``linear_q_proj`` = ``q_proj`` without q LoRA, ``linear_proj`` = ``o_proj``),
+so each gets its own pair, ``A`` drawn from the Megatron name (``decoder.layers.L.self_attention.linear_kv_up_proj``)
+as on the Megatron backend. The up projections' inputs are the latent norms' outputs on both backends (megatron-core's
+``q_layernorm`` / ``kv_layernorm``, HF's ``q_a_layernorm`` / ``kv_a_layernorm``). q/k/v's fused ``linear_qkv``
+selects nothing there (no ``k_proj``), as on Megatron. The DeepSeek-style MoE's experts, shared experts and dense
+first layers are adapted as below.
 
 MoE experts (``qwen3_moe``, ``glm4_moe``, ``gpt_oss``: ``EXPERT_MODEL_TYPES``): transformers keeps a layer's routed
 experts fused, ``mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows, then up rows: Megatron's ``linear_fc1`` layout) and
@@ -32,8 +42,9 @@ it per expert. GLM-4.5's shared experts (``mlp.shared_experts``) and its dense f
 
 Weights out: merged, as on Megatron: the export gathers the base weights in fp32 and adds ``(alpha / r) B @ A``
 before the cast to the sync dtype, so the engines need no LoRA. Not here (refused in one line by ``check_fsdp``):
-LoRA on the experts of the model types not in ``EXPERT_MODEL_TYPES``, multi-latent attention and vision-language
-models.
+LoRA on the experts of the model types not in ``EXPERT_MODEL_TYPES``, multi-latent attention of the model types not
+in ``MLA_MODEL_TYPES`` (DeepSeek-V3.2 / GLM-5's sparse attention, DeepSeek-V4), the gated DeltaNet's ``in_proj`` /
+``out_proj`` and vision-language models.
 
 Checkpoints (``--save`` / ``--load``): the adapters and their AdamW state as the Megatron backend writes them
 (``lora.save_files``: ``<step>/lora/rank_NNNNN.pt``, the LoRA's shape recorded and checked on load), instead of the
@@ -57,6 +68,16 @@ GROUPS = {"linear_qkv": ("self_attn", ("q_proj", "k_proj", "v_proj"), "self_atte
           "linear_proj": ("self_attn", ("o_proj",), "self_attention"),
           "linear_fc1": ("mlp", ("gate_proj", "up_proj"), "mlp"),
           "linear_fc2": ("mlp", ("down_proj",), "mlp")}
+# multi-latent attention (DeepSeek-V3 / Kimi-K2 / JoyAI / GLM-4.7-Flash): each Megatron projection is one HF linear
+# with the same rows (the converter maps them one to one: miles/trainer/megatron/families/mla.py); ``linear_q_proj``
+# (MLA without q LoRA) only where the attention is MLA (a standard model's ``q_proj`` is part of ``linear_qkv``)
+MLA_GROUPS = {"linear_q_proj": ("self_attn", ("q_proj",), "self_attention"),
+              "linear_q_down_proj": ("self_attn", ("q_a_proj",), "self_attention"),
+              "linear_q_up_proj": ("self_attn", ("q_b_proj",), "self_attention"),
+              "linear_kv_down_proj": ("self_attn", ("kv_a_proj_with_mqa",), "self_attention"),
+              "linear_kv_up_proj": ("self_attn", ("kv_b_proj",), "self_attention")}
+# the multi-latent-attention model types whose transformers modules carry those names
+MLA_MODEL_TYPES = ("deepseek_v3", "kimi_k2", "joyai_llm_flash", "glm4_moe_lite")
 # a MoE layer's shared experts (GLM-4.5's ``mlp.shared_experts``): the dense MLP's linears one level down
 SHARED_EXPERTS = {"linear_fc1": ("mlp.shared_experts", ("gate_proj", "up_proj"), "mlp.shared_experts"),
                   "linear_fc2": ("mlp.shared_experts", ("down_proj",), "mlp.shared_experts")}
@@ -65,7 +86,7 @@ FUSED = {"linear_fc1": "gate_up_proj", "linear_fc2": "down_proj"}
 # the model types whose routed experts the FSDP LoRA adapts: transformers' fused experts, each expert
 # ``down(gate_fn(gate, up))``, either concatenated ([gate; up] rows), untransposed ([E, out, in]) and bias-free, or
 # gpt-oss's interleaved, transposed ([E, in, out]) and biased layout
-EXPERT_MODEL_TYPES = ("qwen3_moe", "glm4_moe", "gpt_oss")
+EXPERT_MODEL_TYPES = ("qwen3_moe", "glm4_moe", "gpt_oss", *MLA_MODEL_TYPES)
 
 
 class HFLoraGroup(nn.Module):
@@ -157,9 +178,10 @@ def check_model(spec: LoraSpec, hf_config: dict | None) -> None:
     if "text_config" in c or "vision_config" in c:
         raise ConfigError("--lora-rank with a vision-language --hf-checkpoint is not supported by the FSDP backend; "
                           "drop --lora-rank.")
-    if text.get("kv_lora_rank"):
-        raise ConfigError("--lora-rank on a multi-latent-attention model is not supported by the FSDP backend; use "
-                          "--train-backend megatron.")
+    if text.get("kv_lora_rank") and model_type not in MLA_MODEL_TYPES:
+        raise ConfigError(f"--lora-rank on the multi-latent-attention model {model_type} is not supported by the FSDP "
+                          f"backend (its LoRA adapts the MLA of {', '.join(MLA_MODEL_TYPES)}); add --train-backend "
+                          "megatron.")
 
 
 def attach_hf(hf: nn.Module, layers, spec: LoraSpec, *, seed: int) -> HFLoraAdapters:
@@ -169,10 +191,12 @@ def attach_hf(hf: nn.Module, layers, spec: LoraSpec, *, seed: int) -> HFLoraAdap
     for p in hf.parameters():
         p.requires_grad_(False)
     for i, layer in enumerate(layers):
+        mla = isinstance(getattr(getattr(layer, "self_attn", None), "kv_a_proj_with_mqa", None), nn.Linear)
         for target in spec.targets:
-            if target not in GROUPS:          # multi-latent attention's projections: no such linear here (an MLA
-                continue                      # model is refused by check_model)
-            for parent_name, members, middle in (GROUPS[target], SHARED_EXPERTS.get(target, (None, (), ""))):
+            group = GROUPS.get(target) or (MLA_GROUPS.get(target) if mla else None)
+            if group is None:                 # e.g. MLA's names on standard attention: no such linear
+                continue
+            for parent_name, members, middle in (group, SHARED_EXPERTS.get(target, (None, (), ""))):
                 if parent_name is not None:
                     _attach_group(lora, layer, i, target, parent_name, members, middle, seed)
         _attach_experts(lora, layer, i, seed)
