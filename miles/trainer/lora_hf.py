@@ -27,6 +27,12 @@ as on the Megatron backend. The up projections' inputs are the latent norms' out
 selects nothing there (no ``k_proj``), as on Megatron. The DeepSeek-style MoE's experts, shared experts and dense
 first layers are adapted as below.
 
+The gated DeltaNet (``GDN_MODEL_TYPES``: Qwen3-Next, text-only Qwen3.5 / Qwen3.5-MoE): megatron-core's ``in_proj``
+is a group like ``linear_qkv`` (``GDN_GROUPS``): one ``A`` drawn from ``decoder.layers.L.self_attention.in_proj``, one
+``B`` per HF linear (Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba``, Qwen3.5's ``in_proj_qkv`` / ``in_proj_z`` /
+``in_proj_b`` / ``in_proj_a``), which hold Megatron's rows permuted (the converter's regrouping): the same adapted
+function, ``B`` starting at zero on both; ``out_proj`` its own pair.
+
 MoE experts (``qwen3_moe``, ``glm4_moe``, ``gpt_oss``: ``EXPERT_MODEL_TYPES``): transformers keeps a layer's routed
 experts fused, ``mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows, then up rows: Megatron's ``linear_fc1`` layout) and
 ``down_proj`` [E, H, I] (gpt-oss: [E, H, 2I] with gate and up interleaved column by column, [E, I, H], biases; the
@@ -43,8 +49,8 @@ it per expert. GLM-4.5's shared experts (``mlp.shared_experts``) and its dense f
 Weights out: merged, as on Megatron: the export gathers the base weights in fp32 and adds ``(alpha / r) B @ A``
 before the cast to the sync dtype, so the engines need no LoRA. Not here (refused in one line by ``check_fsdp``):
 LoRA on the experts of the model types not in ``EXPERT_MODEL_TYPES``, multi-latent attention of the model types not
-in ``MLA_MODEL_TYPES`` (DeepSeek-V3.2 / GLM-5's sparse attention, DeepSeek-V4), the gated DeltaNet's ``in_proj`` /
-``out_proj`` and vision-language models.
+in ``MLA_MODEL_TYPES`` (DeepSeek-V3.2 / GLM-5's sparse attention, DeepSeek-V4), ``in_proj`` / ``out_proj`` on a model
+type not in ``GDN_MODEL_TYPES`` and vision-language models.
 
 Checkpoints (``--save`` / ``--load``): the adapters and their AdamW state as the Megatron backend writes them
 (``lora.save_files``: ``<step>/lora/rank_NNNNN.pt``, the LoRA's shape recorded and checked on load), instead of the
@@ -76,6 +82,14 @@ MLA_GROUPS = {"linear_q_proj": ("self_attn", ("q_proj",), "self_attention"),
               "linear_q_up_proj": ("self_attn", ("q_b_proj",), "self_attention"),
               "linear_kv_down_proj": ("self_attn", ("kv_a_proj_with_mqa",), "self_attention"),
               "linear_kv_up_proj": ("self_attn", ("kv_b_proj",), "self_attention")}
+# the gated DeltaNet (Qwen3-Next / Qwen3.5, ``layer.linear_attn``): megatron-core's column-parallel ``in_proj``
+# ([q; k; v; z; beta; alpha] rows) is Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba`` or Qwen3.5's ``in_proj_qkv`` /
+# ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a`` (the converter permutes the rows among them): one shared ``A``, a ``B``
+# per HF linear (the same rows as Megatron's ``B``, permuted as the weight's); ``out_proj`` one to one
+GDN_GROUPS = {"in_proj": [("linear_attn", ("in_proj_qkvz", "in_proj_ba"), "self_attention"),
+                          ("linear_attn", ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), "self_attention")],
+              "out_proj": [("linear_attn", ("out_proj",), "self_attention")]}
+GDN_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # the multi-latent-attention model types whose transformers modules carry those names
 MLA_MODEL_TYPES = ("deepseek_v3", "kimi_k2", "joyai_llm_flash", "glm4_moe_lite")
 # a MoE layer's shared experts (GLM-4.5's ``mlp.shared_experts``): the dense MLP's linears one level down
@@ -159,12 +173,14 @@ def check_model(spec: LoraSpec, hf_config: dict | None) -> None:
         raise ConfigError(f"--target-modules / --exclude-modules module paths ({','.join(spec.paths + spec.exclude_paths)}) "
                           "name Megatron-Bridge's modules: they select LoRA targets on the Megatron backend only; add "
                           "--train-backend megatron, or give names such as q_proj,k_proj,v_proj,o_proj.")
-    if set(spec.targets) & {"in_proj", "out_proj"}:
-        raise ConfigError("--target-modules in_proj/out_proj (the gated DeltaNet's projections) with --train-backend "
-                          "fsdp: LoRA on them runs on the Megatron backend only; add --train-backend megatron.")
+    model_type = text.get("model_type") or c.get("model_type")
+    gdn = sorted(set(spec.targets) & set(GDN_GROUPS))
+    if gdn and model_type not in GDN_MODEL_TYPES:
+        raise ConfigError(f"--target-modules {','.join(gdn)}: LoRA on {' / '.join(gdn)} is built for the gated "
+                          f"DeltaNet ({', '.join(GDN_MODEL_TYPES)}) only, not for {model_type}; drop them from "
+                          "--target-modules.")
     experts = text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts") or 0
     on_experts = bool(experts) and bool({"linear_fc1", "linear_fc2"} & set(spec.targets))
-    model_type = text.get("model_type") or c.get("model_type")
     if on_experts and model_type not in EXPERT_MODEL_TYPES:
         raise ConfigError(f"--target-modules {','.join(spec.targets)} with --train-backend fsdp: LoRA on the MoE "
                           f"experts of {model_type} ({experts} experts) runs on the Megatron backend only (the FSDP "
@@ -193,6 +209,8 @@ def attach_hf(hf: nn.Module, layers, spec: LoraSpec, *, seed: int) -> HFLoraAdap
     for i, layer in enumerate(layers):
         mla = isinstance(getattr(getattr(layer, "self_attn", None), "kv_a_proj_with_mqa", None), nn.Linear)
         for target in spec.targets:
+            for parent_name, members, middle in GDN_GROUPS.get(target, ()):    # the one layout the layer has
+                _attach_group(lora, layer, i, target, parent_name, members, middle, seed)
             group = GROUPS.get(target) or (MLA_GROUPS.get(target) if mla else None)
             if group is None:                 # e.g. MLA's names on standard attention: no such linear
                 continue

@@ -114,5 +114,3 @@ def test_mla_refusals() -> None:
     with pytest.raises(ConfigError, match=r"^--lora-rank on the multi-latent-attention model glm_moe_dsa is not "
                                           r"supported by the FSDP backend .* add --train-backend megatron\.$"):
         lora_hf.check_model(_spec("q_a_proj"), {"model_type": "glm_moe_dsa", "kv_lora_rank": 512})
-    with pytest.raises(ConfigError, match=r"in_proj/out_proj"):
-        lora_hf.check_model(_spec("in_proj_qkvz"), {"model_type": "qwen3_next"})
