@@ -33,7 +33,7 @@ is a group like ``linear_qkv`` (``GDN_GROUPS``): one ``A`` drawn from ``decoder.
 ``in_proj_b`` / ``in_proj_a``), which hold Megatron's rows permuted (the converter's regrouping): the same adapted
 function, ``B`` starting at zero on both; ``out_proj`` its own pair.
 
-MoE experts (``qwen3_moe``, ``glm4_moe``, ``gpt_oss``: ``EXPERT_MODEL_TYPES``): transformers keeps a layer's routed
+MoE experts (``qwen3_moe``, ``glm4_moe``, ``gpt_oss``, Qwen3-Next / Qwen3.5-MoE, the MLA models: ``EXPERT_MODEL_TYPES``): transformers keeps a layer's routed
 experts fused, ``mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows, then up rows: Megatron's ``linear_fc1`` layout) and
 ``down_proj`` [E, H, I] (gpt-oss: [E, H, 2I] with gate and up interleaved column by column, [E, I, H], biases; the
 adapters keep Megatron's layout, ``FusedExperts`` maps them), so no per-expert linear exists to hook. Each expert
@@ -44,7 +44,8 @@ module's forward is replaced by ``_experts_forward``: transformers' eager loop o
 expert's adapter added to its linear's output, as the Megatron backend's hook on each SequentialMLP expert's linear
 (whatever ``config._experts_implementation`` says: the grouped kernels have no place for an adapter). The export adds
 ``(alpha / r) B_E @ A_E`` to each expert's slice of the fused tensor (``fused``) before the checkpoint layout splits
-it per expert. GLM-4.5's shared experts (``mlp.shared_experts``) and its dense first layers are dense targets.
+it per expert. The shared experts (GLM-4.5's and DeepSeek-V3's ``mlp.shared_experts``, Qwen3-Next's ``mlp.shared_expert``:
+Megatron's ``mlp.shared_experts``) and dense first layers are dense targets.
 
 Weights out: merged, as on Megatron: the export gathers the base weights in fp32 and adds ``(alpha / r) B @ A``
 before the cast to the sync dtype, so the engines need no LoRA. Not here (refused in one line by ``check_fsdp``):
@@ -92,15 +93,16 @@ GDN_GROUPS = {"in_proj": [("linear_attn", ("in_proj_qkvz", "in_proj_ba"), "self_
 GDN_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # the multi-latent-attention model types whose transformers modules carry those names
 MLA_MODEL_TYPES = ("deepseek_v3", "kimi_k2", "joyai_llm_flash", "glm4_moe_lite")
-# a MoE layer's shared experts (GLM-4.5's ``mlp.shared_experts``): the dense MLP's linears one level down
-SHARED_EXPERTS = {"linear_fc1": ("mlp.shared_experts", ("gate_proj", "up_proj"), "mlp.shared_experts"),
-                  "linear_fc2": ("mlp.shared_experts", ("down_proj",), "mlp.shared_experts")}
+# a MoE layer's shared experts (GLM-4.5's / DeepSeek-V3's ``mlp.shared_experts``, Qwen3-Next's / Qwen3.5's
+# ``mlp.shared_expert``; Megatron's ``mlp.shared_experts``): the dense MLP's linears one level down
+SHARED_EXPERTS = {t: [(parent, members, "mlp.shared_experts") for parent in ("mlp.shared_experts", "mlp.shared_expert")]
+                  for t, members in (("linear_fc1", ("gate_proj", "up_proj")), ("linear_fc2", ("down_proj",)))}
 # Megatron's routed-expert target -> transformers' fused 3-D expert tensor ([E, out, in]) it adapts
 FUSED = {"linear_fc1": "gate_up_proj", "linear_fc2": "down_proj"}
 # the model types whose routed experts the FSDP LoRA adapts: transformers' fused experts, each expert
 # ``down(gate_fn(gate, up))``, either concatenated ([gate; up] rows), untransposed ([E, out, in]) and bias-free, or
 # gpt-oss's interleaved, transposed ([E, in, out]) and biased layout
-EXPERT_MODEL_TYPES = ("qwen3_moe", "glm4_moe", "gpt_oss", *MLA_MODEL_TYPES)
+EXPERT_MODEL_TYPES = ("qwen3_moe", "glm4_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe_text", *MLA_MODEL_TYPES)
 
 
 class HFLoraGroup(nn.Module):
@@ -214,9 +216,8 @@ def attach_hf(hf: nn.Module, layers, spec: LoraSpec, *, seed: int) -> HFLoraAdap
             group = GROUPS.get(target) or (MLA_GROUPS.get(target) if mla else None)
             if group is None:                 # e.g. MLA's names on standard attention: no such linear
                 continue
-            for parent_name, members, middle in (group, SHARED_EXPERTS.get(target, (None, (), ""))):
-                if parent_name is not None:
-                    _attach_group(lora, layer, i, target, parent_name, members, middle, seed)
+            for parent_name, members, middle in (group, *SHARED_EXPERTS.get(target, ())):
+                _attach_group(lora, layer, i, target, parent_name, members, middle, seed)
         _attach_experts(lora, layer, i, seed)
     if not lora.groups and not lora.pairs:
         raise ConfigError(f"--target-modules: no linear of the model matches {list(spec.targets)}.")
