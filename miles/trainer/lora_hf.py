@@ -33,8 +33,8 @@ is a group like ``linear_qkv`` (``GDN_GROUPS``): one ``A`` drawn from ``decoder.
 ``in_proj_b`` / ``in_proj_a``), which hold Megatron's rows permuted (the converter's regrouping): the same adapted
 function, ``B`` starting at zero on both; ``out_proj`` its own pair.
 
-MoE experts (``qwen3_moe``, ``glm4_moe``, ``gpt_oss``, Qwen3-Next / Qwen3.5-MoE, the MLA models: ``EXPERT_MODEL_TYPES``): transformers keeps a layer's routed
-experts fused, ``mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows, then up rows: Megatron's ``linear_fc1`` layout) and
+MoE experts (``qwen3_moe``, ``glm4_moe``, ``gpt_oss``, Qwen3-Next / Qwen3.5-MoE, the MLA models:
+``EXPERT_MODEL_TYPES``): transformers keeps a layer's routed experts fused, ``mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows, then up rows: Megatron's ``linear_fc1`` layout) and
 ``down_proj`` [E, H, I] (gpt-oss: [E, H, 2I] with gate and up interleaved column by column, [E, I, H], biases; the
 adapters keep Megatron's layout, ``FusedExperts`` maps them), so no per-expert linear exists to hook. Each expert
 gets the Megatron backend's ``LoraPair`` (``pairs``, keyed by its Megatron name
@@ -44,8 +44,8 @@ module's forward is replaced by ``_experts_forward``: transformers' eager loop o
 expert's adapter added to its linear's output, as the Megatron backend's hook on each SequentialMLP expert's linear
 (whatever ``config._experts_implementation`` says: the grouped kernels have no place for an adapter). The export adds
 ``(alpha / r) B_E @ A_E`` to each expert's slice of the fused tensor (``fused``) before the checkpoint layout splits
-it per expert. The shared experts (GLM-4.5's and DeepSeek-V3's ``mlp.shared_experts``, Qwen3-Next's ``mlp.shared_expert``:
-Megatron's ``mlp.shared_experts``) and dense first layers are dense targets.
+it per expert. The shared experts (GLM-4.5's and DeepSeek-V3's ``mlp.shared_experts``, Qwen3-Next's
+``mlp.shared_expert``: Megatron's ``mlp.shared_experts``) and dense first layers are dense targets.
 
 Weights out: merged, as on Megatron: the export gathers the base weights in fp32 and adds ``(alpha / r) B @ A``
 before the cast to the sync dtype, so the engines need no LoRA. Not here (refused in one line by ``check_fsdp``):
