@@ -3,7 +3,7 @@
 
     spec = LoraSpec.from_config(cfg.train)
     check_fsdp(cfg, hf_config)                      # preflight: what the FSDP LoRA cannot train, one line each
-    lora = attach_hf(hf_model, spec, seed=seed)     # base frozen, hooks on q/k/v/o and gate/up/down
+    lora = attach_hf(hf_model, spec, seed=seed)     # base frozen, hooks on q/k/v/o (MLA's), gate/up/down
     optimizer = build_adamw(lora, ...)              # the adapters are the only trained parameters
     finish_grads(lora, group); clip_grad_norm(lora, max_norm)
     merge_buckets(lora, buckets, dtype)             # the weight export: W + (alpha / r) * B @ A under HF names
@@ -17,8 +17,24 @@ adapters. The shared ``A x`` (and its dropout mask) is computed once per forward
 members. The adapters are replicated on every rank (not FSDP-sharded: they are small); their gradients are
 averaged over the trainer group after the backward.
 
-MoE experts (``qwen3_moe``, ``glm4_moe``, ``gpt_oss``: ``EXPERT_MODEL_TYPES``): transformers keeps a layer's routed
-experts fused, ``mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows, then up rows: Megatron's ``linear_fc1`` layout) and
+Multi-latent attention (``MLA_MODEL_TYPES``: DeepSeek-V3, Kimi-K2, JoyAI-LLM-Flash, GLM-4.7-Flash): each of
+megatron-core's MLA projections is one HF linear holding the same rows (``MLA_GROUPS``: ``linear_q_down_proj`` =
+``q_a_proj``, ``linear_q_up_proj`` = ``q_b_proj``, ``linear_kv_down_proj`` = ``kv_a_proj_with_mqa``,
+``linear_kv_up_proj`` = ``kv_b_proj``, ``linear_q_proj`` = ``q_proj`` without q LoRA, ``linear_proj`` = ``o_proj``),
+so each gets its own pair, ``A`` drawn from the Megatron name (``decoder.layers.L.self_attention.linear_kv_up_proj``)
+as on the Megatron backend. The up projections' inputs are the latent norms' outputs on both backends (megatron-core's
+``q_layernorm`` / ``kv_layernorm``, HF's ``q_a_layernorm`` / ``kv_a_layernorm``). q/k/v's fused ``linear_qkv``
+selects nothing there (no ``k_proj``), as on Megatron. The DeepSeek-style MoE's experts, shared experts and dense
+first layers are adapted as below.
+
+The gated DeltaNet (``GDN_MODEL_TYPES``: Qwen3-Next, text-only Qwen3.5 / Qwen3.5-MoE): megatron-core's ``in_proj``
+is a group like ``linear_qkv`` (``GDN_GROUPS``): one ``A`` drawn from ``decoder.layers.L.self_attention.in_proj``, one
+``B`` per HF linear (Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba``, Qwen3.5's ``in_proj_qkv`` / ``in_proj_z`` /
+``in_proj_b`` / ``in_proj_a``), which hold Megatron's rows permuted (the converter's regrouping): the same adapted
+function, ``B`` starting at zero on both; ``out_proj`` its own pair.
+
+MoE experts (``qwen3_moe``, ``glm4_moe``, ``gpt_oss``, Qwen3-Next / Qwen3.5-MoE, the MLA models:
+``EXPERT_MODEL_TYPES``): transformers keeps a layer's routed experts fused, ``mlp.experts.gate_up_proj`` [E, 2I, H] (gate rows, then up rows: Megatron's ``linear_fc1`` layout) and
 ``down_proj`` [E, H, I] (gpt-oss: [E, H, 2I] with gate and up interleaved column by column, [E, I, H], biases; the
 adapters keep Megatron's layout, ``FusedExperts`` maps them), so no per-expert linear exists to hook. Each expert
 gets the Megatron backend's ``LoraPair`` (``pairs``, keyed by its Megatron name
@@ -28,12 +44,14 @@ module's forward is replaced by ``_experts_forward``: transformers' eager loop o
 expert's adapter added to its linear's output, as the Megatron backend's hook on each SequentialMLP expert's linear
 (whatever ``config._experts_implementation`` says: the grouped kernels have no place for an adapter). The export adds
 ``(alpha / r) B_E @ A_E`` to each expert's slice of the fused tensor (``fused``) before the checkpoint layout splits
-it per expert. GLM-4.5's shared experts (``mlp.shared_experts``) and its dense first layers are dense targets.
+it per expert. The shared experts (GLM-4.5's and DeepSeek-V3's ``mlp.shared_experts``, Qwen3-Next's
+``mlp.shared_expert``: Megatron's ``mlp.shared_experts``) and dense first layers are dense targets.
 
 Weights out: merged, as on Megatron: the export gathers the base weights in fp32 and adds ``(alpha / r) B @ A``
 before the cast to the sync dtype, so the engines need no LoRA. Not here (refused in one line by ``check_fsdp``):
-LoRA on the experts of the model types not in ``EXPERT_MODEL_TYPES``, multi-latent attention and vision-language
-models.
+LoRA on the experts of the model types not in ``EXPERT_MODEL_TYPES``, multi-latent attention of the model types not
+in ``MLA_MODEL_TYPES`` (DeepSeek-V3.2 / GLM-5's sparse attention, DeepSeek-V4), ``in_proj`` / ``out_proj`` on a model
+type not in ``GDN_MODEL_TYPES`` and vision-language models.
 
 Checkpoints (``--save`` / ``--load``): the adapters and their AdamW state as the Megatron backend writes them
 (``lora.save_files``: ``<step>/lora/rank_NNNNN.pt``, the LoRA's shape recorded and checked on load), instead of the
@@ -57,15 +75,34 @@ GROUPS = {"linear_qkv": ("self_attn", ("q_proj", "k_proj", "v_proj"), "self_atte
           "linear_proj": ("self_attn", ("o_proj",), "self_attention"),
           "linear_fc1": ("mlp", ("gate_proj", "up_proj"), "mlp"),
           "linear_fc2": ("mlp", ("down_proj",), "mlp")}
-# a MoE layer's shared experts (GLM-4.5's ``mlp.shared_experts``): the dense MLP's linears one level down
-SHARED_EXPERTS = {"linear_fc1": ("mlp.shared_experts", ("gate_proj", "up_proj"), "mlp.shared_experts"),
-                  "linear_fc2": ("mlp.shared_experts", ("down_proj",), "mlp.shared_experts")}
+# multi-latent attention (DeepSeek-V3 / Kimi-K2 / JoyAI / GLM-4.7-Flash): each Megatron projection is one HF linear
+# with the same rows (the converter maps them one to one: miles/trainer/megatron/families/mla.py); ``linear_q_proj``
+# (MLA without q LoRA) only where the attention is MLA (a standard model's ``q_proj`` is part of ``linear_qkv``)
+MLA_GROUPS = {"linear_q_proj": ("self_attn", ("q_proj",), "self_attention"),
+              "linear_q_down_proj": ("self_attn", ("q_a_proj",), "self_attention"),
+              "linear_q_up_proj": ("self_attn", ("q_b_proj",), "self_attention"),
+              "linear_kv_down_proj": ("self_attn", ("kv_a_proj_with_mqa",), "self_attention"),
+              "linear_kv_up_proj": ("self_attn", ("kv_b_proj",), "self_attention")}
+# the gated DeltaNet (Qwen3-Next / Qwen3.5, ``layer.linear_attn``): megatron-core's column-parallel ``in_proj``
+# ([q; k; v; z; beta; alpha] rows) is Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba`` or Qwen3.5's ``in_proj_qkv`` /
+# ``in_proj_z`` / ``in_proj_b`` / ``in_proj_a`` (the converter permutes the rows among them): one shared ``A``, a ``B``
+# per HF linear (the same rows as Megatron's ``B``, permuted as the weight's); ``out_proj`` one to one
+GDN_GROUPS = {"in_proj": [("linear_attn", ("in_proj_qkvz", "in_proj_ba"), "self_attention"),
+                          ("linear_attn", ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), "self_attention")],
+              "out_proj": [("linear_attn", ("out_proj",), "self_attention")]}
+GDN_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+# the multi-latent-attention model types whose transformers modules carry those names
+MLA_MODEL_TYPES = ("deepseek_v3", "kimi_k2", "joyai_llm_flash", "glm4_moe_lite")
+# a MoE layer's shared experts (GLM-4.5's / DeepSeek-V3's ``mlp.shared_experts``, Qwen3-Next's / Qwen3.5's
+# ``mlp.shared_expert``; Megatron's ``mlp.shared_experts``): the dense MLP's linears one level down
+SHARED_EXPERTS = {t: [(parent, members, "mlp.shared_experts") for parent in ("mlp.shared_experts", "mlp.shared_expert")]
+                  for t, members in (("linear_fc1", ("gate_proj", "up_proj")), ("linear_fc2", ("down_proj",)))}
 # Megatron's routed-expert target -> transformers' fused 3-D expert tensor ([E, out, in]) it adapts
 FUSED = {"linear_fc1": "gate_up_proj", "linear_fc2": "down_proj"}
 # the model types whose routed experts the FSDP LoRA adapts: transformers' fused experts, each expert
 # ``down(gate_fn(gate, up))``, either concatenated ([gate; up] rows), untransposed ([E, out, in]) and bias-free, or
 # gpt-oss's interleaved, transposed ([E, in, out]) and biased layout
-EXPERT_MODEL_TYPES = ("qwen3_moe", "glm4_moe", "gpt_oss")
+EXPERT_MODEL_TYPES = ("qwen3_moe", "glm4_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe_text", *MLA_MODEL_TYPES)
 
 
 class HFLoraGroup(nn.Module):
@@ -138,12 +175,14 @@ def check_model(spec: LoraSpec, hf_config: dict | None) -> None:
         raise ConfigError(f"--target-modules / --exclude-modules module paths ({','.join(spec.paths + spec.exclude_paths)}) "
                           "name Megatron-Bridge's modules: they select LoRA targets on the Megatron backend only; add "
                           "--train-backend megatron, or give names such as q_proj,k_proj,v_proj,o_proj.")
-    if set(spec.targets) & {"in_proj", "out_proj"}:
-        raise ConfigError("--target-modules in_proj/out_proj (the gated DeltaNet's projections) with --train-backend "
-                          "fsdp: LoRA on them runs on the Megatron backend only; add --train-backend megatron.")
+    model_type = text.get("model_type") or c.get("model_type")
+    gdn = sorted(set(spec.targets) & set(GDN_GROUPS))
+    if gdn and model_type not in GDN_MODEL_TYPES:
+        raise ConfigError(f"--target-modules {','.join(gdn)}: LoRA on {' / '.join(gdn)} is built for the gated "
+                          f"DeltaNet ({', '.join(GDN_MODEL_TYPES)}) only, not for {model_type}; drop them from "
+                          "--target-modules.")
     experts = text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts") or 0
     on_experts = bool(experts) and bool({"linear_fc1", "linear_fc2"} & set(spec.targets))
-    model_type = text.get("model_type") or c.get("model_type")
     if on_experts and model_type not in EXPERT_MODEL_TYPES:
         raise ConfigError(f"--target-modules {','.join(spec.targets)} with --train-backend fsdp: LoRA on the MoE "
                           f"experts of {model_type} ({experts} experts) runs on the Megatron backend only (the FSDP "
@@ -157,9 +196,10 @@ def check_model(spec: LoraSpec, hf_config: dict | None) -> None:
     if "text_config" in c or "vision_config" in c:
         raise ConfigError("--lora-rank with a vision-language --hf-checkpoint is not supported by the FSDP backend; "
                           "drop --lora-rank.")
-    if text.get("kv_lora_rank"):
-        raise ConfigError("--lora-rank on a multi-latent-attention model is not supported by the FSDP backend; use "
-                          "--train-backend megatron.")
+    if text.get("kv_lora_rank") and model_type not in MLA_MODEL_TYPES:
+        raise ConfigError(f"--lora-rank on the multi-latent-attention model {model_type} is not supported by the FSDP "
+                          f"backend (its LoRA adapts the MLA of {', '.join(MLA_MODEL_TYPES)}); add --train-backend "
+                          "megatron.")
 
 
 def attach_hf(hf: nn.Module, layers, spec: LoraSpec, *, seed: int) -> HFLoraAdapters:
@@ -169,12 +209,15 @@ def attach_hf(hf: nn.Module, layers, spec: LoraSpec, *, seed: int) -> HFLoraAdap
     for p in hf.parameters():
         p.requires_grad_(False)
     for i, layer in enumerate(layers):
+        mla = isinstance(getattr(getattr(layer, "self_attn", None), "kv_a_proj_with_mqa", None), nn.Linear)
         for target in spec.targets:
-            if target not in GROUPS:          # multi-latent attention's projections: no such linear here (an MLA
-                continue                      # model is refused by check_model)
-            for parent_name, members, middle in (GROUPS[target], SHARED_EXPERTS.get(target, (None, (), ""))):
-                if parent_name is not None:
-                    _attach_group(lora, layer, i, target, parent_name, members, middle, seed)
+            for parent_name, members, middle in GDN_GROUPS.get(target, ()):    # the one layout the layer has
+                _attach_group(lora, layer, i, target, parent_name, members, middle, seed)
+            group = GROUPS.get(target) or (MLA_GROUPS.get(target) if mla else None)
+            if group is None:                 # e.g. MLA's names on standard attention: no such linear
+                continue
+            for parent_name, members, middle in (group, *SHARED_EXPERTS.get(target, ())):
+                _attach_group(lora, layer, i, target, parent_name, members, middle, seed)
         _attach_experts(lora, layer, i, seed)
     if not lora.groups and not lora.pairs:
         raise ConfigError(f"--target-modules: no linear of the model matches {list(spec.targets)}.")

@@ -2,20 +2,21 @@
 --target-modules all-linear``), real gloo ranks (torchrun), against the Megatron backend's LoRA on the same model.
 
 ``test_fsdp_lora_moe_matches_megatron`` (per-expert and ``--experts-shared-outer-loras``; also tiny gpt-oss,
-shared-outer: transformers' interleaved, transposed, biased experts; and tiny GLM-4.5, per-expert: a dense first
-layer and a shared expert): FSDP2 (DP 2) and the Megatron backend (EP 1 x DP 2), with the same AdamW settings, train
+shared-outer: transformers' interleaved, transposed, biased experts; tiny GLM-4.5, per-expert: a dense first
+layer and a shared expert; and tiny DeepSeek-V3, per-expert: multi-latent attention with q LoRA, grouped routing, a
+dense first layer and shared experts, every MLA projection a target): FSDP2 (DP 2) and the Megatron backend (EP 1 x DP 2), with the same AdamW settings, train
 2 rollouts on the same samples from the same adapters (both draw each expert's ``A`` from the trainer seed and the
 expert's Megatron name, ``B`` = 0). Compared: the step metrics, the log-probs after training, every routed expert's
 ``A`` and ``B`` and the merged weight-sync exports (HF names); the FSDP export at step 0 equals the checkpoint bit for
-bit, only the target linears moved (not the router, not the norms, not the biases), every expert's ``lora_B`` moved
+bit, only the target linears moved (DeepSeek-V3: every MLA projection's ``A`` and ``B`` compared as the experts') (not the router, not the norms, not the biases), every expert's ``lora_B`` moved
 where the expert got tokens (the same experts on both), no base parameter of the FSDP model has a gradient, and
 shared-outer holds one fc1 ``A`` and one fc2 ``B`` per layer. The Qwen3-MoE shared-outer case also trains on one FSDP
 rank (the two ranks' samples together) and agrees with the two ranks.
 
 ``test_fsdp_lora_moe_resume_matches_uninterrupted``: ``--save`` / ``--load`` of the adapters, and ``--save-hf``.
 
-``test_fsdp_lora_moe_weight_update_leaves_engine_equal``: 2 FSDP ranks with shared-outer expert adapters train a
-rollout; every merged bucket goes to the embedded engine (``/update_weights_from_tensor``) and reads back bit for
+``test_fsdp_lora_moe_weight_update_leaves_engine_equal``: 2 FSDP ranks with shared-outer expert adapters (Qwen3-MoE),
+or per-expert adapters and every MLA projection (DeepSeek-V3), train a rollout; every merged bucket goes to the embedded engine (``/update_weights_from_tensor``) and reads back bit for
 bit (``--check-weight-update-equal``'s comparison), under every tensor name of the checkpoint.
 
 ``test_fsdp_lora_moe_trains_on_gpu`` (gpu): one rank, NCCL, bf16.
@@ -33,7 +34,8 @@ pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.multiprocess
 
 HERE = Path(__file__).resolve()
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "q_a_proj", "q_b_proj",
+           "kv_a_proj_with_mqa", "kv_b_proj")
 
 
 # the Megatron backend's gpt-oss flags (tests/multiprocess/test_megatron_gpt_oss.py: sinks, alternating windows)
@@ -45,7 +47,11 @@ GPT_OSS_FLAGS = ["--expert-tensor-parallel-size", "1", "--softmax-type", "learna
 GLM_FLAGS = ["--expert-tensor-parallel-size", "1", "--moe-router-score-function", "sigmoid",
              "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0", "--moe-aux-loss-coeff", "0",
              "--moe-router-dtype", "fp32"]
-MODEL_FLAGS = {"gpt_oss": GPT_OSS_FLAGS, "glm4_moe": GLM_FLAGS}
+# ... and DeepSeek-V3's (tests/multiprocess/test_megatron_mla.py: MLA, the sigmoid router, fp32 routing), TP 1
+MLA_FLAGS = ["--expert-tensor-parallel-size", "1", "--multi-latent-attention", "--moe-router-score-function",
+             "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0", "--moe-aux-loss-coeff",
+             "0", "--moe-router-dtype", "fp32"]
+MODEL_FLAGS = {"gpt_oss": GPT_OSS_FLAGS, "glm4_moe": GLM_FLAGS, "deepseek_v3": MLA_FLAGS}
 
 
 def _is_target(name: str) -> bool:
@@ -82,6 +88,16 @@ def _expert_adapters(tr, backend: str) -> dict:
     return {k: v for k, v in lora.full_pairs(tr.lora).items() if ".local_experts." in k}
 
 
+def _mla_adapters(tr, backend: str) -> dict:
+    """Megatron module name -> (A, B) of every multi-latent-attention projection (one HF linear each)."""
+    from miles.trainer import lora, lora_hf
+
+    if backend == "fsdp":
+        return {k.replace("/", "."): (g.lora_A.detach().float(), next(iter(g.lora_B.values())).detach().float())
+                for k, g in tr.lora.groups.items() if k.rsplit("/", 1)[-1] in lora_hf.MLA_GROUPS}
+    return {k: v for k, v in lora.full_pairs(tr.lora).items() if k.rsplit(".", 1)[-1] in lora_hf.MLA_GROUPS}
+
+
 def _worker(model_dir: str, out: str, shared: str, backends: str, kind: str = "cpu", model: str = "qwen3_moe") -> None:
     import torch
     import torch.distributed as dist
@@ -101,6 +117,7 @@ def _worker(model_dir: str, out: str, shared: str, backends: str, kind: str = "c
             r["metrics"][rid] = tr.train(_samples(rid, rank, world), rid)
         r["final"] = tr.state_dict_for_check()
         r["adapters"] = _expert_adapters(tr, backend)
+        r["mla"] = _mla_adapters(tr, backend)
         r["lp"] = policy_logprobs(tr, probe)
         if backend == "fsdp":
             r["base_grads"] = sum(p.grad is not None for p in tr.model.parameters())
@@ -148,6 +165,15 @@ def tiny_gpt_oss_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def tiny_dsv3_dir(tmp_path_factory) -> Path:
+    from miles.utils.tiny_mla import build_tiny_mla_model
+
+    # DeepSeek-V3's layout: q LoRA, grouped routing (2 groups of 2 experts, 1 chosen), a dense first layer
+    return build_tiny_mla_model(tmp_path_factory.mktemp("tiny_dsv3"), model_type="deepseek_v3", n_group=2,
+                                topk_group=1, routed_scaling_factor=2.5)
+
+
+@pytest.fixture(scope="module")
 def tiny_glm45_dir(tmp_path_factory) -> Path:
     from miles.utils.tiny_glm4_moe import build_tiny_glm4_moe
 
@@ -155,8 +181,9 @@ def tiny_glm45_dir(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("model,shared", [("qwen3_moe", False), ("qwen3_moe", True), ("gpt_oss", True),
-                                          ("glm4_moe", False)],
-                         ids=["per_expert", "shared_outer", "gpt_oss_shared_outer", "glm4_moe_per_expert"])
+                                          ("glm4_moe", False), ("deepseek_v3", False)],
+                         ids=["per_expert", "shared_outer", "gpt_oss_shared_outer", "glm4_moe_per_expert",
+                              "mla_per_expert"])
 def test_fsdp_lora_moe_matches_megatron(request, tmp_path: Path, model: str, shared: bool) -> None:
     """(gpt-oss: transformers' interleaved, transposed, biased experts against megatron-core's per-expert linears;
     GLM-4.5: a dense first layer and a shared expert, dense targets beside the routed experts')"""
@@ -164,7 +191,7 @@ def test_fsdp_lora_moe_matches_megatron(request, tmp_path: Path, model: str, sha
     from safetensors.torch import load_file
 
     model_dir = request.getfixturevalue({"qwen3_moe": "tiny_moe_dir", "gpt_oss": "tiny_gpt_oss_dir",
-                                         "glm4_moe": "tiny_glm45_dir"}[model])
+                                         "glm4_moe": "tiny_glm45_dir", "deepseek_v3": "tiny_dsv3_dir"}[model])
     base = load_file(str(model_dir / "model.safetensors"))
     res = _run(tmp_path, model_dir, 2, shared, "fsdp,megatron", model)
     fs, mg = res["fsdp"], res["megatron"]
@@ -192,20 +219,31 @@ def test_fsdp_lora_moe_matches_megatron(request, tmp_path: Path, model: str, sha
         for key in ("loss", "pg_loss", "kl_loss", "grad_norm"):
             assert fs["metrics"][rid][key] == pytest.approx(mg["metrics"][rid][key], rel=1e-4, abs=1e-6), (rid, key)
     lp = max(abs(x - y) for a, b in zip(fs["lp"], mg["lp"]) for x, y in zip(a, b))
+    if model == "deepseek_v3":         # every MLA projection of every layer on both backends, each trained
+        assert sorted(fs["mla"]) == sorted(mg["mla"]) == sorted(
+            f"decoder.layers.{i}.self_attention.linear_{t}" for i in range(3)
+            for t in ("q_down_proj", "q_up_proj", "kv_down_proj", "kv_up_proj")), sorted(fs["mla"])
+        assert all(b.abs().max() > 0 for run in (fs, mg) for _a, b in run["mla"].values())
+    fs_pairs, mg_pairs = {**fs["adapters"], **fs["mla"]}, {**mg["adapters"], **mg["mla"]}
     ad = max(max((fa - ma).abs().max().item(), (fb - mb).abs().max().item())
-             for (fa, fb), (ma, mb) in ((fs["adapters"][k], mg["adapters"][k]) for k in fs["adapters"]))
+             for (fa, fb), (ma, mb) in ((fs_pairs[k], mg_pairs[k]) for k in fs_pairs))
+    mla_ad = max((max((fa - mg["mla"][k][0]).abs().max().item(), (fb - mg["mla"][k][1]).abs().max().item())
+                  for k, (fa, fb) in fs["mla"].items()), default=0.0)
     diff, rel = _distance(fs["final"], mg["final"], {k: base[k] for k in fs["init"]})
     metrics = max(abs(fs["metrics"][r][k] - mg["metrics"][r][k]) / max(abs(mg["metrics"][r][k]), 1e-3)
                   for r in (0, 1) for k in ("loss", "pg_loss", "kl_loss", "grad_norm"))
-    print({"lp": lp, "adapters": ad, "max_abs": diff, "rel_l2": rel, "metrics_rel": metrics})
+    print({"lp": lp, "adapters": ad, "mla_adapters": mla_ad, "max_abs": diff, "rel_l2": rel, "metrics_rel": metrics})
     # measured (2 CPU gloo ranks, 2026-12; qwen3_moe per-expert / shared-outer; gpt_oss shared-outer; glm4_moe
     # per-expert): log-probs 4.8e-7 / 4.8e-7; 4.8e-7; 4.8e-7, adapters 1.1e-6 / 4.5e-7; 1.3e-6; 2.5e-5, exports max
     # 1.6e-7 / 1.1e-7; 1.0e-6; 5.3e-6 and relative L2 of the update 1.0e-6 / 7.9e-7; 4.4e-6; 1.1e-5 (the non-LoRA
     # parity of gpt-oss: 5.3e-6 and 8.5e-6; of GLM-4.5 bounded at 2e-5 and 3e-5: on GLM one barely routed expert's
-    # AdamW step differs at 1e-5, every other adapter within 1e-6); bounded at about twice
+    # AdamW step differs at 1e-5, every other adapter within 1e-6; deepseek_v3 per-expert: log-probs 4.8e-7, adapters
+    # 1.7e-5 (a routed expert's; the MLA projections' 2.4e-6), exports max 2.1e-6, relative L2 5.5e-6, metrics 1.2e-5
+    # relative: pytest -s -k "matches_megatron and mla"); bounded at about twice
     bounds = {"qwen3_moe": (1e-6, 2e-6, 4e-7, 2e-6), "gpt_oss": (1e-6, 3e-6, 2e-6, 9e-6),
-              "glm4_moe": (1e-6, 5e-5, 1.1e-5, 2.2e-5)}[model]
+              "glm4_moe": (1e-6, 5e-5, 1.1e-5, 2.2e-5), "deepseek_v3": (1e-6, 3.5e-5, 4.5e-6, 1.1e-5)}[model]
     assert all(x < b for x, b in zip((lp, ad, diff, rel), bounds)), (lp, ad, diff, rel)
+    assert mla_ad < 5e-6, mla_ad
     if shared and model == "qwen3_moe":     # one FSDP rank with both ranks' samples: the same training
         one = _run(tmp_path, model_dir, 1, shared, "fsdp")["fsdp"]
         for rid in (0, 1):
@@ -221,11 +259,14 @@ def test_fsdp_lora_moe_matches_megatron(request, tmp_path: Path, model: str, sha
 
 
 @pytest.mark.gpu
-def test_fsdp_lora_moe_trains_on_gpu(tiny_moe_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("model", ["qwen3_moe", "deepseek_v3"], ids=["shared_outer", "mla_per_expert"])
+def test_fsdp_lora_moe_trains_on_gpu(request, model: str, tmp_path: Path) -> None:
     """One rank on a GPU (NCCL, the FSDP backend's GPU default bf16: bf16 compute on fp32 masters), shared-outer expert
-    adapters: 2 rollouts train (finite metrics, grad_norm > 0, every expert's ``lora_B`` moved), the step-0 export is
-    the checkpoint bit for bit and only the target linears moved. Never run yet (no GPU on the test machine): no
-    bound against the Megatron backend here until a measurement sets one."""
+    adapters (Qwen3-MoE) or per-expert ones and every MLA projection (DeepSeek-V3): 2 rollouts train (finite metrics,
+    grad_norm > 0, the experts' ``lora_B`` moved (on DeepSeek-V3 all but at most 2: grouped routing leaves some
+    experts without tokens; every MLA projection's)), the step-0 export is the checkpoint bit for bit and only the target
+    linears moved. Never run yet (no GPU on the test machine): no bound against the Megatron backend here until a
+    measurement sets one."""
     import math
 
     import torch
@@ -234,17 +275,22 @@ def test_fsdp_lora_moe_trains_on_gpu(tiny_moe_dir: Path, tmp_path: Path) -> None
 
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
+    tiny_moe_dir = request.getfixturevalue({"qwen3_moe": "tiny_moe_dir", "deepseek_v3": "tiny_dsv3_dir"}[model])
     out = tmp_path / "gpu.pt"
-    r = _launch(1, "run", str(tiny_moe_dir), str(out), "1", "fsdp", "cuda")
+    r = _launch(1, "run", str(tiny_moe_dir), str(out), str(int(model == "qwen3_moe")), "fsdp", "cuda", model)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     fs = torch.load(out, weights_only=False)["fsdp"]
     base = read_hf_state_dict(tiny_moe_dir)
-    assert all(torch.equal(fs["init"][k], base[k].to(fs["init"][k].dtype)) for k in base)
+    # the export holds the parameters: DeepSeek-V3's routers' expert bias (a buffer) is not in it
+    assert set(fs["init"]) == {k for k in base if not k.endswith("e_score_correction_bias")}
+    assert all(torch.equal(fs["init"][k], base[k].to(fs["init"][k].dtype)) for k in fs["init"])
     for rid in (0, 1):
         m = fs["metrics"][rid]
         assert all(math.isfinite(m[k]) for k in ("loss", "pg_loss", "kl_loss", "grad_norm")) and m["grad_norm"] > 0, m
-    assert all(b.abs().max() > 0 for _, b in fs["adapters"].values())
-    for k in base:
+    moved = [bool(b.abs().max() > 0) for _, b in fs["adapters"].values()]
+    assert sum(moved) >= len(moved) - (2 if model == "deepseek_v3" else 0), moved
+    assert all(b.abs().max() > 0 for _, b in fs["mla"].values()) and len(fs["mla"]) == (12 if model == "deepseek_v3" else 0)
+    for k in fs["init"]:
         assert (not torch.equal(fs["final"][k], fs["init"][k])) == _is_target(k), k
     print({"lp_first": fs["lp"][0][:4], "grad_norm": [fs["metrics"][r]["grad_norm"] for r in (0, 1)]})
 
@@ -332,14 +378,14 @@ def test_fsdp_lora_moe_resume_matches_uninterrupted(tiny_moe_dir: Path, tmp_path
     assert torch.equal(a, adapter[f"{pre}.gate_proj.lora_A.weight"]) and not torch.equal(b, gate_b)
 
 
-def _engine_worker(model_dir: str, out: str, engine_url: str) -> None:
+def _engine_worker(model_dir: str, out: str, engine_url: str, shared: str) -> None:
     import torch.distributed as dist
     from test_megatron_moe import post_bucket_and_check
     from trainer_harness import build
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    tr = build(model_dir, _flags("fsdp", True))
+    tr = build(model_dir, _flags("fsdp", shared == "1"))
     tr.train(_samples(0, rank, 2), 0)
     res = {"names": []}
     for bucket in tr.iter_weight_buckets(16 << 10):
@@ -351,26 +397,30 @@ def _engine_worker(model_dir: str, out: str, engine_url: str) -> None:
     dist.destroy_process_group()
 
 
-def test_fsdp_lora_moe_weight_update_leaves_engine_equal(tiny_moe_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("model", ["qwen3_moe", "deepseek_v3"], ids=["shared_outer", "mla_per_expert"])
+def test_fsdp_lora_moe_weight_update_leaves_engine_equal(request, model: str, tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
     from miles.engine.testing import EngineProc
 
+    tiny_moe_dir = request.getfixturevalue({"qwen3_moe": "tiny_moe_dir", "deepseek_v3": "tiny_dsv3_dir"}[model])
     eng = EngineProc(tiny_moe_dir, "--max-running-requests", "2", log=tmp_path / "engine.log")
     try:
         out = tmp_path / "engine.json"
-        proc = _launch(2, "engine", str(tiny_moe_dir), str(out), eng.url)
+        proc = _launch(2, "engine", str(tiny_moe_dir), str(out), eng.url, str(int(model == "qwen3_moe")))
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         res = json.loads(out.read_text())
     finally:
         eng.stop()
-    assert sorted(res["names"]) == sorted(load_file(str(tiny_moe_dir / "model.safetensors")))
+    # the FSDP export holds the parameters: DeepSeek-V3's routers' expert bias (a buffer, never trained) is not in it
+    assert sorted(res["names"]) == sorted(k for k in load_file(str(tiny_moe_dir / "model.safetensors"))
+                                          if not k.endswith("e_score_correction_bias"))
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "run":
         _worker(*sys.argv[2:8])
     elif sys.argv[1] == "engine":
-        _engine_worker(*sys.argv[2:5])
+        _engine_worker(*sys.argv[2:6])
     elif sys.argv[1] == "resume":
         _resume_worker(*sys.argv[2:5])
