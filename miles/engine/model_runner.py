@@ -61,6 +61,7 @@ class RunnerOptions:
     max_lora_rank: int | None = None         # sglang --max-lora-rank: larger adapters are refused at load
     max_loaded_loras: int | None = None      # sglang --max-loaded-loras
     lora_target_modules: list[str] | None = None   # sglang --lora-target-modules: the linears adapters may target
+    experts_shared_outer_loras: bool = False       # sglang --experts-shared-outer-loras (miles.engine.lora_experts)
 
 
 def graph_batch_sizes(max_slots: int, sizes: list[int] | None = None, max_bs: int | None = None) -> list[int]:
@@ -1059,7 +1060,8 @@ class ModelRunner:
 
             self.lora = LoraServing(self.model, self.max_slots + MIX_RIDERS + 2, self.device,
                                     max_rank=opts.max_lora_rank, max_loaded=opts.max_loaded_loras,
-                                    target_modules=opts.lora_target_modules)
+                                    target_modules=opts.lora_target_modules,
+                                    experts_shared_outer=opts.experts_shared_outer_loras)
             self.impl.lora = self.lora
             if native:
                 self.impl.unfuse()
