@@ -3,7 +3,8 @@ expert's gate/up/down as the trainers send it (PEFT's ``...mlp.experts.<e>.gate_
 (one gate/up ``A`` and one down ``B`` per layer), gives on the requests that name it the tokens and log-probs of the
 merged weights served without LoRA, in a batch mixing it with base requests (qwen3_moe's fused experts, gpt-oss's
 transposed, interleaved experts with biases); ``--experts-shared-outer-loras`` refuses an adapter whose outer factors
-differ between experts, in one line."""
+differ between experts, in one line; the Megatron backend's adapter export names the experts as the engine applies
+them."""
 
 from __future__ import annotations
 
@@ -232,3 +233,60 @@ def test_shared_outer_refuses_per_expert_outer_factors(tiny_moe_dir):
         assert not out["success"] and "experts.9.down_proj': the layer has 4 experts" in out["error_message"], out
     finally:
         eng.stop()
+
+
+def test_megatron_expert_adapters_named_as_the_engine_applies_them(moe_model):
+    """The Megatron backend's adapter sync (``lora.peft_named``, what ``peft_tensors`` sends after its gathers): each
+    routed expert's linear_fc1 / linear_fc2 pair under per-expert PEFT names, also where the checkpoint keeps the
+    experts fused (gpt-oss: the converter's ``<fused>#<e>`` slices, transposed and interleaved); the engine's forward
+    with it equals the HF model with the converter's merged deltas (``megatron_to_hf`` of ``(alpha / r) B @ A``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from miles.engine.lora import LoraServing
+    from miles.trainer.lora import peft_named
+    from miles.trainer.megatron.convert import megatron_to_hf
+    from miles.trainer.megatron.options import shape_of
+
+    shape = shape_of(AutoConfig.from_pretrained(moe_model))
+    base = AutoModelForCausalLM.from_pretrained(moe_model).eval()
+    merged = AutoModelForCausalLM.from_pretrained(moe_model).eval()
+    experts = _experts(merged)
+    m0 = next(iter(experts.values()))
+    hidden = base.config.hidden_size
+    inter = (m0.down_proj.shape[1] if getattr(m0, "is_transposed", False) else m0.down_proj.shape[2])
+    g = torch.Generator().manual_seed(7)
+    pairs = {}
+    for layer in range(base.config.num_hidden_layers):
+        for e in range(m0.gate_up_proj.shape[0]):
+            pre = f"decoder.layers.{layer}.mlp.experts.local_experts.{e}"
+            pairs[f"{pre}.linear_fc1"] = (torch.randn(RANK, hidden, generator=g) * 0.3,
+                                          torch.randn(2 * inter, RANK, generator=g) * 0.3)
+            pairs[f"{pre}.linear_fc2"] = (torch.randn(RANK, inter, generator=g) * 0.3,
+                                          torch.randn(hidden, RANK, generator=g) * 0.3)
+    tensors = dict(peft_named(pairs, shape))
+    assert all(".experts." in k and k.split(".experts.")[1].split(".")[0].isdigit() for k in tensors), sorted(tensors)
+    with torch.no_grad():
+        for name, (a, b) in pairs.items():
+            for hf, d in megatron_to_hf(name + ".weight", (ALPHA / RANK) * b @ a, shape):
+                if "#" in hf:                   # a slice of the fused tensor
+                    fused, _, e = hf.partition("#")
+                    parent, attr = fused.rsplit(".", 1)
+                    getattr(experts[parent], attr)[int(e)] += d
+                else:                           # model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight
+                    parent, e, proj, _ = hf.rsplit(".", 3)
+                    m = experts[parent]
+                    if proj == "down_proj":
+                        m.down_proj[int(e)] += d
+                    else:
+                        m.gate_up_proj[int(e)][(slice(0, inter) if proj == "gate_proj" else slice(inter, None))] += d
+    config = {"peft_type": "LORA", "r": RANK, "lora_alpha": ALPHA, "bias": "none"}
+    lora = LoraServing(base, rows=2, device=torch.device("cpu"))
+    ids = torch.tensor([[3, 17, 9, 41, 5]])
+    with torch.no_grad():
+        ref = merged(ids).logits
+        lora.load("a", config, tensors, path="__tensor__")
+        lora.set_row(1, lora.index("a"))
+        lora.tokens(torch.ones(5, dtype=torch.long))
+        got = base(ids).logits
+    # fp32 logits: measured at most 3.3e-7 (pytest tests/unit/engine/test_lora_experts.py -k megatron, CPU)
+    torch.testing.assert_close(got, ref, atol=8e-7, rtol=0)
