@@ -95,6 +95,18 @@ def test_adapter_serving_with_fault_tolerance_is_refused():
                     "--sglang-enable-lora", "--use-fault-tolerance"])
 
 
+def test_engine_shared_outer_needs_the_trainers():
+    """Miles's rule: the engines' shared-outer expert adapters (--sglang-experts-shared-outer-loras) need the trainer's
+    layout (--experts-shared-outer-loras); one line otherwise."""
+    flags = ["--hf-checkpoint", "x", "--num-rollout", "1", "--rollout-batch-size", "2", *LORA, "--colocate",
+             "--sglang-enable-lora", "--sglang-experts-shared-outer-loras"]
+    with pytest.raises(ConfigError, match=r"^--sglang-experts-shared-outer-loras with --sglang-enable-lora serves MoE "
+                                          r"experts' adapters whose outer factors are shared, but the trainer's are "
+                                          r"per expert; add --experts-shared-outer-loras"):
+        parse_args(flags)
+    parse_args(flags + ["--experts-shared-outer-loras"])
+
+
 def test_embedded_engine_takes_adapters_on_moe_experts(tiny_moe_dir, tiny_model_dir):
     """The embedded engine serves adapters on MoE experts too (miles.engine.lora_experts): a Megatron LoRA run adapting
     the routed experts with --sglang-enable-lora (per-expert or shared-outer) passes the engine's checks."""
