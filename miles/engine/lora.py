@@ -92,12 +92,26 @@ def read_adapter_dir(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.
     raise LoraLoadError(f"lora_path {str(path)!r} has no adapter_model.safetensors")
 
 
+def _rename_prefixes(renames: dict[str, str]) -> list[tuple[str, str]]:
+    """The name prefixes a checkpoint -> live renaming (``weights.checkpoint_renames``) replaces, longest first:
+    ``model.language_model.layers.0.x`` -> ``model.layers.0.x`` gives (``model.language_model.``, ``model.``)."""
+    pairs = set()
+    for ext, live in renames.items():
+        a, b = ext.split("."), live.split(".")
+        n = 0
+        while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+            n += 1
+        if n and n < len(a):
+            pairs.add((".".join(a[:len(a) - n]) + ".", ".".join(b[:len(b) - n]) + "." if len(b) > n else ""))
+    return sorted(pairs, key=lambda p: -len(p[0]))
+
+
 class LoraServing:
     """The adapters an engine serves and the hooks that apply them (see the module docstring)."""
 
     def __init__(self, model: nn.Module, rows: int, device: torch.device, *, max_rank: int | None = None,
                  max_loaded: int | None = None, target_modules: list[str] | None = None,
-                 experts_shared_outer: bool = False):
+                 experts_shared_outer: bool = False, renames: dict[str, str] | None = None):
         self.model = model
         self.device = device
         self.max_rank = max_rank
@@ -106,6 +120,7 @@ class LoraServing:
         self.linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
         self.expert_mods = lora_experts.fused_experts(model)
         self.experts_shared_outer = experts_shared_outer
+        self.prefixes = _rename_prefixes(renames or {})
         self._by_experts: dict[str, dict[int, lora_experts.ExpertAdapter]] = {}
         self.adapters: dict[str, Adapter] = {}
         self.row_adapter = torch.zeros(rows, dtype=torch.long, device=device)
@@ -210,7 +225,7 @@ class LoraServing:
             raise LoraLoadError("config_dict fan_in_fan_out: true is not served (adapters of nn.Linear targets only)")
         halves: dict[str, dict[str, torch.Tensor]] = {}
         for key, t in tensors.items():
-            k = key.removeprefix(PEFT_PREFIX)
+            k = self._live(key.removeprefix(PEFT_PREFIX))
             for part in ("lora_A", "lora_B"):
                 for suffix in (f".{part}.weight", f".{part}.default.weight"):
                     if k.endswith(suffix):
@@ -264,6 +279,15 @@ class LoraServing:
         if self.max_rank is not None and rank > self.max_rank:
             raise LoraLoadError(f"the adapter's rank {rank} exceeds --max-lora-rank {self.max_rank}")
         return pairs, experts, rank
+
+    def _live(self, module: str) -> str:
+        """A module's name in the live model: the checkpoint's names the trainers export under (e.g. a multimodal
+        checkpoint's ``model.language_model.*`` served as a text model's ``model.*``) renamed as transformers renamed
+        the checkpoint's tensors on load."""
+        for src, dst in self.prefixes:
+            if module.startswith(src):
+                return dst + module[len(src):]
+        return module
 
     # ------------------------------------------------------------------ rows and the forward
     def set_row(self, row: int, index: int) -> None:

@@ -1054,6 +1054,7 @@ class ModelRunner:
         if need > 0.9 * avail:
             raise ValueError(f"the KV cache needs {need / 2**30:.1f} GiB ({self.max_slots} slots x {max_ctx} tokens) but only "
                              f"{avail / 2**30:.1f} GiB is free; lower --max-running-requests or --max-context-len")
+        self._renames = checkpoint_renames(self.model_path, self.model)   # e.g. Nemotron-H's backbone.* names
         self.lora = None
         if opts.enable_lora:   # sglang --enable-lora: adapters named by /generate's lora_path (miles.engine.lora)
             from miles.engine.lora import LoraServing
@@ -1061,13 +1062,12 @@ class ModelRunner:
             self.lora = LoraServing(self.model, self.max_slots + MIX_RIDERS + 2, self.device,
                                     max_rank=opts.max_lora_rank, max_loaded=opts.max_loaded_loras,
                                     target_modules=opts.lora_target_modules,
-                                    experts_shared_outer=opts.experts_shared_outer_loras)
+                                    experts_shared_outer=opts.experts_shared_outer_loras, renames=self._renames)
             self.impl.lora = self.lora
             if native:
                 self.impl.unfuse()
         self.impl.allocate_cache()
         self.eos_token_ids = self._eos_ids()
-        self._renames = checkpoint_renames(self.model_path, self.model)   # e.g. Nemotron-H's backbone.* names
         self._parts = checkpoint_parts(self.model_path, self.model)       # e.g. DeepSeek-V4's native names
         self._params = ParamIndex(self.model.state_dict(keep_vars=True), self._renames, self._parts)
         self._weights_backup: dict[int, torch.Tensor] | None = None

@@ -295,3 +295,16 @@ def test_megatron_expert_adapters_named_as_the_engine_applies_them(moe_model):
         got = base(ids).logits
     # fp32 logits: measured at most 3.3e-7 (pytest tests/unit/engine/test_lora_experts.py -k megatron, CPU)
     torch.testing.assert_close(got, ref, atol=8e-7, rtol=0)
+
+
+def test_adapter_names_follow_the_checkpoints_renames():
+    """A multimodal checkpoint served as its text model (Qwen3.5's ``model.language_model.*`` loaded as ``model.*``):
+    the trainers name the adapter's modules as the checkpoint does, the engine renames them as transformers renamed
+    the checkpoint's tensors (``weights.checkpoint_renames``)."""
+    from miles.engine.lora import _rename_prefixes
+
+    renames = {"model.language_model.layers.0.linear_attn.A_log": "model.layers.0.linear_attn.A_log",
+               "model.language_model.embed_tokens.weight": "model.embed_tokens.weight",
+               "backbone.layers.1.mixer.in_proj.weight": "model.layers.1.mixer.in_proj.weight",
+               "lm_head.weight": "lm_head.weight"}
+    assert _rename_prefixes(renames) == [("model.language_model.", "model."), ("backbone.", "model.")]
