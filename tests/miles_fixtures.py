@@ -598,6 +598,14 @@ def tiny_replay(path: Path, workdir: Path, models: Path, skills_url: str | None 
         put("--custom-rm-path", VARYING_REWARD)
     if "--lora-rank" in flags and "--save" not in flags:
         put("--save", str(out / "lora_replay_save"))
+    # a fixture's ``# replay-add: --flag ...`` header: value-less flags the replay adds, where the recorded command
+    # relies on Miles doing it unasked (its engines serve a LoRA run's adapter: --sglang-enable-lora here)
+    for flag in (fixture_header(path, "replay-add") or "").split(" (", 1)[0].split():   # "(why)" after the flags
+        if not flag.startswith("--"):
+            raise ValueError(f"{path.name}: # replay-add: {flag!r} is no --flag")
+        if flag not in flags:
+            changed[flag] = "(absent) -> (given)"
+            argv = argv + [flag]
 
     # data: 2 prompts for each evaluation set
     if "--eval-prompt-data" in flags:

@@ -290,7 +290,7 @@ EMBEDDED_HONOURED = frozenset({
     "disable_cuda_graph", "cuda_graph_backend_decode", "disable_overlap_schedule", "max_queued_requests", "log_level",
     "weight_version", "enable_deterministic_inference",
     # LoRA adapters (miles.engine.lora): served, loaded and named as SGLang's
-    "enable_lora", "max_lora_rank", "max_loaded_loras", "lora_target_modules", "lora_paths"})
+    "enable_lora", "max_lora_rank", "max_loaded_loras", "lora_target_modules", "lora_paths", "experts_shared_outer_loras"})
 SET_BY_ENGINE_LAUNCH = frozenset({"tp_size", "host", "device"})
 EMBEDDED_GRAPH_BACKENDS = ("disabled", "full")     # --sglang-cuda-graph-backend-decode values the embedded engine has
 # Flags Miles's recorded launch commands pass that the embedded engine accepts without effect: they change how fast
@@ -320,6 +320,8 @@ EMBEDDED_NO_EFFECT: dict[str, str] = {
     "lora_eviction_policy": "which adapter SGLang evicts from its batch slots; the embedded engine keeps every loaded "
                             "adapter on its device",
     "enable_lora_overlap_loading": "SGLang's adapter loading overlapped with its forwards (speed only)",
+    "lora_use_virtual_experts": "how SGLang's fused MoE kernel lays out the experts' LoRA (a kernel path); the "
+                                "embedded engine adds each expert's adapter in its own loop (the same sums)",
     "speculative_algorithm": _SPECULATIVE, "speculative_eagle_topk": _SPECULATIVE,
     "speculative_num_draft_tokens": _SPECULATIVE, "speculative_num_steps": _SPECULATIVE,
 }
@@ -417,7 +419,8 @@ def flag_docs() -> list[str]:
         "docs/engine-protocol.md), `--sglang-dtype`, `--sglang-max-queued-requests`, `--sglang-log-level`,",
         "`--sglang-weight-version` and the LoRA serving flags `--sglang-enable-lora`, `--sglang-max-lora-rank`,",
         "`--sglang-max-loaded-loras`, `--sglang-lora-target-modules`, `--sglang-lora-paths` (adapters named by",
-        "`lora_path`, docs/engine-protocol.md). Any other `--sglang-*` flag is refused in one line with the embedded engine",
+        "`lora_path`, docs/engine-protocol.md), `--sglang-experts-shared-outer-loras` (MoE experts' shared outer",
+        "LoRA factors, checked and kept once). Any other `--sglang-*` flag is refused in one line with the embedded engine",
         "(at parse and `--dry-run` with `--rollout-engine embedded`; at the start when `--rollout-engine auto` picks",
         "it), and so is `--sglang-cuda-graph-backend-decode` other than `disabled` or `full`, except these, which",
         "Miles's scripts pass and which change SGLang's speed or logs, not the samples (the engine logs them once",

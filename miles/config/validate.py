@@ -169,6 +169,11 @@ def validate_config(cfg: MilesConfig) -> None:
         raise ConfigError("--sglang-enable-lora with --lora-rank and --use-fault-tolerance is not supported: an engine "
                           "that returns catches up on the trainer's weights without the LoRA adapter its rollouts name; "
                           "drop --sglang-enable-lora (merged weights) or --use-fault-tolerance.")
+    if (serves_lora_adapters(cfg.train, cfg.sglang) and cfg.sglang.server_args.get("experts_shared_outer_loras")
+            and not cfg.train.experts_shared_outer_loras):       # Miles: the two must agree
+        raise ConfigError("--sglang-experts-shared-outer-loras with --sglang-enable-lora serves MoE experts' adapters "
+                          "whose outer factors are shared, but the trainer's are per expert; add "
+                          "--experts-shared-outer-loras, or drop --sglang-experts-shared-outer-loras.")
     if cfg.reward.group_rm and not cfg.reward.custom_rm_path:
         raise ConfigError("--group-rm needs --custom-rm-path module.function taking a whole group.")
     if cfg.reward.rm_type == "remote_rm" and not cfg.reward.rm_url:

@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-paths", nargs="+", default=None,
                    help="Adapters loaded at the start, each NAME=PATH or PATH (a PEFT directory; as sglang); implies "
                         "--enable-lora.")
+    p.add_argument("--experts-shared-outer-loras", action="store_true",
+                   help="MoE experts' adapters share one gate/up lora_A and one down lora_B per layer (as sglang): "
+                        "checked at load, kept once.")
     p.add_argument("--log-level", default=os.environ.get("MILES_LOG_LEVEL", "INFO"), help="DEBUG, INFO, WARNING, ...")
     return p
 
@@ -175,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             clamp_shared_expert=not args.no_activation_func_clamp_shared_expert, mix_step_tokens=mix_step_tokens,
             pick_cpu_threads=args.pick_cpu_threads, enable_lora=args.enable_lora, max_lora_rank=args.max_lora_rank,
             max_loaded_loras=args.max_loaded_loras, lora_target_modules=args.lora_target_modules,
-            lora_paths=args.lora_paths,
+            lora_paths=args.lora_paths, experts_shared_outer_loras=args.experts_shared_outer_loras,
             overlap_schedule=False if args.disable_overlap_schedule else (True if args.enable_overlap_schedule else None)))
     except ValueError as e:
         logger.error("%s", e)

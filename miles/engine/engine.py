@@ -68,6 +68,7 @@ class EngineArgs:
     max_loaded_loras: int | None = None        # sglang --max-loaded-loras
     lora_target_modules: list[str] | None = None   # sglang --lora-target-modules
     lora_paths: list[str] | None = None        # sglang --lora-paths: NAME=PATH (or PATH, named by itself) at the start
+    experts_shared_outer_loras: bool = False   # sglang --experts-shared-outer-loras (miles.engine.lora_experts)
 
 
 class Engine:
@@ -80,7 +81,8 @@ class Engine:
             kv_cache=args.kv_cache, page_size=args.page_size, deterministic=args.deterministic,
             clamp_shared_expert=args.clamp_shared_expert, mix_step_tokens=args.mix_step_tokens,
             enable_lora=args.enable_lora or bool(args.lora_paths), max_lora_rank=args.max_lora_rank,
-            max_loaded_loras=args.max_loaded_loras, lora_target_modules=args.lora_target_modules))
+            max_loaded_loras=args.max_loaded_loras, lora_target_modules=args.lora_target_modules,
+            experts_shared_outer_loras=args.experts_shared_outer_loras))
         for entry in args.lora_paths or ():     # sglang --lora-paths: adapters loaded before the first request
             from miles.engine.lora import lora_path_entry, read_adapter_dir
 

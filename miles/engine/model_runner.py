@@ -61,6 +61,7 @@ class RunnerOptions:
     max_lora_rank: int | None = None         # sglang --max-lora-rank: larger adapters are refused at load
     max_loaded_loras: int | None = None      # sglang --max-loaded-loras
     lora_target_modules: list[str] | None = None   # sglang --lora-target-modules: the linears adapters may target
+    experts_shared_outer_loras: bool = False       # sglang --experts-shared-outer-loras (miles.engine.lora_experts)
 
 
 def graph_batch_sizes(max_slots: int, sizes: list[int] | None = None, max_bs: int | None = None) -> list[int]:
@@ -1053,19 +1054,20 @@ class ModelRunner:
         if need > 0.9 * avail:
             raise ValueError(f"the KV cache needs {need / 2**30:.1f} GiB ({self.max_slots} slots x {max_ctx} tokens) but only "
                              f"{avail / 2**30:.1f} GiB is free; lower --max-running-requests or --max-context-len")
+        self._renames = checkpoint_renames(self.model_path, self.model)   # e.g. Nemotron-H's backbone.* names
         self.lora = None
         if opts.enable_lora:   # sglang --enable-lora: adapters named by /generate's lora_path (miles.engine.lora)
             from miles.engine.lora import LoraServing
 
             self.lora = LoraServing(self.model, self.max_slots + MIX_RIDERS + 2, self.device,
                                     max_rank=opts.max_lora_rank, max_loaded=opts.max_loaded_loras,
-                                    target_modules=opts.lora_target_modules)
+                                    target_modules=opts.lora_target_modules,
+                                    experts_shared_outer=opts.experts_shared_outer_loras, renames=self._renames)
             self.impl.lora = self.lora
             if native:
                 self.impl.unfuse()
         self.impl.allocate_cache()
         self.eos_token_ids = self._eos_ids()
-        self._renames = checkpoint_renames(self.model_path, self.model)   # e.g. Nemotron-H's backbone.* names
         self._parts = checkpoint_parts(self.model_path, self.model)       # e.g. DeepSeek-V4's native names
         self._params = ParamIndex(self.model.state_dict(keep_vars=True), self._renames, self._parts)
         self._weights_backup: dict[int, torch.Tensor] | None = None

@@ -232,6 +232,7 @@ EMBEDDED_EQUIVALENTS: dict[str, str] = {
     "max_loaded_loras": "--max-loaded-loras",
     "lora_target_modules": "--lora-target-modules",
     "lora_paths": "--lora-paths",
+    "experts_shared_outer_loras": "--experts-shared-outer-loras",   # MoE experts' shared outer LoRA factors
 }
 _EMBEDDED_DTYPES = {"half": "float16", "float": "float32"}  # SGLang's spellings -> the engine's
 
@@ -268,6 +269,8 @@ def _embedded_options(user: dict[str, Any]) -> tuple[list[str], list[str]]:
         argv.append("--enable-deterministic-inference")
     if user.get("enable_lora"):
         argv.append("--enable-lora")
+    if user.get("experts_shared_outer_loras"):       # --sglang-no-experts-shared-outer-loras: per-expert, the default
+        argv.append("--experts-shared-outer-loras")
     for name in ("max_lora_rank", "max_loaded_loras"):
         if user.get(name) is not None:
             argv += [EMBEDDED_EQUIVALENTS[name], str(user[name])]

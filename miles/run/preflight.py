@@ -411,39 +411,6 @@ def check_engine_kind(cfg: MilesConfig, kind: str) -> None:
             from miles.trainer.routing_replay import check_embedded_r3
 
             check_embedded_r3(_config_dict(cfg.train.hf_checkpoint), why=why)
-    if kind == "embedded":
-        check_embedded_lora_adapters(cfg)
-
-
-def check_embedded_lora_adapters(cfg: MilesConfig) -> None:
-    """``--sglang-enable-lora`` with ``--lora-rank``: the embedded engine serves adapters on the model's plain linears,
-    not on MoE experts (miles.engine.lora); a Megatron LoRA run adapting the routed experts is refused here, in one
-    line, rather than at its first weight sync."""
-    from miles.config.sglang import serves_lora_adapters
-
-    if not (serves_lora_adapters(cfg.train, cfg.sglang) and cfg.train.train_backend == "megatron"
-            and cfg.train.hf_checkpoint):
-        return
-    from types import SimpleNamespace
-
-    from transformers import AutoConfig, PretrainedConfig
-
-    from miles.trainer.lora import LoraSpec, selects_routed_experts
-    from miles.trainer.megatron.options import shape_of
-
-    d = PretrainedConfig._decode_special_floats(dict(_config_dict(cfg.train.hf_checkpoint)))
-    try:
-        hf = AutoConfig.for_model(d.pop("model_type", None), **d)
-    except ValueError:
-        hf = SimpleNamespace(**d)
-    spec = LoraSpec.from_config(cfg.train)
-    shape = shape_of(hf)
-    if spec is not None and shape.num_experts and selects_routed_experts(spec, shape):
-        targets = cfg.train.target_modules
-        shown = ",".join(targets) if isinstance(targets, list | tuple) else targets
-        raise ConfigError(f"--sglang-enable-lora with --target-modules {shown}: the embedded engine "
-                          "serves no LoRA adapters on MoE experts (these targets adapt the routed experts); drop "
-                          "--sglang-enable-lora to sync merged weights, or use --rollout-engine sglang.")
 
 
 def check_lora_adapter_sync(cfg: MilesConfig) -> None:

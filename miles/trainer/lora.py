@@ -632,12 +632,29 @@ def full_pairs(lora: LoraAdapters, shape=None) -> dict[str, tuple[torch.Tensor, 
 def peft_tensors(lora: LoraAdapters, shape) -> list[tuple[str, torch.Tensor]]:
     """The adapters in HF PEFT names (``base_model.model.<HF module>.lora_A.weight`` / ``lora_B``): the fused
     linear_qkv / linear_fc1 become q/k/v and gate/up modules sharing ``A``, each with its rows of ``B``;
-    collective on TP."""
+    collective on TP. A routed expert whose HF checkpoint keeps the experts fused (gpt-oss's ``mlp.experts.
+    gate_up_proj``: the converter names its slice ``<fused>#<e>``) is named per expert as PEFT and the engines name
+    it, ``mlp.experts.<e>.gate_proj`` / ``up_proj`` (Megatron's ``B`` rows [gate; up]) / ``down_proj``."""
+    return peft_named(full_pairs(lora, shape), shape)
+
+
+def peft_named(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], shape) -> list[tuple[str, torch.Tensor]]:
+    """``peft_tensors`` of the whole model's pairs (``full_pairs``: Megatron module name -> (A, B))."""
     from miles.trainer.megatron.convert import megatron_to_hf
 
     out = []
-    for name, (a, b) in full_pairs(lora, shape).items():
-        for hf, rows in megatron_to_hf(name + ".weight", b, shape):
+    for name, (a, b) in pairs.items():
+        hf_names = megatron_to_hf(name + ".weight", b, shape)
+        if any("#" in hf for hf, _ in hf_names):          # a fused experts tensor's slice: per-expert PEFT names
+            fused, _, e = hf_names[0][0].partition("#")
+            prefix = f"base_model.model.{fused.rsplit('.', 1)[0]}.{e}"
+            parts = (list(zip(("gate_proj", "up_proj"), b.chunk(2, dim=0))) if name.endswith("linear_fc1")
+                     else [("down_proj", b)])
+            for proj, rows in parts:
+                out += [(f"{prefix}.{proj}.lora_A.weight", a.clone()), (f"{prefix}.{proj}.lora_B.weight",
+                                                                        rows.contiguous())]
+            continue
+        for hf, rows in hf_names:
             module = "base_model.model." + hf.removesuffix(".weight")
             out += [(module + ".lora_A.weight", a.clone()), (module + ".lora_B.weight", rows.contiguous())]
     return out

@@ -6,7 +6,9 @@ Megatron also with a separate engine rank, broadcast) of 2 rollouts sends the fr
 its rollouts name the adapter (``lora_path``). The reference is the same run syncing merged weights
 ``W + (alpha / r) B @ A`` (no ``--sglang-enable-lora``): the second rollout, generated after a training step moved
 the adapters, has the same tokens, the trainer's log-probs equal the engines' in both runs, and the two runs train
-alike."""
+alike. On MoE experts (a tiny Qwen3-MoE, Megatron, colocated): the adapter covers every routed expert's gate/up/down
+(per-expert, and shared-outer with ``--experts-shared-outer-loras``), which the engine applies in its experts'
+forward (miles.engine.lora_experts), and the rollouts are the merged run's again."""
 
 from __future__ import annotations
 
@@ -68,6 +70,34 @@ def test_adapters_synced_give_the_merged_weights_rollouts(tmp_path: Path, tiny_m
         for key in ("train/grad_norm", "train/loss", "train/train_rollout_logprob_abs_diff"):
             assert ra[key] == pytest.approx(rb[key], rel=1e-4, abs=1e-6), key
         # the trainer's log-probs against the engines': the same model on both sides (measured 1.5e-7)
+        assert ra["train/train_rollout_logprob_abs_diff"] < 1e-5, ra
+    for rid in (0, 1):
+        assert [r["tokens"] for r in _rows(served, rid)] == [r["tokens"] for r in _rows(merged, rid)], rid
+
+
+@pytest.mark.parametrize("shared_outer", [False, True], ids=["per_expert", "shared_outer"])
+def test_moe_expert_adapters_synced_give_the_merged_weights_rollouts(tmp_path: Path, shared_outer: bool):
+    pytest.importorskip("megatron.core")
+    from miles.utils.tiny_model import build_tiny_moe_model
+
+    model = build_tiny_moe_model(tmp_path / "moe", num_layers=2, num_experts=4, num_experts_per_tok=2)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"input": f"{i} plus {i} is", "label": str(2 * i)}) + "\n" for i in range(4)))
+    moe = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-router-dtype", "fp32", "--moe-aux-loss-coeff", "0",
+           *(["--experts-shared-outer-loras"] if shared_outer else [])]
+    served = _train(tmp_path, model, data, "megatron", "tensor", "adapters", *moe, "--sglang-enable-lora",
+                    *(["--sglang-experts-shared-outer-loras"] if shared_outer else []))
+    merged = _train(tmp_path, model, data, "megatron", "tensor", "merged", *moe)
+    log = (served / "logs" / "rank0.log").read_text()
+    syncs = [line for line in log.splitlines() if "weight sync v" in line]
+    # q/k/v/o of 2 layers (16) and gate/up/down of 4 experts of 2 layers (48): A and B each, every sync loaded (an
+    # engine that took no adapters on experts would fail the sync)
+    assert len(syncs) == 3 and all("LoRA adapter miles_lora (64 tensors))" in line for line in syncs), syncs
+    a, b = metrics(served), metrics(merged)
+    for ra, rb in zip(a, b, strict=True):
+        assert ra["train/grad_norm"] > 0, ra
+        for key in ("train/grad_norm", "train/loss", "train/train_rollout_logprob_abs_diff"):
+            assert ra[key] == pytest.approx(rb[key], rel=1e-4, abs=1e-6), key
         assert ra["train/train_rollout_logprob_abs_diff"] < 1e-5, ra
     for rid in (0, 1):
         assert [r["tokens"] for r in _rows(served, rid)] == [r["tokens"] for r in _rows(merged, rid)], rid

@@ -101,7 +101,10 @@ def test_recorded_command_runs_two_rollouts(path: Path, tiny_models: Path, skill
         assert checks >= 3, f"{checks} weight checks; log {log}:\n{tail(log)}"
     if "--lora-rank" in replay.argv:
         check_adapters_trained(replay, records, log)
-    if "--lora-base-cpu-backup" in replay.argv:   # the syncs after the first sent the merged LoRA targets only
+    if "--sglang-enable-lora" in replay.argv and "--lora-rank" in replay.argv:   # adapter sync: every sync loads it
+        syncs = [line for line in log.read_text().splitlines() if "weight sync v" in line]
+        assert len(syncs) >= 3 and all("LoRA adapter miles_lora" in line for line in syncs), tail(log)
+    elif "--lora-base-cpu-backup" in replay.argv:   # the syncs after the first sent the merged LoRA targets only
         assert "trained tensors only: --lora-base-cpu-backup" in log.read_text(), tail(log)
 
 

@@ -399,8 +399,8 @@ def test_qwen3_5_lora_command_keeps_its_sglang_lora_flags(workdir: Path, model_d
     ``out_proj``, ``--experts-shared-outer-loras``, TP 2 + SP, EP 8, full recompute, ``--mtp-num-layers 1``) passes the
     dry run with its SGLang LoRA serving flags: ``--sglang-max-lora-rank 16`` reaches the embedded engine (its
     ``--max-lora-rank``), ``--sglang-lora-backend triton`` is a kernel choice that changes nothing there. Without
-    ``--sglang-enable-lora`` the engines get merged weights (its adapters on the routed experts are no adapters the
-    embedded engine serves)."""
+    ``--sglang-enable-lora`` the engines get merged weights (its replay adds it: ``# replay-add``, the adapter synced
+    as Miles's engines serve it)."""
     from miles.config.sglang import serves_lora_adapters
     from miles.fleet.engines import engine_argv_from_config
     from miles.run.entry import dry_run

@@ -474,7 +474,8 @@ def test_the_embedded_engine_on_cpu_picks_its_threads_under_the_plan_only():
 
 def test_embedded_maps_the_sglang_lora_flags(tmp_path):
     """The SGLang LoRA serving flags the embedded engine honours reach its own options (miles.engine.lora); the
-    kernel choices are accepted as changing nothing there; the MoE-LoRA ones stay refused by name."""
+    kernel choices (and ``--sglang-lora-use-virtual-experts``, SGLang's MoE-LoRA kernel path) are accepted as changing
+    nothing there; ``--sglang-experts-shared-outer-loras`` reaches the engine's option (miles.engine.lora_experts)."""
     from miles.config import ConfigError, parse_args
     from miles.engine.__main__ import parse_args as engine_parse_args
 
@@ -487,6 +488,12 @@ def test_embedded_maps_the_sglang_lora_flags(tmp_path):
     assert ns.lora_target_modules == ["q_proj", "v_proj"] and ns.lora_paths == ["a=/x"]
     base = ["--num-rollout", "2", "--rollout-batch-size", "4", "--rollout-engine", "embedded"]
     parse_args(base + ["--sglang-enable-lora", "--sglang-lora-backend", "triton", "--sglang-max-lora-rank", "16"])
-    with pytest.raises(ConfigError, match=r"^--sglang-lora-use-virtual-experts: the embedded engine "
+    parse_args(base + ["--sglang-enable-lora", "--sglang-lora-use-virtual-experts"])
+    argv = _embedded_from_flags(tmp_path, "--sglang-enable-lora", "--sglang-experts-shared-outer-loras",
+                                "--sglang-lora-use-virtual-experts")
+    ns = engine_parse_args(argv[3:])
+    assert ns.enable_lora and ns.experts_shared_outer_loras
+    assert not engine_parse_args(_embedded_from_flags(tmp_path, "--sglang-enable-lora")[3:]).experts_shared_outer_loras
+    with pytest.raises(ConfigError, match=r"^--sglang-enable-metrics: the embedded engine "
                                           r"\(--rollout-engine embedded\) has no such setting"):
-        parse_args(base + ["--sglang-lora-use-virtual-experts"])
+        parse_args(base + ["--sglang-enable-metrics"])

@@ -95,18 +95,30 @@ def test_adapter_serving_with_fault_tolerance_is_refused():
                     "--sglang-enable-lora", "--use-fault-tolerance"])
 
 
-def test_embedded_engine_refuses_adapters_on_moe_experts(tiny_moe_dir, tiny_model_dir):
-    """The embedded engine serves adapters on plain linears only: a Megatron LoRA run adapting the routed experts with
-    --sglang-enable-lora is refused when the engine is known (the dry run, the start), not at its first sync."""
+def test_engine_shared_outer_needs_the_trainers():
+    """Miles's rule: the engines' shared-outer expert adapters (--sglang-experts-shared-outer-loras) need the trainer's
+    layout (--experts-shared-outer-loras); one line otherwise."""
+    flags = ["--hf-checkpoint", "x", "--num-rollout", "1", "--rollout-batch-size", "2", *LORA, "--colocate",
+             "--sglang-enable-lora", "--sglang-experts-shared-outer-loras"]
+    with pytest.raises(ConfigError, match=r"^--sglang-experts-shared-outer-loras with --sglang-enable-lora serves MoE "
+                                          r"experts' adapters whose outer factors are shared, but the trainer's are "
+                                          r"per expert; add --experts-shared-outer-loras"):
+        parse_args(flags)
+    parse_args(flags + ["--experts-shared-outer-loras"])
+
+
+def test_embedded_engine_takes_adapters_on_moe_experts(tiny_moe_dir, tiny_model_dir):
+    """The embedded engine serves adapters on MoE experts too (miles.engine.lora_experts): a Megatron LoRA run adapting
+    the routed experts with --sglang-enable-lora (per-expert or shared-outer) passes the engine's checks."""
     from miles.run.preflight import check_engine_kind
 
-    def cfg(model, targets):
+    def cfg(model, targets, *extra):
         return _cfg("--hf-checkpoint", str(model), "--lora-rank", "4", "--target-modules", targets,
-                    "--train-backend", "megatron", "--colocate", "--sglang-enable-lora")
-    with pytest.raises(ConfigError, match=r"^--sglang-enable-lora with --target-modules all-linear: the embedded "
-                                          r"engine serves no LoRA adapters on MoE experts"):
-        check_engine_kind(cfg(tiny_moe_dir, "all-linear"), "embedded")
-    check_engine_kind(cfg(tiny_moe_dir, "all-linear"), "sglang")           # SGLang serves MoE LoRA
+                    "--train-backend", "megatron", "--colocate", "--sglang-enable-lora", *extra)
+    for kind in ("embedded", "sglang"):
+        check_engine_kind(cfg(tiny_moe_dir, "all-linear"), kind)
+        check_engine_kind(cfg(tiny_moe_dir, "all-linear", "--experts-shared-outer-loras",
+                              "--sglang-experts-shared-outer-loras"), kind)
     check_engine_kind(cfg(tiny_moe_dir, "q_proj,v_proj"), "embedded")       # attention only
     check_engine_kind(cfg(tiny_model_dir, "all-linear"), "embedded")        # a dense model
 
