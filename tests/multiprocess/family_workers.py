@@ -381,6 +381,10 @@ def check_parity(res: dict, *, lp_bound: float, update_bound: float | None = Non
     ``--save-hf`` and the torch_dist checkpoint round trips hold, the log-probs before training are within
     ``lp_bound``, the step ``metrics`` within 1e-5 relative, and (with ``update_bound``) the update after 2 steps
     within ``update_bound`` (max abs) and ``rel_bound`` (relative L2)."""
+    rel = max(abs(f[k] - m[k]) / max(1.0, abs(f[k])) for f, m in zip(res["fsdp_metrics"], res["meg_metrics"])
+              for k in metrics)
+    print("parity figures:", {k: res.get(k) for k in ("lp_max_abs_diff", "update_max_abs_diff", "update_rel_l2",
+                                                     "update_max_abs")}, "metric_rel_max", rel)
     assert res["export_keys_equal"] and res["export_bitwise"], res
     assert not bf16 or res["export_bf16_bitwise"], res
     assert res["save_hf_equal"] and res["ckpt_reload_bitwise"] and res["resumed_extra"]["rollout_id"] == 1, res

@@ -213,12 +213,14 @@ def test_moe_trainer_parity_with_fsdp(tiny_moe_dir: Path, tmp_path: Path, free_p
     gradients summed over the TP ranks' sequence parts (expert-DP group). The export equals the HF checkpoint
     bit for bit, as at TP 1. *_optimizer_cpu_offload_*: half of the parameters' AdamW on CPU, the same update."""
     import torch
+    from test_megatron import PARITY_METRICS, parity_figures
 
     out = tmp_path / "parity.pt"
     proc = _torchrun(nproc, free_port, "parity", str(tiny_moe_dir), str(out), str(ep), dispatcher, kind, str(tp),
                      offload, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     res = torch.load(out, weights_only=False)
+    print(parity_figures(res, PARITY_METRICS["grpo"]))
     assert res["ep_size"] == ep and res["tp_size"] == tp
     assert (0 < res["offloaded"] < res["trained"]) if offload else res["offloaded"] == 0, res
     assert res["export_keys_equal"] and res["export_bitwise"] and res["export_bf16_bitwise"], res
@@ -233,8 +235,7 @@ def test_moe_trainer_parity_with_fsdp(tiny_moe_dir: Path, tmp_path: Path, free_p
     assert res["num_active_params"] == res["hf_active_params"] < res["num_params"], {k: res[k] for k in ("num_active_params", "hf_active_params", "num_params")}
     assert res["lp_max_abs_diff"] < 1e-5, res
     for f, m in zip(res["fsdp_metrics"], res["meg_metrics"]):
-        for key in ("loss", "pg_loss", "entropy", "ppo_kl", "tis", "grad_norm", "num_samples", "num_tokens",
-                    "advantages_mean", "kl_loss", "reward_kl_mean"):
+        for key in PARITY_METRICS["grpo"]:
             assert abs(f[key] - m[key]) <= 1e-6 * max(1.0, abs(f[key])), (key, f[key], m[key])
     # every expert trained; without the division of the EP-reduced expert gradients by DP, grad_norm is 0.5% off
     assert res["experts_moved"] > 1e-4, res
