@@ -94,8 +94,10 @@ def test_gpt_model_matches_hf(tiny_model_dir: Path, tmp_path: Path, free_port: i
     res = _run(tiny_model_dir, tmp_path, nproc, free_port, core)
     print(nproc, core, res)
     assert res["grads_ok"]
-    # fp32 on CPU: same math in a different op order (fused qkv, split vocab), so float rounding only
-    assert res["max_abs_err"] < 1e-4 * max(res["ref_scale"], 1.0), res
+    # fp32 on CPU: same math in a different op order (fused qkv, split vocab), so float rounding only: measured
+    # (2026-12-07, ``OMP_NUM_THREADS=1 python -m pytest -s tests/multiprocess/test_megatron.py -k gpt_model_matches_hf``)
+    # 0 at TP 1, 2.1e-7 (SDPA) / 2.4e-7 (unfused) at TP 2 of logits up to 1.17; the bound about twice that
+    assert res["max_abs_err"] < 4e-7 * max(res["ref_scale"], 1.0), res
 
 
 # ------------------------------------------------------------------------------------ trainer parity
