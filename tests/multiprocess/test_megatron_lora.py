@@ -158,8 +158,9 @@ def test_lora_tp2_matches_tp1_and_exports_merged(tiny_model_dir: Path, tmp_path:
           max(diff.values()), (num / den) ** 0.5)
     # Bounds at about twice what was measured (2026-12-07, CPU fp32; ``OMP_NUM_THREADS=1 python -m pytest -s
     # tests/multiprocess/test_megatron_lora.py -k tp2_matches_tp1`` prints it): the step metrics at most 7.5e-8 apart
-    # (kl_loss, of 6.8e-4; the losses are near 0, so bounded absolutely), grad norms equal; 2 AdamW steps of lr 1e-2
-    # (targets moved by up to 1.7e-2) 3.6e-7 apart (max abs), 1.7e-6 of the update's L2 norm
+    # (kl_loss, of 6.8e-4; the losses are near 0, so bounded absolutely), grad norms equal; after 2 AdamW steps of
+    # lr 1e-2 (targets moved by up to 1.7e-2) TP 2 and TP 1 x DP 2 are 3.6e-7 apart (max abs), 1.7e-6 of the update's
+    # L2 norm
     for rid in (0, 1):
         for key in ("loss", "pg_loss", "kl_loss", "grad_norm"):
             assert tp2["metrics"][rid][key] == pytest.approx(tp1["metrics"][rid][key], rel=2e-7, abs=1.5e-7), key
