@@ -120,8 +120,9 @@ def _flags(backend: str, tp: int, distopt: bool = False, algo: str = "grpo",
     from miles.config.train import BACKEND_DEFAULTS
 
     fsdp, meg = BACKEND_DEFAULTS["fsdp"], BACKEND_DEFAULTS["megatron"]
-    differ = {k for k in fsdp.keys() | meg.keys() if fsdp.get(k) != meg.get(k)}
-    assert {"--" + k.replace("_", "-") for k in differ} <= set(COMMON_FLAGS), differ   # a new one: set it above
+    differ = {"--" + k.replace("_", "-") for k in fsdp.keys() | meg.keys() if fsdp.get(k) != meg.get(k)}
+    assert differ <= set(COMMON_FLAGS), f"{sorted(differ - set(COMMON_FLAGS))}: defaults differ by backend; set them"
+    assert not differ & set(megatron_flags), f"{sorted(differ & set(megatron_flags))} given to one backend only"
     extra = COMMON_FLAGS + ALGO_FLAGS[algo]
     extra += ["--tensor-model-parallel-size", str(tp), *megatron_flags] if backend == "megatron" else []
     extra += ["--use-distributed-optimizer"] if distopt else []
