@@ -51,6 +51,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_cp_sp_parity_with_fsdp(tiny_model_dir: Path, tmp_path: Path, free_port: int, case: str) -> None:
     import torch
+    from test_megatron import PARITY_METRICS, parity_figures
 
     nproc, tp, untied, distopt, algo, mflags = CASES[case]
     model_dir = tiny_model_dir
@@ -63,19 +64,23 @@ def test_cp_sp_parity_with_fsdp(tiny_model_dir: Path, tmp_path: Path, free_port:
                    free_port)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     res = torch.load(out, weights_only=False)
+    keys = PARITY_METRICS[algo]
+    print(case, parity_figures(res, keys))
     assert res["distributed_optimizer"] == (distopt or nproc // tp > 1)   # on by default over DP x CP > 1, as Miles
     assert res["export_keys_equal"] and res["export_bitwise"] and res["save_hf_equal"], res
-    # the same tolerances as the TP/DP parity test (fp32 rounding of another op order)
-    assert res["lp_max_abs_diff"] < 1e-5, res
-    keys = ["loss", "pg_loss", "entropy", "ppo_kl", "tis", "grad_norm", "num_samples", "num_tokens",
-            "advantages_mean"]
-    keys += ["kl_loss", "reward_kl_mean"] if algo == "grpo" else ["value_loss", "value_clipfrac", "critic_grad_norm"]
+    # Bounds at about twice what was measured (2026-12-07, CPU fp32, the 2-core box; ``OMP_NUM_THREADS=1 python -m
+    # pytest -s tests/multiprocess/test_megatron_cp.py -k test_cp_sp_parity_with_fsdp`` prints them; fp32 rounding
+    # of another op order): log-probs 9.5e-7 (cp2_a2a, tp2_sequence_parallel), step metrics 1.2e-7 relative
+    # (tp2_cp2), updates (up to 4.0e-3) 1.4e-5 apart, 1.5e-5 of the update's L2 norm (cp2_a2a), the critic's value
+    # head 2.2e-8. Without the DP x CP gradient sum grad_norm is half the FSDP one, without the TP sum of the
+    # sequence-parallel norms' gradients 4e-5 off (relative).
+    assert res["lp_max_abs_diff"] < 2e-6, res
     for f, m in zip(res["fsdp_metrics"], res["meg_metrics"]):
         for key in keys:
-            assert abs(f[key] - m[key]) <= 1e-6 * max(1.0, abs(f[key])), (key, f[key], m[key])
-    assert res["update_max_abs_diff"] < 5e-5 and res["update_rel_l2"] < 1e-4, res
+            assert abs(f[key] - m[key]) <= 2.5e-7 * max(1.0, abs(f[key])), (key, f[key], m[key])
+    assert res["update_max_abs_diff"] < 2.8e-5 and res["update_rel_l2"] < 3.1e-5, res
     if algo == "ppo":
-        assert res["value_head_max_abs"] > 1e-3 and res["value_head_max_abs_diff"] < 2e-5, res
+        assert res["value_head_max_abs"] > 1e-3 and res["value_head_max_abs_diff"] < 4.5e-8, res
 
 
 # ------------------------------------------------------------------------------------ checkpoints

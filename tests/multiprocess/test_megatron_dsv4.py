@@ -119,14 +119,16 @@ def test_dsv4_trainer_parity_with_fsdp(tiny_dsv4_dir: Path, tmp_path: Path, free
     # the FSDP backend exports parameters only (the routers' frozen buffers are not trained)
     assert not res["fsdp_extra"] and set(res["fsdp_missing"]) == {
         k for k in res["meg_keys"] if k.endswith((".ffn.gate.bias", ".ffn.gate.tid2eid"))}, res
-    check_parity(res, lp_bound=LP_BOUND, update_bound=UPDATE_BOUND, rel_bound=REL_BOUND, bf16=False)
+    check_parity(res, lp_bound=LP_BOUND, metric_bound=METRIC_BOUND, update_bound=UPDATE_BOUND, rel_bound=REL_BOUND,
+                 bf16=False)
 
 
 # measured (python -m pytest tests/multiprocess/test_megatron_dsv4.py -k trainer_parity): log-probs 4.8e-7 apart, the
 # update after 2 steps 2.0e-5 (max abs) and 1.6e-4 (relative L2), nearly all of it layer 0's attn_hc.fn, whose
 # gradient (4 identical input streams) has entries near zero that AdamW's first steps normalise to +-lr: the
 # gradients themselves agree with transformers' to 7.5e-5 of each tensor's largest entry (a 4e-11 difference)
-LP_BOUND, UPDATE_BOUND, REL_BOUND = 1e-6, 4e-5, 3.2e-4
+# (re-measured 2026-12-07: the same; step metrics 3.9e-8 relative)
+LP_BOUND, METRIC_BOUND, UPDATE_BOUND, REL_BOUND = 1e-6, 8e-8, 4e-5, 3.2e-4
 
 
 def test_dsv4_fork_flags_unclamp_shared_experts_and_freeze_gates(tmp_path: Path, free_port: int) -> None:

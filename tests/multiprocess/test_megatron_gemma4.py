@@ -208,13 +208,15 @@ def test_gemma4_trainer_parity_with_fsdp(tiny_gemma4_dir: Path, tiny_gemma4_moe_
     # --save-hf writes every tensor of the checkpoint: the trained text decoder, the towers as they were
     assert res["save_hf_keys_equal"] and res["save_hf_towers_equal"], res
     print(kind, {k: res[k] for k in ("lp_max_abs_diff", "update_max_abs_diff", "update_rel_l2", "update_worst")})
-    check_parity(res, lp_bound=LP_BOUND, update_bound=UPDATE_BOUND, rel_bound=REL_BOUND, bf16=False)
+    check_parity(res, lp_bound=LP_BOUND, metric_bound=METRIC_BOUND, update_bound=UPDATE_BOUND, rel_bound=REL_BOUND,
+                 bf16=False)
 
 
 # measured (OMP_NUM_THREADS=1 python -m pytest -s tests/multiprocess/test_megatron_gemma4.py -k trainer_parity):
 # log-probs 9.5e-7 apart, the update after 2 steps 6.6e-7 (max abs), 1.9e-5 (relative L2); the MoE block at TP 2 /
-# EP 2: 9.5e-7, 4.6e-7, 1.5e-5; with the full layers' KV head replicated: 9.5e-7, 2.8e-7, 9.4e-6
-LP_BOUND, UPDATE_BOUND, REL_BOUND = 2e-6, 1.4e-6, 4e-5
+# EP 2: 9.5e-7, 4.6e-7, 1.5e-5; with the full layers' KV head replicated: 9.5e-7, 2.8e-7, 9.4e-6. Re-measured
+# 2026-12-07 (the same): step metrics 6.3e-6 / 4.1e-7 / 1.5e-6 relative (--adam-eps 1e-3), bounded at 1e-5
+LP_BOUND, METRIC_BOUND, UPDATE_BOUND, REL_BOUND = 2e-6, 1e-5, 1.4e-6, 4e-5
 
 
 def _gpu_run(model_dir: Path, out: Path, free_port: int) -> dict:

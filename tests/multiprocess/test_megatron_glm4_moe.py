@@ -96,12 +96,13 @@ def test_glm4_moe_trainer_parity_with_fsdp(tiny_glm45_dir: Path, tmp_path: Path,
     print({k: res[k] for k in ("lp_max_abs_diff", "update_max_abs_diff", "update_rel_l2")})
     assert not res["fsdp_extra"] and all(k.endswith("e_score_correction_bias") for k in res["fsdp_missing"]), res
     assert res["fsdp_missing_unchanged"], res
-    check_parity(res, lp_bound=LP_BOUND, update_bound=UPDATE_BOUND, rel_bound=REL_BOUND)
+    check_parity(res, lp_bound=LP_BOUND, metric_bound=METRIC_BOUND, update_bound=UPDATE_BOUND, rel_bound=REL_BOUND)
 
 
 # measured (nice -n 10 python -m pytest -s tests/multiprocess/test_megatron_glm4_moe.py -k trainer_parity, 2026-12-07):
-# log-probs 4.8e-7 apart, the update after 2 steps 1.0e-5 (max abs), 1.3e-5 (relative L2)
-LP_BOUND, UPDATE_BOUND, REL_BOUND = 1e-6, 2e-5, 3e-5
+# log-probs 4.8e-7 apart, the update after 2 steps 1.0e-5 (max abs), 1.3e-5 (relative L2); re-measured 2026-12-07
+# (the same, OMP_NUM_THREADS=1), step metrics 7.8e-8 (relative)
+LP_BOUND, METRIC_BOUND, UPDATE_BOUND, REL_BOUND = 1e-6, 1.6e-7, 2e-5, 3e-5
 
 
 @pytest.mark.gpu

@@ -75,12 +75,14 @@ def test_gpt_oss_trainer_parity_with_fsdp(tiny_gpt_oss_dir: Path, tmp_path: Path
     res = launch(HERE, 2, free_port, "parity" if layout == "tp2" else "parity_pp2", tiny_gpt_oss_dir,
                  tmp_path / "parity.pt", timeout=600)
     assert not res["fsdp_missing"] and not res["fsdp_extra"], res          # both backends export the same names
-    check_parity(res, lp_bound=LP_BOUND, update_bound=UPDATE_BOUND, rel_bound=REL_BOUND)
+    check_parity(res, lp_bound=LP_BOUND, metric_bound=METRIC_BOUND, update_bound=UPDATE_BOUND, rel_bound=REL_BOUND)
 
 
 # measured (python -m pytest tests/multiprocess/test_megatron_gpt_oss.py -k trainer_parity): log-probs 9.5e-7 apart,
-# the update after 2 steps 5.3e-6 (max abs), 8.5e-6 (relative L2)
-LP_BOUND, UPDATE_BOUND, REL_BOUND = 2e-6, 1.1e-5, 2e-5
+# the update after 2 steps 5.3e-6 (max abs), 8.5e-6 (relative L2); re-measured 2026-12-07 (the same; OMP_NUM_THREADS=1
+# python -m pytest -s ... -k "trainer_parity and not gpu"): step metrics 2.2e-8 (relative); PP 2: 4.8e-7, 4.3e-6,
+# 7.3e-6, 1.5e-8
+LP_BOUND, METRIC_BOUND, UPDATE_BOUND, REL_BOUND = 2e-6, 4.5e-8, 1.1e-5, 2e-5
 
 
 @pytest.mark.gpu

@@ -150,15 +150,21 @@ def test_lora_tp2_matches_tp1_and_exports_merged(tiny_model_dir: Path, tmp_path:
         for k in base:
             moved = not torch.equal(res["final"][k], base[k])
             assert moved == (k.split(".")[-2] in TARGETS), k
-    for rid in (0, 1):
-        for key in ("loss", "pg_loss", "kl_loss", "grad_norm"):
-            assert tp2["metrics"][rid][key] == pytest.approx(tp1["metrics"][rid][key], rel=1e-4, abs=1e-6), key
-    # 2 AdamW steps of lr 1e-2 move the targets by up to ~2e-2; TP 2 and TP 1 differ by rounding, which Adam's
-    # normalisation amplifies where a gradient is near 0: bounded as the FSDP/Megatron parity test bounds it
     diff = {k: (tp2["final"][k] - tp1["final"][k]).abs().max().item() for k in base}
     num = sum(((tp2["final"][k] - tp1["final"][k]) ** 2).sum().item() for k in base)
     den = sum(((tp1["final"][k] - base[k]) ** 2).sum().item() for k in base)
-    assert max(diff.values()) < 5e-5 and (num / den) ** 0.5 < 1e-4, (max(diff.values()), (num / den) ** 0.5)
+    print("figures:", [(rid, k, tp1["metrics"][rid][k], abs(tp2["metrics"][rid][k] - tp1["metrics"][rid][k]))
+                       for rid in (0, 1) for k in ("loss", "pg_loss", "kl_loss", "grad_norm")],
+          max(diff.values()), (num / den) ** 0.5)
+    # Bounds at about twice what was measured (2026-12-07, CPU fp32; ``OMP_NUM_THREADS=1 python -m pytest -s
+    # tests/multiprocess/test_megatron_lora.py -k tp2_matches_tp1`` prints it): the step metrics at most 7.5e-8 apart
+    # (kl_loss, of 6.8e-4; the losses are near 0, so bounded absolutely), grad norms equal; after 2 AdamW steps of
+    # lr 1e-2 (targets moved by up to 1.7e-2) TP 2 and TP 1 x DP 2 are 3.6e-7 apart (max abs), 1.7e-6 of the update's
+    # L2 norm
+    for rid in (0, 1):
+        for key in ("loss", "pg_loss", "kl_loss", "grad_norm"):
+            assert tp2["metrics"][rid][key] == pytest.approx(tp1["metrics"][rid][key], rel=2e-7, abs=1.5e-7), key
+    assert max(diff.values()) < 7.2e-7 and (num / den) ** 0.5 < 3.4e-6, (max(diff.values()), (num / den) ** 0.5)
 
     shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(tiny_model_dir))
     _check_merged(tp2, base, shape)

@@ -213,12 +213,14 @@ def test_moe_trainer_parity_with_fsdp(tiny_moe_dir: Path, tmp_path: Path, free_p
     gradients summed over the TP ranks' sequence parts (expert-DP group). The export equals the HF checkpoint
     bit for bit, as at TP 1. *_optimizer_cpu_offload_*: half of the parameters' AdamW on CPU, the same update."""
     import torch
+    from test_megatron import PARITY_METRICS, parity_figures
 
     out = tmp_path / "parity.pt"
     proc = _torchrun(nproc, free_port, "parity", str(tiny_moe_dir), str(out), str(ep), dispatcher, kind, str(tp),
                      offload, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     res = torch.load(out, weights_only=False)
+    print(parity_figures(res, PARITY_METRICS["grpo"]))
     assert res["ep_size"] == ep and res["tp_size"] == tp
     assert (0 < res["offloaded"] < res["trained"]) if offload else res["offloaded"] == 0, res
     assert res["export_keys_equal"] and res["export_bitwise"] and res["export_bf16_bitwise"], res
@@ -231,14 +233,18 @@ def test_moe_trainer_parity_with_fsdp(tiny_moe_dir: Path, tmp_path: Path, free_p
         assert res["resumed_extra"]["rollout_id"] == 1, res
     assert res["num_params"] == res["hf_num_params"], res
     assert res["num_active_params"] == res["hf_active_params"] < res["num_params"], {k: res[k] for k in ("num_active_params", "hf_active_params", "num_params")}
-    assert res["lp_max_abs_diff"] < 1e-5, res
+    # Bounds at about twice what was measured (2026-12-07, CPU fp32, the 2-core box; ``OMP_NUM_THREADS=1 python -m
+    # pytest -s tests/multiprocess/test_megatron_moe.py -k "test_moe_trainer_parity_with_fsdp and not gpu"`` prints
+    # them): log-probs 9.5e-7 in each, step metrics 1.2e-7 relative (EP 1 and EP 2 at DP 2), updates (up to 4.0e-3)
+    # 6.2e-6 apart (EP 2), 1.1e-5 of the update's L2 norm; TP 2 (+ offload) 4.8e-6 / 8.5e-6, TP 2 x EP 2 3.5e-6 /
+    # 7.9e-6
+    assert res["lp_max_abs_diff"] < 2e-6, res
     for f, m in zip(res["fsdp_metrics"], res["meg_metrics"]):
-        for key in ("loss", "pg_loss", "entropy", "ppo_kl", "tis", "grad_norm", "num_samples", "num_tokens",
-                    "advantages_mean", "kl_loss", "reward_kl_mean"):
-            assert abs(f[key] - m[key]) <= 1e-6 * max(1.0, abs(f[key])), (key, f[key], m[key])
+        for key in PARITY_METRICS["grpo"]:
+            assert abs(f[key] - m[key]) <= 2.5e-7 * max(1.0, abs(f[key])), (key, f[key], m[key])
     # every expert trained; without the division of the EP-reduced expert gradients by DP, grad_norm is 0.5% off
     assert res["experts_moved"] > 1e-4, res
-    assert res["update_max_abs_diff"] < 5e-5 and res["update_rel_l2"] < 1e-4, res
+    assert res["update_max_abs_diff"] < 1.3e-5 and res["update_rel_l2"] < 2.2e-5, res
 
 
 # ------------------------------------------------------------------------------------------- EP with PP, CP
@@ -279,9 +285,9 @@ def test_moe_parallel_layouts_match_fsdp(tiny_moe_dir: Path, tmp_path: Path, fre
     """Expert parallelism with pipeline parallelism (each stage's EP group all-to-alls its own layer), with context
     parallelism (each CP rank routes its chunks' tokens), and TP x CP on the MoE model, on 4 ranks with the sharded
     optimizer (Miles's default: dense state over DP (x CP), the experts' over the expert-DP group): the same
-    log-probs, metrics and update as the FSDP backend over the same ranks (the bounds of
-    ``test_moe_trainer_parity_with_fsdp``), the export equal to the HF checkpoint bit for bit in its order; the
-    checkpoint (torch_dist, megatron-core's global keys) loads into another layout to the same weights."""
+    log-probs, metrics and update as the FSDP backend over the same ranks, the export equal to the HF checkpoint
+    bit for bit in its order; the checkpoint (torch_dist, megatron-core's global keys) loads into another layout to
+    the same weights."""
     import torch
 
     from miles.utils.net import find_free_port

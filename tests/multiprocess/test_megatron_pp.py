@@ -59,6 +59,7 @@ def _torchrun(nproc: int, port: int, *args: str, timeout: int = 400) -> subproce
 def test_pp_parity_with_fsdp(tmp_path: Path, free_port: int, nproc: int, tp: int, layers: int, tied: bool,
                              distopt: bool, mflags: str) -> None:
     import torch
+    from test_megatron import PARITY_METRICS, parity_figures
 
     from miles.utils.tiny_model import build_tiny_model
 
@@ -68,18 +69,20 @@ def test_pp_parity_with_fsdp(tmp_path: Path, free_port: int, nproc: int, tp: int
                      mflags)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     res = torch.load(out, weights_only=False)
+    print(parity_figures(res, PARITY_METRICS["grpo"]))
     assert res["distributed_optimizer"] == distopt
     assert res["export_keys_equal"] and res["export_bitwise"] and res["export_bf16_bitwise"], res
     assert res["save_hf_equal"], res
-    # measured: 0 (pp2_tied) .. 4.8e-7 (TP 2): the same math, the head on the last stage
-    assert res["lp_max_abs_diff"] < 1e-5, res
+    # Bounds at about twice what was measured (2026-12-07, CPU fp32, the 2-core box; ``OMP_NUM_THREADS=1 python -m
+    # pytest -s tests/multiprocess/test_megatron_pp.py -k "test_pp_parity_with_fsdp and not gpu"`` prints them):
+    # log-probs 0 (no TP) .. 4.8e-7 (TP 2, PP 2 x CP 2), step metrics 7.8e-8 relative, updates (up to 4.0e-3) 7.9e-6
+    # apart (tp2_pp2), 1.0e-5 of the update's L2 norm (pp3). A missing sum of the tied embedding's
+    # two gradients gives 8e-3, a gradient norm over one stage only a grad_norm 9% off.
+    assert res["lp_max_abs_diff"] < 1e-6, res
     for f, m in zip(res["fsdp_metrics"], res["meg_metrics"]):
-        for key in ("loss", "pg_loss", "entropy", "ppo_kl", "tis", "grad_norm", "num_samples", "num_tokens",
-                    "advantages_mean", "kl_loss", "reward_kl_mean"):
-            assert abs(f[key] - m[key]) <= 1e-6 * max(1.0, abs(f[key])), (key, f[key], m[key])
-    # as test_megatron.py's TP parity: updates up to 4e-3 agree within 5e-5 (measured 2.2e-6 for pp2_tied); a
-    # missing sum of the tied embedding's two gradients, or a gradient norm over one stage only, is far outside
-    assert res["update_max_abs_diff"] < 5e-5 and res["update_rel_l2"] < 1e-4, res
+        for key in PARITY_METRICS["grpo"]:
+            assert abs(f[key] - m[key]) <= 1.6e-7 * max(1.0, abs(f[key])), (key, f[key], m[key])
+    assert res["update_max_abs_diff"] < 1.6e-5 and res["update_rel_l2"] < 2e-5, res
 
 
 # ------------------------------------------------------------------------------------ sequence parallelism

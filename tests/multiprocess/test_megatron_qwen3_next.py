@@ -102,13 +102,16 @@ def test_hybrid_trainer_parity_with_fsdp(tiny_hybrid_dir: Path, tmp_path: Path, 
     in_proj and conv1d split per section by megatron-core's factories) saved and resumed restores them bitwise."""
     res = launch(HERE, 2, free_port, "parity_" + layout, tiny_hybrid_dir, tmp_path / "parity.pt", timeout=600)
     assert not res["fsdp_missing"] and not res["fsdp_extra"], res          # both backends export the same names
-    check_parity(res, lp_bound=LP_BOUND, update_bound=UPDATE_BOUND, rel_bound=REL_BOUND)
+    check_parity(res, lp_bound=LP_BOUND, metric_bound=METRIC_BOUND, update_bound=UPDATE_BOUND, rel_bound=REL_BOUND)
 
 
 # measured (python -m pytest tests/multiprocess/test_megatron_qwen3_next.py -k parity), qwen3_5_moe / qwen3_next:
 # TP 2: log-probs 4.8e-7 / 4.8e-7 apart, the update after 2 steps 8.7e-6 / 1.25e-5 (max abs), 1.4e-5 / 1.6e-5
-# (relative L2); CP 2: 9.5e-7 / 4.8e-7, 1.6e-5 / 1.2e-5, 2.9e-5 / 2.2e-5
-LP_BOUND, UPDATE_BOUND, REL_BOUND = 2e-6, 3.2e-5, 6e-5
+# (relative L2); CP 2: 9.5e-7 / 4.8e-7, 1.6e-5 / 1.2e-5, 2.9e-5 / 2.2e-5. Re-measured 2026-12-07 (the same figures;
+# OMP_NUM_THREADS=1 python -m pytest -s ... -k "trainer_parity and not gpu"): PP 2 9.5e-7 / 4.8e-7, 8.4e-6 / 1.1e-5,
+# 1.6e-5 / 1.1e-5; EP 2 x CP 2 9.5e-7 / 4.8e-7, 1.6e-5 / 1.2e-5, 2.8e-5 / 2.2e-5; step metrics 1.3e-7 (relative, at
+# most). About twice the largest.
+LP_BOUND, METRIC_BOUND, UPDATE_BOUND, REL_BOUND = 2e-6, 2.6e-7, 3.2e-5, 6e-5
 FLAGS = ("--expert-tensor-parallel-size", "1", "--moe-aux-loss-coeff", "0")
 
 
