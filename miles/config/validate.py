@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from miles.config.base import ConfigError
+from miles.config.data import FULLY_ASYNC_PATH
 from miles.config.sglang import serves_lora_adapters
 
 if TYPE_CHECKING:
@@ -26,6 +27,24 @@ PATH_FIELDS = ("save", "load", "save_hf", "dump_details")
 POSITIVE_SGLANG_SIZES = ("max_running_requests", "context_length", "max_total_tokens", "max_queued_requests",
                          "max_prefill_tokens", "cuda_graph_bs", "cuda_graph_bs_decode", "cuda_graph_max_bs",
                          "cuda_graph_max_bs_decode")
+
+
+def _validate_lora_serving(cfg: MilesConfig, *, fully_async: bool) -> None:
+    """LoRA served by the engines (``--sglang-enable-lora``): the serving limits the trained adapter must fit, checked
+    here because the engines would refuse it only at the first weight sync, after they have started."""
+    args, rank = cfg.sglang.server_args, cfg.train.lora_rank
+    max_rank = args.get("max_lora_rank")
+    if max_rank is not None and int(max_rank) < rank:
+        raise ConfigError(f"--sglang-max-lora-rank {max_rank} is below --lora-rank {rank}: the engines could not load "
+                          f"the trained adapter; give --sglang-max-lora-rank {rank} or more, or a smaller --lora-rank.")
+    max_loaded, preloaded = args.get("max_loaded_loras"), len(args.get("lora_paths") or [])
+    if max_loaded is not None and int(max_loaded) < preloaded + 1:
+        raise ConfigError(f"--sglang-max-loaded-loras {max_loaded} leaves no room for the trained adapter beside the "
+                          f"{preloaded} of --sglang-lora-paths; give --sglang-max-loaded-loras {preloaded + 1} or more.")
+    if fully_async:
+        raise ConfigError("--sglang-enable-lora with --lora-rank and the fully async rollout is not supported: its "
+                          "requests keep arriving while a weight sync replaces the adapter they name; drop "
+                          "--sglang-enable-lora (merged weights) or the fully async rollout.")
 
 
 def validate_config(cfg: MilesConfig) -> None:
@@ -169,6 +188,8 @@ def validate_config(cfg: MilesConfig) -> None:
         raise ConfigError("--sglang-enable-lora with --lora-rank and --use-fault-tolerance is not supported: an engine "
                           "that returns catches up on the trainer's weights without the LoRA adapter its rollouts name; "
                           "drop --sglang-enable-lora (merged weights) or --use-fault-tolerance.")
+    if serves_lora_adapters(cfg.train, cfg.sglang):
+        _validate_lora_serving(cfg, fully_async=d.fully_async or d.rollout_function_path == FULLY_ASYNC_PATH)
     if (serves_lora_adapters(cfg.train, cfg.sglang) and cfg.sglang.server_args.get("experts_shared_outer_loras")
             and not cfg.train.experts_shared_outer_loras):       # Miles: the two must agree
         raise ConfigError("--sglang-experts-shared-outer-loras with --sglang-enable-lora serves MoE experts' adapters "

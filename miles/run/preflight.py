@@ -415,7 +415,8 @@ def check_engine_kind(cfg: MilesConfig, kind: str) -> None:
 
 def check_lora_adapter_sync(cfg: MilesConfig) -> None:
     """``--sglang-enable-lora`` with ``--lora-rank``: the engines serve the adapters, which the weight sync sends by
-    ``/load_lora_adapter_from_tensors`` (colocated transports only; ``miles.weight_sync.base``)."""
+    ``/load_lora_adapter_from_tensors`` (colocated) or ``/load_lora_adapter_from_distributed`` (broadcast to separate
+    engines); p2p and disk-delta are refused (``miles.weight_sync.base``)."""
     from miles.config.sglang import serves_lora_adapters
 
     if serves_lora_adapters(cfg.train, cfg.sglang):

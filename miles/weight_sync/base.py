@@ -213,9 +213,10 @@ class WeightSender(ABC):
         # (as Miles skips the base sync of a distributed LoRA sync)
         keeps_base = self.cfg.lora_base_cpu_backup or (self.lora_adapter and self.mode == "broadcast")
         self._trained_only = keeps_base and self._base_sent and not full
-        # an adapter sync is two requests (base, adapter): never detached
+        # an adapter sync is two requests (base, adapter): never detached; nor an unflattened one (its tensors are the
+        # trainer's own, which the next step changes while the thread would send them; a flattened bucket is a copy)
         self._detach_this = (detach and self.is_source and not self.cfg.check_weight_update_equal
-                             and not self.lora_adapter)
+                             and not self.lora_adapter and getattr(self, "flatten", True))
         try:
             self.land()  # a detached sync still in flight lands before the next one starts
         except WeightSyncError as e:
@@ -414,7 +415,7 @@ def check_lora_adapter_mode(mode: str) -> None:
         raise ConfigError(f"--sglang-enable-lora with --lora-rank syncs the LoRA adapters to the engines, which is "
                           f"built for the tensor (colocated: load_lora_adapter_from_tensors) and broadcast "
                           f"(load_lora_adapter_from_distributed) transports; --update-weight-transfer-mode {mode} is "
-                          "not: use broadcast (or --colocate), or drop --sglang-enable-lora to sync merged weights")
+                          "not: use broadcast (or --colocate), or drop --sglang-enable-lora to sync merged weights.")
 
 
 def _default_control(engine: EngineTarget, timeout: float) -> Any:

@@ -8,7 +8,7 @@
 Inside one checkpoint directory::
 
     actor/                DCP: {"model": sharded model state, "optim": AdamW state (unless --no-save-optim)}
-    lora/rank00000.pt ... with --lora-rank instead of actor/: the adapters and their AdamW state, each trainer rank's
+    lora/rank_00000.pt .. with --lora-rank instead of actor/: the adapters and their AdamW state, each trainer rank's
                           file (the adapters are replicated; the Megatron backend's layout, ``lora.save_files``)
     critic/               the same for the PPO critic (value head included)
     rng/rank00000.pt ...  python, numpy, torch and CUDA RNG states of each trainer rank

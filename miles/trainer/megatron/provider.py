@@ -282,6 +282,22 @@ def check_layout(path: str, *, pp: int, mtp_layers: int, vision: bool) -> None:
                           "attached by miles's own builder; drop the flag.")
 
 
+def check_callable(fn: Callable[..., Any], path: str) -> None:
+    """The provider takes the keyword arguments Miles calls it with (``call_kwargs``): one line otherwise, before
+    the job starts."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):      # a builtin or C callable: no signature to check, called as it is
+        return
+    kw = call_kwargs(fn, config=None, pre_process=True, post_process=True)
+    try:
+        sig.bind(**kw)
+    except TypeError as e:
+        raise ConfigError(f"{FLAG} {path}: it cannot be called as Miles calls a model provider ({', '.join(sorted(kw))} "
+                          f"by keyword, plus vp_stage and config where declared): {e}; fix the provider's "
+                          "signature.") from None
+
+
 def preflight_check(cfg, hf_config: dict | None) -> None:
     """Under ``--dry-run`` and at start: the provider imports, and ``--hf-checkpoint``'s model_type has a converter
     here (the weights load from and sync to HF names through its family)."""
@@ -289,7 +305,7 @@ def preflight_check(cfg, hf_config: dict | None) -> None:
     path = getattr(mcfg, "custom_model_provider_path", None) if mcfg is not None else None
     if not path:
         return
-    load_provider(path)
+    check_callable(load_provider(path), path)
     if hf_config is None:
         return
     from miles.trainer.megatron.families import FAMILIES

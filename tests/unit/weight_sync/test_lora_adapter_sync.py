@@ -34,7 +34,7 @@ def test_which_runs_serve_adapters_and_the_refusal_off_colocated():
     msg = (r"^--sglang-enable-lora with --lora-rank syncs the LoRA adapters to the engines, which is built for the "
            r"tensor \(colocated: load_lora_adapter_from_tensors\) and broadcast \(load_lora_adapter_from_distributed\) "
            r"transports; --update-weight-transfer-mode disk-delta is not: use broadcast \(or --colocate\), or drop "
-           r"--sglang-enable-lora to sync merged weights$")
+           r"--sglang-enable-lora to sync merged weights\.$")
     disk = ["--update-weight-transfer-mode", "disk-delta", "--update-weight-disk-dir", "/tmp/d"]
     with pytest.raises(ConfigError, match=msg):
         check_lora_adapter_sync(_cfg(*LORA, "--sglang-enable-lora", *disk))
@@ -93,6 +93,26 @@ def test_adapter_serving_with_fault_tolerance_is_refused():
                                           r"supported"):
         parse_args(["--hf-checkpoint", "x", "--num-rollout", "1", "--rollout-batch-size", "2", *LORA, "--colocate",
                     "--sglang-enable-lora", "--use-fault-tolerance"])
+
+
+def test_serving_limits_the_adapter_must_fit_are_checked_before_start():
+    """The engines would refuse the trained adapter only at the first weight sync (after they started): a
+    --sglang-max-lora-rank below --lora-rank, a --sglang-max-loaded-loras without room for it, and the fully async
+    rollout (its requests name the adapter while a sync replaces it) are one line at parse time."""
+    base = ["--hf-checkpoint", "x", "--num-rollout", "1", "--rollout-batch-size", "2", *LORA, "--colocate",
+            "--sglang-enable-lora"]
+    with pytest.raises(ConfigError, match=r"^--sglang-max-lora-rank 2 is below --lora-rank 4: .*--sglang-max-lora-rank "
+                                          r"4 or more"):
+        parse_args(base + ["--sglang-max-lora-rank", "2"])
+    parse_args(base + ["--sglang-max-lora-rank", "4"])
+    with pytest.raises(ConfigError, match=r"^--sglang-max-loaded-loras 1 leaves no room for the trained adapter beside "
+                                          r"the 1 of --sglang-lora-paths; give --sglang-max-loaded-loras 2 or more"):
+        parse_args(base + ["--sglang-max-loaded-loras", "1", "--sglang-lora-paths", "other=/tmp/other"])
+    parse_args(base + ["--sglang-max-loaded-loras", "1"])
+    with pytest.raises(ConfigError, match=r"^--sglang-enable-lora with --lora-rank and the fully async rollout is not "
+                                          r"supported"):
+        parse_args([f for f in base if f != "--colocate"] + ["--fully-async"], is_async=True)
+    parse_args([f for f in base if f != "--colocate"], is_async=True)   # train_async.py, not fully async: accepted
 
 
 def test_engine_shared_outer_needs_the_trainers():

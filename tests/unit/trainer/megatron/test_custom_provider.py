@@ -271,7 +271,10 @@ def test_dry_run_checks_the_provider(provider_module) -> None:
     model_dir = provider_module.HF_CHECKPOINT
     assert "role plan" in _dry_run(model_dir, [FLAG, "tiny_gpt_provider.unfused_provider"])
     for path, expect in (("no_such_pkg.mod.provider", "cannot import module 'no_such_pkg.mod'"),
-                         ("tiny_gpt_provider.missing", "has no attribute 'missing'")):
+                         ("tiny_gpt_provider.missing", "has no attribute 'missing'"),
+                         ("tiny_gpt_provider.needs_more_provider", "cannot be called as Miles calls a model provider "
+                          "(post_process, pre_process by keyword, plus vp_stage and config where declared): missing a "
+                          "required argument: 'model_args'")):
         with pytest.raises(ConfigError) as ei:
             _dry_run(model_dir, [FLAG, path])
         assert str(ei.value).startswith(FLAG) and expect in str(ei.value), ei.value
