@@ -353,6 +353,16 @@ class WeightSender(ABC):
     def call_all(self, engines: Sequence[EngineTarget], call: Callable[[Any], Awaitable[Any]], deadline: Deadline, step: str) -> list[Any]:
         return self.wait_all(engines, self.submit_all(engines, call), deadline, step)
 
+    def unload_adapter(self, engines: Sequence[EngineTarget], deadline: Deadline) -> None:
+        """``/unload_lora_adapter`` of the run's adapter on every engine before a new one loads (both adapter
+        transports); a failure there is fine: the first sync has nothing to unload."""
+        async def unload(c: Any) -> None:
+            try:
+                await c.unload_lora_adapter(LORA_ADAPTER_NAME, timeout=deadline.left())
+            except Exception as e:  # noqa: BLE001 - the first sync has nothing to unload
+                logger.debug("unload_lora_adapter before the load: %s", e)
+        self.call_all(engines, unload, deadline, "unload_lora_adapter")
+
     def begin(self, engines: Sequence[EngineTarget], deadline: Deadline) -> None:
         """pause -> begin_weight_update on every engine."""
         mode = self.cfg.pause_generation_mode

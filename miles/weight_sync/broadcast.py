@@ -427,17 +427,10 @@ class BroadcastSender(WeightSender):
                 pending.append((futs, len(names)))
                 t0 = time.monotonic()
                 ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-                try:
-                    with ctx:
-                        if flat is not None:
-                            group.broadcast(flat, src=0, timeout_s=deadline.left(), what=f"bucket of {len(names)} tensors")
-                        else:
-                            for n, t in tensors:
-                                group.broadcast(t, src=0, timeout_s=deadline.left(), what=f"tensor {n!r}")
-                except WeightGroupError as e:
-                    for f in futs:
-                        f.cancel()
-                    raise WeightSyncError(f"{e} (engines: {[x.url for x in engines]})") from e
+                with ctx:
+                    items = [(f"bucket of {len(names)} tensors", flat)] if flat is not None else [
+                        (f"tensor {n!r}", t) for n, t in tensors]
+                    _broadcast_or_cancel(group, items, futs, engines, deadline)
                 result.transfer_s += time.monotonic() - t0
                 # the engine loads bucket k while bucket k+1 is broadcast (in order: see the docstring)
                 settle(in_flight - 1)
@@ -466,26 +459,14 @@ class BroadcastSender(WeightSender):
             raise WeightSyncError("LoRA adapter sync: the trainer exported no adapter tensors")
         tensors = [(n, t.to(self.device).contiguous() if self.device is not None else t.contiguous())
                    for n, t in tensors]
-
-        async def unload(c):
-            try:
-                await c.unload_lora_adapter(LORA_ADAPTER_NAME, timeout=deadline.left())
-            except Exception as e:  # noqa: BLE001 - the first sync has nothing to unload
-                logger.debug("unload_lora_adapter before the load: %s", e)
-        self.call_all(engines, unload, deadline, "unload_lora_adapter")
+        self.unload_adapter(engines, deadline)
         names = [n for n, _ in tensors]
         dtypes = [dtype_to_str(t.dtype) for _, t in tensors]
         shapes = [list(t.shape) for _, t in tensors]
         futs = self.submit_all(engines, lambda c: c.load_lora_adapter_from_distributed(
             LORA_ADAPTER_NAME, config, names, dtypes, shapes, group.name, timeout=deadline.left()))
         t1 = time.monotonic()
-        try:
-            for n, t in tensors:
-                group.broadcast(t, src=0, timeout_s=deadline.left(), what=f"LoRA tensor {n!r}")
-        except WeightGroupError as e:
-            for f in futs:
-                f.cancel()
-            raise WeightSyncError(f"{e} (engines: {[x.url for x in engines]})") from e
+        _broadcast_or_cancel(group, [(f"LoRA tensor {n!r}", t) for n, t in tensors], futs, engines, deadline)
         result.transfer_s += time.monotonic() - t1
         t2 = time.monotonic()
         self.wait_all(engines, futs, deadline, "load_lora_adapter_from_distributed")
@@ -516,3 +497,16 @@ class BroadcastSender(WeightSender):
             except WeightSyncError as e:
                 logger.warning("closing the weight-update group: %s", e)
         super().close()
+
+
+def _broadcast_or_cancel(group: WeightGroup, items: list[tuple[str, torch.Tensor]], futs: list, engines: list[EngineTarget],
+                         deadline: Deadline) -> None:
+    """Broadcast each ``(what, tensor)`` from rank 0 in order, bounded by ``deadline``; when the group fails, cancel the
+    engines' pending load requests ``futs`` and raise one WeightSyncError naming the engines."""
+    try:
+        for what, t in items:
+            group.broadcast(t, src=0, timeout_s=deadline.left(), what=what)
+    except WeightGroupError as e:
+        for f in futs:
+            f.cancel()
+        raise WeightSyncError(f"{e} (engines: {[x.url for x in engines]})") from e

@@ -226,12 +226,7 @@ class TensorSender(WeightSender):
         result.num_tensors += len(tensors)
         t1 = time.monotonic()
         try:
-            async def unload(c):
-                try:
-                    await c.unload_lora_adapter(LORA_ADAPTER_NAME, timeout=deadline.left())
-                except Exception as e:  # noqa: BLE001 - the first sync has nothing to unload
-                    logger.debug("unload_lora_adapter before the load: %s", e)
-            self.call_all(engines, unload, deadline, "unload_lora_adapter")
+            self.unload_adapter(engines, deadline)
             futures = [self.submit_all([e], lambda c, e=e: c.load_lora_adapter_from_tensors(
                 LORA_ADAPTER_NAME, config, [serialize_bucket(flat, meta) for _ in range(e.num_workers)],
                 load_format="flattened_bucket", timeout=deadline.left()))[0] for e in engines]
