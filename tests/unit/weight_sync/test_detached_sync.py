@@ -162,9 +162,12 @@ def test_a_detached_sync_reports_its_transfer_and_load_when_it_lands(caplog) -> 
     finally:
         sender.close()
     assert engine.loads == [("g-timed", "1")]
-    # measured 2026-12-07 (2-core box, load 7-13): transfer 0.050-0.055 s (the group's 0.05 s), load 0.146-0.151 s
-    # (the engine's 0.2 s less the broadcast it overlaps), total 0.21-0.22 s
-    assert 0.05 <= landed.transfer_s < 0.1 and 0.1 <= landed.load_s < 0.3, landed
+    # the thread's own measures, bounded below by the stand-ins' delays (measured 2026-12-07 on the 2-core box, load
+    # 7-13: transfer 0.050-0.055 s, the group's 0.05 s; transfer + load 0.200-0.201 s, the engine answering 0.2 s
+    # after the request posted just before the broadcast; total 0.21-0.22 s). No upper bound: under load the
+    # sleeps overshoot and shift time between the parts (at load 19 one run, total 0.214 s, fell outside windows of
+    # 0.05-0.1 s for the transfer and 0.1-0.3 s for the load)
+    assert landed.transfer_s >= 0.05 and landed.load_s > 0.0 and landed.transfer_s + landed.load_s >= 0.19, landed
     assert landed.total_s >= landed.transfer_s + landed.load_s and landed.gbps > 0.0
     assert landed.extra["rollout_id"] == 7.0 and landed.extra["returned_s"] == r.total_s and landed.unmeasured == ()
     assert 0.0 <= waited <= landed.total_s
@@ -173,7 +176,7 @@ def test_a_detached_sync_reports_its_transfer_and_load_when_it_lands(caplog) -> 
     returned = next(x for x in lines if "returned after" in x)
     assert returned.startswith("weight sync v1 (broadcast, detached, rollout 7) to 1 engine(s)") and "transfer 0" not in returned
     done = next(x for x in lines if " landed: " in x)
-    assert done.startswith("weight sync v1 (broadcast, detached, rollout 7) landed: ") and "load 0.1" in done, done
+    assert done.startswith("weight sync v1 (broadcast, detached, rollout 7) landed: ") and "load 0.000s" not in done, done
 
 
 def test_a_detached_sync_that_overruns_its_timeout_fails_in_one_line_and_its_group_is_never_used_again() -> None:
