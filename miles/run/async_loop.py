@@ -6,7 +6,9 @@ loop first waits for the generation in flight, so weights never change in the mi
 then syncs; that prefetched rollout is trained on next. The sync returns once the weights are packed for
 sending: the engines receive and load them while the trainer trains on (``WeightSender.sync(detach=True)``,
 one-request syncs to embedded engines), and the next generation first waits for their answer
-(``perf/wait_weights_time``). Samples are therefore up to
+(``perf/wait_weights_time``; the landed sync's transfer, load and total seconds go into that rollout's record as
+``weight_sync/landed_*`` with ``weight_sync/landed_rollout_id``, the rollout the sync followed). Only the driver
+lands, so a sync detaches only where the driver is the weight sender's source rank. Samples are therefore up to
 ``--update-weights-interval`` weight versions old. Each sample carries the ``weight_version`` the
 engine generated it with; with ``--max-weight-staleness N`` groups older than N versions (relative to
 the trainer's current version) are dropped (``rollout/stale_dropped_groups``). Off-policy correction
@@ -36,6 +38,25 @@ from miles.utils.logging import get_logger
 logger = get_logger(__name__)
 
 
+def detaches(worker: Any, fully_async: bool) -> bool:
+    """Whether ``train_async.py``'s weight syncs detach (``WeightSender.sync(detach=True)``): the sync returns once
+    the weights are packed, the engines load them while the trainer trains on, and the next generation lands it
+    first. Not with the fully async producer (it generates across syncs), nor under fault tolerance (it handles a
+    sync's failure at once), nor where the driver, which lands, does not hold the sender's thread: the driver must
+    be the weight sender's source rank (trainer rank 0 in every layout ``build_role_plan`` makes; a plain sync
+    elsewhere, said once)."""
+    if fully_async or worker.ft is not None:
+        return False
+    sender = worker.sender
+    if sender is None:
+        return False  # the driver syncs nothing (Ranks.sync_weights)
+    if not sender.is_source:
+        logger.info("weight syncs do not detach: the driver is not the weight sender's source rank, so it could not "
+                    "land them; each sync waits for the engines instead")
+        return False
+    return True
+
+
 class AsyncRLLoop(RLLoop):
     overlaps_phases = True  # trainer ranks and engines compute at once: they share the cores (miles.spmd.threads)
 
@@ -49,10 +70,7 @@ class AsyncRLLoop(RLLoop):
         d = self.cfg.data
         if job.manager is not None and (d.fully_async or d.rollout_function_path == FULLY_ASYNC_PATH):
             self.fully = FullyAsyncRollout(job.manager, job.data_source)
-        # the weight sync returns once the weights are packed; the engines load them while the trainer trains on
-        # (WeightSender.sync(detach=True)), and the next generation lands it first. Not with the fully async
-        # producer (it generates across syncs) nor under fault tolerance (it handles a sync's failure at once).
-        self.detach = self.fully is None and job.worker.ft is None
+        self.detach = detaches(job.worker, self.fully is not None)
         a = self.cfg.algo
         if self.policy and self.interval > 1 and not (a.use_tis or a.use_rollout_logprobs):
             logger.info("--update-weights-interval %d trains on samples up to %d versions old; consider --use-tis "
@@ -98,7 +116,7 @@ class AsyncRLLoop(RLLoop):
                 if rollout_id + 1 < end:
                     with self.job.worker.channel.keepalive():
                         await asyncio.wait([pending])  # no weight change in the middle of a rollout
-                metrics.update(await self.sync_weights(detach=self.detach))
+                metrics.update(await self.sync_weights(detach=self.detach, rollout_id=rollout_id))
             metrics.update(await self.maybe_eval(rollout_id))
             metrics.update({k: v for k, v in self.timer.pop().items() if k not in metrics})
             if ft is not None:
@@ -106,12 +124,20 @@ class AsyncRLLoop(RLLoop):
             metrics["perf/step_time"] = time.monotonic() - t_step
             self.job.sink.log(rollout_id, metrics)
 
-    async def land_weights(self) -> float:
-        """Wait for the engines to answer a detached weight sync (the seconds waited); raises its failure."""
+    async def land_weights(self) -> dict[str, float]:
+        """Wait for the engines to answer a detached weight sync; raises its failure. Returns the seconds waited
+        (``perf/wait_weights_time``, 0.0 when none was in flight) and what the landed sync measured on its thread
+        (``weight_sync/landed_*``: transfer, load, total seconds, GB/s and the rollout it followed)."""
         sender = self.job.worker.sender
         if sender is None or not sender.detached_in_flight:
-            return 0.0
-        return await asyncio.to_thread(sender.land)
+            return {"perf/wait_weights_time": 0.0}
+        metrics = {"perf/wait_weights_time": await asyncio.to_thread(sender.land)}
+        landed = sender.take_landed()
+        if landed is not None:
+            m = landed.as_metrics()
+            metrics.update({f"weight_sync/landed_{k}": m[f"weight_sync/{k}"]
+                            for k in ("transfer_s", "load_s", "total_s", "gbps", "rollout_id") if f"weight_sync/{k}" in m})
+        return metrics
 
     async def generate_overlapped(self, rollout_id: int) -> tuple[list[list[Sample]], dict[str, float]]:
         """One rollout, timed on its own (phases overlap, so the shared timer would double count), with the
@@ -121,7 +147,7 @@ class AsyncRLLoop(RLLoop):
         groups, metrics = await self.generate(rollout_id, keepalive=False)
         self.timer.times.pop("perf/rollout_time", None)
         metrics["perf/rollout_time"] = time.monotonic() - t0
-        metrics["perf/wait_weights_time"] = landed
+        metrics.update(landed)
         return groups, metrics
 
     async def generate(self, rollout_id: int, keepalive: bool = True) -> tuple[list[list[Sample]], dict[str, float]]:
@@ -139,12 +165,12 @@ class AsyncRLLoop(RLLoop):
         return groups, metrics
 
     async def evaluate(self, rollout_id: int) -> dict[str, float]:
-        await self.land_weights()
+        landed = {k: v for k, v in (await self.land_weights()).items() if k.startswith("weight_sync/landed_")}
         if self.fully is None:
-            return await super().evaluate(rollout_id)
+            return {**await super().evaluate(rollout_id), **landed}
         self.fully.pause()  # no new training groups while the engines evaluate
         try:
-            return await super().evaluate(rollout_id)
+            return {**await super().evaluate(rollout_id), **landed}
         finally:
             self.fully.resume()
 

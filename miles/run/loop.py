@@ -200,14 +200,15 @@ class RLLoop:
         if self.job.fleet is not None and self.job.worker.ft is None:
             await self.job.fleet.register()
 
-    async def sync_weights(self, detach: bool = False) -> dict[str, float]:
-        """``detach``: see ``WeightSender.sync`` (``train_async.py`` lands the sync before it generates again)."""
+    async def sync_weights(self, detach: bool = False, rollout_id: int | None = None) -> dict[str, float]:
+        """``detach``: see ``WeightSender.sync`` (``train_async.py`` lands the sync before it generates again);
+        ``rollout_id``: the rollout whose training made these weights."""
         if self.job.fleet is None or not self.has_trainer:
             return {}
         with self.timer("update_weights"):
             if self.plan.offload_rollout:
                 await self.job.fleet.call_all("resume_memory_occupation")
-            return self.ranks.sync_weights(detach)
+            return self.ranks.sync_weights(detach, rollout_id)
 
     def maybe_save(self, rollout_id: int, metrics: dict[str, Any] | None = None) -> None:
         """Checkpoint after training. ``metrics``: the rollout's record so far (generation, score, train and

@@ -80,7 +80,7 @@ class Worker:
         if name == "train":
             self.train(int(cmd["rollout_id"]), None)
         elif name == "sync_weights":
-            self.sync_weights(bool(cmd.get("detach", False)))
+            self.sync_weights(bool(cmd.get("detach", False)), cmd.get("rollout_id"))
         elif name == "save":
             self.save(int(cmd["rollout_id"]), cmd["extra"])
         elif name == "offload_train":
@@ -119,14 +119,15 @@ class Worker:
             metrics = self.trainer.train(samples, rollout_id)
         return {"perf/train/scatter_time": t_scatter, **trainer_metrics(metrics)}
 
-    def sync_weights(self, detach: bool = False) -> dict[str, float]:
+    def sync_weights(self, detach: bool = False, rollout_id: int | None = None) -> dict[str, float]:
         """``detach``: the source rank may leave the engines' answer to a thread (``WeightSender.sync``); not under
-        fault tolerance, whose recovery needs the outcome at once."""
+        fault tolerance, whose recovery needs the outcome at once. ``rollout_id``: the rollout whose training made
+        these weights (named when a detached sync lands)."""
         if not self.is_trainer or self.sender is None:
             return {}
         if self.ft is not None:  # drops engines that die during the sync, re-admits returned ones
             return self.ft.sync_weights(self.sender).as_metrics()
-        return self.sender.sync(detach=detach).as_metrics()
+        return self.sender.sync(detach=detach, rollout_id=rollout_id).as_metrics()
 
     def save(self, rollout_id: int, extra: dict[str, Any]) -> None:
         if self.is_trainer:
@@ -188,11 +189,18 @@ class Ranks:
         per_rank = split_for_dp(groups, self.dp_size)
         return self._command({"cmd": "train", "rollout_id": rollout_id}, self.worker.train, rollout_id, per_rank)
 
-    def sync_weights(self, detach: bool = False) -> dict[str, float]:
+    def sync_weights(self, detach: bool = False, rollout_id: int | None = None) -> dict[str, float]:
+        """``detach`` needs the driver to be the sender's source rank: only the process whose thread runs a
+        detached sync can land it (``WeightSender.land``), and the driver lands it before it generates again."""
         if not self.dp_size or self.worker.sender is None:
             return {}
-        cmd = {"cmd": "sync_weights", **({"detach": True} if detach else {})}
-        return self._command(cmd, self.worker.sync_weights, detach)
+        if detach and not self.worker.sender.is_source:
+            raise MilesError(f"a detached weight sync is landed by the driver (rank {self.channel.src}), which is not "
+                             f"the weight sender's source rank (rank {self.worker.ctx.plan.trainer_ranks[0]}, the first trainer rank): "
+                             "its thread would run where nothing lands it; sync without detach in this layout")
+        cmd = {"cmd": "sync_weights", **({"detach": True} if detach else {}),
+               **({"rollout_id": rollout_id} if rollout_id is not None else {})}
+        return self._command(cmd, self.worker.sync_weights, detach, rollout_id)
 
     def save(self, rollout_id: int, extra: dict[str, Any]) -> float:
         t0 = time.monotonic()

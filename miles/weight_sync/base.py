@@ -105,15 +105,21 @@ class SyncResult:
     control_s: float = 0.0        # pause/begin/end/version/flush/continue
     total_s: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
+    # fields not measured when the result is read: a detached sync returns before its transfer and the engines'
+    # load (``WeightSender.sync(detach=True)``), which its landed result (``WeightSender.take_landed``) reports
+    unmeasured: tuple[str, ...] = ()
 
     @property
     def gbps(self) -> float:
         return self.bytes / self.total_s / 1e9 if self.total_s > 0 else 0.0
 
     def as_metrics(self, prefix: str = "weight_sync/") -> dict[str, float]:
-        d = {k: v for k, v in asdict(self).items() if isinstance(v, int | float) and k != "version"}
+        """The measured fields (never a 0 standing for one not measured yet: ``unmeasured`` ones are left out)."""
+        d = {k: v for k, v in asdict(self).items() if isinstance(v, int | float) and k != "version"
+             and k not in self.unmeasured}
         d.update(self.extra)
-        d["gbps"] = self.gbps
+        if "gbps" not in self.unmeasured:
+            d["gbps"] = self.gbps
         return {prefix + k: float(v) for k, v in d.items()}
 
 
@@ -178,6 +184,8 @@ class WeightSender(ABC):
         self._base_sent = False
         self._trained_only = False
         self._detach_this = False  # this sync may leave the engines' answer to a thread (sync(detach=True))
+        self._detach_rollout: int | None = None  # the rollout a detached sync's weights come from (its log lines)
+        self._landed: SyncResult | None = None   # the last detached sync that landed, not yet taken (take_landed)
 
     # -- public API ------------------------------------------------------------------------------------
     def connect(self, engines: Sequence[EngineTarget] | None = None) -> None:
@@ -191,7 +199,7 @@ class WeightSender(ABC):
         self._embedded.clear()
 
     def sync(self, engines: Sequence[EngineTarget] | None = None, *, bump_version: bool = True,
-             full: bool = False, detach: bool = False) -> SyncResult:
+             full: bool = False, detach: bool = False, rollout_id: int | None = None) -> SyncResult:
         """Push the trainer's current weights. Collective on every trainer rank.
 
         ``bump_version`` False re-sends the current version (use it only when the trainer has not
@@ -203,7 +211,12 @@ class WeightSender(ABC):
         bucket, ``broadcast``), return once the weights are packed into the send buffer, and leave the request,
         the broadcast and the engines' answer to a thread; the trainer may train on meanwhile. The caller must
         :meth:`land` the sync before the engines generate with it (the next sync and :meth:`close` do too); a
-        failure is raised there. Ignored under ``--check-weight-update-equal`` and by the other transports.
+        failure is raised there. Ignored under ``--check-weight-update-equal`` and by the other transports. The
+        result then says ``extra["detached"] == 1`` and leaves out what the thread measures later (``unmeasured``:
+        transfer, load, GB/s; ``total_s`` is the seconds the call took): the landed sync logs them, naming
+        ``rollout_id`` (the rollout whose training made these weights), and :meth:`take_landed` returns them.
+        Only the process that called ``sync`` holds the thread, so only it can land it (``train_async.py``
+        detaches only where the driver is this sender's source rank).
         """
         version = self.weight_version + 1 if bump_version else self.weight_version
         targets = list(self.engines if engines is None else engines)
@@ -217,6 +230,7 @@ class WeightSender(ABC):
         # trainer's own, which the next step changes while the thread would send them; a flattened bucket is a copy)
         self._detach_this = (detach and self.is_source and not self.cfg.check_weight_update_equal
                              and not self.lora_adapter and getattr(self, "flatten", True))
+        self._detach_rollout = rollout_id
         try:
             self.land()  # a detached sync still in flight lands before the next one starts
         except WeightSyncError as e:
@@ -244,6 +258,12 @@ class WeightSender(ABC):
             except (WeightSyncError, RuntimeError, ValueError) as e:
                 err = e
             self._agree(err)
+        if result.unmeasured:  # detached: the thread's part is logged when it lands (_log_landed)
+            logger.info("weight sync v%d (%s, detached%s) to %d engine(s): returned after %.3fs (gather and pack "
+                        "%.3fs, control %.3fs), %.1f MB; its transfer and the engines' load are logged when it lands",
+                        version, self.mode, "" if rollout_id is None else f", rollout {rollout_id}",
+                        result.num_engines, result.total_s, result.gather_s, result.control_s, result.bytes / 1e6)
+            return result
         adapter = result.extra.get("lora_adapter_tensors")
         logger.info("weight sync v%d (%s%s%s) to %d engine(s): %.3fs total, gather %.3fs, transfer %.3fs, load %.3fs, "
                     "control %.3fs, %.1f MB, %.2f GB/s", version, self.mode,
@@ -256,8 +276,24 @@ class WeightSender(ABC):
 
     def land(self) -> float:
         """Wait until a detached sync (``sync(detach=True)``) has been answered by its engines; the seconds waited
-        (0.0 when none is in flight). Raises :class:`WeightSyncError` when it failed."""
+        (0.0 when none is in flight). Raises :class:`WeightSyncError` when it failed, or when it did not finish
+        within ``--update-weight-timeout`` (then its thread may still hold the weight-update group: no later sync
+        starts until that thread has ended; each raises saying so). Every wait here is bounded by that flag."""
         return self._land_detached()
+
+    def take_landed(self) -> SyncResult | None:
+        """The last detached sync that landed successfully, with what its thread measured (transfer, load, total
+        seconds, GB/s; ``extra["rollout_id"]`` when ``sync`` named it), once: None until another lands."""
+        landed, self._landed = self._landed, None
+        return landed
+
+    def _log_landed(self, landed: SyncResult, waited: float) -> None:
+        rollout = landed.extra.get("rollout_id")
+        logger.info("weight sync v%d (%s, detached%s) landed: %.3fs total (%.3fs of it before sync returned), "
+                    "transfer %.3fs, load %.3fs, %.1f MB, %.2f GB/s; waited %.3fs for it", landed.version, self.mode,
+                    "" if rollout is None else f", rollout {int(rollout)}", landed.total_s,
+                    landed.extra.get("returned_s", 0.0), landed.transfer_s, landed.load_s, landed.bytes / 1e6,
+                    landed.gbps, waited)
 
     @property
     def detached_in_flight(self) -> bool:

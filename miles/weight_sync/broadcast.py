@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import itertools
 import queue
 import threading
@@ -72,12 +73,40 @@ def _end_rendezvous(store: Any, name: str, world: int, wait_s: float = 2.0) -> N
 
 
 class _Detached:
-    """A whole sync whose post, broadcast and engine answer run on their own thread (``sync(detach=True)``)."""
+    """A whole sync whose post, broadcast and engine answer run on their own thread (``sync(detach=True)``).
 
-    def __init__(self, thread: threading.Thread, failure: list[BaseException], engines: list[EngineTarget],
-                 deadline: Deadline, version: int, previous: int) -> None:
-        self.thread, self.failure, self.engines, self.deadline, self.version = thread, failure, engines, deadline, version
+    The thread fills ``measured`` (its own result: the returned one is the caller's, read at once) and
+    ``finished``; ``group`` is the weight-update group it broadcasts on, which nothing else may use while it runs."""
+
+    def __init__(self, returned: SyncResult, engines: list[EngineTarget], deadline: Deadline, group: WeightGroup,
+                 previous: int, rollout_id: int | None) -> None:
+        self.returned, self.engines, self.deadline, self.group = returned, engines, deadline, group
+        self.version = returned.version
         self.previous = previous  # the sender's version before this sync: back to it when the sync fails
+        self.rollout_id = rollout_id
+        self.measured = SyncResult(returned.mode, returned.version, num_engines=len(engines))
+        self.failure: list[BaseException] = []
+        self.thread: threading.Thread | None = None
+        self.started = self.finished = 0.0
+
+    def run(self, send: Any) -> None:
+        self.started = time.monotonic()
+        try:
+            send()
+        finally:
+            self.finished = time.monotonic()
+
+    @property
+    def what(self) -> str:
+        return f"weight sync v{self.version} (detached{'' if self.rollout_id is None else f', rollout {self.rollout_id}'})"
+
+    def landed(self) -> SyncResult:
+        """The returned result with what the thread measured: total = the call's seconds + the thread's."""
+        r = self.returned
+        extra = {**r.extra, "returned_s": r.total_s,
+                 **({"rollout_id": float(self.rollout_id)} if self.rollout_id is not None else {})}
+        return dataclasses.replace(r, transfer_s=self.measured.transfer_s, load_s=self.measured.load_s,
+                                   total_s=r.total_s + (self.finished - self.started), extra=extra, unmeasured=())
 
 
 class BroadcastSender(WeightSender):
@@ -86,6 +115,9 @@ class BroadcastSender(WeightSender):
 
     mode = "broadcast"
     num_sources = 1  # trainer ranks in the weight-update group (ranks 0..num_sources-1)
+    # land() waits this long past a detached sync's --update-weight-timeout for its thread, whose own waits end at
+    # that deadline and then report which engine and step did not answer
+    land_grace_s = 5.0
 
     def __init__(self, cfg, source, *, device: torch.device | str | None = None, master_addr: str | None = None,
                  store_port: int = 0, flatten: bool = True, max_in_flight: int = 2, **kwargs: Any) -> None:
@@ -103,6 +135,10 @@ class BroadcastSender(WeightSender):
         self._formations = 0
         self._in_flight: collections.deque = collections.deque()  # buckets whose engine answers are outstanding
         self._detached: _Detached | None = None  # a detached whole sync not yet landed
+        # a detached sync whose thread outlived land()'s bounded wait: it may still hold its group (dropped from
+        # this sender, never used again); every later sync refuses to start while that thread runs
+        self._overran: _Detached | None = None
+        self._land_lock = threading.Lock()
 
     # -- group membership ----------------------------------------------------------------------------
     @property
@@ -123,11 +159,19 @@ class BroadcastSender(WeightSender):
         super().reconnect(live_engines)
         if not self.is_source:
             return
+        try:
+            self.land()  # a detached sync's thread still broadcasting on the group is done with it first
+        except WeightSyncError as e:
+            logger.warning("re-forming the weight-update group after: %s", e)
         self._drop_group(notify=[e for e in self._group_engines if e in self.engines])
         self._group, self._group_engines = self._form(self.engines), list(self.engines)
 
     def _drop_group(self, notify: Sequence[EngineTarget]) -> None:
         group, self._group, self._group_engines = self._group, None, []
+        self._destroy_group(group, notify)
+
+    def _destroy_group(self, group: WeightGroup | None, notify: Sequence[EngineTarget]) -> None:
+        """Destroy ``group`` here and (bounded) on the engines ``notify``."""
         if group is None:
             return
         # Both ends tear down at once: an NCCL communicator's destruction can wait for its peers.
@@ -235,6 +279,7 @@ class BroadcastSender(WeightSender):
             group = self._group
             if [e.url for e in engines] != [e.url for e in self._group_engines]:
                 group = temp_group = self._form(engines)  # a subset (a newcomer): a group of its own
+                self._detach_this = False  # destroyed when this call returns: no thread may outlive it
             tc = time.monotonic()
             embedded = self.all_embedded(engines, deadline)
             # the adapter loads after the base and before generation continues: no one-request sync with it
@@ -320,16 +365,16 @@ class BroadcastSender(WeightSender):
         for bucket in buckets:
             q.put(self._prepared(bucket, result))  # the bytes are copied out: the trainer may step again
         q.put(_DONE)
-        failure: list[BaseException] = []
         if self._detach_this:
-            def send() -> None:
-                self._sender_loop(q, group, engines, version, deadline, result, failure, whole, False)
-
-            thread = threading.Thread(target=send, name="miles-weight-detached", daemon=True)
-            self._detached = _Detached(thread, failure, engines, deadline, version, self.weight_version)
+            det = _Detached(result, engines, deadline, group, self.weight_version, self._detach_rollout)
+            det.thread = threading.Thread(target=det.run, name="miles-weight-detached", daemon=True, args=(
+                lambda: self._sender_loop(q, group, engines, version, deadline, det.measured, det.failure, whole, False),))
+            self._detached = det
             result.extra["detached"] = 1.0
-            thread.start()
+            result.unmeasured = ("transfer_s", "load_s", "gbps")  # the thread's: reported when it lands
+            det.thread.start()
             return
+        failure: list[BaseException] = []
         self._sender_loop(q, group, engines, version, deadline, result, failure, whole, False)
         if failure:
             raise self._name_suspects(failure[0], engines)
@@ -339,23 +384,62 @@ class BroadcastSender(WeightSender):
         return self._detached is not None
 
     def _land_detached(self) -> float:
-        """Wait for a detached sync's engines to answer (see ``WeightSender.land``); raises its failure."""
+        """Wait for a detached sync's engines to answer (see ``WeightSender.land``); raises its failure. The wait is
+        bounded by the sync's ``--update-weight-timeout`` plus ``land_grace_s``; a thread still running then is
+        left with its group (dropped from this sender: no collective on it will start here again)."""
+        self._refuse_while_overran()
         det = self._detached
         if det is None:
             return 0.0
         t0 = time.monotonic()
-        det.thread.join(timeout=max(0.0, det.deadline.end - time.monotonic()) + 5.0)
-        if self._detached is det:  # a second caller landing at the same time waits for the same thread
-            self._detached = None
-        if det.thread.is_alive() or det.failure:
-            self.weight_version = det.previous  # as after a plain sync that failed: the engines lack this version
+        assert det.thread is not None
+        det.thread.join(timeout=max(0.0, det.deadline.end - time.monotonic()) + self.land_grace_s)
+        waited = time.monotonic() - t0
+        with self._land_lock:  # a second caller landing at the same time waited for the same thread
+            first = self._detached is det
+            if first:
+                self._detached = None
         if det.thread.is_alive():
-            raise WeightSyncError(f"weight sync v{det.version} (detached): the engines did not answer within "
-                                  f"--update-weight-timeout={det.deadline.seconds:g}s -- engines: {[e.url for e in det.engines]}")
+            if first:
+                self._abandon(det)
+            raise WeightSyncError(f"{det.what} did not finish within --update-weight-timeout={det.deadline.seconds:g}s "
+                                  f"(+{self.land_grace_s:g}s): its sender thread still holds weight-update group "
+                                  f"{det.group.name!r}, which no later sync will use; the engines may be stalled or "
+                                  f"slower than the flag allows -- engines: {[e.url for e in det.engines]}")
         if det.failure:
-            self._drop_group(notify=[])  # unusable now
+            if first:
+                self.weight_version = det.previous  # as after a plain sync that failed: the engines lack this version
+                if self._group is det.group:
+                    self._drop_group(notify=[])  # unusable now: the next sync re-forms it
             raise self._name_suspects(det.failure[0], det.engines)
-        return time.monotonic() - t0
+        if first:
+            self._landed = det.landed()
+            self._log_landed(self._landed, waited)
+        return waited
+
+    def _abandon(self, det: _Detached) -> None:
+        """A detached sync overran land()'s bounded wait: its thread may be inside a collective on ``det.group``.
+        The group leaves this sender without being destroyed under the thread (that could hang or interleave);
+        no collective starts on it again, and later syncs refuse to start while the thread runs."""
+        self.weight_version = det.previous  # the engines may lack this version
+        if self._group is det.group:
+            self._group, self._group_engines = None, []
+        self._overran = det
+        logger.error("%s overran --update-weight-timeout=%gs; weight-update group %s is abandoned to its thread",
+                     det.what, det.deadline.seconds, det.group.name)
+
+    def _refuse_while_overran(self) -> None:
+        """Raise while an overran detached sync's thread still runs; once it ended, destroy its group (bounded)."""
+        det = self._overran
+        if det is None:
+            return
+        assert det.thread is not None
+        if det.thread.is_alive():
+            raise WeightSyncError(f"no weight sync can start: {det.what} overran --update-weight-timeout="
+                                  f"{det.deadline.seconds:g}s and its sender thread still holds weight-update group "
+                                  f"{det.group.name!r} (stop the run, or wait for the thread to end)")
+        self._overran = None
+        self._destroy_group(det.group, det.engines)  # the thread is done with it: the next sync forms a new one
 
     def _prepared(self, bucket: list[tuple[str, torch.Tensor]], result: SyncResult) -> tuple[torch.Tensor | None, list, Any]:
         """``_prepare`` with its time counted as gathering and the bucket counted in ``result``."""

@@ -83,6 +83,10 @@ def test_train_async(quickstart: Path, tmp_path: Path):
     # the sync detached (one request to each embedded engine), and each next generation landed it first
     assert [r["weight_sync/detached"] for r in recs] == [1.0, 1.0, 1.0]
     assert all("perf/wait_weights_time" in r for r in recs[1:])
+    # a landed sync's transfer and load are reported measured (rollout 2's record: the one its eval landed, or
+    # rollout 0's that its generation landed), never as zeros at return
+    assert recs[2]["weight_sync/landed_rollout_id"] in (0.0, 2.0) and recs[2]["weight_sync/landed_load_s"] > 0, recs[2]
+    assert not any("weight_sync/transfer_s" in r for r in recs)
 
 
 def test_train_async_refuses_colocate(tmp_path: Path):

@@ -59,12 +59,27 @@ def test_detached_sync_sends_the_weights_of_its_call_and_lands_before_the_next(r
     s = run["scenarios"]["broadcast_detached"]
     assert s["detached"] == 1.0 and s["buckets"] == 1            # the whole model in one request: detached
     assert s["in_flight"] is True and s["landed"] is True
+    # at return the thread's part is not reported (no 0 standing for it); landing reports it, measured
+    assert not {"weight_sync/transfer_s", "weight_sync/load_s", "weight_sync/gbps"} & s["metrics"].keys(), s["metrics"]
+    m = s["landed_metrics"]
+    assert m["weight_sync/transfer_s"] > 0 and m["weight_sync/load_s"] > 0 and m["weight_sync/rollout_id"] == 14, m
+    assert m["weight_sync/total_s"] >= m["weight_sync/transfer_s"] + m["weight_sync/load_s"], m
     c = s["content"]
     assert c["changed"] == [NUM_TENSORS] * 2 and c["equal"] == [NUM_TENSORS] * 2, c  # the weights at the call
     assert s["versions"] == [str(s["version"])] * 2
     a = run["scenarios"]["broadcast_after_detached"]
     assert a["version"] == s["version"] + 2 and a["detached"] == 0.0  # a plain sync waits for its engines
     assert a["checked"] == NUM_TENSORS and a["content"]["equal"] == [NUM_TENSORS] * 2, a
+
+
+def test_detached_sync_packs_the_weights_before_it_returns(run: dict) -> None:
+    """The trainer changes its tensors in place right after a detached sync returns, its sender thread held until
+    then: every engine still gets the values of the call (the bucket was copied before sync returned)."""
+    s = run["scenarios"]["broadcast_detached_live"]
+    assert s["detached"] == 1.0 and s["held"] == 1               # the gate held the detached thread
+    c = s["content"]
+    assert c["changed"] == [NUM_TENSORS] * 2 and c["equal"] == [NUM_TENSORS] * 2, c
+    assert s["equal_to_mutated"] == [0, 0], s
 
 
 def test_detached_sync_refused_by_the_engines_fails_when_landed(run: dict) -> None:

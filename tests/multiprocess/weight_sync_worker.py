@@ -21,6 +21,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from miles.fleet.client import SyncEngineControl
 from miles.spmd.supervisor import EngineSupervisor, scrubbed_env
 from miles.utils.net import find_free_port
+from miles.weight_sync import broadcast as bc_mod
 from miles.weight_sync import disk_delta as dd
 from miles.weight_sync.base import EngineTarget, WeightSyncError, build_weight_sender
 
@@ -202,13 +204,15 @@ def main() -> None:
     wd = sender("broadcast", initial_version=version, cfg={"update_weight_buffer_size": 1 << 30})
     wd.connect(engines)
     before, sent = engine_digests(engines, specs), trainer_tensors(trainer)
-    r = wd.sync(detach=True)
+    r = wd.sync(detach=True, rollout_id=14)
     in_flight = wd.detached_in_flight
     perturb(trainer, 15, rank)                   # the next optimizer step, while the engines may still be loading
     wd.land()
+    landed = wd.take_landed()                    # what the thread measured (rank 0's; None elsewhere)
     after = engine_digests(engines, specs)
     record("broadcast_detached", r, content=content(before, after, sent), detached=r.extra.get("detached", 0.0),
-           in_flight=in_flight, landed=not wd.detached_in_flight, versions=[version_of(t) for t in engines])
+           in_flight=in_flight, landed=not wd.detached_in_flight, versions=[version_of(t) for t in engines],
+           metrics=r.as_metrics(), landed_metrics=landed.as_metrics() if landed is not None else None)
     wd.sync(detach=True)                          # (the weights of step 15)
     perturb(trainer, 16, rank)
     before = engine_digests(engines, specs)
@@ -216,6 +220,60 @@ def main() -> None:
     record("broadcast_after_detached", r, checked=wd.check(), detached=r.extra.get("detached", 0.0),
            content=content(before, engine_digests(engines, specs), trainer_tensors(trainer)))
     wd.close()
+    version = r.version
+
+    # 1a'. a detached sync of tensors the trainer changes in place right after sync returns (a source that hands
+    #      over its own tensors, the same objects at every call, as a backend exporting its parameters without a
+    #      copy would), the sender thread held at its start until they changed: the engines must get the values
+    #      of the call, so the bucket is packed (copied) before sync returns
+    class LiveSource:
+        def __init__(self) -> None:
+            self.buckets = list(trainer.iter_weight_buckets(1 << 30, None))  # collective: gathered once
+
+        def iter_weight_buckets(self, bucket_bytes, dtype):
+            return iter(self.buckets)
+
+    class HeldThreading:  # broadcast.py's threading, the detached sync's thread held until release
+        def __init__(self) -> None:
+            self.release, self.held = threading.Event(), 0
+
+        def __getattr__(self, name):
+            return getattr(threading, name)
+
+        def Thread(self, *args, target=None, name=None, **kwargs):  # noqa: N802 - threading.Thread's name
+            if name == "miles-weight-detached":
+                self.held += 1
+                inner = target
+
+                def target(*a, **k):
+                    self.release.wait(60)
+                    return inner(*a, **k)
+            return threading.Thread(*args, target=target, name=name, **kwargs)
+
+    perturb(trainer, 17, rank)
+    live = LiveSource()
+    live_specs = {n: (digest(t), t.dtype, list(t.shape)) for b in live.buckets for n, t in b}
+    wl = sender("broadcast", initial_version=version, cfg={"update_weight_buffer_size": 1 << 30}, source=live)
+    wl.connect(engines)
+    before = engine_digests(engines, specs)
+    held = HeldThreading()
+    bc_mod.threading = held
+    try:
+        r = wl.sync(detach=True)
+        with torch.no_grad():
+            for b in live.buckets:
+                for _, t in b:
+                    t.add_(1.0)          # the next optimizer step, before the sender thread ran at all
+        held.release.set()
+        wl.land()
+    finally:
+        held.release.set()
+        bc_mod.threading = threading
+    after = engine_digests(engines, specs)
+    mutated = {n: (digest(t), t.dtype, list(t.shape)) for b in live.buckets for n, t in b}
+    record("broadcast_detached_live", r, detached=r.extra.get("detached", 0.0), held=held.held,
+           content=content(before, after, live_specs), equal_to_mutated=content(before, after, mutated)["equal"])
+    wl.close()
     version = r.version
 
     # 1b'. a detached sync the engines refuse (a tensor they do not have): sync returns, land raises naming the

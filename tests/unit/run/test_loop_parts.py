@@ -188,18 +188,20 @@ def test_both_loops_begin_with_the_first_sync_and_the_eval_before_training(loop_
 def test_async_loop_detaches_each_sync_and_lands_it_before_the_next_generation() -> None:
     """train_async.py: every sync is asked to detach (the engines load while the trainer trains on), and the
     generation that follows waits for that sync's answer (``WeightSender.land``) before it asks the engines for
-    anything; the time it waited is the rollout's ``perf/wait_weights_time``."""
+    anything; the time it waited is the rollout's ``perf/wait_weights_time``, and what the landed sync measured on
+    its thread (transfer, load) goes into that rollout's record with the rollout the sync followed."""
     import asyncio
     import contextlib
     from types import SimpleNamespace
 
     from miles.run.async_loop import AsyncRLLoop
+    from miles.weight_sync.base import SyncResult
 
     events: list = []
     logged: dict[int, dict] = {}
 
     class Sender:
-        weight_version, in_flight = 0, False
+        weight_version, in_flight, synced_after = 0, False, None
 
         @property
         def detached_in_flight(self) -> bool:
@@ -209,6 +211,10 @@ def test_async_loop_detaches_each_sync_and_lands_it_before_the_next_generation()
             events.append("land")
             self.in_flight = False
             return 0.25
+
+        def take_landed(self) -> SyncResult:
+            return SyncResult("broadcast", 1, bytes=4_000_000, transfer_s=0.003, load_s=0.002, total_s=0.008,
+                              extra={"detached": 1.0, "rollout_id": float(self.synced_after)})
 
     sender = Sender()
     lp = object.__new__(AsyncRLLoop)
@@ -220,9 +226,9 @@ def test_async_loop_detaches_each_sync_and_lands_it_before_the_next_generation()
         events.append(("generate", rollout_id))
         return [], {}
 
-    async def sync_weights(detach=False):
+    async def sync_weights(detach=False, rollout_id=None):
         events.append(("sync", detach))
-        sender.in_flight = detach
+        sender.in_flight, sender.synced_after = detach, rollout_id
         return {}
 
     async def maybe_eval(rollout_id):
@@ -240,3 +246,36 @@ def test_async_loop_detaches_each_sync_and_lands_it_before_the_next_generation()
     assert events == [("generate", 0), ("generate", 1), ("sync", True), "land", ("generate", 2), ("sync", True),
                       ("sync", True)], events
     assert [logged[i]["perf/wait_weights_time"] for i in range(3)] == [0.0, 0.0, 0.25]
+    # rollout 2's generation landed the sync that followed rollout 0: its thread's measures, not zeros
+    assert "weight_sync/landed_transfer_s" not in logged[1]
+    assert {k: v for k, v in logged[2].items() if k.startswith("weight_sync/landed_")} == {
+        "weight_sync/landed_transfer_s": 0.003, "weight_sync/landed_load_s": 0.002,
+        "weight_sync/landed_total_s": 0.008, "weight_sync/landed_gbps": 0.5, "weight_sync/landed_rollout_id": 0.0}
+
+
+def _worker(sender, ft=None):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(ft=ft, sender=sender, channel=SimpleNamespace(is_src=True, src=0),
+                           ctx=SimpleNamespace(plan=SimpleNamespace(trainer_ranks=[0, 1])))
+
+
+def test_a_sync_detaches_only_where_the_driver_holds_the_senders_thread() -> None:
+    """Only the process whose thread runs a detached sync can land it, and the driver lands: train_async.py detaches
+    only where the driver's sender is the source rank (a plain sync elsewhere), and the driver's handle refuses a
+    detached sync by name where it is not."""
+    from miles.run.async_loop import detaches
+    from miles.run.worker import Ranks
+    from miles.spmd.errors import MilesError
+    from miles.weight_sync.base import build_weight_sender
+
+    cfg = parse_args(["--hf-checkpoint", "x"], validate=False).weights
+    source, other = (build_weight_sender(cfg, None, is_source=s) for s in (True, False))
+    assert detaches(_worker(source), fully_async=False) is True
+    assert detaches(_worker(other), fully_async=False) is False       # the driver is not the source rank
+    assert detaches(_worker(None), fully_async=False) is False        # the driver syncs nothing
+    assert detaches(_worker(source), fully_async=True) is False
+    assert detaches(_worker(source, ft=object()), fully_async=False) is False
+    with pytest.raises(MilesError, match=r"landed by the driver \(rank 0\), which is not the weight sender's source "
+                                         r"rank \(rank 0, the first trainer rank\).*sync without detach"):
+        Ranks(_worker(other)).sync_weights(detach=True, rollout_id=3)
