@@ -11,6 +11,7 @@ request (pause, load, flush, continue; ``_whole_sync``); SGLang has no such quer
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 from typing import Any
@@ -265,13 +266,18 @@ def _bucket_order(request: web.Request) -> tuple[str, int] | None:
     return sync_id, int(index)
 
 
-def _loopback_only(eng: Engine, request: web.Request, what: str) -> web.Response | None:
-    """403 for an endpoint that unpickles tensor handles (``what``), asked from off this host by an engine without
-    --api-key; None where it may be served."""
-    if eng.args.api_key is None and not (request.remote or "").startswith(_LOOPBACK):
-        return _error(f"{what} unpickles tensor handles and is served only to loopback clients unless the engine runs "
-                      "with --api-key", 403)
-    return None
+def _loopback_only(what: str):
+    """A route that unpickles tensor handles (``what``): 403 when asked from off this host of an engine without
+    --api-key, else the route itself."""
+    def wrap(handler):
+        @functools.wraps(handler)
+        async def guarded(request: web.Request) -> web.Response:
+            if _engine(request).args.api_key is None and not (request.remote or "").startswith(_LOOPBACK):
+                return _error(f"{what} unpickles tensor handles and is served only to loopback clients unless the "
+                              "engine runs with --api-key", 403)
+            return await handler(request)
+        return guarded
+    return wrap
 
 
 async def update_from_distributed(request: web.Request) -> web.Response:
@@ -282,11 +288,9 @@ async def update_from_distributed(request: web.Request) -> web.Response:
                              "update_weights_from_distributed")
 
 
+@_loopback_only("update_weights_from_tensor")
 async def update_from_tensor(request: web.Request) -> web.Response:
     eng = _engine(request)
-    refused = _loopback_only(eng, request, "update_weights_from_tensor")
-    if refused is not None:
-        return refused
     b = await _body(request, P.UpdateWeightsFromTensorReqInput)
     return await _whole_sync(eng, _whole_sync_mode(request), lambda: eng.update_from_tensor(b), "update_weights_from_tensor")
 
@@ -325,11 +329,9 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     return _lora_result(await _engine(request).load_lora_adapter(b))
 
 
+@_loopback_only("load_lora_adapter_from_tensors")
 async def load_lora_adapter_from_tensors(request: web.Request) -> web.Response:
     eng = _engine(request)
-    refused = _loopback_only(eng, request, "load_lora_adapter_from_tensors")
-    if refused is not None:
-        return refused
     b = await _body(request, P.LoadLoRAAdapterFromTensorsReqInput)
     return _lora_result(await eng.load_lora_adapter_from_tensors(b))
 
