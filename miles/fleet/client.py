@@ -19,9 +19,9 @@ Everything that talks to an engine (SGLang or the embedded engine, same protocol
 
 Every call is bounded by a timeout; failures raise ``EngineError(url, endpoint, status, message)``.
 
-Modules: ``http`` (the session, ``EngineError``), ``control`` (``EngineControl``, ``SyncEngineControl``, ``run_sync``,
-the weight-sync query parameters); this module: ``EngineClient``, and the fleet's client names re-exported for
-their importers (the weight-sync plane may import ``miles.fleet.client`` only).
+Modules: ``http_base`` (the session, ``EngineError``), ``control`` (``EngineControl``, ``SyncEngineControl``,
+``run_sync``, the weight-sync query parameters); this module: ``EngineClient``, and the fleet's client names
+re-exported for their importers (the weight-sync plane may import ``miles.fleet.client`` only).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from miles.fleet.control import (
     run_sync,
     whole_sync_params,
 )
-from miles.fleet.http import EngineError, _Http
+from miles.fleet.http_base import EngineError, _Http
 from miles.utils.logging import get_logger
 
 __all__ = ["BUCKET_PARAM", "ROUTING_KEY_HEADER", "SYNC_ID_PARAM", "WHOLE_SYNC_PARAM", "EngineClient", "EngineControl",

@@ -10,7 +10,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from miles.fleet.http import EngineError, _check_success, _Http
+from miles.fleet.http_base import EngineError, _check_success, _Http
 
 T = TypeVar("T")
 

@@ -39,7 +39,7 @@ from miles.config.rollout import RolloutConfig
 from miles.config.router import SECRETS, load_spec, router_cli, router_policies
 from miles.fleet.control import EngineControl
 from miles.fleet.engines import engine_url
-from miles.fleet.http import EngineError, _Http
+from miles.fleet.http_base import EngineError, _Http
 from miles.utils.logging import get_logger
 from miles.utils.net import find_free_port
 
