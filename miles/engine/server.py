@@ -11,6 +11,7 @@ request (pause, load, flush, continue; ``_whole_sync``); SGLang has no such quer
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 from typing import Any
@@ -28,8 +29,8 @@ from miles.utils.logging import get_logger
 logger = get_logger("miles.engine.server")
 
 _LOOPBACK = ("127.", "::1", "::ffff:127.")
-WHOLE_SYNC_PARAM = "miles_whole_sync"  # the same name as miles.fleet.client.WHOLE_SYNC_PARAM
-SYNC_ID_PARAM, BUCKET_PARAM = "miles_sync", "miles_bucket"  # as miles.fleet.client.bucket_order_params
+WHOLE_SYNC_PARAM = "miles_whole_sync"  # the same name as miles.fleet.control.WHOLE_SYNC_PARAM
+SYNC_ID_PARAM, BUCKET_PARAM = "miles_sync", "miles_bucket"  # as miles.fleet.control.bucket_order_params
 SHUTDOWN_GRACE_S = 1.0  # in-flight handlers get this long on shutdown; the process exits soon after regardless
 _ENGINE = web.AppKey("engine", Engine)
 
@@ -265,6 +266,20 @@ def _bucket_order(request: web.Request) -> tuple[str, int] | None:
     return sync_id, int(index)
 
 
+def _loopback_only(what: str):
+    """A route that unpickles tensor handles (``what``): 403 when asked from off this host of an engine without
+    --api-key, else the route itself."""
+    def wrap(handler):
+        @functools.wraps(handler)
+        async def guarded(request: web.Request) -> web.Response:
+            if _engine(request).args.api_key is None and not (request.remote or "").startswith(_LOOPBACK):
+                return _error(f"{what} unpickles tensor handles and is served only to loopback clients unless the "
+                              "engine runs with --api-key", 403)
+            return await handler(request)
+        return guarded
+    return wrap
+
+
 async def update_from_distributed(request: web.Request) -> web.Response:
     b = await _body(request, P.UpdateWeightsFromDistributedReqInput)
     eng = _engine(request)
@@ -273,11 +288,9 @@ async def update_from_distributed(request: web.Request) -> web.Response:
                              "update_weights_from_distributed")
 
 
+@_loopback_only("update_weights_from_tensor")
 async def update_from_tensor(request: web.Request) -> web.Response:
     eng = _engine(request)
-    if eng.args.api_key is None and not (request.remote or "").startswith(_LOOPBACK):
-        return _error("update_weights_from_tensor unpickles tensor handles and is served only to loopback clients "
-                      "unless the engine runs with --api-key", 403)
     b = await _body(request, P.UpdateWeightsFromTensorReqInput)
     return await _whole_sync(eng, _whole_sync_mode(request), lambda: eng.update_from_tensor(b), "update_weights_from_tensor")
 
@@ -316,11 +329,9 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     return _lora_result(await _engine(request).load_lora_adapter(b))
 
 
+@_loopback_only("load_lora_adapter_from_tensors")
 async def load_lora_adapter_from_tensors(request: web.Request) -> web.Response:
     eng = _engine(request)
-    if eng.args.api_key is None and not (request.remote or "").startswith(_LOOPBACK):
-        return _error("load_lora_adapter_from_tensors unpickles tensor handles and is served only to loopback "
-                      "clients unless the engine runs with --api-key", 403)
     b = await _body(request, P.LoadLoRAAdapterFromTensorsReqInput)
     return _lora_result(await eng.load_lora_adapter_from_tensors(b))
 

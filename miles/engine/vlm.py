@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from miles.engine.model_runner import _GenericLM
+from miles.engine.generic_lm import _GenericLM
 from miles.engine.protocol import BadRequest
 
 VLM_MODEL_TYPES = {"qwen3_vl", "qwen3_vl_moe"}   # Qwen3-VL's M-RoPE (get_rope_index) and deepstack forward

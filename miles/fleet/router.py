@@ -37,8 +37,9 @@ from typing import Any
 from miles.config.base import ConfigError
 from miles.config.rollout import RolloutConfig
 from miles.config.router import SECRETS, load_spec, router_cli, router_policies
-from miles.fleet.client import EngineControl, EngineError, _Http
+from miles.fleet.control import EngineControl
 from miles.fleet.engines import engine_url
+from miles.fleet.http_base import EngineError, _Http
 from miles.utils.logging import get_logger
 from miles.utils.net import find_free_port
 

@@ -69,6 +69,7 @@ from torch import nn
 
 from miles.config.base import ConfigError
 from miles.trainer.lora import LoraPair, LoraSpec, _expert_pair, _init_a
+from miles.trainer.lora_peft import expert_peft_tensors
 
 # Megatron target -> (HF parent attribute of the decoder layer, its HF linears, the Megatron module name's middle)
 GROUPS = {"linear_qkv": ("self_attn", ("q_proj", "k_proj", "v_proj"), "self_attention"),
@@ -397,12 +398,7 @@ def peft_tensors(lora: HFLoraAdapters) -> list[tuple[str, torch.Tensor]]:
         out += [(module + ".lora_A.weight", group.lora_A.detach().float().cpu().clone()),
                 (module + ".lora_B.weight", group.lora_B[member].detach().float().cpu().clone())]
     for fused, experts in lora.fused.items():        # per-expert linears (fc1: gate rows, up rows), as Megatron's
-        prefix = "base_model.model." + fused.rsplit(".", 1)[0]
         for e, pair in enumerate(experts.pairs):
-            a, b = pair.lora_A.detach().float().cpu(), pair.lora_B.detach().float().cpu()
-            rows = ({"gate_proj": b[:b.shape[0] // 2], "up_proj": b[b.shape[0] // 2:]}
-                    if fused.endswith("gate_up_proj") else {"down_proj": b})
-            for m, bm in rows.items():
-                out += [(f"{prefix}.{e}.{m}.lora_A.weight", a.clone()), (f"{prefix}.{e}.{m}.lora_B.weight",
-                                                                          bm.contiguous().clone())]
+            out += expert_peft_tensors(fused, e, pair.lora_A.detach().float().cpu(), pair.lora_B.detach().float().cpu(),
+                                       gate_up=fused.endswith("gate_up_proj"))
     return out

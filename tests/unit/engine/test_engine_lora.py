@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+import requests
 import torch
 
 from miles.engine import protocol as P
@@ -202,11 +203,14 @@ def test_bad_adapters_and_requests_are_one_line(engine_model, adapters, tmp_path
 
 def test_lora_routes_over_http(engine_model, adapters, tmp_path):
     """SGLang's routes and bodies on the server: --lora-paths at the start, /load_lora_adapter, /unload_lora_adapter
-    (LoRAUpdateOutput: 200, or 400 with its error_message) and lora_path on /generate."""
+    (LoRAUpdateOutput: 200, or 400 with its error_message) and lora_path on /generate; the routes that unpickle tensor
+    handles answer a client off this host of an engine without --api-key 403, a loopback one as the route does."""
     from miles.engine.testing import EngineProc
+    from miles.utils.net import host_address
 
+    host = host_address()     # listened on too (no --api-key): the tensor-handle routes refuse its clients
     eng = EngineProc(engine_model, "--max-running-requests", "4", "--max-context-len", "64", "--enable-lora",
-                     "--lora-paths", f"first={adapters['dir1']}", log=tmp_path / "engine.log")
+                     "--lora-paths", f"first={adapters['dir1']}", "--host", "0.0.0.0", log=tmp_path / "engine.log")
     try:
         with_a = eng.generate(_body(PROMPTS[0], "first"))
         r = eng.post("/load_lora_adapter", {"lora_name": "second", "lora_path": str(adapters["dir1"])})
@@ -222,6 +226,13 @@ def test_lora_routes_over_http(engine_model, adapters, tmp_path):
         assert r.status_code == 400 and "'first' is not a loaded LoRA adapter" in r.text, r.text
         r = eng.post("/load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp_path), "bogus": 1})
         assert r.status_code == 400 and "bogus" in r.text, r.text
+        for route in ("/load_lora_adapter_from_tensors", "/update_weights_from_tensor"):
+            r = eng.post(route, {})                       # loopback: served (a body without its fields: 400)
+            assert r.status_code == 400 and "unpickles" not in r.text, (route, r.text)
+            if not host.startswith("127."):   # a client off this host, an engine without --api-key: 403 naming the route
+                r = requests.post(f"http://{host}:{eng.port}{route}", json={}, timeout=30)
+                assert r.status_code == 403 and f"{route[1:]} unpickles tensor handles" in r.text \
+                    and "--api-key" in r.text, (route, r.text)
     finally:
         eng.stop()
 

@@ -123,6 +123,8 @@ def test_peft_names_and_the_merged_export_of_the_experts(tiny_moe_dir) -> None:
     assert torch.equal(peft[f"{pre}.gate_proj.lora_A.weight"], pair.lora_A.detach())
     assert torch.equal(peft[f"{pre}.up_proj.lora_B.weight"], pair.lora_B.detach()[rows:])
     assert f"{pre}.down_proj.lora_B.weight" in peft and len(peft) == 2 * 4 * 3 * 2     # layers x E x linears x A/B
+    live = {p.untyped_storage().data_ptr() for p in ad.parameters()}      # copies, never views of the live adapters
+    assert not live & {t.untyped_storage().data_ptr() for t in peft.values()}
     w = dict(model.named_parameters())["model.layers.1.mlp.experts.gate_up_proj"]
     (bucket,) = lora_hf.merge_buckets(ad, iter([[("model.layers.1.mlp.experts.gate_up_proj", w.detach())]]),
                                       torch.bfloat16)
