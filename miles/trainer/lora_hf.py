@@ -91,8 +91,12 @@ GDN_GROUPS = {"in_proj": [("linear_attn", ("in_proj_qkvz", "in_proj_ba"), "self_
                           ("linear_attn", ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), "self_attention")],
               "out_proj": [("linear_attn", ("out_proj",), "self_attention")]}
 GDN_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+# DeepSeek sparse attention (DeepSeek-V3.2, GLM-5 / 5.1 / 5.2): DeepSeek-V3's MLA projections and MoE under the same
+# transformers names, plus the lightning indexer (``self_attn.indexer``: ``wq_b``, ``wk``, ``weights_proj``), which is
+# no target (frozen on both backends; Miles's GLM-5.x LoRA recipes leave it out) but reads the adapted q latent
+DSA_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
 # the multi-latent-attention model types whose transformers modules carry those names
-MLA_MODEL_TYPES = ("deepseek_v3", "kimi_k2", "joyai_llm_flash", "glm4_moe_lite")
+MLA_MODEL_TYPES = ("deepseek_v3", "kimi_k2", "joyai_llm_flash", "glm4_moe_lite", *DSA_MODEL_TYPES)
 # a MoE layer's shared experts (GLM-4.5's / DeepSeek-V3's ``mlp.shared_experts``, Qwen3-Next's / Qwen3.5's
 # ``mlp.shared_expert``; Megatron's ``mlp.shared_experts``): the dense MLP's linears one level down
 SHARED_EXPERTS = {t: [(parent, members, "mlp.shared_experts") for parent in ("mlp.shared_experts", "mlp.shared_expert")]
