@@ -115,7 +115,7 @@ def test_dsa_peft_export_names_transformers_modules(dsa_dir) -> None:
     peft = dict(lora_hf.peft_tensors(ad))
     modules = {n for n, _ in model.named_modules()}
     cfg = json.loads((path / "config.json").read_text())
-    for name, t in peft.items():
+    for name in peft:
         module = name.removeprefix("base_model.model.").rsplit(".", 2)[0]
         assert name.endswith((".lora_A.weight", ".lora_B.weight")) and ".indexer." not in name, name
         if ".mlp.experts." in module:                     # the checkpoint's per-expert linear
