@@ -106,7 +106,8 @@ FUSED = {"linear_fc1": "gate_up_proj", "linear_fc2": "down_proj"}
 # the model types whose routed experts the FSDP LoRA adapts: transformers' fused experts, each expert
 # ``down(gate_fn(gate, up))``, either concatenated ([gate; up] rows), untransposed ([E, out, in]) and bias-free, or
 # gpt-oss's interleaved, transposed ([E, in, out]) and biased layout
-EXPERT_MODEL_TYPES = ("qwen3_moe", "glm4_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe_text", *MLA_MODEL_TYPES)
+EXPERT_MODEL_TYPES = ("qwen3_moe", "glm4_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe_text", *MLA_MODEL_TYPES,
+                      "deepseek_v4")
 
 
 class HFLoraGroup(nn.Module):
@@ -200,10 +201,21 @@ def check_model(spec: LoraSpec, hf_config: dict | None) -> None:
     if "text_config" in c or "vision_config" in c:
         raise ConfigError("--lora-rank with a vision-language --hf-checkpoint is not supported by the FSDP backend; "
                           "drop --lora-rank.")
+    check_dsv4(spec, model_type)
     if text.get("kv_lora_rank") and model_type not in MLA_MODEL_TYPES:
         raise ConfigError(f"--lora-rank on the multi-latent-attention model {model_type} is not supported by the FSDP "
                           f"backend (its LoRA adapts the MLA of {', '.join(MLA_MODEL_TYPES)}); add --train-backend "
                           "megatron.")
+
+
+def check_dsv4(spec: LoraSpec, model_type: str | None) -> None:
+    """DeepSeek-V4: LoRA adapts its MoE layers' routed and shared experts (``gate_proj`` / ``up_proj`` /
+    ``down_proj``) on both backends; its attention (``q_a_proj``, ``q_b_proj``, ``kv_proj``, the grouped
+    ``o_a_proj``, ``o_b_proj``) is no target on either, so targets without an MLP are refused in one line."""
+    if model_type == "deepseek_v4" and not {"linear_fc1", "linear_fc2"} & set(spec.targets):
+        raise ConfigError(f"--target-modules {','.join(spec.targets)} selects nothing on DeepSeek-V4: its attention "
+                          "(q_a_proj, q_b_proj, kv_proj, o_a_proj, o_b_proj) is no LoRA target on either backend; "
+                          "target gate_proj,up_proj,down_proj (the routed and shared experts) or all-linear.")
 
 
 def attach_hf(hf: nn.Module, layers, spec: LoraSpec, *, seed: int) -> HFLoraAdapters:
