@@ -97,6 +97,9 @@ GDN_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 DSA_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
 # the multi-latent-attention model types whose transformers modules carry those names
 MLA_MODEL_TYPES = ("deepseek_v3", "kimi_k2", "joyai_llm_flash", "glm4_moe_lite", *DSA_MODEL_TYPES)
+# vision-language checkpoints whose text model the FSDP LoRA adapts (the vision tower frozen, no target): Qwen3.5 /
+# 3.6-MoE (``qwen3_5_moe``: its text model ``qwen3_5_moe_text`` under ``model.language_model.``)
+VLM_MODEL_TYPES = ("qwen3_5_moe",)
 # a MoE layer's shared experts (GLM-4.5's / DeepSeek-V3's ``mlp.shared_experts``, Qwen3-Next's / Qwen3.5's
 # ``mlp.shared_expert``; Megatron's ``mlp.shared_experts``): the dense MLP's linears one level down
 SHARED_EXPERTS = {t: [(parent, members, "mlp.shared_experts") for parent in ("mlp.shared_experts", "mlp.shared_expert")]
@@ -198,9 +201,10 @@ def check_model(spec: LoraSpec, hf_config: dict | None) -> None:
                 else f"--target-modules selects no expert linear ({','.join(spec.targets)})")
         raise ConfigError(f"--experts-shared-outer-loras shares the experts' outer LoRA factors, but {what}; drop "
                           "the flag, or target gate_proj,up_proj,down_proj on a MoE model.")
-    if "text_config" in c or "vision_config" in c:
-        raise ConfigError("--lora-rank with a vision-language --hf-checkpoint is not supported by the FSDP backend; "
-                          "drop --lora-rank.")
+    if ("text_config" in c or "vision_config" in c) and c.get("model_type") not in VLM_MODEL_TYPES:
+        raise ConfigError(f"--lora-rank with the vision-language --hf-checkpoint {c.get('model_type')} is not "
+                          f"supported by the FSDP backend (its LoRA adapts the text model of {', '.join(VLM_MODEL_TYPES)}"
+                          "); drop --lora-rank.")
     check_dsv4(spec, model_type)
     if text.get("kv_lora_rank") and model_type not in MLA_MODEL_TYPES:
         raise ConfigError(f"--lora-rank on the multi-latent-attention model {model_type} is not supported by the FSDP "
@@ -237,6 +241,27 @@ def attach_hf(hf: nn.Module, layers, spec: LoraSpec, *, seed: int) -> HFLoraAdap
         _attach_experts(lora, layer, i, seed)
     if not lora.groups and not lora.pairs:
         raise ConfigError(f"--target-modules: no linear of the model matches {list(spec.targets)}.")
+    return lora
+
+
+def decoder_layers(lm: nn.Module) -> tuple[nn.ModuleList, str]:
+    """The decoder layers of a causal LM (``model.layers``) or of a vision-language model's text model
+    (``model.language_model.layers``) and their parameters' name prefix."""
+    inner = lm.model
+    if getattr(inner, "language_model", None) is not None and not hasattr(inner, "layers"):
+        return inner.language_model.layers, "model.language_model.layers."
+    return inner.layers, "model.layers."
+
+
+def attach_hf_model(lm: nn.Module, spec: LoraSpec, *, seed: int) -> HFLoraAdapters:
+    """``attach_hf`` on ``lm``'s decoder layers (``decoder_layers``), the adapted weights' HF names under their
+    prefix (a vision-language model's ``model.language_model.layers.L...``: what the export and ``peft_tensors``
+    name); the adapters' Megatron names as the text model's (``decoder.layers.L...``), as the Megatron backend's."""
+    layers, prefix = decoder_layers(lm)
+    lora = attach_hf(lm, layers, spec, seed=seed)
+    if prefix != "model.layers.":
+        lora.hf = {prefix + k.removeprefix("model.layers."): v for k, v in lora.hf.items()}
+        lora.fused = {prefix + k.removeprefix("model.layers."): v for k, v in lora.fused.items()}
     return lora
 
 
