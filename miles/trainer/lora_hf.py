@@ -3,7 +3,7 @@
 
     spec = LoraSpec.from_config(cfg.train)
     check_fsdp(cfg, hf_config)                      # preflight: what the FSDP LoRA cannot train, one line each
-    lora = attach_hf(hf_model, spec, seed=seed)     # base frozen, hooks on q/k/v/o (MLA's), gate/up/down
+    lora = attach_hf_model(hf_model, spec, seed=seed)   # base frozen, hooks on q/k/v/o (MLA's), gate/up/down
     optimizer = build_adamw(lora, ...)              # the adapters are the only trained parameters
     finish_grads(lora, group); clip_grad_norm(lora, max_norm)
     merge_buckets(lora, buckets, dtype)             # the weight export: W + (alpha / r) * B @ A under HF names
@@ -26,6 +26,15 @@ as on the Megatron backend. The up projections' inputs are the latent norms' out
 ``q_layernorm`` / ``kv_layernorm``, HF's ``q_a_layernorm`` / ``kv_a_layernorm``). q/k/v's fused ``linear_qkv``
 selects nothing there (no ``k_proj``), as on Megatron. The DeepSeek-style MoE's experts, shared experts and dense
 first layers are adapted as below.
+
+DeepSeek sparse attention (``DSA_MODEL_TYPES``: DeepSeek-V3.2, GLM-5 / 5.1 / 5.2, part of ``MLA_MODEL_TYPES``): the same
+MLA projections and experts; the lightning indexer (``self_attn.indexer``) is no target (frozen on both backends, left
+out by Miles's GLM-5.x recipes) and its top-k reads the adapted q latent (``q_a_layernorm(q_a_proj(x))``), as megatron-
+core's ``DSAIndexer`` reads the adapted ``linear_q_down_proj`` output. DeepSeek-V4 (``deepseek_v4``): its routed experts
+(V4's clamped ``_apply_gate``) and shared experts, as the Megatron backend adapts them; its attention is no target on
+either backend (``check_dsv4``). A vision-language checkpoint (``VLM_MODEL_TYPES``: the published Qwen3.5-MoE):
+``attach_hf_model`` adapts its text model's layers (``model.language_model.layers.L``, the names the export and PEFT
+use), the vision tower frozen.
 
 The gated DeltaNet (``GDN_MODEL_TYPES``: Qwen3-Next, text-only Qwen3.5 / Qwen3.5-MoE): megatron-core's ``in_proj``
 is a group like ``linear_qkv`` (``GDN_GROUPS``): one ``A`` drawn from ``decoder.layers.L.self_attention.in_proj``, one
@@ -50,8 +59,9 @@ it per expert. The shared experts (GLM-4.5's and DeepSeek-V3's ``mlp.shared_expe
 Weights out: merged, as on Megatron: the export gathers the base weights in fp32 and adds ``(alpha / r) B @ A``
 before the cast to the sync dtype, so the engines need no LoRA. Not here (refused in one line by ``check_fsdp``):
 LoRA on the experts of the model types not in ``EXPERT_MODEL_TYPES``, multi-latent attention of the model types not
-in ``MLA_MODEL_TYPES`` (DeepSeek-V3.2 / GLM-5's sparse attention, DeepSeek-V4), ``in_proj`` / ``out_proj`` on a model
-type not in ``GDN_MODEL_TYPES`` and vision-language models.
+in ``MLA_MODEL_TYPES``, ``in_proj`` / ``out_proj`` on a model type not in ``GDN_MODEL_TYPES``, DeepSeek-V4 targets
+without an MLP and vision-language models not in ``VLM_MODEL_TYPES`` (Kimi-K2.5: the FSDP backend does not load it
+without torchvision, its image processor's only backend).
 
 Checkpoints (``--save`` / ``--load``): the adapters and their AdamW state as the Megatron backend writes them
 (``lora.save_files``: ``<step>/lora/rank_NNNNN.pt``, the LoRA's shape recorded and checked on load), instead of the
