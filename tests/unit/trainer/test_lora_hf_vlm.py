@@ -92,3 +92,23 @@ def test_vlm_refusals() -> None:
                                           r"supported by the FSDP backend .*qwen3_5_moe\); drop --lora-rank\.$"):
         lora_hf.check_model(_spec("q_a_proj"), {"model_type": "kimi_k25", "vision_config": {},
                                                 "text_config": {"model_type": "deepseek_v3", "kv_lora_rank": 16}})
+
+
+def test_kimi_k25_on_fsdp_is_one_line(tmp_path) -> None:
+    """The FSDP backend does not load Kimi-K2.5 here: its image processor (transformers' Kimi_K25ImageProcessor, which
+    the tiny checkpoint's preprocessor_config.json names, as the published one does) has a torchvision backend only;
+    loading it gives one line naming the checkpoint, the cause and the fix, not a traceback."""
+    import importlib.util
+
+    from miles.trainer import vlm
+    from miles.utils.tiny_kimi_k25 import build_tiny_kimi_k25
+
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed: Kimi-K2.5's image processor loads")
+    path = build_tiny_kimi_k25(tmp_path / "k25")
+    assert (path / "preprocessor_config.json").exists()
+    with pytest.raises(ConfigError, match=r"^--hf-checkpoint .*k25: the FSDP backend could not load this "
+                                          r"vision-language checkpoint's image processor \(.*torchvision.*\); .* add "
+                                          r"--train-backend megatron\.$") as e:
+        vlm.ImageProcessor(str(path), 0)
+    assert "\n" not in str(e.value)
