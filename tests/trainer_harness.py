@@ -218,6 +218,9 @@ def policy_logprobs(tr: Any, samples: list) -> list:
     data = [tr._sample_data(s, i) for i, s in enumerate(samples)]
     if tr.routing_replay is not None:
         tr.routing_replay.begin(samples)
+    if getattr(tr, "_images", None) is not None:      # a vision-language model: these samples' images (as train's)
+        tr._mm = [tr._images.sample_inputs(s, f"sample {i}") for i, s in enumerate(samples)]
     tr.model.eval()
     out = tr._forward_pass(tr.model, lambda mb: tr._policy_forward(tr.model, mb)[0], data)
+    tr._mm = None
     return [x.tolist() for x in out]

@@ -105,7 +105,7 @@ class FSDPTrainer(RLTrainer):
         if spec is None:
             return None
         lora_hf.check_model(spec, self.model.lm.config.to_dict())
-        adapters = lora_hf.attach_hf(self.model.lm, self.model.lm.model.layers, spec, seed=train.seed)
+        adapters = lora_hf.attach_hf_model(self.model.lm, spec, seed=train.seed)    # a VLM: its text model's layers
         logger.info("LoRA rank %d alpha %s on %s: %s trainable params (base frozen)", spec.rank, spec.alpha,
                     ",".join(spec.targets), f"{sum(p.numel() for p in adapters.parameters()):,}")
         return adapters

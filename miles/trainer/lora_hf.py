@@ -3,7 +3,7 @@
 
     spec = LoraSpec.from_config(cfg.train)
     check_fsdp(cfg, hf_config)                      # preflight: what the FSDP LoRA cannot train, one line each
-    lora = attach_hf(hf_model, spec, seed=seed)     # base frozen, hooks on q/k/v/o (MLA's), gate/up/down
+    lora = attach_hf_model(hf_model, spec, seed=seed)   # base frozen, hooks on q/k/v/o (MLA's), gate/up/down
     optimizer = build_adamw(lora, ...)              # the adapters are the only trained parameters
     finish_grads(lora, group); clip_grad_norm(lora, max_norm)
     merge_buckets(lora, buckets, dtype)             # the weight export: W + (alpha / r) * B @ A under HF names
@@ -26,6 +26,15 @@ as on the Megatron backend. The up projections' inputs are the latent norms' out
 ``q_layernorm`` / ``kv_layernorm``, HF's ``q_a_layernorm`` / ``kv_a_layernorm``). q/k/v's fused ``linear_qkv``
 selects nothing there (no ``k_proj``), as on Megatron. The DeepSeek-style MoE's experts, shared experts and dense
 first layers are adapted as below.
+
+DeepSeek sparse attention (``DSA_MODEL_TYPES``: DeepSeek-V3.2, GLM-5 / 5.1 / 5.2, part of ``MLA_MODEL_TYPES``): the same
+MLA projections and experts; the lightning indexer (``self_attn.indexer``) is no target (frozen on both backends, left
+out by Miles's GLM-5.x recipes) and its top-k reads the adapted q latent (``q_a_layernorm(q_a_proj(x))``), as megatron-
+core's ``DSAIndexer`` reads the adapted ``linear_q_down_proj`` output. DeepSeek-V4 (``deepseek_v4``): its routed experts
+(V4's clamped ``_apply_gate``) and shared experts, as the Megatron backend adapts them; its attention is no target on
+either backend (``check_dsv4``). A vision-language checkpoint (``VLM_MODEL_TYPES``: the published Qwen3.5-MoE):
+``attach_hf_model`` adapts its text model's layers (``model.language_model.layers.L``, the names the export and PEFT
+use), the vision tower frozen.
 
 The gated DeltaNet (``GDN_MODEL_TYPES``: Qwen3-Next, text-only Qwen3.5 / Qwen3.5-MoE): megatron-core's ``in_proj``
 is a group like ``linear_qkv`` (``GDN_GROUPS``): one ``A`` drawn from ``decoder.layers.L.self_attention.in_proj``, one
@@ -50,8 +59,9 @@ it per expert. The shared experts (GLM-4.5's and DeepSeek-V3's ``mlp.shared_expe
 Weights out: merged, as on Megatron: the export gathers the base weights in fp32 and adds ``(alpha / r) B @ A``
 before the cast to the sync dtype, so the engines need no LoRA. Not here (refused in one line by ``check_fsdp``):
 LoRA on the experts of the model types not in ``EXPERT_MODEL_TYPES``, multi-latent attention of the model types not
-in ``MLA_MODEL_TYPES`` (DeepSeek-V3.2 / GLM-5's sparse attention, DeepSeek-V4), ``in_proj`` / ``out_proj`` on a model
-type not in ``GDN_MODEL_TYPES`` and vision-language models.
+in ``MLA_MODEL_TYPES``, ``in_proj`` / ``out_proj`` on a model type not in ``GDN_MODEL_TYPES``, DeepSeek-V4 targets
+without an MLP and vision-language models not in ``VLM_MODEL_TYPES`` (Kimi-K2.5: the FSDP backend does not load it
+without torchvision, its image processor's only backend).
 
 Checkpoints (``--save`` / ``--load``): the adapters and their AdamW state as the Megatron backend writes them
 (``lora.save_files``: ``<step>/lora/rank_NNNNN.pt``, the LoRA's shape recorded and checked on load), instead of the
@@ -92,8 +102,15 @@ GDN_GROUPS = {"in_proj": [("linear_attn", ("in_proj_qkvz", "in_proj_ba"), "self_
                           ("linear_attn", ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), "self_attention")],
               "out_proj": [("linear_attn", ("out_proj",), "self_attention")]}
 GDN_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+# DeepSeek sparse attention (DeepSeek-V3.2, GLM-5 / 5.1 / 5.2): DeepSeek-V3's MLA projections and MoE under the same
+# transformers names, plus the lightning indexer (``self_attn.indexer``: ``wq_b``, ``wk``, ``weights_proj``), which is
+# no target (frozen on both backends; Miles's GLM-5.x LoRA recipes leave it out) but reads the adapted q latent
+DSA_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
 # the multi-latent-attention model types whose transformers modules carry those names
-MLA_MODEL_TYPES = ("deepseek_v3", "kimi_k2", "joyai_llm_flash", "glm4_moe_lite")
+MLA_MODEL_TYPES = ("deepseek_v3", "kimi_k2", "joyai_llm_flash", "glm4_moe_lite", *DSA_MODEL_TYPES)
+# vision-language checkpoints whose text model the FSDP LoRA adapts (the vision tower frozen, no target): Qwen3.5 /
+# 3.6-MoE (``qwen3_5_moe``: its text model ``qwen3_5_moe_text`` under ``model.language_model.``)
+VLM_MODEL_TYPES = ("qwen3_5_moe",)
 # a MoE layer's shared experts (GLM-4.5's / DeepSeek-V3's ``mlp.shared_experts``, Qwen3-Next's / Qwen3.5's
 # ``mlp.shared_expert``; Megatron's ``mlp.shared_experts``): the dense MLP's linears one level down
 SHARED_EXPERTS = {t: [(parent, members, "mlp.shared_experts") for parent in ("mlp.shared_experts", "mlp.shared_expert")]
@@ -103,7 +120,8 @@ FUSED = {"linear_fc1": "gate_up_proj", "linear_fc2": "down_proj"}
 # the model types whose routed experts the FSDP LoRA adapts: transformers' fused experts, each expert
 # ``down(gate_fn(gate, up))``, either concatenated ([gate; up] rows), untransposed ([E, out, in]) and bias-free, or
 # gpt-oss's interleaved, transposed ([E, in, out]) and biased layout
-EXPERT_MODEL_TYPES = ("qwen3_moe", "glm4_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe_text", *MLA_MODEL_TYPES)
+EXPERT_MODEL_TYPES = ("qwen3_moe", "glm4_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe_text", *MLA_MODEL_TYPES,
+                      "deepseek_v4")
 
 
 class HFLoraGroup(nn.Module):
@@ -194,13 +212,25 @@ def check_model(spec: LoraSpec, hf_config: dict | None) -> None:
                 else f"--target-modules selects no expert linear ({','.join(spec.targets)})")
         raise ConfigError(f"--experts-shared-outer-loras shares the experts' outer LoRA factors, but {what}; drop "
                           "the flag, or target gate_proj,up_proj,down_proj on a MoE model.")
-    if "text_config" in c or "vision_config" in c:
-        raise ConfigError("--lora-rank with a vision-language --hf-checkpoint is not supported by the FSDP backend; "
-                          "drop --lora-rank.")
+    if ("text_config" in c or "vision_config" in c) and c.get("model_type") not in VLM_MODEL_TYPES:
+        raise ConfigError(f"--lora-rank with the vision-language --hf-checkpoint {c.get('model_type')} is not "
+                          f"supported by the FSDP backend (its LoRA adapts the text model of {', '.join(VLM_MODEL_TYPES)}"
+                          "); drop --lora-rank.")
+    check_dsv4(spec, model_type)
     if text.get("kv_lora_rank") and model_type not in MLA_MODEL_TYPES:
         raise ConfigError(f"--lora-rank on the multi-latent-attention model {model_type} is not supported by the FSDP "
                           f"backend (its LoRA adapts the MLA of {', '.join(MLA_MODEL_TYPES)}); add --train-backend "
                           "megatron.")
+
+
+def check_dsv4(spec: LoraSpec, model_type: str | None) -> None:
+    """DeepSeek-V4: LoRA adapts its MoE layers' routed and shared experts (``gate_proj`` / ``up_proj`` /
+    ``down_proj``) on both backends; its attention (``q_a_proj``, ``q_b_proj``, ``kv_proj``, the grouped
+    ``o_a_proj``, ``o_b_proj``) is no target on either, so targets without an MLP are refused in one line."""
+    if model_type == "deepseek_v4" and not {"linear_fc1", "linear_fc2"} & set(spec.targets):
+        raise ConfigError(f"--target-modules {','.join(spec.targets)} selects nothing on DeepSeek-V4: its attention "
+                          "(q_a_proj, q_b_proj, kv_proj, o_a_proj, o_b_proj) is no LoRA target on either backend; "
+                          "target gate_proj,up_proj,down_proj (the routed and shared experts) or all-linear.")
 
 
 def attach_hf(hf: nn.Module, layers, spec: LoraSpec, *, seed: int) -> HFLoraAdapters:
@@ -222,6 +252,27 @@ def attach_hf(hf: nn.Module, layers, spec: LoraSpec, *, seed: int) -> HFLoraAdap
         _attach_experts(lora, layer, i, seed)
     if not lora.groups and not lora.pairs:
         raise ConfigError(f"--target-modules: no linear of the model matches {list(spec.targets)}.")
+    return lora
+
+
+def decoder_layers(lm: nn.Module) -> tuple[nn.ModuleList, str]:
+    """The decoder layers of a causal LM (``model.layers``) or of a vision-language model's text model
+    (``model.language_model.layers``) and their parameters' name prefix."""
+    inner = lm.model
+    if getattr(inner, "language_model", None) is not None and not hasattr(inner, "layers"):
+        return inner.language_model.layers, "model.language_model.layers."
+    return inner.layers, "model.layers."
+
+
+def attach_hf_model(lm: nn.Module, spec: LoraSpec, *, seed: int) -> HFLoraAdapters:
+    """``attach_hf`` on ``lm``'s decoder layers (``decoder_layers``), the adapted weights' HF names under their
+    prefix (a vision-language model's ``model.language_model.layers.L...``: what the export and ``peft_tensors``
+    name); the adapters' Megatron names as the text model's (``decoder.layers.L...``), as the Megatron backend's."""
+    layers, prefix = decoder_layers(lm)
+    lora = attach_hf(lm, layers, spec, seed=seed)
+    if prefix != "model.layers.":
+        lora.hf = {prefix + k.removeprefix("model.layers."): v for k, v in lora.hf.items()}
+        lora.fused = {prefix + k.removeprefix("model.layers."): v for k, v in lora.fused.items()}
     return lora
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from miles.config.base import ConfigError
 from miles.types import Sample
 from miles.utils.images import load_image
 
@@ -46,7 +47,14 @@ class ImageProcessor:
     def __init__(self, hf_checkpoint: str, image_token_id: int) -> None:
         from transformers import AutoImageProcessor
 
-        self.processor = AutoImageProcessor.from_pretrained(hf_checkpoint)
+        try:
+            self.processor = AutoImageProcessor.from_pretrained(hf_checkpoint)
+        except (OSError, ValueError, ImportError) as e:      # no preprocessor_config.json, a backend not installed
+            why = (str(e).splitlines() or [type(e).__name__])[0]
+            raise ConfigError(f"--hf-checkpoint {hf_checkpoint}: the FSDP backend could not load this "
+                              f"vision-language checkpoint's image processor ({why}); give the checkpoint its "
+                              "preprocessor_config.json and install what its image processor needs, or add "
+                              "--train-backend megatron.") from None
         self.merge = int(getattr(self.processor, "merge_size", 1) or 1)
         self.image_token_id = int(image_token_id)
 

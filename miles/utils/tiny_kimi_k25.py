@@ -96,4 +96,18 @@ def build_tiny_kimi_k25(out_dir: str | Path, *, seed: int = 0, dtype: str = "flo
     path = out / "model.safetensors"
     tensors = {published_name(k): v for k, v in load_file(str(path)).items()}
     save_file(tensors, str(path), metadata={"format": "pt"})
+    write_image_processor(out)
     return out
+
+
+def write_image_processor(out: Path) -> None:
+    """``preprocessor_config.json`` of the tiny MoonViT (its patch size, a 2 x 2 merge), as the published checkpoint ships
+    one: transformers' ``Kimi_K25ImageProcessor``, written as JSON (the class itself imports torchvision, its only
+    backend, which is not installed here: loading it needs torchvision)."""
+    import json
+
+    config = {"image_processor_type": "Kimi_K25ImageProcessor", "patch_size": VISION_CONFIG["patch_size"],
+              "merge_size": 2, "size": {"max_height": 64, "max_width": 64}, "do_resize": True, "do_rescale": True,
+              "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+              "do_convert_rgb": True}
+    (out / "preprocessor_config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -128,6 +128,7 @@ def build_tiny_qwen35_model(
                 if src in lm:
                     p.copy_(lm[src])
         model = full.to(getattr(torch, dtype))
+        write_image_processor(out)
     if mtp:
         config.mtp_num_hidden_layers = 1
         if vlm:
@@ -171,3 +172,15 @@ def _add_mtp(out: Path, cls, config, seed: int, dtype) -> None:
     disk = load_file(str(path))
     disk.update({n: t.to(dtype).contiguous() for n, t in tensors.items()})
     save_file(disk, str(path), metadata={"format": "pt"})
+
+
+def write_image_processor(out: Path) -> None:
+    """``preprocessor_config.json`` of the tiny Qwen3.5 vision tower (patch 16, 2 x 2 merge, 2 frames), as the
+    published Qwen3.5 checkpoints ship one: transformers' Qwen2-VL image processor (``AutoImageProcessor``'s class
+    for ``qwen3_5_moe``; the PIL backend, no torchvision needed), what the FSDP backend's ``vlm.ImageProcessor``
+    loads for a vision-language checkpoint."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2,
+                             size={"shortest_edge": 32 * 32, "longest_edge": 64 * 64},
+                             image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(str(out))

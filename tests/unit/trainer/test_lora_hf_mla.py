@@ -111,6 +111,9 @@ def test_kimi_k25_recipe_targets(mla_dir) -> None:
 
 def test_mla_refusals() -> None:
     lora_hf.check_model(_spec("all-linear"), {"model_type": "kimi_k2", "kv_lora_rank": 16, "n_routed_experts": 4})
-    with pytest.raises(ConfigError, match=r"^--lora-rank on the multi-latent-attention model glm_moe_dsa is not "
+    # DeepSeek sparse attention adapts as DeepSeek-V3 (tests/unit/trainer/test_lora_hf_dsa.py); an MLA model type
+    # not in MLA_MODEL_TYPES is refused
+    lora_hf.check_model(_spec("q_a_proj"), {"model_type": "glm_moe_dsa", "kv_lora_rank": 512})
+    with pytest.raises(ConfigError, match=r"^--lora-rank on the multi-latent-attention model deepseek_v2 is not "
                                           r"supported by the FSDP backend .* add --train-backend megatron\.$"):
-        lora_hf.check_model(_spec("q_a_proj"), {"model_type": "glm_moe_dsa", "kv_lora_rank": 512})
+        lora_hf.check_model(_spec("q_a_proj"), {"model_type": "deepseek_v2", "kv_lora_rank": 512})
