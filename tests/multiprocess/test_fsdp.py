@@ -288,8 +288,8 @@ def test_micro_batch_size_1_gives_the_same_update_as_packing(run):
 
     out, results = run
     base = torch.load(out / "params_grpo_kl_A.pt")
-    # measured (2 CPU gloo ranks, 2026-12-07): weights at most 1.6e-6 apart, metrics 2.4e-7 (4.3e-5 relative); bounded at
-    # about twice
+    # measured (2 CPU gloo ranks, 2026-12-07): weights at most 1.6e-6 apart, metrics 2.4e-7 (4.3e-5 relative);
+    # bounded at about twice
     for name in ("grpo_kl_mbs1", "grpo_kl_dynamic"):
         other = torch.load(out / f"params_{name}_A.pt")
         for k in base:

@@ -10,7 +10,8 @@
   only the target linears moved (the router and the norms did not);
 - shared-outer: every expert of a layer holds the same ``linear_fc1`` A and ``linear_fc2`` B, and the adapter has
   fewer parameters than per-expert;
-- EP 2 agrees with EP 1 x DP 2 (step metrics and merged exports within about twice the measured difference); on the MLA model (the Kimi-K2.5 recipe's targets: the down projections ``q_a_proj`` /
+- EP 2 agrees with EP 1 x DP 2 (step metrics and merged exports within about twice the measured difference);
+  on the MLA model (the Kimi-K2.5 recipe's targets: the down projections ``q_a_proj`` /
   ``kv_a_proj_with_mqa``, replicated over TP, with GLM-5's up projections ``q_b_proj`` / ``kv_b_proj``) so does
   TP 2 with sequence parallelism and EP 2 (each rank its own samples, as the driver hands them).
 

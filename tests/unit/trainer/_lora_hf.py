@@ -1,6 +1,6 @@
-"""Helpers of the FSDP backend's LoRA tests on real transformers models (``test_lora_hf_moe.py``, ``test_lora_hf_mla.py``,
-``test_lora_hf_gdn.py``): the spec, the fp32 model, and the merged-weights reference (the adapter forward against a
-plain model whose weights are ``W + (alpha / r) B @ A``, what the weight export adds)."""
+"""Helpers of the FSDP backend's LoRA tests on real transformers models (``test_lora_hf_moe.py``,
+``test_lora_hf_mla.py``, ``test_lora_hf_gdn.py``): the spec, the fp32 model, and the merged-weights reference (the
+adapter forward against a plain model whose weights are ``W + (alpha / r) B @ A``, what the weight export adds)."""
 
 from __future__ import annotations
 
