@@ -48,6 +48,16 @@ def _rows(out: Path, rollout_id: int) -> list[dict]:
     return sorted(rows, key=lambda r: r["index"])
 
 
+def _same_training(ra: dict, rb: dict) -> None:
+    """A step of the adapter run against the merged run's. Measured (the 5 cases here, 2 steps each, CPU, 2026-12-07):
+    loss and grad norm equal bit for bit (the trainer does not see how the engines got the weights); the trainer's
+    log-probs against the engines' (mean |diff|) at most 1.5e-7, and the two runs' figures 6.0e-8 apart at most (the
+    engines' adapter forward against the merged weights: rounding). Bounded at about twice."""
+    lp = "train/train_rollout_logprob_abs_diff"
+    assert (ra["train/loss"], ra["train/grad_norm"]) == (rb["train/loss"], rb["train/grad_norm"]), (ra, rb)
+    assert ra[lp] < 3e-7 and abs(ra[lp] - rb[lp]) < 1.2e-7, (ra[lp], rb[lp])
+
+
 @pytest.mark.parametrize("backend, mode", [("megatron", "tensor"), ("fsdp", "tensor"), ("megatron", "broadcast")])
 def test_adapters_synced_give_the_merged_weights_rollouts(tmp_path: Path, tiny_model_dir: Path, backend: str,
                                                           mode: str):
@@ -67,10 +77,7 @@ def test_adapters_synced_give_the_merged_weights_rollouts(tmp_path: Path, tiny_m
     a, b = metrics(served), metrics(merged)
     for ra, rb in zip(a, b, strict=True):
         assert ra["train/grad_norm"] > 0, ra                   # the adapters train (B moves off 0 from step 0)
-        for key in ("train/grad_norm", "train/loss", "train/train_rollout_logprob_abs_diff"):
-            assert ra[key] == pytest.approx(rb[key], rel=1e-4, abs=1e-6), key
-        # the trainer's log-probs against the engines': the same model on both sides (measured 1.5e-7)
-        assert ra["train/train_rollout_logprob_abs_diff"] < 1e-5, ra
+        _same_training(ra, rb)
     for rid in (0, 1):
         assert [r["tokens"] for r in _rows(served, rid)] == [r["tokens"] for r in _rows(merged, rid)], rid
 
@@ -96,8 +103,6 @@ def test_moe_expert_adapters_synced_give_the_merged_weights_rollouts(tmp_path: P
     a, b = metrics(served), metrics(merged)
     for ra, rb in zip(a, b, strict=True):
         assert ra["train/grad_norm"] > 0, ra
-        for key in ("train/grad_norm", "train/loss", "train/train_rollout_logprob_abs_diff"):
-            assert ra[key] == pytest.approx(rb[key], rel=1e-4, abs=1e-6), key
-        assert ra["train/train_rollout_logprob_abs_diff"] < 1e-5, ra
+        _same_training(ra, rb)
     for rid in (0, 1):
         assert [r["tokens"] for r in _rows(served, rid)] == [r["tokens"] for r in _rows(merged, rid)], rid

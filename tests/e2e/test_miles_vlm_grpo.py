@@ -102,8 +102,8 @@ def test_vlm_grpo_with_miles_launcher_flags(tmp_path: Path, backend: str):
     for r in recs:
         assert r["rollout/num_samples"] == 8 and r["rollout/response_len"] > 0, r
         assert 0.0 <= r["rollout/raw_reward"] <= 1.0, r               # --rm-type math against --label-key answer
-        # the engines saw the images, and after rollout 0's update the trained vision tower (measured: 2e-7)
-        assert r["train/train_rollout_logprob_abs_diff"] < 1e-3 and r["train/grad_norm"] > 0, r
+        # the engines saw the images, and after rollout 0's update the trained vision tower (measured: 2.2e-7)
+        assert r["train/train_rollout_logprob_abs_diff"] < 4.5e-7 and r["train/grad_norm"] > 0, r
     assert "eval/geo3k_imgurl" in recs[-1], recs[-1]                   # evaluation on images (the last rollout)
     before, after = load_file(str(model / "model.safetensors")), load_file(str(tmp_path / "hf" / "model.safetensors"))
     visual = [k for k in before if k.startswith("model.visual.")]

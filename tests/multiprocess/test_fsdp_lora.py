@@ -89,23 +89,23 @@ def test_fsdp_lora_matches_megatron_and_merged_reference(tiny_model_dir: Path, t
         for k in base:
             assert (not torch.equal(run["final"][k], base[k])) == (k.split(".")[-2] in TARGETS), k
     assert fs["base_grads"] == 0 and fs["base_trainable"] == 0
-    # two implementations (HF + FSDP2 vs megatron-core) after an AdamW step: measured 1.5e-5 relative (of at least
-    # 1e-3; 2 CPU gloo ranks, 2026-12), bounded at about three times that
-    for rid in (0, 1):
-        for key in ("loss", "pg_loss", "kl_loss", "grad_norm"):
-            assert fs["metrics"][rid][key] == pytest.approx(mg["metrics"][rid][key], rel=5e-5, abs=1e-6), (rid, key)
+    # two implementations (HF + FSDP2 vs megatron-core) after an AdamW step, the step metrics absolute (2 CPU gloo
+    # ranks, 2026-12-07; pg_loss ~1e-8, kl_loss ~1e-3, grad norm ~0.5): loss, pg_loss, kl_loss, grad norm at most
+    # 7.9e-9 / 9.3e-9 / 1.5e-8 / 6.0e-8 apart; bounded at about twice each
+    metrics = {key: max(abs(fs["metrics"][rid][key] - mg["metrics"][rid][key]) for rid in (0, 1))
+               for key in ("loss", "pg_loss", "kl_loss", "grad_norm")}
+    metric_bounds = {"loss": 1.6e-8, "pg_loss": 1.9e-8, "kl_loss": 3e-8, "grad_norm": 1.2e-7}
+    assert all(metrics[k] < b for k, b in metric_bounds.items()), (metrics, metric_bounds)
     diff = max((fs["final"][k] - mg["final"][k]).abs().max().item() for k in base)
     num = sum(((fs["final"][k] - mg["final"][k]) ** 2).sum().item() for k in base)
     den = sum(((mg["final"][k] - base[k]) ** 2).sum().item() for k in base)
-    metrics = max(abs(fs["metrics"][r][k] - mg["metrics"][r][k]) / max(abs(mg["metrics"][r][k]), 1e-3)
-                  for r in (0, 1) for k in ("loss", "pg_loss", "kl_loss", "grad_norm"))
     print({"max_abs": diff, "rel_l2": (num / den) ** 0.5, "hooked_vs_merged": res["hooked_vs_merged"],
-           "hooked_vs_base": res["hooked_vs_base"], "metrics_rel": metrics})
+           "hooked_vs_base": res["hooked_vs_base"], "metrics": metrics})
     # measured (2 CPU gloo ranks, 2026-12): max 5.0e-7, relative L2 2.3e-6 of the update (with each backend's own AdamW
     # defaults, beta2 0.95 / 0.999 and weight decay 0 / 0.01, it was 0.5% on every target); bounded at about twice that
     assert diff < 1e-6 and (num / den) ** 0.5 < 5e-6, (diff, (num / den) ** 0.5)
-    # fp32 rounding: measured 3.3e-7 (adapters move the logits by ~0.44)
-    assert res["hooked_vs_merged"] < 1e-5 and res["hooked_vs_base"] > 1e-3, res
+    # fp32 rounding: measured 3.3e-7 (2026-12), 2.7e-7 (2026-12-07) while the adapters move the logits by ~0.44
+    assert res["hooked_vs_merged"] < 6.5e-7 and res["hooked_vs_base"] > 1e-3, res
 
 
 if __name__ == "__main__":

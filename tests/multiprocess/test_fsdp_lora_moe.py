@@ -149,6 +149,14 @@ def _run(tmp_path: Path, model_dir: Path, nproc: int, shared: bool, backends: st
     return torch.load(out, weights_only=False)
 
 
+METRICS = ("loss", "pg_loss", "kl_loss", "grad_norm")
+
+
+def _metric_diffs(a: dict, b: dict) -> dict[str, float]:
+    """Step metric -> the largest |a - b| over the 2 rollouts."""
+    return {key: max(abs(a["metrics"][rid][key] - b["metrics"][rid][key]) for rid in (0, 1)) for key in METRICS}
+
+
 def _distance(a: dict, b: dict, base: dict) -> tuple[float, float]:
     """Max abs difference of two exports and its relative L2 over the update of ``b``."""
     diff = max((a[k] - b[k]).abs().max().item() for k in base)
@@ -214,10 +222,12 @@ def test_fsdp_lora_moe_matches_megatron(request, tmp_path: Path, model: str, sha
         b2 = [fs["adapters"][f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.linear_fc2"][1] for e in range(4)]
         assert (all(torch.equal(a1[0], x) for x in a1) and all(torch.equal(b2[0], x) for x in b2)) == shared
     assert fs["shared"] == (4 if shared else 0)
-    # two implementations (HF + FSDP2 vs megatron-core's SequentialMLP) from the same adapters and optimizer settings
-    for rid in (0, 1):
-        for key in ("loss", "pg_loss", "kl_loss", "grad_norm"):
-            assert fs["metrics"][rid][key] == pytest.approx(mg["metrics"][rid][key], rel=1e-4, abs=1e-6), (rid, key)
+    # two implementations (HF + FSDP2 vs megatron-core's SequentialMLP) from the same adapters and optimizer settings:
+    # the step metrics, absolute (2026-12-07, the 5 cases; pg_loss ~1e-8, kl_loss ~1e-3, grad norm ~0.3): loss, pg_loss,
+    # kl_loss, grad norm at most 2.2e-8 / 9.3e-9 / 1.6e-7 / 6.0e-8 apart; bounded at about twice each
+    metrics = _metric_diffs(fs, mg)
+    metric_bounds = {"loss": 4.5e-8, "pg_loss": 2e-8, "kl_loss": 3.2e-7, "grad_norm": 1.2e-7}
+    assert all(metrics[k] < b for k, b in metric_bounds.items()), (metrics, metric_bounds)
     lp = max(abs(x - y) for a, b in zip(fs["lp"], mg["lp"]) for x, y in zip(a, b))
     if model == "deepseek_v3":         # every MLA projection of every layer on both backends, each trained
         assert sorted(fs["mla"]) == sorted(mg["mla"]) == sorted(
@@ -230,9 +240,7 @@ def test_fsdp_lora_moe_matches_megatron(request, tmp_path: Path, model: str, sha
     mla_ad = max((max((fa - mg["mla"][k][0]).abs().max().item(), (fb - mg["mla"][k][1]).abs().max().item())
                   for k, (fa, fb) in fs["mla"].items()), default=0.0)
     diff, rel = _distance(fs["final"], mg["final"], {k: base[k] for k in fs["init"]})
-    metrics = max(abs(fs["metrics"][r][k] - mg["metrics"][r][k]) / max(abs(mg["metrics"][r][k]), 1e-3)
-                  for r in (0, 1) for k in ("loss", "pg_loss", "kl_loss", "grad_norm"))
-    print({"lp": lp, "adapters": ad, "mla_adapters": mla_ad, "max_abs": diff, "rel_l2": rel, "metrics_rel": metrics})
+    print({"lp": lp, "adapters": ad, "mla_adapters": mla_ad, "max_abs": diff, "rel_l2": rel, "metrics": metrics})
     # measured (2 CPU gloo ranks, 2026-12; qwen3_moe per-expert / shared-outer; gpt_oss shared-outer; glm4_moe
     # per-expert): log-probs 4.8e-7 / 4.8e-7; 4.8e-7; 4.8e-7, adapters 1.1e-6 / 4.5e-7; 1.3e-6; 2.5e-5, exports max
     # 1.6e-7 / 1.1e-7; 1.0e-6; 5.3e-6 and relative L2 of the update 1.0e-6 / 7.9e-7; 4.4e-6; 1.1e-5 (the non-LoRA
@@ -246,16 +254,14 @@ def test_fsdp_lora_moe_matches_megatron(request, tmp_path: Path, model: str, sha
     assert mla_ad < 5e-6, mla_ad
     if shared and model == "qwen3_moe":     # one FSDP rank with both ranks' samples: the same training
         one = _run(tmp_path, model_dir, 1, shared, "fsdp")["fsdp"]
-        for rid in (0, 1):
-            for key in ("loss", "pg_loss", "kl_loss", "grad_norm"):
-                assert one["metrics"][rid][key] == pytest.approx(fs["metrics"][rid][key], rel=1e-5, abs=1e-6), \
-                    (rid, key)
         diff1, rel1 = _distance(one["final"], fs["final"], base)
-        metrics1 = max(abs(one["metrics"][r][k] - fs["metrics"][r][k]) / max(abs(fs["metrics"][r][k]), 1e-3)
-                       for r in (0, 1) for k in ("loss", "pg_loss", "kl_loss", "grad_norm"))
-        print({"one_vs_two_max_abs": diff1, "one_vs_two_rel_l2": rel1, "metrics_rel": metrics1})
-        # measured (2026-12): max 9.7e-8, relative L2 7.2e-7, metrics 1.3e-6 relative; bounded at about twice that
+        metrics1 = _metric_diffs(one, fs)
+        print({"one_vs_two_max_abs": diff1, "one_vs_two_rel_l2": rel1, "metrics": metrics1})
+        # measured (2026-12): max 9.7e-8, relative L2 7.2e-7; bounded at about twice that; the metrics (2026-12-07):
+        # loss, pg_loss and grad norm equal, kl_loss 5.4e-9 apart
         assert diff1 < 2e-7 and rel1 < 1.5e-6, (diff1, rel1)
+        assert metrics1["kl_loss"] < 1.1e-8 and metrics1["loss"] == metrics1["pg_loss"] == metrics1["grad_norm"] == 0, \
+            metrics1
 
 
 @pytest.mark.gpu

@@ -121,10 +121,12 @@ def test_coalesced_micro_batches_give_the_one_forward_per_sample_step(tiny_model
             assert abs(s - f) <= 1e-5 * max(abs(s), 1e-3), (name, key, s, f)
         assert slow["grads"].keys() == fast["grads"].keys() and slow["grads"]
         worst = max(_rel(fast["grads"][n], slow["grads"][n]) for n in slow["grads"])
-        assert worst < 1e-5, (name, worst)                   # fp32 summed in another order: ~1e-7
-        # one AdamW step (lr 1e-3) turns those roundings of near-zero gradients into ~1e-6 of the weights
+        # fp32 summed in another order: measured 4.8e-7 / 3.3e-7 / 6.5e-7 (per_sample / per_token / empty_rank; CPU,
+        # 2026-12-07); one AdamW step (lr 1e-3) turns those roundings of near-zero gradients into 2.4e-6 / 4.1e-7 /
+        # 5.8e-6 of the weights; bounded at about twice the largest
+        assert worst < 1.3e-6, (name, worst)
         worst = max(_rel(fast["params"][n], slow["params"][n]) for n in slow["params"])
-        assert worst < 2e-5, (name, worst)
+        assert worst < 1.2e-5, (name, worst)
     # the two losses are different configurations (the comparison above is not vacuous)
     assert len({res[f"{n}/slow"]["metrics"]["loss"] for n in CONFIGS}) == len(CONFIGS)
 

@@ -17,7 +17,7 @@ rollouts of training, then
   router, shared-expert gate, embeddings, the MTP layer);
 - ``iter_trained_weight_buckets`` (``--lora-base-cpu-backup``'s syncs) gives exactly the moved tensors, equal to
   the full export's;
-- TP 2 + SP agrees with TP 1 x DP 2 (step metrics within 1e-4 relative; merged exports within 1e-5, 2e-5 of the
+- TP 2 + SP agrees with TP 1 x DP 2 (step metrics within 3e-8 to 6e-8 absolute; merged exports within 1e-5, 2e-5 of the
   update's L2 norm: measured 3.8e-6 / 8.3e-6), so the adapters of the DeltaNet's sectioned ``in_proj`` split over TP
   as its weight does.
 """
@@ -128,14 +128,19 @@ def test_gdn_lora_trains_and_merges(tiny_qwen35_dir: Path, tmp_path: Path) -> No
             for proj in ("in_proj", "out_proj"):
                 name = f"decoder.layers.{i}.self_attention.{proj}"
                 a, b = res["adapters"][name]
+                # the fp32 rounding of base + delta: measured 3.7e-9 (deltas up to 2.3e-2; 2026-12-07)
                 for hf, d in megatron_to_hf(name + ".weight", (b @ a) * 2.0, shape):        # alpha / r = 2
-                    torch.testing.assert_close(final[hf] - base[hf], d, rtol=1e-4, atol=1e-6)
+                    torch.testing.assert_close(final[hf] - base[hf], d, rtol=0, atol=7.5e-9)
         assert set(res["trained"]) == moved, (tp_sp, sorted(set(res["trained"]) ^ moved))
         assert all(torch.equal(res["trained"][k], final[k]) for k in moved), tp_sp
     one, two = runs[False], runs[True]
-    for rid in (0, 1):
-        for key in ("loss", "pg_loss", "kl_loss", "grad_norm"):
-            assert two["metrics"][rid][key] == pytest.approx(one["metrics"][rid][key], rel=1e-4, abs=1e-6), (rid, key)
+    # the step metrics, absolute (2026-12-07; pg_loss ~1e-8, kl_loss ~1e-3, grad norm ~0.3): loss, pg_loss, kl_loss,
+    # grad norm at most 1.4e-8 / 1.1e-8 / 3.1e-8 / 3.0e-8 apart; bounded at about twice each
+    metric_bounds = {"loss": 3e-8, "pg_loss": 2.2e-8, "kl_loss": 6.3e-8, "grad_norm": 6e-8}
+    metrics = {key: max(abs(two["metrics"][rid][key] - one["metrics"][rid][key]) for rid in (0, 1))
+               for key in metric_bounds}
+    print({"metrics": metrics})
+    assert all(metrics[k] < b for k, b in metric_bounds.items()), (metrics, metric_bounds)
     base = one["init"]
     diff = max((two["final"][k] - one["final"][k]).abs().max().item() for k in base)
     num = sum(((two["final"][k] - one["final"][k]) ** 2).sum().item() for k in base)

@@ -10,8 +10,8 @@
   only the target linears moved (the router and the norms did not);
 - shared-outer: every expert of a layer holds the same ``linear_fc1`` A and ``linear_fc2`` B, and the adapter has
   fewer parameters than per-expert;
-- EP 2 agrees with EP 1 x DP 2 (step metrics within 1e-4 relative, merged exports within the bounds of the dense
-  LoRA TP test); on the MLA model (the Kimi-K2.5 recipe's targets: the down projections ``q_a_proj`` /
+- EP 2 agrees with EP 1 x DP 2 (step metrics and merged exports within about twice the measured difference);
+  on the MLA model (the Kimi-K2.5 recipe's targets: the down projections ``q_a_proj`` /
   ``kv_a_proj_with_mqa``, replicated over TP, with GLM-5's up projections ``q_b_proj`` / ``kv_b_proj``) so does
   TP 2 with sequence parallelism and EP 2 (each rank its own samples, as the driver hands them).
 
@@ -190,8 +190,9 @@ def test_lora_moe_merged_reference(request, tmp_path: Path, model: str, shared: 
                 for fc in ("linear_fc1", "linear_fc2"):
                     name = _expert_key(layer, e, fc)
                     a, b = ad[name]
+                    # the fp32 rounding of base + delta: measured 3.7e-9 (deltas up to 2.9e-2; 2026-12-07)
                     for hf, d in megatron_to_hf(name + ".weight", (b @ a) * 2.0, shape):        # alpha / r = 2
-                        torch.testing.assert_close(res["final"][hf] - base[hf], d, rtol=1e-4, atol=1e-6)
+                        torch.testing.assert_close(res["final"][hf] - base[hf], d, rtol=0, atol=7.5e-9)
             a1 = [ad[_expert_key(layer, e, "linear_fc1")][0] for e in range(4)]
             b2 = [ad[_expert_key(layer, e, "linear_fc2")][1] for e in range(4)]
             same = all(torch.equal(a1[0], x) for x in a1) and all(torch.equal(b2[0], x) for x in b2)
@@ -201,17 +202,24 @@ def test_lora_moe_merged_reference(request, tmp_path: Path, model: str, shared: 
     want = len(moe_layers) * ((2 * outer + n * inner) if shared else n * (2 * outer + inner))
     for res in runs.values():
         assert res["expert_trainable"] == want, (res["expert_trainable"], want)
+    # EP 2 (and MLA's TP 2 + SP) against EP 1, measured (2 CPU gloo ranks, 2026-12-07): the step metrics loss /
+    # pg_loss / kl_loss / grad norm at most 6.5e-9 / 0 / 6.6e-8 / 0 apart on Qwen3-MoE (both layouts), 7.4e-9 / 1.1e-8 /
+    # 3.7e-8 / 1.5e-8 on MLA; the exports 1.8e-7 max and 7.0e-7 of the update's L2 norm on Qwen3-MoE, 7.4e-6 and 1.7e-5
+    # on MLA (TP 2 + SP; EP 2: 4.5e-6 and 1.0e-5). Bounded at about twice each
+    metric_bounds = {"loss": 1.3e-8, "pg_loss": 0.0, "kl_loss": 1.3e-7, "grad_norm": 0.0} if not mla else \
+        {"loss": 1.5e-8, "pg_loss": 2.2e-8, "kl_loss": 7.5e-8, "grad_norm": 3e-8}
+    diff_bound, rel_bound = (3.7e-7, 1.4e-6) if not mla else (1.5e-5, 3.5e-5)
     e1 = runs[1]
     for other in [r for key, r in runs.items() if key != 1]:
         assert other["trainable"] == e1["trainable"]
-        for rid in (0, 1):
-            for key in ("loss", "pg_loss", "kl_loss", "grad_norm"):
-                assert other["metrics"][rid][key] == pytest.approx(e1["metrics"][rid][key], rel=1e-4, abs=1e-6), \
-                    (rid, key)
+        metrics = {key: max(abs(other["metrics"][rid][key] - e1["metrics"][rid][key]) for rid in (0, 1))
+                   for key in metric_bounds}
         diff = max((other["final"][k] - e1["final"][k]).abs().max().item() for k in base)
         num = sum(((other["final"][k] - e1["final"][k]) ** 2).sum().item() for k in base)
         den = sum(((e1["final"][k] - base[k]) ** 2).sum().item() for k in base)
-        assert diff < 5e-5 and (num / den) ** 0.5 < 1e-4, (diff, (num / den) ** 0.5)
+        print({"metrics": metrics, "max_abs": diff, "rel_l2": (num / den) ** 0.5})
+        assert all(metrics[k] <= b for k, b in metric_bounds.items()), (metrics, metric_bounds)
+        assert diff < diff_bound and (num / den) ** 0.5 < rel_bound, (diff, (num / den) ** 0.5)
 
 
 def _engine_worker(model_dir: str, out: str, engine_url: str, layout: str = "ep2") -> None:

@@ -161,7 +161,9 @@ def test_vlm_grpo_logprobs_match_hf(tmp_path: Path, backend: str):
         assert r["old_err"] < 1e-6 and r["ref_err"] < 1e-6, r
         assert all(n > 0 for n in r["old_lens"]), r
         m = r["metrics"]
-        assert m["train_rollout_logprob_abs_diff"] < 1e-5, m
+        # the trainer's log-probs against the engine's (mean |diff|): measured 1.4e-7 / 1.3e-7 (FSDP / Megatron,
+        # 2026-12-07, the same box and command)
+        assert m["train_rollout_logprob_abs_diff"] < 3e-7, m
         assert 0 < m["kl_loss"] < 1 and m["grad_norm"] > 0, m      # step 2's policy has moved from the reference
         assert r["visual_params"] > 0 and r["visual_changed"] == r["visual_params"], r   # the ViT is trained
         assert r["same_on_ranks"], r

@@ -13,13 +13,20 @@ from pathlib import Path
 import pytest
 import requests
 import torch
+from _engine_lora import (
+    PROMPTS,
+    body,
+    copy_tokenizer,
+    engine,
+    gen,
+    load_from_tensors,
+    reference_outputs,
+    serialized_ipc,
+)
 
 from miles.engine import protocol as P
-from miles.engine.engine import Engine, EngineArgs
-from miles.engine.testing import serialized_ipc as _serialized_ipc
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-PROMPTS = [[3, 17, 9, 41], [5, 6, 7], [60, 2, 33, 8, 11], [3, 17, 9, 41]]
 
 
 def _adapter(model_dir: Path, seed: int, rank: int = 4, alpha: float = 8.0) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -37,18 +44,6 @@ def _adapter(model_dir: Path, seed: int, rank: int = 4, alpha: float = 8.0) -> t
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(TARGETS), "bias": "none",
               "task_type": "CAUSAL_LM", "lora_dropout": 0.0}
     return config, tensors
-
-
-def serialized_ipc(tensors: dict[str, torch.Tensor]) -> str:
-    """The payload as a colocated trainer sends it (CPU: shared-memory files, the sender's sharing strategy)."""
-    import torch.multiprocessing as mp
-
-    old = mp.get_sharing_strategy()
-    mp.set_sharing_strategy("file_system")
-    try:
-        return _serialized_ipc({k: v.clone() for k, v in tensors.items()})
-    finally:
-        mp.set_sharing_strategy(old)
 
 
 def _write(out: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
@@ -74,9 +69,7 @@ def _merged(model_dir: Path, out: Path, config: dict, tensors: dict[str, torch.T
                 b = tensors[key.replace("lora_A", "lora_B")]
                 mods[name].weight += scale * (b @ a)
     model.save_pretrained(str(out))
-    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"):
-        if (model_dir / f).exists():
-            (out / f).write_bytes((model_dir / f).read_bytes())
+    copy_tokenizer(model_dir, out)
     return out
 
 
@@ -87,28 +80,6 @@ def adapters(engine_model, tmp_path_factory):
     c2, t2 = _adapter(engine_model, seed=2, rank=2, alpha=4.0)
     return {"dir1": _write(tmp / "a1", c1, t1), "c1": c1, "t1": t1, "c2": c2, "t2": t2,
             "merged1": _merged(engine_model, tmp / "m1", c1, t1), "merged2": _merged(engine_model, tmp / "m2", c2, t2)}
-
-
-def _engine(model, **kw) -> Engine:
-    args = dict(hf_checkpoint=str(model), max_context_len=64, max_running_requests=4, random_seed=0)
-    eng = Engine(EngineArgs(**{**args, **kw}))
-    eng.start()
-    return eng
-
-
-def _gen(eng: Engine, body: dict) -> list[dict]:
-    async def go():
-        specs, _ = eng.prepare(P.GenerateReqInput(**body))
-        return await asyncio.wait_for(eng.wait_final(eng.submit(specs, stream=False)), 120)
-    return asyncio.run(go())
-
-
-def _body(prompts, lora=None) -> dict:
-    body = {"input_ids": prompts, "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
-            "return_logprob": True, "logprob_start_len": 0}
-    if lora is not None:
-        body["lora_path"] = lora
-    return body
 
 
 def _tokens_and_logprobs(out: dict) -> tuple[list[int], list[float], list[float]]:
@@ -130,15 +101,9 @@ def _same(got: dict, ref: dict) -> None:
 @pytest.mark.parametrize("kw", [{}, {"kv_cache": "paged"}, {"kv_cache": "paged", "max_prefill_tokens": 2},
                                 {"native": False}], ids=["slots", "paged", "paged_chunked", "generic"])
 def test_adapters_equal_merged_weights_in_one_mixed_batch(engine_model, adapters, kw):
-    refs = {}
-    for key, model in (("base", engine_model), ("a1", adapters["merged1"]), ("a2", adapters["merged2"])):
-        eng = _engine(model, **kw)
-        try:
-            refs[key] = _gen(eng, _body(PROMPTS))
-        finally:
-            eng.stop()
+    refs = reference_outputs({"base": engine_model, "a1": adapters["merged1"], "a2": adapters["merged2"]}, **kw)
     assert refs["a1"][0]["output_ids"] != refs["base"][0]["output_ids"]      # the adapter changes the tokens
-    eng = _engine(engine_model, enable_lora=True, **kw)
+    eng = engine(engine_model, enable_lora=True, **kw)
     try:
         out = asyncio.run(eng.load_lora_adapter(P.LoadLoRAAdapterReqInput(lora_name="a1",
                                                                           lora_path=str(adapters["dir1"]))))
@@ -149,54 +114,50 @@ def test_adapters_equal_merged_weights_in_one_mixed_batch(engine_model, adapters
         assert out["success"] and out["loaded_adapters"] == {"a1": str(adapters["dir1"]), "a2": "__tensor__"}, out
         # one batch: base, a1, a2 and a1 again on the first prompt (whose KV must not be shared across adapters)
         names = [None, "a1", "a2", "a1"]
-        mixed = _gen(eng, _body(PROMPTS, names))
+        mixed = gen(eng, body(PROMPTS, names))
         for i, name in enumerate(names):
             _same(mixed[i], refs[name or "base"][i])
-        alone = _gen(eng, _body(PROMPTS[1], "a2"))[0]     # a request alone, after the mixed batch
+        alone = gen(eng, body(PROMPTS[1], "a2"))[0]     # a request alone, after the mixed batch
         _same(alone, refs["a2"][1])
         out = asyncio.run(eng.unload_lora_adapter(P.UnloadLoRAAdapterReqInput(lora_name="a1")))
         assert out["success"] and out["loaded_adapters"] == {"a2": "__tensor__"}
         with pytest.raises(P.BadRequest, match=r"^GenerateReqInput\.lora_path 'a1' is not a loaded LoRA adapter "
                                                r"\(loaded: a2\)"):
-            eng.prepare(P.GenerateReqInput(**_body(PROMPTS[0], "a1")))
-        _same(_gen(eng, _body(PROMPTS[0]))[0], refs["base"][0])         # the base model is untouched
+            eng.prepare(P.GenerateReqInput(**body(PROMPTS[0], "a1")))
+        _same(gen(eng, body(PROMPTS[0]))[0], refs["base"][0])         # the base model is untouched
     finally:
         eng.stop()
 
 
 def test_bad_adapters_and_requests_are_one_line(engine_model, adapters, tmp_path):
-    plain = _engine(engine_model)
+    plain = engine(engine_model)
     try:
         with pytest.raises(P.BadRequest, match=r"^GenerateReqInput\.lora_path: this engine serves no LoRA adapters; "
                                                r"start it with --enable-lora"):
-            plain.prepare(P.GenerateReqInput(**_body(PROMPTS[0], "a1")))
+            plain.prepare(P.GenerateReqInput(**body(PROMPTS[0], "a1")))
     finally:
         plain.stop()
-    eng = _engine(engine_model, enable_lora=True, max_lora_rank=2)
-
-    def load(name: str, config: dict, tensors: dict) -> dict:
-        return asyncio.run(eng.load_lora_adapter_from_tensors(P.LoadLoRAAdapterFromTensorsReqInput(
-            lora_name=name, config_dict=config, serialized_tensors=serialized_ipc(tensors))))
+    eng = engine(engine_model, enable_lora=True, max_lora_rank=2)
     try:
-        out = load("big", adapters["c1"], adapters["t1"])
+        out = load_from_tensors(eng, "big", adapters["c1"], adapters["t1"])
         assert not out["success"] and out["error_message"] == "the adapter's rank 4 exceeds --max-lora-rank 2", out
         t = dict(adapters["t2"])
         key = next(k for k in t if k.endswith("q_proj.lora_B.weight"))
         t[key] = t[key][:-1]
-        out = load("short", adapters["c2"], t)
+        out = load_from_tensors(eng, "short", adapters["c2"], t)
         assert not out["success"] and "do not fit the linear" in out["error_message"] and "q_proj" in out["error_message"]
         t = {k.replace("self_attn.q_proj", "self_attn.nope"): v for k, v in adapters["t2"].items()}
-        out = load("nope", adapters["c2"], t)
+        out = load_from_tensors(eng, "nope", adapters["c2"], t)
         assert not out["success"] and "is no nn.Linear of the served model" in out["error_message"], out
         out = asyncio.run(eng.load_lora_adapter(P.LoadLoRAAdapterReqInput(lora_name="x", lora_path=str(tmp_path))))
         assert not out["success"] and "has no adapter_config.json" in out["error_message"], out
-        assert load("ok", adapters["c2"], adapters["t2"])["success"]
-        out = load("ok", adapters["c2"], adapters["t2"])
+        assert load_from_tensors(eng, "ok", adapters["c2"], adapters["t2"])["success"]
+        out = load_from_tensors(eng, "ok", adapters["c2"], adapters["t2"])
         assert not out["success"] and "already loaded" in out["error_message"]
         out = asyncio.run(eng.unload_lora_adapter(P.UnloadLoRAAdapterReqInput(lora_name="gone")))
         assert not out["success"] and out["error_message"].startswith("no LoRA adapter named 'gone' is loaded")
         with pytest.raises(P.BadRequest, match=r"^GenerateReqInput\.lora_path has 2 entries for 1 prompt"):
-            eng.prepare(P.GenerateReqInput(**_body(PROMPTS[0], ["ok", "ok"])))
+            eng.prepare(P.GenerateReqInput(**body(PROMPTS[0], ["ok", "ok"])))
     finally:
         eng.stop()
 
@@ -212,17 +173,17 @@ def test_lora_routes_over_http(engine_model, adapters, tmp_path):
     eng = EngineProc(engine_model, "--max-running-requests", "4", "--max-context-len", "64", "--enable-lora",
                      "--lora-paths", f"first={adapters['dir1']}", "--host", "0.0.0.0", log=tmp_path / "engine.log")
     try:
-        with_a = eng.generate(_body(PROMPTS[0], "first"))
+        with_a = eng.generate(body(PROMPTS[0], "first"))
         r = eng.post("/load_lora_adapter", {"lora_name": "second", "lora_path": str(adapters["dir1"])})
         assert r.status_code == 200 and r.json()["loaded_adapters"] == {"first": str(adapters["dir1"]),
                                                                       "second": str(adapters["dir1"])}, r.text
-        assert eng.generate(_body(PROMPTS[0], "second"))["output_ids"] == with_a["output_ids"]
-        assert eng.generate(_body(PROMPTS[0]))["output_ids"] != with_a["output_ids"]
+        assert eng.generate(body(PROMPTS[0], "second"))["output_ids"] == with_a["output_ids"]
+        assert eng.generate(body(PROMPTS[0]))["output_ids"] != with_a["output_ids"]
         r = eng.post("/unload_lora_adapter", {"lora_name": "first"})
         assert r.status_code == 200 and r.json()["loaded_adapters"] == {"second": str(adapters["dir1"])}, r.text
         r = eng.post("/unload_lora_adapter", {"lora_name": "first"})
         assert r.status_code == 400 and not r.json()["success"], r.text
-        r = eng.post("/generate", _body(PROMPTS[0], "first"))
+        r = eng.post("/generate", body(PROMPTS[0], "first"))
         assert r.status_code == 400 and "'first' is not a loaded LoRA adapter" in r.text, r.text
         r = eng.post("/load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp_path), "bogus": 1})
         assert r.status_code == 400 and "bogus" in r.text, r.text
@@ -243,22 +204,15 @@ def test_adapters_equal_merged_weights_on_gpu(engine_model, adapters):
     """On CUDA (the paged cache, its attention kernel and mixed steps; adapters turn the decode CUDA graphs off), fp32:
     a batch mixing both adapters and the base gives each request its merged model's tokens and log-probs."""
     kw = {"device": "cuda", "dtype": "float32"}
-    refs = {}
-    for key, model in (("base", engine_model), ("a1", adapters["merged1"]), ("a2", adapters["merged2"])):
-        eng = _engine(model, **kw)
-        try:
-            refs[key] = _gen(eng, _body(PROMPTS))
-        finally:
-            eng.stop()
-    eng = _engine(engine_model, enable_lora=True, **kw)
+    refs = reference_outputs({"base": engine_model, "a1": adapters["merged1"], "a2": adapters["merged2"]}, **kw)
+    eng = engine(engine_model, enable_lora=True, **kw)
     try:
         assert not getattr(eng.runner.impl, "use_graphs", False)
         for name, c, t in (("a1", adapters["c1"], adapters["t1"]), ("a2", adapters["c2"], adapters["t2"])):
-            out = asyncio.run(eng.load_lora_adapter_from_tensors(P.LoadLoRAAdapterFromTensorsReqInput(
-                lora_name=name, config_dict=c, serialized_tensors=serialized_ipc(t))))
+            out = load_from_tensors(eng, name, c, t)
             assert out["success"], out
         names = [None, "a1", "a2", "a1"]
-        for i, got in enumerate(_gen(eng, _body(PROMPTS, names))):
+        for i, got in enumerate(gen(eng, body(PROMPTS, names))):
             ref = refs[names[i] or "base"][i]
             assert got["output_ids"] == ref["output_ids"]
             # not measured yet (no GPU where this was written): TF32 matmuls may round the two sums differently

@@ -106,12 +106,13 @@ def test_image_prompt_greedy_tokens_and_logprobs_equal_hf(eng, hf_vlm, vlm_dir):
     ref = torch.log_softmax(hf_logits(hf_vlm, ids + toks, mm), -1)
     lps = out["meta_info"]["output_token_logprobs"]
     assert [tok for _, tok, _ in lps] == toks
+    # fp32 against the HF forward: measured 4.2e-6 (output) / 2.4e-6 (prompt) (CPU, 2026-12-07)
     for i, (lp, tok, _) in enumerate(lps):
-        assert abs(lp - ref[len(ids) - 1 + i, tok].item()) < 1e-4, i
+        assert abs(lp - ref[len(ids) - 1 + i, tok].item()) < 8.5e-6, i
     inp = out["meta_info"]["input_token_logprobs"]
     assert inp[0][0] is None and [tok for _, tok, _ in inp] == ids
     for i in range(1, len(ids)):
-        assert abs(inp[i][0] - ref[i - 1, ids[i]].item()) < 1e-4, i
+        assert abs(inp[i][0] - ref[i - 1, ids[i]].item()) < 5e-6, i
 
 
 def test_two_images_one_prompt_and_temperature_sampling_equal_hf(eng, hf_vlm, vlm_dir):
@@ -127,7 +128,7 @@ def test_two_images_one_prompt_and_temperature_sampling_equal_hf(eng, hf_vlm, vl
         toks = out["output_ids"]
         ref = torch.log_softmax(hf_logits(hf_vlm, ids + toks, mm) / T, -1)
         for i, (lp, tok, _) in enumerate(out["meta_info"]["output_token_logprobs"]):
-            assert abs(lp - ref[len(ids) - 1 + i, tok].item()) < 1e-4
+            assert abs(lp - ref[len(ids) - 1 + i, tok].item()) < 1e-5         # measured 4.8e-6 (CPU, 2026-12-07)
 
 
 def test_different_images_same_tokens_never_share(eng, hf_vlm, vlm_dir):
@@ -144,7 +145,7 @@ def test_different_images_same_tokens_never_share(eng, hf_vlm, vlm_dir):
     assert batch[0]["output_ids"] == a["output_ids"] and batch[1]["output_ids"] == b["output_ids"]
     for got, want in ((batch[0], a), (batch[1], b)):
         for (x, _, _), (y, _, _) in zip(got["meta_info"]["output_token_logprobs"], want["meta_info"]["output_token_logprobs"]):
-            assert abs(x - y) < 1e-5
+            assert x == y                                    # measured: bit for bit (CPU, 2026-12-07)
     assert batch[2]["output_ids"] == hf_greedy(hf_vlm, text, {}, 8)
     assert batch[1]["output_ids"] == hf_greedy(hf_vlm, ids, hf_inputs(vlm_dir, [IMG_B]), 8)
 
@@ -255,7 +256,7 @@ def test_retracting_pause_recomputes_the_image_prompt_seamlessly(eng, hf_vlm):
     assert seen["num_running_reqs"] == 0 and seen["num_waiting_reqs"] == 1     # really retracted mid-generation
     assert last["output_ids"] == ref["output_ids"]
     for (x, _, _), (y, _, _) in zip(last["meta_info"]["output_token_logprobs"], ref["meta_info"]["output_token_logprobs"]):
-        assert abs(x - y) < 1e-4
+        assert abs(x - y) < 4e-6                                  # measured 2.0e-6 (CPU, 2026-12-07)
 
 
 def test_runner_slots_hold_nothing_after_release(vlm_dir):
@@ -305,8 +306,9 @@ def test_weight_updates_by_vlm_names_and_memory_release(eng, hf_vlm, vlm_dir, tm
     assert out["meta_info"]["weight_version"] == "vlm1"
     assert out["output_ids"] == hf_greedy(ref, ids, mm, 10) != before
     logits = torch.log_softmax(hf_logits(ref, ids + out["output_ids"], mm), -1)
+    # fp32 against the HF forward: measured 1.9e-6 here, 3.2e-6 after the vision-tower update below (CPU, 2026-12-07)
     for i, (lp, tok, _) in enumerate(out["meta_info"]["output_token_logprobs"]):
-        assert abs(lp - logits[len(ids) - 1 + i, tok].item()) < 1e-4
+        assert abs(lp - logits[len(ids) - 1 + i, tok].item()) < 4e-6
     # a vision-tower-only change moves the image prompt's log-probs as HF's do
     vname = "model.visual.merger.linear_fc2.weight"
     vnew = (params[vname].detach() * -1.0).contiguous().share_memory_()
@@ -318,7 +320,7 @@ def test_weight_updates_by_vlm_names_and_memory_release(eng, hf_vlm, vlm_dir, tm
     assert out2["output_ids"] == hf_greedy(ref, ids, mm, 10)
     logits = torch.log_softmax(hf_logits(ref, ids + out2["output_ids"], mm), -1)
     for i, (lp, tok, _) in enumerate(out2["meta_info"]["output_token_logprobs"]):
-        assert abs(lp - logits[len(ids) - 1 + i, tok].item()) < 1e-4
+        assert abs(lp - logits[len(ids) - 1 + i, tok].item()) < 6.5e-6
     # release / resume memory keeps the updated weights
     assert eng.post("/release_memory_occupation", {"tags": ["kv_cache", "weights"]}).status_code == 200
     assert eng.post("/resume_memory_occupation", {"tags": None}).status_code == 200

@@ -135,9 +135,9 @@ def test_paged_cache_kernel_and_cuda_graphs_match_the_slot_cache(gpu_model):
             assert stats["retractions"] > 0, stats
         if name == "chunked":
             assert stats["chunked_prefills"] >= 3, stats
-    _same(outs["paged"], outs["slots"])
-    _same(outs["tight"], outs["slots"])
-    _same(outs["chunked"], outs["slots"])
+    _same(outs["paged"], outs["slots"], atol=1e-4)
+    _same(outs["tight"], outs["slots"], atol=1e-4)
+    _same(outs["chunked"], outs["slots"], atol=1e-4)
 
 
 def test_fused_sampling_kernel_matches_the_torch_path_on_gpu(monkeypatch):
@@ -264,8 +264,8 @@ def test_mixed_steps_graph_replay_matches_eager_and_the_slot_cache(gpu_model):
             eng.stop()
         if name != "slots":
             assert stats["mixed_prefills"] > 0 and stats["kv_pages_in_use"] == 0, stats
-    _same(outs["mixed"], outs["slots"])
-    _same(outs["mixed8"], outs["slots"])
+    _same(outs["mixed"], outs["slots"], atol=1e-4)
+    _same(outs["mixed8"], outs["slots"], atol=1e-4)
 
 
 def test_mixed_steps_with_several_prompts_on_gpu(gpu_model):
@@ -316,7 +316,7 @@ def test_mixed_steps_with_several_prompts_on_gpu(gpu_model):
         if name != "slots":
             assert stats["mixed_prefills"] > 0 and stats["kv_pages_in_use"] == 0, stats
             assert stats["num_prefilling_reqs"] == 0, stats
-    _same(outs["riders"], outs["slots"])
+    _same(outs["riders"], outs["slots"], atol=1e-4)
 
 
 # ----------------------------------------------------------------------------- Qwen3-VL image prompts (miles.engine.vlm)
@@ -450,7 +450,7 @@ def test_overlap_scheduler_matches_the_serial_one_with_cuda_graphs(gpu_model):
     for name, kw in cases.items():
         ref, ref_stats = _run_case(gpu_model, bodies, False, {**common, **kw})
         got, stats = _run_case(gpu_model, bodies, None, {**common, **kw})   # the default on CUDA: overlap on
-        _same(got, ref)
+        _same(got, ref, atol=1e-4)
         for a, b in zip(got, ref):
             for key in ("output_top_logprobs", "output_token_ids_logprobs"):
                 x, y = _flat(a["meta_info"].get(key, [])), _flat(b["meta_info"].get(key, []))

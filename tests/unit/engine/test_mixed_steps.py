@@ -81,8 +81,9 @@ def test_a_mixed_forward_equals_a_chunk_prefill_then_a_decode_step(engine_model)
             last, _ = rn.prefill_chunk(row, chunk[4:], 4, False)
         out.append((dec, last))
         assert rn.pages_held(row) == 3  # 10 prompt tokens in pages of 4
-    torch.testing.assert_close(out[1][0], out[0][0], atol=1e-4, rtol=0)
-    torch.testing.assert_close(out[1][1], out[0][1], atol=1e-4, rtol=0)
+    # fp32 logits, one mixed step against two: measured 1.9e-6 / 2.9e-6 (CPU, 2026-12-07)
+    torch.testing.assert_close(out[1][0], out[0][0], atol=4e-6, rtol=0)
+    torch.testing.assert_close(out[1][1], out[0][1], atol=6e-6, rtol=0)
 
 
 def test_a_mixed_forward_with_several_prompt_chunks(engine_model):
@@ -111,7 +112,7 @@ def test_a_mixed_forward_with_several_prompt_chunks(engine_model):
         out.append((dec, last_a, last_b))
         assert rn.pages_held(ra) == 3 and rn.pages_held(rb) == 2
     for got, want in zip(out[1], out[0]):
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        torch.testing.assert_close(got, want, atol=7e-6, rtol=0)       # measured 3.3e-6 (CPU, 2026-12-07)
 
 
 def test_several_refills_ride_in_one_step(engine_model):

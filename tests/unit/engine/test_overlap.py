@@ -93,7 +93,8 @@ def test_overlap_gives_the_tokens_and_logprobs_of_the_serial_scheduler(engine_mo
             for key in ("output_top_logprobs", "output_token_ids_logprobs"):
                 assert len(a["meta_info"].get(key, [])) == len(b["meta_info"].get(key, [])), key
                 x, y = _flat(a["meta_info"].get(key, [])), _flat(b["meta_info"].get(key, []))
-                assert all(abs(u - v) < 1e-4 if isinstance(u, float) else u == v for u, v in zip(x, y)), (name, key)
+                # measured 2.9e-6 (CPU, 2026-12-07)
+                assert all(abs(u - v) < 6e-6 if isinstance(u, float) else u == v for u, v in zip(x, y)), (name, key)
             m = a["meta_info"]
             assert len(a["output_ids"]) == m["completion_tokens"] == len(m["output_token_logprobs"])
         kinds = Counter(o["meta_info"]["finish_reason"]["type"] for o in got)
@@ -223,7 +224,7 @@ def test_pause_and_weight_updates_during_decode(engine_model, tmp_path):
         assert o["output_ids"][k:] == c["output_ids"]
         lp = [x[0] for x in o["meta_info"]["output_token_logprobs"]]
         want = [x[0] for x in r["meta_info"]["output_token_logprobs"][:k] + c["meta_info"]["output_token_logprobs"]]
-        assert all(abs(u - v) < 1e-4 for u, v in zip(lp, want)) and len(lp) == len(want)
+        assert all(abs(u - v) < 6e-6 for u, v in zip(lp, want)) and len(lp) == len(want)    # measured 2.9e-6
         changed += o["output_ids"] != r["output_ids"]
     assert changed > 0  # the other weights did change what was generated after the pause
 

@@ -55,7 +55,9 @@ def _bodies() -> list[dict]:
     return out
 
 
-def _same(a: list[dict], b: list[dict]) -> None:
+def _same(a: list[dict], b: list[dict], atol: float = 1e-5) -> None:
+    """The same tokens, finish reasons and log-probs within ``atol``: on CPU (fp32) measured 4.8e-6 at most over this
+    file's, test_overlap.py's and test_mixed_steps.py's comparisons (2026-12-07); test_gpu.py passes its own."""
     assert len(a) == len(b)
     for x, y in zip(a, b):
         assert x["output_ids"] == y["output_ids"]
@@ -63,7 +65,7 @@ def _same(a: list[dict], b: list[dict]) -> None:
         for key in ("output_token_logprobs", "input_token_logprobs"):
             lx, ly = x["meta_info"].get(key, []), y["meta_info"].get(key, [])
             assert [t[1] for t in lx] == [t[1] for t in ly]
-            assert all((u[0] is None and v[0] is None) or abs(u[0] - v[0]) < 1e-4 for u, v in zip(lx, ly)), key
+            assert all((u[0] is None and v[0] is None) or abs(u[0] - v[0]) < atol for u, v in zip(lx, ly)), key
 
 
 def _flat(x) -> list:
@@ -353,7 +355,7 @@ def test_long_prompts_are_prefilled_in_chunks_between_decode_steps(engine_model)
     for key in ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs"):
         a, b = _flat(outs[0][key]), _flat(outs[1][key])
         assert len(outs[0][key]) == len(PROMPTS[5]) - 2 and len(a) == len(b) > 0, key
-        assert all(abs(u - v) < 1e-4 if isinstance(u, float) else u == v for u, v in zip(a, b)), key
+        assert all(abs(u - v) < 8e-6 if isinstance(u, float) else u == v for u, v in zip(a, b)), key   # measured 3.8e-6
     # aborted while its prompt is half prefilled: the request ends as aborted, its pages come back
     eng = _engine(engine_model, kv_cache="paged", page_size=4, max_prefill_tokens=8)
     sch = eng.scheduler

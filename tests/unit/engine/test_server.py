@@ -65,13 +65,14 @@ def test_logprobs_equal_a_reference_forward(eng, hf_reference):
     assert [t for _, t, _ in lps] == ids and len(ids) == 16
     logits = hf_reference(torch.tensor([prompt + ids])).logits[0].float()
     ref = torch.log_softmax(logits / T, -1)  # SGLang: log-prob under the temperature-scaled full distribution
+    # fp32 against the HF forward: measured 7.9e-6 (output, temperature 0.7) / 1.4e-6 (prompt) (CPU, 2026-12-07)
     for i, (lp, t, _) in enumerate(lps):
-        assert abs(lp - ref[len(prompt) - 1 + i, t].item()) < 1e-4
+        assert abs(lp - ref[len(prompt) - 1 + i, t].item()) < 1.6e-5
     raw = torch.log_softmax(logits, -1)
     inp = out["meta_info"]["input_token_logprobs"]
     assert inp[0][0] is None and [t for _, t, _ in inp] == prompt
     for i in range(1, len(prompt)):
-        assert abs(inp[i][0] - raw[i - 1, prompt[i]].item()) < 1e-4
+        assert abs(inp[i][0] - raw[i - 1, prompt[i]].item()) < 3e-6
     top = out["meta_info"]["output_top_logprobs"][0]
     want = ref[len(prompt) - 1].topk(3)
     assert [t for _, t, _ in top] == want.indices.tolist()

@@ -104,7 +104,7 @@ def test_group_requests_give_the_per_sample_samples_in_one_request_per_group(rou
     assert [s.reward for s in b] == [s.reward for s in a]
     assert [s.loss_mask for s in b] == [s.loss_mask for s in a]
     for x, y in zip(a, b):
-        assert y.rollout_log_probs == pytest.approx(x.rollout_log_probs, abs=1e-5)
+        assert y.rollout_log_probs == pytest.approx(x.rollout_log_probs, abs=1e-6)     # measured 4.8e-7
         assert y.weight_version == x.weight_version and y.response == x.response
     assert grouped.metrics["rollout/generate_failures"] == 0 and grouped.metrics["rollout/num_samples"] == 12
 

@@ -106,7 +106,8 @@ def test_prefill_logprobs_rescores_responses_on_the_engine(engine, tiny_model_di
 
     s, aborted, decode_lps = asyncio.run(go())
     assert s.metadata["rollout_log_probs_source"] == "sglang_prefill_recompute" and aborted.rollout_log_probs == [0.0]
-    assert s.rollout_log_probs == pytest.approx(decode_lps, abs=1e-4)   # the embedded engine: prefill = decode
+    # the embedded engine: prefill = decode, measured 2.4e-7 apart (CPU, 2026-12-07)
+    assert s.rollout_log_probs == pytest.approx(decode_lps, abs=5e-7)
 
 
 PLUGIN = '''

@@ -45,7 +45,7 @@ def test_teacher_log_probs_match_a_reference_forward(teacher, tiny_model_dir):
     with torch.no_grad():
         logits = model(torch.tensor([tokens])).logits[0].float()
     ref = torch.log_softmax(logits, -1)[torch.arange(4, 6), torch.tensor(tokens[5:])]
-    assert lps == pytest.approx(ref.tolist(), abs=2e-4)
+    assert lps == ref.tolist()                                   # measured: bit for bit (CPU, 2026-12-07)
 
 
 def test_failed_samples_are_skipped_and_bad_answers_are_named(teacher):

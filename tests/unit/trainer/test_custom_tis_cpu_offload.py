@@ -114,7 +114,8 @@ def test_miles_mis_example_weights_and_rejection(monkeypatch):
         loss, metrics = policy_loss_with_tis(compute_mis_weights_fsdp, args)(algo, inp, reduce)
         w = (pg * weight).tolist()
         expected = (sum(w[:3]) / 3 + sum(w[3:]) / 2) / 2
-        assert float(metrics["pg_loss"]) == pytest.approx(expected, rel=1e-5), (mode, use_rs)
+        # fp32 against float64: measured 8.4e-8 relative (CPU, 2026-12-07)
+        assert float(metrics["pg_loss"]) == pytest.approx(expected, rel=2e-7), (mode, use_rs)
         assert float(metrics["mis_clipfrac"]) > 0
         losses[mode, use_rs] = float(loss.detach())
     assert losses["truncate", True] != pytest.approx(losses["truncate", False])  # RS changed the numerators

@@ -26,7 +26,8 @@ def test_fused_matches_checkpointed_path(chunk: int, entropy_grad: bool) -> None
         gh, gw = torch.autograd.grad(loss, (hidden, weight))
         out[name] = (lp.detach(), ent.detach(), gh, gw)
     for a, b in zip(out["fused"], out["ref"]):
-        torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=1e-5)   # both in fp32, another op order
+        # both in fp32, another op order: measured at most 6.8e-6 (the weight gradient, entries up to 13; CPU)
+        torch.testing.assert_close(a.double(), b.double(), rtol=0, atol=1.4e-5)
 
 
 def test_fused_without_entropy_and_bf16() -> None:

@@ -144,11 +144,12 @@ def test_merged_weights_equal_base_plus_scaled_b_a_and_compute_the_same():
         key = name.rsplit(".", 1)[0]
         if key in ad.targets and name.endswith("weight"):
             pair = ad.pairs[key.replace(".", "/")]
-            assert torch.allclose(w, base[name] + 3.0 * pair.lora_B @ pair.lora_A, atol=1e-6)
+            # fp32: measured 2.4e-7 (CPU, 2026-12-07)
+            assert torch.allclose(w, base[name] + 3.0 * pair.lora_B @ pair.lora_A, rtol=0, atol=5e-7)
             assert not torch.equal(w, base[name])
         else:
             assert torch.equal(w, base[name])
-    assert torch.allclose(plain, adapted, atol=1e-5)
+    assert torch.allclose(plain, adapted, rtol=0, atol=2e-6)              # measured 9.5e-7
     assert all(torch.equal(p, base[n]) for n, p in model.named_parameters())      # restored after
 
 

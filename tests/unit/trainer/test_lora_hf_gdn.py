@@ -15,18 +15,14 @@ import json
 
 import pytest
 import torch
+from _lora_hf import hf_model, lora_spec, merged_reference
 
 from miles.config import ConfigError
-from miles.config.lora import resolve
 from miles.trainer import lora, lora_hf
 
 TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,in_proj,out_proj"      # every linear
 IN_PROJ = {"qwen3_next": ("in_proj_qkvz", "in_proj_ba"), "qwen3_5": ("in_proj_qkv", "in_proj_z", "in_proj_b",
                                                                       "in_proj_a")}
-
-
-def _spec(targets: str = TARGETS) -> lora.LoraSpec:
-    return lora.LoraSpec(rank=4, alpha=8.0, dropout=0.0, targets=resolve(targets).leaves)
 
 
 @pytest.fixture(scope="module", params=sorted(IN_PROJ))
@@ -36,18 +32,12 @@ def gdn_dir(request, tmp_path_factory):
     return request.param, build_tiny_qwen35_model(tmp_path_factory.mktemp(request.param), kind=request.param)
 
 
-def _model(path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-
-
 def test_gdn_adapters_equal_their_merged_weights(gdn_dir) -> None:
     kind, path = gdn_dir
-    model, base = _model(path), _model(path)
+    model, base = hf_model(path), hf_model(path)
     cfg = json.loads((path / "config.json").read_text())
-    lora_hf.check_model(_spec(), cfg)                    # passes: no refusal
-    ad = lora_hf.attach_hf(model, model.model.layers, _spec(), seed=5)
+    lora_hf.check_model(lora_spec(TARGETS), cfg)                    # passes: no refusal
+    ad = lora_hf.attach_hf(model, model.model.layers, lora_spec(TARGETS), seed=5)
     types = cfg["layer_types"]
     linear = [i for i, t in enumerate(types) if t == "linear_attention"]
     full = [i for i, t in enumerate(types) if t == "full_attention"]
@@ -65,27 +55,16 @@ def test_gdn_adapters_equal_their_merged_weights(gdn_dir) -> None:
     attn = model.model.layers[linear[0]].linear_attn
     assert all(g.lora_B[m].shape[0] == getattr(attn, m).weight.shape[0] for m in IN_PROJ[kind])
 
-    torch.manual_seed(0)
-    ids = torch.randint(4, 90, (2, 12))
-    with torch.no_grad():
-        ref = base(input_ids=ids).logits
-        assert torch.equal(model(input_ids=ids).logits, ref)                 # B = 0: the base model bit for bit
-        for p in ad.parameters():
-            p.normal_(0.0, 0.3)
-        hooked = model(input_ids=ids).logits
-        sd = base.state_dict()
-        for name in ad.hf_targets():
-            sd[name] = sd[name] + ad.delta(name)
-        base.load_state_dict(sd)
-        merged = base(input_ids=ids).logits
-    err, moved = (hooked - merged).abs().max().item(), (hooked - ref).abs().max().item()
+    r = merged_reference(model, base, ad)
+    assert r.base_exact                                                      # B = 0: the base model bit for bit
+    err, moved = r.err, r.moved
     print({"kind": kind, "hooked_vs_merged": err, "moved": moved})
     # fp32 rounding: measured (2026-12, CPU; pytest -s -k merged) qwen3_5 / qwen3_next 3.8e-6 / 1.6e-5 while the adapters
     # move the logits by 0.81 / 0.71 (the gated delta rule amplifies the rounding of in_proj's outputs: Qwen3-Next with
     # in_proj alone agrees exactly in float64); bounded at about twice each
     assert err < {"qwen3_5": 7.5e-6, "qwen3_next": 3.3e-5}[kind] and moved > 1e-2, (err, moved)
 
-    model(input_ids=ids).logits.square().mean().backward()
+    model(input_ids=r.ids).logits.square().mean().backward()
     assert all(p.grad is None for p in model.parameters())
     assert all(g.lora_A.grad is not None and g.lora_A.grad.abs().sum() > 0 for g in ad.groups.values())
 
@@ -93,5 +72,5 @@ def test_gdn_adapters_equal_their_merged_weights(gdn_dir) -> None:
 def test_gdn_refusals() -> None:
     with pytest.raises(ConfigError, match=r"^--target-modules in_proj,out_proj: LoRA on in_proj / out_proj is built "
                                           r"for the gated DeltaNet .* not for nemotron_h; drop them"):
-        lora_hf.check_model(_spec("in_proj,out_proj"), {"model_type": "nemotron_h"})
-    lora_hf.check_model(_spec("in_proj_qkvz"), {"model_type": "qwen3_next", "num_experts": 4})   # no expert target
+        lora_hf.check_model(lora_spec("in_proj,out_proj"), {"model_type": "nemotron_h"})
+    lora_hf.check_model(lora_spec("in_proj_qkvz"), {"model_type": "qwen3_next", "num_experts": 4})   # no expert target

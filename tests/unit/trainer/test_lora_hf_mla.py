@@ -15,18 +15,14 @@ import json
 
 import pytest
 import torch
+from _lora_hf import hf_model, lora_spec, merged_reference
 
 from miles.config import ConfigError
-from miles.config.lora import resolve
 from miles.trainer import lora, lora_hf
 
 MLA = {"dsv3": dict(model_type="deepseek_v3", q_lora_rank=None, n_group=2, topk_group=1),
        "kimi": dict(model_type="kimi_k2"), "glm": dict(model_type="glm4_moe_lite")}
 KIMI_K25 = "q_a_proj,kv_a_proj_with_mqa,o_proj,gate_proj,up_proj,down_proj"      # Kimi-K2.5's LoRA recipe
-
-
-def _spec(targets: str) -> lora.LoraSpec:
-    return lora.LoraSpec(rank=4, alpha=8.0, dropout=0.0, targets=resolve(targets).leaves)
 
 
 @pytest.fixture(scope="module", params=sorted(MLA))
@@ -36,20 +32,11 @@ def mla_dir(request, tmp_path_factory):
     return request.param, build_tiny_mla_model(tmp_path_factory.mktemp(request.param), **MLA[request.param])
 
 
-def _model(path):
-    from transformers import AutoModelForCausalLM
-
-    from miles.utils.hf_aliases import register_hf_aliases
-
-    register_hf_aliases()
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-
-
 def test_mla_adapters_equal_their_merged_weights(mla_dir) -> None:
     family, path = mla_dir
-    model, base = _model(path), _model(path)
+    model, base = hf_model(path), hf_model(path)
     cfg = json.loads((path / "config.json").read_text())
-    spec = _spec("all-linear")
+    spec = lora_spec("all-linear")
     lora_hf.check_model(spec, cfg)                       # passes: no refusal
     ad = lora_hf.attach_hf(model, model.model.layers, spec, seed=5)
     n = len(model.model.layers)
@@ -71,27 +58,16 @@ def test_mla_adapters_equal_their_merged_weights(mla_dir) -> None:
     assert kv_up.lora_B["kv_b_proj"].shape == model.model.layers[2].self_attn.kv_b_proj.weight.shape[:1] + (4,)
     assert not any(p.requires_grad for p in model.parameters())
 
-    torch.manual_seed(0)
-    ids = torch.randint(4, 90, (2, 12))
-    with torch.no_grad():
-        ref = base(input_ids=ids).logits
-        assert torch.equal(model(input_ids=ids).logits, ref)                 # B = 0: the base model bit for bit
-        for p in ad.parameters():
-            p.normal_(0.0, 0.3)
-        hooked = model(input_ids=ids).logits
-        sd = base.state_dict()
-        for name in ad.hf_targets():
-            sd[name] = sd[name] + ad.delta(name)
-        base.load_state_dict(sd)
-        merged = base(input_ids=ids).logits
-    err, moved = (hooked - merged).abs().max().item(), (hooked - ref).abs().max().item()
+    r = merged_reference(model, base, ad)
+    assert r.base_exact                                                      # B = 0: the base model bit for bit
+    err, moved = r.err, r.moved
     print({"family": family, "hooked_vs_merged": err, "moved": moved})
     # fp32 rounding: measured (2026-12, CPU; pytest -s -k merged) dsv3 / glm / kimi 2.1e-6 / 2.2e-6 / 2.2e-6 while the
     # adapters move the logits by 0.80 / 0.73 / 0.73; bounded at about twice the largest
     assert err < 4.5e-6 and moved > 1e-2, (err, moved)
 
     # a backward reaches the adapters (every attention one), never a base weight
-    model(input_ids=ids).logits.square().mean().backward()
+    model(input_ids=r.ids).logits.square().mean().backward()
     assert all(p.grad is None for p in model.parameters())
     assert all(g.lora_A.grad is not None and g.lora_A.grad.abs().sum() > 0 for k, g in ad.groups.items()
                if "self_attention" in k)
@@ -101,8 +77,8 @@ def test_kimi_k25_recipe_targets(mla_dir) -> None:
     """Kimi-K2.5's ``--target-modules``: q_a_proj, kv_a_proj_with_mqa, o_proj and the MLPs (experts included);
     q_b_proj / kv_b_proj keep no adapter."""
     family, path = mla_dir
-    model = _model(path)
-    ad = lora_hf.attach_hf(model, model.model.layers, _spec(KIMI_K25), seed=0)
+    model = hf_model(path)
+    ad = lora_hf.attach_hf(model, model.model.layers, lora_spec(KIMI_K25), seed=0)
     attn = {k.rsplit(".", 1)[-1] for k in ad.targets if ".self_attention." in k}
     assert attn == ({"linear_proj", "linear_kv_down_proj"} | ({"linear_q_down_proj"} if family != "dsv3" else set()))
     assert not any(k.endswith(("q_b_proj.weight", "kv_b_proj.weight")) for k in ad.hf)
@@ -110,10 +86,10 @@ def test_kimi_k25_recipe_targets(mla_dir) -> None:
 
 
 def test_mla_refusals() -> None:
-    lora_hf.check_model(_spec("all-linear"), {"model_type": "kimi_k2", "kv_lora_rank": 16, "n_routed_experts": 4})
+    lora_hf.check_model(lora_spec("all-linear"), {"model_type": "kimi_k2", "kv_lora_rank": 16, "n_routed_experts": 4})
     # DeepSeek sparse attention adapts as DeepSeek-V3 (tests/unit/trainer/test_lora_hf_dsa.py); an MLA model type
     # not in MLA_MODEL_TYPES is refused
-    lora_hf.check_model(_spec("q_a_proj"), {"model_type": "glm_moe_dsa", "kv_lora_rank": 512})
+    lora_hf.check_model(lora_spec("q_a_proj"), {"model_type": "glm_moe_dsa", "kv_lora_rank": 512})
     with pytest.raises(ConfigError, match=r"^--lora-rank on the multi-latent-attention model deepseek_v2 is not "
                                           r"supported by the FSDP backend .* add --train-backend megatron\.$"):
-        lora_hf.check_model(_spec("q_a_proj"), {"model_type": "deepseek_v2", "kv_lora_rank": 512})
+        lora_hf.check_model(lora_spec("q_a_proj"), {"model_type": "deepseek_v2", "kv_lora_rank": 512})

@@ -14,21 +14,12 @@ import json
 
 import pytest
 import torch
+from _lora_hf import hf_model, lora_spec, merged_reference
 
 from miles.config import ConfigError, parse_args
 from miles.trainer import lora, lora_hf
 
 ALL = ("linear_fc1", "linear_fc2", "linear_proj", "linear_qkv")
-
-
-def _spec(shared: bool, targets: tuple[str, ...] = ALL) -> lora.LoraSpec:
-    return lora.LoraSpec(rank=4, alpha=8.0, dropout=0.0, targets=targets, experts_shared_outer=shared)
-
-
-def _model(path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +41,10 @@ def gpt_oss_dir(tmp_path_factory):
 def test_expert_adapters_equal_their_merged_weights(request, family: str, shared: bool) -> None:
     path = request.getfixturevalue({"qwen3_moe": "tiny_moe_dir", "glm4_moe": "glm_moe_dir",
                                     "gpt_oss": "gpt_oss_dir"}[family])
-    model, base = _model(path), _model(path)
+    model, base = hf_model(path), hf_model(path)
     cfg = json.loads((path / "config.json").read_text())
-    lora_hf.check_model(_spec(shared), cfg)            # passes: no refusal
-    ad = lora_hf.attach_hf(model, model.model.layers, _spec(shared), seed=5)
+    lora_hf.check_model(lora_spec(ALL, shared), cfg)            # passes: no refusal
+    ad = lora_hf.attach_hf(model, model.model.layers, lora_spec(ALL, shared), seed=5)
     moe_layers = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
     experts = model.model.layers[moe_layers[0]].mlp.experts
     n = experts.gate_up_proj.shape[0]
@@ -70,7 +61,8 @@ def test_expert_adapters_equal_their_merged_weights(request, family: str, shared
         d, half = ad.delta(f"model.layers.{moe_layers[0]}.mlp.experts.gate_up_proj")[1], f.pairs[1].lora_B.shape[0] // 2
         want = (f.pairs[1].lora_B @ f.pairs[1].lora_A).detach() * 2.0
         assert d.shape == experts.gate_up_proj.shape[1:]
-        torch.testing.assert_close(d[:, 0::2], want[:half].t()) and torch.testing.assert_close(d[:, 1::2], want[half:].t())
+        torch.testing.assert_close(d[:, 0::2], want[:half].t())
+        torch.testing.assert_close(d[:, 1::2], want[half:].t())
         with torch.no_grad():
             f.pairs[1].lora_B.zero_()
     # the Megatron backend's draw: the seed and the expert's Megatron name (the layer's for a shared outer factor)
@@ -83,36 +75,24 @@ def test_expert_adapters_equal_their_merged_weights(request, family: str, shared
     assert all(x is a1[0] for x in a1) == shared and all(x is b2[0] for x in b2) == shared
     assert not any(p.requires_grad for p in model.parameters())
 
-    torch.manual_seed(0)
-    ids = torch.randint(4, 90, (2, 12))
-    with torch.no_grad():
-        ref = base(input_ids=ids).logits
-        assert torch.equal(model(input_ids=ids).logits, ref)                 # B = 0: the base model bit for bit
-        for p in ad.parameters():
-            p.normal_(0.0, 0.3)
-        hooked = model(input_ids=ids).logits
-        sd = base.state_dict()
-        for name in ad.hf_targets():
-            sd[name] = sd[name] + ad.delta(name)
-        base.load_state_dict(sd)
-        merged = base(input_ids=ids).logits
+    r = merged_reference(model, base, ad)
+    assert r.base_exact                                                      # B = 0: the base model bit for bit
     # fp32 rounding: measured (2026-12) per-expert / shared-outer 3.2e-6 / 2.1e-6 (qwen3_moe), 1.1e-6 / 7.4e-7
     # (glm4_moe), 9.0e-6 / 8.6e-6 (gpt_oss: x @ W + b, clamped SwiGLU) while the adapters move the logits by ~0.7;
     # bounded at about twice the family's largest
     bound = {"qwen3_moe": 6.5e-6, "glm4_moe": 2.5e-6, "gpt_oss": 2e-5}[family]
-    assert (hooked - merged).abs().max() < bound and (hooked - ref).abs().max() > 1e-2, \
-        ((hooked - merged).abs().max(), (hooked - ref).abs().max())
+    assert r.err < bound and r.moved > 1e-2, (r.err, r.moved)
 
     # a backward reaches every hit expert's adapters, never a base weight
-    model(input_ids=ids).logits.square().mean().backward()
+    model(input_ids=r.ids).logits.square().mean().backward()
     assert all(p.grad is None for p in model.parameters())
     grads = [p.grad is not None and bool(p.grad.abs().sum() > 0) for p in ad.parameters()]
     assert sum(grads) > 0.9 * len(grads), (sum(grads), len(grads))
 
 
 def test_peft_names_and_the_merged_export_of_the_experts(tiny_moe_dir) -> None:
-    model = _model(tiny_moe_dir)
-    ad = lora_hf.attach_hf(model, model.model.layers, _spec(False, ("linear_fc1", "linear_fc2")), seed=1)
+    model = hf_model(tiny_moe_dir)
+    ad = lora_hf.attach_hf(model, model.model.layers, lora_spec(("linear_fc1", "linear_fc2")), seed=1)
     with torch.no_grad():
         for p in ad.parameters():
             p.normal_()
@@ -138,16 +118,16 @@ def test_refusals(tiny_moe_dir, tiny_model_dir, tmp_path) -> None:
     moe = json.loads((tiny_moe_dir / "config.json").read_text())
     dense = json.loads((tiny_model_dir / "config.json").read_text())
     gpt_oss = json.loads((build_tiny_gpt_oss_model(tmp_path / "gpt_oss") / "config.json").read_text())
-    lora_hf.check_model(_spec(True), moe)
-    lora_hf.check_model(_spec(True), gpt_oss)
+    lora_hf.check_model(lora_spec(ALL, True), moe)
+    lora_hf.check_model(lora_spec(ALL, True), gpt_oss)
     qwen2_moe = {"model_type": "qwen2_moe", "num_experts": 4}                  # a layout not built here
-    lora_hf.check_model(_spec(False, ("linear_proj", "linear_qkv")), qwen2_moe)   # attention only: fine
+    lora_hf.check_model(lora_spec(("linear_proj", "linear_qkv")), qwen2_moe)   # attention only: fine
     with pytest.raises(ConfigError, match=r"^--target-modules .* LoRA on the MoE experts of qwen2_moe"):
-        lora_hf.check_model(_spec(False), qwen2_moe)
+        lora_hf.check_model(lora_spec(ALL), qwen2_moe)
     with pytest.raises(ConfigError, match=r"^--experts-shared-outer-loras .* the model has no MoE experts"):
-        lora_hf.check_model(_spec(True), dense)
+        lora_hf.check_model(lora_spec(ALL, True), dense)
     with pytest.raises(ConfigError, match=r"^--experts-shared-outer-loras .* selects no expert linear"):
-        lora_hf.check_model(_spec(True, ("linear_qkv",)), moe)
+        lora_hf.check_model(lora_spec(("linear_qkv",), True), moe)
     cfg = parse_args(["--hf-checkpoint", str(tiny_moe_dir), "--train-backend", "fsdp", "--num-rollout", "1",
                       "--rollout-batch-size", "2", "--lora-rank", "4", "--target-modules", "all-linear",
                       "--experts-shared-outer-loras"])

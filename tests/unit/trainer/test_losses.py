@@ -26,7 +26,7 @@ def test_kl_estimators():
             else:
                 rc = max(min(-r, 20.0), -20.0)
                 exp = max(min(math.exp(rc) - 1 - rc, 10.0), -10.0)
-            assert g == pytest.approx(exp, rel=1e-5), kind
+            assert g == pytest.approx(exp, rel=2.5e-7), kind      # fp32 against float64: measured 1.2e-7
     assert L.approx_kl(lp, base, "low_var_kl").max() <= 10.0
     with pytest.raises(ValueError, match="--kl-loss-type"):
         L.approx_kl(lp, base, "k9")
@@ -48,7 +48,7 @@ def test_ppo_clip_both_sides_and_dual_clip(eps_hi, c):
     loss, clipped = L.ppo_clip_loss(logr, adv, 0.2, eps_hi, c)
     for i in range(len(logr)):
         el, ec = _ppo_ref(logr[i].item(), adv[i].item(), 0.2, eps_hi if eps_hi is not None else 0.2, c)
-        assert loss[i].item() == pytest.approx(el, rel=1e-5), i
+        assert loss[i].item() == pytest.approx(el, rel=1e-7), i        # fp32 against float64: measured 4.0e-8
         assert clipped[i].item() == ec
     assert clipped[1] == 1 and clipped[4] == 1 and clipped[2] == 0 and clipped[3] == 0
     if c is not None:
@@ -131,9 +131,10 @@ def test_policy_loss_written_out():
         return ((v[0] + v[1]) / 2 + (v[2] + v[3]) / 1) / 2
 
     exp = smean(pg) - 0.01 * smean(en) + 0.2 * smean(kl)
-    assert loss.item() == pytest.approx(exp, rel=1e-5)
-    assert m["pg_loss"].item() == pytest.approx(smean(pg), rel=1e-5)
-    assert m["kl_loss"].item() == pytest.approx(smean(kl), rel=1e-5)
+    # fp32 against float64: measured 1.2e-7 / 5.5e-8 / 4.0e-8 relative (CPU, 2026-12-07)
+    assert loss.item() == pytest.approx(exp, rel=2.5e-7)
+    assert m["pg_loss"].item() == pytest.approx(smean(pg), rel=1.2e-7)
+    assert m["kl_loss"].item() == pytest.approx(smean(kl), rel=1e-7)
     loss.backward()
     assert lp.grad[3].item() == 0.0 and ent.grad[0].item() == pytest.approx(-0.01 / 2 / 2)
 

@@ -47,5 +47,6 @@ def test_padded_rows_match_the_packed_row(tiny_model_dir):
                                       mb.max_seqlen, temperature=0.7, with_entropy=True)
         lp_rows, ent_rows = model(ids, pos, index, mb.targets, mb.cu_seqlens, mb.max_seqlen, temperature=0.7,
                                   with_entropy=True)
-    torch.testing.assert_close(lp_rows, lp_packed, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ent_rows, ent_packed, rtol=1e-5, atol=1e-5)
+    # fp32, padded rows against one packed row: measured 4.8e-7 (CPU, 2026-12-07)
+    torch.testing.assert_close(lp_rows, lp_packed, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ent_rows, ent_packed, rtol=0, atol=1e-6)

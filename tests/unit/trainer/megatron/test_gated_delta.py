@@ -28,7 +28,7 @@ def test_chunked_matches_recurrence(chunk):
                                         output_final_state=True, use_qk_l2norm_in_kernel=True)
     ref, ref_state = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=init, use_qk_l2norm_in_kernel=True)
     # measured max |diff| 2.4e-7 (out) / 8.0e-7 (state), fp32, chunk 4..64 (this test, CPU)
-    torch.testing.assert_close(out, ref, atol=1.6e-6, rtol=0)
+    torch.testing.assert_close(out, ref, atol=5e-7, rtol=0)
     torch.testing.assert_close(state, ref_state, atol=1.6e-6, rtol=0)
 
 
@@ -56,8 +56,9 @@ def test_packed_sequences_do_not_share_state():
             continue
         ref, ref_state = recurrent_gated_delta_rule(*(x[:, s:e] for x in (q, k, v, g, beta)),
                                                     use_qk_l2norm_in_kernel=True)
-        torch.testing.assert_close(out[:, s:e], ref, atol=1.6e-6, rtol=0)       # measured 6e-8 (this test, CPU)
-        torch.testing.assert_close(states[n:n + 1], ref_state, atol=1.6e-6, rtol=0)
+        # measured 6.0e-8 (out) / 1.2e-7 (state) (this test, CPU)
+        torch.testing.assert_close(out[:, s:e], ref, atol=1.2e-7, rtol=0)
+        torch.testing.assert_close(states[n:n + 1], ref_state, atol=2.4e-7, rtol=0)
 
 
 def test_gradients_match_recurrence():
