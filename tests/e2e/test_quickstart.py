@@ -20,14 +20,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(90
 
 
 @pytest.fixture(scope="module")
-def quickstart(tmp_path_factory) -> Path:
-    """prepare.sh + run_sft.sh: the data, the tiny model and its SFT warm start (our SFT path, 2 ranks)."""
-    d = tmp_path_factory.mktemp("quickstart")
-    log = d / "sft.log"
-    check_ok(run(["bash", str(QUICKSTART / "run_sft.sh")], log, timeout=600, QUICKSTART_DIR=str(d)), log)
-    assert (d / "sft_model" / "config.json").is_file() and (d / "sft_model" / "model.safetensors").is_file()
-    check_run_dir(d / "sft_run", num_rollout=30, num_ranks=2)
-    return d
+def quickstart(quickstart_sft: Path) -> Path:
+    """prepare.sh + run_sft.sh: the data, the tiny model and its SFT warm start (our SFT path, 2 ranks; built once
+    per session, tests/conftest.py's ``quickstart_sft``, which checks its run dir)."""
+    return quickstart_sft
 
 
 def test_torchrun_disaggregated(quickstart: Path, tmp_path: Path):
