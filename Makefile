@@ -35,11 +35,13 @@ test: setup lint
 # (docs/benchmarks.md, "The CPU suite" says why each is covered there by another): Kimi-K2, Kimi-K2.5 and
 # Nemotron-H in the broadcast, p2p and disk-delta weight-sync modes (`make test` runs their colocated `tensor`
 # mode), Qwen3.5's published layout colocated, and the recorded commands' other fixtures (DeepSeek-V3 MLA,
-# GLM-4.5-Air, the Qwen3.5 MTP / self-distillation commands).
+# Kimi-K2 at TP 2 x PP 2 x EP 2, GLM-4.5-Air, Qwen3-235B-A22B disaggregated, the Qwen3.5 MTP / self-distillation
+# commands).
 test-replay: setup
 	MILES_REPLAY_ALL=1 OMP_NUM_THREADS=1 $(VENV)/bin/pytest -m replay $(PYTEST_ARGS) tests/e2e/test_miles_replay.py \
 		tests/e2e/test_mla_parallel_replay.py tests/e2e/test_glm45_e2e.py tests/e2e/test_qwen3_next_e2e.py \
-		tests/e2e/test_kimi_k2_e2e.py tests/e2e/test_kimi_k25_e2e.py tests/e2e/test_nemotron_h_e2e.py
+		tests/e2e/test_kimi_k2_e2e.py tests/e2e/test_kimi_k25_e2e.py tests/e2e/test_nemotron_h_e2e.py \
+		tests/e2e/test_moe_parallel_replay.py
 
 # The quick tier while developing.
 test-fast: setup
