@@ -31,10 +31,17 @@ test: setup lint
 	MILES_STRICT_SKIPS=1 OMP_NUM_THREADS=1 $(VENV)/bin/pytest -m "not gpu and not sglang" $(PYTEST_ARGS) tests
 
 # Every Miles v0.1.0 recorded command that passes --dry-run, replayed for 2 rollouts at tiny CPU scale
-# (docs/miles-scripts.md); `make test` runs 3 of them.
+# (docs/miles-scripts.md); `make test` runs 3 of them. Also the family e2e runs `make test` leaves to this tier
+# (docs/benchmarks.md, "The CPU suite" says why each is covered there by another): Kimi-K2, Kimi-K2.5 and
+# Nemotron-H in the broadcast, p2p and disk-delta weight-sync modes (`make test` runs their colocated `tensor`
+# mode), Qwen3.5's published layout colocated, and the recorded commands' other fixtures (DeepSeek-V3 MLA,
+# Kimi-K2 at TP 2 x PP 2 x EP 2, GLM-4.5-Air, Qwen3-235B-A22B disaggregated, the Qwen3.5 MTP / self-distillation
+# commands).
 test-replay: setup
 	MILES_REPLAY_ALL=1 OMP_NUM_THREADS=1 $(VENV)/bin/pytest -m replay $(PYTEST_ARGS) tests/e2e/test_miles_replay.py \
-		tests/e2e/test_mla_parallel_replay.py tests/e2e/test_glm45_e2e.py tests/e2e/test_qwen3_next_e2e.py
+		tests/e2e/test_mla_parallel_replay.py tests/e2e/test_glm45_e2e.py tests/e2e/test_qwen3_next_e2e.py \
+		tests/e2e/test_kimi_k2_e2e.py tests/e2e/test_kimi_k25_e2e.py tests/e2e/test_nemotron_h_e2e.py \
+		tests/e2e/test_moe_parallel_replay.py
 
 # The quick tier while developing.
 test-fast: setup

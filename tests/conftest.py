@@ -31,6 +31,22 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny_model"), hidden_size=64, num_layers=2)
 
 
+@pytest.fixture(scope="session")
+def quickstart_sft(tmp_path_factory) -> Path:
+    """The quickstart's data, tiny model and SFT warm start (``examples/quickstart/run_sft.sh``: our SFT path, 2
+    ranks, the default backend), built once per session and only read after: the GRPO phases of
+    tests/e2e/test_quickstart.py, test_megatron_quickstart.py and test_megatron_pp_quickstart.py start from it
+    (``QUICKSTART_DIR``), each writing its runs under its own ``--output-dir`` / ``--save``."""
+    from _miles_e2e import QUICKSTART, check_ok, check_run_dir, run  # tests/e2e's: only its tests ask for this
+
+    d = tmp_path_factory.mktemp("quickstart")
+    log = d / "sft.log"
+    check_ok(run(["bash", str(QUICKSTART / "run_sft.sh")], log, timeout=600, QUICKSTART_DIR=str(d)), log)
+    assert (d / "sft_model" / "config.json").is_file() and (d / "sft_model" / "model.safetensors").is_file()
+    check_run_dir(d / "sft_run", num_rollout=30, num_ranks=2)
+    return d
+
+
 @pytest.fixture(scope="module")
 def tiny_moe_dir(tmp_path_factory) -> Path:
     """A tiny Qwen3-MoE model (``build_tiny_moe_model``'s defaults), built once per test module."""

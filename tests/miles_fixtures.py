@@ -360,10 +360,22 @@ REPLAY_ALL = os.environ.get("MILES_REPLAY_ALL") == "1"
 def replay_params(names, in_make_test: tuple[str, ...]) -> list:
     """``names`` as pytest params of a replay test: those not in ``in_make_test`` run only under ``make test-replay``
     (MILES_REPLAY_ALL=1), as the replay tier's own fixtures beyond its ``make test`` subset."""
+    return tier_params({n: (n,) for n in names}, in_make_test)
+
+
+def tier_params(cases: dict[str, tuple], in_make_test: tuple[str, ...]) -> list:
+    """``cases`` (id -> the parametrization's values) as pytest params marked ``replay`` (``make test-replay``'s
+    ``-m replay`` selects them): those not in ``in_make_test`` are skipped unless MILES_REPLAY_ALL=1, so ``make test``
+    runs one representative of a family's matrix (weight-sync modes, layouts) and ``make test-replay`` all of it
+    (docs/benchmarks.md, "The CPU suite": which ones, and why each is covered in ``make test`` by another)."""
     import pytest
 
+    unknown = set(in_make_test) - set(cases)
+    assert not unknown, f"in_make_test names no case: {sorted(unknown)}"
     skip = pytest.mark.skip(reason="the whole replay tier runs under `make test-replay` (MILES_REPLAY_ALL=1)")
-    return [pytest.param(n, marks=() if REPLAY_ALL or n in in_make_test else skip) for n in names]
+    return [pytest.param(*values, id=name,
+                         marks=(pytest.mark.replay,) + (() if REPLAY_ALL or name in in_make_test else (skip,)))
+            for name, values in cases.items()]
 
 
 @dataclass

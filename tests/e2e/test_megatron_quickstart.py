@@ -20,11 +20,9 @@ MEGATRON = ["--train-backend", "megatron", "--tensor-model-parallel-size", "2", 
 
 
 @pytest.fixture(scope="module")
-def quickstart(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("quickstart_megatron")
-    log = d / "sft.log"
-    check_ok(run(["bash", str(QUICKSTART / "run_sft.sh")], log, timeout=600, QUICKSTART_DIR=str(d)), log)
-    return d
+def quickstart(quickstart_sft: Path) -> Path:
+    """run_sft.sh's warm start, built once per session (tests/conftest.py's ``quickstart_sft``)."""
+    return quickstart_sft
 
 
 def test_megatron_tp2_quickstart_learns_and_resumes(quickstart: Path, tmp_path: Path) -> None:

@@ -33,7 +33,11 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", replay_params(CASES, in_make_test=("megatron_kimi_k2",)))
+# Both run under `make test-replay` only. In `make test`: the same 4-rank colocated layout (TP 2 x PP 2 x EP 2 with
+# --sequence-parallel, a sync gathered from both stages) on Qwen3-MoE (test_moe_parallel_replay.py's int4 command),
+# Kimi-K2's MLA synced at TP 2 x EP 2 (test_kimi_k2_e2e.py), MLA under CP 2, PP 2 (Kimi-K2's uneven split) and
+# CP 2 x EP 2 against the FSDP backend (tests/multiprocess/test_megatron_mla.py's layouts)
+@pytest.mark.parametrize("name", replay_params(CASES, in_make_test=()))
 def test_recorded_mla_command_runs_two_rollouts(name: str, tmp_path: Path) -> None:
     from miles_fixtures import HERE, PLUGIN_FOLDERS, read_fixture, tiny_replay
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from _family_e2e import check_synced, run_replay
+from miles_fixtures import replay_params
 
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(900)]
@@ -27,7 +28,11 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
+# `make test` runs the int4 command (TP 2 x PP 2 x EP 2, colocated on 4 ranks); the disaggregated one (TP 2 x EP 2
+# + 2 engine ranks, broadcast) runs under `make test-replay`: in `make test` the GLM-5 and Gemma 4 e2e tests run that
+# trainer layout with a broadcast to an engine rank of its own (test_glm5_e2e.py, test_gemma4_moe_e2e.py), the
+# quickstart's disaggregated runs broadcast to 2 engine ranks (test_quickstart.py, test_megatron_quickstart.py)
+@pytest.mark.parametrize("name", replay_params(CASES, in_make_test=("int4_qwen3_235b_a22b",)))
 def test_recorded_qwen3_235b_command_runs_two_rollouts(name: str, tmp_path: Path) -> None:
     from miles_fixtures import HERE, PLUGIN_FOLDERS, tiny_replay
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from _family_e2e import WEIGHT_SYNC_MODES, quickstart_data, run_two_rollouts, weight_sync_flags
+from miles_fixtures import replay_params
 
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(1200)]
@@ -60,7 +61,9 @@ def setup(tmp_path_factory) -> tuple[Path, Path]:
     return quickstart_data(d), build_tiny_nemotron_model(d / "nemotron", routed_scaling_factor=5.0)
 
 
-@pytest.mark.parametrize("mode", list(WEIGHT_SYNC_MODES))
+# `make test` runs the recorded colocated mode; the other modes run under `make test-replay` (the other families'
+# e2e tests carry each mode in `make test`: docs/benchmarks.md, "The CPU suite")
+@pytest.mark.parametrize("mode", replay_params(WEIGHT_SYNC_MODES, in_make_test=("tensor",)))
 def test_nemotron_h_recorded_command_runs_two_rollouts(setup, tmp_path: Path, mode: str) -> None:
     data, model = setup
     flags, nproc = weight_sync_flags(mode, tmp_path)

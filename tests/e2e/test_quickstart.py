@@ -3,8 +3,9 @@ ranks of the default backend, megatron, + 2 embedded engines; colocated: 2 ranks
 the README's other choice; colocated Megatron is tests/e2e/test_megatron_quickstart.py's), under mpirun, and
 with train_async.py. Each
 short run checks that it completes and what it leaves (metrics.jsonl keys, config, per-rank logs, plot).
-``test_learning`` runs the full quickstart and asserts its learning criterion: mean reward over the last
-3 rollouts at least 0.3 above the first 3, and at least 0.8, within 10 minutes of wall time.
+``test_learning`` asserts the full quickstart's learning criterion: mean reward over the last
+3 rollouts at least 0.3 above the first 3, and at least 0.8, within 10 minutes of wall time; the disaggregated
+wiring test checks the same run (``grpo_run``, once per module).
 """
 
 from __future__ import annotations
@@ -20,27 +21,34 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(90
 
 
 @pytest.fixture(scope="module")
-def quickstart(tmp_path_factory) -> Path:
-    """prepare.sh + run_sft.sh: the data, the tiny model and its SFT warm start (our SFT path, 2 ranks)."""
-    d = tmp_path_factory.mktemp("quickstart")
-    log = d / "sft.log"
-    check_ok(run(["bash", str(QUICKSTART / "run_sft.sh")], log, timeout=600, QUICKSTART_DIR=str(d)), log)
-    assert (d / "sft_model" / "config.json").is_file() and (d / "sft_model" / "model.safetensors").is_file()
-    check_run_dir(d / "sft_run", num_rollout=30, num_ranks=2)
-    return d
+def quickstart(quickstart_sft: Path) -> Path:
+    """prepare.sh + run_sft.sh: the data, the tiny model and its SFT warm start (our SFT path, 2 ranks; built once
+    per session, tests/conftest.py's ``quickstart_sft``, which checks its run dir)."""
+    return quickstart_sft
 
 
-def test_torchrun_disaggregated(quickstart: Path, tmp_path: Path):
-    out, log = tmp_path / "run", tmp_path / "run.log"
-    check_ok(run(["bash", str(QUICKSTART / "run_grpo.sh"), "--num-rollout", "3", "--output-dir", str(out)], log,
-                 timeout=600, QUICKSTART_DIR=str(quickstart)), log)
-    recs = check_run_dir(out, num_rollout=3, num_ranks=4)
+@pytest.fixture(scope="module")
+def grpo_run(quickstart: Path, tmp_path_factory) -> tuple[Path, Path, float]:
+    """The quickstart's GRPO phase as README runs it (``run_grpo.sh``: disaggregated, 40 rollouts), once: its run
+    dir, its log and its wall time. ``test_torchrun_disaggregated`` checks its wiring, ``test_learning`` that it
+    learns (one run, where each ran its own: the wiring run was the first 3 rollouts of this command)."""
+    d = tmp_path_factory.mktemp("grpo")
+    out, log = d / "run", d / "run.log"
+    t0 = time.monotonic()
+    check_ok(run(["bash", str(QUICKSTART / "run_grpo.sh"), "--output-dir", str(out)], log, timeout=600,
+                 QUICKSTART_DIR=str(quickstart)), log)
+    return out, log, time.monotonic() - t0
+
+
+def test_torchrun_disaggregated(grpo_run: tuple[Path, Path, float]):
+    out, log, _ = grpo_run
+    recs = check_run_dir(out, num_rollout=40, num_ranks=4)
     assert all(r["rollout/num_samples"] == 128 for r in recs)
     assert all(r["perf/update_weights_time"] > 0 for r in recs)
     assert (out / "engine0.log").is_file() and (out / "engine1.log").is_file() and (out / "router.log").is_file()
     assert "eval/quickstart" in recs[-1]  # evaluation after the last rollout
     text = log.read_text()
-    assert "rollout 2/3 | reward" in text and "weight sync v4 (broadcast)" in text
+    assert "rollout 39/40 | reward" in text and "weight sync v4 (broadcast)" in text
     assert "Megatron trainer ready" in text  # no backend named: Miles's default
     # an engine joins the router once healthy and current: after the initial weight sync, never before it
     driver = (out / "logs" / "rank0.log").read_text()
@@ -97,13 +105,9 @@ def test_train_async_refuses_colocate(tmp_path: Path):
     assert "does not support --colocate" in log.read_text()
 
 
-def test_learning(quickstart: Path, tmp_path: Path):
+def test_learning(grpo_run: tuple[Path, Path, float]):
     """The quickstart's GRPO phase learns: last-3 mean >= first-3 mean + 0.3 and >= 0.8, in < 10 minutes."""
-    out, log = tmp_path / "run", tmp_path / "run.log"
-    t0 = time.monotonic()
-    check_ok(run(["bash", str(QUICKSTART / "run_grpo.sh"), "--output-dir", str(out)], log, timeout=600,
-                 QUICKSTART_DIR=str(quickstart)), log)
-    wall = time.monotonic() - t0
+    out, _, wall = grpo_run
     print(f"quickstart GRPO phase: {wall:.1f} s")
     recs = check_run_dir(out, num_rollout=40, num_ranks=4)
     rewards = [r["rollout/raw_reward"] for r in recs]

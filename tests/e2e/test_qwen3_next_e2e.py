@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from _family_e2e import check_synced, quickstart_data, run_replay, run_two_rollouts, weight_sync_flags
-from miles_fixtures import replay_params
+from miles_fixtures import replay_params, tier_params
 
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(900)]
@@ -72,7 +72,11 @@ LAYOUT_MODES = {"text": (False, "tensor"), "published_layout_mtp": (True, "tenso
                 "published_layout_mtp-disk-delta": (True, "disk-delta")}
 
 
-@pytest.mark.parametrize("published, mode", list(LAYOUT_MODES.values()), ids=list(LAYOUT_MODES))
+# `make test` runs the text layout (colocated) and the published layout through disk-delta; the published layout
+# colocated runs under `make test-replay` (in `make test`, test_recorded_qwen36_mtp_command_runs_two_rollouts runs
+# the published layout with its MTP layer trained, colocated)
+@pytest.mark.parametrize("published, mode",
+                         tier_params(LAYOUT_MODES, in_make_test=("text", "published_layout_mtp-disk-delta")))
 def test_qwen35_moe_runs_two_rollouts_with_weight_check(setup, tmp_path: Path, published: bool, mode: str) -> None:
     data, model = setup
     flags, nproc = weight_sync_flags(mode, tmp_path)
