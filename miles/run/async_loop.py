@@ -7,7 +7,9 @@ then syncs; that prefetched rollout is trained on next. The sync returns once th
 sending: the engines receive and load them while the trainer trains on (``WeightSender.sync(detach=True)``,
 one-request syncs to embedded engines), and the next generation first waits for their answer
 (``perf/wait_weights_time``; the landed sync's transfer, load and total seconds go into that rollout's record as
-``weight_sync/landed_*`` with ``weight_sync/landed_rollout_id``, the rollout the sync followed). Only the driver
+``weight_sync/landed_*`` with ``weight_sync/landed_rollout_id``, the rollout the sync followed; a sync landed by an eval,
+by the next sync or at the end of the run goes in as ``weight_sync/{eval,sync,final}_landed_*``: see
+:func:`landed_metrics`). Only the driver
 lands, so a sync detaches only where the driver is the weight sender's source rank. Samples are therefore up to
 ``--update-weights-interval`` weight versions old. Each sample carries the ``weight_version`` the
 engine generated it with; with ``--max-weight-staleness N`` groups older than N versions (relative to
@@ -55,6 +57,19 @@ def detaches(worker: Any, fully_async: bool) -> bool:
                     "land them; each sync waits for the engines instead")
         return False
     return True
+
+
+def landed_metrics(landed: Any, by: str = "") -> dict[str, float]:
+    """A landed detached sync's record keys (``WeightSender.take_landed``; None: none), named by who landed it, so that
+    two landed syncs in one record never overwrite each other: ``weight_sync/landed_*`` (the generation that followed
+    it), ``weight_sync/eval_landed_*`` (an eval), ``weight_sync/sync_landed_*`` (the next sync: no generation came
+    between, as before the last sync), ``weight_sync/final_landed_*`` (the last sync, landed before the last record
+    is written). Each: ``transfer_s``, ``load_s``, ``total_s``, ``gbps`` and ``rollout_id`` (the rollout it followed)."""
+    if landed is None:
+        return {}
+    m = landed.as_metrics()
+    return {f"weight_sync/{by}landed_{k}": m[f"weight_sync/{k}"]
+            for k in ("transfer_s", "load_s", "total_s", "gbps", "rollout_id") if f"weight_sync/{k}" in m}
 
 
 class AsyncRLLoop(RLLoop):
@@ -117,26 +132,28 @@ class AsyncRLLoop(RLLoop):
                     with self.job.worker.channel.keepalive():
                         await asyncio.wait([pending])  # no weight change in the middle of a rollout
                 metrics.update(await self.sync_weights(detach=self.detach, rollout_id=rollout_id))
+                sender = self.job.worker.sender
+                if sender is not None:  # the sync landed its predecessor when no generation came between (the last)
+                    metrics.update(landed_metrics(sender.take_landed(), "sync_"))
             metrics.update(await self.maybe_eval(rollout_id))
+            if rollout_id + 1 == end:  # the last sync lands before the last record is written, which carries it
+                metrics.update({k: v for k, v in (await self.land_weights("final_")).items()
+                                if k.startswith("weight_sync/final_landed_")})
             metrics.update({k: v for k, v in self.timer.pop().items() if k not in metrics})
             if ft is not None:
                 metrics.update(ft.metrics())
             metrics["perf/step_time"] = time.monotonic() - t_step
             self.job.sink.log(rollout_id, metrics)
 
-    async def land_weights(self) -> dict[str, float]:
+    async def land_weights(self, by: str = "") -> dict[str, float]:
         """Wait for the engines to answer a detached weight sync; raises its failure. Returns the seconds waited
         (``perf/wait_weights_time``, 0.0 when none was in flight) and what the landed sync measured on its thread
-        (``weight_sync/landed_*``: transfer, load, total seconds, GB/s and the rollout it followed)."""
+        (``weight_sync/{by}landed_*``: :func:`landed_metrics`)."""
         sender = self.job.worker.sender
         if sender is None or not sender.detached_in_flight:
             return {"perf/wait_weights_time": 0.0}
         metrics = {"perf/wait_weights_time": await asyncio.to_thread(sender.land)}
-        landed = sender.take_landed()
-        if landed is not None:
-            m = landed.as_metrics()
-            metrics.update({f"weight_sync/landed_{k}": m[f"weight_sync/{k}"]
-                            for k in ("transfer_s", "load_s", "total_s", "gbps", "rollout_id") if f"weight_sync/{k}" in m})
+        metrics.update(landed_metrics(sender.take_landed(), by))
         return metrics
 
     async def generate_overlapped(self, rollout_id: int) -> tuple[list[list[Sample]], dict[str, float]]:
@@ -165,7 +182,7 @@ class AsyncRLLoop(RLLoop):
         return groups, metrics
 
     async def evaluate(self, rollout_id: int) -> dict[str, float]:
-        landed = {k: v for k, v in (await self.land_weights()).items() if k.startswith("weight_sync/landed_")}
+        landed = {k: v for k, v in (await self.land_weights("eval_")).items() if k.startswith("weight_sync/eval_landed_")}
         if self.fully is None:
             return {**await super().evaluate(rollout_id), **landed}
         self.fully.pause()  # no new training groups while the engines evaluate

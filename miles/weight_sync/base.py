@@ -233,7 +233,7 @@ class WeightSender(ABC):
         self._detach_rollout = rollout_id
         try:
             self.land()  # a detached sync still in flight lands before the next one starts
-        except WeightSyncError as e:
+        except (WeightSyncError, OSError, RuntimeError, ValueError) as e:  # every rank reaches _agree below
             err = e
         try:
             if err is None:
@@ -283,7 +283,8 @@ class WeightSender(ABC):
 
     def take_landed(self) -> SyncResult | None:
         """The last detached sync that landed successfully, with what its thread measured (transfer, load, total
-        seconds, GB/s; ``extra["rollout_id"]`` when ``sync`` named it), once: None until another lands."""
+        seconds, GB/s; ``extra["rollout_id"]`` when ``sync`` named it), once: None until another lands. Not atomic
+        across threads: train_async.py takes it on the event-loop thread only."""
         landed, self._landed = self._landed, None
         return landed
 

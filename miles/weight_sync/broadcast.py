@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import itertools
 import queue
 import threading
@@ -41,6 +40,7 @@ from miles.utils.logging import get_logger
 from miles.utils.net import host_address
 from miles.weight_sync.base import Deadline, EngineTarget, SyncResult, WeightSender, WeightSyncError
 from miles.weight_sync.buckets import dtype_to_str, pack_bucket
+from miles.weight_sync.detached import Detached, DetachedLanding
 from miles.weight_sync.group import WeightGroup, WeightGroupError, host_store
 
 logger = get_logger(__name__)
@@ -72,52 +72,12 @@ def _end_rendezvous(store: Any, name: str, world: int, wait_s: float = 2.0) -> N
         logger.debug("ending the rendezvous of %s: %s", name, e)
 
 
-class _Detached:
-    """A whole sync whose post, broadcast and engine answer run on their own thread (``sync(detach=True)``).
-
-    The thread fills ``measured`` (its own result: the returned one is the caller's, read at once) and
-    ``finished``; ``group`` is the weight-update group it broadcasts on, which nothing else may use while it runs."""
-
-    def __init__(self, returned: SyncResult, engines: list[EngineTarget], deadline: Deadline, group: WeightGroup,
-                 previous: int, rollout_id: int | None) -> None:
-        self.returned, self.engines, self.deadline, self.group = returned, engines, deadline, group
-        self.version = returned.version
-        self.previous = previous  # the sender's version before this sync: back to it when the sync fails
-        self.rollout_id = rollout_id
-        self.measured = SyncResult(returned.mode, returned.version, num_engines=len(engines))
-        self.failure: list[BaseException] = []
-        self.thread: threading.Thread | None = None
-        self.started = self.finished = 0.0
-
-    def run(self, send: Any) -> None:
-        self.started = time.monotonic()
-        try:
-            send()
-        finally:
-            self.finished = time.monotonic()
-
-    @property
-    def what(self) -> str:
-        return f"weight sync v{self.version} (detached{'' if self.rollout_id is None else f', rollout {self.rollout_id}'})"
-
-    def landed(self) -> SyncResult:
-        """The returned result with what the thread measured: total = the call's seconds + the thread's."""
-        r = self.returned
-        extra = {**r.extra, "returned_s": r.total_s,
-                 **({"rollout_id": float(self.rollout_id)} if self.rollout_id is not None else {})}
-        return dataclasses.replace(r, transfer_s=self.measured.transfer_s, load_s=self.measured.load_s,
-                                   total_s=r.total_s + (self.finished - self.started), extra=extra, unmeasured=())
-
-
-class BroadcastSender(WeightSender):
+class BroadcastSender(DetachedLanding, WeightSender):
     """``--update-weight-transfer-mode broadcast``. ``flatten=False`` sends one broadcast per tensor;
     ``max_in_flight`` buckets may await their engines' answers (2: an engine loads bucket k while k+1 travels)."""
 
     mode = "broadcast"
     num_sources = 1  # trainer ranks in the weight-update group (ranks 0..num_sources-1)
-    # land() waits this long past a detached sync's --update-weight-timeout for its thread, whose own waits end at
-    # that deadline and then report which engine and step did not answer
-    land_grace_s = 5.0
 
     def __init__(self, cfg, source, *, device: torch.device | str | None = None, master_addr: str | None = None,
                  store_port: int = 0, flatten: bool = True, max_in_flight: int = 2, **kwargs: Any) -> None:
@@ -134,11 +94,7 @@ class BroadcastSender(WeightSender):
         self._group_engines: list[EngineTarget] = []
         self._formations = 0
         self._in_flight: collections.deque = collections.deque()  # buckets whose engine answers are outstanding
-        self._detached: _Detached | None = None  # a detached whole sync not yet landed
-        # a detached sync whose thread outlived land()'s bounded wait: it may still hold its group (dropped from
-        # this sender, never used again); every later sync refuses to start while that thread runs
-        self._overran: _Detached | None = None
-        self._land_lock = threading.Lock()
+        self._init_detached()  # detached.py: the detached sync in flight, an overran one, their lock
 
     # -- group membership ----------------------------------------------------------------------------
     @property
@@ -366,80 +322,16 @@ class BroadcastSender(WeightSender):
             q.put(self._prepared(bucket, result))  # the bytes are copied out: the trainer may step again
         q.put(_DONE)
         if self._detach_this:
-            det = _Detached(result, engines, deadline, group, self.weight_version, self._detach_rollout)
-            det.thread = threading.Thread(target=det.run, name="miles-weight-detached", daemon=True, args=(
-                lambda: self._sender_loop(q, group, engines, version, deadline, det.measured, det.failure, whole, False),))
-            self._detached = det
-            result.extra["detached"] = 1.0
-            result.unmeasured = ("transfer_s", "load_s", "gbps")  # the thread's: reported when it lands
-            det.thread.start()
-            return
+            det = Detached(result, engines, deadline, group, self.weight_version, self._detach_rollout)
+            if self._start_detached(det, lambda: self._sender_loop(q, group, engines, version, deadline, det.measured,
+                                                                   det.failure, whole, False)):
+                result.extra["detached"] = 1.0
+                result.unmeasured = ("transfer_s", "load_s", "gbps")  # the thread's: reported when it lands
+                return
         failure: list[BaseException] = []
         self._sender_loop(q, group, engines, version, deadline, result, failure, whole, False)
         if failure:
             raise self._name_suspects(failure[0], engines)
-
-    @property
-    def detached_in_flight(self) -> bool:
-        return self._detached is not None
-
-    def _land_detached(self) -> float:
-        """Wait for a detached sync's engines to answer (see ``WeightSender.land``); raises its failure. The wait is
-        bounded by the sync's ``--update-weight-timeout`` plus ``land_grace_s``; a thread still running then is
-        left with its group (dropped from this sender: no collective on it will start here again)."""
-        self._refuse_while_overran()
-        det = self._detached
-        if det is None:
-            return 0.0
-        t0 = time.monotonic()
-        assert det.thread is not None
-        det.thread.join(timeout=max(0.0, det.deadline.end - time.monotonic()) + self.land_grace_s)
-        waited = time.monotonic() - t0
-        with self._land_lock:  # a second caller landing at the same time waited for the same thread
-            first = self._detached is det
-            if first:
-                self._detached = None
-        if det.thread.is_alive():
-            if first:
-                self._abandon(det)
-            raise WeightSyncError(f"{det.what} did not finish within --update-weight-timeout={det.deadline.seconds:g}s "
-                                  f"(+{self.land_grace_s:g}s): its sender thread still holds weight-update group "
-                                  f"{det.group.name!r}, which no later sync will use; the engines may be stalled or "
-                                  f"slower than the flag allows -- engines: {[e.url for e in det.engines]}")
-        if det.failure:
-            if first:
-                self.weight_version = det.previous  # as after a plain sync that failed: the engines lack this version
-                if self._group is det.group:
-                    self._drop_group(notify=[])  # unusable now: the next sync re-forms it
-            raise self._name_suspects(det.failure[0], det.engines)
-        if first:
-            self._landed = det.landed()
-            self._log_landed(self._landed, waited)
-        return waited
-
-    def _abandon(self, det: _Detached) -> None:
-        """A detached sync overran land()'s bounded wait: its thread may be inside a collective on ``det.group``.
-        The group leaves this sender without being destroyed under the thread (that could hang or interleave);
-        no collective starts on it again, and later syncs refuse to start while the thread runs."""
-        self.weight_version = det.previous  # the engines may lack this version
-        if self._group is det.group:
-            self._group, self._group_engines = None, []
-        self._overran = det
-        logger.error("%s overran --update-weight-timeout=%gs; weight-update group %s is abandoned to its thread",
-                     det.what, det.deadline.seconds, det.group.name)
-
-    def _refuse_while_overran(self) -> None:
-        """Raise while an overran detached sync's thread still runs; once it ended, destroy its group (bounded)."""
-        det = self._overran
-        if det is None:
-            return
-        assert det.thread is not None
-        if det.thread.is_alive():
-            raise WeightSyncError(f"no weight sync can start: {det.what} overran --update-weight-timeout="
-                                  f"{det.deadline.seconds:g}s and its sender thread still holds weight-update group "
-                                  f"{det.group.name!r} (stop the run, or wait for the thread to end)")
-        self._overran = None
-        self._destroy_group(det.group, det.engines)  # the thread is done with it: the next sync forms a new one
 
     def _prepared(self, bucket: list[tuple[str, torch.Tensor]], result: SyncResult) -> tuple[torch.Tensor | None, list, Any]:
         """``_prepare`` with its time counted as gathering and the bucket counted in ``result``."""
@@ -526,7 +418,7 @@ class BroadcastSender(WeightSender):
             failure.append(e)
             while True:  # unblock the producer until it sends _DONE
                 try:
-                    if q.get(timeout=deadline.end - time.monotonic() + 5.0) is _DONE:
+                    if q.get(timeout=max(0.0, deadline.end - time.monotonic() + 5.0)) is _DONE:
                         return
                 except queue.Empty:
                     return

@@ -91,9 +91,14 @@ def test_train_async(quickstart: Path, tmp_path: Path):
     # the sync detached (one request to each embedded engine), and each next generation landed it first
     assert [r["weight_sync/detached"] for r in recs] == [1.0, 1.0, 1.0]
     assert all("perf/wait_weights_time" in r for r in recs[1:])
-    # a landed sync's transfer and load are reported measured (rollout 2's record: the one its eval landed, or
-    # rollout 0's that its generation landed), never as zeros at return
-    assert recs[2]["weight_sync/landed_rollout_id"] in (0.0, 2.0) and recs[2]["weight_sync/landed_load_s"] > 0, recs[2]
+    # every sync's transfer and load are reported measured, never as zeros at return: rollout 2's record carries the
+    # sync after rollout 0 (its generation landed it), after rollout 1 (the last sync landed it) and after rollout 2
+    # (its eval landed it, or the end of the run did, before the record was written)
+    r2 = recs[2]
+    assert r2["weight_sync/landed_rollout_id"] == 0.0 and r2["weight_sync/landed_load_s"] > 0, r2
+    assert r2["weight_sync/sync_landed_rollout_id"] == 1.0 and r2["weight_sync/sync_landed_load_s"] > 0, r2
+    last = "eval_" if "weight_sync/eval_landed_rollout_id" in r2 else "final_"
+    assert r2[f"weight_sync/{last}landed_rollout_id"] == 2.0 and r2[f"weight_sync/{last}landed_load_s"] > 0, r2
     assert not any("weight_sync/transfer_s" in r for r in recs)
 
 

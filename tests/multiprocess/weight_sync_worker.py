@@ -31,7 +31,7 @@ import torch.distributed as dist
 from miles.fleet.client import SyncEngineControl
 from miles.spmd.supervisor import EngineSupervisor, scrubbed_env
 from miles.utils.net import find_free_port
-from miles.weight_sync import broadcast as bc_mod
+from miles.weight_sync import detached as bc_mod
 from miles.weight_sync import disk_delta as dd
 from miles.weight_sync.base import EngineTarget, WeightSyncError, build_weight_sender
 
@@ -233,7 +233,7 @@ def main() -> None:
         def iter_weight_buckets(self, bucket_bytes, dtype):
             return iter(self.buckets)
 
-    class HeldThreading:  # broadcast.py's threading, the detached sync's thread held until release
+    class HeldThreading:  # detached.py's threading, the detached sync's thread held until release
         def __init__(self) -> None:
             self.release, self.held = threading.Event(), 0
 

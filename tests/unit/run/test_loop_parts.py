@@ -201,7 +201,7 @@ def test_async_loop_detaches_each_sync_and_lands_it_before_the_next_generation()
     logged: dict[int, dict] = {}
 
     class Sender:
-        weight_version, in_flight, synced_after = 0, False, None
+        weight_version, in_flight, synced_after, landed_after = 0, False, None, None
 
         @property
         def detached_in_flight(self) -> bool:
@@ -209,12 +209,18 @@ def test_async_loop_detaches_each_sync_and_lands_it_before_the_next_generation()
 
         def land(self) -> float:
             events.append("land")
+            if self.in_flight:
+                self.landed_after = self.synced_after
             self.in_flight = False
             return 0.25
 
-        def take_landed(self) -> SyncResult:
-            return SyncResult("broadcast", 1, bytes=4_000_000, transfer_s=0.003, load_s=0.002, total_s=0.008,
-                              extra={"detached": 1.0, "rollout_id": float(self.synced_after)})
+        def take_landed(self) -> SyncResult | None:  # once, as WeightSender.take_landed
+            if self.landed_after is None:
+                return None
+            r = SyncResult("broadcast", 1, bytes=4_000_000, transfer_s=0.003, load_s=0.002, total_s=0.008,
+                           extra={"detached": 1.0, "rollout_id": float(self.landed_after)})
+            self.landed_after = None
+            return r
 
     sender = Sender()
     lp = object.__new__(AsyncRLLoop)
@@ -227,6 +233,8 @@ def test_async_loop_detaches_each_sync_and_lands_it_before_the_next_generation()
         return [], {}
 
     async def sync_weights(detach=False, rollout_id=None):
+        if sender.in_flight:
+            sender.land()  # WeightSender.sync lands its predecessor first
         events.append(("sync", detach))
         sender.in_flight, sender.synced_after = detach, rollout_id
         return {}
@@ -244,20 +252,24 @@ def test_async_loop_detaches_each_sync_and_lands_it_before_the_next_generation()
 
     asyncio.run(main())
     assert events == [("generate", 0), ("generate", 1), ("sync", True), "land", ("generate", 2), ("sync", True),
-                      ("sync", True)], events
+                      "land", ("sync", True), "land"], events
     assert [logged[i]["perf/wait_weights_time"] for i in range(3)] == [0.0, 0.0, 0.25]
-    # rollout 2's generation landed the sync that followed rollout 0: its thread's measures, not zeros
-    assert "weight_sync/landed_transfer_s" not in logged[1]
-    assert {k: v for k, v in logged[2].items() if k.startswith("weight_sync/landed_")} == {
-        "weight_sync/landed_transfer_s": 0.003, "weight_sync/landed_load_s": 0.002,
-        "weight_sync/landed_total_s": 0.008, "weight_sync/landed_gbps": 0.5, "weight_sync/landed_rollout_id": 0.0}
+    # rollout 2's generation landed the sync that followed rollout 0: its thread's measures, not zeros; the last
+    # sync landed the one after rollout 1 (no generation came between), and the last sync itself landed before the
+    # last record was written: every sync's measures reach the records, none overwriting another
+    assert not any("landed_" in k for i in (0, 1) for k in logged[i]), logged
+    measured = {"transfer_s": 0.003, "load_s": 0.002, "total_s": 0.008, "gbps": 0.5}
+    assert {k: v for k, v in logged[2].items() if "landed_" in k} == {
+        **{f"weight_sync/{by}landed_{k}": v for by in ("", "sync_", "final_") for k, v in measured.items()},
+        "weight_sync/landed_rollout_id": 0.0, "weight_sync/sync_landed_rollout_id": 1.0,
+        "weight_sync/final_landed_rollout_id": 2.0}
 
 
 def _worker(sender, ft=None):
     from types import SimpleNamespace
 
     return SimpleNamespace(ft=ft, sender=sender, channel=SimpleNamespace(is_src=True, src=0),
-                           ctx=SimpleNamespace(plan=SimpleNamespace(trainer_ranks=[0, 1])))
+                           ctx=SimpleNamespace(plan=SimpleNamespace(trainer_ranks=[1, 2])))
 
 
 def test_a_sync_detaches_only_where_the_driver_holds_the_senders_thread() -> None:
@@ -277,5 +289,5 @@ def test_a_sync_detaches_only_where_the_driver_holds_the_senders_thread() -> Non
     assert detaches(_worker(source), fully_async=True) is False
     assert detaches(_worker(source, ft=object()), fully_async=False) is False
     with pytest.raises(MilesError, match=r"landed by the driver \(rank 0\), which is not the weight sender's source "
-                                         r"rank \(rank 0, the first trainer rank\).*sync without detach"):
+                                         r"rank \(rank 1, the first trainer rank\).*sync without detach"):
         Ranks(_worker(other)).sync_weights(detach=True, rollout_id=3)
