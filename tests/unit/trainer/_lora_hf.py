@@ -1,5 +1,4 @@
-"""Helpers of the FSDP backend's LoRA tests on real transformers models (``test_lora_hf_moe.py``,
-``test_lora_hf_mla.py``, ``test_lora_hf_gdn.py``): the spec, the fp32 model, and the merged-weights reference (the
+"""Helpers of the FSDP backend's LoRA tests on real transformers models (``test_lora_hf_{moe,mla,gdn,dsa,dsv4,vlm}.py``): the spec, the fp32 model, and the merged-weights reference (the
 adapter forward against a plain model whose weights are ``W + (alpha / r) B @ A``, what the weight export adds)."""
 
 from __future__ import annotations
@@ -31,18 +30,18 @@ def hf_model(path: Path) -> torch.nn.Module:
 
 @dataclass
 class MergedReference:
-    ids: torch.Tensor           # the token ids (2 x 12) every forward ran on
+    ids: torch.Tensor           # the token ids (2 x seq_len) every forward ran on
     base_exact: bool            # B = 0: the adapter forward gave the base model's logits bit for bit
     err: float                  # max |adapter forward - merged weights' forward| with random A and B
     moved: float                # max |adapter forward - base forward|: how far the adapters move the logits
 
 
-def merged_reference(model: torch.nn.Module, base: torch.nn.Module, ad) -> MergedReference:
+def merged_reference(model: torch.nn.Module, base: torch.nn.Module, ad, seq_len: int = 12) -> MergedReference:
     """``model`` holds the adapters ``ad`` (B = 0 as attached), ``base`` a plain copy of the checkpoint: the logits
     with B = 0, then with every adapter parameter drawn from N(0, 0.3) against ``base`` with ``ad.delta`` added to
-    each target (``base`` keeps the merged weights)."""
+    each target (``base`` keeps the merged weights); 2 rows of ``seq_len`` random tokens."""
     torch.manual_seed(0)
-    ids = torch.randint(4, 90, (2, 12))
+    ids = torch.randint(4, 90, (2, seq_len))
     with torch.no_grad():
         ref = base(input_ids=ids).logits
         base_exact = torch.equal(model(input_ids=ids).logits, ref)

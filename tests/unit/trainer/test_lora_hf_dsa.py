@@ -22,6 +22,7 @@ import json
 
 import pytest
 import torch
+from _lora_hf import merged_reference
 
 from miles.config.lora import resolve
 from miles.trainer import lora, lora_hf
@@ -77,20 +78,9 @@ def test_dsa_adapters_equal_their_merged_weights(dsa_dir, shared: bool) -> None:
                                                           "decoder.layers.2.self_attention.linear_q_up_proj"))
     assert not any(p.requires_grad for p in model.parameters())
 
-    torch.manual_seed(0)
-    ids = torch.randint(4, 90, (2, 12))                   # longer than index_topk (4): sparse from the fifth token
-    with torch.no_grad():
-        ref = base(input_ids=ids).logits
-        assert torch.equal(model(input_ids=ids).logits, ref)                 # B = 0: the base model bit for bit
-        for p in ad.parameters():
-            p.normal_(0.0, 0.3)
-        hooked = model(input_ids=ids).logits
-        sd = base.state_dict()
-        for name in ad.hf_targets():
-            sd[name] = sd[name] + ad.delta(name)
-        base.load_state_dict(sd)
-        merged = base(input_ids=ids).logits
-    err, moved = (hooked - merged).abs().max().item(), (hooked - ref).abs().max().item()
+    r = merged_reference(model, base, ad, seq_len=12)  # longer than index_topk (4): sparse from the fifth token
+    assert r.base_exact                                   # B = 0: the base model bit for bit
+    err, moved, ids = r.err, r.moved, r.ids
     print({"family": family, "shared": shared, "hooked_vs_merged": err, "moved": moved})
     # fp32 rounding: measured (2026-12-07, CPU; pytest -s -k merged) per-expert glm5 / glm52 / dsv32 2.1e-6 / 2.3e-6 /
     # 4.4e-6, shared-outer 3.4e-6 / 1.2e-6 / 3.4e-6, while the adapters move the logits by 0.73 .. 1.21 (a top-k key
