@@ -41,7 +41,7 @@ test-replay: setup
 	MILES_REPLAY_ALL=1 OMP_NUM_THREADS=1 $(VENV)/bin/pytest -m replay $(PYTEST_ARGS) tests/e2e/test_miles_replay.py \
 		tests/e2e/test_mla_parallel_replay.py tests/e2e/test_glm45_e2e.py tests/e2e/test_qwen3_next_e2e.py \
 		tests/e2e/test_kimi_k2_e2e.py tests/e2e/test_kimi_k25_e2e.py tests/e2e/test_nemotron_h_e2e.py \
-		tests/e2e/test_moe_parallel_replay.py
+		tests/e2e/test_moe_parallel_replay.py tests/e2e/test_lora_adapter_sync_e2e.py
 
 # The quick tier while developing.
 test-fast: setup

@@ -32,14 +32,28 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def quickstart_sft(tmp_path_factory) -> Path:
+def quickstart_prepared(tmp_path_factory) -> Path:
+    """``examples/quickstart/prepare.sh``'s output (the tiny model, train/eval/sft data; seed 0), built once per session
+    (about 10-16 s a build on the 2-core box) and never written after: each fixture that needs it takes its own copy
+    (``_miles_e2e.quickstart_copy``: 0.5 MB) instead of running prepare.sh again."""
+    from _miles_e2e import QUICKSTART, check_ok, run  # tests/e2e's: only its tests ask for this
+
+    d = tmp_path_factory.mktemp("quickstart_prepared")
+    log = d / "prepare.log"
+    check_ok(run(["bash", str(QUICKSTART / "prepare.sh"), str(d / "qs")], log, timeout=300), log)
+    assert (d / "qs" / "model" / "config.json").is_file() and (d / "qs" / "train.jsonl").is_file()
+    return d / "qs"
+
+
+@pytest.fixture(scope="session")
+def quickstart_sft(tmp_path_factory, quickstart_prepared: Path) -> Path:
     """The quickstart's data, tiny model and SFT warm start (``examples/quickstart/run_sft.sh``: our SFT path, 2
     ranks, the default backend), built once per session and only read after: the GRPO phases of
     tests/e2e/test_quickstart.py, test_megatron_quickstart.py and test_megatron_pp_quickstart.py start from it
     (``QUICKSTART_DIR``), each writing its runs under its own ``--output-dir`` / ``--save``."""
-    from _miles_e2e import QUICKSTART, check_ok, check_run_dir, run  # tests/e2e's: only its tests ask for this
+    from _miles_e2e import QUICKSTART, check_ok, check_run_dir, quickstart_copy, run  # tests/e2e's
 
-    d = tmp_path_factory.mktemp("quickstart")
+    d = quickstart_copy(quickstart_prepared, tmp_path_factory.mktemp("quickstart") / "qs")   # run_sft.sh: prepared
     log = d / "sft.log"
     check_ok(run(["bash", str(QUICKSTART / "run_sft.sh")], log, timeout=600, QUICKSTART_DIR=str(d)), log)
     assert (d / "sft_model" / "config.json").is_file() and (d / "sft_model" / "model.safetensors").is_file()

@@ -3,7 +3,7 @@ scale, run for 2 rollouts on the quickstart's data and reward with the embedded 
 every sync (``--check-weight-update-equal``). A family's test gives its flags and its tiny model; what every such run
 must show is checked here.
 
-    data = quickstart_data(tmp_dir)                                   # in the module's setup fixture
+    data = quickstart_data(tmp_dir, quickstart_prepared)              # in the module's setup fixture
     recs, text = run_two_rollouts([*TINY_SHAPE, *RECORDED], model=model, data=data, tmp_path=tmp_path)
 
 or in its steps (``two_rollouts_cmd``, ``run``, ``check_two_rollouts``) where a test does more between them.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from _miles_e2e import QUICKSTART, REPO, check_ok, check_run_dir, metrics, run, tail
+from _miles_e2e import REPO, check_ok, check_run_dir, metrics, quickstart_copy, run, tail
 
 TRAINER_LAYOUT = "TP 2 x PP 1 x DP 1"         # the families' recorded layouts scaled to 2 CPU ranks (TP 2, EP 2)
 # weight-sync mode -> its flags and ranks (2 trainer ranks; colocated engines on them, or one engine rank of its own)
@@ -28,11 +28,10 @@ WEIGHT_SYNC_MODES = {
 }
 
 
-def quickstart_data(d: Path) -> Path:
-    """The quickstart's data (``examples/quickstart/prepare.sh``) under ``d / "data"``."""
-    log = d / "prepare.log"
-    check_ok(run(["bash", str(QUICKSTART / "prepare.sh"), str(d / "data")], log, timeout=300), log)
-    return d / "data"
+def quickstart_data(d: Path, prepared: Path) -> Path:
+    """The quickstart's data (``examples/quickstart/prepare.sh``'s, built once a session: tests/conftest.py's
+    ``quickstart_prepared``) copied under ``d / "data"``."""
+    return quickstart_copy(prepared, d / "data")
 
 
 def weight_sync_flags(mode: str, tmp_path: Path) -> tuple[list[str], int]:

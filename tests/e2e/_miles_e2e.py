@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,6 +37,14 @@ def run(cmd: list[str], log: Path, timeout: float, **extra_env: str) -> subproce
             proc.wait(timeout=30)
             raise AssertionError(f"{' '.join(cmd)} did not finish within {timeout}s; log {log}:\n{tail(log)}") from None
     return subprocess.CompletedProcess(cmd, rc)
+
+
+def quickstart_copy(prepared: Path, dest: Path) -> Path:
+    """A copy of ``prepared`` (tests/conftest.py's ``quickstart_prepared``: prepare.sh's model and data, built once a
+    session) at ``dest``, the caller's own: what ``bash examples/quickstart/prepare.sh dest`` writes, without
+    building it again."""
+    shutil.copytree(prepared, dest)
+    return dest
 
 
 def tail(path: Path, n: int = 60) -> str:

@@ -22,14 +22,6 @@ REPO = Path(__file__).resolve().parents[2]
 PLUGIN = "tests.e2e.ft_plugins.long_generate"
 
 
-def build_quickstart(out: Path) -> Path:
-    """The quickstart's tiny model and data (examples/quickstart/build.py), built locally."""
-    if not (out / "model" / "config.json").exists():
-        subprocess.run([sys.executable, str(REPO / "examples" / "quickstart" / "build.py"), "--out", str(out)],
-                       check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, timeout=300)
-    return out
-
-
 def quickstart_flags(data: Path, *, num_rollout: int, batch: int, n: int, response_len: int) -> list[str]:
     """GRPO on the quickstart data with ``n`` samples per prompt and one optimizer step per rollout."""
     return ["--hf-checkpoint", str(data / "model"), "--prompt-data", str(data / "train.jsonl"), "--input-key", "input",

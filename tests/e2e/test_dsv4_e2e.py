@@ -90,11 +90,11 @@ def fork_spelled_flags(model: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory) -> tuple[Path, Path]:
+def setup(tmp_path_factory, quickstart_prepared: Path) -> tuple[Path, Path]:
     from miles.utils.tiny_dsv4 import build_tiny_dsv4_model
 
     d = tmp_path_factory.mktemp("dsv4")
-    return quickstart_data(d), build_tiny_dsv4_model(d / "dsv4")
+    return quickstart_data(d, quickstart_prepared), build_tiny_dsv4_model(d / "dsv4")
 
 
 @pytest.mark.parametrize("unclamped", [False, True], ids=["as_transformers", "no_shared_expert_clamp"])

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import ft_harness as H
 import pytest
+from _miles_e2e import quickstart_copy
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
@@ -29,8 +30,9 @@ pytest.importorskip("sglang_router")
 
 
 @pytest.fixture(scope="module")
-def quickstart(tmp_path_factory) -> Path:
-    return H.build_quickstart(tmp_path_factory.mktemp("ft_quickstart"))
+def quickstart(tmp_path_factory, quickstart_prepared: Path) -> Path:
+    """The quickstart's model and data (prepare.sh's = build.py's defaults, built once a session), this module's copy."""
+    return quickstart_copy(quickstart_prepared, tmp_path_factory.mktemp("ft_quickstart") / "qs")
 
 
 def _fault(faults: list[dict], index: int, where: str) -> dict:

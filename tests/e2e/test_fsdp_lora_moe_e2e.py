@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 
 import pytest
-from _miles_e2e import QUICKSTART, check_ok, check_run_dir, run
+from _miles_e2e import check_ok, check_run_dir, quickstart_copy, run
 from miles_fixtures import VARYING_REWARD
 
 HERE = Path(__file__).resolve()
@@ -29,12 +29,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(90
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory) -> tuple[Path, Path]:
+def setup(tmp_path_factory, quickstart_prepared: Path) -> tuple[Path, Path]:
     from miles.utils.tiny_model import build_tiny_moe_model
 
     d = tmp_path_factory.mktemp("fsdp_lora_moe")
-    log = d / "prepare.log"
-    check_ok(run(["bash", str(QUICKSTART / "prepare.sh"), str(d / "data")], log, timeout=300), log)
+    quickstart_copy(quickstart_prepared, d / "data")      # prepare.sh's, built once a session
     return d / "data", build_tiny_moe_model(d / "moe", num_layers=2, num_experts=4, num_experts_per_tok=2)
 
 

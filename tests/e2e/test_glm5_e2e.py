@@ -50,11 +50,11 @@ RECORDED = [  # the rest of the recorded command, GPU counts scaled to 2 CPU ran
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory) -> tuple[Path, Path]:
+def setup(tmp_path_factory, quickstart_prepared: Path) -> tuple[Path, Path]:
     from miles.utils.tiny_dsa import build_tiny_dsa_model
 
     d = tmp_path_factory.mktemp("glm5")
-    return quickstart_data(d), build_tiny_dsa_model(d / "glm5", routed_scaling_factor=2.5, rope_theta=1e6,
+    return quickstart_data(d, quickstart_prepared), build_tiny_dsa_model(d / "glm5", routed_scaling_factor=2.5, rope_theta=1e6,
                                                     rms_norm_eps=1e-5)
 
 

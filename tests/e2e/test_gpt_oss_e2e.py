@@ -42,11 +42,11 @@ RECORDED = [  # the rest of the recorded command, GPU counts scaled to 2 CPU ran
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory) -> tuple[Path, Path]:
+def setup(tmp_path_factory, quickstart_prepared: Path) -> tuple[Path, Path]:
     from miles.utils.tiny_gpt_oss import build_tiny_gpt_oss_model
 
     d = tmp_path_factory.mktemp("gpt_oss")
-    return quickstart_data(d), build_tiny_gpt_oss_model(d / "gpt_oss")
+    return quickstart_data(d, quickstart_prepared), build_tiny_gpt_oss_model(d / "gpt_oss")
 
 
 @pytest.mark.parametrize("mode", ["tensor", "p2p"])

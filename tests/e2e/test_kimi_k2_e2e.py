@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _miles_e2e import QUICKSTART, check_ok, check_run_dir, run
+from _miles_e2e import check_ok, check_run_dir, quickstart_copy, run
 from miles_fixtures import replay_params
 
 pytest.importorskip("megatron.core")
@@ -83,12 +83,11 @@ def kimi_shape_flags(model: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory) -> tuple[Path, Path]:
+def setup(tmp_path_factory, quickstart_prepared: Path) -> tuple[Path, Path]:
     from miles.utils.tiny_mla import KIMI_K2_YARN, build_tiny_mla_model
 
     d = tmp_path_factory.mktemp("kimi_k2")
-    log = d / "prepare.log"
-    check_ok(run(["bash", str(QUICKSTART / "prepare.sh"), str(d / "data")], log, timeout=300), log)
+    quickstart_copy(quickstart_prepared, d / "data")      # prepare.sh's, built once a session
     # Kimi-K2's rope theta 50000 and routed scaling 2.827 (its config.json), its yarn over 8 original positions
     model = build_tiny_mla_model(d / "kimi", model_type="kimi_k2", rope_scaling=KIMI_K2_YARN, rope_theta=50000.0,
                                  routed_scaling_factor=2.827, max_position_embeddings=256)

@@ -54,11 +54,11 @@ RECORDED = [  # the rest of the recorded command, GPU counts scaled to 2 trainer
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory) -> tuple[Path, Path]:
+def setup(tmp_path_factory, quickstart_prepared: Path) -> tuple[Path, Path]:
     from miles.utils.tiny_nemotron import build_tiny_nemotron_model
 
     d = tmp_path_factory.mktemp("nemotron_h")
-    return quickstart_data(d), build_tiny_nemotron_model(d / "nemotron", routed_scaling_factor=5.0)
+    return quickstart_data(d, quickstart_prepared), build_tiny_nemotron_model(d / "nemotron", routed_scaling_factor=5.0)
 
 
 # `make test` runs the recorded colocated mode; the other modes run under `make test-replay` (the other families'

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _miles_e2e import QUICKSTART, check_ok, check_run_dir, metrics, run
+from _miles_e2e import QUICKSTART, check_ok, check_run_dir, metrics, quickstart_copy, run
 
 from miles.fleet.client import EngineControl
 from miles.fleet.engines import build_engine_argv, engine_url
@@ -21,10 +21,9 @@ from miles.utils.tiny_model import build_tiny_model
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
 
-def test_opd_with_a_teacher_engine(tmp_path: Path):
+def test_opd_with_a_teacher_engine(tmp_path: Path, quickstart_prepared: Path):
     qs = tmp_path / "qs"
-    check_ok(run(["bash", str(QUICKSTART / "prepare.sh"), str(qs)], tmp_path / "prep.log", timeout=300),
-             tmp_path / "prep.log")
+    quickstart_copy(quickstart_prepared, qs)                  # prepare.sh's, built once a session
     teacher_dir = build_tiny_model(tmp_path / "teacher", hidden_size=64, num_layers=2, seed=7)  # same tokenizer
     port = find_free_port()
     argv = build_engine_argv("embedded", hf_checkpoint=str(teacher_dir), host="127.0.0.1", port=port,

@@ -45,7 +45,7 @@ RECORDED = [  # from the self-distillation command (phase2_opd_selfdistill.sh), 
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory) -> tuple[Path, Callable[[bool], Path]]:
+def setup(tmp_path_factory, quickstart_prepared: Path) -> tuple[Path, Callable[[bool], Path]]:
     """The quickstart's data, and the tiny model (built once each) as a text-only checkpoint (False) or in the
     published Qwen3.5 layout (True: ``qwen3_5_moe`` with a ``text_config``, the text model under
     ``model.language_model.``, a vision tower the run does not train, an MTP layer under ``mtp.*`` that the run
@@ -61,7 +61,7 @@ def setup(tmp_path_factory) -> tuple[Path, Callable[[bool], Path]]:
                                                         mtp=published)
         return models[published]
 
-    return quickstart_data(d), model
+    return quickstart_data(d, quickstart_prepared), model
 
 
 # layout (published with MTP, or text-only) x weight-sync mode: colocated (``tensor``) as recorded, and the published

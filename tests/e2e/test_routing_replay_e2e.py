@@ -9,18 +9,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _miles_e2e import QUICKSTART, check_ok, check_run_dir, run
+from _miles_e2e import check_ok, check_run_dir, quickstart_copy, run
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory) -> tuple[Path, Path]:
+def setup(tmp_path_factory, quickstart_prepared: Path) -> tuple[Path, Path]:
     from miles.utils.tiny_model import build_tiny_moe_model
 
     d = tmp_path_factory.mktemp("r3")
-    log = d / "prepare.log"
-    check_ok(run(["bash", str(QUICKSTART / "prepare.sh"), str(d / "data")], log, timeout=300), log)
+    quickstart_copy(quickstart_prepared, d / "data")      # prepare.sh's, built once a session
     model = build_tiny_moe_model(d / "moe", num_layers=2, num_experts=4, num_experts_per_tok=2)
     return d / "data", model
 
