@@ -64,7 +64,8 @@ def peft_tensors(lora: LoraAdapters, shape) -> list[tuple[str, torch.Tensor]]:
 
 
 def peft_named(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], shape) -> list[tuple[str, torch.Tensor]]:
-    """``peft_tensors`` of the whole model's pairs (``full_pairs``: Megatron module name -> (A, B))."""
+    """``peft_tensors`` of the whole model's pairs (``full_pairs``: Megatron module name -> (A, B)); copies, never
+    views of the live adapters (a caller may keep them while training goes on)."""
     from miles.trainer.megatron.convert import megatron_to_hf
 
     out = []
@@ -76,7 +77,8 @@ def peft_named(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], shape) -> li
             continue
         for hf, rows in hf_names:
             module = "base_model.model." + hf.removesuffix(".weight")
-            out += [(module + ".lora_A.weight", a.clone()), (module + ".lora_B.weight", rows.contiguous())]
+            out += [(module + ".lora_A.weight", a.clone()),
+                    (module + ".lora_B.weight", rows.clone(memory_format=torch.contiguous_format))]
     return out
 
 
@@ -92,7 +94,7 @@ def expert_peft_tensors(fused: str, e: int, a: torch.Tensor, b: torch.Tensor, *,
     out = []
     for proj, rows in parts:
         out += [(f"{prefix}.{proj}.lora_A.weight", a.clone()), (f"{prefix}.{proj}.lora_B.weight",
-                                                                rows.contiguous().clone())]
+                                                                rows.clone(memory_format=torch.contiguous_format))]
     return out
 
 
