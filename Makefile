@@ -34,7 +34,7 @@ test: setup lint
 # (docs/miles-scripts.md); `make test` runs 3 of them. Also the family e2e runs `make test` leaves to this tier
 # (docs/benchmarks.md, "The CPU suite" says why each is covered there by another): Kimi-K2, Kimi-K2.5 and
 # Nemotron-H in the broadcast, p2p and disk-delta weight-sync modes (`make test` runs their colocated `tensor`
-# mode), Qwen3.5's published layout colocated, and the recorded commands' other fixtures (DeepSeek-V3 MLA,
+# mode), Qwen3.5's published layout colocated, the LoRA adapter sync's megatron-tensor case, and the recorded commands' other fixtures (DeepSeek-V3 MLA,
 # Kimi-K2 at TP 2 x PP 2 x EP 2, GLM-4.5-Air, Qwen3-235B-A22B disaggregated, the Qwen3.5 MTP / self-distillation
 # commands).
 test-replay: setup
