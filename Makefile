@@ -32,11 +32,11 @@ test: setup lint
 
 # Every Miles v0.1.0 recorded command that passes --dry-run, replayed for 2 rollouts at tiny CPU scale
 # (docs/miles-scripts.md); `make test` runs 3 of them. Also the family e2e runs `make test` leaves to this tier
-# (docs/benchmarks.md, "The CPU suite" says why each is covered there by another): Kimi-K2, Kimi-K2.5 and
-# Nemotron-H in the broadcast, p2p and disk-delta weight-sync modes (`make test` runs their colocated `tensor`
-# mode), Qwen3.5's published layout colocated, the LoRA adapter sync's megatron-tensor case, and the recorded commands' other fixtures (DeepSeek-V3 MLA,
-# Kimi-K2 at TP 2 x PP 2 x EP 2, GLM-4.5-Air, Qwen3-235B-A22B disaggregated, the Qwen3.5 MTP / self-distillation
-# commands).
+# (docs/benchmarks.md, "The CPU suite", says which test covers each there): Kimi-K2 and Kimi-K2.5 in the broadcast,
+# p2p and disk-delta weight-sync modes and Nemotron-H in broadcast and p2p (`make test` runs each one's `tensor`
+# mode, and Nemotron-H's disk-delta), Qwen3.5's published layout colocated, the LoRA adapter sync's megatron-tensor
+# case, and the recorded commands' other fixtures (DeepSeek-V3 MLA, Kimi-K2 at TP 2 x PP 2 x EP 2, GLM-4.5-Air,
+# Qwen3-235B-A22B disaggregated, the Qwen3.5 MTP / self-distillation commands).
 test-replay: setup
 	MILES_REPLAY_ALL=1 OMP_NUM_THREADS=1 $(VENV)/bin/pytest -m replay $(PYTEST_ARGS) tests/e2e/test_miles_replay.py \
 		tests/e2e/test_mla_parallel_replay.py tests/e2e/test_glm45_e2e.py tests/e2e/test_qwen3_next_e2e.py \

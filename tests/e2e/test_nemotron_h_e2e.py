@@ -63,7 +63,7 @@ def setup(tmp_path_factory, quickstart_prepared: Path) -> tuple[Path, Path]:
 
 # `make test` runs the recorded colocated mode; the other modes run under `make test-replay` (the other families'
 # e2e tests carry each mode in `make test`: docs/benchmarks.md, "The CPU suite")
-@pytest.mark.parametrize("mode", replay_params(WEIGHT_SYNC_MODES, in_make_test=("tensor",)))
+@pytest.mark.parametrize("mode", replay_params(WEIGHT_SYNC_MODES, in_make_test=("tensor", "disk-delta")))
 def test_nemotron_h_recorded_command_runs_two_rollouts(setup, tmp_path: Path, mode: str) -> None:
     data, model = setup
     flags, nproc = weight_sync_flags(mode, tmp_path)

@@ -229,3 +229,24 @@ def test_moe_expert_lora_preflight(tiny_model_dir, tmp_path):
                                             "--experts-shared-outer-loras"]), dense)
     with pytest.raises(ConfigError, match=r"^--experts-shared-outer-loras without --lora-rank"):
         parse_args(["--hf-checkpoint", str(tiny_model_dir), "--num-rollout", "1", "--experts-shared-outer-loras"])
+
+
+def test_megatron_peft_names_hand_out_copies(tiny_model_dir) -> None:
+    """``lora.peft_named`` (the Megatron backend's adapter export and sync): every tensor a copy, none a view of the
+    live adapters, for the dense projections (q/k/v rows of ``linear_qkv``'s B are row slices of one tensor) as
+    for the experts."""
+    from transformers import AutoConfig
+
+    from miles.trainer.megatron.options import shape_of
+
+    shape = shape_of(AutoConfig.from_pretrained(tiny_model_dir))
+    hidden, r = shape.hidden_size, 4
+    qkv_rows = (shape.num_attention_heads + 2 * shape.num_query_groups) * shape.kv_channels
+    pairs = {"decoder.layers.0.self_attention.linear_qkv": (torch.randn(r, hidden), torch.randn(qkv_rows, r)),
+             "decoder.layers.0.self_attention.linear_proj": (torch.randn(r, shape.num_attention_heads * shape.kv_channels),
+                                                             torch.randn(hidden, r))}
+    live = [t for pair in pairs.values() for t in pair]
+    out = lora.peft_named(pairs, shape)
+    assert {k.rsplit(".", 3)[1] for k, _ in out} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    for name, t in out:
+        assert all(t.untyped_storage().data_ptr() != x.untyped_storage().data_ptr() for x in live), name

@@ -132,24 +132,3 @@ def test_refusals(tiny_moe_dir, tiny_model_dir, tmp_path) -> None:
                       "--rollout-batch-size", "2", "--lora-rank", "4", "--target-modules", "all-linear",
                       "--experts-shared-outer-loras"])
     lora_hf.check_fsdp(cfg, moe)
-
-
-def test_megatron_peft_names_hand_out_copies(tiny_model_dir) -> None:
-    """``lora.peft_named`` (the Megatron backend's adapter export and sync): every tensor a copy, none a view of the
-    live adapters, for the dense projections (q/k/v rows of ``linear_qkv``'s B are row slices of one tensor) as
-    for the experts."""
-    from transformers import AutoConfig
-
-    from miles.trainer.megatron.options import shape_of
-
-    shape = shape_of(AutoConfig.from_pretrained(tiny_model_dir))
-    hidden, r = shape.hidden_size, 4
-    qkv_rows = (shape.num_attention_heads + 2 * shape.num_query_groups) * shape.kv_channels
-    pairs = {"decoder.layers.0.self_attention.linear_qkv": (torch.randn(r, hidden), torch.randn(qkv_rows, r)),
-             "decoder.layers.0.self_attention.linear_proj": (torch.randn(r, shape.num_attention_heads * shape.kv_channels),
-                                                             torch.randn(hidden, r))}
-    live = [t for pair in pairs.values() for t in pair]
-    out = lora.peft_named(pairs, shape)
-    assert {k.rsplit(".", 3)[1] for k, _ in out} == {"q_proj", "k_proj", "v_proj", "o_proj"}
-    for name, t in out:
-        assert all(t.untyped_storage().data_ptr() != x.untyped_storage().data_ptr() for x in live), name
