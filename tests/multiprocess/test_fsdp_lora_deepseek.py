@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from lora_parity import distance, launch_and_load, logprob_distance, train_backends
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.multiprocess
@@ -64,44 +65,22 @@ def _peft(tr, backend: str) -> dict:
     return {k: t.detach().clone() for k, t in tensors}      # (the Megatron backend's may be views of the adapters)
 
 
+def _after(tr, backend: str) -> dict:
+    """What ``_compare`` reads of a trained backend: the expert, MLA and PEFT-named adapters; the FSDP model's base
+    gradients and shared-outer adapters."""
+    from test_fsdp_lora_moe import _expert_adapters, _mla_adapters
+
+    r = {"adapters": _expert_adapters(tr, backend), "mla": _mla_adapters(tr, backend), "peft": _peft(tr, backend)}
+    if backend == "fsdp":
+        r["base_grads"] = sum(p.grad is not None for p in tr.model.parameters())
+        r["base_trainable"] = sum(p.requires_grad for p in tr.model.parameters())
+        r["shared"] = len(tr.lora.shared)
+    return r
+
+
 def _worker(model_dir: str, out: str, shared: str, family: str) -> None:
-    import torch
-    import torch.distributed as dist
-    from test_fsdp_lora_moe import _expert_adapters, _mla_adapters, _samples
-    from trainer_harness import build, policy_logprobs
-
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    res: dict = {}
-    probe = _samples(7, 0, 1)
-    for backend in ("fsdp", "megatron"):
-        tr = build(model_dir, _flags(backend, shared == "1", family))
-        r = {"init": tr.state_dict_for_check(), "metrics": {}, "peft0": _peft(tr, backend)}
-        for rid in range(2):
-            r["metrics"][rid] = tr.train(_samples(rid, rank, world), rid)
-        r["final"] = tr.state_dict_for_check()
-        r["adapters"] = _expert_adapters(tr, backend)
-        r["mla"] = _mla_adapters(tr, backend)
-        r["peft"] = _peft(tr, backend)
-        r["lp"] = policy_logprobs(tr, probe)
-        if backend == "fsdp":
-            r["base_grads"] = sum(p.grad is not None for p in tr.model.parameters())
-            r["base_trainable"] = sum(p.requires_grad for p in tr.model.parameters())
-            r["shared"] = len(tr.lora.shared)
-        res[backend] = r
-        del tr
-    if rank == 0:
-        torch.save(res, out)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _launch(nproc: int, *args: str, timeout: int = 900):
-    from _torchrun import torchrun_self
-
-    from miles.utils.net import find_free_port
-
-    return torchrun_self(HERE, nproc, find_free_port(), *args, timeout=timeout)
+    train_backends(model_dir, out, lambda backend: _flags(backend, shared == "1", family),
+                   before=lambda tr, backend: {"peft0": _peft(tr, backend)}, after=_after)
 
 
 FAMILIES = {"glm5": (dict(), True), "glm52": (dict(indexer_types=["full", "shared", "full"]), True),
@@ -109,12 +88,8 @@ FAMILIES = {"glm5": (dict(), True), "glm52": (dict(indexer_types=["full", "share
 
 
 def _run(model_dir: Path, tmp_path: Path, family: str, shared: bool) -> dict:
-    import torch
-
     out = tmp_path / "res.pt"
-    r = _launch(2, "run", str(model_dir), str(out), str(int(shared)), family, timeout=900)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    return torch.load(out, weights_only=False)
+    return launch_and_load(HERE, 2, out, "run", str(model_dir), str(out), str(int(shared)), family, timeout=900)
 
 
 def _compare(res: dict, base: dict, is_target, *, frozen: tuple[str, ...], moe_layers: tuple[int, ...],
@@ -122,7 +97,6 @@ def _compare(res: dict, base: dict, is_target, *, frozen: tuple[str, ...], moe_l
     """The checks both families share; -> (log-probs, adapters, export max abs, export relative L2) distances.
     ``kl0``: the largest KL loss of the first step (the policy is the reference model there)."""
     import torch
-    from test_fsdp_lora_moe import _distance
 
     fs, mg = res["fsdp"], res["megatron"]
     print({"kl0": (fs["metrics"][0]["kl_loss"], mg["metrics"][0]["kl_loss"])})
@@ -153,9 +127,9 @@ def _compare(res: dict, base: dict, is_target, *, frozen: tuple[str, ...], moe_l
     for rid in (0, 1):
         for key in ("loss", "pg_loss", "kl_loss", "grad_norm"):
             assert fs["metrics"][rid][key] == pytest.approx(mg["metrics"][rid][key], rel=1e-4, abs=1e-6), (rid, key)
-    lp = max(abs(x - y) for a, b in zip(fs["lp"], mg["lp"]) for x, y in zip(a, b))
+    lp = logprob_distance(fs, mg)
     ad = max((fs["peft"][k] - mg["peft"][k]).abs().max().item() for k in fs["peft"])
-    diff, rel = _distance(fs["final"], mg["final"], {k: base[k] for k in fs["init"]})
+    diff, rel = distance(fs["final"], mg["final"], {k: base[k] for k in fs["init"]})
     return lp, ad, diff, rel
 
 

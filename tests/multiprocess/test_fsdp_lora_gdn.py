@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from lora_parity import distance, launch_and_load, logprob_distance, metric_diffs, train_backends
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.multiprocess
@@ -49,45 +50,22 @@ def _a_factors(tr, backend: str) -> dict:
 
 
 def _worker(model_dir: str, out: str, kind: str) -> None:
-    import torch
-    import torch.distributed as dist
-    from test_fsdp_lora_moe import _samples
-    from trainer_harness import build, policy_logprobs
-
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    res: dict = {}
-    for backend in ("fsdp", "megatron"):
-        tr = build(model_dir, _flags(backend, kind))
-        r = {"init": tr.state_dict_for_check(), "metrics": {}, "a0": _a_factors(tr, backend)}
-        for rid in range(2):
-            r["metrics"][rid] = tr.train(_samples(rid, rank, world), rid)
-        r["final"] = tr.state_dict_for_check()
-        r["a"] = _a_factors(tr, backend)
-        r["lp"] = policy_logprobs(tr, _samples(7, 0, 1))
-        res[backend] = r
-        del tr
-    if rank == 0:
-        torch.save(res, out)
-    dist.barrier()
-    dist.destroy_process_group()
+    train_backends(model_dir, out, lambda backend: _flags(backend, kind),
+                   before=lambda tr, backend: {"a0": _a_factors(tr, backend)},
+                   after=lambda tr, backend: {"a": _a_factors(tr, backend)})
 
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next", "qwen3_5_moe"])
 def test_fsdp_lora_gdn_matches_megatron(kind: str, tmp_path: Path) -> None:
     import torch
-    from _torchrun import torchrun_self
     from safetensors.torch import load_file
 
-    from miles.utils.net import find_free_port
     from miles.utils.tiny_qwen35 import build_tiny_qwen35_model
 
     model_dir = build_tiny_qwen35_model(tmp_path / kind, kind=kind)
     base = load_file(str(model_dir / "model.safetensors"))
     out = tmp_path / "res.pt"
-    r = torchrun_self(HERE, 2, find_free_port(), "run", str(model_dir), str(out), kind, timeout=500)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    res = torch.load(out, weights_only=False)
+    res = launch_and_load(HERE, 2, out, "run", str(model_dir), str(out), kind, timeout=500)
     fs, mg = res["fsdp"], res["megatron"]
     for run in (fs, mg):
         assert set(run["init"]) <= set(base) and all(torch.equal(run["init"][k], base[k]) for k in run["init"])
@@ -101,16 +79,11 @@ def test_fsdp_lora_gdn_matches_megatron(kind: str, tmp_path: Path) -> None:
     if kind != "qwen3_5":           # every routed expert's (per layer x E x fc) and the shared expert's
         assert len([k for k in fs["a0"] if ".local_experts." in k]) == 4 * 4 * 2
         assert len([k for k in fs["a0"] if ".shared_experts." in k]) == 4 * 2
-    metrics = {key: max(abs(fs["metrics"][rid][key] - mg["metrics"][rid][key]) for rid in (0, 1))
-               for key in ("loss", "pg_loss", "kl_loss", "grad_norm")}
-    lp = max(abs(x - y) for a, b in zip(fs["lp"], mg["lp"]) for x, y in zip(a, b))
+    metrics = metric_diffs(fs, mg)
+    lp = logprob_distance(fs, mg)
     ad = max((fs["a"][k] - mg["a"][k]).abs().max().item() for k in fs["a"] if ".local_experts." not in k)
     ad_e = max(((fs["a"][k] - mg["a"][k]).abs().max().item() for k in fs["a"] if ".local_experts." in k), default=0.0)
-    keys = sorted(fs["init"])
-    diff = max((fs["final"][k] - mg["final"][k]).abs().max().item() for k in keys)
-    num = sum(((fs["final"][k] - mg["final"][k]) ** 2).sum().item() for k in keys)
-    den = sum(((mg["final"][k] - base[k]) ** 2).sum().item() for k in keys)
-    rel = (num / den) ** 0.5
+    diff, rel = distance(fs["final"], mg["final"], {k: base[k] for k in sorted(fs["init"])})
     print({"kind": kind, "lp": lp, "a": ad, "a_experts": ad_e, "max_abs": diff, "rel_l2": rel, "metrics": metrics})
     # measured (2 CPU gloo ranks, 2026-12; pytest -s), qwen3_5 / qwen3_next / qwen3_5_moe: log-probs 4.8e-7 / 9.5e-7 /
     # 9.5e-7, the non-expert A 2.0e-7 / 1.4e-7 / 3.8e-6, the routed experts' A - / 4.4e-5 / 1.1e-5 (a barely routed

@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from lora_parity import distance, launch, launch_and_load, logprob_distance, metric_diffs, samples, train_backends
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.multiprocess
@@ -72,14 +73,6 @@ def _flags(backend: str, shared: bool, model: str = "qwen3_moe") -> list[str]:
                                          *(["--experts-shared-outer-loras"] if shared else [])])
 
 
-def _samples(rid: int, rank: int, world: int) -> list:
-    """Each rank's samples of rollout ``rid``: one group of 3 per rank of a 2-rank run; one rank takes both."""
-    from trainer_harness import random_samples
-
-    ranks = range(2) if world == 1 else (rank,)
-    return [s for r in ranks for s in random_samples(1, 3, seed=1000 * rid + r, first_group=r)]
-
-
 def _expert_adapters(tr, backend: str) -> dict:
     from miles.trainer import lora
 
@@ -98,71 +91,31 @@ def _mla_adapters(tr, backend: str) -> dict:
     return {k: v for k, v in lora.full_pairs(tr.lora).items() if k.rsplit(".", 1)[-1] in lora_hf.MLA_GROUPS}
 
 
-def _worker(model_dir: str, out: str, shared: str, backends: str, kind: str = "cpu", model: str = "qwen3_moe") -> None:
-    import torch
-    import torch.distributed as dist
-    from trainer_harness import build, policy_logprobs
+def _after(tr, backend: str) -> dict:
+    """What the comparison reads of a trained backend: the expert and MLA adapters; the FSDP model's base gradients,
+    shared-outer adapters and adapter size."""
+    r = {"adapters": _expert_adapters(tr, backend), "mla": _mla_adapters(tr, backend)}
+    if backend == "fsdp":
+        r["base_grads"] = sum(p.grad is not None for p in tr.model.parameters())
+        r["base_trainable"] = sum(p.requires_grad for p in tr.model.parameters())
+        r["shared"] = len(tr.lora.shared)
+        r["params"] = sum(p.numel() for p in tr.lora.parameters())
+    return r
 
-    dist.init_process_group("gloo" if kind == "cpu" else "nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cpu") if kind == "cpu" else torch.device("cuda", rank)
-    if kind == "cuda":
-        torch.cuda.set_device(device)
-    res: dict = {}
-    probe = _samples(7, 0, 1)
-    for backend in backends.split(","):
-        tr = build(model_dir, _flags(backend, shared == "1", model), device=device)
-        r = {"init": tr.state_dict_for_check(), "metrics": {}}
-        for rid in range(2):
-            r["metrics"][rid] = tr.train(_samples(rid, rank, world), rid)
-        r["final"] = tr.state_dict_for_check()
-        r["adapters"] = _expert_adapters(tr, backend)
-        r["mla"] = _mla_adapters(tr, backend)
-        r["lp"] = policy_logprobs(tr, probe)
-        if backend == "fsdp":
-            r["base_grads"] = sum(p.grad is not None for p in tr.model.parameters())
-            r["base_trainable"] = sum(p.requires_grad for p in tr.model.parameters())
-            r["shared"] = len(tr.lora.shared)
-            r["params"] = sum(p.numel() for p in tr.lora.parameters())
-        res[backend] = r
-        del tr
-    if rank == 0:
-        torch.save(res, out)
-    dist.barrier()
-    dist.destroy_process_group()
+
+def _worker(model_dir: str, out: str, shared: str, backends: str, kind: str = "cpu", model: str = "qwen3_moe") -> None:
+    train_backends(model_dir, out, lambda backend: _flags(backend, shared == "1", model), after=_after,
+                   backends=tuple(backends.split(",")), kind=kind)
 
 
 def _launch(nproc: int, *args: str, timeout: int = 500):
-    from _torchrun import torchrun_self
-
-    from miles.utils.net import find_free_port
-
-    return torchrun_self(HERE, nproc, find_free_port(), *args, timeout=timeout)
+    return launch(HERE, nproc, *args, timeout=timeout)
 
 
 def _run(tmp_path: Path, model_dir: Path, nproc: int, shared: bool, backends: str, model: str = "qwen3_moe") -> dict:
-    import torch
-
     out = tmp_path / f"n{nproc}_{int(shared)}_{backends.replace(',', '_')}.pt"
-    r = _launch(nproc, "run", str(model_dir), str(out), str(int(shared)), backends, "cpu", model)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    return torch.load(out, weights_only=False)
-
-
-METRICS = ("loss", "pg_loss", "kl_loss", "grad_norm")
-
-
-def _metric_diffs(a: dict, b: dict) -> dict[str, float]:
-    """Step metric -> the largest |a - b| over the 2 rollouts."""
-    return {key: max(abs(a["metrics"][rid][key] - b["metrics"][rid][key]) for rid in (0, 1)) for key in METRICS}
-
-
-def _distance(a: dict, b: dict, base: dict) -> tuple[float, float]:
-    """Max abs difference of two exports and its relative L2 over the update of ``b``."""
-    diff = max((a[k] - b[k]).abs().max().item() for k in base)
-    num = sum(((a[k] - b[k]) ** 2).sum().item() for k in base)
-    den = sum(((b[k] - base[k]) ** 2).sum().item() for k in base)
-    return diff, (num / den) ** 0.5
+    return launch_and_load(HERE, nproc, out, "run", str(model_dir), str(out), str(int(shared)), backends, "cpu", model,
+                           timeout=500)
 
 
 @pytest.fixture(scope="module")
@@ -225,10 +178,10 @@ def test_fsdp_lora_moe_matches_megatron(request, tmp_path: Path, model: str, sha
     # two implementations (HF + FSDP2 vs megatron-core's SequentialMLP) from the same adapters and optimizer settings:
     # the step metrics, absolute (2026-12-07, the 5 cases; pg_loss ~1e-8, kl_loss ~1e-3, grad norm ~0.3): loss, pg_loss,
     # kl_loss, grad norm at most 2.2e-8 / 9.3e-9 / 1.6e-7 / 6.0e-8 apart; bounded at about twice each
-    metrics = _metric_diffs(fs, mg)
+    metrics = metric_diffs(fs, mg)
     metric_bounds = {"loss": 4.5e-8, "pg_loss": 2e-8, "kl_loss": 3.2e-7, "grad_norm": 1.2e-7}
     assert all(metrics[k] < b for k, b in metric_bounds.items()), (metrics, metric_bounds)
-    lp = max(abs(x - y) for a, b in zip(fs["lp"], mg["lp"]) for x, y in zip(a, b))
+    lp = logprob_distance(fs, mg)
     if model == "deepseek_v3":         # every MLA projection of every layer on both backends, each trained
         assert sorted(fs["mla"]) == sorted(mg["mla"]) == sorted(
             f"decoder.layers.{i}.self_attention.linear_{t}" for i in range(3)
@@ -239,7 +192,7 @@ def test_fsdp_lora_moe_matches_megatron(request, tmp_path: Path, model: str, sha
              for (fa, fb), (ma, mb) in ((fs_pairs[k], mg_pairs[k]) for k in fs_pairs))
     mla_ad = max((max((fa - mg["mla"][k][0]).abs().max().item(), (fb - mg["mla"][k][1]).abs().max().item())
                   for k, (fa, fb) in fs["mla"].items()), default=0.0)
-    diff, rel = _distance(fs["final"], mg["final"], {k: base[k] for k in fs["init"]})
+    diff, rel = distance(fs["final"], mg["final"], {k: base[k] for k in fs["init"]})
     print({"lp": lp, "adapters": ad, "mla_adapters": mla_ad, "max_abs": diff, "rel_l2": rel, "metrics": metrics})
     # measured (2 CPU gloo ranks, 2026-12; qwen3_moe per-expert / shared-outer; gpt_oss shared-outer; glm4_moe
     # per-expert): log-probs 4.8e-7 / 4.8e-7; 4.8e-7; 4.8e-7, adapters 1.1e-6 / 4.5e-7; 1.3e-6; 2.5e-5, exports max
@@ -254,8 +207,8 @@ def test_fsdp_lora_moe_matches_megatron(request, tmp_path: Path, model: str, sha
     assert mla_ad < 5e-6, mla_ad
     if shared and model == "qwen3_moe":     # one FSDP rank with both ranks' samples: the same training
         one = _run(tmp_path, model_dir, 1, shared, "fsdp")["fsdp"]
-        diff1, rel1 = _distance(one["final"], fs["final"], base)
-        metrics1 = _metric_diffs(one, fs)
+        diff1, rel1 = distance(one["final"], fs["final"], base)
+        metrics1 = metric_diffs(one, fs)
         print({"one_vs_two_max_abs": diff1, "one_vs_two_rel_l2": rel1, "metrics": metrics1})
         # measured (2026-12): max 9.7e-8, relative L2 7.2e-7; bounded at about twice that; the metrics (2026-12-07):
         # loss, pg_loss and grad norm equal, kl_loss 5.4e-9 apart
@@ -319,7 +272,7 @@ def _resume_worker(model_dir: str, out: str, save: str) -> None:
         start = 0 if mode == "full" else tr.resume()["rollout_id"] + 1
         res[mode] = {"metrics": {}}
         for rid in range(start, 2):
-            res[mode]["metrics"][rid] = tr.train(_samples(rid, rank, 2), rid)
+            res[mode]["metrics"][rid] = tr.train(samples(rid, rank, 2), rid)
             if mode == "full" and rid == 0:
                 tr.checkpoint(rid, extra={})
         res[mode]["final"] = tr.state_dict_for_check()
@@ -392,7 +345,7 @@ def _engine_worker(model_dir: str, out: str, engine_url: str, shared: str) -> No
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     tr = build(model_dir, _flags("fsdp", shared == "1"))
-    tr.train(_samples(0, rank, 2), 0)
+    tr.train(samples(0, rank, 2), 0)
     res = {"names": []}
     for bucket in tr.iter_weight_buckets(16 << 10):
         if rank == 0:

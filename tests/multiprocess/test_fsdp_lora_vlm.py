@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from lora_parity import distance, launch_and_load, logprob_distance, train_backends
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.multiprocess
@@ -27,53 +28,38 @@ HERE = Path(__file__).resolve()
 RECIPE = "linear_qkv,linear_proj,linear_fc1,linear_fc2,in_proj,out_proj"     # the recipe's paths' leaves
 
 
-def _worker(model_dir: str, out: str) -> None:
+def _after(tr, backend: str) -> dict:
+    """Every target's ``A``; on the FSDP backend the adapters' PEFT names and the vision tower's trainable count."""
     import test_fsdp_lora_gdn as gdn
-    import torch
-    import torch.distributed as dist
-    from test_fsdp_lora_moe import _samples
-    from trainer_harness import build, policy_logprobs
 
     from miles.trainer import lora_hf
 
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    res: dict = {}
-    for backend in ("fsdp", "megatron"):
-        tr = build(model_dir, gdn._flags(backend, "qwen3_5_moe") + ["--target-modules", RECIPE])
-        r = {"init": tr.state_dict_for_check(), "metrics": {}, "a0": gdn._a_factors(tr, backend)}
-        for rid in range(2):
-            r["metrics"][rid] = tr.train(_samples(rid, rank, world), rid)
-        r["final"] = tr.state_dict_for_check()
-        r["a"] = gdn._a_factors(tr, backend)
-        r["lp"] = policy_logprobs(tr, _samples(7, 0, 1))
-        if backend == "fsdp":
-            r["peft"] = sorted(k for k, _ in lora_hf.peft_tensors(tr.lora))
-            r["vision_trainable"] = sum(p.requires_grad for n, p in tr.model.named_parameters() if ".visual." in n)
-        res[backend] = r
-        del tr
-    if rank == 0:
-        torch.save(res, out)
-    dist.barrier()
-    dist.destroy_process_group()
+    r = {"a": gdn._a_factors(tr, backend)}
+    if backend == "fsdp":
+        r["peft"] = sorted(k for k, _ in lora_hf.peft_tensors(tr.lora))
+        r["vision_trainable"] = sum(p.requires_grad for n, p in tr.model.named_parameters() if ".visual." in n)
+    return r
+
+
+def _worker(model_dir: str, out: str) -> None:
+    import test_fsdp_lora_gdn as gdn
+
+    train_backends(model_dir, out, lambda backend: gdn._flags(backend, "qwen3_5_moe") + ["--target-modules", RECIPE],
+                   before=lambda tr, backend: {"a0": gdn._a_factors(tr, backend)}, after=_after)
 
 
 def test_fsdp_lora_qwen35_vlm_matches_megatron(tmp_path: Path) -> None:
     import torch
-    from _torchrun import torchrun_self
     from safetensors.torch import load_file
     from test_fsdp_lora_gdn import MOVED
 
-    from miles.utils.net import find_free_port
     from miles.utils.tiny_qwen35 import build_tiny_qwen35_model
 
     model_dir = build_tiny_qwen35_model(tmp_path / "qwen35_vlm", vlm=True)
     assert (model_dir / "preprocessor_config.json").exists()
     base = load_file(str(model_dir / "model.safetensors"))
     out = tmp_path / "res.pt"
-    r = torchrun_self(HERE, 2, find_free_port(), "run", str(model_dir), str(out), timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    res = torch.load(out, weights_only=False)
+    res = launch_and_load(HERE, 2, out, "run", str(model_dir), str(out), timeout=600)
     fs, mg = res["fsdp"], res["megatron"]
     # the Megatron backend trains the text model only and exports it; the FSDP backend exports the vision tower too
     assert set(mg["init"]) <= set(fs["init"]) and all(".visual." in k for k in set(fs["init"]) - set(mg["init"]))
@@ -90,13 +76,9 @@ def test_fsdp_lora_qwen35_vlm_matches_megatron(tmp_path: Path) -> None:
     for rid in (0, 1):
         for key in ("loss", "pg_loss", "kl_loss", "grad_norm"):
             assert fs["metrics"][rid][key] == pytest.approx(mg["metrics"][rid][key], rel=1e-4, abs=1e-6), (rid, key)
-    lp = max(abs(x - y) for a, b in zip(fs["lp"], mg["lp"]) for x, y in zip(a, b))
+    lp = logprob_distance(fs, mg)
     ad = max((fs["a"][k] - mg["a"][k]).abs().max().item() for k in fs["a"])
-    keys = sorted(set(fs["init"]) & set(mg["init"]))
-    diff = max((fs["final"][k] - mg["final"][k]).abs().max().item() for k in keys)
-    num = sum(((fs["final"][k] - mg["final"][k]) ** 2).sum().item() for k in keys)
-    den = sum(((mg["final"][k] - base[k]) ** 2).sum().item() for k in keys)
-    rel = (num / den) ** 0.5
+    diff, rel = distance(fs["final"], mg["final"], {k: base[k] for k in sorted(set(fs["init"]) & set(mg["init"]))})
     print({"lp": lp, "a": ad, "max_abs": diff, "rel_l2": rel})
     # measured (2 CPU gloo ranks, 2026-12-07; pytest -s): log-probs 9.5e-7, A 1.1e-5 (a routed expert's), exports max
     # 6.1e-6, relative L2 of the update 1.4e-5: the text-only Qwen3.5-MoE's figures (test_fsdp_lora_gdn.py); about twice
