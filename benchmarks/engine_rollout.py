@@ -234,8 +234,28 @@ def profile_steps(model_dir: Path, a: argparse.Namespace) -> dict:
         specs, _ = eng.prepare(body)
         sch.submit(specs, loop, stream=False)
         sch._drain(block=False)
-        while sch.waiting:
-            sch._admit()
+        prof_admit = rows == max(int(x) for x in a.profile_rows.split(",")) and rn.device.type == "cuda"
+        dsync()
+        t0 = time.perf_counter()
+        if prof_admit:   # the admission's prefills: their kernels (graphs play no part in a batched prefill)
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                while sch.waiting:
+                    sch._admit()
+                dsync()
+        else:
+            while sch.waiting:
+                sch._admit()
+        dsync()
+        admit_s = time.perf_counter() - t0
+        print(json.dumps({"profile_rows": rows, "admit_ms": round(admit_s * 1e3, 2),
+                          "prompt_tokens": rows * a.prompt_len, "prefills": sch.prefills}), flush=True)
+        if prof_admit:
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70),
+                  flush=True)
+            print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15, max_name_column_width=70),
+                  flush=True)
         for _ in range(4):  # warm-up: graph capture for this batch size
             sch._decode_step()
         dsync()
