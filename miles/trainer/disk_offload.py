@@ -10,7 +10,8 @@
 What moves is memory, never a tensor: each tensor's storage (its ``UntypedStorage``; a DTensor's local shard's,
 i.e. FSDP2's padded shard; deduplicated, so views and shared storages go once) is written to ``<kind>.bin`` at a
 fixed offset, then resized to 0 bytes (FSDP2 frees its unsharded parameters the same way); onload resizes it back
-and reads the bytes in. So every ``Parameter`` object, every view of a storage (an FSDP2 shard, a contiguous
+and reads the bytes in. (A storage torch did not allocate, e.g. a CPU parameter mmapped from a safetensors file,
+cannot be resized: it is copied once into one torch allocated, its tensors re-pointed to it in place.) So every ``Parameter`` object, every view of a storage (an FSDP2 shard, a contiguous
 buffer's views), the optimizer's references (its state is keyed by the parameters) and every tensor in its state
 stay the same objects, on the same device; only the addresses of their memory change. On GPU the device memory is
 returned to the CUDA caching allocator and released (``empty_cache``); on CPU to the host allocator. Between
@@ -90,9 +91,27 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return local if isinstance(local, torch.Tensor) else t
 
 
+def storage_bytes(t: torch.Tensor) -> int:
+    """Bytes of memory behind ``t`` now (a DTensor's: its local shard's storage); 0 once spilled."""
+    return _local(t).untyped_storage().nbytes()
+
+
 def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     """A uint8 tensor over the whole of ``storage`` (made anew: one made before a resize keeps the old size)."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _adopt(tensors: list[torch.Tensor]) -> torch.UntypedStorage:
+    """A storage torch cannot resize (memory it did not allocate: a CPU parameter loaded straight from an mmapped
+    safetensors file) copied into one it allocated, every tensor of ``tensors`` (all of them on it) re-pointed there
+    in place: the same tensor objects, offsets, sizes and strides. Once per such storage (the copy is resizable)."""
+    old = tensors[0].untyped_storage()
+    new = torch.UntypedStorage(old.nbytes(), device=old.device)
+    _bytes(new).copy_(_bytes(old))
+    with torch.no_grad():
+        for t in tensors:
+            t.set_(new, t.storage_offset(), t.size(), t.stride())
+    return new
 
 
 def _release(path: str) -> None:
@@ -152,26 +171,29 @@ class DiskOffload:
         return self._stage
 
     def _collect(self, groups: dict[str, Iterable[torch.Tensor]]) -> dict[str, list[_Entry]]:
-        seen: set[tuple[str, int]] = set()
-        out: dict[str, list[_Entry]] = {}
-        for kind in KINDS:
-            entries, offset = [], 0
-            for t in groups.get(kind, ()):
-                st = _local(t).untyped_storage()
-                n = st.nbytes()
-                key = (str(st.device), st.data_ptr())
-                if n == 0 or key in seen:
-                    continue
-                if not st.resizable():
-                    raise RuntimeError(f"a {kind} tensor of {n} bytes on {st.device} has a storage that cannot be "
-                                       "resized (not allocated by torch), so it cannot be spilled to disk")
-                seen.add(key)
-                entries.append(_Entry(st, n, offset))
-                offset += n
-            out[kind] = entries
         unknown = set(groups) - set(KINDS)
         if unknown:
             raise ValueError(f"unknown kinds {sorted(unknown)}; valid: {KINDS}")
+        by_storage: dict[tuple[str, int], list[torch.Tensor]] = {}
+        kind_of: dict[tuple[str, int], str] = {}
+        for kind in KINDS:
+            for t in groups.get(kind, ()):
+                local = _local(t)
+                st = local.untyped_storage()
+                if st.nbytes() == 0:
+                    continue
+                key = (str(st.device), st.data_ptr())
+                by_storage.setdefault(key, []).append(local)
+                kind_of.setdefault(key, kind)
+        out: dict[str, list[_Entry]] = {kind: [] for kind in KINDS}
+        offsets = dict.fromkeys(KINDS, 0)
+        for key, tensors in by_storage.items():
+            st = tensors[0].untyped_storage()
+            if not st.resizable():
+                st = _adopt(tensors)
+            kind = kind_of[key]
+            out[kind].append(_Entry(st, st.nbytes(), offsets[kind]))
+            offsets[kind] += st.nbytes()
         return out
 
     def _check_room(self, need: int) -> None:
