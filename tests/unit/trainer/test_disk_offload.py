@@ -190,14 +190,11 @@ def test_fsdp_trainer_offloads_to_disk_on_cpu(tiny_model_dir, one_rank_group, tm
 @pytest.mark.gpu
 def test_trainer_offload_to_disk_on_gpu_frees_device_memory(tiny_model_dir, one_rank_group, tmp_path):
     """On a GPU (one rank): offload to disk drops torch.cuda.memory_allocated by at least the bytes spilled (all of
-    them device tensors here), onload restores every weight, gradient and AdamW tensor bitwise, and training goes on
-    (its loss next to a trainer's that never spilled)."""
+    them device tensors here), onload restores every weight, gradient and AdamW tensor bitwise, and training goes on."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     samples = random_samples(2, 2, seed=0, vocab=90)
-    ref = build(tiny_model_dir, flags("fsdp", ["--lr", "1e-2"]), group=one_rank_group, device="cuda:0")
     tr = build(tiny_model_dir, _spill_flags(tmp_path), group=one_rank_group, device="cuda:0")
-    ref.train(samples, 0)
     tr.train(samples, 0)
     groups = tensors_of(*tr._offload_parts())
     assert all(t.device.type == "cuda" for k in groups for t in groups[k])
@@ -210,5 +207,4 @@ def test_trainer_offload_to_disk_on_gpu_frees_device_memory(tiny_model_dir, one_
     tr.onload()
     assert spilled > 0 and on - off >= spilled, (on, off, spilled)
     assert all(torch.equal(a, b) for a, b in zip(before, [t for k in groups for t in groups[k]]))
-    loss = tr.train(samples, 1)["loss"]          # (CUDA's atomics make a second trainer's numbers differ slightly)
-    assert math.isfinite(loss) and abs(loss - ref.train(samples, 1)["loss"]) < 1e-2, loss
+    assert math.isfinite(tr.train(samples, 1)["loss"])      # training goes on (bitwise parity: the CPU tests)
