@@ -96,21 +96,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "free (an allocation past that is a CUDA out-of-memory error, as Miles's torch_memory_saver "
                         "margin). 0: no cap.")
     t.add_argument("--offload-train-target", choices=list(OFFLOAD_TARGETS), default="cpu",
-                   help="With --offload-train, both backends: where the paused trainer's state (parameters, LoRA "
-                        "adapters, critic, optimizer state) goes while the engines generate. cpu: host memory (on GPU; "
-                        "a no-op on CPU, where it lives already); disk: per-rank files under --offload-train-disk-dir, "
-                        "streamed through one --offload-train-disk-chunk-mb staging buffer, so host memory stays "
-                        "bounded by the chunk (on CPU too: it frees host memory). Read back before each training "
-                        "step and, for the weight sync and checkpoints, while the trainer is paused.")
+                   help="Where --offload-train puts the paused trainer: cpu (host memory) or disk (rank files).")
     t.add_argument("--offload-train-disk-dir", type=str, default=None,
-                   help="--offload-train-target disk: the node-local directory of the spill files, one "
-                        "rank_<global rank>/ directory per trainer rank (emptied at start, files overwritten in place "
-                        "every step, removed when the rank exits). Default: $SCRATCH/miles_train_offload_<uid> "
-                        "(/scratch when SCRATCH is unset), as Miles. Use local NVMe: a tmpfs (often /tmp) keeps the "
-                        "data in RAM (a warning is logged).")
+                   help="Node-local dir of the disk target (default $SCRATCH/miles_train_offload_<uid>).")
     t.add_argument("--offload-train-disk-chunk-mb", type=int, default=256,
-                   help="--offload-train-target disk: MiB of the staging buffer every byte goes through between the "
-                        "device and the files (pinned on GPU); the host memory the spill takes.")
+                   help="MiB of the disk target's staging buffer.")
     t.add_argument("--qkv-format", choices=["thd", "bshd"], default="thd",
                    help="Attention input layout: thd (the default; the FSDP backend's packed variable-length rows); "
                         "bshd (padded batches, as Miles's gpt-oss script passes it): Megatron backend only, which "
