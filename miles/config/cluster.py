@@ -52,3 +52,9 @@ class ClusterConfig:
     master_addr: str | None
     master_port: int | None
     device: str
+
+    @property
+    def offloads_train(self) -> bool:
+        """Whether the trainer is offloaded while engines generate: --offload-train as given, else on with --colocate
+        or --offload (Miles's default)."""
+        return bool(self.offload_train if self.offload_train is not None else (self.offload or self.colocate))

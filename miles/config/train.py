@@ -9,6 +9,7 @@ so a value given on the command line always wins and validation never rewrites o
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 
 from miles.config.base import ConfigError
@@ -24,6 +25,7 @@ BACKEND_DEFAULTS: dict[str, dict[str, object]] = {
     "megatron": {"adam_beta2": 0.999, "weight_decay": 0.01, "lr_decay_style": "linear"},
 }
 
+OFFLOAD_TARGETS = ("cpu", "disk")  # --offload-train-target (Miles's choices)
 ATTN_IMPLEMENTATIONS = ("flash_attention_2", "flash_attention_3")  # --attn-implementation values the FSDP trainer honours
 OPTIMIZERS = ["adam"]  # Miles's FSDP backend: "adam" (AdamW); Megatron's others are refused by name
 
@@ -93,6 +95,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "back to the GPU, its CUDA allocator is capped so that it leaves this many bytes of the device "
                         "free (an allocation past that is a CUDA out-of-memory error, as Miles's torch_memory_saver "
                         "margin). 0: no cap.")
+    t.add_argument("--offload-train-target", choices=list(OFFLOAD_TARGETS), default="cpu",
+                   help="Where --offload-train puts the paused trainer: cpu (host memory) or disk (rank files).")
+    t.add_argument("--offload-train-disk-dir", type=str, default=None,
+                   help="Node-local dir of the disk target (default $SCRATCH/miles_train_offload_<uid>).")
+    t.add_argument("--offload-train-disk-chunk-mb", type=int, default=256,
+                   help="MiB of the disk target's staging buffer.")
     t.add_argument("--qkv-format", choices=["thd", "bshd"], default="thd",
                    help="Attention input layout: thd (the default; the FSDP backend's packed variable-length rows); "
                         "bshd (padded batches, as Miles's gpt-oss script passes it): Megatron backend only, which "
@@ -194,11 +202,23 @@ class TrainConfig:
     target_modules: str | None = None
     exclude_modules: str | None = None
     experts_shared_outer_loras: bool = False
+    offload_train_target: str = "cpu"
+    offload_train_disk_dir: str | None = None
+    offload_train_disk_chunk_mb: int = 256
 
     @property
     def activation_checkpointing(self) -> bool:
         """--recompute-activations (Megatron's name) or --gradient-checkpointing (Miles's FSDP name)."""
         return self.recompute_activations or self.gradient_checkpointing
+
+    @property
+    def offload_disk_root(self) -> str:
+        """--offload-train-disk-dir, or Miles's default: $SCRATCH/miles_train_offload_<uid> (/scratch without SCRATCH).
+        Each trainer rank spills under ``rank_<global rank>/`` of it."""
+        if self.offload_train_disk_dir:
+            return self.offload_train_disk_dir
+        uid = os.getuid() if hasattr(os, "getuid") else 0
+        return os.path.join(os.environ.get("SCRATCH", "/scratch"), f"miles_train_offload_{uid}")
 
     def warmup_steps(self, decay_iters: int | None) -> int:
         """Warm-up optimizer steps: --lr-warmup-fraction x the decay steps when given, else --lr-warmup-iters."""
@@ -226,6 +246,9 @@ class TrainConfig:
         if self.train_memory_margin_bytes < 0:
             raise ConfigError(f"--train-memory-margin-bytes must be >= 0 (0: no cap), got "
                               f"{self.train_memory_margin_bytes}.")
+        if self.offload_train_disk_chunk_mb <= 0:
+            raise ConfigError(f"--offload-train-disk-chunk-mb must be a positive number of MiB, got "
+                              f"{self.offload_train_disk_chunk_mb}: e.g. --offload-train-disk-chunk-mb 256.")
         if self.lora_rank:
             self._validate_lora()
         elif self.experts_shared_outer_loras:

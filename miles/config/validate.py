@@ -77,6 +77,8 @@ def validate_config(cfg: MilesConfig) -> None:
     if cfg.is_async and c.colocate:
         raise ConfigError("train_async.py does not support --colocate (generation overlaps training, so they "
                           "cannot share GPUs): drop --colocate or use train.py.")
+    if cfg.train.offload_train_target == "disk":
+        _validate_disk_offload(cfg)
     if not cfg.output.dry_run:
         if d.num_rollout is None and d.num_epoch is None:
             raise ConfigError("--num-rollout is required (there is no default since Miles 0.1.0): add "
@@ -207,6 +209,20 @@ def validate_config(cfg: MilesConfig) -> None:
         raise ConfigError("--sglang-router-ip and --sglang-router-port name a running router together: pass both or neither.")
     if r.rollout_temperature < 0:
         raise ConfigError(f"--rollout-temperature must be >= 0, got {r.rollout_temperature}.")
+
+
+def _validate_disk_offload(cfg: MilesConfig) -> None:
+    """--offload-train-target disk: it says where the paused trainer goes, so it needs the pause (Miles asserts
+    --offload-train too); train_async.py never pauses the trainer. The directory itself is checked by the preflight."""
+    given = "--offload-train-target disk"
+    if cfg.is_async:
+        raise ConfigError(f"{given} with train_async.py: the asynchronous loop trains while the engines generate, so "
+                          "the trainer is never paused and nothing would be spilled; drop it, or use train.py.")
+    if not cfg.cluster.offloads_train:
+        why = "--no-offload-train" if cfg.cluster.offload_train is False else "no --offload-train (nor --colocate)"
+        raise ConfigError(f"{given} with {why}: the target says where the paused trainer's state goes while the "
+                          "engines generate, and it is never paused; add --offload-train (on by default with "
+                          "--colocate), or drop --offload-train-target disk.")
 
 
 def _validate_lora_base_cpu_backup(cfg: MilesConfig) -> None:

@@ -351,6 +351,54 @@ def check_save(cfg: MilesConfig, *, estimate: bool = True) -> None:
     check_writable(default_output_dir(cfg.output), "--output-dir")
 
 
+def offload_disk_bytes(cfg: MilesConfig) -> int | None:
+    """A lower bound of what ``--offload-train-target disk`` spills on the driver's node: the trainer state (fp32
+    weights and, where the optimizer state is spilled, two fp32 Adam moments, per --hf-checkpoint parameter; twice
+    with a PPO critic; LoRA: the adapters' state left out) over the trainer ranks, times the ranks on one node. None
+    when the parameter count is unknown."""
+    t, c = cfg.train, cfg.cluster
+    n = num_params(t.hf_checkpoint) if t.hf_checkpoint else None
+    if not n:
+        return None
+    kept = t.fsdp_cpu_offload if t.train_backend == "fsdp" else getattr(cfg.megatron, "optimizer_cpu_offload", False)
+    if t.train_backend == "fsdp" and kept:
+        policy = 0                                  # --fsdp-cpu-offload: the policy stays in host memory
+    else:
+        policy = n * FP32_BYTES * (1 if t.lora_rank or kept else 3)
+    critic = n * FP32_BYTES * 3 if cfg.algo.advantage_estimator == "ppo" and cfg.algo.loss_type != "sft_loss" else 0
+    ranks = max(c.actor_num_nodes * c.actor_num_gpus_per_node, 1)
+    return (policy + critic) * min(ranks, max(c.num_gpus_per_node, 1)) // ranks
+
+
+def check_offload_disk(cfg: MilesConfig, *, estimate: bool = True) -> None:
+    """--offload-train-target disk: its directory (--offload-train-disk-dir, or Miles's default) creatable and
+    writable, with room for the driver's node's share of the trainer state (``offload_disk_bytes``, when
+    ``estimate``); a tmpfs there is one warning. Each rank checks its own node again when it creates its directory
+    and before each spill."""
+    t = cfg.train
+    if t.offload_train_target != "disk" or cfg.cluster.debug_rollout_only:
+        return
+    from miles.trainer.disk_offload import RAM_FILESYSTEMS, filesystem_type
+
+    root = t.offload_disk_root
+    flag = "--offload-train-disk-dir" if t.offload_train_disk_dir else \
+        "--offload-train-disk-dir (not given: Miles's default $SCRATCH/miles_train_offload_<uid>)"
+    target = check_writable(root, flag)
+    need = offload_disk_bytes(cfg) if estimate else None
+    if need is not None:
+        free = shutil.disk_usage(target).free
+        if free < need:
+            raise ConfigError(f"{flag} {root}: the trainer state spilled there while the engines generate needs about "
+                              f"{_gib(need)} on this node (fp32 weights and Adam moments of --hf-checkpoint's "
+                              f"{num_params(t.hf_checkpoint):,} parameters, this node's share), but {target} has "
+                              f"{_gib(free)} free; free space there or point --offload-train-disk-dir at a larger "
+                              "node-local filesystem.")
+    fstype = filesystem_type(root)
+    if fstype in RAM_FILESYSTEMS:
+        logger.warning("--offload-train-disk-dir %s is on a %s: the spilled trainer state would stay in RAM; point it "
+                       "at node-local disk (NVMe).", root, fstype)
+
+
 def check_dumps(cfg: MilesConfig) -> None:
     """--save-debug-rollout-data: a path template taking only ``{rollout_id}``, in a writable place; --dump-details
     writable."""
@@ -451,6 +499,7 @@ def preflight(cfg: MilesConfig, *, has_engines: bool) -> None:
     for check in (attempt(lambda: path_checks(cfg)) or []) + plugin_checks(cfg, has_engines=has_engines):
         attempt(check)
     attempt(lambda: check_save(cfg, estimate=hf_ok))  # the size estimate reads --hf-checkpoint's headers
+    attempt(lambda: check_offload_disk(cfg, estimate=hf_ok))
     attempt(lambda: check_dumps(cfg))
     if has_engines:
         attempt(lambda: check_lora_adapter_sync(cfg))

@@ -102,7 +102,7 @@ def resolve_run(cfg: MilesConfig, *, num_prompts: int | None, output_dir: str, w
     c = cfg.cluster
     num_rollout = derive_num_rollout(cfg, num_prompts)
     steps, gbs, samples = derive_steps(cfg)
-    offload_train = c.offload_train if c.offload_train is not None else (c.offload or c.colocate)
+    offload_train = c.offloads_train
     offload_rollout = c.offload_rollout if c.offload_rollout is not None else (c.offload or c.colocate)
     plan = RunPlan(num_rollout=num_rollout, num_steps_per_rollout=steps, global_batch_size=gbs, rollout_samples=samples,
                    offload_train=bool(offload_train), offload_rollout=bool(offload_rollout), output_dir=output_dir,

@@ -125,13 +125,15 @@ class Worker:
         these weights (named when a detached sync lands)."""
         if not self.is_trainer or self.sender is None:
             return {}
-        if self.ft is not None:  # drops engines that die during the sync, re-admits returned ones
-            return self.ft.sync_weights(self.sender).as_metrics()
-        return self.sender.sync(detach=detach, rollout_id=rollout_id).as_metrics()
+        with self.trainer.resident(weights_only=True):  # --offload-train-target disk: the weights read back for it
+            if self.ft is not None:  # drops engines that die during the sync, re-admits returned ones
+                return self.ft.sync_weights(self.sender).as_metrics()
+            return self.sender.sync(detach=detach, rollout_id=rollout_id).as_metrics()
 
     def save(self, rollout_id: int, extra: dict[str, Any]) -> None:
         if self.is_trainer:
-            path = self.trainer.checkpoint(rollout_id, extra)
+            with self.trainer.resident():              # --offload-train-target disk: the state read back for it
+                path = self.trainer.checkpoint(rollout_id, extra)
             logger.info("checkpoint for rollout %d: %s", rollout_id, path)
 
     def offload_train(self) -> None:

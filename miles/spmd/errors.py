@@ -92,6 +92,9 @@ def _exit(code: int) -> NoReturn:
 
 
 def _flush_and_exit(code: int) -> NoReturn:
+    from miles.utils import exit_cleanup
+
+    exit_cleanup.run()  # os._exit skips atexit: this rank's spill files (--offload-train-target disk) go now
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

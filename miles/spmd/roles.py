@@ -217,8 +217,8 @@ def build_role_plan(cluster: ClusterConfig, world_size: int) -> RolePlan:
     rollout_gpus = _rollout_gpus(c, world_size, actor_gpus)
     if rollout_gpus % g:
         raise ConfigError(
-            f"engine size must divide the rollout GPUs: --rollout-num-gpus-per-engine {g} does not divide {rollout_gpus} "
-            f"rollout GPUs (--rollout-num-gpus{'' if c.rollout_num_gpus is not None else ', derived'}). Fix: "
+            f"--rollout-num-gpus-per-engine {g} does not divide {rollout_gpus} rollout GPUs (--rollout-num-gpus"
+            f"{'' if c.rollout_num_gpus is not None else ', derived'}): the engine size must divide the rollout GPUs. Fix: "
             f"--rollout-num-gpus {max(g, rollout_gpus - rollout_gpus % g)} or a --rollout-num-gpus-per-engine dividing {rollout_gpus}.")
     expected, breakdown = _expected_world(c, actor_gpus, rollout_gpus)
     if expected != world_size:

@@ -318,18 +318,14 @@ class FSDPTrainer(RLTrainer):
         return fsdp_format.resume(self)
 
     # ------------------------------------------------------------------ colocation
-    def _move(self, device) -> None:
-        if self.device.type != "cuda":
-            return
-        from miles.trainer.optim import move_optimizer_state
-
-        policy = [] if self.cfg.fsdp_cpu_offload else [(self.model, self.optimizer)]  # on CPU already
-        for model, opt in policy + (
-                [(self.critic.model, self.critic.optimizer)] if self.critic is not None else []):
-            model.to(device)
-            if model is self.model and self.lora is not None:
-                self.lora.to(device)
-            move_optimizer_state(opt, torch.device(device))
-        torch.cuda.synchronize(self.device)
-        if torch.device(device).type == "cpu":
-            torch.cuda.empty_cache()
+    def _offload_parts(self) -> tuple[list[torch.nn.Module], list]:
+        """The policy (with its LoRA adapters) and its AdamW, unless --fsdp-cpu-offload keeps them in (pinned) host
+        memory on GPU already; the critic and its AdamW."""
+        modules, optimizers = [], []
+        if not (self.cfg.fsdp_cpu_offload and self.device.type == "cuda"):
+            modules += [self.model] + ([self.lora] if self.lora is not None else [])
+            optimizers.append(self.optimizer)
+        if self.critic is not None:
+            modules.append(self.critic.model)
+            optimizers.append(self.critic.optimizer)
+        return modules, optimizers

@@ -18,7 +18,7 @@ schedule and non-finite guard, metrics, --save-interval, --deterministic-mode, `
 What a backend provides (abstract below): its models (``_build_policy``, the critic in its constructor), the
 policy forward to log-probs (``_policy_forward``), the gradient reduction and clipping (``_clip_grad_norm``),
 the weight export (``iter_weight_buckets``: full HF-named tensors on every trainer rank), the checkpoint format
-(``save``/``load``/``checkpoint``/``resume``), offload (``_move``); and optionally how a pass keeps parameters
+(``save``/``load``/``checkpoint``/``resume``), what offload moves (``_offload_parts``); and optionally how a pass keeps parameters
 gathered (``_pass_scope``, ``_accumulation``: FSDP2's resharding), ``iter_weight_shards`` (``p2p`` weight sync
 from local shards, FSDP only) and ``_checkpoint_buffers``.
 """
@@ -114,6 +114,12 @@ class RLTrainer(ABC):
             self._deterministic_mode()
         self.last_rollout_id: int | None = None
         self._mm: list | None = None
+        self._disk = None                         # --offload-train-target disk (disk_offload.py): this rank's files
+        if getattr(train, "offload_train_target", "cpu") == "disk":
+            from miles.trainer.disk_offload import DiskOffload
+
+            self._disk = DiskOffload(train.offload_disk_root, rank=dist.get_rank() if dist.is_initialized() else 0,
+                                     chunk_bytes=train.offload_train_disk_chunk_mb << 20, device=self.device)
 
     @staticmethod
     def _deterministic_mode() -> None:
@@ -199,8 +205,9 @@ class RLTrainer(ABC):
     def resume(self) -> dict | None: ...
 
     @abstractmethod
-    def _move(self, device) -> None:
-        """offload/onload: the trained models' parameters and optimizer state to ``device`` (GPU only)."""
+    def _offload_parts(self) -> tuple[list[torch.nn.Module], list]:
+        """What offload/onload moves: the trained modules (parameters, gradients, buffers: the policy, its LoRA
+        adapters, the critic) and the holders of their optimizer state (objects with a torch optimizer's ``state``)."""
 
     def _pass_scope(self, model, num_micro_batches: int) -> contextlib.AbstractContextManager:
         """Around a forward-only pass of ``num_micro_batches`` (FSDP: parameters gathered once)."""
@@ -293,6 +300,9 @@ class RLTrainer(ABC):
     # ------------------------------------------------------------------ training
     def train(self, samples: list[Sample], rollout_id: int) -> dict[str, float]:
         """Train on this rank's share of a rollout (see module docstring); metrics reduced over the group."""
+        if self._disk is not None and self._disk.spilled:   # its tensors have no memory: reading them would crash
+            raise RuntimeError("train() while the trainer's state is spilled to disk (--offload-train-target disk): "
+                               "call onload() first")
         self._sync()
         t_start = time.perf_counter()
         clock = self.clock = PhaseClock(self._sync)
@@ -550,9 +560,44 @@ class RLTrainer(ABC):
         return cadence.should_save(self.ckpt, rollout_id, self.num_rollout)
 
     def offload(self) -> None:
-        """Move parameters and optimizer state (actor and critic) to CPU; no-op off GPU."""
-        self._move("cpu")
+        """Pause (``--offload-train``): the trained state (``_offload_parts``) to CPU (``--offload-train-target cpu``;
+        a no-op off GPU) or to this rank's files (``disk``, on any device: it frees host memory on CPU)."""
+        if self._disk is not None:
+            from miles.trainer.disk_offload import tensors_of
+
+            self._disk.offload(tensors_of(*self._offload_parts()))
+        else:
+            self._move("cpu")
 
     def onload(self) -> None:
-        self._move(self.device)
+        if self._disk is not None:
+            self._disk.onload()
+        else:
+            self._move(self.device)
+
+    @contextlib.contextmanager
+    def resident(self, weights_only: bool = False) -> Iterator[None]:
+        """Around a reader of the paused trainer (the weight sync: ``weights_only``; a checkpoint): the state spilled
+        to disk is read back for it and freed again after (readers change nothing, so nothing is written). The CPU
+        target's state stays readable where it is: nothing to do."""
+        if self._disk is None:
+            yield
+            return
+        with self._disk.resident(("weights",) if weights_only else None):
+            yield
+
+    def _move(self, device) -> None:
+        """--offload-train-target cpu: the trained modules and their optimizer state to ``device`` (GPU only)."""
+        if self.device.type != "cuda":
+            return
+        from miles.trainer.optim import move_optimizer_state
+
+        modules, optimizers = self._offload_parts()
+        for module in modules:
+            module.to(device)
+        for opt in optimizers:
+            move_optimizer_state(opt, torch.device(device))
+        torch.cuda.synchronize(self.device)
+        if torch.device(device).type == "cpu":
+            torch.cuda.empty_cache()
 

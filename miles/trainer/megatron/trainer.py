@@ -403,23 +403,16 @@ class MegatronTrainer(RLTrainer):
         parallel.finish_grads(self.model, self.groups)
         return parallel.clip_grad_norm(self.model, self.groups, self.cfg.clip_grad)
 
-    def _move(self, device) -> None:
-        """offload/onload (colocated GPU): parameters and this rank's optimizer state."""
-        if self.device.type != "cuda":
-            return
-        from miles.trainer.optim import move_optimizer_state
-
-        for model, opt in [(self.model, self.optimizer)] + (
-                [(self.critic.model, self.critic.optimizer)] if self.critic is not None else []):
-            model.to(device)
-            if model is self.model and self.lora is not None:
-                self.lora.to(device)
-            local = parallel.local_optimizer(opt)           # --optimizer-cpu-offload: its CPU part stays
-            move_optimizer_state(local.device_part() if hasattr(local, "device_part") else local,
-                                 torch.device(device))
-        torch.cuda.synchronize(self.device)
-        if torch.device(device).type == "cpu":
-            torch.cuda.empty_cache()
+    def _offload_parts(self) -> tuple[list[torch.nn.Module], list]:
+        """The policy (with its LoRA adapters), the critic, and this rank's part of their optimizer state
+        (--optimizer-cpu-offload: its device part; the CPU part stays in host memory)."""
+        modules = [self.model] + ([self.lora] if self.lora is not None else [])
+        optimizers = [self.optimizer]
+        if self.critic is not None:
+            modules.append(self.critic.model)
+            optimizers.append(self.critic.optimizer)
+        local = [parallel.local_optimizer(opt) for opt in optimizers]
+        return modules, [o.device_part() if hasattr(o, "device_part") else o for o in local]
 
     # ------------------------------------------------------------------ weights
     def iter_weight_buckets(self, bucket_bytes: int, dtype: torch.dtype | None = None, *,

@@ -176,9 +176,14 @@ CASES: dict[str, tuple[list[str], str]] = {
     "guard-custom-rm-path-wrong-signature": (["--custom-rm-path", "h11_ok.two"], "has signature (a, b, c, d)"),
     "guard-rm-type-unknown": (["--rm-type", "foo"], "--rm-type 'foo' is not a known reward"),
     "guard-version-typo": (["--versoin"], "unrecognized argument --versoin"),
+    "offload-train-disk-chunk-mb-0": (["--offload-train-disk-chunk-mb", "0"],
+                                      "--offload-train-disk-chunk-mb must be a positive number of MiB, got 0"),
+    "offload-train-disk-dir-a-file": (["--offload-train", "--offload-train-target", "disk", "--offload-train-disk-dir",
+                                       "{data}"], "--offload-train-disk-dir {data}: {data} is a file, not a directory"),
 }
 
-ASYNC_DIFFERS = {"disk-delta-with-colocate"}  # train_async.py refuses --colocate itself first
+# train_async.py refuses --colocate itself first; and --offload-train-target disk (it never pauses the trainer)
+ASYNC_DIFFERS = {"disk-delta-with-colocate", "offload-train-disk-dir-a-file"}
 
 # values next to the refused ones that must still pass the dry run (the checks are not too tight)
 ACCEPTED = {
@@ -191,6 +196,8 @@ ACCEPTED = {
     "save-debug-rollout-data-template": ["--save-debug-rollout-data", "{tmp}/dumps/r_{{rollout_id}}.jsonl"],
     "top-k-1-greedy": ["--rollout-top-k", "1", "--rollout-top-p", "1.0"],
     "sft-with-debug-train-only": ["--debug-train-only", "--loss-type", "sft_loss"],
+    "offload-train-target-disk": ["--offload-train", "--offload-train-target", "disk", "--offload-train-disk-dir",
+                                  "{tmp}/spill"],
 }
 
 
