@@ -184,7 +184,7 @@ def compiled_vs_transformers(device: torch.device, lengths=(37, 53, 64, 129)) ->
     out = {"logits": 0.0, "grads": 0.0, "logits_scale": 0.0}
     for i, t in enumerate(lengths):
         if i == 2:
-            frames = counters["frames"]["ok"]
+            graphs = counters["stats"]["unique_graphs"]
         ids = torch.randint(0, 96, (2, t), generator=torch.Generator().manual_seed(t)).to(device)
         for m in (ref, fused):
             m.zero_grad(set_to_none=True)
@@ -192,7 +192,8 @@ def compiled_vs_transformers(device: torch.device, lengths=(37, 53, 64, 129)) ->
         out["logits"] = max(out["logits"], float((la - lb).abs().max()))
         out["logits_scale"] = max(out["logits_scale"], float(la.abs().max()))
         out["grads"] = max(out["grads"], _worst(ga, gb))
-    out["graphs_after_two_lengths"] = counters["frames"]["ok"] - frames
+    out["graphs_after_two_lengths"] = counters["stats"]["unique_graphs"] - graphs
+    out["graphs"] = counters["stats"]["unique_graphs"]
     return out
 
 
@@ -202,9 +203,10 @@ def test_compiled_fusions_on_gpu_match_transformers():
         pytest.skip("needs a CUDA GPU")
     d = compiled_vs_transformers(torch.device("cuda"))
     print("hf_fusions on", torch.cuda.get_device_name(), d)
-    # measured with inductor on CPU (this function, device cpu): logits and gradients identical (inductor keeps
-    # eager's bf16 roundings); on a GPU the reductions' order differs. PROVISIONAL bounds until measured on an
-    # H100: 1 bf16 ulp of the logits' scale, gradients within 1% of their largest entry
-    assert d["logits"] <= d["logits_scale"] * 2 ** -7, d
-    assert d["grads"] <= 1e-2, d
-    assert d["graphs_after_two_lengths"] == 0, d        # dynamic shapes: no recompile per sequence length
+    # measured with inductor on CPU (this function on device cpu): lengths 37, 53, 64 identical, 129 one bf16 ulp
+    # in the logits (1.95e-3, scale 0.68) and gradients within 7.1e-3 of their largest entry (a reduction's order
+    # flips a bf16 rounding, which the later layers carry). PROVISIONAL bounds, 2x those CPU figures, until
+    # measured on an H100 (the print above)
+    assert d["logits"] <= 3.9e-3, d
+    assert d["grads"] <= 1.4e-2, d
+    assert d["graphs"] > 0 and d["graphs_after_two_lengths"] == 0, d   # dynamic shapes: no recompile per length
