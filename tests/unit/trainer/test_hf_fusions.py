@@ -60,15 +60,20 @@ def counted(monkeypatch):
 
 # ------------------------------------------------------------------ the math, module by module
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_matches_transformers(dtype):
+@pytest.mark.parametrize("form", ["rms_norm", "rms_norm_weight_first"])
+def test_rms_norm_matches_transformers(form, dtype):
+    """Qwen3's norm (the weight multiplies after the cast back) and GPT-OSS's (before it)."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+
     torch.manual_seed(0)
-    norm = modeling_qwen3.Qwen3RMSNorm(48, eps=1e-5).to(dtype)
+    norm = (modeling_qwen3.Qwen3RMSNorm if form == "rms_norm" else GptOssRMSNorm)(48, eps=1e-5).to(dtype)
     norm.weight.data.normal_(1.0, 0.3)
+    assert hf_fusions._rms_kind(norm) == form
     x = (3 * torch.randn(5, 7, 48)).to(dtype).requires_grad_()
     g = torch.randn(5, 7, 48).to(dtype)
     ref = norm(x)
     gx_ref, gw_ref = torch.autograd.grad(ref, (x, norm.weight), g)
-    out = hf_fusions.rms_norm(x.reshape(-1, 48), norm.weight, norm.variance_epsilon).view(5, 7, 48)
+    out = getattr(hf_fusions, form)(x.reshape(-1, 48), norm.weight, norm.variance_epsilon).view(5, 7, 48)
     gx, gw = torch.autograd.grad(out, (x, norm.weight), g)
     assert out.dtype == ref.dtype == dtype
     # the same ops: measured identical (output and both gradients, fp32 and bf16)
