@@ -178,12 +178,16 @@ def matches(fn, kind: str) -> bool:
 
 
 def _calls(fn, name: str) -> bool:
-    """Whether ``fn``'s code calls the module-level ``name``."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    except (OSError, TypeError, SyntaxError):
-        return False
-    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == name for n in ast.walk(tree))
+    """Whether ``fn``'s code calls the module-level ``name``; cached per function."""
+    key = (fn, "calls " + name)
+    if key not in _verdicts:
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+        except (OSError, TypeError, SyntaxError):
+            tree = None
+        _verdicts[key] = tree is not None and any(
+            isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == name for n in ast.walk(tree))
+    return _verdicts[key]
 
 
 def _rms_kind(module: nn.Module) -> str | None:
