@@ -243,3 +243,34 @@ def test_lora_adapters_on_the_fused_mlp_and_attention():
     # test_patched_model_matches_transformers)
     assert torch.equal(out[0][0], out[1][0])
     assert _worst(out[0][1], out[1][1]) <= 1.5e-6
+
+
+def test_fsdp2_sharded_patched_model_matches(tmp_path, counted):
+    """FSDP2 (one gloo rank, the backend's ``shard_model``: blocks then the root, bf16 mixed precision) over the patched
+    model: FSDP2's own class swap of the blocks and its parameter unsharding leave the fused forwards working, with
+    the unpatched sharded model's log-probs and gradients."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        ref = _model(Qwen3Config(**_SMALL), torch.float32)
+        fused = copy.deepcopy(ref)
+        hf_fusions.apply(fused, compiled=False)
+        ids = torch.randint(0, 96, (1, 13), generator=torch.Generator().manual_seed(2))
+        out = []
+        for hf in (ref, fused):
+            model = modeling.shard_model(modeling.PolicyModel(hf), modeling.decoder_blocks(hf), mesh,
+                                         mp_policy=modeling.mixed_precision(torch.device("cpu"), True), recompute=True)
+            lp, _ = model(ids, torch.arange(13)[None], torch.arange(12), ids[0, 1:], torch.tensor([0, 13]), 13)
+            (lp * torch.linspace(-1, 1, 12)).sum().backward()
+            out.append((lp.detach(), {n: p.grad.full_tensor() for n, p in model.named_parameters()}))
+        assert modeling.is_fsdp(fused.model.layers[0]) and type(fused.model.layers[0].mlp)._miles_fused == "mlp"
+        # the blocks run twice (recompute in the backward), the final norm once
+        assert counted == {"rms_norm": 9 + 8, "silu_mul": 2 * 2, "rope": 2 * 2}
+        # bf16 compute, fp32 gradients: measured identical log-probs and gradients
+        assert torch.equal(out[0][0], out[1][0])
+        assert _worst(out[0][1], out[1][1]) == 0.0
+    finally:
+        dist.destroy_process_group()
