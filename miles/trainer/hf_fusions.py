@@ -15,9 +15,9 @@ result is transformers' up to the order of a reduction):
   is SiLU: ``down_proj(silu_mul(gate_proj(x), up_proj(x)))`` with ``silu_mul`` compiled (megatron-core's
   ``bias_activation_fusion``). The projections stay the module's own (a LoRA-wrapped projection too).
 - RoPE: an attention class whose ``forward`` calls its modeling module's ``apply_rotary_pos_emb``, where that
-  function and the module's ``rotate_half`` are transformers' standard ones: inside such a module's forward the
-  module-level name runs the compiled function (``rope``). The name is replaced in the modeling module by a
-  dispatcher that runs the original everywhere else (another model of the process, e.g. an embedded engine's,
+  function and its ``rotate_half`` are transformers' standard ones: inside such a module's forward the
+  module-level name runs the compiled function (``rope``). The name is replaced in the modeling module (the
+  forward's globals) by a dispatcher that runs the original everywhere else (another model of the process, e.g. an embedded engine's,
   computes as before).
 
 Which modules qualify is decided per class from its source (``ast`` of the method and of the module's functions,
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import ast
 import inspect
-import sys
 import textwrap
 import threading
 from collections.abc import Callable
@@ -211,19 +210,21 @@ def _is_swiglu(module: nn.Module) -> bool:
         matches(type(module).forward, "mlp")
 
 
-def _rope_module(module: nn.Module):
-    """The modeling module whose verified ``apply_rotary_pos_emb`` this attention module's forward calls, or None."""
+def _rope_globals(module: nn.Module) -> dict | None:
+    """The globals in which this attention module's forward looks up ``apply_rotary_pos_emb`` (its modeling
+    module's), when it calls that name and the function there is the verified one (with the verified
+    ``rotate_half`` beside it); else None."""
     cls = type(module)
-    mod = sys.modules.get(cls.__module__)
-    if mod is None or "forward" in vars(module) or not _calls(cls.forward, "apply_rotary_pos_emb"):
+    if "forward" in vars(module) or not _calls(cls.forward, "apply_rotary_pos_emb"):
         return None
-    current = getattr(mod, "apply_rotary_pos_emb", None)
+    names = getattr(inspect.unwrap(cls.forward), "__globals__", None)
+    current = (names or {}).get("apply_rotary_pos_emb")
     original = getattr(current, "_miles_original", current)
-    if original is None or not matches(original, "apply_rotary_pos_emb"):
+    if not inspect.isfunction(original) or not matches(original, "apply_rotary_pos_emb"):
         return None
-    if not matches(getattr(mod, "rotate_half", None), "rotate_half"):
+    if not matches(original.__globals__.get("rotate_half"), "rotate_half"):
         return None
-    return mod
+    return names
 
 
 # ------------------------------------------------------------------ the patched forwards
@@ -302,11 +303,11 @@ def apply(model: nn.Module, *, compiled: bool = True) -> dict[str, list[str]]:
             _swap(module, "mlp", _mlp_forward, compiled)
             patched["mlp"].add(name)
         else:
-            mod = _rope_module(module)
-            if mod is None:
+            names = _rope_globals(module)
+            if names is None:
                 continue
-            if not hasattr(mod.apply_rotary_pos_emb, "_miles_original"):
-                mod.apply_rotary_pos_emb = _dispatcher(mod.apply_rotary_pos_emb)
+            if not hasattr(names["apply_rotary_pos_emb"], "_miles_original"):
+                names["apply_rotary_pos_emb"] = _dispatcher(names["apply_rotary_pos_emb"])
             _swap(module, "rope", _scoped(type(module).forward), compiled)
             patched["rope"].add(name)
     return {k: sorted(v) for k, v in patched.items()}
