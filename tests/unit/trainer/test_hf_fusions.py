@@ -179,24 +179,27 @@ def test_load_hf_model_patches_on_cuda_only(tmp_path):
 # ------------------------------------------------------------------ compiled, on a GPU
 def compiled_vs_transformers(device: torch.device, lengths=(37, 53, 64, 129)) -> dict[str, float]:
     """A tiny bf16 Qwen3, forward + backward through the compiled forwards and through transformers' own, for each
-    sequence length; the largest differences (logits: absolute; gradients: relative to each gradient's largest
-    entry) and how many graphs dynamo compiled after the first two lengths."""
+    sequence length: the largest differences (logits: absolute; gradients: relative to each gradient's largest
+    entry), the same between transformers' bf16 model and its fp32 original (bf16's own error, ``bf16_*``), and
+    how many graphs dynamo compiled after the first two lengths."""
     from torch._dynamo.utils import counters
 
+    fp32 = _model(Qwen3Config(**_SMALL), torch.float32).to(device)
     ref = _model(Qwen3Config(**_SMALL), torch.bfloat16).to(device)
     fused = copy.deepcopy(ref)
     hf_fusions.apply(fused, compiled=True)
-    out = {"logits": 0.0, "grads": 0.0, "logits_scale": 0.0}
+    out = dict.fromkeys(("logits", "grads", "bf16_logits", "bf16_grads"), 0.0)
     for i, t in enumerate(lengths):
         if i == 2:
             graphs = counters["stats"]["unique_graphs"]
         ids = torch.randint(0, 96, (2, t), generator=torch.Generator().manual_seed(t)).to(device)
-        for m in (ref, fused):
+        for m in (fp32, ref, fused):
             m.zero_grad(set_to_none=True)
-        (la, ga), (lb, gb) = _run(ref, ids), _run(fused, ids)
+        (l32, g32), (la, ga), (lb, gb) = _run(fp32, ids), _run(ref, ids), _run(fused, ids)
         out["logits"] = max(out["logits"], float((la - lb).abs().max()))
-        out["logits_scale"] = max(out["logits_scale"], float(la.abs().max()))
         out["grads"] = max(out["grads"], _worst(ga, gb))
+        out["bf16_logits"] = max(out["bf16_logits"], float((l32 - la).abs().max()))
+        out["bf16_grads"] = max(out["bf16_grads"], _worst(g32, ga))
     out["graphs_after_two_lengths"] = counters["stats"]["unique_graphs"] - graphs
     out["graphs"] = counters["stats"]["unique_graphs"]
     return out
@@ -208,12 +211,13 @@ def test_compiled_fusions_on_gpu_match_transformers():
         pytest.skip("needs a CUDA GPU")
     d = compiled_vs_transformers(torch.device("cuda"))
     print("hf_fusions on", torch.cuda.get_device_name(), d)
-    # measured with inductor on CPU (this function on device cpu): lengths 37, 53, 64 identical, 129 one bf16 ulp
-    # in the logits (1.95e-3, scale 0.68) and gradients within 7.1e-3 of their largest entry (a reduction's order
-    # flips a bf16 rounding, which the later layers carry). PROVISIONAL bounds, 2x those CPU figures, until
-    # measured on an H100 (the print above)
-    assert d["logits"] <= 3.9e-3, d
-    assert d["grads"] <= 1.4e-2, d
+    # the fused path's difference from transformers' bf16 path, as a fraction of bf16's own error (bf16 vs fp32).
+    # Measured with inductor on CPU (this function on device cpu): lengths 37, 53, 64 identical; 129 one bf16 ulp of
+    # the logits, 1.95e-3 = 0.36 of bf16's 5.5e-3, gradients 7.1e-3 of their largest entry = 0.25 of bf16's 2.87e-2
+    # (a reduction's order flips a bf16 rounding that later layers carry). PROVISIONAL bounds, 2x those CPU
+    # ratios, until measured on an H100 (the print above)
+    assert d["logits"] <= 0.72 * d["bf16_logits"], d
+    assert d["grads"] <= 0.5 * d["bf16_grads"], d
     assert d["graphs"] > 0 and d["graphs_after_two_lengths"] == 0, d   # dynamic shapes: no recompile per length
 
 
