@@ -15,6 +15,8 @@ forward, and shard it with FSDP2.
   the block-diagonal mask transformers derives from the restarting ``position_ids`` (eager attention with that
   mask for gpt-oss, whose sinks transformers computes only there; DeepSeek-V4: eager, one right-padded row per
   sample, ``NO_PACKING``).
+- On GPU the models' RMSNorm, SwiGLU MLP and q/k RoPE run compiled forwards of transformers' own expressions
+  (``hf_fusions.py``: only classes whose code is the verified form).
 """
 
 from __future__ import annotations
@@ -103,7 +105,8 @@ def choose_attention(device: torch.device, config) -> str:
 
 def load_hf_model(path: str | Path, device: torch.device, *, causal_lm: bool = True,
                   flag: str | None = None) -> nn.Module:
-    """Load a local HF model on CPU in float32 (the master weights), with the trainer's attention.
+    """Load a local HF model on CPU in float32 (the master weights), with the trainer's attention; for a CUDA
+    ``device``, its RMSNorm, SwiGLU and RoPE modules run fused forwards of the same math (``hf_fusions.apply``).
 
     The directory is checked first (``miles.utils.model_dir``): a missing path, a directory that is not a
     model or a truncated safetensors file raises ``ModelDirError``, one line naming ``flag`` (the flag the
@@ -122,6 +125,11 @@ def load_hf_model(path: str | Path, device: torch.device, *, causal_lm: bool = T
     cls = (AutoModelForImageTextToText if vlm.is_vlm(config) else AutoModelForCausalLM) if causal_lm else AutoModel
     model = cls.from_pretrained(str(path), dtype=torch.float32, attn_implementation=attn)
     model.config.use_cache = False
+    if device.type == "cuda":     # fused RMSNorm / SwiGLU / RoPE forwards of the same math (hf_fusions.py)
+        from miles.trainer import hf_fusions
+
+        patched = hf_fusions.apply(model)
+        logger.info("fused forwards (hf_fusions): %s", "; ".join(f"{k} {', '.join(v) or '-'}" for k, v in patched.items()))
     return model
 
 
