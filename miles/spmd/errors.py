@@ -99,8 +99,8 @@ def _flush_and_exit(code: int) -> NoReturn:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (OSError, ValueError):
-            pass
+        except (OSError, ValueError, RuntimeError):  # RuntimeError: a signal handler's flush inside the main
+            pass                                     # thread's own write to that stream (reentrant call)
     os._exit(code)
 
 
