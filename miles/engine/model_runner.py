@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from miles.engine.generic_lm import _GenericLM
+from miles.engine.native_layers import prefill_attention_kernels
 from miles.engine.native_lm import _NativeLM
 from miles.engine.paged_cache import PagedKV
 from miles.engine.runner_options import (
@@ -303,7 +304,8 @@ class ModelRunner:
         return self.kv.chunk_row if self.kv is not None else None
 
     def prefill_chunk(self, row: int, tokens: list[int], start: int, want_full: bool):
-        return self.impl.prefill_chunk(row, tokens, start, want_full)
+        with prefill_attention_kernels(self.device):
+            return self.impl.prefill_chunk(row, tokens, start, want_full)
 
     @property
     def mix_tokens(self) -> int:
@@ -379,9 +381,10 @@ class ModelRunner:
             outs = [self.prefill(slot_start + i, [s], [f], None if mm is None else [mm[i]])
                     for i, (s, f) in enumerate(zip(seqs, full_for))]
             return torch.cat([last for last, _ in outs]), [full[0] for _, full in outs]
-        if mm is not None and any(b is not None for b in mm):
-            return self.impl.prefill(slot_start, seqs, full_for, mm)
-        return self.impl.prefill(slot_start, seqs, full_for)
+        with prefill_attention_kernels(self.device):
+            if mm is not None and any(b is not None for b in mm):
+                return self.impl.prefill(slot_start, seqs, full_for, mm)
+            return self.impl.prefill(slot_start, seqs, full_for)
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, max_len: int) -> torch.Tensor:
         return self.impl.decode(tokens, positions, max_len)

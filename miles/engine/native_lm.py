@@ -282,19 +282,25 @@ class _NativeLM(_NativeDecode):
             else:
                 self.k_cache[li][slot_start: slot_start + n, :, :T] = k
                 self.v_cache[li][slot_start: slot_start + n, :, :T] = v
-            if self.group > 1:
-                k = k.repeat_interleave(self.group, dim=1)
-                v = v.repeat_interleave(self.group, dim=1)
             win = self.windows[li]
-            if win is not None and win < T:
-                causal = q_pos[None, :] <= q_pos[:, None]
-                wmask = (causal & (q_pos[None, :] > q_pos[:, None] - win))[None, None]
-                mask = wmask if base_mask is None else (base_mask & wmask)
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
-            elif base_mask is None:
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)
+            windowed = win is not None and win < T
+            if base_mask is None and not windowed and self.device.type == "cuda":
+                # causal rows of one length: flash attention reads the grouped K/V heads itself (no copies)
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling,
+                                                   enable_gqa=self.group > 1)
             else:
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=base_mask, scale=self.scaling)
+                if self.group > 1:
+                    k = k.repeat_interleave(self.group, dim=1)
+                    v = v.repeat_interleave(self.group, dim=1)
+                if windowed:
+                    causal = q_pos[None, :] <= q_pos[:, None]
+                    wmask = (causal & (q_pos[None, :] > q_pos[:, None] - win))[None, None]
+                    mask = wmask if base_mask is None else (base_mask & wmask)
+                    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
+                elif base_mask is None:
+                    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)
+                else:
+                    o = F.scaled_dot_product_attention(q, k, v, attn_mask=base_mask, scale=self.scaling)
             h = h + attn.o_proj(o.transpose(1, 2).reshape(n, T, self.n_heads * self.head_dim))
             h = h + self._mlp(li, layer, _norm(layer.post_attention_layernorm, h))
         h = _norm(self.norm, h)
