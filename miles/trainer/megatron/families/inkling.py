@@ -1,0 +1,262 @@
+"""The Inkling family (config.json ``model_type: inkling_text``, transformers' ``InklingForCausalLM``) on the
+Megatron backend: shape, names, flags; the decoder is ``inkling_model.py``.
+
+    FAMILY                                  # its hooks (families/__init__.py): shape, own model, names, refusals
+    model = inkling_model.build_inkling_model(shape, config, padded_vocab=V, device=dev)   # via model.build_gpt_model
+
+Design note: what Inkling's text model is, what megatron-core 0.16.1 has for it, and what is ours (the reference is
+transformers 5.24's ``models/inkling``; Miles v0.1.0 trains it with its own transformer-engine-only model,
+``--custom-model-provider-path miles_plugins.models.inkling.model.inkling_model_provider``,
+radixark/miles@v0.1.0:miles_plugins/models/inkling/, whose path is taken here as naming this family:
+``provider.py``'s ``KNOWN``):
+
+ 1. Embedding: megatron-core's vocabulary-parallel embedding, then an RMS norm (``embed_tokens.embed_norm``); no
+    position embedding (``--position-embedding-type none``).
+ 2. Attention: per-head q/k RMS norms and a 1/head_dim scale; K and V pass through a short causal depthwise
+    convolution with its residual (``k_sconv``/``v_sconv``, ``conv_kernel_size`` taps, fp32) before the k norm;
+    position enters only as a bias per backward distance, each head mixing a shared bank of ``d_rel`` profiles
+    (``rel_logits_proj.proj`` [d_rel, extent]) with its own states (``r_proj``), zero past ``rel_extent`` (full layers) or
+    the window (sliding layers). ``layer_types``: ``hybrid_sliding`` layers attend over ``sliding_window_size`` keys
+    with their own head counts and head size (``swa_*``); ``hybrid`` layers over the whole row, their query and bias
+    scaled by ``1 + alpha log(max(1, (i + 1) / n_floor))`` when ``log_scaling_n_floor`` is set. megatron-core's
+    attention has no relative bias, no K/V convolution, no per-layer head counts -> ours (``InklingAttention``).
+ 3. Block: the attention's and the MLP's outputs each pass through a short convolution (``attn_sconv``,
+    ``mlp_sconv``) before their residual add. megatron-core's TransformerLayer has no place for them -> ours.
+ 4. MLP: dense SwiGLU layers (``mlp_layer_types`` ``dense``) with a learned ``global_scale``; MoE layers: a sigmoid
+    router over the routed experts plus ``n_shared_experts`` shared ones; top-k of the routed scores plus
+    ``e_score_correction_bias``; the chosen experts' and the shared experts' log-sigmoid logits normalised together
+    (a softmax: the shared experts are a "sink" for the weight), times ``route_scale`` and a learned
+    ``global_scale``; each shared expert weighted by its own share. megatron-core's SharedExpertMLP takes no
+    per-token weight and its router no shared logits -> ours (``InklingMoE``), in torch, the tokens split over TP.
+    Expert parallelism is refused (the experts are whole on every rank).
+ 5. Head: the final hidden states divided by ``logits_mup_width_multiplier`` before the output layer (untied).
+    ``unpadded_vocab_size``: the rows past it are not the model's (transformers drops those logits): the shape's
+    vocabulary is the unpadded one, the export pads the head and embedding back to ``vocab_size`` with zeros.
+ 6. MTP layers (``num_mtp_layers``): transformers ignores the checkpoint's ``model.mtp.*``; so does this build
+    (``--mtp-num-layers`` refused).
+
+Names (transformers' ``InklingForCausalLM``: ``model.layers.L.self_attn.q_proj.weight``, ...; megatron:
+``decoder.layers.L.self_attention.linear_q.weight``, ...): ``_LAYER`` below. Refused (one line each,
+``check_static``): pipeline, context and expert parallelism, a TP size not dividing every layer's heads and KV heads,
+MTP layers, an auxiliary load-balancing loss; routing replay is refused when the trainer starts (the router is
+ours, not megatron-core's: ``routing_replay._hook_routers``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from miles.config.base import ConfigError
+from miles.trainer.megatron.families import Family
+
+MODEL_TYPES = {"inkling_text": "Inkling"}
+
+
+@dataclass(frozen=True)
+class InklingShape:
+    sliding: tuple[bool, ...]         # per layer: hybrid_sliding
+    swa_heads: int
+    swa_kv_heads: int
+    swa_head_dim: int
+    sliding_window: int
+    d_rel: int
+    rel_extent: int
+    log_scaling_n_floor: int | None
+    log_scaling_alpha: float
+    conv_kernel: int
+    n_shared_experts: int
+    mup_width_multiplier: float
+    hf_vocab_size: int                # config.json's vocab_size (the checkpoint's rows; the shape's may be fewer)
+
+
+def shape_fields(c) -> dict:
+    """``ModelShape``'s fields of an inkling_text config.json, ``variant`` holding Inkling's own (ValueError, one
+    line, naming what is not built)."""
+    if getattr(c, "hidden_act", "silu") != "silu":
+        raise ValueError(f"Inkling hidden_act {c.hidden_act!r} is not supported (silu).")
+    n = int(c.num_hidden_layers)
+    types = list(c.layer_types[:n])
+    if set(types) - {"hybrid", "hybrid_sliding"}:
+        raise ValueError(f"Inkling layer_types {types}: hybrid or hybrid_sliding only.")
+    mlp = list(c.mlp_layer_types[:n])
+    if set(mlp) - {"dense", "sparse"}:
+        raise ValueError(f"Inkling mlp_layer_types {mlp}: dense or sparse only.")
+    pattern = tuple(int(t == "sparse") for t in mlp)
+    shared = int(c.n_shared_experts or 0)
+    if any(pattern) and (shared < 1 or not getattr(c, "shared_expert_sink", True)):
+        raise ValueError("Inkling MoE without shared experts scored as a sink (n_shared_experts >= 1, "
+                         "shared_expert_sink true) is not supported.")
+    unpadded = getattr(c, "unpadded_vocab_size", None)
+    vocab = int(c.vocab_size)
+    g = InklingShape(sliding=tuple(t == "hybrid_sliding" for t in types), swa_heads=int(c.swa_num_attention_heads),
+                     swa_kv_heads=int(c.swa_num_key_value_heads), swa_head_dim=int(c.swa_head_dim),
+                     sliding_window=int(c.sliding_window_size), d_rel=int(c.d_rel), rel_extent=int(c.rel_extent),
+                     log_scaling_n_floor=None if c.log_scaling_n_floor is None else int(c.log_scaling_n_floor),
+                     log_scaling_alpha=float(c.log_scaling_alpha), conv_kernel=int(c.conv_kernel_size),
+                     n_shared_experts=shared, mup_width_multiplier=float(c.logits_mup_width_multiplier),
+                     hf_vocab_size=vocab)
+    experts = int(c.n_routed_experts) if any(pattern) else 0
+    return dict(
+        model_type=c.model_type, num_layers=n, hidden_size=int(c.hidden_size), ffn_hidden_size=int(c.intermediate_size),
+        num_attention_heads=int(c.num_attention_heads), num_query_groups=int(c.num_key_value_heads),
+        kv_channels=int(c.head_dim), vocab_size=min(int(unpadded), vocab) if unpadded else vocab,
+        max_position_embeddings=int(c.max_position_embeddings), rotary_base=10000.0,
+        norm_epsilon=float(c.rms_norm_eps), qk_layernorm=True, qkv_bias=False, tie_embeddings=False,
+        num_experts=experts, moe_ffn_hidden_size=int(c.moe_intermediate_size) if experts else 0,
+        moe_router_topk=int(c.num_experts_per_tok) if experts else 0, moe_norm_topk_prob=True,
+        moe_layer_pattern=pattern if experts else (), moe_shared_ffn_hidden_size=int(c.moe_intermediate_size) * shared
+        if experts else 0, moe_score_function="sigmoid", moe_expert_bias=bool(experts),
+        moe_topk_scaling=float(c.route_scale), nextn_layers=int(getattr(c, "num_mtp_layers", None) or 0), variant=g)
+
+
+def is_inkling(shape) -> bool:
+    return isinstance(shape.variant, InklingShape)
+
+
+# ------------------------------------------------------------------------------------------- names
+# megatron suffix -> transformers' suffix, per layer (prefix model.layers.L.)
+_LAYER = {"input_layernorm.weight": "input_layernorm.weight",
+          "self_attention.linear_q.weight": "self_attn.q_proj.weight",
+          "self_attention.linear_k.weight": "self_attn.k_proj.weight",
+          "self_attention.linear_v.weight": "self_attn.v_proj.weight",
+          "self_attention.linear_r.weight": "self_attn.r_proj.weight",
+          "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+          "self_attention.k_conv.weight": "self_attn.k_sconv.conv1d.weight",
+          "self_attention.v_conv.weight": "self_attn.v_sconv.conv1d.weight",
+          "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+          "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+          "self_attention.rel_logits.proj": "self_attn.rel_logits_proj.proj",
+          "attn_conv.weight": "attn_sconv.conv1d.weight",
+          "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+          "mlp_conv.weight": "mlp_sconv.conv1d.weight",
+          "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+          "mlp.global_scale": "mlp.global_scale",
+          "mlp.router.weight": "mlp.gate.weight",
+          "mlp.router.global_scale": "mlp.gate.global_scale",
+          "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
+          "mlp.experts.gate_up_proj": "mlp.experts.gate_up_proj",
+          "mlp.experts.down_proj": "mlp.experts.down_proj",
+          "mlp.sink_experts.gate_proj": "mlp.shared_experts.gate_proj",
+          "mlp.sink_experts.up_proj": "mlp.shared_experts.up_proj",
+          "mlp.sink_experts.down_proj": "mlp.shared_experts.down_proj"}
+_TOP = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
+        "embedding_norm.weight": "model.embed_tokens.embed_norm.weight",
+        "decoder.final_layernorm.weight": "model.norm.weight",
+        "output_layer.weight": "lm_head.weight"}
+_VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
+_FC1 = "mlp.linear_fc1.weight"
+COLUMN = ("self_attention.linear_k.weight", "self_attention.linear_v.weight", "self_attention.linear_r.weight",
+          "self_attention.k_conv.weight", "self_attention.v_conv.weight")     # linear_q, fc1: already column
+TP_PARTIAL = (".self_attention.rel_logits.",)      # each TP rank mixes the profiles for its heads only
+
+
+def _get(hf: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    if name not in hf:
+        raise KeyError(f"--hf-checkpoint has no tensor {name}: not an Inkling (inkling_text) checkpoint of this "
+                       "config.json")
+    return hf[name]
+
+
+def hf_to_megatron(suffix: str, prefix: str, hf: dict[str, torch.Tensor], shape) -> torch.Tensor | None:
+    """The full megatron tensor of ``prefix + suffix`` (``prefix`` 'model.layers.L.', or '' for a name outside the
+    layers) from transformers' names; None: not an Inkling shape."""
+    if not is_inkling(shape):
+        return None
+    if not prefix:
+        if suffix not in _TOP:
+            return None
+        t = _get(hf, _TOP[suffix])
+        return t[:shape.vocab_size] if suffix in _VOCAB else t
+    if suffix == _FC1:
+        return torch.cat([_get(hf, prefix + "mlp.gate_proj.weight"), _get(hf, prefix + "mlp.up_proj.weight")])
+    if suffix in _LAYER:
+        return _get(hf, prefix + _LAYER[suffix])
+    raise KeyError(f"no HF source for Inkling parameter {prefix}{suffix} (a bug)")
+
+
+def megatron_to_hf(suffix: str, prefix: str, full: torch.Tensor, shape) -> list[tuple[str, torch.Tensor]] | None:
+    """transformers' names and tensors of one full megatron tensor; the vocabulary rows as the checkpoint's
+    (``vocab_size``: zero rows past ``unpadded_vocab_size``)."""
+    if not is_inkling(shape):
+        return None
+    if not prefix:
+        if suffix not in _TOP:
+            return None
+        if suffix in _VOCAB:
+            rows = shape.variant.hf_vocab_size
+            full = full[:shape.vocab_size]
+            if rows > full.shape[0]:
+                full = torch.cat([full, full.new_zeros((rows - full.shape[0],) + tuple(full.shape[1:]))])
+        return [(_TOP[suffix], full)]
+    if suffix == _FC1:
+        gate, up = full.chunk(2, dim=0)
+        return [(prefix + "mlp.gate_proj.weight", gate), (prefix + "mlp.up_proj.weight", up)]
+    if suffix in _LAYER:
+        return [(prefix + _LAYER[suffix], full)]
+    raise KeyError(f"no HF name for Inkling parameter {prefix}{suffix} (a bug)")
+
+
+def exported_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Each router's ``expert_bias`` (``mlp.gate.e_score_correction_bias``)."""
+    return [(n, b) for n, b in model.named_buffers() if n.endswith(".mlp.router.expert_bias")]
+
+
+# ------------------------------------------------------------------------------------------- model and flags
+def config_kwargs(shape) -> dict:
+    """TransformerConfig arguments: megatron-core's MoE fields are not used by our MoE (``inkling_model``); its
+    validation needs a score function it knows."""
+    if not is_inkling(shape) or not shape.num_experts:
+        return {}
+    return dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=False, moe_router_pre_softmax=False)
+
+
+def build_model(shape, config, *, padded_vocab: int, device: torch.device, pre_process: bool = True,
+                post_process: bool = True, **_):
+    """The family's ``build_model`` hook: ``inkling_model.HiddenInklingModel`` (one pipeline stage only: PP is
+    refused; its attention is its own, so the core attention ``model.build_gpt_model`` offers is not used)."""
+    from miles.trainer.megatron.families import inkling_model
+
+    if not (pre_process and post_process):
+        raise ValueError("Inkling is built whole on each rank (pipeline parallelism is refused)")
+    return inkling_model.build_inkling_model(shape, config, padded_vocab=padded_vocab, device=device)
+
+
+def check_static(o, shape) -> None:
+    """What the Inkling build does not run (``o``: ``options.Options``), one line each."""
+    for flag, value, bad, why in (
+            ("--pipeline-model-parallel-size", o.pp, o.pp > 1, "its decoder is built whole on each rank"),
+            ("--context-parallel-size", o.cp, o.cp > 1, "its relative-position attention and short convolutions "
+                                                        "run on whole rows"),
+            ("--expert-model-parallel-size", o.ep, o.ep > 1, "its sink-routed MoE is its own torch module, not "
+                                                             "megatron-core's MoELayer: the experts are whole on "
+                                                             "every rank")):
+        if bad:
+            raise ConfigError(f"{flag} {value} with Inkling is not supported by the Megatron backend ({why}); use "
+                              "tensor and data parallelism.")
+    g = shape.variant
+    for what, n in (("swa_num_attention_heads", g.swa_heads), ("swa_num_key_value_heads", g.swa_kv_heads)):
+        if any(g.sliding) and n % o.tp:
+            raise ConfigError(f"--tensor-model-parallel-size {o.tp} does not divide config.json's {what} {n} "
+                              "(Inkling's sliding layers split their heads over TP); choose a TP size that divides it.")
+    if shape.mtp_num_layers:
+        raise ConfigError(f"--mtp-num-layers {shape.mtp_num_layers} with Inkling is not supported (transformers "
+                          "builds no Inkling MTP layers to check them against); drop it.")
+
+
+def check_flags(m, shape) -> None:
+    """Flags the Inkling build cannot honour (``m``: the Megatron flags), on an Inkling checkpoint only."""
+    if m is None or not is_inkling(shape):
+        return
+    coeff = getattr(m, "moe_aux_loss_coeff", None)
+    if coeff:
+        raise ConfigError(f"--moe-aux-loss-coeff {coeff:g} with Inkling is not supported by the Megatron backend (its "
+                          "router is its own module, which adds no load-balancing loss); drop it or pass 0.")
+
+
+FAMILY = Family(
+    name="Inkling", model_types=MODEL_TYPES, shape_fields=shape_fields, config_kwargs=config_kwargs,
+    build_model=build_model, hf_to_megatron=hf_to_megatron, megatron_to_hf=megatron_to_hf, hooks_name_top=True,
+    column=COLUMN, tp_partial=TP_PARTIAL, exported_buffers=exported_buffers, check_static=check_static,
+    check_flags=check_flags, position_embedding="none", mtp_key="num_mtp_layers")
