@@ -32,6 +32,7 @@ def build_tiny_inkling_model(out_dir: str | Path, *, hidden_size: int = 48, seed
 
     def init(model) -> None:
         m = model.model
+        draw(model.lm_head.weight, 0.5)            # logits of order 1 (transformers' 0.02 std, / muP: ~0.1)
         draw(m.embed_tokens.embed_norm.weight, 0.1, 1.0)
         draw(m.norm.weight, 0.1, 1.0)
         for layer in m.layers:
