@@ -38,7 +38,7 @@ radixark/miles@v0.1.0:miles_plugins/models/inkling/, whose path is taken here as
 Names (transformers' ``InklingForCausalLM``: ``model.layers.L.self_attn.q_proj.weight``, ...; megatron:
 ``decoder.layers.L.self_attention.linear_q.weight``, ...): ``_LAYER`` below. Refused (one line each,
 ``check_static``): pipeline, context and expert parallelism, a TP size not dividing every layer's heads and KV heads,
-MTP layers, an auxiliary load-balancing loss; routing replay is refused when the trainer starts (the router is
+MTP layers (an auxiliary load-balancing loss is refused for every family); routing replay is refused when the trainer starts (the router is
 ours, not megatron-core's: ``routing_replay._hook_routers``).
 """
 
@@ -240,23 +240,13 @@ def check_static(o, shape) -> None:
         if any(g.sliding) and n % o.tp:
             raise ConfigError(f"--tensor-model-parallel-size {o.tp} does not divide config.json's {what} {n} "
                               "(Inkling's sliding layers split their heads over TP); choose a TP size that divides it.")
-    if shape.mtp_num_layers:
-        raise ConfigError(f"--mtp-num-layers {shape.mtp_num_layers} with Inkling is not supported (transformers "
+    if o.mtp_num_layers or shape.mtp_num_layers:
+        raise ConfigError(f"--mtp-num-layers {o.mtp_num_layers or shape.mtp_num_layers} with Inkling is not supported (transformers "
                           "builds no Inkling MTP layers to check them against); drop it.")
-
-
-def check_flags(m, shape) -> None:
-    """Flags the Inkling build cannot honour (``m``: the Megatron flags), on an Inkling checkpoint only."""
-    if m is None or not is_inkling(shape):
-        return
-    coeff = getattr(m, "moe_aux_loss_coeff", None)
-    if coeff:
-        raise ConfigError(f"--moe-aux-loss-coeff {coeff:g} with Inkling is not supported by the Megatron backend (its "
-                          "router is its own module, which adds no load-balancing loss); drop it or pass 0.")
 
 
 FAMILY = Family(
     name="Inkling", model_types=MODEL_TYPES, shape_fields=shape_fields, config_kwargs=config_kwargs,
     build_model=build_model, hf_to_megatron=hf_to_megatron, megatron_to_hf=megatron_to_hf, hooks_name_top=True,
     column=COLUMN, tp_partial=TP_PARTIAL, exported_buffers=exported_buffers, check_static=check_static,
-    check_flags=check_flags, position_embedding="none", mtp_key="num_mtp_layers")
+    position_embedding="none", mtp_key="num_mtp_layers")

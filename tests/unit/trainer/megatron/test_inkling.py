@@ -1,0 +1,123 @@
+"""Inkling's text model on the Megatron backend without ranks: the shape of its config.json, the HF <-> Megatron
+conversion (bitwise round trip under TP, the TP layout of its own tensors, the unpadded vocabulary), one line for
+what is not built. Parity with transformers: tests/multiprocess/test_megatron_inkling.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from _tp_round_trip import round_trip_under_tp
+
+from miles.config import ConfigError, parse_args
+from miles.trainer.megatron import options
+from miles.trainer.megatron.convert import hf_to_megatron, megatron_to_hf, partition_dim, shard
+from miles.trainer.megatron.families import inkling
+
+pytest.importorskip("megatron.core")
+
+
+@pytest.fixture(scope="module")
+def tiny_inkling_dir(tmp_path_factory) -> Path:
+    from miles.utils.tiny_inkling import build_tiny_inkling_model
+
+    return build_tiny_inkling_model(tmp_path_factory.mktemp("tiny_inkling"))
+
+
+def _config(model: Path, **change) -> dict:
+    return json.loads((model / "config.json").read_text()) | change
+
+
+def _shape(config: dict):
+    from transformers import AutoConfig
+
+    d = dict(config)
+    return options.shape_of(AutoConfig.for_model(d.pop("model_type"), **d))
+
+
+def _megatron_names(shape) -> list[str]:
+    """Every parameter and exported buffer of the Inkling build, by its megatron name."""
+    attn = ["input_layernorm.weight", "attn_conv.weight", "pre_mlp_layernorm.weight", "mlp_conv.weight"] + [
+        f"self_attention.{n}" for n in ("linear_q.weight", "linear_k.weight", "linear_v.weight", "linear_r.weight",
+                                        "linear_proj.weight", "k_conv.weight", "v_conv.weight",
+                                        "q_layernorm.weight", "k_layernorm.weight", "rel_logits.proj")]
+    dense = ["mlp.linear_fc1.weight", "mlp.linear_fc2.weight", "mlp.global_scale"]
+    moe = ["mlp.router.weight", "mlp.router.global_scale", "mlp.router.expert_bias", "mlp.experts.gate_up_proj",
+           "mlp.experts.down_proj", "mlp.sink_experts.gate_proj", "mlp.sink_experts.up_proj",
+           "mlp.sink_experts.down_proj"]
+    names = ["embedding.word_embeddings.weight", "embedding_norm.weight"]
+    for i, sparse in enumerate(shape.moe_layer_pattern):
+        names += [f"decoder.layers.{i}.{n}" for n in attn + (moe if sparse else dense)]
+    return names + ["decoder.final_layernorm.weight", "output_layer.weight"]
+
+
+def test_shape_of_the_tiny_config(tiny_inkling_dir: Path) -> None:
+    shape = _shape(_config(tiny_inkling_dir))
+    g = shape.variant
+    assert shape.family is inkling.FAMILY and shape.moe_layer_pattern == (0, 1, 1) and shape.num_experts == 4
+    assert g.sliding == (True, False, True) and (g.swa_heads, g.swa_kv_heads, g.swa_head_dim) == (6, 2, 8)
+    assert (shape.num_attention_heads, shape.num_query_groups, shape.kv_channels) == (4, 2, 12)
+    assert g.mup_width_multiplier == 4.0 and shape.moe_topk_scaling == 2.5 and g.n_shared_experts == 2
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_round_trip_is_bitwise_under_tp(tiny_inkling_dir: Path, tp: int) -> None:
+    from safetensors.torch import load_file
+
+    hf = load_file(str(tiny_inkling_dir / "model.safetensors"))
+    shape = _shape(_config(tiny_inkling_dir))
+    full = round_trip_under_tp(hf, shape, _megatron_names(shape), tp)
+    # the TP layout of Inkling's own tensors: K / V rows and their convolutions' channels by KV head, the relative
+    # states by query head; the experts and the relative profiles whole on every rank
+    for name, hf_name in (("decoder.layers.1.self_attention.linear_k.weight", "model.layers.1.self_attn.k_proj.weight"),
+                          ("decoder.layers.0.self_attention.v_conv.weight",
+                           "model.layers.0.self_attn.v_sconv.conv1d.weight"),
+                          ("decoder.layers.2.self_attention.linear_r.weight", "model.layers.2.self_attn.r_proj.weight")):
+        assert partition_dim(name) == 0
+        assert torch.equal(shard(name, full[name], 0, tp - 1, tp, shape), hf[hf_name].chunk(tp)[-1]), name
+    for name in ("decoder.layers.1.mlp.experts.gate_up_proj", "decoder.layers.1.mlp.sink_experts.down_proj",
+                 "decoder.layers.1.self_attention.rel_logits.proj", "decoder.layers.1.mlp.router.weight"):
+        assert partition_dim(name) is None, name
+
+
+def test_unpadded_vocabulary_is_cut_and_padded_back(tiny_inkling_dir: Path) -> None:
+    """``unpadded_vocab_size``: the shape's vocabulary is the unpadded one (transformers drops the other logits); the
+    export gives the checkpoint's row count, the rows past it zero."""
+    config = _config(tiny_inkling_dir)
+    shape = _shape(config | {"unpadded_vocab_size": config["vocab_size"] - 5})
+    assert shape.vocab_size == config["vocab_size"] - 5 and shape.variant.hf_vocab_size == config["vocab_size"]
+    head = torch.randn(config["vocab_size"], config["hidden_size"])
+    full = hf_to_megatron({"lm_head.weight": head}, shape, 128, ["output_layer.weight"])["output_layer.weight"]
+    assert full.shape[0] == 128 and torch.equal(full[:shape.vocab_size], head[:-5]) and not full[shape.vocab_size:].any()
+    (name, back), = megatron_to_hf("output_layer.weight", full, shape)
+    assert name == "lm_head.weight" and torch.equal(back[:-5], head[:-5]) and not back[-5:].any()
+
+
+def _cfg(model: Path, *extra: str):
+    return parse_args(["--hf-checkpoint", str(model), "--num-rollout", "1", "--rollout-batch-size", "2",
+                       "--train-backend", "megatron", *extra])
+
+
+@pytest.mark.parametrize("flags, change, message", [
+    (["--expert-model-parallel-size", "2"], {}, "--expert-model-parallel-size 2 with Inkling is not supported"),
+    (["--pipeline-model-parallel-size", "2"], {}, "--pipeline-model-parallel-size 2 with Inkling is not supported"),
+    (["--context-parallel-size", "2"], {}, "--context-parallel-size 2 with Inkling is not supported"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], {"swa_num_attention_heads": 5},
+     "--tensor-model-parallel-size 2 does not divide config.json's swa_num_attention_heads 5"),
+    (["--mtp-num-layers", "1"], {"num_mtp_layers": 1}, "--mtp-num-layers 1 with Inkling is not supported"),
+    ([], {"hidden_act": "gelu"}, "--hf-checkpoint: Inkling hidden_act 'gelu' is not supported"),
+    ([], {"shared_expert_sink": False}, "--hf-checkpoint: Inkling MoE without shared experts scored as a sink"),
+])
+def test_what_is_not_built_is_one_line(tiny_inkling_dir: Path, flags: list[str], change: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as ei:
+        options.preflight_check(_cfg(tiny_inkling_dir, *flags), _config(tiny_inkling_dir, **change))
+    assert str(ei.value).startswith(message) and "\n" not in str(ei.value), ei.value
+
+
+def test_tensor_parallel_with_sequence_parallel_is_accepted(tiny_inkling_dir: Path) -> None:
+    options.preflight_check(_cfg(tiny_inkling_dir, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                 "--position-embedding-type", "none", "--qk-layernorm", "--moe-aux-loss-coeff", "0"),
+                            _config(tiny_inkling_dir))
