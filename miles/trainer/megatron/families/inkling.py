@@ -1,5 +1,6 @@
-"""The Inkling family (config.json ``model_type: inkling_text``, transformers' ``InklingForCausalLM``) on the
-Megatron backend: shape, names, flags; the decoder is ``inkling_model.py``.
+"""The Inkling family on the Megatron backend: its text model, from the released multimodal checkpoint (config.json
+``model_type: inkling_mm_model``, trained text-only as Kimi-K2.5 and Gemma 4 are) or a text-only one
+(``inkling_text``, transformers' ``InklingForCausalLM``): shape, names, flags; the decoder is ``inkling_model.py``.
 
     FAMILY                                  # its hooks (families/__init__.py): shape, own model, names, refusals
     model = inkling_model.build_inkling_model(shape, config, padded_vocab=V, device=dev)   # via model.build_gpt_model
@@ -36,7 +37,13 @@ radixark/miles@v0.1.0:miles_plugins/models/inkling/, whose path is taken here as
     (``--mtp-num-layers`` refused).
 
 Names (transformers' ``InklingForCausalLM``: ``model.layers.L.self_attn.q_proj.weight``, ...; megatron:
-``decoder.layers.L.self_attention.linear_q.weight``, ...): ``_LAYER`` below. Refused (one line each,
+``decoder.layers.L.self_attention.linear_q.weight``, ...): ``_LAYER`` below. The released checkpoint keeps the text
+model under ``model.llm.*`` in Thinking Machines' names (``attn.wq_du``, ``mlp.w13_dn`` with gate and up rows
+interleaved, ``mlp.experts.w13_weight``, ``shared_experts.shared_w13_weight``, ``unembed``: what transformers renames
+at load time, ``_NATIVE_*``): ``hf_state`` reads them, ``export_stream`` writes them back (weight sync, ``--save-hf``),
+``text_prefix`` leaves the towers (``model.visual.*``, ``model.audio.*``) to ``--save-hf``, which copies them from
+``--hf-checkpoint``; the towers are not built (images and audio in the prompts are not trained on: as transformers
+embeds any token, a placeholder token is embedded as itself). Refused (one line each,
 ``check_static``): pipeline, context and expert parallelism, a TP size not dividing every layer's heads and KV heads,
 MTP layers (an auxiliary load-balancing loss is refused for every family); routing replay is refused when the trainer starts (the router is
 ours, not megatron-core's: ``routing_replay._hook_routers``).
@@ -44,6 +51,7 @@ ours, not megatron-core's: ``routing_replay._hook_routers``).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -51,7 +59,7 @@ import torch
 from miles.config.base import ConfigError
 from miles.trainer.megatron.families import Family
 
-MODEL_TYPES = {"inkling_text": "Inkling"}
+MODEL_TYPES = {"inkling_text": "Inkling", "inkling_mm_model": "Inkling"}
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,9 @@ class InklingShape:
 def shape_fields(c) -> dict:
     """``ModelShape``'s fields of an inkling_text config.json, ``variant`` holding Inkling's own (ValueError, one
     line, naming what is not built)."""
+    model_type = c.model_type
+    if model_type == "inkling_mm_model":              # the published checkpoint: its text model, trained text-only
+        c = c.text_config
     if getattr(c, "hidden_act", "silu") != "silu":
         raise ValueError(f"Inkling hidden_act {c.hidden_act!r} is not supported (silu).")
     n = int(c.num_hidden_layers)
@@ -99,7 +110,7 @@ def shape_fields(c) -> dict:
                      hf_vocab_size=vocab)
     experts = int(c.n_routed_experts) if any(pattern) else 0
     return dict(
-        model_type=c.model_type, num_layers=n, hidden_size=int(c.hidden_size), ffn_hidden_size=int(c.intermediate_size),
+        model_type=model_type, num_layers=n, hidden_size=int(c.hidden_size), ffn_hidden_size=int(c.intermediate_size),
         num_attention_heads=int(c.num_attention_heads), num_query_groups=int(c.num_key_value_heads),
         kv_channels=int(c.head_dim), vocab_size=min(int(unpadded), vocab) if unpadded else vocab,
         max_position_embeddings=int(c.max_position_embeddings), rotary_base=10000.0,
@@ -138,30 +149,150 @@ _LAYER = {"input_layernorm.weight": "input_layernorm.weight",
           "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
           "mlp.experts.gate_up_proj": "mlp.experts.gate_up_proj",
           "mlp.experts.down_proj": "mlp.experts.down_proj",
-          "mlp.sink_experts.gate_proj": "mlp.shared_experts.gate_proj",
-          "mlp.sink_experts.up_proj": "mlp.shared_experts.up_proj",
           "mlp.sink_experts.down_proj": "mlp.shared_experts.down_proj"}
 _TOP = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
         "embedding_norm.weight": "model.embed_tokens.embed_norm.weight",
         "decoder.final_layernorm.weight": "model.norm.weight",
         "output_layer.weight": "lm_head.weight"}
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
-_FC1 = "mlp.linear_fc1.weight"
+_FC1 = "mlp.linear_fc1.weight"                      # [gate; up]: mlp.gate_proj / up_proj
+_SINK_FC1 = "mlp.sink_experts.gate_up_proj"         # [S, 2I, h]: mlp.shared_experts.gate_proj / up_proj [S, I, h]
 COLUMN = ("self_attention.linear_k.weight", "self_attention.linear_v.weight", "self_attention.linear_r.weight",
           "self_attention.k_conv.weight", "self_attention.v_conv.weight")     # linear_q, fc1: already column
 TP_PARTIAL = (".self_attention.rel_logits.",)      # each TP rank mixes the profiles for its heads only
 
+# The published checkpoint (inkling_mm_model, thinkingmachines/Inkling): its text model under model.llm.*, in its
+# own names (transformers renames them at load time: transformers.conversion_mapping's "inkling_mm_model"); the
+# [gate; up] pairs stored interleaved row by row (w13). transformers' suffix -> the checkpoint's, per layer
+NATIVE_PREFIX = "model.llm."
+_NATIVE_LAYER = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn.wq_du.weight",
+                 "self_attn.k_proj.weight": "attn.wk_dv.weight", "self_attn.v_proj.weight": "attn.wv_dv.weight",
+                 "self_attn.r_proj.weight": "attn.wr_du.weight", "self_attn.o_proj.weight": "attn.wo_ud.weight",
+                 "self_attn.k_sconv.conv1d.weight": "attn.k_sconv.weight",
+                 "self_attn.v_sconv.conv1d.weight": "attn.v_sconv.weight",
+                 "self_attn.q_norm.weight": "attn.q_norm.weight", "self_attn.k_norm.weight": "attn.k_norm.weight",
+                 "self_attn.rel_logits_proj.proj": "attn.rel_logits_proj.proj",
+                 "attn_sconv.conv1d.weight": "attn_sconv.weight", "mlp_sconv.conv1d.weight": "mlp_sconv.weight",
+                 "post_attention_layernorm.weight": "mlp_norm.weight", "mlp.down_proj.weight": "mlp.w2_md.weight",
+                 "mlp.global_scale": "mlp.global_scale", "mlp.gate.weight": "mlp.gate.weight",
+                 "mlp.gate.global_scale": "mlp.gate.global_scale",
+                 "mlp.gate.e_score_correction_bias": "mlp.gate.bias",
+                 "mlp.experts.down_proj": "mlp.experts.w2_weight",
+                 "mlp.shared_experts.down_proj": "mlp.shared_experts.shared_w2_weight"}
+_NATIVE_TOP = {"model.embed_tokens.weight": "embed.weight", "model.embed_tokens.embed_norm.weight": "embed_norm.weight",
+               "model.norm.weight": "norm.weight", "lm_head.weight": "unembed.weight"}
+# [gate; up] pairs: transformers' (gate, up) names or fused [gate; up] name -> the checkpoint's interleaved one, dim
+_NATIVE_W13 = {"mlp.gate_proj.weight": ("mlp.w13_dn.weight", 0), "mlp.up_proj.weight": ("mlp.w13_dn.weight", 0),
+               "mlp.experts.gate_up_proj": ("mlp.experts.w13_weight", 1),
+               "mlp.shared_experts.gate_proj": ("mlp.shared_experts.shared_w13_weight", 1),
+               "mlp.shared_experts.up_proj": ("mlp.shared_experts.shared_w13_weight", 1)}
+_LAYER_NAME = re.compile(r"^(?:model\.llm\.|model\.)layers\.(\d+)\.(.+)$")
+
+
+def is_published(shape) -> bool:
+    return shape.model_type == "inkling_mm_model"
+
+
+def interleave(gate_up: torch.Tensor, dim: int) -> torch.Tensor:
+    """[gate; up] halves along ``dim`` -> rows interleaved gate, up, gate, up, ... (the checkpoint's w13)."""
+    gate, up = gate_up.chunk(2, dim=dim)
+    return torch.stack((gate, up), dim=dim + 1).flatten(dim, dim + 1)
+
+
+def deinterleave(w13: torch.Tensor, dim: int) -> torch.Tensor:
+    """The checkpoint's interleaved w13 -> [gate; up] halves along ``dim`` (transformers' ``Interleave``)."""
+    shape = list(w13.shape)
+    shape[dim:dim + 1] = [shape[dim] // 2, 2]
+    return w13.reshape(shape).transpose(dim, dim + 1).reshape(w13.shape)
+
+
+def hf_state(hf: dict[str, torch.Tensor], shape) -> dict[str, torch.Tensor]:
+    """The published checkpoint's text model under transformers' names (idempotent: also after
+    ``convert.text_state`` moved ``model.llm.*`` to ``model.*``); other tensors (the towers) left out."""
+    if not is_published(shape):
+        return hf
+    native_layer = {v: k for k, v in _NATIVE_LAYER.items()}
+    native_top = {v: k for k, v in _NATIVE_TOP.items()}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in hf.items():
+        rest = name.removeprefix(NATIVE_PREFIX) if name.startswith(NATIVE_PREFIX) else name.removeprefix("model.")
+        if name in _NATIVE_TOP or name.startswith("model.layers.") and _LAYER_NAME.match(name).group(2) in _LAYER.values():
+            out[name] = t                                           # already transformers' names
+        elif rest in native_top:
+            out[native_top[rest]] = t
+        elif (m := _LAYER_NAME.match(name)) is not None:
+            p, suffix = f"model.layers.{m.group(1)}.", m.group(2)
+            if suffix in native_layer:
+                out[p + native_layer[suffix]] = t
+            elif suffix == "mlp.w13_dn.weight":
+                out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = deinterleave(t, 0).chunk(2, dim=0)
+            elif suffix == "mlp.experts.w13_weight":
+                out[p + "mlp.experts.gate_up_proj"] = deinterleave(t, 1)
+            elif suffix == "mlp.shared_experts.shared_w13_weight":
+                gate, up = deinterleave(t, 1).chunk(2, dim=1)
+                out[p + "mlp.shared_experts.gate_proj"], out[p + "mlp.shared_experts.up_proj"] = gate, up
+            else:
+                out[name] = t
+        elif name.startswith(("mtp.", "model.mtp.", "model.llm.mtp.")):
+            continue                                                # MTP layers: not built (as transformers)
+        elif name in ("lm_head.weight",) or name.startswith("model."):
+            out[name] = t
+    return out
+
+
+def _native(name: str, t: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+    """The checkpoint's name of one tensor of the export (transformers' names under ``model.llm.``,
+    ``lm_head.weight``); None: one half of a w13 pair (joined by ``export_stream``)."""
+    if name == "lm_head.weight" or name.startswith(NATIVE_PREFIX) and "model." + name[len(NATIVE_PREFIX):] in _NATIVE_TOP:
+        key = name if name == "lm_head.weight" else "model." + name[len(NATIVE_PREFIX):]
+        return NATIVE_PREFIX + _NATIVE_TOP[key], t
+    m = _LAYER_NAME.match(name)
+    if m is None:
+        raise KeyError(f"Inkling export: no checkpoint name for {name} (a bug)")
+    p, suffix = f"{NATIVE_PREFIX}layers.{m.group(1)}.", m.group(2)
+    if suffix in _NATIVE_LAYER:
+        return p + _NATIVE_LAYER[suffix], t
+    if suffix == "mlp.experts.gate_up_proj":
+        return p + "mlp.experts.w13_weight", interleave(t, 1)
+    if suffix in _NATIVE_W13:
+        return None
+    raise KeyError(f"Inkling export: no checkpoint name for {name} (a bug)")
+
+
+def export_stream(buckets, shape):
+    """The published checkpoint's names (``model.llm.*``, w13 interleaved) for an inkling_mm_model checkpoint, as
+    it holds them (SGLang loads these); an inkling_text one's stream as it is. A [gate; up] pair is in one bucket
+    (both come from one megatron tensor)."""
+    if not is_published(shape):
+        yield from buckets
+        return
+    for bucket in buckets:
+        out, halves = [], {}
+        for name, t in bucket:
+            pair = _native(name, t)
+            if pair is not None:
+                out.append(pair)
+                continue
+            m = _LAYER_NAME.match(name)
+            target, dim = _NATIVE_W13[m.group(2)]
+            halves.setdefault(f"{NATIVE_PREFIX}layers.{m.group(1)}.{target}", (dim, {}))[1][m.group(2)] = t
+        for target, (dim, parts) in halves.items():
+            if len(parts) != 2:
+                raise RuntimeError(f"Inkling export: {target}'s gate and up halves are not in one bucket (a bug)")
+            gate, up = (parts[k] for k in sorted(parts, key=lambda k: "up_proj" in k))
+            out.append((target, interleave(torch.cat([gate, up], dim=dim), dim)))
+        yield out
+
 
 def _get(hf: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     if name not in hf:
-        raise KeyError(f"--hf-checkpoint has no tensor {name}: not an Inkling (inkling_text) checkpoint of this "
-                       "config.json")
+        raise KeyError(f"--hf-checkpoint has no tensor {name}: not an Inkling checkpoint of this config.json")
     return hf[name]
 
 
 def hf_to_megatron(suffix: str, prefix: str, hf: dict[str, torch.Tensor], shape) -> torch.Tensor | None:
     """The full megatron tensor of ``prefix + suffix`` (``prefix`` 'model.layers.L.', or '' for a name outside the
-    layers) from transformers' names; None: not an Inkling shape."""
+    layers) from transformers' names (``hf_state`` has renamed the published checkpoint's)."""
     if not is_inkling(shape):
         return None
     if not prefix:
@@ -171,6 +302,9 @@ def hf_to_megatron(suffix: str, prefix: str, hf: dict[str, torch.Tensor], shape)
         return t[:shape.vocab_size] if suffix in _VOCAB else t
     if suffix == _FC1:
         return torch.cat([_get(hf, prefix + "mlp.gate_proj.weight"), _get(hf, prefix + "mlp.up_proj.weight")])
+    if suffix == _SINK_FC1:
+        return torch.cat([_get(hf, prefix + "mlp.shared_experts.gate_proj"),
+                          _get(hf, prefix + "mlp.shared_experts.up_proj")], dim=1)
     if suffix in _LAYER:
         return _get(hf, prefix + _LAYER[suffix])
     raise KeyError(f"no HF source for Inkling parameter {prefix}{suffix} (a bug)")
@@ -193,6 +327,9 @@ def megatron_to_hf(suffix: str, prefix: str, full: torch.Tensor, shape) -> list[
     if suffix == _FC1:
         gate, up = full.chunk(2, dim=0)
         return [(prefix + "mlp.gate_proj.weight", gate), (prefix + "mlp.up_proj.weight", up)]
+    if suffix == _SINK_FC1:
+        gate, up = full.chunk(2, dim=1)
+        return [(prefix + "mlp.shared_experts.gate_proj", gate), (prefix + "mlp.shared_experts.up_proj", up)]
     if suffix in _LAYER:
         return [(prefix + _LAYER[suffix], full)]
     raise KeyError(f"no HF name for Inkling parameter {prefix}{suffix} (a bug)")
@@ -248,5 +385,6 @@ def check_static(o, shape) -> None:
 FAMILY = Family(
     name="Inkling", model_types=MODEL_TYPES, shape_fields=shape_fields, config_kwargs=config_kwargs,
     build_model=build_model, hf_to_megatron=hf_to_megatron, megatron_to_hf=megatron_to_hf, hooks_name_top=True,
-    column=COLUMN, tp_partial=TP_PARTIAL, exported_buffers=exported_buffers, check_static=check_static,
+    column=COLUMN, tp_partial=TP_PARTIAL, exported_buffers=exported_buffers, hf_state=hf_state,
+    export_stream=export_stream, text_prefix=lambda shape: NATIVE_PREFIX if is_published(shape) else None, check_static=check_static,
     position_embedding="none", mtp_key="num_mtp_layers")

@@ -215,8 +215,8 @@ class Router(nn.Module):
 
 class InklingMoE(nn.Module):
     """transformers' ``InklingMoE``: the router, the routed experts (``experts.gate_up_proj`` [E, 2I, h] = [gate; up]
-    per expert, ``experts.down_proj`` [E, h, I]) and the shared experts (``sink_experts.gate_proj`` / ``up_proj``
-    [S, I, h], ``down_proj`` [S, h, I]) weighted by the router's sink weights. Tokens split over TP (module
+    per expert, ``experts.down_proj`` [E, h, I]) and the shared experts (``sink_experts.gate_up_proj`` [S, 2I, h] =
+    [gate; up] per expert, ``down_proj`` [S, h, I]) weighted by the router's sink weights. Tokens split over TP (module
     docstring)."""
 
     def __init__(self, s, config, tp: _TP):
@@ -229,8 +229,8 @@ class InklingMoE(nn.Module):
         self.experts.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, h))
         self.experts.down_proj = nn.Parameter(torch.zeros(e, h, i))
         self.sink_experts = nn.Module()
-        for name, size in (("gate_proj", (sh, i, h)), ("up_proj", (sh, i, h)), ("down_proj", (sh, h, i))):
-            setattr(self.sink_experts, name, nn.Parameter(torch.zeros(size)))
+        self.sink_experts.gate_up_proj = nn.Parameter(torch.zeros(sh, 2 * i, h))
+        self.sink_experts.down_proj = nn.Parameter(torch.zeros(sh, h, i))
         _mark_sequence_parallel(self.sink_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -250,8 +250,9 @@ class InklingMoE(nn.Module):
             y = F.linear(F.silu(gate) * up, ex.down_proj[e]) * weights[rows, slot, None]
             out = out.index_add(0, rows, y.to(out.dtype))
         sk = self.sink_experts
-        hs = flat.unsqueeze(0).expand(sk.gate_proj.shape[0], -1, -1)
-        act = F.silu(torch.bmm(hs, sk.gate_proj.transpose(1, 2))) * torch.bmm(hs, sk.up_proj.transpose(1, 2))
+        hs = flat.unsqueeze(0).expand(sk.gate_up_proj.shape[0], -1, -1)
+        gate, up = torch.bmm(hs, sk.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
+        act = F.silu(gate) * up
         act = act * gammas.t().unsqueeze(-1)
         out = out + torch.bmm(act, sk.down_proj.transpose(1, 2)).float().sum(0).to(out.dtype)
         return self.tp.gather(out)[:n].view(s, b, h).transpose(0, 1)

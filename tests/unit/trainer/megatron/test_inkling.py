@@ -46,8 +46,7 @@ def _megatron_names(shape) -> list[str]:
                                         "q_layernorm.weight", "k_layernorm.weight", "rel_logits.proj")]
     dense = ["mlp.linear_fc1.weight", "mlp.linear_fc2.weight", "mlp.global_scale"]
     moe = ["mlp.router.weight", "mlp.router.global_scale", "mlp.router.expert_bias", "mlp.experts.gate_up_proj",
-           "mlp.experts.down_proj", "mlp.sink_experts.gate_proj", "mlp.sink_experts.up_proj",
-           "mlp.sink_experts.down_proj"]
+           "mlp.experts.down_proj", "mlp.sink_experts.gate_up_proj", "mlp.sink_experts.down_proj"]
     names = ["embedding.word_embeddings.weight", "embedding_norm.weight"]
     for i, sparse in enumerate(shape.moe_layer_pattern):
         names += [f"decoder.layers.{i}.{n}" for n in attn + (moe if sparse else dense)]
@@ -78,9 +77,48 @@ def test_round_trip_is_bitwise_under_tp(tiny_inkling_dir: Path, tp: int) -> None
                           ("decoder.layers.2.self_attention.linear_r.weight", "model.layers.2.self_attn.r_proj.weight")):
         assert partition_dim(name) == 0
         assert torch.equal(shard(name, full[name], 0, tp - 1, tp, shape), hf[hf_name].chunk(tp)[-1]), name
-    for name in ("decoder.layers.1.mlp.experts.gate_up_proj", "decoder.layers.1.mlp.sink_experts.down_proj",
+    for name in ("decoder.layers.1.mlp.experts.gate_up_proj", "decoder.layers.1.mlp.sink_experts.gate_up_proj",
                  "decoder.layers.1.self_attention.rel_logits.proj", "decoder.layers.1.mlp.router.weight"):
         assert partition_dim(name) is None, name
+
+
+@pytest.fixture(scope="module")
+def published_inkling_dir(tmp_path_factory) -> Path:
+    from miles.utils.tiny_inkling import build_tiny_inkling_model
+
+    return build_tiny_inkling_model(tmp_path_factory.mktemp("tiny_inkling_mm"), published=True)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_published_layout_round_trip_is_bitwise_under_tp(published_inkling_dir: Path, tiny_inkling_dir: Path,
+                                                         tp: int) -> None:
+    """The released checkpoint's layout (``model.llm.*``, Thinking Machines' names, w13 interleaved: written by
+    transformers' revert of its own load-time conversion): read into the same megatron tensors as the text layout's,
+    split over TP and joined, exported (``export_stream``) under the checkpoint's names bit for bit; the tower tensor
+    is left to ``--save-hf`` (``text_prefix``)."""
+    from safetensors.torch import load_file
+
+    from miles.trainer.megatron.convert import unshard
+    from miles.trainer.megatron.model import padded_vocab_size
+
+    native = load_file(str(published_inkling_dir / "model.safetensors"))
+    shape = _shape(_config(published_inkling_dir))
+    assert shape.model_type == "inkling_mm_model" and shape.family.text_prefix(shape) == "model.llm."
+    names = _megatron_names(shape)
+    padded = padded_vocab_size(shape.vocab_size, 128, tp)
+    full = hf_to_megatron(native, shape, padded, names)
+    text_layout = hf_to_megatron(load_file(str(tiny_inkling_dir / "model.safetensors")),
+                                 _shape(_config(tiny_inkling_dir)), padded, names)
+    assert all(torch.equal(full[n], text_layout[n]) for n in names)
+    pairs = []
+    for name in names:
+        dim = partition_dim(name)
+        pieces = [shard(name, full[name], dim, r, tp, shape) for r in range(tp)]
+        pairs += megatron_to_hf(name, unshard(name, pieces, dim, shape), shape)
+    back = dict(p for bucket in shape.family.export_stream(iter([pairs]), shape) for p in bucket)
+    towers = {k for k in native if not k.startswith("model.llm.")}
+    assert towers == {"model.visual.layers.linear_0.weight"} and back.keys() == native.keys() - towers
+    assert all(back[k].dtype == native[k].dtype and torch.equal(back[k], native[k]) for k in back)
 
 
 def test_unpadded_vocabulary_is_cut_and_padded_back(tiny_inkling_dir: Path) -> None:
