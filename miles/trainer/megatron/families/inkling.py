@@ -76,6 +76,8 @@ class InklingShape:
     conv_kernel: int
     n_shared_experts: int
     mup_width_multiplier: float
+    route_scale: float                # the router's weights' scale (config.json's, as Miles's provider reads it: not
+    #                                   Megatron's --moe-router-topk-scaling-factor, which Miles's command does not pass)
     hf_vocab_size: int                # config.json's vocab_size (the checkpoint's rows; the shape's may be fewer)
 
 
@@ -107,19 +109,25 @@ def shape_fields(c) -> dict:
                      log_scaling_n_floor=None if c.log_scaling_n_floor is None else int(c.log_scaling_n_floor),
                      log_scaling_alpha=float(c.log_scaling_alpha), conv_kernel=int(c.conv_kernel_size),
                      n_shared_experts=shared, mup_width_multiplier=float(c.logits_mup_width_multiplier),
+                     route_scale=float(c.route_scale),
                      hf_vocab_size=vocab)
     experts = int(c.n_routed_experts) if any(pattern) else 0
+    # the dense MLPs' size; with none (every layer MoE, the released model's) the experts' (Miles's --ffn-hidden-size:
+    # radixark/miles@v0.1.0:scripts/models/inkling.py passes 3072, the experts' size)
+    ffn = int(c.intermediate_size) if not all(pattern) else int(c.moe_intermediate_size)
     return dict(
-        model_type=model_type, num_layers=n, hidden_size=int(c.hidden_size), ffn_hidden_size=int(c.intermediate_size),
+        model_type=model_type, num_layers=n, hidden_size=int(c.hidden_size), ffn_hidden_size=ffn,
         num_attention_heads=int(c.num_attention_heads), num_query_groups=int(c.num_key_value_heads),
         kv_channels=int(c.head_dim), vocab_size=min(int(unpadded), vocab) if unpadded else vocab,
         max_position_embeddings=int(c.max_position_embeddings), rotary_base=10000.0,
         norm_epsilon=float(c.rms_norm_eps), qk_layernorm=True, qkv_bias=False, tie_embeddings=False,
         num_experts=experts, moe_ffn_hidden_size=int(c.moe_intermediate_size) if experts else 0,
         moe_router_topk=int(c.num_experts_per_tok) if experts else 0, moe_norm_topk_prob=True,
-        moe_layer_pattern=pattern if experts else (), moe_shared_ffn_hidden_size=int(c.moe_intermediate_size) * shared
+        # each shared expert's size (Miles's --moe-shared-expert-intermediate-size: radixark/miles@v0.1.0:
+        # miles_plugins/models/inkling/model.py builds n_shared_experts experts of that size)
+        moe_layer_pattern=pattern if experts else (), moe_shared_ffn_hidden_size=int(c.moe_intermediate_size)
         if experts else 0, moe_score_function="sigmoid", moe_expert_bias=bool(experts),
-        moe_topk_scaling=float(c.route_scale), nextn_layers=int(getattr(c, "num_mtp_layers", None) or 0), variant=g)
+        nextn_layers=int(getattr(c, "num_mtp_layers", None) or 0), variant=g)
 
 
 def is_inkling(shape) -> bool:

@@ -196,7 +196,7 @@ class Router(nn.Module):
         super().__init__()
         g = s.variant
         self.config = config
-        self.topk, self.shared, self.route_scale = s.moe_router_topk, g.n_shared_experts, s.moe_topk_scaling
+        self.topk, self.shared, self.route_scale = s.moe_router_topk, g.n_shared_experts, g.route_scale
         self.weight = nn.Parameter(torch.zeros(s.num_experts + g.n_shared_experts, s.hidden_size))
         self.global_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
         self.register_buffer("expert_bias", torch.zeros(s.num_experts, dtype=torch.float32))

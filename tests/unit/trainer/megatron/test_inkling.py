@@ -59,7 +59,7 @@ def test_shape_of_the_tiny_config(tiny_inkling_dir: Path) -> None:
     assert shape.family is inkling.FAMILY and shape.moe_layer_pattern == (0, 1, 1) and shape.num_experts == 4
     assert g.sliding == (True, False, True) and (g.swa_heads, g.swa_kv_heads, g.swa_head_dim) == (6, 2, 8)
     assert (shape.num_attention_heads, shape.num_query_groups, shape.kv_channels) == (4, 2, 12)
-    assert g.mup_width_multiplier == 4.0 and shape.moe_topk_scaling == 2.5 and g.n_shared_experts == 2
+    assert g.mup_width_multiplier == 4.0 and g.route_scale == 2.5 and shape.moe_topk_scaling == 1.0 and g.n_shared_experts == 2
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -159,3 +159,21 @@ def test_tensor_parallel_with_sequence_parallel_is_accepted(tiny_inkling_dir: Pa
     options.preflight_check(_cfg(tiny_inkling_dir, "--tensor-model-parallel-size", "2", "--sequence-parallel",
                                  "--position-embedding-type", "none", "--qk-layernorm", "--moe-aux-loss-coeff", "0"),
                             _config(tiny_inkling_dir))
+
+
+PROVIDER = "miles_plugins.models.inkling.model.inkling_model_provider"
+
+
+def test_miles_inkling_provider_names_the_family(tiny_inkling_dir: Path, published_inkling_dir: Path,
+                                                 tiny_model_dir: Path) -> None:
+    """Miles's Inkling provider path (its recorded command's, ``miles.config.specs.PROVIDERS``) is not imported: it
+    names the Inkling family, whose build runs in its place; on another checkpoint it is one line."""
+    from miles.trainer.megatron.provider import preflight_check
+
+    for model in (tiny_inkling_dir, published_inkling_dir):
+        preflight_check(_cfg(model, "--custom-model-provider-path", PROVIDER), _config(model))
+    with pytest.raises(ConfigError) as ei:
+        preflight_check(_cfg(tiny_model_dir, "--custom-model-provider-path", PROVIDER), _config(tiny_model_dir))
+    assert str(ei.value).startswith(f"--custom-model-provider-path {PROVIDER} is Miles's Inkling model provider "
+                                    "(config.json model_type inkling_mm_model or inkling_text), but --hf-checkpoint's "
+                                    "config.json has model_type qwen3") and "\n" not in str(ei.value), ei.value
