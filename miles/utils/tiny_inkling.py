@@ -90,6 +90,7 @@ def _to_published(out: Path, seed: int) -> None:
                                                            "num_attention_heads": 2},
                            audio_config={"n_mel_bins": 4, "mel_vocab_size": 8})
     config.architectures = ["InklingForConditionalGeneration"]
+    config.dtype = text.get("dtype") or "float32"           # the weights' (--save-hf writes this dtype)
     config.save_pretrained(str(out))
     path = out / "model.safetensors"
     tensors = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v

@@ -15,6 +15,12 @@ gradients equal TP 1's.
 transformers' own revert of its load-time conversion) load into the same model: the logits equal transformers'
 ``InklingForCausalLM`` of the text layout at TP 1 and TP 2, and the export is the checkpoint's text model under its
 own names bit for bit (the tower is not exported: ``--save-hf`` copies it).
+
+``test_inkling_trainer_with_miles_provider_path``: the Megatron trainer at TP 2 + SP on the published checkpoint,
+given Miles's recorded ``--custom-model-provider-path miles_plugins.models.inkling.model.inkling_model_provider``
+(which names the Inkling family: its build runs in that provider's place): its policy log-probs equal
+transformers' ``InklingForCausalLM``'s, one GRPO step gives finite metrics and moves the weights, the weight export
+holds the checkpoint's text-model names, and ``--save-hf`` writes the checkpoint's key set (the tower copied).
 """
 
 from __future__ import annotations
@@ -86,6 +92,70 @@ def test_inkling_published_layout_matches_hf(published_inkling_dir: Path, tiny_i
         assert sorted(res["exported"]) == text and sorted(res["same"]) == text, sorted(set(text) - set(res["same"]))
 
 
+PROVIDER = "miles_plugins.models.inkling.model.inkling_model_provider"
+
+
+def _trainer_worker(model_dir: str, out: str, reference_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from family_workers import hf_lm
+    from safetensors.torch import load_file
+    from trainer_harness import build, export_by_name, flags, policy_logprobs, random_samples
+
+    dist.init_process_group("gloo")
+    samples = random_samples(2, 2, seed=3, vocab=90)
+    tr = build(model_dir, flags("tiny", "megatron_tp2") + ["--sequence-parallel", "--moe-aux-loss-coeff", "0",
+                                                          "--custom-model-provider-path", PROVIDER, "--lr", "1e-3"])
+    res: dict = {"model_class": type(tr.model).__name__}
+    mine = policy_logprobs(tr, samples)
+    hf = hf_lm(reference_dir, dtype=torch.float32, attn_implementation="eager")
+    err = 0.0
+    with torch.no_grad():
+        for s, lp in zip(samples, mine):
+            ids = torch.tensor(s.tokens).unsqueeze(0)
+            ref = torch.log_softmax(hf(input_ids=ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+            err = max(err, float((ref[-s.response_length:] - torch.tensor(lp)).abs().max()))
+    res["lp_err"] = err
+    before = export_by_name(tr, 1 << 20)
+    res["metrics"] = tr.train(samples, 0)
+    after = export_by_name(tr, 1 << 20)
+    disk = load_file(str(Path(model_dir) / "model.safetensors"))
+    res["export_keys"] = sorted(after)
+    res["disk_keys"] = sorted(disk)
+    res["exported_equal_disk_before"] = all(torch.equal(before[k], disk[k]) for k in before)
+    res["moved"] = sorted(k for k in after if not torch.equal(before[k], after[k]))
+    saved = Path(out).with_suffix(".hf")
+    tr.save_hf(saved)
+    if dist.get_rank() == 0:
+        on_disk = load_file(str(saved / "model.safetensors")) if (saved / "model.safetensors").is_file() else {
+            k: v for f in saved.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+        res["saved_keys"] = sorted(on_disk)
+        res["saved_tower_equal"] = all(torch.equal(on_disk[k], disk[k]) for k in disk if not k.startswith("model.llm."))
+        res["saved_equal_export"] = all(torch.equal(on_disk[k], after[k]) for k in after)
+        res["saved_diff"] = [(k, str(on_disk[k].dtype), str(after[k].dtype), float((on_disk[k].float() - after[k].float()).abs().max())) for k in after if not torch.equal(on_disk[k], after[k])][:5]
+        torch.save(res, out)
+    dist.destroy_process_group()
+
+
+# measured (pytest -s): the trainer's log-probs 4.8e-7 from transformers' (under LP_BOUND, set from the model's)
+def test_inkling_trainer_with_miles_provider_path(published_inkling_dir: Path, tiny_inkling_dir: Path,
+                                                  tmp_path: Path, free_port: int) -> None:
+    import math
+
+    res = launch(HERE, 2, free_port, "trainer", published_inkling_dir, tmp_path / "trainer.pt", tiny_inkling_dir,
+                 timeout=600)
+    print(f"trainer: log-probs {res['lp_err']:.3g}")
+    assert res["model_class"] == "HiddenInklingModel", res["model_class"]      # the family's build, not Miles's
+    assert res["lp_err"] < LP_BOUND, res["lp_err"]
+    assert all(math.isfinite(v) for v in res["metrics"].values() if isinstance(v, float)), res["metrics"]
+    text = [k for k in res["disk_keys"] if k.startswith("model.llm.")]
+    assert res["export_keys"] == text, sorted(set(res["export_keys"]) ^ set(text))
+    assert res["exported_equal_disk_before"]
+    assert len(res["moved"]) > len(text) // 2, res["moved"]
+    assert res["saved_keys"] == res["disk_keys"], sorted(set(res["saved_keys"]) ^ set(res["disk_keys"]))
+    assert res["saved_tower_equal"] and res["saved_equal_export"], res["saved_diff"]
+
+
 if __name__ == "__main__":
     from family_workers import gpt_worker
 
@@ -93,3 +163,5 @@ if __name__ == "__main__":
         gpt_worker(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "published":            # transformers' model from the text layout of the same weights
         gpt_worker(sys.argv[2], sys.argv[3], reference_dir=sys.argv[4])
+    elif sys.argv[1] == "trainer":
+        _trainer_worker(sys.argv[2], sys.argv[3], sys.argv[4])
