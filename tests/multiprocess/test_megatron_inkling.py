@@ -20,7 +20,8 @@ own names bit for bit (the tower is not exported: ``--save-hf`` copies it).
 given Miles's recorded ``--custom-model-provider-path miles_plugins.models.inkling.model.inkling_model_provider``
 (which names the Inkling family: its build runs in that provider's place): its policy log-probs equal
 transformers' ``InklingForCausalLM``'s, one GRPO step gives finite metrics and moves the weights, the weight export
-holds the checkpoint's text-model names, and ``--save-hf`` writes the checkpoint's key set (the tower copied).
+holds the checkpoint's text-model names, ``--save-hf`` writes the checkpoint's key set (the tower copied), and a
+torch_dist checkpoint (our modules' sharded state dict: TP-split tensors by their split dim) resumes bit for bit.
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ def _trainer_worker(model_dir: str, out: str, reference_dir: str) -> None:
     dist.init_process_group("gloo")
     samples = random_samples(2, 2, seed=3, vocab=90)
     tr = build(model_dir, flags("tiny", "megatron_tp2") + ["--sequence-parallel", "--moe-aux-loss-coeff", "0",
-                                                          "--custom-model-provider-path", PROVIDER, "--lr", "1e-3"])
+                                                          "--custom-model-provider-path", PROVIDER, "--lr", "1e-3",
+                                                          "--save", str(Path(out).with_suffix(".ckpt"))])
     res: dict = {"model_class": type(tr.model).__name__}
     mine = policy_logprobs(tr, samples)
     hf = hf_lm(reference_dir, dtype=torch.float32, attn_implementation="eager")
@@ -125,14 +127,18 @@ def _trainer_worker(model_dir: str, out: str, reference_dir: str) -> None:
     res["exported_equal_disk_before"] = all(torch.equal(before[k], disk[k]) for k in before)
     res["moved"] = sorted(k for k in after if not torch.equal(before[k], after[k]))
     saved = Path(out).with_suffix(".hf")
-    tr.save_hf(saved)
+    from family_workers import save_and_resume
+
+    trained, _, resumed = save_and_resume(tr, samples, saved)            # torch_dist checkpoint of rollout 1
+    res["resumed_bitwise"] = trained.keys() == resumed.keys() and all(torch.equal(trained[k], resumed[k])
+                                                                        for k in trained)
     if dist.get_rank() == 0:
         on_disk = load_file(str(saved / "model.safetensors")) if (saved / "model.safetensors").is_file() else {
             k: v for f in saved.glob("*.safetensors") for k, v in load_file(str(f)).items()}
         res["saved_keys"] = sorted(on_disk)
         res["saved_tower_equal"] = all(torch.equal(on_disk[k], disk[k]) for k in disk if not k.startswith("model.llm."))
-        res["saved_equal_export"] = all(torch.equal(on_disk[k], after[k]) for k in after)
-        res["saved_diff"] = [(k, str(on_disk[k].dtype), str(after[k].dtype), float((on_disk[k].float() - after[k].float()).abs().max())) for k in after if not torch.equal(on_disk[k], after[k])][:5]
+        res["saved_equal_export"] = all(torch.equal(on_disk[k], trained[k]) for k in after)
+        res["saved_diff"] = [k for k in after if not torch.equal(on_disk[k], trained[k])][:5]
         torch.save(res, out)
     dist.destroy_process_group()
 
@@ -154,6 +160,7 @@ def test_inkling_trainer_with_miles_provider_path(published_inkling_dir: Path, t
     assert len(res["moved"]) > len(text) // 2, res["moved"]
     assert res["saved_keys"] == res["disk_keys"], sorted(set(res["saved_keys"]) ^ set(res["disk_keys"]))
     assert res["saved_tower_equal"] and res["saved_equal_export"], res["saved_diff"]
+    assert res["resumed_bitwise"]
 
 
 if __name__ == "__main__":
