@@ -163,6 +163,28 @@ def test_inkling_trainer_with_miles_provider_path(published_inkling_dir: Path, t
     assert res["resumed_bitwise"]
 
 
+def test_inkling_trainer_parity_with_fsdp(tiny_inkling_dir: Path, tmp_path: Path, free_port: int) -> None:
+    """2 ranks: the FSDP backend (transformers' ``InklingForCausalLM`` under FSDP2, DP 2: one right-padded row per
+    sample, its hidden states divided by the muP multiplier before the head as transformers'
+    forward does, ``miles.trainer.modeling``) and the Megatron trainer (TP 2 + SP) train the same 2 rollouts:
+    log-probs before training, step metrics and the update agree; export, ``--save-hf`` and torch_dist resume as
+    ``check_parity`` checks them."""
+    from family_workers import check_parity
+
+    res = launch(HERE, 2, free_port, "parity", tiny_inkling_dir, tmp_path / "parity.pt", timeout=600)
+    # the FSDP backend exports parameters only (the routers' frozen score-correction buffers are not trained)
+    assert not res["fsdp_extra"] and res["fsdp_missing"] == [
+        f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in (1, 2)], res["fsdp_missing"]
+    check_parity(res, lp_bound=PARITY_LP, metric_bound=PARITY_METRIC, update_bound=PARITY_UPDATE,
+                 rel_bound=PARITY_REL, bf16=False)
+
+
+# measured (pytest -s -k parity, 2026-12-07): log-probs 9.5e-7 apart, step metrics 1.3e-7 (relative), the update
+# after 2 steps 8.0e-7 (max abs) and 2.2e-6 (relative L2). Without the muP division on the FSDP side its log-probs
+# are 14.5 away
+PARITY_LP, PARITY_METRIC, PARITY_UPDATE, PARITY_REL = 2e-6, 3e-7, 1.6e-6, 4.4e-6
+
+
 if __name__ == "__main__":
     from family_workers import gpt_worker
 
@@ -170,5 +192,10 @@ if __name__ == "__main__":
         gpt_worker(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "published":            # transformers' model from the text layout of the same weights
         gpt_worker(sys.argv[2], sys.argv[3], reference_dir=sys.argv[4])
+    elif sys.argv[1] == "parity":
+        from family_workers import parity_worker
+
+        parity_worker(sys.argv[2], sys.argv[3], ("--moe-aux-loss-coeff", "0"),
+                      bf16_export=False)
     elif sys.argv[1] == "trainer":
         _trainer_worker(sys.argv[2], sys.argv[3], sys.argv[4])

@@ -177,3 +177,33 @@ def test_miles_inkling_provider_names_the_family(tiny_inkling_dir: Path, publish
     assert str(ei.value).startswith(f"--custom-model-provider-path {PROVIDER} is Miles's Inkling model provider "
                                     "(config.json model_type inkling_mm_model or inkling_text), but --hf-checkpoint's "
                                     "config.json has model_type qwen3") and "\n" not in str(ei.value), ei.value
+
+
+def test_fsdp_policy_model_divides_by_the_mup_multiplier_and_never_packs(tiny_inkling_dir: Path) -> None:
+    """The FSDP backend's log-prob head (``modeling.PolicyModel``) on transformers' ``InklingForCausalLM``: as right-
+    padded rows its log-probs are transformers' own (its forward divides the final hidden states by
+    ``logits_mup_width_multiplier`` before the head: measured 4.8e-7 apart, 10.4 without the division); the same two
+    samples packed in one row differ (the short convolutions reach into the previous sample: measured 0.030), so
+    Inkling is never packed (``modeling.NO_PACKING``)."""
+    from transformers import AutoModelForCausalLM
+
+    from miles.trainer import modeling
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_inkling_dir), dtype=torch.float32).eval()
+    policy = modeling.PolicyModel(hf).eval()
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randint(4, 90, (9,), generator=g), torch.randint(4, 90, (6,), generator=g)
+    with torch.no_grad():
+        ref = [torch.log_softmax(hf(input_ids=s[None]).logits[0, :-1], -1).gather(-1, s[1:, None])[:, 0]
+               for s in (a, b)]
+        rows = torch.stack([a, torch.cat([b, b.new_zeros(3)])])
+        pos = torch.arange(9).expand(2, -1)
+        index = torch.cat([torch.arange(8), 9 + torch.arange(5)])
+        targets = torch.cat([a[1:], b[1:]])
+        cu = torch.tensor([0, 9, 15])
+        as_rows, _ = policy(rows, pos, index, targets, cu, 9)
+        packed, _ = policy(torch.cat([a, b])[None], torch.cat([torch.arange(9), torch.arange(6)])[None],
+                           torch.cat([torch.arange(8), 9 + torch.arange(5)]), targets, cu, 9)
+    assert float((as_rows - torch.cat(ref)).abs().max()) < 1e-6          # ~2x the measured 4.8e-7
+    assert float((packed - torch.cat(ref)).abs().max()) > 1e-2          # measured 0.030
+    assert "inkling_text" in modeling.NO_PACKING
