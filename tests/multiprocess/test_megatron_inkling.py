@@ -185,6 +185,15 @@ def test_inkling_trainer_parity_with_fsdp(tiny_inkling_dir: Path, tmp_path: Path
 PARITY_LP, PARITY_METRIC, PARITY_UPDATE, PARITY_REL = 2e-6, 3e-7, 1.6e-6, 4.4e-6
 
 
+@pytest.mark.gpu
+def test_inkling_matches_hf_on_gpu_bf16(tiny_inkling_dir: Path, tmp_path: Path, free_port: int) -> None:
+    """bf16 on one GPU, TP 1 (the shared GPU worker of family_workers.py): Megatron's logits are as far from
+    transformers' fp32 logits as transformers' own bf16 logits are, within a factor of 2 (not run on a GPU yet)."""
+    from family_workers import check_gpu_matches_hf
+
+    check_gpu_matches_hf(HERE, tiny_inkling_dir, tmp_path / "gpu.json", free_port)
+
+
 if __name__ == "__main__":
     from family_workers import gpt_worker
 
@@ -197,5 +206,9 @@ if __name__ == "__main__":
 
         parity_worker(sys.argv[2], sys.argv[3], ("--moe-aux-loss-coeff", "0"),
                       bf16_export=False)
+    elif sys.argv[1] == "gpu":
+        from family_workers import gpu_worker
+
+        gpu_worker(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "trainer":
         _trainer_worker(sys.argv[2], sys.argv[3], sys.argv[4])
