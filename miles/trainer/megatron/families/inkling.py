@@ -45,8 +45,9 @@ at load time, ``_NATIVE_*``): ``hf_state`` reads them, ``export_stream`` writes 
 ``--hf-checkpoint``; the towers are not built (images and audio in the prompts are not trained on: as transformers
 embeds any token, a placeholder token is embedded as itself). Refused (one line each,
 ``check_static``): pipeline, context and expert parallelism, a TP size not dividing every layer's heads and KV heads,
-MTP layers (an auxiliary load-balancing loss is refused for every family); routing replay is refused when the trainer starts (the router is
-ours, not megatron-core's: ``routing_replay._hook_routers``).
+MTP layers (an auxiliary load-balancing loss is refused for every family). Routing replay: the router asks
+megatron-core's ``router_replay`` as megatron-core's own does (R2 tested; R3 needs an engine that records Inkling's
+experts: SGLang, not here; the embedded engine does not serve Inkling).
 """
 
 from __future__ import annotations

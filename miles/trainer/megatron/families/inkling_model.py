@@ -189,8 +189,13 @@ class DenseMLP(nn.Module):
 
 class Router(nn.Module):
     """transformers' ``InklingTopkRouter``: ``weight`` [experts + shared, h], ``global_scale`` [1], the frozen
-    ``expert_bias`` buffer [experts] (the checkpoint's ``e_score_correction_bias``). Its routing is its own, not
-    megatron-core's ``TopKRouter.routing``: routing replay refuses it by name (``routing_replay._hook_routers``)."""
+    ``expert_bias`` buffer [experts] (the checkpoint's ``e_score_correction_bias``). Routing replay (R3 / R2,
+    ``miles.trainer.routing_replay``): it asks ``router_replay`` for its experts as megatron-core's ``TopKRouter`` does
+    (``replays_routing``), over its tokens in megatron-core's order ([s, b], this TP rank's part under SP); the
+    weights come from the current logits at those experts."""
+
+    replays_routing = True
+    router_replay = None
 
     def __init__(self, s, config):
         super().__init__()
@@ -206,7 +211,15 @@ class Router(nn.Module):
         """x [n, h] -> (routed weights [n, k], expert ids [n, k], shared weights [n, shared]), in x's dtype."""
         logits = F.linear(x.float(), self.weight.float())
         routed, shared = logits[:, :-self.shared], logits[:, -self.shared:]
-        ids = torch.topk(routed.sigmoid() + self.expert_bias.float(), self.topk, dim=-1, sorted=False).indices
+        scores = routed.sigmoid() + self.expert_bias.float()
+
+        def own(sc, k, num_groups=None, group_topk=None):
+            idx = torch.topk(sc, k, dim=-1, sorted=False).indices
+            return sc.gather(1, idx), idx
+        if self.router_replay is not None:
+            ids = self.router_replay.get_replay_topk(scores, self.topk, None, None, own)[1]
+        else:
+            ids = own(scores, self.topk)[1]
         chosen = F.logsigmoid(torch.cat([routed.gather(-1, ids), shared], dim=-1))
         weights = torch.exp(chosen - torch.logsumexp(chosen, dim=-1, keepdim=True))
         weights = (weights * self.route_scale * self.global_scale.float()).to(x.dtype)

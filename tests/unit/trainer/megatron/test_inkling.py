@@ -207,3 +207,65 @@ def test_fsdp_policy_model_divides_by_the_mup_multiplier_and_never_packs(tiny_in
     assert float((as_rows - torch.cat(ref)).abs().max()) < 1e-6          # ~2x the measured 4.8e-7
     assert float((packed - torch.cat(ref)).abs().max()) > 1e-2          # measured 0.030
     assert "inkling_text" in modeling.NO_PACKING
+
+
+def _spy_routers(tr) -> list:
+    """Per policy forward of ``tr``: its sample ids and, per MoE layer, every token's sorted expert ids (a forward hook
+    on each Inkling router, whose output holds the chosen ids [T, k])."""
+    import re
+
+    seen: list = []
+    for name, mod in tr.model.named_modules():
+        if (m := re.search(r"layers\.(\d+)\.mlp\.router$", name)) is not None:
+            def hook(_mod, _args, out, layer=int(m.group(1))):
+                seen[-1][layer] = [sorted(r) for r in out[1].tolist()]
+            mod.register_forward_hook(hook)
+    inner = tr._policy_forward
+
+    def policy_forward(model, mb, **kw):
+        if model is tr.model:
+            seen.append({"sid": list(mb.sample_ids)})
+        return inner(model, mb, **kw)
+    tr._policy_forward = policy_forward
+    return seen
+
+
+def test_r2_training_forwards_replay_the_old_pass(tiny_inkling_dir: Path, one_rank_group) -> None:
+    """R2 (``--use-routing-replay``) on Inkling's router: the old log-prob pass records the routing, the routers are
+    then shifted in place (each router's expert rows and bias rolled by one), and the 2 training steps' forwards
+    still route as recorded; without R2 the (token, layer) pairs route otherwise (measured: all of them)."""
+    from trainer_harness import build, flags, random_samples
+
+    samples = random_samples(3, 2, seed=5, vocab=90)
+    out = {}
+    for flag in ("--use-routing-replay", None):
+        tr = build(tiny_inkling_dir, flags("megatron", ["--rollout-batch-size", "3", "--micro-batch-size", "1",
+                                                        "--lr", "1e-2", "--use-tis", "--moe-aux-loss-coeff", "0",
+                                                        "--num-steps-per-rollout", "2", "--use-kl-loss",
+                                                        "--kl-loss-coef", "0.01", *([flag] if flag else [])]),
+                   group=one_rank_group)
+        tr.coalesce_tokens = lambda: 0          # one sample per forward: the spy reads the tokens in sample order
+        seen = _spy_routers(tr)
+        prepare = tr._prepare
+
+        def shifted_after_old_pass(smp, data, policy, prepare=prepare, tr=tr):
+            got = prepare(smp, data, policy)
+            with torch.no_grad():
+                for router in (m for n, m in tr.model.named_modules() if n.endswith("mlp.router")):
+                    e = router.expert_bias.shape[0]
+                    router.weight[:e].copy_(router.weight[:e].roll(1, 0))
+                    router.expert_bias.copy_(router.expert_bias.roll(1, 0))
+            return got
+        tr._prepare = shifted_after_old_pass
+        tr.train(samples, 0)
+        n = len(samples)
+        old = {f["sid"][0]: f for f in seen[:n]}                     # the old log-prob pass
+        bad = total = 0
+        for f in seen[n:]:                                             # the training forwards of the 2 steps
+            for layer, sets in f.items():
+                if layer != "sid":
+                    total += len(sets)
+                    bad += sum(a != b for a, b in zip(sets, old[f["sid"][0]][layer]))
+        out[flag] = (len(seen) - n, bad / max(total, 1))
+    assert out["--use-routing-replay"] == (len(samples), 0.0)
+    assert out[None][0] == len(samples) and out[None][1] > 0.5
