@@ -9,7 +9,7 @@ Design note: what Inkling's text model is, what megatron-core 0.16.1 has for it,
 transformers 5.24's ``models/inkling``; Miles v0.1.0 trains it with its own transformer-engine-only model,
 ``--custom-model-provider-path miles_plugins.models.inkling.model.inkling_model_provider``,
 radixark/miles@v0.1.0:miles_plugins/models/inkling/, whose path is taken here as naming this family:
-``provider.py``'s ``KNOWN``):
+``miles/config/specs.py``'s ``PROVIDERS``):
 
  1. Embedding: megatron-core's vocabulary-parallel embedding, then an RMS norm (``embed_tokens.embed_norm``); no
     position embedding (``--position-embedding-type none``).
@@ -47,7 +47,7 @@ embeds any token, a placeholder token is embedded as itself). Refused (one line 
 ``check_static``): pipeline, context and expert parallelism, a TP size not dividing every layer's heads and KV heads,
 MTP layers (an auxiliary load-balancing loss is refused for every family). Routing replay: the router asks
 megatron-core's ``router_replay`` as megatron-core's own does (R2 tested; R3 needs an engine that records Inkling's
-experts: SGLang, not here; the embedded engine does not serve Inkling).
+experts: SGLang, not here; the embedded engine serves ``inkling_text`` without recording them).
 """
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ class InklingShape:
 
 
 def shape_fields(c) -> dict:
-    """``ModelShape``'s fields of an inkling_text config.json, ``variant`` holding Inkling's own (ValueError, one
-    line, naming what is not built)."""
+    """``ModelShape``'s fields of an Inkling config.json (``inkling_text``, or ``inkling_mm_model``'s
+    ``text_config``), ``variant`` holding Inkling's own (ValueError, one line, naming what is not built)."""
     model_type = c.model_type
     if model_type == "inkling_mm_model":              # the published checkpoint: its text model, trained text-only
         c = c.text_config

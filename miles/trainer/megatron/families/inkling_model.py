@@ -23,6 +23,11 @@ its part through the whole experts, then the outputs are gathered): the experts'
 expert-data-parallel group as megatron-core's experts' are (``moe.edp_reduced``), the router's and the shared
 experts' are marked ``sequence_parallel`` (summed over TP by ``parallel.finish_grads``). The q/k norms and the
 relative-logit profiles see their heads only on each rank: ``tp_partial``.
+
+Cost: the attention is computed as transformers' eager path computes it, the [b, heads / tp, s, s] scores and
+relative bias materialised per layer (memory quadratic in the row length; no fused kernel or flex-attention
+``score_mod`` is built here, where Miles uses its own Triton / flex kernels), and the MoE loops over the experts its
+tokens reach. Correct on CPU and GPU alike; long rows on a GPU need activation recompute or shorter micro-batches.
 """
 
 from __future__ import annotations
