@@ -247,6 +247,11 @@ def build_family_model(out: Path, model: str | None, seed: int = 0) -> Path:
         return build_tiny_nemotron_model(out, pattern="ME*-EM" if moe else "M*-M*-", num_kv_heads=1 if kv <= 2 else 2,
                                          seed=seed, moe_latent_size=32 if real.get("moe_latent_size") else None,
                                          routed_scaling_factor=float(real.get("routed_scaling_factor", 1.0) or 1.0))
+    if mt == "inkling_mm_model":       # Inkling: its text model in the text-only layout (inkling_text), which the
+        #                                embedded engine serves (transformers' multimodal class needs scipy, not here)
+        from miles.utils.tiny_inkling import build_tiny_inkling_model
+
+        return build_tiny_inkling_model(out, seed=seed)
     if mt == "kimi_k25":               # the multimodal checkpoint (text model under language_model.model.*)
         from miles.utils.tiny_kimi_k25 import build_tiny_kimi_k25
 

@@ -9,6 +9,10 @@ trains: it is checked against config.json and the families the backend builds, a
 
 One row per spec in ``SPECS``: the spec as Miles writes it -> (the family's name, the config.json model types it
 trains). A helper that builds a family adds or adjusts its row; nothing else needs to change.
+
+Miles's own model providers (``--custom-model-provider-path``) of a family the Megatron backend builds are read the
+same way (``PROVIDERS``, ``known_provider``): the path names the family, whose builder runs in its place
+(Miles's Inkling provider is transformer-engine-only; ``trainer/megatron/provider.py`` imports any other path).
 """
 
 from __future__ import annotations
@@ -35,6 +39,31 @@ SPECS: dict[str, Spec] = {
                                                            "qwen3_5_moe_text")),
     "miles_plugins.models.qwen3_next get_qwen3_next_spec": Spec("Qwen3-Next (gated DeltaNet)", ("qwen3_next",)),
 }
+
+
+# radixark/miles@v0.1.0:miles_plugins/models/... (the --custom-model-provider-path values its recorded commands pass)
+PROVIDERS: dict[str, Spec] = {
+    "miles_plugins.models.inkling.model.inkling_model_provider": Spec("Inkling", ("inkling_mm_model", "inkling_text")),
+}
+
+
+def known_provider(path: str | None) -> Spec | None:
+    """The ``PROVIDERS`` row of a ``--custom-model-provider-path`` value, None for a path that is imported."""
+    return PROVIDERS.get(path) if path else None
+
+
+def check_provider(path: str, model_type: str | None, built: Mapping[str, str]) -> None:
+    """A ``PROVIDERS`` path against config.json's ``model_type`` and the families built (one ``ConfigError``
+    line naming the flag, the value and the fix)."""
+    spec = PROVIDERS[path]
+    types = " or ".join(spec.model_types)
+    if model_type not in spec.model_types:
+        raise ConfigError(f"--custom-model-provider-path {path} is Miles's {spec.family} model provider (config.json "
+                          f"model_type {types}), but --hf-checkpoint's config.json has model_type {model_type}: point "
+                          f"--hf-checkpoint at a {spec.family} checkpoint, or drop the flag.")
+    if model_type not in built:
+        raise ConfigError(f"--custom-model-provider-path {path}: {spec.family} (model_type {model_type}) is not built "
+                          f"by the Megatron backend yet (it builds: {', '.join(sorted(built))}); drop the flag.")
 
 
 def spec_key(values: list[str] | tuple[str, ...]) -> str:
@@ -83,4 +112,10 @@ def flag_docs() -> list[str]:
              "and the family must be built by the Megatron backend (which builds the layers from config.json). "
              "Any other value is refused.", "", "| `--spec` | family | config.json model_type |", "|---|---|---|"]
     lines += [f"| `{key}` | {s.family} | {', '.join(s.model_types)} |" for key, s in SPECS.items()]
+    lines += ["", "## `--custom-model-provider-path` values of Miles's own models", "",
+              "Miles's providers of a family the Megatron backend builds: the path names the family, built from "
+              "config.json in place of Miles's module (config.json's model_type must be one of its types); any other "
+              "path is imported and called (docs/trainer.md \"Custom model providers\").", "",
+              "| `--custom-model-provider-path` | family | config.json model_type |", "|---|---|---|"]
+    lines += [f"| `{key}` | {s.family} | {', '.join(s.model_types)} |" for key, s in PROVIDERS.items()]
     return lines + [""]

@@ -35,8 +35,9 @@ logger = get_logger(__name__)
 PREFIX = "lm."
 EAGER_ONLY = ("gpt_oss", "deepseek_v4")   # no SDPA path in transformers (attention sinks; V4's compressed entries)
 # models whose forward cannot take several samples packed in one row: DeepSeek-V4's compressors pool windows of the
-# row and see earlier windows whatever the position ids say (each sample runs as its own right-padded row)
-NO_PACKING = ("deepseek_v4",)
+# row and see earlier windows whatever the position ids say; Inkling's short convolutions mix each token with the
+# ones before it along the row, the previous sample's included (each sample runs as its own right-padded row)
+NO_PACKING = ("deepseek_v4", "inkling_text")
 VARLEN_ATTN = "miles_varlen"
 _registered = False
 
@@ -179,6 +180,8 @@ class PolicyModel(nn.Module):
         out = base_model(self.lm)(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                   **attn_kwargs(self.lm, cu_seqlens, max_seqlen), **extra)
         hidden = out.last_hidden_state.flatten(0, 1).index_select(0, logit_index)   # [B*T, H] -> [N, H]
+        if (mup := logits_mup_width_multiplier(self.lm.config)) != 1.0:
+            hidden = hidden / mup
         lp, ent = logprobs_and_entropy(hidden, self.lm.get_output_embeddings(), targets, temperature=temperature,
                                        chunk_size=chunk_size, with_entropy=with_entropy, entropy_grad=entropy_grad,
                                        softcap=final_logit_softcapping(self.lm.config))
@@ -187,6 +190,14 @@ class PolicyModel(nn.Module):
 
             lp = lp + vision_anchor(self.lm).to(lp.dtype)
         return lp, ent
+
+
+def logits_mup_width_multiplier(config) -> float:
+    """What the HF model divides its final hidden states by before its head (Inkling's muP
+    ``logits_mup_width_multiplier``, on the multimodal config its text config's; 1: none): its forward does, so the
+    log-probs computed from its hidden states do too."""
+    text = getattr(config, "text_config", None) or config
+    return float(getattr(text, "logits_mup_width_multiplier", None) or 1.0)
 
 
 def final_logit_softcapping(config) -> float:

@@ -15,7 +15,7 @@ saw; padding; dummy micro-batches) keeps its own top-k.
 Wiring (``install(trainer)``, called at the end of both trainers' ``__init__``): the policy's routers get a hook (HF
 ``Qwen3MoeTopKRouter.forward`` on the FSDP backend; megatron-core's ``TopKRouter.router_replay`` on the Megatron
 backend, which a family's router overriding ``routing`` asks too and says so with ``replays_routing``:
-DeepSeek-V4's, Gemma 4's; another is refused by name); ``trainer._prepare`` (the start of every ``train`` call)
+DeepSeek-V4's, Gemma 4's, Inkling's (its own module, not a TopKRouter); another is refused by name); ``trainer._prepare`` (the start of every ``train`` call)
 loads the samples' routing, and ``trainer._policy_forward`` (and on the Megatron backend ``trainer._stage_forward``,
 which a pipeline's earlier stages run) sets, for the policy's micro-batch, the per-token replay rows in the order
 the router sees the tokens (FSDP: the packed row or the right-padded ``[k, L]`` rows, flattened; Megatron:

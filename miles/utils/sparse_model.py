@@ -40,6 +40,8 @@ def checkpoint_tensors(config: dict[str, Any]) -> dict[str, list[int]]:
     d = dict(config)
     register_for(d.get("model_type"))          # kimi_k2 (hf_aliases)
     hf_config = AutoConfig.for_model(d.pop("model_type"), **d)
+    if config.get("model_type") == "inkling_mm_model":    # transformers' class needs scipy (its vision tower)
+        return _inkling_text_tensors(hf_config)
     arch = (config.get("architectures") or [None])[0]
     cls = getattr(transformers, arch, None) if arch else None
     if cls is None:
@@ -57,6 +59,26 @@ def checkpoint_tensors(config: dict[str, Any]) -> dict[str, list[int]]:
         out = {published_name(name): shape for name, shape in out.items()}
     out.update(_mtp_tensors(config))
     return dict(sorted(out.items()))
+
+
+def _inkling_text_tensors(hf_config) -> dict[str, list[int]]:
+    """The released Inkling checkpoint's text-model tensors (``model.llm.*``, its own names: transformers' revert of
+    the ``inkling_mm_model`` load-time conversion, on ``InklingForCausalLM`` of ``text_config``); the vision and
+    audio towers are not listed (``InklingForConditionalGeneration`` needs scipy, not installed here)."""
+    import types
+
+    import torch
+    from transformers import InklingForCausalLM
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import revert_weight_conversion
+
+    with torch.device("meta"):
+        model = InklingForCausalLM(hf_config.text_config)
+    state = {("model.language_model." + n[len("model."):] if n.startswith("model.") else n): t
+             for n, t in list(model.named_parameters()) + list(model.named_buffers())}
+    layout = types.SimpleNamespace(_weight_conversions=get_checkpoint_conversion_mapping("inkling_mm_model"),
+                                   config=None)
+    return dict(sorted((n, list(t.shape)) for n, t in revert_weight_conversion(layout, state).items()))
 
 
 MTP_MODEL_TYPES = ("glm4_moe", "glm4_moe_lite", "deepseek_v3", "kimi_k2", "joyai_llm_flash")   # transformers skips their model.layers.N.. (MTP) on load

@@ -104,14 +104,16 @@ def hf_grads(gpt, shape, groups, device, frozen: str = "weight") -> dict:
 
 def gpt_worker(model_dir: str, out: str, ep: int = 1, seq: int = 20, mtp: bool = False,
                text_vocab: int | None = None, *, attn_implementation: str | None = "eager",
-               frozen: str = "weight") -> None:
+               frozen: str = "weight", reference_dir: str | None = None) -> None:
     """TP = world size (``ep`` 1), or TP 1 x EP = world size (the experts split over the ranks, all-to-all); 2 rows
     of ``seq`` random tokens. Writes to ``out`` (json): the logits' max distance to transformers' (fp32,
     ``attn_implementation``) and the log-probs' (``max_lp_err``), whether every gradient is finite, the exported HF
     names and those equal to the checkpoint bit for bit; at EP 1 the full gradients under HF names beside it
     (``<out>.grads.safetensors``, ``hf_grads`` with ``frozen``). ``mtp``: the checkpoint's MTP layers are built too
     and exported. ``text_vocab``: the token ids drawn stay below it (a multimodal checkpoint's image / video ids, which
-    transformers embeds otherwise, above)."""
+    transformers embeds otherwise, above). ``reference_dir``: transformers' model is loaded from there instead (the
+    same weights in a layout transformers builds here, e.g. Inkling's text model for its published multimodal
+    checkpoint, whose vision tower needs scipy)."""
     import torch
     import torch.distributed as dist
     from safetensors.torch import load_file
@@ -139,7 +141,7 @@ def gpt_worker(model_dir: str, out: str, ep: int = 1, seq: int = 20, mtp: bool =
 
     exported = [pair for bucket in export.iter_hf_buckets(gpt, shape, groups, device=cpu, bucket_bytes=1 << 14)
                 for pair in bucket]
-    hf = hf_lm(model_dir, dtype=torch.float32, attn_implementation=attn_implementation)
+    hf = hf_lm(reference_dir or model_dir, dtype=torch.float32, attn_implementation=attn_implementation)
     disk = load_file(str(Path(model_dir) / "model.safetensors"))
     same = [n for n, t in exported if n in disk and disk[n].dtype == t.dtype and torch.equal(disk[n], t)]
     if ep == 1 and not mtp:

@@ -24,6 +24,10 @@ shape from config.json, the ``--no-*`` switches under Megatron-LM's names), set 
 ``megatron.training`` holding ``get_args`` / ``global_vars.set_args`` only (megatron-core does not include
 Megatron-LM's training package).
 
+Miles's own provider of a family built here (``miles.config.specs.PROVIDERS``: its Inkling provider) is not imported:
+the path names the family, checked against config.json, and the trainer builds that family's model
+(``families/``) in its place, as a ``--spec`` value names a family.
+
 What is refused, each in one line naming the flag and the value: a path that does not import (a missing dependency
 named, e.g. ``transformer_engine``), a provider that raises (where: e.g. an argument Megatron-LM has and miles does
 not parse), a return value that is not a GPTModel, and a checkpoint whose model_type has no converter here (Miles
@@ -45,6 +49,7 @@ from typing import Any
 
 import torch
 
+from miles.config import specs
 from miles.config.base import ConfigError
 from miles.utils.imports import load_function
 from miles.utils.logging import get_logger
@@ -304,6 +309,12 @@ def preflight_check(cfg, hf_config: dict | None) -> None:
     mcfg = getattr(cfg, "megatron", None)
     path = getattr(mcfg, "custom_model_provider_path", None) if mcfg is not None else None
     if not path:
+        return
+    if specs.known_provider(path) is not None:      # Miles's own provider of a family built here: not imported
+        if hf_config is not None:
+            from miles.trainer.megatron.families import FAMILIES
+
+            specs.check_provider(path, hf_config.get("model_type"), FAMILIES)
         return
     check_callable(load_provider(path), path)
     if hf_config is None:

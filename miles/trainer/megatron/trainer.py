@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from miles.config import specs
 from miles.config.base import ConfigError
 from miles.config.kernels import check_kernel_flags
 from miles.trainer import lora as lora_mod
@@ -54,6 +55,7 @@ from miles.trainer.megatron import convert, export, fork_flags, forward, moe, op
 from miles.trainer.megatron import model as mmodel
 from miles.trainer.megatron import mtp as mtp_mod
 from miles.trainer.megatron import vlm as mvlm
+from miles.trainer.megatron.families import FAMILIES
 from miles.trainer.metrics import active_params, moe_routing, peak_tflops
 from miles.trainer.optim import LRSchedule, MasterWeights, build_adamw
 from miles.trainer.step import RLTrainer
@@ -211,6 +213,9 @@ class MegatronTrainer(RLTrainer):
             mtp_loss_scale=o.mtp_loss_scale, deterministic=self.cfg.deterministic_mode)
         core = "unfused" if o.attention_backend in ("unfused", "local") else "sdpa"
         custom = getattr(self.megatron_cfg, "custom_model_provider_path", None)
+        if specs.known_provider(custom) is not None:    # Miles's own provider of a family built here: the family's
+            specs.check_provider(custom, shape.model_type, FAMILIES)     # builder in its place (config/specs.py)
+            custom = None
         if custom:                      # --custom-model-provider-path (provider.py): the user's GPTModel
             model, self.padded_vocab = provider.build_for_trainer(self, custom, shape, config, path)
         else:

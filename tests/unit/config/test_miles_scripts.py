@@ -363,6 +363,51 @@ def test_kimi_k25_command_without_its_sglang_serving_flags(workdir: Path, model_
     assert "role plan" in dry_run(parse_args(argv + ["--dry-run"]))
 
 
+def _without(argv: list[str], *flags: str) -> list[str]:
+    """``argv`` less each of ``flags`` and its value."""
+    out = list(argv)
+    for flag in flags:
+        i = out.index(flag)
+        del out[i:i + 1 + (i + 1 < len(out) and not out[i + 1].startswith("--"))]
+    return out
+
+
+def test_inkling_command_without_its_disk_offload_flags(workdir: Path, model_dirs, plugins_on_path):
+    """The recorded Inkling command (``megatron_inkling``, 4-layer config.json; Miles's ``--custom-model-provider-path
+    miles_plugins.models.inkling.model.inkling_model_provider``: here the Inkling family's own build) is refused
+    first on ``--offload-train-target disk`` (not built). Without that, its ``--offload-train-disk-dir``, its
+    ``--load`` (Miles's torch_dist conversion of the checkpoint; the fixture gives the HF dir) and its 16-GPU engines
+    (the recorded multi-node rollout), the provider path and every model flag pass against config.json, and what is
+    not built here is one line each: EP 4 (the Inkling MoE is its own module, not megatron-core's), then (SGLang-only
+    serving flags dropped when SGLang is absent) R3 (the embedded engine does not serve Inkling); without those the
+    dry run passes at TP 4 + SP."""
+    import importlib.util
+
+    from miles_fixtures import _drop_sglang_only
+
+    from miles.config.base import ConfigError
+    from miles.run.entry import dry_run
+
+    path = HERE / "megatron_inkling.flags"
+    argv = without_absent_kernel_flags(fixture_argv(read_fixture(path)[2], subs_for(path, workdir, model_dirs)))
+    assert "--custom-model-provider-path" in argv and "--sequence-parallel" in argv
+    argv = _without(argv, "--offload-train-target", "--offload-train-disk-dir", "--load",
+                    "--rollout-num-gpus-per-engine") + ["--dry-run"]
+    if importlib.util.find_spec("sglang") is None:
+        changed: dict[str, str] = {}
+        argv = _drop_sglang_only(argv, changed, "train.py")
+        assert sorted(changed) == ["--sglang-enable-multimodal", "--sglang-mamba-scheduler-strategy"], changed
+    refusals = ["--expert-model-parallel-size 4 with Inkling is not supported"]
+    if importlib.util.find_spec("sglang") is None:
+        refusals.append("--use-rollout-routing-replay: the embedded engine")
+    for first in refusals:
+        with pytest.raises(ConfigError) as ei:
+            dry_run(parse_args(argv))
+        assert str(ei.value).startswith(first) and "\n" not in str(ei.value), ei.value
+        argv = _without(argv, first.split(" ", 1)[0].rstrip(":"))
+    assert "role plan" in dry_run(parse_args(argv))
+
+
 @pytest.mark.parametrize("name,cp,pp,ep", [("megatron_kimi_k2", 4, 8, 32), ("megatron_deepseek_v3", 4, 1, 4),
                                            ("kimi_k2_thinking_int4", 4, 8, 32), ("megatron_deepseek_v32", 1, 4, 16)])
 def test_mla_commands_without_their_sglang_serving_flags(name: str, cp: int, pp: int, ep: int, workdir: Path,

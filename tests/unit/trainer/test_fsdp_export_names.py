@@ -23,6 +23,7 @@ def _families() -> dict:
         tiny_dsv4,
         tiny_gemma4,
         tiny_gpt_oss,
+        tiny_inkling,
         tiny_kimi_k25,
         tiny_mla,
         tiny_model,
@@ -49,6 +50,7 @@ def _families() -> dict:
         "gemma4_moe": lambda p: tiny_gemma4.build_tiny_gemma4(p, moe=True),
         "kimi_k25": tiny_kimi_k25.build_tiny_kimi_k25,
         "qwen3_vl": tiny_vlm.build_tiny_vlm,
+        "inkling_text": tiny_inkling.build_tiny_inkling_model,
     }
 
 

@@ -27,7 +27,9 @@ sparse attention: DeepSeek-V3.2, GLM-5 / 5.1 / 5.2; mla's plus megatron-core's D
 ``dsv4_model.py``), ``qwen3_next``
 (Qwen3-Next, Qwen3.5 / 3.6: hybrid gated DeltaNet and gated attention layers, MoE with a gated shared expert, MTP;
 the torch gated delta rule in ``gated_delta.py``), ``glm4_moe`` (GLM-4.5 / 4.5-Air: GQA with partial RoPE, q/k/v
-biases and optional q/k norms on megatron-core's standard layer, and mla's DeepSeek-style MoE hooks).
+biases and optional q/k norms on megatron-core's standard layer, and mla's DeepSeek-style MoE hooks), ``inkling``
+(Inkling's text model: relative-position attention, short convolutions, sliding / full layers, a sink-routed MoE:
+its own decoder, ``inkling_model.py``).
 """
 
 from __future__ import annotations
@@ -148,6 +150,7 @@ def _load() -> tuple[Family, ...]:
         gemma4,
         glm4_moe,
         gpt_oss,
+        inkling,
         kimi_k25,
         mla,
         nemotron_h,
@@ -155,7 +158,7 @@ def _load() -> tuple[Family, ...]:
     )
 
     return (dense.FAMILY, mla.FAMILY, kimi_k25.FAMILY, gpt_oss.FAMILY, dsa.FAMILY, nemotron_h.FAMILY, gemma4.FAMILY,
-            deepseek_v4.FAMILY, qwen3_next.FAMILY, glm4_moe.FAMILY)
+            deepseek_v4.FAMILY, qwen3_next.FAMILY, glm4_moe.FAMILY, inkling.FAMILY)
 
 
 ALL: tuple[Family, ...] = _load()

@@ -6,9 +6,10 @@ SDPA; one taking ``config`` with config.json's unpadded vocabulary, one building
 ``get_args()`` as Miles's providers do) are called as Miles calls them and trained on CPU (one gloo rank): its
 log-probs equal transformers' on the tiny Qwen3 checkpoint (so the converter loaded its weights), one GRPO step moves
 its weights, and the weight sync's export holds the checkpoint's names and shapes. Providers that cannot run
-are refused in one line naming the flag and the value (dry run and trainer). Miles's own Inkling provider, from a
-Miles checkout (``MILES_REPO``, a checkout or git directory; ``MILES_REV``, default v0.1.0), is refused naming
-transformer-engine, the package its layers import.
+are refused in one line naming the flag and the value (dry run and trainer). Miles's own Inkling provider module, from
+a Miles checkout (``MILES_REPO``, a checkout or git directory; ``MILES_REV``, default v0.1.0), is refused naming
+transformer-engine, the package its layers import, when imported; its path in a command is not imported but names the
+Inkling family, built in its place (``miles.config.specs.PROVIDERS``: tests/unit/trainer/megatron/test_inkling.py).
 """
 
 from __future__ import annotations
@@ -288,8 +289,8 @@ def test_dry_run_checks_the_provider(provider_module) -> None:
 
 
 def test_unknown_model_type_is_refused(provider_module, tmp_path: Path) -> None:
-    """A checkpoint whose model_type has no converter here (Inkling's) is refused: its weights could not be loaded
-    nor synced."""
+    """A checkpoint whose model_type has no converter here (a made-up ``inkling``: the released Inkling's is
+    ``inkling_mm_model``) is refused: its weights could not be loaded nor synced."""
     from miles.config.base import ConfigError
     from miles.trainer.megatron.provider import preflight_check
 
@@ -316,8 +317,9 @@ def _materialise(repo: Path, rev: str, out: Path) -> Path:
 
 
 def test_miles_inkling_provider_is_refused_naming_what_is_missing(monkeypatch, request, tmp_path: Path) -> None:
-    """Miles's Inkling provider (radixark/miles@v0.1.0:miles_plugins/models/inkling/model.py) imports
-    transformer-engine at module level (its layers: TE linears and norms); without it the flag is refused naming it."""
+    """Miles's Inkling provider module (radixark/miles@v0.1.0:miles_plugins/models/inkling/model.py) imports
+    transformer-engine at module level (its layers: TE linears and norms); without it, importing the module is
+    refused naming it (a command's path to it is not imported: it names the Inkling family, ``specs.PROVIDERS``)."""
     if not MILES_REPO:
         pytest.skip("MILES_REPO (a Miles checkout or git directory) is not set: Miles's Inkling provider is not read")
     from miles.config.base import ConfigError

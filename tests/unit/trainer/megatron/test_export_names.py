@@ -30,6 +30,7 @@ def _builders() -> dict:
         tiny_gemma4,
         tiny_glm4_moe,
         tiny_gpt_oss,
+        tiny_inkling,
         tiny_kimi_k25,
         tiny_mla,
         tiny_model,
@@ -60,6 +61,8 @@ def _builders() -> dict:
                        "qwen3_5_moe": lambda p: tiny_qwen35.build_tiny_qwen35_model(p, vlm=True),
                        "qwen3_5_moe_mtp": lambda p: tiny_qwen35.build_tiny_qwen35_model(p, vlm=True, mtp=True)},
         "glm4_moe": {"glm4_moe": tiny_glm4_moe.build_tiny_glm4_moe},
+        "inkling": {"inkling_text": tiny_inkling.build_tiny_inkling_model,
+                    "inkling_mm_model": lambda p: tiny_inkling.build_tiny_inkling_model(p, published=True)},
     }
 
 

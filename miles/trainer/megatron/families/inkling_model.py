@@ -1,0 +1,393 @@
+"""Inkling's text decoder on megatron-core: our own torch modules where megatron-core 0.16.1 has none (the design
+note is ``families/inkling.py``'s docstring), megatron-core's where it has them.
+
+    model = build_inkling_model(shape, config, padded_vocab=V, device=dev)   # HiddenInklingModel
+    hidden = model(input_ids, position_ids, attention_mask=None)            # [s (/ tp under SP), b, h]
+
+megatron-core's: the vocabulary-parallel embedding (``LanguageModelEmbedding``), the output layer
+(``ColumnParallelLinear``) and the tensor-parallel mappings. Ours, in torch (CPU and GPU alike): the RMS norms
+(fp32, as transformers keeps them), the short causal convolutions (``ShortConv``: depthwise, with their residual,
+fp32), the attention with its relative-position logits (``InklingAttention``: per-head q/k RMS norms, a 1/d scale,
+a bias per backward distance mixed from ``r_proj``'s states, a sliding window on ``hybrid_sliding`` layers, log
+scaling of the full layers' logits), the dense MLP with its ``global_scale`` and the MoE (``InklingMoE``: sigmoid
+router whose shared experts take part in the weights' normalisation as a "sink"). Every formula follows transformers
+5.24's ``modeling_inkling`` (stateless: full rows, right padding, no cache).
+
+Parallelism. The decoder runs on the whole sequence on every TP rank: under ``--sequence-parallel`` the embedding's
+sequence shards are gathered at the entry and the final hidden states split again at the exit (the short
+convolutions mix neighbouring tokens, so the decoder does not split the sequence; activations are not saved by SP
+here). TP splits the attention heads (``linear_q/k/v/r`` rows and the K/V convolutions' channels by head,
+``linear_proj`` columns) and the dense MLP (``linear_fc1`` by [gate; up] halves, ``linear_fc2`` columns), each
+summed over TP by megatron-core's reduce. The MoE layer splits the tokens over TP instead (each rank routes and runs
+its part through the whole experts, then the outputs are gathered): the experts' gradients are summed over the
+expert-data-parallel group as megatron-core's experts' are (``moe.edp_reduced``), the router's and the shared
+experts' are marked ``sequence_parallel`` (summed over TP by ``parallel.finish_grads``). The q/k norms and the
+relative-logit profiles see their heads only on each rank: ``tp_partial``.
+
+Cost: the attention is computed as transformers' eager path computes it, the [b, heads / tp, s, s] scores and
+relative bias materialised per layer (memory quadratic in the row length; no fused kernel or flex-attention
+``score_mod`` is built here, where Miles uses its own Triton / flex kernels), and the MoE loops over the experts its
+tokens reach. Correct on CPU and GPU alike; long rows on a GPU need activation recompute or shorter micro-batches.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """transformers' ``InklingRMSNorm``: normalised in fp32, cast back, times the weight."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight.to(x.dtype) * h.to(x.dtype)
+
+
+class ShortConv(nn.Module):
+    """transformers' ``InklingShortConvolution`` on full rows: a causal depthwise convolution of ``kernel`` taps
+    over the sequence plus its input, in fp32. ``weight`` [channels, 1, kernel] (the checkpoint's ``conv1d.weight``)."""
+
+    def __init__(self, channels: int, kernel: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(channels, 1, kernel, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [b, s, c] -> [b, s, c]."""
+        h = x.float()
+        k = self.weight.shape[-1]
+        out = F.conv1d(h.transpose(1, 2), self.weight.float(), padding=k - 1, groups=h.shape[-1])[..., :h.shape[1]]
+        return (out.transpose(1, 2) + h).to(x.dtype)
+
+
+def _mark_sequence_parallel(module: nn.Module) -> None:
+    """Each TP rank sees its part of the tokens: the gradient is summed over TP (``parallel.finish_grads``)."""
+    for p in module.parameters(recurse=False):
+        p.sequence_parallel = True
+
+
+class _TP:
+    """The tensor-parallel mappings of one TP group (identity at TP 1)."""
+
+    def __init__(self, size: int, group):
+        self.size, self.group = size, group
+
+    def copy(self, x: torch.Tensor) -> torch.Tensor:          # forward identity, backward all-reduce
+        if self.size == 1:
+            return x
+        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+        return copy_to_tensor_model_parallel_region(x, group=self.group)
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:        # forward all-reduce, backward identity
+        if self.size == 1:
+            return x
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+        return reduce_from_tensor_model_parallel_region(x, group=self.group)
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:         # dim 0: forward this rank's part, backward all-gather
+        if self.size == 1:
+            return x
+        from megatron.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
+        return scatter_to_sequence_parallel_region(x, group=self.group)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:        # dim 0: forward all-gather, backward this rank's part
+        if self.size == 1:
+            return x
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+        return gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False, group=self.group)
+
+
+class RelativeLogits(nn.Module):
+    """transformers' ``InklingRelativeLogits``: ``proj`` [d_rel, extent], a bank of bias-vs-distance profiles each
+    head's relative states mix into one bias per backward distance (0 outside ``0 <= distance < extent``)."""
+
+    def __init__(self, d_rel: int, extent: int):
+        super().__init__()
+        self.proj = nn.Parameter(torch.zeros(d_rel, extent, dtype=torch.float32))
+
+    def forward(self, states: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:
+        """states [b, s, heads, d_rel], distance [s, s] (query - key) -> bias [b, heads, s, s]."""
+        extent = self.proj.shape[1]
+        rel = (states @ self.proj.to(states.dtype)).transpose(1, 2)                    # [b, heads, s, extent]
+        index = distance.clamp(0, extent - 1).expand(*rel.shape[:2], -1, -1)
+        return rel.gather(-1, index).masked_fill((distance < 0) | (distance >= extent), 0.0)
+
+
+class InklingAttention(nn.Module):
+    """One layer's attention (this TP rank's heads). Names: ``linear_q/k/v/r`` (transformers' ``q/k/v/r_proj``),
+    ``k_conv``/``v_conv`` (``k_sconv``/``v_sconv``), ``q_layernorm``/``k_layernorm``, ``rel_logits.proj``,
+    ``linear_proj`` (``o_proj``)."""
+
+    def __init__(self, s, layer: int, tp: _TP):
+        super().__init__()
+        g = s.variant
+        sliding = g.sliding[layer]
+        heads = g.swa_heads if sliding else s.num_attention_heads
+        kv = g.swa_kv_heads if sliding else s.num_query_groups
+        hd = g.swa_head_dim if sliding else s.kv_channels
+        self.tp, self.hd = tp, hd
+        self.heads, self.kv = heads // tp.size, kv // tp.size
+        self.window = g.sliding_window if sliding else None
+        self.log_floor = None if sliding else g.log_scaling_n_floor
+        self.log_alpha = g.log_scaling_alpha
+        h = s.hidden_size
+        self.linear_q = nn.Linear(h, self.heads * hd, bias=False)
+        self.linear_k = nn.Linear(h, self.kv * hd, bias=False)
+        self.linear_v = nn.Linear(h, self.kv * hd, bias=False)
+        self.linear_r = nn.Linear(h, self.heads * g.d_rel, bias=False)
+        self.linear_proj = nn.Linear(self.heads * hd, h, bias=False)
+        self.k_conv = ShortConv(self.kv * hd, g.conv_kernel)
+        self.v_conv = ShortConv(self.kv * hd, g.conv_kernel)
+        self.q_layernorm = RMSNorm(hd, s.norm_epsilon)
+        self.k_layernorm = RMSNorm(hd, s.norm_epsilon)
+        self.rel_logits = RelativeLogits(g.d_rel, g.sliding_window if sliding else g.rel_extent)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [b, s, h] (whole on every TP rank) -> [b, s, h]."""
+        x = self.tp.copy(x)
+        b, s, _ = x.shape
+        q = self.q_layernorm(self.linear_q(x).view(b, s, self.heads, self.hd)).transpose(1, 2)
+        k = self.k_layernorm(self.k_conv(self.linear_k(x)).view(b, s, self.kv, self.hd)).transpose(1, 2)
+        v = self.v_conv(self.linear_v(x)).view(b, s, self.kv, self.hd).transpose(1, 2)
+        pos = torch.arange(s, device=x.device)
+        distance = pos[:, None] - pos[None, :]
+        bias = self.rel_logits(self.linear_r(x).view(b, s, self.heads, -1), distance)
+        if self.log_floor is not None:                           # transformers: in fp32
+            tau = (1.0 + self.log_alpha * torch.log(((pos + 1).float() / self.log_floor).clamp(min=1.0))).view(
+                1, 1, -1, 1)
+            q = (q.float() * tau).to(q.dtype)
+            bias = (bias.float() * tau).to(bias.dtype)
+        rep = self.heads // self.kv
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        blocked = distance < 0
+        if self.window is not None:
+            blocked = blocked | (distance >= self.window)
+        scores = torch.matmul(q, k.transpose(2, 3)) / self.hd + bias
+        scores = scores.masked_fill(blocked, float("-inf"))
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(probs, v).transpose(1, 2).reshape(b, s, -1)
+        return self.tp.reduce(self.linear_proj(out))
+
+
+class DenseMLP(nn.Module):
+    """transformers' ``InklingMLP``: ``linear_fc1`` [gate; up] (this rank's halves), ``linear_fc2``, ``global_scale``."""
+
+    def __init__(self, s, tp: _TP):
+        super().__init__()
+        inter = s.ffn_hidden_size // tp.size
+        self.tp = tp
+        self.linear_fc1 = nn.Linear(s.hidden_size, 2 * inter, bias=False)
+        self.linear_fc2 = nn.Linear(inter, s.hidden_size, bias=False)
+        self.global_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.linear_fc1(self.tp.copy(x)).chunk(2, dim=-1)
+        return self.tp.reduce(self.linear_fc2(F.silu(gate) * up)) * self.global_scale.to(x.dtype)
+
+
+class Router(nn.Module):
+    """transformers' ``InklingTopkRouter``: ``weight`` [experts + shared, h], ``global_scale`` [1], the frozen
+    ``expert_bias`` buffer [experts] (the checkpoint's ``e_score_correction_bias``). Routing replay (R3 / R2,
+    ``miles.trainer.routing_replay``): it asks ``router_replay`` for its experts as megatron-core's ``TopKRouter`` does
+    (``replays_routing``), over its tokens in megatron-core's order ([s, b], this TP rank's part under SP); the
+    weights come from the current logits at those experts."""
+
+    replays_routing = True
+    router_replay = None
+
+    def __init__(self, s, config):
+        super().__init__()
+        g = s.variant
+        self.config = config
+        self.topk, self.shared, self.route_scale = s.moe_router_topk, g.n_shared_experts, g.route_scale
+        self.weight = nn.Parameter(torch.zeros(s.num_experts + g.n_shared_experts, s.hidden_size))
+        self.global_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+        self.register_buffer("expert_bias", torch.zeros(s.num_experts, dtype=torch.float32))
+        _mark_sequence_parallel(self)
+
+    def forward(self, x: torch.Tensor):
+        """x [n, h] -> (routed weights [n, k], expert ids [n, k], shared weights [n, shared]), in x's dtype."""
+        logits = F.linear(x.float(), self.weight.float())
+        routed, shared = logits[:, :-self.shared], logits[:, -self.shared:]
+        scores = routed.sigmoid() + self.expert_bias.float()
+
+        def own(sc, k, num_groups=None, group_topk=None):
+            idx = torch.topk(sc, k, dim=-1, sorted=False).indices
+            return sc.gather(1, idx), idx
+        if self.router_replay is not None:
+            ids = self.router_replay.get_replay_topk(scores, self.topk, None, None, own)[1]
+        else:
+            ids = own(scores, self.topk)[1]
+        chosen = F.logsigmoid(torch.cat([routed.gather(-1, ids), shared], dim=-1))
+        weights = torch.exp(chosen - torch.logsumexp(chosen, dim=-1, keepdim=True))
+        weights = (weights * self.route_scale * self.global_scale.float()).to(x.dtype)
+        return weights[:, :self.topk], ids, weights[:, self.topk:]
+
+
+class InklingMoE(nn.Module):
+    """transformers' ``InklingMoE``: the router, the routed experts (``experts.gate_up_proj`` [E, 2I, h] = [gate; up]
+    per expert, ``experts.down_proj`` [E, h, I]) and the shared experts (``sink_experts.gate_up_proj`` [S, 2I, h] =
+    [gate; up] per expert, ``down_proj`` [S, h, I]) weighted by the router's sink weights. Tokens split over TP (module
+    docstring)."""
+
+    def __init__(self, s, config, tp: _TP):
+        super().__init__()
+        g = s.variant
+        e, i, h, sh = s.num_experts, s.moe_ffn_hidden_size, s.hidden_size, g.n_shared_experts
+        self.tp = tp
+        self.router = Router(s, config)
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, h))
+        self.experts.down_proj = nn.Parameter(torch.zeros(e, h, i))
+        self.sink_experts = nn.Module()
+        self.sink_experts.gate_up_proj = nn.Parameter(torch.zeros(sh, 2 * i, h))
+        self.sink_experts.down_proj = nn.Parameter(torch.zeros(sh, h, i))
+        _mark_sequence_parallel(self.sink_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        flat = x.transpose(0, 1).reshape(-1, h)                       # [s b, h]: SP's token order
+        n = flat.shape[0]
+        pad = -n % self.tp.size
+        if pad:
+            flat = torch.cat([flat, flat.new_zeros(pad, h)])
+        flat = self.tp.split(flat)                                    # this rank's tokens
+        weights, ids, gammas = self.router(flat)
+        out = torch.zeros_like(flat)
+        ex = self.experts
+        for e in torch.unique(ids).tolist():
+            rows, slot = torch.where(ids == e)
+            gate, up = F.linear(flat[rows], ex.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, ex.down_proj[e]) * weights[rows, slot, None]
+            out = out.index_add(0, rows, y.to(out.dtype))
+        sk = self.sink_experts
+        hs = flat.unsqueeze(0).expand(sk.gate_up_proj.shape[0], -1, -1)
+        gate, up = torch.bmm(hs, sk.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
+        act = F.silu(gate) * up
+        act = act * gammas.t().unsqueeze(-1)
+        out = out + torch.bmm(act, sk.down_proj.transpose(1, 2)).float().sum(0).to(out.dtype)
+        return self.tp.gather(out)[:n].view(s, b, h).transpose(0, 1)
+
+
+class InklingLayer(nn.Module):
+    """transformers' ``InklingDecoderLayer``: norm -> attention -> ``attn_conv`` -> residual; norm -> MLP / MoE ->
+    ``mlp_conv`` -> residual."""
+
+    def __init__(self, s, config, layer: int, tp: _TP):
+        super().__init__()
+        g = s.variant
+        self.layer_number = layer + 1             # megatron-core's (1-based)
+        self.input_layernorm = RMSNorm(s.hidden_size, s.norm_epsilon)
+        self.self_attention = InklingAttention(s, layer, tp)
+        self.attn_conv = ShortConv(s.hidden_size, g.conv_kernel)
+        self.pre_mlp_layernorm = RMSNorm(s.hidden_size, s.norm_epsilon)
+        self.mlp = InklingMoE(s, config, tp) if s.moe_layer_pattern[layer] else DenseMLP(s, tp)
+        self.mlp_conv = ShortConv(s.hidden_size, g.conv_kernel)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.attn_conv(self.self_attention(self.input_layernorm(h)))
+        return h + self.mlp_conv(self.mlp(self.pre_mlp_layernorm(h)))
+
+
+# megatron-core's TP split dim of our TP-split tensors, for the torch_dist checkpoint's layout
+TP_AXES = {"self_attention.linear_q.weight": 0, "self_attention.linear_k.weight": 0,
+           "self_attention.linear_v.weight": 0, "self_attention.linear_r.weight": 0,
+           "self_attention.k_conv.weight": 0, "self_attention.v_conv.weight": 0,
+           "self_attention.linear_proj.weight": 1, "mlp.linear_fc1.weight": 0, "mlp.linear_fc2.weight": 1}
+
+
+def _sharded(module: nn.Module, prefix: str, sharded_offsets, metadata, axes: dict[str, int]) -> dict:
+    """megatron-core's sharded state dict of ``module``'s parameters and buffers: those in ``axes`` split over TP
+    on their axis, the rest replicated."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+
+    metadata = ensure_metadata_has_dp_cp_group(metadata)
+    return make_sharded_tensors_for_checkpoint(module.state_dict(prefix="", keep_vars=True), prefix, axes,
+                                               sharded_offsets,
+                                               tp_group=parallel_state.get_tensor_model_parallel_group(),
+                                               dp_cp_group=metadata["dp_cp_group"])
+
+
+def build_inkling_model(s, config, *, padded_vocab: int, device: torch.device):
+    """A ``HiddenInklingModel`` of ``s`` (a ``ModelShape`` with ``inkling.InklingShape``) on ``device``; weights are
+    loaded by ``convert.load_hf_into`` through the family's names."""
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+    from megatron.core.transformer.module import MegatronModule
+
+    size = config.tensor_model_parallel_size
+    tp = _TP(size, parallel_state.get_tensor_model_parallel_group() if size > 1 else None)
+    sp = bool(config.sequence_parallel) and size > 1
+    g = s.variant
+
+    class _Decoder(nn.Module):
+        """``decoder.layers`` and ``decoder.final_layernorm`` (GPTModel's names)."""
+
+    class HiddenInklingModel(MegatronModule):
+        """Embedding -> its RMS norm -> layers -> final norm, divided by ``logits_mup_width_multiplier`` (what
+        transformers does before its head): hidden states [s, b, h] (``[s / tp, b, h]`` under sequence
+        parallelism), as ``model.HiddenGPTModel`` returns them."""
+
+        share_embeddings_and_output_weights = False
+        mtp_training = False
+        mtp_process = False
+
+        def __init__(self):
+            super().__init__(config=config)
+            self.shape = s
+            self.pre_process = self.post_process = True
+            self.embedding = LanguageModelEmbedding(config, vocab_size=padded_vocab,
+                                                    max_sequence_length=s.max_position_embeddings,
+                                                    position_embedding_type="rope")
+            self.embedding_norm = RMSNorm(s.hidden_size, s.norm_epsilon)
+            self.decoder = _Decoder()
+            self.decoder.layers = nn.ModuleList(InklingLayer(s, config, i, tp) for i in range(s.num_layers))
+            self.decoder.final_layernorm = RMSNorm(s.hidden_size, s.norm_epsilon)
+            self.output_layer = tensor_parallel.ColumnParallelLinear(
+                s.hidden_size, padded_vocab, config=config, init_method=config.init_method, bias=False,
+                gather_output=False, skip_bias_add=False)
+
+        def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata: dict | None = None) -> dict:
+            out: dict = {}
+            for name, child in self.named_children():
+                if name == "decoder":
+                    for i, layer in enumerate(child.layers):
+                        out.update(_sharded(layer, f"{prefix}decoder.layers.{i}.", sharded_offsets, metadata,
+                                            TP_AXES))
+                    out.update(_sharded(child.final_layernorm, f"{prefix}decoder.final_layernorm.", sharded_offsets,
+                                        metadata, {}))
+                elif name in ("embedding", "output_layer"):
+                    out.update(child.sharded_state_dict(f"{prefix}{name}.", sharded_offsets, metadata))
+                else:
+                    out.update(_sharded(child, f"{prefix}{name}.", sharded_offsets, metadata, {}))
+            return out
+
+        def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None, **_):
+            if attention_mask is not None:
+                raise NotImplementedError("the Inkling model runs causal right-padded rows (no mask)")
+            x = self.embedding(input_ids=input_ids, position_ids=None)               # [s (/ tp), b, h]
+            if sp:
+                x = tp.gather(x)                                                     # the whole sequence
+            h = self.embedding_norm(x.transpose(0, 1))                               # [b, s, h]
+            for layer in self.decoder.layers:
+                h = layer(h)
+            h = (self.decoder.final_layernorm(h) / g.mup_width_multiplier).transpose(0, 1).contiguous()
+            return tp.split(h) if sp else h
+
+    model = HiddenInklingModel()
+    for mod in model.modules():        # linears and experts in the parameters' dtype; norms, convolutions,
+        if type(mod) is nn.Linear:     # relative-logit profiles and scales stay fp32 (as transformers keeps them)
+            mod.to(config.params_dtype)
+    for moe in (m for m in model.modules() if isinstance(m, InklingMoE)):
+        moe.experts.to(config.params_dtype)
+        moe.sink_experts.to(config.params_dtype)
+        moe.router.weight.data = moe.router.weight.data.to(config.params_dtype)
+    return model.to(device)

@@ -1,0 +1,271 @@
+"""Inkling's text model on the Megatron backend without ranks: the shape of its config.json, the HF <-> Megatron
+conversion (bitwise round trip under TP, the TP layout of its own tensors, the unpadded vocabulary), one line for
+what is not built. Parity with transformers: tests/multiprocess/test_megatron_inkling.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from _tp_round_trip import round_trip_under_tp
+
+from miles.config import ConfigError, parse_args
+from miles.trainer.megatron import options
+from miles.trainer.megatron.convert import hf_to_megatron, megatron_to_hf, partition_dim, shard
+from miles.trainer.megatron.families import inkling
+
+pytest.importorskip("megatron.core")
+
+
+@pytest.fixture(scope="module")
+def tiny_inkling_dir(tmp_path_factory) -> Path:
+    from miles.utils.tiny_inkling import build_tiny_inkling_model
+
+    return build_tiny_inkling_model(tmp_path_factory.mktemp("tiny_inkling"))
+
+
+def _config(model: Path, **change) -> dict:
+    return json.loads((model / "config.json").read_text()) | change
+
+
+def _shape(config: dict):
+    from transformers import AutoConfig
+
+    d = dict(config)
+    return options.shape_of(AutoConfig.for_model(d.pop("model_type"), **d))
+
+
+def _megatron_names(shape) -> list[str]:
+    """Every parameter and exported buffer of the Inkling build, by its megatron name."""
+    attn = ["input_layernorm.weight", "attn_conv.weight", "pre_mlp_layernorm.weight", "mlp_conv.weight"] + [
+        f"self_attention.{n}" for n in ("linear_q.weight", "linear_k.weight", "linear_v.weight", "linear_r.weight",
+                                        "linear_proj.weight", "k_conv.weight", "v_conv.weight",
+                                        "q_layernorm.weight", "k_layernorm.weight", "rel_logits.proj")]
+    dense = ["mlp.linear_fc1.weight", "mlp.linear_fc2.weight", "mlp.global_scale"]
+    moe = ["mlp.router.weight", "mlp.router.global_scale", "mlp.router.expert_bias", "mlp.experts.gate_up_proj",
+           "mlp.experts.down_proj", "mlp.sink_experts.gate_up_proj", "mlp.sink_experts.down_proj"]
+    names = ["embedding.word_embeddings.weight", "embedding_norm.weight"]
+    for i, sparse in enumerate(shape.moe_layer_pattern):
+        names += [f"decoder.layers.{i}.{n}" for n in attn + (moe if sparse else dense)]
+    return names + ["decoder.final_layernorm.weight", "output_layer.weight"]
+
+
+def test_shape_of_the_tiny_config(tiny_inkling_dir: Path) -> None:
+    shape = _shape(_config(tiny_inkling_dir))
+    g = shape.variant
+    assert shape.family is inkling.FAMILY and shape.moe_layer_pattern == (0, 1, 1) and shape.num_experts == 4
+    assert g.sliding == (True, False, True) and (g.swa_heads, g.swa_kv_heads, g.swa_head_dim) == (6, 2, 8)
+    assert (shape.num_attention_heads, shape.num_query_groups, shape.kv_channels) == (4, 2, 12)
+    assert g.mup_width_multiplier == 4.0 and g.route_scale == 2.5 and shape.moe_topk_scaling == 1.0 and g.n_shared_experts == 2
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_round_trip_is_bitwise_under_tp(tiny_inkling_dir: Path, tp: int) -> None:
+    from safetensors.torch import load_file
+
+    hf = load_file(str(tiny_inkling_dir / "model.safetensors"))
+    shape = _shape(_config(tiny_inkling_dir))
+    full = round_trip_under_tp(hf, shape, _megatron_names(shape), tp)
+    # the TP layout of Inkling's own tensors: K / V rows and their convolutions' channels by KV head, the relative
+    # states by query head; the experts and the relative profiles whole on every rank
+    for name, hf_name in (("decoder.layers.1.self_attention.linear_k.weight", "model.layers.1.self_attn.k_proj.weight"),
+                          ("decoder.layers.0.self_attention.v_conv.weight",
+                           "model.layers.0.self_attn.v_sconv.conv1d.weight"),
+                          ("decoder.layers.2.self_attention.linear_r.weight", "model.layers.2.self_attn.r_proj.weight")):
+        assert partition_dim(name) == 0
+        assert torch.equal(shard(name, full[name], 0, tp - 1, tp, shape), hf[hf_name].chunk(tp)[-1]), name
+    for name in ("decoder.layers.1.mlp.experts.gate_up_proj", "decoder.layers.1.mlp.sink_experts.gate_up_proj",
+                 "decoder.layers.1.self_attention.rel_logits.proj", "decoder.layers.1.mlp.router.weight"):
+        assert partition_dim(name) is None, name
+
+
+@pytest.fixture(scope="module")
+def published_inkling_dir(tmp_path_factory) -> Path:
+    from miles.utils.tiny_inkling import build_tiny_inkling_model
+
+    return build_tiny_inkling_model(tmp_path_factory.mktemp("tiny_inkling_mm"), published=True)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_published_layout_round_trip_is_bitwise_under_tp(published_inkling_dir: Path, tiny_inkling_dir: Path,
+                                                         tp: int) -> None:
+    """The released checkpoint's layout (``model.llm.*``, Thinking Machines' names, w13 interleaved: written by
+    transformers' revert of its own load-time conversion): read into the same megatron tensors as the text layout's,
+    split over TP and joined, exported (``export_stream``) under the checkpoint's names bit for bit; the tower tensor
+    is left to ``--save-hf`` (``text_prefix``)."""
+    from safetensors.torch import load_file
+
+    from miles.trainer.megatron.convert import unshard
+    from miles.trainer.megatron.model import padded_vocab_size
+
+    native = load_file(str(published_inkling_dir / "model.safetensors"))
+    shape = _shape(_config(published_inkling_dir))
+    assert shape.model_type == "inkling_mm_model" and shape.family.text_prefix(shape) == "model.llm."
+    names = _megatron_names(shape)
+    padded = padded_vocab_size(shape.vocab_size, 128, tp)
+    full = hf_to_megatron(native, shape, padded, names)
+    text_layout = hf_to_megatron(load_file(str(tiny_inkling_dir / "model.safetensors")),
+                                 _shape(_config(tiny_inkling_dir)), padded, names)
+    assert all(torch.equal(full[n], text_layout[n]) for n in names)
+    pairs = []
+    for name in names:
+        dim = partition_dim(name)
+        pieces = [shard(name, full[name], dim, r, tp, shape) for r in range(tp)]
+        pairs += megatron_to_hf(name, unshard(name, pieces, dim, shape), shape)
+    back = dict(p for bucket in shape.family.export_stream(iter([pairs]), shape) for p in bucket)
+    towers = {k for k in native if not k.startswith("model.llm.")}
+    assert towers == {"model.visual.layers.linear_0.weight"} and back.keys() == native.keys() - towers
+    assert all(back[k].dtype == native[k].dtype and torch.equal(back[k], native[k]) for k in back)
+
+
+def test_unpadded_vocabulary_is_cut_and_padded_back(tiny_inkling_dir: Path) -> None:
+    """``unpadded_vocab_size``: the shape's vocabulary is the unpadded one (transformers drops the other logits); the
+    export gives the checkpoint's row count, the rows past it zero."""
+    config = _config(tiny_inkling_dir)
+    shape = _shape(config | {"unpadded_vocab_size": config["vocab_size"] - 5})
+    assert shape.vocab_size == config["vocab_size"] - 5 and shape.variant.hf_vocab_size == config["vocab_size"]
+    head = torch.randn(config["vocab_size"], config["hidden_size"])
+    full = hf_to_megatron({"lm_head.weight": head}, shape, 128, ["output_layer.weight"])["output_layer.weight"]
+    assert full.shape[0] == 128 and torch.equal(full[:shape.vocab_size], head[:-5]) and not full[shape.vocab_size:].any()
+    (name, back), = megatron_to_hf("output_layer.weight", full, shape)
+    assert name == "lm_head.weight" and torch.equal(back[:-5], head[:-5]) and not back[-5:].any()
+
+
+def _cfg(model: Path, *extra: str):
+    return parse_args(["--hf-checkpoint", str(model), "--num-rollout", "1", "--rollout-batch-size", "2",
+                       "--train-backend", "megatron", *extra])
+
+
+@pytest.mark.parametrize("flags, change, message", [
+    (["--expert-model-parallel-size", "2"], {}, "--expert-model-parallel-size 2 with Inkling is not supported"),
+    (["--pipeline-model-parallel-size", "2"], {}, "--pipeline-model-parallel-size 2 with Inkling is not supported"),
+    (["--context-parallel-size", "2"], {}, "--context-parallel-size 2 with Inkling is not supported"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], {"swa_num_attention_heads": 5},
+     "--tensor-model-parallel-size 2 does not divide config.json's swa_num_attention_heads 5"),
+    (["--mtp-num-layers", "1"], {"num_mtp_layers": 1}, "--mtp-num-layers 1 with Inkling is not supported"),
+    ([], {"hidden_act": "gelu"}, "--hf-checkpoint: Inkling hidden_act 'gelu' is not supported"),
+    ([], {"shared_expert_sink": False}, "--hf-checkpoint: Inkling MoE without shared experts scored as a sink"),
+])
+def test_what_is_not_built_is_one_line(tiny_inkling_dir: Path, flags: list[str], change: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as ei:
+        options.preflight_check(_cfg(tiny_inkling_dir, *flags), _config(tiny_inkling_dir, **change))
+    assert str(ei.value).startswith(message) and "\n" not in str(ei.value), ei.value
+
+
+def test_tensor_parallel_with_sequence_parallel_is_accepted(tiny_inkling_dir: Path) -> None:
+    options.preflight_check(_cfg(tiny_inkling_dir, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                 "--position-embedding-type", "none", "--qk-layernorm", "--moe-aux-loss-coeff", "0"),
+                            _config(tiny_inkling_dir))
+
+
+PROVIDER = "miles_plugins.models.inkling.model.inkling_model_provider"
+
+
+def test_miles_inkling_provider_names_the_family(tiny_inkling_dir: Path, published_inkling_dir: Path,
+                                                 tiny_model_dir: Path) -> None:
+    """Miles's Inkling provider path (its recorded command's, ``miles.config.specs.PROVIDERS``) is not imported: it
+    names the Inkling family, whose build runs in its place; on another checkpoint it is one line."""
+    from miles.trainer.megatron.provider import preflight_check
+
+    for model in (tiny_inkling_dir, published_inkling_dir):
+        preflight_check(_cfg(model, "--custom-model-provider-path", PROVIDER), _config(model))
+    with pytest.raises(ConfigError) as ei:
+        preflight_check(_cfg(tiny_model_dir, "--custom-model-provider-path", PROVIDER), _config(tiny_model_dir))
+    assert str(ei.value).startswith(f"--custom-model-provider-path {PROVIDER} is Miles's Inkling model provider "
+                                    "(config.json model_type inkling_mm_model or inkling_text), but --hf-checkpoint's "
+                                    "config.json has model_type qwen3") and "\n" not in str(ei.value), ei.value
+
+
+def test_fsdp_policy_model_divides_by_the_mup_multiplier_and_never_packs(tiny_inkling_dir: Path) -> None:
+    """The FSDP backend's log-prob head (``modeling.PolicyModel``) on transformers' ``InklingForCausalLM``: as right-
+    padded rows its log-probs are transformers' own (its forward divides the final hidden states by
+    ``logits_mup_width_multiplier`` before the head: measured 4.8e-7 apart, 10.4 without the division); the same two
+    samples packed in one row differ (the short convolutions reach into the previous sample: measured 0.030), so
+    Inkling is never packed (``modeling.NO_PACKING``)."""
+    from transformers import AutoModelForCausalLM
+
+    from miles.trainer import modeling
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_inkling_dir), dtype=torch.float32).eval()
+    policy = modeling.PolicyModel(hf).eval()
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randint(4, 90, (9,), generator=g), torch.randint(4, 90, (6,), generator=g)
+    with torch.no_grad():
+        ref = [torch.log_softmax(hf(input_ids=s[None]).logits[0, :-1], -1).gather(-1, s[1:, None])[:, 0]
+               for s in (a, b)]
+        rows = torch.stack([a, torch.cat([b, b.new_zeros(3)])])
+        pos = torch.arange(9).expand(2, -1)
+        index = torch.cat([torch.arange(8), 9 + torch.arange(5)])
+        targets = torch.cat([a[1:], b[1:]])
+        cu = torch.tensor([0, 9, 15])
+        as_rows, _ = policy(rows, pos, index, targets, cu, 9)
+        packed, _ = policy(torch.cat([a, b])[None], torch.cat([torch.arange(9), torch.arange(6)])[None],
+                           torch.cat([torch.arange(8), 9 + torch.arange(5)]), targets, cu, 9)
+    assert float((as_rows - torch.cat(ref)).abs().max()) < 1e-6          # ~2x the measured 4.8e-7
+    assert float((packed - torch.cat(ref)).abs().max()) > 1e-2          # measured 0.030
+    assert "inkling_text" in modeling.NO_PACKING
+
+
+def _spy_routers(tr) -> list:
+    """Per policy forward of ``tr``: its sample ids and, per MoE layer, every token's sorted expert ids (a forward hook
+    on each Inkling router, whose output holds the chosen ids [T, k])."""
+    import re
+
+    seen: list = []
+    for name, mod in tr.model.named_modules():
+        if (m := re.search(r"layers\.(\d+)\.mlp\.router$", name)) is not None:
+            def hook(_mod, _args, out, layer=int(m.group(1))):
+                seen[-1][layer] = [sorted(r) for r in out[1].tolist()]
+            mod.register_forward_hook(hook)
+    inner = tr._policy_forward
+
+    def policy_forward(model, mb, **kw):
+        if model is tr.model:
+            seen.append({"sid": list(mb.sample_ids)})
+        return inner(model, mb, **kw)
+    tr._policy_forward = policy_forward
+    return seen
+
+
+def test_r2_training_forwards_replay_the_old_pass(tiny_inkling_dir: Path, one_rank_group) -> None:
+    """R2 (``--use-routing-replay``) on Inkling's router: the old log-prob pass records the routing, the routers are
+    then shifted in place (each router's expert rows and bias rolled by one), and the 2 training steps' forwards
+    still route as recorded; without R2 the (token, layer) pairs route otherwise (measured: all of them)."""
+    from trainer_harness import build, flags, random_samples
+
+    samples = random_samples(3, 2, seed=5, vocab=90)
+    out = {}
+    for flag in ("--use-routing-replay", None):
+        tr = build(tiny_inkling_dir, flags("megatron", ["--rollout-batch-size", "3", "--micro-batch-size", "1",
+                                                        "--lr", "1e-2", "--use-tis", "--moe-aux-loss-coeff", "0",
+                                                        "--num-steps-per-rollout", "2", "--use-kl-loss",
+                                                        "--kl-loss-coef", "0.01", *([flag] if flag else [])]),
+                   group=one_rank_group)
+        tr.coalesce_tokens = lambda: 0          # one sample per forward: the spy reads the tokens in sample order
+        seen = _spy_routers(tr)
+        prepare = tr._prepare
+
+        def shifted_after_old_pass(smp, data, policy, prepare=prepare, tr=tr):
+            got = prepare(smp, data, policy)
+            with torch.no_grad():
+                for router in (m for n, m in tr.model.named_modules() if n.endswith("mlp.router")):
+                    e = router.expert_bias.shape[0]
+                    router.weight[:e].copy_(router.weight[:e].roll(1, 0))
+                    router.expert_bias.copy_(router.expert_bias.roll(1, 0))
+            return got
+        tr._prepare = shifted_after_old_pass
+        tr.train(samples, 0)
+        n = len(samples)
+        old = {f["sid"][0]: f for f in seen[:n]}                     # the old log-prob pass
+        bad = total = 0
+        for f in seen[n:]:                                             # the training forwards of the 2 steps
+            for layer, sets in f.items():
+                if layer != "sid":
+                    total += len(sets)
+                    bad += sum(a != b for a, b in zip(sets, old[f["sid"][0]][layer]))
+        out[flag] = (len(seen) - n, bad / max(total, 1))
+    assert out["--use-routing-replay"] == (len(samples), 0.0)
+    assert out[None][0] == len(samples) and out[None][1] > 0.5
