@@ -422,6 +422,12 @@ def build_inkling_model(s, config, *, padded_vocab: int, device: torch.device):
             return tp.split(h) if sp else h
 
     model = HiddenInklingModel()
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    for layer in model.decoder.layers:       # megatron-core's marks on our TP-split parameters
+        for name, p in layer.named_parameters():
+            if name in TP_AXES:
+                set_tensor_model_parallel_attributes(p, is_parallel=size > 1, dim=TP_AXES[name], stride=1)
     if config.recompute_granularity == "selective":           # megatron-core's: the attention's core, recomputed
         for attn in (m for m in model.modules() if isinstance(m, InklingAttention)):
             attn.recompute_core = True
