@@ -147,6 +147,7 @@ def _cfg(model: Path, *extra: str):
      "--tensor-model-parallel-size 2 does not divide config.json's swa_num_attention_heads 5"),
     (["--mtp-num-layers", "1"], {"num_mtp_layers": 1}, "--mtp-num-layers 1 with Inkling is not supported"),
     (["--hidden-dropout", "0.1"], {}, "--hidden-dropout 0.1 with Inkling is not supported"),
+    (["--moe-grouped-gemm"], {}, "--moe-grouped-gemm with Inkling is not supported"),
     ([], {"hidden_act": "gelu"}, "--hf-checkpoint: Inkling hidden_act 'gelu' is not supported"),
     ([], {"shared_expert_sink": False}, "--hf-checkpoint: Inkling MoE without shared experts scored as a sink"),
 ])
