@@ -45,7 +45,9 @@ at load time, ``_NATIVE_*``): ``hf_state`` reads them, ``export_stream`` writes 
 ``--hf-checkpoint``; the towers are not built (images and audio in the prompts are not trained on: as transformers
 embeds any token, a placeholder token is embedded as itself). Refused (one line each,
 ``check_static``): pipeline, context and expert parallelism, a TP size not dividing every layer's heads and KV heads,
-MTP layers (an auxiliary load-balancing loss is refused for every family). Routing replay: the router asks
+MTP layers, ``--moe-grouped-gemm`` / ``--moe-permute-fusion`` (transformer-engine's kernels for megatron-core's experts), dropout (the model has none; an auxiliary load-balancing loss is refused for every family). Activation
+recompute: ``--recompute-granularity full`` (uniform / block chunks of layers) and ``selective`` (the attention's
+[s, s] core) with torch's checkpoint. Routing replay: the router asks
 megatron-core's ``router_replay`` as megatron-core's own does (R2 tested; R3 needs an engine that records Inkling's
 experts: SGLang, not here; the embedded engine serves ``inkling_text`` without recording them).
 """
@@ -381,6 +383,15 @@ def check_static(o, shape) -> None:
         if bad:
             raise ConfigError(f"{flag} {value} with Inkling is not supported by the Megatron backend ({why}); use "
                               "tensor and data parallelism.")
+    for flag, given in (("--moe-grouped-gemm", o.moe.grouped_gemm), ("--moe-permute-fusion", o.moe.permute_fusion)):
+        if given:           # (without transformer-engine the kernel check refuses them first: miles/config/kernels.py)
+            raise ConfigError(f"{flag} with Inkling is not supported by the Megatron backend (its MoE is its own torch "
+                              "module, not megatron-core's experts, so transformer-engine's kernels would not run); "
+                              "drop it.")
+    for flag, value in (("--hidden-dropout", o.hidden_dropout), ("--attention-dropout", o.attention_dropout)):
+        if value:
+            raise ConfigError(f"{flag} {value:g} with Inkling is not supported by the Megatron backend (its decoder, "
+                              "like transformers' Inkling, has no dropout); pass 0 or drop it.")
     g = shape.variant
     for what, n in (("swa_num_attention_heads", g.swa_heads), ("swa_num_key_value_heads", g.swa_kv_heads)):
         if any(g.sliding) and n % o.tp:

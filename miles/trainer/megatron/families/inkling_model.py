@@ -149,6 +149,8 @@ class InklingAttention(nn.Module):
         self.k_layernorm = RMSNorm(hd, s.norm_epsilon)
         self.rel_logits = RelativeLogits(g.d_rel, g.sliding_window if sliding else g.rel_extent)
 
+    recompute_core = False          # megatron-core's selective recompute: the [s, s] part recomputed in the backward
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [b, s, h] (whole on every TP rank) -> [b, s, h]."""
         x = self.tp.copy(x)
@@ -156,9 +158,22 @@ class InklingAttention(nn.Module):
         q = self.q_layernorm(self.linear_q(x).view(b, s, self.heads, self.hd)).transpose(1, 2)
         k = self.k_layernorm(self.k_conv(self.linear_k(x)).view(b, s, self.kv, self.hd)).transpose(1, 2)
         v = self.v_conv(self.linear_v(x)).view(b, s, self.kv, self.hd).transpose(1, 2)
-        pos = torch.arange(s, device=x.device)
+        r = self.linear_r(x).view(b, s, self.heads, -1)
+        if self.recompute_core and self.training and torch.is_grad_enabled():
+            from torch.utils.checkpoint import checkpoint
+
+            out = checkpoint(self._core, q, k, v, r, use_reentrant=False)
+        else:
+            out = self._core(q, k, v, r)
+        return self.tp.reduce(self.linear_proj(out))
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        """q [b, heads, s, d], k / v [b, kv, s, d], the relative states r [b, s, heads, d_rel] -> [b, s, heads d]:
+        the relative bias, the scores and their softmax (the [b, heads, s, s] tensors)."""
+        b, _, s, _ = q.shape
+        pos = torch.arange(s, device=q.device)
         distance = pos[:, None] - pos[None, :]
-        bias = self.rel_logits(self.linear_r(x).view(b, s, self.heads, -1), distance)
+        bias = self.rel_logits(r, distance)
         if self.log_floor is not None:                           # transformers: in fp32
             tau = (1.0 + self.log_alpha * torch.log(((pos + 1).float() / self.log_floor).clamp(min=1.0))).view(
                 1, 1, -1, 1)
@@ -172,8 +187,7 @@ class InklingAttention(nn.Module):
         scores = torch.matmul(q, k.transpose(2, 3)) / self.hd + bias
         scores = scores.masked_fill(blocked, float("-inf"))
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.matmul(probs, v).transpose(1, 2).reshape(b, s, -1)
-        return self.tp.reduce(self.linear_proj(out))
+        return torch.matmul(probs, v).transpose(1, 2).reshape(b, s, -1)
 
 
 class DenseMLP(nn.Module):
@@ -370,6 +384,32 @@ def build_inkling_model(s, config, *, padded_vocab: int, device: torch.device):
                     out.update(_sharded(child, f"{prefix}{name}.", sharded_offsets, metadata, {}))
             return out
 
+        def _layers(self, h: torch.Tensor) -> torch.Tensor:
+            """The decoder layers; with megatron-core's full recompute (``--recompute-granularity full``) each chunk
+            of ``recompute_num_layers`` layers (``uniform``), or the first ``recompute_num_layers`` layers one by
+            one (``block``), recomputed in the backward (torch's checkpoint: CPU and GPU alike)."""
+            from torch.utils.checkpoint import checkpoint
+
+            layers = list(self.decoder.layers)
+            if not (config.recompute_granularity == "full" and self.training and torch.is_grad_enabled()):
+                for layer in layers:
+                    h = layer(h)
+                return h
+            n = max(int(config.recompute_num_layers or 1), 1)
+
+            def run(chunk, x):
+                for layer in chunk:
+                    x = layer(x)
+                return x
+            if config.recompute_method == "block":
+                chunks = [[layer] for layer in layers[:n]] + [layers[n:]]
+                for i, chunk in enumerate(chunks):
+                    h = checkpoint(run, chunk, h, use_reentrant=False) if i < n else run(chunk, h)
+                return h
+            for j in range(0, len(layers), n):
+                h = checkpoint(run, layers[j:j + n], h, use_reentrant=False)
+            return h
+
         def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask=None, **_):
             if attention_mask is not None:
                 raise NotImplementedError("the Inkling model runs causal right-padded rows (no mask)")
@@ -377,12 +417,20 @@ def build_inkling_model(s, config, *, padded_vocab: int, device: torch.device):
             if sp:
                 x = tp.gather(x)                                                     # the whole sequence
             h = self.embedding_norm(x.transpose(0, 1))                               # [b, s, h]
-            for layer in self.decoder.layers:
-                h = layer(h)
+            h = self._layers(h)
             h = (self.decoder.final_layernorm(h) / g.mup_width_multiplier).transpose(0, 1).contiguous()
             return tp.split(h) if sp else h
 
     model = HiddenInklingModel()
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    for layer in model.decoder.layers:       # megatron-core's marks on our TP-split parameters
+        for name, p in layer.named_parameters():
+            if name in TP_AXES:
+                set_tensor_model_parallel_attributes(p, is_parallel=size > 1, dim=TP_AXES[name], stride=1)
+    if config.recompute_granularity == "selective":           # megatron-core's: the attention's core, recomputed
+        for attn in (m for m in model.modules() if isinstance(m, InklingAttention)):
+            attn.recompute_core = True
     for mod in model.modules():        # linears and experts in the parameters' dtype; norms, convolutions,
         if type(mod) is nn.Linear:     # relative-logit profiles and scales stay fp32 (as transformers keeps them)
             mod.to(config.params_dtype)

@@ -146,6 +146,8 @@ def _cfg(model: Path, *extra: str):
     (["--tensor-model-parallel-size", "2", "--sequence-parallel"], {"swa_num_attention_heads": 5},
      "--tensor-model-parallel-size 2 does not divide config.json's swa_num_attention_heads 5"),
     (["--mtp-num-layers", "1"], {"num_mtp_layers": 1}, "--mtp-num-layers 1 with Inkling is not supported"),
+    (["--hidden-dropout", "0.1"], {}, "--hidden-dropout 0.1 with Inkling is not supported"),
+    (["--moe-grouped-gemm"], {}, "--moe-grouped-gemm with Inkling is not supported"),
     ([], {"hidden_act": "gelu"}, "--hf-checkpoint: Inkling hidden_act 'gelu' is not supported"),
     ([], {"shared_expert_sink": False}, "--hf-checkpoint: Inkling MoE without shared experts scored as a sink"),
 ])
@@ -209,6 +211,21 @@ def test_fsdp_policy_model_divides_by_the_mup_multiplier_and_never_packs(tiny_in
     assert "inkling_text" in modeling.NO_PACKING
 
 
+@pytest.fixture
+def group(one_rank_group):
+    """The one-rank gloo group, with megatron-core's model-parallel groups made on it and destroyed after (the
+    next test's group is a new one)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    try:
+        yield one_rank_group
+    finally:
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+
+
 def _spy_routers(tr) -> list:
     """Per policy forward of ``tr``: its sample ids and, per MoE layer, every token's sorted expert ids (a forward hook
     on each Inkling router, whose output holds the chosen ids [T, k])."""
@@ -230,7 +247,7 @@ def _spy_routers(tr) -> list:
     return seen
 
 
-def test_r2_training_forwards_replay_the_old_pass(tiny_inkling_dir: Path, one_rank_group) -> None:
+def test_r2_training_forwards_replay_the_old_pass(tiny_inkling_dir: Path, group) -> None:
     """R2 (``--use-routing-replay``) on Inkling's router: the old log-prob pass records the routing, the routers are
     then shifted in place (each router's expert rows and bias rolled by one), and the 2 training steps' forwards
     still route as recorded; without R2 the (token, layer) pairs route otherwise (measured: all of them)."""
@@ -243,7 +260,7 @@ def test_r2_training_forwards_replay_the_old_pass(tiny_inkling_dir: Path, one_ra
                                                         "--lr", "1e-2", "--use-tis", "--moe-aux-loss-coeff", "0",
                                                         "--num-steps-per-rollout", "2", "--use-kl-loss",
                                                         "--kl-loss-coef", "0.01", *([flag] if flag else [])]),
-                   group=one_rank_group)
+                   group=group)
         tr.coalesce_tokens = lambda: 0          # one sample per forward: the spy reads the tokens in sample order
         seen = _spy_routers(tr)
         prepare = tr._prepare
@@ -269,3 +286,39 @@ def test_r2_training_forwards_replay_the_old_pass(tiny_inkling_dir: Path, one_ra
         out[flag] = (len(seen) - n, bad / max(total, 1))
     assert out["--use-routing-replay"] == (len(samples), 0.0)
     assert out[None][0] == len(samples) and out[None][1] > 0.5
+
+
+@pytest.mark.parametrize("recompute", [["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                        "--recompute-num-layers", "1"],
+                                       ["--recompute-granularity", "full", "--recompute-method", "block",
+                                        "--recompute-num-layers", "2"],
+                                       ["--recompute-granularity", "selective"]], ids=["uniform", "block", "selective"])
+def test_activation_recompute_trains_the_same(tiny_inkling_dir: Path, group, recompute: list[str],
+                                              monkeypatch) -> None:
+    """Activation recompute (Miles's Inkling command passes ``--recompute-granularity full --recompute-method uniform
+    --recompute-num-layers 1``): the decoder's layers (full) or the attention's [s, s] core (selective) recomputed in
+    the backward by torch's checkpoint; one GRPO step gives the same update as without, bit for bit (measured)."""
+    import torch.utils.checkpoint as ckpt
+    from trainer_harness import build, export_by_name, flags, random_samples
+
+    calls = []
+    real = ckpt.checkpoint
+    ours = ("_layers.<locals>.run", "InklingAttention._core")         # the decoder's recompute units
+
+    def counted(fn, *a, **kw):
+        if getattr(fn, "__qualname__", "").endswith(ours):
+            calls.append(fn)
+        return real(fn, *a, **kw)
+    monkeypatch.setattr(ckpt, "checkpoint", counted)
+    samples = random_samples(2, 2, seed=11, vocab=90)
+    got = []
+    for extra in ([], recompute):
+        tr = build(tiny_inkling_dir, flags("megatron", ["--lr", "1e-2", "--moe-aux-loss-coeff", "0", *extra]),
+                   group=group)
+        assert tr.model.config.recompute_granularity == (extra[1] if extra else None)
+        calls.clear()
+        metrics = tr.train(samples, 0)
+        got.append((metrics["grad_norm"], export_by_name(tr, 1 << 20), len(calls)))
+    (g0, w0, n0), (g1, w1, n1) = got
+    assert n0 == 0 and n1 > 0, (n0, n1)                    # the recompute ran (torch's checkpoint called)
+    assert g0 == g1 and w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0), g0 - g1
