@@ -130,17 +130,37 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 _FUNCTIONS: dict[str, Callable] = {"rms_norm": rms_norm, "rms_norm_weight_first": rms_norm_weight_first,
                                    "silu_mul": silu_mul, "rope": rope}
 _compiled: dict[str, Callable] = {}
+_failed: set[str] = set()
 
 
 def fused(name: str, compiled: bool) -> Callable:
-    """The function ``name`` of ``_FUNCTIONS``, compiled (once per process) or eager."""
+    """The function ``name`` of ``_FUNCTIONS``, compiled (once per process) or eager. A compiled function whose
+    compilation fails (dynamo or inductor raising, e.g. a Triton toolchain problem on the node) warns once and runs
+    eagerly from then on in this process: the same math, only unfused."""
     fn = _FUNCTIONS[name]
-    if not compiled:
+    if not compiled or name in _failed:
         return fn
     if name not in _compiled:
         # dynamic shapes (the token count varies per micro-batch); eager's bf16 roundings between ops are kept
-        _compiled[name] = torch.compile(fn, dynamic=True, fullgraph=True, options={"emulate_precision_casts": True})
+        _compiled[name] = _guarded(name, torch.compile(fn, dynamic=True, fullgraph=True,
+                                                       options={"emulate_precision_casts": True}), fn)
     return _compiled[name]
+
+
+def _guarded(name: str, compiled_fn: Callable, fn: Callable) -> Callable:
+    from torch._dynamo.exc import TorchDynamoException
+
+    def call(*args):
+        if name in _failed:
+            return fn(*args)
+        try:
+            return compiled_fn(*args)
+        except TorchDynamoException as e:
+            _failed.add(name)
+            logger.warning("hf_fusions: compiling %s failed (%s); it runs unfused (eager, the same math) from now on",
+                           name, str(e).splitlines()[0] if str(e) else type(e).__name__)
+            return fn(*args)
+    return call
 
 
 # ------------------------------------------------------------------ which code qualifies

@@ -278,3 +278,27 @@ def test_fsdp2_sharded_patched_model_matches(tmp_path, counted):
         assert _worst(out[0][1], out[1][1]) == 0.0
     finally:
         dist.destroy_process_group()
+
+
+def test_a_compile_failure_falls_back_to_the_same_math_once(monkeypatch, caplog):
+    """A node whose inductor / Triton cannot compile: the fused function warns once and runs eagerly (same result)."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    calls = []
+
+    def broken_compile(fn, **kwargs):
+        def compiled(*args):
+            calls.append(1)
+            raise BackendCompilerFailed(lambda *a: None, RuntimeError("no Triton toolchain"), None)
+        return compiled
+
+    monkeypatch.setattr(hf_fusions, "_compiled", {})
+    monkeypatch.setattr(hf_fusions, "_failed", set())
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    gate, up = torch.randn(5, 8), torch.randn(5, 8)
+    with caplog.at_level("WARNING"):
+        first = hf_fusions.fused("silu_mul", True)(gate, up)
+        second = hf_fusions.fused("silu_mul", True)(gate, up)
+    assert torch.equal(first, hf_fusions.silu_mul(gate, up)) and torch.equal(second, first)
+    assert len(calls) == 1 and "silu_mul" in hf_fusions._failed
+    assert sum("runs unfused" in r.getMessage() for r in caplog.records) == 1
