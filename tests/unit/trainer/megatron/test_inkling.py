@@ -211,6 +211,28 @@ def test_fsdp_policy_model_divides_by_the_mup_multiplier_and_never_packs(tiny_in
     assert "inkling_text" in modeling.NO_PACKING
 
 
+def test_published_layout_on_fsdp_is_one_line(tmp_path: Path, one_rank_group) -> None:
+    """The FSDP backend on the released layout (``inkling_mm_model``): transformers' ``InklingForConditionalGeneration``
+    imports scipy while it builds its vision tower; without scipy the trainer's build is one line naming the flag,
+    the checkpoint, the class, the package and the fix (``modeling.missing_package_error``: any transformers model
+    class that imports a package not installed), not the ``ModuleNotFoundError`` traceback."""
+    import importlib.util
+
+    from trainer_harness import build
+
+    from miles.utils.tiny_inkling import build_tiny_inkling_model
+
+    if importlib.util.find_spec("scipy") is not None:
+        pytest.skip("scipy is installed: transformers' Inkling multimodal class builds")
+    path = build_tiny_inkling_model(tmp_path / "ink_mm", published=True)
+    with pytest.raises(ConfigError) as e:
+        build(path, ["--train-backend", "fsdp"], group=one_rank_group)
+    assert str(e.value) == (f"--hf-checkpoint {path}: the FSDP backend builds this checkpoint with transformers' "
+                            "InklingForConditionalGeneration (model_type inkling_mm_model), which needs the Python "
+                            "package 'scipy', not installed; install it (pip install scipy) or add --train-backend "
+                            "megatron."), e.value
+
+
 @pytest.fixture
 def group(one_rank_group):
     """The one-rank gloo group, with megatron-core's model-parallel groups made on it and destroyed after (the
