@@ -139,6 +139,27 @@ def _cfg(model: Path, *extra: str):
                        "--train-backend", "megatron", *extra])
 
 
+def test_vocab_size_flag_takes_the_checkpoint_rows_or_the_unpadded_vocabulary(tiny_inkling_dir: Path) -> None:
+    """With ``unpadded_vocab_size`` < ``vocab_size`` (the shape's vocabulary is the unpadded one) ``--vocab-size``
+    may give config.json's ``vocab_size``, as Miles's Inkling script does (``--vocab-size 201024``, the released
+    config's; radixark/miles@v0.1.0 builds the model on that row count and cuts the head at ``unpadded_vocab_size``
+    only when it exports), or the unpadded size; another value is one line naming both."""
+    config = _config(tiny_inkling_dir)
+    rows = config["vocab_size"]
+    cut = config | {"unpadded_vocab_size": rows - 5}
+    for value in (rows, rows - 5):
+        options.preflight_check(_cfg(tiny_inkling_dir, "--vocab-size", str(value)), cut)
+    with pytest.raises(ConfigError) as ei:
+        options.preflight_check(_cfg(tiny_inkling_dir, "--vocab-size", str(rows - 3)), cut)
+    assert str(ei.value) == (f"--vocab-size {rows - 3} does not match --hf-checkpoint's config.json (vocab_size "
+                             f"{rows}, unpadded_vocab_size {rows - 5}): fix the flag or drop it (the model shape is "
+                             "read from config.json)."), ei.value
+    with pytest.raises(ConfigError) as ei:        # without unpadded_vocab_size: vocab_size only
+        options.preflight_check(_cfg(tiny_inkling_dir, "--vocab-size", str(rows - 5)), config)
+    assert str(ei.value).startswith(f"--vocab-size {rows - 5} does not match --hf-checkpoint's config.json "
+                                    f"(vocab_size {rows})"), ei.value
+
+
 @pytest.mark.parametrize("flags, change, message", [
     (["--expert-model-parallel-size", "2"], {}, "--expert-model-parallel-size 2 with Inkling is not supported"),
     (["--pipeline-model-parallel-size", "2"], {}, "--pipeline-model-parallel-size 2 with Inkling is not supported"),
