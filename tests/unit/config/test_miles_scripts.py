@@ -381,9 +381,9 @@ def test_inkling_command_keeps_its_disk_offload_flags(workdir: Path, model_dirs,
     HF dir, refused by name without ``--megatron-to-hf-mode bridge``). The disk dir is pointed at {OUT} (the
     recorded ``/tmp/train_offload`` is checked for room for the node's share of fp32 weights and Adam moments of the
     4-layer model's 61.4e9 parameters, ~687 GiB, which this machine's /tmp need not have). Then the provider path,
-    the offload flags and every model flag pass against config.json, and what is not built here is one line each:
-    EP 4 (the Inkling MoE is its own module, not megatron-core's), then (SGLang-only serving flags dropped when SGLang
-    is absent) R3 (the embedded engine does not serve Inkling); without those the dry run passes at TP 4 + SP."""
+    the offload flags, EP 4 and every model flag pass against config.json; what is not built here (SGLang-only serving
+    flags dropped when SGLang is absent) is R3, one line (the embedded engine does not serve Inkling); without it the
+    dry run passes at TP 4 + SP x EP 4."""
     import importlib.util
 
     from miles_fixtures import _drop_sglang_only, _flags
@@ -408,9 +408,7 @@ def test_inkling_command_keeps_its_disk_offload_flags(workdir: Path, model_dirs,
         changed: dict[str, str] = {}
         argv = _drop_sglang_only(argv, changed, "train.py")
         assert sorted(changed) == ["--sglang-enable-multimodal", "--sglang-mamba-scheduler-strategy"], changed
-    refusals = ["--expert-model-parallel-size 4 with Inkling is not supported"]
-    if importlib.util.find_spec("sglang") is None:
-        refusals.append("--use-rollout-routing-replay: the embedded engine")
+    refusals = ["--use-rollout-routing-replay: the embedded engine"] if importlib.util.find_spec("sglang") is None else []
     for first in refusals:
         with pytest.raises(ConfigError) as ei:
             dry_run(parse_args(argv))
@@ -418,6 +416,7 @@ def test_inkling_command_keeps_its_disk_offload_flags(workdir: Path, model_dirs,
         argv = _without(argv, first.split(" ", 1)[0].rstrip(":"))
     cfg = parse_args(argv)
     assert cfg.train.offload_train_target == "disk" and cfg.train.offload_train_disk_dir == str(workdir / "train_offload")
+    assert (cfg.megatron.expert_model_parallel_size, cfg.megatron.tensor_model_parallel_size) == (4, 4)
     assert "role plan" in dry_run(cfg)
 
 

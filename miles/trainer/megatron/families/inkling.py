@@ -376,10 +376,7 @@ def check_static(o, shape) -> None:
     for flag, value, bad, why in (
             ("--pipeline-model-parallel-size", o.pp, o.pp > 1, "its decoder is built whole on each rank"),
             ("--context-parallel-size", o.cp, o.cp > 1, "its relative-position attention and short convolutions "
-                                                        "run on whole rows"),
-            ("--expert-model-parallel-size", o.ep, o.ep > 1, "its sink-routed MoE is its own torch module, not "
-                                                             "megatron-core's MoELayer: the experts are whole on "
-                                                             "every rank")):
+                                                        "run on whole rows")):
         if bad:
             raise ConfigError(f"{flag} {value} with Inkling is not supported by the Megatron backend ({why}); use "
                               "tensor and data parallelism.")

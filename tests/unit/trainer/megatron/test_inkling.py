@@ -161,7 +161,8 @@ def test_vocab_size_flag_takes_the_checkpoint_rows_or_the_unpadded_vocabulary(ti
 
 
 @pytest.mark.parametrize("flags, change, message", [
-    (["--expert-model-parallel-size", "2"], {}, "--expert-model-parallel-size 2 with Inkling is not supported"),
+    (["--expert-model-parallel-size", "3"], {}, "--expert-model-parallel-size 3 does not divide config.json's "
+                                                "num_experts 4"),
     (["--pipeline-model-parallel-size", "2"], {}, "--pipeline-model-parallel-size 2 with Inkling is not supported"),
     (["--context-parallel-size", "2"], {}, "--context-parallel-size 2 with Inkling is not supported"),
     (["--tensor-model-parallel-size", "2", "--sequence-parallel"], {"swa_num_attention_heads": 5},
@@ -182,6 +183,13 @@ def test_tensor_parallel_with_sequence_parallel_is_accepted(tiny_inkling_dir: Pa
     options.preflight_check(_cfg(tiny_inkling_dir, "--tensor-model-parallel-size", "2", "--sequence-parallel",
                                  "--position-embedding-type", "none", "--qk-layernorm", "--moe-aux-loss-coeff", "0"),
                             _config(tiny_inkling_dir))
+
+
+def test_expert_parallelism_is_accepted(tiny_inkling_dir: Path) -> None:
+    """EP 2 (alone and with TP 2 + SP) passes the preflight (the parity: tests/multiprocess/test_megatron_inkling.py)."""
+    for extra in ([], ["--tensor-model-parallel-size", "2", "--sequence-parallel"]):
+        options.preflight_check(_cfg(tiny_inkling_dir, "--expert-model-parallel-size", "2", "--moe-aux-loss-coeff",
+                                     "0", "--actor-num-gpus-per-node", "4", *extra), _config(tiny_inkling_dir))
 
 
 PROVIDER = "miles_plugins.models.inkling.model.inkling_model_provider"
