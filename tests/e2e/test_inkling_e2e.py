@@ -8,8 +8,8 @@ the engine's).
 
 What is not built here is left out, each refused in one line on its own (``tests/unit/config/
 test_miles_scripts.py::test_inkling_command_keeps_its_disk_offload_flags``, which keeps the disk-offload flags):
-expert parallelism (the recorded EP 4: Inkling's MoE is its own module), R3 (``--use-rollout-routing-replay``: the
-embedded engine does not record Inkling's experts); ``--offload-train-target disk`` and its
+R3 (``--use-rollout-routing-replay``: the embedded engine does not record Inkling's experts); the recorded EP 4
+is set to 1 here (EP is built: tests/multiprocess/test_megatron_inkling.py runs EP 2); ``--offload-train-target disk`` and its
 ``--offload-train-disk-dir`` (built on both backends, accepted by that dry run, run in tests/multiprocess/
 test_offload_disk.py) are left out of this replay to keep it short; ``--load`` (Miles's torch_dist conversion, which
 the fixture gives as the HF directory) is dropped: training starts from ``--hf-checkpoint``; ``--model-name inkling`` (the released checkpoint's ``InklingConfig``) names the text layout's

@@ -16,6 +16,10 @@ transformers' own revert of its load-time conversion) load into the same model: 
 ``InklingForCausalLM`` of the text layout at TP 1 and TP 2, and the export is the checkpoint's text model under its
 own names bit for bit (the tower is not exported: ``--save-hf`` copies it).
 
+``test_inkling_ep2_matches_hf`` / ``test_inkling_ep2_trainer_matches_one_rank``: expert parallelism (EP 2, each rank
+2 of the 4 experts): transformers' logits, the export bitwise; the trainer against one rank, its torch_dist checkpoint
+resumed bit for bit.
+
 ``test_inkling_trainer_with_miles_provider_path``: the Megatron trainer at TP 2 + SP on the published checkpoint,
 given Miles's recorded ``--custom-model-provider-path miles_plugins.models.inkling.model.inkling_model_provider``
 (which names the Inkling family: its build runs in that provider's place): its policy log-probs equal

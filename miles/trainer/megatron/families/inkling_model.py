@@ -22,7 +22,11 @@ summed over TP by megatron-core's reduce. The MoE layer splits the tokens over T
 its part through the whole experts, then the outputs are gathered): the experts' gradients are summed over the
 expert-data-parallel group as megatron-core's experts' are (``moe.edp_reduced``), the router's and the shared
 experts' are marked ``sequence_parallel`` (summed over TP by ``parallel.finish_grads``). The q/k norms and the
-relative-logit profiles see their heads only on each rank: ``tp_partial``.
+relative-logit profiles see their heads only on each rank: ``tp_partial``. Expert parallelism (megatron-core's
+all-gather dispatch, in torch): each EP rank holds ``num_experts / ep`` of the routed experts (its rows of the stacked
+``experts.gate_up_proj`` / ``down_proj``); the EP group's tokens, routing weights and expert ids are gathered (padded
+to the longest rank's count), each rank runs its experts on them and the outputs are reduce-scattered back, summed
+(``InklingMoE._routed_ep``); the router and the shared experts run on each rank's own tokens.
 
 Cost: the attention is computed as transformers' eager path computes it, the [b, heads / tp, s, s] scores and
 relative bias materialised per layer (memory quadratic in the row length; no fused kernel or flex-attention
