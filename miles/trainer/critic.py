@@ -37,7 +37,8 @@ class ValueModel(nn.Module):
 
 class Critic:
     def __init__(self, train, algo, *, path: str, mesh, device: torch.device, total_steps: int | None):
-        backbone = modeling.load_hf_model(path, device, causal_lm=False)
+        backbone = modeling.load_hf_model(path, device, causal_lm=False,
+                                          flag="--critic-load" if path == train.critic_load else "--hf-checkpoint")
         self.model = ValueModel(backbone)
         modeling.shard_model(self.model, modeling.decoder_blocks(backbone), mesh,
                              mp_policy=modeling.mixed_precision(device, train.bf16),

@@ -134,11 +134,20 @@ class FSDPTrainer(RLTrainer):
         """Where the policy's parameters, gradients and optimizer state live: CPU with --fsdp-cpu-offload on GPU."""
         return torch.device("cpu") if self.cfg.fsdp_cpu_offload else self.device
 
+    def _flag_of(self, path: str) -> str | None:
+        """The flag ``path`` came from, for a one-line refusal naming it."""
+        train, algo = self.cfg, self.algo
+        for flag, value in (("--hf-checkpoint", train.hf_checkpoint), ("--ref-load", train.ref_load),
+                            ("--opd-teacher-load", getattr(algo, "opd_teacher_load", None))):
+            if value and path == value:
+                return flag
+        return None
+
     def _build_policy(self, path: str, *, offload: bool, recompute: bool,
                       cpu_offload: bool = False) -> modeling.PolicyModel:
         """``offload``: a frozen model kept on CPU between uses (ref, teacher); ``cpu_offload``: the trained
         policy under --fsdp-cpu-offload (its parameters on CPU, trainable)."""
-        hf = modeling.load_hf_model(path, self.device)
+        hf = modeling.load_hf_model(path, self.device, flag=self._flag_of(path))
         model = modeling.PolicyModel(hf)
         if cpu_offload and self.device.type == "cuda":
             modeling.shard_model(model, modeling.decoder_blocks(hf), self.mesh, mp_policy=self.mp_policy,

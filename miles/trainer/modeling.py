@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from miles.config.base import ConfigError
 from miles.trainer.logprobs import logprobs_and_entropy
 from miles.utils.logging import get_logger
 
@@ -124,7 +125,10 @@ def load_hf_model(path: str | Path, device: torch.device, *, causal_lm: bool = T
     # a VLM runs right-padded rows (its 3-D positions are per row: miles.trainer.vlm), so never varlen
     attn = "sdpa" if vlm.is_vlm(config) else choose_attention(device, config)
     cls = (AutoModelForImageTextToText if vlm.is_vlm(config) else AutoModelForCausalLM) if causal_lm else AutoModel
-    model = cls.from_pretrained(str(path), dtype=torch.float32, attn_implementation=attn)
+    try:
+        model = cls.from_pretrained(str(path), dtype=torch.float32, attn_implementation=attn)
+    except ModuleNotFoundError as e:     # the model class imports an optional package when built (Inkling's tower)
+        raise missing_package_error(e, path, flag, config, cls) from None
     model.config.use_cache = False
     if device.type == "cuda":     # fused RMSNorm / SwiGLU / RoPE forwards of the same math (hf_fusions.py)
         from miles.trainer import hf_fusions
@@ -132,6 +136,22 @@ def load_hf_model(path: str | Path, device: torch.device, *, causal_lm: bool = T
         patched = hf_fusions.apply(model)
         logger.info("fused forwards (hf_fusions): %s", "; ".join(f"{k} {', '.join(v) or '-'}" for k, v in patched.items()))
     return model
+
+
+def missing_package_error(e: ModuleNotFoundError, path: str | Path, flag: str | None, config,
+                          auto_cls) -> ConfigError:
+    """One line for a transformers model class that needs a Python package not installed here (transformers'
+    Inkling multimodal model: scipy, imported while its vision tower is built): the flag and path, the class, the
+    package and the fix."""
+    package = (e.name or str(e)).split(".")[0]
+    try:
+        name = auto_cls._model_mapping[type(config)].__name__
+    except (KeyError, AttributeError):
+        name = f"{auto_cls.__name__}'s class"
+    where = f"{flag} {path}" if flag else f"model directory {path}"
+    return ConfigError(f"{where}: the FSDP backend builds this checkpoint with transformers' {name} (model_type "
+                       f"{getattr(config, 'model_type', '?')}), which needs the Python package '{package}', not "
+                       f"installed; install it (pip install {package}) or add --train-backend megatron.")
 
 
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:

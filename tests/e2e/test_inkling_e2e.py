@@ -7,11 +7,12 @@ rollouts with a weight sync after each under ``--check-weight-update-equal`` (ev
 the engine's).
 
 What is not built here is left out, each refused in one line on its own (``tests/unit/config/
-test_miles_scripts.py::test_inkling_command_without_its_disk_offload_flags``): ``--offload-train-target disk`` and its
-``--offload-train-disk-dir``, expert parallelism (the recorded EP 4: Inkling's MoE is its own module), R3
-(``--use-rollout-routing-replay``: the embedded engine does not record Inkling's experts); ``--load`` (Miles's
-torch_dist conversion, which the fixture gives as the HF directory) is dropped: training starts from
-``--hf-checkpoint``; ``--model-name inkling`` (the released checkpoint's ``InklingConfig``) names the text layout's
+test_miles_scripts.py::test_inkling_command_keeps_its_disk_offload_flags``, which keeps the disk-offload flags):
+R3 (``--use-rollout-routing-replay``: the embedded engine does not record Inkling's experts); the recorded EP 4
+runs as EP 2 on the replay's 2 ranks (x TP 2, as recorded: EP over the TP ranks); ``--offload-train-target disk`` and its
+``--offload-train-disk-dir`` (built on both backends, accepted by that dry run, run in tests/multiprocess/
+test_offload_disk.py) are left out of this replay to keep it short; ``--load`` (Miles's torch_dist conversion, which
+the fixture gives as the HF directory) is dropped: training starts from ``--hf-checkpoint``; ``--model-name inkling`` (the released checkpoint's ``InklingConfig``) names the text layout's
 model instead (``inkling_text``). The SGLang-only serving flags are dropped by the replay, as for every fixture.
 """
 
@@ -42,7 +43,7 @@ def test_inkling_recorded_command_runs_two_rollouts(tmp_path: Path) -> None:
     replay = tiny_replay(fixture, tmp_path, tmp_path / "models")
     argv = replay.argv
     assert "--custom-model-provider-path" in argv and "--colocate" in argv and "--sequence-parallel" in argv
-    argv = _set(argv, "--expert-model-parallel-size", "1")
+    argv = _set(argv, "--expert-model-parallel-size", "2")   # the recorded EP 4 at the replay's 2 ranks (x TP 2)
     # the text layout's model (config class InklingTextConfig): the recorded name is the released checkpoint's
     argv = _set(argv, "--model-name", "inkling_text")
     log = tmp_path / "run.log"
@@ -53,5 +54,5 @@ def test_inkling_recorded_command_runs_two_rollouts(tmp_path: Path) -> None:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["rollout_id"] for r in records] == [0, 1], records
     text = log.read_text()
-    assert "TP 2 x PP 1 x DP 1" in text, text[-3000:]
+    assert "TP 2 x PP 1 x DP 1 (EP 2)" in text, text[-3000:]
     assert text.count("--check-weight-update-equal: ") >= 3, text[-3000:]   # initial sync + one per rollout

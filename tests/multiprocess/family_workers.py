@@ -159,7 +159,8 @@ def gpt_worker(model_dir: str, out: str, ep: int = 1, seq: int = 20, mtp: bool =
             "max_abs_err": float((logits - ref).abs().max()), "max_lp_err": float(lp_err),
             "ref_scale": float(ref.abs().max()),
             "grads_ok": grads_ok, "no_grad": no_grad,
-            "finite_ok": finite_ok, "exported": [n for n, _ in exported], "same": same, "disk": sorted(disk)}))
+            "finite_ok": finite_ok, "exported": [n for n, _ in exported], "same": same, "disk": sorted(disk),
+            "expert_shapes": {n: list(p.shape) for n, p in gpt.named_parameters() if ".mlp.experts." in n}}))
     dist.destroy_process_group()
 
 
@@ -308,13 +309,15 @@ def save_and_resume(meg, mine: list, hf_out: Path) -> tuple[dict, dict, dict]:
     return meg_sd, resumed_extra, meg.state_dict_for_check()
 
 
-def train_worker(model_dir: str, out: str, megatron_flags: str = "", device: str = "cpu") -> None:
+def train_worker(model_dir: str, out: str, megatron_flags: str = "", device: str = "cpu", resume: bool = False) -> None:
     """The Megatron trainer of ``megatron_flags`` (comma-separated, after ``test_megatron._flags``' TP 1) trains 2
     rollouts of 4 prompts x 4 samples, split evenly over the ranks in order (the model-parallel group gathers them
     back in that order, so runs of any layout with DP 1 train the same micro-batches). Saves to ``out`` from rank 0
     (torch.save): the log-probs before training, the step metrics, the weights before and after (HF names).
     ``device`` "cuda": NCCL, bf16, each rank on the GPU of its local rank among those it sees (one GPU per rank:
-    the caller may narrow ``CUDA_VISIBLE_DEVICES`` to it, then ``cuda:0``)."""
+    the caller may narrow ``CUDA_VISIBLE_DEVICES`` to it, then ``cuda:0``). ``resume`` (``megatron_flags`` give
+    ``--save``): then ``save_and_resume``; ``resumed_bitwise``: the weights resumed from the torch_dist checkpoint
+    equal those saved, bit for bit; ``save_hf_keys``: the tensor names ``--save-hf`` wrote."""
     import torch
     import torch.distributed as dist
     from test_megatron import _all_logprobs, _flags
@@ -338,7 +341,18 @@ def train_worker(model_dir: str, out: str, megatron_flags: str = "", device: str
     res["metrics"] = [tr.train(mine, rid) for rid in range(2)]
     res["final"] = tr.state_dict_for_check()
     res["layout"] = (tr.groups.tp_size, tr.groups.pp_size, tr.groups.dp_size, tr._sequence_parallel)
-    res["cp_size"], res["bf16"] = tr.groups.cp_size, tr.bf16
+    res["cp_size"], res["bf16"], res["ep_size"] = tr.groups.cp_size, tr.bf16, tr.groups.ep_size
+    if resume:
+        from safetensors.torch import load_file
+
+        hf_out = Path(out).with_suffix(".hf")
+        trained, _, resumed = save_and_resume(tr, mine, hf_out)
+        res["resumed_bitwise"] = trained.keys() == resumed.keys() and all(torch.equal(trained[k], resumed[k])
+                                                                            for k in trained)
+        if rank == 0:
+            saved = {k: v for f in hf_out.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+            res["save_hf_equal"] = saved.keys() == trained.keys() and all(torch.equal(saved[k], trained[k])
+                                                                          for k in trained)
     if rank == 0:
         torch.save(res, out)
     dist.destroy_process_group()

@@ -16,6 +16,10 @@ transformers' own revert of its load-time conversion) load into the same model: 
 ``InklingForCausalLM`` of the text layout at TP 1 and TP 2, and the export is the checkpoint's text model under its
 own names bit for bit (the tower is not exported: ``--save-hf`` copies it).
 
+``test_inkling_ep2_matches_hf`` / ``test_inkling_ep2_trainer_matches_one_rank``: expert parallelism (EP 2, each rank
+2 of the 4 experts): transformers' logits, the export bitwise; the trainer against one rank, its torch_dist checkpoint
+resumed bit for bit.
+
 ``test_inkling_trainer_with_miles_provider_path``: the Megatron trainer at TP 2 + SP on the published checkpoint,
 given Miles's recorded ``--custom-model-provider-path miles_plugins.models.inkling.model.inkling_model_provider``
 (which names the Inkling family: its build runs in that provider's place): its policy log-probs equal
@@ -91,6 +95,47 @@ def test_inkling_published_layout_matches_hf(published_inkling_dir: Path, tiny_i
         text = sorted(n for n in res["disk"] if n.startswith("model.llm."))
         assert len(text) == len(res["disk"]) - 1 and any(n.endswith("mlp.experts.w13_weight") for n in text)
         assert sorted(res["exported"]) == text and sorted(res["same"]) == text, sorted(set(text) - set(res["same"]))
+
+
+@pytest.mark.parametrize("nproc", [2, 4], ids=["tp1_ep2", "tp2_sp_ep2"])
+def test_inkling_ep2_matches_hf(tiny_inkling_dir: Path, tmp_path: Path, free_port: int, nproc: int) -> None:
+    """EP 2 (each rank holds 2 of the 4 routed experts; the EP group's tokens gathered, each rank's experts' outputs
+    reduce-scattered back: ``inkling_model.InklingMoE._routed_ep``) at TP 1 on 2 ranks and at TP 2 + SP on 4 (the
+    recorded command's TP x EP over the same ranks, at half its size): transformers' logits and log-probs as at EP 1,
+    every gradient finite, and the export (each layer's experts gathered over EP into one tensor) equals the
+    checkpoint bit for bit. Measured (pytest -s): logits 2.4e-7 / 3.6e-7, log-probs 4.8e-7 / 9.5e-7 (as at TP 1 / 2)."""
+    res = launch(HERE, nproc, free_port, "gpt_ep", tiny_inkling_dir, tmp_path / "ep2.json", 2)
+    print(f"ep 2 on {nproc} ranks: logits {res['max_abs_err']:.3g}, log-probs {res['max_lp_err']:.3g}")
+    assert res["expert_shapes"] and all(dims[0] == 2 for dims in res["expert_shapes"].values()), res["expert_shapes"]
+    assert res["grads_ok"] and not res["no_grad"], res["no_grad"]
+    assert res["max_abs_err"] < BOUND and res["max_lp_err"] < LP_BOUND, res
+    check_export(res)
+
+
+def test_inkling_ep2_trainer_matches_one_rank(tiny_inkling_dir: Path, tmp_path: Path, free_port: int) -> None:
+    """The Megatron trainer at EP 2 on 2 ranks (DP 2, each rank 2 of the 4 experts; ``--use-distributed-optimizer``:
+    the experts' Adam state over the expert-DP group) against one rank, on the same 2 rollouts
+    (``family_workers.train_worker``): log-probs before training, the step metrics and the update after 2 steps; the
+    EP 2 run's torch_dist checkpoint (each rank's experts by their expert offset) resumes bit for bit and its
+    ``--save-hf`` holds the trained weights (the experts gathered over EP)."""
+    from family_workers import compare_runs
+
+    ep2 = f"--expert-model-parallel-size,2,--use-distributed-optimizer,--save,{tmp_path / 'ckpt'}"
+    runs = {n: launch(HERE, n, free_port + n, "train", tiny_inkling_dir, tmp_path / f"train{n}.pt",
+                      ep2 if n > 1 else "", timeout=600) for n in (1, 2)}
+    assert runs[2]["layout"] == (1, 1, 2, False) and runs[2]["ep_size"] == 2, (runs[2]["layout"], runs[2]["ep_size"])
+    assert runs[2]["resumed_bitwise"] and runs[2]["save_hf_equal"]
+    got = compare_runs(runs[1], runs[2])
+    print("ep2 trainer", got)
+    assert got["lp_max_abs_diff"] < EP_LP, got
+    assert all(v <= EP_METRIC for v in got["metric_rel"].values()), got["metric_rel"]
+    assert got["update_max_abs_diff"] < EP_UPDATE and got["update_rel_l2"] < EP_REL, got
+
+
+# measured (pytest -s -k ep2_trainer, 2026-12-07): log-probs 0.0 apart (each token's two expert outputs summed in
+# the same order), step metrics 6.0e-8 (relative: grad_norm), the update after 2 steps 3.3e-7 (max abs, of updates
+# up to 4.0e-3) and 7.9e-7 (relative L2): DP 2's gradient averaging
+EP_LP, EP_METRIC, EP_UPDATE, EP_REL = 1e-7, 1.2e-7, 7e-7, 1.6e-6
 
 
 PROVIDER = "miles_plugins.models.inkling.model.inkling_model_provider"
@@ -217,6 +262,14 @@ if __name__ == "__main__":
 
     if sys.argv[1] == "gpt":
         gpt_worker(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "gpt_ep":
+        gpt_worker(sys.argv[2], sys.argv[3], ep=int(sys.argv[4]))
+    elif sys.argv[1] == "train":
+        from family_workers import train_worker
+
+        train_worker(sys.argv[2], sys.argv[3], ",".join(("--moe-aux-loss-coeff", "0",
+                                                         *[f for f in sys.argv[4].split(",") if f])),
+                     resume="--save" in sys.argv[4])
     elif sys.argv[1] == "published":            # transformers' model from the text layout of the same weights
         gpt_worker(sys.argv[2], sys.argv[3], reference_dir=sys.argv[4])
     elif sys.argv[1] == "parity":

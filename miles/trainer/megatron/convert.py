@@ -267,7 +267,8 @@ def load_hf_into(model: torch.nn.Module, hf: dict[str, torch.Tensor], shape: Mod
     mtp.check_mtp_tensors(hf, shape)
     full = hf_to_megatron(hf, shape, padded_vocab, list(names.values()))
     for name, p in params.items():
-        piece = shard(name, full[names[name]], partition_dim(name), tp_rank, tp_size, shape)
+        piece = shard(name, moe.ep_rows(name, full[names[name]], ep_rank, num_local) if ep_size > 1
+                      else full[names[name]], partition_dim(name), tp_rank, tp_size, shape)
         if tuple(piece.shape) != tuple(p.shape):
             raise ConfigError(f"--hf-checkpoint: the weight for {name} has shape {tuple(piece.shape)}, but config.json "
                               f"makes it {tuple(p.shape)}: config.json and the weights disagree; fix the checkpoint.")

@@ -65,6 +65,9 @@ MOE_FAMILIES = {"qwen3_moe": "Qwen3-MoE"}
 _MOE_LAYER = r"(?:decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)"     # an MTP layer's too (mtp.py)
 _LOCAL_EXPERT = re.compile(rf"^({_MOE_LAYER}\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12]\.(?:weight|bias))$")   # biases: gpt-oss
 _GROUPED_EXPERT = re.compile(rf"^({_MOE_LAYER}\.mlp\.experts\.)(linear_fc[12])\.weight(\d+)$")
+# every expert of a layer in one [E, ...] tensor (Inkling's own MoE, families/inkling_model.py): under EP each rank holds
+# rows [ep_rank * E / ep, ...) of it under the one name
+_STACKED_EXPERT = re.compile(rf"^({_MOE_LAYER}\.mlp\.experts\.)(gate_up_proj|down_proj)$")
 _HF_EXPERT = {"linear_fc1.weight": ("gate_proj", "up_proj"), "linear_fc2.weight": ("down_proj",)}
 
 
@@ -327,8 +330,18 @@ def megatron_to_hf(name: str, full: torch.Tensor) -> list[tuple[str, torch.Tenso
 
 def expert_layer(name: str) -> str | None:
     """The MoE layer ('decoder.layers.L.mlp.experts.') of an expert parameter, else None."""
-    m = _LOCAL_EXPERT.match(name) or _GROUPED_EXPERT.match(name)
+    m = _LOCAL_EXPERT.match(name) or _GROUPED_EXPERT.match(name) or _STACKED_EXPERT.match(name)
     return m.group(1) if m else None
+
+
+def is_stacked_expert(name: str) -> bool:
+    """Every expert of a layer in one [E, ...] tensor (EP splits its dim 0)."""
+    return _STACKED_EXPERT.match(name) is not None
+
+
+def ep_rows(name: str, full: torch.Tensor, ep_rank: int, num_local: int) -> torch.Tensor:
+    """This EP rank's part of a stacked expert tensor (``is_stacked_expert``); another tensor unchanged."""
+    return full.narrow(0, ep_rank * num_local, num_local) if is_stacked_expert(name) else full
 
 
 # ------------------------------------------------------------------------------------------- CPU
@@ -498,12 +511,15 @@ def unit_layout(unit: list[tuple[str, torch.Tensor]], groups, shape,
         if not ep_sharded(name, groups) and (dim := partition_dim(name)) is not None:
             dims[dim] *= groups.tp_size
         meta = torch.empty(dims, dtype=dtype or p.dtype, device="meta")
-        if ep_sharded(name, groups):
+        if ep_sharded(name, groups) and is_stacked_expert(name):
+            full[name] = torch.empty([dims[0] * groups.ep_size, *dims[1:]], dtype=meta.dtype, device="meta")
+        elif ep_sharded(name, groups):
             num_local = shape.num_experts // groups.ep_size
             full.update({global_name(name, r, num_local): meta for r in range(groups.ep_size)})
         else:
             full[name] = meta
-    names = sorted(full, key=_order_key) if ep_sharded(unit[0][0], groups) else list(full)
+    names = sorted(full, key=_order_key) if ep_sharded(unit[0][0], groups) and not is_stacked_expert(unit[0][0]) \
+        else list(full)
     return [(hf, t.shape, t.dtype) for name in names for hf, t in megatron_to_hf(name, full[name], shape)]
 
 
@@ -555,11 +571,14 @@ def finish_units(pend: _EPPending, shape, groups, device, dtype, timeout: float)
         full_experts = {}
         for name, p in unit:
             n = p.numel()
-            for r in range(groups.ep_size):
-                full_experts[global_name(name, r, num_local)] = gathered[r, offset:offset + n].view(p.shape).to(
-                    dtype or p.dtype)
+            pieces = [gathered[r, offset:offset + n].view(p.shape).to(dtype or p.dtype) for r in range(groups.ep_size)]
+            if is_stacked_expert(name):              # one tensor: the ranks' rows in EP order
+                full_experts[name] = torch.cat(pieces)
+            else:
+                full_experts.update({global_name(name, r, num_local): t for r, t in enumerate(pieces)})
             offset += n
-        for name in sorted(full_experts, key=_order_key):
+        stacked = is_stacked_expert(unit[0][0])
+        for name in (list(full_experts) if stacked else sorted(full_experts, key=_order_key)):
             result.extend((hf, t.contiguous()) for hf, t in megatron_to_hf(name, full_experts[name], shape))
     return result
 

@@ -125,6 +125,12 @@ def check_shape(m, shape: ModelShape) -> None:
         "--max-position-embeddings": (m.max_position_embeddings, "max_position_embeddings",
                                       shape.max_position_embeddings),
     }
+    # a checkpoint whose config.json has more rows than the model's vocabulary (Inkling's unpadded_vocab_size <
+    # vocab_size: the rows past it are padding): --vocab-size may give either, Miles's Inkling script passes vocab_size
+    rows = getattr(shape.variant, "hf_vocab_size", None)
+    if rows is not None and rows != shape.vocab_size:
+        values["--vocab-size"] = (None if m.vocab_size is not None and int(m.vocab_size) == rows else m.vocab_size,
+                                  f"vocab_size {rows}, unpadded_vocab_size", shape.vocab_size)
     if m.group_query_attention or m.num_query_groups is not None:
         values["--num-query-groups"] = (m.num_query_groups, "num_key_value_heads", shape.num_query_groups)
     for name, (v, key, cv) in values.items():

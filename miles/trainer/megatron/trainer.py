@@ -173,8 +173,9 @@ class MegatronTrainer(RLTrainer):
         kernels = optional_kernels_line()
         if kernels and self.trainer_rank == 0:          # megatron-core's own warnings of this are filtered (__init__)
             logger.info(kernels)
-        logger.info("Megatron trainer ready: %s params, TP %d x PP %d x DP %d, device %s, %s layer spec, bf16 %s, "
-                    "ref %s, critic %s", f"{self.num_params:,}", tp, self.groups.pp_size, self.world, self.device,
+        logger.info("Megatron trainer ready: %s params, TP %d x PP %d x DP %d (EP %d), device %s, %s layer spec, "
+                    "bf16 %s, ref %s, critic %s", f"{self.num_params:,}", tp, self.groups.pp_size, self.world,
+                    self.groups.ep_size, self.device,
                     "transformer-engine" if mmodel.use_transformer_engine(self.device) else "local", self.bf16,
                     self.ref is not None, self.critic is not None)
 

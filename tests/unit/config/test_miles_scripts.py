@@ -372,18 +372,21 @@ def _without(argv: list[str], *flags: str) -> list[str]:
     return out
 
 
-def test_inkling_command_without_its_disk_offload_flags(workdir: Path, model_dirs, plugins_on_path):
+def test_inkling_command_keeps_its_disk_offload_flags(workdir: Path, model_dirs, plugins_on_path):
     """The recorded Inkling command (``megatron_inkling``, 4-layer config.json; Miles's ``--custom-model-provider-path
-    miles_plugins.models.inkling.model.inkling_model_provider``: here the Inkling family's own build) is refused
-    first on ``--offload-train-target disk`` (not built). Without that, its ``--offload-train-disk-dir``, its
-    ``--load`` (Miles's torch_dist conversion of the checkpoint; the fixture gives the HF dir) and its 16-GPU engines
-    (the recorded multi-node rollout), the provider path and every model flag pass against config.json, and what is
-    not built here is one line each: EP 4 (the Inkling MoE is its own module, not megatron-core's), then (SGLang-only
-    serving flags dropped when SGLang is absent) R3 (the embedded engine does not serve Inkling); without those the
-    dry run passes at TP 4 + SP."""
+    miles_plugins.models.inkling.model.inkling_model_provider``: here the Inkling family's own build) with its
+    ``--offload-train-target disk --offload-train-disk-dir`` kept. What must go: its 16-GPU engines (the recorded
+    multi-node rollout rendered on one colocated 4-GPU node: they cannot divide its 4 rollout GPUs, the fixture's
+    ``# expect:`` refusal) and its ``--load`` (Miles's torch_dist conversion of the checkpoint; the fixture gives the
+    HF dir, refused by name without ``--megatron-to-hf-mode bridge``). The disk dir is pointed at {OUT} (the
+    recorded ``/tmp/train_offload`` is checked for room for the node's share of fp32 weights and Adam moments of the
+    4-layer model's 61.4e9 parameters, ~687 GiB, which this machine's /tmp need not have). Then the provider path,
+    the offload flags, EP 4 and every model flag pass against config.json; what is not built here (SGLang-only serving
+    flags dropped when SGLang is absent) is R3, one line (the embedded engine does not serve Inkling); without it the
+    dry run passes at TP 4 + SP x EP 4."""
     import importlib.util
 
-    from miles_fixtures import _drop_sglang_only
+    from miles_fixtures import _drop_sglang_only, _flags
 
     from miles.config.base import ConfigError
     from miles.run.entry import dry_run
@@ -391,21 +394,30 @@ def test_inkling_command_without_its_disk_offload_flags(workdir: Path, model_dir
     path = HERE / "megatron_inkling.flags"
     argv = without_absent_kernel_flags(fixture_argv(read_fixture(path)[2], subs_for(path, workdir, model_dirs)))
     assert "--custom-model-provider-path" in argv and "--sequence-parallel" in argv
-    argv = _without(argv, "--offload-train-target", "--offload-train-disk-dir", "--load",
-                    "--rollout-num-gpus-per-engine") + ["--dry-run"]
+    given = _flags(argv)
+    assert given["--offload-train-target"] == ["disk"] and given["--offload-train-disk-dir"] == ["/tmp/train_offload"]
+    for flag in ("--rollout-num-gpus-per-engine", "--load"):
+        with pytest.raises(ConfigError) as ei:
+            dry_run(parse_args(argv + ["--dry-run"]))
+        assert str(ei.value).startswith(flag) or f") {flag} " in str(ei.value), ei.value
+        assert "\n" not in str(ei.value), ei.value
+        argv = _without(argv, flag)
+    i = argv.index("--offload-train-disk-dir")
+    argv = argv[:i + 1] + [str(workdir / "train_offload")] + argv[i + 2:] + ["--dry-run"]
     if importlib.util.find_spec("sglang") is None:
         changed: dict[str, str] = {}
         argv = _drop_sglang_only(argv, changed, "train.py")
         assert sorted(changed) == ["--sglang-enable-multimodal", "--sglang-mamba-scheduler-strategy"], changed
-    refusals = ["--expert-model-parallel-size 4 with Inkling is not supported"]
-    if importlib.util.find_spec("sglang") is None:
-        refusals.append("--use-rollout-routing-replay: the embedded engine")
+    refusals = ["--use-rollout-routing-replay: the embedded engine"] if importlib.util.find_spec("sglang") is None else []
     for first in refusals:
         with pytest.raises(ConfigError) as ei:
             dry_run(parse_args(argv))
         assert str(ei.value).startswith(first) and "\n" not in str(ei.value), ei.value
         argv = _without(argv, first.split(" ", 1)[0].rstrip(":"))
-    assert "role plan" in dry_run(parse_args(argv))
+    cfg = parse_args(argv)
+    assert cfg.train.offload_train_target == "disk" and cfg.train.offload_train_disk_dir == str(workdir / "train_offload")
+    assert (cfg.megatron.expert_model_parallel_size, cfg.megatron.tensor_model_parallel_size) == (4, 4)
+    assert "role plan" in dry_run(cfg)
 
 
 @pytest.mark.parametrize("name,cp,pp,ep", [("megatron_kimi_k2", 4, 8, 32), ("megatron_deepseek_v3", 4, 1, 4),

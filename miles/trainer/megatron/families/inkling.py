@@ -29,7 +29,8 @@ radixark/miles@v0.1.0:miles_plugins/models/inkling/, whose path is taken here as
     (a softmax: the shared experts are a "sink" for the weight), times ``route_scale`` and a learned
     ``global_scale``; each shared expert weighted by its own share. megatron-core's SharedExpertMLP takes no
     per-token weight and its router no shared logits -> ours (``InklingMoE``), in torch, the tokens split over TP.
-    Expert parallelism is refused (the experts are whole on every rank).
+    Expert parallelism: each EP rank holds its rows of the stacked experts (``moe.is_stacked_expert``: sliced at load,
+    gathered at export, EP-sharded in torch_dist); the MoE gathers the EP group's tokens (``InklingMoE._routed_ep``).
  5. Head: the final hidden states divided by ``logits_mup_width_multiplier`` before the output layer (untied).
     ``unpadded_vocab_size``: the rows past it are not the model's (transformers drops those logits): the shape's
     vocabulary is the unpadded one, the export pads the head and embedding back to ``vocab_size`` with zeros.
@@ -44,7 +45,7 @@ at load time, ``_NATIVE_*``): ``hf_state`` reads them, ``export_stream`` writes 
 ``text_prefix`` leaves the towers (``model.visual.*``, ``model.audio.*``) to ``--save-hf``, which copies them from
 ``--hf-checkpoint``; the towers are not built (images and audio in the prompts are not trained on: as transformers
 embeds any token, a placeholder token is embedded as itself). Refused (one line each,
-``check_static``): pipeline, context and expert parallelism, a TP size not dividing every layer's heads and KV heads,
+``check_static``): pipeline and context parallelism, a TP size not dividing every layer's heads and KV heads,
 MTP layers, ``--moe-grouped-gemm`` / ``--moe-permute-fusion`` (transformer-engine's kernels for megatron-core's experts), dropout (the model has none; an auxiliary load-balancing loss is refused for every family). Activation
 recompute: ``--recompute-granularity full`` (uniform / block chunks of layers) and ``selective`` (the attention's
 [s, s] core) with torch's checkpoint. Routing replay: the router asks
@@ -376,10 +377,7 @@ def check_static(o, shape) -> None:
     for flag, value, bad, why in (
             ("--pipeline-model-parallel-size", o.pp, o.pp > 1, "its decoder is built whole on each rank"),
             ("--context-parallel-size", o.cp, o.cp > 1, "its relative-position attention and short convolutions "
-                                                        "run on whole rows"),
-            ("--expert-model-parallel-size", o.ep, o.ep > 1, "its sink-routed MoE is its own torch module, not "
-                                                             "megatron-core's MoELayer: the experts are whole on "
-                                                             "every rank")):
+                                                        "run on whole rows")):
         if bad:
             raise ConfigError(f"{flag} {value} with Inkling is not supported by the Megatron backend ({why}); use "
                               "tensor and data parallelism.")

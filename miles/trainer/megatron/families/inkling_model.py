@@ -22,7 +22,11 @@ summed over TP by megatron-core's reduce. The MoE layer splits the tokens over T
 its part through the whole experts, then the outputs are gathered): the experts' gradients are summed over the
 expert-data-parallel group as megatron-core's experts' are (``moe.edp_reduced``), the router's and the shared
 experts' are marked ``sequence_parallel`` (summed over TP by ``parallel.finish_grads``). The q/k norms and the
-relative-logit profiles see their heads only on each rank: ``tp_partial``.
+relative-logit profiles see their heads only on each rank: ``tp_partial``. Expert parallelism (megatron-core's
+all-gather dispatch, in torch): each EP rank holds ``num_experts / ep`` of the routed experts (its rows of the stacked
+``experts.gate_up_proj`` / ``down_proj``); the EP group's tokens, routing weights and expert ids are gathered (padded
+to the longest rank's count), each rank runs its experts on them and the outputs are reduce-scattered back, summed
+(``InklingMoE._routed_ep``); the router and the shared experts run on each rank's own tokens.
 
 Cost: the attention is computed as transformers' eager path computes it, the [b, heads / tp, s, s] scores and
 relative bias materialised per layer (memory quadratic in the row length; no fused kernel or flex-attention
@@ -102,6 +106,48 @@ class _TP:
             return x
         from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
         return gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False, group=self.group)
+
+
+class _EP:
+    """The expert-parallel group (EP 1: none): this rank holds experts ``[rank * local, (rank + 1) * local)``."""
+
+    def __init__(self, size: int, rank: int, group):
+        self.size, self.rank, self.group = size, rank, group
+
+
+class _GatherEP(torch.autograd.Function):
+    """dim 0: forward all-gather over the EP group, backward reduce-scatter (each rank's experts' gradient for
+    every rank's tokens, summed back to the tokens' rank)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, ep: _EP) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.ep = ep
+        out = x.new_empty((ep.size * x.shape[0], *x.shape[1:]))
+        dist.all_gather_into_tensor(out, x.contiguous(), group=ep.group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _ReduceScatterEP.apply(grad, ctx.ep), None
+
+
+class _ReduceScatterEP(torch.autograd.Function):
+    """dim 0: forward reduce-scatter (sum) over the EP group, backward all-gather."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, ep: _EP) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.ep = ep
+        out = x.new_empty((x.shape[0] // ep.size, *x.shape[1:]))
+        dist.reduce_scatter_tensor(out, x.contiguous(), group=ep.group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _GatherEP.apply(grad, ctx.ep), None
 
 
 class RelativeLogits(nn.Module):
@@ -251,15 +297,15 @@ class InklingMoE(nn.Module):
     [gate; up] per expert, ``down_proj`` [S, h, I]) weighted by the router's sink weights. Tokens split over TP (module
     docstring)."""
 
-    def __init__(self, s, config, tp: _TP):
+    def __init__(self, s, config, tp: _TP, ep: _EP):
         super().__init__()
         g = s.variant
         e, i, h, sh = s.num_experts, s.moe_ffn_hidden_size, s.hidden_size, g.n_shared_experts
-        self.tp = tp
+        self.tp, self.ep = tp, ep
         self.router = Router(s, config)
-        self.experts = nn.Module()
-        self.experts.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, h))
-        self.experts.down_proj = nn.Parameter(torch.zeros(e, h, i))
+        self.experts = nn.Module()                  # this EP rank's experts (all of them at EP 1)
+        self.experts.gate_up_proj = nn.Parameter(torch.zeros(e // ep.size, 2 * i, h))
+        self.experts.down_proj = nn.Parameter(torch.zeros(e // ep.size, h, i))
         self.sink_experts = nn.Module()
         self.sink_experts.gate_up_proj = nn.Parameter(torch.zeros(sh, 2 * i, h))
         self.sink_experts.down_proj = nn.Parameter(torch.zeros(sh, h, i))
@@ -274,13 +320,7 @@ class InklingMoE(nn.Module):
             flat = torch.cat([flat, flat.new_zeros(pad, h)])
         flat = self.tp.split(flat)                                    # this rank's tokens
         weights, ids, gammas = self.router(flat)
-        out = torch.zeros_like(flat)
-        ex = self.experts
-        for e in torch.unique(ids).tolist():
-            rows, slot = torch.where(ids == e)
-            gate, up = F.linear(flat[rows], ex.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, ex.down_proj[e]) * weights[rows, slot, None]
-            out = out.index_add(0, rows, y.to(out.dtype))
+        out = self._routed(flat, weights, ids) if self.ep.size == 1 else self._routed_ep(flat, weights, ids)
         sk = self.sink_experts
         hs = flat.unsqueeze(0).expand(sk.gate_up_proj.shape[0], -1, -1)
         gate, up = torch.bmm(hs, sk.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
@@ -289,12 +329,47 @@ class InklingMoE(nn.Module):
         out = out + torch.bmm(act, sk.down_proj.transpose(1, 2)).float().sum(0).to(out.dtype)
         return self.tp.gather(out)[:n].view(s, b, h).transpose(0, 1)
 
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """The routed experts' weighted sum for tokens ``x`` [n, h] routed to ``ids`` [n, k] (this rank's experts
+        ``first ..``; the others' slots add nothing here)."""
+        out = torch.zeros_like(x)
+        ex = self.experts
+        local = ex.gate_up_proj.shape[0]
+        for e in torch.unique(ids).tolist():
+            if not first <= e < first + local:
+                continue
+            rows, slot = torch.where(ids == e)
+            gate, up = F.linear(x[rows], ex.gate_up_proj[e - first]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, ex.down_proj[e - first]) * weights[rows, slot, None]
+            out = out.index_add(0, rows, y.to(out.dtype))
+        return out
+
+    def _routed_ep(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Expert parallelism (megatron-core's all-gather dispatch): the EP group's tokens, routing weights and
+        expert ids gathered (padded to the longest rank's count; padding routes nowhere), each rank runs its
+        experts on them, and the partial outputs are reduce-scattered back to the tokens' ranks (summed)."""
+        import torch.distributed as dist
+
+        ep, n = self.ep, x.shape[0]
+        most = torch.tensor([n], dtype=torch.int64, device=x.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=ep.group)
+        pad = int(most) - n
+        if pad:
+            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+            weights = torch.cat([weights, weights.new_zeros(pad, weights.shape[1])])
+            ids = torch.cat([ids, ids.new_full((pad, ids.shape[1]), -1)])
+        all_ids = ids.new_empty((ep.size * ids.shape[0], ids.shape[1]))
+        dist.all_gather_into_tensor(all_ids, ids.contiguous(), group=ep.group)
+        out = self._routed(_GatherEP.apply(x, ep), _GatherEP.apply(weights, ep), all_ids,
+                           first=ep.rank * self.experts.gate_up_proj.shape[0])
+        return _ReduceScatterEP.apply(out, ep)[:n]
+
 
 class InklingLayer(nn.Module):
     """transformers' ``InklingDecoderLayer``: norm -> attention -> ``attn_conv`` -> residual; norm -> MLP / MoE ->
     ``mlp_conv`` -> residual."""
 
-    def __init__(self, s, config, layer: int, tp: _TP):
+    def __init__(self, s, config, layer: int, tp: _TP, ep: _EP):
         super().__init__()
         g = s.variant
         self.layer_number = layer + 1             # megatron-core's (1-based)
@@ -302,7 +377,7 @@ class InklingLayer(nn.Module):
         self.self_attention = InklingAttention(s, layer, tp)
         self.attn_conv = ShortConv(s.hidden_size, g.conv_kernel)
         self.pre_mlp_layernorm = RMSNorm(s.hidden_size, s.norm_epsilon)
-        self.mlp = InklingMoE(s, config, tp) if s.moe_layer_pattern[layer] else DenseMLP(s, tp)
+        self.mlp = InklingMoE(s, config, tp, ep) if s.moe_layer_pattern[layer] else DenseMLP(s, tp)
         self.mlp_conv = ShortConv(s.hidden_size, g.conv_kernel)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -317,17 +392,27 @@ TP_AXES = {"self_attention.linear_q.weight": 0, "self_attention.linear_k.weight"
            "self_attention.linear_proj.weight": 1, "mlp.linear_fc1.weight": 0, "mlp.linear_fc2.weight": 1}
 
 
-def _sharded(module: nn.Module, prefix: str, sharded_offsets, metadata, axes: dict[str, int]) -> dict:
+def _sharded(module: nn.Module, prefix: str, sharded_offsets, metadata, axes: dict[str, int],
+             ep: _EP | None = None) -> dict:
     """megatron-core's sharded state dict of ``module``'s parameters and buffers: those in ``axes`` split over TP
-    on their axis, the rest replicated."""
+    on their axis, the rest replicated; under EP the routed experts (``mlp.experts.*``) split over EP on their expert
+    axis (dim 0), replicated over the expert-data-parallel group, as megatron-core's experts are."""
     from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
     from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
     metadata = ensure_metadata_has_dp_cp_group(metadata)
-    return make_sharded_tensors_for_checkpoint(module.state_dict(prefix="", keep_vars=True), prefix, axes,
-                                               sharded_offsets,
-                                               tp_group=parallel_state.get_tensor_model_parallel_group(),
-                                               dp_cp_group=metadata["dp_cp_group"])
+    state = module.state_dict(prefix="", keep_vars=True)
+    experts = {k: state.pop(k) for k in list(state) if ep is not None and ep.size > 1 and k.startswith("mlp.experts.")}
+    out = make_sharded_tensors_for_checkpoint(state, prefix, axes, sharded_offsets,
+                                              tp_group=parallel_state.get_tensor_model_parallel_group(),
+                                              dp_cp_group=metadata["dp_cp_group"])
+    edp = parallel_state.get_expert_data_parallel_rank() if experts else 0
+    for k, t in experts.items():
+        out[f"{prefix}{k}"] = ShardedTensor.from_rank_offsets(
+            f"{prefix}{k}", t, *sharded_offsets, (len(sharded_offsets), ep.rank, ep.size), replica_id=(0, 0, edp),
+            prepend_axis_num=len(sharded_offsets))
+    return out
 
 
 def build_inkling_model(s, config, *, padded_vocab: int, device: torch.device):
@@ -340,6 +425,9 @@ def build_inkling_model(s, config, *, padded_vocab: int, device: torch.device):
     size = config.tensor_model_parallel_size
     tp = _TP(size, parallel_state.get_tensor_model_parallel_group() if size > 1 else None)
     sp = bool(config.sequence_parallel) and size > 1
+    eps = int(getattr(config, "expert_model_parallel_size", 1) or 1)
+    ep = _EP(eps, parallel_state.get_expert_model_parallel_rank() if eps > 1 else 0,
+             parallel_state.get_expert_model_parallel_group() if eps > 1 else None)
     g = s.variant
 
     class _Decoder(nn.Module):
@@ -363,7 +451,7 @@ def build_inkling_model(s, config, *, padded_vocab: int, device: torch.device):
                                                     position_embedding_type="rope")
             self.embedding_norm = RMSNorm(s.hidden_size, s.norm_epsilon)
             self.decoder = _Decoder()
-            self.decoder.layers = nn.ModuleList(InklingLayer(s, config, i, tp) for i in range(s.num_layers))
+            self.decoder.layers = nn.ModuleList(InklingLayer(s, config, i, tp, ep) for i in range(s.num_layers))
             self.decoder.final_layernorm = RMSNorm(s.hidden_size, s.norm_epsilon)
             self.output_layer = tensor_parallel.ColumnParallelLinear(
                 s.hidden_size, padded_vocab, config=config, init_method=config.init_method, bias=False,
@@ -375,7 +463,7 @@ def build_inkling_model(s, config, *, padded_vocab: int, device: torch.device):
                 if name == "decoder":
                     for i, layer in enumerate(child.layers):
                         out.update(_sharded(layer, f"{prefix}decoder.layers.{i}.", sharded_offsets, metadata,
-                                            TP_AXES))
+                                            TP_AXES, ep))
                     out.update(_sharded(child.final_layernorm, f"{prefix}decoder.final_layernorm.", sharded_offsets,
                                         metadata, {}))
                 elif name in ("embedding", "output_layer"):

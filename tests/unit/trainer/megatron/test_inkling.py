@@ -139,8 +139,30 @@ def _cfg(model: Path, *extra: str):
                        "--train-backend", "megatron", *extra])
 
 
+def test_vocab_size_flag_takes_the_checkpoint_rows_or_the_unpadded_vocabulary(tiny_inkling_dir: Path) -> None:
+    """With ``unpadded_vocab_size`` < ``vocab_size`` (the shape's vocabulary is the unpadded one) ``--vocab-size``
+    may give config.json's ``vocab_size``, as Miles's Inkling script does (``--vocab-size 201024``, the released
+    config's; radixark/miles@v0.1.0 builds the model on that row count and cuts the head at ``unpadded_vocab_size``
+    only when it exports), or the unpadded size; another value is one line naming both."""
+    config = _config(tiny_inkling_dir)
+    rows = config["vocab_size"]
+    cut = config | {"unpadded_vocab_size": rows - 5}
+    for value in (rows, rows - 5):
+        options.preflight_check(_cfg(tiny_inkling_dir, "--vocab-size", str(value)), cut)
+    with pytest.raises(ConfigError) as ei:
+        options.preflight_check(_cfg(tiny_inkling_dir, "--vocab-size", str(rows - 3)), cut)
+    assert str(ei.value) == (f"--vocab-size {rows - 3} does not match --hf-checkpoint's config.json (vocab_size "
+                             f"{rows}, unpadded_vocab_size {rows - 5}): fix the flag or drop it (the model shape is "
+                             "read from config.json)."), ei.value
+    with pytest.raises(ConfigError) as ei:        # without unpadded_vocab_size: vocab_size only
+        options.preflight_check(_cfg(tiny_inkling_dir, "--vocab-size", str(rows - 5)), config)
+    assert str(ei.value).startswith(f"--vocab-size {rows - 5} does not match --hf-checkpoint's config.json "
+                                    f"(vocab_size {rows})"), ei.value
+
+
 @pytest.mark.parametrize("flags, change, message", [
-    (["--expert-model-parallel-size", "2"], {}, "--expert-model-parallel-size 2 with Inkling is not supported"),
+    (["--expert-model-parallel-size", "3"], {}, "--expert-model-parallel-size 3 does not divide config.json's "
+                                                "num_experts 4"),
     (["--pipeline-model-parallel-size", "2"], {}, "--pipeline-model-parallel-size 2 with Inkling is not supported"),
     (["--context-parallel-size", "2"], {}, "--context-parallel-size 2 with Inkling is not supported"),
     (["--tensor-model-parallel-size", "2", "--sequence-parallel"], {"swa_num_attention_heads": 5},
@@ -161,6 +183,13 @@ def test_tensor_parallel_with_sequence_parallel_is_accepted(tiny_inkling_dir: Pa
     options.preflight_check(_cfg(tiny_inkling_dir, "--tensor-model-parallel-size", "2", "--sequence-parallel",
                                  "--position-embedding-type", "none", "--qk-layernorm", "--moe-aux-loss-coeff", "0"),
                             _config(tiny_inkling_dir))
+
+
+def test_expert_parallelism_is_accepted(tiny_inkling_dir: Path) -> None:
+    """EP 2 (alone and with TP 2 + SP) passes the preflight (the parity: tests/multiprocess/test_megatron_inkling.py)."""
+    for extra in ([], ["--tensor-model-parallel-size", "2", "--sequence-parallel"]):
+        options.preflight_check(_cfg(tiny_inkling_dir, "--expert-model-parallel-size", "2", "--moe-aux-loss-coeff",
+                                     "0", "--actor-num-gpus-per-node", "4", *extra), _config(tiny_inkling_dir))
 
 
 PROVIDER = "miles_plugins.models.inkling.model.inkling_model_provider"
@@ -209,6 +238,28 @@ def test_fsdp_policy_model_divides_by_the_mup_multiplier_and_never_packs(tiny_in
     assert float((as_rows - torch.cat(ref)).abs().max()) < 1e-6          # ~2x the measured 4.8e-7
     assert float((packed - torch.cat(ref)).abs().max()) > 1e-2          # measured 0.030
     assert "inkling_text" in modeling.NO_PACKING
+
+
+def test_published_layout_on_fsdp_is_one_line(tmp_path: Path, one_rank_group) -> None:
+    """The FSDP backend on the released layout (``inkling_mm_model``): transformers' ``InklingForConditionalGeneration``
+    imports scipy while it builds its vision tower; without scipy the trainer's build is one line naming the flag,
+    the checkpoint, the class, the package and the fix (``modeling.missing_package_error``: any transformers model
+    class that imports a package not installed), not the ``ModuleNotFoundError`` traceback."""
+    import importlib.util
+
+    from trainer_harness import build
+
+    from miles.utils.tiny_inkling import build_tiny_inkling_model
+
+    if importlib.util.find_spec("scipy") is not None:
+        pytest.skip("scipy is installed: transformers' Inkling multimodal class builds")
+    path = build_tiny_inkling_model(tmp_path / "ink_mm", published=True)
+    with pytest.raises(ConfigError) as e:
+        build(path, ["--train-backend", "fsdp"], group=one_rank_group)
+    assert str(e.value) == (f"--hf-checkpoint {path}: the FSDP backend builds this checkpoint with transformers' "
+                            "InklingForConditionalGeneration (model_type inkling_mm_model), which needs the Python "
+                            "package 'scipy', not installed; install it (pip install scipy) or add --train-backend "
+                            "megatron."), e.value
 
 
 @pytest.fixture
