@@ -26,7 +26,8 @@ with the plan broadcast). Checked:
   directory of ``--save-debug-rollout-data`` (a template whose only field is ``{rollout_id}``);
 - ``--train-backend megatron`` (the default) has megatron-core importable (else one line naming
   ``pip install 'miles[megatron]'`` or ``--train-backend fsdp``);
-- checks a trainer backend registers for itself (e.g. model-shape flags against config.json).
+- checks a trainer backend registers for itself (e.g. model-shape flags against config.json; the FSDP backend:
+  the packages its transformers model classes import while built, ``miles.trainer.modeling.preflight_check``).
 
 The save checks run on the driver only: ``--save`` must be one filesystem every trainer rank sees.
 """
@@ -60,7 +61,8 @@ _BACKEND_CHECKS: dict[str, list[BackendCheck | str]] = {"megatron": ["miles.trai
                                                                     "miles.trainer.megatron.options.preflight_check",
                                                                     "miles.trainer.megatron.dist_ckpt.preflight_check",
                                                                     "miles.trainer.routing_replay.preflight_check"],
-                                                       "fsdp": ["miles.trainer.routing_replay.preflight_check",
+                                                       "fsdp": ["miles.trainer.modeling.preflight_check",
+                                                                "miles.trainer.routing_replay.preflight_check",
                                                                 "miles.trainer.lora_hf.check_fsdp"]}
 
 # Miles's flags naming a ``module.function`` plugin (their config field names). Those with a known calling

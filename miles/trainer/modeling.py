@@ -113,7 +113,6 @@ def load_hf_model(path: str | Path, device: torch.device, *, causal_lm: bool = T
     The directory is checked first (``miles.utils.model_dir``): a missing path, a directory that is not a
     model or a truncated safetensors file raises ``ModelDirError``, one line naming ``flag`` (the flag the
     path came from, e.g. ``--ref-load``; "model directory" when not given), the path and the file."""
-    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.utils import logging as hf_logging
 
     from miles.trainer import vlm
@@ -124,7 +123,7 @@ def load_hf_model(path: str | Path, device: torch.device, *, causal_lm: bool = T
     hf_logging.disable_progress_bar()
     # a VLM runs right-padded rows (its 3-D positions are per row: miles.trainer.vlm), so never varlen
     attn = "sdpa" if vlm.is_vlm(config) else choose_attention(device, config)
-    cls = (AutoModelForImageTextToText if vlm.is_vlm(config) else AutoModelForCausalLM) if causal_lm else AutoModel
+    cls = auto_class(config, causal_lm=causal_lm)
     try:
         model = cls.from_pretrained(str(path), dtype=torch.float32, attn_implementation=attn)
     except ModuleNotFoundError as e:     # the model class imports an optional package when built (Inkling's tower)
@@ -136,6 +135,72 @@ def load_hf_model(path: str | Path, device: torch.device, *, causal_lm: bool = T
         patched = hf_fusions.apply(model)
         logger.info("fused forwards (hf_fusions): %s", "; ".join(f"{k} {', '.join(v) or '-'}" for k, v in patched.items()))
     return model
+
+
+def auto_class(config, *, causal_lm: bool = True):
+    """The transformers auto class ``load_hf_model`` builds ``config`` with (a VLM: image-text-to-text; the critic's
+    backbone, ``causal_lm=False``: ``AutoModel``)."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from miles.trainer import vlm
+
+    return (AutoModelForImageTextToText if vlm.is_vlm(config) else AutoModelForCausalLM) if causal_lm else AutoModel
+
+
+def _inkling_vision_scales(config) -> None:
+    """transformers' Inkling vision tower plans its scales in ``__init__`` (``plan_out_scales``), importing scipy
+    there when the tower has fewer layers than scales: run that planning (small CPU tensors), not the build."""
+    from transformers.models.inkling.modeling_inkling import plan_out_scales
+
+    v = config.vision_config
+    plan_out_scales(v.temporal_patch_size, v.patch_size, v.num_hidden_layers, v.num_channels)
+
+
+# transformers model classes whose build imports a package lazily (inside a module's __init__, so importing the
+# modeling module does not surface it): class name -> the part of the build that does the import, run by
+# ``check_buildable`` at preflight. Found from the trainer's failure (tests/unit/trainer/megatron/test_inkling.py).
+BUILD_IMPORTS = {"InklingForConditionalGeneration": _inkling_vision_scales,    # scipy (vision tower)
+                 "InklingModel": _inkling_vision_scales}                       # the critic's backbone, same tower
+
+
+def check_buildable(path: str | Path, flag: str | None, *, causal_lm: bool = True) -> None:
+    """Preflight of ``load_hf_model(path, causal_lm=...)`` without building the model: the model class's modeling
+    module imports (transformers' auto mapping) and the parts of its build that import a package lazily
+    (``BUILD_IMPORTS``) run; a missing package is ``missing_package_error``'s one line."""
+    from miles.utils.model_dir import load_config
+
+    config = load_config(path, flag, check=False)
+    cls = auto_class(config, causal_lm=causal_lm)
+    try:
+        model_cls = cls._model_mapping[type(config)]        # imports the class's modeling module
+        probe = BUILD_IMPORTS.get(model_cls.__name__)
+        if probe is not None:
+            probe(config)
+    except ModuleNotFoundError as e:
+        raise missing_package_error(e, path, flag, config, cls) from None
+    except (KeyError, ValueError):      # no class for this config: from_pretrained names it at build
+        return
+
+
+def preflight_check(cfg, hf_config: dict | None) -> None:
+    """The FSDP backend's preflight (``miles.run.preflight``): every model it builds (the policy; the reference and
+    the OPD teacher when given; the PPO critic's backbone) imports what its transformers class needs."""
+    train, algo = cfg.train, cfg.algo
+    if hf_config is None or not train.hf_checkpoint or cfg.cluster.debug_rollout_only:
+        return
+    builds = [("--hf-checkpoint", train.hf_checkpoint, True)]
+    builds += [(f, p, True) for f, p in (("--ref-load", train.ref_load),
+                                         ("--opd-teacher-load", getattr(algo, "opd_teacher_load", None))) if p]
+    if algo.loss_type != "sft_loss" and algo.advantage_estimator == "ppo":
+        builds.append(("--critic-load", train.critic_load, False) if train.critic_load
+                      else ("--hf-checkpoint", train.hf_checkpoint, False))
+    for flag, path, causal_lm in builds:
+        try:
+            check_buildable(path, flag, causal_lm=causal_lm)
+        except ConfigError:
+            raise
+        except Exception:       # noqa: BLE001 -- a bad directory is the path checks' line (miles.run.preflight)
+            continue
 
 
 def missing_package_error(e: ModuleNotFoundError, path: str | Path, flag: str | None, config,

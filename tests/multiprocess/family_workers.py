@@ -42,7 +42,7 @@ def build_loaded(model_dir: str, *, tp: int, ep: int = 1, device, dtype=None, co
     all-gather attention). Returns (model, shape, groups)."""
     import torch
 
-    from miles.trainer.megatron import convert, model, moe, parallel
+    from miles.trainer.megatron import compat, convert, model, moe, parallel
     from miles.utils.model_dir import load_config
 
     dtype = dtype or torch.float32
@@ -55,9 +55,9 @@ def build_loaded(model_dir: str, *, tp: int, ep: int = 1, device, dtype=None, co
         shape = replace(shape, mtp_num_layers=shape.nextn_layers)
     kw = None
     if shape.num_experts:
-        moe.apply_moe_compat()
+        compat.apply_moe_compat()
         if device.type == "cpu":
-            moe.apply_moe_cpu_compat()
+            compat.apply_moe_cpu_compat()
         kw = moe.config_kwargs(shape, moe.MoeOptions(router_dtype=router_dtype), ep=ep, etp=1, te=False)
     padded = model.padded_vocab_size(shape.vocab_size, 128, tp)
     config = model.transformer_config(shape, tp_size=tp, device=device, params_dtype=dtype, moe=kw,

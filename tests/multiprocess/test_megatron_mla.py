@@ -98,7 +98,7 @@ def _gpt_worker(model_dir: str, out: str, ep: int = 1) -> None:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from miles.trainer.megatron import convert, export, model, moe, parallel
+    from miles.trainer.megatron import compat, convert, export, model, moe, parallel
     from miles.utils.model_dir import load_config
 
     dist.init_process_group("gloo")
@@ -106,8 +106,8 @@ def _gpt_worker(model_dir: str, out: str, ep: int = 1) -> None:
     tp = world // ep
     cpu = torch.device("cpu")
     groups = parallel.init_parallel(tp_size=tp, num_trainer_ranks=world, seed=1, device=cpu, ep_size=ep)
-    moe.apply_moe_compat()
-    moe.apply_moe_cpu_compat()
+    compat.apply_moe_compat()
+    compat.apply_moe_cpu_compat()
     shape = model.ModelShape.from_hf_config(load_config(model_dir))      # kimi_k2 registered (hf_aliases)
     padded = model.padded_vocab_size(shape.vocab_size, 128, tp)
     kw = moe.config_kwargs(shape, moe.MoeOptions(), ep=ep, etp=1, te=False)

@@ -44,11 +44,11 @@ def _gpt_worker(model_dir: str, out: str, ep: int, dispatcher: str) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from miles.trainer.megatron import convert, model, moe
-    from miles.trainer.megatron.compat import apply_cpu_compat, trainer_world
+    from miles.trainer.megatron.compat import apply_cpu_compat, apply_moe_cpu_compat, trainer_world
 
     dist.init_process_group("gloo")
     apply_cpu_compat()
-    moe.apply_moe_cpu_compat()
+    apply_moe_cpu_compat()
     with trainer_world(dist.get_world_size()):
         ps.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=ep,
                                      create_gloo_process_groups=False)

@@ -21,6 +21,10 @@ spots move between releases. What is adapted, and why:
 - ``models.common.embeddings.rope_utils.get_pos_emb_on_this_cp_rank`` (context parallelism: the rotary
   positions of this CP rank's chunks) builds its index with ``pin_memory`` and ``.cuda()``: replaced by the
   same selection on the embedding's device (also where ``rotary_pos_embedding`` imported it by name).
+- mixture-of-experts (``moe.py``'s models; ``apply_moe_compat`` on CPU and GPU, ``apply_moe_cpu_compat`` on CPU):
+  the router reads ``moe_utils.te_general_gemm`` (defined only with transformer-engine; None selects its torch
+  matmul), moves its weight to ``torch.cuda.current_device()`` and the all-to-all dispatcher creates and
+  synchronises a CUDA stream and converts its split sizes to numpy only from CUDA tensors.
 - ``initialize_model_parallel`` sizes its groups by the default group; ``trainer_world(n)`` makes it
   see the first ``n`` ranks only (the trainer ranks; engines are the later ranks of the world).
 """
@@ -219,3 +223,80 @@ def trainer_world(num_ranks: int) -> Iterator[None]:
         yield
     finally:
         dist.get_world_size = real
+
+
+# ------------------------------------------------------------------------------------------- MoE (moe.py's models)
+class _CpuStream:
+    """A CUDA stream as megatron-core's MoE code uses one, on CPU (work is synchronous there)."""
+
+    def wait_stream(self, other) -> None:
+        return None
+
+    def record_event(self):
+        return self
+
+    def synchronize(self) -> None:
+        return None
+
+
+_CPU_STREAM = _CpuStream()
+_MOE_CPU_MODULES = ("megatron.core.transformer.moe.router", "megatron.core.transformer.moe.experts",
+                    "megatron.core.transformer.moe.token_dispatcher", "megatron.core.transformer.moe.moe_utils",
+                    "megatron.core.transformer.moe.shared_experts")
+_moe_cpu_applied = False
+
+
+def apply_moe_compat() -> None:
+    """megatron-core 0.16's router reads ``moe_utils.te_general_gemm``, which is only defined when
+    transformer-engine imports (a NameError otherwise, on CPU and GPU alike): None there selects its
+    torch matmul path. Idempotent."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def apply_moe_cpu_compat() -> None:
+    """megatron-core 0.16's MoE modules on torch CPU (after ``apply_cpu_compat``): the router moves its
+    weight to ``torch.cuda.current_device()`` on each forward and the all-to-all dispatcher creates and
+    synchronises a CUDA stream; in those modules ``torch.cuda.current_device()`` is ``"cpu"`` and the stream
+    calls are no-ops. Idempotent."""
+    global _moe_cpu_applied
+    if _moe_cpu_applied:
+        return
+    check_version()
+    apply_moe_compat()
+
+    class _MoeCpuCuda(_CpuCuda):
+        @staticmethod
+        def Stream(*args, **kwargs):  # noqa: N802 (torch.cuda's name)
+            return _CPU_STREAM
+
+        @staticmethod
+        def current_stream(*args, **kwargs):
+            return _CPU_STREAM
+
+        @staticmethod
+        def stream(s):
+            return contextlib.nullcontext()
+
+    class _MoeCpuTorch(_CpuTorch):
+        cuda = _MoeCpuCuda()
+
+    cpu_torch = _MoeCpuTorch("torch")
+    for name in _MOE_CPU_MODULES:
+        mod = importlib.import_module(name)
+        if isinstance(getattr(mod, "torch", None), type(torch)):
+            mod.torch = cpu_torch
+    from megatron.core.transformer.moe import token_dispatcher
+
+    token_dispatcher.maybe_move_tensor_to_cpu = _cpu_splits
+    _moe_cpu_applied = True
+
+
+def _cpu_splits(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """``moe_utils.maybe_move_tensor_to_cpu`` on CPU: the all-to-all split sizes become numpy arrays there
+    (megatron-core converts only CUDA tensors, and gloo's ``all_to_all_single`` wants int sequences)."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor

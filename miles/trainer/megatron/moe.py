@@ -48,8 +48,6 @@ divided by the DP size; the export gathers the other parameters' TP shards as ``
 from __future__ import annotations
 
 import ast
-import contextlib
-import importlib
 import re
 from dataclasses import dataclass
 
@@ -342,85 +340,6 @@ def is_stacked_expert(name: str) -> bool:
 def ep_rows(name: str, full: torch.Tensor, ep_rank: int, num_local: int) -> torch.Tensor:
     """This EP rank's part of a stacked expert tensor (``is_stacked_expert``); another tensor unchanged."""
     return full.narrow(0, ep_rank * num_local, num_local) if is_stacked_expert(name) else full
-
-
-# ------------------------------------------------------------------------------------------- CPU
-class _CpuStream:
-    """A CUDA stream as megatron-core's MoE code uses one, on CPU (work is synchronous there)."""
-
-    def wait_stream(self, other) -> None:
-        return None
-
-    def record_event(self):
-        return self
-
-    def synchronize(self) -> None:
-        return None
-
-
-_CPU_STREAM = _CpuStream()
-_MOE_CPU_MODULES = ("megatron.core.transformer.moe.router", "megatron.core.transformer.moe.experts",
-                    "megatron.core.transformer.moe.token_dispatcher", "megatron.core.transformer.moe.moe_utils",
-                    "megatron.core.transformer.moe.shared_experts")
-_moe_cpu_applied = False
-
-
-def apply_moe_compat() -> None:
-    """megatron-core 0.16's router reads ``moe_utils.te_general_gemm``, which is only defined when
-    transformer-engine imports (a NameError otherwise, on CPU and GPU alike): None there selects its
-    torch matmul path. Idempotent."""
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-
-def apply_moe_cpu_compat() -> None:
-    """megatron-core 0.16's MoE modules on torch CPU (after ``compat.apply_cpu_compat``): the router moves its
-    weight to ``torch.cuda.current_device()`` on each forward and the all-to-all dispatcher creates and
-    synchronises a CUDA stream; in those modules ``torch.cuda.current_device()`` is ``"cpu"`` and the stream
-    calls are no-ops. Idempotent."""
-    global _moe_cpu_applied
-    if _moe_cpu_applied:
-        return
-    from miles.trainer.megatron import compat
-
-    compat.check_version()
-    apply_moe_compat()
-
-    class _MoeCpuCuda(compat._CpuCuda):
-        @staticmethod
-        def Stream(*args, **kwargs):  # noqa: N802 (torch.cuda's name)
-            return _CPU_STREAM
-
-        @staticmethod
-        def current_stream(*args, **kwargs):
-            return _CPU_STREAM
-
-        @staticmethod
-        def stream(s):
-            return contextlib.nullcontext()
-
-    class _MoeCpuTorch(compat._CpuTorch):
-        cuda = _MoeCpuCuda()
-
-    cpu_torch = _MoeCpuTorch("torch")
-    for name in _MOE_CPU_MODULES:
-        mod = importlib.import_module(name)
-        if isinstance(getattr(mod, "torch", None), type(torch)):
-            mod.torch = cpu_torch
-    from megatron.core.transformer.moe import token_dispatcher
-
-    token_dispatcher.maybe_move_tensor_to_cpu = _cpu_splits
-    _moe_cpu_applied = True
-
-
-def _cpu_splits(tensor, as_numpy: bool = False, record_stream: bool = False):
-    """``moe_utils.maybe_move_tensor_to_cpu`` on CPU: the all-to-all split sizes become numpy arrays there
-    (megatron-core converts only CUDA tensors, and gloo's ``all_to_all_single`` wants int sequences)."""
-    if as_numpy and torch.is_tensor(tensor):
-        return tensor.numpy()
-    return tensor
 
 
 # ------------------------------------------------------------------------------------------- gradients

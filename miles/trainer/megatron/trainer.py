@@ -111,10 +111,12 @@ class MegatronTrainer(RLTrainer):
                                              seed=train.seed, device=self.device, pp_size=self.opts.pp,
                                              timeout=self.timeout, cp_size=self.opts.cp, ep_size=self.opts.ep,
                                              etp_size=self.opts.etp)
-        if self.shape.num_experts:            # megatron-core's MoE modules without TE / on CPU (moe.py)
-            moe.apply_moe_compat()
+        if self.shape.num_experts:            # megatron-core's MoE modules without TE / on CPU (compat.py)
+            from miles.trainer.megatron import compat
+
+            compat.apply_moe_compat()
             if self.device.type != "cuda":
-                moe.apply_moe_cpu_compat()
+                compat.apply_moe_cpu_compat()
         self._sequence_parallel = self.opts.sequence_parallel and self.opts.tp > 1    # TP 1: nothing to split
         self.stage = pipeline.Stage.from_parallel_state(self.timeout)
         self.group, self.rank, self.world = self.groups.dp, self.groups.dp_rank, self.groups.dp_size

@@ -109,7 +109,7 @@ def _megatron_export(model_dir: Path, bucket_bytes: int,
     from megatron.core import parallel_state as ps
     from transformers import AutoConfig
 
-    from miles.trainer.megatron import convert, export, model, moe, parallel
+    from miles.trainer.megatron import compat, convert, export, model, moe, parallel
     from miles.trainer.weights import checkpoint_tensor_names
     from miles.utils.model_dir import load_config
     from miles.weight_sync.hf_layout import checkpoint_spelling
@@ -122,8 +122,8 @@ def _megatron_export(model_dir: Path, bucket_bytes: int,
             shape = dataclasses.replace(shape, mtp_num_layers=shape.nextn_layers)
         kw = None
         if shape.num_experts:
-            moe.apply_moe_compat()
-            moe.apply_moe_cpu_compat()
+            compat.apply_moe_compat()
+            compat.apply_moe_cpu_compat()
             kw = moe.config_kwargs(shape, moe.MoeOptions(), ep=1, etp=1, te=False)
         padded = model.padded_vocab_size(shape.vocab_size, 128, 1)
         config = model.transformer_config(shape, tp_size=1, device=cpu, moe=kw)

@@ -262,6 +262,44 @@ def test_published_layout_on_fsdp_is_one_line(tmp_path: Path, one_rank_group) ->
                             "megatron."), e.value
 
 
+def _fsdp_dry_run(model: Path, *extra: str) -> str:
+    from miles.run.entry import dry_run
+
+    return dry_run(parse_args(["--hf-checkpoint", str(model), "--train-backend", "fsdp", "--num-rollout", "1",
+                               "--rollout-batch-size", "2", "--colocate", "--rm-type", "math", "--dry-run", *extra]))
+
+
+def test_published_layout_on_fsdp_is_one_line_at_dry_run(published_inkling_dir: Path, tiny_inkling_dir: Path,
+                                                         tmp_path: Path) -> None:
+    """The same line as the trainer's build (above), from ``--dry-run`` (the FSDP backend's preflight,
+    ``modeling.preflight_check``: transformers' Inkling vision tower imports scipy in ``plan_out_scales`` when it has
+    fewer layers than scales, which ``modeling.BUILD_IMPORTS`` runs without building the model). A checkpoint whose
+    class needs nothing missing passes: the text layout, and the released layout with a tower of as many layers as
+    scales (6 at patch size 40, temporal patch size 2), which transformers builds without scipy."""
+    import importlib.util
+    import shutil
+
+    if importlib.util.find_spec("scipy") is not None:
+        pytest.skip("scipy is installed: transformers' Inkling multimodal class builds")
+    expected = (f"--hf-checkpoint {published_inkling_dir}: the FSDP backend builds this checkpoint with transformers' "
+                "InklingForConditionalGeneration (model_type inkling_mm_model), which needs the Python package "
+                "'scipy', not installed; install it (pip install scipy) or add --train-backend megatron.")
+    with pytest.raises(ConfigError) as e:
+        _fsdp_dry_run(published_inkling_dir)
+    assert str(e.value) == expected, e.value
+    with pytest.raises(ConfigError) as e:       # the PPO critic's backbone (AutoModel: InklingModel), same tower
+        _fsdp_dry_run(tiny_inkling_dir, "--advantage-estimator", "ppo", "--critic-load", str(published_inkling_dir))
+    assert str(e.value) == expected.replace("--hf-checkpoint", "--critic-load").replace(
+        "InklingForConditionalGeneration", "InklingModel"), e.value
+    assert "role plan" in _fsdp_dry_run(tiny_inkling_dir)
+    six = tmp_path / "ink_mm_6"
+    shutil.copytree(published_inkling_dir, six)
+    config = json.loads((six / "config.json").read_text())
+    config["vision_config"]["n_layers"] = 6
+    (six / "config.json").write_text(json.dumps(config))
+    assert "role plan" in _fsdp_dry_run(six)
+
+
 @pytest.fixture
 def group(one_rank_group):
     """The one-rank gloo group, with megatron-core's model-parallel groups made on it and destroyed after (the
