@@ -184,9 +184,11 @@ def put_timed(q: Any, rank: int, call: Callable[[], Any], *, silent_for: float =
 
 def spy_routing(tr: Any, backend: str = "megatron") -> list:
     """Per policy forward of ``tr``: its sample ids and, per MoE layer, every token's sorted expert set (a list per
-    forward of ``{"sid": [...], layer: [[...]]}``), read by forward hooks on the routers (Megatron) or the experts
-    (FSDP)."""
+    forward of ``{"sid": [...], layer: [[...]]}``), read by forward hooks on the routers (Megatron: megatron-core's routing map, or
+    the chosen expert ids of a family's own router, Inkling's) or the experts (FSDP)."""
     import re
+
+    import torch
 
     seen: list = []
     pat = re.compile(r"layers\.(\d+)\.mlp\.(experts|router)$")
@@ -199,8 +201,10 @@ def spy_routing(tr: Any, backend: str = "megatron") -> list:
         def hook(_mod, args, out, layer=layer):
             if backend == "fsdp":
                 sets = [sorted(r) for r in args[1].tolist()]                   # top_k_index [T, k]
-            else:
+            elif out[1].dtype == torch.bool:
                 sets = [sorted(r.nonzero().flatten().tolist()) for r in out[1]]  # routing_map [T, E]
+            else:
+                sets = [sorted(r) for r in out[1].tolist()]                    # a family's router: chosen ids [T, k]
             seen[-1][layer] = sets
         mod.register_forward_hook(hook)
     inner = tr._policy_forward

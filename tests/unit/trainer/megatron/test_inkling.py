@@ -300,47 +300,11 @@ def test_published_layout_on_fsdp_is_one_line_at_dry_run(published_inkling_dir: 
     assert "role plan" in _fsdp_dry_run(six)
 
 
-@pytest.fixture
-def group(one_rank_group):
-    """The one-rank gloo group, with megatron-core's model-parallel groups made on it and destroyed after (the
-    next test's group is a new one)."""
-    from megatron.core import parallel_state as ps
-
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    try:
-        yield one_rank_group
-    finally:
-        if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
-
-
-def _spy_routers(tr) -> list:
-    """Per policy forward of ``tr``: its sample ids and, per MoE layer, every token's sorted expert ids (a forward hook
-    on each Inkling router, whose output holds the chosen ids [T, k])."""
-    import re
-
-    seen: list = []
-    for name, mod in tr.model.named_modules():
-        if (m := re.search(r"layers\.(\d+)\.mlp\.router$", name)) is not None:
-            def hook(_mod, _args, out, layer=int(m.group(1))):
-                seen[-1][layer] = [sorted(r) for r in out[1].tolist()]
-            mod.register_forward_hook(hook)
-    inner = tr._policy_forward
-
-    def policy_forward(model, mb, **kw):
-        if model is tr.model:
-            seen.append({"sid": list(mb.sample_ids)})
-        return inner(model, mb, **kw)
-    tr._policy_forward = policy_forward
-    return seen
-
-
 def test_r2_training_forwards_replay_the_old_pass(tiny_inkling_dir: Path, group) -> None:
     """R2 (``--use-routing-replay``) on Inkling's router: the old log-prob pass records the routing, the routers are
     then shifted in place (each router's expert rows and bias rolled by one), and the 2 training steps' forwards
     still route as recorded; without R2 the (token, layer) pairs route otherwise (measured: all of them)."""
-    from trainer_harness import build, flags, random_samples
+    from trainer_harness import build, flags, random_samples, spy_routing
 
     samples = random_samples(3, 2, seed=5, vocab=90)
     out = {}
@@ -351,7 +315,7 @@ def test_r2_training_forwards_replay_the_old_pass(tiny_inkling_dir: Path, group)
                                                         "--kl-loss-coef", "0.01", *([flag] if flag else [])]),
                    group=group)
         tr.coalesce_tokens = lambda: 0          # one sample per forward: the spy reads the tokens in sample order
-        seen = _spy_routers(tr)
+        seen = spy_routing(tr)
         prepare = tr._prepare
 
         def shifted_after_old_pass(smp, data, policy, prepare=prepare, tr=tr):

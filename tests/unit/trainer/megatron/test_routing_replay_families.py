@@ -91,21 +91,6 @@ def _logprob_pass(tr, samples) -> list[torch.Tensor]:
     return tr._forward_pass(tr.model, lambda mb: tr._policy_forward(tr.model, mb)[0], data)
 
 
-@pytest.fixture
-def group(one_rank_group):
-    """The one-rank gloo group, with megatron-core's model-parallel groups made on it and destroyed after (the
-    next test's group is a new one)."""
-    from megatron.core import parallel_state as ps
-
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    try:
-        yield one_rank_group
-    finally:
-        if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
-
-
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_r3_trainer_routes_as_the_engine_recorded(family: str, tmp_path: Path, group):
     from miles.engine.routed_experts import decode
