@@ -56,14 +56,21 @@ def check_provider(path: str, model_type: str | None, built: Mapping[str, str]) 
     """A ``PROVIDERS`` path against config.json's ``model_type`` and the families built (one ``ConfigError``
     line naming the flag, the value and the fix)."""
     spec = PROVIDERS[path]
-    types = " or ".join(spec.model_types)
+    _check_family(f"--custom-model-provider-path {path}", f"Miles's {spec.family} model provider", spec, model_type,
+                  built, drop="drop the flag", unbuilt_fix="drop the flag")
+
+
+def _check_family(given: str, what: str, spec: Spec, model_type: str | None, built: Mapping[str, str], *,
+                  drop: str, unbuilt_fix: str) -> None:
+    """A ``SPECS`` / ``PROVIDERS`` row (``given``: the flag and its value, ``what``: what that value is) against
+    config.json's ``model_type`` and the families built: one ``ConfigError`` line."""
     if model_type not in spec.model_types:
-        raise ConfigError(f"--custom-model-provider-path {path} is Miles's {spec.family} model provider (config.json "
-                          f"model_type {types}), but --hf-checkpoint's config.json has model_type {model_type}: point "
-                          f"--hf-checkpoint at a {spec.family} checkpoint, or drop the flag.")
+        raise ConfigError(f"{given} is {what} (config.json model_type {' or '.join(spec.model_types)}), but "
+                          f"--hf-checkpoint's config.json has model_type {model_type}: point --hf-checkpoint at a "
+                          f"{spec.family} checkpoint, or {drop}.")
     if model_type not in built:
-        raise ConfigError(f"--custom-model-provider-path {path}: {spec.family} (model_type {model_type}) is not built "
-                          f"by the Megatron backend yet (it builds: {', '.join(sorted(built))}); drop the flag.")
+        raise ConfigError(f"{given}: {spec.family} (model_type {model_type}) is not built by the Megatron backend "
+                          f"yet (it builds: {', '.join(sorted(built))}); {unbuilt_fix}.")
 
 
 def spec_key(values: list[str] | tuple[str, ...]) -> str:
@@ -93,16 +100,9 @@ def check_spec(values: list[str] | None, model_type: str | None, built: Mapping[
     (``built``: model_type -> name). One ``ConfigError`` line naming the flag, the value and the fix."""
     if not values:
         return
-    key = spec_key(values)
     spec = known_spec(values)
-    types = " or ".join(spec.model_types)
-    if model_type not in spec.model_types:
-        raise ConfigError(f"--spec {key} is {spec.family}'s layer spec (config.json model_type {types}), but "
-                          f"--hf-checkpoint's config.json has model_type {model_type}: point --hf-checkpoint at a "
-                          f"{spec.family} checkpoint, or drop --spec.")
-    if model_type not in built:
-        raise ConfigError(f"--spec {key}: {spec.family} (model_type {model_type}) is not built by the Megatron backend "
-                          f"yet (it builds: {', '.join(sorted(built))}); train one of those families.")
+    _check_family(f"--spec {spec_key(values)}", f"{spec.family}'s layer spec", spec, model_type, built,
+                  drop="drop --spec", unbuilt_fix="train one of those families")
 
 
 def flag_docs() -> list[str]:
