@@ -163,16 +163,33 @@ def trainer_side(backend: str, a, model_dir: Path, samples: list, device: torch.
 
 
 def profile_step(trainer, samples: list, path: Path) -> list[str]:
-    """One more train() under torch.profiler: the kernels by GPU time into ``path``; the attention kernels' names."""
+    """One more train() under torch.profiler (CPU and CUDA): into ``path`` the kernels by GPU time, the host ops by
+    their own CPU time, and the step's wall time against the GPU's busy time and the host syncs (``.item()`` and
+    kin: ``aten::_local_scalar_dense``, stream / device synchronizes) that keep the host from running ahead; returns
+    the attention kernels' names."""
+    import time
+
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
         trainer.train(samples, 10_000)
-    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    averages = prof.key_averages()
+    kernels = averages.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90)
+    host = averages.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=90)
+    busy_us = sum(e.self_device_time_total for e in averages if e.device_type == torch.autograd.DeviceType.CUDA)
+    syncs = {e.key: e.count for e in averages
+             if e.key in ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize",
+                          "cudaEventSynchronize", "aten::nonzero", "aten::unique", "aten::_unique2")}
+    head = (f"step wall {wall * 1e3:.1f} ms, GPU busy (sum of kernel time) {busy_us / 1e3:.1f} ms, "
+            f"host syncs by name: {syncs}\n\n")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(table)
+    path.write_text(head + "KERNELS (by GPU time)\n" + kernels + "\nHOST OPS (by own CPU time)\n" + host)
     words = ("flash", "fmha", "attn", "attention", "sdpa", "cudnn")
-    return sorted({e.key[:80] for e in prof.key_averages() if any(w in e.key.lower() for w in words)})
+    return sorted({e.key[:80] for e in averages if any(w in e.key.lower() for w in words)})
 
 
 SIDE_KEYS = (("step_time_s", "step time (s)"), ("tokens_per_s", "tokens/s"), ("tflops_per_gpu_6N", "TFLOP/s per GPU (6N)"),
