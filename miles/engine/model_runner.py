@@ -45,6 +45,7 @@ from miles.engine.runner_options import (
     resolve_kv_cache,
 )
 from miles.engine.weights import checkpoint_parts, checkpoint_renames, drop_mtp, mtp_layer_names
+from miles.utils.build_imports import engine_missing_package_error, serving_class
 from miles.utils.logging import get_logger
 
 logger = get_logger("miles.engine.model_runner")
@@ -110,19 +111,6 @@ class ParamIndex(dict):
         return dict.__contains__(self, name) or name in self.aliases or name in self.renames or name in self.parts
 
 
-def has_causal_lm(config) -> bool:
-    """Whether transformers has a causal-LM class for ``config``'s model type (a registered alias counts); False for
-    a multimodal type it builds only as an image-text-to-text model (Kimi-K2.5's ``kimi_k25``), which the engine
-    loads as that and serves on text (no image input: ``miles.engine.vlm`` is Qwen3-VL's)."""
-    from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_CAUSAL_LM_MAPPING,
-        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
-    )
-
-    mt = getattr(config, "model_type", None)
-    return type(config) in MODEL_FOR_CAUSAL_LM_MAPPING or mt not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-
-
 def unclamp_shared_experts(model: torch.nn.Module) -> int:
     """``--no-activation-func-clamp-shared-expert``: transformers' shared experts whose SwiGLU clamps at ``limit``
     (DeepSeek-V4's ``DeepseekV4MLP``) computed unclamped, the routed experts' clamp kept; as the trainer computes them
@@ -141,7 +129,7 @@ class ModelRunner:
     """The model, its KV cache, weight access, and memory release/resume."""
 
     def __init__(self, model_path: str | Path, opts: RunnerOptions):
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForImageTextToText
 
         self.model_path = str(model_path)
         from miles.utils.model_dir import check_model_dir
@@ -159,11 +147,13 @@ class ModelRunner:
         from miles.engine import vlm
 
         self.is_vlm = vlm.is_vlm(config)   # Qwen3-VL: images on /generate, the generic HF path (miles.engine.vlm)
-        if self.is_vlm or not has_causal_lm(config):   # a multimodal model type without a causal LM (Kimi-K2.5):
-            from transformers import AutoModelForImageTextToText as auto_cls  # its own model, served on text
-        else:
-            auto_cls = AutoModelForCausalLM
-        self.model = auto_cls.from_pretrained(self.model_path, dtype=self.dtype).to(self.device).eval()
+        # a multimodal type without a causal LM (Kimi-K2.5, Inkling's released layout): its own model, served on text
+        auto_cls = AutoModelForImageTextToText if self.is_vlm else serving_class(config)
+        try:
+            model = auto_cls.from_pretrained(self.model_path, dtype=self.dtype)
+        except ModuleNotFoundError as e:   # the class imports an optional package when built (Inkling's tower)
+            raise engine_missing_package_error(e, self.model_path, config, auto_cls) from None
+        self.model = model.to(self.device).eval()
         self.model.requires_grad_(False)
         if not opts.clamp_shared_expert:
             logger.info("--no-activation-func-clamp-shared-expert: %d shared experts served unclamped",

@@ -27,7 +27,10 @@ with the plan broadcast). Checked:
 - ``--train-backend megatron`` (the default) has megatron-core importable (else one line naming
   ``pip install 'miles[megatron]'`` or ``--train-backend fsdp``);
 - checks a trainer backend registers for itself (e.g. model-shape flags against config.json; the FSDP backend:
-  the packages its transformers model classes import while built, ``miles.trainer.modeling.preflight_check``).
+  the packages its transformers model classes import while built, ``miles.trainer.modeling.preflight_check``);
+- the embedded engine (named, or what ``--rollout-engine auto`` picks: ``check_engine_kind``): the packages the
+  transformers class it serves ``--hf-checkpoint`` with imports while built (``check_embedded_model``; the same
+  check as the FSDP trainer's, ``miles.utils.build_imports``), whichever trainer backend runs.
 
 The save checks run on the driver only: ``--save`` must be one filesystem every trainer rank sees.
 """
@@ -461,6 +464,20 @@ def check_engine_kind(cfg: MilesConfig, kind: str) -> None:
             from miles.trainer.routing_replay import check_embedded_r3
 
             check_embedded_r3(_config_dict(cfg.train.hf_checkpoint), why=why)
+        check_embedded_model(cfg, why=why)
+
+
+def check_embedded_model(cfg: MilesConfig, *, why: str) -> None:
+    """The embedded engine builds ``--hf-checkpoint`` with a transformers class whatever the trainer builds: the
+    packages that class imports while built are checked as the FSDP trainer's are (one implementation:
+    ``miles.utils.build_imports.check_embedded_engine_build``), so a Megatron run (or ``--debug-rollout-only``)
+    serving Inkling's released layout without scipy stops here, not at the engine's build. ``why``: how the embedded
+    engine was chosen."""
+    if not cfg.train.hf_checkpoint:
+        return
+    from miles.utils.build_imports import check_embedded_engine_build
+
+    check_embedded_engine_build(cfg.train.hf_checkpoint, why=why)
 
 
 def check_lora_adapter_sync(cfg: MilesConfig) -> None:
@@ -510,6 +527,8 @@ def preflight(cfg: MilesConfig, *, has_engines: bool) -> None:
         attempt(lambda: check_model_name(cfg.train.model_name, config_dict))
         for check in backend_checks(cfg.train.train_backend):
             attempt(lambda check=check: check(cfg, config_dict))
+        if has_engines and cfg.rollout.rollout_engine == "embedded":   # auto: check_engine_kind, once it is picked
+            attempt(lambda: check_embedded_model(cfg, why="--rollout-engine embedded"))
     if len(problems) == 1:
         raise problems[0]
     if problems:

@@ -147,39 +147,21 @@ def auto_class(config, *, causal_lm: bool = True):
     return (AutoModelForImageTextToText if vlm.is_vlm(config) else AutoModelForCausalLM) if causal_lm else AutoModel
 
 
-def _inkling_vision_scales(config) -> None:
-    """transformers' Inkling vision tower plans its scales in ``__init__`` (``plan_out_scales``), importing scipy
-    there when the tower has fewer layers than scales: run that planning (small CPU tensors), not the build."""
-    from transformers.models.inkling.modeling_inkling import plan_out_scales
-
-    v = config.vision_config
-    plan_out_scales(v.temporal_patch_size, v.patch_size, v.num_hidden_layers, v.num_channels)
-
-
-# transformers model classes whose build imports a package lazily (inside a module's __init__, so importing the
-# modeling module does not surface it): class name -> the part of the build that does the import, run by
-# ``check_buildable`` at preflight. Found from the trainer's failure (tests/unit/trainer/megatron/test_inkling.py).
-BUILD_IMPORTS = {"InklingForConditionalGeneration": _inkling_vision_scales,    # scipy (vision tower)
-                 "InklingModel": _inkling_vision_scales}                       # the critic's backbone, same tower
+# the FSDP backend's words in ``miles.utils.build_imports``' line (who builds the class, the other way to run)
+FSDP_BUILDS = "the FSDP backend builds"
+FSDP_ALTERNATIVE = "add --train-backend megatron"
 
 
 def check_buildable(path: str | Path, flag: str | None, *, causal_lm: bool = True) -> None:
-    """Preflight of ``load_hf_model(path, causal_lm=...)`` without building the model: the model class's modeling
-    module imports (transformers' auto mapping) and the parts of its build that import a package lazily
-    (``BUILD_IMPORTS``) run; a missing package is ``missing_package_error``'s one line."""
+    """Preflight of ``load_hf_model(path, causal_lm=...)`` without building the model
+    (``miles.utils.build_imports.check_buildable``: the class's modeling module and the parts of its build that import
+    a package lazily); a missing package is ``missing_package_error``'s one line."""
+    from miles.utils import build_imports
     from miles.utils.model_dir import load_config
 
     config = load_config(path, flag, check=False)
-    cls = auto_class(config, causal_lm=causal_lm)
-    try:
-        model_cls = cls._model_mapping[type(config)]        # imports the class's modeling module
-        probe = BUILD_IMPORTS.get(model_cls.__name__)
-        if probe is not None:
-            probe(config)
-    except ModuleNotFoundError as e:
-        raise missing_package_error(e, path, flag, config, cls) from None
-    except (KeyError, ValueError):      # no class for this config: from_pretrained names it at build
-        return
+    build_imports.check_buildable(config, auto_class(config, causal_lm=causal_lm), path, flag, builder=FSDP_BUILDS,
+                                  alternative=FSDP_ALTERNATIVE)
 
 
 def preflight_check(cfg, hf_config: dict | None) -> None:
@@ -205,18 +187,12 @@ def preflight_check(cfg, hf_config: dict | None) -> None:
 
 def missing_package_error(e: ModuleNotFoundError, path: str | Path, flag: str | None, config,
                           auto_cls) -> ConfigError:
-    """One line for a transformers model class that needs a Python package not installed here (transformers'
-    Inkling multimodal model: scipy, imported while its vision tower is built): the flag and path, the class, the
-    package and the fix."""
-    package = (e.name or str(e)).split(".")[0]
-    try:
-        name = auto_cls._model_mapping[type(config)].__name__
-    except (KeyError, AttributeError):
-        name = f"{auto_cls.__name__}'s class"
-    where = f"{flag} {path}" if flag else f"model directory {path}"
-    return ConfigError(f"{where}: the FSDP backend builds this checkpoint with transformers' {name} (model_type "
-                       f"{getattr(config, 'model_type', '?')}), which needs the Python package '{package}', not "
-                       f"installed; install it (pip install {package}) or add --train-backend megatron.")
+    """The FSDP backend's one line for a transformers model class that needs a Python package not installed here
+    (``miles.utils.build_imports.missing_package_error``: the flag and path, the class, the package and the fix)."""
+    from miles.utils import build_imports
+
+    return build_imports.missing_package_error(e, path, flag, config, auto_cls, builder=FSDP_BUILDS,
+                                               alternative=FSDP_ALTERNATIVE)
 
 
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:

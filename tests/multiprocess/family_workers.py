@@ -449,11 +449,14 @@ def check_gpu_bf16_parity(res: dict) -> None:
     assert res["update_rel_l2"] < 0.12, res
 
 
-def check_engine_greedy(model_dir: Path, log: Path, prompt: list[int], names: tuple[str, ...] = ()) -> dict:
+def check_engine_greedy(model_dir: Path, log: Path, prompt: list[int], names: tuple[str, ...] = (), *,
+                        values: bool = True) -> None:
     """``python -m miles.engine`` on ``model_dir`` (log ``log``) decodes ``prompt`` greedily (8 new tokens) to the
-    tokens transformers' ``generate`` gives (``hf_lm``, fp32); returns the engine's answers to
-    ``/get_weights_by_name`` for each of ``names``, asked before it stops."""
+    tokens transformers' ``generate`` gives (``hf_lm``, fp32), and answers ``/get_weights_by_name`` (asked before it
+    stops) for each of ``names`` (the checkpoint's names, which the trainers export): 200, and with ``values`` the
+    checkpoint's tensor (``model.safetensors``), its first 100 entries (the route's default truncate_size 100)."""
     import torch
+    from safetensors.torch import load_file
 
     from miles.engine.testing import EngineProc
 
@@ -469,7 +472,11 @@ def check_engine_greedy(model_dir: Path, log: Path, prompt: list[int], names: tu
     finally:
         eng.stop()
     assert out["output_ids"] == ref, (out["output_ids"], ref)
-    return got
+    disk = load_file(str(Path(model_dir) / "model.safetensors")) if values and names else {}
+    for n, r in got.items():
+        assert r.status_code == 200, (n, r.text)
+        if values:
+            assert torch.equal(torch.tensor(r.json()).to(disk[n].dtype), disk[n][:100]), n
 
 
 def compare_runs(a: dict, b: dict) -> dict:

@@ -120,8 +120,7 @@ def test_embedded_engine_serves_glm4_moe(tiny_glm45_dir: Path, tmp_path: Path) -
     from family_workers import check_engine_greedy
 
     bias = "model.layers.1.mlp.gate.e_score_correction_bias"
-    got = check_engine_greedy(tiny_glm45_dir, tmp_path / "e.log", [5, 17, 23, 42, 8], (bias,))
-    assert got[bias].status_code == 200, got[bias].text
+    check_engine_greedy(tiny_glm45_dir, tmp_path / "e.log", [5, 17, 23, 42, 8], (bias,), values=False)   # 200 only
 
 
 if __name__ == "__main__":

@@ -234,18 +234,12 @@ def test_embedded_engine_serves_inkling(tiny_inkling_dir: Path, tmp_path: Path) 
     """``python -m miles.engine`` (the generic transformers path, one request at a time: ``InklingForCausalLM`` with
     its cache of K / V and convolution states) generates transformers' greedy tokens past the sliding window (8) and
     the full layer's relative extent (12), and reports weights by the checkpoint's names (the trainer's export)."""
-    import torch
     from family_workers import check_engine_greedy
-    from safetensors.torch import load_file
 
     prompt = [5, 9, 17, 33, 40, 12, 8, 61, 70, 22, 14]          # 11 + 8 new tokens: past the window and the extent
-    disk = load_file(str(tiny_inkling_dir / "model.safetensors"))
     names = ("model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.2.mlp.experts.gate_up_proj",
              "model.layers.0.self_attn.k_sconv.conv1d.weight")
-    got = check_engine_greedy(tiny_inkling_dir, tmp_path / "e.log", prompt, names)
-    for n, r in got.items():
-        assert r.status_code == 200, (n, r.text)
-        assert torch.equal(torch.tensor(r.json()).to(disk[n].dtype), disk[n][:100]), n      # truncate_size 100
+    check_engine_greedy(tiny_inkling_dir, tmp_path / "e.log", prompt, names)   # each name: 200, the checkpoint's values
 
 
 @pytest.mark.gpu

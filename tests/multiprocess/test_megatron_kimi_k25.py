@@ -185,18 +185,12 @@ def test_embedded_engine_serves_kimi_k25(tiny_k25_dir: Path, tmp_path: Path) -> 
     """``python -m miles.engine`` (the generic transformers path: Kimi_K25ForConditionalGeneration on text) generates
     transformers' greedy tokens, and reports weights by the checkpoint's published names (the names the trainer
     exports), an expert's included."""
-    import torch
     from family_workers import check_engine_greedy
-    from safetensors.torch import load_file
 
     prompt = [5, 17, 23, 42, 8, 61, 9, 30, 12]     # with 8 new tokens the rows cross the YaRN original context (8)
-    disk = load_file(str(tiny_k25_dir / "model.safetensors"))
     names = ("language_model.model.layers.1.mlp.gate.e_score_correction_bias", "language_model.lm_head.weight",
              "language_model.model.layers.2.mlp.experts.3.up_proj.weight")
-    got = check_engine_greedy(tiny_k25_dir, tmp_path / "e.log", prompt, names)
-    for n, r in got.items():
-        assert r.status_code == 200, (n, r.text)
-        assert torch.equal(torch.tensor(r.json()).to(disk[n].dtype), disk[n][:100]), n      # truncate_size 100
+    check_engine_greedy(tiny_k25_dir, tmp_path / "e.log", prompt, names)   # each name: 200, the checkpoint's values
 
 
 @pytest.mark.gpu

@@ -183,8 +183,8 @@ def test_text_only_multimodal_checkpoint_kimi_k25(tmp_path):
     exports) loads when its manifest says it is partial, and is refused as lacking the towers otherwise."""
     from safetensors.torch import load_file
 
-    from miles.engine.model_runner import has_causal_lm
     from miles.engine.weights import WeightUpdateError, load_from_disk
+    from miles.utils.build_imports import has_causal_lm
     from miles.utils.tiny_kimi_k25 import build_tiny_kimi_k25
     from miles.weight_sync.disk_delta import write_version
 

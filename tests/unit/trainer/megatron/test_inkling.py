@@ -262,11 +262,15 @@ def test_published_layout_on_fsdp_is_one_line(tmp_path: Path, one_rank_group) ->
                             "megatron."), e.value
 
 
-def _fsdp_dry_run(model: Path, *extra: str) -> str:
+def _dry_run(model: Path, *extra: str) -> str:
     from miles.run.entry import dry_run
 
-    return dry_run(parse_args(["--hf-checkpoint", str(model), "--train-backend", "fsdp", "--num-rollout", "1",
-                               "--rollout-batch-size", "2", "--colocate", "--rm-type", "math", "--dry-run", *extra]))
+    return dry_run(parse_args(["--hf-checkpoint", str(model), "--num-rollout", "1", "--rollout-batch-size", "2",
+                               "--colocate", "--rm-type", "math", "--dry-run", *extra]))
+
+
+def _fsdp_dry_run(model: Path, *extra: str) -> str:
+    return _dry_run(model, "--train-backend", "fsdp", *extra)
 
 
 def test_published_layout_on_fsdp_is_one_line_at_dry_run(published_inkling_dir: Path, tiny_inkling_dir: Path,
@@ -298,6 +302,44 @@ def test_published_layout_on_fsdp_is_one_line_at_dry_run(published_inkling_dir: 
     config["vision_config"]["n_layers"] = 6
     (six / "config.json").write_text(json.dumps(config))
     assert "role plan" in _fsdp_dry_run(six)
+
+
+def test_published_layout_on_the_embedded_engine_is_one_line_at_dry_run(published_inkling_dir: Path,
+                                                                       monkeypatch) -> None:
+    """The embedded engine serves the released layout with transformers' ``InklingForConditionalGeneration`` (its
+    generic path, ``build_imports.serving_class``), whose vision tower imports scipy while built, whatever trains it:
+    the Megatron trainer builds its own Inkling (no transformers class, so no backend check sees the engine's), and
+    the FSDP trainer's check does not run under ``--debug-rollout-only``. With scipy unimportable each run is refused
+    at ``--dry-run`` in one line naming the flag, the class, the package and the fix (``preflight.check_embedded_model``:
+    ``build_imports.check_embedded_engine_build``, the FSDP check's implementation), for ``--rollout-engine embedded``
+    and for what auto picks without a GPU; the engine's own build gives the same line, not a traceback."""
+    import sys
+
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from miles.engine.model_runner import ModelRunner
+    from miles.engine.runner_options import RunnerOptions
+    from miles.utils.build_imports import serving_class
+
+    monkeypatch.setitem(sys.modules, "scipy", None)           # unimportable here, installed or not
+    monkeypatch.setitem(sys.modules, "scipy.optimize", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)    # auto picks the embedded engine
+    line = (f"--hf-checkpoint {published_inkling_dir}: the embedded engine ({{why}}) builds this checkpoint with "
+            "transformers' InklingForConditionalGeneration (model_type inkling_mm_model), which needs the Python "
+            "package 'scipy', not installed; install it (pip install scipy) or use --rollout-engine sglang (SGLang "
+            "installed, on GPU).")
+    named, auto = "--rollout-engine embedded", "--rollout-engine auto chose it: no GPU, or SGLang not importable"
+    for extra, why in ((["--train-backend", "megatron", "--rollout-engine", "embedded"], named),
+                       (["--train-backend", "megatron"], auto),
+                       (["--train-backend", "fsdp", "--debug-rollout-only", "--rollout-engine", "embedded"], named)):
+        with pytest.raises(ConfigError) as e:
+            _dry_run(published_inkling_dir, *extra)
+        assert str(e.value) == line.format(why=why), (extra, e.value)
+    with pytest.raises(ConfigError) as e:
+        ModelRunner(published_inkling_dir, RunnerOptions(device="cpu"))
+    assert str(e.value) == line.replace(" ({why})", ""), e.value
+    # the class the preflight checks is the engine's for the VLM it serves with images too (Qwen3-VL)
+    assert serving_class(AutoConfig.for_model("qwen3_vl")) is AutoModelForImageTextToText
 
 
 def test_r2_training_forwards_replay_the_old_pass(tiny_inkling_dir: Path, group) -> None:
