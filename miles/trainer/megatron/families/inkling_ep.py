@@ -85,6 +85,16 @@ class _AllToAllEP(torch.autograd.Function):
         return _AllToAllEP.apply(grad, ctx.recv, ctx.send, ctx.ep), None, None, None
 
 
+def _on_graph(y: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+    """``y`` (this rank's experts' outputs) on the autograd graph of each of ``inputs`` (what the collectives
+    brought) even when no row reached this rank's experts (``run`` then returns zeros that need no gradient): every
+    EP rank must run each collective's backward."""
+    for t in inputs:
+        if t.requires_grad:
+            y = y + t[:0].sum()
+    return y
+
+
 def all_to_all(run: Run, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ep: EPGroup,
                local: int) -> torch.Tensor:
     """megatron-core's ``alltoall`` dispatch (module docstring): x [n, h], weights / ids [n, k] -> [n, h]."""
@@ -102,6 +112,7 @@ def all_to_all(run: Run, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
     got_ids = sorted_ids.new_empty(sum(recv))
     dist.all_to_all_single(got_ids, sorted_ids, output_split_sizes=recv, input_split_sizes=send, group=ep.group)
     y = run(got[:, :-1], got[:, -1:], got_ids[:, None], ep.rank * local)        # [m, h]: each row's weighted output
+    y = y if y.requires_grad else _on_graph(y, got)
     back = _AllToAllEP.apply(y, recv, send, ep)                                  # [n k, h] in ``order``
     return torch.zeros_like(x).index_add(0, tok, back)
 
@@ -119,7 +130,9 @@ def all_gather(run: Run, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
         ids = torch.cat([ids, ids.new_full((pad, ids.shape[1]), -1)])
     all_ids = ids.new_empty((ep.size * ids.shape[0], ids.shape[1]))
     dist.all_gather_into_tensor(all_ids, ids.contiguous(), group=ep.group)
-    out = run(_GatherEP.apply(x, ep), _GatherEP.apply(weights, ep), all_ids, ep.rank * local)
+    gx, gw = _GatherEP.apply(x, ep), _GatherEP.apply(weights, ep)
+    out = run(gx, gw, all_ids, ep.rank * local)
+    out = out if out.requires_grad else _on_graph(out, gx, gw)
     return _ReduceScatterEP.apply(out, ep)[:n]
 
 
