@@ -134,8 +134,8 @@ def test_inkling_ep2_trainer_matches_one_rank(tiny_inkling_dir: Path, tmp_path: 
     assert got["update_max_abs_diff"] < EP_UPDATE and got["update_rel_l2"] < EP_REL, got
 
 
-# measured (pytest -s -k ep2_trainer, 2026-12-07): log-probs 0.0 apart (each token's two expert outputs summed in
-# the same order), step metrics 6.0e-8 (relative: grad_norm), the update after 2 steps 3.3e-7 (max abs, of updates
+# measured (pytest -s -k ep2_trainer, 2026-12-07, the all-gather dispatch; the same figures with the all-to-all one,
+# the default since): log-probs 0.0 apart (each token's two expert outputs summed in the same order), step metrics 6.0e-8 (relative: grad_norm), the update after 2 steps 3.3e-7 (max abs, of updates
 # up to 4.0e-3) and 7.9e-7 (relative L2): DP 2's gradient averaging
 EP_LP, EP_METRIC, EP_UPDATE, EP_REL = 1e-7, 1.2e-7, 7e-7, 1.6e-6
 

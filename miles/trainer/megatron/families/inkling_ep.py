@@ -19,6 +19,9 @@ add nothing). Each EP rank holds experts ``[rank * local, (rank + 1) * local)``.
   to the longest rank's count: RL micro-batches differ in length; padding routes nowhere), each rank runs its
   experts on all of them and the partial outputs are reduce-scattered back, summed. Every rank computes on every
   rank's tokens (EP x the all-to-all's traffic); kept for the flag's meaning.
+
+A rank whose experts get no row still takes part in each collective's backward (``_on_graph``): the collectives are
+symmetric, so a rank skipping one would hang the others.
 """
 
 from __future__ import annotations
