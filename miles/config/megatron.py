@@ -220,8 +220,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=None,
                    help="MoE aux loss coefficient: 0 only (neither backend adds it to the RL loss).")
     g.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall", "flex"], default=None,
-                   help="MoE token dispatch over the EP group (default allgather; flex: DeepEP's, refused where its "
-                        "package deep_ep does not import).")
+                   help="MoE token dispatch over the EP group (default: alltoall with --expert-model-parallel-size > "
+                        "1, else allgather; Inkling's own MoE runs both, in torch; flex, DeepEP's, is refused).")
     g.add_argument("--moe-router-dtype", choices=["fp32", "fp64"], default=None,
                    help="MoE router logits and probabilities in this dtype (default: the activations').")
     g.add_argument("--moe-router-bias-update-rate", type=float, default=None,

@@ -34,12 +34,13 @@ def hf_lm(model_dir: str, **kw):
 
 
 def build_loaded(model_dir: str, *, tp: int, ep: int = 1, device, dtype=None, core_attention: str = "sdpa",
-                 mtp: bool = False, router_dtype: str | None = None, cp: int = 1):
+                 mtp: bool = False, router_dtype: str | None = None, cp: int = 1, dispatcher: str | None = None):
     """The Megatron backend's model of ``model_dir`` at TP ``tp`` (sequence parallel when > 1) x EP ``ep`` on
     ``device``, its parameters in ``dtype`` (fp32; bf16 turns on megatron-core's bf16), loaded from the checkpoint
     (the MoE layers configured by ``moe.config_kwargs`` as the trainer does). ``mtp``: the checkpoint's MTP layers
     built too (frozen, as without --enable-mtp-training). ``cp``: x CP (``--context-parallel-size``, the
-    all-gather attention). Returns (model, shape, groups)."""
+    all-gather attention). ``dispatcher``: ``--moe-token-dispatcher-type`` (None: the trainer's default). Returns
+    (model, shape, groups)."""
     import torch
 
     from miles.trainer.megatron import compat, convert, model, moe, parallel
@@ -58,7 +59,8 @@ def build_loaded(model_dir: str, *, tp: int, ep: int = 1, device, dtype=None, co
         compat.apply_moe_compat()
         if device.type == "cpu":
             compat.apply_moe_cpu_compat()
-        kw = moe.config_kwargs(shape, moe.MoeOptions(router_dtype=router_dtype), ep=ep, etp=1, te=False)
+        kw = moe.config_kwargs(shape, moe.MoeOptions(router_dtype=router_dtype, dispatcher=dispatcher), ep=ep, etp=1,
+                               te=False)
     padded = model.padded_vocab_size(shape.vocab_size, 128, tp)
     config = model.transformer_config(shape, tp_size=tp, device=device, params_dtype=dtype, moe=kw,
                                       bf16=dtype == torch.bfloat16, sequence_parallel=tp > 1, cp_size=cp)

@@ -17,8 +17,10 @@ transformers' own revert of its load-time conversion) load into the same model: 
 own names bit for bit (the tower is not exported: ``--save-hf`` copies it).
 
 ``test_inkling_ep2_matches_hf`` / ``test_inkling_ep2_trainer_matches_one_rank``: expert parallelism (EP 2, each rank
-2 of the 4 experts): transformers' logits, the export bitwise; the trainer against one rank, its torch_dist checkpoint
-resumed bit for bit.
+2 of the 4 experts, the all-to-all dispatch by default): transformers' logits, the export bitwise; the trainer against
+one rank, its torch_dist checkpoint resumed bit for bit. ``test_inkling_alltoall_dispatch_matches_allgather``: the
+MoE's two dispatchers (``--moe-token-dispatcher-type alltoall`` / ``allgather``) give the same outputs and gradients;
+``test_recorded_dispatcher_reaches_the_model``: the recorded command's ``alltoall`` is the one the trainer's model runs.
 
 ``test_inkling_trainer_with_miles_provider_path``: the Megatron trainer at TP 2 + SP on the published checkpoint,
 given Miles's recorded ``--custom-model-provider-path miles_plugins.models.inkling.model.inkling_model_provider``
@@ -99,11 +101,11 @@ def test_inkling_published_layout_matches_hf(published_inkling_dir: Path, tiny_i
 
 @pytest.mark.parametrize("nproc", [2, 4], ids=["tp1_ep2", "tp2_sp_ep2"])
 def test_inkling_ep2_matches_hf(tiny_inkling_dir: Path, tmp_path: Path, free_port: int, nproc: int) -> None:
-    """EP 2 (each rank holds 2 of the 4 routed experts; the EP group's tokens gathered, each rank's experts' outputs
-    reduce-scattered back: ``inkling_model.InklingMoE._routed_ep``) at TP 1 on 2 ranks and at TP 2 + SP on 4 (the
-    recorded command's TP x EP over the same ranks, at half its size): transformers' logits and log-probs as at EP 1,
-    every gradient finite, and the export (each layer's experts gathered over EP into one tensor) equals the
-    checkpoint bit for bit. Measured (pytest -s): logits 2.4e-7 / 3.6e-7, log-probs 4.8e-7 / 9.5e-7 (as at TP 1 / 2)."""
+    """EP 2 (each rank holds 2 of the 4 routed experts; each (token, slot) sent to the rank holding its expert and
+    the weighted outputs back: ``inkling_ep.all_to_all``, the default dispatch under EP) at TP 1 on 2 ranks and at
+    TP 2 + SP on 4 (the recorded command's TP x EP over the same ranks, at half its size): transformers' logits and
+    log-probs as at EP 1, every gradient finite, and the export (each layer's experts gathered over EP into one
+    tensor) equals the checkpoint bit for bit. Measured (pytest -s): logits 2.4e-7 / 3.6e-7, log-probs 4.8e-7 / 9.5e-7 (as at TP 1 / 2)."""
     res = launch(HERE, nproc, free_port, "gpt_ep", tiny_inkling_dir, tmp_path / "ep2.json", 2)
     print(f"ep 2 on {nproc} ranks: logits {res['max_abs_err']:.3g}, log-probs {res['max_lp_err']:.3g}")
     assert res["expert_shapes"] and all(dims[0] == 2 for dims in res["expert_shapes"].values()), res["expert_shapes"]
@@ -132,10 +134,157 @@ def test_inkling_ep2_trainer_matches_one_rank(tiny_inkling_dir: Path, tmp_path: 
     assert got["update_max_abs_diff"] < EP_UPDATE and got["update_rel_l2"] < EP_REL, got
 
 
-# measured (pytest -s -k ep2_trainer, 2026-12-07): log-probs 0.0 apart (each token's two expert outputs summed in
-# the same order), step metrics 6.0e-8 (relative: grad_norm), the update after 2 steps 3.3e-7 (max abs, of updates
+# measured (pytest -s -k ep2_trainer, 2026-12-07, the all-gather dispatch; the same figures with the all-to-all one,
+# the default since): log-probs 0.0 apart (each token's two expert outputs summed in the same order), step metrics 6.0e-8 (relative: grad_norm), the update after 2 steps 3.3e-7 (max abs, of updates
 # up to 4.0e-3) and 7.9e-7 (relative L2): DP 2's gradient averaging
 EP_LP, EP_METRIC, EP_UPDATE, EP_REL = 1e-7, 1.2e-7, 7e-7, 1.6e-6
+
+
+class _Replay:
+    """Routing replay of fixed expert ids (the router's ``router_replay`` hook, as R2 / R3 feed it): the weights
+    still come from the router's logits at those experts, so its gradient flows."""
+
+    def __init__(self, ids):
+        self.ids = ids
+
+    def get_replay_topk(self, scores, topk, num_groups, group_topk, own):
+        return scores.gather(1, self.ids), self.ids
+
+
+def _count_calls(module, names: tuple[str, ...]) -> dict:
+    """Wrap ``module``'s functions ``names`` in place; the dict counts their calls."""
+    counts = dict.fromkeys(names, 0)
+    for name in names:
+        def counted(*a, _real=getattr(module, name), _name=name, **kw):
+            counts[_name] += 1
+            return _real(*a, **kw)
+        setattr(module, name, counted)
+    return counts
+
+
+def _dispatch_worker(model_dir: str, out: str) -> None:
+    """TP 1 x EP 2 on 2 ranks: layer 1's MoE of the model built with ``--moe-token-dispatcher-type allgather`` and
+    with ``alltoall`` (same checkpoint), run on each rank's own tokens (a different count per rank) and backwarded
+    with a loss of its own per rank. Case ``local_only``: rank 0's tokens replay experts 0 and 1 only (its own: it
+    sends nothing to rank 1), rank 1's a fixed mix over all 4; case ``routed``: the router's own choice. Writes per
+    case, dispatcher and rank the output, the gradients of the input, the router, the routed and shared experts, the
+    ids routed and the collectives called. Case ``rank1_idle``: both ranks' tokens replay experts 0 and 1 only, so
+    rank 1's experts get no row (its collectives' backward must still run)."""
+    import torch
+    import torch.distributed as dist
+    from family_workers import build_loaded
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    calls = _count_calls(dist, ("all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor"))
+    res: dict = {}
+    for kind in ("allgather", "alltoall"):
+        gpt, shape, _ = build_loaded(model_dir, tp=1, ep=2, device=torch.device("cpu"), dispatcher=kind)
+        moe = gpt.decoder.layers[1].mlp
+        res[f"{kind}_dispatcher"] = getattr(moe, "dispatcher", None)
+        seen = []
+        moe.router.register_forward_hook(lambda m, a, o, seen=seen: seen.append(o[1].clone()))
+        for case, counts in (("local_only", (5, 9)), ("routed", (7, 3)), ("rank1_idle", (4, 6))):
+            gen = torch.Generator().manual_seed(10 * rank + (case == "routed"))
+            n = counts[rank]
+            x = torch.randn(1, n, shape.hidden_size, generator=gen, requires_grad=True)
+            weight = torch.randn(1, n, shape.hidden_size, generator=gen)
+            if case == "routed":
+                moe.router.router_replay = None
+            elif case == "local_only" and rank == 1:
+                moe.router.router_replay = _Replay(torch.tensor([[0, 3], [2, 1], [3, 2], [1, 0], [2, 0], [3, 1],
+                                                                 [1, 2], [0, 2], [3, 0]]))
+            else:                                  # experts 0 and 1 (rank 0's) in some order
+                moe.router.router_replay = _Replay(torch.stack([torch.randperm(2, generator=gen) for _ in range(n)]))
+            gpt.zero_grad(set_to_none=True)
+            before = dict(calls)
+            y = moe(x)
+            (y * weight).sum().backward()
+            got = {"out": y.detach(), "x": x.grad, "ids": seen[-1],
+                   "calls": {k: calls[k] - before[k] for k in calls}}
+            got |= {n: None if p.grad is None else p.grad.clone() for n, p in moe.named_parameters()}
+            res[(case, kind)] = got
+    everyone = [None, None]
+    dist.all_gather_object(everyone, res)
+    if rank == 0:
+        torch.save(everyone, out)
+    dist.destroy_process_group()
+
+
+def test_inkling_alltoall_dispatch_matches_allgather(tiny_inkling_dir: Path, tmp_path: Path, free_port: int) -> None:
+    """EP 2 (each rank 2 of the 4 experts): the all-to-all dispatch (``--moe-token-dispatcher-type alltoall``,
+    ``inkling_ep.all_to_all``: each (token, slot) sent only to the rank holding its expert, the weighted outputs sent
+    back) gives the all-gather path's output and gradients (input, router, routed and shared experts) on each rank,
+    bit for bit (measured: every tensor equal; each expert sees its rows in the same order on both paths, and the
+    top-2 slots of a token are summed as two terms either way), with 5 / 9, 7 / 3 and 4 / 6 tokens on the 2 ranks,
+    rank 0's tokens routed to its own experts only, and (``rank1_idle``) no token of either rank routed to rank 1's
+    experts; the all-to-all path is the one run (``all_to_all_single`` called, no all-gather), and the all-gather
+    path calls no all-to-all."""
+    import torch
+
+    ranks = launch(HERE, 2, free_port, "dispatch", tiny_inkling_dir, tmp_path / "dispatch.pt")
+    assert ranks[0]["local_only", "alltoall"]["ids"].lt(2).all()        # rank 0: nothing for rank 1's experts
+    assert ranks[1]["local_only", "alltoall"]["ids"].ge(2).any() and ranks[1]["local_only", "alltoall"]["ids"].lt(2).any()
+    assert ranks[0]["routed", "alltoall"]["ids"].ge(2).any()            # the router's own choice crosses ranks
+    assert all(r["rank1_idle", "alltoall"]["ids"].lt(2).all() for r in ranks)    # nothing for rank 1's experts
+    for rank, res in enumerate(ranks):
+        for case in ("local_only", "routed", "rank1_idle"):
+            a, b = res[case, "allgather"], res[case, "alltoall"]
+            assert b["calls"]["all_to_all_single"] > 0 and not b["calls"]["all_gather_into_tensor"], b["calls"]
+            assert not a["calls"]["all_to_all_single"] and a["calls"]["all_gather_into_tensor"], a["calls"]
+            assert torch.equal(a["ids"], b["ids"]), (rank, case)
+            names = [k for k in a if k not in ("calls", "ids")]
+            assert {"x", "router.weight", "experts.gate_up_proj", "experts.down_proj"} <= set(names), names
+            idle = [k for k in names if case == "rank1_idle" and rank == 1 and k.startswith("experts.")]
+            assert all(a[k] is None and b[k] is None for k in idle), (case, idle)       # no row reached them
+            names = [k for k in names if k not in idle]
+            diff = {k: float((a[k] - b[k]).abs().max()) for k in names}
+            print(rank, case, diff)
+            assert all(torch.equal(a[k], b[k]) for k in names), (rank, case, diff)
+            assert all(a[k].abs().max() > 0 for k in names), [k for k in names if not a[k].any()]
+        assert (res["allgather_dispatcher"], res["alltoall_dispatcher"]) == ("allgather", "alltoall")
+
+
+def _recorded_dispatcher_worker(model_dir: str, out: str) -> None:
+    """The Megatron trainer built with the recorded Inkling command's ``--moe-token-dispatcher-type`` (read from the
+    fixture) at its layout scaled to 2 ranks (TP 2 + SP x EP 2, EP over the TP ranks, as the tiny replay runs it):
+    writes each MoE layer's dispatcher and the collectives a log-prob pass (forward only) calls: all-to-alls only in
+    the all-to-all dispatch, reduce-scatters only in the all-gather one (its combine; the TP mappings of a forward
+    all-gather and all-reduce)."""
+    import torch
+    import torch.distributed as dist
+    from miles_fixtures import HERE as FIXTURES
+    from miles_fixtures import read_fixture
+    from trainer_harness import build, flags, policy_logprobs, random_samples
+
+    from miles.trainer.megatron.families import inkling_model
+
+    dist.init_process_group("gloo")
+    recorded = [ln.split()[1] for ln in read_fixture(FIXTURES / "megatron_inkling.flags")[2]
+                if ln.startswith("--moe-token-dispatcher-type ")]
+    tr = build(model_dir, flags("tiny", "megatron_tp2") + ["--sequence-parallel", "--moe-aux-loss-coeff", "0",
+                                                          "--expert-model-parallel-size", "2",
+                                                          "--moe-token-dispatcher-type", *recorded])
+    moes = [m for m in tr.model.modules() if isinstance(m, inkling_model.InklingMoE)]
+    ran = _count_calls(dist, ("all_to_all_single", "reduce_scatter_tensor"))
+    lps = policy_logprobs(tr, random_samples(2, 2, seed=3, vocab=90))
+    if dist.get_rank() == 0:
+        torch.save({"recorded": recorded, "dispatchers": [getattr(m, "dispatcher", None) for m in moes],
+                    "ep": [m.ep.size for m in moes], "ran": ran,
+                    "finite": all(torch.isfinite(torch.tensor(lp)).all() for lp in lps)}, out)
+    dist.destroy_process_group()
+
+
+def test_recorded_dispatcher_reaches_the_model(tiny_inkling_dir: Path, tmp_path: Path, free_port: int) -> None:
+    """Miles's recorded Inkling command passes ``--moe-token-dispatcher-type alltoall``: the trainer built with it
+    (TP 2 + SP x EP 2) gives every Inkling MoE layer the all-to-all dispatch, and a log-prob pass runs it (and not
+    the all-gather one)."""
+    res = launch(HERE, 2, free_port, "recorded_dispatcher", tiny_inkling_dir, tmp_path / "recorded.pt")
+    print("recorded dispatcher", res)
+    assert res["recorded"] == ["alltoall"], res["recorded"]
+    assert res["ran"]["all_to_all_single"] > 0 and res["ran"]["reduce_scatter_tensor"] == 0, res["ran"]
+    assert res["dispatchers"] == ["alltoall", "alltoall"] and res["ep"] == [2, 2], res
+    assert res["finite"]
 
 
 PROVIDER = "miles_plugins.models.inkling.model.inkling_model_provider"
@@ -277,3 +426,7 @@ if __name__ == "__main__":
         gpu_worker(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "trainer":
         _trainer_worker(sys.argv[2], sys.argv[3], sys.argv[4])
+    elif sys.argv[1] == "dispatch":
+        _dispatch_worker(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "recorded_dispatcher":
+        _recorded_dispatcher_worker(sys.argv[2], sys.argv[3])

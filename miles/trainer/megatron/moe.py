@@ -218,11 +218,11 @@ def check_moe_static(o, shape) -> None:
     if o.tp > 1 and not o.sequence_parallel:
         raise ConfigError(f"--tensor-model-parallel-size {o.tp} with MoE layers needs --sequence-parallel "
                           "(megatron-core trains MoE layers under TP only with sequence parallelism): add it.")
-    if o.ep > 1 and m.dispatcher == "allgather":
+    if o.ep > 1 and m.dispatcher == "allgather" and not shape.family.own_moe_dispatch:
         raise ConfigError(f"--moe-token-dispatcher-type allgather with --expert-model-parallel-size {o.ep} needs the "
                           "same number of tokens on every EP rank, and RL micro-batches differ in length: use "
                           "alltoall (the default with EP > 1).")
-    if m.dispatcher == "flex":
+    if m.dispatcher == "flex" and not shape.family.own_moe_dispatch:     # (that family's check_static refuses it)
         raise ConfigError("--moe-token-dispatcher-type flex needs DeepEP/HybridEP, which this backend does not run: "
                           "use alltoall or allgather.")
     bad = [t for t in m.load_balancing if t not in ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")]

@@ -123,6 +123,9 @@ class Family:
     check_flags: Callable[[Any, Any], None] = _nothing   # (megatron flags, shape): runs for EVERY shape, so a family
     #                                                     refuses its own flags on another one
     check_static: Callable[[Any, Any], None] = _nothing  # (options.Options, shape): runs for its own shapes only
+    own_moe_dispatch: bool = False              # its MoE dispatches tokens over EP itself (Inkling's, in torch), not
+    #                                             through megatron-core's dispatchers: moe.check_moe_static leaves
+    #                                             --moe-token-dispatcher-type to its check_static
     fork_flags: Callable[[Any], dict] = _empty  # (shape) -> {MegatronConfig field: (config.json key, value)}: the
     #      flags of Miles's Megatron fork its config.json fixes (fork_flags.FORK_FLAGS: --experimental-attention-variant,
     #      --dsv4-*, --dsa-indexer-*, --activation-func-clamp-value) and any MLA / YaRN flag it reads in that fork's

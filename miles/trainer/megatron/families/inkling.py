@@ -30,7 +30,8 @@ radixark/miles@v0.1.0:miles_plugins/models/inkling/, whose path is taken here as
     ``global_scale``; each shared expert weighted by its own share. megatron-core's SharedExpertMLP takes no
     per-token weight and its router no shared logits -> ours (``InklingMoE``), in torch, the tokens split over TP.
     Expert parallelism: each EP rank holds its rows of the stacked experts (``moe.is_stacked_expert``: sliced at load,
-    gathered at export, EP-sharded in torch_dist); the MoE gathers the EP group's tokens (``InklingMoE._routed_ep``).
+    gathered at export, EP-sharded in torch_dist); the MoE sends tokens to them by ``--moe-token-dispatcher-type``
+    (alltoall, the default under EP > 1, or allgather: ``inkling_ep.py``; flex refused).
  5. Head: the final hidden states divided by ``logits_mup_width_multiplier`` before the output layer (untied).
     ``unpadded_vocab_size``: the rows past it are not the model's (transformers drops those logits): the shape's
     vocabulary is the unpadded one, the export pads the head and embedding back to ``vocab_size`` with zeros.
@@ -46,7 +47,8 @@ at load time, ``_NATIVE_*``): ``hf_state`` reads them, ``export_stream`` writes 
 ``--hf-checkpoint``; the towers are not built (images and audio in the prompts are not trained on: as transformers
 embeds any token, a placeholder token is embedded as itself). Refused (one line each,
 ``check_static``): pipeline and context parallelism, a TP size not dividing every layer's heads and KV heads,
-MTP layers, ``--moe-grouped-gemm`` / ``--moe-permute-fusion`` (transformer-engine's kernels for megatron-core's experts), dropout (the model has none; an auxiliary load-balancing loss is refused for every family). Activation
+MTP layers, ``--moe-grouped-gemm`` / ``--moe-permute-fusion`` (transformer-engine's kernels for megatron-core's experts),
+``--moe-token-dispatcher-type flex`` (DeepEP's dispatcher, not wired into this MoE), dropout (the model has none; an auxiliary load-balancing loss is refused for every family). Activation
 recompute: ``--recompute-granularity full`` (uniform / block chunks of layers) and ``selective`` (the attention's
 [s, s] core) with torch's checkpoint. Routing replay: the router asks
 megatron-core's ``router_replay`` as megatron-core's own does (R2 tested; R3 needs an engine that records Inkling's
@@ -386,6 +388,10 @@ def check_static(o, shape) -> None:
             raise ConfigError(f"{flag} with Inkling is not supported by the Megatron backend (its MoE is its own torch "
                               "module, not megatron-core's experts, so transformer-engine's kernels would not run); "
                               "drop it.")
+    if o.moe.dispatcher == "flex":      # (without DeepEP the kernel check refuses it too: miles/config/kernels.py)
+        raise ConfigError("--moe-token-dispatcher-type flex with Inkling is not supported by the Megatron backend (its "
+                          "MoE is its own torch module and dispatches tokens itself; DeepEP's fused dispatcher is not "
+                          "wired into it); use alltoall (the default with expert parallelism) or allgather.")
     for flag, value in (("--hidden-dropout", o.hidden_dropout), ("--attention-dropout", o.attention_dropout)):
         if value:
             raise ConfigError(f"{flag} {value:g} with Inkling is not supported by the Megatron backend (its decoder, "
@@ -405,4 +411,4 @@ FAMILY = Family(
     build_model=build_model, hf_to_megatron=hf_to_megatron, megatron_to_hf=megatron_to_hf, hooks_name_top=True,
     column=COLUMN, tp_partial=TP_PARTIAL, exported_buffers=exported_buffers, hf_state=hf_state,
     export_stream=export_stream, text_prefix=lambda shape: NATIVE_PREFIX if is_published(shape) else None, check_static=check_static,
-    position_embedding="none", mtp_key="num_mtp_layers")
+    position_embedding="none", mtp_key="num_mtp_layers", own_moe_dispatch=True)

@@ -22,11 +22,14 @@ summed over TP by megatron-core's reduce. The MoE layer splits the tokens over T
 its part through the whole experts, then the outputs are gathered): the experts' gradients are summed over the
 expert-data-parallel group as megatron-core's experts' are (``moe.edp_reduced``), the router's and the shared
 experts' are marked ``sequence_parallel`` (summed over TP by ``parallel.finish_grads``). The q/k norms and the
-relative-logit profiles see their heads only on each rank: ``tp_partial``. Expert parallelism (megatron-core's
-all-gather dispatch, in torch): each EP rank holds ``num_experts / ep`` of the routed experts (its rows of the stacked
-``experts.gate_up_proj`` / ``down_proj``); the EP group's tokens, routing weights and expert ids are gathered (padded
-to the longest rank's count), each rank runs its experts on them and the outputs are reduce-scattered back, summed
-(``InklingMoE._routed_ep``); the router and the shared experts run on each rank's own tokens.
+relative-logit profiles see their heads only on each rank: ``tp_partial``. Expert parallelism: each EP rank holds
+``num_experts / ep`` of the routed experts (its rows of the stacked ``experts.gate_up_proj`` / ``down_proj``); the
+router and the shared experts run on each rank's own tokens, and the routed (token, slot) pairs reach the experts as
+``--moe-token-dispatcher-type`` says for megatron-core's MoE (``config.moe_token_dispatcher_type``; alltoall under
+EP > 1 when the flag is absent), in torch (``inkling_ep.py``): ``alltoall`` sends each pair only to the rank holding
+its expert and the weighted outputs back (``dist.all_to_all_single``), ``allgather`` gathers the EP group's tokens
+(padded to the longest rank's count), runs each rank's experts on all of them and reduce-scatters the outputs back;
+``flex`` (DeepEP) is refused (``inkling.check_static``).
 
 Cost: the attention is computed as transformers' eager path computes it, the [b, heads / tp, s, s] scores and
 relative bias materialised per layer (memory quadratic in the row length; no fused kernel or flex-attention
@@ -39,6 +42,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from miles.trainer.megatron.families.inkling_ep import DISPATCH, EPGroup
 
 
 class RMSNorm(nn.Module):
@@ -106,48 +111,6 @@ class _TP:
             return x
         from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
         return gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False, group=self.group)
-
-
-class _EP:
-    """The expert-parallel group (EP 1: none): this rank holds experts ``[rank * local, (rank + 1) * local)``."""
-
-    def __init__(self, size: int, rank: int, group):
-        self.size, self.rank, self.group = size, rank, group
-
-
-class _GatherEP(torch.autograd.Function):
-    """dim 0: forward all-gather over the EP group, backward reduce-scatter (each rank's experts' gradient for
-    every rank's tokens, summed back to the tokens' rank)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, ep: _EP) -> torch.Tensor:
-        import torch.distributed as dist
-
-        ctx.ep = ep
-        out = x.new_empty((ep.size * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=ep.group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _ReduceScatterEP.apply(grad, ctx.ep), None
-
-
-class _ReduceScatterEP(torch.autograd.Function):
-    """dim 0: forward reduce-scatter (sum) over the EP group, backward all-gather."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, ep: _EP) -> torch.Tensor:
-        import torch.distributed as dist
-
-        ctx.ep = ep
-        out = x.new_empty((x.shape[0] // ep.size, *x.shape[1:]))
-        dist.reduce_scatter_tensor(out, x.contiguous(), group=ep.group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _GatherEP.apply(grad, ctx.ep), None
 
 
 class RelativeLogits(nn.Module):
@@ -295,13 +258,17 @@ class InklingMoE(nn.Module):
     """transformers' ``InklingMoE``: the router, the routed experts (``experts.gate_up_proj`` [E, 2I, h] = [gate; up]
     per expert, ``experts.down_proj`` [E, h, I]) and the shared experts (``sink_experts.gate_up_proj`` [S, 2I, h] =
     [gate; up] per expert, ``down_proj`` [S, h, I]) weighted by the router's sink weights. Tokens split over TP (module
-    docstring)."""
+    docstring); under EP the tokens reach the experts by ``dispatcher`` (``inkling_ep.DISPATCH``: alltoall or
+    allgather, ``--moe-token-dispatcher-type`` as megatron-core's config holds it)."""
 
-    def __init__(self, s, config, tp: _TP, ep: _EP):
+    def __init__(self, s, config, tp: _TP, ep: EPGroup, dispatcher: str = "alltoall"):
         super().__init__()
         g = s.variant
         e, i, h, sh = s.num_experts, s.moe_ffn_hidden_size, s.hidden_size, g.n_shared_experts
-        self.tp, self.ep = tp, ep
+        if dispatcher not in DISPATCH:
+            raise ValueError(f"Inkling's MoE dispatches by {' or '.join(DISPATCH)}, not {dispatcher!r} "
+                             "(--moe-token-dispatcher-type flex is refused at config time: families/inkling.py)")
+        self.tp, self.ep, self.dispatcher = tp, ep, dispatcher
         self.router = Router(s, config)
         self.experts = nn.Module()                  # this EP rank's experts (all of them at EP 1)
         self.experts.gate_up_proj = nn.Parameter(torch.zeros(e // ep.size, 2 * i, h))
@@ -320,7 +287,10 @@ class InklingMoE(nn.Module):
             flat = torch.cat([flat, flat.new_zeros(pad, h)])
         flat = self.tp.split(flat)                                    # this rank's tokens
         weights, ids, gammas = self.router(flat)
-        out = self._routed(flat, weights, ids) if self.ep.size == 1 else self._routed_ep(flat, weights, ids)
+        if self.ep.size == 1:
+            out = self._routed(flat, weights, ids)
+        else:
+            out = DISPATCH[self.dispatcher](self._routed, flat, weights, ids, self.ep, self.experts.gate_up_proj.shape[0])
         sk = self.sink_experts
         hs = flat.unsqueeze(0).expand(sk.gate_up_proj.shape[0], -1, -1)
         gate, up = torch.bmm(hs, sk.gate_up_proj.transpose(1, 2)).chunk(2, dim=-1)
@@ -344,32 +314,12 @@ class InklingMoE(nn.Module):
             out = out.index_add(0, rows, y.to(out.dtype))
         return out
 
-    def _routed_ep(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Expert parallelism (megatron-core's all-gather dispatch): the EP group's tokens, routing weights and
-        expert ids gathered (padded to the longest rank's count; padding routes nowhere), each rank runs its
-        experts on them, and the partial outputs are reduce-scattered back to the tokens' ranks (summed)."""
-        import torch.distributed as dist
-
-        ep, n = self.ep, x.shape[0]
-        most = torch.tensor([n], dtype=torch.int64, device=x.device)
-        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=ep.group)
-        pad = int(most) - n
-        if pad:
-            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-            weights = torch.cat([weights, weights.new_zeros(pad, weights.shape[1])])
-            ids = torch.cat([ids, ids.new_full((pad, ids.shape[1]), -1)])
-        all_ids = ids.new_empty((ep.size * ids.shape[0], ids.shape[1]))
-        dist.all_gather_into_tensor(all_ids, ids.contiguous(), group=ep.group)
-        out = self._routed(_GatherEP.apply(x, ep), _GatherEP.apply(weights, ep), all_ids,
-                           first=ep.rank * self.experts.gate_up_proj.shape[0])
-        return _ReduceScatterEP.apply(out, ep)[:n]
-
 
 class InklingLayer(nn.Module):
     """transformers' ``InklingDecoderLayer``: norm -> attention -> ``attn_conv`` -> residual; norm -> MLP / MoE ->
     ``mlp_conv`` -> residual."""
 
-    def __init__(self, s, config, layer: int, tp: _TP, ep: _EP):
+    def __init__(self, s, config, layer: int, tp: _TP, ep: EPGroup):
         super().__init__()
         g = s.variant
         self.layer_number = layer + 1             # megatron-core's (1-based)
@@ -377,7 +327,8 @@ class InklingLayer(nn.Module):
         self.self_attention = InklingAttention(s, layer, tp)
         self.attn_conv = ShortConv(s.hidden_size, g.conv_kernel)
         self.pre_mlp_layernorm = RMSNorm(s.hidden_size, s.norm_epsilon)
-        self.mlp = InklingMoE(s, config, tp, ep) if s.moe_layer_pattern[layer] else DenseMLP(s, tp)
+        self.mlp = InklingMoE(s, config, tp, ep, config.moe_token_dispatcher_type) if s.moe_layer_pattern[layer] \
+            else DenseMLP(s, tp)
         self.mlp_conv = ShortConv(s.hidden_size, g.conv_kernel)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -393,7 +344,7 @@ TP_AXES = {"self_attention.linear_q.weight": 0, "self_attention.linear_k.weight"
 
 
 def _sharded(module: nn.Module, prefix: str, sharded_offsets, metadata, axes: dict[str, int],
-             ep: _EP | None = None) -> dict:
+             ep: EPGroup | None = None) -> dict:
     """megatron-core's sharded state dict of ``module``'s parameters and buffers: those in ``axes`` split over TP
     on their axis, the rest replicated; under EP the routed experts (``mlp.experts.*``) split over EP on their expert
     axis (dim 0), replicated over the expert-data-parallel group, as megatron-core's experts are."""
@@ -426,7 +377,7 @@ def build_inkling_model(s, config, *, padded_vocab: int, device: torch.device):
     tp = _TP(size, parallel_state.get_tensor_model_parallel_group() if size > 1 else None)
     sp = bool(config.sequence_parallel) and size > 1
     eps = int(getattr(config, "expert_model_parallel_size", 1) or 1)
-    ep = _EP(eps, parallel_state.get_expert_model_parallel_rank() if eps > 1 else 0,
+    ep = EPGroup(eps, parallel_state.get_expert_model_parallel_rank() if eps > 1 else 0,
              parallel_state.get_expert_model_parallel_group() if eps > 1 else None)
     g = s.variant
 

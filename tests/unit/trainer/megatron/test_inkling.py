@@ -170,6 +170,10 @@ def test_vocab_size_flag_takes_the_checkpoint_rows_or_the_unpadded_vocabulary(ti
     (["--mtp-num-layers", "1"], {"num_mtp_layers": 1}, "--mtp-num-layers 1 with Inkling is not supported"),
     (["--hidden-dropout", "0.1"], {}, "--hidden-dropout 0.1 with Inkling is not supported"),
     (["--moe-grouped-gemm"], {}, "--moe-grouped-gemm with Inkling is not supported"),
+    (["--moe-token-dispatcher-type", "flex"], {}, "--moe-token-dispatcher-type flex with Inkling is not supported by the "
+                                                  "Megatron backend (its MoE is its own torch module and dispatches "
+                                                  "tokens itself; DeepEP's fused dispatcher is not wired into it); use "
+                                                  "alltoall (the default with expert parallelism) or allgather."),
     ([], {"hidden_act": "gelu"}, "--hf-checkpoint: Inkling hidden_act 'gelu' is not supported"),
     ([], {"shared_expert_sink": False}, "--hf-checkpoint: Inkling MoE without shared experts scored as a sink"),
 ])
@@ -186,8 +190,12 @@ def test_tensor_parallel_with_sequence_parallel_is_accepted(tiny_inkling_dir: Pa
 
 
 def test_expert_parallelism_is_accepted(tiny_inkling_dir: Path) -> None:
-    """EP 2 (alone and with TP 2 + SP) passes the preflight (the parity: tests/multiprocess/test_megatron_inkling.py)."""
-    for extra in ([], ["--tensor-model-parallel-size", "2", "--sequence-parallel"]):
+    """EP 2 (alone and with TP 2 + SP) passes the preflight (the parity: tests/multiprocess/test_megatron_inkling.py),
+    with either dispatcher Inkling's MoE runs: all-to-all (the default) and all-gather (its own pads the ranks' token
+    counts, so the megatron-core families' refusal of allgather under EP, for RL's uneven micro-batches, is not
+    Inkling's)."""
+    for extra in ([], ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                  ["--moe-token-dispatcher-type", "alltoall"], ["--moe-token-dispatcher-type", "allgather"]):
         options.preflight_check(_cfg(tiny_inkling_dir, "--expert-model-parallel-size", "2", "--moe-aux-loss-coeff",
                                      "0", "--actor-num-gpus-per-node", "4", *extra), _config(tiny_inkling_dir))
 
