@@ -86,8 +86,10 @@ def test_moe_gpt_matches_hf(tiny_moe_dir: Path, tmp_path: Path, free_port: int, 
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["grads_ok"] and res["num_local_experts"] == 4 // ep, res
-    # measured: 1.8e-7 (fp32 rounding of another op order); a wrong expert or gate/up order gives > 1e-2
-    assert res["max_abs_err"] < 1e-5 * max(res["ref_scale"], 1.0), res
+    print("max_abs_err", res["max_abs_err"], "ref_scale", res["ref_scale"])
+    # measured: 1.8e-7 of 0.63 at EP 1 and EP 2 (fp32 rounding of another op order; CPU, 2026-12-08); a wrong expert
+    # or gate/up order gives > 1e-2
+    assert res["max_abs_err"] < 4e-7 * max(res["ref_scale"], 1.0), res
 
 
 # ------------------------------------------------------------------------------------------- trainer parity
