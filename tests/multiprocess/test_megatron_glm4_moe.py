@@ -72,7 +72,8 @@ def test_glm4_moe_gpt_matches_hf(tiny_glm45_dir: Path, tmp_path: Path, free_port
         out = tmp_path / f"gpt_tp{tp}.json"
         _gpt(tiny_glm45_dir, out, free_port + tp - 1, tp)
         grads[tp] = load_file(str(out.with_suffix(".grads.safetensors")))
-    check_grads_match(grads[1], grads[2], 1e-5, floor=1e-6)
+    # fp32 in another order: measured 1.2e-6 (the router's gate; CPU, 2026-12-08; ``pytest -s`` prints it)
+    check_grads_match(grads[1], grads[2], 2.5e-6, floor=1e-6)
 
 
 def test_glm4_moe_expert_parallel_matches_hf(tiny_glm45_dir: Path, tmp_path: Path, free_port: int) -> None:
