@@ -316,10 +316,14 @@ def test_moe_parallel_layouts_match_fsdp(tiny_moe_dir: Path, tmp_path: Path, fre
     # 4.8e-7 (TP2 x CP2 + SP); update max 6.3e-6 / 5.4e-6 / 5.8e-6 / 4.7e-6, relative L2 9.8e-6 / 8.8e-6 / 8.4e-6 /
     # 1.1e-5. Bounds: about twice the largest.
     assert res["lp_max_abs_diff"] < 2e-6, res
-    for f, m in zip(res["fsdp_metrics"], res["meg_metrics"]):
-        for key in ("loss", "pg_loss", "entropy", "ppo_kl", "tis", "grad_norm", "num_samples", "num_tokens",
-                    "advantages_mean", "kl_loss", "reward_kl_mean"):
-            assert abs(f[key] - m[key]) <= 1e-6 * max(1.0, abs(f[key])), (key, f[key], m[key])
+    # the step metrics (relative to the value, absolute below 1): measured 8.9e-8 (EP2 x CP2), 3.0e-8 / 2.6e-8 / 3.0e-8
+    # in the other layouts (2026-12-08, CPU fp32; ``pytest -s`` prints them); bound about twice the largest
+    keys = ("loss", "pg_loss", "entropy", "ppo_kl", "tis", "grad_norm", "num_samples", "num_tokens", "advantages_mean",
+            "kl_loss", "reward_kl_mean")
+    rel = {k: max(abs(f[k] - m[k]) / max(1.0, abs(f[k])) for f, m in zip(res["fsdp_metrics"], res["meg_metrics"]))
+           for k in keys}
+    print(case, "metric_rel_max", max(rel.values()))
+    assert max(rel.values()) <= 2e-7, rel
     assert res["experts_moved"] > 1e-4, res
     assert res["update_max_abs_diff"] < 1.3e-5 and res["update_rel_l2"] < 2.2e-5, res
     if reshard is None:
