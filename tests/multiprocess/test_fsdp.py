@@ -318,7 +318,8 @@ def test_ppo_metrics(run):
     assert len(results[0]["ppo"]) == 2                           # both rollouts
     for m in results[0]["ppo"]:
         assert "value_loss" in m and "critic_grad_norm" in m and m["value_loss"] > 0
-        assert "tis" in m and m["advantages_mean"] == pytest.approx(0.0, abs=1e-5)   # whitened
+        # whitened: the mean measured 2.0e-8 / 4.0e-9 (fp32 rounding; the 2 rollouts, CPU, 2026-12-08)
+        assert "tis" in m and abs(m["advantages_mean"]) < 5e-8, m["advantages_mean"]
 
 
 def test_weight_buckets_exact_and_named_like_hf(run, tiny_model_dir):
