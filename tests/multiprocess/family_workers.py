@@ -384,12 +384,15 @@ def check_export(res: dict) -> None:
 def check_grads_match(one: dict, two: dict, rel: float, *, floor: float = 0.0, scale_floor: float = 0.0) -> None:
     """TP 2's gradients (``two``, HF names) against TP 1's (``one``): each tensor's max distance within ``rel`` of
     its largest entry, that floored at ``floor`` and at ``scale_floor`` times the model's largest gradient entry
-    (the gradients that cancel to near zero differ by fp32 rounding of the larger terms)."""
+    (the gradients that cancel to near zero differ by fp32 rounding of the larger terms). Prints the largest relative
+    distance (``pytest -s``)."""
     assert one.keys() == two.keys()
     scale = max(float(g.double().abs().max()) for g in one.values())
     err = {n: float((two[n].double() - g.double()).abs().max()) for n, g in one.items()}
     den = {n: max(float(g.double().abs().max()), floor, scale_floor * scale) for n, g in one.items()}
     worst = max(one, key=lambda n: err[n] - rel * den[n])
+    print("grads: the largest relative distance", max(err[n] / den[n] for n in one if den[n] > 0), "; worst against",
+          rel, ":", worst)
     assert err[worst] <= rel * den[worst], (worst, err[worst], den[worst])
 
 

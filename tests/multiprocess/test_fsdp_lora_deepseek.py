@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from lora_parity import distance, launch_and_load, logprob_distance, train_backends
+from lora_parity import distance, launch_and_load, logprob_distance, metric_diffs, train_backends
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.multiprocess
@@ -124,9 +124,12 @@ def _compare(res: dict, base: dict, is_target, *, frozen: tuple[str, ...], moe_l
         b2 = [fs["adapters"][f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.linear_fc2"][1] for e in range(4)]
         assert (all(torch.equal(a1[0], x) for x in a1) and all(torch.equal(b2[0], x) for x in b2)) == shared
     assert fs["shared"] == (2 * len(moe_layers) if shared else 0)
-    for rid in (0, 1):
-        for key in ("loss", "pg_loss", "kl_loss", "grad_norm"):
-            assert fs["metrics"][rid][key] == pytest.approx(mg["metrics"][rid][key], rel=1e-4, abs=1e-6), (rid, key)
+    # the step metrics, absolute (2026-12-08, the 4 families; pg_loss ~4e-8, kl_loss ~1e-3 .. 2e-2, grad norm ~0.15 ..
+    # 0.5): loss, pg_loss, kl_loss, grad norm at most 1.8e-8 (dsv4) / 9.3e-9 / 1.4e-7 (glm5) / 6.0e-8 apart; about twice
+    metrics = metric_diffs(fs, mg)
+    print({"metrics": metrics})
+    metric_bounds = {"loss": 4e-8, "pg_loss": 2e-8, "kl_loss": 3e-7, "grad_norm": 1.2e-7}
+    assert all(metrics[k] < b for k, b in metric_bounds.items()), (metrics, metric_bounds)
     lp = logprob_distance(fs, mg)
     ad = max((fs["peft"][k] - mg["peft"][k]).abs().max().item() for k in fs["peft"])
     diff, rel = distance(fs["final"], mg["final"], {k: base[k] for k in fs["init"]})

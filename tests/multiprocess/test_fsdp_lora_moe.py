@@ -333,7 +333,8 @@ def test_fsdp_lora_moe_resume_matches_uninterrupted(tiny_moe_dir: Path, tmp_path
     gate_b = adapter[f"{pre}.gate_proj.lora_B.weight"]
     delta = merged["model.layers.1.mlp.experts.3.up_proj.weight"] - load_file(str(tiny_moe_dir / "model.safetensors"))[
         "model.layers.1.mlp.experts.3.up_proj.weight"]
-    torch.testing.assert_close(delta, (b @ a) * 2.0, rtol=1e-4, atol=1e-6)          # alpha / r = 2
+    # alpha / r = 2; the merge's fp32 rounding of the base weight: measured 3.3e-9 of deltas up to 0.014 (CPU, 2026-12-08)
+    torch.testing.assert_close(delta, (b @ a) * 2.0, rtol=0, atol=7.5e-9)
     assert torch.equal(a, adapter[f"{pre}.gate_proj.lora_A.weight"]) and not torch.equal(b, gate_b)
 
 

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from lora_parity import distance, launch_and_load, logprob_distance, train_backends
+from lora_parity import distance, launch_and_load, logprob_distance, metric_diffs, train_backends
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.multiprocess
@@ -73,9 +73,13 @@ def test_fsdp_lora_qwen35_vlm_matches_megatron(tmp_path: Path) -> None:
     assert len([k for k in fs["a0"] if k.endswith((".in_proj", ".out_proj"))]) == 2 * 3
     assert len([k for k in fs["a0"] if ".local_experts." in k]) == 4 * 4 * 2
     assert all(k.startswith("base_model.model.model.language_model.layers.") for k in fs["peft"]), fs["peft"][:3]
-    for rid in (0, 1):
-        for key in ("loss", "pg_loss", "kl_loss", "grad_norm"):
-            assert fs["metrics"][rid][key] == pytest.approx(mg["metrics"][rid][key], rel=1e-4, abs=1e-6), (rid, key)
+    # the step metrics, absolute (2026-12-08; pg_loss ~4e-8, kl_loss ~2e-3, grad norm ~0.32): loss, pg_loss, kl_loss at
+    # most 5.2e-9 / 9.3e-9 / 3.9e-8 apart, about twice each; the grad norm equal (measured 0), bounded at 2 of its
+    # fp32 ulps (3e-8 each)
+    metrics = metric_diffs(fs, mg)
+    print({"metrics": metrics})
+    metric_bounds = {"loss": 1.1e-8, "pg_loss": 2e-8, "kl_loss": 8e-8, "grad_norm": 6e-8}
+    assert all(metrics[k] < b for k, b in metric_bounds.items()), (metrics, metric_bounds)
     lp = logprob_distance(fs, mg)
     ad = max((fs["a"][k] - mg["a"][k]).abs().max().item() for k in fs["a"])
     diff, rel = distance(fs["final"], mg["final"], {k: base[k] for k in sorted(set(fs["init"]) & set(mg["init"]))})

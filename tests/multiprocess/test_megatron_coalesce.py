@@ -116,9 +116,12 @@ def test_coalesced_micro_batches_give_the_one_forward_per_sample_step(tiny_model
         assert res1[f"{name}/slow"]["forwards"] == 12
         assert res1[f"{name}/coalesced"]["forwards"] == (2 if rank1_samples else 0)
         assert slow["metrics"].keys() == fast["metrics"].keys()
+        # fp32 summed in another order: measured at most 4.2e-7 relative (per_token's loss) and 7.5e-9 absolute where
+        # the value is about 0 (the pg_loss of a 0-advantage step; CPU, 2026-12-08; ``pytest -s`` prints them)
         for key in ("loss", "pg_loss", "kl_loss", "grad_norm", "ppo_kl", "entropy"):
             s, f = slow["metrics"][key], fast["metrics"][key]
-            assert abs(s - f) <= 1e-5 * max(abs(s), 1e-3), (name, key, s, f)
+            print(name, key, s, f, abs(s - f))
+            assert abs(s - f) <= 1e-6 * max(abs(s), 2e-2), (name, key, s, f)
         assert slow["grads"].keys() == fast["grads"].keys() and slow["grads"]
         worst = max(_rel(fast["grads"][n], slow["grads"][n]) for n in slow["grads"])
         # fp32 summed in another order: measured 4.8e-7 / 3.3e-7 / 6.5e-7 (per_sample / per_token / empty_rank; CPU,

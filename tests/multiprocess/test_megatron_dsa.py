@@ -122,7 +122,9 @@ def test_dsa_gpt_matches_hf(request, tmp_path: Path, free_port: int, family: str
         print(family, tp, res["max_abs_err"], res["ref_scale"])
         assert any(".self_attn.indexer.wq_b." in n for n in res["same"])
         grads[tp] = load_file(str(out.with_suffix(".grads.safetensors")))
-    check_grads_match(grads[1], grads[2], 1e-5, floor=1e-6)
+    # TP 2 + SP gradients against TP 1's, fp32 in another order: measured 8.0e-7 / 7.8e-7 / 8.6e-7 (glm5 / dsv32 /
+    # glm52; CPU, 2026-12-08; ``pytest -s`` prints them); a 0.03% norm-epsilon error at TP 2 gives 5.9e-6 (dsv32)
+    check_grads_match(grads[1], grads[2], 2e-6, floor=1e-6)
     frozen = [name for name in grads[1] if ".indexer." in name]
     assert frozen and not any(grads[1][name].any() for name in frozen)    # frozen: no gradient (exported as zeros)
 

@@ -72,7 +72,8 @@ def test_glm4_moe_gpt_matches_hf(tiny_glm45_dir: Path, tmp_path: Path, free_port
         out = tmp_path / f"gpt_tp{tp}.json"
         _gpt(tiny_glm45_dir, out, free_port + tp - 1, tp)
         grads[tp] = load_file(str(out.with_suffix(".grads.safetensors")))
-    check_grads_match(grads[1], grads[2], 1e-5, floor=1e-6)
+    # fp32 in another order: measured 1.2e-6 (the router's gate; CPU, 2026-12-08; ``pytest -s`` prints it)
+    check_grads_match(grads[1], grads[2], 2.5e-6, floor=1e-6)
 
 
 def test_glm4_moe_expert_parallel_matches_hf(tiny_glm45_dir: Path, tmp_path: Path, free_port: int) -> None:
@@ -88,8 +89,7 @@ def test_glm4_moe_air_mtp_matches_hf(tiny_glm45_air_mtp_dir: Path, tmp_path: Pat
     assert any(n.startswith("model.layers.3.") for n in res["exported"])
 
 
-@pytest.mark.parametrize("layout", ["tp2"])
-def test_glm4_moe_trainer_parity_with_fsdp(tiny_glm45_dir: Path, tmp_path: Path, free_port: int, layout: str) -> None:
+def test_glm4_moe_trainer_parity_with_fsdp(tiny_glm45_dir: Path, tmp_path: Path, free_port: int) -> None:
     """2 ranks: FSDP DP 2 and the Megatron trainer at TP 2 + SP. The FSDP export holds parameters only: the routers'
     ``e_score_correction_bias`` (a buffer, never trained) is the Megatron export's alone, unchanged."""
     res = launch(HERE, 2, free_port, "parity", tiny_glm45_dir, tmp_path / "parity.pt", timeout=600)

@@ -53,7 +53,8 @@ def test_gpt_oss_gpt_matches_hf(tiny_gpt_oss_dir: Path, tmp_path: Path, free_por
         out = tmp_path / f"gpt_tp{tp}.json"
         _gpt(tiny_gpt_oss_dir, out, free_port + tp - 1, tp)
         grads[tp] = load_file(str(out.with_suffix(".grads.safetensors")))
-    check_grads_match(grads[1], grads[2], 1e-5, floor=1e-6)
+    # fp32 in another order: measured 6.8e-7 (CPU, 2026-12-08; ``pytest -s`` prints it)
+    check_grads_match(grads[1], grads[2], 1.5e-6, floor=1e-6)
 
 
 # fp32 rounding of another op order only: measured 1.5e-7 (TP 1, EP 2) and 1.2e-7 (TP 2) of logits up to 0.54

@@ -88,9 +88,12 @@ def test_kimi_k25_gpt_matches_hf(tiny_k25_dir: Path, tmp_path: Path, free_port: 
             grads[tp_run] = load_file(str(out.with_suffix(".grads.safetensors")))
     if layout == "tp2":             # TP 2 (sequence parallel) gradients after finish_grads equal TP 1's
         assert grads[1].keys() == grads[2].keys()
+        print("grad rel", max(float((grads[2][n] - g).abs().max()) / max(float(g.abs().max()), 1e-6)
+                              for n, g in grads[1].items()))
         for name, g in grads[1].items():
             err = float((grads[2][name] - g).abs().max())
-            assert err <= 1e-5 * max(float(g.abs().max()), 1e-6), (name, err, float(g.abs().max()))
+            # measured 1.2e-6 of the tensor's largest entry (CPU, 2026-12-08; printed above); about twice
+            assert err <= 2.5e-6 * max(float(g.abs().max()), 1e-6), (name, err, float(g.abs().max()))
 
 
 # layout -> the Megatron flags of the trainer test (2 ranks, --sequence-parallel): Miles's recorded K2.5 command's TP

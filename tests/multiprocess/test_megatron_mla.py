@@ -195,6 +195,12 @@ def tiny_joyai_dir(tmp_path_factory) -> Path:
 
 
 FAMILY_DIRS = {"glm": "tiny_glm_dir", "dsv3": "tiny_dsv3_dir", "kimi": "tiny_kimi_dir", "joyai": "tiny_joyai_dir"}
+# fp32 rounding of another op order only, measured (CPU, 2026-12-08, ``pytest -s -k "mla_gpt_matches_hf or
+# mla_expert_parallel"`` prints them): logits 1.2e-7 .. 1.8e-7 from transformers' (of 0.6; TP 1, TP 2 + SP, EP 2),
+# TP 2's gradients 6.7e-7 .. 1.4e-6 (kimi) of each tensor's largest entry from TP 1's; bounds at about twice those.
+# A wrong head layout, rope order or router rule gives > 1e-2
+LOGIT_BOUND = 4e-7
+GRAD_REL_BOUND = 3e-6
 
 
 @pytest.mark.parametrize("family", ["glm", "dsv3", "kimi", "joyai"])
@@ -209,18 +215,19 @@ def test_mla_gpt_matches_hf(request, tmp_path: Path, free_port: int, family: str
         assert proc.returncode == 0, proc.stdout[-4000:]
         res = json.loads(out.read_text())
         assert res["grads_ok"], res
-        # fp32 rounding of another op order only (measured 1.2e-7 .. 1.8e-7 of 0.6); a wrong head layout, rope
-        # order or router rule gives > 1e-2
-        assert res["max_abs_err"] < 1e-5 * max(res["ref_scale"], 1.0), (tp, res["max_abs_err"])
+        print(family, "tp", tp, "max_abs_err", res["max_abs_err"], "ref_scale", res["ref_scale"])
+        assert res["max_abs_err"] < LOGIT_BOUND * max(res["ref_scale"], 1.0), (tp, res["max_abs_err"])
         assert sorted(res["exported"]) == res["disk"] and len(res["exported"]) == len(set(res["exported"]))
         assert sorted(res["same"]) == res["disk"]                # bit for bit, e_score_correction_bias included
         grads[tp] = load_file(str(out.with_suffix(".grads.safetensors")))
     # TP 2 (sequence parallel) gradients after finish_grads equal TP 1's: the latent norms (complete on every TP
     # rank, summed over TP only for their sequence parts), the router, the shared experts, the sharded projections
     assert grads[1].keys() == grads[2].keys()
+    print(family, "grad rel", max(float((grads[2][n] - g).abs().max()) / max(float(g.abs().max()), 1e-6)
+                                  for n, g in grads[1].items()))
     for name, g in grads[1].items():
         err = float((grads[2][name] - g).abs().max())
-        assert err <= 1e-5 * max(float(g.abs().max()), 1e-6), (name, err, float(g.abs().max()))
+        assert err <= GRAD_REL_BOUND * max(float(g.abs().max()), 1e-6), (name, err, float(g.abs().max()))
 
 
 @pytest.mark.parametrize("family", ["glm", "dsv3", "kimi", "joyai"])
@@ -231,7 +238,8 @@ def test_mla_expert_parallel_matches_hf(request, tmp_path: Path, free_port: int,
     proc = _torchrun(2, free_port, "gpt", str(request.getfixturevalue(FAMILY_DIRS[family])), str(out), "2")
     assert proc.returncode == 0, proc.stdout[-4000:]
     res = json.loads(out.read_text())
-    assert res["grads_ok"] and res["max_abs_err"] < 1e-5 * max(res["ref_scale"], 1.0), res["max_abs_err"]
+    print(family, "ep2 max_abs_err", res["max_abs_err"], res["ref_scale"])
+    assert res["grads_ok"] and res["max_abs_err"] < LOGIT_BOUND * max(res["ref_scale"], 1.0), res["max_abs_err"]
     assert sorted(res["exported"]) == res["disk"] and sorted(res["same"]) == res["disk"]
 
 

@@ -86,8 +86,10 @@ def test_moe_gpt_matches_hf(tiny_moe_dir: Path, tmp_path: Path, free_port: int, 
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["grads_ok"] and res["num_local_experts"] == 4 // ep, res
-    # measured: 1.8e-7 (fp32 rounding of another op order); a wrong expert or gate/up order gives > 1e-2
-    assert res["max_abs_err"] < 1e-5 * max(res["ref_scale"], 1.0), res
+    print("max_abs_err", res["max_abs_err"], "ref_scale", res["ref_scale"])
+    # measured: 1.8e-7 of 0.63 at EP 1 and EP 2 (fp32 rounding of another op order; CPU, 2026-12-08); a wrong expert
+    # or gate/up order gives > 1e-2
+    assert res["max_abs_err"] < 4e-7 * max(res["ref_scale"], 1.0), res
 
 
 # ------------------------------------------------------------------------------------------- trainer parity
@@ -314,10 +316,14 @@ def test_moe_parallel_layouts_match_fsdp(tiny_moe_dir: Path, tmp_path: Path, fre
     # 4.8e-7 (TP2 x CP2 + SP); update max 6.3e-6 / 5.4e-6 / 5.8e-6 / 4.7e-6, relative L2 9.8e-6 / 8.8e-6 / 8.4e-6 /
     # 1.1e-5. Bounds: about twice the largest.
     assert res["lp_max_abs_diff"] < 2e-6, res
-    for f, m in zip(res["fsdp_metrics"], res["meg_metrics"]):
-        for key in ("loss", "pg_loss", "entropy", "ppo_kl", "tis", "grad_norm", "num_samples", "num_tokens",
-                    "advantages_mean", "kl_loss", "reward_kl_mean"):
-            assert abs(f[key] - m[key]) <= 1e-6 * max(1.0, abs(f[key])), (key, f[key], m[key])
+    # the step metrics (relative to the value, absolute below 1): measured 8.9e-8 (EP2 x CP2), 3.0e-8 / 2.6e-8 / 3.0e-8
+    # in the other layouts (2026-12-08, CPU fp32; ``pytest -s`` prints them); bound about twice the largest
+    keys = ("loss", "pg_loss", "entropy", "ppo_kl", "tis", "grad_norm", "num_samples", "num_tokens", "advantages_mean",
+            "kl_loss", "reward_kl_mean")
+    rel = {k: max(abs(f[k] - m[k]) / max(1.0, abs(f[k])) for f, m in zip(res["fsdp_metrics"], res["meg_metrics"]))
+           for k in keys}
+    print(case, "metric_rel_max", max(rel.values()))
+    assert max(rel.values()) <= 2e-7, rel
     assert res["experts_moved"] > 1e-4, res
     assert res["update_max_abs_diff"] < 1.3e-5 and res["update_rel_l2"] < 2.2e-5, res
     if reshard is None:

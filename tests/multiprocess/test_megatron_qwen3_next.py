@@ -53,7 +53,8 @@ def test_hybrid_gpt_matches_hf(tiny_hybrid_dir: Path, tmp_path: Path, free_port:
         _gpt(tiny_hybrid_dir, out, free_port + tp - 1, tp)
         grads[tp] = load_file(str(out.with_suffix(".grads.safetensors")))
     # relative to the tensor's largest gradient, floored at 1% of the model's: A_log's gradients (6e-8) are sums over
-    # every token that cancel, measured 8e-11 apart (fp32 order) while the model's largest is 5.6e-3
+    # every token that cancel, measured 8e-11 apart (fp32 order) while the model's largest is 5.6e-3. The largest
+    # relative distance measured 5.3e-6 (qwen3_5_moe's A_log) and 9.8e-7 (qwen3_next) (CPU, 2026-12-08; ``pytest -s``)
     check_grads_match(grads[1], grads[2], 1e-5, scale_floor=1e-2)
 
 
@@ -72,7 +73,7 @@ def test_dense_qwen35_gpt_matches_hf(tmp_path: Path, free_port: int) -> None:
         res = _gpt(model_dir, out, free_port + tp - 1, tp)
         print("qwen3_5 dense", tp, res["max_abs_err"], res["ref_scale"])
         grads[tp] = load_file(str(out.with_suffix(".grads.safetensors")))
-    check_grads_match(grads[1], grads[2], 1e-5, scale_floor=1e-2)
+    check_grads_match(grads[1], grads[2], 2e-6, scale_floor=1e-2)      # measured 8.2e-7 (CPU, 2026-12-08)
 
 
 def test_hybrid_expert_parallel_matches_hf(tiny_hybrid_dir: Path, tmp_path: Path, free_port: int) -> None:

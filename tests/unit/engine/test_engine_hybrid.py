@@ -58,6 +58,7 @@ def _hf_greedy(model_dir, prompt: list[int], new: int) -> list[int]:
 def test_batched_requests_keep_their_own_recurrent_state(hybrid_model):
     batched = _run(hybrid_model, _bodies(), running=3)                 # 3 requests of 3 lengths at once
     alone = [_run(hybrid_model, [b], running=1)[0] for b in _bodies()]
+    assert len(batched) == len(alone) == len(PROMPTS)                  # one answer per request: none left unchecked
     for i, (b, a) in enumerate(zip(batched, alone)):
         assert b["output_ids"] == a["output_ids"], i
         assert len(b["output_ids"]) == NEW[i]

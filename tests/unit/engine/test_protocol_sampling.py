@@ -77,7 +77,8 @@ def test_hash_noise_is_reproducible_and_uniform():
     seeds, steps = torch.tensor([1, 1, 2]), torch.tensor([0, 0, 0])
     u = hash_uniform(seeds, steps, 4096)
     assert torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
-    assert 0 < u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.02
+    # the mean of 8192 distinct draws: measured 0.0021 from 0.5 (deterministic noise; CPU, 2026-12-08)
+    assert 0 < u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.005
     assert not torch.equal(hash_uniform(seeds, steps + 1, 4096)[0], u[0])
 
 
@@ -85,7 +86,7 @@ def test_greedy_rows_take_argmax_and_logprob_is_raw():
     logits = torch.randn(3, V)
     out = sample(logits, batch(row(top_k=1), row(top_k=1), row(top_k=1)), torch.zeros(3, dtype=torch.long), want_logprobs=True)
     assert torch.equal(out.tokens, logits.argmax(-1))
-    assert torch.allclose(out.logprobs, torch.log_softmax(logits, -1).max(-1).values)
+    torch.testing.assert_close(out.logprobs, torch.log_softmax(logits, -1).max(-1).values, rtol=0, atol=0)  # measured: equal
 
 
 def test_top_k_top_p_min_p_restrict_the_support():
@@ -112,9 +113,11 @@ def test_temperature_frequencies_and_logprob_under_temperature():
     for seed in range(3000):
         out = sample(logits, batch(row(temperature=T, seed=seed)), torch.zeros(1, dtype=torch.long), want_logprobs=True)
         counts[out.tokens.item()] += 1
-        assert abs(out.logprobs.item() - torch.log_softmax(logits[0] / T, -1)[out.tokens.item()].item()) < 1e-5
+        # measured: equal (CPU, 2026-12-08)
+        assert out.logprobs.item() == torch.log_softmax(logits[0] / T, -1)[out.tokens.item()].item()
     freq = counts[:3] / counts.sum()
-    assert torch.allclose(freq, torch.softmax(logits[0, :3] / T, -1), atol=0.03)
+    # 3000 seeded draws: measured 0.0113 from the tempered probabilities (without the temperature: 0.16)
+    assert torch.allclose(freq, torch.softmax(logits[0, :3] / T, -1), atol=0.025, rtol=0)
 
 
 def test_suppress_and_logit_bias():

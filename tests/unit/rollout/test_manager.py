@@ -323,6 +323,7 @@ def test_multi_turn_custom_generate_keeps_ids_exact(engine, tok, data_file, plug
 
     res, client = asyncio.run(main())
     obs = tok("<obs>", add_special_tokens=False)["input_ids"]
+    assert [len(g) for g in res.samples] == [2, 2]      # 2 prompts x 2 samples: the loop below checks every one
     for s in (s for g in res.samples for s in g):
         reqs = sorted((r for r in client.requests if f"-s{s.index}-" in r[0]), key=lambda r: int(r[0].rsplit("-", 1)[1]))
         assert len(reqs) == 2
@@ -350,6 +351,7 @@ def test_a_generate_function_may_build_its_own_prompt(engine, tok, data_file, pl
                  "--custom-generate-function-path", f"{plugins}.own_prompt")
 
     res = rollout(cfg, engine, tok)
+    assert [len(g) for g in res.samples] == [2, 2]      # 2 prompts x 2 samples: the loop below checks every one
     for s in (s for g in res.samples for s in g):
         prompt = tok(s.prompt, add_special_tokens=False)["input_ids"]
         assert s.prompt.startswith("Task: ") and s.tokens[:len(prompt)] == prompt

@@ -81,4 +81,4 @@ def test_the_generate_hub_asks_what_the_default_asks():
 
     s = asyncio.run(generate_with_random_osl(args, Sample(tokens=[1, 2, 3]), {"max_new_tokens": 2}))
     assert client.bodies[-1] == {"return_routed_experts": True, "top_logprobs_num": 4}
-    assert s.rollout_routed_experts is not None
+    assert decode(s.rollout_routed_experts, 3, 2).shape == (len(s.tokens) - 1, 3, 2)     # kept, covering the stream

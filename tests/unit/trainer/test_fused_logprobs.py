@@ -38,7 +38,7 @@ def test_fused_without_entropy_and_bf16() -> None:
     lp, ent = head_logprobs_and_entropy(hidden, weight, targets)
     assert ent is None and lp.dtype == torch.float32
     ref = torch.log_softmax((hidden @ weight.t()).float(), -1).gather(-1, targets[:, None]).squeeze(-1)
-    torch.testing.assert_close(lp, ref)
+    torch.testing.assert_close(lp, ref, rtol=0, atol=5e-7)     # fp32 in another order: measured 2.4e-7 (CPU, 2026-12-08)
     lp.sum().backward()
     assert hidden.grad.dtype == weight.grad.dtype == torch.bfloat16
     empty, none = head_logprobs_and_entropy(hidden[:0], weight, targets[:0])

@@ -22,13 +22,14 @@ def test_chunked_logprobs_and_entropy_match_full_softmax(chunk):
     ref_lp = reference_logprobs(head(h), t, 0.7)
     p = torch.softmax(logits, -1)
     ref_ent = -(p * torch.log_softmax(logits, -1)).sum(-1)
-    torch.testing.assert_close(lp, ref_lp)
-    torch.testing.assert_close(ent, ref_ent)
+    # fp32 in another order: measured 4.8e-7 (log-probs and entropies), 1.8e-7 (the gradients) (CPU, 2026-12-08)
+    torch.testing.assert_close(lp, ref_lp, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ent, ref_ent, rtol=0, atol=1e-6)
     (lp.sum() + 0.3 * ent.sum()).backward()
     g = h.grad.clone()
     h.grad = None
     (ref_lp.sum() + 0.3 * ref_ent.sum()).backward()
-    torch.testing.assert_close(g, h.grad)                        # gradients through the checkpointed chunks
+    torch.testing.assert_close(g, h.grad, rtol=0, atol=4e-7)     # gradients through the checkpointed chunks
 
 
 def test_entropy_without_grad_is_detached():
