@@ -39,7 +39,7 @@ import traceback
 import warnings
 
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.device_mesh", "safetensors.torch", "transformers",
-           "megatron.core", "miles.config", "miles.trainer.fsdp", "miles.trainer.megatron.trainer")
+           "miles.trainer.megatron", "megatron.core", "miles.config", "miles.trainer.fsdp", "miles.trainer.megatron.trainer")
 
 
 def _preload() -> None:

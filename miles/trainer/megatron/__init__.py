@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import warnings
 
+from miles.trainer.megatron import lean_import
 from miles.utils.errors import MilesError
 
 # megatron-core 0.16 warns at import, once per module and rank, that its optional fused kernels are absent
@@ -21,6 +22,10 @@ OPTIONAL_KERNEL_WARNINGS = (
 )
 for _message in OPTIONAL_KERNEL_WARNINGS:
     warnings.filterwarnings("ignore", message=_message, category=UserWarning, module=r"megatron\.core")
+
+# megatron-core's first import without torch's compiler and wandb, which it imports and this backend does not use
+# until a fused function is called (lean_import.py)
+lean_import.install()
 
 
 def optional_kernels_line() -> str | None:

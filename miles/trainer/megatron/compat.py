@@ -159,6 +159,9 @@ def apply_cpu_compat() -> None:
     if _applied:
         return
     check_version()
+    from miles.trainer.megatron import lean_import
+
+    lean_import.run_fused_eagerly()
     cpu_torch = _CpuTorch("torch")
     for name in _RUNTIME_CUDA_MODULES:
         try:
