@@ -1,4 +1,4 @@
-"""megatron-core's first import without two costs it does not need here: 2.3 s -> 0.8 s a process (2-core box).
+"""megatron-core's first import without two costs it does not need here: 2.43 s -> 0.82 s a process (2-core box; docs/benchmarks.md).
 
 ``import megatron.core`` (0.16.1) imports everything its package ``__init__`` names, and two of those imports cost
 more than the rest together:

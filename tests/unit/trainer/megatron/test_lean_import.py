@@ -60,7 +60,7 @@ def probe(mode: str) -> dict:
 
 def test_first_import_skips_the_compiler_and_wandb_and_cpu_runs_fused_functions_eagerly() -> None:
     out = probe("cpu")
-    assert out["inductor_after_import"] is False      # 2.3 s -> 0.8 s a process (lean_import's docstring)
+    assert out["inductor_after_import"] is False      # 2.43 s -> 0.82 s a process (docs/benchmarks.md)
     assert out["wandb_after_import"] is False
     assert out["jit_fuser_is_lazy"] and out["router_fused_is_lazy"]
     assert out["finder_left"] is False
