@@ -80,7 +80,7 @@ def test_uniform_prefill_reads_grouped_kv_in_flash_attention_without_cudnn(gpu_m
     ragged, _ = runner.prefill(3, seqs + [[9, 10, 11]], [False] * 4)     # masked path: efficient / math kernels
     rel = ((uniform - ragged[:3]).norm() / ragged[:3].norm()).item()
     print(f"uniform (flash, grouped K/V) vs ragged (masked, repeated K/V) prefill logits: {rel:.2e}")
-    assert rel < 2e-2       # bf16 attention by two kernels; not measured yet
+    assert rel < 1e-2       # bf16 attention by two kernels: measured 4.60e-3 (H100, 2026-12-07), about half
 
 
 def test_server_on_gpu_ipc_update_and_memory_release(gpu_model, tmp_path):
