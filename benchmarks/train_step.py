@@ -184,7 +184,7 @@ def profile_step(trainer, samples: list, path: Path) -> list[str]:
     syncs = {e.key: e.count for e in averages
              if e.key in ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize",
                           "cudaEventSynchronize", "aten::nonzero", "aten::unique", "aten::_unique2")}
-    head = (f"step wall {wall * 1e3:.1f} ms, GPU busy (sum of kernel time) {busy_us / 1e3:.1f} ms, "
+    head = (f"step wall under the profiler {wall * 1e3:.1f} ms, GPU busy (sum of kernel time) {busy_us / 1e3:.1f} ms, "
             f"host syncs by name: {syncs}\n\n")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(head + "KERNELS (by GPU time)\n" + kernels + "\nHOST OPS (by own CPU time)\n" + host)

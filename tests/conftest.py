@@ -19,6 +19,8 @@ from suite_policy import (  # noqa: F401 -- hooks and an autouse fixture, found 
     pytest_runtest_makereport,
 )
 
+import miles.trainer.megatron  # noqa: F401 -- first: megatron-core's first import here is the ranks' (lean_import.py)
+
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 

@@ -14,7 +14,9 @@ more than the rest together:
   ``_apply_expert_bias``, recompiled per router instance) cost seconds of every CPU process's first step.
 - ``inference/contexts/dynamic_context.py`` imports ``wandb`` when it is installed (about 0.5 s), for its own
   inference logging, which this backend never uses: during that import ``wandb`` reads as absent (megatron-core's
-  ``HAVE_WANDB = False``, its documented fallback); this project's own ``--use-wandb`` imports it normally later.
+  ``HAVE_WANDB = False``, its documented fallback; its ``timers.py`` binds ``wandb = None`` too, for
+  ``Timers.write(writer=wandb)``, which this project does not call); this project's own ``--use-wandb`` imports it
+  normally later.
 
 ``install()`` (called by this package's ``__init__``, before any megatron-core import of a rank) puts a finder on
 ``sys.meta_path`` that wraps the one execution of ``megatron/core/__init__.py``, whoever imports it first, and
@@ -34,6 +36,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 _EAGER = [False]
+_REAL_COMPILE: list[Callable] = []          # torch.compile itself, as the window found it
 
 
 def run_fused_eagerly() -> None:
@@ -45,6 +48,10 @@ def lazy_compile(model: Callable | None = None, **kwargs: Any) -> Callable:
     """``torch.compile``'s signature, compiling on the first call instead of importing the compiler now."""
     if model is None:                       # @torch.compile(mode=...): a decorator
         return lambda fn: lazy_compile(fn, **kwargs)
+    import torch
+
+    if isinstance(model, torch.nn.Module):  # a module keeps torch's own wrapper (OptimizedModule)
+        return _REAL_COMPILE[0](model, **kwargs)
     compiled: Callable | None = None
 
     @functools.wraps(model)
@@ -53,9 +60,7 @@ def lazy_compile(model: Callable | None = None, **kwargs: Any) -> Callable:
         if _EAGER[0]:
             return model(*args, **kw)
         if compiled is None:
-            import torch
-
-            compiled = torch.compile(model, **kwargs)      # the real one: the window has closed
+            compiled = _REAL_COMPILE[0](model, **kwargs)
         return compiled(*args, **kw)
 
     call.__wrapped_model__ = model          # what was decorated (tests, debugging)
@@ -68,6 +73,7 @@ def lean_window() -> Iterator[None]:
     import torch
 
     real = torch.compile
+    _REAL_COMPILE[:] = [real]
     hide_wandb = "wandb" not in sys.modules
     torch.compile = lazy_compile
     if hide_wandb:
@@ -89,8 +95,13 @@ class _Loader(importlib.abc.Loader):
 
     def exec_module(self, module) -> None:
         uninstall()                         # once: megatron-core is being imported
-        with lean_window():
-            self.inner.exec_module(module)
+        try:
+            with lean_window():
+                self.inner.exec_module(module)
+        finally:                            # the package keeps its own loader (pkgutil.get_data and kin)
+            module.__loader__ = self.inner
+            if getattr(module, "__spec__", None) is not None:
+                module.__spec__.loader = self.inner
 
 
 class _Finder(importlib.abc.MetaPathFinder):

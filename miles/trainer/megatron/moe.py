@@ -94,7 +94,7 @@ def hf_moe_fields(c) -> dict:
 @dataclass(frozen=True)
 class MoeOptions:
     dispatcher: str | None = None        # --moe-token-dispatcher-type; None: allgather (Megatron-LM's default)
-    #                                      at EP 1, alltoall with EP > 1 (see check_moe_static)
+    #                                      at EP 1, alltoall with EP > 1 (filled in by config_kwargs)
     router_dtype: str | None = None      # --moe-router-dtype
     grouped_gemm: bool = False           # --moe-grouped-gemm
     permute_fusion: bool = False         # --moe-permute-fusion

@@ -117,7 +117,11 @@ def all_to_all(run: Run, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
     y = run(got[:, :-1], got[:, -1:], got_ids[:, None], ep.rank * local)        # [m, h]: each row's weighted output
     y = y if y.requires_grad else _on_graph(y, got)
     back = _AllToAllEP.apply(y, recv, send, ep)                                  # [n k, h] in ``order``
-    return torch.zeros_like(x).index_add(0, tok, back)
+    # back to (token, slot) order and summed over the slots: no atomic adds into a token's row (index_add with
+    # repeated indices is not deterministic on CUDA), one rounding; at top-2 bitwise the all-gather path's a + b
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return back[inverse].view(-1, k, back.shape[1]).sum(1).to(x.dtype)
 
 
 def all_gather(run: Run, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ep: EPGroup,

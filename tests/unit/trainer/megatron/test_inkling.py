@@ -285,7 +285,7 @@ def test_published_layout_on_fsdp_is_one_line_at_dry_run(published_inkling_dir: 
                                                          tmp_path: Path) -> None:
     """The same line as the trainer's build (above), from ``--dry-run`` (the FSDP backend's preflight,
     ``modeling.preflight_check``: transformers' Inkling vision tower imports scipy in ``plan_out_scales`` when it has
-    fewer layers than scales, which ``modeling.BUILD_IMPORTS`` runs without building the model). A checkpoint whose
+    fewer layers than scales, which ``miles.utils.build_imports.BUILD_IMPORTS`` runs without building the model). A checkpoint whose
     class needs nothing missing passes: the text layout, and the released layout with a tower of as many layers as
     scales (6 at patch size 40, temporal patch size 2), which transformers builds without scipy."""
     import importlib.util

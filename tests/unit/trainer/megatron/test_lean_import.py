@@ -39,12 +39,24 @@ if MODE == "cpu":
     out["eager_ran_python"] = len(calls)
     out["inductor_after_eager_call"] = "torch._inductor.compile_fx" in sys.modules
 else:
-    real, seen = torch.compile, []
-    torch.compile = lambda model, **kw: (seen.append(kw), real(model, **kw))[1]
+    real, seen = lean_import._REAL_COMPILE[0], []
+    lean_import._REAL_COMPILE[0] = lambda model, **kw: (seen.append(kw), real(model, **kw))[1]
     g = lean_import.lazy_compile(lambda x: x + 1, backend="eager")
     out["compiles_before_call"] = len(seen)
     out["compiled_result"] = [g(torch.zeros(1)).tolist(), g(torch.ones(1)).tolist()]
+
+    class Scale:                      # a method, as megatron-core decorates TopKRouter._apply_expert_bias
+        factor = 3.0
+
+        @lean_import.lazy_compile(backend="eager")
+        def apply(self, x):
+            return x * self.factor
+    out["method_result"] = Scale().apply(torch.ones(2)).tolist()
     out["compiles"] = seen
+    module = lean_import.lazy_compile(torch.nn.Linear(2, 2), backend="eager")
+    out["module_wrapper"] = type(module).__name__
+    out["loader_restored"] = type(megatron.core.__spec__.loader).__name__ != "_Loader" and \
+        type(megatron.core.__loader__).__name__ != "_Loader"
 import wandb
 out["wandb_importable_after"] = hasattr(wandb, "init")
 print(json.dumps(out))
@@ -73,5 +85,8 @@ def test_lazily_decorated_function_compiles_on_its_first_call() -> None:
     out = probe("compile")
     assert out["compiles_before_call"] == 0
     assert out["compiled_result"] == [[1.0], [2.0]]
-    assert out["compiles"] == [{"backend": "eager"}]      # once, with the decorator's arguments
+    assert out["method_result"] == [3.0, 3.0]
+    assert out["compiles"] == [{"backend": "eager"}] * 3  # once each (function, method, module), its arguments
+    assert out["module_wrapper"] == "OptimizedModule"     # a module gets torch's own wrapper
+    assert out["loader_restored"] is True
     assert out["wandb_importable_after"] is True
