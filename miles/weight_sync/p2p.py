@@ -485,7 +485,7 @@ class P2PSender(BroadcastSender):
         result.extra["sent_bytes"] = float(sent)
         if failure is not None:
             if self.is_source:
-                self._release_refusers(group.name, engines)
+                self._release_refusers(group.name, engines, deadline)
             group.abort()
             if not isinstance(failure, WeightSyncError):
                 failure = WeightSyncError(f"p2p weight sync, trainer rank {self.trainer_rank}: group {group.name!r}: "
@@ -494,18 +494,20 @@ class P2PSender(BroadcastSender):
             raise self._name_suspects(failure, engines) if self.is_source else failure
         self._in_flight = collections.deque()
 
-    def _release_refusers(self, name: str, engines: list[EngineTarget]) -> None:
+    def _release_refusers(self, name: str, engines: list[EngineTarget], deadline: Deadline) -> None:
         """Engines that answered a bucket with an error are alive and hold the group: have them destroy it,
         which closes their connections, so the other trainer ranks' sends to them fail now rather than at
-        the deadline. Best effort, a few seconds at most."""
+        the deadline. Best effort: up to 5 s, within what is left of the sync's deadline but at least 1 s (after a
+        stall the deadline is spent, and an engine still busy with its receive would hold the error path 6 s more)."""
         refused = [e for futs, _ in self._in_flight for e, f in zip(engines, futs)
                    if f.done() and not f.cancelled() and f.exception() is not None]
         if not refused:
             return
-        futs = self.submit_all(refused, lambda c: c.destroy_weights_update_group(name, timeout=5.0))
+        wait = min(5.0, max(1.0, deadline.left()))
+        futs = self.submit_all(refused, lambda c: c.destroy_weights_update_group(name, timeout=wait))
         for e, f in zip(refused, futs):
             try:
-                f.result(timeout=6.0)
+                f.result(timeout=wait + 1.0)
             except Exception as exc:  # noqa: BLE001 - it may have dropped the group itself already
                 logger.debug("destroy_weights_update_group(%s) on %s after its refusal: %s", name, e.url, exc)
 

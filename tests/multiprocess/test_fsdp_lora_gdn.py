@@ -88,8 +88,11 @@ def test_fsdp_lora_gdn_matches_megatron(kind: str, tmp_path: Path) -> None:
     # measured (2 CPU gloo ranks, 2026-12; pytest -s), qwen3_5 / qwen3_next / qwen3_5_moe: log-probs 4.8e-7 / 9.5e-7 /
     # 9.5e-7, the non-expert A 2.0e-7 / 1.4e-7 / 3.8e-6, the routed experts' A - / 4.4e-5 / 1.1e-5 (a barely routed
     # expert's AdamW step, as on GLM-4.5 in test_fsdp_lora_moe.py), exports max 5.8e-7 / 1.8e-6 / 6.1e-6, relative L2 of
-    # the update 2.3e-6 / 5.5e-6 / 1.4e-5; bounded at about twice each
-    bounds = {"qwen3_5": (1e-6, 4e-7, 0.0, 1.2e-6, 4.6e-6), "qwen3_next": (2e-6, 3e-7, 9e-5, 3.6e-6, 1.1e-5),
+    # the update 2.3e-6 / 5.5e-6 / 1.4e-5; bounded at about twice each. Since megatron-core's fused output gate and
+    # gated norm run as plain torch on CPU (lean_import.py; before, inductor's C++ builds of them), qwen3_5's
+    # non-expert A is 4.5e-6 apart (2026-12-08; 2.0e-7 before): one barely-moving entry's AdamW step, as qwen3_5_moe's
+    # 3.4e-6; the rest unchanged (log-probs 4.8e-7, exports 5.7e-7, update 2.5e-6)
+    bounds = {"qwen3_5": (1e-6, 9e-6, 0.0, 1.2e-6, 4.6e-6), "qwen3_next": (2e-6, 3e-7, 9e-5, 3.6e-6, 1.1e-5),
               "qwen3_5_moe": (2e-6, 7.5e-6, 2.5e-5, 1.2e-5, 2.8e-5)}[kind]
     got = (lp, ad, ad_e, diff, rel)
     assert all(x <= b for x, b in zip(got, bounds)), (got, bounds)
