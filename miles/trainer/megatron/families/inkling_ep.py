@@ -14,11 +14,14 @@ add nothing). Each EP rank holds experts ``[rank * local, (rank + 1) * local)``.
   the slot's routing weight) only to the rank holding the slot's expert (``dist.all_to_all_single``, the split sizes
   exchanged first), that rank runs its experts on what it received and sends the weighted outputs back, where each
   token's slots are summed. The rows go out sorted by expert (stable), so each expert sees its rows in the order the
-  all-gather path gives it (by source rank, then token). Backward: the reverse all-to-alls (``_AllToAllEP``).
+  all-gather path gives it (by source rank, then token). Backward: the reverse all-to-alls.
 - ``all_gather`` (megatron-core's ``allgather``): the EP group's tokens, weights and expert ids are gathered (padded
   to the longest rank's count: RL micro-batches differ in length; padding routes nowhere), each rank runs its
   experts on all of them and the partial outputs are reduce-scattered back, summed. Every rank computes on every
   rank's tokens (EP x the all-to-all's traffic); kept for the flag's meaning.
+
+The collectives with their backward are megatron-core's own (``tensor_parallel.mappings``: ``all_to_all``;
+``gather_from_sequence_parallel_region`` / ``reduce_scatter_to_sequence_parallel_region`` on the EP group).
 
 A rank whose experts get no row still takes part in each collective's backward (``_on_graph``): the collectives are
 symmetric, so a rank skipping one would hang the others.
@@ -41,53 +44,6 @@ class EPGroup:
         self.size, self.rank, self.group = size, rank, group
 
 
-class _GatherEP(torch.autograd.Function):
-    """dim 0: forward all-gather over the EP group, backward reduce-scatter (each rank's experts' gradient for
-    every rank's tokens, summed back to the tokens' rank)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, ep: EPGroup) -> torch.Tensor:
-        ctx.ep = ep
-        out = x.new_empty((ep.size * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=ep.group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _ReduceScatterEP.apply(grad, ctx.ep), None
-
-
-class _ReduceScatterEP(torch.autograd.Function):
-    """dim 0: forward reduce-scatter (sum) over the EP group, backward all-gather."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, ep: EPGroup) -> torch.Tensor:
-        ctx.ep = ep
-        out = x.new_empty((x.shape[0] // ep.size, *x.shape[1:]))
-        dist.reduce_scatter_tensor(out, x.contiguous(), group=ep.group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _GatherEP.apply(grad, ctx.ep), None
-
-
-class _AllToAllEP(torch.autograd.Function):
-    """dim 0: forward all-to-all over the EP group (``send[r]`` rows to rank r, ``recv[r]`` rows from it), backward
-    the reverse all-to-all (each row's gradient back to the rank it came from)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], ep: EPGroup) -> torch.Tensor:
-        ctx.send, ctx.recv, ctx.ep = send, recv, ep
-        out = x.new_empty((sum(recv), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=ep.group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _AllToAllEP.apply(grad, ctx.recv, ctx.send, ctx.ep), None, None, None
-
-
 def _on_graph(y: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
     """``y`` (this rank's experts' outputs) on the autograd graph of each of ``inputs`` (what the collectives
     brought) even when no row reached this rank's experts (``run`` then returns zeros that need no gradient): every
@@ -101,6 +57,8 @@ def _on_graph(y: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
 def all_to_all(run: Run, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ep: EPGroup,
                local: int) -> torch.Tensor:
     """megatron-core's ``alltoall`` dispatch (module docstring): x [n, h], weights / ids [n, k] -> [n, h]."""
+    from megatron.core.tensor_parallel.mappings import all_to_all as exchange
+
     k = ids.shape[1]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)               # by expert: by owning rank, then (token, slot)
@@ -111,12 +69,12 @@ def all_to_all(run: Run, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
     dist.all_to_all_single(recv_counts, counts, group=ep.group)
     send, recv = counts.tolist(), recv_counts.tolist()
     rows = torch.cat([x[tok], weights.reshape(-1)[order, None]], dim=1)          # [n k, h + 1]: state, weight
-    got = _AllToAllEP.apply(rows, send, recv, ep)
+    got = exchange(ep.group, rows, recv, send)
     got_ids = sorted_ids.new_empty(sum(recv))
     dist.all_to_all_single(got_ids, sorted_ids, output_split_sizes=recv, input_split_sizes=send, group=ep.group)
     y = run(got[:, :-1], got[:, -1:], got_ids[:, None], ep.rank * local)        # [m, h]: each row's weighted output
     y = y if y.requires_grad else _on_graph(y, got)
-    back = _AllToAllEP.apply(y, recv, send, ep)                                  # [n k, h] in ``order``
+    back = exchange(ep.group, y, send, recv)                                       # [n k, h] in ``order``
     # back to (token, slot) order and summed over the slots: no atomic adds into a token's row (index_add with
     # repeated indices is not deterministic on CUDA), one rounding; at top-2 bitwise the all-gather path's a + b
     inverse = torch.empty_like(order)
@@ -127,6 +85,11 @@ def all_to_all(run: Run, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
 def all_gather(run: Run, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ep: EPGroup,
                local: int) -> torch.Tensor:
     """megatron-core's ``allgather`` dispatch (module docstring): x [n, h], weights / ids [n, k] -> [n, h]."""
+    from megatron.core.tensor_parallel.mappings import (
+        gather_from_sequence_parallel_region,
+        reduce_scatter_to_sequence_parallel_region,
+    )
+
     n = x.shape[0]
     most = torch.tensor([n], dtype=torch.int64, device=x.device)
     dist.all_reduce(most, op=dist.ReduceOp.MAX, group=ep.group)
@@ -137,10 +100,10 @@ def all_gather(run: Run, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
         ids = torch.cat([ids, ids.new_full((pad, ids.shape[1]), -1)])
     all_ids = ids.new_empty((ep.size * ids.shape[0], ids.shape[1]))
     dist.all_gather_into_tensor(all_ids, ids.contiguous(), group=ep.group)
-    gx, gw = _GatherEP.apply(x, ep), _GatherEP.apply(weights, ep)
+    gx, gw = (gather_from_sequence_parallel_region(t, True, ep.group) for t in (x, weights))
     out = run(gx, gw, all_ids, ep.rank * local)
     out = out if out.requires_grad else _on_graph(out, gx, gw)
-    return _ReduceScatterEP.apply(out, ep)[:n]
+    return reduce_scatter_to_sequence_parallel_region(out, ep.group)[:n]
 
 
 DISPATCH: dict[str, Callable[..., torch.Tensor]] = {"alltoall": all_to_all, "allgather": all_gather}
